@@ -1,0 +1,62 @@
+"""The front end as one function: text -> parse -> lower -> check, collecting every diagnostic.
+
+What it does: `check_source` runs the passes in order and returns the typed program, the plan of
+each block and the diagnostics (sorted by position); `load` wraps that for the Python API.
+What it does not: run, differentiate or compile anything (interp/, autodiff/, backend_cute/).
+Invariants: never raises for any text (a diagnostic instead); the typed program is returned only
+when there are no errors.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from coda_lang.ir.nodes import Block, Program
+from coda_lang.syntax.lower import lower
+from coda_lang.syntax.parse import parse
+from coda_lang.verify.check import check_block
+from coda_lang.verify.diagnostics import CodaError, Diagnostic
+from coda_lang.verify.plan import BlockPlan
+
+
+def _pos(d: Diagnostic) -> tuple[int, int]:
+    return (d.span.line, d.span.col) if d.span else (0, 0)
+
+
+def check_source(text: str, file: str = "<string>") -> tuple[Program | None, dict[str, BlockPlan], list[Diagnostic]]:
+    tree, err = parse(text, file)
+    if err is not None:
+        return None, {}, [err]
+    diags: list[Diagnostic] = []
+    prog = lower(tree, file, diags)
+    plans: dict[str, BlockPlan] = {}
+    blocks: list[Block] = []
+    for b in prog.blocks:
+        typed, plan = check_block(b, diags)
+        blocks.append(typed)
+        plans[b.name] = plan
+    diags.sort(key=_pos)
+    if diags:
+        return None, plans, diags
+    return Program(prog.dims, tuple(blocks), file), plans, diags
+
+
+def check_block_ir(block: Block) -> BlockPlan:
+    """Check a block built in Python (e.g. by autodiff); raises CodaError on errors."""
+    diags: list[Diagnostic] = []
+    _, plan = check_block(block, diags)
+    if diags:
+        raise CodaError(diags)
+    return plan
+
+
+def read_source(path_or_text: str | os.PathLike[str]) -> tuple[str, str]:
+    """(text, file name): a path-like or a string naming an existing file is read, other strings are source."""
+    if isinstance(path_or_text, os.PathLike):
+        p = Path(path_or_text)
+        return p.read_text(), str(p)
+    s = str(path_or_text)
+    if "\n" not in s and "{" not in s and (s.endswith(".coda") or Path(s).is_file()):
+        return Path(s).read_text(), s
+    return s, "<string>"

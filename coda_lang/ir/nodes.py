@@ -1,0 +1,147 @@
+"""IR nodes: a block is a flat SSA list of equations and GEMM stages.
+
+What it does: defines the frozen node classes (`Var`, `Lit`, `DimRef`, `Eqn`, `Stage`, `Param`,
+`Output`, `Block`, `Program`) and `Span`, the source location every node carries.
+What it does not: type anything (verify/ fills in `Var.type`), print (ir/printer.py) or parse.
+Invariants: nodes are frozen; spans never take part in equality, so a block re-parsed from its
+printed form compares equal to the original; every name is assigned once per block, except `acc`,
+which each stage binds afresh for its own body.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from coda_lang.ir.types import Dim, Type
+
+
+@dataclass(frozen=True)
+class Span:
+    file: str
+    line: int
+    col: int
+    end_line: int
+    end_col: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.col}"
+
+
+NO_SPAN = Span("<generated>", 0, 0, 0, 0)
+
+
+def _span() -> Span:
+    return field(default=NO_SPAN, compare=False, repr=False)  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Var:
+    name: str
+    type: Type | None = None
+    # The storage dtype the user wrote (`h: bf16 = ...`), or None.
+    annot: str | None = None
+
+
+@dataclass(frozen=True)
+class Lit:
+    value: float | int
+    dtype: str  # "f32" for float literals, "i32" for integer literals
+
+
+@dataclass(frozen=True)
+class DimRef:
+    """A dim used as a value (`ss / D`): the extent, an i32 scalar."""
+
+    dim: Dim
+
+
+@dataclass(frozen=True)
+class ErrAtom:
+    """Stands for an operand that failed name resolution; every use of it is poisoned."""
+
+    text: str
+
+
+Atom = Var | Lit | DimRef | ErrAtom
+
+ParamValue = Dim | int | float | str
+Params = tuple[tuple[str, ParamValue], ...]
+
+
+@dataclass(frozen=True)
+class Eqn:
+    op: str
+    ins: tuple[Atom, ...]
+    outs: tuple[Var, ...]
+    params: Params = ()
+    span: Span = _span()
+    # One span per input, for carets that point at the offending operand.
+    in_spans: tuple[Span, ...] = field(default=(), compare=False, repr=False)
+
+    def param(self, key: str, default: ParamValue | None = None) -> ParamValue | None:
+        for k, v in self.params:
+            if k == key:
+                return v
+        return default
+
+
+@dataclass(frozen=True)
+class Stage:
+    """`gemm a @ b { body }`: acc = op(a) @ op(b) in f32, then the epilogue `body`."""
+
+    a: Atom
+    b: Atom
+    ta: bool  # a is written transpose(a)
+    tb: bool
+    acc: Var
+    body: tuple[Eqn, ...]
+    span: Span = _span()
+    a_span: Span = _span()
+    b_span: Span = _span()
+
+
+Stmt = Eqn | Stage
+
+
+@dataclass(frozen=True)
+class Param:
+    var: Var
+    default: float | int | None = None
+    span: Span = _span()
+
+
+@dataclass(frozen=True)
+class Output:
+    name: str
+    type: Type
+    span: Span = _span()
+
+
+@dataclass(frozen=True)
+class DimDecl:
+    name: str
+    value: int | None = None
+    span: Span = _span()
+
+
+@dataclass(frozen=True)
+class Block:
+    name: str
+    dims: tuple[DimDecl, ...]
+    params: tuple[Param, ...]
+    outputs: tuple[Output, ...]
+    body: tuple[Stmt, ...]
+    span: Span = _span()
+    # Comment lines printed above the block (e.g. which tensors autodiff saved); not semantics.
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def stages(self) -> tuple[Stage, ...]:
+        return tuple(s for s in self.body if isinstance(s, Stage))
+
+
+@dataclass(frozen=True)
+class Program:
+    dims: tuple[DimDecl, ...]
+    blocks: tuple[Block, ...]
+    file: str = field(default="<string>", compare=False)

@@ -1,0 +1,6 @@
+"""The op registry and every op (importing this package registers them all)."""
+
+from coda_lang.ops import elementwise, reductions, structural  # noqa: F401  (registration)
+from coda_lang.ops.registry import BY_SURFACE, REGISTRY, Ctx, OpDef, StageShape, resolve
+
+__all__ = ["BY_SURFACE", "REGISTRY", "Ctx", "OpDef", "StageShape", "resolve"]

@@ -1,0 +1,117 @@
+"""Reductions: sum, max, min, logsumexp over a dim (optionally in groups), and pick (target gather).
+
+What it does: registers each reduction with its type rule, its combine rule (how per-tile partials
+combine: sum, max, min, log-sum-exp) and NumPy impls of the reduction and of the combine.
+What it does not: decide where a partial may be used (verify/locality rules do).
+Invariants: inside a stage a reduction over rows or columns gives a `partial`, complete only after
+every tile ran; a grouped reduction (group=g) gives a `group` value, complete inside one tile when the
+tile width is a multiple of g (the checker records that tiling constraint); between stages a
+reduction of a vector gives a complete scalar.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Any
+
+from coda_lang.ir.types import BOOL, ERROR_TYPE, GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Dim, Type, shape_str
+from coda_lang.ops.registry import Ctx, OpDef, ParamSpec, axis_of, np, register
+from coda_lang.verify.diagnostics import Mistake
+
+
+def _reduce_rule(name: str, combine: str) -> Any:
+    def rule(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type, ...]:
+        (t,) = ins
+        if t.is_error:
+            return (ERROR_TYPE,)
+        if t.dtype == BOOL:
+            raise Mistake("E0302", f"{name}() of a comparison result (bool)", arg=0)
+        dtype = "f32" if name == "logsumexp" or t.dtype != "i32" else "i32"
+        over: Dim = params["over"]
+        group = params.get("group")
+        if ctx.stage is None:
+            if t.kind == MATRIX:
+                raise Mistake("E0502", f"{name}() of a matrix between stages")
+            if group is not None:
+                raise Mistake("E0408", "group= is for reductions over the columns of a tile inside a stage")
+            if t.kind != VEC:
+                raise Mistake("E0404", f"{name}() of a scalar")
+            if t.shape[0] != over:
+                raise Mistake("E0404", f"{name}() over `{over}`, but the vector runs over `{t.shape[0]}`")
+            return (Type(dtype),)
+        if t.kind != TILE:
+            raise Mistake("E0404", f"{name}() inside a stage reduces a tile, got a {t.kind}",
+                          notes=["reduce vectors between stages, where they are complete"])
+        axis = axis_of(ctx, over, t.shape, f"{name}()")
+        if group is not None:
+            if axis != 1:
+                raise Mistake("E0408", "group= reduces runs of adjacent columns; this reduction is over the rows")
+            if not isinstance(group, int) or group < 1:
+                raise Mistake("E0408", f"group= must be a positive integer, got {group}")
+            width = t.shape[1]
+            per_acc_col = width.coeff / ctx.stage.cols.coeff if width.name == ctx.stage.cols.name else Fraction(1)
+            # The tile of the stage must hold whole groups: tile_N * (width / cols) % group == 0.
+            need = Fraction(group) / per_acc_col
+            ctx.constraints.append(f"tile_N % {need} == 0 (group={group} over `{width}`)")
+            return (Type(dtype, (t.shape[0], width.scale(Fraction(1, group))), GROUP, group=group),)
+        other = t.shape[1 - axis]
+        return (Type(dtype, (other,), PARTIAL, combine=combine),)
+
+    return rule
+
+
+def _reduce_impl(fn: str) -> Any:
+    def impl(x: Any, axis: int) -> Any:
+        if fn == "logsumexp":
+            m = np.max(x, axis=axis, keepdims=True)
+            m = np.where(np.isfinite(m), m, 0)
+            return np.squeeze(m, axis) + np.log(np.sum(np.exp(x - m), axis=axis))
+        return getattr(np, fn)(x, axis=axis)
+
+    return impl
+
+
+REDUCE_PARAMS = (ParamSpec("over", "dim", required=True), ParamSpec("group", "int"))
+for _surface, _fn, _combine in [("sum", "sum", "sum"), ("max", "max", "max"), ("min", "min", "min"),
+                                ("logsumexp", "logsumexp", "lse")]:
+    register(OpDef(f"reduce_{_surface}", _surface, 1, type_rule=_reduce_rule(_surface, _combine),
+                   locality="reduce", params=REDUCE_PARAMS, combine=_combine, impl=_reduce_impl(_fn),
+                   differentiable=_surface in ("sum", "logsumexp", "max", "min")))
+
+
+def _pick_rule(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type, ...]:
+    x, idx = ins
+    if x.is_error or idx.is_error:
+        return (ERROR_TYPE,)
+    if idx.dtype != "i32":
+        raise Mistake("E0302", f"pick() needs an i32 index, got {idx.dtype}", arg=1)
+    if ctx.stage is None:
+        if x.kind == MATRIX:
+            raise Mistake("E0502", "pick() of a matrix between stages")
+        raise Mistake("E0506", "pick() selects from a tile inside a stage", arg=0)
+    if x.kind != TILE:
+        raise Mistake("E0506", f"pick() selects from a tile, got a {x.kind}", arg=0)
+    if idx.kind != VEC:
+        raise Mistake("E0506", f"pick() needs a vector of indices (one per row), got a {idx.kind}", arg=1)
+    axis = axis_of(ctx, idx.shape[0], x.shape, "pick()")
+    # An index per row selects along the columns, and the other way round.
+    return (Type("f32" if x.dtype != "i32" else "i32", (x.shape[axis],), PARTIAL, combine="sum"),)
+
+
+def _pick_impl(x: Any, idx: Any, axis: int, start: int = 0) -> Any:
+    """x[i, idx[i] - start] along `axis`, zero where the index falls outside this tile."""
+    n = x.shape[axis]
+    local = idx.astype(np.int64) - start
+    ok = (local >= 0) & (local < n)
+    safe = np.where(ok, local, 0)
+    if axis == 1:
+        got = np.take_along_axis(x, safe[:, None], axis=1)[:, 0]
+    else:
+        got = np.take_along_axis(x, safe[None, :], axis=0)[0, :]
+    return np.where(ok, got, 0).astype(x.dtype)
+
+
+register(OpDef("pick", "pick", 2, type_rule=_pick_rule, locality="gather", combine="sum",
+               impl=_pick_impl))
+
+_ = (SCALAR, shape_str)

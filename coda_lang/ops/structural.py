@@ -1,0 +1,105 @@
+"""Ops that move values between columns: pairs, interleave, and the row/column indices.
+
+What it does: registers `pairs` (adjacent columns -> two half-width tiles), `interleave` (the inverse)
+and `row_index()` / `col_index()` (i32 vectors of global indices), with type rules and NumPy impls.
+What it does not: anything pointwise or reducing.
+Invariants: pairs and interleave are exact inverses; both are "pair"-local (a value reads only its
+own column and its pair partner), and both need an even width that the checker can prove.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Any
+
+from coda_lang.ir.types import ERROR_TYPE, TILE, VEC, Dim, Type, shape_str
+from coda_lang.ops.registry import Ctx, OpDef, np, register, require_tile
+from coda_lang.verify.diagnostics import Mistake
+
+
+def provably_even(ctx: Ctx, width: Dim) -> bool | None:
+    """True if `width` is even for every allowed size of its dim, False if it is known odd."""
+    if width.name is None:
+        n = width.coeff
+        return n.denominator == 1 and n.numerator % 2 == 0
+    if width.name in ctx.values:
+        n = width.coeff * ctx.values[width.name]
+        if n.denominator != 1:
+            return False
+        return n.numerator % 2 == 0
+    c = width.coeff * ctx.divisors.get(width.name, 1)
+    if c.denominator == 1 and c.numerator % 2 == 0:
+        return True
+    return None
+
+
+def _pairs(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type, ...]:
+    (t,) = ins
+    if t.is_error:
+        return (ERROR_TYPE, ERROR_TYPE)
+    require_tile(t, "pairs()")
+    assert ctx.stage is not None
+    rows, width = t.shape
+    if width not in (ctx.stage.cols, ctx.stage.cols.scale(2)):
+        raise Mistake("E0505", f"pairs() of a tile of width `{width}`; the stage's tile is {shape_str((ctx.stage.rows, ctx.stage.cols))}",
+                      notes=["pairs() splits the stage's full-width tile (or an interleaved double-width one)"])
+    even = provably_even(ctx, width)
+    if even is not True:
+        why = "is odd" if even is False else "may be odd"
+        hint = (f"declare the width as an even multiple, e.g. `2*{width.name}`, so that it is even for every size"
+                if width.name else "pairs() needs an even number of columns")
+        raise Mistake("E0403", f"pairs() needs an even number of columns, and `{width}` {why}",
+                      arg=0, help=[hint])
+    half = Type("f32", (rows, width.scale(Fraction(1, 2))), TILE)
+    return (half, half)
+
+
+def _interleave(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type, ...]:
+    if any(t.is_error for t in ins):
+        return (ERROR_TYPE,)
+    for t in ins:
+        require_tile(t, "interleave()")
+    a, b = ins
+    if a.shape != b.shape:
+        raise Mistake("E0402", f"interleave() of tiles {shape_str(a.shape)} and {shape_str(b.shape)}", arg=1)
+    assert ctx.stage is not None
+    rows, width = a.shape
+    wide = width.scale(2)
+    if wide not in (ctx.stage.cols, ctx.stage.cols.scale(2)):
+        raise Mistake("E0505", f"interleave() would make a tile of width `{wide}` in a stage of width `{ctx.stage.cols}`")
+    return (Type("f32", (rows, wide), TILE),)
+
+
+def _pairs_impl(z: Any) -> tuple[Any, Any]:
+    return z[..., 0::2], z[..., 1::2]
+
+
+def _interleave_impl(a: Any, b: Any) -> Any:
+    a, b = np.broadcast_arrays(a, b)
+    out = np.empty(a.shape[:-1] + (2 * a.shape[-1],), dtype=np.result_type(a, b))
+    out[..., 0::2] = a
+    out[..., 1::2] = b
+    return out
+
+
+register(OpDef("pairs", "pairs", 1, nout=2, type_rule=_pairs, locality="pair", impl=_pairs_impl))
+register(OpDef("interleave", "interleave", 2, type_rule=_interleave, locality="pair", impl=_interleave_impl))
+
+
+def _index_rule(axis: int) -> Any:
+    def rule(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type, ...]:
+        if ctx.stage is None:
+            raise Mistake("E0506", f"{('row_index', 'col_index')[axis]}() is only defined inside a stage",
+                          notes=["between stages, there is no tile to index"])
+        dim = ctx.stage.rows if axis == 0 else ctx.stage.cols
+        return (Type("i32", (dim,), VEC),)
+
+    return rule
+
+
+# The impls receive the stage's (row offset, row count) or (column offset, column count) of the
+# tile being computed; the interpreter passes the whole range in whole-matrix mode.
+register(OpDef("row_index", "row_index", 0, type_rule=_index_rule(0), locality="index",
+               differentiable=False, impl=lambda start, n: np.arange(start, start + n, dtype=np.int32)))
+register(OpDef("col_index", "col_index", 0, type_rule=_index_rule(1), locality="index",
+               differentiable=False, impl=lambda start, n: np.arange(start, start + n, dtype=np.int32)))

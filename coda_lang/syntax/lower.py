@@ -1,0 +1,513 @@
+"""Lower a lark parse tree to the IR: resolve names, ops and dims; flatten expressions to SSA.
+
+What it does: turns each block of the tree into an `ir.Block` whose statements are flat equations
+(one op each, temporaries named `_tN`) and stages; params and outputs get their declared types;
+every node gets a span. Name errors (E02) and shape-expression errors (E0409) are reported here.
+What it does not: type the body or check locality (verify/ does); it never looks at kinds.
+Invariants: a name is bound once per block (E0202 otherwise); a failed name becomes an `ErrAtom`,
+so one mistake gives one diagnostic; temporaries never collide with user names.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Any
+
+from coda_lang.ir.nodes import (
+    Atom,
+    Block,
+    DimDecl,
+    DimRef,
+    Eqn,
+    ErrAtom,
+    Lit,
+    Output,
+    Param,
+    Program,
+    Span,
+    Stage,
+    Stmt,
+    Var,
+)
+from coda_lang.ir.types import DTYPES, MATRIX, SCALAR, VEC, Dim, Type
+from coda_lang.ops import registry
+from coda_lang.verify.diagnostics import Diagnostic, did_you_mean
+
+_INFIX_RULES = {"add": "+", "sub": "-", "mul": "*", "div": "/", "neg": "neg"}
+_CMP = {"<": "lt", "<=": "le", ">": "gt", ">=": "ge", "==": "eq", "!=": "ne"}
+_RESERVED = {"acc", "dims", "block", "gemm", "transpose"}
+
+
+def _span(file: str, node: Any) -> Span:
+    meta = getattr(node, "meta", None)
+    if meta is not None and not getattr(meta, "empty", True):
+        return Span(file, meta.line, meta.column, meta.end_line, meta.end_column)
+    line = getattr(node, "line", None)
+    if line is not None:
+        return Span(file, line, node.column, node.end_line, node.end_column)
+    return Span(file, 0, 0, 0, 0)
+
+
+def _kind_of(shape: tuple[Dim, ...]) -> str:
+    return (SCALAR, VEC, MATRIX)[len(shape)]
+
+
+class Lowerer:
+    def __init__(self, file: str, diags: list[Diagnostic]):
+        self.file = file
+        self.diags = diags
+        self.dims: dict[str, DimDecl] = {}
+
+    def error(self, code: str, msg: str, node: Any, label: str = "", **kw: Any) -> None:
+        span = node if isinstance(node, Span) else _span(self.file, node)
+        self.diags.append(Diagnostic(code, msg, span, label=label, **kw))
+
+    # ------------------------------------------------------------------ program
+
+    def program(self, tree: Any) -> Program:
+        blocks: list[Block] = []
+        seen_blocks: dict[str, Span] = {}
+        for item in tree.children:
+            if item.data == "dims_decl":
+                for d in item.children:
+                    name = str(d.children[0])
+                    value = int(d.children[1]) if d.children[1] is not None else None
+                    if name in self.dims:
+                        self.error("E0209", f"dim `{name}` is declared twice", d,
+                                   related=[(self.dims[name].span, "first declared here")])
+                        continue
+                    if value is not None and value <= 0:
+                        self.error("E0409", f"dim `{name}` must be positive, got {value}", d)
+                    self.dims[name] = DimDecl(name, value, _span(self.file, d))
+            elif item.data == "block":
+                b = BlockLowerer(self, item).lower()
+                if b.name in seen_blocks:
+                    self.error("E0209", f"block `{b.name}` is defined twice", item.children[0],
+                               related=[(seen_blocks[b.name], "first defined here")])
+                    continue
+                seen_blocks[b.name] = b.span
+                blocks.append(b)
+            elif item.data == "stray_stmt":
+                self.error("E0105", "statement outside a block", item,
+                           label="statements go inside `block name(...) -> (...) { ... }`")
+        if not blocks and not any(d.code.startswith("E01") for d in self.diags):
+            self.diags.append(Diagnostic("E0106", "no block in the file", Span(self.file, 1, 1, 1, 2),
+                                         help=["a file holds `dims ...` and one or more `block name(...) -> (...) { ... }`"]))
+        return Program(tuple(self.dims.values()), tuple(blocks), self.file)
+
+    # ------------------------------------------------------------------ shapes
+
+    def shape_expr(self, node: Any) -> Dim | None:
+        """A shape expression (`2*F`, `N/2`, `128`) as a Dim, or None after an error."""
+        try:
+            coeff, name = self._monomial(node)
+        except _NotMonomial as e:
+            self.error("E0409", f"shape `{e.text}` is not of the form c*X", node,
+                       notes=["a shape is an integer, a dim, or a dim times or divided by integers: `2*F`, `N/2`"])
+            return None
+        except _UnknownDim as e:
+            hint = did_you_mean(e.name, list(self.dims))
+            self.error("E0204", f"unknown dim `{e.name}`", e.node, label="not declared by `dims`",
+                       help=[f"did you mean `{hint}`?"] if hint else [f"declare it: `dims ..., {e.name}`"])
+            return None
+        if coeff <= 0:
+            self.error("E0409", "a shape must be positive", node)
+            return None
+        if name is None and coeff.denominator != 1:
+            self.error("E0409", f"shape `{coeff}` is not an integer", node)
+            return None
+        return Dim(coeff, name)
+
+    def _monomial(self, node: Any) -> tuple[Fraction, str | None]:
+        kind = getattr(node, "data", None)
+        if kind == "sint":
+            return Fraction(int(node.children[0])), None
+        if kind == "sname" or kind == "name":
+            name = str(node.children[0])
+            if name not in self.dims:
+                raise _UnknownDim(name, node)
+            return Fraction(1), name
+        if kind == "int_lit":
+            return Fraction(int(node.children[0])), None
+        if kind in ("smul", "mul"):
+            (ca, na), (cb, nb) = self._monomial(node.children[0]), self._monomial(node.children[1])
+            if na is not None and nb is not None:
+                raise _NotMonomial(f"{na}*{nb}")
+            return ca * cb, na or nb
+        if kind in ("sdiv", "div"):
+            (ca, na), (cb, nb) = self._monomial(node.children[0]), self._monomial(node.children[1])
+            if nb is not None or cb == 0:
+                raise _NotMonomial(f"/{nb or cb}")
+            return ca / cb, na
+        raise _NotMonomial(_text(node))
+
+    def type_(self, node: Any, what: str) -> Type | None:
+        dtype = str(node.children[0])
+        shape_node = node.children[1]
+        ok = True
+        if dtype not in DTYPES:
+            hint = did_you_mean(dtype, list(DTYPES))
+            self.error("E0208", f"unknown dtype `{dtype}`", node.children[0],
+                       help=[f"did you mean `{hint}`?"] if hint else [f"dtypes are {', '.join(DTYPES)}"])
+            ok = False
+        dims: list[Dim] = []
+        if shape_node is not None:
+            for sn in shape_node.children:
+                if sn is None:
+                    continue
+                d = self.shape_expr(sn)
+                if d is None:
+                    ok = False
+                else:
+                    dims.append(d)
+            if len(dims) > 2:
+                self.error("E0409", f"{what} has {len(dims)} dims; values are scalars, vectors or matrices", shape_node)
+                ok = False
+        if not ok:
+            return None
+        return Type(dtype, tuple(dims), _kind_of(tuple(dims)))
+
+
+class _NotMonomial(Exception):
+    def __init__(self, text: str):
+        self.text = text
+
+
+class _UnknownDim(Exception):
+    def __init__(self, name: str, node: Any):
+        self.name, self.node = name, node
+
+
+def _text(node: Any) -> str:
+    if hasattr(node, "children"):
+        return " ".join(_text(c) for c in node.children if c is not None)
+    return str(node)
+
+
+class BlockLowerer:
+    def __init__(self, prog: Lowerer, tree: Any):
+        self.p = prog
+        self.tree = tree
+        self.file = prog.file
+        self.scope: dict[str, Var] = {}
+        self.defined_at: dict[str, Span] = {}
+        self.user_names = {str(t) for t in tree.scan_values(lambda v: getattr(v, "type", None) == "NAME")}
+        self.tmp = 0
+        self.acc: Var | None = None
+        self.used_dims: set[str] = set()
+
+    def error(self, *a: Any, **kw: Any) -> None:
+        self.p.error(*a, **kw)
+
+    def fresh(self) -> str:
+        while True:
+            self.tmp += 1
+            name = f"_t{self.tmp}"
+            if name not in self.user_names:
+                return name
+
+    def lower(self) -> Block:
+        name_tok = self.tree.children[0]
+        params_nodes = [c for c in self.tree.children[1:] if getattr(c, "data", None) == "param"]
+        outputs_node = next(c for c in self.tree.children if getattr(c, "data", None) == "outputs")
+        body = [c for c in self.tree.children if getattr(c, "data", None) in ("assign", "stage")]
+        params = [p for p in (self.param(n) for n in params_nodes) if p is not None]
+        outputs = [o for o in (self.output(n) for n in outputs_node.children if n is not None) if o is not None]
+        stmts: list[Stmt] = []
+        for item in body:
+            if item.data == "stage":
+                stmts.append(self.stage(item))
+            else:
+                stmts.extend(self.assign(item))
+        for o in outputs:
+            if o.name not in self.scope:
+                hint = did_you_mean(o.name, list(self.scope))
+                self.error("E0205", f"output `{o.name}` is never assigned", o.span,
+                           help=[f"did you mean `{hint}`?"] if hint else [f"assign it in the block: `{o.name} = ...`"])
+        used = self.used_dims | {d.name for p in params for d in p.var.type.shape if d.name} | {  # type: ignore[union-attr]
+            d.name for o in outputs for d in o.type.shape if d.name}
+        dims = tuple(d for n, d in self.p.dims.items() if n in used)
+        return Block(str(name_tok), dims, tuple(params), tuple(outputs), tuple(stmts), _span(self.file, self.tree))
+
+    # ------------------------------------------------------------------ signature
+
+    def bind(self, name: str, var: Var, node: Any) -> bool:
+        span = node if isinstance(node, Span) else _span(self.file, node)
+        if name == "acc" or name in _RESERVED:
+            self.error("E0210", f"`{name}` is reserved", span,
+                       label="`acc` is the GEMM result of the enclosing stage" if name == "acc" else "a keyword")
+            return False
+        if name in self.scope:
+            self.error("E0202", f"`{name}` is already defined", span,
+                       label="values are assigned once", related=[(self.defined_at[name], "first defined here")],
+                       help=["give the new value its own name"])
+            return False
+        if name in self.p.dims:
+            self.error("E0202", f"`{name}` is already a dim", span, related=[(self.p.dims[name].span, "declared here")])
+            return False
+        self.scope[name] = var
+        self.defined_at[name] = span
+        return True
+
+    def param(self, node: Any) -> Param | None:
+        name = str(node.children[0])
+        t = self.p.type_(node.children[1], f"parameter `{name}`")
+        default = None
+        if node.children[2] is not None:
+            default = self.default(node.children[2], t, name)
+        var = Var(name, t)
+        if name in self.scope:
+            self.error("E0209", f"parameter `{name}` is declared twice", node.children[0],
+                       related=[(self.defined_at[name], "first declared here")])
+            return None
+        if not self.bind(name, var, node.children[0]) or t is None:
+            return None
+        return Param(var, default, _span(self.file, node))
+
+    def default(self, node: Any, t: Type | None, name: str) -> float | int | None:
+        neg = node.data == "neg_default"
+        lit = node.children[0]
+        tok = lit.children[0]
+        value: float | int = float(tok) if lit.data == "float_lit" else int(tok)
+        value = -value if neg else value
+        if t is None:
+            return value
+        if t.shape:
+            self.error("E0304", f"`{name}` has a default but is not a scalar", node,
+                       notes=["only scalar parameters take defaults"])
+            return None
+        if t.dtype == "i32" and isinstance(value, float):
+            self.error("E0304", f"default `{value}` of the i32 parameter `{name}` is not an integer", node)
+            return None
+        return float(value) if t.dtype != "i32" else value
+
+    def output(self, node: Any) -> Output | None:
+        name = str(node.children[0])
+        t = self.p.type_(node.children[1], f"output `{name}`")
+        if t is None:
+            return None
+        return Output(name, t, _span(self.file, node))
+
+    # ------------------------------------------------------------------ body
+
+    def stage(self, node: Any) -> Stage:
+        a_node, b_node, *body = node.children
+        a, ta = self.operand(a_node)
+        b, tb = self.operand(b_node)
+        acc = Var("acc")
+        prev, self.acc = self.acc, acc
+        eqns: list[Eqn] = []
+        for item in body:
+            if item is not None:
+                eqns.extend(self.assign(item))
+        self.acc = prev
+        return Stage(a, b, ta, tb, acc, tuple(eqns), _span(self.file, node),
+                     _span(self.file, a_node), _span(self.file, b_node))
+
+    def operand(self, node: Any) -> tuple[Atom, bool]:
+        if node.data == "operand_call":
+            fn, arg = str(node.children[0]), node.children[1]
+            if fn != "transpose":
+                self.error("E0203", f"`{fn}(...)` can't be a GEMM operand", node.children[0],
+                           help=["a GEMM operand is a matrix name or `transpose(name)`"])
+                return ErrAtom(fn), False
+            return self.name(arg, arg), True
+        tok = node.children[0]
+        return self.name(tok, tok), False
+
+    def name(self, tok: Any, node: Any) -> Atom:
+        name = str(tok)
+        if name == "acc":
+            if self.acc is None:
+                self.error("E0210", "`acc` outside a stage", node,
+                           label="`acc` is the GEMM result, defined only inside `gemm a @ b { ... }`")
+                return ErrAtom(name)
+            return self.acc
+        if name in self.scope:
+            return self.scope[name]
+        if name in self.p.dims:
+            self.used_dims.add(name)
+            return DimRef(Dim.sym(name))
+        hint = did_you_mean(name, list(self.scope) + list(self.p.dims) + (["acc"] if self.acc else []))
+        self.error("E0201", f"unknown name `{name}`", node, label="not defined before this use",
+                   help=[f"did you mean `{hint}`?"] if hint else [])
+        return ErrAtom(name)
+
+    def assign(self, node: Any) -> list[Eqn]:
+        *targets, expr = node.children
+        out: list[Eqn] = []
+        outs: list[Var] = []
+        spans: list[Span] = []
+        for t in targets:
+            name = str(t.children[0])
+            annot = None
+            if t.children[1] is not None:
+                tnode = t.children[1]
+                annot = str(tnode.children[0])
+                if annot not in DTYPES:
+                    hint = did_you_mean(annot, list(DTYPES))
+                    self.error("E0208", f"unknown dtype `{annot}`", tnode.children[0],
+                               help=[f"did you mean `{hint}`?"] if hint else [f"dtypes are {', '.join(DTYPES)}"])
+                    annot = None
+                if tnode.children[1] is not None:
+                    self.error("E0406", "a statement annotation gives the storage dtype only", tnode.children[1],
+                               help=[f"write `{name}: {annot or 'bf16'} = ...`; the shape follows from the expression"])
+            outs.append(Var(name, None, annot))
+            spans.append(_span(self.file, t.children[0]))
+        eqn_span = _span(self.file, node)
+        top = self.expr_top(expr, out, len(outs), eqn_span)
+        if top is None:  # already reported; bind the names so later uses don't cascade
+            for v, s in zip(outs, spans, strict=True):
+                self.bind(v.name, v, s)
+            return out
+        op, ins, params, in_spans = top
+        if len(outs) != registry.REGISTRY[op].nout:
+            n = registry.REGISTRY[op].nout
+            self.error("E0207", f"`{registry.REGISTRY[op].surface}` gives {n} value{'s' * (n != 1)}, but {len(outs)} "
+                       f"name{'s are' if len(outs) != 1 else ' is'} assigned", node,
+                       help=[f"write `{', '.join(['a', 'b'][:n]) if n <= 2 else '...'} = ...`"] if n <= 2 else [])
+            for v, s in zip(outs, spans, strict=True):
+                self.bind(v.name, v, s)
+            return out
+        bound = [v for v, s in zip(outs, spans, strict=True) if self.bind(v.name, v, s)]
+        if len(bound) != len(outs):
+            return out
+        out.append(Eqn(op, tuple(ins), tuple(outs), params, eqn_span, tuple(in_spans)))
+        return out
+
+    def expr_top(self, node: Any, out: list[Eqn], nout: int, span: Span) -> tuple[str, list[Atom], tuple, list[Span]] | None:
+        """The top op of an assigned expression, with its operands lowered into `out`."""
+        kind = getattr(node, "data", None)
+        if kind == "neg" and getattr(node.children[0], "data", None) in ("float_lit", "int_lit"):
+            kind = "literal"  # `-1.0` is a literal, not neg(1.0)
+        if kind in _INFIX_RULES or kind == "compare":
+            return self.infix(node, out)
+        if kind == "call":
+            return self.call(node, out)
+        # A bare atom: `y = x`, `loss = 0.0`.
+        atom = self.atom(node, out)
+        if atom is None:
+            return None
+        return "copy", [atom], (), [_span(self.file, node)]
+
+    def infix(self, node: Any, out: list[Eqn]) -> tuple[str, list[Atom], tuple, list[Span]] | None:
+        if node.data == "compare":
+            a, sym, b = node.children
+            op = _CMP[str(sym)]
+            args = [a, b]
+        else:
+            op = node.data
+            args = list(node.children)
+        atoms = [self.atom(c, out) for c in args]
+        return op, [a if a is not None else ErrAtom("?") for a in atoms], (), [_span(self.file, c) for c in args]
+
+    def call(self, node: Any, out: list[Eqn]) -> tuple[str, list[Atom], tuple, list[Span]] | None:
+        fn_tok, *args = node.children
+        args = [a for a in args if a is not None]
+        fn = str(fn_tok)
+        pos = [a for a in args if getattr(a, "data", None) != "kwarg"]
+        kws = {str(a.children[0]): a for a in args if getattr(a, "data", None) == "kwarg"}
+        candidates = registry.BY_SURFACE.get(fn)
+        if not candidates or fn in ("add", "sub", "mul", "div", "neg", "copy") or not fn.isidentifier():
+            hint = did_you_mean(fn, [n for n in registry.call_names() if n not in ("copy",)])
+            extra = ["`transpose` is written only on GEMM operands: `gemm a @ transpose(b)`"] if fn == "transpose" else []
+            self.error("E0203", f"unknown op `{fn}`", fn_tok,
+                       help=[f"did you mean `{hint}`?"] if hint else [], notes=extra)
+            for a in pos:
+                self.atom(a, out)
+            return None
+        op = registry.resolve(fn, len(pos), set(kws))
+        if op is None:
+            op = candidates[0]
+            allowed = {p.name for c in candidates for p in c.params}
+            bad = [k for k in kws if k not in allowed]
+            if bad:
+                self.error("E0206", f"`{fn}` takes no argument `{bad[0]}`", kws[bad[0]].children[0],
+                           help=[f"it takes {', '.join(f'`{a}=`' for a in sorted(allowed))}"] if allowed else [])
+            else:
+                missing = [p.name for c in candidates for p in c.params if p.required and p.name not in kws
+                           and not p.positional]
+                arities = sorted({c.nin for c in candidates})
+                if missing and any(c.nin == len(pos) for c in candidates):
+                    self.error("E0206", f"`{fn}` needs `{missing[0]}=`", node,
+                               help=[f"e.g. `{fn}(x, {missing[0]}=N)`"])
+                else:
+                    want = " or ".join(str(a) for a in arities)
+                    self.error("E0207", f"`{fn}` takes {want} operand{'s' * (arities != [1])}, got {len(pos)}", node)
+            for a in pos:
+                self.atom(a, out)
+            return None
+        n_tensor = op.nin
+        atoms: list[Atom] = []
+        spans: list[Span] = []
+        for a in pos[:n_tensor]:
+            at = self.atom(a, out)
+            atoms.append(at if at is not None else ErrAtom("?"))
+            spans.append(_span(self.file, a))
+        params: list[tuple[str, Any]] = []
+        positional_specs = [p for p in op.params if p.positional]
+        given = dict(zip([p.name for p in positional_specs], pos[n_tensor:], strict=False))
+        given.update({k: v.children[1] for k, v in kws.items()})
+        for spec in op.params:
+            if spec.name not in given:
+                continue
+            value = self.param_value(spec, given[spec.name], fn)
+            if value is None:
+                return None
+            params.append((spec.name, value))
+        return op.name, atoms, tuple(params), spans
+
+    def param_value(self, spec: registry.ParamSpec, node: Any, fn: str) -> Any:
+        if spec.kind == "dim":
+            d = self.p.shape_expr(node)
+            if d is not None and d.name:
+                self.used_dims.add(d.name)
+            return d
+        if spec.kind == "int":
+            if getattr(node, "data", None) != "int_lit":
+                self.error("E0206", f"`{spec.name}=` of `{fn}` takes an integer", node)
+                return None
+            return int(node.children[0])
+        if spec.kind == "dtype":
+            name = str(node.children[0]) if getattr(node, "data", None) == "name" else _text(node)
+            if name not in DTYPES:
+                hint = did_you_mean(name, list(DTYPES))
+                self.error("E0208", f"unknown dtype `{name}`", node,
+                           help=[f"did you mean `{hint}`?"] if hint else [f"dtypes are {', '.join(DTYPES)}"])
+                return None
+            return name
+        raise AssertionError(spec.kind)
+
+    def atom(self, node: Any, out: list[Eqn]) -> Atom | None:
+        """Lower a sub-expression to an atom, emitting equations for compound ones into `out`."""
+        kind = getattr(node, "data", None)
+        if kind == "name":
+            return self.name(node.children[0], node)
+        if kind == "float_lit":
+            return Lit(float(node.children[0]), "f32")
+        if kind == "int_lit":
+            return Lit(int(node.children[0]), "i32")
+        if kind == "neg" and getattr(node.children[0], "data", None) in ("float_lit", "int_lit"):
+            lit = self.atom(node.children[0], out)
+            assert isinstance(lit, Lit)
+            return Lit(-lit.value, lit.dtype)
+        top = self.expr_top(node, out, 1, _span(self.file, node))
+        if top is None:
+            return None
+        op, ins, params, in_spans = top
+        if op == "copy":
+            return ins[0]
+        if registry.REGISTRY[op].nout != 1:
+            self.error("E0207", f"`{registry.REGISTRY[op].surface}` gives {registry.REGISTRY[op].nout} values; "
+                       "assign them to names first", node, help=["e.g. `a, b = pairs(z)`"])
+            return None
+        name = self.fresh()
+        v = Var(name)
+        self.scope[name] = v
+        self.defined_at[name] = _span(self.file, node)
+        out.append(Eqn(op, tuple(ins), (v,), params, _span(self.file, node), tuple(in_spans)))
+        return v
+
+
+def lower(tree: Any, file: str, diags: list[Diagnostic]) -> Program:
+    return Lowerer(file, diags).program(tree)

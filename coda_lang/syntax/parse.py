@@ -1,0 +1,90 @@
+"""Parse .coda text into a lark tree with positions, turning every lark error into a Diagnostic.
+
+What it does: builds (once, cached on disk by lark) the LALR parser of grammar.lark and maps
+UnexpectedCharacters / UnexpectedToken / UnexpectedEOF to E01 diagnostics with a caret and, where
+the mistake is a common one, a named message (lark's `match_examples`).
+What it does not: resolve names or know any op (lower.py, ops/).
+Invariants: `parse` returns either a tree or exactly one diagnostic; it never raises.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from coda_lang.ir.nodes import Span
+from coda_lang.verify.diagnostics import Diagnostic
+
+GRAMMAR = Path(__file__).resolve().parent.parent / "grammar.lark"
+
+_TOKEN_NAMES = {
+    "NAME": "a name", "INT": "an integer", "FLOAT": "a number", "LPAR": "`(`", "RPAR": "`)`",
+    "LBRACE": "`{`", "RBRACE": "`}`", "LSQB": "`[`", "RSQB": "`]`", "COMMA": "`,`", "COLON": "`:`",
+    "EQUAL": "`=`", "SEMICOLON": "`;`", "PLUS": "`+`", "MINUS": "`-`", "STAR": "`*`", "SLASH": "`/`",
+    "AT": "`@`", "CMP_OP": "a comparison", "GEMM": "`gemm`", "BLOCK": "`block`", "DIMS": "`dims`",
+    "__ANON_0": "`->`", "$END": "end of file", "MORETHAN": "`>`", "LESSTHAN": "`<`",
+}
+
+# Named syntax errors: (code, message, help, examples that produce the same parser state).
+_NAMED: list[tuple[str, str, str, list[str]]] = [
+    ("E0104", "block signature lacks its output list", "write the outputs after `->`, e.g. `-> (out: bf16[M, N])`",
+     ["block f(x: f32) {", "block f() {", "block f(x: f32[M], y: f32) {"]),
+]
+
+
+@lru_cache(maxsize=1)
+def parser() -> Any:
+    from lark import Lark
+
+    return Lark(GRAMMAR.read_text(), parser="lalr", propagate_positions=True, maybe_placeholders=True,
+                cache=True)
+
+
+def _describe(tok_type: str, value: str) -> str:
+    if tok_type in ("NAME",) and value:
+        return f"`{value}`"
+    return _TOKEN_NAMES.get(tok_type, f"`{value}`" if value else tok_type)
+
+
+def _expected(names: set[str] | frozenset[str]) -> str:
+    shown = sorted({_TOKEN_NAMES.get(n, n) for n in names if not n.startswith("__ANON") or n == "__ANON_0"})
+    if len(shown) > 6:
+        return ""
+    return "expected " + ", ".join(shown)
+
+
+def parse(text: str, file: str) -> tuple[Any | None, Diagnostic | None]:
+    from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
+
+    p = parser()
+    try:
+        return p.parse(text), None
+    except UnexpectedInput as e:
+        line, col = max(getattr(e, "line", 1) or 1, 1), max(getattr(e, "column", 1) or 1, 1)
+        named = None
+        try:
+            named = e.match_examples(p.parse, {i: ex for i, (_, _, _, ex) in enumerate(_NAMED)},
+                                     use_accepts=True)
+        except Exception:  # match_examples re-parses examples; never let that escape
+            named = None
+        if isinstance(e, UnexpectedCharacters):
+            ch = text[e.pos_in_stream] if 0 <= e.pos_in_stream < len(text) else "?"
+            span = Span(file, line, col, line, col + 1)
+            return None, Diagnostic("E0102", f"unexpected character `{ch}`", span, label="not part of the language")
+        if isinstance(e, UnexpectedEOF) or (isinstance(e, UnexpectedToken) and e.token.type == "$END"):
+            lines = text.splitlines() or [""]
+            last = len(lines)
+            span = Span(file, last, len(lines[-1]) + 1, last, len(lines[-1]) + 2)
+            exp = _expected(getattr(e, "expected", set()) or set())
+            return None, Diagnostic("E0103", "unexpected end of file", span, label=exp or "the file ends here",
+                                    notes=["a `{` is probably missing its `}`"] if "RBRACE" in (getattr(e, "expected", None) or ()) else [])
+        assert isinstance(e, UnexpectedToken)
+        tok = e.token
+        width = max(len(str(tok)), 1)
+        span = Span(file, line, col, line, col + width)
+        if named is not None:
+            code, msg, hlp, _ = _NAMED[named]
+            return None, Diagnostic(code, msg, span, label=f"found {_describe(tok.type, str(tok))}", help=[hlp])
+        exp = _expected(e.expected)
+        return None, Diagnostic("E0101", f"unexpected {_describe(tok.type, str(tok))}", span, label=exp)

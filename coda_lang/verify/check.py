@@ -1,0 +1,436 @@
+"""The checker: types, shapes, kinds and block-locality of a lowered block.
+
+What it does: walks a block in program order, types every equation through its op's type rule,
+tracks what each value is where it is used (inside a stage: tile, row/column vector, scalar, partial,
+group; between stages: scalar, vector, matrix), and reports E03/E04/E05 mistakes. It returns the typed
+block and its plan (loads, stores with dtype, reductions, tiling constraints, vector computations).
+What it does not: parse or resolve names (syntax/), or run anything.
+Invariants: a failing equation poisons its results (type `<error>`), and a poisoned operand never
+gives a second diagnostic, so one mistake gives one message; the returned block is a new block (IR
+nodes are frozen) whose every Var carries its type.
+
+The locality rules (DESIGN.md section 3):
+- a partial is complete only after its stage: using it inside the stage is E0501 (E0503 with a fix-it
+  when it ends up scaling a tile: a row statistic that normalizes in its own stage);
+- between stages only vectors and scalars are computed: anything on a matrix is E0502;
+- a vector or scalar computed inside a stage stays there (E0504);
+- a matrix read inside a stage is a tile load at the same position: its shape must be the stage's
+  tile (or its half/double width after pairs/interleave), else E0505.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from math import lcm
+from typing import Any
+
+from coda_lang.ir.nodes import Atom, Block, DimRef, Eqn, ErrAtom, Lit, Output, Param, Span, Stage, Var
+from coda_lang.ir.types import (
+    BOOL,
+    ERROR_TYPE,
+    GROUP,
+    MATRIX,
+    PARTIAL,
+    SCALAR,
+    TILE,
+    VEC,
+    Dim,
+    Type,
+    is_float,
+    shape_str,
+)
+from coda_lang.ops import REGISTRY, Ctx, StageShape
+from coda_lang.verify.diagnostics import Diagnostic, Mistake
+from coda_lang.verify.plan import BlockPlan, Load, Reduction, StagePlan, Store
+
+
+def _stage_text(st: Stage) -> str:
+    def opnd(a: Atom, t: bool) -> str:
+        name = a.name if isinstance(a, Var) else getattr(a, "text", "?")
+        return f"transpose({name})" if t else name
+
+    return f"gemm {opnd(st.a, st.ta)} @ {opnd(st.b, st.tb)}"
+
+
+class Checker:
+    def __init__(self, block: Block, diags: list[Diagnostic]):
+        self.block = block
+        self.diags = diags
+        self.env: dict[str, Type] = {}
+        self.defined_in: dict[str, int] = {}  # var -> stage index (0-based) it was defined in
+        self.stage_local: set[str] = set()  # vectors/scalars computed in a stage (can't leave it)
+        self.typed: dict[str, Var] = {}
+        self.reported_partials: set[str] = set()
+        self.divisors: dict[str, int] = {}
+        self.values = {d.name: d.value for d in block.dims if d.value is not None}
+        for t in [p.var.type for p in block.params] + [o.type for o in block.outputs]:
+            for d in t.shape if t else ():
+                if d.name and d.coeff.denominator != 1:
+                    self.divisors[d.name] = lcm(self.divisors.get(d.name, 1), d.coeff.denominator)
+        self.uses = self._uses()
+        self.activation = self._activation()
+        self.storage: dict[str, str] = {}
+
+    # ------------------------------------------------------------------ helpers
+
+    def error(self, code: str, msg: str, span: Span, label: str = "", **kw: Any) -> None:
+        self.diags.append(Diagnostic(code, msg, span, label=label, **kw))
+
+    def _activation(self) -> str:
+        for st in self.block.stages:
+            if isinstance(st.a, Var):
+                for p in self.block.params:
+                    if p.var.name == st.a.name and p.var.type is not None and is_float(p.var.type.dtype):
+                        return p.var.type.dtype
+            break
+        return "bf16"
+
+    def _uses(self) -> dict[str, list[tuple[str, int]]]:
+        """Where each name is read: ("stage", k) in stage k's body, ("operand", k), ("between", k), ("output", -1)."""
+        uses: dict[str, list[tuple[str, int]]] = {}
+        k = -1
+        for s in self.block.body:
+            if isinstance(s, Stage):
+                k += 1
+                for a in (s.a, s.b):
+                    if isinstance(a, Var):
+                        uses.setdefault(a.name, []).append(("operand", k))
+                for e in s.body:
+                    for a in e.ins:
+                        if isinstance(a, Var):
+                            uses.setdefault(a.name, []).append(("stage", k))
+            else:
+                for a in s.ins:
+                    if isinstance(a, Var):
+                        uses.setdefault(a.name, []).append(("between", k))
+        for o in self.block.outputs:
+            uses.setdefault(o.name, []).append(("output", -1))
+        return uses
+
+    def used_after(self, name: str, k: int) -> list[str]:
+        why = []
+        for where, j in self.uses.get(name, []):
+            if where == "stage" and j > k:
+                why.append(f"read by stage {j + 1}")
+            elif where == "operand" and j > k:
+                why.append(f"GEMM operand of stage {j + 1}")
+            elif where == "between" and j >= k:
+                why.append("read between stages")
+            elif where == "output":
+                why.append("block output")
+        return list(dict.fromkeys(why))
+
+    def output_dtype(self, name: str) -> str | None:
+        for o in self.block.outputs:
+            if o.name == name:
+                return o.type.dtype
+        return None
+
+    # ------------------------------------------------------------------ operands
+
+    def use(self, atom: Atom, span: Span, stage: StageShape | None, k: int) -> Type:
+        """The type of `atom` as seen by an equation in stage k (or between stages when stage is None)."""
+        if isinstance(atom, Lit):
+            return Type(atom.dtype)
+        if isinstance(atom, DimRef):
+            return Type("i32")
+        if isinstance(atom, ErrAtom):
+            return ERROR_TYPE
+        t = self.env.get(atom.name)
+        if t is None or t.is_error:
+            return ERROR_TYPE
+        here = stage is not None and self.defined_in.get(atom.name) == k
+        if atom.name in self.stage_local and not here:
+            j = self.defined_in[atom.name]
+            self.error("E0504", f"`{atom.name}` is computed inside stage {j + 1} and can't be used after it", span,
+                       label=f"a {t.kind} computed in a stage's epilogue",
+                       help=["compute it between stages instead, from vectors and scalars"])
+            self.stage_local.discard(atom.name)  # one message per value
+            self.env[atom.name] = ERROR_TYPE
+            return ERROR_TYPE
+        if stage is None or here:
+            return t
+        if t.kind == MATRIX:  # a tile load
+            rows, cols = t.shape
+            if rows == stage.rows and cols in stage.col_widths():
+                return t.with_kind(TILE)
+            self.error("E0505", f"`{atom.name}` is {t.dtype}{shape_str(t.shape)}, which doesn't line up with this "
+                       f"stage's tile {shape_str((stage.rows, stage.cols))}", span,
+                       label="read at the tile's position",
+                       notes=["an epilogue reads other matrices only at its own tile position (same rows; the same, "
+                              "half or double columns)"])
+            self.env[atom.name] = ERROR_TYPE
+            return ERROR_TYPE
+        return t
+
+    # ------------------------------------------------------------------ walk
+
+    def run(self) -> tuple[Block, BlockPlan]:
+        for p in self.block.params:
+            assert p.var.type is not None
+            self.env[p.var.name] = p.var.type
+            self.typed[p.var.name] = p.var
+        body: list[Any] = []
+        stage_plans: list[StagePlan] = []
+        between: list[list[Eqn]] = [[]]
+        k = -1
+        for s in self.block.body:
+            if isinstance(s, Stage):
+                k += 1
+                st, sp = self.stage(s, k)
+                body.append(st)
+                stage_plans.append(sp)
+                between.append([])
+            else:
+                e = self.eqn(s, None, k)
+                body.append(e)
+                between[-1].append(e)
+        outputs = tuple(self.output(o) for o in self.block.outputs)
+        typed = replace(self.block, body=tuple(body), outputs=outputs)
+        plan = BlockPlan(typed, self.activation, tuple(stage_plans), tuple(tuple(b) for b in between), self.storage)
+        return typed, plan
+
+    def eqn(self, e: Eqn, stage: StageShape | None, k: int, ctx: Ctx | None = None, body: tuple[Eqn, ...] = ()) -> Eqn:
+        op = REGISTRY[e.op]
+        spans = list(e.in_spans) + [e.span] * (len(e.ins) - len(e.in_spans))
+        ins = tuple(self.use(a, s, stage, k) for a, s in zip(e.ins, spans, strict=True))
+        ctx = ctx or Ctx(stage, self.divisors, self.values)
+        outs: tuple[Type, ...] = (ERROR_TYPE,) * op.nout
+        partial = next((i for i, (a, t) in enumerate(zip(e.ins, ins, strict=True)) if t.kind == PARTIAL), None)
+        if partial is not None:
+            self.partial_in_stage(e, partial, spans[partial], k, body)
+        elif not any(t.is_error for t in ins):
+            params = dict(e.params)
+            try:
+                outs = op.type_rule(ctx, ins, params)  # type: ignore[misc]
+            except Mistake as m:
+                span = spans[m.arg] if m.arg is not None and m.arg < len(spans) else e.span
+                notes, hlp = list(m.notes), list(m.help)
+                if m.code == "E0502":
+                    notes += self.between_note(e)
+                self.error(m.code, m.message, span, label=m.label, notes=notes, help=hlp)
+        new_outs = []
+        for v, t in zip(e.outs, outs, strict=True):
+            t = self.annotation(v, t, e.span)
+            self.env[v.name] = t
+            if stage is not None:
+                self.defined_in[v.name] = k
+                if t.kind in (VEC, SCALAR):
+                    self.stage_local.add(v.name)
+            nv = Var(v.name, t, v.annot)
+            self.typed[v.name] = nv
+            new_outs.append(nv)
+        new_ins = tuple(self.typed.get(a.name, a) if isinstance(a, Var) and a.name != "acc" else
+                        (self.acc_var if isinstance(a, Var) else a) for a in e.ins)
+        return replace(e, ins=new_ins, outs=tuple(new_outs))
+
+    def annotation(self, v: Var, t: Type, span: Span) -> Type:
+        if v.annot is None or t.is_error:
+            return t
+        if t.dtype == BOOL:
+            self.error("E0303", f"`{v.name}` is a comparison result and can't be stored as {v.annot}", span,
+                       help=["turn it into numbers first: `where(cond, 1.0, 0.0)`"])
+            return ERROR_TYPE
+        if is_float(t.dtype) and v.annot == "i32":
+            self.error("E0303", f"`{v.name}` is a float and can't be stored as i32", span,
+                       help=[f"convert explicitly: `{v.name}: i32 = cast(...)`"])
+            return ERROR_TYPE
+        out = self.output_dtype(v.name)
+        if out is not None and out != v.annot:
+            o = next(o for o in self.block.outputs if o.name == v.name)
+            self.error("E0301", f"`{v.name}` is annotated {v.annot} but the block declares the output as {out}", span,
+                       related=[(o.span, f"declared {out} here")], help=["drop the annotation or make both agree"])
+        return t
+
+    def between_note(self, e: Eqn) -> list[str]:
+        for a in e.ins:
+            if isinstance(a, Var) and self.env.get(a.name, ERROR_TYPE).kind == MATRIX:
+                if a.name in self.defined_in:
+                    j = self.defined_in[a.name]
+                    return [f"a tile computation between stages would be a separate memory-bound kernel; do it in the "
+                            f"epilogue of stage {j + 1}, which produces `{a.name}`"]
+                return [f"a tile computation between stages would be a separate memory-bound kernel; do it in the "
+                        f"epilogue of a stage that reads `{a.name}` as a tile"]
+        return []
+
+    def partial_in_stage(self, e: Eqn, i: int, span: Span, k: int, body: tuple[Eqn, ...]) -> None:
+        a = e.ins[i]
+        assert isinstance(a, Var)
+        if a.name in self.reported_partials:
+            return
+        self.reported_partials.add(a.name)
+        t = self.env[a.name]
+        normalized = self.normalizes(a.name, e, body)
+        comb = {"sum": "a partial sum", "max": "a partial max", "min": "a partial min", "lse": "a partial log-sum-exp"}
+        what = comb.get(t.combine or "", "a partial reduction")
+        notes = [f"`{a.name}` is {what}: each tile sees only its own columns, so it is complete only after every "
+                 f"tile of stage {k + 1} ran"]
+        if normalized is not None:
+            self.error("E0503", f"row statistic `{a.name}` is used to normalize `{normalized}` in its own stage", span,
+                       label="not complete until the stage ends", notes=notes,
+                       help=[f"defer the row scale to the epilogue of the GEMM that consumes `{normalized}`: "
+                             "RMSNorm(h)*g @ W == r * ((h*g) @ W)",
+                             "store the unnormalized tile here, compute the scale between stages "
+                             f"(e.g. `r = rsqrt({a.name} / D + eps)`), and apply `acc * r` in the next stage"])
+        else:
+            self.error("E0501", f"partial reduction `{a.name}` is used in its own stage", span,
+                       label="not complete until the stage ends", notes=notes,
+                       help=["use it after the stage: between stages, or in a later stage's epilogue"])
+
+    def normalizes(self, name: str, first: Eqn, body: tuple[Eqn, ...]) -> str | None:
+        """If the partial `name` flows (inside this stage) into a product or quotient with a tile, that tile's result."""
+        derived = {name}
+        started = False
+        for e in body:
+            started = started or e is first
+            if not started:
+                continue
+            hit = [isinstance(a, Var) and a.name in derived for a in e.ins]
+            if not any(hit):
+                continue
+            others = [a for a, h in zip(e.ins, hit, strict=True) if not h]
+            if e.op in ("mul", "div") and any(isinstance(a, Var) and self.is_tile_like(a) for a in others):
+                return e.outs[0].name
+            derived.update(v.name for v in e.outs)
+        return None
+
+    def is_tile_like(self, a: Var) -> bool:
+        if a.name == "acc":
+            return True
+        t = self.env.get(a.name)
+        return t is not None and t.kind in (TILE, MATRIX, GROUP)
+
+    # ------------------------------------------------------------------ stages
+
+    def stage(self, s: Stage, k: int) -> tuple[Stage, StagePlan]:
+        ta = self.use(s.a, s.a_span, None, k)
+        tb = self.use(s.b, s.b_span, None, k)
+        shape = self.gemm_shape(s, ta, tb)
+        rows, cols, kdim = shape if shape else (Dim.const(1), Dim.const(1), Dim.const(1))
+        st = StageShape(rows, cols)
+        self.acc_var = Var("acc", Type("f32", (rows, cols), TILE) if shape else ERROR_TYPE)
+        self.env["acc"], self.defined_in["acc"] = self.acc_var.type, k  # type: ignore[assignment]
+        ctx = Ctx(st, self.divisors, self.values)
+        body = tuple(self.eqn(e, st if shape else None, k, ctx, s.body) if shape else self.poison(e, k)
+                     for e in s.body)
+        plan = self.stage_plan(s, k, st, kdim, body, ctx)
+        self.end_stage(body, k)
+        del self.env["acc"]
+        typed_a = self.typed.get(s.a.name, s.a) if isinstance(s.a, Var) else s.a
+        typed_b = self.typed.get(s.b.name, s.b) if isinstance(s.b, Var) else s.b
+        return replace(s, a=typed_a, b=typed_b, acc=self.acc_var, body=body), plan
+
+    def poison(self, e: Eqn, k: int) -> Eqn:
+        outs = tuple(Var(v.name, ERROR_TYPE, v.annot) for v in e.outs)
+        for v in outs:
+            self.env[v.name] = ERROR_TYPE
+            self.defined_in[v.name] = k
+        return replace(e, outs=outs)
+
+    def gemm_shape(self, s: Stage, ta: Type, tb: Type) -> tuple[Dim, Dim, Dim] | None:
+        ok = True
+        for t, span, name in ((ta, s.a_span, "left"), (tb, s.b_span, "right")):
+            if t.is_error:
+                ok = False
+            elif t.kind != MATRIX:
+                self.error("E0407", f"the {name} GEMM operand is a {t.kind}, not a matrix", span,
+                           label=f"{t.dtype}{shape_str(t.shape)}")
+                ok = False
+            elif not is_float(t.dtype):
+                self.error("E0305", f"the {name} GEMM operand is {t.dtype}; GEMMs take f32, bf16 or f16", span)
+                ok = False
+        if not ok:
+            return None
+        if ta.dtype != tb.dtype:
+            self.error("E0305", f"GEMM operands have different dtypes: {ta.dtype} and {tb.dtype}", s.span,
+                       related=[(s.a_span, ta.dtype), (s.b_span, tb.dtype)],
+                       help=["annotate the stored tile with the weight's dtype, e.g. `h: bf16 = ...`"])
+            return None
+        r, ka = (ta.shape[1], ta.shape[0]) if s.ta else ta.shape
+        kb, c = (tb.shape[1], tb.shape[0]) if s.tb else tb.shape
+        if ka != kb:
+            self.error("E0401", f"GEMM inner dimensions differ: `{ka}` and `{kb}`", s.span,
+                       related=[(s.a_span, f"{shape_str(ta.shape)}{' transposed' if s.ta else ''}"),
+                                (s.b_span, f"{shape_str(tb.shape)}{' transposed' if s.tb else ''}")])
+            return None
+        return r, c, ka
+
+    def stage_plan(self, s: Stage, k: int, st: StageShape, kdim: Dim, body: tuple[Eqn, ...], ctx: Ctx) -> StagePlan:
+        loads: dict[str, Load] = {}
+        for e in body:
+            for a in e.ins:
+                if not isinstance(a, Var) or a.name == "acc" or self.defined_in.get(a.name) == k:
+                    continue
+                t = self.env.get(a.name)
+                if t is None or t.is_error or a.name in loads:
+                    continue
+                if t.kind == MATRIX:
+                    role = "tile"
+                elif t.kind == VEC:
+                    role = ("row vector" if t.shape[0] == st.rows else "column vector")
+                else:
+                    role = "scalar"
+                loads[a.name] = Load(a.name, t.dtype, t.shape, role)
+        stores: list[Store] = []
+        reductions: list[Reduction] = []
+        for e in body:
+            for v in e.outs:
+                t = v.type
+                if t is None or t.is_error:
+                    continue
+                why = self.used_after(v.name, k)
+                if REGISTRY[e.op].locality in ("reduce", "gather"):
+                    over = e.param("over")
+                    axis = "columns" if t.kind == GROUP or (t.shape and t.shape[0] == st.rows) or not t.shape else "rows"
+                    reductions.append(Reduction(v.name, REGISTRY[e.op].surface,
+                                                over if isinstance(over, Dim) else (st.cols if axis == "columns" else st.rows),
+                                                axis, t.combine, t.group, t.shape))
+                if t.kind == TILE and why:
+                    dtype = v.annot or self.output_dtype(v.name) or self.activation
+                    self.storage[v.name] = dtype
+                    stores.append(Store(v.name, dtype, t.shape, tuple(why)))
+                elif t.kind in (PARTIAL, GROUP) and why:
+                    self.storage[v.name] = v.annot or self.output_dtype(v.name) or "f32"
+        return StagePlan(k + 1, _stage_text(s), s.span.line, st.rows, st.cols, kdim, tuple(loads.values()),
+                         tuple(stores), tuple(reductions), tuple(dict.fromkeys(ctx.constraints)))
+
+    def end_stage(self, body: tuple[Eqn, ...], k: int) -> None:
+        """After a stage: tiles become stored matrices, partials complete vectors."""
+        for e in body:
+            for v in e.outs:
+                t = self.env.get(v.name, ERROR_TYPE)
+                if t.is_error:
+                    continue
+                dtype = self.storage.get(v.name, t.dtype)
+                if t.kind == TILE:
+                    self.env[v.name] = Type(dtype, t.shape, MATRIX)
+                elif t.kind == GROUP:
+                    self.env[v.name] = Type(dtype, t.shape, MATRIX)
+                elif t.kind == PARTIAL:
+                    self.env[v.name] = Type(dtype, t.shape, VEC if t.shape else SCALAR)
+
+    # ------------------------------------------------------------------ outputs
+
+    def output(self, o: Output) -> Output:
+        t = self.env.get(o.name)
+        if t is None or t.is_error:
+            return o
+        if o.name in self.stage_local:
+            j = self.defined_in[o.name]
+            self.error("E0504", f"output `{o.name}` is a {t.kind} computed inside stage {j + 1}", o.span,
+                       help=["compute it between stages instead"])
+            return o
+        if t.shape != o.type.shape:
+            self.error("E0406", f"output `{o.name}` is declared {shape_str(o.type.shape)} but its value is "
+                       f"{shape_str(t.shape)}", o.span)
+            return o
+        if t.dtype == BOOL or (is_float(t.dtype) and o.type.dtype == "i32"):
+            self.error("E0303", f"output `{o.name}` is declared {o.type.dtype} but its value is {t.dtype}", o.span)
+        return o
+
+
+def check_block(block: Block, diags: list[Diagnostic]) -> tuple[Block, BlockPlan]:
+    return Checker(block, diags).run()
+
+
+__all__ = ["check_block", "Param"]

@@ -1,0 +1,156 @@
+"""Diagnostics: error codes, the `Diagnostic` record, and its rustc-style and short renderings.
+
+What it does: the table of error codes (by family: E01 syntax, E02 names, E03 dtypes, E04 shapes,
+E05 locality, E06 autodiff, E07 backend limits), `Diagnostic`, `CodaError`, and `render`.
+What it does not: decide when an error occurs (syntax/, verify/).
+Invariants: every code raised anywhere is in `CODES` (a test checks it); rendering never fails,
+even for a span outside the source text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from coda_lang.ir.nodes import Span
+
+CODES: dict[str, str] = {
+    # E01 syntax
+    "E0101": "unexpected token",
+    "E0102": "unexpected character",
+    "E0103": "unexpected end of file",
+    "E0104": "block signature lacks its output list",
+    "E0105": "statement outside a block",
+    "E0106": "no block in the file",
+    # E02 names
+    "E0201": "unknown name",
+    "E0202": "name defined twice",
+    "E0203": "unknown op",
+    "E0204": "unknown dim",
+    "E0205": "output never assigned",
+    "E0206": "bad keyword argument",
+    "E0207": "wrong number of operands or results",
+    "E0208": "unknown dtype",
+    "E0209": "duplicate declaration",
+    "E0210": "`acc` outside a stage, or assigned to",
+    # E03 dtypes
+    "E0301": "dtype annotation conflicts with the declared output dtype",
+    "E0302": "operand of the wrong dtype",
+    "E0303": "storage dtype does not fit the value",
+    "E0304": "bad default value",
+    "E0305": "GEMM operand dtypes",
+    # E04 shapes
+    "E0401": "GEMM inner dimensions differ",
+    "E0402": "shapes do not match",
+    "E0403": "pairs on a width that may be odd",
+    "E0404": "reduction over a dim the operand does not have",
+    "E0405": "ambiguous broadcast on a square tile",
+    "E0406": "shape differs from the declared shape",
+    "E0407": "GEMM operand is not a matrix",
+    "E0408": "bad grouped reduction",
+    "E0409": "shape expression is not of the form c*X",
+    # E05 locality
+    "E0501": "partial reduction used in its own stage",
+    "E0502": "tile computation between stages",
+    "E0503": "row statistic used to normalize in its own stage",
+    "E0504": "vector computed in a stage used after it",
+    "E0505": "tile operand not aligned with the stage's tile",
+    "E0506": "op needs a tile inside a stage",
+}
+
+
+@dataclass
+class Diagnostic:
+    code: str
+    message: str
+    span: Span | None = None
+    label: str = ""
+    notes: list[str] = field(default_factory=list)
+    help: list[str] = field(default_factory=list)
+    # Further places to show, each with its own label.
+    related: list[tuple[Span, str]] = field(default_factory=list)
+    severity: str = "error"
+
+    def short(self) -> str:
+        where = f"{self.span}: " if self.span else ""
+        return f"{where}{self.severity}[{self.code}]: {self.message}"
+
+
+class CodaError(Exception):
+    """Raised by the Python API when a program has errors; carries the diagnostics."""
+
+    def __init__(self, diagnostics: list[Diagnostic], sources: dict[str, str] | None = None):
+        self.diagnostics = list(diagnostics)
+        self.sources = dict(sources or {})
+        super().__init__(self.render("short"))
+
+    def render(self, fmt: str = "human") -> str:
+        return render_all(self.diagnostics, self.sources, fmt)
+
+
+class Mistake(Exception):
+    """Raised by type and locality rules; the checker turns it into a Diagnostic at the eqn."""
+
+    def __init__(self, code: str, message: str, *, label: str = "", arg: int | None = None,
+                 notes: list[str] | None = None, help: list[str] | None = None):
+        super().__init__(message)
+        self.code, self.message, self.label, self.arg = code, message, label, arg
+        self.notes, self.help = notes or [], help or []
+
+
+def _line(src: str | None, n: int) -> str | None:
+    if src is None:
+        return None
+    lines = src.splitlines()
+    return lines[n - 1] if 1 <= n <= len(lines) else None
+
+
+def _snippet(span: Span, label: str, src: str | None, gutter: int) -> list[str]:
+    text = _line(src, span.line)
+    pad = " " * gutter
+    if text is None:
+        return []
+    text = text.replace("\t", " ")
+    start = max(span.col, 1)
+    end = span.end_col if span.end_line == span.line and span.end_col > start else len(text) + 1
+    carets = "^" * max(1, min(end, len(text) + 1) - start)
+    out = [f"{str(span.line).rjust(gutter)} | {text}", f"{pad} | {' ' * (start - 1)}{carets}"]
+    if label:
+        out[-1] += f" {label}"
+    return out
+
+
+def render(d: Diagnostic, sources: dict[str, str], fmt: str = "human") -> str:
+    if fmt == "short":
+        return d.short()
+    head = f"{d.severity}[{d.code}]: {d.message}"
+    if d.span is None:
+        lines = [head]
+        lines += [f"  = note: {n}" for n in d.notes] + [f"  = help: {h}" for h in d.help]
+        return "\n".join(lines)
+    spans = [d.span] + [s for s, _ in d.related]
+    gutter = max(len(str(s.line)) for s in spans)
+    pad = " " * gutter
+    lines = [head, f"{pad}--> {d.span}", f"{pad} |"]
+    lines += _snippet(d.span, d.label, sources.get(d.span.file), gutter)
+    for span, label in d.related:
+        if span.file != d.span.file:
+            lines.append(f"{pad}::: {span}")
+        lines += [f"{pad} |"] + _snippet(span, label, sources.get(span.file), gutter)
+    if d.notes or d.help:
+        lines.append(f"{pad} |")
+    lines += [f"{pad} = note: {n}" for n in d.notes]
+    lines += [f"{pad} = help: {h}" for h in d.help]
+    return "\n".join(lines)
+
+
+def render_all(diags: list[Diagnostic], sources: dict[str, str], fmt: str = "human") -> str:
+    sep = "\n" if fmt == "short" else "\n\n"
+    return sep.join(render(d, sources, fmt) for d in diags)
+
+
+def did_you_mean(name: str, candidates: list[str] | tuple[str, ...] | set[str]) -> str | None:
+    """The closest candidate within a small edit distance, for 'did you mean' hints."""
+    import difflib
+
+    best = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.6)
+    return best[0] if best else None
