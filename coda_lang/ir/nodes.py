@@ -31,7 +31,7 @@ NO_SPAN = Span("<generated>", 0, 0, 0, 0)
 
 
 def _span() -> Span:
-    return field(default=NO_SPAN, compare=False, repr=False)  # type: ignore[return-value]
+    return field(default=NO_SPAN, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -87,15 +87,15 @@ def print_block(b: Block, *, with_dims: bool = True) -> str:
         params.append(s)
     outs = ", ".join(f"{o.name}: {_type_source(o.type)}" for o in b.outputs)
     lines.append(f"block {b.name}({', '.join(params)}) -> ({outs}) {{")
-    for s in b.body:
-        if isinstance(s, Stage):
-            a = f"transpose({atom_source(s.a)})" if s.ta else atom_source(s.a)
-            bb = f"transpose({atom_source(s.b)})" if s.tb else atom_source(s.b)
+    for st in b.body:
+        if isinstance(st, Stage):
+            a = f"transpose({atom_source(st.a)})" if st.ta else atom_source(st.a)
+            bb = f"transpose({atom_source(st.b)})" if st.tb else atom_source(st.b)
             lines.append(f"  gemm {a} @ {bb} {{")
-            lines += [f"    {eqn_source(e)}" for e in s.body]
+            lines += [f"    {eqn_source(e)}" for e in st.body]
             lines.append("  }")
         else:
-            lines.append(f"  {eqn_source(s)}")
+            lines.append(f"  {eqn_source(st)}")
     lines.append("}")
     return "\n".join(lines) + "\n"
 

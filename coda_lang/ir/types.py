@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 FLOAT_DTYPES = ("f32", "bf16", "f16")
 INT_DTYPES = ("i32",)
@@ -97,9 +98,10 @@ class Type:
         return self.dtype == ERROR
 
     def with_kind(self, kind: str, **kw: object) -> Type:
-        fields = {"dtype": self.dtype, "shape": self.shape, "kind": kind, "combine": None, "group": None}
+        fields: dict[str, Any] = {"dtype": self.dtype, "shape": self.shape, "kind": kind, "combine": None,
+                                  "group": None}
         fields.update(kw)
-        return Type(**fields)  # type: ignore[arg-type]
+        return Type(**fields)
 
     def __str__(self) -> str:
         if self.is_error:

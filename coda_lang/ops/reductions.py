@@ -14,7 +14,19 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Any
 
-from coda_lang.ir.types import BOOL, ERROR_TYPE, GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Dim, Type, shape_str
+from coda_lang.ir.types import (
+    BOOL,
+    ERROR_TYPE,
+    GROUP,
+    MATRIX,
+    PARTIAL,
+    SCALAR,
+    TILE,
+    VEC,
+    Dim,
+    Type,
+    shape_str,
+)
 from coda_lang.ops.registry import Ctx, OpDef, ParamSpec, axis_of, np, register
 from coda_lang.verify.diagnostics import Mistake
 

@@ -69,7 +69,8 @@ def parse(text: str, file: str) -> tuple[Any | None, Diagnostic | None]:
         except Exception:  # match_examples re-parses examples; never let that escape
             named = None
         if isinstance(e, UnexpectedCharacters):
-            ch = text[e.pos_in_stream] if 0 <= e.pos_in_stream < len(text) else "?"
+            pos = e.pos_in_stream if e.pos_in_stream is not None else -1
+            ch = text[pos] if 0 <= pos < len(text) else "?"
             span = Span(file, line, col, line, col + 1)
             return None, Diagnostic("E0102", f"unexpected character `{ch}`", span, label="not part of the language")
         if isinstance(e, UnexpectedEOF) or (isinstance(e, UnexpectedToken) and e.token.type == "$END"):

@@ -402,9 +402,7 @@ class Checker:
                 if t.is_error:
                     continue
                 dtype = self.storage.get(v.name, t.dtype)
-                if t.kind == TILE:
-                    self.env[v.name] = Type(dtype, t.shape, MATRIX)
-                elif t.kind == GROUP:
+                if t.kind == TILE or t.kind == GROUP:
                     self.env[v.name] = Type(dtype, t.shape, MATRIX)
                 elif t.kind == PARTIAL:
                     self.env[v.name] = Type(dtype, t.shape, VEC if t.shape else SCALAR)
