@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 from coda_lang.frontend import check_source, read_source
 from coda_lang.ir import nodes
@@ -29,6 +30,27 @@ class Block:
     @property
     def name(self) -> str:
         return self.ir.name
+
+    def run(self, inputs: dict[str, Any], *, dims: dict[str, int] | None = None,
+            tile: tuple[int, int] | None = None, precision: str = "exact") -> dict[str, Any]:
+        """Run the block on NumPy arrays with the reference interpreter; outputs by name.
+
+        `precision="exact"` follows the kernel's numerics (f32 in stages, stored tiles rounded to
+        their dtype); `"f64"` computes everything in float64 without rounding (gradient checks).
+        `tile=(tile_M, tile_N)` simulates the kernel's tiling (partials per tile, then combined).
+        """
+        return self.run_with_partials(inputs, dims=dims, tile=tile, precision=precision)[0]
+
+    def run_with_partials(self, inputs: dict[str, Any], *, dims: dict[str, int] | None = None,
+                          tile: tuple[int, int] | None = None, precision: str = "exact"
+                          ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """`run`, plus the per-tile partial buffers of every partial reduction (tile mode)."""
+        from coda_lang.interp import PRECISIONS, bind, run_block
+
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        env, sizes = bind(self.ir, inputs, dims, precision)
+        return run_block(self.ir, self.plan, env, sizes, precision=precision, tile=tile)
 
     def explain(self) -> str:
         return explain(self.plan)

@@ -39,6 +39,19 @@ def _parser() -> argparse.ArgumentParser:
                    help="print each block's plan: stages, loads, stores (with dtype), reductions, "
                    "vector computations between stages, tiling constraints")
     c.add_argument("--block", metavar="NAME", help="explain only this block")
+
+    r = sub.add_parser("run", help="run a block with the NumPy reference interpreter",
+                       description="Run a block on the NumPy reference interpreter (the executable spec). "
+                       "Without --inputs, inputs are random and seeded; dims not given default to 256.")
+    r.add_argument("file", metavar="FILE")
+    r.add_argument("--block", metavar="NAME", help="the block to run (needed when the file has several)")
+    r.add_argument("--dims", metavar="M=..,D=..", help="sizes of the dims, e.g. M=4096,D=1024,F=2816")
+    r.add_argument("--inputs", metavar="IN.npz", help="inputs by parameter name (default: random)")
+    r.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    r.add_argument("--out", metavar="OUT.npz", help="write the outputs here (written atomically)")
+    r.add_argument("--tile", metavar="MxN", help="simulate the kernel's tiling, e.g. 128x256 (default: whole matrices)")
+    r.add_argument("--precision", choices=("exact", "f64"), default="exact",
+                   help="exact: the kernel's numerics (f32 stages, rounded stored tiles); f64: float64, no rounding")
     return p
 
 
@@ -90,6 +103,145 @@ def cmd_check(args: argparse.Namespace) -> int:
     return status
 
 
+def _usage(msg: str) -> int:
+    print(f"coda: error: {msg}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _parse_dims(text: str | None) -> dict[str, int] | None:
+    if not text:
+        return {}
+    out: dict[str, int] = {}
+    for part in text.split(","):
+        name, eq, value = part.strip().partition("=")
+        if not eq or not name.strip().isidentifier() or not value.strip().isdigit() or int(value) <= 0:
+            return None
+        out[name.strip()] = int(value)
+    return out
+
+
+def _parse_tile(text: str | None) -> tuple[int, int] | None | str:
+    if not text:
+        return None
+    m, x, n = text.lower().partition("x")
+    if not x or not m.isdigit() or not n.isdigit() or int(m) <= 0 or int(n) <= 0:
+        return "bad"
+    return int(m), int(n)
+
+
+def _load_block(path: str, block: str | None, fmt: str = "human") -> tuple[object | None, int]:
+    """(Block, 0), or (None, exit code) after printing why."""
+    from coda_lang.frontend import check_source
+    from coda_lang.verify.diagnostics import render_all
+
+    text = _read(path)
+    if text is None:
+        return None, EXIT_USAGE
+    prog, plans, diags = check_source(text, path)
+    if diags:
+        print(render_all(diags, {path: text}, fmt), file=sys.stderr)
+        return None, EXIT_ERRORS
+    assert prog is not None
+    from coda_lang.api import Block
+
+    names = [b.name for b in prog.blocks]
+    if block is None:
+        if len(names) > 1:
+            return None, _usage(f"{path} has several blocks ({', '.join(names)}); choose one with --block")
+        block = names[0]
+    if block not in names:
+        return None, _usage(f"no block `{block}` in {path}; blocks: {', '.join(names)}")
+    b = next(b for b in prog.blocks if b.name == block)
+    return Block(b, plans[block]), EXIT_OK
+
+
+def _write_npz(path: str, arrays: dict[str, object]) -> None:
+    """Write atomically: a temporary file in the same folder, renamed over `path` when complete."""
+    import tempfile
+
+    import numpy as np
+
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".coda-", suffix=".npz", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **{k: _savable(v) for k, v in arrays.items()})  # type: ignore[arg-type]
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _savable(x: object) -> object:
+    import numpy as np
+
+    a = np.asarray(x)
+    return a.astype(np.float32) if a.dtype.name in ("bfloat16",) else a
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from coda_lang.interp import random_inputs
+    from coda_lang.interp.inputs import infer_dims
+    from coda_lang.verify.diagnostics import CodaError, render_all
+
+    block, code = _load_block(args.file, args.block)
+    if block is None:
+        return code
+    from coda_lang.api import Block
+
+    assert isinstance(block, Block)
+    dims = _parse_dims(args.dims)
+    if dims is None:
+        return _usage(f"--dims takes NAME=SIZE pairs separated by commas (e.g. M=4096,D=1024), got {args.dims!r}")
+    tile = _parse_tile(args.tile)
+    if tile == "bad":
+        return _usage(f"--tile takes MxN with positive sizes (e.g. 128x256), got {args.tile!r}")
+    try:
+        if args.inputs:
+            try:
+                with np.load(args.inputs, allow_pickle=False) as z:
+                    inputs = {k: z[k] for k in z.files}
+            except (OSError, ValueError) as e:
+                return _usage(f"can't read {args.inputs}: {e}")
+            source = f"inputs from {args.inputs}"
+            sizes = infer_dims(block.ir, {k: v.shape for k, v in inputs.items() if k in
+                                          {p.var.name for p in block.ir.params}}, dims)
+        else:
+            sizes = {d.name: dims.get(d.name, d.value or 256) for d in block.ir.dims}
+            unknown = set(dims) - set(sizes)
+            if unknown:
+                return _usage(f"unknown dim {sorted(unknown)[0]}; {block.name} has dims {', '.join(sizes)}")
+            sizes = infer_dims(block.ir, {}, sizes)
+            inputs = random_inputs(block.ir, sizes, args.seed)
+            source = f"random inputs, seed {args.seed}"
+        outs = block.run(inputs, dims=sizes, tile=tile, precision=args.precision)  # type: ignore[arg-type]
+    except CodaError as e:
+        print(render_all(e.diagnostics, {}, "human"), file=sys.stderr)
+        return EXIT_ERRORS
+    mode = f"tiles of {tile[0]}x{tile[1]}" if isinstance(tile, tuple) else "whole matrices"
+    dim_text = ", ".join(f"{k}={v}" for k, v in sizes.items())
+    print(f"{block.name} on {dim_text} ({source}; {mode}; {args.precision})")
+    rows = [("output", "shape", "dtype", "mean", "max|x|")]
+    for name, x in outs.items():
+        a = np.asarray(x).astype(np.float64)
+        dt = np.asarray(x).dtype.name.replace("float32", "f32").replace("bfloat16", "bf16").replace(
+            "float16", "f16").replace("int32", "i32").replace("float64", "f64")
+        rows.append((name, str(tuple(a.shape)), dt, f"{a.mean():.6g}" if a.size else "-",
+                     f"{np.abs(a).max():.6g}" if a.size else "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    if args.out:
+        try:
+            _write_npz(args.out, outs)
+        except OSError as e:
+            return _usage(f"can't write {args.out}: {e.strerror or e}")
+        print(f"wrote {args.out}")
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -97,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     try:
-        return {"check": cmd_check}[args.command](args)
+        return {"check": cmd_check, "run": cmd_run}[args.command](args)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

@@ -104,13 +104,28 @@ _pointwise("rsqrt", "rsqrt", 1, _floating, lambda x: 1 / np.sqrt(x))
 _pointwise("tanh", "tanh", 1, _floating, lambda x: np.tanh(x))
 _pointwise("sigmoid", "sigmoid", 1, _floating, _sigmoid)
 _pointwise("silu", "silu", 1, _floating, lambda x: x * _sigmoid(x))
-_pointwise("gelu", "gelu", 1, _floating,
-           lambda x: 0.5 * x * (1 + np.tanh(x.dtype.type(_GELU_C) * (x + x.dtype.type(0.044715) * x * x * x))))
+def _gelu(x: Any) -> Any:
+    x = np.asarray(x)
+    c, k = x.dtype.type(_GELU_C), x.dtype.type(0.044715)
+    return 0.5 * x * (1 + np.tanh(c * (x + k * x * x * x)))
+
+
+_pointwise("gelu", "gelu", 1, _floating, _gelu)
 _pointwise("sin", "sin", 1, _floating, lambda x: np.sin(x))
 _pointwise("cos", "cos", 1, _floating, lambda x: np.cos(x))
 
+def _cast_impl(x: Any, dtype: str, precision: str = "exact") -> Any:
+    """Round to `dtype` (no-op for floats in the f64 gradient-check precision); i32 truncates."""
+    from coda_lang.interp.numerics import round_to
+
+    x = np.asarray(x)
+    if dtype == "i32":
+        return np.trunc(x).astype(np.int32) if x.dtype.kind == "f" else x.astype(np.int32)
+    return round_to(x.astype(np.float64 if precision == "f64" else np.float32), dtype, precision)
+
+
 # cast(x, bf16): rounds to the dtype (the value is still computed in f32 afterwards).
-_pointwise("cast", "cast", 1, _cast, None,
+_pointwise("cast", "cast", 1, _cast, _cast_impl,
            params=(ParamSpec("dtype", "dtype", required=True, positional=True),),
            differentiable=True)
 

@@ -1,0 +1,167 @@
+"""Binding a block's inputs: infer dims from array shapes, validate and convert the arrays.
+
+What it does: `bind` checks that every parameter is given (or has a default), that shapes fit the
+declared symbolic shapes (solving `c*X = n` for each dim), that dtypes fit (float for float
+parameters, integer for i32), and converts each array to its compute dtype (float inputs of another
+float dtype are rounded to the declared dtype first). `random_inputs` draws seeded inputs.
+What it does not: run anything.
+Invariants: every failure is a CodaError with a one-line diagnostic naming the parameter; NumPy
+never raises out of here.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from coda_lang.interp.numerics import compute_dtype, round_to
+from coda_lang.ir.nodes import Block
+from coda_lang.ir.types import Dim, is_float, shape_str
+from coda_lang.verify.diagnostics import CodaError, Diagnostic
+
+# Codes of run-time input errors (not program errors: they are not in CODES).
+INPUT_CODES = {
+    "E0801": "missing or unknown input",
+    "E0802": "input shape does not fit the declared shape",
+    "E0803": "input dtype does not fit the declared dtype",
+    "E0804": "dims can't be inferred or contradict each other",
+    "E0805": "tile sizes",
+}
+
+
+def fail(code: str, msg: str, notes: list[str] | None = None) -> CodaError:
+    return CodaError([Diagnostic(code, msg, None, notes=notes or [])])
+
+
+def _solve(d: Dim, n: int, dims: dict[str, int], where: str, given: dict[str, int]) -> None:
+    if d.name is None:
+        if Fraction(n) != d.coeff:
+            raise fail("E0802", f"{where} has extent {n}, but the declared extent is {d}")
+        return
+    x = Fraction(n) / d.coeff
+    if x.denominator != 1 or x <= 0:
+        raise fail("E0802", f"{where} has extent {n}, which is not {d} for any integer {d.name}")
+    value = int(x)
+    if d.name in dims and dims[d.name] != value:
+        src = "given" if d.name in given else "inferred"
+        raise fail("E0804", f"{where} gives {d.name} = {value}, but {d.name} = {dims[d.name]} was {src} before")
+    dims[d.name] = value
+
+
+def infer_dims(block: Block, shapes: dict[str, tuple[int, ...]], dims: dict[str, int] | None) -> dict[str, int]:
+    given = dict(dims or {})
+    for name in given:
+        if name not in {d.name for d in block.dims}:
+            raise fail("E0804", f"unknown dim `{name}`; the block's dims are {', '.join(d.name for d in block.dims)}")
+        if not isinstance(given[name], (int, np.integer)) or given[name] <= 0:
+            raise fail("E0804", f"dim {name} must be a positive integer, got {given[name]!r}")
+    out = {k: int(v) for k, v in given.items()}
+    for d in block.dims:
+        if d.value is not None:
+            if d.name in out and out[d.name] != d.value:
+                raise fail("E0804", f"dim {d.name} is fixed to {d.value} by the program, got {out[d.name]}")
+            out[d.name] = d.value
+    for p in block.params:
+        t = p.var.type
+        assert t is not None
+        if p.var.name not in shapes:
+            continue
+        shape = shapes[p.var.name]
+        if len(shape) != len(t.shape):
+            raise fail("E0802", f"input `{p.var.name}` has shape {tuple(shape)}, but it is declared "
+                       f"{t.dtype}{shape_str(t.shape) if t.shape else ' (a scalar)'}")
+        for axis, (d, n) in enumerate(zip(t.shape, shape, strict=True)):
+            _solve(d, n, out, f"axis {axis} of input `{p.var.name}`", given)
+    missing = [d.name for d in block.dims if d.name not in out]
+    if missing:
+        raise fail("E0804", f"dims {', '.join(missing)} can't be inferred from the inputs; give them (dims={{...}})")
+    # Every declared extent must be a positive integer for these dims (X/2 needs an even X).
+    for p in block.params:
+        for d in p.var.type.shape if p.var.type else ():
+            v = d.evaluate(out)
+            if v.denominator != 1 or v <= 0:
+                raise fail("E0804", f"parameter `{p.var.name}` has extent {d} = {v} for these dims")
+    return out
+
+
+def extent(d: Dim, dims: dict[str, int]) -> int:
+    v = d.evaluate(dims)
+    if v.denominator != 1:
+        raise fail("E0804", f"extent {d} = {v} is not an integer for these dims")
+    return int(v)
+
+
+def bind(block: Block, inputs: dict[str, Any], dims: dict[str, int] | None, precision: str
+         ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    names = {p.var.name for p in block.params}
+    unknown = sorted(set(inputs) - names)
+    if unknown:
+        raise fail("E0801", f"unknown input `{unknown[0]}`; the block's parameters are {', '.join(sorted(names))}")
+    arrays: dict[str, np.ndarray] = {}
+    for p in block.params:
+        if p.var.name in inputs:
+            try:
+                arrays[p.var.name] = np.asarray(inputs[p.var.name])
+            except Exception as e:  # e.g. ragged lists
+                raise fail("E0803", f"input `{p.var.name}` is not an array: {e}") from None
+        elif p.default is None:
+            raise fail("E0801", f"missing input `{p.var.name}`")
+    shapes = {k: tuple(v.shape) for k, v in arrays.items()}
+    sizes = infer_dims(block, shapes, dims)
+    env: dict[str, np.ndarray] = {}
+    for p in block.params:
+        t = p.var.type
+        assert t is not None
+        if p.var.name not in arrays:
+            env[p.var.name] = np.asarray(p.default, dtype=compute_dtype(t.dtype, precision))
+            continue
+        a = arrays[p.var.name]
+        kind = a.dtype.kind
+        if is_float(t.dtype):
+            if kind not in "fV" and not (kind in "iu" and a.ndim == 0):
+                if a.dtype.name != "bfloat16":
+                    raise fail("E0803", f"input `{p.var.name}` is {a.dtype}, but it is declared {t.dtype}")
+            x = a.astype(compute_dtype("f32", precision))
+            env[p.var.name] = round_to(x, t.dtype, precision)
+        else:
+            if kind not in "iu":
+                raise fail("E0803", f"input `{p.var.name}` is {a.dtype}, but it is declared i32")
+            if a.size and (a.max() > np.iinfo(np.int32).max or a.min() < np.iinfo(np.int32).min):
+                raise fail("E0803", f"input `{p.var.name}` has values outside the i32 range")
+            env[p.var.name] = a.astype(np.int32)
+    return env, sizes
+
+
+def random_inputs(block: Block, dims: dict[str, int], seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded inputs of a sensible scale: GEMM weights scaled by 1/sqrt(K), i32 indices within range."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(seed)
+    rhs: dict[str, Dim] = {}
+    pick_range: dict[str, Dim] = {}
+    for st in block.stages:
+        for operand, t in ((st.b, st.tb),):
+            if hasattr(operand, "type") and operand.type is not None:
+                rhs[operand.name] = operand.type.shape[1 if t else 0]
+        for e in st.body:
+            if e.op == "pick" and hasattr(e.ins[1], "name") and e.ins[0].type is not None:
+                pick_range[e.ins[1].name] = e.ins[0].type.shape[1]
+    out: dict[str, np.ndarray] = {}
+    for p in block.params:
+        t = p.var.type
+        assert t is not None
+        if p.default is not None:
+            continue
+        shape = tuple(extent(d, dims) for d in t.shape)
+        if t.dtype == "i32":
+            hi = extent(pick_range[p.var.name], dims) if p.var.name in pick_range else 100
+            out[p.var.name] = rng.integers(0, hi, size=shape, dtype=np.int32)
+            continue
+        x = rng.standard_normal(shape).astype(np.float32)
+        if p.var.name in rhs:
+            x /= np.sqrt(max(extent(rhs[p.var.name], dims), 1))
+        dt = {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "f16": np.float16}[t.dtype]
+        out[p.var.name] = x.astype(dt)
+    return out

@@ -1,0 +1,45 @@
+"""Numerics shared by the interpreter: NumPy dtypes of coda dtypes, and rounding to a storage dtype.
+
+What it does: maps coda dtypes to NumPy dtypes for each precision ("exact": f32 compute with rounded
+storage, the kernel's numerics; "f64": float64 everywhere, no rounding) and rounds arrays.
+What it does not: decide *when* to round (run.py does: at the end of the stage that stores a tile).
+Invariants: rounding is round-to-nearest-even (ml_dtypes / NumPy casts), and returns the compute
+dtype (f32 values that are exactly representable in the storage dtype).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+PRECISIONS = ("exact", "f64")
+
+STORAGE = {"f32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16), "f16": np.dtype(np.float16),
+           "i32": np.dtype(np.int32), "bool": np.dtype(np.bool_)}
+
+
+def compute_dtype(dtype: str, precision: str) -> np.dtype[Any]:
+    """The NumPy dtype a value of coda dtype `dtype` is computed in."""
+    if dtype in ("f32", "bf16", "f16"):
+        return np.dtype(np.float64 if precision == "f64" else np.float32)
+    return STORAGE[dtype]
+
+
+def round_to(x: np.ndarray, dtype: str, precision: str) -> np.ndarray:
+    """x rounded to the storage dtype, returned in the compute dtype (no-op in f64 mode)."""
+    if precision == "f64":
+        return x
+    if dtype in ("bf16", "f16"):
+        return x.astype(STORAGE[dtype]).astype(np.float32)
+    if dtype == "i32" and x.dtype.kind == "f":
+        return np.trunc(x).astype(np.int32)
+    return x.astype(compute_dtype(dtype, precision), copy=False)
+
+
+def to_storage(x: np.ndarray, dtype: str, precision: str) -> np.ndarray:
+    """An output array in its declared dtype (bf16 as ml_dtypes.bfloat16); float64 in f64 mode."""
+    if precision == "f64" and dtype in ("f32", "bf16", "f16"):
+        return np.asarray(x, dtype=np.float64)
+    return np.asarray(x).astype(STORAGE[dtype])

@@ -1,0 +1,248 @@
+"""The NumPy reference interpreter: the executable spec every other path is tested against.
+
+What it does: runs a checked block on NumPy arrays. GEMMs accumulate in f32 (float64 in the "f64"
+precision); epilogues run vectorized over whole matrices (whole mode) or tile by tile (tile mode);
+every op is computed by its registry `impl`. A tile used after its stage is rounded to its storage
+dtype when the stage ends, so later stages read the rounded value while its own stage used the f32 one.
+What it does not: check the program (verify/ did) or validate inputs (inputs.py does).
+Invariants: in tile mode each partial reduction is computed per tile into a buffer shaped like a
+kernel's (row partials [rows, ceil(cols/tile_N)], column partials [ceil(rows/tile_M), cols]) and then
+combined with its op's combine rule; whole and tile modes agree up to floating-point reassociation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from coda_lang.interp.inputs import extent, fail
+from coda_lang.interp.numerics import compute_dtype, round_to, to_storage
+from coda_lang.ir.nodes import Atom, Block, DimRef, Eqn, Lit, Stage, Var
+from coda_lang.ir.types import ERROR_TYPE, GROUP, PARTIAL, TILE, Dim, Type
+from coda_lang.ops import REGISTRY
+from coda_lang.verify.plan import BlockPlan
+
+
+def combine(buf: np.ndarray, rule: str, axis: int) -> np.ndarray:
+    """Combine per-tile partials along `axis` with a reduction's combine rule."""
+    if rule in ("sum",):
+        return buf.sum(axis=axis)
+    if rule == "max":
+        return buf.max(axis=axis)
+    if rule == "min":
+        return buf.min(axis=axis)
+    if rule == "lse":
+        m = buf.max(axis=axis, keepdims=True)
+        m = np.where(np.isfinite(m), m, 0)
+        return np.squeeze(m, axis) + np.log(np.exp(buf - m).sum(axis=axis))
+    raise AssertionError(rule)
+
+
+@dataclass
+class _Tile:
+    """Where the current tile sits in the stage's acc space (whole mode: the whole matrix)."""
+
+    rows: Dim
+    cols: Dim
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+
+    def col_slice(self, width: Dim) -> slice:
+        ratio = width.coeff / self.cols.coeff
+        return slice(int(self.c0 * ratio), int(self.c1 * ratio))
+
+
+def _type(a: Atom) -> Type:
+    return a.type if isinstance(a, Var) and a.type is not None else ERROR_TYPE
+
+
+class Interpreter:
+    def __init__(self, block: Block, plan: BlockPlan, dims: dict[str, int], precision: str = "exact",
+                 tile: tuple[int, int] | None = None):
+        self.block, self.plan, self.dims, self.precision, self.tile = block, plan, dims, precision, tile
+        self.partials: dict[str, np.ndarray] = {}
+
+    def cdtype(self, t: Type) -> np.dtype[Any]:
+        return compute_dtype(t.dtype if t.dtype != "<error>" else "f32", self.precision)
+
+    # ------------------------------------------------------------------ block
+
+    def run(self, env: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.env = dict(env)
+        for s in self.block.body:
+            if isinstance(s, Stage):
+                self.stage(s)
+            else:
+                vals = [self.block_value(a) for a in s.ins]
+                for v, x in zip(s.outs, self.apply(s, vals, None), strict=True):
+                    self.env[v.name] = round_to(x, v.annot, self.precision) if v.annot else x
+        out = {}
+        for o in self.block.outputs:
+            out[o.name] = to_storage(self.env[o.name], o.type.dtype, self.precision)
+        return out
+
+    def literal(self, a: Atom) -> Any:
+        if isinstance(a, Lit):
+            return a.value
+        assert isinstance(a, DimRef)
+        return extent(a.dim, self.dims)
+
+    def block_value(self, a: Atom) -> Any:
+        if isinstance(a, Var):
+            return self.env[a.name]
+        return self.literal(a)
+
+    # ------------------------------------------------------------------ stages
+
+    def stage(self, s: Stage) -> None:
+        assert isinstance(s.a, Var) and isinstance(s.b, Var) and s.acc.type is not None
+        a, b = self.env[s.a.name], self.env[s.b.name]
+        a = a.T if s.ta else a
+        b = b.T if s.tb else b
+        acc = np.matmul(a, b)
+        rows, cols = s.acc.type.shape
+        R, C = acc.shape
+        k = self.block.stages.index(s)
+        stores = {st.name: st.dtype for st in self.plan.stages[k].stores}
+        if self.tile is None:
+            tiles = [(0, R, 0, C)]
+            tm, tn = R, C
+        else:
+            tm, tn = self.tile
+            self.check_tile(s, tn)
+            tiles = [(i, min(i + tm, R), j, min(j + tn, C)) for i in range(0, R, tm) for j in range(0, C, tn)]
+        n_rt, n_ct = -(-R // tm), -(-C // tn)
+        results: dict[str, np.ndarray] = {}
+        bufs: dict[str, tuple[np.ndarray, str, int]] = {}
+        for r0, r1, c0, c1 in tiles:
+            t = _Tile(rows, cols, r0, r1, c0, c1)
+            senv: dict[str, Any] = {"acc": acc[r0:r1, c0:c1]}
+            for e in s.body:
+                vals = [self.stage_value(a, senv, t) for a in e.ins]
+                outs = self.apply(e, vals, t)
+                for v, x in zip(e.outs, outs, strict=True):
+                    senv[v.name] = x
+                    vt = _type(v)
+                    if vt.kind == TILE and v.name in stores:
+                        full = results.get(v.name)
+                        if full is None:
+                            full = results[v.name] = np.empty((R, extent(vt.shape[1], self.dims)), self.cdtype(vt))
+                        full[r0:r1, t.col_slice(vt.shape[1])] = x
+                    elif vt.kind == GROUP:
+                        full = results.get(v.name)
+                        width = extent(vt.shape[1], self.dims)
+                        if full is None:
+                            full = results[v.name] = np.empty((R, width), self.cdtype(vt))
+                        full[r0:r1, t.col_slice(vt.shape[1])] = x
+                    elif vt.kind == PARTIAL:
+                        row_partial = bool(vt.shape) and vt.shape[0] == rows
+                        axis = 1 if row_partial else 0
+                        if v.name not in bufs:
+                            shape = (R, n_ct) if row_partial else (n_rt, extent(vt.shape[0], self.dims) if vt.shape else 1)
+                            init = {"sum": 0.0, "max": -np.inf, "min": np.inf, "lse": -np.inf}[vt.combine or "sum"]
+                            bufs[v.name] = (np.full(shape, init, self.cdtype(vt)), vt.combine or "sum", axis)
+                        buf = bufs[v.name][0]
+                        if row_partial:
+                            buf[r0:r1, c0 // tn] = x
+                        else:
+                            sl = t.col_slice(vt.shape[0]) if vt.shape else slice(0, 1)
+                            buf[r0 // tm, sl] = x
+        for name, (buf, rule, axis) in bufs.items():
+            self.partials[name] = buf
+            results[name] = combine(buf, rule, axis)
+        for name, x in results.items():
+            dtype = stores.get(name) or self.plan.storage.get(name)
+            self.env[name] = round_to(x, dtype, self.precision) if dtype else x
+
+    def check_tile(self, s: Stage, tn: int) -> None:
+        tm, tn = self.tile  # type: ignore[misc]
+        if tm < 1 or tn < 1:
+            raise fail("E0805", f"tile sizes must be positive, got {tm}x{tn}")
+        for e in s.body:
+            for v in e.outs:
+                t = _type(v)
+                if t.kind == TILE and t.shape[1] != s.acc.type.shape[1] and tn % 2:  # type: ignore[union-attr]
+                    raise fail("E0805", f"tile_N = {tn} is odd, but stage `{v.name}` works on column pairs")
+                if t.kind == GROUP:
+                    assert t.group is not None and s.acc.type is not None
+                    ratio = t.shape[1].coeff * t.group / s.acc.type.shape[1].coeff
+                    if (tn * ratio) % t.group:
+                        raise fail("E0805", f"tile_N = {tn} splits the groups of {t.group} columns of `{v.name}`",
+                                   notes=["the checker recorded this tiling constraint; see `coda check --explain`"])
+
+    def stage_value(self, a: Atom, senv: dict[str, Any], t: _Tile) -> Any:
+        if not isinstance(a, Var):
+            return self.literal(a)
+        if a.name in senv:
+            return senv[a.name]
+        x = self.env[a.name]
+        at = _type(a)
+        if x.ndim == 2:  # a tile load at this tile's position
+            return x[t.r0:t.r1, t.col_slice(at.shape[1])]
+        if x.ndim == 1:
+            if at.shape[0] == t.rows:
+                return x[t.r0:t.r1, None]
+            return x[None, t.col_slice(at.shape[0])]
+        return x
+
+    # ------------------------------------------------------------------ equations
+
+    def apply(self, e: Eqn, vals: list[Any], t: _Tile | None) -> tuple[Any, ...]:
+        op = REGISTRY[e.op]
+        assert op.impl is not None, f"op {e.op} has no NumPy impl"
+        outs_t = [_type(v) for v in e.outs]
+        params = dict(e.params)
+        if op.locality == "pointwise" or op.locality == "pair":
+            if outs_t[0].kind == TILE:
+                vals = [np.repeat(x, _type(a).group, axis=1) if _type(a).kind == GROUP else x
+                        for a, x in zip(e.ins, vals, strict=True)]
+            kw: dict[str, Any] = {k: v for k, v in params.items() if not isinstance(v, Dim)}
+            if op.name == "cast":
+                kw["precision"] = self.precision
+            res = op.impl(*vals, **kw)
+        elif op.locality == "reduce":
+            (x,) = vals
+            over = params["over"]
+            group = params.get("group")
+            if t is None:
+                res = op.impl(np.asarray(x), 0)
+            elif group is not None:
+                g = int(group)
+                res = op.impl(x.reshape(x.shape[0], x.shape[1] // g, g), 2)
+            else:
+                xt = _type(e.ins[0])
+                axis = 1 if (xt.shape[1] == over and xt.shape[0] != over) else 0
+                res = op.impl(x, axis)
+        elif op.locality == "gather":
+            x, idx = vals
+            assert t is not None
+            it = _type(e.ins[1])
+            if it.shape[0] == t.rows:  # an index per row selects along the columns
+                res = op.impl(x, np.asarray(idx).reshape(-1), 1, t.col_slice(_type(e.ins[0]).shape[1]).start)
+            else:
+                res = op.impl(x, np.asarray(idx).reshape(-1), 0, t.r0)
+        elif op.locality == "index":
+            assert t is not None
+            if op.name == "row_index":
+                res = op.impl(t.r0, t.r1 - t.r0)[:, None]
+            else:
+                res = op.impl(t.c0, t.c1 - t.c0)[None, :]
+        else:
+            raise AssertionError(op.locality)
+        res_t = res if isinstance(res, tuple) else (res,)
+        return tuple(np.asarray(r).astype(self.cdtype(ot), copy=False) for r, ot in zip(res_t, outs_t, strict=True))
+
+
+def run_block(block: Block, plan: BlockPlan, env: dict[str, np.ndarray], dims: dict[str, int], *,
+              precision: str = "exact", tile: tuple[int, int] | None = None
+              ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Outputs by name, and (tile mode) the per-tile partial buffers by name."""
+    it = Interpreter(block, plan, dims, precision, tile)
+    with np.errstate(all="ignore"):
+        outs = it.run(env)
+    return outs, it.partials
+
