@@ -99,13 +99,17 @@ class Interpreter:
     # ------------------------------------------------------------------ stages
 
     def stage(self, s: Stage) -> None:
-        assert isinstance(s.a, Var) and isinstance(s.b, Var) and s.acc.type is not None
-        a, b = self.env[s.a.name], self.env[s.b.name]
-        a = a.T if s.ta else a
-        b = b.T if s.tb else b
-        acc = np.matmul(a, b)
-        rows, cols = s.acc.type.shape
-        R, C = acc.shape
+        acc: np.ndarray | None = None
+        if s.is_gemm:
+            assert isinstance(s.a, Var) and isinstance(s.b, Var) and s.acc is not None and s.acc.type is not None
+            a, b = self.env[s.a.name], self.env[s.b.name]
+            acc = np.matmul(a.T if s.ta else a, b.T if s.tb else b)
+            rows, cols = s.acc.type.shape
+            R, C = acc.shape
+        else:  # an elementwise stage: the tile space of a matrix, no GEMM
+            assert s.shape is not None
+            rows, cols = s.shape
+            R, C = extent(rows, self.dims), extent(cols, self.dims)
         k = self.block.stages.index(s)
         stores = {st.name: st.dtype for st in self.plan.stages[k].stores}
         if self.tile is None:
@@ -113,14 +117,14 @@ class Interpreter:
             tm, tn = R, C
         else:
             tm, tn = self.tile
-            self.check_tile(s, tn)
+            self.check_tile(s, cols)
             tiles = [(i, min(i + tm, R), j, min(j + tn, C)) for i in range(0, R, tm) for j in range(0, C, tn)]
         n_rt, n_ct = -(-R // tm), -(-C // tn)
         results: dict[str, np.ndarray] = {}
         bufs: dict[str, tuple[np.ndarray, str, int]] = {}
         for r0, r1, c0, c1 in tiles:
             t = _Tile(rows, cols, r0, r1, c0, c1)
-            senv: dict[str, Any] = {"acc": acc[r0:r1, c0:c1]}
+            senv: dict[str, Any] = {"acc": acc[r0:r1, c0:c1]} if acc is not None else {}
             for e in s.body:
                 vals = [self.stage_value(a, senv, t) for a in e.ins]
                 outs = self.apply(e, vals, t)
@@ -158,18 +162,18 @@ class Interpreter:
             dtype = stores.get(name) or self.plan.storage.get(name)
             self.env[name] = round_to(x, dtype, self.precision) if dtype else x
 
-    def check_tile(self, s: Stage, tn: int) -> None:
+    def check_tile(self, s: Stage, cols: Dim) -> None:
         tm, tn = self.tile  # type: ignore[misc]
         if tm < 1 or tn < 1:
             raise fail("E0805", f"tile sizes must be positive, got {tm}x{tn}")
         for e in s.body:
             for v in e.outs:
                 t = _type(v)
-                if t.kind == TILE and t.shape[1] != s.acc.type.shape[1] and tn % 2:  # type: ignore[union-attr]
+                if t.kind == TILE and t.shape[1] != cols and tn % 2:
                     raise fail("E0805", f"tile_N = {tn} is odd, but stage `{v.name}` works on column pairs")
                 if t.kind == GROUP:
-                    assert t.group is not None and s.acc.type is not None
-                    ratio = t.shape[1].coeff * t.group / s.acc.type.shape[1].coeff
+                    assert t.group is not None
+                    ratio = t.shape[1].coeff * t.group / cols.coeff
                     if (tn * ratio) % t.group:
                         raise fail("E0805", f"tile_N = {tn} splits the groups of {t.group} columns of `{v.name}`",
                                    notes=["the checker recorded this tiling constraint; see `coda check --explain`"])

@@ -87,17 +87,26 @@ class Eqn:
 
 @dataclass(frozen=True)
 class Stage:
-    """`gemm a @ b { body }`: acc = op(a) @ op(b) in f32, then the epilogue `body`."""
+    """`gemm a @ b { body }`: acc = op(a) @ op(b) in f32, then the epilogue `body`.
 
-    a: Atom
-    b: Atom
+    An elementwise stage (`elementwise [M, N] { body }`, made by autodiff where no GEMM produces a
+    cotangent) has no GEMM: `a`, `b` and `acc` are None and `shape` gives its tile space.
+    """
+
+    a: Atom | None
+    b: Atom | None
     ta: bool  # a is written transpose(a)
     tb: bool
-    acc: Var
+    acc: Var | None
     body: tuple[Eqn, ...]
+    shape: tuple[Dim, Dim] | None = None
     span: Span = _span()
     a_span: Span = _span()
     b_span: Span = _span()
+
+    @property
+    def is_gemm(self) -> bool:
+        return self.shape is None
 
 
 Stmt = Eqn | Stage

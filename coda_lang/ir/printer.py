@@ -89,9 +89,14 @@ def print_block(b: Block, *, with_dims: bool = True) -> str:
     lines.append(f"block {b.name}({', '.join(params)}) -> ({outs}) {{")
     for st in b.body:
         if isinstance(st, Stage):
-            a = f"transpose({atom_source(st.a)})" if st.ta else atom_source(st.a)
-            bb = f"transpose({atom_source(st.b)})" if st.tb else atom_source(st.b)
-            lines.append(f"  gemm {a} @ {bb} {{")
+            if st.is_gemm:
+                assert st.a is not None and st.b is not None
+                a = f"transpose({atom_source(st.a)})" if st.ta else atom_source(st.a)
+                bb = f"transpose({atom_source(st.b)})" if st.tb else atom_source(st.b)
+                lines.append(f"  gemm {a} @ {bb} {{")
+            else:
+                assert st.shape is not None
+                lines.append(f"  elementwise {shape_str(st.shape)} {{")
             lines += [f"    {eqn_source(e)}" for e in st.body]
             lines.append("  }")
         else:

@@ -27,7 +27,7 @@ from coda_lang.ir.types import (
     Type,
     shape_str,
 )
-from coda_lang.ops.registry import Ctx, OpDef, ParamSpec, axis_of, np, register
+from coda_lang.ops.registry import Ctx, OpDef, ParamSpec, axis_of, kind_name, np, register
 from coda_lang.verify.diagnostics import Mistake
 
 
@@ -52,7 +52,7 @@ def _reduce_rule(name: str, combine: str) -> Any:
                 raise Mistake("E0404", f"{name}() over `{over}`, but the vector runs over `{t.shape[0]}`")
             return (Type(dtype),)
         if t.kind != TILE:
-            raise Mistake("E0404", f"{name}() inside a stage reduces a tile, got a {t.kind}",
+            raise Mistake("E0404", f"{name}() inside a stage reduces a tile, got a {kind_name(t.kind)}",
                           notes=["reduce vectors between stages, where they are complete"])
         axis = axis_of(ctx, over, t.shape, f"{name}()")
         if group is not None:
@@ -102,9 +102,9 @@ def _pick_rule(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple
             raise Mistake("E0502", "pick() of a matrix between stages")
         raise Mistake("E0506", "pick() selects from a tile inside a stage", arg=0)
     if x.kind != TILE:
-        raise Mistake("E0506", f"pick() selects from a tile, got a {x.kind}", arg=0)
+        raise Mistake("E0506", f"pick() selects from a tile, got a {kind_name(x.kind)}", arg=0)
     if idx.kind != VEC:
-        raise Mistake("E0506", f"pick() needs a vector of indices (one per row), got a {idx.kind}", arg=1)
+        raise Mistake("E0506", f"pick() needs a vector of indices (one per row), got a {kind_name(idx.kind)}", arg=1)
     axis = axis_of(ctx, idx.shape[0], x.shape, "pick()")
     # An index per row selects along the columns, and the other way round.
     return (Type("f32" if x.dtype != "i32" else "i32", (x.shape[axis],), PARTIAL, combine="sum"),)

@@ -224,16 +224,24 @@ def _broadcast_outside(types: tuple[Type, ...], dtype: str) -> Type:
     return Type(dtype)
 
 
+_KIND_NAMES = {VEC: "vector", PARTIAL: "partial reduction", GROUP: "grouped reduction"}
+
+
+def kind_name(kind: str) -> str:
+    """A kind as messages say it: `vector`, not `vec`."""
+    return _KIND_NAMES.get(kind, kind)
+
+
 def require_tile(t: Type, what: str) -> None:
     if t.is_error:
         return
     if t.kind == MATRIX:
         raise Mistake("E0502", f"{what} on a matrix between stages")
     if t.kind != TILE:
-        raise Mistake("E0506", f"{what} needs a tile, got a {t.kind}", arg=0)
+        raise Mistake("E0506", f"{what} needs a tile, got a {kind_name(t.kind)}", arg=0)
 
 
 __all__ = [
     "GROUP", "MATRIX", "PARTIAL", "SCALAR", "TILE", "VEC", "Ctx", "OpDef", "ParamSpec", "StageShape",
-    "REGISTRY", "axis_of", "broadcast", "register", "require_tile", "resolve", "np",
+    "REGISTRY", "axis_of", "broadcast", "kind_name", "register", "require_tile", "resolve", "np",
 ]

@@ -12,8 +12,8 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Any
 
-from coda_lang.ir.types import ERROR_TYPE, TILE, VEC, Dim, Type, shape_str
-from coda_lang.ops.registry import Ctx, OpDef, np, register, require_tile
+from coda_lang.ir.types import ERROR_TYPE, SCALAR, TILE, VEC, Dim, Type, promote, shape_str
+from coda_lang.ops.registry import Ctx, OpDef, broadcast, np, register, require_tile
 from coda_lang.verify.diagnostics import Mistake
 
 
@@ -57,13 +57,16 @@ def _pairs(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Typ
 def _interleave(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type, ...]:
     if any(t.is_error for t in ins):
         return (ERROR_TYPE,)
-    for t in ins:
-        require_tile(t, "interleave()")
+    # One operand may be a scalar or vector broadcast over the other's tile (e.g. interleave(dg, 0.0)).
+    tiles = [t for t in ins if t.kind == TILE]
+    if not tiles:
+        require_tile(ins[0] if ins[0].kind != SCALAR else ins[1], "interleave()")
+        raise Mistake("E0506", "interleave() needs a tile", arg=0)
     a, b = ins
-    if a.shape != b.shape:
+    if a.kind == TILE and b.kind == TILE and a.shape != b.shape:
         raise Mistake("E0402", f"interleave() of tiles {shape_str(a.shape)} and {shape_str(b.shape)}", arg=1)
     assert ctx.stage is not None
-    rows, width = a.shape
+    rows, width = broadcast(ctx, ins, "f32").shape
     wide = width.scale(2)
     if wide not in (ctx.stage.cols, ctx.stage.cols.scale(2)):
         raise Mistake("E0505", f"interleave() would make a tile of width `{wide}` in a stage of width `{ctx.stage.cols}`")
@@ -84,6 +87,22 @@ def _interleave_impl(a: Any, b: Any) -> Any:
 
 register(OpDef("pairs", "pairs", 1, nout=2, type_rule=_pairs, locality="pair", impl=_pairs_impl))
 register(OpDef("interleave", "interleave", 2, type_rule=_interleave, locality="pair", impl=_interleave_impl))
+
+
+def _expand(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type, ...]:
+    x, like = ins
+    if x.is_error or like.is_error:
+        return (ERROR_TYPE,)
+    t = broadcast(ctx, ins, promote(x.dtype))
+    if t.shape != like.shape:
+        raise Mistake("E0402", f"expand() of a value of shape {shape_str(x.shape)} to {shape_str(like.shape)}")
+    return (t,)
+
+
+# expand(x, like): x broadcast to the shape of `like` (whose values are not read). Autodiff uses it to
+# materialize a cotangent that is a vector or scalar where a whole tile is needed.
+register(OpDef("expand", "expand", 2, type_rule=_expand, locality="pointwise",
+               impl=lambda x, like: np.broadcast_to(x, np.broadcast_shapes(np.shape(x), np.shape(like))).copy()))
 
 
 def _index_rule(axis: int) -> Any:

@@ -37,6 +37,22 @@ _INFIX_RULES = {"add": "+", "sub": "-", "mul": "*", "div": "/", "neg": "neg"}
 _CMP = {"<": "lt", "<=": "le", ">": "gt", ">=": "ge", "==": "eq", "!=": "ne"}
 _RESERVED = {"acc", "dims", "block", "gemm", "transpose"}
 
+# Functions users reach for from PyTorch that are not ops here, with how to write them instead (a
+# closest-spelling guess would mislead: `relu` is not `gelu`, `softmax` is not `max`).
+_NOT_OPS = {
+    "relu": "write `max(x, 0.0)`",
+    "softmax": "a softmax needs the complete row: compute `lse = logsumexp(x, over=N)` in the stage and "
+               "`exp(x - lse)` in a later stage's epilogue",
+    "log_softmax": "compute `lse = logsumexp(x, over=N)` in the stage and `x - lse` in a later stage's epilogue",
+    "rmsnorm": "split it: a partial `ss = sum(h * h, over=D)` in the stage that makes `h`, `r = rsqrt(ss / D + eps)` "
+               "between stages, and `acc * r` in the next GEMM's epilogue",
+    "mean": "write `sum(x, over=N) / N`",
+    "pow": "write `x * x`",
+    "square": "write `x * x`",
+    "swish": "it is called `silu`",
+    "matmul": "a matrix product is a stage: `gemm a @ b { ... }`",
+}
+
 
 def _span(file: str, node: Any) -> Span:
     meta = getattr(node, "meta", None)
@@ -57,6 +73,8 @@ class Lowerer:
         self.file = file
         self.diags = diags
         self.dims: dict[str, DimDecl] = {}
+        self.unknown_dims: set[str] = set()  # reported once per file: one missing `dims` entry, one message
+        self.bad_shapes: set[str] = set()  # likewise for a shape that is not c*X
 
     def error(self, code: str, msg: str, node: Any, label: str = "", **kw: Any) -> None:
         span = node if isinstance(node, Span) else _span(self.file, node)
@@ -91,7 +109,10 @@ class Lowerer:
                 self.error("E0105", "statement outside a block", item,
                            label="statements go inside `block name(...) -> (...) { ... }`")
         if not blocks and not any(d.code.startswith("E01") for d in self.diags):
-            self.diags.append(Diagnostic("E0106", "no block in the file", Span(self.file, 1, 1, 1, 2),
+            # Point at the last thing the file does hold (not at a leading comment), if anything.
+            last = _span(self.file, tree.children[-1]) if tree.children else Span(self.file, 1, 1, 1, 2)
+            self.diags.append(Diagnostic("E0106", "no block in the file", last,
+                                         label="the file ends after this" if tree.children else "",
                                          help=["a file holds `dims ...` and one or more `block name(...) -> (...) { ... }`"]))
         return Program(tuple(self.dims.values()), tuple(blocks), self.file)
 
@@ -102,10 +123,16 @@ class Lowerer:
         try:
             coeff, name = self._monomial(node)
         except _NotMonomial as e:
+            if e.text in self.bad_shapes:  # the same shape written again: one message
+                return None
+            self.bad_shapes.add(e.text)
             self.error("E0409", f"shape `{e.text}` is not of the form c*X", node,
                        notes=["a shape is an integer, a dim, or a dim times or divided by integers: `2*F`, `N/2`"])
             return None
         except _UnknownDim as e:
+            if e.name in self.unknown_dims:
+                return None
+            self.unknown_dims.add(e.name)
             hint = did_you_mean(e.name, list(self.dims))
             self.error("E0204", f"unknown dim `{e.name}`", e.node, label="not declared by `dims`",
                        help=[f"did you mean `{hint}`?"] if hint else [f"declare it: `dims ..., {e.name}`"])
@@ -195,6 +222,8 @@ class BlockLowerer:
         self.tmp = 0
         self.acc: Var | None = None
         self.used_dims: set[str] = set()
+        self.unknown: set[str] = set()  # names already reported as unknown (or `acc` outside a stage)
+        self.in_ew = False  # inside an `elementwise [..] { }` stage
 
     def error(self, *a: Any, **kw: Any) -> None:
         self.p.error(*a, **kw)
@@ -210,12 +239,14 @@ class BlockLowerer:
         name_tok = self.tree.children[0]
         params_nodes = [c for c in self.tree.children[1:] if getattr(c, "data", None) == "param"]
         outputs_node = next(c for c in self.tree.children if getattr(c, "data", None) == "outputs")
-        body = [c for c in self.tree.children if getattr(c, "data", None) in ("assign", "stage")]
+        body = [c for c in self.tree.children if getattr(c, "data", None) in ("assign", "stage", "ew_stage")]
         params = [p for p in (self.param(n) for n in params_nodes) if p is not None]
         outputs = [o for o in (self.output(n) for n in outputs_node.children if n is not None) if o is not None]
         stmts: list[Stmt] = []
         for item in body:
-            if item.data == "stage":
+            if item.data == "ew_stage":
+                stmts.append(self.ew_stage(item))
+            elif item.data == "stage":
                 stmts.append(self.stage(item))
             else:
                 stmts.extend(self.assign(item))
@@ -301,8 +332,27 @@ class BlockLowerer:
             if item is not None:
                 eqns.extend(self.assign(item))
         self.acc = prev
-        return Stage(a, b, ta, tb, acc, tuple(eqns), _span(self.file, node),
-                     _span(self.file, a_node), _span(self.file, b_node))
+        return Stage(a, b, ta, tb, acc, tuple(eqns), span=_span(self.file, node),
+                     a_span=_span(self.file, a_node), b_span=_span(self.file, b_node))
+
+    def ew_stage(self, node: Any) -> Stage:
+        shape_node, *body = node.children
+        dims = [self.p.shape_expr(sn) for sn in shape_node.children if sn is not None]
+        if len(dims) != 2 and all(d is not None for d in dims):
+            self.error("E0409", f"an elementwise stage runs over a matrix shape [rows, cols], got {len(dims)} dims",
+                       shape_node)
+        for d in dims:
+            if d is not None and d.name:
+                self.used_dims.add(d.name)
+        prev, self.acc, self.in_ew = self.acc, None, True
+        eqns: list[Eqn] = []
+        for item in body:
+            if item is not None:
+                eqns.extend(self.assign(item))
+        self.acc, self.in_ew = prev, False
+        shape = (dims[0], dims[1]) if len(dims) == 2 and dims[0] is not None and dims[1] is not None else None
+        return Stage(None, None, False, False, None, tuple(eqns), shape or (Dim.const(1), Dim.const(1)),
+                     span=_span(self.file, node))
 
     def operand(self, node: Any) -> tuple[Atom, bool]:
         if node.data == "operand_call":
@@ -319,6 +369,13 @@ class BlockLowerer:
         name = str(tok)
         if name == "acc":
             if self.acc is None:
+                if name in self.unknown:  # reported once per block: one mistake, one message
+                    return ErrAtom(name)
+                self.unknown.add(name)
+                if getattr(self, "in_ew", False):
+                    self.error("E0210", "`acc` in an elementwise stage", node,
+                               label="an elementwise stage has no GEMM, so no `acc`")
+                    return ErrAtom(name)
                 self.error("E0210", "`acc` outside a stage", node,
                            label="`acc` is the GEMM result, defined only inside `gemm a @ b { ... }`")
                 return ErrAtom(name)
@@ -328,6 +385,9 @@ class BlockLowerer:
         if name in self.p.dims:
             self.used_dims.add(name)
             return DimRef(Dim.sym(name))
+        if name in self.unknown:  # reported once per block: one mistake, one message
+            return ErrAtom(name)
+        self.unknown.add(name)
         hint = did_you_mean(name, list(self.scope) + list(self.p.dims) + (["acc"] if self.acc else []))
         self.error("E0201", f"unknown name `{name}`", node, label="not defined before this use",
                    help=[f"did you mean `{hint}`?"] if hint else [])
@@ -411,8 +471,8 @@ class BlockLowerer:
         if not candidates or fn in ("add", "sub", "mul", "div", "neg", "copy") or not fn.isidentifier():
             hint = did_you_mean(fn, [n for n in registry.call_names() if n not in ("copy",)])
             extra = ["`transpose` is written only on GEMM operands: `gemm a @ transpose(b)`"] if fn == "transpose" else []
-            self.error("E0203", f"unknown op `{fn}`", fn_tok,
-                       help=[f"did you mean `{hint}`?"] if hint else [], notes=extra)
+            hlp = [f"`{fn}` is not an op: {_NOT_OPS[fn]}"] if fn in _NOT_OPS else [f"did you mean `{hint}`?"] if hint else []
+            self.error("E0203", f"unknown op `{fn}`", fn_tok, help=hlp, notes=extra)
             for a in pos:
                 self.atom(a, out)
             return None

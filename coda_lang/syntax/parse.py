@@ -23,13 +23,18 @@ _TOKEN_NAMES = {
     "LBRACE": "`{`", "RBRACE": "`}`", "LSQB": "`[`", "RSQB": "`]`", "COMMA": "`,`", "COLON": "`:`",
     "EQUAL": "`=`", "SEMICOLON": "`;`", "PLUS": "`+`", "MINUS": "`-`", "STAR": "`*`", "SLASH": "`/`",
     "AT": "`@`", "CMP_OP": "a comparison", "GEMM": "`gemm`", "BLOCK": "`block`", "DIMS": "`dims`",
+    "ELEMENTWISE": "`elementwise`",
     "__ANON_0": "`->`", "$END": "end of file", "MORETHAN": "`>`", "LESSTHAN": "`<`",
 }
 
 # Named syntax errors: (code, message, help, examples that produce the same parser state).
+# lark compares parser states by stack depth, so each example comes with and without items before
+# it (`dims ...`), and with zero, one, several parameters and a trailing comma.
+_SIGNATURES = ["block f() {", "block f(x: f32) {", "block f(x: f32[M], y: f32) {", "block f(x: f32,) {",
+               "block f(x: f32, y: f32,) {"]
 _NAMED: list[tuple[str, str, str, list[str]]] = [
     ("E0104", "block signature lacks its output list", "write the outputs after `->`, e.g. `-> (out: bf16[M, N])`",
-     ["block f(x: f32) {", "block f() {", "block f(x: f32[M], y: f32) {"]),
+     _SIGNATURES + ["dims M\n" + s for s in _SIGNATURES]),
 ]
 
 
@@ -74,7 +79,9 @@ def parse(text: str, file: str) -> tuple[Any | None, Diagnostic | None]:
             span = Span(file, line, col, line, col + 1)
             return None, Diagnostic("E0102", f"unexpected character `{ch}`", span, label="not part of the language")
         if isinstance(e, UnexpectedEOF) or (isinstance(e, UnexpectedToken) and e.token.type == "$END"):
-            lines = text.splitlines() or [""]
+            lines = text.split("\n")  # lark counts lines by "\n" only (not "\r", "\f", "\u2028", ...)
+            if len(lines) > 1 and not lines[-1]:
+                lines.pop()  # point at the last line, not past the final newline
             last = len(lines)
             span = Span(file, last, len(lines[-1]) + 1, last, len(lines[-1]) + 2)
             exp = _expected(getattr(e, "expected", set()) or set())

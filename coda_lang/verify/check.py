@@ -40,12 +40,17 @@ from coda_lang.ir.types import (
     shape_str,
 )
 from coda_lang.ops import REGISTRY, Ctx, StageShape
+from coda_lang.ops.registry import kind_name
 from coda_lang.verify.diagnostics import Diagnostic, Mistake
 from coda_lang.verify.plan import BlockPlan, Load, Reduction, StagePlan, Store
 
 
 def _stage_text(st: Stage) -> str:
-    def opnd(a: Atom, t: bool) -> str:
+    if not st.is_gemm:
+        assert st.shape is not None
+        return f"elementwise {shape_str(st.shape)}"
+
+    def opnd(a: Atom | None, t: bool) -> str:
         name = a.name if isinstance(a, Var) else getattr(a, "text", "?")
         return f"transpose({name})" if t else name
 
@@ -61,6 +66,8 @@ class Checker:
         self.stage_local: set[str] = set()  # vectors/scalars computed in a stage (can't leave it)
         self.typed: dict[str, Var] = {}
         self.reported_partials: set[str] = set()
+        self.reported: set[tuple[str, str, str, int]] = set()
+        self.tainted: set[str] = set()  # computed in a stage from a partial used there too early
         self.divisors: dict[str, int] = {}
         self.values = {d.name: d.value for d in block.dims if d.value is not None}
         for t in [p.var.type for p in block.params] + [o.type for o in block.outputs]:
@@ -74,10 +81,18 @@ class Checker:
     # ------------------------------------------------------------------ helpers
 
     def error(self, code: str, msg: str, span: Span, label: str = "", **kw: Any) -> None:
+        # One message per mistake: the same error again on the same line is a cascade (e.g. four
+        # products in one RoPE statement that all meet the same mis-shaped angle tile).
+        key = (code, msg, span.file, span.line)
+        if key in self.reported:
+            return
+        self.reported.add(key)
         self.diags.append(Diagnostic(code, msg, span, label=label, **kw))
 
     def _activation(self) -> str:
         for st in self.block.stages:
+            if not st.is_gemm:
+                continue
             if isinstance(st.a, Var):
                 for p in self.block.params:
                     if p.var.name == st.a.name and p.var.type is not None and is_float(p.var.type.dtype):
@@ -143,7 +158,7 @@ class Checker:
         if atom.name in self.stage_local and not here:
             j = self.defined_in[atom.name]
             self.error("E0504", f"`{atom.name}` is computed inside stage {j + 1} and can't be used after it", span,
-                       label=f"a {t.kind} computed in a stage's epilogue",
+                       label=f"a {kind_name(t.kind)} computed in a stage's epilogue",
                        help=["compute it between stages instead, from vectors and scalars"])
             self.stage_local.discard(atom.name)  # one message per value
             self.env[atom.name] = ERROR_TYPE
@@ -197,8 +212,17 @@ class Checker:
         ctx = ctx or Ctx(stage, self.divisors, self.values)
         outs: tuple[Type, ...] = (ERROR_TYPE,) * op.nout
         partial = next((i for i, (a, t) in enumerate(zip(e.ins, ins, strict=True)) if t.kind == PARTIAL), None)
+        # A value computed from a misused partial keeps its type (so later statements and stages are still
+        # checked) but is exempt from further locality complaints: one mistake, one message.
+        tainted = partial is not None or any(isinstance(a, Var) and a.name in self.tainted for a in e.ins)
         if partial is not None:
             self.partial_in_stage(e, partial, spans[partial], k, body)
+            completed = tuple(t.with_kind(VEC if t.shape else SCALAR) if t.kind == PARTIAL else t for t in ins)
+            if not any(t.is_error for t in completed):
+                try:
+                    outs = op.type_rule(ctx, completed, dict(e.params))  # type: ignore[misc]
+                except Mistake:
+                    pass  # the results stay poisoned
         elif not any(t.is_error for t in ins):
             params = dict(e.params)
             try:
@@ -215,7 +239,9 @@ class Checker:
             self.env[v.name] = t
             if stage is not None:
                 self.defined_in[v.name] = k
-                if t.kind in (VEC, SCALAR):
+                if tainted:
+                    self.tainted.add(v.name)
+                elif t.kind in (VEC, SCALAR):
                     self.stage_local.add(v.name)
             nv = Var(v.name, t, v.annot)
             self.typed[v.name] = nv
@@ -290,9 +316,20 @@ class Checker:
                 continue
             others = [a for a, h in zip(e.ins, hit, strict=True) if not h]
             if e.op in ("mul", "div") and any(isinstance(a, Var) and self.is_tile_like(a) for a in others):
-                return e.outs[0].name
+                return self.named_result(e, body)
             derived.update(v.name for v in e.outs)
         return None
+
+    @staticmethod
+    def named_result(e: Eqn, body: tuple[Eqn, ...]) -> str:
+        """The user's name for the result of `e`: follows temporaries (`_tN`) to the statement they end in."""
+        name = e.outs[0].name
+        for later in body[body.index(e) + 1:]:
+            if not name.startswith("_t"):
+                break
+            if any(isinstance(a, Var) and a.name == name for a in later.ins):
+                name = later.outs[0].name
+        return name
 
     def is_tile_like(self, a: Var) -> bool:
         if a.name == "acc":
@@ -303,9 +340,14 @@ class Checker:
     # ------------------------------------------------------------------ stages
 
     def stage(self, s: Stage, k: int) -> tuple[Stage, StagePlan]:
-        ta = self.use(s.a, s.a_span, None, k)
-        tb = self.use(s.b, s.b_span, None, k)
-        shape = self.gemm_shape(s, ta, tb)
+        if s.is_gemm:
+            assert s.a is not None and s.b is not None
+            ta = self.use(s.a, s.a_span, None, k)
+            tb = self.use(s.b, s.b_span, None, k)
+            shape = self.gemm_shape(s, ta, tb)
+        else:  # an elementwise stage: no GEMM, no acc
+            assert s.shape is not None
+            shape = (s.shape[0], s.shape[1], Dim.const(0))
         rows, cols, kdim = shape if shape else (Dim.const(1), Dim.const(1), Dim.const(1))
         st = StageShape(rows, cols)
         self.acc_var = Var("acc", Type("f32", (rows, cols), TILE) if shape else ERROR_TYPE)
@@ -318,7 +360,7 @@ class Checker:
         del self.env["acc"]
         typed_a = self.typed.get(s.a.name, s.a) if isinstance(s.a, Var) else s.a
         typed_b = self.typed.get(s.b.name, s.b) if isinstance(s.b, Var) else s.b
-        return replace(s, a=typed_a, b=typed_b, acc=self.acc_var, body=body), plan
+        return replace(s, a=typed_a, b=typed_b, acc=self.acc_var if s.is_gemm else None, body=body), plan
 
     def poison(self, e: Eqn, k: int) -> Eqn:
         outs = tuple(Var(v.name, ERROR_TYPE, v.annot) for v in e.outs)
@@ -333,7 +375,7 @@ class Checker:
             if t.is_error:
                 ok = False
             elif t.kind != MATRIX:
-                self.error("E0407", f"the {name} GEMM operand is a {t.kind}, not a matrix", span,
+                self.error("E0407", f"the {name} GEMM operand is a {kind_name(t.kind)}, not a matrix", span,
                            label=f"{t.dtype}{shape_str(t.shape)}")
                 ok = False
             elif not is_float(t.dtype):
@@ -341,17 +383,22 @@ class Checker:
                 ok = False
         if not ok:
             return None
+        # The primary span covers `a @ b` (a stage's own span runs to its closing brace).
+        gemm_span = Span(s.a_span.file, s.a_span.line, s.a_span.col, s.b_span.end_line, s.b_span.end_col)
         if ta.dtype != tb.dtype:
-            self.error("E0305", f"GEMM operands have different dtypes: {ta.dtype} and {tb.dtype}", s.span,
-                       related=[(s.a_span, ta.dtype), (s.b_span, tb.dtype)],
+            self.error("E0305", f"GEMM operands have different dtypes: {ta.dtype} and {tb.dtype}", gemm_span,
+                       label=f"{ta.dtype} @ {tb.dtype}",
                        help=["annotate the stored tile with the weight's dtype, e.g. `h: bf16 = ...`"])
             return None
         r, ka = (ta.shape[1], ta.shape[0]) if s.ta else ta.shape
         kb, c = (tb.shape[1], tb.shape[0]) if s.tb else tb.shape
         if ka != kb:
-            self.error("E0401", f"GEMM inner dimensions differ: `{ka}` and `{kb}`", s.span,
-                       related=[(s.a_span, f"{shape_str(ta.shape)}{' transposed' if s.ta else ''}"),
-                                (s.b_span, f"{shape_str(tb.shape)}{' transposed' if s.tb else ''}")])
+            hlp = []
+            if not s.tb and tb.shape[1] == ka:
+                hlp = [f"to multiply by the transpose of the right operand, write `{_stage_text(replace(s, tb=True))}`"]
+            self.error("E0401", f"GEMM inner dimensions differ: `{ka}` and `{kb}`", gemm_span,
+                       label=f"{shape_str(ta.shape)}{' transposed' if s.ta else ''} @ "
+                             f"{shape_str(tb.shape)}{' transposed' if s.tb else ''}", help=hlp)
             return None
         return r, c, ka
 
@@ -415,7 +462,7 @@ class Checker:
             return o
         if o.name in self.stage_local:
             j = self.defined_in[o.name]
-            self.error("E0504", f"output `{o.name}` is a {t.kind} computed inside stage {j + 1}", o.span,
+            self.error("E0504", f"output `{o.name}` is a {kind_name(t.kind)} computed inside stage {j + 1}", o.span,
                        help=["compute it between stages instead"])
             return o
         if t.shape != o.type.shape:

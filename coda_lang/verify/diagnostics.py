@@ -100,11 +100,12 @@ class Mistake(Exception):
 def _line(src: str | None, n: int) -> str | None:
     if src is None:
         return None
-    lines = src.splitlines()
-    return lines[n - 1] if 1 <= n <= len(lines) else None
+    lines = src.split("\n")  # as lark counts lines: "\r", "\f", "\u2028" ... don't end one
+    return lines[n - 1].rstrip("\r") if 1 <= n <= len(lines) else None
 
 
-def _snippet(span: Span, label: str, src: str | None, gutter: int) -> list[str]:
+def _snippet(span: Span, label: str, src: str | None, gutter: int, mark: str = "^",
+             show_line: bool = True) -> list[str]:
     text = _line(src, span.line)
     pad = " " * gutter
     if text is None:
@@ -112,8 +113,9 @@ def _snippet(span: Span, label: str, src: str | None, gutter: int) -> list[str]:
     text = text.replace("\t", " ")
     start = max(span.col, 1)
     end = span.end_col if span.end_line == span.line and span.end_col > start else len(text) + 1
-    carets = "^" * max(1, min(end, len(text) + 1) - start)
-    out = [f"{str(span.line).rjust(gutter)} | {text}", f"{pad} | {' ' * (start - 1)}{carets}"]
+    carets = mark * max(1, min(end, len(text) + 1) - start)
+    out = [f"{str(span.line).rjust(gutter)} | {text}"] if show_line else []
+    out.append(f"{pad} | {' ' * (start - 1)}{carets}")
     if label:
         out[-1] += f" {label}"
     return out
@@ -132,10 +134,15 @@ def render(d: Diagnostic, sources: dict[str, str], fmt: str = "human") -> str:
     pad = " " * gutter
     lines = [head, f"{pad}--> {d.span}", f"{pad} |"]
     lines += _snippet(d.span, d.label, sources.get(d.span.file), gutter)
-    for span, label in d.related:
+    prev = d.span
+    for span, label in d.related:  # secondary spans, marked `-` as in rustc
         if span.file != d.span.file:
             lines.append(f"{pad}::: {span}")
-        lines += [f"{pad} |"] + _snippet(span, label, sources.get(span.file), gutter)
+        if (span.file, span.line) == (prev.file, prev.line):  # same source line: only another marker line
+            lines += _snippet(span, label, sources.get(span.file), gutter, "-", show_line=False)
+        else:
+            lines += [f"{pad} |"] + _snippet(span, label, sources.get(span.file), gutter, "-")
+        prev = span
     if d.notes or d.help:
         lines.append(f"{pad} |")
     lines += [f"{pad} = note: {n}" for n in d.notes]

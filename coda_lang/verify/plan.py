@@ -79,7 +79,10 @@ def _source(eqns: tuple[Eqn, ...]) -> list[str]:
 def explain(plan: BlockPlan) -> str:
     b = plan.block
     dims = ", ".join(d.name for d in b.dims)
-    lines = [f"block {b.name}: {len(plan.stages)} GEMM stage{'s' * (len(plan.stages) != 1)}, "
+    n_ew = sum(1 for sp in plan.stages if sp.text.startswith("elementwise"))
+    n_gemm = len(plan.stages) - n_ew
+    ew = f" + {n_ew} elementwise stage{'s' * (n_ew != 1)}" if n_ew else ""
+    lines = [f"block {b.name}: {n_gemm} GEMM stage{'s' * (n_gemm != 1)}{ew}, "
              f"{plan.vector_computations} vector computation{'s' * (plan.vector_computations != 1)} between stages "
              f"(activations {plan.activation}; dims {dims})"]
     for k, sp in enumerate(plan.stages):
@@ -88,7 +91,11 @@ def explain(plan: BlockPlan) -> str:
             where = "before stage 1" if k == 0 else f"between stages {k} and {k + 1}"
             lines.append(f"  {where}: vector computation")
             lines += [f"      {t}" for t in _source(pre)]
-        lines.append(f"  stage {sp.index} (line {sp.line}): {sp.text} -> acc f32{shape_str((sp.rows, sp.cols))}, K = {sp.k}")
+        if sp.text.startswith("elementwise"):
+            lines.append(f"  stage {sp.index} (line {sp.line}): {sp.text}: tiles of a {shape_str((sp.rows, sp.cols))} matrix, "
+                         "no GEMM (a memory-bound kernel)")
+        else:
+            lines.append(f"  stage {sp.index} (line {sp.line}): {sp.text} -> acc f32{shape_str((sp.rows, sp.cols))}, K = {sp.k}")
         for ld in sp.loads:
             lines.append(f"    load    {ld.name}: {ld.dtype}{shape_str(ld.shape) if ld.shape else ''} {ld.role}")
         for st in sp.stores:
