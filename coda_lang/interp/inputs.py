@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from coda_lang.interp.numerics import compute_dtype, round_to
-from coda_lang.ir.nodes import Block
+from coda_lang.ir.nodes import Block, Var
 from coda_lang.ir.types import Dim, is_float, shape_str
 from coda_lang.verify.diagnostics import CodaError, Diagnostic
 
@@ -72,17 +72,17 @@ def infer_dims(block: Block, shapes: dict[str, tuple[int, ...]], dims: dict[str,
         if len(shape) != len(t.shape):
             raise fail("E0802", f"input `{p.var.name}` has shape {tuple(shape)}, but it is declared "
                        f"{t.dtype}{shape_str(t.shape) if t.shape else ' (a scalar)'}")
-        for axis, (d, n) in enumerate(zip(t.shape, shape, strict=True)):
-            _solve(d, n, out, f"axis {axis} of input `{p.var.name}`", given)
+        for axis, (ext, n) in enumerate(zip(t.shape, shape, strict=True)):
+            _solve(ext, n, out, f"axis {axis} of input `{p.var.name}`", given)
     missing = [d.name for d in block.dims if d.name not in out]
     if missing:
         raise fail("E0804", f"dims {', '.join(missing)} can't be inferred from the inputs; give them (dims={{...}})")
     # Every declared extent must be a positive integer for these dims (X/2 needs an even X).
     for p in block.params:
-        for d in p.var.type.shape if p.var.type else ():
-            v = d.evaluate(out)
+        for ext in p.var.type.shape if p.var.type else ():
+            v = ext.evaluate(out)
             if v.denominator != 1 or v <= 0:
-                raise fail("E0804", f"parameter `{p.var.name}` has extent {d} = {v} for these dims")
+                raise fail("E0804", f"parameter `{p.var.name}` has extent {ext} = {v} for these dims")
     return out
 
 
@@ -120,9 +120,8 @@ def bind(block: Block, inputs: dict[str, Any], dims: dict[str, int] | None, prec
         a = arrays[p.var.name]
         kind = a.dtype.kind
         if is_float(t.dtype):
-            if kind not in "fV" and not (kind in "iu" and a.ndim == 0):
-                if a.dtype.name != "bfloat16":
-                    raise fail("E0803", f"input `{p.var.name}` is {a.dtype}, but it is declared {t.dtype}")
+            if kind not in "fV" and not (kind in "iu" and a.ndim == 0) and a.dtype.name != "bfloat16":
+                raise fail("E0803", f"input `{p.var.name}` is {a.dtype}, but it is declared {t.dtype}")
             x = a.astype(compute_dtype("f32", precision))
             env[p.var.name] = round_to(x, t.dtype, precision)
         else:
@@ -142,12 +141,12 @@ def random_inputs(block: Block, dims: dict[str, int], seed: int = 0) -> dict[str
     rhs: dict[str, Dim] = {}
     pick_range: dict[str, Dim] = {}
     for st in block.stages:
-        for operand, t in ((st.b, st.tb),):
-            if hasattr(operand, "type") and operand.type is not None:
-                rhs[operand.name] = operand.type.shape[1 if t else 0]
+        if isinstance(st.b, Var) and st.b.type is not None:
+            rhs[st.b.name] = st.b.type.shape[1 if st.tb else 0]
         for e in st.body:
-            if e.op == "pick" and hasattr(e.ins[1], "name") and e.ins[0].type is not None:
-                pick_range[e.ins[1].name] = e.ins[0].type.shape[1]
+            src, idx = (e.ins + (None, None))[:2]
+            if e.op == "pick" and isinstance(idx, Var) and isinstance(src, Var) and src.type is not None:
+                pick_range[idx.name] = src.type.shape[1]
     out: dict[str, np.ndarray] = {}
     for p in block.params:
         t = p.var.type

@@ -202,7 +202,7 @@ class Interpreter:
         params = dict(e.params)
         if op.locality == "pointwise" or op.locality == "pair":
             if outs_t[0].kind == TILE:
-                vals = [np.repeat(x, _type(a).group, axis=1) if _type(a).kind == GROUP else x
+                vals = [np.repeat(x, _type(a).group or 1, axis=1) if _type(a).kind == GROUP else x
                         for a, x in zip(e.ins, vals, strict=True)]
             kw: dict[str, Any] = {k: v for k, v in params.items() if not isinstance(v, Dim)}
             if op.name == "cast":
@@ -215,7 +215,7 @@ class Interpreter:
             if t is None:
                 res = op.impl(np.asarray(x), 0)
             elif group is not None:
-                g = int(group)
+                g = int(group)  # type: ignore[arg-type]
                 res = op.impl(x.reshape(x.shape[0], x.shape[1] // g, g), 2)
             else:
                 xt = _type(e.ins[0])
