@@ -62,20 +62,30 @@ def _cast(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type
 
 
 def _pointwise(name: str, surface: str, nin: int, rule: Any, impl: Any, *, infix: str | None = None,
-               differentiable: bool = True, params: tuple[ParamSpec, ...] = ()) -> OpDef:
+               differentiable: bool = True, params: tuple[ParamSpec, ...] = (), vjp: Any = None) -> OpDef:
     return register(OpDef(name, surface, nin, type_rule=rule, locality="pointwise", impl=impl,
-                          infix=infix, differentiable=differentiable, params=params))
+                          infix=infix, differentiable=differentiable, params=params, vjp=vjp))
+
+
+# VJP rules: `vjp(b, p, ct)` returns one cotangent per input (None: no gradient), written with other
+# ops through the builder `b` (coda_lang/autodiff/builder.py); `p.x[i]` / `p.y[i]` are the primal
+# inputs / outputs, loaded or recomputed on demand. Broadcasting is undone centrally by autodiff.
 
 
 # Arithmetic (infix). Integer operands stay integer except for `/`.
-_pointwise("add", "add", 2, _arith, lambda a, b: a + b, infix="+")
-_pointwise("sub", "sub", 2, _arith, lambda a, b: a - b, infix="-")
-_pointwise("mul", "mul", 2, _arith, lambda a, b: a * b, infix="*")
-_pointwise("div", "div", 2, _floating, lambda a, b: a / b, infix="/")
-_pointwise("neg", "neg", 1, _arith, lambda a: -a, infix="neg")
-_pointwise("maximum", "max", 2, _arith, lambda a, b: np.maximum(a, b))
-_pointwise("minimum", "min", 2, _arith, lambda a, b: np.minimum(a, b))
-_pointwise("abs", "abs", 1, _arith, lambda a: np.abs(a))
+_pointwise("add", "add", 2, _arith, lambda a, b: a + b, infix="+", vjp=lambda b, p, ct: [ct, ct])
+_pointwise("sub", "sub", 2, _arith, lambda a, b: a - b, infix="-", vjp=lambda b, p, ct: [ct, b.neg(ct)])
+_pointwise("mul", "mul", 2, _arith, lambda a, b: a * b, infix="*",
+           vjp=lambda b, p, ct: [b.mul(ct, p.x[1]), b.mul(ct, p.x[0])])
+_pointwise("div", "div", 2, _floating, lambda a, b: a / b, infix="/",
+           vjp=lambda b, p, ct: [b.div(ct, p.x[1]), b.neg(b.div(b.mul(ct, p.y[0]), p.x[1]))])
+_pointwise("neg", "neg", 1, _arith, lambda a: -a, infix="neg", vjp=lambda b, p, ct: [b.neg(ct)])
+_pointwise("maximum", "max", 2, _arith, lambda a, b: np.maximum(a, b),
+           vjp=lambda b, p, ct: _select(b, b.op("ge", p.x[0], p.x[1]), ct))
+_pointwise("minimum", "min", 2, _arith, lambda a, b: np.minimum(a, b),
+           vjp=lambda b, p, ct: _select(b, b.op("le", p.x[0], p.x[1]), ct))
+_pointwise("abs", "abs", 1, _arith, lambda a: np.abs(a),
+           vjp=lambda b, p, ct: [b.where(b.op("ge", p.x[0], b.lit(0.0)), ct, b.neg(ct))])
 
 # Comparisons give a bool, usable only as the condition of where().
 for _name, _sym, _fn in [
@@ -85,7 +95,28 @@ for _name, _sym, _fn in [
 ]:
     _pointwise(_name, _name, 2, _compare, _fn, infix=_sym, differentiable=False)
 
-_pointwise("where", "where", 3, _where, lambda c, a, b: np.where(c, a, b))
+_pointwise("where", "where", 3, _where, lambda c, a, b: np.where(c, a, b),
+           vjp=lambda b, p, ct: [None, b.where(p.x[0], ct, b.lit(0.0)), b.where(p.x[0], b.lit(0.0), ct)])
+
+
+def _select(b: Any, first: Any, ct: Any) -> list[Any]:
+    """Cotangents of max/min: the chosen operand gets ct (ties go to the first)."""
+    return [b.where(first, ct, b.lit(0.0)), b.where(first, b.lit(0.0), ct)]
+
+
+def _silu_vjp(b: Any, x: Any, ct: Any) -> Any:
+    s = b.op("sigmoid", x)  # silu'(x) = s * (1 + x * (1 - s))
+    return b.mul(ct, b.mul(s, b.add(b.lit(1.0), b.mul(x, b.sub(b.lit(1.0), s)))))
+
+
+def _gelu_vjp(b: Any, x: Any, ct: Any) -> Any:
+    # gelu(x) = x/2 (1 + t), t = tanh(c (x + k x^3)); gelu' = (1 + t)/2 + x/2 (1 - t^2) c (1 + 3k x^2)
+    x2 = b.mul(x, x)
+    t = b.op("tanh", b.mul(b.lit(_GELU_C), b.mul(x, b.add(b.lit(1.0), b.mul(b.lit(0.044715), x2)))))
+    d1 = b.mul(b.lit(0.5), b.add(b.lit(1.0), t))
+    d2 = b.mul(b.mul(b.lit(0.5 * _GELU_C), x), b.mul(b.sub(b.lit(1.0), b.mul(t, t)),
+                                                        b.add(b.lit(1.0), b.mul(b.lit(3 * 0.044715), x2))))
+    return b.mul(ct, b.add(d1, d2))
 
 
 def _sigmoid(x: Any) -> Any:
@@ -97,22 +128,27 @@ def _sigmoid(x: Any) -> Any:
 _GELU_C = math.sqrt(2.0 / math.pi)
 
 # Math functions: float in, f32 out.
-_pointwise("exp", "exp", 1, _floating, lambda x: np.exp(x))
-_pointwise("log", "log", 1, _floating, lambda x: np.log(x))
-_pointwise("sqrt", "sqrt", 1, _floating, lambda x: np.sqrt(x))
-_pointwise("rsqrt", "rsqrt", 1, _floating, lambda x: 1 / np.sqrt(x))
-_pointwise("tanh", "tanh", 1, _floating, lambda x: np.tanh(x))
-_pointwise("sigmoid", "sigmoid", 1, _floating, _sigmoid)
-_pointwise("silu", "silu", 1, _floating, lambda x: x * _sigmoid(x))
+_pointwise("exp", "exp", 1, _floating, lambda x: np.exp(x), vjp=lambda b, p, ct: [b.mul(ct, p.y[0])])
+_pointwise("log", "log", 1, _floating, lambda x: np.log(x), vjp=lambda b, p, ct: [b.div(ct, p.x[0])])
+_pointwise("sqrt", "sqrt", 1, _floating, lambda x: np.sqrt(x),
+           vjp=lambda b, p, ct: [b.div(b.mul(ct, b.lit(0.5)), p.y[0])])
+_pointwise("rsqrt", "rsqrt", 1, _floating, lambda x: 1 / np.sqrt(x),  # d/dx x^-1/2 = -y^3 / 2
+           vjp=lambda b, p, ct: [b.mul(b.mul(ct, b.lit(-0.5)), b.mul(p.y[0], b.mul(p.y[0], p.y[0])))])
+_pointwise("tanh", "tanh", 1, _floating, lambda x: np.tanh(x),
+           vjp=lambda b, p, ct: [b.mul(ct, b.sub(b.lit(1.0), b.mul(p.y[0], p.y[0])))])
+_pointwise("sigmoid", "sigmoid", 1, _floating, _sigmoid,
+           vjp=lambda b, p, ct: [b.mul(ct, b.mul(p.y[0], b.sub(b.lit(1.0), p.y[0])))])
+_pointwise("silu", "silu", 1, _floating, lambda x: x * _sigmoid(x), vjp=lambda b, p, ct: [_silu_vjp(b, p.x[0], ct)])
 def _gelu(x: Any) -> Any:
     x = np.asarray(x)
     c, k = x.dtype.type(_GELU_C), x.dtype.type(0.044715)
     return 0.5 * x * (1 + np.tanh(c * (x + k * x * x * x)))
 
 
-_pointwise("gelu", "gelu", 1, _floating, _gelu)
-_pointwise("sin", "sin", 1, _floating, lambda x: np.sin(x))
-_pointwise("cos", "cos", 1, _floating, lambda x: np.cos(x))
+_pointwise("gelu", "gelu", 1, _floating, _gelu, vjp=lambda b, p, ct: [_gelu_vjp(b, p.x[0], ct)])
+_pointwise("sin", "sin", 1, _floating, lambda x: np.sin(x), vjp=lambda b, p, ct: [b.mul(ct, b.op("cos", p.x[0]))])
+_pointwise("cos", "cos", 1, _floating, lambda x: np.cos(x),
+           vjp=lambda b, p, ct: [b.neg(b.mul(ct, b.op("sin", p.x[0])))])
 
 def _cast_impl(x: Any, dtype: str, precision: str = "exact") -> Any:
     """Round to `dtype` (no-op for floats in the f64 gradient-check precision); i32 truncates."""
@@ -124,8 +160,10 @@ def _cast_impl(x: Any, dtype: str, precision: str = "exact") -> Any:
     return round_to(x.astype(np.float64 if precision == "f64" else np.float32), dtype, precision)
 
 
-# cast(x, bf16): rounds to the dtype (the value is still computed in f32 afterwards).
+# cast(x, bf16): rounds to the dtype (the value is still computed in f32 afterwards). Its VJP passes the
+# cotangent straight through (a cast to i32 has none).
 _pointwise("cast", "cast", 1, _cast, _cast_impl,
+           vjp=lambda b, p, ct: [None if p.param("dtype") == "i32" else ct],
            params=(ParamSpec("dtype", "dtype", required=True, positional=True),),
            differentiable=True)
 
@@ -140,4 +178,4 @@ def _copy(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type
 
 
 # `y = x`: a named copy (an output that is exactly `acc`, an alias of a parameter).
-_pointwise("copy", "copy", 1, _copy, lambda x: x, infix="=")
+_pointwise("copy", "copy", 1, _copy, lambda x: x, infix="=", vjp=lambda b, p, ct: [ct])

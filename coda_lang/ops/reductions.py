@@ -47,14 +47,18 @@ def _reduce_rule(name: str, combine: str) -> Any:
             if group is not None:
                 raise Mistake("E0408", "group= is for reductions over the columns of a tile inside a stage")
             if t.kind != VEC:
-                raise Mistake("E0404", f"{name}() of a scalar")
+                raise Mistake("E0404", f"{name}() of a scalar", arg=0)
             if t.shape[0] != over:
-                raise Mistake("E0404", f"{name}() over `{over}`, but the vector runs over `{t.shape[0]}`")
+                raise Mistake("E0404", f"{name}() over `{over}`, but the vector runs over `{t.shape[0]}`", arg=0)
             return (Type(dtype),)
         if t.kind != TILE:
-            raise Mistake("E0404", f"{name}() inside a stage reduces a tile, got a {kind_name(t.kind)}",
+            raise Mistake("E0404", f"{name}() inside a stage reduces a tile, got a {kind_name(t.kind)}", arg=0,
                           notes=["reduce vectors between stages, where they are complete"])
-        axis = axis_of(ctx, over, t.shape, f"{name}()")
+        try:
+            axis = axis_of(ctx, over, t.shape, f"{name}()")
+        except Mistake as m:  # point at the reduced operand
+            m.arg = 0 if m.arg is None else m.arg
+            raise
         if group is not None:
             if axis != 1:
                 raise Mistake("E0408", "group= reduces runs of adjacent columns; this reduction is over the rows")
@@ -83,12 +87,26 @@ def _reduce_impl(fn: str) -> Any:
     return impl
 
 
+def _reduce_vjp(fn: str) -> Any:
+    """The cotangent of a reduction broadcasts back over what it reduced (by kind: a row vector
+    over the tile's columns, a group over its columns, a scalar over a vector)."""
+
+    def vjp(b: Any, p: Any, ct: Any) -> list[Any]:
+        if fn == "sum":
+            return [ct]
+        if fn == "logsumexp":  # the softmax
+            return [b.mul(ct, b.op("exp", b.sub(p.x[0], p.y[0])))]
+        return [b.where(b.op("eq", p.x[0], p.y[0]), ct, b.lit(0.0))]  # max, min: the arg-max gets it
+
+    return vjp
+
+
 REDUCE_PARAMS = (ParamSpec("over", "dim", required=True), ParamSpec("group", "int"))
 for _surface, _fn, _combine in [("sum", "sum", "sum"), ("max", "max", "max"), ("min", "min", "min"),
                                 ("logsumexp", "logsumexp", "lse")]:
     register(OpDef(f"reduce_{_surface}", _surface, 1, type_rule=_reduce_rule(_surface, _combine),
                    locality="reduce", params=REDUCE_PARAMS, combine=_combine, impl=_reduce_impl(_fn),
-                   differentiable=_surface in ("sum", "logsumexp", "max", "min")))
+                   vjp=_reduce_vjp(_surface)))
 
 
 def _pick_rule(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type, ...]:
@@ -123,7 +141,14 @@ def _pick_impl(x: Any, idx: Any, axis: int, start: int = 0) -> Any:
     return np.where(ok, got, 0).astype(x.dtype)
 
 
+def _pick_vjp(b: Any, p: Any, ct: Any) -> list[Any]:
+    """d x = onehot(idx) * ct: where the tile's column (or row) index equals the index."""
+    per_row = b.type_of(p.x[1]).shape[0] == b.stage.rows
+    index = b.op("col_index" if per_row else "row_index")
+    return [b.where(b.op("eq", index, p.x[1]), ct, b.lit(0.0)), None]
+
+
 register(OpDef("pick", "pick", 2, type_rule=_pick_rule, locality="gather", combine="sum",
-               impl=_pick_impl))
+               impl=_pick_impl, vjp=_pick_vjp))
 
 _ = (SCALAR, shape_str)

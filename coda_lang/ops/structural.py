@@ -85,8 +85,18 @@ def _interleave_impl(a: Any, b: Any) -> Any:
     return out
 
 
-register(OpDef("pairs", "pairs", 1, nout=2, type_rule=_pairs, locality="pair", impl=_pairs_impl))
-register(OpDef("interleave", "interleave", 2, type_rule=_interleave, locality="pair", impl=_interleave_impl))
+def _pairs_vjp(b: Any, p: Any, ct: list[Any]) -> list[Any]:
+    zero = b.lit(0.0)
+    return [b.op("interleave", ct[0] if ct[0] is not None else zero, ct[1] if ct[1] is not None else zero)]
+
+
+def _interleave_vjp(b: Any, p: Any, ct: Any) -> list[Any]:
+    return list(b.ops("pairs", ct))
+
+
+register(OpDef("pairs", "pairs", 1, nout=2, type_rule=_pairs, locality="pair", impl=_pairs_impl, vjp=_pairs_vjp))
+register(OpDef("interleave", "interleave", 2, type_rule=_interleave, locality="pair", impl=_interleave_impl,
+               vjp=_interleave_vjp))
 
 
 def _expand(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type, ...]:
@@ -102,7 +112,8 @@ def _expand(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Ty
 # expand(x, like): x broadcast to the shape of `like` (whose values are not read). Autodiff uses it to
 # materialize a cotangent that is a vector or scalar where a whole tile is needed.
 register(OpDef("expand", "expand", 2, type_rule=_expand, locality="pointwise",
-               impl=lambda x, like: np.broadcast_to(x, np.broadcast_shapes(np.shape(x), np.shape(like))).copy()))
+               impl=lambda x, like: np.broadcast_to(x, np.broadcast_shapes(np.shape(x), np.shape(like))).copy(),
+               vjp=lambda b, p, ct: [ct, None]))
 
 
 def _index_rule(axis: int) -> Any:

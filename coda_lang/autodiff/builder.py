@@ -1,0 +1,178 @@
+"""Emitting backward IR: a builder that names, types and places the equations autodiff creates.
+
+What it does: `Builder` appends equations to the statement list being built (a stage body or the
+block level), types each one on the fly through its op's type rule (so autodiff knows every
+cotangent's kind: tile, vector, scalar, partial, group), gives it a fresh name and the span of the
+forward line it came from. VJP rules (in the op registry) call it: `b.mul(ct, p.x[1])`, `b.op("exp", x)`.
+What it does not: decide what to differentiate or where it runs (reverse.py).
+Invariants: every emitted equation type-checks when emitted (a Mistake here is an autodiff bug and
+is raised as AutodiffError); names are unique in the backward block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from coda_lang.ir.nodes import NO_SPAN, Atom, DimRef, Eqn, Lit, Span, Var
+from coda_lang.ir.types import ERROR_TYPE, MATRIX, TILE, Dim, Type
+from coda_lang.ops import REGISTRY, Ctx, StageShape
+from coda_lang.verify.diagnostics import Mistake
+
+
+class AutodiffError(Exception):
+    """A program autodiff can't differentiate (E06): code, message and the forward span."""
+
+    def __init__(self, code: str, message: str, span: Span | None = None, notes: list[str] | None = None):
+        super().__init__(message)
+        self.code, self.message, self.span, self.notes = code, message, span, notes or []
+
+
+class Names:
+    """Unique names for the backward block: `preferred` when free, else `preferred_2`, ..."""
+
+    def __init__(self, taken: set[str]):
+        self.taken = set(taken) | {"acc"}
+        self.n = 0
+
+    def fresh(self, preferred: str | None = None) -> str:
+        if preferred and preferred not in self.taken:
+            self.taken.add(preferred)
+            return preferred
+        if preferred:
+            i = 2
+            while f"{preferred}_{i}" in self.taken:
+                i += 1
+            self.taken.add(f"{preferred}_{i}")
+            return f"{preferred}_{i}"
+        while True:
+            self.n += 1
+            name = f"_t{self.n}"
+            if name not in self.taken:
+                self.taken.add(name)
+                return name
+
+
+class Builder:
+    def __init__(self, names: Names, types: dict[str, Type], divisors: dict[str, int], values: dict[str, int]):
+        self.names = names
+        self.types = types  # backward name -> type as seen at block level
+        self.divisors, self.values = divisors, values
+        self.out: list[Eqn] = []
+        self.stage: StageShape | None = None
+        self.local: set[str] = set()  # names defined in the current stage
+        self.span: Span = NO_SPAN
+
+    # ------------------------------------------------------------------ typing
+
+    def type_of(self, a: Atom) -> Type:
+        if isinstance(a, Lit):
+            return Type(a.dtype)
+        if isinstance(a, DimRef):
+            return Type("i32")
+        if isinstance(a, Var):
+            t = self.types.get(a.name, ERROR_TYPE)
+            if self.stage is not None and a.name not in self.local and t.kind == MATRIX:
+                return t.with_kind(TILE)
+            return t
+        return ERROR_TYPE
+
+    # ------------------------------------------------------------------ emitting
+
+    def ops(self, op: str, *ins: Atom, names: tuple[str | None, ...] | None = None, annot: str | None = None,
+            **params: Any) -> tuple[Var, ...]:
+        opdef = REGISTRY[op]
+        in_types = tuple(self.type_of(a) for a in ins)
+        ctx = Ctx(self.stage, self.divisors, self.values)
+        try:
+            out_types = opdef.type_rule(ctx, in_types, params)  # type: ignore[misc]
+        except Mistake as m:
+            raise AutodiffError("E0601", f"autodiff made an ill-typed `{opdef.surface}`: {m.message}", self.span,
+                                notes=["this is a bug in coda_lang's autodiff; please report it"]) from None
+        wanted = names or (None,) * opdef.nout
+        outs = tuple(Var(self.names.fresh(n), None, annot) for n in wanted)
+        for v, t in zip(outs, out_types, strict=True):
+            self.types[v.name] = t
+            if self.stage is not None:
+                self.local.add(v.name)
+        order = [p.name for p in opdef.params]
+        ordered = tuple((k, params[k]) for k in order if k in params)
+        self.out.append(Eqn(op, tuple(ins), outs, ordered, self.span, (self.span,) * len(ins)))
+        return outs
+
+    def op(self, op: str, *ins: Atom, name: str | None = None, annot: str | None = None, **params: Any) -> Var:
+        return self.ops(op, *ins, names=(name,), annot=annot, **params)[0]
+
+    # Sugar for VJP rules, with the algebraic shortcuts that keep backward blocks small.
+    def lit(self, v: float) -> Lit:
+        return Lit(float(v), "f32")
+
+    def add(self, a: Atom, b: Atom) -> Atom:
+        if _is_zero(a):
+            return b
+        if _is_zero(b):
+            return a
+        return self.op("add", a, b)
+
+    def sub(self, a: Atom, b: Atom) -> Atom:
+        if _is_zero(b):
+            return a
+        return self.op("sub", a, b)
+
+    def mul(self, a: Atom, b: Atom) -> Atom:
+        if _is_one(a):
+            return b
+        if _is_one(b):
+            return a
+        return self.op("mul", a, b)
+
+    def div(self, a: Atom, b: Atom) -> Atom:
+        return self.op("div", a, b)
+
+    def neg(self, a: Atom) -> Atom:
+        if isinstance(a, Lit):
+            return Lit(-a.value, a.dtype)
+        return self.op("neg", a)
+
+    def where(self, c: Atom, a: Atom, b: Atom) -> Atom:
+        return self.op("where", c, a, b)
+
+    def sum_over(self, a: Atom, over: Dim, group: int | None = None) -> Var:
+        if group:
+            return self.op("reduce_sum", a, over=over, group=group)
+        return self.op("reduce_sum", a, over=over)
+
+
+def _is_zero(a: Atom) -> bool:
+    return isinstance(a, Lit) and a.value == 0
+
+
+def _is_one(a: Atom) -> bool:
+    return isinstance(a, Lit) and a.value == 1
+
+
+class Primals:
+    """Lazy access to the primal inputs (`p.x[i]`) and outputs (`p.y[i]`) of a forward equation,
+    as atoms of the backward block: loaded or recomputed only when a VJP rule asks for them."""
+
+    def __init__(self, eqn: Eqn, get: Callable[[Atom], Atom]):
+        self.eqn = eqn
+        self.x = _Lazy([a for a in eqn.ins], get)
+        self.y = _Lazy(list(eqn.outs), get)
+
+    def param(self, key: str) -> Any:
+        return self.eqn.param(key)
+
+
+class _Lazy:
+    def __init__(self, atoms: list[Atom], get: Callable[[Atom], Atom]):
+        self.atoms, self.get = atoms, get
+        self.cache: dict[int, Atom] = {}
+
+    def __getitem__(self, i: int) -> Atom:
+        if i not in self.cache:
+            self.cache[i] = self.get(self.atoms[i])
+        return self.cache[i]
+
+    def __len__(self) -> int:
+        return len(self.atoms)
