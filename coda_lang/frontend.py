@@ -57,6 +57,13 @@ def read_source(path_or_text: str | os.PathLike[str]) -> tuple[str, str]:
         p = Path(path_or_text)
         return p.read_text(), str(p)
     s = str(path_or_text)
-    if "\n" not in s and "{" not in s and (s.endswith(".coda") or Path(s).is_file()):
+    if "\n" not in s and "{" not in s and (s.endswith(".coda") or _is_file(s)):
         return Path(s).read_text(), s
     return s, "<string>"
+
+
+def _is_file(s: str) -> bool:
+    try:
+        return Path(s).is_file()
+    except (OSError, ValueError):  # e.g. a long line of text: "File name too long"
+        return False

@@ -90,7 +90,8 @@ class Builder:
             raise AutodiffError("E0601", f"autodiff made an ill-typed `{opdef.surface}`: {m.message}", self.span,
                                 notes=["this is a bug in coda_lang's autodiff; please report it"]) from None
         wanted = names or (None,) * opdef.nout
-        outs = tuple(Var(self.names.fresh(n), None, annot) for n in wanted)
+        # a name given by the caller was reserved by it (Names.fresh or a claimed forward name)
+        outs = tuple(Var(n if n else self.names.fresh(), None, annot) for n in wanted)
         for v, t in zip(outs, out_types, strict=True):
             self.types[v.name] = t
             if self.stage is not None:

@@ -174,6 +174,8 @@ def _copy(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type
     (t,) = ins
     if t.is_error:
         return (ERROR_TYPE,)
+    if ctx.stage is None and t.kind == "matrix":
+        return (t,)  # between stages, `y = x` of a matrix is an alias: no computation, no kernel
     return (broadcast(ctx, ins, promote(t.dtype)),)
 
 

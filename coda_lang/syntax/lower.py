@@ -41,7 +41,7 @@ _RESERVED = {"acc", "dims", "block", "gemm", "transpose"}
 # closest-spelling guess would mislead: `relu` is not `gelu`, `softmax` is not `max`).
 _NOT_OPS = {
     "relu": "write `max(x, 0.0)`",
-    "softmax": "a softmax needs the complete row: compute `lse = logsumexp(x, over=N)` in the stage and "
+    "softmax": "it needs the complete row; compute `lse = logsumexp(x, over=N)` in the stage and "
                "`exp(x - lse)` in a later stage's epilogue",
     "log_softmax": "compute `lse = logsumexp(x, over=N)` in the stage and `x - lse` in a later stage's epilogue",
     "rmsnorm": "split it: a partial `ss = sum(h * h, over=D)` in the stage that makes `h`, `r = rsqrt(ss / D + eps)` "

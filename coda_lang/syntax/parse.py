@@ -59,12 +59,27 @@ def _expected(names: set[str] | frozenset[str]) -> str:
     return "expected " + ", ".join(shown)
 
 
+def _check_numbers(tree: Any, file: str) -> Diagnostic | None:
+    """E0107 for a number literal out of range: an integer that needs more than 64 bits (Python's
+    int() refuses some of them outright), or a float that overflows to infinity."""
+    for tok in tree.scan_values(lambda v: getattr(v, "type", None) in ("INT", "FLOAT")):
+        digits = str(tok).lstrip("0")
+        big = len(digits) > 19 or int(digits or "0") >= 2**63 if tok.type == "INT" else float(tok) == float("inf")
+        if big:
+            shown = str(tok) if len(str(tok)) <= 24 else str(tok)[:20] + "..."
+            span = Span(file, tok.line, tok.column, tok.end_line, tok.end_column)
+            return Diagnostic("E0107", f"number `{shown}` is out of range", span,
+                              label="an integer must fit in 64 bits" if tok.type == "INT" else "overflows to infinity")
+    return None
+
+
 def parse(text: str, file: str) -> tuple[Any | None, Diagnostic | None]:
     from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
     p = parser()
     try:
-        return p.parse(text), None
+        tree = p.parse(text)
+        return (None, bad) if (bad := _check_numbers(tree, file)) else (tree, None)
     except UnexpectedInput as e:
         line, col = max(getattr(e, "line", 1) or 1, 1), max(getattr(e, "column", 1) or 1, 1)
         named = None
@@ -84,7 +99,7 @@ def parse(text: str, file: str) -> tuple[Any | None, Diagnostic | None]:
                 lines.pop()  # point at the last line, not past the final newline
             last = len(lines)
             span = Span(file, last, len(lines[-1]) + 1, last, len(lines[-1]) + 2)
-            exp = _expected(getattr(e, "expected", set()) or set())
+            exp = _expected(getattr(e, "accepts", None) or getattr(e, "expected", set()) or set())
             return None, Diagnostic("E0103", "unexpected end of file", span, label=exp or "the file ends here",
                                     notes=["a `{` is probably missing its `}`"] if "RBRACE" in (getattr(e, "expected", None) or ()) else [])
         assert isinstance(e, UnexpectedToken)
@@ -94,5 +109,10 @@ def parse(text: str, file: str) -> tuple[Any | None, Diagnostic | None]:
         if named is not None:
             code, msg, hlp, _ = _NAMED[named]
             return None, Diagnostic(code, msg, span, label=f"found {_describe(tok.type, str(tok))}", help=[hlp])
-        exp = _expected(e.expected)
+        start = getattr(tok, "start_pos", None)
+        if tok.type == "STAR" and start and text[start - 1] == "*":  # PyTorch's power operator
+            return None, Diagnostic("E0101", "unexpected `**`: there is no power operator",
+                                    Span(file, line, col - 1, line, col + 1), label="not part of the language",
+                                    help=["write the product: `h * h` for a square"])
+        exp = _expected(e.accepts or e.expected)  # accepts: exact, where LALR lookaheads over-approximate
         return None, Diagnostic("E0101", f"unexpected {_describe(tok.type, str(tok))}", span, label=exp)

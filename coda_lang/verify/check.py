@@ -20,6 +20,7 @@ The locality rules (DESIGN.md section 3):
 
 from __future__ import annotations
 
+from contextlib import suppress
 from dataclasses import replace
 from math import lcm
 from typing import Any
@@ -219,10 +220,8 @@ class Checker:
             self.partial_in_stage(e, partial, spans[partial], k, body)
             completed = tuple(t.with_kind(VEC if t.shape else SCALAR) if t.kind == PARTIAL else t for t in ins)
             if not any(t.is_error for t in completed):
-                try:
+                with suppress(Mistake):  # on another mistake the results stay poisoned
                     outs = op.type_rule(ctx, completed, dict(e.params))  # type: ignore[misc]
-                except Mistake:
-                    pass  # the results stay poisoned
         elif not any(t.is_error for t in ins):
             params = dict(e.params)
             try:
@@ -230,9 +229,14 @@ class Checker:
             except Mistake as m:
                 span = spans[m.arg] if m.arg is not None and m.arg < len(spans) else e.span
                 notes, hlp = list(m.notes), list(m.help)
+                label = m.label
                 if m.code == "E0502":
                     notes += self.between_note(e)
-                self.error(m.code, m.message, span, label=m.label, notes=notes, help=hlp)
+                    mats = [f"`{a.name}`" for a, t in zip(e.ins, ins, strict=True)
+                            if isinstance(a, Var) and t.kind == MATRIX and not a.name.startswith("_t")]
+                    label = label or (f"{' and '.join(mats)} {'is a matrix' if len(mats) == 1 else 'are matrices'}"
+                                      if mats else "a matrix")
+                self.error(m.code, m.message, span, label=label, notes=notes, help=hlp)
         new_outs = []
         for v, t in zip(e.outs, outs, strict=True):
             t = self.annotation(v, t, e.span)
@@ -297,7 +301,8 @@ class Checker:
                        help=[f"defer the row scale to the epilogue of the GEMM that consumes `{normalized}`: "
                              "RMSNorm(h)*g @ W == r * ((h*g) @ W)",
                              "store the unnormalized tile here, compute the scale between stages "
-                             f"(e.g. `r = rsqrt({a.name} / D + eps)`), and apply `acc * r` in the next stage"])
+                             + (f"(e.g. `r = rsqrt({a.name} / D + eps)`)" if t.combine == "sum" else f"from `{a.name}`")
+                             + ", and apply `acc * r` in the next stage"])
         else:
             self.error("E0501", f"partial reduction `{a.name}` is used in its own stage", span,
                        label="not complete until the stage ends", notes=notes,

@@ -21,6 +21,7 @@ CODES: dict[str, str] = {
     "E0104": "block signature lacks its output list",
     "E0105": "statement outside a block",
     "E0106": "no block in the file",
+    "E0107": "number literal out of range",
     # E02 names
     "E0201": "unknown name",
     "E0202": "name defined twice",

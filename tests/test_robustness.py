@@ -1,0 +1,207 @@
+"""The front end never crashes: any text gives diagnostics, never a Python exception.
+
+Random text (any characters, and random sequences of the language's own tokens) and random
+mutations of the example programs (tokens or characters deleted, duplicated, swapped; names and
+numbers replaced; braces dropped) go through `check_source`, which must return normally with
+diagnostics whose codes are all in CODES, whose spans lie inside the file, and which render in both
+formats. `coda_lang.load` raises only `CodaError` for such text.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import coda_lang
+from coda_lang.frontend import check_source
+from coda_lang.ir.types import DTYPES
+from coda_lang.ops import BY_SURFACE
+from coda_lang.verify.diagnostics import CODES, render_all
+
+EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.coda"))
+SOURCES = {p.name: p.read_text() for p in EXAMPLES}
+FILE = "fuzz.coda"
+
+_TOKEN_RE = re.compile(
+    r"\s+|#[^\n]*|[A-Za-z_][A-Za-z0-9_]*|[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?\.?|->|<=|>=|==|!=|.", re.S)
+
+
+def tokens(text: str) -> list[str]:
+    return _TOKEN_RE.findall(text)
+
+
+NAMES = sorted({t for src in SOURCES.values() for t in tokens(src) if t[0].isalpha() or t[0] == "_"}
+               | set(BY_SURFACE) | set(DTYPES) | {"acc", "transpose", "gemm", "block", "dims", "bool", "x", "_t1"})
+NUMBERS = ["0", "1", "2", "-1", "128", "0.5", "1e-6", "1e400", "-1e400", ".5", "1.", "007", "2" * 40, "9" * 5000]
+PUNCT = ["(", ")", "{", "}", "[", "]", ",", ":", ";", "=", "+", "-", "*", "/", "@", "->", "<", ">", "<=", ">=",
+         "==", "!=", ".", "#", "!", "$", "`", "\\", "'", '"']
+SPACE = [" ", "\n", "\t", "\r\n", "\r", "\f", "  # comment\n", "\u2028", "\x00"]
+KEYWORDS = ["dims", "block", "gemm", "transpose", "acc", "over", "group", "pairs", "interleave", "sum"]
+
+token = st.sampled_from(NAMES + NUMBERS + PUNCT + SPACE + KEYWORDS)
+
+
+def assert_diagnosed(text: str) -> None:
+    """check_source returns normally, with well-formed diagnostics that render."""
+    prog, plans, diags = check_source(text, FILE)
+    assert (prog is None) == bool(diags)
+    nlines = text.count("\n") + 1
+    for d in diags:
+        assert d.code in CODES, d.code
+        assert d.message
+        for span in [d.span] + [s for s, _ in d.related]:
+            if span is None:
+                continue
+            assert span.file == FILE
+            assert 1 <= span.line <= nlines, (d.short(), nlines)
+            assert span.col >= 1, d.short()
+    for fmt in ("human", "short"):
+        out = render_all(diags, {FILE: text}, fmt)
+        assert isinstance(out, str)
+        if diags:
+            assert all(f"[{d.code}]" in out for d in diags)
+    if diags:  # the Python API raises CodaError, carrying the same diagnostics
+        with pytest.raises(coda_lang.CodaError) as e:
+            coda_lang.load(text + "\n")  # (a newline: never taken for a file name)
+        assert [d.code for d in e.value.diagnostics] == [d.code for d in check_source(text + "\n")[2]]
+        assert e.value.render("human") and e.value.render("short")
+
+
+# ----------------------------------------------------------------------------------------------
+# Random text
+
+
+@settings(max_examples=150)
+@given(st.text(max_size=200))
+def test_random_text(text: str) -> None:
+    assert_diagnosed(text)
+
+
+@settings(max_examples=200)
+@given(st.lists(token, max_size=60).map(" ".join))
+def test_random_token_sequences(text: str) -> None:
+    assert_diagnosed(text)
+
+
+@settings(max_examples=200)
+@given(st.lists(token, max_size=80).map("".join))
+def test_random_token_sequences_unspaced(text: str) -> None:
+    assert_diagnosed(text)
+
+
+# ----------------------------------------------------------------------------------------------
+# Mutated examples
+
+
+@st.composite
+def mutated_example(draw: st.DrawFn) -> str:
+    src = SOURCES[draw(st.sampled_from(sorted(SOURCES)))]
+    toks = tokens(src)
+    for _ in range(draw(st.integers(1, 3))):
+        if not toks:
+            toks = [draw(token)]
+        i = draw(st.integers(0, len(toks) - 1))
+        j = draw(st.integers(0, len(toks) - 1))
+        how = draw(st.sampled_from(["delete", "duplicate", "swap", "name", "number", "brace", "insert",
+                                    "char_delete", "char_insert", "char_swap", "truncate"]))
+        if how == "delete":
+            del toks[i]
+        elif how == "duplicate":
+            toks.insert(i, toks[i])
+        elif how == "swap":
+            toks[i], toks[j] = toks[j], toks[i]
+        elif how == "name":
+            names = [k for k, t in enumerate(toks) if t[0].isalpha() or t[0] == "_"]
+            if names:
+                toks[draw(st.sampled_from(names))] = draw(st.sampled_from(NAMES))
+        elif how == "number":
+            nums = [k for k, t in enumerate(toks) if t[0].isdigit() or (t[0] == "." and len(t) > 1)]
+            if nums:
+                toks[draw(st.sampled_from(nums))] = draw(st.sampled_from(NUMBERS))
+        elif how == "brace":
+            braces = [k for k, t in enumerate(toks) if t in "{}()[]"]
+            if braces:
+                del toks[draw(st.sampled_from(braces))]
+        elif how == "insert":
+            toks.insert(i, draw(token))
+        else:
+            text = "".join(toks)
+            p = draw(st.integers(0, max(len(text) - 1, 0)))
+            if how == "char_delete":
+                text = text[:p] + text[p + 1:]
+            elif how == "char_insert":
+                text = text[:p] + draw(st.characters()) + text[p:]
+            elif how == "char_swap" and len(text) > p + 1:
+                text = text[:p] + text[p + 1] + text[p] + text[p + 2:]
+            elif how == "truncate":
+                text = text[:p]
+            toks = tokens(text)
+    return "".join(toks)
+
+
+@settings(max_examples=400)
+@given(mutated_example())
+def test_mutated_examples(text: str) -> None:
+    assert_diagnosed(text)
+
+
+# ----------------------------------------------------------------------------------------------
+# Hand-picked odd inputs (each once crashed, or nearly: kept as regression tests)
+
+ODD = {
+    "empty": "",
+    "only_comment": "# nothing\n",
+    "huge_int_dim": "dims M = " + "9" * 5000 + "\nblock f(x: f32[M]) -> (y: f32[M]) { y = x }\n",
+    "huge_int_literal": "dims M\nblock f(x: f32[M]) -> (y: f32[M]) { y = x + " + "9" * 5000 + " }\n",
+    "huge_shape": "dims M\nblock f(x: f32[" + "9" * 5000 + "*M]) -> (y: f32[M]) { y = x }\n",
+    "huge_default": "dims M\nblock f(x: f32[M], e: i32 = " + "9" * 5000 + ") -> (y: f32[M]) { y = x }\n",
+    "huge_group": "dims M, N, K\nblock f(a: bf16[M, K], w: bf16[K, N]) -> (s: f32[M]) {\n"
+                  "  gemm a @ w { s = sum(acc, over=N, group=" + "9" * 5000 + ") }\n}\n",
+    "inf_literal": "dims M\nblock f(x: f32[M]) -> (y: f32[M]) { y = x * 1e400 }\n",
+    "carriage_returns": "dims M\rblock f(x: f32[M]) -> (y: f32[M]) {\r y = q\r}\r",
+    "form_feed_lines": "dims M\n\f\fblock f(x: f32[M]) -> (y: f32[M]) {\n y = q\n}\n",
+    "unicode_line_sep": "# a\u2028b\ndims M\nblock f(x: f32[M]) -> (y: f32[M]) {\n y = q\n}\n",
+    "nul": "dims M\x00\n",
+    "zero_dim": "dims M = 0\nblock f(x: f32[M]) -> (y: f32[M]) { y = x }\n",
+    "divide_dim_by_zero": "dims M\nblock f(x: f32[M/0]) -> (y: f32[M]) { y = x }\n",
+    "over_zero": "dims M, N, K\nblock f(a: bf16[M, K], w: bf16[K, N]) -> (s: f32[M]) {\n"
+                 "  gemm a @ w { s = sum(acc, over=0) }\n}\n",
+    "group_zero": "dims M, N, K\nblock f(a: bf16[M, K], w: bf16[K, N]) -> (s: f32[M, N]) {\n"
+                  "  gemm a @ w { g = sum(acc, over=N, group=0)\n s = acc * g }\n}\n",
+    "transpose_of_expr": "dims M, N, K\nblock f(a: bf16[M, K], w: bf16[K, N]) -> (s: f32[M, N]) {\n"
+                         "  gemm a @ transpose(transpose) { s = acc }\n}\n",
+    "acc_as_operand": "dims M, N, K\nblock f(a: bf16[M, K], w: bf16[K, N]) -> (s: f32[M, N]) {\n"
+                      "  gemm acc @ w { s = acc }\n}\n",
+    "nested_gemm": "dims M, N, K\nblock f(a: bf16[M, K], w: bf16[K, N]) -> (s: f32[M, N]) {\n"
+                   "  gemm a @ w { gemm a @ w { s = acc } }\n}\n",
+    "pairs_nested": "dims M, N, K\nblock f(a: bf16[M, K], w: bf16[K, 2*N]) -> (s: f32[M, N]) {\n"
+                    "  gemm a @ w { s = pairs(acc) + 1.0 }\n}\n",
+    "three_targets": "dims M, N, K\nblock f(a: bf16[M, K], w: bf16[K, 2*N]) -> (s: f32[M, N]) {\n"
+                     "  gemm a @ w { s, t, u = pairs(acc) }\n}\n",
+    "cast_kw_and_pos": "dims M\nblock f(x: f32[M]) -> (y: f32[M]) { y = cast(x, bf16, dtype=f16) }\n",
+    "cast_expr_dtype": "dims M\nblock f(x: f32[M]) -> (y: f32[M]) { y = cast(x, 1 + 2) }\n",
+    "annotated_shape": "dims M\nblock f(x: f32[M]) -> (y: f32[M]) { y: bf16[M] = x }\n",
+    "three_dim_param": "dims M\nblock f(x: f32[M, M, M]) -> (y: f32[M]) { y = x }\n",
+    "scalar_gemm": "dims M\nblock f(x: f32, w: f32) -> (y: f32) { gemm x @ w { y = acc } }\n",
+    "bool_output": "dims M\nblock f(x: f32[M]) -> (y: f32[M]) { y = x < 1.0 }\n",
+    "dim_as_target": "dims M\nblock f(x: f32[M]) -> (M: f32[M]) { M = x }\n",
+    "duplicate_everything": "dims M, M\nblock f(x: f32[M], x: f32[M]) -> (y: f32[M], y: f32[M]) { y = x\n y = x }\n"
+                            "block f(x: f32[M]) -> (y: f32[M]) { y = x }\n",
+}
+
+
+@pytest.mark.parametrize("text", list(ODD.values()), ids=list(ODD))
+def test_odd_inputs(text: str) -> None:
+    assert_diagnosed(text)
+
+
+def test_load_of_a_long_line_of_text_is_text() -> None:
+    """A long string with no newline is source text (not a failed attempt to open a file)."""
+    with pytest.raises(coda_lang.CodaError):
+        coda_lang.load("x" * 5000)
+    with pytest.raises(coda_lang.CodaError):
+        coda_lang.load("\x00")
