@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from coda_lang.frontend import check_source, read_source
@@ -26,6 +27,7 @@ class Block:
     def __init__(self, ir: nodes.Block, plan: BlockPlan):
         self.ir = ir
         self.plan = plan
+        self._derivations: dict[tuple[str, ...] | None, Derivation] = {}
 
     @property
     def name(self) -> str:
@@ -51,6 +53,52 @@ class Block:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         env, sizes = bind(self.ir, inputs, dims, precision)
         return run_block(self.ir, self.plan, env, sizes, precision=precision, tile=tile)
+
+    def derivation(self, wrt: list[str] | None = None) -> Derivation:
+        """Forward block extended to store what the backward reads, and the backward block."""
+        key = tuple(wrt) if wrt is not None else None
+        if key not in self._derivations:
+            self._derivations[key] = derive_checked(self.ir, self.plan, wrt)
+        return self._derivations[key]
+
+    def grad(self, wrt: list[str] | None = None) -> Block:
+        """The backward block (checked): cotangents of the outputs and saved tensors in, one gradient
+        per differentiable parameter (float parameters without a default, or `wrt`) out."""
+        return self.derivation(wrt).backward
+
+    def vjp(self, inputs: dict[str, Any], cotangents: dict[str, Any], *, dims: dict[str, int] | None = None,
+            precision: str = "exact", tile: tuple[int, int] | None = None, wrt: list[str] | None = None
+            ) -> dict[str, Any]:
+        """Gradients of <outputs, cotangents> w.r.t. each differentiable input, by running the extended
+        forward and the derived backward block on the interpreter. Keys: parameter names. Outputs
+        without a cotangent get zeros."""
+        import numpy as np
+
+        from coda_lang.interp.inputs import extent, fail
+
+        d = self.derivation(wrt)
+        fwd = d.forward.run_with_partials(inputs, dims=dims, tile=tile, precision=precision)[0]
+        from coda_lang.interp import bind
+
+        _, sizes = bind(self.ir, inputs, dims, precision)
+        outputs = {o.name: o for o in self.ir.outputs}
+        unknown = sorted(set(cotangents) - set(outputs))
+        if unknown:
+            raise fail("E0801", f"no output `{unknown[0]}` to take a cotangent of; outputs: {', '.join(outputs)}")
+        bins: dict[str, Any] = {}
+        for out_name, ct_name in d.cotangents.items():
+            if out_name in cotangents:
+                bins[ct_name] = cotangents[out_name]
+            else:
+                o = outputs[out_name]
+                bins[ct_name] = np.zeros(tuple(extent(x, sizes) for x in o.type.shape), np.float32)
+        names = {p.var.name for p in d.backward.ir.params}
+        for name in names - set(bins):
+            bins[name] = fwd[name] if name in fwd else inputs.get(name, None)
+            if bins[name] is None:
+                bins.pop(name)  # a parameter with a default
+        grads = d.backward.run(bins, dims=sizes, tile=tile, precision=precision)
+        return {p: grads[g] for p, g in d.grads.items()}
 
     def explain(self) -> str:
         return explain(self.plan)
@@ -89,6 +137,39 @@ class Program:
 
     def __repr__(self) -> str:
         return f"<coda Program {self.file}: {', '.join(self.blocks)}>"
+
+
+@dataclass
+class Derivation:
+    """What `coda grad` derives: the extended forward, the backward, and how they connect."""
+
+    forward: Block  # the forward block, storing the saved tensors as extra outputs
+    backward: Block
+    saved: tuple[str, ...]  # forward values the backward reads
+    cotangents: dict[str, str]  # forward output -> backward parameter holding its cotangent
+    grads: dict[str, str]  # forward parameter -> backward output holding its gradient
+    report: list[str]  # e.g. stages whose backward runs as an elementwise stage
+
+
+def derive_checked(ir: nodes.Block, plan: BlockPlan, wrt: list[str] | None = None) -> Derivation:
+    """Derive the backward block and check both blocks; CodaError (E06) where it can't."""
+    from coda_lang.autodiff import AutodiffError, derive
+    from coda_lang.verify.check import check_block
+    from coda_lang.verify.diagnostics import Diagnostic
+
+    try:
+        d = derive(ir, plan, wrt)
+    except AutodiffError as e:
+        raise CodaError([Diagnostic(e.code, e.message, e.span, notes=e.notes)]) from None
+    blocks = []
+    for b in (d.forward, d.backward):
+        diags: list[Diagnostic] = []
+        typed, bplan = check_block(b, diags)
+        if diags:
+            notes = [f"{x.short()}" for x in diags[:5]] + ["this is a bug in coda_lang's autodiff; please report it"]
+            raise CodaError([Diagnostic("E0601", f"the derived block `{b.name}` does not check", ir.span, notes=notes)])
+        blocks.append(Block(typed, bplan))
+    return Derivation(blocks[0], blocks[1], d.saved, d.cotangents, d.grads, d.report)
 
 
 def load(path_or_text: str | os.PathLike[str]) -> Program:

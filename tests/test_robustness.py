@@ -20,7 +20,9 @@ import coda_lang
 from coda_lang.frontend import check_source
 from coda_lang.ir.types import DTYPES
 from coda_lang.ops import BY_SURFACE
+from coda_lang.ir.printer import print_program
 from coda_lang.verify.diagnostics import CODES, render_all
+from coda_lang.verify.plan import explain
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.coda"))
 SOURCES = {p.name: p.read_text() for p in EXAMPLES}
@@ -64,6 +66,12 @@ def assert_diagnosed(text: str) -> None:
         assert isinstance(out, str)
         if diags:
             assert all(f"[{d.code}]" in out for d in diags)
+    if prog is not None:  # a mutation that is still a valid program: it explains and round-trips
+        printed = print_program(prog)
+        again, _, diags2 = check_source(printed)
+        assert not diags2 and again == prog, printed
+        for name in plans:
+            assert explain(plans[name])
     if diags:  # the Python API raises CodaError, carrying the same diagnostics
         with pytest.raises(coda_lang.CodaError) as e:
             coda_lang.load(text + "\n")  # (a newline: never taken for a file name)

@@ -389,6 +389,7 @@ def test_random_programs_check_and_round_trip(text: str) -> None:
     assert again.ir == program.ir, printed
     assert print_program(again.ir) == printed
     for block in program:
+        assert block.explain()
         text_b = print_block(block.ir)
         again_b = _load_text(text_b)[block.name]
         assert again_b.ir == block.ir, text_b

@@ -80,7 +80,8 @@ class Builder:
     # ------------------------------------------------------------------ emitting
 
     def ops(self, op: str, *ins: Atom, names: tuple[str | None, ...] | None = None, annot: str | None = None,
-            **params: Any) -> tuple[Var, ...]:
+            params: dict[str, Any] | None = None, **kw: Any) -> tuple[Var, ...]:
+        params = {**(params or {}), **kw}
         opdef = REGISTRY[op]
         in_types = tuple(self.type_of(a) for a in ins)
         ctx = Ctx(self.stage, self.divisors, self.values)

@@ -189,7 +189,7 @@ class Reverse:
         ins = [self.block_primal(a) for a in e.ins]
         prev = self.bb.span
         self.bb.span = e.span
-        outs = self.bb.ops(e.op, *ins, names=tuple(self.claim(v.name) for v in e.outs), **dict(e.params))
+        outs = self.bb.ops(e.op, *ins, names=tuple(self.claim(v.name) for v in e.outs), params=dict(e.params))
         self.bb.span = prev
         for o, v in zip(outs, e.outs, strict=True):
             self.recomputed[v.name] = o
@@ -221,7 +221,7 @@ class Reverse:
             if c is None or not isinstance(a, Var):
                 continue
             target = self.ftype.get(a.name)
-            if not _float(target):
+            if not _float(target) or (a.name in self.params and a.name not in self.wrt):
                 continue
             assert target is not None
             self.ct.setdefault(a.name, []).append(self.unbroadcast_block(c, target))
@@ -498,8 +498,8 @@ class Site:
         local_vec = {v.name for e in st.body for v in e.outs if v.type is not None and v.type.kind in (VEC, SCALAR)}
         if self.host is not None:
             tile, c, pos = self.host
-            a, b, ta, tb = r.gemm_for(c, pos)
-            shape = r.gemm_shape(a, b, ta, tb)
+            ga, gb, ta, tb = r.gemm_for(c, pos)
+            shape = r.gemm_shape(ga, gb, ta, tb)
         else:
             assert st.acc is not None or st.shape is not None
             rows, cols = st.acc.type.shape if st.acc is not None and st.acc.type else st.shape  # type: ignore[misc]
@@ -567,7 +567,7 @@ class Site:
         ins = [self.primal(a) for a in e.ins]
         prev = b.span
         b.span = e.span
-        outs = b.ops(e.op, *ins, names=tuple(r.claim(v.name) for v in e.outs), **dict(e.params))
+        outs = b.ops(e.op, *ins, names=tuple(r.claim(v.name) for v in e.outs), params=dict(e.params))
         b.span = prev
         for o, v in zip(outs, e.outs, strict=True):
             self.cache[v.name] = o
@@ -599,9 +599,11 @@ class Site:
                 self.cts.setdefault("acc", []).append(c)
                 continue
             t = r.ftype.get(a.name)
-            if not _float(t):
+            if not _float(t) or (a.name in r.params and a.name not in r.wrt):
                 continue
             if r.fstage.get(a.name) == self.k and t is not None and t.kind not in (VEC, SCALAR):
+                if t.kind == GROUP and b.type_of(c).kind == TILE:  # unbroadcast over each group's columns
+                    c = b.sum_over(c, b.type_of(c).shape[1], group=t.group)
                 self.cts.setdefault(a.name, []).append(c)
             else:
                 self.outside.setdefault(a.name, []).append(c)
@@ -638,7 +640,7 @@ class Site:
                 r.ct.setdefault(name, []).append(Var(out.name))
             elif ct.kind in (VEC, SCALAR) and not (isinstance(total, Var) and total.name in b.local):
                 r.ct.setdefault(name, []).append(total)  # a block-level vector already
-            elif ct.kind == TILE:
+            elif ct.kind in (TILE, GROUP):
                 assert b.stage is not None
                 if target.kind == VEC:
                     over = ct.shape[1] if target.shape[0] == ct.shape[0] else ct.shape[0]
@@ -654,19 +656,17 @@ class Site:
         r.body.extend(self.pre)
         if body:
             if self.host is not None:
-                tile, c, pos = self.host
-                a, bb_, ta, tb = r.gemm_for(c, pos)
-                r.body.append(Stage(a, bb_, ta, tb, Var("acc"), tuple(body), span=st.span))
+                _, c, pos = self.host
+                ga, gb, ta, tb = r.gemm_for(c, pos)
+                r.body.append(Stage(ga, gb, ta, tb, Var("acc"), tuple(body), span=st.span))
             else:
                 r.body.append(Stage(None, None, False, False, None, tuple(body), (shape.rows, shape.cols), span=st.span))
                 what = ", ".join(f"`{n}`" for n in sorted({v.name for e in st.body for v in e.outs if v.name in r.storage}))
                 r.report.append((st.span, f"stage {self.k + 1} (line {st.span.line}): no GEMM produces the cotangent "
                                  f"of {what or 'its outputs'}, so its backward runs as an elementwise stage"))
-        elif self.host is not None and dacc is not None:
-            pass
         r.bb.out = []
-        for name, part, over in deferred:
-            r.ct.setdefault(name, []).append(r.bb.sum_over(part, over))
+        for name, partial, over in deferred:
+            r.ct.setdefault(name, []).append(r.bb.sum_over(partial, over))
         r.body.extend(r.bb.out + post)
         # the backward of stage-local vector computations runs between stages, after the site
         r.bb.out = []

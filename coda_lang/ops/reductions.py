@@ -51,6 +51,9 @@ def _reduce_rule(name: str, combine: str) -> Any:
             if t.shape[0] != over:
                 raise Mistake("E0404", f"{name}() over `{over}`, but the vector runs over `{t.shape[0]}`", arg=0)
             return (Type(dtype),)
+        if t.kind == GROUP and group is None and over == t.shape[1] and over != t.shape[0]:
+            # a grouped value (one per row and group) reduced over its groups: a partial per row
+            return (Type(dtype, (t.shape[0],), PARTIAL, combine=combine),)
         if t.kind != TILE:
             raise Mistake("E0404", f"{name}() inside a stage reduces a tile, got a {kind_name(t.kind)}", arg=0,
                           notes=["reduce vectors between stages, where they are complete"])

@@ -101,10 +101,12 @@ class OpDef:
 
     def accepts(self, nargs: int, kwargs: set[str]) -> bool:
         """Whether a call with these positional and keyword arguments means this op."""
-        required = {p.name for p in self.params if p.required and not p.positional}
-        names = {p.name for p in self.params}
-        positional = sum(1 for p in self.params if p.positional)
-        return required <= kwargs and kwargs <= names and self.nin <= nargs <= self.nin + positional
+        positional = [p.name for p in self.params if p.positional]
+        if not self.nin <= nargs <= self.nin + len(positional):
+            return False
+        given = set(kwargs) | set(positional[:nargs - self.nin])  # a required one may come either way
+        required = {p.name for p in self.params if p.required}
+        return required <= given and kwargs <= {p.name for p in self.params}
 
 
 REGISTRY: dict[str, OpDef] = {}

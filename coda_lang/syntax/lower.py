@@ -143,6 +143,12 @@ class Lowerer:
         if name is None and coeff.denominator != 1:
             self.error("E0409", f"shape `{coeff}` is not an integer", node)
             return None
+        value = self.dims[name].value if name is not None else None
+        if value is not None and (coeff * value).denominator != 1:
+            if str(Dim(coeff, name)) not in self.bad_shapes:  # the same shape written again: one message
+                self.bad_shapes.add(str(Dim(coeff, name)))
+                self.error("E0409", f"shape `{Dim(coeff, name)}` is not an integer: `{name}` is {value}", node)
+            return None
         return Dim(coeff, name)
 
     def _monomial(self, node: Any) -> tuple[Fraction, str | None]:
@@ -242,6 +248,13 @@ class BlockLowerer:
         body = [c for c in self.tree.children if getattr(c, "data", None) in ("assign", "stage", "ew_stage")]
         params = [p for p in (self.param(n) for n in params_nodes) if p is not None]
         outputs = [o for o in (self.output(n) for n in outputs_node.children if n is not None) if o is not None]
+        first_out: dict[str, Output] = {}
+        for o in list(outputs):
+            if o.name in first_out:
+                self.error("E0209", f"output `{o.name}` is declared twice", o.span,
+                           related=[(first_out[o.name].span, "first declared here")])
+                outputs.remove(o)
+            first_out.setdefault(o.name, o)
         stmts: list[Stmt] = []
         for item in body:
             if item.data == "ew_stage":
@@ -467,6 +480,13 @@ class BlockLowerer:
         fn = str(fn_tok)
         pos = [a for a in args if getattr(a, "data", None) != "kwarg"]
         kws = {str(a.children[0]): a for a in args if getattr(a, "data", None) == "kwarg"}
+        twice = [a for i, a in enumerate(args) if getattr(a, "data", None) == "kwarg"
+                 and any(getattr(b, "data", None) == "kwarg" and b.children[0] == a.children[0] for b in args[:i])]
+        if twice:
+            self.error("E0206", f"`{twice[0].children[0]}=` is given twice", twice[0].children[0])
+            for a in pos:
+                self.atom(a, out)
+            return None
         candidates = registry.BY_SURFACE.get(fn)
         if not candidates or fn in ("add", "sub", "mul", "div", "neg", "copy") or not fn.isidentifier():
             hint = did_you_mean(fn, [n for n in registry.call_names() if n not in ("copy",)])
@@ -485,12 +505,12 @@ class BlockLowerer:
                 self.error("E0206", f"`{fn}` takes no argument `{bad[0]}`", kws[bad[0]].children[0],
                            help=[f"it takes {', '.join(f'`{a}=`' for a in sorted(allowed))}"] if allowed else [])
             else:
-                missing = [p.name for c in candidates for p in c.params if p.required and p.name not in kws
-                           and not p.positional]
+                missing = [p for c in candidates for p in c.params if p.required and p.name not in kws]
                 arities = sorted({c.nin for c in candidates})
                 if missing and any(c.nin == len(pos) for c in candidates):
-                    self.error("E0206", f"`{fn}` needs `{missing[0]}=`", node,
-                               help=[f"e.g. `{fn}(x, {missing[0]}=N)`"])
+                    example = {"dim": "N", "int": "128", "dtype": "bf16"}.get(missing[0].kind, "...")
+                    self.error("E0206", f"`{fn}` needs `{missing[0].name}=`", node,
+                               help=[f"e.g. `{fn}(x, {missing[0].name}={example})`"])
                 else:
                     want = " or ".join(str(a) for a in arities)
                     self.error("E0207", f"`{fn}` takes {want} operand{'s' * (arities != [1])}, got {len(pos)}", node)
