@@ -52,6 +52,21 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--tile", metavar="MxN", help="simulate the kernel's tiling, e.g. 128x256 (default: whole matrices)")
     r.add_argument("--precision", choices=("exact", "f64"), default="exact",
                    help="exact: the kernel's numerics (f32 stages, rounded stored tiles); f64: float64, no rounding")
+
+    g = sub.add_parser("grad", help="derive the backward block (printed as .coda source)",
+                       description="Derive the backward block of a block by reverse-mode autodiff and print it as "
+                       ".coda source (which `coda check` accepts). The VJP of each stage's epilogue runs in the "
+                       "epilogue of the GEMM that produces its cotangent; where none does (the block's entry), "
+                       "in one elementwise stage, which is reported. The printed block says which forward "
+                       "tensors it reads (saved).")
+    g.add_argument("file", metavar="FILE")
+    g.add_argument("--block", metavar="NAME", help="the block to differentiate (needed when the file has several)")
+    g.add_argument("--wrt", metavar="P,Q", help="parameters to differentiate with respect to "
+                   "(default: every float parameter without a default)")
+    g.add_argument("--with-forward", action="store_true",
+                   help="also print the forward block, extended to store the saved tensors")
+    g.add_argument("-o", "--output", metavar="OUT.coda", help="write here instead of standard output (atomically)")
+    g.add_argument("--error-format", choices=("human", "short"), default="human")
     return p
 
 
@@ -242,6 +257,58 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _write_text(path: str, text: str) -> None:
+    """Write atomically: a temporary file in the same folder, renamed over `path` when complete."""
+    import tempfile
+
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".coda-", suffix=".coda", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def cmd_grad(args: argparse.Namespace) -> int:
+    from coda_lang.ir.printer import dims_source, print_block
+    from coda_lang.verify.diagnostics import CodaError, render_all
+
+    block, code = _load_block(args.file, args.block, args.error_format)
+    if block is None:
+        return code
+    from coda_lang.api import Block
+
+    assert isinstance(block, Block)
+    wrt = [w.strip() for w in args.wrt.split(",") if w.strip()] if args.wrt else None
+    try:
+        d = block.derivation(wrt)
+    except CodaError as e:
+        text = _read(args.file) or ""
+        print(render_all(e.diagnostics, {args.file: text}, args.error_format), file=sys.stderr)
+        return EXIT_ERRORS
+    parts = []
+    if d.backward.ir.dims:
+        parts.append(dims_source(d.backward.ir.dims) + "\n")
+    if args.with_forward:
+        parts.append(print_block(d.forward.ir, with_dims=False))
+    parts.append(print_block(d.backward.ir, with_dims=False))
+    text = "\n".join(parts)
+    for line in d.report:
+        print(f"note: {line}", file=sys.stderr)
+    if args.output:
+        try:
+            _write_text(args.output, text)
+        except OSError as e:
+            return _usage(f"can't write {args.output}: {e.strerror or e}")
+        print(f"wrote {args.output}: {d.backward.name} ({len(d.backward.plan.stages)} stages)", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -249,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     try:
-        return {"check": cmd_check, "run": cmd_run}[args.command](args)
+        return {"check": cmd_check, "run": cmd_run, "grad": cmd_grad}[args.command](args)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

@@ -116,6 +116,21 @@ def test_surface_names_resolve_to_at_most_one_op(surface: str) -> None:
                 assert len(accepted) <= 1, f"`{surface}` with {nargs} operands and {kws} means {accepted}"
 
 
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_a_call_that_resolves_gives_every_required_parameter(name: str) -> None:
+    """If `op.accepts(nargs, kwargs)`, the type rule gets each required parameter (by keyword or as
+    one of the extra positional arguments), so it never meets a missing one."""
+    op = REGISTRY[name]
+    positional = [p.name for p in op.params if p.positional]
+    names = sorted({p.name for p in op.params} | {"bogus"})
+    for nargs in range(op.nin + len(positional) + 2):
+        for r in range(len(names) + 1):
+            for kws in map(set, itertools.combinations(names, r)):
+                if op.accepts(nargs, kws):
+                    given = kws | set(positional[:nargs - op.nin])
+                    assert {p.name for p in op.params if p.required} <= given, (name, nargs, kws)
+
+
 def _canonical_calls(op: OpDef) -> list[tuple[int, set[str]]]:
     """(number of positional arguments, keyword names) of the ways to write a call of `op`."""
     required = [p for p in op.params if p.required]

@@ -15,12 +15,13 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_roundtrip import programs
 
 import coda_lang
 from coda_lang.frontend import check_source
+from coda_lang.ir.printer import print_program
 from coda_lang.ir.types import DTYPES
 from coda_lang.ops import BY_SURFACE
-from coda_lang.ir.printer import print_program
 from coda_lang.verify.diagnostics import CODES, render_all
 from coda_lang.verify.plan import explain
 
@@ -106,9 +107,9 @@ def test_random_token_sequences_unspaced(text: str) -> None:
 
 
 @st.composite
-def mutated_example(draw: st.DrawFn) -> str:
-    src = SOURCES[draw(st.sampled_from(sorted(SOURCES)))]
-    toks = tokens(src)
+def mutated(draw: st.DrawFn, sources: st.SearchStrategy[str]) -> str:
+    """A program from `sources` with one to three random edits."""
+    toks = tokens(draw(sources))
     for _ in range(draw(st.integers(1, 3))):
         if not toks:
             toks = [draw(token)]
@@ -151,9 +152,18 @@ def mutated_example(draw: st.DrawFn) -> str:
     return "".join(toks)
 
 
+mutated_example = mutated(st.sampled_from(sorted(SOURCES.values())))
+
+
 @settings(max_examples=400)
-@given(mutated_example())
+@given(mutated_example)
 def test_mutated_examples(text: str) -> None:
+    assert_diagnosed(text)
+
+
+@settings(max_examples=150)
+@given(mutated(programs()))
+def test_mutated_random_programs(text: str) -> None:
     assert_diagnosed(text)
 
 
@@ -205,6 +215,31 @@ ODD = {
 @pytest.mark.parametrize("text", list(ODD.values()), ids=list(ODD))
 def test_odd_inputs(text: str) -> None:
     assert_diagnosed(text)
+
+
+# Inputs that once crashed or were accepted silently, with the diagnostics they must give now.
+EXPECTED = {
+    "cast_without_dtype": ("dims M\nblock f(x: f32[M]) -> (y: f32[M]) { y = cast(x) }\n", ["E0206"]),
+    "keyword_twice": ("dims M\nblock f(x: f32[M]) -> (y: f32) { y = sum(x, over=M, over=M) }\n", ["E0206"]),
+    "output_twice": ("dims M\nblock f(x: f32[M]) -> (y: f32[M], y: f32[M]) { y = x }\n", ["E0209"]),
+    "shape_not_integer": ("dims M = 3\nblock f(x: f32[M/2]) -> (y: f32[M/2]) { y = x }\n", ["E0409"]),
+    "huge_int": (ODD["huge_int_literal"], ["E0107"]),
+    "int_over_64_bits": ("dims M = 9223372036854775808\nblock f(x: f32[M]) -> (y: f32[M]) { y = x }\n", ["E0107"]),
+    "inf_literal": (ODD["inf_literal"], ["E0107"]),
+    "eof_after_carriage_returns": ("dims M\rblock f(x: f32[M]) -> (y: f32[M]) {\r", ["E0103"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_odd_inputs_give_these_diagnostics(name: str) -> None:
+    text, codes = EXPECTED[name]
+    assert_diagnosed(text)
+    assert [d.code for d in check_source(text, FILE)[2]] == codes
+
+
+def test_the_largest_64_bit_integer_is_fine() -> None:
+    text = "dims M = 9223372036854775807\nblock f(x: f32[M]) -> (y: f32[M]) { y = x }\n"
+    assert check_source(text)[2] == []
 
 
 def test_load_of_a_long_line_of_text_is_text() -> None:

@@ -380,6 +380,12 @@ class Reverse:
             kind = (SCALAR, VEC, MATRIX)[len(t.shape)]
             if kind == MATRIX:
                 self.finalize_matrix(name, parts, out_name, t)
+            elif len(parts) == 1 and isinstance(parts[0], Var) and parts[0].name not in self.bparams and \
+                    self.types.get(parts[0].name, t).kind == kind:
+                if parts[0].name != out_name:
+                    self.renames[parts[0].name] = out_name
+                else:
+                    self.renames[out_name] = out_name
             else:
                 self.bb.out = []
                 self.bb.span = p.span
@@ -424,7 +430,8 @@ class Reverse:
     # ------------------------------------------------------------------ assembling
 
     def assemble(self, grads: dict[str, str]) -> Derivation:
-        body = _dce(self.body, set(grads.values()) | set(self.renames))
+        keep = set(grads.values()) | set(self.renames) | {n for n in self.ct}
+        body = _dce(_cse(self.body, keep), set(grads.values()) | set(self.renames))
         body = _rename(body, self.renames)
         alive = {s.span for s in body if isinstance(s, Stage) and not s.is_gemm}
         report = [text for span, text in self.report if span in alive]
@@ -614,6 +621,8 @@ class Site:
         post: list[Eqn] = []
         deferred: list[tuple[str, Atom, Dim]] = []
         dacc = self.take("acc")
+        dacc_src: Atom | None = None
+        aliases: list[tuple[str, Var]] = []
         if dacc is not None and st.is_gemm:
             if b.type_of(dacc).kind != TILE:
                 dacc = b.op("expand", dacc, self.primal(Var("acc")))
@@ -622,6 +631,7 @@ class Site:
             else:
                 out = b.op("copy", dacc, name=r.names.fresh(f"dacc{self.k + 1}"), annot=r.plan.activation)
                 r.dacc[self.k] = Var(out.name)
+                dacc_src = dacc
         for name, parts in self.outside.items():
             total: Atom = parts[0]
             for p in parts[1:]:
@@ -634,6 +644,10 @@ class Site:
                 total = r.accumulate(total, name, b)
                 if isinstance(total, Var) and total.name not in b.local:
                     r.ct.setdefault(name, []).append(total)  # an alias of a loaded matrix
+                    continue
+                pt = r.params[name].var.type if name in r.params else None
+                if total == dacc_src and pt is not None and pt.dtype == r.plan.activation:
+                    aliases.append((name, r.dacc[self.k]))  # the same tile as dacc (e.g. a residual's dx)
                     continue
                 out = b.op("copy", total, name=r.names.fresh(f"d{name}"),
                            annot=None if name in r.params else "f32")
@@ -667,6 +681,8 @@ class Site:
         r.bb.out = []
         for name, partial, over in deferred:
             r.ct.setdefault(name, []).append(r.bb.sum_over(partial, over))
+        for name, same in aliases:
+            r.ct.setdefault(name, []).append(r.bb.op("copy", same, name=r.names.fresh(f"d{name}")))
         r.body.extend(r.bb.out + post)
         # the backward of stage-local vector computations runs between stages, after the site
         r.bb.out = []
@@ -702,6 +718,47 @@ def _dce(body: list[Stmt], live_out: set[str]) -> list[Stmt]:
             out.append(s)
             live.update(n for n in map(_uses, s.ins) if n)
     return list(reversed(out))
+
+
+def _key(e: Eqn) -> tuple[Any, ...]:
+    ins = tuple(("v", a.name) if isinstance(a, Var) else ("a", a) for a in e.ins)
+    if e.op in ("add", "mul", "maximum", "minimum", "eq", "ne"):  # commutative
+        ins = tuple(sorted(ins, key=repr))
+    return (e.op, ins, e.params)
+
+
+def _cse(body: list[Stmt], keep: set[str]) -> list[Stmt]:
+    """Merge equations that compute the same op of the same operands (in one stage, or between stages);
+    stored or annotated values and names in `keep` are never merged away."""
+    subst: dict[str, str] = {}
+    block_seen: dict[tuple[Any, ...], tuple[Var, ...]] = {}
+
+    def fix(a: Any) -> Any:
+        return Var(subst[a.name], a.type, a.annot) if isinstance(a, Var) and a.name in subst else a
+
+    def visit(eqns: tuple[Eqn, ...] | list[Eqn], seen: dict[tuple[Any, ...], tuple[Var, ...]]) -> list[Eqn]:
+        out = []
+        for e in eqns:
+            e = replace(e, ins=tuple(fix(a) for a in e.ins))
+            k = _key(e)
+            mergeable = all(v.annot is None and v.name not in keep for v in e.outs) and e.op != "copy"
+            if mergeable and k in seen:
+                for v, w in zip(e.outs, seen[k], strict=True):
+                    subst[v.name] = w.name
+                continue
+            if e.op not in ("copy",):
+                seen.setdefault(k, e.outs)
+            out.append(e)
+        return out
+
+    result: list[Stmt] = []
+    for s in body:
+        if isinstance(s, Stage):
+            local = dict(block_seen)  # block-level values are visible in the stage
+            result.append(replace(s, a=fix(s.a), b=fix(s.b), body=tuple(visit(s.body, local))))
+        else:
+            result.extend(visit([s], block_seen))
+    return result
 
 
 def _used_names(body: list[Stmt]) -> set[str]:

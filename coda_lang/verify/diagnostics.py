@@ -56,7 +56,13 @@ CODES: dict[str, str] = {
     "E0504": "vector computed in a stage used after it",
     "E0505": "tile operand not aligned with the stage's tile",
     "E0506": "op needs a tile inside a stage",
+    # E06 autodiff (`coda grad`, Block.grad)
+    "E0601": "autodiff made a block that does not check (a bug in coda_lang)",
+    "E0602": "can't differentiate this program",
 }
+
+# Codes `coda check` can't give: autodiff's (tested by tests/bad_grad/), and E0601, which is a bug report.
+CHECK_ONLY_EXEMPT = {"E0601", "E0602"}
 
 
 @dataclass
