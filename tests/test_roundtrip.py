@@ -310,7 +310,8 @@ class BlockGen:
         # Things an epilogue reads: tiles at its position, row and column vectors, scalars.
         half = cols.scale(Fraction(1, 2))
         for shape, p in [((ROWS, cols), 0.5), ((ROWS, half), 0.2), ((cols,), 0.5), ((half,), 0.4), ((ROWS,), 0.2)]:
-            if draw(st.floats(0, 1)) < p:
+            whole = all(d.name not in self.values or (d.coeff * self.values[d.name]).denominator == 1 for d in shape)
+            if whole and draw(st.floats(0, 1)) < p:
                 self.add_param(draw(st.sampled_from(("f32", "bf16", self.act))), shape, "p")
         self.lines.append(f"{head} {{\n      ")
         n = draw(st.integers(1, 5))

@@ -98,6 +98,7 @@ class Reverse:
         self.report: list[tuple[Span, str]] = []  # kept if the stage survives dead-code removal
         self.cotangents: dict[str, str] = {}
         self.renames: dict[str, str] = {}
+        self.cosmetic: dict[str, str] = {}  # temporaries that hold a named value's cotangent
         self.recomputed: dict[str, Var] = {}  # stage-local vectors recomputed between stages
 
     # ------------------------------------------------------------------ names and params
@@ -200,7 +201,14 @@ class Reverse:
         total: Atom | None = None
         for p in parts:
             total = p if total is None else b.add(total, p)
+        self.name_ct(total, name)
         return total
+
+    def name_ct(self, total: Atom | None, name: str) -> None:
+        """Give the cotangent of a user-named value the name `d<name>` in the printed backward."""
+        if (isinstance(total, Var) and total.name.startswith("_t") and not name.startswith("_t") and name != "acc"
+                and total.name not in self.cosmetic):
+            self.cosmetic[total.name] = self.names.fresh(f"d{name}")
 
     def block_backward(self, eqns: tuple[Eqn, ...]) -> None:
         b = self.bb
@@ -433,6 +441,7 @@ class Reverse:
         keep = set(grads.values()) | set(self.renames) | {n for n in self.ct}
         body = _dce(_cse(self.body, keep), set(grads.values()) | set(self.renames))
         body = _rename(body, self.renames)
+        body = _rename(body, {k: v for k, v in self.cosmetic.items() if k not in self.renames})
         alive = {s.span for s in body if isinstance(s, Stage) and not s.is_gemm}
         report = [text for span, text in self.report if span in alive]
         used = _used_names(body)
@@ -585,6 +594,7 @@ class Site:
         total: Atom | None = None
         for p in parts:
             total = p if total is None else self.r.bb.add(total, p)
+        self.r.name_ct(total, name)
         return total
 
     def eqn_backward(self, e: Eqn) -> None:

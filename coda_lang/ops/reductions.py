@@ -68,6 +68,11 @@ def _reduce_rule(name: str, combine: str) -> Any:
             if not isinstance(group, int) or group < 1:
                 raise Mistake("E0408", f"group= must be a positive integer, got {group}")
             width = t.shape[1]
+            if width.name is None or width.name in ctx.values:  # a known width: whole groups only
+                n = width.evaluate(ctx.values)
+                if n % group != 0:
+                    raise Mistake("E0408", f"group={group} does not divide the width `{width}`, which is {n}",
+                                  notes=["each group is a run of `group` adjacent columns; the last one would be cut"])
             per_acc_col = width.coeff / ctx.stage.cols.coeff if width.name == ctx.stage.cols.name else Fraction(1)
             # The tile of the stage must hold whole groups: tile_N * (width / cols) % group == 0.
             need = Fraction(group) / per_acc_col
