@@ -93,6 +93,18 @@ def extent(d: Dim, dims: dict[str, int]) -> int:
     return int(v)
 
 
+def _to_numpy(x: Any) -> np.ndarray:
+    """NumPy view of an input; torch tensors (bf16 included) are copied to the CPU first."""
+    if hasattr(x, "detach") and hasattr(x, "dtype") and "torch" in type(x).__module__:
+        t = x.detach().cpu()
+        if str(t.dtype) == "torch.bfloat16":
+            import ml_dtypes
+
+            return t.float().numpy().astype(ml_dtypes.bfloat16)
+        return t.numpy()
+    return np.asarray(x)
+
+
 def bind(block: Block, inputs: dict[str, Any], dims: dict[str, int] | None, precision: str
          ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
     names = {p.var.name for p in block.params}
@@ -103,7 +115,7 @@ def bind(block: Block, inputs: dict[str, Any], dims: dict[str, int] | None, prec
     for p in block.params:
         if p.var.name in inputs:
             try:
-                arrays[p.var.name] = np.asarray(inputs[p.var.name])
+                arrays[p.var.name] = _to_numpy(inputs[p.var.name])
             except Exception as e:  # e.g. ragged lists
                 raise fail("E0803", f"input `{p.var.name}` is not an array: {e}") from None
         elif p.default is None:

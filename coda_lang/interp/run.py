@@ -164,6 +164,7 @@ class Interpreter:
 
     def check_tile(self, s: Stage, cols: Dim) -> None:
         tm, tn = self.tile  # type: ignore[misc]
+        tn = min(tn, extent(cols, self.dims))  # one clipped tile holds the whole width
         if tm < 1 or tn < 1:
             raise fail("E0805", f"tile sizes must be positive, got {tm}x{tn}")
         for e in s.body:
