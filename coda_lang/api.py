@@ -94,7 +94,7 @@ class Block:
                 bins[ct_name] = np.zeros(tuple(extent(x, sizes) for x in o.type.shape), np.float32)
         names = {p.var.name for p in d.backward.ir.params}
         for name in names - set(bins):
-            bins[name] = fwd[name] if name in fwd else inputs.get(name, None)
+            bins[name] = fwd[name] if name in fwd else inputs.get(name)
             if bins[name] is None:
                 bins.pop(name)  # a parameter with a default
         grads = d.backward.run(bins, dims=sizes, tile=tile, precision=precision)

@@ -15,9 +15,14 @@ from collections.abc import Callable
 from typing import Any
 
 from coda_lang.ir.nodes import NO_SPAN, Atom, DimRef, Eqn, Lit, Span, Var
-from coda_lang.ir.types import ERROR_TYPE, MATRIX, TILE, Dim, Type
+from coda_lang.ir.types import ERROR_TYPE, MATRIX, TILE, Dim, Type, is_float
 from coda_lang.ops import REGISTRY, Ctx, StageShape
 from coda_lang.verify.diagnostics import Mistake
+
+
+def float_value(t: Type | None) -> bool:
+    """Whether a value of type t has a cotangent (a well-typed float)."""
+    return t is not None and is_float(t.dtype) and not t.is_error
 
 
 class AutodiffError(Exception):

@@ -24,11 +24,12 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from coda_lang.autodiff.builder import AutodiffError, Builder, Names, Primals
-from coda_lang.ir.nodes import Atom, Block, DimRef, Eqn, Lit, Output, Param, Span, Stage, Stmt, Var
-from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Dim, Type, is_float
+from coda_lang.autodiff.builder import float_value as _float
+from coda_lang.autodiff.cleanup import cse, dce, rename, used_names
+from coda_lang.ir.nodes import Atom, Block, Eqn, Lit, Output, Param, Span, Stage, Stmt, Var
+from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type, is_float
 from coda_lang.ops import REGISTRY, StageShape
 from coda_lang.verify.plan import BlockPlan
 
@@ -41,10 +42,6 @@ class Derivation:
     cotangents: dict[str, str]  # forward output -> its cotangent's name in the backward block
     grads: dict[str, str]  # forward param -> its gradient's name (an output of the backward block)
     report: list[str] = field(default_factory=list)
-
-
-def _float(t: Type | None) -> bool:
-    return t is not None and is_float(t.dtype) and not t.is_error
 
 
 class Reverse:
@@ -71,7 +68,7 @@ class Reverse:
                 for v in e.outs:
                     assert v.type is not None
                     self.ftype[v.name], self.fstage[v.name], self.fdef[v.name] = v.type, k, e
-        for k, eqns in enumerate(plan.between):
+        for eqns in plan.between:
             for e in eqns:
                 for v in e.outs:
                     assert v.type is not None
@@ -250,6 +247,8 @@ class Reverse:
         if not hosted and not any(n in self.ct for n in defined):
             return
         host = self.choose_host(k, defined)
+        from coda_lang.autodiff.site import Site
+
         site = Site(self, k, host)
         site.build()
         if not st.is_gemm:
@@ -365,9 +364,8 @@ class Reverse:
     def weight_grads(self, k: int, st: Stage, dacc: Atom, line: int) -> None:
         for pos, operand in (("b", st.b), ("a", st.a)):
             assert isinstance(operand, Var)
-            if operand.name in self.params:
-                if operand.name in self.wrt:
-                    self.operand_grad(k, pos, operand.name)
+            if operand.name in self.params and operand.name in self.wrt:
+                self.operand_grad(k, pos, operand.name)
             # a forward tile as operand: its producer's site uses this stage's dacc later
 
     # ------------------------------------------------------------------ gradients
@@ -439,12 +437,12 @@ class Reverse:
 
     def assemble(self, grads: dict[str, str]) -> Derivation:
         keep = set(grads.values()) | set(self.renames) | {n for n in self.ct}
-        body = _dce(_cse(self.body, keep), set(grads.values()) | set(self.renames))
-        body = _rename(body, self.renames)
-        body = _rename(body, {k: v for k, v in self.cosmetic.items() if k not in self.renames})
+        body = dce(cse(self.body, keep), set(grads.values()) | set(self.renames))
+        body = rename(body, self.renames)
+        body = rename(body, {k: v for k, v in self.cosmetic.items() if k not in self.renames})
         alive = {s.span for s in body if isinstance(s, Stage) and not s.is_gemm}
         report = [text for span, text in self.report if span in alive]
-        used = _used_names(body)
+        used = used_names(body)
         params = [p for n, p in self.bparams.items() if n in used or n in self.cotangents.values()]
         order = {n: i for i, n in enumerate(list(self.cotangents.values()) + self.saved)}
         params.sort(key=lambda p: order.get(p.var.name, len(order)))
@@ -495,311 +493,6 @@ class Reverse:
         notes = tuple(self.f.notes) + ("saved for the backward (extra outputs): " +
                                        (", ".join(n for n in saved if n not in have) or "none"),)
         return replace(self.f, body=tuple(body), outputs=tuple(outs), notes=notes)
-
-
-class Site:
-    """Where the VJP of one forward stage's epilogue runs: a host GEMM's epilogue, or an
-    elementwise stage over the forward stage's tile space (the block's entry)."""
-
-    def __init__(self, r: Reverse, k: int, host: tuple[str, int, str] | None):
-        self.r, self.k, self.host = r, k, host
-        self.st = r.f.stages[k]
-        self.cache: dict[str, Atom] = {}
-        self.cts: dict[str, list[Atom]] = {}
-        self.outside: dict[str, list[Atom]] = {}
-        self.pre: list[Eqn] = []
-
-    def build(self) -> None:
-        r, st = self.r, self.st
-        local_vec = {v.name for e in st.body for v in e.outs if v.type is not None and v.type.kind in (VEC, SCALAR)}
-        if self.host is not None:
-            tile, c, pos = self.host
-            ga, gb, ta, tb = r.gemm_for(c, pos)
-            shape = r.gemm_shape(ga, gb, ta, tb)
-        else:
-            assert st.acc is not None or st.shape is not None
-            rows, cols = st.acc.type.shape if st.acc is not None and st.acc.type else st.shape  # type: ignore[misc]
-            shape = StageShape(rows, cols)
-        # stage-local vectors are recomputed between stages, before the site
-        r.bb.out = []
-        for e in st.body:
-            if any(v.name in local_vec for v in e.outs):
-                for v in e.outs:
-                    if v.name not in r.types:
-                        r.recompute_block(v.name)
-        self.pre = r.bb.out
-        r.open_stage(shape)
-        b = r.bb
-        b.span = st.span
-        # seed: the cotangents of this stage's values that later stages, outputs and vectors gave
-        for e in st.body:
-            for v in e.outs:
-                if v.name in local_vec:
-                    continue
-                parts = r.ct.pop(v.name, [])
-                if parts:
-                    self.cts.setdefault(v.name, []).extend(parts)
-        if self.host is not None:
-            self.cts.setdefault(self.host[0], []).append(Var("acc"))
-        for e in reversed(st.body):
-            if any(v.name in local_vec for v in e.outs):
-                continue
-            self.eqn_backward(e)
-        self.finish(shape)
-
-    # primal values inside the site
-    def primal(self, a: Atom) -> Atom:
-        r = self.r
-        if isinstance(a, (Lit, DimRef)):
-            return a
-        assert isinstance(a, Var)
-        if a.name == "acc":
-            return r.saved_acc(self.k)
-        if a.name in self.cache:
-            return self.cache[a.name]
-        if a.name in r.params:
-            out: Atom = r.forward_param(a.name)
-        elif r.fstage.get(a.name) != self.k:
-            out = r.block_primal(a)
-        else:
-            t = r.ftype[a.name]
-            if t.kind in (VEC, SCALAR):
-                out = r.recompute_block(a.name)  # recomputed before the site
-            elif t.kind == PARTIAL:
-                out = r.saved_value(a.name)
-            elif t.kind in (TILE, GROUP) and a.name in r.storage:
-                out = r.saved_value(a.name)
-            else:
-                out = self.recompute(a.name)
-        self.cache[a.name] = out
-        return out
-
-    def recompute(self, name: str) -> Atom:
-        r, b = self.r, self.r.bb
-        e = r.fdef[name]
-        if e.op in ("row_index", "col_index") and self.host is not None:
-            raise AutodiffError("E0602", f"`{name}` uses {e.op}() in a stage whose backward runs at another "
-                                "width; it can't be recomputed there", e.span)
-        ins = [self.primal(a) for a in e.ins]
-        prev = b.span
-        b.span = e.span
-        outs = b.ops(e.op, *ins, names=tuple(r.claim(v.name) for v in e.outs), params=dict(e.params))
-        b.span = prev
-        for o, v in zip(outs, e.outs, strict=True):
-            self.cache[v.name] = o
-        return self.cache[name]
-
-    def take(self, name: str) -> Atom | None:
-        parts = self.cts.pop(name, [])
-        total: Atom | None = None
-        for p in parts:
-            total = p if total is None else self.r.bb.add(total, p)
-        self.r.name_ct(total, name)
-        return total
-
-    def eqn_backward(self, e: Eqn) -> None:
-        r, b = self.r, self.r.bb
-        op = REGISTRY[e.op]
-        cts = [self.take(v.name) if _float(v.type) else None for v in e.outs]
-        if all(c is None for c in cts):
-            return
-        if op.vjp is None:
-            if op.differentiable:
-                raise AutodiffError("E0601", f"`{op.surface}` has no VJP rule", e.span)
-            return
-        b.span = e.span
-        got = op.vjp(b, Primals(e, self.primal), cts if op.nout > 1 else cts[0])
-        for a, c in zip(e.ins, got, strict=True):
-            if c is None or not isinstance(a, Var):
-                continue
-            if a.name == "acc":
-                self.cts.setdefault("acc", []).append(c)
-                continue
-            t = r.ftype.get(a.name)
-            if not _float(t) or (a.name in r.params and a.name not in r.wrt):
-                continue
-            if r.fstage.get(a.name) == self.k and t is not None and t.kind not in (VEC, SCALAR):
-                if t.kind == GROUP and b.type_of(c).kind == TILE:  # unbroadcast over each group's columns
-                    c = b.sum_over(c, b.type_of(c).shape[1], group=t.group)
-                self.cts.setdefault(a.name, []).append(c)
-            else:
-                self.outside.setdefault(a.name, []).append(c)
-
-    def finish(self, shape: StageShape) -> None:
-        r, b = self.r, self.r.bb
-        st = self.st
-        post: list[Eqn] = []
-        deferred: list[tuple[str, Atom, Dim]] = []
-        dacc = self.take("acc")
-        dacc_src: Atom | None = None
-        aliases: list[tuple[str, Var]] = []
-        if dacc is not None and st.is_gemm:
-            if b.type_of(dacc).kind != TILE:
-                dacc = b.op("expand", dacc, self.primal(Var("acc")))
-            if isinstance(dacc, Var) and dacc.name not in b.local and r.types.get(dacc.name, Type("f32")).kind == MATRIX:
-                r.dacc[self.k] = dacc  # already a matrix (e.g. an output's cotangent): no copy
-            else:
-                out = b.op("copy", dacc, name=r.names.fresh(f"dacc{self.k + 1}"), annot=r.plan.activation)
-                r.dacc[self.k] = Var(out.name)
-                dacc_src = dacc
-        for name, parts in self.outside.items():
-            total: Atom = parts[0]
-            for p in parts[1:]:
-                total = b.add(total, p)
-            target = r.ftype[name]
-            ct = b.type_of(total)
-            if target.kind == MATRIX or target.kind in (TILE, GROUP):
-                if ct.kind not in (TILE,):
-                    total = b.op("expand", total, self.primal(Var(name)))
-                total = r.accumulate(total, name, b)
-                if isinstance(total, Var) and total.name not in b.local:
-                    r.ct.setdefault(name, []).append(total)  # an alias of a loaded matrix
-                    continue
-                pt = r.params[name].var.type if name in r.params else None
-                if total == dacc_src and pt is not None and pt.dtype == r.plan.activation:
-                    aliases.append((name, r.dacc[self.k]))  # the same tile as dacc (e.g. a residual's dx)
-                    continue
-                out = b.op("copy", total, name=r.names.fresh(f"d{name}"),
-                           annot=None if name in r.params else "f32")
-                r.ct.setdefault(name, []).append(Var(out.name))
-            elif ct.kind in (VEC, SCALAR) and not (isinstance(total, Var) and total.name in b.local):
-                r.ct.setdefault(name, []).append(total)  # a block-level vector already
-            elif ct.kind in (TILE, GROUP):
-                assert b.stage is not None
-                if target.kind == VEC:
-                    over = ct.shape[1] if target.shape[0] == ct.shape[0] else ct.shape[0]
-                    part = b.sum_over(total, over)
-                    r.ct.setdefault(name, []).append(Var(part.name))
-                else:  # a scalar: partial row sums here, their sum between stages
-                    part = b.sum_over(total, ct.shape[1])
-                    deferred.append((name, Var(part.name), ct.shape[0]))
-            else:
-                raise AutodiffError("E0602", f"can't reduce the cotangent of `{name}` (a {ct.kind}) to a {target.kind}",
-                                    st.span)
-        body = r.close_stage()
-        r.body.extend(self.pre)
-        if body:
-            if self.host is not None:
-                _, c, pos = self.host
-                ga, gb, ta, tb = r.gemm_for(c, pos)
-                r.body.append(Stage(ga, gb, ta, tb, Var("acc"), tuple(body), span=st.span))
-            else:
-                r.body.append(Stage(None, None, False, False, None, tuple(body), (shape.rows, shape.cols), span=st.span))
-                what = ", ".join(f"`{n}`" for n in sorted({v.name for e in st.body for v in e.outs if v.name in r.storage}))
-                r.report.append((st.span, f"stage {self.k + 1} (line {st.span.line}): no GEMM produces the cotangent "
-                                 f"of {what or 'its outputs'}, so its backward runs as an elementwise stage"))
-        r.bb.out = []
-        for name, partial, over in deferred:
-            r.ct.setdefault(name, []).append(r.bb.sum_over(partial, over))
-        for name, same in aliases:
-            r.ct.setdefault(name, []).append(r.bb.op("copy", same, name=r.names.fresh(f"d{name}")))
-        r.body.extend(r.bb.out + post)
-        # the backward of stage-local vector computations runs between stages, after the site
-        r.bb.out = []
-        for e in reversed(st.body):
-            if any(v.type is not None and v.type.kind in (VEC, SCALAR) for v in e.outs):
-                r.block_eqn_backward(e)
-        r.body.extend(r.bb.out)
-        r.bb.out = []
-
-
-# ---------------------------------------------------------------------- cleanup passes
-
-
-def _uses(a: Atom) -> str | None:
-    return a.name if isinstance(a, Var) else None
-
-
-def _dce(body: list[Stmt], live_out: set[str]) -> list[Stmt]:
-    """Drop equations whose results are never read, and stages left empty."""
-    live = set(live_out)
-    out: list[Stmt] = []
-    for s in reversed(body):
-        if isinstance(s, Stage):
-            kept = []
-            for e in reversed(s.body):
-                if any(v.name in live for v in e.outs):
-                    kept.append(e)
-                    live.update(n for n in map(_uses, e.ins) if n)
-            if kept:
-                live.update(n for n in (_uses(s.a) if s.a else None, _uses(s.b) if s.b else None) if n)
-                out.append(replace(s, body=tuple(reversed(kept))))
-        elif any(v.name in live for v in s.outs):
-            out.append(s)
-            live.update(n for n in map(_uses, s.ins) if n)
-    return list(reversed(out))
-
-
-def _key(e: Eqn) -> tuple[Any, ...]:
-    ins = tuple(("v", a.name) if isinstance(a, Var) else ("a", a) for a in e.ins)
-    if e.op in ("add", "mul", "maximum", "minimum", "eq", "ne"):  # commutative
-        ins = tuple(sorted(ins, key=repr))
-    return (e.op, ins, e.params)
-
-
-def _cse(body: list[Stmt], keep: set[str]) -> list[Stmt]:
-    """Merge equations that compute the same op of the same operands (in one stage, or between stages);
-    stored or annotated values and names in `keep` are never merged away."""
-    subst: dict[str, str] = {}
-    block_seen: dict[tuple[Any, ...], tuple[Var, ...]] = {}
-
-    def fix(a: Any) -> Any:
-        return Var(subst[a.name], a.type, a.annot) if isinstance(a, Var) and a.name in subst else a
-
-    def visit(eqns: tuple[Eqn, ...] | list[Eqn], seen: dict[tuple[Any, ...], tuple[Var, ...]]) -> list[Eqn]:
-        out = []
-        for e in eqns:
-            e = replace(e, ins=tuple(fix(a) for a in e.ins))
-            k = _key(e)
-            mergeable = all(v.annot is None and v.name not in keep for v in e.outs) and e.op != "copy"
-            if mergeable and k in seen:
-                for v, w in zip(e.outs, seen[k], strict=True):
-                    subst[v.name] = w.name
-                continue
-            if e.op not in ("copy",):
-                seen.setdefault(k, e.outs)
-            out.append(e)
-        return out
-
-    result: list[Stmt] = []
-    for s in body:
-        if isinstance(s, Stage):
-            local = dict(block_seen)  # block-level values are visible in the stage
-            result.append(replace(s, a=fix(s.a), b=fix(s.b), body=tuple(visit(s.body, local))))
-        else:
-            result.extend(visit([s], block_seen))
-    return result
-
-
-def _used_names(body: list[Stmt]) -> set[str]:
-    used: set[str] = set()
-    for s in body:
-        eqns = s.body if isinstance(s, Stage) else (s,)
-        if isinstance(s, Stage):
-            used.update(n for n in (_uses(s.a) if s.a else None, _uses(s.b) if s.b else None) if n)
-        for e in eqns:
-            used.update(n for n in map(_uses, e.ins) if n)
-    return used
-
-
-def _rename(body: list[Stmt], names: dict[str, str]) -> list[Stmt]:
-    if not names:
-        return body
-
-    def atom(a: Any) -> Any:
-        return Var(names.get(a.name, a.name), a.type, a.annot) if isinstance(a, Var) else a
-
-    def eqn(e: Eqn) -> Eqn:
-        outs = tuple(Var(names[v.name], v.type, None) if v.name in names else v for v in e.outs)
-        return replace(e, ins=tuple(atom(a) for a in e.ins), outs=outs)
-
-    out: list[Stmt] = []
-    for s in body:
-        if isinstance(s, Stage):
-            out.append(replace(s, a=atom(s.a), b=atom(s.b), body=tuple(eqn(e) for e in s.body)))
-        else:
-            out.append(eqn(s))
-    return out
 
 
 def derive(block: Block, plan: BlockPlan, wrt: list[str] | None = None) -> Derivation:
