@@ -27,18 +27,11 @@ RULES = ("type_rule", "locality", "impl", "vjp", "emit")
 REQUIRED = ("type_rule", "locality")
 LOCALITIES = {"pointwise", "pair", "reduce", "index", "gather"}
 
-ALL_OPS = frozenset({
-    "abs", "add", "cast", "col_index", "copy", "cos", "div", "eq", "exp", "expand", "ge", "gelu", "gt",
-    "interleave", "le", "log", "lt", "maximum", "minimum", "mul", "ne", "neg", "pairs", "pick",
-    "reduce_logsumexp", "reduce_max", "reduce_min", "reduce_sum", "row_index", "rsqrt", "sigmoid", "silu",
-    "sin", "sqrt", "sub", "tanh", "where",
-})
-
 # Ops that lack each optional rule today. Later issues fill these in: shrink the sets as they do.
 EXPECTED_MISSING: dict[str, frozenset[str]] = {
     "impl": frozenset(),  # the interpreter issue
     "vjp": frozenset({"col_index", "eq", "ge", "gt", "le", "lt", "ne", "row_index"}),  # not differentiable
-    "emit": ALL_OPS,  # the backend issue
+    "emit": frozenset({"col_index", "row_index"}),  # the backend issue
 }
 
 
@@ -81,11 +74,6 @@ def test_optional_rules_match_the_expected_sets(rule: str) -> None:
     unexpected = lack - expected
     assert not filled, f"now have a {rule} (remove them from EXPECTED_MISSING[{rule!r}]): {sorted(filled)}"
     assert not unexpected, f"lack a {rule}: {sorted(unexpected)}\n{rule_table()}"
-
-
-def test_all_ops_is_the_registry() -> None:
-    """ALL_OPS names the registry (update it when an op is added, and give the new op its rules)."""
-    assert set(REGISTRY) == set(ALL_OPS), f"added: {sorted(set(REGISTRY) - ALL_OPS)}, removed: {sorted(ALL_OPS - set(REGISTRY))}"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,10 +1,11 @@
 """Round trips: print -> parse -> the same IR, for the examples and for random valid programs.
 
 `programs()` is a hypothesis strategy of random *valid* .coda programs, written as source text: a few
-GEMM stages (some transposed, some reading an earlier stage's stored tile), epilogues whose ops are
-drawn from `coda_lang.ops.REGISTRY` (so a new op is covered as soon as it is registered), pairs and
-interleave on even widths such as `2*F`, an occasional `elementwise [M, N]` stage, reductions with `over=` and `group=`, vector computations
-between stages, scalars, literals (negative ones too) and storage annotations (`h: bf16 = ...`).
+GEMM stages (some transposed, some reading an earlier stage's stored tile) and an occasional
+`elementwise [M, N]` stage, epilogues whose ops are drawn from `coda_lang.ops.REGISTRY` (so a new op
+is covered as soon as it is registered), pairs and interleave on even widths such as `2*F`,
+reductions with `over=` and `group=`, vector computations between stages, scalars, literals
+(negative ones too), storage annotations (`h: bf16 = ...`), comments and `;` separators.
 The generator decides what is valid by asking each op's own type rule, and tracks the kinds the
 checker tracks (tile, vector, scalar, partial, group; stored matrices after a stage), so every
 program it makes must pass `coda check`: that is asserted too.
@@ -403,7 +404,7 @@ def test_random_programs_with_each_op(op: str) -> None:
     gets these tests as soon as it is registered)."""
     seen: list[int] = []
 
-    @settings(max_examples=6, database=None)
+    @settings(max_examples=8, database=None)
     @given(programs(focus=op))
     def run(text: str) -> None:
         program = _load_text(text)

@@ -59,10 +59,20 @@ CODES: dict[str, str] = {
     # E06 autodiff (`coda grad`, Block.grad)
     "E0601": "autodiff made a block that does not check (a bug in coda_lang)",
     "E0602": "can't differentiate this program",
+    # E07 backend limits (`coda compile`, coda_lang.backend_cute): valid programs the CuTeDSL backend
+    # can't compile yet
+    "E0701": "stage has no GEMM (elementwise stages are not compiled yet)",
+    "E0702": "dtype not supported by the CuTeDSL backend",
+    "E0703": "op has no CuTeDSL emitter yet",
+    "E0704": "column layout not supported by the epilogue",
+    "E0705": "reduction not supported by the epilogue",
+    "E0706": "no tile configuration compiles without register spills",
+    "E0707": "the CuTeDSL compiler rejected the generated kernel",
 }
 
-# Codes `coda check` can't give: autodiff's (tested by tests/bad_grad/), and E0601, which is a bug report.
-CHECK_ONLY_EXEMPT = {"E0601", "E0602"}
+# Codes `coda check` can't give: autodiff's (tested by tests/bad_grad/), E0601, which is a bug report, and
+# the backend's (tested by tests/test_backend_emit.py and tests/test_backend_ptx.py).
+CHECK_ONLY_EXEMPT = {"E0601", "E0602", "E0701", "E0702", "E0703", "E0704", "E0705", "E0706", "E0707"}
 
 
 @dataclass
