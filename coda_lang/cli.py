@@ -67,6 +67,21 @@ def _parser() -> argparse.ArgumentParser:
                    help="also print the forward block, extended to store the saved tensors")
     g.add_argument("-o", "--output", metavar="OUT.coda", help="write here instead of standard output (atomically)")
     g.add_argument("--error-format", choices=("human", "short"), default="human")
+
+    k = sub.add_parser("compile", help="compile each GEMM stage to a CuTeDSL epilogue (Python source) or to PTX",
+                       description="Compile each GEMM stage of a block for Hopper (sm_90a) on quack's GEMM: "
+                       "`--emit source` writes the stage's `@gemm_epilogue` function; `--emit ptx` compiles it with "
+                       "CuTeDSL (no GPU needed), checks it with `ptxas -v` and, unless --tile is given, picks the "
+                       "first tile (128x192, 128x128, 128x96, 128x64) whose kernel has no register spills. Writes "
+                       "one file per stage, BLOCK_stageK.py or .ptx. Kernels are cached in $CODA_CACHE_DIR "
+                       "(default ~/.cache/coda_lang/kernels).")
+    k.add_argument("file", metavar="FILE")
+    k.add_argument("--block", metavar="NAME", help="the block to compile (needed when the file has several)")
+    k.add_argument("--emit", choices=("source", "ptx"), required=True, help="what to write for each stage")
+    k.add_argument("-o", "--output-dir", metavar="DIR", default=".", help="where to write (default: .)")
+    k.add_argument("--backward", action="store_true", help="compile the derived backward block instead")
+    k.add_argument("--tile", metavar="MxN", help="--emit ptx: this tile only (e.g. 128x128; pingpong, cluster 2x1)")
+    k.add_argument("--error-format", choices=("human", "short"), default="human")
     return p
 
 
@@ -309,6 +324,76 @@ def cmd_grad(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_compile(args: argparse.Namespace) -> int:
+    from coda_lang.verify.diagnostics import CodaError, render_all
+
+    block, code = _load_block(args.file, args.block, args.error_format)
+    if block is None:
+        return code
+    from coda_lang.api import Block
+
+    assert isinstance(block, Block)
+    tile = _parse_tile(args.tile)
+    if tile == "bad" or (isinstance(tile, tuple) and args.emit != "ptx"):
+        return _usage(f"--tile takes MxN (e.g. 128x128) and goes with --emit ptx, got {args.tile!r}")
+    text = _read(args.file) or ""
+
+    def report(e: CodaError) -> None:
+        print(render_all(e.diagnostics, {args.file: text}, args.error_format), file=sys.stderr)
+
+    if args.backward:
+        try:
+            block = block.grad()
+        except CodaError as e:
+            report(e)
+            return EXIT_ERRORS
+    out_dir = args.output_dir
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        return _usage(f"can't create {out_dir}: {e.strerror or e}")
+    from coda_lang.backend_cute.compile import BackendUnavailable, TileConfig, compile_spec, select_config
+    from coda_lang.backend_cute.emit import emit_stage
+    from coda_lang.backend_cute.plan import plan_stage
+
+    status = EXIT_OK
+    for k in range(1, len(block.plan.stages) + 1):
+        name = f"{block.name}_stage{k}"
+        try:
+            spec = plan_stage(block, k)
+            if args.emit == "source":
+                path = os.path.join(out_dir, name + ".py")
+                _write_text(path, emit_stage(spec))
+                what = [f"D = {spec.d.name}"] if spec.d else []
+                what += [f"stores {', '.join(o.name for o in spec.outputs)}"] if spec.outputs else []
+                what += [f"reduces {', '.join(s.name for s in spec.sinks)}"] if spec.sinks else []
+                print(f"wrote {path}: stage {k} `{spec.text}` ({spec.mode} mode; {'; '.join(what) or 'no outputs'})")
+                continue
+            if isinstance(tile, tuple):
+                c = compile_spec(spec, TileConfig(tile[0], tile[1]))
+            else:
+                c = select_config(block, k)
+            path = os.path.join(out_dir, name + ".ptx")
+            _write_text(path, c.ptx)
+            assert c.report is not None
+            how = "cached" if c.cached else f"compiled in {c.compile_s:.1f} s"
+            regs = f" (setmaxnreg {'/'.join(map(str, c.setmaxnreg))})" if c.setmaxnreg else ""
+            print(f"wrote {path}: stage {k} `{spec.text}` at {c.config}: {c.report}{regs}; {how}")
+            for r in c.rejected:
+                print(f"  (not {r})")
+            if c.report.spills:
+                print(f"warning: {path} spills registers at the tile you chose", file=sys.stderr)
+        except CodaError as e:
+            report(e)
+            status = EXIT_ERRORS
+        except BackendUnavailable as e:
+            print(f"coda: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        except OSError as e:  # the output folder or the kernel cache
+            return _usage(f"can't write {e.filename or out_dir}: {e.strerror or e}")
+    return status
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -316,7 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     try:
-        return {"check": cmd_check, "run": cmd_run, "grad": cmd_grad}[args.command](args)
+        return {"check": cmd_check, "run": cmd_run, "grad": cmd_grad, "compile": cmd_compile}[args.command](args)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

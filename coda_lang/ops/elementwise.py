@@ -62,9 +62,26 @@ def _cast(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type
 
 
 def _pointwise(name: str, surface: str, nin: int, rule: Any, impl: Any, *, infix: str | None = None,
-               differentiable: bool = True, params: tuple[ParamSpec, ...] = (), vjp: Any = None) -> OpDef:
+               differentiable: bool = True, params: tuple[ParamSpec, ...] = (), vjp: Any = None,
+               emit: Any = None) -> OpDef:
     return register(OpDef(name, surface, nin, type_rule=rule, locality="pointwise", impl=impl,
-                          infix=infix, differentiable=differentiable, params=params, vjp=vjp))
+                          infix=infix, differentiable=differentiable, params=params, vjp=vjp, emit=emit))
+
+
+# CuTeDSL emitters (backend_cute/emit.py): `emit(*operands, **params)` maps the operands' Python
+# expressions (names or literals: the emitted code is flat) to the expression of one f32 element, in
+# the names the emitted module imports: `cute`, `cutlass`, `Float32`, `BFloat16`, `Float16`, quack's
+# `pexp` and quack.activation's `silu`, `sigmoid`, `tanh`, `gelu_tanh_approx` (fastmath, as quack's
+# own epilogues use them).
+def _fn(name: str, **kw: str) -> Any:
+    extra = "".join(f", {k}={v}" for k, v in kw.items())
+    return lambda *xs: f"{name}({', '.join(xs)}{extra})"
+
+
+def _cast_emit(x: str, dtype: str) -> str:
+    if dtype == "i32":
+        raise Mistake("E0703", "cast() to i32 has no CuTeDSL emitter yet")
+    return {"f32": f"Float32({x})", "bf16": f"Float32(BFloat16({x}))", "f16": f"Float32(Float16({x}))"}[dtype]
 
 
 # VJP rules: `vjp(b, p, ct)` returns one cotangent per input (None: no gradient), written with other
@@ -73,30 +90,36 @@ def _pointwise(name: str, surface: str, nin: int, rule: Any, impl: Any, *, infix
 
 
 # Arithmetic (infix). Integer operands stay integer except for `/`.
-_pointwise("add", "add", 2, _arith, lambda a, b: a + b, infix="+", vjp=lambda b, p, ct: [ct, ct])
-_pointwise("sub", "sub", 2, _arith, lambda a, b: a - b, infix="-", vjp=lambda b, p, ct: [ct, b.neg(ct)])
+_pointwise("add", "add", 2, _arith, lambda a, b: a + b, infix="+", vjp=lambda b, p, ct: [ct, ct],
+           emit=lambda a, b: f"{a} + {b}")
+_pointwise("sub", "sub", 2, _arith, lambda a, b: a - b, infix="-", vjp=lambda b, p, ct: [ct, b.neg(ct)],
+           emit=lambda a, b: f"{a} - {b}")
 _pointwise("mul", "mul", 2, _arith, lambda a, b: a * b, infix="*",
-           vjp=lambda b, p, ct: [b.mul(ct, p.x[1]), b.mul(ct, p.x[0])])
+           vjp=lambda b, p, ct: [b.mul(ct, p.x[1]), b.mul(ct, p.x[0])], emit=lambda a, b: f"{a} * {b}")
 _pointwise("div", "div", 2, _floating, lambda a, b: a / b, infix="/",
-           vjp=lambda b, p, ct: [b.div(ct, p.x[1]), b.neg(b.div(b.mul(ct, p.y[0]), p.x[1]))])
-_pointwise("neg", "neg", 1, _arith, lambda a: -a, infix="neg", vjp=lambda b, p, ct: [b.neg(ct)])
+           vjp=lambda b, p, ct: [b.div(ct, p.x[1]), b.neg(b.div(b.mul(ct, p.y[0]), p.x[1]))],
+           emit=lambda a, b: f"{a} / {b}")
+_pointwise("neg", "neg", 1, _arith, lambda a: -a, infix="neg", vjp=lambda b, p, ct: [b.neg(ct)],
+           emit=lambda a: f"-{a}")
 _pointwise("maximum", "max", 2, _arith, lambda a, b: np.maximum(a, b),
-           vjp=lambda b, p, ct: _select(b, b.op("ge", p.x[0], p.x[1]), ct))
+           vjp=lambda b, p, ct: _select(b, b.op("ge", p.x[0], p.x[1]), ct), emit=_fn("cute.math.max"))
 _pointwise("minimum", "min", 2, _arith, lambda a, b: np.minimum(a, b),
-           vjp=lambda b, p, ct: _select(b, b.op("le", p.x[0], p.x[1]), ct))
+           vjp=lambda b, p, ct: _select(b, b.op("le", p.x[0], p.x[1]), ct), emit=_fn("cute.math.min"))
 _pointwise("abs", "abs", 1, _arith, lambda a: np.abs(a),
-           vjp=lambda b, p, ct: [b.where(b.op("ge", p.x[0], b.lit(0.0)), ct, b.neg(ct))])
+           vjp=lambda b, p, ct: [b.where(b.op("ge", p.x[0], b.lit(0.0)), ct, b.neg(ct))], emit=_fn("abs"))
 
 # Comparisons give a bool, usable only as the condition of where().
-for _name, _sym, _fn in [
+for _name, _sym, _impl in [
     ("lt", "<", lambda a, b: a < b), ("le", "<=", lambda a, b: a <= b),
     ("gt", ">", lambda a, b: a > b), ("ge", ">=", lambda a, b: a >= b),
     ("eq", "==", lambda a, b: a == b), ("ne", "!=", lambda a, b: a != b),
 ]:
-    _pointwise(_name, _name, 2, _compare, _fn, infix=_sym, differentiable=False)
+    _pointwise(_name, _name, 2, _compare, _impl, infix=_sym, differentiable=False,
+               emit=lambda a, b, _sym=_sym: f"{a} {_sym} {b}")
 
 _pointwise("where", "where", 3, _where, lambda c, a, b: np.where(c, a, b),
-           vjp=lambda b, p, ct: [None, b.where(p.x[0], ct, b.lit(0.0)), b.where(p.x[0], b.lit(0.0), ct)])
+           vjp=lambda b, p, ct: [None, b.where(p.x[0], ct, b.lit(0.0)), b.where(p.x[0], b.lit(0.0), ct)],
+           emit=_fn("cutlass.select_"))
 
 
 def _select(b: Any, first: Any, ct: Any) -> list[Any]:
@@ -128,27 +151,33 @@ def _sigmoid(x: Any) -> Any:
 _GELU_C = math.sqrt(2.0 / math.pi)
 
 # Math functions: float in, f32 out.
-_pointwise("exp", "exp", 1, _floating, lambda x: np.exp(x), vjp=lambda b, p, ct: [b.mul(ct, p.y[0])])
-_pointwise("log", "log", 1, _floating, lambda x: np.log(x), vjp=lambda b, p, ct: [b.div(ct, p.x[0])])
+_pointwise("exp", "exp", 1, _floating, lambda x: np.exp(x), vjp=lambda b, p, ct: [b.mul(ct, p.y[0])],
+           emit=_fn("pexp"))
+_pointwise("log", "log", 1, _floating, lambda x: np.log(x), vjp=lambda b, p, ct: [b.div(ct, p.x[0])],
+           emit=_fn("cute.math.log", fastmath="True"))
 _pointwise("sqrt", "sqrt", 1, _floating, lambda x: np.sqrt(x),
-           vjp=lambda b, p, ct: [b.div(b.mul(ct, b.lit(0.5)), p.y[0])])
+           vjp=lambda b, p, ct: [b.div(b.mul(ct, b.lit(0.5)), p.y[0])], emit=_fn("cute.math.sqrt", fastmath="True"))
 _pointwise("rsqrt", "rsqrt", 1, _floating, lambda x: 1 / np.sqrt(x),  # d/dx x^-1/2 = -y^3 / 2
-           vjp=lambda b, p, ct: [b.mul(b.mul(ct, b.lit(-0.5)), b.mul(p.y[0], b.mul(p.y[0], p.y[0])))])
+           vjp=lambda b, p, ct: [b.mul(b.mul(ct, b.lit(-0.5)), b.mul(p.y[0], b.mul(p.y[0], p.y[0])))],
+           emit=_fn("cute.math.rsqrt", fastmath="True"))
 _pointwise("tanh", "tanh", 1, _floating, lambda x: np.tanh(x),
-           vjp=lambda b, p, ct: [b.mul(ct, b.sub(b.lit(1.0), b.mul(p.y[0], p.y[0])))])
+           vjp=lambda b, p, ct: [b.mul(ct, b.sub(b.lit(1.0), b.mul(p.y[0], p.y[0])))], emit=_fn("tanh"))
 _pointwise("sigmoid", "sigmoid", 1, _floating, _sigmoid,
-           vjp=lambda b, p, ct: [b.mul(ct, b.mul(p.y[0], b.sub(b.lit(1.0), p.y[0])))])
-_pointwise("silu", "silu", 1, _floating, lambda x: x * _sigmoid(x), vjp=lambda b, p, ct: [_silu_vjp(b, p.x[0], ct)])
+           vjp=lambda b, p, ct: [b.mul(ct, b.mul(p.y[0], b.sub(b.lit(1.0), p.y[0])))], emit=_fn("sigmoid"))
+_pointwise("silu", "silu", 1, _floating, lambda x: x * _sigmoid(x), vjp=lambda b, p, ct: [_silu_vjp(b, p.x[0], ct)],
+           emit=_fn("silu"))
 def _gelu(x: Any) -> Any:
     x = np.asarray(x)
     c, k = x.dtype.type(_GELU_C), x.dtype.type(0.044715)
     return 0.5 * x * (1 + np.tanh(c * (x + k * x * x * x)))
 
 
-_pointwise("gelu", "gelu", 1, _floating, _gelu, vjp=lambda b, p, ct: [_gelu_vjp(b, p.x[0], ct)])
-_pointwise("sin", "sin", 1, _floating, lambda x: np.sin(x), vjp=lambda b, p, ct: [b.mul(ct, b.op("cos", p.x[0]))])
+_pointwise("gelu", "gelu", 1, _floating, _gelu, vjp=lambda b, p, ct: [_gelu_vjp(b, p.x[0], ct)],
+           emit=_fn("gelu_tanh_approx"))
+_pointwise("sin", "sin", 1, _floating, lambda x: np.sin(x), vjp=lambda b, p, ct: [b.mul(ct, b.op("cos", p.x[0]))],
+           emit=_fn("cute.math.sin"))
 _pointwise("cos", "cos", 1, _floating, lambda x: np.cos(x),
-           vjp=lambda b, p, ct: [b.neg(b.mul(ct, b.op("sin", p.x[0])))])
+           vjp=lambda b, p, ct: [b.neg(b.mul(ct, b.op("sin", p.x[0])))], emit=_fn("cute.math.cos"))
 
 def _cast_impl(x: Any, dtype: str, precision: str = "exact") -> Any:
     """Round to `dtype` (no-op for floats in the f64 gradient-check precision); i32 truncates."""
@@ -165,7 +194,7 @@ def _cast_impl(x: Any, dtype: str, precision: str = "exact") -> Any:
 _pointwise("cast", "cast", 1, _cast, _cast_impl,
            vjp=lambda b, p, ct: [None if p.param("dtype") == "i32" else ct],
            params=(ParamSpec("dtype", "dtype", required=True, positional=True),),
-           differentiable=True)
+           differentiable=True, emit=_cast_emit)
 
 CAST_TARGETS = FLOAT_DTYPES + INT_DTYPES
 
@@ -180,4 +209,4 @@ def _copy(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type
 
 
 # `y = x`: a named copy (an output that is exactly `acc`, an alias of a parameter).
-_pointwise("copy", "copy", 1, _copy, lambda x: x, infix="=", vjp=lambda b, p, ct: [ct])
+_pointwise("copy", "copy", 1, _copy, lambda x: x, infix="=", vjp=lambda b, p, ct: [ct], emit=lambda x: x)

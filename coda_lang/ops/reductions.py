@@ -114,7 +114,7 @@ for _surface, _fn, _combine in [("sum", "sum", "sum"), ("max", "max", "max"), ("
                                 ("logsumexp", "logsumexp", "lse")]:
     register(OpDef(f"reduce_{_surface}", _surface, 1, type_rule=_reduce_rule(_surface, _combine),
                    locality="reduce", params=REDUCE_PARAMS, combine=_combine, impl=_reduce_impl(_fn),
-                   vjp=_reduce_vjp(_surface)))
+                   vjp=_reduce_vjp(_surface), emit=lambda x, **params: x))
 
 
 def _pick_rule(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type, ...]:
@@ -156,7 +156,9 @@ def _pick_vjp(b: Any, p: Any, ct: Any) -> list[Any]:
     return [b.where(b.op("eq", index, p.x[1]), ct, b.lit(0.0)), None]
 
 
+# CuTeDSL emitters of reductions and pick give the per-element value the kernel folds (backend_cute/plan.py
+# picks the quack sink: ColVecReduce, RowVecReduce, OnlineLSEReduce, ColVecSelect).
 register(OpDef("pick", "pick", 2, type_rule=_pick_rule, locality="gather", combine="sum",
-               impl=_pick_impl, vjp=_pick_vjp))
+               impl=_pick_impl, vjp=_pick_vjp, emit=lambda x, idx: x))
 
 _ = (SCALAR, shape_str)

@@ -94,9 +94,13 @@ def _interleave_vjp(b: Any, p: Any, ct: Any) -> list[Any]:
     return list(b.ops("pairs", ct))
 
 
-register(OpDef("pairs", "pairs", 1, nout=2, type_rule=_pairs, locality="pair", impl=_pairs_impl, vjp=_pairs_vjp))
+# CuTeDSL emitters of the pair ops work on lanes (quack's acc_pair mode: a full-width value is a pair of
+# adjacent columns, one expression per lane): pairs maps its operand's lanes to one lane per result,
+# interleave two values to the lanes of one.
+register(OpDef("pairs", "pairs", 1, nout=2, type_rule=_pairs, locality="pair", impl=_pairs_impl, vjp=_pairs_vjp,
+               emit=lambda z: ((z[0],), (z[1],))))
 register(OpDef("interleave", "interleave", 2, type_rule=_interleave, locality="pair", impl=_interleave_impl,
-               vjp=_interleave_vjp))
+               vjp=_interleave_vjp, emit=lambda a, b: ((a[0], b[0]),)))
 
 
 def _expand(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type, ...]:
@@ -113,7 +117,7 @@ def _expand(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Ty
 # materialize a cotangent that is a vector or scalar where a whole tile is needed.
 register(OpDef("expand", "expand", 2, type_rule=_expand, locality="pointwise",
                impl=lambda x, like: np.broadcast_to(x, np.broadcast_shapes(np.shape(x), np.shape(like))).copy(),
-               vjp=lambda b, p, ct: [ct, None]))
+               vjp=lambda b, p, ct: [ct, None], emit=lambda x, like: x))
 
 
 def _index_rule(axis: int) -> Any:

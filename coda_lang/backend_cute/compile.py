@@ -1,0 +1,232 @@
+"""Compile a stage to PTX for sm_90a (no GPU needed), check it with ptxas, choose its tile.
+
+What it does: `TileConfig` (quack's SM90 default: 128x192 pingpong, cluster 2x1); `compile_stage`
+plans and emits a stage, compiles it through quack_adapter (or takes the PTX from the cache, keyed
+by the emitted source, emitter version, library versions, arch and tile config, never by M, N, K),
+and runs `ptxas -v` on it; `select_config` tries tile configs in order and keeps the first whose
+ptxas report shows no register spills (DESIGN.md section 6: heavy epilogues spill at 128x192).
+What it does not: plan or emit (plan.py, emit.py), or touch quack (quack_adapter.py, imported only
+when a kernel really has to be compiled).
+Invariants: a program the backend can't compile raises CodaError (E07); a missing toolchain raises
+`BackendUnavailable`; the cache only ever holds complete files (written atomically).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from coda_lang.backend_cute.emit import EMITTER_VERSION, cache_dir, emit_stage, source_hash, write_source
+from coda_lang.backend_cute.plan import StageSpec, plan_stage
+from coda_lang.verify.diagnostics import CodaError, Diagnostic
+
+ARCH = "sm_90a"
+
+
+class BackendUnavailable(Exception):
+    """The CuTeDSL toolchain (nvidia-cutlass-dsl, quack-kernels, ptxas) can't be used here."""
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    tile_m: int = 128
+    tile_n: int = 192
+    cluster_m: int = 2
+    cluster_n: int = 1
+    pingpong: bool = True
+
+    def __str__(self) -> str:
+        kind = "pingpong" if self.pingpong else "cooperative"
+        return f"{self.tile_m}x{self.tile_n} {kind}, cluster {self.cluster_m}x{self.cluster_n}"
+
+    @property
+    def short(self) -> str:
+        return f"{self.tile_m}x{self.tile_n}"
+
+
+DEFAULT_CONFIG = TileConfig()
+# Tried in order by select_config: quack's default, then narrower tiles (fewer accumulator registers
+# per thread, so more room for the epilogue).
+CANDIDATES = (TileConfig(128, 192), TileConfig(128, 128), TileConfig(128, 96), TileConfig(128, 64))
+
+
+@dataclass(frozen=True)
+class PtxasReport:
+    registers: int
+    spill_stores: int  # bytes
+    spill_loads: int  # bytes
+    stack_frame: int  # bytes
+    ptxas: str  # the ptxas version line
+    text: str
+
+    @property
+    def spills(self) -> bool:
+        return self.spill_stores > 0 or self.spill_loads > 0
+
+    def __str__(self) -> str:
+        return (f"{self.registers} registers, {self.spill_stores} bytes spill stores, "
+                f"{self.spill_loads} bytes spill loads ({self.ptxas})")
+
+
+@dataclass
+class CompiledStage:
+    spec: StageSpec
+    source: str
+    source_path: Path
+    config: TileConfig
+    ptx_path: Path
+    compile_s: float  # seconds CuTeDSL took (when the PTX was compiled, not cached)
+    cached: bool
+    report: PtxasReport | None = None
+    rejected: tuple[str, ...] = ()  # select_config: the tiles tried first, and why they were not kept
+
+    @property
+    def ptx(self) -> str:
+        return self.ptx_path.read_text()
+
+    @property
+    def setmaxnreg(self) -> tuple[int, ...]:
+        """Per-warpgroup register counts the kernel sets (warp-specialized: the producer gives registers
+        back, the consumer (MMA + epilogue) warpgroups take them); ptxas's "Used N registers" is the
+        launch-time count of all 384 threads."""
+        return tuple(int(n) for n in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", self.ptx))
+
+
+def ptxas_executable() -> str:
+    """$CODA_PTXAS, else `ptxas` on PATH (CuTeDSL 4.8.1 embeds the ptxas of CUDA 12.9 for the cubin it
+    builds; the CUDA 13 ptxas of the toolkit reports more spills on the same PTX, so it is the stricter
+    check)."""
+    exe = os.environ.get("CODA_PTXAS") or shutil.which("ptxas")
+    if not exe or not os.access(exe, os.X_OK):
+        raise BackendUnavailable(f"ptxas not found{f' at {exe}' if exe else ''} (install the CUDA toolkit, or "
+                                 "set CODA_PTXAS)")
+    return exe
+
+
+_RE_REGS = re.compile(r"Used (\d+) registers")
+_RE_SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def parse_ptxas(text: str, version: str = "ptxas") -> PtxasReport:
+    """Registers and spills of the (largest) kernel in `ptxas -v` output."""
+    regs = [int(x) for x in _RE_REGS.findall(text)]
+    spills = [tuple(int(y) for y in x) for x in _RE_SPILLS.findall(text)]
+    if not regs or not spills:
+        raise ValueError(f"no register/spill report in ptxas output:\n{text[-2000:]}")
+    stack, stores, loads = max(spills, key=lambda s: (s[1] + s[2], s[0]))
+    return PtxasReport(max(regs), stores, loads, stack, version, text)
+
+
+def run_ptxas(ptx_path: Path, arch: str = ARCH) -> PtxasReport:
+    """`ptxas -v -arch=sm_90a` on a PTX file (the object is discarded)."""
+    exe = ptxas_executable()
+    version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+    r = subprocess.run([exe, "-v", f"-arch={arch}", str(ptx_path), "-o", os.devnull], capture_output=True,
+                       text=True, timeout=600)
+    out = r.stdout + r.stderr
+    if r.returncode != 0:
+        raise RuntimeError(f"ptxas failed on {ptx_path}:\n{out[-3000:]}")
+    line = next((v for v in reversed(version) if v.startswith("Cuda compilation tools")), version[-1] if version else "")
+    return parse_ptxas(out, f"ptxas {line.split('release ')[-1].split(',')[0]}" if "release" in line else "ptxas")
+
+
+def library_versions() -> dict[str, str]:
+    out = {}
+    for dist in ("nvidia-cutlass-dsl", "quack-kernels"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = "missing"
+    return out
+
+
+def ptx_key(source: str, config: TileConfig) -> str:
+    key = {"source": source_hash(source), "emitter": EMITTER_VERSION, "arch": ARCH, "config": asdict(config),
+           "libraries": library_versions()}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def _adapter() -> Any:
+    try:
+        from coda_lang.backend_cute import quack_adapter
+    except ImportError as e:
+        raise BackendUnavailable(f"the CuTeDSL backend needs nvidia-cutlass-dsl and quack-kernels: {e}") from None
+    return quack_adapter
+
+
+def compile_spec(spec: StageSpec, config: TileConfig = DEFAULT_CONFIG, *, ptxas: bool = True,
+                 directory: Path | None = None) -> CompiledStage:
+    """Emit, compile (or reuse the cached PTX) and check one planned stage."""
+    root = directory or cache_dir()
+    source = emit_stage(spec)
+    src_path = write_source(source, root)
+    ptx_dir = root / "ptx"
+    ptx_dir.mkdir(parents=True, exist_ok=True)
+    key = ptx_key(source, config)
+    ptx_path = ptx_dir / f"{spec.fn_name}-{config.short}-{key[:20]}.ptx"
+    meta_path = ptx_path.with_suffix(".json")
+    cached = ptx_path.exists() and meta_path.exists()
+    if cached:
+        seconds = float(json.loads(meta_path.read_text()).get("compile_s", 0.0))
+    else:
+        adapter = _adapter()
+        try:
+            text, seconds = adapter.compile_ptx(spec, src_path, config)
+        except Exception as e:  # quack or CuTeDSL refused the kernel: say where its source is
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise CodaError([Diagnostic(
+                "E0707", f"the CuTeDSL compiler rejected stage {spec.index} (`{spec.text}`) at tile {config}",
+                spec.span, notes=[f"{type(e).__name__}: {first}", f"the emitted epilogue is {src_path}",
+                             "this is a limit of quack or a bug in coda_lang's emitter; please report it"])]) from e
+        tmp = ptx_path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, ptx_path)
+        tmp.write_text(json.dumps({"compile_s": seconds, "config": asdict(config), "source": src_path.name}))
+        os.replace(tmp, meta_path)
+    out = CompiledStage(spec, source, src_path, config, ptx_path, seconds, cached)
+    if ptxas:
+        out.report = run_ptxas(ptx_path)
+    return out
+
+
+def compile_stage(block: Any, index: int, config: TileConfig = DEFAULT_CONFIG, *, ptxas: bool = True,
+                  directory: Path | None = None) -> CompiledStage:
+    """Stage `index` (1-based) of a checked `coda_lang.api.Block`, compiled at tile `config`."""
+    return compile_spec(plan_stage(block, index), config, ptxas=ptxas, directory=directory)
+
+
+def select_config(block: Any, index: int, candidates: tuple[TileConfig, ...] = CANDIDATES, *,
+                  directory: Path | None = None) -> CompiledStage:
+    """The first candidate tile whose kernel has no register spills (CodaError E0706 if none)."""
+    spec = plan_stage(block, index)
+    tried: list[str] = []
+    for config in candidates:
+        if not fits(spec, config):
+            continue
+        c = compile_spec(spec, config, directory=directory)
+        assert c.report is not None
+        if not c.report.spills:
+            c.rejected = tuple(tried)
+            return c
+        tried.append(f"{config}: {c.report}")
+    raise CodaError([Diagnostic(
+        "E0706", f"stage {index} (`{spec.text}`) spills registers at every tile configuration tried", spec.span,
+        notes=tried or ["no candidate tile satisfies the stage's tiling constraints"],
+        help=["split the epilogue across stages, or store fewer values from this stage"])])
+
+
+def fits(spec: StageSpec, config: TileConfig) -> bool:
+    """Whether `config` satisfies the stage's tiling constraints (plan.py writes them)."""
+    for c in spec.constraints:
+        m = re.match(r"tile_N % (\d+) == 0", c)
+        if m and config.tile_n % int(m.group(1)):
+            return False
+    return True

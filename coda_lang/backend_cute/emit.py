@@ -1,0 +1,263 @@
+"""Epilogue emission: a `StageSpec` -> the Python source of one quack `@gemm_epilogue` function.
+
+What it does: writes straight-line code, one assignment per live equation, through each op's `emit`
+rule in the registry (coda_lang/ops); pins every operand, output and reduction explicitly in the
+decorator (`ops=`, `outputs=`, `reduces=`/`outs=`, `extra_ops=`, `mode=`: quack infers nothing);
+in "acc_pair" mode splits every full-width value into its two lanes (adjacent columns) so that each
+statement is scalar f32 code. `write_source` stores the source in a content-addressed file (quack
+fingerprints an epilogue by its source file, so it must be real) under the kernel cache.
+What it does not: import quack or CuTeDSL (the emitted module does, when quack_adapter loads it).
+Invariants: the same spec gives the same text (golden files in tests/golden/emit); the file name is
+the hash of the text and EMITTER_VERSION, so a file is never rewritten with other contents.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import keyword
+import os
+import re
+from pathlib import Path
+
+from coda_lang.backend_cute.plan import HELPER_NAMES, StageSpec, describe
+from coda_lang.ir.nodes import Atom, Eqn, Lit, Var
+from coda_lang.ops import REGISTRY
+from coda_lang.verify.diagnostics import CodaError, Diagnostic, Mistake
+
+EMITTER_VERSION = "1"
+
+# Name in the emitted code -> the import that provides it (only the names used are imported).
+_IMPORTS: dict[str, str] = {
+    "cutlass": "import cutlass",
+    "cute": "import cutlass.cute as cute",
+    "BFloat16": "from cutlass import BFloat16",
+    "Float16": "from cutlass import Float16",
+    "Float32": "from cutlass import Float32",
+    "gelu_tanh_approx": "from quack.activation import gelu_tanh_approx",
+    "sigmoid": "from quack.activation import sigmoid",
+    "silu": "from quack.activation import silu",
+    "tanh": "from quack.activation import tanh",
+    "gemm_epilogue": "from quack.epilogue.frontend import gemm_epilogue",
+    "pack": "from quack.epilogue.math import pack",
+    "pexp": "from quack.epilogue.math import pexp",
+    "unpack": "from quack.epilogue.math import unpack",
+    "ColVecLoad": "from quack.epilogue.ops import ColVecLoad",
+    "ColVecReduce": "from quack.epilogue.ops import ColVecReduce",
+    "ColVecSelect": "from quack.epilogue.ops import ColVecSelect",
+    "OnlineLSEReduce": "from quack.epilogue.ops import OnlineLSEReduce",
+    "RowVecLoad": "from quack.epilogue.ops import RowVecLoad",
+    "RowVecReduce": "from quack.epilogue.ops import RowVecReduce",
+    "Scalar": "from quack.epilogue.ops import Scalar",
+    "TileLoad": "from quack.epilogue.ops import TileLoad",
+    "TileStore": "from quack.epilogue.ops import TileStore",
+    "Int32": "from cutlass import Int32",
+}
+
+_CUTLASS_DTYPES = {"f32": "Float32", "bf16": "BFloat16", "f16": "Float16", "i32": "Int32"}
+
+
+def cache_dir() -> Path:
+    """The kernel cache: $CODA_CACHE_DIR, else ~/.cache/coda_lang/kernels."""
+    env = os.environ.get("CODA_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "coda_lang" / "kernels"
+
+
+def source_hash(source: str) -> str:
+    return hashlib.sha256(f"coda-emitter-{EMITTER_VERSION}\n{source}".encode()).hexdigest()
+
+
+def module_name(source: str) -> str:
+    return f"coda_epi_{source_hash(source)[:24]}"
+
+
+def write_source(source: str, directory: Path | None = None) -> Path:
+    """Write `source` to <cache>/epilogues/<hash>.py (atomically; an existing file is kept)."""
+    folder = (directory or cache_dir()) / "epilogues"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{module_name(source)}.py"
+    if not path.exists() or path.read_text() != source:
+        tmp = folder / f".{path.name}.{os.getpid()}.tmp"
+        tmp.write_text(source)
+        os.replace(tmp, path)
+    return path
+
+
+class _Emitter:
+    def __init__(self, spec: StageSpec):
+        self.spec = spec
+        self.lines: list[str] = []
+        self.lanes: dict[str, tuple[str, ...]] = {}  # coda name -> one expression per lane
+        self.taken: set[str] = set(spec.names.values()) | {"acc", spec.fn_name} | HELPER_NAMES
+        self.py: dict[str, str] = dict(spec.names)  # coda name -> Python name, for every value
+        for e in spec.eqns:
+            for v in e.outs:
+                if v.name not in self.py:
+                    base = f"v_{v.name}" if v.name in HELPER_NAMES or keyword.iskeyword(v.name) else v.name
+                    self.py[v.name] = self.fresh(base)
+
+    def fresh(self, base: str) -> str:
+        name = base
+        while name in self.taken:
+            name += "_"
+        self.taken.add(name)
+        return name
+
+    def atom(self, a: Atom, lane: int) -> str:
+        if isinstance(a, Var):
+            lanes = self.lanes[a.name]
+            return lanes[lane] if len(lanes) > 1 else lanes[0]
+        if isinstance(a, Lit):
+            return repr(float(a.value))
+        raise AssertionError(a)  # plan.py rejects dims and poisoned atoms
+
+    def bind(self, name: str, n: int) -> tuple[str, ...]:
+        py = self.py[name]
+        return (py,) if n == 1 else tuple(self.fresh(f"{py}_{i}") for i in range(n))
+
+    def eqn(self, e: Eqn) -> None:
+        od = REGISTRY[e.op]
+        assert od.emit is not None
+        params = dict(e.params)
+        if od.locality == "pair":
+            args = [self.lanes_of(a) for a in e.ins]
+            results = od.emit(*args)
+            targets: list[str] = []
+            exprs: list[str] = []
+            for v, lanes in zip(e.outs, results, strict=True):
+                names = self.bind(v.name, len(lanes))
+                self.lanes[v.name] = names
+                targets += names
+                exprs += lanes
+            self.lines.append(f"{', '.join(targets)} = {', '.join(exprs)}")
+            return
+        (v,) = e.outs
+        n = self.spec.lanes(v.type)
+        names = self.bind(v.name, n)
+        for i, target in enumerate(names):
+            self.lines.append(f"{target} = {od.emit(*[self.atom(a, i) for a in e.ins], **params)}")
+        self.lanes[v.name] = names
+
+    def lanes_of(self, a: Atom) -> tuple[str, ...]:
+        if isinstance(a, Var):
+            return self.lanes[a.name]
+        return (self.atom(a, 0),)
+
+    def value(self, name: str, pad: str | None = None) -> str:
+        """A result for the return dict: a Pair in acc_pair mode when `pad` says how to fill lane 2."""
+        lanes = self.lanes[name]
+        if len(lanes) == 2:
+            return f"pack({lanes[0]}, {lanes[1]})"
+        if pad is None:
+            return lanes[0]
+        return f"pack({lanes[0]}, {lanes[0] if pad == 'self' else pad})"
+
+    def run(self) -> str:
+        spec = self.spec
+        body: list[str] = []
+        if spec.paired:
+            a0, a1 = self.fresh("acc_0"), self.fresh("acc_1")
+            self.lanes["acc"] = (a0, a1)
+            body.append(f"{a0}, {a1} = unpack(acc)")
+        else:
+            self.lanes["acc"] = ("acc",)
+        for o in spec.operands:
+            if o.lanes == 2:
+                l0, l1 = self.fresh(f"{o.py}_0"), self.fresh(f"{o.py}_1")
+                # a column vector passed repeat_interleave(2): one value per pair, both lanes hold it
+                self.lanes[o.name] = (l0,) if o.host else (l0, l1)
+                body.append(f"{l0}, {l1} = unpack({o.py})")
+            else:
+                self.lanes[o.name] = (o.py,)
+        for e in spec.eqns:
+            try:
+                self.eqn(e)
+            except Mistake as m:
+                raise CodaError([Diagnostic(m.code, m.message, e.span, notes=m.notes, help=m.help)]) from None
+        body += self.lines
+        ret: list[str] = []
+        if spec.d is not None:
+            ret.append(f'"D": {self.value(spec.d.name)}')
+        for out in spec.outputs:
+            ret.append(f'"{out.py}": {self.value(out.name)}')
+        for s in spec.sinks:
+            if s.scaled:
+                ret.append(f'"{s.py}": ({", ".join(self.value(n) for n in s.value)})')
+            else:
+                ret.append(f'"{s.py}": {self.value(s.value[0], s.pad if spec.paired else None)}')
+        body.append("return {" + ", ".join(ret) + "}")
+        return self.module(body)
+
+    def decorator(self) -> list[str]:
+        spec = self.spec
+        args: list[str] = []
+        if spec.outputs:
+            outs = ", ".join(f'TileStore("{o.py}"{", gated=True" if o.gated else ""})' for o in spec.outputs)
+            args.append(f"outputs=({outs}{',' if len(spec.outputs) == 1 else ''})")
+        if spec.operands:
+            ops = []
+            for o in spec.operands:
+                extra = f", dtype={_CUTLASS_DTYPES[o.dtype]}" if o.op == "Scalar" and o.dtype != "f32" else ""
+                ops.append(f'"{o.py}": {o.op}("{o.py}"{extra})')
+            args.append("ops={" + ", ".join(ops) + "}")
+        reduces = [s for s in spec.sinks if s.op in ("ColVecReduce", "RowVecReduce")]
+        outs_ = [s for s in spec.sinks if s.op not in ("ColVecReduce", "RowVecReduce")]
+        if reduces:
+            items = []
+            for s in reduces:
+                kw = "".join([f', combine="{s.combine}"' if s.combine != "add" else "",
+                              ", scaled=True" if s.scaled else ""])
+                items.append(f'"{s.py}": {s.op}("{s.py}"{kw})')
+            args.append("reduces={" + ", ".join(items) + "}")
+        extra_ops = []
+        if outs_:
+            items = []
+            for s in outs_:
+                if s.op == "ColVecSelect":
+                    idx = f"_{spec.fn_name}_{s.index}"
+                    items.append(f'"{s.py}": ColVecSelect("{s.py}", idx_op={idx})')
+                    extra_ops.append(idx)
+                else:
+                    items.append(f'"{s.py}": {s.op}("{s.py}")')
+            args.append("outs={" + ", ".join(items) + "}")
+        if extra_ops:
+            args.append(f"extra_ops=({', '.join(extra_ops)}{',' if len(extra_ops) == 1 else ''})")
+        if spec.paired:
+            args.append('mode="acc_pair"')
+        one_line = f"@gemm_epilogue({', '.join(args)})"
+        if len(one_line) <= 100:
+            return [one_line]
+        return ["@gemm_epilogue("] + [f"    {a}," for a in args] + [")"]
+
+    def module(self, body: list[str]) -> str:
+        spec = self.spec
+        head = [f'"""coda_lang epilogue: stage {spec.index} of block `{spec.block}` (line {spec.line}): '
+                f'`{spec.text}`.', "", "Generated by coda_lang.backend_cute (emitter version "
+                f"{EMITTER_VERSION}); do not edit: the file name is the hash of its text.", ""]
+        head += describe(spec)
+        head += ["", "coda source:"] + [f"    {line}" for line in spec.source]
+        head.append('"""')
+        pre: list[str] = []
+        for s in spec.sinks:
+            if s.op == "ColVecSelect":
+                pre.append(f'_{spec.fn_name}_{s.index} = ColVecLoad("{s.index}")')
+        deco = self.decorator()
+        params = ", ".join(["acc"] + [o.py for o in spec.operands])
+        fn = deco + [f"def {spec.fn_name}({params}):"] + [f"    {line}" for line in body]
+        code = "\n".join(pre + fn)
+        used = sorted(name for name in _IMPORTS if re.search(rf"(?<![\w.]){re.escape(name)}\b", code))
+        plain = sorted({_IMPORTS[n] for n in used if _IMPORTS[n].startswith("import ")})
+        froms: dict[str, list[str]] = {}
+        for n in used:
+            line = _IMPORTS[n]
+            if line.startswith("from "):
+                froms.setdefault(line.split()[1], []).append(n)
+        imports = plain + [f"from {m} import {', '.join(sorted(ns))}" for m, ns in sorted(froms.items())]
+        text = "\n".join(head) + "\n\n" + "\n".join(imports) + "\n"
+        if pre:
+            text += "\n" + "\n".join(pre) + "\n"
+        return text + "\n\n" + "\n".join(fn) + "\n"
+
+
+def emit_stage(spec: StageSpec) -> str:
+    """The source of the stage's epilogue module (raises CodaError E07 where an op can't be emitted)."""
+    return _Emitter(spec).run()

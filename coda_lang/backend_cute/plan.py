@@ -1,0 +1,469 @@
+"""Stage planning: one checked GEMM stage -> the quack epilogue it becomes (`StageSpec`).
+
+What it does: reads a checked block (`coda_lang.api.Block`: typed IR + plan) and, for one stage,
+decides every resource of its quack `@gemm_epilogue`: the operands it loads (row vector ->
+`ColVecLoad`, column vector -> `RowVecLoad`, tile -> `TileLoad`, scalar -> `Scalar`; quack names a
+vector by the axis it broadcasts along, we by the axis it runs over), the tiles it stores (the main
+one is quack's "D", the others `TileStore`s), the partial reductions it folds (`ColVecReduce` per-row
+partials, `RowVecReduce` per-column partials, `OnlineLSEReduce`, `ColVecSelect` for `pick`), the
+epilogue mode ("element", or "acc_pair" when the stage uses `pairs`/`interleave`), and the live
+equations the emitter turns into straight-line code.
+What it does not: write Python (emit.py) or touch quack (quack_adapter.py); it imports nothing heavy.
+Invariants: a valid program the backend can't compile yet raises `CodaError` with an E07 code at the
+offending line, never anything else; planning is deterministic (the emitted source is a golden file).
+
+Choice of D: the last full-width stored tile in program order (llama_mlp stage 1: `hg`, as in quack's
+`rms_partial_epi`). In "acc_pair" mode only a full-width tile can be D and half-width tiles are gated
+`TileStore`s (16-bit, as quack requires).
+"""
+
+from __future__ import annotations
+
+import keyword
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+from coda_lang.ir.nodes import DimRef, Eqn, Span, Stage, Var
+from coda_lang.ir.printer import inline_source
+from coda_lang.ir.types import FLOAT_DTYPES, GROUP, TILE, VEC, Dim, Shape, Type, shape_str
+from coda_lang.ops import REGISTRY
+from coda_lang.verify.diagnostics import CodaError, Diagnostic
+
+# Names the emitted module imports (and builtins it calls): a value with one of these names is renamed
+# `v_<name>` in the emitted function; so is an operand or result that quack reserves (`c` is the GEMM's
+# C operand, `D` its output); the epi_args key is the renamed one.
+HELPER_NAMES = frozenset({
+    "math", "cute", "cutlass", "Float32", "BFloat16", "Float16", "Int32", "gemm_epilogue", "pack", "unpack",
+    "pexp", "silu", "sigmoid", "tanh", "gelu_tanh_approx", "ColVecLoad", "RowVecLoad", "TileLoad", "Scalar",
+    "TileStore", "ColVecReduce", "RowVecReduce", "OnlineLSEReduce", "ColVecSelect", "abs", "acc",
+})
+QUACK_RESERVED = frozenset({"acc", "c", "D"})
+
+# Quack op for each load role of verify/plan.py.
+LOAD_OPS = {"tile": "TileLoad", "row vector": "ColVecLoad", "column vector": "RowVecLoad", "scalar": "Scalar"}
+
+STORE_DTYPES = FLOAT_DTYPES  # what a TileStore / D can hold
+GEMM_DTYPES = ("bf16", "f16")  # operand dtypes of quack's SM90 WGMMA path used here
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A value the epilogue loads: a parameter of the emitted fn (and a key of epi_args)."""
+
+    name: str  # coda name
+    py: str  # name in the emitted fn
+    role: str  # "tile" | "row vector" | "column vector" | "scalar"
+    op: str  # quack op class
+    dtype: str
+    shape: Shape
+    lanes: int  # 2: arrives as a Pair (full-width tile or column vector in acc_pair mode)
+    # How the runtime must pass the argument, when not as is: "repeat_interleave(2)" for a half-width
+    # column vector in acc_pair mode (one value per column pair, loaded at the GEMM's width; the
+    # epilogue reads lane 0).
+    host: str = ""
+
+
+@dataclass(frozen=True)
+class Output:
+    """A stored tile: quack's D, or a TileStore (gated: half-width, in acc_pair mode)."""
+
+    name: str
+    py: str
+    dtype: str
+    shape: Shape
+    op: str  # "D" | "TileStore"
+    gated: bool = False
+
+
+@dataclass(frozen=True)
+class Sink:
+    """A partial reduction (or pick) the epilogue folds; `value` are the coda names it folds
+    (two for a scaled sum of a product: folded as one fma, like quack's `(y, y)`)."""
+
+    name: str
+    py: str
+    op: str  # ColVecReduce | RowVecReduce | OnlineLSEReduce | ColVecSelect
+    combine: str | None  # "add" | "max" | "max_abs" for VecReduces
+    scaled: bool
+    value: tuple[str, ...]
+    shape: Shape
+    layout: str  # what the kernel writes, for the runtime: "row partials" | "column partials" | "vector"
+    index: str | None = None  # ColVecSelect: py name of its index operand (an extra op, not an fn parameter)
+    index_dtype: str | None = None
+    pad: str = "0.0"  # acc_pair mode, half-width value: the second lane (the fold's identity)
+
+
+@dataclass(frozen=True)
+class Gemm:
+    a: str
+    b: str
+    a_dtype: str
+    b_dtype: str
+    ta: bool  # A is written transpose(a): stored [K, M]
+    tb: bool  # B is written transpose(b): stored [N, K]
+    rows: Dim
+    cols: Dim
+    k: Dim
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    block: str
+    index: int  # 1-based
+    text: str  # `gemm y @ w_o`
+    line: int
+    fn_name: str
+    mode: str  # "element" | "acc_pair"
+    gemm: Gemm
+    operands: tuple[Operand, ...]
+    d: Output | None
+    outputs: tuple[Output, ...]  # TileStores
+    sinks: tuple[Sink, ...]
+    eqns: tuple[Eqn, ...]  # the live equations, in order (scaled-sum products dropped)
+    names: dict[str, str] = field(compare=False, default_factory=dict)  # coda name -> py name
+    constraints: tuple[str, ...] = ()  # on the tile config, e.g. "tile_N % 32 == 0"
+    source: tuple[str, ...] = ()  # the stage's body as .coda source (for the emitted docstring)
+    span: Span | None = field(compare=False, default=None)
+
+    @property
+    def paired(self) -> bool:
+        return self.mode == "acc_pair"
+
+    def lanes(self, t: Type | None) -> int:
+        return lanes_of(t, self.gemm.rows, self.gemm.cols) if self.paired else 1
+
+
+def lanes_of(t: Type | None, rows: Dim, cols: Dim) -> int:
+    """In acc_pair mode: 2 for a value over the stage's full width (a Pair), 1 otherwise."""
+    if t is None:
+        return 1
+    if t.kind == TILE and len(t.shape) == 2:
+        return 2 if t.shape[1] == cols else 1
+    if t.kind == VEC and t.shape and t.shape[0] != rows:
+        return 2 if t.shape[0] == cols else 1
+    return 1
+
+
+def _fail(code: str, message: str, span: Span | None, notes: list[str] | None = None,
+          help: list[str] | None = None) -> CodaError:
+    return CodaError([Diagnostic(code, message, span, notes=list(notes or []), help=list(help or []))])
+
+
+def plan_block(block: Any) -> list[StageSpec]:
+    """Every stage of a checked block (raises the first stage's CodaError)."""
+    return [plan_stage(block, k) for k in range(1, len(block.plan.stages) + 1)]
+
+
+def plan_stage(block: Any, index: int) -> StageSpec:
+    """The StageSpec of stage `index` (1-based) of a checked `coda_lang.api.Block`."""
+    ir, bplan = block.ir, block.plan
+    stages = ir.stages
+    if not 1 <= index <= len(stages):
+        raise ValueError(f"block {ir.name} has {len(stages)} stages, no stage {index}")
+    st: Stage = stages[index - 1]
+    sp = bplan.stages[index - 1]
+    if not st.is_gemm:
+        raise _fail("E0701", f"stage {index} (`{sp.text}`) has no GEMM; the CuTeDSL backend compiles GEMM stages only",
+                    st.span, notes=["an elementwise stage is a memory-bound kernel (autodiff makes one where no GEMM "
+                                    "produces a cotangent); it will get its own emitter"])
+    return _Planner(block, index, st, sp).run()
+
+
+class _Planner:
+    def __init__(self, block: Any, index: int, st: Stage, sp: Any):
+        self.block, self.index, self.st, self.sp = block, index, st, sp
+        self.ir, self.bplan = block.ir, block.plan
+        self.rows: Dim = sp.rows
+        self.cols: Dim = sp.cols
+        self.types: dict[str, Type] = {}
+        self.defined: dict[str, Eqn] = {}
+        for e in st.body:
+            for v in e.outs:
+                if v.type is not None:
+                    self.types[v.name] = v.type
+                self.defined[v.name] = e
+        self.fn_name = f"{self.ir.name}_stage{index}"
+        self.names: dict[str, str] = {}
+        self.used_py: set[str] = {"acc", self.fn_name}
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def py(self, name: str) -> str:
+        """The Python name of a coda value (renamed when it would clash with a helper or keyword)."""
+        if name in self.names:
+            return self.names[name]
+        base = name if name == "acc" else (f"v_{name}" if name in HELPER_NAMES | QUACK_RESERVED
+                                           or keyword.iskeyword(name) or name == self.fn_name else name)
+        out = base
+        while out in self.used_py and name != "acc":
+            out += "_"
+        self.used_py.add(out)
+        self.names[name] = out
+        return out
+
+    def live_out(self) -> set[str]:
+        """Names of this stage read after it (later statements, stage operands, block outputs)."""
+        body = self.ir.body
+        pos = next(i for i, s in enumerate(body) if s is self.st)
+        names: set[str] = {o.name for o in self.ir.outputs}
+        for s in body[pos + 1:]:
+            if isinstance(s, Stage):
+                for a in (s.a, s.b):
+                    if isinstance(a, Var):
+                        names.add(a.name)
+                eqns: tuple[Eqn, ...] = s.body
+            else:
+                eqns = (s,)
+            for e in eqns:
+                names |= {a.name for a in e.ins if isinstance(a, Var)}
+        return names
+
+    def storage_dtype(self, name: str, fallback: str) -> str:
+        return self.bplan.storage.get(name, fallback)
+
+    def param_dtype(self, a: Any) -> str:
+        assert isinstance(a, Var)
+        for p in self.ir.params:
+            if p.var.name == a.name and p.var.type is not None:
+                return p.var.type.dtype
+        return self.storage_dtype(a.name, a.type.dtype if a.type else "f32")
+
+    # -- the plan -----------------------------------------------------------------------------
+
+    def run(self) -> StageSpec:
+        st, sp = self.st, self.sp
+        gemm = self.gemm()
+        live_out = self.live_out()
+        paired = any(REGISTRY[e.op].locality == "pair" for e in st.body) or any(
+            t.kind == TILE and len(t.shape) == 2 and t.shape[1] != self.cols for t in self.types.values())
+        mode = "acc_pair" if paired else "element"
+
+        full = [s for s in sp.stores if s.shape[1] == self.cols]
+        d_store = full[-1] if full else None
+        if paired and len(full) > 1:
+            e = self.defined[full[0].name]
+            raise _fail("E0704", f"`{full[0].name}` and `{full[-1].name}` are both stored at the stage's full width "
+                        "in a paired stage", e.span,
+                        notes=["in quack's acc_pair mode only D is stored at full width; other stored tiles are "
+                               "half-width (after pairs())"])
+        outputs: list[Output] = []
+        d: Output | None = None
+        for store in sp.stores:
+            e = self.defined[store.name]
+            if store.dtype not in STORE_DTYPES:
+                raise _fail("E0702", f"stored tile `{store.name}` has dtype {store.dtype}; the epilogue stores "
+                            "f32, bf16 or f16", e.span)
+            if d_store is not None and store.name == d_store.name:
+                d = Output(store.name, self.py(store.name), store.dtype, store.shape, "D")
+                continue
+            if store.shape[1] not in (self.cols, self.cols.scale(Fraction(1, 2))):
+                raise _fail("E0704", f"`{store.name}` is stored at width `{store.shape[1]}` in a stage of width "
+                            f"`{self.cols}`", e.span, notes=["interleave() to a double-width tile needs quack's "
+                                                             "packed_cd_b16x2 mode, not supported yet"])
+            gated = paired and store.shape[1] != self.cols
+            if gated and store.dtype == "f32":
+                raise _fail("E0702", f"half-width stored tile `{store.name}` is f32; quack stores paired outputs as "
+                            "16-bit values", e.span, help=[f"annotate it, e.g. `{store.name}: bf16 = ...`"])
+            outputs.append(Output(store.name, self.py(store.name), store.dtype, store.shape, "TileStore", gated))
+
+        sinks = self.sinks(live_out, paired)
+        needed = {o.name for o in outputs} | ({d.name} if d else set())
+        for s in sinks:
+            needed |= set(s.value)
+        eqns = self.live_eqns(needed)
+        for e in eqns:
+            self.check_eqn(e)
+        operands = self.operands(eqns, [n for s in sinks for n in s.value], paired)
+        constraints = []
+        if paired:
+            constraints.append("tile_N % 2 == 0 (pairs of adjacent columns)")
+            if outputs:
+                constraints.append("tile_N % 32 == 0 (paired TileStore on SM90)")
+        return StageSpec(self.ir.name, self.index, sp.text, sp.line, self.fn_name, mode, gemm, tuple(operands), d,
+                         tuple(outputs), tuple(sinks), tuple(eqns), dict(self.names), tuple(constraints),
+                         tuple(inline_source(st.body)), st.span)
+
+    def gemm(self) -> Gemm:
+        st, sp = self.st, self.sp
+        assert isinstance(st.a, Var) and isinstance(st.b, Var)
+        a_dtype, b_dtype = self.param_dtype(st.a), self.param_dtype(st.b)
+        for name, dt, span in ((st.a.name, a_dtype, st.a_span), (st.b.name, b_dtype, st.b_span)):
+            if dt not in GEMM_DTYPES:
+                raise _fail("E0702", f"GEMM operand `{name}` is {dt}; the backend multiplies bf16 or f16 operands",
+                            span, help=[f"declare `{name}` as bf16 (or, for a stored tile, annotate it: "
+                                        f"`{name}: bf16 = ...`)"])
+        if a_dtype != b_dtype:
+            raise _fail("E0702", f"GEMM operands are {a_dtype} and {b_dtype}; the backend needs equal dtypes", st.span)
+        return Gemm(st.a.name, st.b.name, a_dtype, b_dtype, st.ta, st.tb, sp.rows, sp.cols, sp.k)
+
+    def check_eqn(self, e: Eqn) -> None:
+        """Can the emitter write this (live, non-reducing) equation?"""
+        od = REGISTRY[e.op]
+        for a in e.ins:
+            if isinstance(a, DimRef):
+                raise _fail("E0703", f"the dim `{a.dim}` is used as a value inside a stage", e.span,
+                            help=["compute it between stages (e.g. `inv = 1.0 / D`) and use the scalar"])
+        if od.emit is None:
+            raise _fail("E0703", f"`{od.surface}` has no CuTeDSL emitter yet", e.span)
+        for v in e.outs:
+            t = v.type
+            if t is None:
+                continue
+            if t.dtype == "i32":
+                raise _fail("E0702", f"`{v.name}` is i32: integer arithmetic inside an epilogue is not supported yet",
+                            e.span)
+            if t.kind == GROUP:
+                raise _fail("E0705", "grouped values (group=) are not compiled yet", e.span,
+                            notes=["a grouped reduction complete in its tile needs quack's prepass (qk-norm)"])
+            if t.kind == TILE and len(t.shape) == 2 and t.shape[1] == self.cols.scale(2):
+                raise _fail("E0704", f"`{v.name}` is twice the stage's width ({shape_str(t.shape)})", e.span,
+                            notes=["interleave() to a double-width tile needs quack's packed_cd_b16x2 mode, "
+                                   "not supported yet"])
+
+    def sinks(self, live_out: set[str], paired: bool) -> list[Sink]:
+        """The partial reductions read after the stage, as quack sinks. A sum of a product used
+        nowhere else is folded as one fma of the two factors (`scaled`), as quack's rms epilogues do."""
+        sinks: list[Sink] = []
+        uses: dict[str, int] = {}
+        for e in self.st.body:
+            for a in e.ins:
+                if isinstance(a, Var):
+                    uses[a.name] = uses.get(a.name, 0) + 1
+        index_uses: dict[str, int] = {}
+        for e in self.st.body:
+            od = REGISTRY[e.op]
+            if od.locality not in ("reduce", "gather"):
+                continue
+            (v,) = e.outs
+            t = v.type
+            if v.name not in live_out or t is None:
+                continue
+            x = e.ins[0]
+            if not isinstance(x, Var):
+                raise _fail("E0705", f"`{od.surface}()` of a constant", e.span)
+            xt = x.type if x.type is not None else self.types.get(x.name)
+            group = e.param("group")
+            if group is not None or t.kind == GROUP or (xt is not None and xt.kind == GROUP):
+                raise _fail("E0705", f"grouped reduction `{v.name}` is not compiled yet", e.span,
+                            notes=["a reduction complete within a tile needs quack's prepass (qk-norm); "
+                                   "it will come with the qk_norm example"])
+            per_row = bool(t.shape) and t.shape[0] == self.rows  # one value per row: reduced over the columns
+            half = paired and xt is not None and lanes_of(xt, self.rows, self.cols) == 1
+            py = self.py(v.name)
+            if od.name == "pick":
+                idx = e.ins[1]
+                if not per_row or not isinstance(idx, Var):
+                    raise _fail("E0705", "pick() with one index per column is not compiled yet", e.span)
+                if paired:
+                    raise _fail("E0705", "pick() in a paired stage is not compiled yet", e.span)
+                index_uses[idx.name] = index_uses.get(idx.name, 0) + 1
+                ld = next(ld for ld in self.sp.loads if ld.name == idx.name)
+                sinks.append(Sink(v.name, py, "ColVecSelect", None, False, (x.name,), t.shape, "vector",
+                                  index=self.py(idx.name), index_dtype=ld.dtype))
+                continue
+            surface = od.surface
+            if surface == "min":
+                raise _fail("E0705", "min() reductions are not compiled yet", e.span,
+                            notes=["quack's reductions combine by add, max or max_abs"],
+                            help=["write `-max(-x, over=...)`"])
+            if surface == "logsumexp":
+                if not per_row:
+                    raise _fail("E0705", "logsumexp() over the rows is not compiled yet", e.span)
+                if paired:
+                    raise _fail("E0705", "logsumexp() in a paired stage is not compiled yet", e.span)
+                sinks.append(Sink(v.name, py, "OnlineLSEReduce", None, False, (x.name,), t.shape, "row partials"))
+                continue
+            combine = "add" if surface == "sum" else "max"
+            if not per_row and half:
+                raise _fail("E0705", f"a reduction over the rows of the half-width tile `{x.name}` is not "
+                            "compiled yet", e.span)
+            op = "ColVecReduce" if per_row else "RowVecReduce"
+            layout = "row partials" if per_row else "column partials"
+            prod = self.defined.get(x.name)
+            if (surface == "sum" and not paired and prod is not None and prod.op == "mul"
+                    and uses.get(x.name) == 1 and x.name not in live_out
+                    and all(isinstance(a, Var) for a in prod.ins)):
+                ins = tuple(a.name for a in prod.ins if isinstance(a, Var))
+                sinks.append(Sink(v.name, py, op, combine, True, ins, t.shape, layout))
+                continue
+            if (surface == "max" and prod is not None and prod.op == "abs" and uses.get(x.name) == 1
+                    and x.name not in live_out and isinstance(prod.ins[0], Var)):
+                # max(abs(x)): quack folds |x| with PTX max.abs (its amax epilogue)
+                sinks.append(Sink(v.name, py, op, "max_abs", False, (prod.ins[0].name,), t.shape, layout, pad="self"))
+                continue
+            pad = "0.0" if combine == "add" else "self"
+            sinks.append(Sink(v.name, py, op, combine, False, (x.name,), t.shape, layout, pad=pad))
+        for n, k in index_uses.items():
+            if uses.get(n, 0) != k:
+                e = next(e for e in self.st.body if any(isinstance(a, Var) and a.name == n for a in e.ins))
+                raise _fail("E0705", f"the pick() index `{n}` is also used as a value", e.span,
+                            notes=["quack's ColVecSelect reads its index itself; the epilogue can't also see it"])
+        return sinks
+
+    def live_eqns(self, needed: set[str]) -> list[Eqn]:
+        """The equations the stored tiles and sinks depend on, in order (reductions are sinks)."""
+        want = set(needed)
+        keep: list[Eqn] = []
+        for e in reversed(self.st.body):
+            if REGISTRY[e.op].locality in ("reduce", "gather") or not {v.name for v in e.outs} & want:
+                continue
+            keep.append(e)
+            want |= {a.name for a in e.ins if isinstance(a, Var)}
+        return keep[::-1]
+
+    def operands(self, eqns: list[Eqn], sink_values: list[str], paired: bool) -> list[Operand]:
+        """The loads the emitted code reads, in order of first use."""
+        loads = {ld.name: ld for ld in self.sp.loads}
+        used: list[str] = []
+        for name in [a.name for e in eqns for a in e.ins if isinstance(a, Var)] + sink_values:
+            if name in loads and name not in used:
+                used.append(name)
+        out: list[Operand] = []
+        for name in used:
+            ld = loads[name]
+            e = next(e for e in self.st.body if any(isinstance(a, Var) and a.name == name for a in e.ins))
+            if ld.dtype not in FLOAT_DTYPES:
+                raise _fail("E0702", f"`{name}` is {ld.dtype}: integer operands of the epilogue are not supported yet",
+                            e.span)
+            width = ld.shape[-1] if ld.role in ("tile", "column vector") else None
+            if paired and ld.role == "column vector" and width == self.cols.scale(Fraction(1, 2)):
+                out.append(Operand(name, self.py(name), ld.role, LOAD_OPS[ld.role], ld.dtype, ld.shape, 2,
+                                   host="repeat_interleave(2)"))
+                continue
+            if width is not None and width != self.cols:
+                raise _fail("E0704", f"`{name}` ({ld.dtype}{shape_str(ld.shape)}) is not as wide as the stage's tile "
+                            f"({shape_str((self.rows, self.cols))})", e.span,
+                            notes=["quack loads tiles at the GEMM's width (column vectors too, except one value "
+                                   "per column pair in a paired stage); other widths are not supported yet"])
+            lanes = 2 if paired and width is not None else 1
+            out.append(Operand(name, self.py(name), ld.role, LOAD_OPS[ld.role], ld.dtype, ld.shape, lanes))
+        return out
+
+
+def describe(spec: StageSpec) -> list[str]:
+    """Human lines about the stage's interface (the header of the emitted source)."""
+    g = spec.gemm
+    a = f"transpose({g.a})" if g.ta else g.a
+    b = f"transpose({g.b})" if g.tb else g.b
+    lines = [f"GEMM: {a} @ {b}: {g.a_dtype} x {g.b_dtype} -> acc f32{shape_str((g.rows, g.cols))}, K = {g.k}; "
+             f"mode {spec.mode}"]
+    for o in spec.operands:
+        host = f", passed as {o.py}.{o.host}" if o.host else ""
+        lines.append(f"load   {o.py}: {o.dtype}{shape_str(o.shape) if o.shape else ''} {o.role} ({o.op}{host})")
+    if spec.d is not None:
+        lines.append(f"store  D = {spec.d.py}: {spec.d.dtype}{shape_str(spec.d.shape)}")
+    for out in spec.outputs:
+        lines.append(f"store  {out.py}: {out.dtype}{shape_str(out.shape)} (TileStore{', gated' if out.gated else ''})")
+    for s in spec.sinks:
+        fold = {"add": "sum", "max_abs": "max of |x|"}.get(s.combine or "", s.combine)
+        what = {"ColVecReduce": f"{fold} over the columns, one partial per column tile",
+                "RowVecReduce": f"{fold} over the rows, one partial per row tile",
+                "OnlineLSEReduce": "logsumexp over the columns, one partial per column tile",
+                "ColVecSelect": f"the value at column {s.index} of each row"}[s.op]
+        scaled = ", scaled" if s.scaled else ""
+        lines.append(f"reduce {s.py}: f32{shape_str(s.shape)} = {what} ({s.op}{scaled})")
+    for c in spec.constraints:
+        lines.append(f"tiling {c}")
+    return lines
+

@@ -1,0 +1,124 @@
+"""The one module that touches quack's API (and, through it, CuTeDSL).
+
+What it does: prepares a process for compile-only work (no GPU: `QUACK_ARCH=90`,
+`CUTE_DSL_ARCH=sm_90a`, the driver query `get_max_active_clusters` replaced by a constant while a
+compile runs, quack's on-disk .o cache off, CuTeDSL told to keep the PTX); imports an emitted
+epilogue module from its content-addressed file; compiles one stage through quack's own path
+(`EpiMod.gemm(..., _launch=False)`: kind pinning, kernel-class minting, `_compile_gemm_epi` against
+fake symbolic tensors) with torch "meta" tensors standing in for the operands; returns the PTX.
+What it does not: choose tile configurations or run ptxas (compile.py), or plan and emit (plan.py,
+emit.py).
+Invariants: importing this module imports quack, cutlass and torch (it is only imported lazily, by
+compile.py); everything it changes in those libraries is restored when a compile returns.
+
+Why meta tensors: quack validates a call and derives its compile key (dtypes, majors, ranks, scalar
+modes) from tensor metadata only; the compiled kernel is generic in M, N, K (symbolic), so nominal
+sizes are enough. Why CuTeDSL's envar object rather than only environment variables: they are read
+once when cutlass is imported, which may have happened before us.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ARCH = "sm_90a"
+
+# Before quack and cutlass are imported: without a GPU they can't ask the driver which arch to
+# target, and quack's answer is cached for the life of the process.
+os.environ.setdefault("QUACK_ARCH", "90")
+os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
+
+import quack.cache  # noqa: E402
+import quack.gemm_runtime.host as quack_host  # noqa: E402
+import torch  # noqa: E402
+from cutlass.cutlass_dsl import CuTeDSL  # noqa: E402
+
+_TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "i32": torch.int32}
+_H100_SMS = 132
+NOMINAL = 3072  # the size every named dim gets for validation (the kernel is shape-generic)
+
+
+@contextlib.contextmanager
+def compile_only(dump_dir: Path) -> Iterator[None]:
+    """Compile without a GPU, keeping the PTX in `dump_dir`; restores everything afterwards."""
+    env = CuTeDSL._get_dsl().envar
+    saved = (quack.cache.CACHE_ENABLED, quack_host.get_max_active_clusters, env.keep_ptx, env.dump_dir, env.arch)
+    quack.cache.CACHE_ENABLED = False  # the .o cache would hand back a module without its PTX
+    if not torch.cuda.is_available():
+        quack_host.get_max_active_clusters = lambda cluster_size, *a, **k: _H100_SMS // max(1, cluster_size)
+    env.keep_ptx = True
+    env.dump_dir = str(dump_dir)
+    env.arch = ARCH
+    try:
+        yield
+    finally:
+        (quack.cache.CACHE_ENABLED, quack_host.get_max_active_clusters, env.keep_ptx, env.dump_dir,
+         env.arch) = saved
+
+
+def load_epilogue(path: Path, fn_name: str) -> Any:
+    """The EpiMod defined by an emitted module (imported by name, its folder on sys.path, so that a
+    fresh process, e.g. a quack compile worker, can import it too)."""
+    folder = str(path.parent)
+    if folder not in sys.path:
+        sys.path.append(folder)
+    module = sys.modules.get(path.stem) or importlib.import_module(path.stem)
+    return getattr(module, fn_name)
+
+
+def _size(dim: Any) -> int:
+    n = dim.coeff * (NOMINAL if dim.name is not None else 1)
+    if n.denominator != 1:
+        raise ValueError(f"dim {dim} is not an integer at the nominal size")
+    return int(n)
+
+
+def _meta(shape: tuple[int, ...], dtype: str) -> Any:
+    return torch.empty(shape, dtype=_TORCH_DTYPES[dtype], device="meta")
+
+
+def compile_ptx(spec: Any, path: Path, config: Any) -> tuple[str, float]:
+    """Compile stage `spec` (emitted at `path`) for sm_90a with tile `config`; (PTX text, seconds)."""
+    mod = load_epilogue(path, spec.fn_name)
+    g = spec.gemm
+    m, n, k = _size(g.rows), _size(g.cols), _size(g.k)
+    A = _meta((k, m), g.a_dtype).T if g.ta else _meta((m, k), g.a_dtype)
+    B = _meta((n, k), g.b_dtype) if g.tb else _meta((k, n), g.b_dtype)
+    D = _meta((m, n), spec.d.dtype) if spec.d is not None else None
+    epi: dict[str, Any] = {}
+    for o in spec.operands:
+        if o.role == "tile":
+            epi[o.py] = _meta((m, n), o.dtype)
+        elif o.role == "row vector":
+            epi[o.py] = _meta((m,), o.dtype)
+        elif o.role == "column vector":
+            epi[o.py] = _meta((n,), o.dtype)
+        else:
+            epi[o.py] = 1.0 if o.dtype != "i32" else 1
+    for out in spec.outputs:
+        epi[out.py] = _meta((m, n // 2 if out.gated else n), out.dtype)
+    for s in spec.sinks:
+        shape = mod.sinks[s.py].sink_alloc_shape((m,), n, config.tile_m, config.tile_n)
+        epi[s.py] = _meta(tuple(shape), "f32")
+        if s.index is not None:
+            epi[s.index] = _meta((m,), s.index_dtype or "i32")
+    with tempfile.TemporaryDirectory(prefix="coda-ptx-") as tmp, compile_only(Path(tmp)):
+        t0 = time.perf_counter()
+        plan = mod.gemm(A, B, D, None, epi_args=epi, tile_M=config.tile_m, tile_N=config.tile_n,
+                        cluster_M=config.cluster_m, cluster_N=config.cluster_n, pingpong=config.pingpong,
+                        persistent=True, b_kn=not g.tb, _launch=False)
+        seconds = time.perf_counter() - t0
+        ptx = plan.compiled_fn.__ptx__
+        if ptx and "\n" not in ptx and os.path.exists(ptx):  # a path when the file was not read yet
+            ptx = Path(ptx).read_text()
+    if not ptx:
+        raise RuntimeError("CuTeDSL kept no PTX for the kernel")
+    return ptx, seconds

@@ -1,0 +1,262 @@
+"""The CuTeDSL backend without compiling: stage planning, emitted epilogue source, E07 diagnostics, CLI.
+
+- Golden files: tests/golden/emit/<block>_stage<k>.py hold the emitted source of llama_mlp's stages
+  (compared exactly; `pytest --update-golden` rewrites them).
+- Every example's stages either emit valid Python or stop with a clean E07 diagnostic.
+- Each E07 code the planner gives is produced by a small program, at the offending line.
+- `import coda_lang, coda_lang.cli` (and the backend's planning modules) import no GPU library.
+- `coda compile --emit source`: one file per stage, exit codes 0/1/2, no traceback.
+None of this needs quack, CuTeDSL or a GPU; tests/test_backend_ptx.py compiles.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import coda_lang
+from coda_lang.backend_cute.emit import EMITTER_VERSION, emit_stage, module_name, write_source
+from coda_lang.backend_cute.plan import plan_stage
+from coda_lang.ops import REGISTRY
+from coda_lang.verify.diagnostics import CodaError
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((ROOT / "examples").glob("*.coda"))
+GOLDEN = ROOT / "tests" / "golden" / "emit"
+MLP = ROOT / "examples" / "llama_mlp.coda"
+HEAVY = ("cutlass", "quack", "triton", "torch")
+
+
+def mlp() -> coda_lang.Block:
+    return coda_lang.load(MLP)["llama_mlp"]
+
+
+@pytest.mark.parametrize("index", [1, 2, 3])
+def test_golden_llama_mlp(index: int, update_golden: bool) -> None:
+    source = emit_stage(plan_stage(mlp(), index))
+    golden = GOLDEN / f"llama_mlp_stage{index}.py"
+    if update_golden:
+        golden.parent.mkdir(parents=True, exist_ok=True)
+        golden.write_text(source)
+        return
+    assert golden.exists(), f"no golden file {golden.relative_to(ROOT)}; run pytest --update-golden"
+    assert source == golden.read_text()
+
+
+def test_llama_mlp_plans_like_the_hand_written_epilogues() -> None:
+    """Stage 1 is quack's rms_partial_epi (residual tile, weight row vector, D = h*g, stored h, scaled
+    sum of squares); stage 2 is rstd_swiglu (row scale, acc_pair, gated half-width output, no D);
+    stage 3 is residual_epi."""
+    s1, s2, s3 = (plan_stage(mlp(), k) for k in (1, 2, 3))
+    assert s1.mode == "element"
+    assert [(o.name, o.op, o.dtype) for o in s1.operands] == [("x", "TileLoad", "bf16"), ("g", "RowVecLoad", "f32")]
+    assert s1.d is not None and (s1.d.name, s1.d.dtype) == ("hg", "bf16")
+    assert [(o.name, o.gated) for o in s1.outputs] == [("h", False)]
+    assert [(s.name, s.op, s.combine, s.scaled, s.value) for s in s1.sinks] == [
+        ("ss", "ColVecReduce", "add", True, ("h", "h"))]
+    assert s2.mode == "acc_pair" and s2.d is None
+    assert [(o.name, o.op) for o in s2.operands] == [("r", "ColVecLoad")]
+    assert [(o.name, o.gated, o.dtype) for o in s2.outputs] == [("a", True, "bf16")]
+    assert s3.d is not None and s3.d.name == "x2" and [o.op for o in s3.operands] == ["TileLoad"]
+    assert (s2.gemm.a, s2.gemm.a_dtype, s2.gemm.ta, s2.gemm.tb) == ("hg", "bf16", False, False)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_examples_emit_python_or_e07(path: Path) -> None:
+    for block in coda_lang.load(path):
+        for k in range(1, len(block.plan.stages) + 1):
+            try:
+                source = emit_stage(plan_stage(block, k))
+            except CodaError as e:
+                assert {d.code[:3] for d in e.diagnostics} == {"E07"}
+                assert all(d.span is not None for d in e.diagnostics)
+                continue
+            tree = ast.parse(source)
+            fns = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+            assert [f.name for f in fns] == [f"{block.name}_stage{k}"]
+            assert fns[0].args.args[0].arg == "acc"
+            assert emit_stage(plan_stage(block, k)) == source  # deterministic
+
+
+def test_every_op_has_an_emitter_or_a_clean_e0703() -> None:
+    pending = {n for n, op in REGISTRY.items() if op.emit is None}
+    assert pending == {"row_index", "col_index"}
+
+
+def test_backward_stages_emit_or_say_why() -> None:
+    bwd = mlp().grad()
+    codes = []
+    for k in range(1, len(bwd.plan.stages) + 1):
+        try:
+            emit_stage(plan_stage(bwd, k))
+        except CodaError as e:
+            codes += [d.code for d in e.diagnostics]
+    assert codes == ["E0704"]  # the SwiGLU backward stores interleave(dg, du) at twice its tile's width
+
+
+def test_norm_backward_folds_a_scaled_column_reduction() -> None:
+    bwd = mlp().grad()
+    spec = next(plan_stage(bwd, k) for k in range(1, len(bwd.plan.stages) + 1)
+                if any(s.op == "RowVecReduce" for s in _try_sinks(bwd, k)))
+    (sink,) = spec.sinks
+    assert (sink.name, sink.op, sink.scaled) == ("dg", "RowVecReduce", True)
+
+
+def _try_sinks(block: coda_lang.Block, k: int) -> tuple:
+    try:
+        return plan_stage(block, k).sinks
+    except CodaError:
+        return ()
+
+
+def test_write_source_is_content_addressed(tmp_path: Path) -> None:
+    source = emit_stage(plan_stage(mlp(), 1))
+    p1 = write_source(source, tmp_path)
+    p2 = write_source(source, tmp_path)
+    assert p1 == p2 and p1.read_text() == source
+    assert p1.stem == module_name(source) and p1.parent == tmp_path / "epilogues"
+    assert module_name(source + "#") != p1.stem
+    assert EMITTER_VERSION
+
+
+# ----------------------------------------------------------------------------------------------
+# E07: what the backend can't compile yet, one program each
+
+def program(body: str, sig: str = "x: bf16[M, K], w: bf16[K, N]", outs: str = "y: bf16[M, N]",
+            dims: str = "M, K, N") -> str:
+    return f"dims {dims}\nblock p({sig}) -> ({outs}) {{\n{body}\n}}\n"
+
+
+def gemm(body: str) -> str:
+    return "  gemm x @ w {\n" + "\n".join(f"    {line}" for line in body.splitlines()) + "\n  }"
+
+
+E07_CASES = {
+    "elementwise_stage": ("E0701", 3, program("  elementwise [M, N] {\n    y = x * 2.0\n  }", sig="x: bf16[M, N]",
+                                              dims="M, N")),
+    "f32_gemm_operands": ("E0702", 3, program(gemm("y = acc"), sig="x: f32[M, K], w: f32[K, N]", outs="y: f32[M, N]")),
+    "integer_tile": ("E0702", 4, program(gemm("y = acc + t"), sig="x: bf16[M, K], w: bf16[K, N], t: i32[M, N]")),
+    "col_index": ("E0703", 4, program(gemm("y = where(col_index() == 0, acc, 0.0)"))),
+    "dim_as_value": ("E0703", 4, program(gemm("y = acc / N"))),
+    "cast_to_i32": ("E0702", 4, program(gemm("y = cast(acc, i32)"), outs="y: i32[M, N]")),
+    "half_width_tile_load": ("E0704", 5, program(gemm("g, u = pairs(acc)\ny = g * u + t"), dims="M, K, F",
+                                                 sig="x: bf16[M, K], w: bf16[K, 2*F], t: bf16[M, F]",
+                                                 outs="y: bf16[M, F]")),
+    "two_full_width_stores_paired": ("E0704", 4, program(gemm("z = acc * 2.0\nq = acc * 3.0\ng, u = pairs(acc)\n"
+                                                              "y = g * u"), dims="M, K, F",
+                                                         sig="x: bf16[M, K], w: bf16[K, 2*F]",
+                                                         outs="y: bf16[M, F], z: bf16[M, 2*F], q: bf16[M, 2*F]")),
+    "min_reduction": ("E0705", 4, program(gemm("y = min(acc, over=N)"), outs="y: f32[M]")),
+    "logsumexp_over_rows": ("E0705", 4, program(gemm("y = logsumexp(acc, over=M)"), outs="y: f32[N]")),
+    "paired_f32_store": ("E0702", 5, program(gemm("g, u = pairs(acc)\ny = g * u"), dims="M, K, F",
+                                             sig="x: bf16[M, K], w: bf16[K, 2*F]", outs="y: f32[M, F]")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(E07_CASES))
+def test_e07(name: str) -> None:
+    code, line, text = E07_CASES[name]
+    block = next(iter(coda_lang.load(text)))  # a valid program: `coda check` accepts it
+    with pytest.raises(CodaError) as info:
+        for k in range(1, len(block.plan.stages) + 1):
+            emit_stage(plan_stage(block, k))
+    (d,) = info.value.diagnostics
+    assert (d.code, d.span.line if d.span else None) == (code, line), d.short()
+    assert "Traceback" not in info.value.render("human")
+
+
+def test_grouped_reduction_is_e0705() -> None:
+    block = coda_lang.load(ROOT / "examples" / "qk_norm.coda")["qk_norm"]
+    with pytest.raises(CodaError) as info:
+        plan_stage(block, 1)
+    assert [d.code for d in info.value.diagnostics] == ["E0705"]
+
+
+def test_half_width_column_vector_is_loaded_repeated() -> None:
+    """RoPE's freq[P] in a stage of width 2*P: loaded at full width (the runtime passes
+    freq.repeat_interleave(2)), read from lane 0."""
+    spec = plan_stage(coda_lang.load(ROOT / "examples" / "qkv_rope.coda")["qkv_rope"], 1)
+    freq = next(o for o in spec.operands if o.name == "freq")
+    assert (freq.op, freq.host, freq.lanes) == ("RowVecLoad", "repeat_interleave(2)", 2)
+    assert "freq_0, freq_1 = unpack(freq)" in emit_stage(spec)
+
+
+def test_reserved_names_are_renamed() -> None:
+    text = program(gemm("c = acc * 2.0\nD = c + 1.0\ny = D"))
+    source = emit_stage(plan_stage(next(iter(coda_lang.load(text))), 1))
+    compile(source, "<emitted>", "exec")
+    assert 'return {"D": y}' in source
+
+
+# ----------------------------------------------------------------------------------------------
+# Imports and the CLI
+
+def test_import_coda_lang_imports_no_gpu_library() -> None:
+    code = ("import sys, coda_lang, coda_lang.cli, coda_lang.backend_cute.plan, coda_lang.backend_cute.emit, "
+            "coda_lang.backend_cute.compile; "
+            f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+def coda(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "coda_lang.cli", *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env=env)
+
+
+def test_cli_compile_source(tmp_path: Path) -> None:
+    r = coda("compile", MLP, "--emit", "source", "-o", tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"llama_mlp_stage{k}.py" for k in (1, 2, 3)]
+    assert (tmp_path / "llama_mlp_stage2.py").read_text() == emit_stage(plan_stage(mlp(), 2))
+    assert r.stdout.splitlines()[0].startswith(f"wrote {tmp_path / 'llama_mlp_stage1.py'}: stage 1 `gemm y @ w_o`")
+
+
+def test_cli_compile_e07_exits_1(tmp_path: Path) -> None:
+    src = tmp_path / "two.coda"
+    src.write_text(program(gemm("y = acc") + "\n  gemm y @ w2 {\n    z = min(acc, over=N)\n  }",
+                           sig="x: bf16[M, K], w: bf16[K, N], w2: bf16[N, N]", outs="z: f32[M]"))
+    r = coda("compile", src, "--emit", "source", "-o", tmp_path, "--error-format", "short")
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr
+    assert f"{src}:7:5: error[E0705]: min() reductions are not compiled yet" in r.stderr
+    assert [p.name for p in tmp_path.glob("p_stage*.py")] == ["p_stage1.py"]  # the other stage is still written
+
+
+def test_cli_compile_backward_source(tmp_path: Path) -> None:
+    r = coda("compile", MLP, "--emit", "source", "--backward", "-o", tmp_path)
+    assert r.returncode == 1  # one backward stage needs quack's packed mode (E0704)
+    assert "error[E0704]" in r.stderr and "Traceback" not in r.stderr
+    assert (tmp_path / "llama_mlp_bwd_stage1.py").exists()
+
+
+@pytest.mark.parametrize("args", [
+    ("compile", "nope.coda", "--emit", "source"),
+    ("compile", MLP, "--emit", "source", "--tile", "128x128"),
+    ("compile", MLP, "--emit", "ptx", "--tile", "big"),
+    ("compile", MLP),
+    ("compile", MLP, "--emit", "source", "--block", "nope"),
+])
+def test_cli_compile_usage_errors_exit_2(args: tuple, tmp_path: Path) -> None:
+    r = coda(*args, "-o", tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_parse_ptxas_report() -> None:
+    from coda_lang.backend_cute.compile import parse_ptxas
+
+    text = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'kernel_x' for 'sm_90a'
+ptxas info    : Function properties for kernel_x
+    152 bytes stack frame, 574 bytes spill stores, 624 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers, 152 bytes cumulative stack size
+"""
+    r = parse_ptxas(text, "ptxas 13.0")
+    assert (r.registers, r.spill_stores, r.spill_loads, r.stack_frame, r.spills) == (168, 574, 624, 152, True)
+    assert str(r) == "168 registers, 574 bytes spill stores, 624 bytes spill loads (ptxas 13.0)"

@@ -1,0 +1,166 @@
+"""The CuTeDSL backend compiles stages to PTX for sm_90a without a GPU, and ptxas accepts them.
+
+- llama_mlp's three forward stages compile through quack (TMA + WGMMA mainloop, pingpong, cluster
+  2x1): the PTX targets sm_90a, holds `wgmma` and `cp.async.bulk.tensor`, and at the tile
+  `select_config` picks, `ptxas -v` reports no spill stores or loads. Also at 128x128.
+- The PTX cache is keyed by content: a second compile is a cache hit; `coda compile --emit ptx`.
+- E0706 (spills at every tile tried) and E0707 (quack rejects the kernel) are clean diagnostics.
+- Slow: every other example and the derived backward of llama_mlp compile without spills.
+
+Needs nvidia-cutlass-dsl, quack-kernels and ptxas (skipped otherwise), not a GPU. Kernels are
+compiled into a cache folder of this test session, so each run really compiles (2-8 s a kernel on
+2 cores, plus about 10 s to import torch, quack and CuTeDSL once).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import coda_lang
+from coda_lang.backend_cute.compile import (
+    DEFAULT_CONFIG,
+    CompiledStage,
+    TileConfig,
+    compile_spec,
+    compile_stage,
+    select_config,
+)
+from coda_lang.backend_cute.plan import plan_stage
+from coda_lang.verify.diagnostics import CodaError
+
+ROOT = Path(__file__).resolve().parent.parent
+MLP = ROOT / "examples" / "llama_mlp.coda"
+
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.skipif(
+    not (importlib.util.find_spec("cutlass") and importlib.util.find_spec("quack")
+         and (os.environ.get("CODA_PTXAS") or shutil.which("ptxas"))),
+    reason="needs nvidia-cutlass-dsl, quack-kernels and ptxas")]
+
+
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("coda-kernels")
+
+
+@pytest.fixture(scope="session")
+def mlp() -> coda_lang.Block:
+    return coda_lang.load(MLP)["llama_mlp"]
+
+
+def check_ptx(c: CompiledStage) -> None:
+    ptx = c.ptx
+    assert ".target sm_90a" in ptx
+    assert "wgmma.mma_async" in ptx
+    assert "cp.async.bulk.tensor" in ptx  # TMA loads of A and B
+    assert f"{c.spec.fn_name}_" in ptx  # the kernel is minted from the emitted epilogue
+
+
+@pytest.mark.parametrize("index", [1, 2, 3])
+def test_llama_mlp_stage_compiles_without_spills(mlp: coda_lang.Block, cache: Path, index: int) -> None:
+    c = select_config(mlp, index, directory=cache)
+    check_ptx(c)
+    assert c.report is not None
+    assert (c.report.spill_stores, c.report.spill_loads) == (0, 0), c.report.text
+    assert c.config.tile_m == 128 and c.config.pingpong and c.config.cluster_m == 2
+    print(f"\nstage {index}: {c.config}: {c.report}; compiled in {c.compile_s:.1f} s"
+          + "".join(f"\n  rejected {r}" for r in c.rejected))
+
+
+@pytest.mark.parametrize("index", [1, 2, 3])
+def test_llama_mlp_at_128x128(mlp: coda_lang.Block, cache: Path, index: int) -> None:
+    c = compile_stage(mlp, index, TileConfig(128, 128), directory=cache)
+    check_ptx(c)
+    assert c.report is not None and not c.report.spills, c.report.text
+
+
+def test_ptx_cache_hits_by_content(mlp: coda_lang.Block, cache: Path) -> None:
+    first = compile_stage(mlp, 3, DEFAULT_CONFIG, directory=cache)
+    again = compile_stage(mlp, 3, DEFAULT_CONFIG, directory=cache)
+    assert again.cached and again.ptx_path == first.ptx_path
+    assert again.source_path == first.source_path and again.source_path.read_text() == again.source
+
+
+def test_cli_compile_ptx(mlp: coda_lang.Block, cache: Path, tmp_path: Path) -> None:
+    for k in (1, 2, 3):  # warm the session cache, so the CLI reuses the PTX
+        select_config(mlp, k, directory=cache)
+    env = {**os.environ, "CODA_CACHE_DIR": str(cache)}
+    r = subprocess.run([sys.executable, "-m", "coda_lang.cli", "compile", str(MLP), "--emit", "ptx", "-o",
+                        str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"llama_mlp_stage{k}.ptx" for k in (1, 2, 3)]
+    wrote = [line for line in r.stdout.splitlines() if line.startswith("wrote")]
+    assert len(wrote) == 3 and all("0 bytes spill stores, 0 bytes spill loads" in line for line in wrote)
+    assert "wgmma" in (tmp_path / "llama_mlp_stage2.ptx").read_text()
+
+
+def test_quack_rejection_is_e0707(mlp: coda_lang.Block, cache: Path) -> None:
+    with pytest.raises(CodaError) as info:
+        compile_stage(mlp, 3, TileConfig(128, 256), directory=cache)  # pingpong allows tile_N <= 208
+    (d,) = info.value.diagnostics
+    assert d.code == "E0707" and d.span is not None and d.span.line == 24
+    assert any("the emitted epilogue is" in n for n in d.notes)
+
+
+HEAVY = """\
+dims M, K, N
+
+block heavy(x: bf16[M, K], w: bf16[K, N], t: bf16[M, N], b: f32[N], u: f32[M])
+    -> (o1: bf16[M, N], o2: f32[M, N], o3: bf16[M, N], m1: f32[M], m2: f32[N], m3: f32[M]) {
+  gemm x @ w {
+    a1 = exp(acc * u) + log(abs(acc) + 1.0) + sqrt(abs(t)) + rsqrt(abs(b) + 1.0)
+    a2 = tanh(a1) * sigmoid(acc) - silu(t) / gelu(u + acc)
+    o1 = a1
+    o2: f32 = a2 * b
+    o3 = a1 * a2 + t
+    m1 = max(a2, over=N)
+    m2 = sum(a2 * a1, over=M)
+    m3 = sum(t * a1, over=N)
+  }
+}
+"""
+
+
+@pytest.mark.slow
+def test_spills_everywhere_is_e0706(cache: Path) -> None:
+    block = coda_lang.load(HEAVY)["heavy"]
+    with pytest.raises(CodaError) as info:
+        select_config(block, 1, (DEFAULT_CONFIG,), directory=cache)
+    (d,) = info.value.diagnostics
+    assert d.code == "E0706" and d.notes and "spill stores" in d.notes[0]
+
+
+EXAMPLE_STAGES = [("amax_fp8", 1), ("bias_gelu", 1), ("lm_head_ce", 1), ("scale_residual", 1), ("qkv_rope", 1),
+                  ("llama_block", 1), ("llama_block", 2), ("llama_block", 3), ("llama_block", 4)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,index", EXAMPLE_STAGES, ids=[f"{n}-{k}" for n, k in EXAMPLE_STAGES])
+def test_examples_compile_without_spills(cache: Path, name: str, index: int) -> None:
+    block = coda_lang.load(ROOT / "examples" / f"{name}.coda")[name]
+    c = select_config(block, index, directory=cache)
+    check_ptx(c)
+    print(f"\n{name} stage {index}: {c.config}: {c.report}")
+
+
+@pytest.mark.slow
+def test_llama_mlp_backward_compiles(mlp: coda_lang.Block, cache: Path) -> None:
+    bwd = mlp.grad()
+    compiled, refused = [], []
+    for k in range(1, len(bwd.plan.stages) + 1):
+        try:
+            spec = plan_stage(bwd, k)
+        except CodaError as e:
+            refused += [d.code for d in e.diagnostics]
+            continue
+        c = compile_spec(spec, DEFAULT_CONFIG, directory=cache) if not spec.sinks else select_config(bwd, k,
+                                                                                                   directory=cache)
+        check_ptx(c)
+        compiled.append(k)
+    assert refused == ["E0704"] and len(compiled) == len(bwd.plan.stages) - 1
