@@ -34,17 +34,20 @@ class Block:
         return self.ir.name
 
     def run(self, inputs: dict[str, Any], *, dims: dict[str, int] | None = None,
-            tile: tuple[int, int] | None = None, precision: str = "exact") -> dict[str, Any]:
+            tile: tuple[int, int] | dict[int, tuple[int, int]] | None = None, precision: str = "exact"
+            ) -> dict[str, Any]:
         """Run the block on NumPy arrays with the reference interpreter; outputs by name.
 
         `precision="exact"` follows the kernel's numerics (f32 in stages, stored tiles rounded to
         their dtype); `"f64"` computes everything in float64 without rounding (gradient checks).
-        `tile=(tile_M, tile_N)` simulates the kernel's tiling (partials per tile, then combined).
+        `tile=(tile_M, tile_N)` simulates the kernel's tiling (partials per tile, then combined);
+        `tile={stage: (tile_M, tile_N)}` gives each stage its own tile (as `CudaBlock.tiles` does).
         """
         return self.run_with_partials(inputs, dims=dims, tile=tile, precision=precision)[0]
 
     def run_with_partials(self, inputs: dict[str, Any], *, dims: dict[str, int] | None = None,
-                          tile: tuple[int, int] | None = None, precision: str = "exact"
+                          tile: tuple[int, int] | dict[int, tuple[int, int]] | None = None,
+                          precision: str = "exact"
                           ) -> tuple[dict[str, Any], dict[str, Any]]:
         """`run`, plus the per-tile partial buffers of every partial reduction (tile mode)."""
         from coda_lang.interp import PRECISIONS, bind, run_block
@@ -67,8 +70,8 @@ class Block:
         return self.derivation(wrt).backward
 
     def vjp(self, inputs: dict[str, Any], cotangents: dict[str, Any], *, dims: dict[str, int] | None = None,
-            precision: str = "exact", tile: tuple[int, int] | None = None, wrt: list[str] | None = None
-            ) -> dict[str, Any]:
+            precision: str = "exact", tile: tuple[int, int] | dict[int, tuple[int, int]] | None = None,
+            wrt: list[str] | None = None) -> dict[str, Any]:
         """Gradients of <outputs, cotangents> w.r.t. each differentiable input, by running the extended
         forward and the derived backward block on the interpreter. Keys: parameter names. Outputs
         without a cotangent get zeros."""
@@ -99,6 +102,15 @@ class Block:
                 bins.pop(name)  # a parameter with a default
         grads = d.backward.run(bins, dims=sizes, tile=tile, precision=precision)
         return {p: grads[g] for p, g in d.grads.items()}
+
+    def cuda(self, tile: Any = None, **options: Any) -> Any:
+        """The block as a callable on torch CUDA tensors (`coda_lang.backend_cute.runtime.CudaBlock`):
+        one quack kernel per GEMM stage, tiny torch ops between stages. `tile`: None (each stage's
+        tile chosen by `select_config`), `(tile_M, tile_N)` or a `TileConfig` for every stage, or a
+        dict {stage: tile}. Raises CodaError (E07) for stages the backend can't run yet."""
+        from coda_lang.backend_cute.runtime import CudaBlock
+
+        return CudaBlock(self, tile=tile, **options)
 
     def explain(self) -> str:
         return explain(self.plan)

@@ -132,6 +132,16 @@ def run_ptxas(ptx_path: Path, arch: str = ARCH) -> PtxasReport:
     r = subprocess.run([exe, "-v", f"-arch={arch}", str(ptx_path), "-o", os.devnull], capture_output=True,
                        text=True, timeout=600)
     out = r.stdout + r.stderr
+    m = re.search(r"Unsupported \.version (\d+\.\d+); current version is '(\d+\.\d+)'", out)
+    if r.returncode != 0 and m:
+        # The PTX comes from a newer NVVM than this ptxas (CuTeDSL assembles it with its own embedded
+        # ptxas); for the register and spill report, the older ptxas reads it at its own ISA version.
+        text = Path(ptx_path).read_text().replace(f".version {m.group(1)}", f".version {m.group(2)}", 1)
+        older = Path(ptx_path).with_suffix(f".ptx{m.group(2)}.ptx")
+        older.write_text(text)
+        r = subprocess.run([exe, "-v", f"-arch={arch}", str(older), "-o", os.devnull], capture_output=True,
+                           text=True, timeout=600)
+        out = r.stdout + r.stderr
     if r.returncode != 0:
         raise RuntimeError(f"ptxas failed on {ptx_path}:\n{out[-3000:]}")
     line = next((v for v in reversed(version) if v.startswith("Cuda compilation tools")), version[-1] if version else "")

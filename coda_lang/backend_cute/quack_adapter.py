@@ -6,10 +6,13 @@ compile runs, quack's on-disk .o cache off, CuTeDSL told to keep the PTX); impor
 epilogue module from its content-addressed file; compiles one stage through quack's own path
 (`EpiMod.gemm(..., _launch=False)`: kind pinning, kernel-class minting, `_compile_gemm_epi` against
 fake symbolic tensors) with torch "meta" tensors standing in for the operands; returns the PTX.
+At run time (runtime.py), `launch` runs one stage's kernel on CUDA tensors through the same
+`EpiMod.gemm` (quack's on-disk cache on, the real driver query) and `sink_alloc_shape` gives quack's
+partial-buffer shapes.
 What it does not: choose tile configurations or run ptxas (compile.py), or plan and emit (plan.py,
 emit.py).
 Invariants: importing this module imports quack, cutlass and torch (it is only imported lazily, by
-compile.py); everything it changes in those libraries is restored when a compile returns.
+compile.py and runtime.py); everything it changes in those libraries is restored when a compile returns.
 
 Why meta tensors: quack validates a call and derives its compile key (dtypes, majors, ranks, scalar
 modes) from tensor metadata only; the compiled kernel is generic in M, N, K (symbolic), so nominal
@@ -122,3 +125,28 @@ def compile_ptx(spec: Any, path: Path, config: Any) -> tuple[str, float]:
     if not ptx:
         raise RuntimeError("CuTeDSL kept no PTX for the kernel")
     return ptx, seconds
+
+
+def launch(mod: Any, spec: Any, config: Any, A: Any, B: Any, D: Any, epi_args: dict[str, Any], *,
+           dry_run: bool = False) -> None:
+    """One launch of stage `spec`'s kernel on the current stream (the runtime's only call into quack).
+
+    A: (m, k), either major (a `transpose(a)` operand is the stored tensor's `.t()` view); B: the
+    stored (k, n) tensor, or (n, k) for `transpose(b)`; D: the main stored tile or None; epi_args:
+    the epilogue's operands, TileStore buffers and sink buffers by their names in the emitted fn.
+    The kernel is compiled on the first call for these dtypes and majors (quack's jit cache, on disk
+    too) and replayed from quack's plan cache afterwards. `dry_run=True` (tests without a GPU, on
+    "meta" tensors): quack validates the arguments and compiles the kernel, nothing is launched.
+    """
+    kw = dict(epi_args=epi_args, tile_M=config.tile_m, tile_N=config.tile_n, cluster_M=config.cluster_m,
+              cluster_N=config.cluster_n, pingpong=config.pingpong, persistent=True, b_kn=not spec.gemm.tb)
+    if not dry_run:
+        mod.gemm(A, B, D, None, **kw)
+        return
+    with tempfile.TemporaryDirectory(prefix="coda-dry-") as tmp, compile_only(Path(tmp)):
+        mod.gemm(A, B, D, None, _launch=False, **kw)
+
+
+def sink_alloc_shape(mod: Any, name: str, m: int, n: int, config: Any) -> tuple[int, ...]:
+    """quack's buffer shape for sink `name` of an (m, n) GEMM at `config` (SM90: per-CTA tile = tile)."""
+    return tuple(int(x) for x in mod.sinks[name].sink_alloc_shape((m,), n, config.tile_m, config.tile_n))

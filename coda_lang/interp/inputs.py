@@ -28,6 +28,7 @@ INPUT_CODES = {
     "E0803": "input dtype does not fit the declared dtype",
     "E0804": "dims can't be inferred or contradict each other",
     "E0805": "tile sizes",
+    "E0806": "input on the wrong device (the CUDA runtime needs CUDA tensors, all on one device)",
 }
 
 

@@ -8,6 +8,8 @@ What it does not: check the program (verify/ did) or validate inputs (inputs.py 
 Invariants: in tile mode each partial reduction is computed per tile into a buffer shaped like a
 kernel's (row partials [rows, ceil(cols/tile_N)], column partials [ceil(rows/tile_M), cols]) and then
 combined with its op's combine rule; whole and tile modes agree up to floating-point reassociation.
+`tile` is one (tile_M, tile_N) for every stage, or a dict {stage index (1-based): (tile_M, tile_N)}
+(a kernel chooses its tile per stage; a stage missing from the dict runs in whole mode).
 """
 
 from __future__ import annotations
@@ -60,9 +62,12 @@ def _type(a: Atom) -> Type:
     return a.type if isinstance(a, Var) and a.type is not None else ERROR_TYPE
 
 
+Tiles = tuple[int, int] | dict[int, tuple[int, int]] | None
+
+
 class Interpreter:
     def __init__(self, block: Block, plan: BlockPlan, dims: dict[str, int], precision: str = "exact",
-                 tile: tuple[int, int] | None = None):
+                 tile: Tiles = None):
         self.block, self.plan, self.dims, self.precision, self.tile = block, plan, dims, precision, tile
         self.partials: dict[str, np.ndarray] = {}
 
@@ -112,12 +117,13 @@ class Interpreter:
             R, C = extent(rows, self.dims), extent(cols, self.dims)
         k = self.block.stages.index(s)
         stores = {st.name: st.dtype for st in self.plan.stages[k].stores}
-        if self.tile is None:
+        tile = self.tile.get(k + 1) if isinstance(self.tile, dict) else self.tile
+        if tile is None:
             tiles = [(0, R, 0, C)]
             tm, tn = R, C
         else:
-            tm, tn = self.tile
-            self.check_tile(s, cols)
+            tm, tn = tile
+            self.check_tile(s, cols, tile)
             tiles = [(i, min(i + tm, R), j, min(j + tn, C)) for i in range(0, R, tm) for j in range(0, C, tn)]
         n_rt, n_ct = -(-R // tm), -(-C // tn)
         results: dict[str, np.ndarray] = {}
@@ -162,8 +168,8 @@ class Interpreter:
             dtype = stores.get(name) or self.plan.storage.get(name)
             self.env[name] = round_to(x, dtype, self.precision) if dtype else x
 
-    def check_tile(self, s: Stage, cols: Dim) -> None:
-        tm, tn = self.tile  # type: ignore[misc]
+    def check_tile(self, s: Stage, cols: Dim, tile: tuple[int, int]) -> None:
+        tm, tn = tile
         tn = min(tn, extent(cols, self.dims))  # one clipped tile holds the whole width
         if tm < 1 or tn < 1:
             raise fail("E0805", f"tile sizes must be positive, got {tm}x{tn}")
@@ -243,7 +249,7 @@ class Interpreter:
 
 
 def run_block(block: Block, plan: BlockPlan, env: dict[str, np.ndarray], dims: dict[str, int], *,
-              precision: str = "exact", tile: tuple[int, int] | None = None
+              precision: str = "exact", tile: Tiles = None
               ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Outputs by name, and (tile mode) the per-tile partial buffers by name."""
     it = Interpreter(block, plan, dims, precision, tile)

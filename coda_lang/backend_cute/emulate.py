@@ -1,0 +1,125 @@
+"""A torch stand-in for one stage's quack kernel: the same arguments in, the same buffers filled.
+
+What it does: `run_stage(spec, config, A, B, D, epi_args)` computes what the stage's kernel would
+write, with torch ops on any device (CPU included): acc = A @ B in f32, the live equations of the
+`StageSpec` on whole matrices, the stored tiles rounded into `D` and the `TileStore` buffers, and
+every sink as the kernel's per-tile partial buffer (`ColVecReduce` [m, ceil(n/tile_N)],
+`RowVecReduce` [ceil(m/tile_M), n], `OnlineLSEReduce` like ColVecReduce, `ColVecSelect` the picked
+value per row, rows with an index outside [0, n) left as they are). It takes the arguments exactly
+as runtime.py hands them to quack (a half-width column vector repeated twice, scalars as numbers
+or one-element tensors), so the runtime's host logic (binding, buffers, partial combines, vector
+ops, autograd, torch.compile tracing) can be tested on a machine without a GPU.
+What it does not: model the kernel's arithmetic order or its fast-math functions (tests compare
+both with the interpreter, each within its own tolerance); it is a test device, not a fast path.
+Invariants: reads only `epi_args` and the spec; writes only the given output buffers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from coda_lang.backend_cute.plan import Sink, StageSpec
+from coda_lang.ir.nodes import Lit, Var
+
+
+def _operand_values(spec: StageSpec, epi_args: dict[str, Any]) -> dict[str, Any]:
+    vals: dict[str, Any] = {}
+    for o in spec.operands:
+        v = epi_args[o.py]
+        if o.role == "tile":
+            vals[o.name] = v.float()
+        elif o.role == "row vector":
+            vals[o.name] = v.float().reshape(-1, 1)
+        elif o.role == "column vector":
+            x = v.float().reshape(1, -1)
+            vals[o.name] = x[:, 0::2] if o.host == "repeat_interleave(2)" else x
+        else:
+            vals[o.name] = float(v) if not isinstance(v, torch.Tensor) else v.float().reshape(())
+    return vals
+
+
+def _eval(spec: StageSpec, vals: dict[str, Any]) -> None:
+    from coda_lang.backend_cute.runtime import TORCH_OPS
+
+    for e in spec.eqns:
+        ins: list[Any] = [vals[a.name] if isinstance(a, Var) else a.value if isinstance(a, Lit) else None
+                          for a in e.ins]
+        if e.op == "pairs":
+            (z,) = ins
+            res: tuple[Any, ...] = (z[:, 0::2], z[:, 1::2])
+        elif e.op == "interleave":
+            a, b = torch.broadcast_tensors(torch.as_tensor(ins[0]), torch.as_tensor(ins[1]))
+            res = (torch.stack((a, b), dim=-1).reshape(a.shape[0], -1),)
+        else:
+            params = {k: v for k, v in e.params if isinstance(v, (str, int, float))}
+            out = TORCH_OPS[e.op](*ins, **params)
+            res = out if isinstance(out, tuple) else (out,)
+        for v, x in zip(e.outs, res, strict=True):
+            vals[v.name] = x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+
+def _fold(x: torch.Tensor, rule: str, dim: int) -> torch.Tensor:
+    if rule == "add":
+        return x.sum(dim)
+    if rule == "lse":
+        return torch.logsumexp(x, dim)
+    return x.amax(dim)
+
+
+def _sink(s: Sink, vals: dict[str, Any], m: int, n: int, tile_m: int, tile_n: int,
+          epi_args: dict[str, Any]) -> torch.Tensor | None:
+    """The partial buffer the kernel writes for sink `s` (None for ColVecSelect: written in place)."""
+    x = vals[s.value[0]]
+    if s.scaled:
+        x = x * vals[s.value[1]]
+    x = torch.as_tensor(x, dtype=torch.float32)
+    if x.dim() < 2:
+        x = x.reshape(1, -1) if x.dim() == 1 else x.reshape(1, 1)
+    if s.op == "ColVecSelect":
+        return None
+    rule = "lse" if s.op == "OnlineLSEReduce" else ("add" if s.combine == "add" else "max")
+    if s.combine == "max_abs":
+        x = x.abs()
+    pad = 0.0 if rule == "add" or s.combine == "max_abs" else float("-inf")
+    if s.op in ("ColVecReduce", "OnlineLSEReduce"):
+        width = x.shape[1] if x.shape[1] != 1 else n
+        x = x.expand(m, width)
+        tw = tile_n * width // n  # a half-width value has tile_N / 2 columns per tile
+        tiles = -(-n // tile_n)
+        x = torch.nn.functional.pad(x, (0, tiles * tw - width), value=pad)
+        return _fold(x.reshape(m, tiles, tw), rule, 2)
+    width = x.shape[1]
+    x = x.expand(m, width)
+    tiles = -(-m // tile_m)
+    x = torch.nn.functional.pad(x, (0, 0, 0, tiles * tile_m - m), value=pad)
+    return _fold(x.reshape(tiles, tile_m, width), rule, 1)
+
+
+def run_stage(spec: StageSpec, config: Any, A: torch.Tensor, B: torch.Tensor, D: torch.Tensor | None,
+              epi_args: dict[str, Any]) -> None:
+    """Fill `D`, the TileStore buffers and the sink buffers in `epi_args` as the stage's kernel would."""
+    acc = A.float() @ (B.float().t() if spec.gemm.tb else B.float())
+    m, n = acc.shape
+    vals = _operand_values(spec, epi_args)
+    vals["acc"] = acc
+    _eval(spec, vals)
+    if spec.d is not None:
+        assert D is not None
+        D.copy_(torch.as_tensor(vals[spec.d.name], dtype=torch.float32).expand(D.shape))
+    for o in spec.outputs:
+        buf = epi_args[o.py]
+        buf.copy_(torch.as_tensor(vals[o.name], dtype=torch.float32).expand(buf.shape))
+    for s in spec.sinks:
+        buf = epi_args[s.py]
+        got = _sink(s, vals, m, n, config.tile_m, config.tile_n, epi_args)
+        if got is not None:
+            buf.copy_(got)
+            continue
+        x = torch.as_tensor(vals[s.value[0]], dtype=torch.float32).expand(m, -1)
+        assert s.index is not None
+        idx = epi_args[s.index].long()
+        ok = (idx >= 0) & (idx < x.shape[1])
+        picked = x.gather(1, torch.where(ok, idx, 0).reshape(-1, 1)).reshape(-1)
+        buf.copy_(torch.where(ok, picked, buf))

@@ -1,0 +1,738 @@
+"""The torch runtime of the CuTeDSL backend: a checked block as a callable on CUDA tensors.
+
+What it does: `CudaBlock` (made by `Block.cuda(tile=None)`) runs a block on torch tensors keyed by
+parameter name. Each GEMM stage is ONE launch of its quack kernel (the emitted `@gemm_epilogue`, at
+the tile `compile.select_config` picks or the one given, cached per stage), recorded as the torch
+custom op `coda::stage` so that torch.compile traces through it: the stage's stored tiles are
+allocated as its outputs, its partial reductions as quack's per-tile partial buffers
+(`ColVecReduce` [m, ceil(n/tile_N)], `RowVecReduce` [ceil(m/tile_M), n]), which tiny torch ops then
+combine (sum, max, log-sum-exp). The vector computations between stages are tiny torch ops too, one
+per equation, through `TORCH_OPS` (registry op name -> torch function). `run_with_partials` also
+returns the partial buffers, to compare with the interpreter's tile simulation. `CudaBlock.autograd()`
+gives a function whose `torch.autograd.Function` runs the extended forward (`Block.derivation()
+.forward`) and, for the backward, the derived backward block's kernels.
+What it does not: plan, emit or compile (plan.py, emit.py, compile.py) or touch quack
+(quack_adapter.py, imported on the first launch); it runs no elementwise stage (E0701) and nothing
+the planner rejects (E07, raised when the CudaBlock is made).
+Invariants: numerics follow the interpreter's (interp/run.py): f32 inside a stage and between
+stages, stored tiles rounded to their dtype by the kernel, annotated values rounded where they are
+defined; every stage's kernel writes every element of its buffers (pick's output is pre-filled
+with zeros, the kernel leaves rows whose index is outside the row alone). Importing this module
+imports torch, never quack. `emulate=True` replaces the quack launch by a torch stand-in
+(emulate.py) so that everything else here runs, and is tested, without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import shutil
+import warnings
+import weakref
+from collections.abc import Callable
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from coda_lang.backend_cute.compile import CANDIDATES, BackendUnavailable, TileConfig, fits
+from coda_lang.backend_cute.emit import emit_stage, source_hash, write_source
+from coda_lang.backend_cute.plan import Sink, StageSpec, plan_stage
+from coda_lang.interp.inputs import extent, fail, infer_dims
+from coda_lang.ir.nodes import DimRef, Eqn, Lit, Stage, Var
+from coda_lang.ir.types import BOOL, MATRIX, Dim, Type
+from coda_lang.verify.diagnostics import CodaError, Diagnostic
+
+TORCH_DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16,
+                                        "i32": torch.int32, BOOL: torch.bool}
+
+# ------------------------------------------------------------------------------------------------
+# The vector ops: registry op name -> torch function of the values (tensors or Python numbers) and
+# the equation's non-dim keyword parameters. Reductions here reduce a whole vector to a scalar (the
+# block-level case); inside a stage they are sinks of the kernel (or of emulate.py).
+
+
+def _tensor(x: Any) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=torch.float32)
+
+
+def _tensors(a: Any, b: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both as tensors, a Python number taking the other operand's device (and float dtype)."""
+    if isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
+        return a, torch.tensor(b, dtype=a.dtype if a.is_floating_point() else torch.float32, device=a.device)
+    if isinstance(b, torch.Tensor) and not isinstance(a, torch.Tensor):
+        return torch.tensor(a, dtype=b.dtype if b.is_floating_point() else torch.float32, device=b.device), b
+    return _tensor(a), _tensor(b)
+
+
+def _unary(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
+    return lambda x: fn(_tensor(x))
+
+
+def _cast(x: Any, dtype: str) -> Any:
+    """cast(x, dtype): round to dtype (the value stays f32), or truncate to i32."""
+    x = _tensor(x)
+    if dtype == "i32":
+        return x.trunc().to(torch.int32) if x.is_floating_point() else x.to(torch.int32)
+    return x.float().to(TORCH_DTYPES[dtype]).float()
+
+
+def _where(c: Any, a: Any, b: Any) -> torch.Tensor:
+    if not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
+        a = torch.tensor(float(a), dtype=torch.float32, device=c.device)
+    return torch.where(c, a, b)
+
+
+def _logsumexp(x: Any) -> torch.Tensor:
+    return torch.logsumexp(_tensor(x).reshape(-1), 0)
+
+
+TORCH_OPS: dict[str, Callable[..., Any]] = {
+    "add": lambda a, b: a + b,
+    "sub": lambda a, b: a - b,
+    "mul": lambda a, b: a * b,
+    "div": lambda a, b: _tensor(a) / b,
+    "neg": lambda a: -a,
+    "maximum": lambda a, b: torch.maximum(*_tensors(a, b)),
+    "minimum": lambda a, b: torch.minimum(*_tensors(a, b)),
+    "abs": _unary(torch.abs),
+    "lt": lambda a, b: a < b,
+    "le": lambda a, b: a <= b,
+    "gt": lambda a, b: a > b,
+    "ge": lambda a, b: a >= b,
+    "eq": lambda a, b: _tensor(a) == b,
+    "ne": lambda a, b: _tensor(a) != b,
+    "where": _where,
+    "exp": _unary(torch.exp),
+    "log": _unary(torch.log),
+    "sqrt": _unary(torch.sqrt),
+    "rsqrt": _unary(torch.rsqrt),
+    "tanh": _unary(torch.tanh),
+    "sigmoid": _unary(torch.sigmoid),
+    "silu": _unary(F.silu),
+    "gelu": _unary(lambda x: F.gelu(x, approximate="tanh")),
+    "sin": _unary(torch.sin),
+    "cos": _unary(torch.cos),
+    "cast": _cast,
+    "copy": lambda x: x,
+    "expand": lambda x, like: torch.broadcast_to(_tensor(x), like.shape).clone(),
+    "reduce_sum": _unary(lambda x: x.sum()),
+    "reduce_max": _unary(lambda x: x.amax()),
+    "reduce_min": _unary(lambda x: x.amin()),
+    "reduce_logsumexp": _logsumexp,
+}
+
+
+def combine_partials(buf: torch.Tensor, rule: str, axis: int) -> torch.Tensor:
+    """Combine per-tile partials along `axis` (as interp.combine): "sum", "max", "min" or "lse"."""
+    if rule == "sum":
+        return buf.sum(axis)
+    if rule == "max":
+        return buf.amax(axis)
+    if rule == "min":
+        return buf.amin(axis)
+    if rule == "lse":
+        return torch.logsumexp(buf, axis)
+    raise ValueError(f"unknown combine rule {rule!r}")
+
+
+def sink_rule(s: Sink) -> tuple[str, int]:
+    """(combine rule, axis) of a sink's partial buffer; ("select", -1) for pick's finished vector."""
+    if s.op == "ColVecSelect":
+        return "select", -1
+    rule = "lse" if s.op == "OnlineLSEReduce" else ("sum" if s.combine == "add" else "max")
+    return rule, (1 if s.layout == "row partials" else 0)
+
+
+def sink_shape(s: Sink, m: Any, n: Any, tile_m: int, tile_n: int) -> tuple[Any, ...]:
+    """quack's buffer shape for a sink of an (m, n) GEMM at tile (tile_m, tile_n) on SM90
+    (`sink_alloc_shape` with lead (m,)): per-tile partials along the reduced dim."""
+    if s.op == "ColVecSelect":
+        return (m,)
+    if s.layout == "row partials":
+        return (m, -(-n // tile_n))
+    return (-(-m // tile_m), n)
+
+
+def _width(shape_dim: Dim, cols: Dim, n: Any) -> Any:
+    """The extent of a stage value's column dim `shape_dim` when the stage's width `cols` is n."""
+    ratio = Fraction(shape_dim.coeff) / Fraction(cols.coeff)
+    return n if ratio == 1 else n * ratio.numerator // ratio.denominator
+
+
+def _aligned(t: Any) -> Any:
+    """A tensor whose data pointer is 16-byte aligned (TMA and the vector loads assume it)."""
+    if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.data_ptr() % 16:
+        return t.clone()
+    return t
+
+
+# ------------------------------------------------------------------------------------------------
+# One stage: its spec, tile config, epilogue module, and the custom op that launches it.
+
+_STAGES: weakref.WeakValueDictionary[str, _StageRunner] = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
+class _StageRunner:
+    """Stage `index` of a block at a fixed tile config; `launch` is the body of `coda::stage`."""
+
+    def __init__(self, block: Any, index: int, spec: StageSpec, config: TileConfig, emulate: bool,
+                 poison: bool = False):
+        self.block, self.index, self.spec, self.config, self.emulate = block, index, spec, config, emulate
+        self.poison = poison
+        self.key = f"{spec.fn_name}:{config.short}:{next(_KEYS)}"
+        self.index_names = [(s.index, _coda_name(spec, s.index)) for s in spec.sinks if s.index is not None]
+        self._mod: Any = None
+        _STAGES[self.key] = self
+
+    @property
+    def mod(self) -> Any:
+        """The quack EpiMod of the emitted epilogue (imports quack on first use)."""
+        if self._mod is None:
+            from coda_lang.backend_cute import quack_adapter
+
+            path = write_source(emit_stage(self.spec))
+            self._mod = quack_adapter.load_epilogue(path, self.spec.fn_name)
+        return self._mod
+
+    # host side (traced by torch.compile): the op's arguments from the block's values
+    def arguments(self, env: dict[str, Any]) -> tuple[list[torch.Tensor | None], list[float]]:
+        spec, g = self.spec, self.spec.gemm
+        A = env[g.a].to(TORCH_DTYPES[g.a_dtype]).contiguous()
+        B = env[g.b].to(TORCH_DTYPES[g.b_dtype]).contiguous()
+        ins: list[torch.Tensor | None] = [A.t() if g.ta else A, B]  # B: (k, n), or (n, k) for transpose(b)
+        scalars: list[float] = []
+        for o in spec.operands:
+            v = env[o.name]
+            if o.role == "scalar":
+                if isinstance(v, torch.Tensor):
+                    ins.append(v.to(TORCH_DTYPES[o.dtype]).reshape(1))
+                else:
+                    ins.append(None)
+                    scalars.append(float(v))
+                continue
+            t = v.to(TORCH_DTYPES[o.dtype])
+            if o.host == "repeat_interleave(2)":
+                t = t.repeat_interleave(2)
+            ins.append(t.contiguous())
+        for _, name in self.index_names:
+            ins.append(env[name].to(torch.int32).contiguous())
+        return ins, scalars
+
+    def allocate(self, A: torch.Tensor, B: torch.Tensor) -> list[torch.Tensor]:
+        """The stage's output buffers: [D?] + TileStores + sinks (also the fake impl of the op)."""
+        spec, g, cfg = self.spec, self.spec.gemm, self.config
+        m, n = A.shape[0], (B.shape[0] if g.tb else B.shape[1])
+        dev = A.device
+
+        def new(shape: tuple[Any, ...], dtype: torch.dtype) -> torch.Tensor:
+            if self.poison:  # tests: an element the kernel does not write stays NaN
+                return torch.full(shape, float("nan"), dtype=dtype, device=dev)
+            return torch.empty(shape, dtype=dtype, device=dev)
+
+        outs = []
+        if spec.d is not None:
+            outs.append(new((m, n), TORCH_DTYPES[spec.d.dtype]))
+        for o in spec.outputs:
+            outs.append(new((m, _width(o.shape[1], g.cols, n)), TORCH_DTYPES[o.dtype]))
+        for s in spec.sinks:
+            shape = sink_shape(s, m, n, cfg.tile_m, cfg.tile_n)
+            # pick leaves rows whose index is outside [0, n) alone: they read 0, as in the interpreter
+            outs.append(torch.zeros(shape, dtype=torch.float32, device=dev) if s.op == "ColVecSelect"
+                        else new(shape, torch.float32))
+        return outs
+
+    # device side (the op's body): one kernel launch
+    def launch(self, ins: list[torch.Tensor | None], scalars: list[float]) -> list[torch.Tensor]:
+        A, B = _aligned(ins[0]), _aligned(ins[1])
+        assert A is not None and B is not None
+        outs = self.allocate(A, B)
+        D, epi = self.epilogue_arguments(ins, scalars, outs)
+        if self.emulate:
+            from coda_lang.backend_cute import emulate
+
+            emulate.run_stage(self.spec, self.config, A, B, D, epi)
+        else:
+            from coda_lang.backend_cute import quack_adapter
+
+            quack_adapter.launch(self.mod, self.spec, self.config, A, B, D, epi)
+        return outs
+
+    def epilogue_arguments(self, ins: list[torch.Tensor | None], scalars: list[float], outs: list[torch.Tensor]
+                           ) -> tuple[torch.Tensor | None, dict[str, Any]]:
+        """(D, epi_args by the emitted fn's names) for quack's `EpiMod.gemm`, from the op's arguments."""
+        spec = self.spec
+        epi: dict[str, Any] = {}
+        it = iter(scalars)
+        j = 2
+        for o in spec.operands:
+            t = ins[j]
+            j += 1
+            epi[o.py] = (next(it) if t is None else t) if o.role == "scalar" else _aligned(t)
+        for py, _ in self.index_names:
+            epi[py] = _aligned(ins[j])
+            j += 1
+        i = 0
+        D = None
+        if spec.d is not None:
+            D, i = outs[0], 1
+        for out in spec.outputs:
+            epi[out.py] = outs[i]
+            i += 1
+        for s in spec.sinks:
+            epi[s.py] = outs[i]
+            i += 1
+        return D, epi
+
+    def collect(self, outs: list[torch.Tensor], env: dict[str, Any], partials: dict[str, torch.Tensor],
+                storage: dict[str, str]) -> None:
+        """Bind the stage's results by coda name: stored tiles, and each sink combined across tiles."""
+        spec = self.spec
+        i = 0
+        if spec.d is not None:
+            env[spec.d.name] = outs[0]
+            i = 1
+        for o in spec.outputs:
+            env[o.name] = outs[i]
+            i += 1
+        for s in spec.sinks:
+            buf = outs[i]
+            i += 1
+            partials[s.name] = buf
+            rule, axis = sink_rule(s)
+            x = buf if rule == "select" else combine_partials(buf, rule, axis)
+            dtype = storage.get(s.name)
+            env[s.name] = _round(x, dtype) if dtype else x
+
+
+def _coda_name(spec: StageSpec, py: str) -> str:
+    for name, p in spec.names.items():
+        if p == py:
+            return name
+    return py
+
+
+# The schema is given, not inferred from the annotations (stable across torch versions).
+@torch.library.custom_op("coda::stage", mutates_args=(), schema="(str key, Tensor?[] ins, float[] scalars) -> Tensor[]")
+def _stage_op(key: str, ins: list[torch.Tensor | None], scalars: list[float]) -> list[torch.Tensor]:
+    """One GEMM stage of a coda block: one kernel launch; returns [D?] + stored tiles + sink buffers."""
+    return _STAGES[key].launch(ins, scalars)
+
+
+@_stage_op.register_fake
+def _stage_op_fake(key: str, ins: list[torch.Tensor | None], scalars: list[float]) -> list[torch.Tensor]:
+    A, B = ins[0], ins[1]
+    assert A is not None and B is not None
+    return _STAGES[key].allocate(A, B)
+
+
+# ------------------------------------------------------------------------------------------------
+# Tile selection
+
+
+_SELECTED: dict[tuple[str, tuple[TileConfig, ...]], TileConfig] = {}
+
+
+def _find_ptxas() -> bool:
+    """ptxas for select_config's spill check: $CODA_PTXAS, PATH, else the one Triton ships (then
+    $CODA_PTXAS is set to it for this process)."""
+    if os.environ.get("CODA_PTXAS") or shutil.which("ptxas"):
+        return True
+    try:
+        import triton
+    except ImportError:
+        return False
+    exe = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if exe.is_file() and os.access(exe, os.X_OK):
+        os.environ["CODA_PTXAS"] = str(exe)
+        return True
+    return False
+
+
+def as_config(tile: Any) -> TileConfig:
+    """A TileConfig from a TileConfig or a (tile_M, tile_N) pair (quack's SM90 cluster and pingpong)."""
+    if isinstance(tile, TileConfig):
+        return tile
+    if isinstance(tile, (tuple, list)) and len(tile) == 2 and all(isinstance(x, int) for x in tile):
+        return TileConfig(int(tile[0]), int(tile[1]))
+    raise TypeError(f"a tile is a TileConfig or (tile_M, tile_N), got {tile!r}")
+
+
+def choose_config(block: Any, index: int, spec: StageSpec, emulate: bool) -> TileConfig:
+    """select_config's tile for a stage (cached per emitted source); without a usable ptxas, or when
+    emulating, the first candidate that fits the stage's tiling constraints."""
+    candidates = tuple(c for c in CANDIDATES if fits(spec, c))
+    if not candidates:
+        raise CodaError([Diagnostic("E0706", f"stage {index} (`{spec.text}`): no candidate tile satisfies its "
+                                    "tiling constraints", spec.span, notes=list(spec.constraints))])
+    if emulate:
+        return candidates[0]
+    key = (source_hash(emit_stage(spec)), candidates)
+    if key not in _SELECTED:
+        from coda_lang.backend_cute.compile import select_config
+
+        if not _find_ptxas():
+            warnings.warn(f"no ptxas to check stage {index} of {spec.block} for spills; using {candidates[0]}",
+                          stacklevel=3)
+            return candidates[0]
+        try:
+            _SELECTED[key] = select_config(block, index, candidates).config
+        except (BackendUnavailable, RuntimeError) as e:
+            warnings.warn(f"select_config failed for stage {index} of {spec.block} ({str(e).splitlines()[0]}); "
+                          f"using {candidates[0]}", stacklevel=3)
+            return candidates[0]
+    return _SELECTED[key]
+
+
+# ------------------------------------------------------------------------------------------------
+# The block
+
+
+def _round(x: Any, dtype: str | None) -> Any:
+    """x rounded to a storage dtype, kept in its compute dtype (interp.numerics.round_to)."""
+    if dtype is None or not isinstance(x, torch.Tensor):
+        return x
+    if dtype in ("bf16", "f16"):
+        return x.to(TORCH_DTYPES[dtype]).float() if x.is_floating_point() else x
+    if dtype == "i32":
+        return x.trunc().to(torch.int32) if x.is_floating_point() else x.to(torch.int32)
+    return x.float() if dtype == "f32" else x
+
+
+def _compute(x: Any, t: Type | None, device: torch.device) -> Any:
+    """A block-level value in its compute dtype (f32 for floats), as a tensor on the block's device."""
+    if t is None or t.kind == MATRIX:
+        return x  # a matrix alias (`y = x`) is the same tensor
+    dtype = torch.float32 if t.dtype in ("f32", "bf16", "f16") else TORCH_DTYPES.get(t.dtype, torch.float32)
+    if not isinstance(x, torch.Tensor):
+        return torch.full((), x, dtype=dtype, device=device)
+    return x.to(device=device, dtype=dtype)
+
+
+class CudaBlock:
+    """A checked block as a callable on torch tensors: `cb(**tensors)` or `cb({name: tensor})` gives
+    the block's outputs by name. Made by `Block.cuda(tile=None)`.
+
+    `tile`: None (each stage's tile chosen by `select_config`: no register spills), a
+    `(tile_M, tile_N)` pair or a `TileConfig` for every stage, or a dict {stage: tile}.
+    `emulate=True`: each stage's launch is replaced by a torch stand-in (emulate.py) that runs on any
+    device; for testing the runtime without a GPU, not for speed. `poison=True`: output buffers are
+    filled with NaN before each launch (tests: every element must be written).
+
+    torch.compile traces a call into one graph (the launches are the custom op `coda::stage`); call the
+    block once eagerly (or `prepare()`) first, so that tile selection and kernel compilation happen
+    outside the trace, and keep the CudaBlock alive while a compiled graph uses it (the op finds its
+    stage by a key in a weak registry). Calling it on tensors that require grad gives outputs whose
+    backward raises; use `autograd()` for gradients.
+    """
+
+    def __init__(self, block: Any, tile: Any = None, *, emulate: bool = False, poison: bool = False):
+        self.block, self.emulate, self.poison = block, emulate, poison
+        self.ir, self.plan = block.ir, block.plan
+        self._shape_rules = _shape_rules(self.ir)
+        try:
+            self.specs = [plan_stage(block, k) for k in range(1, len(self.plan.stages) + 1)]
+            for spec in self.specs:
+                emit_stage(spec)  # an op the emitter can't write raises E07 now, not at the first call
+        except CodaError as e:
+            raise with_sources(e) from None
+        if isinstance(tile, dict):
+            self._tiles = {int(k): as_config(v) for k, v in tile.items()}
+            unknown = sorted(set(self._tiles) - set(range(1, len(self.specs) + 1)))
+            if unknown:
+                raise ValueError(f"block {self.ir.name} has no stage {unknown[0]}")
+        else:
+            self._tiles = {k: as_config(tile) for k in range(1, len(self.specs) + 1)} if tile is not None else {}
+        for k, cfg in self._tiles.items():
+            spec = self.specs[k - 1]
+            if not fits(spec, cfg):
+                raise fail("E0805", f"tile {cfg.short} does not fit stage {k} (`{spec.text}`): "
+                           f"{'; '.join(spec.constraints)}")
+        for s in self.ir.body:
+            if not isinstance(s, Stage) and s.op not in TORCH_OPS:
+                raise CodaError([Diagnostic("E0708", f"`{s.op}` between stages has no torch mapping in the CUDA "
+                                            "runtime", s.span, notes=["add it to TORCH_OPS in "
+                                                                      "coda_lang/backend_cute/runtime.py"])])
+        self._runners: dict[int, _StageRunner] = {}
+        self._ready = False
+
+    @property
+    def name(self) -> str:
+        return self.ir.name
+
+    def __repr__(self) -> str:
+        how = " (emulated)" if self.emulate else ""
+        return f"<coda CudaBlock {self.name}: {len(self.specs)} stages{how}>"
+
+    # -- configuration ------------------------------------------------------------------------
+
+    def config(self, index: int) -> TileConfig:
+        """The tile config of stage `index` (1-based); chosen (and compiled for the check) on first use."""
+        return self.runner(index).config
+
+    @property
+    def tiles(self) -> dict[int, tuple[int, int]]:
+        """{stage: (tile_M, tile_N)}: what `Block.run(..., tile=cb.tiles)` simulates."""
+        return {k: (self.config(k).tile_m, self.config(k).tile_n) for k in range(1, len(self.specs) + 1)}
+
+    def runner(self, index: int) -> _StageRunner:
+        r = self._runners.get(index)
+        if r is None:
+            spec = self.specs[index - 1]
+            cfg = self._tiles.get(index) or choose_config(self.block, index, spec, self.emulate)
+            r = self._runners[index] = _StageRunner(self.block, index, spec, cfg, self.emulate, self.poison)
+        return r
+
+    @torch.compiler.disable
+    def prepare(self) -> CudaBlock:
+        """Choose every stage's tile and import its epilogue now (a first call does it otherwise)."""
+        for k in range(1, len(self.specs) + 1):
+            r = self.runner(k)
+            if not self.emulate:
+                r.mod  # noqa: B018 (imports quack and the emitted module)
+        self._ready = True
+        return self
+
+    # -- running ------------------------------------------------------------------------------
+
+    def __call__(self, inputs: dict[str, Any] | None = None, /, **tensors: Any) -> dict[str, torch.Tensor]:
+        return self.run_with_partials(inputs, **tensors)[0]
+
+    def run_with_partials(self, inputs: dict[str, Any] | None = None, /, **tensors: Any
+                          ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Outputs by name, and every stage's partial buffers by the name of the reduction, as the
+        kernel wrote them (row partials [m, ceil(n/tile_N)], column partials [ceil(m/tile_M), n]; a
+        pick gives its finished [m] vector)."""
+        env, partials = self._run({**(inputs or {}), **tensors})
+        outs = {}
+        for o in self.ir.outputs:
+            x = env[o.name]
+            outs[o.name] = x.to(TORCH_DTYPES[o.type.dtype]) if isinstance(x, torch.Tensor) else x
+        return outs, partials
+
+    def values(self, inputs: dict[str, Any] | None = None, /, **tensors: Any) -> dict[str, Any]:
+        """Every named value of a run (inputs as bound, stored tiles, vectors): what `run_stage` reads."""
+        return self._run({**(inputs or {}), **tensors})[0]
+
+    def run_stage(self, index: int, env: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Stage `index` alone (one kernel launch plus its partial combines) on the values in `env`:
+        (the values it defines, its partial buffers)."""
+        new: dict[str, Any] = {}
+        partials: dict[str, torch.Tensor] = {}
+        r = self.runner(index)
+        ins, scalars = r.arguments(env)
+        outs = torch.ops.coda.stage(r.key, ins, scalars)
+        r.collect(outs, new, partials, self.plan.storage)
+        return new, partials
+
+    def _run(self, tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        env, dims, device = self._bind(tensors)
+        if not self._ready:
+            self.prepare()
+        partials: dict[str, torch.Tensor] = {}
+        k = 0
+        for s in self.ir.body:
+            if isinstance(s, Stage):
+                k += 1
+                r = self.runner(k)
+                ins, scalars = r.arguments(env)
+                outs = torch.ops.coda.stage(r.key, ins, scalars)
+                r.collect(outs, env, partials, self.plan.storage)
+            else:
+                self._vector_eqn(s, env, dims, device)
+        return env, partials
+
+    def _vector_eqn(self, e: Eqn, env: dict[str, Any], dims: dict[str, int], device: torch.device) -> None:
+        vals = []
+        for a in e.ins:
+            if isinstance(a, Var):
+                vals.append(env[a.name])
+            elif isinstance(a, Lit):
+                vals.append(a.value)
+            else:
+                assert isinstance(a, DimRef)
+                vals.append(extent(a.dim, dims))
+        params = {k: v for k, v in e.params if not isinstance(v, Dim)}
+        res = TORCH_OPS[e.op](*vals, **params)
+        res_t = res if isinstance(res, tuple) else (res,)
+        for v, x in zip(e.outs, res_t, strict=True):
+            x = _compute(x, v.type, device)
+            env[v.name] = _round(x, v.annot) if v.annot else x
+
+    def _bind(self, tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int], torch.device]:
+        names = {p.var.name for p in self.ir.params}
+        unknown = sorted(set(tensors) - names)
+        if unknown:
+            raise fail("E0801", f"unknown input `{unknown[0]}`; the block's parameters are {', '.join(sorted(names))}")
+        env: dict[str, Any] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        device: torch.device | None = None
+        for p in self.ir.params:
+            name, t = p.var.name, p.var.type
+            assert t is not None
+            if name not in tensors:
+                if p.default is None:
+                    raise fail("E0801", f"missing input `{name}`")
+                env[name] = p.default
+                continue
+            v = tensors[name]
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and not t.shape:
+                if t.dtype == "i32" and not isinstance(v, int):
+                    raise fail("E0803", f"input `{name}` is {v!r}, but it is declared i32")
+                env[name] = float(v) if t.dtype != "i32" else int(v)
+                continue
+            if not isinstance(v, torch.Tensor):
+                raise fail("E0803", f"input `{name}` is a {type(v).__name__}; the CUDA runtime takes torch tensors")
+            if device is None:
+                device = v.device
+            elif v.device != device:
+                raise fail("E0806", f"input `{name}` is on {v.device}, but other inputs are on {device}")
+            if t.dtype == "i32":
+                if v.is_floating_point() or v.is_complex() or v.dtype == torch.bool:
+                    raise fail("E0803", f"input `{name}` is {v.dtype}, but it is declared i32")
+            elif not (v.is_floating_point() or (v.dim() == 0 and v.dtype != torch.bool)):
+                raise fail("E0803", f"input `{name}` is {v.dtype}, but it is declared {t.dtype}")
+            shapes[name] = tuple(v.shape)
+            env[name] = v.to(TORCH_DTYPES[t.dtype]).contiguous()
+        if device is None:
+            raise fail("E0801", "no tensor inputs")
+        if not self.emulate and device.type != "cuda":
+            raise fail("E0806", f"inputs are on {device}; the CUDA runtime needs CUDA tensors",
+                       notes=["Block.run runs the interpreter on CPU tensors"])
+        dims = _dims_of(self.ir, self._shape_rules, shapes)
+        return env, dims, device
+
+    # -- autograd -----------------------------------------------------------------------------
+
+    def autograd(self, wrt: list[str] | None = None, tile: Any = None) -> CudaFunction:
+        """A function of the block's inputs (by name) whose outputs are differentiable by torch.autograd:
+        forward = the extended forward block, backward = the derived backward block, both on CUDA.
+        CodaError (E07) when a stage of either can't run on the GPU yet."""
+        return CudaFunction(self, wrt, tile)
+
+
+def _shape_rules(block: Any) -> tuple[tuple[str, int, str | None, int, int], ...]:
+    """(param, axis, dim, numerator, denominator) for every declared extent `c*X` (c = num/den):
+    plain ints, so that inferring dims from tensor shapes is traceable by torch.compile."""
+    rules = []
+    for p in block.params:
+        for axis, d in enumerate(p.var.type.shape if p.var.type else ()):
+            rules.append((p.var.name, axis, d.name, d.coeff.numerator, d.coeff.denominator))
+    return tuple(rules)
+
+
+def _dims_of(block: Any, rules: tuple[tuple[str, int, str | None, int, int], ...],
+             shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """Dims from input shapes, in integer arithmetic; any inconsistency defers to the interpreter's
+    checks (infer_dims), which give the diagnostic."""
+    dims: dict[str, int] = {d.name: d.value for d in block.dims if d.value is not None}
+    for name, axis, dim, num, den in rules:
+        shape = shapes.get(name)
+        if shape is None or len(shape) <= axis:
+            return infer_dims(block, shapes, None)
+        n = int(shape[axis])
+        if dim is None:
+            if n * den != num:
+                return infer_dims(block, shapes, None)
+            continue
+        if (n * den) % num:
+            return infer_dims(block, shapes, None)
+        value = n * den // num
+        if dims.setdefault(dim, value) != value:
+            return infer_dims(block, shapes, None)
+    if len(dims) < len(block.dims):
+        return infer_dims(block, shapes, None)
+    return dims
+
+
+def with_sources(e: CodaError) -> CodaError:
+    """`e` with the text of the files its spans point at (so that it renders with source lines)."""
+    if e.sources:
+        return e
+    sources = {}
+    for f in {d.span.file for d in e.diagnostics if d.span is not None}:
+        with contextlib.suppress(OSError):
+            sources[f] = Path(f).read_text()
+    return CodaError(e.diagnostics, sources) if sources else e
+
+
+def _runtime_error(e: CodaError, what: str, block: Any) -> CodaError:
+    diags = []
+    for d in e.diagnostics:
+        notes = list(d.notes) + [f"this stage is in the {what} block `{block.name}` that autograd needs (`coda grad` "
+                                 "prints it); Block.vjp runs it on the interpreter"]
+        diags.append(Diagnostic(d.code, d.message, d.span, d.label, notes, list(d.help), list(d.related), d.severity))
+    return with_sources(CodaError(diags, e.sources))
+
+
+class CudaFunction:
+    """`CudaBlock.autograd()`: call with the block's inputs by name; returns the outputs by name, which
+    torch.autograd differentiates through the derived backward block's kernels."""
+
+    def __init__(self, cb: CudaBlock, wrt: list[str] | None, tile: Any):
+        if isinstance(tile, dict):
+            raise TypeError("autograd() takes one tile for every stage (or None), not a dict")
+        d = cb.block.derivation(wrt)
+        self.derivation = d
+        try:
+            self.forward = CudaBlock(d.forward, tile, emulate=cb.emulate, poison=cb.poison)
+        except CodaError as e:
+            raise _runtime_error(e, "extended forward", d.forward) from None
+        try:
+            self.backward = CudaBlock(d.backward, tile, emulate=cb.emulate, poison=cb.poison)
+        except CodaError as e:
+            raise _runtime_error(e, "backward", d.backward) from None
+        self.params = [p.var.name for p in cb.ir.params]
+        self.outputs = [o.name for o in cb.ir.outputs]
+        self.needs = [p.var.name for p in d.backward.ir.params if p.var.name not in set(d.cotangents.values())]
+
+    def __call__(self, inputs: dict[str, Any] | None = None, /, **tensors: Any) -> dict[str, torch.Tensor]:
+        given = {**(inputs or {}), **tensors}
+        names = tuple(n for n in self.params if n in given)
+        outs = _CodaAutograd.apply(self, names, *[given[n] for n in names])
+        return dict(zip(self.outputs, outs, strict=True))
+
+
+class _CodaAutograd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, fn: CudaFunction, names: tuple[str, ...], *vals: Any) -> tuple[torch.Tensor, ...]:
+        inputs = dict(zip(names, vals, strict=True))
+        res = fn.forward(inputs)
+        keep = {n: res[n] if n in res else inputs[n] for n in fn.needs if n in res or n in inputs}
+        tensor_names = [n for n, v in keep.items() if isinstance(v, torch.Tensor)]
+        ctx.save_for_backward(*[keep[n] for n in tensor_names])
+        ctx.fn, ctx.names, ctx.tensor_names = fn, names, tensor_names
+        ctx.others = {n: v for n, v in keep.items() if not isinstance(v, torch.Tensor)}
+        ctx.in_dtypes = [v.dtype if isinstance(v, torch.Tensor) else None for v in vals]
+        outs = tuple(res[o] for o in fn.outputs)
+        ctx.out_meta = [(x.shape, x.dtype, x.device) for x in outs]
+        ctx.mark_non_differentiable(*[x for x in outs if not x.is_floating_point()])
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        fn: CudaFunction = ctx.fn
+        d = fn.derivation
+        bins: dict[str, Any] = dict(zip(ctx.tensor_names, ctx.saved_tensors, strict=True))
+        bins.update(ctx.others)
+        for out, g, (shape, dtype, device) in zip(fn.outputs, grads, ctx.out_meta, strict=True):
+            if out in d.cotangents:
+                bins[d.cotangents[out]] = g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+        grads_out = fn.backward(bins)
+        result: list[Any] = [None, None]
+        for i, name in enumerate(ctx.names):
+            g = d.grads.get(name)
+            if g is None or not ctx.needs_input_grad[i + 2]:
+                result.append(None)
+            else:
+                result.append(grads_out[g].to(ctx.in_dtypes[i]))
+        return tuple(result)
+
+
+__all__ = ["TORCH_DTYPES", "TORCH_OPS", "CudaBlock", "CudaFunction", "as_config", "choose_config",
+           "combine_partials", "sink_rule", "sink_shape"]
+

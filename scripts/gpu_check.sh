@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One command on the GPU host (after `source .gpu/env/gpu.sh`, from the project root or anywhere):
+#   scripts/gpu_check.sh [all|tests|bench] [extra args for benchmarks/gpu_bench.py]
+# runs the GPU tests (python -m pytest -q -m gpu tests/test_gpu.py) and then the benchmark
+# (python benchmarks/gpu_bench.py), printing both; logs (and the benchmark's JSON) go to $OUT
+# (a fresh temporary folder when $OUT is unset). Compiled kernels are cached under /tmp/coda-gpu/cache
+# (coda's PTX and emitted epilogues, quack's .o files), so a second run on the same host skips the
+# compiles. Exit status: non-zero if the tests or the benchmark failed.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+what="${1:-all}"
+[ $# -gt 0 ] && shift
+OUT="${OUT:-$(mktemp -d -t coda-gpu-XXXX)}"
+export OUT
+mkdir -p "$OUT"
+export CODA_CACHE_DIR="${CODA_CACHE_DIR:-/tmp/coda-gpu/cache/coda}"
+export QUACK_CACHE_DIR="${QUACK_CACHE_DIR:-/tmp/coda-gpu/cache/quack}"
+mkdir -p "$CODA_CACHE_DIR" "$QUACK_CACHE_DIR"
+
+{
+  echo "== $(date -u +%FT%TZ) $(hostname) $(git rev-parse --short HEAD 2>/dev/null) (+ working tree)"
+  nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,clocks.max.sm,temperature.gpu,utilization.gpu --format=csv 2>&1
+  python - <<'PY'
+import importlib.metadata as md, shutil, sys
+import torch
+print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
+      "gpu", torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+for d in ("nvidia-cutlass-dsl", "quack-kernels", "triton", "apache-tvm-ffi", "numpy", "ml_dtypes", "lark"):
+    try:
+        print(f"  {d} {md.version(d)}")
+    except md.PackageNotFoundError:
+        print(f"  {d} missing")
+print("  ptxas on PATH:", shutil.which("ptxas"))
+PY
+} 2>&1 | tee "$OUT/env.txt"
+
+rc_tests=0
+rc_bench=0
+if [ "$what" = all ] || [ "$what" = tests ]; then
+  echo "== GPU tests"
+  python -m pytest -q -m gpu tests/test_gpu.py -rfEs --durations=10 --junitxml="$OUT/pytest.xml" 2>&1 | tee "$OUT/pytest.log"
+  rc_tests=${PIPESTATUS[0]}
+fi
+if [ "$what" = all ] || [ "$what" = bench ]; then
+  echo "== benchmark"
+  python benchmarks/gpu_bench.py "$@" 2>&1 | tee "$OUT/bench.log"
+  rc_bench=${PIPESTATUS[0]}
+fi
+echo "== tests rc=$rc_tests bench rc=$rc_bench; logs in $OUT"
+[ "$rc_tests" -eq 0 ] && [ "$rc_bench" -eq 0 ]

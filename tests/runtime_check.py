@@ -1,0 +1,120 @@
+"""Shared by tests/test_runtime.py (CPU, emulated launches) and tests/test_gpu.py (quack kernels on a GPU):
+inputs for the examples, and the tolerance rules for comparing the CUDA runtime with the interpreter.
+
+Tolerance rules (stated once, used by both):
+- Outputs, element by element, against the interpreter in its "exact" precision (f32 inside
+  stages, stored tiles rounded like the kernel's, same tile): |got - interp| <= r * (|interp| +
+  rms(interp)), with r = 2**-7 (one bf16 ulp at the value's scale, with a floor at the output's rms
+  for cancellation) for 16-bit outputs and r = 1e-3 for f32 outputs (the kernels use fast-math
+  exp/log/tanh). A wrong element (indexing, an unwritten tile, a wrong operand) is far outside.
+- Outputs, as a whole, against float64 (the interpreter's "f64" precision on the same bf16 inputs):
+  ||got - ref64|| <= 2 * ||interp - ref64|| + floor * ||ref64|| (Frobenius norms; floor 1e-6 for 16-bit
+  outputs, 1e-5 for f32 ones): the paper's rule with the interpreter, which rounds exactly where the
+  kernel does, as the low-precision reference. NaN never passes.
+- Partial buffers against the interpreter's tile simulation at the kernel's tile:
+  |got - interp| <= 1e-3 * (|interp| + rms(interp)) element by element (pick: the finished vector
+  against the simulated buffer summed over the column tiles).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from coda_lang.interp import random_inputs
+
+# Sizes that are not multiples of any tile (the ragged last tiles are exercised): M=1000, D=520, F=1000.
+RAGGED = {"M": 1000, "D": 520, "F": 1000, "K": 520, "N": 1000, "V": 1000, "P": 500}
+
+
+def to_torch(a: np.ndarray, device: str = "cpu") -> Any:
+    import torch
+
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16).to(device)
+    return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    if hasattr(x, "detach"):
+        x = x.detach().float().cpu().numpy() if x.is_floating_point() else x.detach().cpu().numpy()
+    return np.asarray(x).astype(np.float64)
+
+
+def example_inputs(block: Any, sizes: dict[str, int], seed: int, device: str = "cpu") -> dict[str, Any]:
+    """Seeded random inputs (never zeros); pick targets get some ignored rows (-100)."""
+    dims = {d.name: sizes[d.name] for d in block.ir.dims}
+    arrays = random_inputs(block.ir, dims, seed)
+    for name, a in arrays.items():
+        if a.dtype == np.int32 and name == "target":
+            a[::7] = -100
+    return {k: to_torch(v, device) for k, v in arrays.items()}
+
+
+def _rms(x: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(np.square(x)))) if x.size else 0.0
+
+
+def check_output(name: str, got: Any, interp: Any, ref64: Any | None, dtype: str) -> None:
+    g, i = to_numpy(got), to_numpy(interp)
+    assert g.shape == i.shape, f"{name}: shape {g.shape}, interpreter {i.shape}"
+    assert not np.isnan(g).any(), f"{name}: {int(np.isnan(g).sum())} NaN elements (unwritten?)"
+    r = 2.0**-7 if dtype in ("bf16", "f16") else 1e-3
+    bound = r * (np.abs(i) + _rms(i))
+    bad = np.abs(g - i) > bound
+    if bad.any():
+        idx = tuple(int(x[0]) for x in np.nonzero(bad)) if g.ndim else ()
+        raise AssertionError(f"{name}: {int(bad.sum())} of {g.size} elements differ from the interpreter beyond "
+                             f"{r:.1e} * (|ref| + rms); first at {idx}: {g[idx]} vs {i[idx]}")
+    if ref64 is not None:
+        f = to_numpy(ref64)
+        floor = 1e-6 if dtype in ("bf16", "f16") else 1e-5
+        err, base = np.linalg.norm(g - f), np.linalg.norm(i - f)
+        assert err <= 2 * base + floor * np.linalg.norm(f), (
+            f"{name}: ||got - f64|| = {err:.3e} > 2 * ||interp - f64|| = {2 * base:.3e} "
+            f"(+ {floor:.0e} * ||f64||)")
+
+
+def check_partial(name: str, got: Any, interp: np.ndarray) -> None:
+    g, i = to_numpy(got), np.asarray(interp, dtype=np.float64)
+    if g.ndim == 1 and i.ndim == 2:  # pick: the kernel writes the finished vector
+        i = i.sum(axis=1)
+    assert g.shape == i.shape, f"partial {name}: shape {g.shape}, tile simulation {i.shape}"
+    assert not np.isnan(g).any(), f"partial {name}: NaN elements (unwritten?)"
+    finite = np.isfinite(i)
+    assert (np.isfinite(g) == finite).all() and (g[~finite] == i[~finite]).all(), f"partial {name}: infinities differ"
+    gi, ii = g[finite], i[finite]
+    bad = np.abs(gi - ii) > 1e-3 * (np.abs(ii) + _rms(ii))
+    assert not bad.any(), f"partial {name}: {int(bad.sum())} of {gi.size} elements differ beyond 1e-3 relative"
+
+
+# Blocks whose backward is all GEMM stages the backend supports today (every example's backward has an
+# elementwise entry stage or a double-width stored tile): for the autograd tests.
+GRAD_BLOCKS = """
+dims M, K, N, F
+
+block linear(x: bf16[M, K], w: bf16[K, N]) -> (out: bf16[M, N]) {
+  gemm x @ w {
+    out = acc
+  }
+}
+
+block gelu_mlp(x: bf16[M, K], w1: bf16[K, F], w2: bf16[F, N], b: f32[F]) -> (out: bf16[M, N]) {
+  gemm x @ w1 {
+    h: bf16 = gelu(acc + b)
+  }
+  gemm h @ w2 {
+    out = acc
+  }
+}
+
+block scaled_mlp(x: bf16[M, K], w1: bf16[K, F], w2: bf16[F, N], s: f32[M]) -> (out: bf16[M, N]) {
+  gemm x @ w1 {
+    h: bf16 = acc * s
+  }
+  gemm h @ w2 {
+    out = acc
+  }
+}
+"""

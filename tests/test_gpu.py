@@ -1,0 +1,223 @@
+"""The CUDA runtime on a Hopper GPU: quack kernels against the interpreter (run: pytest -m gpu).
+
+Every test is marked `gpu` and skipped without a CUDA GPU (tests/conftest.py). On the GPU host:
+`source .gpu/env/gpu.sh; python -m pytest -q -m gpu tests/test_gpu.py` (scripts/gpu_check.sh).
+
+- Forward of llama_mlp, bias_gelu, scale_residual, amax_fp8, lm_head_ce, qkv_rope, llama_block at
+  sizes that are multiples of no tile (M=1000, D=520, F=1000, ...; bf16), each stage at the tile
+  `select_config` picks: outputs against `Block.run(..., tile=cb.tiles)` on the same bf16 inputs copied
+  to the CPU, and against float64 (tests/runtime_check.py states the two tolerance rules: elementwise
+  within a bf16 ulp of the interpreter, and an f64 error at most twice the interpreter's); every output
+  buffer is poisoned with NaN first, so an unwritten element fails.
+- Partial buffers (row partials [m, ceil(n/tile_N)], column partials [ceil(m/tile_M), n]) against
+  the interpreter's tile simulation, 1e-3 relative.
+- Exactly one kernel launch per GEMM stage (torch.profiler: one kernel named after the stage's emitted
+  epilogue per stage; a stage run alone launches that kernel and nothing else but pick's zero fill).
+- Backward through `CudaBlock.autograd()` for the blocks whose backward the backend runs today
+  (runtime_check.GRAD_BLOCKS; no example qualifies yet): gradients against `Block.vjp` and float64.
+- torch.compile (inductor) of a block and of its autograd function, and CUDA-graph replay of a block,
+  give the eager results; a scalar passed as a CUDA tensor (a kernel reading it through a pointer)
+  gives the same as a Python float.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from runtime_check import GRAD_BLOCKS, RAGGED, check_output, check_partial, example_inputs
+
+import coda_lang
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+FORWARD = ["llama_mlp", "bias_gelu", "scale_residual", "amax_fp8", "lm_head_ce", "qkv_rope", "llama_block"]
+
+
+def block(name: str) -> coda_lang.Block:
+    return coda_lang.load(EXAMPLES / f"{name}.coda")[name]
+
+
+@dataclass
+class Run:
+    blk: coda_lang.Block
+    cb: Any
+    inputs: dict[str, Any]
+    outs: dict[str, Any]
+    partials: dict[str, Any]
+    ref: dict[str, Any]
+    ref_partials: dict[str, Any]
+    ref64: dict[str, Any]
+
+
+_RUNS: dict[str, Run] = {}
+
+
+def run(name: str) -> Run:
+    """The example at RAGGED sizes on the GPU and on the interpreter (cached for the module's tests)."""
+    if name not in _RUNS:
+        blk = block(name)
+        cb = blk.cuda(poison=True)
+        inputs = example_inputs(blk, RAGGED, seed=1, device="cuda")
+        outs, partials = cb.run_with_partials(inputs)
+        torch.cuda.synchronize()
+        cpu = {k: v.cpu() for k, v in inputs.items()}
+        ref, ref_partials = blk.run_with_partials(cpu, tile=cb.tiles)
+        ref64 = blk.run(cpu, precision="f64")
+        _RUNS[name] = Run(blk, cb, inputs, outs, partials, ref, ref_partials, ref64)
+    return _RUNS[name]
+
+
+@pytest.mark.parametrize("name", FORWARD)
+def test_forward_matches_interpreter(name: str) -> None:
+    r = run(name)
+    print(f"\n{name}: tiles {r.cb.tiles}")
+    for o in r.blk.ir.outputs:
+        assert o.type is not None
+        got = r.outs[o.name]
+        assert got.is_cuda
+        check_output(o.name, got, r.ref[o.name], r.ref64[o.name], o.type.dtype)
+
+
+@pytest.mark.parametrize("name", FORWARD)
+def test_partials_match_tile_simulation(name: str) -> None:
+    r = run(name)
+    for spec in r.cb.specs:
+        for s in spec.sinks:
+            assert s.name in r.partials, s.name
+    for k, buf in r.partials.items():
+        check_partial(k, buf, r.ref_partials[k])
+
+
+def kernel_names(fn: Any) -> list[str]:
+    """Names of the CUDA kernels (memsets and copies excluded) that one call of `fn` launches."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    try:  # every activity kineto recorded, GPU kernels included
+        names = [e.name() for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA]
+    except AttributeError:
+        names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+    assert names, "the profiler recorded no CUDA activity"
+    return [n for n in names if not n.startswith(("Memset", "Memcpy"))]
+
+
+@pytest.mark.parametrize("name", FORWARD)
+def test_one_kernel_launch_per_stage(name: str) -> None:
+    r = run(name)
+    cb = r.blk.cuda()  # not poisoned: no fill kernels
+    names = kernel_names(lambda: cb(r.inputs))
+    for spec in cb.specs:
+        mine = [n for n in names if f"_{spec.fn_name}_" in n]
+        assert len(mine) == 1, f"stage {spec.index}: {len(mine)} launches of {spec.fn_name}; kernels: {names}"
+    env = cb.values(r.inputs)
+    for k, spec in enumerate(cb.specs, 1):
+        runner = cb.runner(k)
+        ins, scalars = runner.arguments(env)
+        names = kernel_names(lambda runner=runner, ins=ins, scalars=scalars:
+                             torch.ops.coda.stage(runner.key, ins, scalars))
+        mine = [n for n in names if f"_{spec.fn_name}_" in n]
+        others = [n for n in names if n not in mine]
+        fills = sum(s.op == "ColVecSelect" for s in spec.sinks)
+        assert len(mine) == 1 and len(others) <= fills, f"stage {k} alone launched {names}"
+
+
+def test_llama_mlp_fresh_inputs_other_tile() -> None:
+    blk = block("llama_mlp")
+    cb = blk.cuda(tile=(128, 128), poison=True)
+    inputs = example_inputs(blk, {**RAGGED, "M": 777, "D": 392, "F": 600}, seed=2, device="cuda")
+    outs, partials = cb.run_with_partials(inputs)
+    cpu = {k: v.cpu() for k, v in inputs.items()}
+    ref, ref_partials = blk.run_with_partials(cpu, tile=(128, 128))
+    ref64 = blk.run(cpu, precision="f64")
+    check_output("x2", outs["x2"], ref["x2"], ref64["x2"], "bf16")
+    check_partial("ss", partials["ss"], ref_partials["ss"])
+    again = cb(inputs)["x2"]
+    assert torch.equal(again, outs["x2"]), "two runs on the same inputs differ (a race?)"
+
+
+def test_scalar_operand_as_cuda_tensor() -> None:
+    r = run("scale_residual")
+    cb = r.blk.cuda()
+    as_float = cb({**r.inputs, "alpha": 0.75})["out"]
+    as_tensor = cb({**r.inputs, "alpha": torch.tensor(0.75, device="cuda")})["out"]
+    assert torch.equal(as_float, as_tensor)
+    cpu = {k: v.cpu() for k, v in r.inputs.items()}
+    ref = r.blk.run({**cpu, "alpha": np.float32(0.75)}, tile=cb.tiles)
+    check_output("out", as_float, ref["out"], None, "bf16")
+
+
+@pytest.mark.parametrize("name", ["linear", "gelu_mlp", "scaled_mlp"])
+def test_backward_matches_vjp(name: str) -> None:
+    blk = coda_lang.load(GRAD_BLOCKS)[name]
+    tile = (128, 128)
+    fn = blk.cuda(tile=tile, poison=True).autograd()
+    inputs = example_inputs(blk, RAGGED, seed=3, device="cuda")
+    leaves = {k: v.clone().requires_grad_() for k, v in inputs.items()}
+    out = fn(leaves)["out"]
+    ct = torch.randn(out.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(4)).to(torch.bfloat16)
+    out.backward(ct)
+    cpu = {k: v.cpu() for k, v in inputs.items()}
+    ref = blk.vjp(cpu, {"out": ct.cpu()}, tile=tile)
+    ref64 = blk.vjp(cpu, {"out": ct.cpu()}, precision="f64")
+    check_output("out", out, blk.run(cpu, tile=tile)["out"], blk.run(cpu, precision="f64")["out"], "bf16")
+    for p in blk.ir.params:
+        g = leaves[p.var.name].grad
+        assert g is not None and g.dtype == inputs[p.var.name].dtype
+        assert p.var.type is not None
+        check_output(f"d{p.var.name}", g, ref[p.var.name], ref64[p.var.name], p.var.type.dtype)
+
+
+def test_torch_compile_of_a_block() -> None:
+    r = run("llama_mlp")
+    cb = r.blk.cuda()
+    eager = cb(r.inputs)["x2"]
+    compiled = torch.compile(lambda **kw: cb(**kw)["x2"], fullgraph=True)
+    check_output("x2 (torch.compile)", compiled(**r.inputs), eager, None, "bf16")
+
+
+def test_torch_compile_of_autograd() -> None:
+    blk = coda_lang.load(GRAD_BLOCKS)["gelu_mlp"]
+    fn = blk.cuda(tile=(128, 128)).autograd()
+    inputs = example_inputs(blk, RAGGED, seed=5, device="cuda")
+
+    def loss(**kw: Any) -> Any:
+        return (fn(**kw)["out"].float() ** 2).mean()
+
+    grads = []
+    for f in (loss, torch.compile(loss, fullgraph=True)):
+        leaves = {k: v.clone().requires_grad_() for k, v in inputs.items()}
+        f(**leaves).backward()
+        grads.append({k: v.grad for k, v in leaves.items()})
+    for p in blk.ir.params:
+        assert p.var.type is not None
+        check_output(f"d{p.var.name} (torch.compile)", grads[1][p.var.name], grads[0][p.var.name], None,
+                     p.var.type.dtype)
+
+
+def test_cuda_graph_replay() -> None:
+    r = run("llama_mlp")
+    cb = r.blk.cuda()
+    eager = cb(r.inputs)["x2"]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        cb(r.inputs)  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cb(r.inputs)["x2"]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)

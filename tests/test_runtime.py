@@ -1,0 +1,366 @@
+"""The CUDA runtime's host logic, on the CPU (no GPU, no quack): coda_lang/backend_cute/runtime.py.
+
+- TORCH_OPS (the torch function of each block-level vector op) agrees with the registry's NumPy impls,
+  and every pointwise op of the registry has a torch mapping; `combine_partials` agrees with the
+  interpreter's `combine` (sum, max, min, log-sum-exp, -inf included); `sink_shape` is quack's rule.
+- With `emulate=True` (each stage's launch replaced by a torch stand-in taking the kernel's exact
+  arguments), every compilable example runs at sizes that are not multiples of the tile, and its
+  outputs and per-tile partial buffers match the interpreter at the same tiles (tests/runtime_check.py
+  states the tolerance rules); poisoned buffers show every element is written.
+- `autograd()` differentiates through the derived backward block (gradients match Block.vjp), and
+  raises a clean E07 for the examples whose backward has a stage the backend can't run yet.
+- The block traces into one graph with no break under torch.compile (the launches are the custom op
+  `coda::stage`), autograd included.
+- E07 for stages the backend can't compile; E08 for bad inputs; the interpreter accepts per-stage tiles.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from runtime_check import GRAD_BLOCKS, check_output, check_partial, example_inputs  # noqa: E402
+
+import coda_lang  # noqa: E402
+from coda_lang.backend_cute.plan import Sink  # noqa: E402
+from coda_lang.backend_cute.runtime import (  # noqa: E402
+    TORCH_OPS,
+    combine_partials,
+    sink_rule,
+    sink_shape,
+)
+from coda_lang.interp import combine  # noqa: E402
+from coda_lang.ops import REGISTRY  # noqa: E402
+from coda_lang.verify.diagnostics import CodaError  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+SMALL = {"M": 300, "D": 200, "F": 264, "K": 200, "N": 264, "V": 264, "P": 132}
+TILE = (128, 64)  # several tiles along both dims at SMALL, ragged last ones
+COMPILABLE = ["llama_mlp", "bias_gelu", "scale_residual", "amax_fp8", "lm_head_ce", "qkv_rope", "llama_block"]
+
+
+def block(name: str) -> coda_lang.Block:
+    return coda_lang.load(EXAMPLES / f"{name}.coda")[name]
+
+
+# ------------------------------------------------------------------ the torch op table
+
+
+UNARY = ["neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "silu", "gelu", "sin", "cos", "copy",
+         "reduce_sum", "reduce_max", "reduce_min", "reduce_logsumexp"]
+BINARY = ["add", "sub", "mul", "div", "maximum", "minimum", "lt", "le", "gt", "ge", "eq", "ne"]
+
+
+@pytest.mark.parametrize("op", UNARY + BINARY + ["where", "cast"])
+def test_torch_ops_match_numpy_impls(op: str) -> None:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(257).astype(np.float32)
+    y = rng.standard_normal(257).astype(np.float32)
+    y[::5] = x[::5]  # ties for the comparisons and max/min
+    if op in ("log", "sqrt", "rsqrt"):
+        x = np.abs(x) + 0.1
+    impl = REGISTRY[op].impl
+    assert impl is not None
+    tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+    if op.startswith("reduce_"):
+        cases = [((tx,), (x,), {}, {"axis": 0})]
+    elif op == "where":
+        cases = [((tx > 0, tx, ty), (x > 0, x, y), {}, {}), ((tx > 0, tx, 0.0), (x > 0, x, 0.0), {}, {})]
+    elif op == "cast":
+        cases = [((tx * 100,), (x * 100,), {"dtype": d}, {"dtype": d}) for d in ("bf16", "f16", "f32", "i32")]
+    elif op in BINARY:
+        cases = [((tx, ty), (x, y), {}, {}), ((tx, 0.5), (x, np.float32(0.5)), {}, {}),
+                 ((2.0, ty), (np.float32(2.0), y), {}, {})]
+    else:
+        cases = [((tx,), (x,), {}, {})]
+    for targs, nargs, kw, nkw in cases:
+        got = TORCH_OPS[op](*targs, **kw)
+        want = impl(*nargs, **nkw) if not op.startswith("reduce_") else impl(nargs[0], 0)
+        g = got.double().numpy() if got.dtype != torch.bool else got.numpy()
+        np.testing.assert_allclose(g, np.asarray(want, dtype=g.dtype), rtol=2e-6, atol=1e-5, err_msg=op)
+
+
+def test_every_pointwise_op_has_a_torch_mapping() -> None:
+    for name, od in REGISTRY.items():
+        if od.locality == "pointwise" or od.locality == "reduce":
+            assert name in TORCH_OPS, name
+
+
+def test_torch_ops_on_integers_and_scalars() -> None:
+    t = torch.tensor([3, -100, 7], dtype=torch.int32)
+    assert TORCH_OPS["ge"](t, 0).tolist() == [True, False, True]
+    assert TORCH_OPS["div"](t, 2).dtype == torch.float32
+    assert TORCH_OPS["cast"](torch.tensor([1.7, -1.7]), "i32").tolist() == [1, -1]
+    assert float(TORCH_OPS["exp"](0.0)) == 1.0
+
+
+@pytest.mark.parametrize("rule", ["sum", "max", "min", "lse"])
+def test_combine_partials_matches_interpreter(rule: str) -> None:
+    rng = np.random.default_rng(1)
+    buf = rng.standard_normal((9, 4)).astype(np.float32) * 10
+    if rule in ("max", "lse"):
+        buf[2, 3] = -np.inf  # an empty slot
+        buf[5, :] = -np.inf  # an empty row
+    for axis in (0, 1):
+        got = combine_partials(torch.from_numpy(buf), rule, axis).numpy()
+        with np.errstate(divide="ignore"):
+            want = combine(buf, rule, axis)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_sink_rules_and_shapes() -> None:
+    row = Sink("ss", "ss", "ColVecReduce", "add", True, ("h", "h"), (), "row partials")
+    col = Sink("db", "db", "RowVecReduce", "add", False, ("x",), (), "column partials")
+    lse = Sink("lse", "lse", "OnlineLSEReduce", None, False, ("x",), (), "row partials")
+    amax = Sink("a", "a", "ColVecReduce", "max_abs", False, ("x",), (), "row partials")
+    pick = Sink("t", "t", "ColVecSelect", None, False, ("x",), (), "vector", index="target")
+    assert [sink_rule(s) for s in (row, col, lse, amax, pick)] == [
+        ("sum", 1), ("sum", 0), ("lse", 1), ("max", 1), ("select", -1)]
+    assert sink_shape(row, 1000, 520, 128, 192) == (1000, 3)
+    assert sink_shape(col, 1000, 520, 128, 192) == (8, 520)
+    assert sink_shape(pick, 1000, 520, 128, 192) == (1000,)
+
+
+def test_sink_shapes_are_quacks() -> None:
+    pytest.importorskip("quack.epilogue.ops")
+    from quack.epilogue.ops import ColVecLoad, ColVecReduce, ColVecSelect, OnlineLSEReduce, RowVecReduce
+
+    ours = {"ColVecReduce": Sink("a", "a", "ColVecReduce", "add", False, ("x",), (), "row partials"),
+            "RowVecReduce": Sink("a", "a", "RowVecReduce", "add", False, ("x",), (), "column partials"),
+            "OnlineLSEReduce": Sink("a", "a", "OnlineLSEReduce", None, False, ("x",), (), "row partials"),
+            "ColVecSelect": Sink("a", "a", "ColVecSelect", None, False, ("x",), (), "vector", index="i")}
+    theirs = {"ColVecReduce": ColVecReduce("a"), "RowVecReduce": RowVecReduce("a"),
+              "OnlineLSEReduce": OnlineLSEReduce("a"), "ColVecSelect": ColVecSelect("a", ColVecLoad("i"))}
+    for m, n, tm, tn in [(1000, 520, 128, 192), (16384, 11008, 128, 128), (5, 3, 64, 64)]:
+        for k, s in ours.items():
+            assert sink_shape(s, m, n, tm, tn) == tuple(theirs[k].sink_alloc_shape((m,), n, tm, tn)), k
+
+
+# ------------------------------------------------------------------ emulated runs against the interpreter
+
+
+@pytest.mark.parametrize("name", COMPILABLE)
+def test_emulated_block_matches_interpreter(name: str) -> None:
+    blk = block(name)
+    cb = blk.cuda(tile=TILE, emulate=True, poison=True)
+    inputs = example_inputs(blk, SMALL, seed=3)
+    outs, partials = cb.run_with_partials(inputs)
+    assert cb.tiles == {k: TILE for k in range(1, len(blk.plan.stages) + 1)}
+    ref, ref_partials = blk.run_with_partials(inputs, tile=cb.tiles)
+    ref64 = blk.run(inputs, precision="f64")
+    assert set(outs) == set(ref)
+    for o in blk.ir.outputs:
+        assert o.type is not None
+        check_output(o.name, outs[o.name], ref[o.name], ref64[o.name], o.type.dtype)
+        assert outs[o.name].dtype == {"bf16": torch.bfloat16, "f32": torch.float32}[o.type.dtype]
+    if name in ("llama_mlp", "amax_fp8", "lm_head_ce", "llama_block"):
+        assert partials
+    for k, buf in partials.items():
+        check_partial(k, buf, ref_partials[k])
+
+
+def test_emulated_run_takes_a_dict_or_keywords_and_default_tile() -> None:
+    blk = block("llama_mlp")
+    cb = blk.cuda(emulate=True)
+    inputs = example_inputs(blk, SMALL, seed=4)
+    a = cb(inputs)["x2"]
+    b = cb(**inputs)["x2"]
+    assert torch.equal(a, b)
+    assert cb.config(2).tile_n % 32 == 0  # the paired stage's constraint
+
+
+def test_run_stage_alone_reproduces_the_block_run() -> None:
+    blk = block("llama_mlp")
+    cb = blk.cuda(tile=TILE, emulate=True)
+    env = cb.values(example_inputs(blk, SMALL, seed=5))
+    new, partials = cb.run_stage(1, env)
+    assert set(new) == {"h", "hg", "ss"} and set(partials) == {"ss"}
+    for k in new:
+        assert torch.equal(new[k], env[k])
+
+
+def test_per_stage_tiles_in_the_interpreter() -> None:
+    blk = block("llama_mlp")
+    inputs = example_inputs(blk, SMALL, seed=6)
+    _, p1 = blk.run_with_partials(inputs, tile={1: (128, 64), 2: (128, 64), 3: (128, 64)})
+    _, p2 = blk.run_with_partials(inputs, tile=(128, 64))
+    np.testing.assert_array_equal(p1["ss"], p2["ss"])
+    _, p3 = blk.run_with_partials(inputs, tile={1: (64, 96)})
+    assert p3["ss"].shape == (300, 3)
+
+
+# ------------------------------------------------------------------ autograd
+
+
+@pytest.mark.parametrize("name", ["linear", "gelu_mlp", "scaled_mlp"])
+def test_emulated_autograd_matches_vjp(name: str) -> None:
+    blk = coda_lang.load(GRAD_BLOCKS)[name]
+    fn = blk.cuda(tile=TILE, emulate=True).autograd()
+    inputs = example_inputs(blk, SMALL, seed=7)
+    leaves = {k: v.clone().requires_grad_() for k, v in inputs.items()}
+    out = fn(leaves)["out"]
+    ct = torch.randn(out.shape, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    out.backward(ct)
+    ref = blk.vjp(inputs, {"out": ct}, tile=TILE)
+    ref64 = blk.vjp(inputs, {"out": ct}, precision="f64")
+    for p in blk.ir.params:
+        g = leaves[p.var.name].grad
+        assert g is not None and g.dtype == inputs[p.var.name].dtype
+        assert p.var.type is not None
+        check_output(f"d{p.var.name}", g, ref[p.var.name], ref64[p.var.name], p.var.type.dtype)
+
+
+def test_autograd_of_unsupported_backward_is_e07() -> None:
+    with pytest.raises(CodaError) as e:
+        block("llama_mlp").cuda(emulate=True).autograd()
+    assert e.value.diagnostics[0].code == "E0704"
+    text = e.value.render()
+    assert "backward block `llama_mlp_bwd`" in text and "llama_mlp.coda:20" in text
+    with pytest.raises(CodaError) as e:
+        block("bias_gelu").cuda(emulate=True).autograd()
+    assert e.value.diagnostics[0].code == "E0701"
+    assert "elementwise" in e.value.render()
+
+
+# ------------------------------------------------------------------ torch.compile
+
+
+def test_block_traces_into_one_graph() -> None:
+    blk = block("llama_mlp")
+    cb = blk.cuda(tile=TILE, emulate=True)
+    inputs = example_inputs(blk, SMALL, seed=9)
+    eager = cb(inputs)["x2"]
+    explained = torch._dynamo.explain(lambda **kw: cb(**kw)["x2"])(**inputs)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    compiled = torch.compile(lambda **kw: cb(**kw)["x2"], backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(**inputs), eager)
+
+
+def test_autograd_traces_under_torch_compile() -> None:
+    blk = coda_lang.load(GRAD_BLOCKS)["gelu_mlp"]
+    fn = blk.cuda(tile=TILE, emulate=True).autograd()
+    inputs = example_inputs(blk, SMALL, seed=10)
+
+    def loss(**kw: torch.Tensor) -> torch.Tensor:
+        return (fn(**kw)["out"].float() ** 2).sum()
+
+    grads = []
+    for f in (loss, torch.compile(loss, backend="aot_eager", fullgraph=True)):
+        leaves = {k: v.clone().requires_grad_() for k, v in inputs.items()}
+        f(**leaves).backward()
+        grads.append({k: v.grad for k, v in leaves.items()})
+    for k in inputs:
+        assert torch.equal(grads[0][k], grads[1][k]), k
+
+
+# ------------------------------------------------------------------ errors
+
+
+def test_unsupported_stages_are_e07() -> None:
+    with pytest.raises(CodaError) as e:
+        coda_lang.load(EXAMPLES / "qk_norm.coda")["qk_norm"].cuda(emulate=True)
+    assert e.value.diagnostics[0].code == "E0705"
+    bwd = block("bias_gelu").grad()
+    with pytest.raises(CodaError) as e:
+        bwd.cuda(emulate=True)
+    assert e.value.diagnostics[0].code == "E0701"
+
+
+def test_bad_tiles_and_inputs() -> None:
+    blk = block("llama_mlp")
+    with pytest.raises(CodaError) as e:
+        blk.cuda(tile=(128, 48), emulate=True)  # stage 2 stores a paired tile: tile_N % 32 == 0
+    assert e.value.diagnostics[0].code == "E0805"
+    cb = blk.cuda(tile=TILE, emulate=True)
+    inputs = example_inputs(blk, SMALL, seed=11)
+    codes = []
+    for bad in ({k: v for k, v in inputs.items() if k != "y"}, {**inputs, "nope": inputs["y"]},
+                {**inputs, "y": inputs["y"][:, :10]}, {**inputs, "g": inputs["g"].numpy()},
+                {**inputs, "y": inputs["y"].to(torch.int32)}):
+        with pytest.raises(CodaError) as e:
+            cb(bad)
+        codes.append(e.value.diagnostics[0].code)
+    assert codes == ["E0801", "E0801", "E0804", "E0803", "E0803"]
+    with pytest.raises(CodaError) as e:
+        blk.cuda(tile=TILE)(inputs)  # the real runtime: CPU tensors are refused before anything compiles
+    assert e.value.diagnostics[0].code == "E0806"
+
+
+def test_importing_coda_lang_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, coda_lang; coda_lang.load('examples/llama_mlp.coda'); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# ------------------------------------------------------------------ quack accepts the runtime's arguments
+
+
+def _meta_env(blk: coda_lang.Block, sizes: dict[str, int]) -> dict[str, object]:
+    """A "meta" tensor (or a number, for scalars) for every named value of the block, in the dtype the
+    runtime holds it in (stored values in their storage dtype, vectors in f32)."""
+    from coda_lang.backend_cute.runtime import TORCH_DTYPES
+    from coda_lang.interp.inputs import extent
+    from coda_lang.ir.nodes import Stage
+
+    dims = {d.name: sizes[d.name] for d in blk.ir.dims}
+    types = {p.var.name: p.var.type for p in blk.ir.params}
+    for s in blk.ir.body:
+        for e in s.body if isinstance(s, Stage) else (s,):
+            types |= {v.name: v.type for v in e.outs}
+    env: dict[str, object] = {}
+    for name, t in types.items():
+        if t is None or t.dtype == "<error>":
+            continue
+        if not t.shape:
+            env[name] = 0.5
+            continue
+        dtype = blk.plan.storage.get(name) or ("f32" if t.dtype in ("bf16", "f16") and t.kind != "matrix"
+                                                and name not in {p.var.name for p in blk.ir.params} else t.dtype)
+        env[name] = torch.empty([extent(d, dims) for d in t.shape], dtype=TORCH_DTYPES[dtype], device="meta")
+    return env
+
+
+def _dry_run(blk: coda_lang.Block, index: int) -> None:
+    from coda_lang.backend_cute import quack_adapter
+
+    cb = blk.cuda(tile=(128, 192))
+    r = cb.runner(index)
+    ins, scalars = r.arguments(_meta_env(blk, {**SMALL, **{"M": 1000, "D": 520, "F": 1000, "K": 520, "N": 1000,
+                                                             "V": 1000, "P": 500}}))
+    assert ins[0] is not None and ins[1] is not None
+    outs = r.allocate(ins[0], ins[1])
+    D, epi = r.epilogue_arguments(ins, scalars, outs)
+    quack_adapter.launch(r.mod, r.spec, r.config, ins[0], ins[1], D, epi, dry_run=True)
+
+
+QUACK = pytest.mark.skipif(not (importlib.util.find_spec("cutlass") and importlib.util.find_spec("quack")),
+                           reason="needs nvidia-cutlass-dsl and quack-kernels")
+DRY = [("llama_mlp", 1), ("lm_head_ce", 1), ("qkv_rope", 1), ("gelu_mlp_bwd", 2), ("gelu_mlp_bwd", 3),
+       pytest.param("llama_mlp", 2, marks=pytest.mark.slow), pytest.param("llama_mlp", 3, marks=pytest.mark.slow),
+       pytest.param("amax_fp8", 1, marks=pytest.mark.slow), pytest.param("scale_residual", 1, marks=pytest.mark.slow),
+       pytest.param("bias_gelu", 1, marks=pytest.mark.slow), pytest.param("scaled_mlp_bwd", 2, marks=pytest.mark.slow),
+       pytest.param("gelu_mlp_bwd", 1, marks=pytest.mark.slow), pytest.param("gelu_mlp_bwd", 4, marks=pytest.mark.slow)]
+
+
+@QUACK
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize(("name", "index"), DRY)
+def test_quack_accepts_the_runtime_arguments(name: str, index: int, tmp_path_factory: pytest.TempPathFactory,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the runtime hands quack (operands, stored tiles, partial buffers, the transposed views of a
+    backward's GEMMs), as "meta" tensors: quack validates it and compiles the kernel, without a GPU."""
+    monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "coda-kernels"))
+    if name.endswith("_bwd"):
+        blk = coda_lang.load(GRAD_BLOCKS)[name[:-4]].grad()
+    else:
+        blk = block(name)
+    _dry_run(blk, index)
