@@ -9,6 +9,7 @@ the same code run the ordinary way in bfloat16, both from the same bf16-valued i
 for `Block.run(precision="exact")`, whole and tiled (ragged tiles in both directions). The "f64"
 precision never rounds, so it must agree with ref64 to 1e-12 relative (measured: ~1e-15).
 qk_norm's program reduces groups of 128 columns, so its heads are 128 wide (the others use 16).
+The torch references themselves live in tests/torch_refs.py (shared with the gradient tests).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import torch_refs as ref
+from torch_refs import BASE, inv_freq
 
 import coda_lang
 from coda_lang.layout import deinterleave_rope, interleave_gate_up, interleave_rope, rope_freq
@@ -31,7 +34,6 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 M, D, F_MLP, V = 96, 64, 80, 200      # F even, not a multiple of any tile; V ragged too
 HEAD_DIM, HQ, HKV = 16, 4, 2          # fused QKV: 4 q heads, 2 k heads, 2 v heads of 16
 QK_HEAD_DIM, QK_HEADS = 128, 2        # qk_norm.coda groups 128 columns
-EPS, BASE = 1e-6, 10000.0
 TILE = (40, 48)                       # 96 rows -> 40 + 40 + 16; columns ragged in every stage
 
 
@@ -88,31 +90,8 @@ def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype)
 
 
-def inv_freq(head_dim: int) -> torch.Tensor:
-    """HF LLaMA's inv_freq, in f32."""
-    return (BASE ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)).float()
-
-
-def rope(q: torch.Tensor, pos: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Rotate-half RoPE on [M, H*head_dim] (HF LLaMA: f32 angles, cos/sin cast to q's dtype)."""
-    qh = q.reshape(q.shape[0], -1, head_dim)
-    angle_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    ang = pos.to(angle_dtype)[:, None] * inv_freq(head_dim).to(angle_dtype)[None, :]
-    emb = torch.cat([ang, ang], dim=-1)
-    cos, sin = emb.cos().to(q.dtype)[:, None, :], emb.sin().to(q.dtype)[:, None, :]
-    half = head_dim // 2
-    rotated = torch.cat([-qh[..., half:], qh[..., :half]], dim=-1)
-    return (qh * cos + rotated * sin).reshape(q.shape)
-
-
 def positions() -> torch.Tensor:
     return (torch.arange(M, dtype=torch.float32) * 3 + 5)   # up to 290: angles of many turns
-
-
-def rope_qkv(qkv: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """RoPE on the q and k heads of a fused QKV; v untouched."""
-    rw = (HQ + HKV) * HEAD_DIM
-    return torch.cat([rope(qkv[:, :rw], pos, HEAD_DIM), qkv[:, rw:]], dim=-1)
 
 
 # ---------------------------------------------------------------------------- cases
@@ -145,10 +124,7 @@ def mlp_inputs(ck: dict[str, torch.Tensor], norm: str = "g") -> dict[str, np.nda
 def mlp_reference(ck: dict[str, torch.Tensor], dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """x2 = down(silu(gate(n)) * up(n)) + h, n = RMSNorm(h) * g, h = o_proj(y) + x; returns (x2, h)."""
     p = {k: cast(v, dt) for k, v in ck.items()}
-    h = F.linear(p["y"], p["o_proj"]) + p["x"]
-    n = F.rms_norm(h, (D,), p["norm"], EPS)
-    a = F.silu(F.linear(n, p["gate_proj"])) * F.linear(n, p["up_proj"])
-    return F.linear(a, p["down_proj"]) + h, h
+    return ref.llama_mlp(p["y"], p["x"], p["o_proj"], p["norm"], p["gate_proj"], p["up_proj"], p["down_proj"])
 
 
 def qkv_checkpoint(gen: torch.Generator) -> torch.Tensor:
@@ -177,9 +153,9 @@ def case_llama_block() -> Case:
                   pos=np_f32(pos), freq=rope_freq(HEAD_DIM, rw, width, BASE))
 
     def reference(dt: torch.dtype) -> dict[str, torch.Tensor]:
-        x2, _ = mlp_reference(ck, dt)
-        n2 = F.rms_norm(x2, (D,), cast(norm2, dt), EPS)
-        return {"x2": x2, "qkv": rope_qkv(F.linear(n2, cast(w_qkv, dt)), pos)}
+        p = {k: cast(v, dt) for k, v in ck.items()}
+        return ref.llama_block(p["y"], p["x"], p["o_proj"], p["norm"], p["gate_proj"], p["up_proj"],
+                               p["down_proj"], cast(norm2, dt), cast(w_qkv, dt), pos, HEAD_DIM, rw)
 
     return Case("llama_block", inputs, reference, plain={"qkv": lambda q: deinterleave_rope(q, HEAD_DIM, rw)})
 
@@ -194,8 +170,7 @@ def case_qkv_rope() -> Case:
               "pos": np_f32(pos), "freq": rope_freq(HEAD_DIM, rw, width, BASE)}
 
     def reference(dt: torch.dtype) -> dict[str, torch.Tensor]:
-        n = cast(xg, dt) * cast(r, dt)[:, None]          # RMSNorm(h) * g
-        return {"qkv": rope_qkv(F.linear(n, cast(w_qkv, dt)), pos)}
+        return {"qkv": ref.qkv_rope(cast(xg, dt), cast(r, dt), cast(w_qkv, dt), pos, HEAD_DIM, rw)}
 
     return Case("qkv_rope", inputs, reference, plain={"qkv": lambda q: deinterleave_rope(q, HEAD_DIM, rw)})
 
@@ -210,9 +185,7 @@ def case_qk_norm() -> Case:
               "freq": rope_freq(hd, width, width, BASE)}
 
     def reference(dt: torch.dtype) -> dict[str, torch.Tensor]:
-        q = F.linear(cast(x, dt), cast(w_q, dt)).reshape(M, QK_HEADS, hd)
-        q = F.rms_norm(q, (hd,), cast(gq, dt), EPS).reshape(M, width)
-        return {"q": rope(q, pos, hd)}
+        return {"q": ref.qk_norm(cast(x, dt), cast(w_q, dt), cast(gq, dt), pos, hd)}
 
     return Case("qk_norm", inputs, reference, plain={"q": lambda q: deinterleave_rope(q, hd)},
                 tile=(TILE[0], QK_HEAD_DIM))
@@ -225,11 +198,8 @@ def case_lm_head_ce() -> Case:
     target[::7] = -100                                   # ignored rows (padding)
     inputs = {"hg": np_bf16(hg), "r": np_f32(r), "w_lm": np_bf16(w_lm.T), "target": target.numpy()}
 
-    def reference(dt: torch.dtype) -> dict[str, torch.Tensor]:
-        logits = F.linear(cast(hg, dt) * cast(r, dt)[:, None], cast(w_lm, dt))
-        logits = logits.float() if dt == torch.bfloat16 else logits    # the usual logits.float()
-        return {"loss": F.cross_entropy(logits, target.long(), reduction="none", ignore_index=-100),
-                "lse": torch.logsumexp(logits, dim=-1)}
+    def reference(dt: torch.dtype) -> dict[str, torch.Tensor]:    # bf16: the usual logits.float()
+        return ref.lm_head_ce(cast(hg, dt), cast(r, dt), cast(w_lm, dt), target, upcast=dt == torch.bfloat16)
 
     return Case("lm_head_ce", inputs, reference)
 

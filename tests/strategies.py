@@ -1,0 +1,717 @@
+"""Programs for the autodiff tests, drawn from the op registry: per-op programs and random forward blocks.
+
+What it does:
+- `positive_args(op)`: the operand positions where an op's NumPy impl is not finite for some
+  non-positive value (log, sqrt, rsqrt, the divisor of div), found by probing the impl, so a new op
+  gets its domain without a hand-written list. Programs feed those operands positive values.
+- `op_programs(op)`: tiny programs using one registry op inside a stage on tiles (with every kind of
+  operand its type rule accepts: acc, tile loads, half tiles, row and column vectors, scalars, literals,
+  conditions, indices), as a stage whose backward runs in the dgrad epilogue of a consumer GEMM, and
+  between stages on vectors where its type rule allows.
+- `forward_blocks()`: a hypothesis strategy of random block-local forward blocks that `coda check`
+  accepts and that are differentiable at the inputs `gradcheck_inputs` draws: several GEMM stages
+  (some reading an earlier stage's stored tile, some transposed), epilogues of registry ops with tile
+  loads, vectors and scalars, pairs/interleave on even widths, reductions (grouped ones too), vector
+  computations between stages, storage annotations.
+What it does not: check anything (tests/test_autodiff.py does).
+Invariants: every program made here passes the checker (the op's own type rule decides what is
+made, as in tests/test_roundtrip.py). Inputs stay away from non-differentiable points: operands
+in a positive position are written `(u * u + 0.5)`; max/min reductions only reduce *generic* tiles
+(whose entries vary independently, so a row has no tied maximum: not `where(c, r, 0.5)`, not
+`interleave(u, u)`, tracked by what each value computes); no literal 0 and no dim of size 1 (no
+`x * 0.0` or `x * F` for a max to tie on); no `expand` (it makes tiles with equal columns), no
+row/col indices and no casts to i32 (piecewise constant). With `known_bugs=False` (the default),
+`forward_blocks` also avoids what autodiff gets wrong today (each spot is marked AUTODIFF BUG n,
+pinned by a strict xfail in tests/test_autodiff.py); drop an avoidance when its bug is fixed.
+Later the project moves this module into `coda_lang.testing`.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+from hypothesis import strategies as st
+
+import coda_lang
+from coda_lang.ir.types import (
+    BOOL,
+    FLOAT_DTYPES,
+    GROUP,
+    MATRIX,
+    PARTIAL,
+    SCALAR,
+    TILE,
+    VEC,
+    Dim,
+    Type,
+    is_float,
+    promote,
+    shape_str,
+)
+from coda_lang.ops import REGISTRY, Ctx, OpDef, StageShape
+from coda_lang.verify.diagnostics import Mistake
+
+# ----------------------------------------------------------------------------------------------
+# Domains
+
+
+def positive_args(op: OpDef) -> frozenset[int]:
+    """Operand positions where `op`'s impl gives a non-finite value for some input in [-2, 2] (the
+    others held at 1): such an operand must be positive (log, sqrt, rsqrt, the divisor of div)."""
+    if op.impl is None or op.params or op.locality != "pointwise" or op.nin == 0:
+        return frozenset()
+    probe = np.linspace(-2.0, 2.0, 9)  # holds 0
+    out = set()
+    with np.errstate(all="ignore"):
+        for i in range(op.nin):
+            args = [np.ones_like(probe) for _ in range(op.nin)]
+            args[i] = probe
+            y = np.asarray(op.impl(*args))
+            if y.dtype.kind == "f" and not np.all(np.isfinite(y)):
+                out.add(i)
+    return frozenset(out)
+
+
+def differentiable_ops() -> list[OpDef]:
+    return sorted((op for op in REGISTRY.values() if op.differentiable), key=lambda op: op.name)
+
+
+def _source(op: OpDef, args: list[str], params: dict[str, Any]) -> str:
+    if op.infix == "=":
+        return args[0]
+    if op.infix == "neg":
+        return f"-{args[0]}"
+    if op.infix:
+        return f"{args[0]} {op.infix} {args[1]}"
+    kw = [f"{k}={v}" for k, v in params.items() if v is not None]
+    return f"{op.surface}({', '.join(args + kw)})"
+
+
+def _decl(t: Type) -> str:
+    return "f32" + (shape_str(t.shape) if t.shape else "")
+
+
+def _try_rule(op: OpDef, ctx: Ctx, types: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type, ...] | None:
+    assert op.type_rule is not None
+    try:
+        outs = op.type_rule(ctx, types, {k: v for k, v in params.items() if v is not None})
+    except Mistake:
+        return None
+    return None if any(t.is_error for t in outs) else tuple(outs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-op programs
+
+OP_SIZES = {"M": 7, "K": 5, "F": 6}
+_M, _F, _F2 = Dim.sym("M"), Dim.sym("F"), Dim.sym("F", 2)
+_PARAMS = {  # the parameters a per-op program may read, and their declarations
+    "x": "f32[M, K]", "w": "f32[K, 2*F]", "t": "f32[M, 2*F]", "th": "f32[M, F]", "rv": "f32[M]",
+    "cv": "f32[2*F]", "ch": "f32[F]", "s": "f32", "idx": "i32[M]",
+}
+
+
+@dataclass(frozen=True)
+class Cand:
+    """A candidate operand: how it is written, its type, lines that define it, parameters it reads."""
+
+    key: str
+    src: str
+    type: Type
+    setup: tuple[str, ...] = ()
+    params: tuple[str, ...] = ()
+    pos_src: str | None = None  # a positive variant (e.g. of acc)
+    pos_setup: tuple[str, ...] = ()
+
+
+def _tile(*shape: Dim, dtype: str = "f32") -> Type:
+    return Type(dtype, tuple(shape), TILE)
+
+
+STAGE_CANDS = [
+    Cand("acc", "acc", _tile(_M, _F2), pos_src="ap", pos_setup=("ap = acc * acc + 0.5",)),
+    Cand("t", "t", _tile(_M, _F2), params=("t",)),
+    Cand("th", "th", _tile(_M, _F), params=("th",)),
+    Cand("rv", "rv", Type("f32", (_M,), VEC), params=("rv",)),
+    Cand("cv", "cv", Type("f32", (_F2,), VEC), params=("cv",)),
+    Cand("ch", "ch", Type("f32", (_F,), VEC), params=("ch",)),
+    Cand("s", "s", Type("f32"), params=("s",)),
+    Cand("lit", "0.75", Type("f32")),
+    Cand("idx", "idx", Type("i32", (_M,), VEC), params=("idx",)),
+    Cand("cond", "c", _tile(_M, _F2, dtype=BOOL), setup=("c = acc > t",), params=("t",)),
+    Cand("condr", "cr", Type(BOOL, (_M,), VEC), setup=("cr = rv > 0.25",), params=("rv",)),
+]
+BETWEEN_CANDS = [  # pn, pv: row sums made by the stage before; cb: a condition between stages
+    Cand("pn", "pn", Type("f32", (_M,), VEC), pos_src="pv"),
+    Cand("rv", "rv", Type("f32", (_M,), VEC), params=("rv",)),
+    Cand("s", "s", Type("f32"), params=("s",)),
+    Cand("lit", "0.75", Type("f32")),
+    Cand("condb", "cb", Type(BOOL, (_M,), VEC), setup=("cb = pn > rv",), params=("rv",)),
+]
+
+
+@dataclass
+class OpProgram:
+    label: str
+    text: str
+    positive: frozenset[str]  # parameters whose inputs must be positive
+    sizes: dict[str, int] = field(default_factory=lambda: dict(OP_SIZES))
+
+    def inputs(self, block: coda_lang.Block, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        return gradcheck_inputs(block, self.sizes, {"idx": OP_SIZES["F"]}, rng, positive=self.positive)
+
+
+def _param_choices(op: OpDef, types: tuple[Type, ...], where: str) -> list[dict[str, Any]]:
+    per_spec: list[list[tuple[str, Any]]] = []
+    for spec in op.params:
+        if spec.kind == "dim":
+            values: list[Any] = [_M] if where == "between" else [_M, _F2, _F]
+        elif spec.kind == "int":
+            values = [2]
+        else:
+            values = list(FLOAT_DTYPES)
+        if not spec.required:
+            values = [None] + values
+        per_spec.append([(spec.name, v) for v in values])
+    return [dict(c) for c in itertools.product(*per_spec)]
+
+
+def _combos(op: OpDef, cands: list[Cand], where: str) -> list[tuple[tuple[Cand, ...], dict[str, Any], tuple[Type, ...]]]:
+    """Operand and parameter choices the op's type rule accepts, covering each candidate at each
+    position and each parameter value at least once (greedy), floats out only."""
+    stage = StageShape(_M, _F2) if where == "stage" else None
+    ctx = Ctx(stage, {}, {})
+    seen: set[tuple[Any, ...]] = set()
+    out = []
+    positive = positive_args(op)
+    for ins in itertools.product(cands, repeat=op.nin):
+        if any(is_float(c.type.dtype) is False and i in positive for i, c in enumerate(ins)):
+            continue  # e.g. log(idx): an index may be -1
+        for params in _param_choices(op, tuple(c.type for c in ins), where):
+            outs = _try_rule(op, ctx, tuple(c.type for c in ins), params)
+            if outs is None or not all(is_float(t.dtype) for t in outs):
+                continue
+            if where == "between" and any(t.kind not in (VEC, SCALAR) for t in outs):
+                continue
+            if op.name == "pick" and ins[0].type.shape[-1:] != (_F2,):
+                continue  # AUTODIFF BUG 7: pick from a tile narrower than the stage
+            keys: set[tuple[Any, ...]] = {(i, c.key) for i, c in enumerate(ins)}
+            keys |= {("p", k, str(v)) for k, v in params.items()}
+            keys |= {("out", tuple((t.kind, t.shape) for t in outs))}
+            if keys - seen:
+                seen |= keys
+                out.append((ins, params, outs))
+    return out
+
+
+def _program(name: str, params: list[str], outs: list[tuple[str, str]], body: list[str]) -> str:
+    sig = ", ".join(f"{p}: {_PARAMS.get(p, 'f32[2*F, K]' if p == 'w2' else 'f32[F, K]')}" for p in params)
+    out_sig = ", ".join(f"{n}: {d}" for n, d in outs)
+    lines = "\n".join(f"  {ln}" for ln in body)
+    return f"dims M, K, F\n\nblock {name}({sig}) -> ({out_sig}) {{\n{lines}\n}}\n"
+
+
+def op_programs(op: OpDef) -> list[OpProgram]:
+    """Programs using `op` in a stage (entry and hosted) and between stages, as its type rule allows."""
+    name = f"op_{op.name}"
+    positive = positive_args(op)
+    progs: list[OpProgram] = []
+    for where, cands in (("stage", STAGE_CANDS), ("between", BETWEEN_CANDS)):
+        for ins, params, outs in _combos(op, cands, where):
+            setup: list[str] = []
+            used = ["x", "w"]
+            pos_params: set[str] = set()
+            args = []
+            for i, c in enumerate(ins):
+                pos = i in positive
+                src, lines = (c.pos_src, c.pos_setup) if pos and c.pos_src else (c.src, c.setup)
+                args.append(src)
+                setup += [ln for ln in lines if ln not in setup]
+                used += [p for p in c.params if p not in used]
+                if pos:
+                    pos_params.update(c.params)
+            ys = [f"y{k + 1}" for k in range(len(outs))]
+            eqn = f"{', '.join(ys)} = {_source(op, args, params)}"
+            label = f"{name}: {eqn} ({where})"
+            if where == "stage":
+                hosted = sum(1 for p in progs if "(stage, " in p.label) < 3
+                progs += _stage_programs(name, label, used, setup, eqn, ys, outs, frozenset(pos_params), hosted)
+            else:
+                body = ["gemm x @ w {", "  pn = sum(acc, over=2*F)", "  pv = sum(acc * acc, over=2*F)", "}"]
+                body += setup + [eqn]
+                out_decl = [(y, _decl(t.with_kind(VEC if t.shape else SCALAR))) for y, t in zip(ys, outs, strict=True)]
+                body += ["gemm x @ w {", f"  o = acc * {ys[0]}", "}"]
+                out_decl.append(("o", "f32[M, 2*F]"))
+                text = _program(name, used, out_decl, body)
+                progs.append(OpProgram(label, text, frozenset(pos_params)))
+    return progs
+
+
+def _stage_programs(name: str, label: str, used: list[str], setup: list[str], eqn: str, ys: list[str],
+                    outs: tuple[Type, ...], positive: frozenset[str], hosted: bool) -> list[OpProgram]:
+    """The op in a stage: its results as outputs (the backward's entry stage), and, for the first
+    few, consumed by a second GEMM (the backward runs in that GEMM's dgrad epilogue)."""
+    body = ["gemm x @ w {"] + [f"  {ln}" for ln in setup] + [f"  {eqn}"]
+    out_decl: list[tuple[str, str]] = []
+    for y, t in zip(ys, outs, strict=True):
+        if t.kind in (VEC, SCALAR):  # a stage-local vector: used on a tile here
+            half = t.shape == (_F,)
+            body.append(f"  u{y} = {'th' if half else 'acc'} * {y}")
+            out_decl.append((f"u{y}", "f32[M, F]" if half else "f32[M, 2*F]"))
+            if half and "th" not in used:
+                used = used + ["th"]
+        elif t.kind == PARTIAL:
+            out_decl.append((y, _decl(t)))
+        elif t.kind == GROUP:  # a grouped value broadcast back over its columns in its own stage
+            assert t.group is not None
+            full = t.shape[1].scale(t.group) == _F2
+            body.append(f"  g{y} = {'acc' if full else 'th'} * {y}")  # (not an output: AUTODIFF BUG 5)
+            out_decl.append((f"g{y}", "f32[M, 2*F]" if full else "f32[M, F]"))
+            if not full and "th" not in used:
+                used = used + ["th"]
+        else:
+            out_decl.append((y, _decl(t)))
+    progs = [OpProgram(label, _program(name, used, out_decl, body + ["}"]), positive)]
+    first = outs[0]
+    if hosted and first.kind == TILE and len(first.shape) == 2 and first.shape[1] in (_F, _F2):
+        w2 = "w2" if first.shape[1] == _F2 else "w1"
+        body2 = body + ["}", f"gemm {ys[0]} @ {w2} {{", "  o = acc", "}"]
+        decl = [("o", "f32[M, K]")] + out_decl[1:]
+        progs.append(OpProgram(label.replace("(stage)", "(stage, hosted by a dgrad GEMM)"),
+                               _program(name, used + [w2], decl, body2), positive))
+    elif hosted and first.kind == PARTIAL and first.shape in ((_M,), (_F2,)):
+        body2 = body + ["}", "gemm x @ w {", f"  o = acc * {ys[0]}", "}"]
+        progs.append(OpProgram(label.replace("(stage)", "(stage, used by a later stage)"),
+                               _program(name, used, out_decl + [("o", "f32[M, 2*F]")], body2), positive))
+    return progs
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs
+
+
+def gradcheck_inputs(block: coda_lang.Block, sizes: dict[str, int], index_range: dict[str, int],
+                     rng: np.random.Generator, positive: frozenset[str] = frozenset(),
+                     scale: dict[str, float] | None = None) -> dict[str, np.ndarray]:
+    """float64 inputs for every parameter without a default: standard normal (times `scale`), uniform
+    in [0.5, 1.5] for `positive` ones; i32 indices uniform in [-1, index_range) (-1: no column)."""
+    from coda_lang.interp.inputs import extent
+
+    out: dict[str, np.ndarray] = {}
+    for p in block.ir.params:
+        t = p.var.type
+        assert t is not None
+        if p.default is not None:
+            continue
+        shape = tuple(extent(d, sizes) for d in t.shape)
+        name = p.var.name
+        if t.dtype == "i32":
+            out[name] = rng.integers(-1, index_range[name], size=shape).astype(np.int32)
+        elif name in positive:
+            out[name] = rng.uniform(0.5, 1.5, size=shape)
+        else:
+            out[name] = rng.standard_normal(shape) * (scale or {}).get(name, 1.0)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Random forward blocks
+
+ROWS = Dim.sym("M")
+INNER = Dim.sym("K")
+COL_NAMES = ("N", "F")
+LITERALS = ("0.5", "1.5", "-0.75", "2.0", "0.25", "-1.25", "3")
+# Not drawn (see the module docstring): expand, row/col indices; comparisons only as conditions.
+EXCLUDED = frozenset({"expand", "row_index", "col_index"})
+# max(u, v), min, where, abs equal an operand on part of the domain: max(interleave(max(u, v), v)) ties
+SELECTING = ("maximum", "minimum", "where", "abs")
+LINEAR = ("add", "sub", "neg", "copy", "cast")  # pass a cotangent on as it is (a vector stays a vector)
+MAXMIN_REDUCTIONS = ("reduce_max", "reduce_min")
+
+
+@dataclass
+class Val:
+    src: str
+    type: Type
+    generic: bool = False  # a tile or group whose entries vary independently (no ties)
+    stored: bool = False  # a matrix an earlier stage stored (may be a GEMM operand)
+    annot: str | None = None  # its storage annotation (`h: bf16 = ...`)
+    partial: bool = False  # a complete partial reduction (a vector after its stage)
+    # AUTODIFF BUG 6: a sum's vector cotangent passes unexpanded through linear ops (add, sub, ...) to
+    # what this value is made of; `sum_unsafe` if that reaches pairs/interleave or a broadcast vector
+    sum_unsafe: bool = False
+    literal: bool = False
+    # not to be a GEMM operand: its stage's backward would run at its width, which is not the stage's,
+    # and the stage has what autodiff can't do at another width (AUTODIFF BUGS 7, 8)
+    other_width: bool = False
+    key: str = ""  # what it computes, in terms of atoms (equal keys: equal values)
+
+    @property
+    def ident(self) -> str:
+        return self.key or self.src
+
+
+@dataclass
+class Forward:
+    """A drawn forward block: its source, sizes of its dims, index ranges and input scales."""
+
+    text: str
+    sizes: dict[str, int]
+    index_range: dict[str, Dim]
+    scale: dict[str, float]
+
+    @functools.cached_property
+    def block(self) -> coda_lang.Block:
+        return coda_lang.load(self.text)["fwd"]
+
+    @functools.cached_property
+    def dims(self) -> dict[str, int]:
+        """Sizes of the dims the block uses (a block declares only those)."""
+        return {d.name: self.sizes[d.name] for d in self.block.ir.dims}
+
+    def inputs(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        ranges = {k: int(d.evaluate(self.sizes)) for k, d in self.index_range.items()}
+        return gradcheck_inputs(self.block, self.sizes, ranges, rng, scale=self.scale)
+
+
+def _weight(op: OpDef) -> int:
+    if op.name in ("pairs", "interleave"):
+        return 4
+    if op.locality in ("reduce", "gather"):
+        return 2
+    return 1
+
+
+class ForwardGen:
+    def __init__(self, draw: Any, sizes: dict[str, int], known_bugs: bool = False):
+        self.draw = draw
+        self.known_bugs = known_bugs
+        self.sizes = sizes
+        self.n = 0
+        self.params: list[str] = []
+        self.outer: list[Val] = []
+        self.lines: list[str] = []
+        self.made: list[Val] = []  # values of statements, usable after their stage (block outputs)
+        self.index_range: dict[str, Dim] = {}
+        self.broadcast_to: dict[str, tuple[str, tuple[Dim, ...]]] = {}  # in this stage: vector -> tile it meets
+        self.picked = False  # this stage uses pick()
+        self.scale: dict[str, float] = {}
+        self.ops = [op for op in differentiable_ops() if op.name not in EXCLUDED]
+        self.compare = [op for op in REGISTRY.values() if not op.differentiable and op.locality == "pointwise"
+                        and op.nin == 2]
+        self.compare.sort(key=lambda op: op.name)
+        self.weighted = [op for op in self.ops for _ in range(_weight(op))]
+        self.act = "bf16"
+
+    def dtype(self, choices: tuple[str, ...]) -> str:
+        """A storage dtype: f32 only, unless known_bugs (AUTODIFF BUG 4: the backward mixes dtypes in GEMMs)."""
+        return self.draw(st.sampled_from(choices)) if self.known_bugs else "f32"
+
+    def fresh(self, prefix: str) -> str:
+        self.n += 1
+        return f"{prefix}{self.n}"
+
+    def add_param(self, prefix: str, dtype: str, shape: tuple[Dim, ...], default: str | None = None,
+                  scale: float = 1.0) -> Val:
+        name = self.fresh(prefix)
+        self.params.append(f"{name}: {dtype}{shape_str(shape) if shape else ''}" + (f" = {default}" if default else ""))
+        if scale != 1.0:
+            self.scale[name] = scale
+        kind = (SCALAR, VEC, MATRIX)[len(shape)]
+        v = Val(name, Type(dtype, shape, kind), generic=kind == MATRIX)
+        self.outer.append(v)
+        return v
+
+    # ---------------------------------------------------------------- operands
+
+    def atoms(self, stage: StageShape | None, local: list[Val]) -> list[Val]:
+        out = []
+        for v in self.outer:
+            t = v.type
+            if t.kind == MATRIX:
+                if stage is None or t.shape[0] != stage.rows or t.shape[1] not in stage.col_widths():
+                    continue
+                t = t.with_kind(TILE) if t.kind == MATRIX and not t.group else t
+            if t.dtype == "i32" and t.kind == VEC:  # indices: only for pick
+                continue
+            if v.partial and stage is not None and not self.known_bugs:
+                continue  # AUTODIFF BUG 2 (see test_autodiff.py): a partial read by a later stage
+            out.append(Val(v.src, t, v.generic, key=v.ident))
+        return out + [v for v in local if v.type.kind != PARTIAL]
+
+    def operand(self, stage: StageShape | None, local: list[Val], depth: int, positive: bool,
+                want_bool: bool, want_index: bool) -> Val:
+        draw = self.draw
+        if want_index and stage is not None:
+            name = self.fresh("i")
+            self.params.append(f"{name}: i32[{stage.rows}]")
+            # pick's index selects a column of a tile of some width of this stage: within the narrowest
+            self.index_range[name] = min(stage.col_widths(), key=lambda d: d.evaluate(self.sizes))
+            return Val(name, Type("i32", (stage.rows,), VEC))
+        if want_bool:
+            return self.condition(stage, local)
+        choice = draw(st.integers(0, 19))
+        if choice < 2:
+            v = self.literal()
+        elif choice == 2:
+            d = draw(st.sampled_from(("M", "K", "N", "F")))
+            v = Val(d, Type("i32"))
+        elif choice < 6 and depth < 1:
+            got = self.expr(stage, local, depth + 1, tries=6)
+            if got is not None and len(got[1]) == 1 and got[1][0].type.kind != PARTIAL:
+                text, (out,) = got[0], got[1]
+                v = Val(f"({text})", out.type, out.generic, sum_unsafe=out.sum_unsafe, key=out.key)
+            else:
+                v = self.pick_atom(stage, local, choice)
+        else:
+            v = self.pick_atom(stage, local, choice)
+        if positive and v.type.dtype != BOOL:
+            t = Type(promote(v.type.dtype, "f32"), v.type.shape, v.type.kind, group=v.type.group)
+            return Val(f"({v.src} * {v.src} + 0.5)", t, v.generic, key=f"pos({v.ident})")
+        return v
+
+    def pick_atom(self, stage: StageShape | None, local: list[Val], choice: int) -> Val:
+        atoms = self.atoms(stage, local)
+        tiles = [v for v in atoms if v.type.kind in (TILE, GROUP)]
+        if tiles and choice < 14:
+            return self.draw(st.sampled_from(tiles))
+        return self.draw(st.sampled_from(atoms)) if atoms else self.literal()
+
+    def literal(self) -> Val:
+        text = self.draw(st.sampled_from(LITERALS))
+        return Val(text, Type("i32" if text.lstrip("-").isdigit() else "f32"), literal=True)
+
+    def condition(self, stage: StageShape | None, local: list[Val]) -> Val:
+        ctx = Ctx(stage, {}, {})
+        for _ in range(8):
+            op = self.draw(st.sampled_from(self.compare))
+            a = self.pick_atom(stage, local, 0)
+            b = self.draw(st.sampled_from([self.literal(), self.pick_atom(stage, local, 19)]))
+            outs = _try_rule(op, ctx, (a.type, b.type), {})
+            if outs:
+                return Val(f"({a.src} {op.infix} {b.src})", outs[0])
+        return Val("(1.0 > 0.5)", Type(BOOL))
+
+    # ---------------------------------------------------------------- expressions
+
+    def params_for(self, op: OpDef, ins: list[Val], stage: StageShape | None) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for spec in op.params:
+            if not spec.required and not self.draw(st.booleans()):
+                continue
+            if spec.kind == "dim":
+                dims = [d for v in ins for d in v.type.shape] + ([stage.rows, stage.cols] if stage else [])
+                out[spec.name] = self.draw(st.sampled_from(dims or [ROWS]))
+            elif spec.kind == "int":
+                width = ins[0].type.shape[-1] if ins and ins[0].type.shape else Dim.const(1)
+                c = width.coeff
+                ok = [g for g in (1, 2, 4) if c.denominator == 1 and c.numerator % g == 0]
+                out[spec.name] = self.draw(st.sampled_from(ok))
+            else:
+                out[spec.name] = self.draw(st.sampled_from(FLOAT_DTYPES))
+        return out
+
+    def expr(self, stage: StageShape | None, local: list[Val], depth: int, tries: int
+             ) -> tuple[str, list[Val]] | None:
+        ctx = Ctx(stage, {}, {})
+        for _ in range(tries):
+            op = self.draw(st.sampled_from(self.weighted))
+            if depth > 0 and op.infix == "=":
+                continue
+            pos = positive_args(op)
+            ins = []
+            for i in range(op.nin):
+                want_bool = op.name == "where" and i == 0
+                want_index = op.name == "pick" and i == 1
+                ins.append(self.operand(stage, local, depth, i in pos, want_bool, want_index))
+            if op.name in MAXMIN_REDUCTIONS and not ins[0].generic:
+                continue
+            if not self.known_bugs:
+                if op.name == "reduce_sum" and ins[0].sum_unsafe:
+                    continue  # AUTODIFF BUG 6: a sum's vector cotangent, unexpanded
+                if op.name == "pick" and stage is not None and ins[0].type.shape[-1:] != (stage.cols,):
+                    continue  # AUTODIFF BUG 7: pick from a tile narrower than the stage
+            params = self.params_for(op, ins, stage)
+            outs = _try_rule(op, ctx, tuple(v.type for v in ins), params)
+            if outs is None or not all(is_float(t.dtype) for t in outs):
+                continue
+            if stage is not None and not self.known_bugs and not self.one_width(op, ins, outs):
+                continue
+            self.picked = self.picked or op.name == "pick"
+            values = ins[1:] if op.name == "where" else ins
+            if op.name in SELECTING:  # equal to an operand where it selects it: ties with that operand
+                generic = False
+            elif op.name == "interleave":  # interleave(u, u) repeats each value: a tie
+                generic = all(v.generic for v in values) and values[0].ident != values[1].ident
+            else:  # a tile made of generic tiles (a non-generic one may coincide with another value)
+                tiles = [v for v in values if v.type.kind in (TILE, GROUP)]
+                generic = bool(tiles) and all(v.generic for v in tiles)
+            idents = [v.ident for v in ins]
+            if op.name in ("add", "mul", "maximum", "minimum"):
+                idents.sort()
+            key = idents[0] if op.name in ("copy", "cast") else f"{op.name}({', '.join(idents)}; {params})"
+            broadcast = any(v.type.kind in (VEC, SCALAR) and is_float(v.type.dtype) and not v.literal for v in ins)
+            unsafe = op.name in ("pairs", "interleave") or (op.name in LINEAR and (broadcast or any(v.sum_unsafe for v in ins)))
+            vals = [Val("", t, generic and t.kind in (TILE, GROUP), sum_unsafe=unsafe,
+                        key=key if len(outs) == 1 else f"{key}#{i}") for i, t in enumerate(outs)]
+            return _source(op, [v.src for v in ins], params), vals
+        return None
+
+    def one_width(self, op: OpDef, ins: list[Val], outs: tuple[Type, ...]) -> bool:
+        """AUTODIFF BUG 12: a vector or scalar broadcast into tiles of two widths in one stage gets
+        cotangents of two widths, which autodiff adds as they are. True if `op` keeps to one width."""
+        tiles = [v.type for v in ins if v.type.kind in (TILE, GROUP)]
+        target = tiles[0] if op.name == "interleave" and tiles else outs[0]
+        if target.kind not in (TILE, GROUP):
+            return True
+        vecs = [v.ident for v in ins if v.type.kind in (VEC, SCALAR) and is_float(v.type.dtype) and not v.literal]
+        if any(self.broadcast_to.get(k, (target.kind, target.shape)) != (target.kind, target.shape) for k in vecs):
+            return False
+        for k in vecs:
+            self.broadcast_to[k] = (target.kind, target.shape)
+        return True
+
+    # ---------------------------------------------------------------- statements and stages
+
+    def statement(self, stage: StageShape | None, local: list[Val], fallback: Val, copy: bool = False) -> list[Val]:
+        got = None if copy else self.expr(stage, local, 0, tries=20)
+        text, vals = got if got is not None else (fallback.src, [Val("", fallback.type, fallback.generic,
+                                                                         sum_unsafe=fallback.sum_unsafe,
+                                                                         key=fallback.ident)])
+        targets = []
+        for v in vals:
+            v.src = self.fresh("v")
+            if v.type.kind in (TILE, PARTIAL, GROUP) and self.draw(st.integers(0, 4)) == 0:
+                v.annot = self.dtype(FLOAT_DTYPES)
+            targets.append(f"{v.src}: {v.annot}" if v.annot else v.src)
+        self.lines.append(f"{', '.join(targets)} = {text}")
+        return vals
+
+    def cols(self, rows: Dim) -> Dim:
+        while True:
+            d = Dim.sym(self.draw(st.sampled_from(COL_NAMES)), self.draw(st.sampled_from((1, 2, 2, 4))))
+            # AUTODIFF BUG 10: no square half- or double-width tiles (rows = cols/2 or 2*cols)
+            if d != rows and (self.known_bugs or rows not in (d.scale(2), d.scale(Fraction(1, 2)))):
+                return d
+
+    def stage(self, first: bool) -> None:
+        draw = self.draw
+        stored = [v for v in self.outer if v.stored and v.type.kind == MATRIX and is_float(v.type.dtype)
+                  and (self.known_bugs or (v.type.dtype == self.act  # AUTODIFF BUG 4: one GEMM dtype
+                                           and not v.other_width))]  # AUTODIFF BUGS 7, 8
+        if not first and stored and draw(st.integers(0, 4)) < 3:
+            a = draw(st.sampled_from(stored))
+            dt = a.type.dtype
+            if draw(st.integers(0, 4)) == 0:  # transpose(h) @ w: a stage whose rows are h's columns
+                a_src, rows, inner = f"transpose({a.src})", a.type.shape[1], a.type.shape[0]
+            else:
+                a_src, rows, inner = a.src, a.type.shape[0], a.type.shape[1]
+        else:
+            rows, inner = ROWS, INNER
+            dt = self.act if first or not self.known_bugs else draw(st.sampled_from(FLOAT_DTYPES))
+            if draw(st.integers(0, 3)) == 0:
+                a_src = f"transpose({self.add_param('x', dt, (INNER, ROWS)).src})"
+            else:
+                a_src = self.add_param("x", dt, (ROWS, INNER)).src
+        cols = self.cols(rows)
+        k = float(inner.evaluate(self.sizes))
+        if draw(st.integers(0, 3)) == 0:
+            b_src = f"transpose({self.add_param('w', dt, (cols, inner), scale=k ** -0.5).src})"
+        else:
+            b_src = self.add_param("w", dt, (inner, cols), scale=k ** -0.5).src
+        stage = StageShape(rows, cols)
+        half = cols.scale(Fraction(1, 2))
+        even = cols.coeff.denominator == 1 and cols.coeff.numerator % 2 == 0
+        for shape, p in [((rows, cols), 3), ((rows, half), 1 if even else 0), ((cols,), 2), ((half,), 1 if even else 0),
+                         ((rows,), 2), ((), 1)]:
+            if draw(st.integers(0, 4)) < p:
+                default = draw(st.sampled_from([None, None, "0.5", "-1.5"])) if not shape else None
+                self.add_param("p", self.dtype(("f32", "bf16")), shape, default)
+        acc = Val("acc", Type("f32", (rows, cols), TILE), generic=True, key=self.fresh("acc@"))
+        self.broadcast_to = {}
+        self.picked = False
+        self.lines.append(f"gemm {a_src} @ {b_src} {{")
+        local = [acc]
+        body: list[Val] = []
+        for _ in range(draw(st.integers(1, 5))):
+            vals = self.statement(stage, local, acc)
+            local += vals
+            body += vals
+        kept = (TILE, PARTIAL, GROUP) if self.known_bugs else (TILE, PARTIAL)
+        if not any(v.type.kind in kept and is_float(v.type.dtype) for v in body):
+            body += self.statement(stage, local, acc, copy=True)  # something for later stages to read
+        self.lines.append("}")
+        # AUTODIFF BUG 8: a stage hosted at another width than one of its tiles that has a cotangent;
+        # BUG 7: pick's backward at another width
+        has_wide = any(v.type.kind == TILE and v.type.shape[1] == cols.scale(2) for v in body) or self.picked
+        for v in body:  # after the stage: tiles and groups are stored, partials complete vectors
+            t = v.type
+            if t.kind == GROUP and not self.known_bugs:
+                continue  # AUTODIFF BUG 5: a grouped value read after its stage
+            if t.kind in (TILE, GROUP):
+                dtype = v.annot or (self.act if t.kind == TILE else "f32")
+                after = Val(v.src, Type(dtype, t.shape, MATRIX), v.generic, stored=True, key=v.ident,
+                            other_width=t.shape[1] == cols.scale(2) or (has_wide and t.shape[1] != cols))
+            elif t.kind == PARTIAL:
+                after = Val(v.src, Type(v.annot or "f32", t.shape, VEC if t.shape else SCALAR), partial=True)
+            else:
+                continue  # a vector computed in a stage stays there
+            self.outer.append(after)
+            if is_float(t.dtype):
+                self.made.append(after)
+
+    def between(self) -> None:
+        for _ in range(self.draw(st.integers(0, 2))):
+            if not any(v.type.kind in (VEC, SCALAR) for v in self.atoms(None, [])):
+                return
+            vals = self.statement(None, [], Val("1.5", Type("f32")))
+            self.outer += vals
+            self.made += [v for v in vals if is_float(v.type.dtype)]
+
+    def block(self) -> str:
+        draw = self.draw
+        # AUTODIFF BUG 4: a cotangent of another dtype than the GEMM operands becomes a GEMM operand
+        self.act = draw(st.sampled_from(FLOAT_DTYPES)) if self.known_bugs else "f32"
+        if draw(st.booleans()):
+            self.add_param("r", "f32", (ROWS,))
+        if draw(st.booleans()):
+            self.add_param("s", "f32", (), draw(st.sampled_from([None, "0.5"])))
+        n = draw(st.integers(1, 3))
+        for k in range(n):
+            self.stage(first=k == 0)
+            self.between()
+        outs = draw(st.lists(st.sampled_from(self.made), min_size=1, max_size=3, unique_by=lambda v: v.src))
+        sig = ", ".join(f"{v.src}: {v.type.dtype}{shape_str(v.type.shape) if v.type.shape else ''}" for v in outs)
+        body = "\n".join(f"  {ln}" for ln in self._indent())
+        return f"dims M, K, N, F\n\nblock fwd({', '.join(self.params)}) -> ({sig}) {{\n{body}\n}}\n"
+
+    def _indent(self) -> list[str]:
+        out, inside = [], False
+        for ln in self.lines:
+            if ln == "}":
+                inside = False
+                out.append(ln)
+                continue
+            out.append(("  " if inside else "") + ln)
+            if ln.startswith("gemm "):
+                inside = True
+        return out
+
+
+@st.composite
+def forward_blocks(draw: Any, known_bugs: bool = False) -> Forward:
+    """A random block-local forward block (see the module docstring), with sizes for its dims.
+
+    `known_bugs=False` avoids what autodiff gets wrong today (tests/test_autodiff.py pins each with
+    a strict xfail): GEMM operands and stored tiles of other dtypes than the activation dtype, and
+    partial reductions read by a later stage's epilogue. Remove the avoidance as they are fixed."""
+    sizes = {"M": draw(st.integers(2, 7)), "K": draw(st.integers(2, 5)), "N": draw(st.integers(2, 5)),
+             "F": draw(st.integers(2, 4))}  # no dim of 1: `u * F` would equal u (a tie for max)
+    gen = ForwardGen(draw, sizes, known_bugs)
+    text = gen.block()
+    return Forward(text, sizes, dict(gen.index_range), dict(gen.scale))
