@@ -28,13 +28,20 @@ import pytest
 import torch
 import torch_refs as ref
 from hypothesis import HealthCheck, Phase, assume, given, settings
-from strategies import OP_SIZES, Forward, differentiable_ops, forward_blocks, gradcheck_inputs, op_programs
 
 import coda_lang
 from coda_lang.ir.nodes import Eqn, Stage, Var
 from coda_lang.ir.types import MATRIX, SCALAR, VEC, is_float
 from coda_lang.layout import deinterleave_rope, interleave_gate_up, interleave_rope, split_gate_up
 from coda_lang.ops import REGISTRY
+from coda_lang.testing import (
+    OP_SIZES,
+    Forward,
+    differentiable_ops,
+    forward_blocks,
+    gradcheck_inputs,
+    op_programs,
+)
 from coda_lang.verify.diagnostics import CODES
 
 ROOT = Path(__file__).resolve().parent.parent
