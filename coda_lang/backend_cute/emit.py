@@ -3,8 +3,9 @@
 What it does: writes straight-line code, one assignment per live equation, through each op's `emit`
 rule in the registry (coda_lang/ops); pins every operand, output and reduction explicitly in the
 decorator (`ops=`, `outputs=`, `reduces=`/`outs=`, `extra_ops=`, `mode=`: quack infers nothing);
-in "acc_pair" mode splits every full-width value into its two lanes (adjacent columns) so that each
-statement is scalar f32 code. `write_source` stores the source in a content-addressed file (quack
+in "acc_pair" mode splits every full-width value into its two lanes (adjacent columns), in
+"packed_cd_b16x2" mode every double-width value (the C operand `c`, D, what lies between), so that
+each statement is scalar f32 code. `write_source` stores the source in a content-addressed file (quack
 fingerprints an epilogue by its source file, so it must be real) under the kernel cache.
 What it does not: import quack or CuTeDSL (the emitted module does, when quack_adapter loads it).
 Invariants: the same spec gives the same text (golden files in tests/golden/emit); the file name is
@@ -145,6 +146,8 @@ class _Emitter:
     def value(self, name: str, pad: str | None = None) -> str:
         """A result for the return dict: a Pair in acc_pair mode when `pad` says how to fill lane 2."""
         lanes = self.lanes[name]
+        if pad in ("add", "max"):  # packed mode: a sink folds the two lanes of a double-width value
+            return f"{lanes[0]} + {lanes[1]}" if pad == "add" else f"cute.math.max({lanes[0]}, {lanes[1]})"
         if len(lanes) == 2:
             return f"pack({lanes[0]}, {lanes[1]})"
         if pad is None:
@@ -178,10 +181,12 @@ class _Emitter:
         if spec.d is not None:
             ret.append(f'"D": {self.value(spec.d.name)}')
         for out in spec.outputs:
-            ret.append(f'"{out.py}": {self.value(out.name)}')
+            ret.append(f'"{out.py}": {self.lanes[out.name][out.lane] if out.lane is not None else self.value(out.name)}')
         for s in spec.sinks:
             if s.scaled:
                 ret.append(f'"{s.py}": ({", ".join(self.value(n) for n in s.value)})')
+            elif s.lanes == 2:
+                ret.append(f'"{s.py}": {self.value(s.value[0], s.combine)}')
             else:
                 ret.append(f'"{s.py}": {self.value(s.value[0], s.pad if spec.paired else None)}')
         body.append("return {" + ", ".join(ret) + "}")
@@ -193,9 +198,11 @@ class _Emitter:
         if spec.outputs:
             outs = ", ".join(f'TileStore("{o.py}"{", gated=True" if o.gated else ""})' for o in spec.outputs)
             args.append(f"outputs=({outs}{',' if len(spec.outputs) == 1 else ''})")
-        if spec.operands:
+        if any(o.op != "C" for o in spec.operands):
             ops = []
             for o in spec.operands:
+                if o.op == "C":
+                    continue  # quack's reserved `c`: the GEMM's C operand, not an epilogue op
                 extra = f", dtype={_CUTLASS_DTYPES[o.dtype]}" if o.op == "Scalar" and o.dtype != "f32" else ""
                 ops.append(f'"{o.py}": {o.op}("{o.py}"{extra})')
             args.append("ops={" + ", ".join(ops) + "}")
@@ -221,8 +228,8 @@ class _Emitter:
             args.append("outs={" + ", ".join(items) + "}")
         if extra_ops:
             args.append(f"extra_ops=({', '.join(extra_ops)}{',' if len(extra_ops) == 1 else ''})")
-        if spec.paired:
-            args.append('mode="acc_pair"')
+        if spec.mode != "element":
+            args.append(f'mode="{spec.mode}"')
         one_line = f"@gemm_epilogue({', '.join(args)})"
         if len(one_line) <= 100:
             return [one_line]

@@ -27,6 +27,8 @@ from coda_lang.ir.nodes import Lit, Var
 def _operand_values(spec: StageSpec, epi_args: dict[str, Any]) -> dict[str, Any]:
     vals: dict[str, Any] = {}
     for o in spec.operands:
+        if o.op == "C":
+            continue  # not an epilogue argument: run_stage binds it
         v = epi_args[o.py]
         if o.role == "tile":
             vals[o.name] = v.float()
@@ -98,11 +100,15 @@ def _sink(s: Sink, vals: dict[str, Any], m: int, n: int, tile_m: int, tile_n: in
 
 
 def run_stage(spec: StageSpec, config: Any, A: torch.Tensor, B: torch.Tensor, D: torch.Tensor | None,
-              epi_args: dict[str, Any]) -> None:
-    """Fill `D`, the TileStore buffers and the sink buffers in `epi_args` as the stage's kernel would."""
+              epi_args: dict[str, Any], C: torch.Tensor | None = None) -> None:
+    """Fill `D`, the TileStore buffers and the sink buffers in `epi_args` as the stage's kernel would
+    (C: the GEMM's C operand of a packed-mode stage, the double-width tile it loads)."""
     acc = A.float() @ (B.float().t() if spec.gemm.tb else B.float())
     m, n = acc.shape
     vals = _operand_values(spec, epi_args)
+    if spec.c is not None:
+        assert C is not None
+        vals[spec.c.name] = C.float()
     vals["acc"] = acc
     _eval(spec, vals)
     if spec.d is not None:
@@ -110,7 +116,10 @@ def run_stage(spec: StageSpec, config: Any, A: torch.Tensor, B: torch.Tensor, D:
         D.copy_(torch.as_tensor(vals[spec.d.name], dtype=torch.float32).expand(D.shape))
     for o in spec.outputs:
         buf = epi_args[o.py]
-        buf.copy_(torch.as_tensor(vals[o.name], dtype=torch.float32).expand(buf.shape))
+        x = torch.as_tensor(vals[o.name], dtype=torch.float32)
+        if o.lane is not None:  # one lane of a full-width tile of a paired stage
+            x = x.expand(m, n)[:, o.lane::2]
+        buf.copy_(x.expand(buf.shape))
     for s in spec.sinks:
         buf = epi_args[s.py]
         got = _sink(s, vals, m, n, config.tile_m, config.tile_n, epi_args)

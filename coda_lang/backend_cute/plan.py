@@ -6,15 +6,18 @@ decides every resource of its quack `@gemm_epilogue`: the operands it loads (row
 vector by the axis it broadcasts along, we by the axis it runs over), the tiles it stores (the main
 one is quack's "D", the others `TileStore`s), the partial reductions it folds (`ColVecReduce` per-row
 partials, `RowVecReduce` per-column partials, `OnlineLSEReduce`, `ColVecSelect` for `pick`), the
-epilogue mode ("element", or "acc_pair" when the stage uses `pairs`/`interleave`), and the live
-equations the emitter turns into straight-line code.
+epilogue mode ("element"; "acc_pair" when the stage splits its full-width tile with `pairs`;
+"packed_cd_b16x2" when it works on a tile twice its width, as a SwiGLU backward does: the 16-bit
+double-width tile it loads is quack's GEMM C operand and the one it stores is D, both two lanes per
+accumulator element), and the live equations the emitter turns into straight-line code.
 What it does not: write Python (emit.py) or touch quack (quack_adapter.py); it imports nothing heavy.
 Invariants: a valid program the backend can't compile yet raises `CodaError` with an E07 code at the
 offending line, never anything else; planning is deterministic (the emitted source is a golden file).
 
 Choice of D: the last full-width stored tile in program order (llama_mlp stage 1: `hg`, as in quack's
 `rms_partial_epi`). In "acc_pair" mode only a full-width tile can be D and half-width tiles are gated
-`TileStore`s (16-bit, as quack requires).
+`TileStore`s (16-bit, as quack requires). In "packed_cd_b16x2" mode D is the double-width tile and
+full-width tiles are `TileStore`s.
 """
 
 from __future__ import annotations
@@ -54,10 +57,10 @@ class Operand:
     name: str  # coda name
     py: str  # name in the emitted fn
     role: str  # "tile" | "row vector" | "column vector" | "scalar"
-    op: str  # quack op class
+    op: str  # quack op class, or "C" for the GEMM's C operand (packed mode: not an epilogue op)
     dtype: str
     shape: Shape
-    lanes: int  # 2: arrives as a Pair (full-width tile or column vector in acc_pair mode)
+    lanes: int  # 2: arrives as a Pair (full-width tile or column vector in acc_pair mode; C in packed mode)
     # How the runtime must pass the argument, when not as is: "repeat_interleave(2)" for a half-width
     # column vector in acc_pair mode (one value per column pair, loaded at the GEMM's width; the
     # epilogue reads lane 0).
@@ -66,7 +69,10 @@ class Operand:
 
 @dataclass(frozen=True)
 class Output:
-    """A stored tile: quack's D, or a TileStore (gated: half-width, in acc_pair mode)."""
+    """A stored tile: quack's D, or a TileStore (gated: half-width, in acc_pair mode). In acc_pair mode a
+    second full-width tile is stored as two gated TileStores, one per lane (`lane` 0: the even
+    columns, 1: the odd ones), which the runtime interleaves back (quack's acc_pair mode stores only D
+    at full width)."""
 
     name: str
     py: str
@@ -74,6 +80,7 @@ class Output:
     shape: Shape
     op: str  # "D" | "TileStore"
     gated: bool = False
+    lane: int | None = None
 
 
 @dataclass(frozen=True)
@@ -92,6 +99,7 @@ class Sink:
     index: str | None = None  # ColVecSelect: py name of its index operand (an extra op, not an fn parameter)
     index_dtype: str | None = None
     pad: str = "0.0"  # acc_pair mode, half-width value: the second lane (the fold's identity)
+    lanes: int = 1  # packed mode, double-width value: 2 (its two lanes are folded first, by `combine`)
 
 
 @dataclass(frozen=True)
@@ -114,7 +122,7 @@ class StageSpec:
     text: str  # `gemm y @ w_o`
     line: int
     fn_name: str
-    mode: str  # "element" | "acc_pair"
+    mode: str  # "element" | "acc_pair" | "packed_cd_b16x2"
     gemm: Gemm
     operands: tuple[Operand, ...]
     d: Output | None
@@ -130,8 +138,28 @@ class StageSpec:
     def paired(self) -> bool:
         return self.mode == "acc_pair"
 
+    @property
+    def packed(self) -> bool:
+        return self.mode == PACKED
+
+    @property
+    def c(self) -> Operand | None:
+        """The GEMM's C operand (packed mode: the double-width 16-bit tile the stage loads)."""
+        return next((o for o in self.operands if o.op == "C"), None)
+
     def lanes(self, t: Type | None) -> int:
+        if self.packed:
+            return 2 if is_wide(t, self.gemm.cols) else 1
         return lanes_of(t, self.gemm.rows, self.gemm.cols) if self.paired else 1
+
+
+PACKED = "packed_cd_b16x2"
+PACKED_DTYPES = ("bf16", "f16")
+
+
+def is_wide(t: Type | None, cols: Dim) -> bool:
+    """A tile twice the stage's width (in packed mode: two lanes per accumulator element)."""
+    return t is not None and t.kind == TILE and len(t.shape) == 2 and t.shape[1] == cols.scale(2)
 
 
 def lanes_of(t: Type | None, rows: Dim, cols: Dim) -> int:
@@ -235,18 +263,17 @@ class _Planner:
         st, sp = self.st, self.sp
         gemm = self.gemm()
         live_out = self.live_out()
-        paired = any(REGISTRY[e.op].locality == "pair" for e in st.body) or any(
-            t.kind == TILE and len(t.shape) == 2 and t.shape[1] != self.cols for t in self.types.values())
-        mode = "acc_pair" if paired else "element"
+        wide = [n for n, t in self.types.items() if is_wide(t, self.cols)]
+        wide += [ld.name for ld in sp.loads if ld.role == "tile" and ld.shape[-1] == self.cols.scale(2)]
+        if wide:
+            self.check_packed(wide)
+        paired = not wide and (any(REGISTRY[e.op].locality == "pair" for e in st.body) or any(
+            t.kind == TILE and len(t.shape) == 2 and t.shape[1] != self.cols for t in self.types.values()))
+        mode = PACKED if wide else "acc_pair" if paired else "element"
+        packed = mode == PACKED
 
-        full = [s for s in sp.stores if s.shape[1] == self.cols]
+        full = [s for s in sp.stores if s.shape[1] == (self.cols.scale(2) if packed else self.cols)]
         d_store = full[-1] if full else None
-        if paired and len(full) > 1:
-            e = self.defined[full[0].name]
-            raise _fail("E0704", f"`{full[0].name}` and `{full[-1].name}` are both stored at the stage's full width "
-                        "in a paired stage", e.span,
-                        notes=["in quack's acc_pair mode only D is stored at full width; other stored tiles are "
-                               "half-width (after pairs())"])
         outputs: list[Output] = []
         d: Output | None = None
         for store in sp.stores:
@@ -259,22 +286,41 @@ class _Planner:
                 continue
             if store.shape[1] not in (self.cols, self.cols.scale(Fraction(1, 2))):
                 raise _fail("E0704", f"`{store.name}` is stored at width `{store.shape[1]}` in a stage of width "
-                            f"`{self.cols}`", e.span, notes=["interleave() to a double-width tile needs quack's "
-                                                             "packed_cd_b16x2 mode, not supported yet"])
+                            f"`{self.cols}`", e.span, notes=["quack stores tiles at the GEMM's width, half of it "
+                                                             "after pairs(), or twice it as D in packed mode"])
             gated = paired and store.shape[1] != self.cols
-            if gated and store.dtype == "f32":
-                raise _fail("E0702", f"half-width stored tile `{store.name}` is f32; quack stores paired outputs as "
+            split = paired and store.shape[1] == self.cols  # a second full-width tile: one store per lane
+            if (gated or split) and store.dtype == "f32":
+                what = "half-width" if gated else "full-width (stored as two half-width lanes)"
+                raise _fail("E0702", f"{what} stored tile `{store.name}` is f32; quack stores paired outputs as "
                             "16-bit values", e.span, help=[f"annotate it, e.g. `{store.name}: bf16 = ...`"])
+            if split:
+                py = self.py(store.name)
+                for lane in (0, 1):
+                    outputs.append(Output(store.name, f"{py}_lane{lane}", store.dtype, store.shape, "TileStore", True,
+                                          lane))
+                continue
             outputs.append(Output(store.name, self.py(store.name), store.dtype, store.shape, "TileStore", gated))
 
-        sinks = self.sinks(live_out, paired)
+        sinks = self.sinks(live_out, paired, packed)
         needed = {o.name for o in outputs} | ({d.name} if d else set())
         for s in sinks:
             needed |= set(s.value)
         eqns = self.live_eqns(needed)
         for e in eqns:
             self.check_eqn(e)
-        operands = self.operands(eqns, [n for s in sinks for n in s.value], paired)
+        operands = self.operands(eqns, [n for s in sinks for n in s.value], paired, packed)
+        if packed:
+            c = next((o for o in operands if o.op == "C"), None)
+            if d is None or c is None:
+                missing = "stores no double-width tile (D)" if d is None else "loads no double-width tile (C)"
+                raise _fail("E0704", f"stage {self.index} works on a tile twice its width but {missing}", st.span,
+                            notes=["quack's packed_cd_b16x2 mode loads one 16-bit double-width tile as the GEMM's C "
+                                   "operand and stores one as D, two lanes per accumulator element"])
+            if c.dtype != d.dtype:
+                raise _fail("E0702", f"the double-width tile `{c.name}` is {c.dtype} and the stored `{d.name}` is "
+                            f"{d.dtype}; quack's packed mode needs one 16-bit dtype for both", self.defined[d.name].span,
+                            help=[f"annotate it: `{d.name}: {c.dtype} = ...`"])
         constraints = []
         if paired:
             constraints.append("tile_N % 2 == 0 (pairs of adjacent columns)")
@@ -283,6 +329,16 @@ class _Planner:
         return StageSpec(self.ir.name, self.index, sp.text, sp.line, self.fn_name, mode, gemm, tuple(operands), d,
                          tuple(outputs), tuple(sinks), tuple(eqns), dict(self.names), tuple(constraints),
                          tuple(inline_source(st.body)), st.span)
+
+    def check_packed(self, wide: list[str]) -> None:
+        """A stage with double-width values compiles in packed mode: no half-width values beside them."""
+        half = self.cols.scale(Fraction(1, 2))
+        for name, t in self.types.items():
+            if t.kind == TILE and len(t.shape) == 2 and t.shape[1] == half:
+                raise _fail("E0704", f"`{name}` is half the stage's width while `{wide[0]}` is twice it",
+                            self.defined[name].span,
+                            notes=["a stage compiles either paired (half-width values, acc_pair mode) or packed "
+                                   "(double-width values, packed_cd_b16x2 mode), not both"])
 
     def gemm(self) -> Gemm:
         st, sp = self.st, self.sp
@@ -316,14 +372,11 @@ class _Planner:
             if t.kind == GROUP:
                 raise _fail("E0705", "grouped values (group=) are not compiled yet", e.span,
                             notes=["a grouped reduction complete in its tile needs quack's prepass (qk-norm)"])
-            if t.kind == TILE and len(t.shape) == 2 and t.shape[1] == self.cols.scale(2):
-                raise _fail("E0704", f"`{v.name}` is twice the stage's width ({shape_str(t.shape)})", e.span,
-                            notes=["interleave() to a double-width tile needs quack's packed_cd_b16x2 mode, "
-                                   "not supported yet"])
 
-    def sinks(self, live_out: set[str], paired: bool) -> list[Sink]:
+    def sinks(self, live_out: set[str], paired: bool, packed: bool) -> list[Sink]:
         """The partial reductions read after the stage, as quack sinks. A sum of a product used
-        nowhere else is folded as one fma of the two factors (`scaled`), as quack's rms epilogues do."""
+        nowhere else is folded as one fma of the two factors (`scaled`), as quack's rms epilogues do.
+        In packed mode a row reduction of a double-width value folds its two lanes first."""
         sinks: list[Sink] = []
         uses: dict[str, int] = {}
         for e in self.st.body:
@@ -350,7 +403,13 @@ class _Planner:
                                    "it will come with the qk_norm example"])
             per_row = bool(t.shape) and t.shape[0] == self.rows  # one value per row: reduced over the columns
             half = paired and xt is not None and lanes_of(xt, self.rows, self.cols) == 1
+            wide = packed and is_wide(xt, self.cols)
             py = self.py(v.name)
+            if wide and (od.surface not in ("sum", "max") or not per_row):
+                what = f"{od.surface}() over the rows" if not per_row else f"{od.surface}()"
+                raise _fail("E0705", f"{what} of the double-width tile `{x.name}` is not compiled yet", e.span,
+                            notes=["in packed mode a double-width value is two lanes per accumulator element; "
+                                   "sum() and max() over its columns fold the lanes first"])
             if od.name == "pick":
                 idx = e.ins[1]
                 if not per_row or not isinstance(idx, Var):
@@ -381,6 +440,9 @@ class _Planner:
             op = "ColVecReduce" if per_row else "RowVecReduce"
             layout = "row partials" if per_row else "column partials"
             prod = self.defined.get(x.name)
+            if wide:
+                sinks.append(Sink(v.name, py, op, combine, False, (x.name,), t.shape, layout, lanes=2))
+                continue
             if (surface == "sum" and not paired and prod is not None and prod.op == "mul"
                     and uses.get(x.name) == 1 and x.name not in live_out
                     and all(isinstance(a, Var) for a in prod.ins)):
@@ -412,8 +474,9 @@ class _Planner:
             want |= {a.name for a in e.ins if isinstance(a, Var)}
         return keep[::-1]
 
-    def operands(self, eqns: list[Eqn], sink_values: list[str], paired: bool) -> list[Operand]:
-        """The loads the emitted code reads, in order of first use."""
+    def operands(self, eqns: list[Eqn], sink_values: list[str], paired: bool, packed: bool) -> list[Operand]:
+        """The loads the emitted code reads, in order of first use (packed mode: the double-width tile
+        is the GEMM's C operand, `c` in the emitted fn)."""
         loads = {ld.name: ld for ld in self.sp.loads}
         used: list[str] = []
         for name in [a.name for e in eqns for a in e.ins if isinstance(a, Var)] + sink_values:
@@ -427,6 +490,15 @@ class _Planner:
                 raise _fail("E0702", f"`{name}` is {ld.dtype}: integer operands of the epilogue are not supported yet",
                             e.span)
             width = ld.shape[-1] if ld.role in ("tile", "column vector") else None
+            if packed and ld.role == "tile" and width == self.cols.scale(2):
+                if any(o.op == "C" for o in out):
+                    raise _fail("E0704", f"`{name}` is a second double-width tile load", e.span,
+                                notes=["quack's packed_cd_b16x2 mode loads one double-width tile (the GEMM's C)"])
+                if ld.dtype not in PACKED_DTYPES:
+                    raise _fail("E0702", f"the double-width tile `{name}` is {ld.dtype}; quack's packed mode loads "
+                                "16-bit pairs", e.span)
+                out.append(Operand(name, "c", ld.role, "C", ld.dtype, ld.shape, 2))
+                continue
             if paired and ld.role == "column vector" and width == self.cols.scale(Fraction(1, 2)):
                 out.append(Operand(name, self.py(name), ld.role, LOAD_OPS[ld.role], ld.dtype, ld.shape, 2,
                                    host="repeat_interleave(2)"))
@@ -450,18 +522,22 @@ def describe(spec: StageSpec) -> list[str]:
              f"mode {spec.mode}"]
     for o in spec.operands:
         host = f", passed as {o.py}.{o.host}" if o.host else ""
-        lines.append(f"load   {o.py}: {o.dtype}{shape_str(o.shape) if o.shape else ''} {o.role} ({o.op}{host})")
+        op = "the GEMM's C operand, 16-bit pairs" if o.op == "C" else o.op
+        py = f"{o.py} = {o.name}" if o.op == "C" else o.py
+        lines.append(f"load   {py}: {o.dtype}{shape_str(o.shape) if o.shape else ''} {o.role} ({op}{host})")
     if spec.d is not None:
         lines.append(f"store  D = {spec.d.py}: {spec.d.dtype}{shape_str(spec.d.shape)}")
     for out in spec.outputs:
-        lines.append(f"store  {out.py}: {out.dtype}{shape_str(out.shape)} (TileStore{', gated' if out.gated else ''})")
+        lane = f", lane {out.lane} of {out.name}" if out.lane is not None else ""
+        lines.append(f"store  {out.py}: {out.dtype}{shape_str(out.shape)} (TileStore{', gated' if out.gated else ''}"
+                     f"{lane})")
     for s in spec.sinks:
         fold = {"add": "sum", "max_abs": "max of |x|"}.get(s.combine or "", s.combine)
         what = {"ColVecReduce": f"{fold} over the columns, one partial per column tile",
                 "RowVecReduce": f"{fold} over the rows, one partial per row tile",
                 "OnlineLSEReduce": "logsumexp over the columns, one partial per column tile",
                 "ColVecSelect": f"the value at column {s.index} of each row"}[s.op]
-        scaled = ", scaled" if s.scaled else ""
+        scaled = ", scaled" if s.scaled else ", both lanes" if s.lanes == 2 else ""
         lines.append(f"reduce {s.py}: f32{shape_str(s.shape)} = {what} ({s.op}{scaled})")
     for c in spec.constraints:
         lines.append(f"tiling {c}")

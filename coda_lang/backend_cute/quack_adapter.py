@@ -95,10 +95,14 @@ def compile_ptx(spec: Any, path: Path, config: Any) -> tuple[str, float]:
     m, n, k = _size(g.rows), _size(g.cols), _size(g.k)
     A = _meta((k, m), g.a_dtype).T if g.ta else _meta((m, k), g.a_dtype)
     B = _meta((n, k), g.b_dtype) if g.tb else _meta((k, n), g.b_dtype)
-    D = _meta((m, n), spec.d.dtype) if spec.d is not None else None
+    wide = 2 * n if spec.mode == "packed_cd_b16x2" else n  # packed mode: C and D are double-width
+    D = _meta((m, wide), spec.d.dtype) if spec.d is not None else None
+    C = None
     epi: dict[str, Any] = {}
     for o in spec.operands:
-        if o.role == "tile":
+        if o.op == "C":
+            C = _meta((m, wide), o.dtype)
+        elif o.role == "tile":
             epi[o.py] = _meta((m, n), o.dtype)
         elif o.role == "row vector":
             epi[o.py] = _meta((m,), o.dtype)
@@ -107,7 +111,7 @@ def compile_ptx(spec: Any, path: Path, config: Any) -> tuple[str, float]:
         else:
             epi[o.py] = 1.0 if o.dtype != "i32" else 1
     for out in spec.outputs:
-        epi[out.py] = _meta((m, n // 2 if out.gated else n), out.dtype)
+        epi[out.py] = _meta((m, n // 2 if out.gated else n), out.dtype)  # a lane of a split store: gated
     for s in spec.sinks:
         shape = mod.sinks[s.py].sink_alloc_shape((m,), n, config.tile_m, config.tile_n)
         epi[s.py] = _meta(tuple(shape), "f32")
@@ -115,7 +119,7 @@ def compile_ptx(spec: Any, path: Path, config: Any) -> tuple[str, float]:
             epi[s.index] = _meta((m,), s.index_dtype or "i32")
     with tempfile.TemporaryDirectory(prefix="coda-ptx-") as tmp, compile_only(Path(tmp)):
         t0 = time.perf_counter()
-        plan = mod.gemm(A, B, D, None, epi_args=epi, tile_M=config.tile_m, tile_N=config.tile_n,
+        plan = mod.gemm(A, B, D, C, epi_args=epi, tile_M=config.tile_m, tile_N=config.tile_n,
                         cluster_M=config.cluster_m, cluster_N=config.cluster_n, pingpong=config.pingpong,
                         persistent=True, b_kn=not g.tb, _launch=False)
         seconds = time.perf_counter() - t0
@@ -128,12 +132,13 @@ def compile_ptx(spec: Any, path: Path, config: Any) -> tuple[str, float]:
 
 
 def launch(mod: Any, spec: Any, config: Any, A: Any, B: Any, D: Any, epi_args: dict[str, Any], *,
-           dry_run: bool = False) -> None:
+           C: Any = None, dry_run: bool = False) -> None:
     """One launch of stage `spec`'s kernel on the current stream (the runtime's only call into quack).
 
     A: (m, k), either major (a `transpose(a)` operand is the stored tensor's `.t()` view); B: the
     stored (k, n) tensor, or (n, k) for `transpose(b)`; D: the main stored tile or None; epi_args:
-    the epilogue's operands, TileStore buffers and sink buffers by their names in the emitted fn.
+    the epilogue's operands, TileStore buffers and sink buffers by their names in the emitted fn; C:
+    the GEMM's C operand (the double-width 16-bit tile of a packed-mode stage) or None.
     The kernel is compiled on the first call for these dtypes and majors (quack's jit cache, on disk
     too) and replayed from quack's plan cache afterwards. `dry_run=True` (tests without a GPU, on
     "meta" tensors): quack validates the arguments and compiles the kernel, nothing is launched.
@@ -141,10 +146,10 @@ def launch(mod: Any, spec: Any, config: Any, A: Any, B: Any, D: Any, epi_args: d
     kw = dict(epi_args=epi_args, tile_M=config.tile_m, tile_N=config.tile_n, cluster_M=config.cluster_m,
               cluster_N=config.cluster_n, pingpong=config.pingpong, persistent=True, b_kn=not spec.gemm.tb)
     if not dry_run:
-        mod.gemm(A, B, D, None, **kw)
+        mod.gemm(A, B, D, C, **kw)
         return
     with tempfile.TemporaryDirectory(prefix="coda-dry-") as tmp, compile_only(Path(tmp)):
-        mod.gemm(A, B, D, None, _launch=False, **kw)
+        mod.gemm(A, B, D, C, _launch=False, **kw)
 
 
 def sink_alloc_shape(mod: Any, name: str, m: int, n: int, config: Any) -> tuple[int, ...]:

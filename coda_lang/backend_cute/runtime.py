@@ -12,8 +12,9 @@ returns the partial buffers, to compare with the interpreter's tile simulation. 
 gives a function whose `torch.autograd.Function` runs the extended forward (`Block.derivation()
 .forward`) and, for the backward, the derived backward block's kernels.
 What it does not: plan, emit or compile (plan.py, emit.py, compile.py) or touch quack
-(quack_adapter.py, imported on the first launch); it runs no elementwise stage (E0701) and nothing
-the planner rejects (E07, raised when the CudaBlock is made).
+(quack_adapter.py, imported on the first launch); an elementwise stage (no GEMM) runs as one fused
+kernel that torch.compile generates (elementwise.py); nothing the planner rejects runs (E07, raised
+when the CudaBlock is made).
 Invariants: numerics follow the interpreter's (interp/run.py): f32 inside a stage and between
 stages, stored tiles rounded to their dtype by the kernel, annotated values rounded where they are
 defined; every stage's kernel writes every element of its buffers (pick's output is pre-filled
@@ -39,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from coda_lang.backend_cute.compile import CANDIDATES, BackendUnavailable, TileConfig, fits
+from coda_lang.backend_cute.elementwise import ElementwiseStage
 from coda_lang.backend_cute.emit import emit_stage, source_hash, write_source
 from coda_lang.backend_cute.plan import Sink, StageSpec, plan_stage
 from coda_lang.interp.inputs import extent, fail, infer_dims
@@ -236,9 +238,10 @@ class _StageRunner:
 
         outs = []
         if spec.d is not None:
-            outs.append(new((m, n), TORCH_DTYPES[spec.d.dtype]))
+            outs.append(new((m, _width(spec.d.shape[1], g.cols, n)), TORCH_DTYPES[spec.d.dtype]))
         for o in spec.outputs:
-            outs.append(new((m, _width(o.shape[1], g.cols, n)), TORCH_DTYPES[o.dtype]))
+            width = _width(o.shape[1], g.cols, n)
+            outs.append(new((m, width // 2 if o.lane is not None else width), TORCH_DTYPES[o.dtype]))
         for s in spec.sinks:
             shape = sink_shape(s, m, n, cfg.tile_m, cfg.tile_n)
             # pick leaves rows whose index is outside [0, n) alone: they read 0, as in the interpreter
@@ -251,27 +254,32 @@ class _StageRunner:
         A, B = _aligned(ins[0]), _aligned(ins[1])
         assert A is not None and B is not None
         outs = self.allocate(A, B)
-        D, epi = self.epilogue_arguments(ins, scalars, outs)
+        D, C, epi = self.epilogue_arguments(ins, scalars, outs)
         if self.emulate:
             from coda_lang.backend_cute import emulate
 
-            emulate.run_stage(self.spec, self.config, A, B, D, epi)
+            emulate.run_stage(self.spec, self.config, A, B, D, epi, C=C)
         else:
             from coda_lang.backend_cute import quack_adapter
 
-            quack_adapter.launch(self.mod, self.spec, self.config, A, B, D, epi)
+            quack_adapter.launch(self.mod, self.spec, self.config, A, B, D, epi, C=C)
         return outs
 
     def epilogue_arguments(self, ins: list[torch.Tensor | None], scalars: list[float], outs: list[torch.Tensor]
-                           ) -> tuple[torch.Tensor | None, dict[str, Any]]:
-        """(D, epi_args by the emitted fn's names) for quack's `EpiMod.gemm`, from the op's arguments."""
+                           ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[str, Any]]:
+        """(D, C, epi_args by the emitted fn's names) for quack's `EpiMod.gemm`, from the op's arguments
+        (C: the GEMM's C operand of a packed-mode stage, else None)."""
         spec = self.spec
         epi: dict[str, Any] = {}
         it = iter(scalars)
         j = 2
+        C = None
         for o in spec.operands:
             t = ins[j]
             j += 1
+            if o.op == "C":
+                C = _aligned(t)
+                continue
             epi[o.py] = (next(it) if t is None else t) if o.role == "scalar" else _aligned(t)
         for py, _ in self.index_names:
             epi[py] = _aligned(ins[j])
@@ -286,7 +294,7 @@ class _StageRunner:
         for s in spec.sinks:
             epi[s.py] = outs[i]
             i += 1
-        return D, epi
+        return D, C, epi
 
     def collect(self, outs: list[torch.Tensor], env: dict[str, Any], partials: dict[str, torch.Tensor],
                 storage: dict[str, str]) -> None:
@@ -296,8 +304,15 @@ class _StageRunner:
         if spec.d is not None:
             env[spec.d.name] = outs[0]
             i = 1
+        lanes: dict[str, list[torch.Tensor]] = {}
         for o in spec.outputs:
-            env[o.name] = outs[i]
+            if o.lane is not None:  # one lane of a full-width tile of a paired stage: interleave them back
+                lanes.setdefault(o.name, []).append(outs[i])
+                if len(lanes[o.name]) == 2:
+                    even, odd = lanes[o.name]
+                    env[o.name] = torch.stack((even, odd), dim=-1).reshape(even.shape[0], -1)
+            else:
+                env[o.name] = outs[i]
             i += 1
         for s in spec.sinks:
             buf = outs[i]
@@ -434,24 +449,36 @@ class CudaBlock:
         self.block, self.emulate, self.poison = block, emulate, poison
         self.ir, self.plan = block.ir, block.plan
         self._shape_rules = _shape_rules(self.ir)
+        # GEMM stages: their StageSpec; elementwise stages (no GEMM): an ElementwiseStage, spec None
+        self.specs: list[StageSpec | None] = []
+        self.elementwise: dict[int, ElementwiseStage] = {}
         try:
-            self.specs = [plan_stage(block, k) for k in range(1, len(self.plan.stages) + 1)]
-            for spec in self.specs:
+            for k, st in enumerate((s for s in self.ir.body if isinstance(s, Stage)), 1):
+                if not st.is_gemm:
+                    self.elementwise[k] = ElementwiseStage(block, k, emulate)
+                    self.specs.append(None)
+                    continue
+                spec = plan_stage(block, k)
                 emit_stage(spec)  # an op the emitter can't write raises E07 now, not at the first call
+                self.specs.append(spec)
         except CodaError as e:
             raise with_sources(e) from None
+        gemms = [k for k, spec in enumerate(self.specs, 1) if spec is not None]
         if isinstance(tile, dict):
             self._tiles = {int(k): as_config(v) for k, v in tile.items()}
-            unknown = sorted(set(self._tiles) - set(range(1, len(self.specs) + 1)))
+            unknown = sorted(set(self._tiles) - set(gemms))
             if unknown:
-                raise ValueError(f"block {self.ir.name} has no stage {unknown[0]}")
+                raise ValueError(f"stage {unknown[0]} of block {self.ir.name} is elementwise: it has no tile"
+                                 if unknown[0] in self.elementwise else
+                                 f"block {self.ir.name} has no stage {unknown[0]}")
         else:
-            self._tiles = {k: as_config(tile) for k in range(1, len(self.specs) + 1)} if tile is not None else {}
+            self._tiles = {k: as_config(tile) for k in gemms} if tile is not None else {}
         for k, cfg in self._tiles.items():
-            spec = self.specs[k - 1]
-            if not fits(spec, cfg):
-                raise fail("E0805", f"tile {cfg.short} does not fit stage {k} (`{spec.text}`): "
-                           f"{'; '.join(spec.constraints)}")
+            target = self.specs[k - 1]
+            assert target is not None
+            if not fits(target, cfg):
+                raise fail("E0805", f"tile {cfg.short} does not fit stage {k} (`{target.text}`): "
+                           f"{'; '.join(target.constraints)}")
         for s in self.ir.body:
             if not isinstance(s, Stage) and s.op not in TORCH_OPS:
                 raise CodaError([Diagnostic("E0708", f"`{s.op}` between stages has no torch mapping in the CUDA "
@@ -475,14 +502,21 @@ class CudaBlock:
         return self.runner(index).config
 
     @property
+    def gemm_stages(self) -> list[int]:
+        """The 1-based indices of the GEMM stages (the others are elementwise)."""
+        return [k for k, spec in enumerate(self.specs, 1) if spec is not None]
+
+    @property
     def tiles(self) -> dict[int, tuple[int, int]]:
-        """{stage: (tile_M, tile_N)}: what `Block.run(..., tile=cb.tiles)` simulates."""
-        return {k: (self.config(k).tile_m, self.config(k).tile_n) for k in range(1, len(self.specs) + 1)}
+        """{stage: (tile_M, tile_N)} of the GEMM stages: what `Block.run(..., tile=cb.tiles)` simulates."""
+        return {k: (self.config(k).tile_m, self.config(k).tile_n) for k in self.gemm_stages}
 
     def runner(self, index: int) -> _StageRunner:
         r = self._runners.get(index)
         if r is None:
             spec = self.specs[index - 1]
+            if spec is None:
+                raise ValueError(f"stage {index} of {self.name} is elementwise: it has no GEMM kernel or tile")
             cfg = self._tiles.get(index) or choose_config(self.block, index, spec, self.emulate)
             r = self._runners[index] = _StageRunner(self.block, index, spec, cfg, self.emulate, self.poison)
         return r
@@ -490,7 +524,7 @@ class CudaBlock:
     @torch.compiler.disable
     def prepare(self) -> CudaBlock:
         """Choose every stage's tile and import its epilogue now (a first call does it otherwise)."""
-        for k in range(1, len(self.specs) + 1):
+        for k in self.gemm_stages:
             r = self.runner(k)
             if not self.emulate:
                 r.mod  # noqa: B018 (imports quack and the emitted module)
@@ -519,10 +553,16 @@ class CudaBlock:
         return self._run({**(inputs or {}), **tensors})[0]
 
     def run_stage(self, index: int, env: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """Stage `index` alone (one kernel launch plus its partial combines) on the values in `env`:
-        (the values it defines, its partial buffers)."""
+        """Stage `index` alone (one kernel launch plus its partial combines; an elementwise stage: its
+        fused kernel) on the values in `env`: (the values it defines, its partial buffers)."""
         new: dict[str, Any] = {}
         partials: dict[str, torch.Tensor] = {}
+        if index in self.elementwise:
+            shapes = {p.var.name: tuple(env[p.var.name].shape) for p in self.ir.params
+                      if isinstance(env.get(p.var.name), torch.Tensor)}
+            dims = _dims_of(self.ir, self._shape_rules, shapes)
+            self.elementwise[index].run({**env}, dims, self.plan.storage, out=new)
+            return new, partials
         r = self.runner(index)
         ins, scalars = r.arguments(env)
         outs = torch.ops.coda.stage(r.key, ins, scalars)
@@ -538,6 +578,9 @@ class CudaBlock:
         for s in self.ir.body:
             if isinstance(s, Stage):
                 k += 1
+                if k in self.elementwise:
+                    self.elementwise[k].run(env, dims, self.plan.storage)
+                    continue
                 r = self.runner(k)
                 ins, scalars = r.arguments(env)
                 outs = torch.ops.coda.stage(r.key, ins, scalars)
