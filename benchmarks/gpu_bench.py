@@ -184,6 +184,111 @@ def run_size(blk: Any, M: int, D: int, args: argparse.Namespace) -> dict[str, An
         res["torch_compile_ms"] = None
         res["compile_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     res["coda_fwd_again_ms"] = bench(lambda: cb(inputs), args.warmup, args.rep)
+    if not args.no_backward:
+        res.update(run_backward(blk, inputs, args))
+    return res
+
+
+def library_backward(env: dict[str, Any], bcb: Any) -> dict[int, Any]:
+    """quack's hand-written SwiGLU-backward epilogue (`dswiglu_rstd_preact_mod`: packed C/D, the row
+    scale, the norm's row statistic; it also stores the recomputed activation, which coda reads from
+    the forward's saved `a`) at the tile coda chose for that stage, keyed by the stage index."""
+    import torch
+    from quack.epilogue import library as L
+
+    out: dict[int, Any] = {}
+    for k in bcb.gemm_stages:
+        spec = bcb.specs[k - 1]
+        if spec.mode != "packed_cd_b16x2":
+            continue
+        c = bcb.config(k)
+        dx2, w_2, acc2, r = env[spec.gemm.a], env[spec.gemm.b], env["acc2"], env["r"]
+        M, F = dx2.shape[0], w_2.shape[0]
+        D = torch.empty_like(acc2)
+        post = torch.empty(M, F, dtype=torch.bfloat16, device="cuda")
+        dsum = torch.empty(M, -(-F // c.tile_n), dtype=torch.float32, device="cuda")
+
+        def fn(dx2: Any = dx2, w_2: Any = w_2, D: Any = D, acc2: Any = acc2, r: Any = r, post: Any = post,
+               dsum: Any = dsum, c: Any = c) -> None:
+            L.dswiglu_rstd_preact_mod.gemm(dx2, w_2, D, acc2, epi_args={"rstd": r, "postact": post, "dsum": dsum},
+                                           tile_M=c.tile_m, tile_N=c.tile_n, cluster_M=c.cluster_m,
+                                           cluster_N=c.cluster_n, pingpong=c.pingpong, persistent=True, b_kn=False)
+        try:
+            fn()
+            torch.cuda.synchronize()
+            out[k] = (fn, "dswiglu_rstd_preact_mod")
+        except Exception as e:
+            out[k] = (None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    return out
+
+
+def run_backward(blk: Any, inputs: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The derived backward block stage by stage (against cuBLAS of each stage's GEMM, and quack's
+    dgated epilogue for the SwiGLU backward), and forward+backward through autograd against the sum of
+    all nine bare GEMMs and torch.compile of the unfused code's forward+backward."""
+    import torch
+
+    res: dict[str, Any] = {}
+    fn = blk.cuda().autograd()
+    bcb = fn.backward
+    d = fn.derivation
+    leaves = {k: v.clone().requires_grad_() for k, v in inputs.items()}
+    x2 = fn(leaves)["x2"]
+    ct = torch.randn(x2.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(3)).to(x2.dtype)
+    x2.backward(ct)
+    torch.cuda.synchronize()
+
+    # gradients against float64 autograd of the unfused math, next to plain bf16 torch's error
+    def grads_of(f: Any, dtype: Any) -> dict[str, Any]:
+        lv = {k: v.detach().to(dtype).requires_grad_() for k, v in inputs.items()}
+        f(**lv).backward(ct.to(dtype))
+        return {k: v.grad for k, v in lv.items()}
+
+    ref = grads_of(torch_mlp, torch.float64)
+    plain = grads_of(torch_mlp, torch.bfloat16)
+    res["grad_err"] = {k: (rel_err(leaves[k].grad.float(), ref[k]), rel_err(plain[k].float(), ref[k])) for k in ref}
+    del ref, plain
+    torch.cuda.empty_cache()
+
+    saved = d.forward.cuda()(inputs)
+    bins = {p.var.name: (ct if p.var.name == d.cotangents["x2"] else saved.get(p.var.name, inputs.get(p.var.name)))
+            for p in d.backward.ir.params if p.var.name in saved or p.var.name in inputs
+            or p.var.name == d.cotangents["x2"]}
+    env = bcb.values(bins)
+    lib = library_backward(env, bcb)
+    res["bwd_tiles"] = {k: str(bcb.config(k)) for k in bcb.gemm_stages}
+    rows = []
+    for k in bcb.gemm_stages:
+        spec = bcb.specs[k - 1]
+        r = bcb.runner(k)
+        ins, sc = r.arguments(env)
+        A = env[spec.gemm.a].t() if spec.gemm.ta else env[spec.gemm.a]
+        B = env[spec.gemm.b].t() if spec.gemm.tb else env[spec.gemm.b]
+        row: dict[str, Any] = {"stage": k, "text": spec.text, "mode": spec.mode,
+                               "shape": [A.shape[0], A.shape[1], B.shape[1]]}
+        row["coda_ms"] = bench(lambda r=r, ins=ins, sc=sc: torch.ops.coda.stage(r.key, ins, sc), args.warmup, args.rep)
+        row["cublas_ms"] = bench(lambda A=A, B=B: torch.matmul(A, B), args.warmup, args.rep)
+        f, info = lib.get(k, (None, None))
+        row["quack_lib_ms"] = bench(f, args.warmup, args.rep) if f is not None else None
+        row["quack_lib_note"] = info
+        rows.append(row)
+    res["bwd_stages"] = rows
+    res["sum_cublas_bwd_ms"] = sum(r["cublas_ms"] for r in rows)
+    res["coda_bwd_ms"] = bench(lambda: bcb(bins), args.warmup, args.rep)
+
+    def step() -> None:
+        fn(leaves)["x2"].backward(ct)
+
+    res["coda_fwd_bwd_ms"] = bench(step, args.warmup, args.rep)
+    tleaves = {k: v.clone().requires_grad_() for k, v in inputs.items()}
+    res["torch_eager_fwd_bwd_ms"] = bench(lambda: torch_mlp(**tleaves).backward(ct), args.warmup, args.rep)
+    try:
+        compiled = torch.compile(torch_mlp)
+        res["torch_compile_fwd_bwd_ms"] = bench(lambda: compiled(**tleaves).backward(ct), args.warmup, args.rep)
+    except Exception as e:
+        res["torch_compile_fwd_bwd_ms"] = None
+        res["compile_bwd_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    res["coda_fwd_bwd_again_ms"] = bench(step, args.warmup, args.rep)
     return res
 
 
@@ -211,6 +316,22 @@ def table(results: list[dict[str, Any]]) -> str:
                      f"{(f(fwd / tc, 3) if tc else '-')}; stages 1+2: coda "
                      f"{f(r['stages'][0]['coda_ms'] + r['stages'][1]['coda_ms'])} ms, cuBLAS "
                      f"{f(r['stages'][0]['cublas_ms'] + r['stages'][1]['cublas_ms'])} ms")
+        if "bwd_stages" not in r:
+            continue
+        lines.append(f"  backward tiles {r['bwd_tiles']}")
+        for s in r["bwd_stages"]:
+            lib = s["quack_lib_ms"]
+            lines.append(f"  b{s['stage']}: {s['text']:<30}{f(s['coda_ms']):>9}{f(s['cublas_ms']):>9}{f(lib):>9}"
+                         f"{f(s['coda_ms'] / s['cublas_ms'], 2):>9}{(f(s['coda_ms'] / lib, 2) if lib else '-'):>8}")
+        bare = r["sum_cublas_ms"] + r["sum_cublas_bwd_ms"]
+        fb, tc = r["coda_fwd_bwd_ms"], r["torch_compile_fwd_bwd_ms"]
+        lines.append(f"  backward block: coda {f(r['coda_bwd_ms'])} ms, sum of its bare GEMMs {f(r['sum_cublas_bwd_ms'])}")
+        lines.append(f"  forward+backward: coda {f(fb)} ms (again {f(r['coda_fwd_bwd_again_ms'])}), bare GEMMs "
+                     f"{f(bare)}, torch eager {f(r['torch_eager_fwd_bwd_ms'])}, torch.compile {f(tc)}")
+        lines.append(f"  ratios: coda/bare GEMMs {fb / bare:.3f}, torch.compile/coda {(f(tc / fb, 3) if tc else '-')}")
+        worst = max(r["grad_err"].items(), key=lambda kv: kv[1][0] / kv[1][1])
+        lines.append(f"  gradients: worst ||coda - f64||/||f64|| over plain bf16 torch's: d{worst[0]} "
+                     f"{worst[1][0]:.2e} vs {worst[1][1]:.2e}")
     return "\n".join(lines)
 
 
@@ -220,6 +341,7 @@ def main() -> int:
     ap.add_argument("--D", default="2048,4096")
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     ap.add_argument("--rep", type=int, default=200, help="do_bench repetitions, ms")
+    ap.add_argument("--no-backward", action="store_true", help="time the forward only")
     args = ap.parse_args()
     import torch
 

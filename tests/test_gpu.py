@@ -13,8 +13,10 @@ Every test is marked `gpu` and skipped without a CUDA GPU (tests/conftest.py). O
   the interpreter's tile simulation, 1e-3 relative.
 - Exactly one kernel launch per GEMM stage (torch.profiler: one kernel named after the stage's emitted
   epilogue per stage; a stage run alone launches that kernel and nothing else but pick's zero fill).
-- Backward through `CudaBlock.autograd()` for the blocks whose backward the backend runs today
-  (runtime_check.GRAD_BLOCKS; no example qualifies yet): gradients against `Block.vjp` and float64.
+- Backward: every example's derived backward block (GEMM stages, the packed SwiGLU backward, elementwise
+  entry stages) on the GPU against the interpreter on the same inputs, partial buffers against the tile
+  simulation, one kernel launch per GEMM stage; and `CudaBlock.autograd()` of every example (and of
+  runtime_check.GRAD_BLOCKS) against `Block.vjp` and float64.
 - torch.compile (inductor) of a block and of its autograd function, and CUDA-graph replay of a block,
   give the eager results; a scalar passed as a CUDA tensor (a kernel reading it through a pointer)
   gives the same as a Python float.
@@ -28,7 +30,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from runtime_check import GRAD_BLOCKS, RAGGED, check_output, check_partial, example_inputs
+from runtime_check import GRAD_BLOCKS, RAGGED, check_gradient, check_output, check_partial, example_inputs
 
 import coda_lang
 
@@ -89,7 +91,7 @@ def test_forward_matches_interpreter(name: str) -> None:
 def test_partials_match_tile_simulation(name: str) -> None:
     r = run(name)
     for spec in r.cb.specs:
-        for s in spec.sinks:
+        for s in spec.sinks if spec is not None else ():
             assert s.name in r.partials, s.name
     for k, buf in r.partials.items():
         check_partial(k, buf, r.ref_partials[k])
@@ -113,16 +115,16 @@ def kernel_names(fn: Any) -> list[str]:
     return [n for n in names if not n.startswith(("Memset", "Memcpy"))]
 
 
-@pytest.mark.parametrize("name", FORWARD)
-def test_one_kernel_launch_per_stage(name: str) -> None:
-    r = run(name)
-    cb = r.blk.cuda()  # not poisoned: no fill kernels
-    names = kernel_names(lambda: cb(r.inputs))
+def check_one_launch_per_gemm_stage(cb: Any, inputs: dict[str, Any]) -> None:
+    names = kernel_names(lambda: cb(inputs))
     for spec in cb.specs:
+        if spec is None:
+            continue
         mine = [n for n in names if f"_{spec.fn_name}_" in n]
         assert len(mine) == 1, f"stage {spec.index}: {len(mine)} launches of {spec.fn_name}; kernels: {names}"
-    env = cb.values(r.inputs)
-    for k, spec in enumerate(cb.specs, 1):
+    env = cb.values(inputs)
+    for k in cb.gemm_stages:
+        spec = cb.specs[k - 1]
         runner = cb.runner(k)
         ins, scalars = runner.arguments(env)
         names = kernel_names(lambda runner=runner, ins=ins, scalars=scalars:
@@ -131,6 +133,98 @@ def test_one_kernel_launch_per_stage(name: str) -> None:
         others = [n for n in names if n not in mine]
         fills = sum(s.op == "ColVecSelect" for s in spec.sinks)
         assert len(mine) == 1 and len(others) <= fills, f"stage {k} alone launched {names}"
+
+
+@pytest.mark.parametrize("name", FORWARD)
+def test_one_kernel_launch_per_stage(name: str) -> None:
+    r = run(name)
+    check_one_launch_per_gemm_stage(r.blk.cuda(), r.inputs)  # not poisoned: no fill kernels
+
+
+BWD_TILE = (128, 128)
+
+
+@dataclass
+class BackwardRun:
+    bwd: coda_lang.Block
+    cb: Any
+    inputs: dict[str, Any]
+
+
+_BWD: dict[str, BackwardRun] = {}
+
+
+def backward_run(name: str) -> BackwardRun:
+    """The example's derived backward block with its inputs: the saved tensors from the extended forward
+    run on the GPU, the forward's inputs, random cotangents (cached for the module's tests)."""
+    if name not in _BWD:
+        blk = block(name)
+        d = blk.derivation()
+        inputs = example_inputs(blk, RAGGED, seed=5, device="cuda")
+        saved = d.forward.cuda(tile=BWD_TILE)(inputs)
+        gen = torch.Generator("cuda").manual_seed(6)
+        cot = {c: o for o, c in d.cotangents.items()}
+        bins: dict[str, Any] = {}
+        for p in d.backward.ir.params:
+            n = p.var.name
+            if n in cot:
+                like = saved[cot[n]]
+                bins[n] = torch.randn(like.shape, device="cuda", generator=gen).to(like.dtype)
+            elif n in saved:
+                bins[n] = saved[n]
+            elif n in inputs:
+                bins[n] = inputs[n]
+        _BWD[name] = BackwardRun(d.backward, d.backward.cuda(tile=BWD_TILE, poison=True), bins)
+    return _BWD[name]
+
+
+@pytest.mark.parametrize("name", FORWARD)
+def test_backward_block_matches_interpreter(name: str) -> None:
+    r = backward_run(name)
+    outs, partials = r.cb.run_with_partials(r.inputs)
+    torch.cuda.synchronize()
+    cpu = {k: v.cpu() for k, v in r.inputs.items()}
+    ref, ref_partials = r.bwd.run_with_partials(cpu, tile=BWD_TILE)
+    ref64 = r.bwd.run(cpu, precision="f64")
+    print(f"\n{r.bwd.name}: GEMM stages {r.cb.gemm_stages}, elementwise {sorted(r.cb.elementwise)}, "
+          f"modes {[s.mode for s in r.cb.specs if s is not None]}")
+    for o in r.bwd.ir.outputs:
+        assert o.type is not None
+        check_gradient(o.name, outs[o.name], ref[o.name], ref64[o.name], o.type.dtype)
+    for spec in r.cb.specs:
+        for s in spec.sinks if spec is not None else ():
+            assert s.name in partials, s.name
+    for k, buf in partials.items():
+        check_partial(k, buf, ref_partials[k])
+
+
+@pytest.mark.parametrize("name", FORWARD)
+def test_backward_one_kernel_launch_per_gemm_stage(name: str) -> None:
+    r = backward_run(name)
+    check_one_launch_per_gemm_stage(r.bwd.cuda(tile=BWD_TILE), r.inputs)
+
+
+@pytest.mark.parametrize("name", FORWARD)
+def test_example_autograd_matches_vjp(name: str) -> None:
+    blk = block(name)
+    fn = blk.cuda(tile=BWD_TILE, poison=True).autograd()
+    inputs = example_inputs(blk, RAGGED, seed=7, device="cuda")
+    leaves = {k: v.clone().requires_grad_() if v.is_floating_point() else v for k, v in inputs.items()}
+    outs = fn(leaves)
+    gen = torch.Generator("cuda").manual_seed(8)
+    cts = {o: torch.randn(v.shape, device="cuda", generator=gen).to(v.dtype) for o, v in outs.items()
+           if v.is_floating_point()}
+    torch.autograd.backward([outs[o] for o in cts], [cts[o] for o in cts])
+    cpu = {k: v.cpu() for k, v in inputs.items()}
+    cts_cpu = {k: v.cpu() for k, v in cts.items()}
+    ref = blk.vjp(cpu, cts_cpu, tile=BWD_TILE)
+    ref64 = blk.vjp(cpu, cts_cpu, precision="f64")
+    assert ref
+    for n in ref:
+        g = leaves[n].grad
+        t = next(p.var.type for p in blk.ir.params if p.var.name == n)
+        assert g is not None and t is not None and g.dtype == inputs[n].dtype
+        check_gradient(n, g, ref[n], ref64[n], t.dtype)
 
 
 def test_llama_mlp_fresh_inputs_other_tile() -> None:
