@@ -82,7 +82,40 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--backward", action="store_true", help="compile the derived backward block instead")
     k.add_argument("--tile", metavar="MxN", help="--emit ptx: this tile only (e.g. 128x128; pingpong, cluster 2x1)")
     k.add_argument("--error-format", choices=("human", "short"), default="human")
+    _fuzz_parser(sub)
     return p
+
+
+def _fuzz_parser(sub: argparse._SubParsersAction) -> None:
+    f = sub.add_parser("fuzz", help="differential testing: kernels or tile simulation against the interpreter",
+                       description="Fuzz a block: random sizes (including ones that are not multiples of the tile) "
+                       "and seeded random inputs, run on the path under test and on the whole-matrix interpreter, "
+                       "forward and backward, compared within the tolerance of PAPER.md section 6. On a mismatch "
+                       "hypothesis shrinks the case; the smallest failing dims, the input seed and a command that "
+                       "reproduces it are printed. Exit 0: every case passed; 1: a failure (or the block can't run "
+                       "on the target); 2: usage errors, or a target this machine can't run.")
+    f.add_argument("file", metavar="FILE", nargs="?", help="the .coda file (or --programs N instead)")
+    f.add_argument("--block", metavar="NAME", help="the block to fuzz (needed when the file has several)")
+    f.add_argument("--target", choices=("interp", "cuda", "emulate"), default="interp",
+                   help="interp: the interpreter's tile simulation (default); cuda: the compiled kernels "
+                   "(Block.cuda(), needs a GPU); emulate: the CUDA runtime with torch stand-ins for the kernels (CPU)")
+    f.add_argument("--examples", type=int, default=100, metavar="N",
+                   help="cases to try (default 100; with --programs: cases per program)")
+    f.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the search (default 0)")
+    f.add_argument("--max-dim", type=int, metavar="K", help="largest size of a dim (default: 48 for interp, "
+                   "520 for cuda, 64 for emulate; cuda and emulate draw multiples of 8)")
+    f.add_argument("--dims", metavar="M=..,N=..", help="fix these dims (reproducing a case)")
+    f.add_argument("--input-seed", type=int, metavar="S", help="fix the seed of the inputs (reproducing a case)")
+    f.add_argument("--tile", metavar="MxN", help="interp: fix the simulated tile (default: small random tiles); "
+                   "cuda, emulate: the kernels' tile (default: the backend's choice)")
+    f.add_argument("--special", action="store_true",
+                   help="inputs with special values too: NaN, +-inf, large magnitudes, denormals, signed zeros")
+    f.add_argument("--no-backward", action="store_true", help="fuzz the forward only")
+    f.add_argument("--no-shrink", action="store_true", help="report the first failing case as found")
+    f.add_argument("--programs", type=int, metavar="N", help="fuzz N random programs instead of FILE")
+    f.add_argument("--save-dir", metavar="DIR", default=".",
+                   help="--programs: where to write a failing program (default: .)")
+    f.add_argument("-q", "--quiet", action="store_true", help="no progress line")
 
 
 def _read(path: str) -> str | None:
@@ -394,6 +427,12 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return status
 
 
+def cmd_fuzz(args: argparse.Namespace) -> int:
+    from coda_lang.fuzz import command  # imports hypothesis (and torch only for --target cuda/emulate)
+
+    return command(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -401,7 +440,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     try:
-        return {"check": cmd_check, "run": cmd_run, "grad": cmd_grad, "compile": cmd_compile}[args.command](args)
+        return {"check": cmd_check, "run": cmd_run, "grad": cmd_grad, "compile": cmd_compile,
+                "fuzz": cmd_fuzz}[args.command](args)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

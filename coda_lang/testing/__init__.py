@@ -12,10 +12,21 @@ Importing this package imports hypothesis and NumPy, never torch; `coda check/ru
 import it.
 """
 
+from hypothesis import strategies as st
+
 from coda_lang.testing.inputs import gradcheck_inputs
 from coda_lang.testing.op_programs import OP_SIZES, OpProgram, op_programs
 from coda_lang.testing.programs import Forward, forward_blocks
 from coda_lang.testing.rules import differentiable_ops, positive_args
+
+
+def random_blocks(gemm_dtypes: tuple[str, ...] = ("f32", "bf16", "f16")) -> st.SearchStrategy[Forward]:
+    """Random checked blocks with every feature the generator has: several dtypes (activations, stored
+    tiles and GEMM operands in f32, bf16 or f16), grouped values read after their stage, partials read
+    by later stages, picks from narrower tiles. Not restricted to what autodiff handles today, so a
+    drawn block's backward may raise CodaError (E06); for differential testing that is fine.
+    `gemm_dtypes`: the dtypes GEMM operands may have (("bf16", "f16") for the CUDA backend)."""
+    return forward_blocks(known_bugs=True, gemm_dtypes=gemm_dtypes)
 
 __all__ = [
     "OP_SIZES",
@@ -26,4 +37,5 @@ __all__ = [
     "gradcheck_inputs",
     "op_programs",
     "positive_args",
+    "random_blocks",
 ]

@@ -116,9 +116,11 @@ def _weight(op: OpDef) -> int:
 
 
 class ForwardGen:
-    def __init__(self, draw: Any, sizes: dict[str, int], known_bugs: bool = False):
+    def __init__(self, draw: Any, sizes: dict[str, int], known_bugs: bool = False,
+                 gemm_dtypes: tuple[str, ...] = FLOAT_DTYPES):
         self.draw = draw
         self.known_bugs = known_bugs
+        self.gemm_dtypes = gemm_dtypes  # dtypes of GEMM operands (with known_bugs; else f32)
         self.sizes = sizes
         self.n = 0
         self.params: list[str] = []
@@ -330,6 +332,7 @@ class ForwardGen:
     def stage(self, first: bool) -> None:
         draw = self.draw
         stored = [v for v in self.outer if v.stored and v.type.kind == MATRIX and is_float(v.type.dtype)
+                  and (not self.known_bugs or v.type.dtype in self.gemm_dtypes)
                   and (self.known_bugs or (v.type.dtype == self.act  # AUTODIFF BUG 4: one GEMM dtype
                                            and not v.other_width))]  # AUTODIFF BUGS 7, 8
         if not first and stored and draw(st.integers(0, 4)) < 3:
@@ -341,7 +344,7 @@ class ForwardGen:
                 a_src, rows, inner = a.src, a.type.shape[0], a.type.shape[1]
         else:
             rows, inner = ROWS, INNER
-            dt = self.act if first or not self.known_bugs else draw(st.sampled_from(FLOAT_DTYPES))
+            dt = self.act if first or not self.known_bugs else draw(st.sampled_from(self.gemm_dtypes))
             if draw(st.integers(0, 3)) == 0:
                 a_src = f"transpose({self.add_param('x', dt, (INNER, ROWS)).src})"
             else:
@@ -404,7 +407,7 @@ class ForwardGen:
     def block(self) -> str:
         draw = self.draw
         # AUTODIFF BUG 4: a cotangent of another dtype than the GEMM operands becomes a GEMM operand
-        self.act = draw(st.sampled_from(FLOAT_DTYPES)) if self.known_bugs else "f32"
+        self.act = draw(st.sampled_from(self.gemm_dtypes)) if self.known_bugs else "f32"
         if draw(st.booleans()):
             self.add_param("r", "f32", (ROWS,))
         if draw(st.booleans()):
@@ -432,14 +435,16 @@ class ForwardGen:
 
 
 @st.composite
-def forward_blocks(draw: Any, known_bugs: bool = False) -> Forward:
+def forward_blocks(draw: Any, known_bugs: bool = False, gemm_dtypes: tuple[str, ...] = FLOAT_DTYPES) -> Forward:
     """A random block-local forward block (see the module docstring), with sizes for its dims.
 
     `known_bugs=False` avoids what autodiff gets wrong today (tests/test_autodiff.py pins each with
     a strict xfail): GEMM operands and stored tiles of other dtypes than the activation dtype, and
-    partial reductions read by a later stage's epilogue. Remove the avoidance as they are fixed."""
+    partial reductions read by a later stage's epilogue. Remove the avoidance as they are fixed.
+    `gemm_dtypes` (with `known_bugs=True`): the dtypes GEMM operands may have (the CUDA backend
+    multiplies bf16 or f16 only)."""
     sizes = {"M": draw(st.integers(2, 7)), "K": draw(st.integers(2, 5)), "N": draw(st.integers(2, 5)),
              "F": draw(st.integers(2, 4))}  # no dim of 1: `u * F` would equal u (a tie for max)
-    gen = ForwardGen(draw, sizes, known_bugs)
+    gen = ForwardGen(draw, sizes, known_bugs, gemm_dtypes)
     text = gen.block()
     return Forward(text, sizes, dict(gen.index_range), dict(gen.scale))

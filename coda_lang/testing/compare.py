@@ -1,0 +1,75 @@
+"""The tolerance rule for comparing a result (a kernel's, or the tile simulation's) with the interpreter.
+
+What it does: `mismatch(name, got, ref, ref64, dtype)` says in one line why `got` is not close enough
+to the reference `ref` (the whole-matrix interpreter in its "exact" precision), or returns None.
+The rule (as tests/runtime_check.py states it for the GPU tests, and PAPER.md section 6):
+- shapes equal; non-finite elements where and only where the reference has them, with the same
+  value (NaN, +inf or -inf); signed zeros are equal;
+- every finite element close: |got - ref| <= r * (|ref| + rms(ref)), r = 2**-7 (one bf16 ulp at the
+  value's scale, with a floor at the output's rms for cancellation) for 16-bit dtypes, r = 1e-3 for
+  f32 (the kernels use fast-math exp/log/tanh);
+- or, where that fails and `ref64` (the interpreter in float64, without rounding) is given, the
+  paper's rule on the finite elements: max|got - ref64| <= 2 * max|ref - ref64| + 1e-6 (the
+  interpreter rounds exactly where a kernel does, so it is the low-precision reference): a result as
+  accurate as the interpreter passes even where the problem is ill-conditioned.
+What it does not: choose what to compare (coda_lang/fuzz.py does).
+Invariants: accepts NumPy arrays (bf16 too), Python numbers and torch tensors (converted without
+importing torch here); never raises for mismatching values, only says why.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+REL = {"f32": 1e-3, "bf16": 2.0**-7, "f16": 2.0**-7}
+PAPER_ATOL = 1e-6
+
+
+def as_float64(x: Any) -> np.ndarray:
+    """x as a float64 NumPy array (torch tensors are copied to the CPU; i32 and bool too)."""
+    if hasattr(x, "detach") and "torch" in type(x).__module__:
+        t = x.detach().cpu()
+        x = t.float().numpy() if t.is_floating_point() else t.numpy()
+    return np.asarray(x).astype(np.float64)
+
+
+def _rms(x: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(np.square(x)))) if x.size else 0.0
+
+
+def _at(idx: tuple[int, ...]) -> str:
+    return "[" + ", ".join(map(str, idx)) + "]" if idx else ""
+
+
+def mismatch(name: str, got: Any, ref: Any, ref64: Any = None, dtype: str = "f32") -> str | None:
+    """Why `got` is not within the tolerance of `ref` (see the module docstring); None if it is."""
+    g, r = as_float64(got), as_float64(ref)
+    if g.shape != r.shape:
+        return f"{name}: shape {g.shape}, expected {r.shape}"
+    fin_g, fin_r = np.isfinite(g), np.isfinite(r)
+    odd = (fin_g != fin_r) | (~fin_r & ~((np.isnan(g) & np.isnan(r)) | (g == r)))
+    if odd.any():
+        idx = tuple(int(i[0]) for i in np.nonzero(odd)) if g.ndim else ()
+        return (f"{name}: {int(odd.sum())} of {g.size} elements differ in being finite; first at {_at(idx)}: "
+                f"{g[idx]!r} vs {r[idx]!r}")
+    rel = REL.get(dtype, REL["f32"])
+    gf, rf = g[fin_r], r[fin_r]
+    bound = rel * (np.abs(rf) + _rms(rf))
+    bad = np.abs(gf - rf) > bound
+    if not bad.any():
+        return None
+    if ref64 is not None:
+        f = as_float64(ref64)
+        if f.shape == r.shape:
+            ok = fin_r & np.isfinite(f)
+            err = float(np.max(np.abs(g[ok] - f[ok]), initial=0.0))
+            base = float(np.max(np.abs(r[ok] - f[ok]), initial=0.0))
+            if err <= 2 * base + PAPER_ATOL and ok.sum() == fin_r.sum():
+                return None
+    where = np.nonzero(fin_r)
+    k = int(np.argmax(np.abs(gf - rf) - bound))
+    idx = tuple(int(w[k]) for w in where) if g.ndim else ()
+    return (f"{name}: {int(bad.sum())} of {g.size} elements differ beyond {rel:.2g} * (|ref| + rms); "
+            f"worst at {_at(idx)}: {g[idx]:.7g} vs {r[idx]:.7g}")
