@@ -1,8 +1,12 @@
 """Shared test configuration: hypothesis profiles, the `--update-golden` option, and skipping `gpu` tests
 without a CUDA GPU.
 
-Profiles: "ci" (derandomized, no deadline, 50 examples, failure blobs printed) is loaded when the
-environment variable CI is set; "dev" otherwise. Choose one explicitly with HYPOTHESIS_PROFILE.
+Hypothesis profiles, chosen with the environment variable HYPOTHESIS_PROFILE:
+- "ci" (the default): derandomized (the same examples on every run, so CI is reproducible), no
+  deadline, 50 examples per property, failure blobs printed;
+- "dev": random examples (a different 50 on each run), for a quick local look around;
+- "long": random, 1000 examples per property, for a local run before a release or after touching the
+  checker, interpreter or autodiff: `HYPOTHESIS_PROFILE=long python -m pytest -q -p no:cacheprovider`.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ from hypothesis import HealthCheck, settings
 settings.register_profile("ci", derandomize=True, deadline=None, max_examples=50, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", deadline=None, max_examples=50)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+settings.register_profile("long", deadline=None, max_examples=1000, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
