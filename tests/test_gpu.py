@@ -294,6 +294,8 @@ def test_torch_compile_of_autograd() -> None:
         leaves = {k: v.clone().requires_grad_() for k, v in inputs.items()}
         f(**leaves).backward()
         grads.append({k: v.grad for k, v in leaves.items()})
+    for k in grads[0]:
+        print(f"d{k}: eager max |g| {grads[0][k].abs().max().item():.3e}, compiled {grads[1][k].abs().max().item():.3e}")
     for p in blk.ir.params:
         assert p.var.type is not None
         check_output(f"d{p.var.name} (torch.compile)", grads[1][p.var.name], grads[0][p.var.name], None,

@@ -17,11 +17,11 @@ stored; the function is built once per stage and reads only its inputs.
 from __future__ import annotations
 
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any
 
 import torch
 
-from coda_lang.interp.inputs import extent
 from coda_lang.ir.nodes import DimRef, Lit, Stage, Var
 from coda_lang.ir.types import TILE, VEC, Dim, Type
 from coda_lang.ops import REGISTRY
@@ -46,7 +46,9 @@ class ElementwiseStage:
         self.rows: Dim = self.plan.rows
         self.cols: Dim = self.plan.cols
         self.loads = [ld for ld in self.plan.loads]
+        self.roles = tuple((ld.name, ld.role) for ld in self.loads)
         self.stores = [(s.name, s.dtype, s.shape) for s in self.plan.stores]
+        self.store_meta = tuple((s.name, _torch_dtype(s.dtype), self._ratio(s.shape[1])) for s in self.plan.stores)
         self.reductions = [r.name for r in self.plan.reductions]
         for e in self.stage.body:
             od = REGISTRY[e.op]
@@ -59,15 +61,60 @@ class ElementwiseStage:
                 if e.op not in TORCH_OPS:
                     raise CodaError([Diagnostic("E0708", f"`{e.op}` has no torch mapping for an elementwise stage",
                                                 e.span)])
+        self.steps = [self._step(e) for e in self.stage.body]
+        # the stage's extents as (dim, numerator, denominator): plain ints, traceable by torch.compile
+        self._rows = (self.rows.name, self.rows.coeff.numerator, self.rows.coeff.denominator)
+        self._cols = (self.cols.name, self.cols.coeff.numerator, self.cols.coeff.denominator)
         self._fn: Callable[..., tuple[torch.Tensor, ...]] | None = None
+
+    # -- the static program: plain tuples and numbers only, so that torch.compile (dynamo) traces the
+    # function below without meeting the IR. A width is (num, den): that fraction of the stage's width.
+
+    def _ratio(self, d: Dim) -> tuple[int, int]:
+        r = Fraction(d.coeff) / Fraction(self.cols.coeff)
+        return r.numerator, r.denominator
+
+    def _width(self, t: Type | None) -> tuple[int, int] | None:
+        """A tile's width as a fraction of the stage's width (None: not a tile)."""
+        if t is None or t.kind != TILE:
+            return None
+        return self._ratio(t.shape[1])
+
+    def _arg(self, a: Any) -> tuple[str, Any]:
+        if isinstance(a, Var):
+            return ("v", a.name)
+        if isinstance(a, Lit):
+            return ("c", a.value)
+        assert isinstance(a, DimRef)
+        return ("d", (a.dim.name, a.dim.coeff.numerator, a.dim.coeff.denominator))
+
+    def _step(self, e: Any) -> tuple[str, tuple[str, ...], tuple[tuple[str, Any], ...], dict[str, Any]]:
+        outs = tuple(v.name for v in e.outs)
+        args = tuple(self._arg(a) for a in e.ins)
+        widths = tuple(self._width(a.type) if isinstance(a, Var) else None for a in e.ins)
+        out = e.outs[0].type
+        info: dict[str, Any] = {"widths": widths}
+        if e.op in REDUCE_FNS:
+            per_row = bool(out is not None and out.shape and out.shape[0] == self.rows)
+            info["per_row"] = per_row
+            if widths[0] is None:  # a vector or scalar broadcast over the reduced axis
+                info["widths"] = ((1, 1),) if per_row else (None,)
+        elif e.op in ("row_index", "col_index"):
+            assert out is not None and out.shape
+            info["width"] = self._ratio(out.shape[0]) if e.op == "col_index" else None
+        elif e.op not in ("pairs", "interleave", "pick"):
+            info["params"] = {k: v for k, v in e.params if not isinstance(v, Dim)}
+        info["vec"] = tuple(None if v.type is None or v.type.kind != VEC or not v.type.shape
+                            else ("row" if v.type.shape[0] == self.rows else "col") for v in e.outs)
+        return e.op, outs, args, info
 
     @property
     def text(self) -> str:
         return self.plan.text
 
     def function(self) -> Callable[..., tuple[torch.Tensor, ...]]:
-        """The stage as one function of its loads (and the extents of the dims it uses): eager when
-        emulating, else compiled by torch.compile (built on first use)."""
+        """The stage as one function of (rows, cols, dim sizes, loads...): eager when emulating, else
+        compiled by torch.compile (built on first use)."""
         if self._fn is None:
             fn = self._body
             if not self.emulate:
@@ -75,91 +122,70 @@ class ElementwiseStage:
             self._fn = fn
         return self._fn
 
-    def _body(self, sizes: dict[str, int], *ins: Any) -> tuple[torch.Tensor, ...]:
+    def _body(self, rows: int, cols: int, sizes: dict[str, int], *ins: Any) -> tuple[torch.Tensor, ...]:
         from coda_lang.backend_cute.runtime import TORCH_OPS
 
+        def width(w: tuple[int, int]) -> int:
+            return cols * w[0] // w[1]
+
+        def full(x: Any, w: tuple[int, int] | None) -> Any:
+            """A tile-shaped value at its tile's extents (a broadcast row vector or scalar expanded)."""
+            if w is None or not isinstance(x, torch.Tensor):
+                return x
+            return torch.broadcast_to(x, (rows, width(w)))
+
         vals: dict[str, Any] = {}
-        for ld, x in zip(self.loads, ins, strict=True):
-            if ld.role == "tile":
-                vals[ld.name] = x.float()
-            elif ld.role == "row vector":
-                vals[ld.name] = x.float().reshape(-1, 1) if x.is_floating_point() else x.reshape(-1, 1)
-            elif ld.role == "column vector":
-                vals[ld.name] = x.float().reshape(1, -1) if x.is_floating_point() else x.reshape(1, -1)
-            else:
-                vals[ld.name] = x
-        for e in self.stage.body:
-            args = [vals[a.name] if isinstance(a, Var) else a.value if isinstance(a, Lit)
-                    else extent(a.dim, sizes) if isinstance(a, DimRef) else None for a in e.ins]
-            (first, *_) = e.outs
-            if e.op == "pairs":
-                z = self._full(args[0], e.ins[0], sizes)
+        for (name, role), x in zip(self.roles, ins, strict=True):
+            if role != "scalar" and x.is_floating_point():
+                x = x.float()
+            vals[name] = x.reshape(-1, 1) if role == "row vector" else x.reshape(1, -1) if role == "column vector" else x
+        device = next(x.device for x in ins if isinstance(x, torch.Tensor))
+        for op, outs, args, info in self.steps:
+            xs = [vals[v] if k == "v" else v if k == "c" else sizes[v[0]] * v[1] // v[2] for k, v in args]
+            ws = info["widths"]
+            if op == "pairs":
+                z = full(xs[0], ws[0])
                 res: tuple[Any, ...] = (z[:, 0::2], z[:, 1::2])
-            elif e.op == "interleave":
-                a, b = self._full(args[0], e.ins[0], sizes), self._full(args[1], e.ins[1], sizes)
-                a, b = torch.broadcast_tensors(torch.as_tensor(a), torch.as_tensor(b))
+            elif op == "interleave":
+                a, b = torch.broadcast_tensors(torch.as_tensor(full(xs[0], ws[0]), device=device),
+                                               torch.as_tensor(full(xs[1], ws[1]), device=device))
                 res = (torch.stack((a, b), dim=-1).reshape(a.shape[0], -1),)
-            elif e.op in REDUCE_FNS:
-                res = (self._reduce(e.op, args[0], e.ins[0], first.type, sizes),)
-            elif e.op == "pick":
-                x = self._full(args[0], e.ins[0], sizes)
-                idx = torch.as_tensor(args[1]).long().reshape(-1, 1)
+            elif op in REDUCE_FNS:
+                per_row = info["per_row"]
+                x = torch.as_tensor(xs[0], dtype=torch.float32, device=device)
+                if ws[0] is not None:
+                    x = torch.broadcast_to(x, (rows, width(ws[0])))
+                else:  # a column vector (or scalar) reduced over the rows
+                    x = torch.broadcast_to(x, (rows, x.shape[-1] if x.dim() else 1))
+                r = REDUCE_FNS[op](x, 1 if per_row else 0)
+                res = (r.reshape(-1, 1) if per_row else r.reshape(1, -1),)
+            elif op == "pick":
+                x = full(xs[0], ws[0])
+                idx = torch.as_tensor(xs[1], device=device).long().reshape(-1, 1)
                 ok = (idx >= 0) & (idx < x.shape[1])
                 got = x.gather(1, torch.where(ok, idx, 0))
-                res = (torch.where(ok, got, 0.0).reshape(-1),)
-            elif e.op in ("row_index", "col_index"):
-                n = self._extent(first.type, 0, sizes)
-                ix = torch.arange(n, dtype=torch.int32, device=self._device(ins))
-                res = (ix.reshape(-1, 1) if e.op == "row_index" else ix.reshape(1, -1),)
+                res = (torch.where(ok, got, 0.0),)
+            elif op in ("row_index", "col_index"):
+                n = rows if info["width"] is None else width(info["width"])
+                ix = torch.arange(n, dtype=torch.int32, device=device)
+                res = (ix.reshape(-1, 1) if op == "row_index" else ix.reshape(1, -1),)
             else:
-                params = {k: v for k, v in e.params if not isinstance(v, Dim)}
-                out = TORCH_OPS[e.op](*args, **params)
+                out = TORCH_OPS[op](*xs, **info["params"])
                 res = out if isinstance(out, tuple) else (out,)
-            for v, x in zip(e.outs, res, strict=True):
-                if isinstance(x, torch.Tensor) and x.is_floating_point():
-                    x = x.float()
-                if v.type is not None and v.type.kind == VEC and isinstance(x, torch.Tensor) and x.dim() == 1:
-                    x = x.reshape(-1, 1) if v.type.shape[0] == self.rows else x.reshape(1, -1)
-                vals[v.name] = x
-        outs: list[torch.Tensor] = []
-        for name, dtype, shape in self.stores:
-            full = tuple(extent(d, sizes) for d in shape)
-            x = torch.broadcast_to(torch.as_tensor(vals[name], dtype=torch.float32), full)
-            outs.append(x.to(_torch_dtype(dtype)).contiguous())
+            for name, x, vec in zip(outs, res, info["vec"], strict=True):
+                if isinstance(x, torch.Tensor):
+                    if x.is_floating_point():
+                        x = x.float()
+                    if vec is not None and x.dim() == 1:
+                        x = x.reshape(-1, 1) if vec == "row" else x.reshape(1, -1)
+                vals[name] = x
+        results: list[torch.Tensor] = []
+        for name, dtype, w in self.store_meta:
+            x = torch.broadcast_to(torch.as_tensor(vals[name], dtype=torch.float32, device=device), (rows, width(w)))
+            results.append(x.to(dtype).contiguous())
         for name in self.reductions:
-            outs.append(torch.as_tensor(vals[name]).reshape(-1).float())
-        return tuple(outs)
-
-    def _device(self, ins: tuple[Any, ...]) -> torch.device:
-        return next(x.device for x in ins if isinstance(x, torch.Tensor))
-
-    def _extent(self, t: Type | None, axis: int, sizes: dict[str, int]) -> int:
-        assert t is not None and t.shape
-        return extent(t.shape[axis], sizes)
-
-    def _full(self, x: Any, atom: Any, sizes: dict[str, int]) -> Any:
-        """A tile-shaped value broadcast to its tile's extents (a vector or scalar stays as it is)."""
-        t = atom.type if isinstance(atom, Var) else None
-        if t is None or t.kind != TILE or not isinstance(x, torch.Tensor):
-            return x
-        shape = (extent(t.shape[0], sizes), extent(t.shape[1], sizes))
-        return x if tuple(x.shape) == shape else torch.broadcast_to(x, shape)
-
-    def _reduce(self, op: str, x: Any, atom: Any, out: Type | None, sizes: dict[str, int]) -> torch.Tensor:
-        """A reduction over the stage's columns (a per-row result) or rows (a per-column result)."""
-        assert out is not None
-        t = atom.type if isinstance(atom, Var) else None
-        per_row = bool(out.shape) and out.shape[0] == self.rows
-        if t is not None and t.kind == TILE:
-            shape = (extent(t.shape[0], sizes), extent(t.shape[1], sizes))
-        else:  # a vector or scalar broadcast over the reduced axis
-            other = out.shape[0] if out.shape else self.rows
-            width = self.cols if per_row else self.rows
-            shape = ((extent(other, sizes), extent(width, sizes)) if per_row
-                     else (extent(width, sizes), extent(other, sizes)))
-        x = torch.broadcast_to(torch.as_tensor(x, dtype=torch.float32), shape)
-        r = REDUCE_FNS[op](x, 1 if per_row else 0)
-        return r.reshape(-1, 1) if per_row else r.reshape(1, -1)
+            results.append(torch.as_tensor(vals[name], device=device).reshape(-1).float())
+        return tuple(results)
 
     def run(self, env: dict[str, Any], dims: dict[str, int], storage: dict[str, str],
             out: dict[str, Any] | None = None) -> None:
@@ -171,7 +197,9 @@ class ElementwiseStage:
             if ld.role != "scalar" and isinstance(v, torch.Tensor):
                 v = v.contiguous()
             ins.append(v)
-        outs = self.function()(dict(dims), *ins)
+        rows = (dims[self._rows[0]] if self._rows[0] is not None else 1) * self._rows[1] // self._rows[2]
+        cols = (dims[self._cols[0]] if self._cols[0] is not None else 1) * self._cols[1] // self._cols[2]
+        outs = self.function()(rows, cols, {k: int(v) for k, v in dims.items()}, *ins)
         if out is None:
             out = env
         i = 0

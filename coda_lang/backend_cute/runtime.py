@@ -43,7 +43,7 @@ from coda_lang.backend_cute.compile import CANDIDATES, BackendUnavailable, TileC
 from coda_lang.backend_cute.elementwise import ElementwiseStage
 from coda_lang.backend_cute.emit import emit_stage, source_hash, write_source
 from coda_lang.backend_cute.plan import Sink, StageSpec, plan_stage
-from coda_lang.interp.inputs import extent, fail, infer_dims
+from coda_lang.interp.inputs import fail, infer_dims
 from coda_lang.ir.nodes import DimRef, Eqn, Lit, Stage, Var
 from coda_lang.ir.types import BOOL, MATRIX, Dim, Type
 from coda_lang.verify.diagnostics import CodaError, Diagnostic
@@ -241,7 +241,11 @@ class _StageRunner:
             outs.append(new((m, _width(spec.d.shape[1], g.cols, n)), TORCH_DTYPES[spec.d.dtype]))
         for o in spec.outputs:
             width = _width(o.shape[1], g.cols, n)
-            outs.append(new((m, width // 2 if o.lane is not None else width), TORCH_DTYPES[o.dtype]))
+            if o.lane is not None:  # one lane of a split store: rows padded to 16 bytes, as TMA needs
+                half = width // 2
+                outs.append(new((m, -(-half // 8) * 8), TORCH_DTYPES[o.dtype])[:, :half])
+            else:
+                outs.append(new((m, width), TORCH_DTYPES[o.dtype]))
         for s in spec.sinks:
             shape = sink_shape(s, m, n, cfg.tile_m, cfg.tile_n)
             # pick leaves rows whose index is outside [0, n) alone: they read 0, as in the interpreter
@@ -485,6 +489,11 @@ class CudaBlock:
                                             "runtime", s.span, notes=["add it to TORCH_OPS in "
                                                                       "coda_lang/backend_cute/runtime.py"])])
         self._runners: dict[int, _StageRunner] = {}
+        # (first output, argument position) -> (dim name, numerator, denominator) of each dim used as a
+        # value between stages, so that no Fraction is touched while a call is traced
+        self._dimrefs = {(s.outs[0].name, i): (a.dim.name, a.dim.coeff.numerator, a.dim.coeff.denominator)
+                         for s in self.ir.body if not isinstance(s, Stage)
+                         for i, a in enumerate(s.ins) if isinstance(a, DimRef)}
         self._ready = False
 
     @property
@@ -596,9 +605,9 @@ class CudaBlock:
                 vals.append(env[a.name])
             elif isinstance(a, Lit):
                 vals.append(a.value)
-            else:
-                assert isinstance(a, DimRef)
-                vals.append(extent(a.dim, dims))
+            else:  # a dim as a value: integer arithmetic on plain ints (torch.compile traces this)
+                name, num, den = self._dimrefs[(e.outs[0].name, len(vals))]
+                vals.append((dims[name] if name is not None else 1) * num // den)
         params = {k: v for k, v in e.params if not isinstance(v, Dim)}
         res = TORCH_OPS[e.op](*vals, **params)
         res_t = res if isinstance(res, tuple) else (res,)
