@@ -100,7 +100,8 @@ class Block:
             bins[name] = fwd[name] if name in fwd else inputs.get(name)
             if bins[name] is None:
                 bins.pop(name)  # a parameter with a default
-        grads = d.backward.run(bins, dims=sizes, tile=tile, precision=precision)
+        bdims = {x.name: sizes[x.name] for x in d.backward.ir.dims}  # the backward declares the dims it uses
+        grads = d.backward.run(bins, dims=bdims, tile=tile, precision=precision)
         return {p: grads[g] for p, g in d.grads.items()}
 
     def cuda(self, tile: Any = None, **options: Any) -> Any:

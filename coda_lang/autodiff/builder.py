@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from coda_lang.ir.nodes import NO_SPAN, Atom, DimRef, Eqn, Lit, Span, Var
-from coda_lang.ir.types import ERROR_TYPE, MATRIX, TILE, Dim, Type, is_float
+from coda_lang.ir.types import ERROR_TYPE, MATRIX, SCALAR, TILE, VEC, Dim, Type, is_float
 from coda_lang.ops import REGISTRY, Ctx, StageShape
 from coda_lang.verify.diagnostics import Mistake
 
@@ -64,9 +64,13 @@ class Builder:
         self.types = types  # backward name -> type as seen at block level
         self.divisors, self.values = divisors, values
         self.out: list[Eqn] = []
+        self.before: list[Eqn] = []  # vector computations hoisted out of the stage being built
         self.stage: StageShape | None = None
         self.local: set[str] = set()  # names defined in the current stage
         self.span: Span = NO_SPAN
+        # Where a max/min reduction's tie count is not complete in the stage being built, the site
+        # counted the ties before it: the count of a reduction equation, as a complete vector.
+        self.tie_counts: Callable[[Eqn], Atom] | None = None
 
     # ------------------------------------------------------------------ typing
 
@@ -88,6 +92,15 @@ class Builder:
             params: dict[str, Any] | None = None, **kw: Any) -> tuple[Var, ...]:
         params = {**(params or {}), **kw}
         opdef = REGISTRY[op]
+        if self.stage is not None and not annot and self.hoistable(opdef.locality, ins):
+            try:  # a computation on complete vectors and scalars only: it runs between stages, before the stage
+                stage, local, out = self.stage, self.local, self.out
+                self.stage, self.local, self.out = None, set(), self.before
+                return self.ops(op, *ins, names=names, params=params)
+            except AutodiffError:
+                pass  # e.g. a row vector and a column vector: their outer product is a tile
+            finally:
+                self.stage, self.local, self.out = stage, local, out
         in_types = tuple(self.type_of(a) for a in ins)
         ctx = Ctx(self.stage, self.divisors, self.values)
         try:
@@ -106,6 +119,14 @@ class Builder:
         ordered = tuple((k, params[k]) for k in order if k in params)
         self.out.append(Eqn(op, tuple(ins), outs, ordered, self.span, (self.span,) * len(ins)))
         return outs
+
+    def hoistable(self, locality: str | None, ins: tuple[Atom, ...]) -> bool:
+        if locality != "pointwise":
+            return False
+        for a in ins:
+            if isinstance(a, Var) and (a.name in self.local or self.types.get(a.name, ERROR_TYPE).kind not in (VEC, SCALAR)):
+                return False
+        return True
 
     def op(self, op: str, *ins: Atom, name: str | None = None, annot: str | None = None, **params: Any) -> Var:
         return self.ops(op, *ins, names=(name,), annot=annot, **params)[0]
@@ -148,6 +169,18 @@ class Builder:
         if group:
             return self.op("reduce_sum", a, over=over, group=group)
         return self.op("reduce_sum", a, over=over)
+
+
+    def ties(self, p: Primals, mask: Atom) -> Atom:
+        """How many elements attain the max/min reduction `p` (where `mask` is true), per reduced row,
+        column or group: its cotangent is split among them, as JAX and torch do."""
+        over = p.param("over")
+        group = p.param("group")
+        assert isinstance(over, Dim) and (group is None or isinstance(group, int))
+        if self.stage is None or group is not None:  # between stages, or a group complete in its tile
+            return self.sum_over(self.where(mask, self.lit(1.0), self.lit(0.0)), over, group)
+        assert self.tie_counts is not None, "a max/min reduction's backward runs in a site"
+        return self.tie_counts(p.eqn)
 
 
 def _is_zero(a: Atom) -> bool:

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field, replace
 from coda_lang.autodiff.builder import AutodiffError, Builder, Names, Primals
 from coda_lang.autodiff.builder import float_value as _float
 from coda_lang.autodiff.cleanup import cse, dce, rename, used_names
-from coda_lang.ir.nodes import Atom, Block, Eqn, Lit, Output, Param, Span, Stage, Stmt, Var
-from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type, is_float
+from coda_lang.ir.nodes import Atom, Block, DimRef, Eqn, Lit, Output, Param, Span, Stage, Stmt, Var
+from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Dim, Type, is_float
 from coda_lang.ops import REGISTRY, StageShape
 from coda_lang.verify.plan import BlockPlan
 
@@ -225,17 +225,42 @@ class Reverse:
         for a, c in zip(e.ins, got, strict=True):
             if c is None or not isinstance(a, Var):
                 continue
-            target = self.ftype.get(a.name)
-            if not _float(target) or (a.name in self.params and a.name not in self.wrt):
+            if not _float(self.ftype.get(a.name)) or (a.name in self.params and a.name not in self.wrt):
                 continue
-            assert target is not None
-            self.ct.setdefault(a.name, []).append(self.unbroadcast_block(c, target))
+            target = self.after_type(a.name)
+            # a pointwise op's cotangents are of its (broadcast) output; a reduction's of its input
+            logical = e.outs[0].type if op.locality == "pointwise" and e.outs[0].type is not None else target
+            self.ct.setdefault(a.name, []).append(self.unbroadcast_block(c, logical, target))
 
-    def unbroadcast_block(self, c: Atom, target: Type) -> Atom:
+    def unbroadcast_block(self, c: Atom, logical: Type, target: Type) -> Atom:
+        """Between stages: the cotangent of a vector used as a scalar's broadcast is summed over it (a
+        scalar cotangent standing for a vector: multiplied by its length)."""
         ct = self.bb.type_of(c)
         if target.kind == SCALAR and ct.kind == VEC:
             return self.bb.sum_over(c, ct.shape[0])
+        if target.kind == SCALAR and logical.kind == VEC:
+            return self.bb.mul(c, DimRef(logical.shape[0]))
         return c
+
+    def after_type(self, name: str) -> Type:
+        """A forward value's type after its stage: what later stages and the block level see."""
+        t = self.ftype[name]
+        if name in self.fstage:
+            if t.kind in (TILE, GROUP):
+                return Type(self.storage.get(name, self.plan.activation), t.shape, MATRIX)
+            if t.kind == PARTIAL:
+                return Type(t.dtype, t.shape, VEC if t.shape else SCALAR)
+        return t
+
+    def operand_dtype(self, k: int) -> str:
+        """The dtype of stage k's GEMM operands (the checker makes both the same): its dacc's dtype."""
+        a = self.f.stages[k].a
+        assert isinstance(a, Var)
+        if a.name in self.params:
+            t = self.params[a.name].var.type
+            assert t is not None
+            return t.dtype
+        return self.storage.get(a.name, self.plan.activation)
 
     # ------------------------------------------------------------------ stages
 
@@ -269,25 +294,41 @@ class Reverse:
         return uses
 
     def choose_host(self, k: int, defined: list[str]) -> tuple[str, int, str] | None:
-        """The GEMM whose output is the cotangent of one of stage k's tiles: (tile, stage, operand)."""
-        best = None
-        for name in defined:
-            for c, pos in self.gemm_uses(name):
-                if c in self.dacc and (c, pos) not in self.dgrad_done:
-                    cand = (0 if pos == "a" else 1, c, name, pos)
-                    if best is None or cand < best:
-                        best = cand
+        """The GEMM whose output is the cotangent of one of stage k's tiles: (tile, stage, operand); one
+        whose tile space holds every tile of stage k's epilogue (of its width, or half or twice it)."""
+        cands = sorted({(0 if pos == "a" else 1, c, name, pos) for name in defined for c, pos in self.gemm_uses(name)
+                        if c in self.dacc and (c, pos) not in self.dgrad_done})
+        best = next((cand for cand in cands if self.host_fits(k, cand[2])), None)
+        # every other GEMM use of stage k's tiles runs as its own GEMM, before the site, and adds in
+        for _, c, name, pos in cands:
+            if best is None or (c, pos) != (best[1], best[3]):
+                self.dgrad_done.add((c, pos))
+                self.operand_grad(c, pos, name)
         if best is None:
             return None
         _, c, name, pos = best
-        # every other GEMM use of stage k's tiles runs as its own GEMM, before the site, and adds in
-        for other in defined:
-            for cc, pp in self.gemm_uses(other):
-                if cc in self.dacc and (cc, pp) not in self.dgrad_done and (cc, pp) != (c, pos):
-                    self.dgrad_done.add((cc, pp))
-                    self.operand_grad(cc, pp, other)
         self.dgrad_done.add((c, pos))
         return name, c, pos
+
+    def host_fits(self, k: int, tile: str) -> bool:
+        """Whether the tile space of `tile` (the output of the GEMM that would host stage k's backward)
+        holds every tile and column vector of stage k's epilogue."""
+        rows, cols = self.ftype[tile].shape
+        host = StageShape(rows, cols)
+        st = self.f.stages[k]
+        assert st.acc is not None and st.acc.type is not None
+        frows = st.acc.type.shape[0]
+        types = [st.acc.type] + [a.type if isinstance(a, Var) and a.type is not None else Type("f32")
+                                 for e in st.body for a in (*e.ins, *e.outs)]
+        local = [v.type for e in st.body for v in e.outs]  # a grouped value of another stage is a tile here
+        for t in types:
+            if t.kind in (TILE, MATRIX, GROUP) and len(t.shape) == 2:
+                width = t.shape[1].scale(t.group) if t.kind == GROUP and t.group and t in local else t.shape[1]
+                if t.shape[0] != host.rows or width not in host.col_widths():
+                    return False
+            elif t.kind in (VEC, PARTIAL) and t.shape and t.shape[0] != frows and t.shape[0] not in host.col_widths():
+                return False
+        return True
 
     def gemm_for(self, c: int, pos: str) -> tuple[Atom, Atom, bool, bool]:
         """The GEMM (a, b, ta, tb) giving the cotangent of operand `pos` of forward stage c."""
@@ -315,7 +356,8 @@ class Reverse:
         acc = Var("acc")
         total = self.accumulate(acc, name, bb)
         out = bb.op("copy", total, name=self.names.fresh(f"d{name}"), annot=None if name in self.params else "f32")
-        body = self.close_stage()
+        before, body = self.close_stage()
+        self.body.extend(before)
         self.body.append(Stage(a, b, ta, tb, Var("acc"), tuple(body), span=st.span))
         self.ct.setdefault(name, []).append(Var(out.name))
 
@@ -340,14 +382,15 @@ class Reverse:
         return StageShape(rows, cols)
 
     def open_stage(self, shape: StageShape) -> None:
-        self.bb.out = []
+        self.bb.out, self.bb.before = [], []
         self.bb.stage = shape
         self.bb.local = {"acc"}
         self.types["acc"] = Type("f32", (shape.rows, shape.cols), TILE)
 
-    def close_stage(self) -> list[Eqn]:
+    def close_stage(self) -> tuple[list[Eqn], list[Eqn]]:
+        """(vector computations hoisted out of the stage, to run just before it; the stage's body)."""
         b = self.bb
-        body = b.out
+        body, before = b.out, b.before
         # after the stage: tiles are stored matrices, partials complete vectors
         for name in b.local:
             t = self.types.get(name)
@@ -358,8 +401,8 @@ class Reverse:
             elif t.kind == PARTIAL:
                 self.types[name] = Type(t.dtype, t.shape, VEC if t.shape else SCALAR)
         self.types.pop("acc", None)
-        b.stage, b.local, b.out = None, set(), []
-        return body
+        b.stage, b.local, b.out, b.before = None, set(), [], []
+        return before, body
 
     def weight_grads(self, k: int, st: Stage, dacc: Atom, line: int) -> None:
         for pos, operand in (("b", st.b), ("a", st.a)):
@@ -428,7 +471,8 @@ class Reverse:
         if self.bb.type_of(total).kind != TILE:
             total = self.bb.op("expand", total, self.forward_param(name))
         self.bb.op("copy", total, name=out_name)
-        body = self.close_stage()
+        before, body = self.close_stage()
+        self.body.extend(before)
         self.body.append(Stage(None, None, False, False, None, tuple(body), (shape.rows, shape.cols),
                                span=self.params[name].span))
         self.report.append((self.params[name].span, f"the gradient of `{name}` is summed in an elementwise stage"))
@@ -452,7 +496,8 @@ class Reverse:
             t = self.params[name].var.type
             assert t is not None
             outputs.append(Output(g, Type(t.dtype, t.shape, (SCALAR, VEC, MATRIX)[len(t.shape)]), self.params[name].span))
-        dims = self.f.dims
+        used = _used_dims(params, outputs, body)
+        dims = tuple(d for d in self.f.dims if d.name in used)
         bname = f"{self.f.name}_bwd"
         notes = [f"backward of `{self.f.name}`, derived by `coda grad`",
                  "saved tensors (stored by the forward): " + (", ".join(saved) or "none"),
@@ -493,6 +538,21 @@ class Reverse:
         notes = tuple(self.f.notes) + ("saved for the backward (extra outputs): " +
                                        (", ".join(n for n in saved if n not in have) or "none"),)
         return replace(self.f, body=tuple(body), outputs=tuple(outs), notes=notes)
+
+
+def _used_dims(params: list[Param], outputs: list[Output], body: list[Stmt]) -> set[str]:
+    """The dims a block names (as the parser finds them): in its signature, as values, as `over=`
+    parameters and as elementwise stage shapes. A block declares only those."""
+    dims: list[Dim] = [d for p in params if p.var.type for d in p.var.type.shape]
+    dims += [d for o in outputs for d in o.type.shape]
+    for s in body:
+        eqns = s.body if isinstance(s, Stage) else (s,)
+        if isinstance(s, Stage) and s.shape is not None:
+            dims += list(s.shape)
+        for e in eqns:
+            dims += [a.dim for a in e.ins if isinstance(a, DimRef)]
+            dims += [v for _, v in e.params if isinstance(v, Dim)]
+    return {d.name for d in dims if d.name}
 
 
 def derive(block: Block, plan: BlockPlan, wrt: list[str] | None = None) -> Derivation:

@@ -133,7 +133,7 @@ class Interpreter:
             senv: dict[str, Any] = {"acc": acc[r0:r1, c0:c1]} if acc is not None else {}
             for e in s.body:
                 vals = [self.stage_value(a, senv, t) for a in e.ins]
-                outs = self.apply(e, vals, t)
+                outs = self.apply(e, vals, t, senv)
                 for v, x in zip(e.outs, outs, strict=True):
                     senv[v.name] = x
                     vt = _type(v)
@@ -202,14 +202,16 @@ class Interpreter:
 
     # ------------------------------------------------------------------ equations
 
-    def apply(self, e: Eqn, vals: list[Any], t: _Tile | None) -> tuple[Any, ...]:
+    def apply(self, e: Eqn, vals: list[Any], t: _Tile | None, senv: dict[str, Any] | None = None) -> tuple[Any, ...]:
         op = REGISTRY[e.op]
         assert op.impl is not None, f"op {e.op} has no NumPy impl"
         outs_t = [_type(v) for v in e.outs]
         params = dict(e.params)
         if op.locality == "pointwise" or op.locality == "pair":
-            if outs_t[0].kind == TILE:
-                vals = [np.repeat(x, _type(a).group or 1, axis=1) if _type(a).kind == GROUP else x
+            if outs_t[0].kind == TILE:  # a grouped value of this stage broadcasts over its groups' columns
+                # (one stored by an earlier stage is a tile of one column per group: read as it is)
+                vals = [np.repeat(x, _type(a).group or 1, axis=1)
+                        if _type(a).kind == GROUP and (senv is None or isinstance(a, Var) and a.name in senv) else x
                         for a, x in zip(e.ins, vals, strict=True)]
             kw: dict[str, Any] = {k: v for k, v in params.items() if not isinstance(v, Dim)}
             if op.name == "cast":

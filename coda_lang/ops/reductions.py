@@ -14,6 +14,7 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Any
 
+from coda_lang.ir.nodes import Lit
 from coda_lang.ir.types import (
     BOOL,
     ERROR_TYPE,
@@ -104,7 +105,9 @@ def _reduce_vjp(fn: str) -> Any:
             return [ct]
         if fn == "logsumexp":  # the softmax
             return [b.mul(ct, b.op("exp", b.sub(p.x[0], p.y[0])))]
-        return [b.where(b.op("eq", p.x[0], p.y[0]), ct, b.lit(0.0))]  # max, min: the arg-max gets it
+        # max, min: the elements that attain it share the cotangent (as in JAX and torch)
+        mask = b.op("eq", p.x[0], p.y[0])
+        return [b.where(mask, b.div(ct, b.ties(p, mask)), b.lit(0.0))]
 
     return vjp
 
@@ -150,10 +153,26 @@ def _pick_impl(x: Any, idx: Any, axis: int, start: int = 0) -> Any:
 
 
 def _pick_vjp(b: Any, p: Any, ct: Any) -> list[Any]:
-    """d x = onehot(idx) * ct: where the tile's column (or row) index equals the index."""
-    per_row = b.type_of(p.x[1]).shape[0] == b.stage.rows
-    index = b.op("col_index" if per_row else "row_index")
-    return [b.where(b.op("eq", index, p.x[1]), ct, b.lit(0.0)), None]
+    """d x = onehot(idx) * ct: where the tile's column (or row) index equals the index. The stage's
+    col_index() counts its own columns; a tile of half its width (after pairs) has column k where the
+    stage has columns 2k and 2k+1, one of twice its width (after interleave) columns 2j and 2j+1
+    where the stage has column j (the stage may be a dgrad GEMM hosting this backward, at the width of
+    another tile of the forward stage)."""
+    idx = p.x[1]
+    if b.type_of(idx).shape[0] != b.stage.rows:  # an index per column selects a row
+        return [b.where(b.op("eq", b.op("row_index"), idx), ct, b.lit(0.0)), None]
+    width = p.eqn.ins[0].type.shape[1]
+    col = b.op("col_index")
+    if width == b.stage.cols:
+        return [b.where(b.op("eq", col, idx), ct, b.lit(0.0)), None]
+    if width == b.stage.cols.scale(Fraction(1, 2)):  # the first column of each pair: 2k == 2 idx
+        hit = b.where(b.op("eq", col, b.mul(idx, Lit(2, "i32"))), b.lit(1.0), b.lit(0.0))
+        onehot = b.ops("pairs", hit)[0]
+    else:  # columns 2j and 2j + 1 of the tile
+        even = b.mul(col, Lit(2, "i32"))
+        onehot = b.op("interleave", b.where(b.op("eq", even, idx), b.lit(1.0), b.lit(0.0)),
+                      b.where(b.op("eq", b.add(even, Lit(1, "i32")), idx), b.lit(1.0), b.lit(0.0)))
+    return [b.mul(onehot, ct), None]
 
 
 # CuTeDSL emitters of reductions and pick give the per-element value the kernel folds (backend_cute/plan.py

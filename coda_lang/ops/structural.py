@@ -12,7 +12,7 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Any
 
-from coda_lang.ir.types import ERROR_TYPE, SCALAR, TILE, VEC, Dim, Type, promote, shape_str
+from coda_lang.ir.types import ERROR_TYPE, GROUP, SCALAR, TILE, VEC, Dim, Type, promote, shape_str
 from coda_lang.ops.registry import Ctx, OpDef, broadcast, np, register, require_tile
 from coda_lang.verify.diagnostics import Mistake
 
@@ -107,14 +107,17 @@ def _expand(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Ty
     x, like = ins
     if x.is_error or like.is_error:
         return (ERROR_TYPE,)
-    t = broadcast(ctx, ins, promote(x.dtype))
-    if t.shape != like.shape:
-        raise Mistake("E0402", f"expand() of a value of shape {shape_str(x.shape)} to {shape_str(like.shape)}")
-    return (t,)
+    if like.kind == GROUP and x.kind == TILE:  # a tile of one column per group, read as a grouped value
+        if x.shape != like.shape:
+            raise Mistake("E0402", f"expand() of a tile {shape_str(x.shape)} to a grouped value {shape_str(like.shape)}")
+        return (Type(promote(x.dtype), like.shape, GROUP, group=like.group),)
+    return (broadcast(ctx, ins, promote(x.dtype)),)
 
 
-# expand(x, like): x broadcast to the shape of `like` (whose values are not read). Autodiff uses it to
-# materialize a cotangent that is a vector or scalar where a whole tile is needed.
+# expand(x, like): x broadcast to the shape of x and `like` broadcast together (the values of `like` are
+# not read): `expand(r, acc)` is a tile, `expand(r, col_index())` too (a row vector and a column vector
+# make a tile), and `expand(t, g)` reads a tile of one column per group as a grouped value. Autodiff
+# uses it to materialize a cotangent that is a vector or scalar where a whole tile is needed.
 register(OpDef("expand", "expand", 2, type_rule=_expand, locality="pointwise",
                impl=lambda x, like: np.broadcast_to(x, np.broadcast_shapes(np.shape(x), np.shape(like))).copy(),
                vjp=lambda b, p, ct: [ct, None], emit=lambda x, like: x))
