@@ -99,8 +99,8 @@ def _fuzz_parser(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--target", choices=("interp", "cuda", "emulate"), default="interp",
                    help="interp: the interpreter's tile simulation (default); cuda: the compiled kernels "
                    "(Block.cuda(), needs a GPU); emulate: the CUDA runtime with torch stand-ins for the kernels (CPU)")
-    f.add_argument("--examples", type=int, default=100, metavar="N",
-                   help="cases to try (default 100; with --programs: cases per program)")
+    f.add_argument("--examples", type=int, metavar="N",
+                   help="cases to try (default 100; with --programs: cases per program, default 5)")
     f.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the search (default 0)")
     f.add_argument("--max-dim", type=int, metavar="K", help="largest size of a dim (default: 48 for interp, "
                    "520 for cuda, 64 for emulate; cuda and emulate draw multiples of 8)")
