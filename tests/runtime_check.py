@@ -25,7 +25,7 @@ import numpy as np
 from coda_lang.interp import random_inputs
 
 # Sizes that are not multiples of any tile (the ragged last tiles are exercised): M=1000, D=520, F=1000.
-RAGGED = {"M": 1000, "D": 520, "F": 1000, "K": 520, "N": 1000, "V": 1000, "P": 500}
+RAGGED = {"M": 1000, "D": 520, "F": 1000, "K": 520, "N": 1000, "V": 1000, "P": 504}  # rows of 16 bytes (TMA)
 
 
 def to_torch(a: np.ndarray, device: str = "cpu") -> Any:

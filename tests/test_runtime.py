@@ -40,7 +40,7 @@ from coda_lang.verify.diagnostics import CodaError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
-SMALL = {"M": 300, "D": 200, "F": 264, "K": 200, "N": 264, "V": 264, "P": 132}
+SMALL = {"M": 300, "D": 200, "F": 264, "K": 200, "N": 264, "V": 264, "P": 136}
 TILE = (128, 64)  # several tiles along both dims at SMALL, ragged last ones
 COMPILABLE = ["llama_mlp", "bias_gelu", "scale_residual", "amax_fp8", "lm_head_ce", "qkv_rope", "llama_block"]
 
@@ -289,6 +289,17 @@ def test_unsupported_stages_are_e07() -> None:
     cb = bwd.cuda(emulate=True)  # its elementwise entry stage runs as one fused (torch.compile) kernel
     assert cb.gemm_stages == [k for k in range(1, len(bwd.plan.stages) + 1) if k not in cb.elementwise]
     assert len(cb.elementwise) == 1
+
+
+def test_stored_rows_must_be_16_bytes() -> None:
+    """quack's TMA stores need rows of a multiple of 16 bytes: F = 100 gives llama_mlp's stored `a`
+    (bf16[M, F]) rows of 200 bytes, a clean E0807 before any launch."""
+    blk = block("llama_mlp")
+    inputs = example_inputs(blk, {**SMALL, "F": 100}, seed=13)
+    with pytest.raises(CodaError) as e:
+        blk.cuda(tile=TILE, emulate=True)(inputs)
+    (d,) = e.value.diagnostics
+    assert d.code == "E0807" and "`a`" in d.message and "200 bytes" in d.message
 
 
 def test_bad_tiles_and_inputs() -> None:

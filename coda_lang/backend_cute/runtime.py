@@ -241,11 +241,14 @@ class _StageRunner:
             outs.append(new((m, _width(spec.d.shape[1], g.cols, n)), TORCH_DTYPES[spec.d.dtype]))
         for o in spec.outputs:
             width = _width(o.shape[1], g.cols, n)
-            if o.lane is not None:  # one lane of a split store: rows padded to 16 bytes, as TMA needs
-                half = width // 2
-                outs.append(new((m, -(-half // 8) * 8), TORCH_DTYPES[o.dtype])[:, :half])
-            else:
-                outs.append(new((m, width), TORCH_DTYPES[o.dtype]))
+            outs.append(new((m, width // 2 if o.lane is not None else width), TORCH_DTYPES[o.dtype]))
+        stored = ([spec.d.name] if spec.d is not None else []) + [o.name for o in spec.outputs]
+        for t, name in zip(outs, stored, strict=True):
+            if isinstance(t.shape[1], int) and (t.shape[1] * t.element_size()) % 16:
+                raise fail("E0807", f"stage {spec.index} (`{spec.text}`) stores `{name}` with rows of {t.shape[1]} "
+                           f"values, {t.shape[1] * t.element_size()} bytes: the kernel's TMA stores need rows of a multiple "
+                           "of 16 bytes", notes=["choose dims that make every stored row a multiple of 16 bytes "
+                                                 "(8 bf16 values); the interpreter (Block.run) takes any size"])
         for s in spec.sinks:
             shape = sink_shape(s, m, n, cfg.tile_m, cfg.tile_n)
             # pick leaves rows whose index is outside [0, n) alone: they read 0, as in the interpreter

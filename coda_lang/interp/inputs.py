@@ -29,6 +29,7 @@ INPUT_CODES = {
     "E0804": "dims can't be inferred or contradict each other",
     "E0805": "tile sizes",
     "E0806": "input on the wrong device (the CUDA runtime needs CUDA tensors, all on one device)",
+    "E0807": "a size the GPU kernel can't take (stored rows must be a multiple of 16 bytes)",
 }
 
 
