@@ -62,6 +62,21 @@ def test_drawn_programs_check_and_round_trip(fw: object) -> None:
     assert str(again) == str(block)
 
 
+@settings(max_examples=30, suppress_health_check=SLOW)
+@given(random_blocks())
+def test_the_backward_of_a_drawn_program_checks_or_is_a_coda_error(fw: object) -> None:
+    """Every random program (all dtypes) differentiates into a backward block the checker accepts, or
+    raises CodaError (E06); never another exception. (Gradients against finite differences, for the
+    programs autodiff handles: tests/test_autodiff.py.)"""
+    block = coda_lang.load(fw.text)["fwd"]  # type: ignore[attr-defined]
+    try:
+        bwd = block.grad()
+    except CodaError as e:
+        assert all(d.code.startswith("E06") for d in e.diagnostics), e
+        return
+    assert _codes(str(bwd)) == []
+
+
 def test_random_blocks_have_several_dtypes() -> None:
     seen: set[str] = set()
 
