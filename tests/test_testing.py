@@ -62,7 +62,7 @@ def test_drawn_programs_check_and_round_trip(fw: object) -> None:
     assert str(again) == str(block)
 
 
-@settings(max_examples=30, suppress_health_check=SLOW)
+@settings(suppress_health_check=SLOW)
 @given(random_blocks())
 def test_the_backward_of_a_drawn_program_checks_or_is_a_coda_error(fw: object) -> None:
     """Every random program (all dtypes) differentiates into a backward block the checker accepts, or
@@ -187,7 +187,7 @@ def test_special_inputs() -> None:
 # ------------------------------------------------------------------ tile-size invariance
 
 
-@settings(max_examples=30, suppress_health_check=SLOW)
+@settings(suppress_health_check=SLOW)
 @given(st.data())
 def test_tile_simulation_matches_whole_matrices(data: st.DataObject) -> None:
     """Random program, sizes, tile and inputs: tile simulation == whole interpreter, forward and
@@ -201,7 +201,7 @@ def test_tile_simulation_matches_whole_matrices(data: st.DataObject) -> None:
     assert fz.check(case) == [], f"{case.describe()}\n{fw.text}"
 
 
-@settings(max_examples=10, suppress_health_check=SLOW)
+@settings(suppress_health_check=SLOW)
 @given(st.data())
 def test_special_inputs_agree_between_tile_and_whole(data: st.DataObject) -> None:
     """With NaN, inf, large and denormal inputs, the tile simulation still agrees (same non-finite
@@ -228,7 +228,7 @@ def test_api_bug_vjp_with_a_dim_the_backward_drops() -> None:
 # ------------------------------------------------------------------ no exception but CodaError
 
 
-@settings(max_examples=30, suppress_health_check=SLOW)
+@settings(suppress_health_check=SLOW)
 @given(st.data())
 def test_odd_tiles_raise_only_coda_errors(data: st.DataObject) -> None:
     """Any tile (not only the ones `tiles()` draws) gives a result or a CodaError (E0805)."""
@@ -252,6 +252,16 @@ def test_interp_bug_odd_tile_with_a_half_width_load() -> None:
     sizes = {"M": 1, "K": 1, "N": 1}
     with contextlib.suppress(CodaError):  # the fix: E0805 (the test then fails as "XPASS")
         block.run(block_inputs(block, sizes, 0), dims=sizes, tile=(1, 1))
+
+
+@pytest.mark.xfail(strict=True, raises=CodaError, reason="INTERP LIMIT 1: a stage of odd width that holds tiles "
+                   "of another width (here llama_mlp's backward: F = 1 columns, acc2 of 2*F) can't be tile-simulated "
+                   "at any tile (E0805: the clipped tile_N is odd), though no pair is split; dims.dim_units avoids it")
+def test_interp_limit_odd_width_stage_with_pairs() -> None:
+    block = coda_lang.load(ROOT / "examples" / "llama_mlp.coda")["llama_mlp"]
+    sizes = {"M": 2, "D": 2, "F": 1}
+    ins = block_inputs(block, sizes, 0)
+    block.vjp(ins, cotangents(block, sizes, 0), dims=sizes, tile=(2, 2))
 
 
 def test_tiles_strategy_respects_the_interpreter() -> None:
