@@ -6,8 +6,7 @@ conditions, indices), as a stage whose backward runs in the dgrad epilogue of a 
 between stages on vectors where its type rule allows. `OpProgram.inputs` draws inputs for one.
 What it does not: check or run anything (tests/test_autodiff.py does).
 Invariants: every program made here passes the checker (the op's own type rule decides what is
-made); operands in a positive position (`positive_args`) get positive values. Spots marked
-AUTODIFF BUG n avoid what autodiff gets wrong today (pinned by strict xfails in tests/test_autodiff.py).
+made); operands in a positive position (`positive_args`) get positive values.
 """
 
 from __future__ import annotations
@@ -114,8 +113,6 @@ def _combos(op: OpDef, cands: list[Cand], where: str) -> list[tuple[tuple[Cand, 
                 continue
             if where == "between" and any(t.kind not in (VEC, SCALAR) for t in outs):
                 continue
-            if op.name == "pick" and ins[0].type.shape[-1:] != (_F2,):
-                continue  # AUTODIFF BUG 7: pick from a tile narrower than the stage
             keys: set[tuple[Any, ...]] = {(i, c.key) for i, c in enumerate(ins)}
             keys |= {("p", k, str(v)) for k, v in params.items()}
             keys |= {("out", tuple((t.kind, t.shape) for t in outs))}
@@ -186,8 +183,10 @@ def _stage_programs(name: str, label: str, used: list[str], setup: list[str], eq
         elif t.kind == GROUP:  # a grouped value broadcast back over its columns in its own stage
             assert t.group is not None
             full = t.shape[1].scale(t.group) == _F2
-            body.append(f"  g{y} = {'acc' if full else 'th'} * {y}")  # (not an output: AUTODIFF BUG 5)
+            body.append(f"  g{y} = {'acc' if full else 'th'} * {y}")
             out_decl.append((f"g{y}", "f32[M, 2*F]" if full else "f32[M, F]"))
+            if full:  # stored too: its cotangent, one column per group, is a half-width tile
+                out_decl.append((y, "f32[M, F]"))
             if not full and "th" not in used:
                 used = used + ["th"]
         else:

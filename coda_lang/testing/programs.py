@@ -13,8 +13,8 @@ in a positive position are written `(u * u + 0.5)`; max/min reductions only redu
 `interleave(u, u)`, tracked by what each value computes); no literal 0 and no dim of size 1 (no
 `x * 0.0` or `x * F` for a max to tie on); no `expand` (it makes tiles with equal columns), no
 row/col indices and no casts to i32 (piecewise constant). With `known_bugs=False` (the default),
-`forward_blocks` also avoids what autodiff gets wrong today (each spot is marked AUTODIFF BUG n,
-pinned by a strict xfail in tests/test_autodiff.py); drop an avoidance when its bug is fixed.
+`forward_blocks` also avoids the one thing autodiff refuses (E0602, marked AUTODIFF LIMIT): a grouped
+value read after its stage whose one-column-per-group matrix no tile of the stage can read.
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ LITERALS = ("0.5", "1.5", "-0.75", "2.0", "0.25", "-1.25", "3")
 EXCLUDED = frozenset({"expand", "row_index", "col_index"})
 # max(u, v), min, where, abs equal an operand on part of the domain: max(interleave(max(u, v), v)) ties
 SELECTING = ("maximum", "minimum", "where", "abs")
-LINEAR = ("add", "sub", "neg", "copy", "cast")  # pass a cotangent on as it is (a vector stays a vector)
 MAXMIN_REDUCTIONS = ("reduce_max", "reduce_min")
 
 
@@ -70,13 +69,7 @@ class Val:
     stored: bool = False  # a matrix an earlier stage stored (may be a GEMM operand)
     annot: str | None = None  # its storage annotation (`h: bf16 = ...`)
     partial: bool = False  # a complete partial reduction (a vector after its stage)
-    # AUTODIFF BUG 6: a sum's vector cotangent passes unexpanded through linear ops (add, sub, ...) to
-    # what this value is made of; `sum_unsafe` if that reaches pairs/interleave or a broadcast vector
-    sum_unsafe: bool = False
     literal: bool = False
-    # not to be a GEMM operand: its stage's backward would run at its width, which is not the stage's,
-    # and the stage has what autodiff can't do at another width (AUTODIFF BUGS 7, 8)
-    other_width: bool = False
     key: str = ""  # what it computes, in terms of atoms (equal keys: equal values)
 
     @property
@@ -120,7 +113,7 @@ class ForwardGen:
                  gemm_dtypes: tuple[str, ...] = FLOAT_DTYPES):
         self.draw = draw
         self.known_bugs = known_bugs
-        self.gemm_dtypes = gemm_dtypes  # dtypes of GEMM operands (with known_bugs; else f32)
+        self.gemm_dtypes = gemm_dtypes  # dtypes of GEMM operands
         self.sizes = sizes
         self.n = 0
         self.params: list[str] = []
@@ -128,8 +121,6 @@ class ForwardGen:
         self.lines: list[str] = []
         self.made: list[Val] = []  # values of statements, usable after their stage (block outputs)
         self.index_range: dict[str, Dim] = {}
-        self.broadcast_to: dict[str, tuple[str, tuple[Dim, ...]]] = {}  # in this stage: vector -> tile it meets
-        self.picked = False  # this stage uses pick()
         self.scale: dict[str, float] = {}
         self.ops = [op for op in differentiable_ops() if op.name not in EXCLUDED]
         self.compare = [op for op in REGISTRY.values() if not op.differentiable and op.locality == "pointwise"
@@ -139,8 +130,8 @@ class ForwardGen:
         self.act = "bf16"
 
     def dtype(self, choices: tuple[str, ...]) -> str:
-        """A storage dtype: f32 only, unless known_bugs (AUTODIFF BUG 4: the backward mixes dtypes in GEMMs)."""
-        return self.draw(st.sampled_from(choices)) if self.known_bugs else "f32"
+        """A storage dtype."""
+        return self.draw(st.sampled_from(choices))
 
     def fresh(self, prefix: str) -> str:
         self.n += 1
@@ -169,8 +160,6 @@ class ForwardGen:
                 t = t.with_kind(TILE) if t.kind == MATRIX and not t.group else t
             if t.dtype == "i32" and t.kind == VEC:  # indices: only for pick
                 continue
-            if v.partial and stage is not None and not self.known_bugs:
-                continue  # AUTODIFF BUG 2 (see test_autodiff.py): a partial read by a later stage
             out.append(Val(v.src, t, v.generic, key=v.ident))
         return out + [v for v in local if v.type.kind != PARTIAL]
 
@@ -195,7 +184,7 @@ class ForwardGen:
             got = self.expr(stage, local, depth + 1, tries=6)
             if got is not None and len(got[1]) == 1 and got[1][0].type.kind != PARTIAL:
                 text, (out,) = got[0], got[1]
-                v = Val(f"({text})", out.type, out.generic, sum_unsafe=out.sum_unsafe, key=out.key)
+                v = Val(f"({text})", out.type, out.generic, key=out.key)
             else:
                 v = self.pick_atom(stage, local, choice)
         else:
@@ -261,18 +250,10 @@ class ForwardGen:
                 ins.append(self.operand(stage, local, depth, i in pos, want_bool, want_index))
             if op.name in MAXMIN_REDUCTIONS and not ins[0].generic:
                 continue
-            if not self.known_bugs:
-                if op.name == "reduce_sum" and ins[0].sum_unsafe:
-                    continue  # AUTODIFF BUG 6: a sum's vector cotangent, unexpanded
-                if op.name == "pick" and stage is not None and ins[0].type.shape[-1:] != (stage.cols,):
-                    continue  # AUTODIFF BUG 7: pick from a tile narrower than the stage
             params = self.params_for(op, ins, stage)
             outs = try_rule(op, ctx, tuple(v.type for v in ins), params)
             if outs is None or not all(is_float(t.dtype) for t in outs):
                 continue
-            if stage is not None and not self.known_bugs and not self.one_width(op, ins, outs):
-                continue
-            self.picked = self.picked or op.name == "pick"
             values = ins[1:] if op.name == "where" else ins
             if op.name in SELECTING:  # equal to an operand where it selects it: ties with that operand
                 generic = False
@@ -285,33 +266,16 @@ class ForwardGen:
             if op.name in ("add", "mul", "maximum", "minimum"):
                 idents.sort()
             key = idents[0] if op.name in ("copy", "cast") else f"{op.name}({', '.join(idents)}; {params})"
-            broadcast = any(v.type.kind in (VEC, SCALAR) and is_float(v.type.dtype) and not v.literal for v in ins)
-            unsafe = op.name in ("pairs", "interleave") or (op.name in LINEAR and (broadcast or any(v.sum_unsafe for v in ins)))
-            vals = [Val("", t, generic and t.kind in (TILE, GROUP), sum_unsafe=unsafe,
-                        key=key if len(outs) == 1 else f"{key}#{i}") for i, t in enumerate(outs)]
+            vals = [Val("", t, generic and t.kind in (TILE, GROUP), key=key if len(outs) == 1 else f"{key}#{i}")
+                    for i, t in enumerate(outs)]
             return op_source(op, [v.src for v in ins], params), vals
         return None
-
-    def one_width(self, op: OpDef, ins: list[Val], outs: tuple[Type, ...]) -> bool:
-        """AUTODIFF BUG 12: a vector or scalar broadcast into tiles of two widths in one stage gets
-        cotangents of two widths, which autodiff adds as they are. True if `op` keeps to one width."""
-        tiles = [v.type for v in ins if v.type.kind in (TILE, GROUP)]
-        target = tiles[0] if op.name == "interleave" and tiles else outs[0]
-        if target.kind not in (TILE, GROUP):
-            return True
-        vecs = [v.ident for v in ins if v.type.kind in (VEC, SCALAR) and is_float(v.type.dtype) and not v.literal]
-        if any(self.broadcast_to.get(k, (target.kind, target.shape)) != (target.kind, target.shape) for k in vecs):
-            return False
-        for k in vecs:
-            self.broadcast_to[k] = (target.kind, target.shape)
-        return True
 
     # ---------------------------------------------------------------- statements and stages
 
     def statement(self, stage: StageShape | None, local: list[Val], fallback: Val, copy: bool = False) -> list[Val]:
         got = None if copy else self.expr(stage, local, 0, tries=20)
         text, vals = got if got is not None else (fallback.src, [Val("", fallback.type, fallback.generic,
-                                                                         sum_unsafe=fallback.sum_unsafe,
                                                                          key=fallback.ident)])
         targets = []
         for v in vals:
@@ -325,16 +289,12 @@ class ForwardGen:
     def cols(self, rows: Dim) -> Dim:
         while True:
             d = Dim.sym(self.draw(st.sampled_from(COL_NAMES)), self.draw(st.sampled_from((1, 2, 2, 4))))
-            # AUTODIFF BUG 10: no square half- or double-width tiles (rows = cols/2 or 2*cols)
-            if d != rows and (self.known_bugs or rows not in (d.scale(2), d.scale(Fraction(1, 2)))):
+            if d != rows:
                 return d
 
     def stage(self, first: bool) -> None:
         draw = self.draw
-        stored = [v for v in self.outer if v.stored and v.type.kind == MATRIX and is_float(v.type.dtype)
-                  and (not self.known_bugs or v.type.dtype in self.gemm_dtypes)
-                  and (self.known_bugs or (v.type.dtype == self.act  # AUTODIFF BUG 4: one GEMM dtype
-                                           and not v.other_width))]  # AUTODIFF BUGS 7, 8
+        stored = [v for v in self.outer if v.stored and v.type.kind == MATRIX and v.type.dtype in self.gemm_dtypes]
         if not first and stored and draw(st.integers(0, 4)) < 3:
             a = draw(st.sampled_from(stored))
             dt = a.type.dtype
@@ -344,7 +304,7 @@ class ForwardGen:
                 a_src, rows, inner = a.src, a.type.shape[0], a.type.shape[1]
         else:
             rows, inner = ROWS, INNER
-            dt = self.act if first or not self.known_bugs else draw(st.sampled_from(self.gemm_dtypes))
+            dt = self.act if first else draw(st.sampled_from(self.gemm_dtypes))
             if draw(st.integers(0, 3)) == 0:
                 a_src = f"transpose({self.add_param('x', dt, (INNER, ROWS)).src})"
             else:
@@ -364,8 +324,6 @@ class ForwardGen:
                 default = draw(st.sampled_from([None, None, "0.5", "-1.5"])) if not shape else None
                 self.add_param("p", self.dtype(("f32", "bf16")), shape, default)
         acc = Val("acc", Type("f32", (rows, cols), TILE), generic=True, key=self.fresh("acc@"))
-        self.broadcast_to = {}
-        self.picked = False
         self.lines.append(f"gemm {a_src} @ {b_src} {{")
         local = [acc]
         body: list[Val] = []
@@ -373,21 +331,21 @@ class ForwardGen:
             vals = self.statement(stage, local, acc)
             local += vals
             body += vals
-        kept = (TILE, PARTIAL, GROUP) if self.known_bugs else (TILE, PARTIAL)
-        if not any(v.type.kind in kept and is_float(v.type.dtype) for v in body):
+        def kept(v: Val) -> bool:  # AUTODIFF LIMIT (E0602): a grouped value whose cotangent, one column per
+            # group, is no tile of the stage is not read after it
+            t = v.type
+            return t.kind in (TILE, PARTIAL) or t.kind == GROUP and (self.known_bugs or t.shape[1] in stage.col_widths())
+
+        if not any(kept(v) and is_float(v.type.dtype) for v in body):
             body += self.statement(stage, local, acc, copy=True)  # something for later stages to read
         self.lines.append("}")
-        # AUTODIFF BUG 8: a stage hosted at another width than one of its tiles that has a cotangent;
-        # BUG 7: pick's backward at another width
-        has_wide = any(v.type.kind == TILE and v.type.shape[1] == cols.scale(2) for v in body) or self.picked
         for v in body:  # after the stage: tiles and groups are stored, partials complete vectors
             t = v.type
-            if t.kind == GROUP and not self.known_bugs:
-                continue  # AUTODIFF BUG 5: a grouped value read after its stage
+            if t.kind == GROUP and not kept(v):
+                continue
             if t.kind in (TILE, GROUP):
                 dtype = v.annot or (self.act if t.kind == TILE else "f32")
-                after = Val(v.src, Type(dtype, t.shape, MATRIX), v.generic, stored=True, key=v.ident,
-                            other_width=t.shape[1] == cols.scale(2) or (has_wide and t.shape[1] != cols))
+                after = Val(v.src, Type(dtype, t.shape, MATRIX), v.generic, stored=True, key=v.ident)
             elif t.kind == PARTIAL:
                 after = Val(v.src, Type(v.annot or "f32", t.shape, VEC if t.shape else SCALAR), partial=True)
             else:
@@ -406,8 +364,7 @@ class ForwardGen:
 
     def block(self) -> str:
         draw = self.draw
-        # AUTODIFF BUG 4: a cotangent of another dtype than the GEMM operands becomes a GEMM operand
-        self.act = draw(st.sampled_from(self.gemm_dtypes)) if self.known_bugs else "f32"
+        self.act = draw(st.sampled_from(self.gemm_dtypes))
         if draw(st.booleans()):
             self.add_param("r", "f32", (ROWS,))
         if draw(st.booleans()):
@@ -438,11 +395,10 @@ class ForwardGen:
 def forward_blocks(draw: Any, known_bugs: bool = False, gemm_dtypes: tuple[str, ...] = FLOAT_DTYPES) -> Forward:
     """A random block-local forward block (see the module docstring), with sizes for its dims.
 
-    `known_bugs=False` avoids what autodiff gets wrong today (tests/test_autodiff.py pins each with
-    a strict xfail): GEMM operands and stored tiles of other dtypes than the activation dtype, and
-    partial reductions read by a later stage's epilogue. Remove the avoidance as they are fixed.
-    `gemm_dtypes` (with `known_bugs=True`): the dtypes GEMM operands may have (the CUDA backend
-    multiplies bf16 or f16 only)."""
+    `known_bugs=False` avoids what autodiff refuses (E0602): grouped values read after their stage
+    whose one-column-per-group matrix is no tile of the stage (groups of 4 columns of a full-width
+    tile, of 2 of a half-width one); `known_bugs=True` draws them too.
+    `gemm_dtypes`: the dtypes GEMM operands may have (the CUDA backend multiplies bf16 or f16 only)."""
     sizes = {"M": draw(st.integers(2, 7)), "K": draw(st.integers(2, 5)), "N": draw(st.integers(2, 5)),
              "F": draw(st.integers(2, 4))}  # no dim of 1: `u * F` would equal u (a tie for max)
     gen = ForwardGen(draw, sizes, known_bugs, gemm_dtypes)
