@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import coda_lang
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,6 +111,20 @@ def test_with_forward(tmp_path: Path) -> None:
     checked = coda("check", out)
     assert checked.returncode == 0, checked.stderr
     assert "2 blocks" in checked.stdout
+
+
+@pytest.mark.xfail(strict=True, reason="CLI BUG 1 (coda_lang/cli.py, cmd_grad): --with-forward declares the backward's "
+                   "dims only; a dim the forward alone uses (here N, as a value) is then unknown (E0201)")
+def test_with_forward_declares_the_forwards_dims(tmp_path: Path) -> None:
+    src = tmp_path / "f.coda"
+    src.write_text("dims M, K, N, F\nblock f(x: f32[M, K], w: f32[K, F]) -> (o: f32[M, F]) {\n"
+                   "  gemm x @ w {\n    o = acc * 2.0\n    u = acc * N\n  }\n}\n")
+    out = tmp_path / "both.coda"
+    r = coda("grad", src, "--with-forward", "-o", out)
+    assert r.returncode == 0, r.stderr
+    checked = coda("check", out)
+    no_traceback(checked)
+    assert checked.returncode == 0, checked.stderr
 
 
 def test_wrt() -> None:

@@ -4,14 +4,19 @@ What it does: `derive(block, plan)` walks the forward block backwards, stage by 
 stage k's epilogue runs in the epilogue of the GEMM that produces the cotangent of one of its stored
 tiles (the dgrad GEMM of the consumer stage, `dacc_c @ B_c^T`), which is the paper's theorem: a
 block-local forward gives a block-local backward. Where no GEMM produces such a cotangent (the
-block's entry), the VJP runs in one elementwise stage, and the derivation reports it. Each stage's
-`dacc` then feeds its dgrad and wgrad GEMMs; the VJPs of vector computations run between stages.
+block's entry), or where no such GEMM's tile space holds every tile of the stage (a tile of half
+the width can't be read in a GEMM of twice it), the VJP runs in one elementwise stage over the
+stage's own tile space, and the derivation reports it. Each stage's `dacc` (stored in its GEMM
+operands' dtype) then feeds its dgrad and wgrad GEMMs; the VJPs of vector computations run between
+stages.
 What it does not: check the result (the checker does, and a failure is an autodiff bug, E0601), or
 run anything.
 Invariants:
-- unbroadcast happens in one place (`Site.outside` and `unbroadcast_block`): a cotangent of a row
-  vector used in a tile is a partial row sum, of a column vector a partial column sum, of a scalar a
-  partial row sum then a sum over rows between stages;
+- unbroadcast happens in one place per level (`Site.reduce_outside`/`Site.unbroadcast_local` in a
+  stage, `unbroadcast_block` between stages), from the logical type each cotangent contribution
+  carries: a cotangent of a row vector used in a tile is a partial row sum, of a column vector a
+  partial column sum, of a scalar a partial row sum then a sum over rows between stages; a vector
+  cotangent that stands for a tile (after a sum's VJP) is summed or multiplied by the count;
 - the backward reads forward values either as saved tensors (tiles the forward stores anyway, the
   complete partials and vectors, and `acc` where a VJP needs the pre-epilogue value) or recomputes
   them in the epilogue; `saved` lists what the forward must store, and the extended forward block
