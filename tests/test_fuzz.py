@@ -61,10 +61,7 @@ def test_examples_pass_on_the_tile_simulation(path: Path, capsys: pytest.Capture
 
 
 def test_random_programs_pass(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    # forward only until API BUG 1 (tests/test_testing.py) is fixed: random programs often use a dim
-    # only as a value, and Block.vjp then fails (coda fuzz reports it, as it should)
-    code, out, err = fuzz(capsys, "--programs", "12", "--examples", "2", "--save-dir", str(tmp_path),
-                          "--no-backward")
+    code, out, err = fuzz(capsys, "--programs", "12", "--examples", "2", "--save-dir", str(tmp_path))
     assert code == 0, out + err
     assert out.startswith("ok: 12 random programs"), out
     assert not list(tmp_path.iterdir())
