@@ -57,6 +57,9 @@ def compile_only(dump_dir: Path) -> Iterator[None]:
     quack.cache.CACHE_ENABLED = False  # the .o cache would hand back a module without its PTX
     if not torch.cuda.is_available():
         quack_host.get_max_active_clusters = lambda cluster_size, *a, **k: _H100_SMS // max(1, cluster_size)
+    else:  # quack's driver queries need a current CUDA context (a fresh process has none before torch's first op)
+        torch.cuda.init()
+        torch.empty(1, device="cuda")
     env.keep_ptx = True
     env.dump_dir = str(dump_dir)
     env.arch = ARCH
