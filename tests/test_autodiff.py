@@ -831,3 +831,18 @@ def test_random_forwards_with_every_feature(fwd: Forward) -> None:
         return
     coda_lang.load(str(d.backward))
     check_vjp(block, inputs, dims=fwd.dims)
+
+
+@pytest.mark.parametrize("w9", ["f32[N, K]", "f32[N, N]"], ids=["rectangular", "square"])
+def test_weight_no_output_depends_on(w9: str) -> None:
+    """A weight whose GEMM's result is never used gets zeros, written by an elementwise stage (made from
+    the index vectors; in a square stage, where they don't make a tile, from the weight's shape)."""
+    k = "N" if w9 == "f32[N, N]" else "K"
+    b = _fwd(f"dims M, K, N\nblock f(x: f32[M, K], w: f32[K, N], w9: {w9}) -> (o: f32[M, N]) {{\n"
+             f"  gemm x @ w {{\n    o = acc\n  }}\n  gemm o @ w9 {{\n    u = acc * 2.0\n  }}\n}}\n")
+    assert k in str(b.ir.params[2].var.type)
+    _check_random(b, {"M": 5, "K": 3, "N": 4})
+    inputs = gradcheck_inputs(b, {"M": 5, "K": 3, "N": 4}, {}, np.random.default_rng(0))
+    g = b.vjp(inputs, {"o": np.ones((5, 4))}, precision="f64")
+    assert np.array_equal(g["w9"], np.zeros_like(inputs["w9"]))
+    assert any("is zero" in r for r in b.derivation().report)

@@ -174,6 +174,20 @@ class Builder:
         return self.op("reduce_sum", a, over=over)
 
 
+    def stage_tile(self, c: Atom) -> Atom | None:
+        """A scalar, row or column vector broadcast to the stage's whole tile, with the index vectors
+        (`expand(r, col_index())`): nothing is loaded just for its shape. None in a square stage (its
+        row and column vectors have the same type: they don't make a tile)."""
+        assert self.stage is not None
+        if self.stage.rows == self.stage.cols:
+            return None
+        t = self.type_of(c)
+        if t.kind == SCALAR or (t.kind == VEC and t.shape[0] != self.stage.rows):
+            c = self.op("expand", c, self.op("row_index"))
+        if self.type_of(c).kind == VEC:
+            c = self.op("expand", c, self.op("col_index"))
+        return c
+
     def ties(self, p: Primals, mask: Atom) -> Atom:
         """How many elements attain the max/min reduction `p` (where `mask` is true), per reduced row,
         column or group: its cotangent is split among them, as JAX and torch do."""

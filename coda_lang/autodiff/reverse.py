@@ -473,14 +473,16 @@ class Reverse:
         total: Atom = Lit(0.0, "f32")
         for part in parts:
             total = self.bb.add(total, part)
-        if self.bb.type_of(total).kind != TILE:
-            total = self.bb.op("expand", total, self.forward_param(name))
-        self.bb.op("copy", total, name=out_name)
+        tile = self.bb.stage_tile(total) if self.bb.type_of(total).kind != TILE else total
+        if tile is None:  # a square stage: the parameter itself gives the shape
+            tile = self.bb.op("expand", total, self.forward_param(name))
+        self.bb.op("copy", tile, name=out_name)
         before, body = self.close_stage()
         self.body.extend(before)
         self.body.append(Stage(None, None, False, False, None, tuple(body), (shape.rows, shape.cols),
                                span=self.params[name].span))
-        self.report.append((self.params[name].span, f"the gradient of `{name}` is summed in an elementwise stage"))
+        why = "is summed" if parts else "is zero (no output depends on it): written"
+        self.report.append((self.params[name].span, f"the gradient of `{name}` {why} in an elementwise stage"))
 
     # ------------------------------------------------------------------ assembling
 

@@ -241,11 +241,9 @@ class Site:
             return b.op("expand", c, Var("acc"))
         if t.kind == GROUP:
             return b.op("expand", c, self.fill(Lit(0.0, "f32"), like))
-        x = c
-        if t.kind == SCALAR or (t.kind == VEC and t.shape[0] != st.rows):
-            x = b.op("expand", x, b.op("row_index"))
-        if b.type_of(x).kind == VEC:
-            x = b.op("expand", x, b.op("col_index"))
+        x = b.stage_tile(c)
+        if x is None:  # a square stage: row and column vectors don't make a tile; a tile of the site does
+            return b.op("expand", c, self.square_like(like))
         have = b.type_of(x).shape[1]
         if have == width:
             return x
@@ -255,6 +253,22 @@ class Site:
             return b.op("interleave", x, x)
         raise AutodiffError("E0601", f"autodiff can't broadcast a value to a tile of width `{width}` in a stage of "
                             f"width `{st.cols}`", b.span, notes=["this is a bug in coda_lang's autodiff; please report it"])
+
+    def square_like(self, like: Type) -> Atom:
+        """A tile of type `like` that the site reads or computes anyway (in a square stage, where index
+        vectors don't make tiles); else the forward's saved acc, if it has that shape."""
+        b = self.r.bb
+        for e in reversed(b.out):
+            for a in (*e.outs, *e.ins):
+                if isinstance(a, Var) and a.name != "acc" and _same(b.type_of(a), like):
+                    return a
+        for parts in self.cts.values():
+            for a, _ in parts:
+                if isinstance(a, Var) and _same(b.type_of(a), like):
+                    return a
+        if like.shape == (self.fshape.rows, self.fshape.cols):
+            return self.primal(Var("acc"))
+        raise AutodiffError("E0602", f"can't broadcast a cotangent to a {like} in a square stage", self.st.span)
 
     def group_like(self, like: Type) -> Atom:
         """A value of the grouped type `like` (zeros), to `expand` a per-group tile or vector to."""
