@@ -164,18 +164,22 @@ def test_backward_is_tile_invariant(name: str) -> None:
             assert err <= 1e-12 * max(float(np.max(np.abs(whole[k]))), 1.0), f"{name}: d{k} at tile {tile}: {err:.3e}"
 
 
-def test_vjp_in_exact_precision_is_close_to_f64() -> None:
-    """The kernel's numerics (bf16 storage of dacc etc.) stay close to the float64 gradient."""
-    name = "llama_mlp"
+@pytest.mark.parametrize("name", NAMES)
+def test_vjp_in_exact_precision_is_close_to_f64(name: str) -> None:
+    """The kernel's numerics (bf16 storage of dacc and saved tensors, f32 epilogues) stay close to the
+    float64 gradient: within 3% of its largest entry (bf16 rounding is 0.4%). A max reduction's
+    backward (amax_fp8) compares its recomputed operand with the forward's maximum for equality, so
+    the acc it recomputes from is saved in f32; saved in bf16 no element would match (zero gradient)."""
     b, dims, inputs = example(name), example_dims(name), example_inputs(name, seed=3)
     rng = np.random.default_rng(3)
-    cts = {"x2": rng.standard_normal((dims["M"], dims["D"]))}
+    outs = b.run(inputs, dims=dims, precision="f64")
+    cts = {k: rng.standard_normal(np.shape(v)) for k, v in outs.items() if np.asarray(v).dtype.kind == "f"}
     g64 = b.vjp(inputs, cts, dims=dims, precision="f64")
     g32 = b.vjp(inputs, cts, dims=dims, precision="exact")
     for k in g64:
         got = np.asarray(g32[k], np.float64)
         err = float(np.max(np.abs(got - g64[k])))
-        assert err <= 0.05 * float(np.max(np.abs(g64[k]))), f"d{k}: {err:.3e}"
+        assert err <= 0.03 * float(np.max(np.abs(g64[k]))), f"d{k}: {err:.3e}"
 
 
 # ---------------------------------------------------------------------------- every op of the registry

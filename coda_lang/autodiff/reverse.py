@@ -149,8 +149,14 @@ class Reverse:
             st = self.f.stages[k]
             assert st.acc is not None and st.acc.type is not None
             self.saved.append(name)
-            self.param(name, Type(self.plan.activation, st.acc.type.shape, MATRIX))
+            self.param(name, Type(self.acc_dtype(k), st.acc.type.shape, MATRIX))
         return Var(self.save_acc[k])
+
+    def acc_dtype(self, k: int) -> str:
+        """The dtype stage k's acc is saved in: the activation dtype, or f32 where a max/min reduction's
+        backward compares its recomputed operand with the forward's result (rounded, they'd differ)."""
+        exact = any(e.op in ("reduce_max", "reduce_min") for e in self.f.stages[k].body)
+        return "f32" if exact else self.plan.activation
 
     # ------------------------------------------------------------------ driver
 
@@ -528,7 +534,7 @@ class Reverse:
                 name = self.save_acc.get(k)
                 if name in saved:
                     assert s.acc is not None and s.acc.type is not None
-                    extra.append(Eqn("copy", (s.acc,), (Var(name, None, self.plan.activation),), (), s.span, (s.span,)))
+                    extra.append(Eqn("copy", (s.acc,), (Var(name, None, self.acc_dtype(k)),), (), s.span, (s.span,)))
                 body.append(replace(s, body=s.body + tuple(extra)))
             else:
                 body.append(s)
@@ -538,7 +544,7 @@ class Reverse:
             if name in acc_names:
                 st = self.f.stages[acc_names[name]]
                 assert st.acc is not None and st.acc.type is not None
-                outs.append(Output(name, Type(self.plan.activation, st.acc.type.shape, MATRIX), st.span))
+                outs.append(Output(name, Type(self.acc_dtype(acc_names[name]), st.acc.type.shape, MATRIX), st.span))
                 continue
             bt = self.types[name]
             outs.append(Output(name, bt, self.f.span))

@@ -54,6 +54,8 @@ class Site:
         assert self.st.acc is not None and self.st.acc.type is not None
         self.fshape = StageShape(*self.st.acc.type.shape)  # the forward stage's tile space
         self.cache: dict[str, Atom] = {}
+        self.exact_cache: dict[str, Atom] = {}
+        self.exact = False  # primal values recomputed from f32 sources, never loaded rounded (see `primal`)
         self.cts: dict[str, list[Part]] = {}
         self.outside: dict[str, list[Part]] = {}
         self.pre: list[Eqn] = []
@@ -154,14 +156,19 @@ class Site:
         return st is not None and (st.rows, st.cols) == (self.fshape.rows, self.fshape.cols)
 
     def primal(self, a: Atom) -> Atom:
+        """A forward value in the site. In `exact` mode (a max/min reduction's backward, which compares
+        its operand with the forward's result for equality) tiles of the stage are recomputed from the
+        f32 acc rather than loaded as stored (rounded to their storage dtype), as the forward stage
+        computed them."""
         r = self.r
         if isinstance(a, (Lit, DimRef)):
             return a
         assert isinstance(a, Var)
         if a.name == "acc":
             return r.saved_acc(self.k)
-        if a.name in self.cache:
-            return self.cache[a.name]
+        cache = self.exact_cache if self.exact else self.cache
+        if a.name in cache:
+            return cache[a.name]
         if a.name in r.params:
             out: Atom = r.forward_param(a.name)
         elif r.fstage.get(a.name) != self.k:
@@ -170,11 +177,11 @@ class Site:
             t = r.ftype[a.name]
             if a.name in self.local_vec:
                 out = r.recompute_block(a.name)  # recomputed before the site
-            elif t.kind == PARTIAL or t.kind == TILE and a.name in r.storage:
+            elif t.kind == PARTIAL or t.kind == TILE and a.name in r.storage and not self.exact:
                 out = r.saved_value(a.name)
             else:  # a grouped value is recomputed: stored, it is one column per group, not a group
                 out = self.recompute(a.name)
-        self.cache[a.name] = out
+        cache[a.name] = out
         return out
 
     def recompute(self, name: str) -> Atom:
@@ -188,9 +195,10 @@ class Site:
         b.span = e.span
         outs = b.ops(e.op, *ins, names=tuple(r.claim(v.name) for v in e.outs), params=dict(e.params))
         b.span = prev
+        cache = self.exact_cache if self.exact else self.cache
         for o, v in zip(outs, e.outs, strict=True):
-            self.cache[v.name] = o
-        return self.cache[name]
+            cache[v.name] = o
+        return cache[name]
 
     def tie_count(self, e: Eqn) -> Atom:
         return self.ties[e.outs[0].name]
@@ -204,8 +212,8 @@ class Site:
                 and e.outs[0].name in r.ct]
         if not eqns:
             return []
-        cache, host = self.cache, self.host
-        self.cache, self.host = {}, None
+        caches, host = (self.cache, self.exact_cache), self.host
+        self.cache, self.exact_cache, self.host, self.exact = {}, {}, None, True
         r.open_stage(self.fshape)
         b = r.bb
         for e in eqns:
@@ -215,7 +223,7 @@ class Site:
             assert isinstance(over, Dim)
             self.ties[e.outs[0].name] = b.sum_over(b.where(mask, b.lit(1.0), b.lit(0.0)), over)
         before, body = r.close_stage()
-        self.cache, self.host = cache, host
+        (self.cache, self.exact_cache), self.host, self.exact = caches, host, False
         names = ", ".join(f"`{e.outs[0].name}`" for e in eqns)
         r.report.append((self.st.span, f"stage {self.k + 1} (line {self.st.span.line}): the ties of {names} are "
                          "counted in an elementwise stage (a max's cotangent is split among its ties)"))
@@ -329,7 +337,9 @@ class Site:
         cts: list[Atom | None] = [t[0] if t is not None else None for t in taken]
         if op.locality == "pair":  # pairs/interleave move columns: they need whole tiles
             cts = [self.fill(t[0], t[1]) if t is not None else None for t in taken]
+        self.exact = e.op in ("reduce_max", "reduce_min")
         got = op.vjp(b, Primals(e, self.primal), cts if op.nout > 1 else cts[0])
+        self.exact = False
         out_logical = next(t[1] for t in taken if t is not None)
         if e.op == "interleave":  # its operands broadcast to half its width
             rows, wide = out_logical.shape
