@@ -287,7 +287,9 @@ class Site:
         return b.sum_over(zeros, full.shape[1], group=like.group)
 
     def unbroadcast_local(self, c: Atom, logical: Type, target: Type) -> Part:
-        """A contribution whose logical type is `logical` as one of the in-site value of type `target`."""
+        """A cotangent contribution of logical type `logical` (the broadcast operand of the op that made it)
+        as a contribution to the in-site value of type `target`: a group broadcast over its columns sums
+        them, a vector made from indices keeps the broadcast form."""
         b = self.r.bb
         if _same(logical, target):
             return c, target
