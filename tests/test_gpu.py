@@ -24,6 +24,8 @@ Every test is marked `gpu` and skipped without a CUDA GPU (tests/conftest.py). O
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,7 @@ import coda_lang
 torch = pytest.importorskip("torch")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+os.environ.setdefault("CODA_TUNE", "0")  # tile tuning has its own test (test_tuning_...); the others use select_config
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 FORWARD = ["llama_mlp", "bias_gelu", "scale_residual", "amax_fp8", "lm_head_ce", "qkv_rope", "llama_block"]
@@ -319,3 +322,31 @@ def test_cuda_graph_replay() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+def test_tuning_picks_a_measured_tile_and_caches_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With tuning, each stage's first launch at a shape times the spill-free candidates and keeps the
+    fastest; the choice lands in <cache>/tuning.json and a second CudaBlock reuses it without timing."""
+    from coda_lang.backend_cute import tune
+
+    monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path))
+    blk = block("llama_mlp")
+    inputs = example_inputs(blk, RAGGED, seed=21, device="cuda")
+    cb = blk.cuda(tune=True, poison=True)
+    outs, partials = cb.run_with_partials(inputs)
+    data = json.loads((tmp_path / "tuning.json").read_text())
+    assert len(data) == 3 and all(len(e["ms"]) >= 1 for e in data.values())
+    print("\n" + json.dumps(data, indent=1))
+    cpu = {k: v.cpu() for k, v in inputs.items()}
+    ref, ref_partials = blk.run_with_partials(cpu, tile=cb.tiles)
+    check_output("x2", outs["x2"], ref["x2"], blk.run(cpu, precision="f64")["x2"], "bf16")
+    for k, buf in partials.items():
+        check_partial(k, buf, ref_partials[k])
+
+    def no_timing(*a: Any, **k: Any) -> Any:
+        raise AssertionError("the tuning cache was not used")
+
+    monkeypatch.setattr(tune, "measure", no_timing)
+    again = blk.cuda(tune=True)
+    assert torch.equal(again(inputs)["x2"], cb(inputs)["x2"])
+    assert again.tiles == cb.tiles

@@ -4,7 +4,9 @@ What it does: `TileConfig` (quack's SM90 default: 128x192 pingpong, cluster 2x1)
 plans and emits a stage, compiles it through quack_adapter (or takes the PTX from the cache, keyed
 by the emitted source, emitter version, library versions, arch and tile config, never by M, N, K),
 and runs `ptxas -v` on it; `select_config` tries tile configs in order and keeps the first whose
-ptxas report shows no register spills (DESIGN.md section 6: heavy epilogues spill at 128x192).
+ptxas report shows no register spills (DESIGN.md section 6: heavy epilogues spill at 128x192);
+`configs_without_spills` gives every candidate of `TUNE_CANDIDATES` that passes that check, for the
+runtime to time on a GPU (runtime.py, `tune`).
 What it does not: plan or emit (plan.py, emit.py), or touch quack (quack_adapter.py, imported only
 when a kernel really has to be compiled).
 Invariants: a program the backend can't compile raises CodaError (E07); a missing toolchain raises
@@ -231,6 +233,31 @@ def select_config(block: Any, index: int, candidates: tuple[TileConfig, ...] = C
         "E0706", f"stage {index} (`{spec.text}`) spills registers at every tile configuration tried", spec.span,
         notes=tried or ["no candidate tile satisfies the stage's tiling constraints"],
         help=["split the epilogue across stages, or store fewer values from this stage"])])
+
+
+# What the runtime measures on a GPU (quack's SM90 space: pingpong 128xN, cooperative 256xN, clusters
+# 2x1 and 1x2), after the ptxas check has dropped the configs that spill.
+TUNE_CANDIDATES = (
+    TileConfig(128, 192), TileConfig(128, 160), TileConfig(128, 128), TileConfig(128, 192, 1, 2),
+    TileConfig(256, 128, 2, 1, False), TileConfig(256, 192, 2, 1, False),
+)
+
+
+def configs_without_spills(spec: StageSpec, candidates: tuple[TileConfig, ...] = TUNE_CANDIDATES, *,
+                           directory: Path | None = None) -> list[TileConfig]:
+    """The candidates that fit the stage's tiling constraints, compile, and whose kernels don't spill."""
+    out = []
+    for config in candidates:
+        if not fits(spec, config):
+            continue
+        try:
+            c = compile_spec(spec, config, directory=directory)
+        except CodaError:  # quack refuses this tile for this epilogue (E0707): not a candidate
+            continue
+        assert c.report is not None
+        if not c.report.spills:
+            out.append(config)
+    return out
 
 
 def fits(spec: StageSpec, config: TileConfig) -> bool:

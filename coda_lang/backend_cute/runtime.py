@@ -2,7 +2,9 @@
 
 What it does: `CudaBlock` (made by `Block.cuda(tile=None)`) runs a block on torch tensors keyed by
 parameter name. Each GEMM stage is ONE launch of its quack kernel (the emitted `@gemm_epilogue`, at
-the tile `compile.select_config` picks or the one given, cached per stage), recorded as the torch
+the tile given, or else the fastest of the tiles without register spills, measured on the stage's first
+launch at a GEMM shape and cached on disk (tune.py); `select_config`'s first tile without spills when
+tuning is off), recorded as the torch
 custom op `coda::stage` so that torch.compile traces through it: the stage's stored tiles are
 allocated as its outputs, its partial reductions as quack's per-tile partial buffers
 (`ColVecReduce` [m, ceil(n/tile_N)], `RowVecReduce` [ceil(m/tile_M), n]), which tiny torch ops then
@@ -452,8 +454,14 @@ class CudaBlock:
     backward raises; use `autograd()` for gradients.
     """
 
-    def __init__(self, block: Any, tile: Any = None, *, emulate: bool = False, poison: bool = False):
+    def __init__(self, block: Any, tile: Any = None, *, emulate: bool = False, poison: bool = False,
+                 tune: bool | None = None):
         self.block, self.emulate, self.poison = block, emulate, poison
+        # measure the non-spilling tiles of each stage on its first launch at a shape (default: on a GPU,
+        # for the stages given no tile, unless $CODA_TUNE=0)
+        self.tune = (not emulate and os.environ.get("CODA_TUNE", "1") != "0") if tune is None else tune
+        self._by_shape: dict[tuple[int, int, int, int], _StageRunner] = {}  # (stage, m, n, k) -> tuned
+        self._last: dict[int, _StageRunner] = {}  # the runner of each stage's latest launch
         self.ir, self.plan = block.ir, block.plan
         self._shape_rules = _shape_rules(self.ir)
         # GEMM stages: their StageSpec; elementwise stages (no GEMM): an ElementwiseStage, spec None
@@ -510,8 +518,10 @@ class CudaBlock:
     # -- configuration ------------------------------------------------------------------------
 
     def config(self, index: int) -> TileConfig:
-        """The tile config of stage `index` (1-based); chosen (and compiled for the check) on first use."""
-        return self.runner(index).config
+        """The tile config of stage `index` (1-based) at its latest launch (with tuning, the one measured
+        fastest at that shape); before any launch, the one `select_config` chooses."""
+        last = self._last.get(index)
+        return last.config if last is not None else self.runner(index).config
 
     @property
     def gemm_stages(self) -> list[int]:
@@ -595,11 +605,55 @@ class CudaBlock:
                     continue
                 r = self.runner(k)
                 ins, scalars = r.arguments(env)
+                if self.tune and k not in self._tiles:
+                    r = self._tuned(k, r, ins, scalars)
+                if not torch.compiler.is_compiling():  # (a side effect a traced autograd.Function can't hold)
+                    self._last[k] = r
                 outs = torch.ops.coda.stage(r.key, ins, scalars)
                 r.collect(outs, env, partials, self.plan.storage)
             else:
                 self._vector_eqn(s, env, dims, device)
         return env, partials
+
+    def _tuned(self, k: int, r: _StageRunner, ins: list[torch.Tensor | None], scalars: list[float]) -> _StageRunner:
+        """Stage k's runner at the fastest non-spilling tile for this GEMM shape: from this block's
+        memory, else the tuning cache on disk, else measured now on these very arguments."""
+        A, B = ins[0], ins[1]
+        assert A is not None and B is not None
+        spec = r.spec
+        n = B.shape[0] if spec.gemm.tb else B.shape[1]
+        key = (k, int(A.shape[0]), int(n), int(A.shape[1]))
+        if key not in self._by_shape:
+            self._by_shape[key] = self._measure(k, r, ins, scalars, key)
+        return self._by_shape[key]
+
+    @torch.compiler.disable
+    def _measure(self, k: int, r: _StageRunner, ins: list[torch.Tensor | None], scalars: list[float],
+                 key: tuple[int, int, int, int]) -> _StageRunner:
+        from coda_lang.backend_cute import tune
+
+        spec = r.spec
+        A = ins[0]
+        assert A is not None
+        disk = tune.disk_key(emit_stage(spec), key[1:], torch.cuda.get_device_name(A.device))
+        cached = tune.lookup(disk)
+        if cached is None:
+            if not _find_ptxas():
+                return r
+            from coda_lang.backend_cute.compile import configs_without_spills
+
+            runners = {c: r if c == r.config else _StageRunner(self.block, k, spec, c, self.emulate, self.poison)
+                       for c in configs_without_spills(spec)}
+            def launch(x: _StageRunner) -> Callable[[], Any]:
+                return lambda: torch.ops.coda.stage(x.key, ins, scalars)
+
+            times = tune.measure({c: launch(x) for c, x in runners.items()})
+            if not times:
+                return r
+            cached = min(times, key=lambda c: times[c])
+            tune.store(disk, cached, times)
+            return runners[cached]
+        return r if cached == r.config else _StageRunner(self.block, k, spec, cached, self.emulate, self.poison)
 
     def _vector_eqn(self, e: Eqn, env: dict[str, Any], dims: dict[str, int], device: torch.device) -> None:
         vals = []
