@@ -143,7 +143,7 @@ def run_size(blk: Any, M: int, D: int, args: argparse.Namespace) -> dict[str, An
     stages = []
     lib = library_stages(env, {k: cb.config(k) for k in range(1, 4)})
     for k, spec in enumerate(cb.specs, 1):
-        r = cb.runner(k)
+        r = cb.launched(k)
         ins, sc = r.arguments(env)
         A = env[spec.gemm.a]
         B = env[spec.gemm.b]
@@ -260,7 +260,7 @@ def run_backward(blk: Any, inputs: dict[str, Any], args: argparse.Namespace) -> 
     rows = []
     for k in bcb.gemm_stages:
         spec = bcb.specs[k - 1]
-        r = bcb.runner(k)
+        r = bcb.launched(k)
         ins, sc = r.arguments(env)
         A = env[spec.gemm.a].t() if spec.gemm.ta else env[spec.gemm.a]
         B = env[spec.gemm.b].t() if spec.gemm.tb else env[spec.gemm.b]

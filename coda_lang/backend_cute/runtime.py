@@ -38,6 +38,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -52,6 +53,7 @@ from coda_lang.verify.diagnostics import CodaError, Diagnostic
 
 TORCH_DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16,
                                         "i32": torch.int32, BOOL: torch.bool}
+_HALF = (torch.bfloat16, torch.float16)
 
 # ------------------------------------------------------------------------------------------------
 # The vector ops: registry op name -> torch function of the values (tensors or Python numbers) and
@@ -90,6 +92,12 @@ def _where(c: Any, a: Any, b: Any) -> torch.Tensor:
     return torch.where(c, a, b)
 
 
+def _expand(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """x at the shape of x and `like` broadcast (in a stage, a row vector expanded like a column vector
+    is a tile)."""
+    return torch.broadcast_to(x, torch.broadcast_shapes(x.shape, like.shape)).clone()
+
+
 def _logsumexp(x: Any) -> torch.Tensor:
     return torch.logsumexp(_tensor(x).reshape(-1), 0)
 
@@ -122,7 +130,7 @@ TORCH_OPS: dict[str, Callable[..., Any]] = {
     "cos": _unary(torch.cos),
     "cast": _cast,
     "copy": lambda x: x,
-    "expand": lambda x, like: torch.broadcast_to(_tensor(x), like.shape).clone(),
+    "expand": lambda x, like: _expand(_tensor(x), _tensor(like)),
     "reduce_sum": _unary(lambda x: x.sum()),
     "reduce_max": _unary(lambda x: x.amax()),
     "reduce_min": _unary(lambda x: x.amin()),
@@ -256,6 +264,9 @@ class _StageRunner:
             # pick leaves rows whose index is outside [0, n) alone: they read 0, as in the interpreter
             outs.append(torch.zeros(shape, dtype=torch.float32, device=dev) if s.op == "ColVecSelect"
                         else new(shape, torch.float32))
+        for gr in spec.groups:  # a grouped reduction used after the stage: one f32 per row and group
+            if gr.out is not None:
+                outs.append(new((m, n // gr.width), torch.float32))
         return outs
 
     # device side (the op's body): one kernel launch
@@ -303,6 +314,11 @@ class _StageRunner:
         for s in spec.sinks:
             epi[s.py] = outs[i]
             i += 1
+        for gr in spec.groups:  # GroupedReduce's host argument: the group width (compile-time)
+            epi[gr.py] = gr.width
+            if gr.out is not None:
+                epi[gr.out] = outs[i]
+                i += 1
         return D, C, epi
 
     def collect(self, outs: list[torch.Tensor], env: dict[str, Any], partials: dict[str, torch.Tensor],
@@ -331,6 +347,11 @@ class _StageRunner:
             x = buf if rule == "select" else combine_partials(buf, rule, axis)
             dtype = storage.get(s.name)
             env[s.name] = _round(x, dtype) if dtype else x
+        for gr in spec.groups:
+            if gr.out is not None:
+                dtype = storage.get(gr.name)
+                env[gr.name] = _round(outs[i], dtype) if dtype else outs[i]
+                i += 1
 
 
 def _coda_name(spec: StageSpec, py: str) -> str:
@@ -445,7 +466,9 @@ class CudaBlock:
     `(tile_M, tile_N)` pair or a `TileConfig` for every stage, or a dict {stage: tile}.
     `emulate=True`: each stage's launch is replaced by a torch stand-in (emulate.py) that runs on any
     device; for testing the runtime without a GPU, not for speed. `poison=True`: output buffers are
-    filled with NaN before each launch (tests: every element must be written).
+    filled with NaN before each launch (tests: every element must be written). `dims`: sizes of dims
+    that no input's shape gives (a dim used only as a value), as `Block.run(..., dims=)` takes them;
+    a call may give more (`cb(inputs, dims={...})`; `dims` is a reserved word, never a parameter).
 
     torch.compile traces a call into one graph (the launches are the custom op `coda::stage`); call the
     block once eagerly (or `prepare()`) first, so that tile selection and kernel compilation happen
@@ -455,8 +478,9 @@ class CudaBlock:
     """
 
     def __init__(self, block: Any, tile: Any = None, *, emulate: bool = False, poison: bool = False,
-                 tune: bool | None = None):
+                 tune: bool | None = None, dims: dict[str, int] | None = None):
         self.block, self.emulate, self.poison = block, emulate, poison
+        self.dims = _given_dims(block.ir, dims)
         # measure the non-spilling tiles of each stage on its first launch at a shape (default: on a GPU,
         # for the stages given no tile, unless $CODA_TUNE=0)
         self.tune = (not emulate and os.environ.get("CODA_TUNE", "1") != "0") if tune is None else tune
@@ -520,8 +544,7 @@ class CudaBlock:
     def config(self, index: int) -> TileConfig:
         """The tile config of stage `index` (1-based) at its latest launch (with tuning, the one measured
         fastest at that shape); before any launch, the one `select_config` chooses."""
-        last = self._last.get(index)
-        return last.config if last is not None else self.runner(index).config
+        return self.launched(index).config
 
     @property
     def gemm_stages(self) -> list[int]:
@@ -532,6 +555,11 @@ class CudaBlock:
     def tiles(self) -> dict[int, tuple[int, int]]:
         """{stage: (tile_M, tile_N)} of the GEMM stages: what `Block.run(..., tile=cb.tiles)` simulates."""
         return {k: (self.config(k).tile_m, self.config(k).tile_n) for k in self.gemm_stages}
+
+    def launched(self, index: int) -> _StageRunner:
+        """The runner of stage `index`'s latest launch (with tuning: the tile measured fastest at that
+        shape), else `runner(index)`."""
+        return self._last.get(index) or self.runner(index)
 
     def runner(self, index: int) -> _StageRunner:
         r = self._runners.get(index)
@@ -555,26 +583,25 @@ class CudaBlock:
 
     # -- running ------------------------------------------------------------------------------
 
-    def __call__(self, inputs: dict[str, Any] | None = None, /, **tensors: Any) -> dict[str, torch.Tensor]:
-        return self.run_with_partials(inputs, **tensors)[0]
+    def __call__(self, inputs: dict[str, Any] | None = None, /, *, dims: dict[str, int] | None = None,
+                 **tensors: Any) -> dict[str, torch.Tensor]:
+        return self.run_with_partials(inputs, dims=dims, **tensors)[0]
 
-    def run_with_partials(self, inputs: dict[str, Any] | None = None, /, **tensors: Any
-                          ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    def run_with_partials(self, inputs: dict[str, Any] | None = None, /, *, dims: dict[str, int] | None = None,
+                          **tensors: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Outputs by name, and every stage's partial buffers by the name of the reduction, as the
         kernel wrote them (row partials [m, ceil(n/tile_N)], column partials [ceil(m/tile_M), n]; a
-        pick gives its finished [m] vector)."""
-        env, partials = self._run({**(inputs or {}), **tensors})
-        outs = {}
-        for o in self.ir.outputs:
-            x = env[o.name]
-            outs[o.name] = x.to(TORCH_DTYPES[o.type.dtype]) if isinstance(x, torch.Tensor) else x
+        pick gives its finished [m] vector). `dims`: sizes of dims (with the CudaBlock's own `dims`)."""
+        outs, partials, _ = self._call({**(inputs or {}), **tensors}, dims)
         return outs, partials
 
-    def values(self, inputs: dict[str, Any] | None = None, /, **tensors: Any) -> dict[str, Any]:
+    def values(self, inputs: dict[str, Any] | None = None, /, *, dims: dict[str, int] | None = None,
+               **tensors: Any) -> dict[str, Any]:
         """Every named value of a run (inputs as bound, stored tiles, vectors): what `run_stage` reads."""
-        return self._run({**(inputs or {}), **tensors})[0]
+        return self._run({**(inputs or {}), **tensors}, dims)[0]
 
-    def run_stage(self, index: int, env: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    def run_stage(self, index: int, env: dict[str, Any], dims: dict[str, int] | None = None
+                  ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """Stage `index` alone (one kernel launch plus its partial combines; an elementwise stage: its
         fused kernel) on the values in `env`: (the values it defines, its partial buffers)."""
         new: dict[str, Any] = {}
@@ -582,8 +609,8 @@ class CudaBlock:
         if index in self.elementwise:
             shapes = {p.var.name: tuple(env[p.var.name].shape) for p in self.ir.params
                       if isinstance(env.get(p.var.name), torch.Tensor)}
-            dims = _dims_of(self.ir, self._shape_rules, shapes)
-            self.elementwise[index].run({**env}, dims, self.plan.storage, out=new)
+            sizes = _dims_of(self.ir, self._shape_rules, shapes, self._given(dims))
+            self.elementwise[index].run({**env}, sizes, self.plan.storage, out=new)
             return new, partials
         r = self.runner(index)
         ins, scalars = r.arguments(env)
@@ -591,8 +618,23 @@ class CudaBlock:
         r.collect(outs, new, partials, self.plan.storage)
         return new, partials
 
-    def _run(self, tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        env, dims, device = self._bind(tensors)
+    def _given(self, dims: dict[str, int] | None) -> dict[str, int]:
+        """The dims given to a call, with the CudaBlock's own."""
+        return {**self.dims, **_given_dims(self.ir, dims)} if dims else self.dims
+
+    def _call(self, tensors: dict[str, Any], dims: dict[str, int] | None
+              ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, int]]:
+        """(outputs by name in their dtypes, partial buffers, the dims of the run)."""
+        env, partials, sizes = self._run(tensors, dims)
+        outs = {}
+        for o in self.ir.outputs:
+            x = env[o.name]
+            outs[o.name] = x.to(TORCH_DTYPES[o.type.dtype]) if isinstance(x, torch.Tensor) else x
+        return outs, partials, sizes
+
+    def _run(self, tensors: dict[str, Any], given: dict[str, int] | None = None
+             ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, int]]:
+        env, dims, device = self._bind(tensors, self._given(given))
         if not self._ready:
             self.prepare()
         partials: dict[str, torch.Tensor] = {}
@@ -613,7 +655,7 @@ class CudaBlock:
                 r.collect(outs, env, partials, self.plan.storage)
             else:
                 self._vector_eqn(s, env, dims, device)
-        return env, partials
+        return env, partials, dims
 
     def _tuned(self, k: int, r: _StageRunner, ins: list[torch.Tensor | None], scalars: list[float]) -> _StageRunner:
         """Stage k's runner at the fastest non-spilling tile for this GEMM shape: from this block's
@@ -657,9 +699,11 @@ class CudaBlock:
 
     def _vector_eqn(self, e: Eqn, env: dict[str, Any], dims: dict[str, int], device: torch.device) -> None:
         vals = []
+        upcast = e.outs[0].type is None or e.outs[0].type.kind != MATRIX  # a matrix alias stays the same tensor
         for a in e.ins:
             if isinstance(a, Var):
-                vals.append(env[a.name])
+                x = env[a.name]  # a 16-bit parameter is bound in its dtype: computed in f32, as the interpreter does
+                vals.append(x.float() if upcast and isinstance(x, torch.Tensor) and x.dtype in _HALF else x)
             elif isinstance(a, Lit):
                 vals.append(a.value)
             else:  # a dim as a value: integer arithmetic on plain ints (torch.compile traces this)
@@ -672,7 +716,8 @@ class CudaBlock:
             x = _compute(x, v.type, device)
             env[v.name] = _round(x, v.annot) if v.annot else x
 
-    def _bind(self, tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int], torch.device]:
+    def _bind(self, tensors: dict[str, Any], given: dict[str, int]
+              ) -> tuple[dict[str, Any], dict[str, int], torch.device]:
         names = {p.var.name for p in self.ir.params}
         unknown = sorted(set(tensors) - names)
         if unknown:
@@ -692,7 +737,9 @@ class CudaBlock:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and not t.shape:
                 if t.dtype == "i32" and not isinstance(v, int):
                     raise fail("E0803", f"input `{name}` is {v!r}, but it is declared i32")
-                env[name] = float(v) if t.dtype != "i32" else int(v)
+                # a 16-bit scalar rounded to its dtype, as the interpreter binds it
+                env[name] = int(v) if t.dtype == "i32" else (
+                    float(torch.tensor(float(v)).to(TORCH_DTYPES[t.dtype])) if t.dtype in ("bf16", "f16") else float(v))
                 continue
             if not isinstance(v, torch.Tensor):
                 raise fail("E0803", f"input `{name}` is a {type(v).__name__}; the CUDA runtime takes torch tensors")
@@ -712,7 +759,7 @@ class CudaBlock:
         if not self.emulate and device.type != "cuda":
             raise fail("E0806", f"inputs are on {device}; the CUDA runtime needs CUDA tensors",
                        notes=["Block.run runs the interpreter on CPU tensors"])
-        dims = _dims_of(self.ir, self._shape_rules, shapes)
+        dims = _dims_of(self.ir, self._shape_rules, shapes, given)
         return env, dims, device
 
     # -- autograd -----------------------------------------------------------------------------
@@ -734,27 +781,46 @@ def _shape_rules(block: Any) -> tuple[tuple[str, int, str | None, int, int], ...
     return tuple(rules)
 
 
+def _given_dims(block: Any, dims: dict[str, int] | None) -> dict[str, int]:
+    """`dims=` as plain ints, checked: E0804 for a dim the block doesn't declare or a size that is not
+    a positive integer (a fixed dim or a shape that contradicts it: when a call binds its inputs)."""
+    if not dims:
+        return {}
+    names = [d.name for d in block.dims]
+    out = {}
+    for name, v in dims.items():
+        if name not in names:
+            raise fail("E0804", f"unknown dim `{name}`; the block's dims are {', '.join(names) or '(none)'}")
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+            raise fail("E0804", f"dim {name} must be a positive integer, got {v!r}")
+        out[name] = int(v)
+    return out
+
+
 def _dims_of(block: Any, rules: tuple[tuple[str, int, str | None, int, int], ...],
-             shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
-    """Dims from input shapes, in integer arithmetic; any inconsistency defers to the interpreter's
-    checks (infer_dims), which give the diagnostic."""
+             shapes: dict[str, tuple[int, ...]], given: dict[str, int] | None = None) -> dict[str, int]:
+    """Dims from `given` (checked by _given_dims) and input shapes, in integer arithmetic; any
+    inconsistency defers to the interpreter's checks (infer_dims), which give the diagnostic."""
     dims: dict[str, int] = {d.name: d.value for d in block.dims if d.value is not None}
+    for name, value in (given or {}).items():
+        if dims.setdefault(name, value) != value:
+            return infer_dims(block, shapes, given)
     for name, axis, dim, num, den in rules:
         shape = shapes.get(name)
         if shape is None or len(shape) <= axis:
-            return infer_dims(block, shapes, None)
+            return infer_dims(block, shapes, given)
         n = int(shape[axis])
         if dim is None:
             if n * den != num:
-                return infer_dims(block, shapes, None)
+                return infer_dims(block, shapes, given)
             continue
         if (n * den) % num:
-            return infer_dims(block, shapes, None)
+            return infer_dims(block, shapes, given)
         value = n * den // num
         if dims.setdefault(dim, value) != value:
-            return infer_dims(block, shapes, None)
+            return infer_dims(block, shapes, given)
     if len(dims) < len(block.dims):
-        return infer_dims(block, shapes, None)
+        return infer_dims(block, shapes, given)
     return dims
 
 
@@ -798,19 +864,28 @@ class CudaFunction:
         self.params = [p.var.name for p in cb.ir.params]
         self.outputs = [o.name for o in cb.ir.outputs]
         self.needs = [p.var.name for p in d.backward.ir.params if p.var.name not in set(d.cotangents.values())]
+        self.ir, self.dims = cb.ir, cb.dims
+        self.forward_dims = frozenset(x.name for x in d.forward.ir.dims)
+        self.backward_dims = frozenset(x.name for x in d.backward.ir.dims)
 
-    def __call__(self, inputs: dict[str, Any] | None = None, /, **tensors: Any) -> dict[str, torch.Tensor]:
+    def __call__(self, inputs: dict[str, Any] | None = None, /, *, dims: dict[str, int] | None = None,
+                 **tensors: Any) -> dict[str, torch.Tensor]:
+        """`dims`: sizes of the block's dims that no input's shape gives (with the CudaBlock's own);
+        the backward block runs at the dims of the forward's run."""
         given = {**(inputs or {}), **tensors}
         names = tuple(n for n in self.params if n in given)
-        outs = _CodaAutograd.apply(self, names, *[given[n] for n in names])
+        sizes = tuple(sorted({**self.dims, **_given_dims(self.ir, dims)}.items()))
+        outs = _CodaAutograd.apply(self, names, sizes, *[given[n] for n in names])
         return dict(zip(self.outputs, outs, strict=True))
 
 
 class _CodaAutograd(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, fn: CudaFunction, names: tuple[str, ...], *vals: Any) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, fn: CudaFunction, names: tuple[str, ...], sizes: tuple[tuple[str, int], ...],
+                *vals: Any) -> tuple[torch.Tensor, ...]:
         inputs = dict(zip(names, vals, strict=True))
-        res = fn.forward(inputs)
+        res, _, dims = fn.forward._call(inputs, {k: v for k, v in sizes if k in fn.forward_dims})
+        ctx.dims = {k: v for k, v in {**dict(sizes), **dims}.items() if k in fn.backward_dims}
         keep = {n: res[n] if n in res else inputs[n] for n in fn.needs if n in res or n in inputs}
         tensor_names = [n for n, v in keep.items() if isinstance(v, torch.Tensor)]
         ctx.save_for_backward(*[keep[n] for n in tensor_names])
@@ -831,11 +906,11 @@ class _CodaAutograd(torch.autograd.Function):
         for out, g, (shape, dtype, device) in zip(fn.outputs, grads, ctx.out_meta, strict=True):
             if out in d.cotangents:
                 bins[d.cotangents[out]] = g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
-        grads_out = fn.backward(bins)
-        result: list[Any] = [None, None]
+        grads_out = fn.backward._call(bins, ctx.dims)[0]
+        result: list[Any] = [None, None, None]
         for i, name in enumerate(ctx.names):
             g = d.grads.get(name)
-            if g is None or not ctx.needs_input_grad[i + 2]:
+            if g is None or not ctx.needs_input_grad[i + 3]:
                 result.append(None)
             else:
                 result.append(grads_out[g].to(ctx.in_dtypes[i]))
