@@ -45,3 +45,31 @@ def test_emulated_blocks_do_not_tune() -> None:
     blk = coda_lang.load(Path(__file__).resolve().parent.parent / "examples" / "llama_mlp.coda")["llama_mlp"]
     assert blk.cuda(emulate=True).tune is False
     assert blk.cuda(emulate=True, tune=True).tune is True
+
+
+def test_plain_stages_may_run_on_cublas() -> None:
+    """A stage that only stores its accumulator in the operands' dtype (llama_mlp's wgrad GEMMs and dy)
+    is a bare GEMM: the tuner may time it on cuBLAS. Run that way (emulated: torch.matmul on the CPU),
+    the backward block still matches the interpreter."""
+    import torch
+    from runtime_check import check_gradient, example_inputs
+
+    import coda_lang
+    from coda_lang.backend_cute.compile import CUBLAS, is_plain
+    from coda_lang.backend_cute.plan import plan_stage
+
+    blk = coda_lang.load(Path(__file__).resolve().parent.parent / "examples" / "llama_mlp.coda")["llama_mlp"]
+    bwd = blk.grad()
+    plain = [k for k in range(1, len(bwd.plan.stages) + 1) if is_plain(plan_stage(bwd, k))]
+    assert plain == [1, 3, 5, 6]  # dw_2, dw_13, dw_o, dy; not the SwiGLU or norm backward
+    assert not any(is_plain(plan_stage(blk, k)) for k in (1, 2, 3))
+    inputs = example_inputs(bwd, {"M": 300, "D": 200, "F": 264}, seed=31)
+    cb = bwd.cuda(tile={**{k: (128, 64) for k in (2, 4)}, **{k: CUBLAS for k in plain}}, emulate=True)
+    outs = cb(inputs)
+    assert str(cb.config(1)) == "cuBLAS (torch.matmul)"
+    ref = bwd.run(inputs, tile=(128, 64))
+    ref64 = bwd.run(inputs, precision="f64")
+    for o in bwd.ir.outputs:
+        assert o.type is not None
+        check_gradient(o.name, outs[o.name], ref[o.name], ref64[o.name], o.type.dtype)
+    assert isinstance(outs["dy"], torch.Tensor)

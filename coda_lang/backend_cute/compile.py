@@ -46,12 +46,31 @@ class TileConfig:
     pingpong: bool = True
 
     def __str__(self) -> str:
+        if self.is_cublas:
+            return "cuBLAS (torch.matmul)"
         kind = "pingpong" if self.pingpong else "cooperative"
         return f"{self.tile_m}x{self.tile_n} {kind}, cluster {self.cluster_m}x{self.cluster_n}"
 
     @property
     def short(self) -> str:
-        return f"{self.tile_m}x{self.tile_n}"
+        return "cublas" if self.is_cublas else f"{self.tile_m}x{self.tile_n}"
+
+    @property
+    def is_cublas(self) -> bool:
+        """The stand-in config of a plain GEMM stage run by cuBLAS (see `CUBLAS`)."""
+        return self.tile_m == 0
+
+
+# A stage whose epilogue only stores the accumulator in the operands' dtype (a wgrad or dgrad GEMM
+# with nothing fused) is a bare GEMM: the tuner also times it on cuBLAS and takes that when faster.
+CUBLAS = TileConfig(0, 0, 1, 1, False)
+
+
+def is_plain(spec: StageSpec) -> bool:
+    """Whether the stage's kernel would be a bare GEMM: D = acc in the operands' dtype, nothing else."""
+    return (spec.d is not None and not spec.operands and not spec.outputs and not spec.sinks
+            and spec.mode == "element" and spec.d.dtype == spec.gemm.a_dtype == spec.gemm.b_dtype
+            and all(e.op == "copy" for e in spec.eqns))
 
 
 DEFAULT_CONFIG = TileConfig()
@@ -245,8 +264,9 @@ TUNE_CANDIDATES = (
 
 def configs_without_spills(spec: StageSpec, candidates: tuple[TileConfig, ...] = TUNE_CANDIDATES, *,
                            directory: Path | None = None) -> list[TileConfig]:
-    """The candidates that fit the stage's tiling constraints, compile, and whose kernels don't spill."""
-    out = []
+    """The candidates that fit the stage's tiling constraints, compile, and whose kernels don't spill
+    (and `CUBLAS` first for a plain stage)."""
+    out = [CUBLAS] if is_plain(spec) else []
     for config in candidates:
         if not fits(spec, config):
             continue
