@@ -1,7 +1,8 @@
 """The CuTeDSL backend without compiling: stage planning, emitted epilogue source, E07 diagnostics, CLI.
 
 - Golden files: tests/golden/emit/<block>_stage<k>.py hold the emitted source of llama_mlp's stages
-  (compared exactly; `pytest --update-golden` rewrites them).
+  and of qk_norm's (a prepass for its per-head grouped sum; compared exactly; `pytest --update-golden`
+  rewrites them).
 - Every example's stages either emit valid Python or stop with a clean E07 diagnostic.
 - Each E07 code the planner gives is produced by a small program, at the offending line.
 - `import coda_lang, coda_lang.cli` (and the backend's planning modules) import no GPU library.
@@ -35,10 +36,10 @@ def mlp() -> coda_lang.Block:
     return coda_lang.load(MLP)["llama_mlp"]
 
 
-@pytest.mark.parametrize("index", [1, 2, 3])
-def test_golden_llama_mlp(index: int, update_golden: bool) -> None:
-    source = emit_stage(plan_stage(mlp(), index))
-    golden = GOLDEN / f"llama_mlp_stage{index}.py"
+@pytest.mark.parametrize("name,index", [("llama_mlp", 1), ("llama_mlp", 2), ("llama_mlp", 3), ("qk_norm", 1)])
+def test_golden(name: str, index: int, update_golden: bool) -> None:
+    source = emit_stage(plan_stage(coda_lang.load(ROOT / "examples" / f"{name}.coda")[name], index))
+    golden = GOLDEN / f"{name}_stage{index}.py"
     if update_golden:
         golden.parent.mkdir(parents=True, exist_ok=True)
         golden.write_text(source)
@@ -77,8 +78,9 @@ def test_examples_emit_python_or_e07(path: Path) -> None:
                 continue
             tree = ast.parse(source)
             fns = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
-            assert [f.name for f in fns] == [f"{block.name}_stage{k}"]
-            assert fns[0].args.args[0].arg == "acc"
+            prepass = [f"{block.name}_stage{k}_prepass"] if "prepass=" in source else []
+            assert [f.name for f in fns] == prepass + [f"{block.name}_stage{k}"]
+            assert all(f.args.args[0].arg == "acc" for f in fns)
             assert emit_stage(plan_stage(block, k)) == source  # deterministic
 
 
@@ -170,6 +172,21 @@ E07_CASES = {
                                                           outs="y: bf16[M, 2*F], s: f32[2*F]")),
     "min_reduction": ("E0705", 4, program(gemm("y = min(acc, over=N)"), outs="y: f32[M]")),
     "logsumexp_over_rows": ("E0705", 4, program(gemm("y = logsumexp(acc, over=M)"), outs="y: f32[N]")),
+    "grouped_min": ("E0705", 4, program(gemm("s = min(acc, over=N, group=64)\ny = acc - s"))),
+    "grouped_logsumexp": ("E0705", 4, program(gemm("s = logsumexp(acc, over=N, group=64)\ny = acc - s"))),
+    "grouped_of_grouped": ("E0705", 5, program(gemm("m = sum(acc, over=N, group=64)\n"
+                                                    "v = sum((acc - m) * (acc - m), over=N, group=64)\n"
+                                                    "y = (acc - m) * rsqrt(v)"))),
+    "grouped_half_width": ("E0705", 5, program(gemm("g, u = pairs(acc)\ns = sum(g, over=F, group=64)\ny = g * s"),
+                                               dims="M, K, F", sig="x: bf16[M, K], w: bf16[K, 2*F]",
+                                               outs="y: bf16[M, F]")),
+    "grouped_packed": ("E0705", 5, program(gemm("g, u = pairs(t)\ns = sum(acc, over=F, group=64)\n"
+                                                "y = interleave(g * acc * s, u)"), dims="M, K, F",
+                                           sig="x: bf16[M, K], w: bf16[K, F], t: bf16[M, 2*F]", outs="y: bf16[M, 2*F]")),
+    "grouped_derived_used_after": ("E0705", 5, program(gemm("s = sum(acc * acc, over=N, group=64)\nr = rsqrt(s)\n"
+                                                            "y = acc * r"), outs="y: bf16[M, N], r: f32[M, N/64]")),
+    "grouped_reduced_over_groups": ("E0705", 5, program(gemm("s = sum(acc, over=N, group=64)\nt = sum(s, over=N/64)\n"
+                                                             "y = acc * s"), outs="y: bf16[M, N], t: f32[M]")),
     "paired_f32_store": ("E0702", 5, program(gemm("g, u = pairs(acc)\ny = g * u"), dims="M, K, F",
                                              sig="x: bf16[M, K], w: bf16[K, 2*F]", outs="y: f32[M, F]")),
 }
@@ -187,11 +204,40 @@ def test_e07(name: str) -> None:
     assert "Traceback" not in info.value.render("human")
 
 
-def test_grouped_reduction_is_e0705() -> None:
-    block = coda_lang.load(ROOT / "examples" / "qk_norm.coda")["qk_norm"]
-    with pytest.raises(CodaError) as info:
-        plan_stage(block, 1)
-    assert [d.code for d in info.value.diagnostics] == ["E0705"]
+def test_qk_norm_folds_its_grouped_sum_in_a_prepass() -> None:
+    """qk_norm's per-head sum of squares is quack's prepass (as its qk_rope_epi): the prepass returns
+    acc * acc for the GroupedReduce op `ss`, the main fn (acc_pair mode, RoPE) reads the raw per-head
+    sum from lane 0 of `ss` and computes rsqrt(ss / 128 + eps) itself; the tile holds whole heads."""
+    spec = plan_stage(coda_lang.load(ROOT / "examples" / "qk_norm.coda")["qk_norm"], 1)
+    assert spec.mode == "acc_pair" and spec.sinks == ()
+    assert [(g.name, g.py, g.combine, g.width, g.out) for g in spec.groups] == [("ss", "ss", "add", 128, None)]
+    assert [e.op for e in spec.prepass] == ["mul"] and spec.groups[0].value == spec.prepass[0].outs[0].name
+    assert "tile_N % 128 == 0 (group=128 over `2*P`)" in spec.constraints
+    assert all(e.op != "reduce_sum" for e in spec.eqns)
+    src = emit_stage(spec)
+    assert 'prepass=qk_norm_stage1_prepass, prepass_outs=("ss",)' in src
+    assert '"ss": GroupedReduce("ss")' in src and "def qk_norm_stage1(acc, eps, g, pos, freq, ss):" in src
+    assert "ss_0, ss_1 = unpack(ss)" in src and "cute.math.rsqrt(" in src
+
+
+GROUPED = program(gemm("s = sum(acc * acc, over=N, group=64)\nm = max(abs(acc + b), over=N, group=64)\n"
+                       "y = acc * rsqrt(s / 64.0) / m"),
+                  sig="x: bf16[M, K], w: bf16[K, N], b: f32[N]", outs="y: bf16[M, N], s: f32[M, N/64]")
+
+
+def test_grouped_max_and_a_stored_group() -> None:
+    """Element mode: two grouped reductions (a sum and a max of |acc + b|, the prepass reading the
+    operand b), the sum used after the stage, written by its GroupedColStatsOut."""
+    spec = plan_stage(next(iter(coda_lang.load(GROUPED))), 1)
+    assert spec.mode == "element"
+    assert [(g.name, g.combine, g.width, g.out) for g in spec.groups] == [("s", "add", 64, "s_out"),
+                                                                         ("m", "max", 64, None)]
+    assert [e.op for e in spec.prepass] == ["mul", "add", "abs"]
+    src = emit_stage(spec)
+    assert "def p_stage1_prepass(acc, b):" in src and 'return {"s": _t1, "m": _t3}' in src
+    assert '"m": GroupedReduce("m", combine="max")' in src
+    assert 'extra_ops=(GroupedReduce("s").out("s_out"),)' in src
+    assert 'prepass_outs=("s", "m")' in src
 
 
 def test_half_width_column_vector_is_loaded_repeated() -> None:

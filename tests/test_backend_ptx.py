@@ -3,6 +3,7 @@
 - llama_mlp's three forward stages compile through quack (TMA + WGMMA mainloop, pingpong, cluster
   2x1): the PTX targets sm_90a, holds `wgmma` and `cp.async.bulk.tensor`, and at the tile
   `select_config` picks, `ptxas -v` reports no spill stores or loads. Also at 128x128.
+- qk_norm's grouped sum compiles as quack's epilogue prepass (at a tile holding whole heads).
 - The PTX cache is keyed by content: a second compile is a cache hit; `coda compile --emit ptx`.
 - E0706 (spills at every tile tried) and E0707 (quack rejects the kernel) are clean diagnostics.
 - Slow: every other example and the derived backward of llama_mlp compile without spills.
@@ -79,6 +80,17 @@ def test_llama_mlp_at_128x128(mlp: coda_lang.Block, cache: Path, index: int) -> 
     assert c.report is not None and not c.report.spills, c.report.text
 
 
+def test_qk_norm_compiles_with_its_prepass(cache: Path) -> None:
+    """qk_norm's per-head sum of squares (group=128) runs in quack's epilogue prepass: the first
+    candidate tile whose width holds whole heads (128x128) compiles without spills, and the PTX
+    holds the GroupedReduce butterfly across the lanes of a head (`shfl.sync.bfly`)."""
+    block = coda_lang.load(ROOT / "examples" / "qk_norm.coda")["qk_norm"]
+    c = select_config(block, 1, directory=cache)
+    check_ptx(c)
+    assert c.config == TileConfig(128, 128) and c.report is not None and not c.report.spills, c.report.text
+    assert "shfl.sync.bfly" in c.ptx and "qk_norm_stage1_prepass" in c.source
+
+
 def test_ptx_cache_hits_by_content(mlp: coda_lang.Block, cache: Path) -> None:
     first = compile_stage(mlp, 3, DEFAULT_CONFIG, directory=cache)
     again = compile_stage(mlp, 3, DEFAULT_CONFIG, directory=cache)
@@ -96,6 +108,7 @@ def test_cli_compile_ptx(mlp: coda_lang.Block, cache: Path, tmp_path: Path) -> N
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"llama_mlp_stage{k}.ptx" for k in (1, 2, 3)]
     wrote = [line for line in r.stdout.splitlines() if line.startswith("wrote")]
     assert len(wrote) == 3 and all("0 bytes spill stores, 0 bytes spill loads" in line for line in wrote)
+    assert all(line.endswith("; cached") for line in wrote), wrote  # a second process compiles nothing
     assert "wgmma" in (tmp_path / "llama_mlp_stage2.ptx").read_text()
 
 
@@ -137,12 +150,9 @@ def test_spills_everywhere_is_e0706(cache: Path) -> None:
 
 def _example_stages() -> list[tuple[str, str, int]]:
     """(example, "forward" | "backward", stage) for every GEMM stage of every example's extended forward
-    (what autograd runs: the forward plus the tiles it saves) and derived backward; qk_norm's grouped
-    reduction is not compiled yet (E0705, tests/test_backend_emit.py)."""
+    (what autograd runs: the forward plus the tiles it saves) and derived backward."""
     out = []
     for path in sorted((ROOT / "examples").glob("*.coda")):
-        if path.stem == "qk_norm":
-            continue
         for block in coda_lang.load(path):
             d = block.derivation()
             for kind, b in (("forward", d.forward), ("backward", d.backward)):
@@ -170,5 +180,5 @@ def test_examples_compile_without_spills(cache: Path, name: str, kind: str, inde
 
 def test_every_example_stage_is_covered() -> None:
     names = {n for n, _, _ in EXAMPLE_STAGES}
-    assert names == {p.stem for p in (ROOT / "examples").glob("*.coda")} - {"qk_norm"}
+    assert names == {p.stem for p in (ROOT / "examples").glob("*.coda")}
     assert sum(1 for n, k, _ in EXAMPLE_STAGES if (n, k) == ("llama_mlp", "backward")) == 6

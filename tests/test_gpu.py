@@ -3,12 +3,13 @@
 Every test is marked `gpu` and skipped without a CUDA GPU (tests/conftest.py). On the GPU host:
 `source .gpu/env/gpu.sh; python -m pytest -q -m gpu tests/test_gpu.py` (scripts/gpu_check.sh).
 
-- Forward of llama_mlp, bias_gelu, scale_residual, amax_fp8, lm_head_ce, qkv_rope, llama_block at
-  sizes that are multiples of no tile (M=1000, D=520, F=1000, ...; bf16), each stage at the tile
-  `select_config` picks: outputs against `Block.run(..., tile=cb.tiles)` on the same bf16 inputs copied
-  to the CPU, and against float64 (tests/runtime_check.py states the two tolerance rules: elementwise
-  within a bf16 ulp of the interpreter, and an f64 error at most twice the interpreter's); every output
-  buffer is poisoned with NaN first, so an unwritten element fails.
+- Forward of llama_mlp, bias_gelu, scale_residual, amax_fp8, lm_head_ce, qkv_rope, llama_block, qk_norm
+  at sizes that are multiples of no tile (M=1000, D=520, F=1000, ...; qk_norm's 2*P = 1152 holds whole
+  heads of 128; bf16), each stage at the tile `select_config` picks: outputs against
+  `Block.run(..., tile=cb.tiles)` on the same bf16 inputs copied to the CPU, and against float64
+  (tests/runtime_check.py states the two tolerance rules: elementwise within a bf16 ulp of the
+  interpreter, and an f64 error at most twice the interpreter's); every output buffer is poisoned with
+  NaN first, so an unwritten element fails.
 - Partial buffers (row partials [m, ceil(n/tile_N)], column partials [ceil(m/tile_M), n]) against
   the interpreter's tile simulation, 1e-3 relative.
 - Exactly one kernel launch per GEMM stage (torch.profiler: one kernel named after the stage's emitted
@@ -42,7 +43,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::DeprecationWa
 os.environ.setdefault("CODA_TUNE", "0")  # tile tuning has its own test (test_tuning_...); the others use select_config
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-FORWARD = ["llama_mlp", "bias_gelu", "scale_residual", "amax_fp8", "lm_head_ce", "qkv_rope", "llama_block"]
+FORWARD = ["llama_mlp", "bias_gelu", "scale_residual", "amax_fp8", "lm_head_ce", "qkv_rope", "llama_block",
+           "qk_norm"]
+# qk_norm's per-head sum (group=128) needs 2*P a multiple of 128: 2*P = 1152 (M = 1000, D = 520 stay ragged)
+SIZES = {"qk_norm": {**RAGGED, "P": 576}}
+
+
+def sizes(name: str) -> dict[str, int]:
+    return SIZES.get(name, RAGGED)
 
 
 def block(name: str) -> coda_lang.Block:
@@ -69,7 +77,7 @@ def run(name: str) -> Run:
     if name not in _RUNS:
         blk = block(name)
         cb = blk.cuda(poison=True)
-        inputs = example_inputs(blk, RAGGED, seed=1, device="cuda")
+        inputs = example_inputs(blk, sizes(name), seed=1, device="cuda")
         outs, partials = cb.run_with_partials(inputs)
         torch.cuda.synchronize()
         cpu = {k: v.cpu() for k, v in inputs.items()}
@@ -163,7 +171,7 @@ def backward_run(name: str) -> BackwardRun:
     if name not in _BWD:
         blk = block(name)
         d = blk.derivation()
-        inputs = example_inputs(blk, RAGGED, seed=5, device="cuda")
+        inputs = example_inputs(blk, sizes(name), seed=5, device="cuda")
         saved = d.forward.cuda(tile=BWD_TILE)(inputs)
         gen = torch.Generator("cuda").manual_seed(6)
         cot = {c: o for o, c in d.cotangents.items()}
@@ -211,7 +219,7 @@ def test_backward_one_kernel_launch_per_gemm_stage(name: str) -> None:
 def test_example_autograd_matches_vjp(name: str) -> None:
     blk = block(name)
     fn = blk.cuda(tile=BWD_TILE, poison=True).autograd()
-    inputs = example_inputs(blk, RAGGED, seed=7, device="cuda")
+    inputs = example_inputs(blk, sizes(name), seed=7, device="cuda")
     leaves = {k: v.clone().requires_grad_() if v.is_floating_point() else v for k, v in inputs.items()}
     outs = fn(leaves)
     gen = torch.Generator("cuda").manual_seed(8)

@@ -7,8 +7,7 @@
   arguments), every compilable example runs at sizes that are not multiples of the tile, and its
   outputs and per-tile partial buffers match the interpreter at the same tiles (tests/runtime_check.py
   states the tolerance rules); poisoned buffers show every element is written.
-- `autograd()` differentiates through the derived backward block (gradients match Block.vjp), and
-  raises a clean E07 for the examples whose backward has a stage the backend can't run yet.
+- `autograd()` differentiates through the derived backward block (gradients match Block.vjp).
 - The block traces into one graph with no break under torch.compile (the launches are the custom op
   `coda::stage`), autograd included.
 - E07 for stages the backend can't compile; E08 for bad inputs; the interpreter accepts per-stage tiles.
@@ -42,7 +41,14 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 SMALL = {"M": 300, "D": 200, "F": 264, "K": 200, "N": 264, "V": 264, "P": 136}
 TILE = (128, 64)  # several tiles along both dims at SMALL, ragged last ones
-COMPILABLE = ["llama_mlp", "bias_gelu", "scale_residual", "amax_fp8", "lm_head_ce", "qkv_rope", "llama_block"]
+COMPILABLE = ["llama_mlp", "bias_gelu", "scale_residual", "amax_fp8", "lm_head_ce", "qkv_rope", "llama_block",
+              "qk_norm"]
+# qk_norm's per-head sum (group=128) needs 2*P and tile_N multiples of 128: 2*P = 384 is 1.5 tiles of 256
+GROUPED_SIZES, GROUPED_TILE = {**SMALL, "P": 192}, (128, 256)
+
+
+def sizes_and_tile(name: str) -> tuple[dict[str, int], tuple[int, int]]:
+    return (GROUPED_SIZES, GROUPED_TILE) if name == "qk_norm" else (SMALL, TILE)
 
 
 def block(name: str) -> coda_lang.Block:
@@ -148,10 +154,11 @@ def test_sink_shapes_are_quacks() -> None:
 @pytest.mark.parametrize("name", COMPILABLE)
 def test_emulated_block_matches_interpreter(name: str) -> None:
     blk = block(name)
-    cb = blk.cuda(tile=TILE, emulate=True, poison=True)
-    inputs = example_inputs(blk, SMALL, seed=3)
+    sizes, tile = sizes_and_tile(name)
+    cb = blk.cuda(tile=tile, emulate=True, poison=True)
+    inputs = example_inputs(blk, sizes, seed=3)
     outs, partials = cb.run_with_partials(inputs)
-    assert cb.tiles == {k: TILE for k in range(1, len(blk.plan.stages) + 1)}
+    assert cb.tiles == {k: tile for k in range(1, len(blk.plan.stages) + 1)}
     ref, ref_partials = blk.run_with_partials(inputs, tile=cb.tiles)
     ref64 = blk.run(inputs, precision="f64")
     assert set(outs) == set(ref)
@@ -163,6 +170,32 @@ def test_emulated_block_matches_interpreter(name: str) -> None:
         assert partials
     for k, buf in partials.items():
         check_partial(k, buf, ref_partials[k])
+
+
+GROUPED = """dims M, K, N
+block p(x: bf16[M, K], w: bf16[K, N], b: f32[N]) -> (y: bf16[M, N], s: f32[M, N/64]) {
+  gemm x @ w {
+    s = sum(acc * acc, over=N, group=64)
+    m = max(abs(acc + b), over=N, group=64)
+    y = acc * rsqrt(s / 64.0) / m
+  }
+}
+"""
+
+
+def test_emulated_grouped_max_and_stored_group_match_interpreter() -> None:
+    """A grouped max and a grouped sum stored after the stage (the [m, n / 64] buffer of its writer),
+    at a tile with a ragged last column tile (n = 448 = 3.5 tiles of 128)."""
+    blk = next(iter(coda_lang.load(GROUPED)))
+    cb = blk.cuda(tile=(128, 128), emulate=True, poison=True)
+    inputs = example_inputs(blk, {"M": 300, "K": 200, "N": 448}, seed=14)
+    outs = cb(inputs)
+    ref = blk.run(inputs, tile=(128, 128))
+    ref64 = blk.run(inputs, precision="f64")
+    assert outs["s"].shape == (300, 7)
+    for o in blk.ir.outputs:
+        assert o.type is not None
+        check_output(o.name, outs[o.name], ref[o.name], ref64[o.name], o.type.dtype)
 
 
 def test_emulated_run_takes_a_dict_or_keywords_and_default_tile() -> None:
@@ -216,20 +249,22 @@ def test_emulated_autograd_matches_vjp(name: str) -> None:
         check_output(f"d{p.var.name}", g, ref[p.var.name], ref64[p.var.name], p.var.type.dtype)
 
 
-@pytest.mark.parametrize("name", ["llama_mlp", "bias_gelu", "qkv_rope", "lm_head_ce", "llama_block"])
+@pytest.mark.parametrize("name", ["llama_mlp", "bias_gelu", "qkv_rope", "lm_head_ce", "llama_block", "qk_norm"])
 def test_emulated_autograd_of_examples_matches_vjp(name: str) -> None:
     """Every example's backward runs: packed-mode SwiGLU backward (llama_mlp, llama_block), an
-    elementwise entry stage (bias_gelu, qkv_rope, llama_block), a split full-width store in a paired
-    stage (the extended forwards of qkv_rope and llama_block save the pre-RoPE accumulator)."""
+    elementwise entry stage (bias_gelu, qkv_rope, llama_block; qk_norm's with grouped sums), a split
+    full-width store in a paired stage (the extended forwards of qkv_rope, llama_block and qk_norm save
+    the pre-RoPE accumulator)."""
     blk = block(name)
-    fn = blk.cuda(tile=TILE, emulate=True, poison=True).autograd()
-    inputs = example_inputs(blk, SMALL, seed=11)
+    sizes, tile = sizes_and_tile(name)
+    fn = blk.cuda(tile=tile, emulate=True, poison=True).autograd()
+    inputs = example_inputs(blk, sizes, seed=11)
     leaves = {k: v.clone().requires_grad_() if v.is_floating_point() else v for k, v in inputs.items()}
     outs = fn(leaves)
     gen = torch.Generator().manual_seed(12)
     cts = {o: torch.randn(v.shape, generator=gen).to(v.dtype) for o, v in outs.items() if v.is_floating_point()}
     torch.autograd.backward([outs[o] for o in cts], [cts[o] for o in cts])
-    ref = blk.vjp(inputs, cts, tile=TILE)
+    ref = blk.vjp(inputs, cts, tile=tile)
     ref64 = blk.vjp(inputs, cts, precision="f64")
     assert ref
     for n in ref:
@@ -238,13 +273,6 @@ def test_emulated_autograd_of_examples_matches_vjp(name: str) -> None:
         t = next(p.var.type for p in blk.ir.params if p.var.name == n)
         assert t is not None
         check_gradient(n, g, ref[n], ref64[n], t.dtype)
-
-
-def test_autograd_of_grouped_reduction_is_e07() -> None:
-    with pytest.raises(CodaError) as e:
-        coda_lang.load(EXAMPLES / "qk_norm.coda")["qk_norm"].cuda(emulate=True).autograd()
-    assert e.value.diagnostics[0].code == "E0705"
-    assert "qk_norm.coda" in e.value.render()
 
 
 # ------------------------------------------------------------------ torch.compile
@@ -281,10 +309,17 @@ def test_autograd_traces_under_torch_compile() -> None:
 # ------------------------------------------------------------------ errors
 
 
-def test_unsupported_stages_are_e07() -> None:
-    with pytest.raises(CodaError) as e:
-        coda_lang.load(EXAMPLES / "qk_norm.coda")["qk_norm"].cuda(emulate=True)
-    assert e.value.diagnostics[0].code == "E0705"
+def test_unsupported_stages_are_e07(tmp_path: Path) -> None:
+    """A stage the backend can't compile (a grouped logsumexp) is E0705 when the CudaBlock is made, with
+    the source line; for autograd() too."""
+    src = tmp_path / "lse.coda"
+    src.write_text(GROUPED.replace("max(abs(acc + b)", "logsumexp(acc + b"))
+    blk = next(iter(coda_lang.load(src)))
+    for make in (lambda: blk.cuda(emulate=True), lambda: blk.cuda(emulate=True).autograd()):
+        with pytest.raises(CodaError) as e:
+            make()
+        assert e.value.diagnostics[0].code == "E0705"
+        assert "lse.coda:5:" in e.value.render("short") and "logsumexp(acc + b" in e.value.render()
     bwd = block("bias_gelu").grad()
     cb = bwd.cuda(emulate=True)  # its elementwise entry stage runs as one fused (torch.compile) kernel
     assert cb.gemm_stages == [k for k in range(1, len(bwd.plan.stages) + 1) if k not in cb.elementwise]

@@ -8,8 +8,10 @@ become one torch function over whole matrices (row vectors broadcast as [m, 1], 
 once, every stored tile written once. With `emulate=True` (tests without a GPU) the same function runs
 eagerly. Stored tiles come back in their storage dtype; reductions as f32 vectors (rounded where the
 block says so), as runtime.py's GEMM stages give them.
-What it does not: use quack (there is no GEMM to host the epilogue) or compile grouped reductions
-(E0705, like the GEMM path).
+A grouped value (`sum(x, over=N, group=g)` and what is computed from it) is held at full width, each
+element holding its group's value (as quack's GroupedReduce value port gives it to a GEMM stage's
+epilogue); one stored after the stage is one value per row and group, [m, n / g].
+What it does not: use quack (there is no GEMM to host the epilogue).
 Invariants: numerics follow the interpreter: f32 inside the stage, rounding only where a tile is
 stored; the function is built once per stage and reads only its inputs.
 """
@@ -23,7 +25,7 @@ from typing import Any
 import torch
 
 from coda_lang.ir.nodes import DimRef, Lit, Stage, Var
-from coda_lang.ir.types import TILE, VEC, Dim, Type
+from coda_lang.ir.types import GROUP, TILE, VEC, Dim, Type
 from coda_lang.ops import REGISTRY
 from coda_lang.verify.diagnostics import CodaError, Diagnostic
 
@@ -50,11 +52,9 @@ class ElementwiseStage:
         self.stores = [(s.name, s.dtype, s.shape) for s in self.plan.stores]
         self.store_meta = tuple((s.name, _torch_dtype(s.dtype), self._ratio(s.shape[1])) for s in self.plan.stores)
         self.reductions = [r.name for r in self.plan.reductions]
+        self.groups = tuple(r.group or 0 for r in self.plan.reductions)  # 0: not grouped
         for e in self.stage.body:
             od = REGISTRY[e.op]
-            if od.locality == "reduce" and (e.param("group") is not None):
-                raise CodaError([Diagnostic("E0705", "grouped reductions in an elementwise stage are not compiled yet",
-                                            e.span)])
             if od.locality not in ("reduce", "gather", "index") and e.op not in ("pairs", "interleave"):
                 from coda_lang.backend_cute.runtime import TORCH_OPS
 
@@ -75,7 +75,10 @@ class ElementwiseStage:
         return r.numerator, r.denominator
 
     def _width(self, t: Type | None) -> tuple[int, int] | None:
-        """A tile's width as a fraction of the stage's width (None: not a tile)."""
+        """A tile's width as a fraction of the stage's width (None: not a tile); a grouped value's is the
+        width of the columns it covers."""
+        if t is not None and t.kind == GROUP and t.group:
+            return self._ratio(t.shape[1].scale(t.group))
         if t is None or t.kind != TILE:
             return None
         return self._ratio(t.shape[1])
@@ -97,8 +100,17 @@ class ElementwiseStage:
         if e.op in REDUCE_FNS:
             per_row = bool(out is not None and out.shape and out.shape[0] == self.rows)
             info["per_row"] = per_row
+            info["group"] = e.param("group") or 0
+            x = e.ins[0].type if isinstance(e.ins[0], Var) else None
+            info["ungroup"] = x.group if x is not None and x.kind == GROUP else 0  # its groups reduced: one each
             if widths[0] is None:  # a vector or scalar broadcast over the reduced axis
                 info["widths"] = ((1, 1),) if per_row else (None,)
+        elif e.op == "expand":
+            x, like = (a.type if isinstance(a, Var) else None for a in e.ins)
+            # a tile of one column per group read as a grouped value: each column over its group
+            info["repeat"] = like.group if like is not None and like.kind == GROUP and x is not None \
+                and x.kind == TILE else 0
+            info["params"] = {}
         elif e.op in ("row_index", "col_index"):
             assert out is not None and out.shape
             info["width"] = self._ratio(out.shape[0]) if e.op == "col_index" else None
@@ -122,7 +134,8 @@ class ElementwiseStage:
             self._fn = fn
         return self._fn
 
-    def _body(self, rows: int, cols: int, sizes: dict[str, int], *ins: Any) -> tuple[torch.Tensor, ...]:
+    def _body(self, rows: int, cols: int, sizes: dict[str, int], device: torch.device, *ins: Any
+              ) -> tuple[torch.Tensor, ...]:
         from coda_lang.backend_cute.runtime import TORCH_OPS
 
         def width(w: tuple[int, int]) -> int:
@@ -139,7 +152,6 @@ class ElementwiseStage:
             if role != "scalar" and x.is_floating_point():
                 x = x.float()
             vals[name] = x.reshape(-1, 1) if role == "row vector" else x.reshape(1, -1) if role == "column vector" else x
-        device = next(x.device for x in ins if isinstance(x, torch.Tensor))
         for op, outs, args, info in self.steps:
             xs = [vals[v] if k == "v" else v if k == "c" else sizes[v[0]] * v[1] // v[2] for k, v in args]
             ws = info["widths"]
@@ -157,8 +169,19 @@ class ElementwiseStage:
                     x = torch.broadcast_to(x, (rows, width(ws[0])))
                 else:  # a column vector (or scalar) reduced over the rows
                     x = torch.broadcast_to(x, (rows, x.shape[-1] if x.dim() else 1))
-                r = REDUCE_FNS[op](x, 1 if per_row else 0)
-                res = (r.reshape(-1, 1) if per_row else r.reshape(1, -1),)
+                if info["ungroup"]:
+                    x = x[:, ::info["ungroup"]]
+                g = info["group"]
+                if g:  # one value per row and group, held at every column of its group
+                    r = REDUCE_FNS[op](x.reshape(rows, -1, g), 2)
+                    res = (r.unsqueeze(2).expand(-1, -1, g).reshape(rows, -1),)
+                else:
+                    r = REDUCE_FNS[op](x, 1 if per_row else 0)
+                    res = (r.reshape(-1, 1) if per_row else r.reshape(1, -1),)
+            elif op == "expand" and info["repeat"]:
+                g = info["repeat"]
+                x = torch.as_tensor(xs[0], dtype=torch.float32, device=device)
+                res = (x.unsqueeze(2).expand(-1, -1, g).reshape(rows, -1),)
             elif op == "pick":
                 x = full(xs[0], ws[0])
                 idx = torch.as_tensor(xs[1], device=device).long().reshape(-1, 1)
@@ -183,8 +206,9 @@ class ElementwiseStage:
         for name, dtype, w in self.store_meta:
             x = torch.broadcast_to(torch.as_tensor(vals[name], dtype=torch.float32, device=device), (rows, width(w)))
             results.append(x.to(dtype).contiguous())
-        for name in self.reductions:
-            results.append(torch.as_tensor(vals[name], device=device).reshape(-1).float())
+        for name, g in zip(self.reductions, self.groups, strict=True):
+            x = torch.as_tensor(vals[name], device=device).float()
+            results.append(x[:, ::g].contiguous() if g else x.reshape(-1))
         return tuple(results)
 
     def run(self, env: dict[str, Any], dims: dict[str, int], storage: dict[str, str],
@@ -199,7 +223,9 @@ class ElementwiseStage:
             ins.append(v)
         rows = (dims[self._rows[0]] if self._rows[0] is not None else 1) * self._rows[1] // self._rows[2]
         cols = (dims[self._cols[0]] if self._cols[0] is not None else 1) * self._cols[1] // self._cols[2]
-        outs = self.function()(rows, cols, {k: int(v) for k, v in dims.items()}, *ins)
+        # the block's device (a stage may load no tensor: a zero gradient made from index vectors)
+        device = next((v.device for v in (*ins, *env.values()) if isinstance(v, torch.Tensor)), torch.device("cpu"))
+        outs = self.function()(rows, cols, {k: int(v) for k, v in dims.items()}, device, *ins)
         if out is None:
             out = env
         i = 0

@@ -5,7 +5,10 @@ rule in the registry (coda_lang/ops); pins every operand, output and reduction e
 decorator (`ops=`, `outputs=`, `reduces=`/`outs=`, `extra_ops=`, `mode=`: quack infers nothing);
 in "acc_pair" mode splits every full-width value into its two lanes (adjacent columns), in
 "packed_cd_b16x2" mode every double-width value (the C operand `c`, D, what lies between), so that
-each statement is scalar f32 code. `write_source` stores the source in a content-addressed file (quack
+each statement is scalar f32 code. A stage with grouped reductions gets a second function, the
+prepass (`prepass=`, `prepass_outs=`): scalar code over single accumulator elements that returns what
+each `GroupedReduce` op folds; the main fn then receives each group's fold as a parameter (a Pair in
+acc_pair mode, both lanes holding it: lane 0 is read). `write_source` stores the source in a content-addressed file (quack
 fingerprints an epilogue by its source file, so it must be real) under the kernel cache.
 What it does not: import quack or CuTeDSL (the emitted module does, when quack_adapter loads it).
 Invariants: the same spec gives the same text (golden files in tests/golden/emit); the file name is
@@ -20,7 +23,7 @@ import os
 import re
 from pathlib import Path
 
-from coda_lang.backend_cute.plan import HELPER_NAMES, StageSpec, describe
+from coda_lang.backend_cute.plan import HELPER_NAMES, Group, StageSpec, describe
 from coda_lang.ir.nodes import Atom, Eqn, Lit, Var
 from coda_lang.ops import REGISTRY
 from coda_lang.verify.diagnostics import CodaError, Diagnostic, Mistake
@@ -52,6 +55,7 @@ _IMPORTS: dict[str, str] = {
     "TileLoad": "from quack.epilogue.ops import TileLoad",
     "TileStore": "from quack.epilogue.ops import TileStore",
     "Int32": "from cutlass import Int32",
+    "GroupedReduce": "from coda_lang.backend_cute.epi_ops import GroupedReduce",
 }
 
 _CUTLASS_DTYPES = {"f32": "Float32", "bf16": "BFloat16", "f16": "Float16", "i32": "Int32"}
@@ -84,13 +88,16 @@ def write_source(source: str, directory: Path | None = None) -> Path:
 
 
 class _Emitter:
-    def __init__(self, spec: StageSpec):
-        self.spec = spec
+    """The main fn of a stage, or (`prepass=True`) its prepass fn: one lane per value, always."""
+
+    def __init__(self, spec: StageSpec, prepass: bool = False):
+        self.spec, self.prepass = spec, prepass
         self.lines: list[str] = []
         self.lanes: dict[str, tuple[str, ...]] = {}  # coda name -> one expression per lane
-        self.taken: set[str] = set(spec.names.values()) | {"acc", spec.fn_name} | HELPER_NAMES
+        self.taken: set[str] = (set(spec.names.values()) | {"acc", spec.fn_name, spec.prepass_name} | HELPER_NAMES
+                                | {g.out for g in spec.groups if g.out})
         self.py: dict[str, str] = dict(spec.names)  # coda name -> Python name, for every value
-        for e in spec.eqns:
+        for e in spec.prepass if prepass else spec.eqns:
             for v in e.outs:
                 if v.name not in self.py:
                     base = f"v_{v.name}" if v.name in HELPER_NAMES or keyword.iskeyword(v.name) else v.name
@@ -132,7 +139,7 @@ class _Emitter:
             self.lines.append(f"{', '.join(targets)} = {', '.join(exprs)}")
             return
         (v,) = e.outs
-        n = self.spec.lanes(v.type)
+        n = 1 if self.prepass else self.spec.lanes(v.type)
         names = self.bind(v.name, n)
         for i, target in enumerate(names):
             self.lines.append(f"{target} = {od.emit(*[self.atom(a, i) for a in e.ins], **params)}")
@@ -154,6 +161,26 @@ class _Emitter:
             return lanes[0]
         return f"pack({lanes[0]}, {lanes[0] if pad == 'self' else pad})"
 
+    def equations(self, eqns: tuple[Eqn, ...]) -> None:
+        for e in eqns:
+            try:
+                self.eqn(e)
+            except Mistake as m:
+                raise CodaError([Diagnostic(m.code, m.message, e.span, notes=m.notes, help=m.help)]) from None
+
+    def prepass_fn(self) -> list[str]:
+        """The prepass: `def <fn>_prepass(acc, <operands it reads>)`, one scalar per element."""
+        spec = self.spec
+        self.lanes["acc"] = ("acc",)
+        for o in spec.operands:
+            self.lanes[o.name] = (o.py,)
+        self.equations(spec.prepass)
+        read = {a.name for e in spec.prepass for a in e.ins if isinstance(a, Var)} | {g.value for g in spec.groups}
+        params = ["acc"] + [o.py for o in spec.operands if o.name in read]
+        ret = ", ".join(f'"{g.py}": {self.lanes[g.value][0]}' for g in spec.groups)
+        body = self.lines + ["return {" + ret + "}"]
+        return [f"def {spec.prepass_name}({', '.join(params)}):"] + [f"    {line}" for line in body]
+
     def run(self) -> str:
         spec = self.spec
         body: list[str] = []
@@ -171,11 +198,14 @@ class _Emitter:
                 body.append(f"{l0}, {l1} = unpack({o.py})")
             else:
                 self.lanes[o.name] = (o.py,)
-        for e in spec.eqns:
-            try:
-                self.eqn(e)
-            except Mistake as m:
-                raise CodaError([Diagnostic(m.code, m.message, e.span, notes=m.notes, help=m.help)]) from None
+        for g in spec.groups:  # a value port: each element's group fold (a Pair of equal lanes when paired)
+            if spec.paired:
+                l0, l1 = self.fresh(f"{g.py}_0"), self.fresh(f"{g.py}_1")
+                self.lanes[g.name] = (l0,)
+                body.append(f"{l0}, {l1} = unpack({g.py})")
+            else:
+                self.lanes[g.name] = (g.py,)
+        self.equations(spec.eqns)
         body += self.lines
         ret: list[str] = []
         if spec.d is not None:
@@ -198,14 +228,18 @@ class _Emitter:
         if spec.outputs:
             outs = ", ".join(f'TileStore("{o.py}"{", gated=True" if o.gated else ""})' for o in spec.outputs)
             args.append(f"outputs=({outs}{',' if len(spec.outputs) == 1 else ''})")
-        if any(o.op != "C" for o in spec.operands):
+        if any(o.op != "C" for o in spec.operands) or spec.groups:
             ops = []
             for o in spec.operands:
                 if o.op == "C":
                     continue  # quack's reserved `c`: the GEMM's C operand, not an epilogue op
                 extra = f", dtype={_CUTLASS_DTYPES[o.dtype]}" if o.op == "Scalar" and o.dtype != "f32" else ""
                 ops.append(f'"{o.py}": {o.op}("{o.py}"{extra})')
+            ops += [f'"{g.py}": {_grouped(g)}' for g in spec.groups]
             args.append("ops={" + ", ".join(ops) + "}")
+        if spec.groups:
+            names = ", ".join(f'"{g.py}"' for g in spec.groups)
+            args.append(f"prepass={spec.prepass_name}, prepass_outs=({names}{',' if len(spec.groups) == 1 else ''})")
         reduces = [s for s in spec.sinks if s.op in ("ColVecReduce", "RowVecReduce")]
         outs_ = [s for s in spec.sinks if s.op not in ("ColVecReduce", "RowVecReduce")]
         if reduces:
@@ -215,7 +249,7 @@ class _Emitter:
                               ", scaled=True" if s.scaled else ""])
                 items.append(f'"{s.py}": {s.op}("{s.py}"{kw})')
             args.append("reduces={" + ", ".join(items) + "}")
-        extra_ops = []
+        extra_ops = [f'{_grouped(g)}.out("{g.out}")' for g in spec.groups if g.out]
         if outs_:
             items = []
             for s in outs_:
@@ -248,8 +282,10 @@ class _Emitter:
             if s.op == "ColVecSelect":
                 pre.append(f'_{spec.fn_name}_{s.index} = ColVecLoad("{s.index}")')
         deco = self.decorator()
-        params = ", ".join(["acc"] + [o.py for o in spec.operands])
+        params = ", ".join(["acc"] + [o.py for o in spec.operands] + [g.py for g in spec.groups])
         fn = deco + [f"def {spec.fn_name}({params}):"] + [f"    {line}" for line in body]
+        if spec.groups:
+            fn = _Emitter(spec, prepass=True).prepass_fn() + ["", ""] + fn
         code = "\n".join(pre + fn)
         used = sorted(name for name in _IMPORTS if re.search(rf"(?<![\w.]){re.escape(name)}\b", code))
         plain = sorted({_IMPORTS[n] for n in used if _IMPORTS[n].startswith("import ")})
@@ -258,11 +294,21 @@ class _Emitter:
             line = _IMPORTS[n]
             if line.startswith("from "):
                 froms.setdefault(line.split()[1], []).append(n)
-        imports = plain + [f"from {m} import {', '.join(sorted(ns))}" for m, ns in sorted(froms.items())]
+        imports = plain + [f"from {m} import {', '.join(sorted(ns))}" for m, ns in sorted(froms.items())
+                           if not m.startswith("coda_lang")]
+        ours = [f"from {m} import {', '.join(sorted(ns))}" for m, ns in sorted(froms.items()) if m.startswith("coda_lang")]
+        if ours:  # first-party, a block of its own (isort's order)
+            imports += [""] + ours
         text = "\n".join(head) + "\n\n" + "\n".join(imports) + "\n"
         if pre:
             text += "\n" + "\n".join(pre) + "\n"
         return text + "\n\n" + "\n".join(fn) + "\n"
+
+
+def _grouped(g: Group) -> str:
+    """The GroupedReduce op of a group (epi_ops.py)."""
+    combine = f', combine="{g.combine}"' if g.combine != "add" else ""
+    return f'GroupedReduce("{g.py}"{combine})'
 
 
 def emit_stage(spec: StageSpec) -> str:

@@ -1,7 +1,9 @@
 """A torch stand-in for one stage's quack kernel: the same arguments in, the same buffers filled.
 
 What it does: `run_stage(spec, config, A, B, D, epi_args)` computes what the stage's kernel would
-write, with torch ops on any device (CPU included): acc = A @ B in f32, the live equations of the
+write, with torch ops on any device (CPU included): acc = A @ B in f32, the prepass (each grouped
+reduction complete per row and group, bound at every element of its group as the `GroupedReduce`
+value port gives it, its writer's [m, n / width] buffer filled), the live equations of the
 `StageSpec` on whole matrices, the stored tiles rounded into `D` and the `TileStore` buffers, and
 every sink as the kernel's per-tile partial buffer (`ColVecReduce` [m, ceil(n/tile_N)],
 `RowVecReduce` [ceil(m/tile_M), n], `OnlineLSEReduce` like ColVecReduce, `ColVecSelect` the picked
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 
 from coda_lang.backend_cute.plan import Sink, StageSpec
-from coda_lang.ir.nodes import Lit, Var
+from coda_lang.ir.nodes import Eqn, Lit, Var
 
 
 def _operand_values(spec: StageSpec, epi_args: dict[str, Any]) -> dict[str, Any]:
@@ -42,10 +44,10 @@ def _operand_values(spec: StageSpec, epi_args: dict[str, Any]) -> dict[str, Any]
     return vals
 
 
-def _eval(spec: StageSpec, vals: dict[str, Any]) -> None:
+def _eval(eqns: tuple[Eqn, ...], vals: dict[str, Any]) -> None:
     from coda_lang.backend_cute.runtime import TORCH_OPS
 
-    for e in spec.eqns:
+    for e in eqns:
         ins: list[Any] = [vals[a.name] if isinstance(a, Var) else a.value if isinstance(a, Lit) else None
                           for a in e.ins]
         if e.op == "pairs":
@@ -60,6 +62,21 @@ def _eval(spec: StageSpec, vals: dict[str, Any]) -> None:
             res = out if isinstance(out, tuple) else (out,)
         for v, x in zip(e.outs, res, strict=True):
             vals[v.name] = x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+
+def _groups(spec: StageSpec, vals: dict[str, Any], m: int, n: int, epi_args: dict[str, Any]) -> None:
+    """The prepass: each grouped reduction folded per (row, group), bound in `vals` at every element of
+    its group (what the GroupedReduce value port gives the fn); its writer's buffer filled."""
+    pre = dict(vals)
+    _eval(spec.prepass, pre)
+    for g in spec.groups:
+        if n % g.width:  # as quack's GroupedColStatsBase.host_validate
+            raise ValueError(f"'{g.py}': stats group width {g.width} must divide N={n}")
+        x = torch.as_tensor(pre[g.value], dtype=torch.float32).expand(m, n).reshape(m, n // g.width, g.width)
+        folded = x.sum(2) if g.combine == "add" else x.amax(2)
+        vals[g.name] = folded.repeat_interleave(g.width, dim=1)
+        if g.out is not None:
+            epi_args[g.out].copy_(folded)
 
 
 def _fold(x: torch.Tensor, rule: str, dim: int) -> torch.Tensor:
@@ -110,7 +127,8 @@ def run_stage(spec: StageSpec, config: Any, A: torch.Tensor, B: torch.Tensor, D:
         assert C is not None
         vals[spec.c.name] = C.float()
     vals["acc"] = acc
-    _eval(spec, vals)
+    _groups(spec, vals, m, n, epi_args)
+    _eval(spec.eqns, vals)
     if spec.d is not None:
         assert D is not None
         D.copy_(torch.as_tensor(vals[spec.d.name], dtype=torch.float32).expand(D.shape))

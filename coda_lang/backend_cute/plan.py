@@ -5,8 +5,8 @@ decides every resource of its quack `@gemm_epilogue`: the operands it loads (row
 `ColVecLoad`, column vector -> `RowVecLoad`, tile -> `TileLoad`, scalar -> `Scalar`; quack names a
 vector by the axis it broadcasts along, we by the axis it runs over), the tiles it stores (the main
 one is quack's "D", the others `TileStore`s), the partial reductions it folds (`ColVecReduce` per-row
-partials, `RowVecReduce` per-column partials, `OnlineLSEReduce`, `ColVecSelect` for `pick`), the
-epilogue mode ("element"; "acc_pair" when the stage splits its full-width tile with `pairs`;
+partials, `RowVecReduce` per-column partials, `OnlineLSEReduce`, `ColVecSelect` for `pick`), the grouped
+reductions complete in a tile (`Group`: quack's epilogue prepass, below), the epilogue mode ("element"; "acc_pair" when the stage splits its full-width tile with `pairs`;
 "packed_cd_b16x2" when it works on a tile twice its width, as a SwiGLU backward does: the 16-bit
 double-width tile it loads is quack's GEMM C operand and the one it stores is D, both two lanes per
 accumulator element), and the live equations the emitter turns into straight-line code.
@@ -18,6 +18,21 @@ Choice of D: the last full-width stored tile in program order (llama_mlp stage 1
 `rms_partial_epi`). In "acc_pair" mode only a full-width tile can be D and half-width tiles are gated
 `TileStore`s (16-bit, as quack requires). In "packed_cd_b16x2" mode D is the double-width tile and
 full-width tiles are `TileStore`s.
+
+Grouped reductions (`sum(x, over=N, group=g)`, qk-norm's per-head sum of squares) map onto quack's
+epilogue PREPASS: a second fn (`StageSpec.prepass`: the equations that compute each reduced value
+from `acc` and the operands, per element, duplicated where the main fn needs them too) runs over the
+raw accumulator before any store and feeds one `GroupedReduce` op per reduction (epi_ops.py, a
+`GroupedColStatsBase` like quack's `HeadRstd`), which folds it per (row, run of g columns) inside the
+tile and hands the main fn the raw fold of each element's group as a value (`ss` below); what the
+stage computes from it (`rsqrt(ss / 128 + eps)`) is ordinary per-element code. The tile must hold
+whole groups (the checker's constraint `tile_N % g == 0`, which quack also validates). A grouped
+reduction used after the stage is written by the op's companion `GroupedColStatsOut` (one f32 value
+per row and group). Not compiled (E0705): grouped min/logsumexp (quack's grouped statistics fold by
+add or max), a grouped reduction of a value that depends on another one of the same stage (that
+would need a second prepass), of a half-width value (the prepass sees single elements, not pairs),
+in packed mode (quack: "prepass + packed C: not supported"), and a value computed from a grouped
+reduction used after the stage.
 """
 
 from __future__ import annotations
@@ -40,6 +55,7 @@ HELPER_NAMES = frozenset({
     "math", "cute", "cutlass", "Float32", "BFloat16", "Float16", "Int32", "gemm_epilogue", "pack", "unpack",
     "pexp", "silu", "sigmoid", "tanh", "gelu_tanh_approx", "ColVecLoad", "RowVecLoad", "TileLoad", "Scalar",
     "TileStore", "ColVecReduce", "RowVecReduce", "OnlineLSEReduce", "ColVecSelect", "abs", "acc",
+    "GroupedReduce",
 })
 QUACK_RESERVED = frozenset({"acc", "c", "D"})
 
@@ -103,6 +119,22 @@ class Sink:
 
 
 @dataclass(frozen=True)
+class Group:
+    """A grouped reduction complete in its tile: the prepass computes `value` per element, the op `py`
+    (epi_ops.GroupedReduce, a parameter of the main fn) folds it per (row, run of `width` columns of
+    the tile) and gives the main fn each element's raw fold. `out`: when the reduction is used after
+    the stage, the py name of its writer (quack's GroupedColStatsOut, f32[rows, cols / width])."""
+
+    name: str
+    py: str
+    combine: str  # "add" | "max"
+    width: int  # columns of the stage's tile per group
+    value: str  # coda name of the reduced value (computed by the prepass fn)
+    shape: Shape  # [rows, cols / width]
+    out: str | None = None
+
+
+@dataclass(frozen=True)
 class Gemm:
     a: str
     b: str
@@ -133,6 +165,12 @@ class StageSpec:
     constraints: tuple[str, ...] = ()  # on the tile config, e.g. "tile_N % 32 == 0"
     source: tuple[str, ...] = ()  # the stage's body as .coda source (for the emitted docstring)
     span: Span | None = field(compare=False, default=None)
+    groups: tuple[Group, ...] = ()  # grouped reductions (quack's prepass), in program order
+    prepass: tuple[Eqn, ...] = ()  # the prepass fn's equations: what the groups reduce, per element
+
+    @property
+    def prepass_name(self) -> str:
+        return f"{self.fn_name}_prepass"
 
     @property
     def paired(self) -> bool:
@@ -213,7 +251,7 @@ class _Planner:
                 self.defined[v.name] = e
         self.fn_name = f"{self.ir.name}_stage{index}"
         self.names: dict[str, str] = {}
-        self.used_py: set[str] = {"acc", self.fn_name}
+        self.used_py: set[str] = {"acc", self.fn_name, f"{self.fn_name}_prepass"}
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -228,6 +266,14 @@ class _Planner:
             out += "_"
         self.used_py.add(out)
         self.names[name] = out
+        return out
+
+    def fresh(self, base: str) -> str:
+        """A Python name no value uses (for names that are not coda values: a group's writer)."""
+        out = base
+        while out in self.used_py or out in HELPER_NAMES | QUACK_RESERVED or keyword.iskeyword(out):
+            out += "_"
+        self.used_py.add(out)
         return out
 
     def live_out(self) -> set[str]:
@@ -306,10 +352,16 @@ class _Planner:
         needed = {o.name for o in outputs} | ({d.name} if d else set())
         for s in sinks:
             needed |= set(s.value)
+        stored_groups = self.stored_groups(live_out)
         eqns = self.live_eqns(needed)
         for e in eqns:
             self.check_eqn(e)
-        operands = self.operands(eqns, [n for s in sinks for n in s.value], paired, packed)
+        groups, prepass = self.groups(eqns, stored_groups, packed)
+        for e in prepass:
+            self.check_eqn(e)
+        operands = self.operands(eqns, [n for s in sinks for n in s.value]
+                                 + [a.name for e in prepass for a in e.ins if isinstance(a, Var)]
+                                 + [g.value for g in groups], paired, packed)
         if packed:
             c = next((o for o in operands if o.op == "C"), None)
             if d is None or c is None:
@@ -321,14 +373,14 @@ class _Planner:
                 raise _fail("E0702", f"the double-width tile `{c.name}` is {c.dtype} and the stored `{d.name}` is "
                             f"{d.dtype}; quack's packed mode needs one 16-bit dtype for both", self.defined[d.name].span,
                             help=[f"annotate it: `{d.name}: {c.dtype} = ...`"])
-        constraints = []
+        constraints = list(sp.constraints)  # the checker's: tile_N holds whole groups
         if paired:
             constraints.append("tile_N % 2 == 0 (pairs of adjacent columns)")
             if outputs:
                 constraints.append("tile_N % 32 == 0 (paired TileStore on SM90)")
         return StageSpec(self.ir.name, self.index, sp.text, sp.line, self.fn_name, mode, gemm, tuple(operands), d,
                          tuple(outputs), tuple(sinks), tuple(eqns), dict(self.names), tuple(constraints),
-                         tuple(inline_source(st.body)), st.span)
+                         tuple(inline_source(st.body)), st.span, groups=tuple(groups), prepass=tuple(prepass))
 
     def check_packed(self, wide: list[str]) -> None:
         """A stage with double-width values compiles in packed mode: no half-width values beside them."""
@@ -369,9 +421,6 @@ class _Planner:
             if t.dtype == "i32":
                 raise _fail("E0702", f"`{v.name}` is i32: integer arithmetic inside an epilogue is not supported yet",
                             e.span)
-            if t.kind == GROUP:
-                raise _fail("E0705", "grouped values (group=) are not compiled yet", e.span,
-                            notes=["a grouped reduction complete in its tile needs quack's prepass (qk-norm)"])
 
     def sinks(self, live_out: set[str], paired: bool, packed: bool) -> list[Sink]:
         """The partial reductions read after the stage, as quack sinks. A sum of a product used
@@ -396,11 +445,12 @@ class _Planner:
             if not isinstance(x, Var):
                 raise _fail("E0705", f"`{od.surface}()` of a constant", e.span)
             xt = x.type if x.type is not None else self.types.get(x.name)
-            group = e.param("group")
-            if group is not None or t.kind == GROUP or (xt is not None and xt.kind == GROUP):
-                raise _fail("E0705", f"grouped reduction `{v.name}` is not compiled yet", e.span,
-                            notes=["a reduction complete within a tile needs quack's prepass (qk-norm); "
-                                   "it will come with the qk_norm example"])
+            if e.param("group") is not None:
+                continue  # complete in its tile: a Group (groups()), not a partial
+            if xt is not None and xt.kind == GROUP:
+                raise _fail("E0705", f"`{od.surface}()` of the grouped value `{x.name}` over its groups is not "
+                            "compiled yet", e.span, notes=["quack's grouped statistics stay inside the kernel; "
+                                                           "reduce the tile the groups came from instead"])
             per_row = bool(t.shape) and t.shape[0] == self.rows  # one value per row: reduced over the columns
             half = paired and xt is not None and lanes_of(xt, self.rows, self.cols) == 1
             wide = packed and is_wide(xt, self.cols)
@@ -462,6 +512,77 @@ class _Planner:
                 raise _fail("E0705", f"the pick() index `{n}` is also used as a value", e.span,
                             notes=["quack's ColVecSelect reads its index itself; the epilogue can't also see it"])
         return sinks
+
+    def grouped(self) -> dict[str, Eqn]:
+        """The stage's grouped reductions by result name."""
+        return {e.outs[0].name: e for e in self.st.body
+                if REGISTRY[e.op].locality == "reduce" and e.param("group") is not None}
+
+    def stored_groups(self, live_out: set[str]) -> set[str]:
+        """The grouped reductions used after the stage (their writers store them); any other grouped
+        value used after it is E0705."""
+        grouped = self.grouped()
+        out = set()
+        for e in self.st.body:
+            for v in e.outs:
+                if v.type is None or v.type.kind != GROUP or v.name not in live_out:
+                    continue
+                if v.name not in grouped:
+                    raise _fail("E0705", f"`{v.name}`, computed from a grouped reduction, is used after the stage: "
+                                "not compiled yet", e.span,
+                                notes=["the kernel can store a grouped reduction itself (one value per row and "
+                                       "group), not values computed from it"],
+                                help=["use the grouped reduction after the stage, or recompute from it there"])
+                out.add(v.name)
+        return out
+
+    def groups(self, eqns: list[Eqn], stored: set[str], packed: bool) -> tuple[list[Group], list[Eqn]]:
+        """The grouped reductions the main fn reads (or the stage stores), and the prepass equations
+        that compute what they reduce, in program order."""
+        grouped = self.grouped()
+        used = {a.name for e in eqns for a in e.ins if isinstance(a, Var)} | stored
+        groups: list[Group] = []
+        keep: set[int] = set()
+        for name, e in grouped.items():
+            if name not in used:
+                continue
+            od = REGISTRY[e.op]
+            (v,) = e.outs
+            x = e.ins[0]
+            if packed:
+                raise _fail("E0705", "a grouped reduction in a stage that works on double-width tiles (packed mode) "
+                            "is not compiled yet", e.span, notes=['quack: "prepass + packed C: not supported"'])
+            if od.surface not in ("sum", "max"):
+                raise _fail("E0705", f"grouped {od.surface}() is not compiled yet", e.span,
+                            notes=["quack's grouped statistics (the epilogue prepass) fold by add or max"],
+                            help=["write `-max(-x, over=..., group=...)`"] if od.surface == "min" else [])
+            if not isinstance(x, Var):
+                raise _fail("E0705", f"grouped `{od.surface}()` of a constant", e.span)
+            xt = x.type if x.type is not None else self.types.get(x.name)
+            if xt is None or xt.kind != TILE or len(xt.shape) != 2 or xt.shape[1] != self.cols:
+                raise _fail("E0705", f"a grouped reduction of `{x.name}`, which is not a tile as wide as the stage's "
+                            f"({shape_str((self.rows, self.cols))}), is not compiled yet", e.span,
+                            notes=["quack's prepass sees the accumulator one element at a time, not in pairs"])
+            group = e.param("group")
+            assert isinstance(group, int)
+            prepass = self.live_eqns({x.name})
+            for p in prepass + [e]:
+                for a in p.ins:
+                    if isinstance(a, Var) and a.name in grouped:
+                        raise _fail("E0705", f"the grouped reduction `{v.name}` reduces a value computed from the "
+                                    f"grouped reduction `{a.name}` of the same stage: not compiled yet", e.span,
+                                    notes=["the epilogue has one prepass over the accumulator; this would need a "
+                                           "second one"])
+                if REGISTRY[p.op].locality == "pair":
+                    raise _fail("E0705", f"the grouped reduction `{v.name}` reduces a value computed with "
+                                f"`{REGISTRY[p.op].surface}()`: not compiled yet", e.span,
+                                notes=["quack's prepass sees the accumulator one element at a time, not in pairs"])
+            keep |= {id(p) for p in prepass}
+            py = self.py(v.name)
+            out = self.fresh(f"{py}_out") if name in stored else None
+            combine = "add" if od.surface == "sum" else "max"
+            groups.append(Group(v.name, py, combine, group, x.name, v.type.shape if v.type else (), out))
+        return groups, [e for e in self.st.body if id(e) in keep]
 
     def live_eqns(self, needed: set[str]) -> list[Eqn]:
         """The equations the stored tiles and sinks depend on, in order (reductions are sinks)."""
@@ -539,6 +660,11 @@ def describe(spec: StageSpec) -> list[str]:
                 "ColVecSelect": f"the value at column {s.index} of each row"}[s.op]
         scaled = ", scaled" if s.scaled else ", both lanes" if s.lanes == 2 else ""
         lines.append(f"reduce {s.py}: f32{shape_str(s.shape)} = {what} ({s.op}{scaled})")
+    for gr in spec.groups:
+        fold = "sum" if gr.combine == "add" else gr.combine
+        writer = f"; stored by {gr.out}" if gr.out else ""
+        lines.append(f"group  {gr.py}: f32{shape_str(gr.shape)} = {fold} over each run of {gr.width} columns, complete "
+                     f"in the tile (GroupedReduce, folded by the prepass{writer})")
     for c in spec.constraints:
         lines.append(f"tiling {c}")
     return lines

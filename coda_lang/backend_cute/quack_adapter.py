@@ -120,6 +120,10 @@ def compile_ptx(spec: Any, path: Path, config: Any) -> tuple[str, float]:
         epi[s.py] = _meta(tuple(shape), "f32")
         if s.index is not None:
             epi[s.index] = _meta((m,), s.index_dtype or "i32")
+    for gr in spec.groups:  # a grouped reduction: its width (a compile-time int); its writer's buffer
+        epi[gr.py] = gr.width
+        if gr.out is not None:
+            epi[gr.out] = _meta((m, n // gr.width), "f32")
     with tempfile.TemporaryDirectory(prefix="coda-ptx-") as tmp, compile_only(Path(tmp)):
         t0 = time.perf_counter()
         plan = mod.gemm(A, B, D, C, epi_args=epi, tile_M=config.tile_m, tile_N=config.tile_n,
