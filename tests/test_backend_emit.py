@@ -240,6 +240,15 @@ def test_grouped_max_and_a_stored_group() -> None:
     assert 'prepass_outs=("s", "m")' in src
 
 
+def test_a_stage_storing_acc_and_a_group_is_not_plain() -> None:
+    """D = acc plus a grouped sum used after the stage: quack's kernel, never a bare cuBLAS GEMM."""
+    from coda_lang.backend_cute.compile import is_plain
+
+    text = program(gemm("s = sum(acc * acc, over=N, group=64)\ny = acc"), outs="y: bf16[M, N], s: f32[M, N/64]")
+    spec = plan_stage(next(iter(coda_lang.load(text))), 1)
+    assert [g.out for g in spec.groups] == ["s_out"] and not is_plain(spec)
+
+
 def test_half_width_column_vector_is_loaded_repeated() -> None:
     """RoPE's freq[P] in a stage of width 2*P: loaded at full width (the runtime passes
     freq.repeat_interleave(2)), read from lane 0."""
