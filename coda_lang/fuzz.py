@@ -251,7 +251,8 @@ class Fuzzer:
         if self.target == "interp":
             got = self.block.run(ins, dims=case.dims, tile=case.tile)
             return self._outputs("output", got, ref, ref64, dtypes)
-        outs, parts = self.cb.run_with_partials({k: self._tensor(v) for k, v in ins.items()})
+        outs, parts = self.cb.run_with_partials({k: self._tensor(v) for k, v in ins.items()},
+                                                dims=self._dims(self.block, case))
         msgs = self._outputs("output", outs, ref, ref64, dtypes)
         _, sim = self.block.run_with_partials(ins, dims=case.dims, tile=self.cb.tiles)
         for name, buf in parts.items():
@@ -280,7 +281,7 @@ class Fuzzer:
         wrt = [p for p in d.grads if p in tensors and tensors[p].is_floating_point()]
         for p in wrt:
             tensors[p] = tensors[p].detach().requires_grad_(True)
-        outs = self.fn(tensors)
+        outs = self.fn(tensors, dims=self._dims(self.block, case))
         pairs = [(outs[o], self._tensor(c)) for o, c in cots.items() if o in outs and outs[o].requires_grad]
         if not pairs or not wrt:
             return []
@@ -289,6 +290,11 @@ class Fuzzer:
         got = {p: (g if g is not None else torch.zeros_like(tensors[p])) for p, g in zip(wrt, grads, strict=True)}
         dtypes.update({p: _dtype_of(next(x.var.type for x in self.block.ir.params if x.var.name == p)) for p in wrt})
         return self._outputs("gradient of", got, {p: gref[p] for p in wrt}, g64, dtypes)
+
+    @staticmethod
+    def _dims(block: Block, case: Case) -> dict[str, int]:
+        """The case's sizes of `block`'s dims (a dim used only as a value: no input's shape gives it)."""
+        return {d.name: case.dims[d.name] for d in block.ir.dims if d.name in case.dims}
 
     def _tensor(self, a: Any) -> Any:
         import numpy as np
@@ -448,13 +454,6 @@ def fuzz_programs(programs: int, target: str = "interp", *, examples: int = 5, s
         fw = data.draw(random_blocks(("f32", "bf16", "f16") if target == "interp" else ("bf16", "f16")),
                        label="program")
         block = coda_lang.load(fw.text)["fwd"]
-        shaped = {d.name for p in block.ir.params for d in (p.var.type.shape if p.var.type else ()) if d.name}
-        if target != "interp" and {d.name for d in block.ir.dims if d.value is None} - shaped:
-            # a dim only used as a value: the CUDA runtime infers dims from input shapes and takes no
-            # dims= (reported by `coda fuzz FILE`; not what random programs are for)
-            if not failures:
-                skipped.append("a dim no input's shape gives (the CUDA runtime takes no dims=)")
-            return
         try:
             fz = Fuzzer(block, target, backward=backward, special=special, tile=tile)
         except CodaError as e:  # the target can't run it (E07): not a failure

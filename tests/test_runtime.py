@@ -8,6 +8,8 @@
   outputs and per-tile partial buffers match the interpreter at the same tiles (tests/runtime_check.py
   states the tolerance rules); poisoned buffers show every element is written.
 - `autograd()` differentiates through the derived backward block (gradients match Block.vjp).
+- `dims=` (on Block.cuda or a call) gives dims no input's shape gives, to the forward and the backward;
+  vector ops between stages compute in f32 on 16-bit parameters, as the interpreter does.
 - The block traces into one graph with no break under torch.compile (the launches are the custom op
   `coda::stage`), autograd included.
 - E07 for stages the backend can't compile; E08 for bad inputs; the interpreter accepts per-stage tiles.
@@ -275,6 +277,98 @@ def test_emulated_autograd_of_examples_matches_vjp(name: str) -> None:
         check_gradient(n, g, ref[n], ref64[n], t.dtype)
 
 
+# ------------------------------------------------------------------ dims= and the vector ops between stages
+
+DIMS_BLOCKS = """
+dims M, K, N, F
+
+block scaled(x: bf16[M, K], w: bf16[K, N], s: f32[M]) -> (out: bf16[M, N]) {
+  t = s * F
+  gemm x @ w {
+    out = acc * t
+  }
+}
+
+block half_vec(x: bf16[M, K], w: bf16[K, N], p: bf16[N], c: bf16) -> (out: f32[M, N]) {
+  v = cos(p) * c
+  gemm x @ w {
+    out: f32 = acc * v
+  }
+}
+
+block unused(x: bf16[K, M], w: bf16[N, K], p: f32[M, N], q: f32[N]) -> (out: f32[M, N]) {
+  gemm transpose(x) @ transpose(w) {
+    out: f32 = acc
+  }
+}
+"""
+DIMS = {"M": 40, "K": 24, "N": 48, "F": 7}
+
+
+def test_dims_no_input_shape_gives() -> None:
+    """F is used only as a value: no input's shape gives it, forward or backward (E0804 without it);
+    `dims=` on Block.cuda or on the call gives it, and the backward block runs at the forward's dims."""
+    blk = coda_lang.load(DIMS_BLOCKS)["scaled"]
+    inputs = example_inputs(blk, DIMS, seed=1)
+    with pytest.raises(CodaError) as e:
+        blk.cuda(tile=(16, 32), emulate=True)(inputs)
+    assert e.value.diagnostics[0].code == "E0804" and "F" in e.value.diagnostics[0].message
+    ref = blk.run(inputs, dims={"F": 7})["out"]
+    ref64 = blk.run(inputs, dims={"F": 7}, precision="f64")["out"]
+    check_output("out", blk.cuda(tile=(16, 32), emulate=True, dims={"F": 7})(inputs)["out"], ref, ref64, "bf16")
+    check_output("out", blk.cuda(tile=(16, 32), emulate=True)(inputs, dims={"F": 7})["out"], ref, ref64, "bf16")
+    assert "F" in {d.name for d in blk.grad().ir.dims}  # the backward's `ds = dt * F`
+    for fn, given in ((blk.cuda(tile=(16, 32), emulate=True).autograd(tile=(16, 32)), {"F": 7}),
+                      (blk.cuda(tile=(16, 32), emulate=True, dims={"F": 7}).autograd(tile=(16, 32)), None)):
+        leaves = {k: v.clone().requires_grad_() for k, v in inputs.items()}
+        out = fn(leaves, dims=given)["out"]
+        ct = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.dtype)
+        out.backward(ct)
+        grads = blk.vjp(inputs, {"out": ct}, dims={"F": 7}, tile=(16, 32))
+        g64 = blk.vjp(inputs, {"out": ct}, dims={"F": 7}, precision="f64")
+        for p in blk.ir.params:
+            assert p.var.type is not None
+            check_gradient(p.var.name, leaves[p.var.name].grad, grads[p.var.name], g64[p.var.name], p.var.type.dtype)
+    cb = blk.cuda(tile=(16, 32), emulate=True)
+    codes = []
+    for bad in ({"G": 3}, {"F": 0}, {"F": 2.5}, {"M": 41, "F": 7}):
+        with pytest.raises(CodaError) as e:
+            cb(inputs, dims=bad)
+        codes.append(e.value.diagnostics[0].code)
+    assert codes == ["E0804"] * 4
+    with pytest.raises(CodaError):
+        blk.cuda(emulate=True, dims={"G": 3})
+
+
+def test_vector_ops_on_16_bit_parameters_compute_in_f32() -> None:
+    """`v = cos(p) * c` with p: bf16[N] and c: bf16 runs in f32 on the bf16 values (a Python number for
+    c rounded to bf16 first), as the interpreter binds and computes them: no bf16 rounding of v."""
+    blk = coda_lang.load(DIMS_BLOCKS)["half_vec"]
+    inputs: dict[str, object] = {**example_inputs(blk, DIMS, seed=2), "c": 0.1}
+    cb = blk.cuda(tile=(16, 32), emulate=True)
+    v = cb.values(inputs)["v"]
+    p = inputs["p"]
+    assert isinstance(p, torch.Tensor)
+    assert v.dtype == torch.float32
+    assert torch.equal(v, torch.cos(p.float()) * torch.tensor(0.1).to(torch.bfloat16).float())
+    ref = blk.run(inputs)["out"]
+    np.testing.assert_allclose(cb(inputs)["out"].numpy(), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_gradient_stages_that_load_no_tensor() -> None:
+    """The backward writes the zero gradients of p and q (no output depends on them) in an elementwise
+    stage that loads nothing (`expand` of a row index vector like a column index vector: a tile)."""
+    blk = coda_lang.load(DIMS_BLOCKS)["unused"]
+    inputs = example_inputs(blk, DIMS, seed=3)
+    fn = blk.cuda(tile=(16, 32), emulate=True).autograd(tile=(16, 32))
+    leaves = {k: v.clone().requires_grad_() for k, v in inputs.items()}
+    out = fn(leaves)["out"]
+    out.backward(torch.ones_like(out))
+    assert torch.equal(leaves["p"].grad, torch.zeros_like(inputs["p"]))
+    assert torch.equal(leaves["q"].grad, torch.zeros_like(inputs["q"]))
+    assert leaves["w"].grad is not None and leaves["w"].grad.abs().max() > 0
+
+
 # ------------------------------------------------------------------ torch.compile
 
 
@@ -335,6 +429,18 @@ def test_stored_rows_must_be_16_bytes() -> None:
         blk.cuda(tile=TILE, emulate=True)(inputs)
     (d,) = e.value.diagnostics
     assert d.code == "E0807" and "`a`" in d.message and "200 bytes" in d.message
+
+
+def test_groups_must_divide_the_width() -> None:
+    """qk_norm with 2*P = 272, not a multiple of its group of 128: a clean E0802 from the runtime (before
+    any launch; quack would raise a ValueError) and from the interpreter."""
+    blk = block("qk_norm")
+    inputs = example_inputs(blk, {**SMALL, "P": 136}, seed=15)
+    for run in (lambda: blk.cuda(emulate=True)(inputs), lambda: blk.run(inputs)):
+        with pytest.raises(CodaError) as e:
+            run()
+        (d,) = e.value.diagnostics
+        assert d.code == "E0802" and "`ss`" in d.message and "272: not a multiple of 128" in d.message
 
 
 def test_bad_tiles_and_inputs() -> None:
