@@ -259,6 +259,11 @@ class _StageRunner:
                            f"values, {t.shape[1] * t.element_size()} bytes: the kernel's TMA stores need rows of a multiple "
                            "of 16 bytes", notes=["choose dims that make every stored row a multiple of 16 bytes "
                                                  "(8 bf16 values); the interpreter (Block.run) takes any size"])
+        for gr in spec.groups:  # quack's GroupedColStatsBase needs whole groups (it raises ValueError)
+            if isinstance(n, int) and n % gr.width:
+                raise fail("E0802", f"stage {spec.index} (`{spec.text}`) reduces `{gr.name}` in groups of {gr.width} "
+                           f"columns, but its width is {n}: not a multiple of {gr.width}",
+                           notes=["choose sizes that make the grouped width a multiple of the group"])
         for s in spec.sinks:
             shape = sink_shape(s, m, n, cfg.tile_m, cfg.tile_n)
             # pick leaves rows whose index is outside [0, n) alone: they read 0, as in the interpreter

@@ -225,6 +225,11 @@ class Interpreter:
                 res = op.impl(np.asarray(x), 0)
             elif group is not None:
                 g = int(group)  # type: ignore[arg-type]
+                if x.shape[1] % g:  # a width the checker could not see (a dim known only from the inputs)
+                    assert isinstance(over, Dim)
+                    raise fail("E0802", f"`{e.outs[0].name}` reduces groups of {g} columns of `{over}`, which is "
+                               f"{extent(over, self.dims)}: not a multiple of {g}",
+                               notes=["choose sizes that make the grouped width a multiple of the group"])
                 res = op.impl(x.reshape(x.shape[0], x.shape[1] // g, g), 2)
             else:
                 xt = _type(e.ins[0])
