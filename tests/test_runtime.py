@@ -200,6 +200,25 @@ def test_emulated_grouped_max_and_stored_group_match_interpreter() -> None:
         check_output(o.name, outs[o.name], ref[o.name], ref64[o.name], o.type.dtype)
 
 
+def test_emulated_autograd_of_a_stored_group_matches_vjp() -> None:
+    """A grouped sum is the stage's only result (its writer stores it, [m, n / 2]); the backward's
+    elementwise entry stage reads its cotangent, one column per group, over each group (`expand`)."""
+    blk = next(iter(coda_lang.load("dims M, K, N\nblock p(x: bf16[M, K], w: bf16[K, 2*N]) -> (s: f32[M, N]) {\n"
+                                   "  gemm x @ w {\n    s = sum(acc * acc, over=2*N, group=2)\n  }\n}\n")))
+    fn = blk.cuda(tile=TILE, emulate=True, poison=True).autograd()
+    inputs = example_inputs(blk, {"M": 300, "K": 200, "N": 136}, seed=16)
+    leaves = {k: v.clone().requires_grad_() for k, v in inputs.items()}
+    out = fn(leaves)["s"]
+    ct = torch.randn(out.shape, generator=torch.Generator().manual_seed(17))
+    out.backward(ct)
+    ref = blk.vjp(inputs, {"s": ct}, tile=TILE)
+    ref64 = blk.vjp(inputs, {"s": ct}, precision="f64")
+    for n in ("x", "w"):
+        g = leaves[n].grad
+        assert g is not None
+        check_gradient(n, g, ref[n], ref64[n], "bf16")
+
+
 def test_emulated_run_takes_a_dict_or_keywords_and_default_tile() -> None:
     blk = block("llama_mlp")
     cb = blk.cuda(emulate=True)

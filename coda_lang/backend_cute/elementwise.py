@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from coda_lang.ir.nodes import DimRef, Lit, Stage, Var
-from coda_lang.ir.types import GROUP, TILE, VEC, Dim, Type
+from coda_lang.ir.types import GROUP, MATRIX, TILE, VEC, Dim, Type
 from coda_lang.ops import REGISTRY
 from coda_lang.verify.diagnostics import CodaError, Diagnostic
 
@@ -106,10 +106,10 @@ class ElementwiseStage:
             if widths[0] is None:  # a vector or scalar broadcast over the reduced axis
                 info["widths"] = ((1, 1),) if per_row else (None,)
         elif e.op == "expand":
-            x, like = (a.type if isinstance(a, Var) else None for a in e.ins)
-            # a tile of one column per group read as a grouped value: each column over its group
-            info["repeat"] = like.group if like is not None and like.kind == GROUP and x is not None \
-                and x.kind == TILE else 0
+            x = e.ins[0].type if isinstance(e.ins[0], Var) else None
+            # a stored tile of one column per group read as a grouped value: each column over its group
+            info["repeat"] = out.group if out is not None and out.kind == GROUP and out.group and x is not None \
+                and x.kind in (TILE, MATRIX) else 0
             info["params"] = {}
         elif e.op in ("row_index", "col_index"):
             assert out is not None and out.shape

@@ -30,7 +30,8 @@ whole groups (the checker's constraint `tile_N % g == 0`, which quack also valid
 reduction used after the stage is written by the op's companion `GroupedColStatsOut` (one f32 value
 per row and group). Not compiled (E0705): grouped min/logsumexp (quack's grouped statistics fold by
 add or max), a grouped reduction of a value that depends on another one of the same stage (that
-would need a second prepass), of a half-width value (the prepass sees single elements, not pairs),
+would need a second prepass), of a value that reads a loaded tile (the prepass runs before the
+epilogue's tile loads arrive), of a half-width value (the prepass sees single elements, not pairs),
 in packed mode (quack: "prepass + packed C: not supported"), and a value computed from a grouped
 reduction used after the stage.
 """
@@ -44,7 +45,7 @@ from typing import Any
 
 from coda_lang.ir.nodes import DimRef, Eqn, Span, Stage, Var
 from coda_lang.ir.printer import inline_source
-from coda_lang.ir.types import FLOAT_DTYPES, GROUP, TILE, VEC, Dim, Shape, Type, shape_str
+from coda_lang.ir.types import FLOAT_DTYPES, GROUP, MATRIX, TILE, VEC, Dim, Shape, Type, shape_str
 from coda_lang.ops import REGISTRY
 from coda_lang.verify.diagnostics import CodaError, Diagnostic
 
@@ -559,15 +560,21 @@ class _Planner:
             if not isinstance(x, Var):
                 raise _fail("E0705", f"grouped `{od.surface}()` of a constant", e.span)
             xt = x.type if x.type is not None else self.types.get(x.name)
-            if xt is None or xt.kind != TILE or len(xt.shape) != 2 or xt.shape[1] != self.cols:
+            if xt is None or xt.kind not in (TILE, MATRIX) or len(xt.shape) != 2 or xt.shape[1] != self.cols:
                 raise _fail("E0705", f"a grouped reduction of `{x.name}`, which is not a tile as wide as the stage's "
                             f"({shape_str((self.rows, self.cols))}), is not compiled yet", e.span,
                             notes=["quack's prepass sees the accumulator one element at a time, not in pairs"])
             group = e.param("group")
             assert isinstance(group, int)
             prepass = self.live_eqns({x.name})
+            tiles = {ld.name for ld in self.sp.loads if ld.role == "tile"}
             for p in prepass + [e]:
                 for a in p.ins:
+                    if isinstance(a, Var) and a.name in tiles:
+                        raise _fail("E0705", f"the grouped reduction `{v.name}` reduces a value that reads the tile "
+                                    f"`{a.name}`: not compiled yet", e.span,
+                                    notes=["quack's prepass runs over the accumulator before the epilogue's tile "
+                                           "loads arrive; it can read acc, vectors and scalars"])
                     if isinstance(a, Var) and a.name in grouped:
                         raise _fail("E0705", f"the grouped reduction `{v.name}` reduces a value computed from the "
                                     f"grouped reduction `{a.name}` of the same stage: not compiled yet", e.span,
