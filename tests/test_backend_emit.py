@@ -177,6 +177,8 @@ E07_CASES = {
     "grouped_of_grouped": ("E0705", 5, program(gemm("m = sum(acc, over=N, group=64)\n"
                                                     "v = sum((acc - m) * (acc - m), over=N, group=64)\n"
                                                     "y = (acc - m) * rsqrt(v)"))),
+    "grouped_by_4": ("E0705", 4, program(gemm("s = sum(acc * acc, over=N, group=4)\ny = acc * s"))),
+    "grouped_by_48": ("E0705", 4, program(gemm("s = max(acc, over=N, group=48)\ny = acc - s"))),
     "grouped_tile_load": ("E0705", 4, program(gemm("s = sum(acc * t, over=N, group=64)\ny = acc * s"),
                                               sig="x: bf16[M, K], w: bf16[K, N], t: bf16[M, N]")),
     "grouped_half_width": ("E0705", 5, program(gemm("g, u = pairs(acc)\ns = sum(g, over=F, group=64)\ny = g * s"),

@@ -200,23 +200,22 @@ def test_emulated_grouped_max_and_stored_group_match_interpreter() -> None:
         check_output(o.name, outs[o.name], ref[o.name], ref64[o.name], o.type.dtype)
 
 
-def test_emulated_autograd_of_a_stored_group_matches_vjp() -> None:
-    """A grouped sum is the stage's only result (its writer stores it, [m, n / 2]); the backward's
-    elementwise entry stage reads its cotangent, one column per group, over each group (`expand`)."""
+def test_emulated_backward_reads_a_stored_group_over_its_groups() -> None:
+    """The backward of a stored grouped sum: its elementwise entry stage reads the cotangent, one column
+    per group, over each group (`expand`). (The forward's groups of 2 are too narrow for quack: E0705.)"""
     blk = next(iter(coda_lang.load("dims M, K, N\nblock p(x: bf16[M, K], w: bf16[K, 2*N]) -> (s: f32[M, N]) {\n"
                                    "  gemm x @ w {\n    s = sum(acc * acc, over=2*N, group=2)\n  }\n}\n")))
-    fn = blk.cuda(tile=TILE, emulate=True, poison=True).autograd()
-    inputs = example_inputs(blk, {"M": 300, "K": 200, "N": 136}, seed=16)
-    leaves = {k: v.clone().requires_grad_() for k, v in inputs.items()}
-    out = fn(leaves)["s"]
-    ct = torch.randn(out.shape, generator=torch.Generator().manual_seed(17))
-    out.backward(ct)
-    ref = blk.vjp(inputs, {"s": ct}, tile=TILE)
-    ref64 = blk.vjp(inputs, {"s": ct}, precision="f64")
-    for n in ("x", "w"):
-        g = leaves[n].grad
-        assert g is not None
-        check_gradient(n, g, ref[n], ref64[n], "bf16")
+    with pytest.raises(CodaError, match="E0705"):
+        blk.cuda(emulate=True)
+    bwd = blk.grad()
+    assert any(e.op == "expand" for s in bwd.ir.stages if not s.is_gemm for e in s.body)
+    inputs = example_inputs(bwd, {"M": 300, "K": 200, "N": 136}, seed=16)
+    outs = bwd.cuda(tile=TILE, emulate=True, poison=True)(inputs)
+    ref = bwd.run(inputs, tile=TILE)
+    ref64 = bwd.run(inputs, precision="f64")
+    for o in bwd.ir.outputs:
+        assert o.type is not None
+        check_gradient(o.name, outs[o.name], ref[o.name], ref64[o.name], o.type.dtype)
 
 
 def test_emulated_run_takes_a_dict_or_keywords_and_default_tile() -> None:
@@ -419,6 +418,56 @@ def test_autograd_traces_under_torch_compile() -> None:
         assert torch.equal(grads[0][k], grads[1][k]), k
 
 
+OUTPUTS_BLOCK = """
+dims M, K, N
+
+block outs(x: bf16[M, K], w: bf16[K, N], b: f32[N]) -> (h: bf16[M, N], ss: f32[M], r: f32[M]) {
+  gemm x @ w {
+    h: bf16 = acc + b
+    ss = sum(h * h, over=N)
+  }
+  r = rsqrt(ss / N + 0.000001)
+}
+"""
+
+
+def test_compiled_autograd_outputs_are_tensors_of_their_own() -> None:
+    """torch.compile of the autograd function gives eager's gradients for outputs made every way (a
+    stored tile, a row reduction combined after its stage, a vector op between stages), and no output
+    of the traced forward is a no-op (`x.to(x.dtype)`, `.contiguous()`, `.float()`) of an intermediate:
+    PyTorch 2.11 (the GPU host's) drops the gradient of such an output, and every gradient came out
+    zero (test_gpu.py::test_torch_compile_of_autograd; PyTorch 2.13 gets them right either way)."""
+    blk = coda_lang.load(OUTPUTS_BLOCK)["outs"]
+    fn = blk.cuda(tile=(16, 32), emulate=True).autograd(tile=(16, 32))
+    inputs = example_inputs(blk, DIMS, seed=14)
+    graphs = []
+
+    def backend(gm: torch.fx.GraphModule, example: list[torch.Tensor]) -> object:
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example)
+
+    def loss(**kw: torch.Tensor) -> torch.Tensor:
+        outs = fn(**kw)
+        return sum(((outs[k].float() * (i + 1)) ** 2).mean() for i, k in enumerate(sorted(outs)))
+
+    grads = []
+    for f in (loss, torch.compile(loss, backend=backend, fullgraph=True)):
+        leaves = {k: v.clone().requires_grad_() for k, v in inputs.items()}
+        f(**leaves).backward()
+        grads.append({k: v.grad for k, v in leaves.items()})
+    for k in inputs:
+        assert grads[0][k].abs().max() > 0, k
+        assert torch.equal(grads[0][k], grads[1][k]), k
+    (gm,) = graphs
+    (apply,) = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.autograd_function_apply]
+    forward = getattr(gm, apply.args[0].target)
+    (ret,) = [n for n in forward.graph.nodes if n.op == "output"]
+    outs = torch.utils._pytree.tree_leaves(ret.args[0])[:len(fn.outputs)]  # the outputs, then what it saves
+    for n in outs:
+        same = [a.name for a in n.all_input_nodes if a.meta["example_value"] is n.meta["example_value"]]
+        assert not same, f"output `{n.name}` ({n.target}) is the tensor `{same[0]}` itself"
+
+
 # ------------------------------------------------------------------ errors
 
 
@@ -437,6 +486,23 @@ def test_unsupported_stages_are_e07(tmp_path: Path) -> None:
     cb = bwd.cuda(emulate=True)  # its elementwise entry stage runs as one fused (torch.compile) kernel
     assert cb.gemm_stages == [k for k in range(1, len(bwd.plan.stages) + 1) if k not in cb.elementwise]
     assert len(cb.elementwise) == 1
+
+
+@pytest.mark.parametrize("red", ["logsumexp", "min"])
+def test_grouped_reductions_other_than_sum_and_max_are_e0705(red: str) -> None:
+    """`logsumexp(acc, over=N, group=1)` (found by coda fuzz) is a clean E0705, not a KeyError in plan/emit."""
+    src = f"""
+dims M, K, N
+block b(x: bf16[M, K], w: bf16[K, N]) -> (out: f32[M, N]) {{
+  gemm x @ w {{
+    l = {red}(acc, over=N, group=1)
+    out: f32 = acc - l
+  }}
+}}
+"""
+    with pytest.raises(CodaError) as e:
+        coda_lang.load(src)["b"].cuda(emulate=True)
+    assert [d.code for d in e.value.diagnostics] == ["E0705"]
 
 
 def test_stored_rows_must_be_16_bytes() -> None:

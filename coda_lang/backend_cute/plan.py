@@ -32,8 +32,9 @@ per row and group). Not compiled (E0705): grouped min/logsumexp (quack's grouped
 add or max), a grouped reduction of a value that depends on another one of the same stage (that
 would need a second prepass), of a value that reads a loaded tile (the prepass runs before the
 epilogue's tile loads arrive), of a half-width value (the prepass sees single elements, not pairs),
-in packed mode (quack: "prepass + packed C: not supported"), and a value computed from a grouped
-reduction used after the stage.
+in packed mode (quack: "prepass + packed C: not supported"), over groups other than 8, 16 or a
+multiple of 32 columns (quack folds runs of 8 columns per thread, in subtiles of 32 columns), and a
+value computed from a grouped reduction used after the stage.
 """
 
 from __future__ import annotations
@@ -566,6 +567,11 @@ class _Planner:
                             notes=["quack's prepass sees the accumulator one element at a time, not in pairs"])
             group = e.param("group")
             assert isinstance(group, int)
+            if group % 32 and group not in (8, 16):
+                raise _fail("E0705", f"grouped reduction over groups of {group} columns: not compiled", e.span,
+                            notes=["quack's grouped statistics fold each thread's runs of 8 adjacent accumulator "
+                                   "columns, and the groups must nest with the epilogue's subtiles of 32 columns "
+                                   "(SM90): groups of 8, 16 or a multiple of 32 compile"])
             prepass = self.live_eqns({x.name})
             tiles = {ld.name for ld in self.sp.loads if ld.role == "tile"}
             for p in prepass + [e]:

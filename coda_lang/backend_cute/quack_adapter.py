@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 import os
 import sys
 import tempfile
@@ -96,6 +97,9 @@ def compile_ptx(spec: Any, path: Path, config: Any) -> tuple[str, float]:
     mod = load_epilogue(path, spec.fn_name)
     g = spec.gemm
     m, n, k = _size(g.rows), _size(g.cols), _size(g.k)
+    if spec.groups:  # whole groups (quack validates N % width), and an even width for half-width values
+        unit = math.lcm(2, *(gr.width for gr in spec.groups))
+        n = -(-n // unit) * unit
     A = _meta((k, m), g.a_dtype).T if g.ta else _meta((m, k), g.a_dtype)
     B = _meta((n, k), g.b_dtype) if g.tb else _meta((k, n), g.b_dtype)
     wide = 2 * n if spec.mode == "packed_cd_b16x2" else n  # packed mode: C and D are double-width
