@@ -900,7 +900,11 @@ class _CodaAutograd(torch.autograd.Function):
         ctx.fn, ctx.names, ctx.tensor_names = fn, names, tensor_names
         ctx.others = {n: v for n, v in keep.items() if not isinstance(v, torch.Tensor)}
         ctx.in_dtypes = [v.dtype if isinstance(v, torch.Tensor) else None for v in vals]
-        outs = tuple(res[o] for o in fn.outputs)
+        # Each output is a tensor object of its own (detach: no copy). Under torch.compile, PyTorch 2.11
+        # drops the gradient of a Function output that is an intermediate passed through a no-op
+        # (`x.to(x.dtype)`, `.contiguous()`, `.float()`, as `_call`, `_round` and `_compute` do): the
+        # backward then ran on zero cotangents and every gradient came out zero (fixed in 2.13).
+        outs = tuple(res[o].detach() for o in fn.outputs)
         ctx.out_meta = [(x.shape, x.dtype, x.device) for x in outs]
         ctx.mark_non_differentiable(*[x for x in outs if not x.is_floating_point()])
         return outs
