@@ -168,7 +168,7 @@ def test_a_planted_sign_swap_in_an_emitter_is_caught_on_the_gpu(capsys: pytest.C
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", [p for p in EXAMPLES if p.stem != "qk_norm"], ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_examples_pass_on_the_gpu(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A few cases per example on the kernels (the full run: `coda fuzz FILE --target cuda --examples 200`)."""
     code, out, err = fuzz(capsys, str(path), "--target", "cuda", "--examples", "10")
