@@ -292,8 +292,6 @@ def test_torch_compile_of_a_block() -> None:
     check_output("x2 (torch.compile)", compiled(**r.inputs), eager, None, "bf16")
 
 
-@pytest.mark.xfail(strict=False, reason="seen on an H100, 2026-11-22: under torch.compile every gradient of the "
-                   "autograd function is zero (eager autograd is right); not diagnosed yet")
 def test_torch_compile_of_autograd() -> None:
     blk = coda_lang.load(GRAD_BLOCKS)["gelu_mlp"]
     fn = blk.cuda(tile=(128, 128)).autograd()
