@@ -338,8 +338,9 @@ def cmd_grad(args: argparse.Namespace) -> int:
         print(render_all(e.diagnostics, {args.file: text}, args.error_format), file=sys.stderr)
         return EXIT_ERRORS
     parts = []
-    if d.backward.ir.dims:
-        parts.append(dims_source(d.backward.ir.dims) + "\n")
+    dims = d.forward.ir.dims if args.with_forward else d.backward.ir.dims  # the forward's are a superset
+    if dims:
+        parts.append(dims_source(dims) + "\n")
     if args.with_forward:
         parts.append(print_block(d.forward.ir, with_dims=False))
     parts.append(print_block(d.backward.ir, with_dims=False))

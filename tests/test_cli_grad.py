@@ -113,8 +113,6 @@ def test_with_forward(tmp_path: Path) -> None:
     assert "2 blocks" in checked.stdout
 
 
-@pytest.mark.xfail(strict=True, reason="CLI BUG 1 (coda_lang/cli.py, cmd_grad): --with-forward declares the backward's "
-                   "dims only; a dim the forward alone uses (here N, as a value) is then unknown (E0201)")
 def test_with_forward_declares_the_forwards_dims(tmp_path: Path) -> None:
     src = tmp_path / "f.coda"
     src.write_text("dims M, K, N, F\nblock f(x: f32[M, K], w: f32[K, F]) -> (o: f32[M, F]) {\n"
