@@ -13,8 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import coda_lang
 
 ROOT = Path(__file__).resolve().parent.parent
