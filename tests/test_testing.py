@@ -295,6 +295,7 @@ def test_mismatch_rule() -> None:
     assert mismatch("o", inf, inf) is None and mismatch("o", -inf, -inf) is None
     assert mismatch("o", np.where(inf == np.inf, -np.inf, inf), inf) is not None
     assert mismatch("o", np.float32(-0.0), np.float32(0.0)) is None
+    assert "1 of 1" in (mismatch("s", np.float32(1.0), np.float32(2.0)) or "")  # a scalar output
     # the paper's rule: where the interpreter itself is far from float64, a result as accurate passes
     ref64 = ref.astype(np.float64) + 0.05
     assert mismatch("o", ref + 0.04, ref, ref64) is None

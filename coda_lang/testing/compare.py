@@ -68,8 +68,7 @@ def mismatch(name: str, got: Any, ref: Any, ref64: Any = None, dtype: str = "f32
             base = float(np.max(np.abs(r[ok] - f[ok]), initial=0.0))
             if err <= 2 * base + PAPER_ATOL and ok.sum() == fin_r.sum():
                 return None
-    where = np.nonzero(fin_r)
     k = int(np.argmax(np.abs(gf - rf) - bound))
-    idx = tuple(int(w[k]) for w in where) if g.ndim else ()
+    idx = tuple(int(w[k]) for w in np.nonzero(fin_r)) if g.ndim else ()  # (np.nonzero refuses 0-d arrays)
     return (f"{name}: {int(bad.sum())} of {g.size} elements differ beyond {rel:.2g} * (|ref| + rms); "
             f"worst at {_at(idx)}: {g[idx]:.7g} vs {r[idx]:.7g}")
