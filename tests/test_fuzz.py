@@ -192,7 +192,7 @@ def test_help() -> None:
     ([MLP, "--tile", "4by8"], "--tile"),
     ([MLP, "--dims", "M=x"], "--dims"),
     ([MLP, "--dims", "Q=4"], "unknown dim Q"),
-    ([MLP, "--dims", "F=3"], "F = 3 is not a multiple of 2"),
+    ([str(ROOT / "examples" / "qk_norm.coda"), "--dims", "P=3"], "P = 3 is not a multiple of 64"),  # groups of 128
     ([MLP, "--input-seed", "-1"], "--input-seed"),
     ([MLP, "--block", "nope"], "no block `nope`"),
     ([str(ROOT / "nope.coda")], "can't read"),

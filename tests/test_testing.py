@@ -9,15 +9,14 @@
 - Tile-size invariance: the tile simulation agrees with the whole-matrix interpreter, forward and
   backward, for random programs at random sizes and tiles (`coda_lang.fuzz.Fuzzer`, which also turns
   any exception other than CodaError into a failure).
-- No exception other than CodaError from checking twins or running blocks at odd tiles (one known
-  interpreter bug pinned by a strict xfail: INTERP BUG 1; INTERP LIMIT 1 likewise).
+- No exception other than CodaError from checking twins or running blocks at odd tiles (and the
+  interpreter's tile checks: an odd tile over a half-width load is E0805, an odd-width stage simulates).
 - The tolerance rule (`compare.mismatch`) fails what it must and passes what it must.
 - Importing coda_lang.testing imports no torch, and `coda check` imports no hypothesis.
 """
 
 from __future__ import annotations
 
-import contextlib
 import random
 import subprocess
 import sys
@@ -239,25 +238,29 @@ def test_odd_tiles_raise_only_coda_errors(data: st.DataObject) -> None:
         assert [d.code for d in e.diagnostics] == ["E0805"]
 
 
-@pytest.mark.xfail(strict=True, raises=IndexError, reason="INTERP BUG 1: an odd tile_N in a stage that loads a "
-                   "half-width tile is not rejected (E0805) but crashes (pick gets an empty slice)")
-def test_interp_bug_odd_tile_with_a_half_width_load() -> None:
+def test_odd_tile_with_a_half_width_load_is_e0805() -> None:
+    """(Was INTERP BUG 1: an IndexError.) A tile_N that splits the column pairs of a half-width tile the
+    stage loads is refused as the checker's tiling rule says."""
     src = ("dims M, K, N\nblock f(x: f32[M, K], w: f32[K, 2*N], p: f32[M, N], i: i32[M]) -> (v: f32[M]) {\n"
            "  gemm x @ w {\n    v = pick(p, i)\n  }\n}\n")
     block = coda_lang.load(src)["f"]
     sizes = {"M": 1, "K": 1, "N": 1}
-    with contextlib.suppress(CodaError):  # the fix: E0805 (the test then fails as "XPASS")
+    with pytest.raises(CodaError) as e:
         block.run(block_inputs(block, sizes, 0), dims=sizes, tile=(1, 1))
+    assert [d.code for d in e.value.diagnostics] == ["E0805"] and "`p`" in e.value.diagnostics[0].message
 
 
-@pytest.mark.xfail(strict=True, raises=CodaError, reason="INTERP LIMIT 1: a stage of odd width that holds tiles "
-                   "of another width (here llama_mlp's backward: F = 1 columns, acc2 of 2*F) can't be tile-simulated "
-                   "at any tile (E0805: the clipped tile_N is odd), though no pair is split; dims.dim_units avoids it")
-def test_interp_limit_odd_width_stage_with_pairs() -> None:
+def test_odd_width_stage_with_double_width_tiles_is_simulated() -> None:
+    """(Was INTERP LIMIT 1.) llama_mlp's backward at F = 1: the SwiGLU-backward stage is 1 column wide and
+    holds acc2 of 2*F columns; a tile that holds the whole width splits no pair, so it simulates, and
+    the gradients equal the whole-matrix interpreter's."""
     block = coda_lang.load(ROOT / "examples" / "llama_mlp.coda")["llama_mlp"]
     sizes = {"M": 2, "D": 2, "F": 1}
-    ins = block_inputs(block, sizes, 0)
-    block.vjp(ins, cotangents(block, sizes, 0), dims=sizes, tile=(2, 2))
+    ins, cts = block_inputs(block, sizes, 0), cotangents(block, sizes, 0)
+    tiled = block.vjp(ins, cts, dims=sizes, tile=(2, 2))
+    whole = block.vjp(ins, cts, dims=sizes)
+    for k in whole:
+        assert mismatch(k, tiled[k], whole[k]) is None, k
 
 
 def test_tiles_strategy_respects_the_interpreter() -> None:

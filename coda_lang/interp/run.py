@@ -15,6 +15,7 @@ combined with its op's combine rule; whole and tile modes agree up to floating-p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,7 @@ import numpy as np
 from coda_lang.interp.inputs import extent, fail
 from coda_lang.interp.numerics import compute_dtype, round_to, to_storage
 from coda_lang.ir.nodes import Atom, Block, DimRef, Eqn, Lit, Stage, Var
-from coda_lang.ir.types import ERROR_TYPE, GROUP, PARTIAL, TILE, Dim, Type
+from coda_lang.ir.types import ERROR_TYPE, GROUP, MATRIX, PARTIAL, TILE, Dim, Type
 from coda_lang.ops import REGISTRY
 from coda_lang.verify.plan import BlockPlan
 
@@ -170,13 +171,28 @@ class Interpreter:
 
     def check_tile(self, s: Stage, cols: Dim, tile: tuple[int, int]) -> None:
         tm, tn = tile
-        tn = min(tn, extent(cols, self.dims))  # one clipped tile holds the whole width
+        full = extent(cols, self.dims)
+        tn = min(tn, full)  # one clipped tile holds the whole width
         if tm < 1 or tn < 1:
             raise fail("E0805", f"tile sizes must be positive, got {tm}x{tn}")
+
+        def splits_pairs(t: Type) -> bool:
+            """A tile of another width than the stage's (half: after pairs) gets tn * ratio columns per
+            tile: that must be whole (a tile holding the whole width always is)."""
+            if t.kind not in (TILE, MATRIX) or len(t.shape) != 2 or t.shape[1] == cols or tn == full:
+                return False
+            w = t.shape[1]
+            if w.name != cols.name:
+                return False
+            return (tn * Fraction(w.coeff) / Fraction(cols.coeff)).denominator != 1
+
         for e in s.body:
+            for a in e.ins:
+                if isinstance(a, Var) and splits_pairs(_type(a)):
+                    raise fail("E0805", f"tile_N = {tn} is odd, but stage reads `{a.name}` at half its width")
             for v in e.outs:
                 t = _type(v)
-                if t.kind == TILE and t.shape[1] != cols and tn % 2:
+                if splits_pairs(t):
                     raise fail("E0805", f"tile_N = {tn} is odd, but stage `{v.name}` works on column pairs")
                 if t.kind == GROUP:
                     assert t.group is not None

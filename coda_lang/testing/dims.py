@@ -64,11 +64,6 @@ def dim_units(blocks: Iterable[Any], align: int = 1) -> dict[str, int]:
     blocks = list(blocks)
     units = {d.name: 1 for b in blocks for d in _ir(b).dims}
     need = [(d, align) for d in block_dims(blocks)]
-    # INTERP LIMIT 1: the tile simulation clips tile_N to the stage's width and then asks for an even
-    # tile_N in a stage with tiles of another width (interp/run.py, check_tile), so such a stage of odd
-    # width can't be simulated at all (E0805), though a clipped tile splits no pair. Until that check
-    # is relaxed, those stages get even widths here.
-    need += [(cols, math.lcm(align, 2)) for cols in _paired_stage_widths(blocks)]
     for d, a in need:
         if d.name is None:
             continue
@@ -82,17 +77,6 @@ def _stage_cols(s: Stage) -> Dim | None:
     if s.acc is not None and s.acc.type is not None:
         return s.acc.type.shape[1]
     return s.shape[1] if s.shape is not None else None
-
-
-def _paired_stage_widths(blocks: list[Any]) -> Iterator[Dim]:
-    """The widths of stages that hold tiles of another width than their own (pairs, interleave)."""
-    for b in blocks:
-        for s in _ir(b).stages:
-            cols = _stage_cols(s)
-            if cols is not None and any(v.type is not None and v.type.kind == TILE and len(v.type.shape) == 2
-                                        and v.type.shape[1] != cols for e in s.body for v in e.outs):
-                # (only made tiles: check_tile does not look at loaded ones, INTERP BUG 1 in tests/test_testing.py)
-                yield cols
 
 
 def fixed_dims(blocks: Iterable[Any]) -> dict[str, int]:
