@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One command on the GPU host (after `source .gpu/env/gpu.sh`, from the project root or anywhere):
-#   scripts/gpu_check.sh [all|tests|bench] [extra args for benchmarks/gpu_bench.py]
-# runs the GPU tests (python -m pytest -q -m gpu tests/test_gpu.py) and then the benchmark
-# (python benchmarks/gpu_bench.py), printing both; logs (and the benchmark's JSON) go to $OUT
+#   scripts/gpu_check.sh [all|tests|fuzz|bench] [extra args for benchmarks/gpu_bench.py]
+# runs the GPU tests (python -m pytest -q -m gpu tests/), `coda fuzz --target cuda` on every example
+# (200 cases each, in parallel: compiles are CPU-bound) and on 100 random programs, and then the
+# benchmark (python benchmarks/gpu_bench.py), printing each; logs (and the benchmark's JSON) go to $OUT
 # (a fresh temporary folder when $OUT is unset). Compiled kernels are cached under /tmp/coda-gpu/cache
 # (coda's PTX and emitted epilogues, quack's .o files), so a second run on the same host skips the
 # compiles. Exit status: non-zero if the tests or the benchmark failed.
@@ -38,8 +39,21 @@ rc_tests=0
 rc_bench=0
 if [ "$what" = all ] || [ "$what" = tests ]; then
   echo "== GPU tests"
-  python -m pytest -q -m gpu tests/test_gpu.py -rfEs --durations=10 --junitxml="$OUT/pytest.xml" 2>&1 | tee "$OUT/pytest.log"
+  python -m pytest -q -m gpu tests/ -p no:logging -rfEs --durations=10 --junitxml="$OUT/pytest.xml" 2>&1 | tee "$OUT/pytest.log"
   rc_tests=${PIPESTATUS[0]}
+fi
+if [ "$what" = all ] || [ "$what" = fuzz ]; then
+  echo "== coda fuzz --target cuda"
+  for f in examples/*.coda; do
+    ( python -m coda_lang.cli fuzz "$f" --target cuda --examples 200 > "$OUT/fuzz_$(basename "$f" .coda).log" 2>&1
+      echo "rc=$?" >> "$OUT/fuzz_$(basename "$f" .coda).log" ) &
+  done
+  wait
+  python -m coda_lang.cli fuzz --programs 100 --examples 2 --target cuda --tile 128x128 --no-shrink \
+    --save-dir "$OUT" > "$OUT/fuzz_programs.log" 2>&1
+  echo "rc=$?" >> "$OUT/fuzz_programs.log"
+  for log in "$OUT"/fuzz_*.log; do echo "$(basename "$log"): $(tail -2 "$log" | tr '\n' ' ')"; done
+  grep -q "^rc=[^0]" "$OUT"/fuzz_*.log && rc_tests=1
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   echo "== benchmark"
