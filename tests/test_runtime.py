@@ -387,6 +387,17 @@ def test_gradient_stages_that_load_no_tensor() -> None:
     assert leaves["w"].grad is not None and leaves["w"].grad.abs().max() > 0
 
 
+def test_autograd_takes_the_blocks_tile() -> None:
+    """`blk.cuda(tile=T).autograd()` runs the extended forward and the backward at T too (and a tile
+    given to autograd() wins)."""
+    blk = block("llama_mlp")
+    fn = blk.cuda(tile=(128, 128), emulate=True).autograd()
+    assert all(fn.forward.config(k).short == "128x128" for k in fn.forward.gemm_stages)
+    assert all(fn.backward.config(k).short == "128x128" for k in fn.backward.gemm_stages)
+    other = blk.cuda(tile=(128, 128), emulate=True).autograd(tile=(128, 64))
+    assert {other.backward.config(k).short for k in other.backward.gemm_stages} == {"128x64"}
+
+
 # ------------------------------------------------------------------ torch.compile
 
 

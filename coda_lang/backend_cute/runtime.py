@@ -520,6 +520,7 @@ class CudaBlock:
                                  f"block {self.ir.name} has no stage {unknown[0]}")
         else:
             self._tiles = {k: as_config(tile) for k in gemms} if tile is not None else {}
+        self.tile = None if isinstance(tile, dict) else tile  # one tile for every stage: autograd() reuses it
         for k, cfg in self._tiles.items():
             target = self.specs[k - 1]
             assert target is not None
@@ -774,9 +775,10 @@ class CudaBlock:
 
     def autograd(self, wrt: list[str] | None = None, tile: Any = None) -> CudaFunction:
         """A function of the block's inputs (by name) whose outputs are differentiable by torch.autograd:
-        forward = the extended forward block, backward = the derived backward block, both on CUDA.
-        CodaError (E07) when a stage of either can't run on the GPU yet."""
-        return CudaFunction(self, wrt, tile)
+        forward = the extended forward block, backward = the derived backward block, both on CUDA, at
+        `tile` (default: this block's own, when it was given one tile for every stage), tuned as this
+        block is. CodaError (E07) when a stage of either can't run on the GPU yet."""
+        return CudaFunction(self, wrt, tile if tile is not None else self.tile)
 
 
 def _shape_rules(block: Any) -> tuple[tuple[str, int, str | None, int, int], ...]:
@@ -862,11 +864,11 @@ class CudaFunction:
         d = cb.block.derivation(wrt)
         self.derivation = d
         try:
-            self.forward = CudaBlock(d.forward, tile, emulate=cb.emulate, poison=cb.poison)
+            self.forward = CudaBlock(d.forward, tile, emulate=cb.emulate, poison=cb.poison, tune=cb.tune)
         except CodaError as e:
             raise _runtime_error(e, "extended forward", d.forward) from None
         try:
-            self.backward = CudaBlock(d.backward, tile, emulate=cb.emulate, poison=cb.poison)
+            self.backward = CudaBlock(d.backward, tile, emulate=cb.emulate, poison=cb.poison, tune=cb.tune)
         except CodaError as e:
             raise _runtime_error(e, "backward", d.backward) from None
         self.params = [p.var.name for p in cb.ir.params]
