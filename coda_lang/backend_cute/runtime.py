@@ -31,6 +31,7 @@ import contextlib
 import itertools
 import os
 import shutil
+import sys
 import warnings
 import weakref
 from collections.abc import Callable
@@ -693,6 +694,9 @@ class CudaBlock:
                 return r
             from coda_lang.backend_cute.compile import configs_without_spills
 
+            print(f"coda: tuning stage {k} of {self.name} (`{spec.text}`) at {key[1]}x{key[2]}x{key[3]}: compiling "
+                  "and timing its tile configs once; the choice is cached (CODA_TUNE=0 skips this)",
+                  file=sys.stderr)
             runners = {c: r if c == r.config else _StageRunner(self.block, k, spec, c, self.emulate, self.poison)
                        for c in configs_without_spills(spec)}
             def launch(x: _StageRunner) -> Callable[[], Any]:
