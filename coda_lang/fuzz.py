@@ -403,6 +403,20 @@ def _run(test: Callable[..., None], strategy: st.SearchStrategy[Any], examples: 
     return None
 
 
+def _check(fz: Fuzzer, case: Case, failures: list[Failure], count: list[int], progress: Progress | None,
+           program: str | None = None) -> None:
+    """Run one case: count it (until the first failure), report progress, and on a mismatch record
+    the failure and stop hypothesis's test (`_Mismatch`)."""
+    msgs = fz.check(case)
+    if not failures:
+        count[0] += 1
+    if progress:
+        progress.step(bool(msgs), case)
+    if msgs:
+        failures.append(Failure(case, msgs, program=program))
+        raise _Mismatch()
+
+
 def fuzz_block(block: Block, target: str = "interp", *, examples: int = 100, seed: int = 0,
                max_dim: int | None = None, dims: dict[str, int] | None = None, input_seed: int | None = None,
                tile: tuple[int, int] | None = None, special: bool = False, backward: bool = True,
@@ -415,14 +429,7 @@ def fuzz_block(block: Block, target: str = "interp", *, examples: int = 100, see
     count = [0]
 
     def test(case: Case) -> None:
-        msgs = fz.check(case)
-        if not failures:
-            count[0] += 1
-        if progress:
-            progress.step(bool(msgs), case)
-        if msgs:
-            failures.append(Failure(case, msgs))
-            raise _Mismatch()
+        _check(fz, case, failures, count, progress)
 
     single = fz.single_case(dims, input_seed)
     if single is not None:  # everything fixed (reproducing a case): run it once
@@ -464,15 +471,7 @@ def fuzz_programs(programs: int, target: str = "interp", *, examples: int = 5, s
             no_backward.append(fz.backward_error)
         strategy = fz.cases(max_dim)
         for _ in range(examples):
-            case = data.draw(strategy, label="case")
-            msgs = fz.check(case)
-            if not failures:
-                count[0] += 1
-            if progress:
-                progress.step(bool(msgs), case)
-            if msgs:
-                failures.append(Failure(case, msgs, program=fw.text))
-                raise _Mismatch()
+            _check(fz, data.draw(strategy, label="case"), failures, count, progress, program=fw.text)
 
     failure = _run(test, st.data(), programs, seed, shrink, failures)
     if progress:
