@@ -10,9 +10,11 @@ the lowering produced (a tested property).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from coda_lang.ir.nodes import Atom, Block, DimDecl, DimRef, Eqn, ErrAtom, Lit, Program, Stage, Var
 from coda_lang.ir.types import Dim, Type, shape_str
-from coda_lang.ops import REGISTRY
+from coda_lang.ops import REGISTRY, OpDef
 
 _PREC = {"copy": 5, "neg": 4, "mul": 3, "div": 3, "add": 2, "sub": 2}
 
@@ -40,7 +42,11 @@ def _param_source(v: object) -> str:
 
 
 def call_source(e: Eqn, args: list[str]) -> str:
-    op = REGISTRY[e.op]
+    return op_call_source(REGISTRY[e.op], args, {spec.name: e.param(spec.name) for spec in REGISTRY[e.op].params})
+
+
+def op_call_source(op: OpDef, args: list[str], params: Mapping[str, object]) -> str:
+    """A call of `op` on the argument texts in the surface syntax (params that are None are left out)."""
     if op.infix == "=":
         return args[0]
     if op.infix == "neg":
@@ -49,7 +55,7 @@ def call_source(e: Eqn, args: list[str]) -> str:
         return f"{args[0]} {op.infix} {args[1]}"
     parts = list(args)
     for spec in op.params:
-        v = e.param(spec.name)
+        v = params.get(spec.name)
         if v is None:
             continue
         parts.append(_param_source(v) if spec.positional else f"{spec.name}={_param_source(v)}")

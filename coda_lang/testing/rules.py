@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from coda_lang.ir.printer import op_call_source
 from coda_lang.ir.types import Type, shape_str
 from coda_lang.ops import REGISTRY, Ctx, OpDef
 from coda_lang.verify.diagnostics import Mistake
@@ -41,14 +42,10 @@ def differentiable_ops() -> list[OpDef]:
 
 
 def op_source(op: OpDef, args: list[str], params: dict[str, Any]) -> str:
-    if op.infix == "=":
-        return args[0]
-    if op.infix == "neg":
-        return f"-{args[0]}"
-    if op.infix:
-        return f"{args[0]} {op.infix} {args[1]}"
-    kw = [f"{k}={v}" for k, v in params.items() if v is not None]
-    return f"{op.surface}({', '.join(args + kw)})"
+    """The call in the surface syntax, as the IR printer writes it."""
+    unknown = set(params) - {spec.name for spec in op.params}
+    assert not unknown, f"{op.name} has no parameters {unknown}"
+    return op_call_source(op, args, params)
 
 
 def param_decl(t: Type) -> str:
