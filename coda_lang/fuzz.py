@@ -143,8 +143,9 @@ class Fuzzer:
         from coda_lang.backend_cute.compile import BackendUnavailable
 
         try:
-            # choose every stage's tile and compile it now: CodaError (E07) if the block can't run at all
-            self.cb = self.block.cuda(tile=self.tile, emulate=emulate)
+            # choose every stage's tile and compile it now: CodaError (E07) if the block can't run at all.
+            # No tuning: it would compile and time every tile config at each drawn shape (minutes a case)
+            self.cb = self.block.cuda(tile=self.tile, emulate=emulate, tune=False)
             if emulate and self.tile is None:  # small tiles: several (ragged) tiles at small sizes
                 self.cb = self.block.cuda(tile=_small_tiles(self.cb), emulate=True)
             self.cb.prepare()

@@ -2,7 +2,9 @@
 # One command on the GPU host (after `source .gpu/env/gpu.sh`, from the project root or anywhere):
 #   scripts/gpu_check.sh [all|tests|fuzz|bench] [extra args for benchmarks/gpu_bench.py]
 # runs the GPU tests (python -m pytest -q -m gpu tests/), `coda fuzz --target cuda` on every example
-# (200 cases each, in parallel: compiles are CPU-bound) and on 100 random programs, and then the
+# (200 cases each; FUZZ_EXAMPLES="examples/a.coda ..." picks some) and on random programs (PROGRAMS=240
+# drawn, of which the backend refuses about half, in SHARDS=12 processes), all in parallel (compiles are
+# CPU-bound), then a summary with the number of programs run; and then the
 # benchmark (python benchmarks/gpu_bench.py), printing each; logs (and the benchmark's JSON) go to $OUT
 # (a fresh temporary folder when $OUT is unset). Compiled kernels are cached under /tmp/coda-gpu/cache
 # (coda's PTX and emitted epilogues, quack's .o files), so a second run on the same host skips the
@@ -44,15 +46,22 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
 fi
 if [ "$what" = all ] || [ "$what" = fuzz ]; then
   echo "== coda fuzz --target cuda"
-  for f in examples/*.coda; do
+  for f in ${FUZZ_EXAMPLES:-examples/*.coda}; do
     ( python -m coda_lang.cli fuzz "$f" --target cuda --examples 200 > "$OUT/fuzz_$(basename "$f" .coda).log" 2>&1
       echo "rc=$?" >> "$OUT/fuzz_$(basename "$f" .coda).log" ) &
   done
+  # random programs: PROGRAMS drawn (about half are ones the backend refuses, E07, and are skipped), in
+  # SHARDS processes with seeds 0..SHARDS-1 (compiles are CPU-bound)
+  shards="${SHARDS:-12}"
+  per=$(( (${PROGRAMS:-240} + shards - 1) / shards ))
+  for s in $(seq 0 $((shards - 1))); do
+    ( python -m coda_lang.cli fuzz --programs "$per" --seed "$s" --examples 2 --target cuda --tile 128x128 \
+        --no-shrink --save-dir "$OUT" > "$OUT/fuzz_programs_$s.log" 2>&1
+      echo "rc=$?" >> "$OUT/fuzz_programs_$s.log" ) &
+  done
   wait
-  python -m coda_lang.cli fuzz --programs 100 --examples 2 --target cuda --tile 128x128 --no-shrink \
-    --save-dir "$OUT" > "$OUT/fuzz_programs.log" 2>&1
-  echo "rc=$?" >> "$OUT/fuzz_programs.log"
   for log in "$OUT"/fuzz_*.log; do echo "$(basename "$log"): $(tail -2 "$log" | tr '\n' ' ')"; done
+  cat "$OUT"/fuzz_programs_*.log | python -c "import re, sys; t = sys.stdin.read(); print('random programs run:', sum(int(n) for n in re.findall(r'ok: (\\d+) random programs', t)), '(failed shards:', t.count('wrote the failing program'), ')')"
   grep -q "^rc=[^0]" "$OUT"/fuzz_*.log && rc_tests=1
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then

@@ -2,11 +2,16 @@
 inputs for the examples, and the tolerance rules for comparing the CUDA runtime with the interpreter.
 
 Tolerance rules (stated once, used by both):
-- Outputs, element by element, against the interpreter in its "exact" precision (f32 inside
-  stages, stored tiles rounded like the kernel's, same tile): |got - interp| <= r * (|interp| +
-  rms(interp)), with r = 2**-7 (one bf16 ulp at the value's scale, with a floor at the output's rms
-  for cancellation) for 16-bit outputs and r = 1e-3 for f32 outputs (the kernels use fast-math
-  exp/log/tanh). A wrong element (indexing, an unwritten tile, a wrong operand) is far outside.
+- Outputs against the interpreter in its "exact" precision (f32 inside stages, stored tiles rounded
+  like the kernel's, same tile): coda_lang.testing.compare.mismatch, the rule `coda fuzz` uses.
+  Every element within |got - interp| <= r * (|interp| + rms(interp)), with r = 2**-7 (one bf16 ulp
+  at the value's scale, with a floor at the output's rms for cancellation) for 16-bit outputs and
+  r = 1e-3 for f32 outputs (the kernels use fast-math exp/log/tanh); or, where an element is not,
+  PAPER.md section 6's rule: max|got - f64| <= 2 * max|interp - f64| + 1e-6. (A gradient at the end
+  of a chain of bf16-saved tiles summed over a thousand rows can land a hair past one ulp in one
+  element in a million, as the interpreter's own result does against f64; the paper's rule judges
+  those by the whole tensor.) A wrong element (indexing, an unwritten tile, a wrong operand) is far
+  outside both.
 - Outputs, as a whole, against float64 (the interpreter's "f64" precision on the same bf16 inputs):
   ||got - ref64|| <= 2 * ||interp - ref64|| + floor * ||ref64|| (Frobenius norms; floor 1e-6 for 16-bit
   outputs, 1e-5 for f32 ones): the paper's rule with the interpreter, which rounds exactly where the
@@ -23,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from coda_lang.interp import random_inputs
+from coda_lang.testing.compare import mismatch
 
 # Sizes that are not multiples of any tile (the ragged last tiles are exercised): M=1000, D=520, F=1000.
 RAGGED = {"M": 1000, "D": 520, "F": 1000, "K": 520, "N": 1000, "V": 1000, "P": 504}  # rows of 16 bytes (TMA)
@@ -60,13 +66,8 @@ def check_output(name: str, got: Any, interp: Any, ref64: Any | None, dtype: str
     g, i = to_numpy(got), to_numpy(interp)
     assert g.shape == i.shape, f"{name}: shape {g.shape}, interpreter {i.shape}"
     assert not np.isnan(g).any(), f"{name}: {int(np.isnan(g).sum())} NaN elements (unwritten?)"
-    r = 2.0**-7 if dtype in ("bf16", "f16") else 1e-3
-    bound = r * (np.abs(i) + _rms(i))
-    bad = np.abs(g - i) > bound
-    if bad.any():
-        idx = tuple(int(x[0]) for x in np.nonzero(bad)) if g.ndim else ()
-        raise AssertionError(f"{name}: {int(bad.sum())} of {g.size} elements differ from the interpreter beyond "
-                             f"{r:.1e} * (|ref| + rms); first at {idx}: {g[idx]} vs {i[idx]}")
+    why = mismatch(name, g, i, None if ref64 is None else to_numpy(ref64), dtype)
+    assert why is None, why
     if ref64 is not None:
         f = to_numpy(ref64)
         floor = 1e-6 if dtype in ("bf16", "f16") else 1e-5

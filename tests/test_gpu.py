@@ -356,3 +356,13 @@ def test_tuning_picks_a_measured_tile_and_caches_it(tmp_path: Path, monkeypatch:
     again = blk.cuda(tune=True)
     assert torch.equal(again(inputs)["x2"], cb(inputs)["x2"])
     assert again.tiles == cb.tiles
+
+
+def test_fuzz_cuda_target_does_not_tune() -> None:
+    """`coda fuzz --target cuda` draws a new shape for every case; tuning would compile and time every tile
+    config at each one, so the fuzzer's CudaBlocks (forward and autograd) keep the backend's tile."""
+    from coda_lang.fuzz import Fuzzer
+
+    fz = Fuzzer(block("scale_residual"), "cuda")
+    assert fz.cb is not None and fz.cb.tune is False
+    assert fz.fn is not None and fz.fn.forward.tune is False and fz.fn.backward.tune is False
