@@ -170,10 +170,13 @@ E07_CASES = {
                                                                "s = sum(y, over=M)"), dims="M, K, F",
                                                           sig="x: bf16[M, K], w: bf16[K, F], t: bf16[M, 2*F]",
                                                           outs="y: bf16[M, 2*F], s: f32[2*F]")),
-    "min_reduction": ("E0705", 4, program(gemm("y = min(acc, over=N)"), outs="y: f32[M]")),
-    "logsumexp_over_rows": ("E0705", 4, program(gemm("y = logsumexp(acc, over=M)"), outs="y: f32[N]")),
-    "grouped_min": ("E0705", 4, program(gemm("s = min(acc, over=N, group=64)\ny = acc - s"))),
-    "grouped_logsumexp": ("E0705", 4, program(gemm("s = logsumexp(acc, over=N, group=64)\ny = acc - s"))),
+    "paired_logsumexp_over_rows": ("E0705", 6, program(gemm("g, u = pairs(acc)\ny = g * u\nl = logsumexp(g, over=M)"),
+                                                       dims="M, K, F", sig="x: bf16[M, K], w: bf16[K, 2*F]",
+                                                       outs="y: bf16[M, F], l: f32[F]")),
+    "double_width_min_over_rows": ("E0705", 6, program(gemm("g, u = pairs(t)\ny = interleave(g * acc, u)\n"
+                                                            "s = min(y, over=M)"), dims="M, K, F",
+                                                       sig="x: bf16[M, K], w: bf16[K, F], t: bf16[M, 2*F]",
+                                                       outs="y: bf16[M, 2*F], s: f32[2*F]")),
     "grouped_of_grouped": ("E0705", 5, program(gemm("m = sum(acc, over=N, group=64)\n"
                                                     "v = sum((acc - m) * (acc - m), over=N, group=64)\n"
                                                     "y = (acc - m) * rsqrt(v)"))),
@@ -244,6 +247,68 @@ def test_grouped_max_and_a_stored_group() -> None:
     assert 'prepass_outs=("s", "m")' in src
 
 
+MINS = program(gemm("h = acc + b\ny = h\nr = min(h, over=N)\nc = min(acc * b, over=M)"),
+               sig="x: bf16[M, K], w: bf16[K, N], b: f32[N]", outs="y: bf16[M, N], r: f32[M], c: f32[N]")
+
+
+def test_min_reductions_fold_the_negation_by_max() -> None:
+    """min(x) = -max(-x): a min over the columns (rows) is a ColVecReduce (RowVecReduce) with combine="max"
+    of the negated value; the sink says so (`negate`), and the runtime negates the buffer back."""
+    spec = plan_stage(next(iter(coda_lang.load(MINS))), 1)
+    assert [(s.name, s.op, s.combine, s.negate, s.layout) for s in spec.sinks] == [
+        ("r", "ColVecReduce", "max", True, "row partials"), ("c", "RowVecReduce", "max", True, "column partials")]
+    src = emit_stage(spec)
+    assert 'reduces={"r": ColVecReduce("r", combine="max"), "v_c": RowVecReduce("v_c", combine="max")}' in src
+    assert 'return {"D": y, "r": -h, "v_c": -_t1}' in src
+    assert "min over the columns, one partial per column tile (ColVecReduce, max of the negation: the buffer " \
+           "holds -min)" in src
+
+
+def test_min_reductions_in_paired_and_packed_modes() -> None:
+    """acc_pair mode: a half-width min pads its second lane with itself (negated, like the first); a
+    full-width one negates both lanes. Packed mode: a min over a double-width tile folds its two lanes
+    first, as the max of their negations."""
+    paired = program(gemm("g, u = pairs(acc)\ny = g * u\nr = min(g, over=F)\nc = min(acc, over=M)"), dims="M, K, F",
+                     sig="x: bf16[M, K], w: bf16[K, 2*F]", outs="y: bf16[M, F], r: f32[M], c: f32[2*F]")
+    src = emit_stage(plan_stage(next(iter(coda_lang.load(paired))), 1))
+    assert '"r": pack(-g, -g), "v_c": pack(-acc_0, -acc_1)' in src and 'mode="acc_pair"' in src
+    packed = program(gemm("g, u = pairs(t)\ny = interleave(g * acc, u)\nr = min(y, over=2*F)"), dims="M, K, F",
+                     sig="x: bf16[M, K], w: bf16[K, F], t: bf16[M, 2*F]", outs="y: bf16[M, 2*F], r: f32[M]")
+    spec = plan_stage(next(iter(coda_lang.load(packed))), 1)
+    assert [(s.lanes, s.negate) for s in spec.sinks] == [(2, True)]
+    assert '"r": cute.math.max(-y_0, -y_1)' in emit_stage(spec)
+
+
+def test_logsumexp_over_the_rows_is_our_row_vec_lse_reduce() -> None:
+    """logsumexp over the rows: one partial per (row tile, column) folded online by epi_ops.RowVecLSEReduce
+    (quack's OnlineLSEReduce over the other axis), a sink of the decorator's outs=."""
+    text = program(gemm("h = acc + b\ny = h\nc = logsumexp(h, over=M)\nr = logsumexp(h, over=N)"),
+                   sig="x: bf16[M, K], w: bf16[K, N], b: f32[N]", outs="y: bf16[M, N], c: f32[N], r: f32[M]")
+    spec = plan_stage(next(iter(coda_lang.load(text))), 1)
+    assert [(s.name, s.op, s.layout) for s in spec.sinks] == [("c", "RowVecLSEReduce", "column partials"),
+                                                              ("r", "OnlineLSEReduce", "row partials")]
+    src = emit_stage(spec)
+    assert "from coda_lang.backend_cute.epi_ops import RowVecLSEReduce" in src
+    assert 'outs={"v_c": RowVecLSEReduce("v_c"), "r": OnlineLSEReduce("r")}' in src
+    assert 'return {"D": y, "v_c": h, "r": h}' in src
+    assert "logsumexp over the rows, one partial per row tile (RowVecLSEReduce)" in src
+
+
+def test_grouped_min_and_logsumexp() -> None:
+    """Grouped min and logsumexp are GroupedReduce ops folding by min (from +inf) and by the log-sum-exp
+    of two values (from -inf) in the prepass, like a grouped sum or max."""
+    text = program(gemm("s = logsumexp(acc + b, over=N, group=64)\nm = min(acc, over=N, group=32)\ny = acc - s + m"),
+                   sig="x: bf16[M, K], w: bf16[K, N], b: f32[N]", outs="y: bf16[M, N], s: f32[M, N/64]")
+    spec = plan_stage(next(iter(coda_lang.load(text))), 1)
+    assert [(g.name, g.combine, g.width, g.out) for g in spec.groups] == [("s", "lse", 64, "s_out"),
+                                                                         ("m", "min", 32, None)]
+    src = emit_stage(spec)
+    assert '"s": GroupedReduce("s", combine="lse"), "m": GroupedReduce("m", combine="min")' in src
+    assert 'extra_ops=(GroupedReduce("s", combine="lse").out("s_out"),)' in src
+    assert "group  s: f32[M, N/64] = logsumexp over each run of 64 columns" in src
+    assert "group  m: f32[M, N/32] = min over each run of 32 columns" in src
+
+
 def test_a_stage_storing_acc_and_a_group_is_not_plain() -> None:
     """D = acc plus a grouped sum used after the stage: quack's kernel, never a bare cuBLAS GEMM."""
     from coda_lang.backend_cute.compile import is_plain
@@ -309,12 +374,12 @@ def test_cli_compile_source(tmp_path: Path) -> None:
 
 def test_cli_compile_e07_exits_1(tmp_path: Path) -> None:
     src = tmp_path / "two.coda"
-    src.write_text(program(gemm("y = acc") + "\n  gemm y @ w2 {\n    z = min(acc, over=N)\n  }",
-                           sig="x: bf16[M, K], w: bf16[K, N], w2: bf16[N, N]", outs="z: f32[M]"))
+    src.write_text(program(gemm("y = acc") + "\n  gemm y @ w2 {\n    z = acc / N\n  }",
+                           sig="x: bf16[M, K], w: bf16[K, N], w2: bf16[N, N]", outs="z: bf16[M, N]"))
     r = coda("compile", src, "--emit", "source", "-o", tmp_path, "--error-format", "short")
     assert r.returncode == 1
     assert "Traceback" not in r.stderr
-    assert f"{src}:7:5: error[E0705]: min() reductions are not compiled yet" in r.stderr
+    assert f"{src}:7:5: error[E0703]: the dim `N` is used as a value inside a stage" in r.stderr
     assert [p.name for p in tmp_path.glob("p_stage*.py")] == ["p_stage1.py"]  # the other stage is still written
 
 

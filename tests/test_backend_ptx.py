@@ -4,6 +4,8 @@
   2x1): the PTX targets sm_90a, holds `wgmma` and `cp.async.bulk.tensor`, and at the tile
   `select_config` picks, `ptxas -v` reports no spill stores or loads. Also at 128x128.
 - qk_norm's grouped sum compiles as quack's epilogue prepass (at a tile holding whole heads).
+- min() and logsumexp() over the rows, grouped min and logsumexp (tests/reduction_programs.py) compile
+  in each mode, without spills at some candidate tile.
 - The PTX cache is keyed by content: a second compile is a cache hit; `coda compile --emit ptx`.
 - E0706 (spills at every tile tried) and E0707 (quack rejects the kernel) are clean diagnostics.
 - Slow: every other example and the derived backward of llama_mlp compile without spills.
@@ -23,6 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from reduction_programs import NEW_REDUCTIONS
 
 import coda_lang
 from coda_lang.backend_cute.compile import (
@@ -89,6 +92,28 @@ def test_qk_norm_compiles_with_its_prepass(cache: Path) -> None:
     check_ptx(c)
     assert c.config == TileConfig(128, 128) and c.report is not None and not c.report.spills, c.report.text
     assert "shfl.sync.bfly" in c.ptx and "qk_norm_stage1_prepass" in c.source
+
+
+# each entry of tests/reduction_programs.py: (program, what its PTX must hold beyond WGMMA and TMA)
+REDUCTION_PTX = {
+    "element": ("max.f32", "ex2.approx", "lg2.approx", "shfl.sync.bfly"),  # -x folded by max; online LSE
+    "paired": ("max.f32", "shfl.sync.bfly"),
+    "packed": ("max.f32",),
+    "grouped": ("min.f32", "ex2.approx", "lg2.approx", "shfl.sync.bfly"),  # GroupedReduce by min and by lse
+}
+
+
+@pytest.mark.parametrize("name", sorted(REDUCTION_PTX))
+def test_min_and_logsumexp_compile_without_spills(cache: Path, name: str) -> None:
+    """min() (a max of the negation), logsumexp() over the rows (epi_ops.RowVecLSEReduce), grouped min and
+    logsumexp (epi_ops.GroupedReduce): quack compiles them, and a candidate tile has no spills."""
+    block = next(iter(coda_lang.load(NEW_REDUCTIONS[name][0])))
+    c = select_config(block, 1, directory=cache)
+    check_ptx(c)
+    assert c.report is not None and not c.report.spills, c.report.text
+    for needle in REDUCTION_PTX[name]:
+        assert needle in c.ptx, needle
+    print(f"\n{name}: {c.config}: {c.report}")
 
 
 def test_ptx_cache_hits_by_content(mlp: coda_lang.Block, cache: Path) -> None:

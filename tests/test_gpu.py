@@ -12,6 +12,8 @@ Every test is marked `gpu` and skipped without a CUDA GPU (tests/conftest.py). O
   NaN first, so an unwritten element fails.
 - Partial buffers (row partials [m, ceil(n/tile_N)], column partials [ceil(m/tile_M), n]) against
   the interpreter's tile simulation, 1e-3 relative.
+- min(), logsumexp() over the rows, grouped min and logsumexp (tests/reduction_programs.py) in each
+  mode: outputs, partial buffers and one launch per stage, as above.
 - Exactly one kernel launch per GEMM stage (torch.profiler: one kernel named after the stage's emitted
   epilogue per stage; a stage run alone launches that kernel and nothing else but pick's zero fill).
 - Backward: every example's derived backward block (GEMM stages, the packed SwiGLU backward, elementwise
@@ -33,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from reduction_programs import NEW_REDUCTIONS
 from runtime_check import GRAD_BLOCKS, RAGGED, check_gradient, check_output, check_partial, example_inputs
 
 import coda_lang
@@ -106,6 +109,31 @@ def test_partials_match_tile_simulation(name: str) -> None:
             assert s.name in r.partials, s.name
     for k, buf in r.partials.items():
         check_partial(k, buf, r.ref_partials[k])
+
+
+@pytest.mark.parametrize("name", sorted(NEW_REDUCTIONS))
+def test_min_and_logsumexp_match_interpreter(name: str) -> None:
+    """min() (the kernel folds the negation by max), logsumexp() over the rows (epi_ops.RowVecLSEReduce),
+    grouped min and logsumexp (epi_ops.GroupedReduce) in element, acc_pair and packed mode, at ragged
+    sizes and the tile select_config picks: outputs against the interpreter and f64, every partial
+    buffer against the tile simulation, one kernel per stage."""
+    text, sizes, _ = NEW_REDUCTIONS[name]
+    blk = next(iter(coda_lang.load(text)))
+    cb = blk.cuda(poison=True)
+    inputs = example_inputs(blk, sizes, seed=7, device="cuda")
+    outs, partials = cb.run_with_partials(inputs)
+    torch.cuda.synchronize()
+    cpu = {k: v.cpu() for k, v in inputs.items()}
+    ref, ref_partials = blk.run_with_partials(cpu, tile=cb.tiles)
+    ref64 = blk.run(cpu, precision="f64")
+    print(f"\n{name}: tiles {cb.tiles}")
+    for o in blk.ir.outputs:
+        assert o.type is not None
+        check_output(o.name, outs[o.name], ref[o.name], ref64[o.name], o.type.dtype)
+    assert set(partials) == {s.name for spec in cb.specs if spec is not None for s in spec.sinks}
+    for k, buf in partials.items():
+        check_partial(k, buf, ref_partials[k])
+    check_one_launch_per_gemm_stage(cb, inputs)
 
 
 def kernel_names(fn: Any) -> list[str]:

@@ -25,6 +25,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from reduction_programs import NEW_REDUCTIONS  # noqa: E402
 from runtime_check import GRAD_BLOCKS, check_gradient, check_output, check_partial, example_inputs  # noqa: E402
 
 import coda_lang  # noqa: E402
@@ -32,6 +33,7 @@ from coda_lang.backend_cute.plan import Sink  # noqa: E402
 from coda_lang.backend_cute.runtime import (  # noqa: E402
     TORCH_OPS,
     combine_partials,
+    sink_partials,
     sink_rule,
     sink_shape,
 )
@@ -128,8 +130,14 @@ def test_sink_rules_and_shapes() -> None:
     lse = Sink("lse", "lse", "OnlineLSEReduce", None, False, ("x",), (), "row partials")
     amax = Sink("a", "a", "ColVecReduce", "max_abs", False, ("x",), (), "row partials")
     pick = Sink("t", "t", "ColVecSelect", None, False, ("x",), (), "vector", index="target")
-    assert [sink_rule(s) for s in (row, col, lse, amax, pick)] == [
-        ("sum", 1), ("sum", 0), ("lse", 1), ("max", 1), ("select", -1)]
+    rmin = Sink("m", "m", "ColVecReduce", "max", False, ("x",), (), "row partials", negate=True)
+    cmin = Sink("m", "m", "RowVecReduce", "max", False, ("x",), (), "column partials", negate=True)
+    clse = Sink("l", "l", "RowVecLSEReduce", None, False, ("x",), (), "column partials")
+    assert [sink_rule(s) for s in (row, col, lse, amax, pick, rmin, cmin, clse)] == [
+        ("sum", 1), ("sum", 0), ("lse", 1), ("max", 1), ("select", -1), ("min", 1), ("min", 0), ("lse", 0)]
+    buf = torch.tensor([[1.0, -float("inf")], [float("inf"), -2.0]])
+    assert torch.equal(sink_partials(rmin, buf), -buf) and sink_partials(row, buf) is buf
+    assert sink_shape(clse, 1000, 520, 128, 192) == (8, 520)
     assert sink_shape(row, 1000, 520, 128, 192) == (1000, 3)
     assert sink_shape(col, 1000, 520, 128, 192) == (8, 520)
     assert sink_shape(pick, 1000, 520, 128, 192) == (1000,)
@@ -139,12 +147,16 @@ def test_sink_shapes_are_quacks() -> None:
     pytest.importorskip("quack.epilogue.ops")
     from quack.epilogue.ops import ColVecLoad, ColVecReduce, ColVecSelect, OnlineLSEReduce, RowVecReduce
 
+    from coda_lang.backend_cute.epi_ops import RowVecLSEReduce
+
     ours = {"ColVecReduce": Sink("a", "a", "ColVecReduce", "add", False, ("x",), (), "row partials"),
             "RowVecReduce": Sink("a", "a", "RowVecReduce", "add", False, ("x",), (), "column partials"),
             "OnlineLSEReduce": Sink("a", "a", "OnlineLSEReduce", None, False, ("x",), (), "row partials"),
+            "RowVecLSEReduce": Sink("a", "a", "RowVecLSEReduce", None, False, ("x",), (), "column partials"),
             "ColVecSelect": Sink("a", "a", "ColVecSelect", None, False, ("x",), (), "vector", index="i")}
     theirs = {"ColVecReduce": ColVecReduce("a"), "RowVecReduce": RowVecReduce("a"),
-              "OnlineLSEReduce": OnlineLSEReduce("a"), "ColVecSelect": ColVecSelect("a", ColVecLoad("i"))}
+              "OnlineLSEReduce": OnlineLSEReduce("a"), "RowVecLSEReduce": RowVecLSEReduce("a"),
+              "ColVecSelect": ColVecSelect("a", ColVecLoad("i"))}
     for m, n, tm, tn in [(1000, 520, 128, 192), (16384, 11008, 128, 128), (5, 3, 64, 64)]:
         for k, s in ours.items():
             assert sink_shape(s, m, n, tm, tn) == tuple(theirs[k].sink_alloc_shape((m,), n, tm, tn)), k
@@ -198,6 +210,48 @@ def test_emulated_grouped_max_and_stored_group_match_interpreter() -> None:
     for o in blk.ir.outputs:
         assert o.type is not None
         check_output(o.name, outs[o.name], ref[o.name], ref64[o.name], o.type.dtype)
+
+
+@pytest.mark.parametrize("name", sorted(NEW_REDUCTIONS))
+def test_emulated_min_and_logsumexp_match_interpreter(name: str) -> None:
+    """min() and logsumexp() in each mode, at sizes with ragged last tiles along both dims: outputs and
+    per-tile partial buffers (a min sink's negated back) match the interpreter at the same tile."""
+    text, sizes, tile = NEW_REDUCTIONS[name]
+    blk = next(iter(coda_lang.load(text)))
+    cb = blk.cuda(tile=tile, emulate=True, poison=True)
+    inputs = example_inputs(blk, sizes, seed=21)
+    outs, partials = cb.run_with_partials(inputs)
+    ref, ref_partials = blk.run_with_partials(inputs, tile=cb.tiles)
+    ref64 = blk.run(inputs, precision="f64")
+    for o in blk.ir.outputs:
+        assert o.type is not None
+        check_output(o.name, outs[o.name], ref[o.name], ref64[o.name], o.type.dtype)
+    assert set(partials) == {s.name for spec in cb.specs if spec is not None for s in spec.sinks}
+    assert bool(partials) == (name != "grouped")
+    for k, buf in partials.items():
+        check_partial(k, buf, ref_partials[k])
+
+
+def test_emulated_min_partials_keep_infinities() -> None:
+    """min over a value with +-inf (exp of large logits, -exp of them): -max(-x) is exact, so the
+    per-tile partials hold the same infinities as the tile simulation."""
+    text = """dims M, K, N
+block p(x: bf16[M, K], w: bf16[K, N]) -> (r: f32[M], c: f32[N]) {
+  gemm x @ w {
+    e = exp(acc * 60.0) - exp(acc * -60.0)
+    r = min(e, over=N)
+    c = min(e, over=M)
+  }
+}
+"""
+    blk = next(iter(coda_lang.load(text)))
+    cb = blk.cuda(tile=(128, 64), emulate=True, poison=True)
+    inputs = example_inputs(blk, {"M": 300, "K": 200, "N": 264}, seed=5)
+    _, partials = cb.run_with_partials(inputs)
+    _, ref_partials = blk.run_with_partials(inputs, tile=cb.tiles)
+    assert np.isinf(ref_partials["r"]).any() and np.isinf(ref_partials["c"]).any()
+    for k, buf in partials.items():
+        check_partial(k, buf, ref_partials[k])
 
 
 def test_emulated_backward_reads_a_stored_group_over_its_groups() -> None:
@@ -483,25 +537,26 @@ def test_compiled_autograd_outputs_are_tensors_of_their_own() -> None:
 
 
 def test_unsupported_stages_are_e07(tmp_path: Path) -> None:
-    """A stage the backend can't compile (a grouped logsumexp) is E0705 when the CudaBlock is made, with
-    the source line; for autograd() too."""
-    src = tmp_path / "lse.coda"
-    src.write_text(GROUPED.replace("max(abs(acc + b)", "logsumexp(acc + b"))
+    """A stage the backend can't compile (a grouped max over groups of 48 columns) is E0705 when the
+    CudaBlock is made, with the source line; for autograd() too."""
+    src = tmp_path / "g48.coda"
+    src.write_text(GROUPED.replace("max(abs(acc + b), over=N, group=64)", "max(abs(acc + b), over=N, group=48)"))
     blk = next(iter(coda_lang.load(src)))
     for make in (lambda: blk.cuda(emulate=True), lambda: blk.cuda(emulate=True).autograd()):
         with pytest.raises(CodaError) as e:
             make()
         assert e.value.diagnostics[0].code == "E0705"
-        assert "lse.coda:5:" in e.value.render("short") and "logsumexp(acc + b" in e.value.render()
+        assert "g48.coda:5:" in e.value.render("short") and "group=48" in e.value.render()
     bwd = block("bias_gelu").grad()
     cb = bwd.cuda(emulate=True)  # its elementwise entry stage runs as one fused (torch.compile) kernel
     assert cb.gemm_stages == [k for k in range(1, len(bwd.plan.stages) + 1) if k not in cb.elementwise]
     assert len(cb.elementwise) == 1
 
 
-@pytest.mark.parametrize("red", ["logsumexp", "min"])
-def test_grouped_reductions_other_than_sum_and_max_are_e0705(red: str) -> None:
-    """`logsumexp(acc, over=N, group=1)` (found by coda fuzz) is a clean E0705, not a KeyError in plan/emit."""
+@pytest.mark.parametrize("red", ["logsumexp", "min", "sum", "max"])
+def test_grouped_reductions_of_one_column_are_e0705(red: str) -> None:
+    """`logsumexp(acc, over=N, group=1)` (found by coda fuzz) is a clean E0705 (quack folds runs of 8
+    columns at least), not a KeyError in plan/emit."""
     src = f"""
 dims M, K, N
 block b(x: bf16[M, K], w: bf16[K, N]) -> (out: f32[M, N]) {{

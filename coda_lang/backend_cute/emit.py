@@ -56,6 +56,7 @@ _IMPORTS: dict[str, str] = {
     "TileStore": "from quack.epilogue.ops import TileStore",
     "Int32": "from cutlass import Int32",
     "GroupedReduce": "from coda_lang.backend_cute.epi_ops import GroupedReduce",
+    "RowVecLSEReduce": "from coda_lang.backend_cute.epi_ops import RowVecLSEReduce",
 }
 
 _CUTLASS_DTYPES = {"f32": "Float32", "bf16": "BFloat16", "f16": "Float16", "i32": "Int32"}
@@ -150,9 +151,12 @@ class _Emitter:
             return self.lanes[a.name]
         return (self.atom(a, 0),)
 
-    def value(self, name: str, pad: str | None = None) -> str:
-        """A result for the return dict: a Pair in acc_pair mode when `pad` says how to fill lane 2."""
+    def value(self, name: str, pad: str | None = None, negate: bool = False) -> str:
+        """A result for the return dict: a Pair in acc_pair mode when `pad` says how to fill lane 2
+        (`negate`: each lane negated, what a min() sink folds by max)."""
         lanes = self.lanes[name]
+        if negate:
+            lanes = tuple(f"-{x}" for x in lanes)
         if pad in ("add", "max"):  # packed mode: a sink folds the two lanes of a double-width value
             return f"{lanes[0]} + {lanes[1]}" if pad == "add" else f"cute.math.max({lanes[0]}, {lanes[1]})"
         if len(lanes) == 2:
@@ -216,9 +220,9 @@ class _Emitter:
             if s.scaled:
                 ret.append(f'"{s.py}": ({", ".join(self.value(n) for n in s.value)})')
             elif s.lanes == 2:
-                ret.append(f'"{s.py}": {self.value(s.value[0], s.combine)}')
+                ret.append(f'"{s.py}": {self.value(s.value[0], s.combine, s.negate)}')
             else:
-                ret.append(f'"{s.py}": {self.value(s.value[0], s.pad if spec.paired else None)}')
+                ret.append(f'"{s.py}": {self.value(s.value[0], s.pad if spec.paired else None, s.negate)}')
         body.append("return {" + ", ".join(ret) + "}")
         return self.module(body)
 

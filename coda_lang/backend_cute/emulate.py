@@ -6,8 +6,9 @@ reduction complete per row and group, bound at every element of its group as the
 value port gives it, its writer's [m, n / width] buffer filled), the live equations of the
 `StageSpec` on whole matrices, the stored tiles rounded into `D` and the `TileStore` buffers, and
 every sink as the kernel's per-tile partial buffer (`ColVecReduce` [m, ceil(n/tile_N)],
-`RowVecReduce` [ceil(m/tile_M), n], `OnlineLSEReduce` like ColVecReduce, `ColVecSelect` the picked
-value per row, rows with an index outside [0, n) left as they are). It takes the arguments exactly
+`RowVecReduce` [ceil(m/tile_M), n], `OnlineLSEReduce` like ColVecReduce, `RowVecLSEReduce` like
+RowVecReduce, a min() sink as its kernel writes it: the max of the negation, -min per tile;
+`ColVecSelect` the picked value per row, rows with an index outside [0, n) left as they are). It takes the arguments exactly
 as runtime.py hands them to quack (a half-width column vector repeated twice, scalars as numbers
 or one-element tensors), so the runtime's host logic (binding, buffers, partial combines, vector
 ops, autograd, torch.compile tracing) can be tested on a machine without a GPU.
@@ -73,7 +74,7 @@ def _groups(spec: StageSpec, vals: dict[str, Any], m: int, n: int, epi_args: dic
         if n % g.width:  # as quack's GroupedColStatsBase.host_validate
             raise ValueError(f"'{g.py}': stats group width {g.width} must divide N={n}")
         x = torch.as_tensor(pre[g.value], dtype=torch.float32).expand(m, n).reshape(m, n // g.width, g.width)
-        folded = x.sum(2) if g.combine == "add" else x.amax(2)
+        folded = _fold(x, g.combine, 2)
         vals[g.name] = folded.repeat_interleave(g.width, dim=1)
         if g.out is not None:
             epi_args[g.out].copy_(folded)
@@ -84,6 +85,8 @@ def _fold(x: torch.Tensor, rule: str, dim: int) -> torch.Tensor:
         return x.sum(dim)
     if rule == "lse":
         return torch.logsumexp(x, dim)
+    if rule == "min":
+        return x.amin(dim)
     return x.amax(dim)
 
 
@@ -98,11 +101,13 @@ def _sink(s: Sink, vals: dict[str, Any], m: int, n: int, tile_m: int, tile_n: in
         x = x.reshape(1, -1) if x.dim() == 1 else x.reshape(1, 1)
     if s.op == "ColVecSelect":
         return None
-    rule = "lse" if s.op == "OnlineLSEReduce" else ("add" if s.combine == "add" else "max")
+    rule = "lse" if s.op in ("OnlineLSEReduce", "RowVecLSEReduce") else ("add" if s.combine == "add" else "max")
     if s.combine == "max_abs":
         x = x.abs()
+    if s.negate:  # min(): the kernel folds -x by max (runtime.sink_partials negates the buffer back)
+        x = -x
     pad = 0.0 if rule == "add" or s.combine == "max_abs" else float("-inf")
-    if s.op in ("ColVecReduce", "OnlineLSEReduce"):
+    if s.op in ("ColVecReduce", "OnlineLSEReduce"):  # row partials; else column partials
         width = x.shape[1] if x.shape[1] != 1 else n
         x = x.expand(m, width)
         tw = tile_n * width // n  # a half-width value has tile_N / 2 columns per tile

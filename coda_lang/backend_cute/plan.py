@@ -5,7 +5,8 @@ decides every resource of its quack `@gemm_epilogue`: the operands it loads (row
 `ColVecLoad`, column vector -> `RowVecLoad`, tile -> `TileLoad`, scalar -> `Scalar`; quack names a
 vector by the axis it broadcasts along, we by the axis it runs over), the tiles it stores (the main
 one is quack's "D", the others `TileStore`s), the partial reductions it folds (`ColVecReduce` per-row
-partials, `RowVecReduce` per-column partials, `OnlineLSEReduce`, `ColVecSelect` for `pick`), the grouped
+partials, `RowVecReduce` per-column partials, `OnlineLSEReduce` and our `RowVecLSEReduce` (epi_ops.py) for
+logsumexp over the columns and over the rows, `ColVecSelect` for `pick`), the grouped
 reductions complete in a tile (`Group`: quack's epilogue prepass, below), the epilogue mode ("element"; "acc_pair" when the stage splits its full-width tile with `pairs`;
 "packed_cd_b16x2" when it works on a tile twice its width, as a SwiGLU backward does: the 16-bit
 double-width tile it loads is quack's GEMM C operand and the one it stores is D, both two lanes per
@@ -13,6 +14,11 @@ accumulator element), and the live equations the emitter turns into straight-lin
 What it does not: write Python (emit.py) or touch quack (quack_adapter.py); it imports nothing heavy.
 Invariants: a valid program the backend can't compile yet raises `CodaError` with an E07 code at the
 offending line, never anything else; planning is deterministic (the emitted source is a golden file).
+
+min(): quack's VecReduces fold by add, max or max_abs, so a min is folded as the max of the negated
+value (`Sink.negate`: the fn returns `-x`, combine="max"); the kernel's buffer holds -min per tile and
+the runtime negates it back (runtime.sink_partials). Exact, infinities included; NaN behaves as in a
+max sink (PTX max.f32 returns the other operand).
 
 Choice of D: the last full-width stored tile in program order (llama_mlp stage 1: `hg`, as in quack's
 `rms_partial_epi`). In "acc_pair" mode only a full-width tile can be D and half-width tiles are gated
@@ -28,13 +34,14 @@ tile and hands the main fn the raw fold of each element's group as a value (`ss`
 stage computes from it (`rsqrt(ss / 128 + eps)`) is ordinary per-element code. The tile must hold
 whole groups (the checker's constraint `tile_N % g == 0`, which quack also validates). A grouped
 reduction used after the stage is written by the op's companion `GroupedColStatsOut` (one f32 value
-per row and group). Not compiled (E0705): grouped min/logsumexp (quack's grouped statistics fold by
-add or max), a grouped reduction of a value that depends on another one of the same stage (that
-would need a second prepass), of a value that reads a loaded tile (the prepass runs before the
-epilogue's tile loads arrive), of a half-width value (the prepass sees single elements, not pairs),
-in packed mode (quack: "prepass + packed C: not supported"), over groups other than 8, 16 or a
-multiple of 32 columns (quack folds runs of 8 columns per thread, in subtiles of 32 columns), and a
-value computed from a grouped reduction used after the stage.
+per row and group). A grouped sum, max, min or logsumexp folds by add, max, min (from +inf) or the
+log-sum-exp of two values (from -inf): quack's grouped statistics fold by add or max, GroupedReduce
+adds the other two. Not compiled (E0705): a grouped reduction of a value that depends on another one
+of the same stage (that would need a second prepass), of a value that reads a loaded tile (the
+prepass runs before the epilogue's tile loads arrive), of a half-width value (the prepass sees single
+elements, not pairs), in packed mode (quack: "prepass + packed C: not supported"), over groups other
+than 8, 16 or a multiple of 32 columns (quack folds runs of 8 columns per thread, in subtiles of 32
+columns), and a value computed from a grouped reduction used after the stage.
 """
 
 from __future__ import annotations
@@ -57,7 +64,7 @@ HELPER_NAMES = frozenset({
     "math", "cute", "cutlass", "Float32", "BFloat16", "Float16", "Int32", "gemm_epilogue", "pack", "unpack",
     "pexp", "silu", "sigmoid", "tanh", "gelu_tanh_approx", "ColVecLoad", "RowVecLoad", "TileLoad", "Scalar",
     "TileStore", "ColVecReduce", "RowVecReduce", "OnlineLSEReduce", "ColVecSelect", "abs", "acc",
-    "GroupedReduce",
+    "GroupedReduce", "RowVecLSEReduce",
 })
 QUACK_RESERVED = frozenset({"acc", "c", "D"})
 
@@ -108,7 +115,7 @@ class Sink:
 
     name: str
     py: str
-    op: str  # ColVecReduce | RowVecReduce | OnlineLSEReduce | ColVecSelect
+    op: str  # ColVecReduce | RowVecReduce | OnlineLSEReduce | RowVecLSEReduce (epi_ops.py) | ColVecSelect
     combine: str | None  # "add" | "max" | "max_abs" for VecReduces
     scaled: bool
     value: tuple[str, ...]
@@ -118,6 +125,9 @@ class Sink:
     index_dtype: str | None = None
     pad: str = "0.0"  # acc_pair mode, half-width value: the second lane (the fold's identity)
     lanes: int = 1  # packed mode, double-width value: 2 (its two lanes are folded first, by `combine`)
+    # min(): the kernel folds the negation by max (`combine` "max"), so its partial buffer holds -min per
+    # tile; the runtime negates the buffer back (exact, infinities included: -max(-x) == min(x))
+    negate: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,7 +139,7 @@ class Group:
 
     name: str
     py: str
-    combine: str  # "add" | "max"
+    combine: str  # "add" | "max" | "min" | "lse" (log-sum-exp)
     width: int  # columns of the stage's tile per group
     value: str  # coda name of the reduced value (computed by the prepass fn)
     shape: Shape  # [rows, cols / width]
@@ -457,11 +467,11 @@ class _Planner:
             half = paired and xt is not None and lanes_of(xt, self.rows, self.cols) == 1
             wide = packed and is_wide(xt, self.cols)
             py = self.py(v.name)
-            if wide and (od.surface not in ("sum", "max") or not per_row):
+            if wide and (od.surface not in ("sum", "max", "min") or not per_row):
                 what = f"{od.surface}() over the rows" if not per_row else f"{od.surface}()"
                 raise _fail("E0705", f"{what} of the double-width tile `{x.name}` is not compiled yet", e.span,
                             notes=["in packed mode a double-width value is two lanes per accumulator element; "
-                                   "sum() and max() over its columns fold the lanes first"])
+                                   "sum(), max() and min() over its columns fold the lanes first"])
             if od.name == "pick":
                 idx = e.ins[1]
                 if not per_row or not isinstance(idx, Var):
@@ -474,18 +484,17 @@ class _Planner:
                                   index=self.py(idx.name), index_dtype=ld.dtype))
                 continue
             surface = od.surface
-            if surface == "min":
-                raise _fail("E0705", "min() reductions are not compiled yet", e.span,
-                            notes=["quack's reductions combine by add, max or max_abs"],
-                            help=["write `-max(-x, over=...)`"])
             if surface == "logsumexp":
-                if not per_row:
-                    raise _fail("E0705", "logsumexp() over the rows is not compiled yet", e.span)
                 if paired:
                     raise _fail("E0705", "logsumexp() in a paired stage is not compiled yet", e.span)
-                sinks.append(Sink(v.name, py, "OnlineLSEReduce", None, False, (x.name,), t.shape, "row partials"))
+                if per_row:
+                    sinks.append(Sink(v.name, py, "OnlineLSEReduce", None, False, (x.name,), t.shape, "row partials"))
+                else:  # over the rows: our RowVecReduce twin of quack's OnlineLSEReduce (epi_ops.py)
+                    sinks.append(Sink(v.name, py, "RowVecLSEReduce", None, False, (x.name,), t.shape,
+                                      "column partials"))
                 continue
             combine = "add" if surface == "sum" else "max"
+            negate = surface == "min"  # min(x) = -max(-x): quack folds the negation by max (exact)
             if not per_row and half:
                 raise _fail("E0705", f"a reduction over the rows of the half-width tile `{x.name}` is not "
                             "compiled yet", e.span)
@@ -493,7 +502,7 @@ class _Planner:
             layout = "row partials" if per_row else "column partials"
             prod = self.defined.get(x.name)
             if wide:
-                sinks.append(Sink(v.name, py, op, combine, False, (x.name,), t.shape, layout, lanes=2))
+                sinks.append(Sink(v.name, py, op, combine, False, (x.name,), t.shape, layout, lanes=2, negate=negate))
                 continue
             if (surface == "sum" and not paired and prod is not None and prod.op == "mul"
                     and uses.get(x.name) == 1 and x.name not in live_out
@@ -507,7 +516,7 @@ class _Planner:
                 sinks.append(Sink(v.name, py, op, "max_abs", False, (prod.ins[0].name,), t.shape, layout, pad="self"))
                 continue
             pad = "0.0" if combine == "add" else "self"
-            sinks.append(Sink(v.name, py, op, combine, False, (x.name,), t.shape, layout, pad=pad))
+            sinks.append(Sink(v.name, py, op, combine, False, (x.name,), t.shape, layout, pad=pad, negate=negate))
         for n, k in index_uses.items():
             if uses.get(n, 0) != k:
                 e = next(e for e in self.st.body if any(isinstance(a, Var) and a.name == n for a in e.ins))
@@ -554,10 +563,6 @@ class _Planner:
             if packed:
                 raise _fail("E0705", "a grouped reduction in a stage that works on double-width tiles (packed mode) "
                             "is not compiled yet", e.span, notes=['quack: "prepass + packed C: not supported"'])
-            if od.surface not in ("sum", "max"):
-                raise _fail("E0705", f"grouped {od.surface}() is not compiled yet", e.span,
-                            notes=["quack's grouped statistics (the epilogue prepass) fold by add or max"],
-                            help=["write `-max(-x, over=..., group=...)`"] if od.surface == "min" else [])
             if not isinstance(x, Var):
                 raise _fail("E0705", f"grouped `{od.surface}()` of a constant", e.span)
             xt = x.type if x.type is not None else self.types.get(x.name)
@@ -593,7 +598,7 @@ class _Planner:
             keep |= {id(p) for p in prepass}
             py = self.py(v.name)
             out = self.fresh(f"{py}_out") if name in stored else None
-            combine = "add" if od.surface == "sum" else "max"
+            combine = {"sum": "add", "logsumexp": "lse"}.get(od.surface, od.surface)  # add | max | min | lse
             groups.append(Group(v.name, py, combine, group, x.name, v.type.shape if v.type else (), out))
         return groups, [e for e in self.st.body if id(e) in keep]
 
@@ -667,14 +672,18 @@ def describe(spec: StageSpec) -> list[str]:
                      f"{lane})")
     for s in spec.sinks:
         fold = {"add": "sum", "max_abs": "max of |x|"}.get(s.combine or "", s.combine)
+        if s.negate:
+            fold = "min"
         what = {"ColVecReduce": f"{fold} over the columns, one partial per column tile",
                 "RowVecReduce": f"{fold} over the rows, one partial per row tile",
                 "OnlineLSEReduce": "logsumexp over the columns, one partial per column tile",
+                "RowVecLSEReduce": "logsumexp over the rows, one partial per row tile",
                 "ColVecSelect": f"the value at column {s.index} of each row"}[s.op]
         scaled = ", scaled" if s.scaled else ", both lanes" if s.lanes == 2 else ""
+        scaled += ", max of the negation: the buffer holds -min" if s.negate else ""
         lines.append(f"reduce {s.py}: f32{shape_str(s.shape)} = {what} ({s.op}{scaled})")
     for gr in spec.groups:
-        fold = "sum" if gr.combine == "add" else gr.combine
+        fold = {"add": "sum", "lse": "logsumexp"}.get(gr.combine, gr.combine)
         writer = f"; stored by {gr.out}" if gr.out else ""
         lines.append(f"group  {gr.py}: f32{shape_str(gr.shape)} = {fold} over each run of {gr.width} columns, complete "
                      f"in the tile (GroupedReduce, folded by the prepass{writer})")

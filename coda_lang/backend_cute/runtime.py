@@ -152,12 +152,21 @@ def combine_partials(buf: torch.Tensor, rule: str, axis: int) -> torch.Tensor:
     raise ValueError(f"unknown combine rule {rule!r}")
 
 
+LSE_SINKS = ("OnlineLSEReduce", "RowVecLSEReduce")  # online log-sum-exp folds, over the columns / the rows
+
+
 def sink_rule(s: Sink) -> tuple[str, int]:
     """(combine rule, axis) of a sink's partial buffer; ("select", -1) for pick's finished vector."""
     if s.op == "ColVecSelect":
         return "select", -1
-    rule = "lse" if s.op == "OnlineLSEReduce" else ("sum" if s.combine == "add" else "max")
+    rule = "lse" if s.op in LSE_SINKS else ("sum" if s.combine == "add" else "min" if s.negate else "max")
     return rule, (1 if s.layout == "row partials" else 0)
+
+
+def sink_partials(s: Sink, buf: torch.Tensor) -> torch.Tensor:
+    """The per-tile partials of a sink from the buffer its kernel wrote: a min() sink's kernel folds the
+    negation by max, so its buffer holds -min per tile (negated back here, exactly)."""
+    return -buf if s.negate else buf
 
 
 def sink_shape(s: Sink, m: Any, n: Any, tile_m: int, tile_n: int) -> tuple[Any, ...]:
@@ -349,7 +358,7 @@ class _StageRunner:
                 env[o.name] = outs[i]
             i += 1
         for s in spec.sinks:
-            buf = outs[i]
+            buf = sink_partials(s, outs[i])
             i += 1
             partials[s.name] = buf
             rule, axis = sink_rule(s)
@@ -936,5 +945,5 @@ class _CodaAutograd(torch.autograd.Function):
 
 
 __all__ = ["TORCH_DTYPES", "TORCH_OPS", "CudaBlock", "CudaFunction", "as_config", "choose_config",
-           "combine_partials", "sink_rule", "sink_shape"]
+           "combine_partials", "sink_partials", "sink_rule", "sink_shape"]
 
