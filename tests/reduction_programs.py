@@ -1,23 +1,21 @@
 """Small programs with the reductions the backend compiles beyond quack's add/max folds: min() (the
-kernel folds the negation by max and the runtime negates the partials back), logsumexp() over the rows
-(epi_ops.RowVecLSEReduce), grouped min and logsumexp (epi_ops.GroupedReduce in the prepass), in element,
+kernel folds the negation by max and the runtime negates the partials back), grouped min and logsumexp (epi_ops.GroupedReduce in the prepass), in element,
 acc_pair and packed mode. Used by tests/test_runtime.py (emulated) and tests/test_gpu.py (on the GPU):
 each entry is (source, sizes with ragged last tiles along both dims, tile for the emulated run).
 """
 
 from __future__ import annotations
 
-# min over the columns and the rows (the kernel folds the negation by max), logsumexp over the rows
-# (RowVecLSEReduce) and over the columns, a grouped min and a stored grouped logsumexp (the prepass)
+# min over the columns and the rows (the kernel folds the negation by max), logsumexp over the columns
+# beside them, a grouped min and a stored grouped logsumexp (the prepass)
 NEW_REDUCTIONS: dict[str, tuple[str, dict[str, int], tuple[int, int]]] = {
     "element": ("""dims M, K, N
-block p(x: bf16[M, K], w: bf16[K, N], b: f32[N]) -> (y: bf16[M, N], r: f32[M], c: f32[N], l: f32[N], k: f32[M]) {
+block p(x: bf16[M, K], w: bf16[K, N], b: f32[N]) -> (y: bf16[M, N], r: f32[M], c: f32[N], k: f32[M]) {
   gemm x @ w {
     h = acc + b
     y = h
     r = min(h, over=N)
     c = min(acc * b, over=M)
-    l = logsumexp(h, over=M)
     k = logsumexp(h * 0.5, over=N)
   }
 }

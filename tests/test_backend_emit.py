@@ -170,6 +170,8 @@ E07_CASES = {
                                                                "s = sum(y, over=M)"), dims="M, K, F",
                                                           sig="x: bf16[M, K], w: bf16[K, F], t: bf16[M, 2*F]",
                                                           outs="y: bf16[M, 2*F], s: f32[2*F]")),
+    "logsumexp_over_rows": ("E0705", 6, program(gemm("h = acc\ny = h\nl = logsumexp(h, over=M)"),
+                                                outs="y: bf16[M, N], l: f32[N]")),
     "paired_logsumexp_over_rows": ("E0705", 6, program(gemm("g, u = pairs(acc)\ny = g * u\nl = logsumexp(g, over=M)"),
                                                        dims="M, K, F", sig="x: bf16[M, K], w: bf16[K, 2*F]",
                                                        outs="y: bf16[M, F], l: f32[F]")),
@@ -279,19 +281,14 @@ def test_min_reductions_in_paired_and_packed_modes() -> None:
     assert '"r": cute.math.max(-y_0, -y_1)' in emit_stage(spec)
 
 
-def test_logsumexp_over_the_rows_is_our_row_vec_lse_reduce() -> None:
-    """logsumexp over the rows: one partial per (row tile, column) folded online by epi_ops.RowVecLSEReduce
-    (quack's OnlineLSEReduce over the other axis), a sink of the decorator's outs=."""
-    text = program(gemm("h = acc + b\ny = h\nc = logsumexp(h, over=M)\nr = logsumexp(h, over=N)"),
-                   sig="x: bf16[M, K], w: bf16[K, N], b: f32[N]", outs="y: bf16[M, N], c: f32[N], r: f32[M]")
-    spec = plan_stage(next(iter(coda_lang.load(text))), 1)
-    assert [(s.name, s.op, s.layout) for s in spec.sinks] == [("c", "RowVecLSEReduce", "column partials"),
-                                                              ("r", "OnlineLSEReduce", "row partials")]
+def test_pick_is_bounded_by_n() -> None:
+    """pick() emits epi_ops.BoundedColVecSelect: quack's ColVecSelect, which would also select the ragged
+    last tile's columns past N (an index in [N, the tile's end) is out of range: the row stays 0)."""
+    spec = plan_stage(coda_lang.load(ROOT / "examples" / "lm_head_ce.coda")["lm_head_ce"], 1)
+    assert [s.op for s in spec.sinks if s.index is not None] == ["ColVecSelect"]
     src = emit_stage(spec)
-    assert "from coda_lang.backend_cute.epi_ops import RowVecLSEReduce" in src
-    assert 'outs={"v_c": RowVecLSEReduce("v_c"), "r": OnlineLSEReduce("r")}' in src
-    assert 'return {"D": y, "v_c": h, "r": h}' in src
-    assert "logsumexp over the rows, one partial per row tile (RowVecLSEReduce)" in src
+    assert "from coda_lang.backend_cute.epi_ops import BoundedColVecSelect" in src
+    assert "BoundedColVecSelect(" in src and "import ColVecSelect" not in src
 
 
 def test_grouped_min_and_logsumexp() -> None:

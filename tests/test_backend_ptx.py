@@ -4,7 +4,7 @@
   2x1): the PTX targets sm_90a, holds `wgmma` and `cp.async.bulk.tensor`, and at the tile
   `select_config` picks, `ptxas -v` reports no spill stores or loads. Also at 128x128.
 - qk_norm's grouped sum compiles as quack's epilogue prepass (at a tile holding whole heads).
-- min() and logsumexp() over the rows, grouped min and logsumexp (tests/reduction_programs.py) compile
+- min(), grouped min and logsumexp (tests/reduction_programs.py) compile
   in each mode, without spills at some candidate tile.
 - The PTX cache is keyed by content: a second compile is a cache hit; `coda compile --emit ptx`.
 - E0706 (spills at every tile tried) and E0707 (quack rejects the kernel) are clean diagnostics.
@@ -105,8 +105,7 @@ REDUCTION_PTX = {
 
 @pytest.mark.parametrize("name", sorted(REDUCTION_PTX))
 def test_min_and_logsumexp_compile_without_spills(cache: Path, name: str) -> None:
-    """min() (a max of the negation), logsumexp() over the rows (epi_ops.RowVecLSEReduce), grouped min and
-    logsumexp (epi_ops.GroupedReduce): quack compiles them, and a candidate tile has no spills."""
+    """min() (a max of the negation) beside logsumexp() over the columns, grouped min and logsumexp (epi_ops.GroupedReduce): quack compiles them, and a candidate tile has no spills."""
     block = next(iter(coda_lang.load(NEW_REDUCTIONS[name][0])))
     c = select_config(block, 1, directory=cache)
     check_ptx(c)

@@ -12,7 +12,7 @@ Every test is marked `gpu` and skipped without a CUDA GPU (tests/conftest.py). O
   NaN first, so an unwritten element fails.
 - Partial buffers (row partials [m, ceil(n/tile_N)], column partials [ceil(m/tile_M), n]) against
   the interpreter's tile simulation, 1e-3 relative.
-- min(), logsumexp() over the rows, grouped min and logsumexp (tests/reduction_programs.py) in each
+- min(), grouped min and logsumexp (tests/reduction_programs.py) in each
   mode: outputs, partial buffers and one launch per stage, as above.
 - Exactly one kernel launch per GEMM stage (torch.profiler: one kernel named after the stage's emitted
   epilogue per stage; a stage run alone launches that kernel and nothing else but pick's zero fill).
@@ -113,7 +113,7 @@ def test_partials_match_tile_simulation(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(NEW_REDUCTIONS))
 def test_min_and_logsumexp_match_interpreter(name: str) -> None:
-    """min() (the kernel folds the negation by max), logsumexp() over the rows (epi_ops.RowVecLSEReduce),
+    """min() (the kernel folds the negation by max),
     grouped min and logsumexp (epi_ops.GroupedReduce) in element, acc_pair and packed mode, at ragged
     sizes and the tile select_config picks: outputs against the interpreter and f64, every partial
     buffer against the tile simulation, one kernel per stage."""
@@ -394,3 +394,33 @@ def test_fuzz_cuda_target_does_not_tune() -> None:
     fz = Fuzzer(block("scale_residual"), "cuda")
     assert fz.cb is not None and fz.cb.tune is False
     assert fz.fn is not None and fz.fn.forward.tune is False and fz.fn.backward.tune is False
+
+
+PICK = """dims M, K, N
+block p(x: bf16[M, K], w: bf16[K, N], t: i32[M]) -> (v: f32[M], y: bf16[M, N]) {
+  gemm x @ w {
+    h = acc + 1.0
+    y = h
+    v = pick(rsqrt(h * h + 0.5), t)
+  }
+}
+"""
+
+
+def test_pick_leaves_indices_past_n_alone() -> None:
+    """An index in [N, the end of the ragged last column tile) is out of range: the row reads 0, as in the
+    interpreter (quack's ColVecSelect alone would select the padded column: rsqrt(1 + 0.5) here; found by
+    `coda fuzz --programs` on the H100). Indices: in range, -100, N, N + 1, the tile's last column."""
+    blk = next(iter(coda_lang.load(PICK)))
+    cb = blk.cuda(tile=(128, 128), poison=True)
+    m, n = 200, 264
+    inputs = example_inputs(blk, {"M": m, "K": 136, "N": n}, seed=9, device="cuda")
+    t = torch.tensor([[5, -100, n, n + 1, 383, n - 1, 0, 130][i % 8] for i in range(m)], dtype=torch.int32)
+    inputs["t"] = t.cuda()
+    outs = cb(inputs)
+    torch.cuda.synchronize()
+    ref = blk.run({k: v.cpu() for k, v in inputs.items()})
+    got = outs["v"].cpu().numpy()
+    out_of_range = (t.numpy() < 0) | (t.numpy() >= n)
+    assert (got[out_of_range] == 0).all(), got[out_of_range][:8]
+    check_output("v", outs["v"], ref["v"], None, "f32")

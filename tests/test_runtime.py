@@ -132,12 +132,10 @@ def test_sink_rules_and_shapes() -> None:
     pick = Sink("t", "t", "ColVecSelect", None, False, ("x",), (), "vector", index="target")
     rmin = Sink("m", "m", "ColVecReduce", "max", False, ("x",), (), "row partials", negate=True)
     cmin = Sink("m", "m", "RowVecReduce", "max", False, ("x",), (), "column partials", negate=True)
-    clse = Sink("l", "l", "RowVecLSEReduce", None, False, ("x",), (), "column partials")
-    assert [sink_rule(s) for s in (row, col, lse, amax, pick, rmin, cmin, clse)] == [
-        ("sum", 1), ("sum", 0), ("lse", 1), ("max", 1), ("select", -1), ("min", 1), ("min", 0), ("lse", 0)]
+    assert [sink_rule(s) for s in (row, col, lse, amax, pick, rmin, cmin)] == [
+        ("sum", 1), ("sum", 0), ("lse", 1), ("max", 1), ("select", -1), ("min", 1), ("min", 0)]
     buf = torch.tensor([[1.0, -float("inf")], [float("inf"), -2.0]])
     assert torch.equal(sink_partials(rmin, buf), -buf) and sink_partials(row, buf) is buf
-    assert sink_shape(clse, 1000, 520, 128, 192) == (8, 520)
     assert sink_shape(row, 1000, 520, 128, 192) == (1000, 3)
     assert sink_shape(col, 1000, 520, 128, 192) == (8, 520)
     assert sink_shape(pick, 1000, 520, 128, 192) == (1000,)
@@ -145,18 +143,17 @@ def test_sink_rules_and_shapes() -> None:
 
 def test_sink_shapes_are_quacks() -> None:
     pytest.importorskip("quack.epilogue.ops")
-    from quack.epilogue.ops import ColVecLoad, ColVecReduce, ColVecSelect, OnlineLSEReduce, RowVecReduce
+    from quack.epilogue.ops import ColVecLoad, ColVecReduce, OnlineLSEReduce, RowVecReduce
 
-    from coda_lang.backend_cute.epi_ops import RowVecLSEReduce
+    from coda_lang.backend_cute.epi_ops import BoundedColVecSelect
 
     ours = {"ColVecReduce": Sink("a", "a", "ColVecReduce", "add", False, ("x",), (), "row partials"),
             "RowVecReduce": Sink("a", "a", "RowVecReduce", "add", False, ("x",), (), "column partials"),
             "OnlineLSEReduce": Sink("a", "a", "OnlineLSEReduce", None, False, ("x",), (), "row partials"),
-            "RowVecLSEReduce": Sink("a", "a", "RowVecLSEReduce", None, False, ("x",), (), "column partials"),
             "ColVecSelect": Sink("a", "a", "ColVecSelect", None, False, ("x",), (), "vector", index="i")}
     theirs = {"ColVecReduce": ColVecReduce("a"), "RowVecReduce": RowVecReduce("a"),
-              "OnlineLSEReduce": OnlineLSEReduce("a"), "RowVecLSEReduce": RowVecLSEReduce("a"),
-              "ColVecSelect": ColVecSelect("a", ColVecLoad("i"))}
+              "OnlineLSEReduce": OnlineLSEReduce("a"),
+              "ColVecSelect": BoundedColVecSelect("a", ColVecLoad("i"))}  # (the emitted pick: quack's, bounded by N)
     for m, n, tm, tn in [(1000, 520, 128, 192), (16384, 11008, 128, 128), (5, 3, 64, 64)]:
         for k, s in ours.items():
             assert sink_shape(s, m, n, tm, tn) == tuple(theirs[k].sink_alloc_shape((m,), n, tm, tn)), k

@@ -28,7 +28,7 @@ from coda_lang.ir.nodes import Atom, Eqn, Lit, Var
 from coda_lang.ops import REGISTRY
 from coda_lang.verify.diagnostics import CodaError, Diagnostic, Mistake
 
-EMITTER_VERSION = "1"
+EMITTER_VERSION = "2"
 
 # Name in the emitted code -> the import that provides it (only the names used are imported).
 _IMPORTS: dict[str, str] = {
@@ -47,7 +47,6 @@ _IMPORTS: dict[str, str] = {
     "unpack": "from quack.epilogue.math import unpack",
     "ColVecLoad": "from quack.epilogue.ops import ColVecLoad",
     "ColVecReduce": "from quack.epilogue.ops import ColVecReduce",
-    "ColVecSelect": "from quack.epilogue.ops import ColVecSelect",
     "OnlineLSEReduce": "from quack.epilogue.ops import OnlineLSEReduce",
     "RowVecLoad": "from quack.epilogue.ops import RowVecLoad",
     "RowVecReduce": "from quack.epilogue.ops import RowVecReduce",
@@ -56,7 +55,7 @@ _IMPORTS: dict[str, str] = {
     "TileStore": "from quack.epilogue.ops import TileStore",
     "Int32": "from cutlass import Int32",
     "GroupedReduce": "from coda_lang.backend_cute.epi_ops import GroupedReduce",
-    "RowVecLSEReduce": "from coda_lang.backend_cute.epi_ops import RowVecLSEReduce",
+    "BoundedColVecSelect": "from coda_lang.backend_cute.epi_ops import BoundedColVecSelect",
 }
 
 _CUTLASS_DTYPES = {"f32": "Float32", "bf16": "BFloat16", "f16": "Float16", "i32": "Int32"}
@@ -259,7 +258,7 @@ class _Emitter:
             for s in outs_:
                 if s.op == "ColVecSelect":
                     idx = f"_{spec.fn_name}_{s.index}"
-                    items.append(f'"{s.py}": ColVecSelect("{s.py}", idx_op={idx})')
+                    items.append(f'"{s.py}": BoundedColVecSelect("{s.py}", idx_op={idx})')
                     extra_ops.append(idx)
                 else:
                     items.append(f'"{s.py}": {s.op}("{s.py}")')

@@ -6,8 +6,7 @@ reduction complete per row and group, bound at every element of its group as the
 value port gives it, its writer's [m, n / width] buffer filled), the live equations of the
 `StageSpec` on whole matrices, the stored tiles rounded into `D` and the `TileStore` buffers, and
 every sink as the kernel's per-tile partial buffer (`ColVecReduce` [m, ceil(n/tile_N)],
-`RowVecReduce` [ceil(m/tile_M), n], `OnlineLSEReduce` like ColVecReduce, `RowVecLSEReduce` like
-RowVecReduce, a min() sink as its kernel writes it: the max of the negation, -min per tile;
+`RowVecReduce` [ceil(m/tile_M), n], `OnlineLSEReduce` like ColVecReduce, a min() sink as its kernel writes it: the max of the negation, -min per tile;
 `ColVecSelect` the picked value per row, rows with an index outside [0, n) left as they are). It takes the arguments exactly
 as runtime.py hands them to quack (a half-width column vector repeated twice, scalars as numbers
 or one-element tensors), so the runtime's host logic (binding, buffers, partial combines, vector
@@ -101,7 +100,7 @@ def _sink(s: Sink, vals: dict[str, Any], m: int, n: int, tile_m: int, tile_n: in
         x = x.reshape(1, -1) if x.dim() == 1 else x.reshape(1, 1)
     if s.op == "ColVecSelect":
         return None
-    rule = "lse" if s.op in ("OnlineLSEReduce", "RowVecLSEReduce") else ("add" if s.combine == "add" else "max")
+    rule = "lse" if s.op == "OnlineLSEReduce" else ("add" if s.combine == "add" else "max")
     if s.combine == "max_abs":
         x = x.abs()
     if s.negate:  # min(): the kernel folds -x by max (runtime.sink_partials negates the buffer back)

@@ -5,8 +5,8 @@ decides every resource of its quack `@gemm_epilogue`: the operands it loads (row
 `ColVecLoad`, column vector -> `RowVecLoad`, tile -> `TileLoad`, scalar -> `Scalar`; quack names a
 vector by the axis it broadcasts along, we by the axis it runs over), the tiles it stores (the main
 one is quack's "D", the others `TileStore`s), the partial reductions it folds (`ColVecReduce` per-row
-partials, `RowVecReduce` per-column partials, `OnlineLSEReduce` and our `RowVecLSEReduce` (epi_ops.py) for
-logsumexp over the columns and over the rows, `ColVecSelect` for `pick`), the grouped
+partials, `RowVecReduce` per-column partials, `OnlineLSEReduce` for logsumexp over the columns,
+`ColVecSelect` for `pick`), the grouped
 reductions complete in a tile (`Group`: quack's epilogue prepass, below), the epilogue mode ("element"; "acc_pair" when the stage splits its full-width tile with `pairs`;
 "packed_cd_b16x2" when it works on a tile twice its width, as a SwiGLU backward does: the 16-bit
 double-width tile it loads is quack's GEMM C operand and the one it stores is D, both two lanes per
@@ -64,7 +64,7 @@ HELPER_NAMES = frozenset({
     "math", "cute", "cutlass", "Float32", "BFloat16", "Float16", "Int32", "gemm_epilogue", "pack", "unpack",
     "pexp", "silu", "sigmoid", "tanh", "gelu_tanh_approx", "ColVecLoad", "RowVecLoad", "TileLoad", "Scalar",
     "TileStore", "ColVecReduce", "RowVecReduce", "OnlineLSEReduce", "ColVecSelect", "abs", "acc",
-    "GroupedReduce", "RowVecLSEReduce",
+    "GroupedReduce",
 })
 QUACK_RESERVED = frozenset({"acc", "c", "D"})
 
@@ -115,7 +115,7 @@ class Sink:
 
     name: str
     py: str
-    op: str  # ColVecReduce | RowVecReduce | OnlineLSEReduce | RowVecLSEReduce (epi_ops.py) | ColVecSelect
+    op: str  # ColVecReduce | RowVecReduce | OnlineLSEReduce | ColVecSelect
     combine: str | None  # "add" | "max" | "max_abs" for VecReduces
     scaled: bool
     value: tuple[str, ...]
@@ -487,11 +487,11 @@ class _Planner:
             if surface == "logsumexp":
                 if paired:
                     raise _fail("E0705", "logsumexp() in a paired stage is not compiled yet", e.span)
-                if per_row:
-                    sinks.append(Sink(v.name, py, "OnlineLSEReduce", None, False, (x.name,), t.shape, "row partials"))
-                else:  # over the rows: our RowVecReduce twin of quack's OnlineLSEReduce (epi_ops.py)
-                    sinks.append(Sink(v.name, py, "RowVecLSEReduce", None, False, (x.name,), t.shape,
-                                      "column partials"))
+                if not per_row:  # quack's online log-sum-exp folds along the columns only
+                    raise _fail("E0705", "logsumexp() over the rows is not compiled yet", e.span,
+                                notes=["quack's OnlineLSEReduce folds a row's columns; a column's rows would "
+                                       "need an online (max, sum) pair carried through RowVecReduce's exchange"])
+                sinks.append(Sink(v.name, py, "OnlineLSEReduce", None, False, (x.name,), t.shape, "row partials"))
                 continue
             combine = "add" if surface == "sum" else "max"
             negate = surface == "min"  # min(x) = -max(-x): quack folds the negation by max (exact)
@@ -677,7 +677,6 @@ def describe(spec: StageSpec) -> list[str]:
         what = {"ColVecReduce": f"{fold} over the columns, one partial per column tile",
                 "RowVecReduce": f"{fold} over the rows, one partial per row tile",
                 "OnlineLSEReduce": "logsumexp over the columns, one partial per column tile",
-                "RowVecLSEReduce": "logsumexp over the rows, one partial per row tile",
                 "ColVecSelect": f"the value at column {s.index} of each row"}[s.op]
         scaled = ", scaled" if s.scaled else ", both lanes" if s.lanes == 2 else ""
         scaled += ", max of the negation: the buffer holds -min" if s.negate else ""

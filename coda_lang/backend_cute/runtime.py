@@ -152,7 +152,7 @@ def combine_partials(buf: torch.Tensor, rule: str, axis: int) -> torch.Tensor:
     raise ValueError(f"unknown combine rule {rule!r}")
 
 
-LSE_SINKS = ("OnlineLSEReduce", "RowVecLSEReduce")  # online log-sum-exp folds, over the columns / the rows
+LSE_SINKS = ("OnlineLSEReduce",)  # online log-sum-exp folds (over the columns)
 
 
 def sink_rule(s: Sink) -> tuple[str, int]:
