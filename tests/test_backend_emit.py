@@ -89,6 +89,42 @@ def test_every_op_has_an_emitter_or_a_clean_e0703() -> None:
     assert pending == {"row_index", "col_index"}
 
 
+UNDERSCORE_OPERAND = """dims M, K, N, F
+block fwd(x: f16[M, K], w: f16[F, K], w9: f16[F, 2*N]) -> (y: bf16[M, 2*N], v7: f32[M]) {
+  gemm x @ transpose(w) {
+    v5 = silu(acc)
+    v7 = max(v5 + v5, over=F)
+  }
+  gemm v5 @ w9 {
+    y: bf16 = acc
+  }
+}
+"""
+
+
+def test_autodiff_temporaries_get_python_names_quack_takes() -> None:
+    """Autodiff's temporaries (`_t11`) become epilogue operands and sinks; quack makes those fields of its
+    argument dataclasses, which refuse a leading underscore (found by `coda fuzz --programs` on the H100:
+    "Field names cannot start with an underscore"). Every pinned op of every backward stage is named
+    without one."""
+    blocks = [next(iter(coda_lang.load(UNDERSCORE_OPERAND))).grad()] + [b.grad() for b in
+                                                                         (coda_lang.load(MLP)["llama_mlp"],)]
+    seen = 0
+    for bwd in blocks:
+        for k in range(1, len(bwd.plan.stages) + 1):
+            try:
+                spec = plan_stage(bwd, k)
+            except coda_lang.CodaError:
+                continue  # an elementwise stage (E0701)
+            names = [o.py for o in spec.operands] + [s.py for s in spec.sinks] + [o.py for o in spec.outputs]
+            seen += sum(o.name.startswith("_") for o in spec.operands)
+            assert not [n for n in names if n.startswith("_")], names
+            tree = ast.parse(emit_stage(spec))
+            fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == spec.fn_name)
+            assert not [a.arg for a in fn.args.args if a.arg.startswith("_")]
+    assert seen  # the program does read an autodiff temporary in a GEMM stage
+
+
 def test_backward_stages_all_emit_and_swiglu_backward_is_packed() -> None:
     """Every stage of llama_mlp's backward emits; the SwiGLU backward (width F, reading the saved
     pre-activation acc2 [M, 2F] and storing dacc2 [M, 2F]) is quack's packed_cd_b16x2 mode, as its

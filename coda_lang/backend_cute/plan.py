@@ -271,7 +271,10 @@ class _Planner:
         """The Python name of a coda value (renamed when it would clash with a helper or keyword)."""
         if name in self.names:
             return self.names[name]
-        base = name if name == "acc" else (f"v_{name}" if name in HELPER_NAMES | QUACK_RESERVED
+        # (a leading underscore, as autodiff's temporaries have, is no name quack takes for an operand
+        # or sink: they become fields of its argument dataclasses)
+        base = name if name == "acc" else (f"v{name}" if name.startswith("_") else
+                                           f"v_{name}" if name in HELPER_NAMES | QUACK_RESERVED
                                            or keyword.iskeyword(name) or name == self.fn_name else name)
         out = base
         while out in self.used_py and name != "acc":
