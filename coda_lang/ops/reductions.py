@@ -105,9 +105,13 @@ def _reduce_vjp(fn: str) -> Any:
             return [ct]
         if fn == "logsumexp":  # the softmax
             return [b.mul(ct, b.op("exp", b.sub(p.x[0], p.y[0])))]
-        # max, min: the elements that attain it share the cotangent (as in JAX and torch)
+        # max, min: the elements that attain it share the cotangent (as in JAX and torch). The count is
+        # at least 1 in exact arithmetic; on a GPU the count (an elementwise stage's math) and the mask
+        # (recomputed in a GEMM epilogue, by other exp/sigmoid code) can disagree by one rounding, so it
+        # is taken as at least 1: a count of 0 would make an infinite gradient (found by coda fuzz)
         mask = b.op("eq", p.x[0], p.y[0])
-        return [b.where(mask, b.div(ct, b.ties(p, mask)), b.lit(0.0))]
+        count = b.op("maximum", b.ties(p, mask), b.lit(1.0))
+        return [b.where(mask, b.div(ct, count), b.lit(0.0))]
 
     return vjp
 
