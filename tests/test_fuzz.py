@@ -223,3 +223,24 @@ def test_cuda_without_a_gpu_is_a_usage_error(capsys: pytest.CaptureFixture[str])
         pytest.skip("a GPU is present")
     code, out, err = fuzz(capsys, MLP, "--target", "cuda")
     assert code == 2 and "needs a CUDA GPU" in err, err
+
+
+# ------------------------------------------------------------------ cases coda fuzz --programs found on the H100
+
+# (file in tests/fuzz_found, the failing case as `coda fuzz` printed it, what was wrong)
+FOUND = [
+    ("pick_past_n.coda", "M=8,K=8,F=8", "0", None),  # pick selected a padded column past N
+    ("max_ties_f16.coda", "M=456,K=344,F=56,N=176", "1732825", "128x128"),  # a tie count of 0: inf gradients
+    ("pick_cancelling.coda", "M=72,N=416,F=100,K=208", "60250453", "128x128"),  # a cancelling pick, 1e-3 rule
+]
+
+
+@pytest.mark.parametrize("target", ["emulate", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("name, dims, seed, tile", FOUND, ids=[f[0] for f in FOUND])
+def test_cases_found_by_fuzzing_pass(capsys: pytest.CaptureFixture[str], target: str, name: str, dims: str,
+                                     seed: str, tile: str | None) -> None:
+    args = [str(ROOT / "tests" / "fuzz_found" / name), "--block", "fwd", "--target", target, "--dims", dims,
+            "--input-seed", seed] + (["--tile", tile] if tile else [])
+    code, out, err = fuzz(capsys, *args)
+    assert code == 0, out + err
+    assert "1 cases (forward and backward)" in out, out
