@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -683,3 +684,35 @@ def test_quack_accepts_the_runtime_arguments(name: str, index: int, tmp_path_fac
     else:
         blk = block(name)
     _dry_run(blk, index)
+
+
+def test_each_elementwise_stage_compiles_as_its_own_function(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.compile keeps compiled graphs, and its recompile limit, per code object: with one shared
+    `_body`, every further elementwise stage in a process recompiled it, and the 65th failed
+    (FailOnRecompileLimitHit, found by `coda fuzz --programs` on the H100). With the limit at 1, three
+    stages (of three blocks) compile and give what the eager stage gives."""
+    import torch._dynamo
+
+    from coda_lang.backend_cute.elementwise import ElementwiseStage
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    gen = torch.Generator().manual_seed(0)
+    for scale in ("1.0", "2.0", "3.0"):
+        blk = next(iter(coda_lang.load(f"""dims M, K, N
+block s{scale[0]}(x: bf16[M, K], w: bf16[K, N], b: f32[N]) -> (out: bf16[M, N]) {{
+  gemm x @ w {{
+    out = gelu(acc + b) * {scale}
+  }}
+}}
+"""))).grad()
+        m, n = 24, 16
+        env = {"dout": torch.randn(m, n, generator=gen).bfloat16(), "acc1": torch.randn(m, n, generator=gen).bfloat16(),
+               "b": torch.randn(n, generator=gen)}
+        eager: dict[str, Any] = {}
+        compiled: dict[str, Any] = {}
+        ElementwiseStage(blk, 1, True).run(dict(env), {"M": m, "N": n, "K": 8}, {}, out=eager)
+        stage = ElementwiseStage(blk, 1, False)
+        stage.run(dict(env), {"M": m, "N": n, "K": 8}, {}, out=compiled)
+        assert stage.own_body().__func__.__code__.co_name == f"coda_s{scale[0]}_bwd_stage1"
+        assert set(compiled) == set(eager) and torch.equal(compiled["dacc1"], eager["dacc1"])

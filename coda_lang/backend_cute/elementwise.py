@@ -18,6 +18,7 @@ stored; the function is built once per stage and reads only its inputs.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
@@ -130,9 +131,22 @@ class ElementwiseStage:
         if self._fn is None:
             fn = self._body
             if not self.emulate:
-                fn = torch.compile(fn, dynamic=True, fullgraph=True)
+                fn = torch.compile(self.own_body(), dynamic=True, fullgraph=True)
             self._fn = fn
         return self._fn
+
+    def own_body(self) -> Callable[..., tuple[torch.Tensor, ...]]:
+        """`_body` bound to this stage through a code object of its own. Dynamo keeps its compiled
+        graphs (and its recompile limit, 64 by default) per code object and guards on `self`'s
+        program, so with one shared code object every further elementwise stage in a process is a
+        recompile of the same function, and the 65th a hard failure (fullgraph): found by `coda fuzz
+        --programs` on the H100."""
+        f = ElementwiseStage._body
+        name = "".join(c if c.isalnum() else "_" for c in f"coda_{self.block.name}_stage{self.index}")
+        code = f.__code__.replace(co_name=name, co_qualname=name) if hasattr(f.__code__, "co_qualname") \
+            else f.__code__.replace(co_name=name)
+        body = types.FunctionType(code, f.__globals__, name, f.__defaults__, f.__closure__)
+        return types.MethodType(body, self)
 
     def _body(self, rows: int, cols: int, sizes: dict[str, int], device: torch.device, *ins: Any
               ) -> tuple[torch.Tensor, ...]:
