@@ -134,3 +134,15 @@ def check_gradient(name: str, got: Any, interp: Any, ref64: Any, dtype: str) -> 
     assert g.shape == f.shape and not np.isnan(g).any(), name
     err, base = np.linalg.norm(g - f), np.linalg.norm(i - f)
     assert err <= 2 * base + 1e-6 * np.linalg.norm(f), f"{name}: ||got - f64|| = {err:.3e} > 2 * {base:.3e}"
+
+
+# Dims used as values inside a stage (Scalar operands the runtime fills with the call's sizes)
+DIMS_AS_VALUES = """dims M, K, N
+block p(x: bf16[M, K], w: bf16[K, N], b: f32[N]) -> (y: bf16[M, N], s: f32[M]) {
+  gemm x @ w {
+    h = acc / K + b * N - M
+    y = h
+    s = sum(h * K, over=N)
+  }
+}
+"""

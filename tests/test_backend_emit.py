@@ -189,7 +189,6 @@ E07_CASES = {
     "f32_gemm_operands": ("E0702", 3, program(gemm("y = acc"), sig="x: f32[M, K], w: f32[K, N]", outs="y: f32[M, N]")),
     "integer_tile": ("E0702", 4, program(gemm("y = acc + t"), sig="x: bf16[M, K], w: bf16[K, N], t: i32[M, N]")),
     "col_index": ("E0703", 4, program(gemm("y = where(col_index() == 0, acc, 0.0)"))),
-    "dim_as_value": ("E0703", 4, program(gemm("y = acc / N"))),
     "cast_to_i32": ("E0702", 4, program(gemm("y = cast(acc, i32)"), outs="y: i32[M, N]")),
     "half_width_tile_load": ("E0704", 5, program(gemm("g, u = pairs(acc)\ny = g * u + t"), dims="M, K, F",
                                                  sig="x: bf16[M, K], w: bf16[K, 2*F], t: bf16[M, F]",
@@ -317,6 +316,21 @@ def test_min_reductions_in_paired_and_packed_modes() -> None:
     assert '"r": cute.math.max(-y_0, -y_1)' in emit_stage(spec)
 
 
+DIMS_AS_VALUES = program(gemm("h = acc / K + acc * N\ny = h - M"))
+
+
+def test_a_dim_used_as_a_value_is_a_scalar_operand() -> None:
+    """`acc / K` inside a stage: each dim used is a Scalar operand holding its size (passed by the
+    runtime from the call's sizes), read by name in the emitted fn."""
+    spec = plan_stage(next(iter(coda_lang.load(DIMS_AS_VALUES))), 1)
+    assert [(o.name, o.py, o.op, o.dtype) for o in spec.operands] == [
+        ("%K", "dim_K", "Scalar", "f32"), ("%N", "dim_N", "Scalar", "f32"), ("%M", "dim_M", "Scalar", "f32")]
+    src = emit_stage(spec)
+    assert '@gemm_epilogue(ops={"dim_K": Scalar("dim_K"), "dim_N": Scalar("dim_N"), "dim_M": Scalar("dim_M")})' in src
+    assert "acc / dim_K" in src and "acc * dim_N" in src and "- dim_M" in src
+    assert "load   dim_K = the size of K: f32 scalar (Scalar)" in src
+
+
 def test_pick_is_bounded_by_n() -> None:
     """pick() emits epi_ops.BoundedColVecSelect: quack's ColVecSelect, which would also select the ragged
     last tile's columns past N (an index in [N, the tile's end) is out of range: the row stays 0)."""
@@ -407,12 +421,12 @@ def test_cli_compile_source(tmp_path: Path) -> None:
 
 def test_cli_compile_e07_exits_1(tmp_path: Path) -> None:
     src = tmp_path / "two.coda"
-    src.write_text(program(gemm("y = acc") + "\n  gemm y @ w2 {\n    z = acc / N\n  }",
-                           sig="x: bf16[M, K], w: bf16[K, N], w2: bf16[N, N]", outs="z: bf16[M, N]"))
+    src.write_text(program(gemm("y = acc") + "\n  gemm y @ w2 {\n    z = acc\n    l = logsumexp(acc, over=M)\n  }",
+                           sig="x: bf16[M, K], w: bf16[K, N], w2: bf16[N, N]", outs="z: bf16[M, N], l: f32[N]"))
     r = coda("compile", src, "--emit", "source", "-o", tmp_path, "--error-format", "short")
     assert r.returncode == 1
     assert "Traceback" not in r.stderr
-    assert f"{src}:7:5: error[E0703]: the dim `N` is used as a value inside a stage" in r.stderr
+    assert f"{src}:8:5: error[E0705]: logsumexp() over the rows is not compiled yet" in r.stderr
     assert [p.name for p in tmp_path.glob("p_stage*.py")] == ["p_stage1.py"]  # the other stage is still written
 
 

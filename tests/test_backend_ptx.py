@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 from reduction_programs import NEW_REDUCTIONS
+from runtime_check import DIMS_AS_VALUES
 
 import coda_lang
 from coda_lang.backend_cute.compile import (
@@ -206,3 +207,12 @@ def test_every_example_stage_is_covered() -> None:
     names = {n for n, _, _ in EXAMPLE_STAGES}
     assert names == {p.stem for p in (ROOT / "examples").glob("*.coda")}
     assert sum(1 for n, k, _ in EXAMPLE_STAGES if (n, k) == ("llama_mlp", "backward")) == 6
+
+
+def test_dims_used_as_values_compile(cache: Path) -> None:
+    """Dims inside a stage are Scalar operands: the stage compiles without spills, reading them by name."""
+    block = next(iter(coda_lang.load(DIMS_AS_VALUES)))
+    c = select_config(block, 1, directory=cache)
+    check_ptx(c)
+    assert c.report is not None and not c.report.spills, c.report.text
+    assert 'Scalar("dim_K")' in c.source and "acc / dim_K" in c.source

@@ -36,7 +36,15 @@ from typing import Any
 import numpy as np
 import pytest
 from reduction_programs import NEW_REDUCTIONS
-from runtime_check import GRAD_BLOCKS, RAGGED, check_gradient, check_output, check_partial, example_inputs
+from runtime_check import (
+    DIMS_AS_VALUES,
+    GRAD_BLOCKS,
+    RAGGED,
+    check_gradient,
+    check_output,
+    check_partial,
+    example_inputs,
+)
 
 import coda_lang
 
@@ -425,3 +433,20 @@ def test_pick_leaves_indices_past_n_alone() -> None:
     out_of_range = (t.numpy() < 0) | (t.numpy() >= n)
     assert (got[out_of_range] == 0).all(), got[out_of_range][:8]
     check_output("v", outs["v"], ref["v"], None, "f32")
+
+
+def test_dims_used_as_values_match_interpreter() -> None:
+    """`acc / K` inside a stage: the kernel reads the call's sizes as Scalar operands (two ragged sizes,
+    one CudaBlock)."""
+    blk = next(iter(coda_lang.load(DIMS_AS_VALUES)))
+    cb = blk.cuda(poison=True)
+    for sizes, seed in (({"M": 200, "K": 72, "N": 136}, 3), ({"M": 72, "K": 24, "N": 264}, 4)):
+        inputs = example_inputs(blk, sizes, seed=seed, device="cuda")
+        outs, partials = cb.run_with_partials(inputs)
+        cpu = {k: v.cpu() for k, v in inputs.items()}
+        ref, ref_partials = blk.run_with_partials(cpu, tile=cb.tiles)
+        ref64, ref64_partials = blk.run_with_partials(cpu, tile=cb.tiles, precision="f64")
+        for o in blk.ir.outputs:
+            assert o.type is not None
+            check_output(o.name, outs[o.name], ref[o.name], ref64[o.name], o.type.dtype)
+        check_partial("s", partials["s"], ref_partials["s"], ref64_partials["s"])

@@ -27,7 +27,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from reduction_programs import NEW_REDUCTIONS  # noqa: E402
-from runtime_check import GRAD_BLOCKS, check_gradient, check_output, check_partial, example_inputs  # noqa: E402
+from runtime_check import (  # noqa: E402
+    DIMS_AS_VALUES,
+    GRAD_BLOCKS,
+    check_gradient,
+    check_output,
+    check_partial,
+    example_inputs,
+)
 
 import coda_lang  # noqa: E402
 from coda_lang.backend_cute.plan import Sink  # noqa: E402
@@ -716,3 +723,21 @@ block s{scale[0]}(x: bf16[M, K], w: bf16[K, N], b: f32[N]) -> (out: bf16[M, N]) 
         stage.run(dict(env), {"M": m, "N": n, "K": 8}, {}, out=compiled)
         assert stage.own_body().__func__.__code__.co_name == f"coda_s{scale[0]}_bwd_stage1"
         assert set(compiled) == set(eager) and torch.equal(compiled["dacc1"], eager["dacc1"])
+
+
+
+def test_emulated_dims_used_as_values_match_interpreter() -> None:
+    """Dims inside a stage (`acc / K`) are Scalar operands the runtime fills with the call's sizes: at
+    two ragged sizes the same CudaBlock matches the interpreter, and `values()` shows the sizes."""
+    blk = next(iter(coda_lang.load(DIMS_AS_VALUES)))
+    cb = blk.cuda(tile=(64, 64), emulate=True, poison=True)
+    for sizes, seed in (({"M": 200, "K": 72, "N": 136}, 3), ({"M": 72, "K": 24, "N": 264}, 4)):
+        inputs = example_inputs(blk, sizes, seed=seed)
+        outs, partials = cb.run_with_partials(inputs)
+        ref, ref_partials = blk.run_with_partials(inputs, tile=(64, 64))
+        for o in blk.ir.outputs:
+            assert o.type is not None
+            check_output(o.name, outs[o.name], ref[o.name], None, o.type.dtype)
+        check_partial("s", partials["s"], ref_partials["s"])
+        vals = cb.values(inputs)
+        assert {k: vals[k] for k in ("%M", "%K", "%N")} == {f"%{k}": v for k, v in sizes.items()}

@@ -23,8 +23,8 @@ import os
 import re
 from pathlib import Path
 
-from coda_lang.backend_cute.plan import HELPER_NAMES, Group, StageSpec, describe
-from coda_lang.ir.nodes import Atom, Eqn, Lit, Var
+from coda_lang.backend_cute.plan import HELPER_NAMES, Group, StageSpec, describe, dim_operand
+from coda_lang.ir.nodes import Atom, DimRef, Eqn, Lit, Var
 from coda_lang.ops import REGISTRY
 from coda_lang.verify.diagnostics import CodaError, Diagnostic, Mistake
 
@@ -116,7 +116,11 @@ class _Emitter:
             return lanes[lane] if len(lanes) > 1 else lanes[0]
         if isinstance(a, Lit):
             return repr(float(a.value))
-        raise AssertionError(a)  # plan.py rejects dims and poisoned atoms
+        if isinstance(a, DimRef) and a.dim.name is not None:  # a Scalar operand with the dim's size
+            size = self.py[dim_operand(a.dim.name)]
+            c = a.dim.coeff
+            return size if c == 1 else f"({size} * {float(c)!r})"
+        raise AssertionError(a)  # plan.py rejects constant extents and poisoned atoms
 
     def bind(self, name: str, n: int) -> tuple[str, ...]:
         py = self.py[name]

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from coda_lang.backend_cute.plan import Sink, StageSpec
-from coda_lang.ir.nodes import Eqn, Lit, Var
+from coda_lang.backend_cute.plan import Sink, StageSpec, dim_operand
+from coda_lang.ir.nodes import DimRef, Eqn, Lit, Var
 
 
 def _operand_values(spec: StageSpec, epi_args: dict[str, Any]) -> dict[str, Any]:
@@ -48,8 +48,9 @@ def _eval(eqns: tuple[Eqn, ...], vals: dict[str, Any]) -> None:
     from coda_lang.backend_cute.runtime import TORCH_OPS
 
     for e in eqns:
-        ins: list[Any] = [vals[a.name] if isinstance(a, Var) else a.value if isinstance(a, Lit) else None
-                          for a in e.ins]
+        ins: list[Any] = [vals[a.name] if isinstance(a, Var) else a.value if isinstance(a, Lit)
+                          else vals[dim_operand(a.dim.name)] * float(a.dim.coeff)
+                          if isinstance(a, DimRef) and a.dim.name else None for a in e.ins]
         if e.op == "pairs":
             (z,) = ins
             res: tuple[Any, ...] = (z[:, 0::2], z[:, 1::2])

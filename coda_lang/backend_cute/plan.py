@@ -75,6 +75,16 @@ STORE_DTYPES = FLOAT_DTYPES  # what a TileStore / D can hold
 GEMM_DTYPES = ("bf16", "f16")  # operand dtypes of quack's SM90 WGMMA path used here
 
 
+# A dim used as a value inside a stage is a scalar operand named DIM_PREFIX + the dim's name (no coda
+# name starts with it); the runtime binds each dim's size under that name (CudaBlock.values shows them)
+DIM_PREFIX = "%"
+
+
+def dim_operand(dim: str) -> str:
+    """The operand name of dim `dim`'s size."""
+    return DIM_PREFIX + dim
+
+
 @dataclass(frozen=True)
 class Operand:
     """A value the epilogue loads: a parameter of the emitted fn (and a key of epi_args)."""
@@ -273,7 +283,8 @@ class _Planner:
             return self.names[name]
         # (a leading underscore, as autodiff's temporaries have, is no name quack takes for an operand
         # or sink: they become fields of its argument dataclasses)
-        base = name if name == "acc" else (f"v{name}" if name.startswith("_") else
+        base = name if name == "acc" else (f"dim_{name[1:]}" if name.startswith(DIM_PREFIX) else
+                                           f"v{name}" if name.startswith("_") else
                                            f"v_{name}" if name in HELPER_NAMES | QUACK_RESERVED
                                            or keyword.iskeyword(name) or name == self.fn_name else name)
         out = base
@@ -424,9 +435,8 @@ class _Planner:
         """Can the emitter write this (live, non-reducing) equation?"""
         od = REGISTRY[e.op]
         for a in e.ins:
-            if isinstance(a, DimRef):
-                raise _fail("E0703", f"the dim `{a.dim}` is used as a value inside a stage", e.span,
-                            help=["compute it between stages (e.g. `inv = 1.0 / D`) and use the scalar"])
+            if isinstance(a, DimRef) and a.dim.name is None:  # (the checker folds constant extents)
+                raise _fail("E0703", f"the extent `{a.dim}` is used as a value inside a stage", e.span)
         if od.emit is None:
             raise _fail("E0703", f"`{od.surface}` has no CuTeDSL emitter yet", e.span)
         for v in e.outs:
@@ -652,6 +662,10 @@ class _Planner:
                                    "per column pair in a paired stage); other widths are not supported yet"])
             lanes = 2 if paired and width is not None else 1
             out.append(Operand(name, self.py(name), ld.role, LOAD_OPS[ld.role], ld.dtype, ld.shape, lanes))
+        # a dim used as a value (`acc / K`): a Scalar operand holding its size, passed by the runtime
+        for dim in dict.fromkeys(a.dim.name for e in eqns for a in e.ins if isinstance(a, DimRef) and a.dim.name):
+            name = dim_operand(dim)
+            out.append(Operand(name, self.py(name), "scalar", LOAD_OPS["scalar"], "f32", (), 1))
         return out
 
 
@@ -666,6 +680,8 @@ def describe(spec: StageSpec) -> list[str]:
         host = f", passed as {o.py}.{o.host}" if o.host else ""
         op = "the GEMM's C operand, 16-bit pairs" if o.op == "C" else o.op
         py = f"{o.py} = {o.name}" if o.op == "C" else o.py
+        if o.name.startswith(DIM_PREFIX):
+            py = f"{o.py} = the size of {o.name[len(DIM_PREFIX):]}"
         lines.append(f"load   {py}: {o.dtype}{shape_str(o.shape) if o.shape else ''} {o.role} ({op}{host})")
     if spec.d is not None:
         lines.append(f"store  D = {spec.d.py}: {spec.d.dtype}{shape_str(spec.d.shape)}")

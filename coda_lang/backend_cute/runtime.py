@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from coda_lang.backend_cute.compile import CANDIDATES, BackendUnavailable, TileConfig, fits
 from coda_lang.backend_cute.elementwise import ElementwiseStage
 from coda_lang.backend_cute.emit import emit_stage, source_hash, write_source
-from coda_lang.backend_cute.plan import Sink, StageSpec, plan_stage
+from coda_lang.backend_cute.plan import Sink, StageSpec, dim_operand, plan_stage
 from coda_lang.interp.inputs import fail, infer_dims
 from coda_lang.ir.nodes import DimRef, Eqn, Lit, Stage, Var
 from coda_lang.ir.types import BOOL, MATRIX, Dim, Type
@@ -616,7 +616,8 @@ class CudaBlock:
 
     def values(self, inputs: dict[str, Any] | None = None, /, *, dims: dict[str, int] | None = None,
                **tensors: Any) -> dict[str, Any]:
-        """Every named value of a run (inputs as bound, stored tiles, vectors): what `run_stage` reads."""
+        """Every named value of a run (inputs as bound, stored tiles, vectors, and each dim's size under
+        `%NAME`): what `run_stage` reads."""
         return self._run({**(inputs or {}), **tensors}, dims)[0]
 
     def run_stage(self, index: int, env: dict[str, Any], dims: dict[str, int] | None = None
@@ -654,6 +655,7 @@ class CudaBlock:
     def _run(self, tensors: dict[str, Any], given: dict[str, int] | None = None
              ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, int]]:
         env, dims, device = self._bind(tensors, self._given(given))
+        env.update({dim_operand(k): v for k, v in dims.items()})  # a dim used as a value inside a stage
         if not self._ready:
             self.prepare()
         partials: dict[str, torch.Tensor] = {}
