@@ -4,11 +4,13 @@
 # runs the GPU tests (python -m pytest -q -m gpu tests/), `coda fuzz --target cuda` on every example
 # (200 cases each; FUZZ_EXAMPLES="examples/a.coda ..." picks some) and on random programs (PROGRAMS=240
 # drawn, of which the backend refuses about half, in SHARDS=12 processes), all in parallel (compiles are
-# CPU-bound), then a summary with the number of programs run; and then the
+# CPU-bound; FUZZ_ARGS="--special" adds non-finite inputs), then a summary with the number of programs
+# run; and then the
 # benchmark (python benchmarks/gpu_bench.py), printing each; logs (and the benchmark's JSON) go to $OUT
 # (a fresh temporary folder when $OUT is unset). Compiled kernels are cached under /tmp/coda-gpu/cache
 # (coda's PTX and emitted epilogues, quack's .o files), so a second run on the same host skips the
 # compiles. Exit status: non-zero if the tests or the benchmark failed.
+# (The device's copy of the tree may carry a stale .git: don't run git commands there.)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 what="${1:-all}"
@@ -47,7 +49,7 @@ fi
 if [ "$what" = all ] || [ "$what" = fuzz ]; then
   echo "== coda fuzz --target cuda"
   for f in ${FUZZ_EXAMPLES:-examples/*.coda}; do
-    ( python -m coda_lang.cli fuzz "$f" --target cuda --examples 200 > "$OUT/fuzz_$(basename "$f" .coda).log" 2>&1
+    ( python -m coda_lang.cli fuzz "$f" --target cuda --examples 200 ${FUZZ_ARGS:-} > "$OUT/fuzz_$(basename "$f" .coda).log" 2>&1
       echo "rc=$?" >> "$OUT/fuzz_$(basename "$f" .coda).log" ) &
   done
   # random programs: PROGRAMS drawn (about half are ones the backend refuses, E07, and are skipped), in
@@ -56,7 +58,7 @@ if [ "$what" = all ] || [ "$what" = fuzz ]; then
   per=$(( (${PROGRAMS:-240} + shards - 1) / shards ))
   for s in $(seq 0 $((shards - 1))); do
     ( python -m coda_lang.cli fuzz --programs "$per" --seed "$s" --examples 2 --target cuda --tile 128x128 \
-        --no-shrink --save-dir "$OUT" > "$OUT/fuzz_programs_$s.log" 2>&1
+        --no-shrink --save-dir "$OUT" ${FUZZ_ARGS:-} > "$OUT/fuzz_programs_$s.log" 2>&1
       echo "rc=$?" >> "$OUT/fuzz_programs_$s.log" ) &
   done
   wait
