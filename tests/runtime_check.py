@@ -83,8 +83,6 @@ def check_partial(name: str, got: Any, interp: np.ndarray, interp64: np.ndarray 
         f = None if f is None else f.sum(axis=1)
     assert g.shape == i.shape, f"partial {name}: shape {g.shape}, tile simulation {i.shape}"
     assert not np.isnan(g).any(), f"partial {name}: NaN elements (unwritten?)"
-    finite = np.isfinite(i)
-    assert (np.isfinite(g) == finite).all() and (g[~finite] == i[~finite]).all(), f"partial {name}: infinities differ"
     why = mismatch(f"partial {name}", g, i, f, "f32")
     assert why is None, why
 

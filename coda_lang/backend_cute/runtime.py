@@ -152,14 +152,11 @@ def combine_partials(buf: torch.Tensor, rule: str, axis: int) -> torch.Tensor:
     raise ValueError(f"unknown combine rule {rule!r}")
 
 
-LSE_SINKS = ("OnlineLSEReduce",)  # online log-sum-exp folds (over the columns)
-
-
 def sink_rule(s: Sink) -> tuple[str, int]:
     """(combine rule, axis) of a sink's partial buffer; ("select", -1) for pick's finished vector."""
     if s.op == "ColVecSelect":
         return "select", -1
-    rule = "lse" if s.op in LSE_SINKS else ("sum" if s.combine == "add" else "min" if s.negate else "max")
+    rule = "lse" if s.op == "OnlineLSEReduce" else ("sum" if s.combine == "add" else "min" if s.negate else "max")
     return rule, (1 if s.layout == "row partials" else 0)
 
 
