@@ -120,6 +120,22 @@ def test_partials_match_tile_simulation(name: str) -> None:
         check_partial(k, buf, r.ref_partials[k], r.ref64_partials[k])
 
 
+def check_against_interpreter(blk: coda_lang.Block, cb: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+    """One GPU run of `cb` against the interpreter on the same inputs at the kernels' tiles: every output
+    (and against float64), every partial buffer against the tile simulation; the partials."""
+    outs, partials = cb.run_with_partials(inputs)
+    torch.cuda.synchronize()
+    cpu = {k: v.cpu() for k, v in inputs.items()}
+    ref, ref_partials = blk.run_with_partials(cpu, tile=cb.tiles)
+    ref64, ref64_partials = blk.run_with_partials(cpu, tile=cb.tiles, precision="f64")
+    for o in blk.ir.outputs:
+        assert o.type is not None
+        check_output(o.name, outs[o.name], ref[o.name], ref64[o.name], o.type.dtype)
+    for k, buf in partials.items():
+        check_partial(k, buf, ref_partials[k], ref64_partials[k])
+    return partials
+
+
 @pytest.mark.parametrize("name", sorted(NEW_REDUCTIONS))
 def test_min_and_logsumexp_match_interpreter(name: str) -> None:
     """min() (the kernel folds the negation by max),
@@ -130,18 +146,9 @@ def test_min_and_logsumexp_match_interpreter(name: str) -> None:
     blk = next(iter(coda_lang.load(text)))
     cb = blk.cuda(poison=True)
     inputs = example_inputs(blk, sizes, seed=7, device="cuda")
-    outs, partials = cb.run_with_partials(inputs)
-    torch.cuda.synchronize()
-    cpu = {k: v.cpu() for k, v in inputs.items()}
-    ref, ref_partials = blk.run_with_partials(cpu, tile=cb.tiles)
-    ref64, ref64_partials = blk.run_with_partials(cpu, tile=cb.tiles, precision="f64")
+    partials = check_against_interpreter(blk, cb, inputs)
     print(f"\n{name}: tiles {cb.tiles}")
-    for o in blk.ir.outputs:
-        assert o.type is not None
-        check_output(o.name, outs[o.name], ref[o.name], ref64[o.name], o.type.dtype)
     assert set(partials) == {s.name for spec in cb.specs if spec is not None for s in spec.sinks}
-    for k, buf in partials.items():
-        check_partial(k, buf, ref_partials[k], ref64_partials[k])
     check_one_launch_per_gemm_stage(blk.cuda(tile=cb.tiles), inputs)  # (not poisoned: no NaN fills)
 
 
@@ -442,11 +449,4 @@ def test_dims_used_as_values_match_interpreter() -> None:
     cb = blk.cuda(poison=True)
     for sizes, seed in (({"M": 200, "K": 72, "N": 136}, 3), ({"M": 72, "K": 24, "N": 264}, 4)):
         inputs = example_inputs(blk, sizes, seed=seed, device="cuda")
-        outs, partials = cb.run_with_partials(inputs)
-        cpu = {k: v.cpu() for k, v in inputs.items()}
-        ref, ref_partials = blk.run_with_partials(cpu, tile=cb.tiles)
-        ref64, ref64_partials = blk.run_with_partials(cpu, tile=cb.tiles, precision="f64")
-        for o in blk.ir.outputs:
-            assert o.type is not None
-            check_output(o.name, outs[o.name], ref[o.name], ref64[o.name], o.type.dtype)
-        check_partial("s", partials["s"], ref_partials["s"], ref64_partials["s"])
+        assert set(check_against_interpreter(blk, cb, inputs)) == {"s"}
