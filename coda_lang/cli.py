@@ -72,7 +72,9 @@ def _parser() -> argparse.ArgumentParser:
                        description="Compile each GEMM stage of a block for Hopper (sm_90a) on quack's GEMM: "
                        "`--emit source` writes the stage's `@gemm_epilogue` function; `--emit ptx` compiles it with "
                        "CuTeDSL (no GPU needed), checks it with `ptxas -v` and, unless --tile is given, picks the "
-                       "first tile (128x192, 128x128, 128x96, 128x64) whose kernel has no register spills. Writes "
+                       "first tile (128x192; 128x192 with an epilogue subtile 16 columns wide; 128x176, 128x128, 128x96, "
+                       "128x64) "
+                       "whose kernel has no register spills. Writes "
                        "one file per stage, BLOCK_stageK.py or .ptx. Kernels are cached in $CODA_CACHE_DIR "
                        "(default ~/.cache/coda_lang/kernels).")
     k.add_argument("file", metavar="FILE")

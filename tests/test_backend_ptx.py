@@ -84,6 +84,35 @@ def test_llama_mlp_at_128x128(mlp: coda_lang.Block, cache: Path, index: int) -> 
     assert c.report is not None and not c.report.spills, c.report.text
 
 
+def test_narrow_epilogue_subtile_removes_the_norm_backward_spills(mlp: coda_lang.Block, cache: Path) -> None:
+    """llama_mlp's norm backward (b4: two tile loads and a column-partial sink) spills at quack's 128x192
+    with its 64x32 epilogue subtile; with the subtile 16 columns wide (`epi_n=16`, set through quack's
+    `post_init_attrs`) it doesn't, so select_config keeps 128x192 instead of falling back to 128x128."""
+    bwd = mlp.derivation().backward
+    wide = compile_stage(bwd, 4, TileConfig(128, 192), directory=cache)
+    narrow = compile_stage(bwd, 4, TileConfig(128, 192, epi_n=16), directory=cache)
+    assert wide.report is not None and wide.report.spills, wide.report.text
+    assert narrow.report is not None and not narrow.report.spills, narrow.report.text
+    assert narrow.ptx_path != wide.ptx_path and narrow.ptx != wide.ptx
+    check_ptx(narrow)
+    c = select_config(bwd, 4, directory=cache)
+    assert c.config == TileConfig(128, 192, epi_n=16) and c.ptx_path == narrow.ptx_path
+    assert len(c.rejected) == 1 and "128x192 pingpong, cluster 2x1:" in c.rejected[0]
+
+
+def test_epilogue_subtile_override_is_a_cache_key() -> None:
+    """EpiSubtileN is hashable and picklable by value, as quack's plan cache and compile cache key need
+    (what it answers is checked by the compile above: it is called inside the CuTeDSL trace only)."""
+    import pickle
+
+    from coda_lang.backend_cute.quack_adapter import EpiSubtileN, post_init_attrs
+
+    assert pickle.loads(pickle.dumps(EpiSubtileN(16))) == EpiSubtileN(16)
+    assert hash(EpiSubtileN(16)) == hash(EpiSubtileN(16)) and EpiSubtileN(16) != EpiSubtileN(32)
+    assert post_init_attrs(TileConfig(128, 192)) == ()
+    assert post_init_attrs(TileConfig(128, 192, epi_n=16)) == (("_compute_tile_shape_or_override", EpiSubtileN(16)),)
+
+
 def test_qk_norm_compiles_with_its_prepass(cache: Path) -> None:
     """qk_norm's per-head sum of squares (group=128) runs in quack's epilogue prepass: the first
     candidate tile whose width holds whole heads (128x128) compiles without spills, and the PTX

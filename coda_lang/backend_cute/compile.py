@@ -44,16 +44,23 @@ class TileConfig:
     cluster_m: int = 2
     cluster_n: int = 1
     pingpong: bool = True
+    # The N extent of the epilogue's subtile (the columns each pass over the accumulator handles):
+    # 0 is quack's choice (32 for 16-bit outputs); 16 halves the registers the epilogue holds at once,
+    # which keeps heavy epilogues (two tile loads and a sink) spill-free at 128x192.
+    epi_n: int = 0
 
     def __str__(self) -> str:
         if self.is_cublas:
             return "cuBLAS (torch.matmul)"
         kind = "pingpong" if self.pingpong else "cooperative"
-        return f"{self.tile_m}x{self.tile_n} {kind}, cluster {self.cluster_m}x{self.cluster_n}"
+        epi = f", epilogue subtile N {self.epi_n}" if self.epi_n else ""
+        return f"{self.tile_m}x{self.tile_n} {kind}, cluster {self.cluster_m}x{self.cluster_n}{epi}"
 
     @property
     def short(self) -> str:
-        return "cublas" if self.is_cublas else f"{self.tile_m}x{self.tile_n}"
+        if self.is_cublas:
+            return "cublas"
+        return f"{self.tile_m}x{self.tile_n}" + (f"e{self.epi_n}" if self.epi_n else "")
 
     @property
     def is_cublas(self) -> bool:
@@ -74,9 +81,11 @@ def is_plain(spec: StageSpec) -> bool:
 
 
 DEFAULT_CONFIG = TileConfig()
-# Tried in order by select_config: quack's default, then narrower tiles (fewer accumulator registers
-# per thread, so more room for the epilogue).
-CANDIDATES = (TileConfig(128, 192), TileConfig(128, 128), TileConfig(128, 96), TileConfig(128, 64))
+# Tried in order by select_config: quack's default, the same tile with a narrower epilogue subtile,
+# then narrower tiles (fewer accumulator registers per thread, so more room for the epilogue; quack's
+# subtile of 128x176 is 16 columns wide by itself).
+CANDIDATES = (TileConfig(128, 192), TileConfig(128, 192, epi_n=16), TileConfig(128, 176), TileConfig(128, 128),
+              TileConfig(128, 96), TileConfig(128, 64))
 
 
 @dataclass(frozen=True)
@@ -180,7 +189,8 @@ def library_versions() -> dict[str, str]:
 
 
 def ptx_key(source: str, config: TileConfig) -> str:
-    key = {"source": source_hash(source), "emitter": EMITTER_VERSION, "arch": ARCH, "config": asdict(config),
+    conf = {k: v for k, v in asdict(config).items() if k != "epi_n" or v}  # keys from before epi_n stay valid
+    key = {"source": source_hash(source), "emitter": EMITTER_VERSION, "arch": ARCH, "config": conf,
            "libraries": library_versions()}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
@@ -236,18 +246,27 @@ def compile_stage(block: Any, index: int, config: TileConfig = DEFAULT_CONFIG, *
 
 def select_config(block: Any, index: int, candidates: tuple[TileConfig, ...] = CANDIDATES, *,
                   directory: Path | None = None) -> CompiledStage:
-    """The first candidate tile whose kernel has no register spills (CodaError E0706 if none)."""
+    """The first candidate tile whose kernel compiles and has no register spills (CodaError E0706 if
+    none; E0707 if quack refused every candidate)."""
     spec = plan_stage(block, index)
     tried: list[str] = []
+    refused: list[CodaError] = []
     for config in candidates:
         if not fits(spec, config):
             continue
-        c = compile_spec(spec, config, directory=directory)
+        try:
+            c = compile_spec(spec, config, directory=directory)
+        except CodaError as e:  # quack refuses this tile for this epilogue (E0707): try the next
+            refused.append(e)
+            tried.append(f"{config}: {e.diagnostics[0].notes[0] if e.diagnostics[0].notes else 'refused'}")
+            continue
         assert c.report is not None
         if not c.report.spills:
             c.rejected = tuple(tried)
             return c
         tried.append(f"{config}: {c.report}")
+    if refused and len(refused) == len(tried):
+        raise refused[0]
     raise CodaError([Diagnostic(
         "E0706", f"stage {index} (`{spec.text}`) spills registers at every tile configuration tried", spec.span,
         notes=tried or ["no candidate tile satisfies the stage's tiling constraints"],
@@ -257,8 +276,8 @@ def select_config(block: Any, index: int, candidates: tuple[TileConfig, ...] = C
 # What the runtime measures on a GPU (quack's SM90 space: pingpong 128xN, cooperative 256xN, clusters
 # 2x1 and 1x2), after the ptxas check has dropped the configs that spill.
 TUNE_CANDIDATES = (
-    TileConfig(128, 192), TileConfig(128, 160), TileConfig(128, 128), TileConfig(128, 192, 1, 2),
-    TileConfig(256, 128, 2, 1, False), TileConfig(256, 192, 2, 1, False),
+    TileConfig(128, 192), TileConfig(128, 192, epi_n=16), TileConfig(128, 176), TileConfig(128, 160),
+    TileConfig(128, 128), TileConfig(128, 192, 1, 2), TileConfig(256, 128, 2, 1, False), TileConfig(256, 192, 2, 1, False),
 )
 
 
@@ -281,8 +300,12 @@ def configs_without_spills(spec: StageSpec, candidates: tuple[TileConfig, ...] =
 
 
 def fits(spec: StageSpec, config: TileConfig) -> bool:
-    """Whether `config` satisfies the stage's tiling constraints (plan.py writes them)."""
+    """Whether `config` satisfies the stage's tiling constraints (plan.py writes them). A paired
+    TileStore (SwiGLU's half-width output) keeps quack's epilogue subtile: its half-width store of a
+    narrower subtile is a path quack doesn't exercise on SM90."""
     for c in spec.constraints:
+        if "paired TileStore" in c and 0 < config.epi_n < 32:
+            return False
         m = re.match(r"tile_N % (\d+) == 0", c)
         if m and config.tile_n % int(m.group(1)):
             return False

@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +45,35 @@ import quack.cache  # noqa: E402
 import quack.gemm_runtime.host as quack_host  # noqa: E402
 import torch  # noqa: E402
 from cutlass.cutlass_dsl import CuTeDSL  # noqa: E402
+from quack.gemm_sm90 import GemmSm90  # noqa: E402
 
 _TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "i32": torch.int32}
 _H100_SMS = 132
 NOMINAL = 3072  # the size every named dim gets for validation (the kernel is shape-generic)
+
+
+@dataclass(frozen=True)
+class EpiSubtileN:
+    """quack's SM90 epilogue subtile with its N extent set to `n` (its M extent is quack's own).
+
+    quack 0.6.5 has no parameter for the subtile; it computes it in the static method
+    `GemmSm90._compute_tile_shape_or_override`. `post_init_attrs` (quack's knob for setting attributes
+    on the kernel object before the trace) sets an instance of this class under that method's name, so
+    the instance answers instead. Frozen and defined at module level: quack hashes `post_init_attrs`
+    for its plan cache and pickles them for its compile cache key and its compile workers.
+    """
+
+    n: int
+
+    def __call__(self, cta_tile_shape_mnk: Any, atom_layout_mnk: Any, element_type: Any = None,
+                 epi_tile_override: Any = None) -> tuple[int, int]:
+        tile_m, _ = GemmSm90._compute_tile_shape_or_override(cta_tile_shape_mnk, atom_layout_mnk, element_type)
+        return tile_m, math.gcd(self.n, int(cta_tile_shape_mnk[1]))
+
+
+def post_init_attrs(config: Any) -> tuple[tuple[str, Any], ...]:
+    """The attributes quack sets on the kernel object for `config` (its epilogue subtile, if not quack's)."""
+    return (("_compute_tile_shape_or_override", EpiSubtileN(config.epi_n)),) if config.epi_n else ()
 
 
 @contextlib.contextmanager
@@ -132,7 +158,7 @@ def compile_ptx(spec: Any, path: Path, config: Any) -> tuple[str, float]:
         t0 = time.perf_counter()
         plan = mod.gemm(A, B, D, C, epi_args=epi, tile_M=config.tile_m, tile_N=config.tile_n,
                         cluster_M=config.cluster_m, cluster_N=config.cluster_n, pingpong=config.pingpong,
-                        persistent=True, b_kn=not g.tb, _launch=False)
+                        persistent=True, b_kn=not g.tb, post_init_attrs=post_init_attrs(config), _launch=False)
         seconds = time.perf_counter() - t0
         ptx = plan.compiled_fn.__ptx__
         if ptx and "\n" not in ptx and os.path.exists(ptx):  # a path when the file was not read yet
@@ -155,7 +181,8 @@ def launch(mod: Any, spec: Any, config: Any, A: Any, B: Any, D: Any, epi_args: d
     "meta" tensors): quack validates the arguments and compiles the kernel, nothing is launched.
     """
     kw = dict(epi_args=epi_args, tile_M=config.tile_m, tile_N=config.tile_n, cluster_M=config.cluster_m,
-              cluster_N=config.cluster_n, pingpong=config.pingpong, persistent=True, b_kn=not spec.gemm.tb)
+              cluster_N=config.cluster_n, pingpong=config.pingpong, persistent=True, b_kn=not spec.gemm.tb,
+              post_init_attrs=post_init_attrs(config))
     if not dry_run:
         mod.gemm(A, B, D, C, **kw)
         return
