@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command on the GPU host (after `source .gpu/env/gpu.sh`, from the project root or anywhere):
 #   scripts/gpu_check.sh [all|tests|fuzz|bench] [extra args for benchmarks/gpu_bench.py]
-# runs the GPU tests (python -m pytest -q -m gpu tests/), `coda fuzz --target cuda` on every example
+# runs the GPU tests (python -m pytest -q -m gpu tests/, in five processes), `coda fuzz --target cuda` on every example
 # (200 cases each; FUZZ_EXAMPLES="examples/a.coda ..." picks some) and on random programs (PROGRAMS=240
 # drawn, of which the backend refuses about half, in SHARDS=12 processes), all in parallel (compiles are
 # CPU-bound; FUZZ_ARGS="--special" adds non-finite inputs), then a summary with the number of programs
@@ -42,9 +42,23 @@ PY
 rc_tests=0
 rc_bench=0
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  echo "== GPU tests"
-  python -m pytest -q -m gpu tests/ -p no:logging -rfEs --durations=10 --junitxml="$OUT/pytest.xml" 2>&1 | tee "$OUT/pytest.log"
-  rc_tests=${PIPESTATUS[0]}
+  echo "== GPU tests (five pytest processes in parallel: one in a row takes over 10 minutes)"
+  groups=("ragged_end or dims or min_and or pick or scalar or fresh" "forward_matches or partials"
+          "backward_block or autograd_matches or backward_matches_vjp"
+          "not (ragged_end or dims or min_and or pick or scalar or fresh or forward_matches or partials or backward_block or autograd_matches or backward_matches_vjp)")
+  i=0
+  for k in "${groups[@]}"; do
+    python -m pytest -q -m gpu tests/test_gpu.py -k "$k" -p no:logging -p no:cacheprovider -rfEs \
+      --junitxml="$OUT/pytest_$i.xml" > "$OUT/pytest_$i.log" 2>&1 &
+    i=$((i + 1))
+  done
+  python -m pytest -q -m gpu tests/ --ignore=tests/test_gpu.py -p no:logging -p no:cacheprovider -rfEs \
+    --junitxml="$OUT/pytest_$i.xml" > "$OUT/pytest_$i.log" 2>&1 &
+  wait
+  for log in "$OUT"/pytest_*.log; do echo "$(basename "$log"): $(tail -1 "$log")"; done
+  if grep -q -E "[0-9]+ (failed|error)" "$OUT"/pytest_*.log || ! grep -q " passed" "$OUT"/pytest_*.log; then
+    rc_tests=1
+  fi
 fi
 if [ "$what" = all ] || [ "$what" = fuzz ]; then
   echo "== coda fuzz --target cuda"

@@ -144,3 +144,21 @@ block p(x: bf16[M, K], w: bf16[K, N], b: f32[N]) -> (y: bf16[M, N], s: f32[M]) {
   }
 }
 """
+
+# Sums whose value past the end of the reduced dim (in the ragged last tile) is not 0, and ones whose
+# is: quack's sum folds those elements, so the first kind are `bounded` (masked) in the kernel. s: exp(0)
+# is 1; u: the row vector r over the rows is stale shared memory past M; v: the column vector c likewise
+# past N; a: max(abs()) of a real row value (|r| there, below it elsewhere); q and z are 0 there (q: 0 * a real row value, scaled).
+RAGGED_SUMS = """dims M, K, N
+block ragged(x: bf16[M, K], w: bf16[K, N], t: bf16[M, N], r: f32[M], c: f32[N])
+    -> (s: f32[M], u: f32[N], q: f32[M], z: f32[M], v: f32[M], a: f32[M]) {
+  gemm x @ w {
+    s = sum(exp(acc * 0.01), over=N)
+    u = sum(acc * r, over=M)
+    q = sum(acc * r, over=N)
+    z = sum(silu(acc) + t * 2.0, over=N)
+    v = sum(acc * c, over=N)
+    a = max(abs(r * exp(acc * acc * -1.0)), over=N)
+  }
+}
+"""

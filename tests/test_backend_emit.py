@@ -331,6 +331,34 @@ def test_a_dim_used_as_a_value_is_a_scalar_operand() -> None:
     assert "load   dim_K = the size of K: f32 scalar (Scalar)" in src
 
 
+def test_sums_whose_padding_is_not_zero_are_masked() -> None:
+    """A sum (or max(abs())) whose value past the end of the reduced dim is not known to be 0 emits
+    epi_ops' Bounded*Reduce (quack's own would fold those elements); one that is 0 there stays quack's
+    (and a sum of a product stays scaled); llama_mlp's sums all stay quack's."""
+    from runtime_check import RAGGED_SUMS
+
+    spec = plan_stage(next(iter(coda_lang.load(RAGGED_SUMS))), 1)
+    assert {s.name: (s.bounded, s.scaled) for s in spec.sinks} == {
+        "s": (True, False), "u": (True, False), "q": (False, True), "z": (False, False), "v": (True, False),
+        "a": (True, False)}
+    src = emit_stage(spec)
+    assert '"s": BoundedColVecReduce("s")' in src and '"u": BoundedRowVecReduce("u")' in src
+    assert '"q": ColVecReduce("q", scaled=True)' in src and '"z": ColVecReduce("z")' in src
+    assert '"a": BoundedColVecReduce("a", combine="max_abs")' in src
+    assert "from coda_lang.backend_cute.epi_ops import BoundedColVecReduce, BoundedRowVecReduce" in src
+    d = mlp().derivation()
+    for b in (d.forward, d.backward):
+        for k in range(1, len(b.ir.body) + 1):
+            try:
+                sp = plan_stage(b, k)
+            except (CodaError, ValueError, IndexError):
+                continue
+            assert not any(s.bounded for s in sp.sinks), (b.name, k)
+    from runtime_check import DIMS_AS_VALUES as SUM_OF_DIMS  # s = sum(h * K), h = acc / K + b * N - M: -M*K there
+
+    assert [s.bounded for s in plan_stage(next(iter(coda_lang.load(SUM_OF_DIMS))), 1).sinks] == [True]
+
+
 def test_pick_is_bounded_by_n() -> None:
     """pick() emits epi_ops.BoundedColVecSelect: quack's ColVecSelect, which would also select the ragged
     last tile's columns past N (an index in [N, the tile's end) is out of range: the row stays 0)."""

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 from reduction_programs import NEW_REDUCTIONS
-from runtime_check import DIMS_AS_VALUES
+from runtime_check import DIMS_AS_VALUES, RAGGED_SUMS
 
 import coda_lang
 from coda_lang.backend_cute.compile import (
@@ -245,3 +245,13 @@ def test_dims_used_as_values_compile(cache: Path) -> None:
     check_ptx(c)
     assert c.report is not None and not c.report.spills, c.report.text
     assert 'Scalar("dim_K")' in c.source and "acc / dim_K" in c.source
+
+
+def test_masked_sums_compile(cache: Path) -> None:
+    """Sums masked past the ragged end (epi_ops' Bounded*Reduce, quack's out-of-bounds mask on for add
+    and max_abs) compile at a candidate tile without spills."""
+    block = next(iter(coda_lang.load(RAGGED_SUMS)))
+    c = select_config(block, 1, directory=cache)
+    check_ptx(c)
+    assert c.report is not None and not c.report.spills, c.report.text
+    assert "BoundedColVecReduce(" in c.source and "BoundedRowVecReduce(" in c.source

@@ -29,6 +29,7 @@ torch = pytest.importorskip("torch")
 from reduction_programs import NEW_REDUCTIONS  # noqa: E402
 from runtime_check import (  # noqa: E402
     DIMS_AS_VALUES,
+    RAGGED_SUMS,
     GRAD_BLOCKS,
     check_gradient,
     check_output,
@@ -741,3 +742,30 @@ def test_emulated_dims_used_as_values_match_interpreter() -> None:
         check_partial("s", partials["s"], ref_partials["s"])
         vals = cb.values(inputs)
         assert {k: vals[k] for k in ("%M", "%K", "%N")} == {f"%{k}": v for k, v in sizes.items()}
+
+
+def test_emulated_sums_past_the_ragged_end_match_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """quack's sums fold the ragged last tile's elements past the end of the reduced dim, where the
+    epilogue computes f(acc = 0, ...), not 0; the emulated kernel folds what quack's would (stale shared
+    memory as NaN). With the planner's masks (`bounded` sums: exp(0), stale vectors, a real row value
+    under abs) outputs and partials match the interpreter at ragged sizes along both dims; without
+    them, the same emulated run does not (which is what the GPU did before the masks)."""
+    from coda_lang.backend_cute import plan
+
+    blk = next(iter(coda_lang.load(RAGGED_SUMS)))
+    sizes, tile = {"M": 200, "K": 72, "N": 136}, (64, 64)
+    inputs = example_inputs(blk, sizes, seed=5)
+    ref, ref_partials = blk.run_with_partials(inputs, tile=tile)
+    outs, partials = blk.cuda(tile=tile, emulate=True, poison=True).run_with_partials(inputs)
+    for o in blk.ir.outputs:
+        assert o.type is not None
+        check_output(o.name, outs[o.name], ref[o.name], None, o.type.dtype)
+    for k, buf in partials.items():
+        check_partial(k, buf, ref_partials[k])
+    monkeypatch.setattr(plan, "_is_zero", lambda v: True)  # no masks: every sum trusted to be 0 there
+    unmasked, _ = blk.cuda(tile=tile, emulate=True, poison=True).run_with_partials(inputs)
+    for name in ("s", "u", "v", "a"):  # the masked ones: wrong, or NaN from the stale vectors
+        got, want = unmasked[name].double(), torch.as_tensor(np.asarray(ref[name], dtype=np.float64))
+        assert not torch.allclose(got, want, rtol=1e-3, atol=1e-3), name
+    for name in ("q", "z"):  # 0 past the end either way
+        check_output(name, unmasked[name], ref[name], None, "f32")

@@ -56,6 +56,8 @@ _IMPORTS: dict[str, str] = {
     "Int32": "from cutlass import Int32",
     "GroupedReduce": "from coda_lang.backend_cute.epi_ops import GroupedReduce",
     "BoundedColVecSelect": "from coda_lang.backend_cute.epi_ops import BoundedColVecSelect",
+    "BoundedColVecReduce": "from coda_lang.backend_cute.epi_ops import BoundedColVecReduce",
+    "BoundedRowVecReduce": "from coda_lang.backend_cute.epi_ops import BoundedRowVecReduce",
 }
 
 _CUTLASS_DTYPES = {"f32": "Float32", "bf16": "BFloat16", "f16": "Float16", "i32": "Int32"}
@@ -254,7 +256,7 @@ class _Emitter:
             for s in reduces:
                 kw = "".join([f', combine="{s.combine}"' if s.combine != "add" else "",
                               ", scaled=True" if s.scaled else ""])
-                items.append(f'"{s.py}": {s.op}("{s.py}"{kw})')
+                items.append(f'"{s.py}": {"Bounded" if s.bounded else ""}{s.op}("{s.py}"{kw})')
             args.append("reduces={" + ", ".join(items) + "}")
         extra_ops = [f'{_grouped(g)}.out("{g.out}")' for g in spec.groups if g.out]
         if outs_:

@@ -7,7 +7,9 @@ value port gives it, its writer's [m, n / width] buffer filled), the live equati
 `StageSpec` on whole matrices, the stored tiles rounded into `D` and the `TileStore` buffers, and
 every sink as the kernel's per-tile partial buffer (`ColVecReduce` [m, ceil(n/tile_N)],
 `RowVecReduce` [ceil(m/tile_M), n], `OnlineLSEReduce` like ColVecReduce, a min() sink as its kernel writes it: the max of the negation, -min per tile;
-`ColVecSelect` the picked value per row, rows with an index outside [0, n) left as they are). It takes the arguments exactly
+`ColVecSelect` the picked value per row, rows with an index outside [0, n) left as they are); past
+the end of a sum's reduced dim, in the ragged last tile, what quack's kernel folds there: the
+epilogue's value at a zero accumulator, unless the sum is `bounded` (masked). It takes the arguments exactly
 as runtime.py hands them to quack (a half-width column vector repeated twice, scalars as numbers
 or one-element tensors), so the runtime's host logic (binding, buffers, partial combines, vector
 ops, autograd, torch.compile tracing) can be tested on a machine without a GPU.
@@ -90,9 +92,45 @@ def _fold(x: torch.Tensor, rule: str, dim: int) -> torch.Tensor:
     return x.amax(dim)
 
 
-def _sink(s: Sink, vals: dict[str, Any], m: int, n: int, tile_m: int, tile_n: int,
+def _padding(spec: StageSpec, s: Sink, vals: dict[str, Any], m: int, n: int) -> torch.Tensor:
+    """What the kernel's epilogue computes for sink `s` past the end of its reduced dim (the columns past
+    N of the ragged last column tile, or the rows past M of the last row tile), as a pattern to repeat
+    there: [m, p] (p columns: 1, 2 or 4 for a half-, full- or double-width value) or [1, width]. The
+    accumulator and the tiles are 0 there (TMA's out-of-bounds fill), a vector along the reduced dim
+    is stale shared memory (NaN here, the worst case), a vector along the other dim, a scalar or a dim
+    is its real value, a grouped value NaN."""
+    per_row = s.op == "ColVecReduce"
+
+    def blank(width: int, fill: float) -> torch.Tensor:
+        shape = (m, max(1, 2 * width // n)) if per_row else (1, width)
+        return torch.full(shape, fill)
+
+    pad: dict[str, Any] = {k: v for k, v in vals.items() if not isinstance(v, torch.Tensor) or v.dim() < 2}
+    for o in spec.operands:
+        v = vals[o.name]
+        if not isinstance(v, torch.Tensor) or v.dim() < 2:
+            continue
+        if o.role == "tile" or o.op == "C":
+            pad[o.name] = blank(v.shape[1], 0.0)
+        elif (o.role == "column vector") == per_row:  # along the reduced dim
+            pad[o.name] = blank(v.shape[1], float("nan")) if per_row else torch.full((1, 1), float("nan"))
+        else:
+            pad[o.name] = v
+    pad["acc"] = blank(n, 0.0)
+    for g in spec.groups:
+        pad[g.name] = torch.full((1, 1), float("nan"))
+    _eval(spec.eqns, pad)
+    x = torch.as_tensor(pad[s.value[0]], dtype=torch.float32)
+    if s.scaled:
+        x = x * pad[s.value[1]]
+    return x.reshape(1, 1) if x.dim() == 0 else x
+
+
+def _sink(s: Sink, spec: StageSpec, vals: dict[str, Any], m: int, n: int, tile_m: int, tile_n: int,
           epi_args: dict[str, Any]) -> torch.Tensor | None:
-    """The partial buffer the kernel writes for sink `s` (None for ColVecSelect: written in place)."""
+    """The partial buffer the kernel writes for sink `s` (None for ColVecSelect: written in place).
+    Past the end of the reduced dim the kernel folds the fold's identity where it masks (max, min,
+    logsumexp, a `bounded` sum) and otherwise what its epilogue computes there (`_padding`)."""
     x = vals[s.value[0]]
     if s.scaled:
         x = x * vals[s.value[1]]
@@ -106,18 +144,30 @@ def _sink(s: Sink, vals: dict[str, Any], m: int, n: int, tile_m: int, tile_n: in
         x = x.abs()
     if s.negate:  # min(): the kernel folds -x by max (runtime.sink_partials negates the buffer back)
         x = -x
-    pad = 0.0 if rule == "add" or s.combine == "max_abs" else float("-inf")
+    identity = 0.0 if rule == "add" or s.combine == "max_abs" else float("-inf")
+    masked = s.bounded or s.combine == "max" or rule == "lse"
     if s.op in ("ColVecReduce", "OnlineLSEReduce"):  # row partials; else column partials
         width = x.shape[1] if x.shape[1] != 1 else n
         x = x.expand(m, width)
         tw = tile_n * width // n  # a half-width value has tile_N / 2 columns per tile
         tiles = -(-n // tile_n)
-        x = torch.nn.functional.pad(x, (0, tiles * tw - width), value=pad)
+        extra = tiles * tw - width
+        fill = torch.full((m, extra), identity)
+        if extra and not masked:
+            p = _padding(spec, s, vals, m, n).expand(m, -1)
+            fill = p.abs() if s.combine == "max_abs" else p
+            fill = fill.repeat(1, -(-extra // fill.shape[1]))[:, :extra]
+        x = torch.cat((x, fill), dim=1)
         return _fold(x.reshape(m, tiles, tw), rule, 2)
     width = x.shape[1]
     x = x.expand(m, width)
     tiles = -(-m // tile_m)
-    x = torch.nn.functional.pad(x, (0, 0, 0, tiles * tile_m - m), value=pad)
+    extra = tiles * tile_m - m
+    fill = torch.full((extra, width), identity)
+    if extra and not masked:
+        p = _padding(spec, s, vals, m, n).expand(1, width)
+        fill = (p.abs() if s.combine == "max_abs" else p).expand(extra, width)
+    x = torch.cat((x, fill), dim=0)
     return _fold(x.reshape(tiles, tile_m, width), rule, 1)
 
 
@@ -145,7 +195,7 @@ def run_stage(spec: StageSpec, config: Any, A: torch.Tensor, B: torch.Tensor, D:
         buf.copy_(x.expand(buf.shape))
     for s in spec.sinks:
         buf = epi_args[s.py]
-        got = _sink(s, vals, m, n, config.tile_m, config.tile_n, epi_args)
+        got = _sink(s, spec, vals, m, n, config.tile_m, config.tile_n, epi_args)
         if got is not None:
             buf.copy_(got)
             continue

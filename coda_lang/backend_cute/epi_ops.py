@@ -14,6 +14,10 @@ constant; quack checks that it divides N and tile_N). `GroupedReduce(...).out(na
 after it. `BoundedColVecSelect(name, idx_op=)` is quack's `ColVecSelect` (pick: the value at column
 idx[row] of each row) also leaving alone the rows whose index falls in the ragged last tile past N
 (quack's guards rows past M and indices outside the tiles, not columns past N inside the last one).
+`BoundedColVecReduce` / `BoundedRowVecReduce` are quack's sum reductions (over the columns / the
+rows) that leave out the elements past the end of the reduced dim in the ragged last tile: quack
+folds them, counting on them being 0, but the epilogue's value there is f(acc=0, ...), e.g. exp(0)
+or a constant (plan.py's `padding_value` decides which sums need it).
 What it does not: anything at trace time beyond quack's base class; it is imported only by emitted
 epilogue modules (so importing it imports quack and CuTeDSL).
 Invariants: `config_key` holds everything that changes the generated code, and `VERSION`, bumped with
@@ -29,9 +33,9 @@ from typing import Any
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
-from quack.epilogue.ops import ColVecSelect, GroupedColStatsBase
+from quack.epilogue.ops import ColVecReduce, ColVecSelect, GroupedColStatsBase, RowVecReduce
 
-VERSION = 3
+VERSION = 4
 
 _math: Any = cute.math  # CuTeDSL's math functions (exp, log: generated, so mypy can't see them)
 
@@ -112,3 +116,35 @@ class BoundedColVecSelect(ColVecSelect):
         for i in cutlass.range(cute.size(frag), unroll_full=True):
             frag[i] = frag[i] if cute.crd2idx(i, lay_n) < limit_rel else Float32(self._NEG_INF)
         ColVecSelect.fn_sink_flush(self, gemm, inner, frag)
+
+
+class _Bounded:
+    """Mixed into a quack VecReduce: its out-of-bounds mask (quack's `check_oob` machinery, which it
+    runs for max only) on for every combine, filling the fold's identity (0 for add and max_abs, -inf
+    for max). The mask compares each element's offset along the reduced dim (a constant per element)
+    with the elements left in this tile, as quack's own max mask does."""
+
+    combine: str
+
+    def config_key(self) -> tuple[Any, ...]:
+        return (*super().config_key(), "bounded", VERSION)  # type: ignore[misc]
+
+    def _mask_oob_active(self) -> bool:
+        return True
+
+    @cute.jit
+    def _mask_oob(self, frag: Any, coords: Any, limit: Any, tile_shape_mn: Any) -> None:
+        rd = self._reduce_dim()  # type: ignore[attr-defined]
+        along = cute.composition(cute.make_layout(tile_shape_mn, stride=(1, 0) if rd == 0 else (0, 1)), coords.layout)
+        left = limit - coords[0][rd]
+        identity = Float32(-math.inf if self.combine == "max" else 0.0)
+        for i in cutlass.range(cute.size(frag), unroll_full=True):
+            frag[i] = frag[i] if cute.crd2idx(i, along) < left else identity
+
+
+class BoundedColVecReduce(_Bounded, ColVecReduce):
+    """sum over the columns (one partial per row and column tile), the columns past N left out."""
+
+
+class BoundedRowVecReduce(_Bounded, RowVecReduce):
+    """sum over the rows (one partial per column and row tile), the rows past M left out."""

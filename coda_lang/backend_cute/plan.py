@@ -80,6 +80,13 @@ GEMM_DTYPES = ("bf16", "f16")  # operand dtypes of quack's SM90 WGMMA path used 
 DIM_PREFIX = "%"
 
 
+REAL = object()  # padding_value: a value made of real inputs, not known when planning
+
+
+def _is_zero(v: Any) -> bool:
+    return v is not REAL and v is not None and v == 0.0
+
+
 def dim_operand(dim: str) -> str:
     """The operand name of dim `dim`'s size."""
     return DIM_PREFIX + dim
@@ -138,6 +145,10 @@ class Sink:
     # min(): the kernel folds the negation by max (`combine` "max"), so its partial buffer holds -min per
     # tile; the runtime negates the buffer back (exact, infinities included: -max(-x) == min(x))
     negate: bool = False
+    # a sum (or max of abs) whose value past the end of the reduced dim, in the ragged last tile, is not
+    # known to be 0: quack folds those elements too (its add and max_abs reduces count on the zeros of
+    # a padded accumulator), so the kernel uses epi_ops' Bounded*Reduce, which masks them out
+    bounded: bool = False
 
 
 @dataclass(frozen=True)
@@ -514,10 +525,13 @@ class _Planner:
             op = "ColVecReduce" if per_row else "RowVecReduce"
             layout = "row partials" if per_row else "column partials"
             prod = self.defined.get(x.name)
+            # quack masks the ragged end of the reduced dim for max (and min, its negation) itself
+            bounded = combine == "add" and not _is_zero(self.padding_value(x.name, per_row))
             if wide:
-                sinks.append(Sink(v.name, py, op, combine, False, (x.name,), t.shape, layout, lanes=2, negate=negate))
+                sinks.append(Sink(v.name, py, op, combine, False, (x.name,), t.shape, layout, lanes=2, negate=negate,
+                                  bounded=bounded))
                 continue
-            if (surface == "sum" and not paired and prod is not None and prod.op == "mul"
+            if (surface == "sum" and not paired and not bounded and prod is not None and prod.op == "mul"
                     and uses.get(x.name) == 1 and x.name not in live_out
                     and all(isinstance(a, Var) for a in prod.ins)):
                 ins = tuple(a.name for a in prod.ins if isinstance(a, Var))
@@ -526,16 +540,73 @@ class _Planner:
             if (surface == "max" and prod is not None and prod.op == "abs" and uses.get(x.name) == 1
                     and x.name not in live_out and isinstance(prod.ins[0], Var)):
                 # max(abs(x)): quack folds |x| with PTX max.abs (its amax epilogue)
-                sinks.append(Sink(v.name, py, op, "max_abs", False, (prod.ins[0].name,), t.shape, layout, pad="self"))
+                sinks.append(Sink(v.name, py, op, "max_abs", False, (prod.ins[0].name,), t.shape, layout, pad="self",
+                                  bounded=not _is_zero(self.padding_value(prod.ins[0].name, per_row))))
                 continue
             pad = "0.0" if combine == "add" else "self"
-            sinks.append(Sink(v.name, py, op, combine, False, (x.name,), t.shape, layout, pad=pad, negate=negate))
+            sinks.append(Sink(v.name, py, op, combine, False, (x.name,), t.shape, layout, pad=pad, negate=negate,
+                              bounded=bounded))
         for n, k in index_uses.items():
             if uses.get(n, 0) != k:
                 e = next(e for e in self.st.body if any(isinstance(a, Var) and a.name == n for a in e.ins))
                 raise _fail("E0705", f"the pick() index `{n}` is also used as a value", e.span,
                             notes=["quack's ColVecSelect reads its index itself; the epilogue can't also see it"])
         return sinks
+
+    def padding_value(self, name: str, per_row: bool, memo: dict[str, Any] | None = None) -> Any:
+        """What `name` holds past the end of the reduced dim (the columns past N of the last column tile
+        when `per_row`, else the rows past M of the last row tile): a number when it is the same
+        whatever the inputs, REAL when it is made of the row's (column's) real values, None when it
+        may be anything. There the accumulator and the tile loads are 0 (TMA fills out-of-bounds
+        elements with zeros); a vector along the reduced dim holds whatever its shared memory held
+        (quack's predicated copy skips those elements): None, as is a grouped value; a vector along
+        the other dim, a scalar or a dim holds its real value: REAL. 0 * REAL is taken as 0: when the
+        real value is infinite the kernel's sum is NaN where the real elements alone give +-inf (the
+        real elements of that row or column already meet the same infinity)."""
+        memo = {} if memo is None else memo
+        if name in memo:
+            return memo[name]
+        memo[name] = None
+        loads = {ld.name: ld for ld in self.sp.loads}
+        value: Any = None
+        if name == "acc":
+            value = 0.0
+        elif name in loads:
+            role = loads[name].role
+            along = "column vector" if per_row else "row vector"  # a vector along the reduced dim
+            value = 0.0 if role == "tile" else None if role == along else REAL
+        elif name in self.defined:
+            e = self.defined[name]
+            od = REGISTRY[e.op]
+            ins: list[Any] = []
+            for x in e.ins:
+                if isinstance(x, Var):
+                    ins.append(self.padding_value(x.name, per_row, memo))
+                elif isinstance(x, DimRef):
+                    ins.append(REAL if x.dim.name else float(x.dim.coeff))
+                else:
+                    ins.append(float(x.value) if isinstance(getattr(x, "value", None), (int, float)) else None)
+            if od.locality in ("reduce", "gather") or any(v is None for v in ins):
+                value = None
+            elif e.op == "mul" and any(v is not REAL and v == 0.0 for v in ins):
+                value = 0.0
+            elif any(v is REAL for v in ins):
+                value = REAL
+            elif e.op in ("pairs", "copy", "cast"):
+                value = ins[0]
+            elif e.op == "interleave":
+                value = ins[0] if ins[0] == ins[1] else REAL
+            elif od.impl is not None and len(e.outs) == 1:
+                import numpy as np
+
+                try:
+                    with np.errstate(all="ignore"):
+                        out = od.impl(*(np.float32(v) for v in ins))
+                    value = float(np.asarray(out, dtype=np.float64).reshape(-1)[0])
+                except Exception:  # an op whose NumPy form wants more than numbers: unknown
+                    value = None
+        memo[name] = value
+        return value
 
     def grouped(self) -> dict[str, Eqn]:
         """The stage's grouped reductions by result name."""
@@ -699,6 +770,7 @@ def describe(spec: StageSpec) -> list[str]:
                 "ColVecSelect": f"the value at column {s.index} of each row"}[s.op]
         scaled = ", scaled" if s.scaled else ", both lanes" if s.lanes == 2 else ""
         scaled += ", max of the negation: the buffer holds -min" if s.negate else ""
+        scaled += ", masked past the end" if s.bounded else ""
         lines.append(f"reduce {s.py}: f32{shape_str(s.shape)} = {what} ({s.op}{scaled})")
     for gr in spec.groups:
         fold = {"add": "sum", "lse": "logsumexp"}.get(gr.combine, gr.combine)
