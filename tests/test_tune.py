@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -73,3 +74,49 @@ def test_plain_stages_may_run_on_cublas() -> None:
         assert o.type is not None
         check_gradient(o.name, outs[o.name], ref[o.name], ref64[o.name], o.type.dtype)
     assert isinstance(outs["dy"], torch.Tensor)
+
+
+def test_measure_takes_turns_and_drops_configs_that_raise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tune.measure on a fake CUDA clock (each launch advances it by its cost): the configs time their
+    batches in turns, round by round (a clock drift falls on all alike), the median batch is each one's
+    time, and a config that raises in its warm-up or while timed is left out."""
+    import torch
+
+    clock = [0.0]
+
+    class Event:
+        def __init__(self, enable_timing: bool = False) -> None:
+            self.t = 0.0
+
+        def record(self) -> None:
+            self.t = clock[0]
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, end: "Event") -> float:
+            return end.t - self.t
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    order: list[str] = []
+
+    def launch(name: str, cost: float, fails_after: int | None = None) -> Any:
+        calls = [0]
+
+        def fn() -> None:
+            calls[0] += 1
+            if fails_after is not None and calls[0] > fails_after:
+                raise RuntimeError("this tile can't run here")
+            order.append(name)
+            clock[0] += cost
+
+        return fn
+
+    a, b, c, d = TileConfig(128, 192), TileConfig(128, 128), TileConfig(128, 176), TileConfig(128, 160)
+    times = tune.measure({a: launch("a", 1.0), b: launch("b", 2.0), c: launch("c", 1.0, fails_after=1),
+                          d: launch("d", 3.0, fails_after=tune.WARMUP + tune.BATCH)})
+    assert times == {a: 1.0, b: 2.0}
+    timed = order[3 * tune.WARMUP + 1:]  # after the warm-ups of a, b and d and c's one launch
+    per_round = [name for i, name in enumerate(timed) if i % tune.BATCH == 0]
+    assert per_round[:3] == ["a", "b", "d"] and per_round[3:] == ["a", "b"] * (tune.BATCHES - 1)

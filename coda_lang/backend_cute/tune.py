@@ -1,7 +1,7 @@
 """Tile tuning on the GPU: time each stage's spill-free tile configs and remember the fastest.
 
 What it does: `measure` times callables (one kernel launch each) with CUDA events after a warm-up,
-taking the median of several timed batches; `disk_key`, `lookup` and `store` keep the choice in
+taking the median of several timed batches, the configs taking turns batch by batch; `disk_key`, `lookup` and `store` keep the choice in
 <cache>/tuning.json, keyed by the emitted epilogue's hash, the emitter and library versions, the GPU's
 name and the GEMM shape (m, n, k): a second process reuses it without timing anything. runtime.py
 decides when to tune (a stage's first launch at a shape) and which configs are candidates
@@ -26,7 +26,7 @@ from coda_lang.backend_cute.emit import EMITTER_VERSION, cache_dir, source_hash
 
 WARMUP = 3  # launches before timing (module load, first-touch of the inputs)
 BATCH = 5  # launches per timed batch
-BATCHES = 5  # timed batches; the median batch is kept
+BATCHES = 7  # timed rounds (one batch per config each); the median batch is kept
 
 
 def cache_file() -> Path:
@@ -70,26 +70,33 @@ def store(key: str, best: TileConfig, times: dict[TileConfig, float]) -> None:
 
 
 def measure(launches: dict[TileConfig, Callable[[], Any]]) -> dict[TileConfig, float]:
-    """Milliseconds per launch of each callable (median of BATCHES batches of BATCH launches); a
-    config whose launch raises is left out."""
+    """Milliseconds per launch of each callable: after a warm-up of each, BATCHES rounds in which every
+    config times one batch of BATCH launches in turn (so that a drift of the GPU's clock or
+    temperature during tuning falls on all configs alike, not on the ones timed last); the median
+    batch of each is kept. A config whose launch raises is left out."""
     import torch
 
-    times: dict[TileConfig, float] = {}
+    live: dict[TileConfig, Callable[[], Any]] = {}
     for config, fn in launches.items():
         try:
             for _ in range(WARMUP):
                 fn()
             torch.cuda.synchronize()
-            batches = []
-            for _ in range(BATCHES):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        except Exception:  # a tile this GPU or this shape can't run: not a candidate
+            continue
+        live[config] = fn
+    batches: dict[TileConfig, list[float]] = {c: [] for c in live}
+    for _ in range(BATCHES):
+        for config, fn in list(live.items()):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            try:
                 start.record()
                 for _ in range(BATCH):
                     fn()
                 end.record()
                 end.synchronize()
-                batches.append(start.elapsed_time(end) / BATCH)
-        except Exception:  # a tile this GPU or this shape can't run: not a candidate
-            continue
-        times[config] = sorted(batches)[len(batches) // 2]
-    return times
+            except Exception:
+                del live[config], batches[config]
+                continue
+            batches[config].append(start.elapsed_time(end) / BATCH)
+    return {c: sorted(b)[len(b) // 2] for c, b in batches.items()}
