@@ -354,7 +354,7 @@ def test_sums_whose_padding_is_not_zero_are_masked() -> None:
             except (CodaError, ValueError, IndexError):
                 continue
             assert not any(s.bounded for s in sp.sinks), (b.name, k)
-    from runtime_check import DIMS_AS_VALUES as SUM_OF_DIMS  # s = sum(h * K), h = acc / K + b * N - M: -M*K there
+    from runtime_check import DIMS_AS_VALUES as SUM_OF_DIMS  # s = sum(h * K), h = acc / K + b * N - M
 
     assert [s.bounded for s in plan_stage(next(iter(coda_lang.load(SUM_OF_DIMS))), 1).sinks] == [True]
 

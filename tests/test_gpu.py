@@ -38,9 +38,9 @@ import pytest
 from reduction_programs import NEW_REDUCTIONS
 from runtime_check import (
     DIMS_AS_VALUES,
-    RAGGED_SUMS,
     GRAD_BLOCKS,
     RAGGED,
+    RAGGED_SUMS,
     check_gradient,
     check_output,
     check_partial,

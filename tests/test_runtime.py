@@ -29,8 +29,8 @@ torch = pytest.importorskip("torch")
 from reduction_programs import NEW_REDUCTIONS  # noqa: E402
 from runtime_check import (  # noqa: E402
     DIMS_AS_VALUES,
-    RAGGED_SUMS,
     GRAD_BLOCKS,
+    RAGGED_SUMS,
     check_gradient,
     check_output,
     check_partial,

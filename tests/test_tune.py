@@ -94,7 +94,7 @@ def test_measure_takes_turns_and_drops_configs_that_raise(monkeypatch: pytest.Mo
         def synchronize(self) -> None:
             pass
 
-        def elapsed_time(self, end: "Event") -> float:
+        def elapsed_time(self, end: Event) -> float:
             return end.t - self.t
 
     monkeypatch.setattr(torch.cuda, "Event", Event)

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from coda_lang.ir.nodes import DimRef, Eqn, Span, Stage, Var
+from coda_lang.ir.nodes import DimRef, Eqn, Lit, Span, Stage, Var
 from coda_lang.ir.printer import inline_source
 from coda_lang.ir.types import FLOAT_DTYPES, GROUP, MATRIX, TILE, VEC, Dim, Shape, Type, shape_str
 from coda_lang.ops import REGISTRY
@@ -584,8 +584,10 @@ class _Planner:
                     ins.append(self.padding_value(x.name, per_row, memo))
                 elif isinstance(x, DimRef):
                     ins.append(REAL if x.dim.name else float(x.dim.coeff))
+                elif isinstance(x, Lit) and isinstance(x.value, (int, float)):
+                    ins.append(float(x.value))
                 else:
-                    ins.append(float(x.value) if isinstance(getattr(x, "value", None), (int, float)) else None)
+                    ins.append(None)
             if od.locality in ("reduce", "gather") or any(v is None for v in ins):
                 value = None
             elif e.op == "mul" and any(v is not REAL and v == 0.0 for v in ins):
