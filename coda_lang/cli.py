@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -82,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--emit", choices=("source", "ptx"), required=True, help="what to write for each stage")
     k.add_argument("-o", "--output-dir", metavar="DIR", default=".", help="where to write (default: .)")
     k.add_argument("--backward", action="store_true", help="compile the derived backward block instead")
-    k.add_argument("--tile", metavar="MxN", help="--emit ptx: this tile only (e.g. 128x128; pingpong, cluster 2x1)")
+    k.add_argument("--tile", metavar="MxN[eS]", help="--emit ptx: this tile only (e.g. 128x128; pingpong, cluster "
+                   "2x1); a suffix eS sets the epilogue subtile S columns wide (e.g. 128x192e16)")
     k.add_argument("--error-format", choices=("human", "short"), default="human")
     _fuzz_parser(sub)
     return p
@@ -369,9 +371,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from coda_lang.api import Block
 
     assert isinstance(block, Block)
-    tile = _parse_tile(args.tile)
-    if tile == "bad" or (isinstance(tile, tuple) and args.emit != "ptx"):
-        return _usage(f"--tile takes MxN (e.g. 128x128) and goes with --emit ptx, got {args.tile!r}")
+    m = re.fullmatch(r"([1-9]\d*)x([1-9]\d*)(?:e([1-9]\d*))?", (args.tile or "").lower())
+    if args.tile is not None and (not m or args.emit != "ptx"):
+        return _usage(f"--tile takes MxN or MxNeS (e.g. 128x128, 128x192e16) and goes with --emit ptx, got "
+                      f"{args.tile!r}")
+    tile = tuple(int(g) if g else 0 for g in m.groups()) if m else None
     text = _read(args.file) or ""
 
     def report(e: CodaError) -> None:
@@ -411,8 +415,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
                 what += [f"reduces {', '.join(s.name for s in spec.sinks)}"] if spec.sinks else []
                 print(f"wrote {path}: stage {k} `{spec.text}` ({spec.mode} mode; {'; '.join(what) or 'no outputs'})")
                 continue
-            if isinstance(tile, tuple):
-                c = compile_spec(spec, TileConfig(tile[0], tile[1]))
+            if tile is not None:
+                c = compile_spec(spec, TileConfig(tile[0], tile[1], epi_n=tile[2]))
             else:
                 c = select_config(block, k)
             path = os.path.join(out_dir, name + ".ptx")

@@ -476,6 +476,8 @@ def test_cli_compile_skips_an_elementwise_stage(tmp_path: Path) -> None:
     ("compile", "nope.coda", "--emit", "source"),
     ("compile", MLP, "--emit", "source", "--tile", "128x128"),
     ("compile", MLP, "--emit", "ptx", "--tile", "big"),
+    ("compile", MLP, "--emit", "ptx", "--tile", "128x192e"),
+    ("compile", MLP, "--emit", "ptx", "--tile", "128x0"),
     ("compile", MLP),
     ("compile", MLP, "--emit", "source", "--block", "nope"),
 ])

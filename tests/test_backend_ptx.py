@@ -166,6 +166,18 @@ def test_cli_compile_ptx(mlp: coda_lang.Block, cache: Path, tmp_path: Path) -> N
     assert "wgmma" in (tmp_path / "llama_mlp_stage2.ptx").read_text()
 
 
+def test_cli_compile_ptx_at_a_narrow_epilogue_subtile(cache: Path, tmp_path: Path) -> None:
+    """`--tile 128x192e16` compiles llama_mlp's norm backward at 128x192 with a 16-column epilogue
+    subtile: no spills (at 128x192 itself it spills: test_narrow_epilogue_subtile_...)."""
+    env = {**os.environ, "CODA_CACHE_DIR": str(cache)}
+    r = subprocess.run([sys.executable, "-m", "coda_lang.cli", "compile", str(MLP), "--backward", "--emit", "ptx",
+                        "--tile", "128x192e16", "-o", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=900, env=env)
+    assert r.returncode == 0, r.stderr
+    b4 = next(line for line in r.stdout.splitlines() if line.startswith("wrote") and "stage4" in line)
+    assert "128x192 pingpong, cluster 2x1, epilogue subtile N 16" in b4 and "0 bytes spill stores" in b4, b4
+
+
 def test_quack_rejection_is_e0707(mlp: coda_lang.Block, cache: Path) -> None:
     with pytest.raises(CodaError) as info:
         compile_stage(mlp, 3, TileConfig(128, 256), directory=cache)  # pingpong allows tile_N <= 208
