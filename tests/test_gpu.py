@@ -462,3 +462,31 @@ def test_sums_past_the_ragged_end_match_interpreter() -> None:
     for sizes, seed in (({"M": 200, "K": 72, "N": 136}, 3), ({"M": 1000, "K": 520, "N": 1000}, 4)):
         inputs = example_inputs(blk, sizes, seed=seed, device="cuda")
         assert set(check_against_interpreter(blk, cb, inputs)) == {"s", "u", "q", "z", "v", "a"}
+
+
+def test_narrow_epilogue_subtile_matches_interpreter() -> None:
+    """128x192 with the 16-column epilogue subtile (`TileConfig(epi_n=16)`, what the tuner and
+    select_config take for heavy epilogues) on every stage of llama_mlp's backward (the packed SwiGLU
+    backward, the norm backward with its column partials, the plain GEMMs) and on the forward's element
+    stages 1 and 3 (the paired stage 2 keeps quack's subtile): outputs and partials against the
+    interpreter at ragged sizes."""
+    from coda_lang.backend_cute.compile import TileConfig
+
+    e16 = TileConfig(128, 192, epi_n=16)
+    r = backward_run("llama_mlp")
+    cb = r.bwd.cuda(tile=e16, poison=True)
+    assert {cb.config(k) for k in cb.gemm_stages} == {e16}
+    outs, partials = cb.run_with_partials(r.inputs)
+    torch.cuda.synchronize()
+    cpu = {k: v.cpu() for k, v in r.inputs.items()}
+    ref, ref_partials = r.bwd.run_with_partials(cpu, tile=cb.tiles)
+    ref64, ref64_partials = r.bwd.run_with_partials(cpu, tile=cb.tiles, precision="f64")
+    for o in r.bwd.ir.outputs:
+        assert o.type is not None
+        check_gradient(o.name, outs[o.name], ref[o.name], ref64[o.name], o.type.dtype)
+    assert set(partials) == {"dr", "dg"}
+    for k, buf in partials.items():
+        check_partial(k, buf, ref_partials[k], ref64_partials[k])
+    blk = block("llama_mlp")
+    fwd = blk.cuda(tile={1: e16, 2: TileConfig(128, 192), 3: e16}, poison=True)
+    check_against_interpreter(blk, fwd, example_inputs(blk, sizes("llama_mlp"), seed=9, device="cuda"))

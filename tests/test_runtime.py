@@ -605,6 +605,13 @@ def test_bad_tiles_and_inputs() -> None:
     with pytest.raises(CodaError) as e:
         blk.cuda(tile=(128, 48), emulate=True)  # stage 2 stores a paired tile: tile_N % 32 == 0
     assert e.value.diagnostics[0].code == "E0805"
+    from coda_lang.backend_cute.compile import TileConfig
+
+    with pytest.raises(CodaError) as e:  # stage 2 is paired: quack's own epilogue subtile only
+        blk.cuda(tile=TileConfig(128, 192, epi_n=16), emulate=True)
+    (d,) = e.value.diagnostics
+    assert d.code == "E0805" and "stage 2" in d.message and "keeps quack's epilogue subtile" in d.message
+    blk.cuda(tile={1: TileConfig(128, 192, epi_n=16), 3: TileConfig(128, 192, epi_n=16)}, emulate=True)
     cb = blk.cuda(tile=TILE, emulate=True)
     inputs = example_inputs(blk, SMALL, seed=11)
     codes = []

@@ -300,12 +300,12 @@ def configs_without_spills(spec: StageSpec, candidates: tuple[TileConfig, ...] =
 
 
 def fits(spec: StageSpec, config: TileConfig) -> bool:
-    """Whether `config` satisfies the stage's tiling constraints (plan.py writes them). A paired
-    TileStore (SwiGLU's half-width output) keeps quack's epilogue subtile: its half-width store of a
-    narrower subtile is a path quack doesn't exercise on SM90."""
+    """Whether `config` satisfies the stage's tiling constraints (plan.py writes them). A paired stage
+    (acc_pair mode: SwiGLU's half-width stores) keeps quack's epilogue subtile: a half-width store of
+    a narrower subtile is a path quack doesn't exercise on SM90."""
+    if spec.paired and 0 < config.epi_n < 32:
+        return False
     for c in spec.constraints:
-        if "paired TileStore" in c and 0 < config.epi_n < 32:
-            return False
         m = re.match(r"tile_N % (\d+) == 0", c)
         if m and config.tile_n % int(m.group(1)):
             return False

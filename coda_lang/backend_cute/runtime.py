@@ -532,8 +532,10 @@ class CudaBlock:
             target = self.specs[k - 1]
             assert target is not None
             if not fits(target, cfg):
-                raise fail("E0805", f"tile {cfg.short} does not fit stage {k} (`{target.text}`): "
-                           f"{'; '.join(target.constraints)}")
+                why = list(target.constraints)
+                if target.paired and cfg.epi_n:
+                    why.append("a paired stage keeps quack's epilogue subtile (epi_n=0)")
+                raise fail("E0805", f"tile {cfg.short} does not fit stage {k} (`{target.text}`): {'; '.join(why)}")
         for s in self.ir.body:
             if not isinstance(s, Stage) and s.op not in TORCH_OPS:
                 raise CodaError([Diagnostic("E0708", f"`{s.op}` between stages has no torch mapping in the CUDA "
