@@ -276,15 +276,21 @@ def run_backward(blk: Any, inputs: dict[str, Any], args: argparse.Namespace) -> 
     res["sum_cublas_bwd_ms"] = sum(r["cublas_ms"] for r in rows)
     res["coda_bwd_ms"] = bench(lambda: bcb(bins), args.warmup, args.rep)
 
+    def fresh(params: dict[str, Any]) -> dict[str, Any]:
+        for v in params.values():  # as a training step's zero_grad(set_to_none=True): no accumulation
+            v.grad = None
+        return params
+
     def step() -> None:
-        fn(leaves)["x2"].backward(ct)
+        fn(fresh(leaves))["x2"].backward(ct)
 
     res["coda_fwd_bwd_ms"] = bench(step, args.warmup, args.rep)
     tleaves = {k: v.clone().requires_grad_() for k, v in inputs.items()}
-    res["torch_eager_fwd_bwd_ms"] = bench(lambda: torch_mlp(**tleaves).backward(ct), args.warmup, args.rep)
+    res["torch_eager_fwd_bwd_ms"] = bench(lambda: torch_mlp(**fresh(tleaves)).backward(ct), args.warmup, args.rep)
     try:
         compiled = torch.compile(torch_mlp)
-        res["torch_compile_fwd_bwd_ms"] = bench(lambda: compiled(**tleaves).backward(ct), args.warmup, args.rep)
+        res["torch_compile_fwd_bwd_ms"] = bench(lambda: compiled(**fresh(tleaves)).backward(ct), args.warmup,
+                                                args.rep)
     except Exception as e:
         res["torch_compile_fwd_bwd_ms"] = None
         res["compile_bwd_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
