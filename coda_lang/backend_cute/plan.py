@@ -560,9 +560,9 @@ class _Planner:
         may be anything. There the accumulator and the tile loads are 0 (TMA fills out-of-bounds
         elements with zeros); a vector along the reduced dim holds whatever its shared memory held
         (quack's predicated copy skips those elements): None, as is a grouped value; a vector along
-        the other dim, a scalar or a dim holds its real value: REAL. 0 * REAL is taken as 0: when the
-        real value is infinite the kernel's sum is NaN where the real elements alone give +-inf (the
-        real elements of that row or column already meet the same infinity)."""
+        the other dim, a scalar or a dim holds its real value: REAL. Inputs are taken as finite: 0 *
+        REAL is 0, and so is the accumulator (with an infinity in that row of A it is inf * 0 = NaN;
+        the kernel's sum is then NaN where the real elements alone give +-inf, README says so)."""
         memo = {} if memo is None else memo
         if name in memo:
             return memo[name]
