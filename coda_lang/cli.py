@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from collections.abc import Sequence
 
@@ -74,8 +73,7 @@ def _parser() -> argparse.ArgumentParser:
                        "`--emit source` writes the stage's `@gemm_epilogue` function; `--emit ptx` compiles it with "
                        "CuTeDSL (no GPU needed), checks it with `ptxas -v` and, unless --tile is given, picks the "
                        "first tile (128x192; 128x192 with an epilogue subtile 16 columns wide; 128x176, 128x128, 128x96, "
-                       "128x64) "
-                       "whose kernel has no register spills. Writes "
+                       "128x64) whose kernel has no register spills. Writes "
                        "one file per stage, BLOCK_stageK.py or .ptx. Kernels are cached in $CODA_CACHE_DIR "
                        "(default ~/.cache/coda_lang/kernels).")
     k.add_argument("file", metavar="FILE")
@@ -194,6 +192,17 @@ def _parse_tile(text: str | None) -> tuple[int, int] | None | str:
     if not x or not m.isdigit() or not n.isdigit() or int(m) <= 0 or int(n) <= 0:
         return "bad"
     return int(m), int(n)
+
+
+def _parse_tile_subtile(text: str | None) -> tuple[int, int, int] | None | str:
+    """MxN as (M, N, 0), MxNeS as (M, N, S): S, the epilogue subtile's width."""
+    if not text:
+        return None
+    mn, e, width = text.lower().partition("e")
+    tile = _parse_tile(mn)
+    if not isinstance(tile, tuple) or (e and not (width.isdigit() and int(width) > 0)):
+        return "bad"
+    return (*tile, int(width) if e else 0)
 
 
 def _load_block(path: str, block: str | None, fmt: str = "human") -> tuple[object | None, int]:
@@ -371,11 +380,10 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from coda_lang.api import Block
 
     assert isinstance(block, Block)
-    m = re.fullmatch(r"([1-9]\d*)x([1-9]\d*)(?:e([1-9]\d*))?", (args.tile or "").lower())
-    if args.tile is not None and (not m or args.emit != "ptx"):
+    tile = _parse_tile_subtile(args.tile)
+    if tile == "bad" or (isinstance(tile, tuple) and args.emit != "ptx"):
         return _usage(f"--tile takes MxN or MxNeS (e.g. 128x128, 128x192e16) and goes with --emit ptx, got "
                       f"{args.tile!r}")
-    tile = tuple(int(g) if g else 0 for g in m.groups()) if m else None
     text = _read(args.file) or ""
 
     def report(e: CodaError) -> None:
@@ -415,7 +423,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
                 what += [f"reduces {', '.join(s.name for s in spec.sinks)}"] if spec.sinks else []
                 print(f"wrote {path}: stage {k} `{spec.text}` ({spec.mode} mode; {'; '.join(what) or 'no outputs'})")
                 continue
-            if tile is not None:
+            if isinstance(tile, tuple):
                 c = compile_spec(spec, TileConfig(tile[0], tile[1], epi_n=tile[2]))
             else:
                 c = select_config(block, k)

@@ -299,11 +299,19 @@ def configs_without_spills(spec: StageSpec, candidates: tuple[TileConfig, ...] =
     return out
 
 
+# A paired stage (acc_pair mode: SwiGLU's half-width stores) keeps quack's epilogue subtile: a
+# half-width store of a narrower subtile is a path quack doesn't exercise on SM90.
+PAIRED_SUBTILE = "a paired stage keeps quack's epilogue subtile (epi_n=0)"
+
+
+def narrows_paired_subtile(spec: StageSpec, config: TileConfig) -> bool:
+    return spec.paired and 0 < config.epi_n < 32
+
+
 def fits(spec: StageSpec, config: TileConfig) -> bool:
-    """Whether `config` satisfies the stage's tiling constraints (plan.py writes them). A paired stage
-    (acc_pair mode: SwiGLU's half-width stores) keeps quack's epilogue subtile: a half-width store of
-    a narrower subtile is a path quack doesn't exercise on SM90."""
-    if spec.paired and 0 < config.epi_n < 32:
+    """Whether `config` satisfies the stage's tiling constraints (plan.py writes them) and, in a paired
+    stage, keeps quack's epilogue subtile (PAIRED_SUBTILE)."""
+    if narrows_paired_subtile(spec, config):
         return False
     for c in spec.constraints:
         m = re.match(r"tile_N % (\d+) == 0", c)

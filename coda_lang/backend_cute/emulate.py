@@ -113,7 +113,7 @@ def _padding(spec: StageSpec, s: Sink, vals: dict[str, Any], m: int, n: int) -> 
         if o.role == "tile" or o.op == "C":
             pad[o.name] = blank(v.shape[1], 0.0)
         elif (o.role == "column vector") == per_row:  # along the reduced dim
-            pad[o.name] = blank(v.shape[1], float("nan")) if per_row else torch.full((1, 1), float("nan"))
+            pad[o.name] = blank(v.shape[1], float("nan"))
         else:
             pad[o.name] = v
     pad["acc"] = blank(n, 0.0)

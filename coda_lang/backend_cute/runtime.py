@@ -43,7 +43,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from coda_lang.backend_cute.compile import CANDIDATES, BackendUnavailable, TileConfig, fits
+from coda_lang.backend_cute.compile import (
+    CANDIDATES,
+    PAIRED_SUBTILE,
+    BackendUnavailable,
+    TileConfig,
+    fits,
+    narrows_paired_subtile,
+)
 from coda_lang.backend_cute.elementwise import ElementwiseStage
 from coda_lang.backend_cute.emit import emit_stage, source_hash, write_source
 from coda_lang.backend_cute.plan import Sink, StageSpec, dim_operand, plan_stage
@@ -532,9 +539,7 @@ class CudaBlock:
             target = self.specs[k - 1]
             assert target is not None
             if not fits(target, cfg):
-                why = list(target.constraints)
-                if target.paired and cfg.epi_n:
-                    why.append("a paired stage keeps quack's epilogue subtile (epi_n=0)")
+                why = [*target.constraints, *([PAIRED_SUBTILE] if narrows_paired_subtile(target, cfg) else [])]
                 raise fail("E0805", f"tile {cfg.short} does not fit stage {k} (`{target.text}`): {'; '.join(why)}")
         for s in self.ir.body:
             if not isinstance(s, Stage) and s.op not in TORCH_OPS:
