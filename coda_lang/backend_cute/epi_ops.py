@@ -35,7 +35,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 from quack.epilogue.ops import ColVecReduce, ColVecSelect, GroupedColStatsBase, RowVecReduce
 
-VERSION = 4
+VERSION = 5
 
 _math: Any = cute.math  # CuTeDSL's math functions (exp, log: generated, so mypy can't see them)
 
@@ -79,6 +79,19 @@ class GroupedReduce(GroupedColStatsBase):
         return total
 
 
+@cute.jit
+def _fill_past(frag: Any, coords: Any, limit: Any, tile_shape_mn: Any, dim: cutlass.Constexpr[int],
+               fill: cutlass.Constexpr[float]) -> None:
+    """frag's elements at or past `limit` along tile dim `dim` (0: rows, 1: columns; `limit` counts
+    from the tile's start) set to `fill`, in place. `coords`: the fragment's coordinates in the tile,
+    partitioned like frag. An element's coordinate is coords[0]'s plus a static offset, so the offset
+    (a constant per element) is compared with limit - coords[0]'s."""
+    along = cute.composition(cute.make_layout(tile_shape_mn, stride=(1, 0) if dim == 0 else (0, 1)), coords.layout)
+    left = limit - coords[0][dim]
+    for i in cutlass.range(cute.size(frag), unroll_full=True):
+        frag[i] = frag[i] if cute.crd2idx(i, along) < left else Float32(fill)
+
+
 class BoundedColVecSelect(ColVecSelect):
     """pick(x, idx): quack's ColVecSelect, except that an index in [N, the end of the last column tile)
     selects nothing. quack compares idx[row] with the tile's columns, and the ragged last tile's columns
@@ -109,12 +122,7 @@ class BoundedColVecSelect(ColVecSelect):
         limit_n = state[-1]
         inner = state[:-1]
         coords = inner[2]  # this subtile's (row, column) coordinates in the tile, partitioned like frag
-        # the column of element i is coords[0]'s column plus a static offset: compare the offset
-        # (a constant per element) with limit_n - coords[0]'s column
-        lay_n = cute.composition(cute.make_layout(gemm.cta_tile_shape_mnk[:2], stride=(0, 1)), coords.layout)
-        limit_rel = limit_n - coords[0][1]
-        for i in cutlass.range(cute.size(frag), unroll_full=True):
-            frag[i] = frag[i] if cute.crd2idx(i, lay_n) < limit_rel else Float32(self._NEG_INF)
+        _fill_past(frag, coords, limit_n, gemm.cta_tile_shape_mnk[:2], 1, self._NEG_INF)
         ColVecSelect.fn_sink_flush(self, gemm, inner, frag)
 
 
@@ -134,12 +142,8 @@ class _Bounded:
 
     @cute.jit
     def _mask_oob(self, frag: Any, coords: Any, limit: Any, tile_shape_mn: Any) -> None:
-        rd = self._reduce_dim()  # type: ignore[attr-defined]
-        along = cute.composition(cute.make_layout(tile_shape_mn, stride=(1, 0) if rd == 0 else (0, 1)), coords.layout)
-        left = limit - coords[0][rd]
-        identity = Float32(-math.inf if self.combine == "max" else 0.0)
-        for i in cutlass.range(cute.size(frag), unroll_full=True):
-            frag[i] = frag[i] if cute.crd2idx(i, along) < left else identity
+        _fill_past(frag, coords, limit, tile_shape_mn, self._reduce_dim(),  # type: ignore[attr-defined]
+                   -math.inf if self.combine == "max" else 0.0)
 
 
 class BoundedColVecReduce(_Bounded, ColVecReduce):
