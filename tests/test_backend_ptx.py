@@ -186,6 +186,17 @@ def test_quack_rejection_is_e0707(mlp: coda_lang.Block, cache: Path) -> None:
     assert any("the emitted epilogue is" in n for n in d.notes)
 
 
+def test_select_config_skips_a_refused_tile_and_says_e0707_when_all_are(mlp: coda_lang.Block, cache: Path) -> None:
+    """A candidate quack refuses (E0707) is skipped and named among the rejected; when every candidate
+    is refused, the user sees quack's E0707, not E0706 (spills)."""
+    c = select_config(mlp, 3, (TileConfig(128, 256), TileConfig(128, 128)), directory=cache)
+    assert c.config == TileConfig(128, 128)
+    assert len(c.rejected) == 1 and c.rejected[0].startswith("128x256 pingpong, cluster 2x1: ")
+    with pytest.raises(CodaError) as info:
+        select_config(mlp, 3, (TileConfig(128, 256),), directory=cache)
+    assert [d.code for d in info.value.diagnostics] == ["E0707"]
+
+
 HEAVY = """\
 dims M, K, N
 
