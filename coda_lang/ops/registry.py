@@ -98,6 +98,7 @@ class OpDef:
     impl: Callable[..., Any] | None = None  # NumPy implementation (filled by the interpreter issue)
     vjp: Callable[..., Any] | None = None  # VJP rule (filled by the autodiff issue)
     emit: Callable[..., Any] | None = None  # CuTeDSL emitter (filled by the backend issue)
+    doc: str = ""  # one line for the language reference (docs/language.md's op table)
 
     def accepts(self, nargs: int, kwargs: set[str]) -> bool:
         """Whether a call with these positional and keyword arguments means this op."""
