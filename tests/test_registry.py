@@ -23,7 +23,7 @@ from coda_lang.ir.types import BOOL, DTYPES, ERROR_TYPE, GROUP, MATRIX, SCALAR, 
 from coda_lang.ops import BY_SURFACE, REGISTRY, Ctx, OpDef, StageShape, resolve
 from coda_lang.verify.diagnostics import CODES, Mistake
 
-RULES = ("type_rule", "locality", "impl", "vjp", "emit")
+RULES = ("type_rule", "locality", "impl", "vjp", "emit", "torch")
 REQUIRED = ("type_rule", "locality")
 LOCALITIES = {"pointwise", "pair", "reduce", "index", "gather"}
 
@@ -31,7 +31,8 @@ LOCALITIES = {"pointwise", "pair", "reduce", "index", "gather"}
 EXPECTED_MISSING: dict[str, frozenset[str]] = {
     "impl": frozenset(),  # the interpreter issue
     "vjp": frozenset({"col_index", "eq", "ge", "gt", "le", "lt", "ne", "row_index"}),  # not differentiable
-    "emit": frozenset({"col_index", "row_index"}),  # the backend issue
+    "emit": frozenset({"col_index", "row_index"}),  # the executors know where their tile sits
+    "torch": frozenset({"col_index", "row_index", "pick"}),  # as emit; pick is a sink (or a gather) of its own
 }
 
 
@@ -180,6 +181,8 @@ def _param_values(op: OpDef) -> list[dict[str, Any]]:
             vals: list[Any] = [M, N, HALF, DOUBLE, K]
         elif spec.kind == "int":
             vals = [1, 2, 4, 128, 0, -3]
+        elif spec.kind == "choice":
+            vals = list(spec.choices)
         else:
             assert spec.kind == "dtype", spec.kind
             vals = list(DTYPES)

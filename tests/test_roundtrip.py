@@ -193,6 +193,9 @@ class BlockGen:
         if spec.kind == "int":
             g = draw(st.sampled_from(GROUPS))
             return g, str(g)
+        if spec.kind == "choice":
+            c = draw(st.sampled_from(spec.choices))
+            return c, f'"{c}"'
         assert spec.kind == "dtype", f"the generator does not know parameters of kind {spec.kind!r}"
         dt = draw(st.sampled_from(DTYPES))
         return dt, dt

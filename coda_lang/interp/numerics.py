@@ -1,7 +1,8 @@
 """Numerics shared by the interpreter: NumPy dtypes of coda dtypes, and rounding to a storage dtype.
 
 What it does: maps coda dtypes to NumPy dtypes for each precision ("exact": f32 compute with rounded
-storage, the kernel's numerics; "f64": float64 everywhere, no rounding) and rounds arrays.
+storage, the kernel's numerics; "f64": float64 everywhere, no rounding), rounds arrays, and gives the
+math functions NumPy lacks (erf).
 What it does not: decide *when* to round (run.py does: at the end of the stage that stores a tile).
 Invariants: rounding is round-to-nearest-even (ml_dtypes / NumPy casts), and returns the compute
 dtype (f32 values that are exactly representable in the storage dtype).
@@ -9,6 +10,7 @@ dtype (f32 values that are exactly representable in the storage dtype).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import ml_dtypes
@@ -43,3 +45,14 @@ def to_storage(x: np.ndarray, dtype: str, precision: str) -> np.ndarray:
     if precision == "f64" and dtype in ("f32", "bf16", "f16"):
         return np.asarray(x, dtype=np.float64)
     return np.asarray(x).astype(STORAGE[dtype])
+
+
+_ERF = np.frompyfunc(math.erf, 1, 1)
+
+
+def erf(x: Any) -> Any:
+    """The error function elementwise, correctly rounded from float64 (NumPy has none; `math.erf` per
+    element), in the dtype of `x` (f32 stays f32)."""
+    x = np.asarray(x)
+    dtype = x.dtype if x.dtype.kind == "f" else np.dtype(np.float64)
+    return np.asarray(_ERF(x.astype(np.float64)), dtype=np.float64).astype(dtype)

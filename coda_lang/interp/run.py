@@ -25,22 +25,13 @@ from coda_lang.interp.numerics import compute_dtype, round_to, to_storage
 from coda_lang.ir.nodes import Atom, Block, DimRef, Eqn, Lit, Stage, Var
 from coda_lang.ir.types import ERROR_TYPE, GROUP, MATRIX, PARTIAL, TILE, Dim, Type
 from coda_lang.ops import REGISTRY
+from coda_lang.ops.registry import combine_rule
 from coda_lang.verify.plan import BlockPlan
 
 
 def combine(buf: np.ndarray, rule: str, axis: int) -> np.ndarray:
-    """Combine per-tile partials along `axis` with a reduction's combine rule."""
-    if rule in ("sum",):
-        return buf.sum(axis=axis)
-    if rule == "max":
-        return buf.max(axis=axis)
-    if rule == "min":
-        return buf.min(axis=axis)
-    if rule == "lse":
-        m = buf.max(axis=axis, keepdims=True)
-        m = np.where(np.isfinite(m), m, 0)
-        return np.squeeze(m, axis) + np.log(np.exp(buf - m).sum(axis=axis))
-    raise AssertionError(rule)
+    """Combine per-tile partials along `axis` by the combine record named `rule` (ops.COMBINES)."""
+    return np.asarray(combine_rule(rule).numpy(buf, axis))
 
 
 @dataclass
@@ -154,8 +145,8 @@ class Interpreter:
                         axis = 1 if row_partial else 0
                         if v.name not in bufs:
                             shape = (R, n_ct) if row_partial else (n_rt, extent(vt.shape[0], self.dims) if vt.shape else 1)
-                            init = {"sum": 0.0, "max": -np.inf, "min": np.inf, "lse": -np.inf}[vt.combine or "sum"]
-                            bufs[v.name] = (np.full(shape, init, self.cdtype(vt)), vt.combine or "sum", axis)
+                            rule = combine_rule(vt.combine)
+                            bufs[v.name] = (np.full(shape, rule.identity, self.cdtype(vt)), rule.name, axis)
                         buf = bufs[v.name][0]
                         if row_partial:
                             buf[r0:r1, c0 // tn] = x

@@ -58,7 +58,8 @@ def op_call_source(op: OpDef, args: list[str], params: Mapping[str, object]) -> 
         v = params.get(spec.name)
         if v is None:
             continue
-        parts.append(_param_source(v) if spec.positional else f"{spec.name}={_param_source(v)}")
+        text = f'"{v}"' if spec.kind == "choice" else _param_source(v)
+        parts.append(text if spec.positional else f"{spec.name}={text}")
     return f"{op.surface}({', '.join(parts)})"
 
 

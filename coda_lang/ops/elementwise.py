@@ -13,7 +13,18 @@ import math
 from typing import Any
 
 from coda_lang.ir.types import BOOL, ERROR_TYPE, FLOAT_DTYPES, INT_DTYPES, Type, promote
-from coda_lang.ops.registry import Ctx, OpDef, ParamSpec, broadcast, np, register
+from coda_lang.ops.registry import (
+    Ctx,
+    OpDef,
+    ParamSpec,
+    as_tensor,
+    as_tensors,
+    broadcast,
+    np,
+    register,
+    torch,
+    unary,
+)
 from coda_lang.verify.diagnostics import Mistake
 
 
@@ -61,21 +72,26 @@ def _cast(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type
     return (t,)
 
 
-def _pointwise(name: str, surface: str, nin: int, rule: Any, impl: Any, *, infix: str | None = None,
-               differentiable: bool = True, params: tuple[ParamSpec, ...] = (), vjp: Any = None,
-               emit: Any = None) -> OpDef:
-    return register(OpDef(name, surface, nin, type_rule=rule, locality="pointwise", impl=impl,
-                          infix=infix, differentiable=differentiable, params=params, vjp=vjp, emit=emit))
+def _pointwise(name: str, surface: str, nin: int, rule: Any, impl: Any, *, torch: Any, doc: str,
+               infix: str | None = None, differentiable: bool = True, params: tuple[ParamSpec, ...] = (),
+               vjp: Any = None, emit: Any = None, imports: tuple[tuple[str, str], ...] = ()) -> OpDef:
+    return register(OpDef(name, surface, nin, type_rule=rule, locality="pointwise", impl=impl, infix=infix,
+                          differentiable=differentiable, params=params, vjp=vjp, emit=emit, imports=imports,
+                          torch=torch, doc=doc))
 
 
 # CuTeDSL emitters (backend_cute/emit.py): `emit(*operands, **params)` maps the operands' Python
-# expressions (names or literals: the emitted code is flat) to the expression of one f32 element, in
-# the names the emitted module imports: `cute`, `cutlass`, `Float32`, `BFloat16`, `Float16`, quack's
-# `pexp` and quack.activation's `silu`, `sigmoid`, `tanh`, `gelu_tanh_approx` (fastmath, as quack's
-# own epilogues use them).
+# expressions (names or literals: the emitted code is flat) to the expression of one f32 element. The
+# emitted module always has `cute`, `cutlass`, `Float32`, `BFloat16`, `Float16` and `Int32`; any other
+# name an emitter uses comes with its import (`imports=`), fastmath where quack's own epilogues use it.
 def _fn(name: str, **kw: str) -> Any:
     extra = "".join(f", {k}={v}" for k, v in kw.items())
     return lambda *xs: f"{name}({', '.join(xs)}{extra})"
+
+
+def _quack(module: str, name: str) -> dict[str, Any]:
+    """The emitter of a function of quack's (`from quack.<module> import <name>`) and its import."""
+    return {"emit": _fn(name), "imports": ((name, f"from quack.{module} import {name}"),)}
 
 
 def _cast_emit(x: str, dtype: str) -> str:
@@ -87,26 +103,34 @@ def _cast_emit(x: str, dtype: str) -> str:
 # VJP rules: `vjp(b, p, ct)` returns one cotangent per input (None: no gradient), written with other
 # ops through the builder `b` (coda_lang/autodiff/builder.py); `p.x[i]` / `p.y[i]` are the primal
 # inputs / outputs, loaded or recomputed on demand. Broadcasting is undone centrally by autodiff.
+# Torch stand-ins (`torch=`) take tensors or Python numbers (operands of a vector op between stages
+# may be plain numbers), and compute what `impl` computes.
 
 
 # Arithmetic (infix). Integer operands stay integer except for `/`.
 _pointwise("add", "add", 2, _arith, lambda a, b: a + b, infix="+", vjp=lambda b, p, ct: [ct, ct],
-           emit=lambda a, b: f"{a} + {b}")
+           emit=lambda a, b: f"{a} + {b}", torch=lambda a, b: a + b, doc="a + b")
 _pointwise("sub", "sub", 2, _arith, lambda a, b: a - b, infix="-", vjp=lambda b, p, ct: [ct, b.neg(ct)],
-           emit=lambda a, b: f"{a} - {b}")
+           emit=lambda a, b: f"{a} - {b}", torch=lambda a, b: a - b, doc="a - b")
 _pointwise("mul", "mul", 2, _arith, lambda a, b: a * b, infix="*",
-           vjp=lambda b, p, ct: [b.mul(ct, p.x[1]), b.mul(ct, p.x[0])], emit=lambda a, b: f"{a} * {b}")
+           vjp=lambda b, p, ct: [b.mul(ct, p.x[1]), b.mul(ct, p.x[0])], emit=lambda a, b: f"{a} * {b}",
+           torch=lambda a, b: a * b, doc="a * b")
 _pointwise("div", "div", 2, _floating, lambda a, b: a / b, infix="/",
            vjp=lambda b, p, ct: [b.div(ct, p.x[1]), b.neg(b.div(b.mul(ct, p.y[0]), p.x[1]))],
-           emit=lambda a, b: f"{a} / {b}")
+           emit=lambda a, b: f"{a} / {b}", torch=lambda a, b: as_tensor(a) / b, doc="a / b, always floating")
 _pointwise("neg", "neg", 1, _arith, lambda a: -a, infix="neg", vjp=lambda b, p, ct: [b.neg(ct)],
-           emit=lambda a: f"-{a}")
+           emit=lambda a: f"-{a}", torch=lambda a: -a, doc="-a")
 _pointwise("maximum", "max", 2, _arith, lambda a, b: np.maximum(a, b),
-           vjp=lambda b, p, ct: _select(b, b.op("ge", p.x[0], p.x[1]), ct), emit=_fn("cute.math.max"))
+           vjp=lambda b, p, ct: _select(b, b.op("ge", p.x[0], p.x[1]), ct), emit=_fn("cute.math.max"),
+           torch=lambda a, b: torch.maximum(*as_tensors(a, b)),
+           doc="the larger of a and b, elementwise (ties: the gradient goes to a)")
 _pointwise("minimum", "min", 2, _arith, lambda a, b: np.minimum(a, b),
-           vjp=lambda b, p, ct: _select(b, b.op("le", p.x[0], p.x[1]), ct), emit=_fn("cute.math.min"))
+           vjp=lambda b, p, ct: _select(b, b.op("le", p.x[0], p.x[1]), ct), emit=_fn("cute.math.min"),
+           torch=lambda a, b: torch.minimum(*as_tensors(a, b)),
+           doc="the smaller of a and b, elementwise (ties: the gradient goes to a)")
 _pointwise("abs", "abs", 1, _arith, lambda a: np.abs(a),
-           vjp=lambda b, p, ct: [b.where(b.op("ge", p.x[0], b.lit(0.0)), ct, b.neg(ct))], emit=_fn("abs"))
+           vjp=lambda b, p, ct: [b.where(b.op("ge", p.x[0], b.lit(0.0)), ct, b.neg(ct))], emit=_fn("abs"),
+           torch=unary(lambda x: x.abs()), doc="|x|")
 
 # Comparisons give a bool, usable only as the condition of where().
 for _name, _sym, _impl in [
@@ -115,11 +139,20 @@ for _name, _sym, _impl in [
     ("eq", "==", lambda a, b: a == b), ("ne", "!=", lambda a, b: a != b),
 ]:
     _pointwise(_name, _name, 2, _compare, _impl, infix=_sym, differentiable=False,
-               emit=lambda a, b, _sym=_sym: f"{a} {_sym} {b}")
+               emit=lambda a, b, _sym=_sym: f"{a} {_sym} {b}",
+               torch=lambda a, b, _impl=_impl: _impl(*as_tensors(a, b)),
+               doc=f"a {_sym} b: a bool, only for the condition of where()")
+
+
+def _where_torch(c: Any, a: Any, b: Any) -> Any:
+    if not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
+        a = torch.tensor(float(a), dtype=torch.float32, device=c.device)
+    return torch.where(c, a, b)
+
 
 _pointwise("where", "where", 3, _where, lambda c, a, b: np.where(c, a, b),
            vjp=lambda b, p, ct: [None, b.where(p.x[0], ct, b.lit(0.0)), b.where(p.x[0], b.lit(0.0), ct)],
-           emit=_fn("cutlass.select_"))
+           emit=_fn("cutlass.select_"), torch=_where_torch, doc="a where the comparison c holds, else b")
 
 
 def _select(b: Any, first: Any, ct: Any) -> list[Any]:
@@ -132,7 +165,12 @@ def _silu_vjp(b: Any, x: Any, ct: Any) -> Any:
     return b.mul(ct, b.mul(s, b.add(b.lit(1.0), b.mul(x, b.sub(b.lit(1.0), s)))))
 
 
-def _gelu_vjp(b: Any, x: Any, ct: Any) -> Any:
+def _gelu_vjp(b: Any, p: Any, ct: Any) -> Any:
+    x = p.x[0]
+    if p.param("approximate") == "none":  # gelu(x) = x Phi(x): gelu' = Phi(x) + x phi(x)
+        phi = b.mul(b.lit(_INV_SQRT_2PI), b.op("exp", b.mul(b.lit(-0.5), b.mul(x, x))))
+        cdf = b.mul(b.lit(0.5), b.add(b.lit(1.0), b.op("erf", b.mul(x, b.lit(_INV_SQRT_2)))))
+        return b.mul(ct, b.add(cdf, b.mul(x, phi)))
     # gelu(x) = x/2 (1 + t), t = tanh(c (x + k x^3)); gelu' = (1 + t)/2 + x/2 (1 - t^2) c (1 + 3k x^2)
     x2 = b.mul(x, x)
     t = b.op("tanh", b.mul(b.lit(_GELU_C), b.mul(x, b.add(b.lit(1.0), b.mul(b.lit(0.044715), x2)))))
@@ -149,35 +187,79 @@ def _sigmoid(x: Any) -> Any:
 
 
 _GELU_C = math.sqrt(2.0 / math.pi)
+_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+# softplus(x) is x above this (as torch's and quack's softplus: exp(-20) is below f32's resolution at 20)
+SOFTPLUS_LINEAR = 20.0
 
 # Math functions: float in, f32 out.
 _pointwise("exp", "exp", 1, _floating, lambda x: np.exp(x), vjp=lambda b, p, ct: [b.mul(ct, p.y[0])],
-           emit=_fn("pexp"))
+           torch=unary(lambda x: x.exp()), doc="e^x", **_quack("epilogue.math", "pexp"))
 _pointwise("log", "log", 1, _floating, lambda x: np.log(x), vjp=lambda b, p, ct: [b.div(ct, p.x[0])],
-           emit=_fn("cute.math.log", fastmath="True"))
+           emit=_fn("cute.math.log", fastmath="True"), torch=unary(lambda x: x.log()), doc="natural logarithm")
 _pointwise("sqrt", "sqrt", 1, _floating, lambda x: np.sqrt(x),
-           vjp=lambda b, p, ct: [b.div(b.mul(ct, b.lit(0.5)), p.y[0])], emit=_fn("cute.math.sqrt", fastmath="True"))
+           vjp=lambda b, p, ct: [b.div(b.mul(ct, b.lit(0.5)), p.y[0])], emit=_fn("cute.math.sqrt", fastmath="True"),
+           torch=unary(lambda x: x.sqrt()), doc="square root")
 _pointwise("rsqrt", "rsqrt", 1, _floating, lambda x: 1 / np.sqrt(x),  # d/dx x^-1/2 = -y^3 / 2
            vjp=lambda b, p, ct: [b.mul(b.mul(ct, b.lit(-0.5)), b.mul(p.y[0], b.mul(p.y[0], p.y[0])))],
-           emit=_fn("cute.math.rsqrt", fastmath="True"))
+           emit=_fn("cute.math.rsqrt", fastmath="True"), torch=unary(lambda x: x.rsqrt()), doc="1 / sqrt(x)")
 _pointwise("tanh", "tanh", 1, _floating, lambda x: np.tanh(x),
-           vjp=lambda b, p, ct: [b.mul(ct, b.sub(b.lit(1.0), b.mul(p.y[0], p.y[0])))], emit=_fn("tanh"))
+           vjp=lambda b, p, ct: [b.mul(ct, b.sub(b.lit(1.0), b.mul(p.y[0], p.y[0])))],
+           torch=unary(lambda x: x.tanh()), doc="hyperbolic tangent", **_quack("activation", "tanh"))
 _pointwise("sigmoid", "sigmoid", 1, _floating, _sigmoid,
-           vjp=lambda b, p, ct: [b.mul(ct, b.mul(p.y[0], b.sub(b.lit(1.0), p.y[0])))], emit=_fn("sigmoid"))
+           vjp=lambda b, p, ct: [b.mul(ct, b.mul(p.y[0], b.sub(b.lit(1.0), p.y[0])))],
+           torch=unary(lambda x: x.sigmoid()), doc="1 / (1 + e^-x)", **_quack("activation", "sigmoid"))
 _pointwise("silu", "silu", 1, _floating, lambda x: x * _sigmoid(x), vjp=lambda b, p, ct: [_silu_vjp(b, p.x[0], ct)],
-           emit=_fn("silu"))
-def _gelu(x: Any) -> Any:
+           torch=unary(lambda x: torch.nn.functional.silu(x)), doc="x * sigmoid(x) (SwiGLU's gate)",
+           **_quack("activation", "silu"))
+
+
+def _softplus(x: Any) -> Any:
     x = np.asarray(x)
+    return np.where(x > SOFTPLUS_LINEAR, x, np.log1p(np.exp(np.minimum(x, SOFTPLUS_LINEAR))))
+
+
+_pointwise("softplus", "softplus", 1, _floating, _softplus, vjp=lambda b, p, ct: [b.mul(ct, b.op("sigmoid", p.x[0]))],
+           torch=unary(lambda x: torch.nn.functional.softplus(x, threshold=SOFTPLUS_LINEAR)),
+           doc=f"log(1 + e^x) (x itself above {SOFTPLUS_LINEAR:g}, as torch's)", **_quack("activation", "softplus"))
+
+
+def _gelu(x: Any, approximate: str | None = None) -> Any:
+    x = np.asarray(x)
+    if approximate == "none":
+        from coda_lang.interp.numerics import erf
+
+        return 0.5 * x * (1 + erf(x * x.dtype.type(_INV_SQRT_2)))
     c, k = x.dtype.type(_GELU_C), x.dtype.type(0.044715)
     return 0.5 * x * (1 + np.tanh(c * (x + k * x * x * x)))
 
 
-_pointwise("gelu", "gelu", 1, _floating, _gelu, vjp=lambda b, p, ct: [_gelu_vjp(b, p.x[0], ct)],
-           emit=_fn("gelu_tanh_approx"))
+def _gelu_emit(x: str, approximate: str | None = None) -> str:
+    return f"gelu_erf({x})" if approximate == "none" else f"gelu_tanh_approx({x})"
+
+
+_pointwise("gelu", "gelu", 1, _floating, _gelu, vjp=lambda b, p, ct: [_gelu_vjp(b, p, ct)], emit=_gelu_emit,
+           imports=(("gelu_tanh_approx", "from quack.activation import gelu_tanh_approx"),
+                    ("gelu_erf", "from quack.activation import gelu_erf")),
+           params=(ParamSpec("approximate", "choice", choices=("tanh", "none")),),
+           torch=lambda x, approximate=None: torch.nn.functional.gelu(
+               as_tensor(x), approximate="none" if approximate == "none" else "tanh"),
+           doc='GELU: tanh approximation (default, or approximate="tanh"); exact with approximate="none"')
+_pointwise("erf", "erf", 1, _floating, lambda x: _erf(x), vjp=lambda b, p, ct: [
+           b.mul(ct, b.mul(b.lit(2.0 / math.sqrt(math.pi)), b.op("exp", b.neg(b.mul(p.x[0], p.x[0])))))],
+           emit=_fn("cute.math.erf"), torch=unary(lambda x: torch.special.erf(x)), doc="the error function")
 _pointwise("sin", "sin", 1, _floating, lambda x: np.sin(x), vjp=lambda b, p, ct: [b.mul(ct, b.op("cos", p.x[0]))],
-           emit=_fn("cute.math.sin"))
+           emit=_fn("cute.math.sin"), torch=unary(lambda x: x.sin()), doc="sine (RoPE)")
 _pointwise("cos", "cos", 1, _floating, lambda x: np.cos(x),
-           vjp=lambda b, p, ct: [b.neg(b.mul(ct, b.op("sin", p.x[0])))], emit=_fn("cute.math.cos"))
+           vjp=lambda b, p, ct: [b.neg(b.mul(ct, b.op("sin", p.x[0])))], emit=_fn("cute.math.cos"),
+           torch=unary(lambda x: x.cos()), doc="cosine (RoPE)")
+
+
+def _erf(x: Any) -> Any:
+    from coda_lang.interp.numerics import erf
+
+    return erf(np.asarray(x))
+
 
 def _cast_impl(x: Any, dtype: str, precision: str = "exact") -> Any:
     """Round to `dtype` (no-op for floats in the f64 gradient-check precision); i32 truncates."""
@@ -189,12 +271,24 @@ def _cast_impl(x: Any, dtype: str, precision: str = "exact") -> Any:
     return round_to(x.astype(np.float64 if precision == "f64" else np.float32), dtype, precision)
 
 
+_TORCH_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
+
+
+def _cast_torch(x: Any, dtype: str) -> Any:
+    """cast(x, dtype) on torch: round to dtype (the value stays f32), or truncate to i32."""
+    x = as_tensor(x)
+    if dtype == "i32":
+        return x.trunc().to(torch.int32) if x.is_floating_point() else x.to(torch.int32)
+    return x.float().to(getattr(torch, _TORCH_DTYPES[dtype])).float()
+
+
 # cast(x, bf16): rounds to the dtype (the value is still computed in f32 afterwards). Its VJP passes the
 # cotangent straight through (a cast to i32 has none).
 _pointwise("cast", "cast", 1, _cast, _cast_impl,
            vjp=lambda b, p, ct: [None if p.param("dtype") == "i32" else ct],
            params=(ParamSpec("dtype", "dtype", required=True, positional=True),),
-           differentiable=True, emit=_cast_emit)
+           differentiable=True, emit=_cast_emit, torch=_cast_torch,
+           doc="x rounded to a dtype (the value stays f32); i32 truncates")
 
 CAST_TARGETS = FLOAT_DTYPES + INT_DTYPES
 
@@ -209,4 +303,5 @@ def _copy(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type
 
 
 # `y = x`: a named copy (an output that is exactly `acc`, an alias of a parameter).
-_pointwise("copy", "copy", 1, _copy, lambda x: x, infix="=", vjp=lambda b, p, ct: [ct], emit=lambda x: x)
+_pointwise("copy", "copy", 1, _copy, lambda x: x, infix="=", vjp=lambda b, p, ct: [ct], emit=lambda x: x,
+           torch=lambda x: x, doc="`y = x`: a named copy (or, between stages, an alias of a matrix)")

@@ -1,7 +1,8 @@
-"""Reductions: sum, max, min, logsumexp over a dim (optionally in groups), and pick (target gather).
+"""Reductions: sum, max, min, logsumexp, mean over a dim (optionally in groups), and pick (target gather).
 
-What it does: registers each reduction with its type rule, its combine rule (how per-tile partials
-combine: sum, max, min, log-sum-exp) and NumPy impls of the reduction and of the combine.
+What it does: registers each reduction with its type rule and its combine record (registry.COMBINES:
+how per-tile partials combine, sum, max, min or log-sum-exp, in NumPy, torch and quack's epilogue);
+`mean` is a decomposition (sum(x / N, over=N)), not an op the later passes see.
 What it does not: decide where a partial may be used (verify/locality rules do).
 Invariants: inside a stage a reduction over rows or columns gives a `partial`, complete only after
 every tile ran; a grouped reduction (group=g) gives a `group` value, complete inside one tile when the
@@ -14,21 +15,29 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Any
 
-from coda_lang.ir.nodes import Lit
+from coda_lang.ir.nodes import DimRef, Lit
 from coda_lang.ir.types import (
     BOOL,
     ERROR_TYPE,
     GROUP,
     MATRIX,
     PARTIAL,
-    SCALAR,
     TILE,
     VEC,
     Dim,
     Type,
-    shape_str,
 )
-from coda_lang.ops.registry import Ctx, OpDef, ParamSpec, axis_of, kind_name, np, register
+from coda_lang.ops.registry import (
+    COMBINES,
+    Ctx,
+    OpDef,
+    ParamSpec,
+    as_tensor,
+    axis_of,
+    kind_name,
+    np,
+    register,
+)
 from coda_lang.verify.diagnostics import Mistake
 
 
@@ -86,14 +95,10 @@ def _reduce_rule(name: str, combine: str) -> Any:
 
 
 def _reduce_impl(fn: str) -> Any:
-    def impl(x: Any, axis: int) -> Any:
-        if fn == "logsumexp":
-            m = np.max(x, axis=axis, keepdims=True)
-            m = np.where(np.isfinite(m), m, 0)
-            return np.squeeze(m, axis) + np.log(np.sum(np.exp(x - m), axis=axis))
-        return getattr(np, fn)(x, axis=axis)
-
-    return impl
+    """The NumPy reduction along an axis: the fold of the op's combine record (a reduction of a whole
+    tile and the combination of its per-tile partials are the same fold)."""
+    fold = COMBINES[{"logsumexp": "lse"}.get(fn, fn)].numpy
+    return lambda x, axis: fold(x, axis)
 
 
 def _reduce_vjp(fn: str) -> Any:
@@ -117,11 +122,32 @@ def _reduce_vjp(fn: str) -> Any:
 
 
 REDUCE_PARAMS = (ParamSpec("over", "dim", required=True), ParamSpec("group", "int"))
-for _surface, _fn, _combine in [("sum", "sum", "sum"), ("max", "max", "max"), ("min", "min", "min"),
-                                ("logsumexp", "logsumexp", "lse")]:
+_REDUCE_DOCS = {
+    "sum": "the sum over a dim (a partial inside a stage; group=g: per run of g columns, complete in the tile)",
+    "max": "the maximum over a dim (as sum; ties share the gradient)",
+    "min": "the minimum over a dim (as sum; ties share the gradient)",
+    "logsumexp": "log(sum(exp(x))) over a dim, computed stably (as sum)",
+}
+for _surface, _combine in [("sum", "sum"), ("max", "max"), ("min", "min"), ("logsumexp", "lse")]:
+    # The stand-in reduces a whole vector (between stages); partials fold by the combine record.
     register(OpDef(f"reduce_{_surface}", _surface, 1, type_rule=_reduce_rule(_surface, _combine),
-                   locality="reduce", params=REDUCE_PARAMS, combine=_combine, impl=_reduce_impl(_fn),
-                   vjp=_reduce_vjp(_surface), emit=lambda x, **params: x))
+                   locality="reduce", params=REDUCE_PARAMS, combine=COMBINES[_combine], impl=_reduce_impl(_surface),
+                   vjp=_reduce_vjp(_surface), emit=lambda x, **params: x,
+                   torch=lambda x, _c=COMBINES[_combine]: _c.torch(as_tensor(x).reshape(-1), 0),
+                   doc=_REDUCE_DOCS[_surface]))
+
+
+def _mean(d: Any, ins: list[Any], params: dict[str, Any]) -> tuple[str, list[Any], dict[str, Any]]:
+    """mean(x, over=N) is sum(x / N, over=N): each tile's partial is its share of the mean, so the
+    partials combine as a sum (and group=g divides by g instead)."""
+    (x,) = ins
+    group = params.get("group")
+    count = Lit(float(group), "f32") if group is not None else DimRef(params["over"])
+    return "reduce_sum", [d.op("div", x, count)], params
+
+
+register(OpDef("reduce_mean", "mean", 1, locality="reduce", params=REDUCE_PARAMS, combine=COMBINES["sum"],
+               decompose=_mean, doc="the mean over a dim: sum(x / N, over=N)"))
 
 
 def _pick_rule(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type, ...]:
@@ -181,7 +207,6 @@ def _pick_vjp(b: Any, p: Any, ct: Any) -> list[Any]:
 
 # CuTeDSL emitters of reductions and pick give the per-element value the kernel folds (backend_cute/plan.py
 # picks the quack sink: ColVecReduce, RowVecReduce, OnlineLSEReduce, ColVecSelect).
-register(OpDef("pick", "pick", 2, type_rule=_pick_rule, locality="gather", combine="sum",
-               impl=_pick_impl, vjp=_pick_vjp, emit=lambda x, idx: x))
-
-_ = (SCALAR, shape_str)
+register(OpDef("pick", "pick", 2, type_rule=_pick_rule, locality="gather", combine=COMBINES["sum"],
+               impl=_pick_impl, vjp=_pick_vjp, emit=lambda x, idx: x,
+               doc="x[i, idx[i]]: one column per row (a cross-entropy's target logit); 0 where idx is out of range"))

@@ -35,16 +35,88 @@ from coda_lang.ir.types import (
 from coda_lang.verify.diagnostics import Mistake
 
 
-class _LazyNumpy:
-    """`np.exp` etc. without importing NumPy until an impl runs (keeps `coda check` fast)."""
+class _Lazy:
+    """A module imported on first attribute use: `np.exp` or `torch.sigmoid` in a rule imports NumPy or
+    torch only when the rule runs (keeps `coda check` fast, and torch optional until it is needed)."""
+
+    def __init__(self, module: str):
+        self._module = module
 
     def __getattr__(self, name: str) -> Any:
-        import numpy
+        import importlib
 
-        return getattr(numpy, name)
+        return getattr(importlib.import_module(self._module), name)
 
 
-np: Any = _LazyNumpy()
+np: Any = _Lazy("numpy")
+torch: Any = _Lazy("torch")
+
+
+def as_tensor(x: Any) -> Any:
+    """A torch stand-in's operand as a tensor (a Python number becomes an f32 scalar tensor)."""
+    return x if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=torch.float32)
+
+
+def as_tensors(a: Any, b: Any) -> tuple[Any, Any]:
+    """Both operands as tensors, a Python number taking the other one's device (and float dtype)."""
+    if isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
+        return a, torch.tensor(b, dtype=a.dtype if a.is_floating_point() else torch.float32, device=a.device)
+    if isinstance(b, torch.Tensor) and not isinstance(a, torch.Tensor):
+        return torch.tensor(a, dtype=b.dtype if b.is_floating_point() else torch.float32, device=b.device), b
+    return as_tensor(a), as_tensor(b)
+
+
+def unary(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """A torch stand-in of a one-operand function that also takes a Python number."""
+    return lambda x: fn(as_tensor(x))
+
+
+@dataclass(frozen=True)
+class Combine:
+    """How a reduction's per-tile partials combine, in every vocabulary the toolchain speaks.
+
+    `name` is what a partial's `Type.combine` holds; `noun` is how diagnostics say it ("a partial sum");
+    `identity` is the fold of nothing (an empty tile's partial); `numpy` and `torch` fold an array or a
+    tensor along an axis (the interpreter's tile simulation, the CUDA runtime's partial combines, the
+    emulated kernels and the elementwise stages all use these); `sink` is how quack's epilogue folds
+    the per-element value over a tile: "add" or "max" (ColVecReduce / RowVecReduce), "lse" (quack's
+    OnlineLSEReduce, along the columns only), None when no epilogue sink can fold it (the backend
+    refuses it with E0705, it never folds it some other way); `negate`: the sink folds the negated
+    value and the runtime negates the partials back (min(x) == -max(-x), exact); `group` is the fold
+    of epi_ops.GroupedReduce for a grouped reduction ("add", "max", "min", "lse"), None if it has none.
+    """
+
+    name: str
+    noun: str
+    identity: float
+    numpy: Callable[[Any, int], Any]
+    torch: Callable[[Any, int], Any]
+    sink: str | None = None
+    negate: bool = False
+    group: str | None = None
+
+
+def _lse_numpy(x: Any, axis: int) -> Any:
+    m = np.max(x, axis=axis, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)
+    return np.squeeze(m, axis) + np.log(np.sum(np.exp(x - m), axis=axis))
+
+
+COMBINES: dict[str, Combine] = {c.name: c for c in (
+    Combine("sum", "a partial sum", 0.0, lambda x, axis: np.sum(x, axis=axis), lambda x, axis: x.sum(axis),
+            sink="add", group="add"),
+    Combine("max", "a partial max", float("-inf"), lambda x, axis: np.max(x, axis=axis),
+            lambda x, axis: x.amax(axis), sink="max", group="max"),
+    Combine("min", "a partial min", float("inf"), lambda x, axis: np.min(x, axis=axis),
+            lambda x, axis: x.amin(axis), sink="max", negate=True, group="min"),
+    Combine("lse", "a partial log-sum-exp", float("-inf"), _lse_numpy,
+            lambda x, axis: torch.logsumexp(x, axis), sink="lse", group="lse"),
+)}
+
+
+def combine_rule(name: str | None) -> Combine:
+    """The combine record of a partial's `Type.combine` (a pick's partial combines as a sum)."""
+    return COMBINES[name or "sum"]
 
 
 @dataclass(frozen=True)
@@ -72,12 +144,14 @@ class Ctx:
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """A keyword argument an op takes: `over=D` (a dim), `group=128` (an int), `bf16` (a dtype)."""
+    """A keyword argument an op takes: `over=D` (a dim), `group=128` (an int), `bf16` (a dtype),
+    `approximate="none"` (a choice)."""
 
     name: str
-    kind: str  # "dim" | "int" | "dtype"
+    kind: str  # "dim" | "int" | "dtype" | "choice" (a string literal, one of `choices`)
     required: bool = False
     positional: bool = False  # may also be given as the next positional argument
+    choices: tuple[str, ...] = ()
 
 
 TypeRule = Callable[[Ctx, tuple[Type, ...], dict[str, Any]], tuple[Type, ...]]
@@ -94,10 +168,21 @@ class OpDef:
     params: tuple[ParamSpec, ...] = ()
     infix: str | None = None  # "+", "<", ...; "neg" is prefix "-"
     differentiable: bool = True
-    combine: str | None = None  # reductions: how per-tile partials combine
-    impl: Callable[..., Any] | None = None  # NumPy implementation (filled by the interpreter issue)
-    vjp: Callable[..., Any] | None = None  # VJP rule (filled by the autodiff issue)
-    emit: Callable[..., Any] | None = None  # CuTeDSL emitter (filled by the backend issue)
+    combine: Combine | None = None  # reductions (and pick): how per-tile partials combine
+    impl: Callable[..., Any] | None = None  # NumPy implementation: the interpreter's, the oracle
+    vjp: Callable[..., Any] | None = None  # VJP rule, written with other ops through autodiff's builder
+    emit: Callable[..., Any] | None = None  # CuTeDSL emitter: operand expressions -> the element's expression
+    # the names the emitter's code uses beyond the emitted module's own (cute, cutlass, Float32, ...),
+    # each with the import line that provides it: ("pexp", "from quack.epilogue.math import pexp")
+    imports: tuple[tuple[str, str], ...] = ()
+    # torch stand-in: the op on torch tensors (or Python numbers) of any device, as the interpreter's
+    # impl computes it; used between stages by the CUDA runtime, in the emulated kernels and in the
+    # elementwise stages. A reduction's stand-in reduces a whole vector (partials fold by `combine`).
+    torch: Callable[..., Any] | None = None
+    # a rewrite into other ops, applied when the source is lowered: `decompose(d, ins, params)` returns
+    # the (op name, operands, params) of the top equation, emitting helper equations with `d.op(...)`
+    # (syntax/lower.py's Decomposer); such an op needs no impl, VJP, emitter or stand-in of its own
+    decompose: Callable[..., Any] | None = None
     doc: str = ""  # one line for the language reference (docs/language.md's op table)
 
     def accepts(self, nargs: int, kwargs: set[str]) -> bool:
@@ -110,13 +195,14 @@ class OpDef:
         return required <= given and kwargs <= {p.name for p in self.params}
 
 
-REGISTRY: dict[str, OpDef] = {}
+REGISTRY: dict[str, OpDef] = {}  # the ops equations of the IR may have
+SUGAR: dict[str, OpDef] = {}  # ops with a `decompose` rule: written in source, never in the IR
 BY_SURFACE: dict[str, list[OpDef]] = {}
 
 
 def register(op: OpDef) -> OpDef:
-    assert op.name not in REGISTRY, op.name
-    REGISTRY[op.name] = op
+    assert op.name not in REGISTRY and op.name not in SUGAR, op.name
+    (SUGAR if op.decompose is not None else REGISTRY)[op.name] = op
     BY_SURFACE.setdefault(op.infix or op.surface, []).append(op)
     return op
 
@@ -245,6 +331,7 @@ def require_tile(t: Type, what: str) -> None:
 
 
 __all__ = [
-    "GROUP", "MATRIX", "PARTIAL", "SCALAR", "TILE", "VEC", "Ctx", "OpDef", "ParamSpec", "StageShape",
-    "REGISTRY", "axis_of", "broadcast", "kind_name", "register", "require_tile", "resolve", "np",
+    "COMBINES", "GROUP", "MATRIX", "PARTIAL", "SCALAR", "TILE", "VEC", "Combine", "Ctx", "OpDef", "ParamSpec",
+    "StageShape", "REGISTRY", "SUGAR", "as_tensor", "as_tensors", "axis_of", "broadcast", "combine_rule", "kind_name",
+    "register", "require_tile", "resolve", "np", "torch", "unary",
 ]

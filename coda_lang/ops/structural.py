@@ -13,7 +13,17 @@ from fractions import Fraction
 from typing import Any
 
 from coda_lang.ir.types import ERROR_TYPE, GROUP, SCALAR, TILE, VEC, Dim, Type, promote, shape_str
-from coda_lang.ops.registry import Ctx, OpDef, broadcast, np, register, require_tile
+from coda_lang.ops.registry import (
+    Ctx,
+    OpDef,
+    as_tensor,
+    as_tensors,
+    broadcast,
+    np,
+    register,
+    require_tile,
+    torch,
+)
 from coda_lang.verify.diagnostics import Mistake
 
 
@@ -97,10 +107,17 @@ def _interleave_vjp(b: Any, p: Any, ct: Any) -> list[Any]:
 # CuTeDSL emitters of the pair ops work on lanes (quack's acc_pair mode: a full-width value is a pair of
 # adjacent columns, one expression per lane): pairs maps its operand's lanes to one lane per result,
 # interleave two values to the lanes of one.
+def _interleave_torch(a: Any, b: Any) -> Any:
+    a, b = torch.broadcast_tensors(*as_tensors(a, b))
+    return torch.stack((a, b), dim=-1).reshape(*a.shape[:-1], 2 * a.shape[-1])
+
+
 register(OpDef("pairs", "pairs", 1, nout=2, type_rule=_pairs, locality="pair", impl=_pairs_impl, vjp=_pairs_vjp,
-               emit=lambda z: ((z[0],), (z[1],))))
+               emit=lambda z: ((z[0],), (z[1],)), torch=_pairs_impl,
+               doc="`a, b = pairs(z)`: the even and the odd columns of z (interleaved gate/up, RoPE pairs)"))
 register(OpDef("interleave", "interleave", 2, type_rule=_interleave, locality="pair", impl=_interleave_impl,
-               vjp=_interleave_vjp, emit=lambda a, b: ((a[0], b[0]),)))
+               vjp=_interleave_vjp, emit=lambda a, b: ((a[0], b[0]),), torch=_interleave_torch,
+               doc="the inverse of pairs: a's and b's columns alternating, twice as wide"))
 
 
 def _expand(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type, ...]:
@@ -118,9 +135,15 @@ def _expand(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Ty
 # not read): `expand(r, acc)` is a tile, `expand(r, col_index())` too (a row vector and a column vector
 # make a tile), and `expand(t, g)` reads a tile of one column per group as a grouped value. Autodiff
 # uses it to materialize a cotangent that is a vector or scalar where a whole tile is needed.
+def _expand_torch(x: Any, like: Any) -> Any:
+    x, like = as_tensor(x), as_tensor(like)
+    return torch.broadcast_to(x, torch.broadcast_shapes(x.shape, like.shape)).clone()
+
+
 register(OpDef("expand", "expand", 2, type_rule=_expand, locality="pointwise",
                impl=lambda x, like: np.broadcast_to(x, np.broadcast_shapes(np.shape(x), np.shape(like))).copy(),
-               vjp=lambda b, p, ct: [ct, None], emit=lambda x, like: x))
+               vjp=lambda b, p, ct: [ct, None], emit=lambda x, like: x, torch=_expand_torch,
+               doc="x broadcast to the shape of x and `like` together (like's values are not read)"))
 
 
 def _index_rule(axis: int) -> Any:
@@ -135,8 +158,11 @@ def _index_rule(axis: int) -> Any:
 
 
 # The impls receive the stage's (row offset, row count) or (column offset, column count) of the
-# tile being computed; the interpreter passes the whole range in whole-matrix mode.
+# tile being computed; the interpreter passes the whole range in whole-matrix mode. They have no
+# emitter or torch stand-in: each executor knows where its tile sits (the epilogue's coordinates).
 register(OpDef("row_index", "row_index", 0, type_rule=_index_rule(0), locality="index",
-               differentiable=False, impl=lambda start, n: np.arange(start, start + n, dtype=np.int32)))
+               differentiable=False, impl=lambda start, n: np.arange(start, start + n, dtype=np.int32),
+               doc="the global row index of each row of the stage's tile (i32)"))
 register(OpDef("col_index", "col_index", 0, type_rule=_index_rule(1), locality="index",
-               differentiable=False, impl=lambda start, n: np.arange(start, start + n, dtype=np.int32)))
+               differentiable=False, impl=lambda start, n: np.arange(start, start + n, dtype=np.int32),
+               doc="the global column index of each column of the stage's tile (i32)"))

@@ -535,6 +535,12 @@ class BlockLowerer:
             if value is None:
                 return None
             params.append((spec.name, value))
+        if op.decompose is not None:  # e.g. mean(x, over=N) -> sum(x / N, over=N)
+            span = _span(self.file, node)
+            name, ins, kw = op.decompose(Decomposer(self, out, span, tuple(spans)), atoms, dict(params))
+            target = registry.REGISTRY[name]
+            return name, list(ins), tuple((p.name, kw[p.name]) for p in target.params if p.name in kw), \
+                spans[:target.nin] + [span] * (target.nin - len(spans))
         return op.name, atoms, tuple(params), spans
 
     def param_value(self, spec: registry.ParamSpec, node: Any, fn: str) -> Any:
@@ -548,6 +554,18 @@ class BlockLowerer:
                 self.error("E0206", f"`{spec.name}=` of `{fn}` takes an integer", node)
                 return None
             return int(node.children[0])
+        if spec.kind == "choice":
+            text = str(node)
+            value = text[1:-1] if getattr(node, "type", None) == "STRING" else None
+            if value not in spec.choices:
+                options = ", ".join(f'"{c}"' for c in spec.choices)
+                self.error("E0206", f"`{spec.name}=` of `{fn}` is one of {options}", node,
+                           help=[f'e.g. `{fn}(x, {spec.name}="{spec.choices[-1]}")`'])
+                return None
+            return value
+        if getattr(node, "type", None) == "STRING":
+            self.error("E0206", f"`{spec.name}=` of `{fn}` takes no string", node)
+            return None
         if spec.kind == "dtype":
             name = str(node.children[0]) if getattr(node, "data", None) == "name" else _text(node)
             if name not in DTYPES:
@@ -586,6 +604,25 @@ class BlockLowerer:
         self.scope[name] = v
         self.defined_at[name] = _span(self.file, node)
         out.append(Eqn(op, tuple(ins), (v,), params, _span(self.file, node), tuple(in_spans)))
+        return v
+
+
+class Decomposer:
+    """What an op's `decompose` rule emits with: `op(name, *ins, **params)` appends an equation of the
+    registry op `name` at the call's span to the statement being lowered and returns its (fresh)
+    result. The checker types these equations like any other."""
+
+    def __init__(self, lowerer: Lowerer, out: list[Eqn], span: Span, in_spans: tuple[Span, ...]):
+        self.lowerer, self.out, self.span, self.in_spans = lowerer, out, span, in_spans
+
+    def op(self, name: str, *ins: Atom, **params: Any) -> Var:
+        target = registry.REGISTRY[name]
+        kw = tuple((p.name, params[p.name]) for p in target.params if params.get(p.name) is not None)
+        v = Var(self.lowerer.fresh())
+        self.lowerer.scope[v.name] = v
+        self.lowerer.defined_at[v.name] = self.span
+        spans = self.in_spans[:len(ins)] + (self.span,) * (len(ins) - len(self.in_spans))
+        self.out.append(Eqn(name, tuple(ins), (v,), kw, self.span, spans))
         return v
 
 

@@ -19,7 +19,7 @@ from coda_lang.verify.diagnostics import Diagnostic
 GRAMMAR = Path(__file__).resolve().parent.parent / "grammar.lark"
 
 _TOKEN_NAMES = {
-    "NAME": "a name", "INT": "an integer", "FLOAT": "a number", "LPAR": "`(`", "RPAR": "`)`",
+    "NAME": "a name", "INT": "an integer", "FLOAT": "a number", "STRING": "a string", "LPAR": "`(`", "RPAR": "`)`",
     "LBRACE": "`{`", "RBRACE": "`}`", "LSQB": "`[`", "RSQB": "`]`", "COMMA": "`,`", "COLON": "`:`",
     "EQUAL": "`=`", "SEMICOLON": "`;`", "PLUS": "`+`", "MINUS": "`-`", "STAR": "`*`", "SLASH": "`/`",
     "AT": "`@`", "CMP_OP": "a comparison", "GEMM": "`gemm`", "BLOCK": "`block`", "DIMS": "`dims`",

@@ -231,6 +231,8 @@ class ForwardGen:
                 c = width.coeff
                 ok = [g for g in (1, 2, 4) if c.denominator == 1 and c.numerator % g == 0]
                 out[spec.name] = self.draw(st.sampled_from(ok))
+            elif spec.kind == "choice":
+                out[spec.name] = self.draw(st.sampled_from(spec.choices))
             else:
                 out[spec.name] = self.draw(st.sampled_from(FLOAT_DTYPES))
         return out

@@ -41,7 +41,7 @@ from coda_lang.ir.types import (
     shape_str,
 )
 from coda_lang.ops import REGISTRY, Ctx, StageShape
-from coda_lang.ops.registry import kind_name
+from coda_lang.ops.registry import COMBINES, kind_name
 from coda_lang.verify.diagnostics import Diagnostic, Mistake
 from coda_lang.verify.plan import BlockPlan, Load, Reduction, StagePlan, Store
 
@@ -291,8 +291,7 @@ class Checker:
         self.reported_partials.add(a.name)
         t = self.env[a.name]
         normalized = self.normalizes(a.name, e, body)
-        comb = {"sum": "a partial sum", "max": "a partial max", "min": "a partial min", "lse": "a partial log-sum-exp"}
-        what = comb.get(t.combine or "", "a partial reduction")
+        what = COMBINES[t.combine].noun if t.combine in COMBINES else "a partial reduction"
         notes = [f"`{a.name}` is {what}: each tile sees only its own columns, so it is complete only after every "
                  f"tile of stage {k + 1} ran"]
         if normalized is not None:
