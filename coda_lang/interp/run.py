@@ -145,8 +145,8 @@ class Interpreter:
                         axis = 1 if row_partial else 0
                         if v.name not in bufs:
                             shape = (R, n_ct) if row_partial else (n_rt, extent(vt.shape[0], self.dims) if vt.shape else 1)
-                            rule = combine_rule(vt.combine)
-                            bufs[v.name] = (np.full(shape, rule.identity, self.cdtype(vt)), rule.name, axis)
+                            comb = combine_rule(vt.combine)
+                            bufs[v.name] = (np.full(shape, comb.identity, self.cdtype(vt)), comb.name, axis)
                         buf = bufs[v.name][0]
                         if row_partial:
                             buf[r0:r1, c0 // tn] = x

@@ -612,7 +612,7 @@ class Decomposer:
     registry op `name` at the call's span to the statement being lowered and returns its (fresh)
     result. The checker types these equations like any other."""
 
-    def __init__(self, lowerer: Lowerer, out: list[Eqn], span: Span, in_spans: tuple[Span, ...]):
+    def __init__(self, lowerer: BlockLowerer, out: list[Eqn], span: Span, in_spans: tuple[Span, ...]):
         self.lowerer, self.out, self.span, self.in_spans = lowerer, out, span, in_spans
 
     def op(self, name: str, *ins: Atom, **params: Any) -> Var:
