@@ -544,6 +544,10 @@ class BlockLowerer:
         return op.name, atoms, tuple(params), spans
 
     def param_value(self, spec: registry.ParamSpec, node: Any, fn: str) -> Any:
+        if spec.kind != "choice" and getattr(node, "type", None) == "STRING":
+            self.error("E0206", f"`{spec.name}=` of `{fn}` takes no string", node,
+                       help=[f"write `{spec.name}=` without quotes"])
+            return None
         if spec.kind == "dim":
             d = self.p.shape_expr(node)
             if d is not None and d.name:
@@ -563,9 +567,6 @@ class BlockLowerer:
                            help=[f'e.g. `{fn}(x, {spec.name}="{spec.choices[-1]}")`'])
                 return None
             return value
-        if getattr(node, "type", None) == "STRING":
-            self.error("E0206", f"`{spec.name}=` of `{fn}` takes no string", node)
-            return None
         if spec.kind == "dtype":
             name = str(node.children[0]) if getattr(node, "data", None) == "name" else _text(node)
             if name not in DTYPES:

@@ -88,6 +88,8 @@ def _param_choices(op: OpDef, types: tuple[Type, ...], where: str) -> list[dict[
             values: list[Any] = [_M] if where == "between" else [_M, _F2, _F]
         elif spec.kind == "int":
             values = [2]
+        elif spec.kind == "choice":
+            values = list(spec.choices)
         else:
             values = list(FLOAT_DTYPES)
         if not spec.required:
