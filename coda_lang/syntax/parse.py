@@ -1,6 +1,6 @@
 """Parse .coda text into a lark tree with positions, turning every lark error into a Diagnostic.
 
-What it does: builds (once, cached on disk by lark) the LALR parser of grammar.lark and maps
+What it does: builds (once per process, never cached on disk) the LALR parser of grammar.lark and maps
 UnexpectedCharacters / UnexpectedToken / UnexpectedEOF to E01 diagnostics with a caret and, where
 the mistake is a common one, a named message (lark's `match_examples`).
 What it does not: resolve names or know any op (lower.py, ops/).
@@ -40,10 +40,12 @@ _NAMED: list[tuple[str, str, str, list[str]]] = [
 
 @lru_cache(maxsize=1)
 def parser() -> Any:
+    """The LALR parser, built from the grammar once per process (about 30 ms). Never lark's `cache=True`:
+    that loads a pickle from the shared temp directory under a predictable name, which any local
+    user could plant (code execution as whoever runs coda)."""
     from lark import Lark
 
-    return Lark(GRAMMAR.read_text(), parser="lalr", propagate_positions=True, maybe_placeholders=True,
-                cache=True)
+    return Lark(GRAMMAR.read_text(), parser="lalr", propagate_positions=True, maybe_placeholders=True)
 
 
 def _describe(tok_type: str, value: str) -> str:
