@@ -30,13 +30,6 @@ from coda_lang.ir.types import GROUP, MATRIX, TILE, VEC, Dim, Type
 from coda_lang.ops import REGISTRY
 from coda_lang.verify.diagnostics import CodaError, Diagnostic
 
-REDUCE_FNS: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
-    "reduce_sum": lambda x, d: x.sum(d),
-    "reduce_max": lambda x, d: x.amax(d),
-    "reduce_min": lambda x, d: x.amin(d),
-    "reduce_logsumexp": lambda x, d: torch.logsumexp(x, d),
-}
-
 
 class ElementwiseStage:
     """Stage `index` (1-based) of a checked block, a stage with no GEMM."""
@@ -56,12 +49,9 @@ class ElementwiseStage:
         self.groups = tuple(r.group or 0 for r in self.plan.reductions)  # 0: not grouped
         for e in self.stage.body:
             od = REGISTRY[e.op]
-            if od.locality not in ("reduce", "gather", "index") and e.op not in ("pairs", "interleave"):
-                from coda_lang.backend_cute.runtime import TORCH_OPS
-
-                if e.op not in TORCH_OPS:
-                    raise CodaError([Diagnostic("E0708", f"`{e.op}` has no torch mapping for an elementwise stage",
-                                                e.span)])
+            if od.locality not in ("reduce", "gather", "index") and od.torch is None:
+                raise CodaError([Diagnostic("E0708", f"`{e.op}` has no torch stand-in for an elementwise stage",
+                                            e.span)])
         self.steps = [self._step(e) for e in self.stage.body]
         # the stage's extents as (dim, numerator, denominator): plain ints, traceable by torch.compile
         self._rows = (self.rows.name, self.rows.coeff.numerator, self.rows.coeff.denominator)
@@ -98,7 +88,7 @@ class ElementwiseStage:
         widths = tuple(self._width(a.type) if isinstance(a, Var) else None for a in e.ins)
         out = e.outs[0].type
         info: dict[str, Any] = {"widths": widths}
-        if e.op in REDUCE_FNS:
+        if REGISTRY[e.op].locality == "reduce":
             per_row = bool(out is not None and out.shape and out.shape[0] == self.rows)
             info["per_row"] = per_row
             info["group"] = e.param("group") or 0
@@ -150,8 +140,6 @@ class ElementwiseStage:
 
     def _body(self, rows: int, cols: int, sizes: dict[str, int], device: torch.device, *ins: Any
               ) -> tuple[torch.Tensor, ...]:
-        from coda_lang.backend_cute.runtime import TORCH_OPS
-
         def width(w: tuple[int, int]) -> int:
             return cols * w[0] // w[1]
 
@@ -169,14 +157,15 @@ class ElementwiseStage:
         for op, outs, args, info in self.steps:
             xs = [vals[v] if k == "v" else v if k == "c" else sizes[v[0]] * v[1] // v[2] for k, v in args]
             ws = info["widths"]
-            if op == "pairs":
-                z = full(xs[0], ws[0])
-                res: tuple[Any, ...] = (z[:, 0::2], z[:, 1::2])
-            elif op == "interleave":
-                a, b = torch.broadcast_tensors(torch.as_tensor(full(xs[0], ws[0]), device=device),
-                                               torch.as_tensor(full(xs[1], ws[1]), device=device))
-                res = (torch.stack((a, b), dim=-1).reshape(a.shape[0], -1),)
-            elif op in REDUCE_FNS:
+            od = REGISTRY[op]
+            res: tuple[Any, ...]
+            if od.locality == "pair":  # on whole tiles: a broadcast operand expanded first
+                xs = [torch.as_tensor(full(x, w), device=device) for x, w in zip(xs, ws, strict=True)]
+                out = od.torch(*xs) if od.torch is not None else None
+                res = out if isinstance(out, tuple) else (out,)
+            elif od.locality == "reduce":
+                assert od.combine is not None
+                fold = od.combine.torch
                 per_row = info["per_row"]
                 x = torch.as_tensor(xs[0], dtype=torch.float32, device=device)
                 if ws[0] is not None:
@@ -187,10 +176,10 @@ class ElementwiseStage:
                     x = x[:, ::info["ungroup"]]
                 g = info["group"]
                 if g:  # one value per row and group, held at every column of its group
-                    r = REDUCE_FNS[op](x.reshape(rows, -1, g), 2)
+                    r = fold(x.reshape(rows, -1, g), 2)
                     res = (r.unsqueeze(2).expand(-1, -1, g).reshape(rows, -1),)
                 else:
-                    r = REDUCE_FNS[op](x, 1 if per_row else 0)
+                    r = fold(x, 1 if per_row else 0)
                     res = (r.reshape(-1, 1) if per_row else r.reshape(1, -1),)
             elif op == "expand" and info["repeat"]:
                 g = info["repeat"]
@@ -207,7 +196,8 @@ class ElementwiseStage:
                 ix = torch.arange(n, dtype=torch.int32, device=device)
                 res = (ix.reshape(-1, 1) if op == "row_index" else ix.reshape(1, -1),)
             else:
-                out = TORCH_OPS[op](*xs, **info["params"])
+                assert od.torch is not None, f"`{op}` has no torch stand-in"
+                out = od.torch(*xs, **info["params"])
                 res = out if isinstance(out, tuple) else (out,)
             for name, x, vec in zip(outs, res, info["vec"], strict=True):
                 if isinstance(x, torch.Tensor):

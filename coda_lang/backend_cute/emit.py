@@ -23,42 +23,13 @@ import os
 import re
 from pathlib import Path
 
-from coda_lang.backend_cute.plan import HELPER_NAMES, Group, StageSpec, describe, dim_operand
+from coda_lang.backend_cute import names
+from coda_lang.backend_cute.plan import Group, StageSpec, describe, dim_operand
 from coda_lang.ir.nodes import Atom, DimRef, Eqn, Lit, Var
 from coda_lang.ops import REGISTRY
 from coda_lang.verify.diagnostics import CodaError, Diagnostic, Mistake
 
 EMITTER_VERSION = "2"
-
-# Name in the emitted code -> the import that provides it (only the names used are imported).
-_IMPORTS: dict[str, str] = {
-    "cutlass": "import cutlass",
-    "cute": "import cutlass.cute as cute",
-    "BFloat16": "from cutlass import BFloat16",
-    "Float16": "from cutlass import Float16",
-    "Float32": "from cutlass import Float32",
-    "gelu_tanh_approx": "from quack.activation import gelu_tanh_approx",
-    "sigmoid": "from quack.activation import sigmoid",
-    "silu": "from quack.activation import silu",
-    "tanh": "from quack.activation import tanh",
-    "gemm_epilogue": "from quack.epilogue.frontend import gemm_epilogue",
-    "pack": "from quack.epilogue.math import pack",
-    "pexp": "from quack.epilogue.math import pexp",
-    "unpack": "from quack.epilogue.math import unpack",
-    "ColVecLoad": "from quack.epilogue.ops import ColVecLoad",
-    "ColVecReduce": "from quack.epilogue.ops import ColVecReduce",
-    "OnlineLSEReduce": "from quack.epilogue.ops import OnlineLSEReduce",
-    "RowVecLoad": "from quack.epilogue.ops import RowVecLoad",
-    "RowVecReduce": "from quack.epilogue.ops import RowVecReduce",
-    "Scalar": "from quack.epilogue.ops import Scalar",
-    "TileLoad": "from quack.epilogue.ops import TileLoad",
-    "TileStore": "from quack.epilogue.ops import TileStore",
-    "Int32": "from cutlass import Int32",
-    "GroupedReduce": "from coda_lang.backend_cute.epi_ops import GroupedReduce",
-    "BoundedColVecSelect": "from coda_lang.backend_cute.epi_ops import BoundedColVecSelect",
-    "BoundedColVecReduce": "from coda_lang.backend_cute.epi_ops import BoundedColVecReduce",
-    "BoundedRowVecReduce": "from coda_lang.backend_cute.epi_ops import BoundedRowVecReduce",
-}
 
 _CUTLASS_DTYPES = {"f32": "Float32", "bf16": "BFloat16", "f16": "Float16", "i32": "Int32"}
 
@@ -96,13 +67,13 @@ class _Emitter:
         self.spec, self.prepass = spec, prepass
         self.lines: list[str] = []
         self.lanes: dict[str, tuple[str, ...]] = {}  # coda name -> one expression per lane
-        self.taken: set[str] = (set(spec.names.values()) | {"acc", spec.fn_name, spec.prepass_name} | HELPER_NAMES
+        self.taken: set[str] = (set(spec.names.values()) | {"acc", spec.fn_name, spec.prepass_name} | names.helper_names()
                                 | {g.out for g in spec.groups if g.out})
         self.py: dict[str, str] = dict(spec.names)  # coda name -> Python name, for every value
         for e in spec.prepass if prepass else spec.eqns:
             for v in e.outs:
                 if v.name not in self.py:
-                    base = f"v_{v.name}" if v.name in HELPER_NAMES or keyword.iskeyword(v.name) else v.name
+                    base = f"v_{v.name}" if v.name in names.helper_names() or keyword.iskeyword(v.name) else v.name
                     self.py[v.name] = self.fresh(base)
 
     def fresh(self, base: str) -> str:
@@ -296,11 +267,12 @@ class _Emitter:
         if spec.groups:
             fn = _Emitter(spec, prepass=True).prepass_fn() + ["", ""] + fn
         code = "\n".join(pre + fn)
-        used = sorted(name for name in _IMPORTS if re.search(rf"(?<![\w.]){re.escape(name)}\b", code))
-        plain = sorted({_IMPORTS[n] for n in used if _IMPORTS[n].startswith("import ")})
+        table = names.imports()
+        used = sorted(name for name in table if re.search(rf"(?<![\w.]){re.escape(name)}\b", code))
+        plain = sorted({table[n] for n in used if table[n].startswith("import ")})
         froms: dict[str, list[str]] = {}
         for n in used:
-            line = _IMPORTS[n]
+            line = table[n]
             if line.startswith("from "):
                 froms.setdefault(line.split()[1], []).append(n)
         imports = plain + [f"from {m} import {', '.join(sorted(ns))}" for m, ns in sorted(froms.items())

@@ -26,6 +26,12 @@ import torch
 
 from coda_lang.backend_cute.plan import Sink, StageSpec, dim_operand
 from coda_lang.ir.nodes import DimRef, Eqn, Lit, Var
+from coda_lang.ops import COMBINES, REGISTRY
+
+# The combine record of each fold the kernel's epilogue ops name: a VecReduce's (add, max; OnlineLSEReduce:
+# lse; a min sink folds the negation by max) and a GroupedReduce's (add, max, min, lse).
+BY_SINK_FOLD = {c.sink: c for c in COMBINES.values() if c.sink is not None and not c.negate}
+BY_GROUP_FOLD = {c.group: c for c in COMBINES.values() if c.group is not None}
 
 
 def _operand_values(spec: StageSpec, epi_args: dict[str, Any]) -> dict[str, Any]:
@@ -47,22 +53,16 @@ def _operand_values(spec: StageSpec, epi_args: dict[str, Any]) -> dict[str, Any]
 
 
 def _eval(eqns: tuple[Eqn, ...], vals: dict[str, Any]) -> None:
-    from coda_lang.backend_cute.runtime import TORCH_OPS
-
+    """The equations through each op's torch stand-in (the registry's `torch`)."""
     for e in eqns:
         ins: list[Any] = [vals[a.name] if isinstance(a, Var) else a.value if isinstance(a, Lit)
                           else vals[dim_operand(a.dim.name)] * float(a.dim.coeff)
                           if isinstance(a, DimRef) and a.dim.name else None for a in e.ins]
-        if e.op == "pairs":
-            (z,) = ins
-            res: tuple[Any, ...] = (z[:, 0::2], z[:, 1::2])
-        elif e.op == "interleave":
-            a, b = torch.broadcast_tensors(torch.as_tensor(ins[0]), torch.as_tensor(ins[1]))
-            res = (torch.stack((a, b), dim=-1).reshape(a.shape[0], -1),)
-        else:
-            params = {k: v for k, v in e.params if isinstance(v, (str, int, float))}
-            out = TORCH_OPS[e.op](*ins, **params)
-            res = out if isinstance(out, tuple) else (out,)
+        params = {k: v for k, v in e.params if isinstance(v, (str, int, float))}
+        stand_in = REGISTRY[e.op].torch
+        assert stand_in is not None, f"`{e.op}` has no torch stand-in (the planner lets only such ops through)"
+        out = stand_in(*ins, **params)
+        res = out if isinstance(out, tuple) else (out,)
         for v, x in zip(e.outs, res, strict=True):
             vals[v.name] = x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
@@ -76,20 +76,10 @@ def _groups(spec: StageSpec, vals: dict[str, Any], m: int, n: int, epi_args: dic
         if n % g.width:  # as quack's GroupedColStatsBase.host_validate
             raise ValueError(f"'{g.py}': stats group width {g.width} must divide N={n}")
         x = torch.as_tensor(pre[g.value], dtype=torch.float32).expand(m, n).reshape(m, n // g.width, g.width)
-        folded = _fold(x, g.combine, 2)
+        folded = BY_GROUP_FOLD[g.combine].torch(x, 2)
         vals[g.name] = folded.repeat_interleave(g.width, dim=1)
         if g.out is not None:
             epi_args[g.out].copy_(folded)
-
-
-def _fold(x: torch.Tensor, rule: str, dim: int) -> torch.Tensor:
-    if rule == "add":
-        return x.sum(dim)
-    if rule == "lse":
-        return torch.logsumexp(x, dim)
-    if rule == "min":
-        return x.amin(dim)
-    return x.amax(dim)
 
 
 def _padding(spec: StageSpec, s: Sink, vals: dict[str, Any], m: int, n: int) -> torch.Tensor:
@@ -139,13 +129,14 @@ def _sink(s: Sink, spec: StageSpec, vals: dict[str, Any], m: int, n: int, tile_m
         x = x.reshape(1, -1) if x.dim() == 1 else x.reshape(1, 1)
     if s.op == "ColVecSelect":
         return None
-    rule = "lse" if s.op == "OnlineLSEReduce" else ("add" if s.combine == "add" else "max")
+    # what the kernel folds by: the sink's fold (add, max, max of |x|; lse for OnlineLSEReduce)
+    fold = BY_SINK_FOLD["lse" if s.op == "OnlineLSEReduce" else "max" if s.combine == "max_abs" else s.combine or ""]
     if s.combine == "max_abs":
         x = x.abs()
-    if s.negate:  # min(): the kernel folds -x by max (runtime.sink_partials negates the buffer back)
+    if s.negate:  # min(): the kernel folds -x by max (the runtime negates the buffer back)
         x = -x
-    identity = 0.0 if rule == "add" or s.combine == "max_abs" else float("-inf")
-    masked = s.bounded or s.combine == "max" or rule == "lse"
+    identity = 0.0 if s.combine == "max_abs" else fold.identity
+    masked = s.bounded or fold.name in ("max", "lse") and s.combine != "max_abs"
     if s.op in ("ColVecReduce", "OnlineLSEReduce"):  # row partials; else column partials
         width = x.shape[1] if x.shape[1] != 1 else n
         x = x.expand(m, width)
@@ -158,7 +149,7 @@ def _sink(s: Sink, spec: StageSpec, vals: dict[str, Any], m: int, n: int, tile_m
             fill = p.abs() if s.combine == "max_abs" else p
             fill = fill.repeat(1, -(-extra // fill.shape[1]))[:, :extra]
         x = torch.cat((x, fill), dim=1)
-        return _fold(x.reshape(m, tiles, tw), rule, 2)
+        return fold.torch(x.reshape(m, tiles, tw), 2)
     width = x.shape[1]
     x = x.expand(m, width)
     tiles = -(-m // tile_m)
@@ -168,7 +159,7 @@ def _sink(s: Sink, spec: StageSpec, vals: dict[str, Any], m: int, n: int, tile_m
         p = _padding(spec, s, vals, m, n).expand(1, width)
         fill = (p.abs() if s.combine == "max_abs" else p).expand(extra, width)
     x = torch.cat((x, fill), dim=0)
-    return _fold(x.reshape(tiles, tile_m, width), rule, 1)
+    return fold.torch(x.reshape(tiles, tile_m, width), 1)
 
 
 def run_stage(spec: StageSpec, config: Any, A: torch.Tensor, B: torch.Tensor, D: torch.Tensor | None,

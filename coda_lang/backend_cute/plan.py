@@ -51,21 +51,16 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+from coda_lang.backend_cute.names import helper_names
 from coda_lang.ir.nodes import DimRef, Eqn, Lit, Span, Stage, Var
 from coda_lang.ir.printer import inline_source
 from coda_lang.ir.types import FLOAT_DTYPES, GROUP, MATRIX, TILE, VEC, Dim, Shape, Type, shape_str
 from coda_lang.ops import REGISTRY
 from coda_lang.verify.diagnostics import CodaError, Diagnostic
 
-# Names the emitted module imports (and builtins it calls): a value with one of these names is renamed
-# `v_<name>` in the emitted function; so is an operand or result that quack reserves (`c` is the GEMM's
-# C operand, `D` its output); the epi_args key is the renamed one.
-HELPER_NAMES = frozenset({
-    "math", "cute", "cutlass", "Float32", "BFloat16", "Float16", "Int32", "gemm_epilogue", "pack", "unpack",
-    "pexp", "silu", "sigmoid", "tanh", "gelu_tanh_approx", "ColVecLoad", "RowVecLoad", "TileLoad", "Scalar",
-    "TileStore", "ColVecReduce", "RowVecReduce", "OnlineLSEReduce", "ColVecSelect", "abs", "acc",
-    "GroupedReduce",
-})
+# A value whose name the emitted module imports (names.helper_names()), or that quack reserves (`c` is
+# the GEMM's C operand, `D` its output), is renamed `v_<name>` in the emitted function; the epi_args
+# key is the renamed one.
 QUACK_RESERVED = frozenset({"acc", "c", "D"})
 
 # Quack op for each load role of verify/plan.py.
@@ -296,7 +291,7 @@ class _Planner:
         # or sink: they become fields of its argument dataclasses)
         base = name if name == "acc" else (f"dim_{name[1:]}" if name.startswith(DIM_PREFIX) else
                                            f"v{name}" if name.startswith("_") else
-                                           f"v_{name}" if name in HELPER_NAMES | QUACK_RESERVED
+                                           f"v_{name}" if name in helper_names() | QUACK_RESERVED
                                            or keyword.iskeyword(name) or name == self.fn_name else name)
         out = base
         while out in self.used_py and name != "acc":
@@ -308,7 +303,7 @@ class _Planner:
     def fresh(self, base: str) -> str:
         """A Python name no value uses (for names that are not coda values: a group's writer)."""
         out = base
-        while out in self.used_py or out in HELPER_NAMES | QUACK_RESERVED or keyword.iskeyword(out):
+        while out in self.used_py or out in helper_names() | QUACK_RESERVED or keyword.iskeyword(out):
             out += "_"
         self.used_py.add(out)
         return out
