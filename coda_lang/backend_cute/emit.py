@@ -23,7 +23,7 @@ import os
 import re
 from pathlib import Path
 
-from coda_lang.backend_cute import names
+from coda_lang.backend_cute import names as module_names
 from coda_lang.backend_cute.plan import Group, StageSpec, describe, dim_operand
 from coda_lang.ir.nodes import Atom, DimRef, Eqn, Lit, Var
 from coda_lang.ops import REGISTRY
@@ -67,13 +67,13 @@ class _Emitter:
         self.spec, self.prepass = spec, prepass
         self.lines: list[str] = []
         self.lanes: dict[str, tuple[str, ...]] = {}  # coda name -> one expression per lane
-        self.taken: set[str] = (set(spec.names.values()) | {"acc", spec.fn_name, spec.prepass_name} | names.helper_names()
+        self.taken: set[str] = (set(spec.names.values()) | {"acc", spec.fn_name, spec.prepass_name} | module_names.helper_names()
                                 | {g.out for g in spec.groups if g.out})
         self.py: dict[str, str] = dict(spec.names)  # coda name -> Python name, for every value
         for e in spec.prepass if prepass else spec.eqns:
             for v in e.outs:
                 if v.name not in self.py:
-                    base = f"v_{v.name}" if v.name in names.helper_names() or keyword.iskeyword(v.name) else v.name
+                    base = f"v_{v.name}" if v.name in module_names.helper_names() or keyword.iskeyword(v.name) else v.name
                     self.py[v.name] = self.fresh(base)
 
     def fresh(self, base: str) -> str:
@@ -267,7 +267,7 @@ class _Emitter:
         if spec.groups:
             fn = _Emitter(spec, prepass=True).prepass_fn() + ["", ""] + fn
         code = "\n".join(pre + fn)
-        table = names.imports()
+        table = module_names.imports()
         used = sorted(name for name in table if re.search(rf"(?<![\w.]){re.escape(name)}\b", code))
         plain = sorted({table[n] for n in used if table[n].startswith("import ")})
         froms: dict[str, list[str]] = {}
