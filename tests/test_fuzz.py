@@ -134,12 +134,13 @@ def test_the_planted_bug_is_caught_in_random_programs(capsys: pytest.CaptureFixt
 def test_a_planted_sign_swap_in_the_runtime_is_caught_on_the_cpu(capsys: pytest.CaptureFixture[str],
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """--target emulate runs the CUDA runtime with the kernels' torch stand-ins: a sign swapped in
-    silu's torch op (used by the emulated kernel, not by the interpreter) is caught."""
+    silu's stand-in (used by the emulated kernel, not by the interpreter) is caught."""
     pytest.importorskip("torch")
-    from coda_lang.backend_cute import runtime
+    from coda_lang.ops import REGISTRY
 
-    silu = runtime.TORCH_OPS["silu"]
-    monkeypatch.setitem(runtime.TORCH_OPS, "silu", lambda x: -silu(x))
+    silu = REGISTRY["silu"].torch
+    assert silu is not None
+    monkeypatch.setattr(REGISTRY["silu"], "torch", lambda x: -silu(x))
     code, out, err = fuzz(capsys, MLP, "--target", "emulate", "--examples", "10", "--no-backward")
     assert code == 1, out + err
     assert "output `x2`" in out and "--target emulate" in out

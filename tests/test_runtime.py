@@ -1,8 +1,9 @@
 """The CUDA runtime's host logic, on the CPU (no GPU, no quack): coda_lang/backend_cute/runtime.py.
 
-- TORCH_OPS (the torch function of each block-level vector op) agrees with the registry's NumPy impls,
-  and every pointwise op of the registry has a torch mapping; `combine_partials` agrees with the
-  interpreter's `combine` (sum, max, min, log-sum-exp, -inf included); `sink_shape` is quack's rule.
+- Each op's torch stand-in (`OpDef.torch`, used between stages, in emulated kernels and in elementwise
+  stages) agrees with its NumPy impl, for every op of the registry that has one; every pointwise,
+  pair and reduction op has one; each combine record's torch fold agrees with its NumPy fold (sum,
+  max, min, log-sum-exp, -inf included); `sink_shape` is quack's rule.
 - With `emulate=True` (each stage's launch replaced by a torch stand-in taking the kernel's exact
   arguments), every compilable example runs at sizes that are not multiples of the tile, and its
   outputs and per-tile partial buffers match the interpreter at the same tiles (tests/runtime_check.py
@@ -40,14 +41,12 @@ from runtime_check import (  # noqa: E402
 import coda_lang  # noqa: E402
 from coda_lang.backend_cute.plan import Sink  # noqa: E402
 from coda_lang.backend_cute.runtime import (  # noqa: E402
-    TORCH_OPS,
-    combine_partials,
     sink_partials,
     sink_rule,
     sink_shape,
 )
 from coda_lang.interp import combine  # noqa: E402
-from coda_lang.ops import REGISTRY  # noqa: E402
+from coda_lang.ops import COMBINES, REGISTRY  # noqa: E402
 from coda_lang.verify.diagnostics import CodaError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,63 +70,83 @@ def block(name: str) -> coda_lang.Block:
 # ------------------------------------------------------------------ the torch op table
 
 
-UNARY = ["neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "silu", "gelu", "sin", "cos", "copy",
-         "reduce_sum", "reduce_max", "reduce_min", "reduce_logsumexp"]
-BINARY = ["add", "sub", "mul", "div", "maximum", "minimum", "lt", "le", "gt", "ge", "eq", "ne"]
+STAND_INS = sorted(n for n, od in REGISTRY.items() if od.torch is not None)
+POSITIVE = {"log", "sqrt", "rsqrt"}  # ops whose operand is drawn positive
 
 
-@pytest.mark.parametrize("op", UNARY + BINARY + ["where", "cast"])
-def test_torch_ops_match_numpy_impls(op: str) -> None:
+def _cases(op: str, x: np.ndarray, y: np.ndarray) -> list[tuple[tuple[Any, ...], tuple[Any, ...], dict[str, Any]]]:
+    """(torch args, NumPy args, params) for each way the op is called: by arity and locality, with Python
+    numbers for one operand of a binary op, and every choice of each parameter."""
+    od = REGISTRY[op]
+    tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+    params: list[dict[str, Any]] = [{}]
+    for spec in od.params:
+        values = list(spec.choices) if spec.kind == "choice" else ["bf16", "f16", "f32", "i32"] \
+            if spec.kind == "dtype" else []
+        if values:
+            params = [{**p, spec.name: v} for p in params for v in values] + ([] if spec.required else params)
+    if od.name == "where":
+        return [((tx > 0, tx, ty), (x > 0, x, y), {}), ((tx > 0, tx, 0.0), (x > 0, x, 0.0), {})]
+    if od.name == "expand":
+        return [((tx[:1], tx), (x[:1], x), {})]
+    if od.locality == "pair":
+        if od.nin == 1:
+            return [((tx.reshape(1, -1)[:, :256],), (x.reshape(1, -1)[:, :256],), {})]
+        return [((tx, ty), (x, y), {}), ((tx, 0.0), (x, np.float32(0.0)), {})]
+    if od.nin == 2:
+        return [((tx, ty), (x, y), {}), ((tx, 0.5), (x, np.float32(0.5)), {}), ((2.0, ty), (np.float32(2.0), y), {})]
+    scale = 100.0 if od.name == "cast" else 1.0
+    return [((tx * scale,), (x * scale,), p) for p in params]
+
+
+@pytest.mark.parametrize("op", STAND_INS)
+def test_torch_stand_ins_match_numpy_impls(op: str) -> None:
     rng = np.random.default_rng(0)
-    x = rng.standard_normal(257).astype(np.float32)
+    x = rng.standard_normal(257).astype(np.float32) * 3
     y = rng.standard_normal(257).astype(np.float32)
     y[::5] = x[::5]  # ties for the comparisons and max/min
-    if op in ("log", "sqrt", "rsqrt"):
+    if op in POSITIVE:
         x = np.abs(x) + 0.1
-    impl = REGISTRY[op].impl
-    assert impl is not None
-    tx, ty = torch.from_numpy(x), torch.from_numpy(y)
-    if op.startswith("reduce_"):
-        cases = [((tx,), (x,), {}, {"axis": 0})]
-    elif op == "where":
-        cases = [((tx > 0, tx, ty), (x > 0, x, y), {}, {}), ((tx > 0, tx, 0.0), (x > 0, x, 0.0), {}, {})]
-    elif op == "cast":
-        cases = [((tx * 100,), (x * 100,), {"dtype": d}, {"dtype": d}) for d in ("bf16", "f16", "f32", "i32")]
-    elif op in BINARY:
-        cases = [((tx, ty), (x, y), {}, {}), ((tx, 0.5), (x, np.float32(0.5)), {}, {}),
-                 ((2.0, ty), (np.float32(2.0), y), {}, {})]
-    else:
-        cases = [((tx,), (x,), {}, {})]
-    for targs, nargs, kw, nkw in cases:
-        got = TORCH_OPS[op](*targs, **kw)
-        want = impl(*nargs, **nkw) if not op.startswith("reduce_") else impl(nargs[0], 0)
-        g = got.double().numpy() if got.dtype != torch.bool else got.numpy()
-        np.testing.assert_allclose(g, np.asarray(want, dtype=g.dtype), rtol=2e-6, atol=1e-5, err_msg=op)
+    od = REGISTRY[op]
+    assert od.impl is not None and od.torch is not None
+    for targs, nargs, kw in _cases(op, x, y):
+        got = od.torch(*targs, **kw)
+        want = od.impl(nargs[0], 0) if od.locality == "reduce" else od.impl(*nargs, **kw)
+        for g_t, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,),
+                          strict=True):
+            g = g_t.double().numpy() if g_t.dtype != torch.bool else g_t.numpy()
+            np.testing.assert_allclose(g, np.asarray(want if not isinstance(want, tuple) else w, dtype=g.dtype),
+                                       rtol=2e-6, atol=1e-5, err_msg=f"{op} {kw}")
 
 
-def test_every_pointwise_op_has_a_torch_mapping() -> None:
-    for name, od in REGISTRY.items():
-        if od.locality == "pointwise" or od.locality == "reduce":
-            assert name in TORCH_OPS, name
+def test_every_op_that_runs_outside_a_kernel_has_a_torch_stand_in() -> None:
+    lacking = {n for n, od in REGISTRY.items() if od.locality in ("pointwise", "pair", "reduce") and od.torch is None}
+    assert lacking == set()
 
 
-def test_torch_ops_on_integers_and_scalars() -> None:
+def test_torch_stand_ins_on_integers_and_scalars() -> None:
     t = torch.tensor([3, -100, 7], dtype=torch.int32)
-    assert TORCH_OPS["ge"](t, 0).tolist() == [True, False, True]
-    assert TORCH_OPS["div"](t, 2).dtype == torch.float32
-    assert TORCH_OPS["cast"](torch.tensor([1.7, -1.7]), "i32").tolist() == [1, -1]
-    assert float(TORCH_OPS["exp"](0.0)) == 1.0
+
+    def run(op: str, *args: Any, **kw: Any) -> Any:
+        fn = REGISTRY[op].torch
+        assert fn is not None
+        return fn(*args, **kw)
+
+    assert run("ge", t, 0).tolist() == [True, False, True]
+    assert run("div", t, 2).dtype == torch.float32
+    assert run("cast", torch.tensor([1.7, -1.7]), "i32").tolist() == [1, -1]
+    assert float(run("exp", 0.0)) == 1.0
 
 
-@pytest.mark.parametrize("rule", ["sum", "max", "min", "lse"])
-def test_combine_partials_matches_interpreter(rule: str) -> None:
+@pytest.mark.parametrize("rule", sorted(COMBINES))
+def test_torch_folds_match_the_interpreters(rule: str) -> None:
     rng = np.random.default_rng(1)
     buf = rng.standard_normal((9, 4)).astype(np.float32) * 10
     if rule in ("max", "lse"):
         buf[2, 3] = -np.inf  # an empty slot
         buf[5, :] = -np.inf  # an empty row
     for axis in (0, 1):
-        got = combine_partials(torch.from_numpy(buf), rule, axis).numpy()
+        got = COMBINES[rule].torch(torch.from_numpy(buf), axis).numpy()
         with np.errstate(divide="ignore"):
             want = combine(buf, rule, axis)
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

@@ -26,12 +26,8 @@ import torch
 
 from coda_lang.backend_cute.plan import Sink, StageSpec, dim_operand
 from coda_lang.ir.nodes import DimRef, Eqn, Lit, Var
-from coda_lang.ops import COMBINES, REGISTRY
-
-# The combine record of each fold the kernel's epilogue ops name: a VecReduce's (add, max; OnlineLSEReduce:
-# lse; a min sink folds the negation by max) and a GroupedReduce's (add, max, min, lse).
-BY_SINK_FOLD = {c.sink: c for c in COMBINES.values() if c.sink is not None and not c.negate}
-BY_GROUP_FOLD = {c.group: c for c in COMBINES.values() if c.group is not None}
+from coda_lang.ops import REGISTRY
+from coda_lang.ops.registry import combine_of_group, combine_of_sink
 
 
 def _operand_values(spec: StageSpec, epi_args: dict[str, Any]) -> dict[str, Any]:
@@ -76,7 +72,7 @@ def _groups(spec: StageSpec, vals: dict[str, Any], m: int, n: int, epi_args: dic
         if n % g.width:  # as quack's GroupedColStatsBase.host_validate
             raise ValueError(f"'{g.py}': stats group width {g.width} must divide N={n}")
         x = torch.as_tensor(pre[g.value], dtype=torch.float32).expand(m, n).reshape(m, n // g.width, g.width)
-        folded = BY_GROUP_FOLD[g.combine].torch(x, 2)
+        folded = combine_of_group(g.combine).torch(x, 2)
         vals[g.name] = folded.repeat_interleave(g.width, dim=1)
         if g.out is not None:
             epi_args[g.out].copy_(folded)
@@ -130,7 +126,7 @@ def _sink(s: Sink, spec: StageSpec, vals: dict[str, Any], m: int, n: int, tile_m
     if s.op == "ColVecSelect":
         return None
     # what the kernel folds by: the sink's fold (add, max, max of |x|; lse for OnlineLSEReduce)
-    fold = BY_SINK_FOLD["lse" if s.op == "OnlineLSEReduce" else "max" if s.combine == "max_abs" else s.combine or ""]
+    fold = combine_of_sink("lse" if s.op == "OnlineLSEReduce" else s.combine or "")
     if s.combine == "max_abs":
         x = x.abs()
     if s.negate:  # min(): the kernel folds -x by max (the runtime negates the buffer back)

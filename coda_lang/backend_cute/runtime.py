@@ -41,7 +41,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from coda_lang.backend_cute.compile import (
     CANDIDATES,
@@ -57,113 +56,19 @@ from coda_lang.backend_cute.plan import Sink, StageSpec, dim_operand, plan_stage
 from coda_lang.interp.inputs import fail, infer_dims
 from coda_lang.ir.nodes import DimRef, Eqn, Lit, Stage, Var
 from coda_lang.ir.types import BOOL, MATRIX, Dim, Type
+from coda_lang.ops import REGISTRY
+from coda_lang.ops.registry import combine_of_sink, combine_rule
 from coda_lang.verify.diagnostics import CodaError, Diagnostic
 
 TORCH_DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16,
                                         "i32": torch.int32, BOOL: torch.bool}
 _HALF = (torch.bfloat16, torch.float16)
 
-# ------------------------------------------------------------------------------------------------
-# The vector ops: registry op name -> torch function of the values (tensors or Python numbers) and
-# the equation's non-dim keyword parameters. Reductions here reduce a whole vector to a scalar (the
-# block-level case); inside a stage they are sinks of the kernel (or of emulate.py).
-
-
-def _tensor(x: Any) -> torch.Tensor:
-    return x if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=torch.float32)
-
-
-def _tensors(a: Any, b: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both as tensors, a Python number taking the other operand's device (and float dtype)."""
-    if isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
-        return a, torch.tensor(b, dtype=a.dtype if a.is_floating_point() else torch.float32, device=a.device)
-    if isinstance(b, torch.Tensor) and not isinstance(a, torch.Tensor):
-        return torch.tensor(a, dtype=b.dtype if b.is_floating_point() else torch.float32, device=b.device), b
-    return _tensor(a), _tensor(b)
-
-
-def _unary(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
-    return lambda x: fn(_tensor(x))
-
-
-def _cast(x: Any, dtype: str) -> Any:
-    """cast(x, dtype): round to dtype (the value stays f32), or truncate to i32."""
-    x = _tensor(x)
-    if dtype == "i32":
-        return x.trunc().to(torch.int32) if x.is_floating_point() else x.to(torch.int32)
-    return x.float().to(TORCH_DTYPES[dtype]).float()
-
-
-def _where(c: Any, a: Any, b: Any) -> torch.Tensor:
-    if not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
-        a = torch.tensor(float(a), dtype=torch.float32, device=c.device)
-    return torch.where(c, a, b)
-
-
-def _expand(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """x at the shape of x and `like` broadcast (in a stage, a row vector expanded like a column vector
-    is a tile)."""
-    return torch.broadcast_to(x, torch.broadcast_shapes(x.shape, like.shape)).clone()
-
-
-def _logsumexp(x: Any) -> torch.Tensor:
-    return torch.logsumexp(_tensor(x).reshape(-1), 0)
-
-
-TORCH_OPS: dict[str, Callable[..., Any]] = {
-    "add": lambda a, b: a + b,
-    "sub": lambda a, b: a - b,
-    "mul": lambda a, b: a * b,
-    "div": lambda a, b: _tensor(a) / b,
-    "neg": lambda a: -a,
-    "maximum": lambda a, b: torch.maximum(*_tensors(a, b)),
-    "minimum": lambda a, b: torch.minimum(*_tensors(a, b)),
-    "abs": _unary(torch.abs),
-    "lt": lambda a, b: a < b,
-    "le": lambda a, b: a <= b,
-    "gt": lambda a, b: a > b,
-    "ge": lambda a, b: a >= b,
-    "eq": lambda a, b: _tensor(a) == b,
-    "ne": lambda a, b: _tensor(a) != b,
-    "where": _where,
-    "exp": _unary(torch.exp),
-    "log": _unary(torch.log),
-    "sqrt": _unary(torch.sqrt),
-    "rsqrt": _unary(torch.rsqrt),
-    "tanh": _unary(torch.tanh),
-    "sigmoid": _unary(torch.sigmoid),
-    "silu": _unary(F.silu),
-    "gelu": _unary(lambda x: F.gelu(x, approximate="tanh")),
-    "sin": _unary(torch.sin),
-    "cos": _unary(torch.cos),
-    "cast": _cast,
-    "copy": lambda x: x,
-    "expand": lambda x, like: _expand(_tensor(x), _tensor(like)),
-    "reduce_sum": _unary(lambda x: x.sum()),
-    "reduce_max": _unary(lambda x: x.amax()),
-    "reduce_min": _unary(lambda x: x.amin()),
-    "reduce_logsumexp": _logsumexp,
-}
-
-
-def combine_partials(buf: torch.Tensor, rule: str, axis: int) -> torch.Tensor:
-    """Combine per-tile partials along `axis` (as interp.combine): "sum", "max", "min" or "lse"."""
-    if rule == "sum":
-        return buf.sum(axis)
-    if rule == "max":
-        return buf.amax(axis)
-    if rule == "min":
-        return buf.amin(axis)
-    if rule == "lse":
-        return torch.logsumexp(buf, axis)
-    raise ValueError(f"unknown combine rule {rule!r}")
-
-
 def sink_rule(s: Sink) -> tuple[str, int]:
-    """(combine rule, axis) of a sink's partial buffer; ("select", -1) for pick's finished vector."""
+    """(combine record name, axis) of a sink's partial buffer; ("select", -1) for pick's finished vector."""
     if s.op == "ColVecSelect":
         return "select", -1
-    rule = "lse" if s.op == "OnlineLSEReduce" else ("sum" if s.combine == "add" else "min" if s.negate else "max")
+    rule = combine_of_sink("lse" if s.op == "OnlineLSEReduce" else s.combine or "", s.negate).name
     return rule, (1 if s.layout == "row partials" else 0)
 
 
@@ -366,7 +271,7 @@ class _StageRunner:
             i += 1
             partials[s.name] = buf
             rule, axis = sink_rule(s)
-            x = buf if rule == "select" else combine_partials(buf, rule, axis)
+            x = buf if rule == "select" else combine_rule(rule).torch(buf, axis)
             dtype = storage.get(s.name)
             env[s.name] = _round(x, dtype) if dtype else x
         for gr in spec.groups:
@@ -542,10 +447,10 @@ class CudaBlock:
                 why = [*target.constraints, *([PAIRED_SUBTILE] if narrows_paired_subtile(target, cfg) else [])]
                 raise fail("E0805", f"tile {cfg.short} does not fit stage {k} (`{target.text}`): {'; '.join(why)}")
         for s in self.ir.body:
-            if not isinstance(s, Stage) and s.op not in TORCH_OPS:
-                raise CodaError([Diagnostic("E0708", f"`{s.op}` between stages has no torch mapping in the CUDA "
-                                            "runtime", s.span, notes=["add it to TORCH_OPS in "
-                                                                      "coda_lang/backend_cute/runtime.py"])])
+            if not isinstance(s, Stage) and REGISTRY[s.op].torch is None:
+                raise CodaError([Diagnostic("E0708", f"`{s.op}` between stages has no torch stand-in in the CUDA "
+                                            "runtime", s.span, notes=["an op's torch stand-in is its OpDef's `torch=` "
+                                                                      "(coda_lang/ops/)"])])
         self._runners: dict[int, _StageRunner] = {}
         # (first output, argument position) -> (dim name, numerator, denominator) of each dim used as a
         # value between stages, so that no Fraction is touched while a call is traced
@@ -738,7 +643,9 @@ class CudaBlock:
                 name, num, den = self._dimrefs[(e.outs[0].name, len(vals))]
                 vals.append((dims[name] if name is not None else 1) * num // den)
         params = {k: v for k, v in e.params if not isinstance(v, Dim)}
-        res = TORCH_OPS[e.op](*vals, **params)
+        stand_in = REGISTRY[e.op].torch
+        assert stand_in is not None  # checked when the CudaBlock was made (E0708)
+        res = stand_in(*vals, **params)
         res_t = res if isinstance(res, tuple) else (res,)
         for v, x in zip(e.outs, res_t, strict=True):
             x = _compute(x, v.type, device)
@@ -950,6 +857,6 @@ class _CodaAutograd(torch.autograd.Function):
         return tuple(result)
 
 
-__all__ = ["TORCH_DTYPES", "TORCH_OPS", "CudaBlock", "CudaFunction", "as_config", "choose_config",
-           "combine_partials", "sink_partials", "sink_rule", "sink_shape"]
+__all__ = ["TORCH_DTYPES", "CudaBlock", "CudaFunction", "as_config", "choose_config", "sink_partials", "sink_rule",
+           "sink_shape"]
 

@@ -14,6 +14,7 @@ Locality classes: "pointwise" (output at (i, j) reads inputs at (i, j) and broad
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -43,9 +44,13 @@ class _Lazy:
         self._module = module
 
     def __getattr__(self, name: str) -> Any:
-        import importlib
+        # sys.modules first: torch.compile traces a stand-in through this lookup (it can't trace importlib)
+        module = sys.modules.get(self._module)
+        if module is None:
+            import importlib
 
-        return getattr(importlib.import_module(self._module), name)
+            module = importlib.import_module(self._module)
+        return getattr(module, name)
 
 
 np: Any = _Lazy("numpy")
@@ -117,6 +122,18 @@ COMBINES: dict[str, Combine] = {c.name: c for c in (
 def combine_rule(name: str | None) -> Combine:
     """The combine record of a partial's `Type.combine` (a pick's partial combines as a sum)."""
     return COMBINES[name or "sum"]
+
+
+def combine_of_sink(fold: str, negate: bool = False) -> Combine:
+    """The combine record of a kernel's epilogue sink: its fold ("add", "max", "max_abs" (folded as a
+    max), "lse") and whether it folds the negated value (then the record is min's)."""
+    fold = "max" if fold == "max_abs" else fold
+    return next(c for c in COMBINES.values() if c.sink == fold and c.negate == negate)
+
+
+def combine_of_group(fold: str) -> Combine:
+    """The combine record of epi_ops.GroupedReduce's fold ("add", "max", "min", "lse")."""
+    return next(c for c in COMBINES.values() if c.group == fold)
 
 
 @dataclass(frozen=True)
@@ -332,6 +349,7 @@ def require_tile(t: Type, what: str) -> None:
 
 __all__ = [
     "COMBINES", "GROUP", "MATRIX", "PARTIAL", "SCALAR", "TILE", "VEC", "Combine", "Ctx", "OpDef", "ParamSpec",
-    "StageShape", "REGISTRY", "SUGAR", "as_tensor", "as_tensors", "axis_of", "broadcast", "combine_rule", "kind_name",
+    "StageShape", "REGISTRY", "SUGAR", "as_tensor", "as_tensors", "axis_of", "broadcast", "combine_of_group",
+    "combine_of_sink", "combine_rule", "kind_name",
     "register", "require_tile", "resolve", "np", "torch", "unary",
 ]
