@@ -118,7 +118,7 @@ def test_a_planted_tile_bug_is_caught_shrunk_and_reproduced(capsys: pytest.Captu
 def test_the_planted_bug_is_caught_in_random_programs(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     _drop_last_tile(monkeypatch)
-    code, out, err = fuzz(capsys, "--programs", "40", "--examples", "3", "--save-dir", str(tmp_path),
+    code, out, err = fuzz(capsys, "--programs", "80", "--examples", "3", "--save-dir", str(tmp_path),
                           "--no-backward")
     assert code == 1, out + err
     saved = list(tmp_path.glob("coda-fuzz-*.coda"))
