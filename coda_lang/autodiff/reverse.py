@@ -106,8 +106,11 @@ class Reverse:
     # ------------------------------------------------------------------ names and params
 
     def claim(self, name: str) -> str:
-        """A forward name reused in the backward (a saved tensor, a recomputed value)."""
-        if name not in self.claimed:
+        """A forward name reused in the backward for a recomputed value, when no other value has it. A
+        value the forward stores keeps its name for the saved tensor the backward may read (a parameter
+        of the backward block, claimed by saved_value at any point of the derivation), so a recomputed
+        copy of it (a max's ties compare the f32 value, not the stored one) gets a fresh name."""
+        if name not in self.claimed and name not in self.storage:
             self.claimed.add(name)
             return name
         return self.names.fresh(name)
