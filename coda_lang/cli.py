@@ -402,7 +402,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         return _usage(f"can't create {out_dir}: {e.strerror or e}")
     from coda_lang.backend_cute.compile import BackendUnavailable, TileConfig, compile_spec, select_config
     from coda_lang.backend_cute.emit import emit_stage
-    from coda_lang.backend_cute.plan import plan_stage
+    from coda_lang.backend_cute.planner import plan_stage
     from coda_lang.ir.nodes import Stage
 
     status = EXIT_OK

@@ -21,7 +21,7 @@ import pytest
 
 import coda_lang
 from coda_lang.backend_cute.emit import EMITTER_VERSION, emit_stage, module_name, write_source
-from coda_lang.backend_cute.plan import plan_stage
+from coda_lang.backend_cute.planner import plan_stage
 from coda_lang.ops import REGISTRY
 from coda_lang.verify.diagnostics import CodaError
 
@@ -426,7 +426,7 @@ def test_reserved_names_are_renamed() -> None:
 # Imports and the CLI
 
 def test_import_coda_lang_imports_no_gpu_library() -> None:
-    code = ("import sys, coda_lang, coda_lang.cli, coda_lang.backend_cute.plan, coda_lang.backend_cute.emit, "
+    code = ("import sys, coda_lang, coda_lang.cli, coda_lang.backend_cute.planner, coda_lang.backend_cute.emit, "
             "coda_lang.backend_cute.compile; "
             f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

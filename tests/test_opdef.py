@@ -18,7 +18,7 @@ from test_autodiff import check_vjp
 
 import coda_lang
 from coda_lang.backend_cute.emit import emit_stage
-from coda_lang.backend_cute.plan import plan_stage
+from coda_lang.backend_cute.planner import plan_stage
 from coda_lang.ops import BY_SURFACE, REGISTRY, SUGAR, OpDef
 from coda_lang.ops.registry import as_tensor, broadcast, register
 
@@ -182,3 +182,48 @@ def test_mean_keeps_the_diagnostics_of_sum() -> None:
     assert "E0501" in str(e.value) or "E0503" in str(e.value)
     with pytest.raises(coda_lang.CodaError, match="E0206"):
         coda_lang.load(MEAN.replace("mean(v * m, over=M)", "mean(v * m)"))
+
+
+# ------------------------------------------------------------------ a reduction is one OpDef plus one Combine
+
+PROD = """dims M, N, K
+
+block prods(x: bf16[M, K], w: bf16[K, N]) -> (p: f32[M]) {
+  gemm x @ w {
+    p = prod_t(acc * 0.5 + 1.0, over=N)
+  }
+}
+"""
+
+
+@pytest.fixture
+def throwaway_reduction() -> Iterator[OpDef]:
+    """`prod_t(x, over=D)`: a product reduction with a combine record of its own and no epilogue sink."""
+    from coda_lang.ops.reductions import REDUCE_PARAMS, _reduce_rule
+    from coda_lang.ops.registry import COMBINES, Combine
+
+    rec = Combine("prod_t", "a partial product", 1.0, lambda x, axis: np.prod(x, axis=axis),
+                  lambda x, axis: x.prod(axis))
+    COMBINES[rec.name] = rec
+    op = register(OpDef("reduce_prod_t", "prod_t", 1, type_rule=_reduce_rule("prod_t", rec.name), locality="reduce",
+                        params=REDUCE_PARAMS, combine=rec, impl=lambda x, axis: np.prod(x, axis=axis),
+                        emit=lambda x, **params: x, torch=lambda x: as_tensor(x).prod(), differentiable=False))
+    try:
+        yield op
+    finally:
+        del REGISTRY[op.name], COMBINES[rec.name]
+        del BY_SURFACE["prod_t"]
+
+
+def test_a_new_reduction_combines_by_its_record_and_is_refused_where_no_sink_folds_it(
+        throwaway_reduction: OpDef) -> None:
+    block = coda_lang.load(PROD)["prods"]
+    rng = np.random.default_rng(4)
+    ins = {"x": rng.standard_normal((12, 4)) * 0.2, "w": rng.standard_normal((4, 20))}
+    want = np.prod((ins["x"] @ ins["w"]) * 0.5 + 1.0, axis=1)
+    for tile in (None, (4, 8), (5, 6)):  # per-tile partials multiplied together by the record's fold
+        got = block.run(ins, precision="f64", tile=tile) if tile else block.run(ins, precision="f64")
+        np.testing.assert_allclose(got["p"], want, rtol=1e-12, err_msg=str(tile))
+    with pytest.raises(coda_lang.CodaError, match="E0705") as e:
+        plan_stage(block, 1)  # never folded as a max (or a sum) on the GPU
+    assert "no epilogue sink" in str(e.value)

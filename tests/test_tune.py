@@ -57,7 +57,7 @@ def test_plain_stages_may_run_on_cublas() -> None:
 
     import coda_lang
     from coda_lang.backend_cute.compile import CUBLAS, is_plain
-    from coda_lang.backend_cute.plan import plan_stage
+    from coda_lang.backend_cute.planner import plan_stage
 
     blk = coda_lang.load(Path(__file__).resolve().parent.parent / "examples" / "llama_mlp.coda")["llama_mlp"]
     bwd = blk.grad()

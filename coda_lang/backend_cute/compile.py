@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from coda_lang.backend_cute.emit import EMITTER_VERSION, cache_dir, emit_stage, source_hash, write_source
-from coda_lang.backend_cute.plan import StageSpec, plan_stage
+from coda_lang.backend_cute.planner import plan_stage
+from coda_lang.backend_cute.spec import StageSpec
 from coda_lang.verify.diagnostics import CodaError, Diagnostic
 
 ARCH = "sm_90a"

@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 
 from coda_lang.backend_cute import names as module_names
-from coda_lang.backend_cute.plan import Group, StageSpec, describe, dim_operand
+from coda_lang.backend_cute.spec import Group, StageSpec, describe, dim_operand
 from coda_lang.ir.nodes import Atom, DimRef, Eqn, Lit, Var
 from coda_lang.ops import REGISTRY
 from coda_lang.verify.diagnostics import CodaError, Diagnostic, Mistake

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from coda_lang.backend_cute.plan import Sink, StageSpec, dim_operand
+from coda_lang.backend_cute.spec import Sink, StageSpec, dim_operand
 from coda_lang.ir.nodes import DimRef, Eqn, Lit, Var
 from coda_lang.ops import REGISTRY
 from coda_lang.ops.registry import combine_of_group, combine_of_sink

@@ -52,7 +52,8 @@ from coda_lang.backend_cute.compile import (
 )
 from coda_lang.backend_cute.elementwise import ElementwiseStage
 from coda_lang.backend_cute.emit import emit_stage, source_hash, write_source
-from coda_lang.backend_cute.plan import Sink, StageSpec, dim_operand, plan_stage
+from coda_lang.backend_cute.planner import plan_stage
+from coda_lang.backend_cute.spec import Sink, StageSpec, dim_operand
 from coda_lang.interp.inputs import fail, infer_dims
 from coda_lang.ir.nodes import DimRef, Eqn, Lit, Stage, Var
 from coda_lang.ir.types import BOOL, MATRIX, Dim, Type

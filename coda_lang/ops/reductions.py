@@ -205,7 +205,7 @@ def _pick_vjp(b: Any, p: Any, ct: Any) -> list[Any]:
     return [b.mul(onehot, ct), None]
 
 
-# CuTeDSL emitters of reductions and pick give the per-element value the kernel folds (backend_cute/plan.py
+# CuTeDSL emitters of reductions and pick give the per-element value the kernel folds (backend_cute/planner.py
 # picks the quack sink: ColVecReduce, RowVecReduce, OnlineLSEReduce, ColVecSelect).
 register(OpDef("pick", "pick", 2, type_rule=_pick_rule, locality="gather", combine=COMBINES["sum"],
                impl=_pick_impl, vjp=_pick_vjp, emit=lambda x, idx: x,

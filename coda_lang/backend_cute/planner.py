@@ -1,252 +1,56 @@
-"""Stage planning: one checked GEMM stage -> the quack epilogue it becomes (`StageSpec`).
+"""Stage planning: one checked GEMM stage -> the quack epilogue it becomes (`spec.StageSpec`).
 
 What it does: reads a checked block (`coda_lang.api.Block`: typed IR + plan) and, for one stage,
-decides every resource of its quack `@gemm_epilogue`: the operands it loads (row vector ->
-`ColVecLoad`, column vector -> `RowVecLoad`, tile -> `TileLoad`, scalar -> `Scalar`; quack names a
-vector by the axis it broadcasts along, we by the axis it runs over), the tiles it stores (the main
-one is quack's "D", the others `TileStore`s), the partial reductions it folds (`ColVecReduce` per-row
-partials, `RowVecReduce` per-column partials, `OnlineLSEReduce` for logsumexp over the columns,
-`ColVecSelect` for `pick`), the grouped
-reductions complete in a tile (`Group`: quack's epilogue prepass, below), the epilogue mode ("element"; "acc_pair" when the stage splits its full-width tile with `pairs`;
-"packed_cd_b16x2" when it works on a tile twice its width, as a SwiGLU backward does: the 16-bit
-double-width tile it loads is quack's GEMM C operand and the one it stores is D, both two lanes per
-accumulator element), and the live equations the emitter turns into straight-line code.
-What it does not: write Python (emit.py) or touch quack (quack_adapter.py); it imports nothing heavy.
+decides every resource of its quack `@gemm_epilogue`: the operands it loads (a row vector is quack's
+`ColVecLoad`, a column vector its `RowVecLoad`: quack names a vector by the axis it broadcasts along,
+we by the axis it runs over), the tiles it stores (D: the last full-width stored tile in program
+order; the others TileStores), the partial reductions it folds (a sink per reduction, chosen by the
+op's combine record: ops.registry.Combine.sink), the grouped reductions complete in a tile (quack's
+epilogue prepass), the epilogue mode, and the live equations the emitter turns into straight-line
+code. docs/backend.md says what each mode and sink does and what is refused (E07).
+What it does not: write Python (emit.py), hold the data model (spec.py) or touch quack
+(quack_adapter.py); it imports nothing heavy.
 Invariants: a valid program the backend can't compile yet raises `CodaError` with an E07 code at the
-offending line, never anything else; planning is deterministic (the emitted source is a golden file).
-
-min(): quack's VecReduces fold by add, max or max_abs, so a min is folded as the max of the negated
-value (`Sink.negate`: the fn returns `-x`, combine="max"); the kernel's buffer holds -min per tile and
-the runtime negates it back (runtime.sink_partials). Exact, infinities included; NaN behaves as in a
-max sink (PTX max.f32 returns the other operand).
-
-Choice of D: the last full-width stored tile in program order (llama_mlp stage 1: `hg`, as in quack's
-`rms_partial_epi`). In "acc_pair" mode only a full-width tile can be D and half-width tiles are gated
-`TileStore`s (16-bit, as quack requires). In "packed_cd_b16x2" mode D is the double-width tile and
-full-width tiles are `TileStore`s.
-
-Grouped reductions (`sum(x, over=N, group=g)`, qk-norm's per-head sum of squares) map onto quack's
-epilogue PREPASS: a second fn (`StageSpec.prepass`: the equations that compute each reduced value
-from `acc` and the operands, per element, duplicated where the main fn needs them too) runs over the
-raw accumulator before any store and feeds one `GroupedReduce` op per reduction (epi_ops.py, a
-`GroupedColStatsBase` like quack's `HeadRstd`), which folds it per (row, run of g columns) inside the
-tile and hands the main fn the raw fold of each element's group as a value (`ss` below); what the
-stage computes from it (`rsqrt(ss / 128 + eps)`) is ordinary per-element code. The tile must hold
-whole groups (the checker's constraint `tile_N % g == 0`, which quack also validates). A grouped
-reduction used after the stage is written by the op's companion `GroupedColStatsOut` (one f32 value
-per row and group). A grouped sum, max, min or logsumexp folds by add, max, min (from +inf) or the
-log-sum-exp of two values (from -inf): quack's grouped statistics fold by add or max, GroupedReduce
-adds the other two. Not compiled (E0705): a grouped reduction of a value that depends on another one
-of the same stage (that would need a second prepass), of a value that reads a loaded tile (the
-prepass runs before the epilogue's tile loads arrive), of a half-width value (the prepass sees single
-elements, not pairs), in packed mode (quack: "prepass + packed C: not supported"), over groups other
-than 8, 16 or a multiple of 32 columns (quack folds runs of 8 columns per thread, in subtiles of 32
-columns), and a value computed from a grouped reduction used after the stage.
+offending line, never anything else, and never folds a reduction some other way than its combine
+record says; planning is deterministic (the emitted source is a golden file).
 """
 
 from __future__ import annotations
 
 import keyword
-from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
 from coda_lang.backend_cute.names import helper_names
-from coda_lang.ir.nodes import DimRef, Eqn, Lit, Span, Stage, Var
+from coda_lang.backend_cute.padding import is_zero, padding_value
+from coda_lang.backend_cute.spec import (
+    DIM_PREFIX,
+    GEMM_DTYPES,
+    LOAD_OPS,
+    PACKED,
+    PACKED_DTYPES,
+    QUACK_RESERVED,
+    STORE_DTYPES,
+    Gemm,
+    Group,
+    Operand,
+    Output,
+    Sink,
+    StageSpec,
+    dim_operand,
+    is_wide,
+    lanes_of,
+)
+from coda_lang.ir.nodes import DimRef, Eqn, Span, Stage, Var
 from coda_lang.ir.printer import inline_source
-from coda_lang.ir.types import FLOAT_DTYPES, GROUP, MATRIX, TILE, VEC, Dim, Shape, Type, shape_str
+from coda_lang.ir.types import FLOAT_DTYPES, GROUP, MATRIX, TILE, Dim, Type, shape_str
 from coda_lang.ops import REGISTRY
 from coda_lang.verify.diagnostics import CodaError, Diagnostic
-
-# A value whose name the emitted module imports (names.helper_names()), or that quack reserves (`c` is
-# the GEMM's C operand, `D` its output), is renamed `v_<name>` in the emitted function; the epi_args
-# key is the renamed one.
-QUACK_RESERVED = frozenset({"acc", "c", "D"})
-
-# Quack op for each load role of verify/plan.py.
-LOAD_OPS = {"tile": "TileLoad", "row vector": "ColVecLoad", "column vector": "RowVecLoad", "scalar": "Scalar"}
-
-STORE_DTYPES = FLOAT_DTYPES  # what a TileStore / D can hold
-GEMM_DTYPES = ("bf16", "f16")  # operand dtypes of quack's SM90 WGMMA path used here
-
-
-# A dim used as a value inside a stage is a scalar operand named DIM_PREFIX + the dim's name (no coda
-# name starts with it); the runtime binds each dim's size under that name (CudaBlock.values shows them)
-DIM_PREFIX = "%"
-
-
-REAL = object()  # padding_value: a value made of real inputs, not known when planning
-
-
-def _is_zero(v: Any) -> bool:
-    return v is not REAL and v is not None and v == 0.0
-
-
-def dim_operand(dim: str) -> str:
-    """The operand name of dim `dim`'s size."""
-    return DIM_PREFIX + dim
-
-
-@dataclass(frozen=True)
-class Operand:
-    """A value the epilogue loads: a parameter of the emitted fn (and a key of epi_args)."""
-
-    name: str  # coda name
-    py: str  # name in the emitted fn
-    role: str  # "tile" | "row vector" | "column vector" | "scalar"
-    op: str  # quack op class, or "C" for the GEMM's C operand (packed mode: not an epilogue op)
-    dtype: str
-    shape: Shape
-    lanes: int  # 2: arrives as a Pair (full-width tile or column vector in acc_pair mode; C in packed mode)
-    # How the runtime must pass the argument, when not as is: "repeat_interleave(2)" for a half-width
-    # column vector in acc_pair mode (one value per column pair, loaded at the GEMM's width; the
-    # epilogue reads lane 0).
-    host: str = ""
-
-
-@dataclass(frozen=True)
-class Output:
-    """A stored tile: quack's D, or a TileStore (gated: half-width, in acc_pair mode). In acc_pair mode a
-    second full-width tile is stored as two gated TileStores, one per lane (`lane` 0: the even
-    columns, 1: the odd ones), which the runtime interleaves back (quack's acc_pair mode stores only D
-    at full width)."""
-
-    name: str
-    py: str
-    dtype: str
-    shape: Shape
-    op: str  # "D" | "TileStore"
-    gated: bool = False
-    lane: int | None = None
-
-
-@dataclass(frozen=True)
-class Sink:
-    """A partial reduction (or pick) the epilogue folds; `value` are the coda names it folds
-    (two for a scaled sum of a product: folded as one fma, like quack's `(y, y)`)."""
-
-    name: str
-    py: str
-    op: str  # ColVecReduce | RowVecReduce | OnlineLSEReduce | ColVecSelect
-    combine: str | None  # "add" | "max" | "max_abs" for VecReduces
-    scaled: bool
-    value: tuple[str, ...]
-    shape: Shape
-    layout: str  # what the kernel writes, for the runtime: "row partials" | "column partials" | "vector"
-    index: str | None = None  # ColVecSelect: py name of its index operand (an extra op, not an fn parameter)
-    index_dtype: str | None = None
-    pad: str = "0.0"  # acc_pair mode, half-width value: the second lane (the fold's identity)
-    lanes: int = 1  # packed mode, double-width value: 2 (its two lanes are folded first, by `combine`)
-    # min(): the kernel folds the negation by max (`combine` "max"), so its partial buffer holds -min per
-    # tile; the runtime negates the buffer back (exact, infinities included: -max(-x) == min(x))
-    negate: bool = False
-    # a sum (or max of abs) whose value past the end of the reduced dim, in the ragged last tile, is not
-    # known to be 0: quack folds those elements too (its add and max_abs reduces count on the zeros of
-    # a padded accumulator), so the kernel uses epi_ops' Bounded*Reduce, which masks them out
-    bounded: bool = False
-
-
-@dataclass(frozen=True)
-class Group:
-    """A grouped reduction complete in its tile: the prepass computes `value` per element, the op `py`
-    (epi_ops.GroupedReduce, a parameter of the main fn) folds it per (row, run of `width` columns of
-    the tile) and gives the main fn each element's raw fold. `out`: when the reduction is used after
-    the stage, the py name of its writer (quack's GroupedColStatsOut, f32[rows, cols / width])."""
-
-    name: str
-    py: str
-    combine: str  # "add" | "max" | "min" | "lse" (log-sum-exp)
-    width: int  # columns of the stage's tile per group
-    value: str  # coda name of the reduced value (computed by the prepass fn)
-    shape: Shape  # [rows, cols / width]
-    out: str | None = None
-
-
-@dataclass(frozen=True)
-class Gemm:
-    a: str
-    b: str
-    a_dtype: str
-    b_dtype: str
-    ta: bool  # A is written transpose(a): stored [K, M]
-    tb: bool  # B is written transpose(b): stored [N, K]
-    rows: Dim
-    cols: Dim
-    k: Dim
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    block: str
-    index: int  # 1-based
-    text: str  # `gemm y @ w_o`
-    line: int
-    fn_name: str
-    mode: str  # "element" | "acc_pair" | "packed_cd_b16x2"
-    gemm: Gemm
-    operands: tuple[Operand, ...]
-    d: Output | None
-    outputs: tuple[Output, ...]  # TileStores
-    sinks: tuple[Sink, ...]
-    eqns: tuple[Eqn, ...]  # the live equations, in order (scaled-sum products dropped)
-    names: dict[str, str] = field(compare=False, default_factory=dict)  # coda name -> py name
-    constraints: tuple[str, ...] = ()  # on the tile config, e.g. "tile_N % 32 == 0"
-    source: tuple[str, ...] = ()  # the stage's body as .coda source (for the emitted docstring)
-    span: Span | None = field(compare=False, default=None)
-    groups: tuple[Group, ...] = ()  # grouped reductions (quack's prepass), in program order
-    prepass: tuple[Eqn, ...] = ()  # the prepass fn's equations: what the groups reduce, per element
-
-    @property
-    def prepass_name(self) -> str:
-        return f"{self.fn_name}_prepass"
-
-    @property
-    def paired(self) -> bool:
-        return self.mode == "acc_pair"
-
-    @property
-    def packed(self) -> bool:
-        return self.mode == PACKED
-
-    @property
-    def c(self) -> Operand | None:
-        """The GEMM's C operand (packed mode: the double-width 16-bit tile the stage loads)."""
-        return next((o for o in self.operands if o.op == "C"), None)
-
-    def lanes(self, t: Type | None) -> int:
-        if self.packed:
-            return 2 if is_wide(t, self.gemm.cols) else 1
-        return lanes_of(t, self.gemm.rows, self.gemm.cols) if self.paired else 1
-
-
-PACKED = "packed_cd_b16x2"
-PACKED_DTYPES = ("bf16", "f16")
-
-
-def is_wide(t: Type | None, cols: Dim) -> bool:
-    """A tile twice the stage's width (in packed mode: two lanes per accumulator element)."""
-    return t is not None and t.kind == TILE and len(t.shape) == 2 and t.shape[1] == cols.scale(2)
-
-
-def lanes_of(t: Type | None, rows: Dim, cols: Dim) -> int:
-    """In acc_pair mode: 2 for a value over the stage's full width (a Pair), 1 otherwise."""
-    if t is None:
-        return 1
-    if t.kind == TILE and len(t.shape) == 2:
-        return 2 if t.shape[1] == cols else 1
-    if t.kind == VEC and t.shape and t.shape[0] != rows:
-        return 2 if t.shape[0] == cols else 1
-    return 1
 
 
 def _fail(code: str, message: str, span: Span | None, notes: list[str] | None = None,
           help: list[str] | None = None) -> CodaError:
     return CodaError([Diagnostic(code, message, span, notes=list(notes or []), help=list(help or []))])
-
-
-def plan_block(block: Any) -> list[StageSpec]:
-    """Every stage of a checked block (raises the first stage's CodaError)."""
-    return [plan_stage(block, k) for k in range(1, len(block.plan.stages) + 1)]
 
 
 def plan_stage(block: Any, index: int) -> StageSpec:
@@ -486,7 +290,13 @@ class _Planner:
             half = paired and xt is not None and lanes_of(xt, self.rows, self.cols) == 1
             wide = packed and is_wide(xt, self.cols)
             py = self.py(v.name)
-            if wide and (od.surface not in ("sum", "max", "min") or not per_row):
+            rec = od.combine
+            assert rec is not None  # a reduction without a combine record does not check
+            if rec.sink is None:
+                raise _fail("E0705", f"`{od.surface}()` has no epilogue sink (its combine record names none)",
+                            e.span, notes=["quack's epilogue reductions fold by add or max, and log-sum-exp along "
+                                           "the columns"])
+            if wide and (rec.sink not in ("add", "max") or not per_row):
                 what = f"{od.surface}() over the rows" if not per_row else f"{od.surface}()"
                 raise _fail("E0705", f"{what} of the double-width tile `{x.name}` is not compiled yet", e.span,
                             notes=["in packed mode a double-width value is two lanes per accumulator element; "
@@ -502,8 +312,7 @@ class _Planner:
                 sinks.append(Sink(v.name, py, "ColVecSelect", None, False, (x.name,), t.shape, "vector",
                                   index=self.py(idx.name), index_dtype=ld.dtype))
                 continue
-            surface = od.surface
-            if surface == "logsumexp":
+            if rec.sink == "lse":
                 if paired:
                     raise _fail("E0705", "logsumexp() in a paired stage is not compiled yet", e.span)
                 if not per_row:  # quack's online log-sum-exp folds along the columns only
@@ -512,8 +321,8 @@ class _Planner:
                                        "need an online (max, sum) pair carried through RowVecReduce's exchange"])
                 sinks.append(Sink(v.name, py, "OnlineLSEReduce", None, False, (x.name,), t.shape, "row partials"))
                 continue
-            combine = "add" if surface == "sum" else "max"
-            negate = surface == "min"  # min(x) = -max(-x): quack folds the negation by max (exact)
+            combine = rec.sink  # "add" | "max"
+            negate = rec.negate  # min(x) = -max(-x): quack folds the negation by max (exact)
             if not per_row and half:
                 raise _fail("E0705", f"a reduction over the rows of the half-width tile `{x.name}` is not "
                             "compiled yet", e.span)
@@ -521,22 +330,22 @@ class _Planner:
             layout = "row partials" if per_row else "column partials"
             prod = self.defined.get(x.name)
             # quack masks the ragged end of the reduced dim for max (and min, its negation) itself
-            bounded = combine == "add" and not _is_zero(self.padding_value(x.name, per_row))
+            bounded = combine == "add" and not is_zero(self.padding_value(x.name, per_row))
             if wide:
                 sinks.append(Sink(v.name, py, op, combine, False, (x.name,), t.shape, layout, lanes=2, negate=negate,
                                   bounded=bounded))
                 continue
-            if (surface == "sum" and not paired and not bounded and prod is not None and prod.op == "mul"
+            if (rec.name == "sum" and not paired and not bounded and prod is not None and prod.op == "mul"
                     and uses.get(x.name) == 1 and x.name not in live_out
                     and all(isinstance(a, Var) for a in prod.ins)):
                 ins = tuple(a.name for a in prod.ins if isinstance(a, Var))
                 sinks.append(Sink(v.name, py, op, combine, True, ins, t.shape, layout))
                 continue
-            if (surface == "max" and prod is not None and prod.op == "abs" and uses.get(x.name) == 1
+            if (rec.name == "max" and prod is not None and prod.op == "abs" and uses.get(x.name) == 1
                     and x.name not in live_out and isinstance(prod.ins[0], Var)):
                 # max(abs(x)): quack folds |x| with PTX max.abs (its amax epilogue)
                 sinks.append(Sink(v.name, py, op, "max_abs", False, (prod.ins[0].name,), t.shape, layout, pad="self",
-                                  bounded=not _is_zero(self.padding_value(prod.ins[0].name, per_row))))
+                                  bounded=not is_zero(self.padding_value(prod.ins[0].name, per_row))))
                 continue
             pad = "0.0" if combine == "add" else "self"
             sinks.append(Sink(v.name, py, op, combine, False, (x.name,), t.shape, layout, pad=pad, negate=negate,
@@ -547,63 +356,9 @@ class _Planner:
                 raise _fail("E0705", f"the pick() index `{n}` is also used as a value", e.span,
                             notes=["quack's ColVecSelect reads its index itself; the epilogue can't also see it"])
         return sinks
-
-    def padding_value(self, name: str, per_row: bool, memo: dict[str, Any] | None = None) -> Any:
-        """What `name` holds past the end of the reduced dim (the columns past N of the last column tile
-        when `per_row`, else the rows past M of the last row tile): a number when it is the same
-        whatever the inputs, REAL when it is made of the row's (column's) real values, None when it
-        may be anything. There the accumulator and the tile loads are 0 (TMA fills out-of-bounds
-        elements with zeros); a vector along the reduced dim holds whatever its shared memory held
-        (quack's predicated copy skips those elements): None, as is a grouped value; a vector along
-        the other dim, a scalar or a dim holds its real value: REAL. Inputs are taken as finite: 0 *
-        REAL is 0, and so is the accumulator (with an infinity in that row of A it is inf * 0 = NaN;
-        the kernel's sum is then NaN where the real elements alone give +-inf, README says so)."""
-        memo = {} if memo is None else memo
-        if name in memo:
-            return memo[name]
-        memo[name] = None
-        loads = {ld.name: ld for ld in self.sp.loads}
-        value: Any = None
-        if name == "acc":
-            value = 0.0
-        elif name in loads:
-            role = loads[name].role
-            along = "column vector" if per_row else "row vector"  # a vector along the reduced dim
-            value = 0.0 if role == "tile" else None if role == along else REAL
-        elif name in self.defined:
-            e = self.defined[name]
-            od = REGISTRY[e.op]
-            ins: list[Any] = []
-            for x in e.ins:
-                if isinstance(x, Var):
-                    ins.append(self.padding_value(x.name, per_row, memo))
-                elif isinstance(x, DimRef):
-                    ins.append(REAL if x.dim.name else float(x.dim.coeff))
-                elif isinstance(x, Lit) and isinstance(x.value, (int, float)):
-                    ins.append(float(x.value))
-                else:
-                    ins.append(None)
-            if od.locality in ("reduce", "gather") or any(v is None for v in ins):
-                value = None
-            elif e.op == "mul" and any(v is not REAL and v == 0.0 for v in ins):
-                value = 0.0
-            elif any(v is REAL for v in ins):
-                value = REAL
-            elif e.op in ("pairs", "copy", "cast"):
-                value = ins[0]
-            elif e.op == "interleave":
-                value = ins[0] if ins[0] == ins[1] else REAL
-            elif od.impl is not None and len(e.outs) == 1:
-                import numpy as np
-
-                try:
-                    with np.errstate(all="ignore"):
-                        out = od.impl(*(np.float32(v) for v in ins))
-                    value = float(np.asarray(out, dtype=np.float64).reshape(-1)[0])
-                except Exception:  # an op whose NumPy form wants more than numbers: unknown
-                    value = None
-        memo[name] = value
-        return value
+    def padding_value(self, name: str, per_row: bool) -> Any:
+        """What `name` holds past the end of the reduced dim in the ragged last tile (padding.py)."""
+        return padding_value(name, per_row, {ld.name: ld for ld in self.sp.loads}, self.defined)
 
     def grouped(self) -> dict[str, Eqn]:
         """The stage's grouped reductions by result name."""
@@ -679,7 +434,9 @@ class _Planner:
             keep |= {id(p) for p in prepass}
             py = self.py(v.name)
             out = self.fresh(f"{py}_out") if name in stored else None
-            combine = {"sum": "add", "logsumexp": "lse"}.get(od.surface, od.surface)  # add | max | min | lse
+            if od.combine is None or od.combine.group is None:
+                raise _fail("E0705", f"grouped `{od.surface}()` has no fold in the epilogue's prepass", e.span)
+            combine = od.combine.group  # add | max | min | lse
             groups.append(Group(v.name, py, combine, group, x.name, v.type.shape if v.type else (), out))
         return groups, [e for e in self.st.body if id(e) in keep]
 
@@ -735,46 +492,3 @@ class _Planner:
             name = dim_operand(dim)
             out.append(Operand(name, self.py(name), "scalar", LOAD_OPS["scalar"], "f32", (), 1))
         return out
-
-
-def describe(spec: StageSpec) -> list[str]:
-    """Human lines about the stage's interface (the header of the emitted source)."""
-    g = spec.gemm
-    a = f"transpose({g.a})" if g.ta else g.a
-    b = f"transpose({g.b})" if g.tb else g.b
-    lines = [f"GEMM: {a} @ {b}: {g.a_dtype} x {g.b_dtype} -> acc f32{shape_str((g.rows, g.cols))}, K = {g.k}; "
-             f"mode {spec.mode}"]
-    for o in spec.operands:
-        host = f", passed as {o.py}.{o.host}" if o.host else ""
-        op = "the GEMM's C operand, 16-bit pairs" if o.op == "C" else o.op
-        py = f"{o.py} = {o.name}" if o.op == "C" else o.py
-        if o.name.startswith(DIM_PREFIX):
-            py = f"{o.py} = the size of {o.name[len(DIM_PREFIX):]}"
-        lines.append(f"load   {py}: {o.dtype}{shape_str(o.shape) if o.shape else ''} {o.role} ({op}{host})")
-    if spec.d is not None:
-        lines.append(f"store  D = {spec.d.py}: {spec.d.dtype}{shape_str(spec.d.shape)}")
-    for out in spec.outputs:
-        lane = f", lane {out.lane} of {out.name}" if out.lane is not None else ""
-        lines.append(f"store  {out.py}: {out.dtype}{shape_str(out.shape)} (TileStore{', gated' if out.gated else ''}"
-                     f"{lane})")
-    for s in spec.sinks:
-        fold = {"add": "sum", "max_abs": "max of |x|"}.get(s.combine or "", s.combine)
-        if s.negate:
-            fold = "min"
-        what = {"ColVecReduce": f"{fold} over the columns, one partial per column tile",
-                "RowVecReduce": f"{fold} over the rows, one partial per row tile",
-                "OnlineLSEReduce": "logsumexp over the columns, one partial per column tile",
-                "ColVecSelect": f"the value at column {s.index} of each row"}[s.op]
-        scaled = ", scaled" if s.scaled else ", both lanes" if s.lanes == 2 else ""
-        scaled += ", max of the negation: the buffer holds -min" if s.negate else ""
-        scaled += ", masked past the end" if s.bounded else ""
-        lines.append(f"reduce {s.py}: f32{shape_str(s.shape)} = {what} ({s.op}{scaled})")
-    for gr in spec.groups:
-        fold = {"add": "sum", "lse": "logsumexp"}.get(gr.combine, gr.combine)
-        writer = f"; stored by {gr.out}" if gr.out else ""
-        lines.append(f"group  {gr.py}: f32{shape_str(gr.shape)} = {fold} over each run of {gr.width} columns, complete "
-                     f"in the tile (GroupedReduce, folded by the prepass{writer})")
-    for c in spec.constraints:
-        lines.append(f"tiling {c}")
-    return lines
-

@@ -1,0 +1,235 @@
+"""The data model of a compiled stage: `StageSpec`, what one GEMM stage's quack epilogue is made of.
+
+What it does: defines the records the planner fills and the emitter, the runtime and the emulator read:
+the operands the epilogue loads (`Operand`: quack's ColVecLoad / RowVecLoad / TileLoad / Scalar, or
+the GEMM's C operand in packed mode), the tiles it stores (`Output`: quack's D or a TileStore), the
+partial reductions it folds (`Sink`), the grouped reductions complete in a tile (`Group`), the GEMM
+(`Gemm`), and the epilogue mode ("element", "acc_pair", "packed_cd_b16x2"); `describe` turns a spec
+into the human lines of the emitted source's header. docs/backend.md explains the modes and limits.
+What it does not: decide anything (planner.py does) or import quack, CuTeDSL or torch.
+Invariants: every record is frozen; a spec fully determines the emitted source (emit.py), so planning
+the same stage twice gives equal specs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from coda_lang.ir.nodes import Eqn, Span
+from coda_lang.ir.types import FLOAT_DTYPES, TILE, VEC, Dim, Shape, Type, shape_str
+
+# A value whose name the emitted module imports (names.helper_names()), or that quack reserves (`c` is
+# the GEMM's C operand, `D` its output), is renamed `v_<name>` in the emitted function; the epi_args
+# key is the renamed one.
+QUACK_RESERVED = frozenset({"acc", "c", "D"})
+
+# Quack op for each load role of verify/plan.py.
+LOAD_OPS = {"tile": "TileLoad", "row vector": "ColVecLoad", "column vector": "RowVecLoad", "scalar": "Scalar"}
+
+STORE_DTYPES = FLOAT_DTYPES  # what a TileStore / D can hold
+GEMM_DTYPES = ("bf16", "f16")  # operand dtypes of quack's SM90 WGMMA path used here
+
+
+# A dim used as a value inside a stage is a scalar operand named DIM_PREFIX + the dim's name (no coda
+# name starts with it); the runtime binds each dim's size under that name (CudaBlock.values shows them)
+DIM_PREFIX = "%"
+
+
+def dim_operand(dim: str) -> str:
+    """The operand name of dim `dim`'s size."""
+    return DIM_PREFIX + dim
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A value the epilogue loads: a parameter of the emitted fn (and a key of epi_args)."""
+
+    name: str  # coda name
+    py: str  # name in the emitted fn
+    role: str  # "tile" | "row vector" | "column vector" | "scalar"
+    op: str  # quack op class, or "C" for the GEMM's C operand (packed mode: not an epilogue op)
+    dtype: str
+    shape: Shape
+    lanes: int  # 2: arrives as a Pair (full-width tile or column vector in acc_pair mode; C in packed mode)
+    # How the runtime must pass the argument, when not as is: "repeat_interleave(2)" for a half-width
+    # column vector in acc_pair mode (one value per column pair, loaded at the GEMM's width; the
+    # epilogue reads lane 0).
+    host: str = ""
+
+
+@dataclass(frozen=True)
+class Output:
+    """A stored tile: quack's D, or a TileStore (gated: half-width, in acc_pair mode). In acc_pair mode a
+    second full-width tile is stored as two gated TileStores, one per lane (`lane` 0: the even
+    columns, 1: the odd ones), which the runtime interleaves back (quack's acc_pair mode stores only D
+    at full width)."""
+
+    name: str
+    py: str
+    dtype: str
+    shape: Shape
+    op: str  # "D" | "TileStore"
+    gated: bool = False
+    lane: int | None = None
+
+
+@dataclass(frozen=True)
+class Sink:
+    """A partial reduction (or pick) the epilogue folds; `value` are the coda names it folds
+    (two for a scaled sum of a product: folded as one fma, like quack's `(y, y)`)."""
+
+    name: str
+    py: str
+    op: str  # ColVecReduce | RowVecReduce | OnlineLSEReduce | ColVecSelect
+    combine: str | None  # "add" | "max" | "max_abs" for VecReduces
+    scaled: bool
+    value: tuple[str, ...]
+    shape: Shape
+    layout: str  # what the kernel writes, for the runtime: "row partials" | "column partials" | "vector"
+    index: str | None = None  # ColVecSelect: py name of its index operand (an extra op, not an fn parameter)
+    index_dtype: str | None = None
+    pad: str = "0.0"  # acc_pair mode, half-width value: the second lane (the fold's identity)
+    lanes: int = 1  # packed mode, double-width value: 2 (its two lanes are folded first, by `combine`)
+    # min(): the kernel folds the negation by max (`combine` "max"), so its partial buffer holds -min per
+    # tile; the runtime negates the buffer back (exact, infinities included: -max(-x) == min(x))
+    negate: bool = False
+    # a sum (or max of abs) whose value past the end of the reduced dim, in the ragged last tile, is not
+    # known to be 0: quack folds those elements too (its add and max_abs reduces count on the zeros of
+    # a padded accumulator), so the kernel uses epi_ops' Bounded*Reduce, which masks them out
+    bounded: bool = False
+
+
+@dataclass(frozen=True)
+class Group:
+    """A grouped reduction complete in its tile: the prepass computes `value` per element, the op `py`
+    (epi_ops.GroupedReduce, a parameter of the main fn) folds it per (row, run of `width` columns of
+    the tile) and gives the main fn each element's raw fold. `out`: when the reduction is used after
+    the stage, the py name of its writer (quack's GroupedColStatsOut, f32[rows, cols / width])."""
+
+    name: str
+    py: str
+    combine: str  # "add" | "max" | "min" | "lse" (log-sum-exp)
+    width: int  # columns of the stage's tile per group
+    value: str  # coda name of the reduced value (computed by the prepass fn)
+    shape: Shape  # [rows, cols / width]
+    out: str | None = None
+
+
+@dataclass(frozen=True)
+class Gemm:
+    a: str
+    b: str
+    a_dtype: str
+    b_dtype: str
+    ta: bool  # A is written transpose(a): stored [K, M]
+    tb: bool  # B is written transpose(b): stored [N, K]
+    rows: Dim
+    cols: Dim
+    k: Dim
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    block: str
+    index: int  # 1-based
+    text: str  # `gemm y @ w_o`
+    line: int
+    fn_name: str
+    mode: str  # "element" | "acc_pair" | "packed_cd_b16x2"
+    gemm: Gemm
+    operands: tuple[Operand, ...]
+    d: Output | None
+    outputs: tuple[Output, ...]  # TileStores
+    sinks: tuple[Sink, ...]
+    eqns: tuple[Eqn, ...]  # the live equations, in order (scaled-sum products dropped)
+    names: dict[str, str] = field(compare=False, default_factory=dict)  # coda name -> py name
+    constraints: tuple[str, ...] = ()  # on the tile config, e.g. "tile_N % 32 == 0"
+    source: tuple[str, ...] = ()  # the stage's body as .coda source (for the emitted docstring)
+    span: Span | None = field(compare=False, default=None)
+    groups: tuple[Group, ...] = ()  # grouped reductions (quack's prepass), in program order
+    prepass: tuple[Eqn, ...] = ()  # the prepass fn's equations: what the groups reduce, per element
+
+    @property
+    def prepass_name(self) -> str:
+        return f"{self.fn_name}_prepass"
+
+    @property
+    def paired(self) -> bool:
+        return self.mode == "acc_pair"
+
+    @property
+    def packed(self) -> bool:
+        return self.mode == PACKED
+
+    @property
+    def c(self) -> Operand | None:
+        """The GEMM's C operand (packed mode: the double-width 16-bit tile the stage loads)."""
+        return next((o for o in self.operands if o.op == "C"), None)
+
+    def lanes(self, t: Type | None) -> int:
+        if self.packed:
+            return 2 if is_wide(t, self.gemm.cols) else 1
+        return lanes_of(t, self.gemm.rows, self.gemm.cols) if self.paired else 1
+
+
+PACKED = "packed_cd_b16x2"
+PACKED_DTYPES = ("bf16", "f16")
+
+
+def is_wide(t: Type | None, cols: Dim) -> bool:
+    """A tile twice the stage's width (in packed mode: two lanes per accumulator element)."""
+    return t is not None and t.kind == TILE and len(t.shape) == 2 and t.shape[1] == cols.scale(2)
+
+
+def lanes_of(t: Type | None, rows: Dim, cols: Dim) -> int:
+    """In acc_pair mode: 2 for a value over the stage's full width (a Pair), 1 otherwise."""
+    if t is None:
+        return 1
+    if t.kind == TILE and len(t.shape) == 2:
+        return 2 if t.shape[1] == cols else 1
+    if t.kind == VEC and t.shape and t.shape[0] != rows:
+        return 2 if t.shape[0] == cols else 1
+    return 1
+
+
+
+def describe(spec: StageSpec) -> list[str]:
+    """Human lines about the stage's interface (the header of the emitted source)."""
+    g = spec.gemm
+    a = f"transpose({g.a})" if g.ta else g.a
+    b = f"transpose({g.b})" if g.tb else g.b
+    lines = [f"GEMM: {a} @ {b}: {g.a_dtype} x {g.b_dtype} -> acc f32{shape_str((g.rows, g.cols))}, K = {g.k}; "
+             f"mode {spec.mode}"]
+    for o in spec.operands:
+        host = f", passed as {o.py}.{o.host}" if o.host else ""
+        op = "the GEMM's C operand, 16-bit pairs" if o.op == "C" else o.op
+        py = f"{o.py} = {o.name}" if o.op == "C" else o.py
+        if o.name.startswith(DIM_PREFIX):
+            py = f"{o.py} = the size of {o.name[len(DIM_PREFIX):]}"
+        lines.append(f"load   {py}: {o.dtype}{shape_str(o.shape) if o.shape else ''} {o.role} ({op}{host})")
+    if spec.d is not None:
+        lines.append(f"store  D = {spec.d.py}: {spec.d.dtype}{shape_str(spec.d.shape)}")
+    for out in spec.outputs:
+        lane = f", lane {out.lane} of {out.name}" if out.lane is not None else ""
+        lines.append(f"store  {out.py}: {out.dtype}{shape_str(out.shape)} (TileStore{', gated' if out.gated else ''}"
+                     f"{lane})")
+    for s in spec.sinks:
+        fold = {"add": "sum", "max_abs": "max of |x|"}.get(s.combine or "", s.combine)
+        if s.negate:
+            fold = "min"
+        what = {"ColVecReduce": f"{fold} over the columns, one partial per column tile",
+                "RowVecReduce": f"{fold} over the rows, one partial per row tile",
+                "OnlineLSEReduce": "logsumexp over the columns, one partial per column tile",
+                "ColVecSelect": f"the value at column {s.index} of each row"}[s.op]
+        scaled = ", scaled" if s.scaled else ", both lanes" if s.lanes == 2 else ""
+        scaled += ", max of the negation: the buffer holds -min" if s.negate else ""
+        scaled += ", masked past the end" if s.bounded else ""
+        lines.append(f"reduce {s.py}: f32{shape_str(s.shape)} = {what} ({s.op}{scaled})")
+    for gr in spec.groups:
+        fold = {"add": "sum", "lse": "logsumexp"}.get(gr.combine, gr.combine)
+        writer = f"; stored by {gr.out}" if gr.out else ""
+        lines.append(f"group  {gr.py}: f32{shape_str(gr.shape)} = {fold} over each run of {gr.width} columns, complete "
+                     f"in the tile (GroupedReduce, folded by the prepass{writer})")
+    for c in spec.constraints:
+        lines.append(f"tiling {c}")
+    return lines
