@@ -105,12 +105,12 @@ class Block:
         return {p: grads[g] for p, g in d.grads.items()}
 
     def cuda(self, tile: Any = None, *, dims: dict[str, int] | None = None, **options: Any) -> Any:
-        """The block as a callable on torch CUDA tensors (`coda_lang.backend_cute.runtime.CudaBlock`):
+        """The block as a callable on torch CUDA tensors (`coda_lang.backend_cute.cuda_block.CudaBlock`):
         one quack kernel per GEMM stage, tiny torch ops between stages. `tile`: None (each stage's
         tile chosen by `select_config`), `(tile_M, tile_N)` or a `TileConfig` for every stage, or a
         dict {stage: tile}. `dims`: sizes of dims no input's shape gives (as `run(..., dims=)`; a call
         may give them too). Raises CodaError (E07) for stages the backend can't run yet."""
-        from coda_lang.backend_cute.runtime import CudaBlock
+        from coda_lang.backend_cute.cuda_block import CudaBlock
 
         return CudaBlock(self, tile=tile, dims=dims, **options)
 

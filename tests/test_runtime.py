@@ -1,4 +1,4 @@
-"""The CUDA runtime's host logic, on the CPU (no GPU, no quack): coda_lang/backend_cute/runtime.py.
+"""The CUDA runtime's host logic, on the CPU (no GPU, no quack): coda_lang/backend_cute/ (cuda_block, launch, autograd, emulate).
 
 - Each op's torch stand-in (`OpDef.torch`, used between stages, in emulated kernels and in elementwise
   stages) agrees with its NumPy impl, for every op of the registry that has one; every pointwise,
@@ -39,7 +39,7 @@ from runtime_check import (  # noqa: E402
 )
 
 import coda_lang  # noqa: E402
-from coda_lang.backend_cute.runtime import (  # noqa: E402
+from coda_lang.backend_cute.launch import (  # noqa: E402
     sink_partials,
     sink_rule,
     sink_shape,
@@ -661,7 +661,7 @@ def test_importing_coda_lang_imports_no_torch() -> None:
 def _meta_env(blk: coda_lang.Block, sizes: dict[str, int]) -> dict[str, object]:
     """A "meta" tensor (or a number, for scalars) for every named value of the block, in the dtype the
     runtime holds it in (stored values in their storage dtype, vectors in f32)."""
-    from coda_lang.backend_cute.runtime import TORCH_DTYPES
+    from coda_lang.backend_cute.launch import TORCH_DTYPES
     from coda_lang.interp.inputs import extent
     from coda_lang.ir.nodes import Stage
 

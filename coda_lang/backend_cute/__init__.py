@@ -1,11 +1,15 @@
 """The CuTeDSL backend: each GEMM stage becomes one quack `@gemm_epilogue` kernel for Hopper (sm_90a).
 
-plan.py (stage -> StageSpec: operands, outputs, sinks, mode; E07 diagnostics), emit.py (StageSpec ->
-Python source, content-addressed files), quack_adapter.py (the only module that touches quack and
-CuTeDSL), compile.py (PTX for sm_90a without a GPU, ptxas reports, tile selection, the PTX cache),
-runtime.py (`Block.cuda()`: the block on torch CUDA tensors, one `coda::stage` custom op per stage,
-autograd through the derived backward block), emulate.py (a torch stand-in for a stage's kernel, to
-test the runtime without a GPU).
-Importing this package imports nothing heavy; runtime.py and emulate.py import torch, and only
-quack_adapter imports quack and cutlass.
+The layer map, in the order a stage goes through it:
+- spec.py: the data model (`StageSpec`: operands, outputs, sinks, groups, mode);
+- planner.py (+ padding.py): a checked stage -> its StageSpec, or an E07 diagnostic;
+- names.py + emit.py: StageSpec -> the Python source of the epilogue (content-addressed files);
+- quack_adapter.py: the only module that touches quack and CuTeDSL; epi_ops.py: our epilogue ops;
+- compile.py: PTX for sm_90a without a GPU, ptxas reports, tile candidates, the PTX cache;
+- tiles.py, tune.py: the tile of a stage (first without spills, or the fastest, cached on disk);
+- launch.py: one stage as the torch custom op `coda::stage`; elementwise.py: a stage with no GEMM;
+- cuda_block.py: `Block.cuda()`, the block on torch tensors; autograd.py: `.autograd()`;
+- emulate.py: a torch stand-in for a stage's kernel, to run all of the above without a GPU.
+Importing this package imports nothing heavy; the runtime modules import torch, and only
+quack_adapter imports quack and cutlass. docs/backend.md describes the modes and limits for users.
 """

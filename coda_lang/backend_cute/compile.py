@@ -6,7 +6,7 @@ by the emitted source, emitter version, library versions, arch and tile config, 
 and runs `ptxas -v` on it; `select_config` tries tile configs in order and keeps the first whose
 ptxas report shows no register spills (DESIGN.md section 6: heavy epilogues spill at 128x192);
 `configs_without_spills` gives every candidate of `TUNE_CANDIDATES` that passes that check, for the
-runtime to time on a GPU (runtime.py, `tune`).
+runtime to time on a GPU (cuda_block.py, `tune`).
 What it does not: plan or emit (plan.py, emit.py), or touch quack (quack_adapter.py, imported only
 when a kernel really has to be compiled).
 Invariants: a program the backend can't compile raises CodaError (E07); a missing toolchain raises

@@ -7,7 +7,7 @@ become one torch function over whole matrices (row vectors broadcast as [m, 1], 
 `torch.compile` (Inductor) fuses into one generated kernel per pass over the data: every input read
 once, every stored tile written once. With `emulate=True` (tests without a GPU) the same function runs
 eagerly. Stored tiles come back in their storage dtype; reductions as f32 vectors (rounded where the
-block says so), as runtime.py's GEMM stages give them.
+block says so), as the GEMM stages (launch.py) give them.
 A grouped value (`sum(x, over=N, group=g)` and what is computed from it) is held at full width, each
 element holding its group's value (as quack's GroupedReduce value port gives it to a GEMM stage's
 epilogue); one stored after the stage is one value per row and group, [m, n / g].
@@ -246,6 +246,6 @@ class ElementwiseStage:
 
 
 def _torch_dtype(dtype: str) -> torch.dtype:
-    from coda_lang.backend_cute.runtime import TORCH_DTYPES
+    from coda_lang.backend_cute.launch import TORCH_DTYPES
 
     return TORCH_DTYPES[dtype]

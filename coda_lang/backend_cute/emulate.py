@@ -10,7 +10,7 @@ every sink as the kernel's per-tile partial buffer (`ColVecReduce` [m, ceil(n/ti
 `ColVecSelect` the picked value per row, rows with an index outside [0, n) left as they are); past
 the end of a sum's reduced dim, in the ragged last tile, what quack's kernel folds there: the
 epilogue's value at a zero accumulator, unless the sum is `bounded` (masked). It takes the arguments exactly
-as runtime.py hands them to quack (a half-width column vector repeated twice, scalars as numbers
+as launch.py hands them to quack (a half-width column vector repeated twice, scalars as numbers
 or one-element tensors), so the runtime's host logic (binding, buffers, partial combines, vector
 ops, autograd, torch.compile tracing) can be tested on a machine without a GPU.
 What it does not: model the kernel's arithmetic order or its fast-math functions (tests compare

@@ -6,13 +6,13 @@ compile runs, quack's on-disk .o cache off, CuTeDSL told to keep the PTX); impor
 epilogue module from its content-addressed file; compiles one stage through quack's own path
 (`EpiMod.gemm(..., _launch=False)`: kind pinning, kernel-class minting, `_compile_gemm_epi` against
 fake symbolic tensors) with torch "meta" tensors standing in for the operands; returns the PTX.
-At run time (runtime.py), `launch` runs one stage's kernel on CUDA tensors through the same
+At run time (launch.py), `launch` runs one stage's kernel on CUDA tensors through the same
 `EpiMod.gemm` (quack's on-disk cache on, the real driver query) and `sink_alloc_shape` gives quack's
 partial-buffer shapes.
 What it does not: choose tile configurations or run ptxas (compile.py), or plan and emit (plan.py,
 emit.py).
 Invariants: importing this module imports quack, cutlass and torch (it is only imported lazily, by
-compile.py and runtime.py); everything it changes in those libraries is restored when a compile returns.
+compile.py and launch.py); everything it changes in those libraries is restored when a compile returns.
 
 Why meta tensors: quack validates a call and derives its compile key (dtypes, majors, ranks, scalar
 modes) from tensor metadata only; the compiled kernel is generic in M, N, K (symbolic), so nominal

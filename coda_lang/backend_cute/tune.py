@@ -3,7 +3,7 @@
 What it does: `measure` times callables (one kernel launch each) with CUDA events after a warm-up,
 taking the median of several timed batches, the configs taking turns batch by batch; `disk_key`, `lookup` and `store` keep the choice in
 <cache>/tuning.json, keyed by the emitted epilogue's hash, the emitter and library versions, the GPU's
-name and the GEMM shape (m, n, k): a second process reuses it without timing anything. runtime.py
+name and the GEMM shape (m, n, k): a second process reuses it without timing anything. cuda_block.py
 decides when to tune (a stage's first launch at a shape) and which configs are candidates
 (compile.configs_without_spills: the ptxas check first).
 What it does not: compile or launch kernels itself, or tune anything under a torch.compile trace.

@@ -178,3 +178,60 @@ def random_inputs(block: Block, dims: dict[str, int], seed: int = 0) -> dict[str
         dt = {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "f16": np.float16}[t.dtype]
         out[p.var.name] = x.astype(dt)
     return out
+
+
+# Dim inference for callers that bind many times (the CUDA runtime, traced by torch.compile): the
+# declared extents as plain ints, and a fast path that defers to infer_dims on anything inconsistent.
+
+
+def shape_rules(block: Any) -> tuple[tuple[str, int, str | None, int, int], ...]:
+    """(param, axis, dim, numerator, denominator) for every declared extent `c*X` (c = num/den):
+    plain ints, so that inferring dims from tensor shapes is traceable by torch.compile."""
+    rules = []
+    for p in block.params:
+        for axis, d in enumerate(p.var.type.shape if p.var.type else ()):
+            rules.append((p.var.name, axis, d.name, d.coeff.numerator, d.coeff.denominator))
+    return tuple(rules)
+
+
+def given_dims(block: Any, dims: dict[str, int] | None) -> dict[str, int]:
+    """`dims=` as plain ints, checked: E0804 for a dim the block doesn't declare or a size that is not
+    a positive integer (a fixed dim or a shape that contradicts it: when a call binds its inputs)."""
+    if not dims:
+        return {}
+    names = [d.name for d in block.dims]
+    out = {}
+    for name, v in dims.items():
+        if name not in names:
+            raise fail("E0804", f"unknown dim `{name}`; the block's dims are {', '.join(names) or '(none)'}")
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+            raise fail("E0804", f"dim {name} must be a positive integer, got {v!r}")
+        out[name] = int(v)
+    return out
+
+
+def dims_from_shapes(block: Any, rules: tuple[tuple[str, int, str | None, int, int], ...],
+             shapes: dict[str, tuple[int, ...]], given: dict[str, int] | None = None) -> dict[str, int]:
+    """Dims from `given` (checked by _given_dims) and input shapes, in integer arithmetic; any
+    inconsistency defers to the interpreter's checks (infer_dims), which give the diagnostic."""
+    dims: dict[str, int] = {d.name: d.value for d in block.dims if d.value is not None}
+    for name, value in (given or {}).items():
+        if dims.setdefault(name, value) != value:
+            return infer_dims(block, shapes, given)
+    for name, axis, dim, num, den in rules:
+        shape = shapes.get(name)
+        if shape is None or len(shape) <= axis:
+            return infer_dims(block, shapes, given)
+        n = int(shape[axis])
+        if dim is None:
+            if n * den != num:
+                return infer_dims(block, shapes, given)
+            continue
+        if (n * den) % num:
+            return infer_dims(block, shapes, given)
+        value = n * den // num
+        if dims.setdefault(dim, value) != value:
+            return infer_dims(block, shapes, given)
+    if len(dims) < len(block.dims):
+        return infer_dims(block, shapes, given)
+    return dims

@@ -1,0 +1,106 @@
+"""`CudaBlock.autograd()`: a block's outputs differentiable by torch.autograd through the derived backward.
+
+What it does: `CudaFunction` holds the CUDA blocks of the extended forward (`Block.derivation()
+.forward`: the forward that also stores what the backward reads) and of the derived backward block;
+its `torch.autograd.Function` runs the first in `forward`, keeps the saved tensors, and runs the second
+in `backward` with the incoming cotangents, returning each input's gradient in its dtype.
+What it does not: derive anything (autodiff/ does) or launch kernels itself (cuda_block.py).
+Invariants: the backward runs at the dims of the forward's call; an output nobody differentiates gets a
+zero cotangent; a stage either block can't compile is E07 when the function is made, naming the block.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from coda_lang.backend_cute.cuda_block import CudaBlock, with_sources
+from coda_lang.interp.inputs import given_dims
+from coda_lang.verify.diagnostics import CodaError, Diagnostic
+
+
+def _runtime_error(e: CodaError, what: str, block: Any) -> CodaError:
+    diags = []
+    for d in e.diagnostics:
+        notes = list(d.notes) + [f"this stage is in the {what} block `{block.name}` that autograd needs (`coda grad` "
+                                 "prints it); Block.vjp runs it on the interpreter"]
+        diags.append(Diagnostic(d.code, d.message, d.span, d.label, notes, list(d.help), list(d.related), d.severity))
+    return with_sources(CodaError(diags, e.sources))
+
+
+class CudaFunction:
+    """`CudaBlock.autograd()`: call with the block's inputs by name; returns the outputs by name, which
+    torch.autograd differentiates through the derived backward block's kernels."""
+
+    def __init__(self, cb: CudaBlock, wrt: list[str] | None, tile: Any):
+        if isinstance(tile, dict):
+            raise TypeError("autograd() takes one tile for every stage (or None), not a dict")
+        d = cb.block.derivation(wrt)
+        self.derivation = d
+        try:
+            self.forward = CudaBlock(d.forward, tile, emulate=cb.emulate, poison=cb.poison, tune=cb.tune)
+        except CodaError as e:
+            raise _runtime_error(e, "extended forward", d.forward) from None
+        try:
+            self.backward = CudaBlock(d.backward, tile, emulate=cb.emulate, poison=cb.poison, tune=cb.tune)
+        except CodaError as e:
+            raise _runtime_error(e, "backward", d.backward) from None
+        self.params = [p.var.name for p in cb.ir.params]
+        self.outputs = [o.name for o in cb.ir.outputs]
+        self.needs = [p.var.name for p in d.backward.ir.params if p.var.name not in set(d.cotangents.values())]
+        self.ir, self.dims = cb.ir, cb.dims
+        self.forward_dims = frozenset(x.name for x in d.forward.ir.dims)
+        self.backward_dims = frozenset(x.name for x in d.backward.ir.dims)
+
+    def __call__(self, inputs: dict[str, Any] | None = None, /, *, dims: dict[str, int] | None = None,
+                 **tensors: Any) -> dict[str, torch.Tensor]:
+        """`dims`: sizes of the block's dims that no input's shape gives (with the CudaBlock's own);
+        the backward block runs at the dims of the forward's run."""
+        given = {**(inputs or {}), **tensors}
+        names = tuple(n for n in self.params if n in given)
+        sizes = tuple(sorted({**self.dims, **given_dims(self.ir, dims)}.items()))
+        outs = _CodaAutograd.apply(self, names, sizes, *[given[n] for n in names])
+        return dict(zip(self.outputs, outs, strict=True))
+
+
+class _CodaAutograd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, fn: CudaFunction, names: tuple[str, ...], sizes: tuple[tuple[str, int], ...],
+                *vals: Any) -> tuple[torch.Tensor, ...]:
+        inputs = dict(zip(names, vals, strict=True))
+        res, _, dims = fn.forward._call(inputs, {k: v for k, v in sizes if k in fn.forward_dims})
+        ctx.dims = {k: v for k, v in {**dict(sizes), **dims}.items() if k in fn.backward_dims}
+        keep = {n: res[n] if n in res else inputs[n] for n in fn.needs if n in res or n in inputs}
+        tensor_names = [n for n, v in keep.items() if isinstance(v, torch.Tensor)]
+        ctx.save_for_backward(*[keep[n] for n in tensor_names])
+        ctx.fn, ctx.names, ctx.tensor_names = fn, names, tensor_names
+        ctx.others = {n: v for n, v in keep.items() if not isinstance(v, torch.Tensor)}
+        ctx.in_dtypes = [v.dtype if isinstance(v, torch.Tensor) else None for v in vals]
+        # Each output is a tensor object of its own (detach: no copy). Under torch.compile, PyTorch 2.11
+        # drops the gradient of a Function output that is an intermediate passed through a no-op
+        # (`x.to(x.dtype)`, `.contiguous()`, `.float()`, as `_call`, `_round` and `_compute` do): the
+        # backward then ran on zero cotangents and every gradient came out zero (fixed in 2.13).
+        outs = tuple(res[o].detach() for o in fn.outputs)
+        ctx.out_meta = [(x.shape, x.dtype, x.device) for x in outs]
+        ctx.mark_non_differentiable(*[x for x in outs if not x.is_floating_point()])
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        fn: CudaFunction = ctx.fn
+        d = fn.derivation
+        bins: dict[str, Any] = dict(zip(ctx.tensor_names, ctx.saved_tensors, strict=True))
+        bins.update(ctx.others)
+        for out, g, (shape, dtype, device) in zip(fn.outputs, grads, ctx.out_meta, strict=True):
+            if out in d.cotangents:
+                bins[d.cotangents[out]] = g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+        grads_out = fn.backward._call(bins, ctx.dims)[0]
+        result: list[Any] = [None, None, None]
+        for i, name in enumerate(ctx.names):
+            g = d.grads.get(name)
+            if g is None or not ctx.needs_input_grad[i + 3]:
+                result.append(None)
+            else:
+                result.append(grads_out[g].to(ctx.in_dtypes[i]))
+        return tuple(result)

@@ -1,0 +1,377 @@
+"""`CudaBlock`: a checked block as a callable on torch tensors, one kernel launch per GEMM stage.
+
+What it does: `Block.cuda(tile=None)` makes one. A call binds the inputs by parameter name (dtypes,
+devices, dims from the shapes: interp/inputs.py's rules, which the interpreter uses too), runs each
+GEMM stage as one `coda::stage` launch (launch.py) at the tile given, or else the fastest of the tiles
+without register spills, measured on the stage's first launch at a GEMM shape and cached on disk
+(tune.py), runs an elementwise stage as one torch.compile'd kernel (elementwise.py), and computes the
+vector equations between stages with each op's torch stand-in (`OpDef.torch`). `run_with_partials`
+also returns the kernels' per-tile partial buffers; `autograd()` gives a differentiable function
+(autograd.py). `emulate=True` runs the torch stand-ins of the kernels (emulate.py) instead, on any
+device, so all of this runs without a GPU.
+What it does not: plan, emit or compile (planner.py, emit.py, compile.py) or touch quack.
+Invariants: numerics follow the interpreter's (f32 inside a stage and between stages, stored tiles
+rounded to their dtype, annotated values rounded where they are defined); nothing the planner
+rejects runs (E07 when the CudaBlock is made); importing this module imports torch, never quack.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from coda_lang.backend_cute.compile import PAIRED_SUBTILE, TileConfig, fits, narrows_paired_subtile
+from coda_lang.backend_cute.elementwise import ElementwiseStage
+from coda_lang.backend_cute.emit import emit_stage
+from coda_lang.backend_cute.launch import HALF_DTYPES, TORCH_DTYPES, StageRunner, compute_value, round_value
+from coda_lang.backend_cute.planner import plan_stage
+from coda_lang.backend_cute.spec import StageSpec, dim_operand
+from coda_lang.backend_cute.tiles import as_config, choose_config, find_ptxas
+from coda_lang.interp.inputs import dims_from_shapes, fail, given_dims, shape_rules
+from coda_lang.ir.nodes import DimRef, Eqn, Lit, Stage, Var
+from coda_lang.ir.types import MATRIX, Dim
+from coda_lang.ops import REGISTRY
+from coda_lang.verify.diagnostics import CodaError, Diagnostic
+
+if TYPE_CHECKING:
+    from coda_lang.backend_cute.autograd import CudaFunction
+
+class CudaBlock:
+    """A checked block as a callable on torch tensors: `cb(**tensors)` or `cb({name: tensor})` gives
+    the block's outputs by name. Made by `Block.cuda(tile=None)`.
+
+    `tile`: None (each stage's tile chosen by `select_config`: no register spills), a
+    `(tile_M, tile_N)` pair or a `TileConfig` for every stage, or a dict {stage: tile}.
+    `emulate=True`: each stage's launch is replaced by a torch stand-in (emulate.py) that runs on any
+    device; for testing the runtime without a GPU, not for speed. `poison=True`: output buffers are
+    filled with NaN before each launch (tests: every element must be written). `dims`: sizes of dims
+    that no input's shape gives (a dim used only as a value), as `Block.run(..., dims=)` takes them;
+    a call may give more (`cb(inputs, dims={...})`; `dims` is a reserved word, never a parameter).
+
+    torch.compile traces a call into one graph (the launches are the custom op `coda::stage`); call the
+    block once eagerly (or `prepare()`) first, so that tile selection and kernel compilation happen
+    outside the trace, and keep the CudaBlock alive while a compiled graph uses it (the op finds its
+    stage by a key in a weak registry). Calling it on tensors that require grad gives outputs whose
+    backward raises; use `autograd()` for gradients.
+    """
+
+    def __init__(self, block: Any, tile: Any = None, *, emulate: bool = False, poison: bool = False,
+                 tune: bool | None = None, dims: dict[str, int] | None = None):
+        self.block, self.emulate, self.poison = block, emulate, poison
+        self.dims = given_dims(block.ir, dims)
+        # measure the non-spilling tiles of each stage on its first launch at a shape (default: on a GPU,
+        # for the stages given no tile, unless $CODA_TUNE=0)
+        self.tune = (not emulate and os.environ.get("CODA_TUNE", "1") != "0") if tune is None else tune
+        self._by_shape: dict[tuple[int, int, int, int], StageRunner] = {}  # (stage, m, n, k) -> tuned
+        self._last: dict[int, StageRunner] = {}  # the runner of each stage's latest launch
+        self.ir, self.plan = block.ir, block.plan
+        self._shape_rules = shape_rules(self.ir)
+        # GEMM stages: their StageSpec; elementwise stages (no GEMM): an ElementwiseStage, spec None
+        self.specs: list[StageSpec | None] = []
+        self.elementwise: dict[int, ElementwiseStage] = {}
+        try:
+            for k, st in enumerate((s for s in self.ir.body if isinstance(s, Stage)), 1):
+                if not st.is_gemm:
+                    self.elementwise[k] = ElementwiseStage(block, k, emulate)
+                    self.specs.append(None)
+                    continue
+                spec = plan_stage(block, k)
+                emit_stage(spec)  # an op the emitter can't write raises E07 now, not at the first call
+                self.specs.append(spec)
+        except CodaError as e:
+            raise with_sources(e) from None
+        gemms = [k for k, spec in enumerate(self.specs, 1) if spec is not None]
+        if isinstance(tile, dict):
+            self._tiles = {int(k): as_config(v) for k, v in tile.items()}
+            unknown = sorted(set(self._tiles) - set(gemms))
+            if unknown:
+                raise ValueError(f"stage {unknown[0]} of block {self.ir.name} is elementwise: it has no tile"
+                                 if unknown[0] in self.elementwise else
+                                 f"block {self.ir.name} has no stage {unknown[0]}")
+        else:
+            self._tiles = {k: as_config(tile) for k in gemms} if tile is not None else {}
+        self.tile = None if isinstance(tile, dict) else tile  # one tile for every stage: autograd() reuses it
+        for k, cfg in self._tiles.items():
+            target = self.specs[k - 1]
+            assert target is not None
+            if not fits(target, cfg):
+                why = [*target.constraints, *([PAIRED_SUBTILE] if narrows_paired_subtile(target, cfg) else [])]
+                raise fail("E0805", f"tile {cfg.short} does not fit stage {k} (`{target.text}`): {'; '.join(why)}")
+        for s in self.ir.body:
+            if not isinstance(s, Stage) and REGISTRY[s.op].torch is None:
+                raise CodaError([Diagnostic("E0708", f"`{s.op}` between stages has no torch stand-in in the CUDA "
+                                            "runtime", s.span, notes=["an op's torch stand-in is its OpDef's `torch=` "
+                                                                      "(coda_lang/ops/)"])])
+        self._runners: dict[int, StageRunner] = {}
+        # (first output, argument position) -> (dim name, numerator, denominator) of each dim used as a
+        # value between stages, so that no Fraction is touched while a call is traced
+        self._dimrefs = {(s.outs[0].name, i): (a.dim.name, a.dim.coeff.numerator, a.dim.coeff.denominator)
+                         for s in self.ir.body if not isinstance(s, Stage)
+                         for i, a in enumerate(s.ins) if isinstance(a, DimRef)}
+        self._ready = False
+
+    @property
+    def name(self) -> str:
+        return self.ir.name
+
+    def __repr__(self) -> str:
+        how = " (emulated)" if self.emulate else ""
+        return f"<coda CudaBlock {self.name}: {len(self.specs)} stages{how}>"
+
+    # -- configuration ------------------------------------------------------------------------
+
+    def config(self, index: int) -> TileConfig:
+        """The tile config of stage `index` (1-based) at its latest launch (with tuning, the one measured
+        fastest at that shape); before any launch, the one `select_config` chooses."""
+        return self.launched(index).config
+
+    @property
+    def gemm_stages(self) -> list[int]:
+        """The 1-based indices of the GEMM stages (the others are elementwise)."""
+        return [k for k, spec in enumerate(self.specs, 1) if spec is not None]
+
+    @property
+    def tiles(self) -> dict[int, tuple[int, int]]:
+        """{stage: (tile_M, tile_N)} of the GEMM stages: what `Block.run(..., tile=cb.tiles)` simulates."""
+        return {k: (self.config(k).tile_m, self.config(k).tile_n) for k in self.gemm_stages}
+
+    def launched(self, index: int) -> StageRunner:
+        """The runner of stage `index`'s latest launch (with tuning: the tile measured fastest at that
+        shape), else `runner(index)`."""
+        return self._last.get(index) or self.runner(index)
+
+    def runner(self, index: int) -> StageRunner:
+        r = self._runners.get(index)
+        if r is None:
+            spec = self.specs[index - 1]
+            if spec is None:
+                raise ValueError(f"stage {index} of {self.name} is elementwise: it has no GEMM kernel or tile")
+            cfg = self._tiles.get(index) or choose_config(self.block, index, spec, self.emulate)
+            r = self._runners[index] = StageRunner(self.block, index, spec, cfg, self.emulate, self.poison)
+        return r
+
+    @torch.compiler.disable
+    def prepare(self) -> CudaBlock:
+        """Choose every stage's tile and import its epilogue now (a first call does it otherwise)."""
+        for k in self.gemm_stages:
+            r = self.runner(k)
+            if not self.emulate:
+                r.mod  # noqa: B018 (imports quack and the emitted module)
+        self._ready = True
+        return self
+
+    # -- running ------------------------------------------------------------------------------
+
+    def __call__(self, inputs: dict[str, Any] | None = None, /, *, dims: dict[str, int] | None = None,
+                 **tensors: Any) -> dict[str, torch.Tensor]:
+        return self.run_with_partials(inputs, dims=dims, **tensors)[0]
+
+    def run_with_partials(self, inputs: dict[str, Any] | None = None, /, *, dims: dict[str, int] | None = None,
+                          **tensors: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Outputs by name, and every stage's partial buffers by the name of the reduction, as the
+        kernel wrote them (row partials [m, ceil(n/tile_N)], column partials [ceil(m/tile_M), n]; a
+        pick gives its finished [m] vector). `dims`: sizes of dims (with the CudaBlock's own `dims`)."""
+        outs, partials, _ = self._call({**(inputs or {}), **tensors}, dims)
+        return outs, partials
+
+    def values(self, inputs: dict[str, Any] | None = None, /, *, dims: dict[str, int] | None = None,
+               **tensors: Any) -> dict[str, Any]:
+        """Every named value of a run (inputs as bound, stored tiles, vectors, and each dim's size under
+        `%NAME`): what `run_stage` reads."""
+        return self._run({**(inputs or {}), **tensors}, dims)[0]
+
+    def run_stage(self, index: int, env: dict[str, Any], dims: dict[str, int] | None = None
+                  ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Stage `index` alone (one kernel launch plus its partial combines; an elementwise stage: its
+        fused kernel) on the values in `env`: (the values it defines, its partial buffers)."""
+        new: dict[str, Any] = {}
+        partials: dict[str, torch.Tensor] = {}
+        if index in self.elementwise:
+            shapes = {p.var.name: tuple(env[p.var.name].shape) for p in self.ir.params
+                      if isinstance(env.get(p.var.name), torch.Tensor)}
+            sizes = dims_from_shapes(self.ir, self._shape_rules, shapes, self._given(dims))
+            self.elementwise[index].run({**env}, sizes, self.plan.storage, out=new)
+            return new, partials
+        r = self.runner(index)
+        ins, scalars = r.arguments(env)
+        outs = torch.ops.coda.stage(r.key, ins, scalars)
+        r.collect(outs, new, partials, self.plan.storage)
+        return new, partials
+
+    def _given(self, dims: dict[str, int] | None) -> dict[str, int]:
+        """The dims given to a call, with the CudaBlock's own."""
+        return {**self.dims, **given_dims(self.ir, dims)} if dims else self.dims
+
+    def _call(self, tensors: dict[str, Any], dims: dict[str, int] | None
+              ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, int]]:
+        """(outputs by name in their dtypes, partial buffers, the dims of the run)."""
+        env, partials, sizes = self._run(tensors, dims)
+        outs = {}
+        for o in self.ir.outputs:
+            x = env[o.name]
+            outs[o.name] = x.to(TORCH_DTYPES[o.type.dtype]) if isinstance(x, torch.Tensor) else x
+        return outs, partials, sizes
+
+    def _run(self, tensors: dict[str, Any], given: dict[str, int] | None = None
+             ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, int]]:
+        env, dims, device = self._bind(tensors, self._given(given))
+        env.update({dim_operand(k): v for k, v in dims.items()})  # a dim used as a value inside a stage
+        if not self._ready:
+            self.prepare()
+        partials: dict[str, torch.Tensor] = {}
+        k = 0
+        for s in self.ir.body:
+            if isinstance(s, Stage):
+                k += 1
+                if k in self.elementwise:
+                    self.elementwise[k].run(env, dims, self.plan.storage)
+                    continue
+                r = self.runner(k)
+                ins, scalars = r.arguments(env)
+                if self.tune and k not in self._tiles:
+                    r = self._tuned(k, r, ins, scalars)
+                if not torch.compiler.is_compiling():  # (a side effect a traced autograd.Function can't hold)
+                    self._last[k] = r
+                outs = torch.ops.coda.stage(r.key, ins, scalars)
+                r.collect(outs, env, partials, self.plan.storage)
+            else:
+                self._vector_eqn(s, env, dims, device)
+        return env, partials, dims
+
+    def _tuned(self, k: int, r: StageRunner, ins: list[torch.Tensor | None], scalars: list[float]) -> StageRunner:
+        """Stage k's runner at the fastest non-spilling tile for this GEMM shape: from this block's
+        memory, else the tuning cache on disk, else measured now on these very arguments."""
+        A, B = ins[0], ins[1]
+        assert A is not None and B is not None
+        spec = r.spec
+        n = B.shape[0] if spec.gemm.tb else B.shape[1]
+        key = (k, int(A.shape[0]), int(n), int(A.shape[1]))
+        if key not in self._by_shape:
+            self._by_shape[key] = self._measure(k, r, ins, scalars, key)
+        return self._by_shape[key]
+
+    @torch.compiler.disable
+    def _measure(self, k: int, r: StageRunner, ins: list[torch.Tensor | None], scalars: list[float],
+                 key: tuple[int, int, int, int]) -> StageRunner:
+        from coda_lang.backend_cute import tune
+
+        spec = r.spec
+        A = ins[0]
+        assert A is not None
+        disk = tune.disk_key(emit_stage(spec), key[1:], torch.cuda.get_device_name(A.device))
+        cached = tune.lookup(disk)
+        if cached is None:
+            if not find_ptxas():
+                return r
+            from coda_lang.backend_cute.compile import configs_without_spills
+
+            print(f"coda: tuning stage {k} of {self.name} (`{spec.text}`) at {key[1]}x{key[2]}x{key[3]}: compiling "
+                  "and timing its tile configs once; the choice is cached (CODA_TUNE=0 skips this)",
+                  file=sys.stderr)
+            runners = {c: r if c == r.config else StageRunner(self.block, k, spec, c, self.emulate, self.poison)
+                       for c in configs_without_spills(spec)}
+            def launch(x: StageRunner) -> Callable[[], Any]:
+                return lambda: torch.ops.coda.stage(x.key, ins, scalars)
+
+            times = tune.measure({c: launch(x) for c, x in runners.items()})
+            if not times:
+                return r
+            cached = min(times, key=lambda c: times[c])
+            tune.store(disk, cached, times)
+            return runners[cached]
+        return r if cached == r.config else StageRunner(self.block, k, spec, cached, self.emulate, self.poison)
+
+    def _vector_eqn(self, e: Eqn, env: dict[str, Any], dims: dict[str, int], device: torch.device) -> None:
+        vals = []
+        upcast = e.outs[0].type is None or e.outs[0].type.kind != MATRIX  # a matrix alias stays the same tensor
+        for a in e.ins:
+            if isinstance(a, Var):
+                x = env[a.name]  # a 16-bit parameter is bound in its dtype: computed in f32, as the interpreter does
+                vals.append(x.float() if upcast and isinstance(x, torch.Tensor) and x.dtype in HALF_DTYPES else x)
+            elif isinstance(a, Lit):
+                vals.append(a.value)
+            else:  # a dim as a value: integer arithmetic on plain ints (torch.compile traces this)
+                name, num, den = self._dimrefs[(e.outs[0].name, len(vals))]
+                vals.append((dims[name] if name is not None else 1) * num // den)
+        params = {k: v for k, v in e.params if not isinstance(v, Dim)}
+        stand_in = REGISTRY[e.op].torch
+        assert stand_in is not None  # checked when the CudaBlock was made (E0708)
+        res = stand_in(*vals, **params)
+        res_t = res if isinstance(res, tuple) else (res,)
+        for v, x in zip(e.outs, res_t, strict=True):
+            x = compute_value(x, v.type, device)
+            env[v.name] = round_value(x, v.annot) if v.annot else x
+
+    def _bind(self, tensors: dict[str, Any], given: dict[str, int]
+              ) -> tuple[dict[str, Any], dict[str, int], torch.device]:
+        names = {p.var.name for p in self.ir.params}
+        unknown = sorted(set(tensors) - names)
+        if unknown:
+            raise fail("E0801", f"unknown input `{unknown[0]}`; the block's parameters are {', '.join(sorted(names))}")
+        env: dict[str, Any] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        device: torch.device | None = None
+        for p in self.ir.params:
+            name, t = p.var.name, p.var.type
+            assert t is not None
+            if name not in tensors:
+                if p.default is None:
+                    raise fail("E0801", f"missing input `{name}`")
+                env[name] = p.default
+                continue
+            v = tensors[name]
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and not t.shape:
+                if t.dtype == "i32" and not isinstance(v, int):
+                    raise fail("E0803", f"input `{name}` is {v!r}, but it is declared i32")
+                # a 16-bit scalar rounded to its dtype, as the interpreter binds it
+                env[name] = int(v) if t.dtype == "i32" else (
+                    float(torch.tensor(float(v)).to(TORCH_DTYPES[t.dtype])) if t.dtype in ("bf16", "f16") else float(v))
+                continue
+            if not isinstance(v, torch.Tensor):
+                raise fail("E0803", f"input `{name}` is a {type(v).__name__}; the CUDA runtime takes torch tensors")
+            if device is None:
+                device = v.device
+            elif v.device != device:
+                raise fail("E0806", f"input `{name}` is on {v.device}, but other inputs are on {device}")
+            if t.dtype == "i32":
+                if v.is_floating_point() or v.is_complex() or v.dtype == torch.bool:
+                    raise fail("E0803", f"input `{name}` is {v.dtype}, but it is declared i32")
+            elif not (v.is_floating_point() or (v.dim() == 0 and v.dtype != torch.bool)):
+                raise fail("E0803", f"input `{name}` is {v.dtype}, but it is declared {t.dtype}")
+            shapes[name] = tuple(v.shape)
+            env[name] = v.to(TORCH_DTYPES[t.dtype]).contiguous()
+        if device is None:
+            raise fail("E0801", "no tensor inputs")
+        if not self.emulate and device.type != "cuda":
+            raise fail("E0806", f"inputs are on {device}; the CUDA runtime needs CUDA tensors",
+                       notes=["Block.run runs the interpreter on CPU tensors"])
+        dims = dims_from_shapes(self.ir, self._shape_rules, shapes, given)
+        return env, dims, device
+
+    # -- autograd -----------------------------------------------------------------------------
+
+    def autograd(self, wrt: list[str] | None = None, tile: Any = None) -> CudaFunction:
+        """A function of the block's inputs (by name) whose outputs are differentiable by torch.autograd:
+        forward = the extended forward block, backward = the derived backward block, both on CUDA, at
+        `tile` (default: this block's own, when it was given one tile for every stage), tuned as this
+        block is. CodaError (E07) when a stage of either can't run on the GPU yet."""
+        from coda_lang.backend_cute.autograd import CudaFunction
+
+        return CudaFunction(self, wrt, tile if tile is not None else self.tile)
+
+
+def with_sources(e: CodaError) -> CodaError:
+    """`e` with the text of the files its spans point at (so that it renders with source lines)."""
+    if e.sources:
+        return e
+    sources = {}
+    for f in {d.span.file for d in e.diagnostics if d.span is not None}:
+        with contextlib.suppress(OSError):
+            sources[f] = Path(f).read_text()
+    return CodaError(e.diagnostics, sources) if sources else e

@@ -1,0 +1,292 @@
+"""Launching one GEMM stage: its kernel's arguments and buffers, and the torch custom op `coda::stage`.
+
+What it does: `StageRunner` is stage `index` of a block at one tile config: `arguments` turns the
+block's values into the op's inputs (A, B, each epilogue operand, pick's indices), `allocate` makes its
+outputs (D, the TileStores, each sink's per-tile partial buffer, a grouped reduction's writer), `launch`
+runs the kernel (quack's, cuBLAS for a plain stage the tuner found faster there, or emulate.py's torch
+stand-in) and `collect` binds the results by coda name, each sink's partials combined by its combine
+record. The launch is the torch custom op `coda::stage` (a fake impl allocates the same buffers), so
+torch.compile traces a block without a graph break. `round_value` / `compute_value` keep the
+interpreter's numerics (stored tiles rounded to their dtype, f32 compute).
+What it does not: choose tiles (tiles.py, tune.py), bind a call's inputs (cuda_block.py) or plan/emit.
+Invariants: every element of every buffer the op returns is written by the kernel (pick's output is
+pre-filled with zeros; `poison=True` fills the rest with NaN so tests can see an unwritten element).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from fractions import Fraction
+from typing import Any
+
+import torch
+
+from coda_lang.backend_cute.compile import TileConfig
+from coda_lang.backend_cute.emit import emit_stage, write_source
+from coda_lang.backend_cute.spec import Sink, StageSpec
+from coda_lang.interp.inputs import fail
+from coda_lang.ir.types import BOOL, MATRIX, Dim, Type
+from coda_lang.ops.registry import combine_of_sink, combine_rule
+
+TORCH_DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16,
+                                        "i32": torch.int32, BOOL: torch.bool}
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+def sink_rule(s: Sink) -> tuple[str, int]:
+    """(combine record name, axis) of a sink's partial buffer; ("select", -1) for pick's finished vector."""
+    if s.op == "ColVecSelect":
+        return "select", -1
+    rule = combine_of_sink("lse" if s.op == "OnlineLSEReduce" else s.combine or "", s.negate).name
+    return rule, (1 if s.layout == "row partials" else 0)
+
+
+def sink_partials(s: Sink, buf: torch.Tensor) -> torch.Tensor:
+    """The per-tile partials of a sink from the buffer its kernel wrote: a min() sink's kernel folds the
+    negation by max, so its buffer holds -min per tile (negated back here, exactly)."""
+    return -buf if s.negate else buf
+
+
+def sink_shape(s: Sink, m: Any, n: Any, tile_m: int, tile_n: int) -> tuple[Any, ...]:
+    """quack's buffer shape for a sink of an (m, n) GEMM at tile (tile_m, tile_n) on SM90
+    (`sink_alloc_shape` with lead (m,)): per-tile partials along the reduced dim."""
+    if s.op == "ColVecSelect":
+        return (m,)
+    if s.layout == "row partials":
+        return (m, -(-n // tile_n))
+    return (-(-m // tile_m), n)
+
+
+def _width(shape_dim: Dim, cols: Dim, n: Any) -> Any:
+    """The extent of a stage value's column dim `shape_dim` when the stage's width `cols` is n."""
+    ratio = Fraction(shape_dim.coeff) / Fraction(cols.coeff)
+    return n if ratio == 1 else n * ratio.numerator // ratio.denominator
+
+
+def _aligned(t: Any) -> Any:
+    """A tensor whose data pointer is 16-byte aligned (TMA and the vector loads assume it)."""
+    if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.data_ptr() % 16:
+        return t.clone()
+    return t
+
+
+# ------------------------------------------------------------------------------------------------
+# One stage: its spec, tile config, epilogue module, and the custom op that launches it.
+
+_STAGES: weakref.WeakValueDictionary[str, StageRunner] = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
+class StageRunner:
+    """Stage `index` of a block at a fixed tile config; `launch` is the body of `coda::stage`."""
+
+    def __init__(self, block: Any, index: int, spec: StageSpec, config: TileConfig, emulate: bool,
+                 poison: bool = False):
+        self.block, self.index, self.spec, self.config, self.emulate = block, index, spec, config, emulate
+        self.poison = poison
+        self.key = f"{spec.fn_name}:{config.short}:{next(_KEYS)}"
+        self.index_names = [(s.index, _coda_name(spec, s.index)) for s in spec.sinks if s.index is not None]
+        self._mod: Any = None
+        _STAGES[self.key] = self
+
+    @property
+    def mod(self) -> Any:
+        """The quack EpiMod of the emitted epilogue (imports quack on first use)."""
+        if self._mod is None:
+            from coda_lang.backend_cute import quack_adapter
+
+            path = write_source(emit_stage(self.spec))
+            self._mod = quack_adapter.load_epilogue(path, self.spec.fn_name)
+        return self._mod
+
+    # host side (traced by torch.compile): the op's arguments from the block's values
+    def arguments(self, env: dict[str, Any]) -> tuple[list[torch.Tensor | None], list[float]]:
+        spec, g = self.spec, self.spec.gemm
+        A = env[g.a].to(TORCH_DTYPES[g.a_dtype]).contiguous()
+        B = env[g.b].to(TORCH_DTYPES[g.b_dtype]).contiguous()
+        ins: list[torch.Tensor | None] = [A.t() if g.ta else A, B]  # B: (k, n), or (n, k) for transpose(b)
+        scalars: list[float] = []
+        for o in spec.operands:
+            v = env[o.name]
+            if o.role == "scalar":
+                if isinstance(v, torch.Tensor):
+                    ins.append(v.to(TORCH_DTYPES[o.dtype]).reshape(1))
+                else:
+                    ins.append(None)
+                    scalars.append(float(v))
+                continue
+            t = v.to(TORCH_DTYPES[o.dtype])
+            if o.host == "repeat_interleave(2)":
+                t = t.repeat_interleave(2)
+            ins.append(t.contiguous())
+        for _, name in self.index_names:
+            ins.append(env[name].to(torch.int32).contiguous())
+        return ins, scalars
+
+    def allocate(self, A: torch.Tensor, B: torch.Tensor) -> list[torch.Tensor]:
+        """The stage's output buffers: [D?] + TileStores + sinks (also the fake impl of the op)."""
+        spec, g, cfg = self.spec, self.spec.gemm, self.config
+        m, n = A.shape[0], (B.shape[0] if g.tb else B.shape[1])
+        dev = A.device
+
+        def new(shape: tuple[Any, ...], dtype: torch.dtype) -> torch.Tensor:
+            if self.poison:  # tests: an element the kernel does not write stays NaN
+                return torch.full(shape, float("nan"), dtype=dtype, device=dev)
+            return torch.empty(shape, dtype=dtype, device=dev)
+
+        outs = []
+        if spec.d is not None:
+            outs.append(new((m, _width(spec.d.shape[1], g.cols, n)), TORCH_DTYPES[spec.d.dtype]))
+        for o in spec.outputs:
+            width = _width(o.shape[1], g.cols, n)
+            outs.append(new((m, width // 2 if o.lane is not None else width), TORCH_DTYPES[o.dtype]))
+        stored = ([spec.d.name] if spec.d is not None else []) + [o.name for o in spec.outputs]
+        for t, name in zip(outs, stored, strict=True):
+            if isinstance(t.shape[1], int) and (t.shape[1] * t.element_size()) % 16:
+                raise fail("E0807", f"stage {spec.index} (`{spec.text}`) stores `{name}` with rows of {t.shape[1]} "
+                           f"values, {t.shape[1] * t.element_size()} bytes: the kernel's TMA stores need rows of a multiple "
+                           "of 16 bytes", notes=["choose dims that make every stored row a multiple of 16 bytes "
+                                                 "(8 bf16 values); the interpreter (Block.run) takes any size"])
+        for gr in spec.groups:  # quack's GroupedColStatsBase needs whole groups (it raises ValueError)
+            if isinstance(n, int) and n % gr.width:
+                raise fail("E0802", f"stage {spec.index} (`{spec.text}`) reduces `{gr.name}` in groups of {gr.width} "
+                           f"columns, but its width is {n}: not a multiple of {gr.width}",
+                           notes=["choose sizes that make the grouped width a multiple of the group"])
+        for s in spec.sinks:
+            shape = sink_shape(s, m, n, cfg.tile_m, cfg.tile_n)
+            # pick leaves rows whose index is outside [0, n) alone: they read 0, as in the interpreter
+            outs.append(torch.zeros(shape, dtype=torch.float32, device=dev) if s.op == "ColVecSelect"
+                        else new(shape, torch.float32))
+        for gr in spec.groups:  # a grouped reduction used after the stage: one f32 per row and group
+            if gr.out is not None:
+                outs.append(new((m, n // gr.width), torch.float32))
+        return outs
+
+    # device side (the op's body): one kernel launch
+    def launch(self, ins: list[torch.Tensor | None], scalars: list[float]) -> list[torch.Tensor]:
+        A, B = _aligned(ins[0]), _aligned(ins[1])
+        assert A is not None and B is not None
+        outs = self.allocate(A, B)
+        D, C, epi = self.epilogue_arguments(ins, scalars, outs)
+        if self.config.is_cublas:  # a plain stage (compile.is_plain) the tuner found faster on cuBLAS
+            assert D is not None
+            torch.matmul(A, B.t() if self.spec.gemm.tb else B, out=D)
+        elif self.emulate:
+            from coda_lang.backend_cute import emulate
+
+            emulate.run_stage(self.spec, self.config, A, B, D, epi, C=C)
+        else:
+            from coda_lang.backend_cute import quack_adapter
+
+            quack_adapter.launch(self.mod, self.spec, self.config, A, B, D, epi, C=C)
+        return outs
+
+    def epilogue_arguments(self, ins: list[torch.Tensor | None], scalars: list[float], outs: list[torch.Tensor]
+                           ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[str, Any]]:
+        """(D, C, epi_args by the emitted fn's names) for quack's `EpiMod.gemm`, from the op's arguments
+        (C: the GEMM's C operand of a packed-mode stage, else None)."""
+        spec = self.spec
+        epi: dict[str, Any] = {}
+        it = iter(scalars)
+        j = 2
+        C = None
+        for o in spec.operands:
+            t = ins[j]
+            j += 1
+            if o.op == "C":
+                C = _aligned(t)
+                continue
+            epi[o.py] = (next(it) if t is None else t) if o.role == "scalar" else _aligned(t)
+        for py, _ in self.index_names:
+            epi[py] = _aligned(ins[j])
+            j += 1
+        i = 0
+        D = None
+        if spec.d is not None:
+            D, i = outs[0], 1
+        for out in spec.outputs:
+            epi[out.py] = outs[i]
+            i += 1
+        for s in spec.sinks:
+            epi[s.py] = outs[i]
+            i += 1
+        for gr in spec.groups:  # GroupedReduce's host argument: the group width (compile-time)
+            epi[gr.py] = gr.width
+            if gr.out is not None:
+                epi[gr.out] = outs[i]
+                i += 1
+        return D, C, epi
+
+    def collect(self, outs: list[torch.Tensor], env: dict[str, Any], partials: dict[str, torch.Tensor],
+                storage: dict[str, str]) -> None:
+        """Bind the stage's results by coda name: stored tiles, and each sink combined across tiles."""
+        spec = self.spec
+        i = 0
+        if spec.d is not None:
+            env[spec.d.name] = outs[0]
+            i = 1
+        lanes: dict[str, list[torch.Tensor]] = {}
+        for o in spec.outputs:
+            if o.lane is not None:  # one lane of a full-width tile of a paired stage: interleave them back
+                lanes.setdefault(o.name, []).append(outs[i])
+                if len(lanes[o.name]) == 2:
+                    even, odd = lanes[o.name]
+                    env[o.name] = torch.stack((even, odd), dim=-1).reshape(even.shape[0], -1)
+            else:
+                env[o.name] = outs[i]
+            i += 1
+        for s in spec.sinks:
+            buf = sink_partials(s, outs[i])
+            i += 1
+            partials[s.name] = buf
+            rule, axis = sink_rule(s)
+            x = buf if rule == "select" else combine_rule(rule).torch(buf, axis)
+            dtype = storage.get(s.name)
+            env[s.name] = round_value(x, dtype) if dtype else x
+        for gr in spec.groups:
+            if gr.out is not None:
+                dtype = storage.get(gr.name)
+                env[gr.name] = round_value(outs[i], dtype) if dtype else outs[i]
+                i += 1
+
+
+def _coda_name(spec: StageSpec, py: str) -> str:
+    for name, p in spec.names.items():
+        if p == py:
+            return name
+    return py
+
+
+# The schema is given, not inferred from the annotations (stable across torch versions).
+@torch.library.custom_op("coda::stage", mutates_args=(), schema="(str key, Tensor?[] ins, float[] scalars) -> Tensor[]")
+def _stage_op(key: str, ins: list[torch.Tensor | None], scalars: list[float]) -> list[torch.Tensor]:
+    """One GEMM stage of a coda block: one kernel launch; returns [D?] + stored tiles + sink buffers."""
+    return _STAGES[key].launch(ins, scalars)
+
+
+@_stage_op.register_fake
+def _stage_op_fake(key: str, ins: list[torch.Tensor | None], scalars: list[float]) -> list[torch.Tensor]:
+    A, B = ins[0], ins[1]
+    assert A is not None and B is not None
+    return _STAGES[key].allocate(A, B)
+
+
+def round_value(x: Any, dtype: str | None) -> Any:
+    """x rounded to a storage dtype, kept in its compute dtype (interp.numerics.round_to)."""
+    if dtype is None or not isinstance(x, torch.Tensor):
+        return x
+    if dtype in ("bf16", "f16"):
+        return x.to(TORCH_DTYPES[dtype]).float() if x.is_floating_point() else x
+    if dtype == "i32":
+        return x.trunc().to(torch.int32) if x.is_floating_point() else x.to(torch.int32)
+    return x.float() if dtype == "f32" else x
+
+
+def compute_value(x: Any, t: Type | None, device: torch.device) -> Any:
+    """A block-level value in its compute dtype (f32 for floats), as a tensor on the block's device."""
+    if t is None or t.kind == MATRIX:
+        return x  # a matrix alias (`y = x`) is the same tensor
+    dtype = torch.float32 if t.dtype in ("f32", "bf16", "f16") else TORCH_DTYPES.get(t.dtype, torch.float32)
+    if not isinstance(x, torch.Tensor):
+        return torch.full((), x, dtype=dtype, device=device)
+    return x.to(device=device, dtype=dtype)
