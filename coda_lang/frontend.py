@@ -16,7 +16,7 @@ from coda_lang.ir.nodes import Block, Program
 from coda_lang.syntax.lower import lower
 from coda_lang.syntax.parse import parse
 from coda_lang.verify.check import check_block
-from coda_lang.verify.diagnostics import CodaError, Diagnostic
+from coda_lang.verify.diagnostics import Diagnostic
 from coda_lang.verify.plan import BlockPlan
 
 
@@ -40,15 +40,6 @@ def check_source(text: str, file: str = "<string>") -> tuple[Program | None, dic
     if diags:
         return None, plans, diags
     return Program(prog.dims, tuple(blocks), file), plans, diags
-
-
-def check_block_ir(block: Block) -> BlockPlan:
-    """Check a block built in Python (e.g. by autodiff); raises CodaError on errors."""
-    diags: list[Diagnostic] = []
-    _, plan = check_block(block, diags)
-    if diags:
-        raise CodaError(diags)
-    return plan
 
 
 def read_source(path_or_text: str | os.PathLike[str]) -> tuple[str, str]:

@@ -1,0 +1,137 @@
+"""What every `coda` command shares: the argument parser's error behaviour, reading and writing files,
+parsing sizes, loading one block, and the exit codes.
+
+What it does: `Parser` (argparse with usage errors as exit 2 and a `coda: error:` line), `usage_error`,
+`read_source_file`, `load_block` (a file's block by name, with diagnostics printed), `parse_dims`,
+`parse_tile`, `parse_tile_subtile`, and atomic writers (`write_text`, `write_npz`: a temporary file in
+the same folder renamed over the target, so no partial output file is ever left).
+What it does not: any command's work (the modules beside it) or any compiler work (frontend.py, api.py).
+Invariants: nothing here imports NumPy, torch or CuTeDSL at import time (`coda check` starts fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+EXIT_OK, EXIT_ERRORS, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        print(f"coda: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def read_source_file(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        print(f"coda: error: can't read {path}: {reason}", file=sys.stderr)
+        return None
+
+
+def usage_error(msg: str) -> int:
+    print(f"coda: error: {msg}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def parse_dims(text: str | None) -> dict[str, int] | None:
+    if not text:
+        return {}
+    out: dict[str, int] = {}
+    for part in text.split(","):
+        name, eq, value = part.strip().partition("=")
+        if not eq or not name.strip().isidentifier() or not value.strip().isdigit() or int(value) <= 0:
+            return None
+        out[name.strip()] = int(value)
+    return out
+
+
+def parse_tile(text: str | None) -> tuple[int, int] | None | str:
+    if not text:
+        return None
+    m, x, n = text.lower().partition("x")
+    if not x or not m.isdigit() or not n.isdigit() or int(m) <= 0 or int(n) <= 0:
+        return "bad"
+    return int(m), int(n)
+
+
+def parse_tile_subtile(text: str | None) -> tuple[int, int, int] | None | str:
+    """MxN as (M, N, 0), MxNeS as (M, N, S): S, the epilogue subtile's width."""
+    if not text:
+        return None
+    mn, e, width = text.lower().partition("e")
+    tile = parse_tile(mn)
+    if not isinstance(tile, tuple) or (e and not (width.isdigit() and int(width) > 0)):
+        return "bad"
+    return (*tile, int(width) if e else 0)
+
+
+def load_block(path: str, block: str | None, fmt: str = "human") -> tuple[object | None, int]:
+    """(Block, 0), or (None, exit code) after printing why."""
+    from coda_lang.frontend import check_source
+    from coda_lang.verify.diagnostics import render_all
+
+    text = read_source_file(path)
+    if text is None:
+        return None, EXIT_USAGE
+    prog, plans, diags = check_source(text, path)
+    if diags:
+        print(render_all(diags, {path: text}, fmt), file=sys.stderr)
+        return None, EXIT_ERRORS
+    assert prog is not None
+    from coda_lang.api import Block
+
+    names = [b.name for b in prog.blocks]
+    if block is None:
+        if len(names) > 1:
+            return None, usage_error(f"{path} has several blocks ({', '.join(names)}); choose one with --block")
+        block = names[0]
+    if block not in names:
+        return None, usage_error(f"no block `{block}` in {path}; blocks: {', '.join(names)}")
+    b = next(b for b in prog.blocks if b.name == block)
+    return Block(b, plans[block]), EXIT_OK
+
+
+def write_npz(path: str, arrays: dict[str, object]) -> None:
+    """Write atomically: a temporary file in the same folder, renamed over `path` when complete."""
+    import tempfile
+
+    import numpy as np
+
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".coda-", suffix=".npz", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **{k: savable(v) for k, v in arrays.items()})  # type: ignore[arg-type]
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def savable(x: object) -> object:
+    import numpy as np
+
+    a = np.asarray(x)
+    return a.astype(np.float32) if a.dtype.name in ("bfloat16",) else a
+
+
+def write_text(path: str, text: str) -> None:
+    """Write atomically: a temporary file in the same folder, renamed over `path` when complete."""
+    import tempfile
+
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".coda-", suffix=".coda", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -1,0 +1,72 @@
+"""`coda grad`: derive the backward block and print it as .coda source."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from coda_lang.cli.common import (
+    EXIT_ERRORS,
+    EXIT_OK,
+    load_block,
+    read_source_file,
+    usage_error,
+    write_text,
+)
+
+
+def add_parser(sub: Any) -> None:
+    g = sub.add_parser("grad", help="derive the backward block (printed as .coda source)",
+                       description="Derive the backward block of a block by reverse-mode autodiff and print it as "
+                       ".coda source (which `coda check` accepts). The VJP of each stage's epilogue runs in the "
+                       "epilogue of the GEMM that produces its cotangent; where none does (the block's entry), "
+                       "in one elementwise stage, which is reported. The printed block says which forward "
+                       "tensors it reads (saved).")
+    g.add_argument("file", metavar="FILE")
+    g.add_argument("--block", metavar="NAME", help="the block to differentiate (needed when the file has several)")
+    g.add_argument("--wrt", metavar="P,Q", help="parameters to differentiate with respect to "
+                   "(default: every float parameter without a default)")
+    g.add_argument("--with-forward", action="store_true",
+                   help="also print the forward block, extended to store the saved tensors")
+    g.add_argument("-o", "--output", metavar="OUT.coda", help="write here instead of standard output (atomically)")
+    g.add_argument("--error-format", choices=("human", "short"), default="human")
+    g.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from coda_lang.ir.printer import dims_source, print_block
+    from coda_lang.verify.diagnostics import CodaError, render_all
+
+    block, code = load_block(args.file, args.block, args.error_format)
+    if block is None:
+        return code
+    from coda_lang.api import Block
+
+    assert isinstance(block, Block)
+    wrt = [w.strip() for w in args.wrt.split(",") if w.strip()] if args.wrt else None
+    try:
+        d = block.derivation(wrt)
+    except CodaError as e:
+        text = read_source_file(args.file) or ""
+        print(render_all(e.diagnostics, {args.file: text}, args.error_format), file=sys.stderr)
+        return EXIT_ERRORS
+    parts = []
+    dims = d.forward.ir.dims if args.with_forward else d.backward.ir.dims  # the forward's are a superset
+    if dims:
+        parts.append(dims_source(dims) + "\n")
+    if args.with_forward:
+        parts.append(print_block(d.forward.ir, with_dims=False))
+    parts.append(print_block(d.backward.ir, with_dims=False))
+    text = "\n".join(parts)
+    for line in d.report:
+        print(f"note: {line}", file=sys.stderr)
+    if args.output:
+        try:
+            write_text(args.output, text)
+        except OSError as e:
+            return usage_error(f"can't write {args.output}: {e.strerror or e}")
+        print(f"wrote {args.output}: {d.backward.name} ({len(d.backward.plan.stages)} stages)", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return EXIT_OK
