@@ -21,14 +21,14 @@ from pathlib import Path
 INDEX = Path(__file__).resolve().parent / "error_index"
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
-_KINDS = {"dim": "a dim", "int": "an integer", "dtype": "a dtype", "choice": "a string"}
+_OPERANDS = {"pick": ["x", "idx"], "expand": ["x", "like"], "pairs": ["z"]}  # names the docs lines use
 
 
 def _signature(op: object) -> str:
     from coda_lang.ops.registry import OpDef
 
     assert isinstance(op, OpDef)
-    names = ["x", "y", "z"][:op.nin] if op.name != "where" else ["c", "a", "b"]
+    names = _OPERANDS.get(op.name) or {0: [], 1: ["x"], 2: ["a", "b"], 3: ["c", "a", "b"]}[op.nin]
     if op.infix == "=":
         return "`y = x`"
     if op.infix == "neg":
@@ -61,7 +61,8 @@ def op_table_markdown() -> str:
                 grad, locality = "via its rewrite", "rewritten"
             else:
                 locality = op.locality or ""
-            rows.append(f"| {_signature(op)} | {locality} | {grad} | {comb} | {op.doc} |")
+            doc = op.doc.replace("|", "\\|")  # a table cell
+            rows.append(f"| {_signature(op)} | {locality} | {grad} | {comb} | {doc} |")
     return "\n".join(rows) + "\n"
 
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import functools
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +25,7 @@ import pytest
 import torch
 import torch_refs as ref
 from hypothesis import HealthCheck, assume, given, settings
+from support import coda, golden
 
 import coda_lang
 from coda_lang.ir.nodes import Eqn, Stage, Var
@@ -545,22 +544,11 @@ def test_llama_block_saves_what_the_paper_saves() -> None:
 # ---------------------------------------------------------------------------- golden `coda grad` output
 
 
-def _coda(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "coda_lang.cli", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=120)
-
-
 @pytest.mark.parametrize("name", ["llama_mlp", "llama_block"])
 def test_golden_grad(name: str, update_golden: bool) -> None:
-    got = _coda("grad", f"examples/{name}.coda")
+    got = coda("grad", f"examples/{name}.coda")
     assert got.returncode == 0, got.stderr
-    path = GOLDEN / f"{name}.coda"
-    if update_golden:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(got.stdout)
-        pytest.skip(f"wrote {path.relative_to(ROOT)}")
-    assert path.exists(), f"{path} is missing; run pytest --update-golden"
-    assert got.stdout == path.read_text(), f"`coda grad examples/{name}.coda` changed; if on purpose, run --update-golden"
+    golden(GOLDEN / f"{name}.coda", got.stdout, update_golden)
     coda_lang.load(got.stdout)  # the golden backward checks
 
 

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import coda, golden
 
 import coda_lang
 from coda_lang.backend_cute.emit import EMITTER_VERSION, emit_stage, module_name, write_source
@@ -39,13 +40,7 @@ def mlp() -> coda_lang.Block:
 @pytest.mark.parametrize("name,index", [("llama_mlp", 1), ("llama_mlp", 2), ("llama_mlp", 3), ("qk_norm", 1)])
 def test_golden(name: str, index: int, update_golden: bool) -> None:
     source = emit_stage(plan_stage(coda_lang.load(ROOT / "examples" / f"{name}.coda")[name], index))
-    golden = GOLDEN / f"{name}_stage{index}.py"
-    if update_golden:
-        golden.parent.mkdir(parents=True, exist_ok=True)
-        golden.write_text(source)
-        return
-    assert golden.exists(), f"no golden file {golden.relative_to(ROOT)}; run pytest --update-golden"
-    assert source == golden.read_text()
+    golden(GOLDEN / f"{name}_stage{index}.py", source, update_golden)
 
 
 def test_llama_mlp_plans_like_the_hand_written_epilogues() -> None:
@@ -432,11 +427,6 @@ def test_import_coda_lang_imports_no_gpu_library() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
-
-
-def coda(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "coda_lang.cli", *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, env=env)
 
 
 def test_cli_compile_source(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
+from support import golden
 
 from coda_lang.frontend import check_source
 from coda_lang.verify.diagnostics import CHECK_ONLY_EXEMPT, CODES, Diagnostic, render_all
@@ -115,13 +116,7 @@ def test_golden_rendering(name: str, update_golden: bool) -> None:
     path = BAD / f"{name}.coda"
     text, diags = diagnose(path)
     rendered = render_all(diags, {rel(path): text}, "human") + "\n"
-    golden = GOLDEN / f"{name}.txt"
-    if update_golden:
-        golden.parent.mkdir(parents=True, exist_ok=True)
-        golden.write_text(rendered)
-        return
-    assert golden.exists(), f"no golden file {rel(golden)}; run pytest --update-golden"
-    assert rendered == golden.read_text()
+    golden(GOLDEN / f"{name}.txt", rendered, update_golden)
 
 
 def test_golden_files_have_programs() -> None:

@@ -7,23 +7,13 @@ Python traceback.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
+
+from support import coda, no_traceback
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.coda"))
 BAD = ROOT / "tests" / "bad"
-
-
-def coda(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "coda_lang.cli", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
-
-
-def no_traceback(r: subprocess.CompletedProcess[str]) -> None:
-    assert "Traceback" not in r.stdout + r.stderr
-    assert "internal error" not in r.stderr
 
 
 def test_bad_program_exits_1() -> None:

@@ -9,24 +9,14 @@ differentiated (E06), 2 usage or I/O errors; never a Python traceback.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
+
+from support import coda, no_traceback
 
 import coda_lang
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.coda"))
-
-
-def coda(*args: str | Path, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "coda_lang.cli", *map(str, args)], cwd=cwd,
-                          capture_output=True, text=True, timeout=60)
-
-
-def no_traceback(r: subprocess.CompletedProcess[str]) -> None:
-    assert "Traceback" not in r.stdout + r.stderr
-    assert "internal error" not in r.stderr
 
 
 def test_grad_output_passes_coda_check(tmp_path: Path) -> None:

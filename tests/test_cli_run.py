@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
+from support import coda
 
 import coda_lang
-
-
-def coda(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "coda_lang.cli", *args], capture_output=True, text=True,
-                          timeout=120)
 
 
 def test_run_prints_table_and_writes_npz(tmp_path: Path) -> None:

@@ -119,7 +119,7 @@ _pointwise("div", "div", 2, _floating, lambda a, b: a / b, infix="/",
            vjp=lambda b, p, ct: [b.div(ct, p.x[1]), b.neg(b.div(b.mul(ct, p.y[0]), p.x[1]))],
            emit=lambda a, b: f"{a} / {b}", torch=lambda a, b: as_tensor(a) / b, doc="a / b, always floating")
 _pointwise("neg", "neg", 1, _arith, lambda a: -a, infix="neg", vjp=lambda b, p, ct: [b.neg(ct)],
-           emit=lambda a: f"-{a}", torch=lambda a: -a, doc="-a")
+           emit=lambda a: f"-{a}", torch=lambda a: -a, doc="-x")
 _pointwise("maximum", "max", 2, _arith, lambda a, b: np.maximum(a, b),
            vjp=lambda b, p, ct: _select(b, b.op("ge", p.x[0], p.x[1]), ct), emit=_fn("cute.math.max"),
            torch=lambda a, b: torch.maximum(*as_tensors(a, b)),

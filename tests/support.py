@@ -1,0 +1,40 @@
+"""Helpers shared by the tests: running the `coda` command line, and golden files.
+
+- `coda(*args, cwd=..., env=..., timeout=...)` runs `python -m coda_lang.cli ARGS` in a fresh process (as a
+  user would, with this checkout's package) and returns the completed process (text output);
+  `no_traceback(r)` asserts it printed no Python traceback and no internal error.
+- `golden(path, got, update)` compares `got` with the golden file `path`, or (with pytest's
+  `--update-golden`, the `update_golden` fixture of conftest.py) writes it and skips the test.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def coda(*args: str | Path, cwd: Path = ROOT, env: dict[str, str] | None = None,
+         timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "coda_lang.cli", *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def no_traceback(r: subprocess.CompletedProcess[str]) -> None:
+    """No Python traceback, and no "internal error" (exit 3: a bug) either."""
+    assert "Traceback" not in r.stdout + r.stderr
+    assert "internal error" not in r.stderr
+
+
+def golden(path: Path, got: str, update: bool) -> None:
+    """`got` must equal the golden file at `path` (rewritten instead with --update-golden)."""
+    if update:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(got)
+        pytest.skip(f"wrote {path.relative_to(ROOT)}")
+    assert path.exists(), f"no golden file {path.relative_to(ROOT)}; run pytest --update-golden"
+    assert got == path.read_text(), f"{path.relative_to(ROOT)} differs; if the change is on purpose, run --update-golden"
