@@ -32,7 +32,9 @@ class Derived:
     cotangents: dict[str, str]  # forward output -> its cotangent's name in the backward block
     grads: dict[str, str]  # forward param -> its gradient's name (an output of the backward block)
     report: list[str] = field(default_factory=list)
-    reads: tuple[Read, ...] = ()  # every read of a forward value, and how (State.reads)
+    # every read of a forward value the derivation made, and how (State.reads); made before clean-up,
+    # so some may be unused in `backward` (`saved` lists the saved tensors it does read)
+    reads: tuple[Read, ...] = ()
 
 
 def _kind(t: Type) -> str:

@@ -319,7 +319,8 @@ class Site:
         s, b, fwd, st = self.s, self.s.b, self.fwd, self.st
         later: list[tuple[str, Later]] = []
         got = self.take("acc")
-        dacc_src: Atom | None = None
+        dacc_src: Atom | None = None  # the tile stored as dacc, where it is stored by a copy
+        stored: Atom | None = None  # the matrix stored as dacc
         aliases: list[tuple[str, Atom]] = []
         od = fwd.operand_dtype(self.k)
         if got is not None and st.is_gemm:
@@ -328,11 +329,11 @@ class Site:
             bt = s.types.get(dacc.name) if isinstance(dacc, Var) else None
             if isinstance(dacc, Var) and dacc.name not in b.local and bt is not None and bt.kind == MATRIX \
                     and bt.dtype == od:
-                s.set_dacc(self.k, dacc)  # already a matrix of the GEMM's dtype (e.g. an output's cotangent): no copy
+                stored = dacc  # already a matrix of the GEMM's dtype (e.g. an output's cotangent): no copy
             else:
                 out = b.op("copy", dacc, name=s.names.fresh(f"dacc{self.k + 1}"), annot=od)
-                s.set_dacc(self.k, Var(out.name))
-                dacc_src = dacc
+                stored, dacc_src = Var(out.name), dacc
+            s.set_dacc(self.k, stored)
         for name, parts in self.outside.items():
             target = fwd.after_type(name)
             if target.kind != MATRIX:
@@ -352,8 +353,8 @@ class Site:
             if isinstance(total, Var) and total.name not in b.local and (pt is None or s.types[total.name].dtype == pt.dtype):
                 s.add_cotangent(name, total)  # an alias of a loaded matrix
                 continue
-            if total == dacc_src and pt is not None and pt.dtype == od:
-                aliases.append((name, s.dacc[self.k]))  # the same tile as dacc (e.g. a residual's dx)
+            if total == dacc_src and stored is not None and pt is not None and pt.dtype == od:
+                aliases.append((name, stored))  # the same tile as dacc (e.g. a residual's dx)
                 continue
             out = b.op("copy", total, name=s.names.fresh(f"d{name}"), annot=None if name in fwd.params else "f32")
             s.add_cotangent(name, Var(out.name))

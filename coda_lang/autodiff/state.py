@@ -5,13 +5,15 @@ generator, the builder and the backward types, the backward body and parameters,
 contributions waiting for their value's VJP, each stage's `dacc`, the report, and `reads`, the one
 record of what the backward reads from the forward and how (`Read`: a forward parameter, a saved
 tensor, or a value recomputed between stages or in a stage's backward). Its methods are the only
-way the schedule and the sites change it: `read_*` and `recompute*` (forward values),
-`add_cotangent`/`take_cotangents`/`sum_cotangents`/`accumulate`/`name_cotangent` and `set_dacc`
-(cotangents), `open_stage`/`close_stage`/`between_stages`/`emit` (the backward body), `param` and
-`note`.
+way the schedule, the sites and assemble.py change it (they read its fields directly): `read_*` and
+`recompute*` (forward values); `cotangent_param`, `add_cotangent`, `take_cotangents`,
+`sum_cotangents`, `accumulate`, `name_cotangent` and `set_dacc` (cotangents); `open_stage`,
+`close_stage`, `between_stages` and `emit` (the backward body, whose equations the builder `b`
+emits); `note` (the report).
 What it does not: decide what to differentiate, where a VJP runs, or how a cotangent is unbroadcast
-(reverse.py, site.py, unbroadcast.py); it does not choose between saving and recomputing (the
-callers of `read_*` do, by the kind of value and where it is read).
+(reverse.py, site.py, unbroadcast.py). Whether a forward value is saved or recomputed is decided in
+two places, by the kind of value: `read_between` here (a value read at block level) and
+`Site.primal` (in a stage's backward); both record the choice in `reads`.
 Invariants:
 - every forward value the backward reads is in `reads`, once per way it is read (a value recomputed
   in a stage's backward: once per place); `saved()` (what the forward must store) is exactly its
@@ -73,17 +75,17 @@ class State:
 
     # ------------------------------------------------------------------ names and parameters
 
-    def claim(self, name: str) -> str:
+    def _claim(self, name: str) -> str:
         """A forward name reused in the backward (a saved tensor, a recomputed value)."""
         if name not in self.claimed:
             self.claimed.add(name)
             return name
         return self.names.fresh(name)
 
-    def param(self, name: str, t: Type, span: Span | None = None) -> Var:
+    def _param(self, name: str, t: Type) -> Var:
         """A parameter of the backward block (a cotangent or a saved tensor)."""
         if name not in self.bparams:
-            self.bparams[name] = Param(Var(name, t), None, span or self.fwd.block.span)
+            self.bparams[name] = Param(Var(name, t), None, self.fwd.block.span)
             self.types[name] = t
         return Var(name)
 
@@ -91,7 +93,7 @@ class State:
         """The cotangent of forward output `output`: a parameter `d<output>` of the backward block."""
         name = self.names.fresh(f"d{output}")
         self.cotangents[output] = name
-        self.add_cotangent(output, self.param(name, t))
+        self.add_cotangent(output, self._param(name, t))
 
     def note(self, span: Span, text: str) -> None:
         """A line of the derivation's report about the stage at `span` (dropped if the stage is)."""
@@ -133,7 +135,7 @@ class State:
             else:
                 bt = Type("f32" if is_float(t.dtype) else t.dtype, t.shape, t.kind)
             self._record(Read(name, SAVED, name, bt), (SAVED, name, None))
-            self.param(name, bt)
+            self._param(name, bt)
         return Var(name)
 
     def read_acc(self, k: int) -> Var:
@@ -145,7 +147,7 @@ class State:
             assert acc is not None and acc.type is not None
             t = Type(self.fwd.acc_dtype(k), acc.type.shape, MATRIX)
             self._record(Read("acc", SAVED, name, t, k), key)
-            self.param(name, t)
+            self._param(name, t)
         return Var(self._read[key].name)
 
     def read_between(self, a: Atom) -> Atom:
@@ -178,7 +180,7 @@ class State:
         b = self.b
         prev = b.span
         b.span = e.span
-        outs = b.ops(e.op, *ins, names=tuple(self.claim(v.name) for v in e.outs), params=dict(e.params))
+        outs = b.ops(e.op, *ins, names=tuple(self._claim(v.name) for v in e.outs), params=dict(e.params))
         b.span = prev
         for o, v in zip(outs, e.outs, strict=True):
             read = Read(v.name, RECOMPUTED, o.name, self.types[o.name], stage)
