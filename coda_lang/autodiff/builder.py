@@ -7,7 +7,7 @@ forward line it came from. VJP rules (in the op registry) call it: `b.mul(ct, p.
 A pointwise equation of complete vectors and scalars only, asked for inside a stage, is hoisted out
 of it (`before`: it runs between stages, just before the stage), so its result is a block-level
 vector. `ties` gives a max/min reduction's tie count (its VJP splits the cotangent among ties).
-What it does not: decide what to differentiate or where it runs (reverse.py).
+What it does not: decide what to differentiate or where it runs (reverse.py, site.py).
 Invariants: every emitted equation type-checks when emitted (a Mistake here is an autodiff bug and
 is raised as AutodiffError); names are unique in the backward block.
 """

@@ -1,0 +1,178 @@
+"""The end of a derivation: the gradients, the backward block, and the forward extended to save.
+
+What it does: `finalize` makes each gradient from the cotangent contributions its parameter got
+(renaming the one equation that made it where there is one, else summing them, in an elementwise
+stage for a matrix); `assemble` cleans the backward body (cse, dce, renames), orders its parameters
+(cotangents, then saved tensors), keeps the report lines of stages that survived, and returns
+`Derived`: the backward block, and the forward block extended to store the SAVED reads of
+`State.reads` that it does not store anyway (each saved `acc` as a copy at the end of its stage).
+What it does not: differentiate anything (reverse.py and site.py did) or check the blocks.
+Invariants: a block declares only the dims it names; `Derived.saved` lists the saved tensors the
+backward still reads after clean-up, in the order the backward first read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from coda_lang.autodiff.cleanup import cse, dce, rename, used_names
+from coda_lang.autodiff.state import SAVED, Read, State
+from coda_lang.ir.nodes import Atom, Block, DimRef, Eqn, Lit, Output, Param, Stage, Stmt, Var
+from coda_lang.ir.types import MATRIX, SCALAR, TILE, VEC, Dim, Type
+from coda_lang.ops import StageShape
+
+
+@dataclass
+class Derived:
+    """What `derive` returns (api.Derivation is the checked form of it)."""
+
+    forward: Block  # the forward block, extended to store what the backward reads
+    backward: Block
+    saved: tuple[str, ...]  # forward values the backward reads (params of the backward block)
+    cotangents: dict[str, str]  # forward output -> its cotangent's name in the backward block
+    grads: dict[str, str]  # forward param -> its gradient's name (an output of the backward block)
+    report: list[str] = field(default_factory=list)
+    # every read of a forward value the derivation made, and how (State.reads); made before clean-up,
+    # so some may be unused in `backward` (`saved` lists the saved tensors it does read)
+    reads: tuple[Read, ...] = ()
+
+
+def _kind(t: Type) -> str:
+    return (SCALAR, VEC, MATRIX)[len(t.shape)]
+
+
+def finalize(s: State) -> tuple[dict[str, str], dict[str, str]]:
+    """(forward param -> its gradient's name; renames of the values that are gradients)."""
+    grads: dict[str, str] = {}
+    renames: dict[str, str] = {}
+    b = s.b
+    for name in s.fwd.wrt:
+        p = s.fwd.params[name]
+        t = p.var.type
+        assert t is not None
+        parts = s.take_cotangents(name)
+        single = parts[0] if len(parts) == 1 and isinstance(parts[0], Var) else None
+        if single is not None and single.name.startswith(f"d{name}") and single.name not in s.bparams:
+            out_name = single.name  # already named for it
+        else:
+            out_name = s.names.fresh(f"d{name}")
+        grads[name] = out_name
+        kind = _kind(t)
+        if kind == MATRIX:
+            _finalize_matrix(s, name, parts, out_name, t, renames)
+        elif single is not None and single.name not in s.bparams and s.types.get(single.name, t).kind == kind:
+            renames[single.name] = out_name
+        else:
+            with s.between_stages():
+                b.span = p.span
+                total: Atom = Lit(0.0, "f32")
+                for part in parts:
+                    total = b.add(total, part)
+                if kind == VEC and b.type_of(total).kind != VEC:
+                    total = b.op("expand", total, s.read_param(name))
+                b.op("copy", total, name=out_name)
+    return grads, renames
+
+
+def _finalize_matrix(s: State, name: str, parts: list[Atom], out_name: str, t: Type, renames: dict[str, str]) -> None:
+    b = s.b
+    single = parts[0] if len(parts) == 1 and isinstance(parts[0], Var) else None
+    # The usual case: one contribution, made by an equation of this backward: rename it.
+    if single is not None and single.name in s.bparams:
+        with s.between_stages():
+            b.op("copy", single, name=out_name)  # an alias (e.g. a residual's gradient)
+        return
+    if single is not None:
+        renames[single.name] = out_name  # (to itself: keeps its annotation-free output form)
+        return
+    span = s.fwd.params[name].span
+    shape = StageShape(t.shape[0], t.shape[1])
+    s.open_stage(shape, acc=False)
+    b.span = span
+    total: Atom = Lit(0.0, "f32")
+    for part in parts:
+        total = b.add(total, part)
+    tile = b.stage_tile(total) if b.type_of(total).kind != TILE else total
+    if tile is None:  # a square stage: the parameter itself gives the shape
+        tile = b.op("expand", total, s.read_param(name))
+    b.op("copy", tile, name=out_name)
+    before, body = s.close_stage()
+    s.emit(before)
+    s.emit([Stage(None, None, False, False, None, tuple(body), (shape.rows, shape.cols), span=span)])
+    why = "is summed" if parts else "is zero (no output depends on it): written"
+    s.note(span, f"the gradient of `{name}` {why} in an elementwise stage")
+
+
+def assemble(s: State, grads: dict[str, str], renames: dict[str, str]) -> Derived:
+    f = s.fwd.block
+    keep = set(grads.values()) | set(renames) | set(s.ct)
+    body = dce(cse(s.body, keep), set(grads.values()) | set(renames))
+    body = rename(body, renames)
+    body = rename(body, {k: v for k, v in s.cosmetic.items() if k not in renames})
+    alive = {st.span for st in body if isinstance(st, Stage) and not st.is_gemm}
+    report = [text for span, text in s.report if span in alive]
+    used = used_names(body)
+    params = [p for n, p in s.bparams.items() if n in used or n in s.cotangents.values()]
+    saved_all = s.saved()
+    order = {n: i for i, n in enumerate(list(s.cotangents.values()) + saved_all)}
+    params.sort(key=lambda p: order.get(p.var.name, len(order)))
+    saved = tuple(n for n in saved_all if n in used)
+    outputs = []
+    for name, g in grads.items():
+        t = s.fwd.params[name].var.type
+        assert t is not None
+        outputs.append(Output(g, Type(t.dtype, t.shape, _kind(t)), s.fwd.params[name].span))
+    dims = tuple(d for d in f.dims if d.name in _used_dims(params, outputs, body))
+    notes = [f"backward of `{f.name}`, derived by `coda grad`",
+             "saved tensors (stored by the forward): " + (", ".join(saved) or "none"),
+             "cotangents: " + ", ".join(f"{v} (of {k})" for k, v in s.cotangents.items()),
+             "gradients: " + ", ".join(f"{v} (of {k})" for k, v in grads.items())]
+    notes += [f"note: {r}" for r in report]
+    bwd = Block(f"{f.name}_bwd", dims, tuple(params), tuple(outputs), tuple(body), f.span, tuple(notes))
+    return Derived(extend_forward(s, saved), bwd, saved, dict(s.cotangents), grads, report, tuple(s.reads))
+
+
+def extend_forward(s: State, saved: tuple[str, ...]) -> Block:
+    """The forward block, storing each saved tensor it doesn't store anyway as an extra output."""
+    f = s.fwd.block
+    outs = list(f.outputs)
+    have = {o.name for o in outs}
+    reads = {r.name: r for r in s.reads if r.how == SAVED and r.name in saved}
+    acc_read = {r.stage: r for r in reads.values() if r.value == "acc"}
+    body: list[Stmt] = []
+    k = -1
+    for st in f.body:
+        if isinstance(st, Stage):
+            k += 1
+            extra = []
+            if k in acc_read:
+                assert st.acc is not None
+                name = acc_read[k].name
+                extra.append(Eqn("copy", (st.acc,), (Var(name, None, s.fwd.acc_dtype(k)),), (), st.span, (st.span,)))
+            body.append(replace(st, body=st.body + tuple(extra)))
+        else:
+            body.append(st)
+    for name in saved:
+        if name in have:
+            continue
+        r = reads[name]
+        span = f.stages[r.stage].span if r.value == "acc" and r.stage is not None else f.span
+        outs.append(Output(name, r.type, span))
+    notes = tuple(f.notes) + ("saved for the backward (extra outputs): " +
+                              (", ".join(n for n in saved if n not in have) or "none"),)
+    return replace(f, body=tuple(body), outputs=tuple(outs), notes=notes)
+
+
+def _used_dims(params: list[Param], outputs: list[Output], body: list[Stmt]) -> set[str]:
+    """The dims a block names (as the parser finds them): in its signature, as values, as `over=`
+    parameters and as elementwise stage shapes. A block declares only those."""
+    dims: list[Dim] = [d for p in params if p.var.type for d in p.var.type.shape]
+    dims += [d for o in outputs for d in o.type.shape]
+    for st in body:
+        eqns = st.body if isinstance(st, Stage) else (st,)
+        if isinstance(st, Stage) and st.shape is not None:
+            dims += list(st.shape)
+        for e in eqns:
+            dims += [a.dim for a in e.ins if isinstance(a, DimRef)]
+            dims += [v for _, v in e.params if isinstance(v, Dim)]
+    return {d.name for d in dims if d.name}

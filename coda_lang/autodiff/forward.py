@@ -1,0 +1,122 @@
+"""What autodiff knows about the forward block: types, defining stages, storage, GEMM uses.
+
+What it does: `ForwardFacts` reads the forward block and its plan once (each value's type, the stage
+that defines it, its defining equation, its storage dtype, the parameters to differentiate) and
+answers the questions the schedule (reverse.py) and the epilogue VJPs (site.py) ask of the forward:
+a value's type after its stage, the dtype a stage's `acc` and `dacc` are stored in, the GEMMs that
+read a matrix, the vectors of a stage that are recomputed between stages.
+What it does not: emit anything or hold any state of the derivation (state.py does).
+Invariants: read-only once built; every value a forward equation defines has a type here (the block
+was checked); an unknown or non-float `wrt` is refused (E0602) when it is built.
+"""
+
+from __future__ import annotations
+
+from coda_lang.autodiff.builder import AutodiffError
+from coda_lang.autodiff.builder import float_value as _float
+from coda_lang.ir.nodes import Block, Eqn, Param, Var
+from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type
+from coda_lang.verify.plan import BlockPlan
+
+INDEX_OPS = ("row_index", "col_index")
+
+
+class ForwardFacts:
+    """The forward block, its plan and what follows from them (read-only)."""
+
+    def __init__(self, block: Block, plan: BlockPlan, wrt: list[str] | None):
+        self.block = block
+        self.plan = plan
+        self.params: dict[str, Param] = {p.var.name: p for p in block.params}
+        diff = [p.var.name for p in block.params if _float(p.var.type) and p.default is None]
+        if wrt is not None:
+            unknown = [w for w in wrt if w not in self.params]
+            if unknown:
+                raise AutodiffError("E0602", f"no parameter `{unknown[0]}` to differentiate with respect to",
+                                    block.span)
+            bad = [w for w in wrt if not _float(self.params[w].var.type)]
+            if bad:
+                raise AutodiffError("E0602", f"`{bad[0]}` is not a float parameter; it has no gradient", block.span)
+        self.wrt = list(wrt) if wrt is not None else diff
+        # each forward value's type, the stage (0-based) that defines it, and its equation
+        self.ftype: dict[str, Type] = {p.var.name: p.var.type for p in block.params if p.var.type}
+        self.fstage: dict[str, int] = {}
+        self.fdef: dict[str, Eqn] = {}
+        for k, st in enumerate(block.stages):
+            for e in st.body:
+                for v in e.outs:
+                    assert v.type is not None
+                    self.ftype[v.name], self.fstage[v.name], self.fdef[v.name] = v.type, k, e
+        for eqns in plan.between:
+            for e in eqns:
+                for v in e.outs:
+                    assert v.type is not None
+                    self.ftype[v.name], self.fdef[v.name] = v.type, e
+        self.storage = plan.storage
+        # dim facts for the backward's type rules: divisors (`X/k` in a type) and fixed values
+        self.divisors: dict[str, int] = {}
+        for t in self.ftype.values():
+            for d in t.shape:
+                if d.name and d.coeff.denominator != 1:
+                    self.divisors[d.name] = max(self.divisors.get(d.name, 1), d.coeff.denominator)
+        self.dim_values = {d.name: d.value for d in block.dims if d.value is not None}
+
+    def names(self) -> set[str]:
+        """Every name the forward block uses (dims, parameters, values, outputs)."""
+        b = self.block
+        return {d.name for d in b.dims} | set(self.params) | set(self.ftype) | {o.name for o in b.outputs}
+
+    def has_gradient(self, name: str) -> bool:
+        """Whether cotangents of `name` are wanted: a float value that is not a parameter outside `wrt`."""
+        return _float(self.ftype.get(name)) and not (name in self.params and name not in self.wrt)
+
+    def after_type(self, name: str) -> Type:
+        """A forward value's type after its stage: what later stages and the block level see."""
+        t = self.ftype[name]
+        if name in self.fstage:
+            if t.kind in (TILE, GROUP):
+                return Type(self.storage.get(name, self.plan.activation), t.shape, MATRIX)
+            if t.kind == PARTIAL:
+                return Type(t.dtype, t.shape, VEC if t.shape else SCALAR)
+        return t
+
+    def operand_dtype(self, k: int) -> str:
+        """The dtype of stage k's GEMM operands (the checker makes both the same): its dacc's dtype."""
+        a = self.block.stages[k].a
+        assert isinstance(a, Var)
+        if a.name in self.params:
+            t = self.params[a.name].var.type
+            assert t is not None
+            return t.dtype
+        return self.storage.get(a.name, self.plan.activation)
+
+    def acc_dtype(self, k: int) -> str:
+        """The dtype stage k's acc is saved in: the activation dtype, or f32 where a max/min reduction's
+        backward compares its recomputed operand with the forward's result (rounded, they'd differ)."""
+        exact = any(e.op in ("reduce_max", "reduce_min") for e in self.block.stages[k].body)
+        return "f32" if exact else self.plan.activation
+
+    def gemm_uses(self, name: str) -> list[tuple[int, str]]:
+        """(consumer stage, "a" or "b") for each GEMM operand use of a forward matrix."""
+        uses = []
+        for c, st in enumerate(self.block.stages):
+            if isinstance(st.a, Var) and st.a.name == name:
+                uses.append((c, "a"))
+            if isinstance(st.b, Var) and st.b.name == name:
+                uses.append((c, "b"))
+        return uses
+
+    def stage_vectors(self, k: int) -> set[str]:
+        """Stage k's vectors and scalars computed from vectors alone: recomputed between stages, where
+        their backward runs too. Those that depend on row/col indices stay in the stage's site."""
+        indexed: set[str] = set()
+        out: set[str] = set()
+        for e in self.block.stages[k].body:
+            dep = e.op in INDEX_OPS or any(isinstance(a, Var) and a.name in indexed for a in e.ins)
+            for v in e.outs:
+                assert v.type is not None
+                if dep:
+                    indexed.add(v.name)
+                elif v.type.kind in (VEC, SCALAR):
+                    out.add(v.name)
+        return out

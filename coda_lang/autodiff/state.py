@@ -1,0 +1,280 @@
+"""The state of one derivation, shared by the schedule (reverse.py) and the epilogue VJPs (site.py).
+
+What it does: `State` holds what the backward being built has so far: the forward facts, the names
+generator, the builder and the backward types, the backward body and parameters, the cotangent
+contributions waiting for their value's VJP, each stage's `dacc`, the report, and `reads`, the one
+record of what the backward reads from the forward and how (`Read`: a forward parameter, a saved
+tensor, or a value recomputed between stages or in a stage's backward). Its methods are the only
+way the schedule, the sites and assemble.py change it (they read its fields directly): `read_*` and
+`recompute*` (forward values); `cotangent_param`, `add_cotangent`, `take_cotangents`,
+`sum_cotangents`, `accumulate`, `name_cotangent` and `set_dacc` (cotangents); `open_stage`,
+`close_stage`, `between_stages` and `emit` (the backward body, whose equations the builder `b`
+emits); `note` (the report).
+What it does not: decide what to differentiate, where a VJP runs, or how a cotangent is unbroadcast
+(reverse.py, site.py, unbroadcast.py). Whether a forward value is saved or recomputed is decided in
+two places, by the kind of value: `read_between` here (a value read at block level) and
+`Site.primal` (in a stage's backward); both record the choice in `reads`.
+Invariants:
+- every forward value the backward reads is in `reads`, once per way it is read (a value recomputed
+  in a stage's backward: once per place); `saved()` (what the forward must store) is exactly its
+  SAVED reads, in the order the backward first asked for them;
+- a forward parameter or saved tensor is one parameter of the backward block, of the name it has in
+  the forward (`acc` of stage k: a fresh `acck`); a recomputed value reuses the forward name when free;
+- cotangent contributions are kept by forward name, in the order they were made (sums add them in
+  that order), until the VJP of that value's equation takes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from coda_lang.autodiff.builder import Builder, Names
+from coda_lang.autodiff.forward import ForwardFacts
+from coda_lang.ir.nodes import Atom, Eqn, Param, Span, Stmt, Var
+from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type, is_float
+from coda_lang.ops import StageShape
+
+PARAM = "param"  # a forward parameter, passed to the backward too
+SAVED = "saved"  # stored by the forward (an extra output where it doesn't store it anyway)
+RECOMPUTED = "recomputed"  # computed again by the backward from what it reads
+
+
+@dataclass(frozen=True)
+class Read:
+    """A forward value the backward reads, and how."""
+
+    value: str  # a forward name, or "acc" (the accumulator of forward stage `stage`, before its epilogue)
+    how: str  # PARAM, SAVED or RECOMPUTED
+    name: str  # what holds it in the backward block
+    type: Type  # its type there
+    # "acc": its forward stage; RECOMPUTED: the forward stage whose backward recomputes it in its
+    # epilogue (or in a stage counting its ties); None: between stages (or not a stage's)
+    stage: int | None = None
+
+
+class State:
+    """Everything the schedule and the sites share while one backward block is built."""
+
+    def __init__(self, fwd: ForwardFacts):
+        self.fwd = fwd
+        self.names = Names(fwd.names())
+        self.claimed: set[str] = set()  # forward names taken by the backward
+        self.types: dict[str, Type] = {}  # backward name -> type as seen at block level
+        self.b = Builder(self.names, self.types, fwd.divisors, fwd.dim_values)
+        self.body: list[Stmt] = []
+        self.bparams: dict[str, Param] = {}
+        self.reads: list[Read] = []
+        self._read: dict[tuple[str, str, int | None], Read] = {}  # (how, value, stage) -> its read
+        self.ct: dict[str, list[Atom]] = {}  # block-level cotangent contributions, by forward name
+        self.dacc: dict[int, Atom] = {}  # forward stage -> the cotangent of its acc (a matrix)
+        self.cotangents: dict[str, str] = {}  # forward output -> the backward parameter of its cotangent
+        self.cosmetic: dict[str, str] = {}  # temporaries that hold a named value's cotangent -> `d<name>`
+        self.report: list[tuple[Span, str]] = []  # kept if the stage survives dead-code removal
+
+    # ------------------------------------------------------------------ names and parameters
+
+    def _claim(self, name: str) -> str:
+        """A forward name reused in the backward for a recomputed value, when no other value has it. A
+        value the forward stores keeps its name for the saved tensor the backward may read (a parameter
+        of the backward block, claimed when it is read as saved, at any point of the derivation), so a
+        recomputed copy of it (a max's ties compare the f32 value, not the stored one) gets a fresh name."""
+        if name not in self.claimed and name not in self.fwd.storage:
+            self.claimed.add(name)
+            return name
+        return self.names.fresh(name)
+
+    def _param(self, name: str, t: Type) -> Var:
+        """A parameter of the backward block (a cotangent or a saved tensor)."""
+        if name not in self.bparams:
+            self.bparams[name] = Param(Var(name, t), None, self.fwd.block.span)
+            self.types[name] = t
+        return Var(name)
+
+    def cotangent_param(self, output: str, t: Type) -> None:
+        """The cotangent of forward output `output`: a parameter `d<output>` of the backward block."""
+        name = self.names.fresh(f"d{output}")
+        self.cotangents[output] = name
+        self.add_cotangent(output, self._param(name, t))
+
+    def note(self, span: Span, text: str) -> None:
+        """A line of the derivation's report about the stage at `span` (dropped if the stage is)."""
+        self.report.append((span, text))
+
+    # ------------------------------------------------------------------ reading the forward
+
+    def _record(self, r: Read, key: tuple[str, str, int | None] | None = None) -> Read:
+        self.reads.append(r)
+        if key is not None:
+            self._read[key] = r
+        return r
+
+    def saved(self) -> list[str]:
+        """The names of the saved tensors, in the order the backward first read them."""
+        return [r.name for r in self.reads if r.how == SAVED]
+
+    def read_param(self, name: str) -> Var:
+        """A forward parameter."""
+        if (PARAM, name, None) not in self._read:
+            p = self.fwd.params[name]
+            assert p.var.type is not None
+            self.claimed.add(name)
+            self.bparams[name] = Param(p.var, p.default, p.span)
+            self.types[name] = p.var.type
+            self._record(Read(name, PARAM, name, p.var.type), (PARAM, name, None))
+        return Var(name)
+
+    def read_saved(self, name: str) -> Var:
+        """A forward value the backward reads as saved: a stored tile or a complete vector."""
+        if (SAVED, name, None) not in self._read:
+            t = self.fwd.ftype[name]
+            storage, activation = self.fwd.storage, self.fwd.plan.activation
+            self.claimed.add(name)
+            if t.kind in (TILE, GROUP):
+                bt = Type(storage.get(name, activation), t.shape, MATRIX)
+            elif t.kind == PARTIAL:
+                bt = Type(storage.get(name, "f32"), t.shape, VEC if t.shape else SCALAR)
+            else:
+                bt = Type("f32" if is_float(t.dtype) else t.dtype, t.shape, t.kind)
+            self._record(Read(name, SAVED, name, bt), (SAVED, name, None))
+            self._param(name, bt)
+        return Var(name)
+
+    def read_acc(self, k: int) -> Var:
+        """Forward stage k's acc, saved (in `fwd.acc_dtype(k)`)."""
+        key = (SAVED, "acc", k)
+        if key not in self._read:
+            name = self.names.fresh(f"acc{k + 1}")
+            acc = self.fwd.block.stages[k].acc
+            assert acc is not None and acc.type is not None
+            t = Type(self.fwd.acc_dtype(k), acc.type.shape, MATRIX)
+            self._record(Read("acc", SAVED, name, t, k), key)
+            self._param(name, t)
+        return Var(self._read[key].name)
+
+    def read_between(self, a: Atom) -> Atom:
+        """A forward value at block level: a parameter, a saved tensor, or a value recomputed between
+        stages (a stage-local vector; a mask or index computed between stages)."""
+        if not isinstance(a, Var):
+            return a
+        fwd = self.fwd
+        if a.name in fwd.params:
+            return self.read_param(a.name)
+        t = fwd.ftype[a.name]
+        if a.name in fwd.fstage and t.kind in (VEC, SCALAR):  # a stage-local vector: recompute it
+            return self.recompute_between(a.name)
+        if a.name not in fwd.fstage and not is_float(t.dtype):  # a mask or index between stages: recompute
+            return self.recompute_between(a.name)
+        return self.read_saved(a.name)
+
+    def recompute_between(self, name: str) -> Var:
+        """A forward value recomputed between stages (once), from values read the same way."""
+        got = self._read.get((RECOMPUTED, name, None))
+        if got is not None:
+            return Var(got.name)
+        e = self.fwd.fdef[name]
+        self.recompute(e, [self.read_between(a) for a in e.ins], None)
+        return Var(self._read[(RECOMPUTED, name, None)].name)
+
+    def recompute(self, e: Eqn, ins: list[Atom], stage: int | None) -> tuple[Var, ...]:
+        """Forward equation `e` emitted again on `ins` (with its span): between stages (stage None,
+        remembered for later reads) or in the backward of forward stage `stage` (its site caches it)."""
+        b = self.b
+        prev = b.span
+        b.span = e.span
+        outs = b.ops(e.op, *ins, names=tuple(self._claim(v.name) for v in e.outs), params=dict(e.params))
+        b.span = prev
+        for o, v in zip(outs, e.outs, strict=True):
+            read = Read(v.name, RECOMPUTED, o.name, self.types[o.name], stage)
+            self._record(read, (RECOMPUTED, v.name, None) if stage is None else None)
+        return outs
+
+    # ------------------------------------------------------------------ cotangents
+
+    def add_cotangent(self, name: str, c: Atom) -> None:
+        """A contribution to the cotangent of forward value `name`, of its type after its stage."""
+        self.ct.setdefault(name, []).append(c)
+
+    def has_cotangent(self, name: str) -> bool:
+        return name in self.ct
+
+    def take_cotangents(self, name: str) -> list[Atom]:
+        """The contributions to `name`'s cotangent so far (they are the taker's now)."""
+        return self.ct.pop(name, [])
+
+    def sum_cotangents(self, name: str) -> Atom | None:
+        """The cotangent of `name` at block level: the sum of its contributions (None: it has none)."""
+        total: Atom | None = None
+        for p in self.take_cotangents(name):
+            total = p if total is None else self.b.add(total, p)
+        self.name_cotangent(total, name)
+        return total
+
+    def accumulate(self, value: Atom, name: str) -> Atom:
+        """value + every earlier matrix contribution to `name` that the stage being built can load
+        (residual accumulation); the others stay."""
+        keep = []
+        b = self.b
+        st = b.stage
+        for part in self.ct.pop(name, []):
+            t = b.type_of(part)
+            if t.kind == TILE and st is not None and t.shape[0] == st.rows and t.shape[1] in st.col_widths():
+                value = b.add(value, part)
+            else:
+                keep.append(part)
+        if keep:
+            self.ct[name] = keep
+        return value
+
+    def name_cotangent(self, total: Atom | None, name: str) -> None:
+        """Give the cotangent of a user-named value the name `d<name>` in the printed backward."""
+        if (isinstance(total, Var) and total.name.startswith("_t") and not name.startswith("_t") and name != "acc"
+                and total.name not in self.cosmetic):
+            self.cosmetic[total.name] = self.names.fresh(f"d{name}")
+
+    def set_dacc(self, k: int, dacc: Atom) -> None:
+        """The cotangent of forward stage k's acc: a matrix of its GEMM operands' dtype."""
+        self.dacc[k] = dacc
+
+    # ------------------------------------------------------------------ the backward body
+
+    def emit(self, stmts: Iterable[Stmt]) -> None:
+        self.body.extend(stmts)
+
+    @contextmanager
+    def between_stages(self) -> Iterator[None]:
+        """Equations the builder emits inside the `with` run between stages, at this point of the body."""
+        self.b.out = []
+        yield
+        self.body.extend(self.b.out)
+        self.b.out = []
+
+    def open_stage(self, shape: StageShape, acc: bool = True) -> None:
+        """Start a stage's body in the builder, of tile space `shape`; `acc` (f32 tiles of that shape)
+        is defined in it unless `acc` is False."""
+        b = self.b
+        b.out, b.before = [], []
+        b.stage = shape
+        b.local = {"acc"} if acc else set()
+        if acc:
+            self.types["acc"] = Type("f32", (shape.rows, shape.cols), TILE)
+        else:
+            self.types.pop("acc", None)
+
+    def close_stage(self) -> tuple[list[Eqn], list[Eqn]]:
+        """(vector computations hoisted out of the stage, to run just before it; the stage's body)."""
+        b = self.b
+        body, before = b.out, b.before
+        # after the stage: tiles are stored matrices, partials complete vectors
+        for name in b.local:
+            t = self.types.get(name)
+            if t is None:
+                continue
+            if t.kind in (TILE, GROUP):
+                self.types[name] = Type(t.dtype, t.shape, MATRIX)
+            elif t.kind == PARTIAL:
+                self.types[name] = Type(t.dtype, t.shape, VEC if t.shape else SCALAR)
+        self.types.pop("acc", None)
+        b.stage, b.local, b.out, b.before = None, set(), [], []
+        return before, body
