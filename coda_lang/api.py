@@ -33,9 +33,14 @@ class Block:
     def name(self) -> str:
         return self.ir.name
 
-    def run(self, inputs: dict[str, Any], *, dims: dict[str, int] | None = None,
-            tile: tuple[int, int] | dict[int, tuple[int, int]] | None = None, precision: str = "exact"
-            ) -> dict[str, Any]:
+    def run(
+        self,
+        inputs: dict[str, Any],
+        *,
+        dims: dict[str, int] | None = None,
+        tile: tuple[int, int] | dict[int, tuple[int, int]] | None = None,
+        precision: str = "exact",
+    ) -> dict[str, Any]:
         """Run the block on NumPy arrays with the reference interpreter; outputs by name.
 
         `precision="exact"` follows the kernel's numerics (f32 in stages, stored tiles rounded to
@@ -45,10 +50,14 @@ class Block:
         """
         return self.run_with_partials(inputs, dims=dims, tile=tile, precision=precision)[0]
 
-    def run_with_partials(self, inputs: dict[str, Any], *, dims: dict[str, int] | None = None,
-                          tile: tuple[int, int] | dict[int, tuple[int, int]] | None = None,
-                          precision: str = "exact"
-                          ) -> tuple[dict[str, Any], dict[str, Any]]:
+    def run_with_partials(
+        self,
+        inputs: dict[str, Any],
+        *,
+        dims: dict[str, int] | None = None,
+        tile: tuple[int, int] | dict[int, tuple[int, int]] | None = None,
+        precision: str = "exact",
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         """`run`, plus the per-tile partial buffers of every partial reduction (tile mode)."""
         from coda_lang.interp import PRECISIONS, bind, run_block
 
@@ -69,9 +78,16 @@ class Block:
         per differentiable parameter (float parameters without a default, or `wrt`) out."""
         return self.derivation(wrt).backward
 
-    def vjp(self, inputs: dict[str, Any], cotangents: dict[str, Any], *, dims: dict[str, int] | None = None,
-            precision: str = "exact", tile: tuple[int, int] | dict[int, tuple[int, int]] | None = None,
-            wrt: list[str] | None = None) -> dict[str, Any]:
+    def vjp(
+        self,
+        inputs: dict[str, Any],
+        cotangents: dict[str, Any],
+        *,
+        dims: dict[str, int] | None = None,
+        precision: str = "exact",
+        tile: tuple[int, int] | dict[int, tuple[int, int]] | None = None,
+        wrt: list[str] | None = None,
+    ) -> dict[str, Any]:
         """Gradients of <outputs, cotangents> w.r.t. each differentiable input, by running the extended
         forward and the derived backward block on the interpreter. Keys: parameter names. Outputs
         without a cotangent get zeros."""
@@ -87,7 +103,9 @@ class Block:
         outputs = {o.name: o for o in self.ir.outputs}
         unknown = sorted(set(cotangents) - set(outputs))
         if unknown:
-            raise fail("E0801", f"no output `{unknown[0]}` to take a cotangent of; outputs: {', '.join(outputs)}")
+            raise fail(
+                "E0801", f"no output `{unknown[0]}` to take a cotangent of; outputs: {', '.join(outputs)}"
+            )
         bins: dict[str, Any] = {}
         for out_name, ct_name in d.cotangents.items():
             if out_name in cotangents:
@@ -180,8 +198,12 @@ def derive_checked(ir: nodes.Block, plan: BlockPlan, wrt: list[str] | None = Non
         diags: list[Diagnostic] = []
         typed, bplan = check_block(b, diags)
         if diags:
-            notes = [f"{x.short()}" for x in diags[:5]] + ["this is a bug in coda_lang's autodiff; please report it"]
-            raise CodaError([Diagnostic("E0601", f"the derived block `{b.name}` does not check", ir.span, notes=notes)])
+            notes = [f"{x.short()}" for x in diags[:5]] + [
+                "this is a bug in coda_lang's autodiff; please report it"
+            ]
+            raise CodaError(
+                [Diagnostic("E0601", f"the derived block `{b.name}` does not check", ir.span, notes=notes)]
+            )
         blocks.append(Block(typed, bplan))
     return Derivation(blocks[0], blocks[1], d.saved, d.cotangents, d.grads, d.report)
 

@@ -24,7 +24,9 @@ def _pos(d: Diagnostic) -> tuple[int, int]:
     return (d.span.line, d.span.col) if d.span else (0, 0)
 
 
-def check_source(text: str, file: str = "<string>") -> tuple[Program | None, dict[str, BlockPlan], list[Diagnostic]]:
+def check_source(
+    text: str, file: str = "<string>"
+) -> tuple[Program | None, dict[str, BlockPlan], list[Diagnostic]]:
     tree, err = parse(text, file)
     if err is not None:
         return None, {}, [err]

@@ -106,8 +106,15 @@ class Fuzzer:
     Raises CodaError when the block can't run on the target at all (e.g. E07 for a stage the CUDA
     backend can't compile), Unavailable when the target can't run on this machine."""
 
-    def __init__(self, block: Block, target: str = "interp", *, backward: bool = True,
-                 special: bool | tuple[str, ...] = False, tile: tuple[int, int] | None = None):
+    def __init__(
+        self,
+        block: Block,
+        target: str = "interp",
+        *,
+        backward: bool = True,
+        special: bool | tuple[str, ...] = False,
+        tile: tuple[int, int] | None = None,
+    ):
         if target not in TARGETS:
             raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
         self.block, self.target, self.special, self.tile = block, target, special, tile
@@ -136,8 +143,10 @@ class Fuzzer:
         except ImportError as e:
             raise Unavailable(f"--target {self.target} needs torch ({e})") from None
         if self.target == "cuda" and not torch.cuda.is_available():
-            raise Unavailable("--target cuda needs a CUDA GPU, and torch.cuda.is_available() is False here "
-                              "(use --target interp for the tile simulation, or --target emulate)")
+            raise Unavailable(
+                "--target cuda needs a CUDA GPU, and torch.cuda.is_available() is False here "
+                "(use --target interp for the tile simulation, or --target emulate)"
+            )
         self.device = "cuda" if self.target == "cuda" else "cpu"
         emulate = self.target == "emulate"
         from coda_lang.backend_cute.compile import BackendUnavailable
@@ -152,7 +161,9 @@ class Fuzzer:
         except CodaError:
             raise
         except (BackendUnavailable, ImportError) as e:
-            raise Unavailable(f"--target {self.target}: the CUDA backend is not usable here: {_first_line(e)}") from None
+            raise Unavailable(
+                f"--target {self.target}: the CUDA backend is not usable here: {_first_line(e)}"
+            ) from None
         except Exception as e:  # a traceback is a bug: every case fails with it
             self.crash = f"Block.cuda() raised {_first_line(e)}"
             return
@@ -182,14 +193,20 @@ class Fuzzer:
         d = self.derivation
         return [self.block] + ([d.forward, d.backward] if d is not None else [])
 
-    def cases(self, max_dim: int | None = None, dims: dict[str, int] | None = None, seed: int | None = None,
-              ) -> st.SearchStrategy[Case]:
+    def cases(
+        self,
+        max_dim: int | None = None,
+        dims: dict[str, int] | None = None,
+        seed: int | None = None,
+    ) -> st.SearchStrategy[Case]:
         """Cases for this block: `dims`, `seed` (and the tile given to the Fuzzer) fix what they give."""
         blocks = self.blocks()
         top = max_dim or MAX_DIM[self.target]
         sizes = dim_sizes(blocks, top, ALIGN[self.target], given=dims)
         if self.target == "interp":
-            tile_s: st.SearchStrategy[tuple[int, int] | None] = st.just(self.tile) if self.tile else tiles(blocks)
+            tile_s: st.SearchStrategy[tuple[int, int] | None] = (
+                st.just(self.tile) if self.tile else tiles(blocks)
+            )
         else:
             tile_s = st.just(self.tile)
         seeds = st.just(seed) if seed is not None else input_seeds()
@@ -198,7 +215,12 @@ class Fuzzer:
     def single_case(self, dims: dict[str, int] | None, seed: int | None) -> Case | None:
         """The one case that `dims`, `seed` and the Fuzzer's tile fix, if they fix everything."""
         names = {d.name for b in self.blocks() for d in b.ir.dims}
-        if seed is None or not dims or not names <= set(dims) or (self.target == "interp" and self.tile is None):
+        if (
+            seed is None
+            or not dims
+            or not names <= set(dims)
+            or (self.target == "interp" and self.tile is None)
+        ):
             return None
         return Case(dict(dims), seed, self.tile)
 
@@ -235,8 +257,14 @@ class Fuzzer:
             msgs.append(f"backward on {self.target} raised {_first_line(e)}")
         return msgs
 
-    def _outputs(self, what: str, got: dict[str, Any], ref: dict[str, Any], ref64: dict[str, Any],
-                 dtypes: dict[str, str]) -> list[str]:
+    def _outputs(
+        self,
+        what: str,
+        got: dict[str, Any],
+        ref: dict[str, Any],
+        ref64: dict[str, Any],
+        dtypes: dict[str, str],
+    ) -> list[str]:
         out = []
         for name, r in ref.items():
             if name not in got:
@@ -247,13 +275,16 @@ class Fuzzer:
                 out.append(m)
         return out
 
-    def _forward(self, case: Case, ins: dict[str, Any], ref: dict[str, Any], ref64: dict[str, Any]) -> list[str]:
+    def _forward(
+        self, case: Case, ins: dict[str, Any], ref: dict[str, Any], ref64: dict[str, Any]
+    ) -> list[str]:
         dtypes = {o.name: _dtype_of(o.type) for o in self.block.ir.outputs}
         if self.target == "interp":
             got = self.block.run(ins, dims=case.dims, tile=case.tile)
             return self._outputs("output", got, ref, ref64, dtypes)
-        outs, parts = self.cb.run_with_partials({k: self._tensor(v) for k, v in ins.items()},
-                                                dims=self._dims(self.block, case))
+        outs, parts = self.cb.run_with_partials(
+            {k: self._tensor(v) for k, v in ins.items()}, dims=self._dims(self.block, case)
+        )
         msgs = self._outputs("output", outs, ref, ref64, dtypes)
         # the tile simulation at the kernels' tiles, rounded as they round; where a partial misses the
         # per-element rule (one that cancels: a sum of products of bf16-rounded values), the same
@@ -264,12 +295,16 @@ class Fuzzer:
             if name not in sim:
                 continue
             what = f"partial buffer `{name}` (tile {self.cb.tiles})"
-            pick = getattr(buf, "ndim", 0) == 1 and sim[name].ndim == 2  # the kernel writes the finished vector
+            pick = (
+                getattr(buf, "ndim", 0) == 1 and sim[name].ndim == 2
+            )  # the kernel writes the finished vector
             want = sim[name].sum(axis=1) if pick else sim[name]
             if mismatch(what, buf, want, None, "f32") is None:
                 continue
             if sim64 is None:
-                _, sim64 = self.block.run_with_partials(ins, dims=case.dims, tile=self.cb.tiles, precision="f64")
+                _, sim64 = self.block.run_with_partials(
+                    ins, dims=case.dims, tile=self.cb.tiles, precision="f64"
+                )
             want64 = sim64.get(name)
             if pick and want64 is not None:
                 want64 = want64.sum(axis=1)
@@ -278,8 +313,9 @@ class Fuzzer:
                 msgs.append(m)
         return msgs
 
-    def _backward(self, case: Case, ins: dict[str, Any], cots: dict[str, Any], gref: dict[str, Any],
-                  g64: dict[str, Any]) -> list[str]:
+    def _backward(
+        self, case: Case, ins: dict[str, Any], cots: dict[str, Any], gref: dict[str, Any], g64: dict[str, Any]
+    ) -> list[str]:
         d = self.derivation
         assert d is not None
         out_t = {o.name: o.type for o in d.backward.ir.outputs}
@@ -297,10 +333,18 @@ class Fuzzer:
         pairs = [(outs[o], self._tensor(c)) for o, c in cots.items() if o in outs and outs[o].requires_grad]
         if not pairs or not wrt:
             return []
-        grads = torch.autograd.grad([p[0] for p in pairs], [tensors[p] for p in wrt],
-                                    grad_outputs=[p[1].to(p[0].dtype) for p in pairs], allow_unused=True)
-        got = {p: (g if g is not None else torch.zeros_like(tensors[p])) for p, g in zip(wrt, grads, strict=True)}
-        dtypes.update({p: _dtype_of(next(x.var.type for x in self.block.ir.params if x.var.name == p)) for p in wrt})
+        grads = torch.autograd.grad(
+            [p[0] for p in pairs],
+            [tensors[p] for p in wrt],
+            grad_outputs=[p[1].to(p[0].dtype) for p in pairs],
+            allow_unused=True,
+        )
+        got = {
+            p: (g if g is not None else torch.zeros_like(tensors[p])) for p, g in zip(wrt, grads, strict=True)
+        }
+        dtypes.update(
+            {p: _dtype_of(next(x.var.type for x in self.block.ir.params if x.var.name == p)) for p in wrt}
+        )
         return self._outputs("gradient of", got, {p: gref[p] for p in wrt}, g64, dtypes)
 
     @staticmethod
@@ -347,7 +391,9 @@ class Progress:
     def text(self, case: Case | None = None) -> str:
         if self.failed:
             return f"coda fuzz: {self.label}: failure found after {self.n} cases; shrinking ({self.shrinks} tries)"
-        return f"coda fuzz: {self.label}: {self.n}/{self.total} cases" + (f" ({case.describe()})" if case and self.tty else "")
+        return f"coda fuzz: {self.label}: {self.n}/{self.total} cases" + (
+            f" ({case.describe()})" if case and self.tty else ""
+        )
 
     def show(self, force: bool = False, case: Case | None = None) -> None:
         if self.quiet:
@@ -395,13 +441,27 @@ class _Mismatch(Exception):
 
 def _settings(examples: int, shrink: bool) -> settings:
     phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if shrink else [])
-    return settings(max_examples=examples, database=None, deadline=None, derandomize=False, phases=phases,
-                    suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet,
-                    report_multiple_bugs=False, print_blob=False)
+    return settings(
+        max_examples=examples,
+        database=None,
+        deadline=None,
+        derandomize=False,
+        phases=phases,
+        suppress_health_check=list(HealthCheck),
+        verbosity=Verbosity.quiet,
+        report_multiple_bugs=False,
+        print_blob=False,
+    )
 
 
-def _run(test: Callable[..., None], strategy: st.SearchStrategy[Any], examples: int, seed: int, shrink: bool,
-         failures: list[Failure]) -> Failure | None:
+def _run(
+    test: Callable[..., None],
+    strategy: st.SearchStrategy[Any],
+    examples: int,
+    seed: int,
+    shrink: bool,
+    failures: list[Failure],
+) -> Failure | None:
     wrapped = hypothesis_seed(seed)(_settings(examples, shrink)(given(strategy)(test)))
     try:
         wrapped()
@@ -415,8 +475,14 @@ def _run(test: Callable[..., None], strategy: st.SearchStrategy[Any], examples: 
     return None
 
 
-def _check(fz: Fuzzer, case: Case, failures: list[Failure], count: list[int], progress: Progress | None,
-           program: str | None = None) -> None:
+def _check(
+    fz: Fuzzer,
+    case: Case,
+    failures: list[Failure],
+    count: list[int],
+    progress: Progress | None,
+    program: str | None = None,
+) -> None:
     """Run one case: count it (until the first failure), report progress, and on a mismatch record
     the failure and stop hypothesis's test (`_Mismatch`)."""
     msgs = fz.check(case)
@@ -429,10 +495,22 @@ def _check(fz: Fuzzer, case: Case, failures: list[Failure], count: list[int], pr
         raise _Mismatch()
 
 
-def fuzz_block(block: Block, target: str = "interp", *, examples: int = 100, seed: int = 0,
-               max_dim: int | None = None, dims: dict[str, int] | None = None, input_seed: int | None = None,
-               tile: tuple[int, int] | None = None, special: bool = False, backward: bool = True,
-               shrink: bool = True, progress: Progress | None = None, fuzzer: Fuzzer | None = None) -> Result:
+def fuzz_block(
+    block: Block,
+    target: str = "interp",
+    *,
+    examples: int = 100,
+    seed: int = 0,
+    max_dim: int | None = None,
+    dims: dict[str, int] | None = None,
+    input_seed: int | None = None,
+    tile: tuple[int, int] | None = None,
+    special: bool = False,
+    backward: bool = True,
+    shrink: bool = True,
+    progress: Progress | None = None,
+    fuzzer: Fuzzer | None = None,
+) -> Result:
     """Fuzz one block (see the module docstring). CodaError if it can't run on the target at all.
     `fuzzer`: a Fuzzer made already (then target, tile, special and backward are its own)."""
     t0 = time.monotonic()
@@ -455,9 +533,19 @@ def fuzz_block(block: Block, target: str = "interp", *, examples: int = 100, see
     return Result(count[0], failure, fz.notes, time.monotonic() - t0)
 
 
-def fuzz_programs(programs: int, target: str = "interp", *, examples: int = 5, seed: int = 0,
-                  max_dim: int | None = None, special: bool = False, backward: bool = True, shrink: bool = True,
-                  tile: tuple[int, int] | None = None, progress: Progress | None = None) -> Result:
+def fuzz_programs(
+    programs: int,
+    target: str = "interp",
+    *,
+    examples: int = 5,
+    seed: int = 0,
+    max_dim: int | None = None,
+    special: bool = False,
+    backward: bool = True,
+    shrink: bool = True,
+    tile: tuple[int, int] | None = None,
+    progress: Progress | None = None,
+) -> Result:
     """Fuzz `programs` random blocks (`coda_lang.testing.random_blocks`), `examples` cases each; on a
     failure hypothesis shrinks the program and the case together."""
     import coda_lang
@@ -470,8 +558,9 @@ def fuzz_programs(programs: int, target: str = "interp", *, examples: int = 5, s
     count = [0]
 
     def test(data: st.DataObject) -> None:
-        fw = data.draw(random_blocks(("f32", "bf16", "f16") if target == "interp" else ("bf16", "f16")),
-                       label="program")
+        fw = data.draw(
+            random_blocks(("f32", "bf16", "f16") if target == "interp" else ("bf16", "f16")), label="program"
+        )
         block = coda_lang.load(fw.text)["fwd"]
         try:
             fz = Fuzzer(block, target, backward=backward, special=special, tile=tile)

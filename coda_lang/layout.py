@@ -74,9 +74,13 @@ def _rope_perm(width: int, head_dim: int, rope_width: int | None) -> np.ndarray:
     if rw > width:
         raise ValueError(f"rope_width = {rw} is more than the {width} columns of the last axis")
     if rw % head_dim:
-        what = "rope_width" if rope_width is not None else "the width of the last axis (the default rope_width)"
-        raise ValueError(f"{what} = {rw} is not a multiple of head_dim = {head_dim}; "
-                         "RoPE heads must be whole (give rope_width for the q and k heads only)")
+        what = (
+            "rope_width" if rope_width is not None else "the width of the last axis (the default rope_width)"
+        )
+        raise ValueError(
+            f"{what} = {rw} is not a multiple of head_dim = {head_dim}; "
+            "RoPE heads must be whole (give rope_width for the q and k heads only)"
+        )
     half = head_dim // 2
     perm = np.arange(width)
     heads = np.arange(0, rw, head_dim)[:, None]

@@ -37,7 +37,9 @@ def _signature(op: object) -> str:
         return f"`a {op.infix} b`"
     args = list(names)
     for p in op.params:
-        value = {"dim": "D", "int": "8", "dtype": "bf16"}.get(p.kind, f'"{p.choices[0]}"' if p.choices else "...")
+        value = {"dim": "D", "int": "8", "dtype": "bf16"}.get(
+            p.kind, f'"{p.choices[0]}"' if p.choices else "..."
+        )
         text = value if p.positional else f"{p.name}={value}"
         args.append(text if p.required else f"[{text}]")
     outs = "a, b = " if op.nout == 2 else ""

@@ -1,5 +1,9 @@
-"""Shared test configuration: hypothesis profiles, the `--update-golden` option, and skipping `gpu` tests
-without a CUDA GPU.
+"""Shared test configuration: hypothesis profiles, the `--update-golden` option, and the test tiers.
+
+Tiers (markers, declared in pyproject.toml): `gpu` tests need a CUDA GPU and are skipped without one;
+`toolchain` tests need nvidia-cutlass-dsl, quack-kernels and ptxas (compiling to PTX, no GPU) and are
+skipped without them; `slow` tests are left out of the default run (pyproject's `-m 'not slow'`;
+`python -m pytest -m slow` runs them, `-m 'slow or not slow'` runs everything).
 
 Hypothesis profiles, chosen with the environment variable HYPOTHESIS_PROFILE:
 - "ci" (the default): derandomized (the same examples on every run, so CI is reproducible), no
@@ -16,17 +20,28 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
-settings.register_profile("ci", derandomize=True, deadline=None, max_examples=50, print_blob=True,
-                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    deadline=None,
+    max_examples=50,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 settings.register_profile("dev", deadline=None, max_examples=50)
-settings.register_profile("long", deadline=None, max_examples=1000, print_blob=True,
-                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "long", deadline=None, max_examples=1000, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--update-golden", action="store_true", default=False,
-                     help="rewrite golden files (tests/golden/) from the current output instead of comparing")
+    parser.addoption(
+        "--update-golden",
+        action="store_true",
+        default=False,
+        help="rewrite golden files (tests/golden/) from the current output instead of comparing",
+    )
 
 
 @pytest.fixture
@@ -43,10 +58,24 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def _toolchain_available() -> bool:
+    """CuTeDSL, quack and a ptxas ($CODA_PTXAS, on PATH, or Triton's) are here."""
+    import importlib.util
+
+    from coda_lang.backend_cute.tiles import find_ptxas
+
+    return bool(importlib.util.find_spec("cutlass") and importlib.util.find_spec("quack") and find_ptxas())
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip tests marked `gpu` when there is no CUDA GPU (torch is imported only if such tests exist)."""
-    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
-    if gpu_items and not _cuda_available():
-        skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
-        for item in gpu_items:
-            item.add_marker(skip)
+    """Skip tests marked `gpu` when there is no CUDA GPU, and `toolchain` ones without the compile
+    toolchain (torch and the finders are consulted only if such tests were collected)."""
+    for marker, available, reason in (
+        ("gpu", _cuda_available, "needs a CUDA GPU (torch.cuda.is_available() is False)"),
+        ("toolchain", _toolchain_available, "needs nvidia-cutlass-dsl, quack-kernels and ptxas"),
+    ):
+        marked = [item for item in items if item.get_closest_marker(marker) is not None]
+        if marked and not available():
+            skip = pytest.mark.skip(reason=reason)
+            for item in marked:
+                item.add_marker(skip)

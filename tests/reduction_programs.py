@@ -9,7 +9,8 @@ from __future__ import annotations
 # min over the columns and the rows (the kernel folds the negation by max), logsumexp over the columns
 # beside them, a grouped min and a stored grouped logsumexp (the prepass)
 NEW_REDUCTIONS: dict[str, tuple[str, dict[str, int], tuple[int, int]]] = {
-    "element": ("""dims M, K, N
+    "element": (
+        """dims M, K, N
 block p(x: bf16[M, K], w: bf16[K, N], b: f32[N]) -> (y: bf16[M, N], r: f32[M], c: f32[N], k: f32[M]) {
   gemm x @ w {
     h = acc + b
@@ -19,8 +20,12 @@ block p(x: bf16[M, K], w: bf16[K, N], b: f32[N]) -> (y: bf16[M, N], r: f32[M], c
     k = logsumexp(h * 0.5, over=N)
   }
 }
-""", {"M": 300, "K": 200, "N": 264}, (128, 64)),
-    "paired": ("""dims M, K, F
+""",
+        {"M": 300, "K": 200, "N": 264},
+        (128, 64),
+    ),
+    "paired": (
+        """dims M, K, F
 block p(x: bf16[M, K], w: bf16[K, 2*F]) -> (y: bf16[M, F], r: f32[M], c: f32[2*F]) {
   gemm x @ w {
     g, u = pairs(acc)
@@ -29,8 +34,12 @@ block p(x: bf16[M, K], w: bf16[K, 2*F]) -> (y: bf16[M, F], r: f32[M], c: f32[2*F
     c = min(acc, over=M)
   }
 }
-""", {"M": 300, "K": 200, "F": 136}, (128, 64)),
-    "packed": ("""dims M, K, F
+""",
+        {"M": 300, "K": 200, "F": 136},
+        (128, 64),
+    ),
+    "packed": (
+        """dims M, K, F
 block p(x: bf16[M, K], w: bf16[K, F], t: bf16[M, 2*F]) -> (y: bf16[M, 2*F], r: f32[M]) {
   gemm x @ w {
     g, u = pairs(t)
@@ -38,8 +47,12 @@ block p(x: bf16[M, K], w: bf16[K, F], t: bf16[M, 2*F]) -> (y: bf16[M, 2*F], r: f
     r = min(y, over=2*F)
   }
 }
-""", {"M": 300, "K": 200, "F": 136}, (128, 64)),
-    "grouped": ("""dims M, K, N
+""",
+        {"M": 300, "K": 200, "F": 136},
+        (128, 64),
+    ),
+    "grouped": (
+        """dims M, K, N
 block p(x: bf16[M, K], w: bf16[K, N], b: f32[N]) -> (y: bf16[M, N], s: f32[M, N/64]) {
   gemm x @ w {
     s = logsumexp(acc + b, over=N, group=64)
@@ -47,5 +60,8 @@ block p(x: bf16[M, K], w: bf16[K, N], b: f32[N]) -> (y: bf16[M, N], s: f32[M, N/
     y = acc - s + m
   }
 }
-""", {"M": 300, "K": 200, "N": 448}, (128, 128)),
+""",
+        {"M": 300, "K": 200, "N": 448},
+        (128, 128),
+    ),
 }

@@ -72,7 +72,8 @@ def check_output(name: str, got: Any, interp: Any, ref64: Any | None, dtype: str
         err, base = np.linalg.norm(g - f), np.linalg.norm(i - f)
         assert err <= 2 * base + floor * np.linalg.norm(f), (
             f"{name}: ||got - f64|| = {err:.3e} > 2 * ||interp - f64|| = {2 * base:.3e} "
-            f"(+ {floor:.0e} * ||f64||)")
+            f"(+ {floor:.0e} * ||f64||)"
+        )
 
 
 def check_partial(name: str, got: Any, interp: np.ndarray, interp64: np.ndarray | None = None) -> None:

@@ -18,10 +18,17 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def coda(*args: str | Path, cwd: Path = ROOT, env: dict[str, str] | None = None,
-         timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "coda_lang.cli", *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, env=env)
+def coda(
+    *args: str | Path, cwd: Path = ROOT, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "coda_lang.cli", *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def no_traceback(r: subprocess.CompletedProcess[str]) -> None:
@@ -37,4 +44,6 @@ def golden(path: Path, got: str, update: bool) -> None:
         path.write_text(got)
         pytest.skip(f"wrote {path.relative_to(ROOT)}")
     assert path.exists(), f"no golden file {path.relative_to(ROOT)}; run pytest --update-golden"
-    assert got == path.read_text(), f"{path.relative_to(ROOT)} differs; if the change is on purpose, run --update-golden"
+    assert got == path.read_text(), (
+        f"{path.relative_to(ROOT)} differs; if the change is on purpose, run --update-golden"
+    )

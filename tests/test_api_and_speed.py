@@ -125,11 +125,15 @@ def _run(code: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize(("args", "status"), [
-    (["check", "examples/llama_block.coda"], 0),
-    (["check", "--explain", "examples/llama_block.coda"], 0),
-    (["check", "tests/test_api_and_speed.py"], 1),  # not .coda: error diagnostics are rendered
-], ids=["check", "explain", "errors"])
+@pytest.mark.parametrize(
+    ("args", "status"),
+    [
+        (["check", "examples/llama_block.coda"], 0),
+        (["check", "--explain", "examples/llama_block.coda"], 0),
+        (["check", "tests/test_api_and_speed.py"], 1),  # not .coda: error diagnostics are rendered
+    ],
+    ids=["check", "explain", "errors"],
+)
 def test_coda_check_imports_no_heavy_library(args: list[str], status: int) -> None:
     code = (
         "import sys, coda_lang.cli\n"
@@ -144,7 +148,12 @@ def test_coda_check_imports_no_heavy_library(args: list[str], status: int) -> No
 
 
 def test_coda_check_as_a_module() -> None:
-    r = subprocess.run([sys.executable, "-m", "coda_lang.cli", "check", str(BLOCK)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "coda_lang.cli", "check", str(BLOCK)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert "ok:" in r.stdout and "4 GEMM stages" in r.stdout

@@ -67,19 +67,36 @@ def _fdot(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
     return s, m
 
 
-def check_vjp(block: coda_lang.Block, inputs: dict[str, Any], *, dims: dict[str, int] | None = None,
-              wrt: list[str] | None = None, seed: int = 0, eps: float = 1e-6, rtol: float = 1e-6) -> None:
+def check_vjp(
+    block: coda_lang.Block,
+    inputs: dict[str, Any],
+    *,
+    dims: dict[str, int] | None = None,
+    wrt: list[str] | None = None,
+    seed: int = 0,
+    eps: float = 1e-6,
+    rtol: float = 1e-6,
+) -> None:
     """JAX-style VJP check in float64: (f(x + eps d) - f(x - eps d)) / 2 eps with
     f(x) = <outputs(x), cotangents>, against sum(grad * d) from Block.vjp; d and the cotangents random."""
     rng = np.random.default_rng(seed)
     outs = block.run(inputs, dims=dims, precision="f64")
     cts = {k: rng.standard_normal(np.shape(v)) for k, v in outs.items() if np.asarray(v).dtype.kind == "f"}
     grads = block.vjp(inputs, cts, dims=dims, precision="f64", wrt=wrt)
-    expected = wrt if wrt is not None else [p.var.name for p in block.ir.params
-                                            if p.default is None and p.var.type and is_float(p.var.type.dtype)]
+    expected = (
+        wrt
+        if wrt is not None
+        else [
+            p.var.name
+            for p in block.ir.params
+            if p.default is None and p.var.type and is_float(p.var.type.dtype)
+        ]
+    )
     assert sorted(grads) == sorted(expected), "Block.vjp gives a gradient per differentiable parameter"
     for k, g in grads.items():
-        assert np.shape(g) == np.shape(inputs[k]), f"gradient of `{k}`: shape {np.shape(g)}, input {np.shape(inputs[k])}"
+        assert np.shape(g) == np.shape(inputs[k]), (
+            f"gradient of `{k}`: shape {np.shape(g)}, input {np.shape(inputs[k])}"
+        )
         assert np.all(np.isfinite(g)), f"gradient of `{k}` is not finite"
     dirs = {k: rng.standard_normal(np.shape(inputs[k])) for k in grads}
 
@@ -94,8 +111,10 @@ def check_vjp(block: coda_lang.Block, inputs: dict[str, Any], *, dims: dict[str,
     an, scale = _fdot(grads, dirs)
     # rounding of f (relative ~1e-14 of sum |out * ct|) divided by 2 eps, plus rtol of the VJP's scale
     tol = rtol * max(scale, 1e-300) + 1e-14 * sp / eps
-    assert abs(fd - an) <= tol, (f"{block.name}: finite difference {fd!r} vs VJP {an!r}: |diff| = {abs(fd - an):.3e} "
-                                 f"> {tol:.3e}\n--- backward:\n{block.grad(wrt)}")
+    assert abs(fd - an) <= tol, (
+        f"{block.name}: finite difference {fd!r} vs VJP {an!r}: |diff| = {abs(fd - an):.3e} "
+        f"> {tol:.3e}\n--- backward:\n{block.grad(wrt)}"
+    )
 
 
 # ---------------------------------------------------------------------------- examples
@@ -160,7 +179,9 @@ def test_backward_is_tile_invariant(name: str) -> None:
         assert sorted(tiled) == sorted(whole)
         for k in whole:
             err = float(np.max(np.abs(tiled[k] - whole[k]))) if np.size(whole[k]) else 0.0
-            assert err <= 1e-12 * max(float(np.max(np.abs(whole[k]))), 1.0), f"{name}: d{k} at tile {tile}: {err:.3e}"
+            assert err <= 1e-12 * max(float(np.max(np.abs(whole[k]))), 1.0), (
+                f"{name}: d{k} at tile {tile}: {err:.3e}"
+            )
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -200,7 +221,9 @@ def test_check_vjp_each_op(name: str) -> None:
     op = REGISTRY[name]
     if not op.differentiable:
         pytest.skip(f"`{op.surface}` is not differentiable (its `differentiable` flag is False)")
-    assert op.vjp is not None, f"`{op.surface}` is differentiable but has no VJP rule (`vjp=` in coda_lang/ops/)"
+    assert op.vjp is not None, (
+        f"`{op.surface}` is differentiable but has no VJP rule (`vjp=` in coda_lang/ops/)"
+    )
     programs = op_programs(op)
     assert any("(stage" in p.label for p in programs), f"no program uses `{op.surface}` in a stage"
     _check_programs(name, programs)
@@ -209,11 +232,25 @@ def test_check_vjp_each_op(name: str) -> None:
 def test_op_programs_cover_every_differentiable_op() -> None:
     assert {op.name for op in differentiable_ops()} == {n for n, op in REGISTRY.items() if op.differentiable}
     between = {op.name for op in differentiable_ops() if any("(between)" in p.label for p in op_programs(op))}
-    for expected in ("add", "mul", "div", "rsqrt", "exp", "maximum", "where", "reduce_sum", "reduce_logsumexp"):
+    for expected in (
+        "add",
+        "mul",
+        "div",
+        "rsqrt",
+        "exp",
+        "maximum",
+        "where",
+        "reduce_sum",
+        "reduce_logsumexp",
+    ):
         assert expected in between, f"`{expected}` is not tested between stages"
     hosted = {op.name for op in differentiable_ops() if any("hosted" in p.label for p in op_programs(op))}
     assert {"pairs", "interleave", "silu", "mul", "where"} <= hosted
-    later = {op.name for op in differentiable_ops() if any("used by a later stage" in p.label for p in op_programs(op))}
+    later = {
+        op.name
+        for op in differentiable_ops()
+        if any("used by a later stage" in p.label for p in op_programs(op))
+    }
     assert {"reduce_sum", "reduce_max", "reduce_min", "reduce_logsumexp", "pick"} <= later
 
 
@@ -252,7 +289,7 @@ def _ours_freq(freq: torch.Tensor, pairs: int) -> np.ndarray:
     """Per-head frequencies -> `freq` per column pair of the interleaved layout (0 beyond rope_width)."""
     out = np.zeros(pairs)
     flat = _np(freq).reshape(-1)
-    out[:flat.size] = flat
+    out[: flat.size] = flat
     return out
 
 
@@ -263,15 +300,28 @@ def _cotangent(gen: torch.Generator, *shape: int) -> torch.Tensor:
 def test_llama_mlp_against_torch_autograd() -> None:
     M, D, F = DIMS["M"], DIMS["D"], DIMS["F"]
     gen = torch.Generator().manual_seed(11)
-    p = _leaves(y=torch.randn(M, D, generator=gen), x=torch.randn(M, D, generator=gen),
-                o_proj=torch.randn(D, D, generator=gen) / D ** 0.5, norm=torch.rand(D, generator=gen) + 0.5,
-                gate_proj=torch.randn(F, D, generator=gen) / D ** 0.5, up_proj=torch.randn(F, D, generator=gen) / D ** 0.5,
-                down_proj=torch.randn(D, F, generator=gen) / F ** 0.5)
-    x2, _ = ref.llama_mlp(p["y"], p["x"], p["o_proj"], p["norm"], p["gate_proj"], p["up_proj"], p["down_proj"])
+    p = _leaves(
+        y=torch.randn(M, D, generator=gen),
+        x=torch.randn(M, D, generator=gen),
+        o_proj=torch.randn(D, D, generator=gen) / D**0.5,
+        norm=torch.rand(D, generator=gen) + 0.5,
+        gate_proj=torch.randn(F, D, generator=gen) / D**0.5,
+        up_proj=torch.randn(F, D, generator=gen) / D**0.5,
+        down_proj=torch.randn(D, F, generator=gen) / F**0.5,
+    )
+    x2, _ = ref.llama_mlp(
+        p["y"], p["x"], p["o_proj"], p["norm"], p["gate_proj"], p["up_proj"], p["down_proj"]
+    )
     ct = _cotangent(gen, M, D)
     (x2 * ct).sum().backward()
-    inputs = {"y": _np(p["y"]), "x": _np(p["x"]), "w_o": _np(p["o_proj"]).T, "g": _np(p["norm"]),
-              "w_13": interleave_gate_up(_np(p["gate_proj"]).T, _np(p["up_proj"]).T), "w_2": _np(p["down_proj"]).T}
+    inputs = {
+        "y": _np(p["y"]),
+        "x": _np(p["x"]),
+        "w_o": _np(p["o_proj"]).T,
+        "g": _np(p["norm"]),
+        "w_13": interleave_gate_up(_np(p["gate_proj"]).T, _np(p["up_proj"]).T),
+        "w_2": _np(p["down_proj"]).T,
+    }
     g = example("llama_mlp").vjp(inputs, {"x2": _np(ct)}, precision="f64")
     _compare("dy", g["y"], p["y"].grad)
     _compare("dx", g["x"], p["x"].grad)
@@ -287,13 +337,23 @@ def test_qkv_rope_against_torch_autograd() -> None:
     M, D, P = DIMS["M"], DIMS["D"], DIMS["P"]
     gen = torch.Generator().manual_seed(12)
     rw, pos, freq = _rope_setup(2 * P, gen)
-    p = _leaves(xg=torch.randn(M, D, generator=gen), r=torch.rand(M, generator=gen) + 0.5,
-                w_qkv=torch.randn(2 * P, D, generator=gen) / D ** 0.5, pos=pos, freq=freq)
+    p = _leaves(
+        xg=torch.randn(M, D, generator=gen),
+        r=torch.rand(M, generator=gen) + 0.5,
+        w_qkv=torch.randn(2 * P, D, generator=gen) / D**0.5,
+        pos=pos,
+        freq=freq,
+    )
     qkv = ref.qkv_rope(p["xg"], p["r"], p["w_qkv"], p["pos"], HD, rw, p["freq"])
     ct = _cotangent(gen, M, 2 * P)
     (qkv * ct).sum().backward()
-    inputs = {"xg": _np(p["xg"]), "r": _np(p["r"]), "w_qkv": interleave_rope(_np(p["w_qkv"]).T, HD, rw),
-              "pos": _np(p["pos"]), "freq": _ours_freq(p["freq"], P)}
+    inputs = {
+        "xg": _np(p["xg"]),
+        "r": _np(p["r"]),
+        "w_qkv": interleave_rope(_np(p["w_qkv"]).T, HD, rw),
+        "pos": _np(p["pos"]),
+        "freq": _ours_freq(p["freq"], P),
+    }
     b = example("qkv_rope")
     out = b.run(inputs, precision="f64")["qkv"]
     _compare("qkv (forward)", deinterleave_rope(out, HD, rw), qkv)
@@ -302,24 +362,29 @@ def test_qkv_rope_against_torch_autograd() -> None:
     _compare("dr", g["r"], p["r"].grad)
     _compare("dw_qkv", deinterleave_rope(g["w_qkv"], HD, rw).T, p["w_qkv"].grad)
     _compare("dpos", g["pos"], p["pos"].grad)
-    _compare("dfreq", g["freq"][:rw // 2].reshape(-1, HD // 2), p["freq"].grad)
+    _compare("dfreq", g["freq"][: rw // 2].reshape(-1, HD // 2), p["freq"].grad)
     _check_unrotated_freq(g["freq"], out, _np(ct), _np(p["pos"]), rw)
 
 
-def _check_unrotated_freq(dfreq: np.ndarray, out: np.ndarray, ct: np.ndarray, pos: np.ndarray, rw: int) -> None:
+def _check_unrotated_freq(
+    dfreq: np.ndarray, out: np.ndarray, ct: np.ndarray, pos: np.ndarray, rw: int
+) -> None:
     """The pairs past rope_width (v) have frequency 0, so angle 0 (torch's reference does not rotate them):
     their gradient is that of a rotation at angle 0, sum over rows of pos * (x dy - y dx)."""
-    x, y = out[:, rw::2], out[:, rw + 1::2]
-    dx, dy = ct[:, rw::2], ct[:, rw + 1::2]
+    x, y = out[:, rw::2], out[:, rw + 1 :: 2]
+    dx, dy = ct[:, rw::2], ct[:, rw + 1 :: 2]
     want = (pos[:, None] * (x * dy - y * dx)).sum(axis=0)
-    assert np.allclose(dfreq[rw // 2:], want, rtol=1e-10, atol=1e-12)
+    assert np.allclose(dfreq[rw // 2 :], want, rtol=1e-10, atol=1e-12)
 
 
 def test_lm_head_ce_against_torch_autograd() -> None:
     M, D, V = DIMS["M"], DIMS["D"], DIMS["V"]
     gen = torch.Generator().manual_seed(13)
-    p = _leaves(hg=torch.randn(M, D, generator=gen), r=torch.rand(M, generator=gen) + 0.5,
-                w_lm=torch.randn(V, D, generator=gen) / D ** 0.5)
+    p = _leaves(
+        hg=torch.randn(M, D, generator=gen),
+        r=torch.rand(M, generator=gen) + 0.5,
+        w_lm=torch.randn(V, D, generator=gen) / D**0.5,
+    )
     target = torch.randint(0, V, (M,), generator=gen, dtype=torch.int32)
     target[::4] = -100
     out = ref.lm_head_ce(p["hg"], p["r"], p["w_lm"], target)
@@ -336,19 +401,48 @@ def test_llama_block_against_torch_autograd() -> None:
     M, D, F, P = DIMS["M"], DIMS["D"], DIMS["F"], DIMS["P"]
     gen = torch.Generator().manual_seed(14)
     rw, pos, freq = _rope_setup(2 * P, gen)
-    p = _leaves(y=torch.randn(M, D, generator=gen), x=torch.randn(M, D, generator=gen),
-                o_proj=torch.randn(D, D, generator=gen) / D ** 0.5, norm1=torch.rand(D, generator=gen) + 0.5,
-                gate_proj=torch.randn(F, D, generator=gen) / D ** 0.5, up_proj=torch.randn(F, D, generator=gen) / D ** 0.5,
-                down_proj=torch.randn(D, F, generator=gen) / F ** 0.5, norm2=torch.rand(D, generator=gen) + 0.5,
-                w_qkv=torch.randn(2 * P, D, generator=gen) / D ** 0.5, pos=pos, freq=freq)
-    out = ref.llama_block(p["y"], p["x"], p["o_proj"], p["norm1"], p["gate_proj"], p["up_proj"], p["down_proj"],
-                          p["norm2"], p["w_qkv"], p["pos"], HD, rw, p["freq"])
+    p = _leaves(
+        y=torch.randn(M, D, generator=gen),
+        x=torch.randn(M, D, generator=gen),
+        o_proj=torch.randn(D, D, generator=gen) / D**0.5,
+        norm1=torch.rand(D, generator=gen) + 0.5,
+        gate_proj=torch.randn(F, D, generator=gen) / D**0.5,
+        up_proj=torch.randn(F, D, generator=gen) / D**0.5,
+        down_proj=torch.randn(D, F, generator=gen) / F**0.5,
+        norm2=torch.rand(D, generator=gen) + 0.5,
+        w_qkv=torch.randn(2 * P, D, generator=gen) / D**0.5,
+        pos=pos,
+        freq=freq,
+    )
+    out = ref.llama_block(
+        p["y"],
+        p["x"],
+        p["o_proj"],
+        p["norm1"],
+        p["gate_proj"],
+        p["up_proj"],
+        p["down_proj"],
+        p["norm2"],
+        p["w_qkv"],
+        p["pos"],
+        HD,
+        rw,
+        p["freq"],
+    )
     cts = {"x2": _cotangent(gen, M, D), "qkv": _cotangent(gen, M, 2 * P)}
     torch.stack([(out[k] * cts[k]).sum() for k in cts]).sum().backward()
-    inputs = {"y": _np(p["y"]), "x": _np(p["x"]), "w_o": _np(p["o_proj"]).T, "g1": _np(p["norm1"]),
-              "w_13": interleave_gate_up(_np(p["gate_proj"]).T, _np(p["up_proj"]).T), "w_2": _np(p["down_proj"]).T,
-              "g2": _np(p["norm2"]), "w_qkv": interleave_rope(_np(p["w_qkv"]).T, HD, rw), "pos": _np(p["pos"]),
-              "freq": _ours_freq(p["freq"], P)}
+    inputs = {
+        "y": _np(p["y"]),
+        "x": _np(p["x"]),
+        "w_o": _np(p["o_proj"]).T,
+        "g1": _np(p["norm1"]),
+        "w_13": interleave_gate_up(_np(p["gate_proj"]).T, _np(p["up_proj"]).T),
+        "w_2": _np(p["down_proj"]).T,
+        "g2": _np(p["norm2"]),
+        "w_qkv": interleave_rope(_np(p["w_qkv"]).T, HD, rw),
+        "pos": _np(p["pos"]),
+        "freq": _ours_freq(p["freq"], P),
+    }
     b = example("llama_block")
     ours_ct = {"x2": _np(cts["x2"]), "qkv": interleave_rope(_np(cts["qkv"]), HD, rw)}
     ours = b.run(inputs, precision="f64")
@@ -365,7 +459,7 @@ def test_llama_block_against_torch_autograd() -> None:
     _compare("dw_13 (up)", dup.T, p["up_proj"].grad)
     _compare("dw_2", g["w_2"].T, p["down_proj"].grad)
     _compare("dw_qkv", deinterleave_rope(g["w_qkv"], HD, rw).T, p["w_qkv"].grad)
-    _compare("dfreq", g["freq"][:rw // 2].reshape(-1, HD // 2), p["freq"].grad)
+    _compare("dfreq", g["freq"][: rw // 2].reshape(-1, HD // 2), p["freq"].grad)
     _check_unrotated_freq(g["freq"], ours["qkv"], ours_ct["qkv"], inputs["pos"], rw)
 
 
@@ -413,7 +507,9 @@ def _between_only_vectors(backward: coda_lang.Block) -> None:
             for v in e.outs:
                 assert v.type is not None
                 alias = e.op == "copy" and v.type.kind == MATRIX
-                assert v.type.kind in (VEC, SCALAR) or alias, f"`{v.name}` ({v.type}) is computed between stages"
+                assert v.type.kind in (VEC, SCALAR) or alias, (
+                    f"`{v.name}` ({v.type}) is computed between stages"
+                )
 
 
 def _ops(stage: Stage) -> list[str]:
@@ -457,16 +553,29 @@ def test_llama_block_backward_follows_the_paper_schedule() -> None:
     for w, h, g in (("w_qkv", "x2", "g2"), ("w_13", "x1", "g1")):
         s = by_weight[w]
         assert {h, g} <= _reads(s), f"the norm backward in the dgrad of {w} reads {h} and {g}"
-        assert any(e.op == "reduce_sum" and e.param("over") is not None and str(e.param("over")) == "M"
-                   for e in s.body), f"dgrad of {w}: the norm weight's gradient is a partial column sum"
+        assert any(
+            e.op == "reduce_sum" and e.param("over") is not None and str(e.param("over")) == "M"
+            for e in s.body
+        ), f"dgrad of {w}: the norm weight's gradient is a partial column sum"
     # residual accumulation: a dgrad epilogue loads another cotangent tile and adds it
-    residual = [s for s in dgrad if any(e.op == "add" and any(getattr(a, "name", None) in cotangents | _stored(bwd)
-                                                              and _is_matrix(bwd, a) for a in e.ins) for e in s.body)]
+    residual = [
+        s
+        for s in dgrad
+        if any(
+            e.op == "add"
+            and any(
+                getattr(a, "name", None) in cotangents | _stored(bwd) and _is_matrix(bwd, a) for a in e.ins
+            )
+            for e in s.body
+        )
+    ]
     assert residual, "no dgrad epilogue accumulates the residual stream's cotangent"
     assert "dx2" in _reads(by_weight["w_qkv"]), "x2's own cotangent adds in the dgrad epilogue of QKV"
     # the row statistics are completed between stages (one run per norm): only vector computations there
     _between_only_vectors(bwd)
-    runs = [eqns for eqns in bwd.plan.between if any(e.outs[0].type and e.outs[0].type.kind == VEC for e in eqns)]
+    runs = [
+        eqns for eqns in bwd.plan.between if any(e.outs[0].type and e.outs[0].type.kind == VEC for e in eqns)
+    ]
     assert len(runs) == 2, runs
 
 
@@ -483,9 +592,16 @@ def _is_matrix(bwd: coda_lang.Block, a: Any) -> bool:
 
 
 def _partial_row_sums(stage: Stage) -> list[Eqn]:
-    return [e for e in stage.body if e.op == "reduce_sum" and e.outs[0].type is not None
-            and e.outs[0].type.kind == "partial" and stage.acc is not None and stage.acc.type is not None
-            and e.outs[0].type.shape == (stage.acc.type.shape[0],)]
+    return [
+        e
+        for e in stage.body
+        if e.op == "reduce_sum"
+        and e.outs[0].type is not None
+        and e.outs[0].type.kind == "partial"
+        and stage.acc is not None
+        and stage.acc.type is not None
+        and e.outs[0].type.shape == (stage.acc.type.shape[0],)
+    ]
 
 
 # ---------------------------------------------------------------------------- saved tensors
@@ -496,7 +612,9 @@ def test_saved_tensors(name: str) -> None:
     b = example(name)
     d = b.derivation()
     fwd_outs = [o.name for o in d.forward.ir.outputs]
-    assert fwd_outs[:len(b.ir.outputs)] == [o.name for o in b.ir.outputs], "the forward's own outputs come first"
+    assert fwd_outs[: len(b.ir.outputs)] == [o.name for o in b.ir.outputs], (
+        "the forward's own outputs come first"
+    )
     assert set(d.saved) <= set(fwd_outs), "the extended forward stores every saved tensor"
     assert len(set(d.saved)) == len(d.saved)
     bwd_params = [p.var.name for p in d.backward.ir.params]
@@ -506,10 +624,12 @@ def test_saved_tensors(name: str) -> None:
     assert set(bwd_params) == expected, f"backward params {bwd_params}, expected {sorted(expected)}"
     assert set(d.saved) <= read, "every saved tensor is read by the backward"
     assert not (set(d.saved) & forward_params), "a forward parameter is read directly, not saved"
-    extra = [o.name for o in d.forward.ir.outputs][len(b.ir.outputs):]
+    extra = [o.name for o in d.forward.ir.outputs][len(b.ir.outputs) :]
     assert set(extra) <= set(d.saved)
     notes = "\n".join(d.backward.ir.notes)
-    assert "saved" in notes and all(s in notes for s in d.saved), "the printed backward says which tensors are saved"
+    assert "saved" in notes and all(s in notes for s in d.saved), (
+        "the printed backward says which tensors are saved"
+    )
     # the extended forward computes the same outputs as the forward
     inputs, dims = example_inputs(name, seed=4), example_dims(name)
     got, want = d.forward.run(inputs, dims=dims, precision="f64"), b.run(inputs, dims=dims, precision="f64")
@@ -562,16 +682,28 @@ BAD_GRAD_BUGS: dict[str, str] = {}
 
 
 def _bad_grad_params() -> list[Any]:
-    return [pytest.param(p, id=p.stem, marks=[pytest.mark.xfail(strict=True, reason=BAD_GRAD_BUGS[p.stem])]
-                         if p.stem in BAD_GRAD_BUGS else []) for p in BAD_GRAD]
+    return [
+        pytest.param(
+            p,
+            id=p.stem,
+            marks=[pytest.mark.xfail(strict=True, reason=BAD_GRAD_BUGS[p.stem])]
+            if p.stem in BAD_GRAD_BUGS
+            else [],
+        )
+        for p in BAD_GRAD
+    ]
 
 
 def test_bad_grad_corpus() -> None:
     assert len(BAD_GRAD) >= 3
     for path in BAD_GRAD:
         text = path.read_text()
-        assert text.startswith("# "), f"{path.name} should open with a comment saying why it can't be differentiated"
-        assert any(EXPECT.search(ln) for ln in text.splitlines()), f"{path.name} has no `# E: ...` expectation"
+        assert text.startswith("# "), (
+            f"{path.name} should open with a comment saying why it can't be differentiated"
+        )
+        assert any(EXPECT.search(ln) for ln in text.splitlines()), (
+            f"{path.name} has no `# E: ...` expectation"
+        )
 
 
 @pytest.mark.parametrize("path", _bad_grad_params())
@@ -583,8 +715,12 @@ def test_bad_grad(path: Path) -> None:
     (block,) = list(program)
     m = WRT.search(text)
     wrt = [w.strip() for w in m.group(1).split(",")] if m else None
-    expected = {(n, code) for n, line in enumerate(text.splitlines(), 1) if (e := EXPECT.search(line))
-                for code in e.group(1).split()}
+    expected = {
+        (n, code)
+        for n, line in enumerate(text.splitlines(), 1)
+        if (e := EXPECT.search(line))
+        for code in e.group(1).split()
+    }
     with pytest.raises(coda_lang.CodaError) as info:
         block.grad(wrt)
     got = {(d.span.line if d.span else 0, d.code) for d in info.value.diagnostics}
@@ -614,8 +750,12 @@ def _fwd(text: str) -> coda_lang.Block:
     return block
 
 
-def _check_random(block: coda_lang.Block, dims: dict[str, int], positive: frozenset[str] = frozenset(),
-                  tiles: tuple[tuple[int, int], ...] = ((2, 4), (3, 2))) -> None:
+def _check_random(
+    block: coda_lang.Block,
+    dims: dict[str, int],
+    positive: frozenset[str] = frozenset(),
+    tiles: tuple[tuple[int, int], ...] = ((2, 4), (3, 2)),
+) -> None:
     """check_vjp, the printed backward loads back as the same block, and (each tile) the tile
     simulation of Block.vjp equals the whole-matrix one."""
     rng = np.random.default_rng(0)
@@ -637,24 +777,30 @@ def _check_random(block: coda_lang.Block, dims: dict[str, int], positive: frozen
 
 def test_index_in_a_stage() -> None:
     """BUG 1: row_index()/col_index() in a stage were recomputed between stages (E0601)."""
-    b = _fwd("dims M, K, N\nblock f(x: f32[M, K], w: f32[K, N]) -> (o: f32[M, N]) {\n"
-             "  gemm x @ w {\n    o = where(col_index() < 3, acc * acc, acc)\n  }\n}\n")
+    b = _fwd(
+        "dims M, K, N\nblock f(x: f32[M, K], w: f32[K, N]) -> (o: f32[M, N]) {\n"
+        "  gemm x @ w {\n    o = where(col_index() < 3, acc * acc, acc)\n  }\n}\n"
+    )
     _check_random(b, {"M": 5, "K": 3, "N": 7})
 
 
 def test_index_vector_with_a_cotangent() -> None:
     """An index-dependent float vector in a stage is recomputed in the site, and its cotangent (of the
     tile it is broadcast to) reaches the scalar it is made with."""
-    b = _fwd("dims M, K, N\nblock f(x: f32[M, K], w: f32[K, N], s: f32) -> (o: f32[M, N]) {\n"
-             "  gemm x @ w {\n    v = cast(col_index(), f32) * s\n    o = acc * v\n  }\n}\n")
+    b = _fwd(
+        "dims M, K, N\nblock f(x: f32[M, K], w: f32[K, N], s: f32) -> (o: f32[M, N]) {\n"
+        "  gemm x @ w {\n    v = cast(col_index(), f32) * s\n    o = acc * v\n  }\n}\n"
+    )
     _check_random(b, {"M": 5, "K": 3, "N": 7})
 
 
 def test_partial_read_by_a_later_stage() -> None:
     """BUG 2 (was a silently wrong gradient): a partial reduction read by a later stage's epilogue had
     its cotangent summed to a scalar."""
-    b = _fwd("dims M, K, N\nblock f(x: f32[M, K], w: f32[K, N]) -> (o: f32[M, N]) {\n"
-             "  gemm x @ w {\n    s = sum(acc, over=N)\n  }\n  gemm x @ w {\n    o = acc * s\n  }\n}\n")
+    b = _fwd(
+        "dims M, K, N\nblock f(x: f32[M, K], w: f32[K, N]) -> (o: f32[M, N]) {\n"
+        "  gemm x @ w {\n    s = sum(acc, over=N)\n  }\n  gemm x @ w {\n    o = acc * s\n  }\n}\n"
+    )
     _check_random(b, {"M": 5, "K": 3, "N": 4})
     assert "acc1" not in b.derivation().saved, "no tensor is saved just for its shape"
 
@@ -662,8 +808,10 @@ def test_partial_read_by_a_later_stage() -> None:
 def test_backward_declares_only_the_dims_it_uses() -> None:
     """BUG 3: the backward declared dims only the forward uses, so its printed source loaded back with
     other dims, and Block.vjp with the forward's dims failed."""
-    b = _fwd("dims M, K, N, F\nblock f(x: f32[M, K], w: f32[K, F]) -> (o: f32[M, F]) {\n"
-             "  gemm x @ w {\n    o = acc * 2.0\n    u = acc * N\n  }\n}\n")
+    b = _fwd(
+        "dims M, K, N, F\nblock f(x: f32[M, K], w: f32[K, F]) -> (o: f32[M, F]) {\n"
+        "  gemm x @ w {\n    o = acc * 2.0\n    u = acc * N\n  }\n}\n"
+    )
     g = b.grad()
     assert [d.name for d in g.ir.dims] == ["M", "K", "F"]
     again = coda_lang.load(str(g))[g.name]
@@ -671,17 +819,26 @@ def test_backward_declares_only_the_dims_it_uses() -> None:
     _check_random(b, {"M": 5, "K": 3, "N": 2, "F": 4})
 
 
-@pytest.mark.parametrize("text", [
-    # bf16 GEMM, f32 output (and the other way round)
-    "dims M, K, N\nblock f(x: bf16[M, K], w: bf16[K, N]) -> (o: f32[M, N]) {\n  gemm x @ w {\n    o = acc\n  }\n}\n",
-    "dims M, K, N\nblock f(x: f32[M, K], w: f32[K, N]) -> (o: bf16[M, N]) {\n  gemm x @ w {\n    o = acc\n  }\n}\n",
-    # all bf16: a GEMM output read by a later stage's epilogue; its cotangent is stored as `dy: f32`
-    "dims M, K, N\nblock f(x: bf16[M, K], w: bf16[K, N], z: bf16[M, K], w2: bf16[K, N]) -> (o: bf16[M, N]) {\n"
-    "  gemm x @ w {\n    y = acc\n  }\n  gemm z @ w2 {\n    o = acc + y * y\n  }\n}\n",
-    # f32 GEMM, bf16 residual input: its gradient (bf16) is the stage's dacc
-    "dims M, K, N\nblock f(x: f32[M, K], w: f32[K, N], p: bf16[M, N]) -> (o: f32[M, N]) {\n"
-    "  gemm x @ w {\n    v: f32 = acc + p\n  }\n  gemm x @ w {\n    o = v * v\n  }\n}\n",
-], ids=["bf16-gemm-f32-output", "f32-gemm-bf16-output", "f32-cotangent-of-a-bf16-tile", "bf16-residual-of-an-f32-gemm"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        # bf16 GEMM, f32 output (and the other way round)
+        "dims M, K, N\nblock f(x: bf16[M, K], w: bf16[K, N]) -> (o: f32[M, N]) {\n  gemm x @ w {\n    o = acc\n  }\n}\n",
+        "dims M, K, N\nblock f(x: f32[M, K], w: f32[K, N]) -> (o: bf16[M, N]) {\n  gemm x @ w {\n    o = acc\n  }\n}\n",
+        # all bf16: a GEMM output read by a later stage's epilogue; its cotangent is stored as `dy: f32`
+        "dims M, K, N\nblock f(x: bf16[M, K], w: bf16[K, N], z: bf16[M, K], w2: bf16[K, N]) -> (o: bf16[M, N]) {\n"
+        "  gemm x @ w {\n    y = acc\n  }\n  gemm z @ w2 {\n    o = acc + y * y\n  }\n}\n",
+        # f32 GEMM, bf16 residual input: its gradient (bf16) is the stage's dacc
+        "dims M, K, N\nblock f(x: f32[M, K], w: f32[K, N], p: bf16[M, N]) -> (o: f32[M, N]) {\n"
+        "  gemm x @ w {\n    v: f32 = acc + p\n  }\n  gemm x @ w {\n    o = v * v\n  }\n}\n",
+    ],
+    ids=[
+        "bf16-gemm-f32-output",
+        "f32-gemm-bf16-output",
+        "f32-cotangent-of-a-bf16-tile",
+        "bf16-residual-of-an-f32-gemm",
+    ],
+)
 def test_cotangent_dtype_differs_from_the_gemm_operands(text: str) -> None:
     """BUG 4: a cotangent of another dtype than the GEMM operands (an output's, or an f32 `d<name>` from
     a later epilogue) was used as a dgrad/wgrad operand as it was (E0305)."""
@@ -692,65 +849,86 @@ def test_cotangent_dtype_differs_from_the_gemm_operands(text: str) -> None:
 def test_grouped_reduction_stored(op: str) -> None:
     """BUG 5: a grouped reduction read after its stage (an output, a GEMM operand, a later epilogue):
     its cotangent, one column per group, was never broadcast back over the groups."""
-    b = _fwd(f"dims M, K, N, P\nblock f(x: f32[M, K], w: f32[K, 2*N], w2: f32[N, P], w3: f32[K, N]) -> "
-             f"(m: f32[M, N], o: f32[M, P], o2: f32[M, N]) {{\n"
-             f"  gemm x @ w {{\n    m = {op}(acc, over=2*N, group=2)\n  }}\n"
-             f"  gemm m @ w2 {{\n    o = acc\n  }}\n  gemm x @ w3 {{\n    o2 = acc * m\n  }}\n}}\n")
+    b = _fwd(
+        f"dims M, K, N, P\nblock f(x: f32[M, K], w: f32[K, 2*N], w2: f32[N, P], w3: f32[K, N]) -> "
+        f"(m: f32[M, N], o: f32[M, P], o2: f32[M, N]) {{\n"
+        f"  gemm x @ w {{\n    m = {op}(acc, over=2*N, group=2)\n  }}\n"
+        f"  gemm m @ w2 {{\n    o = acc\n  }}\n  gemm x @ w3 {{\n    o2 = acc * m\n  }}\n}}\n"
+    )
     _check_random(b, {"M": 5, "K": 3, "N": 4, "P": 3})
 
 
-@pytest.mark.parametrize("extra, body, out", [
-    ("r: f32[M]", "s = sum(acc + r, over=N)", "s: f32[M]"),          # was a wrong gradient, silently
-    ("a: f32", "s = sum(acc - a, over=N)", "s: f32[M]"),             # was E0602 "can't reduce the cotangent"
-    ("c: f32[N]", "s = sum(acc + c, over=N)", "s: f32[M]"),          # was E0601
-    ("", "gt, up = pairs(acc)\n    s = sum(gt, over=N)", "s: f32[M]"),  # was E0601
-    ("c: f32[N]", "s = sum(acc * c, over=M)\n    t = sum(acc + c, over=M)", "s: f32[N], t: f32[N]"),
-    ("r: f32[M], a: f32", "s = sum((acc + r) * r - a, over=N)\n    t = sum(acc, over=N)",
-     "s: f32[M], t: f32[M]"),
-], ids=["row-vector", "scalar", "column-vector", "pair-half", "over-rows", "vector-of-vectors"])
+@pytest.mark.parametrize(
+    "extra, body, out",
+    [
+        ("r: f32[M]", "s = sum(acc + r, over=N)", "s: f32[M]"),  # was a wrong gradient, silently
+        ("a: f32", "s = sum(acc - a, over=N)", "s: f32[M]"),  # was E0602 "can't reduce the cotangent"
+        ("c: f32[N]", "s = sum(acc + c, over=N)", "s: f32[M]"),  # was E0601
+        ("", "gt, up = pairs(acc)\n    s = sum(gt, over=N)", "s: f32[M]"),  # was E0601
+        ("c: f32[N]", "s = sum(acc * c, over=M)\n    t = sum(acc + c, over=M)", "s: f32[N], t: f32[N]"),
+        (
+            "r: f32[M], a: f32",
+            "s = sum((acc + r) * r - a, over=N)\n    t = sum(acc, over=N)",
+            "s: f32[M], t: f32[M]",
+        ),
+    ],
+    ids=["row-vector", "scalar", "column-vector", "pair-half", "over-rows", "vector-of-vectors"],
+)
 def test_sum_of_a_broadcast(extra: str, body: str, out: str) -> None:
     """BUG 6: sum()'s cotangent was passed on as a vector, unexpanded, through linear ops: a row vector
     or scalar added to the summed tile got it once instead of once per column (d/dr sum(acc + r, over=N)
     is N, not 1)."""
     w = "2*N" if "pairs" in body else "N"
     sep = ", " if extra else ""
-    b = _fwd(f"dims M, K, N\nblock f(x: f32[M, K], w: f32[K, {w}]{sep}{extra}) -> ({out}) {{\n"
-             f"  gemm x @ w {{\n    {body}\n  }}\n}}\n")
+    b = _fwd(
+        f"dims M, K, N\nblock f(x: f32[M, K], w: f32[K, {w}]{sep}{extra}) -> ({out}) {{\n"
+        f"  gemm x @ w {{\n    {body}\n  }}\n}}\n"
+    )
     _check_random(b, {"M": 5, "K": 3, "N": 4})
 
 
 def test_sum_of_a_broadcast_between_stages() -> None:
     """The same between stages: a scalar added to a vector that is summed gets the vector's length."""
-    b = _fwd("dims M, K, N\nblock f(x: f32[M, K], w: f32[K, N], a: f32) -> (t: f32) {\n"
-             "  gemm x @ w {\n    s = sum(acc, over=N)\n  }\n  t = sum(s + a, over=M)\n}\n")
+    b = _fwd(
+        "dims M, K, N\nblock f(x: f32[M, K], w: f32[K, N], a: f32) -> (t: f32) {\n"
+        "  gemm x @ w {\n    s = sum(acc, over=N)\n  }\n  t = sum(s + a, over=M)\n}\n"
+    )
     _check_random(b, {"M": 5, "K": 3, "N": 4})
 
 
-@pytest.mark.parametrize("text", [
-    "dims M, K, F\nblock f(x: f32[M, K], w: f32[K, 2*F], i: i32[M]) -> (t: f32[M]) {\n"
-    "  gemm x @ w {\n    gt, up = pairs(acc)\n    t = pick(up, i)\n  }\n}\n",
-    "dims M, K, F, P\nblock f(x: f32[M, K], w: f32[K, 2*F], i: i32[M], w2: f32[F, P]) -> (t: f32[M], o: f32[M, P]) {\n"
-    "  gemm x @ w {\n    t = pick(acc, i)\n    gt, up = pairs(acc)\n    a = silu(gt) * up\n  }\n"
-    "  gemm a @ w2 {\n    o = acc\n  }\n}\n",
-    "dims M, K, F\nblock f(x: f32[M, K], w: f32[K, F], i: i32[M]) -> (t: f32[M]) {\n"
-    "  gemm x @ w {\n    t = pick(interleave(acc, sin(acc)), i)\n  }\n}\n",
-], ids=["half-width-tile", "stage-hosted-at-half-width", "double-width-tile"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "dims M, K, F\nblock f(x: f32[M, K], w: f32[K, 2*F], i: i32[M]) -> (t: f32[M]) {\n"
+        "  gemm x @ w {\n    gt, up = pairs(acc)\n    t = pick(up, i)\n  }\n}\n",
+        "dims M, K, F, P\nblock f(x: f32[M, K], w: f32[K, 2*F], i: i32[M], w2: f32[F, P]) -> (t: f32[M], o: f32[M, P]) {\n"
+        "  gemm x @ w {\n    t = pick(acc, i)\n    gt, up = pairs(acc)\n    a = silu(gt) * up\n  }\n"
+        "  gemm a @ w2 {\n    o = acc\n  }\n}\n",
+        "dims M, K, F\nblock f(x: f32[M, K], w: f32[K, F], i: i32[M]) -> (t: f32[M]) {\n"
+        "  gemm x @ w {\n    t = pick(interleave(acc, sin(acc)), i)\n  }\n}\n",
+    ],
+    ids=["half-width-tile", "stage-hosted-at-half-width", "double-width-tile"],
+)
 def test_pick_at_another_width(text: str) -> None:
     """BUG 7: pick()'s VJP compared the stage's col_index() with the index, wrong for a tile narrower or
     wider than the stage, or when the stage's backward runs in a dgrad GEMM of another width."""
     _check_random(_fwd(text), {"M": 5, "K": 3, "F": 4, "P": 3})
 
 
-@pytest.mark.parametrize("text", [
-    # the double-width tile is the operand of the host GEMM
-    "dims M, K, N, P\nblock f(x: f32[M, K], w: f32[K, 2*N], w2: f32[4*N, P]) -> (o: f32[M, P], u: f32[M, N]) {\n"
-    "  gemm x @ w {\n    v, u = pairs(acc)\n    h = interleave(sin(acc), acc)\n  }\n"
-    "  gemm h @ w2 {\n    o = acc\n  }\n}\n",
-    # SwiGLU's half-width output hosts the stage, which also outputs a double-width tile
-    "dims M, K, N, P\nblock f(x: f32[M, K], w: f32[K, 2*N], w2: f32[N, P]) -> (o: f32[M, P], d: f32[M, 4*N]) {\n"
-    "  gemm x @ w {\n    gt, up = pairs(acc)\n    a = silu(gt) * up\n    d = interleave(acc, acc)\n  }\n"
-    "  gemm a @ w2 {\n    o = acc\n  }\n}\n",
-], ids=["operand", "half-width-host"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        # the double-width tile is the operand of the host GEMM
+        "dims M, K, N, P\nblock f(x: f32[M, K], w: f32[K, 2*N], w2: f32[4*N, P]) -> (o: f32[M, P], u: f32[M, N]) {\n"
+        "  gemm x @ w {\n    v, u = pairs(acc)\n    h = interleave(sin(acc), acc)\n  }\n"
+        "  gemm h @ w2 {\n    o = acc\n  }\n}\n",
+        # SwiGLU's half-width output hosts the stage, which also outputs a double-width tile
+        "dims M, K, N, P\nblock f(x: f32[M, K], w: f32[K, 2*N], w2: f32[N, P]) -> (o: f32[M, P], d: f32[M, 4*N]) {\n"
+        "  gemm x @ w {\n    gt, up = pairs(acc)\n    a = silu(gt) * up\n    d = interleave(acc, acc)\n  }\n"
+        "  gemm a @ w2 {\n    o = acc\n  }\n}\n",
+    ],
+    ids=["operand", "half-width-host"],
+)
 def test_double_width_tile_in_a_stage_hosted_at_another_width(text: str) -> None:
     """BUG 8: a stage whose backward was hosted by a GEMM of another width than one of its tiles (E0601).
     No GEMM's tile space holds every tile here, so the backward runs as an elementwise stage."""
@@ -762,8 +940,10 @@ def test_double_width_tile_in_a_stage_hosted_at_another_width(text: str) -> None
 def test_reduction_ties() -> None:
     """BUG 9 (was a silently wrong gradient): max/min reductions gave the whole cotangent to every tied
     element; JAX and torch split it, so a tie of N columns got N times the gradient."""
-    b = _fwd("dims M, K, N\nblock f(x: f32[M, K], w: f32[K, N], r: f32[M]) -> (m: f32[M]) {\n"
-             "  gemm x @ w {\n    m = max(where(acc > 100.0, acc, r), over=N)\n  }\n}\n")
+    b = _fwd(
+        "dims M, K, N\nblock f(x: f32[M, K], w: f32[K, N], r: f32[M]) -> (m: f32[M]) {\n"
+        "  gemm x @ w {\n    m = max(where(acc > 100.0, acc, r), over=N)\n  }\n}\n"
+    )
     rng = np.random.default_rng(0)
     inputs = {"x": rng.standard_normal((3, 2)), "w": rng.standard_normal((2, 4)), "r": rng.standard_normal(3)}
     g = b.vjp(inputs, {"m": np.ones(3)}, precision="f64")
@@ -772,13 +952,23 @@ def test_reduction_ties() -> None:
     assert any("ties" in r for r in b.derivation().report)
 
 
-@pytest.mark.parametrize("text, want", [
-    # ties within groups (complete in a tile) and between stages (complete vectors)
-    ("dims M, K, N\nblock f(x: f32[M, K], w: f32[K, 2*N], r: f32[M]) -> (m: f32[M, N]) {\n"
-     "  gemm x @ w {\n    m = min(where(acc > 100.0, acc, r), over=2*N, group=2)\n  }\n}\n", 4.0),  # N groups
-    ("dims M, K, N\nblock f(x: f32[M, K], w: f32[K, N], s: f32) -> (m: f32) {\n"
-     "  gemm x @ w {\n    v = sum(acc * 0.0, over=N)\n  }\n  m = max(v + s, over=M)\n}\n", 1.0),
-], ids=["group", "between-stages"])
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        # ties within groups (complete in a tile) and between stages (complete vectors)
+        (
+            "dims M, K, N\nblock f(x: f32[M, K], w: f32[K, 2*N], r: f32[M]) -> (m: f32[M, N]) {\n"
+            "  gemm x @ w {\n    m = min(where(acc > 100.0, acc, r), over=2*N, group=2)\n  }\n}\n",
+            4.0,
+        ),  # N groups
+        (
+            "dims M, K, N\nblock f(x: f32[M, K], w: f32[K, N], s: f32) -> (m: f32) {\n"
+            "  gemm x @ w {\n    v = sum(acc * 0.0, over=N)\n  }\n  m = max(v + s, over=M)\n}\n",
+            1.0,
+        ),
+    ],
+    ids=["group", "between-stages"],
+)
 def test_reduction_ties_complete_in_place(text: str, want: float) -> None:
     b = _fwd(text)
     rng = np.random.default_rng(0)
@@ -795,10 +985,12 @@ def test_reduction_ties_complete_in_place(text: str, want: float) -> None:
 def test_square_double_width_tile() -> None:
     """BUG 10: a scalar broadcast into a square tile (a stage of 2*N rows and N columns, interleaved;
     a half-width tile of a stage of N rows and 2*N columns): `sum() over 2*N is ambiguous` (E0601)."""
-    b = _fwd("dims K, N\nblock f(x: f32[K, 2*N], w: f32[K, N], w2: f32[K, 2*N], s: f32, t: f32) -> "
-             "(o: f32[2*N, 2*N], o2: f32[N, N]) {\n"
-             "  gemm transpose(x) @ w {\n    v = interleave(acc, acc * acc)\n    o = s + v\n  }\n"
-             "  gemm transpose(w) @ w2 {\n    a, c = pairs(acc)\n    o2 = a * t\n  }\n}\n")
+    b = _fwd(
+        "dims K, N\nblock f(x: f32[K, 2*N], w: f32[K, N], w2: f32[K, 2*N], s: f32, t: f32) -> "
+        "(o: f32[2*N, 2*N], o2: f32[N, N]) {\n"
+        "  gemm transpose(x) @ w {\n    v = interleave(acc, acc * acc)\n    o = s + v\n  }\n"
+        "  gemm transpose(w) @ w2 {\n    a, c = pairs(acc)\n    o2 = a * t\n  }\n}\n"
+    )
     _check_random(b, {"K": 3, "N": 2})
 
 
@@ -806,8 +998,10 @@ def test_square_double_width_tile() -> None:
 def test_vector_at_two_widths(extra: str, name: str) -> None:
     """BUG 12: a row vector or scalar used at two tile widths in one stage (before and after pairs): its
     two cotangent tiles were added as they were (E0601)."""
-    b = _fwd(f"dims M, K, F\nblock f(x: f32[M, K], w: f32[K, 2*F], {extra}) -> (a: f32[M, F]) {{\n"
-             f"  gemm x @ w {{\n    z = acc * {name}\n    gt, up = pairs(z)\n    a = silu(gt) * up * {name}\n  }}\n}}\n")
+    b = _fwd(
+        f"dims M, K, F\nblock f(x: f32[M, K], w: f32[K, 2*F], {extra}) -> (a: f32[M, F]) {{\n"
+        f"  gemm x @ w {{\n    z = acc * {name}\n    gt, up = pairs(z)\n    a = silu(gt) * up * {name}\n  }}\n}}\n"
+    )
     _check_random(b, {"M": 5, "K": 3, "F": 4})
 
 
@@ -830,8 +1024,10 @@ def test_weight_no_output_depends_on(w9: str) -> None:
     """A weight whose GEMM's result is never used gets zeros, written by an elementwise stage (made from
     the index vectors; in a square stage, where they don't make a tile, from the weight's shape)."""
     k = "N" if w9 == "f32[N, N]" else "K"
-    b = _fwd(f"dims M, K, N\nblock f(x: f32[M, K], w: f32[K, N], w9: {w9}) -> (o: f32[M, N]) {{\n"
-             f"  gemm x @ w {{\n    o = acc\n  }}\n  gemm o @ w9 {{\n    u = acc * 2.0\n  }}\n}}\n")
+    b = _fwd(
+        f"dims M, K, N\nblock f(x: f32[M, K], w: f32[K, N], w9: {w9}) -> (o: f32[M, N]) {{\n"
+        f"  gemm x @ w {{\n    o = acc\n  }}\n  gemm o @ w9 {{\n    u = acc * 2.0\n  }}\n}}\n"
+    )
     assert k in str(b.ir.params[2].var.type)
     _check_random(b, {"M": 5, "K": 3, "N": 4})
     inputs = gradcheck_inputs(b, {"M": 5, "K": 3, "N": 4}, {}, np.random.default_rng(0))
@@ -863,6 +1059,10 @@ block fwd(x1: f32[K, M], w2: f32[2*N, K], p3: f32[M, 2*N], w9: f32[N, M]) -> (v7
     assert [p.var.name for p in bwd.ir.params].count("v5") == 1 and "v5_2 = exp(p3)" in printed
     rng = np.random.default_rng(0)
     sizes = {"M": 3, "K": 2, "N": 2}
-    ins = {"x1": rng.standard_normal((2, 3)), "w2": rng.standard_normal((4, 2)),
-           "p3": rng.standard_normal((3, 4)), "w9": rng.standard_normal((2, 3))}
+    ins = {
+        "x1": rng.standard_normal((2, 3)),
+        "w2": rng.standard_normal((4, 2)),
+        "p3": rng.standard_normal((3, 4)),
+        "w9": rng.standard_normal((2, 3)),
+    }
     check_vjp(block, ins, dims=sizes)

@@ -49,11 +49,15 @@ def test_llama_mlp_plans_like_the_hand_written_epilogues() -> None:
     stage 3 is residual_epi."""
     s1, s2, s3 = (plan_stage(mlp(), k) for k in (1, 2, 3))
     assert s1.mode == "element"
-    assert [(o.name, o.op, o.dtype) for o in s1.operands] == [("x", "TileLoad", "bf16"), ("g", "RowVecLoad", "f32")]
+    assert [(o.name, o.op, o.dtype) for o in s1.operands] == [
+        ("x", "TileLoad", "bf16"),
+        ("g", "RowVecLoad", "f32"),
+    ]
     assert s1.d is not None and (s1.d.name, s1.d.dtype) == ("hg", "bf16")
     assert [(o.name, o.gated) for o in s1.outputs] == [("h", False)]
     assert [(s.name, s.op, s.combine, s.scaled, s.value) for s in s1.sinks] == [
-        ("ss", "ColVecReduce", "add", True, ("h", "h"))]
+        ("ss", "ColVecReduce", "add", True, ("h", "h"))
+    ]
     assert s2.mode == "acc_pair" and s2.d is None
     assert [(o.name, o.op) for o in s2.operands] == [("r", "ColVecLoad")]
     assert [(o.name, o.gated, o.dtype) for o in s2.outputs] == [("a", True, "bf16")]
@@ -102,8 +106,9 @@ def test_autodiff_temporaries_get_python_names_quack_takes() -> None:
     argument dataclasses, which refuse a leading underscore (found by `coda fuzz --programs` on the H100:
     "Field names cannot start with an underscore"). Every pinned op of every backward stage is named
     without one."""
-    blocks = [next(iter(coda_lang.load(UNDERSCORE_OPERAND))).grad()] + [b.grad() for b in
-                                                                         (coda_lang.load(MLP)["llama_mlp"],)]
+    blocks = [next(iter(coda_lang.load(UNDERSCORE_OPERAND))).grad()] + [
+        b.grad() for b in (coda_lang.load(MLP)["llama_mlp"],)
+    ]
     seen = 0
     for bwd in blocks:
         for k in range(1, len(bwd.plan.stages) + 1):
@@ -143,8 +148,11 @@ def test_backward_stages_all_emit_and_swiglu_backward_is_packed() -> None:
 
 def test_norm_backward_folds_a_scaled_column_reduction() -> None:
     bwd = mlp().grad()
-    spec = next(plan_stage(bwd, k) for k in range(1, len(bwd.plan.stages) + 1)
-                if any(s.op == "RowVecReduce" for s in _try_sinks(bwd, k)))
+    spec = next(
+        plan_stage(bwd, k)
+        for k in range(1, len(bwd.plan.stages) + 1)
+        if any(s.op == "RowVecReduce" for s in _try_sinks(bwd, k))
+    )
     (sink,) = spec.sinks
     assert (sink.name, sink.op, sink.scaled) == ("dg", "RowVecReduce", True)
 
@@ -169,8 +177,10 @@ def test_write_source_is_content_addressed(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------------------------
 # E07: what the backend can't compile yet, one program each
 
-def program(body: str, sig: str = "x: bf16[M, K], w: bf16[K, N]", outs: str = "y: bf16[M, N]",
-            dims: str = "M, K, N") -> str:
+
+def program(
+    body: str, sig: str = "x: bf16[M, K], w: bf16[K, N]", outs: str = "y: bf16[M, N]", dims: str = "M, K, N"
+) -> str:
     return f"dims {dims}\nblock p({sig}) -> ({outs}) {{\n{body}\n}}\n"
 
 
@@ -179,55 +189,165 @@ def gemm(body: str) -> str:
 
 
 E07_CASES = {
-    "elementwise_stage": ("E0701", 3, program("  elementwise [M, N] {\n    y = x * 2.0\n  }", sig="x: bf16[M, N]",
-                                              dims="M, N")),
-    "f32_gemm_operands": ("E0702", 3, program(gemm("y = acc"), sig="x: f32[M, K], w: f32[K, N]", outs="y: f32[M, N]")),
-    "integer_tile": ("E0702", 4, program(gemm("y = acc + t"), sig="x: bf16[M, K], w: bf16[K, N], t: i32[M, N]")),
+    "elementwise_stage": (
+        "E0701",
+        3,
+        program("  elementwise [M, N] {\n    y = x * 2.0\n  }", sig="x: bf16[M, N]", dims="M, N"),
+    ),
+    "f32_gemm_operands": (
+        "E0702",
+        3,
+        program(gemm("y = acc"), sig="x: f32[M, K], w: f32[K, N]", outs="y: f32[M, N]"),
+    ),
+    "integer_tile": (
+        "E0702",
+        4,
+        program(gemm("y = acc + t"), sig="x: bf16[M, K], w: bf16[K, N], t: i32[M, N]"),
+    ),
     "col_index": ("E0703", 4, program(gemm("y = where(col_index() == 0, acc, 0.0)"))),
     "cast_to_i32": ("E0702", 4, program(gemm("y = cast(acc, i32)"), outs="y: i32[M, N]")),
-    "half_width_tile_load": ("E0704", 5, program(gemm("g, u = pairs(acc)\ny = g * u + t"), dims="M, K, F",
-                                                 sig="x: bf16[M, K], w: bf16[K, 2*F], t: bf16[M, F]",
-                                                 outs="y: bf16[M, F]")),
-    "double_width_store_without_c": ("E0704", 3, program(gemm("y = interleave(acc, acc)"), dims="M, K, F",
-                                                         sig="x: bf16[M, K], w: bf16[K, F]", outs="y: bf16[M, 2*F]")),
-    "double_width_f32_load": ("E0702", 4, program(gemm("g, u = pairs(t)\ny = interleave(g * acc, u)"), dims="M, K, F",
-                                                  sig="x: bf16[M, K], w: bf16[K, F], t: f32[M, 2*F]",
-                                                  outs="y: bf16[M, 2*F]")),
-    "double_width_dtypes_differ": ("E0702", 5, program(gemm("g, u = pairs(t)\ny: f16 = interleave(g * acc, u)"),
-                                                       dims="M, K, F", sig="x: bf16[M, K], w: bf16[K, F], t: bf16[M, 2*F]",
-                                                       outs="y: f16[M, 2*F]")),
-    "double_width_column_reduction": ("E0705", 6, program(gemm("g, u = pairs(t)\ny = interleave(g * acc, u)\n"
-                                                               "s = sum(y, over=M)"), dims="M, K, F",
-                                                          sig="x: bf16[M, K], w: bf16[K, F], t: bf16[M, 2*F]",
-                                                          outs="y: bf16[M, 2*F], s: f32[2*F]")),
-    "logsumexp_over_rows": ("E0705", 6, program(gemm("h = acc\ny = h\nl = logsumexp(h, over=M)"),
-                                                outs="y: bf16[M, N], l: f32[N]")),
-    "paired_logsumexp_over_rows": ("E0705", 6, program(gemm("g, u = pairs(acc)\ny = g * u\nl = logsumexp(g, over=M)"),
-                                                       dims="M, K, F", sig="x: bf16[M, K], w: bf16[K, 2*F]",
-                                                       outs="y: bf16[M, F], l: f32[F]")),
-    "double_width_min_over_rows": ("E0705", 6, program(gemm("g, u = pairs(t)\ny = interleave(g * acc, u)\n"
-                                                            "s = min(y, over=M)"), dims="M, K, F",
-                                                       sig="x: bf16[M, K], w: bf16[K, F], t: bf16[M, 2*F]",
-                                                       outs="y: bf16[M, 2*F], s: f32[2*F]")),
-    "grouped_of_grouped": ("E0705", 5, program(gemm("m = sum(acc, over=N, group=64)\n"
-                                                    "v = sum((acc - m) * (acc - m), over=N, group=64)\n"
-                                                    "y = (acc - m) * rsqrt(v)"))),
+    "half_width_tile_load": (
+        "E0704",
+        5,
+        program(
+            gemm("g, u = pairs(acc)\ny = g * u + t"),
+            dims="M, K, F",
+            sig="x: bf16[M, K], w: bf16[K, 2*F], t: bf16[M, F]",
+            outs="y: bf16[M, F]",
+        ),
+    ),
+    "double_width_store_without_c": (
+        "E0704",
+        3,
+        program(
+            gemm("y = interleave(acc, acc)"),
+            dims="M, K, F",
+            sig="x: bf16[M, K], w: bf16[K, F]",
+            outs="y: bf16[M, 2*F]",
+        ),
+    ),
+    "double_width_f32_load": (
+        "E0702",
+        4,
+        program(
+            gemm("g, u = pairs(t)\ny = interleave(g * acc, u)"),
+            dims="M, K, F",
+            sig="x: bf16[M, K], w: bf16[K, F], t: f32[M, 2*F]",
+            outs="y: bf16[M, 2*F]",
+        ),
+    ),
+    "double_width_dtypes_differ": (
+        "E0702",
+        5,
+        program(
+            gemm("g, u = pairs(t)\ny: f16 = interleave(g * acc, u)"),
+            dims="M, K, F",
+            sig="x: bf16[M, K], w: bf16[K, F], t: bf16[M, 2*F]",
+            outs="y: f16[M, 2*F]",
+        ),
+    ),
+    "double_width_column_reduction": (
+        "E0705",
+        6,
+        program(
+            gemm("g, u = pairs(t)\ny = interleave(g * acc, u)\ns = sum(y, over=M)"),
+            dims="M, K, F",
+            sig="x: bf16[M, K], w: bf16[K, F], t: bf16[M, 2*F]",
+            outs="y: bf16[M, 2*F], s: f32[2*F]",
+        ),
+    ),
+    "logsumexp_over_rows": (
+        "E0705",
+        6,
+        program(gemm("h = acc\ny = h\nl = logsumexp(h, over=M)"), outs="y: bf16[M, N], l: f32[N]"),
+    ),
+    "paired_logsumexp_over_rows": (
+        "E0705",
+        6,
+        program(
+            gemm("g, u = pairs(acc)\ny = g * u\nl = logsumexp(g, over=M)"),
+            dims="M, K, F",
+            sig="x: bf16[M, K], w: bf16[K, 2*F]",
+            outs="y: bf16[M, F], l: f32[F]",
+        ),
+    ),
+    "double_width_min_over_rows": (
+        "E0705",
+        6,
+        program(
+            gemm("g, u = pairs(t)\ny = interleave(g * acc, u)\ns = min(y, over=M)"),
+            dims="M, K, F",
+            sig="x: bf16[M, K], w: bf16[K, F], t: bf16[M, 2*F]",
+            outs="y: bf16[M, 2*F], s: f32[2*F]",
+        ),
+    ),
+    "grouped_of_grouped": (
+        "E0705",
+        5,
+        program(
+            gemm(
+                "m = sum(acc, over=N, group=64)\n"
+                "v = sum((acc - m) * (acc - m), over=N, group=64)\n"
+                "y = (acc - m) * rsqrt(v)"
+            )
+        ),
+    ),
     "grouped_by_4": ("E0705", 4, program(gemm("s = sum(acc * acc, over=N, group=4)\ny = acc * s"))),
     "grouped_by_48": ("E0705", 4, program(gemm("s = max(acc, over=N, group=48)\ny = acc - s"))),
-    "grouped_tile_load": ("E0705", 4, program(gemm("s = sum(acc * t, over=N, group=64)\ny = acc * s"),
-                                              sig="x: bf16[M, K], w: bf16[K, N], t: bf16[M, N]")),
-    "grouped_half_width": ("E0705", 5, program(gemm("g, u = pairs(acc)\ns = sum(g, over=F, group=64)\ny = g * s"),
-                                               dims="M, K, F", sig="x: bf16[M, K], w: bf16[K, 2*F]",
-                                               outs="y: bf16[M, F]")),
-    "grouped_packed": ("E0705", 5, program(gemm("g, u = pairs(t)\ns = sum(acc, over=F, group=64)\n"
-                                                "y = interleave(g * acc * s, u)"), dims="M, K, F",
-                                           sig="x: bf16[M, K], w: bf16[K, F], t: bf16[M, 2*F]", outs="y: bf16[M, 2*F]")),
-    "grouped_derived_used_after": ("E0705", 5, program(gemm("s = sum(acc * acc, over=N, group=64)\nr = rsqrt(s)\n"
-                                                            "y = acc * r"), outs="y: bf16[M, N], r: f32[M, N/64]")),
-    "grouped_reduced_over_groups": ("E0705", 5, program(gemm("s = sum(acc, over=N, group=64)\nt = sum(s, over=N/64)\n"
-                                                             "y = acc * s"), outs="y: bf16[M, N], t: f32[M]")),
-    "paired_f32_store": ("E0702", 5, program(gemm("g, u = pairs(acc)\ny = g * u"), dims="M, K, F",
-                                             sig="x: bf16[M, K], w: bf16[K, 2*F]", outs="y: f32[M, F]")),
+    "grouped_tile_load": (
+        "E0705",
+        4,
+        program(
+            gemm("s = sum(acc * t, over=N, group=64)\ny = acc * s"),
+            sig="x: bf16[M, K], w: bf16[K, N], t: bf16[M, N]",
+        ),
+    ),
+    "grouped_half_width": (
+        "E0705",
+        5,
+        program(
+            gemm("g, u = pairs(acc)\ns = sum(g, over=F, group=64)\ny = g * s"),
+            dims="M, K, F",
+            sig="x: bf16[M, K], w: bf16[K, 2*F]",
+            outs="y: bf16[M, F]",
+        ),
+    ),
+    "grouped_packed": (
+        "E0705",
+        5,
+        program(
+            gemm("g, u = pairs(t)\ns = sum(acc, over=F, group=64)\ny = interleave(g * acc * s, u)"),
+            dims="M, K, F",
+            sig="x: bf16[M, K], w: bf16[K, F], t: bf16[M, 2*F]",
+            outs="y: bf16[M, 2*F]",
+        ),
+    ),
+    "grouped_derived_used_after": (
+        "E0705",
+        5,
+        program(
+            gemm("s = sum(acc * acc, over=N, group=64)\nr = rsqrt(s)\ny = acc * r"),
+            outs="y: bf16[M, N], r: f32[M, N/64]",
+        ),
+    ),
+    "grouped_reduced_over_groups": (
+        "E0705",
+        5,
+        program(
+            gemm("s = sum(acc, over=N, group=64)\nt = sum(s, over=N/64)\ny = acc * s"),
+            outs="y: bf16[M, N], t: f32[M]",
+        ),
+    ),
+    "paired_f32_store": (
+        "E0702",
+        5,
+        program(
+            gemm("g, u = pairs(acc)\ny = g * u"),
+            dims="M, K, F",
+            sig="x: bf16[M, K], w: bf16[K, 2*F]",
+            outs="y: f32[M, F]",
+        ),
+    ),
 }
 
 
@@ -249,7 +369,9 @@ def test_qk_norm_folds_its_grouped_sum_in_a_prepass() -> None:
     sum from lane 0 of `ss` and computes rsqrt(ss / 128 + eps) itself; the tile holds whole heads."""
     spec = plan_stage(coda_lang.load(ROOT / "examples" / "qk_norm.coda")["qk_norm"], 1)
     assert spec.mode == "acc_pair" and spec.sinks == ()
-    assert [(g.name, g.py, g.combine, g.width, g.out) for g in spec.groups] == [("ss", "ss", "add", 128, None)]
+    assert [(g.name, g.py, g.combine, g.width, g.out) for g in spec.groups] == [
+        ("ss", "ss", "add", 128, None)
+    ]
     assert [e.op for e in spec.prepass] == ["mul"] and spec.groups[0].value == spec.prepass[0].outs[0].name
     assert "tile_N % 128 == 0 (group=128 over `2*P`)" in spec.constraints
     assert all(e.op != "reduce_sum" for e in spec.eqns)
@@ -259,9 +381,14 @@ def test_qk_norm_folds_its_grouped_sum_in_a_prepass() -> None:
     assert "ss_0, ss_1 = unpack(ss)" in src and "cute.math.rsqrt(" in src
 
 
-GROUPED = program(gemm("s = sum(acc * acc, over=N, group=64)\nm = max(abs(acc + b), over=N, group=64)\n"
-                       "y = acc * rsqrt(s / 64.0) / m"),
-                  sig="x: bf16[M, K], w: bf16[K, N], b: f32[N]", outs="y: bf16[M, N], s: f32[M, N/64]")
+GROUPED = program(
+    gemm(
+        "s = sum(acc * acc, over=N, group=64)\nm = max(abs(acc + b), over=N, group=64)\n"
+        "y = acc * rsqrt(s / 64.0) / m"
+    ),
+    sig="x: bf16[M, K], w: bf16[K, N], b: f32[N]",
+    outs="y: bf16[M, N], s: f32[M, N/64]",
+)
 
 
 def test_grouped_max_and_a_stored_group() -> None:
@@ -269,8 +396,10 @@ def test_grouped_max_and_a_stored_group() -> None:
     operand b), the sum used after the stage, written by its GroupedColStatsOut."""
     spec = plan_stage(next(iter(coda_lang.load(GROUPED))), 1)
     assert spec.mode == "element"
-    assert [(g.name, g.combine, g.width, g.out) for g in spec.groups] == [("s", "add", 64, "s_out"),
-                                                                         ("m", "max", 64, None)]
+    assert [(g.name, g.combine, g.width, g.out) for g in spec.groups] == [
+        ("s", "add", 64, "s_out"),
+        ("m", "max", 64, None),
+    ]
     assert [e.op for e in spec.prepass] == ["mul", "add", "abs"]
     src = emit_stage(spec)
     assert "def p_stage1_prepass(acc, b):" in src and 'return {"s": _t1, "m": _t3}' in src
@@ -279,8 +408,11 @@ def test_grouped_max_and_a_stored_group() -> None:
     assert 'prepass_outs=("s", "m")' in src
 
 
-MINS = program(gemm("h = acc + b\ny = h\nr = min(h, over=N)\nc = min(acc * b, over=M)"),
-               sig="x: bf16[M, K], w: bf16[K, N], b: f32[N]", outs="y: bf16[M, N], r: f32[M], c: f32[N]")
+MINS = program(
+    gemm("h = acc + b\ny = h\nr = min(h, over=N)\nc = min(acc * b, over=M)"),
+    sig="x: bf16[M, K], w: bf16[K, N], b: f32[N]",
+    outs="y: bf16[M, N], r: f32[M], c: f32[N]",
+)
 
 
 def test_min_reductions_fold_the_negation_by_max() -> None:
@@ -288,24 +420,36 @@ def test_min_reductions_fold_the_negation_by_max() -> None:
     of the negated value; the sink says so (`negate`), and the runtime negates the buffer back."""
     spec = plan_stage(next(iter(coda_lang.load(MINS))), 1)
     assert [(s.name, s.op, s.combine, s.negate, s.layout) for s in spec.sinks] == [
-        ("r", "ColVecReduce", "max", True, "row partials"), ("c", "RowVecReduce", "max", True, "column partials")]
+        ("r", "ColVecReduce", "max", True, "row partials"),
+        ("c", "RowVecReduce", "max", True, "column partials"),
+    ]
     src = emit_stage(spec)
     assert 'reduces={"r": ColVecReduce("r", combine="max"), "v_c": RowVecReduce("v_c", combine="max")}' in src
     assert 'return {"D": y, "r": -h, "v_c": -_t1}' in src
-    assert "min over the columns, one partial per column tile (ColVecReduce, max of the negation: the buffer " \
-           "holds -min)" in src
+    assert (
+        "min over the columns, one partial per column tile (ColVecReduce, max of the negation: the buffer "
+        "holds -min)" in src
+    )
 
 
 def test_min_reductions_in_paired_and_packed_modes() -> None:
     """acc_pair mode: a half-width min pads its second lane with itself (negated, like the first); a
     full-width one negates both lanes. Packed mode: a min over a double-width tile folds its two lanes
     first, as the max of their negations."""
-    paired = program(gemm("g, u = pairs(acc)\ny = g * u\nr = min(g, over=F)\nc = min(acc, over=M)"), dims="M, K, F",
-                     sig="x: bf16[M, K], w: bf16[K, 2*F]", outs="y: bf16[M, F], r: f32[M], c: f32[2*F]")
+    paired = program(
+        gemm("g, u = pairs(acc)\ny = g * u\nr = min(g, over=F)\nc = min(acc, over=M)"),
+        dims="M, K, F",
+        sig="x: bf16[M, K], w: bf16[K, 2*F]",
+        outs="y: bf16[M, F], r: f32[M], c: f32[2*F]",
+    )
     src = emit_stage(plan_stage(next(iter(coda_lang.load(paired))), 1))
     assert '"r": pack(-g, -g), "v_c": pack(-acc_0, -acc_1)' in src and 'mode="acc_pair"' in src
-    packed = program(gemm("g, u = pairs(t)\ny = interleave(g * acc, u)\nr = min(y, over=2*F)"), dims="M, K, F",
-                     sig="x: bf16[M, K], w: bf16[K, F], t: bf16[M, 2*F]", outs="y: bf16[M, 2*F], r: f32[M]")
+    packed = program(
+        gemm("g, u = pairs(t)\ny = interleave(g * acc, u)\nr = min(y, over=2*F)"),
+        dims="M, K, F",
+        sig="x: bf16[M, K], w: bf16[K, F], t: bf16[M, 2*F]",
+        outs="y: bf16[M, 2*F], r: f32[M]",
+    )
     spec = plan_stage(next(iter(coda_lang.load(packed))), 1)
     assert [(s.lanes, s.negate) for s in spec.sinks] == [(2, True)]
     assert '"r": cute.math.max(-y_0, -y_1)' in emit_stage(spec)
@@ -319,9 +463,15 @@ def test_a_dim_used_as_a_value_is_a_scalar_operand() -> None:
     runtime from the call's sizes), read by name in the emitted fn."""
     spec = plan_stage(next(iter(coda_lang.load(DIMS_AS_VALUES))), 1)
     assert [(o.name, o.py, o.op, o.dtype) for o in spec.operands] == [
-        ("%K", "dim_K", "Scalar", "f32"), ("%N", "dim_N", "Scalar", "f32"), ("%M", "dim_M", "Scalar", "f32")]
+        ("%K", "dim_K", "Scalar", "f32"),
+        ("%N", "dim_N", "Scalar", "f32"),
+        ("%M", "dim_M", "Scalar", "f32"),
+    ]
     src = emit_stage(spec)
-    assert '@gemm_epilogue(ops={"dim_K": Scalar("dim_K"), "dim_N": Scalar("dim_N"), "dim_M": Scalar("dim_M")})' in src
+    assert (
+        '@gemm_epilogue(ops={"dim_K": Scalar("dim_K"), "dim_N": Scalar("dim_N"), "dim_M": Scalar("dim_M")})'
+        in src
+    )
     assert "acc / dim_K" in src and "acc * dim_N" in src and "- dim_M" in src
     assert "load   dim_K = the size of K: f32 scalar (Scalar)" in src
 
@@ -334,8 +484,13 @@ def test_sums_whose_padding_is_not_zero_are_masked() -> None:
 
     spec = plan_stage(next(iter(coda_lang.load(RAGGED_SUMS))), 1)
     assert {s.name: (s.bounded, s.scaled) for s in spec.sinks} == {
-        "s": (True, False), "u": (True, False), "q": (False, True), "z": (False, False), "v": (True, False),
-        "a": (True, False)}
+        "s": (True, False),
+        "u": (True, False),
+        "q": (False, True),
+        "z": (False, False),
+        "v": (True, False),
+        "a": (True, False),
+    }
     src = emit_stage(spec)
     assert '"s": BoundedColVecReduce("s")' in src and '"u": BoundedRowVecReduce("u")' in src
     assert '"q": ColVecReduce("q", scaled=True)' in src and '"z": ColVecReduce("z")' in src
@@ -367,11 +522,16 @@ def test_pick_is_bounded_by_n() -> None:
 def test_grouped_min_and_logsumexp() -> None:
     """Grouped min and logsumexp are GroupedReduce ops folding by min (from +inf) and by the log-sum-exp
     of two values (from -inf) in the prepass, like a grouped sum or max."""
-    text = program(gemm("s = logsumexp(acc + b, over=N, group=64)\nm = min(acc, over=N, group=32)\ny = acc - s + m"),
-                   sig="x: bf16[M, K], w: bf16[K, N], b: f32[N]", outs="y: bf16[M, N], s: f32[M, N/64]")
+    text = program(
+        gemm("s = logsumexp(acc + b, over=N, group=64)\nm = min(acc, over=N, group=32)\ny = acc - s + m"),
+        sig="x: bf16[M, K], w: bf16[K, N], b: f32[N]",
+        outs="y: bf16[M, N], s: f32[M, N/64]",
+    )
     spec = plan_stage(next(iter(coda_lang.load(text))), 1)
-    assert [(g.name, g.combine, g.width, g.out) for g in spec.groups] == [("s", "lse", 64, "s_out"),
-                                                                         ("m", "min", 32, None)]
+    assert [(g.name, g.combine, g.width, g.out) for g in spec.groups] == [
+        ("s", "lse", 64, "s_out"),
+        ("m", "min", 32, None),
+    ]
     src = emit_stage(spec)
     assert '"s": GroupedReduce("s", combine="lse"), "m": GroupedReduce("m", combine="min")' in src
     assert 'extra_ops=(GroupedReduce("s", combine="lse").out("s_out"),)' in src
@@ -383,7 +543,9 @@ def test_a_stage_storing_acc_and_a_group_is_not_plain() -> None:
     """D = acc plus a grouped sum used after the stage: quack's kernel, never a bare cuBLAS GEMM."""
     from coda_lang.backend_cute.compile import is_plain
 
-    text = program(gemm("s = sum(acc * acc, over=N, group=64)\ny = acc"), outs="y: bf16[M, N], s: f32[M, N/64]")
+    text = program(
+        gemm("s = sum(acc * acc, over=N, group=64)\ny = acc"), outs="y: bf16[M, N], s: f32[M, N/64]"
+    )
     spec = plan_stage(next(iter(coda_lang.load(text))), 1)
     assert [g.out for g in spec.groups] == ["s_out"] and not is_plain(spec)
 
@@ -400,12 +562,19 @@ def test_half_width_column_vector_is_loaded_repeated() -> None:
 def test_second_full_width_store_of_a_paired_stage_is_split_into_lanes() -> None:
     """quack's acc_pair mode stores only D at full width: another full-width tile (llama_block's saved
     pre-RoPE accumulator) becomes two gated TileStores, one per lane, interleaved back by the runtime."""
-    text = program(gemm("z = acc * 2.0\nq = acc * 3.0\ng, u = pairs(acc)\ny = g * u"), dims="M, K, F",
-                   sig="x: bf16[M, K], w: bf16[K, 2*F]", outs="y: bf16[M, F], z: bf16[M, 2*F], q: bf16[M, 2*F]")
+    text = program(
+        gemm("z = acc * 2.0\nq = acc * 3.0\ng, u = pairs(acc)\ny = g * u"),
+        dims="M, K, F",
+        sig="x: bf16[M, K], w: bf16[K, 2*F]",
+        outs="y: bf16[M, F], z: bf16[M, 2*F], q: bf16[M, 2*F]",
+    )
     spec = plan_stage(next(iter(coda_lang.load(text))), 1)
     assert spec.mode == "acc_pair" and spec.d is not None and spec.d.name == "q"
     assert [(o.name, o.py, o.gated, o.lane) for o in spec.outputs] == [
-        ("z", "z_lane0", True, 0), ("z", "z_lane1", True, 1), ("y", "y", True, None)]
+        ("z", "z_lane0", True, 0),
+        ("z", "z_lane1", True, 1),
+        ("y", "y", True, None),
+    ]
     source = emit_stage(spec)
     assert '"z_lane0": z_0, "z_lane1": z_1' in source
 
@@ -420,10 +589,13 @@ def test_reserved_names_are_renamed() -> None:
 # ----------------------------------------------------------------------------------------------
 # Imports and the CLI
 
+
 def test_import_coda_lang_imports_no_gpu_library() -> None:
-    code = ("import sys, coda_lang, coda_lang.cli, coda_lang.backend_cute.planner, coda_lang.backend_cute.emit, "
-            "coda_lang.backend_cute.compile; "
-            f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))")
+    code = (
+        "import sys, coda_lang, coda_lang.cli, coda_lang.backend_cute.planner, coda_lang.backend_cute.emit, "
+        "coda_lang.backend_cute.compile; "
+        f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
@@ -434,43 +606,62 @@ def test_cli_compile_source(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"llama_mlp_stage{k}.py" for k in (1, 2, 3)]
     assert (tmp_path / "llama_mlp_stage2.py").read_text() == emit_stage(plan_stage(mlp(), 2))
-    assert r.stdout.splitlines()[0].startswith(f"wrote {tmp_path / 'llama_mlp_stage1.py'}: stage 1 `gemm y @ w_o`")
+    assert r.stdout.splitlines()[0].startswith(
+        f"wrote {tmp_path / 'llama_mlp_stage1.py'}: stage 1 `gemm y @ w_o`"
+    )
 
 
 def test_cli_compile_e07_exits_1(tmp_path: Path) -> None:
     src = tmp_path / "two.coda"
-    src.write_text(program(gemm("y = acc") + "\n  gemm y @ w2 {\n    z = acc\n    l = logsumexp(acc, over=M)\n  }",
-                           sig="x: bf16[M, K], w: bf16[K, N], w2: bf16[N, N]", outs="z: bf16[M, N], l: f32[N]"))
+    src.write_text(
+        program(
+            gemm("y = acc") + "\n  gemm y @ w2 {\n    z = acc\n    l = logsumexp(acc, over=M)\n  }",
+            sig="x: bf16[M, K], w: bf16[K, N], w2: bf16[N, N]",
+            outs="z: bf16[M, N], l: f32[N]",
+        )
+    )
     r = coda("compile", src, "--emit", "source", "-o", tmp_path, "--error-format", "short")
     assert r.returncode == 1
     assert "Traceback" not in r.stderr
     assert f"{src}:8:5: error[E0705]: logsumexp() over the rows is not compiled yet" in r.stderr
-    assert [p.name for p in tmp_path.glob("p_stage*.py")] == ["p_stage1.py"]  # the other stage is still written
+    assert [p.name for p in tmp_path.glob("p_stage*.py")] == [
+        "p_stage1.py"
+    ]  # the other stage is still written
 
 
 def test_cli_compile_backward_source(tmp_path: Path) -> None:
     r = coda("compile", MLP, "--emit", "source", "--backward", "-o", tmp_path)
     assert r.returncode == 0, r.stderr
-    assert sorted(p.name for p in tmp_path.glob("*.py")) == [f"llama_mlp_bwd_stage{k}.py" for k in range(1, 7)]
+    assert sorted(p.name for p in tmp_path.glob("*.py")) == [
+        f"llama_mlp_bwd_stage{k}.py" for k in range(1, 7)
+    ]
     assert "packed_cd_b16x2 mode; D = dacc2; reduces dr" in r.stdout
 
 
 def test_cli_compile_skips_an_elementwise_stage(tmp_path: Path) -> None:
-    r = coda("compile", ROOT / "examples" / "bias_gelu.coda", "--emit", "source", "--backward", "-o", tmp_path)
+    r = coda(
+        "compile", ROOT / "examples" / "bias_gelu.coda", "--emit", "source", "--backward", "-o", tmp_path
+    )
     assert r.returncode == 0, r.stderr
     assert "stage 1 `elementwise [M, N]`: no GEMM, nothing to emit" in r.stdout
-    assert not (tmp_path / "bias_gelu_bwd_stage1.py").exists() and (tmp_path / "bias_gelu_bwd_stage2.py").exists()
+    assert (
+        not (tmp_path / "bias_gelu_bwd_stage1.py").exists()
+        and (tmp_path / "bias_gelu_bwd_stage2.py").exists()
+    )
 
 
-@pytest.mark.parametrize("args", [
-    ("compile", "nope.coda", "--emit", "source"),
-    ("compile", MLP, "--emit", "source", "--tile", "128x128"),
-    ("compile", MLP, "--emit", "ptx", "--tile", "big"),
-    ("compile", MLP, "--emit", "ptx", "--tile", "128x192e"),
-    ("compile", MLP, "--emit", "ptx", "--tile", "128x0"),
-    ("compile", MLP),
-    ("compile", MLP, "--emit", "source", "--block", "nope"),
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("compile", "nope.coda", "--emit", "source"),
+        ("compile", MLP, "--emit", "source", "--tile", "128x128"),
+        ("compile", MLP, "--emit", "ptx", "--tile", "big"),
+        ("compile", MLP, "--emit", "ptx", "--tile", "128x192e"),
+        ("compile", MLP, "--emit", "ptx", "--tile", "128x0"),
+        ("compile", MLP),
+        ("compile", MLP, "--emit", "source", "--block", "nope"),
+    ],
+)
 def test_cli_compile_usage_errors_exit_2(args: tuple, tmp_path: Path) -> None:
     r = coda(*args, "-o", tmp_path)
     assert r.returncode == 2, r.stderr

@@ -10,16 +10,14 @@
 - E0706 (spills at every tile tried) and E0707 (quack rejects the kernel) are clean diagnostics.
 - Slow: every other example and the derived backward of llama_mlp compile without spills.
 
-Needs nvidia-cutlass-dsl, quack-kernels and ptxas (skipped otherwise), not a GPU. Kernels are
+Marked `toolchain`: needs nvidia-cutlass-dsl, quack-kernels and ptxas (skipped otherwise), not a GPU. Kernels are
 compiled into a cache folder of this test session, so each run really compiles (2-8 s a kernel on
 2 cores, plus about 10 s to import torch, quack and CuTeDSL once).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,10 +40,7 @@ from coda_lang.verify.diagnostics import CodaError
 ROOT = Path(__file__).resolve().parent.parent
 MLP = ROOT / "examples" / "llama_mlp.coda"
 
-pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.skipif(
-    not (importlib.util.find_spec("cutlass") and importlib.util.find_spec("quack")
-         and (os.environ.get("CODA_PTXAS") or shutil.which("ptxas"))),
-    reason="needs nvidia-cutlass-dsl, quack-kernels and ptxas")]
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.toolchain]
 
 
 @pytest.fixture(scope="session")
@@ -73,8 +68,10 @@ def test_llama_mlp_stage_compiles_without_spills(mlp: coda_lang.Block, cache: Pa
     assert c.report is not None
     assert (c.report.spill_stores, c.report.spill_loads) == (0, 0), c.report.text
     assert c.config.tile_m == 128 and c.config.pingpong and c.config.cluster_m == 2
-    print(f"\nstage {index}: {c.config}: {c.report}; compiled in {c.compile_s:.1f} s"
-          + "".join(f"\n  rejected {r}" for r in c.rejected))
+    print(
+        f"\nstage {index}: {c.config}: {c.report}; compiled in {c.compile_s:.1f} s"
+        + "".join(f"\n  rejected {r}" for r in c.rejected)
+    )
 
 
 @pytest.mark.parametrize("index", [1, 2, 3])
@@ -110,7 +107,9 @@ def test_epilogue_subtile_override_is_a_cache_key() -> None:
     assert pickle.loads(pickle.dumps(EpiSubtileN(16))) == EpiSubtileN(16)
     assert hash(EpiSubtileN(16)) == hash(EpiSubtileN(16)) and EpiSubtileN(16) != EpiSubtileN(32)
     assert post_init_attrs(TileConfig(128, 192)) == ()
-    assert post_init_attrs(TileConfig(128, 192, epi_n=16)) == (("_compute_tile_shape_or_override", EpiSubtileN(16)),)
+    assert post_init_attrs(TileConfig(128, 192, epi_n=16)) == (
+        ("_compute_tile_shape_or_override", EpiSubtileN(16)),
+    )
 
 
 def test_qk_norm_compiles_with_its_prepass(cache: Path) -> None:
@@ -156,8 +155,14 @@ def test_cli_compile_ptx(mlp: coda_lang.Block, cache: Path, tmp_path: Path) -> N
     for k in (1, 2, 3):  # warm the session cache, so the CLI reuses the PTX
         select_config(mlp, k, directory=cache)
     env = {**os.environ, "CODA_CACHE_DIR": str(cache)}
-    r = subprocess.run([sys.executable, "-m", "coda_lang.cli", "compile", str(MLP), "--emit", "ptx", "-o",
-                        str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    r = subprocess.run(
+        [sys.executable, "-m", "coda_lang.cli", "compile", str(MLP), "--emit", "ptx", "-o", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"llama_mlp_stage{k}.ptx" for k in (1, 2, 3)]
     wrote = [line for line in r.stdout.splitlines() if line.startswith("wrote")]
@@ -170,9 +175,27 @@ def test_cli_compile_ptx_at_a_narrow_epilogue_subtile(cache: Path, tmp_path: Pat
     """`--tile 128x192e16` compiles llama_mlp's norm backward at 128x192 with a 16-column epilogue
     subtile: no spills (at 128x192 itself it spills: test_narrow_epilogue_subtile_...)."""
     env = {**os.environ, "CODA_CACHE_DIR": str(cache)}
-    r = subprocess.run([sys.executable, "-m", "coda_lang.cli", "compile", str(MLP), "--backward", "--emit", "ptx",
-                        "--tile", "128x192e16", "-o", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=900, env=env)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "coda_lang.cli",
+            "compile",
+            str(MLP),
+            "--backward",
+            "--emit",
+            "ptx",
+            "--tile",
+            "128x192e16",
+            "-o",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
     b4 = next(line for line in r.stdout.splitlines() if line.startswith("wrote") and "stage4" in line)
     assert "128x192 pingpong, cluster 2x1, epilogue subtile N 16" in b4 and "0 bytes spill stores" in b4, b4
@@ -186,7 +209,9 @@ def test_quack_rejection_is_e0707(mlp: coda_lang.Block, cache: Path) -> None:
     assert any("the emitted epilogue is" in n for n in d.notes)
 
 
-def test_select_config_skips_a_refused_tile_and_says_e0707_when_all_are(mlp: coda_lang.Block, cache: Path) -> None:
+def test_select_config_skips_a_refused_tile_and_says_e0707_when_all_are(
+    mlp: coda_lang.Block, cache: Path
+) -> None:
     """A candidate quack refuses (E0707) is skipped and named among the rejected; when every candidate
     is refused, the user sees quack's E0707, not E0706 (spills)."""
     c = select_config(mlp, 3, (TileConfig(128, 256), TileConfig(128, 128)), directory=cache)
@@ -242,7 +267,9 @@ EXAMPLE_STAGES = _example_stages()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,kind,index", EXAMPLE_STAGES, ids=[f"{n}-{k}-{i}" for n, k, i in EXAMPLE_STAGES])
+@pytest.mark.parametrize(
+    "name,kind,index", EXAMPLE_STAGES, ids=[f"{n}-{k}-{i}" for n, k, i in EXAMPLE_STAGES]
+)
 def test_examples_compile_without_spills(cache: Path, name: str, kind: str, index: int) -> None:
     """Every GEMM stage of every example, forward and backward: PTX for sm_90a with WGMMA and TMA, and
     a tile at which ptxas reports no spills (select_config raises E0706 otherwise)."""

@@ -80,7 +80,8 @@ def test_bad_program(path: Path) -> None:
     got = {(d.span.line if d.span else 0, d.code) for d in diags}
     assert got == expected, (
         f"missing: {sorted(expected - got)}, unexpected: {sorted(got - expected)}\n"
-        + render_all(diags, {rel(path): text}, "short"))
+        + render_all(diags, {rel(path): text}, "short")
+    )
     for d in diags:
         assert d.span is not None and d.span.file == rel(path)
 

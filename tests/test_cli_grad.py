@@ -50,8 +50,12 @@ def test_grad_prints_the_backward_with_its_saved_tensors() -> None:
     assert "block llama_mlp_bwd(dx2: bf16[M, D]" in text
     assert re.search(r"^# saved tensors \(stored by the forward\): .*\bh\b", text, re.M)
     assert "# cotangents: dx2 (of x2)" in text
-    assert re.search(r"^# gradients: dy \(of y\), dx \(of x\), dw_o \(of w_o\), dg \(of g\), dw_13 \(of w_13\), "
-                     r"dw_2 \(of w_2\)$", text, re.M)
+    assert re.search(
+        r"^# gradients: dy \(of y\), dx \(of x\), dw_o \(of w_o\), dg \(of g\), dw_13 \(of w_13\), "
+        r"dw_2 \(of w_2\)$",
+        text,
+        re.M,
+    )
     assert text.count("gemm ") == 6  # dgrad + wgrad of each of the 3 GEMMs
     assert "elementwise" not in text  # x2 = acc + h: its cotangent is the down-proj's dacc itself
     assert r.stderr == ""  # no elementwise stage to report
@@ -65,8 +69,11 @@ def test_grad_notes_the_elementwise_entry_stage() -> None:
     assert r.returncode == 0, r.stderr
     notes = [ln for ln in r.stderr.splitlines() if ln.startswith("note: ")]
     assert len(notes) == 1, r.stderr
-    assert re.match(r"note: stage 4 \(line \d+\): no GEMM produces the cotangent of `qkv`, so its backward runs "
-                    r"as an elementwise stage$", notes[0]), notes[0]
+    assert re.match(
+        r"note: stage 4 \(line \d+\): no GEMM produces the cotangent of `qkv`, so its backward runs "
+        r"as an elementwise stage$",
+        notes[0],
+    ), notes[0]
     assert r.stdout.count("elementwise [M, 2*P] {") == 1
     assert "# note: stage 4" in r.stdout  # also said in the printed block
 
@@ -103,8 +110,10 @@ def test_with_forward(tmp_path: Path) -> None:
 
 def test_with_forward_declares_the_forwards_dims(tmp_path: Path) -> None:
     src = tmp_path / "f.coda"
-    src.write_text("dims M, K, N, F\nblock f(x: f32[M, K], w: f32[K, F]) -> (o: f32[M, F]) {\n"
-                   "  gemm x @ w {\n    o = acc * 2.0\n    u = acc * N\n  }\n}\n")
+    src.write_text(
+        "dims M, K, N, F\nblock f(x: f32[M, K], w: f32[K, F]) -> (o: f32[M, F]) {\n"
+        "  gemm x @ w {\n    o = acc * 2.0\n    u = acc * N\n  }\n}\n"
+    )
     out = tmp_path / "both.coda"
     r = coda("grad", src, "--with-forward", "-o", out)
     assert r.returncode == 0, r.stderr
@@ -129,9 +138,12 @@ def test_wrt() -> None:
 
 def test_block_option(tmp_path: Path) -> None:
     two = tmp_path / "two.coda"
-    two.write_text((ROOT / "examples" / "bias_gelu.coda").read_text() + "\n" +
-                   "block twice(x: bf16[M, K], w: bf16[K, N]) -> (o: bf16[M, N]) {\n"
-                   "  gemm x @ w {\n    o = acc * acc\n  }\n}\n")
+    two.write_text(
+        (ROOT / "examples" / "bias_gelu.coda").read_text()
+        + "\n"
+        + "block twice(x: bf16[M, K], w: bf16[K, N]) -> (o: bf16[M, N]) {\n"
+        "  gemm x @ w {\n    o = acc * acc\n  }\n}\n"
+    )
     r = coda("grad", two)
     no_traceback(r)
     assert r.returncode == 2
@@ -155,8 +167,11 @@ def test_unknown_wrt_exits_1_with_e0602() -> None:
     assert "--> examples/llama_mlp.coda:" in r.stderr  # points at the block
     short = coda("grad", "examples/llama_mlp.coda", "--wrt", "nope", "--error-format", "short")
     assert short.returncode == 1
-    assert re.fullmatch(r"examples/llama_mlp\.coda:\d+:\d+: error\[E0602\]: no parameter `nope` to differentiate "
-                        r"with respect to\n", short.stderr), short.stderr
+    assert re.fullmatch(
+        r"examples/llama_mlp\.coda:\d+:\d+: error\[E0602\]: no parameter `nope` to differentiate "
+        r"with respect to\n",
+        short.stderr,
+    ), short.stderr
 
 
 def test_integer_wrt_exits_1_with_e0602() -> None:

@@ -27,8 +27,12 @@ def test_run_prints_table_and_writes_npz(tmp_path: Path) -> None:
 def test_run_with_inputs_and_tile(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     ins = tmp_path / "in.npz"
-    np.savez(ins, x=rng.standard_normal((10, 6)).astype(np.float32), w=rng.standard_normal((6, 12)).astype(np.float32),
-             b=rng.standard_normal(12).astype(np.float32))
+    np.savez(
+        ins,
+        x=rng.standard_normal((10, 6)).astype(np.float32),
+        w=rng.standard_normal((6, 12)).astype(np.float32),
+        b=rng.standard_normal(12).astype(np.float32),
+    )
     out = tmp_path / "o.npz"
     r = coda("run", "examples/bias_gelu.coda", "--inputs", str(ins), "--tile", "4x8", "--out", str(out))
     assert r.returncode == 0, r.stderr
@@ -38,7 +42,9 @@ def test_run_with_inputs_and_tile(tmp_path: Path) -> None:
 
 def test_run_errors_leave_no_output_file(tmp_path: Path) -> None:
     ins = tmp_path / "in.npz"
-    np.savez(ins, x=np.zeros((10, 6), np.float32), w=np.zeros((7, 12), np.float32), b=np.zeros(12, np.float32))
+    np.savez(
+        ins, x=np.zeros((10, 6), np.float32), w=np.zeros((7, 12), np.float32), b=np.zeros(12, np.float32)
+    )
     out = tmp_path / "o.npz"
     r = coda("run", "examples/bias_gelu.coda", "--inputs", str(ins), "--out", str(out))
     assert r.returncode == 1
@@ -71,7 +77,9 @@ def test_run_program_errors_exit_1(tmp_path: Path) -> None:
 
 def test_run_needs_block_when_several(tmp_path: Path) -> None:
     two = tmp_path / "two.coda"
-    two.write_text("dims M\nblock a(x: f32[M]) -> (y: f32[M]) {\n  y = x\n}\nblock b(x: f32[M]) -> (y: f32[M]) {\n  y = -x\n}\n")
+    two.write_text(
+        "dims M\nblock a(x: f32[M]) -> (y: f32[M]) {\n  y = x\n}\nblock b(x: f32[M]) -> (y: f32[M]) {\n  y = -x\n}\n"
+    )
     r = coda("run", str(two))
     assert r.returncode == 2 and "choose one with --block" in r.stderr
     r = coda("run", str(two), "--block", "b", "--dims", "M=3")

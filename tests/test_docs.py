@@ -113,4 +113,6 @@ def test_links_stay_inside_the_project() -> None:
         for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
             if "://" in target:
                 continue
-            assert (page.parent / target).exists(), f"{page.name} links to {target}, which is not in the project"
+            assert (page.parent / target).exists(), (
+                f"{page.name} links to {target}, which is not in the project"
+            )

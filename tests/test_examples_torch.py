@@ -31,13 +31,14 @@ import coda_lang
 from coda_lang.layout import deinterleave_rope, interleave_gate_up, interleave_rope, rope_freq
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-M, D, F_MLP, V = 96, 64, 80, 200      # F even, not a multiple of any tile; V ragged too
-HEAD_DIM, HQ, HKV = 16, 4, 2          # fused QKV: 4 q heads, 2 k heads, 2 v heads of 16
-QK_HEAD_DIM, QK_HEADS = 128, 2        # qk_norm.coda groups 128 columns
-TILE = (40, 48)                       # 96 rows -> 40 + 40 + 16; columns ragged in every stage
+M, D, F_MLP, V = 96, 64, 80, 200  # F even, not a multiple of any tile; V ragged too
+HEAD_DIM, HQ, HKV = 16, 4, 2  # fused QKV: 4 q heads, 2 k heads, 2 v heads of 16
+QK_HEAD_DIM, QK_HEADS = 128, 2  # qk_norm.coda groups 128 columns
+TILE = (40, 48)  # 96 rows -> 40 + 40 + 16; columns ragged in every stage
 
 
 # ---------------------------------------------------------------------------- the accuracy rule
+
 
 def max_abs(a: np.ndarray) -> float:
     return float(np.max(np.abs(a))) if a.size else 0.0
@@ -52,8 +53,10 @@ def check_rule(what: str, ours: np.ndarray, ref64: torch.Tensor, ref16: torch.Te
     err, base = max_abs(got - r64), max_abs(r16 - r64)
     ratio = err / base if base else float("inf") if err else 0.0
     print(f"{what}: max|ours - ref64| = {err:.3e}, max|ref16 - ref64| = {base:.3e}, ratio {ratio:.3f}")
-    assert err <= 2 * base + 1e-6, (f"{what}: max|ours - ref64| = {err:.3e} exceeds 2 * {base:.3e} + 1e-6 "
-                                    f"(bf16 torch error); ratio {ratio:.2f}")
+    assert err <= 2 * base + 1e-6, (
+        f"{what}: max|ours - ref64| = {err:.3e} exceeds 2 * {base:.3e} + 1e-6 "
+        f"(bf16 torch error); ratio {ratio:.2f}"
+    )
     return ratio
 
 
@@ -68,6 +71,7 @@ def check_f64(what: str, ours: np.ndarray, ref64: torch.Tensor, rtol: float = 1e
 
 # ---------------------------------------------------------------------------- inputs and torch helpers
 
+
 def randn(gen: torch.Generator, *shape: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
     """A bf16 tensor (checkpoints and activations are bf16)."""
     return (torch.randn(*shape, generator=gen) * scale + shift).bfloat16()
@@ -75,7 +79,7 @@ def randn(gen: torch.Generator, *shape: int, scale: float = 1.0, shift: float = 
 
 def linear(gen: torch.Generator, out_features: int, in_features: int) -> torch.Tensor:
     """An nn.Linear-style weight [out, in] in bf16, scaled like the default init."""
-    return randn(gen, out_features, in_features, scale=in_features ** -0.5)
+    return randn(gen, out_features, in_features, scale=in_features**-0.5)
 
 
 def np_bf16(t: torch.Tensor) -> np.ndarray:
@@ -91,7 +95,7 @@ def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def positions() -> torch.Tensor:
-    return (torch.arange(M, dtype=torch.float32) * 3 + 5)   # up to 290: angles of many turns
+    return torch.arange(M, dtype=torch.float32) * 3 + 5  # up to 290: angles of many turns
 
 
 # ---------------------------------------------------------------------------- cases
@@ -102,23 +106,35 @@ Reference = Callable[[torch.dtype], dict[str, torch.Tensor]]
 @dataclass
 class Case:
     block: str
-    inputs: dict[str, np.ndarray]                      # for Block.run, converted layouts
-    reference: Reference                               # ordinary torch math, in the given dtype
-    plain: dict[str, Callable[[np.ndarray], np.ndarray]] = field(default_factory=dict)  # our layout -> ordinary
+    inputs: dict[str, np.ndarray]  # for Block.run, converted layouts
+    reference: Reference  # ordinary torch math, in the given dtype
+    plain: dict[str, Callable[[np.ndarray], np.ndarray]] = field(
+        default_factory=dict
+    )  # our layout -> ordinary
     tile: tuple[int, int] = TILE
 
 
 def mlp_checkpoint(gen: torch.Generator) -> dict[str, torch.Tensor]:
-    return {"y": randn(gen, M, D), "x": randn(gen, M, D), "o_proj": linear(gen, D, D),
-            "norm": randn(gen, D, scale=0.2, shift=1.0), "gate_proj": linear(gen, F_MLP, D),
-            "up_proj": linear(gen, F_MLP, D), "down_proj": linear(gen, D, F_MLP)}
+    return {
+        "y": randn(gen, M, D),
+        "x": randn(gen, M, D),
+        "o_proj": linear(gen, D, D),
+        "norm": randn(gen, D, scale=0.2, shift=1.0),
+        "gate_proj": linear(gen, F_MLP, D),
+        "up_proj": linear(gen, F_MLP, D),
+        "down_proj": linear(gen, D, F_MLP),
+    }
 
 
 def mlp_inputs(ck: dict[str, torch.Tensor], norm: str = "g") -> dict[str, np.ndarray]:
-    return {"y": np_bf16(ck["y"]), "x": np_bf16(ck["x"]), "w_o": np_bf16(ck["o_proj"].T),
-            norm: np_f32(ck["norm"]),
-            "w_13": np_bf16(interleave_gate_up(ck["gate_proj"].T, ck["up_proj"].T)),
-            "w_2": np_bf16(ck["down_proj"].T)}
+    return {
+        "y": np_bf16(ck["y"]),
+        "x": np_bf16(ck["x"]),
+        "w_o": np_bf16(ck["o_proj"].T),
+        norm: np_f32(ck["norm"]),
+        "w_13": np_bf16(interleave_gate_up(ck["gate_proj"].T, ck["up_proj"].T)),
+        "w_2": np_bf16(ck["down_proj"].T),
+    }
 
 
 def mlp_reference(ck: dict[str, torch.Tensor], dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,8 +145,9 @@ def mlp_reference(ck: dict[str, torch.Tensor], dt: torch.dtype) -> tuple[torch.T
 
 def qkv_checkpoint(gen: torch.Generator) -> torch.Tensor:
     """The fused QKV projection as an nn.Linear weight [(HQ + 2 HKV) * head_dim, D]."""
-    return torch.cat([linear(gen, HQ * HEAD_DIM, D), linear(gen, HKV * HEAD_DIM, D),
-                      linear(gen, HKV * HEAD_DIM, D)], dim=0)
+    return torch.cat(
+        [linear(gen, HQ * HEAD_DIM, D), linear(gen, HKV * HEAD_DIM, D), linear(gen, HKV * HEAD_DIM, D)], dim=0
+    )
 
 
 def qkv_layout() -> tuple[int, int]:
@@ -149,13 +166,29 @@ def case_llama_block() -> Case:
     rw, width = qkv_layout()
     pos = positions()
     inputs = mlp_inputs(ck, norm="g1")
-    inputs.update(g2=np_f32(norm2), w_qkv=np_bf16(interleave_rope(w_qkv.T, HEAD_DIM, rw)),
-                  pos=np_f32(pos), freq=rope_freq(HEAD_DIM, rw, width, BASE))
+    inputs.update(
+        g2=np_f32(norm2),
+        w_qkv=np_bf16(interleave_rope(w_qkv.T, HEAD_DIM, rw)),
+        pos=np_f32(pos),
+        freq=rope_freq(HEAD_DIM, rw, width, BASE),
+    )
 
     def reference(dt: torch.dtype) -> dict[str, torch.Tensor]:
         p = {k: cast(v, dt) for k, v in ck.items()}
-        return ref.llama_block(p["y"], p["x"], p["o_proj"], p["norm"], p["gate_proj"], p["up_proj"],
-                               p["down_proj"], cast(norm2, dt), cast(w_qkv, dt), pos, HEAD_DIM, rw)
+        return ref.llama_block(
+            p["y"],
+            p["x"],
+            p["o_proj"],
+            p["norm"],
+            p["gate_proj"],
+            p["up_proj"],
+            p["down_proj"],
+            cast(norm2, dt),
+            cast(w_qkv, dt),
+            pos,
+            HEAD_DIM,
+            rw,
+        )
 
     return Case("llama_block", inputs, reference, plain={"qkv": lambda q: deinterleave_rope(q, HEAD_DIM, rw)})
 
@@ -166,8 +199,13 @@ def case_qkv_rope() -> Case:
     xg, r, w_qkv = randn(gen, M, D), randn(gen, M, scale=0.2, shift=1.0).float(), qkv_checkpoint(gen)
     rw, width = qkv_layout()
     pos = positions()
-    inputs = {"xg": np_bf16(xg), "r": np_f32(r), "w_qkv": np_bf16(interleave_rope(w_qkv.T, HEAD_DIM, rw)),
-              "pos": np_f32(pos), "freq": rope_freq(HEAD_DIM, rw, width, BASE)}
+    inputs = {
+        "xg": np_bf16(xg),
+        "r": np_f32(r),
+        "w_qkv": np_bf16(interleave_rope(w_qkv.T, HEAD_DIM, rw)),
+        "pos": np_f32(pos),
+        "freq": rope_freq(HEAD_DIM, rw, width, BASE),
+    }
 
     def reference(dt: torch.dtype) -> dict[str, torch.Tensor]:
         return {"qkv": ref.qkv_rope(cast(xg, dt), cast(r, dt), cast(w_qkv, dt), pos, HEAD_DIM, rw)}
@@ -180,25 +218,34 @@ def case_qk_norm() -> Case:
     hd, width = QK_HEAD_DIM, QK_HEAD_DIM * QK_HEADS
     x, w_q, gq = randn(gen, M, D), linear(gen, width, D), randn(gen, hd, scale=0.2, shift=1.0)
     pos = positions()
-    inputs = {"x": np_bf16(x), "w_q": np_bf16(interleave_rope(w_q.T, hd)),
-              "g": np_f32(interleave_rope(gq.repeat(QK_HEADS), hd)), "pos": np_f32(pos),
-              "freq": rope_freq(hd, width, width, BASE)}
+    inputs = {
+        "x": np_bf16(x),
+        "w_q": np_bf16(interleave_rope(w_q.T, hd)),
+        "g": np_f32(interleave_rope(gq.repeat(QK_HEADS), hd)),
+        "pos": np_f32(pos),
+        "freq": rope_freq(hd, width, width, BASE),
+    }
 
     def reference(dt: torch.dtype) -> dict[str, torch.Tensor]:
         return {"q": ref.qk_norm(cast(x, dt), cast(w_q, dt), cast(gq, dt), pos, hd)}
 
-    return Case("qk_norm", inputs, reference, plain={"q": lambda q: deinterleave_rope(q, hd)},
-                tile=(TILE[0], QK_HEAD_DIM))
+    return Case(
+        "qk_norm",
+        inputs,
+        reference,
+        plain={"q": lambda q: deinterleave_rope(q, hd)},
+        tile=(TILE[0], QK_HEAD_DIM),
+    )
 
 
 def case_lm_head_ce() -> Case:
     gen = torch.Generator().manual_seed(5)
     hg, r, w_lm = randn(gen, M, D), randn(gen, M, scale=0.2, shift=1.0).float(), linear(gen, V, D)
     target = torch.randint(0, V, (M,), generator=gen, dtype=torch.int32)
-    target[::7] = -100                                   # ignored rows (padding)
+    target[::7] = -100  # ignored rows (padding)
     inputs = {"hg": np_bf16(hg), "r": np_f32(r), "w_lm": np_bf16(w_lm.T), "target": target.numpy()}
 
-    def reference(dt: torch.dtype) -> dict[str, torch.Tensor]:    # bf16: the usual logits.float()
+    def reference(dt: torch.dtype) -> dict[str, torch.Tensor]:  # bf16: the usual logits.float()
         return ref.lm_head_ce(cast(hg, dt), cast(r, dt), cast(w_lm, dt), target, upcast=dt == torch.bfloat16)
 
     return Case("lm_head_ce", inputs, reference)
@@ -208,8 +255,11 @@ def case_bias_gelu() -> Case:
     gen = torch.Generator().manual_seed(6)
     x, w, b = randn(gen, M, D), linear(gen, F_MLP, D), randn(gen, F_MLP, scale=0.5)
     inputs = {"x": np_bf16(x), "w": np_bf16(w.T), "b": np_f32(b)}
-    return Case("bias_gelu", inputs,
-                lambda dt: {"out": F.gelu(F.linear(cast(x, dt), cast(w, dt), cast(b, dt)), approximate="tanh")})
+    return Case(
+        "bias_gelu",
+        inputs,
+        lambda dt: {"out": F.gelu(F.linear(cast(x, dt), cast(w, dt), cast(b, dt)), approximate="tanh")},
+    )
 
 
 def case_scale_residual() -> Case:
@@ -217,8 +267,11 @@ def case_scale_residual() -> Case:
     x, w, res = randn(gen, M, D), linear(gen, F_MLP, D), randn(gen, M, F_MLP)
     alpha = 0.375
     inputs = {"x": np_bf16(x), "w": np_bf16(w.T), "res": np_bf16(res), "alpha": np.array(alpha, np.float32)}
-    return Case("scale_residual", inputs,
-                lambda dt: {"out": alpha * F.linear(cast(x, dt), cast(w, dt)) + cast(res, dt)})
+    return Case(
+        "scale_residual",
+        inputs,
+        lambda dt: {"out": alpha * F.linear(cast(x, dt), cast(w, dt)) + cast(res, dt)},
+    )
 
 
 def case_amax_fp8() -> Case:
@@ -234,9 +287,14 @@ def case_amax_fp8() -> Case:
 
 
 CASES: dict[str, Callable[[], Case]] = {
-    "llama_mlp": case_llama_mlp, "lm_head_ce": case_lm_head_ce, "qkv_rope": case_qkv_rope,
-    "qk_norm": case_qk_norm, "llama_block": case_llama_block, "bias_gelu": case_bias_gelu,
-    "scale_residual": case_scale_residual, "amax_fp8": case_amax_fp8,
+    "llama_mlp": case_llama_mlp,
+    "lm_head_ce": case_lm_head_ce,
+    "qkv_rope": case_qkv_rope,
+    "qk_norm": case_qk_norm,
+    "llama_block": case_llama_block,
+    "bias_gelu": case_bias_gelu,
+    "scale_residual": case_scale_residual,
+    "amax_fp8": case_amax_fp8,
 }
 
 
@@ -260,6 +318,7 @@ def run(name: str, **kw: object) -> dict[str, np.ndarray]:
 
 # ---------------------------------------------------------------------------- tests
 
+
 def test_every_example_has_a_case() -> None:
     assert sorted(CASES) == sorted(p.stem for p in EXAMPLES.glob("*.coda"))
 
@@ -268,7 +327,9 @@ def test_rope_freq_matches_the_reference_inv_freq() -> None:
     rw, width = qkv_layout()
     f = rope_freq(HEAD_DIM, rw, width, BASE)
     inv = inv_freq(HEAD_DIM).numpy()
-    assert np.array_equal(f, np.concatenate([np.tile(inv, HQ + HKV), np.zeros(HKV * HEAD_DIM // 2, np.float32)]))
+    assert np.array_equal(
+        f, np.concatenate([np.tile(inv, HQ + HKV), np.zeros(HKV * HEAD_DIM // 2, np.float32)])
+    )
 
 
 @pytest.mark.parametrize("tiled", [False, True], ids=["whole", "tiled"])
@@ -278,7 +339,12 @@ def test_exact_within_twice_bf16_error(name: str, tiled: bool) -> None:
     ours = run(name, precision="exact", tile=case.tile if tiled else None)
     assert sorted(ours) == sorted(ref64)
     for out in ours:
-        check_rule(f"{name}.{out} ({'tile ' + str(case.tile) if tiled else 'whole'})", ours[out], ref64[out], ref16[out])
+        check_rule(
+            f"{name}.{out} ({'tile ' + str(case.tile) if tiled else 'whole'})",
+            ours[out],
+            ref64[out],
+            ref16[out],
+        )
 
 
 @pytest.mark.parametrize("name", CASES)

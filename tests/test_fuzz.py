@@ -68,15 +68,20 @@ def test_random_programs_pass(capsys: pytest.CaptureFixture[str], tmp_path: Path
 
 
 def test_the_console_script(tmp_path: Path) -> None:
-    run = subprocess.run([sys.executable, "-m", "coda_lang.cli", "fuzz", MLP, "--examples", "5", "--seed", "3"],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "coda_lang.cli", "fuzz", MLP, "--examples", "5", "--seed", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "ok: llama_mlp: 5 cases (forward and backward), target interp, seed 3" in run.stdout
 
 
 def test_special_values_pass(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = fuzz(capsys, str(ROOT / "examples" / "bias_gelu.coda"), "--examples", "8", "--special",
-                          "--no-backward")
+    code, out, err = fuzz(
+        capsys, str(ROOT / "examples" / "bias_gelu.coda"), "--examples", "8", "--special", "--no-backward"
+    )
     assert code == 0, out + err
     assert "(forward)" in out
 
@@ -96,8 +101,9 @@ def _drop_last_tile(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(interp_run, "combine", wrong)
 
 
-def test_a_planted_tile_bug_is_caught_shrunk_and_reproduced(capsys: pytest.CaptureFixture[str],
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_planted_tile_bug_is_caught_shrunk_and_reproduced(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     _drop_last_tile(monkeypatch)
     code, out, err = fuzz(capsys, MLP, "--examples", "100")
     assert code == 1, out + err
@@ -115,11 +121,13 @@ def test_a_planted_tile_bug_is_caught_shrunk_and_reproduced(capsys: pytest.Captu
     assert code == 0 and out3.startswith("ok: llama_mlp: 1 cases"), out3  # (1 case: all of it fixed)
 
 
-def test_the_planted_bug_is_caught_in_random_programs(capsys: pytest.CaptureFixture[str], tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_planted_bug_is_caught_in_random_programs(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _drop_last_tile(monkeypatch)
-    code, out, err = fuzz(capsys, "--programs", "80", "--examples", "3", "--save-dir", str(tmp_path),
-                          "--no-backward")
+    code, out, err = fuzz(
+        capsys, "--programs", "80", "--examples", "3", "--save-dir", str(tmp_path), "--no-backward"
+    )
     assert code == 1, out + err
     saved = list(tmp_path.glob("coda-fuzz-*.coda"))
     assert len(saved) == 1 and f"wrote the failing program to {saved[0]}" in out
@@ -131,8 +139,9 @@ def test_the_planted_bug_is_caught_in_random_programs(capsys: pytest.CaptureFixt
     assert fuzz(capsys, *args)[0] == 0
 
 
-def test_a_planted_sign_swap_in_the_runtime_is_caught_on_the_cpu(capsys: pytest.CaptureFixture[str],
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_planted_sign_swap_in_the_runtime_is_caught_on_the_cpu(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """--target emulate runs the CUDA runtime with the kernels' torch stand-ins: a sign swapped in
     silu's stand-in (used by the emulated kernel, not by the interpreter) is caught."""
     pytest.importorskip("torch")
@@ -151,8 +160,9 @@ def test_a_planted_sign_swap_in_the_runtime_is_caught_on_the_cpu(capsys: pytest.
 
 
 @pytest.mark.gpu
-def test_a_planted_sign_swap_in_an_emitter_is_caught_on_the_gpu(capsys: pytest.CaptureFixture[str],
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_planted_sign_swap_in_an_emitter_is_caught_on_the_gpu(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A wrong epilogue emission (silu's CuTeDSL emitter negated) is caught by `coda fuzz --target cuda`."""
     from coda_lang.ops import REGISTRY
 
@@ -180,40 +190,63 @@ def test_examples_pass_on_the_gpu(path: Path, capsys: pytest.CaptureFixture[str]
 
 
 def test_help() -> None:
-    run = subprocess.run([sys.executable, "-m", "coda_lang.cli", "fuzz", "--help"], capture_output=True, text=True,
-                         timeout=60)
+    run = subprocess.run(
+        [sys.executable, "-m", "coda_lang.cli", "fuzz", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert run.returncode == 0
-    for opt in ("--block", "--examples", "--seed", "--max-dim", "--target", "--dims", "--input-seed", "--special"):
+    for opt in (
+        "--block",
+        "--examples",
+        "--seed",
+        "--max-dim",
+        "--target",
+        "--dims",
+        "--input-seed",
+        "--special",
+    ):
         assert opt in run.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    ([MLP, "--examples", "0"], "positive"),
-    ([MLP, "--max-dim", "0"], "--max-dim"),
-    ([MLP, "--tile", "4by8"], "--tile"),
-    ([MLP, "--dims", "M=x"], "--dims"),
-    ([MLP, "--dims", "Q=4"], "unknown dim Q"),
-    ([str(ROOT / "examples" / "qk_norm.coda"), "--dims", "P=3"], "P = 3 is not a multiple of 64"),  # groups of 128
-    ([MLP, "--input-seed", "-1"], "--input-seed"),
-    ([MLP, "--block", "nope"], "no block `nope`"),
-    ([str(ROOT / "nope.coda")], "can't read"),
-    ([], "give a FILE"),
-    ([MLP, "--programs", "3"], "not both"),
-    (["--programs", "3", "--dims", "M=4"], "go with a FILE"),
-    ([MLP, "--target", "tpu"], "invalid choice"),
-    ([MLP, "--examples", "many"], "invalid int"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([MLP, "--examples", "0"], "positive"),
+        ([MLP, "--max-dim", "0"], "--max-dim"),
+        ([MLP, "--tile", "4by8"], "--tile"),
+        ([MLP, "--dims", "M=x"], "--dims"),
+        ([MLP, "--dims", "Q=4"], "unknown dim Q"),
+        (
+            [str(ROOT / "examples" / "qk_norm.coda"), "--dims", "P=3"],
+            "P = 3 is not a multiple of 64",
+        ),  # groups of 128
+        ([MLP, "--input-seed", "-1"], "--input-seed"),
+        ([MLP, "--block", "nope"], "no block `nope`"),
+        ([str(ROOT / "nope.coda")], "can't read"),
+        ([], "give a FILE"),
+        ([MLP, "--programs", "3"], "not both"),
+        (["--programs", "3", "--dims", "M=4"], "go with a FILE"),
+        ([MLP, "--target", "tpu"], "invalid choice"),
+        ([MLP, "--examples", "many"], "invalid int"),
+    ],
+)
 def test_bad_arguments(args: list[str], message: str) -> None:
-    run = subprocess.run([sys.executable, "-m", "coda_lang.cli", "fuzz", *args], capture_output=True, text=True,
-                         timeout=60, cwd=ROOT)
+    run = subprocess.run(
+        [sys.executable, "-m", "coda_lang.cli", "fuzz", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert run.returncode == 2, run.stdout + run.stderr
     assert message in run.stderr and "Traceback" not in run.stderr, run.stderr
 
 
 def test_a_block_with_errors_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.coda"
-    bad.write_text("dims M, K, N\nblock b(x: f32[M, K], w: f32[K, N]) -> (o: f32[M, N]) {\n  gemm x @ w {\n"
-                   "    s = sum(acc, over=N)\n    o = acc * s\n  }\n}\n")
+    bad.write_text(
+        "dims M, K, N\nblock b(x: f32[M, K], w: f32[K, N]) -> (o: f32[M, N]) {\n  gemm x @ w {\n"
+        "    s = sum(acc, over=N)\n    o = acc * s\n  }\n}\n"
+    )
     code, out, err = fuzz(capsys, str(bad))
     assert code == 1 and "error[E0503]" in err
 
@@ -238,10 +271,20 @@ FOUND = [
 
 @pytest.mark.parametrize("target", ["emulate", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("name, dims, seed, tile", FOUND, ids=[f[0] for f in FOUND])
-def test_cases_found_by_fuzzing_pass(capsys: pytest.CaptureFixture[str], target: str, name: str, dims: str,
-                                     seed: str, tile: str | None) -> None:
-    args = [str(ROOT / "tests" / "fuzz_found" / name), "--block", "fwd", "--target", target, "--dims", dims,
-            "--input-seed", seed] + (["--tile", tile] if tile else [])
+def test_cases_found_by_fuzzing_pass(
+    capsys: pytest.CaptureFixture[str], target: str, name: str, dims: str, seed: str, tile: str | None
+) -> None:
+    args = [
+        str(ROOT / "tests" / "fuzz_found" / name),
+        "--block",
+        "fwd",
+        "--target",
+        target,
+        "--dims",
+        dims,
+        "--input-seed",
+        seed,
+    ] + (["--tile", tile] if tile else [])
     code, out, err = fuzz(capsys, *args)
     assert code == 0, out + err
     assert "1 cases (forward and backward)" in out, out

@@ -52,11 +52,21 @@ import coda_lang
 torch = pytest.importorskip("torch")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
-os.environ.setdefault("CODA_TUNE", "0")  # tile tuning has its own test (test_tuning_...); the others use select_config
+os.environ.setdefault(
+    "CODA_TUNE", "0"
+)  # tile tuning has its own test (test_tuning_...); the others use select_config
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-FORWARD = ["llama_mlp", "bias_gelu", "scale_residual", "amax_fp8", "lm_head_ce", "qkv_rope", "llama_block",
-           "qk_norm"]
+FORWARD = [
+    "llama_mlp",
+    "bias_gelu",
+    "scale_residual",
+    "amax_fp8",
+    "lm_head_ce",
+    "qkv_rope",
+    "llama_block",
+    "qk_norm",
+]
 # qk_norm's per-head sum (group=128) needs 2*P a multiple of 128: 2*P = 1152 (M = 1000, D = 520 stay ragged)
 SIZES = {"qk_norm": {**RAGGED, "P": 576}}
 
@@ -164,7 +174,9 @@ def kernel_names(fn: Any) -> list[str]:
         fn()
         torch.cuda.synchronize()
     try:  # every activity kineto recorded, GPU kernels included
-        names = [e.name() for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA]
+        names = [
+            e.name() for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA
+        ]
     except AttributeError:
         names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
     assert names, "the profiler recorded no CUDA activity"
@@ -183,8 +195,9 @@ def check_one_launch_per_gemm_stage(cb: Any, inputs: dict[str, Any]) -> None:
         spec = cb.specs[k - 1]
         runner = cb.runner(k)
         ins, scalars = runner.arguments(env)
-        names = kernel_names(lambda runner=runner, ins=ins, scalars=scalars:
-                             torch.ops.coda.stage(runner.key, ins, scalars))
+        names = kernel_names(
+            lambda runner=runner, ins=ins, scalars=scalars: torch.ops.coda.stage(runner.key, ins, scalars)
+        )
         mine = [n for n in names if f"_{spec.fn_name}_" in n]
         others = [n for n in names if n not in mine]
         fills = sum(s.op == "ColVecSelect" for s in spec.sinks)
@@ -242,8 +255,10 @@ def test_backward_block_matches_interpreter(name: str) -> None:
     cpu = {k: v.cpu() for k, v in r.inputs.items()}
     ref, ref_partials = r.bwd.run_with_partials(cpu, tile=BWD_TILE)
     ref64, ref64_partials = r.bwd.run_with_partials(cpu, tile=BWD_TILE, precision="f64")
-    print(f"\n{r.bwd.name}: GEMM stages {r.cb.gemm_stages}, elementwise {sorted(r.cb.elementwise)}, "
-          f"modes {[s.mode for s in r.cb.specs if s is not None]}")
+    print(
+        f"\n{r.bwd.name}: GEMM stages {r.cb.gemm_stages}, elementwise {sorted(r.cb.elementwise)}, "
+        f"modes {[s.mode for s in r.cb.specs if s is not None]}"
+    )
     for o in r.bwd.ir.outputs:
         assert o.type is not None
         check_gradient(o.name, outs[o.name], ref[o.name], ref64[o.name], o.type.dtype)
@@ -268,8 +283,11 @@ def test_example_autograd_matches_vjp(name: str) -> None:
     leaves = {k: v.clone().requires_grad_() if v.is_floating_point() else v for k, v in inputs.items()}
     outs = fn(leaves)
     gen = torch.Generator("cuda").manual_seed(8)
-    cts = {o: torch.randn(v.shape, device="cuda", generator=gen).to(v.dtype) for o, v in outs.items()
-           if v.is_floating_point()}
+    cts = {
+        o: torch.randn(v.shape, device="cuda", generator=gen).to(v.dtype)
+        for o, v in outs.items()
+        if v.is_floating_point()
+    }
     torch.autograd.backward([outs[o] for o in cts], [cts[o] for o in cts])
     cpu = {k: v.cpu() for k, v in inputs.items()}
     cts_cpu = {k: v.cpu() for k, v in cts.items()}
@@ -316,7 +334,9 @@ def test_backward_matches_vjp(name: str) -> None:
     inputs = example_inputs(blk, RAGGED, seed=3, device="cuda")
     leaves = {k: v.clone().requires_grad_() for k, v in inputs.items()}
     out = fn(leaves)["out"]
-    ct = torch.randn(out.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(4)).to(torch.bfloat16)
+    ct = torch.randn(out.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(4)).to(
+        torch.bfloat16
+    )
     out.backward(ct)
     cpu = {k: v.cpu() for k, v in inputs.items()}
     ref = blk.vjp(cpu, {"out": ct.cpu()}, tile=tile)
@@ -351,11 +371,18 @@ def test_torch_compile_of_autograd() -> None:
         f(**leaves).backward()
         grads.append({k: v.grad for k, v in leaves.items()})
     for k in grads[0]:
-        print(f"d{k}: eager max |g| {grads[0][k].abs().max().item():.3e}, compiled {grads[1][k].abs().max().item():.3e}")
+        print(
+            f"d{k}: eager max |g| {grads[0][k].abs().max().item():.3e}, compiled {grads[1][k].abs().max().item():.3e}"
+        )
     for p in blk.ir.params:
         assert p.var.type is not None
-        check_output(f"d{p.var.name} (torch.compile)", grads[1][p.var.name], grads[0][p.var.name], None,
-                     p.var.type.dtype)
+        check_output(
+            f"d{p.var.name} (torch.compile)",
+            grads[1][p.var.name],
+            grads[0][p.var.name],
+            None,
+            p.var.type.dtype,
+        )
 
 
 def test_cuda_graph_replay() -> None:

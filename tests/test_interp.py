@@ -133,15 +133,26 @@ def test_float_inputs_converted_to_declared_dtype() -> None:
     np.testing.assert_array_equal(a["o"], c["o"])
 
 
-@pytest.mark.parametrize("inputs, dims, pattern", [
-    ({"x": np.zeros((4, 5)), "w": np.zeros((5, 6))}, None, "missing input `v`"),
-    ({"x": np.zeros((4, 5)), "w": np.zeros((5, 6)), "v": np.zeros((6, 6)), "q": 1}, None, "unknown input `q`"),
-    ({"x": np.zeros((4, 5)), "w": np.zeros((4, 6)), "v": np.zeros((6, 6))}, None, "K = 4, but K = 5"),
-    ({"x": np.zeros((4, 5)), "w": np.zeros((5, 6)), "v": np.zeros((6,))}, None, "has shape"),
-    ({"x": np.zeros((4, 5)), "w": np.zeros((5, 6)), "v": np.zeros((6, 6))}, {"M": 3}, "M = 4, but M = 3"),
-    ({"x": np.zeros((4, 5)), "w": np.zeros((5, 6)), "v": np.zeros((6, 6))}, {"Q": 3}, "unknown dim `Q`"),
-    ({"x": np.zeros((4, 5), np.int32), "w": np.zeros((5, 6)), "v": np.zeros((6, 6))}, None, "declared bf16"),
-])
+@pytest.mark.parametrize(
+    "inputs, dims, pattern",
+    [
+        ({"x": np.zeros((4, 5)), "w": np.zeros((5, 6))}, None, "missing input `v`"),
+        (
+            {"x": np.zeros((4, 5)), "w": np.zeros((5, 6)), "v": np.zeros((6, 6)), "q": 1},
+            None,
+            "unknown input `q`",
+        ),
+        ({"x": np.zeros((4, 5)), "w": np.zeros((4, 6)), "v": np.zeros((6, 6))}, None, "K = 4, but K = 5"),
+        ({"x": np.zeros((4, 5)), "w": np.zeros((5, 6)), "v": np.zeros((6,))}, None, "has shape"),
+        ({"x": np.zeros((4, 5)), "w": np.zeros((5, 6)), "v": np.zeros((6, 6))}, {"M": 3}, "M = 4, but M = 3"),
+        ({"x": np.zeros((4, 5)), "w": np.zeros((5, 6)), "v": np.zeros((6, 6))}, {"Q": 3}, "unknown dim `Q`"),
+        (
+            {"x": np.zeros((4, 5), np.int32), "w": np.zeros((5, 6)), "v": np.zeros((6, 6))},
+            None,
+            "declared bf16",
+        ),
+    ],
+)
 def test_input_errors_are_coda_errors(inputs: dict, dims: dict | None, pattern: str) -> None:
     b = coda_lang.load(ROUNDING)["b"]
     with pytest.raises(coda_lang.CodaError, match=pattern):
@@ -161,6 +172,7 @@ def test_index_input_must_be_integer_and_pairs_need_even_tile() -> None:
 
 
 # Tile-size invariance: any tiling gives the whole-matrix result up to reassociation.
+
 
 def _dims_for(block: coda_lang.Block, draw: st.DrawFn) -> dict[str, int]:
     dims = {}
@@ -189,7 +201,9 @@ def test_tile_size_invariance(case: tuple[coda_lang.Block, dict[str, int], tuple
     whole = block.run(inputs, precision="f64")
     tiled = block.run(inputs, precision="f64", tile=tile)
     for name in whole:
-        np.testing.assert_allclose(tiled[name], whole[name], rtol=1e-9, atol=1e-9, err_msg=f"{block.name}.{name}")
+        np.testing.assert_allclose(
+            tiled[name], whole[name], rtol=1e-9, atol=1e-9, err_msg=f"{block.name}.{name}"
+        )
     whole32 = block.run(inputs)
     tiled32 = block.run(inputs, tile=tile)
     for name in whole32:

@@ -74,7 +74,9 @@ def test_gate_up_round_trips(kind: str, shape: tuple[int, ...]) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("head_dim, width, rope_width", [(16, 128, 96), (16, 64, None), (8, 40, 0), (2, 6, 4)])
+@pytest.mark.parametrize(
+    "head_dim, width, rope_width", [(16, 128, 96), (16, 64, None), (8, 40, 0), (2, 6, 4)]
+)
 def test_rope_round_trips(kind: str, head_dim: int, width: int, rope_width: int | None) -> None:
     make = KINDS[kind]
     w = make((24, width), 4)
@@ -87,9 +89,16 @@ def test_rope_round_trips(kind: str, head_dim: int, width: int, rope_width: int 
     _same(wi[:, rw:], w[:, rw:])
 
 
-@given(head_dim=st.integers(1, 8).map(lambda h: 2 * h), rope_heads=st.integers(0, 4),
-       other_heads=st.integers(0, 3), lead=st.lists(st.integers(1, 3), max_size=2), seed=st.integers(0, 2**16))
-def test_rope_round_trip_property(head_dim: int, rope_heads: int, other_heads: int, lead: list[int], seed: int) -> None:
+@given(
+    head_dim=st.integers(1, 8).map(lambda h: 2 * h),
+    rope_heads=st.integers(0, 4),
+    other_heads=st.integers(0, 3),
+    lead=st.lists(st.integers(1, 3), max_size=2),
+    seed=st.integers(0, 2**16),
+)
+def test_rope_round_trip_property(
+    head_dim: int, rope_heads: int, other_heads: int, lead: list[int], seed: int
+) -> None:
     width = (rope_heads + other_heads) * head_dim
     w = _np((*lead, width), seed)
     rw = rope_heads * head_dim
@@ -104,8 +113,28 @@ def test_rope_round_trip_property(head_dim: int, rope_heads: int, other_heads: i
 def test_layout_is_the_documented_one() -> None:
     w = np.arange(2 * 8 + 4)
     # head_dim 8, two rope heads: halves (j, j + 4) -> columns (2j, 2j+1); the last 4 columns stay
-    assert interleave_rope(w, 8, 16).tolist() == [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
-                                                  16, 17, 18, 19]
+    assert interleave_rope(w, 8, 16).tolist() == [
+        0,
+        4,
+        1,
+        5,
+        2,
+        6,
+        3,
+        7,
+        8,
+        12,
+        9,
+        13,
+        10,
+        14,
+        11,
+        15,
+        16,
+        17,
+        18,
+        19,
+    ]
     assert interleave_gate_up(np.arange(3), np.arange(10, 13)).tolist() == [0, 10, 1, 11, 2, 12]
 
 
@@ -120,21 +149,25 @@ def test_torch_device_and_grad_free_copy() -> None:
 # ---------------------------------------------------------------------------- RoPE equivalence
 
 
-def _rotate_half_rope(q: np.ndarray, pos: np.ndarray, head_dim: int, rope_width: int, base: float) -> np.ndarray:
+def _rotate_half_rope(
+    q: np.ndarray, pos: np.ndarray, head_dim: int, rope_width: int, base: float
+) -> np.ndarray:
     """Ordinary rotate-half RoPE (HF LLaMA style) on the heads in the first rope_width columns."""
     out = q.copy()
     inv = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     ang = pos[:, None] * np.concatenate([inv, inv])[None, :]  # [M, head_dim]
     cos, sin = np.cos(ang), np.sin(ang)
     for h0 in range(0, rope_width, head_dim):
-        x = q[:, h0:h0 + head_dim]
-        rot = np.concatenate([-x[:, head_dim // 2:], x[:, :head_dim // 2]], axis=1)
-        out[:, h0:h0 + head_dim] = x * cos + rot * sin
+        x = q[:, h0 : h0 + head_dim]
+        rot = np.concatenate([-x[:, head_dim // 2 :], x[:, : head_dim // 2]], axis=1)
+        out[:, h0 : h0 + head_dim] = x * cos + rot * sin
     return out
 
 
 @pytest.mark.parametrize("head_dim, heads, rope_heads", [(16, 8, 6), (8, 3, 3), (128, 2, 1)])
-def test_pairs_of_interleaved_weights_reproduce_rotate_half_rope(head_dim: int, heads: int, rope_heads: int) -> None:
+def test_pairs_of_interleaved_weights_reproduce_rotate_half_rope(
+    head_dim: int, heads: int, rope_heads: int
+) -> None:
     M, D, base = 12, 24, 10000.0
     width, rw = heads * head_dim, rope_heads * head_dim
     x = _np((M, D), 5).astype(np.float64)
@@ -142,12 +175,12 @@ def test_pairs_of_interleaved_weights_reproduce_rotate_half_rope(head_dim: int, 
     pos = np.arange(M, dtype=np.float64) * 7.0
     ref = _rotate_half_rope(x @ w, pos, head_dim, rw, base)
 
-    z = x @ interleave_rope(w, head_dim, rw)          # what the stage's acc holds
-    a, b = z[:, 0::2], z[:, 1::2]                      # pairs(z)
+    z = x @ interleave_rope(w, head_dim, rw)  # what the stage's acc holds
+    a, b = z[:, 0::2], z[:, 1::2]  # pairs(z)
     ang = pos[:, None] * rope_freq(head_dim, rw, width, base).astype(np.float64)[None, :]
     c, s = np.cos(ang), np.sin(ang)
     out = np.empty_like(z)
-    out[:, 0::2], out[:, 1::2] = a * c - b * s, a * s + b * c   # interleave(...)
+    out[:, 0::2], out[:, 1::2] = a * c - b * s, a * s + b * c  # interleave(...)
     got = deinterleave_rope(out, head_dim, rw)
     # rope_freq is f32, the reference's inv_freq f64: angles agree to ~1e-7 relative
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
@@ -155,8 +188,12 @@ def test_pairs_of_interleaved_weights_reproduce_rotate_half_rope(head_dim: int, 
     qi = x @ interleave_rope(w, head_dim, rw)
     q = x @ w
     for h0 in range(0, width, head_dim):
-        np.testing.assert_allclose((qi[:, h0:h0 + head_dim] @ qi[:, h0:h0 + head_dim].T),
-                                   (q[:, h0:h0 + head_dim] @ q[:, h0:h0 + head_dim].T), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(
+            (qi[:, h0 : h0 + head_dim] @ qi[:, h0 : h0 + head_dim].T),
+            (q[:, h0 : h0 + head_dim] @ q[:, h0 : h0 + head_dim].T),
+            rtol=1e-12,
+            atol=1e-12,
+        )
 
 
 def test_rope_freq_values() -> None:
@@ -170,20 +207,29 @@ def test_rope_freq_values() -> None:
 # ---------------------------------------------------------------------------- errors
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda: interleave_rope(np.zeros((4, 30)), 15), "head_dim must be a positive even integer"),
-    (lambda: interleave_rope(np.zeros((4, 30)), 0), "head_dim must be a positive even integer"),
-    (lambda: interleave_rope(np.zeros((4, 40)), 16), "width of the last axis .* = 40 is not a multiple of head_dim = 16"),
-    (lambda: deinterleave_rope(torch.zeros(4, 48), 16, 40), "rope_width = 40 is not a multiple of head_dim = 16"),
-    (lambda: interleave_rope(np.zeros((4, 48)), 16, 64), "rope_width = 64 is more than the 48 columns"),
-    (lambda: rope_freq(15, 30, 30), "head_dim must be a positive even integer"),
-    (lambda: rope_freq(16, 24, 48), "rope_width = 24 is not a multiple of head_dim = 16"),
-    (lambda: rope_freq(16, 32, 47), "width must be a positive even integer"),
-    (lambda: split_gate_up(np.zeros((4, 7))), "even number of columns"),
-    (lambda: interleave_gate_up(np.zeros((4, 8)), np.zeros((4, 6))), "same shape"),
-    (lambda: interleave_gate_up(np.zeros(8, np.float32), np.zeros(8)), "same dtype"),
-    (lambda: interleave_rope(np.float32(1.0), 2), "scalar"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: interleave_rope(np.zeros((4, 30)), 15), "head_dim must be a positive even integer"),
+        (lambda: interleave_rope(np.zeros((4, 30)), 0), "head_dim must be a positive even integer"),
+        (
+            lambda: interleave_rope(np.zeros((4, 40)), 16),
+            "width of the last axis .* = 40 is not a multiple of head_dim = 16",
+        ),
+        (
+            lambda: deinterleave_rope(torch.zeros(4, 48), 16, 40),
+            "rope_width = 40 is not a multiple of head_dim = 16",
+        ),
+        (lambda: interleave_rope(np.zeros((4, 48)), 16, 64), "rope_width = 64 is more than the 48 columns"),
+        (lambda: rope_freq(15, 30, 30), "head_dim must be a positive even integer"),
+        (lambda: rope_freq(16, 24, 48), "rope_width = 24 is not a multiple of head_dim = 16"),
+        (lambda: rope_freq(16, 32, 47), "width must be a positive even integer"),
+        (lambda: split_gate_up(np.zeros((4, 7))), "even number of columns"),
+        (lambda: interleave_gate_up(np.zeros((4, 8)), np.zeros((4, 6))), "same shape"),
+        (lambda: interleave_gate_up(np.zeros(8, np.float32), np.zeros(8)), "same dtype"),
+        (lambda: interleave_rope(np.float32(1.0), 2), "scalar"),
+    ],
+)
 def test_errors(call: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         call()  # type: ignore[operator]
@@ -197,7 +243,9 @@ def test_mixed_kinds_and_non_arrays_are_type_errors() -> None:
 
 
 def test_import_does_not_import_torch() -> None:
-    code = ("import sys, numpy as np, coda_lang, coda_lang.layout as L; "
-            "L.interleave_rope(L.interleave_gate_up(np.ones((2, 8)), np.ones((2, 8))), 4); L.rope_freq(4, 8, 16); "
-            "assert 'torch' not in sys.modules, 'torch was imported'")
+    code = (
+        "import sys, numpy as np, coda_lang, coda_lang.layout as L; "
+        "L.interleave_rope(L.interleave_gate_up(np.ones((2, 8)), np.ones((2, 8))), 4); L.rope_freq(4, 8, 16); "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -41,13 +41,20 @@ def _cube_rule(ctx: Any, ins: Any, params: Any) -> Any:
 @pytest.fixture
 def throwaway_op() -> Iterator[OpDef]:
     """`cube_t`: registered for the test, unregistered after it (whatever it raised)."""
-    op = register(OpDef(
-        "cube_t", "cube_t", 1, type_rule=_cube_rule, locality="pointwise",
-        impl=lambda x: x * x * x,
-        vjp=lambda b, p, ct: [b.mul(ct, b.mul(b.lit(3.0), b.mul(p.x[0], p.x[0])))],
-        emit=lambda x: f"{x} * {x} * {x}",
-        torch=lambda x: as_tensor(x) ** 3,
-        doc="x cubed (a test's throwaway op)"))
+    op = register(
+        OpDef(
+            "cube_t",
+            "cube_t",
+            1,
+            type_rule=_cube_rule,
+            locality="pointwise",
+            impl=lambda x: x * x * x,
+            vjp=lambda b, p, ct: [b.mul(ct, b.mul(b.lit(3.0), b.mul(p.x[0], p.x[0])))],
+            emit=lambda x: f"{x} * {x} * {x}",
+            torch=lambda x: as_tensor(x) ** 3,
+            doc="x cubed (a test's throwaway op)",
+        )
+    )
     try:
         yield op
     finally:
@@ -58,8 +65,11 @@ def throwaway_op() -> Iterator[OpDef]:
 
 
 def _inputs(rng: np.random.Generator, m: int = 24, n: int = 16, k: int = 8) -> dict[str, np.ndarray]:
-    return {"x": rng.standard_normal((m, k)).astype(np.float32), "w": rng.standard_normal((k, n)).astype(np.float32),
-            "v": rng.standard_normal(m).astype(np.float32)}
+    return {
+        "x": rng.standard_normal((m, k)).astype(np.float32),
+        "w": rng.standard_normal((k, n)).astype(np.float32),
+        "v": rng.standard_normal(m).astype(np.float32),
+    }
 
 
 def test_an_op_is_one_opdef(throwaway_op: OpDef) -> None:
@@ -84,8 +94,12 @@ def test_an_op_is_one_opdef(throwaway_op: OpDef) -> None:
     got = cb({k: torch.from_numpy(v) for k, v in ins.items()})
     want = block.run(ins, tile=(16, 8))
     for name in ("y", "s", "t"):
-        np.testing.assert_allclose(got[name].float().numpy(), np.asarray(want[name], np.float32), rtol=2e-2,
-                                   atol=2e-2 * float(np.max(np.abs(np.asarray(want[name], np.float32)))))
+        np.testing.assert_allclose(
+            got[name].float().numpy(),
+            np.asarray(want[name], np.float32),
+            rtol=2e-2,
+            atol=2e-2 * float(np.max(np.abs(np.asarray(want[name], np.float32)))),
+        )
 
 
 def test_the_throwaway_op_is_gone_after_its_test() -> None:
@@ -116,10 +130,18 @@ def test_new_activations_match_torch() -> None:
     w = rng.standard_normal((8, 16))
     outs = block.run({"x": x, "w": w}, precision="f64")
     acc = torch.from_numpy(x @ w)
-    torch.testing.assert_close(torch.from_numpy(outs["sp"]), torch.nn.functional.softplus(acc), rtol=1e-12, atol=0)
-    torch.testing.assert_close(torch.from_numpy(outs["ge"]), torch.nn.functional.gelu(acc), rtol=1e-12, atol=1e-15)
-    torch.testing.assert_close(torch.from_numpy(outs["gt"]), torch.nn.functional.gelu(acc, approximate="tanh"),
-                               rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(
+        torch.from_numpy(outs["sp"]), torch.nn.functional.softplus(acc), rtol=1e-12, atol=0
+    )
+    torch.testing.assert_close(
+        torch.from_numpy(outs["ge"]), torch.nn.functional.gelu(acc), rtol=1e-12, atol=1e-15
+    )
+    torch.testing.assert_close(
+        torch.from_numpy(outs["gt"]),
+        torch.nn.functional.gelu(acc, approximate="tanh"),
+        rtol=1e-12,
+        atol=1e-15,
+    )
     torch.testing.assert_close(torch.from_numpy(outs["er"]), torch.special.erf(acc), rtol=1e-12, atol=1e-15)
     check_vjp(block, {"x": x, "w": w})
 
@@ -138,8 +160,11 @@ def test_a_choice_parameter_round_trips_and_rejects_other_values() -> None:
     block = coda_lang.load(ACTS)["acts"]
     assert 'gelu(acc, approximate="none")' in str(block)
     assert coda_lang.load(str(block))["acts"].ir == block.ir
-    for bad, what in (('approximate="erf"', 'is one of "tanh", "none"'), ("approximate=none", "is one of"),
-                      ('approximate=1.0', "is one of")):
+    for bad, what in (
+        ('approximate="erf"', 'is one of "tanh", "none"'),
+        ("approximate=none", "is one of"),
+        ("approximate=1.0", "is one of"),
+    ):
         with pytest.raises(coda_lang.CodaError, match="E0206") as e:
             coda_lang.load(ACTS.replace('approximate="none"', bad))
         assert what in str(e.value)
@@ -178,7 +203,9 @@ def test_mean_is_a_sum_divided_by_the_count() -> None:
 
 def test_mean_keeps_the_diagnostics_of_sum() -> None:
     with pytest.raises(coda_lang.CodaError) as e:
-        coda_lang.load(MEAN.replace("m = mean(acc * acc, over=N)", "m = mean(acc * acc, over=N)\n    q = acc * m"))
+        coda_lang.load(
+            MEAN.replace("m = mean(acc * acc, over=N)", "m = mean(acc * acc, over=N)\n    q = acc * m")
+        )
     assert "E0501" in str(e.value) or "E0503" in str(e.value)
     with pytest.raises(coda_lang.CodaError, match="E0206"):
         coda_lang.load(MEAN.replace("mean(v * m, over=M)", "mean(v * m)"))
@@ -202,12 +229,29 @@ def throwaway_reduction() -> Iterator[OpDef]:
     from coda_lang.ops.reductions import REDUCE_PARAMS, _reduce_rule
     from coda_lang.ops.registry import COMBINES, Combine
 
-    rec = Combine("prod_t", "a partial product", 1.0, lambda x, axis: np.prod(x, axis=axis),
-                  lambda x, axis: x.prod(axis))
+    rec = Combine(
+        "prod_t",
+        "a partial product",
+        1.0,
+        lambda x, axis: np.prod(x, axis=axis),
+        lambda x, axis: x.prod(axis),
+    )
     COMBINES[rec.name] = rec
-    op = register(OpDef("reduce_prod_t", "prod_t", 1, type_rule=_reduce_rule("prod_t", rec.name), locality="reduce",
-                        params=REDUCE_PARAMS, combine=rec, impl=lambda x, axis: np.prod(x, axis=axis),
-                        emit=lambda x, **params: x, torch=lambda x: as_tensor(x).prod(), differentiable=False))
+    op = register(
+        OpDef(
+            "reduce_prod_t",
+            "prod_t",
+            1,
+            type_rule=_reduce_rule("prod_t", rec.name),
+            locality="reduce",
+            params=REDUCE_PARAMS,
+            combine=rec,
+            impl=lambda x, axis: np.prod(x, axis=axis),
+            emit=lambda x, **params: x,
+            torch=lambda x: as_tensor(x).prod(),
+            differentiable=False,
+        )
+    )
     try:
         yield op
     finally:
@@ -216,7 +260,8 @@ def throwaway_reduction() -> Iterator[OpDef]:
 
 
 def test_a_new_reduction_combines_by_its_record_and_is_refused_where_no_sink_folds_it(
-        throwaway_reduction: OpDef) -> None:
+    throwaway_reduction: OpDef,
+) -> None:
     block = coda_lang.load(PROD)["prods"]
     rng = np.random.default_rng(4)
     ins = {"x": rng.standard_normal((12, 4)) * 0.2, "w": rng.standard_normal((4, 20))}

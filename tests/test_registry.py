@@ -32,7 +32,9 @@ EXPECTED_MISSING: dict[str, frozenset[str]] = {
     "impl": frozenset(),  # the interpreter issue
     "vjp": frozenset({"col_index", "eq", "ge", "gt", "le", "lt", "ne", "row_index"}),  # not differentiable
     "emit": frozenset({"col_index", "row_index"}),  # the executors know where their tile sits
-    "torch": frozenset({"col_index", "row_index", "pick"}),  # as emit; pick is a sink (or a gather) of its own
+    "torch": frozenset(
+        {"col_index", "row_index", "pick"}
+    ),  # as emit; pick is a sink (or a gather) of its own
 }
 
 
@@ -42,8 +44,10 @@ def rule_table() -> str:
     lines = [f"{'op'.ljust(width)}  " + "  ".join(r.ljust(9) for r in RULES)]
     for n in names:
         op = REGISTRY[n]
-        lines.append(f"{n.ljust(width)}  " + "  ".join(("yes" if getattr(op, r) is not None else "-").ljust(9)
-                                                      for r in RULES))
+        lines.append(
+            f"{n.ljust(width)}  "
+            + "  ".join(("yes" if getattr(op, r) is not None else "-").ljust(9) for r in RULES)
+        )
     return "\n".join(lines)
 
 
@@ -116,7 +120,7 @@ def test_a_call_that_resolves_gives_every_required_parameter(name: str) -> None:
         for r in range(len(names) + 1):
             for kws in map(set, itertools.combinations(names, r)):
                 if op.accepts(nargs, kws):
-                    given = kws | set(positional[:nargs - op.nin])
+                    given = kws | set(positional[: nargs - op.nin])
                     assert {p.name for p in op.params if p.required} <= given, (name, nargs, kws)
 
 
@@ -140,7 +144,9 @@ def test_each_op_is_what_its_calls_resolve_to(name: str) -> None:
     op = REGISTRY[name]
     for nargs, kws in _canonical_calls(op):
         got = resolve(op.infix or op.surface, nargs, kws)
-        assert got is op, f"`{op.surface}` with {nargs} operands and {sorted(kws)} resolves to {got and got.name}"
+        assert got is op, (
+            f"`{op.surface}` with {nargs} operands and {sorted(kws)} resolves to {got and got.name}"
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -157,14 +163,25 @@ def _inside(rows: Dim, cols: Dim) -> list[Type]:
     out += [Type("f32", (d,), VEC) for d in (cols, half, double, K)] + [Type("i32", (cols,), VEC)]
     out += [Type(dt, (rows, cols), TILE) for dt in ("f32", "bf16", "i32", BOOL)]
     out += [Type("f32", (rows, d), TILE) for d in (half, double)] + [Type("f32", (K, cols), TILE)]
-    out += [Type("f32", (rows, cols.scale(Fraction(1, 128))), GROUP, group=128),
-            Type("f32", (rows, half.scale(Fraction(1, 4))), GROUP, group=4), ERROR_TYPE]
+    out += [
+        Type("f32", (rows, cols.scale(Fraction(1, 128))), GROUP, group=128),
+        Type("f32", (rows, half.scale(Fraction(1, 4))), GROUP, group=4),
+        ERROR_TYPE,
+    ]
     return out
 
 
-BETWEEN = ([Type(dt) for dt in DTYPES + (BOOL,)] + [Type(dt, (M,), VEC) for dt in ("f32", "bf16", "i32", BOOL)]
-           + [Type("f32", (N,), VEC), Type("i32", (N,), VEC), Type("f32", (M, N), MATRIX),
-              Type("bf16", (M, N), MATRIX), ERROR_TYPE])
+BETWEEN = (
+    [Type(dt) for dt in DTYPES + (BOOL,)]
+    + [Type(dt, (M,), VEC) for dt in ("f32", "bf16", "i32", BOOL)]
+    + [
+        Type("f32", (N,), VEC),
+        Type("i32", (N,), VEC),
+        Type("f32", (M, N), MATRIX),
+        Type("bf16", (M, N), MATRIX),
+        ERROR_TYPE,
+    ]
+)
 
 CONTEXTS = [
     ("stage", lambda: Ctx(StageShape(M, N), {"N": 2}), _inside(M, N)),
@@ -210,8 +227,9 @@ def test_type_rule_returns_types_or_raises_mistake(name: str, where: str) -> Non
                 assert m.message
                 continue
             except Exception as e:  # anything else is a bug in the rule
-                pytest.fail(f"{name}{tuple(str(t) for t in ins)} {params} in a {where} raised "
-                            f"{type(e).__name__}: {e}")
+                pytest.fail(
+                    f"{name}{tuple(str(t) for t in ins)} {params} in a {where} raised {type(e).__name__}: {e}"
+                )
             assert isinstance(outs, tuple) and len(outs) == op.nout, (name, ins, outs)
             assert all(isinstance(t, Type) for t in outs), (name, ins, outs)
             if any(t.is_error for t in ins):

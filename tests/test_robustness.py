@@ -30,18 +30,68 @@ SOURCES = {p.name: p.read_text() for p in EXAMPLES}
 FILE = "fuzz.coda"
 
 _TOKEN_RE = re.compile(
-    r"\s+|#[^\n]*|[A-Za-z_][A-Za-z0-9_]*|[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?\.?|->|<=|>=|==|!=|.", re.S)
+    r"\s+|#[^\n]*|[A-Za-z_][A-Za-z0-9_]*|[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?\.?|->|<=|>=|==|!=|.", re.S
+)
 
 
 def tokens(text: str) -> list[str]:
     return _TOKEN_RE.findall(text)
 
 
-NAMES = sorted({t for src in SOURCES.values() for t in tokens(src) if t[0].isalpha() or t[0] == "_"}
-               | set(BY_SURFACE) | set(DTYPES) | {"acc", "transpose", "gemm", "block", "dims", "bool", "x", "_t1"})
-NUMBERS = ["0", "1", "2", "-1", "128", "0.5", "1e-6", "1e400", "-1e400", ".5", "1.", "007", "2" * 40, "9" * 5000]
-PUNCT = ["(", ")", "{", "}", "[", "]", ",", ":", ";", "=", "+", "-", "*", "/", "@", "->", "<", ">", "<=", ">=",
-         "==", "!=", ".", "#", "!", "$", "`", "\\", "'", '"']
+NAMES = sorted(
+    {t for src in SOURCES.values() for t in tokens(src) if t[0].isalpha() or t[0] == "_"}
+    | set(BY_SURFACE)
+    | set(DTYPES)
+    | {"acc", "transpose", "gemm", "block", "dims", "bool", "x", "_t1"}
+)
+NUMBERS = [
+    "0",
+    "1",
+    "2",
+    "-1",
+    "128",
+    "0.5",
+    "1e-6",
+    "1e400",
+    "-1e400",
+    ".5",
+    "1.",
+    "007",
+    "2" * 40,
+    "9" * 5000,
+]
+PUNCT = [
+    "(",
+    ")",
+    "{",
+    "}",
+    "[",
+    "]",
+    ",",
+    ":",
+    ";",
+    "=",
+    "+",
+    "-",
+    "*",
+    "/",
+    "@",
+    "->",
+    "<",
+    ">",
+    "<=",
+    ">=",
+    "==",
+    "!=",
+    ".",
+    "#",
+    "!",
+    "$",
+    "`",
+    "\\",
+    "'",
+    '"',
+]
 SPACE = [" ", "\n", "\t", "\r\n", "\r", "\f", "  # comment\n", "\u2028", "\x00"]
 KEYWORDS = ["dims", "block", "gemm", "transpose", "acc", "over", "group", "pairs", "interleave", "sum"]
 
@@ -115,8 +165,23 @@ def mutated(draw: st.DrawFn, sources: st.SearchStrategy[str]) -> str:
             toks = [draw(token)]
         i = draw(st.integers(0, len(toks) - 1))
         j = draw(st.integers(0, len(toks) - 1))
-        how = draw(st.sampled_from(["delete", "duplicate", "swap", "name", "number", "brace", "insert",
-                                    "char_delete", "char_insert", "char_swap", "truncate"]))
+        how = draw(
+            st.sampled_from(
+                [
+                    "delete",
+                    "duplicate",
+                    "swap",
+                    "name",
+                    "number",
+                    "brace",
+                    "insert",
+                    "char_delete",
+                    "char_insert",
+                    "char_swap",
+                    "truncate",
+                ]
+            )
+        )
         if how == "delete":
             del toks[i]
         elif how == "duplicate":
@@ -141,11 +206,11 @@ def mutated(draw: st.DrawFn, sources: st.SearchStrategy[str]) -> str:
             text = "".join(toks)
             p = draw(st.integers(0, max(len(text) - 1, 0)))
             if how == "char_delete":
-                text = text[:p] + text[p + 1:]
+                text = text[:p] + text[p + 1 :]
             elif how == "char_insert":
                 text = text[:p] + draw(st.characters()) + text[p:]
             elif how == "char_swap" and len(text) > p + 1:
-                text = text[:p] + text[p + 1] + text[p] + text[p + 2:]
+                text = text[:p] + text[p + 1] + text[p] + text[p + 2 :]
             elif how == "truncate":
                 text = text[:p]
             toks = tokens(text)
@@ -178,7 +243,7 @@ ODD = {
     "huge_shape": "dims M\nblock f(x: f32[" + "9" * 5000 + "*M]) -> (y: f32[M]) { y = x }\n",
     "huge_default": "dims M\nblock f(x: f32[M], e: i32 = " + "9" * 5000 + ") -> (y: f32[M]) { y = x }\n",
     "huge_group": "dims M, N, K\nblock f(a: bf16[M, K], w: bf16[K, N]) -> (s: f32[M]) {\n"
-                  "  gemm a @ w { s = sum(acc, over=N, group=" + "9" * 5000 + ") }\n}\n",
+    "  gemm a @ w { s = sum(acc, over=N, group=" + "9" * 5000 + ") }\n}\n",
     "inf_literal": "dims M\nblock f(x: f32[M]) -> (y: f32[M]) { y = x * 1e400 }\n",
     "carriage_returns": "dims M\rblock f(x: f32[M]) -> (y: f32[M]) {\r y = q\r}\r",
     "form_feed_lines": "dims M\n\f\fblock f(x: f32[M]) -> (y: f32[M]) {\n y = q\n}\n",
@@ -187,19 +252,19 @@ ODD = {
     "zero_dim": "dims M = 0\nblock f(x: f32[M]) -> (y: f32[M]) { y = x }\n",
     "divide_dim_by_zero": "dims M\nblock f(x: f32[M/0]) -> (y: f32[M]) { y = x }\n",
     "over_zero": "dims M, N, K\nblock f(a: bf16[M, K], w: bf16[K, N]) -> (s: f32[M]) {\n"
-                 "  gemm a @ w { s = sum(acc, over=0) }\n}\n",
+    "  gemm a @ w { s = sum(acc, over=0) }\n}\n",
     "group_zero": "dims M, N, K\nblock f(a: bf16[M, K], w: bf16[K, N]) -> (s: f32[M, N]) {\n"
-                  "  gemm a @ w { g = sum(acc, over=N, group=0)\n s = acc * g }\n}\n",
+    "  gemm a @ w { g = sum(acc, over=N, group=0)\n s = acc * g }\n}\n",
     "transpose_of_expr": "dims M, N, K\nblock f(a: bf16[M, K], w: bf16[K, N]) -> (s: f32[M, N]) {\n"
-                         "  gemm a @ transpose(transpose) { s = acc }\n}\n",
+    "  gemm a @ transpose(transpose) { s = acc }\n}\n",
     "acc_as_operand": "dims M, N, K\nblock f(a: bf16[M, K], w: bf16[K, N]) -> (s: f32[M, N]) {\n"
-                      "  gemm acc @ w { s = acc }\n}\n",
+    "  gemm acc @ w { s = acc }\n}\n",
     "nested_gemm": "dims M, N, K\nblock f(a: bf16[M, K], w: bf16[K, N]) -> (s: f32[M, N]) {\n"
-                   "  gemm a @ w { gemm a @ w { s = acc } }\n}\n",
+    "  gemm a @ w { gemm a @ w { s = acc } }\n}\n",
     "pairs_nested": "dims M, N, K\nblock f(a: bf16[M, K], w: bf16[K, 2*N]) -> (s: f32[M, N]) {\n"
-                    "  gemm a @ w { s = pairs(acc) + 1.0 }\n}\n",
+    "  gemm a @ w { s = pairs(acc) + 1.0 }\n}\n",
     "three_targets": "dims M, N, K\nblock f(a: bf16[M, K], w: bf16[K, 2*N]) -> (s: f32[M, N]) {\n"
-                     "  gemm a @ w { s, t, u = pairs(acc) }\n}\n",
+    "  gemm a @ w { s, t, u = pairs(acc) }\n}\n",
     "cast_kw_and_pos": "dims M\nblock f(x: f32[M]) -> (y: f32[M]) { y = cast(x, bf16, dtype=f16) }\n",
     "cast_expr_dtype": "dims M\nblock f(x: f32[M]) -> (y: f32[M]) { y = cast(x, 1 + 2) }\n",
     "annotated_shape": "dims M\nblock f(x: f32[M]) -> (y: f32[M]) { y: bf16[M] = x }\n",
@@ -208,7 +273,7 @@ ODD = {
     "bool_output": "dims M\nblock f(x: f32[M]) -> (y: f32[M]) { y = x < 1.0 }\n",
     "dim_as_target": "dims M\nblock f(x: f32[M]) -> (M: f32[M]) { M = x }\n",
     "duplicate_everything": "dims M, M\nblock f(x: f32[M], x: f32[M]) -> (y: f32[M], y: f32[M]) { y = x\n y = x }\n"
-                            "block f(x: f32[M]) -> (y: f32[M]) { y = x }\n",
+    "block f(x: f32[M]) -> (y: f32[M]) { y = x }\n",
 }
 
 
@@ -224,7 +289,10 @@ EXPECTED = {
     "output_twice": ("dims M\nblock f(x: f32[M]) -> (y: f32[M], y: f32[M]) { y = x }\n", ["E0209"]),
     "shape_not_integer": ("dims M = 3\nblock f(x: f32[M/2]) -> (y: f32[M/2]) { y = x }\n", ["E0409"]),
     "huge_int": (ODD["huge_int_literal"], ["E0107"]),
-    "int_over_64_bits": ("dims M = 9223372036854775808\nblock f(x: f32[M]) -> (y: f32[M]) { y = x }\n", ["E0107"]),
+    "int_over_64_bits": (
+        "dims M = 9223372036854775808\nblock f(x: f32[M]) -> (y: f32[M]) { y = x }\n",
+        ["E0107"],
+    ),
     "inf_literal": (ODD["inf_literal"], ["E0107"]),
     "eof_after_carriage_returns": ("dims M\rblock f(x: f32[M]) -> (y: f32[M]) {\r", ["E0103"]),
 }

@@ -125,7 +125,9 @@ class BlockGen:
 
                 self.divisors[d.name] = lcm(self.divisors.get(d.name, 1), d.coeff.denominator)
 
-    def add_param(self, dtype: str, shape: tuple[Dim, ...], prefix: str = "p", default: str | None = None) -> Val:
+    def add_param(
+        self, dtype: str, shape: tuple[Dim, ...], prefix: str = "p", default: str | None = None
+    ) -> Val:
         name = self.fresh(prefix)
         kind = (SCALAR, VEC, MATRIX)[len(shape)]
         text = f"{name}: {dtype}{shape_str(shape) if shape else ''}"
@@ -144,7 +146,9 @@ class BlockGen:
         if draw(st.booleans()):
             n = draw(st.integers(-5, 300))
             return Val(str(n), Type("i32"))
-        x = draw(st.sampled_from(["1.5", "2.", ".5", "1e-3", "3E+2", "0.0", "1.0e5", "6.25", "1e-6", "0.044715"]))
+        x = draw(
+            st.sampled_from(["1.5", "2.", ".5", "1e-3", "3E+2", "0.0", "1.0e5", "6.25", "1e-6", "0.044715"])
+        )
         neg = draw(st.booleans())
         return Val(("-" if neg else "") + x, Type("f32"))
 
@@ -200,11 +204,20 @@ class BlockGen:
         dt = draw(st.sampled_from(DTYPES))
         return dt, dt
 
-    def expr(self, stage: StageShape | None, local: list[Val], depth: int, nout: int | None,
-             tries: int, only: str | None = None) -> tuple[str, tuple[Type, ...]] | None:
+    def expr(
+        self,
+        stage: StageShape | None,
+        local: list[Val],
+        depth: int,
+        nout: int | None,
+        tries: int,
+        only: str | None = None,
+    ) -> tuple[str, tuple[Type, ...]] | None:
         """A random application of a registry op (`only`, if given) that its type rule accepts, or None."""
         draw = self.draw
-        ops = [op for op in REGISTRY.values() if (nout is None or op.nout == nout) and only in (None, op.name)]
+        ops = [
+            op for op in REGISTRY.values() if (nout is None or op.nout == nout) and only in (None, op.name)
+        ]
         if depth > 0:
             ops = [op for op in ops if op.infix != "="]  # a nested copy is just an atom
         ops.sort(key=lambda op: op.name)
@@ -256,8 +269,9 @@ class BlockGen:
     def sep(self) -> str:
         return self.draw(st.sampled_from(["\n  ", "\n  ", "; ", " ", "  # a comment\n  ", "\n\n  "]))
 
-    def statement(self, stage: StageShape | None, local: list[Val], focus: bool = False,
-                  fallback: Val | None = None) -> list[Val]:
+    def statement(
+        self, stage: StageShape | None, local: list[Val], focus: bool = False, fallback: Val | None = None
+    ) -> list[Val]:
         got = self.expr(stage, local, 0, None, tries=16, only=self.focus) if focus and self.focus else None
         got = got or self.expr(stage, local, 0, None, tries=16)
         if got is None:  # always valid: a named copy of acc or of a tile (of a literal between stages)
@@ -282,8 +296,11 @@ class BlockGen:
         if not first and draw(st.integers(0, 4)) == 0:
             return self.elementwise_stage()
         # The left operand: a new parameter, or a tile an earlier stage stored.
-        stored = [v for v in self.outer if not v.param and v.type.kind == MATRIX and v.type.shape[0] == ROWS
-                  and is_float(v.type.dtype)]
+        stored = [
+            v
+            for v in self.outer
+            if not v.param and v.type.kind == MATRIX and v.type.shape[0] == ROWS and is_float(v.type.dtype)
+        ]
         if not first and stored and draw(st.booleans()):
             a = draw(st.sampled_from(stored))
             a_src, dtype, inner = a.src, a.type.dtype, a.type.shape[1]
@@ -306,15 +323,25 @@ class BlockGen:
         """`elementwise [M, cols] { ... }`: a stage without a GEMM (what autodiff makes at a block's entry)."""
         cols = Dim.sym(self.draw(st.sampled_from(COL_DIMS)), self.draw(st.sampled_from((1, 2))))
         tile = self.add_param(self.draw(st.sampled_from(("f32", "bf16"))), (ROWS, cols), "p")
-        self.epilogue(f"elementwise {shape_str((ROWS, cols))}", cols, [], Val(tile.src, tile.type.with_kind(TILE)))
+        self.epilogue(
+            f"elementwise {shape_str((ROWS, cols))}", cols, [], Val(tile.src, tile.type.with_kind(TILE))
+        )
 
     def epilogue(self, head: str, cols: Dim, local: list[Val], fallback: Val) -> None:
         draw = self.draw
         stage = StageShape(ROWS, cols)
         # Things an epilogue reads: tiles at its position, row and column vectors, scalars.
         half = cols.scale(Fraction(1, 2))
-        for shape, p in [((ROWS, cols), 0.5), ((ROWS, half), 0.2), ((cols,), 0.5), ((half,), 0.4), ((ROWS,), 0.2)]:
-            whole = all(d.name not in self.values or (d.coeff * self.values[d.name]).denominator == 1 for d in shape)
+        for shape, p in [
+            ((ROWS, cols), 0.5),
+            ((ROWS, half), 0.2),
+            ((cols,), 0.5),
+            ((half,), 0.4),
+            ((ROWS,), 0.2),
+        ]:
+            whole = all(
+                d.name not in self.values or (d.coeff * self.values[d.name]).denominator == 1 for d in shape
+            )
             if whole and draw(st.floats(0, 1)) < p:
                 self.add_param(draw(st.sampled_from(("f32", "bf16", self.act))), shape, "p")
         self.lines.append(f"{head} {{\n      ")
@@ -335,8 +362,9 @@ class BlockGen:
             elif t.kind == GROUP:
                 self.outer.append(Val(v.src, Type(v.annot or "f32", t.shape, MATRIX), v.name, v.annot))
             elif t.kind == PARTIAL:
-                self.outer.append(Val(v.src, Type(v.annot or "f32", t.shape, VEC if t.shape else SCALAR),
-                                      v.name, v.annot))
+                self.outer.append(
+                    Val(v.src, Type(v.annot or "f32", t.shape, VEC if t.shape else SCALAR), v.name, v.annot)
+                )
 
     def between(self) -> None:
         for i in range(self.draw(st.integers(0, 3))):
@@ -356,8 +384,11 @@ class BlockGen:
             dtype = draw(st.sampled_from(("f32", "f32", "i32")))
             default = None
             if draw(st.booleans()):
-                default = str(draw(st.integers(-100, 100))) if dtype == "i32" else \
-                    draw(st.sampled_from(["1e-6", "-0.5", "2.0", "-1e-05", "0.0", "3"]))
+                default = (
+                    str(draw(st.integers(-100, 100)))
+                    if dtype == "i32"
+                    else draw(st.sampled_from(["1e-6", "-0.5", "2.0", "-1e-05", "0.0", "3"]))
+                )
             self.add_param(dtype, (), "s", default)
         stages = draw(st.integers(1, 3))
         self.between()
@@ -365,10 +396,16 @@ class BlockGen:
             self.stage(first=k == 0)
             self.between()
         candidates = [v for v in self.outer if not v.param and v.type.dtype != BOOL]
-        outs = draw(st.lists(st.sampled_from(candidates), max_size=3, unique_by=lambda v: v.name)) if candidates else []
+        outs = (
+            draw(st.lists(st.sampled_from(candidates), max_size=3, unique_by=lambda v: v.name))
+            if candidates
+            else []
+        )
         if candidates and not outs:
             outs = [candidates[-1]]
-        sig = ", ".join(f"{v.name}: {v.type.dtype}{shape_str(v.type.shape) if v.type.shape else ''}" for v in outs)
+        sig = ", ".join(
+            f"{v.name}: {v.type.dtype}{shape_str(v.type.shape) if v.type.shape else ''}" for v in outs
+        )
         params = ", ".join(self.params)
         return f"block {self.name}({params}) -> ({sig}) {{\n  {''.join(self.lines)}\n}}\n"
 
@@ -381,7 +418,10 @@ def programs(draw: Any, focus: str | None = None) -> str:
     values = {d: v for d in COL_DIMS if (v := draw(st.sampled_from(DIM_VALUES))) is not None}
     dims = ", ".join(["M", "K"] + [f"{d} = {values[d]}" if d in values else d for d in COL_DIMS])
     counter = [0]
-    blocks = [BlockGen(draw, f"blk{i}", values, counter, focus=focus).block() for i in range(draw(st.integers(1, 2)))]
+    blocks = [
+        BlockGen(draw, f"blk{i}", values, counter, focus=focus).block()
+        for i in range(draw(st.integers(1, 2)))
+    ]
     return f"# generated\ndims {dims}\n\n" + "\n".join(blocks)
 
 

@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +52,16 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 SMALL = {"M": 300, "D": 200, "F": 264, "K": 200, "N": 264, "V": 264, "P": 136}
 TILE = (128, 64)  # several tiles along both dims at SMALL, ragged last ones
-COMPILABLE = ["llama_mlp", "bias_gelu", "scale_residual", "amax_fp8", "lm_head_ce", "qkv_rope", "llama_block",
-              "qk_norm"]
+COMPILABLE = [
+    "llama_mlp",
+    "bias_gelu",
+    "scale_residual",
+    "amax_fp8",
+    "lm_head_ce",
+    "qkv_rope",
+    "llama_block",
+    "qk_norm",
+]
 # qk_norm's per-head sum (group=128) needs 2*P and tile_N multiples of 128: 2*P = 384 is 1.5 tiles of 256
 GROUPED_SIZES, GROUPED_TILE = {**SMALL, "P": 192}, (128, 256)
 
@@ -74,15 +81,22 @@ STAND_INS = sorted(n for n, od in REGISTRY.items() if od.torch is not None)
 POSITIVE = {"log", "sqrt", "rsqrt"}  # ops whose operand is drawn positive
 
 
-def _cases(op: str, x: np.ndarray, y: np.ndarray) -> list[tuple[tuple[Any, ...], tuple[Any, ...], dict[str, Any]]]:
+def _cases(
+    op: str, x: np.ndarray, y: np.ndarray
+) -> list[tuple[tuple[Any, ...], tuple[Any, ...], dict[str, Any]]]:
     """(torch args, NumPy args, params) for each way the op is called: by arity and locality, with Python
     numbers for one operand of a binary op, and every choice of each parameter."""
     od = REGISTRY[op]
     tx, ty = torch.from_numpy(x), torch.from_numpy(y)
     params: list[dict[str, Any]] = [{}]
     for spec in od.params:
-        values = list(spec.choices) if spec.kind == "choice" else ["bf16", "f16", "f32", "i32"] \
-            if spec.kind == "dtype" else []
+        values = (
+            list(spec.choices)
+            if spec.kind == "choice"
+            else ["bf16", "f16", "f32", "i32"]
+            if spec.kind == "dtype"
+            else []
+        )
         if values:
             params = [{**p, spec.name: v} for p in params for v in values] + ([] if spec.required else params)
     if od.name == "where":
@@ -94,7 +108,11 @@ def _cases(op: str, x: np.ndarray, y: np.ndarray) -> list[tuple[tuple[Any, ...],
             return [((tx.reshape(1, -1)[:, :256],), (x.reshape(1, -1)[:, :256],), {})]
         return [((tx, ty), (x, y), {}), ((tx, 0.0), (x, np.float32(0.0)), {})]
     if od.nin == 2:
-        return [((tx, ty), (x, y), {}), ((tx, 0.5), (x, np.float32(0.5)), {}), ((2.0, ty), (np.float32(2.0), y), {})]
+        return [
+            ((tx, ty), (x, y), {}),
+            ((tx, 0.5), (x, np.float32(0.5)), {}),
+            ((2.0, ty), (np.float32(2.0), y), {}),
+        ]
     scale = 100.0 if od.name == "cast" else 1.0
     return [((tx * scale,), (x * scale,), p) for p in params]
 
@@ -112,15 +130,25 @@ def test_torch_stand_ins_match_numpy_impls(op: str) -> None:
     for targs, nargs, kw in _cases(op, x, y):
         got = od.torch(*targs, **kw)
         want = od.impl(nargs[0], 0) if od.locality == "reduce" else od.impl(*nargs, **kw)
-        for g_t, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,),
-                          strict=True):
+        for g_t, w in zip(
+            got if isinstance(got, tuple) else (got,),
+            want if isinstance(want, tuple) else (want,),
+            strict=True,
+        ):
             g = g_t.double().numpy() if g_t.dtype != torch.bool else g_t.numpy()
-            np.testing.assert_allclose(g, np.asarray(want if not isinstance(want, tuple) else w, dtype=g.dtype),
-                                       rtol=2e-6, atol=1e-5, err_msg=f"{op} {kw}")
+            np.testing.assert_allclose(
+                g,
+                np.asarray(want if not isinstance(want, tuple) else w, dtype=g.dtype),
+                rtol=2e-6,
+                atol=1e-5,
+                err_msg=f"{op} {kw}",
+            )
 
 
 def test_every_op_that_runs_outside_a_kernel_has_a_torch_stand_in() -> None:
-    lacking = {n for n, od in REGISTRY.items() if od.locality in ("pointwise", "pair", "reduce") and od.torch is None}
+    lacking = {
+        n for n, od in REGISTRY.items() if od.locality in ("pointwise", "pair", "reduce") and od.torch is None
+    }
     assert lacking == set()
 
 
@@ -161,7 +189,14 @@ def test_sink_rules_and_shapes() -> None:
     rmin = Sink("m", "m", "ColVecReduce", "max", False, ("x",), (), "row partials", negate=True)
     cmin = Sink("m", "m", "RowVecReduce", "max", False, ("x",), (), "column partials", negate=True)
     assert [sink_rule(s) for s in (row, col, lse, amax, pick, rmin, cmin)] == [
-        ("sum", 1), ("sum", 0), ("lse", 1), ("max", 1), ("select", -1), ("min", 1), ("min", 0)]
+        ("sum", 1),
+        ("sum", 0),
+        ("lse", 1),
+        ("max", 1),
+        ("select", -1),
+        ("min", 1),
+        ("min", 0),
+    ]
     buf = torch.tensor([[1.0, -float("inf")], [float("inf"), -2.0]])
     assert torch.equal(sink_partials(rmin, buf), -buf) and sink_partials(row, buf) is buf
     assert sink_shape(row, 1000, 520, 128, 192) == (1000, 3)
@@ -169,19 +204,24 @@ def test_sink_rules_and_shapes() -> None:
     assert sink_shape(pick, 1000, 520, 128, 192) == (1000,)
 
 
+@pytest.mark.toolchain
 def test_sink_shapes_are_quacks() -> None:
-    pytest.importorskip("quack.epilogue.ops")
     from quack.epilogue.ops import ColVecLoad, ColVecReduce, OnlineLSEReduce, RowVecReduce
 
     from coda_lang.backend_cute.epi_ops import BoundedColVecSelect
 
-    ours = {"ColVecReduce": Sink("a", "a", "ColVecReduce", "add", False, ("x",), (), "row partials"),
-            "RowVecReduce": Sink("a", "a", "RowVecReduce", "add", False, ("x",), (), "column partials"),
-            "OnlineLSEReduce": Sink("a", "a", "OnlineLSEReduce", None, False, ("x",), (), "row partials"),
-            "ColVecSelect": Sink("a", "a", "ColVecSelect", None, False, ("x",), (), "vector", index="i")}
-    theirs = {"ColVecReduce": ColVecReduce("a"), "RowVecReduce": RowVecReduce("a"),
-              "OnlineLSEReduce": OnlineLSEReduce("a"),
-              "ColVecSelect": BoundedColVecSelect("a", ColVecLoad("i"))}  # (the emitted pick: quack's, bounded by N)
+    ours = {
+        "ColVecReduce": Sink("a", "a", "ColVecReduce", "add", False, ("x",), (), "row partials"),
+        "RowVecReduce": Sink("a", "a", "RowVecReduce", "add", False, ("x",), (), "column partials"),
+        "OnlineLSEReduce": Sink("a", "a", "OnlineLSEReduce", None, False, ("x",), (), "row partials"),
+        "ColVecSelect": Sink("a", "a", "ColVecSelect", None, False, ("x",), (), "vector", index="i"),
+    }
+    theirs = {
+        "ColVecReduce": ColVecReduce("a"),
+        "RowVecReduce": RowVecReduce("a"),
+        "OnlineLSEReduce": OnlineLSEReduce("a"),
+        "ColVecSelect": BoundedColVecSelect("a", ColVecLoad("i")),
+    }  # (the emitted pick: quack's, bounded by N)
     for m, n, tm, tn in [(1000, 520, 128, 192), (16384, 11008, 128, 128), (5, 3, 64, 64)]:
         for k, s in ours.items():
             assert sink_shape(s, m, n, tm, tn) == tuple(theirs[k].sink_alloc_shape((m,), n, tm, tn)), k
@@ -282,8 +322,14 @@ block p(x: bf16[M, K], w: bf16[K, N]) -> (r: f32[M], c: f32[N]) {
 def test_emulated_backward_reads_a_stored_group_over_its_groups() -> None:
     """The backward of a stored grouped sum: its elementwise entry stage reads the cotangent, one column
     per group, over each group (`expand`). (The forward's groups of 2 are too narrow for quack: E0705.)"""
-    blk = next(iter(coda_lang.load("dims M, K, N\nblock p(x: bf16[M, K], w: bf16[K, 2*N]) -> (s: f32[M, N]) {\n"
-                                   "  gemm x @ w {\n    s = sum(acc * acc, over=2*N, group=2)\n  }\n}\n")))
+    blk = next(
+        iter(
+            coda_lang.load(
+                "dims M, K, N\nblock p(x: bf16[M, K], w: bf16[K, 2*N]) -> (s: f32[M, N]) {\n"
+                "  gemm x @ w {\n    s = sum(acc * acc, over=2*N, group=2)\n  }\n}\n"
+            )
+        )
+    )
     with pytest.raises(CodaError, match="E0705"):
         blk.cuda(emulate=True)
     bwd = blk.grad()
@@ -348,7 +394,9 @@ def test_emulated_autograd_matches_vjp(name: str) -> None:
         check_output(f"d{p.var.name}", g, ref[p.var.name], ref64[p.var.name], p.var.type.dtype)
 
 
-@pytest.mark.parametrize("name", ["llama_mlp", "bias_gelu", "qkv_rope", "lm_head_ce", "llama_block", "qk_norm"])
+@pytest.mark.parametrize(
+    "name", ["llama_mlp", "bias_gelu", "qkv_rope", "lm_head_ce", "llama_block", "qk_norm"]
+)
 def test_emulated_autograd_of_examples_matches_vjp(name: str) -> None:
     """Every example's backward runs: packed-mode SwiGLU backward (llama_mlp, llama_block), an
     elementwise entry stage (bias_gelu, qkv_rope, llama_block; qk_norm's with grouped sums), a split
@@ -361,7 +409,9 @@ def test_emulated_autograd_of_examples_matches_vjp(name: str) -> None:
     leaves = {k: v.clone().requires_grad_() if v.is_floating_point() else v for k, v in inputs.items()}
     outs = fn(leaves)
     gen = torch.Generator().manual_seed(12)
-    cts = {o: torch.randn(v.shape, generator=gen).to(v.dtype) for o, v in outs.items() if v.is_floating_point()}
+    cts = {
+        o: torch.randn(v.shape, generator=gen).to(v.dtype) for o, v in outs.items() if v.is_floating_point()
+    }
     torch.autograd.backward([outs[o] for o in cts], [cts[o] for o in cts])
     ref = blk.vjp(inputs, cts, tile=tile)
     ref64 = blk.vjp(inputs, cts, precision="f64")
@@ -412,11 +462,17 @@ def test_dims_no_input_shape_gives() -> None:
     assert e.value.diagnostics[0].code == "E0804" and "F" in e.value.diagnostics[0].message
     ref = blk.run(inputs, dims={"F": 7})["out"]
     ref64 = blk.run(inputs, dims={"F": 7}, precision="f64")["out"]
-    check_output("out", blk.cuda(tile=(16, 32), emulate=True, dims={"F": 7})(inputs)["out"], ref, ref64, "bf16")
-    check_output("out", blk.cuda(tile=(16, 32), emulate=True)(inputs, dims={"F": 7})["out"], ref, ref64, "bf16")
+    check_output(
+        "out", blk.cuda(tile=(16, 32), emulate=True, dims={"F": 7})(inputs)["out"], ref, ref64, "bf16"
+    )
+    check_output(
+        "out", blk.cuda(tile=(16, 32), emulate=True)(inputs, dims={"F": 7})["out"], ref, ref64, "bf16"
+    )
     assert "F" in {d.name for d in blk.grad().ir.dims}  # the backward's `ds = dt * F`
-    for fn, given in ((blk.cuda(tile=(16, 32), emulate=True).autograd(tile=(16, 32)), {"F": 7}),
-                      (blk.cuda(tile=(16, 32), emulate=True, dims={"F": 7}).autograd(tile=(16, 32)), None)):
+    for fn, given in (
+        (blk.cuda(tile=(16, 32), emulate=True).autograd(tile=(16, 32)), {"F": 7}),
+        (blk.cuda(tile=(16, 32), emulate=True, dims={"F": 7}).autograd(tile=(16, 32)), None),
+    ):
         leaves = {k: v.clone().requires_grad_() for k, v in inputs.items()}
         out = fn(leaves, dims=given)["out"]
         ct = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.dtype)
@@ -425,7 +481,9 @@ def test_dims_no_input_shape_gives() -> None:
         g64 = blk.vjp(inputs, {"out": ct}, dims={"F": 7}, precision="f64")
         for p in blk.ir.params:
             assert p.var.type is not None
-            check_gradient(p.var.name, leaves[p.var.name].grad, grads[p.var.name], g64[p.var.name], p.var.type.dtype)
+            check_gradient(
+                p.var.name, leaves[p.var.name].grad, grads[p.var.name], g64[p.var.name], p.var.type.dtype
+            )
     cb = blk.cuda(tile=(16, 32), emulate=True)
     codes = []
     for bad in ({"G": 3}, {"F": 0}, {"F": 2.5}, {"M": 41, "F": 7}):
@@ -552,7 +610,7 @@ def test_compiled_autograd_outputs_are_tensors_of_their_own() -> None:
     (apply,) = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.autograd_function_apply]
     forward = getattr(gm, apply.args[0].target)
     (ret,) = [n for n in forward.graph.nodes if n.op == "output"]
-    outs = torch.utils._pytree.tree_leaves(ret.args[0])[:len(fn.outputs)]  # the outputs, then what it saves
+    outs = torch.utils._pytree.tree_leaves(ret.args[0])[: len(fn.outputs)]  # the outputs, then what it saves
     for n in outs:
         same = [a.name for a in n.all_input_nodes if a.meta["example_value"] is n.meta["example_value"]]
         assert not same, f"output `{n.name}` ({n.target}) is the tensor `{same[0]}` itself"
@@ -565,7 +623,9 @@ def test_unsupported_stages_are_e07(tmp_path: Path) -> None:
     """A stage the backend can't compile (a grouped max over groups of 48 columns) is E0705 when the
     CudaBlock is made, with the source line; for autograd() too."""
     src = tmp_path / "g48.coda"
-    src.write_text(GROUPED.replace("max(abs(acc + b), over=N, group=64)", "max(abs(acc + b), over=N, group=48)"))
+    src.write_text(
+        GROUPED.replace("max(abs(acc + b), over=N, group=64)", "max(abs(acc + b), over=N, group=48)")
+    )
     blk = next(iter(coda_lang.load(src)))
     for make in (lambda: blk.cuda(emulate=True), lambda: blk.cuda(emulate=True).autograd()):
         with pytest.raises(CodaError) as e:
@@ -634,9 +694,13 @@ def test_bad_tiles_and_inputs() -> None:
     cb = blk.cuda(tile=TILE, emulate=True)
     inputs = example_inputs(blk, SMALL, seed=11)
     codes = []
-    for bad in ({k: v for k, v in inputs.items() if k != "y"}, {**inputs, "nope": inputs["y"]},
-                {**inputs, "y": inputs["y"][:, :10]}, {**inputs, "g": inputs["g"].numpy()},
-                {**inputs, "y": inputs["y"].to(torch.int32)}):
+    for bad in (
+        {k: v for k, v in inputs.items() if k != "y"},
+        {**inputs, "nope": inputs["y"]},
+        {**inputs, "y": inputs["y"][:, :10]},
+        {**inputs, "g": inputs["g"].numpy()},
+        {**inputs, "y": inputs["y"].to(torch.int32)},
+    ):
         with pytest.raises(CodaError) as e:
             cb(bad)
         codes.append(e.value.diagnostics[0].code)
@@ -677,8 +741,13 @@ def _meta_env(blk: coda_lang.Block, sizes: dict[str, int]) -> dict[str, object]:
         if not t.shape:
             env[name] = 0.5
             continue
-        dtype = blk.plan.storage.get(name) or ("f32" if t.dtype in ("bf16", "f16") and t.kind != "matrix"
-                                                and name not in {p.var.name for p in blk.ir.params} else t.dtype)
+        dtype = blk.plan.storage.get(name) or (
+            "f32"
+            if t.dtype in ("bf16", "f16")
+            and t.kind != "matrix"
+            and name not in {p.var.name for p in blk.ir.params}
+            else t.dtype
+        )
         env[name] = torch.empty([extent(d, dims) for d in t.shape], dtype=TORCH_DTYPES[dtype], device="meta")
     return env
 
@@ -688,28 +757,41 @@ def _dry_run(blk: coda_lang.Block, index: int) -> None:
 
     cb = blk.cuda(tile=(128, 192))
     r = cb.runner(index)
-    ins, scalars = r.arguments(_meta_env(blk, {**SMALL, **{"M": 1000, "D": 520, "F": 1000, "K": 520, "N": 1000,
-                                                             "V": 1000, "P": 500}}))
+    ins, scalars = r.arguments(
+        _meta_env(
+            blk, {**SMALL, **{"M": 1000, "D": 520, "F": 1000, "K": 520, "N": 1000, "V": 1000, "P": 500}}
+        )
+    )
     assert ins[0] is not None and ins[1] is not None
     outs = r.allocate(ins[0], ins[1])
     D, C, epi = r.epilogue_arguments(ins, scalars, outs)
     quack_adapter.launch(r.mod, r.spec, r.config, ins[0], ins[1], D, epi, C=C, dry_run=True)
 
 
-QUACK = pytest.mark.skipif(not (importlib.util.find_spec("cutlass") and importlib.util.find_spec("quack")),
-                           reason="needs nvidia-cutlass-dsl and quack-kernels")
-DRY = [("llama_mlp", 1), ("lm_head_ce", 1), ("qkv_rope", 1), ("gelu_mlp_bwd", 2), ("gelu_mlp_bwd", 3),
-       pytest.param("llama_mlp", 2, marks=pytest.mark.slow), pytest.param("llama_mlp", 3, marks=pytest.mark.slow),
-       pytest.param("amax_fp8", 1, marks=pytest.mark.slow), pytest.param("scale_residual", 1, marks=pytest.mark.slow),
-       pytest.param("bias_gelu", 1, marks=pytest.mark.slow), pytest.param("scaled_mlp_bwd", 2, marks=pytest.mark.slow),
-       pytest.param("gelu_mlp_bwd", 1, marks=pytest.mark.slow), pytest.param("gelu_mlp_bwd", 4, marks=pytest.mark.slow)]
+QUACK = pytest.mark.toolchain
+DRY = [
+    ("llama_mlp", 1),
+    ("lm_head_ce", 1),
+    ("qkv_rope", 1),
+    ("gelu_mlp_bwd", 2),
+    ("gelu_mlp_bwd", 3),
+    pytest.param("llama_mlp", 2, marks=pytest.mark.slow),
+    pytest.param("llama_mlp", 3, marks=pytest.mark.slow),
+    pytest.param("amax_fp8", 1, marks=pytest.mark.slow),
+    pytest.param("scale_residual", 1, marks=pytest.mark.slow),
+    pytest.param("bias_gelu", 1, marks=pytest.mark.slow),
+    pytest.param("scaled_mlp_bwd", 2, marks=pytest.mark.slow),
+    pytest.param("gelu_mlp_bwd", 1, marks=pytest.mark.slow),
+    pytest.param("gelu_mlp_bwd", 4, marks=pytest.mark.slow),
+]
 
 
 @QUACK
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize(("name", "index"), DRY)
-def test_quack_accepts_the_runtime_arguments(name: str, index: int, tmp_path_factory: pytest.TempPathFactory,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_quack_accepts_the_runtime_arguments(
+    name: str, index: int, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """What the runtime hands quack (operands, stored tiles, partial buffers, the transposed views of a
     backward's GEMMs), as "meta" tensors: quack validates it and compiles the kernel, without a GPU."""
     monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "coda-kernels"))
@@ -733,16 +815,23 @@ def test_each_elementwise_stage_compiles_as_its_own_function(monkeypatch: pytest
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     gen = torch.Generator().manual_seed(0)
     for scale in ("1.0", "2.0", "3.0"):
-        blk = next(iter(coda_lang.load(f"""dims M, K, N
+        blk = next(
+            iter(
+                coda_lang.load(f"""dims M, K, N
 block s{scale[0]}(x: bf16[M, K], w: bf16[K, N], b: f32[N]) -> (out: bf16[M, N]) {{
   gemm x @ w {{
     out = gelu(acc + b) * {scale}
   }}
 }}
-"""))).grad()
+""")
+            )
+        ).grad()
         m, n = 24, 16
-        env = {"dout": torch.randn(m, n, generator=gen).bfloat16(), "acc1": torch.randn(m, n, generator=gen).bfloat16(),
-               "b": torch.randn(n, generator=gen)}
+        env = {
+            "dout": torch.randn(m, n, generator=gen).bfloat16(),
+            "acc1": torch.randn(m, n, generator=gen).bfloat16(),
+            "b": torch.randn(n, generator=gen),
+        }
         eager: dict[str, Any] = {}
         compiled: dict[str, Any] = {}
         ElementwiseStage(blk, 1, True).run(dict(env), {"M": m, "N": n, "K": 8}, {}, out=eager)
@@ -750,7 +839,6 @@ block s{scale[0]}(x: bf16[M, K], w: bf16[K, N], b: f32[N]) -> (out: bf16[M, N]) 
         stage.run(dict(env), {"M": m, "N": n, "K": 8}, {}, out=compiled)
         assert stage.own_body().__func__.__code__.co_name == f"coda_s{scale[0]}_bwd_stage1"
         assert set(compiled) == set(eager) and torch.equal(compiled["dacc1"], eager["dacc1"])
-
 
 
 def test_emulated_dims_used_as_values_match_interpreter() -> None:

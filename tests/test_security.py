@@ -31,8 +31,10 @@ class _Payload:
 
 
 # what coda_lang did before: lark's parser cache in the (shared) temp directory
-LARK_CACHED = ("from lark import Lark; from coda_lang.syntax.parse import GRAMMAR; "
-               "Lark(GRAMMAR.read_text(), parser='lalr', propagate_positions=True, maybe_placeholders=True, cache=True)")
+LARK_CACHED = (
+    "from lark import Lark; from coda_lang.syntax.parse import GRAMMAR; "
+    "Lark(GRAMMAR.read_text(), parser='lalr', propagate_positions=True, maybe_placeholders=True, cache=True)"
+)
 
 
 def _plant(tmp: Path, marker: Path) -> list[Path]:
@@ -63,11 +65,23 @@ def test_a_planted_parser_cache_is_never_loaded(tmp_path: Path) -> None:
     planted = _plant(tmp, marker)
     before = {p: p.read_bytes() for p in planted}
 
-    r = subprocess.run([sys.executable, "-m", "coda_lang.cli", "check", str(EXAMPLE)], env=env, cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "coda_lang.cli", "check", str(EXAMPLE)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
-    r = subprocess.run([sys.executable, "-c", f"import coda_lang; coda_lang.load({str(EXAMPLE)!r})"], env=env,
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", f"import coda_lang; coda_lang.load({str(EXAMPLE)!r})"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert not marker.exists(), "coda ran a pickle planted in the shared temp directory"
     assert {p: p.read_bytes() for p in planted} == before, "coda rewrote a file in the shared temp directory"

@@ -173,12 +173,15 @@ def test_block_inputs() -> None:
 def test_special_inputs() -> None:
     blk = coda_lang.load(ROOT / "examples" / "bias_gelu.coda")["bias_gelu"]
     sizes = {d.name: 64 for d in blk.ir.dims}
-    x = np.concatenate([v.astype(np.float64).ravel() for v in block_inputs(blk, sizes, 0, special=True).values()])
+    x = np.concatenate(
+        [v.astype(np.float64).ravel() for v in block_inputs(blk, sizes, 0, special=True).values()]
+    )
     assert np.isnan(x).any() and np.isposinf(x).any() and np.isneginf(x).any()
     assert (np.abs(x) >= 1e3).any() and ((x != 0) & (np.abs(x) < np.finfo(np.float32).tiny)).any()
     assert (np.signbit(x) & (x == 0)).any()
-    only = np.concatenate([v.astype(np.float64).ravel()
-                           for v in block_inputs(blk, sizes, 0, special=("nan",)).values()])
+    only = np.concatenate(
+        [v.astype(np.float64).ravel() for v in block_inputs(blk, sizes, 0, special=("nan",)).values()]
+    )
     assert np.isnan(only).any() and np.isfinite(only[~np.isnan(only)]).all()
     assert set(SPECIAL_KINDS) == {"nan", "inf", "-inf", "large", "denormal", "zero"}
 
@@ -212,8 +215,10 @@ def test_special_inputs_agree_between_tile_and_whole(data: st.DataObject) -> Non
 
 def test_vjp_with_a_dim_the_backward_drops() -> None:
     """Found by coda fuzz (was API BUG 1): the forward uses a dim only as a value, the backward not at all."""
-    src = ("dims M, K, N, F\nblock fwd(x: f32[M, K], w: f32[K, F]) -> (o: f32[M, F]) {\n"
-           "  gemm x @ w {\n    v = N + 0.5\n    o = acc\n  }\n}\n")
+    src = (
+        "dims M, K, N, F\nblock fwd(x: f32[M, K], w: f32[K, F]) -> (o: f32[M, F]) {\n"
+        "  gemm x @ w {\n    v = N + 0.5\n    o = acc\n  }\n}\n"
+    )
     block = coda_lang.load(src)["fwd"]
     sizes = {"M": 2, "K": 2, "N": 2, "F": 2}
     ins = block_inputs(block, sizes, 0)
@@ -241,8 +246,10 @@ def test_odd_tiles_raise_only_coda_errors(data: st.DataObject) -> None:
 def test_odd_tile_with_a_half_width_load_is_e0805() -> None:
     """(Was INTERP BUG 1: an IndexError.) A tile_N that splits the column pairs of a half-width tile the
     stage loads is refused as the checker's tiling rule says."""
-    src = ("dims M, K, N\nblock f(x: f32[M, K], w: f32[K, 2*N], p: f32[M, N], i: i32[M]) -> (v: f32[M]) {\n"
-           "  gemm x @ w {\n    v = pick(p, i)\n  }\n}\n")
+    src = (
+        "dims M, K, N\nblock f(x: f32[M, K], w: f32[K, 2*N], p: f32[M, N], i: i32[M]) -> (v: f32[M]) {\n"
+        "  gemm x @ w {\n    v = pick(p, i)\n  }\n}\n"
+    )
     block = coda_lang.load(src)["f"]
     sizes = {"M": 1, "K": 1, "N": 1}
     with pytest.raises(CodaError) as e:
@@ -264,8 +271,10 @@ def test_odd_width_stage_with_double_width_tiles_is_simulated() -> None:
 
 
 def test_tiles_strategy_respects_the_interpreter() -> None:
-    block = coda_lang.load("dims M, K, N\nblock f(x: f32[M, K], w: f32[K, 2*N], p: f32[M, N], i: i32[M]) -> "
-                           "(v: f32[M]) {\n  gemm x @ w {\n    v = pick(p, i)\n  }\n}\n")["f"]
+    block = coda_lang.load(
+        "dims M, K, N\nblock f(x: f32[M, K], w: f32[K, 2*N], p: f32[M, N], i: i32[M]) -> "
+        "(v: f32[M]) {\n  gemm x @ w {\n    v = pick(p, i)\n  }\n}\n"
+    )["f"]
 
     @settings(max_examples=20, database=None)
     @given(tiles([block]))
@@ -315,18 +324,24 @@ def test_fuzzer_reports_exceptions_as_failures(monkeypatch: pytest.MonkeyPatch) 
         raise ValueError("planted")
 
     monkeypatch.setattr(coda_lang.Block, "vjp", boom)
-    assert fz.check(case) == ["the whole-matrix interpreter's backward (Block.vjp) raised ValueError: planted"]
+    assert fz.check(case) == [
+        "the whole-matrix interpreter's backward (Block.vjp) raised ValueError: planted"
+    ]
 
 
 # ------------------------------------------------------------------ imports
 
 
 def test_imports_stay_light() -> None:
-    code = ("import sys, coda_lang.testing, coda_lang.fuzz; "
-            "assert 'torch' not in sys.modules, 'torch'; print('ok')")
+    code = (
+        "import sys, coda_lang.testing, coda_lang.fuzz; "
+        "assert 'torch' not in sys.modules, 'torch'; print('ok')"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ok", out.stderr
-    code = ("import sys; from coda_lang.cli import main; main(['check', 'examples/llama_mlp.coda']); "
-            "assert 'hypothesis' not in sys.modules and 'coda_lang.testing' not in sys.modules; print('ok')")
+    code = (
+        "import sys; from coda_lang.cli import main; main(['check', 'examples/llama_mlp.coda']); "
+        "assert 'hypothesis' not in sys.modules and 'coda_lang.testing' not in sys.modules; print('ok')"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.stdout.strip().endswith("ok"), out.stderr

@@ -114,9 +114,15 @@ def test_measure_takes_turns_and_drops_configs_that_raise(monkeypatch: pytest.Mo
         return fn
 
     a, b, c, d = TileConfig(128, 192), TileConfig(128, 128), TileConfig(128, 176), TileConfig(128, 160)
-    times = tune.measure({a: launch("a", 1.0), b: launch("b", 2.0), c: launch("c", 1.0, fails_after=1),
-                          d: launch("d", 3.0, fails_after=tune.WARMUP + tune.BATCH)})
+    times = tune.measure(
+        {
+            a: launch("a", 1.0),
+            b: launch("b", 2.0),
+            c: launch("c", 1.0, fails_after=1),
+            d: launch("d", 3.0, fails_after=tune.WARMUP + tune.BATCH),
+        }
+    )
     assert times == {a: 1.0, b: 2.0}
-    timed = order[3 * tune.WARMUP + 1:]  # after the warm-ups of a, b and d and c's one launch
+    timed = order[3 * tune.WARMUP + 1 :]  # after the warm-ups of a, b and d and c's one launch
     per_round = [name for i, name in enumerate(timed) if i % tune.BATCH == 0]
     assert per_round[:3] == ["a", "b", "d"] and per_round[3:] == ["a", "b"] * (tune.BATCHES - 1)

@@ -74,7 +74,9 @@ def finalize(s: State) -> tuple[dict[str, str], dict[str, str]]:
     return grads, renames
 
 
-def _finalize_matrix(s: State, name: str, parts: list[Atom], out_name: str, t: Type, renames: dict[str, str]) -> None:
+def _finalize_matrix(
+    s: State, name: str, parts: list[Atom], out_name: str, t: Type, renames: dict[str, str]
+) -> None:
     b = s.b
     single = parts[0] if len(parts) == 1 and isinstance(parts[0], Var) else None
     # The usual case: one contribution, made by an equation of this backward: rename it.
@@ -123,10 +125,12 @@ def assemble(s: State, grads: dict[str, str], renames: dict[str, str]) -> Derive
         assert t is not None
         outputs.append(Output(g, Type(t.dtype, t.shape, _kind(t)), s.fwd.params[name].span))
     dims = tuple(d for d in f.dims if d.name in _used_dims(params, outputs, body))
-    notes = [f"backward of `{f.name}`, derived by `coda grad`",
-             "saved tensors (stored by the forward): " + (", ".join(saved) or "none"),
-             "cotangents: " + ", ".join(f"{v} (of {k})" for k, v in s.cotangents.items()),
-             "gradients: " + ", ".join(f"{v} (of {k})" for k, v in grads.items())]
+    notes = [
+        f"backward of `{f.name}`, derived by `coda grad`",
+        "saved tensors (stored by the forward): " + (", ".join(saved) or "none"),
+        "cotangents: " + ", ".join(f"{v} (of {k})" for k, v in s.cotangents.items()),
+        "gradients: " + ", ".join(f"{v} (of {k})" for k, v in grads.items()),
+    ]
     notes += [f"note: {r}" for r in report]
     bwd = Block(f"{f.name}_bwd", dims, tuple(params), tuple(outputs), tuple(body), f.span, tuple(notes))
     return Derived(extend_forward(s, saved), bwd, saved, dict(s.cotangents), grads, report, tuple(s.reads))
@@ -148,7 +152,9 @@ def extend_forward(s: State, saved: tuple[str, ...]) -> Block:
             if k in acc_read:
                 assert st.acc is not None
                 name = acc_read[k].name
-                extra.append(Eqn("copy", (st.acc,), (Var(name, None, s.fwd.acc_dtype(k)),), (), st.span, (st.span,)))
+                extra.append(
+                    Eqn("copy", (st.acc,), (Var(name, None, s.fwd.acc_dtype(k)),), (), st.span, (st.span,))
+                )
             body.append(replace(st, body=st.body + tuple(extra)))
         else:
             body.append(st)
@@ -158,8 +164,9 @@ def extend_forward(s: State, saved: tuple[str, ...]) -> Block:
         r = reads[name]
         span = f.stages[r.stage].span if r.value == "acc" and r.stage is not None else f.span
         outs.append(Output(name, r.type, span))
-    notes = tuple(f.notes) + ("saved for the backward (extra outputs): " +
-                              (", ".join(n for n in saved if n not in have) or "none"),)
+    notes = tuple(f.notes) + (
+        "saved for the backward (extra outputs): " + (", ".join(n for n in saved if n not in have) or "none"),
+    )
     return replace(f, body=tuple(body), outputs=tuple(outs), notes=notes)
 
 

@@ -62,7 +62,9 @@ class Names:
 
 
 class Builder:
-    def __init__(self, names: Names, types: dict[str, Type], divisors: dict[str, int], values: dict[str, int]):
+    def __init__(
+        self, names: Names, types: dict[str, Type], divisors: dict[str, int], values: dict[str, int]
+    ):
         self.names = names
         self.types = types  # backward name -> type as seen at block level
         self.divisors, self.values = divisors, values
@@ -91,8 +93,15 @@ class Builder:
 
     # ------------------------------------------------------------------ emitting
 
-    def ops(self, op: str, *ins: Atom, names: tuple[str | None, ...] | None = None, annot: str | None = None,
-            params: dict[str, Any] | None = None, **kw: Any) -> tuple[Var, ...]:
+    def ops(
+        self,
+        op: str,
+        *ins: Atom,
+        names: tuple[str | None, ...] | None = None,
+        annot: str | None = None,
+        params: dict[str, Any] | None = None,
+        **kw: Any,
+    ) -> tuple[Var, ...]:
         params = {**(params or {}), **kw}
         opdef = REGISTRY[op]
         if self.stage is not None and not annot and self.hoistable(opdef.locality, ins):
@@ -109,8 +118,12 @@ class Builder:
         try:
             out_types = opdef.type_rule(ctx, in_types, params)  # type: ignore[misc]
         except Mistake as m:
-            raise AutodiffError("E0601", f"autodiff made an ill-typed `{opdef.surface}`: {m.message}", self.span,
-                                notes=["this is a bug in coda_lang's autodiff; please report it"]) from None
+            raise AutodiffError(
+                "E0601",
+                f"autodiff made an ill-typed `{opdef.surface}`: {m.message}",
+                self.span,
+                notes=["this is a bug in coda_lang's autodiff; please report it"],
+            ) from None
         wanted = names or (None,) * opdef.nout
         # a name given by the caller was reserved by it (Names.fresh or a claimed forward name)
         outs = tuple(Var(n if n else self.names.fresh(), None, annot) for n in wanted)
@@ -127,11 +140,15 @@ class Builder:
         if locality != "pointwise":
             return False
         for a in ins:
-            if isinstance(a, Var) and (a.name in self.local or self.types.get(a.name, ERROR_TYPE).kind not in (VEC, SCALAR)):
+            if isinstance(a, Var) and (
+                a.name in self.local or self.types.get(a.name, ERROR_TYPE).kind not in (VEC, SCALAR)
+            ):
                 return False
         return True
 
-    def op(self, op: str, *ins: Atom, name: str | None = None, annot: str | None = None, **params: Any) -> Var:
+    def op(
+        self, op: str, *ins: Atom, name: str | None = None, annot: str | None = None, **params: Any
+    ) -> Var:
         return self.ops(op, *ins, names=(name,), annot=annot, **params)[0]
 
     # Sugar for VJP rules, with the algebraic shortcuts that keep backward blocks small.
@@ -172,7 +189,6 @@ class Builder:
         if group:
             return self.op("reduce_sum", a, over=over, group=group)
         return self.op("reduce_sum", a, over=over)
-
 
     def stage_tile(self, c: Atom) -> Atom | None:
         """A scalar, row or column vector broadcast to the stage's whole tile, with the index vectors

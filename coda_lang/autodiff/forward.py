@@ -32,11 +32,14 @@ class ForwardFacts:
         if wrt is not None:
             unknown = [w for w in wrt if w not in self.params]
             if unknown:
-                raise AutodiffError("E0602", f"no parameter `{unknown[0]}` to differentiate with respect to",
-                                    block.span)
+                raise AutodiffError(
+                    "E0602", f"no parameter `{unknown[0]}` to differentiate with respect to", block.span
+                )
             bad = [w for w in wrt if not _float(self.params[w].var.type)]
             if bad:
-                raise AutodiffError("E0602", f"`{bad[0]}` is not a float parameter; it has no gradient", block.span)
+                raise AutodiffError(
+                    "E0602", f"`{bad[0]}` is not a float parameter; it has no gradient", block.span
+                )
         self.wrt = list(wrt) if wrt is not None else diff
         # each forward value's type, the stage (0-based) that defines it, and its equation
         self.ftype: dict[str, Type] = {p.var.name: p.var.type for p in block.params if p.var.type}

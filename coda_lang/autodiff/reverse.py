@@ -52,7 +52,9 @@ class Reverse:
         fwd, s = self.fwd, self.s
         for o in fwd.block.outputs:
             if _float(fwd.ftype.get(o.name, o.type)):
-                s.cotangent_param(o.name, Type(o.type.dtype, o.type.shape, (SCALAR, VEC, MATRIX)[len(o.type.shape)]))
+                s.cotangent_param(
+                    o.name, Type(o.type.dtype, o.type.shape, (SCALAR, VEC, MATRIX)[len(o.type.shape)])
+                )
         stages = fwd.block.stages
         self.block_backward(fwd.plan.between[len(stages)])
         for k in reversed(range(len(stages))):
@@ -112,8 +114,14 @@ class Reverse:
     def choose_host(self, k: int, defined: list[str]) -> Host | None:
         """The GEMM whose output is the cotangent of one of stage k's tiles; one whose tile space holds
         every tile of stage k's epilogue (of its width, or half or twice it)."""
-        cands = sorted({(0 if pos == "a" else 1, c, name, pos) for name in defined for c, pos in self.fwd.gemm_uses(name)
-                        if c in self.s.dacc and (c, pos) not in self.dgrad_done})
+        cands = sorted(
+            {
+                (0 if pos == "a" else 1, c, name, pos)
+                for name in defined
+                for c, pos in self.fwd.gemm_uses(name)
+                if c in self.s.dacc and (c, pos) not in self.dgrad_done
+            }
+        )
         best = next((cand for cand in cands if self.host_fits(k, cand[2])), None)
         # every other GEMM use of stage k's tiles runs as its own GEMM, before the site, and adds in
         for _, c, name, pos in cands:
@@ -135,15 +143,25 @@ class Reverse:
         st = self.fwd.block.stages[k]
         assert st.acc is not None and st.acc.type is not None
         frows = st.acc.type.shape[0]
-        types = [st.acc.type] + [a.type if isinstance(a, Var) and a.type is not None else Type("f32")
-                                 for e in st.body for a in (*e.ins, *e.outs)]
+        types = [st.acc.type] + [
+            a.type if isinstance(a, Var) and a.type is not None else Type("f32")
+            for e in st.body
+            for a in (*e.ins, *e.outs)
+        ]
         local = [v.type for e in st.body for v in e.outs]  # a grouped value of another stage is a tile here
         for t in types:
             if t.kind in (TILE, MATRIX, GROUP) and len(t.shape) == 2:
-                width = t.shape[1].scale(t.group) if t.kind == GROUP and t.group and t in local else t.shape[1]
+                width = (
+                    t.shape[1].scale(t.group) if t.kind == GROUP and t.group and t in local else t.shape[1]
+                )
                 if t.shape[0] != host.rows or width not in host.col_widths():
                     return False
-            elif t.kind in (VEC, PARTIAL) and t.shape and t.shape[0] != frows and t.shape[0] not in host.col_widths():
+            elif (
+                t.kind in (VEC, PARTIAL)
+                and t.shape
+                and t.shape[0] != frows
+                and t.shape[0] not in host.col_widths()
+            ):
                 return False
         return True
 
@@ -178,7 +196,9 @@ class Reverse:
         s.open_stage(self.gemm_shape(a, b, ta, tb))
         s.b.span = st.span
         total = s.accumulate(Var("acc"), name)
-        out = s.b.op("copy", total, name=s.names.fresh(f"d{name}"), annot=None if name in self.fwd.params else "f32")
+        out = s.b.op(
+            "copy", total, name=s.names.fresh(f"d{name}"), annot=None if name in self.fwd.params else "f32"
+        )
         before, body = s.close_stage()
         s.emit(before)
         s.emit([Stage(a, b, ta, tb, Var("acc"), tuple(body), span=st.span)])

@@ -94,14 +94,20 @@ class Site:
     def seed(self, name: str, ct: Atom) -> None:
         b = self.s.b
         logical = self.logical(name)
-        if logical.kind == GROUP and b.type_of(ct).kind == TILE:  # a stored grouped value: one column per group
+        if (
+            logical.kind == GROUP and b.type_of(ct).kind == TILE
+        ):  # a stored grouped value: one column per group
             assert b.stage is not None
             if b.type_of(ct).shape[1] not in b.stage.col_widths():
-                raise AutodiffError("E0602", f"`{name}` (groups of {logical.group} columns) is used after its stage, "
-                                    f"so its cotangent is a matrix of one column per group, {logical.shape[1]} wide, "
-                                    "which the stage's tiles can't read (a tile is half, once or twice the stage's "
-                                    "width)", self.fwd.fdef[name].span,
-                                    notes=["use group=2, or use the grouped value only inside its stage"])
+                raise AutodiffError(
+                    "E0602",
+                    f"`{name}` (groups of {logical.group} columns) is used after its stage, "
+                    f"so its cotangent is a matrix of one column per group, {logical.shape[1]} wide, "
+                    "which the stage's tiles can't read (a tile is half, once or twice the stage's "
+                    "width)",
+                    self.fwd.fdef[name].span,
+                    notes=["use group=2, or use the grouped value only inside its stage"],
+                )
             ct = b.op("expand", ct, self.group_like(logical))
         self.cts.setdefault(name, []).append((ct, logical))
 
@@ -162,8 +168,12 @@ class Site:
     def recompute(self, name: str) -> Atom:
         e = self.fwd.fdef[name]
         if e.op in INDEX_OPS and not self.at_forward_width():
-            raise AutodiffError("E0602", f"`{name}` uses {e.op}() in a stage whose backward runs at another "
-                                "width; it can't be recomputed there", e.span)
+            raise AutodiffError(
+                "E0602",
+                f"`{name}` uses {e.op}() in a stage whose backward runs at another "
+                "width; it can't be recomputed there",
+                e.span,
+            )
         ins = [self.primal(a) for a in e.ins]
         outs = self.s.recompute(e, ins, self.k)
         cache = self.exact_cache if self.exact else self.cache
@@ -179,8 +189,13 @@ class Site:
         the stage's max/min reductions (over rows or columns: the count is complete only after every
         tile ran, so it can't be made in the site itself)."""
         s = self.s
-        eqns = [e for e in self.st.body if e.op in ("reduce_max", "reduce_min") and e.param("group") is None
-                and s.has_cotangent(e.outs[0].name)]
+        eqns = [
+            e
+            for e in self.st.body
+            if e.op in ("reduce_max", "reduce_min")
+            and e.param("group") is None
+            and s.has_cotangent(e.outs[0].name)
+        ]
         if not eqns:
             return
         caches = (self.cache, self.exact_cache)
@@ -196,10 +211,26 @@ class Site:
         before, body = s.close_stage()
         (self.cache, self.exact_cache), self.exact = caches, False
         names = ", ".join(f"`{e.outs[0].name}`" for e in eqns)
-        s.note(self.st.span, f"stage {self.k + 1} (line {self.st.span.line}): the ties of {names} are "
-               "counted in an elementwise stage (a max's cotangent is split among its ties)")
-        s.emit([*before, Stage(None, None, False, False, None, tuple(body), (self.fshape.rows, self.fshape.cols),
-                               span=self.st.span)])
+        s.note(
+            self.st.span,
+            f"stage {self.k + 1} (line {self.st.span.line}): the ties of {names} are "
+            "counted in an elementwise stage (a max's cotangent is split among its ties)",
+        )
+        s.emit(
+            [
+                *before,
+                Stage(
+                    None,
+                    None,
+                    False,
+                    False,
+                    None,
+                    tuple(body),
+                    (self.fshape.rows, self.fshape.cols),
+                    span=self.st.span,
+                ),
+            ]
+        )
 
     # ------------------------------------------------------------------ broadcasting
 
@@ -230,8 +261,12 @@ class Site:
             return b.ops("pairs", x)[0]
         if have.scale(2) == width:
             return b.op("interleave", x, x)
-        raise AutodiffError("E0601", f"autodiff can't broadcast a value to a tile of width `{width}` in a stage of "
-                            f"width `{st.cols}`", b.span, notes=["this is a bug in coda_lang's autodiff; please report it"])
+        raise AutodiffError(
+            "E0601",
+            f"autodiff can't broadcast a value to a tile of width `{width}` in a stage of width `{st.cols}`",
+            b.span,
+            notes=["this is a bug in coda_lang's autodiff; please report it"],
+        )
 
     def square_like(self, like: Type) -> Atom:
         """A tile of type `like` that the site reads or computes anyway (in a square stage, where index
@@ -247,7 +282,9 @@ class Site:
                     return a
         if like.shape == (self.fshape.rows, self.fshape.cols):
             return self.primal(Var("acc"))
-        raise AutodiffError("E0602", f"can't broadcast a cotangent to a {like} in a square stage", self.st.span)
+        raise AutodiffError(
+            "E0602", f"can't broadcast a cotangent to a {like} in a square stage", self.st.span
+        )
 
     def group_like(self, like: Type) -> Atom:
         """A value of the grouped type `like` (zeros), to `expand` a per-group tile or vector to."""
@@ -267,9 +304,12 @@ class Site:
         total: Atom | None = None
         for p, t in parts:
             if not same_shape(t, logical):
-                raise AutodiffError("E0602", f"`{name}` is broadcast to tiles of two shapes ({logical} and {t}); "
-                                    "its cotangents can't be added", self.fwd.fdef[name].span if name in self.fwd.fdef
-                                    else self.st.span)
+                raise AutodiffError(
+                    "E0602",
+                    f"`{name}` is broadcast to tiles of two shapes ({logical} and {t}); "
+                    "its cotangents can't be added",
+                    self.fwd.fdef[name].span if name in self.fwd.fdef else self.st.span,
+                )
             total = p if total is None else self.s.b.add(total, p)
         self.s.name_cotangent(total, name)
         assert total is not None
@@ -327,8 +367,13 @@ class Site:
             assert st.acc is not None and st.acc.type is not None
             dacc = self.fill(got[0], st.acc.type)
             bt = s.types.get(dacc.name) if isinstance(dacc, Var) else None
-            if isinstance(dacc, Var) and dacc.name not in b.local and bt is not None and bt.kind == MATRIX \
-                    and bt.dtype == od:
+            if (
+                isinstance(dacc, Var)
+                and dacc.name not in b.local
+                and bt is not None
+                and bt.kind == MATRIX
+                and bt.dtype == od
+            ):
                 stored = dacc  # already a matrix of the GEMM's dtype (e.g. an output's cotangent): no copy
             else:
                 out = b.op("copy", dacc, name=s.names.fresh(f"dacc{self.k + 1}"), annot=od)
@@ -350,13 +395,19 @@ class Site:
             assert total is not None
             total = s.accumulate(total, name)
             pt = fwd.params[name].var.type if name in fwd.params else None
-            if isinstance(total, Var) and total.name not in b.local and (pt is None or s.types[total.name].dtype == pt.dtype):
+            if (
+                isinstance(total, Var)
+                and total.name not in b.local
+                and (pt is None or s.types[total.name].dtype == pt.dtype)
+            ):
                 s.add_cotangent(name, total)  # an alias of a loaded matrix
                 continue
             if total == dacc_src and stored is not None and pt is not None and pt.dtype == od:
                 aliases.append((name, stored))  # the same tile as dacc (e.g. a residual's dx)
                 continue
-            out = b.op("copy", total, name=s.names.fresh(f"d{name}"), annot=None if name in fwd.params else "f32")
+            out = b.op(
+                "copy", total, name=s.names.fresh(f"d{name}"), annot=None if name in fwd.params else "f32"
+            )
             s.add_cotangent(name, Var(out.name))
         before, body = s.close_stage()
         s.emit(before)
@@ -364,10 +415,29 @@ class Site:
             if self.host is not None:
                 s.emit([Stage(*self.host.gemm, Var("acc"), tuple(body), span=st.span)])
             else:
-                s.emit([Stage(None, None, False, False, None, tuple(body), (shape.rows, shape.cols), span=st.span)])
-                what = ", ".join(f"`{n}`" for n in sorted({v.name for e in st.body for v in e.outs if v.name in fwd.storage}))
-                s.note(st.span, f"stage {self.k + 1} (line {st.span.line}): no GEMM produces the cotangent "
-                       f"of {what or 'its outputs'}, so its backward runs as an elementwise stage")
+                s.emit(
+                    [
+                        Stage(
+                            None,
+                            None,
+                            False,
+                            False,
+                            None,
+                            tuple(body),
+                            (shape.rows, shape.cols),
+                            span=st.span,
+                        )
+                    ]
+                )
+                what = ", ".join(
+                    f"`{n}`"
+                    for n in sorted({v.name for e in st.body for v in e.outs if v.name in fwd.storage})
+                )
+                s.note(
+                    st.span,
+                    f"stage {self.k + 1} (line {st.span.line}): no GEMM produces the cotangent "
+                    f"of {what or 'its outputs'}, so its backward runs as an elementwise stage",
+                )
         with s.between_stages():
             for name, f in later:
                 s.add_cotangent(name, f(b))

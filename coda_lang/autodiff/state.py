@@ -229,8 +229,13 @@ class State:
 
     def name_cotangent(self, total: Atom | None, name: str) -> None:
         """Give the cotangent of a user-named value the name `d<name>` in the printed backward."""
-        if (isinstance(total, Var) and total.name.startswith("_t") and not name.startswith("_t") and name != "acc"
-                and total.name not in self.cosmetic):
+        if (
+            isinstance(total, Var)
+            and total.name.startswith("_t")
+            and not name.startswith("_t")
+            and name != "acc"
+            and total.name not in self.cosmetic
+        ):
             self.cosmetic[total.name] = self.names.fresh(f"d{name}")
 
     def set_dacc(self, k: int, dacc: Atom) -> None:

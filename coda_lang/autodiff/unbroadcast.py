@@ -56,8 +56,12 @@ def in_stage(b: Builder, c: Atom, logical: Type, target: Type, fill: Fill) -> Pa
         return b.sum_over(fill(c, logical), logical.shape[1], group=g), target
     if target.kind in (VEC, SCALAR):  # a vector made from indices: its cotangent keeps the broadcast form
         return c, logical
-    raise AutodiffError("E0601", f"autodiff can't turn a cotangent of a {logical} into one of a {target}",
-                        b.span, notes=["this is a bug in coda_lang's autodiff; please report it"])
+    raise AutodiffError(
+        "E0601",
+        f"autodiff can't turn a cotangent of a {logical} into one of a {target}",
+        b.span,
+        notes=["this is a bug in coda_lang's autodiff; please report it"],
+    )
 
 
 def outside(b: Builder, parts: list[Part], target: Type, fill: Fill) -> tuple[list[Atom], list[Later]]:
@@ -110,8 +114,13 @@ def complete(b: Builder, c: Atom, logical: Type, target: Type) -> Atom:
     cotangent of `target`: sums over the axes `c` has and `target` lacks, times the extent of the axes
     neither has (each element of `target` received `c` that many times)."""
     t = b.type_of(c)
-    axes = {"rows": logical.shape[0], "cols": logical.shape[1]} if len(logical.shape) == 2 else \
-        {"rows": logical.shape[0]} if logical.shape else {}
+    axes = (
+        {"rows": logical.shape[0], "cols": logical.shape[1]}
+        if len(logical.shape) == 2
+        else {"rows": logical.shape[0]}
+        if logical.shape
+        else {}
+    )
 
     def axis(d: Dim) -> str:
         return "rows" if axes.get("rows") == d else "cols"

@@ -23,9 +23,13 @@ from coda_lang.verify.diagnostics import CodaError, Diagnostic
 def _runtime_error(e: CodaError, what: str, block: Any) -> CodaError:
     diags = []
     for d in e.diagnostics:
-        notes = list(d.notes) + [f"this stage is in the {what} block `{block.name}` that autograd needs (`coda grad` "
-                                 "prints it); Block.vjp runs it on the interpreter"]
-        diags.append(Diagnostic(d.code, d.message, d.span, d.label, notes, list(d.help), list(d.related), d.severity))
+        notes = list(d.notes) + [
+            f"this stage is in the {what} block `{block.name}` that autograd needs (`coda grad` "
+            "prints it); Block.vjp runs it on the interpreter"
+        ]
+        diags.append(
+            Diagnostic(d.code, d.message, d.span, d.label, notes, list(d.help), list(d.related), d.severity)
+        )
     return with_sources(CodaError(diags, e.sources))
 
 
@@ -48,13 +52,16 @@ class CudaFunction:
             raise _runtime_error(e, "backward", d.backward) from None
         self.params = [p.var.name for p in cb.ir.params]
         self.outputs = [o.name for o in cb.ir.outputs]
-        self.needs = [p.var.name for p in d.backward.ir.params if p.var.name not in set(d.cotangents.values())]
+        self.needs = [
+            p.var.name for p in d.backward.ir.params if p.var.name not in set(d.cotangents.values())
+        ]
         self.ir, self.dims = cb.ir, cb.dims
         self.forward_dims = frozenset(x.name for x in d.forward.ir.dims)
         self.backward_dims = frozenset(x.name for x in d.backward.ir.dims)
 
-    def __call__(self, inputs: dict[str, Any] | None = None, /, *, dims: dict[str, int] | None = None,
-                 **tensors: Any) -> dict[str, torch.Tensor]:
+    def __call__(
+        self, inputs: dict[str, Any] | None = None, /, *, dims: dict[str, int] | None = None, **tensors: Any
+    ) -> dict[str, torch.Tensor]:
         """`dims`: sizes of the block's dims that no input's shape gives (with the CudaBlock's own);
         the backward block runs at the dims of the forward's run."""
         given = {**(inputs or {}), **tensors}
@@ -66,8 +73,9 @@ class CudaFunction:
 
 class _CodaAutograd(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, fn: CudaFunction, names: tuple[str, ...], sizes: tuple[tuple[str, int], ...],
-                *vals: Any) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any, fn: CudaFunction, names: tuple[str, ...], sizes: tuple[tuple[str, int], ...], *vals: Any
+    ) -> tuple[torch.Tensor, ...]:
         inputs = dict(zip(names, vals, strict=True))
         res, _, dims = fn.forward._call(inputs, {k: v for k, v in sizes if k in fn.forward_dims})
         ctx.dims = {k: v for k, v in {**dict(sizes), **dims}.items() if k in fn.backward_dims}
@@ -94,7 +102,9 @@ class _CodaAutograd(torch.autograd.Function):
         bins.update(ctx.others)
         for out, g, (shape, dtype, device) in zip(fn.outputs, grads, ctx.out_meta, strict=True):
             if out in d.cotangents:
-                bins[d.cotangents[out]] = g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+                bins[d.cotangents[out]] = (
+                    g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+                )
         grads_out = fn.backward._call(bins, ctx.dims)[0]
         result: list[Any] = [None, None, None]
         for i, name in enumerate(ctx.names):

@@ -76,17 +76,30 @@ CUBLAS = TileConfig(0, 0, 1, 1, False)
 
 def is_plain(spec: StageSpec) -> bool:
     """Whether the stage's kernel would be a bare GEMM: D = acc in the operands' dtype, nothing else."""
-    return (spec.d is not None and not spec.operands and not spec.outputs and not spec.sinks and not spec.groups
-            and spec.mode == "element" and spec.d.dtype == spec.gemm.a_dtype == spec.gemm.b_dtype
-            and all(e.op == "copy" for e in spec.eqns))
+    return (
+        spec.d is not None
+        and not spec.operands
+        and not spec.outputs
+        and not spec.sinks
+        and not spec.groups
+        and spec.mode == "element"
+        and spec.d.dtype == spec.gemm.a_dtype == spec.gemm.b_dtype
+        and all(e.op == "copy" for e in spec.eqns)
+    )
 
 
 DEFAULT_CONFIG = TileConfig()
 # Tried in order by select_config: quack's default, the same tile with a narrower epilogue subtile,
 # then narrower tiles (fewer accumulator registers per thread, so more room for the epilogue; quack's
 # subtile of 128x176 is 16 columns wide by itself).
-CANDIDATES = (TileConfig(128, 192), TileConfig(128, 192, epi_n=16), TileConfig(128, 176), TileConfig(128, 128),
-              TileConfig(128, 96), TileConfig(128, 64))
+CANDIDATES = (
+    TileConfig(128, 192),
+    TileConfig(128, 192, epi_n=16),
+    TileConfig(128, 176),
+    TileConfig(128, 128),
+    TileConfig(128, 96),
+    TileConfig(128, 64),
+)
 
 
 @dataclass(frozen=True)
@@ -103,8 +116,10 @@ class PtxasReport:
         return self.spill_stores > 0 or self.spill_loads > 0
 
     def __str__(self) -> str:
-        return (f"{self.registers} registers, {self.spill_stores} bytes spill stores, "
-                f"{self.spill_loads} bytes spill loads ({self.ptxas})")
+        return (
+            f"{self.registers} registers, {self.spill_stores} bytes spill stores, "
+            f"{self.spill_loads} bytes spill loads ({self.ptxas})"
+        )
 
 
 @dataclass
@@ -128,7 +143,9 @@ class CompiledStage:
         """Per-warpgroup register counts the kernel sets (warp-specialized: the producer gives registers
         back, the consumer (MMA + epilogue) warpgroups take them); ptxas's "Used N registers" is the
         launch-time count of all 384 threads."""
-        return tuple(int(n) for n in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", self.ptx))
+        return tuple(
+            int(n) for n in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", self.ptx)
+        )
 
 
 def ptxas_executable() -> str:
@@ -137,8 +154,9 @@ def ptxas_executable() -> str:
     check)."""
     exe = os.environ.get("CODA_PTXAS") or shutil.which("ptxas")
     if not exe or not os.access(exe, os.X_OK):
-        raise BackendUnavailable(f"ptxas not found{f' at {exe}' if exe else ''} (install the CUDA toolkit, or "
-                                 "set CODA_PTXAS)")
+        raise BackendUnavailable(
+            f"ptxas not found{f' at {exe}' if exe else ''} (install the CUDA toolkit, or set CODA_PTXAS)"
+        )
     return exe
 
 
@@ -160,8 +178,12 @@ def run_ptxas(ptx_path: Path, arch: str = ARCH) -> PtxasReport:
     """`ptxas -v -arch=sm_90a` on a PTX file (the object is discarded)."""
     exe = ptxas_executable()
     version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
-    r = subprocess.run([exe, "-v", f"-arch={arch}", str(ptx_path), "-o", os.devnull], capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run(
+        [exe, "-v", f"-arch={arch}", str(ptx_path), "-o", os.devnull],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = r.stdout + r.stderr
     m = re.search(r"Unsupported \.version (\d+\.\d+); current version is '(\d+\.\d+)'", out)
     if r.returncode != 0 and m:
@@ -170,13 +192,22 @@ def run_ptxas(ptx_path: Path, arch: str = ARCH) -> PtxasReport:
         text = Path(ptx_path).read_text().replace(f".version {m.group(1)}", f".version {m.group(2)}", 1)
         older = Path(ptx_path).with_suffix(f".ptx{m.group(2)}.ptx")
         older.write_text(text)
-        r = subprocess.run([exe, "-v", f"-arch={arch}", str(older), "-o", os.devnull], capture_output=True,
-                           text=True, timeout=600)
+        r = subprocess.run(
+            [exe, "-v", f"-arch={arch}", str(older), "-o", os.devnull],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         out = r.stdout + r.stderr
     if r.returncode != 0:
         raise RuntimeError(f"ptxas failed on {ptx_path}:\n{out[-3000:]}")
-    line = next((v for v in reversed(version) if v.startswith("Cuda compilation tools")), version[-1] if version else "")
-    return parse_ptxas(out, f"ptxas {line.split('release ')[-1].split(',')[0]}" if "release" in line else "ptxas")
+    line = next(
+        (v for v in reversed(version) if v.startswith("Cuda compilation tools")),
+        version[-1] if version else "",
+    )
+    return parse_ptxas(
+        out, f"ptxas {line.split('release ')[-1].split(',')[0]}" if "release" in line else "ptxas"
+    )
 
 
 def library_versions() -> dict[str, str]:
@@ -191,8 +222,13 @@ def library_versions() -> dict[str, str]:
 
 def ptx_key(source: str, config: TileConfig) -> str:
     conf = {k: v for k, v in asdict(config).items() if k != "epi_n" or v}  # keys from before epi_n stay valid
-    key = {"source": source_hash(source), "emitter": EMITTER_VERSION, "arch": ARCH, "config": conf,
-           "libraries": library_versions()}
+    key = {
+        "source": source_hash(source),
+        "emitter": EMITTER_VERSION,
+        "arch": ARCH,
+        "config": conf,
+        "libraries": library_versions(),
+    }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
@@ -200,12 +236,15 @@ def _adapter() -> Any:
     try:
         from coda_lang.backend_cute import quack_adapter
     except ImportError as e:
-        raise BackendUnavailable(f"the CuTeDSL backend needs nvidia-cutlass-dsl and quack-kernels: {e}") from None
+        raise BackendUnavailable(
+            f"the CuTeDSL backend needs nvidia-cutlass-dsl and quack-kernels: {e}"
+        ) from None
     return quack_adapter
 
 
-def compile_spec(spec: StageSpec, config: TileConfig = DEFAULT_CONFIG, *, ptxas: bool = True,
-                 directory: Path | None = None) -> CompiledStage:
+def compile_spec(
+    spec: StageSpec, config: TileConfig = DEFAULT_CONFIG, *, ptxas: bool = True, directory: Path | None = None
+) -> CompiledStage:
     """Emit, compile (or reuse the cached PTX) and check one planned stage."""
     root = directory or cache_dir()
     source = emit_stage(spec)
@@ -224,10 +263,20 @@ def compile_spec(spec: StageSpec, config: TileConfig = DEFAULT_CONFIG, *, ptxas:
             text, seconds = adapter.compile_ptx(spec, src_path, config)
         except Exception as e:  # quack or CuTeDSL refused the kernel: say where its source is
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            raise CodaError([Diagnostic(
-                "E0707", f"the CuTeDSL compiler rejected stage {spec.index} (`{spec.text}`) at tile {config}",
-                spec.span, notes=[f"{type(e).__name__}: {first}", f"the emitted epilogue is {src_path}",
-                             "this is a limit of quack or a bug in coda_lang's emitter; please report it"])]) from e
+            raise CodaError(
+                [
+                    Diagnostic(
+                        "E0707",
+                        f"the CuTeDSL compiler rejected stage {spec.index} (`{spec.text}`) at tile {config}",
+                        spec.span,
+                        notes=[
+                            f"{type(e).__name__}: {first}",
+                            f"the emitted epilogue is {src_path}",
+                            "this is a limit of quack or a bug in coda_lang's emitter; please report it",
+                        ],
+                    )
+                ]
+            ) from e
         tmp = ptx_path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(text)
         os.replace(tmp, ptx_path)
@@ -239,14 +288,21 @@ def compile_spec(spec: StageSpec, config: TileConfig = DEFAULT_CONFIG, *, ptxas:
     return out
 
 
-def compile_stage(block: Any, index: int, config: TileConfig = DEFAULT_CONFIG, *, ptxas: bool = True,
-                  directory: Path | None = None) -> CompiledStage:
+def compile_stage(
+    block: Any,
+    index: int,
+    config: TileConfig = DEFAULT_CONFIG,
+    *,
+    ptxas: bool = True,
+    directory: Path | None = None,
+) -> CompiledStage:
     """Stage `index` (1-based) of a checked `coda_lang.api.Block`, compiled at tile `config`."""
     return compile_spec(plan_stage(block, index), config, ptxas=ptxas, directory=directory)
 
 
-def select_config(block: Any, index: int, candidates: tuple[TileConfig, ...] = CANDIDATES, *,
-                  directory: Path | None = None) -> CompiledStage:
+def select_config(
+    block: Any, index: int, candidates: tuple[TileConfig, ...] = CANDIDATES, *, directory: Path | None = None
+) -> CompiledStage:
     """The first candidate tile whose kernel compiles and has no register spills (CodaError E0706 if
     none; E0707 if quack refused every candidate)."""
     spec = plan_stage(block, index)
@@ -268,22 +324,36 @@ def select_config(block: Any, index: int, candidates: tuple[TileConfig, ...] = C
         tried.append(f"{config}: {c.report}")
     if refused and len(refused) == len(tried):
         raise refused[0]
-    raise CodaError([Diagnostic(
-        "E0706", f"stage {index} (`{spec.text}`) spills registers at every tile configuration tried", spec.span,
-        notes=tried or ["no candidate tile satisfies the stage's tiling constraints"],
-        help=["split the epilogue across stages, or store fewer values from this stage"])])
+    raise CodaError(
+        [
+            Diagnostic(
+                "E0706",
+                f"stage {index} (`{spec.text}`) spills registers at every tile configuration tried",
+                spec.span,
+                notes=tried or ["no candidate tile satisfies the stage's tiling constraints"],
+                help=["split the epilogue across stages, or store fewer values from this stage"],
+            )
+        ]
+    )
 
 
 # What the runtime measures on a GPU (quack's SM90 space: pingpong 128xN, cooperative 256xN, clusters
 # 2x1 and 1x2), after the ptxas check has dropped the configs that spill.
 TUNE_CANDIDATES = (
-    TileConfig(128, 192), TileConfig(128, 192, epi_n=16), TileConfig(128, 176), TileConfig(128, 160),
-    TileConfig(128, 128), TileConfig(128, 192, 1, 2), TileConfig(256, 128, 2, 1, False), TileConfig(256, 192, 2, 1, False),
+    TileConfig(128, 192),
+    TileConfig(128, 192, epi_n=16),
+    TileConfig(128, 176),
+    TileConfig(128, 160),
+    TileConfig(128, 128),
+    TileConfig(128, 192, 1, 2),
+    TileConfig(256, 128, 2, 1, False),
+    TileConfig(256, 192, 2, 1, False),
 )
 
 
-def configs_without_spills(spec: StageSpec, candidates: tuple[TileConfig, ...] = TUNE_CANDIDATES, *,
-                           directory: Path | None = None) -> list[TileConfig]:
+def configs_without_spills(
+    spec: StageSpec, candidates: tuple[TileConfig, ...] = TUNE_CANDIDATES, *, directory: Path | None = None
+) -> list[TileConfig]:
     """The candidates that fit the stage's tiling constraints, compile, and whose kernels don't spill
     (and `CUBLAS` first for a plain stage)."""
     out = [CUBLAS] if is_plain(spec) else []

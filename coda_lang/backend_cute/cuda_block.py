@@ -42,6 +42,7 @@ from coda_lang.verify.diagnostics import CodaError, Diagnostic
 if TYPE_CHECKING:
     from coda_lang.backend_cute.autograd import CudaFunction
 
+
 class CudaBlock:
     """A checked block as a callable on torch tensors: `cb(**tensors)` or `cb({name: tensor})` gives
     the block's outputs by name. Made by `Block.cuda(tile=None)`.
@@ -61,8 +62,16 @@ class CudaBlock:
     backward raises; use `autograd()` for gradients.
     """
 
-    def __init__(self, block: Any, tile: Any = None, *, emulate: bool = False, poison: bool = False,
-                 tune: bool | None = None, dims: dict[str, int] | None = None):
+    def __init__(
+        self,
+        block: Any,
+        tile: Any = None,
+        *,
+        emulate: bool = False,
+        poison: bool = False,
+        tune: bool | None = None,
+        dims: dict[str, int] | None = None,
+    ):
         self.block, self.emulate, self.poison = block, emulate, poison
         self.dims = given_dims(block.ir, dims)
         # measure the non-spilling tiles of each stage on its first launch at a shape (default: on a GPU,
@@ -91,9 +100,11 @@ class CudaBlock:
             self._tiles = {int(k): as_config(v) for k, v in tile.items()}
             unknown = sorted(set(self._tiles) - set(gemms))
             if unknown:
-                raise ValueError(f"stage {unknown[0]} of block {self.ir.name} is elementwise: it has no tile"
-                                 if unknown[0] in self.elementwise else
-                                 f"block {self.ir.name} has no stage {unknown[0]}")
+                raise ValueError(
+                    f"stage {unknown[0]} of block {self.ir.name} is elementwise: it has no tile"
+                    if unknown[0] in self.elementwise
+                    else f"block {self.ir.name} has no stage {unknown[0]}"
+                )
         else:
             self._tiles = {k: as_config(tile) for k in gemms} if tile is not None else {}
         self.tile = None if isinstance(tile, dict) else tile  # one tile for every stage: autograd() reuses it
@@ -101,19 +112,35 @@ class CudaBlock:
             target = self.specs[k - 1]
             assert target is not None
             if not fits(target, cfg):
-                why = [*target.constraints, *([PAIRED_SUBTILE] if narrows_paired_subtile(target, cfg) else [])]
-                raise fail("E0805", f"tile {cfg.short} does not fit stage {k} (`{target.text}`): {'; '.join(why)}")
+                why = [
+                    *target.constraints,
+                    *([PAIRED_SUBTILE] if narrows_paired_subtile(target, cfg) else []),
+                ]
+                raise fail(
+                    "E0805", f"tile {cfg.short} does not fit stage {k} (`{target.text}`): {'; '.join(why)}"
+                )
         for s in self.ir.body:
             if not isinstance(s, Stage) and REGISTRY[s.op].torch is None:
-                raise CodaError([Diagnostic("E0708", f"`{s.op}` between stages has no torch stand-in in the CUDA "
-                                            "runtime", s.span, notes=["an op's torch stand-in is its OpDef's `torch=` "
-                                                                      "(coda_lang/ops/)"])])
+                raise CodaError(
+                    [
+                        Diagnostic(
+                            "E0708",
+                            f"`{s.op}` between stages has no torch stand-in in the CUDA runtime",
+                            s.span,
+                            notes=["an op's torch stand-in is its OpDef's `torch=` (coda_lang/ops/)"],
+                        )
+                    ]
+                )
         self._runners: dict[int, StageRunner] = {}
         # (first output, argument position) -> (dim name, numerator, denominator) of each dim used as a
         # value between stages, so that no Fraction is touched while a call is traced
-        self._dimrefs = {(s.outs[0].name, i): (a.dim.name, a.dim.coeff.numerator, a.dim.coeff.denominator)
-                         for s in self.ir.body if not isinstance(s, Stage)
-                         for i, a in enumerate(s.ins) if isinstance(a, DimRef)}
+        self._dimrefs = {
+            (s.outs[0].name, i): (a.dim.name, a.dim.coeff.numerator, a.dim.coeff.denominator)
+            for s in self.ir.body
+            if not isinstance(s, Stage)
+            for i, a in enumerate(s.ins)
+            if isinstance(a, DimRef)
+        }
         self._ready = False
 
     @property
@@ -151,7 +178,9 @@ class CudaBlock:
         if r is None:
             spec = self.specs[index - 1]
             if spec is None:
-                raise ValueError(f"stage {index} of {self.name} is elementwise: it has no GEMM kernel or tile")
+                raise ValueError(
+                    f"stage {index} of {self.name} is elementwise: it has no GEMM kernel or tile"
+                )
             cfg = self._tiles.get(index) or choose_config(self.block, index, spec, self.emulate)
             r = self._runners[index] = StageRunner(self.block, index, spec, cfg, self.emulate, self.poison)
         return r
@@ -168,33 +197,40 @@ class CudaBlock:
 
     # -- running ------------------------------------------------------------------------------
 
-    def __call__(self, inputs: dict[str, Any] | None = None, /, *, dims: dict[str, int] | None = None,
-                 **tensors: Any) -> dict[str, torch.Tensor]:
+    def __call__(
+        self, inputs: dict[str, Any] | None = None, /, *, dims: dict[str, int] | None = None, **tensors: Any
+    ) -> dict[str, torch.Tensor]:
         return self.run_with_partials(inputs, dims=dims, **tensors)[0]
 
-    def run_with_partials(self, inputs: dict[str, Any] | None = None, /, *, dims: dict[str, int] | None = None,
-                          **tensors: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    def run_with_partials(
+        self, inputs: dict[str, Any] | None = None, /, *, dims: dict[str, int] | None = None, **tensors: Any
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Outputs by name, and every stage's partial buffers by the name of the reduction, as the
         kernel wrote them (row partials [m, ceil(n/tile_N)], column partials [ceil(m/tile_M), n]; a
         pick gives its finished [m] vector). `dims`: sizes of dims (with the CudaBlock's own `dims`)."""
         outs, partials, _ = self._call({**(inputs or {}), **tensors}, dims)
         return outs, partials
 
-    def values(self, inputs: dict[str, Any] | None = None, /, *, dims: dict[str, int] | None = None,
-               **tensors: Any) -> dict[str, Any]:
+    def values(
+        self, inputs: dict[str, Any] | None = None, /, *, dims: dict[str, int] | None = None, **tensors: Any
+    ) -> dict[str, Any]:
         """Every named value of a run (inputs as bound, stored tiles, vectors, and each dim's size under
         `%NAME`): what `run_stage` reads."""
         return self._run({**(inputs or {}), **tensors}, dims)[0]
 
-    def run_stage(self, index: int, env: dict[str, Any], dims: dict[str, int] | None = None
-                  ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    def run_stage(
+        self, index: int, env: dict[str, Any], dims: dict[str, int] | None = None
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """Stage `index` alone (one kernel launch plus its partial combines; an elementwise stage: its
         fused kernel) on the values in `env`: (the values it defines, its partial buffers)."""
         new: dict[str, Any] = {}
         partials: dict[str, torch.Tensor] = {}
         if index in self.elementwise:
-            shapes = {p.var.name: tuple(env[p.var.name].shape) for p in self.ir.params
-                      if isinstance(env.get(p.var.name), torch.Tensor)}
+            shapes = {
+                p.var.name: tuple(env[p.var.name].shape)
+                for p in self.ir.params
+                if isinstance(env.get(p.var.name), torch.Tensor)
+            }
             sizes = dims_from_shapes(self.ir, self._shape_rules, shapes, self._given(dims))
             self.elementwise[index].run({**env}, sizes, self.plan.storage, out=new)
             return new, partials
@@ -208,8 +244,9 @@ class CudaBlock:
         """The dims given to a call, with the CudaBlock's own."""
         return {**self.dims, **given_dims(self.ir, dims)} if dims else self.dims
 
-    def _call(self, tensors: dict[str, Any], dims: dict[str, int] | None
-              ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, int]]:
+    def _call(
+        self, tensors: dict[str, Any], dims: dict[str, int] | None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, int]]:
         """(outputs by name in their dtypes, partial buffers, the dims of the run)."""
         env, partials, sizes = self._run(tensors, dims)
         outs = {}
@@ -218,8 +255,9 @@ class CudaBlock:
             outs[o.name] = x.to(TORCH_DTYPES[o.type.dtype]) if isinstance(x, torch.Tensor) else x
         return outs, partials, sizes
 
-    def _run(self, tensors: dict[str, Any], given: dict[str, int] | None = None
-             ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, int]]:
+    def _run(
+        self, tensors: dict[str, Any], given: dict[str, int] | None = None
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, int]]:
         env, dims, device = self._bind(tensors, self._given(given))
         env.update({dim_operand(k): v for k, v in dims.items()})  # a dim used as a value inside a stage
         if not self._ready:
@@ -244,7 +282,9 @@ class CudaBlock:
                 self._vector_eqn(s, env, dims, device)
         return env, partials, dims
 
-    def _tuned(self, k: int, r: StageRunner, ins: list[torch.Tensor | None], scalars: list[float]) -> StageRunner:
+    def _tuned(
+        self, k: int, r: StageRunner, ins: list[torch.Tensor | None], scalars: list[float]
+    ) -> StageRunner:
         """Stage k's runner at the fastest non-spilling tile for this GEMM shape: from this block's
         memory, else the tuning cache on disk, else measured now on these very arguments."""
         A, B = ins[0], ins[1]
@@ -257,8 +297,14 @@ class CudaBlock:
         return self._by_shape[key]
 
     @torch.compiler.disable
-    def _measure(self, k: int, r: StageRunner, ins: list[torch.Tensor | None], scalars: list[float],
-                 key: tuple[int, int, int, int]) -> StageRunner:
+    def _measure(
+        self,
+        k: int,
+        r: StageRunner,
+        ins: list[torch.Tensor | None],
+        scalars: list[float],
+        key: tuple[int, int, int, int],
+    ) -> StageRunner:
         from coda_lang.backend_cute import tune
 
         spec = r.spec
@@ -271,11 +317,16 @@ class CudaBlock:
                 return r
             from coda_lang.backend_cute.compile import configs_without_spills
 
-            print(f"coda: tuning stage {k} of {self.name} (`{spec.text}`) at {key[1]}x{key[2]}x{key[3]}: compiling "
-                  "and timing its tile configs once; the choice is cached (CODA_TUNE=0 skips this)",
-                  file=sys.stderr)
-            runners = {c: r if c == r.config else StageRunner(self.block, k, spec, c, self.emulate, self.poison)
-                       for c in configs_without_spills(spec)}
+            print(
+                f"coda: tuning stage {k} of {self.name} (`{spec.text}`) at {key[1]}x{key[2]}x{key[3]}: compiling "
+                "and timing its tile configs once; the choice is cached (CODA_TUNE=0 skips this)",
+                file=sys.stderr,
+            )
+            runners = {
+                c: r if c == r.config else StageRunner(self.block, k, spec, c, self.emulate, self.poison)
+                for c in configs_without_spills(spec)
+            }
+
             def launch(x: StageRunner) -> Callable[[], Any]:
                 return lambda: torch.ops.coda.stage(x.key, ins, scalars)
 
@@ -285,15 +336,23 @@ class CudaBlock:
             cached = min(times, key=lambda c: times[c])
             tune.store(disk, cached, times)
             return runners[cached]
-        return r if cached == r.config else StageRunner(self.block, k, spec, cached, self.emulate, self.poison)
+        return (
+            r if cached == r.config else StageRunner(self.block, k, spec, cached, self.emulate, self.poison)
+        )
 
     def _vector_eqn(self, e: Eqn, env: dict[str, Any], dims: dict[str, int], device: torch.device) -> None:
         vals = []
-        upcast = e.outs[0].type is None or e.outs[0].type.kind != MATRIX  # a matrix alias stays the same tensor
+        upcast = (
+            e.outs[0].type is None or e.outs[0].type.kind != MATRIX
+        )  # a matrix alias stays the same tensor
         for a in e.ins:
             if isinstance(a, Var):
-                x = env[a.name]  # a 16-bit parameter is bound in its dtype: computed in f32, as the interpreter does
-                vals.append(x.float() if upcast and isinstance(x, torch.Tensor) and x.dtype in HALF_DTYPES else x)
+                x = env[
+                    a.name
+                ]  # a 16-bit parameter is bound in its dtype: computed in f32, as the interpreter does
+                vals.append(
+                    x.float() if upcast and isinstance(x, torch.Tensor) and x.dtype in HALF_DTYPES else x
+                )
             elif isinstance(a, Lit):
                 vals.append(a.value)
             else:  # a dim as a value: integer arithmetic on plain ints (torch.compile traces this)
@@ -308,12 +367,16 @@ class CudaBlock:
             x = compute_value(x, v.type, device)
             env[v.name] = round_value(x, v.annot) if v.annot else x
 
-    def _bind(self, tensors: dict[str, Any], given: dict[str, int]
-              ) -> tuple[dict[str, Any], dict[str, int], torch.device]:
+    def _bind(
+        self, tensors: dict[str, Any], given: dict[str, int]
+    ) -> tuple[dict[str, Any], dict[str, int], torch.device]:
         names = {p.var.name for p in self.ir.params}
         unknown = sorted(set(tensors) - names)
         if unknown:
-            raise fail("E0801", f"unknown input `{unknown[0]}`; the block's parameters are {', '.join(sorted(names))}")
+            raise fail(
+                "E0801",
+                f"unknown input `{unknown[0]}`; the block's parameters are {', '.join(sorted(names))}",
+            )
         env: dict[str, Any] = {}
         shapes: dict[str, tuple[int, ...]] = {}
         device: torch.device | None = None
@@ -330,11 +393,20 @@ class CudaBlock:
                 if t.dtype == "i32" and not isinstance(v, int):
                     raise fail("E0803", f"input `{name}` is {v!r}, but it is declared i32")
                 # a 16-bit scalar rounded to its dtype, as the interpreter binds it
-                env[name] = int(v) if t.dtype == "i32" else (
-                    float(torch.tensor(float(v)).to(TORCH_DTYPES[t.dtype])) if t.dtype in ("bf16", "f16") else float(v))
+                env[name] = (
+                    int(v)
+                    if t.dtype == "i32"
+                    else (
+                        float(torch.tensor(float(v)).to(TORCH_DTYPES[t.dtype]))
+                        if t.dtype in ("bf16", "f16")
+                        else float(v)
+                    )
+                )
                 continue
             if not isinstance(v, torch.Tensor):
-                raise fail("E0803", f"input `{name}` is a {type(v).__name__}; the CUDA runtime takes torch tensors")
+                raise fail(
+                    "E0803", f"input `{name}` is a {type(v).__name__}; the CUDA runtime takes torch tensors"
+                )
             if device is None:
                 device = v.device
             elif v.device != device:
@@ -349,8 +421,11 @@ class CudaBlock:
         if device is None:
             raise fail("E0801", "no tensor inputs")
         if not self.emulate and device.type != "cuda":
-            raise fail("E0806", f"inputs are on {device}; the CUDA runtime needs CUDA tensors",
-                       notes=["Block.run runs the interpreter on CPU tensors"])
+            raise fail(
+                "E0806",
+                f"inputs are on {device}; the CUDA runtime needs CUDA tensors",
+                notes=["Block.run runs the interpreter on CPU tensors"],
+            )
         dims = dims_from_shapes(self.ir, self._shape_rules, shapes, given)
         return env, dims, device
 

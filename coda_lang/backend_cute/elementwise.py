@@ -44,14 +44,17 @@ class ElementwiseStage:
         self.loads = [ld for ld in self.plan.loads]
         self.roles = tuple((ld.name, ld.role) for ld in self.loads)
         self.stores = [(s.name, s.dtype, s.shape) for s in self.plan.stores]
-        self.store_meta = tuple((s.name, _torch_dtype(s.dtype), self._ratio(s.shape[1])) for s in self.plan.stores)
+        self.store_meta = tuple(
+            (s.name, _torch_dtype(s.dtype), self._ratio(s.shape[1])) for s in self.plan.stores
+        )
         self.reductions = [r.name for r in self.plan.reductions]
         self.groups = tuple(r.group or 0 for r in self.plan.reductions)  # 0: not grouped
         for e in self.stage.body:
             od = REGISTRY[e.op]
             if od.locality not in ("reduce", "gather", "index") and od.torch is None:
-                raise CodaError([Diagnostic("E0708", f"`{e.op}` has no torch stand-in for an elementwise stage",
-                                            e.span)])
+                raise CodaError(
+                    [Diagnostic("E0708", f"`{e.op}` has no torch stand-in for an elementwise stage", e.span)]
+                )
         self.steps = [self._step(e) for e in self.stage.body]
         # the stage's extents as (dim, numerator, denominator): plain ints, traceable by torch.compile
         self._rows = (self.rows.name, self.rows.coeff.numerator, self.rows.coeff.denominator)
@@ -93,22 +96,35 @@ class ElementwiseStage:
             info["per_row"] = per_row
             info["group"] = e.param("group") or 0
             x = e.ins[0].type if isinstance(e.ins[0], Var) else None
-            info["ungroup"] = x.group if x is not None and x.kind == GROUP else 0  # its groups reduced: one each
+            info["ungroup"] = (
+                x.group if x is not None and x.kind == GROUP else 0
+            )  # its groups reduced: one each
             if widths[0] is None:  # a vector or scalar broadcast over the reduced axis
                 info["widths"] = ((1, 1),) if per_row else (None,)
         elif e.op == "expand":
             x = e.ins[0].type if isinstance(e.ins[0], Var) else None
             # a stored tile of one column per group read as a grouped value: each column over its group
-            info["repeat"] = out.group if out is not None and out.kind == GROUP and out.group and x is not None \
-                and x.kind in (TILE, MATRIX) else 0
+            info["repeat"] = (
+                out.group
+                if out is not None
+                and out.kind == GROUP
+                and out.group
+                and x is not None
+                and x.kind in (TILE, MATRIX)
+                else 0
+            )
             info["params"] = {}
         elif e.op in ("row_index", "col_index"):
             assert out is not None and out.shape
             info["width"] = self._ratio(out.shape[0]) if e.op == "col_index" else None
         elif e.op not in ("pairs", "interleave", "pick"):
             info["params"] = {k: v for k, v in e.params if not isinstance(v, Dim)}
-        info["vec"] = tuple(None if v.type is None or v.type.kind != VEC or not v.type.shape
-                            else ("row" if v.type.shape[0] == self.rows else "col") for v in e.outs)
+        info["vec"] = tuple(
+            None
+            if v.type is None or v.type.kind != VEC or not v.type.shape
+            else ("row" if v.type.shape[0] == self.rows else "col")
+            for v in e.outs
+        )
         return e.op, outs, args, info
 
     @property
@@ -133,13 +149,17 @@ class ElementwiseStage:
         --programs` on the H100."""
         f = ElementwiseStage._body
         name = "".join(c if c.isalnum() else "_" for c in f"coda_{self.block.name}_stage{self.index}")
-        code = f.__code__.replace(co_name=name, co_qualname=name) if hasattr(f.__code__, "co_qualname") \
+        code = (
+            f.__code__.replace(co_name=name, co_qualname=name)
+            if hasattr(f.__code__, "co_qualname")
             else f.__code__.replace(co_name=name)
+        )
         body = types.FunctionType(code, f.__globals__, name, f.__defaults__, f.__closure__)
         return types.MethodType(body, self)
 
-    def _body(self, rows: int, cols: int, sizes: dict[str, int], device: torch.device, *ins: Any
-              ) -> tuple[torch.Tensor, ...]:
+    def _body(
+        self, rows: int, cols: int, sizes: dict[str, int], device: torch.device, *ins: Any
+    ) -> tuple[torch.Tensor, ...]:
         def width(w: tuple[int, int]) -> int:
             return cols * w[0] // w[1]
 
@@ -153,7 +173,13 @@ class ElementwiseStage:
         for (name, role), x in zip(self.roles, ins, strict=True):
             if role != "scalar" and x.is_floating_point():
                 x = x.float()
-            vals[name] = x.reshape(-1, 1) if role == "row vector" else x.reshape(1, -1) if role == "column vector" else x
+            vals[name] = (
+                x.reshape(-1, 1)
+                if role == "row vector"
+                else x.reshape(1, -1)
+                if role == "column vector"
+                else x
+            )
         for op, outs, args, info in self.steps:
             xs = [vals[v] if k == "v" else v if k == "c" else sizes[v[0]] * v[1] // v[2] for k, v in args]
             ws = info["widths"]
@@ -173,7 +199,7 @@ class ElementwiseStage:
                 else:  # a column vector (or scalar) reduced over the rows
                     x = torch.broadcast_to(x, (rows, x.shape[-1] if x.dim() else 1))
                 if info["ungroup"]:
-                    x = x[:, ::info["ungroup"]]
+                    x = x[:, :: info["ungroup"]]
                 g = info["group"]
                 if g:  # one value per row and group, held at every column of its group
                     r = fold(x.reshape(rows, -1, g), 2)
@@ -208,15 +234,22 @@ class ElementwiseStage:
                 vals[name] = x
         results: list[torch.Tensor] = []
         for name, dtype, w in self.store_meta:
-            x = torch.broadcast_to(torch.as_tensor(vals[name], dtype=torch.float32, device=device), (rows, width(w)))
+            x = torch.broadcast_to(
+                torch.as_tensor(vals[name], dtype=torch.float32, device=device), (rows, width(w))
+            )
             results.append(x.to(dtype).contiguous())
         for name, g in zip(self.reductions, self.groups, strict=True):
             x = torch.as_tensor(vals[name], device=device).float()
             results.append(x[:, ::g].contiguous() if g else x.reshape(-1))
         return tuple(results)
 
-    def run(self, env: dict[str, Any], dims: dict[str, int], storage: dict[str, str],
-            out: dict[str, Any] | None = None) -> None:
+    def run(
+        self,
+        env: dict[str, Any],
+        dims: dict[str, int],
+        storage: dict[str, str],
+        out: dict[str, Any] | None = None,
+    ) -> None:
         """Run the stage on the block's values in `env`; binds what it stores and reduces in `out`
         (default: `env`)."""
         ins = []
@@ -228,7 +261,9 @@ class ElementwiseStage:
         rows = (dims[self._rows[0]] if self._rows[0] is not None else 1) * self._rows[1] // self._rows[2]
         cols = (dims[self._cols[0]] if self._cols[0] is not None else 1) * self._cols[1] // self._cols[2]
         # the block's device (a stage may load no tensor: a zero gradient made from index vectors)
-        device = next((v.device for v in (*ins, *env.values()) if isinstance(v, torch.Tensor)), torch.device("cpu"))
+        device = next(
+            (v.device for v in (*ins, *env.values()) if isinstance(v, torch.Tensor)), torch.device("cpu")
+        )
         outs = self.function()(rows, cols, {k: int(v) for k, v in dims.items()}, device, *ins)
         if out is None:
             out = env

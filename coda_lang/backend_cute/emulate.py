@@ -51,12 +51,21 @@ def _operand_values(spec: StageSpec, epi_args: dict[str, Any]) -> dict[str, Any]
 def _eval(eqns: tuple[Eqn, ...], vals: dict[str, Any]) -> None:
     """The equations through each op's torch stand-in (the registry's `torch`)."""
     for e in eqns:
-        ins: list[Any] = [vals[a.name] if isinstance(a, Var) else a.value if isinstance(a, Lit)
-                          else vals[dim_operand(a.dim.name)] * float(a.dim.coeff)
-                          if isinstance(a, DimRef) and a.dim.name else None for a in e.ins]
+        ins: list[Any] = [
+            vals[a.name]
+            if isinstance(a, Var)
+            else a.value
+            if isinstance(a, Lit)
+            else vals[dim_operand(a.dim.name)] * float(a.dim.coeff)
+            if isinstance(a, DimRef) and a.dim.name
+            else None
+            for a in e.ins
+        ]
         params = {k: v for k, v in e.params if isinstance(v, (str, int, float))}
         stand_in = REGISTRY[e.op].torch
-        assert stand_in is not None, f"`{e.op}` has no torch stand-in (the planner lets only such ops through)"
+        assert stand_in is not None, (
+            f"`{e.op}` has no torch stand-in (the planner lets only such ops through)"
+        )
         out = stand_in(*ins, **params)
         res = out if isinstance(out, tuple) else (out,)
         for v, x in zip(e.outs, res, strict=True):
@@ -112,8 +121,16 @@ def _padding(spec: StageSpec, s: Sink, vals: dict[str, Any], m: int, n: int) -> 
     return x.reshape(1, 1) if x.dim() == 0 else x
 
 
-def _sink(s: Sink, spec: StageSpec, vals: dict[str, Any], m: int, n: int, tile_m: int, tile_n: int,
-          epi_args: dict[str, Any]) -> torch.Tensor | None:
+def _sink(
+    s: Sink,
+    spec: StageSpec,
+    vals: dict[str, Any],
+    m: int,
+    n: int,
+    tile_m: int,
+    tile_n: int,
+    epi_args: dict[str, Any],
+) -> torch.Tensor | None:
     """The partial buffer the kernel writes for sink `s` (None for ColVecSelect: written in place).
     Past the end of the reduced dim the kernel folds the fold's identity where it masks (max, min,
     logsumexp, a `bounded` sum) and otherwise what its epilogue computes there (`_padding`)."""
@@ -158,8 +175,15 @@ def _sink(s: Sink, spec: StageSpec, vals: dict[str, Any], m: int, n: int, tile_m
     return fold.torch(x.reshape(tiles, tile_m, width), 1)
 
 
-def run_stage(spec: StageSpec, config: Any, A: torch.Tensor, B: torch.Tensor, D: torch.Tensor | None,
-              epi_args: dict[str, Any], C: torch.Tensor | None = None) -> None:
+def run_stage(
+    spec: StageSpec,
+    config: Any,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    D: torch.Tensor | None,
+    epi_args: dict[str, Any],
+    C: torch.Tensor | None = None,
+) -> None:
     """Fill `D`, the TileStore buffers and the sink buffers in `epi_args` as the stage's kernel would
     (C: the GEMM's C operand of a packed-mode stage, the double-width tile it loads)."""
     acc = A.float() @ (B.float().t() if spec.gemm.tb else B.float())
@@ -178,7 +202,7 @@ def run_stage(spec: StageSpec, config: Any, A: torch.Tensor, B: torch.Tensor, D:
         buf = epi_args[o.py]
         x = torch.as_tensor(vals[o.name], dtype=torch.float32)
         if o.lane is not None:  # one lane of a full-width tile of a paired stage
-            x = x.expand(m, n)[:, o.lane::2]
+            x = x.expand(m, n)[:, o.lane :: 2]
         buf.copy_(x.expand(buf.shape))
     for s in spec.sinks:
         buf = epi_args[s.py]

@@ -80,13 +80,21 @@ class GroupedReduce(GroupedColStatsBase):
 
 
 @cute.jit
-def _fill_past(frag: Any, coords: Any, limit: Any, tile_shape_mn: Any, dim: cutlass.Constexpr[int],
-               fill: cutlass.Constexpr[float]) -> None:
+def _fill_past(
+    frag: Any,
+    coords: Any,
+    limit: Any,
+    tile_shape_mn: Any,
+    dim: cutlass.Constexpr[int],
+    fill: cutlass.Constexpr[float],
+) -> None:
     """frag's elements at or past `limit` along tile dim `dim` (0: rows, 1: columns; `limit` counts
     from the tile's start) set to `fill`, in place. `coords`: the fragment's coordinates in the tile,
     partitioned like frag. An element's coordinate is coords[0]'s plus a static offset, so the offset
     (a constant per element) is compared with limit - coords[0]'s."""
-    along = cute.composition(cute.make_layout(tile_shape_mn, stride=(1, 0) if dim == 0 else (0, 1)), coords.layout)
+    along = cute.composition(
+        cute.make_layout(tile_shape_mn, stride=(1, 0) if dim == 0 else (0, 1)), coords.layout
+    )
     left = limit - coords[0][dim]
     for i in cutlass.range(cute.size(frag), unroll_full=True):
         frag[i] = frag[i] if cute.crd2idx(i, along) < left else Float32(fill)
@@ -110,7 +118,9 @@ class BoundedColVecSelect(ColVecSelect):
     @cute.jit
     def begin(self, gemm: Any, param: Any, smem_tensor: Any, ctx: Any) -> Any:
         state = ColVecSelect.begin(self, gemm, param, smem_tensor, ctx)
-        limit_n = ctx.varlen_manager.len_n() - ctx.tile_coord_mnkl[1] * ctx.tile_N  # columns left, tile-relative
+        limit_n = (
+            ctx.varlen_manager.len_n() - ctx.tile_coord_mnkl[1] * ctx.tile_N
+        )  # columns left, tile-relative
         return (*state, limit_n)
 
     @cute.jit
@@ -142,8 +152,14 @@ class _Bounded:
 
     @cute.jit
     def _mask_oob(self, frag: Any, coords: Any, limit: Any, tile_shape_mn: Any) -> None:
-        _fill_past(frag, coords, limit, tile_shape_mn, self._reduce_dim(),  # type: ignore[attr-defined]
-                   -math.inf if self.combine == "max" else 0.0)
+        _fill_past(
+            frag,
+            coords,
+            limit,
+            tile_shape_mn,
+            self._reduce_dim(),  # type: ignore[attr-defined]
+            -math.inf if self.combine == "max" else 0.0,
+        )
 
 
 class BoundedColVecReduce(_Bounded, ColVecReduce):

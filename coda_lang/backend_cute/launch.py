@@ -29,9 +29,15 @@ from coda_lang.interp.inputs import fail
 from coda_lang.ir.types import BOOL, MATRIX, Dim, Type
 from coda_lang.ops.registry import combine_of_sink, combine_rule
 
-TORCH_DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16,
-                                        "i32": torch.int32, BOOL: torch.bool}
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "f32": torch.float32,
+    "bf16": torch.bfloat16,
+    "f16": torch.float16,
+    "i32": torch.int32,
+    BOOL: torch.bool,
+}
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+
 
 def sink_rule(s: Sink) -> tuple[str, int]:
     """(combine record name, axis) of a sink's partial buffer; ("select", -1) for pick's finished vector."""
@@ -80,8 +86,9 @@ _KEYS = itertools.count()
 class StageRunner:
     """Stage `index` of a block at a fixed tile config; `launch` is the body of `coda::stage`."""
 
-    def __init__(self, block: Any, index: int, spec: StageSpec, config: TileConfig, emulate: bool,
-                 poison: bool = False):
+    def __init__(
+        self, block: Any, index: int, spec: StageSpec, config: TileConfig, emulate: bool, poison: bool = False
+    ):
         self.block, self.index, self.spec, self.config, self.emulate = block, index, spec, config, emulate
         self.poison = poison
         self.key = f"{spec.fn_name}:{config.short}:{next(_KEYS)}"
@@ -143,20 +150,32 @@ class StageRunner:
         stored = ([spec.d.name] if spec.d is not None else []) + [o.name for o in spec.outputs]
         for t, name in zip(outs, stored, strict=True):
             if isinstance(t.shape[1], int) and (t.shape[1] * t.element_size()) % 16:
-                raise fail("E0807", f"stage {spec.index} (`{spec.text}`) stores `{name}` with rows of {t.shape[1]} "
-                           f"values, {t.shape[1] * t.element_size()} bytes: the kernel's TMA stores need rows of a multiple "
-                           "of 16 bytes", notes=["choose dims that make every stored row a multiple of 16 bytes "
-                                                 "(8 bf16 values); the interpreter (Block.run) takes any size"])
+                raise fail(
+                    "E0807",
+                    f"stage {spec.index} (`{spec.text}`) stores `{name}` with rows of {t.shape[1]} "
+                    f"values, {t.shape[1] * t.element_size()} bytes: the kernel's TMA stores need rows of a multiple "
+                    "of 16 bytes",
+                    notes=[
+                        "choose dims that make every stored row a multiple of 16 bytes "
+                        "(8 bf16 values); the interpreter (Block.run) takes any size"
+                    ],
+                )
         for gr in spec.groups:  # quack's GroupedColStatsBase needs whole groups (it raises ValueError)
             if isinstance(n, int) and n % gr.width:
-                raise fail("E0802", f"stage {spec.index} (`{spec.text}`) reduces `{gr.name}` in groups of {gr.width} "
-                           f"columns, but its width is {n}: not a multiple of {gr.width}",
-                           notes=["choose sizes that make the grouped width a multiple of the group"])
+                raise fail(
+                    "E0802",
+                    f"stage {spec.index} (`{spec.text}`) reduces `{gr.name}` in groups of {gr.width} "
+                    f"columns, but its width is {n}: not a multiple of {gr.width}",
+                    notes=["choose sizes that make the grouped width a multiple of the group"],
+                )
         for s in spec.sinks:
             shape = sink_shape(s, m, n, cfg.tile_m, cfg.tile_n)
             # pick leaves rows whose index is outside [0, n) alone: they read 0, as in the interpreter
-            outs.append(torch.zeros(shape, dtype=torch.float32, device=dev) if s.op == "ColVecSelect"
-                        else new(shape, torch.float32))
+            outs.append(
+                torch.zeros(shape, dtype=torch.float32, device=dev)
+                if s.op == "ColVecSelect"
+                else new(shape, torch.float32)
+            )
         for gr in spec.groups:  # a grouped reduction used after the stage: one f32 per row and group
             if gr.out is not None:
                 outs.append(new((m, n // gr.width), torch.float32))
@@ -181,8 +200,9 @@ class StageRunner:
             quack_adapter.launch(self.mod, self.spec, self.config, A, B, D, epi, C=C)
         return outs
 
-    def epilogue_arguments(self, ins: list[torch.Tensor | None], scalars: list[float], outs: list[torch.Tensor]
-                           ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[str, Any]]:
+    def epilogue_arguments(
+        self, ins: list[torch.Tensor | None], scalars: list[float], outs: list[torch.Tensor]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[str, Any]]:
         """(D, C, epi_args by the emitted fn's names) for quack's `EpiMod.gemm`, from the op's arguments
         (C: the GEMM's C operand of a packed-mode stage, else None)."""
         spec = self.spec
@@ -217,8 +237,13 @@ class StageRunner:
                 i += 1
         return D, C, epi
 
-    def collect(self, outs: list[torch.Tensor], env: dict[str, Any], partials: dict[str, torch.Tensor],
-                storage: dict[str, str]) -> None:
+    def collect(
+        self,
+        outs: list[torch.Tensor],
+        env: dict[str, Any],
+        partials: dict[str, torch.Tensor],
+        storage: dict[str, str],
+    ) -> None:
         """Bind the stage's results by coda name: stored tiles, and each sink combined across tiles."""
         spec = self.spec
         i = 0
@@ -258,7 +283,9 @@ def _coda_name(spec: StageSpec, py: str) -> str:
 
 
 # The schema is given, not inferred from the annotations (stable across torch versions).
-@torch.library.custom_op("coda::stage", mutates_args=(), schema="(str key, Tensor?[] ins, float[] scalars) -> Tensor[]")
+@torch.library.custom_op(
+    "coda::stage", mutates_args=(), schema="(str key, Tensor?[] ins, float[] scalars) -> Tensor[]"
+)
 def _stage_op(key: str, ins: list[torch.Tensor | None], scalars: list[float]) -> list[torch.Tensor]:
     """One GEMM stage of a coda block: one kernel launch; returns [D?] + stored tiles + sink buffers."""
     return _STAGES[key].launch(ins, scalars)

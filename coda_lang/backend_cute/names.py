@@ -51,7 +51,9 @@ def imports() -> dict[str, str]:
     for op in REGISTRY.values():
         for name, line in op.imports:
             if table.setdefault(name, line) != line:
-                raise AssertionError(f"`{name}` is imported as `{table[name]}` and, by `{op.name}`, as `{line}`")
+                raise AssertionError(
+                    f"`{name}` is imported as `{table[name]}` and, by `{op.name}`, as `{line}`"
+                )
     return table
 
 

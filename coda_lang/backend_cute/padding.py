@@ -25,8 +25,13 @@ def is_zero(v: Any) -> bool:
     return v is not REAL and v is not None and v == 0.0
 
 
-def padding_value(name: str, per_row: bool, loads: dict[str, Load], defined: dict[str, Eqn],
-              memo: dict[str, Any] | None = None) -> Any:
+def padding_value(
+    name: str,
+    per_row: bool,
+    loads: dict[str, Load],
+    defined: dict[str, Eqn],
+    memo: dict[str, Any] | None = None,
+) -> Any:
     """What `name` holds past the end of the reduced dim (the columns past N of the last column tile
     when `per_row`, else the rows past M of the last row tile): a number when it is the same
     whatever the inputs, REAL when it is made of the row's (column's) real values, None when it

@@ -48,8 +48,9 @@ from coda_lang.ops import REGISTRY
 from coda_lang.verify.diagnostics import CodaError, Diagnostic
 
 
-def _fail(code: str, message: str, span: Span | None, notes: list[str] | None = None,
-          help: list[str] | None = None) -> CodaError:
+def _fail(
+    code: str, message: str, span: Span | None, notes: list[str] | None = None, help: list[str] | None = None
+) -> CodaError:
     return CodaError([Diagnostic(code, message, span, notes=list(notes or []), help=list(help or []))])
 
 
@@ -62,9 +63,15 @@ def plan_stage(block: Any, index: int) -> StageSpec:
     st: Stage = stages[index - 1]
     sp = bplan.stages[index - 1]
     if not st.is_gemm:
-        raise _fail("E0701", f"stage {index} (`{sp.text}`) has no GEMM; the CuTeDSL backend compiles GEMM stages only",
-                    st.span, notes=["an elementwise stage is a memory-bound kernel (autodiff makes one where no GEMM "
-                                    "produces a cotangent); it will get its own emitter"])
+        raise _fail(
+            "E0701",
+            f"stage {index} (`{sp.text}`) has no GEMM; the CuTeDSL backend compiles GEMM stages only",
+            st.span,
+            notes=[
+                "an elementwise stage is a memory-bound kernel (autodiff makes one where no GEMM "
+                "produces a cotangent); it will get its own emitter"
+            ],
+        )
     return _Planner(block, index, st, sp).run()
 
 
@@ -93,10 +100,19 @@ class _Planner:
             return self.names[name]
         # (a leading underscore, as autodiff's temporaries have, is no name quack takes for an operand
         # or sink: they become fields of its argument dataclasses)
-        base = name if name == "acc" else (f"dim_{name[1:]}" if name.startswith(DIM_PREFIX) else
-                                           f"v{name}" if name.startswith("_") else
-                                           f"v_{name}" if name in helper_names() | QUACK_RESERVED
-                                           or keyword.iskeyword(name) or name == self.fn_name else name)
+        base = (
+            name
+            if name == "acc"
+            else (
+                f"dim_{name[1:]}"
+                if name.startswith(DIM_PREFIX)
+                else f"v{name}"
+                if name.startswith("_")
+                else f"v_{name}"
+                if name in helper_names() | QUACK_RESERVED or keyword.iskeyword(name) or name == self.fn_name
+                else name
+            )
+        )
         out = base
         while out in self.used_py and name != "acc":
             out += "_"
@@ -117,7 +133,7 @@ class _Planner:
         body = self.ir.body
         pos = next(i for i, s in enumerate(body) if s is self.st)
         names: set[str] = {o.name for o in self.ir.outputs}
-        for s in body[pos + 1:]:
+        for s in body[pos + 1 :]:
             if isinstance(s, Stage):
                 for a in (s.a, s.b):
                     if isinstance(a, Var):
@@ -149,8 +165,12 @@ class _Planner:
         wide += [ld.name for ld in sp.loads if ld.role == "tile" and ld.shape[-1] == self.cols.scale(2)]
         if wide:
             self.check_packed(wide)
-        paired = not wide and (any(REGISTRY[e.op].locality == "pair" for e in st.body) or any(
-            t.kind == TILE and len(t.shape) == 2 and t.shape[1] != self.cols for t in self.types.values()))
+        paired = not wide and (
+            any(REGISTRY[e.op].locality == "pair" for e in st.body)
+            or any(
+                t.kind == TILE and len(t.shape) == 2 and t.shape[1] != self.cols for t in self.types.values()
+            )
+        )
         mode = PACKED if wide else "acc_pair" if paired else "element"
         packed = mode == PACKED
 
@@ -161,28 +181,47 @@ class _Planner:
         for store in sp.stores:
             e = self.defined[store.name]
             if store.dtype not in STORE_DTYPES:
-                raise _fail("E0702", f"stored tile `{store.name}` has dtype {store.dtype}; the epilogue stores "
-                            "f32, bf16 or f16", e.span)
+                raise _fail(
+                    "E0702",
+                    f"stored tile `{store.name}` has dtype {store.dtype}; the epilogue stores "
+                    "f32, bf16 or f16",
+                    e.span,
+                )
             if d_store is not None and store.name == d_store.name:
                 d = Output(store.name, self.py(store.name), store.dtype, store.shape, "D")
                 continue
             if store.shape[1] not in (self.cols, self.cols.scale(Fraction(1, 2))):
-                raise _fail("E0704", f"`{store.name}` is stored at width `{store.shape[1]}` in a stage of width "
-                            f"`{self.cols}`", e.span, notes=["quack stores tiles at the GEMM's width, half of it "
-                                                             "after pairs(), or twice it as D in packed mode"])
+                raise _fail(
+                    "E0704",
+                    f"`{store.name}` is stored at width `{store.shape[1]}` in a stage of width `{self.cols}`",
+                    e.span,
+                    notes=[
+                        "quack stores tiles at the GEMM's width, half of it "
+                        "after pairs(), or twice it as D in packed mode"
+                    ],
+                )
             gated = paired and store.shape[1] != self.cols
             split = paired and store.shape[1] == self.cols  # a second full-width tile: one store per lane
             if (gated or split) and store.dtype == "f32":
                 what = "half-width" if gated else "full-width (stored as two half-width lanes)"
-                raise _fail("E0702", f"{what} stored tile `{store.name}` is f32; quack stores paired outputs as "
-                            "16-bit values", e.span, help=[f"annotate it, e.g. `{store.name}: bf16 = ...`"])
+                raise _fail(
+                    "E0702",
+                    f"{what} stored tile `{store.name}` is f32; quack stores paired outputs as 16-bit values",
+                    e.span,
+                    help=[f"annotate it, e.g. `{store.name}: bf16 = ...`"],
+                )
             if split:
                 py = self.py(store.name)
                 for lane in (0, 1):
-                    outputs.append(Output(store.name, f"{py}_lane{lane}", store.dtype, store.shape, "TileStore", True,
-                                          lane))
+                    outputs.append(
+                        Output(
+                            store.name, f"{py}_lane{lane}", store.dtype, store.shape, "TileStore", True, lane
+                        )
+                    )
                 continue
-            outputs.append(Output(store.name, self.py(store.name), store.dtype, store.shape, "TileStore", gated))
+            outputs.append(
+                Output(store.name, self.py(store.name), store.dtype, store.shape, "TileStore", gated)
+            )
 
         sinks = self.sinks(live_out, paired, packed)
         needed = {o.name for o in outputs} | ({d.name} if d else set())
@@ -195,38 +234,75 @@ class _Planner:
         groups, prepass = self.groups(eqns, stored_groups, packed)
         for e in prepass:
             self.check_eqn(e)
-        operands = self.operands(eqns, [n for s in sinks for n in s.value]
-                                 + [a.name for e in prepass for a in e.ins if isinstance(a, Var)]
-                                 + [g.value for g in groups], paired, packed)
+        operands = self.operands(
+            eqns,
+            [n for s in sinks for n in s.value]
+            + [a.name for e in prepass for a in e.ins if isinstance(a, Var)]
+            + [g.value for g in groups],
+            paired,
+            packed,
+        )
         if packed:
             c = next((o for o in operands if o.op == "C"), None)
             if d is None or c is None:
                 missing = "stores no double-width tile (D)" if d is None else "loads no double-width tile (C)"
-                raise _fail("E0704", f"stage {self.index} works on a tile twice its width but {missing}", st.span,
-                            notes=["quack's packed_cd_b16x2 mode loads one 16-bit double-width tile as the GEMM's C "
-                                   "operand and stores one as D, two lanes per accumulator element"])
+                raise _fail(
+                    "E0704",
+                    f"stage {self.index} works on a tile twice its width but {missing}",
+                    st.span,
+                    notes=[
+                        "quack's packed_cd_b16x2 mode loads one 16-bit double-width tile as the GEMM's C "
+                        "operand and stores one as D, two lanes per accumulator element"
+                    ],
+                )
             if c.dtype != d.dtype:
-                raise _fail("E0702", f"the double-width tile `{c.name}` is {c.dtype} and the stored `{d.name}` is "
-                            f"{d.dtype}; quack's packed mode needs one 16-bit dtype for both", self.defined[d.name].span,
-                            help=[f"annotate it: `{d.name}: {c.dtype} = ...`"])
+                raise _fail(
+                    "E0702",
+                    f"the double-width tile `{c.name}` is {c.dtype} and the stored `{d.name}` is "
+                    f"{d.dtype}; quack's packed mode needs one 16-bit dtype for both",
+                    self.defined[d.name].span,
+                    help=[f"annotate it: `{d.name}: {c.dtype} = ...`"],
+                )
         constraints = list(sp.constraints)  # the checker's: tile_N holds whole groups
         if paired:
             constraints.append("tile_N % 2 == 0 (pairs of adjacent columns)")
             if outputs:
                 constraints.append("tile_N % 32 == 0 (paired TileStore on SM90)")
-        return StageSpec(self.ir.name, self.index, sp.text, sp.line, self.fn_name, mode, gemm, tuple(operands), d,
-                         tuple(outputs), tuple(sinks), tuple(eqns), dict(self.names), tuple(constraints),
-                         tuple(inline_source(st.body)), st.span, groups=tuple(groups), prepass=tuple(prepass))
+        return StageSpec(
+            self.ir.name,
+            self.index,
+            sp.text,
+            sp.line,
+            self.fn_name,
+            mode,
+            gemm,
+            tuple(operands),
+            d,
+            tuple(outputs),
+            tuple(sinks),
+            tuple(eqns),
+            dict(self.names),
+            tuple(constraints),
+            tuple(inline_source(st.body)),
+            st.span,
+            groups=tuple(groups),
+            prepass=tuple(prepass),
+        )
 
     def check_packed(self, wide: list[str]) -> None:
         """A stage with double-width values compiles in packed mode: no half-width values beside them."""
         half = self.cols.scale(Fraction(1, 2))
         for name, t in self.types.items():
             if t.kind == TILE and len(t.shape) == 2 and t.shape[1] == half:
-                raise _fail("E0704", f"`{name}` is half the stage's width while `{wide[0]}` is twice it",
-                            self.defined[name].span,
-                            notes=["a stage compiles either paired (half-width values, acc_pair mode) or packed "
-                                   "(double-width values, packed_cd_b16x2 mode), not both"])
+                raise _fail(
+                    "E0704",
+                    f"`{name}` is half the stage's width while `{wide[0]}` is twice it",
+                    self.defined[name].span,
+                    notes=[
+                        "a stage compiles either paired (half-width values, acc_pair mode) or packed "
+                        "(double-width values, packed_cd_b16x2 mode), not both"
+                    ],
+                )
 
     def gemm(self) -> Gemm:
         st, sp = self.st, self.sp
@@ -234,11 +310,18 @@ class _Planner:
         a_dtype, b_dtype = self.param_dtype(st.a), self.param_dtype(st.b)
         for name, dt, span in ((st.a.name, a_dtype, st.a_span), (st.b.name, b_dtype, st.b_span)):
             if dt not in GEMM_DTYPES:
-                raise _fail("E0702", f"GEMM operand `{name}` is {dt}; the backend multiplies bf16 or f16 operands",
-                            span, help=[f"declare `{name}` as bf16 (or, for a stored tile, annotate it: "
-                                        f"`{name}: bf16 = ...`)"])
+                raise _fail(
+                    "E0702",
+                    f"GEMM operand `{name}` is {dt}; the backend multiplies bf16 or f16 operands",
+                    span,
+                    help=[
+                        f"declare `{name}` as bf16 (or, for a stored tile, annotate it: `{name}: bf16 = ...`)"
+                    ],
+                )
         if a_dtype != b_dtype:
-            raise _fail("E0702", f"GEMM operands are {a_dtype} and {b_dtype}; the backend needs equal dtypes", st.span)
+            raise _fail(
+                "E0702", f"GEMM operands are {a_dtype} and {b_dtype}; the backend needs equal dtypes", st.span
+            )
         return Gemm(st.a.name, st.b.name, a_dtype, b_dtype, st.ta, st.tb, sp.rows, sp.cols, sp.k)
 
     def check_eqn(self, e: Eqn) -> None:
@@ -254,8 +337,11 @@ class _Planner:
             if t is None:
                 continue
             if t.dtype == "i32":
-                raise _fail("E0702", f"`{v.name}` is i32: integer arithmetic inside an epilogue is not supported yet",
-                            e.span)
+                raise _fail(
+                    "E0702",
+                    f"`{v.name}` is i32: integer arithmetic inside an epilogue is not supported yet",
+                    e.span,
+                )
 
     def sinks(self, live_out: set[str], paired: bool, packed: bool) -> list[Sink]:
         """The partial reductions read after the stage, as quack sinks. A sum of a product used
@@ -283,9 +369,15 @@ class _Planner:
             if e.param("group") is not None:
                 continue  # complete in its tile: a Group (groups()), not a partial
             if xt is not None and xt.kind == GROUP:
-                raise _fail("E0705", f"`{od.surface}()` of the grouped value `{x.name}` over its groups is not "
-                            "compiled yet", e.span, notes=["quack's grouped statistics stay inside the kernel; "
-                                                           "reduce the tile the groups came from instead"])
+                raise _fail(
+                    "E0705",
+                    f"`{od.surface}()` of the grouped value `{x.name}` over its groups is not compiled yet",
+                    e.span,
+                    notes=[
+                        "quack's grouped statistics stay inside the kernel; "
+                        "reduce the tile the groups came from instead"
+                    ],
+                )
             per_row = bool(t.shape) and t.shape[0] == self.rows  # one value per row: reduced over the columns
             half = paired and xt is not None and lanes_of(xt, self.rows, self.cols) == 1
             wide = packed and is_wide(xt, self.cols)
@@ -293,14 +385,25 @@ class _Planner:
             rec = od.combine
             assert rec is not None  # a reduction without a combine record does not check
             if rec.sink is None:
-                raise _fail("E0705", f"`{od.surface}()` has no epilogue sink (its combine record names none)",
-                            e.span, notes=["quack's epilogue reductions fold by add or max, and log-sum-exp along "
-                                           "the columns"])
+                raise _fail(
+                    "E0705",
+                    f"`{od.surface}()` has no epilogue sink (its combine record names none)",
+                    e.span,
+                    notes=[
+                        "quack's epilogue reductions fold by add or max, and log-sum-exp along the columns"
+                    ],
+                )
             if wide and (rec.sink not in ("add", "max") or not per_row):
                 what = f"{od.surface}() over the rows" if not per_row else f"{od.surface}()"
-                raise _fail("E0705", f"{what} of the double-width tile `{x.name}` is not compiled yet", e.span,
-                            notes=["in packed mode a double-width value is two lanes per accumulator element; "
-                                   "sum(), max() and min() over its columns fold the lanes first"])
+                raise _fail(
+                    "E0705",
+                    f"{what} of the double-width tile `{x.name}` is not compiled yet",
+                    e.span,
+                    notes=[
+                        "in packed mode a double-width value is two lanes per accumulator element; "
+                        "sum(), max() and min() over its columns fold the lanes first"
+                    ],
+                )
             if od.name == "pick":
                 idx = e.ins[1]
                 if not per_row or not isinstance(idx, Var):
@@ -309,61 +412,143 @@ class _Planner:
                     raise _fail("E0705", "pick() in a paired stage is not compiled yet", e.span)
                 index_uses[idx.name] = index_uses.get(idx.name, 0) + 1
                 ld = next(ld for ld in self.sp.loads if ld.name == idx.name)
-                sinks.append(Sink(v.name, py, "ColVecSelect", None, False, (x.name,), t.shape, "vector",
-                                  index=self.py(idx.name), index_dtype=ld.dtype))
+                sinks.append(
+                    Sink(
+                        v.name,
+                        py,
+                        "ColVecSelect",
+                        None,
+                        False,
+                        (x.name,),
+                        t.shape,
+                        "vector",
+                        index=self.py(idx.name),
+                        index_dtype=ld.dtype,
+                    )
+                )
                 continue
             if rec.sink == "lse":
                 if paired:
                     raise _fail("E0705", "logsumexp() in a paired stage is not compiled yet", e.span)
                 if not per_row:  # quack's online log-sum-exp folds along the columns only
-                    raise _fail("E0705", "logsumexp() over the rows is not compiled yet", e.span,
-                                notes=["quack's OnlineLSEReduce folds a row's columns; a column's rows would "
-                                       "need an online (max, sum) pair carried through RowVecReduce's exchange"])
-                sinks.append(Sink(v.name, py, "OnlineLSEReduce", None, False, (x.name,), t.shape, "row partials"))
+                    raise _fail(
+                        "E0705",
+                        "logsumexp() over the rows is not compiled yet",
+                        e.span,
+                        notes=[
+                            "quack's OnlineLSEReduce folds a row's columns; a column's rows would "
+                            "need an online (max, sum) pair carried through RowVecReduce's exchange"
+                        ],
+                    )
+                sinks.append(
+                    Sink(v.name, py, "OnlineLSEReduce", None, False, (x.name,), t.shape, "row partials")
+                )
                 continue
             combine = rec.sink  # "add" | "max"
             negate = rec.negate  # min(x) = -max(-x): quack folds the negation by max (exact)
             if not per_row and half:
-                raise _fail("E0705", f"a reduction over the rows of the half-width tile `{x.name}` is not "
-                            "compiled yet", e.span)
+                raise _fail(
+                    "E0705",
+                    f"a reduction over the rows of the half-width tile `{x.name}` is not compiled yet",
+                    e.span,
+                )
             op = "ColVecReduce" if per_row else "RowVecReduce"
             layout = "row partials" if per_row else "column partials"
             prod = self.defined.get(x.name)
             # quack masks the ragged end of the reduced dim for max (and min, its negation) itself
             bounded = combine == "add" and not is_zero(self.padding_value(x.name, per_row))
             if wide:
-                sinks.append(Sink(v.name, py, op, combine, False, (x.name,), t.shape, layout, lanes=2, negate=negate,
-                                  bounded=bounded))
+                sinks.append(
+                    Sink(
+                        v.name,
+                        py,
+                        op,
+                        combine,
+                        False,
+                        (x.name,),
+                        t.shape,
+                        layout,
+                        lanes=2,
+                        negate=negate,
+                        bounded=bounded,
+                    )
+                )
                 continue
-            if (rec.name == "sum" and not paired and not bounded and prod is not None and prod.op == "mul"
-                    and uses.get(x.name) == 1 and x.name not in live_out
-                    and all(isinstance(a, Var) for a in prod.ins)):
+            if (
+                rec.name == "sum"
+                and not paired
+                and not bounded
+                and prod is not None
+                and prod.op == "mul"
+                and uses.get(x.name) == 1
+                and x.name not in live_out
+                and all(isinstance(a, Var) for a in prod.ins)
+            ):
                 ins = tuple(a.name for a in prod.ins if isinstance(a, Var))
                 sinks.append(Sink(v.name, py, op, combine, True, ins, t.shape, layout))
                 continue
-            if (rec.name == "max" and prod is not None and prod.op == "abs" and uses.get(x.name) == 1
-                    and x.name not in live_out and isinstance(prod.ins[0], Var)):
+            if (
+                rec.name == "max"
+                and prod is not None
+                and prod.op == "abs"
+                and uses.get(x.name) == 1
+                and x.name not in live_out
+                and isinstance(prod.ins[0], Var)
+            ):
                 # max(abs(x)): quack folds |x| with PTX max.abs (its amax epilogue)
-                sinks.append(Sink(v.name, py, op, "max_abs", False, (prod.ins[0].name,), t.shape, layout, pad="self",
-                                  bounded=not is_zero(self.padding_value(prod.ins[0].name, per_row))))
+                sinks.append(
+                    Sink(
+                        v.name,
+                        py,
+                        op,
+                        "max_abs",
+                        False,
+                        (prod.ins[0].name,),
+                        t.shape,
+                        layout,
+                        pad="self",
+                        bounded=not is_zero(self.padding_value(prod.ins[0].name, per_row)),
+                    )
+                )
                 continue
             pad = "0.0" if combine == "add" else "self"
-            sinks.append(Sink(v.name, py, op, combine, False, (x.name,), t.shape, layout, pad=pad, negate=negate,
-                              bounded=bounded))
+            sinks.append(
+                Sink(
+                    v.name,
+                    py,
+                    op,
+                    combine,
+                    False,
+                    (x.name,),
+                    t.shape,
+                    layout,
+                    pad=pad,
+                    negate=negate,
+                    bounded=bounded,
+                )
+            )
         for n, k in index_uses.items():
             if uses.get(n, 0) != k:
                 e = next(e for e in self.st.body if any(isinstance(a, Var) and a.name == n for a in e.ins))
-                raise _fail("E0705", f"the pick() index `{n}` is also used as a value", e.span,
-                            notes=["quack's ColVecSelect reads its index itself; the epilogue can't also see it"])
+                raise _fail(
+                    "E0705",
+                    f"the pick() index `{n}` is also used as a value",
+                    e.span,
+                    notes=["quack's ColVecSelect reads its index itself; the epilogue can't also see it"],
+                )
         return sinks
+
     def padding_value(self, name: str, per_row: bool) -> Any:
         """What `name` holds past the end of the reduced dim in the ragged last tile (padding.py)."""
         return padding_value(name, per_row, {ld.name: ld for ld in self.sp.loads}, self.defined)
 
     def grouped(self) -> dict[str, Eqn]:
         """The stage's grouped reductions by result name."""
-        return {e.outs[0].name: e for e in self.st.body
-                if REGISTRY[e.op].locality == "reduce" and e.param("group") is not None}
+        return {
+            e.outs[0].name: e
+            for e in self.st.body
+            if REGISTRY[e.op].locality == "reduce" and e.param("group") is not None
+        }
 
     def stored_groups(self, live_out: set[str]) -> set[str]:
         """The grouped reductions used after the stage (their writers store them); any other grouped
@@ -375,11 +560,17 @@ class _Planner:
                 if v.type is None or v.type.kind != GROUP or v.name not in live_out:
                     continue
                 if v.name not in grouped:
-                    raise _fail("E0705", f"`{v.name}`, computed from a grouped reduction, is used after the stage: "
-                                "not compiled yet", e.span,
-                                notes=["the kernel can store a grouped reduction itself (one value per row and "
-                                       "group), not values computed from it"],
-                                help=["use the grouped reduction after the stage, or recompute from it there"])
+                    raise _fail(
+                        "E0705",
+                        f"`{v.name}`, computed from a grouped reduction, is used after the stage: "
+                        "not compiled yet",
+                        e.span,
+                        notes=[
+                            "the kernel can store a grouped reduction itself (one value per row and "
+                            "group), not values computed from it"
+                        ],
+                        help=["use the grouped reduction after the stage, or recompute from it there"],
+                    )
                 out.add(v.name)
         return out
 
@@ -397,45 +588,78 @@ class _Planner:
             (v,) = e.outs
             x = e.ins[0]
             if packed:
-                raise _fail("E0705", "a grouped reduction in a stage that works on double-width tiles (packed mode) "
-                            "is not compiled yet", e.span, notes=['quack: "prepass + packed C: not supported"'])
+                raise _fail(
+                    "E0705",
+                    "a grouped reduction in a stage that works on double-width tiles (packed mode) "
+                    "is not compiled yet",
+                    e.span,
+                    notes=['quack: "prepass + packed C: not supported"'],
+                )
             if not isinstance(x, Var):
                 raise _fail("E0705", f"grouped `{od.surface}()` of a constant", e.span)
             xt = x.type if x.type is not None else self.types.get(x.name)
             if xt is None or xt.kind not in (TILE, MATRIX) or len(xt.shape) != 2 or xt.shape[1] != self.cols:
-                raise _fail("E0705", f"a grouped reduction of `{x.name}`, which is not a tile as wide as the stage's "
-                            f"({shape_str((self.rows, self.cols))}), is not compiled yet", e.span,
-                            notes=["quack's prepass sees the accumulator one element at a time, not in pairs"])
+                raise _fail(
+                    "E0705",
+                    f"a grouped reduction of `{x.name}`, which is not a tile as wide as the stage's "
+                    f"({shape_str((self.rows, self.cols))}), is not compiled yet",
+                    e.span,
+                    notes=["quack's prepass sees the accumulator one element at a time, not in pairs"],
+                )
             group = e.param("group")
             assert isinstance(group, int)
             if group % 32 and group not in (8, 16):
-                raise _fail("E0705", f"grouped reduction over groups of {group} columns: not compiled", e.span,
-                            notes=["quack's grouped statistics fold each thread's runs of 8 adjacent accumulator "
-                                   "columns, and the groups must nest with the epilogue's subtiles of 32 columns "
-                                   "(SM90): groups of 8, 16 or a multiple of 32 compile"])
+                raise _fail(
+                    "E0705",
+                    f"grouped reduction over groups of {group} columns: not compiled",
+                    e.span,
+                    notes=[
+                        "quack's grouped statistics fold each thread's runs of 8 adjacent accumulator "
+                        "columns, and the groups must nest with the epilogue's subtiles of 32 columns "
+                        "(SM90): groups of 8, 16 or a multiple of 32 compile"
+                    ],
+                )
             prepass = self.live_eqns({x.name})
             tiles = {ld.name for ld in self.sp.loads if ld.role == "tile"}
             for p in prepass + [e]:
                 for a in p.ins:
                     if isinstance(a, Var) and a.name in tiles:
-                        raise _fail("E0705", f"the grouped reduction `{v.name}` reduces a value that reads the tile "
-                                    f"`{a.name}`: not compiled yet", e.span,
-                                    notes=["quack's prepass runs over the accumulator before the epilogue's tile "
-                                           "loads arrive; it can read acc, vectors and scalars"])
+                        raise _fail(
+                            "E0705",
+                            f"the grouped reduction `{v.name}` reduces a value that reads the tile "
+                            f"`{a.name}`: not compiled yet",
+                            e.span,
+                            notes=[
+                                "quack's prepass runs over the accumulator before the epilogue's tile "
+                                "loads arrive; it can read acc, vectors and scalars"
+                            ],
+                        )
                     if isinstance(a, Var) and a.name in grouped:
-                        raise _fail("E0705", f"the grouped reduction `{v.name}` reduces a value computed from the "
-                                    f"grouped reduction `{a.name}` of the same stage: not compiled yet", e.span,
-                                    notes=["the epilogue has one prepass over the accumulator; this would need a "
-                                           "second one"])
+                        raise _fail(
+                            "E0705",
+                            f"the grouped reduction `{v.name}` reduces a value computed from the "
+                            f"grouped reduction `{a.name}` of the same stage: not compiled yet",
+                            e.span,
+                            notes=[
+                                "the epilogue has one prepass over the accumulator; this would need a "
+                                "second one"
+                            ],
+                        )
                 if REGISTRY[p.op].locality == "pair":
-                    raise _fail("E0705", f"the grouped reduction `{v.name}` reduces a value computed with "
-                                f"`{REGISTRY[p.op].surface}()`: not compiled yet", e.span,
-                                notes=["quack's prepass sees the accumulator one element at a time, not in pairs"])
+                    raise _fail(
+                        "E0705",
+                        f"the grouped reduction `{v.name}` reduces a value computed with "
+                        f"`{REGISTRY[p.op].surface}()`: not compiled yet",
+                        e.span,
+                        notes=["quack's prepass sees the accumulator one element at a time, not in pairs"],
+                    )
             keep |= {id(p) for p in prepass}
             py = self.py(v.name)
             out = self.fresh(f"{py}_out") if name in stored else None
             if od.combine is None or od.combine.group is None:
-                raise _fail("E0705", f"grouped `{od.surface}()` has no fold in the epilogue's prepass", e.span)
+                raise _fail(
+                    "E0705", f"grouped `{od.surface}()` has no fold in the epilogue's prepass", e.span
+                )
             combine = od.combine.group  # add | max | min | lse
             groups.append(Group(v.name, py, combine, group, x.name, v.type.shape if v.type else (), out))
         return groups, [e for e in self.st.body if id(e) in keep]
@@ -464,31 +688,60 @@ class _Planner:
             ld = loads[name]
             e = next(e for e in self.st.body if any(isinstance(a, Var) and a.name == name for a in e.ins))
             if ld.dtype not in FLOAT_DTYPES:
-                raise _fail("E0702", f"`{name}` is {ld.dtype}: integer operands of the epilogue are not supported yet",
-                            e.span)
+                raise _fail(
+                    "E0702",
+                    f"`{name}` is {ld.dtype}: integer operands of the epilogue are not supported yet",
+                    e.span,
+                )
             width = ld.shape[-1] if ld.role in ("tile", "column vector") else None
             if packed and ld.role == "tile" and width == self.cols.scale(2):
                 if any(o.op == "C" for o in out):
-                    raise _fail("E0704", f"`{name}` is a second double-width tile load", e.span,
-                                notes=["quack's packed_cd_b16x2 mode loads one double-width tile (the GEMM's C)"])
+                    raise _fail(
+                        "E0704",
+                        f"`{name}` is a second double-width tile load",
+                        e.span,
+                        notes=["quack's packed_cd_b16x2 mode loads one double-width tile (the GEMM's C)"],
+                    )
                 if ld.dtype not in PACKED_DTYPES:
-                    raise _fail("E0702", f"the double-width tile `{name}` is {ld.dtype}; quack's packed mode loads "
-                                "16-bit pairs", e.span)
+                    raise _fail(
+                        "E0702",
+                        f"the double-width tile `{name}` is {ld.dtype}; quack's packed mode loads "
+                        "16-bit pairs",
+                        e.span,
+                    )
                 out.append(Operand(name, "c", ld.role, "C", ld.dtype, ld.shape, 2))
                 continue
             if paired and ld.role == "column vector" and width == self.cols.scale(Fraction(1, 2)):
-                out.append(Operand(name, self.py(name), ld.role, LOAD_OPS[ld.role], ld.dtype, ld.shape, 2,
-                                   host="repeat_interleave(2)"))
+                out.append(
+                    Operand(
+                        name,
+                        self.py(name),
+                        ld.role,
+                        LOAD_OPS[ld.role],
+                        ld.dtype,
+                        ld.shape,
+                        2,
+                        host="repeat_interleave(2)",
+                    )
+                )
                 continue
             if width is not None and width != self.cols:
-                raise _fail("E0704", f"`{name}` ({ld.dtype}{shape_str(ld.shape)}) is not as wide as the stage's tile "
-                            f"({shape_str((self.rows, self.cols))})", e.span,
-                            notes=["quack loads tiles at the GEMM's width (column vectors too, except one value "
-                                   "per column pair in a paired stage); other widths are not supported yet"])
+                raise _fail(
+                    "E0704",
+                    f"`{name}` ({ld.dtype}{shape_str(ld.shape)}) is not as wide as the stage's tile "
+                    f"({shape_str((self.rows, self.cols))})",
+                    e.span,
+                    notes=[
+                        "quack loads tiles at the GEMM's width (column vectors too, except one value "
+                        "per column pair in a paired stage); other widths are not supported yet"
+                    ],
+                )
             lanes = 2 if paired and width is not None else 1
             out.append(Operand(name, self.py(name), ld.role, LOAD_OPS[ld.role], ld.dtype, ld.shape, lanes))
         # a dim used as a value (`acc / K`): a Scalar operand holding its size, passed by the runtime
-        for dim in dict.fromkeys(a.dim.name for e in eqns for a in e.ins if isinstance(a, DimRef) and a.dim.name):
+        for dim in dict.fromkeys(
+            a.dim.name for e in eqns for a in e.ins if isinstance(a, DimRef) and a.dim.name
+        ):
             name = dim_operand(dim)
             out.append(Operand(name, self.py(name), "scalar", LOAD_OPS["scalar"], "f32", (), 1))
         return out

@@ -65,9 +65,16 @@ class EpiSubtileN:
 
     n: int
 
-    def __call__(self, cta_tile_shape_mnk: Any, atom_layout_mnk: Any, element_type: Any = None,
-                 epi_tile_override: Any = None) -> tuple[int, int]:
-        tile_m, _ = GemmSm90._compute_tile_shape_or_override(cta_tile_shape_mnk, atom_layout_mnk, element_type)
+    def __call__(
+        self,
+        cta_tile_shape_mnk: Any,
+        atom_layout_mnk: Any,
+        element_type: Any = None,
+        epi_tile_override: Any = None,
+    ) -> tuple[int, int]:
+        tile_m, _ = GemmSm90._compute_tile_shape_or_override(
+            cta_tile_shape_mnk, atom_layout_mnk, element_type
+        )
         return tile_m, math.gcd(self.n, int(cta_tile_shape_mnk[1]))
 
 
@@ -80,7 +87,13 @@ def post_init_attrs(config: Any) -> tuple[tuple[str, Any], ...]:
 def compile_only(dump_dir: Path) -> Iterator[None]:
     """Compile without a GPU, keeping the PTX in `dump_dir`; restores everything afterwards."""
     env = CuTeDSL._get_dsl().envar
-    saved = (quack.cache.CACHE_ENABLED, quack_host.get_max_active_clusters, env.keep_ptx, env.dump_dir, env.arch)
+    saved = (
+        quack.cache.CACHE_ENABLED,
+        quack_host.get_max_active_clusters,
+        env.keep_ptx,
+        env.dump_dir,
+        env.arch,
+    )
     quack.cache.CACHE_ENABLED = False  # the .o cache would hand back a module without its PTX
     if not torch.cuda.is_available():
         quack_host.get_max_active_clusters = lambda cluster_size, *a, **k: _H100_SMS // max(1, cluster_size)
@@ -93,8 +106,13 @@ def compile_only(dump_dir: Path) -> Iterator[None]:
     try:
         yield
     finally:
-        (quack.cache.CACHE_ENABLED, quack_host.get_max_active_clusters, env.keep_ptx, env.dump_dir,
-         env.arch) = saved
+        (
+            quack.cache.CACHE_ENABLED,
+            quack_host.get_max_active_clusters,
+            env.keep_ptx,
+            env.dump_dir,
+            env.arch,
+        ) = saved
 
 
 def load_epilogue(path: Path, fn_name: str) -> Any:
@@ -156,9 +174,22 @@ def compile_ptx(spec: Any, path: Path, config: Any) -> tuple[str, float]:
             epi[gr.out] = _meta((m, n // gr.width), "f32")
     with tempfile.TemporaryDirectory(prefix="coda-ptx-") as tmp, compile_only(Path(tmp)):
         t0 = time.perf_counter()
-        plan = mod.gemm(A, B, D, C, epi_args=epi, tile_M=config.tile_m, tile_N=config.tile_n,
-                        cluster_M=config.cluster_m, cluster_N=config.cluster_n, pingpong=config.pingpong,
-                        persistent=True, b_kn=not g.tb, post_init_attrs=post_init_attrs(config), _launch=False)
+        plan = mod.gemm(
+            A,
+            B,
+            D,
+            C,
+            epi_args=epi,
+            tile_M=config.tile_m,
+            tile_N=config.tile_n,
+            cluster_M=config.cluster_m,
+            cluster_N=config.cluster_n,
+            pingpong=config.pingpong,
+            persistent=True,
+            b_kn=not g.tb,
+            post_init_attrs=post_init_attrs(config),
+            _launch=False,
+        )
         seconds = time.perf_counter() - t0
         ptx = plan.compiled_fn.__ptx__
         if ptx and "\n" not in ptx and os.path.exists(ptx):  # a path when the file was not read yet
@@ -168,8 +199,18 @@ def compile_ptx(spec: Any, path: Path, config: Any) -> tuple[str, float]:
     return ptx, seconds
 
 
-def launch(mod: Any, spec: Any, config: Any, A: Any, B: Any, D: Any, epi_args: dict[str, Any], *,
-           C: Any = None, dry_run: bool = False) -> None:
+def launch(
+    mod: Any,
+    spec: Any,
+    config: Any,
+    A: Any,
+    B: Any,
+    D: Any,
+    epi_args: dict[str, Any],
+    *,
+    C: Any = None,
+    dry_run: bool = False,
+) -> None:
     """One launch of stage `spec`'s kernel on the current stream (the runtime's only call into quack).
 
     A: (m, k), either major (a `transpose(a)` operand is the stored tensor's `.t()` view); B: the
@@ -180,9 +221,17 @@ def launch(mod: Any, spec: Any, config: Any, A: Any, B: Any, D: Any, epi_args: d
     too) and replayed from quack's plan cache afterwards. `dry_run=True` (tests without a GPU, on
     "meta" tensors): quack validates the arguments and compiles the kernel, nothing is launched.
     """
-    kw = dict(epi_args=epi_args, tile_M=config.tile_m, tile_N=config.tile_n, cluster_M=config.cluster_m,
-              cluster_N=config.cluster_n, pingpong=config.pingpong, persistent=True, b_kn=not spec.gemm.tb,
-              post_init_attrs=post_init_attrs(config))
+    kw = dict(
+        epi_args=epi_args,
+        tile_M=config.tile_m,
+        tile_N=config.tile_n,
+        cluster_M=config.cluster_m,
+        cluster_N=config.cluster_n,
+        pingpong=config.pingpong,
+        persistent=True,
+        b_kn=not spec.gemm.tb,
+        post_init_attrs=post_init_attrs(config),
+    )
     if not dry_run:
         mod.gemm(A, B, D, C, **kw)
         return

@@ -192,35 +192,40 @@ def lanes_of(t: Type | None, rows: Dim, cols: Dim) -> int:
     return 1
 
 
-
 def describe(spec: StageSpec) -> list[str]:
     """Human lines about the stage's interface (the header of the emitted source)."""
     g = spec.gemm
     a = f"transpose({g.a})" if g.ta else g.a
     b = f"transpose({g.b})" if g.tb else g.b
-    lines = [f"GEMM: {a} @ {b}: {g.a_dtype} x {g.b_dtype} -> acc f32{shape_str((g.rows, g.cols))}, K = {g.k}; "
-             f"mode {spec.mode}"]
+    lines = [
+        f"GEMM: {a} @ {b}: {g.a_dtype} x {g.b_dtype} -> acc f32{shape_str((g.rows, g.cols))}, K = {g.k}; "
+        f"mode {spec.mode}"
+    ]
     for o in spec.operands:
         host = f", passed as {o.py}.{o.host}" if o.host else ""
         op = "the GEMM's C operand, 16-bit pairs" if o.op == "C" else o.op
         py = f"{o.py} = {o.name}" if o.op == "C" else o.py
         if o.name.startswith(DIM_PREFIX):
-            py = f"{o.py} = the size of {o.name[len(DIM_PREFIX):]}"
+            py = f"{o.py} = the size of {o.name[len(DIM_PREFIX) :]}"
         lines.append(f"load   {py}: {o.dtype}{shape_str(o.shape) if o.shape else ''} {o.role} ({op}{host})")
     if spec.d is not None:
         lines.append(f"store  D = {spec.d.py}: {spec.d.dtype}{shape_str(spec.d.shape)}")
     for out in spec.outputs:
         lane = f", lane {out.lane} of {out.name}" if out.lane is not None else ""
-        lines.append(f"store  {out.py}: {out.dtype}{shape_str(out.shape)} (TileStore{', gated' if out.gated else ''}"
-                     f"{lane})")
+        lines.append(
+            f"store  {out.py}: {out.dtype}{shape_str(out.shape)} (TileStore{', gated' if out.gated else ''}"
+            f"{lane})"
+        )
     for s in spec.sinks:
         fold = {"add": "sum", "max_abs": "max of |x|"}.get(s.combine or "", s.combine)
         if s.negate:
             fold = "min"
-        what = {"ColVecReduce": f"{fold} over the columns, one partial per column tile",
-                "RowVecReduce": f"{fold} over the rows, one partial per row tile",
-                "OnlineLSEReduce": "logsumexp over the columns, one partial per column tile",
-                "ColVecSelect": f"the value at column {s.index} of each row"}[s.op]
+        what = {
+            "ColVecReduce": f"{fold} over the columns, one partial per column tile",
+            "RowVecReduce": f"{fold} over the rows, one partial per row tile",
+            "OnlineLSEReduce": "logsumexp over the columns, one partial per column tile",
+            "ColVecSelect": f"the value at column {s.index} of each row",
+        }[s.op]
         scaled = ", scaled" if s.scaled else ", both lanes" if s.lanes == 2 else ""
         scaled += ", max of the negation: the buffer holds -min" if s.negate else ""
         scaled += ", masked past the end" if s.bounded else ""
@@ -228,8 +233,10 @@ def describe(spec: StageSpec) -> list[str]:
     for gr in spec.groups:
         fold = {"add": "sum", "lse": "logsumexp"}.get(gr.combine, gr.combine)
         writer = f"; stored by {gr.out}" if gr.out else ""
-        lines.append(f"group  {gr.py}: f32{shape_str(gr.shape)} = {fold} over each run of {gr.width} columns, complete "
-                     f"in the tile (GroupedReduce, folded by the prepass{writer})")
+        lines.append(
+            f"group  {gr.py}: f32{shape_str(gr.shape)} = {fold} over each run of {gr.width} columns, complete "
+            f"in the tile (GroupedReduce, folded by the prepass{writer})"
+        )
     for c in spec.constraints:
         lines.append(f"tiling {c}")
     return lines

@@ -55,8 +55,16 @@ def choose_config(block: Any, index: int, spec: StageSpec, emulate: bool) -> Til
     emulating, the first candidate that fits the stage's tiling constraints."""
     candidates = tuple(c for c in CANDIDATES if fits(spec, c))
     if not candidates:
-        raise CodaError([Diagnostic("E0706", f"stage {index} (`{spec.text}`): no candidate tile satisfies its "
-                                    "tiling constraints", spec.span, notes=list(spec.constraints))])
+        raise CodaError(
+            [
+                Diagnostic(
+                    "E0706",
+                    f"stage {index} (`{spec.text}`): no candidate tile satisfies its tiling constraints",
+                    spec.span,
+                    notes=list(spec.constraints),
+                )
+            ]
+        )
     if emulate:
         return candidates[0]
     key = (source_hash(emit_stage(spec)), candidates)
@@ -64,13 +72,18 @@ def choose_config(block: Any, index: int, spec: StageSpec, emulate: bool) -> Til
         from coda_lang.backend_cute.compile import select_config
 
         if not find_ptxas():
-            warnings.warn(f"no ptxas to check stage {index} of {spec.block} for spills; using {candidates[0]}",
-                          stacklevel=3)
+            warnings.warn(
+                f"no ptxas to check stage {index} of {spec.block} for spills; using {candidates[0]}",
+                stacklevel=3,
+            )
             return candidates[0]
         try:
             _SELECTED[key] = select_config(block, index, candidates).config
         except (BackendUnavailable, RuntimeError) as e:
-            warnings.warn(f"select_config failed for stage {index} of {spec.block} ({str(e).splitlines()[0]}); "
-                          f"using {candidates[0]}", stacklevel=3)
+            warnings.warn(
+                f"select_config failed for stage {index} of {spec.block} ({str(e).splitlines()[0]}); "
+                f"using {candidates[0]}",
+                stacklevel=3,
+            )
             return candidates[0]
     return _SELECTED[key]

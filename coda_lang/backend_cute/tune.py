@@ -34,8 +34,13 @@ def cache_file() -> Path:
 
 
 def disk_key(source: str, shape: tuple[int, ...], device: str) -> str:
-    key = {"source": source_hash(source), "emitter": EMITTER_VERSION, "libraries": library_versions(),
-           "device": device, "shape": list(shape)}
+    key = {
+        "source": source_hash(source),
+        "emitter": EMITTER_VERSION,
+        "libraries": library_versions(),
+        "device": device,
+        "shape": list(shape),
+    }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -59,9 +64,13 @@ def lookup(key: str) -> TileConfig | None:
 
 def store(key: str, best: TileConfig, times: dict[TileConfig, float]) -> None:
     data = _read()
-    data[key] = {"config": asdict(best), "ms": {c.short + ("" if c.pingpong else " coop") +
-                                                f" {c.cluster_m}x{c.cluster_n}": round(t, 5)
-                                                for c, t in times.items()}}
+    data[key] = {
+        "config": asdict(best),
+        "ms": {
+            c.short + ("" if c.pingpong else " coop") + f" {c.cluster_m}x{c.cluster_n}": round(t, 5)
+            for c, t in times.items()
+        },
+    }
     path = cache_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -24,7 +24,10 @@ COMMANDS = (check, run, grad, compile, fuzz, explain)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="coda", description="coda_lang: GEMM-plus-epilogue programs, checked for fusion before any GPU run.")
+    p = Parser(
+        prog="coda",
+        description="coda_lang: GEMM-plus-epilogue programs, checked for fusion before any GPU run.",
+    )
     p.add_argument("--version", action="version", version="coda_lang 0.1.0")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for command in COMMANDS:
@@ -53,5 +56,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def entry() -> None:
     sys.exit(main())
-
-

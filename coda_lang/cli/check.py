@@ -15,15 +15,25 @@ from coda_lang.cli.common import (
 
 
 def add_parser(sub: Any) -> None:
-    c = sub.add_parser("check", help="parse and check .coda files: types, shapes, block-locality",
-                       description="Check .coda files: names, dtypes, symbolic shapes, stage kinds and "
-                       "block-locality (whether every stage fuses into one GEMM epilogue).")
+    c = sub.add_parser(
+        "check",
+        help="parse and check .coda files: types, shapes, block-locality",
+        description="Check .coda files: names, dtypes, symbolic shapes, stage kinds and "
+        "block-locality (whether every stage fuses into one GEMM epilogue).",
+    )
     c.add_argument("files", nargs="+", metavar="FILE", help=".coda files to check")
-    c.add_argument("--error-format", choices=("human", "short"), default="human",
-                   help="human: rustc-style with source lines (default); short: one line per error")
-    c.add_argument("--explain", action="store_true",
-                   help="print each block's plan: stages, loads, stores (with dtype), reductions, "
-                   "vector computations between stages, tiling constraints")
+    c.add_argument(
+        "--error-format",
+        choices=("human", "short"),
+        default="human",
+        help="human: rustc-style with source lines (default); short: one line per error",
+    )
+    c.add_argument(
+        "--explain",
+        action="store_true",
+        help="print each block's plan: stages, loads, stores (with dtype), reductions, "
+        "vector computations between stages, tiling constraints",
+    )
     c.add_argument("--block", metavar="NAME", help="explain only this block")
     c.set_defaults(run=run)
 
@@ -51,7 +61,9 @@ def run(args: argparse.Namespace) -> int:
         assert prog is not None
         names = [b.name for b in prog.blocks]
         if args.block and args.block not in names:
-            print(f"coda: error: no block `{args.block}` in {path}; blocks: {', '.join(names)}", file=sys.stderr)
+            print(
+                f"coda: error: no block `{args.block}` in {path}; blocks: {', '.join(names)}", file=sys.stderr
+            )
             status = EXIT_USAGE
             continue
         if args.explain:
@@ -59,8 +71,10 @@ def run(args: argparse.Namespace) -> int:
                 if args.block is None or b.name == args.block:
                     print(explain(plans[b.name]))
         stages = sum(len(plans[n].stages) for n in names)
-        print(f"ok: {path}: {len(names)} block{'s' * (len(names) != 1)} ({', '.join(names)}), "
-              f"{stages} GEMM stage{'s' * (stages != 1)}")
+        print(
+            f"ok: {path}: {len(names)} block{'s' * (len(names) != 1)} ({', '.join(names)}), "
+            f"{stages} GEMM stage{'s' * (stages != 1)}"
+        )
     if n_errors and args.error_format == "human":
         print(f"error: {n_errors} error{'s' * (n_errors != 1)} found", file=sys.stderr)
     return status

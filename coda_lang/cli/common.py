@@ -90,7 +90,9 @@ def load_block(path: str, block: str | None, fmt: str = "human") -> tuple[object
     names = [b.name for b in prog.blocks]
     if block is None:
         if len(names) > 1:
-            return None, usage_error(f"{path} has several blocks ({', '.join(names)}); choose one with --block")
+            return None, usage_error(
+                f"{path} has several blocks ({', '.join(names)}); choose one with --block"
+            )
         block = names[0]
     if block not in names:
         return None, usage_error(f"no block `{block}` in {path}; blocks: {', '.join(names)}")

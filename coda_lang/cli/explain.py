@@ -16,10 +16,13 @@ from coda_lang.cli.common import EXIT_OK, usage_error
 
 
 def add_parser(sub: Any) -> None:
-    e = sub.add_parser("explain", help="explain an error code, e.g. `coda explain E0503`",
-                       description="Print the error index's entry for a diagnostic code: what it means, a program "
-                       "that gets it and the same program fixed (docs/errors.md holds them all). Without CODE, "
-                       "list the codes.")
+    e = sub.add_parser(
+        "explain",
+        help="explain an error code, e.g. `coda explain E0503`",
+        description="Print the error index's entry for a diagnostic code: what it means, a program "
+        "that gets it and the same program fixed (docs/errors.md holds them all). Without CODE, "
+        "list the codes.",
+    )
     e.add_argument("code", metavar="CODE", nargs="?", help="an error code such as E0503")
     e.set_defaults(run=run)
 

@@ -19,38 +19,65 @@ if TYPE_CHECKING:
 
 
 def add_parser(sub: Any) -> None:
-    f = sub.add_parser("fuzz", help="differential testing: kernels or tile simulation against the interpreter",
-                       description="Fuzz a block: random sizes (including ones that are not multiples of the tile) "
-                       "and seeded random inputs, run on the path under test and on the whole-matrix interpreter, "
-                       "forward and backward, compared within the accuracy rule of docs/design.md (section Accuracy). On a mismatch "
-                       "hypothesis shrinks the case; the smallest failing dims, the input seed and a command that "
-                       "reproduces it are printed. Exit 0: every case passed; 1: a failure (or the block can't run "
-                       "on the target); 2: usage errors, or a target this machine can't run.")
+    f = sub.add_parser(
+        "fuzz",
+        help="differential testing: kernels or tile simulation against the interpreter",
+        description="Fuzz a block: random sizes (including ones that are not multiples of the tile) "
+        "and seeded random inputs, run on the path under test and on the whole-matrix interpreter, "
+        "forward and backward, compared within the accuracy rule of docs/design.md (section Accuracy). On a mismatch "
+        "hypothesis shrinks the case; the smallest failing dims, the input seed and a command that "
+        "reproduces it are printed. Exit 0: every case passed; 1: a failure (or the block can't run "
+        "on the target); 2: usage errors, or a target this machine can't run.",
+    )
     f.add_argument("file", metavar="FILE", nargs="?", help="the .coda file (or --programs N instead)")
     f.add_argument("--block", metavar="NAME", help="the block to fuzz (needed when the file has several)")
-    f.add_argument("--target", choices=("interp", "cuda", "emulate"), default="interp",
-                   help="interp: the interpreter's tile simulation (default); cuda: the compiled kernels "
-                   "(Block.cuda(), needs a GPU); emulate: the CUDA runtime with torch stand-ins for the kernels (CPU)")
-    f.add_argument("--examples", type=int, metavar="N",
-                   help="cases to try (default 100; with --programs: cases per program, default 5)")
+    f.add_argument(
+        "--target",
+        choices=("interp", "cuda", "emulate"),
+        default="interp",
+        help="interp: the interpreter's tile simulation (default); cuda: the compiled kernels "
+        "(Block.cuda(), needs a GPU); emulate: the CUDA runtime with torch stand-ins for the kernels (CPU)",
+    )
+    f.add_argument(
+        "--examples",
+        type=int,
+        metavar="N",
+        help="cases to try (default 100; with --programs: cases per program, default 5)",
+    )
     f.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the search (default 0)")
-    f.add_argument("--max-dim", type=int, metavar="K", help="largest size of a dim (default: 48 for interp, "
-                   "520 for cuda, 64 for emulate; cuda and emulate draw multiples of 8)")
+    f.add_argument(
+        "--max-dim",
+        type=int,
+        metavar="K",
+        help="largest size of a dim (default: 48 for interp, "
+        "520 for cuda, 64 for emulate; cuda and emulate draw multiples of 8)",
+    )
     f.add_argument("--dims", metavar="M=..,N=..", help="fix these dims (reproducing a case)")
-    f.add_argument("--input-seed", type=int, metavar="S", help="fix the seed of the inputs (reproducing a case)")
-    f.add_argument("--tile", metavar="MxN", help="interp: fix the simulated tile (default: small random tiles); "
-                   "cuda, emulate: the kernels' tile (default: the backend's choice)")
-    f.add_argument("--special", action="store_true",
-                   help="inputs with special values too: NaN, +-inf, large magnitudes, denormals, signed zeros")
+    f.add_argument(
+        "--input-seed", type=int, metavar="S", help="fix the seed of the inputs (reproducing a case)"
+    )
+    f.add_argument(
+        "--tile",
+        metavar="MxN",
+        help="interp: fix the simulated tile (default: small random tiles); "
+        "cuda, emulate: the kernels' tile (default: the backend's choice)",
+    )
+    f.add_argument(
+        "--special",
+        action="store_true",
+        help="inputs with special values too: NaN, +-inf, large magnitudes, denormals, signed zeros",
+    )
     f.add_argument("--no-backward", action="store_true", help="fuzz the forward only")
     f.add_argument("--no-shrink", action="store_true", help="report the first failing case as found")
     f.add_argument("--programs", type=int, metavar="N", help="fuzz N random programs instead of FILE")
-    f.add_argument("--save-dir", metavar="DIR", default=".",
-                   help="--programs: where to write a failing program (default: .)")
+    f.add_argument(
+        "--save-dir",
+        metavar="DIR",
+        default=".",
+        help="--programs: where to write a failing program (default: .)",
+    )
     f.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     f.set_defaults(run=run)
-
-
 
 
 def _repro(args: Any, case: Case, file: str, block: str) -> str:
@@ -66,7 +93,9 @@ def _repro(args: Any, case: Case, file: str, block: str) -> str:
 
 def _print_failure(args: Any, f: Failure, file: str, block: str, out: TextIO) -> None:
     what = "random program" if f.program is not None else block
-    print(f"FAILED: {what} on --target {args.target}: the smallest failing case: {f.case.describe()}", file=out)
+    print(
+        f"FAILED: {what} on --target {args.target}: the smallest failing case: {f.case.describe()}", file=out
+    )
     for m in f.messages:
         print(f"  {m}", file=out)
     if f.flaky:
@@ -95,7 +124,9 @@ def run(args: Any) -> int:
     assert tile is None or isinstance(tile, tuple)
     dims = parse_dims(args.dims)
     if dims is None:
-        return usage_error(f"--dims takes NAME=SIZE pairs separated by commas (e.g. M=5,D=12), got {args.dims!r}")
+        return usage_error(
+            f"--dims takes NAME=SIZE pairs separated by commas (e.g. M=5,D=12), got {args.dims!r}"
+        )
     if (args.file is None) == (args.programs is None):
         return usage_error("give a FILE to fuzz, or --programs N for random programs (not both)")
     if args.programs is not None and (dims or args.input_seed is not None or args.block):
@@ -106,9 +137,18 @@ def run(args: Any) -> int:
         if args.programs is not None:
             label = f"{args.programs} random programs, {args.examples} cases each, target {args.target}"
             prog = Progress(label, args.programs * args.examples, quiet=progress_quiet)
-            res = fuzz_programs(args.programs, args.target, examples=args.examples, seed=args.seed,
-                                max_dim=args.max_dim, special=args.special, backward=not args.no_backward,
-                                shrink=not args.no_shrink, tile=tile, progress=prog)
+            res = fuzz_programs(
+                args.programs,
+                args.target,
+                examples=args.examples,
+                seed=args.seed,
+                max_dim=args.max_dim,
+                special=args.special,
+                backward=not args.no_backward,
+                shrink=not args.no_shrink,
+                tile=tile,
+                progress=prog,
+            )
             for n in res.notes:
                 print(f"note: {n}", file=sys.stderr)
             if res.failure is not None:
@@ -118,10 +158,16 @@ def run(args: Any) -> int:
                 _print_failure(args, res.failure, path, "fwd", out)
                 return EXIT_ERRORS
             ran = args.programs - len(res.skipped)
-            skip = f"; {len(res.skipped)} skipped (the target can't run them: {sorted(set(res.skipped))[0]} ...)" \
-                if res.skipped else ""
-            print(f"ok: {ran} random programs, {res.cases} cases, target {args.target}, seed {args.seed}{skip} "
-                  f"({res.seconds:.1f} s)", file=out)
+            skip = (
+                f"; {len(res.skipped)} skipped (the target can't run them: {sorted(set(res.skipped))[0]} ...)"
+                if res.skipped
+                else ""
+            )
+            print(
+                f"ok: {ran} random programs, {res.cases} cases, target {args.target}, seed {args.seed}{skip} "
+                f"({res.seconds:.1f} s)",
+                file=out,
+            )
             return EXIT_OK
         block, code = load_block(args.file, args.block)
         if block is None:
@@ -130,8 +176,10 @@ def run(args: Any) -> int:
         if dims:
             unknown = sorted(set(dims) - {d.name for d in block.ir.dims})
             if unknown:
-                return usage_error(f"unknown dim {unknown[0]}; {block.name} has dims "
-                              f"{', '.join(d.name for d in block.ir.dims)}")
+                return usage_error(
+                    f"unknown dim {unknown[0]}; {block.name} has dims "
+                    f"{', '.join(d.name for d in block.ir.dims)}"
+                )
         label = f"{block.name}, target {args.target}"
         try:
             fz = Fuzzer(block, args.target, backward=not args.no_backward, special=args.special, tile=tile)
@@ -143,21 +191,42 @@ def run(args: Any) -> int:
         for name, size in dims.items():
             u = units.get(name, 1)
             if size % u:
-                return usage_error(f"{name} = {size} is not a multiple of {u}, which the block's extents need"
-                              + (f" (and --target {args.target} aligns rows to 16 bytes)" if ALIGN[args.target] > 1 else ""))
+                return usage_error(
+                    f"{name} = {size} is not a multiple of {u}, which the block's extents need"
+                    + (
+                        f" (and --target {args.target} aligns rows to 16 bytes)"
+                        if ALIGN[args.target] > 1
+                        else ""
+                    )
+                )
         prog = Progress(label, args.examples, quiet=progress_quiet)
-        res = fuzz_block(block, args.target, examples=args.examples, seed=args.seed, max_dim=args.max_dim,
-                         dims=dims or None, input_seed=args.input_seed, shrink=not args.no_shrink,
-                         progress=prog, fuzzer=fz)
+        res = fuzz_block(
+            block,
+            args.target,
+            examples=args.examples,
+            seed=args.seed,
+            max_dim=args.max_dim,
+            dims=dims or None,
+            input_seed=args.input_seed,
+            shrink=not args.no_shrink,
+            progress=prog,
+            fuzzer=fz,
+        )
         for n in res.notes:
             print(f"note: {n}", file=sys.stderr)
         if res.failure is not None:
             _print_failure(args, res.failure, args.file, block.name, out)
             return EXIT_ERRORS
-        what = "forward" if args.no_backward or any(n.startswith("backward not checked") for n in res.notes) \
+        what = (
+            "forward"
+            if args.no_backward or any(n.startswith("backward not checked") for n in res.notes)
             else "forward and backward"
-        print(f"ok: {block.name}: {res.cases} cases ({what}), target {args.target}, seed {args.seed} "
-              f"({res.seconds:.1f} s)", file=out)
+        )
+        print(
+            f"ok: {block.name}: {res.cases} cases ({what}), target {args.target}, seed {args.seed} "
+            f"({res.seconds:.1f} s)",
+            file=out,
+        )
         return EXIT_OK
     except Unavailable as e:
         return usage_error(str(e))

@@ -17,19 +17,32 @@ from coda_lang.cli.common import (
 
 
 def add_parser(sub: Any) -> None:
-    g = sub.add_parser("grad", help="derive the backward block (printed as .coda source)",
-                       description="Derive the backward block of a block by reverse-mode autodiff and print it as "
-                       ".coda source (which `coda check` accepts). The VJP of each stage's epilogue runs in the "
-                       "epilogue of the GEMM that produces its cotangent; where none does (the block's entry), "
-                       "in one elementwise stage, which is reported. The printed block says which forward "
-                       "tensors it reads (saved).")
+    g = sub.add_parser(
+        "grad",
+        help="derive the backward block (printed as .coda source)",
+        description="Derive the backward block of a block by reverse-mode autodiff and print it as "
+        ".coda source (which `coda check` accepts). The VJP of each stage's epilogue runs in the "
+        "epilogue of the GEMM that produces its cotangent; where none does (the block's entry), "
+        "in one elementwise stage, which is reported. The printed block says which forward "
+        "tensors it reads (saved).",
+    )
     g.add_argument("file", metavar="FILE")
-    g.add_argument("--block", metavar="NAME", help="the block to differentiate (needed when the file has several)")
-    g.add_argument("--wrt", metavar="P,Q", help="parameters to differentiate with respect to "
-                   "(default: every float parameter without a default)")
-    g.add_argument("--with-forward", action="store_true",
-                   help="also print the forward block, extended to store the saved tensors")
-    g.add_argument("-o", "--output", metavar="OUT.coda", help="write here instead of standard output (atomically)")
+    g.add_argument(
+        "--block", metavar="NAME", help="the block to differentiate (needed when the file has several)"
+    )
+    g.add_argument(
+        "--wrt",
+        metavar="P,Q",
+        help="parameters to differentiate with respect to (default: every float parameter without a default)",
+    )
+    g.add_argument(
+        "--with-forward",
+        action="store_true",
+        help="also print the forward block, extended to store the saved tensors",
+    )
+    g.add_argument(
+        "-o", "--output", metavar="OUT.coda", help="write here instead of standard output (atomically)"
+    )
     g.add_argument("--error-format", choices=("human", "short"), default="human")
     g.set_defaults(run=run)
 
@@ -66,7 +79,9 @@ def run(args: argparse.Namespace) -> int:
             write_text(args.output, text)
         except OSError as e:
             return usage_error(f"can't write {args.output}: {e.strerror or e}")
-        print(f"wrote {args.output}: {d.backward.name} ({len(d.backward.plan.stages)} stages)", file=sys.stderr)
+        print(
+            f"wrote {args.output}: {d.backward.name} ({len(d.backward.plan.stages)} stages)", file=sys.stderr
+        )
     else:
         sys.stdout.write(text)
     return EXIT_OK

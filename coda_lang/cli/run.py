@@ -18,18 +18,27 @@ from coda_lang.cli.common import (
 
 
 def add_parser(sub: Any) -> None:
-    r = sub.add_parser("run", help="run a block with the NumPy reference interpreter",
-                       description="Run a block on the NumPy reference interpreter (the executable spec). "
-                       "Without --inputs, inputs are random and seeded; dims not given default to 256.")
+    r = sub.add_parser(
+        "run",
+        help="run a block with the NumPy reference interpreter",
+        description="Run a block on the NumPy reference interpreter (the executable spec). "
+        "Without --inputs, inputs are random and seeded; dims not given default to 256.",
+    )
     r.add_argument("file", metavar="FILE")
     r.add_argument("--block", metavar="NAME", help="the block to run (needed when the file has several)")
     r.add_argument("--dims", metavar="M=..,D=..", help="sizes of the dims, e.g. M=4096,D=1024,F=2816")
     r.add_argument("--inputs", metavar="IN.npz", help="inputs by parameter name (default: random)")
     r.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     r.add_argument("--out", metavar="OUT.npz", help="write the outputs here (written atomically)")
-    r.add_argument("--tile", metavar="MxN", help="simulate the kernel's tiling, e.g. 128x256 (default: whole matrices)")
-    r.add_argument("--precision", choices=("exact", "f64"), default="exact",
-                   help="exact: the kernel's numerics (f32 stages, rounded stored tiles); f64: float64, no rounding")
+    r.add_argument(
+        "--tile", metavar="MxN", help="simulate the kernel's tiling, e.g. 128x256 (default: whole matrices)"
+    )
+    r.add_argument(
+        "--precision",
+        choices=("exact", "f64"),
+        default="exact",
+        help="exact: the kernel's numerics (f32 stages, rounded stored tiles); f64: float64, no rounding",
+    )
     r.set_defaults(run=run)
 
 
@@ -48,7 +57,9 @@ def run(args: argparse.Namespace) -> int:
     assert isinstance(block, Block)
     dims = parse_dims(args.dims)
     if dims is None:
-        return usage_error(f"--dims takes NAME=SIZE pairs separated by commas (e.g. M=4096,D=1024), got {args.dims!r}")
+        return usage_error(
+            f"--dims takes NAME=SIZE pairs separated by commas (e.g. M=4096,D=1024), got {args.dims!r}"
+        )
     tile = parse_tile(args.tile)
     if tile == "bad":
         return usage_error(f"--tile takes MxN with positive sizes (e.g. 128x256), got {args.tile!r}")
@@ -60,13 +71,18 @@ def run(args: argparse.Namespace) -> int:
             except (OSError, ValueError) as e:
                 return usage_error(f"can't read {args.inputs}: {e}")
             source = f"inputs from {args.inputs}"
-            sizes = infer_dims(block.ir, {k: v.shape for k, v in inputs.items() if k in
-                                          {p.var.name for p in block.ir.params}}, dims)
+            sizes = infer_dims(
+                block.ir,
+                {k: v.shape for k, v in inputs.items() if k in {p.var.name for p in block.ir.params}},
+                dims,
+            )
         else:
             sizes = {d.name: dims.get(d.name, d.value or 256) for d in block.ir.dims}
             unknown = set(dims) - set(sizes)
             if unknown:
-                return usage_error(f"unknown dim {sorted(unknown)[0]}; {block.name} has dims {', '.join(sizes)}")
+                return usage_error(
+                    f"unknown dim {sorted(unknown)[0]}; {block.name} has dims {', '.join(sizes)}"
+                )
             sizes = infer_dims(block.ir, {}, sizes)
             inputs = random_inputs(block.ir, sizes, args.seed)
             source = f"random inputs, seed {args.seed}"
@@ -80,10 +96,23 @@ def run(args: argparse.Namespace) -> int:
     rows = [("output", "shape", "dtype", "mean", "max|x|")]
     for name, x in outs.items():
         a = np.asarray(x).astype(np.float64)
-        dt = np.asarray(x).dtype.name.replace("float32", "f32").replace("bfloat16", "bf16").replace(
-            "float16", "f16").replace("int32", "i32").replace("float64", "f64")
-        rows.append((name, str(tuple(a.shape)), dt, f"{a.mean():.6g}" if a.size else "-",
-                     f"{np.abs(a).max():.6g}" if a.size else "-"))
+        dt = (
+            np.asarray(x)
+            .dtype.name.replace("float32", "f32")
+            .replace("bfloat16", "bf16")
+            .replace("float16", "f16")
+            .replace("int32", "i32")
+            .replace("float64", "f64")
+        )
+        rows.append(
+            (
+                name,
+                str(tuple(a.shape)),
+                dt,
+                f"{a.mean():.6g}" if a.size else "-",
+                f"{np.abs(a).max():.6g}" if a.size else "-",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())

@@ -4,4 +4,13 @@ from coda_lang.interp.inputs import INPUT_CODES, bind, infer_dims, random_inputs
 from coda_lang.interp.numerics import PRECISIONS, round_to
 from coda_lang.interp.run import combine, run_block
 
-__all__ = ["INPUT_CODES", "PRECISIONS", "bind", "combine", "infer_dims", "random_inputs", "round_to", "run_block"]
+__all__ = [
+    "INPUT_CODES",
+    "PRECISIONS",
+    "bind",
+    "combine",
+    "infer_dims",
+    "random_inputs",
+    "round_to",
+    "run_block",
+]

@@ -48,15 +48,21 @@ def _solve(d: Dim, n: int, dims: dict[str, int], where: str, given: dict[str, in
     value = int(x)
     if d.name in dims and dims[d.name] != value:
         src = "given" if d.name in given else "inferred"
-        raise fail("E0804", f"{where} gives {d.name} = {value}, but {d.name} = {dims[d.name]} was {src} before")
+        raise fail(
+            "E0804", f"{where} gives {d.name} = {value}, but {d.name} = {dims[d.name]} was {src} before"
+        )
     dims[d.name] = value
 
 
-def infer_dims(block: Block, shapes: dict[str, tuple[int, ...]], dims: dict[str, int] | None) -> dict[str, int]:
+def infer_dims(
+    block: Block, shapes: dict[str, tuple[int, ...]], dims: dict[str, int] | None
+) -> dict[str, int]:
     given = dict(dims or {})
     for name in given:
         if name not in {d.name for d in block.dims}:
-            raise fail("E0804", f"unknown dim `{name}`; the block's dims are {', '.join(d.name for d in block.dims)}")
+            raise fail(
+                "E0804", f"unknown dim `{name}`; the block's dims are {', '.join(d.name for d in block.dims)}"
+            )
         if not isinstance(given[name], (int, np.integer)) or given[name] <= 0:
             raise fail("E0804", f"dim {name} must be a positive integer, got {given[name]!r}")
     out = {k: int(v) for k, v in given.items()}
@@ -72,13 +78,18 @@ def infer_dims(block: Block, shapes: dict[str, tuple[int, ...]], dims: dict[str,
             continue
         shape = shapes[p.var.name]
         if len(shape) != len(t.shape):
-            raise fail("E0802", f"input `{p.var.name}` has shape {tuple(shape)}, but it is declared "
-                       f"{t.dtype}{shape_str(t.shape) if t.shape else ' (a scalar)'}")
+            raise fail(
+                "E0802",
+                f"input `{p.var.name}` has shape {tuple(shape)}, but it is declared "
+                f"{t.dtype}{shape_str(t.shape) if t.shape else ' (a scalar)'}",
+            )
         for axis, (ext, n) in enumerate(zip(t.shape, shape, strict=True)):
             _solve(ext, n, out, f"axis {axis} of input `{p.var.name}`", given)
     missing = [d.name for d in block.dims if d.name not in out]
     if missing:
-        raise fail("E0804", f"dims {', '.join(missing)} can't be inferred from the inputs; give them (dims={{...}})")
+        raise fail(
+            "E0804", f"dims {', '.join(missing)} can't be inferred from the inputs; give them (dims={{...}})"
+        )
     # Every declared extent must be a positive integer for these dims (X/2 needs an even X).
     for p in block.params:
         for ext in p.var.type.shape if p.var.type else ():
@@ -107,12 +118,15 @@ def _to_numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
-def bind(block: Block, inputs: dict[str, Any], dims: dict[str, int] | None, precision: str
-         ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+def bind(
+    block: Block, inputs: dict[str, Any], dims: dict[str, int] | None, precision: str
+) -> tuple[dict[str, np.ndarray], dict[str, int]]:
     names = {p.var.name for p in block.params}
     unknown = sorted(set(inputs) - names)
     if unknown:
-        raise fail("E0801", f"unknown input `{unknown[0]}`; the block's parameters are {', '.join(sorted(names))}")
+        raise fail(
+            "E0801", f"unknown input `{unknown[0]}`; the block's parameters are {', '.join(sorted(names))}"
+        )
     arrays: dict[str, np.ndarray] = {}
     for p in block.params:
         if p.var.name in inputs:
@@ -210,8 +224,12 @@ def given_dims(block: Any, dims: dict[str, int] | None) -> dict[str, int]:
     return out
 
 
-def dims_from_shapes(block: Any, rules: tuple[tuple[str, int, str | None, int, int], ...],
-             shapes: dict[str, tuple[int, ...]], given: dict[str, int] | None = None) -> dict[str, int]:
+def dims_from_shapes(
+    block: Any,
+    rules: tuple[tuple[str, int, str | None, int, int], ...],
+    shapes: dict[str, tuple[int, ...]],
+    given: dict[str, int] | None = None,
+) -> dict[str, int]:
     """Dims from `given` (checked by _given_dims) and input shapes, in integer arithmetic; any
     inconsistency defers to the interpreter's checks (infer_dims), which give the diagnostic."""
     dims: dict[str, int] = {d.name: d.value for d in block.dims if d.value is not None}

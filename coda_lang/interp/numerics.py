@@ -18,8 +18,13 @@ import numpy as np
 
 PRECISIONS = ("exact", "f64")
 
-STORAGE = {"f32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16), "f16": np.dtype(np.float16),
-           "i32": np.dtype(np.int32), "bool": np.dtype(np.bool_)}
+STORAGE = {
+    "f32": np.dtype(np.float32),
+    "bf16": np.dtype(ml_dtypes.bfloat16),
+    "f16": np.dtype(np.float16),
+    "i32": np.dtype(np.int32),
+    "bool": np.dtype(np.bool_),
+}
 
 
 def compute_dtype(dtype: str, precision: str) -> np.dtype[Any]:

@@ -58,8 +58,14 @@ Tiles = tuple[int, int] | dict[int, tuple[int, int]] | None
 
 
 class Interpreter:
-    def __init__(self, block: Block, plan: BlockPlan, dims: dict[str, int], precision: str = "exact",
-                 tile: Tiles = None):
+    def __init__(
+        self,
+        block: Block,
+        plan: BlockPlan,
+        dims: dict[str, int],
+        precision: str = "exact",
+        tile: Tiles = None,
+    ):
         self.block, self.plan, self.dims, self.precision, self.tile = block, plan, dims, precision, tile
         self.partials: dict[str, np.ndarray] = {}
 
@@ -98,7 +104,9 @@ class Interpreter:
     def stage(self, s: Stage) -> None:
         acc: np.ndarray | None = None
         if s.is_gemm:
-            assert isinstance(s.a, Var) and isinstance(s.b, Var) and s.acc is not None and s.acc.type is not None
+            assert (
+                isinstance(s.a, Var) and isinstance(s.b, Var) and s.acc is not None and s.acc.type is not None
+            )
             a, b = self.env[s.a.name], self.env[s.b.name]
             acc = np.matmul(a.T if s.ta else a, b.T if s.tb else b)
             rows, cols = s.acc.type.shape
@@ -132,7 +140,9 @@ class Interpreter:
                     if vt.kind == TILE and v.name in stores:
                         full = results.get(v.name)
                         if full is None:
-                            full = results[v.name] = np.empty((R, extent(vt.shape[1], self.dims)), self.cdtype(vt))
+                            full = results[v.name] = np.empty(
+                                (R, extent(vt.shape[1], self.dims)), self.cdtype(vt)
+                            )
                         full[r0:r1, t.col_slice(vt.shape[1])] = x
                     elif vt.kind == GROUP:
                         full = results.get(v.name)
@@ -144,7 +154,11 @@ class Interpreter:
                         row_partial = bool(vt.shape) and vt.shape[0] == rows
                         axis = 1 if row_partial else 0
                         if v.name not in bufs:
-                            shape = (R, n_ct) if row_partial else (n_rt, extent(vt.shape[0], self.dims) if vt.shape else 1)
+                            shape = (
+                                (R, n_ct)
+                                if row_partial
+                                else (n_rt, extent(vt.shape[0], self.dims) if vt.shape else 1)
+                            )
                             comb = combine_rule(vt.combine)
                             bufs[v.name] = (np.full(shape, comb.identity, self.cdtype(vt)), comb.name, axis)
                         buf = bufs[v.name][0]
@@ -189,8 +203,11 @@ class Interpreter:
                     assert t.group is not None
                     ratio = t.shape[1].coeff * t.group / cols.coeff
                     if (tn * ratio) % t.group:
-                        raise fail("E0805", f"tile_N = {tn} splits the groups of {t.group} columns of `{v.name}`",
-                                   notes=["the checker recorded this tiling constraint; see `coda check --explain`"])
+                        raise fail(
+                            "E0805",
+                            f"tile_N = {tn} splits the groups of {t.group} columns of `{v.name}`",
+                            notes=["the checker recorded this tiling constraint; see `coda check --explain`"],
+                        )
 
     def stage_value(self, a: Atom, senv: dict[str, Any], t: _Tile) -> Any:
         if not isinstance(a, Var):
@@ -200,16 +217,18 @@ class Interpreter:
         x = self.env[a.name]
         at = _type(a)
         if x.ndim == 2:  # a tile load at this tile's position
-            return x[t.r0:t.r1, t.col_slice(at.shape[1])]
+            return x[t.r0 : t.r1, t.col_slice(at.shape[1])]
         if x.ndim == 1:
             if at.shape[0] == t.rows:
-                return x[t.r0:t.r1, None]
+                return x[t.r0 : t.r1, None]
             return x[None, t.col_slice(at.shape[0])]
         return x
 
     # ------------------------------------------------------------------ equations
 
-    def apply(self, e: Eqn, vals: list[Any], t: _Tile | None, senv: dict[str, Any] | None = None) -> tuple[Any, ...]:
+    def apply(
+        self, e: Eqn, vals: list[Any], t: _Tile | None, senv: dict[str, Any] | None = None
+    ) -> tuple[Any, ...]:
         op = REGISTRY[e.op]
         assert op.impl is not None, f"op {e.op} has no NumPy impl"
         outs_t = [_type(v) for v in e.outs]
@@ -217,9 +236,12 @@ class Interpreter:
         if op.locality == "pointwise" or op.locality == "pair":
             if outs_t[0].kind == TILE:  # a grouped value of this stage broadcasts over its groups' columns
                 # (one stored by an earlier stage is a tile of one column per group: read as it is)
-                vals = [np.repeat(x, _type(a).group or 1, axis=1)
-                        if _type(a).kind == GROUP and (senv is None or isinstance(a, Var) and a.name in senv) else x
-                        for a, x in zip(e.ins, vals, strict=True)]
+                vals = [
+                    np.repeat(x, _type(a).group or 1, axis=1)
+                    if _type(a).kind == GROUP and (senv is None or isinstance(a, Var) and a.name in senv)
+                    else x
+                    for a, x in zip(e.ins, vals, strict=True)
+                ]
             kw: dict[str, Any] = {k: v for k, v in params.items() if not isinstance(v, Dim)}
             if op.name == "cast":
                 kw["precision"] = self.precision
@@ -234,9 +256,12 @@ class Interpreter:
                 g = int(group)  # type: ignore[arg-type]
                 if x.shape[1] % g:  # a width the checker could not see (a dim known only from the inputs)
                     assert isinstance(over, Dim)
-                    raise fail("E0802", f"`{e.outs[0].name}` reduces groups of {g} columns of `{over}`, which is "
-                               f"{extent(over, self.dims)}: not a multiple of {g}",
-                               notes=["choose sizes that make the grouped width a multiple of the group"])
+                    raise fail(
+                        "E0802",
+                        f"`{e.outs[0].name}` reduces groups of {g} columns of `{over}`, which is "
+                        f"{extent(over, self.dims)}: not a multiple of {g}",
+                        notes=["choose sizes that make the grouped width a multiple of the group"],
+                    )
                 res = op.impl(x.reshape(x.shape[0], x.shape[1] // g, g), 2)
             else:
                 xt = _type(e.ins[0])
@@ -259,15 +284,22 @@ class Interpreter:
         else:
             raise AssertionError(op.locality)
         res_t = res if isinstance(res, tuple) else (res,)
-        return tuple(np.asarray(r).astype(self.cdtype(ot), copy=False) for r, ot in zip(res_t, outs_t, strict=True))
+        return tuple(
+            np.asarray(r).astype(self.cdtype(ot), copy=False) for r, ot in zip(res_t, outs_t, strict=True)
+        )
 
 
-def run_block(block: Block, plan: BlockPlan, env: dict[str, np.ndarray], dims: dict[str, int], *,
-              precision: str = "exact", tile: Tiles = None
-              ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+def run_block(
+    block: Block,
+    plan: BlockPlan,
+    env: dict[str, np.ndarray],
+    dims: dict[str, int],
+    *,
+    precision: str = "exact",
+    tile: Tiles = None,
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Outputs by name, and (tile mode) the per-tile partial buffers by name."""
     it = Interpreter(block, plan, dims, precision, tile)
     with np.errstate(all="ignore"):
         outs = it.run(env)
     return outs, it.partials
-

@@ -42,7 +42,9 @@ def _param_source(v: object) -> str:
 
 
 def call_source(e: Eqn, args: list[str]) -> str:
-    return op_call_source(REGISTRY[e.op], args, {spec.name: e.param(spec.name) for spec in REGISTRY[e.op].params})
+    return op_call_source(
+        REGISTRY[e.op], args, {spec.name: e.param(spec.name) for spec in REGISTRY[e.op].params}
+    )
 
 
 def op_call_source(op: OpDef, args: list[str], params: Mapping[str, object]) -> str:
@@ -133,11 +135,20 @@ def inline_source(eqns: tuple[Eqn, ...] | list[Eqn]) -> list[str]:
         for i, a in enumerate(e.ins):
             text, ap = exprs.pop(a.name) if isinstance(a, Var) and a.name in exprs else (atom_source(a), 5)
             right_assoc_risk = i == 1 and e.op in ("sub", "div")
-            if REGISTRY[e.op].infix and REGISTRY[e.op].infix != "=" and (ap < p or (right_assoc_risk and ap == p)):
+            if (
+                REGISTRY[e.op].infix
+                and REGISTRY[e.op].infix != "="
+                and (ap < p or (right_assoc_risk and ap == p))
+            ):
                 text = f"({text})"
             args.append(text)
         src = call_source(e, args)
-        if len(e.outs) == 1 and e.outs[0].name.startswith("_t") and uses.get(e.outs[0].name) == 1 and not e.outs[0].annot:
+        if (
+            len(e.outs) == 1
+            and e.outs[0].name.startswith("_t")
+            and uses.get(e.outs[0].name) == 1
+            and not e.outs[0].annot
+        ):
             exprs[e.outs[0].name] = (src, p)
         else:
             out.append(f"{_targets(e)} = {src}")

@@ -98,8 +98,13 @@ class Type:
         return self.dtype == ERROR
 
     def with_kind(self, kind: str, **kw: object) -> Type:
-        fields: dict[str, Any] = {"dtype": self.dtype, "shape": self.shape, "kind": kind, "combine": None,
-                                  "group": None}
+        fields: dict[str, Any] = {
+            "dtype": self.dtype,
+            "shape": self.shape,
+            "kind": kind,
+            "combine": None,
+            "group": None,
+        }
         fields.update(kw)
         return Type(**fields)
 

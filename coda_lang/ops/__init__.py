@@ -14,4 +14,15 @@ from coda_lang.ops.registry import (
     resolve,
 )
 
-__all__ = ["BY_SURFACE", "COMBINES", "REGISTRY", "Combine", "Ctx", "OpDef", "SUGAR", "StageShape", "combine_rule", "resolve"]
+__all__ = [
+    "BY_SURFACE",
+    "COMBINES",
+    "REGISTRY",
+    "Combine",
+    "Ctx",
+    "OpDef",
+    "SUGAR",
+    "StageShape",
+    "combine_rule",
+    "resolve",
+]

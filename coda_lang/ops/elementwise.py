@@ -31,8 +31,12 @@ from coda_lang.verify.diagnostics import Mistake
 def _numeric(types: tuple[Type, ...], what: str) -> None:
     for i, t in enumerate(types):
         if t.dtype == BOOL:
-            raise Mistake("E0302", f"{what} of a comparison result (bool)", arg=i,
-                          notes=["use where(cond, a, b) to turn a condition into numbers"])
+            raise Mistake(
+                "E0302",
+                f"{what} of a comparison result (bool)",
+                arg=i,
+                notes=["use where(cond, a, b) to turn a condition into numbers"],
+            )
 
 
 def _arith(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type, ...]:
@@ -72,12 +76,40 @@ def _cast(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type
     return (t,)
 
 
-def _pointwise(name: str, surface: str, nin: int, rule: Any, impl: Any, *, torch: Any, doc: str,
-               infix: str | None = None, differentiable: bool = True, params: tuple[ParamSpec, ...] = (),
-               vjp: Any = None, emit: Any = None, imports: tuple[tuple[str, str], ...] = ()) -> OpDef:
-    return register(OpDef(name, surface, nin, type_rule=rule, locality="pointwise", impl=impl, infix=infix,
-                          differentiable=differentiable, params=params, vjp=vjp, emit=emit, imports=imports,
-                          torch=torch, doc=doc))
+def _pointwise(
+    name: str,
+    surface: str,
+    nin: int,
+    rule: Any,
+    impl: Any,
+    *,
+    torch: Any,
+    doc: str,
+    infix: str | None = None,
+    differentiable: bool = True,
+    params: tuple[ParamSpec, ...] = (),
+    vjp: Any = None,
+    emit: Any = None,
+    imports: tuple[tuple[str, str], ...] = (),
+) -> OpDef:
+    return register(
+        OpDef(
+            name,
+            surface,
+            nin,
+            type_rule=rule,
+            locality="pointwise",
+            impl=impl,
+            infix=infix,
+            differentiable=differentiable,
+            params=params,
+            vjp=vjp,
+            emit=emit,
+            imports=imports,
+            torch=torch,
+            doc=doc,
+        )
+    )
 
 
 # CuTeDSL emitters (backend_cute/emit.py): `emit(*operands, **params)` maps the operands' Python
@@ -108,40 +140,121 @@ def _cast_emit(x: str, dtype: str) -> str:
 
 
 # Arithmetic (infix). Integer operands stay integer except for `/`.
-_pointwise("add", "add", 2, _arith, lambda a, b: a + b, infix="+", vjp=lambda b, p, ct: [ct, ct],
-           emit=lambda a, b: f"{a} + {b}", torch=lambda a, b: a + b, doc="a + b")
-_pointwise("sub", "sub", 2, _arith, lambda a, b: a - b, infix="-", vjp=lambda b, p, ct: [ct, b.neg(ct)],
-           emit=lambda a, b: f"{a} - {b}", torch=lambda a, b: a - b, doc="a - b")
-_pointwise("mul", "mul", 2, _arith, lambda a, b: a * b, infix="*",
-           vjp=lambda b, p, ct: [b.mul(ct, p.x[1]), b.mul(ct, p.x[0])], emit=lambda a, b: f"{a} * {b}",
-           torch=lambda a, b: a * b, doc="a * b")
-_pointwise("div", "div", 2, _floating, lambda a, b: a / b, infix="/",
-           vjp=lambda b, p, ct: [b.div(ct, p.x[1]), b.neg(b.div(b.mul(ct, p.y[0]), p.x[1]))],
-           emit=lambda a, b: f"{a} / {b}", torch=lambda a, b: as_tensor(a) / b, doc="a / b, always floating")
-_pointwise("neg", "neg", 1, _arith, lambda a: -a, infix="neg", vjp=lambda b, p, ct: [b.neg(ct)],
-           emit=lambda a: f"-{a}", torch=lambda a: -a, doc="-x")
-_pointwise("maximum", "max", 2, _arith, lambda a, b: np.maximum(a, b),
-           vjp=lambda b, p, ct: _select(b, b.op("ge", p.x[0], p.x[1]), ct), emit=_fn("cute.math.max"),
-           torch=lambda a, b: torch.maximum(*as_tensors(a, b)),
-           doc="the larger of a and b, elementwise (ties: the gradient goes to a)")
-_pointwise("minimum", "min", 2, _arith, lambda a, b: np.minimum(a, b),
-           vjp=lambda b, p, ct: _select(b, b.op("le", p.x[0], p.x[1]), ct), emit=_fn("cute.math.min"),
-           torch=lambda a, b: torch.minimum(*as_tensors(a, b)),
-           doc="the smaller of a and b, elementwise (ties: the gradient goes to a)")
-_pointwise("abs", "abs", 1, _arith, lambda a: np.abs(a),
-           vjp=lambda b, p, ct: [b.where(b.op("ge", p.x[0], b.lit(0.0)), ct, b.neg(ct))], emit=_fn("abs"),
-           torch=unary(lambda x: x.abs()), doc="|x|")
+_pointwise(
+    "add",
+    "add",
+    2,
+    _arith,
+    lambda a, b: a + b,
+    infix="+",
+    vjp=lambda b, p, ct: [ct, ct],
+    emit=lambda a, b: f"{a} + {b}",
+    torch=lambda a, b: a + b,
+    doc="a + b",
+)
+_pointwise(
+    "sub",
+    "sub",
+    2,
+    _arith,
+    lambda a, b: a - b,
+    infix="-",
+    vjp=lambda b, p, ct: [ct, b.neg(ct)],
+    emit=lambda a, b: f"{a} - {b}",
+    torch=lambda a, b: a - b,
+    doc="a - b",
+)
+_pointwise(
+    "mul",
+    "mul",
+    2,
+    _arith,
+    lambda a, b: a * b,
+    infix="*",
+    vjp=lambda b, p, ct: [b.mul(ct, p.x[1]), b.mul(ct, p.x[0])],
+    emit=lambda a, b: f"{a} * {b}",
+    torch=lambda a, b: a * b,
+    doc="a * b",
+)
+_pointwise(
+    "div",
+    "div",
+    2,
+    _floating,
+    lambda a, b: a / b,
+    infix="/",
+    vjp=lambda b, p, ct: [b.div(ct, p.x[1]), b.neg(b.div(b.mul(ct, p.y[0]), p.x[1]))],
+    emit=lambda a, b: f"{a} / {b}",
+    torch=lambda a, b: as_tensor(a) / b,
+    doc="a / b, always floating",
+)
+_pointwise(
+    "neg",
+    "neg",
+    1,
+    _arith,
+    lambda a: -a,
+    infix="neg",
+    vjp=lambda b, p, ct: [b.neg(ct)],
+    emit=lambda a: f"-{a}",
+    torch=lambda a: -a,
+    doc="-x",
+)
+_pointwise(
+    "maximum",
+    "max",
+    2,
+    _arith,
+    lambda a, b: np.maximum(a, b),
+    vjp=lambda b, p, ct: _select(b, b.op("ge", p.x[0], p.x[1]), ct),
+    emit=_fn("cute.math.max"),
+    torch=lambda a, b: torch.maximum(*as_tensors(a, b)),
+    doc="the larger of a and b, elementwise (ties: the gradient goes to a)",
+)
+_pointwise(
+    "minimum",
+    "min",
+    2,
+    _arith,
+    lambda a, b: np.minimum(a, b),
+    vjp=lambda b, p, ct: _select(b, b.op("le", p.x[0], p.x[1]), ct),
+    emit=_fn("cute.math.min"),
+    torch=lambda a, b: torch.minimum(*as_tensors(a, b)),
+    doc="the smaller of a and b, elementwise (ties: the gradient goes to a)",
+)
+_pointwise(
+    "abs",
+    "abs",
+    1,
+    _arith,
+    lambda a: np.abs(a),
+    vjp=lambda b, p, ct: [b.where(b.op("ge", p.x[0], b.lit(0.0)), ct, b.neg(ct))],
+    emit=_fn("abs"),
+    torch=unary(lambda x: x.abs()),
+    doc="|x|",
+)
 
 # Comparisons give a bool, usable only as the condition of where().
 for _name, _sym, _impl in [
-    ("lt", "<", lambda a, b: a < b), ("le", "<=", lambda a, b: a <= b),
-    ("gt", ">", lambda a, b: a > b), ("ge", ">=", lambda a, b: a >= b),
-    ("eq", "==", lambda a, b: a == b), ("ne", "!=", lambda a, b: a != b),
+    ("lt", "<", lambda a, b: a < b),
+    ("le", "<=", lambda a, b: a <= b),
+    ("gt", ">", lambda a, b: a > b),
+    ("ge", ">=", lambda a, b: a >= b),
+    ("eq", "==", lambda a, b: a == b),
+    ("ne", "!=", lambda a, b: a != b),
 ]:
-    _pointwise(_name, _name, 2, _compare, _impl, infix=_sym, differentiable=False,
-               emit=lambda a, b, _sym=_sym: f"{a} {_sym} {b}",
-               torch=lambda a, b, _impl=_impl: _impl(*as_tensors(a, b)),
-               doc=f"a {_sym} b: a bool, only for the condition of where()")
+    _pointwise(
+        _name,
+        _name,
+        2,
+        _compare,
+        _impl,
+        infix=_sym,
+        differentiable=False,
+        emit=lambda a, b, _sym=_sym: f"{a} {_sym} {b}",
+        torch=lambda a, b, _impl=_impl: _impl(*as_tensors(a, b)),
+        doc=f"a {_sym} b: a bool, only for the condition of where()",
+    )
 
 
 def _where_torch(c: Any, a: Any, b: Any) -> Any:
@@ -150,9 +263,17 @@ def _where_torch(c: Any, a: Any, b: Any) -> Any:
     return torch.where(c, a, b)
 
 
-_pointwise("where", "where", 3, _where, lambda c, a, b: np.where(c, a, b),
-           vjp=lambda b, p, ct: [None, b.where(p.x[0], ct, b.lit(0.0)), b.where(p.x[0], b.lit(0.0), ct)],
-           emit=_fn("cutlass.select_"), torch=_where_torch, doc="a where the comparison c holds, else b")
+_pointwise(
+    "where",
+    "where",
+    3,
+    _where,
+    lambda c, a, b: np.where(c, a, b),
+    vjp=lambda b, p, ct: [None, b.where(p.x[0], ct, b.lit(0.0)), b.where(p.x[0], b.lit(0.0), ct)],
+    emit=_fn("cutlass.select_"),
+    torch=_where_torch,
+    doc="a where the comparison c holds, else b",
+)
 
 
 def _select(b: Any, first: Any, ct: Any) -> list[Any]:
@@ -175,8 +296,10 @@ def _gelu_vjp(b: Any, p: Any, ct: Any) -> Any:
     x2 = b.mul(x, x)
     t = b.op("tanh", b.mul(b.lit(_GELU_C), b.mul(x, b.add(b.lit(1.0), b.mul(b.lit(0.044715), x2)))))
     d1 = b.mul(b.lit(0.5), b.add(b.lit(1.0), t))
-    d2 = b.mul(b.mul(b.lit(0.5 * _GELU_C), x), b.mul(b.sub(b.lit(1.0), b.mul(t, t)),
-                                                        b.add(b.lit(1.0), b.mul(b.lit(3 * 0.044715), x2))))
+    d2 = b.mul(
+        b.mul(b.lit(0.5 * _GELU_C), x),
+        b.mul(b.sub(b.lit(1.0), b.mul(t, t)), b.add(b.lit(1.0), b.mul(b.lit(3 * 0.044715), x2))),
+    )
     return b.mul(ct, b.add(d1, d2))
 
 
@@ -193,25 +316,83 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 SOFTPLUS_LINEAR = 20.0
 
 # Math functions: float in, f32 out.
-_pointwise("exp", "exp", 1, _floating, lambda x: np.exp(x), vjp=lambda b, p, ct: [b.mul(ct, p.y[0])],
-           torch=unary(lambda x: x.exp()), doc="e^x", **_quack("epilogue.math", "pexp"))
-_pointwise("log", "log", 1, _floating, lambda x: np.log(x), vjp=lambda b, p, ct: [b.div(ct, p.x[0])],
-           emit=_fn("cute.math.log", fastmath="True"), torch=unary(lambda x: x.log()), doc="natural logarithm")
-_pointwise("sqrt", "sqrt", 1, _floating, lambda x: np.sqrt(x),
-           vjp=lambda b, p, ct: [b.div(b.mul(ct, b.lit(0.5)), p.y[0])], emit=_fn("cute.math.sqrt", fastmath="True"),
-           torch=unary(lambda x: x.sqrt()), doc="square root")
-_pointwise("rsqrt", "rsqrt", 1, _floating, lambda x: 1 / np.sqrt(x),  # d/dx x^-1/2 = -y^3 / 2
-           vjp=lambda b, p, ct: [b.mul(b.mul(ct, b.lit(-0.5)), b.mul(p.y[0], b.mul(p.y[0], p.y[0])))],
-           emit=_fn("cute.math.rsqrt", fastmath="True"), torch=unary(lambda x: x.rsqrt()), doc="1 / sqrt(x)")
-_pointwise("tanh", "tanh", 1, _floating, lambda x: np.tanh(x),
-           vjp=lambda b, p, ct: [b.mul(ct, b.sub(b.lit(1.0), b.mul(p.y[0], p.y[0])))],
-           torch=unary(lambda x: x.tanh()), doc="hyperbolic tangent", **_quack("activation", "tanh"))
-_pointwise("sigmoid", "sigmoid", 1, _floating, _sigmoid,
-           vjp=lambda b, p, ct: [b.mul(ct, b.mul(p.y[0], b.sub(b.lit(1.0), p.y[0])))],
-           torch=unary(lambda x: x.sigmoid()), doc="1 / (1 + e^-x)", **_quack("activation", "sigmoid"))
-_pointwise("silu", "silu", 1, _floating, lambda x: x * _sigmoid(x), vjp=lambda b, p, ct: [_silu_vjp(b, p.x[0], ct)],
-           torch=unary(lambda x: torch.nn.functional.silu(x)), doc="x * sigmoid(x) (SwiGLU's gate)",
-           **_quack("activation", "silu"))
+_pointwise(
+    "exp",
+    "exp",
+    1,
+    _floating,
+    lambda x: np.exp(x),
+    vjp=lambda b, p, ct: [b.mul(ct, p.y[0])],
+    torch=unary(lambda x: x.exp()),
+    doc="e^x",
+    **_quack("epilogue.math", "pexp"),
+)
+_pointwise(
+    "log",
+    "log",
+    1,
+    _floating,
+    lambda x: np.log(x),
+    vjp=lambda b, p, ct: [b.div(ct, p.x[0])],
+    emit=_fn("cute.math.log", fastmath="True"),
+    torch=unary(lambda x: x.log()),
+    doc="natural logarithm",
+)
+_pointwise(
+    "sqrt",
+    "sqrt",
+    1,
+    _floating,
+    lambda x: np.sqrt(x),
+    vjp=lambda b, p, ct: [b.div(b.mul(ct, b.lit(0.5)), p.y[0])],
+    emit=_fn("cute.math.sqrt", fastmath="True"),
+    torch=unary(lambda x: x.sqrt()),
+    doc="square root",
+)
+_pointwise(
+    "rsqrt",
+    "rsqrt",
+    1,
+    _floating,
+    lambda x: 1 / np.sqrt(x),  # d/dx x^-1/2 = -y^3 / 2
+    vjp=lambda b, p, ct: [b.mul(b.mul(ct, b.lit(-0.5)), b.mul(p.y[0], b.mul(p.y[0], p.y[0])))],
+    emit=_fn("cute.math.rsqrt", fastmath="True"),
+    torch=unary(lambda x: x.rsqrt()),
+    doc="1 / sqrt(x)",
+)
+_pointwise(
+    "tanh",
+    "tanh",
+    1,
+    _floating,
+    lambda x: np.tanh(x),
+    vjp=lambda b, p, ct: [b.mul(ct, b.sub(b.lit(1.0), b.mul(p.y[0], p.y[0])))],
+    torch=unary(lambda x: x.tanh()),
+    doc="hyperbolic tangent",
+    **_quack("activation", "tanh"),
+)
+_pointwise(
+    "sigmoid",
+    "sigmoid",
+    1,
+    _floating,
+    _sigmoid,
+    vjp=lambda b, p, ct: [b.mul(ct, b.mul(p.y[0], b.sub(b.lit(1.0), p.y[0])))],
+    torch=unary(lambda x: x.sigmoid()),
+    doc="1 / (1 + e^-x)",
+    **_quack("activation", "sigmoid"),
+)
+_pointwise(
+    "silu",
+    "silu",
+    1,
+    _floating,
+    lambda x: x * _sigmoid(x),
+    vjp=lambda b, p, ct: [_silu_vjp(b, p.x[0], ct)],
+    torch=unary(lambda x: torch.nn.functional.silu(x)),
+    doc="x * sigmoid(x) (SwiGLU's gate)",
+    **_quack("activation", "silu"),
+)
 
 
 def _softplus(x: Any) -> Any:
@@ -219,9 +400,17 @@ def _softplus(x: Any) -> Any:
     return np.where(x > SOFTPLUS_LINEAR, x, np.log1p(np.exp(np.minimum(x, SOFTPLUS_LINEAR))))
 
 
-_pointwise("softplus", "softplus", 1, _floating, _softplus, vjp=lambda b, p, ct: [b.mul(ct, b.op("sigmoid", p.x[0]))],
-           torch=unary(lambda x: torch.nn.functional.softplus(x, threshold=SOFTPLUS_LINEAR)),
-           doc=f"log(1 + e^x) (x itself above {SOFTPLUS_LINEAR:g}, as torch's)", **_quack("activation", "softplus"))
+_pointwise(
+    "softplus",
+    "softplus",
+    1,
+    _floating,
+    _softplus,
+    vjp=lambda b, p, ct: [b.mul(ct, b.op("sigmoid", p.x[0]))],
+    torch=unary(lambda x: torch.nn.functional.softplus(x, threshold=SOFTPLUS_LINEAR)),
+    doc=f"log(1 + e^x) (x itself above {SOFTPLUS_LINEAR:g}, as torch's)",
+    **_quack("activation", "softplus"),
+)
 
 
 def _gelu(x: Any, approximate: str | None = None) -> Any:
@@ -238,21 +427,59 @@ def _gelu_emit(x: str, approximate: str | None = None) -> str:
     return f"gelu_erf({x})" if approximate == "none" else f"gelu_tanh_approx({x})"
 
 
-_pointwise("gelu", "gelu", 1, _floating, _gelu, vjp=lambda b, p, ct: [_gelu_vjp(b, p, ct)], emit=_gelu_emit,
-           imports=(("gelu_tanh_approx", "from quack.activation import gelu_tanh_approx"),
-                    ("gelu_erf", "from quack.activation import gelu_erf")),
-           params=(ParamSpec("approximate", "choice", choices=("tanh", "none")),),
-           torch=lambda x, approximate=None: torch.nn.functional.gelu(
-               as_tensor(x), approximate="none" if approximate == "none" else "tanh"),
-           doc='GELU: tanh approximation (default, or approximate="tanh"); exact with approximate="none"')
-_pointwise("erf", "erf", 1, _floating, lambda x: _erf(x), vjp=lambda b, p, ct: [
-           b.mul(ct, b.mul(b.lit(2.0 / math.sqrt(math.pi)), b.op("exp", b.neg(b.mul(p.x[0], p.x[0])))))],
-           emit=_fn("cute.math.erf"), torch=unary(lambda x: torch.special.erf(x)), doc="the error function")
-_pointwise("sin", "sin", 1, _floating, lambda x: np.sin(x), vjp=lambda b, p, ct: [b.mul(ct, b.op("cos", p.x[0]))],
-           emit=_fn("cute.math.sin"), torch=unary(lambda x: x.sin()), doc="sine (RoPE)")
-_pointwise("cos", "cos", 1, _floating, lambda x: np.cos(x),
-           vjp=lambda b, p, ct: [b.neg(b.mul(ct, b.op("sin", p.x[0])))], emit=_fn("cute.math.cos"),
-           torch=unary(lambda x: x.cos()), doc="cosine (RoPE)")
+_pointwise(
+    "gelu",
+    "gelu",
+    1,
+    _floating,
+    _gelu,
+    vjp=lambda b, p, ct: [_gelu_vjp(b, p, ct)],
+    emit=_gelu_emit,
+    imports=(
+        ("gelu_tanh_approx", "from quack.activation import gelu_tanh_approx"),
+        ("gelu_erf", "from quack.activation import gelu_erf"),
+    ),
+    params=(ParamSpec("approximate", "choice", choices=("tanh", "none")),),
+    torch=lambda x, approximate=None: torch.nn.functional.gelu(
+        as_tensor(x), approximate="none" if approximate == "none" else "tanh"
+    ),
+    doc='GELU: tanh approximation (default, or approximate="tanh"); exact with approximate="none"',
+)
+_pointwise(
+    "erf",
+    "erf",
+    1,
+    _floating,
+    lambda x: _erf(x),
+    vjp=lambda b, p, ct: [
+        b.mul(ct, b.mul(b.lit(2.0 / math.sqrt(math.pi)), b.op("exp", b.neg(b.mul(p.x[0], p.x[0])))))
+    ],
+    emit=_fn("cute.math.erf"),
+    torch=unary(lambda x: torch.special.erf(x)),
+    doc="the error function",
+)
+_pointwise(
+    "sin",
+    "sin",
+    1,
+    _floating,
+    lambda x: np.sin(x),
+    vjp=lambda b, p, ct: [b.mul(ct, b.op("cos", p.x[0]))],
+    emit=_fn("cute.math.sin"),
+    torch=unary(lambda x: x.sin()),
+    doc="sine (RoPE)",
+)
+_pointwise(
+    "cos",
+    "cos",
+    1,
+    _floating,
+    lambda x: np.cos(x),
+    vjp=lambda b, p, ct: [b.neg(b.mul(ct, b.op("sin", p.x[0])))],
+    emit=_fn("cute.math.cos"),
+    torch=unary(lambda x: x.cos()),
+    doc="cosine (RoPE)",
+)
 
 
 def _erf(x: Any) -> Any:
@@ -284,11 +511,19 @@ def _cast_torch(x: Any, dtype: str) -> Any:
 
 # cast(x, bf16): rounds to the dtype (the value is still computed in f32 afterwards). Its VJP passes the
 # cotangent straight through (a cast to i32 has none).
-_pointwise("cast", "cast", 1, _cast, _cast_impl,
-           vjp=lambda b, p, ct: [None if p.param("dtype") == "i32" else ct],
-           params=(ParamSpec("dtype", "dtype", required=True, positional=True),),
-           differentiable=True, emit=_cast_emit, torch=_cast_torch,
-           doc="x rounded to a dtype (the value stays f32); i32 truncates")
+_pointwise(
+    "cast",
+    "cast",
+    1,
+    _cast,
+    _cast_impl,
+    vjp=lambda b, p, ct: [None if p.param("dtype") == "i32" else ct],
+    params=(ParamSpec("dtype", "dtype", required=True, positional=True),),
+    differentiable=True,
+    emit=_cast_emit,
+    torch=_cast_torch,
+    doc="x rounded to a dtype (the value stays f32); i32 truncates",
+)
 
 CAST_TARGETS = FLOAT_DTYPES + INT_DTYPES
 
@@ -303,5 +538,15 @@ def _copy(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type
 
 
 # `y = x`: a named copy (an output that is exactly `acc`, an alias of a parameter).
-_pointwise("copy", "copy", 1, _copy, lambda x: x, infix="=", vjp=lambda b, p, ct: [ct], emit=lambda x: x,
-           torch=lambda x: x, doc="`y = x`: a named copy (or, between stages, an alias of a matrix)")
+_pointwise(
+    "copy",
+    "copy",
+    1,
+    _copy,
+    lambda x: x,
+    infix="=",
+    vjp=lambda b, p, ct: [ct],
+    emit=lambda x: x,
+    torch=lambda x: x,
+    doc="`y = x`: a named copy (or, between stages, an alias of a matrix)",
+)

@@ -59,14 +59,20 @@ def _reduce_rule(name: str, combine: str) -> Any:
             if t.kind != VEC:
                 raise Mistake("E0404", f"{name}() of a scalar", arg=0)
             if t.shape[0] != over:
-                raise Mistake("E0404", f"{name}() over `{over}`, but the vector runs over `{t.shape[0]}`", arg=0)
+                raise Mistake(
+                    "E0404", f"{name}() over `{over}`, but the vector runs over `{t.shape[0]}`", arg=0
+                )
             return (Type(dtype),)
         if t.kind == GROUP and group is None and over == t.shape[1] and over != t.shape[0]:
             # a grouped value (one per row and group) reduced over its groups: a partial per row
             return (Type(dtype, (t.shape[0],), PARTIAL, combine=combine),)
         if t.kind != TILE:
-            raise Mistake("E0404", f"{name}() inside a stage reduces a tile, got a {kind_name(t.kind)}", arg=0,
-                          notes=["reduce vectors between stages, where they are complete"])
+            raise Mistake(
+                "E0404",
+                f"{name}() inside a stage reduces a tile, got a {kind_name(t.kind)}",
+                arg=0,
+                notes=["reduce vectors between stages, where they are complete"],
+            )
         try:
             axis = axis_of(ctx, over, t.shape, f"{name}()")
         except Mistake as m:  # point at the reduced operand
@@ -74,16 +80,23 @@ def _reduce_rule(name: str, combine: str) -> Any:
             raise
         if group is not None:
             if axis != 1:
-                raise Mistake("E0408", "group= reduces runs of adjacent columns; this reduction is over the rows")
+                raise Mistake(
+                    "E0408", "group= reduces runs of adjacent columns; this reduction is over the rows"
+                )
             if not isinstance(group, int) or group < 1:
                 raise Mistake("E0408", f"group= must be a positive integer, got {group}")
             width = t.shape[1]
             if width.name is None or width.name in ctx.values:  # a known width: whole groups only
                 n = width.evaluate(ctx.values)
                 if n % group != 0:
-                    raise Mistake("E0408", f"group={group} does not divide the width `{width}`, which is {n}",
-                                  notes=["each group is a run of `group` adjacent columns; the last one would be cut"])
-            per_acc_col = width.coeff / ctx.stage.cols.coeff if width.name == ctx.stage.cols.name else Fraction(1)
+                    raise Mistake(
+                        "E0408",
+                        f"group={group} does not divide the width `{width}`, which is {n}",
+                        notes=["each group is a run of `group` adjacent columns; the last one would be cut"],
+                    )
+            per_acc_col = (
+                width.coeff / ctx.stage.cols.coeff if width.name == ctx.stage.cols.name else Fraction(1)
+            )
             # The tile of the stage must hold whole groups: tile_N * (width / cols) % group == 0.
             need = Fraction(group) / per_acc_col
             ctx.constraints.append(f"tile_N % {need} == 0 (group={group} over `{width}`)")
@@ -130,11 +143,22 @@ _REDUCE_DOCS = {
 }
 for _surface, _combine in [("sum", "sum"), ("max", "max"), ("min", "min"), ("logsumexp", "lse")]:
     # The stand-in reduces a whole vector (between stages); partials fold by the combine record.
-    register(OpDef(f"reduce_{_surface}", _surface, 1, type_rule=_reduce_rule(_surface, _combine),
-                   locality="reduce", params=REDUCE_PARAMS, combine=COMBINES[_combine], impl=_reduce_impl(_surface),
-                   vjp=_reduce_vjp(_surface), emit=lambda x, **params: x,
-                   torch=lambda x, _c=COMBINES[_combine]: _c.torch(as_tensor(x).reshape(-1), 0),
-                   doc=_REDUCE_DOCS[_surface]))
+    register(
+        OpDef(
+            f"reduce_{_surface}",
+            _surface,
+            1,
+            type_rule=_reduce_rule(_surface, _combine),
+            locality="reduce",
+            params=REDUCE_PARAMS,
+            combine=COMBINES[_combine],
+            impl=_reduce_impl(_surface),
+            vjp=_reduce_vjp(_surface),
+            emit=lambda x, **params: x,
+            torch=lambda x, _c=COMBINES[_combine]: _c.torch(as_tensor(x).reshape(-1), 0),
+            doc=_REDUCE_DOCS[_surface],
+        )
+    )
 
 
 def _mean(d: Any, ins: list[Any], params: dict[str, Any]) -> tuple[str, list[Any], dict[str, Any]]:
@@ -146,8 +170,18 @@ def _mean(d: Any, ins: list[Any], params: dict[str, Any]) -> tuple[str, list[Any
     return "reduce_sum", [d.op("div", x, count)], params
 
 
-register(OpDef("reduce_mean", "mean", 1, locality="reduce", params=REDUCE_PARAMS, combine=COMBINES["sum"],
-               decompose=_mean, doc="the mean over a dim: sum(x / N, over=N)"))
+register(
+    OpDef(
+        "reduce_mean",
+        "mean",
+        1,
+        locality="reduce",
+        params=REDUCE_PARAMS,
+        combine=COMBINES["sum"],
+        decompose=_mean,
+        doc="the mean over a dim: sum(x / N, over=N)",
+    )
+)
 
 
 def _pick_rule(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type, ...]:
@@ -163,7 +197,9 @@ def _pick_rule(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple
     if x.kind != TILE:
         raise Mistake("E0506", f"pick() selects from a tile, got a {kind_name(x.kind)}", arg=0)
     if idx.kind != VEC:
-        raise Mistake("E0506", f"pick() needs a vector of indices (one per row), got a {kind_name(idx.kind)}", arg=1)
+        raise Mistake(
+            "E0506", f"pick() needs a vector of indices (one per row), got a {kind_name(idx.kind)}", arg=1
+        )
     axis = axis_of(ctx, idx.shape[0], x.shape, "pick()")
     # An index per row selects along the columns, and the other way round.
     return (Type("f32" if x.dtype != "i32" else "i32", (x.shape[axis],), PARTIAL, combine="sum"),)
@@ -200,13 +236,27 @@ def _pick_vjp(b: Any, p: Any, ct: Any) -> list[Any]:
         onehot = b.ops("pairs", hit)[0]
     else:  # columns 2j and 2j + 1 of the tile
         even = b.mul(col, Lit(2, "i32"))
-        onehot = b.op("interleave", b.where(b.op("eq", even, idx), b.lit(1.0), b.lit(0.0)),
-                      b.where(b.op("eq", b.add(even, Lit(1, "i32")), idx), b.lit(1.0), b.lit(0.0)))
+        onehot = b.op(
+            "interleave",
+            b.where(b.op("eq", even, idx), b.lit(1.0), b.lit(0.0)),
+            b.where(b.op("eq", b.add(even, Lit(1, "i32")), idx), b.lit(1.0), b.lit(0.0)),
+        )
     return [b.mul(onehot, ct), None]
 
 
 # CuTeDSL emitters of reductions and pick give the per-element value the kernel folds (backend_cute/planner.py
 # picks the quack sink: ColVecReduce, RowVecReduce, OnlineLSEReduce, ColVecSelect).
-register(OpDef("pick", "pick", 2, type_rule=_pick_rule, locality="gather", combine=COMBINES["sum"],
-               impl=_pick_impl, vjp=_pick_vjp, emit=lambda x, idx: x,
-               doc="x[i, idx[i]]: one column per row (a cross-entropy's target logit); 0 where idx is out of range"))
+register(
+    OpDef(
+        "pick",
+        "pick",
+        2,
+        type_rule=_pick_rule,
+        locality="gather",
+        combine=COMBINES["sum"],
+        impl=_pick_impl,
+        vjp=_pick_vjp,
+        emit=lambda x, idx: x,
+        doc="x[i, idx[i]]: one column per row (a cross-entropy's target logit); 0 where idx is out of range",
+    )
+)

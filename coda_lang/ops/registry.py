@@ -107,16 +107,48 @@ def _lse_numpy(x: Any, axis: int) -> Any:
     return np.squeeze(m, axis) + np.log(np.sum(np.exp(x - m), axis=axis))
 
 
-COMBINES: dict[str, Combine] = {c.name: c for c in (
-    Combine("sum", "a partial sum", 0.0, lambda x, axis: np.sum(x, axis=axis), lambda x, axis: x.sum(axis),
-            sink="add", group="add"),
-    Combine("max", "a partial max", float("-inf"), lambda x, axis: np.max(x, axis=axis),
-            lambda x, axis: x.amax(axis), sink="max", group="max"),
-    Combine("min", "a partial min", float("inf"), lambda x, axis: np.min(x, axis=axis),
-            lambda x, axis: x.amin(axis), sink="max", negate=True, group="min"),
-    Combine("lse", "a partial log-sum-exp", float("-inf"), _lse_numpy,
-            lambda x, axis: torch.logsumexp(x, axis), sink="lse", group="lse"),
-)}
+COMBINES: dict[str, Combine] = {
+    c.name: c
+    for c in (
+        Combine(
+            "sum",
+            "a partial sum",
+            0.0,
+            lambda x, axis: np.sum(x, axis=axis),
+            lambda x, axis: x.sum(axis),
+            sink="add",
+            group="add",
+        ),
+        Combine(
+            "max",
+            "a partial max",
+            float("-inf"),
+            lambda x, axis: np.max(x, axis=axis),
+            lambda x, axis: x.amax(axis),
+            sink="max",
+            group="max",
+        ),
+        Combine(
+            "min",
+            "a partial min",
+            float("inf"),
+            lambda x, axis: np.min(x, axis=axis),
+            lambda x, axis: x.amin(axis),
+            sink="max",
+            negate=True,
+            group="min",
+        ),
+        Combine(
+            "lse",
+            "a partial log-sum-exp",
+            float("-inf"),
+            _lse_numpy,
+            lambda x, axis: torch.logsumexp(x, axis),
+            sink="lse",
+            group="lse",
+        ),
+    )
+}
 
 
 def combine_rule(name: str | None) -> Combine:
@@ -207,7 +239,7 @@ class OpDef:
         positional = [p.name for p in self.params if p.positional]
         if not self.nin <= nargs <= self.nin + len(positional):
             return False
-        given = set(kwargs) | set(positional[:nargs - self.nin])  # a required one may come either way
+        given = set(kwargs) | set(positional[: nargs - self.nin])  # a required one may come either way
         required = {p.name for p in self.params if p.required}
         return required <= given and kwargs <= {p.name for p in self.params}
 
@@ -264,11 +296,16 @@ def _outer(ctx: Ctx, a: Dim, b: Dim) -> Shape:
     if rows_b and a in st.col_widths() and not rows_a:
         return (b, a)
     if rows_a and rows_b:
-        raise Mistake("E0405", f"vectors over `{a}` and `{b}`: both could be rows of the tile {shape_str((st.rows, st.cols))}")
+        raise Mistake(
+            "E0405",
+            f"vectors over `{a}` and `{b}`: both could be rows of the tile {shape_str((st.rows, st.cols))}",
+        )
     raise Mistake(
         "E0402",
         f"vectors over `{a}` and `{b}` don't form a tile of this stage ({shape_str((st.rows, st.cols))})",
-        notes=["a vector times a vector makes a tile only when one runs over the rows and the other over the columns"],
+        notes=[
+            "a vector times a vector makes a tile only when one runs over the rows and the other over the columns"
+        ],
     )
 
 
@@ -292,7 +329,10 @@ def broadcast(ctx: Ctx, types: tuple[Type, ...], dtype: str) -> Type:
         full = (g.shape[0], g.shape[1].scale(g.group))
         if shape is not None and full != shape:
             if tiles:
-                raise Mistake("E0402", f"a grouped value over {shape_str(full)} doesn't broadcast to the tile {shape_str(shape)}")
+                raise Mistake(
+                    "E0402",
+                    f"a grouped value over {shape_str(full)} doesn't broadcast to the tile {shape_str(shape)}",
+                )
             raise Mistake("E0402", f"grouped values differ: {shape_str(shape)} and {shape_str(full)}")
         if group is not None and g.group != group:
             raise Mistake("E0402", f"grouped values with groups of {group} and {g.group} columns")
@@ -323,8 +363,11 @@ def _broadcast_outside(types: tuple[Type, ...], dtype: str) -> Type:
     dims = {t.shape[0] for t in types if t.kind == VEC}
     if len(dims) > 1:
         a, b = sorted(dims)[:2]
-        raise Mistake("E0402", f"vectors over `{a}` and `{b}` have different lengths",
-                      notes=["between stages only vectors and scalars are computed; an outer product would be a tile"])
+        raise Mistake(
+            "E0402",
+            f"vectors over `{a}` and `{b}` have different lengths",
+            notes=["between stages only vectors and scalars are computed; an outer product would be a tile"],
+        )
     if dims:
         return Type(dtype, (dims.pop(),), VEC)
     return Type(dtype)
@@ -348,8 +391,32 @@ def require_tile(t: Type, what: str) -> None:
 
 
 __all__ = [
-    "COMBINES", "GROUP", "MATRIX", "PARTIAL", "SCALAR", "TILE", "VEC", "Combine", "Ctx", "OpDef", "ParamSpec",
-    "StageShape", "REGISTRY", "SUGAR", "as_tensor", "as_tensors", "axis_of", "broadcast", "combine_of_group",
-    "combine_of_sink", "combine_rule", "kind_name",
-    "register", "require_tile", "resolve", "np", "torch", "unary",
+    "COMBINES",
+    "GROUP",
+    "MATRIX",
+    "PARTIAL",
+    "SCALAR",
+    "TILE",
+    "VEC",
+    "Combine",
+    "Ctx",
+    "OpDef",
+    "ParamSpec",
+    "StageShape",
+    "REGISTRY",
+    "SUGAR",
+    "as_tensor",
+    "as_tensors",
+    "axis_of",
+    "broadcast",
+    "combine_of_group",
+    "combine_of_sink",
+    "combine_rule",
+    "kind_name",
+    "register",
+    "require_tile",
+    "resolve",
+    "np",
+    "torch",
+    "unary",
 ]

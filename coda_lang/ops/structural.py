@@ -51,15 +51,22 @@ def _pairs(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Typ
     assert ctx.stage is not None
     rows, width = t.shape
     if width not in (ctx.stage.cols, ctx.stage.cols.scale(2)):
-        raise Mistake("E0505", f"pairs() of a tile of width `{width}`; the stage's tile is {shape_str((ctx.stage.rows, ctx.stage.cols))}",
-                      notes=["pairs() splits the stage's full-width tile (or an interleaved double-width one)"])
+        raise Mistake(
+            "E0505",
+            f"pairs() of a tile of width `{width}`; the stage's tile is {shape_str((ctx.stage.rows, ctx.stage.cols))}",
+            notes=["pairs() splits the stage's full-width tile (or an interleaved double-width one)"],
+        )
     even = provably_even(ctx, width)
     if even is not True:
         why = "is odd" if even is False else "may be odd"
-        hint = (f"declare the width as an even multiple, e.g. `2*{width.name}`, so that it is even for every size"
-                if width.name else "pairs() needs an even number of columns")
-        raise Mistake("E0403", f"pairs() needs an even number of columns, and `{width}` {why}",
-                      arg=0, help=[hint])
+        hint = (
+            f"declare the width as an even multiple, e.g. `2*{width.name}`, so that it is even for every size"
+            if width.name
+            else "pairs() needs an even number of columns"
+        )
+        raise Mistake(
+            "E0403", f"pairs() needs an even number of columns, and `{width}` {why}", arg=0, help=[hint]
+        )
     half = Type("f32", (rows, width.scale(Fraction(1, 2))), TILE)
     return (half, half)
 
@@ -79,7 +86,10 @@ def _interleave(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tupl
     rows, width = broadcast(ctx, ins, "f32").shape
     wide = width.scale(2)
     if wide not in (ctx.stage.cols, ctx.stage.cols.scale(2)):
-        raise Mistake("E0505", f"interleave() would make a tile of width `{wide}` in a stage of width `{ctx.stage.cols}`")
+        raise Mistake(
+            "E0505",
+            f"interleave() would make a tile of width `{wide}` in a stage of width `{ctx.stage.cols}`",
+        )
     return (Type("f32", (rows, wide), TILE),)
 
 
@@ -112,12 +122,35 @@ def _interleave_torch(a: Any, b: Any) -> Any:
     return torch.stack((a, b), dim=-1).reshape(*a.shape[:-1], 2 * a.shape[-1])
 
 
-register(OpDef("pairs", "pairs", 1, nout=2, type_rule=_pairs, locality="pair", impl=_pairs_impl, vjp=_pairs_vjp,
-               emit=lambda z: ((z[0],), (z[1],)), torch=_pairs_impl,
-               doc="`a, b = pairs(z)`: the even and the odd columns of z (interleaved gate/up, RoPE pairs)"))
-register(OpDef("interleave", "interleave", 2, type_rule=_interleave, locality="pair", impl=_interleave_impl,
-               vjp=_interleave_vjp, emit=lambda a, b: ((a[0], b[0]),), torch=_interleave_torch,
-               doc="the inverse of pairs: a's and b's columns alternating, twice as wide"))
+register(
+    OpDef(
+        "pairs",
+        "pairs",
+        1,
+        nout=2,
+        type_rule=_pairs,
+        locality="pair",
+        impl=_pairs_impl,
+        vjp=_pairs_vjp,
+        emit=lambda z: ((z[0],), (z[1],)),
+        torch=_pairs_impl,
+        doc="`a, b = pairs(z)`: the even and the odd columns of z (interleaved gate/up, RoPE pairs)",
+    )
+)
+register(
+    OpDef(
+        "interleave",
+        "interleave",
+        2,
+        type_rule=_interleave,
+        locality="pair",
+        impl=_interleave_impl,
+        vjp=_interleave_vjp,
+        emit=lambda a, b: ((a[0], b[0]),),
+        torch=_interleave_torch,
+        doc="the inverse of pairs: a's and b's columns alternating, twice as wide",
+    )
+)
 
 
 def _expand(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type, ...]:
@@ -126,7 +159,9 @@ def _expand(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Ty
         return (ERROR_TYPE,)
     if like.kind == GROUP and x.kind == TILE:  # a tile of one column per group, read as a grouped value
         if x.shape != like.shape:
-            raise Mistake("E0402", f"expand() of a tile {shape_str(x.shape)} to a grouped value {shape_str(like.shape)}")
+            raise Mistake(
+                "E0402", f"expand() of a tile {shape_str(x.shape)} to a grouped value {shape_str(like.shape)}"
+            )
         return (Type(promote(x.dtype), like.shape, GROUP, group=like.group),)
     return (broadcast(ctx, ins, promote(x.dtype)),)
 
@@ -140,17 +175,30 @@ def _expand_torch(x: Any, like: Any) -> Any:
     return torch.broadcast_to(x, torch.broadcast_shapes(x.shape, like.shape)).clone()
 
 
-register(OpDef("expand", "expand", 2, type_rule=_expand, locality="pointwise",
-               impl=lambda x, like: np.broadcast_to(x, np.broadcast_shapes(np.shape(x), np.shape(like))).copy(),
-               vjp=lambda b, p, ct: [ct, None], emit=lambda x, like: x, torch=_expand_torch,
-               doc="x broadcast to the shape of x and `like` together (like's values are not read)"))
+register(
+    OpDef(
+        "expand",
+        "expand",
+        2,
+        type_rule=_expand,
+        locality="pointwise",
+        impl=lambda x, like: np.broadcast_to(x, np.broadcast_shapes(np.shape(x), np.shape(like))).copy(),
+        vjp=lambda b, p, ct: [ct, None],
+        emit=lambda x, like: x,
+        torch=_expand_torch,
+        doc="x broadcast to the shape of x and `like` together (like's values are not read)",
+    )
+)
 
 
 def _index_rule(axis: int) -> Any:
     def rule(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type, ...]:
         if ctx.stage is None:
-            raise Mistake("E0506", f"{('row_index', 'col_index')[axis]}() is only defined inside a stage",
-                          notes=["between stages, there is no tile to index"])
+            raise Mistake(
+                "E0506",
+                f"{('row_index', 'col_index')[axis]}() is only defined inside a stage",
+                notes=["between stages, there is no tile to index"],
+            )
         dim = ctx.stage.rows if axis == 0 else ctx.stage.cols
         return (Type("i32", (dim,), VEC),)
 
@@ -160,9 +208,27 @@ def _index_rule(axis: int) -> Any:
 # The impls receive the stage's (row offset, row count) or (column offset, column count) of the
 # tile being computed; the interpreter passes the whole range in whole-matrix mode. They have no
 # emitter or torch stand-in: each executor knows where its tile sits (the epilogue's coordinates).
-register(OpDef("row_index", "row_index", 0, type_rule=_index_rule(0), locality="index",
-               differentiable=False, impl=lambda start, n: np.arange(start, start + n, dtype=np.int32),
-               doc="the global row index of each row of the stage's tile (i32)"))
-register(OpDef("col_index", "col_index", 0, type_rule=_index_rule(1), locality="index",
-               differentiable=False, impl=lambda start, n: np.arange(start, start + n, dtype=np.int32),
-               doc="the global column index of each column of the stage's tile (i32)"))
+register(
+    OpDef(
+        "row_index",
+        "row_index",
+        0,
+        type_rule=_index_rule(0),
+        locality="index",
+        differentiable=False,
+        impl=lambda start, n: np.arange(start, start + n, dtype=np.int32),
+        doc="the global row index of each row of the stage's tile (i32)",
+    )
+)
+register(
+    OpDef(
+        "col_index",
+        "col_index",
+        0,
+        type_rule=_index_rule(1),
+        locality="index",
+        differentiable=False,
+        impl=lambda start, n: np.arange(start, start + n, dtype=np.int32),
+        doc="the global column index of each column of the stage's tile (i32)",
+    )
+)

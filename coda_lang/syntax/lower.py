@@ -42,10 +42,10 @@ _RESERVED = {"acc", "dims", "block", "gemm", "transpose"}
 _NOT_OPS = {
     "relu": "write `max(x, 0.0)`",
     "softmax": "it needs the complete row; compute `lse = logsumexp(x, over=N)` in the stage and "
-               "`exp(x - lse)` in a later stage's epilogue",
+    "`exp(x - lse)` in a later stage's epilogue",
     "log_softmax": "compute `lse = logsumexp(x, over=N)` in the stage and `x - lse` in a later stage's epilogue",
     "rmsnorm": "split it: a partial `ss = sum(h * h, over=D)` in the stage that makes `h`, `r = rsqrt(ss / D + eps)` "
-               "between stages, and `acc * r` in the next GEMM's epilogue",
+    "between stages, and `acc * r` in the next GEMM's epilogue",
     "mean": "write `sum(x, over=N) / N`",
     "pow": "write `x * x`",
     "square": "write `x * x`",
@@ -91,8 +91,12 @@ class Lowerer:
                     name = str(d.children[0])
                     value = int(d.children[1]) if d.children[1] is not None else None
                     if name in self.dims:
-                        self.error("E0209", f"dim `{name}` is declared twice", d,
-                                   related=[(self.dims[name].span, "first declared here")])
+                        self.error(
+                            "E0209",
+                            f"dim `{name}` is declared twice",
+                            d,
+                            related=[(self.dims[name].span, "first declared here")],
+                        )
                         continue
                     if value is not None and value <= 0:
                         self.error("E0409", f"dim `{name}` must be positive, got {value}", d)
@@ -100,20 +104,34 @@ class Lowerer:
             elif item.data == "block":
                 b = BlockLowerer(self, item).lower()
                 if b.name in seen_blocks:
-                    self.error("E0209", f"block `{b.name}` is defined twice", item.children[0],
-                               related=[(seen_blocks[b.name], "first defined here")])
+                    self.error(
+                        "E0209",
+                        f"block `{b.name}` is defined twice",
+                        item.children[0],
+                        related=[(seen_blocks[b.name], "first defined here")],
+                    )
                     continue
                 seen_blocks[b.name] = b.span
                 blocks.append(b)
             elif item.data == "stray_stmt":
-                self.error("E0105", "statement outside a block", item,
-                           label="statements go inside `block name(...) -> (...) { ... }`")
+                self.error(
+                    "E0105",
+                    "statement outside a block",
+                    item,
+                    label="statements go inside `block name(...) -> (...) { ... }`",
+                )
         if not blocks and not any(d.code.startswith("E01") for d in self.diags):
             # Point at the last thing the file does hold (not at a leading comment), if anything.
             last = _span(self.file, tree.children[-1]) if tree.children else Span(self.file, 1, 1, 1, 2)
-            self.diags.append(Diagnostic("E0106", "no block in the file", last,
-                                         label="the file ends after this" if tree.children else "",
-                                         help=["a file holds `dims ...` and one or more `block name(...) -> (...) { ... }`"]))
+            self.diags.append(
+                Diagnostic(
+                    "E0106",
+                    "no block in the file",
+                    last,
+                    label="the file ends after this" if tree.children else "",
+                    help=["a file holds `dims ...` and one or more `block name(...) -> (...) { ... }`"],
+                )
+            )
         return Program(tuple(self.dims.values()), tuple(blocks), self.file)
 
     # ------------------------------------------------------------------ shapes
@@ -126,16 +144,25 @@ class Lowerer:
             if e.text in self.bad_shapes:  # the same shape written again: one message
                 return None
             self.bad_shapes.add(e.text)
-            self.error("E0409", f"shape `{e.text}` is not of the form c*X", node,
-                       notes=["a shape is an integer, a dim, or a dim times or divided by integers: `2*F`, `N/2`"])
+            self.error(
+                "E0409",
+                f"shape `{e.text}` is not of the form c*X",
+                node,
+                notes=["a shape is an integer, a dim, or a dim times or divided by integers: `2*F`, `N/2`"],
+            )
             return None
         except _UnknownDim as e:
             if e.name in self.unknown_dims:
                 return None
             self.unknown_dims.add(e.name)
             hint = did_you_mean(e.name, list(self.dims))
-            self.error("E0204", f"unknown dim `{e.name}`", e.node, label="not declared by `dims`",
-                       help=[f"did you mean `{hint}`?"] if hint else [f"declare it: `dims ..., {e.name}`"])
+            self.error(
+                "E0204",
+                f"unknown dim `{e.name}`",
+                e.node,
+                label="not declared by `dims`",
+                help=[f"did you mean `{hint}`?"] if hint else [f"declare it: `dims ..., {e.name}`"],
+            )
             return None
         if coeff <= 0:
             self.error("E0409", "a shape must be positive", node)
@@ -147,7 +174,9 @@ class Lowerer:
         if value is not None and (coeff * value).denominator != 1:
             if str(Dim(coeff, name)) not in self.bad_shapes:  # the same shape written again: one message
                 self.bad_shapes.add(str(Dim(coeff, name)))
-                self.error("E0409", f"shape `{Dim(coeff, name)}` is not an integer: `{name}` is {value}", node)
+                self.error(
+                    "E0409", f"shape `{Dim(coeff, name)}` is not an integer: `{name}` is {value}", node
+                )
             return None
         return Dim(coeff, name)
 
@@ -180,8 +209,12 @@ class Lowerer:
         ok = True
         if dtype not in DTYPES:
             hint = did_you_mean(dtype, list(DTYPES))
-            self.error("E0208", f"unknown dtype `{dtype}`", node.children[0],
-                       help=[f"did you mean `{hint}`?"] if hint else [f"dtypes are {', '.join(DTYPES)}"])
+            self.error(
+                "E0208",
+                f"unknown dtype `{dtype}`",
+                node.children[0],
+                help=[f"did you mean `{hint}`?"] if hint else [f"dtypes are {', '.join(DTYPES)}"],
+            )
             ok = False
         dims: list[Dim] = []
         if shape_node is not None:
@@ -194,7 +227,11 @@ class Lowerer:
                 else:
                     dims.append(d)
             if len(dims) > 2:
-                self.error("E0409", f"{what} has {len(dims)} dims; values are scalars, vectors or matrices", shape_node)
+                self.error(
+                    "E0409",
+                    f"{what} has {len(dims)} dims; values are scalars, vectors or matrices",
+                    shape_node,
+                )
                 ok = False
         if not ok:
             return None
@@ -247,12 +284,18 @@ class BlockLowerer:
         outputs_node = next(c for c in self.tree.children if getattr(c, "data", None) == "outputs")
         body = [c for c in self.tree.children if getattr(c, "data", None) in ("assign", "stage", "ew_stage")]
         params = [p for p in (self.param(n) for n in params_nodes) if p is not None]
-        outputs = [o for o in (self.output(n) for n in outputs_node.children if n is not None) if o is not None]
+        outputs = [
+            o for o in (self.output(n) for n in outputs_node.children if n is not None) if o is not None
+        ]
         first_out: dict[str, Output] = {}
         for o in list(outputs):
             if o.name in first_out:
-                self.error("E0209", f"output `{o.name}` is declared twice", o.span,
-                           related=[(first_out[o.name].span, "first declared here")])
+                self.error(
+                    "E0209",
+                    f"output `{o.name}` is declared twice",
+                    o.span,
+                    related=[(first_out[o.name].span, "first declared here")],
+                )
                 outputs.remove(o)
             first_out.setdefault(o.name, o)
         stmts: list[Stmt] = []
@@ -266,28 +309,50 @@ class BlockLowerer:
         for o in outputs:
             if o.name not in self.scope:
                 hint = did_you_mean(o.name, list(self.scope))
-                self.error("E0205", f"output `{o.name}` is never assigned", o.span,
-                           help=[f"did you mean `{hint}`?"] if hint else [f"assign it in the block: `{o.name} = ...`"])
-        used = self.used_dims | {d.name for p in params for d in p.var.type.shape if d.name} | {  # type: ignore[union-attr]
-            d.name for o in outputs for d in o.type.shape if d.name}
+                self.error(
+                    "E0205",
+                    f"output `{o.name}` is never assigned",
+                    o.span,
+                    help=[f"did you mean `{hint}`?"]
+                    if hint
+                    else [f"assign it in the block: `{o.name} = ...`"],
+                )
+        declared = [p.var.type for p in params] + [o.type for o in outputs]
+        used = self.used_dims | {d.name for t in declared if t is not None for d in t.shape if d.name}
         dims = tuple(d for n, d in self.p.dims.items() if n in used)
-        return Block(str(name_tok), dims, tuple(params), tuple(outputs), tuple(stmts), _span(self.file, self.tree))
+        return Block(
+            str(name_tok), dims, tuple(params), tuple(outputs), tuple(stmts), _span(self.file, self.tree)
+        )
 
     # ------------------------------------------------------------------ signature
 
     def bind(self, name: str, var: Var, node: Any) -> bool:
         span = node if isinstance(node, Span) else _span(self.file, node)
         if name == "acc" or name in _RESERVED:
-            self.error("E0210", f"`{name}` is reserved", span,
-                       label="`acc` is the GEMM result of the enclosing stage" if name == "acc" else "a keyword")
+            self.error(
+                "E0210",
+                f"`{name}` is reserved",
+                span,
+                label="`acc` is the GEMM result of the enclosing stage" if name == "acc" else "a keyword",
+            )
             return False
         if name in self.scope:
-            self.error("E0202", f"`{name}` is already defined", span,
-                       label="values are assigned once", related=[(self.defined_at[name], "first defined here")],
-                       help=["give the new value its own name"])
+            self.error(
+                "E0202",
+                f"`{name}` is already defined",
+                span,
+                label="values are assigned once",
+                related=[(self.defined_at[name], "first defined here")],
+                help=["give the new value its own name"],
+            )
             return False
         if name in self.p.dims:
-            self.error("E0202", f"`{name}` is already a dim", span, related=[(self.p.dims[name].span, "declared here")])
+            self.error(
+                "E0202",
+                f"`{name}` is already a dim",
+                span,
+                related=[(self.p.dims[name].span, "declared here")],
+            )
             return False
         self.scope[name] = var
         self.defined_at[name] = span
@@ -301,8 +366,12 @@ class BlockLowerer:
             default = self.default(node.children[2], t, name)
         var = Var(name, t)
         if name in self.scope:
-            self.error("E0209", f"parameter `{name}` is declared twice", node.children[0],
-                       related=[(self.defined_at[name], "first declared here")])
+            self.error(
+                "E0209",
+                f"parameter `{name}` is declared twice",
+                node.children[0],
+                related=[(self.defined_at[name], "first declared here")],
+            )
             return None
         if not self.bind(name, var, node.children[0]) or t is None:
             return None
@@ -317,8 +386,12 @@ class BlockLowerer:
         if t is None:
             return value
         if t.shape:
-            self.error("E0304", f"`{name}` has a default but is not a scalar", node,
-                       notes=["only scalar parameters take defaults"])
+            self.error(
+                "E0304",
+                f"`{name}` has a default but is not a scalar",
+                node,
+                notes=["only scalar parameters take defaults"],
+            )
             return None
         if t.dtype == "i32" and isinstance(value, float):
             self.error("E0304", f"default `{value}` of the i32 parameter `{name}` is not an integer", node)
@@ -345,15 +418,27 @@ class BlockLowerer:
             if item is not None:
                 eqns.extend(self.assign(item))
         self.acc = prev
-        return Stage(a, b, ta, tb, acc, tuple(eqns), span=_span(self.file, node),
-                     a_span=_span(self.file, a_node), b_span=_span(self.file, b_node))
+        return Stage(
+            a,
+            b,
+            ta,
+            tb,
+            acc,
+            tuple(eqns),
+            span=_span(self.file, node),
+            a_span=_span(self.file, a_node),
+            b_span=_span(self.file, b_node),
+        )
 
     def ew_stage(self, node: Any) -> Stage:
         shape_node, *body = node.children
         dims = [self.p.shape_expr(sn) for sn in shape_node.children if sn is not None]
         if len(dims) != 2 and all(d is not None for d in dims):
-            self.error("E0409", f"an elementwise stage runs over a matrix shape [rows, cols], got {len(dims)} dims",
-                       shape_node)
+            self.error(
+                "E0409",
+                f"an elementwise stage runs over a matrix shape [rows, cols], got {len(dims)} dims",
+                shape_node,
+            )
         for d in dims:
             if d is not None and d.name:
                 self.used_dims.add(d.name)
@@ -364,15 +449,27 @@ class BlockLowerer:
                 eqns.extend(self.assign(item))
         self.acc, self.in_ew = prev, False
         shape = (dims[0], dims[1]) if len(dims) == 2 and dims[0] is not None and dims[1] is not None else None
-        return Stage(None, None, False, False, None, tuple(eqns), shape or (Dim.const(1), Dim.const(1)),
-                     span=_span(self.file, node))
+        return Stage(
+            None,
+            None,
+            False,
+            False,
+            None,
+            tuple(eqns),
+            shape or (Dim.const(1), Dim.const(1)),
+            span=_span(self.file, node),
+        )
 
     def operand(self, node: Any) -> tuple[Atom, bool]:
         if node.data == "operand_call":
             fn, arg = str(node.children[0]), node.children[1]
             if fn != "transpose":
-                self.error("E0203", f"`{fn}(...)` can't be a GEMM operand", node.children[0],
-                           help=["a GEMM operand is a matrix name or `transpose(name)`"])
+                self.error(
+                    "E0203",
+                    f"`{fn}(...)` can't be a GEMM operand",
+                    node.children[0],
+                    help=["a GEMM operand is a matrix name or `transpose(name)`"],
+                )
                 return ErrAtom(fn), False
             return self.name(arg, arg), True
         tok = node.children[0]
@@ -386,11 +483,19 @@ class BlockLowerer:
                     return ErrAtom(name)
                 self.unknown.add(name)
                 if getattr(self, "in_ew", False):
-                    self.error("E0210", "`acc` in an elementwise stage", node,
-                               label="an elementwise stage has no GEMM, so no `acc`")
+                    self.error(
+                        "E0210",
+                        "`acc` in an elementwise stage",
+                        node,
+                        label="an elementwise stage has no GEMM, so no `acc`",
+                    )
                     return ErrAtom(name)
-                self.error("E0210", "`acc` outside a stage", node,
-                           label="`acc` is the GEMM result, defined only inside `gemm a @ b { ... }`")
+                self.error(
+                    "E0210",
+                    "`acc` outside a stage",
+                    node,
+                    label="`acc` is the GEMM result, defined only inside `gemm a @ b { ... }`",
+                )
                 return ErrAtom(name)
             return self.acc
         if name in self.scope:
@@ -402,8 +507,13 @@ class BlockLowerer:
             return ErrAtom(name)
         self.unknown.add(name)
         hint = did_you_mean(name, list(self.scope) + list(self.p.dims) + (["acc"] if self.acc else []))
-        self.error("E0201", f"unknown name `{name}`", node, label="not defined before this use",
-                   help=[f"did you mean `{hint}`?"] if hint else [])
+        self.error(
+            "E0201",
+            f"unknown name `{name}`",
+            node,
+            label="not defined before this use",
+            help=[f"did you mean `{hint}`?"] if hint else [],
+        )
         return ErrAtom(name)
 
     def assign(self, node: Any) -> list[Eqn]:
@@ -419,12 +529,22 @@ class BlockLowerer:
                 annot = str(tnode.children[0])
                 if annot not in DTYPES:
                     hint = did_you_mean(annot, list(DTYPES))
-                    self.error("E0208", f"unknown dtype `{annot}`", tnode.children[0],
-                               help=[f"did you mean `{hint}`?"] if hint else [f"dtypes are {', '.join(DTYPES)}"])
+                    self.error(
+                        "E0208",
+                        f"unknown dtype `{annot}`",
+                        tnode.children[0],
+                        help=[f"did you mean `{hint}`?"] if hint else [f"dtypes are {', '.join(DTYPES)}"],
+                    )
                     annot = None
                 if tnode.children[1] is not None:
-                    self.error("E0406", "a statement annotation gives the storage dtype only", tnode.children[1],
-                               help=[f"write `{name}: {annot or 'bf16'} = ...`; the shape follows from the expression"])
+                    self.error(
+                        "E0406",
+                        "a statement annotation gives the storage dtype only",
+                        tnode.children[1],
+                        help=[
+                            f"write `{name}: {annot or 'bf16'} = ...`; the shape follows from the expression"
+                        ],
+                    )
             outs.append(Var(name, None, annot))
             spans.append(_span(self.file, t.children[0]))
         eqn_span = _span(self.file, node)
@@ -436,9 +556,13 @@ class BlockLowerer:
         op, ins, params, in_spans = top
         if len(outs) != registry.REGISTRY[op].nout:
             n = registry.REGISTRY[op].nout
-            self.error("E0207", f"`{registry.REGISTRY[op].surface}` gives {n} value{'s' * (n != 1)}, but {len(outs)} "
-                       f"name{'s are' if len(outs) != 1 else ' is'} assigned", node,
-                       help=[f"write `{', '.join(['a', 'b'][:n]) if n <= 2 else '...'} = ...`"] if n <= 2 else [])
+            self.error(
+                "E0207",
+                f"`{registry.REGISTRY[op].surface}` gives {n} value{'s' * (n != 1)}, but {len(outs)} "
+                f"name{'s are' if len(outs) != 1 else ' is'} assigned",
+                node,
+                help=[f"write `{', '.join(['a', 'b'][:n]) if n <= 2 else '...'} = ...`"] if n <= 2 else [],
+            )
             for v, s in zip(outs, spans, strict=True):
                 self.bind(v.name, v, s)
             return out
@@ -448,7 +572,9 @@ class BlockLowerer:
         out.append(Eqn(op, tuple(ins), tuple(outs), params, eqn_span, tuple(in_spans)))
         return out
 
-    def expr_top(self, node: Any, out: list[Eqn], nout: int, span: Span) -> tuple[str, list[Atom], tuple, list[Span]] | None:
+    def expr_top(
+        self, node: Any, out: list[Eqn], nout: int, span: Span
+    ) -> tuple[str, list[Atom], tuple, list[Span]] | None:
         """The top op of an assigned expression, with its operands lowered into `out`."""
         kind = getattr(node, "data", None)
         if kind == "neg" and getattr(node.children[0], "data", None) in ("float_lit", "int_lit"):
@@ -472,7 +598,12 @@ class BlockLowerer:
             op = node.data
             args = list(node.children)
         atoms = [self.atom(c, out) for c in args]
-        return op, [a if a is not None else ErrAtom("?") for a in atoms], (), [_span(self.file, c) for c in args]
+        return (
+            op,
+            [a if a is not None else ErrAtom("?") for a in atoms],
+            (),
+            [_span(self.file, c) for c in args],
+        )
 
     def call(self, node: Any, out: list[Eqn]) -> tuple[str, list[Atom], tuple, list[Span]] | None:
         fn_tok, *args = node.children
@@ -480,8 +611,12 @@ class BlockLowerer:
         fn = str(fn_tok)
         pos = [a for a in args if getattr(a, "data", None) != "kwarg"]
         kws = {str(a.children[0]): a for a in args if getattr(a, "data", None) == "kwarg"}
-        twice = [a for i, a in enumerate(args) if getattr(a, "data", None) == "kwarg"
-                 and any(getattr(b, "data", None) == "kwarg" and b.children[0] == a.children[0] for b in args[:i])]
+        twice = [
+            a
+            for i, a in enumerate(args)
+            if getattr(a, "data", None) == "kwarg"
+            and any(getattr(b, "data", None) == "kwarg" and b.children[0] == a.children[0] for b in args[:i])
+        ]
         if twice:
             self.error("E0206", f"`{twice[0].children[0]}=` is given twice", twice[0].children[0])
             for a in pos:
@@ -490,8 +625,18 @@ class BlockLowerer:
         candidates = registry.BY_SURFACE.get(fn)
         if not candidates or fn in ("add", "sub", "mul", "div", "neg", "copy") or not fn.isidentifier():
             hint = did_you_mean(fn, [n for n in registry.call_names() if n not in ("copy",)])
-            extra = ["`transpose` is written only on GEMM operands: `gemm a @ transpose(b)`"] if fn == "transpose" else []
-            hlp = [f"`{fn}` is not an op: {_NOT_OPS[fn]}"] if fn in _NOT_OPS else [f"did you mean `{hint}`?"] if hint else []
+            extra = (
+                ["`transpose` is written only on GEMM operands: `gemm a @ transpose(b)`"]
+                if fn == "transpose"
+                else []
+            )
+            hlp = (
+                [f"`{fn}` is not an op: {_NOT_OPS[fn]}"]
+                if fn in _NOT_OPS
+                else [f"did you mean `{hint}`?"]
+                if hint
+                else []
+            )
             self.error("E0203", f"unknown op `{fn}`", fn_tok, help=hlp, notes=extra)
             for a in pos:
                 self.atom(a, out)
@@ -502,18 +647,28 @@ class BlockLowerer:
             allowed = {p.name for c in candidates for p in c.params}
             bad = [k for k in kws if k not in allowed]
             if bad:
-                self.error("E0206", f"`{fn}` takes no argument `{bad[0]}`", kws[bad[0]].children[0],
-                           help=[f"it takes {', '.join(f'`{a}=`' for a in sorted(allowed))}"] if allowed else [])
+                self.error(
+                    "E0206",
+                    f"`{fn}` takes no argument `{bad[0]}`",
+                    kws[bad[0]].children[0],
+                    help=[f"it takes {', '.join(f'`{a}=`' for a in sorted(allowed))}"] if allowed else [],
+                )
             else:
                 missing = [p for c in candidates for p in c.params if p.required and p.name not in kws]
                 arities = sorted({c.nin for c in candidates})
                 if missing and any(c.nin == len(pos) for c in candidates):
                     example = {"dim": "N", "int": "128", "dtype": "bf16"}.get(missing[0].kind, "...")
-                    self.error("E0206", f"`{fn}` needs `{missing[0].name}=`", node,
-                               help=[f"e.g. `{fn}(x, {missing[0].name}={example})`"])
+                    self.error(
+                        "E0206",
+                        f"`{fn}` needs `{missing[0].name}=`",
+                        node,
+                        help=[f"e.g. `{fn}(x, {missing[0].name}={example})`"],
+                    )
                 else:
                     want = " or ".join(str(a) for a in arities)
-                    self.error("E0207", f"`{fn}` takes {want} operand{'s' * (arities != [1])}, got {len(pos)}", node)
+                    self.error(
+                        "E0207", f"`{fn}` takes {want} operand{'s' * (arities != [1])}, got {len(pos)}", node
+                    )
             for a in pos:
                 self.atom(a, out)
             return None
@@ -539,14 +694,22 @@ class BlockLowerer:
             span = _span(self.file, node)
             name, ins, kw = op.decompose(Decomposer(self, out, span, tuple(spans)), atoms, dict(params))
             target = registry.REGISTRY[name]
-            return name, list(ins), tuple((p.name, kw[p.name]) for p in target.params if p.name in kw), \
-                spans[:target.nin] + [span] * (target.nin - len(spans))
+            return (
+                name,
+                list(ins),
+                tuple((p.name, kw[p.name]) for p in target.params if p.name in kw),
+                spans[: target.nin] + [span] * (target.nin - len(spans)),
+            )
         return op.name, atoms, tuple(params), spans
 
     def param_value(self, spec: registry.ParamSpec, node: Any, fn: str) -> Any:
         if spec.kind != "choice" and getattr(node, "type", None) == "STRING":
-            self.error("E0206", f"`{spec.name}=` of `{fn}` takes no string", node,
-                       help=[f"write `{spec.name}=` without quotes"])
+            self.error(
+                "E0206",
+                f"`{spec.name}=` of `{fn}` takes no string",
+                node,
+                help=[f"write `{spec.name}=` without quotes"],
+            )
             return None
         if spec.kind == "dim":
             d = self.p.shape_expr(node)
@@ -563,16 +726,24 @@ class BlockLowerer:
             value = text[1:-1] if getattr(node, "type", None) == "STRING" else None
             if value not in spec.choices:
                 options = ", ".join(f'"{c}"' for c in spec.choices)
-                self.error("E0206", f"`{spec.name}=` of `{fn}` is one of {options}", node,
-                           help=[f'e.g. `{fn}(x, {spec.name}="{spec.choices[-1]}")`'])
+                self.error(
+                    "E0206",
+                    f"`{spec.name}=` of `{fn}` is one of {options}",
+                    node,
+                    help=[f'e.g. `{fn}(x, {spec.name}="{spec.choices[-1]}")`'],
+                )
                 return None
             return value
         if spec.kind == "dtype":
             name = str(node.children[0]) if getattr(node, "data", None) == "name" else _text(node)
             if name not in DTYPES:
                 hint = did_you_mean(name, list(DTYPES))
-                self.error("E0208", f"unknown dtype `{name}`", node,
-                           help=[f"did you mean `{hint}`?"] if hint else [f"dtypes are {', '.join(DTYPES)}"])
+                self.error(
+                    "E0208",
+                    f"unknown dtype `{name}`",
+                    node,
+                    help=[f"did you mean `{hint}`?"] if hint else [f"dtypes are {', '.join(DTYPES)}"],
+                )
                 return None
             return name
         raise AssertionError(spec.kind)
@@ -597,8 +768,13 @@ class BlockLowerer:
         if op == "copy":
             return ins[0]
         if registry.REGISTRY[op].nout != 1:
-            self.error("E0207", f"`{registry.REGISTRY[op].surface}` gives {registry.REGISTRY[op].nout} values; "
-                       "assign them to names first", node, help=["e.g. `a, b = pairs(z)`"])
+            self.error(
+                "E0207",
+                f"`{registry.REGISTRY[op].surface}` gives {registry.REGISTRY[op].nout} values; "
+                "assign them to names first",
+                node,
+                help=["e.g. `a, b = pairs(z)`"],
+            )
             return None
         name = self.fresh()
         v = Var(name)
@@ -622,7 +798,7 @@ class Decomposer:
         v = Var(self.lowerer.fresh())
         self.lowerer.scope[v.name] = v
         self.lowerer.defined_at[v.name] = self.span
-        spans = self.in_spans[:len(ins)] + (self.span,) * (len(ins) - len(self.in_spans))
+        spans = self.in_spans[: len(ins)] + (self.span,) * (len(ins) - len(self.in_spans))
         self.out.append(Eqn(name, tuple(ins), (v,), kw, self.span, spans))
         return v
 

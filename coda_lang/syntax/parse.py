@@ -19,22 +19,53 @@ from coda_lang.verify.diagnostics import Diagnostic
 GRAMMAR = Path(__file__).resolve().parent.parent / "grammar.lark"
 
 _TOKEN_NAMES = {
-    "NAME": "a name", "INT": "an integer", "FLOAT": "a number", "STRING": "a string", "LPAR": "`(`", "RPAR": "`)`",
-    "LBRACE": "`{`", "RBRACE": "`}`", "LSQB": "`[`", "RSQB": "`]`", "COMMA": "`,`", "COLON": "`:`",
-    "EQUAL": "`=`", "SEMICOLON": "`;`", "PLUS": "`+`", "MINUS": "`-`", "STAR": "`*`", "SLASH": "`/`",
-    "AT": "`@`", "CMP_OP": "a comparison", "GEMM": "`gemm`", "BLOCK": "`block`", "DIMS": "`dims`",
+    "NAME": "a name",
+    "INT": "an integer",
+    "FLOAT": "a number",
+    "STRING": "a string",
+    "LPAR": "`(`",
+    "RPAR": "`)`",
+    "LBRACE": "`{`",
+    "RBRACE": "`}`",
+    "LSQB": "`[`",
+    "RSQB": "`]`",
+    "COMMA": "`,`",
+    "COLON": "`:`",
+    "EQUAL": "`=`",
+    "SEMICOLON": "`;`",
+    "PLUS": "`+`",
+    "MINUS": "`-`",
+    "STAR": "`*`",
+    "SLASH": "`/`",
+    "AT": "`@`",
+    "CMP_OP": "a comparison",
+    "GEMM": "`gemm`",
+    "BLOCK": "`block`",
+    "DIMS": "`dims`",
     "ELEMENTWISE": "`elementwise`",
-    "__ANON_0": "`->`", "$END": "end of file", "MORETHAN": "`>`", "LESSTHAN": "`<`",
+    "__ANON_0": "`->`",
+    "$END": "end of file",
+    "MORETHAN": "`>`",
+    "LESSTHAN": "`<`",
 }
 
 # Named syntax errors: (code, message, help, examples that produce the same parser state).
 # lark compares parser states by stack depth, so each example comes with and without items before
 # it (`dims ...`), and with zero, one, several parameters and a trailing comma.
-_SIGNATURES = ["block f() {", "block f(x: f32) {", "block f(x: f32[M], y: f32) {", "block f(x: f32,) {",
-               "block f(x: f32, y: f32,) {"]
+_SIGNATURES = [
+    "block f() {",
+    "block f(x: f32) {",
+    "block f(x: f32[M], y: f32) {",
+    "block f(x: f32,) {",
+    "block f(x: f32, y: f32,) {",
+]
 _NAMED: list[tuple[str, str, str, list[str]]] = [
-    ("E0104", "block signature lacks its output list", "write the outputs after `->`, e.g. `-> (out: bf16[M, N])`",
-     _SIGNATURES + ["dims M\n" + s for s in _SIGNATURES]),
+    (
+        "E0104",
+        "block signature lacks its output list",
+        "write the outputs after `->`, e.g. `-> (out: bf16[M, N])`",
+        _SIGNATURES + ["dims M\n" + s for s in _SIGNATURES],
+    ),
 ]
 
 
@@ -66,12 +97,20 @@ def _check_numbers(tree: Any, file: str) -> Diagnostic | None:
     int() refuses some of them outright), or a float that overflows to infinity."""
     for tok in tree.scan_values(lambda v: getattr(v, "type", None) in ("INT", "FLOAT")):
         digits = str(tok).lstrip("0")
-        big = len(digits) > 19 or int(digits or "0") >= 2**63 if tok.type == "INT" else float(tok) == float("inf")
+        big = (
+            len(digits) > 19 or int(digits or "0") >= 2**63
+            if tok.type == "INT"
+            else float(tok) == float("inf")
+        )
         if big:
             shown = str(tok) if len(str(tok)) <= 24 else str(tok)[:20] + "..."
             span = Span(file, tok.line, tok.column, tok.end_line, tok.end_column)
-            return Diagnostic("E0107", f"number `{shown}` is out of range", span,
-                              label="an integer must fit in 64 bits" if tok.type == "INT" else "overflows to infinity")
+            return Diagnostic(
+                "E0107",
+                f"number `{shown}` is out of range",
+                span,
+                label="an integer must fit in 64 bits" if tok.type == "INT" else "overflows to infinity",
+            )
     return None
 
 
@@ -86,15 +125,18 @@ def parse(text: str, file: str) -> tuple[Any | None, Diagnostic | None]:
         line, col = max(getattr(e, "line", 1) or 1, 1), max(getattr(e, "column", 1) or 1, 1)
         named = None
         try:
-            named = e.match_examples(p.parse, {i: ex for i, (_, _, _, ex) in enumerate(_NAMED)},
-                                     use_accepts=True)
+            named = e.match_examples(
+                p.parse, {i: ex for i, (_, _, _, ex) in enumerate(_NAMED)}, use_accepts=True
+            )
         except Exception:  # match_examples re-parses examples; never let that escape
             named = None
         if isinstance(e, UnexpectedCharacters):
             pos = e.pos_in_stream if e.pos_in_stream is not None else -1
             ch = text[pos] if 0 <= pos < len(text) else "?"
             span = Span(file, line, col, line, col + 1)
-            return None, Diagnostic("E0102", f"unexpected character `{ch}`", span, label="not part of the language")
+            return None, Diagnostic(
+                "E0102", f"unexpected character `{ch}`", span, label="not part of the language"
+            )
         if isinstance(e, UnexpectedEOF) or (isinstance(e, UnexpectedToken) and e.token.type == "$END"):
             lines = text.split("\n")  # lark counts lines by "\n" only (not "\r", "\f", "\u2028", ...)
             if len(lines) > 1 and not lines[-1]:
@@ -102,19 +144,32 @@ def parse(text: str, file: str) -> tuple[Any | None, Diagnostic | None]:
             last = len(lines)
             span = Span(file, last, len(lines[-1]) + 1, last, len(lines[-1]) + 2)
             exp = _expected(getattr(e, "accepts", None) or getattr(e, "expected", set()) or set())
-            return None, Diagnostic("E0103", "unexpected end of file", span, label=exp or "the file ends here",
-                                    notes=["a `{` is probably missing its `}`"] if "RBRACE" in (getattr(e, "expected", None) or ()) else [])
+            return None, Diagnostic(
+                "E0103",
+                "unexpected end of file",
+                span,
+                label=exp or "the file ends here",
+                notes=["a `{` is probably missing its `}`"]
+                if "RBRACE" in (getattr(e, "expected", None) or ())
+                else [],
+            )
         assert isinstance(e, UnexpectedToken)
         tok = e.token
         width = max(len(str(tok)), 1)
         span = Span(file, line, col, line, col + width)
         if named is not None:
             code, msg, hlp, _ = _NAMED[named]
-            return None, Diagnostic(code, msg, span, label=f"found {_describe(tok.type, str(tok))}", help=[hlp])
+            return None, Diagnostic(
+                code, msg, span, label=f"found {_describe(tok.type, str(tok))}", help=[hlp]
+            )
         start = getattr(tok, "start_pos", None)
         if tok.type == "STAR" and start and text[start - 1] == "*":  # PyTorch's power operator
-            return None, Diagnostic("E0101", "unexpected `**`: there is no power operator",
-                                    Span(file, line, col - 1, line, col + 1), label="not part of the language",
-                                    help=["write the product: `h * h` for a square"])
+            return None, Diagnostic(
+                "E0101",
+                "unexpected `**`: there is no power operator",
+                Span(file, line, col - 1, line, col + 1),
+                label="not part of the language",
+                help=["write the product: `h * h` for a square"],
+            )
         exp = _expected(e.accepts or e.expected)  # accepts: exact, where LALR lookaheads over-approximate
         return None, Diagnostic("E0101", f"unexpected {_describe(tok.type, str(tok))}", span, label=exp)

@@ -52,8 +52,10 @@ def mismatch(name: str, got: Any, ref: Any, ref64: Any = None, dtype: str = "f32
     odd = (fin_g != fin_r) | (~fin_r & ~((np.isnan(g) & np.isnan(r)) | (g == r)))
     if odd.any():
         idx = tuple(int(i[0]) for i in np.nonzero(odd)) if g.ndim else ()
-        return (f"{name}: {int(odd.sum())} of {g.size} elements differ in being finite; first at {_at(idx)}: "
-                f"{g[idx]!r} vs {r[idx]!r}")
+        return (
+            f"{name}: {int(odd.sum())} of {g.size} elements differ in being finite; first at {_at(idx)}: "
+            f"{g[idx]!r} vs {r[idx]!r}"
+        )
     rel = REL.get(dtype, REL["f32"])
     gf, rf = g[fin_r], r[fin_r]
     bound = rel * (np.abs(rf) + _rms(rf))
@@ -70,5 +72,7 @@ def mismatch(name: str, got: Any, ref: Any, ref64: Any = None, dtype: str = "f32
                 return None
     k = int(np.argmax(np.abs(gf - rf) - bound))
     idx = tuple(int(w[k]) for w in np.nonzero(fin_r)) if g.ndim else ()  # (np.nonzero refuses 0-d arrays)
-    return (f"{name}: {int(bad.sum())} of {g.size} elements differ beyond {rel:.2g} * (|ref| + rms); "
-            f"worst at {_at(idx)}: {g[idx]:.7g} vs {r[idx]:.7g}")
+    return (
+        f"{name}: {int(bad.sum())} of {g.size} elements differ beyond {rel:.2g} * (|ref| + rms); "
+        f"worst at {_at(idx)}: {g[idx]:.7g} vs {r[idx]:.7g}"
+    )

@@ -84,8 +84,9 @@ def fixed_dims(blocks: Iterable[Any]) -> dict[str, int]:
     return {d.name: d.value for b in blocks for d in _ir(b).dims if d.value is not None}
 
 
-def dim_sizes(blocks: Any, max_dim: int = 64, align: int = 1, given: dict[str, int] | None = None
-              ) -> st.SearchStrategy[dict[str, int]]:
+def dim_sizes(
+    blocks: Any, max_dim: int = 64, align: int = 1, given: dict[str, int] | None = None
+) -> st.SearchStrategy[dict[str, int]]:
     """{dim: size} for the blocks' dims: a multiple of its unit (`dim_units`), at most `max_dim` (or
     one unit when the unit is larger), shrinking towards the smallest; `given` sizes are kept as they
     are. `blocks`: a Block or several."""

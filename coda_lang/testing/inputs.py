@@ -30,8 +30,11 @@ from coda_lang.ir.types import Dim
 
 SPECIAL_KINDS = ("nan", "inf", "-inf", "large", "denormal", "zero")
 SPECIAL_FRACTION = 0.1
-_TINY = {"f32": float(np.finfo(np.float32).tiny), "bf16": float(np.finfo(np.float32).tiny),
-         "f16": float(np.finfo(np.float16).tiny)}
+_TINY = {
+    "f32": float(np.finfo(np.float32).tiny),
+    "bf16": float(np.finfo(np.float32).tiny),
+    "f16": float(np.finfo(np.float16).tiny),
+}
 
 
 def input_seeds() -> st.SearchStrategy[int]:
@@ -46,7 +49,9 @@ def _pick_ranges(block: Block) -> dict[str, Dim]:
     """{index parameter: the extent it selects within} for every `pick(x, idx)` of a parameter idx."""
     out: dict[str, Dim] = {}
     for s in block.stages:
-        rows = s.acc.type.shape[0] if s.acc is not None and s.acc.type is not None else (s.shape or (None,))[0]
+        rows = (
+            s.acc.type.shape[0] if s.acc is not None and s.acc.type is not None else (s.shape or (None,))[0]
+        )
         for e in s.body:
             if e.op != "pick" or len(e.ins) < 2:
                 continue
@@ -95,8 +100,9 @@ def _storage(x: np.ndarray, dtype: str) -> np.ndarray:
     return x.astype({"f32": np.float32, "bf16": ml_dtypes.bfloat16, "f16": np.float16}[dtype])
 
 
-def block_inputs(block: Any, sizes: dict[str, int], seed: int, special: bool | tuple[str, ...] = False
-                 ) -> dict[str, np.ndarray]:
+def block_inputs(
+    block: Any, sizes: dict[str, int], seed: int, special: bool | tuple[str, ...] = False
+) -> dict[str, np.ndarray]:
     """Seeded inputs for every parameter of `block` (a Block or its IR) without a default (see the
     module docstring)."""
     from coda_lang.interp.inputs import extent
@@ -149,9 +155,14 @@ def cotangents(block: Any, sizes: dict[str, int], seed: int) -> dict[str, np.nda
     return out
 
 
-def gradcheck_inputs(block: coda_lang.Block, sizes: dict[str, int], index_range: dict[str, int],
-                     rng: np.random.Generator, positive: frozenset[str] = frozenset(),
-                     scale: dict[str, float] | None = None) -> dict[str, np.ndarray]:
+def gradcheck_inputs(
+    block: coda_lang.Block,
+    sizes: dict[str, int],
+    index_range: dict[str, int],
+    rng: np.random.Generator,
+    positive: frozenset[str] = frozenset(),
+    scale: dict[str, float] | None = None,
+) -> dict[str, np.ndarray]:
     """float64 inputs for every parameter without a default: standard normal (times `scale`), uniform
     in [0.5, 1.5] for `positive` ones; i32 indices uniform in [-1, index_range) (-1: no column)."""
     from coda_lang.interp.inputs import extent

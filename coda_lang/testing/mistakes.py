@@ -117,7 +117,11 @@ class _Edit:
 
 
 def _gemm_stages(src: _Src) -> list[int]:
-    return [k for k, s in enumerate(src.block.stages) if s.is_gemm and s.acc is not None and s.acc.type is not None]
+    return [
+        k
+        for k, s in enumerate(src.block.stages)
+        if s.is_gemm and s.acc is not None and s.acc.type is not None
+    ]
 
 
 def _shape(s: Stage) -> tuple[Dim, Dim]:
@@ -225,18 +229,24 @@ def make_twin(text: str, kind: str, choose: Choose[Any]) -> Twin | None:
         if not outs:
             return None
         o = choose(outs)
-        wrong = tuple(Dim.sym(d.name, d.coeff * 3) if d.name else Dim.const(int(d.coeff) + 1) for d in o.type.shape)
+        wrong = tuple(
+            Dim.sym(d.name, d.coeff * 3) if d.name else Dim.const(int(d.coeff) + 1) for d in o.type.shape
+        )
         decl = f"{o.name}: {o.type.dtype}[{', '.join(map(str, o.type.shape))}]"
         header = src.lines[src.header]
         assert decl in header, (decl, header)
-        src.lines[src.header] = header.replace(decl, f"{o.name}: {o.type.dtype}[{', '.join(map(str, wrong))}]")
+        src.lines[src.header] = header.replace(
+            decl, f"{o.name}: {o.type.dtype}[{', '.join(map(str, wrong))}]"
+        )
     elif not _in_stage(kind, src, ed, choose):
         return None
     return Twin(ed.text() + "\n", MISTAKES[kind], kind, original)
 
 
 @st.composite
-def twins(draw: Any, programs: st.SearchStrategy[str] | None = None, kinds: Sequence[str] | None = None) -> Twin:
+def twins(
+    draw: Any, programs: st.SearchStrategy[str] | None = None, kinds: Sequence[str] | None = None
+) -> Twin:
     """A broken twin of a random valid program: `programs` draws program texts (default: the text of
     `random_blocks()`), `kinds` limits the mistakes (default: every kind in MISTAKES)."""
     if programs is None:

@@ -26,8 +26,15 @@ from coda_lang.testing.rules import op_source, param_decl, positive_args, try_ru
 OP_SIZES = {"M": 7, "K": 5, "F": 6}
 _M, _F, _F2 = Dim.sym("M"), Dim.sym("F"), Dim.sym("F", 2)
 _PARAMS = {  # the parameters a per-op program may read, and their declarations
-    "x": "f32[M, K]", "w": "f32[K, 2*F]", "t": "f32[M, 2*F]", "th": "f32[M, F]", "rv": "f32[M]",
-    "cv": "f32[2*F]", "ch": "f32[F]", "s": "f32", "idx": "i32[M]",
+    "x": "f32[M, K]",
+    "w": "f32[K, 2*F]",
+    "t": "f32[M, 2*F]",
+    "th": "f32[M, F]",
+    "rv": "f32[M]",
+    "cv": "f32[2*F]",
+    "ch": "f32[F]",
+    "s": "f32",
+    "idx": "i32[M]",
 }
 
 
@@ -98,7 +105,9 @@ def _param_choices(op: OpDef, types: tuple[Type, ...], where: str) -> list[dict[
     return [dict(c) for c in itertools.product(*per_spec)]
 
 
-def _combos(op: OpDef, cands: list[Cand], where: str) -> list[tuple[tuple[Cand, ...], dict[str, Any], tuple[Type, ...]]]:
+def _combos(
+    op: OpDef, cands: list[Cand], where: str
+) -> list[tuple[tuple[Cand, ...], dict[str, Any], tuple[Type, ...]]]:
     """Operand and parameter choices the op's type rule accepts, covering each candidate at each
     position and each parameter value at least once (greedy), floats out only."""
     stage = StageShape(_M, _F2) if where == "stage" else None
@@ -155,11 +164,16 @@ def op_programs(op: OpDef) -> list[OpProgram]:
             label = f"{name}: {eqn} ({where})"
             if where == "stage":
                 hosted = sum(1 for p in progs if "(stage, " in p.label) < 3
-                progs += _stage_programs(name, label, used, setup, eqn, ys, outs, frozenset(pos_params), hosted)
+                progs += _stage_programs(
+                    name, label, used, setup, eqn, ys, outs, frozenset(pos_params), hosted
+                )
             else:
                 body = ["gemm x @ w {", "  pn = sum(acc, over=2*F)", "  pv = sum(acc * acc, over=2*F)", "}"]
                 body += setup + [eqn]
-                out_decl = [(y, param_decl(t.with_kind(VEC if t.shape else SCALAR))) for y, t in zip(ys, outs, strict=True)]
+                out_decl = [
+                    (y, param_decl(t.with_kind(VEC if t.shape else SCALAR)))
+                    for y, t in zip(ys, outs, strict=True)
+                ]
                 body += ["gemm x @ w {", f"  o = acc * {ys[0]}", "}"]
                 out_decl.append(("o", "f32[M, 2*F]"))
                 text = _program(name, used, out_decl, body)
@@ -167,8 +181,17 @@ def op_programs(op: OpDef) -> list[OpProgram]:
     return progs
 
 
-def _stage_programs(name: str, label: str, used: list[str], setup: list[str], eqn: str, ys: list[str],
-                    outs: tuple[Type, ...], positive: frozenset[str], hosted: bool) -> list[OpProgram]:
+def _stage_programs(
+    name: str,
+    label: str,
+    used: list[str],
+    setup: list[str],
+    eqn: str,
+    ys: list[str],
+    outs: tuple[Type, ...],
+    positive: frozenset[str],
+    hosted: bool,
+) -> list[OpProgram]:
     """The op in a stage: its results as outputs (the backward's entry stage), and, for the first
     few, consumed by a second GEMM (the backward runs in that GEMM's dgrad epilogue)."""
     body = ["gemm x @ w {"] + [f"  {ln}" for ln in setup] + [f"  {eqn}"]
@@ -199,10 +222,20 @@ def _stage_programs(name: str, label: str, used: list[str], setup: list[str], eq
         w2 = "w2" if first.shape[1] == _F2 else "w1"
         body2 = body + ["}", f"gemm {ys[0]} @ {w2} {{", "  o = acc", "}"]
         decl = [("o", "f32[M, K]")] + out_decl[1:]
-        progs.append(OpProgram(label.replace("(stage)", "(stage, hosted by a dgrad GEMM)"),
-                               _program(name, used + [w2], decl, body2), positive))
+        progs.append(
+            OpProgram(
+                label.replace("(stage)", "(stage, hosted by a dgrad GEMM)"),
+                _program(name, used + [w2], decl, body2),
+                positive,
+            )
+        )
     elif hosted and first.kind == PARTIAL and first.shape in ((_M,), (_F2,)):
         body2 = body + ["}", "gemm x @ w {", f"  o = acc * {ys[0]}", "}"]
-        progs.append(OpProgram(label.replace("(stage)", "(stage, used by a later stage)"),
-                               _program(name, used, out_decl + [("o", "f32[M, 2*F]")], body2), positive))
+        progs.append(
+            OpProgram(
+                label.replace("(stage)", "(stage, used by a later stage)"),
+                _program(name, used, out_decl + [("o", "f32[M, 2*F]")], body2),
+                positive,
+            )
+        )
     return progs

@@ -109,8 +109,13 @@ def _weight(op: OpDef) -> int:
 
 
 class ForwardGen:
-    def __init__(self, draw: Any, sizes: dict[str, int], known_bugs: bool = False,
-                 gemm_dtypes: tuple[str, ...] = FLOAT_DTYPES):
+    def __init__(
+        self,
+        draw: Any,
+        sizes: dict[str, int],
+        known_bugs: bool = False,
+        gemm_dtypes: tuple[str, ...] = FLOAT_DTYPES,
+    ):
         self.draw = draw
         self.known_bugs = known_bugs
         self.gemm_dtypes = gemm_dtypes  # dtypes of GEMM operands
@@ -123,8 +128,11 @@ class ForwardGen:
         self.index_range: dict[str, Dim] = {}
         self.scale: dict[str, float] = {}
         self.ops = [op for op in differentiable_ops() if op.name not in EXCLUDED]
-        self.compare = [op for op in REGISTRY.values() if not op.differentiable and op.locality == "pointwise"
-                        and op.nin == 2]
+        self.compare = [
+            op
+            for op in REGISTRY.values()
+            if not op.differentiable and op.locality == "pointwise" and op.nin == 2
+        ]
         self.compare.sort(key=lambda op: op.name)
         self.weighted = [op for op in self.ops for _ in range(_weight(op))]
         self.act = "bf16"
@@ -137,10 +145,13 @@ class ForwardGen:
         self.n += 1
         return f"{prefix}{self.n}"
 
-    def add_param(self, prefix: str, dtype: str, shape: tuple[Dim, ...], default: str | None = None,
-                  scale: float = 1.0) -> Val:
+    def add_param(
+        self, prefix: str, dtype: str, shape: tuple[Dim, ...], default: str | None = None, scale: float = 1.0
+    ) -> Val:
         name = self.fresh(prefix)
-        self.params.append(f"{name}: {dtype}{shape_str(shape) if shape else ''}" + (f" = {default}" if default else ""))
+        self.params.append(
+            f"{name}: {dtype}{shape_str(shape) if shape else ''}" + (f" = {default}" if default else "")
+        )
         if scale != 1.0:
             self.scale[name] = scale
         kind = (SCALAR, VEC, MATRIX)[len(shape)]
@@ -163,8 +174,15 @@ class ForwardGen:
             out.append(Val(v.src, t, v.generic, key=v.ident))
         return out + [v for v in local if v.type.kind != PARTIAL]
 
-    def operand(self, stage: StageShape | None, local: list[Val], depth: int, positive: bool,
-                want_bool: bool, want_index: bool) -> Val:
+    def operand(
+        self,
+        stage: StageShape | None,
+        local: list[Val],
+        depth: int,
+        positive: bool,
+        want_bool: bool,
+        want_index: bool,
+    ) -> Val:
         draw = self.draw
         if want_index and stage is not None:
             name = self.fresh("i")
@@ -237,8 +255,9 @@ class ForwardGen:
                 out[spec.name] = self.draw(st.sampled_from(FLOAT_DTYPES))
         return out
 
-    def expr(self, stage: StageShape | None, local: list[Val], depth: int, tries: int
-             ) -> tuple[str, list[Val]] | None:
+    def expr(
+        self, stage: StageShape | None, local: list[Val], depth: int, tries: int
+    ) -> tuple[str, list[Val]] | None:
         ctx = Ctx(stage, {}, {})
         for _ in range(tries):
             op = self.draw(st.sampled_from(self.weighted))
@@ -268,17 +287,24 @@ class ForwardGen:
             if op.name in ("add", "mul", "maximum", "minimum"):
                 idents.sort()
             key = idents[0] if op.name in ("copy", "cast") else f"{op.name}({', '.join(idents)}; {params})"
-            vals = [Val("", t, generic and t.kind in (TILE, GROUP), key=key if len(outs) == 1 else f"{key}#{i}")
-                    for i, t in enumerate(outs)]
+            vals = [
+                Val("", t, generic and t.kind in (TILE, GROUP), key=key if len(outs) == 1 else f"{key}#{i}")
+                for i, t in enumerate(outs)
+            ]
             return op_source(op, [v.src for v in ins], params), vals
         return None
 
     # ---------------------------------------------------------------- statements and stages
 
-    def statement(self, stage: StageShape | None, local: list[Val], fallback: Val, copy: bool = False) -> list[Val]:
+    def statement(
+        self, stage: StageShape | None, local: list[Val], fallback: Val, copy: bool = False
+    ) -> list[Val]:
         got = None if copy else self.expr(stage, local, 0, tries=20)
-        text, vals = got if got is not None else (fallback.src, [Val("", fallback.type, fallback.generic,
-                                                                         key=fallback.ident)])
+        text, vals = (
+            got
+            if got is not None
+            else (fallback.src, [Val("", fallback.type, fallback.generic, key=fallback.ident)])
+        )
         targets = []
         for v in vals:
             v.src = self.fresh("v")
@@ -296,7 +322,9 @@ class ForwardGen:
 
     def stage(self, first: bool) -> None:
         draw = self.draw
-        stored = [v for v in self.outer if v.stored and v.type.kind == MATRIX and v.type.dtype in self.gemm_dtypes]
+        stored = [
+            v for v in self.outer if v.stored and v.type.kind == MATRIX and v.type.dtype in self.gemm_dtypes
+        ]
         if not first and stored and draw(st.integers(0, 4)) < 3:
             a = draw(st.sampled_from(stored))
             dt = a.type.dtype
@@ -314,14 +342,20 @@ class ForwardGen:
         cols = self.cols(rows)
         k = float(inner.evaluate(self.sizes))
         if draw(st.integers(0, 3)) == 0:
-            b_src = f"transpose({self.add_param('w', dt, (cols, inner), scale=k ** -0.5).src})"
+            b_src = f"transpose({self.add_param('w', dt, (cols, inner), scale=k**-0.5).src})"
         else:
-            b_src = self.add_param("w", dt, (inner, cols), scale=k ** -0.5).src
+            b_src = self.add_param("w", dt, (inner, cols), scale=k**-0.5).src
         stage = StageShape(rows, cols)
         half = cols.scale(Fraction(1, 2))
         even = cols.coeff.denominator == 1 and cols.coeff.numerator % 2 == 0
-        for shape, p in [((rows, cols), 3), ((rows, half), 1 if even else 0), ((cols,), 2), ((half,), 1 if even else 0),
-                         ((rows,), 2), ((), 1)]:
+        for shape, p in [
+            ((rows, cols), 3),
+            ((rows, half), 1 if even else 0),
+            ((cols,), 2),
+            ((half,), 1 if even else 0),
+            ((rows,), 2),
+            ((), 1),
+        ]:
             if draw(st.integers(0, 4)) < p:
                 default = draw(st.sampled_from([None, None, "0.5", "-1.5"])) if not shape else None
                 self.add_param("p", self.dtype(("f32", "bf16")), shape, default)
@@ -333,10 +367,15 @@ class ForwardGen:
             vals = self.statement(stage, local, acc)
             local += vals
             body += vals
+
         def kept(v: Val) -> bool:  # AUTODIFF LIMIT (E0602): a grouped value whose cotangent, one column per
             # group, is no tile of the stage is not read after it
             t = v.type
-            return t.kind in (TILE, PARTIAL) or t.kind == GROUP and (self.known_bugs or t.shape[1] in stage.col_widths())
+            return (
+                t.kind in (TILE, PARTIAL)
+                or t.kind == GROUP
+                and (self.known_bugs or t.shape[1] in stage.col_widths())
+            )
 
         if not any(kept(v) and is_float(v.type.dtype) for v in body):
             body += self.statement(stage, local, acc, copy=True)  # something for later stages to read
@@ -376,7 +415,9 @@ class ForwardGen:
             self.stage(first=k == 0)
             self.between()
         outs = draw(st.lists(st.sampled_from(self.made), min_size=1, max_size=3, unique_by=lambda v: v.src))
-        sig = ", ".join(f"{v.src}: {v.type.dtype}{shape_str(v.type.shape) if v.type.shape else ''}" for v in outs)
+        sig = ", ".join(
+            f"{v.src}: {v.type.dtype}{shape_str(v.type.shape) if v.type.shape else ''}" for v in outs
+        )
         body = "\n".join(f"  {ln}" for ln in self._indent())
         return f"dims M, K, N, F\n\nblock fwd({', '.join(self.params)}) -> ({sig}) {{\n{body}\n}}\n"
 
@@ -394,15 +435,21 @@ class ForwardGen:
 
 
 @st.composite
-def forward_blocks(draw: Any, known_bugs: bool = False, gemm_dtypes: tuple[str, ...] = FLOAT_DTYPES) -> Forward:
+def forward_blocks(
+    draw: Any, known_bugs: bool = False, gemm_dtypes: tuple[str, ...] = FLOAT_DTYPES
+) -> Forward:
     """A random block-local forward block (see the module docstring), with sizes for its dims.
 
     `known_bugs=False` avoids what autodiff refuses (E0602): grouped values read after their stage
     whose one-column-per-group matrix is no tile of the stage (groups of 4 columns of a full-width
     tile, of 2 of a half-width one); `known_bugs=True` draws them too.
     `gemm_dtypes`: the dtypes GEMM operands may have (the CUDA backend multiplies bf16 or f16 only)."""
-    sizes = {"M": draw(st.integers(2, 7)), "K": draw(st.integers(2, 5)), "N": draw(st.integers(2, 5)),
-             "F": draw(st.integers(2, 4))}  # no dim of 1: `u * F` would equal u (a tie for max)
+    sizes = {
+        "M": draw(st.integers(2, 7)),
+        "K": draw(st.integers(2, 5)),
+        "N": draw(st.integers(2, 5)),
+        "F": draw(st.integers(2, 4)),
+    }  # no dim of 1: `u * F` would equal u (a tie for max)
     gen = ForwardGen(draw, sizes, known_bugs, gemm_dtypes)
     text = gen.block()
     return Forward(text, sizes, dict(gen.index_range), dict(gen.scale))

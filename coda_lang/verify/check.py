@@ -158,9 +158,13 @@ class Checker:
         here = stage is not None and self.defined_in.get(atom.name) == k
         if atom.name in self.stage_local and not here:
             j = self.defined_in[atom.name]
-            self.error("E0504", f"`{atom.name}` is computed inside stage {j + 1} and can't be used after it", span,
-                       label=f"a {kind_name(t.kind)} computed in a stage's epilogue",
-                       help=["compute it between stages instead, from vectors and scalars"])
+            self.error(
+                "E0504",
+                f"`{atom.name}` is computed inside stage {j + 1} and can't be used after it",
+                span,
+                label=f"a {kind_name(t.kind)} computed in a stage's epilogue",
+                help=["compute it between stages instead, from vectors and scalars"],
+            )
             self.stage_local.discard(atom.name)  # one message per value
             self.env[atom.name] = ERROR_TYPE
             return ERROR_TYPE
@@ -170,11 +174,17 @@ class Checker:
             rows, cols = t.shape
             if rows == stage.rows and cols in stage.col_widths():
                 return t.with_kind(TILE)
-            self.error("E0505", f"`{atom.name}` is {t.dtype}{shape_str(t.shape)}, which doesn't line up with this "
-                       f"stage's tile {shape_str((stage.rows, stage.cols))}", span,
-                       label="read at the tile's position",
-                       notes=["an epilogue reads other matrices only at its own tile position (same rows; the same, "
-                              "half or double columns)"])
+            self.error(
+                "E0505",
+                f"`{atom.name}` is {t.dtype}{shape_str(t.shape)}, which doesn't line up with this "
+                f"stage's tile {shape_str((stage.rows, stage.cols))}",
+                span,
+                label="read at the tile's position",
+                notes=[
+                    "an epilogue reads other matrices only at its own tile position (same rows; the same, "
+                    "half or double columns)"
+                ],
+            )
             self.env[atom.name] = ERROR_TYPE
             return ERROR_TYPE
         return t
@@ -203,22 +213,30 @@ class Checker:
                 between[-1].append(e)
         outputs = tuple(self.output(o) for o in self.block.outputs)
         typed = replace(self.block, body=tuple(body), outputs=outputs)
-        plan = BlockPlan(typed, self.activation, tuple(stage_plans), tuple(tuple(b) for b in between), self.storage)
+        plan = BlockPlan(
+            typed, self.activation, tuple(stage_plans), tuple(tuple(b) for b in between), self.storage
+        )
         return typed, plan
 
-    def eqn(self, e: Eqn, stage: StageShape | None, k: int, ctx: Ctx | None = None, body: tuple[Eqn, ...] = ()) -> Eqn:
+    def eqn(
+        self, e: Eqn, stage: StageShape | None, k: int, ctx: Ctx | None = None, body: tuple[Eqn, ...] = ()
+    ) -> Eqn:
         op = REGISTRY[e.op]
         spans = list(e.in_spans) + [e.span] * (len(e.ins) - len(e.in_spans))
         ins = tuple(self.use(a, s, stage, k) for a, s in zip(e.ins, spans, strict=True))
         ctx = ctx or Ctx(stage, self.divisors, self.values)
         outs: tuple[Type, ...] = (ERROR_TYPE,) * op.nout
-        partial = next((i for i, (a, t) in enumerate(zip(e.ins, ins, strict=True)) if t.kind == PARTIAL), None)
+        partial = next(
+            (i for i, (a, t) in enumerate(zip(e.ins, ins, strict=True)) if t.kind == PARTIAL), None
+        )
         # A value computed from a misused partial keeps its type (so later statements and stages are still
         # checked) but is exempt from further locality complaints: one mistake, one message.
         tainted = partial is not None or any(isinstance(a, Var) and a.name in self.tainted for a in e.ins)
         if partial is not None:
             self.partial_in_stage(e, partial, spans[partial], k, body)
-            completed = tuple(t.with_kind(VEC if t.shape else SCALAR) if t.kind == PARTIAL else t for t in ins)
+            completed = tuple(
+                t.with_kind(VEC if t.shape else SCALAR) if t.kind == PARTIAL else t for t in ins
+            )
             if not any(t.is_error for t in completed):
                 with suppress(Mistake):  # on another mistake the results stay poisoned
                     outs = op.type_rule(ctx, completed, dict(e.params))  # type: ignore[misc]
@@ -232,10 +250,16 @@ class Checker:
                 label = m.label
                 if m.code == "E0502":
                     notes += self.between_note(e)
-                    mats = [f"`{a.name}`" for a, t in zip(e.ins, ins, strict=True)
-                            if isinstance(a, Var) and t.kind == MATRIX and not a.name.startswith("_t")]
-                    label = label or (f"{' and '.join(mats)} {'is a matrix' if len(mats) == 1 else 'are matrices'}"
-                                      if mats else "a matrix")
+                    mats = [
+                        f"`{a.name}`"
+                        for a, t in zip(e.ins, ins, strict=True)
+                        if isinstance(a, Var) and t.kind == MATRIX and not a.name.startswith("_t")
+                    ]
+                    label = label or (
+                        f"{' and '.join(mats)} {'is a matrix' if len(mats) == 1 else 'are matrices'}"
+                        if mats
+                        else "a matrix"
+                    )
                 self.error(m.code, m.message, span, label=label, notes=notes, help=hlp)
         new_outs = []
         for v, t in zip(e.outs, outs, strict=True):
@@ -250,26 +274,43 @@ class Checker:
             nv = Var(v.name, t, v.annot)
             self.typed[v.name] = nv
             new_outs.append(nv)
-        new_ins = tuple(self.typed.get(a.name, a) if isinstance(a, Var) and a.name != "acc" else
-                        (self.acc_var if isinstance(a, Var) else a) for a in e.ins)
+        new_ins = tuple(
+            self.typed.get(a.name, a)
+            if isinstance(a, Var) and a.name != "acc"
+            else (self.acc_var if isinstance(a, Var) else a)
+            for a in e.ins
+        )
         return replace(e, ins=new_ins, outs=tuple(new_outs))
 
     def annotation(self, v: Var, t: Type, span: Span) -> Type:
         if v.annot is None or t.is_error:
             return t
         if t.dtype == BOOL:
-            self.error("E0303", f"`{v.name}` is a comparison result and can't be stored as {v.annot}", span,
-                       help=["turn it into numbers first: `where(cond, 1.0, 0.0)`"])
+            self.error(
+                "E0303",
+                f"`{v.name}` is a comparison result and can't be stored as {v.annot}",
+                span,
+                help=["turn it into numbers first: `where(cond, 1.0, 0.0)`"],
+            )
             return ERROR_TYPE
         if is_float(t.dtype) and v.annot == "i32":
-            self.error("E0303", f"`{v.name}` is a float and can't be stored as i32", span,
-                       help=[f"convert explicitly: `{v.name}: i32 = cast(...)`"])
+            self.error(
+                "E0303",
+                f"`{v.name}` is a float and can't be stored as i32",
+                span,
+                help=[f"convert explicitly: `{v.name}: i32 = cast(...)`"],
+            )
             return ERROR_TYPE
         out = self.output_dtype(v.name)
         if out is not None and out != v.annot:
             o = next(o for o in self.block.outputs if o.name == v.name)
-            self.error("E0301", f"`{v.name}` is annotated {v.annot} but the block declares the output as {out}", span,
-                       related=[(o.span, f"declared {out} here")], help=["drop the annotation or make both agree"])
+            self.error(
+                "E0301",
+                f"`{v.name}` is annotated {v.annot} but the block declares the output as {out}",
+                span,
+                related=[(o.span, f"declared {out} here")],
+                help=["drop the annotation or make both agree"],
+            )
         return t
 
     def between_note(self, e: Eqn) -> list[str]:
@@ -277,10 +318,14 @@ class Checker:
             if isinstance(a, Var) and self.env.get(a.name, ERROR_TYPE).kind == MATRIX:
                 if a.name in self.defined_in:
                     j = self.defined_in[a.name]
-                    return [f"a tile computation between stages would be a separate memory-bound kernel; do it in the "
-                            f"epilogue of stage {j + 1}, which produces `{a.name}`"]
-                return [f"a tile computation between stages would be a separate memory-bound kernel; do it in the "
-                        f"epilogue of a stage that reads `{a.name}` as a tile"]
+                    return [
+                        f"a tile computation between stages would be a separate memory-bound kernel; do it in the "
+                        f"epilogue of stage {j + 1}, which produces `{a.name}`"
+                    ]
+                return [
+                    f"a tile computation between stages would be a separate memory-bound kernel; do it in the "
+                    f"epilogue of a stage that reads `{a.name}` as a tile"
+                ]
         return []
 
     def partial_in_stage(self, e: Eqn, i: int, span: Span, k: int, body: tuple[Eqn, ...]) -> None:
@@ -292,20 +337,38 @@ class Checker:
         t = self.env[a.name]
         normalized = self.normalizes(a.name, e, body)
         what = COMBINES[t.combine].noun if t.combine in COMBINES else "a partial reduction"
-        notes = [f"`{a.name}` is {what}: each tile sees only its own columns, so it is complete only after every "
-                 f"tile of stage {k + 1} ran"]
+        notes = [
+            f"`{a.name}` is {what}: each tile sees only its own columns, so it is complete only after every "
+            f"tile of stage {k + 1} ran"
+        ]
         if normalized is not None:
-            self.error("E0503", f"row statistic `{a.name}` is used to normalize `{normalized}` in its own stage", span,
-                       label="not complete until the stage ends", notes=notes,
-                       help=[f"defer the row scale to the epilogue of the GEMM that consumes `{normalized}`: "
-                             "RMSNorm(h)*g @ W == r * ((h*g) @ W)",
-                             "store the unnormalized tile here, compute the scale between stages "
-                             + (f"(e.g. `r = rsqrt({a.name} / D + eps)`)" if t.combine == "sum" else f"from `{a.name}`")
-                             + ", and apply `acc * r` in the next stage"])
+            self.error(
+                "E0503",
+                f"row statistic `{a.name}` is used to normalize `{normalized}` in its own stage",
+                span,
+                label="not complete until the stage ends",
+                notes=notes,
+                help=[
+                    f"defer the row scale to the epilogue of the GEMM that consumes `{normalized}`: "
+                    "RMSNorm(h)*g @ W == r * ((h*g) @ W)",
+                    "store the unnormalized tile here, compute the scale between stages "
+                    + (
+                        f"(e.g. `r = rsqrt({a.name} / D + eps)`)"
+                        if t.combine == "sum"
+                        else f"from `{a.name}`"
+                    )
+                    + ", and apply `acc * r` in the next stage",
+                ],
+            )
         else:
-            self.error("E0501", f"partial reduction `{a.name}` is used in its own stage", span,
-                       label="not complete until the stage ends", notes=notes,
-                       help=["use it after the stage: between stages, or in a later stage's epilogue"])
+            self.error(
+                "E0501",
+                f"partial reduction `{a.name}` is used in its own stage",
+                span,
+                label="not complete until the stage ends",
+                notes=notes,
+                help=["use it after the stage: between stages, or in a later stage's epilogue"],
+            )
 
     def normalizes(self, name: str, first: Eqn, body: tuple[Eqn, ...]) -> str | None:
         """If the partial `name` flows (inside this stage) into a product or quotient with a tile, that tile's result."""
@@ -328,7 +391,7 @@ class Checker:
     def named_result(e: Eqn, body: tuple[Eqn, ...]) -> str:
         """The user's name for the result of `e`: follows temporaries (`_tN`) to the statement they end in."""
         name = e.outs[0].name
-        for later in body[body.index(e) + 1:]:
+        for later in body[body.index(e) + 1 :]:
             if not name.startswith("_t"):
                 break
             if any(isinstance(a, Var) and a.name == name for a in later.ins):
@@ -357,8 +420,9 @@ class Checker:
         self.acc_var = Var("acc", Type("f32", (rows, cols), TILE) if shape else ERROR_TYPE)
         self.env["acc"], self.defined_in["acc"] = self.acc_var.type, k  # type: ignore[assignment]
         ctx = Ctx(st, self.divisors, self.values)
-        body = tuple(self.eqn(e, st if shape else None, k, ctx, s.body) if shape else self.poison(e, k)
-                     for e in s.body)
+        body = tuple(
+            self.eqn(e, st if shape else None, k, ctx, s.body) if shape else self.poison(e, k) for e in s.body
+        )
         plan = self.stage_plan(s, k, st, kdim, body, ctx)
         self.end_stage(body, k)
         del self.env["acc"]
@@ -379,34 +443,53 @@ class Checker:
             if t.is_error:
                 ok = False
             elif t.kind != MATRIX:
-                self.error("E0407", f"the {name} GEMM operand is a {kind_name(t.kind)}, not a matrix", span,
-                           label=f"{t.dtype}{shape_str(t.shape)}")
+                self.error(
+                    "E0407",
+                    f"the {name} GEMM operand is a {kind_name(t.kind)}, not a matrix",
+                    span,
+                    label=f"{t.dtype}{shape_str(t.shape)}",
+                )
                 ok = False
             elif not is_float(t.dtype):
-                self.error("E0305", f"the {name} GEMM operand is {t.dtype}; GEMMs take f32, bf16 or f16", span)
+                self.error(
+                    "E0305", f"the {name} GEMM operand is {t.dtype}; GEMMs take f32, bf16 or f16", span
+                )
                 ok = False
         if not ok:
             return None
         # The primary span covers `a @ b` (a stage's own span runs to its closing brace).
         gemm_span = Span(s.a_span.file, s.a_span.line, s.a_span.col, s.b_span.end_line, s.b_span.end_col)
         if ta.dtype != tb.dtype:
-            self.error("E0305", f"GEMM operands have different dtypes: {ta.dtype} and {tb.dtype}", gemm_span,
-                       label=f"{ta.dtype} @ {tb.dtype}",
-                       help=["annotate the stored tile with the weight's dtype, e.g. `h: bf16 = ...`"])
+            self.error(
+                "E0305",
+                f"GEMM operands have different dtypes: {ta.dtype} and {tb.dtype}",
+                gemm_span,
+                label=f"{ta.dtype} @ {tb.dtype}",
+                help=["annotate the stored tile with the weight's dtype, e.g. `h: bf16 = ...`"],
+            )
             return None
         r, ka = (ta.shape[1], ta.shape[0]) if s.ta else ta.shape
         kb, c = (tb.shape[1], tb.shape[0]) if s.tb else tb.shape
         if ka != kb:
             hlp = []
             if not s.tb and tb.shape[1] == ka:
-                hlp = [f"to multiply by the transpose of the right operand, write `{_stage_text(replace(s, tb=True))}`"]
-            self.error("E0401", f"GEMM inner dimensions differ: `{ka}` and `{kb}`", gemm_span,
-                       label=f"{shape_str(ta.shape)}{' transposed' if s.ta else ''} @ "
-                             f"{shape_str(tb.shape)}{' transposed' if s.tb else ''}", help=hlp)
+                hlp = [
+                    f"to multiply by the transpose of the right operand, write `{_stage_text(replace(s, tb=True))}`"
+                ]
+            self.error(
+                "E0401",
+                f"GEMM inner dimensions differ: `{ka}` and `{kb}`",
+                gemm_span,
+                label=f"{shape_str(ta.shape)}{' transposed' if s.ta else ''} @ "
+                f"{shape_str(tb.shape)}{' transposed' if s.tb else ''}",
+                help=hlp,
+            )
             return None
         return r, c, ka
 
-    def stage_plan(self, s: Stage, k: int, st: StageShape, kdim: Dim, body: tuple[Eqn, ...], ctx: Ctx) -> StagePlan:
+    def stage_plan(
+        self, s: Stage, k: int, st: StageShape, kdim: Dim, body: tuple[Eqn, ...], ctx: Ctx
+    ) -> StagePlan:
         loads: dict[str, Load] = {}
         for e in body:
             for a in e.ins:
@@ -418,7 +501,7 @@ class Checker:
                 if t.kind == MATRIX:
                     role = "tile"
                 elif t.kind == VEC:
-                    role = ("row vector" if t.shape[0] == st.rows else "column vector")
+                    role = "row vector" if t.shape[0] == st.rows else "column vector"
                 else:
                     role = "scalar"
                 loads[a.name] = Load(a.name, t.dtype, t.shape, role)
@@ -432,18 +515,40 @@ class Checker:
                 why = self.used_after(v.name, k)
                 if REGISTRY[e.op].locality in ("reduce", "gather"):
                     over = e.param("over")
-                    axis = "columns" if t.kind == GROUP or (t.shape and t.shape[0] == st.rows) or not t.shape else "rows"
-                    reductions.append(Reduction(v.name, REGISTRY[e.op].surface,
-                                                over if isinstance(over, Dim) else (st.cols if axis == "columns" else st.rows),
-                                                axis, t.combine, t.group, t.shape))
+                    axis = (
+                        "columns"
+                        if t.kind == GROUP or (t.shape and t.shape[0] == st.rows) or not t.shape
+                        else "rows"
+                    )
+                    reductions.append(
+                        Reduction(
+                            v.name,
+                            REGISTRY[e.op].surface,
+                            over if isinstance(over, Dim) else (st.cols if axis == "columns" else st.rows),
+                            axis,
+                            t.combine,
+                            t.group,
+                            t.shape,
+                        )
+                    )
                 if t.kind == TILE and why:
                     dtype = v.annot or self.output_dtype(v.name) or self.activation
                     self.storage[v.name] = dtype
                     stores.append(Store(v.name, dtype, t.shape, tuple(why)))
                 elif t.kind in (PARTIAL, GROUP) and why:
                     self.storage[v.name] = v.annot or self.output_dtype(v.name) or "f32"
-        return StagePlan(k + 1, _stage_text(s), s.span.line, st.rows, st.cols, kdim, tuple(loads.values()),
-                         tuple(stores), tuple(reductions), tuple(dict.fromkeys(ctx.constraints)))
+        return StagePlan(
+            k + 1,
+            _stage_text(s),
+            s.span.line,
+            st.rows,
+            st.cols,
+            kdim,
+            tuple(loads.values()),
+            tuple(stores),
+            tuple(reductions),
+            tuple(dict.fromkeys(ctx.constraints)),
+        )
 
     def end_stage(self, body: tuple[Eqn, ...], k: int) -> None:
         """After a stage: tiles become stored matrices, partials complete vectors."""
@@ -466,15 +571,25 @@ class Checker:
             return o
         if o.name in self.stage_local:
             j = self.defined_in[o.name]
-            self.error("E0504", f"output `{o.name}` is a {kind_name(t.kind)} computed inside stage {j + 1}", o.span,
-                       help=["compute it between stages instead"])
+            self.error(
+                "E0504",
+                f"output `{o.name}` is a {kind_name(t.kind)} computed inside stage {j + 1}",
+                o.span,
+                help=["compute it between stages instead"],
+            )
             return o
         if t.shape != o.type.shape:
-            self.error("E0406", f"output `{o.name}` is declared {shape_str(o.type.shape)} but its value is "
-                       f"{shape_str(t.shape)}", o.span)
+            self.error(
+                "E0406",
+                f"output `{o.name}` is declared {shape_str(o.type.shape)} but its value is "
+                f"{shape_str(t.shape)}",
+                o.span,
+            )
             return o
         if t.dtype == BOOL or (is_float(t.dtype) and o.type.dtype == "i32"):
-            self.error("E0303", f"output `{o.name}` is declared {o.type.dtype} but its value is {t.dtype}", o.span)
+            self.error(
+                "E0303", f"output `{o.name}` is declared {o.type.dtype} but its value is {t.dtype}", o.span
+            )
         return o
 
 

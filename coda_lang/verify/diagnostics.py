@@ -108,8 +108,16 @@ class CodaError(Exception):
 class Mistake(Exception):
     """Raised by type and locality rules; the checker turns it into a Diagnostic at the eqn."""
 
-    def __init__(self, code: str, message: str, *, label: str = "", arg: int | None = None,
-                 notes: list[str] | None = None, help: list[str] | None = None):
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        *,
+        label: str = "",
+        arg: int | None = None,
+        notes: list[str] | None = None,
+        help: list[str] | None = None,
+    ):
         super().__init__(message)
         self.code, self.message, self.label, self.arg = code, message, label, arg
         self.notes, self.help = notes or [], help or []
@@ -122,8 +130,9 @@ def _line(src: str | None, n: int) -> str | None:
     return lines[n - 1].rstrip("\r") if 1 <= n <= len(lines) else None
 
 
-def _snippet(span: Span, label: str, src: str | None, gutter: int, mark: str = "^",
-             show_line: bool = True) -> list[str]:
+def _snippet(
+    span: Span, label: str, src: str | None, gutter: int, mark: str = "^", show_line: bool = True
+) -> list[str]:
     text = _line(src, span.line)
     pad = " " * gutter
     if text is None:

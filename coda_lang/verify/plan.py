@@ -82,9 +82,11 @@ def explain(plan: BlockPlan) -> str:
     n_ew = sum(1 for sp in plan.stages if sp.text.startswith("elementwise"))
     n_gemm = len(plan.stages) - n_ew
     ew = f" + {n_ew} elementwise stage{'s' * (n_ew != 1)}" if n_ew else ""
-    lines = [f"block {b.name}: {n_gemm} GEMM stage{'s' * (n_gemm != 1)}{ew}, "
-             f"{plan.vector_computations} vector computation{'s' * (plan.vector_computations != 1)} between stages "
-             f"(activations {plan.activation}; dims {dims})"]
+    lines = [
+        f"block {b.name}: {n_gemm} GEMM stage{'s' * (n_gemm != 1)}{ew}, "
+        f"{plan.vector_computations} vector computation{'s' * (plan.vector_computations != 1)} between stages "
+        f"(activations {plan.activation}; dims {dims})"
+    ]
     for k, sp in enumerate(plan.stages):
         pre = plan.between[k]
         if pre:
@@ -92,22 +94,32 @@ def explain(plan: BlockPlan) -> str:
             lines.append(f"  {where}: vector computation")
             lines += [f"      {t}" for t in _source(pre)]
         if sp.text.startswith("elementwise"):
-            lines.append(f"  stage {sp.index} (line {sp.line}): {sp.text}: tiles of a {shape_str((sp.rows, sp.cols))} matrix, "
-                         "no GEMM (a memory-bound kernel)")
+            lines.append(
+                f"  stage {sp.index} (line {sp.line}): {sp.text}: tiles of a {shape_str((sp.rows, sp.cols))} matrix, "
+                "no GEMM (a memory-bound kernel)"
+            )
         else:
-            lines.append(f"  stage {sp.index} (line {sp.line}): {sp.text} -> acc f32{shape_str((sp.rows, sp.cols))}, K = {sp.k}")
+            lines.append(
+                f"  stage {sp.index} (line {sp.line}): {sp.text} -> acc f32{shape_str((sp.rows, sp.cols))}, K = {sp.k}"
+            )
         for ld in sp.loads:
-            lines.append(f"    load    {ld.name}: {ld.dtype}{shape_str(ld.shape) if ld.shape else ''} {ld.role}")
+            lines.append(
+                f"    load    {ld.name}: {ld.dtype}{shape_str(ld.shape) if ld.shape else ''} {ld.role}"
+            )
         for st in sp.stores:
             lines.append(f"    store   {st.name}: {st.dtype}{shape_str(st.shape)} ({'; '.join(st.why)})")
         for r in sp.reductions:
             if r.group:
-                lines.append(f"    reduce  {r.name}: f32{shape_str(r.shape)} = {r.op} over {r.over} in groups of {r.group} "
-                             "(complete in its tile)")
+                lines.append(
+                    f"    reduce  {r.name}: f32{shape_str(r.shape)} = {r.op} over {r.over} in groups of {r.group} "
+                    "(complete in its tile)"
+                )
             else:
                 per = "column tile" if r.axis == "columns" else "row tile"
-                lines.append(f"    reduce  {r.name}: f32{shape_str(r.shape)} = {r.op} over {r.over}, one partial per {per}, "
-                             f"combined by {r.combine}")
+                lines.append(
+                    f"    reduce  {r.name}: f32{shape_str(r.shape)} = {r.op} over {r.over}, one partial per {per}, "
+                    f"combined by {r.combine}"
+                )
         for c in sp.constraints:
             lines.append(f"    tiling  {c}")
         if not (sp.loads or sp.stores or sp.reductions):
@@ -116,7 +128,9 @@ def explain(plan: BlockPlan) -> str:
     if post:
         lines.append("  after the last stage: vector computation")
         lines += [f"      {t}" for t in _source(post)]
-    outs = ", ".join(f"{o.name}: {o.type.dtype}{shape_str(o.type.shape) if o.type.shape else ''}" for o in b.outputs)
+    outs = ", ".join(
+        f"{o.name}: {o.type.dtype}{shape_str(o.type.shape) if o.type.shape else ''}" for o in b.outputs
+    )
     lines.append(f"  outputs: {outs}")
     constraints = [c for sp in plan.stages for c in sp.constraints]
     lines.append(f"  tiling constraints: {len(constraints) or 'none'}")
