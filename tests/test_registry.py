@@ -56,10 +56,37 @@ def missing(rule: str) -> set[str]:
 
 
 def test_rule_table() -> None:
-    print("\n" + rule_table())
-    for rule in ("impl", "vjp", "emit"):
-        lack = missing(rule)
-        print(f"lacking {rule}: {', '.join(sorted(lack)) if lack else 'none'}")
+    """The table has one row per op, and each cell says what the OpDef holds; the rules fit together:
+    a differentiable op has a VJP, a non-differentiable one none, a reduction (or pick) a combine
+    record whose folds agree with its NumPy impl, and the emitter's imports are pairs of a name and
+    an import line that provides it."""
+    import numpy as np
+
+    table = rule_table().split("\n")
+    assert len(table) == len(REGISTRY) + 1
+    for line in table[1:]:
+        name, *cells = line.split()
+        op = REGISTRY[name]
+        assert cells == ["yes" if getattr(op, r) is not None else "-" for r in RULES], name
+        assert (op.vjp is not None) == op.differentiable, name
+        assert (op.combine is not None) == (op.locality in ("reduce", "gather")), name
+        for ident, line_ in op.imports:
+            assert (
+                ident.isidentifier() and line_.split()[-1] == ident and line_.startswith(("from ", "import "))
+            ), name
+    x = np.random.default_rng(0).standard_normal((5, 7))
+    for name, op in REGISTRY.items():
+        if op.locality == "reduce":
+            assert op.combine is not None and op.impl is not None
+            for axis in (0, 1):  # a whole tile's reduction is the fold of per-tile partials
+                parts = (
+                    np.stack([op.impl(x[:, :3], axis), op.impl(x[:, 3:], axis)], axis)
+                    if axis == 1
+                    else np.stack([op.impl(x[:2], axis), op.impl(x[2:], axis)], axis)
+                )
+                np.testing.assert_allclose(
+                    op.combine.numpy(parts, axis), op.impl(x, axis), rtol=1e-12, err_msg=name
+                )
 
 
 @pytest.mark.parametrize("rule", REQUIRED)

@@ -203,18 +203,24 @@ class Lowerer:
             return ca / cb, na
         raise _NotMonomial(_text(node))
 
+    def known_dtype(self, dtype: str, node: Any) -> bool:
+        """Whether `dtype` is one; if not, E0208 at `node` with the closest spelling."""
+        if dtype in DTYPES:
+            return True
+        hint = did_you_mean(dtype, list(DTYPES))
+        self.error(
+            "E0208",
+            f"unknown dtype `{dtype}`",
+            node,
+            help=[f"did you mean `{hint}`?"] if hint else [f"dtypes are {', '.join(DTYPES)}"],
+        )
+        return False
+
     def type_(self, node: Any, what: str) -> Type | None:
         dtype = str(node.children[0])
         shape_node = node.children[1]
         ok = True
-        if dtype not in DTYPES:
-            hint = did_you_mean(dtype, list(DTYPES))
-            self.error(
-                "E0208",
-                f"unknown dtype `{dtype}`",
-                node.children[0],
-                help=[f"did you mean `{hint}`?"] if hint else [f"dtypes are {', '.join(DTYPES)}"],
-            )
+        if not self.known_dtype(dtype, node.children[0]):
             ok = False
         dims: list[Dim] = []
         if shape_node is not None:
@@ -527,14 +533,7 @@ class BlockLowerer:
             if t.children[1] is not None:
                 tnode = t.children[1]
                 annot = str(tnode.children[0])
-                if annot not in DTYPES:
-                    hint = did_you_mean(annot, list(DTYPES))
-                    self.error(
-                        "E0208",
-                        f"unknown dtype `{annot}`",
-                        tnode.children[0],
-                        help=[f"did you mean `{hint}`?"] if hint else [f"dtypes are {', '.join(DTYPES)}"],
-                    )
+                if not self.p.known_dtype(annot, tnode.children[0]):
                     annot = None
                 if tnode.children[1] is not None:
                     self.error(
@@ -736,16 +735,7 @@ class BlockLowerer:
             return value
         if spec.kind == "dtype":
             name = str(node.children[0]) if getattr(node, "data", None) == "name" else _text(node)
-            if name not in DTYPES:
-                hint = did_you_mean(name, list(DTYPES))
-                self.error(
-                    "E0208",
-                    f"unknown dtype `{name}`",
-                    node,
-                    help=[f"did you mean `{hint}`?"] if hint else [f"dtypes are {', '.join(DTYPES)}"],
-                )
-                return None
-            return name
+            return name if self.p.known_dtype(name, node) else None
         raise AssertionError(spec.kind)
 
     def atom(self, node: Any, out: list[Eqn]) -> Atom | None:
@@ -776,11 +766,22 @@ class BlockLowerer:
                 help=["e.g. `a, b = pairs(z)`"],
             )
             return None
-        name = self.fresh()
-        v = Var(name)
-        self.scope[name] = v
-        self.defined_at[name] = _span(self.file, node)
-        out.append(Eqn(op, tuple(ins), (v,), params, _span(self.file, node), tuple(in_spans)))
+        return self.temporary(out, op, ins, params, _span(self.file, node), tuple(in_spans))
+
+    def temporary(
+        self,
+        out: list[Eqn],
+        op: str,
+        ins: Any,
+        params: tuple[Any, ...],
+        span: Span,
+        in_spans: tuple[Span, ...],
+    ) -> Var:
+        """A fresh value defined by `op` on `ins`, its equation appended to `out`."""
+        v = Var(self.fresh())
+        self.scope[v.name] = v
+        self.defined_at[v.name] = span
+        out.append(Eqn(op, tuple(ins), (v,), params, span, in_spans))
         return v
 
 
@@ -795,12 +796,8 @@ class Decomposer:
     def op(self, name: str, *ins: Atom, **params: Any) -> Var:
         target = registry.REGISTRY[name]
         kw = tuple((p.name, params[p.name]) for p in target.params if params.get(p.name) is not None)
-        v = Var(self.lowerer.fresh())
-        self.lowerer.scope[v.name] = v
-        self.lowerer.defined_at[v.name] = self.span
         spans = self.in_spans[: len(ins)] + (self.span,) * (len(ins) - len(self.in_spans))
-        self.out.append(Eqn(name, tuple(ins), (v,), kw, self.span, spans))
-        return v
+        return self.lowerer.temporary(self.out, name, ins, kw, self.span, spans)
 
 
 def lower(tree: Any, file: str, diags: list[Diagnostic]) -> Program:
