@@ -27,7 +27,7 @@ class Block:
     def __init__(self, ir: nodes.Block, plan: BlockPlan):
         self.ir = ir
         self.plan = plan
-        self._derivations: dict[tuple[str, ...] | None, Derivation] = {}
+        self._derivations: dict[tuple[tuple[str, ...] | None, str], Derivation] = {}
 
     @property
     def name(self) -> str:
@@ -66,17 +66,19 @@ class Block:
         env, sizes = bind(self.ir, inputs, dims, precision)
         return run_block(self.ir, self.plan, env, sizes, precision=precision, tile=tile)
 
-    def derivation(self, wrt: list[str] | None = None) -> Derivation:
-        """Forward block extended to store what the backward reads, and the backward block."""
-        key = tuple(wrt) if wrt is not None else None
+    def derivation(self, wrt: list[str] | None = None, remat: str = "save") -> Derivation:
+        """Forward block extended to store what the backward reads, and the backward block. `remat`:
+        which forward tiles the backward recomputes rather than reads saved ("auto", "save",
+        "recompute"; docs/design.md, "Saved and recomputed")."""
+        key = (tuple(wrt) if wrt is not None else None, remat)
         if key not in self._derivations:
-            self._derivations[key] = derive_checked(self.ir, self.plan, wrt)
+            self._derivations[key] = derive_checked(self.ir, self.plan, wrt, remat)
         return self._derivations[key]
 
-    def grad(self, wrt: list[str] | None = None) -> Block:
+    def grad(self, wrt: list[str] | None = None, remat: str = "save") -> Block:
         """The backward block (checked): cotangents of the outputs and saved tensors in, one gradient
         per differentiable parameter (float parameters without a default, or `wrt`) out."""
-        return self.derivation(wrt).backward
+        return self.derivation(wrt, remat).backward
 
     def vjp(
         self,
@@ -87,6 +89,7 @@ class Block:
         precision: str = "exact",
         tile: tuple[int, int] | dict[int, tuple[int, int]] | None = None,
         wrt: list[str] | None = None,
+        remat: str = "save",
     ) -> dict[str, Any]:
         """Gradients of <outputs, cotangents> w.r.t. each differentiable input, by running the extended
         forward and the derived backward block on the interpreter. Keys: parameter names. Outputs
@@ -95,7 +98,7 @@ class Block:
 
         from coda_lang.interp.inputs import extent, fail
 
-        d = self.derivation(wrt)
+        d = self.derivation(wrt, remat)
         fwd = d.forward.run_with_partials(inputs, dims=dims, tile=tile, precision=precision)[0]
         from coda_lang.interp import bind
 
@@ -183,14 +186,16 @@ class Derivation:
     report: list[str]  # e.g. stages whose backward runs as an elementwise stage
 
 
-def derive_checked(ir: nodes.Block, plan: BlockPlan, wrt: list[str] | None = None) -> Derivation:
+def derive_checked(
+    ir: nodes.Block, plan: BlockPlan, wrt: list[str] | None = None, remat: str = "save"
+) -> Derivation:
     """Derive the backward block and check both blocks; CodaError (E06) where it can't."""
     from coda_lang.autodiff import AutodiffError, derive
     from coda_lang.verify.check import check_block
     from coda_lang.verify.diagnostics import Diagnostic
 
     try:
-        d = derive(ir, plan, wrt)
+        d = derive(ir, plan, wrt, remat)
     except AutodiffError as e:
         raise CodaError([Diagnostic(e.code, e.message, e.span, notes=e.notes)]) from None
     blocks = []

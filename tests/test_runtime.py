@@ -320,8 +320,9 @@ block p(x: bf16[M, K], w: bf16[K, N]) -> (r: f32[M], c: f32[N]) {
 
 
 def test_emulated_backward_reads_a_stored_group_over_its_groups() -> None:
-    """The backward of a stored grouped sum: its elementwise entry stage reads the cotangent, one column
-    per group, over each group (`expand`). (The forward's groups of 2 are too narrow for quack: E0705.)"""
+    """The backward of a stored grouped sum, with the forward's acc saved: its elementwise entry stage
+    reads the cotangent, one column per group, over each group (`expand`). (The forward's groups of 2
+    are too narrow for quack: E0705.)"""
     blk = next(
         iter(
             coda_lang.load(
@@ -332,7 +333,7 @@ def test_emulated_backward_reads_a_stored_group_over_its_groups() -> None:
     )
     with pytest.raises(CodaError, match="E0705"):
         blk.cuda(emulate=True)
-    bwd = blk.grad()
+    bwd = blk.grad(remat="save")
     assert any(e.op == "expand" for s in bwd.ir.stages if not s.is_gemm for e in s.body)
     inputs = example_inputs(bwd, {"M": 300, "K": 200, "N": 136}, seed=16)
     outs = bwd.cuda(tile=TILE, emulate=True, poison=True)(inputs)

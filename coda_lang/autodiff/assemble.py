@@ -14,6 +14,7 @@ backward still reads after clean-up, in the order the backward first read them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 
 from coda_lang.autodiff.cleanup import cse, dce, rename, used_names
 from coda_lang.autodiff.state import SAVED, Read, State
@@ -105,14 +106,41 @@ def _finalize_matrix(
     s.note(span, f"the gradient of `{name}` {why} in an elementwise stage")
 
 
-def assemble(s: State, grads: dict[str, str], renames: dict[str, str]) -> Derived:
+_ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "bool": 1}
+
+
+def bytes_per_row(types: list[Type]) -> str:
+    """What tensors of these types hold per row of their first dim, as a sum over the other dims:
+    `bf16[M, 2*F]` and `f32[M]` hold `4*F + 4 bytes`; a scalar holds nothing per row."""
+    per: dict[str | None, Fraction] = {}
+    for t in types:
+        if not t.shape:
+            continue
+        size = Fraction(_ITEMSIZE.get(t.dtype, 4))
+        if len(t.shape) == 1:
+            per[None] = per.get(None, Fraction(0)) + size
+            continue
+        d = t.shape[1]
+        key = d.name
+        per[key] = per.get(key, Fraction(0)) + size * d.coeff
+    terms = [
+        str(Dim(c, name))
+        for name, c in sorted(per.items(), key=lambda kv: (kv[0] is None, kv[0] or ""))
+        if name is not None and c
+    ]
+    if per.get(None):
+        terms.append(str(per[None]))
+    return (" + ".join(terms) or "0") + " bytes"
+
+
+def assemble(s: State, grads: dict[str, str], renames: dict[str, str], remat: str = "save") -> Derived:
     f = s.fwd.block
     keep = set(grads.values()) | set(renames) | set(s.ct)
     body = dce(cse(s.body, keep), set(grads.values()) | set(renames))
     body = rename(body, renames)
     body = rename(body, {k: v for k, v in s.cosmetic.items() if k not in renames})
-    alive = {st.span for st in body if isinstance(st, Stage) and not st.is_gemm}
-    report = [text for span, text in s.report if span in alive]
+    alive = {(st.span, st.is_gemm) for st in body if isinstance(st, Stage)}
+    report = [text for span, text, gemm in s.report if (span, gemm) in alive]
     used = used_names(body)
     params = [p for n, p in s.bparams.items() if n in used or n in s.cotangents.values()]
     saved_all = s.saved()
@@ -128,6 +156,7 @@ def assemble(s: State, grads: dict[str, str], renames: dict[str, str]) -> Derive
     notes = [
         f"backward of `{f.name}`, derived by `coda grad`",
         "saved tensors (stored by the forward): " + (", ".join(saved) or "none"),
+        f"saved per row: {bytes_per_row([s.types[n] for n in saved])} (--remat {remat})",
         "cotangents: " + ", ".join(f"{v} (of {k})" for k, v in s.cotangents.items()),
         "gradients: " + ", ".join(f"{v} (of {k})" for k, v in grads.items()),
     ]

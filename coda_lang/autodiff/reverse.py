@@ -41,11 +41,16 @@ from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type
 from coda_lang.ops import REGISTRY, StageShape
 from coda_lang.verify.plan import BlockPlan
 
+REMAT = ("auto", "save", "recompute")
+
 
 class Reverse:
-    def __init__(self, block: Block, plan: BlockPlan, wrt: list[str] | None):
+    def __init__(self, block: Block, plan: BlockPlan, wrt: list[str] | None, remat: str = "save"):
+        if remat not in REMAT:
+            raise ValueError(f"remat is one of {', '.join(REMAT)}, not {remat!r}")
         self.fwd = ForwardFacts(block, plan, wrt)
         self.s = State(self.fwd)
+        self.remat = remat
         self.dgrad_done: set[tuple[int, str]] = set()  # (consumer stage, operand) whose dgrad GEMM is made
 
     def run(self) -> Derived:
@@ -61,7 +66,7 @@ class Reverse:
             self.stage_backward(k)
             self.block_backward(fwd.plan.between[k])
         grads, renames = finalize(s)
-        return assemble(s, grads, renames)
+        return assemble(s, grads, renames, self.remat)
 
     # ------------------------------------------------------------------ between stages
 
@@ -129,11 +134,39 @@ class Reverse:
                 self.dgrad_done.add((c, pos))
                 self.operand_grad(c, pos, name)
         if best is None:
-            return None
+            return self.recompute_host(k)
         _, c, name, pos = best
         self.dgrad_done.add((c, pos))
         gemm = self.gemm_for(c, pos)
         return Host(name, gemm, self.gemm_shape(*gemm))
+
+    def recompute_host(self, k: int) -> Host | None:
+        """Stage k's own GEMM run again in the backward, to host its site (no GEMM produces a cotangent of
+        its tiles: the block's entry), or None (an elementwise stage over its tile space, reading what
+        the forward saved). The policy: "save" never recomputes; "recompute" does for every GEMM stage;
+        "auto" does for a stage that stores no tile in the forward (its results are reductions, as a
+        loss head's are): saving would make the forward store an [rows, cols] tile (its acc) only for
+        the backward, the largest tensor of an LM head, while running the GEMM again costs FLOPs but no
+        memory held from forward to backward. A stage whose max/min ties are counted before its site
+        keeps its acc saved for that count, so it is not recomputed."""
+        st = self.fwd.block.stages[k]
+        if self.remat == "save" or not st.is_gemm or st.a is None or st.b is None:
+            return None
+        ties = [e for e in st.body if e.op in ("reduce_max", "reduce_min") and e.param("group") is None]
+        if ties:
+            return None
+        if self.remat == "auto" and self.fwd.plan.stages[k].stores:
+            return None
+        gemm = (self.forward_operand(st.a), self.forward_operand(st.b), st.ta, st.tb)
+        shape = self.gemm_shape(*gemm)
+        self.s.note(
+            st.span,
+            f"stage {k + 1} (line {st.span.line}): its GEMM runs again in the backward, whose "
+            f"epilogue runs the stage's backward from the recomputed f32 acc; nothing of its "
+            f"{shape.rows} x {shape.cols} tile is kept from the forward (--remat {self.remat})",
+            gemm=True,
+        )
+        return Host(None, gemm, shape, recompute=True)
 
     def host_fits(self, k: int, tile: str) -> bool:
         """Whether the tile space of `tile` (the output of the GEMM that would host stage k's backward)
@@ -213,5 +246,7 @@ class Reverse:
             # a forward tile as operand: its producer's site uses this stage's dacc later
 
 
-def derive(block: Block, plan: BlockPlan, wrt: list[str] | None = None) -> Derived:
-    return Reverse(block, plan, wrt).run()
+def derive(block: Block, plan: BlockPlan, wrt: list[str] | None = None, remat: str = "save") -> Derived:
+    """The backward of `block`; `remat` is the saved-tensor policy ("auto", "save", "recompute": see
+    Reverse.recompute_host)."""
+    return Reverse(block, plan, wrt, remat).run()

@@ -41,11 +41,14 @@ from coda_lang.ops import REGISTRY, StageShape
 @dataclass(frozen=True)
 class Host:
     """The GEMM whose epilogue hosts a site: its output (of tile space `shape`) is the cotangent of
-    the forward tile `tile`; `gemm` is its (a, b, ta, tb)."""
+    the forward tile `tile`; `gemm` is its (a, b, ta, tb). Or (`recompute`) the forward stage's own GEMM
+    run again in the backward: its `acc` is the forward's f32 accumulator, so the site reads it
+    instead of a saved copy (rematerialization), and no tile of the stage is kept from the forward."""
 
-    tile: str
+    tile: str | None
     gemm: tuple[Atom, Atom, bool, bool]
     shape: StageShape
+    recompute: bool = False
 
 
 class Site:
@@ -82,7 +85,7 @@ class Site:
                     continue
                 for p in s.take_cotangents(v.name):
                     self.seed(v.name, p)
-        if self.host is not None:
+        if self.host is not None and self.host.tile is not None:
             self.seed(self.host.tile, Var("acc"))
         for e in reversed(st.body):
             if any(v.name in self.local_vec for v in e.outs):
@@ -128,6 +131,12 @@ class Site:
             return Type(t.dtype, t.shape, VEC if t.shape else SCALAR)
         return t
 
+    @property
+    def remat(self) -> bool:
+        """The site runs in its stage's own GEMM, run again: `acc` is the forward's, and the stage's
+        tiles are recomputed from it rather than read as saved (not in a tie-count stage before it)."""
+        return self.host_acc and self.host is not None and self.host.recompute
+
     def in_site(self, name: str) -> bool:
         """A value whose cotangent is accumulated in the site (acc and the stage's tiles)."""
         return name == "acc" or (self.fwd.fstage.get(name) == self.k and name not in self.local_vec)
@@ -146,7 +155,7 @@ class Site:
             return a
         assert isinstance(a, Var)
         if a.name == "acc":
-            return s.read_acc(self.k)
+            return Var("acc") if self.remat else s.read_acc(self.k)
         cache = self.exact_cache if self.exact else self.cache
         if a.name in cache:
             return cache[a.name]
@@ -158,7 +167,12 @@ class Site:
             t = fwd.ftype[a.name]
             if a.name in self.local_vec:
                 out = s.recompute_between(a.name)  # recomputed before the site
-            elif t.kind == PARTIAL or t.kind == TILE and a.name in fwd.storage and not self.exact:
+            elif (
+                t.kind == PARTIAL
+                or t.kind == TILE
+                and a.name in fwd.storage
+                and not (self.exact or self.remat)
+            ):
                 out = s.read_saved(a.name)
             else:  # a grouped value is recomputed: stored, it is one column per group, not a group
                 out = self.recompute(a.name)

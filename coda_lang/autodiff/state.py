@@ -71,7 +71,9 @@ class State:
         self.dacc: dict[int, Atom] = {}  # forward stage -> the cotangent of its acc (a matrix)
         self.cotangents: dict[str, str] = {}  # forward output -> the backward parameter of its cotangent
         self.cosmetic: dict[str, str] = {}  # temporaries that hold a named value's cotangent -> `d<name>`
-        self.report: list[tuple[Span, str]] = []  # kept if the stage survives dead-code removal
+        # (span, text, gemm): kept if an elementwise stage (a GEMM stage, when `gemm`) at `span` survives
+        # dead-code removal
+        self.report: list[tuple[Span, str, bool]] = []
 
     # ------------------------------------------------------------------ names and parameters
 
@@ -98,9 +100,10 @@ class State:
         self.cotangents[output] = name
         self.add_cotangent(output, self._param(name, t))
 
-    def note(self, span: Span, text: str) -> None:
-        """A line of the derivation's report about the stage at `span` (dropped if the stage is)."""
-        self.report.append((span, text))
+    def note(self, span: Span, text: str, gemm: bool = False) -> None:
+        """A line of the derivation's report about the (elementwise, or `gemm`) stage at `span`
+        (dropped if the stage is)."""
+        self.report.append((span, text, gemm))
 
     # ------------------------------------------------------------------ reading the forward
 

@@ -43,6 +43,16 @@ def add_parser(sub: Any) -> None:
     g.add_argument(
         "-o", "--output", metavar="OUT.coda", help="write here instead of standard output (atomically)"
     )
+    g.add_argument(
+        "--remat",
+        choices=("auto", "save", "recompute"),
+        default="save",
+        help="which forward tiles the backward recomputes instead of reading them saved: save (default: "
+        "none), recompute (the GEMM of every stage at the block's entry runs again in the backward, its "
+        "epilogue computing the stage's backward from the f32 acc), auto (those of stages that store no "
+        "tile, such as a loss head). The CUDA backend does not compile a recomputed stage whose "
+        "backward needs row_index()/col_index() yet (E0703): the interpreter runs every policy",
+    )
     g.add_argument("--error-format", choices=("human", "short"), default="human")
     g.set_defaults(run=run)
 
@@ -59,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     assert isinstance(block, Block)
     wrt = [w.strip() for w in args.wrt.split(",") if w.strip()] if args.wrt else None
     try:
-        d = block.derivation(wrt)
+        d = block.derivation(wrt, args.remat)
     except CodaError as e:
         text = read_source_file(args.file) or ""
         print(render_all(e.diagnostics, {args.file: text}, args.error_format), file=sys.stderr)
