@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from coda_lang.frontend import check_source, read_source
+from coda_lang.frontend import check_source, normalize_newlines, read_source
 from coda_lang.ir import nodes
 from coda_lang.ir.printer import print_block, print_program
 from coda_lang.verify.diagnostics import CodaError

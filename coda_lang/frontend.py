@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
-from coda_lang.ir.nodes import Block, Program
+from coda_lang.ir.nodes import Block, Program, Span
 from coda_lang.syntax.lower import lower
 from coda_lang.syntax.parse import parse
 from coda_lang.verify.check import check_block
@@ -27,9 +28,13 @@ def _pos(d: Diagnostic) -> tuple[int, int]:
 def check_source(
     text: str, file: str = "<string>"
 ) -> tuple[Program | None, dict[str, BlockPlan], list[Diagnostic]]:
+    text = normalize_newlines(text)
     tree, err = parse(text, file)
     if err is not None:
         return None, {}, [err]
+    deep = too_deep(tree, file)
+    if deep is not None:
+        return None, {}, [deep]
     diags: list[Diagnostic] = []
     prog = lower(tree, file, diags)
     plans: dict[str, BlockPlan] = {}
@@ -42,6 +47,44 @@ def check_source(
     if diags:
         return None, plans, diags
     return Program(prog.dims, tuple(blocks), file), plans, diags
+
+
+def normalize_newlines(text: str) -> str:
+    """CRLF and lone CR line endings as LF: a file and the same text given as a string mean the same
+    (Python's text-mode files already read them so)."""
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+MAX_DEPTH = 100  # nesting of one expression: far beyond what a program writes, far below the stack's limit
+
+
+def too_deep(tree: Any, file: str) -> Diagnostic | None:
+    """E0108 at the first expression nested more than MAX_DEPTH levels deep (lowering is recursive),
+    found without recursion."""
+    stack: list[tuple[Any, int]] = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        children = getattr(node, "children", None)
+        if children is None:
+            continue
+        if depth > MAX_DEPTH:
+            meta = node.meta
+            span = Span(
+                file,
+                getattr(meta, "line", 1),
+                getattr(meta, "column", 1),
+                getattr(meta, "end_line", 1),
+                getattr(meta, "end_column", 1),
+            )
+            return Diagnostic(
+                "E0108",
+                f"an expression nested more than {MAX_DEPTH} levels deep",
+                span,
+                label="nested too deeply here",
+                help=["give parts of it names: `t = ...` on lines of their own"],
+            )
+        stack.extend((c, depth + 1) for c in children if c is not None)
+    return None
 
 
 def read_source(path_or_text: str | os.PathLike[str]) -> tuple[str, str]:

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import coda, no_traceback
 from test_roundtrip import programs
 
 import coda_lang
-from coda_lang.frontend import check_source
+from coda_lang.frontend import check_source, normalize_newlines
 from coda_lang.ir.printer import print_program
 from coda_lang.ir.types import DTYPES
 from coda_lang.ops import BY_SURFACE
@@ -102,7 +103,7 @@ def assert_diagnosed(text: str) -> None:
     """check_source returns normally, with well-formed diagnostics that render."""
     prog, plans, diags = check_source(text, FILE)
     assert (prog is None) == bool(diags)
-    nlines = text.count("\n") + 1
+    nlines = normalize_newlines(text).count("\n") + 1  # CR and CRLF end lines too
     for d in diags:
         assert d.code in CODES, d.code
         assert d.message
@@ -316,3 +317,98 @@ def test_load_of_a_long_line_of_text_is_text() -> None:
         coda_lang.load("x" * 5000)
     with pytest.raises(coda_lang.CodaError):
         coda_lang.load("\x00")
+
+
+# ------------------------------------------------------------------ deep nesting, many errors, line endings
+
+HEAD = "dims M, N, K\nblock b(x: bf16[M, K], w: bf16[K, N]) -> (y: bf16[M, N]) {\n  gemm x @ w {\n    y = "
+TAIL = "\n  }\n}\n"
+
+
+@pytest.mark.parametrize(
+    "expr",
+    [
+        " + ".join(["acc"] * 245),
+        "-" * 245 + "acc",
+        "exp(" * 326 + "acc" + ")" * 326,
+    ],
+    ids=["chain", "unary", "calls"],
+)
+def test_deep_expressions_are_e0108(expr: str, tmp_path: Path) -> None:
+    text = HEAD + expr + TAIL
+    with pytest.raises(coda_lang.CodaError) as e:
+        coda_lang.load(text)
+    assert [d.code for d in e.value.diagnostics] == ["E0108"]
+    path = tmp_path / "deep.coda"
+    path.write_text(text)
+    r = coda("check", path)
+    no_traceback(r)
+    assert r.returncode == 1 and "error[E0108]" in r.stderr
+
+
+def test_nesting_below_the_limit_checks_prints_and_differentiates() -> None:
+    from coda_lang.frontend import MAX_DEPTH
+
+    for expr in (
+        "(" * 400 + "acc" + ")" * 400,  # parentheses make no nesting of their own
+        " + ".join(["acc"] * (MAX_DEPTH - 10)),
+        "-" * (MAX_DEPTH - 10) + "acc",
+        "exp(" * (MAX_DEPTH - 10) + "acc" + ")" * (MAX_DEPTH - 10),
+    ):
+        block = coda_lang.load(HEAD + expr + TAIL)["b"]
+        assert coda_lang.load(str(block))["b"].ir == block.ir
+        assert coda_lang.load(str(block.grad()))  # the backward prints and loads back
+
+
+def test_many_unknown_names_give_hints_only_for_the_first_ones() -> None:
+    from coda_lang.syntax.lower import MAX_HINTS
+
+    body = "".join(f"    t{i} = acc + t{i}x\n" for i in range(400))  # did you mean `t{i - 1}`?
+    text = HEAD.replace("    y = ", "") + body + "    y = acc" + TAIL
+    _, _, diags = check_source(text, FILE)
+    assert [d.code for d in diags] == ["E0201"] * 400
+    hinted = [d for d in diags if any("did you mean" in h for h in d.help)]
+    assert 0 < len(hinted) <= MAX_HINTS  # each hint compares the name with every known one
+
+
+@pytest.mark.parametrize("newline", ["\r", "\r\n", "\n"], ids=["cr", "crlf", "lf"])
+def test_line_endings_mean_the_same_in_a_file_and_in_text(newline: str, tmp_path: Path) -> None:
+    text = SOURCES["llama_mlp.coda"].replace("\n", newline)
+    from_text = coda_lang.load(text)["llama_mlp"]
+    path = tmp_path / "mlp.coda"
+    path.write_bytes(text.encode())
+    assert coda_lang.load(path)["llama_mlp"].ir.body == from_text.ir.body
+    assert coda("check", path).returncode == 0
+    bad = text.replace("x2 = acc + h", "x2 = acc + hh")
+    with pytest.raises(coda_lang.CodaError) as e:
+        coda_lang.load(bad)
+    (d,) = e.value.diagnostics
+    assert (d.span.line, d.span.col) == (25, 16), d.span  # counted as lines, whatever ends them
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["compile", "examples/llama_mlp.coda", "--emit", "ptx", "--tile", "128x192e²"],
+        ["compile", "examples/llama_mlp.coda", "--emit", "ptx", "--tile", "²x2"],
+        ["run", "examples/llama_mlp.coda", "--tile", "１２８x64"],
+        ["run", "examples/llama_mlp.coda", "--seed", "-1"],
+        ["run", "examples/llama_mlp.coda", "--dims", "M=²"],
+    ],
+)
+def test_odd_options_are_usage_errors(args: list[str]) -> None:
+    r = coda(*args)
+    no_traceback(r)
+    assert r.returncode == 2 and "coda: error:" in r.stderr and not r.stdout, r.stderr
+
+
+def test_the_emitted_kernel_does_not_change_with_the_layout_of_the_source() -> None:
+    from coda_lang.backend_cute.emit import emit_stage
+    from coda_lang.backend_cute.planner import plan_stage
+
+    text = SOURCES["llama_mlp.coda"]
+    moved = text.replace("dims M, D, F", "# a comment\n\n# and another\ndims M, D, F")
+    for k in (1, 2, 3):
+        a = emit_stage(plan_stage(coda_lang.load(text)["llama_mlp"], k))
+        b = emit_stage(plan_stage(coda_lang.load(moved)["llama_mlp"], k))
+        assert a == b  # the kernel's cache key is its text

@@ -18,6 +18,12 @@ import sys
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
 
+def _digits(text: str) -> bool:
+    """A decimal number in ASCII digits (str.isdigit also takes superscripts such as `²`, which int()
+    refuses)."""
+    return text.isascii() and text.isdigit()
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         self.print_usage(sys.stderr)
@@ -46,7 +52,7 @@ def parse_dims(text: str | None) -> dict[str, int] | None:
     out: dict[str, int] = {}
     for part in text.split(","):
         name, eq, value = part.strip().partition("=")
-        if not eq or not name.strip().isidentifier() or not value.strip().isdigit() or int(value) <= 0:
+        if not eq or not name.strip().isidentifier() or not _digits(value.strip()) or int(value) <= 0:
             return None
         out[name.strip()] = int(value)
     return out
@@ -56,7 +62,7 @@ def parse_tile(text: str | None) -> tuple[int, int] | None | str:
     if not text:
         return None
     m, x, n = text.lower().partition("x")
-    if not x or not m.isdigit() or not n.isdigit() or int(m) <= 0 or int(n) <= 0:
+    if not x or not _digits(m) or not _digits(n) or int(m) <= 0 or int(n) <= 0:
         return "bad"
     return int(m), int(n)
 
@@ -67,7 +73,7 @@ def parse_tile_subtile(text: str | None) -> tuple[int, int, int] | None | str:
         return None
     mn, e, width = text.lower().partition("e")
     tile = parse_tile(mn)
-    if not isinstance(tile, tuple) or (e and not (width.isdigit() and int(width) > 0)):
+    if not isinstance(tile, tuple) or (e and not (_digits(width) and int(width) > 0)):
         return "bad"
     return (*tile, int(width) if e else 0)
 

@@ -28,7 +28,7 @@ def add_parser(sub: Any) -> None:
     r.add_argument("--block", metavar="NAME", help="the block to run (needed when the file has several)")
     r.add_argument("--dims", metavar="M=..,D=..", help="sizes of the dims, e.g. M=4096,D=1024,F=2816")
     r.add_argument("--inputs", metavar="IN.npz", help="inputs by parameter name (default: random)")
-    r.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    r.add_argument("--seed", type=int, default=0, help="seed of the random inputs, a number >= 0 (default 0)")
     r.add_argument("--out", metavar="OUT.npz", help="write the outputs here (written atomically)")
     r.add_argument(
         "--tile", metavar="MxN", help="simulate the kernel's tiling, e.g. 128x256 (default: whole matrices)"
@@ -49,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
     from coda_lang.interp.inputs import infer_dims
     from coda_lang.verify.diagnostics import CodaError, render_all
 
+    if args.seed < 0:
+        return usage_error(f"--seed takes a number >= 0, got {args.seed}")
     block, code = load_block(args.file, args.block)
     if block is None:
         return code

@@ -10,6 +10,7 @@ so one mistake gives one diagnostic; temporaries never collide with user names.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
@@ -68,6 +69,9 @@ def _kind_of(shape: tuple[Dim, ...]) -> str:
     return (SCALAR, VEC, MATRIX)[len(shape)]
 
 
+MAX_HINTS = 50  # "did you mean" hints for unknown names, per file
+
+
 class Lowerer:
     def __init__(self, file: str, diags: list[Diagnostic]):
         self.file = file
@@ -75,6 +79,15 @@ class Lowerer:
         self.dims: dict[str, DimDecl] = {}
         self.unknown_dims: set[str] = set()  # reported once per file: one missing `dims` entry, one message
         self.bad_shapes: set[str] = set()  # likewise for a shape that is not c*X
+        self.hints_left = MAX_HINTS
+
+    def hint(self, name: str, candidates: Callable[[], list[str]]) -> str | None:
+        """ "Did you mean" for an unknown name, for the first MAX_HINTS of a file: each compares the name
+        with every known one, so a file of unknown names would take time quadratic in its length."""
+        if self.hints_left <= 0:
+            return None
+        self.hints_left -= 1
+        return did_you_mean(name, candidates())
 
     def error(self, code: str, msg: str, node: Any, label: str = "", **kw: Any) -> None:
         span = node if isinstance(node, Span) else _span(self.file, node)
@@ -512,7 +525,7 @@ class BlockLowerer:
         if name in self.unknown:  # reported once per block: one mistake, one message
             return ErrAtom(name)
         self.unknown.add(name)
-        hint = did_you_mean(name, list(self.scope) + list(self.p.dims) + (["acc"] if self.acc else []))
+        hint = self.p.hint(name, lambda: list(self.scope) + list(self.p.dims) + (["acc"] if self.acc else []))
         self.error(
             "E0201",
             f"unknown name `{name}`",

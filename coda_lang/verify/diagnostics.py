@@ -22,6 +22,7 @@ CODES: dict[str, str] = {
     "E0105": "statement outside a block",
     "E0106": "no block in the file",
     "E0107": "number literal out of range",
+    "E0108": "expression nested too deeply",
     # E02 names
     "E0201": "unknown name",
     "E0202": "name defined twice",
