@@ -218,5 +218,5 @@ def load(path_or_text: str | os.PathLike[str]) -> Program:
     text, file = read_source(path_or_text)
     prog, plans, diags = check_source(text, file)
     if prog is None:
-        raise CodaError(diags, {file: text})
+        raise CodaError(diags, {file: normalize_newlines(text)})
     return Program(prog, plans, text)
