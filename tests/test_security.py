@@ -65,24 +65,14 @@ def test_a_planted_parser_cache_is_never_loaded(tmp_path: Path) -> None:
     planted = _plant(tmp, marker)
     before = {p: p.read_bytes() for p in planted}
 
-    r = subprocess.run(
-        [sys.executable, "-m", "coda_lang.cli", "check", str(EXAMPLE)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stderr
-    r = subprocess.run(
-        [sys.executable, "-c", f"import coda_lang; coda_lang.load({str(EXAMPLE)!r})"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stderr
+    for args in (
+        ["-m", "coda_lang.cli", "check", str(EXAMPLE)],  # the command line, and the Python API
+        ["-c", f"import coda_lang; coda_lang.load({str(EXAMPLE)!r})"],
+    ):
+        r = subprocess.run(
+            [sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
+        assert r.returncode == 0, r.stderr
     assert not marker.exists(), "coda ran a pickle planted in the shared temp directory"
     assert {p: p.read_bytes() for p in planted} == before, "coda rewrote a file in the shared temp directory"
     assert sorted(tmp.iterdir()) == planted, "parsing left files in the shared temp directory"
