@@ -30,6 +30,13 @@ class ForwardFacts:
         self.params: dict[str, Param] = {p.var.name: p for p in block.params}
         diff = [p.var.name for p in block.params if _float(p.var.type) and p.default is None]
         if wrt is not None:
+            if isinstance(wrt, str) or not all(isinstance(w, str) for w in wrt):
+                raise AutodiffError(
+                    "E0602",
+                    f"wrt= takes a list of parameter names, got {wrt!r}"
+                    + (f" (write wrt=[{wrt!r}])" if isinstance(wrt, str) else ""),
+                    block.span,
+                )
             unknown = [w for w in wrt if w not in self.params]
             if unknown:
                 raise AutodiffError(

@@ -134,6 +134,12 @@ def bind(
                 arrays[p.var.name] = _to_numpy(inputs[p.var.name])
             except Exception as e:  # e.g. ragged lists
                 raise fail("E0803", f"input `{p.var.name}` is not an array: {e}") from None
+            if arrays[p.var.name].dtype.kind not in "fiub" and arrays[p.var.name].dtype.name != "bfloat16":
+                raise fail(
+                    "E0803",
+                    f"input `{p.var.name}` is an array of {arrays[p.var.name].dtype} "
+                    "(void, record, string or object elements); it must hold numbers",
+                )
         elif p.default is None:
             raise fail("E0801", f"missing input `{p.var.name}`")
     shapes = {k: tuple(v.shape) for k, v in arrays.items()}
@@ -148,7 +154,7 @@ def bind(
         a = arrays[p.var.name]
         kind = a.dtype.kind
         if is_float(t.dtype):
-            if kind not in "fV" and not (kind in "iu" and a.ndim == 0) and a.dtype.name != "bfloat16":
+            if kind != "f" and not (kind in "iu" and a.ndim == 0) and a.dtype.name != "bfloat16":
                 raise fail("E0803", f"input `{p.var.name}` is {a.dtype}, but it is declared {t.dtype}")
             x = a.astype(compute_dtype("f32", precision))
             env[p.var.name] = round_to(x, t.dtype, precision)

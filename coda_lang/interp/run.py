@@ -289,6 +289,33 @@ class Interpreter:
         )
 
 
+def _is_tile(t: Any) -> bool:
+    return (
+        isinstance(t, (tuple, list))
+        and len(t) == 2
+        and all(isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) for x in t)
+    )
+
+
+def check_tiles(block: Block, tile: Any) -> None:
+    """`tile=` of a run: None, one (tile_M, tile_N) of integers for every stage, or a dict from stage
+    numbers (1-based) of the block to such pairs; E0805 naming what is wrong otherwise."""
+    if tile is None:
+        return
+    if isinstance(tile, dict):
+        n = len(block.stages)
+        for k, t in tile.items():
+            if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= n:
+                raise fail("E0805", f"tile= names stage {k!r}, but block {block.name} has stages 1 to {n}")
+            if not _is_tile(t):
+                raise fail("E0805", f"tile= of stage {k} is {t!r}; a tile is (tile_M, tile_N), two integers")
+        return
+    if not _is_tile(tile):
+        raise fail(
+            "E0805", f"tile= is {tile!r}; a tile is (tile_M, tile_N), two integers, or a dict by stage"
+        )
+
+
 def run_block(
     block: Block,
     plan: BlockPlan,
@@ -299,6 +326,7 @@ def run_block(
     tile: Tiles = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Outputs by name, and (tile mode) the per-tile partial buffers by name."""
+    check_tiles(block, tile)
     it = Interpreter(block, plan, dims, precision, tile)
     with np.errstate(all="ignore"):
         outs = it.run(env)

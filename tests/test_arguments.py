@@ -1,0 +1,65 @@
+"""`Block.run`, `vjp` and `grad` validate their arguments: a CodaError naming the argument, never a
+silent acceptance or a Python exception from deep inside (cases found by trying it as a careless user
+would)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import coda_lang
+from coda_lang.interp import random_inputs
+
+MLP = coda_lang.load("examples/llama_mlp.coda")["llama_mlp"]
+SIZES = {"M": 16, "D": 8, "F": 8}
+INS = random_inputs(MLP.ir, SIZES, 0)
+
+
+def _error(f: Any) -> str:
+    with pytest.raises(coda_lang.CodaError) as e:
+        f()
+    return str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("tile", "message"),
+    [
+        ({7: (4, 4)}, "tile= names stage 7, but block llama_mlp has stages 1 to 3"),
+        ({0: (4, 4)}, "tile= names stage 0"),
+        ({"1": (4, 4)}, "tile= names stage '1'"),
+        ({1: (4, 4.5)}, "tile= of stage 1 is (4, 4.5)"),
+        ((True, True), "tile= is (True, True)"),
+        ((4,), "tile= is (4,)"),
+        ("4x4", "tile= is '4x4'"),
+    ],
+)
+def test_a_bad_tile_is_e0805(tile: Any, message: str) -> None:
+    for call in (
+        lambda: MLP.run(INS, tile=tile),
+        lambda: MLP.run_with_partials(INS, tile=tile),
+        lambda: MLP.vjp(INS, {"x2": np.ones((16, 8))}, tile=tile),
+    ):
+        text = _error(call)
+        assert "E0805" in text and message in text, text
+
+
+def test_good_tiles_still_run() -> None:
+    whole = MLP.run(INS, precision="f64")["x2"]
+    for tile in ((4, 4), [8, 4], {1: (4, 4), 3: (8, 8)}, {2: (np.int64(4), np.int64(4))}):
+        np.testing.assert_allclose(MLP.run(INS, precision="f64", tile=tile)["x2"], whole, rtol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", ["V4", [("a", "f4")], "U3", "O"], ids=["void", "record", "str", "object"])
+def test_arrays_of_non_numbers_are_e0803(dtype: Any) -> None:
+    bad = np.zeros((16, 8), dtype=dtype) if dtype != "O" else np.full((16, 8), None, dtype=object)
+    text = _error(lambda: MLP.run({**INS, "y": bad}))
+    assert "E0803" in text and "input `y`" in text, text
+
+
+def test_wrt_as_a_string_names_the_mistake() -> None:
+    text = _error(lambda: MLP.grad(wrt="w_o"))  # type: ignore[arg-type]
+    assert "E0602" in text and "wrt= takes a list of parameter names" in text and "wrt=['w_o']" in text
+    assert "`w`" not in text  # it used to blame a parameter `w`, the string's first character
+    assert [o.name for o in MLP.grad(wrt=["w_o"]).ir.outputs] == ["dw_o"]
