@@ -151,6 +151,24 @@ def test_ptx_cache_hits_by_content(mlp: coda_lang.Block, cache: Path) -> None:
     assert again.source_path == first.source_path and again.source_path.read_text() == again.source
 
 
+@pytest.mark.parametrize("damage", ["truncated ptx", "record not json", "record missing", "ptx missing"])
+def test_a_damaged_cache_entry_is_compiled_again(mlp: coda_lang.Block, tmp_path: Path, damage: str) -> None:
+    first = compile_stage(mlp, 3, DEFAULT_CONFIG, directory=tmp_path)
+    good = first.ptx_path.read_text()
+    meta = first.ptx_path.with_suffix(".json")
+    if damage == "truncated ptx":
+        first.ptx_path.write_text(good[: len(good) // 2])
+    elif damage == "record not json":
+        meta.write_text('{"compile_s": 1.0, "sha')
+    elif damage == "record missing":
+        meta.unlink()
+    else:
+        first.ptx_path.unlink()
+    again = compile_stage(mlp, 3, DEFAULT_CONFIG, directory=tmp_path)
+    assert not again.cached and again.ptx_path.read_text() == good  # rebuilt, the same kernel
+    assert compile_stage(mlp, 3, DEFAULT_CONFIG, directory=tmp_path).cached  # and cached again
+
+
 def test_cli_compile_ptx(mlp: coda_lang.Block, cache: Path, tmp_path: Path) -> None:
     for k in (1, 2, 3):  # warm the session cache, so the CLI reuses the PTX
         select_config(mlp, k, directory=cache)

@@ -242,6 +242,19 @@ def _adapter() -> Any:
     return quack_adapter
 
 
+def _cached_compile(ptx_path: Path, meta_path: Path) -> float | None:
+    """The compile time recorded for a cached PTX, or None when the entry is missing, unreadable, not
+    JSON, or its PTX is not the one recorded (truncated, edited, or written by an older coda_lang):
+    then the stage is compiled again and the entry rewritten."""
+    try:
+        meta = json.loads(meta_path.read_text())
+        if meta.get("sha256") != hashlib.sha256(ptx_path.read_bytes()).hexdigest():
+            return None
+        return float(meta["compile_s"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def compile_spec(
     spec: StageSpec, config: TileConfig = DEFAULT_CONFIG, *, ptxas: bool = True, directory: Path | None = None
 ) -> CompiledStage:
@@ -254,9 +267,10 @@ def compile_spec(
     key = ptx_key(source, config)
     ptx_path = ptx_dir / f"{spec.fn_name}-{config.short}-{key[:20]}.ptx"
     meta_path = ptx_path.with_suffix(".json")
-    cached = ptx_path.exists() and meta_path.exists()
-    if cached:
-        seconds = float(json.loads(meta_path.read_text()).get("compile_s", 0.0))
+    seconds_cached = _cached_compile(ptx_path, meta_path)
+    cached = seconds_cached is not None
+    if seconds_cached is not None:
+        seconds = seconds_cached
     else:
         adapter = _adapter()
         try:
@@ -280,8 +294,14 @@ def compile_spec(
         tmp = ptx_path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(text)
         os.replace(tmp, ptx_path)
-        tmp.write_text(json.dumps({"compile_s": seconds, "config": asdict(config), "source": src_path.name}))
-        os.replace(tmp, meta_path)
+        meta = {
+            "compile_s": seconds,
+            "config": asdict(config),
+            "source": src_path.name,
+            "sha256": hashlib.sha256(text.encode()).hexdigest(),
+        }
+        tmp.write_text(json.dumps(meta))
+        os.replace(tmp, meta_path)  # written last: the entry counts once its record names the PTX's hash
     out = CompiledStage(spec, source, src_path, config, ptx_path, seconds, cached)
     if ptxas:
         out.report = run_ptxas(ptx_path)
