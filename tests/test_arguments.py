@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from support import coda, no_traceback
 
 import coda_lang
 from coda_lang.interp import random_inputs
@@ -63,3 +64,28 @@ def test_wrt_as_a_string_names_the_mistake() -> None:
     assert "E0602" in text and "wrt= takes a list of parameter names" in text and "wrt=['w_o']" in text
     assert "`w`" not in text  # it used to blame a parameter `w`, the string's first character
     assert [o.name for o in MLP.grad(wrt=["w_o"]).ir.outputs] == ["dw_o"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["run", "examples/llama_mlp.coda", "--dims", "M=100000000"], "error[E0808]: at M=100000000"),
+        (
+            ["run", "examples/llama_mlp.coda", "--dims", "M=4096,D=4096,F=4096", "--tile", "1x1"],
+            "error[E0808]: a 1x1 tile makes 16,777,216 tiles",
+        ),
+        (["fuzz", "examples/llama_mlp.coda", "--max-dim", "100000000"], "--max-dim 100000000 is more than"),
+        (["fuzz", "examples/llama_mlp.coda", "--dims", "M=100000000"], "--dims M=100000000 is more than"),
+    ],
+)
+def test_sizes_that_cannot_be_had_are_refused_up_front(args: list[str], message: str) -> None:
+    r = coda(*args, timeout=60)  # answered at once: nothing is allocated or simulated first
+    no_traceback(r)
+    assert r.returncode in (1, 2) and message in r.stderr and not r.stdout, r.stderr
+
+
+def test_block_run_refuses_a_tile_count_it_cannot_simulate() -> None:
+    from coda_lang.interp.inputs import MAX_TILES
+
+    text = _error(lambda: MLP.run(random_inputs(MLP.ir, {"M": 1024, "D": 512, "F": 512}, 0), tile=(1, 1)))
+    assert "E0808" in text and f"{MAX_TILES:,}" in text

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from coda_lang.fuzz import Case, Failure
 
 
+MAX_DIM = 8192  # the largest --max-dim: fuzzing draws many cases, each run several times over
+
+
 def add_parser(sub: Any) -> None:
     f = sub.add_parser(
         "fuzz",
@@ -116,6 +119,12 @@ def run(args: Any) -> int:
         return usage_error("--examples and --programs take a positive number")
     if args.max_dim is not None and args.max_dim < 1:
         return usage_error(f"--max-dim takes a positive size, got {args.max_dim}")
+    if args.max_dim is not None and args.max_dim > MAX_DIM:
+        return usage_error(
+            f"--max-dim {args.max_dim} is more than {MAX_DIM}: every case runs the whole-matrix interpreter "
+            f"in float64 too (a {args.max_dim} x {args.max_dim} matrix alone is "
+            f"{8 * args.max_dim**2 / 2**30:.1f} GiB)"
+        )
     if args.input_seed is not None and not 0 <= args.input_seed < 2**32:
         return usage_error(f"--input-seed takes a number in [0, 2**32), got {args.input_seed}")
     tile = parse_tile(args.tile)
@@ -126,6 +135,11 @@ def run(args: Any) -> int:
     if dims is None:
         return usage_error(
             f"--dims takes NAME=SIZE pairs separated by commas (e.g. M=5,D=12), got {args.dims!r}"
+        )
+    big = sorted(k for k, v in dims.items() if v > MAX_DIM)
+    if big:
+        return usage_error(
+            f"--dims {big[0]}={dims[big[0]]} is more than {MAX_DIM}, the largest size coda fuzz draws"
         )
     if (args.file is None) == (args.programs is None):
         return usage_error("give a FILE to fuzz, or --programs N for random programs (not both)")

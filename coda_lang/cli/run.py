@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from coda_lang.interp import random_inputs
-    from coda_lang.interp.inputs import infer_dims
+    from coda_lang.interp.inputs import check_sizes, infer_dims
     from coda_lang.verify.diagnostics import CodaError, render_all
 
     if args.seed < 0:
@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
                     f"unknown dim {sorted(unknown)[0]}; {block.name} has dims {', '.join(sizes)}"
                 )
             sizes = infer_dims(block.ir, {}, sizes)
+            check_sizes(block.ir, sizes, args.precision, tile)
             inputs = random_inputs(block.ir, sizes, args.seed)
             source = f"random inputs, seed {args.seed}"
         outs = block.run(inputs, dims=sizes, tile=tile, precision=args.precision)  # type: ignore[arg-type]

@@ -11,13 +11,14 @@ never raises out of here.
 
 from __future__ import annotations
 
+import os
 from fractions import Fraction
 from typing import Any
 
 import numpy as np
 
 from coda_lang.interp.numerics import compute_dtype, round_to
-from coda_lang.ir.nodes import Block, Var
+from coda_lang.ir.nodes import Block, Stage, Var
 from coda_lang.ir.types import Dim, is_float, shape_str
 from coda_lang.verify.diagnostics import CodaError, Diagnostic
 
@@ -30,7 +31,78 @@ INPUT_CODES = {
     "E0805": "tile sizes",
     "E0806": "input on the wrong device (the CUDA runtime needs CUDA tensors, all on one device)",
     "E0807": "a size the GPU kernel can't take (stored rows must be a multiple of 16 bytes)",
+    "E0808": "sizes whose memory or tile count the interpreter can't have",
 }
+
+MAX_TILES = 200_000  # tiles one stage may simulate: the tile mode takes one NumPy step per tile
+
+
+def available_memory() -> int:
+    """Bytes this process can still have: MemAvailable of /proc/meminfo, else the physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (OSError, ValueError, AttributeError):
+        return 1 << 62
+
+
+def memory_needed(block: Block, dims: dict[str, int], precision: str = "exact") -> int:
+    """About the bytes the interpreter holds at these sizes: every parameter, output and value of the
+    block at its full extent (whole mode computes each over whole matrices), in the compute dtype."""
+    itemsize = 8 if precision == "f64" else 4
+    total = 0
+    seen: set[str] = set()
+    values = [p.var for p in block.params]
+    for s in block.body:
+        for e in s.body if isinstance(s, Stage) else (s,):
+            values.extend(e.outs)
+    for st in block.stages:
+        if st.acc is not None:
+            values.append(st.acc)
+    for v in values:
+        if v.type is None or (v.name in seen and v.name != "acc"):
+            continue
+        seen.add(v.name)
+        n = 1
+        for d in v.type.shape:
+            x = d.evaluate(dims)
+            n *= max(int(x), 1)
+        total += n * itemsize
+    return total
+
+
+def check_sizes(block: Block, dims: dict[str, int], precision: str = "exact", tile: Any = None) -> None:
+    """E0808 before anything is allocated when these sizes need more memory than this machine has, or
+    when a simulated tile would make a stage take more than MAX_TILES steps."""
+    need, have = memory_needed(block, dims, precision), available_memory()
+    if need > have:
+        sizes = ", ".join(f"{k}={v}" for k, v in dims.items())
+        raise fail(
+            "E0808",
+            f"at {sizes} the interpreter needs about {need / 2**30:.1f} GiB; "
+            f"{have / 2**30:.1f} GiB are available",
+            notes=["choose smaller dims"],
+        )
+    tiles = [tile] if isinstance(tile, tuple) else list(tile.values()) if isinstance(tile, dict) else []
+    for st in block.stages:
+        if st.acc is None or st.acc.type is None:
+            continue
+        rows, cols = (int(d.evaluate(dims)) for d in st.acc.type.shape)
+        for tm, tn in tiles:
+            count = -(-rows // max(tm, 1)) * -(-cols // max(tn, 1))
+            if count > MAX_TILES:
+                raise fail(
+                    "E0808",
+                    f"a {tm}x{tn} tile makes {count:,} tiles of a {rows}x{cols} stage; the "
+                    f"tile simulation takes one step per tile (at most {MAX_TILES:,})",
+                    notes=["choose a larger tile, or whole matrices (no tile)"],
+                )
 
 
 def fail(code: str, msg: str, notes: list[str] | None = None) -> CodaError:

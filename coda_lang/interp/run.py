@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from coda_lang.interp.inputs import extent, fail
+from coda_lang.interp.inputs import check_sizes, extent, fail
 from coda_lang.interp.numerics import compute_dtype, round_to, to_storage
 from coda_lang.ir.nodes import Atom, Block, DimRef, Eqn, Lit, Stage, Var
 from coda_lang.ir.types import ERROR_TYPE, GROUP, MATRIX, PARTIAL, TILE, Dim, Type
@@ -327,6 +327,7 @@ def run_block(
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Outputs by name, and (tile mode) the per-tile partial buffers by name."""
     check_tiles(block, tile)
+    check_sizes(block, dims, precision, tile)
     it = Interpreter(block, plan, dims, precision, tile)
     with np.errstate(all="ignore"):
         outs = it.run(env)
