@@ -126,7 +126,16 @@ def test_the_planted_bug_is_caught_in_random_programs(
 ) -> None:
     _drop_last_tile(monkeypatch)
     code, out, err = fuzz(
-        capsys, "--programs", "40", "--seed", "4", "--examples", "3", "--save-dir", str(tmp_path), "--no-backward"
+        capsys,
+        "--programs",
+        "40",
+        "--seed",
+        "4",
+        "--examples",
+        "3",
+        "--save-dir",
+        str(tmp_path),
+        "--no-backward",
     )
     assert code == 1, out + err
     saved = list(tmp_path.glob("coda-fuzz-*.coda"))
