@@ -17,6 +17,7 @@ compiled into a cache folder of this test session, so each run really compiles (
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -323,3 +324,26 @@ def test_masked_sums_compile(cache: Path) -> None:
     check_ptx(c)
     assert c.report is not None and not c.report.spills, c.report.text
     assert "BoundedColVecReduce(" in c.source and "BoundedRowVecReduce(" in c.source
+
+
+def test_a_warm_compile_reads_the_ptxas_report_instead_of_running_ptxas(
+    mlp: coda_lang.Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from coda_lang.backend_cute import compile as compile_mod
+
+    first = compile_stage(mlp, 3, DEFAULT_CONFIG, directory=tmp_path)
+    assert first.report is not None
+
+    def no_ptxas(*args: object, **kwargs: object) -> None:
+        raise AssertionError("ptxas ran on a warm cache")
+
+    monkeypatch.setattr(compile_mod, "run_ptxas", no_ptxas)
+    again = compile_stage(mlp, 3, DEFAULT_CONFIG, directory=tmp_path)
+    assert again.cached and again.report == first.report  # registers, spills, stack, version, text
+    for record in tmp_path.glob("ptx/*.ptxas-*.json"):  # a damaged record: ptxas runs again
+        record.write_text('{"registers": ')
+    monkeypatch.undo()
+    rerun = compile_stage(mlp, 3, DEFAULT_CONFIG, directory=tmp_path).report
+    assert rerun is not None and str(rerun) == str(first.report)  # (its text holds ptxas's own timing)
+    records = list(tmp_path.glob("ptx/*.ptxas-*.json"))
+    assert records and all(json.loads(r.read_text())["registers"] == first.report.registers for r in records)

@@ -15,6 +15,7 @@ Invariants: a program the backend can't compile raises CodaError (E07); a missin
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -304,8 +305,39 @@ def compile_spec(
         os.replace(tmp, meta_path)  # written last: the entry counts once its record names the PTX's hash
     out = CompiledStage(spec, source, src_path, config, ptx_path, seconds, cached)
     if ptxas:
-        out.report = run_ptxas(ptx_path)
+        out.report = cached_ptxas(ptx_path)
     return out
+
+
+@functools.cache
+def _ptxas_identity(exe: str, size: int, mtime: int) -> str:
+    """The version line of a ptxas executable (asked once per process and executable file)."""
+    lines = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+    return lines[-1] if lines else exe
+
+
+def cached_ptxas(ptx_path: Path, arch: str = ARCH) -> PtxasReport:
+    """`run_ptxas`'s report, kept beside the PTX: a record keyed by the ptxas executable (path, size,
+    mtime, version) and the arch, holding the hash of the PTX it was made from. A warm compile reads it
+    instead of running ptxas again; any mismatch or damage runs ptxas and rewrites it."""
+    exe = ptxas_executable()
+    st = os.stat(exe)
+    ident = (
+        f"{exe}:{st.st_size}:{int(st.st_mtime)}:{_ptxas_identity(exe, st.st_size, int(st.st_mtime))}:{arch}"
+    )
+    record = ptx_path.with_suffix(f".ptxas-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json")
+    digest = hashlib.sha256(ptx_path.read_bytes()).hexdigest()
+    try:
+        data = json.loads(record.read_text())
+        if data.pop("ptx_sha256") == digest:
+            return PtxasReport(**data)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    report = run_ptxas(ptx_path, arch)
+    tmp = record.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({**asdict(report), "ptx_sha256": digest}))
+    os.replace(tmp, record)
+    return report
 
 
 def compile_stage(
