@@ -33,9 +33,14 @@ from coda_lang.autodiff.builder import float_value as _float
 from coda_lang.autodiff.forward import INDEX_OPS
 from coda_lang.autodiff.state import State
 from coda_lang.autodiff.unbroadcast import Later, Part, same_shape
-from coda_lang.ir.nodes import Atom, DimRef, Eqn, Lit, Stage, Var
+from coda_lang.ir.nodes import Atom, DimRef, Eqn, Lit, Span, Stage, Var
 from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Dim, Type
 from coda_lang.ops import REGISTRY, StageShape
+
+
+def _elementwise(body: list[Eqn], shape: StageShape, span: Span) -> Stage:
+    """An elementwise stage (no GEMM) over tile space `shape`."""
+    return Stage(None, None, False, False, None, tuple(body), (shape.rows, shape.cols), span=span)
 
 
 @dataclass(frozen=True)
@@ -230,21 +235,7 @@ class Site:
             f"stage {self.k + 1} (line {self.st.span.line}): the ties of {names} are "
             "counted in an elementwise stage (a max's cotangent is split among its ties)",
         )
-        s.emit(
-            [
-                *before,
-                Stage(
-                    None,
-                    None,
-                    False,
-                    False,
-                    None,
-                    tuple(body),
-                    (self.fshape.rows, self.fshape.cols),
-                    span=self.st.span,
-                ),
-            ]
-        )
+        s.emit([*before, _elementwise(body, self.fshape, self.st.span)])
 
     # ------------------------------------------------------------------ broadcasting
 
@@ -429,20 +420,7 @@ class Site:
             if self.host is not None:
                 s.emit([Stage(*self.host.gemm, Var("acc"), tuple(body), span=st.span)])
             else:
-                s.emit(
-                    [
-                        Stage(
-                            None,
-                            None,
-                            False,
-                            False,
-                            None,
-                            tuple(body),
-                            (shape.rows, shape.cols),
-                            span=st.span,
-                        )
-                    ]
-                )
+                s.emit([_elementwise(body, shape, st.span)])
                 what = ", ".join(
                     f"`{n}`"
                     for n in sorted({v.name for e in st.body for v in e.outs if v.name in fwd.storage})
