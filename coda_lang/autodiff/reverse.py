@@ -174,9 +174,14 @@ class Reverse:
         rows, cols = self.fwd.ftype[tile].shape
         host = StageShape(rows, cols)
         st = self.fwd.block.stages[k]
-        assert st.acc is not None and st.acc.type is not None
-        frows = st.acc.type.shape[0]
-        types = [st.acc.type] + [
+        if st.acc is not None:
+            assert st.acc.type is not None
+            space: Type = st.acc.type
+        else:  # an elementwise stage: its tile space
+            assert st.shape is not None
+            space = Type("f32", st.shape, TILE)
+        frows = space.shape[0]
+        types = [space] + [
             a.type if isinstance(a, Var) and a.type is not None else Type("f32")
             for e in st.body
             for a in (*e.ins, *e.outs)

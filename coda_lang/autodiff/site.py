@@ -63,8 +63,12 @@ class Site:
     def __init__(self, s: State, k: int, host: Host | None):
         self.s, self.fwd, self.k, self.host = s, s.fwd, k, host
         self.st = s.fwd.block.stages[k]
-        assert self.st.acc is not None and self.st.acc.type is not None
-        self.fshape = StageShape(*self.st.acc.type.shape)  # the forward stage's tile space
+        if self.st.acc is not None:  # the forward stage's tile space
+            assert self.st.acc.type is not None
+            self.fshape = StageShape(*self.st.acc.type.shape)
+        else:  # an elementwise stage of the forward
+            assert self.st.shape is not None
+            self.fshape = StageShape(*self.st.shape)
         self.cache: dict[str, Atom] = {}
         self.exact_cache: dict[str, Atom] = {}
         self.exact = False  # primal values recomputed from f32 sources, never loaded rounded (see `primal`)
@@ -367,7 +371,7 @@ class Site:
         dacc_src: Atom | None = None  # the tile stored as dacc, where it is stored by a copy
         stored: Atom | None = None  # the matrix stored as dacc
         aliases: list[tuple[str, Atom]] = []
-        od = fwd.operand_dtype(self.k)
+        od = fwd.operand_dtype(self.k) if st.is_gemm else None
         if got is not None and st.is_gemm:
             assert st.acc is not None and st.acc.type is not None
             dacc = self.fill(got[0], st.acc.type)
@@ -407,7 +411,7 @@ class Site:
             ):
                 s.add_cotangent(name, total)  # an alias of a loaded matrix
                 continue
-            if total == dacc_src and stored is not None and pt is not None and pt.dtype == od:
+            if total == dacc_src and stored is not None and pt is not None and od is not None and pt.dtype == od:
                 aliases.append((name, stored))  # the same tile as dacc (e.g. a residual's dx)
                 continue
             out = b.op(

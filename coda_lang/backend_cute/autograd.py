@@ -37,10 +37,10 @@ class CudaFunction:
     """`CudaBlock.autograd()`: call with the block's inputs by name; returns the outputs by name, which
     torch.autograd differentiates through the derived backward block's kernels."""
 
-    def __init__(self, cb: CudaBlock, wrt: list[str] | None, tile: Any):
+    def __init__(self, cb: CudaBlock, wrt: list[str] | None, tile: Any, remat: str = "save"):
         if isinstance(tile, dict):
             raise TypeError("autograd() takes one tile for every stage (or None), not a dict")
-        d = cb.block.derivation(wrt)
+        d = cb.block.derivation(wrt, remat)
         self.derivation = d
         try:
             self.forward = CudaBlock(d.forward, tile, emulate=cb.emulate, poison=cb.poison, tune=cb.tune)

@@ -90,8 +90,9 @@ class CudaBlock:
                     self.elementwise[k] = ElementwiseStage(block, k, emulate)
                     self.specs.append(None)
                     continue
-                spec = plan_stage(block, k)
-                emit_stage(spec)  # an op the emitter can't write raises E07 now, not at the first call
+                spec = plan_stage(block, k, emulated=emulate)
+                if not emulate:  # an op the emitter can't write raises E07 now, not at the first call
+                    emit_stage(spec)
                 self.specs.append(spec)
         except CodaError as e:
             raise with_sources(e) from None
@@ -431,14 +432,15 @@ class CudaBlock:
 
     # -- autograd -----------------------------------------------------------------------------
 
-    def autograd(self, wrt: list[str] | None = None, tile: Any = None) -> CudaFunction:
+    def autograd(self, wrt: list[str] | None = None, tile: Any = None, remat: str = "save") -> CudaFunction:
         """A function of the block's inputs (by name) whose outputs are differentiable by torch.autograd:
         forward = the extended forward block, backward = the derived backward block, both on CUDA, at
         `tile` (default: this block's own, when it was given one tile for every stage), tuned as this
-        block is. CodaError (E07) when a stage of either can't run on the GPU yet."""
+        block is; `remat` as `Block.derivation`. CodaError (E07) when a stage of either can't run on the
+        GPU yet."""
         from coda_lang.backend_cute.autograd import CudaFunction
 
-        return CudaFunction(self, wrt, tile if tile is not None else self.tile)
+        return CudaFunction(self, wrt, tile if tile is not None else self.tile, remat)
 
 
 def with_sources(e: CodaError) -> CodaError:

@@ -20,6 +20,7 @@ Invariants: reads only `epi_args` and the spec; writes only the given output buf
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -48,9 +49,25 @@ def _operand_values(spec: StageSpec, epi_args: dict[str, Any]) -> dict[str, Any]
     return vals
 
 
-def _eval(eqns: tuple[Eqn, ...], vals: dict[str, Any]) -> None:
+def _index(e: Eqn, vals: dict[str, Any], cols: Any) -> torch.Tensor:
+    """`row_index()` / `col_index()` over the whole matrix (a half- or double-width value's own width)."""
+    acc = vals["acc"]
+    m, n = acc.shape
+    if e.op == "row_index":
+        return torch.arange(m, device=acc.device, dtype=torch.int32).reshape(-1, 1)
+    t = e.outs[0].type
+    width = n
+    if t is not None and t.shape and cols is not None and t.shape[0] != cols:
+        width = n // 2 if t.shape[0] == cols.scale(Fraction(1, 2)) else 2 * n
+    return torch.arange(width, device=acc.device, dtype=torch.int32).reshape(1, -1)
+
+
+def _eval(eqns: tuple[Eqn, ...], vals: dict[str, Any], cols: Any = None) -> None:
     """The equations through each op's torch stand-in (the registry's `torch`)."""
     for e in eqns:
+        if e.op in ("row_index", "col_index"):
+            vals[e.outs[0].name] = _index(e, vals, cols)
+            continue
         ins: list[Any] = [
             vals[a.name]
             if isinstance(a, Var)
@@ -194,7 +211,7 @@ def run_stage(
         vals[spec.c.name] = C.float()
     vals["acc"] = acc
     _groups(spec, vals, m, n, epi_args)
-    _eval(spec.eqns, vals)
+    _eval(spec.eqns, vals, spec.gemm.cols)
     if spec.d is not None:
         assert D is not None
         D.copy_(torch.as_tensor(vals[spec.d.name], dtype=torch.float32).expand(D.shape))

@@ -54,8 +54,9 @@ def _fail(
     return CodaError([Diagnostic(code, message, span, notes=list(notes or []), help=list(help or []))])
 
 
-def plan_stage(block: Any, index: int) -> StageSpec:
-    """The StageSpec of stage `index` (1-based) of a checked `coda_lang.api.Block`."""
+def plan_stage(block: Any, index: int, emulated: bool = False) -> StageSpec:
+    """The StageSpec of stage `index` (1-based) of a checked `coda_lang.api.Block`. `emulated`: for the
+    torch stand-ins only, which also multiply f32 operands (in f32: float32 models on a CPU)."""
     ir, bplan = block.ir, block.plan
     stages = ir.stages
     if not 1 <= index <= len(stages):
@@ -72,12 +73,14 @@ def plan_stage(block: Any, index: int) -> StageSpec:
                 "produces a cotangent); it will get its own emitter"
             ],
         )
-    return _Planner(block, index, st, sp).run()
+    return _Planner(block, index, st, sp, emulated).run()
 
 
 class _Planner:
-    def __init__(self, block: Any, index: int, st: Stage, sp: Any):
+    def __init__(self, block: Any, index: int, st: Stage, sp: Any, emulated: bool = False):
         self.block, self.index, self.st, self.sp = block, index, st, sp
+        self.emulated = emulated
+        self.gemm_dtypes = (*GEMM_DTYPES, "f32") if emulated else GEMM_DTYPES
         self.ir, self.bplan = block.ir, block.plan
         self.rows: Dim = sp.rows
         self.cols: Dim = sp.cols
@@ -202,7 +205,7 @@ class _Planner:
                 )
             gated = paired and store.shape[1] != self.cols
             split = paired and store.shape[1] == self.cols  # a second full-width tile: one store per lane
-            if (gated or split) and store.dtype == "f32":
+            if (gated or split) and store.dtype == "f32" and not self.emulated:
                 what = "half-width" if gated else "full-width (stored as two half-width lanes)"
                 raise _fail(
                     "E0702",
@@ -255,7 +258,7 @@ class _Planner:
                         "operand and stores one as D, two lanes per accumulator element"
                     ],
                 )
-            if c.dtype != d.dtype:
+            if c.dtype != d.dtype and not self.emulated:
                 raise _fail(
                     "E0702",
                     f"the double-width tile `{c.name}` is {c.dtype} and the stored `{d.name}` is "
@@ -309,7 +312,7 @@ class _Planner:
         assert isinstance(st.a, Var) and isinstance(st.b, Var)
         a_dtype, b_dtype = self.param_dtype(st.a), self.param_dtype(st.b)
         for name, dt, span in ((st.a.name, a_dtype, st.a_span), (st.b.name, b_dtype, st.b_span)):
-            if dt not in GEMM_DTYPES:
+            if dt not in self.gemm_dtypes:
                 raise _fail(
                     "E0702",
                     f"GEMM operand `{name}` is {dt}; the backend multiplies bf16 or f16 operands",
@@ -330,13 +333,13 @@ class _Planner:
         for a in e.ins:
             if isinstance(a, DimRef) and a.dim.name is None:  # (the checker folds constant extents)
                 raise _fail("E0703", f"the extent `{a.dim}` is used as a value inside a stage", e.span)
-        if od.emit is None:
+        if od.emit is None and not (self.emulated and (od.torch is not None or od.locality == "index")):
             raise _fail("E0703", f"`{od.surface}` has no CuTeDSL emitter yet", e.span)
         for v in e.outs:
             t = v.type
             if t is None:
                 continue
-            if t.dtype == "i32":
+            if t.dtype == "i32" and not self.emulated:
                 raise _fail(
                     "E0702",
                     f"`{v.name}` is i32: integer arithmetic inside an epilogue is not supported yet",
@@ -687,7 +690,7 @@ class _Planner:
         for name in used:
             ld = loads[name]
             e = next(e for e in self.st.body if any(isinstance(a, Var) and a.name == name for a in e.ins))
-            if ld.dtype not in FLOAT_DTYPES:
+            if ld.dtype not in FLOAT_DTYPES and not self.emulated:
                 raise _fail(
                     "E0702",
                     f"`{name}` is {ld.dtype}: integer operands of the epilogue are not supported yet",
@@ -702,7 +705,7 @@ class _Planner:
                         e.span,
                         notes=["quack's packed_cd_b16x2 mode loads one double-width tile (the GEMM's C)"],
                     )
-                if ld.dtype not in PACKED_DTYPES:
+                if ld.dtype not in PACKED_DTYPES and not self.emulated:
                     raise _fail(
                         "E0702",
                         f"the double-width tile `{name}` is {ld.dtype}; quack's packed mode loads "

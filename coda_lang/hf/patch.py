@@ -1,0 +1,386 @@
+"""`apply_coda_to_llama` / `apply_coda_to_qwen3`: a Hugging Face causal LM whose non-attention work runs
+as coda blocks.
+
+What it does: patches one model instance in place. Per layer, q/k/v projections become one parameter
+`self_attn.qkv_weight` (q and k rows in the interleaved RoPE layout) and gate/up one parameter
+`mlp.gate_up_weight` (rows interleaved); the model's forward then runs, in the paper's schedule, the
+first layer's input norm + QKV + RoPE (+ Qwen3's q/k norm) as one block, each layer boundary (out-proj
++ residual + norm + gate/up + SwiGLU + down + residual + the next layer's norm + QKV + RoPE) as one
+block, the last layer's MLP as one block, and the LM head with the loss (labels given: per-token
+cross-entropy, logits never stored) or the logits. Attention is the model's own attention function
+(`config._attn_implementation`), on q, k in the interleaved layout (q.k is unchanged by permuting q and
+k alike). `state_dict()` gives, and `load_state_dict()` takes, the unpatched model's names and layouts,
+so checkpoints move between patched and unpatched models (and `save_pretrained`).
+What it does not: generation with a KV cache, biases, sliding-window attention, RoPE types that scale
+cos/sin (`attention_scaling` != 1) or change `inv_freq` per call, or a model whose dtype changes after
+patching: each raises ValueError naming what it met.
+Invariants: the optimizer should be made after patching (the fused weights are new parameters); the
+loss follows transformers' contract (labels shifted by one, -100 ignored, the mean over counted tokens
+or the sum over `num_items_in_batch`).
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from typing import Any
+
+import torch
+
+from coda_lang.api import load
+from coda_lang.hf.blocks import DTYPES, model_source
+from coda_lang.layout import deinterleave_rope, interleave_rope
+from coda_lang.torch import BlockFunction, function
+
+__all__ = ["apply_coda_to_llama", "apply_coda_to_qwen3"]
+
+_ROPE_TYPES = ("default", "llama3", "linear")
+IGNORE = -100
+
+
+class _Model:
+    """The facts of one patched model and its block functions."""
+
+    def __init__(self, model: Any, qk_norm: bool):
+        cfg = model.config
+        self.qk_norm = qk_norm
+        self.H = cfg.num_attention_heads
+        self.KV = cfg.num_key_value_heads
+        self.HD = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.H
+        self.D = cfg.hidden_size
+        self.dtype = model.dtype
+        src = model_source(str(self.dtype).removeprefix("torch."), cfg.rms_norm_eps, self.HD, qk_norm)
+        prog = load(src)
+        weights = {"w_o", "w_13", "w_2", "w_qkv", "w_lm", "g", "g1", "g2", "gqk"}
+
+        def fn(name: str, remat: str = "save") -> BlockFunction:
+            b = prog[name]
+            wrt = [p.var.name for p in b.ir.params if p.var.name in weights or p.var.name in ("h", "y", "x", "hg", "r")]
+            return function(b, wrt=wrt, remat=remat)
+
+        self.first, self.layer, self.last = fn("first_qkv"), fn("layer"), fn("last")
+        # the loss head keeps only its log-sum-exp for the backward where the runtime can recompute the
+        # GEMM (the torch stand-ins); the GPU kernels can't yet, so there the logits are saved
+        self.head_loss = {False: fn("head_loss", "recompute"), True: fn("head_loss", "save")}
+        self.head_logits = fn("head_logits")
+
+    @property
+    def rope_width(self) -> int:
+        return (self.H + self.KV) * self.HD
+
+
+def _refuse(what: str, why: str) -> ValueError:
+    return ValueError(f"coda_lang.hf: {what}: {why}")
+
+
+def _check(model: Any, family: str, qk_norm: bool) -> None:
+    cfg = model.config
+    name = type(model).__name__
+    expect = "LlamaForCausalLM" if family == "llama" else "Qwen3ForCausalLM"
+    if name != expect:
+        raise _refuse(name, f"apply_coda_to_{family} patches a transformers {expect}")
+    if getattr(model, "_coda", None) is not None:
+        raise _refuse(name, "this model is patched already")
+    if str(model.dtype).removeprefix("torch.") not in DTYPES:
+        raise _refuse(f"dtype {model.dtype}", "coda blocks run in bfloat16, float16 or float32")
+    if getattr(cfg, "attention_bias", False):
+        raise _refuse("attention_bias=True", "the fused QKV and out-projection blocks have no bias")
+    if getattr(cfg, "mlp_bias", False):
+        raise _refuse("mlp_bias=True", "the fused MLP block has no bias")
+    if cfg.hidden_act != "silu":
+        raise _refuse(f"hidden_act={cfg.hidden_act!r}", "the MLP block is SwiGLU (silu)")
+    if getattr(cfg, "use_sliding_window", False) or any(
+        t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])
+    ):
+        raise _refuse("sliding-window attention", "only full attention layers are supported")
+    rope = model.model.rotary_emb
+    if rope.rope_type not in _ROPE_TYPES:
+        raise _refuse(f"rope_type={rope.rope_type!r}", f"supported: {', '.join(_ROPE_TYPES)}")
+    if float(rope.attention_scaling) != 1.0:
+        raise _refuse(f"RoPE attention_scaling={rope.attention_scaling}", "only 1.0 is supported")
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            if getattr(attn, n, None) is None or getattr(attn, n).bias is not None:
+                raise _refuse(f"layer {i}: self_attn.{n}", "missing or has a bias")
+        if qk_norm and (getattr(attn, "q_norm", None) is None or getattr(attn, "k_norm", None) is None):
+            raise _refuse(f"layer {i}", "Qwen3 attention without q_norm/k_norm")
+
+
+# -- parameter layout: fused in the model, unfused in checkpoints ----------------------------------
+
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hd: int) -> torch.Tensor:
+    w = torch.cat([q, k, v], 0)  # [out, in]
+    rw = q.shape[0] + k.shape[0]
+    return interleave_rope(w.t(), hd, rw).t().contiguous()
+
+
+def _split_qkv(w: torch.Tensor, hd: int, nq: int, nk: int) -> tuple[torch.Tensor, ...]:
+    plain = deinterleave_rope(w.t(), hd, nq + nk).t()
+    return plain[:nq].contiguous(), plain[nq : nq + nk].contiguous(), plain[nq + nk :].contiguous()
+
+
+def _attn_save_hook(module: Any, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
+    key = prefix + "qkv_weight"
+    if key not in state_dict:
+        return
+    q, k, v = _split_qkv(state_dict.pop(key).detach(), module.head_dim, module._coda_nq, module._coda_nk)
+    state_dict[prefix + "q_proj.weight"] = q
+    state_dict[prefix + "k_proj.weight"] = k
+    state_dict[prefix + "v_proj.weight"] = v
+
+
+def _attn_load_hook(module: Any, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+    keys = [prefix + f"{n}_proj.weight" for n in "qkv"]
+    if all(k in state_dict for k in keys):
+        q, k, v = (state_dict.pop(x) for x in keys)
+        state_dict[prefix + "qkv_weight"] = _fuse_qkv(q, k, v, module.head_dim)
+
+
+def _mlp_save_hook(module: Any, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
+    key = prefix + "gate_up_weight"
+    if key in state_dict:
+        w = state_dict.pop(key).detach()
+        state_dict[prefix + "gate_proj.weight"] = w[0::2].contiguous()
+        state_dict[prefix + "up_proj.weight"] = w[1::2].contiguous()
+
+
+def _mlp_load_hook(module: Any, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+    g, u = prefix + "gate_proj.weight", prefix + "up_proj.weight"
+    if g in state_dict and u in state_dict:
+        state_dict[prefix + "gate_up_weight"] = torch.stack([state_dict.pop(g), state_dict.pop(u)], 1).flatten(0, 1)
+
+
+def _fuse_layer(layer: Any, hd: int) -> None:
+    attn, mlp = layer.self_attn, layer.mlp
+    q, k, v = attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight
+    with torch.no_grad():
+        qkv = _fuse_qkv(q, k, v, hd)
+        gu = torch.stack([mlp.gate_proj.weight, mlp.up_proj.weight], 1).flatten(0, 1)
+    attn._coda_nq, attn._coda_nk = q.shape[0], k.shape[0]
+    attn.qkv_weight = torch.nn.Parameter(qkv, requires_grad=q.requires_grad)
+    mlp.gate_up_weight = torch.nn.Parameter(gu.contiguous(), requires_grad=mlp.gate_proj.weight.requires_grad)
+    del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
+    attn._register_state_dict_hook(_attn_save_hook)
+    attn.register_load_state_dict_pre_hook(_attn_load_hook)
+    mlp._register_state_dict_hook(_mlp_save_hook)
+    mlp.register_load_state_dict_pre_hook(_mlp_load_hook)
+
+
+# -- the forward ------------------------------------------------------------------------------------
+
+
+def _freq(st: _Model, model: Any, device: torch.device) -> torch.Tensor:
+    inv = model.model.rotary_emb.inv_freq.to(device=device, dtype=torch.float32)
+    return torch.cat([inv.repeat(st.H + st.KV), inv.new_zeros(st.KV * st.HD // 2)])
+
+
+def _qk_norm_weights(st: _Model, attn: Any, device: torch.device) -> dict[str, torch.Tensor]:
+    """Qwen3: the per-column q/k norm weight over the fused QKV (1 for v) and the q/k column mask."""
+    gq = interleave_rope(attn.q_norm.weight.float(), st.HD)
+    gk = interleave_rope(attn.k_norm.weight.float(), st.HD)
+    ones = torch.ones(st.KV * st.HD, device=device)
+    gqk = torch.cat([gq.repeat(st.H), gk.repeat(st.KV), ones])
+    nrm = torch.cat([torch.ones(st.rope_width, device=device), torch.zeros(st.KV * st.HD, device=device)])
+    return {"gqk": gqk, "nrm": nrm}
+
+
+def _attention(st: _Model, attn: Any, qkv: torch.Tensor, b: int, s: int, mask: Any, kwargs: dict[str, Any]) -> torch.Tensor:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    nq, nk = st.H * st.HD, st.KV * st.HD
+    q = qkv[:, :nq].view(b, s, st.H, st.HD).transpose(1, 2)
+    k = qkv[:, nq : nq + nk].view(b, s, st.KV, st.HD).transpose(1, 2)
+    v = qkv[:, nq + nk :].view(b, s, st.KV, st.HD).transpose(1, 2)
+    fn = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
+    extra = {"sliding_window": attn.sliding_window} if hasattr(attn, "sliding_window") else {}
+    out, _ = fn(
+        attn,
+        q,
+        k,
+        v,
+        mask,
+        dropout=0.0 if not attn.training else attn.attention_dropout,
+        scaling=attn.scaling,
+        **extra,
+        **kwargs,
+    )
+    return out.reshape(b * s, nq)
+
+
+def _hidden(
+    model: Any,
+    input_ids: Any,
+    attention_mask: Any,
+    position_ids: Any,
+    past_key_values: Any,
+    inputs_embeds: Any,
+    use_cache: Any,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """The last layer's output times the final norm's weight, and the norm's row scale: [B*S, D], [B*S]."""
+    from transformers.masking_utils import create_causal_mask
+
+    st: _Model = model._coda
+    if past_key_values is not None or use_cache:
+        raise _refuse("use_cache / past_key_values", "a coda-patched model runs training forwards (no KV cache)")
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+    base = model.model
+    emb = base.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+    if emb.dtype != st.dtype or base.layers[0].self_attn.qkv_weight.dtype != st.dtype:
+        raise _refuse(
+            f"dtype {base.layers[0].self_attn.qkv_weight.dtype}",
+            f"the model was patched in {st.dtype}; patch it again after changing its dtype",
+        )
+    b, s, _ = emb.shape
+    if position_ids is None:
+        position_ids = torch.arange(s, device=emb.device).unsqueeze(0)
+    mask = create_causal_mask(
+        config=model.config,
+        inputs_embeds=emb,
+        attention_mask=attention_mask,
+        past_key_values=None,
+        position_ids=position_ids,
+    )
+    pos = position_ids.expand(b, s).reshape(-1).to(torch.float32)
+    freq = _freq(st, model, emb.device)
+    layers = base.layers
+    h = emb.reshape(b * s, -1)
+
+    def qkn(i: int) -> dict[str, torch.Tensor]:
+        return _qk_norm_weights(st, layers[i].self_attn, emb.device) if st.qk_norm else {}
+
+    a0 = layers[0]
+    qkv = st.first(h=h, g=a0.input_layernorm.weight, w_qkv=a0.self_attn.qkv_weight, pos=pos, freq=freq, **qkn(0))[
+        "qkv"
+    ]
+    x = h
+    for i, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        y = _attention(st, attn, qkv, b, s, mask, kwargs)
+        common = dict(
+            y=y,
+            x=x,
+            w_o=attn.o_proj.weight,
+            g1=layer.post_attention_layernorm.weight,
+            w_13=mlp.gate_up_weight,
+            w_2=mlp.down_proj.weight,
+        )
+        if i + 1 < len(layers):
+            nxt = layers[i + 1]
+            out = st.layer(
+                **common,
+                g2=nxt.input_layernorm.weight,
+                w_qkv=nxt.self_attn.qkv_weight,
+                pos=pos,
+                freq=freq,
+                **qkn(i + 1),
+            )
+            x, qkv = out["x2"], out["qkv"]
+        else:
+            out = st.last(**common, g2=base.norm.weight)
+            return out["x2g"], out["r2"], b, s
+    raise AssertionError("unreachable")
+
+
+def _targets(labels: torch.Tensor, shift_labels: Any, vocab: int) -> torch.Tensor:
+    if shift_labels is None:
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=IGNORE)[..., 1:]
+    t = shift_labels.reshape(-1)
+    bad = (t != IGNORE) & ((t < 0) | (t >= vocab))
+    if t.device.type == "cpu":
+        if bool(bad.any()):
+            raise ValueError(f"labels must be in [0, {vocab}) or {IGNORE}, got {int(t[bad][0])}")
+    else:
+        torch._assert_async(~bad.any(), f"labels must be in [0, {vocab}) or {IGNORE}")
+    return t.to(torch.int32)
+
+
+def _causal_lm_forward(
+    self: Any,
+    input_ids: Any = None,
+    attention_mask: Any = None,
+    position_ids: Any = None,
+    past_key_values: Any = None,
+    inputs_embeds: Any = None,
+    labels: Any = None,
+    use_cache: Any = None,
+    logits_to_keep: int | torch.Tensor = 0,
+    **kwargs: Any,
+) -> Any:
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    st: _Model = self._coda
+    num_items = kwargs.pop("num_items_in_batch", None)
+    shift_labels = kwargs.pop("shift_labels", None)
+    kwargs.pop("return_dict", None)
+    hg, r, b, s = _hidden(self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs)
+    w_lm = self.lm_head.weight
+    if labels is not None or shift_labels is not None:
+        target = _targets(labels, shift_labels, self.config.vocab_size)
+        head = st.head_loss[_kernels(hg.device)]
+        per_token = head(hg=hg, r=r, w_lm=w_lm, target=target)["loss"]
+        if num_items is not None:
+            loss = per_token.sum() / num_items
+        else:
+            loss = per_token.sum() / (target != IGNORE).sum()
+        return CausalLMOutputWithPast(loss=loss, logits=None)
+    rows = torch.arange(b * s, device=hg.device).view(b, s)
+    if isinstance(logits_to_keep, int) and logits_to_keep > 0:
+        rows = rows[:, -logits_to_keep:]
+    elif isinstance(logits_to_keep, torch.Tensor):
+        rows = rows[:, logits_to_keep]
+    keep = rows.reshape(-1)
+    logits = st.head_logits(hg=hg[keep], r=r[keep], w_lm=w_lm)["logits"]
+    return CausalLMOutputWithPast(loss=None, logits=logits.view(b, rows.shape[1], -1))
+
+
+def _kernels(device: torch.device) -> bool:
+    from coda_lang.torch import uses_kernels
+
+    return uses_kernels(device)
+
+
+def _base_forward(
+    self: Any,
+    input_ids: Any = None,
+    attention_mask: Any = None,
+    position_ids: Any = None,
+    past_key_values: Any = None,
+    inputs_embeds: Any = None,
+    use_cache: Any = None,
+    **kwargs: Any,
+) -> Any:
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    owner = self._coda_owner()  # the causal LM holding this base model (a weak reference: no module cycle)
+    hg, r, b, s = _hidden(owner, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs)
+    out = (hg.float() * r[:, None]).to(hg.dtype)
+    return BaseModelOutputWithPast(last_hidden_state=out.view(b, s, -1))
+
+
+def _apply(model: Any, family: str, qk_norm: bool) -> Any:
+    _check(model, family, qk_norm)
+    st = _Model(model, qk_norm)
+    for layer in model.model.layers:
+        _fuse_layer(layer, st.HD)
+    model._coda = st
+    object.__setattr__(model.model, "_coda_owner", weakref.ref(model))
+    model.forward = types.MethodType(_causal_lm_forward, model)
+    model.model.forward = types.MethodType(_base_forward, model.model)
+    return model
+
+
+def apply_coda_to_llama(model: Any) -> Any:
+    """Patch a transformers `LlamaForCausalLM` in place (and return it) so that everything outside
+    attention runs as coda blocks; see this module's docstring. Make the optimizer afterwards."""
+    return _apply(model, "llama", qk_norm=False)
+
+
+def apply_coda_to_qwen3(model: Any) -> Any:
+    """Patch a transformers `Qwen3ForCausalLM` in place (and return it): as `apply_coda_to_llama`, with
+    Qwen3's per-head q/k RMSNorm in the QKV blocks' epilogue."""
+    return _apply(model, "qwen3", qk_norm=True)

@@ -1,0 +1,204 @@
+"""coda blocks as torch functions and modules, with autograd, on any device.
+
+What it does: `function(block)` makes a block a differentiable function of torch tensors: on a Hopper
+GPU (compute capability 9.0) each GEMM stage is one fused CuTeDSL kernel, its backward the derived
+backward block's kernels; on any other device (a CPU, another GPU) the same stages run as their torch
+stand-ins with the kernels' numerics (f32 inside a stage, stored tiles rounded to their dtype), so a
+CPU machine and CI take the same code path as the GPU. `BlockModule` is a `torch.nn.Module` that owns
+some of a block's inputs as parameters; `LlamaMLP` is the LLaMA layer's out-proj + residual + RMSNorm +
+SwiGLU MLP + residual as one such module.
+What it does not: choose between fused and unfused math (a block is what its .coda text says), or
+fall back silently: a block the GPU backend can't compile raises the backend's CodaError (E07) on its
+first call on the GPU.
+Invariants: gradients flow to every floating-point input that requires grad, in that input's dtype;
+`$CODA_EMULATE=1` forces the stand-ins on a Hopper GPU too (debugging: the two paths must agree).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from coda_lang.api import Block, load
+
+__all__ = ["BlockFunction", "BlockModule", "LlamaMLP", "function", "uses_kernels"]
+
+REMATS = ("save", "recompute", "auto")
+
+
+def uses_kernels(device: torch.device | str) -> bool:
+    """Whether blocks run as CuTeDSL kernels on `device` (a Hopper GPU) rather than as torch stand-ins."""
+    device = torch.device(device)
+    if device.type != "cuda" or os.environ.get("CODA_EMULATE", "0") == "1":
+        return False
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def _as_block(block: Block | str, name: str | None) -> Block:
+    if isinstance(block, Block):
+        return block
+    if not isinstance(block, str):
+        raise TypeError(f"expected a coda Block or .coda source text or path, got {type(block).__name__}")
+    prog = load(block)
+    if name is not None:
+        return prog[name]
+    if len(prog) != 1:
+        raise ValueError(f"{prog.file} has {len(prog)} blocks ({', '.join(prog.blocks)}); pass name=")
+    return next(iter(prog))
+
+
+class BlockFunction:
+    """A block as a differentiable torch function: `f(**tensors)` (or `f({name: tensor})`) returns the
+    block's outputs by name. Made by `function(block)`.
+
+    The runtime is chosen per call by the device of the tensors: kernels on a Hopper GPU, torch
+    stand-ins elsewhere (`uses_kernels`). Outputs of a call whose inputs require grad have a backward
+    through the derived backward block (`remat` says what that backward recomputes rather than reads
+    saved; docs/design.md, "Saved and recomputed"). `dims`: sizes of dims no input's shape gives.
+    """
+
+    def __init__(
+        self,
+        block: Block,
+        *,
+        wrt: list[str] | None = None,
+        remat: str = "save",
+        tile: Any = None,
+        dims: dict[str, int] | None = None,
+    ):
+        if remat not in REMATS:
+            raise ValueError(f"remat must be one of {', '.join(REMATS)}, got {remat!r}")
+        self.block, self.wrt, self.remat, self.tile, self.dims = block, wrt, remat, tile, dims
+        self._fns: dict[bool, Any] = {}  # emulate? -> CudaFunction
+        block.derivation(wrt, remat)  # derive now: an error shows when the function is made
+
+    @property
+    def name(self) -> str:
+        return self.block.name
+
+    def __repr__(self) -> str:
+        return f"<coda function {self.name} (remat={self.remat})>"
+
+    def _fn(self, emulate: bool) -> Any:
+        fn = self._fns.get(emulate)
+        if fn is None:
+            cb = self.block.cuda(tile=self.tile, dims=self.dims, emulate=emulate)
+            fn = self._fns[emulate] = cb.autograd(self.wrt, remat=self.remat)
+        return fn
+
+    def __call__(
+        self, inputs: dict[str, Any] | None = None, /, *, dims: dict[str, int] | None = None, **tensors: Any
+    ) -> dict[str, torch.Tensor]:
+        given = {**(inputs or {}), **tensors}
+        device = next((v.device for v in given.values() if isinstance(v, torch.Tensor)), None)
+        if device is None:
+            raise ValueError(f"block {self.name}: no torch tensor among the inputs")
+        return self._fn(not uses_kernels(device))(given, dims=dims)
+
+
+def function(
+    block: Block | str,
+    *,
+    name: str | None = None,
+    wrt: list[str] | None = None,
+    remat: str = "save",
+    tile: Any = None,
+    dims: dict[str, int] | None = None,
+) -> BlockFunction:
+    """`block` (a Block, or .coda source text or a path; `name` picks one of several blocks) as a
+    differentiable torch function. See `BlockFunction`."""
+    return BlockFunction(_as_block(block, name), wrt=wrt, remat=remat, tile=tile, dims=dims)
+
+
+class BlockModule(torch.nn.Module):
+    """A `torch.nn.Module` running one block, owning some of its inputs as parameters.
+
+    `params`: {input name: initial tensor}; each becomes an `nn.Parameter` of that name. `forward(**x)`
+    takes the block's other inputs and returns its outputs by name (a dict), or the only output.
+    """
+
+    def __init__(
+        self,
+        block: Block | str,
+        params: dict[str, torch.Tensor],
+        *,
+        name: str | None = None,
+        remat: str = "save",
+        tile: Any = None,
+    ):
+        super().__init__()
+        self.fn = function(block, name=name, remat=remat, tile=tile)
+        names = {p.var.name for p in self.fn.block.ir.params}
+        for k, v in params.items():
+            if k not in names:
+                raise ValueError(f"block {self.fn.name} has no input `{k}`; inputs: {', '.join(sorted(names))}")
+            self.register_parameter(k, torch.nn.Parameter(v))
+
+    def forward(self, *args: Any, **inputs: Any) -> Any:
+        if args:
+            raise TypeError(f"{type(self).__name__} takes its inputs by name")
+        params = dict(self.named_parameters(recurse=False))
+        outs = self.fn({**inputs, **params})
+        return next(iter(outs.values())) if len(outs) == 1 else outs
+
+
+LLAMA_MLP = """
+dims M, D, F, K
+block llama_mlp(y: {t}[M, K], x: {t}[M, D], w_o: {t}[D, K], g: f32[D], w_13: {t}[2*F, D],
+                w_2: {t}[D, F], eps: f32 = {eps}) -> (x2: {t}[M, D]) {{
+  gemm y @ transpose(w_o) {{
+    h: {t} = acc + x
+    hg: {t} = h * g
+    ss = sum(h * h, over=D)
+  }}
+  r = rsqrt(ss / D + eps)
+  gemm hg @ transpose(w_13) {{
+    z = acc * r
+    gt, up = pairs(z)
+    a: {t} = silu(gt) * up
+  }}
+  gemm a @ transpose(w_2) {{
+    x2 = acc + h
+  }}
+}}
+"""
+
+
+class LlamaMLP(BlockModule):
+    """After a LLaMA layer's attention: `x2 = mlp(rmsnorm(y @ w_o.T + x) * g) + (y @ w_o.T + x)`, three
+    fused GEMMs. `forward(y, x)`: y the attention output [tokens, heads*head_dim], x the residual
+    [tokens, hidden]. Weights are in `nn.Linear` layout ([out, in]); `w_13` holds gate and up rows
+    interleaved (g0, u0, g1, u1, ...: `coda_lang.layout.interleave_gate_up` on the transposes)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        attn_width: int | None = None,
+        *,
+        eps: float = 1e-6,
+        dtype: torch.dtype = torch.bfloat16,
+        device: Any = None,
+        remat: str = "save",
+    ):
+        t = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}.get(dtype)
+        if t is None:
+            raise ValueError(f"LlamaMLP: dtype must be bfloat16, float16 or float32, got {dtype}")
+        k = hidden if attn_width is None else attn_width
+        std = 0.02
+
+        def w(*shape: int) -> torch.Tensor:
+            return (torch.randn(*shape, device=device) * std).to(dtype)
+
+        params = {
+            "w_o": w(hidden, k),
+            "g": torch.ones(hidden, device=device, dtype=dtype),
+            "w_13": w(2 * intermediate, hidden),
+            "w_2": w(hidden, intermediate),
+        }
+        super().__init__(LLAMA_MLP.format(t=t, eps=repr(float(eps))), params, remat=remat)
+
+    def forward(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(y=y, x=x)
