@@ -133,7 +133,9 @@ class BlockModule(torch.nn.Module):
         names = {p.var.name for p in self.fn.block.ir.params}
         for k, v in params.items():
             if k not in names:
-                raise ValueError(f"block {self.fn.name} has no input `{k}`; inputs: {', '.join(sorted(names))}")
+                raise ValueError(
+                    f"block {self.fn.name} has no input `{k}`; inputs: {', '.join(sorted(names))}"
+                )
             self.register_parameter(k, torch.nn.Parameter(v))
 
     def forward(self, *args: Any, **inputs: Any) -> Any:
@@ -200,5 +202,5 @@ class LlamaMLP(BlockModule):
         }
         super().__init__(LLAMA_MLP.format(t=t, eps=repr(float(eps))), params, remat=remat)
 
-    def forward(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return super().forward(y=y, x=x)

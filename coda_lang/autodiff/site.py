@@ -411,7 +411,13 @@ class Site:
             ):
                 s.add_cotangent(name, total)  # an alias of a loaded matrix
                 continue
-            if total == dacc_src and stored is not None and pt is not None and od is not None and pt.dtype == od:
+            if (
+                total == dacc_src
+                and stored is not None
+                and pt is not None
+                and od is not None
+                and pt.dtype == od
+            ):
                 aliases.append((name, stored))  # the same tile as dacc (e.g. a residual's dx)
                 continue
             out = b.op(

@@ -32,7 +32,7 @@ from coda_lang.hf.blocks import DTYPES, model_source
 from coda_lang.layout import deinterleave_rope, interleave_rope
 from coda_lang.torch import BlockFunction, function
 
-__all__ = ["apply_coda_to_llama", "apply_coda_to_qwen3"]
+__all__ = ["apply_coda_to_llama", "apply_coda_to_qwen3", "unfused_grads"]
 
 _ROPE_TYPES = ("default", "llama3", "linear")
 IGNORE = -100
@@ -55,7 +55,11 @@ class _Model:
 
         def fn(name: str, remat: str = "save") -> BlockFunction:
             b = prog[name]
-            wrt = [p.var.name for p in b.ir.params if p.var.name in weights or p.var.name in ("h", "y", "x", "hg", "r")]
+            wrt = [
+                p.var.name
+                for p in b.ir.params
+                if p.var.name in weights or p.var.name in ("h", "y", "x", "hg", "r")
+            ]
             return function(b, wrt=wrt, remat=remat)
 
         self.first, self.layer, self.last = fn("first_qkv"), fn("layer"), fn("last")
@@ -149,7 +153,9 @@ def _mlp_save_hook(module: Any, state_dict: dict[str, Any], prefix: str, _meta: 
 def _mlp_load_hook(module: Any, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
     g, u = prefix + "gate_proj.weight", prefix + "up_proj.weight"
     if g in state_dict and u in state_dict:
-        state_dict[prefix + "gate_up_weight"] = torch.stack([state_dict.pop(g), state_dict.pop(u)], 1).flatten(0, 1)
+        state_dict[prefix + "gate_up_weight"] = torch.stack(
+            [state_dict.pop(g), state_dict.pop(u)], 1
+        ).flatten(0, 1)
 
 
 def _fuse_layer(layer: Any, hd: int) -> None:
@@ -166,6 +172,27 @@ def _fuse_layer(layer: Any, hd: int) -> None:
     attn.register_load_state_dict_pre_hook(_attn_load_hook)
     mlp._register_state_dict_hook(_mlp_save_hook)
     mlp.register_load_state_dict_pre_hook(_mlp_load_hook)
+
+
+def unfused_grads(model: Any) -> dict[str, torch.Tensor]:
+    """The gradients of a patched model's parameters under the unpatched model's names and layouts (as
+    its `state_dict()` names them): to compare with an unpatched model, or to log per-projection norms."""
+    out: dict[str, torch.Tensor] = {}
+    fused: dict[str, Any] = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        if name.endswith("self_attn.qkv_weight") or name.endswith("mlp.gate_up_weight"):
+            fused[name] = p.grad
+        else:
+            out[name] = p.grad
+    for name, g in fused.items():
+        prefix = name.rsplit(".", 1)[0] + "."
+        module = model.get_submodule(prefix[:-1])
+        sd = {name.rsplit(".", 1)[1]: g}
+        (_attn_save_hook if name.endswith("qkv_weight") else _mlp_save_hook)(module, sd, "", None)
+        out.update({prefix + k: v for k, v in sd.items()})
+    return out
 
 
 # -- the forward ------------------------------------------------------------------------------------
@@ -186,7 +213,9 @@ def _qk_norm_weights(st: _Model, attn: Any, device: torch.device) -> dict[str, t
     return {"gqk": gqk, "nrm": nrm}
 
 
-def _attention(st: _Model, attn: Any, qkv: torch.Tensor, b: int, s: int, mask: Any, kwargs: dict[str, Any]) -> torch.Tensor:
+def _attention(
+    st: _Model, attn: Any, qkv: torch.Tensor, b: int, s: int, mask: Any, kwargs: dict[str, Any]
+) -> torch.Tensor:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
@@ -225,7 +254,9 @@ def _hidden(
 
     st: _Model = model._coda
     if past_key_values is not None or use_cache:
-        raise _refuse("use_cache / past_key_values", "a coda-patched model runs training forwards (no KV cache)")
+        raise _refuse(
+            "use_cache / past_key_values", "a coda-patched model runs training forwards (no KV cache)"
+        )
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
     base = model.model
@@ -250,13 +281,13 @@ def _hidden(
     layers = base.layers
     h = emb.reshape(b * s, -1)
 
-    def qkn(i: int) -> dict[str, torch.Tensor]:
+    def qkn(i: int) -> dict[str, Any]:
         return _qk_norm_weights(st, layers[i].self_attn, emb.device) if st.qk_norm else {}
 
     a0 = layers[0]
-    qkv = st.first(h=h, g=a0.input_layernorm.weight, w_qkv=a0.self_attn.qkv_weight, pos=pos, freq=freq, **qkn(0))[
-        "qkv"
-    ]
+    qkv = st.first(
+        h=h, g=a0.input_layernorm.weight, w_qkv=a0.self_attn.qkv_weight, pos=pos, freq=freq, **qkn(0)
+    )["qkv"]
     x = h
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
@@ -317,7 +348,9 @@ def _causal_lm_forward(
     num_items = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)
     kwargs.pop("return_dict", None)
-    hg, r, b, s = _hidden(self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs)
+    hg, r, b, s = _hidden(
+        self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs
+    )
     w_lm = self.lm_head.weight
     if labels is not None or shift_labels is not None:
         target = _targets(labels, shift_labels, self.config.vocab_size)
@@ -335,7 +368,7 @@ def _causal_lm_forward(
         rows = rows[:, logits_to_keep]
     keep = rows.reshape(-1)
     logits = st.head_logits(hg=hg[keep], r=r[keep], w_lm=w_lm)["logits"]
-    return CausalLMOutputWithPast(loss=None, logits=logits.view(b, rows.shape[1], -1))
+    return CausalLMOutputWithPast(loss=None, logits=logits.view(b, rows.shape[1], -1))  # type: ignore[arg-type]
 
 
 def _kernels(device: torch.device) -> bool:
@@ -357,9 +390,11 @@ def _base_forward(
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
     owner = self._coda_owner()  # the causal LM holding this base model (a weak reference: no module cycle)
-    hg, r, b, s = _hidden(owner, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs)
+    hg, r, b, s = _hidden(
+        owner, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs
+    )
     out = (hg.float() * r[:, None]).to(hg.dtype)
-    return BaseModelOutputWithPast(last_hidden_state=out.view(b, s, -1))
+    return BaseModelOutputWithPast(last_hidden_state=out.view(b, s, -1))  # type: ignore[arg-type]
 
 
 def _apply(model: Any, family: str, qk_norm: bool) -> Any:

@@ -91,13 +91,15 @@ class Checker:
         self.diags.append(Diagnostic(code, msg, span, label=label, **kw))
 
     def _activation(self) -> str:
+        """The dtype of the first GEMM's operand that is a parameter (a, else b), else bf16."""
         for st in self.block.stages:
             if not st.is_gemm:
                 continue
-            if isinstance(st.a, Var):
-                for p in self.block.params:
-                    if p.var.name == st.a.name and p.var.type is not None and is_float(p.var.type.dtype):
-                        return p.var.type.dtype
+            for x in (st.a, st.b):
+                if isinstance(x, Var):
+                    for p in self.block.params:
+                        if p.var.name == x.name and p.var.type is not None and is_float(p.var.type.dtype):
+                            return p.var.type.dtype
             break
         return "bf16"
 

@@ -1,0 +1,239 @@
+"""coda_lang.hf: a patched Hugging Face LLaMA / Qwen3 against the same model unpatched.
+
+Tiny models (2 layers, GQA, random init from a seed, some labels -100) on the CPU, where the blocks run
+as the kernels' torch stand-ins: loss, logits and every parameter's gradient to 1e-5 relative in
+float32, and within the paper's accuracy rule in bf16 (max|out - ref_f32| < 2 max|ref_bf16 - ref_f32|
++ 1e-6, ref = the unpatched model in f32 and in bf16); 30 AdamW steps train the same; checkpoints move
+between patched and unpatched models; what the patch can't handle is refused by name.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from coda_lang.hf import apply_coda_to_llama, apply_coda_to_qwen3  # noqa: E402
+from coda_lang.hf.patch import unfused_grads  # noqa: E402
+
+VOCAB = 96
+SHAPES = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    attn_implementation="eager",
+)
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, apply_coda_to_llama),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, apply_coda_to_qwen3),
+}
+
+
+def make(family: str, dtype: Any = None, seed: int = 0, **over: Any) -> Any:
+    config_cls, model_cls, _ = FAMILIES[family]
+    kw = {**SHAPES, **over}
+    if family == "llama":
+        kw.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kw))
+    # norm weights away from 1, so that a wrong norm weight layout shows
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    return model.to(dtype) if dtype is not None else model
+
+
+def patch(family: str, model: Any) -> Any:
+    return FAMILIES[family][2](model)
+
+
+def batch(seed: int = 1, b: int = 2, s: int = 24) -> tuple[Any, Any]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (b, s), generator=g)
+    labels = ids.clone()
+    labels[0, :5] = -100
+    labels[1, -3:] = -100
+    return ids, labels
+
+
+def grads(model: Any) -> dict[str, Any]:
+    return {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def rel(a: Any, b: Any) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
+def run(model: Any, ids: Any, labels: Any) -> tuple[Any, Any, dict[str, Any]]:
+    model.zero_grad(set_to_none=True)
+    out = model(ids, labels=labels)
+    out.loss.backward()
+    g = unfused_grads(model) if getattr(model, "_coda", None) is not None else grads(model)
+    logits = model(ids).logits
+    return out.loss.detach(), logits.detach(), g
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_float32_matches_unpatched(family: str) -> None:
+    ref = make(family)
+    pat = patch(family, copy.deepcopy(ref))
+    ids, labels = batch()
+    l0, z0, g0 = run(ref, ids, labels)
+    l1, z1, g1 = run(pat, ids, labels)
+    assert rel(l1, l0) < 1e-5
+    assert rel(z1, z0) < 1e-5
+    assert set(g1) == set(g0) and len(g0) == len(list(ref.parameters()))
+    for name in g0:
+        assert rel(g1[name], g0[name]) < 1e-5, name
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_bf16_within_the_accuracy_rule(family: str) -> None:
+    ref32 = make(family)
+    ref16 = copy.deepcopy(ref32).to(torch.bfloat16)
+    pat = patch(family, copy.deepcopy(ref32).to(torch.bfloat16))
+    ids, labels = batch()
+    want = run(ref32, ids, labels)
+    low = run(ref16, ids, labels)
+    got = run(pat, ids, labels)
+
+    def ok(out: Any, lowp: Any, ref: Any, what: str) -> None:
+        err = float((out.float() - ref).abs().max())
+        bound = 2 * float((lowp.float() - ref).abs().max()) + 1e-6
+        assert err < bound, f"{what}: |coda - f32| = {err:.3g}, 2 |HF bf16 - f32| + 1e-6 = {bound:.3g}"
+
+    ok(got[0], low[0], want[0], "loss")
+    ok(got[1], low[1], want[1], "logits")
+    for name in want[2]:
+        ok(got[2][name], low[2][name], want[2][name], name)
+
+
+def train(model: Any, steps: int, seed: int = 7) -> tuple[list[float], dict[str, Any]]:
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    g = torch.Generator().manual_seed(seed)
+    # a learnable stream: each token predicts the next as (a * t + b) % VOCAB, with noise
+    losses = []
+    for _ in range(steps):
+        start = torch.randint(0, VOCAB, (2, 1), generator=g)
+        ids = (start + 7 * torch.arange(32)) % VOCAB
+        labels = ids.clone()
+        labels[:, :2] = -100
+        loss = model(ids, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, {k: v.float() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_convergence_30_adamw_steps(family: str) -> None:
+    """As Liger's mini-model tests: the same init and data, 30 AdamW steps, patched and unpatched in
+    bf16 (and the unpatched model in f32 as the reference): the loss falls, and the patched run is as
+    close to the f32 run as the unpatched bf16 run is (2x, plus a floor of bf16 resolution)."""
+    base = make(family)
+    l32, p32 = train(copy.deepcopy(base), 30)
+    l16, p16 = train(copy.deepcopy(base).to(torch.bfloat16), 30)
+    lc, pc = train(patch(family, copy.deepcopy(base).to(torch.bfloat16)), 30)
+    assert lc[-1] < 0.5 * lc[0], lc  # it learns
+    curve_ref = max(abs(a - b) for a, b in zip(l16, l32, strict=True))
+    curve = max(abs(a - b) for a, b in zip(lc, l32, strict=True))
+    assert curve < 2 * curve_ref + 2e-2, (curve, curve_ref)
+    for name in p32:
+        ref = float((p16[name] - p32[name]).abs().max())
+        got = float((pc[name] - p32[name]).abs().max())
+        assert got < 2 * ref + 1e-2, (name, got, ref)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_checkpoints_round_trip(family: str, tmp_path: Any) -> None:
+    ref = make(family)
+    pat = patch(family, make(family, seed=3))  # other weights
+    ids, _ = batch()
+    sd = pat.state_dict()
+    assert set(sd) == set(ref.state_dict())  # the unpatched model's names
+    assert not any("qkv_weight" in k or "gate_up" in k for k in sd)
+    ref.load_state_dict(sd)  # patched -> unpatched
+    assert rel(ref(ids).logits, pat(ids).logits) < 1e-5
+    other = patch(family, make(family, seed=5))
+    other.load_state_dict(make(family, seed=3).state_dict())  # unpatched -> patched
+    assert rel(other(ids).logits, pat(ids).logits) < 1e-6
+    pat.save_pretrained(tmp_path)
+    back = FAMILIES[family][1].from_pretrained(tmp_path)
+    assert rel(back(ids).logits, pat(ids).logits) < 1e-5
+    assert isinstance(back.model.layers[0].self_attn.q_proj, torch.nn.Linear)  # an ordinary model
+
+
+def test_tied_embeddings_llama_3_rope_and_base_model() -> None:
+    """Llama-3 rope scaling (inv_freq from the model), tied embeddings, labels and num_items_in_batch,
+    logits_to_keep, and the base model's hidden state."""
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
+    ref = make("llama", tie_word_embeddings=True, rope_parameters=rope)
+    pat = patch("llama", copy.deepcopy(ref))
+    assert pat.lm_head.weight is pat.model.embed_tokens.weight
+    ids, labels = batch(s=40)
+    l0, z0, g0 = run(ref, ids, labels)
+    l1, z1, g1 = run(pat, ids, labels)
+    assert rel(l1, l0) < 1e-5 and rel(z1, z0) < 1e-5
+    assert rel(g1["model.embed_tokens.weight"], g0["model.embed_tokens.weight"]) < 1e-5
+    n = torch.tensor(50.0)
+    assert (
+        rel(
+            pat(ids, labels=labels, num_items_in_batch=n).loss,
+            ref(ids, labels=labels, num_items_in_batch=n).loss,
+        )
+        < 1e-5
+    )
+    assert rel(pat(ids, logits_to_keep=1).logits, z0[:, -1:]) < 1e-5
+    assert rel(pat.model(ids).last_hidden_state, ref.model(ids).last_hidden_state) < 1e-5
+    assert pat(ids, labels=labels).logits is None  # with labels the logits are never made
+
+
+@pytest.mark.parametrize(
+    ("over", "named"),
+    [
+        ({"attention_bias": True}, "attention_bias"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
+    ],
+)
+def test_what_it_cannot_patch_is_refused_by_name(over: dict[str, Any], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        apply_coda_to_llama(make("llama", **over))
+
+
+def test_misuse_is_refused() -> None:
+    model = apply_coda_to_llama(make("llama"))
+    with pytest.raises(ValueError, match="patched already"):
+        apply_coda_to_llama(model)
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
+        apply_coda_to_qwen3(make("llama"))
+    ids, labels = batch()
+    with pytest.raises(ValueError, match="KV cache"):
+        model(ids, use_cache=True)
+    bad = labels.clone()
+    bad[0, 7] = VOCAB
+    with pytest.raises(ValueError, match="labels must be in"):
+        model(ids, labels=bad)
+    model.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="patch it again"):
+        model(ids)

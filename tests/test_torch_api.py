@@ -1,0 +1,95 @@
+"""coda_lang.torch: blocks as differentiable torch functions and modules, on the CPU (the kernels' torch
+stand-ins), against torch autograd of the same math in float64."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import coda_lang  # noqa: E402
+from coda_lang.layout import interleave_gate_up  # noqa: E402
+from coda_lang.torch import BlockModule, LlamaMLP, function, uses_kernels  # noqa: E402
+from tests.support import ROOT  # noqa: E402
+
+
+def rel(a: Any, b: Any) -> float:
+    return float((a.detach().double() - b.detach().double()).abs().max() / b.detach().double().abs().max())
+
+
+def mlp_reference(y: Any, x: Any, w_o: Any, g: Any, w_13: Any, w_2: Any, eps: float = 1e-6) -> Any:
+    h = y @ w_o.T + x
+    n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * g
+    z = n @ w_13.T
+    return (torch.nn.functional.silu(z[:, 0::2]) * z[:, 1::2]) @ w_2.T + h
+
+
+def test_cpu_runs_the_stand_ins() -> None:
+    assert not uses_kernels("cpu")
+
+
+def test_function_gradients_match_torch_float64() -> None:
+    """A float32 block's outputs and gradients against torch autograd of the same math in float64."""
+    mlp = LlamaMLP(32, 48, dtype=torch.float32, eps=1e-6)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        mlp.g.copy_(1 + 0.3 * torch.randn(32))
+    y, x = torch.randn(10, 32, requires_grad=True), torch.randn(10, 32, requires_grad=True)
+    out = mlp(y, x)
+    ct = torch.randn_like(out)
+    (out * ct).sum().backward()
+    ps = {n: p.detach().double().requires_grad_() for n, p in mlp.named_parameters()}
+    y64, x64 = y.detach().double().requires_grad_(), x.detach().double().requires_grad_()
+    ref = mlp_reference(y64, x64, **ps)
+    (ref * ct.double()).sum().backward()
+    assert rel(out, ref) < 1e-5
+    assert rel(y.grad, y64.grad) < 1e-5 and rel(x.grad, x64.grad) < 1e-5
+    for n, p in mlp.named_parameters():
+        assert p.grad is not None and p.grad.dtype == torch.float32
+        assert rel(p.grad, ps[n].grad) < 1e-5, n
+
+
+def test_bf16_module_follows_the_interpreter() -> None:
+    """The bf16 module's forward equals the reference interpreter (exact mode) on the same inputs."""
+    torch.manual_seed(1)
+    mlp = LlamaMLP(32, 48, dtype=torch.bfloat16)
+    y, x = torch.randn(8, 32).bfloat16(), torch.randn(8, 32).bfloat16()
+    got = mlp(y, x).float()
+    ins = {n: p.detach().float().numpy() for n, p in mlp.named_parameters()}
+    import ml_dtypes
+
+    ins = {k: v.astype(ml_dtypes.bfloat16) if k != "g" else v for k, v in ins.items()}
+    ins["y"], ins["x"] = (t.float().numpy().astype(ml_dtypes.bfloat16) for t in (y, x))
+    want = mlp.fn.block.run(ins)["x2"].astype("float32")
+    assert float((got - torch.from_numpy(want)).abs().max()) <= 2**-6 * float(abs(want).max())
+
+
+def test_function_from_a_file_and_block_module() -> None:
+    prog = coda_lang.load(ROOT / "examples" / "llama_mlp.coda")
+    with pytest.raises(ValueError, match="remat"):
+        function(prog["llama_mlp"], remat="sometimes")
+    f = function(str(ROOT / "examples" / "llama_mlp.coda"))
+    assert f.name == "llama_mlp"
+    torch.manual_seed(2)
+    D, F = 16, 24
+    w1, w3 = torch.randn(D, F) * 0.1, torch.randn(D, F) * 0.1
+    params = {
+        "w_o": (torch.randn(D, D) * 0.1).bfloat16(),
+        "g": torch.ones(D),
+        "w_13": interleave_gate_up(w1, w3).bfloat16(),
+        "w_2": (torch.randn(F, D) * 0.1).bfloat16(),
+    }
+    mod = BlockModule(prog["llama_mlp"], params)
+    assert sorted(n for n, _ in mod.named_parameters()) == sorted(params)
+    y, x = torch.randn(4, D).bfloat16(), torch.randn(4, D).bfloat16()
+    out = mod(y=y, x=x)
+    assert out.shape == (4, D) and out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert all(p.grad is not None for p in mod.parameters())
+    assert torch.equal(out, f(y=y, x=x, **params)["x2"])
+    with pytest.raises(ValueError, match="no input `w_9`"):
+        BlockModule(prog["llama_mlp"], {"w_9": torch.zeros(2)})
+    with pytest.raises(TypeError, match="by name"):
+        mod(y, x)
