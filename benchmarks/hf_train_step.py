@@ -1,0 +1,205 @@
+"""Training steps of a Hugging Face LLaMA-3 model: HF eager, HF + torch.compile, HF + Liger Kernel, HF + coda.
+
+Usage (on a Hopper GPU): python benchmarks/hf_train_step.py [--configs eager,compile,liger,coda]
+    [--layers 16] [--seq 8192] [--batch 1] [--steps 9] [--warmup 3] [--json FILE] [--profile]
+
+Llama-3.2-1B shapes by default (hidden 2048, 16 layers, 32 query / 8 KV heads of 64, intermediate 8192,
+vocab 128256, tied embeddings, rope_theta 5e5 with Llama-3 rope scaling), random init (seed 0), bf16,
+sdpa attention, fused AdamW, one fixed batch of random tokens (labels = inputs). Per configuration, in
+one process one after another: the time to the first step (patching or compiling included, from the
+model on the GPU to the end of step 1), the median step time over `--steps` steps after `--warmup`
+(CUDA events; the first and second timed steps are printed too, to show the warm-up was long enough),
+tokens/s, peak memory (torch.cuda.max_memory_allocated over the timed steps, weights and optimizer
+state included) and the loss after each step. `--profile` adds one profiled step per configuration,
+its CUDA time split into attention, GEMM and other kernels. Prints a markdown table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+GIB = 2**30
+
+
+def llama_config(layers: int) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
+
+
+def build(config_name: str, layers: int) -> tuple[Any, Any]:
+    """(model on the GPU, the callable to step) for one configuration."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(llama_config(layers)).to(torch.bfloat16)
+    model.train()
+    return model, config_name
+
+
+def prepare(model: Any, name: str) -> Any:
+    if name == "eager":
+        return model
+    if name == "compile":
+        return torch.compile(model)
+    if name == "liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(model=model)
+        return model
+    if name == "coda":
+        from coda_lang.hf import apply_coda_to_llama
+
+        return apply_coda_to_llama(model)
+    raise SystemExit(f"unknown configuration {name!r}")
+
+
+def classify(kernel: str) -> str:
+    k = kernel.lower()
+    if any(s in k for s in ("flash", "fmha", "attention", "sdpa", "efficient_attention")):
+        return "attention"
+    if any(
+        s in k for s in ("gemm", "nvjet", "cutlass", "sm90_xmma", "matmul", "coda", "quack", "kernel_cutlass")
+    ):
+        return "gemm"
+    return "other"
+
+
+def run_config(name: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[str, Any]:
+    model, _ = build(name, args.layers)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fwd = prepare(model, name)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def step() -> float:
+        loss = fwd(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    losses = [step()]
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    for _ in range(args.warmup - 1):
+        losses.append(step())
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        losses.append(step())
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    peak = torch.cuda.max_memory_allocated() / GIB
+    split = None
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            losses.append(step())
+            torch.cuda.synchronize()
+        split = {"attention": 0.0, "gemm": 0.0, "other": 0.0}
+        for ev in prof.key_averages():
+            t = getattr(ev, "device_time_total", 0.0) or getattr(ev, "cuda_time_total", 0.0)
+            if ev.device_type is not None and str(ev.device_type).endswith("CUDA"):
+                split[classify(ev.key)] += t / 1e3
+    med = statistics.median(times)
+    res = {
+        "config": name,
+        "first_step_s": first,
+        "step_ms": med,
+        "first_two_ms": times[:2],
+        "tokens_per_s": ids.numel() / (med / 1e3),
+        "peak_gib": peak,
+        "losses": [float(x) for x in losses],
+        "profile_ms": split,
+    }
+    print(json.dumps(res), flush=True)
+    return res
+
+
+def release() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch._dynamo.reset()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default="eager,compile,liger,coda")
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=9)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--json", default=None)
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("hf_train_step: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, 128256, (args.batch, args.seq), device="cuda", generator=g)
+    results = []
+    for name in args.configs.split(","):
+        try:
+            results.append(run_config(name, args, ids))
+        except Exception as e:  # one configuration failing must not hide the others' numbers
+            print(f"{name}: failed: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+        release()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    print(
+        f"\n{torch.cuda.get_device_name()}, {args.layers} layers, seq {args.seq} x batch {args.batch}, bf16"
+    )
+    print("| | step | tokens/s | peak memory | first step | loss after | first two steps (ms) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        print(
+            f"| {r['config']} | {r['step_ms']:.1f} ms | {r['tokens_per_s'] / 1e3:.1f}k | {r['peak_gib']:.1f} GiB "
+            f"| {r['first_step_s']:.1f} s | {r['losses'][-1]:.4f} | {r['first_two_ms'][0]:.1f}, {r['first_two_ms'][1]:.1f} |"
+        )
+    for r in results:
+        if r["profile_ms"]:
+            s = r["profile_ms"]
+            print(f"{r['config']}: CUDA time per step: " + ", ".join(f"{k} {v:.1f} ms" for k, v in s.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
