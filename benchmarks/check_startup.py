@@ -41,9 +41,11 @@ def main() -> None:
         subprocess.run([sys.executable, "-c", "pass"], check=True)
         base.append(time.perf_counter() - t0)
     shown = " ".join(Path(c).name if i == 0 else c for i, c in enumerate(cmd))
-    print(f"{shown}: median {statistics.median(times) * 1000:.0f} ms over {args.runs} runs "
-          f"(min {min(times) * 1000:.0f} ms, max {max(times) * 1000:.0f} ms; "
-          f"bare `python -c pass`: {statistics.median(base) * 1000:.0f} ms)")
+    print(
+        f"{shown}: median {statistics.median(times) * 1000:.0f} ms over {args.runs} runs "
+        f"(min {min(times) * 1000:.0f} ms, max {max(times) * 1000:.0f} ms; "
+        f"bare `python -c pass`: {statistics.median(base) * 1000:.0f} ms)"
+    )
 
 
 if __name__ == "__main__":

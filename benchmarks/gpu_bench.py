@@ -51,9 +51,14 @@ def make_inputs(M: int, D: int, F: int, seed: int) -> dict[str, Any]:
         return torch.randn(*shape, device="cuda", generator=g) * scale
 
     bf = torch.bfloat16
-    return {"y": randn(M, D).to(bf), "x": randn(M, D).to(bf), "w_o": randn(D, D, scale=D**-0.5).to(bf),
-            "g": 1 + 0.1 * randn(D), "w_13": randn(D, 2 * F, scale=D**-0.5).to(bf),
-            "w_2": randn(F, D, scale=F**-0.5).to(bf)}
+    return {
+        "y": randn(M, D).to(bf),
+        "x": randn(M, D).to(bf),
+        "w_o": randn(D, D, scale=D**-0.5).to(bf),
+        "g": 1 + 0.1 * randn(D),
+        "w_13": randn(D, 2 * F, scale=D**-0.5).to(bf),
+        "w_2": randn(F, D, scale=F**-0.5).to(bf),
+    }
 
 
 def torch_mlp(y: Any, x: Any, w_o: Any, g: Any, w_13: Any, w_2: Any, eps: float = 1e-6) -> Any:
@@ -90,8 +95,15 @@ def library_stages(env: dict[str, Any], cfgs: dict[int, Any]) -> dict[int, Any]:
 
     def kw(k: int) -> dict[str, Any]:
         c = cfgs[k]
-        return dict(tile_M=c.tile_m, tile_N=c.tile_n, cluster_M=c.cluster_m, cluster_N=c.cluster_n,
-                    pingpong=c.pingpong, persistent=True, b_kn=True)
+        return dict(
+            tile_M=c.tile_m,
+            tile_N=c.tile_n,
+            cluster_M=c.cluster_m,
+            cluster_N=c.cluster_n,
+            pingpong=c.pingpong,
+            persistent=True,
+            b_kn=True,
+        )
 
     hg = torch.empty(M, D, dtype=torch.bfloat16, device="cuda")
     h = torch.empty_like(hg)
@@ -99,10 +111,17 @@ def library_stages(env: dict[str, Any], cfgs: dict[int, Any]) -> dict[int, Any]:
     a = torch.empty(M, F, dtype=torch.bfloat16, device="cuda")
     x2 = torch.empty_like(hg)
     out: dict[int, Any] = {
-        1: lambda: L.rms_partial_epi.gemm(env["y"], env["w_o"], hg, env["x"],
-                                          epi_args={"weight": env["g"], "resid_out": h, "sqsum": sq}, **kw(1)),
-        2: lambda: L.rstd_swiglu_epi.gemm(env["hg"], env["w_13"], None, None,
-                                          epi_args={"rstd": env["r"], "postact": a}, **kw(2)),
+        1: lambda: L.rms_partial_epi.gemm(
+            env["y"],
+            env["w_o"],
+            hg,
+            env["x"],
+            epi_args={"weight": env["g"], "resid_out": h, "sqsum": sq},
+            **kw(1),
+        ),
+        2: lambda: L.rstd_swiglu_epi.gemm(
+            env["hg"], env["w_13"], None, None, epi_args={"rstd": env["r"], "postact": a}, **kw(2)
+        ),
         3: lambda: L.residual_epi.gemm(env["a"], env["w_2"], x2, None, epi_args={"res": env["h"]}, **kw(3)),
     }
     checks = {1: (hg, "hg"), 2: (a, "a"), 3: (x2, "x2")}
@@ -148,7 +167,9 @@ def run_size(blk: Any, M: int, D: int, args: argparse.Namespace) -> dict[str, An
         A = env[spec.gemm.a]
         B = env[spec.gemm.b]
         row: dict[str, Any] = {"stage": k, "text": spec.text, "shape": [A.shape[0], A.shape[1], B.shape[1]]}
-        row["coda_ms"] = bench(lambda r=r, ins=ins, sc=sc: torch.ops.coda.stage(r.key, ins, sc), args.warmup, args.rep)
+        row["coda_ms"] = bench(
+            lambda r=r, ins=ins, sc=sc: torch.ops.coda.stage(r.key, ins, sc), args.warmup, args.rep
+        )
         row["coda_with_combine_ms"] = bench(lambda k=k: cb.run_stage(k, env), args.warmup, args.rep)
         row["cublas_ms"] = bench(lambda A=A, B=B: torch.matmul(A, B), args.warmup, args.rep)
         fn, info = lib[k]
@@ -208,11 +229,31 @@ def library_backward(env: dict[str, Any], bcb: Any) -> dict[int, Any]:
         post = torch.empty(M, F, dtype=torch.bfloat16, device="cuda")
         dsum = torch.empty(M, -(-F // c.tile_n), dtype=torch.float32, device="cuda")
 
-        def fn(dx2: Any = dx2, w_2: Any = w_2, D: Any = D, acc2: Any = acc2, r: Any = r, post: Any = post,
-               dsum: Any = dsum, c: Any = c) -> None:
-            L.dswiglu_rstd_preact_mod.gemm(dx2, w_2, D, acc2, epi_args={"rstd": r, "postact": post, "dsum": dsum},
-                                           tile_M=c.tile_m, tile_N=c.tile_n, cluster_M=c.cluster_m,
-                                           cluster_N=c.cluster_n, pingpong=c.pingpong, persistent=True, b_kn=False)
+        def fn(
+            dx2: Any = dx2,
+            w_2: Any = w_2,
+            D: Any = D,
+            acc2: Any = acc2,
+            r: Any = r,
+            post: Any = post,
+            dsum: Any = dsum,
+            c: Any = c,
+        ) -> None:
+            L.dswiglu_rstd_preact_mod.gemm(
+                dx2,
+                w_2,
+                D,
+                acc2,
+                epi_args={"rstd": r, "postact": post, "dsum": dsum},
+                tile_M=c.tile_m,
+                tile_N=c.tile_n,
+                cluster_M=c.cluster_m,
+                cluster_N=c.cluster_n,
+                pingpong=c.pingpong,
+                persistent=True,
+                b_kn=False,
+            )
+
         try:
             fn()
             torch.cuda.synchronize()
@@ -246,14 +287,20 @@ def run_backward(blk: Any, inputs: dict[str, Any], args: argparse.Namespace) -> 
 
     ref = grads_of(torch_mlp, torch.float64)
     plain = grads_of(torch_mlp, torch.bfloat16)
-    res["grad_err"] = {k: (rel_err(leaves[k].grad.float(), ref[k]), rel_err(plain[k].float(), ref[k])) for k in ref}
+    res["grad_err"] = {
+        k: (rel_err(leaves[k].grad.float(), ref[k]), rel_err(plain[k].float(), ref[k])) for k in ref
+    }
     del ref, plain
     torch.cuda.empty_cache()
 
     saved = d.forward.cuda()(inputs)
-    bins = {p.var.name: (ct if p.var.name == d.cotangents["x2"] else saved.get(p.var.name, inputs.get(p.var.name)))
-            for p in d.backward.ir.params if p.var.name in saved or p.var.name in inputs
-            or p.var.name == d.cotangents["x2"]}
+    bins = {
+        p.var.name: (
+            ct if p.var.name == d.cotangents["x2"] else saved.get(p.var.name, inputs.get(p.var.name))
+        )
+        for p in d.backward.ir.params
+        if p.var.name in saved or p.var.name in inputs or p.var.name == d.cotangents["x2"]
+    }
     env = bcb.values(bins)
     lib = library_backward(env, bcb)
     res["bwd_tiles"] = {k: str(bcb.config(k)) for k in bcb.gemm_stages}
@@ -264,9 +311,15 @@ def run_backward(blk: Any, inputs: dict[str, Any], args: argparse.Namespace) -> 
         ins, sc = r.arguments(env)
         A = env[spec.gemm.a].t() if spec.gemm.ta else env[spec.gemm.a]
         B = env[spec.gemm.b].t() if spec.gemm.tb else env[spec.gemm.b]
-        row: dict[str, Any] = {"stage": k, "text": spec.text, "mode": spec.mode,
-                               "shape": [A.shape[0], A.shape[1], B.shape[1]]}
-        row["coda_ms"] = bench(lambda r=r, ins=ins, sc=sc: torch.ops.coda.stage(r.key, ins, sc), args.warmup, args.rep)
+        row: dict[str, Any] = {
+            "stage": k,
+            "text": spec.text,
+            "mode": spec.mode,
+            "shape": [A.shape[0], A.shape[1], B.shape[1]],
+        }
+        row["coda_ms"] = bench(
+            lambda r=r, ins=ins, sc=sc: torch.ops.coda.stage(r.key, ins, sc), args.warmup, args.rep
+        )
         row["cublas_ms"] = bench(lambda A=A, B=B: torch.matmul(A, B), args.warmup, args.rep)
         f, info = lib.get(k, (None, None))
         row["quack_lib_ms"] = bench(f, args.warmup, args.rep) if f is not None else None
@@ -286,11 +339,14 @@ def run_backward(blk: Any, inputs: dict[str, Any], args: argparse.Namespace) -> 
 
     res["coda_fwd_bwd_ms"] = bench(step, args.warmup, args.rep)
     tleaves = {k: v.clone().requires_grad_() for k, v in inputs.items()}
-    res["torch_eager_fwd_bwd_ms"] = bench(lambda: torch_mlp(**fresh(tleaves)).backward(ct), args.warmup, args.rep)
+    res["torch_eager_fwd_bwd_ms"] = bench(
+        lambda: torch_mlp(**fresh(tleaves)).backward(ct), args.warmup, args.rep
+    )
     try:
         compiled = torch.compile(torch_mlp)
-        res["torch_compile_fwd_bwd_ms"] = bench(lambda: compiled(**fresh(tleaves)).backward(ct), args.warmup,
-                                                args.rep)
+        res["torch_compile_fwd_bwd_ms"] = bench(
+            lambda: compiled(**fresh(tleaves)).backward(ct), args.warmup, args.rep
+        )
     except Exception as e:
         res["torch_compile_fwd_bwd_ms"] = None
         res["compile_bwd_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -305,39 +361,59 @@ def table(results: list[dict[str, Any]]) -> str:
     lines = []
     for r in results:
         lines.append(f"M={r['M']} D={r['D']} F={r['F']}  tiles {r['tiles']}")
-        lines.append(f"  accuracy: ||coda - f64||/||f64|| = {r['err_coda_vs_f64']:.2e}, plain bf16 torch "
-                     f"{r['err_torch_bf16_vs_f64']:.2e} (ratio {r['err_coda_vs_f64'] / r['err_torch_bf16_vs_f64']:.2f})")
-        lines.append(f"  {'stage':<22}{'coda ms':>9}{'cuBLAS':>9}{'quack':>9}{'/cuBLAS':>9}{'/quack':>8}{'TFLOP/s':>9}")
+        lines.append(
+            f"  accuracy: ||coda - f64||/||f64|| = {r['err_coda_vs_f64']:.2e}, plain bf16 torch "
+            f"{r['err_torch_bf16_vs_f64']:.2e} (ratio {r['err_coda_vs_f64'] / r['err_torch_bf16_vs_f64']:.2f})"
+        )
+        lines.append(
+            f"  {'stage':<22}{'coda ms':>9}{'cuBLAS':>9}{'quack':>9}{'/cuBLAS':>9}{'/quack':>8}{'TFLOP/s':>9}"
+        )
         for s in r["stages"]:
             lib = s["quack_lib_ms"]
-            lines.append(f"  {s['stage']}: {s['text']:<19}{f(s['coda_ms']):>9}{f(s['cublas_ms']):>9}{f(lib):>9}"
-                         f"{f(s['coda_ms'] / s['cublas_ms'], 2):>9}"
-                         f"{(f(s['coda_ms'] / lib, 2) if lib else '-'):>8}{f(s['coda_tflops'], 0):>9}")
+            lines.append(
+                f"  {s['stage']}: {s['text']:<19}{f(s['coda_ms']):>9}{f(s['cublas_ms']):>9}{f(lib):>9}"
+                f"{f(s['coda_ms'] / s['cublas_ms'], 2):>9}"
+                f"{(f(s['coda_ms'] / lib, 2) if lib else '-'):>8}{f(s['coda_tflops'], 0):>9}"
+            )
         fwd = r["coda_fwd_ms"]
-        lines.append(f"  forward: coda {f(fwd)} ms (again {f(r['coda_fwd_again_ms'])}; CUDA graph "
-                     f"{f(r['coda_fwd_graph_ms'])}), sum of bare GEMMs {f(r['sum_cublas_ms'])}, torch eager "
-                     f"{f(r['torch_eager_ms'])}, torch.compile {f(r['torch_compile_ms'])}")
+        lines.append(
+            f"  forward: coda {f(fwd)} ms (again {f(r['coda_fwd_again_ms'])}; CUDA graph "
+            f"{f(r['coda_fwd_graph_ms'])}), sum of bare GEMMs {f(r['sum_cublas_ms'])}, torch eager "
+            f"{f(r['torch_eager_ms'])}, torch.compile {f(r['torch_compile_ms'])}"
+        )
         tc = r["torch_compile_ms"]
-        lines.append(f"  ratios: coda/bare GEMMs {fwd / r['sum_cublas_ms']:.3f}, coda/torch.compile "
-                     f"{(f(fwd / tc, 3) if tc else '-')}; stages 1+2: coda "
-                     f"{f(r['stages'][0]['coda_ms'] + r['stages'][1]['coda_ms'])} ms, cuBLAS "
-                     f"{f(r['stages'][0]['cublas_ms'] + r['stages'][1]['cublas_ms'])} ms")
+        lines.append(
+            f"  ratios: coda/bare GEMMs {fwd / r['sum_cublas_ms']:.3f}, coda/torch.compile "
+            f"{(f(fwd / tc, 3) if tc else '-')}; stages 1+2: coda "
+            f"{f(r['stages'][0]['coda_ms'] + r['stages'][1]['coda_ms'])} ms, cuBLAS "
+            f"{f(r['stages'][0]['cublas_ms'] + r['stages'][1]['cublas_ms'])} ms"
+        )
         if "bwd_stages" not in r:
             continue
         lines.append(f"  backward tiles {r['bwd_tiles']}")
         for s in r["bwd_stages"]:
             lib = s["quack_lib_ms"]
-            lines.append(f"  b{s['stage']}: {s['text']:<30}{f(s['coda_ms']):>9}{f(s['cublas_ms']):>9}{f(lib):>9}"
-                         f"{f(s['coda_ms'] / s['cublas_ms'], 2):>9}{(f(s['coda_ms'] / lib, 2) if lib else '-'):>8}")
+            lines.append(
+                f"  b{s['stage']}: {s['text']:<30}{f(s['coda_ms']):>9}{f(s['cublas_ms']):>9}{f(lib):>9}"
+                f"{f(s['coda_ms'] / s['cublas_ms'], 2):>9}{(f(s['coda_ms'] / lib, 2) if lib else '-'):>8}"
+            )
         bare = r["sum_cublas_ms"] + r["sum_cublas_bwd_ms"]
         fb, tc = r["coda_fwd_bwd_ms"], r["torch_compile_fwd_bwd_ms"]
-        lines.append(f"  backward block: coda {f(r['coda_bwd_ms'])} ms, sum of its bare GEMMs {f(r['sum_cublas_bwd_ms'])}")
-        lines.append(f"  forward+backward: coda {f(fb)} ms (again {f(r['coda_fwd_bwd_again_ms'])}), bare GEMMs "
-                     f"{f(bare)}, torch eager {f(r['torch_eager_fwd_bwd_ms'])}, torch.compile {f(tc)}")
-        lines.append(f"  ratios: coda/bare GEMMs {fb / bare:.3f}, torch.compile/coda {(f(tc / fb, 3) if tc else '-')}")
+        lines.append(
+            f"  backward block: coda {f(r['coda_bwd_ms'])} ms, sum of its bare GEMMs {f(r['sum_cublas_bwd_ms'])}"
+        )
+        lines.append(
+            f"  forward+backward: coda {f(fb)} ms (again {f(r['coda_fwd_bwd_again_ms'])}), bare GEMMs "
+            f"{f(bare)}, torch eager {f(r['torch_eager_fwd_bwd_ms'])}, torch.compile {f(tc)}"
+        )
+        lines.append(
+            f"  ratios: coda/bare GEMMs {fb / bare:.3f}, torch.compile/coda {(f(tc / fb, 3) if tc else '-')}"
+        )
         worst = max(r["grad_err"].items(), key=lambda kv: kv[1][0] / kv[1][1])
-        lines.append(f"  gradients: worst ||coda - f64||/||f64|| over plain bf16 torch's: d{worst[0]} "
-                     f"{worst[1][0]:.2e} vs {worst[1][1]:.2e}")
+        lines.append(
+            f"  gradients: worst ||coda - f64||/||f64|| over plain bf16 torch's: d{worst[0]} "
+            f"{worst[1][0]:.2e} vs {worst[1][1]:.2e}"
+        )
     return "\n".join(lines)
 
 
@@ -357,7 +433,11 @@ def main() -> int:
     import coda_lang
 
     blk = coda_lang.load(ROOT / "examples" / "llama_mlp.coda")["llama_mlp"]
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version()}
+    meta = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
     try:
         import importlib.metadata as md
 

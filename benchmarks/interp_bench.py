@@ -63,8 +63,10 @@ def main() -> None:
     ulp = np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
     t_interp = median_time(lambda: block.run(ins), a.repeats)
     t_hand = median_time(lambda: by_hand(ins), a.repeats)
-    print(f"llama_mlp M={a.M} D={a.D} F={a.F}: interpreter {t_interp * 1e3:.1f} ms, hand-written NumPy "
-          f"{t_hand * 1e3:.1f} ms, ratio {t_interp / t_hand:.2f}x (max rel. difference {ulp:.1e})")
+    print(
+        f"llama_mlp M={a.M} D={a.D} F={a.F}: interpreter {t_interp * 1e3:.1f} ms, hand-written NumPy "
+        f"{t_hand * 1e3:.1f} ms, ratio {t_interp / t_hand:.2f}x (max rel. difference {ulp:.1e})"
+    )
 
 
 if __name__ == "__main__":

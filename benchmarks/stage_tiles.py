@@ -58,16 +58,35 @@ def main() -> None:
 
     d = coda_lang.load(ROOT / "examples" / "llama_mlp.coda")["llama_mlp"].derivation()
     f32 = torch.float32
-    env = {"y": randn(M, D), "x": randn(M, D), "w_o": randn(D, D, scale=D**-0.5), "g": 1 + randn(D, scale=0.1, dtype=f32),
-           "w_13": randn(D, 2 * F, scale=D**-0.5), "w_2": randn(F, D, scale=F**-0.5), "eps": 1e-6,
-           "r": 1 + randn(M, scale=0.1, dtype=f32), "hg": randn(M, D), "h": randn(M, D), "a": randn(M, F),
-           "dx2": randn(M, D), "acc2": randn(M, 2 * F), "dacc2": randn(M, 2 * F), "dacc1": randn(M, D),
-           "dss": randn(M, scale=1e-3, dtype=f32)}
+    env = {
+        "y": randn(M, D),
+        "x": randn(M, D),
+        "w_o": randn(D, D, scale=D**-0.5),
+        "g": 1 + randn(D, scale=0.1, dtype=f32),
+        "w_13": randn(D, 2 * F, scale=D**-0.5),
+        "w_2": randn(F, D, scale=F**-0.5),
+        "eps": 1e-6,
+        "r": 1 + randn(M, scale=0.1, dtype=f32),
+        "hg": randn(M, D),
+        "h": randn(M, D),
+        "a": randn(M, F),
+        "dx2": randn(M, D),
+        "acc2": randn(M, 2 * F),
+        "dacc2": randn(M, 2 * F),
+        "dacc1": randn(M, D),
+        "dss": randn(M, scale=1e-3, dtype=f32),
+    }
     plain = {b.name: b for b in coda_lang.load(PLAIN)}
     ms = lambda fn: do_bench(fn, warmup=a.warmup, rep=a.rep, return_mode="median")  # noqa: E731
-    tiles = (TileConfig(128, 192), TileConfig(128, 192, epi_n=16), TileConfig(128, 160), TileConfig(128, 128),
-             TileConfig(256, 128, 2, 1, False), TileConfig(256, 128, 2, 1, False, epi_n=16),
-             TileConfig(128, 192, 1, 2))
+    tiles = (
+        TileConfig(128, 192),
+        TileConfig(128, 192, epi_n=16),
+        TileConfig(128, 160),
+        TileConfig(128, 128),
+        TileConfig(256, 128, 2, 1, False),
+        TileConfig(256, 128, 2, 1, False, epi_n=16),
+        TileConfig(128, 192, 1, 2),
+    )
     print(f"{torch.cuda.get_device_name()}, M={M} D={D} F={F}, bf16", flush=True)
     print("| stage | tile | coda ms | /cuBLAS | bare (coda, same tile) ms | /cuBLAS |")
     print("|---|---|---|---|---|---|")
@@ -88,8 +107,10 @@ def main() -> None:
             qtxt = f"{qbare:.3f} ms = {qbare / cublas:.2f}x"
         except Exception as e:  # quack's interface refuses this layout
             qtxt = f"- ({type(e).__name__}: {str(e)[:80]})"
-        print(f"| {name}: `{spec.text}` | cuBLAS {cublas:.3f} ms; "
-              f"quack.gemm default {qtxt} | | | | |", flush=True)
+        print(
+            f"| {name}: `{spec.text}` | cuBLAS {cublas:.3f} ms; quack.gemm default {qtxt} | | | | |",
+            flush=True,
+        )
         pb = plain["nt" if g.tb else "nn"]
         pins = {"a": A, "w": B}
         for c in tiles:
