@@ -133,10 +133,13 @@ def run_config(name: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[s
             losses.append(step())
             torch.cuda.synchronize()
         split = {"attention": 0.0, "gemm": 0.0, "other": 0.0}
+        kernels = []
         for ev in prof.key_averages():
             t = getattr(ev, "device_time_total", 0.0) or getattr(ev, "cuda_time_total", 0.0)
             if ev.device_type is not None and str(ev.device_type).endswith("CUDA"):
                 split[classify(ev.key)] += t / 1e3
+                kernels.append((t / 1e3, ev.count, ev.key[:90]))
+        split["top"] = [[round(t, 2), n, k] for t, n, k in sorted(kernels, reverse=True)[:12]]
     med = statistics.median(times)
     res = {
         "config": name,
@@ -197,7 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         if r["profile_ms"]:
             s = r["profile_ms"]
-            print(f"{r['config']}: CUDA time per step: " + ", ".join(f"{k} {v:.1f} ms" for k, v in s.items()))
+            print(
+                f"{r['config']}: CUDA time per step: "
+                + ", ".join(f"{k} {v:.1f} ms" for k, v in s.items() if k != "top")
+            )
+            for t, n, k in s["top"]:
+                print(f"    {t:8.2f} ms  {n:4d}x  {k}")
     return 0
 
 

@@ -52,7 +52,7 @@ def to_numpy(x: Any) -> np.ndarray:
 
 def example_inputs(block: Any, sizes: dict[str, int], seed: int, device: str = "cpu") -> dict[str, Any]:
     """Seeded random inputs (never zeros); pick targets get some ignored rows (-100)."""
-    dims = {d.name: sizes[d.name] for d in block.ir.dims}
+    dims = {d.name: d.value if d.value is not None else sizes[d.name] for d in block.ir.dims}
     arrays = random_inputs(block.ir, dims, seed)
     for name, a in arrays.items():
         if a.dtype == np.int32 and name == "target":

@@ -377,7 +377,10 @@ def test_qk_norm_folds_its_grouped_sum_in_a_prepass() -> None:
     assert all(e.op != "reduce_sum" for e in spec.eqns)
     src = emit_stage(spec)
     assert 'prepass=qk_norm_stage1_prepass, prepass_outs=("ss",)' in src
-    assert '"ss": GroupedReduce("ss")' in src and "def qk_norm_stage1(acc, eps, g, pos, freq, ss):" in src
+    assert (
+        '"ss": GroupedReduce("ss")' in src
+        and "def qk_norm_stage1(acc, eps, g, pos, freq, dim_HD, ss):" in src
+    )
     assert "ss_0, ss_1 = unpack(ss)" in src and "cute.math.rsqrt(" in src
 
 

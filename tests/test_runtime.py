@@ -884,3 +884,26 @@ def test_emulated_sums_past_the_ragged_end_match_interpreter(monkeypatch: pytest
         assert not torch.allclose(got, want, rtol=1e-3, atol=1e-3), name
     for name in ("q", "z"):  # 0 past the end either way
         check_output(name, unmasked[name], ref[name], None, "f32")
+
+
+def test_a_group_narrower_than_the_epilogue_subtile_is_refused() -> None:
+    """quack's grouped statistics fold one slot per thread and epilogue subtile (N = gcd(32, tile_N)
+    unless epi_n says otherwise): a group of 16 columns under a 32-column subtile would be folded with
+    its neighbour (found on an H100: Qwen3's q/k norm at head_dim 16 came out scaled by ~1/sqrt 2). Only
+    tiles whose subtile divides the group fit; a tile given that doesn't is E0805 naming the rule."""
+    from coda_lang.backend_cute.compile import CANDIDATES, TileConfig, epilogue_subtile_n, fits
+    from coda_lang.backend_cute.planner import plan_stage
+
+    src = EXAMPLES.joinpath("qk_norm.coda").read_text().replace("HD = 128", "HD = 16")  # group=HD
+    blk = coda_lang.load(src)["qk_norm"]
+    spec = plan_stage(blk, 1)
+    ok = [c for c in CANDIDATES if fits(spec, c)]
+    assert ok and all(16 % epilogue_subtile_n(spec, c) == 0 for c in ok)
+    assert TileConfig(128, 192) not in ok and TileConfig(128, 176) in ok
+    with pytest.raises(CodaError) as e:
+        blk.cuda(tile=(128, 192), emulate=False)
+    (d,) = e.value.diagnostics
+    assert d.code == "E0805" and "epilogue subtile" in d.message
+    blk.cuda(tile=(128, 192), emulate=True)  # the stand-ins fold each group exactly at any subtile
+    at128 = plan_stage(block("qk_norm"), 1)
+    assert TileConfig(128, 128) in [c for c in CANDIDATES if fits(at128, c)]

@@ -19,6 +19,7 @@ import functools
 import hashlib
 import importlib.metadata
 import json
+import math
 import os
 import re
 import shutil
@@ -431,10 +432,30 @@ def narrows_paired_subtile(spec: StageSpec, config: TileConfig) -> bool:
     return spec.paired and 0 < config.epi_n < 32
 
 
-def fits(spec: StageSpec, config: TileConfig) -> bool:
+def epilogue_subtile_n(spec: StageSpec, config: TileConfig) -> int:
+    """The N extent of quack's SM90 epilogue subtile for `config`: its `epi_n` when set, else quack's
+    default, gcd(32, tile_N) (gcd(64, tile_N), the wider of its choices, for an 8-bit D)."""
+    if config.epi_n:
+        return config.epi_n
+    eight_bit = spec.d is not None and spec.d.dtype.startswith("f8")
+    return math.gcd(64 if eight_bit else 32, config.tile_n)
+
+
+# quack's grouped statistics (GroupedColStatsBase) fold one statistic slot per thread and epilogue
+# subtile: a group narrower than the subtile would be folded together with its neighbours.
+GROUP_SUBTILE = "a group= width is a multiple of the epilogue subtile's N extent (gcd(32, tile_N) or epi_n)"
+
+
+def splits_groups(spec: StageSpec, config: TileConfig) -> bool:
+    n_e = epilogue_subtile_n(spec, config)
+    return any(g.width % n_e for g in spec.groups)
+
+
+def fits(spec: StageSpec, config: TileConfig, emulated: bool = False) -> bool:
     """Whether `config` satisfies the stage's tiling constraints (plan.py writes them) and, in a paired
-    stage, keeps quack's epilogue subtile (PAIRED_SUBTILE)."""
-    if narrows_paired_subtile(spec, config):
+    stage, keeps quack's epilogue subtile (PAIRED_SUBTILE); on the kernels (not `emulated`, whose
+    grouped folds are exact at any subtile) no group is narrower than the subtile (GROUP_SUBTILE)."""
+    if narrows_paired_subtile(spec, config) or not emulated and splits_groups(spec, config):
         return False
     for c in spec.constraints:
         m = re.match(r"tile_N % (\d+) == 0", c)

@@ -26,7 +26,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from coda_lang.backend_cute.compile import PAIRED_SUBTILE, TileConfig, fits, narrows_paired_subtile
+from coda_lang.backend_cute.compile import (
+    GROUP_SUBTILE,
+    PAIRED_SUBTILE,
+    TileConfig,
+    fits,
+    narrows_paired_subtile,
+    splits_groups,
+)
 from coda_lang.backend_cute.elementwise import ElementwiseStage
 from coda_lang.backend_cute.emit import emit_stage
 from coda_lang.backend_cute.launch import HALF_DTYPES, TORCH_DTYPES, StageRunner, compute_value, round_value
@@ -112,10 +119,11 @@ class CudaBlock:
         for k, cfg in self._tiles.items():
             target = self.specs[k - 1]
             assert target is not None
-            if not fits(target, cfg):
+            if not fits(target, cfg, self.emulate):
                 why = [
                     *target.constraints,
                     *([PAIRED_SUBTILE] if narrows_paired_subtile(target, cfg) else []),
+                    *([GROUP_SUBTILE] if splits_groups(target, cfg) and not self.emulate else []),
                 ]
                 raise fail(
                     "E0805", f"tile {cfg.short} does not fit stage {k} (`{target.text}`): {'; '.join(why)}"

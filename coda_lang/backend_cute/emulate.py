@@ -112,10 +112,11 @@ def _padding(spec: StageSpec, s: Sink, vals: dict[str, Any], m: int, n: int) -> 
     is stale shared memory (NaN here, the worst case), a vector along the other dim, a scalar or a dim
     is its real value, a grouped value NaN."""
     per_row = s.op == "ColVecReduce"
+    device = vals["acc"].device
 
     def blank(width: int, fill: float) -> torch.Tensor:
         shape = (m, max(1, 2 * width // n)) if per_row else (1, width)
-        return torch.full(shape, fill)
+        return torch.full(shape, fill, device=device)
 
     pad: dict[str, Any] = {k: v for k, v in vals.items() if not isinstance(v, torch.Tensor) or v.dim() < 2}
     for o in spec.operands:
@@ -130,7 +131,7 @@ def _padding(spec: StageSpec, s: Sink, vals: dict[str, Any], m: int, n: int) -> 
             pad[o.name] = v
     pad["acc"] = blank(n, 0.0)
     for g in spec.groups:
-        pad[g.name] = torch.full((1, 1), float("nan"))
+        pad[g.name] = torch.full((1, 1), float("nan"), device=device)
     _eval(spec.eqns, pad)
     x = torch.as_tensor(pad[s.value[0]], dtype=torch.float32)
     if s.scaled:
@@ -173,7 +174,7 @@ def _sink(
         tw = tile_n * width // n  # a half-width value has tile_N / 2 columns per tile
         tiles = -(-n // tile_n)
         extra = tiles * tw - width
-        fill = torch.full((m, extra), identity)
+        fill = torch.full((m, extra), identity, device=x.device)
         if extra and not masked:
             p = _padding(spec, s, vals, m, n).expand(m, -1)
             fill = p.abs() if s.combine == "max_abs" else p
@@ -184,7 +185,7 @@ def _sink(
     x = x.expand(m, width)
     tiles = -(-m // tile_m)
     extra = tiles * tile_m - m
-    fill = torch.full((extra, width), identity)
+    fill = torch.full((extra, width), identity, device=x.device)
     if extra and not masked:
         p = _padding(spec, s, vals, m, n).expand(1, width)
         fill = (p.abs() if s.combine == "max_abs" else p).expand(extra, width)

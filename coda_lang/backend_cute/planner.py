@@ -267,6 +267,10 @@ class _Planner:
                     help=[f"annotate it: `{d.name}: {c.dtype} = ...`"],
                 )
         constraints = list(sp.constraints)  # the checker's: tile_N holds whole groups
+        for w in sorted({g.width for g in groups}):
+            constraints.append(
+                f"{w} % the epilogue subtile's N == 0 (gcd(32, tile_N), or epi_n; compile.fits)"
+            )
         if paired:
             constraints.append("tile_N % 2 == 0 (pairs of adjacent columns)")
             if outputs:

@@ -17,7 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from coda_lang.backend_cute.compile import CANDIDATES, BackendUnavailable, TileConfig, fits
+from coda_lang.backend_cute.compile import CANDIDATES, PAIRED_SUBTILE, BackendUnavailable, TileConfig, fits
 from coda_lang.backend_cute.emit import emit_stage, source_hash
 from coda_lang.backend_cute.spec import StageSpec
 from coda_lang.verify.diagnostics import CodaError, Diagnostic
@@ -53,7 +53,7 @@ def as_config(tile: Any) -> TileConfig:
 def choose_config(block: Any, index: int, spec: StageSpec, emulate: bool) -> TileConfig:
     """select_config's tile for a stage (cached per emitted source); without a usable ptxas, or when
     emulating, the first candidate that fits the stage's tiling constraints."""
-    candidates = tuple(c for c in CANDIDATES if fits(spec, c))
+    candidates = tuple(c for c in CANDIDATES if fits(spec, c, emulate))
     if not candidates:
         raise CodaError(
             [
@@ -61,7 +61,7 @@ def choose_config(block: Any, index: int, spec: StageSpec, emulate: bool) -> Til
                     "E0706",
                     f"stage {index} (`{spec.text}`): no candidate tile satisfies its tiling constraints",
                     spec.span,
-                    notes=list(spec.constraints),
+                    notes=list(spec.constraints) + [PAIRED_SUBTILE] * spec.paired,
                 )
             ]
         )

@@ -67,6 +67,7 @@ class _Model:
         # GEMM (the torch stand-ins); the GPU kernels can't yet, so there the logits are saved
         self.head_loss = {False: fn("head_loss", "recompute"), True: fn("head_loss", "save")}
         self.head_logits = fn("head_logits")
+        self.loss_rows = 0  # rows per chunk of the loss head; 0: from LOSS_CHUNK_BYTES
 
     @property
     def rope_width(self) -> int:
@@ -330,6 +331,62 @@ def _targets(labels: torch.Tensor, shift_labels: Any, vocab: int) -> torch.Tenso
     return t.to(torch.int32)
 
 
+# The loss head runs in row chunks whose [rows, V] logits stay under this many bytes (bf16: 1024 rows
+# of a 128256-token vocabulary); each chunk's backward runs at once in the forward (as Liger's fused
+# linear cross-entropy does), so no [M, V] tensor is held and the backward only scales what it kept.
+LOSS_CHUNK_BYTES = 256 * 2**20
+
+
+class _ChunkedLoss(torch.autograd.Function):
+    """sum(per-token loss) / denom, with the gradients of hg, r and w_lm made in the forward, chunk
+    by chunk; the backward scales them by the incoming gradient."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hg: torch.Tensor,
+        r: torch.Tensor,
+        w_lm: torch.Tensor,
+        target: torch.Tensor,
+        denom: torch.Tensor,
+        head: BlockFunction,
+        rows: int,
+    ) -> torch.Tensor:
+        scale = (1.0 / denom.float()).to(hg.device)
+        want_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        want_w = ctx.needs_input_grad[2]
+        total = torch.zeros((), dtype=torch.float32, device=hg.device)
+        dh = torch.empty_like(hg) if want_x else None
+        dr = torch.empty_like(r) if want_x else None
+        w = w_lm.detach().requires_grad_(want_w)
+        for i in range(0, hg.shape[0], rows):
+            with torch.enable_grad():
+                hc = hg[i : i + rows].detach().requires_grad_(want_x)
+                rc = r[i : i + rows].detach().requires_grad_(want_x)
+                loss = head(hg=hc, r=rc, w_lm=w, target=target[i : i + rows])["loss"]
+                total += loss.detach().sum()
+                if want_x or want_w:
+                    loss.backward(scale.expand_as(loss))  # w.grad accumulates over the chunks
+            if dh is not None and dr is not None and hc.grad is not None and rc.grad is not None:
+                dh[i : i + rows] = hc.grad
+                dr[i : i + rows] = rc.grad
+        ctx.kept = (dh, dr, w.grad if want_w else None)
+        return total * scale
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        dh, dr, dw = ctx.kept
+        del ctx.kept
+        scaled = [None if t is None else t * g.to(t.dtype) for t in (dh, dr, dw)]
+        return (*scaled, None, None, None, None)
+
+
+def _loss_rows(m: int, vocab: int, itemsize: int) -> int:
+    """Rows per chunk of the loss head: whole multiples of 128 whose logits fit LOSS_CHUNK_BYTES."""
+    rows = max(128, LOSS_CHUNK_BYTES // max(1, vocab * itemsize) // 128 * 128)
+    return min(m, rows)
+
+
 def _causal_lm_forward(
     self: Any,
     input_ids: Any = None,
@@ -355,11 +412,9 @@ def _causal_lm_forward(
     if labels is not None or shift_labels is not None:
         target = _targets(labels, shift_labels, self.config.vocab_size)
         head = st.head_loss[_kernels(hg.device)]
-        per_token = head(hg=hg, r=r, w_lm=w_lm, target=target)["loss"]
-        if num_items is not None:
-            loss = per_token.sum() / num_items
-        else:
-            loss = per_token.sum() / (target != IGNORE).sum()
+        denom = torch.as_tensor(num_items if num_items is not None else (target != IGNORE).sum())
+        chunk = st.loss_rows or _loss_rows(hg.shape[0], w_lm.shape[0], w_lm.element_size())
+        loss = _ChunkedLoss.apply(hg, r, w_lm, target, denom, head, chunk)
         return CausalLMOutputWithPast(loss=loss, logits=None)
     rows = torch.arange(b * s, device=hg.device).view(b, s)
     if isinstance(logits_to_keep, int) and logits_to_keep > 0:

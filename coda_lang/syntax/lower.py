@@ -729,8 +729,23 @@ class BlockLowerer:
                 self.used_dims.add(d.name)
             return d
         if spec.kind == "int":
+            if getattr(node, "data", None) == "name":  # a dim of fixed size: `dims HD = 128` ... group=HD
+                dim = str(node.children[0])
+                decl = self.p.dims.get(dim)
+                if decl is not None and decl.value is not None:
+                    return decl.value
+                why = f"`{dim}` has no fixed size" if decl is not None else f"`{dim}` is not a dim"
+                self.error(
+                    "E0206",
+                    f"`{spec.name}=` of `{fn}` takes an integer or a dim of fixed size; {why}",
+                    node,
+                    help=[f"declare it with its size: `dims ..., {dim} = 128`"]
+                    if decl is not None
+                    else [f"e.g. `{spec.name}=128`, or `dims HD = 128` and `{spec.name}=HD`"],
+                )
+                return None
             if getattr(node, "data", None) != "int_lit":
-                self.error("E0206", f"`{spec.name}=` of `{fn}` takes an integer", node)
+                self.error("E0206", f"`{spec.name}=` of `{fn}` takes an integer or a dim of fixed size", node)
                 return None
             return int(node.children[0])
         if spec.kind == "choice":

@@ -7,14 +7,16 @@ load   eps: f32 scalar (Scalar)
 load   g: f32[2*P] column vector (RowVecLoad)
 load   pos: f32[M] row vector (ColVecLoad)
 load   freq: f32[P] column vector (RowVecLoad, passed as freq.repeat_interleave(2))
+load   dim_HD = the size of HD: f32 scalar (Scalar)
 store  D = q: bf16[M, 2*P]
 group  ss: f32[M, P/64] = sum over each run of 128 columns, complete in the tile (GroupedReduce, folded by the prepass)
 tiling tile_N % 128 == 0 (group=128 over `2*P`)
+tiling 128 % the epilogue subtile's N == 0 (gcd(32, tile_N), or epi_n; compile.fits)
 tiling tile_N % 2 == 0 (pairs of adjacent columns)
 
 coda source:
     ss = sum(acc * acc, over=2*P, group=128)
-    n = acc * rsqrt(ss / 128 + eps) * g
+    n = acc * rsqrt(ss / HD + eps) * g
     a, b = pairs(n)
     ang = pos * freq
     c = cos(ang)
@@ -36,16 +38,16 @@ def qk_norm_stage1_prepass(acc):
 
 
 @gemm_epilogue(
-    ops={"eps": Scalar("eps"), "g": RowVecLoad("g"), "pos": ColVecLoad("pos"), "freq": RowVecLoad("freq"), "ss": GroupedReduce("ss")},
+    ops={"eps": Scalar("eps"), "g": RowVecLoad("g"), "pos": ColVecLoad("pos"), "freq": RowVecLoad("freq"), "dim_HD": Scalar("dim_HD"), "ss": GroupedReduce("ss")},
     prepass=qk_norm_stage1_prepass, prepass_outs=("ss",),
     mode="acc_pair",
 )
-def qk_norm_stage1(acc, eps, g, pos, freq, ss):
+def qk_norm_stage1(acc, eps, g, pos, freq, dim_HD, ss):
     acc_0, acc_1 = unpack(acc)
     g_0, g_1 = unpack(g)
     freq_0, freq_1 = unpack(freq)
     ss_0, ss_1 = unpack(ss)
-    _t2 = ss_0 / 128.0
+    _t2 = ss_0 / dim_HD
     _t3 = _t2 + eps
     _t4 = cute.math.rsqrt(_t3, fastmath=True)
     _t5_0 = acc_0 * _t4
