@@ -128,7 +128,7 @@ def example(name: str) -> coda_lang.Block:
 def example_dims(name: str) -> dict[str, int]:
     b = example(name)
     dims = DIMS_BY_EXAMPLE.get(name, DIMS)
-    return {d.name: dims[d.name] for d in b.ir.dims}
+    return {d.name: d.value if d.value is not None else dims[d.name] for d in b.ir.dims}
 
 
 def example_inputs(name: str, seed: int = 0, defaults: bool = False) -> dict[str, np.ndarray]:
@@ -760,7 +760,7 @@ def _check_random(
     simulation of Block.vjp equals the whole-matrix one."""
     rng = np.random.default_rng(0)
     ranges = {p.var.name: 3 for p in block.ir.params if p.var.type and p.var.type.dtype == "i32"}
-    dims = {d.name: dims[d.name] for d in block.ir.dims}
+    dims = {d.name: d.value if d.value is not None else dims[d.name] for d in block.ir.dims}
     inputs = gradcheck_inputs(block, dims, ranges, rng, positive)
     check_vjp(block, inputs, dims=dims)
     g = block.grad()
