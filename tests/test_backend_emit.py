@@ -85,7 +85,25 @@ def test_examples_emit_python_or_e07(path: Path) -> None:
 
 def test_every_op_has_an_emitter_or_a_clean_e0703() -> None:
     pending = {n for n, op in REGISTRY.items() if op.emit is None}
-    assert pending == {"row_index", "col_index"}
+    assert pending == {"row_index", "col_index"}  # the planner makes them TileIndex operands instead
+
+
+@pytest.mark.parametrize("op, axis", [("row_index", 0), ("col_index", 1)])
+def test_index_in_an_element_stage_is_a_tile_index_port(op: str, axis: int) -> None:
+    """row_index()/col_index() compared with an i32 vector: the index is a TileIndex apply port called
+    where it is used, the i32 vector a ColVecLoad/RowVecLoad (compared as f32), no equation for it."""
+    other = "N" if axis == 0 else "M"  # an index vector against a vector over the other dim: a tile
+    text = program(
+        gemm(f"y = where({op}() == t, acc, 0.0)"), sig=f"x: bf16[M, K], w: bf16[K, N], t: i32[{other}]"
+    )
+    block = next(iter(coda_lang.load(text)))
+    spec = plan_stage(block, 1)
+    (ix,) = [o for o in spec.operands if o.op == "TileIndex"]
+    assert ix.role == ("row index", "column index")[axis]
+    assert all(e.op != op for e in spec.eqns)
+    src = emit_stage(spec)
+    assert f'TileIndex("{ix.py}", axis={axis})' in src
+    assert f"{ix.py}(acc) == t" in src
 
 
 UNDERSCORE_OPERAND = """dims M, K, N, F
@@ -204,7 +222,21 @@ E07_CASES = {
         4,
         program(gemm("y = acc + t"), sig="x: bf16[M, K], w: bf16[K, N], t: i32[M, N]"),
     ),
-    "col_index": ("E0703", 4, program(gemm("y = where(col_index() == 0, acc, 0.0)"))),
+    "col_index_paired": (
+        "E0703",
+        5,
+        program(
+            gemm("g, u = pairs(acc)\nz: bf16 = where(col_index() == 0, acc, 0.0)\ny: bf16 = g * u"),
+            dims="M, K, F",
+            sig="x: bf16[M, K], w: bf16[K, 2*F]",
+            outs="y: bf16[M, F], z: bf16[M, 2*F]",
+        ),
+    ),
+    "i32_vector_in_arithmetic": (
+        "E0702",
+        4,
+        program(gemm("y = acc + cast(t, f32)"), sig="x: bf16[M, K], w: bf16[K, N], t: i32[M]"),
+    ),
     "cast_to_i32": ("E0702", 4, program(gemm("y = cast(acc, i32)"), outs="y: i32[M, N]")),
     "half_width_tile_load": (
         "E0704",

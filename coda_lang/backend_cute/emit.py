@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 
 from coda_lang.backend_cute import names as module_names
-from coda_lang.backend_cute.spec import Group, StageSpec, describe, dim_operand
+from coda_lang.backend_cute.spec import INDEX_AXIS, Group, StageSpec, describe, dim_operand
 from coda_lang.ir.nodes import Atom, DimRef, Eqn, Lit, Var
 from coda_lang.ops import REGISTRY
 from coda_lang.verify.diagnostics import CodaError, Diagnostic, Mistake
@@ -161,7 +161,7 @@ class _Emitter:
         spec = self.spec
         self.lanes["acc"] = ("acc",)
         for o in spec.operands:
-            self.lanes[o.name] = (o.py,)
+            self.lanes[o.name] = (f"{o.py}(acc)",) if o.role in INDEX_AXIS else (o.py,)
         self.equations(spec.prepass)
         read = {a.name for e in spec.prepass for a in e.ins if isinstance(a, Var)} | {
             g.value for g in spec.groups
@@ -186,6 +186,8 @@ class _Emitter:
                 # a column vector passed repeat_interleave(2): one value per pair, both lanes hold it
                 self.lanes[o.name] = (l0,) if o.host else (l0, l1)
                 body.append(f"{l0}, {l1} = unpack({o.py})")
+            elif o.role in INDEX_AXIS:  # TileIndex, an apply port: called where the index is used
+                self.lanes[o.name] = (f"{o.py}(acc)",)
             else:
                 self.lanes[o.name] = (o.py,)
         for g in spec.groups:  # a value port: each element's group fold (a Pair of equal lanes when paired)
@@ -226,6 +228,8 @@ class _Emitter:
                 if o.op == "C":
                     continue  # quack's reserved `c`: the GEMM's C operand, not an epilogue op
                 extra = f", dtype={_CUTLASS_DTYPES[o.dtype]}" if o.op == "Scalar" and o.dtype != "f32" else ""
+                if o.role in INDEX_AXIS:
+                    extra = f", axis={INDEX_AXIS[o.role]}"
                 ops.append(f'"{o.py}": {o.op}("{o.py}"{extra})')
             ops += [f'"{g.py}": {_grouped(g)}' for g in spec.groups]
             args.append("ops={" + ", ".join(ops) + "}")

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from coda_lang.backend_cute.spec import Sink, StageSpec, dim_operand
+from coda_lang.backend_cute.spec import INDEX_AXIS, Sink, StageSpec, dim_operand
 from coda_lang.ir.nodes import DimRef, Eqn, Lit, Var
 from coda_lang.ops import REGISTRY
 from coda_lang.ops.registry import combine_of_group, combine_of_sink
@@ -34,8 +34,8 @@ from coda_lang.ops.registry import combine_of_group, combine_of_sink
 def _operand_values(spec: StageSpec, epi_args: dict[str, Any]) -> dict[str, Any]:
     vals: dict[str, Any] = {}
     for o in spec.operands:
-        if o.op == "C":
-            continue  # not an epilogue argument: run_stage binds it
+        if o.op == "C" or o.role in INDEX_AXIS:
+            continue  # not an epilogue argument (run_stage binds C), or computed there (an index)
         v = epi_args[o.py]
         if o.role == "tile":
             vals[o.name] = v.float()
@@ -211,6 +211,13 @@ def run_stage(
         assert C is not None
         vals[spec.c.name] = C.float()
     vals["acc"] = acc
+    for ix_op in spec.operands:  # TileIndex: each element's global index as f32, plus the host offset
+        if ix_op.role in INDEX_AXIS:
+            axis = INDEX_AXIS[ix_op.role]
+            ix = torch.arange((m, n)[axis], device=acc.device, dtype=torch.float32) + float(
+                epi_args[ix_op.py]
+            )
+            vals[ix_op.name] = ix.reshape(-1, 1) if axis == 0 else ix.reshape(1, -1)
     _groups(spec, vals, m, n, epi_args)
     _eval(spec.eqns, vals, spec.gemm.cols)
     if spec.d is not None:

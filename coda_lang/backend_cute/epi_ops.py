@@ -14,6 +14,9 @@ constant; quack checks that it divides N and tile_N). `GroupedReduce(...).out(na
 after it. `BoundedColVecSelect(name, idx_op=)` is quack's `ColVecSelect` (pick: the value at column
 idx[row] of each row) also leaving alone the rows whose index falls in the ragged last tile past N
 (quack's guards rows past M and indices outside the tiles, not columns past N inside the last one).
+`TileIndex(name, axis)` is `row_index()` (axis 0) / `col_index()` (axis 1): a value port giving each
+element its global row or column index as an f32 (exact below 2**24; the runtime refuses larger
+extents), computed from the epilogue's own coordinates, so nothing is loaded for it.
 `BoundedColVecReduce` / `BoundedRowVecReduce` are quack's sum reductions (over the columns / the
 rows) that leave out the elements past the end of the reduced dim in the ragged last tile: quack
 folds them, counting on them being 0, but the epilogue's value there is f(acc=0, ...), e.g. exp(0)
@@ -32,10 +35,10 @@ from typing import Any
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
-from quack.epilogue.ops import ColVecReduce, ColVecSelect, GroupedColStatsBase, RowVecReduce
+from cutlass import Float32, Int32
+from quack.epilogue.ops import ColVecReduce, ColVecSelect, GroupedColStatsBase, RowVecReduce, Scalar
 
-VERSION = 5
+VERSION = 6
 
 _math: Any = cute.math  # CuTeDSL's math functions (exp, log: generated, so mypy can't see them)
 
@@ -168,3 +171,47 @@ class BoundedColVecReduce(_Bounded, ColVecReduce):
 
 class BoundedRowVecReduce(_Bounded, RowVecReduce):
     """sum over the rows (one partial per column and row tile), the rows past M left out."""
+
+
+class TileIndex(Scalar):
+    """row_index() (axis 0) / col_index() (axis 1) as an apply port: the fn calls `name(acc)` where it
+    needs the index and gets the element's global row or column index as an f32 (what the stage's
+    comparisons with an i32 vector, loaded as f32 too, need; exact while the extent stays below
+    2**24). The index is the element's coordinate in the tile (quack's epilogue partition of an
+    identity tensor, sliced per subtile as ColVecSelect slices its coordinates) plus the tile's offset
+    plus the op's host scalar (an Int32 immediate the runtime passes as 0: quack compiles an op out
+    when its argument is None, and the Scalar schema gives this op an argument that costs no load).
+    Computed per element at its use rather than as a dense fragment per subtile, so that it holds no
+    registers across the subtile (a fragment of indices made a 128x192 tile spill). SM90 element mode
+    only (the planner refuses index values in paired and packed stages)."""
+
+    fn_port = "apply"
+
+    def __init__(self, name: str, axis: int):
+        if axis not in (0, 1):
+            raise ValueError(f"TileIndex axis is 0 (rows) or 1 (columns), not {axis!r}")
+        super().__init__(name, dtype=Int32)
+        self.axis = axis
+
+    def config_key(self) -> tuple[Any, ...]:
+        return (*super().config_key(), self.axis, "tile_index", VERSION)
+
+    @cute.jit
+    def begin(self, gemm: Any, param: Any, smem_tensor: Any, ctx: Any) -> Any:
+        coords = ctx.partition_for_epilogue_fn(cute.make_identity_tensor((ctx.tile_M, ctx.tile_N)))
+        extent = ctx.tile_M if cutlass.const_expr(self.axis == 0) else ctx.tile_N
+        base = ctx.tile_coord_mnkl[self.axis] * extent + Int32(param)
+        return (coords, base)
+
+    @cute.jit
+    def begin_loop(self, gemm: Any, state: Any, epi_coord: Any) -> Any:
+        coords, base = state
+        return (coords[None, None, None, epi_coord[0], epi_coord[1]], base)
+
+    def fn_prepare(self, gemm: Any, state: Any, paired: bool) -> Any:
+        assert not paired, "TileIndex: element mode only"
+        return state
+
+    def fn_apply(self, gemm: Any, pstate: Any, i: Any, value: Any) -> Any:
+        cur, base = pstate
+        return Float32(cur[i][self.axis] + base)

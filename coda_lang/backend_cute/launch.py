@@ -24,7 +24,7 @@ import torch
 
 from coda_lang.backend_cute.compile import TileConfig
 from coda_lang.backend_cute.emit import emit_stage, write_source
-from coda_lang.backend_cute.spec import Sink, StageSpec
+from coda_lang.backend_cute.spec import F32_EXACT_INT, INDEX_AXIS, Sink, StageSpec
 from coda_lang.interp.inputs import fail
 from coda_lang.ir.types import BOOL, MATRIX, Dim, Type
 from coda_lang.ops.registry import combine_of_sink, combine_rule
@@ -113,7 +113,18 @@ class StageRunner:
         B = env[g.b].to(TORCH_DTYPES[g.b_dtype]).contiguous()
         ins: list[torch.Tensor | None] = [A.t() if g.ta else A, B]  # B: (k, n), or (n, k) for transpose(b)
         scalars: list[float] = []
+        n = B.shape[0] if g.tb else B.shape[1]
         for o in spec.operands:
+            if o.role in INDEX_AXIS:  # computed in the kernel from its coordinates; nothing to pass
+                extent = A.shape[0] if INDEX_AXIS[o.role] == 0 else n
+                if extent > F32_EXACT_INT:
+                    raise fail(
+                        "E0703",
+                        f"stage {spec.index}: `{o.name}` indexes {extent} {o.role.split()[0]}s; the kernel "
+                        f"holds an index as f32, exact up to {F32_EXACT_INT}",
+                    )
+                ins.append(None)
+                continue
             v = env[o.name]
             if o.role == "scalar":
                 if isinstance(v, torch.Tensor):
@@ -215,6 +226,9 @@ class StageRunner:
             j += 1
             if o.op == "C":
                 C = _aligned(t)
+                continue
+            if o.role in INDEX_AXIS:
+                epi[o.py] = 0  # TileIndex's host scalar: an offset added to every index
                 continue
             epi[o.py] = (next(it) if t is None else t) if o.role == "scalar" else _aligned(t)
         for py, _ in self.index_names:

@@ -38,6 +38,7 @@ _MODULE_IMPORTS: dict[str, str] = {
     "BoundedColVecSelect": "from coda_lang.backend_cute.epi_ops import BoundedColVecSelect",
     "BoundedColVecReduce": "from coda_lang.backend_cute.epi_ops import BoundedColVecReduce",
     "BoundedRowVecReduce": "from coda_lang.backend_cute.epi_ops import BoundedRowVecReduce",
+    "TileIndex": "from coda_lang.backend_cute.epi_ops import TileIndex",
 }
 
 # Python names the emitted code uses without importing them

@@ -26,6 +26,7 @@ from coda_lang.backend_cute.padding import is_zero, padding_value
 from coda_lang.backend_cute.spec import (
     DIM_PREFIX,
     GEMM_DTYPES,
+    INDEX_ROLES,
     LOAD_OPS,
     PACKED,
     PACKED_DTYPES,
@@ -46,6 +47,8 @@ from coda_lang.ir.printer import inline_source
 from coda_lang.ir.types import FLOAT_DTYPES, GROUP, MATRIX, TILE, Dim, Type, shape_str
 from coda_lang.ops import REGISTRY
 from coda_lang.verify.diagnostics import CodaError, Diagnostic
+
+COMPARISONS = frozenset({"lt", "le", "gt", "ge", "eq", "ne"})
 
 
 def _fail(
@@ -232,11 +235,17 @@ class _Planner:
             needed |= set(s.value)
         stored_groups = self.stored_groups(live_out)
         eqns = self.live_eqns(needed)
+        indices = self.index_operands(eqns, mode)
         for e in eqns:
-            self.check_eqn(e)
+            if not (indices and e.op in INDEX_ROLES):
+                self.check_eqn(e)
         groups, prepass = self.groups(eqns, stored_groups, packed)
         for e in prepass:
-            self.check_eqn(e)
+            if not (indices and e.op in INDEX_ROLES):
+                self.check_eqn(e)
+        if indices:  # index values are operands (value ports), not equations of the fn
+            eqns = [e for e in eqns if e.op not in INDEX_ROLES]
+            prepass = [e for e in prepass if e.op not in INDEX_ROLES]
         operands = self.operands(
             eqns,
             [n for s in sinks for n in s.value]
@@ -245,6 +254,7 @@ class _Planner:
             paired,
             packed,
         )
+        operands += indices
         if packed:
             c = next((o for o in operands if o.op == "C"), None)
             if d is None or c is None:
@@ -682,6 +692,42 @@ class _Planner:
             want |= {a.name for a in e.ins if isinstance(a, Var)}
         return keep[::-1]
 
+    def index_operands(self, eqns: list[Eqn], mode: str) -> list[Operand]:
+        """`row_index()` / `col_index()` of an element-mode stage as TileIndex value ports (nothing is
+        loaded: the kernel takes each element's index from its coordinates). In a paired or packed
+        stage they have no emitter (E0703); the emulator computes them there as equations."""
+        found = [e for e in eqns if e.op in INDEX_ROLES]
+        if not found:
+            return []
+        if mode != "element":
+            if self.emulated:
+                return []
+            e = found[0]
+            raise _fail(
+                "E0703",
+                f"`{e.op}()` in a stage of mode {mode} has no CuTeDSL emitter yet",
+                e.span,
+                notes=[
+                    "the kernel gives row_index()/col_index() to element-mode stages (no pairs(), "
+                    "no double-width tiles)"
+                ],
+            )
+        out: list[Operand] = []
+        for e in found:
+            (v,) = e.outs
+            if any(o.name == v.name for o in out):
+                continue
+            shape = v.type.shape if v.type is not None else ()
+            out.append(Operand(v.name, self.py(v.name), INDEX_ROLES[e.op], "TileIndex", "i32", shape, 1))
+        return out
+
+    def int_compared_only(self, name: str, eqns: list[Eqn]) -> bool:
+        """Is every use of `name` in the stage's live equations a comparison? (An i32 vector is
+        loaded as f32 by quack's vector loads: comparing it with another integer there is exact below
+        2**24, arithmetic on it is not.)"""
+        uses = [e for e in eqns if any(isinstance(a, Var) and a.name == name for a in e.ins)]
+        return bool(uses) and all(e.op in COMPARISONS for e in uses)
+
     def operands(self, eqns: list[Eqn], sink_values: list[str], paired: bool, packed: bool) -> list[Operand]:
         """The loads the emitted code reads, in order of first use (packed mode: the double-width tile
         is the GEMM's C operand, `c` in the emitted fn)."""
@@ -694,11 +740,18 @@ class _Planner:
         for name in used:
             ld = loads[name]
             e = next(e for e in self.st.body if any(isinstance(a, Var) and a.name == name for a in e.ins))
-            if ld.dtype not in FLOAT_DTYPES and not self.emulated:
+            compared = (
+                ld.dtype == "i32"
+                and ld.role in ("row vector", "column vector")
+                and name not in sink_values
+                and self.int_compared_only(name, eqns)
+            )
+            if ld.dtype not in FLOAT_DTYPES and not self.emulated and not compared:
                 raise _fail(
                     "E0702",
                     f"`{name}` is {ld.dtype}: integer operands of the epilogue are not supported yet",
                     e.span,
+                    notes=["an i32 row or column vector that is only compared (==, <, ...) is supported"],
                 )
             width = ld.shape[-1] if ld.role in ("tile", "column vector") else None
             if packed and ld.role == "tile" and width == self.cols.scale(2):

@@ -26,6 +26,14 @@ QUACK_RESERVED = frozenset({"acc", "c", "D"})
 # Quack op for each load role of verify/plan.py.
 LOAD_OPS = {"tile": "TileLoad", "row vector": "ColVecLoad", "column vector": "RowVecLoad", "scalar": "Scalar"}
 
+# `row_index()` / `col_index()` in an element-mode stage: an operand of role "row index" / "column
+# index", quack op epi_ops.TileIndex (a value port computed from the epilogue's coordinates: nothing is
+# loaded; the runtime passes the op's host scalar as 0), axis 0 / 1. The fn receives the index as f32.
+INDEX_ROLES = {"row_index": "row index", "col_index": "column index"}
+INDEX_AXIS = {"row index": 0, "column index": 1}
+# an i32 value compared inside an epilogue is compared as f32: exact below this magnitude
+F32_EXACT_INT = 2**24
+
 STORE_DTYPES = FLOAT_DTYPES  # what a TileStore / D can hold
 GEMM_DTYPES = ("bf16", "f16")  # operand dtypes of quack's SM90 WGMMA path used here
 
@@ -46,7 +54,7 @@ class Operand:
 
     name: str  # coda name
     py: str  # name in the emitted fn
-    role: str  # "tile" | "row vector" | "column vector" | "scalar"
+    role: str  # "tile" | "row vector" | "column vector" | "scalar" | "row index" | "column index"
     op: str  # quack op class, or "C" for the GEMM's C operand (packed mode: not an epilogue op)
     dtype: str
     shape: Shape
@@ -207,6 +215,9 @@ def describe(spec: StageSpec) -> list[str]:
         py = f"{o.py} = {o.name}" if o.op == "C" else o.py
         if o.name.startswith(DIM_PREFIX):
             py = f"{o.py} = the size of {o.name[len(DIM_PREFIX) :]}"
+        if o.role in INDEX_AXIS:
+            lines.append(f"index  {o.py}: each element's {o.role.split()[0]} index, as f32 ({o.op})")
+            continue
         lines.append(f"load   {py}: {o.dtype}{shape_str(o.shape) if o.shape else ''} {o.role} ({op}{host})")
     if spec.d is not None:
         lines.append(f"store  D = {spec.d.py}: {spec.d.dtype}{shape_str(spec.d.shape)}")
