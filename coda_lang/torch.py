@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from coda_lang.api import Block, load
+from coda_lang.interp.chunk import check_chunk_args
 
 __all__ = ["BlockFunction", "BlockModule", "LlamaMLP", "function", "uses_kernels"]
 
@@ -57,6 +58,9 @@ class BlockFunction:
     stand-ins elsewhere (`uses_kernels`). Outputs of a call whose inputs require grad have a backward
     through the derived backward block (`remat` says what that backward recomputes rather than reads
     saved; docs/design.md, "Saved and recomputed"). `dims`: sizes of dims no input's shape gives.
+    `chunk`: run the backward in row chunks (rows per chunk, or "auto": as many as keep its largest
+    transient tile within `budget` bytes, default 256 MiB; docs/design.md, "Chunked backward"), so that
+    a loss head's [rows, V] dlogits is never whole; gradients summed over the rows accumulate in f32.
     """
 
     def __init__(
@@ -67,12 +71,18 @@ class BlockFunction:
         remat: str = "save",
         tile: Any = None,
         dims: dict[str, int] | None = None,
+        chunk: int | str | None = None,
+        budget: int | None = None,
     ):
         if remat not in REMATS:
             raise ValueError(f"remat must be one of {', '.join(REMATS)}, got {remat!r}")
+        check_chunk_args(chunk, budget)
         self.block, self.wrt, self.remat, self.tile, self.dims = block, wrt, remat, tile, dims
+        self.chunk, self.budget = chunk, budget
         self._fns: dict[bool, Any] = {}  # emulate? -> CudaFunction
         block.derivation(wrt, remat)  # derive now: an error shows when the function is made
+        if chunk is not None or budget is not None:
+            block.chunk_plan(wrt, remat)  # and a backward that can't run in chunks is refused now
 
     @property
     def name(self) -> str:
@@ -85,7 +95,9 @@ class BlockFunction:
         fn = self._fns.get(emulate)
         if fn is None:
             cb = self.block.cuda(tile=self.tile, dims=self.dims, emulate=emulate)
-            fn = self._fns[emulate] = cb.autograd(self.wrt, remat=self.remat)
+            fn = self._fns[emulate] = cb.autograd(
+                self.wrt, remat=self.remat, chunk=self.chunk, budget=self.budget
+            )
         return fn
 
     def __call__(
@@ -106,10 +118,14 @@ def function(
     remat: str = "save",
     tile: Any = None,
     dims: dict[str, int] | None = None,
+    chunk: int | str | None = None,
+    budget: int | None = None,
 ) -> BlockFunction:
     """`block` (a Block, or .coda source text or a path; `name` picks one of several blocks) as a
     differentiable torch function. See `BlockFunction`."""
-    return BlockFunction(_as_block(block, name), wrt=wrt, remat=remat, tile=tile, dims=dims)
+    return BlockFunction(
+        _as_block(block, name), wrt=wrt, remat=remat, tile=tile, dims=dims, chunk=chunk, budget=budget
+    )
 
 
 class BlockModule(torch.nn.Module):
@@ -127,9 +143,11 @@ class BlockModule(torch.nn.Module):
         name: str | None = None,
         remat: str = "save",
         tile: Any = None,
+        chunk: int | str | None = None,
+        budget: int | None = None,
     ):
         super().__init__()
-        self.fn = function(block, name=name, remat=remat, tile=tile)
+        self.fn = function(block, name=name, remat=remat, tile=tile, chunk=chunk, budget=budget)
         names = {p.var.name for p in self.fn.block.ir.params}
         for k, v in params.items():
             if k not in names:

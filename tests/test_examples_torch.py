@@ -22,6 +22,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+import test_examples_ce as ce
 import torch
 import torch.nn.functional as F
 import torch_refs as ref
@@ -251,6 +252,35 @@ def case_lm_head_ce() -> Case:
     return Case("lm_head_ce", inputs, reference)
 
 
+def _ce_variant(name: str, seed: int, loss: Callable[..., torch.Tensor], extra: dict[str, float]) -> Case:
+    """A cross-entropy variant of lm_head_ce (examples/lm_head_ce_*.coda): the same inputs and lse,
+    `loss(logits, lse, target)` in the ordinary torch way (bf16: the usual `logits.float()`)."""
+    gen = torch.Generator().manual_seed(seed)
+    hg, r, w_lm = randn(gen, M, D), randn(gen, M, scale=0.2, shift=1.0).float(), linear(gen, V, D)
+    target = torch.randint(0, V, (M,), generator=gen, dtype=torch.int32)
+    target[::7] = -100
+    inputs = {"hg": np_bf16(hg), "r": np_f32(r), "w_lm": np_bf16(w_lm.T), "target": target.numpy()}
+
+    def reference(dt: torch.dtype) -> dict[str, torch.Tensor]:
+        logits = F.linear(cast(hg, dt) * cast(r, dt)[:, None], cast(w_lm, dt))
+        logits = logits.float() if dt == torch.bfloat16 else logits
+        return loss(logits, target.long(), **extra)
+
+    return Case(name, inputs, reference)
+
+
+def case_lm_head_ce_smooth() -> Case:
+    return _ce_variant("lm_head_ce_smooth", 9, ce.ce_smooth, {"smoothing": 0.1})
+
+
+def case_lm_head_ce_zloss() -> Case:
+    return _ce_variant("lm_head_ce_zloss", 10, ce.ce_zloss, {"z": 1e-4})
+
+
+def case_lm_head_ce_softcap() -> Case:
+    return _ce_variant("lm_head_ce_softcap", 11, ce.ce_softcap, {"cap": 30.0})
+
+
 def case_bias_gelu() -> Case:
     gen = torch.Generator().manual_seed(6)
     x, w, b = randn(gen, M, D), linear(gen, F_MLP, D), randn(gen, F_MLP, scale=0.5)
@@ -289,6 +319,9 @@ def case_amax_fp8() -> Case:
 CASES: dict[str, Callable[[], Case]] = {
     "llama_mlp": case_llama_mlp,
     "lm_head_ce": case_lm_head_ce,
+    "lm_head_ce_smooth": case_lm_head_ce_smooth,
+    "lm_head_ce_zloss": case_lm_head_ce_zloss,
+    "lm_head_ce_softcap": case_lm_head_ce_softcap,
     "qkv_rope": case_qkv_rope,
     "qk_norm": case_qk_norm,
     "llama_block": case_llama_block,

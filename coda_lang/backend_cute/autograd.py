@@ -5,8 +5,11 @@ What it does: `CudaFunction` holds the CUDA blocks of the extended forward (`Blo
 its `torch.autograd.Function` runs the first in `forward`, keeps the saved tensors, and runs the second
 in `backward` with the incoming cotangents, returning each input's gradient in its dtype.
 What it does not: derive anything (autodiff/ does) or launch kernels itself (cuda_block.py).
+`chunk=`/`budget=` run the backward in row chunks (interp/chunk.py decides how, and refuses blocks
+that can't; its transient tiles are then bounded by the chunk).
 Invariants: the backward runs at the dims of the forward's call; an output nobody differentiates gets a
-zero cotangent; a stage either block can't compile is E07 when the function is made, naming the block.
+zero cotangent; a stage either block can't compile is E07 when the function is made, naming the block;
+chunked and unchunked backwards agree up to the order of f32 summation.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from typing import Any
 import torch
 
 from coda_lang.backend_cute.cuda_block import CudaBlock, with_sources
+from coda_lang.backend_cute.launch import TORCH_DTYPES
+from coda_lang.interp.chunk import ChunkPlan, check_chunk_args, chunk_size, run_chunks
 from coda_lang.interp.inputs import given_dims
 from coda_lang.verify.diagnostics import CodaError, Diagnostic
 
@@ -37,9 +42,18 @@ class CudaFunction:
     """`CudaBlock.autograd()`: call with the block's inputs by name; returns the outputs by name, which
     torch.autograd differentiates through the derived backward block's kernels."""
 
-    def __init__(self, cb: CudaBlock, wrt: list[str] | None, tile: Any, remat: str = "save"):
+    def __init__(
+        self,
+        cb: CudaBlock,
+        wrt: list[str] | None,
+        tile: Any,
+        remat: str = "save",
+        chunk: int | str | None = None,
+        budget: int | None = None,
+    ):
         if isinstance(tile, dict):
             raise TypeError("autograd() takes one tile for every stage (or None), not a dict")
+        check_chunk_args(chunk, budget)
         d = cb.block.derivation(wrt, remat)
         self.derivation = d
         try:
@@ -56,6 +70,17 @@ class CudaFunction:
             p.var.name for p in d.backward.ir.params if p.var.name not in set(d.cotangents.values())
         ]
         self.ir, self.dims = cb.ir, cb.dims
+        # row chunks of the backward (docs/design.md, "Chunked backward"): the plan, and the CUDA block
+        # of its widened backward (gradients summed over the rows stored in f32, added across chunks)
+        self.chunk, self.budget = chunk, budget
+        self.chunk_plan: ChunkPlan | None = None
+        if chunk is not None or budget is not None:
+            self.chunk_plan = cb.block.chunk_plan(wrt, remat)
+            wide = self.chunk_plan.block
+            try:
+                self.chunked = CudaBlock(wide, tile, emulate=cb.emulate, poison=cb.poison, tune=cb.tune)
+            except CodaError as e:
+                raise _runtime_error(e, "chunked backward", wide) from None
         self.forward_dims = frozenset(x.name for x in d.forward.ir.dims)
         self.backward_dims = frozenset(x.name for x in d.backward.ir.dims)
 
@@ -69,6 +94,25 @@ class CudaFunction:
         sizes = tuple(sorted({**self.dims, **given_dims(self.ir, dims)}.items()))
         outs = _CodaAutograd.apply(self, names, sizes, *[given[n] for n in names])
         return dict(zip(self.outputs, outs, strict=True))
+
+    def run_backward(self, bins: dict[str, Any], dims: dict[str, int]) -> dict[str, Any]:
+        """The backward block's outputs: in one run, or in row chunks (rows of the row-indexed inputs,
+        row outputs concatenated, gradients summed over the rows added in f32 and rounded once)."""
+        plan = self.chunk_plan
+        if plan is None:
+            return self.backward._call(bins, dims)[0]
+        rows = dims[plan.dim]
+        c = chunk_size(plan, rows, dims, self.chunk, self.budget)
+        assert c is not None
+        chunked = self.chunked
+
+        def run(sub: dict[str, Any], n: int) -> dict[str, Any]:
+            return chunked._call(sub, {**dims, plan.dim: n})[0]
+
+        def finish(total: torch.Tensor, dtype: str) -> torch.Tensor:
+            return total.to(TORCH_DTYPES[dtype])
+
+        return run_chunks(plan, bins, rows, c, run, lambda p: torch.cat(p, 0), torch.add, finish)
 
 
 class _CodaAutograd(torch.autograd.Function):
@@ -105,7 +149,7 @@ class _CodaAutograd(torch.autograd.Function):
                 bins[d.cotangents[out]] = (
                     g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
                 )
-        grads_out = fn.backward._call(bins, ctx.dims)[0]
+        grads_out = fn.run_backward(bins, ctx.dims)
         result: list[Any] = [None, None, None]
         for i, name in enumerate(ctx.names):
             g = d.grads.get(name)

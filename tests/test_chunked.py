@@ -1,0 +1,338 @@
+"""Chunked backward runs (coda_lang/interp/chunk.py; docs/design.md, "Chunked backward").
+
+- Chunked and unchunked backwards agree: f64 to 1e-12, exact mode to the order of f32 summation (f32
+  outputs to 1e-5 of their scale, 16-bit outputs to one ulp of their dtype), for lm_head_ce and its
+  cross-entropy variants under --remat recompute (and save), and llama_mlp (whose dw and dg sum over
+  M), with a ragged last chunk, chunk=1 and chunk >= M, whole and tiled; on the interpreter
+  (`Block.vjp`) and on the torch path (`CudaBlock.autograd`, `coda_lang.torch.function`, emulated).
+- The chunks really run: one backward run per chunk, each at M = the chunk's rows.
+- `budget=` picks the chunk the rule says; bad `chunk=`/`budget=` and blocks that can't run in
+  chunks are E0809 naming the argument or the value in the way.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import coda_lang
+import coda_lang.interp
+import coda_lang.torch as ct
+from coda_lang.interp import random_inputs
+from coda_lang.interp.chunk import DEFAULT_BUDGET, chunk_plan, chunk_size
+
+ROOT = Path(__file__).resolve().parent.parent
+CE = ["lm_head_ce", "lm_head_ce_smooth", "lm_head_ce_zloss", "lm_head_ce_softcap"]
+
+
+def block(name: str) -> coda_lang.Block:
+    return coda_lang.load(ROOT / "examples" / f"{name}.coda")[name]
+
+
+def ce_inputs(m: int = 37, d: int = 16, v: int = 50, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "hg": rng.standard_normal((m, d)).astype(ml_dtypes.bfloat16),
+        "r": rng.uniform(0.5, 1.5, m).astype(np.float32),
+        "w_lm": (rng.standard_normal((d, v)) * 2).astype(ml_dtypes.bfloat16),
+        "target": np.where(np.arange(m) % 6 == 2, -100, rng.integers(0, v, m)).astype(np.int32),
+    }
+
+
+def cotangents(
+    blk: coda_lang.Block, ins: dict[str, Any], dims: dict[str, int] | None = None
+) -> dict[str, Any]:
+    rng = np.random.default_rng(11)
+    outs = blk.run(ins, dims=dims)
+    return {
+        k: rng.standard_normal(np.shape(v)).astype(np.float32)
+        for k, v in outs.items()
+        if np.asarray(v).dtype.kind == "f"
+    }
+
+
+def assert_same(got: dict[str, Any], want: dict[str, Any], precision: str, what: str) -> None:
+    assert sorted(got) == sorted(want)
+    for k in want:
+        g, w = np.asarray(got[k]), np.asarray(want[k])
+        assert g.dtype == w.dtype and g.shape == w.shape, (
+            f"{what} d{k}: {g.dtype}{g.shape} vs {w.dtype}{w.shape}"
+        )
+        g64, w64 = g.astype(np.float64), w.astype(np.float64)
+        scale = float(np.max(np.abs(w64))) if w64.size else 0.0
+        if precision == "f64":
+            tol = 1e-12 * scale + 1e-300
+        elif w.dtype == np.float32:
+            tol = 1e-5 * scale
+        else:  # a 16-bit gradient: the f32 sums may round to the neighbouring value
+            ulp = 2.0**-7 if w.dtype == ml_dtypes.bfloat16 else 2.0**-10
+            np.testing.assert_array_less(
+                np.abs(g64 - w64), ulp * np.abs(w64) + 1e-5 * scale + 1e-30, err_msg=f"{what} d{k}"
+            )
+            continue
+        err = float(np.max(np.abs(g64 - w64))) if w64.size else 0.0
+        assert err <= tol, f"{what} d{k}: chunked differs by {err:.3e} (tolerance {tol:.3e})"
+
+
+# ---------------------------------------------------------------------------- the interpreter
+
+
+@pytest.mark.parametrize("name", CE)
+@pytest.mark.parametrize("precision", ["exact", "f64"])
+def test_ce_chunked_equals_unchunked(name: str, precision: str) -> None:
+    blk = block(name)
+    ins = ce_inputs()
+    cts = cotangents(blk, ins)
+    for remat in ("recompute", "save"):
+        want = blk.vjp(ins, cts, precision=precision, remat=remat)
+        for chunk in (1, 5, 16, 37, 1000):  # 37 rows: ragged last chunks of 2, 5 and 1 rows
+            got = blk.vjp(ins, cts, precision=precision, remat=remat, chunk=chunk)
+            assert_same(got, want, precision, f"{name} {remat} chunk={chunk}")
+
+
+@pytest.mark.parametrize("remat", ["save", "recompute"])
+@pytest.mark.parametrize("precision", ["exact", "f64"])
+def test_llama_mlp_chunked_equals_unchunked(remat: str, precision: str) -> None:
+    blk = block("llama_mlp")
+    dims = {"M": 29, "D": 16, "F": 24}
+    ins = random_inputs(blk.ir, dims, seed=2)
+    cts = cotangents(blk, ins)
+    want = blk.vjp(ins, cts, precision=precision, remat=remat)
+    plan = blk.chunk_plan(remat=remat)
+    assert set(plan.summed) == {"dw_o", "dg", "dw_13", "dw_2"}  # the M-reductions: wgrads and dg
+    for chunk in (1, 7, 29, 64):
+        got = blk.vjp(ins, cts, precision=precision, remat=remat, chunk=chunk)
+        assert_same(got, want, precision, f"llama_mlp {remat} chunk={chunk}")
+
+
+def test_chunked_with_simulated_tiles() -> None:
+    blk = block("lm_head_ce")
+    ins = ce_inputs(m=23, v=40)
+    cts = cotangents(blk, ins)
+    want = blk.vjp(ins, cts, remat="recompute", tile=(4, 16))
+    got = blk.vjp(ins, cts, remat="recompute", tile=(4, 16), chunk=6)
+    assert_same(got, want, "exact", "tiled")
+
+
+def test_every_chunk_runs_at_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """M=37 in chunks of 16: three backward runs at M = 16, 16, 5; dlogits is never [37, V]."""
+    seen: list[tuple[int, tuple[int, ...]]] = []
+    run_block = coda_lang.interp.run_block
+
+    def spy(ir: Any, plan: Any, env: dict[str, Any], dims: dict[str, int], **kw: Any) -> Any:
+        if ir.name.endswith("_bwd"):  # (not the forward's run)
+            seen.append((dims["M"], np.shape(env["hg"])))
+        return run_block(ir, plan, env, dims, **kw)
+
+    monkeypatch.setattr(coda_lang.interp, "run_block", spy)
+    blk = block("lm_head_ce")
+    ins = ce_inputs()
+    blk.vjp(ins, cotangents(blk, ins), remat="recompute", chunk=16)
+    assert seen == [(16, (16, 16)), (16, (16, 16)), (5, (5, 16))]
+
+
+def test_the_chunked_block_stores_row_sums_wide() -> None:
+    plan = block("lm_head_ce").chunk_plan(remat="recompute")
+    assert plan.dim == "M" and plan.summed == {"dw_lm": "bf16"} and plan.concat == ("dhg", "dr")
+    assert {"hg", "dloss", "dlse", "lse", "target", "r"} == set(plan.rows)
+    assert next(o for o in plan.block.ir.outputs if o.name == "dw_lm").type.dtype == "f32"
+    assert [(n, str(w), dt) for n, w, dt in plan.transients] == [("dacc1", "V", "bf16")]
+
+
+# ---------------------------------------------------------------------------- the budget
+
+
+def test_budget_picks_the_chunk() -> None:
+    plan = block("lm_head_ce").chunk_plan(remat="recompute")
+    sizes = {"M": 8192, "D": 2048, "V": 50}  # dacc1: bf16[M, V], 100 bytes per row
+    assert plan.bytes_per_row(sizes) == 100
+    assert chunk_size(plan, 8192, sizes, "auto", 1000) == 10
+    assert chunk_size(plan, 8192, sizes, None, 1000) == 10  # a budget alone means "auto"
+    assert chunk_size(plan, 8192, sizes, "auto", 100 * 300) == 256  # a multiple of 128 from 128 rows
+    assert chunk_size(plan, 8192, sizes, "auto", 99) == 1  # at least one row
+    assert chunk_size(plan, 8192, sizes, "auto", 10**12) == 8192  # at most M
+    assert chunk_size(plan, 8192, sizes, 100, None) == 100
+    assert chunk_size(plan, 8192, sizes, 10**6, None) == 8192
+    assert chunk_size(plan, 8192, sizes, None, None) is None
+    llama3 = {"M": 8192, "D": 2048, "V": 128256}  # 256 MiB of bf16 dlogits: 1046 rows -> 1024
+    assert (
+        chunk_size(plan, 8192, llama3, "auto", None) == 1024 == (DEFAULT_BUDGET // (2 * 128256)) // 128 * 128
+    )
+    mlp = block("llama_mlp").chunk_plan(remat="recompute")  # dacc2: bf16[M, 2F], dacc1: bf16[M, D]
+    assert mlp.bytes_per_row({"M": 64, "D": 16, "F": 24}) == 96
+    assert mlp.bytes_per_row({"M": 64, "D": 64, "F": 24}) == 128
+
+
+def test_vjp_with_a_budget_runs_the_chunks_it_picks(monkeypatch: pytest.MonkeyPatch) -> None:
+    rows: list[int] = []
+    run_block = coda_lang.interp.run_block
+
+    def spy(ir: Any, plan: Any, env: dict[str, Any], dims: dict[str, int], **kw: Any) -> Any:
+        if ir.name.endswith("_bwd"):
+            rows.append(dims["M"])
+        return run_block(ir, plan, env, dims, **kw)
+
+    monkeypatch.setattr(coda_lang.interp, "run_block", spy)
+    blk = block("lm_head_ce")
+    ins = ce_inputs()  # V = 50: 100 bytes of dlogits per row
+    cts = cotangents(blk, ins)
+    want = blk.vjp(ins, cts, remat="recompute")
+    assert rows == [37]
+    rows.clear()
+    got = blk.vjp(ins, cts, remat="recompute", chunk="auto", budget=1000)
+    assert rows == [10, 10, 10, 7]
+    assert_same(got, want, "exact", "budget")
+
+
+# ---------------------------------------------------------------------------- the torch path
+
+
+def _torch_inputs(ins: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in ins.items():
+        a = np.asarray(v)
+        if a.dtype == ml_dtypes.bfloat16:
+            out[k] = torch.tensor(a.astype(np.float32)).bfloat16().requires_grad_()
+        elif a.dtype.kind == "f":
+            out[k] = torch.tensor(a).requires_grad_()
+        else:
+            out[k] = torch.tensor(a)
+    return out
+
+
+def _torch_grads(fn: Any, ins: dict[str, np.ndarray], seed: int = 0) -> dict[str, np.ndarray]:
+    tens = _torch_inputs(ins)
+    outs = fn(tens)
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(
+        (o.float() * torch.randn(o.shape, generator=gen)).sum()
+        for o in outs.values()
+        if o.is_floating_point()
+    )
+    total.backward()  # type: ignore[union-attr]
+    res = {}
+    for k, t in tens.items():
+        if t.grad is not None:
+            g = t.grad
+            res[k] = g.float().numpy().astype(ml_dtypes.bfloat16) if g.dtype == torch.bfloat16 else g.numpy()
+    return res
+
+
+@pytest.mark.parametrize("name", ["lm_head_ce", "lm_head_ce_softcap", "llama_mlp"])
+def test_emulated_autograd_chunked_equals_unchunked(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    blk = block(name)
+    if name == "llama_mlp":
+        ins = random_inputs(blk.ir, {"M": 29, "D": 16, "F": 24}, seed=3)
+        remat, chunks = "save", (1, 8, 29)
+    else:
+        ins = ce_inputs(m=29, v=48)  # stored rows of the kernels: multiples of 16 bytes
+        remat, chunks = "recompute", (1, 8, 29, 100)
+    want = _torch_grads(blk.cuda(emulate=True).autograd(remat=remat), ins)
+    for chunk in chunks:
+        fn = blk.cuda(emulate=True).autograd(remat=remat, chunk=chunk)
+        calls: list[int] = []
+        call = fn.chunked._call
+
+        def spy(
+            tensors: dict[str, Any], dims: dict[str, int] | None, call: Any = call, calls: list[int] = calls
+        ) -> Any:
+            assert dims is not None
+            calls.append(dims["M"])
+            return call(tensors, dims)
+
+        monkeypatch.setattr(fn.chunked, "_call", spy)
+        got = _torch_grads(fn, ins)
+        c = min(chunk, 29)
+        assert calls == [min(c, 29 - i) for i in range(0, 29, c)]
+        assert_same(got, want, "exact", f"{name} autograd chunk={chunk}")
+
+
+def test_torch_function_takes_chunk_and_budget() -> None:
+    ins = ce_inputs(m=29, v=48)  # stored rows of the kernels: multiples of 16 bytes
+    blk = block("lm_head_ce_zloss")
+    want = _torch_grads(ct.function(blk, remat="recompute"), ins)
+    for kw in ({"chunk": 4}, {"chunk": "auto", "budget": 1000}, {"budget": 300}):
+        f = ct.function(blk, remat="recompute", **kw)  # type: ignore[arg-type]
+        assert_same(_torch_grads(f, ins), want, "exact", f"function {kw}")
+
+
+# ---------------------------------------------------------------------------- refusals
+
+
+BAD_ARGS = [
+    ({"chunk": 0}, "chunk= is 0"),
+    ({"chunk": -3}, "chunk= is -3"),
+    ({"chunk": 2.5}, "chunk= is 2.5"),
+    ({"chunk": "big"}, "chunk= is 'big'"),
+    ({"chunk": True}, "chunk= is True"),
+    ({"budget": 0}, "budget= is 0"),
+    ({"budget": "1GB"}, "budget= is '1GB'"),
+    ({"chunk": "auto", "budget": 1.5e9}, "budget= is 1500000000.0"),
+    ({"chunk": 8, "budget": 1000}, "chunk=8 and budget=1000 both given"),
+]
+
+
+@pytest.mark.parametrize("kw,msg", BAD_ARGS, ids=[str(k) for k, _ in BAD_ARGS])
+def test_bad_arguments_are_refused(kw: dict[str, Any], msg: str) -> None:
+    blk = block("lm_head_ce")
+    ins = ce_inputs(m=8)
+    for call in (
+        lambda: blk.vjp(ins, {"loss": np.ones(8, np.float32)}, **kw),
+        lambda: blk.cuda(emulate=True).autograd(**kw),
+        lambda: ct.function(blk, **kw),
+    ):
+        with pytest.raises(coda_lang.CodaError) as e:
+            call()
+        text = str(e.value)
+        assert "E0809" in text and msg in text, text
+
+
+def _refused(src: str) -> str:
+    blk = coda_lang.load("dims M, N, K\n" + src)
+    b = next(iter(blk))
+    with pytest.raises(coda_lang.CodaError) as e:
+        chunk_plan(b, "M")
+    assert "E0809" in str(e.value)
+    return str(e.value)
+
+
+def test_blocks_that_cannot_run_in_chunks_are_refused() -> None:
+    assert "only `name = acc` can be summed" in _refused(
+        "block b(x: bf16[M, K], dy: bf16[M, N]) -> (dw: bf16[K, N]) { gemm transpose(x) @ dy { dw = acc * 2.0 } }"
+    )
+    assert "is a max over `M`: only sums" in _refused(
+        "block b(x: bf16[M, K], w: bf16[K, N]) -> (m: f32[N]) { gemm x @ w { m = max(acc, over=M) } }"
+    )
+    assert "row_index()" in _refused(
+        "block b(x: bf16[M, K], w: bf16[K, N]) -> (y: bf16[M, N]) { gemm x @ w { i = row_index()\n"
+        "  y = where(i > 3, acc, 0.0) } }"
+    )
+    assert "as its columns" in _refused(
+        "block b(x: bf16[M, K], w: bf16[N, K]) -> (y: bf16[N, M]) { gemm w @ transpose(x) { y = acc } }"
+    )
+    assert "size of `M`" in _refused(
+        "block b(x: bf16[M, K], w: bf16[K, N]) -> (m: f32[N]) { gemm x @ w { m = mean(acc, over=M) } }"
+    )
+    assert "`s` sums over `M` and is read by" in _refused(
+        "block b(x: bf16[M, K], w: bf16[K, N]) -> (y: bf16[M, N]) {\n"
+        "  gemm x @ w { s = sum(acc, over=M) }\n  gemm x @ w { y = acc * s } }"
+    )
+    assert "only its first axis" in _refused(
+        "block b(x: bf16[K, M], w: bf16[K, N]) -> (y: bf16[M, N]) { gemm transpose(x) @ w { y = acc } }"
+    )
+
+
+def test_amax_fp8_backward_is_refused_by_name() -> None:
+    """Its backward counts the ties of the amax over all rows, then divides every row by the count."""
+    blk = block("amax_fp8")
+    ins = random_inputs(blk.ir, {"M": 16, "K": 16, "N": 16})
+    with pytest.raises(coda_lang.CodaError) as e:
+        blk.vjp(ins, cotangents(blk, ins), chunk=4)
+    assert "E0809" in str(e.value) and "sums over `M` and is read by" in str(e.value)
+    with pytest.raises(coda_lang.CodaError):
+        ct.function(blk, chunk=4)
