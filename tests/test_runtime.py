@@ -907,3 +907,43 @@ def test_a_group_narrower_than_the_epilogue_subtile_is_refused() -> None:
     blk.cuda(tile=(128, 192), emulate=True)  # the stand-ins fold each group exactly at any subtile
     at128 = plan_stage(block("qk_norm"), 1)
     assert TileConfig(128, 128) in [c for c in CANDIDATES if fits(at128, c)]
+
+
+def test_consumed_run_writes_packed_d_into_c_and_drops_dead_values() -> None:
+    """A backward run with `consume` (what autograd's backward passes: the forward's saved intermediates)
+    equals the plain run; its packed SwiGLU-backward stage writes dacc2 into the saved acc2's buffer
+    (one [M, 2F] buffer instead of two), and values are dropped after their last read."""
+    import torch
+
+    blk = coda_lang.load(EXAMPLES / "llama_mlp.coda")["llama_mlp"]
+    d = blk.derivation(None, "save")
+    inputs = example_inputs(blk, {"M": 96, "D": 64, "F": 40}, seed=3)
+    saved = d.forward.cuda(emulate=True, tile=(64, 64))(inputs)
+    gen = torch.Generator().manual_seed(4)
+    bins: dict[str, Any] = {}
+    for p in d.backward.ir.params:
+        n = p.var.name
+        if n in d.cotangents.values():
+            bins[n] = torch.randn(saved["x2"].shape, generator=gen).to(torch.bfloat16)
+        else:
+            bins[n] = saved[n] if n in saved else inputs[n]
+    cb = d.backward.cuda(emulate=True, tile=(64, 64))
+    plain = cb._call(dict(bins), None)[0]
+    spec = next(s for s in cb.specs if s is not None and s.c is not None)
+    c_name = spec.c.name
+    c_before = bins[c_name].clone()
+    ptr = bins[c_name].data_ptr()
+    env, _, _ = cb._run(dict(bins), None, frozenset({c_name}))
+    assert spec.d is not None
+    assert not torch.equal(bins[c_name], c_before)  # overwritten in place ...
+    consumed = cb._call({**bins, c_name: c_before.clone()}, None, frozenset({c_name}))[0]
+    for k, v in plain.items():
+        assert torch.equal(consumed[k], v), k
+    assert c_name not in env and spec.d.name not in env  # ... and both dropped after their last read
+    assert bins[c_name].data_ptr() == ptr
+    # without `consume`, nothing the caller passed is written
+    again = dict(bins)
+    again[c_name] = c_before.clone()
+    keep = again[c_name].clone()
+    cb._call(again, None)
+    assert torch.equal(again[c_name], keep)

@@ -151,6 +151,13 @@ class CudaBlock:
             if isinstance(a, DimRef)
         }
         self._ready = False
+        # the body item (statement index) of each value's last read; block outputs are never dead
+        self._last_read: dict[str, int] = {}
+        for i, item in enumerate(self.ir.body):
+            for n in _reads(item):
+                self._last_read[n] = i
+        for o in self.ir.outputs:
+            self._last_read[o.name] = len(self.ir.body)
 
     @property
     def name(self) -> str:
@@ -254,10 +261,10 @@ class CudaBlock:
         return {**self.dims, **given_dims(self.ir, dims)} if dims else self.dims
 
     def _call(
-        self, tensors: dict[str, Any], dims: dict[str, int] | None
+        self, tensors: dict[str, Any], dims: dict[str, int] | None, consume: frozenset[str] | None = None
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, int]]:
-        """(outputs by name in their dtypes, partial buffers, the dims of the run)."""
-        env, partials, sizes = self._run(tensors, dims)
+        """(outputs by name in their dtypes, partial buffers, the dims of the run); `consume` as `_run`."""
+        env, partials, sizes = self._run(tensors, dims, consume)
         outs = {}
         for o in self.ir.outputs:
             x = env[o.name]
@@ -265,31 +272,61 @@ class CudaBlock:
         return outs, partials, sizes
 
     def _run(
-        self, tensors: dict[str, Any], given: dict[str, int] | None = None
+        self,
+        tensors: dict[str, Any],
+        given: dict[str, int] | None = None,
+        consume: frozenset[str] | None = None,
     ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, int]]:
+        """Run the block. `consume` (an autograd backward: the forward's saved intermediates, which
+        nothing else reads): each value is dropped from the run's environment after its last read, and
+        a packed stage whose C operand is one of `consume`, read by nothing after it, writes its D into
+        C's buffer (`coda::stage_into`) instead of a new one."""
         env, dims, device = self._bind(tensors, self._given(given))
         env.update({dim_operand(k): v for k, v in dims.items()})  # a dim used as a value inside a stage
         if not self._ready:
             self.prepare()
         partials: dict[str, torch.Tensor] = {}
         k = 0
-        for s in self.ir.body:
+        for i, s in enumerate(self.ir.body):
             if isinstance(s, Stage):
                 k += 1
                 if k in self.elementwise:
                     self.elementwise[k].run(env, dims, self.plan.storage)
-                    continue
-                r = self.runner(k)
-                ins, scalars = r.arguments(env)
-                if self.tune and k not in self._tiles:
-                    r = self._tuned(k, r, ins, scalars)
-                if not torch.compiler.is_compiling():  # (a side effect a traced autograd.Function can't hold)
-                    self._last[k] = r
-                outs = torch.ops.coda.stage(r.key, ins, scalars)
-                r.collect(outs, env, partials, self.plan.storage)
+                else:
+                    r = self.runner(k)
+                    ins, scalars = r.arguments(env)
+                    if self.tune and k not in self._tiles:
+                        r = self._tuned(k, r, ins, scalars)
+                    if not torch.compiler.is_compiling():  # (a side effect a traced Function can't hold)
+                        self._last[k] = r
+                    into = self._into(r.spec, i, env, consume) if consume is not None else None
+                    if into is not None:
+                        outs = [into, *torch.ops.coda.stage_into(r.key, into, ins, scalars)]
+                    else:
+                        outs = torch.ops.coda.stage(r.key, ins, scalars)
+                    r.collect(outs, env, partials, self.plan.storage)
             else:
                 self._vector_eqn(s, env, dims, device)
+            if consume is not None:
+                for n in _reads(s):
+                    if self._last_read.get(n) == i:
+                        env.pop(n, None)
         return env, partials, dims
+
+    def _into(
+        self, spec: StageSpec, i: int, env: dict[str, Any], consume: frozenset[str]
+    ) -> torch.Tensor | None:
+        """The buffer a packed stage may write its D into: its C operand's, when C is consumable, read by
+        nothing after this stage, and of D's shape and dtype."""
+        c, d = spec.c, spec.d
+        if c is None or d is None or c.name not in consume or self._last_read.get(c.name) != i:
+            return None
+        t = env.get(c.name)
+        if not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.dtype != TORCH_DTYPES[d.dtype]:
+            return None
+        if t.data_ptr() % 16:
+            return None
+        return t
 
     def _tuned(
         self, k: int, r: StageRunner, ins: list[torch.Tensor | None], scalars: list[float]
@@ -459,6 +496,15 @@ class CudaBlock:
         from coda_lang.backend_cute.autograd import CudaFunction
 
         return CudaFunction(self, wrt, tile if tile is not None else self.tile, remat, chunk, budget)
+
+
+def _reads(item: Any) -> set[str]:
+    """The names a body item (a stage or a vector equation) reads."""
+    if isinstance(item, Stage):
+        names = {a.name for a in (item.a, item.b) if isinstance(a, Var)}
+        names |= {a.name for e in item.body for a in e.ins if isinstance(a, Var)}
+        return names - {"acc"} - {v.name for e in item.body for v in e.outs}
+    return {a.name for a in item.ins if isinstance(a, Var)}
 
 
 def with_sources(e: CodaError) -> CodaError:

@@ -141,8 +141,11 @@ class StageRunner:
             ins.append(env[name].to(torch.int32).contiguous())
         return ins, scalars
 
-    def allocate(self, A: torch.Tensor, B: torch.Tensor) -> list[torch.Tensor]:
-        """The stage's output buffers: [D?] + TileStores + sinks (also the fake impl of the op)."""
+    def allocate(
+        self, A: torch.Tensor, B: torch.Tensor, d_out: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        """The stage's output buffers: [D?] + TileStores + sinks (also the fake impl of the op). `d_out`:
+        D's buffer, given (`coda::stage_into`), not allocated."""
         spec, g, cfg = self.spec, self.spec.gemm, self.config
         m, n = A.shape[0], (B.shape[0] if g.tb else B.shape[1])
         dev = A.device
@@ -154,7 +157,13 @@ class StageRunner:
 
         outs = []
         if spec.d is not None:
-            outs.append(new((m, _width(spec.d.shape[1], g.cols, n)), TORCH_DTYPES[spec.d.dtype]))
+            shape = (m, _width(spec.d.shape[1], g.cols, n))
+            if d_out is not None:
+                assert tuple(d_out.shape) == shape and d_out.dtype == TORCH_DTYPES[spec.d.dtype], (
+                    f"stage_into: D is {tuple(d_out.shape)} {d_out.dtype}, the stage stores {shape} {spec.d.dtype}"
+                )
+                assert d_out.is_contiguous()
+            outs.append(d_out if d_out is not None else new(shape, TORCH_DTYPES[spec.d.dtype]))
         for o in spec.outputs:
             width = _width(o.shape[1], g.cols, n)
             outs.append(new((m, width // 2 if o.lane is not None else width), TORCH_DTYPES[o.dtype]))
@@ -193,10 +202,12 @@ class StageRunner:
         return outs
 
     # device side (the op's body): one kernel launch
-    def launch(self, ins: list[torch.Tensor | None], scalars: list[float]) -> list[torch.Tensor]:
+    def launch(
+        self, ins: list[torch.Tensor | None], scalars: list[float], d_out: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
         A, B = _aligned(ins[0]), _aligned(ins[1])
         assert A is not None and B is not None
-        outs = self.allocate(A, B)
+        outs = self.allocate(A, B, d_out)
         D, C, epi = self.epilogue_arguments(ins, scalars, outs)
         if self.config.is_cublas:  # a plain stage (compile.is_plain) the tuner found faster on cuBLAS
             assert D is not None
@@ -310,6 +321,32 @@ def _stage_op_fake(key: str, ins: list[torch.Tensor | None], scalars: list[float
     A, B = ins[0], ins[1]
     assert A is not None and B is not None
     return _STAGES[key].allocate(A, B)
+
+
+# A packed stage whose C operand is dead after it writes D into C's buffer (the two have one shape and
+# dtype; each tile reads its C subtile before it stores its D subtile, and no two tiles share elements):
+# the backward of SwiGLU overwrites the saved pre-activation with its cotangent, as hand-written
+# kernels do, instead of holding both. `d` is that buffer, mutated; the result is the stage's other
+# buffers (stored tiles, sinks). CudaBlock decides when this is allowed (only for tensors the caller
+# hands over as consumable: the forward's saved intermediates in an autograd backward).
+@torch.library.custom_op(
+    "coda::stage_into",
+    mutates_args=("d",),
+    schema="(str key, Tensor(a!) d, Tensor?[] ins, float[] scalars) -> Tensor[]",
+)
+def _stage_into_op(
+    key: str, d: torch.Tensor, ins: list[torch.Tensor | None], scalars: list[float]
+) -> list[torch.Tensor]:
+    return _STAGES[key].launch(ins, scalars, d_out=d)[1:]
+
+
+@_stage_into_op.register_fake
+def _stage_into_op_fake(
+    key: str, d: torch.Tensor, ins: list[torch.Tensor | None], scalars: list[float]
+) -> list[torch.Tensor]:
+    A, B = ins[0], ins[1]
+    assert A is not None and B is not None
+    return _STAGES[key].allocate(A, B, d_out=d)[1:]
 
 
 def round_value(x: Any, dtype: str | None) -> Any:
