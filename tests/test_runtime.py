@@ -947,3 +947,28 @@ def test_consumed_run_writes_packed_d_into_c_and_drops_dead_values() -> None:
     keep = again[c_name].clone()
     cb._call(again, None)
     assert torch.equal(again[c_name], keep)
+
+
+def test_autograd_backward_overwrites_only_its_own_saved_tensor_and_refuses_a_second_run() -> None:
+    """llama_mlp's SwiGLU backward writes its cotangent into the saved pre-activation (made by the
+    forward, never the caller's); the gradients still match Block.vjp, the caller's inputs are untouched,
+    and a second backward through the same graph (retain_graph=True) is refused with a clear error."""
+    import torch
+
+    blk = coda_lang.load(EXAMPLES / "llama_mlp.coda")["llama_mlp"]
+    fn = blk.cuda(emulate=True, tile=(64, 64)).autograd(remat="save")
+    assert fn.inplace == {"acc2"}
+    inputs = example_inputs(blk, {"M": 96, "D": 64, "F": 40}, seed=5)
+    copies = {k: v.clone() for k, v in inputs.items()}
+    leaves = {k: v.clone().requires_grad_() if v.is_floating_point() else v for k, v in inputs.items()}
+    x2 = fn(leaves)["x2"]
+    ct = torch.randn(x2.shape, generator=torch.Generator().manual_seed(6)).to(x2.dtype)
+    x2.backward(ct, retain_graph=True)
+    ref = blk.vjp(inputs, {"x2": ct}, tile=(64, 64), remat="save")
+    for n, g in ref.items():
+        want = torch.from_numpy(np.asarray(g, dtype=np.float64))
+        assert torch.allclose(leaves[n].grad.double(), want, rtol=2e-2, atol=1e-2), n
+    for k, v in inputs.items():
+        assert torch.equal(v, copies[k]), k
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        x2.backward(ct)

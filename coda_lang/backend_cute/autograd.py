@@ -64,6 +64,10 @@ class CudaFunction:
             self.backward = CudaBlock(d.backward, tile, emulate=cb.emulate, poison=cb.poison, tune=cb.tune)
         except CodaError as e:
             raise _runtime_error(e, "backward", d.backward) from None
+        # saved tensors a packed backward stage may overwrite with its D (CudaBlock._run's `consume`)
+        self.inplace = frozenset(
+            spec.c.name for spec in self.backward.specs if spec is not None and spec.c is not None
+        )
         self.params = [p.var.name for p in cb.ir.params]
         self.outputs = [o.name for o in cb.ir.outputs]
         self.needs = [
@@ -95,12 +99,15 @@ class CudaFunction:
         outs = _CodaAutograd.apply(self, names, sizes, *[given[n] for n in names])
         return dict(zip(self.outputs, outs, strict=True))
 
-    def run_backward(self, bins: dict[str, Any], dims: dict[str, int]) -> dict[str, Any]:
+    def run_backward(
+        self, bins: dict[str, Any], dims: dict[str, int], consume: frozenset[str] | None = None
+    ) -> dict[str, Any]:
         """The backward block's outputs: in one run, or in row chunks (rows of the row-indexed inputs,
-        row outputs concatenated, gradients summed over the rows added in f32 and rounded once)."""
+        row outputs concatenated, gradients summed over the rows added in f32 and rounded once).
+        `consume`: saved tensors the run may drop and overwrite (CudaBlock._run)."""
         plan = self.chunk_plan
         if plan is None:
-            return self.backward._call(bins, dims)[0]
+            return self.backward._call(bins, dims, consume)[0]
         rows = dims[plan.dim]
         c = chunk_size(plan, rows, dims, self.chunk, self.budget)
         assert c is not None
@@ -136,12 +143,34 @@ class _CodaAutograd(torch.autograd.Function):
         outs = tuple(res[o].detach() for o in fn.outputs)
         ctx.out_meta = [(x.shape, x.dtype, x.device) for x in outs]
         ctx.mark_non_differentiable(*[x for x in outs if not x.is_floating_point()])
+        # what the backward may overwrite: tensors this forward made (not the caller's inputs, not memory
+        # an output shares) that a packed backward stage reads as its C operand (not under a
+        # torch.compile trace, which can't follow storages: there the backward allocates as before)
+        ctx.consumable = frozenset()
+        if fn.inplace and not torch.compiler.is_compiling():
+            out_mem = {x.untyped_storage().data_ptr() for x in outs}
+            ctx.consumable = frozenset(
+                n
+                for n in tensor_names
+                if n in fn.inplace
+                and n in res
+                and n not in inputs
+                and keep[n].untyped_storage().data_ptr() not in out_mem
+            )
+        ctx.consumed = False
         return outs
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         fn: CudaFunction = ctx.fn
         d = fn.derivation
+        if ctx.consumed:
+            raise RuntimeError(
+                f"coda: the backward of block {fn.forward.name} ran already and wrote into the tensors it "
+                f"saved ({', '.join(sorted(ctx.consumable))}: the SwiGLU backward overwrites the saved "
+                "pre-activation with its cotangent), so it can't run twice (retain_graph=True); run the "
+                "forward again"
+            )
         bins: dict[str, Any] = dict(zip(ctx.tensor_names, ctx.saved_tensors, strict=True))
         bins.update(ctx.others)
         for out, g, (shape, dtype, device) in zip(fn.outputs, grads, ctx.out_meta, strict=True):
@@ -149,7 +178,8 @@ class _CodaAutograd(torch.autograd.Function):
                 bins[d.cotangents[out]] = (
                     g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
                 )
-        grads_out = fn.run_backward(bins, ctx.dims)
+        ctx.consumed = bool(ctx.consumable)
+        grads_out = fn.run_backward(bins, ctx.dims, ctx.consumable)
         result: list[Any] = [None, None, None]
         for i, name in enumerate(ctx.names):
             g = d.grads.get(name)
