@@ -64,6 +64,9 @@ class ErrAtom:
 
 Atom = Var | Lit | DimRef | ErrAtom
 
+# The saved-tensor policies of autodiff (block-wide, or written on a stage: `Stage.remat`).
+REMAT = ("auto", "save", "recompute")
+
 ParamValue = Dim | int | float | str
 Params = tuple[tuple[str, ParamValue], ...]
 
