@@ -131,10 +131,10 @@ def test_llama_mlp_auto_recomputes_a_in_the_swiglu_backward() -> None:
     assert len(_gemms(auto.backward)) == len(_gemms(save.backward))  # no forward GEMM runs again
     notes = "\n".join(auto.report)
     assert re.search(
-        r"`a` \(line 22\) is recomputed in the epilogue that runs stage 2's backward.*2\*F bytes", notes
+        r"`a` \(line \d+\) is recomputed in the epilogue that runs stage 2's backward.*2\*F bytes", notes
     )
-    assert re.search(r"`hg` \(line 15\) is recomputed .*2\*D bytes", notes)
-    assert re.search(r"`h` \(line 14\) stays saved", notes)
+    assert re.search(r"`hg` \(line \d+\) is recomputed .*2\*D bytes", notes)
+    assert re.search(r"`h` \(line \d+\) stays saved", notes)
 
 
 def test_coda_grad_auto_prints_the_policy_and_saves_no_a(tmp_path: Path) -> None:
