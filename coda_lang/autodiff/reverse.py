@@ -195,7 +195,7 @@ class Reverse:
         gemm = (Var(st.a.name), Var(st.b.name), st.ta, st.tb)
         shape = StageShape(rows, cols)
         reason = (
-            "it stores no tile, so saving its acc would keep an [rows, cols] tensor only for the backward; "
+            f"it stores no tile, so saving its acc would keep a {rows} x {cols} tensor only for the backward; "
             if policy == "auto"
             else ""
         )
