@@ -51,9 +51,17 @@ def test_recomputed_lm_head_keeps_no_m_by_v_tensor() -> None:
     assert blk.derivation(remat="auto").backward.ir == d.backward.ir  # a loss head stores no tile
 
 
-def test_auto_keeps_saving_where_the_forward_stores_tiles() -> None:
+def test_auto_runs_no_gemm_again_where_the_forward_stores_tiles() -> None:
+    """llama_mlp's stages store tiles: auto runs no forward GEMM again (the backward has as many GEMMs
+    as under save), and recomputes `a` and `hg` in epilogues the backward runs anyway."""
     mlp = coda_lang.load(ROOT / "examples" / "llama_mlp.coda")["llama_mlp"]
-    assert mlp.grad(remat="auto").ir == mlp.grad(remat="save").ir
+    auto, save = mlp.derivation(remat="auto"), mlp.derivation(remat="save")
+    assert save.saved == ("a", "acc2", "r", "hg", "h")
+    assert auto.saved == ("acc2", "r", "h")
+    gemms = [s for s in auto.backward.ir.stages if s.is_gemm]
+    assert len(gemms) == len([s for s in save.backward.ir.stages if s.is_gemm])
+    fwd_gemms = {(s.a.name, s.b.name) for s in mlp.ir.stages}  # type: ignore[union-attr]
+    assert not fwd_gemms & {(s.a.name, s.b.name) for s in gemms}  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("remat", ["save", "recompute", "auto"])

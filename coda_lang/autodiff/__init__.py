@@ -2,6 +2,6 @@
 
 from coda_lang.autodiff.assemble import Derived
 from coda_lang.autodiff.builder import AutodiffError
-from coda_lang.autodiff.reverse import derive
+from coda_lang.autodiff.policy import derive
 
 __all__ = ["AutodiffError", "Derived", "derive"]

@@ -109,9 +109,9 @@ def _finalize_matrix(
 _ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "bool": 1}
 
 
-def bytes_per_row(types: list[Type]) -> str:
-    """What tensors of these types hold per row of their first dim, as a sum over the other dims:
-    `bf16[M, 2*F]` and `f32[M]` hold `4*F + 4 bytes`; a scalar holds nothing per row."""
+def row_bytes(types: list[Type]) -> dict[str | None, Fraction]:
+    """What tensors of these types hold per row of their first dim: dim name (None: a constant) ->
+    bytes per unit of that dim; `bf16[M, 2*F]` and `f32[M]` hold {"F": 4, None: 4}."""
     per: dict[str | None, Fraction] = {}
     for t in types:
         if not t.shape:
@@ -123,6 +123,13 @@ def bytes_per_row(types: list[Type]) -> str:
         d = t.shape[1]
         key = d.name
         per[key] = per.get(key, Fraction(0)) + size * d.coeff
+    return per
+
+
+def bytes_per_row(types: list[Type]) -> str:
+    """What tensors of these types hold per row of their first dim, as a sum over the other dims:
+    `bf16[M, 2*F]` and `f32[M]` hold `4*F + 4 bytes`; a scalar holds nothing per row."""
+    per = row_bytes(types)
     terms = [
         str(Dim(c, name))
         for name, c in sorted(per.items(), key=lambda kv: (kv[0] is None, kv[0] or ""))
@@ -156,13 +163,29 @@ def assemble(s: State, grads: dict[str, str], renames: dict[str, str], remat: st
     notes = [
         f"backward of `{f.name}`, derived by `coda grad`",
         "saved tensors (stored by the forward): " + (", ".join(saved) or "none"),
-        f"saved per row: {bytes_per_row([s.types[n] for n in saved])} (--remat {remat})",
+        f"saved per row: {bytes_per_row([s.types[n] for n in saved])} ({policy_text(s, remat)})",
         "cotangents: " + ", ".join(f"{v} (of {k})" for k, v in s.cotangents.items()),
         "gradients: " + ", ".join(f"{v} (of {k})" for k, v in grads.items()),
     ]
+    if saved:
+        notes.insert(
+            2,
+            "saved bytes per row: "
+            + ", ".join(f"{n} {bytes_per_row([s.types[n]]).removesuffix(' bytes')}" for n in saved),
+        )
     notes += [f"note: {r}" for r in report]
     bwd = Block(f"{f.name}_bwd", dims, tuple(params), tuple(outputs), tuple(body), f.span, tuple(notes))
     return Derived(extend_forward(s, saved), bwd, saved, dict(s.cotangents), grads, report, tuple(s.reads))
+
+
+def policy_text(s: State, remat: str) -> str:
+    """The policy as the header says it: `--remat auto`, and the stages whose source overrides it."""
+    stages = [
+        f'stage {k + 1}: remat="{st.remat}"'
+        for k, st in enumerate(s.fwd.block.stages)
+        if st.remat is not None
+    ]
+    return "; ".join([f"--remat {remat}", *stages])
 
 
 def extend_forward(s: State, saved: tuple[str, ...]) -> Block:

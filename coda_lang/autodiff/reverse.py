@@ -36,21 +36,37 @@ from coda_lang.autodiff.builder import float_value as _float
 from coda_lang.autodiff.forward import ForwardFacts
 from coda_lang.autodiff.site import Host, Site
 from coda_lang.autodiff.state import State
-from coda_lang.ir.nodes import Atom, Block, Eqn, Stage, Var
+from coda_lang.ir.nodes import REMAT, Atom, Block, Eqn, Stage, Var
 from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type
 from coda_lang.ops import REGISTRY, StageShape
 from coda_lang.verify.plan import BlockPlan
 
-REMAT = ("auto", "save", "recompute")
+
+def stage_policies(block: Block, remat: str) -> list[str]:
+    """Each stage's saved-tensor policy: the one written on it (`remat=` in the source), else `remat`."""
+    if remat not in REMAT:
+        raise ValueError(f"remat is one of {', '.join(REMAT)}, not {remat!r}")
+    return [st.remat or remat for st in block.stages]
 
 
 class Reverse:
-    def __init__(self, block: Block, plan: BlockPlan, wrt: list[str] | None, remat: str = "save"):
-        if remat not in REMAT:
-            raise ValueError(f"remat is one of {', '.join(REMAT)}, not {remat!r}")
+    def __init__(
+        self,
+        block: Block,
+        plan: BlockPlan,
+        wrt: list[str] | None,
+        remat: str = "save",
+        make: frozenset[str] = frozenset(),
+    ):
+        self.policy = stage_policies(block, remat)
         self.fwd = ForwardFacts(block, plan, wrt)
         self.s = State(self.fwd)
         self.remat = remat
+        # stored forward tiles that their stage's backward recomputes and stores (policy.py chooses)
+        self.make = make
+        # forward stage -> weight-gradient GEMMs (consumer stage, operand, parameter) that read a tile
+        # of that stage, made after its backward (which stores the tile: `make`)
+        self.deferred: dict[int, list[tuple[int, str, str]]] = {}
         self.dgrad_done: set[tuple[int, str]] = set()  # (consumer stage, operand) whose dgrad GEMM is made
 
     def run(self) -> Derived:
@@ -94,6 +110,11 @@ class Reverse:
     # ------------------------------------------------------------------ stages
 
     def stage_backward(self, k: int) -> None:
+        self.stage_site(k)
+        for c, pos, name in self.deferred.pop(k, []):
+            self.operand_grad(c, pos, name)
+
+    def stage_site(self, k: int) -> None:
         fwd, s = self.fwd, self.s
         st = fwd.block.stages[k]
         defined = [v.name for e in st.body for v in e.outs]
@@ -108,7 +129,7 @@ class Reverse:
                     for v in e.outs:
                         if v.name not in s.types:
                             s.recompute_between(v.name)
-        Site(s, k, host).build()
+        Site(s, k, host, frozenset(n for n in self.make if fwd.fstage.get(n) == k)).build()
         with s.between_stages():  # and differentiated after it
             for e in reversed(st.body):
                 if any(v.name in vectors for v in e.outs):
@@ -150,23 +171,49 @@ class Reverse:
         memory held from forward to backward. A stage whose max/min ties are counted before its site
         keeps its acc saved for that count, so it is not recomputed."""
         st = self.fwd.block.stages[k]
-        if self.remat == "save" or not st.is_gemm or st.a is None or st.b is None:
+        policy = self.policy[k]
+        if policy == "save" or not st.is_gemm or st.a is None or st.b is None:
             return None
         ties = [e for e in st.body if e.op in ("reduce_max", "reduce_min") and e.param("group") is None]
         if ties:
             return None
-        if self.remat == "auto" and self.fwd.plan.stages[k].stores:
+        assert isinstance(st.a, Var) and st.acc is not None and st.acc.type is not None
+        rows, cols = st.acc.type.shape
+        sa = self.fwd.ftype[st.a.name].shape
+        flops = f"2*{rows}*{cols}*{sa[0] if st.ta else sa[1]} FLOPs"
+        why = self.policy_source(k)
+        if policy == "auto" and self.fwd.plan.stages[k].stores:
+            self.s.note(
+                st.span,
+                f"stage {k + 1} (line {st.span.line}): its acc stays saved, its GEMM is not run again "
+                f"({flops}): the forward stores a {rows} x {cols} tile of it anyway, so the "
+                f"rerun would buy at most a constant factor of memory ({why})",
+            )
             return None
-        gemm = (self.forward_operand(st.a), self.forward_operand(st.b), st.ta, st.tb)
-        shape = self.gemm_shape(*gemm)
+        assert isinstance(st.b, Var)
+        # its operands are read (saved) only if the site's stage survives: Site.finish reads them
+        gemm = (Var(st.a.name), Var(st.b.name), st.ta, st.tb)
+        shape = StageShape(rows, cols)
+        reason = (
+            f"it stores no tile, so saving its acc would keep a {rows} x {cols} tensor only for the backward; "
+            if policy == "auto"
+            else ""
+        )
         self.s.note(
             st.span,
-            f"stage {k + 1} (line {st.span.line}): its GEMM runs again in the backward, whose "
-            f"epilogue runs the stage's backward from the recomputed f32 acc; nothing of its "
-            f"{shape.rows} x {shape.cols} tile is kept from the forward (--remat {self.remat})",
+            f"stage {k + 1} (line {st.span.line}): its GEMM runs again in the backward ({flops}), "
+            f"whose epilogue runs the stage's backward from the recomputed f32 acc; {reason}nothing "
+            f"of its {shape.rows} x {shape.cols} tile is kept from the forward ({why})",
             gemm=True,
         )
         return Host(None, gemm, shape, recompute=True)
+
+    def policy_source(self, k: int) -> str:
+        """Where stage k's policy comes from, as the report says it."""
+        st = self.fwd.block.stages[k]
+        if st.remat is not None:
+            return f'remat="{st.remat}" on the stage'
+        return f"--remat {self.remat}"
 
     def host_fits(self, k: int, tile: str) -> bool:
         """Whether the tile space of `tile` (the output of the GEMM that would host stage k's backward)
@@ -210,15 +257,14 @@ class Reverse:
         st = self.fwd.block.stages[c]
         dacc = self.s.dacc[c]
         assert st.a is not None and st.b is not None
-        a_op = self.forward_operand(st.a)
-        b_op = self.forward_operand(st.b)
         if pos == "a":
+            b_op = self.forward_operand(st.b)
             return (dacc, b_op, False, not st.tb) if not st.ta else (b_op, dacc, st.tb, True)
+        a_op = self.forward_operand(st.a)
         return (a_op, dacc, not st.ta, False) if not st.tb else (dacc, a_op, True, st.ta)
 
     def forward_operand(self, a: Atom) -> Var:
-        assert isinstance(a, Var)
-        return self.s.read_param(a.name) if a.name in self.fwd.params else self.s.read_saved(a.name)
+        return self.s.read_operand(a)
 
     def gemm_shape(self, a: Atom, b: Atom, ta: bool, tb: bool) -> StageShape:
         sa, sb = self.s.types[a.name].shape, self.s.types[b.name].shape  # type: ignore[union-attr]
@@ -247,11 +293,19 @@ class Reverse:
         for pos, operand in (("b", st.b), ("a", st.a)):
             assert isinstance(operand, Var)
             if operand.name in self.fwd.params and operand.name in self.fwd.wrt:
+                other = st.a if pos == "b" else st.b
+                assert isinstance(other, Var)
+                if other.name in self.make and other.name not in self.s.made:
+                    # the other operand is a tile its stage's backward stores: after that stage
+                    self.deferred.setdefault(self.fwd.fstage[other.name], []).append((k, pos, operand.name))
+                    continue
                 self.operand_grad(k, pos, operand.name)
             # a forward tile as operand: its producer's site uses this stage's dacc later
 
 
-def derive(block: Block, plan: BlockPlan, wrt: list[str] | None = None, remat: str = "save") -> Derived:
-    """The backward of `block`; `remat` is the saved-tensor policy ("auto", "save", "recompute": see
-    Reverse.recompute_host)."""
-    return Reverse(block, plan, wrt, remat).run()
+def derive_with(
+    block: Block, plan: BlockPlan, wrt: list[str] | None, remat: str, make: frozenset[str] = frozenset()
+) -> Derived:
+    """The backward of `block` under policy `remat` (stage reruns: Reverse.recompute_host), with the
+    tiles `make` recomputed and stored by their stage's backward (policy.py chooses them)."""
+    return Reverse(block, plan, wrt, remat, make).run()

@@ -60,8 +60,11 @@ class Site:
     """Where the VJP of one forward stage's epilogue runs: a host GEMM's epilogue, or an
     elementwise stage over the forward stage's tile space (the block's entry)."""
 
-    def __init__(self, s: State, k: int, host: Host | None):
+    def __init__(self, s: State, k: int, host: Host | None, make: frozenset[str] = frozenset()):
         self.s, self.fwd, self.k, self.host = s, s.fwd, k, host
+        # stored tiles of the stage that the site recomputes and stores (remat in an epilogue), so that
+        # the forward need not keep them for what runs after the site
+        self.make = make
         self.st = s.fwd.block.stages[k]
         if self.st.acc is not None:  # the forward stage's tile space
             assert self.st.acc.type is not None
@@ -181,6 +184,7 @@ class Site:
                 or t.kind == TILE
                 and a.name in fwd.storage
                 and not (self.exact or self.remat)
+                and (a.name not in self.make or s.is_saved(a.name))
             ):
                 out = s.read_saved(a.name)
             else:  # a grouped value is recomputed: stored, it is one column per group, not a group
@@ -198,7 +202,10 @@ class Site:
                 e.span,
             )
         ins = [self.primal(a) for a in e.ins]
-        outs = self.s.recompute(e, ins, self.k)
+        store = None
+        if name in self.make and not self.exact and name not in self.s.made and not self.s.is_saved(name):
+            store = self.fwd.storage.get(name, self.fwd.plan.activation)
+        outs = self.s.recompute(e, ins, self.k, store)
         cache = self.exact_cache if self.exact else self.cache
         for o, v in zip(outs, e.outs, strict=True):
             cache[v.name] = o
@@ -424,11 +431,17 @@ class Site:
                 "copy", total, name=s.names.fresh(f"d{name}"), annot=None if name in fwd.params else "f32"
             )
             s.add_cotangent(name, Var(out.name))
+        for name in sorted(self.make, key=list(fwd.fdef).index):
+            if name not in s.made and not s.is_saved(name):
+                self.recompute(name)  # not needed by the VJP: recomputed only to be stored
         before, body = s.close_stage()
         s.emit(before)
         if body:
             if self.host is not None:
-                s.emit([Stage(*self.host.gemm, Var("acc"), tuple(body), span=st.span)])
+                a, bb, ta, tb = self.host.gemm
+                if self.host.recompute:  # the forward's operands, read now that the stage is made
+                    a, bb = s.read_operand(a), s.read_operand(bb)
+                s.emit([Stage(a, bb, ta, tb, Var("acc"), tuple(body), span=st.span)])
             else:
                 s.emit([_elementwise(body, shape, st.span)])
                 what = ", ".join(

@@ -74,6 +74,10 @@ class State:
         # (span, text, gemm): kept if an elementwise stage (a GEMM stage, when `gemm`) at `span` survives
         # dead-code removal
         self.report: list[tuple[Span, str, bool]] = []
+        # forward tile -> the backward matrix holding it, recomputed and stored by a stage's backward
+        # (remat in an epilogue): read instead of a saved copy by whatever runs after that stage
+        self.made: dict[str, str] = {}
+        self.made_dtype: dict[str, str] = {}  # such a matrix -> its storage dtype (the forward's)
 
     # ------------------------------------------------------------------ names and parameters
 
@@ -129,7 +133,10 @@ class State:
         return Var(name)
 
     def read_saved(self, name: str) -> Var:
-        """A forward value the backward reads as saved: a stored tile or a complete vector."""
+        """A forward value the backward reads as saved: a stored tile or a complete vector (or the
+        copy of that tile a stage's backward recomputed and stored before, when there is one)."""
+        if name in self.made:
+            return Var(self.made[name])
         if (SAVED, name, None) not in self._read:
             t = self.fwd.ftype[name]
             storage, activation = self.fwd.storage, self.fwd.plan.activation
@@ -143,6 +150,11 @@ class State:
             self._record(Read(name, SAVED, name, bt), (SAVED, name, None))
             self._param(name, bt)
         return Var(name)
+
+    def read_operand(self, a: Atom) -> Var:
+        """A forward GEMM operand: a parameter or a saved matrix."""
+        assert isinstance(a, Var)
+        return self.read_param(a.name) if a.name in self.fwd.params else self.read_saved(a.name)
 
     def read_acc(self, k: int) -> Var:
         """Forward stage k's acc, saved (in `fwd.acc_dtype(k)`)."""
@@ -180,13 +192,30 @@ class State:
         self.recompute(e, [self.read_between(a) for a in e.ins], None)
         return Var(self._read[(RECOMPUTED, name, None)].name)
 
-    def recompute(self, e: Eqn, ins: list[Atom], stage: int | None) -> tuple[Var, ...]:
+    def is_saved(self, name: str) -> bool:
+        """Whether forward value `name` was read as a saved tensor so far."""
+        return (SAVED, name, None) in self._read
+
+    def recompute(
+        self, e: Eqn, ins: list[Atom], stage: int | None, store: str | None = None
+    ) -> tuple[Var, ...]:
         """Forward equation `e` emitted again on `ins` (with its span): between stages (stage None,
-        remembered for later reads) or in the backward of forward stage `stage` (its site caches it)."""
+        remembered for later reads) or in the backward of forward stage `stage` (its site caches it).
+        `store` (a dtype): its one output is stored by that stage, under its forward name, as the
+        forward stores it, for what runs later to read instead of a saved copy (`made`)."""
         b = self.b
         prev = b.span
         b.span = e.span
-        outs = b.ops(e.op, *ins, names=tuple(self._claim(v.name) for v in e.outs), params=dict(e.params))
+        if store is not None:
+            (v,) = e.outs
+            assert v.name not in self.claimed and not self.is_saved(v.name)
+            self.claimed.add(v.name)
+            self.names.taken.add(v.name)
+            outs = b.ops(e.op, *ins, names=(v.name,), annot=store, params=dict(e.params))
+            self.made[v.name] = v.name
+            self.made_dtype[v.name] = store
+        else:
+            outs = b.ops(e.op, *ins, names=tuple(self._claim(v.name) for v in e.outs), params=dict(e.params))
         b.span = prev
         for o, v in zip(outs, e.outs, strict=True):
             read = Read(v.name, RECOMPUTED, o.name, self.types[o.name], stage)
@@ -280,7 +309,7 @@ class State:
             if t is None:
                 continue
             if t.kind in (TILE, GROUP):
-                self.types[name] = Type(t.dtype, t.shape, MATRIX)
+                self.types[name] = Type(self.made_dtype.get(name, t.dtype), t.shape, MATRIX)
             elif t.kind == PARTIAL:
                 self.types[name] = Type(t.dtype, t.shape, VEC if t.shape else SCALAR)
         self.types.pop("acc", None)

@@ -47,11 +47,15 @@ def add_parser(sub: Any) -> None:
         "--remat",
         choices=("auto", "save", "recompute"),
         default="save",
-        help="which forward tiles the backward recomputes instead of reading them saved: save (default: "
-        "none), recompute (the GEMM of every stage at the block's entry runs again in the backward, its "
-        "epilogue computing the stage's backward from the f32 acc), auto (those of stages that store no "
-        "tile, such as a loss head). The CUDA backend does not compile a recomputed stage whose "
-        "backward needs row_index()/col_index() yet (E0703): the interpreter runs every policy",
+        help="the saved-tensor policy: save (default: the backward reads what the forward keeps), "
+        "recompute (stored tiles are recomputed in an epilogue the backward runs anyway where that "
+        "holds fewer bytes, and the GEMM of every stage at the block's entry runs again in the backward, "
+        "its epilogue computing the stage's backward from the f32 acc), auto (the same in-epilogue "
+        "recomputation; a GEMM runs again only for a stage that stores no tile, such as a loss head). "
+        'remat="..." on a gemm stage overrides it for that stage. The printed header lists each saved '
+        "tensor with its bytes per row and says why each value is recomputed. The CUDA backend does not "
+        "compile a recomputed stage whose backward needs row_index()/col_index() yet (E0703): the "
+        "interpreter runs every policy",
     )
     g.add_argument("--error-format", choices=("human", "short"), default="human")
     g.set_defaults(run=run)

@@ -64,6 +64,9 @@ class ErrAtom:
 
 Atom = Var | Lit | DimRef | ErrAtom
 
+# The saved-tensor policies of autodiff (block-wide, or written on a stage: `Stage.remat`).
+REMAT = ("auto", "save", "recompute")
+
 ParamValue = Dim | int | float | str
 Params = tuple[tuple[str, ParamValue], ...]
 
@@ -89,6 +92,7 @@ class Eqn:
 class Stage:
     """`gemm a @ b { body }`: acc = op(a) @ op(b) in f32, then the epilogue `body`.
 
+    `remat` is the saved-tensor policy written on the stage (`gemm a @ b, remat="recompute" {`).
     An elementwise stage (`elementwise [M, N] { body }`, made by autodiff where no GEMM produces a
     cotangent) has no GEMM: `a`, `b` and `acc` are None and `shape` gives its tile space.
     """
@@ -103,6 +107,9 @@ class Stage:
     span: Span = _span()
     a_span: Span = _span()
     b_span: Span = _span()
+    # The saved-tensor policy written on the stage (`gemm a @ b, remat="save" { ... }`): overrides the
+    # block-wide one (`coda grad --remat`) for this stage's backward; None: the block-wide one.
+    remat: str | None = None
 
     @property
     def is_gemm(self) -> bool:

@@ -102,7 +102,8 @@ def print_block(b: Block, *, with_dims: bool = True) -> str:
                 assert st.a is not None and st.b is not None
                 a = f"transpose({atom_source(st.a)})" if st.ta else atom_source(st.a)
                 bb = f"transpose({atom_source(st.b)})" if st.tb else atom_source(st.b)
-                lines.append(f"  gemm {a} @ {bb} {{")
+                opt = f', remat="{st.remat}"' if st.remat else ""
+                lines.append(f"  gemm {a} @ {bb}{opt} {{")
             else:
                 assert st.shape is not None
                 lines.append(f"  elementwise {shape_str(st.shape)} {{")

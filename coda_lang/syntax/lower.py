@@ -15,6 +15,7 @@ from fractions import Fraction
 from typing import Any
 
 from coda_lang.ir.nodes import (
+    REMAT,
     Atom,
     Block,
     DimDecl,
@@ -427,9 +428,12 @@ class BlockLowerer:
     # ------------------------------------------------------------------ body
 
     def stage(self, node: Any) -> Stage:
-        a_node, b_node, *body = node.children
+        a_node, b_node, *rest = node.children
+        opts = [c for c in rest if getattr(c, "data", None) == "stage_opt"]
+        body = [c for c in rest if getattr(c, "data", None) != "stage_opt"]
         a, ta = self.operand(a_node)
         b, tb = self.operand(b_node)
+        remat = self.stage_options(opts)
         acc = Var("acc")
         prev, self.acc = self.acc, acc
         eqns: list[Eqn] = []
@@ -447,7 +451,39 @@ class BlockLowerer:
             span=_span(self.file, node),
             a_span=_span(self.file, a_node),
             b_span=_span(self.file, b_node),
+            remat=remat,
         )
+
+    def stage_options(self, opts: list[Any]) -> str | None:
+        """A gemm stage's options (`, remat="save"`): the saved-tensor policy of its backward."""
+        remat: str | None = None
+        seen: set[str] = set()
+        for opt in opts:
+            key, value = str(opt.children[0]), opt.children[1]
+            if key != "remat":
+                self.error(
+                    "E0211",
+                    f"a gemm stage has no option `{key}=`",
+                    opt.children[0],
+                    help=['the one stage option is `remat=`, e.g. `gemm a @ b, remat="recompute" { ... }`'],
+                )
+                continue
+            if key in seen:
+                self.error("E0211", f"`{key}=` is given twice on one stage", opt)
+                continue
+            seen.add(key)
+            text = str(value)[1:-1] if getattr(value, "type", None) == "STRING" else str(value)
+            if text not in REMAT:
+                options = ", ".join(f'"{c}"' for c in REMAT)
+                self.error(
+                    "E0211",
+                    f"`remat=` of a gemm stage is one of {options}, not `{value}`",
+                    value,
+                    help=['e.g. `gemm a @ b, remat="recompute" { ... }`'],
+                )
+                continue
+            remat = text
+        return remat
 
     def ew_stage(self, node: Any) -> Stage:
         shape_node, *body = node.children

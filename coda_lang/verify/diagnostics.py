@@ -34,6 +34,7 @@ CODES: dict[str, str] = {
     "E0208": "unknown dtype",
     "E0209": "duplicate declaration",
     "E0210": "`acc` outside a stage, or assigned to",
+    "E0211": "bad stage option",
     # E03 dtypes
     "E0301": "dtype annotation conflicts with the declared output dtype",
     "E0302": "operand of the wrong dtype",
