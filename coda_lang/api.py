@@ -28,7 +28,7 @@ class Block:
         self.ir = ir
         self.plan = plan
         self._derivations: dict[tuple[tuple[str, ...] | None, str], Derivation] = {}
-        self._chunk_plans: dict[tuple[tuple[str, ...] | None, str], Any] = {}
+        self._chunk_plans: dict[tuple[tuple[str, ...] | None, str, str], Any] = {}
 
     @property
     def name(self) -> str:
@@ -93,22 +93,27 @@ class Block:
         remat: str = "save",
         chunk: int | str | None = None,
         budget: int | None = None,
+        chunk_dim: str | None = None,
     ) -> dict[str, Any]:
         """Gradients of <outputs, cotangents> w.r.t. each differentiable input, by running the extended
         forward and the derived backward block on the interpreter. Keys: parameter names. Outputs
         without a cotangent get zeros.
 
-        `chunk`: run the backward in row chunks (docs/design.md, "Chunked backward"): an int (rows per
-        chunk), "auto" (as many rows as keep the largest transient tile within `budget` bytes,
-        default 256 MiB), or None (unchunked; a `budget` alone means "auto"). Gradients summed over
-        the rows (wgrads) accumulate across chunks unrounded and are rounded once. CodaError E0809 for
-        bad arguments or a backward that can't run in chunks."""
+        `chunk`: run the backward in chunks of one dim (docs/design.md, "Chunked backward"): an int
+        (elements of that dim per chunk), "auto" (as many as keep the largest transient tile within
+        `budget` bytes, default 256 MiB), or None (unchunked; a `budget` or `chunk_dim` alone means
+        "auto"). `chunk_dim`: the dim (its name: "M" for rows, "V" for a vocabulary's columns); by
+        default the forward's row dim for an int chunk, and for "auto" the dim whose chunked run holds
+        the least memory (the columns of V for an LM head, whose wgrad would otherwise accumulate a
+        [D, V] f32 sum over the rows). Gradients summed over the chunked dim accumulate across chunks
+        unrounded and are rounded once. CodaError E0809 for bad arguments or a backward that can't run
+        in chunks of that dim."""
         import numpy as np
 
-        from coda_lang.interp.chunk import check_chunk_args
+        from coda_lang.interp.chunk import chunk_mode
         from coda_lang.interp.inputs import extent, fail
 
-        check_chunk_args(chunk, budget)
+        chunk = chunk_mode(chunk, budget, chunk_dim)
         d = self.derivation(wrt, remat)
         fwd = d.forward.run_with_partials(inputs, dims=dims, tile=tile, precision=precision)[0]
         from coda_lang.interp import bind
@@ -136,20 +141,21 @@ class Block:
         if chunk is None and budget is None:
             grads = d.backward.run(bins, dims=bdims, tile=tile, precision=precision)
         else:
-            grads = self._chunked_backward(wrt, remat, bins, bdims, tile, precision, chunk, budget)
+            grads = self._chunked_backward(wrt, remat, bins, bdims, tile, precision, chunk, budget, chunk_dim)
         return {p: grads[g] for p, g in d.grads.items()}
 
-    def chunk_plan(self, wrt: list[str] | None = None, remat: str = "save") -> Any:
-        """How the derived backward runs in row chunks of the forward's row dim (its first stage's
-        rows): an `interp.chunk.ChunkPlan`; CodaError E0809 where it can't."""
+    def chunk_plan(self, wrt: list[str] | None = None, remat: str = "save", dim: str | None = None) -> Any:
+        """How the derived backward runs in chunks of `dim` (default: the forward's row dim, its first
+        stage's rows): an `interp.chunk.ChunkPlan`; CodaError E0809 where it can't."""
         from coda_lang.interp.chunk import chunk_plan, refuse, row_dim
 
-        key = (tuple(wrt) if wrt is not None else None, remat)
-        if key not in self._chunk_plans:
-            d = self.derivation(wrt, remat)
+        if dim is None:
             dim = row_dim(self.ir)
             if dim is None:
                 raise refuse(f"block {self.name} has no stage whose rows could be chunked")
+        key = (tuple(wrt) if wrt is not None else None, remat, dim)
+        if key not in self._chunk_plans:
+            d = self.derivation(wrt, remat)
             self._chunk_plans[key] = chunk_plan(d.backward, dim)
         return self._chunk_plans[key]
 
@@ -163,33 +169,36 @@ class Block:
         precision: str,
         chunk: int | str | None,
         budget: int | None,
+        chunk_dim: str | None = None,
     ) -> dict[str, Any]:
         import numpy as np
 
         from coda_lang.interp import bind, run_block
-        from coda_lang.interp.chunk import chunk_size, run_chunks
+        from coda_lang.interp.chunk import candidate_plans, choose, run_chunks
         from coda_lang.interp.numerics import round_to, to_storage
 
         d = self.derivation(wrt, remat)
-        plan = self.chunk_plan(wrt, remat)
+        plans = candidate_plans(self, wrt, remat, chunk, chunk_dim)
         env, sizes = bind(d.backward.ir, bins, bdims, precision)
-        rows = sizes[plan.dim]
-        c = chunk_size(plan, rows, sizes, chunk, budget)
-        assert c is not None
+        plan, c = choose(plans, sizes, chunk, budget)
         wide = plan.block
 
         def run(sub: dict[str, Any], n: int) -> dict[str, Any]:
-            return run_block(wide.ir, wide.plan, sub, {**sizes, plan.dim: n}, precision=precision, tile=tile)[
-                0
-            ]
+            dims = {**sizes, plan.inner: n}
+            return run_block(wide.ir, wide.plan, sub, dims, precision=precision, tile=tile)[0]
 
-        def cat(parts: list[Any]) -> Any:
-            return np.concatenate(parts, axis=0)
+        def empty(part: Any, shape: tuple[int, ...]) -> Any:
+            return np.empty(shape, np.asarray(part).dtype)
+
+        def add(total: Any, part: Any) -> Any:
+            if isinstance(total, np.ndarray) and total.ndim and total.flags.writeable:
+                return np.add(total, part, out=total)
+            return total + part
 
         def finish(total: Any, dtype: str) -> Any:
             return to_storage(round_to(total, dtype, precision), dtype, precision)
 
-        return run_chunks(plan, env, rows, c, run, cat, lambda a, b: a + b, finish)
+        return run_chunks(plan, env, sizes[plan.dim], c, run, empty, add, finish)
 
     def cuda(self, tile: Any = None, *, dims: dict[str, int] | None = None, **options: Any) -> Any:
         """The block as a callable on torch CUDA tensors (`coda_lang.backend_cute.cuda_block.CudaBlock`):

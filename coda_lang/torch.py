@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from coda_lang.api import Block, load
-from coda_lang.interp.chunk import check_chunk_args
+from coda_lang.interp.chunk import candidate_plans, chunk_mode
 
 __all__ = ["BlockFunction", "BlockModule", "LlamaMLP", "function", "uses_kernels"]
 
@@ -58,9 +58,11 @@ class BlockFunction:
     stand-ins elsewhere (`uses_kernels`). Outputs of a call whose inputs require grad have a backward
     through the derived backward block (`remat` says what that backward recomputes rather than reads
     saved; docs/design.md, "Saved and recomputed"). `dims`: sizes of dims no input's shape gives.
-    `chunk`: run the backward in row chunks (rows per chunk, or "auto": as many as keep its largest
-    transient tile within `budget` bytes, default 256 MiB; docs/design.md, "Chunked backward"), so that
-    a loss head's [rows, V] dlogits is never whole; gradients summed over the rows accumulate in f32.
+    `chunk`: run the backward in chunks of one dim (a number per chunk, or "auto": as many as keep its
+    largest transient tile within `budget` bytes, default 256 MiB; docs/design.md, "Chunked
+    backward"), so that a loss head's [rows, V] dlogits is never whole; gradients summed over the
+    chunked dim accumulate in f32. `chunk_dim`: that dim's name ("M", "V"); by default the forward's
+    row dim for a number, and for "auto" the dim whose run holds the least memory (V for an LM head).
     """
 
     def __init__(
@@ -73,16 +75,19 @@ class BlockFunction:
         dims: dict[str, int] | None = None,
         chunk: int | str | None = None,
         budget: int | None = None,
+        chunk_dim: str | None = None,
     ):
         if remat not in REMATS:
             raise ValueError(f"remat must be one of {', '.join(REMATS)}, got {remat!r}")
-        check_chunk_args(chunk, budget)
+        chunk = chunk_mode(chunk, budget, chunk_dim)
         self.block, self.wrt, self.remat, self.tile, self.dims = block, wrt, remat, tile, dims
-        self.chunk, self.budget = chunk, budget
+        self.chunk, self.budget, self.chunk_dim = chunk, budget, chunk_dim
         self._fns: dict[bool, Any] = {}  # emulate? -> CudaFunction
         block.derivation(wrt, remat)  # derive now: an error shows when the function is made
         if chunk is not None or budget is not None:
-            block.chunk_plan(wrt, remat)  # and a backward that can't run in chunks is refused now
+            candidate_plans(
+                block, wrt, remat, chunk, chunk_dim
+            )  # and a backward that can't run in chunks is refused now
 
     @property
     def name(self) -> str:
@@ -96,7 +101,7 @@ class BlockFunction:
         if fn is None:
             cb = self.block.cuda(tile=self.tile, dims=self.dims, emulate=emulate)
             fn = self._fns[emulate] = cb.autograd(
-                self.wrt, remat=self.remat, chunk=self.chunk, budget=self.budget
+                self.wrt, remat=self.remat, chunk=self.chunk, budget=self.budget, chunk_dim=self.chunk_dim
             )
         return fn
 
@@ -120,11 +125,19 @@ def function(
     dims: dict[str, int] | None = None,
     chunk: int | str | None = None,
     budget: int | None = None,
+    chunk_dim: str | None = None,
 ) -> BlockFunction:
     """`block` (a Block, or .coda source text or a path; `name` picks one of several blocks) as a
     differentiable torch function. See `BlockFunction`."""
     return BlockFunction(
-        _as_block(block, name), wrt=wrt, remat=remat, tile=tile, dims=dims, chunk=chunk, budget=budget
+        _as_block(block, name),
+        wrt=wrt,
+        remat=remat,
+        tile=tile,
+        dims=dims,
+        chunk=chunk,
+        budget=budget,
+        chunk_dim=chunk_dim,
     )
 
 
@@ -145,9 +158,12 @@ class BlockModule(torch.nn.Module):
         tile: Any = None,
         chunk: int | str | None = None,
         budget: int | None = None,
+        chunk_dim: str | None = None,
     ):
         super().__init__()
-        self.fn = function(block, name=name, remat=remat, tile=tile, chunk=chunk, budget=budget)
+        self.fn = function(
+            block, name=name, remat=remat, tile=tile, chunk=chunk, budget=budget, chunk_dim=chunk_dim
+        )
         names = {p.var.name for p in self.fn.block.ir.params}
         for k, v in params.items():
             if k not in names:

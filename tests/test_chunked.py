@@ -5,9 +5,13 @@
   cross-entropy variants under --remat recompute (and save), and llama_mlp (whose dw and dg sum over
   M), with a ragged last chunk, chunk=1 and chunk >= M, whole and tiled; on the interpreter
   (`Block.vjp`) and on the torch path (`CudaBlock.autograd`, `coda_lang.torch.function`, emulated).
-- The chunks really run: one backward run per chunk, each at M = the chunk's rows.
-- `budget=` picks the chunk the rule says; bad `chunk=`/`budget=` and blocks that can't run in
-  chunks are E0809 naming the argument or the value in the way.
+  The same in chunks of the vocabulary's columns (chunk_dim="V": w_lm sliced, dw_lm joined, dhg and
+  dr accumulated, the target shifted by the chunk's start; the smoothed CE reads V whole), and in row
+  chunks of a block whose backward compares row_index() with a parameter.
+- The chunks really run: one backward run per chunk, each at the chunk's extent of the chunked dim.
+- `budget=` picks the chunk the rule says, and "auto" the dim whose run holds the least memory (V for
+  the LM head at Llama-3 sizes, M for llama_mlp); bad `chunk=`/`budget=`/`chunk_dim=` and blocks that
+  can't run in chunks are E0809 naming the argument or the value in the way.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import coda_lang
 import coda_lang.interp
 import coda_lang.torch as ct
 from coda_lang.interp import random_inputs
-from coda_lang.interp.chunk import DEFAULT_BUDGET, chunk_plan, chunk_size
+from coda_lang.interp.chunk import DEFAULT_BUDGET, candidate_plans, choose, chunk_plan, chunk_size, run_chunks
 
 ROOT = Path(__file__).resolve().parent.parent
 CE = ["lm_head_ce", "lm_head_ce_smooth", "lm_head_ce_zloss", "lm_head_ce_softcap"]
@@ -184,7 +188,7 @@ def test_vjp_with_a_budget_runs_the_chunks_it_picks(monkeypatch: pytest.MonkeyPa
     want = blk.vjp(ins, cts, remat="recompute")
     assert rows == [37]
     rows.clear()
-    got = blk.vjp(ins, cts, remat="recompute", chunk="auto", budget=1000)
+    got = blk.vjp(ins, cts, remat="recompute", chunk="auto", budget=1000, chunk_dim="M")
     assert rows == [10, 10, 10, 7]
     assert_same(got, want, "exact", "budget")
 
@@ -239,11 +243,15 @@ def test_emulated_autograd_chunked_equals_unchunked(name: str, monkeypatch: pyte
         call = fn.chunked._call
 
         def spy(
-            tensors: dict[str, Any], dims: dict[str, int] | None, call: Any = call, calls: list[int] = calls
+            tensors: dict[str, Any],
+            dims: dict[str, int] | None,
+            consume: Any = None,
+            call: Any = call,
+            calls: list[int] = calls,
         ) -> Any:
             assert dims is not None
             calls.append(dims["M"])
-            return call(tensors, dims)
+            return call(tensors, dims, consume)
 
         monkeypatch.setattr(fn.chunked, "_call", spy)
         got = _torch_grads(fn, ins)
@@ -312,18 +320,26 @@ def test_blocks_that_cannot_run_in_chunks_are_refused() -> None:
         "block b(x: bf16[M, K], w: bf16[K, N]) -> (y: bf16[M, N]) { gemm x @ w { i = row_index()\n"
         "  y = where(i > 3, acc, 0.0) } }"
     )
-    assert "as its columns" in _refused(
-        "block b(x: bf16[M, K], w: bf16[N, K]) -> (y: bf16[N, M]) { gemm w @ transpose(x) { y = acc } }"
-    )
-    assert "size of `M`" in _refused(
-        "block b(x: bf16[M, K], w: bf16[K, N]) -> (m: f32[N]) { gemm x @ w { m = mean(acc, over=M) } }"
+    assert "both as its rows and as its columns" in _refused(
+        "block b(x: bf16[M, K], w: bf16[K, M]) -> (y: bf16[M, M]) { gemm x @ w { y = acc } }"
     )
     assert "`s` sums over `M` and is read by" in _refused(
         "block b(x: bf16[M, K], w: bf16[K, N]) -> (y: bf16[M, N]) {\n"
         "  gemm x @ w { s = sum(acc, over=M) }\n  gemm x @ w { y = acc * s } }"
     )
-    assert "only its first axis" in _refused(
-        "block b(x: bf16[K, M], w: bf16[K, N]) -> (y: bf16[M, N]) { gemm transpose(x) @ w { y = acc } }"
+    assert "only one of its axes may be `M`" in _refused(
+        "block b(x: bf16[M, M], w: bf16[M, N]) -> (y: bf16[M, N]) { gemm x @ w { y = acc } }"
+    )
+    assert "a chunk of `M` can't split `2*M`" in _refused(
+        "block b(x: bf16[2*M, K], w: bf16[K, N]) -> (y: bf16[2*M, N]) { gemm x @ w { y = acc } }"
+    )
+    assert "computes with `i`, the chunk's own index" in _refused(
+        "block b(x: bf16[M, K], w: bf16[K, N]) -> (y: bf16[M, N]) { gemm x @ w { i = row_index()\n"
+        "  y = acc * i } }"
+    )
+    assert "compares row_index() with `n`, which is not a parameter" in _refused(
+        "block b(x: bf16[M, K], w: bf16[K, N], t: i32[N]) -> (y: bf16[M, N]) { gemm x @ w { i = row_index()\n"
+        "  n = t + 1\n  y = where(i == n, acc, 0.0) } }"
     )
 
 
@@ -336,3 +352,306 @@ def test_amax_fp8_backward_is_refused_by_name() -> None:
     assert "E0809" in str(e.value) and "sums over `M` and is read by" in str(e.value)
     with pytest.raises(coda_lang.CodaError):
         ct.function(blk, chunk=4)
+
+
+# ---------------------------------------------------------------------------- chunks of other dims
+
+
+def run_chunked(
+    b: coda_lang.Block, dim: str, ins: dict[str, Any], chunk: int, precision: str
+) -> dict[str, Any]:
+    """Any block (a forward too) run in chunks of `dim` on the interpreter, through `run_chunks`."""
+    from coda_lang.interp import bind, run_block
+    from coda_lang.interp.numerics import round_to, to_storage
+
+    plan = chunk_plan(b, dim)
+    env, sizes = bind(b.ir, ins, None, precision)
+
+    def run(sub: dict[str, Any], n: int) -> dict[str, Any]:
+        return run_block(plan.block.ir, plan.block.plan, sub, {**sizes, plan.inner: n}, precision=precision)[
+            0
+        ]
+
+    def finish(total: Any, dtype: str) -> Any:
+        return to_storage(round_to(total, dtype, precision), dtype, precision)
+
+    return run_chunks(
+        plan, env, sizes[dim], chunk, run, lambda p, sh: np.empty(sh, p.dtype), lambda a, b: a + b, finish
+    )
+
+
+@pytest.mark.parametrize("name", CE)
+@pytest.mark.parametrize("precision", ["exact", "f64"])
+def test_ce_chunked_over_v_equals_unchunked(name: str, precision: str) -> None:
+    blk = block(name)
+    ins = ce_inputs()  # V = 50
+    cts = cotangents(blk, ins)
+    for remat in ("recompute", "save"):
+        want = blk.vjp(ins, cts, precision=precision, remat=remat)
+        for chunk in (1, 7, 8, 50, 1000):  # 7: a ragged last chunk of 1 column
+            got = blk.vjp(ins, cts, precision=precision, remat=remat, chunk=chunk, chunk_dim="V")
+            assert_same(got, want, precision, f"{name} {remat} chunk={chunk} over V")
+
+
+def test_ce_chunked_over_v_with_simulated_tiles() -> None:
+    blk = block("lm_head_ce_smooth")
+    ins = ce_inputs(m=23, v=40)
+    cts = cotangents(blk, ins)
+    want = blk.vjp(ins, cts, remat="recompute", tile=(8, 16))
+    got = blk.vjp(ins, cts, remat="recompute", tile=(8, 16), chunk=24, chunk_dim="V")
+    assert_same(got, want, "exact", "tiled over V")
+
+
+def test_the_column_plan_of_the_lm_head() -> None:
+    """w_lm sliced on its columns, dw_lm joined on them, dhg (K = V) and dr (a sum over V)
+    accumulated, the target shifted for `col_index() == target`; the smoothed CE reads V whole."""
+    plan = block("lm_head_ce").chunk_plan(remat="recompute", dim="V")
+    assert plan.dim == plan.inner == "V" and plan.sliced == {"w_lm": 1} and plan.joined == {"dw_lm": 1}
+    assert plan.summed == {"dhg": "bf16", "dr": "f32"} and plan.shifted == {"target_at_V": ("target", None)}
+    assert [(n, str(w), dt) for n, w, dt in plan.transients] == [("dacc1", "M", "bf16")] and plan.align == 8
+    text = str(plan.block)
+    assert "_t7 = _t6 == target_at_V" in text and "_t1 = target >= 0" in text  # the ignore test: whole
+    assert "dhg: f32[M, D]" in text
+    smooth = block("lm_head_ce_smooth").chunk_plan(remat="recompute", dim="V")
+    assert (
+        smooth.inner == "Vc"
+        and "dmlogit / V" in str(smooth.block)
+        and "w_lm: bf16[D, Vc]" in str(smooth.block)
+    )
+
+
+def test_every_column_chunk_runs_at_its_columns(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[int, tuple[int, ...], Any]] = []
+    run_block = coda_lang.interp.run_block
+
+    def spy(ir: Any, plan: Any, env: dict[str, Any], dims: dict[str, int], **kw: Any) -> Any:
+        if ir.name.endswith("_bwd"):
+            seen.append((dims["V"], np.shape(env["w_lm"]), env["target_at_V"][:3].tolist()))
+        return run_block(ir, plan, env, dims, **kw)
+
+    monkeypatch.setattr(coda_lang.interp, "run_block", spy)
+    blk = block("lm_head_ce")
+    ins = ce_inputs()
+    blk.vjp(ins, cotangents(blk, ins), remat="recompute", chunk=16, chunk_dim="V")
+    t = ins["target"][:3].astype(int)
+    assert seen == [(n, (16, n), (t - v0).tolist()) for v0, n in ((0, 16), (16, 16), (32, 16), (48, 2))]
+
+
+def test_row_index_compared_with_a_parameter_is_shifted() -> None:
+    """pick(acc, t) with an index per column picks rows: in row chunks its backward's `row_index() == t`
+    reads t minus the chunk's first row, and the forward's pick along M is a sum over the chunks."""
+    b = coda_lang.load(
+        "dims M, N, K\nblock pk(x: bf16[M, K], w: bf16[K, N], t: i32[N]) -> (p: f32[N]) {\n"
+        "  gemm x @ w { p = pick(acc, t) }\n}"
+    )["pk"]
+    ins = random_inputs(b.ir, {"M": 13, "K": 8, "N": 16}, seed=1)
+    cts = cotangents(b, ins)
+    assert b.chunk_plan().shifted == {"t_at_M": ("t", None)}
+    for precision in ("exact", "f64"):
+        want = b.vjp(ins, cts, precision=precision)
+        for chunk in (1, 4, 13):
+            assert_same(
+                b.vjp(ins, cts, precision=precision, chunk=chunk), want, precision, f"pk chunk={chunk}"
+            )
+            fwd = run_chunked(b, "M", ins, chunk, precision)  # the pick along M: summed
+            assert_same(fwd, b.run(ins, precision=precision), precision, f"pk forward chunk={chunk}")
+
+
+def test_a_size_read_as_a_value_stays_whole() -> None:
+    """mean(acc, over=M) is sum(acc / M): in row chunks it divides by the whole M, summing the chunks."""
+    b = coda_lang.load(
+        "dims M, N, K\nblock mn(x: bf16[M, K], w: bf16[K, N]) -> (m: f32[N]) { gemm x @ w { m = mean(acc, over=M) } }"
+    )["mn"]
+    plan = chunk_plan(b, "M")
+    assert plan.inner == "Mc" and plan.summed == {"m": "f32"}
+    ins = random_inputs(b.ir, {"M": 21, "K": 8, "N": 16}, seed=4)
+    for precision in ("exact", "f64"):
+        for chunk in (1, 5, 21):
+            assert_same(
+                run_chunked(b, "M", ins, chunk, precision), b.run(ins, precision=precision), precision, "mean"
+            )
+
+
+def test_columns_of_a_gemm_chunk() -> None:
+    """A stage whose columns (N) are the chunked dim: its B operand sliced on its columns, the output
+    joined on them."""
+    b = coda_lang.load(
+        "dims M, N, K\nblock tc(x: bf16[M, K], w: bf16[N, K]) -> (y: bf16[N, M], s: f32[N]) {\n"
+        "  gemm w @ transpose(x) { y = acc\n  s = sum(acc, over=M) } }"
+    )["tc"]
+    plan = chunk_plan(b, "M")
+    assert plan.sliced == {"x": 0} and plan.joined == {"y": 1} and plan.summed == {"s": "f32"}
+    ins = random_inputs(b.ir, {"M": 19, "K": 8, "N": 16}, seed=5)
+    for precision in ("exact", "f64"):
+        for chunk in (1, 8, 19):
+            assert_same(
+                run_chunked(b, "M", ins, chunk, precision), b.run(ins, precision=precision), precision, "tc"
+            )
+
+
+def test_joins_write_into_one_preallocated_output() -> None:
+    plan = block("lm_head_ce").chunk_plan(remat="recompute", dim="V")
+    allocs: list[tuple[int, ...]] = []
+
+    def run(sub: dict[str, Any], n: int) -> dict[str, Any]:
+        return {"dw_lm": np.full((3, n), float(n), np.float32), "dhg": np.ones((4, 3)), "dr": np.ones(4)}
+
+    def empty(part: Any, shape: tuple[int, ...]) -> Any:
+        allocs.append(shape)
+        return np.empty(shape, part.dtype)
+
+    ins = {"w_lm": np.zeros((3, 10)), "target": np.arange(4, dtype=np.int32)}
+    out = run_chunks(plan, ins, 10, 4, run, empty, lambda a, b: a + b, lambda t, dt: t)
+    assert allocs == [(3, 10)]
+    np.testing.assert_array_equal(out["dw_lm"][0], [4, 4, 4, 4, 4, 4, 4, 4, 2, 2])
+    np.testing.assert_array_equal(out["dhg"], np.full((4, 3), 3.0))
+
+
+# ---------------------------------------------------------------------------- choosing the dim
+
+
+LLAMA3 = {"M": 8192, "D": 2048, "V": 128256}
+
+
+@pytest.mark.parametrize("remat", ["recompute", "auto", "save"])
+def test_auto_chunks_the_lm_head_over_v(remat: str) -> None:
+    """Row chunks hold dw_lm's [D, V] f32 sum (1 GiB, plus a chunk's part); column chunks hold dhg's
+    [M, D] (64 MiB, plus a chunk's part) and a [D, c] part of dw_lm; both a 256 MiB dlogits chunk."""
+    blk = block("lm_head_ce")
+    plans = {p.dim: p for p in candidate_plans(blk, None, remat, "auto", None)}
+    assert {"M", "V"} <= set(plans)
+    m, v = plans["M"], plans["V"]
+    cm, cv = (chunk_size(p, LLAMA3[p.dim], LLAMA3, "auto", None) for p in (m, v))
+    assert (cm, cv) == (1024, 16384)  # 256 MiB of bf16 dlogits: [1024, V] or [M, 16384]
+    assert m.memory(LLAMA3, cm) == 2 * 4 * 2048 * 128256 + 1024 * 2 * 128256 + 1024 * (2 * 2048 + 4)
+    assert v.memory(LLAMA3, cv) == 2 * 4 * (8192 * 2048 + 8192) + 8192 * 2 * 16384 + 2048 * 16384 * 2
+    plan, c = choose(list(plans.values()), LLAMA3, "auto", None)
+    assert (plan.dim, c) == ("V", 16384)
+
+
+def test_auto_chunks_llama_mlp_over_m() -> None:
+    blk = block("llama_mlp")
+    plans = candidate_plans(blk, None, "recompute", "auto", None)
+    assert [p.dim for p in plans] == ["M"]  # D is both rows and K of its GEMMs, F is paired (2*F)
+    sizes = {"M": 8192, "D": 2048, "F": 8192}
+    assert choose(plans, sizes, "auto", 2**26)[0].dim == "M"
+
+
+def test_auto_in_vjp_runs_the_chosen_dim(monkeypatch: pytest.MonkeyPatch) -> None:
+    dims: list[dict[str, int]] = []
+    run_block = coda_lang.interp.run_block
+
+    def spy(ir: Any, plan: Any, env: dict[str, Any], d: dict[str, int], **kw: Any) -> Any:
+        if ir.name.endswith("_bwd"):
+            dims.append(dict(d))
+        return run_block(ir, plan, env, d, **kw)
+
+    monkeypatch.setattr(coda_lang.interp, "run_block", spy)
+    blk = block("lm_head_ce")
+    ins = ce_inputs(m=37, d=16, v=48)
+    cts = cotangents(blk, ins)
+    want = blk.vjp(ins, cts, remat="recompute")
+    dims.clear()
+    # V: 74 bytes of dlogits per column, 16 f32 values of dhg per row; M: 96 bytes per row, 16 x 48 of dw_lm
+    got = blk.vjp(ins, cts, remat="recompute", budget=1200)
+    assert [(d["M"], d["V"]) for d in dims] == [(37, 16)] * 3
+    assert_same(got, want, "exact", "auto")
+
+
+def test_chunk_dim_alone_means_auto() -> None:
+    blk = block("lm_head_ce")
+    ins = ce_inputs()
+    cts = cotangents(blk, ins)
+    want = blk.vjp(ins, cts, remat="recompute", precision="f64")
+    assert_same(blk.vjp(ins, cts, remat="recompute", precision="f64", chunk_dim="V"), want, "f64", "V alone")
+
+
+# ---------------------------------------------------------------------------- columns on the torch path
+
+
+@pytest.mark.parametrize("name", CE)
+def test_emulated_autograd_chunked_over_v(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    blk = block(name)
+    ins = ce_inputs(m=29, v=48)  # stored rows of the kernels: multiples of 16 bytes
+    want = _torch_grads(blk.cuda(emulate=True).autograd(remat="recompute"), ins)
+    for chunk in (8, 40, 48, 100):  # 40: a ragged last chunk of 8 columns
+        fn = blk.cuda(emulate=True).autograd(remat="recompute", chunk=chunk, chunk_dim="V")
+        calls: list[int] = []
+        call = fn.chunked._call
+
+        def spy(
+            tensors: dict[str, Any],
+            dims: dict[str, int] | None,
+            consume: Any = None,
+            call: Any = call,
+            calls: list[int] = calls,
+        ) -> Any:
+            assert dims is not None
+            n = dims.get("Vc", dims["V"])  # the smoothed CE's chunks run at Vc (it reads V whole)
+            assert dims["V"] == 48 or "Vc" not in dims
+            calls.append(n)
+            assert tuple(tensors["w_lm"].shape) == (16, n)
+            return call(tensors, dims, consume)
+
+        monkeypatch.setattr(fn.chunked, "_call", spy)
+        got = _torch_grads(fn, ins)
+        c = min(chunk, 48)
+        assert calls == [min(c, 48 - i) for i in range(0, 48, c)]
+        assert_same(got, want, "exact", f"{name} autograd chunk={chunk} over V")
+
+
+def test_emulated_autograd_refuses_a_column_chunk_the_kernels_cannot_store() -> None:
+    """One column of bf16 dlogits is a 2-byte row; the kernels' TMA stores take multiples of 16 bytes
+    (the interpreter runs chunk=1 column; "auto" takes multiples of 8 columns)."""
+    blk = block("lm_head_ce")
+    fn = blk.cuda(emulate=True).autograd(remat="recompute", chunk=1, chunk_dim="V")
+    with pytest.raises(coda_lang.CodaError) as e:
+        _torch_grads(fn, ce_inputs(m=29, v=48))
+    assert "E0807" in str(e.value)
+
+
+def test_torch_function_and_module_take_chunk_dim() -> None:
+    ins = ce_inputs(m=29, v=48)
+    blk = block("lm_head_ce_zloss")
+    want = _torch_grads(ct.function(blk, remat="recompute"), ins)
+    for kw in ({"chunk": 16, "chunk_dim": "V"}, {"chunk_dim": "V", "budget": 29 * 2 * 16}, {"budget": 1200}):
+        f = ct.function(blk, remat="recompute", **kw)  # type: ignore[arg-type]
+        assert_same(_torch_grads(f, ins), want, "exact", f"function {kw}")
+    tens = _torch_inputs(ins)
+    mod = ct.BlockModule(blk, {"w_lm": tens.pop("w_lm").detach()}, remat="recompute", chunk=8, chunk_dim="V")
+    outs = mod(**tens)
+    (outs["loss"].sum() + outs["lse"].sum()).backward()
+    ref = _torch_inputs(ins)
+    routs = ct.function(blk, remat="recompute")(ref)
+    (routs["loss"].sum() + routs["lse"].sum()).backward()
+    g, r = mod.w_lm.grad, ref["w_lm"].grad
+    assert g is not None and r is not None
+    assert_same({"w": g.float().numpy()}, {"w": r.float().numpy()}, "exact", "module")
+
+
+BAD_DIMS = [
+    ({"chunk_dim": 3}, "chunk_dim= is 3"),
+    (
+        {"chunk": 4, "chunk_dim": "X"},
+        "chunk_dim= is 'X'; block lm_head_ce has no such dim (its dims: M, D, V)",
+    ),
+    ({"chunk_dim": "D", "remat": "recompute"}, "sums over `D` (K): only `name = acc`"),
+]
+
+
+@pytest.mark.parametrize("kw,msg", BAD_DIMS, ids=[str(k) for k, _ in BAD_DIMS])
+def test_bad_chunk_dims_are_refused(kw: dict[str, Any], msg: str) -> None:
+    blk = block("lm_head_ce")
+    ins = ce_inputs(m=8)
+    for call in (
+        lambda: blk.vjp(ins, {"loss": np.ones(8, np.float32)}, **kw),
+        lambda: blk.cuda(emulate=True).autograd(**kw),
+        lambda: ct.function(blk, **kw),
+    ):
+        with pytest.raises(coda_lang.CodaError) as e:
+            call()
+        text = str(e.value)
+        assert "E0809" in text and msg in text, text
+    with pytest.raises(coda_lang.CodaError) as e:
+        block("llama_mlp").chunk_plan(dim="F")
+    assert "a chunk of `F` can't split `2*F`" in str(e.value)

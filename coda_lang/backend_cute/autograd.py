@@ -5,8 +5,9 @@ What it does: `CudaFunction` holds the CUDA blocks of the extended forward (`Blo
 its `torch.autograd.Function` runs the first in `forward`, keeps the saved tensors, and runs the second
 in `backward` with the incoming cotangents, returning each input's gradient in its dtype.
 What it does not: derive anything (autodiff/ does) or launch kernels itself (cuda_block.py).
-`chunk=`/`budget=` run the backward in row chunks (interp/chunk.py decides how, and refuses blocks
-that can't; its transient tiles are then bounded by the chunk).
+`chunk=`/`budget=`/`chunk_dim=` run the backward in chunks of one dim, rows of M or columns of V
+(interp/chunk.py decides how, picks the dim for "auto", and refuses blocks that can't; its transient
+tiles are then bounded by the chunk).
 Invariants: the backward runs at the dims of the forward's call; an output nobody differentiates gets a
 zero cotangent; a stage either block can't compile is E07 when the function is made, naming the block;
 chunked and unchunked backwards agree up to the order of f32 summation.
@@ -20,7 +21,7 @@ import torch
 
 from coda_lang.backend_cute.cuda_block import CudaBlock, with_sources
 from coda_lang.backend_cute.launch import TORCH_DTYPES
-from coda_lang.interp.chunk import ChunkPlan, check_chunk_args, chunk_size, run_chunks
+from coda_lang.interp.chunk import ChunkPlan, candidate_plans, choose, chunk_mode, run_chunks
 from coda_lang.interp.inputs import given_dims
 from coda_lang.verify.diagnostics import CodaError, Diagnostic
 
@@ -50,10 +51,11 @@ class CudaFunction:
         remat: str = "save",
         chunk: int | str | None = None,
         budget: int | None = None,
+        chunk_dim: str | None = None,
     ):
         if isinstance(tile, dict):
             raise TypeError("autograd() takes one tile for every stage (or None), not a dict")
-        check_chunk_args(chunk, budget)
+        chunk = chunk_mode(chunk, budget, chunk_dim)
         d = cb.block.derivation(wrt, remat)
         self.derivation = d
         try:
@@ -74,17 +76,23 @@ class CudaFunction:
             p.var.name for p in d.backward.ir.params if p.var.name not in set(d.cotangents.values())
         ]
         self.ir, self.dims = cb.ir, cb.dims
-        # row chunks of the backward (docs/design.md, "Chunked backward"): the plan, and the CUDA block
-        # of its widened backward (gradients summed over the rows stored in f32, added across chunks)
+        # chunks of the backward (docs/design.md, "Chunked backward"): the plans it may take (one dim,
+        # or every chunkable dim for "auto", chosen per call by memory), and the CUDA block of each
+        # plan's widened backward (gradients summed over the chunked dim stored in f32, added across
+        # chunks); `chunked` is the first's
         self.chunk, self.budget = chunk, budget
-        self.chunk_plan: ChunkPlan | None = None
+        self.chunk_plans: list[ChunkPlan] = []
+        self.chunked_blocks: dict[str, CudaBlock] = {}
         if chunk is not None or budget is not None:
-            self.chunk_plan = cb.block.chunk_plan(wrt, remat)
-            wide = self.chunk_plan.block
-            try:
-                self.chunked = CudaBlock(wide, tile, emulate=cb.emulate, poison=cb.poison, tune=cb.tune)
-            except CodaError as e:
-                raise _runtime_error(e, "chunked backward", wide) from None
+            self.chunk_plans = candidate_plans(cb.block, wrt, remat, chunk, chunk_dim)
+            for plan in self.chunk_plans:
+                try:
+                    self.chunked_blocks[plan.dim] = CudaBlock(
+                        plan.block, tile, emulate=cb.emulate, poison=cb.poison, tune=cb.tune
+                    )
+                except CodaError as e:
+                    raise _runtime_error(e, "chunked backward", plan.block) from None
+            self.chunked = self.chunked_blocks[self.chunk_plans[0].dim]
         self.forward_dims = frozenset(x.name for x in d.forward.ir.dims)
         self.backward_dims = frozenset(x.name for x in d.backward.ir.dims)
 
@@ -102,24 +110,30 @@ class CudaFunction:
     def run_backward(
         self, bins: dict[str, Any], dims: dict[str, int], consume: frozenset[str] | None = None
     ) -> dict[str, Any]:
-        """The backward block's outputs: in one run, or in row chunks (rows of the row-indexed inputs,
-        row outputs concatenated, gradients summed over the rows added in f32 and rounded once).
-        `consume`: saved tensors the run may drop and overwrite (CudaBlock._run)."""
-        plan = self.chunk_plan
-        if plan is None:
+        """The backward block's outputs: in one run, or in chunks of one dim (slices of the inputs
+        indexed by it, outputs indexed by it written into their slices of one preallocated output,
+        gradients summed over it added in f32 and rounded once). `consume`: saved tensors the run may
+        drop and overwrite (CudaBlock._run); a chunked run only drops values (an input passed whole to
+        every chunk must not be overwritten by the first)."""
+        if not self.chunk_plans:
             return self.backward._call(bins, dims, consume)[0]
-        rows = dims[plan.dim]
-        c = chunk_size(plan, rows, dims, self.chunk, self.budget)
-        assert c is not None
-        chunked = self.chunked
+        plan, c = choose(self.chunk_plans, dims, self.chunk, self.budget)
+        chunked = self.chunked_blocks[plan.dim]
+        keep_all: frozenset[str] | None = frozenset() if consume is not None else None
 
         def run(sub: dict[str, Any], n: int) -> dict[str, Any]:
-            return chunked._call(sub, {**dims, plan.dim: n})[0]
+            return chunked._call(sub, {**dims, plan.inner: n}, keep_all)[0]
+
+        def empty(part: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+            return torch.empty(shape, dtype=part.dtype, device=part.device)
+
+        def add(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+            return total.add_(part)
 
         def finish(total: torch.Tensor, dtype: str) -> torch.Tensor:
             return total.to(TORCH_DTYPES[dtype])
 
-        return run_chunks(plan, bins, rows, c, run, lambda p: torch.cat(p, 0), torch.add, finish)
+        return run_chunks(plan, bins, dims[plan.dim], c, run, empty, add, finish)
 
 
 class _CodaAutograd(torch.autograd.Function):
@@ -178,7 +192,7 @@ class _CodaAutograd(torch.autograd.Function):
                 bins[d.cotangents[out]] = (
                     g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
                 )
-        ctx.consumed = bool(ctx.consumable)
+        ctx.consumed = bool(ctx.consumable) and not fn.chunk_plans  # a chunked run overwrites nothing
         grads_out = fn.run_backward(bins, ctx.dims, ctx.consumable)
         result: list[Any] = [None, None, None]
         for i, name in enumerate(ctx.names):

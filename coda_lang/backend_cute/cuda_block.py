@@ -485,17 +485,20 @@ class CudaBlock:
         *,
         chunk: int | str | None = None,
         budget: int | None = None,
+        chunk_dim: str | None = None,
     ) -> CudaFunction:
         """A function of the block's inputs (by name) whose outputs are differentiable by torch.autograd:
         forward = the extended forward block, backward = the derived backward block, both on CUDA, at
         `tile` (default: this block's own, when it was given one tile for every stage), tuned as this
-        block is; `remat` as `Block.derivation`. `chunk` (rows, or "auto" from `budget` bytes) runs the
-        backward in row chunks, as `Block.vjp` does (docs/design.md, "Chunked backward"). CodaError (E07)
-        when a stage of either can't run on the GPU yet, E0809 for a bad chunk= or budget=, or a
-        backward that can't run in chunks."""
+        block is; `remat` as `Block.derivation`. `chunk` (a number, or "auto" from `budget` bytes) and
+        `chunk_dim` run the backward in chunks of one dim, as `Block.vjp` does (docs/design.md, "Chunked
+        backward"). CodaError (E07) when a stage of either can't run on the GPU yet, E0809 for a bad
+        chunk=, budget= or chunk_dim=, or a backward that can't run in chunks."""
         from coda_lang.backend_cute.autograd import CudaFunction
 
-        return CudaFunction(self, wrt, tile if tile is not None else self.tile, remat, chunk, budget)
+        return CudaFunction(
+            self, wrt, tile if tile is not None else self.tile, remat, chunk, budget, chunk_dim
+        )
 
 
 def _reads(item: Any) -> set[str]:

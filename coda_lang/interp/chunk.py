@@ -1,25 +1,37 @@
-"""Running a block in row chunks: rows [i:i+c] of every row-indexed input at a time, results joined.
+"""Running a block in chunks of one dim: [i:i+c] of that dim of every input indexed by it, results joined.
 
 What it does: `chunk_plan(block, dim)` decides whether a block (a derived backward, typically) can run
-in chunks of rows of `dim` and how: every parameter is indexed by `dim` on its first axis (it is sliced)
-or not at all (passed whole); every stage either runs over rows of `dim` (a GEMM whose free row dim is
-`dim`, or an elementwise stage over `[dim, N]`), or reduces over them as a wgrad GEMM
-(`transpose(X) @ dY`, K = `dim`, whose epilogue only names `acc`), or never sees `dim`; every
-reduction over `dim` (a column partial in a stage, or a vector reduction between stages) is a sum; a
-value summed over `dim` is only copied or returned, never read by a later computation; nothing reads
-the size of `dim` as a value, `row_index()`, or picks rows by a column index. Otherwise it raises
-CodaError E0809 saying which stage or value is in the way. Outputs indexed by `dim` are concatenated;
-outputs summed over `dim` are accumulated: the plan's `block` is the same block with those outputs
-stored in f32 (float64 in the f64 precision), added chunk by chunk and rounded once, at the end, to
-their declared dtype, so a chunked run equals the unchunked one up to the order of f32 summation.
+in chunks of `dim` (the rows of M, or the columns of a vocabulary V) and how: every parameter is
+indexed by `dim` on one axis (it is sliced on that axis) or not at all (passed whole); every stage
+runs with `dim` as its free row dim, as its free column dim (N), as its K (a GEMM whose output sums
+over `dim`, such as the wgrad `transpose(X) @ dY` of a row chunk or the dgrad `dY @ transpose(W)` of a
+column chunk; its epilogue only names `acc`), or never sees `dim`; every reduction over `dim` (a
+partial of a stage, or a vector reduction between stages) is a sum, and so is a `pick` along `dim`;
+a value summed over `dim` is only copied or returned, never read by a later computation. The chunk's
+own index, `row_index()` in a stage whose rows are `dim` or `col_index()` in one whose columns are,
+counts from 0 in a chunk: it may only be compared with a parameter (the cross-entropy backward's
+`col_index() == target`), which the chunk then receives shifted by its start (`target - v0`: a fresh
+parameter, `target_at_V`, holds it, so other uses of `target` still see it whole); a `pick` along
+`dim` gets its index shifted the same way. A block that reads the size of `dim` as a value
+(`dmlogit / V`) still reads the whole extent: its chunk extent is then a dim of its own (`Vc`).
+Otherwise it raises CodaError E0809 saying which stage or value is in the way. Outputs indexed by
+`dim` are joined along their axis (written into one preallocated output); outputs summed over `dim`
+are accumulated: the plan's `block` is the same block with those outputs stored in f32 (float64 in
+the f64 precision), added chunk by chunk and rounded once, at the end, to their declared dtype, so a
+chunked run equals the unchunked one up to the order of f32 summation.
+`candidate_plans` lists the plans a run may take (the given `chunk_dim`, the forward's row dim for a
+number of rows, every chunkable dim for "auto") and `choose` picks the one whose run holds the least
+memory (`ChunkPlan.memory`: f32 accumulators, transients, a chunk's parts of the joined outputs).
 `chunk_size` validates `chunk=` and `budget=` and picks the chunk: `budget // bytes_per_row` for
-"auto", where bytes_per_row is that of the largest tile the block stores for a later stage only (a
-transient such as dlogits: bf16[M, V] is 2*V bytes per row). `run_chunks` runs any runtime (the
-interpreter's, the CUDA block's) chunk by chunk with the joins given as callables.
-What it does not: run stages itself, or change the numerics of a row (each row's computation is the
-same chunked or not).
-Invariants: a plan's block checks (it is loaded from printed source) and has the same parameters,
-outputs and stages as the block it came from, only some outputs wider.
+"auto", where bytes_per_row is the bytes per element of `dim` of the largest tile the block stores
+for a later stage only (a transient such as dlogits: bf16[M, V] is 2*V bytes per row of M, 2*M per
+column of V). `run_chunks` runs any runtime (the interpreter's, the CUDA block's) chunk by chunk with
+allocation and accumulation given as callables.
+What it does not: run stages itself, or change the numerics of an element (each element's
+computation is the same chunked or not).
+Invariants: a plan's block checks (it is loaded from printed source) and has the parameters, outputs
+and stages of the block it came from, some outputs wider, plus the shifted parameters and a dim for
+the chunk's extent where it needs them.
 """
 
 from __future__ import annotations
@@ -29,35 +41,73 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from coda_lang.interp.inputs import extent, fail
-from coda_lang.ir.nodes import Block, DimRef, Eqn, Stage, Var
+from coda_lang.ir.nodes import Block, DimDecl, DimRef, Eqn, Param, Stage, Var
 from coda_lang.ir.printer import print_block
-from coda_lang.ir.types import TILE, Dim, Type, shape_str
+from coda_lang.ir.types import TILE, Dim, Shape, Type, shape_str
 from coda_lang.ops import REGISTRY
 from coda_lang.verify.diagnostics import CodaError
 
 CHUNK_CODE = "E0809"
 DEFAULT_BUDGET = 256 * 2**20  # bytes of the largest transient of one chunk, for chunk="auto"
 ROW_ALIGN = 128  # an automatic chunk of at least this many rows is a multiple of it (a kernel's tile_M)
+COL_ALIGN = 8  # an automatic chunk of a matrix's last axis is a multiple of it (16-byte rows for TMA)
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4}
+COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
 
-ROW, SUM, CONST = "row", "sum", "const"
+IDX, SUM, CONST, INDEX = "indexed", "sum", "const", "index"  # what a value is to a chunk
 
 
 @dataclass(frozen=True)
 class ChunkPlan:
-    dim: str  # the dim whose rows are chunked
-    rows: frozenset[str]  # parameters sliced by rows
-    concat: tuple[str, ...]  # outputs indexed by rows: concatenated
-    summed: dict[str, str]  # outputs summed over the rows -> their declared dtype: accumulated
-    whole: tuple[str, ...]  # outputs that do not depend on the rows: taken from the first chunk
+    dim: str  # the chunked dim
+    inner: str  # the dim of a chunk's extent in `block`: `dim`, unless the block reads dim's size
+    sliced: dict[str, int]  # parameters indexed by `dim` -> the axis they are sliced on
+    joined: dict[str, int]  # outputs indexed by `dim` -> the axis their chunks' parts are joined on
+    summed: dict[str, str]  # outputs summed over `dim` -> their declared dtype: accumulated
+    whole: tuple[str, ...]  # outputs that do not depend on the chunk: taken from the first chunk
+    shifted: dict[str, tuple[str, Any]]  # parameter of `block` -> (the parameter it is, its default)
+    # minus the chunk's start: an index compared with the chunk's row_index()/col_index(), or picked
     block: Any  # the api.Block each chunk runs (summed outputs stored wide)
-    transients: tuple[tuple[str, Dim, str], ...]  # (name, width, dtype) of tiles stored for later stages
+    transients: tuple[tuple[str, Dim, str], ...]  # (name, other axis, dtype) of tiles indexed by
+    # `dim` that the block stores for its later stages only
+    fixed: tuple[tuple[str, Shape, str], ...]  # (name, shape, dtype) of such tiles not indexed by `dim`
+    shapes: dict[str, tuple[Shape, str]]  # each output's declared shape and dtype
+    align: int = 1  # COL_ALIGN when `dim` is the last axis of a matrix the block loads or stores
+
+    @property
+    def rows(self) -> frozenset[str]:
+        """The parameters sliced (the name is from the row chunks, the first kind)."""
+        return frozenset(self.sliced)
+
+    @property
+    def concat(self) -> tuple[str, ...]:
+        """The joined outputs."""
+        return tuple(self.joined)
 
     def bytes_per_row(self, sizes: dict[str, int]) -> int:
-        """Bytes per row of the largest transient tile (0 when the block stores none)."""
+        """Bytes per element of `dim` (a row of M, a column of V) of the largest transient tile indexed
+        by it (0 when the block stores none)."""
         return max(
             (int(extent(w, sizes)) * DTYPE_BYTES.get(dt, 4) for _, w, dt in self.transients), default=0
         )
+
+    def memory(self, sizes: dict[str, int], chunk: int) -> int:
+        """Bytes a run in chunks of `chunk` holds beyond the block's (unchunked) outputs: each summed
+        output's f32 accumulator and one chunk's f32 part of it, every transient tile (those indexed
+        by `dim` at the chunk's extent), and one chunk's part of each joined output."""
+        at = {**sizes, self.dim: chunk}
+
+        def numel(shape: Shape, s: dict[str, int]) -> int:
+            n = 1
+            for d in shape:
+                n *= int(extent(d, s))
+            return n
+
+        acc = sum(2 * 4 * numel(self.shapes[n][0], sizes) for n in self.summed)
+        trans = sum(chunk * int(extent(w, sizes)) * DTYPE_BYTES.get(dt, 4) for _, w, dt in self.transients)
+        trans += sum(numel(sh, sizes) * DTYPE_BYTES.get(dt, 4) for _, sh, dt in self.fixed)
+        parts = sum(numel(self.shapes[n][0], at) * DTYPE_BYTES.get(self.shapes[n][1], 4) for n in self.joined)
+        return acc + trans + parts
 
 
 def refuse(msg: str, notes: list[str] | None = None) -> CodaError:
@@ -66,8 +116,8 @@ def refuse(msg: str, notes: list[str] | None = None) -> CodaError:
         msg,
         notes=notes
         or [
-            "a chunked run needs every stage to run over rows of the chunked dim or to sum over them "
-            "(docs/design.md, 'Chunked backward')"
+            "a chunked run needs every stage to run over the chunked dim (as its rows or columns) or to "
+            "sum over it (docs/design.md, 'Chunked backward')"
         ],
     )
 
@@ -91,28 +141,41 @@ def _ty(v: Any) -> Type:
 
 
 def chunk_plan(blk: Any, dim: str) -> ChunkPlan:
-    """How `blk` (an api.Block) runs in row chunks of `dim`; CodaError E0809 where it can't."""
+    """How `blk` (an api.Block) runs in chunks of `dim`; CodaError E0809 where it can't."""
     ir: Block = blk.ir
     name = ir.name
     if dim not in {d.name for d in ir.dims}:
-        raise refuse(f"block {name} has no dim `{dim}` to run in row chunks")
+        raise refuse(f"block {name} has no dim `{dim}` to run in chunks")
     kind: dict[str, str] = {}
 
-    def row_shape(what: str, t: Type) -> str:
+    def axis_of(what: str, t: Type) -> int | None:
         axes = [i for i, d in enumerate(t.shape) if _is(d, dim)]
         if not axes:
-            return CONST
-        if axes == [0] and t.shape[0].coeff == 1:
-            return ROW
-        raise refuse(f"{what} is {shape_str(t.shape)}: only its first axis may be `{dim}` in a chunked run")
+            return None
+        if len(axes) > 1:
+            raise refuse(
+                f"{what} is {shape_str(t.shape)}: only one of its axes may be `{dim}` in a chunked run"
+            )
+        if t.shape[axes[0]].coeff != 1:
+            raise refuse(
+                f"{what} is {shape_str(t.shape)}: a chunk of `{dim}` can't split `{t.shape[axes[0]]}`"
+            )
+        return axes[0]
 
-    params = {p.var.name for p in ir.params}
+    params = {p.var.name: p for p in ir.params}
+    sliced: dict[str, int] = {}
     for p in ir.params:
-        kind[p.var.name] = row_shape(f"parameter `{p.var.name}` of block {name}", _ty(p.var))
+        ax = axis_of(f"parameter `{p.var.name}` of block {name}", _ty(p.var))
+        kind[p.var.name] = CONST if ax is None else IDX
+        if ax is not None:
+            sliced[p.var.name] = ax
+    reads_size = False
 
     def read(a: Any, by: str) -> str:
+        nonlocal reads_size
         if isinstance(a, DimRef) and _is(a.dim, dim):
-            raise refuse(f"{by} reads the size of `{dim}` as a value, which a chunk does not have")
+            reads_size = True  # the chunked block reads the whole extent (see _chunk_block)
+            return CONST
         if not isinstance(a, Var):
             return CONST
         k = kind.get(a.name, CONST)
@@ -120,6 +183,13 @@ def chunk_plan(blk: Any, dim: str) -> ChunkPlan:
             raise refuse(
                 f"`{a.name}` sums over `{dim}` and is read by {by}: it is complete only after the last chunk",
                 notes=["a value summed over the chunked dim may only be copied or returned"],
+            )
+        if k == INDEX:
+            raise refuse(
+                f"{by} computes with `{a.name}`, the chunk's own index, which counts from 0 in a chunk",
+                notes=[
+                    "only a comparison of row_index()/col_index() with a parameter can be shifted to the chunk"
+                ],
             )
         return k
 
@@ -130,12 +200,36 @@ def chunk_plan(blk: Any, dim: str) -> ChunkPlan:
     def derived(v: Var, ks: list[str], by: str) -> str:
         t = _ty(v)
         if any(_is(d, dim) for d in t.shape):
-            return ROW
+            return IDX
         if all(k == CONST for k in ks):
             return CONST
-        raise refuse(f"`{v.name}` {by} depends on the rows of `{dim}` but is not indexed by them")
+        raise refuse(f"`{v.name}` {by} depends on the chunk of `{dim}` but is not indexed by it")
 
+    shift_of: dict[str, str] = {}  # parameter -> the shifted parameter that replaces it where patched
+    taken = {d.name for d in ir.dims} | set(params) | {v.name for s in ir.body for v in _outs(s)}
+
+    def shifted(a: Any, by: str, what: str) -> str:
+        if not (isinstance(a, Var) and a.name in params and kind[a.name] == CONST):
+            shown = f"`{a.name}`" if isinstance(a, Var) else "a constant"
+            raise refuse(
+                f"{by} {what} {shown}, which is not a parameter: a chunk can't shift it to its start",
+                notes=[
+                    f"in a chunk of `{dim}` the chunk's index counts from 0; a parameter compared with it is "
+                    "passed shifted by the chunk's start (docs/design.md, 'Chunked backward')"
+                ],
+            )
+        if a.name not in shift_of:
+            new = f"{a.name}_at_{dim}"
+            while new in taken:
+                new += "_"
+            taken.add(new)
+            shift_of[a.name] = new
+        return shift_of[a.name]
+
+    patches: dict[tuple[int, int, int], str] = {}  # (stage, equation, operand) -> shifted parameter
     transients: list[tuple[str, Dim, str]] = []
+    fixed: list[tuple[str, Shape, str]] = []
+    col_stores = False  # a tile stored whose columns are the chunked dim
     outputs = {o.name for o in ir.outputs}
     idx = 0
     for s in ir.body:
@@ -164,11 +258,23 @@ def chunk_plan(blk: Any, dim: str) -> ChunkPlan:
             assert s.shape is not None
             rows, cols = s.shape
             kdim = None
-        if _is(cols, dim):
-            raise refuse(f"stage {idx} of block {name} has `{dim}` as its columns; a chunk splits rows only")
-        if kdim is not None and _is(kdim, dim):  # a wgrad GEMM, transpose(X) @ dY: it sums over the rows
-            if _is(rows, dim):
-                raise refuse(f"stage {idx} of block {name} has `{dim}` both as its rows and as its K")
+        axes = [("rows", rows), ("columns", cols)] + ([("K", kdim)] if kdim is not None else [])
+        hits = [n for n, d in axes if _is(d, dim)]
+        for n, d in axes:
+            if _is(d, dim) and d.coeff != 1:
+                raise refuse(
+                    f"stage {idx} of block {name} has `{d}` as its {n}: a chunk of `{dim}` can't split it"
+                )
+        if len(hits) > 1:
+            raise refuse(
+                f"stage {idx} of block {name} has `{dim}` both as its {hits[0]} and as its {hits[1]}"
+            )
+        role = hits[0] if hits else None
+        if s.is_gemm:
+            read(s.a, f"stage {idx} of block {name}")
+            read(s.b, f"stage {idx} of block {name}")
+        stores = {st.name: st for st in blk.plan.stages[idx - 1].stores}
+        if role == "K":  # a GEMM summing over the chunked dim: its output accumulates across chunks
             for e in s.body:
                 src = e.ins[0] if e.ins else None
                 if not (
@@ -182,54 +288,108 @@ def chunk_plan(blk: Any, dim: str) -> ChunkPlan:
                     )
                 kind[e.outs[0].name] = SUM
             continue
-        row_stage = _is(rows, dim)
-        if s.is_gemm:
-            ka, kb = read(s.a, f"stage {idx} of block {name}"), read(s.b, f"stage {idx} of block {name}")
-            if kb != CONST or (ka == ROW) != row_stage:
-                raise refuse(f"stage {idx} of block {name} does not run over rows of `{dim}`")
-        stores = {st.name: st for st in blk.plan.stages[idx - 1].stores}
-        for e in s.body:
+        chunked = role is not None
+        own_index = "row_index" if role == "rows" else "col_index"
+        for j, e in enumerate(s.body):
             by = f"`{e.outs[0].name}` {where}"
-            ks = [ROW if isinstance(a, Var) and a.name == "acc" else read(a, by) for a in e.ins]
             op = REGISTRY[e.op]
-            if row_stage and op.name == "row_index":
-                raise refuse(f"{by} reads row_index(): the rows of a chunk are numbered from 0")
-            if row_stage and op.locality == "gather" and not _is(_ty(e.ins[1]).shape[0], dim):
-                raise refuse(f"{by} picks rows of `{dim}` by a column index")
-            if row_stage and sums_over(e):
+            if chunked and e.op == own_index:
+                kind[e.outs[0].name] = INDEX
+                continue
+            at_index = [i for i, a in enumerate(e.ins) if isinstance(a, Var) and kind.get(a.name) == INDEX]
+            if at_index and e.op in COMPARISONS and len(at_index) == 1:
+                other = 1 - at_index[0]
+                patches[(idx, j, other)] = shifted(e.ins[other], by, f"compares {own_index}() with")
+                v = e.outs[0]
+                kind[v.name] = IDX if _ty(v).kind == TILE else derived(v, [CONST], where)
+                continue
+            if chunked and op.locality == "gather" and not _is(_ty(e.ins[1]).shape[0], dim):
+                # a pick along the chunked dim: 0 in every chunk but the one holding the index, a sum
+                read(e.ins[0], by)
+                patches[(idx, j, 1)] = shifted(e.ins[1], by, f"picks along `{dim}` by")
+                kind[e.outs[0].name] = SUM
+                continue
+            ks = [IDX if isinstance(a, Var) and a.name == "acc" else read(a, by) for a in e.ins]
+            if chunked and sums_over(e):
                 if not _is_sum(e) or e.param("group") is not None:
                     raise refuse(f"{by} is a {_surface(e)} over `{dim}`: only sums combine across chunks")
                 kind[e.outs[0].name] = SUM
                 continue
             for v in e.outs:
-                kind[v.name] = ROW if row_stage and _ty(v).kind == TILE else derived(v, ks, where)
-                if row_stage and v.name in stores and v.name not in outputs:
+                kind[v.name] = IDX if chunked and _ty(v).kind == TILE else derived(v, ks, where)
+                if v.name in stores and v.name not in outputs:
                     st = stores[v.name]
-                    transients.append((v.name, st.shape[1], st.dtype))
-    concat, whole, summed = [], [], {}
+                    if chunked:
+                        col_stores = col_stores or role == "columns"
+                        other_axis = st.shape[1] if role == "rows" else st.shape[0]
+                        transients.append((v.name, other_axis, st.dtype))
+                    else:
+                        fixed.append((v.name, st.shape, st.dtype))
+    joined: dict[str, int] = {}
+    whole: list[str] = []
+    summed: dict[str, str] = {}
     for o in ir.outputs:
         k = kind.get(o.name, CONST)
-        if k == ROW:
-            row_shape(f"output `{o.name}` of block {name}", o.type)
-            concat.append(o.name)
+        if k == IDX:
+            ax = axis_of(f"output `{o.name}` of block {name}", o.type)
+            assert ax is not None
+            joined[o.name] = ax
         elif k == SUM:
             summed[o.name] = o.type.dtype
         else:
             whole.append(o.name)
+    last = [_ty(p.var).shape for p in ir.params] + [o.type.shape for o in ir.outputs]
+    align = COL_ALIGN if col_stores or any(len(sh) == 2 and _is(sh[1], dim) for sh in last) else 1
+    inner = dim
+    if reads_size:
+        inner = f"{dim}c"
+        while inner in taken:
+            inner += "c"
+    shifts = {new: (old, params[old].default) for old, new in shift_of.items()}
+    wide = _chunk_block(
+        ir,
+        {n for n, k in kind.items() if k == SUM},
+        set(summed),
+        patches,
+        {old: new for old, new in shift_of.items()},
+        dim,
+        inner,
+    )
     return ChunkPlan(
         dim,
-        frozenset(n for n in params if kind[n] == ROW),
-        tuple(concat),
+        inner,
+        sliced,
+        joined,
         summed,
         tuple(whole),
-        _widened(ir, {n for n, k in kind.items() if k == SUM}, set(summed)),
+        shifts,
+        wide,
         tuple(transients),
+        tuple(fixed),
+        {o.name: (o.type.shape, o.type.dtype) for o in ir.outputs},
+        align,
     )
 
 
-def _widened(ir: Block, sums: set[str], summed_outputs: set[str]) -> Any:
-    """`ir` with its values summed over the chunked dim stored in f32 (outputs declared f32): each
-    chunk's part is accumulated unrounded."""
+def _outs(s: Any) -> tuple[Var, ...]:
+    if isinstance(s, Stage):
+        return tuple(v for e in s.body for v in e.outs)
+    return tuple(s.outs)
+
+
+def _chunk_block(
+    ir: Block,
+    sums: set[str],
+    summed_outputs: set[str],
+    patches: dict[tuple[int, int, int], str],
+    shift_of: dict[str, str],
+    dim: str,
+    inner: str,
+) -> Any:
+    """The block a chunk runs: `ir` with its values summed over the chunked dim stored in f32 (outputs
+    declared f32), so that each chunk's part is accumulated unrounded; the patched operands reading
+    the shifted parameters (declared after the parameter each shifts); and, when `inner` is not `dim`,
+    every shape's `dim` renamed `inner` (the chunk's extent) while a size read as a value stays `dim`."""
     from coda_lang.api import load
 
     def wide(v: Var) -> Var:
@@ -239,29 +399,62 @@ def _widened(ir: Block, sums: set[str], summed_outputs: set[str]) -> Any:
             return replace(v, annot="f32")
         return v
 
+    def rd(d: Any) -> Any:  # a dim in a shape or a parameter, renamed
+        return Dim(d.coeff, inner) if isinstance(d, Dim) and d.name == dim else d
+
+    def rt(t: Type | None) -> Type | None:
+        return None if t is None else replace(t, shape=tuple(rd(d) for d in t.shape))
+
+    def eqn(e: Eqn, stage: int, j: int) -> Eqn:
+        ins = tuple(
+            Var(patches[(stage, j, i)]) if (stage, j, i) in patches else a for i, a in enumerate(e.ins)
+        )
+        return replace(
+            e, ins=ins, outs=tuple(map(wide, e.outs)), params=tuple((k, rd(v)) for k, v in e.params)
+        )
+
     body: list[Any] = []
+    k = 0
     for s in ir.body:
         if isinstance(s, Stage):
-            body.append(replace(s, body=tuple(replace(e, outs=tuple(map(wide, e.outs))) for e in s.body)))
+            k += 1
+            shape = None if s.shape is None else (rd(s.shape[0]), rd(s.shape[1]))
+            body.append(replace(s, body=tuple(eqn(e, k, j) for j, e in enumerate(s.body)), shape=shape))
         else:
-            body.append(replace(s, outs=tuple(map(wide, s.outs))))
+            body.append(eqn(s, 0, 0))
+    params: list[Param] = []
+    for p in ir.params:
+        params.append(replace(p, var=replace(p.var, type=rt(p.var.type))))
+        if p.var.name in shift_of:
+            params.append(replace(p, var=replace(p.var, name=shift_of[p.var.name], type=rt(p.var.type))))
     outs = tuple(
-        replace(o, type=replace(o.type, dtype="f32"))
-        if o.name in summed_outputs and o.type.dtype in ("bf16", "f16")
-        else o
+        replace(
+            o,
+            type=replace(
+                o.type,
+                shape=tuple(rd(d) for d in o.type.shape),
+                dtype="f32" if o.name in summed_outputs and o.type.dtype in ("bf16", "f16") else o.type.dtype,
+            ),
+        )
         for o in ir.outputs
     )
-    wide_ir = replace(ir, body=tuple(body), outputs=outs)
+    dims = ir.dims
+    if inner != dim:
+        at = [d.name for d in dims].index(dim) + 1
+        dims = dims[:at] + (DimDecl(inner),) + dims[at:]
+    wide_ir = replace(ir, dims=dims, params=tuple(params), body=tuple(body), outputs=outs)
     return load(print_block(wide_ir))[ir.name]
 
 
 def chunk_size(
     plan: ChunkPlan | None, rows: int, sizes: dict[str, int], chunk: Any, budget: Any
 ) -> int | None:
-    """The rows per chunk of a run over `rows` rows (None: unchunked). `chunk`: None, "auto" or a
-    positive int; `budget`: bytes (a positive int) for "auto" (default DEFAULT_BUDGET), which `chunk=None`
-    with a budget means too. "auto" takes budget // bytes_per_row rows, a multiple of ROW_ALIGN when
-    that is at least ROW_ALIGN, at least 1; every chunk is at most `rows`."""
+    """The elements of the chunked dim per chunk of a run over `rows` of them (None: unchunked).
+    `chunk`: None, "auto" or a positive int; `budget`: bytes (a positive int) for "auto" (default
+    DEFAULT_BUDGET), which `chunk=None` with a budget means too. "auto" takes budget // bytes_per_row,
+    a multiple of ROW_ALIGN when that is at least ROW_ALIGN, else of the plan's `align` (COL_ALIGN for
+    a matrix's columns: a kernel stores rows of a multiple of 16 bytes), at least that; every chunk is
+    at most `rows`."""
     check_chunk_args(chunk, budget)
     if chunk is None and budget is None:
         return None
@@ -273,12 +466,13 @@ def chunk_size(
         c = int(budget if budget is not None else DEFAULT_BUDGET) // per_row
         if c >= ROW_ALIGN:
             c -= c % ROW_ALIGN
-        return max(1, min(c, rows))
+        c -= c % plan.align
+        return max(plan.align, 1, min(c, rows)) if plan.align <= rows else rows
     return min(int(chunk), rows)
 
 
-def check_chunk_args(chunk: Any, budget: Any) -> None:
-    """E0809 naming `chunk=` or `budget=` when either is not what a chunked run takes."""
+def check_chunk_args(chunk: Any, budget: Any, chunk_dim: Any = None) -> None:
+    """E0809 naming `chunk=`, `budget=` or `chunk_dim=` when one is not what a chunked run takes."""
     if chunk is not None and chunk != "auto":
         if isinstance(chunk, bool) or not isinstance(chunk, int) and not _np_int(chunk):
             raise refuse(
@@ -301,6 +495,20 @@ def check_chunk_args(chunk: Any, budget: Any) -> None:
             raise refuse(
                 f'chunk={chunk} and budget={budget} both given; budget= picks the chunk only with chunk="auto"'
             )
+    if chunk_dim is not None and not isinstance(chunk_dim, str):
+        raise refuse(
+            f"chunk_dim= is {chunk_dim!r}; it takes the name of a dim (a str), or None",
+            notes=['chunk_dim="V" runs the backward in chunks of V\'s columns'],
+        )
+
+
+def chunk_mode(chunk: Any, budget: Any, chunk_dim: Any) -> Any:
+    """`chunk=` as a run takes it, after checking the three arguments: a `chunk_dim=` alone means
+    "auto" (as a `budget=` alone does); None: the run is not chunked."""
+    check_chunk_args(chunk, budget, chunk_dim)
+    if chunk is None and budget is None and chunk_dim is not None:
+        return "auto"
+    return chunk
 
 
 def _np_int(x: Any) -> bool:
@@ -319,34 +527,99 @@ def row_dim(forward: Block) -> str | None:
     return None
 
 
+def candidate_plans(
+    blk: Any, wrt: list[str] | None, remat: str, chunk: Any, chunk_dim: str | None
+) -> list[ChunkPlan]:
+    """The plans a chunked backward of `blk` (an api.Block) may take, the preferred first: along
+    `chunk_dim` when it is given (E0809 when the block has no such dim or can't be chunked along
+    it); along the forward's row dim for a number of rows; for "auto", along every dim of the
+    backward's parameters that it can be chunked along (the row dim first), E0809 with the row
+    dim's reason when there is none."""
+    dims = [d.name for d in blk.ir.dims]
+    if chunk_dim is not None:
+        if chunk_dim not in dims:
+            raise refuse(
+                f"chunk_dim= is {chunk_dim!r}; block {blk.name} has no such dim (its dims: {', '.join(dims)})"
+            )
+        return [blk.chunk_plan(wrt, remat, chunk_dim)]
+    if chunk is not None and chunk != "auto":
+        return [blk.chunk_plan(wrt, remat)]
+    first = row_dim(blk.ir)
+    bwd = blk.derivation(wrt, remat).backward.ir
+    used = [d.name for d in bwd.dims if any(_is(x, d.name) for p in bwd.params for x in _ty(p.var).shape)]
+    order = ([first] if first in used else []) + [n for n in used if n != first]
+    plans: list[ChunkPlan] = []
+    why: list[CodaError] = []
+    for n in order:
+        try:
+            plans.append(blk.chunk_plan(wrt, remat, n))
+        except CodaError as e:
+            why.append(e)  # the row dim's reason first
+    if not plans:
+        if not why:
+            raise refuse(f"block {blk.name}'s backward has no dim to run in chunks")
+        raise why[0]
+    return plans
+
+
+def choose(plans: list[ChunkPlan], sizes: dict[str, int], chunk: Any, budget: Any) -> tuple[ChunkPlan, int]:
+    """The plan (and its chunk) whose run holds the least memory (`ChunkPlan.memory`); the earlier on a tie."""
+    best: tuple[int, ChunkPlan, int] | None = None
+    for p in plans:
+        c = chunk_size(p, sizes[p.dim], sizes, chunk, budget)
+        assert c is not None
+        m = p.memory(sizes, c)
+        if best is None or m < best[0]:
+            best = (m, p, c)
+    assert best is not None
+    return best[1], best[2]
+
+
+def _at(axis: int, i: int, j: int) -> tuple[slice, ...]:
+    return (slice(None),) * axis + (slice(i, j),)
+
+
 def run_chunks(
     plan: ChunkPlan,
     inputs: dict[str, Any],
-    rows: int,
+    size: int,
     chunk: int,
     run: Callable[[dict[str, Any], int], dict[str, Any]],
-    cat: Callable[[list[Any]], Any],
+    empty: Callable[[Any, tuple[int, ...]], Any],
     add: Callable[[Any, Any], Any],
     finish: Callable[[Any, str], Any],
 ) -> dict[str, Any]:
-    """Outputs of `plan.block` run chunk by chunk: `run(inputs of the chunk, its rows)` gives a chunk's
-    outputs; row outputs are joined by `cat`, summed ones by `add` and then `finish(total, dtype)`
-    (rounding once to the declared dtype), the others are the first chunk's."""
-    parts: dict[str, list[Any]] = {n: [] for n in plan.concat}
+    """Outputs of `plan.block` run chunk by chunk over `size` elements of `plan.dim`: `run(inputs of
+    the chunk, its extent)` gives a chunk's outputs (run it with `plan.inner` at that extent); each
+    joined output is allocated once by `empty(first part, whole shape)` and every chunk's part is
+    copied into its slice; summed ones are `add(total, part)` (which may add in place into `total`,
+    the first chunk's part) and then `finish(total, dtype)` (rounding once to the declared dtype);
+    the others are the first chunk's. Shifted parameters get their parameter minus the chunk's start."""
+    joined: dict[str, Any] = {}
     totals: dict[str, Any] = {}
     whole: dict[str, Any] = {}
-    for i in range(0, rows, chunk):
-        j = min(i + chunk, rows)
-        sub = {n: (v[i:j] if n in plan.rows else v) for n, v in inputs.items()}
+    for i in range(0, size, chunk):
+        j = min(i + chunk, size)
+        sub = {n: (v if n not in plan.sliced else v[_at(plan.sliced[n], i, j)]) for n, v in inputs.items()}
+        for new, (old, default) in plan.shifted.items():
+            base = inputs.get(old, default)
+            if base is not None:
+                sub[new] = base - i
         outs = run(sub, j - i)
-        for n in plan.concat:
-            parts[n].append(outs[n])
+        for n, ax in plan.joined.items():
+            part = outs[n]
+            if n not in joined:
+                shape = list(part.shape)
+                shape[ax] = size
+                joined[n] = empty(part, tuple(shape))
+            joined[n][_at(ax, i, j)] = part
         for n in plan.summed:
             totals[n] = outs[n] if n not in totals else add(totals[n], outs[n])
         if i == 0:
             whole = {n: outs[n] for n in plan.whole}
+        del outs, sub
     return {
-        **{n: cat(p) for n, p in parts.items()},
+        **joined,
         **{n: finish(t, plan.summed[n]) for n, t in totals.items()},
         **whole,
     }
