@@ -56,7 +56,7 @@ def failing_dims(out: str) -> dict[str, int]:
 def test_examples_pass_on_the_tile_simulation(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = fuzz(capsys, str(path), "--examples", "12")
     assert code == 0, out + err
-    assert re.match(r"ok: \w+: 12 cases \(forward and backward\), target interp, seed 0", out), out
+    assert re.match(r"ok: \w+: 12 cases \(forward and backward, --remat save\), target interp, seed 0", out), out
     assert "coda fuzz: " in err and "/12 cases" in err  # the progress line
 
 
@@ -75,7 +75,7 @@ def test_the_console_script(tmp_path: Path) -> None:
         timeout=120,
     )
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "ok: llama_mlp: 5 cases (forward and backward), target interp, seed 3" in run.stdout
+    assert "ok: llama_mlp: 5 cases (forward and backward, --remat save), target interp, seed 3" in run.stdout
 
 
 def test_special_values_pass(capsys: pytest.CaptureFixture[str]) -> None:
@@ -296,4 +296,4 @@ def test_cases_found_by_fuzzing_pass(
     ] + (["--tile", tile] if tile else [])
     code, out, err = fuzz(capsys, *args)
     assert code == 0, out + err
-    assert "1 cases (forward and backward)" in out, out
+    assert "1 cases (forward and backward, --remat save)" in out, out
