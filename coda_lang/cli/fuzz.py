@@ -197,7 +197,7 @@ def run(args: Any) -> int:
     if args.programs is not None and (dims or args.input_seed is not None or args.block):
         return usage_error("--dims, --input-seed and --block go with a FILE, not with --programs")
     if args.remat is not None and args.remat not in REMATS:
-        return usage_error(f"--remat takes {', '.join(REMATS)}, got {args.remat!r}")
+        return usage_error(f"--remat takes {', '.join(REMATS[:-1])} or {REMATS[-1]}, got {args.remat!r}")
     chunk = _parse_chunk(args.chunk)
     if chunk == "bad":
         return usage_error(f"--chunk takes a number of rows (a positive integer) or auto, got {args.chunk!r}")
