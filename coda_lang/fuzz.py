@@ -28,6 +28,7 @@ command finds the same failure.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import inspect
 import os
@@ -44,6 +45,7 @@ from hypothesis.errors import Flaky
 
 from coda_lang.api import Block
 from coda_lang.autodiff.reverse import REMAT
+from coda_lang.interp.chunk import check_chunk_args
 from coda_lang.testing.compare import mismatch
 from coda_lang.testing.dims import dim_sizes, dim_units, tiles
 from coda_lang.testing.inputs import block_inputs, cotangents, input_seeds
@@ -267,10 +269,19 @@ class Fuzzer:
         return self.cb.autograd(remat=self.remat)
 
     def _chunked_fn(self, chunk: int | str, budget: int | None) -> Any:
-        """`CudaBlock.autograd(chunk=, budget=)` at the unchunked function's tile (made once per chunk)."""
+        """`CudaBlock.autograd(chunk=, budget=)` at the unchunked function's tile. Made once (chunk=1);
+        every other chunk is a shallow copy with its own `chunk`/`budget` (what `run_backward` reads),
+        sharing the CUDA blocks: a case's drawn chunk compiles nothing new on the GPU."""
         key = (chunk, budget)
         if key not in self.fns:
-            self.fns[key] = self.cb.autograd(tile=self.fn_tile, remat=self.remat, chunk=chunk, budget=budget)
+            if not self.fns:
+                self.fns[(1, None)] = self.cb.autograd(tile=self.fn_tile, remat=self.remat, chunk=1)
+            base = self.fns[(1, None)]
+            if key not in self.fns:
+                check_chunk_args(chunk, budget)
+                fn = copy.copy(base)
+                fn.chunk, fn.budget = chunk, budget
+                self.fns[key] = fn
         return self.fns[key]
 
     def blocks(self) -> list[Block]:
