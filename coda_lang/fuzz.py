@@ -9,9 +9,16 @@ backward, and compares them with the tolerance rule of `coda_lang.testing.compar
   the kernels' per-tile partial buffers are also compared with the tile simulation at their tiles;
 - `emulate`: the CUDA runtime with each kernel launch replaced by its torch stand-in, on the CPU
   (tests the runtime's host logic without a GPU).
+The backward under test is derived with a saved-tensor policy (`remat`: save, recompute or auto;
+docs/design.md, "Saved and recomputed"; default DEFAULT_REMAT, the API's) and can run in row chunks
+(`chunk`: a number of rows, or "auto" from a memory budget the search draws; "Chunked backward"); its
+references are the whole-matrix interpreter's gradients under the same policy, unchunked, and under
+a policy other than save the float64 gradients are also compared with save's (every policy computes
+the same function: this catches a wrong recompute derivation, which the reference would share).
 On a mismatch hypothesis shrinks the case; the report gives the smallest failing dims, the input seed
-and a one-line command that reproduces exactly that case. `fuzz_programs` does the same over random
-programs (`coda_lang.testing.random_blocks`), shrinking the program too.
+(the policy and the chunk) and a one-line command that reproduces exactly that case. `fuzz_programs`
+does the same over random programs (`coda_lang.testing.random_blocks`), shrinking the program too;
+each program's policy and each case's chunk are drawn by the search unless fixed.
 What it does not: parse arguments (cli.py) or decide tolerances (testing/compare.py).
 Invariants: no GPU library is imported unless the target needs one; a case that raises anything but a
 `CodaError` on either path is a failure (a traceback is a bug); everything is seeded, so the same
@@ -21,7 +28,9 @@ command finds the same failure.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
+import inspect
 import os
 import sys
 import time
@@ -35,12 +44,20 @@ from hypothesis import strategies as st
 from hypothesis.errors import Flaky
 
 from coda_lang.api import Block
+from coda_lang.autodiff.reverse import REMAT
+from coda_lang.interp.chunk import check_chunk_args
 from coda_lang.testing.compare import mismatch
 from coda_lang.testing.dims import dim_sizes, dim_units, tiles
 from coda_lang.testing.inputs import block_inputs, cotangents, input_seeds
 from coda_lang.verify.diagnostics import CodaError
 
 TARGETS = ("interp", "cuda", "emulate")
+REMATS = ("save", "recompute", "auto")  # the saved-tensor policies, save first (hypothesis shrinks to it)
+assert set(REMATS) == set(REMAT)
+# The policy the fuzzer uses when none is given: the API's own default (Block.derivation's), so that a
+# switch of the project's default switches `coda fuzz` with it.
+DEFAULT_REMAT: str = inspect.signature(Block.derivation).parameters["remat"].default
+DRAW = "draw"  # chunk=DRAW: each case draws unchunked, a number of rows, or "auto" with a budget
 MAX_DIM = {"interp": 48, "cuda": 520, "emulate": 64}
 ALIGN = {"interp": 1, "cuda": 8, "emulate": 8}  # TMA: rows of 16 bytes (8 bf16 elements)
 
@@ -73,19 +90,35 @@ class Case:
     dims: dict[str, int]
     seed: int
     tile: tuple[int, int] | None = None
+    remat: str | None = None  # the backward's saved-tensor policy (None: the backward is not checked)
+    chunk: int | str | None = None  # the backward in row chunks: rows per chunk, or "auto" from `budget`
+    budget: int | None = None  # bytes, for chunk="auto"
 
     def describe(self) -> str:
         parts = ["dims " + ", ".join(f"{k}={v}" for k, v in self.dims.items())]
         if self.tile is not None:
             parts.append(f"tile {self.tile[0]}x{self.tile[1]}")
         parts.append(f"input seed {self.seed}")
+        if self.remat is not None:
+            parts.append(f"remat {self.remat}")
+        if self.chunk == "auto":
+            parts.append(f"chunk auto (budget {self.budget} bytes)")
+        elif self.chunk is not None:
+            parts.append(f"chunks of {self.chunk} rows")
         return "; ".join(parts)
 
     def args(self) -> list[str]:
         out = ["--dims", ",".join(f"{k}={v}" for k, v in self.dims.items())]
         if self.tile is not None:
             out += ["--tile", f"{self.tile[0]}x{self.tile[1]}"]
-        return out + ["--input-seed", str(self.seed)]
+        out += ["--input-seed", str(self.seed)]
+        if self.remat is not None:
+            out += ["--remat", self.remat]
+        if self.chunk is not None:
+            out += ["--chunk", str(self.chunk)]
+        if self.budget is not None:
+            out += ["--budget", str(self.budget)]
+        return out
 
 
 def _first_line(e: BaseException) -> str:
@@ -103,6 +136,11 @@ def _dtype_of(t: Any) -> str:
 class Fuzzer:
     """One block on one target: `check(case)` gives the mismatches of that case (empty: it passed).
 
+    `remat`: the backward's saved-tensor policy (default DEFAULT_REMAT). `chunk`: None (the backward
+    unchunked), a number of rows, "auto" (chunk from `budget` bytes; the search draws the budget when
+    none is given) or DRAW (each case draws one of these). A backward that can't run in chunks (E0809)
+    is checked unchunked, with a note (`chunk_error`).
+
     Raises CodaError when the block can't run on the target at all (e.g. E07 for a stage the CUDA
     backend can't compile), Unavailable when the target can't run on this machine."""
 
@@ -114,26 +152,56 @@ class Fuzzer:
         backward: bool = True,
         special: bool | tuple[str, ...] = False,
         tile: tuple[int, int] | None = None,
+        remat: str | None = None,
+        chunk: int | str | None = None,
+        budget: int | None = None,
     ):
         if target not in TARGETS:
             raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+        remat = DEFAULT_REMAT if remat is None else remat
+        if remat not in REMATS:
+            raise ValueError(f"remat must be one of {REMATS}, got {remat!r}")
+        if chunk not in (None, "auto", DRAW) and not (
+            isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= 1
+        ):
+            raise ValueError(f'chunk must be None, a positive int, "auto" or {DRAW!r}, got {chunk!r}')
+        if budget is not None and (chunk != "auto" or budget < 1):
+            raise ValueError(f'budget (a positive number of bytes) goes with chunk="auto", got {budget!r}')
         self.block, self.target, self.special, self.tile = block, target, special, tile
+        self.remat, self.chunk, self.budget = remat, chunk, budget
         self.notes: list[str] = []
         self.backward_error: str | None = None  # the code of the error that keeps the backward out
+        self.chunk_error: str | None = None  # the code of the error that keeps the backward unchunked
         self.derivation = None
+        self.chunk_plan: Any = None  # interp.chunk.ChunkPlan, when the backward runs in chunks
         self.crash: str | None = None
         if backward:
             try:
-                self.derivation = block.derivation()
+                self.derivation = block.derivation(remat=remat)
             except CodaError as e:
-                self.notes.append(f"backward not checked: {_first_line(e)}")
+                self.notes.append(f"backward not checked (--remat {remat}): {_first_line(e)}")
                 self.backward_error = e.diagnostics[0].code if e.diagnostics else "?"
             except Exception as e:  # a traceback is a bug: every case fails with it
-                self.crash = f"autodiff (Block.derivation) raised {_first_line(e)}"
+                self.crash = f"autodiff (Block.derivation, remat={remat!r}) raised {_first_line(e)}"
+        if self.derivation is not None and chunk is not None:
+            try:
+                self.chunk_plan = block.chunk_plan(remat=remat)
+            except CodaError as e:
+                self.no_chunks(e, "")
+            except Exception as e:
+                self.crash = f"Block.chunk_plan(remat={remat!r}) raised {_first_line(e)}"
         self.cb: Any = None
-        self.fn: Any = None
+        self.fn: Any = None  # CudaBlock.autograd(): the backward unchunked
+        self.fns: dict[tuple[Any, Any], Any] = {}  # ... and in chunks, by (chunk, budget)
+        self.fn_tile: tuple[int, int] | None = tile
         if target != "interp":
             self._prepare_cuda()
+
+    def no_chunks(self, e: CodaError, where: str) -> None:
+        """The backward can't run in chunks (`where`: on this target): note it and check it unchunked."""
+        self.notes.append(f"backward not chunked{where}, checked unchunked: {_first_line(e)}")
+        self.chunk_error = e.diagnostics[0].code if e.diagnostics else "?"
+        self.chunk_plan = None
 
     # ---------------------------------------------------------------- setup
 
@@ -171,22 +239,50 @@ class Fuzzer:
             try:
                 self.fn = self._autograd(emulate)
             except CodaError as e:
-                self.notes.append(f"backward not checked on {self.target}: {_first_line(e)}")
+                self.notes.append(
+                    f"backward not checked on {self.target} (--remat {self.remat}): {_first_line(e)}"
+                )
                 self.backward_error = e.diagnostics[0].code if e.diagnostics else "?"
             except Exception as e:
-                self.crash = f"CudaBlock.autograd() raised {_first_line(e)}"
+                self.crash = f"CudaBlock.autograd(remat={self.remat!r}) raised {_first_line(e)}"
+        if self.fn is not None and self.chunk_plan is not None:
+            try:  # the chunked backward's CUDA blocks (E07 if it can't compile): now, not in a case
+                self._chunked_fn(1, None)
+            except CodaError as e:
+                self.no_chunks(e, f" on {self.target}")
+            except Exception as e:
+                self.crash = f"CudaBlock.autograd(remat={self.remat!r}, chunk=1) raised {_first_line(e)}"
 
     def _autograd(self, emulate: bool) -> Any:
         """`CudaBlock.autograd()`; emulated, at the first small tile that fits every stage."""
         if not emulate or self.tile is not None:
-            return self.cb.autograd(tile=self.tile)
+            return self.cb.autograd(tile=self.tile, remat=self.remat)
         for t in EMULATE_TILES:
             try:
-                return self.cb.autograd(tile=t)
+                fn = self.cb.autograd(tile=t, remat=self.remat)
+                self.fn_tile = t
+                return fn
             except CodaError as e:
                 if [d.code for d in e.diagnostics] != ["E0805"]:
                     raise
-        return self.cb.autograd()
+        self.fn_tile = None
+        return self.cb.autograd(remat=self.remat)
+
+    def _chunked_fn(self, chunk: int | str, budget: int | None) -> Any:
+        """`CudaBlock.autograd(chunk=, budget=)` at the unchunked function's tile. Made once (chunk=1);
+        every other chunk is a shallow copy with its own `chunk`/`budget` (what `run_backward` reads),
+        sharing the CUDA blocks: a case's drawn chunk compiles nothing new on the GPU."""
+        key = (chunk, budget)
+        if key not in self.fns:
+            if not self.fns:
+                self.fns[(1, None)] = self.cb.autograd(tile=self.fn_tile, remat=self.remat, chunk=1)
+            base = self.fns[(1, None)]
+            if key not in self.fns:
+                check_chunk_args(chunk, budget)
+                fn = copy.copy(base)
+                fn.chunk, fn.budget = chunk, budget
+                self.fns[key] = fn
+        return self.fns[key]
 
     def blocks(self) -> list[Block]:
         """The blocks that run at a case's sizes (their dims and tiles must fit)."""
@@ -199,7 +295,8 @@ class Fuzzer:
         dims: dict[str, int] | None = None,
         seed: int | None = None,
     ) -> st.SearchStrategy[Case]:
-        """Cases for this block: `dims`, `seed` (and the tile given to the Fuzzer) fix what they give."""
+        """Cases for this block: `dims`, `seed` (and the tile, policy and chunk given to the Fuzzer) fix
+        what they give."""
         blocks = self.blocks()
         top = max_dim or MAX_DIM[self.target]
         sizes = dim_sizes(blocks, top, ALIGN[self.target], given=dims)
@@ -210,10 +307,55 @@ class Fuzzer:
         else:
             tile_s = st.just(self.tile)
         seeds = st.just(seed) if seed is not None else input_seeds()
-        return st.builds(Case, sizes, seeds, tile_s)
+        if self.derivation is None:
+            return st.builds(Case, sizes, seeds, tile_s)
+        remat = self.remat
+
+        def make(
+            d: dict[str, int], seed: int, tile: tuple[int, int] | None, pick: tuple[str, int, int]
+        ) -> Case:
+            return Case(d, seed, tile, remat, *self._chunk_of(d, pick))
+
+        return st.builds(make, sizes, seeds, tile_s, self._chunk_picks(top))
+
+    def _chunk_picks(self, top: int) -> st.SearchStrategy[tuple[str, int, int]]:
+        """What a case draws for its chunk, before it knows its sizes (no flatmap, so that hypothesis
+        shrinks sizes and chunk apart): ("none" | "rows" | "auto", n, r), made a chunk by `_chunk_of`."""
+        mode = self.chunk
+        if self.chunk_plan is None or mode is None:
+            return st.just(("none", 0, 0))
+        if isinstance(mode, int) or (mode == "auto" and self.budget is not None):
+            return st.just(("fixed", 0, 0))
+        n, r = st.integers(1, max(1, top)), st.integers(0, 2**16)
+        auto = st.tuples(st.just("auto"), n, r)
+        if mode == "auto":
+            return auto
+        return st.one_of(st.just(("none", 0, 0)), st.tuples(st.just("rows"), n, st.just(0)), auto)
+
+    def _chunk_of(
+        self, dims: dict[str, int], pick: tuple[str, int, int]
+    ) -> tuple[int | str | None, int | None]:
+        """(chunk, budget) of a case at sizes `dims`: drawn chunks run 1 row to all rows at a time (a
+        ragged last chunk included); a drawn budget gives such a chunk through chunk="auto"."""
+        kind, n, r = pick
+        if kind == "none":
+            return None, None
+        if kind == "fixed":
+            return (self.chunk, self.budget) if self.chunk == "auto" else (self.chunk, None)
+        plan = self.chunk_plan
+        assert plan is not None
+        rows = max(1, dims.get(plan.dim, 1))
+        c = 1 + (n - 1) % rows  # 1 .. rows: shrinks to 1
+        if kind == "rows":
+            return c, None
+        per_row = plan.bytes_per_row(dims)
+        if per_row == 0:  # no transient: any budget gives one chunk
+            return "auto", 1 + r
+        return "auto", c * per_row + r % per_row
 
     def single_case(self, dims: dict[str, int] | None, seed: int | None) -> Case | None:
-        """The one case that `dims`, `seed` and the Fuzzer's tile fix, if they fix everything."""
+        """The one case that `dims`, `seed` and the Fuzzer's tile, policy and chunk fix, if they fix
+        everything."""
         names = {d.name for b in self.blocks() for d in b.ir.dims}
         if (
             seed is None
@@ -222,7 +364,14 @@ class Fuzzer:
             or (self.target == "interp" and self.tile is None)
         ):
             return None
-        return Case(dict(dims), seed, self.tile)
+        chunk: tuple[int | str | None, int | None] = (None, None)
+        if self.chunk_plan is not None:
+            if isinstance(self.chunk, int) or (self.chunk == "auto" and self.budget is not None):
+                chunk = self._chunk_of(dims, ("fixed", 0, 0))
+            else:
+                return None
+        remat = self.remat if self.derivation is not None else None
+        return Case(dict(dims), seed, self.tile, remat, *chunk)
 
     def units(self) -> dict[str, int]:
         return dim_units(self.blocks(), ALIGN[self.target])
@@ -246,16 +395,52 @@ class Fuzzer:
         if self.derivation is None or (self.target != "interp" and self.fn is None):
             return msgs
         cots = cotangents(self.block, case.dims, case.seed)
+        remat = self.remat
         try:
-            gref = self.block.vjp(ins, cots, dims=case.dims)
-            g64 = self.block.vjp(ins, cots, dims=case.dims, precision="f64")
+            # the references: the whole-matrix interpreter's backward under the case's policy, unchunked
+            # (a chunked run equals it up to the order of f32 sums). Its float64 twin is that same
+            # derivation too: every policy computes the same function, so save's would do as well, but
+            # the same derivation makes rule 3 of the accuracy rule weigh the path under test against
+            # the rounding error of the very computation the exact-mode reference rounds. (A policy's
+            # own mistakes, which both references would share, are `_policies_agree`'s to find.)
+            gref = self.block.vjp(ins, cots, dims=case.dims, remat=remat)
+            g64 = self.block.vjp(ins, cots, dims=case.dims, precision="f64", remat=remat)
         except Exception as e:
             return msgs + [f"the whole-matrix interpreter's backward (Block.vjp) raised {_first_line(e)}"]
+        try:
+            msgs += self._policies_agree(case, ins, cots, g64)
+        except Exception as e:
+            msgs.append(
+                f"the whole-matrix interpreter's float64 backward under --remat save raised {_first_line(e)}"
+            )
         try:
             msgs += self._backward(case, ins, cots, gref, g64)
         except Exception as e:
             msgs.append(f"backward on {self.target} raised {_first_line(e)}")
         return msgs
+
+    def _policies_agree(
+        self, case: Case, ins: dict[str, Any], cots: dict[str, Any], g64: dict[str, Any]
+    ) -> list[str]:
+        """Under a policy other than save: its float64 gradients against save's (in float64 every policy
+        computes the same function, up to the order of operations). Both references of a case come from
+        the same derivation, so a wrong recompute derivation would pass them: this finds it. Not with
+        special values (where NaN and inf may come out of different, equally valid, orders)."""
+        if self.remat == "save" or self.special:
+            return []
+        try:
+            save = self.block.derivation(remat="save")
+        except CodaError:  # save can't derive this block: nothing to compare with
+            return []
+        s64 = self.block.vjp(ins, cots, dims=case.dims, precision="f64", remat="save")
+        out = []
+        for p in save.grads:
+            if p in g64 and p in s64:
+                what = f"float64 gradient of `{p}` under --remat {self.remat}, against --remat save's"
+                m = mismatch(what, g64[p], s64[p], None, "f32")
+                if m:
+                    out.append(m)
+        return out
 
     def _outputs(
         self,
@@ -321,7 +506,15 @@ class Fuzzer:
         out_t = {o.name: o.type for o in d.backward.ir.outputs}
         dtypes = {p: _dtype_of(out_t.get(g)) for p, g in d.grads.items()}
         if self.target == "interp":
-            got = self.block.vjp(ins, cots, dims=case.dims, tile=case.tile)
+            got = self.block.vjp(
+                ins,
+                cots,
+                dims=case.dims,
+                tile=case.tile,
+                remat=self.remat,
+                chunk=case.chunk,
+                budget=case.budget,
+            )
             return self._outputs("gradient of", got, gref, g64, dtypes)
         import torch
 
@@ -329,7 +522,8 @@ class Fuzzer:
         wrt = [p for p in d.grads if p in tensors and tensors[p].is_floating_point()]
         for p in wrt:
             tensors[p] = tensors[p].detach().requires_grad_(True)
-        outs = self.fn(tensors, dims=self._dims(self.block, case))
+        fn = self.fn if case.chunk is None else self._chunked_fn(case.chunk, case.budget)
+        outs = fn(tensors, dims=self._dims(self.block, case))
         pairs = [(outs[o], self._tensor(c)) for o, c in cots.items() if o in outs and outs[o].requires_grad]
         if not pairs or not wrt:
             return []
@@ -433,6 +627,7 @@ class Result:
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     skipped: list[str] = field(default_factory=list)  # fuzz_programs: programs the target can't run
+    chunked: int = 0  # cases whose backward ran in row chunks
 
 
 class _Mismatch(Exception):
@@ -488,6 +683,7 @@ def _check(
     msgs = fz.check(case)
     if not failures:
         count[0] += 1
+        count[1] += case.chunk is not None
     if progress:
         progress.step(bool(msgs), case)
     if msgs:
@@ -510,13 +706,19 @@ def fuzz_block(
     shrink: bool = True,
     progress: Progress | None = None,
     fuzzer: Fuzzer | None = None,
+    remat: str | None = None,
+    chunk: int | str | None = None,
+    budget: int | None = None,
 ) -> Result:
     """Fuzz one block (see the module docstring). CodaError if it can't run on the target at all.
-    `fuzzer`: a Fuzzer made already (then target, tile, special and backward are its own)."""
+    `fuzzer`: a Fuzzer made already (then target, tile, special, backward, remat, chunk and budget are
+    its own)."""
     t0 = time.monotonic()
-    fz = fuzzer or Fuzzer(block, target, backward=backward, special=special, tile=tile)
+    fz = fuzzer or Fuzzer(
+        block, target, backward=backward, special=special, tile=tile, remat=remat, chunk=chunk, budget=budget
+    )
     failures: list[Failure] = []
-    count = [0]
+    count = [0, 0]
 
     def test(case: Case) -> None:
         _check(fz, case, failures, count, progress)
@@ -530,7 +732,7 @@ def fuzz_block(
         failure = _run(test, fz.cases(max_dim, dims, input_seed), examples, seed, shrink, failures)
     if progress:
         progress.done()
-    return Result(count[0], failure, fz.notes, time.monotonic() - t0)
+    return Result(count[0], failure, fz.notes, time.monotonic() - t0, chunked=count[1])
 
 
 def fuzz_programs(
@@ -545,9 +747,14 @@ def fuzz_programs(
     shrink: bool = True,
     tile: tuple[int, int] | None = None,
     progress: Progress | None = None,
+    remat: str | None = None,
+    chunk: int | str | None = DRAW,
+    budget: int | None = None,
 ) -> Result:
     """Fuzz `programs` random blocks (`coda_lang.testing.random_blocks`), `examples` cases each; on a
-    failure hypothesis shrinks the program and the case together."""
+    failure hypothesis shrinks the program and the case together. `remat`: every program's policy
+    (None: each program draws one); `chunk`, `budget`: as Fuzzer's (DRAW: each case of a program whose
+    backward can run in chunks draws unchunked, a number of rows or a budget)."""
     import coda_lang
     from coda_lang.testing import random_blocks
 
@@ -555,21 +762,40 @@ def fuzz_programs(
     failures: list[Failure] = []
     skipped: list[str] = []
     no_backward: list[str] = []
-    count = [0]
+    no_chunks: list[str] = []
+    policies: list[str] = []
+    count = [0, 0]
 
     def test(data: st.DataObject) -> None:
         fw = data.draw(
             random_blocks(("f32", "bf16", "f16") if target == "interp" else ("bf16", "f16")), label="program"
         )
+        policy = remat
+        if policy is None and backward:
+            policy = data.draw(st.sampled_from(REMATS), label="remat")
         block = coda_lang.load(fw.text)["fwd"]
         try:
-            fz = Fuzzer(block, target, backward=backward, special=special, tile=tile)
+            fz = Fuzzer(
+                block,
+                target,
+                backward=backward,
+                special=special,
+                tile=tile,
+                remat=policy,
+                chunk=chunk,
+                budget=budget,
+            )
         except CodaError as e:  # the target can't run it (E07): not a failure
             if not failures:
                 skipped.append(_first_line(e))
             return
-        if fz.backward_error and not failures:
-            no_backward.append(fz.backward_error)
+        if not failures:
+            if fz.backward_error:
+                no_backward.append(fz.backward_error)
+            elif policy is not None:
+                policies.append(policy)
+            if fz.chunk_error:
+                no_chunks.append(fz.chunk_error)
         strategy = fz.cases(max_dim)
         for _ in range(examples):
             _check(fz, data.draw(strategy, label="case"), failures, count, progress, program=fw.text)
@@ -578,10 +804,20 @@ def fuzz_programs(
     if progress:
         progress.done()
     notes = []
+    if policies:
+        notes.append(
+            "backward checked under "
+            + ", ".join(f"--remat {p} x{policies.count(p)}" for p in REMATS if p in policies)
+        )
     if no_backward:
         codes = ", ".join(f"{c} x{no_backward.count(c)}" for c in sorted(set(no_backward)))
         notes.append(f"backward not checked for {len(no_backward)} programs ({codes})")
-    return Result(count[0], failure, notes, time.monotonic() - t0, skipped)
+    if count[1]:
+        notes.append(f"{count[1]} cases ran the backward in row chunks")
+    if no_chunks:
+        codes = ", ".join(f"{c} x{no_chunks.count(c)}" for c in sorted(set(no_chunks)))
+        notes.append(f"backward not chunked for {len(no_chunks)} programs ({codes}), checked unchunked")
+    return Result(count[0], failure, notes, time.monotonic() - t0, skipped, count[1])
 
 
 def save_program(text: str, folder: str = ".") -> str:

@@ -8,6 +8,14 @@ planted bugs.
 - A planted sign swap in one op's implementation used by only one of the two compared paths (silu in
   the CUDA runtime's torch op table, which the emulated kernels use) is caught with --target emulate,
   on the CPU; the same with a swapped sign in silu's CuTeDSL *emitter* on a GPU (marked gpu).
+- Saved-tensor policies and chunked backwards: lm_head_ce and llama_mlp pass with --remat recompute and
+  auto, chunked (--chunk N, --chunk auto) and not, on interp and emulate; a block whose backward can't
+  run in chunks (amax_fp8, E0809) is checked unchunked with a note; random programs pass under drawn
+  policies and chunks. Planted bugs: a wrong recompute derivation (caught by comparing the float64
+  gradients with --remat save's), a column index off by one in the emulated GEMM epilogue (which only
+  the recomputed LM head's backward uses: caught under --remat recompute, not under save), the last
+  ragged chunk's sums dropped (caught with --chunk auto): each reproduced by the printed command, which
+  names the policy and the chunk.
 - Usage: --help, bad arguments (exit 2, one clear line, no traceback), --target cuda without a GPU.
 """
 
@@ -28,6 +36,7 @@ from coda_lang.cli import main
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.coda"))
 MLP = str(ROOT / "examples" / "llama_mlp.coda")
+HEAD = str(ROOT / "examples" / "lm_head_ce.coda")
 
 
 def fuzz(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -56,7 +65,9 @@ def failing_dims(out: str) -> dict[str, int]:
 def test_examples_pass_on_the_tile_simulation(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = fuzz(capsys, str(path), "--examples", "12")
     assert code == 0, out + err
-    assert re.match(r"ok: \w+: 12 cases \(forward and backward\), target interp, seed 0", out), out
+    assert re.match(
+        r"ok: \w+: 12 cases \(forward and backward, --remat save\), target interp, seed 0", out
+    ), out
     assert "coda fuzz: " in err and "/12 cases" in err  # the progress line
 
 
@@ -75,7 +86,7 @@ def test_the_console_script(tmp_path: Path) -> None:
         timeout=120,
     )
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "ok: llama_mlp: 5 cases (forward and backward), target interp, seed 3" in run.stdout
+    assert "ok: llama_mlp: 5 cases (forward and backward, --remat save), target interp, seed 3" in run.stdout
 
 
 def test_special_values_pass(capsys: pytest.CaptureFixture[str]) -> None:
@@ -168,6 +179,158 @@ def test_a_planted_sign_swap_in_the_runtime_is_caught_on_the_cpu(
     assert code == 0, out + err
 
 
+# ------------------------------------------------------------------ policies and chunks
+
+POLICY_RUNS = [
+    ["--remat", "recompute"],
+    ["--remat", "auto", "--chunk", "3"],
+    ["--remat", "recompute", "--chunk", "auto"],
+    ["--remat", "save", "--chunk", "1"],
+]
+
+
+@pytest.mark.parametrize("target", ["interp", "emulate"])
+@pytest.mark.parametrize("policy", POLICY_RUNS, ids=lambda a: "-".join(x.strip("-") for x in a))
+@pytest.mark.parametrize("path", [HEAD, MLP], ids=lambda p: Path(p).stem)
+def test_examples_pass_under_policies_and_chunks(
+    capsys: pytest.CaptureFixture[str], path: str, policy: list[str], target: str
+) -> None:
+    if target == "emulate":
+        pytest.importorskip("torch")
+    code, out, err = fuzz(capsys, path, "--examples", "8", "--target", target, *policy)
+    assert code == 0, out + err
+    assert f"8 cases (forward and backward, {' '.join(policy)}), target {target}" in out, out
+
+
+def test_a_block_that_cant_be_chunked_is_checked_unchunked(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = fuzz(capsys, str(ROOT / "examples" / "amax_fp8.coda"), "--examples", "4", "--chunk", "2")
+    assert code == 0, out + err
+    assert "note: backward not chunked, checked unchunked: error[E0809]" in err, err
+    assert "4 cases (forward and backward, --remat save, unchunked (E0809))" in out, out
+
+
+def test_the_default_policy_is_the_apis(capsys: pytest.CaptureFixture[str]) -> None:
+    import inspect
+
+    from coda_lang.api import Block
+    from coda_lang.fuzz import DEFAULT_REMAT
+
+    assert inspect.signature(Block.derivation).parameters["remat"].default == DEFAULT_REMAT
+    code, out, _ = fuzz(capsys, HEAD, "--examples", "2")
+    assert code == 0 and f"--remat {DEFAULT_REMAT})" in out, out
+
+
+def test_random_programs_pass_under_policies_and_chunks(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code, out, err = fuzz(capsys, "--programs", "12", "--examples", "2", "--save-dir", str(tmp_path))
+    assert code == 0, out + err
+    assert out.startswith("ok: 12 random programs"), out
+    assert re.search(
+        r"backward checked under --remat save x\d+, --remat recompute x\d+, --remat auto x\d+", err
+    )
+    assert re.search(r"[1-9]\d* cases ran the backward in row chunks", err), err
+    code, out, err = fuzz(
+        capsys, "--programs", "6", "--examples", "2", "--remat", "recompute", "--chunk", "1", "--seed", "1"
+    )
+    assert code == 0, out + err
+    assert "backward checked under --remat recompute x" in err and "--remat save x" not in err, err
+
+
+def _square_the_recomputed_acc(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planted bug: a recomputed stage's backward reads acc * acc where it reads acc."""
+    from coda_lang.autodiff.site import Site
+    from coda_lang.ir.nodes import Var
+
+    primal = Site.primal
+
+    def wrong(self: Site, a: object) -> object:
+        out = primal(self, a)  # type: ignore[arg-type]
+        if self.remat and isinstance(a, Var) and a.name == "acc":
+            return self.s.b.op("mul", out, out)
+        return out
+
+    monkeypatch.setattr(Site, "primal", wrong)
+
+
+def test_a_planted_recompute_bug_is_caught_and_reproduced(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both references of a case share the derivation under test; the float64 gradients against --remat
+    save's find its mistake."""
+    _square_the_recomputed_acc(monkeypatch)
+    assert fuzz(capsys, HEAD, "--examples", "10")[0] == 0  # saved: the bug is not on this path
+    code, out, err = fuzz(capsys, HEAD, "--examples", "10", "--remat", "recompute")
+    assert code == 1, out + err
+    assert "; remat recompute" in out and "under --remat recompute, against --remat save's" in out, out
+    args = repro_args(out)
+    assert args[args.index("--remat") + 1] == "recompute", args
+    assert fuzz(capsys, *args)[0] == 1
+    monkeypatch.undo()
+    code, out, _ = fuzz(capsys, *args)
+    assert code == 0 and "--remat recompute)" in out, out
+
+
+def test_a_planted_index_bug_in_the_recomputed_epilogue_is_caught_on_the_cpu(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """col_index() off by one in the emulated GEMM epilogue (TileIndex's host offset): only the
+    recomputed LM head's backward has col_index() in a GEMM's epilogue (the saved one compares it in an
+    elementwise stage)."""
+    pytest.importorskip("torch")
+    import coda_lang.backend_cute.emulate as emulate
+
+    run_stage = emulate.run_stage
+
+    def wrong(
+        spec: object, config: object, A: object, B: object, D: object, epi: dict, C: object = None
+    ) -> None:
+        for o in spec.operands:  # type: ignore[attr-defined]
+            if o.role == "column index":
+                epi[o.py] = 1
+        run_stage(spec, config, A, B, D, epi, C=C)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(emulate, "run_stage", wrong)
+    assert fuzz(capsys, HEAD, "--target", "emulate", "--examples", "8")[0] == 0
+    code, out, err = fuzz(capsys, HEAD, "--target", "emulate", "--examples", "8", "--remat", "recompute")
+    assert code == 1, out + err
+    assert "gradient of `w_lm`" in out and "remat recompute" in out, out
+    args = repro_args(out)
+    assert "--remat" in args and "recompute" in args
+    monkeypatch.undo()
+    assert fuzz(capsys, *args)[0] == 0
+
+
+def test_a_planted_chunk_bug_is_caught_and_reproduced(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last chunk's sums (the wgrads) dropped when it is ragged: caught with --chunk auto (a drawn
+    budget), shrunk, and reproduced by a command naming the chunk and the budget."""
+    import coda_lang.interp.chunk as chunk
+
+    run_chunks = chunk.run_chunks
+
+    def wrong(plan, inputs, rows, c, run, cat, add, finish):  # type: ignore[no-untyped-def]
+        out = run_chunks(plan, inputs, rows, c, run, cat, add, finish)
+        full = rows - rows % c
+        if rows % c and full:
+            head = {n: (v[:full] if n in plan.rows else v) for n, v in inputs.items()}
+            out.update({n: run_chunks(plan, head, full, c, run, cat, add, finish)[n] for n in plan.summed})
+        return out
+
+    monkeypatch.setattr(chunk, "run_chunks", wrong)
+    assert fuzz(capsys, MLP, "--examples", "20")[0] == 0  # unchunked: the bug is not on this path
+    code, out, err = fuzz(capsys, MLP, "--examples", "50", "--chunk", "auto", "--remat", "recompute")
+    assert code == 1, out + err
+    assert re.search(r"; remat recompute; chunk auto \(budget \d+ bytes\)", out), out
+    args = repro_args(out)
+    assert args[-6:-2] == ["--remat", "recompute", "--chunk", "auto"] and args[-2] == "--budget", args
+    assert fuzz(capsys, *args)[0] == 1
+    monkeypatch.undo()
+    code, out, _ = fuzz(capsys, *args)
+    assert code == 0 and out.startswith("ok: llama_mlp: 1 cases"), out
+
+
 @pytest.mark.gpu
 def test_a_planted_sign_swap_in_an_emitter_is_caught_on_the_gpu(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
@@ -236,6 +399,12 @@ def test_help() -> None:
         (["--programs", "3", "--dims", "M=4"], "go with a FILE"),
         ([MLP, "--target", "tpu"], "invalid choice"),
         ([MLP, "--examples", "many"], "invalid int"),
+        ([MLP, "--remat", "sometimes"], "--remat takes save, recompute or auto, got 'sometimes'"),
+        ([MLP, "--chunk", "0"], "--chunk takes a number of rows (a positive integer) or auto"),
+        ([MLP, "--chunk", "half"], "--chunk takes a number of rows (a positive integer) or auto"),
+        ([MLP, "--budget", "64"], "--budget takes a positive number of bytes, with --chunk auto"),
+        ([MLP, "--chunk", "auto", "--budget", "0"], "--budget takes a positive number of bytes"),
+        ([MLP, "--no-backward", "--remat", "recompute"], "--no-backward checks none"),
     ],
 )
 def test_bad_arguments(args: list[str], message: str) -> None:
@@ -296,4 +465,4 @@ def test_cases_found_by_fuzzing_pass(
     ] + (["--tile", tile] if tile else [])
     code, out, err = fuzz(capsys, *args)
     assert code == 0, out + err
-    assert "1 cases (forward and backward)" in out, out
+    assert "1 cases (forward and backward, --remat save)" in out, out

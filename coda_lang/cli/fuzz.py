@@ -70,6 +70,26 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="inputs with special values too: NaN, +-inf, large magnitudes, denormals, signed zeros",
     )
+    f.add_argument(
+        "--remat",
+        metavar="POLICY",
+        help="the backward's saved-tensor policy, as `coda grad --remat`: save, recompute or auto "
+        f"(default: the API's, {_default_remat()}; with --programs: each program draws one)",
+    )
+    f.add_argument(
+        "--chunk",
+        metavar="N|auto",
+        help="run the backward under test in row chunks (Block.vjp / CudaBlock.autograd chunk=): N rows "
+        "at a time, or auto (from a memory budget: --budget, else drawn per case, 1 row to all rows a "
+        "chunk); references stay unchunked. A block whose backward can't run in chunks (E0809) is "
+        "checked unchunked, with a note (default: unchunked; with --programs: each case draws)",
+    )
+    f.add_argument(
+        "--budget",
+        type=int,
+        metavar="BYTES",
+        help="with --chunk auto: the budget the chunk is chosen from (reproducing a case)",
+    )
     f.add_argument("--no-backward", action="store_true", help="fuzz the forward only")
     f.add_argument("--no-shrink", action="store_true", help="report the first failing case as found")
     f.add_argument("--programs", type=int, metavar="N", help="fuzz N random programs instead of FILE")
@@ -81,6 +101,27 @@ def add_parser(sub: Any) -> None:
     )
     f.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     f.set_defaults(run=run)
+
+
+def _default_remat() -> str:
+    """The policy a derivation gets when none is given (Block.derivation's default, as coda_lang.fuzz's
+    DEFAULT_REMAT: read here without importing hypothesis)."""
+    import inspect
+
+    from coda_lang.api import Block
+
+    return str(inspect.signature(Block.derivation).parameters["remat"].default)
+
+
+def _parse_chunk(text: str | None) -> int | str | None:
+    """--chunk: None, "auto" or a positive number of rows; "bad" otherwise."""
+    if text is None or text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        return "bad"
+    return n if n >= 1 else "bad"
 
 
 def _repro(args: Any, case: Case, file: str, block: str) -> str:
@@ -110,7 +151,17 @@ def run(args: Any) -> int:
     """Exit 0 all cases passed, 1 a failure (or the block has errors or can't run on the target), 2 usage
     errors and targets this machine can't run."""
     from coda_lang.api import Block
-    from coda_lang.fuzz import ALIGN, Fuzzer, Progress, Unavailable, fuzz_block, fuzz_programs, save_program
+    from coda_lang.fuzz import (
+        ALIGN,
+        DRAW,
+        REMATS,
+        Fuzzer,
+        Progress,
+        Unavailable,
+        fuzz_block,
+        fuzz_programs,
+        save_program,
+    )
     from coda_lang.verify.diagnostics import CodaError, render_all
 
     if args.examples is None:
@@ -145,6 +196,18 @@ def run(args: Any) -> int:
         return usage_error("give a FILE to fuzz, or --programs N for random programs (not both)")
     if args.programs is not None and (dims or args.input_seed is not None or args.block):
         return usage_error("--dims, --input-seed and --block go with a FILE, not with --programs")
+    if args.remat is not None and args.remat not in REMATS:
+        return usage_error(f"--remat takes {', '.join(REMATS[:-1])} or {REMATS[-1]}, got {args.remat!r}")
+    chunk = _parse_chunk(args.chunk)
+    if chunk == "bad":
+        return usage_error(f"--chunk takes a number of rows (a positive integer) or auto, got {args.chunk!r}")
+    if args.budget is not None and (chunk != "auto" or args.budget < 1):
+        return usage_error(
+            f"--budget takes a positive number of bytes, with --chunk auto (got --budget {args.budget}"
+            + (f" and --chunk {args.chunk})" if args.chunk is not None else " without --chunk auto)")
+        )
+    if args.no_backward and (args.remat is not None or chunk is not None):
+        return usage_error("--remat and --chunk choose the backward under test; --no-backward checks none")
     out = sys.stdout
     progress_quiet = bool(args.quiet)
     try:
@@ -162,6 +225,9 @@ def run(args: Any) -> int:
                 shrink=not args.no_shrink,
                 tile=tile,
                 progress=prog,
+                remat=args.remat,
+                chunk=DRAW if chunk is None else chunk,
+                budget=args.budget,
             )
             for n in res.notes:
                 print(f"note: {n}", file=sys.stderr)
@@ -196,7 +262,16 @@ def run(args: Any) -> int:
                 )
         label = f"{block.name}, target {args.target}"
         try:
-            fz = Fuzzer(block, args.target, backward=not args.no_backward, special=args.special, tile=tile)
+            fz = Fuzzer(
+                block,
+                args.target,
+                backward=not args.no_backward,
+                special=args.special,
+                tile=tile,
+                remat=args.remat,
+                chunk=chunk,
+                budget=args.budget,
+            )
         except CodaError as e:
             print(render_all(e.diagnostics, e.sources, "human"), file=sys.stderr)
             print(f"coda fuzz: {block.name} can't run on --target {args.target}", file=sys.stderr)
@@ -231,11 +306,14 @@ def run(args: Any) -> int:
         if res.failure is not None:
             _print_failure(args, res.failure, args.file, block.name, out)
             return EXIT_ERRORS
-        what = (
-            "forward"
-            if args.no_backward or any(n.startswith("backward not checked") for n in res.notes)
-            else "forward and backward"
-        )
+        if args.no_backward or fz.derivation is None or (args.target != "interp" and fz.fn is None):
+            what = "forward"
+        else:
+            what = f"forward and backward, --remat {fz.remat}"
+            if fz.chunk_plan is not None:
+                what += f" --chunk {fz.chunk}" + (f" --budget {fz.budget}" if fz.budget is not None else "")
+            elif fz.chunk_error is not None:
+                what += f", unchunked ({fz.chunk_error})"
         print(
             f"ok: {block.name}: {res.cases} cases ({what}), target {args.target}, seed {args.seed} "
             f"({res.seconds:.1f} s)",
