@@ -20,7 +20,8 @@ the same math (relative error of the loss or output and of each gradient); then 
 .grad set to None, forward, backward) is timed by triton.testing.do_bench (median, L2 flushed) twice,
 the first and the second timing of the same call; then its peak memory: torch.cuda.max_memory_allocated
 during one step minus what was allocated before it (the inputs, weights and cotangents), so the
-gradients the step makes are counted; `grads` is their size, `transient` = peak - grads.
+gradients the step makes are counted, less the previous step's gradients that a training step sets to
+None before it (the memory before the step holds those, as in a training loop); `grads` is their size.
 Prints a table last; writes the rows as JSON to $OUT/fwd_bwd_<workload>.json when $OUT is set.
 """
 
@@ -63,6 +64,29 @@ def peak_memory(step: Callable[[], Any], grads: Callable[[], int]) -> tuple[floa
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / MIB
     return peak, grads() / MIB
+
+
+def profile(step: Callable[[], Any], steps: int = 3) -> list[tuple[str, float]]:
+    """CUDA time per kernel name (ms per step) of a few steps under torch.profiler, largest first."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    torch.cuda.synchronize()
+    with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = [
+        (e.key[:90], e.device_time_total / 1000 / steps)
+        for e in prof.key_averages()
+        if e.device_time_total > 0
+    ]
+    rows.sort(key=lambda r: -r[1])
+    for k, ms in rows[:12]:
+        print(f"    {ms:8.3f} ms  {k}", flush=True)
+    print(f"    {sum(ms for _, ms in rows):8.3f} ms  total CUDA time per step", flush=True)
+    return rows[:20]
 
 
 def rel(a: Any, ref: Any) -> float:
@@ -282,7 +306,8 @@ def run_config(
         row["err worst"] = max(errs, key=lambda k: errs[k]) if errs else None
         row["ms first"], row["ms second"] = bench_time(step, args.warmup, args.rep)
         row["peak MiB"], row["grads MiB"] = peak_memory(step, lv.grad_bytes)
-        row["transient MiB"] = row["peak MiB"] - row["grads MiB"]
+        if args.profile and name.startswith("coda"):
+            row["kernels"] = profile(step)
     except Exception as e:  # a configuration that fails is reported, the others still run
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         traceback.print_exc()
@@ -335,6 +360,7 @@ def main() -> int:
     p.add_argument("--remat", default="auto,save", help="coda policies to time, comma-separated")
     p.add_argument("--chunk", default="none", help="lm_head: coda chunk settings (none, auto, rows)")
     p.add_argument("--configs", default="", help="only these configs (substrings, comma-separated)")
+    p.add_argument("--profile", action="store_true", help="print the CUDA time per kernel of coda's steps")
     p.add_argument("--warmup", type=int, default=100, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=400, help="do_bench repetitions, ms")
     args = p.parse_args()

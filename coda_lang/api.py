@@ -16,6 +16,7 @@ from typing import Any
 
 from coda_lang.frontend import check_source, normalize_newlines, read_source
 from coda_lang.ir import nodes
+from coda_lang.ir.nodes import DEFAULT_REMAT
 from coda_lang.ir.printer import print_block, print_program
 from coda_lang.verify.diagnostics import CodaError
 from coda_lang.verify.plan import BlockPlan, explain
@@ -67,7 +68,7 @@ class Block:
         env, sizes = bind(self.ir, inputs, dims, precision)
         return run_block(self.ir, self.plan, env, sizes, precision=precision, tile=tile)
 
-    def derivation(self, wrt: list[str] | None = None, remat: str = "save") -> Derivation:
+    def derivation(self, wrt: list[str] | None = None, remat: str = DEFAULT_REMAT) -> Derivation:
         """Forward block extended to store what the backward reads, and the backward block. `remat`:
         which forward tiles the backward recomputes rather than reads saved ("auto", "save",
         "recompute"; docs/design.md, "Saved and recomputed")."""
@@ -76,7 +77,7 @@ class Block:
             self._derivations[key] = derive_checked(self.ir, self.plan, wrt, remat)
         return self._derivations[key]
 
-    def grad(self, wrt: list[str] | None = None, remat: str = "save") -> Block:
+    def grad(self, wrt: list[str] | None = None, remat: str = DEFAULT_REMAT) -> Block:
         """The backward block (checked): cotangents of the outputs and saved tensors in, one gradient
         per differentiable parameter (float parameters without a default, or `wrt`) out."""
         return self.derivation(wrt, remat).backward
@@ -90,7 +91,7 @@ class Block:
         precision: str = "exact",
         tile: tuple[int, int] | dict[int, tuple[int, int]] | None = None,
         wrt: list[str] | None = None,
-        remat: str = "save",
+        remat: str = DEFAULT_REMAT,
         chunk: int | str | None = None,
         budget: int | None = None,
         chunk_dim: str | None = None,
@@ -144,7 +145,9 @@ class Block:
             grads = self._chunked_backward(wrt, remat, bins, bdims, tile, precision, chunk, budget, chunk_dim)
         return {p: grads[g] for p, g in d.grads.items()}
 
-    def chunk_plan(self, wrt: list[str] | None = None, remat: str = "save", dim: str | None = None) -> Any:
+    def chunk_plan(
+        self, wrt: list[str] | None = None, remat: str = DEFAULT_REMAT, dim: str | None = None
+    ) -> Any:
         """How the derived backward runs in chunks of `dim` (default: the forward's row dim, its first
         stage's rows): an `interp.chunk.ChunkPlan`; CodaError E0809 where it can't."""
         from coda_lang.interp.chunk import chunk_plan, refuse, row_dim
@@ -262,7 +265,7 @@ class Derivation:
 
 
 def derive_checked(
-    ir: nodes.Block, plan: BlockPlan, wrt: list[str] | None = None, remat: str = "save"
+    ir: nodes.Block, plan: BlockPlan, wrt: list[str] | None = None, remat: str = DEFAULT_REMAT
 ) -> Derivation:
     """Derive the backward block and check both blocks; CodaError (E06) where it can't."""
     from coda_lang.autodiff import AutodiffError, derive

@@ -23,6 +23,7 @@ import torch
 
 from coda_lang.api import Block, load
 from coda_lang.interp.chunk import candidate_plans, chunk_mode
+from coda_lang.ir.nodes import DEFAULT_REMAT
 
 __all__ = ["BlockFunction", "BlockModule", "LlamaMLP", "function", "uses_kernels"]
 
@@ -70,7 +71,7 @@ class BlockFunction:
         block: Block,
         *,
         wrt: list[str] | None = None,
-        remat: str = "save",
+        remat: str = DEFAULT_REMAT,
         tile: Any = None,
         dims: dict[str, int] | None = None,
         chunk: int | str | None = None,
@@ -120,7 +121,7 @@ def function(
     *,
     name: str | None = None,
     wrt: list[str] | None = None,
-    remat: str = "save",
+    remat: str = DEFAULT_REMAT,
     tile: Any = None,
     dims: dict[str, int] | None = None,
     chunk: int | str | None = None,
@@ -154,7 +155,7 @@ class BlockModule(torch.nn.Module):
         params: dict[str, torch.Tensor],
         *,
         name: str | None = None,
-        remat: str = "save",
+        remat: str = DEFAULT_REMAT,
         tile: Any = None,
         chunk: int | str | None = None,
         budget: int | None = None,
@@ -217,7 +218,7 @@ class LlamaMLP(BlockModule):
         eps: float = 1e-6,
         dtype: torch.dtype = torch.bfloat16,
         device: Any = None,
-        remat: str = "save",
+        remat: str = DEFAULT_REMAT,
     ):
         t = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}.get(dtype)
         if t is None:

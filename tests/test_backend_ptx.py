@@ -86,7 +86,7 @@ def test_narrow_epilogue_subtile_removes_the_norm_backward_spills(mlp: coda_lang
     """llama_mlp's norm backward (b4: two tile loads and a column-partial sink) spills at quack's 128x192
     with its 64x32 epilogue subtile; with the subtile 16 columns wide (`epi_n=16`, set through quack's
     `post_init_attrs`) it doesn't, so select_config keeps 128x192 instead of falling back to 128x128."""
-    bwd = mlp.derivation().backward
+    bwd = mlp.derivation(None, "save").backward
     wide = compile_stage(bwd, 4, TileConfig(128, 192), directory=cache)
     narrow = compile_stage(bwd, 4, TileConfig(128, 192, epi_n=16), directory=cache)
     assert wide.report is not None and wide.report.spills, wide.report.text

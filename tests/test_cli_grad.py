@@ -42,7 +42,7 @@ def test_grad_output_passes_coda_check(tmp_path: Path) -> None:
 
 
 def test_grad_prints_the_backward_with_its_saved_tensors() -> None:
-    r = coda("grad", "examples/llama_mlp.coda")
+    r = coda("grad", "examples/llama_mlp.coda", "--remat", "save")
     no_traceback(r)
     assert r.returncode == 0, r.stderr
     text = r.stdout
@@ -64,7 +64,7 @@ def test_grad_prints_the_backward_with_its_saved_tensors() -> None:
 
 
 def test_grad_notes_the_elementwise_entry_stage() -> None:
-    r = coda("grad", "examples/llama_block.coda")
+    r = coda("grad", "examples/llama_block.coda", "--remat", "save")
     no_traceback(r)
     assert r.returncode == 0, r.stderr
     notes = [ln for ln in r.stderr.splitlines() if ln.startswith("note: ")]

@@ -66,7 +66,7 @@ def test_examples_pass_on_the_tile_simulation(path: Path, capsys: pytest.Capture
     code, out, err = fuzz(capsys, str(path), "--examples", "12")
     assert code == 0, out + err
     assert re.match(
-        r"ok: \w+: 12 cases \(forward and backward, --remat save\), target interp, seed 0", out
+        r"ok: \w+: 12 cases \(forward and backward, --remat auto\), target interp, seed 0", out
     ), out
     assert "coda fuzz: " in err and "/12 cases" in err  # the progress line
 
@@ -86,7 +86,7 @@ def test_the_console_script(tmp_path: Path) -> None:
         timeout=120,
     )
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "ok: llama_mlp: 5 cases (forward and backward, --remat save), target interp, seed 3" in run.stdout
+    assert "ok: llama_mlp: 5 cases (forward and backward, --remat auto), target interp, seed 3" in run.stdout
 
 
 def test_special_values_pass(capsys: pytest.CaptureFixture[str]) -> None:
@@ -206,7 +206,7 @@ def test_a_block_that_cant_be_chunked_is_checked_unchunked(capsys: pytest.Captur
     code, out, err = fuzz(capsys, str(ROOT / "examples" / "amax_fp8.coda"), "--examples", "4", "--chunk", "2")
     assert code == 0, out + err
     assert "note: backward not chunked, checked unchunked: error[E0809]" in err, err
-    assert "4 cases (forward and backward, --remat save, unchunked (E0809))" in out, out
+    assert "4 cases (forward and backward, --remat auto, unchunked (E0809))" in out, out
 
 
 def test_the_default_policy_is_the_apis(capsys: pytest.CaptureFixture[str]) -> None:
@@ -259,7 +259,7 @@ def test_a_planted_recompute_bug_is_caught_and_reproduced(
     """Both references of a case share the derivation under test; the float64 gradients against --remat
     save's find its mistake."""
     _square_the_recomputed_acc(monkeypatch)
-    assert fuzz(capsys, HEAD, "--examples", "10")[0] == 0  # saved: the bug is not on this path
+    assert fuzz(capsys, HEAD, "--examples", "10", "--remat", "save")[0] == 0  # not on the saved path
     code, out, err = fuzz(capsys, HEAD, "--examples", "10", "--remat", "recompute")
     assert code == 1, out + err
     assert "; remat recompute" in out and "under --remat recompute, against --remat save's" in out, out
@@ -291,7 +291,7 @@ def test_a_planted_index_bug_in_the_recomputed_epilogue_is_caught_on_the_cpu(
         run_stage(spec, config, A, B, D, epi, C=C)  # type: ignore[arg-type]
 
     monkeypatch.setattr(emulate, "run_stage", wrong)
-    assert fuzz(capsys, HEAD, "--target", "emulate", "--examples", "8")[0] == 0
+    assert fuzz(capsys, HEAD, "--target", "emulate", "--examples", "8", "--remat", "save")[0] == 0
     code, out, err = fuzz(capsys, HEAD, "--target", "emulate", "--examples", "8", "--remat", "recompute")
     assert code == 1, out + err
     assert "gradient of `w_lm`" in out and "remat recompute" in out, out
@@ -465,4 +465,4 @@ def test_cases_found_by_fuzzing_pass(
     ] + (["--tile", tile] if tile else [])
     code, out, err = fuzz(capsys, *args)
     assert code == 0, out + err
-    assert "1 cases (forward and backward, --remat save)" in out, out
+    assert "1 cases (forward and backward, --remat auto)" in out, out

@@ -133,6 +133,7 @@ def test_coda_grad_remat_option(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert not re.search(r"\bacc1\b", r.stdout) and "# saved tensors (stored by the forward): lse" in r.stdout
     assert "runs again in the backward" in r.stderr
-    assert "acc1: bf16[M, V]" in coda("grad", LM).stdout  # the default saves the logits
+    assert "acc1: bf16[M, V]" in coda("grad", LM, "--remat", "save").stdout  # save keeps the logits
+    assert "acc1: bf16[M, V]" not in coda("grad", LM).stdout  # the default (auto) does not
     r = coda("grad", LM, "--remat", "sometimes")
     assert r.returncode == 2 and "invalid choice" in r.stderr and not r.stdout

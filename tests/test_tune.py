@@ -60,9 +60,11 @@ def test_plain_stages_may_run_on_cublas() -> None:
     from coda_lang.backend_cute.planner import plan_stage
 
     blk = coda_lang.load(Path(__file__).resolve().parent.parent / "examples" / "llama_mlp.coda")["llama_mlp"]
-    bwd = blk.grad()
+    bwd = blk.grad(remat="save")
     plain = [k for k in range(1, len(bwd.plan.stages) + 1) if is_plain(plan_stage(bwd, k))]
     assert plain == [1, 3, 5, 6]  # dw_2, dw_13, dw_o, dy; not the SwiGLU or norm backward
+    auto = blk.grad()  # auto: the SwiGLU backward stores `a`, dw_2 follows it; dw_13 comes last
+    assert [k for k in range(1, 7) if is_plain(plan_stage(auto, k))] == [2, 4, 5, 6]
     assert not any(is_plain(plan_stage(blk, k)) for k in (1, 2, 3))
     inputs = example_inputs(bwd, {"M": 300, "D": 200, "F": 264}, seed=31)
     cb = bwd.cuda(tile={**{k: (128, 64) for k in (2, 4)}, **{k: CUBLAS for k in plain}}, emulate=True)

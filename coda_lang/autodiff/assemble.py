@@ -18,7 +18,7 @@ from fractions import Fraction
 
 from coda_lang.autodiff.cleanup import cse, dce, rename, used_names
 from coda_lang.autodiff.state import SAVED, Read, State
-from coda_lang.ir.nodes import Atom, Block, DimRef, Eqn, Lit, Output, Param, Stage, Stmt, Var
+from coda_lang.ir.nodes import DEFAULT_REMAT, Atom, Block, DimRef, Eqn, Lit, Output, Param, Stage, Stmt, Var
 from coda_lang.ir.types import MATRIX, SCALAR, TILE, VEC, Dim, Type
 from coda_lang.ops import StageShape
 
@@ -140,7 +140,7 @@ def bytes_per_row(types: list[Type]) -> str:
     return (" + ".join(terms) or "0") + " bytes"
 
 
-def assemble(s: State, grads: dict[str, str], renames: dict[str, str], remat: str = "save") -> Derived:
+def assemble(s: State, grads: dict[str, str], renames: dict[str, str], remat: str = DEFAULT_REMAT) -> Derived:
     f = s.fwd.block
     keep = set(grads.values()) | set(renames) | set(s.ct)
     body = dce(cse(s.body, keep), set(grads.values()) | set(renames))

@@ -34,14 +34,16 @@ from coda_lang.autodiff.assemble import Derived, row_bytes
 from coda_lang.autodiff.builder import AutodiffError
 from coda_lang.autodiff.reverse import derive_with, stage_policies
 from coda_lang.autodiff.state import SAVED
-from coda_lang.ir.nodes import Block
+from coda_lang.ir.nodes import DEFAULT_REMAT, Block
 from coda_lang.ir.types import TILE, Dim
 from coda_lang.verify.plan import BlockPlan
 
 Bytes = dict[str | None, Fraction]
 
 
-def derive(block: Block, plan: BlockPlan, wrt: list[str] | None = None, remat: str = "save") -> Derived:
+def derive(
+    block: Block, plan: BlockPlan, wrt: list[str] | None = None, remat: str = DEFAULT_REMAT
+) -> Derived:
     """The backward of `block` under the saved-tensor policy `remat` (see the module docstring)."""
     policies = stage_policies(block, remat)
     d = derive_with(block, plan, wrt, remat)

@@ -36,7 +36,7 @@ from coda_lang.autodiff.builder import float_value as _float
 from coda_lang.autodiff.forward import ForwardFacts
 from coda_lang.autodiff.site import Host, Site
 from coda_lang.autodiff.state import State
-from coda_lang.ir.nodes import REMAT, Atom, Block, Eqn, Stage, Var
+from coda_lang.ir.nodes import DEFAULT_REMAT, REMAT, Atom, Block, Eqn, Stage, Var
 from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type
 from coda_lang.ops import REGISTRY, StageShape
 from coda_lang.verify.plan import BlockPlan
@@ -55,7 +55,7 @@ class Reverse:
         block: Block,
         plan: BlockPlan,
         wrt: list[str] | None,
-        remat: str = "save",
+        remat: str = DEFAULT_REMAT,
         make: frozenset[str] = frozenset(),
     ):
         self.policy = stage_policies(block, remat)

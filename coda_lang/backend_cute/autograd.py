@@ -23,6 +23,7 @@ from coda_lang.backend_cute.cuda_block import CudaBlock, with_sources
 from coda_lang.backend_cute.launch import TORCH_DTYPES
 from coda_lang.interp.chunk import ChunkPlan, candidate_plans, choose, chunk_mode, run_chunks
 from coda_lang.interp.inputs import given_dims
+from coda_lang.ir.nodes import DEFAULT_REMAT
 from coda_lang.verify.diagnostics import CodaError, Diagnostic
 
 
@@ -48,7 +49,7 @@ class CudaFunction:
         cb: CudaBlock,
         wrt: list[str] | None,
         tile: Any,
-        remat: str = "save",
+        remat: str = DEFAULT_REMAT,
         chunk: int | str | None = None,
         budget: int | None = None,
         chunk_dim: str | None = None,

@@ -41,7 +41,7 @@ from coda_lang.backend_cute.planner import plan_stage
 from coda_lang.backend_cute.spec import StageSpec, dim_operand
 from coda_lang.backend_cute.tiles import as_config, choose_config, find_ptxas
 from coda_lang.interp.inputs import dims_from_shapes, fail, given_dims, shape_rules
-from coda_lang.ir.nodes import DimRef, Eqn, Lit, Stage, Var
+from coda_lang.ir.nodes import DEFAULT_REMAT, DimRef, Eqn, Lit, Stage, Var
 from coda_lang.ir.types import MATRIX, Dim
 from coda_lang.ops import REGISTRY
 from coda_lang.verify.diagnostics import CodaError, Diagnostic
@@ -481,7 +481,7 @@ class CudaBlock:
         self,
         wrt: list[str] | None = None,
         tile: Any = None,
-        remat: str = "save",
+        remat: str = DEFAULT_REMAT,
         *,
         chunk: int | str | None = None,
         budget: int | None = None,

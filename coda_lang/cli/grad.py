@@ -14,6 +14,7 @@ from coda_lang.cli.common import (
     usage_error,
     write_text,
 )
+from coda_lang.ir.nodes import DEFAULT_REMAT
 
 
 def add_parser(sub: Any) -> None:
@@ -46,16 +47,14 @@ def add_parser(sub: Any) -> None:
     g.add_argument(
         "--remat",
         choices=("auto", "save", "recompute"),
-        default="save",
-        help="the saved-tensor policy: save (default: the backward reads what the forward keeps), "
-        "recompute (stored tiles are recomputed in an epilogue the backward runs anyway where that "
-        "holds fewer bytes, and the GEMM of every stage at the block's entry runs again in the backward, "
-        "its epilogue computing the stage's backward from the f32 acc), auto (the same in-epilogue "
-        "recomputation; a GEMM runs again only for a stage that stores no tile, such as a loss head). "
-        'remat="..." on a gemm stage overrides it for that stage. The printed header lists each saved '
-        "tensor with its bytes per row and says why each value is recomputed. The CUDA backend does not "
-        "compile a recomputed stage whose backward needs row_index()/col_index() yet (E0703): the "
-        "interpreter runs every policy",
+        default=DEFAULT_REMAT,
+        help="the saved-tensor policy: auto (default: stored tiles are recomputed in an epilogue the "
+        "backward runs anyway where that holds fewer bytes, and a GEMM runs again only for a stage that "
+        "stores no tile, such as a loss head, whose [M, V] logits are then never kept), save (the "
+        "backward reads every tile the forward keeps), recompute (as auto, and the GEMM of every stage "
+        "at the block's entry runs again in the backward, its epilogue computing the stage's backward "
+        'from the f32 acc). remat="..." on a gemm stage overrides it for that stage. The printed header '
+        "lists each saved tensor with its bytes per row and says why each value is recomputed",
     )
     g.add_argument("--error-format", choices=("human", "short"), default="human")
     g.set_defaults(run=run)

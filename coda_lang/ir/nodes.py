@@ -66,6 +66,9 @@ Atom = Var | Lit | DimRef | ErrAtom
 
 # The saved-tensor policies of autodiff (block-wide, or written on a stage: `Stage.remat`).
 REMAT = ("auto", "save", "recompute")
+# The default policy: recompute what costs no GEMM, and a loss head's GEMM (docs/design.md, "Saved and
+# recomputed"); `save` keeps every tile the backward reads.
+DEFAULT_REMAT = "auto"
 
 ParamValue = Dim | int | float | str
 Params = tuple[tuple[str, ParamValue], ...]
