@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
-import inspect
 import os
 import sys
 import time
@@ -44,8 +43,8 @@ from hypothesis import strategies as st
 from hypothesis.errors import Flaky
 
 from coda_lang.api import Block
-from coda_lang.autodiff.reverse import REMAT
 from coda_lang.interp.chunk import check_chunk_args
+from coda_lang.ir.nodes import DEFAULT_REMAT, REMAT
 from coda_lang.testing.compare import mismatch
 from coda_lang.testing.dims import dim_sizes, dim_units, tiles
 from coda_lang.testing.inputs import block_inputs, cotangents, input_seeds
@@ -54,9 +53,6 @@ from coda_lang.verify.diagnostics import CodaError
 TARGETS = ("interp", "cuda", "emulate")
 REMATS = ("save", "recompute", "auto")  # the saved-tensor policies, save first (hypothesis shrinks to it)
 assert set(REMATS) == set(REMAT)
-# The policy the fuzzer uses when none is given: the API's own default (Block.derivation's), so that a
-# switch of the project's default switches `coda fuzz` with it.
-DEFAULT_REMAT: str = inspect.signature(Block.derivation).parameters["remat"].default
 DRAW = "draw"  # chunk=DRAW: each case draws unchunked, a number of rows, or "auto" with a budget
 MAX_DIM = {"interp": 48, "cuda": 520, "emulate": 64}
 ALIGN = {"interp": 1, "cuda": 8, "emulate": 8}  # TMA: rows of 16 bytes (8 bf16 elements)

@@ -219,7 +219,7 @@ def test_recompute_on_a_stage_overrides_save(tmp_path: Path) -> None:
     text = LM.replace("gemm hg @ w_lm {", 'gemm hg @ w_lm, remat="recompute" {')
     assert text != LM
     blk = coda_lang.load(text)["lm_head_ce"]
-    d = blk.derivation()  # the default, --remat save
+    d = blk.derivation(remat="save")  # the stage's remat= overrides even save
     assert d.saved == ("lse",)
     assert any(
         "runs again in the backward" in line and 'remat="recompute" on the stage' in line for line in d.report

@@ -151,13 +151,18 @@ class CudaBlock:
             if isinstance(a, DimRef)
         }
         self._ready = False
-        # the body item (statement index) of each value's last read; block outputs are never dead
+        # the body item (statement index) of each value's last read (block outputs are never dead), and
+        # the values whose last read is each item: what a consuming run drops after it
         self._last_read: dict[str, int] = {}
         for i, item in enumerate(self.ir.body):
             for n in _reads(item):
                 self._last_read[n] = i
         for o in self.ir.outputs:
             self._last_read[o.name] = len(self.ir.body)
+        self._dead_after: list[list[str]] = [[] for _ in self.ir.body]
+        for n, i in self._last_read.items():
+            if i < len(self.ir.body):
+                self._dead_after[i].append(n)
 
     @property
     def name(self) -> str:
@@ -308,9 +313,8 @@ class CudaBlock:
             else:
                 self._vector_eqn(s, env, dims, device)
             if consume is not None:
-                for n in _reads(s):
-                    if self._last_read.get(n) == i:
-                        env.pop(n, None)
+                for n in self._dead_after[i]:
+                    env.pop(n, None)
         return env, partials, dims
 
     def _into(

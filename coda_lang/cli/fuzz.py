@@ -13,6 +13,7 @@ import sys
 from typing import TYPE_CHECKING, Any, TextIO
 
 from coda_lang.cli.common import EXIT_ERRORS, EXIT_OK, load_block, parse_dims, parse_tile, usage_error
+from coda_lang.ir.nodes import DEFAULT_REMAT
 
 if TYPE_CHECKING:
     from coda_lang.fuzz import Case, Failure
@@ -74,7 +75,7 @@ def add_parser(sub: Any) -> None:
         "--remat",
         metavar="POLICY",
         help="the backward's saved-tensor policy, as `coda grad --remat`: save, recompute or auto "
-        f"(default: the API's, {_default_remat()}; with --programs: each program draws one)",
+        f"(default: the API's, {DEFAULT_REMAT}; with --programs: each program draws one)",
     )
     f.add_argument(
         "--chunk",
@@ -101,16 +102,6 @@ def add_parser(sub: Any) -> None:
     )
     f.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     f.set_defaults(run=run)
-
-
-def _default_remat() -> str:
-    """The policy a derivation gets when none is given (Block.derivation's default, as coda_lang.fuzz's
-    DEFAULT_REMAT: read here without importing hypothesis)."""
-    import inspect
-
-    from coda_lang.api import Block
-
-    return str(inspect.signature(Block.derivation).parameters["remat"].default)
 
 
 def _parse_chunk(text: str | None) -> int | str | None:
