@@ -972,3 +972,33 @@ def test_autograd_backward_overwrites_only_its_own_saved_tensor_and_refuses_a_se
         assert torch.equal(v, copies[k]), k
     with pytest.raises(RuntimeError, match="retain_graph"):
         x2.backward(ct)
+
+
+def test_an_index_past_what_f32_holds_exactly_is_refused() -> None:
+    """col_index() reaches the kernel as an f32: a stage wider than 2**24 columns is E0703 before
+    anything is launched (the same check on the emulated path)."""
+    import torch
+
+    text = (
+        "dims M, K, N\nblock p(x: bf16[M, K], w: bf16[K, N], t: i32[M]) -> (y: bf16[M, N]) {\n"
+        "  gemm x @ w {\n    y = where(col_index() == t, acc, 0.0)\n  }\n}\n"
+    )
+    cb = coda_lang.load(text)["p"].cuda(emulate=True, tile=(64, 64))
+    ok = cb(
+        {
+            "x": torch.ones(2, 1, dtype=torch.bfloat16),
+            "w": torch.ones(1, 16, dtype=torch.bfloat16),
+            "t": torch.tensor([3, -1], dtype=torch.int32),
+        }
+    )["y"]
+    assert ok[0].tolist() == [0.0] * 3 + [1.0] + [0.0] * 12 and not ok[1].any()
+    n = 2**24 + 8
+    with pytest.raises(CodaError, match="E0703") as e:
+        cb(
+            {
+                "x": torch.ones(1, 1, dtype=torch.bfloat16),
+                "w": torch.ones(1, n, dtype=torch.bfloat16),
+                "t": torch.zeros(1, dtype=torch.int32),
+            }
+        )
+    assert f"indexes {n} columns" in str(e.value)
