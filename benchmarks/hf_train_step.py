@@ -77,10 +77,13 @@ def prepare(model: Any, name: str) -> Any:
 
         apply_liger_kernel_to_llama(model=model)
         return model
-    if name == "coda":
+    if name in ("coda", "coda-rows"):
         from coda_lang.hf import apply_coda_to_llama
 
-        return apply_coda_to_llama(model)
+        apply_coda_to_llama(model)
+        if name == "coda-rows":  # the loss head in row chunks, each chunk's backward in the forward
+            model._coda.loss_mode = "rows"
+        return model
     raise SystemExit(f"unknown configuration {name!r}")
 
 
@@ -116,15 +119,30 @@ def run_config(name: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[s
         losses.append(step())
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, host = [], []
     for _ in range(args.steps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
+        h0 = time.perf_counter()
         losses.append(step())
+        host.append((time.perf_counter() - h0) * 1e3)  # the host's time to issue the step
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
     peak = torch.cuda.max_memory_allocated() / GIB
+    if args.host_profile and name.startswith("coda"):
+        import cProfile
+        import io
+        import pstats
+
+        prof_c = cProfile.Profile()
+        prof_c.enable()
+        losses.append(step())
+        prof_c.disable()
+        torch.cuda.synchronize()
+        out = io.StringIO()
+        pstats.Stats(prof_c, stream=out).sort_stats("tottime").print_stats(25)
+        print(out.getvalue()[-6000:], flush=True)
     split = None
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
@@ -146,6 +164,7 @@ def run_config(name: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[s
         "first_step_s": first,
         "step_ms": med,
         "first_two_ms": times[:2],
+        "host_ms": statistics.median(host),
         "tokens_per_s": ids.numel() / (med / 1e3),
         "peak_gib": peak,
         "losses": [float(x) for x in losses],
@@ -171,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", default=None)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--host-profile", action="store_true", help="cProfile one coda step (host time)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("hf_train_step: needs a CUDA GPU", file=sys.stderr)
@@ -190,12 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\n{torch.cuda.get_device_name()}, {args.layers} layers, seq {args.seq} x batch {args.batch}, bf16"
     )
-    print("| | step | tokens/s | peak memory | first step | loss after | first two steps (ms) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| | step | tokens/s | peak memory | first step | loss after | first two steps (ms) | host |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
         print(
             f"| {r['config']} | {r['step_ms']:.1f} ms | {r['tokens_per_s'] / 1e3:.1f}k | {r['peak_gib']:.1f} GiB "
-            f"| {r['first_step_s']:.1f} s | {r['losses'][-1]:.4f} | {r['first_two_ms'][0]:.1f}, {r['first_two_ms'][1]:.1f} |"
+            f"| {r['first_step_s']:.1f} s | {r['losses'][-1]:.4f} | {r['first_two_ms'][0]:.1f}, {r['first_two_ms'][1]:.1f} "
+            f"| {r['host_ms']:.1f} ms |"
         )
     for r in results:
         if r["profile_ms"]:

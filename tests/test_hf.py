@@ -282,14 +282,31 @@ def test_misuse_is_refused() -> None:
         model(ids)
 
 
-@pytest.mark.parametrize("rows", [16, 20])
-def test_the_loss_head_in_row_chunks(rows: int) -> None:
-    """The loss head runs in row chunks (each chunk's backward made in the forward, so no [M, V]
-    tensor is held); with chunks of 16 or 20 rows (a ragged last one) of 48, the loss and every
-    gradient still match the unpatched model in f32, and a backward with a scaled loss scales them."""
+@pytest.mark.parametrize("mode, size", [("rows", 16), ("rows", 20), ("vocab", 64), ("vocab", 16)])
+def test_the_loss_head_in_chunks(mode: str, size: int, monkeypatch: Any) -> None:
+    """The loss head never holds an [M, V] tensor: "rows" runs it in row chunks, each chunk's backward
+    made in the forward (chunks of 16 or 20 rows of 48, a ragged last one); "vocab" runs its backward in
+    chunks of the vocabulary, here 64 (a ragged last one) or 16 of its 96 columns (a budget of
+    [48, size] f32 dlogits). The loss and every gradient still match the unpatched model in f32, and a
+    backward with a scaled loss scales them."""
+    from coda_lang.backend_cute import autograd
+
+    chosen: list[tuple[str, int]] = []
+    choose = autograd.choose
+
+    def spy(*args: Any) -> Any:
+        plan, c = choose(*args)
+        chosen.append((plan.dim, c))
+        return plan, c
+
+    monkeypatch.setattr(autograd, "choose", spy)
     ref = make("llama")
     pat = patch("llama", copy.deepcopy(ref))
-    pat._coda.loss_rows = rows
+    pat._coda.loss_mode = mode
+    if mode == "rows":
+        pat._coda.loss_rows = size
+    else:
+        pat._coda.loss_budget = 48 * size * 4
     ids, labels = batch()
     l0, _, g0 = run(ref, ids, labels)
     l1, _, g1 = run(pat, ids, labels)
@@ -302,3 +319,4 @@ def test_the_loss_head_in_row_chunks(rows: int) -> None:
     scale = 3.0 * float((labels[:, 1:] != -100).sum()) / 50
     for name in g0:
         assert rel(g3[name], scale * g0[name]) < 1e-5, name
+    assert set(chosen) == ({("V", size)} if mode == "vocab" else set())

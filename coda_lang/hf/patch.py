@@ -53,21 +53,35 @@ class _Model:
         prog = load(src)
         weights = {"w_o", "w_13", "w_2", "w_qkv", "w_lm", "g", "g1", "g2", "gqk"}
 
-        def fn(name: str, remat: str = "save") -> BlockFunction:
+        def fn(name: str, **options: Any) -> BlockFunction:
             b = prog[name]
             wrt = [
                 p.var.name
                 for p in b.ir.params
                 if p.var.name in weights or p.var.name in ("h", "y", "x", "hg", "r")
             ]
-            return function(b, wrt=wrt, remat=remat)
+            return function(b, wrt=wrt, **options)
 
+        # the default saved-tensor policy (auto): e.g. the SwiGLU output is recomputed in the backward
         self.first, self.layer, self.last = fn("first_qkv"), fn("layer"), fn("last")
-        # the loss head keeps only its log-sum-exp for the backward where the runtime can recompute the
-        # GEMM (the torch stand-ins); the GPU kernels can't yet, so there the logits are saved
-        self.head_loss = {False: fn("head_loss", "recompute"), True: fn("head_loss", "save")}
+        # the loss head keeps only its log-sum-exp; its backward runs the GEMM again. "vocab": one
+        # forward GEMM, the backward in chunks of the vocabulary (each chunk's weight gradient complete);
+        # "rows": chunks of rows, each chunk's backward run at once in the forward
+        self.head_loss = fn("head_loss")
         self.head_logits = fn("head_logits")
-        self.loss_rows = 0  # rows per chunk of the loss head; 0: from LOSS_CHUNK_BYTES
+        self.loss_mode = "vocab"
+        self.loss_budget = LOSS_CHUNK_BYTES  # bytes of the largest transient of a chunk ("vocab")
+        self.loss_rows = 0  # rows per chunk of the loss head ("rows"); 0: from LOSS_CHUNK_BYTES
+        self._fn = fn
+        self._vocab_heads: dict[int, BlockFunction] = {}
+
+    def vocab_head(self) -> BlockFunction:
+        """The loss head whose backward runs in chunks of V within `loss_budget` bytes."""
+        f = self._vocab_heads.get(self.loss_budget)
+        if f is None:
+            f = self._fn("head_loss", chunk="auto", chunk_dim="V", budget=self.loss_budget)
+            self._vocab_heads[self.loss_budget] = f
+        return f
 
     @property
     def rope_width(self) -> int:
@@ -411,10 +425,13 @@ def _causal_lm_forward(
     w_lm = self.lm_head.weight
     if labels is not None or shift_labels is not None:
         target = _targets(labels, shift_labels, self.config.vocab_size)
-        head = st.head_loss[_kernels(hg.device)]
         denom = torch.as_tensor(num_items if num_items is not None else (target != IGNORE).sum())
-        chunk = st.loss_rows or _loss_rows(hg.shape[0], w_lm.shape[0], w_lm.element_size())
-        loss = _ChunkedLoss.apply(hg, r, w_lm, target, denom, head, chunk)
+        if st.loss_mode == "vocab":
+            per_token = st.vocab_head()(hg=hg, r=r, w_lm=w_lm, target=target)["loss"]
+            loss = per_token.sum() / denom.to(per_token.device)
+        else:
+            chunk = st.loss_rows or _loss_rows(hg.shape[0], w_lm.shape[0], w_lm.element_size())
+            loss = _ChunkedLoss.apply(hg, r, w_lm, target, denom, st.head_loss, chunk)
         return CausalLMOutputWithPast(loss=loss, logits=None)
     rows = torch.arange(b * s, device=hg.device).view(b, s)
     if isinstance(logits_to_keep, int) and logits_to_keep > 0:
@@ -424,12 +441,6 @@ def _causal_lm_forward(
     keep = rows.reshape(-1)
     logits = st.head_logits(hg=hg[keep], r=r[keep], w_lm=w_lm)["logits"]
     return CausalLMOutputWithPast(loss=None, logits=logits.view(b, rows.shape[1], -1))  # type: ignore[arg-type]
-
-
-def _kernels(device: torch.device) -> bool:
-    from coda_lang.torch import uses_kernels
-
-    return uses_kernels(device)
 
 
 def _base_forward(
