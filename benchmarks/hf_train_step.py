@@ -157,7 +157,7 @@ def run_config(name: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[s
             if ev.device_type is not None and str(ev.device_type).endswith("CUDA"):
                 split[classify(ev.key)] += t / 1e3
                 kernels.append((t / 1e3, ev.count, ev.key[:90]))
-        split["top"] = [[round(t, 2), n, k] for t, n, k in sorted(kernels, reverse=True)[:12]]
+        split["top"] = [[round(t, 2), n, k] for t, n, k in sorted(kernels, reverse=True)[: args.top]]
     med = statistics.median(times)
     res = {
         "config": name,
@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", default=None)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--top", type=int, default=12, help="kernels listed per profiled configuration")
     p.add_argument("--host-profile", action="store_true", help="cProfile one coda step (host time)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -259,7 +259,7 @@ for _name, _sym, _impl in [
 
 def _where_torch(c: Any, a: Any, b: Any) -> Any:
     if not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
-        a = torch.tensor(float(a), dtype=torch.float32, device=c.device)
+        a = torch.full((), float(a), dtype=torch.float32, device=c.device)  # no host copy: no sync
     return torch.where(c, a, b)
 
 

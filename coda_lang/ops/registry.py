@@ -63,12 +63,19 @@ def as_tensor(x: Any) -> Any:
 
 
 def as_tensors(a: Any, b: Any) -> tuple[Any, Any]:
-    """Both operands as tensors, a Python number taking the other one's device (and float dtype)."""
+    """Both operands as tensors, a Python number taking the other one's device (and float dtype). The
+    number is filled in on that device (`torch.full`): a copy from the host (`torch.tensor(x,
+    device=...)`) would wait for the device's queue to drain at every such operation."""
     if isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
-        return a, torch.tensor(b, dtype=a.dtype if a.is_floating_point() else torch.float32, device=a.device)
+        return a, _scalar_like(b, a)
     if isinstance(b, torch.Tensor) and not isinstance(a, torch.Tensor):
-        return torch.tensor(a, dtype=b.dtype if b.is_floating_point() else torch.float32, device=b.device), b
+        return _scalar_like(a, b), b
     return as_tensor(a), as_tensor(b)
+
+
+def _scalar_like(x: Any, t: Any) -> Any:
+    dtype = t.dtype if t.is_floating_point() else torch.float32
+    return torch.full((), float(x), dtype=dtype, device=t.device)
 
 
 def unary(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
