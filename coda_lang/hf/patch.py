@@ -235,9 +235,12 @@ def _attention(
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
     nq, nk = st.H * st.HD, st.KV * st.HD
-    q = qkv[:, :nq].view(b, s, st.H, st.HD).transpose(1, 2)
-    k = qkv[:, nq : nq + nk].view(b, s, st.KV, st.HD).transpose(1, 2)
-    v = qkv[:, nq + nk :].view(b, s, st.KV, st.HD).transpose(1, 2)
+    # one split (its backward is one concatenation of dq, dk, dv; three slices would each give a
+    # zero-filled [tokens, width] gradient, summed)
+    qs, ks, vs = qkv.split([nq, nk, qkv.shape[1] - nq - nk], dim=1)
+    q = qs.view(b, s, st.H, st.HD).transpose(1, 2)
+    k = ks.view(b, s, st.KV, st.HD).transpose(1, 2)
+    v = vs.view(b, s, st.KV, st.HD).transpose(1, 2)
     fn = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
     extra = {"sliding_window": attn.sliding_window} if hasattr(attn, "sliding_window") else {}
     out, _ = fn(
