@@ -274,8 +274,8 @@ register(
         impl=_fold_impl,
         vjp=lambda b, p, ct: [b.op("expand", ct, p.x[0])],
         torch=lambda x, n: as_tensor(x).reshape(-1, n).sum(0),
-        doc="x's runs of G values summed into G (`out[j] = sum_k x[k*G + j]`), between stages: the adjoint "
-        "of a vector over G repeated across wider columns",
+        doc="a vector's runs of D values added up, `out[j] = sum_k x[k*D + j]` (D of fixed size; between "
+        "stages): the gradient of a vector over D that repeats across wider columns",
     )
 )
 
