@@ -329,25 +329,26 @@ def repeats_in(d: Dim, rows: Dim | None, cols: Dim | None) -> bool:
     return d != rows and d.name != cols.name
 
 
-def check_repeat(ctx: Ctx, d: Dim, width: Dim, what: str = "a vector") -> None:
-    """A vector over `d` repeating across columns of extent `width`: `d` must have a fixed size (E0404
-    otherwise, as any vector over a dim the tile doesn't have) that divides the width when the width
-    is known (E0410)."""
+def check_repeat(ctx: Ctx, d: Dim, width: Dim, tile: Shape | None = None) -> None:
+    """A vector over `d` repeating across columns of extent `width` (of the tile shape `tile`, if any):
+    `d` must have a fixed size (E0404 otherwise, as any vector over a dim the tile doesn't have) that
+    divides the width when the width is known (E0410)."""
     g = fixed_size(ctx, d)
     if g is None:
+        where = f"the operand is {shape_str(tile)}" if tile is not None else f"the columns are `{width}`"
         raise Mistake(
             "E0404",
-            f"{what} over `{d}`, but the columns are `{width}`",
+            f"a vector over `{d}`, but {where}",
             notes=[
-                f"a vector over another dim than the rows and the columns repeats across the columns "
-                f"only when its dim has a fixed size (`dims {d.name or 'G'} = 128`), and `{d}` has none"
+                "a vector over another dim than the rows and the columns repeats across the columns only "
+                f"when its dim has a fixed size (`dims {d.name or 'G'} = 128`); `{d}` has none"
             ],
         )
     w = fixed_size(ctx, width)
     if w is not None and w % g:
         raise Mistake(
             "E0410",
-            f"{what} over `{d}` ({g} values) repeats across `{width}` columns, which are {w}: "
+            f"a vector over `{d}` ({g} values) repeats across `{width}` columns, which are {w}: "
             f"not a multiple of {g}",
             notes=[f"column c reads element c mod {g}: the columns must hold whole copies of the vector"],
         )
@@ -394,7 +395,8 @@ def broadcast(ctx: Ctx, types: tuple[Type, ...], dtype: str) -> Type:
         if lone:
             raise Mistake(
                 "E0402",
-                f"a vector over `{lone[0]}` meets vectors over "
+                arg=next(i for i, t in enumerate(types) if t.kind == VEC and t.shape[0] == lone[0]),
+                message=f"a vector over `{lone[0]}` meets vectors over "
                 + ", ".join(f"`{d}`" for d in dims if d != lone[0])
                 + " but no tile",
                 notes=[
@@ -407,10 +409,16 @@ def broadcast(ctx: Ctx, types: tuple[Type, ...], dtype: str) -> Type:
             raise Mistake("E0402", "vectors over " + ", ".join(f"`{d}`" for d in dims) + " in one op")
         shape = _outer(ctx, dims[0], dims[1])
         return Type(dtype, shape, TILE)
-    for v in vecs:
+    for i, v in enumerate(types):
+        if v.kind != VEC:
+            continue
         d = v.shape[0]
         if tiles and d not in shape and repeats_in(d, shape[0], shape[1]):
-            check_repeat(ctx, d, shape[1])  # repeats every `d` columns of the tile
+            try:
+                check_repeat(ctx, d, shape[1], shape)  # repeats every `d` columns of the tile
+            except Mistake as m:
+                m.arg = i  # point at the vector
+                raise
             continue
         axis_of(ctx, d, shape, "a vector")
     if group is not None and not tiles:
