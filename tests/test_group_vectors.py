@@ -82,12 +82,36 @@ def test_a_vector_over_a_fixed_dim_repeats_on_a_tile(body: str) -> None:
         # a column vector and a repeating vector (expand(g, c) is the way)
         (program(gemm("t = c * g", "y = acc * t"), sig="c: f32[2*P]"), "E0402"),
         # between stages only expand() repeats
-        (program(gemm("y = acc") + "\n  v = g * c", sig="c: f32[2*P]", outs="y: f32[M, 2*P], v: f32[2*P]"), "E0402"),
+        (
+            program(gemm("y = acc") + "\n  v = g * c", sig="c: f32[2*P]", outs="y: f32[M, 2*P], v: f32[2*P]"),
+            "E0402",
+        ),
         # fold inside a stage
-        (program(gemm("y = acc * c", "s = fold(c, into=HD)"), sig="c: f32[2*P]", outs="y: f32[M, 2*P], s: f32[HD]"), "E0507"),
+        (
+            program(
+                gemm("y = acc * c", "s = fold(c, into=HD)"),
+                sig="c: f32[2*P]",
+                outs="y: f32[M, 2*P], s: f32[HD]",
+            ),
+            "E0507",
+        ),
         # fold into a dim without a fixed size, or one that does not divide
-        (program(gemm("y = acc") + "\n  s = fold(c, into=P)", sig="c: f32[2*P]", outs="y: f32[M, 2*P], s: f32[P]"), "E0410"),
-        (program(gemm("y = acc") + "\n  s = fold(c, into=HD)", sig="c: f32[6]", outs="y: f32[M, 2*P], s: f32[HD]"), "E0410"),
+        (
+            program(
+                gemm("y = acc") + "\n  s = fold(c, into=P)",
+                sig="c: f32[2*P]",
+                outs="y: f32[M, 2*P], s: f32[P]",
+            ),
+            "E0410",
+        ),
+        (
+            program(
+                gemm("y = acc") + "\n  s = fold(c, into=HD)",
+                sig="c: f32[6]",
+                outs="y: f32[M, 2*P], s: f32[HD]",
+            ),
+            "E0410",
+        ),
         # a grouped value has one column per group: nothing to repeat across
         (program(gemm("s = sum(acc, over=2*P, group=HD)", "t = s * g", "y = acc * t")), "E0404"),
     ],
@@ -128,7 +152,11 @@ def test_vectors_over_the_rows_and_the_column_dim_keep_their_meaning() -> None:
 
 
 def test_the_interpreter_repeats_the_vector_per_head() -> None:
-    text = program(gemm("y = acc * g + r", "s = sum(acc * g, over=2*P)"), sig="r: f32[M]", outs="y: f32[M, 2*P], s: f32[M]")
+    text = program(
+        gemm("y = acc * g + r", "s = sum(acc * g, over=2*P)"),
+        sig="r: f32[M]",
+        outs="y: f32[M, 2*P], s: f32[M]",
+    )
     b = coda_lang.load(text)["b"]
     rng = np.random.default_rng(1)
     x, w, g, r = rnd(rng, 7, 5), rnd(rng, 5, 12), rnd(rng, 4), rnd(rng, 7)
@@ -156,8 +184,7 @@ def test_columns_are_counted_in_the_tile_the_vector_meets() -> None:
 
 def test_expand_and_fold_between_stages() -> None:
     text = program(
-        gemm("s = sum(acc, over=M)", "y = acc")
-        + "\n  e = expand(g, s)\n  f = fold(s, into=HD)",
+        gemm("s = sum(acc, over=M)", "y = acc") + "\n  e = expand(g, s)\n  f = fold(s, into=HD)",
         outs="y: f32[M, 2*P], e: f32[2*P], f: f32[HD]",
     )
     b = coda_lang.load(text)["b"]
@@ -192,7 +219,9 @@ FD_CASES = {
         outs="o: f32[M, D]",
     ),
     # a half-width tile after pairs, and a vector computed from g in the stage
-    "pairs": program(gemm("a, c = pairs(acc)", "k = exp(g)", "y = interleave(a * k, c * g)"), dims="M, D, P, HD = 3"),
+    "pairs": program(
+        gemm("a, c = pairs(acc)", "k = exp(g)", "y = interleave(a * k, c * g)"), dims="M, D, P, HD = 3"
+    ),
     # folded between stages, and repeated there
     "between": program(
         gemm("s = sum(acc * acc, over=M)", "y = acc")
@@ -207,7 +236,10 @@ def test_gradients_match_finite_differences(name: str) -> None:
     b = coda_lang.load(FD_CASES[name])["b"]
     rng = np.random.default_rng(5)
     p = 3 if "HD = 3" in FD_CASES[name] else 4
-    inputs = {k: rng.standard_normal(s) for k, s in (("x", (5, 3)), ("w", (3, 4 * p)), ("g", (p,)), ("v", (4 * p, 3)))}
+    inputs = {
+        k: rng.standard_normal(s)
+        for k, s in (("x", (5, 3)), ("w", (3, 4 * p)), ("g", (p,)), ("v", (4 * p, 3)))
+    }
     inputs = {k: v for k, v in inputs.items() if k in {q.var.name for q in b.ir.params}}
     check_vjp(b, inputs, seed=1)
     # the printed backward is a program: it loads back to the same block
@@ -266,7 +298,10 @@ def _bf16(text: str) -> coda_lang.Block:
     [
         (gemm("y = acc * g + g", "s = sum(acc * g, over=2*P)"), 4),  # element mode
         (gemm("a, c = pairs(acc)", "y = interleave(a * g, c * g)", "s = sum(y, over=2*P)"), 8),  # half width
-        (gemm("a, c = pairs(acc * g)", "y = interleave(a, c)", "s = sum(y - g, over=2*P)"), 16),  # paired, full
+        (
+            gemm("a, c = pairs(acc * g)", "y = interleave(a, c)", "s = sum(y - g, over=2*P)"),
+            16,
+        ),  # paired, full
     ],
     ids=["element", "paired-half", "paired-full"],
 )
@@ -302,12 +337,18 @@ def test_one_width_per_stage_in_a_kernel() -> None:
 
 
 def test_emulated_autograd_equals_the_interpreter_vjp() -> None:
-    b = _bf16(program(gemm("y = tanh(acc) * g", "s = sum(acc * g, over=2*P)"), outs="y: f32[M, 2*P], s: f32[M]"))
+    b = _bf16(
+        program(gemm("y = tanh(acc) * g", "s = sum(acc * g, over=2*P)"), outs="y: f32[M, 2*P], s: f32[M]")
+    )
     gen = torch.Generator().manual_seed(9)
     x, w = torch.randn(48, 16, generator=gen).bfloat16(), torch.randn(16, 24, generator=gen).bfloat16()
     g = torch.randn(4, generator=gen)
     dy, ds = torch.randn(48, 24, generator=gen), torch.randn(48, generator=gen)
-    leaves = {"x": x.clone().requires_grad_(True), "w": w.clone().requires_grad_(True), "g": g.clone().requires_grad_(True)}
+    leaves = {
+        "x": x.clone().requires_grad_(True),
+        "w": w.clone().requires_grad_(True),
+        "g": g.clone().requires_grad_(True),
+    }
     out = b.cuda(emulate=True).autograd()(**leaves)
     fwd = b.run({"x": x, "w": w, "g": g})
     for k in fwd:
@@ -317,13 +358,17 @@ def test_emulated_autograd_equals_the_interpreter_vjp() -> None:
     for k, leaf in leaves.items():
         assert leaf.grad is not None and leaf.grad.shape == leaf.shape
         got = leaf.grad.float().numpy()
-        np.testing.assert_allclose(got, want[k], rtol=2e-2, atol=2e-2 * float(np.abs(want[k]).max()), err_msg=k)
+        np.testing.assert_allclose(
+            got, want[k], rtol=2e-2, atol=2e-2 * float(np.abs(want[k]).max()), err_msg=k
+        )
 
 
 def test_the_runtime_refuses_sizes_that_cut_the_last_copy() -> None:
     b = _bf16(program(gemm("y = acc * g")))
     with pytest.raises(CodaError) as e:
-        b.cuda(emulate=True)(x=torch.randn(8, 16).bfloat16(), w=torch.randn(16, 10).bfloat16(), g=torch.randn(4))
+        b.cuda(emulate=True)(
+            x=torch.randn(8, 16).bfloat16(), w=torch.randn(16, 10).bfloat16(), g=torch.randn(4)
+        )
     assert e.value.diagnostics[0].code == "E0802" and "not a multiple of 4" in e.value.diagnostics[0].message
 
 
@@ -336,7 +381,7 @@ def test_the_planner_passes_the_vector_repeated() -> None:
     (g,) = [o for o in spec.operands if o.name == "g"]
     assert (str(g.period), [str(d) for d in g.shape], g.op, g.lanes) == ("HD", ["2*P"], "RowVecLoad", 2)
     src = emit_stage(spec)
-    assert 'load   g: f32[HD] column vector (RowVecLoad, passed repeated to `2*P` columns)' in src
+    assert "load   g: f32[HD] column vector (RowVecLoad, passed repeated to `2*P` columns)" in src
     assert '"g": RowVecLoad("g")' in src
 
 

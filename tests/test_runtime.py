@@ -678,9 +678,9 @@ def test_groups_must_divide_the_width() -> None:
     unweighted = coda_lang.load(text.replace("g: f32[HD], ", "").replace(" * g ", " "))["qk_norm"]
     for blk, name in ((unweighted, "ss"), (block("qk_norm"), "g")):
         inputs = example_inputs(blk, {**SMALL, "P": 136}, seed=15)
-        for run in (lambda: blk.cuda(emulate=True)(inputs), lambda: blk.run(inputs)):
+        for run in (blk.cuda(emulate=True), blk.run):
             with pytest.raises(CodaError) as e:
-                run()
+                run(inputs)
             (d,) = e.value.diagnostics
             assert d.code == "E0802" and f"`{name}`" in d.message and "272" in d.message, d.message
             assert "not a multiple of 128" in d.message

@@ -781,9 +781,11 @@ class _Planner:
                     notes=["an i32 row or column vector that is only compared (==, <, ...) is supported"],
                 )
             width = ld.shape[-1] if ld.role in ("tile", "column vector") else None
-            period = None
+            period: Dim | None = None
+            shape = ld.shape
             if ld.role == "column vector" and width in self.repeat:  # passed repeated to its width
-                period, width = width, self.repeat[width]
+                period, width = ld.shape[-1], self.repeat[ld.shape[-1]]
+                shape = (width,)
             if packed and ld.role == "tile" and width == self.cols.scale(2):
                 if any(o.op == "C" for o in out):
                     raise _fail(
@@ -809,7 +811,7 @@ class _Planner:
                         ld.role,
                         LOAD_OPS[ld.role],
                         ld.dtype,
-                        ld.shape if period is None else (width,),
+                        shape,
                         2,
                         host="repeat_interleave(2)",
                         period=period,
@@ -831,9 +833,10 @@ class _Planner:
                     ],
                 )
             lanes = 2 if paired and width is not None else 1
-            shape = ld.shape if period is None else (width,)
             out.append(
-                Operand(name, self.py(name), ld.role, LOAD_OPS[ld.role], ld.dtype, shape, lanes, period=period)
+                Operand(
+                    name, self.py(name), ld.role, LOAD_OPS[ld.role], ld.dtype, shape, lanes, period=period
+                )
             )
         # a dim used as a value (`acc / K`): a Scalar operand holding its size, passed by the runtime
         for dim in dict.fromkeys(

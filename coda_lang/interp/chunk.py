@@ -246,7 +246,9 @@ def chunk_plan(blk: Any, dim: str) -> ChunkPlan:
         if not isinstance(s, Stage):  # between stages: vectors and scalars (and matrix aliases)
             by = f"`{s.outs[0].name}` between stages"
             if s.op in ("copy", "fold") and isinstance(s.ins[0], Var) and kind.get(s.ins[0].name) == SUM:
-                kind[s.outs[0].name] = SUM  # a copy or a fold (linear) of a sum is the sum of the chunks' ones
+                kind[s.outs[0].name] = (
+                    SUM  # a copy or a fold (linear) of a sum is the sum of the chunks' ones
+                )
                 continue
             ks = [read(a, by) for a in s.ins]
             if sums_over(s):

@@ -239,13 +239,13 @@ class Interpreter:
         reps = repeated(e, t.rows, t.cols) if t is not None else repeated(e)
         if reps:  # a vector over G repeating across W columns: column c reads element c mod G
             vals = list(vals)
-            for i, g, w in reps:
+            for i, rep_g, rep_w in reps:
                 x = np.asarray(vals[i])
                 if t is None:
-                    vals[i] = x[np.arange(extent(w, self.dims)) % extent(g, self.dims)]
+                    vals[i] = x[np.arange(extent(rep_w, self.dims)) % extent(rep_g, self.dims)]
                 else:
-                    sl = t.col_slice(w)
-                    vals[i] = x.reshape(1, -1)[:, np.arange(sl.start, sl.stop) % extent(g, self.dims)]
+                    sl = t.col_slice(rep_w)
+                    vals[i] = x.reshape(1, -1)[:, np.arange(sl.start, sl.stop) % extent(rep_g, self.dims)]
         if op.locality == "pointwise" or op.locality == "pair":
             if outs_t[0].kind == TILE:  # a grouped value of this stage broadcasts over its groups' columns
                 # (one stored by an earlier stage is a tile of one column per group: read as it is)

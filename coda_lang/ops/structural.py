@@ -16,7 +16,19 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Any
 
-from coda_lang.ir.types import BOOL, ERROR_TYPE, GROUP, MATRIX, SCALAR, TILE, VEC, Dim, Type, promote, shape_str
+from coda_lang.ir.types import (
+    BOOL,
+    ERROR_TYPE,
+    GROUP,
+    MATRIX,
+    SCALAR,
+    TILE,
+    VEC,
+    Dim,
+    Type,
+    promote,
+    shape_str,
+)
 from coda_lang.ops.registry import (
     Ctx,
     OpDef,
@@ -171,7 +183,12 @@ def _expand(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Ty
                 "E0402", f"expand() of a tile {shape_str(x.shape)} to a grouped value {shape_str(like.shape)}"
             )
         return (Type(promote(x.dtype), like.shape, GROUP, group=like.group),)
-    if x.kind == VEC and like.kind == VEC and x.shape != like.shape and fixed_size(ctx, x.shape[0]) is not None:
+    if (
+        x.kind == VEC
+        and like.kind == VEC
+        and x.shape != like.shape
+        and fixed_size(ctx, x.shape[0]) is not None
+    ):
         # a vector over a dim of fixed size repeated to the length of another vector: between stages, or
         # inside one to a column vector (docs/language.md, "Vectors that repeat")
         d, w = x.shape[0], like.shape[0]
@@ -229,8 +246,12 @@ def _fold(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type
             "E0507",
             "fold() runs between stages, on a complete vector",
             arg=0,
-            notes=["inside a stage a vector's columns are spread over the tiles; it is complete after the stage"],
-            help=["reduce over the rows in the stage (`s = sum(t, over=M)`), then `fold(s, into=HD)` after it"],
+            notes=[
+                "inside a stage a vector's columns are spread over the tiles; it is complete after the stage"
+            ],
+            help=[
+                "reduce over the rows in the stage (`s = sum(t, over=M)`), then `fold(s, into=HD)` after it"
+            ],
         )
     if x.kind == MATRIX:
         raise Mistake("E0502", "fold() of a matrix between stages")

@@ -118,5 +118,7 @@ def check_repeats(uses: list[RepeatUse], dims: dict[str, Any]) -> None:
                 "E0802",
                 f"`{u.name}` (over `{u.over}`, {g} values) repeats across `{u.width}` = {w} columns "
                 f"({where}, line {u.span.line}): not a multiple of {g}",
-                notes=["column c reads element c mod the vector's length: choose sizes that hold whole copies"],
+                notes=[
+                    "column c reads element c mod the vector's length: choose sizes that hold whole copies"
+                ],
             )
