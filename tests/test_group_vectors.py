@@ -399,3 +399,38 @@ def test_a_chunked_run_along_the_repeated_columns_is_refused() -> None:
     bwd = b.grad()
     plan = chunk_plan(bwd, "M")  # the fold of the row sums adds up over the chunks
     assert "dg" in plan.summed
+
+
+def test_the_qwen3_program_takes_one_head_s_norm_weights() -> None:
+    """The generated Qwen3 program takes q_norm's and k_norm's weights as they are (one head's, HD
+    values, interleaved like a RoPE head) with constant q/k column masks; its backward folds their
+    gradients into HD and checks as printed source."""
+    from coda_lang.hf.blocks import model_source
+
+    prog = coda_lang.load(model_source("bfloat16", 1e-6, 8, True))
+    for name in ("first_qkv", "layer"):
+        b = prog[name]
+        types = {p.var.name: str(p.var.type) for p in b.ir.params}
+        assert types["gq"] == types["gk"] == "f32[HD] vec" and types["mq"] == types["mk"] == "f32[2*P] vec"
+        assert "gqk" not in types and "nrm" not in types
+        bwd = b.grad(wrt=["gq", "gk", "w_qkv"])
+        text = str(bwd)
+        assert "dgq = fold(" in text and "dgk = fold(" in text
+        assert coda_lang.load(text)[bwd.name].ir == bwd.ir
+
+
+@pytest.mark.toolchain
+def test_the_qwen3_qkv_stage_compiles(tmp_path: Path) -> None:
+    """The Qwen3 QKV stage (per-head q/k norm with the weights repeated across the heads, RoPE) compiles
+    to PTX without spills: the repeated weights are ordinary column vector loads (RowVecLoad)."""
+    from coda_lang.backend_cute.compile import select_config
+    from coda_lang.hf.blocks import model_source
+
+    b = coda_lang.load(model_source("bfloat16", 1e-6, 128, True))["first_qkv"]
+    c = select_config(b, 2, directory=tmp_path)
+    assert ".target sm_90a" in c.ptx and c.report is not None and not c.report.spills, c.report
+    for name in ("gq", "gk"):
+        assert (
+            f"load   {name}: f32[HD] column vector (RowVecLoad, passed repeated to `2*P` columns)" in c.source
+        )
+        assert f'"{name}": RowVecLoad("{name}")' in c.source
