@@ -110,8 +110,8 @@ def explain(plan: BlockPlan) -> str:
                 f"  stage {sp.index} (line {sp.line}): {sp.text} -> acc f32{shape_str((sp.rows, sp.cols))}, K = {sp.k}"
             )
         for ld in sp.loads:
-            widths = repeats.get((sp.index, ld.name))
-            again = f", repeated across `{'`, `'.join(widths)}` columns" if widths else ""
+            across = repeats.get((sp.index, ld.name))
+            again = f", repeated across `{'`, `'.join(across)}` columns" if across else ""
             lines.append(
                 f"    load    {ld.name}: {ld.dtype}{shape_str(ld.shape) if ld.shape else ''} {ld.role}{again}"
             )
