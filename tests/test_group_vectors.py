@@ -420,6 +420,7 @@ def test_the_qwen3_program_takes_one_head_s_norm_weights() -> None:
 
 
 @pytest.mark.toolchain
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # quack's imports of CuTeDSL names
 def test_the_qwen3_qkv_stage_compiles(tmp_path: Path) -> None:
     """The Qwen3 QKV stage (per-head q/k norm with the weights repeated across the heads, RoPE) compiles
     to PTX without spills: the repeated weights are ordinary column vector loads (RowVecLoad)."""
@@ -434,3 +435,19 @@ def test_the_qwen3_qkv_stage_compiles(tmp_path: Path) -> None:
             f"load   {name}: f32[HD] column vector (RowVecLoad, passed repeated to `2*P` columns)" in c.source
         )
         assert f'"{name}": RowVecLoad("{name}")' in c.source
+
+
+def test_a_fold_of_a_vector_that_is_not_whole_runs_fails_when_bound() -> None:
+    text = program(
+        gemm("s = sum(acc, over=M)", "y = acc") + "\n  f = fold(s, into=HD)",
+        outs="y: f32[M, 2*P], f: f32[HD]",
+    )
+    b = coda_lang.load(text)["b"]
+    rng = np.random.default_rng(10)
+    with pytest.raises(CodaError) as e:
+        b.run(dict(x=rnd(rng, 3, 2), w=rnd(rng, 2, 10), g=rnd(rng, 4)))  # 2*P = 10
+    (d,) = e.value.diagnostics
+    assert d.code == "E0802" and "fold(s, into=HD)" in d.message and "= 10 values" in d.message
+    with pytest.raises(CodaError) as e:
+        b.cuda(emulate=True)(x=torch.randn(3, 2), w=torch.randn(2, 10), g=torch.randn(4))
+    assert e.value.diagnostics[0].code == "E0802"

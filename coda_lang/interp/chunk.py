@@ -234,7 +234,7 @@ def chunk_plan(blk: Any, dim: str) -> ChunkPlan:
     col_stores = False  # a tile stored whose columns are the chunked dim
     outputs = {o.name for o in ir.outputs}
     for u in repeat_uses(ir):
-        if _is(u.width, dim):
+        if _is(u.width, dim) and not u.fold:  # (a fold of a vector over `dim` is refused below)
             where = f"stage {u.stage}" if u.stage else "between stages"
             raise refuse(
                 f"`{u.name}` repeats across the columns of `{u.width}` ({where} of block {name}): in a chunk of "

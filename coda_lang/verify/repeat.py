@@ -3,7 +3,8 @@
 What it does: a vector over a dim of fixed size G used on a tile of another width W (or expanded to a
 longer vector) repeats: column c of what it meets reads element c mod G (docs/language.md, "Vectors
 that repeat"). `repeated(e, rows, cols)` gives, for one typed equation, the operands that repeat and
-the width they meet; `repeat_uses(block)` lists every such use of a block; `check_repeats` raises
+the width they meet; `repeat_uses(block)` lists every such use of a block (and every `fold(x, into=G)`, its adjoint, whose
+vector must hold whole runs of G values too); `check_repeats` raises
 E0802 when the sizes a run binds make a width that is not a multiple of G (the checker says E0410
 where it knows both sizes).
 What it does not: decide whether a use is valid (the type rules did), or compute anything (each
@@ -66,6 +67,7 @@ class RepeatUse:
     width: Dim  # W
     span: Span
     stage: int  # 1-based; 0 between stages
+    fold: bool = False  # `fold(name, into=G)` of a vector over W (its adjoint: the same sizes)
 
     @property
     def sizes(self) -> tuple[tuple[str | None, int, int], tuple[str | None, int, int]]:
@@ -100,6 +102,10 @@ def repeat_uses(block: Block) -> list[RepeatUse]:
                 a = s.ins[i]
                 assert isinstance(a, Var)
                 uses.append(RepeatUse(a.name, g, w, s.span, 0))
+            x, into = (s.ins[0] if s.ins else None), s.param("into")
+            if REGISTRY[s.op].locality == "vector" and isinstance(x, Var) and isinstance(into, Dim):
+                assert x.type is not None
+                uses.append(RepeatUse(x.name, into, x.type.shape[0], s.span, 0, fold=True))
     return uses
 
 
@@ -112,6 +118,13 @@ def check_repeats(uses: list[RepeatUse], dims: dict[str, Any]) -> None:
         (gn, gp, gq), (wn, wp, wq) = u.sizes
         g = (dims[gn] if gn is not None else 1) * gp // gq
         w = (dims[wn] if wn is not None else 1) * wp // wq
+        if (g <= 0 or w % g) and u.fold:
+            raise fail(
+                "E0802",
+                f"`fold({u.name}, into={u.over})` (line {u.span.line}): `{u.name}` has `{u.width}` = {w} "
+                f"values, not a multiple of `{u.over}` = {g}",
+                notes=["fold adds up the vector's runs of G values: choose sizes that hold whole runs"],
+            )
         if g <= 0 or w % g:
             where = f"stage {u.stage}" if u.stage else "between stages"
             raise fail(
