@@ -43,6 +43,8 @@ GOLDEN_PROGRAMS = [
     "two_mistakes_llama_block",  # two errors in one file
     "two_mistakes_lm_head",
     "dims_declared_twice",  # secondary span on the primary's line
+    "shared_weight_width",  # E0410: a repeating vector and a width that cuts its last copy
+    "shared_weight_with_row_vector",  # E0402 with the fix-it for a repeating vector
 ]
 
 

@@ -222,7 +222,7 @@ def case_qk_norm() -> Case:
     inputs = {
         "x": np_bf16(x),
         "w_q": np_bf16(interleave_rope(w_q.T, hd)),
-        "g": np_f32(interleave_rope(gq.repeat(QK_HEADS), hd)),
+        "g": np_f32(interleave_rope(gq, hd)),  # one head's weight: it repeats for every head
         "pos": np_f32(pos),
         "freq": rope_freq(hd, width, width, BASE),
     }

@@ -177,6 +177,9 @@ def test_index_input_must_be_integer_and_pairs_need_even_tile() -> None:
 def _dims_for(block: coda_lang.Block, draw: st.DrawFn) -> dict[str, int]:
     dims = {}
     for d in block.ir.dims:
+        if d.value is not None:  # a fixed dim (qk_norm's HD: its weight g is one head's)
+            dims[d.name] = d.value
+            continue
         lo, hi = (64, 128) if block.name == "qk_norm" and d.name == "P" else (1, 40)
         v = draw(st.integers(lo, hi))
         dims[d.name] = v - v % 64 if block.name == "qk_norm" and d.name == "P" else v

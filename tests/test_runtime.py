@@ -101,8 +101,10 @@ def _cases(
             params = [{**p, spec.name: v} for p in params for v in values] + ([] if spec.required else params)
     if od.name == "where":
         return [((tx > 0, tx, ty), (x > 0, x, y), {}), ((tx > 0, tx, 0.0), (x > 0, x, 0.0), {})]
-    if od.name == "expand":
-        return [((tx[:1], tx), (x[:1], x), {})]
+    if od.name == "expand":  # a broadcast scalar, and a vector repeated to a longer one
+        return [((tx[:1], tx), (x[:1], x), {}), ((tx[:8], tx[:256]), (x[:8], x[:256]), {})]
+    if od.locality == "vector":  # fold(x, into=G): the stand-in and the impl take G's size
+        return [((tx[:256], 8), (x[:256], 8), {}), ((tx[:256], 256), (x[:256], 256), {})]
     if od.locality == "pair":
         if od.nin == 1:
             return [((tx.reshape(1, -1)[:, :256],), (x.reshape(1, -1)[:, :256],), {})]
@@ -669,15 +671,19 @@ def test_stored_rows_must_be_16_bytes() -> None:
 
 
 def test_groups_must_divide_the_width() -> None:
-    """qk_norm with 2*P = 272, not a multiple of its group of 128: a clean E0802 from the runtime (before
-    any launch; quack would raise a ValueError) and from the interpreter."""
-    blk = block("qk_norm")
-    inputs = example_inputs(blk, {**SMALL, "P": 136}, seed=15)
-    for run in (lambda: blk.cuda(emulate=True)(inputs), lambda: blk.run(inputs)):
-        with pytest.raises(CodaError) as e:
-            run()
-        (d,) = e.value.diagnostics
-        assert d.code == "E0802" and "`ss`" in d.message and "272: not a multiple of 128" in d.message
+    """qk_norm without its weight, with 2*P = 272, not a multiple of its group of 128: a clean E0802 from
+    the runtime (before any launch; quack would raise a ValueError) and from the interpreter. With its
+    weight g, one head's (128 values), the repeated g is refused first, when the inputs are bound."""
+    text = (EXAMPLES / "qk_norm.coda").read_text()
+    unweighted = coda_lang.load(text.replace("g: f32[HD], ", "").replace(" * g ", " "))["qk_norm"]
+    for blk, name in ((unweighted, "ss"), (block("qk_norm"), "g")):
+        inputs = example_inputs(blk, {**SMALL, "P": 136}, seed=15)
+        for run in (blk.cuda(emulate=True), blk.run):
+            with pytest.raises(CodaError) as e:
+                run(inputs)
+            (d,) = e.value.diagnostics
+            assert d.code == "E0802" and f"`{name}`" in d.message and "272" in d.message, d.message
+            assert "not a multiple of 128" in d.message
 
 
 def test_bad_tiles_and_inputs() -> None:

@@ -39,6 +39,7 @@ from coda_lang.autodiff.state import State
 from coda_lang.ir.nodes import DEFAULT_REMAT, REMAT, Atom, Block, Eqn, Stage, Var
 from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type
 from coda_lang.ops import REGISTRY, StageShape
+from coda_lang.ops.registry import repeats_in
 from coda_lang.verify.plan import BlockPlan
 
 
@@ -227,7 +228,7 @@ class Reverse:
         else:  # an elementwise stage: its tile space
             assert st.shape is not None
             space = Type("f32", st.shape, TILE)
-        frows = space.shape[0]
+        frows, fcols = space.shape
         types = [space] + [
             a.type if isinstance(a, Var) and a.type is not None else Type("f32")
             for e in st.body
@@ -246,6 +247,7 @@ class Reverse:
                 and t.shape
                 and t.shape[0] != frows
                 and t.shape[0] not in host.col_widths()
+                and not repeats_in(t.shape[0], frows, fcols)  # a vector repeating across any width
             ):
                 return False
         return True

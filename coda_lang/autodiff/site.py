@@ -36,6 +36,7 @@ from coda_lang.autodiff.unbroadcast import Later, Part, same_shape
 from coda_lang.ir.nodes import Atom, DimRef, Eqn, Lit, Span, Stage, Var
 from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Dim, Type
 from coda_lang.ops import REGISTRY, StageShape
+from coda_lang.verify.repeat import repeated
 
 
 def _elementwise(body: list[Eqn], shape: StageShape, span: Span) -> Stage:
@@ -343,7 +344,10 @@ class Site:
             return
         b.span = e.span
         cts: list[Atom | None] = [t[0] if t is not None else None for t in taken]
-        if op.locality == "pair":  # pairs/interleave move columns: they need whole tiles
+        if op.locality == "pair" or (
+            op.locality == "pointwise" and repeated(e, self.fshape.rows, self.fshape.cols)
+        ):  # pairs/interleave move columns, and a repeating vector repeats across a tile's columns (a
+            # row vector's cotangent times it would have no width): they need whole tiles
             cts = [self.fill(t[0], t[1]) if t is not None else None for t in taken]
         self.exact = e.op in ("reduce_max", "reduce_min")
         got = op.vjp(b, Primals(e, self.primal), cts if op.nout > 1 else cts[0])

@@ -7,11 +7,14 @@ a contribution into one of the value's own type, from the logical type it carrie
   group, or multiplied by the group's width where its columns are equal);
 - `outside`: to a vector or scalar from outside the site, broadcast in it: partial sums in the site
   (a row vector: sums over columns; a column vector: over rows; a scalar: sums over columns, then
-  their sum over rows between stages), or, for a contribution that is a complete vector already,
-  `complete` between stages;
+  their sum over rows between stages; a vector over G that repeats across the columns: sums over
+  rows, then `fold(..., into=G)` between stages), or, for a contribution that is a complete vector
+  already, `complete` between stages;
 - `complete`: between stages, a complete vector or scalar standing for a value of some logical type
   as the cotangent of a vector or scalar: a sum over the axes it has and the target lacks, times the
-  extent of the axes neither has (each element of the target received it that many times);
+  extent of the axes neither has (each element of the target received it that many times); for a
+  target over G that repeated across the logical type's columns W, that cotangent over W folded
+  into G (or a scalar's, times W/G);
 - `row_sums`: partial sums over a tile's columns, square tiles included.
 What it does not: broadcast (a vector to a tile is the site's `fill`, passed in where needed), or
 decide where a contribution goes (site.py and reverse.py do).
@@ -83,7 +86,12 @@ def outside(b: Builder, parts: list[Part], target: Type, fill: Fill) -> tuple[li
         tiles[key] = b.add(tiles[key], c) if key in tiles else c
     for c in tiles.values():
         t = b.type_of(c)
-        if target.kind == VEC:
+        if target.kind == VEC and t.kind == TILE and target.shape[0] not in t.shape:
+            # a vector over G that repeated across the tile's columns: column sums, folded into G after
+            # the stage
+            part = b.sum_over(c, t.shape[0])
+            later.append(functools.partial(fold, a=Var(part.name), into=target.shape[0]))
+        elif target.kind == VEC:
             rows = t.kind == GROUP or (target.shape[0] == t.shape[0] and target.shape[0] != t.shape[1])
             part = b.sum_over(c, t.shape[1] if rows else t.shape[0])
             now.append(Var(part.name))
@@ -109,10 +117,24 @@ def row_sums(b: Builder, c: Atom) -> Var:
     return b.sum_over(c, t.shape[1])
 
 
+def fold(b: Builder, a: Atom, into: Dim) -> Atom:
+    """Between stages: the cotangent of a vector over `into` that repeated across the columns `a` is
+    the cotangent of (a vector over them): each element's copies summed."""
+    return b.op("fold", a, into=into)
+
+
 def complete(b: Builder, c: Atom, logical: Type, target: Type) -> Atom:
     """Between stages: a complete vector or scalar `c` that stood for a value of type `logical`, as the
     cotangent of `target`: sums over the axes `c` has and `target` lacks, times the extent of the axes
-    neither has (each element of `target` received `c` that many times)."""
+    neither has (each element of `target` received `c` that many times). A target over G that
+    repeated across the columns W of `logical` (G is none of its axes) takes the cotangent of a
+    vector over W, folded into G (a scalar standing for equal elements: times W/G)."""
+    if target.kind == VEC and logical.shape and target.shape[0] not in logical.shape:
+        wide = logical.shape[-1]
+        c = complete(b, c, logical, Type(target.dtype, (wide,), VEC))
+        if b.type_of(c).kind == VEC:
+            return fold(b, c, target.shape[0])
+        return b.mul(c, b.div(DimRef(wide), DimRef(target.shape[0])))
     t = b.type_of(c)
     axes = (
         {"rows": logical.shape[0], "cols": logical.shape[1]}

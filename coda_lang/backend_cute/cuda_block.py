@@ -45,6 +45,7 @@ from coda_lang.ir.nodes import DEFAULT_REMAT, DimRef, Eqn, Lit, Stage, Var
 from coda_lang.ir.types import MATRIX, Dim
 from coda_lang.ops import REGISTRY
 from coda_lang.verify.diagnostics import CodaError, Diagnostic
+from coda_lang.verify.repeat import check_repeats, repeat_uses
 
 if TYPE_CHECKING:
     from coda_lang.backend_cute.autograd import CudaFunction
@@ -150,6 +151,14 @@ class CudaBlock:
             for i, a in enumerate(s.ins)
             if isinstance(a, DimRef)
         }
+        # (first output) -> G as (dim name, numerator, denominator) of each fold(x, into=G) between stages
+        self._sizes = {
+            s.outs[0].name: (d.name, d.coeff.numerator, d.coeff.denominator)
+            for s in self.ir.body
+            if not isinstance(s, Stage) and isinstance(d := s.param("into"), Dim)
+        }
+        # vectors over a fixed dim that repeat across columns: a run's sizes must hold whole copies
+        self._repeats = repeat_uses(self.ir)
         self._ready = False
         # the body item (statement index) of each value's last read (block outputs are never dead), and
         # the values whose last read is each item: what a consuming run drops after it
@@ -409,9 +418,14 @@ class CudaBlock:
                 name, num, den = self._dimrefs[(e.outs[0].name, len(vals))]
                 vals.append((dims[name] if name is not None else 1) * num // den)
         params = {k: v for k, v in e.params if not isinstance(v, Dim)}
-        stand_in = REGISTRY[e.op].torch
+        od = REGISTRY[e.op]
+        stand_in = od.torch
         assert stand_in is not None  # checked when the CudaBlock was made (E0708)
-        res = stand_in(*vals, **params)
+        if od.locality == "vector":  # fold(x, into=G): its stand-in takes G's size
+            name, num, den = self._sizes[e.outs[0].name]
+            res = stand_in(*vals, (dims[name] if name is not None else 1) * num // den)
+        else:
+            res = stand_in(*vals, **params)
         res_t = res if isinstance(res, tuple) else (res,)
         for v, x in zip(e.outs, res_t, strict=True):
             x = compute_value(x, v.type, device)
@@ -477,6 +491,8 @@ class CudaBlock:
                 notes=["Block.run runs the interpreter on CPU tensors"],
             )
         dims = dims_from_shapes(self.ir, self._shape_rules, shapes, given)
+        if self._repeats:
+            check_repeats(self._repeats, dims)
         return env, dims, device
 
     # -- autograd -----------------------------------------------------------------------------

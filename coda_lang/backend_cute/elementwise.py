@@ -29,6 +29,7 @@ from coda_lang.ir.nodes import DimRef, Lit, Stage, Var
 from coda_lang.ir.types import GROUP, MATRIX, TILE, VEC, Dim, Type
 from coda_lang.ops import REGISTRY
 from coda_lang.verify.diagnostics import CodaError, Diagnostic
+from coda_lang.verify.repeat import repeated
 
 
 class ElementwiseStage:
@@ -125,6 +126,11 @@ class ElementwiseStage:
             else ("row" if v.type.shape[0] == self.rows else "col")
             for v in e.outs
         )
+        # a vector over G that repeats across W columns: (operand, G as (dim, num, den), W's ratio)
+        info["cycle"] = tuple(
+            (i, (g.name, g.coeff.numerator, g.coeff.denominator), self._ratio(w))
+            for i, g, w in repeated(e, self.rows, self.cols)
+        )
         return e.op, outs, args, info
 
     @property
@@ -183,6 +189,10 @@ class ElementwiseStage:
         for op, outs, args, info in self.steps:
             xs = [vals[v] if k == "v" else v if k == "c" else sizes[v[0]] * v[1] // v[2] for k, v in args]
             ws = info["widths"]
+            for i, (gname, num, den), w in info["cycle"]:  # column c reads element c mod G
+                n = (sizes[gname] if gname is not None else 1) * num // den
+                idx = torch.arange(width(w), device=device) % n
+                xs[i] = torch.as_tensor(xs[i], device=device).reshape(1, -1)[:, idx]
             od = REGISTRY[op]
             res: tuple[Any, ...]
             if od.locality == "pair":  # on whole tiles: a broadcast operand expanded first

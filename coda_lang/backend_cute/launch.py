@@ -134,6 +134,15 @@ class StageRunner:
                     scalars.append(float(v))
                 continue
             t = v.to(TORCH_DTYPES[o.dtype])
+            if o.period is not None:  # a vector over G repeating across W columns: passed repeated
+                w = _width(o.shape[0], g.cols, n)
+                if w % t.shape[0]:
+                    raise fail(
+                        "E0802",
+                        f"stage {spec.index}: `{o.name}` ({t.shape[0]} values) repeats across {w} columns: "
+                        f"not a multiple of {t.shape[0]}",
+                    )
+                t = t.repeat(w // t.shape[0])
             if o.host == "repeat_interleave(2)":
                 t = t.repeat_interleave(2)
             ins.append(t.contiguous())

@@ -47,6 +47,7 @@ from coda_lang.ir.printer import inline_source
 from coda_lang.ir.types import FLOAT_DTYPES, GROUP, MATRIX, TILE, Dim, Type, shape_str
 from coda_lang.ops import REGISTRY
 from coda_lang.verify.diagnostics import CodaError, Diagnostic
+from coda_lang.verify.repeat import repeated
 
 COMPARISONS = frozenset({"lt", "le", "gt", "ge", "eq", "ne"})
 
@@ -97,6 +98,7 @@ class _Planner:
         self.fn_name = f"{self.ir.name}_stage{index}"
         self.names: dict[str, str] = {}
         self.used_py: set[str] = {"acc", self.fn_name, f"{self.fn_name}_prepass"}
+        self.repeat: dict[Dim, Dim] = {}  # dim of repeating vectors -> the width they meet (repeats())
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -246,6 +248,7 @@ class _Planner:
         if indices:  # index values are operands (value ports), not equations of the fn
             eqns = [e for e in eqns if e.op not in INDEX_ROLES]
             prepass = [e for e in prepass if e.op not in INDEX_ROLES]
+        repeats = self.repeats(eqns + prepass)
         operands = self.operands(
             eqns,
             [n for s in sinks for n in s.value]
@@ -304,6 +307,7 @@ class _Planner:
             st.span,
             groups=tuple(groups),
             prepass=tuple(prepass),
+            repeats=tuple(repeats.items()),
         )
 
     def check_packed(self, wide: list[str]) -> None:
@@ -721,6 +725,29 @@ class _Planner:
             out.append(Operand(v.name, self.py(v.name), INDEX_ROLES[e.op], "TileIndex", "i32", shape, 1))
         return out
 
+    def repeats(self, eqns: list[Eqn]) -> dict[Dim, Dim]:
+        """The width W each dim G of repeating vectors meets in the stage (docs/language.md, "Vectors
+        that repeat"): such a vector is passed repeated to W columns (`Operand.period`), so that the
+        kernel reads it as a column vector of that width, and what the stage computes from it is a
+        column vector of that width too. One width per dim: E0704 for two."""
+        out: dict[Dim, Dim] = {}
+        for e in eqns:
+            for i, g, w in repeated(e, self.rows, self.cols):
+                if out.setdefault(g, w) != w:
+                    a = e.ins[i]
+                    raise _fail(
+                        "E0704",
+                        f"`{getattr(a, 'name', a)}` repeats across `{w}` columns here and across "
+                        f"`{out[g]}` columns elsewhere in the stage",
+                        e.span,
+                        notes=[
+                            "the kernel reads a vector over a fixed dim repeated to one width per stage "
+                            "(the runtime repeats it before the launch)"
+                        ],
+                    )
+        self.repeat = out
+        return out
+
     def int_compared_only(self, name: str, eqns: list[Eqn]) -> bool:
         """Is every use of `name` in the stage's live equations a comparison? (An i32 vector is
         loaded as f32 by quack's vector loads: comparing it with another integer there is exact below
@@ -754,6 +781,11 @@ class _Planner:
                     notes=["an i32 row or column vector that is only compared (==, <, ...) is supported"],
                 )
             width = ld.shape[-1] if ld.role in ("tile", "column vector") else None
+            period: Dim | None = None
+            shape = ld.shape
+            if ld.role == "column vector" and width in self.repeat:  # passed repeated to its width
+                period, width = ld.shape[-1], self.repeat[ld.shape[-1]]
+                shape = (width,)
             if packed and ld.role == "tile" and width == self.cols.scale(2):
                 if any(o.op == "C" for o in out):
                     raise _fail(
@@ -779,16 +811,20 @@ class _Planner:
                         ld.role,
                         LOAD_OPS[ld.role],
                         ld.dtype,
-                        ld.shape,
+                        shape,
                         2,
                         host="repeat_interleave(2)",
+                        period=period,
                     )
                 )
                 continue
             if width is not None and width != self.cols:
+                shown = f"{ld.dtype}{shape_str(ld.shape)}"
+                if period is not None:
+                    shown += f", repeated to `{width}` columns"
                 raise _fail(
                     "E0704",
-                    f"`{name}` ({ld.dtype}{shape_str(ld.shape)}) is not as wide as the stage's tile "
+                    f"`{name}` ({shown}) is not as wide as the stage's tile "
                     f"({shape_str((self.rows, self.cols))})",
                     e.span,
                     notes=[
@@ -797,7 +833,11 @@ class _Planner:
                     ],
                 )
             lanes = 2 if paired and width is not None else 1
-            out.append(Operand(name, self.py(name), ld.role, LOAD_OPS[ld.role], ld.dtype, ld.shape, lanes))
+            out.append(
+                Operand(
+                    name, self.py(name), ld.role, LOAD_OPS[ld.role], ld.dtype, shape, lanes, period=period
+                )
+            )
         # a dim used as a value (`acc / K`): a Scalar operand holding its size, passed by the runtime
         for dim in dict.fromkeys(
             a.dim.name for e in eqns for a in e.ins if isinstance(a, DimRef) and a.dim.name

@@ -63,6 +63,10 @@ class Operand:
     # column vector in acc_pair mode (one value per column pair, loaded at the GEMM's width; the
     # epilogue reads lane 0).
     host: str = ""
+    # A vector over a dim of fixed size G that repeats across the columns (docs/language.md, "Vectors
+    # that repeat"): `period` is G and `shape` the width W it meets; the runtime passes it repeated
+    # W / G times (before any repeat_interleave(2)), so the kernel reads a column vector of width W.
+    period: Dim | None = None
 
 
 @dataclass(frozen=True)
@@ -156,6 +160,9 @@ class StageSpec:
     span: Span | None = field(compare=False, default=None)
     groups: tuple[Group, ...] = ()  # grouped reductions (quack's prepass), in program order
     prepass: tuple[Eqn, ...] = ()  # the prepass fn's equations: what the groups reduce, per element
+    # (G, W) for each dim G of repeating vectors: they, and vectors the stage computes over G, are
+    # column vectors of width W in the kernel (the runtime passes the loaded ones repeated)
+    repeats: tuple[tuple[Dim, Dim], ...] = ()
 
     @property
     def prepass_name(self) -> str:
@@ -175,6 +182,10 @@ class StageSpec:
         return next((o for o in self.operands if o.op == "C"), None)
 
     def lanes(self, t: Type | None) -> int:
+        if t is not None and t.kind == VEC and t.shape:
+            w = dict(self.repeats).get(t.shape[0])
+            if w is not None:  # a vector over G, a column vector of width W in the kernel
+                t = Type(t.dtype, (w,), VEC)
         if self.packed:
             return 2 if is_wide(t, self.gemm.cols) else 1
         return lanes_of(t, self.gemm.rows, self.gemm.cols) if self.paired else 1
@@ -211,6 +222,11 @@ def describe(spec: StageSpec) -> list[str]:
     ]
     for o in spec.operands:
         host = f", passed as {o.py}.{o.host}" if o.host else ""
+        shape = o.shape
+        if o.period is not None:
+            again = f", then .{o.host}" if o.host else ""
+            host = f", passed repeated to `{o.shape[0]}` columns{again}"
+            shape = (o.period,)
         op = "the GEMM's C operand, 16-bit pairs" if o.op == "C" else o.op
         py = f"{o.py} = {o.name}" if o.op == "C" else o.py
         if o.name.startswith(DIM_PREFIX):
@@ -218,7 +234,7 @@ def describe(spec: StageSpec) -> list[str]:
         if o.role in INDEX_AXIS:
             lines.append(f"index  {o.py}: each element's {o.role.split()[0]} index, as f32 ({o.op})")
             continue
-        lines.append(f"load   {py}: {o.dtype}{shape_str(o.shape) if o.shape else ''} {o.role} ({op}{host})")
+        lines.append(f"load   {py}: {o.dtype}{shape_str(shape) if shape else ''} {o.role} ({op}{host})")
     if spec.d is not None:
         lines.append(f"store  D = {spec.d.py}: {spec.d.dtype}{shape_str(spec.d.shape)}")
     for out in spec.outputs:

@@ -51,7 +51,7 @@ class _Model:
         self.dtype = model.dtype
         src = model_source(str(self.dtype).removeprefix("torch."), cfg.rms_norm_eps, self.HD, qk_norm)
         prog = load(src)
-        weights = {"w_o", "w_13", "w_2", "w_qkv", "w_lm", "g", "g1", "g2", "gqk"}
+        weights = {"w_o", "w_13", "w_2", "w_qkv", "w_lm", "g", "g1", "g2", "gq", "gk"}
 
         def fn(name: str, **options: Any) -> BlockFunction:
             b = prog[name]
@@ -219,13 +219,16 @@ def _freq(st: _Model, model: Any, device: torch.device) -> torch.Tensor:
 
 
 def _qk_norm_weights(st: _Model, attn: Any, device: torch.device) -> dict[str, torch.Tensor]:
-    """Qwen3: the per-column q/k norm weight over the fused QKV (1 for v) and the q/k column mask."""
+    """Qwen3: the q and k norm weights, one head's each in the interleaved RoPE layout (the block repeats
+    them for every head and folds their gradients back), and the masks of the fused QKV's q and k
+    columns (constants)."""
     gq = interleave_rope(attn.q_norm.weight.float(), st.HD)
     gk = interleave_rope(attn.k_norm.weight.float(), st.HD)
-    ones = torch.ones(st.KV * st.HD, device=device)
-    gqk = torch.cat([gq.repeat(st.H), gk.repeat(st.KV), ones])
-    nrm = torch.cat([torch.ones(st.rope_width, device=device), torch.zeros(st.KV * st.HD, device=device)])
-    return {"gqk": gqk, "nrm": nrm}
+    nq, nk = st.H * st.HD, st.KV * st.HD
+    col = torch.arange(st.rope_width + nk, device=device)
+    mq = (col < nq).float()
+    mk = ((col >= nq) & (col < nq + nk)).float()
+    return {"gq": gq, "gk": gk, "mq": mq, "mk": mk}
 
 
 def _attention(

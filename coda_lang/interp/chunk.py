@@ -7,7 +7,8 @@ runs with `dim` as its free row dim, as its free column dim (N), as its K (a GEM
 over `dim`, such as the wgrad `transpose(X) @ dY` of a row chunk or the dgrad `dY @ transpose(W)` of a
 column chunk; its epilogue only names `acc`), or never sees `dim`; every reduction over `dim` (a
 partial of a stage, or a vector reduction between stages) is a sum, and so is a `pick` along `dim`;
-a value summed over `dim` is only copied or returned, never read by a later computation. The chunk's
+a value summed over `dim` is only copied, folded (`fold`, linear) or returned, never read by a later
+computation; no vector repeats across columns of `dim` (they would count from the chunk's start). The chunk's
 own index, `row_index()` in a stage whose rows are `dim` or `col_index()` in one whose columns are,
 counts from 0 in a chunk: it may only be compared with a parameter (the cross-entropy backward's
 `col_index() == target`), which the chunk then receives shifted by its start (`target - v0`: a fresh
@@ -46,6 +47,7 @@ from coda_lang.ir.printer import print_block
 from coda_lang.ir.types import TILE, Dim, Shape, Type, shape_str
 from coda_lang.ops import REGISTRY
 from coda_lang.verify.diagnostics import CodaError
+from coda_lang.verify.repeat import repeat_uses
 
 CHUNK_CODE = "E0809"
 DEFAULT_BUDGET = 256 * 2**20  # bytes of the largest transient of one chunk, for chunk="auto"
@@ -231,12 +233,22 @@ def chunk_plan(blk: Any, dim: str) -> ChunkPlan:
     fixed: list[tuple[str, Shape, str]] = []
     col_stores = False  # a tile stored whose columns are the chunked dim
     outputs = {o.name for o in ir.outputs}
+    for u in repeat_uses(ir):
+        if _is(u.width, dim) and not u.fold:  # (a fold of a vector over `dim` is refused below)
+            where = f"stage {u.stage}" if u.stage else "between stages"
+            raise refuse(
+                f"`{u.name}` repeats across the columns of `{u.width}` ({where} of block {name}): in a chunk of "
+                f"`{dim}` the columns count from the chunk's start",
+                notes=["a vector over a fixed dim repeats from the first column of the whole matrix"],
+            )
     idx = 0
     for s in ir.body:
         if not isinstance(s, Stage):  # between stages: vectors and scalars (and matrix aliases)
             by = f"`{s.outs[0].name}` between stages"
-            if s.op == "copy" and isinstance(s.ins[0], Var) and kind.get(s.ins[0].name) == SUM:
-                kind[s.outs[0].name] = SUM
+            if s.op in ("copy", "fold") and isinstance(s.ins[0], Var) and kind.get(s.ins[0].name) == SUM:
+                kind[s.outs[0].name] = (
+                    SUM  # a copy or a fold (linear) of a sum is the sum of the chunks' ones
+                )
                 continue
             ks = [read(a, by) for a in s.ins]
             if sums_over(s):

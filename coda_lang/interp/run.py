@@ -25,8 +25,9 @@ from coda_lang.interp.numerics import compute_dtype, round_to, to_storage
 from coda_lang.ir.nodes import Atom, Block, DimRef, Eqn, Lit, Stage, Var
 from coda_lang.ir.types import ERROR_TYPE, GROUP, MATRIX, PARTIAL, TILE, Dim, Type
 from coda_lang.ops import REGISTRY
-from coda_lang.ops.registry import combine_rule
+from coda_lang.ops.registry import combine_rule, repeats_in
 from coda_lang.verify.plan import BlockPlan
+from coda_lang.verify.repeat import check_repeats, repeat_uses, repeated
 
 
 def combine(buf: np.ndarray, rule: str, axis: int) -> np.ndarray:
@@ -221,6 +222,8 @@ class Interpreter:
         if x.ndim == 1:
             if at.shape[0] == t.rows:
                 return x[t.r0 : t.r1, None]
+            if repeats_in(at.shape[0], t.rows, t.cols):  # whole: repeated where it meets a tile (apply)
+                return x[None, :]
             return x[None, t.col_slice(at.shape[0])]
         return x
 
@@ -233,6 +236,16 @@ class Interpreter:
         assert op.impl is not None, f"op {e.op} has no NumPy impl"
         outs_t = [_type(v) for v in e.outs]
         params = dict(e.params)
+        reps = repeated(e, t.rows, t.cols) if t is not None else repeated(e)
+        if reps:  # a vector over G repeating across W columns: column c reads element c mod G
+            vals = list(vals)
+            for i, rep_g, rep_w in reps:
+                x = np.asarray(vals[i])
+                if t is None:
+                    vals[i] = x[np.arange(extent(rep_w, self.dims)) % extent(rep_g, self.dims)]
+                else:
+                    sl = t.col_slice(rep_w)
+                    vals[i] = x.reshape(1, -1)[:, np.arange(sl.start, sl.stop) % extent(rep_g, self.dims)]
         if op.locality == "pointwise" or op.locality == "pair":
             if outs_t[0].kind == TILE:  # a grouped value of this stage broadcasts over its groups' columns
                 # (one stored by an earlier stage is a tile of one column per group: read as it is)
@@ -275,6 +288,10 @@ class Interpreter:
                 res = op.impl(x, np.asarray(idx).reshape(-1), 1, t.col_slice(_type(e.ins[0]).shape[1]).start)
             else:
                 res = op.impl(x, np.asarray(idx).reshape(-1), 0, t.r0)
+        elif op.locality == "vector":  # between stages: fold(x, into=G)
+            into = params["into"]
+            assert isinstance(into, Dim)
+            res = op.impl(np.asarray(vals[0]), extent(into, self.dims))
         elif op.locality == "index":
             assert t is not None
             if op.name == "row_index":
@@ -328,6 +345,7 @@ def run_block(
     """Outputs by name, and (tile mode) the per-tile partial buffers by name."""
     check_tiles(block, tile)
     check_sizes(block, dims, precision, tile)
+    check_repeats(repeat_uses(block), dims)
     it = Interpreter(block, plan, dims, precision, tile)
     with np.errstate(all="ignore"):
         outs = it.run(env)

@@ -135,7 +135,9 @@ def inline_source(eqns: tuple[Eqn, ...] | list[Eqn]) -> list[str]:
         args = []
         for i, a in enumerate(e.ins):
             text, ap = exprs.pop(a.name) if isinstance(a, Var) and a.name in exprs else (atom_source(a), 5)
-            right_assoc_risk = i == 1 and e.op in ("sub", "div")
+            # a right operand of its own precedence keeps its parentheses: `a - (b - c)`, and `g * (r * acc)`,
+            # whose `g * r` alone would not type (a vector that repeats needs a tile: docs/language.md)
+            right_assoc_risk = i == 1
             if (
                 REGISTRY[e.op].infix
                 and REGISTRY[e.op].infix != "="

@@ -9,7 +9,8 @@ OpDef; type rules are pure and raise `Mistake` for user errors, never anything e
 
 Locality classes: "pointwise" (output at (i, j) reads inputs at (i, j) and broadcast vectors),
 "pair" (reads the pair partner column too), "reduce" (a reduction: a partial inside a stage),
-"index" (a row or column index), "gather" (pick: one column per row, a partial).
+"index" (a row or column index), "gather" (pick: one column per row, a partial), "vector" (a
+computation on whole vectors, between stages only: `fold`).
 """
 
 from __future__ import annotations
@@ -316,8 +317,54 @@ def _outer(ctx: Ctx, a: Dim, b: Dim) -> Shape:
     )
 
 
+def fixed_size(ctx: Ctx, d: Dim) -> int | None:
+    """The size of `d` when the program fixes it (a constant, or a multiple of a dim declared `X = n`),
+    else None."""
+    if d.name is not None and d.name not in ctx.values:
+        return None
+    n = d.evaluate(ctx.values)
+    return int(n) if n.denominator == 1 and n > 0 else None
+
+
+def repeats_in(d: Dim, rows: Dim | None, cols: Dim | None) -> bool:
+    """Whether a vector over `d` used in a stage of tile space (rows, cols) (between stages: both None)
+    is one that repeats across the columns (docs/language.md, "Vectors that repeat"): it runs over
+    neither the rows nor the stage's column dim (cols, half or double: the same name). In a checked
+    program such a vector is over a dim of fixed size and meets a tile (or is expanded to a vector)."""
+    if rows is None or cols is None:
+        return True
+    return d != rows and d.name != cols.name
+
+
+def check_repeat(ctx: Ctx, d: Dim, width: Dim, tile: Shape | None = None) -> None:
+    """A vector over `d` repeating across columns of extent `width` (of the tile shape `tile`, if any):
+    `d` must have a fixed size (E0404 otherwise, as any vector over a dim the tile doesn't have) that
+    divides the width when the width is known (E0410)."""
+    g = fixed_size(ctx, d)
+    if g is None:
+        where = f"the operand is {shape_str(tile)}" if tile is not None else f"the columns are `{width}`"
+        raise Mistake(
+            "E0404",
+            f"a vector over `{d}`, but {where}",
+            notes=[
+                "a vector over another dim than the rows and the columns repeats across the columns only "
+                f"when its dim has a fixed size (`dims {d.name or 'G'} = 128`); `{d}` has none"
+            ],
+        )
+    w = fixed_size(ctx, width)
+    if w is not None and w % g:
+        raise Mistake(
+            "E0410",
+            f"a vector over `{d}` ({g} values) repeats across `{width}` columns, which are {w}: "
+            f"not a multiple of {g}",
+            notes=[f"column c reads element c mod {g}: the columns must hold whole copies of the vector"],
+        )
+
+
 def broadcast(ctx: Ctx, types: tuple[Type, ...], dtype: str) -> Type:
-    """Result type of a pointwise op on `types`: scalars, vectors, tiles and groups broadcast."""
+    """Result type of a pointwise op on `types`: scalars, vectors, tiles and groups broadcast. Inside a
+    stage, a vector over a dim of fixed size other than the rows and the columns repeats across the
+    columns of a tile operand (docs/language.md, "Vectors that repeat")."""
     if any(t.is_error for t in types):
         return ERROR_TYPE
     if ctx.stage is None:
@@ -350,12 +397,37 @@ def broadcast(ctx: Ctx, types: tuple[Type, ...], dtype: str) -> Type:
             return Type(dtype)
         if len(dims) == 1:
             return Type(dtype, (dims[0],), VEC)
+        st = ctx.stage
+        lone = [d for d in dims if fixed_size(ctx, d) is not None and repeats_in(d, st.rows, st.cols)]
+        if lone:
+            raise Mistake(
+                "E0402",
+                arg=next(i for i, t in enumerate(types) if t.kind == VEC and t.shape[0] == lone[0]),
+                message=f"a vector over `{lone[0]}` meets vectors over "
+                + ", ".join(f"`{d}`" for d in dims if d != lone[0])
+                + " but no tile",
+                notes=[
+                    f"a vector over `{lone[0]}` repeats across the columns of a tile it meets; with vectors "
+                    "alone there are no columns to repeat it across"
+                ],
+                help=["use it with the tile first, e.g. `(acc * r) * g`, or expand it: `expand(g, acc)`"],
+            )
         if len(dims) > 2:
             raise Mistake("E0402", "vectors over " + ", ".join(f"`{d}`" for d in dims) + " in one op")
         shape = _outer(ctx, dims[0], dims[1])
         return Type(dtype, shape, TILE)
-    for v in vecs:
-        axis_of(ctx, v.shape[0], shape, "a vector")
+    for i, v in enumerate(types):
+        if v.kind != VEC:
+            continue
+        d = v.shape[0]
+        if tiles and d not in shape and repeats_in(d, shape[0], shape[1]):
+            try:
+                check_repeat(ctx, d, shape[1], shape)  # repeats every `d` columns of the tile
+            except Mistake as m:
+                m.arg = i  # point at the vector
+                raise
+            continue
+        axis_of(ctx, d, shape, "a vector")
     if group is not None and not tiles:
         if any(v.shape[0] != shape[0] for v in vecs):
             raise Mistake("E0402", "a column vector can't broadcast over a grouped value")
@@ -418,9 +490,12 @@ __all__ = [
     "broadcast",
     "combine_of_group",
     "combine_of_sink",
+    "check_repeat",
     "combine_rule",
+    "fixed_size",
     "kind_name",
     "register",
+    "repeats_in",
     "require_tile",
     "resolve",
     "np",

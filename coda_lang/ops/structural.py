@@ -1,10 +1,14 @@
-"""Ops that move values between columns: pairs, interleave, and the row/column indices.
+"""Ops that move values between columns: pairs, interleave, expand, fold, and the row/column indices.
 
-What it does: registers `pairs` (adjacent columns -> two half-width tiles), `interleave` (the inverse)
-and `row_index()` / `col_index()` (i32 vectors of global indices), with type rules and NumPy impls.
+What it does: registers `pairs` (adjacent columns -> two half-width tiles), `interleave` (the inverse),
+`expand` (a value broadcast to another's shape; a vector over a dim of fixed size repeated to a
+longer vector), `fold` (the adjoint of that repetition: a vector's runs of G values summed into G,
+between stages) and `row_index()` / `col_index()` (i32 vectors of global indices), with type rules
+and NumPy impls.
 What it does not: anything pointwise or reducing.
 Invariants: pairs and interleave are exact inverses; both are "pair"-local (a value reads only its
-own column and its pair partner), and both need an even width that the checker can prove.
+own column and its pair partner), and both need an even width that the checker can prove; `fold` and
+the repeating `expand` are adjoint (sum(fold(x) * g) == sum(x * expand(g, x))).
 """
 
 from __future__ import annotations
@@ -12,15 +16,31 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Any
 
-from coda_lang.ir.types import ERROR_TYPE, GROUP, SCALAR, TILE, VEC, Dim, Type, promote, shape_str
+from coda_lang.ir.types import (
+    BOOL,
+    ERROR_TYPE,
+    GROUP,
+    MATRIX,
+    SCALAR,
+    TILE,
+    VEC,
+    Dim,
+    Type,
+    promote,
+    shape_str,
+)
 from coda_lang.ops.registry import (
     Ctx,
     OpDef,
+    ParamSpec,
     as_tensor,
     as_tensors,
     broadcast,
+    check_repeat,
+    fixed_size,
     np,
     register,
+    repeats_in,
     require_tile,
     torch,
 )
@@ -163,15 +183,39 @@ def _expand(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Ty
                 "E0402", f"expand() of a tile {shape_str(x.shape)} to a grouped value {shape_str(like.shape)}"
             )
         return (Type(promote(x.dtype), like.shape, GROUP, group=like.group),)
+    if (
+        x.kind == VEC
+        and like.kind == VEC
+        and x.shape != like.shape
+        and fixed_size(ctx, x.shape[0]) is not None
+    ):
+        # a vector over a dim of fixed size repeated to the length of another vector: between stages, or
+        # inside one to a column vector (docs/language.md, "Vectors that repeat")
+        d, w = x.shape[0], like.shape[0]
+        st = ctx.stage
+        if st is None or (w in st.col_widths() and w != st.rows and repeats_in(d, st.rows, st.cols)):
+            check_repeat(ctx, d, w)
+            return (Type(promote(x.dtype), (w,), VEC),)
     return (broadcast(ctx, ins, promote(x.dtype)),)
 
 
 # expand(x, like): x broadcast to the shape of x and `like` broadcast together (the values of `like` are
 # not read): `expand(r, acc)` is a tile, `expand(r, col_index())` too (a row vector and a column vector
-# make a tile), and `expand(t, g)` reads a tile of one column per group as a grouped value. Autodiff
-# uses it to materialize a cotangent that is a vector or scalar where a whole tile is needed.
+# make a tile), `expand(t, g)` reads a tile of one column per group as a grouped value, and `expand(g,
+# v)` of a vector g over a dim of fixed size G and a longer vector v repeats g (element j is g[j mod G]).
+# Autodiff uses it to materialize a cotangent that is a vector or scalar where a whole tile is needed,
+# and as the VJP of fold. The impls repeat a 1-D x that is shorter than a 1-D like; the executors
+# repeat such a vector inside a stage themselves (they know the tile's columns).
+def _expand_impl(x: Any, like: Any) -> Any:
+    if np.ndim(x) == 1 and np.ndim(like) == 1 and np.shape(x) != np.shape(like):
+        return np.asarray(x)[np.arange(np.shape(like)[0]) % np.shape(x)[0]]
+    return np.broadcast_to(x, np.broadcast_shapes(np.shape(x), np.shape(like))).copy()
+
+
 def _expand_torch(x: Any, like: Any) -> Any:
     x, like = as_tensor(x), as_tensor(like)
+    if x.dim() == 1 and like.dim() == 1 and x.shape != like.shape:
+        return x.repeat(like.shape[0] // x.shape[0])
     return torch.broadcast_to(x, torch.broadcast_shapes(x.shape, like.shape)).clone()
 
 
@@ -182,11 +226,77 @@ register(
         2,
         type_rule=_expand,
         locality="pointwise",
-        impl=lambda x, like: np.broadcast_to(x, np.broadcast_shapes(np.shape(x), np.shape(like))).copy(),
+        impl=_expand_impl,
         vjp=lambda b, p, ct: [ct, None],
         emit=lambda x, like: x,
         torch=_expand_torch,
         doc="x broadcast to the shape of x and `like` together (like's values are not read)",
+    )
+)
+
+
+def _fold(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type, ...]:
+    (x,) = ins
+    if x.is_error:
+        return (ERROR_TYPE,)
+    if x.dtype == BOOL:
+        raise Mistake("E0302", "fold() of a comparison result (bool)", arg=0)
+    if ctx.stage is not None:
+        raise Mistake(
+            "E0507",
+            "fold() runs between stages, on a complete vector",
+            arg=0,
+            notes=[
+                "inside a stage a vector's columns are spread over the tiles; it is complete after the stage"
+            ],
+            help=[
+                "reduce over the rows in the stage (`s = sum(t, over=M)`), then `fold(s, into=HD)` after it"
+            ],
+        )
+    if x.kind == MATRIX:
+        raise Mistake("E0502", "fold() of a matrix between stages")
+    if x.kind != VEC:
+        raise Mistake("E0404", f"fold() of a {x.kind}: it folds a vector", arg=0)
+    into: Dim = params["into"]
+    g = fixed_size(ctx, into)
+    if g is None:
+        raise Mistake(
+            "E0410",
+            f"fold() into `{into}`, which has no fixed size",
+            help=[f"declare the dim with its size: `dims ..., {into.name or 'G'} = 128`"],
+        )
+    w = fixed_size(ctx, x.shape[0])
+    if w is not None and w % g:
+        raise Mistake(
+            "E0410",
+            f"fold() of a vector over `{x.shape[0]}` ({w} values) into `{into}` ({g}): not a multiple",
+            arg=0,
+        )
+    return (Type(promote(x.dtype), (into,), VEC),)
+
+
+def _fold_impl(x: Any, n: int) -> Any:
+    """out[j] = sum over k of x[k*n + j] (the vector's length is a multiple of n: checked when bound)."""
+    x = np.asarray(x)
+    return x.reshape(-1, n).sum(axis=0)
+
+
+# fold(x, into=G): the adjoint of repeating a vector over G across longer columns (`acc * g`, `expand(g, v)`):
+# the gradient of such a g is the column sums of its cotangent folded into G. A "vector" op: it runs
+# between stages only, on a complete vector; its impl and stand-in take the size of G.
+register(
+    OpDef(
+        "fold",
+        "fold",
+        1,
+        type_rule=_fold,
+        locality="vector",
+        params=(ParamSpec("into", "dim", required=True),),
+        impl=_fold_impl,
+        vjp=lambda b, p, ct: [b.op("expand", ct, p.x[0])],
+        torch=lambda x, n: as_tensor(x).reshape(-1, n).sum(0),
+        doc="a vector's runs of D values added up, `out[j] = sum_k x[k*D + j]` (D of fixed size; between "
+        "stages): the gradient of a vector over D that repeats across wider columns",
     )
 )
 

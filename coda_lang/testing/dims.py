@@ -2,7 +2,8 @@
 
 What it does: `dim_units(blocks, align)` works out, for each dim X of a block, the step its size must
 be a multiple of so that every extent `c*X` in the block (parameters, outputs, stage values, acc,
-`F/2` after `pairs`, `W/g` of a grouped reduction) is a positive integer, and, with `align > 1`, a
+`F/2` after `pairs`, `W/g` of a grouped reduction) is a positive integer, every width a vector over a
+fixed dim G repeats across a multiple of G, and, with `align > 1`, a
 multiple of `align` (the CUDA backend's TMA loads need rows of 16 bytes: align 8 for bf16).
 `dim_sizes(blocks, max_dim, align)` is a hypothesis strategy of {dim: size} (fixed dims keep their
 value) that shrinks towards the smallest sizes. `tile_unit(blocks)` and `tiles(blocks, ...)` do the
@@ -24,6 +25,7 @@ from hypothesis import strategies as st
 
 from coda_lang.ir.nodes import Block, Stage, Var
 from coda_lang.ir.types import GROUP, MATRIX, TILE, Dim
+from coda_lang.verify.repeat import repeat_uses
 
 
 def _ir(b: Any) -> Block:
@@ -64,6 +66,12 @@ def dim_units(blocks: Iterable[Any], align: int = 1) -> dict[str, int]:
     blocks = list(blocks)
     units = {d.name: 1 for b in blocks for d in _ir(b).dims}
     need = [(d, align) for d in block_dims(blocks)]
+    fixed = fixed_dims(blocks)
+    for b in blocks:  # a vector over G repeating across W columns: W a multiple of G's size
+        for u in repeat_uses(_ir(b)):
+            g = u.over.evaluate(fixed)
+            if g.denominator == 1 and g > 0:
+                need.append((u.width, int(g)))
     for d, a in need:
         if d.name is None:
             continue

@@ -1,9 +1,10 @@
 """Per-op programs: tiny programs that use one registry op, every way its type rule allows.
 
 What it does: `op_programs(op)` makes programs using `op` inside a stage on tiles (with every kind of
-operand its type rule accepts: acc, tile loads, half tiles, row and column vectors, scalars, literals,
-conditions, indices), as a stage whose backward runs in the dgrad epilogue of a consumer GEMM, and
-between stages on vectors where its type rule allows. `OpProgram.inputs` draws inputs for one.
+operand its type rule accepts: acc, tile loads, half tiles, row and column vectors, a vector over the
+fixed dim G that repeats across the columns, scalars, literals, conditions, indices), as a stage whose
+backward runs in the dgrad epilogue of a consumer GEMM, and between stages on vectors where its type
+rule allows. `OpProgram.inputs` draws inputs for one.
 What it does not: check or run anything (tests/test_autodiff.py does).
 Invariants: every program made here passes the checker (the op's own type rule decides what is
 made); operands in a positive position (`positive_args`) get positive values.
@@ -23,8 +24,11 @@ from coda_lang.ops import Ctx, OpDef, StageShape
 from coda_lang.testing.inputs import gradcheck_inputs
 from coda_lang.testing.rules import op_source, param_decl, positive_args, try_rule
 
-OP_SIZES = {"M": 7, "K": 5, "F": 6}
-_M, _F, _F2 = Dim.sym("M"), Dim.sym("F"), Dim.sym("F", 2)
+# G: a dim of fixed size (declared `G = 3` by every program): a vector over it repeats across the
+# columns of a tile (2*F and F are multiples of 3); M too is a multiple, for fold(.., into=G) of a row sum
+OP_SIZES = {"M": 9, "K": 5, "F": 6, "G": 3}
+_M, _F, _F2, _G = Dim.sym("M"), Dim.sym("F"), Dim.sym("F", 2), Dim.sym("G")
+_FIXED = {"G": OP_SIZES["G"]}
 _PARAMS = {  # the parameters a per-op program may read, and their declarations
     "x": "f32[M, K]",
     "w": "f32[K, 2*F]",
@@ -33,6 +37,7 @@ _PARAMS = {  # the parameters a per-op program may read, and their declarations
     "rv": "f32[M]",
     "cv": "f32[2*F]",
     "ch": "f32[F]",
+    "cg": "f32[G]",
     "s": "f32",
     "idx": "i32[M]",
 }
@@ -62,6 +67,7 @@ STAGE_CANDS = [
     Cand("rv", "rv", Type("f32", (_M,), VEC), params=("rv",)),
     Cand("cv", "cv", Type("f32", (_F2,), VEC), params=("cv",)),
     Cand("ch", "ch", Type("f32", (_F,), VEC), params=("ch",)),
+    Cand("cg", "cg", Type("f32", (_G,), VEC), params=("cg",)),
     Cand("s", "s", Type("f32"), params=("s",)),
     Cand("lit", "0.75", Type("f32")),
     Cand("idx", "idx", Type("i32", (_M,), VEC), params=("idx",)),
@@ -71,6 +77,7 @@ STAGE_CANDS = [
 BETWEEN_CANDS = [  # pn, pv: row sums made by the stage before; cb: a condition between stages
     Cand("pn", "pn", Type("f32", (_M,), VEC), pos_src="pv"),
     Cand("rv", "rv", Type("f32", (_M,), VEC), params=("rv",)),
+    Cand("cg", "cg", Type("f32", (_G,), VEC), params=("cg",)),
     Cand("s", "s", Type("f32"), params=("s",)),
     Cand("lit", "0.75", Type("f32")),
     Cand("condb", "cb", Type(BOOL, (_M,), VEC), setup=("cb = pn > rv",), params=("rv",)),
@@ -92,7 +99,7 @@ def _param_choices(op: OpDef, types: tuple[Type, ...], where: str) -> list[dict[
     per_spec: list[list[tuple[str, Any]]] = []
     for spec in op.params:
         if spec.kind == "dim":
-            values: list[Any] = [_M] if where == "between" else [_M, _F2, _F]
+            values: list[Any] = [_M, _G] if where == "between" else [_M, _F2, _F, _G]
         elif spec.kind == "int":
             values = [2]
         elif spec.kind == "choice":
@@ -111,7 +118,7 @@ def _combos(
     """Operand and parameter choices the op's type rule accepts, covering each candidate at each
     position and each parameter value at least once (greedy), floats out only."""
     stage = StageShape(_M, _F2) if where == "stage" else None
-    ctx = Ctx(stage, {}, {})
+    ctx = Ctx(stage, {}, dict(_FIXED))
     seen: set[tuple[Any, ...]] = set()
     out = []
     positive = positive_args(op)
@@ -137,7 +144,7 @@ def _program(name: str, params: list[str], outs: list[tuple[str, str]], body: li
     sig = ", ".join(f"{p}: {_PARAMS.get(p, 'f32[2*F, K]' if p == 'w2' else 'f32[F, K]')}" for p in params)
     out_sig = ", ".join(f"{n}: {d}" for n, d in outs)
     lines = "\n".join(f"  {ln}" for ln in body)
-    return f"dims M, K, F\n\nblock {name}({sig}) -> ({out_sig}) {{\n{lines}\n}}\n"
+    return f"dims M, K, F, G = {_FIXED['G']}\n\nblock {name}({sig}) -> ({out_sig}) {{\n{lines}\n}}\n"
 
 
 def op_programs(op: OpDef) -> list[OpProgram]:

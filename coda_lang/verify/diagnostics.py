@@ -51,6 +51,7 @@ CODES: dict[str, str] = {
     "E0407": "GEMM operand is not a matrix",
     "E0408": "bad grouped reduction",
     "E0409": "shape expression is not of the form c*X",
+    "E0410": "repeated vector does not fit the columns",
     # E05 locality
     "E0501": "partial reduction used in its own stage",
     "E0502": "tile computation between stages",
@@ -58,6 +59,7 @@ CODES: dict[str, str] = {
     "E0504": "vector computed in a stage used after it",
     "E0505": "tile operand not aligned with the stage's tile",
     "E0506": "op needs a tile inside a stage",
+    "E0507": "vector op inside a stage",
     # E06 autodiff (`coda grad`, Block.grad)
     "E0601": "autodiff made a block that does not check (a bug in coda_lang)",
     "E0602": "can't differentiate this program",

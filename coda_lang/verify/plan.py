@@ -77,7 +77,14 @@ def _source(eqns: tuple[Eqn, ...]) -> list[str]:
 
 
 def explain(plan: BlockPlan) -> str:
+    from coda_lang.verify.repeat import repeat_uses
+
     b = plan.block
+    repeats: dict[tuple[int, str], list[str]] = {}  # (stage, vector) -> the widths it repeats across
+    for u in repeat_uses(b):
+        widths = repeats.setdefault((u.stage, u.name), [])
+        if str(u.width) not in widths:
+            widths.append(str(u.width))
     dims = ", ".join(d.name for d in b.dims)
     n_ew = sum(1 for sp in plan.stages if sp.text.startswith("elementwise"))
     n_gemm = len(plan.stages) - n_ew
@@ -103,8 +110,10 @@ def explain(plan: BlockPlan) -> str:
                 f"  stage {sp.index} (line {sp.line}): {sp.text} -> acc f32{shape_str((sp.rows, sp.cols))}, K = {sp.k}"
             )
         for ld in sp.loads:
+            across = repeats.get((sp.index, ld.name))
+            again = f", repeated across `{'`, `'.join(across)}` columns" if across else ""
             lines.append(
-                f"    load    {ld.name}: {ld.dtype}{shape_str(ld.shape) if ld.shape else ''} {ld.role}"
+                f"    load    {ld.name}: {ld.dtype}{shape_str(ld.shape) if ld.shape else ''} {ld.role}{again}"
             )
         for st in sp.stores:
             lines.append(f"    store   {st.name}: {st.dtype}{shape_str(st.shape)} ({'; '.join(st.why)})")
