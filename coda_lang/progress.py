@@ -62,7 +62,7 @@ class Progress:
             except (AttributeError, ValueError):
                 tty = False
         self.tty = tty
-        self.done = 0
+        self.count = 0
         self.what = ""
         self.extra = ""  # a fixed note after done/total ("2 workers")
         self.started = clock()
@@ -82,7 +82,7 @@ class Progress:
         self.show()
 
     def advance(self, n: int = 1, what: str | None = None) -> None:
-        self.done += n
+        self.count += n
         if what is not None:
             self.what = what
         self.show()
@@ -110,13 +110,13 @@ class Progress:
 
     def left(self) -> float | None:
         """Seconds left, from the mean time per item so far; None before the first item is done."""
-        if self.done <= 0 or self.total <= self.done:
-            return None if self.done <= 0 else 0.0
-        per = (self.clock() - self.started) / self.done
-        return per * (self.total - self.done)
+        if self.count <= 0 or self.total <= self.count:
+            return None if self.count <= 0 else 0.0
+        per = (self.clock() - self.started) / self.count
+        return per * (self.total - self.count)
 
     def text(self) -> str:
-        count = f"{self.done}/{self.total}" + (f" {self.unit}" if self.unit else "")
+        count = f"{self.count}/{self.total}" + (f" {self.unit}" if self.unit else "")
         parts = [f"{self.label}: {count}"]
         if self.what:
             parts[0] += f" ({self.what})"
@@ -124,7 +124,7 @@ class Progress:
             parts.append(self.extra)
         left = self.left()
         elapsed = self.clock() - self.started
-        if left is not None and self.done < self.total:
+        if left is not None and self.count < self.total:
             parts.append(f"{duration(left)} left")
         else:
             parts.append(duration(elapsed))

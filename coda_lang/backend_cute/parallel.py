@@ -139,15 +139,17 @@ def _init_worker() -> None:
     atexit.register(os._exit, 0)
 
 
-def build(spec: StageSpec, config: TileConfig, root: str) -> str:
-    """Compile and check one kernel into the cache at `root` (in a worker, or here): "ok", "spills" or
-    "refused" (quack refused it, or the emitter can't write the stage: the caller's compile says why)."""
+def build(spec: StageSpec, config: TileConfig, root: str) -> tuple[str, bool]:
+    """Compile and check one kernel into the cache at `root` (in a worker, or here): its status, "ok",
+    "spills" or "refused" (quack refused it, or the emitter can't write the stage: the caller's compile
+    says why), and whether it was compiled here (not found in the cache, built by another process
+    while this one waited for the entry's lock)."""
     try:
         c = compile_spec(spec, config, directory=Path(root))
-    except CodaError:
-        return "refused"
+    except CodaError as e:
+        return "refused", bool(e.__cause__)  # (a refusal re-read from its record has no cause)
     assert c.report is not None
-    return "spills" if c.report.spills else "ok"
+    return ("spills" if c.report.spills else "ok"), not c.cached
 
 
 def _describe(spec: StageSpec, config: TileConfig) -> str:
@@ -206,13 +208,17 @@ def warm(
             if r.first and st == "ok":
                 q.clear()
 
-    def finish(k: Kernel, st: str) -> None:
+    def finish(k: Kernel, result: tuple[str, bool]) -> None:
+        st, compiled = result
         status[k.key] = st
-        stats.compiled += st != "failed"
+        if compiled:
+            stats.compiled += 1
+            stats.built.add(k.ptx_path)
+        elif st != "failed":
+            stats.cached += 1
         stats.spills += st == "spills"
         stats.refused += st == "refused"
         stats.failed += st == "failed"
-        stats.built.add(k.ptx_path)
         for i in waiting.pop(k.key, []):
             if st == "ok":
                 queues[i].clear()
@@ -248,7 +254,11 @@ def warm(
 
 
 def _run_pool(
-    n: int, root: Path, todo: deque[Kernel], finish: Callable[[Kernel, str], None], progress: Progress
+    n: int,
+    root: Path,
+    todo: deque[Kernel],
+    finish: Callable[[Kernel, tuple[str, bool]], None],
+    progress: Progress,
 ) -> None:
     """Build `todo` (and what finishing its kernels adds to it) in n spawned workers; on a broken pool,
     return with the unfinished kernels back in `todo`."""
@@ -257,7 +267,7 @@ def _run_pool(
     if method == "forkserver":
         ctx.set_forkserver_preload(["coda_lang.backend_cute.quack_adapter"])
     ex = ProcessPoolExecutor(max_workers=n, mp_context=ctx, initializer=_init_worker)
-    running: dict[Future[str], Kernel] = {}
+    running: dict[Future[tuple[str, bool]], Kernel] = {}
 
     def submit_all() -> None:
         with _neutral_main():
@@ -281,7 +291,7 @@ def _run_pool(
                     todo.clear()
                     raise
                 except Exception:  # this kernel failed in its worker: the caller compiles it again
-                    st = "failed"
+                    st = ("failed", False)
                 before = len(todo)
                 finish(k, st)
                 progress.add_total(len(todo) - before)

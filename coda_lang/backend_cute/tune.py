@@ -300,30 +300,24 @@ def times_of(cb: Any, k: int, shape: tuple[int, int, int]) -> dict[str, float]:
     return {str(a): float(b) for a, b in ms.items()} if isinstance(ms, dict) else {}
 
 
-def warm_block(
-    block: Any, dims: dict[str, int], *, backward: bool, remat: str, seed: int = 0
-) -> list[tuple[str, Any]]:
-    """Run `block` once on random CUDA inputs at `dims` (and, with `backward`, its autograd backward
-    on a random cotangent), which compiles and tunes every stage at those sizes; the CUDA blocks that
-    ran, as (what, CudaBlock): ("forward", ...) and ("backward", ...)."""
+def warm_block(target: Any, dims: dict[str, int], *, seed: int = 0) -> None:
+    """Run `target` (a CudaBlock, or a CudaFunction: then its backward too, on a random cotangent) once
+    on random CUDA inputs at `dims`, which compiles and tunes every stage at those sizes."""
     import torch
 
     device = torch.device("cuda")
-    if not backward:
-        cb = block.cuda()
-        cb(random_inputs(block.ir, dims, device, seed), dims=dims)
+    ins = random_inputs(target.ir, dims, device, seed)
+    if not hasattr(target, "backward"):
+        target(ins, dims=dims)
         torch.cuda.synchronize()
-        return [("forward", cb)]
-    fn = block.cuda().autograd(remat=remat)
-    ins = random_inputs(block.ir, dims, device, seed)
+        return
     for v in ins.values():
         if v.is_floating_point():
             v.requires_grad_(True)
-    outs = fn(ins, dims=dims)
+    outs = target(ins, dims=dims)
     floats = [o for o in outs.values() if o.is_floating_point() and o.requires_grad]
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     torch.autograd.backward(
         floats, [torch.randn(o.shape, generator=gen, device=device).to(o.dtype) for o in floats]
     )
     torch.cuda.synchronize()
-    return [("forward", fn.forward), ("backward", fn.backward)]
