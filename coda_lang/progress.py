@@ -144,6 +144,8 @@ class Progress:
             self._write("\r" + line + "\x1b[K")
         elif force or now - self.last >= self.interval:
             self._write(self.text() + "\n")
+        else:
+            return
         self.last = now
 
     def _columns(self) -> int:
