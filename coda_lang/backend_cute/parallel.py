@@ -17,9 +17,9 @@ What it does not: choose a tile (compile.select_config, tune.py) or raise a kern
 quack refuses, or one whose worker failed, is left to the caller's compile_spec, which gives its
 error (from the refusal record, or by compiling it here).
 Invariants: the caller's __main__ is never re-run in a worker (it is masked while workers start:
-a training script without a main guard is safe); a pool that breaks (a worker killed) compiles the
-rest here; the toolchain missing stops the work at once (the caller's compile raises
-BackendUnavailable).
+a training script without a main guard is safe); a pool that can't start (a daemonic process, such
+as a DataLoader worker) or breaks (a worker killed) compiles the rest here; the toolchain missing
+stops the work at once (the caller's compile raises BackendUnavailable).
 """
 
 from __future__ import annotations
@@ -123,6 +123,10 @@ def _neutral_main() -> Iterator[None]:
     finally:
         if real is not None:
             sys.modules["__main__"] = real
+
+
+def _daemon() -> bool:
+    return bool(multiprocessing.current_process().daemon)
 
 
 def _init_worker() -> None:
@@ -234,7 +238,8 @@ def warm(
     n = max(1, n)
     progress = Progress(label, len(todo), unit="kernels", quiet=quiet, stream=stream)
     try:
-        if n >= 2 and len(todo) + sum(len(q) for q in queues) >= 2:
+        # (a daemonic process, e.g. a DataLoader worker, may not start processes: compile here)
+        if n >= 2 and len(todo) + sum(len(q) for q in queues) >= 2 and not _daemon():
             stats.jobs = n
             progress.extra = f"{n} workers"
             _run_pool(n, root, todo, finish, progress)
@@ -272,11 +277,17 @@ def _run_pool(
     def submit_all() -> None:
         with _neutral_main():
             while todo:
-                k = todo.popleft()
+                k = todo[0]
                 running[ex.submit(build, k.spec, k.config, str(root))] = k
+                todo.popleft()
 
     try:
-        submit_all()
+        try:
+            submit_all()
+        except (OSError, RuntimeError, AssertionError):  # no worker could start: compile here
+            todo.extendleft(reversed(list(running.values())))
+            running.clear()
+            return
         while running:
             done, _ = wait(running, return_when=FIRST_COMPLETED)
             for f in done:
