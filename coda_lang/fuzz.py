@@ -31,7 +31,6 @@ import contextlib
 import copy
 import hashlib
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.errors import Flaky
 
+from coda_lang import progress
 from coda_lang.api import Block
 from coda_lang.interp.chunk import check_chunk_args
 from coda_lang.ir.nodes import DEFAULT_REMAT, REMAT
@@ -556,56 +556,34 @@ class Fuzzer:
 # The search
 
 
-class Progress:
-    """One progress line on stderr: rewritten in place on a terminal, else at most one line a second."""
+class Progress(progress.Progress):
+    """`coda fuzz`'s progress (coda_lang.progress): cases done of the total and the time left, the case
+    running on a terminal; once a case fails, the shrinking tries instead."""
 
     def __init__(self, label: str, total: int, stream: TextIO | None = None, quiet: bool = False):
-        self.label, self.total, self.quiet = label, total, quiet
-        self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
-        self.n = 0
         self.failed = 0
         self.shrinks = 0
-        self.last = 0.0
-        self.started = time.monotonic()
-        self.show(force=True)
+        self.case: Case | None = None
+        super().__init__(f"coda fuzz: {label}", total, unit="cases", stream=stream, quiet=quiet, interval=1.0)
 
     def step(self, failing: bool, case: Case | None = None) -> None:
+        self.case = case
         if self.failed:
             self.shrinks += 1
+            self.failed += failing
+            self.show()
         else:
-            self.n += 1
-        self.failed += failing
-        self.show(case=case)
+            self.failed += failing
+            self.advance()
 
-    def text(self, case: Case | None = None) -> str:
+    def text(self) -> str:
         if self.failed:
-            return f"coda fuzz: {self.label}: failure found after {self.n} cases; shrinking ({self.shrinks} tries)"
-        return f"coda fuzz: {self.label}: {self.n}/{self.total} cases" + (
-            f" ({case.describe()})" if case and self.tty else ""
-        )
-
-    def show(self, force: bool = False, case: Case | None = None) -> None:
-        if self.quiet:
-            return
-        now = time.monotonic()
-        if self.tty:
-            line = self.text(case)[:150]
-            self.stream.write("\r" + line.ljust(150)[:150].rstrip() + "\x1b[K")
-            self.stream.flush()
-        elif force or now - self.last >= 1.0:
-            self.stream.write(self.text() + "\n")
-            self.stream.flush()
-            self.last = now
+            return f"{self.label}: failure found after {self.count} cases; shrinking ({self.shrinks} tries)"
+        self.what = self.case.describe() if self.case is not None and self.tty else ""
+        return super().text()
 
     def done(self) -> None:
-        if self.quiet:
-            return
-        if self.tty:
-            self.stream.write("\r\x1b[K")
-        else:
-            self.stream.write(self.text() + "\n")
-        self.stream.flush()
+        self.close()
 
 
 @dataclass

@@ -78,6 +78,75 @@ def test_plain_stages_may_run_on_cublas() -> None:
     assert isinstance(outs["dy"], torch.Tensor)
 
 
+class FakeCuda:
+    """torch.cuda's events and synchronize on a fake clock that each launch advances by its cost."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import torch
+
+        clock = self.clock = [0.0]
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                self.t = 0.0
+
+            def record(self) -> None:
+                self.t = clock[0]
+
+            def synchronize(self) -> None:
+                pass
+
+            def elapsed_time(self, end: Event) -> float:
+                return end.t - self.t
+
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    def launch(self, order: list[str], name: str, costs: list[float]) -> Any:
+        """A launch whose i-th call costs costs[i] (the last cost from then on)."""
+        calls = [0]
+
+        def fn() -> None:
+            order.append(name)
+            self.clock[0] += costs[min(calls[0], len(costs) - 1)]
+            calls[0] += 1
+
+        return fn
+
+
+def test_measure_stops_timing_a_clearly_slower_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After EARLY_ROUNDS rounds, a config whose fastest batch is over EARLY_MARGIN slower than the best
+    median is timed no more (its median so far is its time); one within the margin is timed to the
+    end; CODA_TUNE=full (or early=False) times everything. The choice is the same."""
+    import io
+
+    from coda_lang.progress import Progress
+
+    cuda = FakeCuda(monkeypatch)
+    a, b, c = TileConfig(128, 192), TileConfig(128, 128), TileConfig(256, 128, 2, 1, False)
+    order: list[str] = []
+    monkeypatch.delenv("CODA_TUNE", raising=False)
+    out = io.StringIO()
+    with Progress("tuning", 3 * tune.BATCHES, stream=out) as p:
+        times = tune.measure(
+            {
+                a: cuda.launch(order, "a", [1.0]),
+                b: cuda.launch(order, "b", [1.3]),  # 30% slower: dropped
+                c: cuda.launch(order, "c", [1.1]),  # 10% slower: within the margin, timed to the end
+            },
+            progress=p,
+        )
+        assert p.count == p.total == 3 * tune.BATCHES - (tune.BATCHES - tune.EARLY_ROUNDS)
+    assert times == pytest.approx({a: 1.0, b: 1.3, c: 1.1})
+    launched = {n: order.count(n) for n in "abc"}
+    assert launched["b"] == tune.WARMUP + tune.EARLY_ROUNDS * tune.BATCH
+    assert launched["a"] == launched["c"] == tune.WARMUP + tune.BATCHES * tune.BATCH
+    monkeypatch.setenv("CODA_TUNE", "full")
+    order.clear()
+    full = tune.measure({a: cuda.launch(order, "a", [1.0]), b: cuda.launch(order, "b", [1.3])})
+    assert full == pytest.approx({a: 1.0, b: 1.3}) and order.count("b") == tune.WARMUP + tune.BATCHES * tune.BATCH
+
+
 def test_measure_takes_turns_and_drops_configs_that_raise(monkeypatch: pytest.MonkeyPatch) -> None:
     """tune.measure on a fake CUDA clock (each launch advances it by its cost): the configs time their
     batches in turns, round by round (a clock drift falls on all alike), the median batch is each one's
@@ -122,9 +191,61 @@ def test_measure_takes_turns_and_drops_configs_that_raise(monkeypatch: pytest.Mo
             b: launch("b", 2.0),
             c: launch("c", 1.0, fails_after=1),
             d: launch("d", 3.0, fails_after=tune.WARMUP + tune.BATCH),
-        }
+        },
+        early=False,
     )
     assert times == {a: 1.0, b: 2.0}
     timed = order[3 * tune.WARMUP + 1 :]  # after the warm-ups of a, b and d and c's one launch
     per_round = [name for i, name in enumerate(timed) if i % tune.BATCH == 0]
     assert per_round[:3] == ["a", "b", "d"] and per_round[3:] == ["a", "b"] * (tune.BATCHES - 1)
+
+
+def test_prune_by_the_nearest_shape_tuned_before(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel tuned at one shape: at a neighbouring shape (within NEAR) its candidates are ordered by
+    the times there and those that took over PRUNE_MARGIN times the best are skipped, keeping KEEP at
+    least; a far shape, another GPU, another kernel, or CODA_TUNE=full prune nothing."""
+    monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CODA_TUNE", raising=False)
+    src, dev = "def f(acc): pass", "NVIDIA H100 80GB HBM3"
+    a, b, c, d, e = (
+        TileConfig(128, 192),
+        TileConfig(128, 192, epi_n=16),
+        TileConfig(128, 128),
+        TileConfig(256, 128, 2, 1, False),
+        TileConfig(128, 160),
+    )
+    shape = (16384, 2048, 2048)
+    times = {a: 1.00, b: 1.05, c: 1.5, d: 2.0, e: 1.4}
+    tune.store(tune.disk_key(src, shape, dev), a, times, source=src, shape=shape, device=dev)
+    new = TileConfig(128, 176)  # not timed there: kept, first
+    keep, note = tune.prune([d, c, b, a, e, new], src, (16384, 4096, 4096), dev)
+    assert keep == [new, a, b] and note == "3 of 6 skipped (over 1.3x the best at 16384x2048x2048)"
+    keep, _ = tune.prune([d, c, e], src, (16384, 4096, 4096), dev)
+    assert keep == [e, c, d]  # KEEP at least, the fastest there first
+    assert tune.prune([d, a], src, (16384, 8192, 8192), dev) == ([d, a], "")  # too far (distance 4)
+    assert tune.prune([d, a], src, (16384, 4096, 4096), "NVIDIA H200")[1] == ""
+    assert tune.prune([d, a], "def g(acc): pass", (16384, 4096, 4096), dev)[1] == ""
+    monkeypatch.setenv("CODA_TUNE", "full")
+    assert tune.prune([d, c, b, a], src, (16384, 4096, 4096), dev) == ([d, c, b, a], "")
+
+
+def test_store_keeps_every_entry_of_processes_storing_at_once(tmp_path: Path) -> None:
+    """Two processes each storing 40 choices into one tuning.json at once: all 80 are there (the file is
+    read, added to and replaced under a lock)."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    script = (
+        "import sys\n"
+        "from coda_lang.backend_cute import tune\n"
+        "from coda_lang.backend_cute.compile import TileConfig\n"
+        "for i in range(40):\n"
+        "    tune.store(f'{sys.argv[1]}{i}', TileConfig(), {TileConfig(): 1.0})\n"
+    )
+    env = {**os.environ, "CODA_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(root)}
+    procs = [subprocess.Popen([sys.executable, "-c", script, w], cwd=root, env=env) for w in "ab"]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    data = json.loads((tmp_path / "tuning.json").read_text())
+    assert sorted(data) == sorted(f"{w}{i}" for w in "ab" for i in range(40))

@@ -5,8 +5,10 @@ The layer map, in the order a stage goes through it:
 - planner.py (+ padding.py): a checked stage -> its StageSpec, or an E07 diagnostic;
 - names.py + emit.py: StageSpec -> the Python source of the epilogue (content-addressed files);
 - quack_adapter.py: the only module that touches quack and CuTeDSL; epi_ops.py: our epilogue ops;
-- compile.py: PTX for sm_90a without a GPU, ptxas reports, tile candidates, the PTX cache;
-- tiles.py, tune.py: the tile of a stage (first without spills, or the fastest, cached on disk);
+- compile.py: PTX for sm_90a without a GPU, ptxas reports, tile candidates, the kernel cache;
+  parallel.py: many kernels at once, in worker processes;
+- tiles.py, tune.py: the tile of a stage (first without spills, or the fastest, cached on disk), and
+  compiling a block's kernels before its first call;
 - launch.py: one stage as the torch custom op `coda::stage`; elementwise.py: a stage with no GEMM;
 - cuda_block.py: `Block.cuda()`, the block on torch tensors; autograd.py: `.autograd()`;
 - emulate.py: a torch stand-in for a stage's kernel, to run all of the above without a GPU.

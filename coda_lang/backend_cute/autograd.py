@@ -94,6 +94,8 @@ class CudaFunction:
                 except CodaError as e:
                     raise _runtime_error(e, "chunked backward", plan.block) from None
             self.chunked = self.chunked_blocks[self.chunk_plans[0].dim]
+        # the backward's kernels are compiled with the forward's, at the first call (one parallel compile)
+        self.forward.compile_with(self.backward, *self.chunked_blocks.values())
         self.forward_dims = frozenset(x.name for x in d.forward.ir.dims)
         self.backward_dims = frozenset(x.name for x in d.backward.ir.dims)
 

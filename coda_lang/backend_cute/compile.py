@@ -1,20 +1,33 @@
 """Compile a stage to PTX for sm_90a (no GPU needed), check it with ptxas, choose its tile.
 
-What it does: `TileConfig` (quack's SM90 default: 128x192 pingpong, cluster 2x1); `compile_stage`
-plans and emits a stage, compiles it through quack_adapter (or takes the PTX from the cache, keyed
-by the emitted source, emitter version, library versions, arch and tile config, never by M, N, K),
-and runs `ptxas -v` on it; `select_config` tries tile configs in order and keeps the first whose
-ptxas report shows no register spills (DESIGN.md section 6: heavy epilogues spill at 128x192);
-`configs_without_spills` gives every candidate of `TUNE_CANDIDATES` that passes that check, for the
-runtime to time on a GPU (cuda_block.py, `tune`).
+What it does: `TileConfig` (quack's SM90 default: 128x192 pingpong, cluster 2x1); `compile_spec`
+plans and emits a stage, compiles it through quack_adapter (or takes the PTX from the cache) and runs
+`ptxas -v` on it (or reads the report kept beside the PTX); `select_config` tries tile configs in order
+and keeps the first whose ptxas report shows no register spills (DESIGN.md section 6: heavy epilogues
+spill at 128x192); `configs_without_spills` gives every candidate of `TUNE_CANDIDATES` that passes that
+check, for the runtime to time on a GPU (cuda_block.py, tune.py). Both take `jobs=`: the kernels they
+will read are first compiled in worker processes (parallel.py).
+The kernel cache (`$CODA_CACHE_DIR`, default ~/.cache/coda_lang/kernels): per stage and tile, the PTX
+(`ptx/<stage>-<tile>-<key>.ptx`), its record (`.json`: the PTX's hash and compile time), the ptxas
+report (`.ptxas-<ptxas>.json`, keyed by the ptxas version and arch), or, for a tile quack refused, a
+refusal record (`.refused.json`); quack's own object files of the same kernels (`quack/`, loaded by
+the runtime instead of compiling again). The key is the emitted source, the emitter version, this
+backend's kernel fingerprint (coda_lang's version and the modules that shape a kernel: epi_ops.py,
+quack_adapter.py), the versions of nvidia-cutlass-dsl and quack-kernels, the arch and the tile config,
+never M, N, K: a cache written by another version is never read, and no entry holds an absolute path,
+so the folder can be copied to another machine with the same versions.
 What it does not: plan or emit (plan.py, emit.py), or touch quack (quack_adapter.py, imported only
 when a kernel really has to be compiled).
 Invariants: a program the backend can't compile raises CodaError (E07); a missing toolchain raises
-`BackendUnavailable`; the cache only ever holds complete files (written atomically).
+`BackendUnavailable`; the cache only ever holds complete files (written to a temporary file, then
+renamed); a damaged or stale entry (truncated PTX, a missing or unreadable record) is rebuilt; one
+process at a time compiles a kernel (a lock file per entry), so processes filling one cache at once
+each get the same result and compile each kernel once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.metadata
@@ -24,6 +37,7 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -179,7 +193,7 @@ def parse_ptxas(text: str, version: str = "ptxas") -> PtxasReport:
 def run_ptxas(ptx_path: Path, arch: str = ARCH) -> PtxasReport:
     """`ptxas -v -arch=sm_90a` on a PTX file (the object is discarded)."""
     exe = ptxas_executable()
-    version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+    version = ptxas_version(exe).splitlines()
     r = subprocess.run(
         [exe, "-v", f"-arch={arch}", str(ptx_path), "-o", os.devnull],
         capture_output=True,
@@ -192,14 +206,17 @@ def run_ptxas(ptx_path: Path, arch: str = ARCH) -> PtxasReport:
         # The PTX comes from a newer NVVM than this ptxas (CuTeDSL assembles it with its own embedded
         # ptxas); for the register and spill report, the older ptxas reads it at its own ISA version.
         text = Path(ptx_path).read_text().replace(f".version {m.group(1)}", f".version {m.group(2)}", 1)
-        older = Path(ptx_path).with_suffix(f".ptx{m.group(2)}.ptx")
+        older = Path(ptx_path).with_suffix(f".{os.getpid()}.ptx{m.group(2)}.tmp")
         older.write_text(text)
-        r = subprocess.run(
-            [exe, "-v", f"-arch={arch}", str(older), "-o", os.devnull],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        try:
+            r = subprocess.run(
+                [exe, "-v", f"-arch={arch}", str(older), "-o", os.devnull],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+        finally:
+            older.unlink(missing_ok=True)
         out = r.stdout + r.stderr
     if r.returncode != 0:
         raise RuntimeError(f"ptxas failed on {ptx_path}:\n{out[-3000:]}")
@@ -212,7 +229,9 @@ def run_ptxas(ptx_path: Path, arch: str = ARCH) -> PtxasReport:
     )
 
 
+@functools.cache
 def library_versions() -> dict[str, str]:
+    """The versions of the libraries a kernel is compiled with (part of every cache key)."""
     out = {}
     for dist in ("nvidia-cutlass-dsl", "quack-kernels"):
         try:
@@ -222,11 +241,29 @@ def library_versions() -> dict[str, str]:
     return out
 
 
+# The modules of this backend whose text shapes a compiled kernel beyond the emitted source: the
+# epilogue ops the emitted module imports, and how quack is asked to compile.
+KERNEL_MODULES = ("epi_ops.py", "quack_adapter.py")
+
+
+@functools.cache
+def kernel_fingerprint() -> str:
+    """coda_lang's version and the text of KERNEL_MODULES, hashed: part of every cache key, so that a
+    cache written by another coda_lang is never read."""
+    from coda_lang import __version__
+
+    h = hashlib.sha256(f"coda_lang {__version__}\n".encode())
+    for name in KERNEL_MODULES:
+        h.update(name.encode() + b"\n" + (Path(__file__).parent / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
 def ptx_key(source: str, config: TileConfig) -> str:
-    conf = {k: v for k, v in asdict(config).items() if k != "epi_n" or v}  # keys from before epi_n stay valid
+    conf = {k: v for k, v in asdict(config).items() if k != "epi_n" or v}
     key = {
         "source": source_hash(source),
         "emitter": EMITTER_VERSION,
+        "coda": kernel_fingerprint(),
         "arch": ARCH,
         "config": conf,
         "libraries": library_versions(),
@@ -257,87 +294,188 @@ def _cached_compile(ptx_path: Path, meta_path: Path) -> float | None:
         return None
 
 
-def compile_spec(
-    spec: StageSpec, config: TileConfig = DEFAULT_CONFIG, *, ptxas: bool = True, directory: Path | None = None
-) -> CompiledStage:
-    """Emit, compile (or reuse the cached PTX) and check one planned stage."""
-    root = directory or cache_dir()
-    source = emit_stage(spec)
-    src_path = write_source(source, root)
-    ptx_dir = root / "ptx"
-    ptx_dir.mkdir(parents=True, exist_ok=True)
-    key = ptx_key(source, config)
-    ptx_path = ptx_dir / f"{spec.fn_name}-{config.short}-{key[:20]}.ptx"
-    meta_path = ptx_path.with_suffix(".json")
-    seconds_cached = _cached_compile(ptx_path, meta_path)
-    cached = seconds_cached is not None
-    if seconds_cached is not None:
-        seconds = seconds_cached
-    else:
+def write_atomic(path: Path, text: str) -> None:
+    """`text` into `path` whole: written to a temporary file of this process beside it, then renamed."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def entry_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on one cache entry (`path`: its lock file), held while it is built: a second
+    process asking for the same kernel waits, then finds it in the cache."""
+    try:
+        import fcntl
+    except ImportError:  # (not POSIX: no locking; writes are still atomic)
+        yield
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # (closing releases the lock)
+
+
+class Kernel:
+    """One stage at one tile config: its emitted source, cache key and the paths of its entry."""
+
+    def __init__(
+        self, spec: StageSpec, config: TileConfig, directory: Path | None = None, source: str | None = None
+    ):
+        self.spec, self.config = spec, config
+        self.root = directory or cache_dir()
+        self.source = source if source is not None else emit_stage(spec)
+        self.key = ptx_key(self.source, config)
+        self.ptx_path = self.root / "ptx" / f"{spec.fn_name}-{config.short}-{self.key[:20]}.ptx"
+
+    @property
+    def meta_path(self) -> Path:
+        return self.ptx_path.with_suffix(".json")
+
+    @property
+    def refused_path(self) -> Path:
+        return self.ptx_path.with_suffix(".refused.json")
+
+    @property
+    def lock_path(self) -> Path:
+        return self.ptx_path.with_suffix(".lock")
+
+    def refusal(self) -> str | None:
+        """The error quack gave for this kernel, when a valid refusal record says it refused it."""
+        try:
+            data = json.loads(self.refused_path.read_text())
+            if data.get("key") == self.key and isinstance(data.get("error"), str):
+                return str(data["error"])
+        except (OSError, ValueError, AttributeError):
+            pass
+        return None
+
+    def status(self) -> str | None:
+        """What the cache knows without compiling or running ptxas: "ok" (no spills), "spills",
+        "refused", or None (not compiled yet, damaged, or its ptxas report is missing)."""
+        if _cached_compile(self.ptx_path, self.meta_path) is not None:
+            report = read_ptxas_record(self.ptx_path)
+            return None if report is None else ("spills" if report.spills else "ok")
+        return "refused" if self.refusal() is not None else None
+
+    def cached(self, src_path: Path) -> CompiledStage | None:
+        seconds = _cached_compile(self.ptx_path, self.meta_path)
+        if seconds is None:
+            return None
+        return CompiledStage(self.spec, self.source, src_path, self.config, self.ptx_path, seconds, True)
+
+    def refused_error(self, error: str, src_path: Path) -> CodaError:
+        spec, config = self.spec, self.config
+        return CodaError(
+            [
+                Diagnostic(
+                    "E0707",
+                    f"the CuTeDSL compiler rejected stage {spec.index} (`{spec.text}`) at tile {config}",
+                    spec.span,
+                    notes=[
+                        error,
+                        f"the emitted epilogue is {src_path}",
+                        "this is a limit of quack or a bug in coda_lang's emitter; please report it",
+                    ],
+                )
+            ]
+        )
+
+    def build(self, src_path: Path) -> CompiledStage:
+        """Compile the kernel (holding the entry's lock), record its PTX, or its refusal (E0707)."""
         adapter = _adapter()
         try:
-            text, seconds = adapter.compile_ptx(spec, src_path, config)
+            text, seconds = adapter.compile_ptx(self.spec, src_path, self.config, self.root)
+        except (MemoryError, OSError):  # not the kernel's fault: nothing recorded
+            raise
         except Exception as e:  # quack or CuTeDSL refused the kernel: say where its source is
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            raise CodaError(
-                [
-                    Diagnostic(
-                        "E0707",
-                        f"the CuTeDSL compiler rejected stage {spec.index} (`{spec.text}`) at tile {config}",
-                        spec.span,
-                        notes=[
-                            f"{type(e).__name__}: {first}",
-                            f"the emitted epilogue is {src_path}",
-                            "this is a limit of quack or a bug in coda_lang's emitter; please report it",
-                        ],
-                    )
-                ]
-            ) from e
-        tmp = ptx_path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, ptx_path)
+            error = f"{type(e).__name__}: {first}"
+            write_atomic(self.refused_path, json.dumps({"key": self.key, "error": error}))
+            raise self.refused_error(error, src_path) from e
+        write_atomic(self.ptx_path, text)
         meta = {
             "compile_s": seconds,
-            "config": asdict(config),
+            "config": asdict(self.config),
             "source": src_path.name,
             "sha256": hashlib.sha256(text.encode()).hexdigest(),
         }
-        tmp.write_text(json.dumps(meta))
-        os.replace(tmp, meta_path)  # written last: the entry counts once its record names the PTX's hash
-    out = CompiledStage(spec, source, src_path, config, ptx_path, seconds, cached)
-    if ptxas:
-        out.report = cached_ptxas(ptx_path)
+        write_atomic(self.meta_path, json.dumps(meta))  # last: the entry counts once it names the hash
+        self.refused_path.unlink(missing_ok=True)
+        return CompiledStage(self.spec, self.source, src_path, self.config, self.ptx_path, seconds, False)
+
+
+def compile_spec(
+    spec: StageSpec, config: TileConfig = DEFAULT_CONFIG, *, ptxas: bool = True, directory: Path | None = None
+) -> CompiledStage:
+    """Emit, compile (or reuse the cached PTX) and check one planned stage. A tile quack refused once
+    is refused again from its record (E0707), not compiled again."""
+    k = Kernel(spec, config, directory)
+    src_path = write_source(k.source, k.root)
+    k.ptx_path.parent.mkdir(parents=True, exist_ok=True)
+    out = k.cached(src_path)
+    if out is None or (ptxas and read_ptxas_record(k.ptx_path) is None):
+        with entry_lock(k.lock_path):  # another process may be building it: wait, then look again
+            out = k.cached(src_path)
+            if out is None:
+                error = k.refusal()
+                if error is not None:
+                    raise k.refused_error(error, src_path)
+                out = k.build(src_path)
+            if ptxas:
+                out.report = cached_ptxas(k.ptx_path)
+    elif ptxas:
+        out.report = read_ptxas_record(k.ptx_path)
     return out
 
 
 @functools.cache
 def _ptxas_identity(exe: str, size: int, mtime: int) -> str:
-    """The version line of a ptxas executable (asked once per process and executable file)."""
-    lines = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
-    return lines[-1] if lines else exe
+    """The `--version` text of a ptxas executable (asked once per process and executable file)."""
+    return subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.strip()
+
+
+def ptxas_version(exe: str) -> str:
+    st = os.stat(exe)
+    return _ptxas_identity(exe, st.st_size, int(st.st_mtime))
+
+
+def _record_path(ptx_path: Path, arch: str) -> Path:
+    """The ptxas report's record beside a PTX file, named by the ptxas version and the arch (not by the
+    executable's path: a cache copied to another machine with the same ptxas is still warm)."""
+    ident = f"{ptxas_version(ptxas_executable())}\n{arch}"
+    return ptx_path.with_suffix(f".ptxas-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json")
+
+
+def read_ptxas_record(ptx_path: Path, arch: str = ARCH) -> PtxasReport | None:
+    """The kept ptxas report of a PTX file, or None when it is missing, damaged, or made from other
+    PTX (or when there is no ptxas to name it by)."""
+    try:
+        record = _record_path(ptx_path, arch)
+        data = json.loads(record.read_text())
+        if data.pop("ptx_sha256") == hashlib.sha256(ptx_path.read_bytes()).hexdigest():
+            return PtxasReport(**data)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, BackendUnavailable):
+        pass
+    return None
 
 
 def cached_ptxas(ptx_path: Path, arch: str = ARCH) -> PtxasReport:
-    """`run_ptxas`'s report, kept beside the PTX: a record keyed by the ptxas executable (path, size,
-    mtime, version) and the arch, holding the hash of the PTX it was made from. A warm compile reads it
-    instead of running ptxas again; any mismatch or damage runs ptxas and rewrites it."""
-    exe = ptxas_executable()
-    st = os.stat(exe)
-    ident = (
-        f"{exe}:{st.st_size}:{int(st.st_mtime)}:{_ptxas_identity(exe, st.st_size, int(st.st_mtime))}:{arch}"
-    )
-    record = ptx_path.with_suffix(f".ptxas-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json")
-    digest = hashlib.sha256(ptx_path.read_bytes()).hexdigest()
-    try:
-        data = json.loads(record.read_text())
-        if data.pop("ptx_sha256") == digest:
-            return PtxasReport(**data)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass
+    """`run_ptxas`'s report, kept beside the PTX: a record keyed by the ptxas version and the arch,
+    holding the hash of the PTX it was made from. A warm compile reads it instead of running ptxas
+    again; any mismatch or damage runs ptxas and rewrites it."""
+    report = read_ptxas_record(ptx_path, arch)
+    if report is not None:
+        return report
     report = run_ptxas(ptx_path, arch)
-    tmp = record.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({**asdict(report), "ptx_sha256": digest}))
-    os.replace(tmp, record)
+    digest = hashlib.sha256(ptx_path.read_bytes()).hexdigest()
+    write_atomic(_record_path(ptx_path, arch), json.dumps({**asdict(report), "ptx_sha256": digest}))
     return report
 
 
@@ -354,11 +492,21 @@ def compile_stage(
 
 
 def select_config(
-    block: Any, index: int, candidates: tuple[TileConfig, ...] = CANDIDATES, *, directory: Path | None = None
+    block: Any,
+    index: int,
+    candidates: tuple[TileConfig, ...] = CANDIDATES,
+    *,
+    directory: Path | None = None,
+    jobs: int | None = 1,
 ) -> CompiledStage:
     """The first candidate tile whose kernel compiles and has no register spills (CodaError E0706 if
-    none; E0707 if quack refused every candidate)."""
+    none; E0707 if quack refused every candidate). `jobs`: worker processes for the kernels not in the
+    cache yet (None: parallel.default_jobs; 1: compile them here, one after another)."""
     spec = plan_stage(block, index)
+    if jobs != 1:
+        from coda_lang.backend_cute import parallel
+
+        parallel.warm([parallel.Request(spec, candidates, first=True)], jobs=jobs, directory=directory)
     tried: list[str] = []
     refused: list[CodaError] = []
     for config in candidates:
@@ -405,12 +553,21 @@ TUNE_CANDIDATES = (
 
 
 def configs_without_spills(
-    spec: StageSpec, candidates: tuple[TileConfig, ...] = TUNE_CANDIDATES, *, directory: Path | None = None
+    spec: StageSpec,
+    candidates: tuple[TileConfig, ...] = TUNE_CANDIDATES,
+    *,
+    directory: Path | None = None,
+    jobs: int | None = 1,
 ) -> list[TileConfig]:
     """The candidates that fit the stage's tiling constraints, compile, and whose kernels don't spill
     (and `CUBLAS` first for a plain stage). When every one spills, those that spill at most
     `SMALL_SPILL` bytes each way (a few words of the epilogue, e.g. the recomputed LM head's backward
-    with five row vectors loaded: 4-12 bytes at 128x128 and 256x128 against 1 KB at 128x192)."""
+    with five row vectors loaded: 4-12 bytes at 128x128 and 256x128 against 1 KB at 128x192).
+    `jobs` as select_config's."""
+    if jobs != 1:
+        from coda_lang.backend_cute import parallel
+
+        parallel.warm([parallel.Request(spec, candidates)], jobs=jobs, directory=directory)
     out = [CUBLAS] if is_plain(spec) else []
     small: list[TileConfig] = []
     for config in candidates:

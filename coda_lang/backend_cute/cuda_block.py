@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -160,6 +159,8 @@ class CudaBlock:
         # vectors over a fixed dim that repeat across columns: a run's sizes must hold whole copies
         self._repeats = repeat_uses(self.ir)
         self._ready = False
+        self._precompiled = False  # tiles.precompile: this block's kernels were compiled at once
+        self._compile_with: list[CudaBlock] = []
         # the body item (statement index) of each value's last read (block outputs are never dead), and
         # the values whose last read is each item: what a consuming run drops after it
         self._last_read: dict[str, int] = {}
@@ -215,9 +216,19 @@ class CudaBlock:
             r = self._runners[index] = StageRunner(self.block, index, spec, cfg, self.emulate, self.poison)
         return r
 
+    def compile_with(self, *others: CudaBlock) -> None:
+        """Compile these blocks' kernels together with this block's, at its first call (an autograd
+        function's backward with its forward: one parallel compile of both, tiles.precompile)."""
+        self._compile_with = [*self._compile_with, *others]
+
     @torch.compiler.disable
     def prepare(self) -> CudaBlock:
-        """Choose every stage's tile and import its epilogue now (a first call does it otherwise)."""
+        """Choose every stage's tile and import its epilogue now (a first call does it otherwise); the
+        kernels of every stage (and of the blocks given to `compile_with`) are compiled first, at once."""
+        if not self.emulate:
+            from coda_lang.backend_cute.tiles import precompile
+
+            precompile([self, *self._compile_with])
         for k in self.gemm_stages:
             r = self.runner(k)
             if not self.emulate:
@@ -369,31 +380,32 @@ class CudaBlock:
         spec = r.spec
         A = ins[0]
         assert A is not None
-        disk = tune.disk_key(emit_stage(spec), key[1:], torch.cuda.get_device_name(A.device))
+        source, shape, device = emit_stage(spec), key[1:], torch.cuda.get_device_name(A.device)
+        disk = tune.disk_key(source, shape, device)
         cached = tune.lookup(disk)
         if cached is None:
             if not find_ptxas():
                 return r
             from coda_lang.backend_cute.compile import configs_without_spills
+            from coda_lang.progress import Progress
 
-            print(
-                f"coda: tuning stage {k} of {self.name} (`{spec.text}`) at {key[1]}x{key[2]}x{key[3]}: compiling "
-                "and timing its tile configs once; the choice is cached (CODA_TUNE=0 skips this)",
-                file=sys.stderr,
-            )
+            configs, skipped = tune.prune(configs_without_spills(spec), source, shape, device)
             runners = {
                 c: r if c == r.config else StageRunner(self.block, k, spec, c, self.emulate, self.poison)
-                for c in configs_without_spills(spec)
+                for c in configs
             }
 
             def launch(x: StageRunner) -> Callable[[], Any]:
                 return lambda: torch.ops.coda.stage(x.key, ins, scalars)
 
-            times = tune.measure({c: launch(x) for c, x in runners.items()})
+            what = f"coda: tuning stage {k} of {self.name} at {'x'.join(map(str, shape))}"
+            with Progress(what, len(runners) * tune.BATCHES, unit="batches") as progress:
+                progress.extra = f"{len(runners)} tiles" + (f", {skipped}" if skipped else "")
+                times = tune.measure({c: launch(x) for c, x in runners.items()}, progress=progress)
             if not times:
                 return r
             cached = min(times, key=lambda c: times[c])
-            tune.store(disk, cached, times)
+            tune.store(disk, cached, times, source=source, shape=shape, device=device)
             return runners[cached]
         return (
             r if cached == r.config else StageRunner(self.block, k, spec, cached, self.emulate, self.poison)

@@ -2,17 +2,21 @@
 
 What it does: prepares a process for compile-only work (no GPU: `QUACK_ARCH=90`,
 `CUTE_DSL_ARCH=sm_90a`, the driver query `get_max_active_clusters` replaced by a constant while a
-compile runs, quack's on-disk .o cache off, CuTeDSL told to keep the PTX); imports an emitted
-epilogue module from its content-addressed file; compiles one stage through quack's own path
-(`EpiMod.gemm(..., _launch=False)`: kind pinning, kernel-class minting, `_compile_gemm_epi` against
-fake symbolic tensors) with torch "meta" tensors standing in for the operands; returns the PTX.
+compile runs, CuTeDSL told to keep the PTX); imports an emitted epilogue module from its
+content-addressed file; compiles one stage through quack's own path (`EpiMod.gemm(..., _launch=False)`:
+kind pinning, kernel-class minting, `_compile_gemm_epi` against fake symbolic tensors) with torch
+"meta" tensors standing in for the operands; returns the PTX. quack's on-disk object cache is kept in
+the kernel cache (`<cache>/quack/<kernel fingerprint>`, unless $QUACK_CACHE_DIR is set), and a
+compile-only run writes the kernel's object there too: the runtime's first launch of that stage and
+tile (same dtypes and majors, so the same quack key) loads it instead of compiling again.
 At run time (launch.py), `launch` runs one stage's kernel on CUDA tensors through the same
 `EpiMod.gemm` (quack's on-disk cache on, the real driver query) and `sink_alloc_shape` gives quack's
 partial-buffer shapes.
 What it does not: choose tile configurations or run ptxas (compile.py), or plan and emit (plan.py,
 emit.py).
 Invariants: importing this module imports quack, cutlass and torch (it is only imported lazily, by
-compile.py and launch.py); everything it changes in those libraries is restored when a compile returns.
+compile.py and launch.py) and points quack's object cache at the kernel cache; everything else it
+changes in those libraries is restored when a compile returns.
 
 Why meta tensors: quack validates a call and derives its compile key (dtypes, majors, ranks, scalar
 modes) from tensor metadata only; the compiled kernel is generic in M, N, K (symbolic), so nominal
@@ -83,18 +87,34 @@ def post_init_attrs(config: Any) -> tuple[tuple[str, Any], ...]:
     return (("_compute_tile_shape_or_override", EpiSubtileN(config.epi_n)),) if config.epi_n else ()
 
 
+def quack_cache_dir(root: Path | None = None) -> Path:
+    """Where quack keeps its compiled objects of coda's kernels: beside coda's kernel cache (`root`,
+    default $CODA_CACHE_DIR), in a folder of this backend's kernel fingerprint (quack keys an epilogue's
+    ops by class name, not by their code); $QUACK_CACHE_DIR, when set, instead."""
+    if os.environ.get("QUACK_CACHE_DIR"):
+        return Path(os.environ["QUACK_CACHE_DIR"])
+    from coda_lang.backend_cute.compile import kernel_fingerprint
+    from coda_lang.backend_cute.emit import cache_dir
+
+    return (root or cache_dir()) / "quack" / kernel_fingerprint()
+
+
+quack.cache.CACHE_DIR = str(quack_cache_dir())
+
+
 @contextlib.contextmanager
-def compile_only(dump_dir: Path) -> Iterator[None]:
-    """Compile without a GPU, keeping the PTX in `dump_dir`; restores everything afterwards."""
+def compile_only(dump_dir: Path, root: Path | None = None) -> Iterator[None]:
+    """Compile without a GPU, keeping the PTX in `dump_dir` and quack's object in the kernel cache at
+    `root` (default $CODA_CACHE_DIR); restores everything afterwards."""
     env = CuTeDSL._get_dsl().envar
     saved = (
-        quack.cache.CACHE_ENABLED,
+        quack.cache.CACHE_DIR,
         quack_host.get_max_active_clusters,
         env.keep_ptx,
         env.dump_dir,
         env.arch,
     )
-    quack.cache.CACHE_ENABLED = False  # the .o cache would hand back a module without its PTX
+    quack.cache.CACHE_DIR = str(quack_cache_dir(root))
     if not torch.cuda.is_available():
         quack_host.get_max_active_clusters = lambda cluster_size, *a, **k: _H100_SMS // max(1, cluster_size)
     else:  # quack's driver queries need a current CUDA context (a fresh process has none before torch's first op)
@@ -107,7 +127,7 @@ def compile_only(dump_dir: Path) -> Iterator[None]:
         yield
     finally:
         (
-            quack.cache.CACHE_ENABLED,
+            quack.cache.CACHE_DIR,
             quack_host.get_max_active_clusters,
             env.keep_ptx,
             env.dump_dir,
@@ -136,8 +156,9 @@ def _meta(shape: tuple[int, ...], dtype: str) -> Any:
     return torch.empty(shape, dtype=_TORCH_DTYPES[dtype], device="meta")
 
 
-def compile_ptx(spec: Any, path: Path, config: Any) -> tuple[str, float]:
-    """Compile stage `spec` (emitted at `path`) for sm_90a with tile `config`; (PTX text, seconds)."""
+def compile_ptx(spec: Any, path: Path, config: Any, root: Path | None = None) -> tuple[str, float]:
+    """Compile stage `spec` (emitted at `path`) for sm_90a with tile `config`; (PTX text, seconds).
+    quack's object of the kernel goes to the kernel cache at `root` (default $CODA_CACHE_DIR)."""
     mod = load_epilogue(path, spec.fn_name)
     g = spec.gemm
     m, n, k = _size(g.rows), _size(g.cols), _size(g.k)
@@ -172,7 +193,8 @@ def compile_ptx(spec: Any, path: Path, config: Any) -> tuple[str, float]:
         epi[gr.py] = gr.width
         if gr.out is not None:
             epi[gr.out] = _meta((m, n // gr.width), "f32")
-    with tempfile.TemporaryDirectory(prefix="coda-ptx-") as tmp, compile_only(Path(tmp)):
+
+    def compile() -> tuple[str | None, float]:
         t0 = time.perf_counter()
         plan = mod.gemm(
             A,
@@ -191,9 +213,22 @@ def compile_ptx(spec: Any, path: Path, config: Any) -> tuple[str, float]:
             _launch=False,
         )
         seconds = time.perf_counter() - t0
-        ptx = plan.compiled_fn.__ptx__
+        ptx = getattr(plan.compiled_fn, "__ptx__", None)  # (none on a module loaded from quack's cache)
         if ptx and "\n" not in ptx and os.path.exists(ptx):  # a path when the file was not read yet
             ptx = Path(ptx).read_text()
+        return ptx, seconds
+
+    with tempfile.TemporaryDirectory(prefix="coda-ptx-") as tmp, compile_only(Path(tmp), root):
+        ptx, seconds = compile()
+        if not ptx:  # quack had the object (from its disk cache): compile it once more, for the PTX
+            enabled = quack.cache.CACHE_ENABLED
+            mod._plan_cache.clear()
+            quack_host._compile_gemm_epi.cache_clear()
+            quack.cache.CACHE_ENABLED = False
+            try:
+                ptx, seconds = compile()
+            finally:
+                quack.cache.CACHE_ENABLED = enabled
     if not ptx:
         raise RuntimeError("CuTeDSL kept no PTX for the kernel")
     return ptx, seconds

@@ -4,9 +4,14 @@ What it does: `as_config` reads a tile argument; `choose_config` asks compile.se
 first candidate tile (compile.CANDIDATES) that fits the stage's tiling constraints and compiles without
 register spills (cached per emitted source in this process), or takes the first that fits when
 emulating or when no ptxas can be found (`find_ptxas`: $CODA_PTXAS, PATH, else Triton's).
+`precompile` compiles, at once and in worker processes (parallel.py), every kernel the first calls of
+some CUDA blocks will ask for (a block and its autograd backward together): each stage's given tile,
+else its select_config candidates and, when the block tunes, every candidate the tuner times; what
+the cache holds already costs nothing.
 What it does not: time anything on the GPU (the CUDA block's tuner does, through tune.py).
 Invariants: a stage with no fitting candidate is E0706; any other failure falls back to the first
-fitting candidate with a warning, never an exception.
+fitting candidate with a warning, never an exception; `precompile` never raises for a kernel (the
+stage's own compile reports it) and, unless `strict`, not for a missing toolchain either.
 """
 
 from __future__ import annotations
@@ -14,13 +19,24 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from coda_lang.backend_cute.compile import CANDIDATES, PAIRED_SUBTILE, BackendUnavailable, TileConfig, fits
+from coda_lang.backend_cute.compile import (
+    CANDIDATES,
+    PAIRED_SUBTILE,
+    TUNE_CANDIDATES,
+    BackendUnavailable,
+    TileConfig,
+    fits,
+)
 from coda_lang.backend_cute.emit import emit_stage, source_hash
 from coda_lang.backend_cute.spec import StageSpec
 from coda_lang.verify.diagnostics import CodaError, Diagnostic
+
+if TYPE_CHECKING:
+    from coda_lang.backend_cute.parallel import Warmed
 
 _SELECTED: dict[tuple[str, tuple[TileConfig, ...]], TileConfig] = {}
 
@@ -87,3 +103,44 @@ def choose_config(block: Any, index: int, spec: StageSpec, emulate: bool) -> Til
             )
             return candidates[0]
     return _SELECTED[key]
+
+
+def precompile(
+    blocks: Sequence[Any], *, jobs: int | None = None, quiet: bool = False, strict: bool = False
+) -> Warmed | None:
+    """Compile every kernel the first calls of these CUDA blocks (`CudaBlock`s) will ask for, at once
+    (see the module docstring); each block is done once per process. None when there was nothing to
+    do or no toolchain (`strict`: BackendUnavailable is raised instead)."""
+    from coda_lang.backend_cute import parallel
+
+    requests: list[parallel.Request] = []
+    names: list[str] = []
+    for cb in blocks:
+        if cb.emulate or cb._precompiled:
+            continue
+        cb._precompiled = True
+        names.append(cb.name)
+        for k in cb.gemm_stages:
+            spec = cb.specs[k - 1]
+            given = cb._tiles.get(k)
+            if given is not None:
+                if not given.is_cublas:
+                    requests.append(parallel.Request(spec, (given,)))
+                continue
+            requests.append(parallel.Request(spec, CANDIDATES, first=True))
+            if cb.tune:
+                requests.append(parallel.Request(spec, TUNE_CANDIDATES))
+    if not requests:
+        return None
+    if not find_ptxas():
+        if strict:
+            raise BackendUnavailable("ptxas not found (install the CUDA toolkit, or set CODA_PTXAS)")
+        return None
+    try:
+        return parallel.warm(
+            requests, jobs=jobs, quiet=quiet, label=f"coda: compiling {', '.join(dict.fromkeys(names))}"
+        )
+    except BackendUnavailable:
+        if strict:
+            raise
+        return None

@@ -28,8 +28,10 @@ def add_parser(sub: Any) -> None:
         "CuTeDSL (no GPU needed), checks it with `ptxas -v` and, unless --tile is given, picks the "
         "first tile (128x192; 128x192 with an epilogue subtile 16 columns wide; 128x176, 128x128, 128x96, "
         "128x64) whose kernel has no register spills. Writes "
-        "one file per stage, BLOCK_stageK.py or .ptx. Kernels are cached in $CODA_CACHE_DIR "
-        "(default ~/.cache/coda_lang/kernels).",
+        "one file per stage, BLOCK_stageK.py or .ptx. The kernels of all stages are compiled at once, "
+        "in --jobs worker processes; they are cached in $CODA_CACHE_DIR (default "
+        "~/.cache/coda_lang/kernels) with their ptxas reports, so a second run compiles nothing and runs "
+        "no ptxas.",
     )
     k.add_argument("file", metavar="FILE")
     k.add_argument("--block", metavar="NAME", help="the block to compile (needed when the file has several)")
@@ -42,8 +44,23 @@ def add_parser(sub: Any) -> None:
         help="--emit ptx: this tile only (e.g. 128x128; pingpong, cluster "
         "2x1); a suffix eS sets the epilogue subtile S columns wide (e.g. 128x192e16)",
     )
+    k.add_argument(
+        "-j",
+        "--jobs",
+        metavar="N",
+        help="--emit ptx: worker processes compiling kernels (default: one per CPU, at most one per GB "
+        "of available memory, or $CODA_JOBS; 1: one after another in this process)",
+    )
+    k.add_argument("-q", "--quiet", action="store_true", help="no progress line on stderr")
     k.add_argument("--error-format", choices=("human", "short"), default="human")
     k.set_defaults(run=run)
+
+
+def parse_jobs(text: str | None) -> int | None | str:
+    """--jobs: None (the default), a positive number, or "bad"."""
+    if text is None:
+        return None
+    return int(text) if text.isascii() and text.isdigit() and int(text) > 0 else "bad"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,6 +78,10 @@ def run(args: argparse.Namespace) -> int:
             f"--tile takes MxN or MxNeS (e.g. 128x128, 128x192e16) and goes with --emit ptx, got "
             f"{args.tile!r}"
         )
+    jobs = parse_jobs(args.jobs)
+    if jobs == "bad" or (jobs is not None and args.emit != "ptx"):
+        return usage_error(f"--jobs takes a positive number and goes with --emit ptx, got {args.jobs!r}")
+    assert jobs is None or isinstance(jobs, int)
     text = read_source_file(args.file) or ""
 
     def report(e: CodaError) -> None:
@@ -77,13 +98,39 @@ def run(args: argparse.Namespace) -> int:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         return usage_error(f"can't create {out_dir}: {e.strerror or e}")
-    from coda_lang.backend_cute.compile import BackendUnavailable, TileConfig, compile_spec, select_config
+    from coda_lang.backend_cute import parallel
+    from coda_lang.backend_cute.compile import (
+        CANDIDATES,
+        BackendUnavailable,
+        TileConfig,
+        compile_spec,
+        select_config,
+    )
     from coda_lang.backend_cute.emit import emit_stage
     from coda_lang.backend_cute.planner import plan_stage
     from coda_lang.ir.nodes import Stage
 
     status = EXIT_OK
     stages = [s for s in block.ir.body if isinstance(s, Stage)]
+    fixed = TileConfig(tile[0], tile[1], epi_n=tile[2]) if isinstance(tile, tuple) else None
+    built: set[Any] = set()
+    if args.emit == "ptx":  # every stage's kernels at once (a stage that can't be planned: below)
+        requests = []
+        for k in range(1, len(block.plan.stages) + 1):
+            if stages[k - 1].is_gemm:
+                try:
+                    spec = plan_stage(block, k)
+                except CodaError:
+                    continue
+                requests.append(
+                    parallel.Request(spec, (fixed,))
+                    if fixed
+                    else parallel.Request(spec, CANDIDATES, first=True)
+                )
+        try:
+            built = parallel.warm(requests, jobs=jobs, quiet=args.quiet).built
+        except OSError as e:
+            return usage_error(f"can't write {e.filename or 'the kernel cache'}: {e.strerror or e}")
     for k in range(1, len(block.plan.stages) + 1):
         name = f"{block.name}_stage{k}"
         if not stages[k - 1].is_gemm:
@@ -104,14 +151,11 @@ def run(args: argparse.Namespace) -> int:
                     f"wrote {path}: stage {k} `{spec.text}` ({spec.mode} mode; {'; '.join(what) or 'no outputs'})"
                 )
                 continue
-            if isinstance(tile, tuple):
-                c = compile_spec(spec, TileConfig(tile[0], tile[1], epi_n=tile[2]))
-            else:
-                c = select_config(block, k)
+            c = compile_spec(spec, fixed) if fixed else select_config(block, k)
             path = os.path.join(out_dir, name + ".ptx")
             write_text(path, c.ptx)
             assert c.report is not None
-            how = "cached" if c.cached else f"compiled in {c.compile_s:.1f} s"
+            how = "cached" if c.cached and c.ptx_path not in built else f"compiled in {c.compile_s:.1f} s"
             regs = f" (setmaxnreg {'/'.join(map(str, c.setmaxnreg))})" if c.setmaxnreg else ""
             print(f"wrote {path}: stage {k} `{spec.text}` at {c.config}: {c.report}{regs}; {how}")
             for r in c.rejected:
