@@ -438,7 +438,7 @@ def _causal_lm_forward(
         else:
             chunk = st.loss_rows or _loss_rows(hg.shape[0], w_lm.shape[0], w_lm.element_size())
             loss = _ChunkedLoss.apply(hg, r, w_lm, target, denom, st.head_loss, chunk)
-        return CausalLMOutputWithPast(loss=loss, logits=None)
+        return CausalLMOutputWithPast(loss=loss, logits=None)  # type: ignore[arg-type]
     rows = torch.arange(b * s, device=hg.device).view(b, s)
     if isinstance(logits_to_keep, int) and logits_to_keep > 0:
         rows = rows[:, -logits_to_keep:]
