@@ -267,10 +267,7 @@ def _run_pool(
 ) -> None:
     """Build `todo` (and what finishing its kernels adds to it) in n spawned workers; on a broken pool,
     return with the unfinished kernels back in `todo`."""
-    method = os.environ.get("CODA_COMPILE_START", "spawn")
-    ctx = multiprocessing.get_context(method)
-    if method == "forkserver":
-        ctx.set_forkserver_preload(["coda_lang.backend_cute.quack_adapter"])
+    ctx = multiprocessing.get_context("spawn")
     ex = ProcessPoolExecutor(max_workers=n, mp_context=ctx, initializer=_init_worker)
     running: dict[Future[tuple[str, bool]], Kernel] = {}
 
