@@ -501,6 +501,7 @@ def test_a_first_call_compiles_the_forward_and_the_backward_at_once(
     from coda_lang.backend_cute import tiles
     from coda_lang.backend_cute.compile import CUBLAS
 
+    monkeypatch.delenv("CODA_TUNE", raising=False)  # (tests/test_gpu.py sets it to 0 for the session)
     fn = mlp.cuda().autograd()
     assert fn.forward._compile_with == [fn.backward]
     seen: list[list[parallel.Request]] = []

@@ -191,13 +191,14 @@ def warm(
         """Queue request i's next kernels: all it lacks, or (first) up to one not known yet."""
         r, q = requests[i], queues[i]
         while q:
-            k = kernel(r.spec, q.popleft())
+            try:
+                k = kernel(r.spec, q.popleft())
+            except CodaError:  # the emitter can't write this stage: the caller's compile says so
+                q.clear()
+                return
             st = status.get(k.key)
             if st is None and k.key not in queued:
-                try:
-                    st = k.status()
-                except CodaError:  # (an emitter error: the caller's compile raises it)
-                    st = "refused"
+                st = k.status()
                 if st is not None:
                     status[k.key] = st
                     stats.cached += 1
