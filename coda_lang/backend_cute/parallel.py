@@ -140,7 +140,14 @@ def _init_worker() -> None:
         _adapter()
     # At exit, skip the interpreter's teardown of torch and CuTeDSL (a second or more a worker): every
     # file a worker writes is complete when its task returns. (Registered last, so it runs first.)
-    atexit.register(os._exit, 0)
+    atexit.register(_exit_now)
+
+
+def _exit_now() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 def build(spec: StageSpec, config: TileConfig, root: str) -> tuple[str, bool]:
