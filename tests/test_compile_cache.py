@@ -461,3 +461,65 @@ def test_two_jobs_write_the_same_ptx_as_one(tmp_path: Path) -> None:
 def test_two_jobs_write_the_same_ptx_as_one_for_llama_mlp(mlp: coda_lang.Block, tmp_path: Path) -> None:
     """As above, on llama_mlp: stage 1 spills at 128x192 and takes 128x192e16, tried after it."""
     _same_as_one_job(mlp, MLP, tmp_path)
+
+
+@pytest.mark.toolchain
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_coda_tune_without_a_gpu_compiles_everything_and_says_timing_needs_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """On this machine (no GPU) `coda tune --backward` compiles every candidate of the forward's and
+    the backward's stages into the cache, says the timing needs a Hopper GPU, and exits 0; a second
+    run finds everything in the cache. (One candidate tile, in this process, to keep it short.)"""
+    from coda_lang.backend_cute import tiles
+    from coda_lang.cli import main
+
+    monkeypatch.setattr(tiles, "CANDIDATES", (TileConfig(128, 128),))
+    monkeypatch.setattr(tiles, "TUNE_CANDIDATES", (TileConfig(128, 128),))
+    monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CODA_TUNE", raising=False)
+    program = tmp_path / "rt_key.coda"
+    program.write_text(RUNTIME_KEY)
+    args = ["tune", str(program), "--dims", "M=4096,K=1024,N=2048", "--dims", "M=8192,K=1024,N=2048"]
+    assert main([*args, "--backward", "-j", "1", "-q"]) == 0
+    out, err = capsys.readouterr()
+    assert "kernels of rt_key and rt_key_bwd: " in out and "compiled (in this process" in out, out
+    assert "note: no Hopper GPU here" in err and "M=4096,K=1024,N=2048; M=8192,K=1024,N=2048" in err
+    assert len(list(tmp_path.glob("ptx/*.ptx"))) >= 4  # the forward's two stages and the backward's
+    assert main([*args, "--backward", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "kernels of rt_key and rt_key_bwd: all " in out and " in the cache" in out, out
+
+
+def test_a_first_call_compiles_the_forward_and_the_backward_at_once(
+    mlp: coda_lang.Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`CudaBlock.autograd()`'s forward compiles the backward's kernels with its own at its first call
+    (CudaBlock.prepare -> tiles.precompile): one request per stage for select_config's order and, when
+    tuning, one for every candidate the tuner times; a fixed tile is the only request of its stage; a
+    cuBLAS stage compiles nothing; each block once per process."""
+    from coda_lang.backend_cute import tiles
+    from coda_lang.backend_cute.compile import CUBLAS
+
+    monkeypatch.delenv("CODA_TUNE", raising=False)  # (tests/test_gpu.py sets it to 0 for the session)
+    fn = mlp.cuda().autograd()
+    assert fn.forward._compile_with == [fn.backward]
+    seen: list[list[parallel.Request]] = []
+    monkeypatch.setattr(
+        parallel, "warm", lambda requests, **kw: seen.append(list(requests)) or parallel.Warmed()
+    )
+    monkeypatch.setattr(tiles, "find_ptxas", lambda: True)
+    tiles.precompile([fn.forward, *fn.forward._compile_with])
+    (requests,) = seen
+    assert [(r.spec.block, r.spec.index, r.first) for r in requests] == [
+        (b, k, first) for b, n in (("llama_mlp", 3), ("llama_mlp_bwd", 6)) for k in range(1, n + 1)
+        for first in (True, False)
+    ]  # fmt: skip
+    assert {r.configs for r in requests} == {CANDIDATES, TUNE_CANDIDATES}
+    assert tiles.precompile([fn.forward, fn.backward]) is None and len(seen) == 1  # done once
+    fixed = mlp.cuda(tile={1: TileConfig(128, 128), 2: CUBLAS}, tune=False)
+    tiles.precompile([fixed])
+    assert [(r.spec.index, r.configs, r.first) for r in seen[1]] == [
+        (1, (TileConfig(128, 128),), False),
+        (3, CANDIDATES, True),
+    ]

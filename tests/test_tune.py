@@ -144,7 +144,10 @@ def test_measure_stops_timing_a_clearly_slower_config(monkeypatch: pytest.Monkey
     monkeypatch.setenv("CODA_TUNE", "full")
     order.clear()
     full = tune.measure({a: cuda.launch(order, "a", [1.0]), b: cuda.launch(order, "b", [1.3])})
-    assert full == pytest.approx({a: 1.0, b: 1.3}) and order.count("b") == tune.WARMUP + tune.BATCHES * tune.BATCH
+    assert (
+        full == pytest.approx({a: 1.0, b: 1.3})
+        and order.count("b") == tune.WARMUP + tune.BATCHES * tune.BATCH
+    )
 
 
 def test_measure_takes_turns_and_drops_configs_that_raise(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -140,7 +140,14 @@ def _init_worker() -> None:
         _adapter()
     # At exit, skip the interpreter's teardown of torch and CuTeDSL (a second or more a worker): every
     # file a worker writes is complete when its task returns. (Registered last, so it runs first.)
-    atexit.register(os._exit, 0)
+    atexit.register(_exit_now)
+
+
+def _exit_now() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 def build(spec: StageSpec, config: TileConfig, root: str) -> tuple[str, bool]:
@@ -191,13 +198,14 @@ def warm(
         """Queue request i's next kernels: all it lacks, or (first) up to one not known yet."""
         r, q = requests[i], queues[i]
         while q:
-            k = kernel(r.spec, q.popleft())
+            try:
+                k = kernel(r.spec, q.popleft())
+            except CodaError:  # the emitter can't write this stage: the caller's compile says so
+                q.clear()
+                return
             st = status.get(k.key)
             if st is None and k.key not in queued:
-                try:
-                    st = k.status()
-                except CodaError:  # (an emitter error: the caller's compile raises it)
-                    st = "refused"
+                st = k.status()
                 if st is not None:
                     status[k.key] = st
                     stats.cached += 1
@@ -267,10 +275,7 @@ def _run_pool(
 ) -> None:
     """Build `todo` (and what finishing its kernels adds to it) in n spawned workers; on a broken pool,
     return with the unfinished kernels back in `todo`."""
-    method = os.environ.get("CODA_COMPILE_START", "spawn")
-    ctx = multiprocessing.get_context(method)
-    if method == "forkserver":
-        ctx.set_forkserver_preload(["coda_lang.backend_cute.quack_adapter"])
+    ctx = multiprocessing.get_context("spawn")
     ex = ProcessPoolExecutor(max_workers=n, mp_context=ctx, initializer=_init_worker)
     running: dict[Future[tuple[str, bool]], Kernel] = {}
 

@@ -153,6 +153,9 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
+    if not cb.tune:
+        print("note: CODA_TUNE=0: runs take each stage's first tile without spills; nothing to time")
+        return EXIT_OK
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print(
             "note: no Hopper GPU here: the kernels are compiled and cached; timing the tiles at "
