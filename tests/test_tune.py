@@ -252,3 +252,29 @@ def test_store_keeps_every_entry_of_processes_storing_at_once(tmp_path: Path) ->
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     data = json.loads((tmp_path / "tuning.json").read_text())
     assert sorted(data) == sorted(f"{w}{i}" for w in "ab" for i in range(40))
+
+
+def test_a_stage_that_hung_at_a_cooperative_tile_is_given_pingpong_tiles_only() -> None:
+    """The Llama training step's RMSNorm backward (an f32 tile `dx1` beside the column partials of
+    `dg1`) hung the GPU at 256x128 cooperative (H100, 2026-11-25): such a stage is refused cooperative
+    tiles (candidates, and a tile asked for by name is E0805 saying why), while llama_mlp's, whose tile is
+    bf16, keeps them."""
+    import coda_lang.hf.blocks as hb
+    from coda_lang.api import load
+    from coda_lang.backend_cute.compile import TUNE_CANDIDATES, WIDE_F32_TILE, TileConfig, fits
+    from coda_lang.backend_cute.planner import plan_stage
+    from coda_lang.verify.diagnostics import CodaError
+
+    last = load(hb.model_source("bfloat16", 1e-5, 64, False))["last"]
+    bwd = last.derivation(["y", "x", "w_o", "g1", "w_13", "w_2", "g2"], "auto").backward
+    spec = plan_stage(bwd, 4)
+    assert any(o.name == "dx1" and o.dtype == "f32" for o in spec.operands)
+    coop = [c for c in TUNE_CANDIDATES if not c.pingpong]
+    assert coop and not any(fits(spec, c) for c in coop)
+    assert all(fits(spec, c, emulated=True) for c in coop)  # the stand-ins run anything
+    assert any(fits(spec, c) for c in TUNE_CANDIDATES if c.pingpong)
+    mlp_bwd = load("examples/llama_mlp.coda")["llama_mlp"].derivation(None, "auto").backward
+    assert all(fits(plan_stage(mlp_bwd, 3), c) for c in coop)
+    with pytest.raises(CodaError, match="pingpong"):
+        bwd.cuda(tile={4: TileConfig(256, 128, 2, 1, False)})
+    assert "pingpong" in WIDE_F32_TILE

@@ -616,11 +616,31 @@ def splits_groups(spec: StageSpec, config: TileConfig) -> bool:
     return any(g.width % n_e for g in spec.groups)
 
 
+# Seen on an H100 (2026-11-25): the cooperative 256x128 kernel of a stage that loads an f32 tile and
+# folds column partials (the Llama training step's RMSNorm backward, `dx1: f32` beside `sum(.., over=M)`
+# at 8192x2048x16384) never finished: the tuner's first launch hung the GPU. The same stage with a bf16
+# tile (llama_mlp's) runs at 256x128; until the cause in quack's epilogue is known, such stages are
+# given pingpong (128-row) tiles only.
+WIDE_F32_TILE = "a stage loading an f32 tile beside column partials takes 128-row (pingpong) tiles"
+
+
+def hangs_cooperative(spec: StageSpec, config: TileConfig) -> bool:
+    return (
+        not config.is_cublas
+        and not config.pingpong
+        and any(o.role == "tile" and o.dtype == "f32" for o in spec.operands)
+        and any(s.layout == "column partials" for s in spec.sinks)
+    )
+
+
 def fits(spec: StageSpec, config: TileConfig, emulated: bool = False) -> bool:
     """Whether `config` satisfies the stage's tiling constraints (plan.py writes them) and, in a paired
     stage, keeps quack's epilogue subtile (PAIRED_SUBTILE); on the kernels (not `emulated`, whose
-    grouped folds are exact at any subtile) no group is narrower than the subtile (GROUP_SUBTILE)."""
+    grouped folds are exact at any subtile) no group is narrower than the subtile (GROUP_SUBTILE) and
+    no stage that hung at a cooperative tile gets one (WIDE_F32_TILE)."""
     if narrows_paired_subtile(spec, config) or not emulated and splits_groups(spec, config):
+        return False
+    if not emulated and hangs_cooperative(spec, config):
         return False
     for c in spec.constraints:
         m = re.match(r"tile_N % (\d+) == 0", c)

@@ -28,8 +28,10 @@ import torch
 from coda_lang.backend_cute.compile import (
     GROUP_SUBTILE,
     PAIRED_SUBTILE,
+    WIDE_F32_TILE,
     TileConfig,
     fits,
+    hangs_cooperative,
     narrows_paired_subtile,
     splits_groups,
 )
@@ -124,6 +126,7 @@ class CudaBlock:
                     *target.constraints,
                     *([PAIRED_SUBTILE] if narrows_paired_subtile(target, cfg) else []),
                     *([GROUP_SUBTILE] if splits_groups(target, cfg) and not self.emulate else []),
+                    *([WIDE_F32_TILE] if hangs_cooperative(target, cfg) and not self.emulate else []),
                 ]
                 raise fail(
                     "E0805", f"tile {cfg.short} does not fit stage {k} (`{target.text}`): {'; '.join(why)}"
