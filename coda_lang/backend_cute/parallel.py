@@ -42,6 +42,7 @@ from typing import TextIO
 from coda_lang.backend_cute.compile import BackendUnavailable, Kernel, TileConfig, compile_spec, fits
 from coda_lang.backend_cute.emit import cache_dir, emit_stage
 from coda_lang.backend_cute.spec import StageSpec
+from coda_lang.interp.inputs import available_memory
 from coda_lang.progress import Progress
 from coda_lang.verify.diagnostics import CodaError
 
@@ -73,21 +74,6 @@ class Warmed:
     jobs: int = 0
     seconds: float = 0.0
     built: set[Path] = field(default_factory=set)  # the PTX paths of the kernels compiled
-
-
-def available_memory() -> int:
-    """Bytes this process can still have: MemAvailable of /proc/meminfo, else the physical memory."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
-    except (OSError, ValueError, AttributeError):
-        return 1 << 62
 
 
 def cpus() -> int:

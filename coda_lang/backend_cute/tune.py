@@ -252,19 +252,10 @@ def random_inputs(block_ir: Any, dims: dict[str, int], device: Any, seed: int = 
     import torch
 
     from coda_lang.backend_cute.launch import TORCH_DTYPES
-    from coda_lang.interp.inputs import extent
-    from coda_lang.ir.nodes import Var
+    from coda_lang.interp.inputs import extent, input_scales
 
     gen = torch.Generator(device=device).manual_seed(seed)
-    rhs: dict[str, Any] = {}
-    pick_range: dict[str, Any] = {}
-    for st in block_ir.stages:
-        if isinstance(st.b, Var) and st.b.type is not None:
-            rhs[st.b.name] = st.b.type.shape[1 if st.tb else 0]
-        for e in st.body:
-            src, idx = (e.ins + (None, None))[:2]
-            if e.op == "pick" and isinstance(idx, Var) and isinstance(src, Var) and src.type is not None:
-                pick_range[idx.name] = src.type.shape[1]
+    rhs, pick_range = input_scales(block_ir)
     out: dict[str, Any] = {}
     for p in block_ir.params:
         t = p.var.type

@@ -240,11 +240,9 @@ def bind(
     return env, sizes
 
 
-def random_inputs(block: Block, dims: dict[str, int], seed: int = 0) -> dict[str, np.ndarray]:
-    """Seeded inputs of a sensible scale: GEMM weights scaled by 1/sqrt(K), i32 indices within range."""
-    import ml_dtypes
-
-    rng = np.random.default_rng(seed)
+def input_scales(block: Any) -> tuple[dict[str, Dim], dict[str, Dim]]:
+    """What random inputs of a checked block's IR scale by: the contracted dim of each GEMM's right-hand
+    operand (by name), and the dim each pick() index ranges over (by the index's name)."""
     rhs: dict[str, Dim] = {}
     pick_range: dict[str, Dim] = {}
     for st in block.stages:
@@ -254,6 +252,15 @@ def random_inputs(block: Block, dims: dict[str, int], seed: int = 0) -> dict[str
             src, idx = (e.ins + (None, None))[:2]
             if e.op == "pick" and isinstance(idx, Var) and isinstance(src, Var) and src.type is not None:
                 pick_range[idx.name] = src.type.shape[1]
+    return rhs, pick_range
+
+
+def random_inputs(block: Block, dims: dict[str, int], seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded inputs of a sensible scale: GEMM weights scaled by 1/sqrt(K), i32 indices within range."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(seed)
+    rhs, pick_range = input_scales(block)
     out: dict[str, np.ndarray] = {}
     for p in block.params:
         t = p.var.type
