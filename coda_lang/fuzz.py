@@ -3,7 +3,9 @@
 What it does: draws cases (sizes for the block's dims, including sizes that are not multiples of the
 tile; a seed for the inputs and the cotangents; for the interpreter target a small tile) with
 hypothesis, runs the block on the path under test and on the whole-matrix interpreter, forward and
-backward, and compares them with the tolerance rule of `coda_lang.testing.compare`. Targets:
+backward, and compares them with the tolerance rule of `coda_lang.testing.compare` (where an element
+misses its per-element part, with that element's rounding bound, `coda_lang.interp.bound`: a value that
+cancelled is judged against the magnitudes that cancelled). Targets:
 - `interp`: the interpreter's tile simulation (`Block.run(..., tile=...)`, `Block.vjp(..., tile=...)`);
 - `cuda`: the compiled kernels (`Block.cuda()`; backward through `CudaBlock.autograd()`), on a GPU;
   the kernels' per-tile partial buffers are also compared with the tile simulation at their tiles;
