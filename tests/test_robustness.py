@@ -5,6 +5,12 @@ mutations of the example programs (tokens or characters deleted, duplicated, swa
 numbers replaced; braces dropped) go through `check_source`, which must return normally with
 diagnostics whose codes are all in CODES, whose spans lie inside the file, and which render in both
 formats. `coda_lang.load` raises only `CodaError` for such text.
+
+Malformed programs (`coda_lang.testing.malformed`: the examples and random programs mutated, nested
+deeply, given huge literals and other line endings) also go through `coda check`, `coda grad` and
+`coda run` (in-process): no exit code 3, no traceback. In CI a derandomized sample of 150;
+`HYPOTHESIS_PROFILE=stress` takes 10,000 here, and `scripts/robustness_stress.py` runs 10,000 or more
+in parallel jobs with a time limit per program (a hang) and prints what ran.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from coda_lang.frontend import check_source, normalize_newlines
 from coda_lang.ir.printer import print_program
 from coda_lang.ir.types import DTYPES
 from coda_lang.ops import BY_SURFACE
+from coda_lang.testing.malformed import crash, huge_literals, line_endings, malformed, nested, random_sources
 from coda_lang.verify.diagnostics import CODES, render_all
 from coda_lang.verify.plan import explain
 
@@ -412,3 +419,49 @@ def test_the_emitted_kernel_does_not_change_with_the_layout_of_the_source() -> N
         a = emit_stage(plan_stage(coda_lang.load(text)["llama_mlp"], k))
         b = emit_stage(plan_stage(coda_lang.load(moved)["llama_mlp"], k))
         assert a == b  # the kernel's cache key is its text
+
+
+# ------------------------------------------------------------------ malformed programs, every command
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("malformed")
+
+
+MALFORMED = malformed(st.one_of(st.sampled_from(sorted(SOURCES.values())), programs(), random_sources()))
+
+
+@settings(max_examples=max(150, settings.default.max_examples))
+@given(MALFORMED)
+def test_malformed_programs_crash_no_command(folder: Path, text: str) -> None:
+    """Mutations, deep nesting, huge literals and line endings, together: the diagnostics are well
+    formed, and `coda check`, `coda grad`, `coda run` (at small dims) and `coda_lang.load` don't crash."""
+    assert_diagnosed(text)
+    assert crash(text, str(folder)) is None
+
+
+@pytest.mark.parametrize("how", ["chain", "unary", "calls"])
+def test_thousands_of_levels_are_e0108_not_a_recursion_error(how: str) -> None:
+    """(lark's scan_values, which looked for out-of-range numbers before the depth check, recursed once
+    per level: a chain of 3000 `+` overflowed the stack)"""
+    expr = {
+        "chain": " + ".join(["acc"] * 5000),
+        "unary": "-" * 5000 + "acc",
+        "calls": "exp(" * 5000 + "acc" + ")" * 5000,
+    }[how]
+    with pytest.raises(coda_lang.CodaError) as e:
+        coda_lang.load(HEAD + expr + TAIL)
+    assert [d.code for d in e.value.diagnostics] == ["E0108"]
+
+
+def test_the_malformed_strategies_make_what_they_say() -> None:
+    """Each way of breaking a program shows in what it draws (line endings, nesting, huge numbers)."""
+    from hypothesis import find
+
+    base = st.just(SOURCES["llama_mlp.coda"])
+    assert "\r\n" in find(base.flatmap(line_endings), lambda t: "\r\n" in t)
+    assert find(base.flatmap(line_endings), lambda t: "\r" in t and "\n" not in t)
+    assert find(base.flatmap(nested), lambda t: "(" * 90 in t or "-" * 90 in t)
+    assert find(base.flatmap(huge_literals), lambda t: "9" * 1000 in t)
+    assert find(malformed(base), lambda t: "\r" in t and "9" * 1000 in t)
