@@ -539,3 +539,84 @@ def test_a_wrong_cancelling_gradient_is_still_caught(
 def test_the_cancelling_gradient_passes_on_the_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = fuzz(capsys, HEAD_NORM, "--target", "cuda", "--examples", "40")
     assert code == 0, out + err
+
+
+# ------------------------------------------------------------------ max/min ties across kernels (issue #17)
+
+MAX_OF_TANH = """dims M, K, N
+
+block mx(x: bf16[M, K], w: bf16[K, N], s: f32[N]) -> (y: bf16[M, N], m: f32[M]) {
+  gemm x @ w {
+    y = acc
+    m = max(tanh(acc) * s + acc, over=N)
+  }
+}
+"""
+
+
+def _backward_rounds_tanh_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The emulated backward's elementwise stages (where the ties of `m` are counted, and here its
+    cotangent is split) compute tanh one ulp above the forward's kernel: two kernels that round a
+    fast-math function differently, as a GEMM epilogue and a torch.compile kernel do on the GPU."""
+    torch = pytest.importorskip("torch")
+    from coda_lang.backend_cute import elementwise
+    from coda_lang.ops import REGISTRY
+
+    inside = [False]
+    run, tanh = elementwise.ElementwiseStage.run, REGISTRY["tanh"].torch
+    assert tanh is not None
+
+    def flagged(self: Any, *args: Any, **kw: Any) -> None:
+        inside[0] = True
+        try:
+            run(self, *args, **kw)
+        finally:
+            inside[0] = False
+
+    def up(x: Any) -> Any:
+        y = tanh(x)
+        return torch.nextafter(y, torch.full_like(y, float("inf"))) if inside[0] else y
+
+    monkeypatch.setattr(elementwise.ElementwiseStage, "run", flagged)
+    monkeypatch.setattr(REGISTRY["tanh"], "torch", up)
+
+
+def test_max_ties_agree_when_the_backward_rounds_differently(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The backward finds the elements that attain `m` by comparing its operand with the forward's `m`:
+    it reads the operand as the forward computed it (an f32 copy the forward saves, `_t3_f32`), so the
+    comparison holds bit for bit whatever the backward's kernels round; recomputed (as before), one ulp
+    apart, no element equals the max and `m`'s cotangent is lost."""
+    import coda_lang
+    from coda_lang.autodiff.forward import ForwardFacts
+
+    path = tmp_path / "mx.coda"
+    path.write_text(MAX_OF_TANH)
+    d = coda_lang.load(path)["mx"].derivation()
+    assert d.saved == ("_t3_f32", "m", "acc1")
+    types = {p.var.name: p.var.type for p in d.backward.ir.params}
+    assert types["_t3_f32"].dtype == "f32" and types["acc1"].dtype == "bf16"  # (acc: rounded is fine now)
+    _backward_rounds_tanh_up(monkeypatch)
+    code, out, err = fuzz(capsys, str(path), "--target", "emulate", "--examples", "10")
+    assert code == 0, out + err
+    monkeypatch.setattr(ForwardFacts, "tie_operands", lambda self, k: {})  # the operand recomputed
+    code, out, err = fuzz(capsys, str(path), "--target", "emulate", "--examples", "10")
+    assert code == 1 and re.search(r"gradient of `(x|w|s)`", out), out + err
+
+
+def test_an_operand_the_forward_stores_in_f32_is_read_as_stored() -> None:
+    """A max's operand that the forward stores anyway in f32 is what its ties compare (no extra copy);
+    one IEEE operation of loads (`p3 * p3`) is computed again (every kernel rounds it the same)."""
+    import coda_lang
+
+    text = (
+        MAX_OF_TANH.replace("bf16", "f32")
+        .replace("y = acc", "y = tanh(acc) * s + acc")
+        .replace("max(tanh(acc) * s + acc, over=N)", "max(y, over=N)")
+    )
+    bwd = coda_lang.load(text)["mx"].grad()
+    printed = str(bwd)
+    assert "y == m" in printed and "_f32" not in printed
+    d = coda_lang.load(MAX_OF_TANH.replace("tanh(acc) * s + acc", "acc * s"))["mx"].derivation()
+    assert "_f32" not in str(d.backward) and d.saved == ("acc1", "m")
