@@ -7,7 +7,8 @@ value port gives it, its writer's [m, n / width] buffer filled), the live equati
 `StageSpec` on whole matrices, the stored tiles rounded into `D` and the `TileStore` buffers, and
 every sink as the kernel's per-tile partial buffer (`ColVecReduce` [m, ceil(n/tile_N)],
 `RowVecReduce` [ceil(m/tile_M), n], `OnlineLSEReduce` like ColVecReduce, a min() sink as its kernel writes it: the max of the negation, -min per tile;
-`ColVecSelect` the picked value per row, rows with an index outside [0, n) left as they are); past
+`ColVecSelect` the picked value per row, rows with an index outside [0, n) or a picked -inf left as
+they are, as quack's select leaves them); past
 the end of a sum's reduced dim, in the ragged last tile, what quack's kernel folds there: the
 epilogue's value at a zero accumulator, unless the sum is `bounded` (masked). It takes the arguments exactly
 as launch.py hands them to quack (a half-width column vector repeated twice, scalars as numbers
@@ -240,4 +241,5 @@ def run_stage(
         idx = epi_args[s.index].long()
         ok = (idx >= 0) & (idx < x.shape[1])
         picked = x.gather(1, torch.where(ok, idx, 0).reshape(-1, 1)).reshape(-1)
-        buf.copy_(torch.where(ok, picked, buf))
+        # as quack's ColVecSelect: -inf is its "no match" sentinel, never written (launch.py prefills)
+        buf.copy_(torch.where(ok & (picked != float("-inf")), picked, buf))

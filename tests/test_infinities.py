@@ -1,0 +1,67 @@
+"""Infinities through the CUDA runtime (issue #17's "known differences on the GPU"), on the CPU: the
+emulated kernels model what quack's kernels do at the places where infinities used to come out wrong.
+
+- pick() of a value that is exactly -inf: quack's ColVecSelect takes -inf for "no match" and never
+  writes it, so with the output prefilled with 0 such a row read 0. The runtime now prefills -inf
+  where the row's index is in range (0 where it is not), so the row reads -inf, as in the interpreter;
+  the emulated select skips -inf as quack's does, and fails without the prefill.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import coda_lang  # noqa: E402
+from coda_lang.testing.compare import mismatch  # noqa: E402
+
+PICK_LOG = """dims M, K, N
+block b(x: bf16[M, K], w: bf16[K, N], s: f32[N], t: i32[M]) -> (p: f32[M]) {
+  gemm x @ w {
+    p = pick(log(abs(acc) * s), t)
+  }
+}
+"""
+
+
+def _pick_case() -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    block = coda_lang.load(PICK_LOG)["b"]
+    rng = np.random.default_rng(0)
+    m, k, n = 40, 16, 72  # ragged: 72 columns in tiles of 32
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    s = np.ones(n, np.float32)
+    s[::5] = 0  # log(0) = -inf in these columns
+    t = rng.integers(0, n, m).astype(np.int32)
+    t[::4] = 5  # a -inf column
+    t[1::7] = -100  # ignored rows
+    t[2::9] = n + 3  # past N (and past the last tile)
+    t[3::11] = n + 1  # past N, inside the ragged last tile
+    ins = {"x": x.astype(ml_dtypes.bfloat16), "w": w.astype(ml_dtypes.bfloat16), "s": s, "t": t}
+    tensors = {
+        "x": torch.tensor(x).bfloat16(),
+        "w": torch.tensor(w).bfloat16(),
+        "s": torch.tensor(s),
+        "t": torch.tensor(t),
+    }
+    return block, ins, tensors
+
+
+def test_a_picked_minus_infinity_reads_minus_infinity(monkeypatch: pytest.MonkeyPatch) -> None:
+    block, ins, tensors = _pick_case()
+    ref = block.run(ins)["p"]
+    assert np.isneginf(ref).sum() >= 10 and (ref == 0).sum() >= 8
+    cb = block.cuda(emulate=True, tile=(16, 32))
+    got = cb(tensors)["p"]
+    assert mismatch("p", got, ref) is None
+    import coda_lang.backend_cute.launch as launch
+
+    monkeypatch.setattr(launch, "_prefill_select", lambda out, idx, n: out.zero_())  # the old prefill
+    got = block.cuda(emulate=True, tile=(16, 32))(tensors)["p"]
+    why = mismatch("p", got, ref)
+    assert why is not None and "finite" in why and "-inf" in why, why
