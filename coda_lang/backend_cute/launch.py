@@ -212,7 +212,7 @@ class StageRunner:
         D, C, epi = self.epilogue_arguments(ins, scalars, outs)
         n = B.shape[0] if self.spec.gemm.tb else B.shape[1]
         for s in self.spec.sinks:
-            if s.op == "ColVecSelect":
+            if s.op == "ColVecSelect" and s.index is not None:
                 _prefill_select(epi[s.py], epi[s.index], n)
         if self.config.is_cublas:  # a plain stage (compile.is_plain) the tuner found faster on cuBLAS
             assert D is not None
