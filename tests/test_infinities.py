@@ -5,6 +5,12 @@ emulated kernels model what quack's kernels do at the places where infinities us
   writes it, so with the output prefilled with 0 such a row read 0. The runtime now prefills -inf
   where the row's index is in range (0 where it is not), so the row reads -inf, as in the interpreter;
   the emulated select skips -inf as quack's does, and fails without the prefill.
+- Sums in a ragged tile with an infinity in a row of A: past the end of the reduced dim the
+  accumulator is that row times zero columns, inf * 0 = NaN, and quack's sums fold it. The planner
+  masks every sum of a value of acc there now (`sum(acc * acc)`, which it left unmasked as 0 for
+  finite inputs, included: scaled, both factors masked); the emulated kernel models the NaN padding,
+  and without the mask the sum of that row is NaN where the interpreter's is inf.
+- The same on the GPU (marked gpu): both cases through the compiled kernels.
 """
 
 from __future__ import annotations
@@ -65,3 +71,58 @@ def test_a_picked_minus_infinity_reads_minus_infinity(monkeypatch: pytest.Monkey
     got = block.cuda(emulate=True, tile=(16, 32))(tensors)["p"]
     why = mismatch("p", got, ref)
     assert why is not None and "finite" in why and "-inf" in why, why
+
+
+SUMS = """dims M, K, N
+block b(x: bf16[M, K], w: bf16[K, N], g: f32[N]) -> (o: bf16[M, N], ss: f32[M], t: f32[M], c: f32[N]) {
+  gemm x @ w {
+    o = acc * g
+    ss = sum(acc * acc, over=N)
+    t = sum(exp(acc / 64.0), over=N)
+    c = sum(acc * g, over=M)
+  }
+}
+"""
+
+
+def _sums_case() -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    block = coda_lang.load(SUMS)["b"]
+    rng = np.random.default_rng(0)
+    m, k, n = 40, 16, 72
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    x[3, 2] = np.inf  # a row of A with an infinity: acc of row 3 is +-inf, its squares inf
+    g = np.ones(n, np.float32)
+    ins = {"x": x.astype(ml_dtypes.bfloat16), "w": w.astype(ml_dtypes.bfloat16), "g": g}
+    tensors = {"x": torch.tensor(x).bfloat16(), "w": torch.tensor(w).bfloat16(), "g": torch.tensor(g)}
+    return block, ins, tensors
+
+
+def test_sums_of_a_row_with_an_infinity_are_not_nan(monkeypatch: pytest.MonkeyPatch) -> None:
+    block, ins, tensors = _sums_case()
+    ref = block.run(ins)
+    assert ref["ss"][3] == np.inf
+    cb = block.cuda(emulate=True, tile=(16, 32))
+    assert all(s.bounded for sp in cb.specs if sp is not None for s in sp.sinks)
+    got = cb(tensors)
+    for k in ref:
+        assert mismatch(k, got[k], ref[k]) is None, k
+    import coda_lang.backend_cute.planner as planner
+
+    padding_value = planner.padding_value
+    monkeypatch.setattr(  # the old rule: sums that are 0 there for finite inputs left unmasked
+        planner, "padding_value", lambda *a, finite=True, **kw: padding_value(*a, **kw)
+    )
+    got = block.cuda(emulate=True, tile=(16, 32))(tensors)
+    why = mismatch("ss", got["ss"], ref["ss"])
+    assert why is not None and "nan" in why and "inf" in why, why
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["pick", "sums"])
+def test_infinities_on_the_gpu(case: str) -> None:
+    block, ins, tensors = _pick_case() if case == "pick" else _sums_case()
+    ref = block.run(ins)
+    got = block.cuda(tune=False)({k: v.cuda() for k, v in tensors.items()})
+    for k in ref:
+        assert mismatch(k, got[k], ref[k], block.run(ins, precision="f64")[k]) is None, k

@@ -105,13 +105,17 @@ def _groups(spec: StageSpec, vals: dict[str, Any], m: int, n: int, epi_args: dic
             epi_args[g.out].copy_(folded)
 
 
+NONFINITE = "\0nonfinite"  # vals' key of (rows of A, columns of B) holding an infinity or a NaN
+
+
 def _padding(spec: StageSpec, s: Sink, vals: dict[str, Any], m: int, n: int) -> torch.Tensor:
     """What the kernel's epilogue computes for sink `s` past the end of its reduced dim (the columns past
     N of the ragged last column tile, or the rows past M of the last row tile), as a pattern to repeat
     there: [m, p] (p columns: 1, 2 or 4 for a half-, full- or double-width value) or [1, width]. The
     accumulator and the tiles are 0 there (TMA's out-of-bounds fill), a vector along the reduced dim
     is stale shared memory (NaN here, the worst case), a vector along the other dim, a scalar or a dim
-    is its real value, a grouped value NaN."""
+    is its real value, a grouped value NaN. The accumulator is a row of A (a column of B) times the
+    zeros of the padding: NaN where that row (column) holds an infinity or a NaN (`vals[NONFINITE]`)."""
     per_row = s.op == "ColVecReduce"
     device = vals["acc"].device
 
@@ -130,7 +134,12 @@ def _padding(spec: StageSpec, s: Sink, vals: dict[str, Any], m: int, n: int) -> 
             pad[o.name] = blank(v.shape[1], float("nan"))
         else:
             pad[o.name] = v
+    bad = vals.get(NONFINITE)
     pad["acc"] = blank(n, 0.0)
+    if bad is not None:  # inf * 0 in the padding's dot products
+        rows_or_cols = bad[0] if per_row else bad[1]
+        lay = rows_or_cols.reshape(-1, 1) if per_row else rows_or_cols.reshape(1, -1)
+        pad["acc"] = torch.where(lay, float("nan"), pad["acc"])
     for g in spec.groups:
         pad[g.name] = torch.full((1, 1), float("nan"), device=device)
     _eval(spec.eqns, pad)
@@ -212,6 +221,11 @@ def run_stage(
         assert C is not None
         vals[spec.c.name] = C.float()
     vals["acc"] = acc
+    # rows of A, columns of B holding a non-finite value: the padding's accumulator is NaN there
+    vals[NONFINITE] = (
+        ~torch.isfinite(A.float()).all(dim=1),
+        ~torch.isfinite(B.float()).all(dim=1 if spec.gemm.tb else 0),
+    )
     for ix_op in spec.operands:  # TileIndex: each element's global index as f32, plus the host offset
         if ix_op.role in INDEX_AXIS:
             axis = INDEX_AXIS[ix_op.role]

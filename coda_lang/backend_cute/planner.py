@@ -472,8 +472,14 @@ class _Planner:
             op = "ColVecReduce" if per_row else "RowVecReduce"
             layout = "row partials" if per_row else "column partials"
             prod = self.defined.get(x.name)
-            # quack masks the ragged end of the reduced dim for max (and min, its negation) itself
-            bounded = combine == "add" and not is_zero(self.padding_value(x.name, per_row))
+            # quack masks the ragged end of the reduced dim for max (and min, its negation) itself; a
+            # sum is masked there unless its value is 0 there whatever the inputs (the accumulator is
+            # NaN there in a row of A holding an infinity)
+            bounded = combine == "add" and not is_zero(self.padding_value(x.name, per_row, finite=False))
+            # one that is 0 there for finite inputs is masked in the ragged last tile only (Sink.ragged_only),
+            # and, a sum of a product, folded as one fma of both factors (both masked); one that is not is
+            # masked in every tile and folded plain, as before
+            zero_if_finite = combine == "add" and is_zero(self.padding_value(x.name, per_row))
             if wide:
                 sinks.append(
                     Sink(
@@ -488,13 +494,14 @@ class _Planner:
                         lanes=2,
                         negate=negate,
                         bounded=bounded,
+                        ragged_only=bounded and zero_if_finite,
                     )
                 )
                 continue
             if (
                 rec.name == "sum"
                 and not paired
-                and not bounded
+                and zero_if_finite
                 and prod is not None
                 and prod.op == "mul"
                 and uses.get(x.name) == 1
@@ -502,7 +509,20 @@ class _Planner:
                 and all(isinstance(a, Var) for a in prod.ins)
             ):
                 ins = tuple(a.name for a in prod.ins if isinstance(a, Var))
-                sinks.append(Sink(v.name, py, op, combine, True, ins, t.shape, layout))
+                sinks.append(
+                    Sink(
+                        v.name,
+                        py,
+                        op,
+                        combine,
+                        True,
+                        ins,
+                        t.shape,
+                        layout,
+                        bounded=bounded,
+                        ragged_only=bounded,
+                    )
+                )
                 continue
             if (
                 rec.name == "max"
@@ -542,6 +562,7 @@ class _Planner:
                     pad=pad,
                     negate=negate,
                     bounded=bounded,
+                    ragged_only=bounded and zero_if_finite,
                 )
             )
         for n, k in index_uses.items():
@@ -555,9 +576,11 @@ class _Planner:
                 )
         return sinks
 
-    def padding_value(self, name: str, per_row: bool) -> Any:
+    def padding_value(self, name: str, per_row: bool, finite: bool = True) -> Any:
         """What `name` holds past the end of the reduced dim in the ragged last tile (padding.py)."""
-        return padding_value(name, per_row, {ld.name: ld for ld in self.sp.loads}, self.defined)
+        return padding_value(
+            name, per_row, {ld.name: ld for ld in self.sp.loads}, self.defined, finite=finite
+        )
 
     def grouped(self) -> dict[str, Eqn]:
         """The stage's grouped reductions by result name."""
