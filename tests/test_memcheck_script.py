@@ -14,6 +14,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,11 +28,23 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_examples_run_forward_and_backward_emulated() -> None:
+def _script() -> Any:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import memcheck_examples
+    finally:
+        sys.path.pop(0)
+    return memcheck_examples
+
+
+def test_examples_run_forward_and_backward_emulated(capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("torch")
-    r = _run("--emulate", "examples/llama_mlp.coda", "examples/lm_head_ce.coda")
-    assert r.returncode == 0, r.stdout + r.stderr
-    lines = r.stdout.splitlines()
+    code = _script().main(
+        ["--emulate", str(ROOT / "examples/llama_mlp.coda"), str(ROOT / "examples/lm_head_ce.coda")]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    lines = out.splitlines()
     for block in ("llama_mlp", "lm_head_ce"):
         for what in (
             "forward",
@@ -39,22 +52,14 @@ def test_examples_run_forward_and_backward_emulated() -> None:
             "backward --remat save",
             "backward --remat auto --chunk",
         ):
-            assert any(ln.startswith(f"{block}.coda: ok {block} {what}") for ln in lines), (
-                block,
-                what,
-                r.stdout,
-            )
-    assert "(M=136,D=136,F=136)" in r.stdout and lines[-1] == "memcheck_examples: all runs ok"
+            assert any(ln.startswith(f"{block}.coda: ok {block} {what}") for ln in lines), (block, what, out)
+    assert "(M=136,D=136,F=136)" in out and lines[-1] == "memcheck_examples: all runs ok"
 
 
 def test_a_bad_result_fails_it(tmp_path: Path) -> None:
     """The script's check, in-process: a backward whose gradient comes out NaN fails the run."""
     torch = pytest.importorskip("torch")
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import memcheck_examples as mc
-    finally:
-        sys.path.pop(0)
+    mc = _script()
     import coda_lang
 
     block = coda_lang.load(ROOT / "examples" / "scale_residual.coda")["scale_residual"]
