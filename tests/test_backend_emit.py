@@ -512,9 +512,10 @@ def test_a_dim_used_as_a_value_is_a_scalar_operand() -> None:
 
 
 def test_sums_whose_padding_is_not_zero_are_masked() -> None:
-    """A sum (or max(abs())) whose value past the end of the reduced dim is not 0 whatever the inputs
-    emits epi_ops' Bounded*Reduce (quack's own would fold those elements): every sum of a value of
-    acc, since the accumulator there is NaN in a row of A holding an infinity. One that is 0 there for
+    """A sum over the columns (or max(abs())) whose value past the end of the reduced dim is not 0
+    whatever the inputs emits epi_ops' Bounded*Reduce (quack's own would fold those elements): every
+    such sum of a value of acc, since the accumulator there is NaN in a row of A holding an infinity
+    (a sum over the rows, as before: where it is not 0 there for finite inputs). One that is 0 there for
     finite inputs is masked in the ragged last tile only (`ragged_only`, a branch) and, a sum of a
     product, stays one fma (both factors masked); one that is not is masked in every tile and folded
     plain, as before. A sum of loaded tiles alone (zeros there, TMA's fill) stays

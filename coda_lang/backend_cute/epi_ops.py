@@ -21,7 +21,8 @@ extents), computed from the epilogue's own coordinates, so nothing is loaded for
 rows) that leave out the elements past the end of the reduced dim in the ragged last tile: quack
 folds them, counting on them being 0, but the epilogue's value there is f(acc=0, ...), e.g. exp(0)
 or a constant, and the accumulator itself is NaN there in a row of A that holds an infinity
-(padding.py's `padding_value` decides which sums need it: every sum of a value of acc); scaled
+(padding.py's `padding_value` decides which sums need it: every sum over the columns of a value of
+acc, sums over the rows where they are not 0 there for finite inputs); scaled
 (one fma of two factors) or not. With `ragged_only` (a sum that is 0 there for finite inputs) only the
 ragged last tile runs their selects, behind a branch uniform over the CTA.
 What it does not: anything at trace time beyond quack's base class; it is imported only by emitted

@@ -3,8 +3,9 @@
 What it does: `padding_value` evaluates, for one value of a stage, what the epilogue computes at the
 elements past the end of the reduced dim in the ragged last tile (where quack's add and max_abs
 reductions also fold): a number when it is the same whatever the inputs, `REAL` when it is made of real
-values, None when it may be anything. The planner masks a sum there (a Bounded*Reduce) unless its
-summand is known to be 0 whatever the inputs, infinities included (`is_zero` of `finite=False`).
+values, None when it may be anything. The planner masks a sum over the columns there (a
+Bounded*Reduce) unless its summand is known to be 0 whatever the inputs, infinities in A included
+(`is_zero` of `finite=False`), and a sum over the rows unless it is 0 there for finite inputs.
 What it does not: choose sinks (planner.py) or run anything.
 Invariants: pure (reads the stage's loads and definitions only); recursion is memoized per call.
 """

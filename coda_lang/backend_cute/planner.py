@@ -473,9 +473,13 @@ class _Planner:
             layout = "row partials" if per_row else "column partials"
             prod = self.defined.get(x.name)
             # quack masks the ragged end of the reduced dim for max (and min, its negation) itself; a
-            # sum is masked there unless its value is 0 there whatever the inputs (the accumulator is
-            # NaN there in a row of A holding an infinity)
-            bounded = combine == "add" and not is_zero(self.padding_value(x.name, per_row, finite=False))
+            # sum over the columns is masked there unless its value is 0 there whatever the inputs (the
+            # accumulator is NaN there in a row of A, an activation, holding an infinity); a sum over the
+            # rows unless it is 0 there for finite inputs (it is NaN only for an infinity in a column of
+            # B, a weight as a rule, and its mask would cost the norm backwards their widest tile)
+            bounded = combine == "add" and not is_zero(
+                self.padding_value(x.name, per_row, finite=not per_row)
+            )
             # one that is 0 there for finite inputs is masked in the ragged last tile only (Sink.ragged_only),
             # and, a sum of a product, folded as one fma of both factors (both masked); one that is not is
             # masked in every tile and folded plain, as before
