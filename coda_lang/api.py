@@ -109,15 +109,33 @@ class Block:
         [D, V] f32 sum over the rows). Gradients summed over the chunked dim accumulate across chunks
         unrounded and are rounded once. CodaError E0809 for bad arguments or a backward that can't run
         in chunks of that dim."""
-        import numpy as np
-
         from coda_lang.interp.chunk import chunk_mode
-        from coda_lang.interp.inputs import extent, fail
 
         chunk = chunk_mode(chunk, budget, chunk_dim)
         d = self.derivation(wrt, remat)
         fwd = d.forward.run_with_partials(inputs, dims=dims, tile=tile, precision=precision)[0]
+        bins, bdims = self.backward_inputs(d, inputs, cotangents, fwd, dims, precision)
+        if chunk is None and budget is None:
+            grads = d.backward.run(bins, dims=bdims, tile=tile, precision=precision)
+        else:
+            grads = self._chunked_backward(wrt, remat, bins, bdims, tile, precision, chunk, budget, chunk_dim)
+        return {p: grads[g] for p, g in d.grads.items()}
+
+    def backward_inputs(
+        self,
+        d: Derivation,
+        inputs: dict[str, Any],
+        cotangents: dict[str, Any],
+        fwd: dict[str, Any],
+        dims: dict[str, int] | None,
+        precision: str = "exact",
+    ) -> tuple[dict[str, Any], dict[str, int]]:
+        """The inputs of `d`'s backward block (the cotangents, zeros for outputs without one; saved
+        tensors from the extended forward's outputs `fwd`; parameters) and its dims."""
+        import numpy as np
+
         from coda_lang.interp import bind
+        from coda_lang.interp.inputs import extent, fail
 
         _, sizes = bind(self.ir, inputs, dims, precision)
         outputs = {o.name: o for o in self.ir.outputs}
@@ -139,11 +157,7 @@ class Block:
             if bins[name] is None:
                 bins.pop(name)  # a parameter with a default
         bdims = {x.name: sizes[x.name] for x in d.backward.ir.dims}  # the backward declares the dims it uses
-        if chunk is None and budget is None:
-            grads = d.backward.run(bins, dims=bdims, tile=tile, precision=precision)
-        else:
-            grads = self._chunked_backward(wrt, remat, bins, bdims, tile, precision, chunk, budget, chunk_dim)
-        return {p: grads[g] for p, g in d.grads.items()}
+        return bins, bdims
 
     def chunk_plan(
         self, wrt: list[str] | None = None, remat: str = DEFAULT_REMAT, dim: str | None = None

@@ -3,7 +3,9 @@
 What it does: draws cases (sizes for the block's dims, including sizes that are not multiples of the
 tile; a seed for the inputs and the cotangents; for the interpreter target a small tile) with
 hypothesis, runs the block on the path under test and on the whole-matrix interpreter, forward and
-backward, and compares them with the tolerance rule of `coda_lang.testing.compare`. Targets:
+backward, and compares them with the tolerance rule of `coda_lang.testing.compare` (where an element
+misses its per-element part, with that element's rounding bound, `coda_lang.interp.bound`: a value that
+cancelled is judged against the magnitudes that cancelled). Targets:
 - `interp`: the interpreter's tile simulation (`Block.run(..., tile=...)`, `Block.vjp(..., tile=...)`);
 - `cuda`: the compiled kernels (`Block.cuda()`; backward through `CudaBlock.autograd()`), on a GPU;
   the kernels' per-tile partial buffers are also compared with the tile simulation at their tiles;
@@ -75,6 +77,19 @@ def _small_tiles(cb: Any) -> dict[int, tuple[int, int]]:
                 out[k] = t
                 break
     return out
+
+
+class _Once:
+    """A value computed on first use (the rounding bounds of a case: only where a comparison needs them)."""
+
+    def __init__(self, make: Callable[[], dict[str, Any]]):
+        self.make = make
+        self.value: dict[str, Any] | None = None
+
+    def __call__(self) -> dict[str, Any]:
+        if self.value is None:
+            self.value = self.make()
+        return self.value
 
 
 class Unavailable(Exception):
@@ -343,7 +358,10 @@ class Fuzzer:
         rows = max(1, dims.get(plan.dim, 1))
         c = 1 + (n - 1) % rows  # 1 .. rows: shrinks to 1
         if kind == "rows":
-            return c, None
+            # a kernel stores rows of 16 bytes: where the dim is a stored matrix's columns (the gradient
+            # of a transposed input), a GPU chunk is a multiple of the plan's alignment (as "auto" makes it)
+            a = plan.align if self.target != "interp" and plan.align < rows else 1
+            return min(rows, a * (1 + (n - 1) % max(1, rows // a))), None
         per_row = plan.bytes_per_row(dims)
         if per_row == 0:  # no transient: any budget gives one chunk
             return "auto", 1 + r
@@ -384,8 +402,11 @@ class Fuzzer:
             ref64 = self.block.run(ins, dims=case.dims, precision="f64")
         except Exception as e:  # the reference path must run every drawn case
             return [f"the whole-matrix interpreter raised {_first_line(e)}"]
+        from coda_lang.interp import bound
+
+        bounds = _Once(lambda: bound.run(self.block, ins, case.dims)[1])
         try:
-            msgs = self._forward(case, ins, ref, ref64)
+            msgs = self._forward(case, ins, ref, ref64, bounds)
         except Exception as e:
             return [f"forward on {self.target} raised {_first_line(e)}"]
         if self.derivation is None or (self.target != "interp" and self.fn is None):
@@ -409,8 +430,9 @@ class Fuzzer:
             msgs.append(
                 f"the whole-matrix interpreter's float64 backward under --remat save raised {_first_line(e)}"
             )
+        gbounds = _Once(lambda: bound.vjp(self.block, ins, cots, case.dims, remat)[1])
         try:
-            msgs += self._backward(case, ins, cots, gref, g64)
+            msgs += self._backward(case, ins, cots, gref, g64, gbounds)
         except Exception as e:
             msgs.append(f"backward on {self.target} raised {_first_line(e)}")
         return msgs
@@ -445,28 +467,39 @@ class Fuzzer:
         ref: dict[str, Any],
         ref64: dict[str, Any],
         dtypes: dict[str, str],
+        bounds: _Once | None = None,
     ) -> list[str]:
+        """Each of `ref` against `got` by the accuracy rule; where an element misses its first part,
+        with the rounding bound of each element (`bounds`, computed only then: interp.bound)."""
         out = []
         for name, r in ref.items():
             if name not in got:
                 out.append(f"{what} `{name}`: missing")
                 continue
-            m = mismatch(f"{what} `{name}`", got[name], r, ref64.get(name), dtypes.get(name, "f32"))
+            args = (f"{what} `{name}`", got[name], r, ref64.get(name), dtypes.get(name, "f32"))
+            m = mismatch(*args)
+            if m and bounds is not None:
+                m = mismatch(*args, bound=bounds().get(name))
             if m:
                 out.append(m)
         return out
 
     def _forward(
-        self, case: Case, ins: dict[str, Any], ref: dict[str, Any], ref64: dict[str, Any]
+        self,
+        case: Case,
+        ins: dict[str, Any],
+        ref: dict[str, Any],
+        ref64: dict[str, Any],
+        bounds: _Once | None = None,
     ) -> list[str]:
         dtypes = {o.name: _dtype_of(o.type) for o in self.block.ir.outputs}
         if self.target == "interp":
             got = self.block.run(ins, dims=case.dims, tile=case.tile)
-            return self._outputs("output", got, ref, ref64, dtypes)
+            return self._outputs("output", got, ref, ref64, dtypes, bounds)
         outs, parts = self.cb.run_with_partials(
             {k: self._tensor(v) for k, v in ins.items()}, dims=self._dims(self.block, case)
         )
-        msgs = self._outputs("output", outs, ref, ref64, dtypes)
+        msgs = self._outputs("output", outs, ref, ref64, dtypes, bounds)
         # the tile simulation at the kernels' tiles, rounded as they round; where a partial misses the
         # per-element rule (one that cancels: a sum of products of bf16-rounded values), the same
         # simulation in float64 gives the tolerance rule's f64 part (run only then)
@@ -495,7 +528,13 @@ class Fuzzer:
         return msgs
 
     def _backward(
-        self, case: Case, ins: dict[str, Any], cots: dict[str, Any], gref: dict[str, Any], g64: dict[str, Any]
+        self,
+        case: Case,
+        ins: dict[str, Any],
+        cots: dict[str, Any],
+        gref: dict[str, Any],
+        g64: dict[str, Any],
+        bounds: _Once | None = None,
     ) -> list[str]:
         d = self.derivation
         assert d is not None
@@ -511,7 +550,7 @@ class Fuzzer:
                 chunk=case.chunk,
                 budget=case.budget,
             )
-            return self._outputs("gradient of", got, gref, g64, dtypes)
+            return self._outputs("gradient of", got, gref, g64, dtypes, bounds)
         import torch
 
         tensors = {k: self._tensor(v) for k, v in ins.items()}
@@ -535,7 +574,7 @@ class Fuzzer:
         dtypes.update(
             {p: _dtype_of(next(x.var.type for x in self.block.ir.params if x.var.name == p)) for p in wrt}
         )
-        return self._outputs("gradient of", got, {p: gref[p] for p in wrt}, g64, dtypes)
+        return self._outputs("gradient of", got, {p: gref[p] for p in wrt}, g64, dtypes, bounds)
 
     @staticmethod
     def _dims(block: Block, case: Case) -> dict[str, int]:

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # One command on the GPU host (after `source .gpu/env/gpu.sh`, from the project root or anywhere):
-#   scripts/gpu_check.sh [all|tests|fuzz|bench] [extra args for benchmarks/gpu_bench.py]
+#   scripts/gpu_check.sh [all|tests|fuzz|memcheck|bench] [extra args for benchmarks/gpu_bench.py]
 # runs the GPU tests (python -m pytest -q -m gpu tests/, in five processes), `coda fuzz --target cuda` on every example
 # (200 cases each; FUZZ_EXAMPLES="examples/a.coda ..." picks some) and on random programs (PROGRAMS=240
 # drawn, of which the backend refuses about half, in SHARDS=12 processes), all in parallel (compiles are
 # CPU-bound; FUZZ_ARGS="--special" adds non-finite inputs), then a summary with the number of programs
-# run; and then the
+# run; then every example forward and backward (--remat auto and save, and in row chunks) under
+# compute-sanitizer's memcheck (scripts/memcheck_examples.py, with PYTORCH_NO_CUDA_MEMORY_CACHING=1 so
+# that torch's caching allocator hides no out-of-bounds access; run once without the sanitizer first,
+# which compiles the kernels into the cache; $COMPUTE_SANITIZER names the binary, default: on PATH or
+# under $CUDA_HOME or /usr/local/cuda; any memcheck error fails the check); and then the
 # benchmark (python benchmarks/gpu_bench.py), printing each; logs (and the benchmark's JSON) go to $OUT
 # (a fresh temporary folder when $OUT is unset). Compiled kernels are cached under /tmp/coda-gpu/cache
 # (coda's PTX and emitted epilogues, quack's .o files), so a second run on the same host skips the
@@ -79,6 +83,37 @@ if [ "$what" = all ] || [ "$what" = fuzz ]; then
   for log in "$OUT"/fuzz_*.log; do echo "$(basename "$log"): $(tail -2 "$log" | tr '\n' ' ')"; done
   cat "$OUT"/fuzz_programs_*.log | python -c "import re, sys; t = sys.stdin.read(); print('random programs run:', sum(int(n) for n in re.findall(r'ok: (\\d+) random programs', t)), '(failed shards:', t.count('wrote the failing program'), ')')"
   grep -q "^rc=[^0]" "$OUT"/fuzz_*.log && rc_tests=1
+fi
+if [ "$what" = all ] || [ "$what" = memcheck ]; then
+  echo "== compute-sanitizer memcheck: every example forward and backward (scripts/memcheck_examples.py)"
+  sanitizer="${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || true)}"
+  for d in "${CUDA_HOME:-}" /usr/local/cuda; do
+    [ -z "$sanitizer" ] && [ -n "$d" ] && [ -x "$d/bin/compute-sanitizer" ] && sanitizer="$d/bin/compute-sanitizer"
+  done
+  if [ -z "$sanitizer" ] || [ ! -x "$sanitizer" ]; then
+    echo "memcheck: compute-sanitizer not found (set COMPUTE_SANITIZER=/path/to/compute-sanitizer)"
+    rc_tests=1
+  else
+    # compile first (and check the runs) without the sanitizer: the kernels land in the caches above
+    python scripts/memcheck_examples.py > "$OUT/memcheck_warm.log" 2>&1
+    rc_warm=$?
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool memcheck --report-api-errors no --error-exitcode 9 \
+      --print-limit 100 python scripts/memcheck_examples.py > "$OUT/memcheck.log" 2>&1
+    rc_memcheck=$?
+    tail -1 "$OUT/memcheck_warm.log"
+    grep -E "^(FAILED|skip)|ERROR SUMMARY|Invalid|memcheck_examples:" "$OUT/memcheck.log" | tail -20
+    # the sanitizer exits 9 on a memcheck error; the script 1 on a failed run (a sanitizer that finds no
+    # error and a script that ran everything: "ERROR SUMMARY: 0 errors" and "all runs ok")
+    # (a process the script starts, e.g. a torch.compile worker, has an ERROR SUMMARY of its own)
+    if [ "$rc_warm" -ne 0 ] || [ "$rc_memcheck" -ne 0 ] || ! grep -q "ERROR SUMMARY: 0 errors" "$OUT/memcheck.log" \
+        || grep -q -E "ERROR SUMMARY: [1-9]" "$OUT/memcheck.log" \
+        || ! grep -q "memcheck_examples: all runs ok" "$OUT/memcheck.log"; then
+      echo "memcheck: FAILED (rc $rc_warm without the sanitizer, $rc_memcheck under it; $OUT/memcheck.log)"
+      rc_tests=1
+    else
+      echo "memcheck: no errors"
+    fi
+  fi
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   echo "== benchmark"

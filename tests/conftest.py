@@ -10,7 +10,10 @@ Hypothesis profiles, chosen with the environment variable HYPOTHESIS_PROFILE:
   deadline, 50 examples per property, failure blobs printed;
 - "dev": random examples (a different 50 on each run), for a quick local look around;
 - "long": random, 1000 examples per property, for a local run before a release or after touching the
-  checker, interpreter or autodiff: `HYPOTHESIS_PROFILE=long python -m pytest -q -p no:cacheprovider`.
+  checker, interpreter or autodiff: `HYPOTHESIS_PROFILE=long python -m pytest -q -p no:cacheprovider`;
+- "stress": random, 10,000 examples per property that takes the profile's count (the malformed-program
+  property of tests/test_robustness.py: `HYPOTHESIS_PROFILE=stress python -m pytest -q
+  tests/test_robustness.py -k malformed`; scripts/robustness_stress.py does the same in parallel jobs).
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ settings.register_profile(
 settings.register_profile("dev", deadline=None, max_examples=50)
 settings.register_profile(
     "long", deadline=None, max_examples=1000, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "stress", deadline=None, max_examples=10_000, print_blob=True, suppress_health_check=list(HealthCheck)
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 

@@ -513,33 +513,47 @@ def test_a_dim_used_as_a_value_is_a_scalar_operand() -> None:
 
 
 def test_sums_whose_padding_is_not_zero_are_masked() -> None:
-    """A sum (or max(abs())) whose value past the end of the reduced dim is not known to be 0 emits
-    epi_ops' Bounded*Reduce (quack's own would fold those elements); one that is 0 there stays quack's
-    (and a sum of a product stays scaled); llama_mlp's sums all stay quack's."""
+    """A sum over the columns (or max(abs())) whose value past the end of the reduced dim is not 0
+    whatever the inputs emits epi_ops' Bounded*Reduce (quack's own would fold those elements): every
+    such sum of a value of acc, since the accumulator there is NaN in a row of A holding an infinity
+    (a sum over the rows, as before: where it is not 0 there for finite inputs). One that is 0 there for
+    finite inputs is masked in the ragged last tile only (`ragged_only`, a branch) and, a sum of a
+    product, stays one fma (both factors masked); one that is not is masked in every tile and folded
+    plain, as before. A sum of loaded tiles alone (zeros there, TMA's fill) stays
+    quack's. A max of abs() is masked where its padding is not 0 for finite inputs (PTX max.abs skips
+    the NaN). llama_mlp's RMSNorm statistic is masked and stays one fma."""
     from runtime_check import RAGGED_SUMS
 
     spec = plan_stage(next(iter(coda_lang.load(RAGGED_SUMS))), 1)
     assert {s.name: (s.bounded, s.scaled) for s in spec.sinks} == {
         "s": (True, False),
         "u": (True, False),
-        "q": (False, True),
-        "z": (False, False),
+        "q": (True, True),
+        "z": (True, False),
         "v": (True, False),
         "a": (True, False),
     }
     src = emit_stage(spec)
     assert '"s": BoundedColVecReduce("s")' in src and '"u": BoundedRowVecReduce("u")' in src
-    assert '"q": ColVecReduce("q", scaled=True)' in src and '"z": ColVecReduce("z")' in src
+    assert '"q": BoundedColVecReduce("q", scaled=True, ragged_only=True)' in src
+    assert '"z": BoundedColVecReduce("z", ragged_only=True)' in src
+    assert [s.name for s in spec.sinks if s.ragged_only] == ["q", "z"]  # 0 there for finite inputs
     assert '"a": BoundedColVecReduce("a", combine="max_abs")' in src
     assert "from coda_lang.backend_cute.epi_ops import BoundedColVecReduce, BoundedRowVecReduce" in src
-    d = mlp().derivation()
-    for b in (d.forward, d.backward):
-        for k in range(1, len(b.ir.body) + 1):
-            try:
-                sp = plan_stage(b, k)
-            except (CodaError, ValueError, IndexError):
-                continue
-            assert not any(s.bounded for s in sp.sinks), (b.name, k)
+    tiles_only = """dims M, K, N
+block b(x: bf16[M, K], w: bf16[K, N], t: bf16[M, N]) -> (o: bf16[M, N], z: f32[M], y: f32[M]) {
+  gemm x @ w {
+    o = acc
+    z = sum(t * 2.0, over=N)
+    y = sum(t * t, over=N)
+  }
+}
+"""
+    spec = plan_stage(coda_lang.load(tiles_only)["b"], 1)
+    assert {s.name: (s.bounded, s.scaled) for s in spec.sinks} == {"z": (False, False), "y": (False, True)}
+    assert [(s.name, s.bounded, s.scaled, s.ragged_only) for s in plan_stage(mlp(), 1).sinks] == [
+        ("ss", True, True, True)
+    ]
     from runtime_check import DIMS_AS_VALUES as SUM_OF_DIMS  # s = sum(h * K), h = acc / K + b * N - M
 
     assert [s.bounded for s in plan_stage(next(iter(coda_lang.load(SUM_OF_DIMS))), 1).sinks] == [True]

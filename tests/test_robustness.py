@@ -5,6 +5,12 @@ mutations of the example programs (tokens or characters deleted, duplicated, swa
 numbers replaced; braces dropped) go through `check_source`, which must return normally with
 diagnostics whose codes are all in CODES, whose spans lie inside the file, and which render in both
 formats. `coda_lang.load` raises only `CodaError` for such text.
+
+Malformed programs (`coda_lang.testing.malformed`: the examples and random programs mutated, nested
+deeply, given huge literals and other line endings) also go through `coda check`, `coda grad` and
+`coda run` (in-process): no exit code 3, no traceback. In CI a derandomized sample of 100;
+`HYPOTHESIS_PROFILE=stress` takes 10,000 here, and `scripts/robustness_stress.py` runs 10,000 or more
+in parallel jobs with a time limit per program (a hang) and prints what ran.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from coda_lang.frontend import check_source, normalize_newlines
 from coda_lang.ir.printer import print_program
 from coda_lang.ir.types import DTYPES
 from coda_lang.ops import BY_SURFACE
+from coda_lang.testing.malformed import crash, malformed, random_sources
 from coda_lang.verify.diagnostics import CODES, render_all
 from coda_lang.verify.plan import explain
 
@@ -412,3 +419,61 @@ def test_the_emitted_kernel_does_not_change_with_the_layout_of_the_source() -> N
         a = emit_stage(plan_stage(coda_lang.load(text)["llama_mlp"], k))
         b = emit_stage(plan_stage(coda_lang.load(moved)["llama_mlp"], k))
         assert a == b  # the kernel's cache key is its text
+
+
+# ------------------------------------------------------------------ malformed programs, every command
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("malformed")
+
+
+MALFORMED = malformed(st.one_of(st.sampled_from(sorted(SOURCES.values())), programs(), random_sources()))
+
+
+@settings(max_examples=max(100, settings.default.max_examples))
+@given(MALFORMED)
+def test_malformed_programs_crash_no_command(folder: Path, text: str) -> None:
+    """Mutations, deep nesting, huge literals and line endings, together: the diagnostics are well
+    formed, and `coda check`, `coda grad`, `coda run` (at small dims) and `coda_lang.load` don't crash."""
+    assert_diagnosed(text)
+    assert crash(text, str(folder)) is None
+
+
+@pytest.mark.parametrize("how", ["chain", "unary", "calls"])
+def test_thousands_of_levels_are_e0108_not_a_recursion_error(how: str) -> None:
+    """(lark's scan_values, which looked for out-of-range numbers before the depth check, recursed once
+    per level: a chain of 3000 `+` overflowed the stack)"""
+    expr = {
+        "chain": " + ".join(["acc"] * 5000),
+        "unary": "-" * 5000 + "acc",
+        "calls": "exp(" * 5000 + "acc" + ")" * 5000,
+    }[how]
+    with pytest.raises(coda_lang.CodaError) as e:
+        coda_lang.load(HEAD + expr + TAIL)
+    assert [d.code for d in e.value.diagnostics] == ["E0108"]
+
+
+SEEN: dict[str, int] = {}
+
+
+@settings(max_examples=120, derandomize=True, database=None)
+@given(malformed(st.just(SOURCES["llama_mlp.coda"])))
+def _draw_malformed(text: str) -> None:
+    for what, hit in {
+        "crlf": "\r\n" in text,
+        "lone cr": bool(re.search("\r(?!\n)", text)),
+        "deep": "(" * 90 in text or "-" * 90 in text or "exp(" * 90 in text or "[" * 90 in text,
+        "huge": "9" * 1000 in text or "0" * 400 in text or "e999999999" in text,
+        "mutated": "gemm y @ w_o" not in text or "x2 = acc + h" not in text,
+    }.items():
+        SEEN[what] = SEEN.get(what, 0) + hit
+
+
+def test_the_malformed_strategies_make_what_they_say() -> None:
+    """Each way of breaking a program shows in what 120 draws make: CRLF and lone CR line endings,
+    nesting around MAX_DEPTH, numbers of a thousand digits, edits."""
+    SEEN.clear()
+    _draw_malformed()
+    assert all(SEEN.get(k, 0) >= 2 for k in ("crlf", "lone cr", "deep", "huge", "mutated")), SEEN

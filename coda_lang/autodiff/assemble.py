@@ -195,6 +195,10 @@ def extend_forward(s: State, saved: tuple[str, ...]) -> Block:
     have = {o.name for o in outs}
     reads = {r.name: r for r in s.reads if r.how == SAVED and r.name in saved}
     acc_read = {r.stage: r for r in reads.values() if r.value == "acc"}
+    copies: dict[int, list[Read]] = {}
+    for r in reads.values():
+        if r.value != "acc" and r.stage is not None:
+            copies.setdefault(r.stage, []).append(r)
     body: list[Stmt] = []
     k = -1
     for st in f.body:
@@ -207,6 +211,10 @@ def extend_forward(s: State, saved: tuple[str, ...]) -> Block:
                 extra.append(
                     Eqn("copy", (st.acc,), (Var(name, None, s.fwd.acc_dtype(k)),), (), st.span, (st.span,))
                 )
+            for r in copies.get(k, []):  # an f32 copy of a tile as computed (State.read_exact)
+                extra.append(
+                    Eqn("copy", (Var(r.value),), (Var(r.name, None, "f32"),), (), st.span, (st.span,))
+                )
             body.append(replace(st, body=st.body + tuple(extra)))
         else:
             body.append(st)
@@ -214,7 +222,7 @@ def extend_forward(s: State, saved: tuple[str, ...]) -> Block:
         if name in have:
             continue
         r = reads[name]
-        span = f.stages[r.stage].span if r.value == "acc" and r.stage is not None else f.span
+        span = f.stages[r.stage].span if r.stage is not None else f.span
         outs.append(Output(name, r.type, span))
     notes = tuple(f.notes) + (
         "saved for the backward (extra outputs): " + (", ".join(n for n in saved if n not in have) or "none"),

@@ -19,6 +19,9 @@ from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type
 from coda_lang.verify.plan import BlockPlan
 
 INDEX_OPS = ("row_index", "col_index")
+# one IEEE operation: on the same operands, every kernel rounds it the same (no approximation, and
+# nothing to fuse it with)
+EXACT_OPS = frozenset({"copy", "neg", "abs", "add", "sub", "mul", "maximum", "minimum"})
 
 
 class ForwardFacts:
@@ -102,9 +105,45 @@ class ForwardFacts:
 
     def acc_dtype(self, k: int) -> str:
         """The dtype stage k's acc is saved in: the activation dtype, or f32 where a max/min reduction's
-        backward compares its recomputed operand with the forward's result (rounded, they'd differ)."""
-        exact = any(e.op in ("reduce_max", "reduce_min") for e in self.block.stages[k].body)
+        backward compares its operand, recomputed from acc, with the forward's result (rounded, they'd
+        differ): one whose operand is not saved as it is (`tie_operands`)."""
+        saved = set(self.tie_operands(k).values())
+        exact = any(
+            e.op in ("reduce_max", "reduce_min")
+            and not (isinstance(e.ins[0], Var) and e.ins[0].name in saved)
+            for e in self.block.stages[k].body
+        )
         return "f32" if exact else self.plan.activation
+
+    def tie_operands(self, k: int) -> dict[str, str]:
+        """{max/min reduction: its operand} for stage k's reductions over rows or columns (not grouped:
+        those are recomputed with their operand, in one epilogue) whose operand the backward could not
+        compute again bit for bit: the backward finds the elements that attain the max by comparing
+        the operand with the forward's result, so it reads an f32 copy of the operand that the forward
+        stores (`State.read_exact`). An operand is computed again exactly when it is `acc`, a value from
+        outside the stage (a load, a parameter), or one IEEE operation (`EXACT_OPS`) of such values,
+        literals and indices: every kernel rounds those the same. Others (a fast-math function, a
+        product fused into a sum, a vector the backward recomputes between stages) may come out one
+        ulp apart in another kernel, and then no element would equal the max."""
+        out: dict[str, str] = {}
+
+        def plain(a: object) -> bool:
+            if not isinstance(a, Var) or a.name == "acc" or self.fstage.get(a.name) != k:
+                return True
+            return self.fdef[a.name].op in INDEX_OPS
+
+        for e in self.block.stages[k].body:
+            if e.op not in ("reduce_max", "reduce_min") or e.param("group") is not None:
+                continue
+            (x,) = e.ins
+            if plain(x):
+                continue
+            assert isinstance(x, Var)
+            d = self.fdef[x.name]
+            if d.op in EXACT_OPS and all(plain(a) for a in d.ins):
+                continue
+            out[e.outs[0].name] = x.name
+        return out
 
     def gemm_uses(self, name: str) -> list[tuple[int, str]]:
         """(consumer stage, "a" or "b") for each GEMM operand use of a forward matrix."""

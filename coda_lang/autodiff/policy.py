@@ -60,6 +60,7 @@ def derive(
             for r in d.reads
             if r.how == SAVED
             and r.name in d.saved
+            and r.name == r.value  # (not an f32 copy a max's ties compare: State.read_exact)
             and r.value in fstage
             and r.value not in tried
             and policies[fstage[r.value]] != "save"

@@ -212,6 +212,17 @@ class Site:
             cache[v.name] = o
         return cache[name]
 
+    def exact_operand(self, e: Eqn) -> None:
+        """Before a max/min reduction `e`'s ties are compared: an operand that another kernel could not
+        compute again bit for bit is read as the forward's own f32 copy (ForwardFacts.tie_operands)."""
+        x = self.fwd.tie_operands(self.k).get(e.outs[0].name)
+        if x is None or x in self.exact_cache:
+            return
+        if self.fwd.storage.get(x, self.fwd.plan.activation) == "f32" and self.fwd.ftype[x].kind == TILE:
+            self.exact_cache[x] = self.s.read_saved(x)  # the forward stores it in f32: that copy
+        else:
+            self.exact_cache[x] = self.s.read_exact(x, self.k)
+
     def tie_count(self, e: Eqn) -> Atom:
         return self.ties[e.outs[0].name]
 
@@ -235,6 +246,7 @@ class Site:
         b = s.b
         for e in eqns:
             b.span = e.span
+            self.exact_operand(e)
             mask = b.op("eq", self.primal(e.ins[0]), self.primal(e.outs[0]))
             over = e.param("over")
             assert isinstance(over, Dim)
@@ -350,6 +362,8 @@ class Site:
             # row vector's cotangent times it would have no width): they need whole tiles
             cts = [self.fill(t[0], t[1]) if t is not None else None for t in taken]
         self.exact = e.op in ("reduce_max", "reduce_min")
+        if self.exact:
+            self.exact_operand(e)
         got = op.vjp(b, Primals(e, self.primal), cts if op.nout > 1 else cts[0])
         self.exact = False
         out_logical = next(t[1] for t in taken if t is not None)

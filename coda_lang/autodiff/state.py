@@ -49,8 +49,9 @@ class Read:
     how: str  # PARAM, SAVED or RECOMPUTED
     name: str  # what holds it in the backward block
     type: Type  # its type there
-    # "acc": its forward stage; RECOMPUTED: the forward stage whose backward recomputes it in its
-    # epilogue (or in a stage counting its ties); None: between stages (or not a stage's)
+    # "acc", or SAVED under a name of its own (an f32 copy of a tile: `read_exact`): its forward stage;
+    # RECOMPUTED: the forward stage whose backward recomputes it in its epilogue (or in a stage
+    # counting its ties); None: between stages (or not a stage's)
     stage: int | None = None
 
 
@@ -166,6 +167,18 @@ class State:
             t = Type(self.fwd.acc_dtype(k), acc.type.shape, MATRIX)
             self._record(Read("acc", SAVED, name, t, k), key)
             self._param(name, t)
+        return Var(self._read[key].name)
+
+    def read_exact(self, name: str, k: int) -> Var:
+        """Stage k's tile `name` as the forward computed it, in f32 before any rounding: a copy the
+        forward stores for the backward (`ForwardFacts.tie_operands`: what a max/min reduction's ties
+        compare, bit for bit), under a fresh name `<name>_f32`."""
+        key = (SAVED, name, k)
+        if key not in self._read:
+            t = Type("f32", self.fwd.ftype[name].shape, MATRIX)
+            fresh = self.names.fresh(f"{name}_f32")
+            self._record(Read(name, SAVED, fresh, t, k), key)
+            self._param(fresh, t)
         return Var(self._read[key].name)
 
     def read_between(self, a: Atom) -> Atom:

@@ -247,6 +247,7 @@ class _Emitter:
                     [
                         f', combine="{s.combine}"' if s.combine != "add" else "",
                         ", scaled=True" if s.scaled else "",
+                        ", ragged_only=True" if s.ragged_only else "",
                     ]
                 )
                 items.append(f'"{s.py}": {"Bounded" if s.bounded else ""}{s.op}("{s.py}"{kw})')

@@ -7,7 +7,8 @@ value port gives it, its writer's [m, n / width] buffer filled), the live equati
 `StageSpec` on whole matrices, the stored tiles rounded into `D` and the `TileStore` buffers, and
 every sink as the kernel's per-tile partial buffer (`ColVecReduce` [m, ceil(n/tile_N)],
 `RowVecReduce` [ceil(m/tile_M), n], `OnlineLSEReduce` like ColVecReduce, a min() sink as its kernel writes it: the max of the negation, -min per tile;
-`ColVecSelect` the picked value per row, rows with an index outside [0, n) left as they are); past
+`ColVecSelect` the picked value per row, rows with an index outside [0, n) or a picked -inf left as
+they are, as quack's select leaves them); past
 the end of a sum's reduced dim, in the ragged last tile, what quack's kernel folds there: the
 epilogue's value at a zero accumulator, unless the sum is `bounded` (masked). It takes the arguments exactly
 as launch.py hands them to quack (a half-width column vector repeated twice, scalars as numbers
@@ -104,13 +105,17 @@ def _groups(spec: StageSpec, vals: dict[str, Any], m: int, n: int, epi_args: dic
             epi_args[g.out].copy_(folded)
 
 
+NONFINITE = "\0nonfinite"  # vals' key of (rows of A, columns of B) holding an infinity or a NaN
+
+
 def _padding(spec: StageSpec, s: Sink, vals: dict[str, Any], m: int, n: int) -> torch.Tensor:
     """What the kernel's epilogue computes for sink `s` past the end of its reduced dim (the columns past
     N of the ragged last column tile, or the rows past M of the last row tile), as a pattern to repeat
     there: [m, p] (p columns: 1, 2 or 4 for a half-, full- or double-width value) or [1, width]. The
     accumulator and the tiles are 0 there (TMA's out-of-bounds fill), a vector along the reduced dim
     is stale shared memory (NaN here, the worst case), a vector along the other dim, a scalar or a dim
-    is its real value, a grouped value NaN."""
+    is its real value, a grouped value NaN. The accumulator is a row of A (a column of B) times the
+    zeros of the padding: NaN where that row (column) holds an infinity or a NaN (`vals[NONFINITE]`)."""
     per_row = s.op == "ColVecReduce"
     device = vals["acc"].device
 
@@ -129,7 +134,12 @@ def _padding(spec: StageSpec, s: Sink, vals: dict[str, Any], m: int, n: int) -> 
             pad[o.name] = blank(v.shape[1], float("nan"))
         else:
             pad[o.name] = v
+    bad = vals.get(NONFINITE)
     pad["acc"] = blank(n, 0.0)
+    if bad is not None:  # inf * 0 in the padding's dot products
+        rows_or_cols = bad[0] if per_row else bad[1]
+        lay = rows_or_cols.reshape(-1, 1) if per_row else rows_or_cols.reshape(1, -1)
+        pad["acc"] = torch.where(lay, float("nan"), pad["acc"])
     for g in spec.groups:
         pad[g.name] = torch.full((1, 1), float("nan"), device=device)
     _eval(spec.eqns, pad)
@@ -211,6 +221,11 @@ def run_stage(
         assert C is not None
         vals[spec.c.name] = C.float()
     vals["acc"] = acc
+    # rows of A, columns of B holding a non-finite value: the padding's accumulator is NaN there
+    vals[NONFINITE] = (
+        ~torch.isfinite(A.float()).all(dim=1),
+        ~torch.isfinite(B.float()).all(dim=1 if spec.gemm.tb else 0),
+    )
     for ix_op in spec.operands:  # TileIndex: each element's global index as f32, plus the host offset
         if ix_op.role in INDEX_AXIS:
             axis = INDEX_AXIS[ix_op.role]
@@ -240,4 +255,5 @@ def run_stage(
         idx = epi_args[s.index].long()
         ok = (idx >= 0) & (idx < x.shape[1])
         picked = x.gather(1, torch.where(ok, idx, 0).reshape(-1, 1)).reshape(-1)
-        buf.copy_(torch.where(ok, picked, buf))
+        # as quack's ColVecSelect: -inf is its "no match" sentinel, never written (launch.py prefills)
+        buf.copy_(torch.where(ok & (picked != float("-inf")), picked, buf))

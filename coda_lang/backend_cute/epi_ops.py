@@ -20,7 +20,11 @@ extents), computed from the epilogue's own coordinates, so nothing is loaded for
 `BoundedColVecReduce` / `BoundedRowVecReduce` are quack's sum reductions (over the columns / the
 rows) that leave out the elements past the end of the reduced dim in the ragged last tile: quack
 folds them, counting on them being 0, but the epilogue's value there is f(acc=0, ...), e.g. exp(0)
-or a constant (plan.py's `padding_value` decides which sums need it).
+or a constant, and the accumulator itself is NaN there in a row of A that holds an infinity
+(padding.py's `padding_value` decides which sums need it: every sum over the columns of a value of
+acc, sums over the rows where they are not 0 there for finite inputs); scaled
+(one fma of two factors) or not. With `ragged_only` (a sum that is 0 there for finite inputs) only the
+ragged last tile runs their selects, behind a branch uniform over the CTA.
 What it does not: anything at trace time beyond quack's base class; it is imported only by emitted
 epilogue modules (so importing it imports quack and CuTeDSL).
 Invariants: `config_key` holds everything that changes the generated code, and `VERSION`, bumped with
@@ -36,9 +40,17 @@ from typing import Any
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
-from quack.epilogue.ops import ColVecReduce, ColVecSelect, GroupedColStatsBase, RowVecReduce, Scalar
+from quack.epilogue.ops import (
+    ColVecReduce,
+    ColVecSelect,
+    GroupedColStatsBase,
+    RowVecReduce,
+    Scalar,
+    colvec_reduce_accumulate,
+    rowvec_reduce_accumulate,
+)
 
-VERSION = 6
+VERSION = 7
 
 _math: Any = cute.math  # CuTeDSL's math functions (exp, log: generated, so mypy can't see them)
 
@@ -94,7 +106,8 @@ def _fill_past(
     """frag's elements at or past `limit` along tile dim `dim` (0: rows, 1: columns; `limit` counts
     from the tile's start) set to `fill`, in place. `coords`: the fragment's coordinates in the tile,
     partitioned like frag. An element's coordinate is coords[0]'s plus a static offset, so the offset
-    (a constant per element) is compared with limit - coords[0]'s."""
+    (a constant per element) is compared with limit - coords[0]'s. Only the ragged last tile along
+    `dim` has such elements: every other tile skips the selects (a branch uniform over the CTA)."""
     along = cute.composition(
         cute.make_layout(tile_shape_mn, stride=(1, 0) if dim == 0 else (0, 1)), coords.layout
     )
@@ -135,7 +148,8 @@ class BoundedColVecSelect(ColVecSelect):
         limit_n = state[-1]
         inner = state[:-1]
         coords = inner[2]  # this subtile's (row, column) coordinates in the tile, partitioned like frag
-        _fill_past(frag, coords, limit_n, gemm.cta_tile_shape_mnk[:2], 1, self._NEG_INF)
+        if limit_n < gemm.cta_tile_shape_mnk[1]:  # the ragged last tile only (uniform over the CTA)
+            _fill_past(frag, coords, limit_n, gemm.cta_tile_shape_mnk[:2], 1, self._NEG_INF)
         ColVecSelect.fn_sink_flush(self, gemm, inner, frag)
 
 
@@ -147,8 +161,12 @@ class _Bounded:
 
     combine: str
 
+    def __init__(self, name: str, combine: str = "add", scaled: bool = False, ragged_only: bool = False):
+        super().__init__(name, combine=combine, scaled=scaled)  # type: ignore[call-arg]
+        self.ragged_only = ragged_only  # the selects in the ragged last tile only (behind a branch)
+
     def config_key(self) -> tuple[Any, ...]:
-        return (*super().config_key(), "bounded", VERSION)  # type: ignore[misc]
+        return (*super().config_key(), "bounded", self.ragged_only, VERSION)  # type: ignore[misc]
 
     def _mask_oob_active(self) -> bool:
         return True
@@ -163,6 +181,27 @@ class _Bounded:
             self._reduce_dim(),  # type: ignore[attr-defined]
             -math.inf if self.combine == "max" else 0.0,
         )
+
+    @cute.jit
+    def fn_sink_flush(self, gemm: Any, state: Any, frag: Any, scale: Any = None) -> None:
+        """quack's flush, with both factors of a scaled sum (`sum(h * h)`, folded as one fma of its
+        (value, scale) fragments) masked: past the end, the accumulator of a row of A holding an
+        infinity is inf * 0 = NaN, and a zero value times a NaN scale would still be NaN."""
+        acc, coords, limit = state
+        tile = gemm.cta_tile_shape_mnk[:2]
+        if cutlass.const_expr(self.ragged_only):
+            if limit < tile[self._reduce_dim()]:  # type: ignore[attr-defined]  # (uniform over the CTA)
+                self._mask_oob(frag, coords, limit, tile)
+                if cutlass.const_expr(scale is not None):
+                    self._mask_oob(scale, coords, limit, tile)
+        else:
+            self._mask_oob(frag, coords, limit, tile)
+            if cutlass.const_expr(scale is not None):
+                self._mask_oob(scale, coords, limit, tile)
+        if cutlass.const_expr(self.dim == 0):  # type: ignore[attr-defined]
+            colvec_reduce_accumulate(gemm, acc, frag, rScale=scale, combine=self.combine)
+        else:
+            rowvec_reduce_accumulate(gemm, acc, frag, rScale=scale, combine=self.combine)
 
 
 class BoundedColVecReduce(_Bounded, ColVecReduce):

@@ -10,7 +10,8 @@ torch.compile traces a block without a graph break. `round_value` / `compute_val
 interpreter's numerics (stored tiles rounded to their dtype, f32 compute).
 What it does not: choose tiles (tiles.py, tune.py), bind a call's inputs (cuda_block.py) or plan/emit.
 Invariants: every element of every buffer the op returns is written by the kernel (pick's output is
-pre-filled with zeros; `poison=True` fills the rest with NaN so tests can see an unwritten element).
+pre-filled: -inf where its index is in range, which the kernel overwrites unless it picks -inf, and 0
+where it is not; `poison=True` fills the rest with NaN so tests can see an unwritten element).
 """
 
 from __future__ import annotations
@@ -199,7 +200,7 @@ class StageRunner:
                 )
         for s in spec.sinks:
             shape = sink_shape(s, m, n, cfg.tile_m, cfg.tile_n)
-            # pick leaves rows whose index is outside [0, n) alone: they read 0, as in the interpreter
+            # pick: zeros here; `launch` prefills it from the indices (_prefill_select) before the kernel
             outs.append(
                 torch.zeros(shape, dtype=torch.float32, device=dev)
                 if s.op == "ColVecSelect"
@@ -218,6 +219,10 @@ class StageRunner:
         assert A is not None and B is not None
         outs = self.allocate(A, B, d_out)
         D, C, epi = self.epilogue_arguments(ins, scalars, outs)
+        n = B.shape[0] if self.spec.gemm.tb else B.shape[1]
+        for s in self.spec.sinks:
+            if s.op == "ColVecSelect" and s.index is not None:
+                _prefill_select(epi[s.py], epi[s.index], n)
         if self.config.is_cublas:  # a plain stage (compile.is_plain) the tuner found faster on cuBLAS
             assert D is not None
             torch.matmul(A, B.t() if self.spec.gemm.tb else B, out=D)
@@ -307,6 +312,16 @@ class StageRunner:
                 dtype = storage.get(gr.name)
                 env[gr.name] = round_value(outs[i], dtype) if dtype else outs[i]
                 i += 1
+
+
+def _prefill_select(out: torch.Tensor, idx: torch.Tensor, n: int) -> None:
+    """pick's output before its kernel runs: -inf in the rows whose index falls in [0, n), 0 elsewhere.
+    quack's ColVecSelect writes the picked value of each row whose index it finds in its tile, except a
+    value of -inf (its "no match" sentinel); rows whose index is outside [0, n) it never writes. So a
+    row that picks -inf keeps this -inf, and a row with an index out of range reads 0, as in the
+    interpreter (with a prefill of 0, a picked -inf read 0)."""
+    hit = (idx >= 0) & (idx < n)
+    out.copy_(torch.where(hit, float("-inf"), 0.0).to(out.dtype).reshape(out.shape))
 
 
 def _coda_name(spec: StageSpec, py: str) -> str:

@@ -3,8 +3,9 @@
 What it does: `padding_value` evaluates, for one value of a stage, what the epilogue computes at the
 elements past the end of the reduced dim in the ragged last tile (where quack's add and max_abs
 reductions also fold): a number when it is the same whatever the inputs, `REAL` when it is made of real
-values, None when it may be anything. The planner masks a sum there (a Bounded*Reduce) unless its
-summand is known to be 0 (`is_zero`).
+values, None when it may be anything. The planner masks a sum over the columns there (a
+Bounded*Reduce) unless its summand is known to be 0 whatever the inputs, infinities in A included
+(`is_zero` of `finite=False`), and a sum over the rows unless it is 0 there for finite inputs.
 What it does not: choose sinks (planner.py) or run anything.
 Invariants: pure (reads the stage's loads and definitions only); recursion is memoized per call.
 """
@@ -31,23 +32,25 @@ def padding_value(
     loads: dict[str, Load],
     defined: dict[str, Eqn],
     memo: dict[str, Any] | None = None,
+    finite: bool = True,
 ) -> Any:
     """What `name` holds past the end of the reduced dim (the columns past N of the last column tile
     when `per_row`, else the rows past M of the last row tile): a number when it is the same
     whatever the inputs, REAL when it is made of the row's (column's) real values, None when it
-    may be anything. There the accumulator and the tile loads are 0 (TMA fills out-of-bounds
-    elements with zeros); a vector along the reduced dim holds whatever its shared memory held
-    (quack's predicated copy skips those elements): None, as is a grouped value; a vector along
-    the other dim, a scalar or a dim holds its real value: REAL. Inputs are taken as finite: 0 *
-    REAL is 0, and so is the accumulator (with an infinity in that row of A it is inf * 0 = NaN;
-    the kernel's sum is then NaN where the real elements alone give +-inf; docs/backend.md says so)."""
+    may be anything. There the tile loads are 0 (TMA fills out-of-bounds elements with zeros); a
+    vector along the reduced dim holds whatever its shared memory held (quack's predicated copy
+    skips those elements): None, as is a grouped value; a vector along the other dim, a scalar or a
+    dim holds its real value: REAL. The accumulator is a row of A times zeros: 0 with finite inputs
+    (`finite`), but inf * 0 = NaN in a row of A that holds an infinity (or a NaN), so not known
+    (None) when `finite` is False, and neither is 0 * REAL then (the planner asks so: a sum it
+    leaves unmasked must be 0 there whatever the inputs)."""
     memo = {} if memo is None else memo
     if name in memo:
         return memo[name]
     memo[name] = None
     value: Any = None
     if name == "acc":
-        value = 0.0
+        value = 0.0 if finite else None
     elif name in loads:
         role = loads[name].role
         along = "column vector" if per_row else "row vector"  # a vector along the reduced dim
@@ -58,7 +61,7 @@ def padding_value(
         ins: list[Any] = []
         for x in e.ins:
             if isinstance(x, Var):
-                ins.append(padding_value(x.name, per_row, loads, defined, memo))
+                ins.append(padding_value(x.name, per_row, loads, defined, memo, finite))
             elif isinstance(x, DimRef):
                 ins.append(REAL if x.dim.name else float(x.dim.coeff))
             elif isinstance(x, Lit) and isinstance(x.value, (int, float)):
@@ -67,7 +70,7 @@ def padding_value(
                 ins.append(None)
         if od.locality in ("reduce", "gather") or any(v is None for v in ins):
             value = None
-        elif e.op == "mul" and any(v is not REAL and v == 0.0 for v in ins):
+        elif e.op == "mul" and any(v is not REAL and v == 0.0 for v in ins) and (finite or REAL not in ins):
             value = 0.0
         elif any(v is REAL for v in ins):
             value = REAL

@@ -476,8 +476,18 @@ class _Planner:
             op = "ColVecReduce" if per_row else "RowVecReduce"
             layout = "row partials" if per_row else "column partials"
             prod = self.defined.get(x.name)
-            # quack masks the ragged end of the reduced dim for max (and min, its negation) itself
-            bounded = combine == "add" and not is_zero(self.padding_value(x.name, per_row))
+            # quack masks the ragged end of the reduced dim for max (and min, its negation) itself; a
+            # sum over the columns is masked there unless its value is 0 there whatever the inputs (the
+            # accumulator is NaN there in a row of A, an activation, holding an infinity); a sum over the
+            # rows unless it is 0 there for finite inputs (it is NaN only for an infinity in a column of
+            # B, a weight as a rule, and its mask would cost the norm backwards their widest tile)
+            bounded = combine == "add" and not is_zero(
+                self.padding_value(x.name, per_row, finite=not per_row)
+            )
+            # one that is 0 there for finite inputs is masked in the ragged last tile only (Sink.ragged_only),
+            # and, a sum of a product, folded as one fma of both factors (both masked); one that is not is
+            # masked in every tile and folded plain, as before
+            zero_if_finite = combine == "add" and is_zero(self.padding_value(x.name, per_row))
             if wide:
                 sinks.append(
                     Sink(
@@ -492,13 +502,14 @@ class _Planner:
                         lanes=2,
                         negate=negate,
                         bounded=bounded,
+                        ragged_only=bounded and zero_if_finite,
                     )
                 )
                 continue
             if (
                 rec.name == "sum"
                 and not paired
-                and not bounded
+                and zero_if_finite
                 and prod is not None
                 and prod.op == "mul"
                 and uses.get(x.name) == 1
@@ -506,7 +517,20 @@ class _Planner:
                 and all(isinstance(a, Var) for a in prod.ins)
             ):
                 ins = tuple(a.name for a in prod.ins if isinstance(a, Var))
-                sinks.append(Sink(v.name, py, op, combine, True, ins, t.shape, layout))
+                sinks.append(
+                    Sink(
+                        v.name,
+                        py,
+                        op,
+                        combine,
+                        True,
+                        ins,
+                        t.shape,
+                        layout,
+                        bounded=bounded,
+                        ragged_only=bounded,
+                    )
+                )
                 continue
             if (
                 rec.name == "max"
@@ -546,6 +570,7 @@ class _Planner:
                     pad=pad,
                     negate=negate,
                     bounded=bounded,
+                    ragged_only=bounded and zero_if_finite,
                 )
             )
         for n, k in index_uses.items():
@@ -559,9 +584,11 @@ class _Planner:
                 )
         return sinks
 
-    def padding_value(self, name: str, per_row: bool) -> Any:
+    def padding_value(self, name: str, per_row: bool, finite: bool = True) -> Any:
         """What `name` holds past the end of the reduced dim in the ragged last tile (padding.py)."""
-        return padding_value(name, per_row, {ld.name: ld for ld in self.sp.loads}, self.defined)
+        return padding_value(
+            name, per_row, {ld.name: ld for ld in self.sp.loads}, self.defined, finite=finite
+        )
 
     def grouped(self) -> dict[str, Eqn]:
         """The stage's grouped reductions by result name."""

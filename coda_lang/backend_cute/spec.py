@@ -109,6 +109,11 @@ class Sink:
     # known to be 0: quack folds those elements too (its add and max_abs reduces count on the zeros of
     # a padded accumulator), so the kernel uses epi_ops' Bounded*Reduce, which masks them out
     bounded: bool = False
+    # a `bounded` sum that is 0 there for finite inputs (the padding's accumulator is NaN only in a row
+    # of A holding an infinity): its mask runs in the ragged last tile only, behind a branch uniform over
+    # the CTA (a mask of every tile costs selects everywhere; this one a branch, cheaper where one sum
+    # has it, but a branch per sink costs registers where a stage has many)
+    ragged_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -255,7 +260,18 @@ def describe(spec: StageSpec) -> list[str]:
         }[s.op]
         scaled = ", scaled" if s.scaled else ", both lanes" if s.lanes == 2 else ""
         scaled += ", max of the negation: the buffer holds -min" if s.negate else ""
-        scaled += ", masked past the end" if s.bounded else ""
+        scaled += (
+            (
+                ", masked past the end"
+                + (
+                    " (NaN there only from an infinity in A: the ragged last tile only)"
+                    if s.ragged_only
+                    else ""
+                )
+            )
+            if s.bounded
+            else ""
+        )
         lines.append(f"reduce {s.py}: f32{shape_str(s.shape)} = {what} ({s.op}{scaled})")
     for gr in spec.groups:
         fold = {"add": "sum", "lse": "logsumexp"}.get(gr.combine, gr.combine)

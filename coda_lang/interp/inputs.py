@@ -222,7 +222,8 @@ def bind(
         t = p.var.type
         assert t is not None
         if p.var.name not in arrays:
-            env[p.var.name] = np.asarray(p.default, dtype=compute_dtype(t.dtype, precision))
+            with np.errstate(over="ignore"):  # a default past f32's range is +-inf in f32, as a kernel has it
+                env[p.var.name] = np.asarray(p.default, dtype=compute_dtype(t.dtype, precision))
             continue
         a = arrays[p.var.name]
         kind = a.dtype.kind

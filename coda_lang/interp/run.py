@@ -83,11 +83,16 @@ class Interpreter:
             else:
                 vals = [self.block_value(a) for a in s.ins]
                 for v, x in zip(s.outs, self.apply(s, vals, None), strict=True):
-                    self.env[v.name] = round_to(x, v.annot, self.precision) if v.annot else x
-        out = {}
-        for o in self.block.outputs:
-            out[o.name] = to_storage(self.env[o.name], o.type.dtype, self.precision)
-        return out
+                    self.store(v.name, x, v.annot)
+        return {o.name: self.output(o.name, o.type.dtype) for o in self.block.outputs}
+
+    def store(self, name: str, x: Any, dtype: str | None) -> None:
+        """`name` computed as `x`, rounded to `dtype` where it is stored in one (None: kept as it is)."""
+        self.env[name] = round_to(x, dtype, self.precision) if dtype else x
+
+    def output(self, name: str, dtype: str) -> np.ndarray:
+        """The block's output `name` in its declared dtype."""
+        return to_storage(self.env[name], dtype, self.precision)
 
     def literal(self, a: Atom) -> Any:
         if isinstance(a, Lit):
@@ -108,8 +113,7 @@ class Interpreter:
             assert (
                 isinstance(s.a, Var) and isinstance(s.b, Var) and s.acc is not None and s.acc.type is not None
             )
-            a, b = self.env[s.a.name], self.env[s.b.name]
-            acc = np.matmul(a.T if s.ta else a, b.T if s.tb else b)
+            acc = self.gemm(s)
             rows, cols = s.acc.type.shape
             R, C = acc.shape
         else:  # an elementwise stage: the tile space of a matrix, no GEMM
@@ -172,8 +176,13 @@ class Interpreter:
             self.partials[name] = buf
             results[name] = combine(buf, rule, axis)
         for name, x in results.items():
-            dtype = stores.get(name) or self.plan.storage.get(name)
-            self.env[name] = round_to(x, dtype, self.precision) if dtype else x
+            self.store(name, x, stores.get(name) or self.plan.storage.get(name))
+
+    def gemm(self, s: Stage) -> np.ndarray:
+        """The accumulator of a GEMM stage: its operands' product (f32, or float64 in f64 precision)."""
+        assert isinstance(s.a, Var) and isinstance(s.b, Var)
+        a, b = self.env[s.a.name], self.env[s.b.name]
+        return np.matmul(a.T if s.ta else a, b.T if s.tb else b)
 
     def check_tile(self, s: Stage, cols: Dim, tile: tuple[int, int]) -> None:
         tm, tn = tile

@@ -92,10 +92,27 @@ def _expected(names: set[str] | frozenset[str]) -> str:
     return "expected " + ", ".join(shown)
 
 
+def _numbers(tree: Any) -> list[Any]:
+    """The INT and FLOAT tokens of a parse tree in source order, found without recursion (lark's
+    `scan_values` recurses once per level: a chain of thousands of `+` would overflow the stack before
+    the depth check, E0108, sees it)."""
+    found = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        children = getattr(node, "children", None)
+        if children is None:
+            if getattr(node, "type", None) in ("INT", "FLOAT"):
+                found.append(node)
+            continue
+        stack.extend(reversed(children))
+    return found
+
+
 def _check_numbers(tree: Any, file: str) -> Diagnostic | None:
     """E0107 for a number literal out of range: an integer that needs more than 64 bits (Python's
     int() refuses some of them outright), or a float that overflows to infinity."""
-    for tok in tree.scan_values(lambda v: getattr(v, "type", None) in ("INT", "FLOAT")):
+    for tok in _numbers(tree):
         digits = str(tok).lstrip("0")
         big = (
             len(digits) > 19 or int(digits or "0") >= 2**63

@@ -7,7 +7,7 @@ load   x: bf16[M, D] tile (TileLoad)
 load   g: f32[D] column vector (RowVecLoad)
 store  D = hg: bf16[M, D]
 store  h: bf16[M, D] (TileStore)
-reduce ss: f32[M] = sum over the columns, one partial per column tile (ColVecReduce, scaled)
+reduce ss: f32[M] = sum over the columns, one partial per column tile (ColVecReduce, scaled, masked past the end (NaN there only from an infinity in A: the ragged last tile only))
 
 coda source:
     h: bf16 = acc + x
@@ -16,13 +16,15 @@ coda source:
 """
 
 from quack.epilogue.frontend import gemm_epilogue
-from quack.epilogue.ops import ColVecReduce, RowVecLoad, TileLoad, TileStore
+from quack.epilogue.ops import RowVecLoad, TileLoad, TileStore
+
+from coda_lang.backend_cute.epi_ops import BoundedColVecReduce
 
 
 @gemm_epilogue(
     outputs=(TileStore("h"),),
     ops={"x": TileLoad("x"), "g": RowVecLoad("g")},
-    reduces={"ss": ColVecReduce("ss", scaled=True)},
+    reduces={"ss": BoundedColVecReduce("ss", scaled=True, ragged_only=True)},
 )
 def llama_mlp_stage1(acc, x, g):
     h = acc + x

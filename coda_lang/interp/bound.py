@@ -1,0 +1,366 @@
+"""A per-element bound on how far another correct implementation of a block may be from the interpreter.
+
+What it does: `run(block, inputs)` and `vjp(block, inputs, cotangents)` run the interpreter in its
+exact precision, whole-matrix mode (the fuzzer's reference), and alongside every value `x` an array
+`E(x)` bounding |x' - x|, where x' is the same value computed by an implementation that rounds where
+the interpreter rounds (stored tiles, casts) but orders and fuses its f32 arithmetic its own way and
+uses fast-math functions: a kernel, the emulated kernels, the tile simulation. It is a running error
+bound, propagated through the program one equation at a time:
+- an f32 result of an op gets its inputs' bounds through the op (|b| E(a) + |a| E(b) for a * b; for a
+  function, how far f moves when its input moves by E: max |f(x +- E) - f(x)|) plus the op's own
+  rounding in both implementations (`INJECT`, relative; larger for the fast-math tanh/GELU);
+- a sum of n terms gets the sum of their bounds plus `gamma(n)` * sum |terms| (the two summation
+  orders), a GEMM `|A| @ E(B) + E(A) @ |B| + 2 K u |A| @ |B|`: this is where cancellation shows: the
+  bound of a sum is relative to the magnitudes that cancelled, not to the (tiny) result;
+- a max/min keeps the largest bound (it is 1-Lipschitz); a comparison whose operands are closer than
+  their bounds may come out either way, and `where` then may pick either branch;
+- a value rounded to bf16/f16 has bound 0 where no value within its bound rounds differently (both
+  implementations then store the same number), else the distance to what it may round to.
+The inputs, cotangents and literals are the same on both sides (bound 0).
+What it does not: decide whether a result passes (testing/compare.py), or bound discrete jumps beyond
+one comparison (a max's tie, an index that may change); those elements get large or infinite bounds,
+and the other parts of the tolerance rule judge them.
+Invariants: the values are exactly `Block.run`'s / `Block.vjp`'s in "exact" precision (the same
+interpreter, hooks only add the bounds); every bound is >= 0, or NaN/inf where nothing is known.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from coda_lang.interp.numerics import round_to
+from coda_lang.interp.run import Interpreter, _Tile, _type
+from coda_lang.ir.nodes import Atom, Eqn, Stage, Var
+from coda_lang.ir.types import GROUP, TILE, Dim
+from coda_lang.ops import REGISTRY
+
+U = 2.0**-24  # f32's unit roundoff
+
+
+def gamma(n: int) -> float:
+    """The bound on the difference of two f32 sums of the same n terms in different orders, relative to
+    the sum of their magnitudes: 4 sqrt(n) u (rounding errors of a sum grow as sqrt(n) with high
+    probability; a worst case of n u would hide the bugs the bound is for)."""
+    return 4.0 * np.sqrt(max(n, 1)) * U
+
+
+def gamma_gemm(k: int) -> float:
+    """A GEMM's K-term accumulation in two implementations (tensor cores may truncate: k u each)."""
+    return 2.0 * max(k, 1) * U
+
+
+DEFAULT_INJECT = (
+    2.0**-21
+)  # an op's own rounding, in both implementations (fast-math exp, log, rsqrt: a few ulps)
+
+
+def _inject(name: str, x: list[np.ndarray], y: np.ndarray) -> np.ndarray:
+    """The bound an op adds of its own: its result rounded (and approximated) in both implementations."""
+    ay = np.abs(y)
+    if name in ("add", "sub", "mul"):  # IEEE: the same inputs round the same, but a kernel may fuse a
+        return U * ay  # product into an add (FMA) where the interpreter rounds it
+    if name == "div":  # div.approx
+        return 2.0**-22 * ay
+    if name in ("tanh", "gelu"):  # tanh.approx.f32: a relative error of 2^-11 (GELU: of its tanh, times x/2)
+        return 2.0**-10 * (ay + (np.abs(x[0]) if x else 0.0))
+    if name == "exp":  # ex2.approx of x * log2(e): the product's rounding grows with |x|
+        return DEFAULT_INJECT * (1.0 + np.abs(x[0])) * ay
+    if name in ("softplus", "erf", "sin", "cos"):  # approximations with an absolute error
+        return 2.0**-20 * (ay + 1.0 + (np.abs(x[0]) if x else 0.0))
+    return DEFAULT_INJECT * ay
+
+
+_COMPARE = {"lt", "le", "gt", "ge", "eq", "ne"}
+_LIPSCHITZ = {"neg", "copy", "abs"}  # |f(x') - f(x)| <= |x' - x|, and exact
+_STRUCTURAL = {"pairs", "interleave"}  # move values between columns: move their bounds the same way
+
+
+def _f64(x: Any) -> Any:
+    a = np.asarray(x)
+    return a.astype(np.float64) if a.dtype.kind in "fiu" else a
+
+
+def _rounding(x: Any, e: Any, dtype: str) -> Any:
+    """The bound of `x` (computed with bound `e`) after rounding to `dtype` (the exact precision's
+    rounding): the farthest that anything within `e` of `x` rounds from where `x` rounds."""
+    if dtype == "f32" or dtype == "bool":
+        return e
+    if np.isscalar(e) and e == 0:
+        return 0.0
+    x = np.asarray(x, np.float64)
+    e = np.broadcast_to(np.asarray(e, np.float64), x.shape)
+    with np.errstate(all="ignore"):
+        here = round_to(x.astype(np.float32), dtype, "exact").astype(np.float64)
+        lo = round_to((x - e).astype(np.float32), dtype, "exact").astype(np.float64)
+        hi = round_to((x + e).astype(np.float32), dtype, "exact").astype(np.float64)
+        out = np.maximum(np.abs(hi - here), np.abs(here - lo))
+    return np.where(np.isnan(e), np.nan, np.where(e == 0, 0.0, out))
+
+
+class Bounds(Interpreter):
+    """The interpreter (exact precision, whole mode) with a bound for every value (module docstring)."""
+
+    def __init__(self, block: Any, plan: Any, dims: dict[str, int]):
+        super().__init__(block, plan, dims, "exact", None)
+        self.err: dict[str, Any] = {}  # name -> bound of a block-level value (0.0: none)
+        self.serr: dict[str, Any] = {}  # name -> bound of a value of the stage running now
+        self.out_err: dict[str, Any] = {}
+
+    def run_bounds(
+        self, env: dict[str, np.ndarray], err: dict[str, Any]
+    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        self.err = dict(err)
+        with np.errstate(all="ignore"):
+            outs = self.run(env)
+        return outs, {
+            k: np.broadcast_to(np.asarray(v, np.float64), np.shape(outs[k])) for k, v in self.out_err.items()
+        }
+
+    # ------------------------------------------------------------------ hooks of the interpreter
+
+    def stage(self, s: Stage) -> None:
+        self.serr = {}
+        super().stage(s)
+        self.serr = {}
+
+    def gemm(self, s: Stage) -> np.ndarray:
+        acc = super().gemm(s)
+        assert isinstance(s.a, Var) and isinstance(s.b, Var)
+        a, b = _f64(self.env[s.a.name]), _f64(self.env[s.b.name])
+        ea = np.broadcast_to(self.err.get(s.a.name, 0.0), a.shape)
+        eb = np.broadcast_to(self.err.get(s.b.name, 0.0), b.shape)
+        if s.ta:
+            a, ea = a.T, ea.T
+        if s.tb:
+            b, eb = b.T, eb.T
+        aa, ab = np.abs(a), np.abs(b)
+        e = aa @ eb + ea @ ab + ea @ eb + gamma_gemm(a.shape[1]) * (aa @ ab)
+        self.serr["acc"] = e
+        return acc
+
+    def store(self, name: str, x: Any, dtype: str | None) -> None:
+        super().store(name, x, dtype)
+        e = self.serr[name] if name in self.serr else self.err.get(name, 0.0)
+        self.err[name] = _rounding(x, e, dtype) if dtype else e
+
+    def output(self, name: str, dtype: str) -> np.ndarray:
+        out = super().output(name, dtype)
+        self.out_err[name] = _rounding(self.env[name], self.err.get(name, 0.0), dtype)
+        return out
+
+    def apply(
+        self, e: Eqn, vals: list[Any], t: _Tile | None, senv: dict[str, Any] | None = None
+    ) -> tuple[Any, ...]:
+        outs = super().apply(e, vals, t, senv)
+        errs = [self.bound_of(a, vals[i], t, senv) for i, a in enumerate(e.ins)]
+        bounds = self.rule(e, vals, errs, outs, t, senv)
+        where = self.serr if t is not None else self.err
+        for v, b in zip(e.outs, bounds, strict=True):
+            where[v.name] = b
+        return outs
+
+    # ------------------------------------------------------------------ the rules
+
+    def bound_of(self, a: Atom, x: Any, t: _Tile | None, senv: dict[str, Any] | None) -> Any:
+        """The bound of operand `a` (value `x`), placed as the interpreter places its value."""
+        if not isinstance(a, Var):
+            return 0.0  # a literal or a dim: the same number on both sides
+        if senv is not None and a.name in senv:
+            return self.serr.get(a.name, 0.0)
+        e = self.err.get(a.name, 0.0)
+        if np.ndim(e) == 0 or t is None:
+            return e
+        full = self.env[a.name]
+        if full.ndim == 2:
+            return e[t.r0 : t.r1, t.col_slice(_type(a).shape[1])]
+        if full.ndim == 1:
+            if _type(a).shape[0] == t.rows:
+                return e[t.r0 : t.r1, None]
+            return e[None, t.col_slice(_type(a).shape[0])]
+        return e
+
+    def rule(
+        self,
+        e: Eqn,
+        vals: list[Any],
+        errs: list[Any],
+        outs: tuple[Any, ...],
+        t: _Tile | None,
+        senv: dict[str, Any] | None,
+    ) -> list[Any]:
+        op = REGISTRY[e.op]
+        outs_t = [_type(v) for v in e.outs]
+        params = {k: v for k, v in e.params}
+        if op.locality in ("pointwise", "pair"):
+            if outs_t[0].kind == TILE:  # grouped values broadcast over their groups' columns (as apply does)
+                grouped = [
+                    _type(a).kind == GROUP and (senv is None or isinstance(a, Var) and a.name in senv)
+                    for a in e.ins
+                ]
+                vals = [
+                    np.repeat(x, _type(a).group or 1, axis=1) if g else x
+                    for a, x, g in zip(e.ins, vals, grouped, strict=True)
+                ]
+                errs = [
+                    np.repeat(x, _type(a).group or 1, axis=1) if g and np.ndim(x) else x
+                    for a, x, g in zip(e.ins, errs, grouped, strict=True)
+                ]
+            return self.pointwise(op.name, params, vals, errs, outs)
+        if op.locality == "reduce":
+            return [self.reduce(op, params, _type(e.ins[0]), vals[0], errs[0], outs[0], t)]
+        if op.locality == "gather":
+            x, idx = vals
+            ex = np.broadcast_to(np.asarray(errs[0], np.float64), np.shape(x))
+            assert t is not None and op.impl is not None
+            idx = np.asarray(idx).reshape(-1)
+            if _type(e.ins[1]).shape[0] == t.rows:  # the picked element's bound, as the value is picked
+                return [op.impl(ex, idx, 1, t.col_slice(_type(e.ins[0]).shape[1]).start)]
+            return [op.impl(ex, idx, 0, t.r0)]
+        return [0.0] * len(outs)  # indices: exact integers
+
+    def pointwise(
+        self, name: str, params: dict[str, Any], vals: list[Any], errs: list[Any], outs: tuple[Any, ...]
+    ) -> list[Any]:
+        x = [_f64(v) for v in vals]
+        y = _f64(outs[0])
+        ev = [np.asarray(v, np.float64) for v in errs]
+        if name in _COMPARE:  # may come out either way where the operands are closer than their bounds
+            a, b = x
+            slack = ev[0] + ev[1]
+            return [np.where((slack > 0) & ~(np.abs(a - b) > slack), 1.0, 0.0)]
+        if name in _STRUCTURAL:
+            impl = REGISTRY[name].impl
+            assert impl is not None
+            shaped = [np.broadcast_to(b, np.shape(v)) for b, v in zip(ev, x, strict=True)]
+            res = impl(*shaped)
+            return list(res) if isinstance(res, tuple) else [res]
+        if name == "expand":
+            return [np.broadcast_to(ev[0], np.broadcast_shapes(np.shape(x[0]), np.shape(x[1])))]
+        if name == "cast":
+            dtype = params["dtype"]
+            if x[0].dtype == np.bool_:
+                return [ev[0]]  # 0 or 1, as the comparison may come out
+            if dtype == "i32":
+                lo, hi = np.trunc(x[0] - ev[0]), np.trunc(x[0] + ev[0])
+                return [np.maximum(np.abs(hi - y), np.abs(y - lo))]
+            return [_rounding(x[0], ev[0], dtype)]
+        if name == "where":
+            c, a, b = x
+            pick = np.where(c, ev[1], ev[2])
+            either = np.maximum(ev[1], ev[2]) + np.abs(a - b)
+            return [np.where(ev[0] > 0, either, pick)]
+        if name in _LIPSCHITZ:
+            return [ev[0]]
+        if name in ("maximum", "minimum"):
+            return [np.maximum(ev[0], ev[1])]
+        if name in ("add", "sub"):
+            moved = ev[0] + ev[1]
+        elif name == "mul":
+            moved = np.abs(x[1]) * ev[0] + np.abs(x[0]) * ev[1] + ev[0] * ev[1]
+        elif name == "div":
+            b = np.abs(x[1])
+            moved = np.where(
+                b > ev[1], (ev[0] + np.abs(y) * ev[1]) / np.where(b > ev[1], b - ev[1], 1.0), np.inf
+            )
+        else:
+            moved = self.moved(name, params, x, ev, y)
+        if y.dtype.kind != "f":  # integer arithmetic is exact
+            return [moved]
+        return [moved + _inject(name, x, y)]
+
+    def moved(
+        self, name: str, params: dict[str, Any], x: list[Any], ev: list[Any], y: np.ndarray
+    ) -> np.ndarray:
+        """How far an op moves when each input moves within its bound (one at a time, summed)."""
+        impl: Callable[..., Any] = REGISTRY[name].impl  # type: ignore[assignment]
+        kw = {k: v for k, v in params.items() if not isinstance(v, Dim)}
+        f0 = _f64(impl(*x, **kw))
+        total = np.zeros(np.broadcast_shapes(*[np.shape(v) for v in x], np.shape(y)))
+        for i, e in enumerate(ev):
+            if not np.any(e):
+                continue
+            if x[i].dtype == np.bool_:  # a condition that may flip: anything may happen
+                total = total + np.where(e > 0, np.inf, 0.0)
+                continue
+            far: Any = 0.0
+            for sign in (1.0, -1.0):
+                moved = list(x)
+                moved[i] = x[i] + sign * e
+                d = np.abs(_f64(impl(*moved, **kw)) - f0)
+                far = np.maximum(far, np.where(np.isnan(d), np.inf, d))
+            total = total + np.where(e > 0, far, 0.0)
+        return total
+
+    def reduce(
+        self, op: Any, params: dict[str, Any], xt: Any, x: Any, e: Any, y: Any, t: _Tile | None
+    ) -> Any:
+        x = _f64(x)
+        e = np.broadcast_to(np.asarray(e, np.float64), x.shape)
+        y = _f64(y)
+        group = params.get("group")
+        if t is None:
+            axis = 0
+        elif group is not None:
+            g = int(group)
+            x = x.reshape(x.shape[0], x.shape[1] // g, g)
+            e = e.reshape(x.shape)
+            axis = 2
+        else:
+            over = params["over"]
+            axis = 1 if (xt.shape[1] == over and xt.shape[0] != over) else 0
+        n = x.shape[axis] if x.ndim else 1
+        kind = op.combine.name if op.combine is not None else None
+        if kind == "sum":
+            return np.sum(e, axis=axis) + gamma(n) * np.sum(np.abs(x), axis=axis)
+        if kind in ("max", "min"):
+            return np.max(e, axis=axis, initial=0.0)
+        if kind == "lse":
+            p = np.exp(x - np.expand_dims(y, axis))
+            return (
+                np.sum(p * e, axis=axis)
+                + gamma(n)
+                + DEFAULT_INJECT * (np.abs(y) + np.max(np.abs(x), axis=axis, initial=0.0))
+            )
+        return np.full(np.shape(y), np.inf)
+
+
+# ------------------------------------------------------------------------------------------------
+# Blocks
+
+
+def run(
+    block: Any,
+    inputs: dict[str, Any],
+    dims: dict[str, int] | None = None,
+    errors: dict[str, Any] | None = None,
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """`block.run(inputs, dims=dims)` (an `api.Block`) and a bound for every output element (module
+    docstring). `errors`: bounds of inputs that are themselves computed (default: none)."""
+    from coda_lang.interp.inputs import bind, check_sizes
+
+    env, sizes = bind(block.ir, inputs, dims, "exact")
+    check_sizes(block.ir, sizes, "exact", None)
+    return Bounds(block.ir, block.plan, sizes).run_bounds(env, errors or {})
+
+
+def vjp(
+    block: Any,
+    inputs: dict[str, Any],
+    cotangents: dict[str, Any],
+    dims: dict[str, int] | None = None,
+    remat: str | None = None,
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """`block.vjp(inputs, cotangents, dims=dims, remat=remat)` (unchunked, exact precision) and a bound
+    for every gradient element: the saved tensors carry the forward's bounds into the backward."""
+    from coda_lang.ir.nodes import DEFAULT_REMAT
+
+    d = block.derivation(remat=remat or DEFAULT_REMAT)
+    fwd, ferr = run(d.forward, inputs, dims)
+    bins, bdims = block.backward_inputs(d, inputs, cotangents, fwd, dims)
+    grads, gerr = run(
+        d.backward, bins, bdims, {k: v for k, v in ferr.items() if k in bins and k not in inputs}
+    )
+    return {p: grads[g] for p, g in d.grads.items()}, {p: gerr[g] for p, g in d.grads.items()}

@@ -1,0 +1,200 @@
+"""coda_lang/interp/bound.py: the interpreter with a rounding bound for every element.
+
+- Its values are exactly `Block.run`'s and `Block.vjp`'s (exact precision), on every example.
+- The bound holds: the tile simulation at small tiles and the emulated kernels (other implementations
+  that round where the interpreter rounds) are within BOUND_SAFETY * bound of the interpreter on every
+  example, outputs and gradients, at a case the fuzzer draws; the tile simulation on random programs.
+- Where a sum cancels, the bound is relative to its terms: the gradient of `r` in
+  tests/fuzz_found/head_norm_row_scale.coda is about 1e-2 with terms near 500; its bound is a small
+  fraction of the terms' sum and of the gradient, and holds for the emulated kernel's result.
+- The rules one at a time: a bf16 store removes a difference unless something within the bound rounds
+  elsewhere; a comparison closer than its bounds lets `where` take either branch; a GEMM's bound is
+  relative to |A| @ |B|; a max keeps the largest bound.
+- `compare.mismatch(bound=)`: an element within 2 * bound passes; a NaN bound passes nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import coda_lang
+from coda_lang import fuzz
+from coda_lang.interp import bound
+from coda_lang.testing.compare import BOUND_SAFETY, as_float64, mismatch
+from coda_lang.testing.inputs import block_inputs, cotangents
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((ROOT / "examples").glob("*.coda"))
+HEAD_NORM = ROOT / "tests" / "fuzz_found" / "head_norm_row_scale.coda"
+
+
+def _one_block(path: Path) -> Any:
+    return next(iter(coda_lang.load(path)))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_the_values_are_the_interpreters(path: Path) -> None:
+    block = _one_block(path)
+    fz = fuzz.Fuzzer(block, "interp")
+    dims = {name: 16 * unit for name, unit in fz.units().items() if name != "HD"}
+    ins = block_inputs(block, dims, 3)
+    outs, errs = bound.run(block, ins, dims)
+    for k, v in block.run(ins, dims=dims).items():
+        assert np.array_equal(as_float64(outs[k]), as_float64(v), equal_nan=True), k
+        assert errs[k].shape == np.shape(v) and np.all(errs[k] >= 0), k
+    cots = cotangents(block, dims, 3)
+    grads, gerrs = bound.vjp(block, ins, cots, dims)
+    for k, v in block.vjp(ins, cots, dims=dims).items():
+        assert np.array_equal(as_float64(grads[k]), as_float64(v), equal_nan=True), k
+        assert gerrs[k].shape == np.shape(v) and not np.any(gerrs[k] < 0), k
+
+
+def _bound_holds(
+    monkeypatch: pytest.MonkeyPatch, block: Any, target: str, seed: int, programs: int = 0
+) -> int:
+    """Every element the fuzzer compares (one drawn case) is within BOUND_SAFETY * bound of the
+    interpreter; the number of elements checked."""
+    checked = [0]
+    outputs = fuzz.Fuzzer._outputs
+
+    def check(self: Any, what: str, got: Any, ref: Any, ref64: Any, dtypes: Any, bounds: Any = None) -> Any:
+        assert bounds is not None
+        for name, r in ref.items():
+            g, want, b = as_float64(got[name]), as_float64(r), as_float64(bounds()[name])
+            fin = np.isfinite(want)
+            over = np.abs(g - want)[fin] > BOUND_SAFETY * b[fin]
+            assert not over.any(), (what, name, np.abs(g - want)[fin][over][:4], b[fin][over][:4])
+            checked[0] += int(fin.sum())
+        return outputs(self, what, got, ref, ref64, dtypes, bounds)
+
+    monkeypatch.setattr(fuzz.Fuzzer, "_outputs", check)
+    if programs:
+        result = fuzz.fuzz_programs(programs, target, examples=2, seed=seed, shrink=False)
+    else:
+        result = fuzz.fuzz_block(block, target, examples=1, seed=seed, shrink=False)
+    assert result.failure is None, result.failure
+    return checked[0]
+
+
+@pytest.mark.parametrize("path", EXAMPLES + [HEAD_NORM], ids=lambda p: p.stem)
+def test_the_bound_holds_for_the_tile_simulation(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _bound_holds(monkeypatch, _one_block(path), "interp", 1) > 0
+
+
+@pytest.mark.parametrize("path", EXAMPLES + [HEAD_NORM], ids=lambda p: p.stem)
+def test_the_bound_holds_for_the_emulated_kernels(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("torch")
+    assert _bound_holds(monkeypatch, _one_block(path), "emulate", 2) > 0
+
+
+def test_the_bound_holds_in_random_programs(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _bound_holds(monkeypatch, None, "interp", 5, programs=12) > 0
+
+
+def test_a_cancelling_sum_is_bounded_by_its_terms() -> None:
+    block = _one_block(HEAD_NORM)
+    dims = {"M": 8, "D": 8, "N": 128, "HD": 16}
+    ins, cots = block_inputs(block, dims, 16777212), cotangents(block, dims, 16777212)
+    grads, errs = bound.vjp(block, ins, cots, dims)
+    dr, e = np.asarray(grads["r"], np.float64), errs["r"]
+    # the terms of dr: dz * acc over the 128 columns of each row (float64, from the saved acc)
+    d = block.derivation()
+    fwd = d.forward.run(ins, dims=dims, precision="f64")
+    acc = np.asarray(fwd["acc1"], np.float64)
+    dq = np.asarray(cots["q"], np.float64) * np.asarray(ins["gq"], np.float64)
+    z = acc * np.asarray(ins["r"], np.float64)[:, None]
+    ss = (z * z).reshape(8, -1, 16).sum(-1).repeat(16, 1)
+    s = 1 / np.sqrt(ss / 16 + 1e-6)
+    dz = dq * s - z * s**3 / 16 * (dq * z).reshape(8, -1, 16).sum(-1).repeat(16, 1)
+    terms = np.abs(dz * acc).sum(1)
+    assert np.allclose((dz * acc).sum(1), dr, rtol=1e-2, atol=1e-4)  # (the terms are dr's)
+    big = np.abs(dr) > 5e-3  # rows 2 and 3: dr of 7e-3 and 1.3e-2 from terms of 450 and 560
+    assert big.sum() == 2 and np.all(terms[big] > 3e4 * np.abs(dr[big]))
+    assert np.all(e < 1e-4 * terms)  # relative to the terms ...
+    assert np.all(e[big] < 0.7 * np.abs(dr[big]))  # ... and yet below the cancelled value where it is 1e-2
+    torch = pytest.importorskip("torch")
+    fz = fuzz.Fuzzer(block, "emulate")
+    tensors = {k: fz._tensor(v) for k, v in ins.items()}
+    tensors["r"].requires_grad_(True)
+    out = fz.fn(tensors, dims=dims)["q"]
+    (got,) = torch.autograd.grad([out], [tensors["r"]], [fz._tensor(cots["q"]).to(out.dtype)])
+    diff = np.abs(as_float64(got) - dr)
+    assert np.all(diff <= e) and diff.max() > 0
+    assert mismatch("dr", got, grads["r"]) is not None  # the per-element rule alone fails it
+    assert mismatch("dr", got, grads["r"], bound=e) is None
+
+
+# ------------------------------------------------------------------ the rules
+
+
+def _program(body: str, params: str, outs: str) -> Any:
+    return coda_lang.load(f"dims M, K, N\nblock b({params}) -> ({outs}) {{\n{body}\n}}\n")["b"]
+
+
+def test_a_store_keeps_a_difference_only_where_it_may_round_elsewhere() -> None:
+    block = _program(
+        "  gemm x @ w {\n    y: bf16 = acc * s\n  }",
+        "x: f32[M, K], w: f32[K, N], s: f32",
+        "y: bf16[M, N]",
+    )
+    one = float(ml_dtypes.bfloat16(1.0))
+    half_ulp = 2.0**-8  # 1 + 2^-8 is halfway between 1 and the next bf16
+    x = np.array([[1.0], [1.0 + half_ulp], [1.0 + half_ulp / 2]], np.float32)
+    w = np.ones((1, 2), np.float32)
+    outs, errs = bound.run(block, {"x": x, "w": w, "s": np.float32(one)}, {"M": 3, "K": 1, "N": 2})
+    e = errs["y"]
+    assert np.all(e[0] == 0)  # 1.0 * 1.0: both sides store the same bf16
+    assert np.all(e[1] == 2.0**-7)  # a tie: the least rounding of the product may go either way
+    assert np.all(e[2] == 0)  # a quarter ulp from 1: a rounding of the product can't move it past the tie
+
+
+def test_a_gemm_is_bounded_relative_to_its_magnitudes() -> None:
+    block = _program("  gemm x @ w {\n    y = acc\n  }", "x: f32[M, K], w: f32[K, N]", "y: f32[M, N]")
+    x = np.array([[1e4, -1e4, 1.0]], np.float32)
+    w = np.ones((3, 1), np.float32)
+    outs, errs = bound.run(block, {"x": x, "w": w}, {"M": 1, "K": 3, "N": 1})
+    assert outs["y"][0, 0] == 1.0
+    assert 2 * 3 * 2.0**-24 * 20001 <= errs["y"][0, 0] < 1e-2  # 2 K u |x| @ |w|, not relative to 1
+
+
+def test_a_comparison_within_its_bounds_may_go_either_way() -> None:
+    block = _program(
+        "  gemm x @ w {\n    m = where(acc > 1.0, acc, -acc)\n  }",
+        "x: f32[M, K], w: f32[K, N]",
+        "m: f32[M, N]",
+    )
+    x = np.array([[1.0, 2.0**-30], [3.0, 0.0]], np.float32)  # acc = 1 (+ a term below its rounding), 3
+    w = np.ones((2, 1), np.float32)
+    outs, errs = bound.run(block, {"x": x, "w": w}, {"M": 2, "K": 2, "N": 1})
+    assert errs["m"][0, 0] >= 2.0  # 1 or -1: `acc > 1` may come out either way
+    assert errs["m"][1, 0] < 1e-5  # 3 is far from 1
+
+
+def test_a_max_keeps_the_largest_bound() -> None:
+    block = _program(
+        "  gemm x @ w {\n    m = max(acc, over=N)\n  }",
+        "x: f32[M, K], w: f32[K, N]",
+        "m: f32[M]",
+    )
+    x = np.array([[3.0, -3.0, 1.0]], np.float32)
+    w = np.array([[1.0, 0.0], [1.0, 0.0], [0.0, 2.0]], np.float32)  # acc = [0 (from 3 - 3), 2]
+    outs, errs = bound.run(block, {"x": x, "w": w}, {"M": 1, "K": 3, "N": 2})
+    assert outs["m"][0] == 2.0
+    e_acc0 = 2 * 3 * 2.0**-24 * 6  # the cancelled column's bound is the larger
+    assert errs["m"][0] == pytest.approx(e_acc0)
+
+
+def test_mismatch_with_a_bound() -> None:
+    ref = np.array([1e-4, 2e-4, -3e-4], np.float32)
+    got = ref + np.array([5e-5, 0, 0], np.float32)  # 50 % off
+    assert mismatch("g", got, ref) is not None
+    assert mismatch("g", got, ref, bound=np.array([3e-5, 0, 0])) is None  # within 2 * bound
+    msg = mismatch("g", got, ref, bound=np.array([2e-5, 0, 0]))
+    assert msg and "and the rounding bound" in msg and "rounding bound 2e-05" in msg
+    assert mismatch("g", got, ref, bound=np.array([np.nan, 0, 0])) is not None
+    assert mismatch("g", got, ref, bound=np.ones(2)) is not None  # a bound of another shape is not used
