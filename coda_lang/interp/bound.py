@@ -36,6 +36,7 @@ from coda_lang.interp.run import Interpreter, _Tile, _type
 from coda_lang.ir.nodes import Atom, Eqn, Stage, Var
 from coda_lang.ir.types import GROUP, TILE, Dim
 from coda_lang.ops import REGISTRY
+from coda_lang.ops.registry import repeats_in
 
 U = 2.0**-24  # f32's unit roundoff
 
@@ -156,6 +157,8 @@ class Bounds(Interpreter):
     ) -> tuple[Any, ...]:
         outs = super().apply(e, vals, t, senv)
         errs = [self.bound_of(a, vals[i], t, senv) for i, a in enumerate(e.ins)]
+        # a vector repeating across a tile's columns: its value and its bound laid out as apply lays it
+        vals, errs = self.repeat_operands(e, vals, t), self.repeat_operands(e, errs, t)
         bounds = self.rule(e, vals, errs, outs, t, senv)
         where = self.serr if t is not None else self.err
         for v, b in zip(e.outs, bounds, strict=True):
@@ -179,6 +182,8 @@ class Bounds(Interpreter):
         if full.ndim == 1:
             if _type(a).shape[0] == t.rows:
                 return e[t.r0 : t.r1, None]
+            if repeats_in(_type(a).shape[0], t.rows, t.cols):  # whole: repeated as apply repeats it
+                return e[None, :]
             return e[None, t.col_slice(_type(a).shape[0])]
         return e
 
@@ -219,6 +224,12 @@ class Bounds(Interpreter):
             if _type(e.ins[1]).shape[0] == t.rows:  # the picked element's bound, as the value is picked
                 return [op.impl(ex, idx, 1, t.col_slice(_type(e.ins[0]).shape[1]).start)]
             return [op.impl(ex, idx, 0, t.r0)]
+        if op.name == "fold":  # runs of a vector added up: a sum of as many terms as runs
+            x = _f64(vals[0]).reshape(-1)
+            n = np.size(outs[0])
+            ex = np.broadcast_to(np.asarray(errs[0], np.float64), x.shape).reshape(-1, n)
+            return [np.sum(ex, axis=0) + gamma(x.size // n) * np.sum(np.abs(x.reshape(-1, n)), axis=0)]
+        assert op.locality == "index", f"no rounding bound for `{op.name}` ({op.locality})"
         return [0.0] * len(outs)  # indices: exact integers
 
     def pointwise(

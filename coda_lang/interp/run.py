@@ -238,6 +238,24 @@ class Interpreter:
 
     # ------------------------------------------------------------------ equations
 
+    def repeat_operands(self, e: Eqn, vals: list[Any], t: _Tile | None) -> list[Any]:
+        """`vals` with each vector over G that repeats across W columns laid out at the width it meets:
+        column c reads element c mod G (a scalar operand stays as it is)."""
+        reps = repeated(e, t.rows, t.cols) if t is not None else repeated(e)
+        if not reps:
+            return vals
+        vals = list(vals)
+        for i, rep_g, rep_w in reps:
+            x = np.asarray(vals[i])
+            if x.ndim == 0:
+                continue
+            if t is None:
+                vals[i] = x[np.arange(extent(rep_w, self.dims)) % extent(rep_g, self.dims)]
+            else:
+                sl = t.col_slice(rep_w)
+                vals[i] = x.reshape(1, -1)[:, np.arange(sl.start, sl.stop) % extent(rep_g, self.dims)]
+        return vals
+
     def apply(
         self, e: Eqn, vals: list[Any], t: _Tile | None, senv: dict[str, Any] | None = None
     ) -> tuple[Any, ...]:
@@ -245,16 +263,7 @@ class Interpreter:
         assert op.impl is not None, f"op {e.op} has no NumPy impl"
         outs_t = [_type(v) for v in e.outs]
         params = dict(e.params)
-        reps = repeated(e, t.rows, t.cols) if t is not None else repeated(e)
-        if reps:  # a vector over G repeating across W columns: column c reads element c mod G
-            vals = list(vals)
-            for i, rep_g, rep_w in reps:
-                x = np.asarray(vals[i])
-                if t is None:
-                    vals[i] = x[np.arange(extent(rep_w, self.dims)) % extent(rep_g, self.dims)]
-                else:
-                    sl = t.col_slice(rep_w)
-                    vals[i] = x.reshape(1, -1)[:, np.arange(sl.start, sl.stop) % extent(rep_g, self.dims)]
+        vals = self.repeat_operands(e, vals, t)
         if op.locality == "pointwise" or op.locality == "pair":
             if outs_t[0].kind == TILE:  # a grouped value of this stage broadcasts over its groups' columns
                 # (one stored by an earlier stage is a tile of one column per group: read as it is)

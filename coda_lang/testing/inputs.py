@@ -108,6 +108,7 @@ def block_inputs(
     from coda_lang.interp.inputs import extent
 
     ir = _ir(block)
+    sizes = {**_fixed(ir), **sizes}
     kinds = SPECIAL_KINDS if special is True else tuple(special) if special else ()
     rng = np.random.default_rng(seed)
     rhs, picks = _gemm_rhs(ir), _pick_ranges(ir)
@@ -145,6 +146,7 @@ def cotangents(block: Any, sizes: dict[str, int], seed: int) -> dict[str, np.nda
     from coda_lang.interp.inputs import extent
 
     ir = _ir(block)
+    sizes = {**_fixed(_ir(block)), **sizes}
     rng = np.random.default_rng([seed, 1])
     out = {}
     for o in ir.outputs:
@@ -182,3 +184,8 @@ def gradcheck_inputs(
         else:
             out[name] = rng.standard_normal(shape) * (scale or {}).get(name, 1.0)
     return out
+
+
+def _fixed(ir: Any) -> dict[str, int]:
+    """The dims a program fixes (`dims HD = 128`): sizes a caller need not give."""
+    return {d.name: d.value for d in ir.dims if d.value is not None}

@@ -1,0 +1,97 @@
+"""CUDA time per kernel of one Hugging Face patch block's forward+backward at Llama-3.2-1B shapes.
+
+Not a test; on a Hopper GPU host (after `source .gpu/env/gpu.sh`):
+
+    python benchmarks/hf_block_profile.py [--block layer] [--M 8192] [--steps 3]
+
+The block is the one `coda_lang.hf` runs for each decoder layer (`layer`: out-proj .. the next layer's
+QKV and RoPE; `first_qkv`; `last`), in bf16 with random inputs (weights scaled by 1/sqrt(K)), a random
+cotangent for each output, the tiles untuned (CODA_TUNE=0 unless set). Prints the CUDA time per kernel
+name per step, largest first, and the step's total, so that a stage that takes far longer than its
+memory traffic shows (the elementwise stages run as torch.compile'd kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--block", default="layer", choices=["layer", "first_qkv", "last"])
+    p.add_argument("--M", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--top", type=int, default=15)
+    p.add_argument("--device", default="cuda", help="cpu: the emulated kernels (a dry run)")
+    a = p.parse_args()
+    os.environ.setdefault("CODA_TUNE", "0")
+
+    import torch
+    from fwd_bwd_bench import profile
+
+    from coda_lang import load
+    from coda_lang.hf.blocks import model_source
+    from coda_lang.torch import function
+
+    D, H, KV, HD, F = 2048, 32, 8, 64, 8192
+    P = (H + 2 * KV) * HD // 2
+    K = H * HD
+    blk = load(model_source("bfloat16", 1e-5, HD, False))[a.block]
+    shapes = {"M": a.M, "D": D, "K": K, "F": F, "P": P}
+    dev = torch.device(a.device)
+    torch.manual_seed(0)
+    ins: dict[str, torch.Tensor] = {}
+    for prm in blk.ir.params:
+        n = prm.var.name
+        if prm.default is not None:
+            continue
+        shp = [int(d.coeff * shapes[d.name]) for d in prm.var.type.shape]
+        dt = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32}[prm.var.type.dtype]
+        if n == "pos":
+            x = torch.arange(a.M, device=dev, dtype=dt)
+        elif n == "freq":
+            x = 500000.0 ** (-torch.arange(P, device=dev, dtype=dt) % (HD // 2) * 2 / HD)
+        elif n.startswith("w_"):
+            x = (torch.randn(*shp, device=dev) / shp[-1] ** 0.5).to(dt)
+        else:
+            x = (
+                (1 + 0.1 * torch.randn(*shp, device=dev)).to(dt)
+                if n.startswith("g")
+                else torch.randn(*shp, device=dev).to(dt)
+            )
+        ins[n] = x.requires_grad_(n not in ("pos", "freq"))
+    wrt = [n for n in ins if n not in ("pos", "freq")]
+    fn = function(blk, wrt=wrt)
+
+    def step() -> None:
+        for v in ins.values():
+            v.grad = None
+        outs = fn(**ins)
+        outs = (
+            tuple(outs.values()) if isinstance(outs, dict) else outs if isinstance(outs, tuple) else (outs,)
+        )
+        torch.autograd.backward(
+            [o for o in outs if o.requires_grad], [torch.ones_like(o) for o in outs if o.requires_grad]
+        )
+
+    for _ in range(3):
+        step()
+    if a.device == "cpu":
+        print("ran on the CPU (emulated kernels): nothing to profile")
+        return
+    torch.cuda.synchronize()
+    rows = profile(step, a.steps)
+    print(f"{a.block} at M={a.M}: {len(rows)} kernel names; top {a.top}:")
+    for k, ms in rows[: a.top]:
+        print(f"    {ms:8.3f} ms  {k}")
+
+
+if __name__ == "__main__":
+    main()
