@@ -12,7 +12,13 @@ emulated kernels model what quack's kernels do at the places where infinities us
   only); the emulated kernel models the NaN padding, and without the mask the sum of that row is NaN
   where the interpreter's is inf. (A sum over the rows is NaN there only for an infinity in a column
   of B, a weight as a rule: not masked, docs/backend.md.)
-- The same on the GPU (marked gpu): both cases through the compiled kernels.
+- logsumexp() of a row holding +inf, or only -inf: quack's online log-sum-exp gives NaN there
+  (exp(inf - inf)), the interpreter +inf / -inf. The kernel folds each value clamped to +-F32_MAX and
+  the runtime reads +-F32_MAX back as +-inf; the emulated fold models quack's, and fails without the
+  clamp.
+- A NaN reaching max() or min(), elementwise or folded over a dim, gives NaN (the interpreter's and
+  torch's rule): the kernels use the NaN-propagating FMNMX (test_backend_ptx checks the PTX).
+- The same on the GPU (marked gpu): every case through the compiled kernels.
 """
 
 from __future__ import annotations
@@ -123,10 +129,53 @@ def test_sums_of_a_row_with_an_infinity_are_not_nan(monkeypatch: pytest.MonkeyPa
     assert why is not None and "nan" in why and "inf" in why, why
 
 
+LSE = """dims M, K, N
+block b(x: bf16[M, K], w: bf16[K, N]) -> (lse: f32[M], mx: f32[M], mn: f32[N], o: f32[M, N]) {
+  gemm x @ w {
+    lse = logsumexp(acc, over=N)
+    mx = max(acc, over=N)
+    mn = min(acc, over=M)
+    o = max(acc, 0.0) + min(acc, 1.0)
+  }
+}
+"""
+
+
+def _lse_case() -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    block = coda_lang.load(LSE)["b"]
+    rng = np.random.default_rng(1)
+    m, k, n = 40, 16, 72
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    w[2, 5] = np.inf  # column 5 of acc: +inf where x[:, 2] > 0, -inf where < 0
+    x[7, :] = 0.0
+    x[7, 2] = -1.0  # row 7: -inf at column 5 only (the rest 0): lse finite
+    x[9, 4] = np.nan  # row 9: NaN everywhere
+    ins = {"x": x.astype(ml_dtypes.bfloat16), "w": w.astype(ml_dtypes.bfloat16)}
+    tensors = {"x": torch.tensor(x).bfloat16(), "w": torch.tensor(w).bfloat16()}
+    return block, ins, tensors
+
+
+def test_logsumexp_of_infinities_and_nan_through_max_and_min(monkeypatch: pytest.MonkeyPatch) -> None:
+    block, ins, tensors = _lse_case()
+    ref = block.run(ins)
+    assert np.isposinf(ref["lse"]).sum() >= 10 and np.isfinite(ref["lse"][7]) and np.isnan(ref["lse"][9])
+    assert np.isnan(ref["mx"][9]) and np.isnan(ref["mn"]).all() and np.isnan(ref["o"][9]).all()
+    got = block.cuda(emulate=True, tile=(16, 32))(tensors)
+    for k in ref:
+        assert mismatch(k, got[k], ref[k]) is None, k
+    import coda_lang.backend_cute.spec as specs
+
+    monkeypatch.setattr(specs, "LSE_CLAMP", False)  # quack's online log-sum-exp as it is
+    got = block.cuda(emulate=True, tile=(16, 32))(tensors)
+    why = mismatch("lse", got["lse"], ref["lse"])
+    assert why is not None and "nan" in why and "inf" in why, why
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["pick", "sums"])
+@pytest.mark.parametrize("case", ["pick", "sums", "lse"])
 def test_infinities_on_the_gpu(case: str) -> None:
-    block, ins, tensors = _pick_case() if case == "pick" else _sums_case()
+    block, ins, tensors = {"pick": _pick_case, "sums": _sums_case, "lse": _lse_case}[case]()
     ref = block.run(ins)
     got = block.cuda(tune=False)({k: v.cuda() for k, v in tensors.items()})
     for k in ref:

@@ -24,12 +24,13 @@ import re
 from pathlib import Path
 
 from coda_lang.backend_cute import names as module_names
+from coda_lang.backend_cute import spec as specs
 from coda_lang.backend_cute.spec import INDEX_AXIS, Group, StageSpec, describe, dim_operand
 from coda_lang.ir.nodes import Atom, DimRef, Eqn, Lit, Var
 from coda_lang.ops import REGISTRY
 from coda_lang.verify.diagnostics import CodaError, Diagnostic, Mistake
 
-EMITTER_VERSION = "2"
+EMITTER_VERSION = "3"
 
 _CUTLASS_DTYPES = {"f32": "Float32", "bf16": "BFloat16", "f16": "Float16", "i32": "Int32"}
 
@@ -142,7 +143,11 @@ class _Emitter:
         if negate:
             lanes = tuple(f"-{x}" for x in lanes)
         if pad in ("add", "max"):  # packed mode: a sink folds the two lanes of a double-width value
-            return f"{lanes[0]} + {lanes[1]}" if pad == "add" else f"cute.math.max({lanes[0]}, {lanes[1]})"
+            return (
+                f"{lanes[0]} + {lanes[1]}"
+                if pad == "add"
+                else f"cute.math.max({lanes[0]}, {lanes[1]}, propagate_nan=True)"
+            )
         if len(lanes) == 2:
             return f"pack({lanes[0]}, {lanes[1]})"
         if pad is None:
@@ -211,6 +216,11 @@ class _Emitter:
                 ret.append(f'"{s.py}": ({", ".join(self.value(n) for n in s.value)})')
             elif s.lanes == 2:
                 ret.append(f'"{s.py}": {self.value(s.value[0], s.combine, s.negate)}')
+            elif s.op == "OnlineLSEReduce" and specs.LSE_CLAMP:  # +-inf folded as +-F32_MAX (spec.LSE_CLAMP)
+                v = self.value(s.value[0])
+                big = f"Float32({specs.F32_MAX!r})"
+                clamped = f"cute.math.min({v}, {big}, propagate_nan=True)"
+                ret.append(f'"{s.py}": cute.math.max({clamped}, -{big}, propagate_nan=True)')
             else:
                 ret.append(f'"{s.py}": {self.value(s.value[0], s.pad if spec.paired else None, s.negate)}')
         body.append("return {" + ", ".join(ret) + "}")

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from coda_lang.backend_cute import spec as specs
 from coda_lang.backend_cute.spec import INDEX_AXIS, Sink, StageSpec, dim_operand
 from coda_lang.ir.nodes import DimRef, Eqn, Lit, Var
 from coda_lang.ops import REGISTRY
@@ -174,6 +175,8 @@ def _sink(
     fold = combine_of_sink("lse" if s.op == "OnlineLSEReduce" else s.combine or "")
     if s.combine == "max_abs":
         x = x.abs()
+    if s.op == "OnlineLSEReduce" and specs.LSE_CLAMP:  # +-inf folded as +-F32_MAX (spec.LSE_CLAMP)
+        x = x.clamp(-specs.F32_MAX, specs.F32_MAX)
     if s.negate:  # min(): the kernel folds -x by max (the runtime negates the buffer back)
         x = -x
     identity = 0.0 if s.combine == "max_abs" else fold.identity
@@ -190,6 +193,8 @@ def _sink(
             fill = p.abs() if s.combine == "max_abs" else p
             fill = fill.repeat(1, -(-extra // fill.shape[1]))[:, :extra]
         x = torch.cat((x, fill), dim=1)
+        if s.op == "OnlineLSEReduce":
+            return _online_lse(x.reshape(m, tiles, tw), 2)
         return fold.torch(x.reshape(m, tiles, tw), 2)
     width = x.shape[1]
     x = x.expand(m, width)
@@ -201,6 +206,13 @@ def _sink(
         fill = (p.abs() if s.combine == "max_abs" else p).expand(extra, width)
     x = torch.cat((x, fill), dim=0)
     return fold.torch(x.reshape(tiles, tile_m, width), 1)
+
+
+def _online_lse(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """A tile's log-sum-exp as quack's OnlineLSEReduce computes it: the running max drops NaN (fmax),
+    then max + log(sum(exp(x - max))); so a tile holding +inf (or only -inf) gives NaN."""
+    m = torch.where(torch.isnan(x), -torch.inf, x).amax(dim, keepdim=True)
+    return (m + torch.log(torch.exp(x - m).sum(dim, keepdim=True))).squeeze(dim)
 
 
 def run_stage(

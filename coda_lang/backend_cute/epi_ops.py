@@ -25,8 +25,13 @@ or a constant, and the accumulator itself is NaN there in a row of A that holds 
 acc, sums over the rows where they are not 0 there for finite inputs); scaled
 (one fma of two factors) or not. With `ragged_only` (a sum that is 0 there for finite inputs) only the
 ragged last tile runs their selects, behind a branch uniform over the CTA.
-What it does not: anything at trace time beyond quack's base class; it is imported only by emitted
-epilogue modules (so importing it imports quack and CuTeDSL).
+NaN: every max and min these ops and quack's VecReduce fold is IEEE `maximum`/`minimum` (FMNMX.NaN: a
+NaN operand gives NaN), as the interpreter's and torch's are; quack's own fold, `_vec_reduce_combine`,
+is NaN-quiet (`maximumNumber`: it drops a NaN), so importing this module replaces that function in
+quack's module with the NaN-propagating one (`_nan_vec_reduce_combine`, checked against quack's
+signature); quack_adapter imports this module before any compile or launch.
+What it does not: anything at trace time beyond quack's base class and that one function; it is
+imported by emitted epilogue modules and quack_adapter (so importing it imports quack and CuTeDSL).
 Invariants: `config_key` holds everything that changes the generated code, and `VERSION`, bumped with
 any edit here (quack keys its disk cache of compiled kernels on an op's module, class name and
 config_key, not on its source).
@@ -34,11 +39,13 @@ config_key, not on its source).
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
 import cutlass
 import cutlass.cute as cute
+import quack.epilogue.ops as _quack_ops
 from cutlass import Float32, Int32
 from quack.epilogue.ops import (
     ColVecReduce,
@@ -50,7 +57,34 @@ from quack.epilogue.ops import (
     rowvec_reduce_accumulate,
 )
 
-VERSION = 7
+VERSION = 8
+
+
+@cute.jit
+def _nan_vec_reduce_combine(a: Any, b: Any, combine: Any) -> Any:
+    """quack's VecReduce fold (add, max, max of |x|) with max NaN-propagating (FMNMX.NaN)."""
+    if cutlass.const_expr(combine == "add"):
+        return a + b
+    return cute.arch.fmax(a, b, abs=combine == "max_abs", nan=True)
+
+
+def _install_nan_fold() -> None:
+    """quack's `_vec_reduce_combine(a, b, combine)`, which every VecReduce fold calls by its module-global
+    name at trace time, replaced by `_nan_vec_reduce_combine` (once; a quack whose function has
+    another signature is refused rather than patched blindly)."""
+    cur = getattr(_quack_ops, "_vec_reduce_combine", None)
+    if cur is _nan_vec_reduce_combine:
+        return
+    params = list(inspect.signature(getattr(cur, "__wrapped__", cur)).parameters) if cur else []
+    if params != ["a", "b", "combine"]:
+        raise ImportError(
+            "quack.epilogue.ops._vec_reduce_combine(a, b, combine) not found: this quack is not the "
+            "version coda_lang pins (its NaN-propagating max can't be installed)"
+        )
+    _quack_ops._vec_reduce_combine = _nan_vec_reduce_combine
+
+
+_install_nan_fold()
 
 _math: Any = cute.math  # CuTeDSL's math functions (exp, log: generated, so mypy can't see them)
 
@@ -59,10 +93,20 @@ def _lse2(a: Any, b: Any) -> Any:
     """log(exp(a) + exp(b)) = max + log(1 + exp(min - max)), an associative fold with identity -inf
     (one exp and one log per element, fast-math). Where a == b (two -inf, two +inf) the difference is
     taken as 0: max + log 2 is then -inf, +inf or the right value, never NaN."""
-    hi = cute.arch.fmax(a, b)
-    lo = cute.arch.fmin(a, b)
+    hi = cute.arch.fmax(a, b, nan=True)  # a NaN operand gives NaN
+    lo = cute.arch.fmin(a, b, nan=True)
     d = Float32(cutlass.select_(lo == hi, Float32(0.0), lo - hi))
     return hi + _math.log(Float32(1.0) + _math.exp(d, fastmath=True), fastmath=True)
+
+
+@cute.jit
+def _nan_max(a: Any, b: Any) -> Any:
+    return cute.arch.fmax(a, b, nan=True)
+
+
+@cute.jit
+def _nan_min(a: Any, b: Any) -> Any:
+    return cute.arch.fmin(a, b, nan=True)
 
 
 class GroupedReduce(GroupedColStatsBase):
@@ -81,10 +125,11 @@ class GroupedReduce(GroupedColStatsBase):
     def config_key(self) -> tuple[Any, ...]:
         return (self.combine, VERSION)
 
-    # quack's base folds by add or max; min (fmin from +inf) and lse (`_lse2` from -inf) are ours, used
+    # quack's base folds by add or max (NaN-quiet); max and min (NaN-propagating, from -inf / +inf) and
+    # lse (`_lse2` from -inf) are ours, used
     # by the fold, the butterfly, the smem planes' fold and the GroupedColStatsOut writer alike
     def _combine_op(self) -> Any:
-        return {"min": cute.arch.fmin, "lse": _lse2}.get(self.combine) or super()._combine_op()
+        return {"max": _nan_max, "min": _nan_min, "lse": _lse2}.get(self.combine) or super()._combine_op()
 
     def _fold_identity(self) -> float:
         return {"min": math.inf, "lse": -math.inf}.get(self.combine) or super()._fold_identity()

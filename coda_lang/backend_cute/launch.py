@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from coda_lang.backend_cute import spec as specs
 from coda_lang.backend_cute.compile import TileConfig
 from coda_lang.backend_cute.emit import emit_stage, write_source
 from coda_lang.backend_cute.spec import F32_EXACT_INT, INDEX_AXIS, Sink, StageSpec
@@ -50,7 +51,10 @@ def sink_rule(s: Sink) -> tuple[str, int]:
 
 def sink_partials(s: Sink, buf: torch.Tensor) -> torch.Tensor:
     """The per-tile partials of a sink from the buffer its kernel wrote: a min() sink's kernel folds the
-    negation by max, so its buffer holds -min per tile (negated back here, exactly)."""
+    negation by max, so its buffer holds -min per tile (negated back here, exactly); a log-sum-exp
+    tile's +-F32_MAX is +-inf (spec.LSE_CLAMP)."""
+    if s.op == "OnlineLSEReduce" and specs.LSE_CLAMP:
+        return torch.where(buf.abs() >= specs.F32_MAX, buf * torch.inf, buf)
     return -buf if s.negate else buf
 
 

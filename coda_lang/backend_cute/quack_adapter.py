@@ -15,8 +15,9 @@ partial-buffer shapes.
 What it does not: choose tile configurations or run ptxas (compile.py), or plan and emit (plan.py,
 emit.py).
 Invariants: importing this module imports quack, cutlass and torch (it is only imported lazily, by
-compile.py and launch.py) and points quack's object cache at the kernel cache; everything else it
-changes in those libraries is restored when a compile returns.
+compile.py and launch.py), points quack's object cache at the kernel cache and (through epi_ops) makes
+quack's VecReduce max fold NaN-propagating; everything else it changes in those libraries is restored
+when a compile returns.
 
 Why meta tensors: quack validates a call and derives its compile key (dtypes, majors, ranks, scalar
 modes) from tensor metadata only; the compiled kernel is generic in M, N, K (symbolic), so nominal
@@ -50,6 +51,8 @@ import quack.gemm_runtime.host as quack_host  # noqa: E402
 import torch  # noqa: E402
 from cutlass.cutlass_dsl import CuTeDSL  # noqa: E402
 from quack.gemm_sm90 import GemmSm90  # noqa: E402
+
+import coda_lang.backend_cute.epi_ops  # noqa: E402, F401  (installs quack's NaN-propagating max fold)
 
 _TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "i32": torch.int32}
 _H100_SMS = 132

@@ -116,6 +116,14 @@ class Sink:
     ragged_only: bool = False
 
 
+# quack's online log-sum-exp (OnlineLSEReduce) turns a row holding +inf into NaN (exp(inf - inf)) and one
+# of -inf only into NaN too; the interpreter's is +inf / -inf. Its kernel folds each value clamped to
+# [-F32_MAX, F32_MAX] (NaN stays NaN), whose log-sum-exp rounds to +-F32_MAX, and the runtime reads a
+# finished log-sum-exp at +-F32_MAX as +-inf (LSE_CLAMP: the runtime's and the emulation's switch).
+F32_MAX = 3.4028234663852886e38
+LSE_CLAMP = True
+
+
 @dataclass(frozen=True)
 class Group:
     """A grouped reduction complete in its tile: the prepass computes `value` per element, the op `py`

@@ -207,9 +207,9 @@ _pointwise(
     _arith,
     lambda a, b: np.maximum(a, b),
     vjp=lambda b, p, ct: _select(b, b.op("ge", p.x[0], p.x[1]), ct),
-    emit=_fn("cute.math.max"),
+    emit=_fn("cute.math.max", propagate_nan="True"),  # NaN in, NaN out (IEEE maximum), as NumPy and torch
     torch=lambda a, b: torch.maximum(*as_tensors(a, b)),
-    doc="the larger of a and b, elementwise (ties: the gradient goes to a)",
+    doc="the larger of a and b, elementwise (ties: the gradient goes to a; a NaN operand gives NaN)",
 )
 _pointwise(
     "minimum",
@@ -218,9 +218,9 @@ _pointwise(
     _arith,
     lambda a, b: np.minimum(a, b),
     vjp=lambda b, p, ct: _select(b, b.op("le", p.x[0], p.x[1]), ct),
-    emit=_fn("cute.math.min"),
+    emit=_fn("cute.math.min", propagate_nan="True"),
     torch=lambda a, b: torch.minimum(*as_tensors(a, b)),
-    doc="the smaller of a and b, elementwise (ties: the gradient goes to a)",
+    doc="the smaller of a and b, elementwise (ties: the gradient goes to a; a NaN operand gives NaN)",
 )
 _pointwise(
     "abs",
