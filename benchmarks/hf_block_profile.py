@@ -30,16 +30,24 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--device", default="cuda", help="cpu: the emulated kernels (a dry run)")
+    p.add_argument(
+        "--dynamic",
+        default="auto",
+        choices=["true", "false", "auto"],
+        help="torch.compile's `dynamic` for the elementwise stages (auto: PyTorch's default, the runtime's)",
+    )
     a = p.parse_args()
     os.environ.setdefault("CODA_TUNE", "0")
 
     import torch
     from fwd_bwd_bench import profile
 
+    import coda_lang.backend_cute.elementwise as elementwise
     from coda_lang import load
     from coda_lang.hf.blocks import model_source
     from coda_lang.torch import function
 
+    elementwise.DYNAMIC = {"true": True, "false": False, "auto": None}[a.dynamic]
     D, H, KV, HD, F = 2048, 32, 8, 64, 8192
     P = (H + 2 * KV) * HD // 2
     K = H * HD

@@ -198,3 +198,34 @@ def test_mismatch_with_a_bound() -> None:
     assert msg and "and the rounding bound" in msg and "rounding bound 2e-05" in msg
     assert mismatch("g", got, ref, bound=np.array([np.nan, 0, 0])) is not None
     assert mismatch("g", got, ref, bound=np.ones(2)) is not None  # a bound of another shape is not used
+
+
+def test_an_exact_operand_beside_an_infinite_one_moves_nothing() -> None:
+    """An infinity among the inputs (coda fuzz --special) makes inf * 0 among the magnitudes: an exact
+    operand beside it moves nothing (0, not NaN); a GEMM's sum of |a| |b| with inf * 0 (acc is NaN
+    there) is unbounded (inf). (A NaN bound still passes nothing.)"""
+    assert bound._times(np.array([np.inf, np.inf, 2.0]), np.array([0.0, 1.0, 0.5])).tolist() == [
+        0.0,
+        np.inf,
+        1.0,
+    ]
+    block = _one_block(ROOT / "examples" / "lm_head_ce.coda")
+    dims = {"M": 64, "D": 8, "V": 8}
+    ins = block_inputs(block, dims, 0, special=True)
+    assert any(np.isinf(np.asarray(v, np.float64)).any() for v in ins.values())
+    outs, errs = bound.run(block, ins, dims)
+    fin = np.isfinite(outs["lse"])
+    assert fin.sum() > 40 and not np.isnan(errs["lse"][fin]).any()
+
+
+def test_an_overflow_within_the_bound_is_not_a_failure() -> None:
+    """An element whose bound exceeds f32's range may overflow in a correct implementation (lm_head_ce
+    with a logit of 1.25e13 on the H100: its exp(logit - lse) recomputed a few ulps apart is inf):
+    an infinity against a finite reference passes there; a NaN, or the same without the bound, fails."""
+    ref = np.array([1.0, -6848.0, 5.0])
+    got = np.array([1.0, -np.inf, 5.0])
+    assert mismatch("g", got, ref, bound=np.array([0.0, np.inf, 0.0])) is None
+    assert mismatch("g", got, ref, bound=np.array([0.0, 1e300, 0.0])) is None
+    assert mismatch("g", got, ref, bound=np.array([0.0, 1e30, 0.0])) is not None
+    assert mismatch("g", got, ref) is not None
+    assert mismatch("g", np.array([1.0, np.nan, 5.0]), ref, bound=np.array([0.0, np.inf, 0.0])) is not None

@@ -31,6 +31,12 @@ from coda_lang.ops import REGISTRY
 from coda_lang.verify.diagnostics import CodaError, Diagnostic
 from coda_lang.verify.repeat import repeated
 
+# torch.compile's `dynamic` for the stages' kernels: None (PyTorch's default) compiles for the first
+# shape and once more, shape-generic, when a second one comes. True (one shape-generic kernel from the
+# start) made the Llama-3.2-1B layer's RoPE backward at M=8192 a kernel of 0.84 ms where the
+# shape-specialized one takes under 0.14 ms (H100, benchmarks/hf_block_profile.py --dynamic)
+DYNAMIC: bool | None = None
+
 
 class ElementwiseStage:
     """Stage `index` (1-based) of a checked block, a stage with no GEMM."""
@@ -143,7 +149,7 @@ class ElementwiseStage:
         if self._fn is None:
             fn = self._body
             if not self.emulate:
-                fn = torch.compile(self.own_body(), dynamic=True, fullgraph=True)
+                fn = torch.compile(self.own_body(), dynamic=DYNAMIC, fullgraph=True)
             self._fn = fn
         return self._fn
 

@@ -58,6 +58,21 @@ DEFAULT_INJECT = (
 )  # an op's own rounding, in both implementations (fast-math exp, log, rsqrt: a few ulps)
 
 
+def _times(mag: Any, err: Any) -> Any:
+    """mag * err, 0 where err is 0 (an exact operand moves nothing, even beside an infinite one)."""
+    with np.errstate(invalid="ignore"):
+        return np.where(np.asarray(err) == 0, 0.0, np.asarray(mag) * err)
+
+
+def _mag_matmul(mag: np.ndarray, err: np.ndarray) -> np.ndarray:
+    """mag @ err with an infinite magnitude counted only against a nonzero error (inf there, else 0)."""
+    inf = np.isinf(mag)
+    out = np.where(inf, 0.0, mag) @ err
+    if inf.any():
+        out = np.where(inf.astype(np.float64) @ (err > 0).astype(np.float64) > 0, np.inf, out)
+    return out
+
+
 def _inject(name: str, x: list[np.ndarray], y: np.ndarray) -> np.ndarray:
     """The bound an op adds of its own: its result rounded (and approximated) in both implementations."""
     ay = np.abs(y)
@@ -138,7 +153,10 @@ class Bounds(Interpreter):
         if s.tb:
             b, eb = b.T, eb.T
         aa, ab = np.abs(a), np.abs(b)
-        e = aa @ eb + ea @ ab + ea @ eb + gamma_gemm(a.shape[1]) * (aa @ ab)
+        with np.errstate(invalid="ignore"):  # inf * 0 in sum |a| |b|: acc is NaN there, unbounded
+            mag = aa @ ab
+        mag = np.where(np.isnan(mag), np.inf, mag)
+        e = _mag_matmul(aa, eb) + _mag_matmul(ea, ab) + ea @ eb + gamma_gemm(a.shape[1]) * mag
         self.serr["acc"] = e
         return acc
 
@@ -270,7 +288,7 @@ class Bounds(Interpreter):
         if name in ("add", "sub"):
             moved = ev[0] + ev[1]
         elif name == "mul":
-            moved = np.abs(x[1]) * ev[0] + np.abs(x[0]) * ev[1] + ev[0] * ev[1]
+            moved = _times(np.abs(x[1]), ev[0]) + _times(np.abs(x[0]), ev[1]) + ev[0] * ev[1]
         elif name == "div":
             b = np.abs(x[1])
             moved = np.where(
