@@ -29,7 +29,17 @@ from coda_lang.frontend import check_source, normalize_newlines
 from coda_lang.ir.printer import print_program
 from coda_lang.ir.types import DTYPES
 from coda_lang.ops import BY_SURFACE
-from coda_lang.testing.malformed import crash, malformed, random_sources
+from coda_lang.testing.malformed import (
+    KEYWORDS,
+    NUMBERS,
+    PUNCT,
+    SPACE,
+    crash,
+    malformed,
+    mutated,
+    random_sources,
+    tokens,
+)
 from coda_lang.verify.diagnostics import CODES, render_all
 from coda_lang.verify.plan import explain
 
@@ -37,72 +47,12 @@ EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.
 SOURCES = {p.name: p.read_text() for p in EXAMPLES}
 FILE = "fuzz.coda"
 
-_TOKEN_RE = re.compile(
-    r"\s+|#[^\n]*|[A-Za-z_][A-Za-z0-9_]*|[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?\.?|->|<=|>=|==|!=|.", re.S
-)
-
-
-def tokens(text: str) -> list[str]:
-    return _TOKEN_RE.findall(text)
-
-
 NAMES = sorted(
     {t for src in SOURCES.values() for t in tokens(src) if t[0].isalpha() or t[0] == "_"}
     | set(BY_SURFACE)
     | set(DTYPES)
     | {"acc", "transpose", "gemm", "block", "dims", "bool", "x", "_t1"}
 )
-NUMBERS = [
-    "0",
-    "1",
-    "2",
-    "-1",
-    "128",
-    "0.5",
-    "1e-6",
-    "1e400",
-    "-1e400",
-    ".5",
-    "1.",
-    "007",
-    "2" * 40,
-    "9" * 5000,
-]
-PUNCT = [
-    "(",
-    ")",
-    "{",
-    "}",
-    "[",
-    "]",
-    ",",
-    ":",
-    ";",
-    "=",
-    "+",
-    "-",
-    "*",
-    "/",
-    "@",
-    "->",
-    "<",
-    ">",
-    "<=",
-    ">=",
-    "==",
-    "!=",
-    ".",
-    "#",
-    "!",
-    "$",
-    "`",
-    "\\",
-    "'",
-    '"',
-]
-SPACE = [" ", "\n", "\t", "\r\n", "\r", "\f", "  # comment\n", "\u2028", "\x00"]
-KEYWORDS = ["dims", "block", "gemm", "transpose", "acc", "over", "group", "pairs", "interleave", "sum"]
-
 token = st.sampled_from(NAMES + NUMBERS + PUNCT + SPACE + KEYWORDS)
 
 
@@ -164,68 +114,7 @@ def test_random_token_sequences_unspaced(text: str) -> None:
 # Mutated examples
 
 
-@st.composite
-def mutated(draw: st.DrawFn, sources: st.SearchStrategy[str]) -> str:
-    """A program from `sources` with one to three random edits."""
-    toks = tokens(draw(sources))
-    for _ in range(draw(st.integers(1, 3))):
-        if not toks:
-            toks = [draw(token)]
-        i = draw(st.integers(0, len(toks) - 1))
-        j = draw(st.integers(0, len(toks) - 1))
-        how = draw(
-            st.sampled_from(
-                [
-                    "delete",
-                    "duplicate",
-                    "swap",
-                    "name",
-                    "number",
-                    "brace",
-                    "insert",
-                    "char_delete",
-                    "char_insert",
-                    "char_swap",
-                    "truncate",
-                ]
-            )
-        )
-        if how == "delete":
-            del toks[i]
-        elif how == "duplicate":
-            toks.insert(i, toks[i])
-        elif how == "swap":
-            toks[i], toks[j] = toks[j], toks[i]
-        elif how == "name":
-            names = [k for k, t in enumerate(toks) if t[0].isalpha() or t[0] == "_"]
-            if names:
-                toks[draw(st.sampled_from(names))] = draw(st.sampled_from(NAMES))
-        elif how == "number":
-            nums = [k for k, t in enumerate(toks) if t[0].isdigit() or (t[0] == "." and len(t) > 1)]
-            if nums:
-                toks[draw(st.sampled_from(nums))] = draw(st.sampled_from(NUMBERS))
-        elif how == "brace":
-            braces = [k for k, t in enumerate(toks) if t in "{}()[]"]
-            if braces:
-                del toks[draw(st.sampled_from(braces))]
-        elif how == "insert":
-            toks.insert(i, draw(token))
-        else:
-            text = "".join(toks)
-            p = draw(st.integers(0, max(len(text) - 1, 0)))
-            if how == "char_delete":
-                text = text[:p] + text[p + 1 :]
-            elif how == "char_insert":
-                text = text[:p] + draw(st.characters()) + text[p:]
-            elif how == "char_swap" and len(text) > p + 1:
-                text = text[:p] + text[p + 1] + text[p] + text[p + 2 :]
-            elif how == "truncate":
-                text = text[:p]
-            toks = tokens(text)
-    return "".join(toks)
-
-
-mutated_example = mutated(st.sampled_from(sorted(SOURCES.values())))
+mutated_example = mutated(st.sampled_from(sorted(SOURCES.values())), NAMES)
 
 
 @settings(max_examples=400)
@@ -235,7 +124,7 @@ def test_mutated_examples(text: str) -> None:
 
 
 @settings(max_examples=150)
-@given(mutated(programs()))
+@given(mutated(programs(), NAMES))
 def test_mutated_random_programs(text: str) -> None:
     assert_diagnosed(text)
 

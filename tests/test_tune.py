@@ -154,25 +154,7 @@ def test_measure_takes_turns_and_drops_configs_that_raise(monkeypatch: pytest.Mo
     """tune.measure on a fake CUDA clock (each launch advances it by its cost): the configs time their
     batches in turns, round by round (a clock drift falls on all alike), the median batch is each one's
     time, and a config that raises in its warm-up or while timed is left out."""
-    import torch
-
-    clock = [0.0]
-
-    class Event:
-        def __init__(self, enable_timing: bool = False) -> None:
-            self.t = 0.0
-
-        def record(self) -> None:
-            self.t = clock[0]
-
-        def synchronize(self) -> None:
-            pass
-
-        def elapsed_time(self, end: Event) -> float:
-            return end.t - self.t
-
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    clock = FakeCuda(monkeypatch).clock
     order: list[str] = []
 
     def launch(name: str, cost: float, fails_after: int | None = None) -> Any:

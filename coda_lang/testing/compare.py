@@ -56,13 +56,15 @@ def mismatch(
     g, r = as_float64(got), as_float64(ref)
     if g.shape != r.shape:
         return f"{name}: shape {g.shape}, expected {r.shape}"
+    b = as_float64(bound) if bound is not None else None
+    b = b if b is not None and b.shape == r.shape else None  # the bound of each element, if given
     fin_g, fin_r = np.isfinite(g), np.isfinite(r)
     odd = (fin_g != fin_r) | (~fin_r & ~((np.isnan(g) & np.isnan(r)) | (g == r)))
-    if odd.any() and bound is not None and as_float64(bound).shape == r.shape:
+    if odd.any() and b is not None:
         # where the bound exceeds f32's range (an exp of a difference of huge values, an infinity among
         # the inputs), a correct implementation may overflow where the reference does not, or not where
         # it does: an infinity against a finite value passes there (a NaN never does)
-        unbounded = (as_float64(bound) > F32_MAX) & ~np.isnan(g) & ~np.isnan(r)
+        unbounded = (b > F32_MAX) & ~np.isnan(g) & ~np.isnan(r)
         odd &= ~(unbounded & (fin_g != fin_r))
     if odd.any():
         idx = tuple(int(i[0]) for i in np.nonzero(odd)) if g.ndim else ()
@@ -74,12 +76,10 @@ def mismatch(
     gf, rf = g[fin_r], r[fin_r]
     tol = rel * (np.abs(rf) + _rms(rf))
     bad = np.abs(gf - rf) > tol
-    if bad.any() and bound is not None:
-        b = as_float64(bound)
-        if b.shape == r.shape:
-            bf = b[fin_r]
-            # (a NaN bound passes nothing; one past f32's range passes any number, infinities too)
-            bad &= ~((np.abs(gf - rf) <= BOUND_SAFETY * bf) | (bf > F32_MAX))
+    if bad.any() and b is not None:
+        bf = b[fin_r]
+        # (a NaN bound passes nothing; one past f32's range passes any number, infinities too)
+        bad &= ~((np.abs(gf - rf) <= BOUND_SAFETY * bf) | (bf > F32_MAX))
     if not bad.any():
         return None
     if ref64 is not None:
@@ -94,6 +94,6 @@ def mismatch(
     idx = tuple(int(w[k]) for w in np.nonzero(fin_r)) if g.ndim else ()  # (np.nonzero refuses 0-d arrays)
     within = " and the rounding bound" if bound is not None else ""
     worst = f"worst at {_at(idx)}: {g[idx]:.7g} vs {r[idx]:.7g}"
-    if bound is not None and as_float64(bound).shape == r.shape:
-        worst += f" (rounding bound {as_float64(bound)[idx]:.3g})"
+    if b is not None:
+        worst += f" (rounding bound {b[idx]:.3g})"
     return f"{name}: {int(bad.sum())} of {g.size} elements differ beyond {rel:.2g} * (|ref| + rms){within}; {worst}"

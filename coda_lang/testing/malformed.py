@@ -99,12 +99,14 @@ EDITS = (
 
 @st.composite
 def mutated(draw: st.DrawFn, sources: st.SearchStrategy[str], names: list[str] | None = None) -> str:
-    """A program from `sources` with one to three random edits of its tokens or characters."""
+    """A program from `sources` with one to three random edits of its tokens or characters; `names`
+    (default NAMES) are the names an edit puts in, alone or among the other tokens it inserts."""
+    vocab = token if names is None else st.sampled_from(names + NUMBERS + PUNCT + SPACE + KEYWORDS)
     names = names or NAMES
     toks = tokens(draw(sources))
     for _ in range(draw(st.integers(1, 3))):
         if not toks:
-            toks = [draw(token)]
+            toks = [draw(vocab)]
         i = draw(st.integers(0, len(toks) - 1))
         j = draw(st.integers(0, len(toks) - 1))
         how = draw(st.sampled_from(EDITS))
@@ -127,7 +129,7 @@ def mutated(draw: st.DrawFn, sources: st.SearchStrategy[str], names: list[str] |
             if braces:
                 del toks[draw(st.sampled_from(braces))]
         elif how == "insert":
-            toks.insert(i, draw(token))
+            toks.insert(i, draw(vocab))
         else:
             text = "".join(toks)
             p = draw(st.integers(0, max(len(text) - 1, 0)))
