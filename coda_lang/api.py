@@ -208,9 +208,10 @@ class Block:
             return np.empty(shape, np.asarray(part).dtype)
 
         def add(total: Any, part: Any) -> Any:
-            if isinstance(total, np.ndarray) and total.ndim and total.flags.writeable:
-                return np.add(total, part, out=total)
-            return total + part
+            with np.errstate(all="ignore"):  # (inf + -inf among special inputs: NaN, as unchunked)
+                if isinstance(total, np.ndarray) and total.ndim and total.flags.writeable:
+                    return np.add(total, part, out=total)
+                return total + part
 
         def finish(total: Any, dtype: str) -> Any:
             return to_storage(round_to(total, dtype, precision), dtype, precision)

@@ -94,21 +94,38 @@ if [ "$what" = all ] || [ "$what" = memcheck ]; then
     echo "memcheck: compute-sanitizer not found (set COMPUTE_SANITIZER=/path/to/compute-sanitizer)"
     rc_tests=1
   else
-    # compile first (and check the runs) without the sanitizer: the kernels land in the caches above
-    python scripts/memcheck_examples.py > "$OUT/memcheck_warm.log" 2>&1
-    rc_warm=$?
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool memcheck --report-api-errors no --error-exitcode 9 \
-      --print-limit 100 python scripts/memcheck_examples.py > "$OUT/memcheck.log" 2>&1
-    rc_memcheck=$?
-    tail -1 "$OUT/memcheck_warm.log"
-    grep -E "^(FAILED|skip)|ERROR SUMMARY|Invalid|memcheck_examples:" "$OUT/memcheck.log" | tail -20
-    # the sanitizer exits 9 on a memcheck error; the script 1 on a failed run (a sanitizer that finds no
-    # error and a script that ran everything: "ERROR SUMMARY: 0 errors" and "all runs ok")
-    # (a process the script starts, e.g. a torch.compile worker, has an ERROR SUMMARY of its own)
-    if [ "$rc_warm" -ne 0 ] || [ "$rc_memcheck" -ne 0 ] || ! grep -q "ERROR SUMMARY: 0 errors" "$OUT/memcheck.log" \
-        || grep -q -E "ERROR SUMMARY: [1-9]" "$OUT/memcheck.log" \
-        || ! grep -q "memcheck_examples: all runs ok" "$OUT/memcheck.log"; then
-      echo "memcheck: FAILED (rc $rc_warm without the sanitizer, $rc_memcheck under it; $OUT/memcheck.log)"
+    # one pipeline per example, all in parallel (compiles are CPU-bound): first without the sanitizer,
+    # which compiles its kernels into the caches above (and checks the runs), then under it
+    rc_memcheck=0
+    for f in ${MEMCHECK_EXAMPLES:-examples/*.coda}; do
+      b=$(basename "$f" .coda)
+      ( python scripts/memcheck_examples.py "$f" > "$OUT/memcheck_warm_$b.log" 2>&1
+        echo "rc=$?" >> "$OUT/memcheck_warm_$b.log"
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool memcheck --report-api-errors no --error-exitcode 9 \
+          --print-limit 100 python scripts/memcheck_examples.py "$f" > "$OUT/memcheck_$b.log" 2>&1
+        echo "rc=$?" >> "$OUT/memcheck_$b.log" ) &
+    done
+    wait
+    for log in "$OUT"/memcheck_*.log; do
+      case "$log" in *memcheck_warm_*) ;; *) grep -E "^(FAILED|skip)|ERROR SUMMARY: [1-9]|Invalid" "$log" | head -5;; esac
+    done
+    # each example: its run without the sanitizer exits 0; under it, the sanitizer exits 0 (9 on a
+    # memcheck error, 1 from the script on a failed run), every process's "ERROR SUMMARY: 0 errors" (a
+    # process the script starts, e.g. a torch.compile worker, has an ERROR SUMMARY of its own), and
+    # "memcheck_examples: all runs ok"
+    for log in "$OUT"/memcheck_*.log; do
+      case "$log" in
+        *memcheck_warm_*) grep -q "^rc=0$" "$log" || { echo "memcheck: $(basename "$log"): failed without the sanitizer"; rc_memcheck=1; } ;;
+        *) if ! grep -q "^rc=0$" "$log" || ! grep -q "ERROR SUMMARY: 0 errors" "$log" \
+              || grep -q -E "ERROR SUMMARY: [1-9]" "$log" || ! grep -q "memcheck_examples: all runs ok" "$log"; then
+             echo "memcheck: $(basename "$log"): FAILED"; rc_memcheck=1
+           else
+             echo "memcheck: $(basename "$log" .log | sed 's/^memcheck_//'): $(grep -c ': ok ' "$log") runs, no errors"
+           fi ;;
+      esac
+    done
+    if [ "$rc_memcheck" -ne 0 ]; then
+      echo "memcheck: FAILED (logs: $OUT/memcheck_*.log)"
       rc_tests=1
     else
       echo "memcheck: no errors"

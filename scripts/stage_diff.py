@@ -42,8 +42,10 @@ def worst(got: np.ndarray, ref: np.ndarray) -> str:
     err = np.where(fin, np.abs(g - r) / np.where(bound > 0, bound, 1.0), 0.0)
     k = np.unravel_index(int(np.argmax(err)), err.shape)
     nbad = int((err > 1).sum())
-    return (f"worst {float(err[k]):7.3f} bounds at {tuple(int(i) for i in k)}: {g[k]:.6g} vs {r[k]:.6g}; "
-            f"{nbad} beyond; rms {rms:.3g}; finite mismatch {int((np.isfinite(g) != np.isfinite(r)).sum())}")
+    return (
+        f"worst {float(err[k]):7.3f} bounds at {tuple(int(i) for i in k)}: {g[k]:.6g} vs {r[k]:.6g}; "
+        f"{nbad} beyond; rms {rms:.3g}; finite mismatch {int((np.isfinite(g) != np.isfinite(r)).sum())}"
+    )
 
 
 def sync() -> None:
@@ -60,7 +62,9 @@ def main() -> None:
     ap.add_argument("--tile", default="128x128")
     ap.add_argument("--dims", default="")
     ap.add_argument("--save")
-    ap.add_argument("--emulate", action="store_true", help="torch stand-ins on the CPU (to try the script itself)")
+    ap.add_argument(
+        "--emulate", action="store_true", help="torch stand-ins on the CPU (to try the script itself)"
+    )
     a = ap.parse_args()
     tile = tuple(int(x) for x in a.tile.split("x"))
     sizes = dict(RAGGED)
@@ -91,13 +95,19 @@ def main() -> None:
     gpu = cb.values(inputs)
     sync()
     cpu = {k: v.cpu() for k, v in inputs.items()}
-    env, dims = bind(blk.ir, {k: to_numpy(v) if v.dtype == torch.bfloat16 else v.numpy() for k, v in cpu.items()},
-                     None, "exact")
+    env, dims = bind(
+        blk.ir,
+        {k: to_numpy(v) if v.dtype == torch.bfloat16 else v.numpy() for k, v in cpu.items()},
+        None,
+        "exact",
+    )
     it = Interpreter(blk.ir, blk.plan, dims, "exact", tile)
     with np.errstate(all="ignore"):
         it.run(env)
     ref = it.env
-    print(f"== {blk.name}: dims {dims}, tile {tile}; GEMM stages {cb.gemm_stages}, elementwise {sorted(cb.elementwise)}")
+    print(
+        f"== {blk.name}: dims {dims}, tile {tile}; GEMM stages {cb.gemm_stages}, elementwise {sorted(cb.elementwise)}"
+    )
     print("== 1. every value of the GPU run against the interpreter's")
     saved_arrays: dict[str, np.ndarray] = {}
     for name, r in ref.items():
@@ -108,8 +118,10 @@ def main() -> None:
         print(f"  {name:14s} {str(tuple(g.shape)):16s} {worst(g, rr)}")
         saved_arrays[f"gpu/{name}"], saved_arrays[f"interp/{name}"] = g, rr
     print("== 2. each stage alone on the interpreter's values")
-    cuda_env = {k: torch.as_tensor(np.asarray(v, dtype=np.float32)).to(dev) if isinstance(v, np.ndarray) else v
-                for k, v in ref.items()}
+    cuda_env = {
+        k: torch.as_tensor(np.asarray(v, dtype=np.float32)).to(dev) if isinstance(v, np.ndarray) else v
+        for k, v in ref.items()
+    }
     for p in blk.ir.params:
         if p.var.name in inputs:
             cuda_env[p.var.name] = inputs[p.var.name]

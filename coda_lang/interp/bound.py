@@ -12,8 +12,13 @@ bound, propagated through the program one equation at a time:
 - a sum of n terms gets the sum of their bounds plus `gamma(n)` * sum |terms| (the two summation
   orders), a GEMM `|A| @ E(B) + E(A) @ |B| + 2 K u |A| @ |B|`: this is where cancellation shows: the
   bound of a sum is relative to the magnitudes that cancelled, not to the (tiny) result;
-- a max/min keeps the largest bound (it is 1-Lipschitz); a comparison whose operands are closer than
-  their bounds may come out either way, and `where` then may pick either branch;
+- a max/min keeps the largest bound (it is 1-Lipschitz); an ordering comparison whose operands are
+  closer than their bounds may come out either way, and `where` then may pick either branch; `==` and
+  `!=` are judged exactly (a backward finds a max's ties by comparing the very values the forward
+  compared, so a tie that flips is a bug to report, not rounding);
+- an infinity or NaN that comes from an exact infinite or NaN operand has bound 0 (IEEE gives it in
+  any order of the arithmetic), and 0 times any bound is 0; a value that overflowed from finite
+  operands, or a bound nothing is known of, is unbounded (inf), never NaN;
 - a value rounded to bf16/f16 has bound 0 where no value within its bound rounds differently (both
   implementations then store the same number), else the distance to what it may round to.
 The inputs, cotangents and literals are the same on both sides (bound 0).
@@ -59,33 +64,79 @@ DEFAULT_INJECT = (
 
 
 def _times(mag: Any, err: Any) -> Any:
-    """mag * err, 0 where err is 0 (an exact operand moves nothing, even beside an infinite one)."""
+    """mag * err, 0 where either is 0 (an exact operand moves nothing, even beside an infinite one)."""
+    mag, err = np.asarray(mag), np.asarray(err)
     with np.errstate(invalid="ignore"):
-        return np.where(np.asarray(err) == 0, 0.0, np.asarray(mag) * err)
+        # (a NaN magnitude, a NaN value's, against a nonzero bound: unbounded)
+        return np.where((err == 0) | (mag == 0), 0.0, np.where(np.isnan(mag * err), np.inf, mag * err))
+
+
+def _exact_nonfinite(y: Any, xs: list[Any], es: list[Any]) -> Any:
+    """Where `y` is +-inf or NaN because an exact operand there is (a non-finite value with bound 0):
+    IEEE arithmetic on an infinity or a NaN gives the same non-finite value in any order (inf + finite,
+    inf * x, inf - inf, NaN with anything), so another implementation has it too: its bound is 0. Not
+    where an operand is non-finite with a nonzero bound (one that overflowed may be finite elsewhere),
+    nor where `y` overflowed from finite operands."""
+    y = np.asarray(y)
+    if y.dtype.kind != "f":
+        return np.zeros(y.shape, bool)
+    exact = np.zeros(y.shape, bool)
+    loose = np.zeros(y.shape, bool)
+    for x, e in zip(xs, es, strict=True):
+        x = np.asarray(x)
+        if x.dtype.kind != "f":
+            continue
+        shape = np.broadcast_shapes(x.shape, y.shape)
+        bad = np.broadcast_to(~np.isfinite(x), shape)
+        zero = np.broadcast_to(np.asarray(e) == 0, shape)
+        exact = exact | (bad & zero)
+        loose = loose | (bad & ~zero)
+    return ~np.isfinite(y) & exact & ~loose
+
+
+def _exact_sum(x: np.ndarray, e: np.ndarray, y: Any, axis: int) -> Any:
+    """Where a sum (or log-sum-exp) over `axis` is non-finite because an exact term is (as
+    `_exact_nonfinite`)."""
+    bad = ~np.isfinite(x)
+    exact = np.any(bad & (e == 0), axis=axis) & ~np.any(bad & (e != 0), axis=axis)
+    return exact & ~np.isfinite(y)
 
 
 def _mag_matmul(mag: np.ndarray, err: np.ndarray) -> np.ndarray:
-    """mag @ err with an infinite magnitude counted only against a nonzero error (inf there, else 0)."""
-    inf = np.isinf(mag)
-    out = np.where(inf, 0.0, mag) @ err
-    if inf.any():
-        out = np.where(inf.astype(np.float64) @ (err > 0).astype(np.float64) > 0, np.inf, out)
+    """mag @ err for magnitudes and bounds (both >= 0), where 0 times anything is 0: a non-finite
+    entry (an infinite magnitude, a NaN input's, an unknown bound) counts only against a nonzero
+    entry on the other side, and makes that sum unbounded (inf), never NaN."""
+    mag, err = np.asarray(mag, np.float64), np.asarray(err, np.float64)
+    bad_m, bad_e = ~np.isfinite(mag), ~np.isfinite(err)
+    out = np.where(bad_m, 0.0, mag) @ np.where(bad_e, 0.0, err)
+    if bad_m.any() or bad_e.any():
+        unb = bad_m.astype(np.float64) @ (err != 0).astype(np.float64) + (mag != 0).astype(
+            np.float64
+        ) @ bad_e.astype(np.float64)
+        out = np.where(unb > 0, np.inf, out)
     return out
 
 
 def _inject(name: str, x: list[np.ndarray], y: np.ndarray) -> np.ndarray:
-    """The bound an op adds of its own: its result rounded (and approximated) in both implementations."""
-    ay = np.abs(y)
+    """The bound an op adds of its own: its result rounded (and approximated) in both implementations.
+    (An infinite operand adds nothing through its size: the op's result there is exact, +-inf, 0 or
+    NaN, or the operand's own bound already covers it.)"""
+    finite_x = np.ones(np.shape(y), bool)
+    for v in x:
+        finite_x = finite_x & (np.isfinite(v) if np.asarray(v).dtype.kind == "f" else True)
+    # |y|; 0 where y is non-finite because an operand is; inf where y overflowed from finite operands
+    ay = np.where(np.isfinite(y), np.abs(y), np.where(finite_x, np.inf, 0.0))
+    ax = np.where(np.isfinite(x[0]), np.abs(x[0]), 0.0) if x else 0.0
     if name in ("add", "sub", "mul"):  # IEEE: the same inputs round the same, but a kernel may fuse a
         return U * ay  # product into an add (FMA) where the interpreter rounds it
     if name == "div":  # div.approx
         return 2.0**-22 * ay
     if name in ("tanh", "gelu"):  # tanh.approx.f32: a relative error of 2^-11 (GELU: of its tanh, times x/2)
-        return 2.0**-10 * (ay + (np.abs(x[0]) if x else 0.0))
+        return 2.0**-10 * (ay + ax)
     if name == "exp":  # ex2.approx of x * log2(e): the product's rounding grows with |x|
-        return DEFAULT_INJECT * (1.0 + np.abs(x[0])) * ay
+        return DEFAULT_INJECT * (1.0 + ax) * ay
     if name in ("softplus", "erf", "sin", "cos"):  # approximations with an absolute error
-        return 2.0**-20 * (ay + 1.0 + (np.abs(x[0]) if x else 0.0))
+        return 2.0**-20 * (ay + 1.0 + ax)
     return DEFAULT_INJECT * ay
 
 
@@ -113,7 +164,9 @@ def _rounding(x: Any, e: Any, dtype: str) -> Any:
         lo = round_to((x - e).astype(np.float32), dtype, "exact").astype(np.float64)
         hi = round_to((x + e).astype(np.float32), dtype, "exact").astype(np.float64)
         out = np.maximum(np.abs(hi - here), np.abs(here - lo))
-    return np.where(np.isnan(e), np.nan, np.where(e == 0, 0.0, out))
+        # the same number whatever moved (both overflow to inf): 0; a difference of infinities: inf
+        out = np.where((hi == here) & (lo == here), 0.0, np.where(np.isnan(out), np.inf, out))
+    return np.where(e == 0, 0.0, out)
 
 
 class Bounds(Interpreter):
@@ -156,7 +209,12 @@ class Bounds(Interpreter):
         with np.errstate(invalid="ignore"):  # inf * 0 in sum |a| |b|: acc is NaN there, unbounded
             mag = aa @ ab
         mag = np.where(np.isnan(mag), np.inf, mag)
-        e = _mag_matmul(aa, eb) + _mag_matmul(ea, ab) + ea @ eb + gamma_gemm(a.shape[1]) * mag
+        e = _mag_matmul(aa, eb) + _mag_matmul(ea, ab) + _mag_matmul(ea, eb) + gamma_gemm(a.shape[1]) * mag
+        # a row of A or a column of B holding an exact infinity or NaN: acc is non-finite there in any
+        # order of the sum (module docstring), and another implementation's is the same
+        xa = (~np.isfinite(a) & (ea == 0)).any(axis=1) & ~(~np.isfinite(a) & (ea != 0)).any(axis=1)
+        xb = (~np.isfinite(b) & (eb == 0)).any(axis=0) & ~(~np.isfinite(b) & (eb != 0)).any(axis=0)
+        e = np.where((xa[:, None] | xb[None, :]) & ~np.isfinite(acc), 0.0, e)
         self.serr["acc"] = e
         return acc
 
@@ -246,7 +304,7 @@ class Bounds(Interpreter):
             x = _f64(vals[0]).reshape(-1)
             n = np.size(outs[0])
             ex = np.broadcast_to(np.asarray(errs[0], np.float64), x.shape).reshape(-1, n)
-            return [np.sum(ex, axis=0) + gamma(x.size // n) * np.sum(np.abs(x.reshape(-1, n)), axis=0)]
+            return [self.summed(x.reshape(-1, n), ex, _f64(outs[0]), 0)]
         assert op.locality == "index", f"no rounding bound for `{op.name}` ({op.locality})"
         return [0.0] * len(outs)  # indices: exact integers
 
@@ -256,6 +314,8 @@ class Bounds(Interpreter):
         x = [_f64(v) for v in vals]
         y = _f64(outs[0])
         ev = [np.asarray(v, np.float64) for v in errs]
+        if name in ("eq", "ne"):  # judged exactly: the backward's ties compare the values the forward
+            return [0.0]  # computed (bit for bit, by design), and integers (picks) are exact anyway
         if name in _COMPARE:  # may come out either way where the operands are closer than their bounds
             a, b = x
             slack = ev[0] + ev[1]
@@ -279,7 +339,9 @@ class Bounds(Interpreter):
         if name == "where":
             c, a, b = x
             pick = np.where(c, ev[1], ev[2])
-            either = np.maximum(ev[1], ev[2]) + np.abs(a - b)
+            with np.errstate(invalid="ignore"):  # (inf - inf, NaN: either branch may be anything)
+                apart = np.abs(a - b)
+            either = np.maximum(ev[1], ev[2]) + np.where(np.isnan(apart), np.inf, apart)
             return [np.where(ev[0] > 0, either, pick)]
         if name in _LIPSCHITZ:
             return [ev[0]]
@@ -288,17 +350,17 @@ class Bounds(Interpreter):
         if name in ("add", "sub"):
             moved = ev[0] + ev[1]
         elif name == "mul":
-            moved = _times(np.abs(x[1]), ev[0]) + _times(np.abs(x[0]), ev[1]) + ev[0] * ev[1]
+            moved = _times(np.abs(x[1]), ev[0]) + _times(np.abs(x[0]), ev[1]) + _times(ev[0], ev[1])
         elif name == "div":
             b = np.abs(x[1])
             moved = np.where(
-                b > ev[1], (ev[0] + np.abs(y) * ev[1]) / np.where(b > ev[1], b - ev[1], 1.0), np.inf
+                b > ev[1], (ev[0] + _times(np.abs(y), ev[1])) / np.where(b > ev[1], b - ev[1], 1.0), np.inf
             )
         else:
             moved = self.moved(name, params, x, ev, y)
         if y.dtype.kind != "f":  # integer arithmetic is exact
             return [moved]
-        return [moved + _inject(name, x, y)]
+        return [np.where(_exact_nonfinite(y, x, ev), 0.0, moved + _inject(name, x, y))]
 
     def moved(
         self, name: str, params: dict[str, Any], x: list[Any], ev: list[Any], y: np.ndarray
@@ -343,17 +405,28 @@ class Bounds(Interpreter):
         n = x.shape[axis] if x.ndim else 1
         kind = op.combine.name if op.combine is not None else None
         if kind == "sum":
-            return np.sum(e, axis=axis) + gamma(n) * np.sum(np.abs(x), axis=axis)
+            return self.summed(x, e, y, axis)
+        bad = ~np.isfinite(x)
         if kind in ("max", "min"):
             return np.max(e, axis=axis, initial=0.0)
-        if kind == "lse":
-            p = np.exp(x - np.expand_dims(y, axis))
-            return (
-                np.sum(p * e, axis=axis)
+        elif kind == "lse":
+            p = np.exp(x - np.expand_dims(y, axis))  # 0 for a term of -inf beside finite ones
+            finite = np.where(bad, 0.0, np.abs(x))
+            b = (
+                np.sum(_times(p, e), axis=axis)
                 + gamma(n)
-                + DEFAULT_INJECT * (np.abs(y) + np.max(np.abs(x), axis=axis, initial=0.0))
+                + DEFAULT_INJECT * (np.abs(y) + np.max(finite, axis=axis, initial=0.0))
             )
-        return np.full(np.shape(y), np.inf)
+        else:
+            return np.full(np.shape(y), np.inf)
+        return np.where(_exact_sum(x, e, y, axis), 0.0, b)
+
+    @staticmethod
+    def summed(x: np.ndarray, e: np.ndarray, y: Any, axis: int) -> Any:
+        """The bound of a sum over `axis` of terms `x` with bounds `e`: theirs plus both orders' rounding."""
+        finite = np.where(np.isfinite(x), np.abs(x), np.inf)  # (a NaN term: its sum is unbounded, or exact)
+        b = np.sum(e, axis=axis) + gamma(x.shape[axis] if x.ndim else 1) * np.sum(finite, axis=axis)
+        return np.where(_exact_sum(x, e, y, axis), 0.0, b)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -39,7 +39,8 @@ def round_to(x: np.ndarray, dtype: str, precision: str) -> np.ndarray:
     if precision == "f64":
         return x
     if dtype in ("bf16", "f16"):
-        return x.astype(STORAGE[dtype]).astype(np.float32)
+        with np.errstate(over="ignore"):  # (beyond f16's range: inf, as the kernels round)
+            return x.astype(STORAGE[dtype]).astype(np.float32)
     if dtype == "i32" and x.dtype.kind == "f":
         return np.trunc(x).astype(np.int32)
     return x.astype(compute_dtype(dtype, precision), copy=False)
