@@ -25,7 +25,15 @@ from coda_lang.api import Block, load
 from coda_lang.interp.chunk import candidate_plans, chunk_mode
 from coda_lang.ir.nodes import DEFAULT_REMAT
 
-__all__ = ["BlockFunction", "BlockModule", "LlamaMLP", "function", "uses_kernels"]
+__all__ = [
+    "BlockFunction",
+    "BlockModule",
+    "LlamaMLP",
+    "compile_together",
+    "function",
+    "precompile",
+    "uses_kernels",
+]
 
 REMATS = ("save", "recompute", "auto")
 
@@ -84,6 +92,8 @@ class BlockFunction:
         self.block, self.wrt, self.remat, self.tile, self.dims = block, wrt, remat, tile, dims
         self.chunk, self.budget, self.chunk_dim = chunk, budget, chunk_dim
         self._fns: dict[bool, Any] = {}  # emulate? -> CudaFunction
+        # functions whose kernels compile with this one's, at the first call of any (compile_together)
+        self._together: list[BlockFunction] = [self]
         block.derivation(wrt, remat)  # derive now: an error shows when the function is made
         if chunk is not None or budget is not None:
             candidate_plans(
@@ -97,7 +107,7 @@ class BlockFunction:
     def __repr__(self) -> str:
         return f"<coda function {self.name} (remat={self.remat})>"
 
-    def _fn(self, emulate: bool) -> Any:
+    def _made(self, emulate: bool) -> Any:
         fn = self._fns.get(emulate)
         if fn is None:
             cb = self.block.cuda(tile=self.tile, dims=self.dims, emulate=emulate)
@@ -105,6 +115,25 @@ class BlockFunction:
                 self.wrt, remat=self.remat, chunk=self.chunk, budget=self.budget, chunk_dim=self.chunk_dim
             )
         return fn
+
+    def _fn(self, emulate: bool) -> Any:
+        fresh = emulate not in self._fns
+        fn = self._made(emulate)
+        if fresh and not emulate:
+            # the kernels of the functions compiled together with this one (forward, backward, chunked
+            # backwards) join this one's first compile: one pool of workers for all (tiles.precompile
+            # does each block once, so their own first calls find them compiled)
+            for g in self._together:
+                if g is not self:
+                    gf = g._made(False)
+                    fn.forward.compile_with(gf.forward, gf.backward, *gf.chunked_blocks.values())
+        return fn
+
+    def kernel_blocks(self) -> list[Any]:
+        """The CUDA blocks of this function's kernels: its forward, its backward and each chunked
+        backward (made now if they were not; compiled at the first call, or by `precompile`)."""
+        fn = self._made(False)
+        return [fn.forward, fn.backward, *fn.chunked_blocks.values()]
 
     def __call__(
         self, inputs: dict[str, Any] | None = None, /, *, dims: dict[str, int] | None = None, **tensors: Any
@@ -140,6 +169,32 @@ def function(
         budget=budget,
         chunk_dim=chunk_dim,
     )
+
+
+def compile_together(*functions: BlockFunction) -> None:
+    """Compile these functions' kernels together, at the first call of any of them on the GPU: one
+    parallel compile of every kernel (forward and backward) of all, instead of one per function as each
+    is first called (a model's blocks: the first layer's, the layers', the loss head's). Nothing
+    changes on the CPU, where the kernels are emulated."""
+    group: list[BlockFunction] = []
+    for f in functions:
+        if not isinstance(f, BlockFunction):
+            raise TypeError(f"compile_together takes coda functions, got {type(f).__name__}")
+        for g in f._together:
+            if g not in group:
+                group.append(g)
+    for g in group:
+        g._together = group
+
+
+def precompile(*functions: BlockFunction, jobs: int | None = None, quiet: bool = False) -> None:
+    """Compile every kernel of these functions now, in `jobs` worker processes (default: one per CPU),
+    as their first calls would (the tuning at each shape still happens at the first call there; `coda
+    tune` does both ahead of a run). Raises BackendUnavailable without the GPU toolchain."""
+    from coda_lang.backend_cute.tiles import precompile as compile_blocks
+
+    blocks = [b for f in functions for b in f.kernel_blocks()]
+    compile_blocks(blocks, jobs=jobs, quiet=quiet, strict=True)
 
 
 class BlockModule(torch.nn.Module):

@@ -93,3 +93,54 @@ def test_function_from_a_file_and_block_module() -> None:
         BlockModule(prog["llama_mlp"], {"w_9": torch.zeros(2)})
     with pytest.raises(TypeError, match="by name"):
         mod(y, x)
+
+
+def test_functions_compiled_together_share_one_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`compile_together(f, g)`: the first GPU call of either compiles the kernels of both (forward,
+    backward, chunked backwards) in one parallel compile; the other's first call then has nothing left
+    to compile. `precompile(f, g)` does it at once, strictly. The CPU path is unchanged."""
+    from coda_lang.backend_cute import parallel, tiles
+    from coda_lang.torch import compile_together, precompile
+
+    monkeypatch.delenv("CODA_TUNE", raising=False)
+    mlp = coda_lang.load(ROOT / "examples" / "llama_mlp.coda")["llama_mlp"]
+    head = coda_lang.load(ROOT / "examples" / "lm_head_ce.coda")["lm_head_ce"]
+    f, g = function(mlp), function(head, chunk="auto")
+    compile_together(f, g)
+    assert f._together is g._together and f._together == [f, g]
+    with pytest.raises(TypeError, match="coda functions"):
+        compile_together(f, "lm_head_ce")  # type: ignore[arg-type]
+    seen: list[list[str]] = []
+    monkeypatch.setattr(
+        parallel,
+        "warm",
+        lambda requests, **kw: seen.append(sorted({r.spec.block for r in requests})) or parallel.Warmed(),
+    )
+    monkeypatch.setattr(tiles, "find_ptxas", lambda: True)
+    fn = f._fn(False)  # (made, not run: what a first call on the GPU does before its launch)
+    tiles.precompile([fn.forward, *fn.forward._compile_with])
+    assert seen == [["llama_mlp", "llama_mlp_bwd", "lm_head_ce", "lm_head_ce_bwd"]]
+    gn = g._fn(False)
+    assert tiles.precompile([gn.forward, *gn.forward._compile_with]) is None and len(seen) == 1
+    assert {id(b) for b in g.kernel_blocks()} <= {id(b) for b in fn.forward._compile_with}
+    # precompile: the same blocks, now (a fresh pair of functions)
+    f2, g2 = function(mlp), function(head)
+    precompile(f2, g2, quiet=True)
+    assert seen[-1] == ["llama_mlp", "llama_mlp_bwd", "lm_head_ce", "lm_head_ce_bwd"]
+    # linking changes nothing on the CPU: the emulated path runs as before
+    x = _mlp_inputs()
+    out = f(x)["x2"]
+    assert out.shape == x["x"].shape and torch.isfinite(out).all()
+
+
+def _mlp_inputs() -> dict[str, Any]:
+    torch.manual_seed(0)
+    M, D, F = 16, 32, 48
+    return {
+        "y": torch.randn(M, D, dtype=torch.bfloat16),
+        "x": torch.randn(M, D, dtype=torch.bfloat16),
+        "w_o": (torch.randn(D, D) / D**0.5).to(torch.bfloat16),
+        "g": torch.ones(D),
+        "w_13": (torch.randn(D, 2 * F) / D**0.5).to(torch.bfloat16),
+        "w_2": (torch.randn(F, D) / F**0.5).to(torch.bfloat16),
+    }

@@ -30,7 +30,7 @@ import torch
 from coda_lang.api import load
 from coda_lang.hf.blocks import DTYPES, model_source
 from coda_lang.layout import deinterleave_rope, interleave_rope
-from coda_lang.torch import BlockFunction, function
+from coda_lang.torch import BlockFunction, compile_together, function
 
 __all__ = ["apply_coda_to_llama", "apply_coda_to_qwen3", "unfused_grads"]
 
@@ -74,6 +74,9 @@ class _Model:
         self.loss_rows = 0  # rows per chunk of the loss head ("rows"); 0: from LOSS_CHUNK_BYTES
         self._fn = fn
         self._vocab_heads: dict[int, BlockFunction] = {}
+        # a training step's kernels (the first layer's, the layers', the last layer's, the loss head's:
+        # forward and backward) compile at once at its first call, in one pool of workers
+        compile_together(self.first, self.layer, self.last, self.vocab_head())
 
     def vocab_head(self) -> BlockFunction:
         """The loss head whose backward runs in chunks of V within `loss_budget` bytes."""
