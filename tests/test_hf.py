@@ -77,7 +77,8 @@ def grads(model: Any) -> dict[str, Any]:
 
 
 def rel(a: Any, b: Any) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 def run(model: Any, ids: Any, labels: Any) -> tuple[Any, Any, dict[str, Any]]:
