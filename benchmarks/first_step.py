@@ -16,6 +16,8 @@ Phases, each in a fresh process (so imports, compiles and tuning are counted as 
 3. with --full: an empty cache again with CODA_TUNE=full (every candidate timed to the end: the
    exhaustive tuner, as before pruning and early stop): its first-step times, tiles and step time, to
    compare with phase 1's (the tiles should mostly agree; the step times within noise).
+Python caches its bytecode as a pip install does: where the environment sets PYTHONDONTWRITEBYTECODE
+(the GPU host), under a temporary PYTHONPYCACHEPREFIX filled once before phase 1 (`bytecode_env`).
 Prints one JSON line per phase and a summary; writes $OUT/first_step.json when $OUT is set.
 The issue's targets (H100, 16 cores): the cold first step at D=2048 within 30 s, at D=4096 (a second
 shape: nothing to compile, only timing) within 30 s, the warm process within 3 s.
@@ -91,6 +93,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_phase(phase: str, cache: str, args: argparse.Namespace, extra_env: dict[str, str]) -> dict[str, Any]:
     env = {**os.environ, "CODA_CACHE_DIR": cache, **extra_env}
+    if "PYTHONPYCACHEPREFIX" in extra_env:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
     env.pop("QUACK_CACHE_DIR", None)  # quack's objects live in the kernel cache (a cold start is cold)
     cmd = [sys.executable, __file__, "--child", phase, "--M", str(args.M), "--D", args.D]
     if args.jobs:
@@ -126,10 +130,19 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="coda-first-step-") as tmp:
         cache = args.cache or str(Path(tmp) / "cache")
         given = Path(cache).exists() and any(Path(cache).iterdir())  # (e.g. filled by `coda tune`)
-        results.append(run_phase("given" if given else "cold", cache, args, {}))
-        results.append(run_phase("warm", cache, args, {}))
+        from bytecode import bytecode_env
+
+        py = bytecode_env(tmp)
+        if py:
+            print(
+                f"(Python bytecode cached under {py['PYTHONPYCACHEPREFIX']}: this environment sets "
+                "PYTHONDONTWRITEBYTECODE)",
+                flush=True,
+            )
+        results.append(run_phase("given" if given else "cold", cache, args, py))
+        results.append(run_phase("warm", cache, args, py))
         if args.full:
-            results.append(run_phase("full", str(Path(tmp) / "full"), args, {"CODA_TUNE": "full"}))
+            results.append(run_phase("full", str(Path(tmp) / "full"), args, {"CODA_TUNE": "full", **py}))
     print("\nphase  D     first step  step ms   (process: import, first step done, total)")
     for r in results:
         if "error" in r:

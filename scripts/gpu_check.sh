@@ -22,6 +22,12 @@ what="${1:-all}"
 OUT="${OUT:-$(mktemp -d -t coda-gpu-XXXX)}"
 export OUT
 mkdir -p "$OUT"
+# Python bytecode cached, as a pip install has it (the GPU host sets PYTHONDONTWRITEBYTECODE and its
+# packages carry no .pyc: every process and compile worker would byte-compile torch and CuTeDSL again)
+if [ -n "${PYTHONDONTWRITEBYTECODE:-}" ]; then
+  unset PYTHONDONTWRITEBYTECODE
+  export PYTHONPYCACHEPREFIX="${PYTHONPYCACHEPREFIX:-/tmp/coda-gpu/pycache}"
+fi
 export CODA_CACHE_DIR="${CODA_CACHE_DIR:-/tmp/coda-gpu/cache/coda}"
 export QUACK_CACHE_DIR="${QUACK_CACHE_DIR:-/tmp/coda-gpu/cache/quack}"
 mkdir -p "$CODA_CACHE_DIR" "$QUACK_CACHE_DIR"
