@@ -127,6 +127,12 @@ def test_functions_compiled_together_share_one_compile(monkeypatch: pytest.Monke
     f2, g2 = function(mlp), function(head)
     precompile(f2, g2, quiet=True)
     assert seen[-1] == ["llama_mlp", "llama_mlp_bwd", "lm_head_ce", "lm_head_ce_bwd"]
+    # without the toolchain, precompile says so (a first call would run, uncompiled, on the CPU)
+    from coda_lang.backend_cute.compile import BackendUnavailable
+
+    monkeypatch.setattr(tiles, "find_ptxas", lambda: False)
+    with pytest.raises(BackendUnavailable, match="ptxas"):
+        precompile(function(mlp), quiet=True)
     # linking changes nothing on the CPU: the emulated path runs as before
     x = _mlp_inputs()
     out = f(x)["x2"]
