@@ -2,7 +2,7 @@
 # One command on the GPU host (after `source .gpu/env/gpu.sh`, from the project root or anywhere):
 #   scripts/gpu_check.sh [all|tests|fuzz|memcheck|bench] [extra args for benchmarks/gpu_bench.py]
 # runs the GPU tests (python -m pytest -q -m gpu tests/, in five processes), `coda fuzz --target cuda` on every example
-# (200 cases each; FUZZ_EXAMPLES="examples/a.coda ..." picks some) and on random programs (PROGRAMS=240
+# (200 cases each, in FUZZ_JOBS=4 processes; FUZZ_EXAMPLES="examples/a.coda ..." picks some) and on random programs (PROGRAMS=240
 # drawn, of which the backend refuses about half, in SHARDS=12 processes), all in parallel (compiles are
 # CPU-bound; FUZZ_ARGS="--special" adds non-finite inputs), then a summary with the number of programs
 # run; then every example forward and backward (--remat auto and save, and in row chunks) under
@@ -73,7 +73,8 @@ fi
 if [ "$what" = all ] || [ "$what" = fuzz ]; then
   echo "== coda fuzz --target cuda"
   for f in ${FUZZ_EXAMPLES:-examples/*.coda}; do
-    ( python -m coda_lang.cli fuzz "$f" --target cuda --examples 200 ${FUZZ_ARGS:-} > "$OUT/fuzz_$(basename "$f" .coda).log" 2>&1
+    ( python -m coda_lang.cli fuzz "$f" --target cuda --examples 200 --jobs "${FUZZ_JOBS:-4}" ${FUZZ_ARGS:-} \
+        > "$OUT/fuzz_$(basename "$f" .coda).log" 2>&1
       echo "rc=$?" >> "$OUT/fuzz_$(basename "$f" .coda).log" ) &
   done
   # random programs: PROGRAMS drawn (about half are ones the backend refuses, E07, and are skipped), in

@@ -25,6 +25,7 @@ planted bugs.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -625,3 +626,53 @@ def test_an_operand_the_forward_stores_in_f32_is_read_as_stored() -> None:
     assert "y == m" in printed and "_f32" not in printed
     d = coda_lang.load(MAX_OF_TANH.replace("tanh(acc) * s + acc", "acc * s"))["mx"].derivation()
     assert "_f32" not in str(d.backward) and d.saved == ("acc1", "m")
+
+
+# ------------------------------------------------------------------ --jobs
+
+
+def test_jobs_split_the_cases_and_sum_them(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--jobs 2`: two `coda fuzz` processes (seeds 0 and 1), their cases summed in one ok line;
+    with --programs the programs are split. Bad uses are usage errors."""
+    code, out, err = fuzz(capsys, str(ROOT / "examples" / "bias_gelu.coda"), "--examples", "9", "--jobs", "2")
+    assert code == 0, out + err
+    assert re.search(
+        r"^ok: bias_gelu: 9 cases \(forward and backward, --remat \w+\), target interp, "
+        r"seeds 0\.\.1 \(2 jobs\)",
+        out,
+    ), out
+    code, out, err = fuzz(capsys, "--programs", "4", "--examples", "1", "--jobs", "2", "--seed", "3")
+    assert code == 0 and re.search(
+        r"^ok: \d+ random programs, \d+ cases, target interp, seeds 3\.\.4", out
+    ), out + err
+    for bad in (["--jobs", "0"], ["--jobs", "2", "--dims", "M=8"], ["--jobs", "2", "--input-seed", "1"]):
+        code, out, err = fuzz(capsys, MLP, *bad)
+        assert code == 2 and "--jobs" in err, (bad, err)
+
+
+def test_jobs_stop_at_the_first_failure_and_report_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A planted bug in every job's process (a sitecustomize module on PYTHONPATH: the last column
+    tile's partial left out): the first job to fail stops the other and its report is printed as it
+    gave it; its reproduce command finds the same case in one process."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "from coda_lang.interp import run as interp_run\n"
+        "combine = interp_run.combine\n"
+        "def wrong(buf, rule, axis):\n"
+        "    if rule == 'sum' and axis == 1 and buf.shape[1] > 1:\n"
+        "        buf = buf[:, :-1]\n"
+        "    return combine(buf, rule, axis)\n"
+        "interp_run.combine = wrong\n"
+    )
+    path = os.pathsep.join(p for p in (str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    monkeypatch.setenv("PYTHONPATH", path)
+    code, out, err = fuzz(capsys, MLP, "--examples", "60", "--jobs", "2")
+    assert code == 1, out + err
+    assert out.startswith("FAILED: llama_mlp on --target interp: the smallest failing case: dims "), out
+    assert re.search(r"\(job [12] of 2, seed [01]\)", err), err
+    dims = failing_dims(out)
+    monkeypatch.delenv("PYTHONPATH")
+    _drop_last_tile(monkeypatch)
+    code, out2, _ = fuzz(capsys, *repro_args(out))
+    assert code == 1 and failing_dims(out2) == dims, out2

@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # (as given: `coda fuzz --jobs` reruns it)
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE

@@ -100,6 +100,15 @@ def add_parser(sub: Any) -> None:
         default=".",
         help="--programs: where to write a failing program (default: .)",
     )
+    f.add_argument(
+        "--jobs",
+        "-j",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the cases in N processes at once (job i searches with seed S+i and takes its share of "
+        "--examples, or of --programs); the first failure stops them all (default 1)",
+    )
     f.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     f.set_defaults(run=run)
 
@@ -199,6 +208,18 @@ def run(args: Any) -> int:
         )
     if args.no_backward and (args.remat is not None or chunk is not None):
         return usage_error("--remat and --chunk choose the backward under test; --no-backward checks none")
+    if args.jobs < 1:
+        return usage_error(f"--jobs takes a positive number of processes, got {args.jobs}")
+    if args.jobs > 1 and (dims or args.input_seed is not None) and args.programs is None:
+        return usage_error("--jobs splits a search; --dims and --input-seed reproduce one case (drop --jobs)")
+    if args.jobs > 1:
+        if args.file is not None:  # the file's errors once, here, not once per job
+            checked, code = load_block(args.file, args.block)
+            if checked is None:
+                return code
+        from coda_lang.cli.fuzz_jobs import run_jobs
+
+        return run_jobs(args, list(getattr(args, "argv", [])))
     out = sys.stdout
     progress_quiet = bool(args.quiet)
     try:
