@@ -67,6 +67,7 @@ class Progress:
         self.extra = ""  # a fixed note after done/total ("2 workers")
         self.started = clock()
         self.last = float("-inf")
+        self._shown: tuple[int, int] | None = None  # (count, total) of the last plain line written
         self.closed = False
         self._width = 0
         self.show(force=True)
@@ -97,7 +98,7 @@ class Progress:
             return
         if self.tty:
             self._write("\r\x1b[K" + (summary + "\n" if summary else ""))
-        else:
+        elif summary or self._shown != (self.count, self.total):  # (not the line just written again)
             self._write((summary or self.text()) + "\n")
 
     def __enter__(self) -> Progress:
@@ -144,6 +145,7 @@ class Progress:
             self._write("\r" + line + "\x1b[K")
         elif force or now - self.last >= self.interval:
             self._write(self.text() + "\n")
+            self._shown = (self.count, self.total)
         else:
             return
         self.last = now

@@ -73,6 +73,16 @@ def test_not_a_terminal_plain_lines_at_most_one_per_interval(monkeypatch: pytest
         "coda fuzz: llama_mlp: 3/10 cases, 0:14 left",  # 6 s later (the 2nd advance was 4 s in)
         "coda fuzz: llama_mlp: 4/10 cases, 0:12 left",  # at the end
     ]
+    # the end is not written twice: a last line that already says the final count stands
+    out, clock = io.StringIO(), Clock()
+    with Progress("coda fuzz: bias_gelu", 2, unit="cases", stream=out, interval=1.0, clock=clock) as p:
+        clock.t += 2
+        p.advance(2)
+        clock.t += 0.5
+    assert out.getvalue().splitlines() == [
+        "coda fuzz: bias_gelu: 0/2 cases, 0:00",
+        "coda fuzz: bias_gelu: 2/2 cases, 0:02",
+    ]
 
 
 def test_quiet_and_coda_progress_0_write_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
