@@ -113,9 +113,6 @@ if [ "$what" = all ] || [ "$what" = memcheck ]; then
         echo "rc=$?" >> "$OUT/memcheck_$b.log" ) &
     done
     wait
-    for log in "$OUT"/memcheck_*.log; do
-      case "$log" in *memcheck_warm_*) ;; *) grep -E "^(FAILED|skip)|ERROR SUMMARY: [1-9]|Invalid" "$log" | head -5;; esac
-    done
     # each example: its run without the sanitizer exits 0; under it, the sanitizer exits 0 (9 on a
     # memcheck error, 1 from the script on a failed run), every process's "ERROR SUMMARY: 0 errors" (a
     # process the script starts, e.g. a torch.compile worker, has an ERROR SUMMARY of its own), and
@@ -125,6 +122,7 @@ if [ "$what" = all ] || [ "$what" = memcheck ]; then
         *memcheck_warm_*) grep -q "^rc=0$" "$log" || { echo "memcheck: $(basename "$log"): failed without the sanitizer"; rc_memcheck=1; } ;;
         *) if ! grep -q "^rc=0$" "$log" || ! grep -q "ERROR SUMMARY: 0 errors" "$log" \
               || grep -q -E "ERROR SUMMARY: [1-9]" "$log" || ! grep -q "memcheck_examples: all runs ok" "$log"; then
+             grep -E "^(FAILED|skip)|ERROR SUMMARY: [1-9]|Invalid" "$log" | head -5
              echo "memcheck: $(basename "$log"): FAILED"; rc_memcheck=1
            else
              echo "memcheck: $(basename "$log" .log | sed 's/^memcheck_//'): $(grep -c ': ok ' "$log") runs, no errors"

@@ -44,13 +44,19 @@ class Job:
     done: int = 0
     stdout: str = ""
     stderr: list[str] = field(default_factory=list)
-    reader: threading.Thread | None = None
+    readers: list[threading.Thread] = field(default_factory=list)
 
 
 def shares(total: int, jobs: int) -> list[int]:
     """`total` split into at most `jobs` shares of at least one, the larger ones first."""
     jobs = max(1, min(jobs, total))
     return [total // jobs + (1 if i < total % jobs else 0) for i in range(jobs)]
+
+
+def _read_stdout(job: Job) -> None:
+    """The job's report (read as it comes: a pipe left unread could block the job)."""
+    assert job.proc is not None and job.proc.stdout is not None
+    job.stdout = job.proc.stdout.read()
 
 
 def _read_stderr(job: Job) -> None:
@@ -108,22 +114,24 @@ def run_jobs(args: Any, argv: list[str]) -> int:
             cmd = [sys.executable, "-m", "coda_lang.cli", *argv, "--jobs", "1", "--seed", str(j.seed)]
             cmd += [what, str(j.share)]
             j.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-            j.reader = threading.Thread(target=_read_stderr, args=(j,), daemon=True)
-            j.reader.start()
+            j.readers = [
+                threading.Thread(target=f, args=(j,), daemon=True) for f in (_read_stdout, _read_stderr)
+            ]
+            for t in j.readers:
+                t.start()
         running = list(jobs)
         while running:
             time.sleep(0.2)
-            progress.count = sum(j.done for j in jobs)  # (cases: a --programs job counts them too)
-            progress.show()
+            done = sum(j.done for j in jobs)  # (cases: a --programs job counts them too)
+            if done != progress.count:
+                progress.advance(done - progress.count)
             for j in list(running):
                 assert j.proc is not None
                 if j.proc.poll() is None:
                     continue
                 running.remove(j)
-                assert j.proc.stdout is not None
-                j.stdout = j.proc.stdout.read()
-                if j.reader is not None:
-                    j.reader.join(timeout=10)
+                for t in j.readers:
+                    t.join(timeout=10)
                 if j.proc.returncode != EXIT_OK and failed is None:
                     failed = j
             if failed is not None:

@@ -94,12 +94,17 @@ def _exact_nonfinite(y: Any, xs: list[Any], es: list[Any]) -> Any:
     return ~np.isfinite(y) & exact & ~loose
 
 
+def _exact_along(x: np.ndarray, e: Any, axis: int) -> Any:
+    """Along `axis`: some element is an exact infinity or NaN (bound 0), and none is a non-finite
+    value with a nonzero bound."""
+    bad = ~np.isfinite(x)
+    return np.any(bad & (e == 0), axis=axis) & ~np.any(bad & (e != 0), axis=axis)
+
+
 def _exact_sum(x: np.ndarray, e: np.ndarray, y: Any, axis: int) -> Any:
     """Where a sum (or log-sum-exp) over `axis` is non-finite because an exact term is (as
     `_exact_nonfinite`)."""
-    bad = ~np.isfinite(x)
-    exact = np.any(bad & (e == 0), axis=axis) & ~np.any(bad & (e != 0), axis=axis)
-    return exact & ~np.isfinite(y)
+    return _exact_along(x, e, axis) & ~np.isfinite(y)
 
 
 def _mag_matmul(mag: np.ndarray, err: np.ndarray) -> np.ndarray:
@@ -212,8 +217,7 @@ class Bounds(Interpreter):
         e = _mag_matmul(aa, eb) + _mag_matmul(ea, ab) + _mag_matmul(ea, eb) + gamma_gemm(a.shape[1]) * mag
         # a row of A or a column of B holding an exact infinity or NaN: acc is non-finite there in any
         # order of the sum (module docstring), and another implementation's is the same
-        xa = (~np.isfinite(a) & (ea == 0)).any(axis=1) & ~(~np.isfinite(a) & (ea != 0)).any(axis=1)
-        xb = (~np.isfinite(b) & (eb == 0)).any(axis=0) & ~(~np.isfinite(b) & (eb != 0)).any(axis=0)
+        xa, xb = _exact_along(a, ea, 1), _exact_along(b, eb, 0)
         e = np.where((xa[:, None] | xb[None, :]) & ~np.isfinite(acc), 0.0, e)
         self.serr["acc"] = e
         return acc
