@@ -96,6 +96,9 @@ class FakeCuda:
             def synchronize(self) -> None:
                 pass
 
+            def query(self) -> bool:
+                return True
+
             def elapsed_time(self, end: Event) -> float:
                 return end.t - self.t
 
@@ -237,26 +240,140 @@ def test_store_keeps_every_entry_of_processes_storing_at_once(tmp_path: Path) ->
 
 
 def test_a_stage_that_hung_at_a_cooperative_tile_is_given_pingpong_tiles_only() -> None:
-    """The Llama training step's RMSNorm backward (an f32 tile `dx1` beside the column partials of
-    `dg1`) hung the GPU at 256x128 cooperative (H100, 2026-11-25): such a stage is refused cooperative
-    tiles (candidates, and a tile asked for by name is E0805 saying why), while llama_mlp's, whose tile is
-    bf16, keeps them."""
+    """The Llama training step's RMSNorm backwards hung the GPU at 256x128 cooperative (H100,
+    2026-11-25): one loads an f32 tile `dx1` beside the column partials of `dg1` (last_bwd stage 4), one
+    stores it beside those of `dg2` (layer_bwd stage 2). Such stages are refused cooperative tiles
+    (candidates, and a tile asked for by name is E0805 saying why), while llama_mlp's, whose tiles are
+    bf16, keep them."""
     import coda_lang.hf.blocks as hb
     from coda_lang.api import load
     from coda_lang.backend_cute.compile import TUNE_CANDIDATES, WIDE_F32_TILE, TileConfig, fits
     from coda_lang.backend_cute.planner import plan_stage
     from coda_lang.verify.diagnostics import CodaError
 
-    last = load(hb.model_source("bfloat16", 1e-5, 64, False))["last"]
-    bwd = last.derivation(["y", "x", "w_o", "g1", "w_13", "w_2", "g2"], "auto").backward
-    spec = plan_stage(bwd, 4)
-    assert any(o.name == "dx1" and o.dtype == "f32" for o in spec.operands)
+    program = load(hb.model_source("bfloat16", 1e-5, 64, False))
+    last, layer = program["last"], program["layer"]
+    last_bwd = last.derivation(["y", "x", "w_o", "g1", "w_13", "w_2", "g2"], "auto").backward
+    layer_bwd = layer.derivation([p.var.name for p in layer.ir.params], "auto").backward
+    loads, stores = plan_stage(last_bwd, 4), plan_stage(layer_bwd, 2)
+    assert any(o.name == "dx1" and o.dtype == "f32" for o in loads.operands)
+    assert not any(o.role == "tile" and o.dtype == "f32" for o in stores.operands)
+    assert any(o.name == "dx1" and o.dtype == "f32" for o in stores.outputs)
     coop = [c for c in TUNE_CANDIDATES if not c.pingpong]
-    assert coop and not any(fits(spec, c) for c in coop)
-    assert all(fits(spec, c, emulated=True) for c in coop)  # the stand-ins run anything
-    assert any(fits(spec, c) for c in TUNE_CANDIDATES if c.pingpong)
+    for spec in (loads, stores):
+        assert any(s.layout == "column partials" for s in spec.sinks)
+        assert coop and not any(fits(spec, c) for c in coop)
+        assert all(fits(spec, c, emulated=True) for c in coop)  # the stand-ins run anything
+        assert any(fits(spec, c) for c in TUNE_CANDIDATES if c.pingpong)
     mlp_bwd = load("examples/llama_mlp.coda")["llama_mlp"].derivation(None, "auto").backward
     assert all(fits(plan_stage(mlp_bwd, 3), c) for c in coop)
-    with pytest.raises(CodaError, match="pingpong"):
-        bwd.cuda(tile={4: TileConfig(256, 128, 2, 1, False)})
+    for bwd, k in ((last_bwd, 4), (layer_bwd, 2)):
+        with pytest.raises(CodaError, match="pingpong"):
+            bwd.cuda(tile={k: TileConfig(256, 128, 2, 1, False)})
     assert "pingpong" in WIDE_F32_TILE
+
+
+def test_a_first_launch_that_does_not_finish_is_reported_as_a_hang(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tune.measure waits for each candidate's first launch at most $CODA_HANG_S seconds: a kernel that
+    never finishes raises KernelHang naming its tile (instead of waiting for ever), before any timing;
+    store_hung records it per kernel and GPU, at every shape, and hung() reads it back."""
+    import time
+
+    import torch
+
+    cuda = FakeCuda(monkeypatch)
+    stuck = [False]
+    Event = torch.cuda.Event
+
+    class Hanging(Event):  # type: ignore[misc, valid-type]
+        def query(self) -> bool:
+            return not stuck[0]
+
+    monkeypatch.setattr(torch.cuda, "Event", Hanging)
+    a, b = TileConfig(128, 192), TileConfig(256, 128, 2, 1, False)
+    order: list[str] = []
+    launch_b = cuda.launch(order, "b", [1.0])
+
+    def hangs() -> None:
+        stuck[0] = True
+        launch_b()
+
+    monkeypatch.setenv("CODA_HANG_S", "0.2")
+    t0 = time.monotonic()
+    with pytest.raises(tune.KernelHang) as e:
+        tune.measure({a: cuda.launch(order, "a", [1.0]), b: hangs})
+    assert 0.2 <= time.monotonic() - t0 < 5
+    assert e.value.config == b and "256x128 coop 2x1" in str(e.value)
+    assert order == ["a"] * tune.WARMUP + ["b"]  # a warmed up; b launched once, never timed
+    stuck[0] = False
+    assert tune.measure({a: cuda.launch(order, "a", [1.0])}) == pytest.approx({a: 1.0})
+
+    monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path))
+    assert tune.hung("src", "H100") == set()
+    tune.store_hung("src", "H100", b)
+    tune.store_hung("src", "H100", b)
+    tune.store_hung("src", "H100", a)
+    assert tune.hung("src", "H100") == {a, b}
+    assert tune.hung("other src", "H100") == set() and tune.hung("src", "H200") == set()
+    assert tune.nearest("src", (1, 2, 3), "H100") is None  # not a timing entry
+
+
+HANG_SCRIPT = """
+import sys, time
+import torch
+import coda_lang.hf.blocks as hb
+from coda_lang.api import load
+from coda_lang.backend_cute import compile as cc, tune
+from coda_lang.backend_cute.compile import TileConfig
+from coda_lang.verify.diagnostics import CodaError
+
+coop = TileConfig(256, 128, 2, 1, False)
+cc.hangs_cooperative = lambda spec, config: False  # the guard off: the cooperative tile is a candidate
+if sys.argv[1] == "first":  # ... and the only one
+    cc.configs_without_spills = lambda spec, *a, **k: [coop]
+layer = load(hb.model_source("bfloat16", 1e-5, 64, False))["layer"]
+bwd = layer.derivation([p.var.name for p in layer.ir.params], "auto").backward
+gemms = bwd.cuda(emulate=True).gemm_stages
+cb = bwd.cuda(tile={k: TileConfig(128, 128) for k in gemms if k != 2})  # stage 2 tunes
+dims = {"M": 8192, "D": 2048, "K": 2048, "P": 1536, "F": 8192}
+ins = tune.random_inputs(bwd.ir, dims, torch.device("cuda"))
+t0 = time.monotonic()
+try:
+    cb(ins, dims=dims)
+    torch.cuda.synchronize()
+    print("ran", cb.config(2), flush=True)
+except CodaError as e:
+    print(str(e), flush=True)
+    print(f"after {time.monotonic() - t0:.1f} s", flush=True)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.gpu
+def test_a_hanging_tile_is_reported_recorded_and_skipped_next_time(tmp_path: Path) -> None:
+    """On the GPU: layer_bwd stage 2 of the Llama model at its cooperative 256x128 tile (the guard
+    above turned off, that tile its only candidate) hangs; the tuner says so (E0810) within
+    $CODA_HANG_S, the process exits, and a new process with every candidate (the guard still off)
+    skips the recorded tile and runs."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CODA_CACHE_DIR": str(tmp_path), "CODA_HANG_S": "5", "CODA_PROGRESS": "0"}
+    script = tmp_path / "hang.py"
+    script.write_text(HANG_SCRIPT)
+    root = Path(__file__).resolve().parent.parent
+    first = subprocess.run(
+        [sys.executable, str(script), "first"], env=env, cwd=root, capture_output=True, text=True, timeout=400
+    )
+    assert first.returncode == 3, first.stdout + first.stderr[-3000:]
+    assert "E0810" in first.stdout and "256x128 coop 2x1" in first.stdout, first.stdout
+    second = subprocess.run(
+        [sys.executable, str(script), "again"], env=env, cwd=root, capture_output=True, text=True, timeout=400
+    )
+    assert second.returncode == 0 and "ran" in second.stdout, second.stdout + second.stderr[-3000:]
+    data = json.loads((tmp_path / "tuning.json").read_text())
+    hung = [v for k, v in data.items() if k.startswith("hung:")]
+    assert [c["tile_m"] for v in hung for c in v["configs"]] == [256]

@@ -616,19 +616,28 @@ def splits_groups(spec: StageSpec, config: TileConfig) -> bool:
     return any(g.width % n_e for g in spec.groups)
 
 
-# Seen on an H100 (2026-11-25): the cooperative 256x128 kernel of a stage that loads an f32 tile and
-# folds column partials (the Llama training step's RMSNorm backward, `dx1: f32` beside `sum(.., over=M)`
-# at 8192x2048x16384) never finished: the tuner's first launch hung the GPU. The same stage with a bf16
-# tile (llama_mlp's) runs at 256x128; until the cause in quack's epilogue is known, such stages are
-# given pingpong (128-row) tiles only.
-WIDE_F32_TILE = "a stage loading an f32 tile beside column partials takes 128-row (pingpong) tiles"
+# Seen on an H100 (2026-11-25): the cooperative 256x128 kernel of a stage that moves an f32 tile and
+# folds column partials never finished; the tuner's first launch hung the GPU. Twice in the Llama
+# training step's RMSNorm backwards: `dx1: f32` loaded beside `sum(.., over=M)` (last_bwd at
+# 8192x2048x16384), and `dx1: f32` stored beside one (layer_bwd at 8192x2048x3072). The same stages
+# with bf16 tiles (llama_mlp's) run at 256x128; until the cause in quack's epilogue is known, a stage
+# that loads or stores an f32 tile beside column partials is given pingpong (128-row) tiles only.
+WIDE_F32_TILE = "a stage loading or storing an f32 tile beside column partials takes 128-row (pingpong) tiles"
+
+
+def moves_f32_tile(spec: StageSpec) -> bool:
+    """Whether the stage's epilogue loads or stores an f32 tile (D included)."""
+    stored = [*spec.outputs, *([spec.d] if spec.d is not None else [])]
+    return any(o.role == "tile" and o.dtype == "f32" for o in spec.operands) or any(
+        o.dtype == "f32" for o in stored
+    )
 
 
 def hangs_cooperative(spec: StageSpec, config: TileConfig) -> bool:
     return (
         not config.is_cublas
         and not config.pingpong
-        and any(o.role == "tile" and o.dtype == "f32" for o in spec.operands)
+        and moves_f32_tile(spec)
         and any(s.layout == "column partials" for s in spec.sinks)
     )
 

@@ -392,7 +392,10 @@ class CudaBlock:
             from coda_lang.backend_cute.compile import configs_without_spills
             from coda_lang.progress import Progress
 
-            configs, skipped = tune.prune(configs_without_spills(spec), source, shape, device)
+            hung = tune.hung(source, device)
+            configs, skipped = tune.prune(
+                [c for c in configs_without_spills(spec) if c not in hung], source, shape, device
+            )
             runners = {
                 c: r if c == r.config else StageRunner(self.block, k, spec, c, self.emulate, self.poison)
                 for c in configs
@@ -404,7 +407,21 @@ class CudaBlock:
             what = f"coda: tuning stage {k} of {self.name} at {'x'.join(map(str, shape))}"
             with Progress(what, len(runners) * tune.BATCHES, unit="batches") as progress:
                 progress.extra = f"{len(runners)} tiles" + (f", {skipped}" if skipped else "")
-                times = tune.measure({c: launch(x) for c, x in runners.items()}, progress=progress)
+                try:
+                    times = tune.measure({c: launch(x) for c, x in runners.items()}, progress=progress)
+                except tune.KernelHang as e:
+                    tune.store_hung(source, device, e.config)
+                    raise fail(
+                        "E0810",
+                        f"stage {k} of {self.name} (`{spec.text}`) at tile {tune.label(e.config)} did not "
+                        f"finish within {e.seconds:g} s on the GPU ({device}): the kernel hangs",
+                        [
+                            f"the tile is recorded as hung in {tune.cache_file()} and is not tried again: "
+                            "run again in a new process",
+                            "the GPU stays busy with the kernel until this process exits",
+                            "please report it with the stage's epilogue: `coda compile FILE --emit source --backward`",
+                        ],
+                    ) from None
             if not times:
                 return r
             cached = min(times, key=lambda c: times[c])

@@ -47,6 +47,22 @@ EARLY_MARGIN = 0.15  # dropped when even its fastest batch is this much slower t
 NEAR = 2.0  # the farthest shape that counts as a neighbour: the sum of |log2| of the m, n, k ratios
 PRUNE_MARGIN = 1.3  # dropped when it took this many times the best's time at the neighbouring shape
 KEEP = 3  # candidates kept at least, whatever the neighbour says
+HANG_S = 30.0  # a candidate's first launch not done on the GPU after this long hangs ($CODA_HANG_S)
+
+
+class KernelHang(Exception):
+    """A candidate's first launch did not finish within the hang limit: the GPU is stuck running it."""
+
+    def __init__(self, config: TileConfig, seconds: float):
+        super().__init__(f"tile {label(config)} did not finish within {seconds:g} s")
+        self.config, self.seconds = config, seconds
+
+
+def hang_limit() -> float:
+    try:
+        return max(0.1, float(os.environ.get("CODA_HANG_S", HANG_S)))
+    except ValueError:
+        return HANG_S
 
 
 def exhaustive() -> bool:
@@ -201,11 +217,15 @@ def measure(
     if early is None:
         early = not exhaustive()
     live: dict[TileConfig, Callable[[], Any]] = {}
+    limit = hang_limit()
     for config, fn in launches.items():
         try:
-            for _ in range(WARMUP):
+            _first_launch(fn, config, limit)
+            for _ in range(WARMUP - 1):
                 fn()
             torch.cuda.synchronize()
+        except KernelHang:
+            raise
         except Exception:  # a tile this GPU or this shape can't run: not a candidate
             if progress:
                 progress.add_total(-BATCHES)
@@ -236,6 +256,55 @@ def measure(
                 if progress:
                     progress.add_total(-(BATCHES - round_ - 1))
     return {c: _median(b) for c, b in batches.items() if b}
+
+
+def _first_launch(fn: Callable[[], Any], config: TileConfig, limit: float) -> None:
+    """Launch once and wait for it, polling, at most `limit` seconds (KernelHang after that: a kernel
+    can't be stopped, but the caller can say which tile hung instead of waiting for ever)."""
+    import time
+
+    import torch
+
+    fn()
+    done = torch.cuda.Event()
+    done.record()
+    start, pause = time.monotonic(), 1e-4
+    while not done.query():
+        if time.monotonic() - start > limit:
+            raise KernelHang(config, limit)
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
+
+
+def _hung_key(source: str, device: str) -> str:
+    return "hung:" + disk_key(source, (), device)
+
+
+def hung(source: str, device: str) -> set[TileConfig]:
+    """The tiles of this kernel that hung on this GPU before (store_hung): never tried again."""
+    entry = _read().get(_hung_key(source, device), {})
+    found = set()
+    for c in entry.get("configs", []) if isinstance(entry, dict) else []:
+        try:
+            found.add(TileConfig(**c))
+        except TypeError:
+            continue
+    return found
+
+
+def store_hung(source: str, device: str, config: TileConfig) -> None:
+    """Record that `config` of this kernel hung on this GPU (at any shape: it is not tried again)."""
+    key = _hung_key(source, device)
+    path = cache_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with entry_lock(path.with_suffix(".lock")):
+        data = _read()
+        old = data.get(key, {})
+        configs = old.get("configs", []) if isinstance(old, dict) else []
+        if asdict(config) not in configs:
+            configs.append(asdict(config))
+        data[key] = {"configs": configs, "device": device, "source": source_hash(source)[:32]}
+        write_atomic(path, json.dumps(data, indent=1, sort_keys=True))
 
 
 def _median(b: list[float]) -> float:
