@@ -600,6 +600,44 @@ def test_a_stage_storing_acc_and_a_group_is_not_plain() -> None:
     assert [g.out for g in spec.groups] == ["s_out"] and not is_plain(spec)
 
 
+def test_bare_gemm_stages_share_one_kernel_per_dtype_and_majors(tmp_path: Path) -> None:
+    """Every plain stage (D = acc) of the Llama model's blocks, forward and backward, emits one of two
+    modules (`transpose(a) @ b` and `a @ b`) with none of the stage's names in it, so their kernels
+    (and their tuning) are shared: 12 plain stages, 2 kernels per tile. A stage that does anything
+    else keeps its own module."""
+    import coda_lang.hf.blocks as hb
+    from coda_lang.backend_cute.compile import TileConfig, ptx_key
+
+    prog = coda_lang.load(hb.model_source("bfloat16", 1e-5, 64, False))
+    plain, other = {}, {}
+    weights = {"w_o", "w_13", "w_2", "w_qkv", "w_lm", "g", "g1", "g2", "h", "y", "x", "hg", "r"}
+    for name in ("first_qkv", "layer", "last", "head_loss"):
+        blk = prog[name]
+        bwd = blk.derivation([p.var.name for p in blk.ir.params if p.var.name in weights], "auto")
+        for b in (blk, bwd.backward):
+            for k, st in enumerate(b.ir.stages, 1):
+                if not st.is_gemm:
+                    continue
+                spec = plan_stage(b, k)
+                (plain if spec.plain else other)[(b.name, k)] = spec
+    assert len(plain) == 12 and len(other) == 16
+    names = {s.fn_name for s in plain.values()}
+    assert names == {"plain_bf16_tn", "plain_bf16_nn"}
+    for fn in names:
+        group = [s for s in plain.values() if s.fn_name == fn]
+        sources = {emit_stage(s) for s in group}
+        assert len(sources) == 1, fn
+        src = sources.pop()
+        assert not any(s.block in src or s.d.name in src for s in group if s.d)  # nothing of a stage
+        ast.parse(src)
+        majors = {(s.gemm.ta, s.gemm.tb) for s in group}
+        assert majors == {(fn.endswith("tn"), False)}
+        c = TileConfig(128, 128)
+        assert len({ptx_key(emit_stage(s), c) for s in group}) == 1
+    assert len({emit_stage(s) for s in other.values()}) == len(other)  # the others stay their own
+    assert all(s.fn_name == f"{s.block}_stage{s.index}" for s in other.values())
+
+
 def test_half_width_column_vector_is_loaded_repeated() -> None:
     """RoPE's freq[P] in a stage of width 2*P: loaded at full width (the runtime passes
     freq.repeat_interleave(2)), read from lane 0."""

@@ -92,16 +92,7 @@ CUBLAS = TileConfig(0, 0, 1, 1, False)
 
 def is_plain(spec: StageSpec) -> bool:
     """Whether the stage's kernel would be a bare GEMM: D = acc in the operands' dtype, nothing else."""
-    return (
-        spec.d is not None
-        and not spec.operands
-        and not spec.outputs
-        and not spec.sinks
-        and not spec.groups
-        and spec.mode == "element"
-        and spec.d.dtype == spec.gemm.a_dtype == spec.gemm.b_dtype
-        and all(e.op == "copy" for e in spec.eqns)
-    )
+    return spec.plain
 
 
 DEFAULT_CONFIG = TileConfig()

@@ -18,6 +18,7 @@ record says; planning is deterministic (the emitted source is a golden file).
 from __future__ import annotations
 
 import keyword
+from dataclasses import replace
 from fractions import Fraction
 from typing import Any
 
@@ -41,6 +42,7 @@ from coda_lang.backend_cute.spec import (
     dim_operand,
     is_wide,
     lanes_of,
+    plain_name,
 )
 from coda_lang.ir.nodes import DimRef, Eqn, Span, Stage, Var
 from coda_lang.ir.printer import inline_source
@@ -288,7 +290,7 @@ class _Planner:
             constraints.append("tile_N % 2 == 0 (pairs of adjacent columns)")
             if outputs:
                 constraints.append("tile_N % 32 == 0 (paired TileStore on SM90)")
-        return StageSpec(
+        spec = StageSpec(
             self.ir.name,
             self.index,
             sp.text,
@@ -309,6 +311,8 @@ class _Planner:
             prepass=tuple(prepass),
             repeats=tuple(repeats.items()),
         )
+        # a bare GEMM is one shared kernel per dtype and majors (emit.py writes it without the stage's names)
+        return replace(spec, fn_name=plain_name(gemm)) if spec.plain else spec
 
     def check_packed(self, wide: list[str]) -> None:
         """A stage with double-width values compiles in packed mode: no half-width values beside them."""

@@ -186,6 +186,20 @@ class StageSpec:
         return self.mode == "acc_pair"
 
     @property
+    def plain(self) -> bool:
+        """Whether the stage's kernel is a bare GEMM: D = acc in the operands' dtype, nothing else."""
+        return (
+            self.d is not None
+            and not self.operands
+            and not self.outputs
+            and not self.sinks
+            and not self.groups
+            and self.mode == "element"
+            and self.d.dtype == self.gemm.a_dtype == self.gemm.b_dtype
+            and all(e.op == "copy" for e in self.eqns)
+        )
+
+    @property
     def packed(self) -> bool:
         return self.mode == PACKED
 
@@ -291,3 +305,10 @@ def describe(spec: StageSpec) -> list[str]:
     for c in spec.constraints:
         lines.append(f"tiling {c}")
     return lines
+
+
+def plain_name(gemm: Gemm) -> str:
+    """The function name of the bare-GEMM epilogue (D = acc) for these operand dtypes and majors: one
+    emitted module, so one kernel per tile, shared by every plain stage of every block (a weight
+    gradient in one block is the same kernel as in another)."""
+    return f"plain_{gemm.a_dtype}_{'t' if gemm.ta else 'n'}{'t' if gemm.tb else 'n'}"
