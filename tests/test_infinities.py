@@ -81,6 +81,40 @@ def test_a_picked_minus_infinity_reads_minus_infinity(monkeypatch: pytest.Monkey
     assert why is not None and "finite" in why and "-inf" in why, why
 
 
+def test_the_pick_prefill_is_minus_infinity_in_range_and_zero_elsewhere() -> None:
+    """launch._prefill_select against the rule it implements (-inf where 0 <= index < n, else 0), on
+    indices in range, negative and past n (int32 and int64), in at most three torch ops (views aside)
+    after the zeroed allocation (the GPU test counts the kernels of a launch)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import coda_lang.backend_cute.launch as launch
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    for dtype in (torch.int32, torch.int64):
+        idx = torch.tensor([-5, -1, 0, 3, 6, 7, 8, 100, -(2**31)], dtype=dtype)
+        n = 7
+        out = torch.zeros(idx.shape[0], dtype=torch.float32)
+        with Count() as c:
+            launch._prefill_select(out, idx, n)
+        want = np.where((idx.numpy() >= 0) & (idx.numpy() < n), -np.inf, 0.0)
+        np.testing.assert_array_equal(out.numpy(), want)
+        kernels = [
+            op for op in c.ops if not op.startswith(("aten.view", "aten.reshape", "aten._unsafe_view"))
+        ]
+        assert len(kernels) <= 3, c.ops  # views launch nothing
+    empty = torch.zeros(3)
+    launch._prefill_select(empty, torch.tensor([0, 1, -1]), 0)
+    assert (empty == 0).all()
+
+
 SUMS = """dims M, K, N
 block b(x: bf16[M, K], w: bf16[K, N], g: f32[N]) -> (o: bf16[M, N], ss: f32[M], t: f32[M], c: f32[N]) {
   gemm x @ w {

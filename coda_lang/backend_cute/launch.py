@@ -324,8 +324,10 @@ def _prefill_select(out: torch.Tensor, idx: torch.Tensor, n: int) -> None:
     value of -inf (its "no match" sentinel); rows whose index is outside [0, n) it never writes. So a
     row that picks -inf keeps this -inf, and a row with an index out of range reads 0, as in the
     interpreter (with a prefill of 0, a picked -inf read 0)."""
-    hit = (idx >= 0) & (idx < n)
-    out.copy_(torch.where(hit, float("-inf"), 0.0).to(out.dtype).reshape(out.shape))
+    if n <= 0:
+        return
+    hit = torch.eq(idx.clamp(0, n - 1), idx).reshape(out.shape)  # (two small kernels)
+    out.masked_fill_(hit, float("-inf"))  # `out` comes zeroed (allocate)
 
 
 def _coda_name(spec: StageSpec, py: str) -> str:
