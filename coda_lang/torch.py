@@ -125,8 +125,7 @@ class BlockFunction:
             # does each block once, so their own first calls find them compiled)
             for g in self._together:
                 if g is not self:
-                    gf = g._made(False)
-                    fn.forward.compile_with(gf.forward, gf.backward, *gf.chunked_blocks.values())
+                    fn.forward.compile_with(*g.kernel_blocks())
         return fn
 
     def kernel_blocks(self) -> list[Any]:
