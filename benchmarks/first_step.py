@@ -8,8 +8,10 @@ Phases, each in a fresh process (so imports, compiles and tuning are counted as 
 1. cold: an empty $CODA_CACHE_DIR (a new temporary folder, or --cache DIR: "given" when it is not
    empty, e.g. filled by `coda tune` first); llama_mlp through coda_lang.torch.function
    (the default policy), the first forward+backward at each D in turn (M rows, F = 5632 for D = 2048
-   and 11008 for D = 4096), timed from the call to the end of the backward (torch.cuda.synchronize);
-   then the steady step time (triton's do_bench median, the leaves' .grad set to None first) and the
+   and 11008 for D = 4096), timed from the call to the end of the backward (torch.cuda.synchronize;
+   each stage runs at its first tile without spills while the tuner's other candidates compile in the
+   background); then until those are all compiled (`coda_lang.torch.wait_for_kernels`) and until a
+   second step, which times them, ended (both from the first call); then the steady step time (triton's do_bench median, the leaves' .grad set to None first) and the
    tile each stage chose at that shape.
 2. warm: a new process on the same cache: its import time, its first forward+backward at each D (the
    kernels are loaded, not compiled; the choices read from tuning.json) and the step time.
@@ -73,6 +75,11 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.synchronize()
         first = time.perf_counter() - t0
         out.setdefault("ready_s", round(time.perf_counter() - T_START, 2))  # process start to first step done
+        ct.wait_for_kernels()  # (the other candidate tiles, compiling in the background)
+        compiled = time.perf_counter() - t0
+        step()  # (times each stage's candidates: the tiles the steady state runs)
+        torch.cuda.synchronize()
+        tuned = time.perf_counter() - t0
         from triton.testing import do_bench
 
         ms = float(do_bench(step, warmup=50, rep=300, return_mode="median"))
@@ -81,7 +88,14 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         for what, cb in (("fwd", cf.forward), ("bwd", cf.backward)):
             for k in cb.gemm_stages:
                 tiles[f"{what}{k}"] = str(cb.config(k))
-        row = {"D": d, "first_step_s": round(first, 2), "step_ms": round(ms, 3), "tiles": tiles}
+        row = {
+            "D": d,
+            "first_step_s": round(first, 2),
+            "all_compiled_s": round(compiled, 2),
+            "tuned_s": round(tuned, 2),
+            "step_ms": round(ms, 3),
+            "tiles": tiles,
+        }
         out["sizes"].append(row)
         print(json.dumps({"phase": args.child, **row}), file=sys.stderr, flush=True)
         del x, step
@@ -143,14 +157,17 @@ def main() -> int:
         results.append(run_phase("warm", cache, args, py))
         if args.full:
             results.append(run_phase("full", str(Path(tmp) / "full"), args, {"CODA_TUNE": "full", **py}))
-    print("\nphase  D     first step  step ms   (process: import, first step done, total)")
+    print(
+        "\nphase  D     first step  all compiled, tuned  step ms   (process: import, first step done, total)"
+    )
     for r in results:
         if "error" in r:
             print(f"{r['phase']:6} {r['error']}")
             continue
         for s in r["sizes"]:
             print(
-                f"{r['phase']:6} {s['D']:<5} {s['first_step_s']:8.2f} s  {s['step_ms']:7.3f}   "
+                f"{r['phase']:6} {s['D']:<5} {s['first_step_s']:8.2f} s  {s['all_compiled_s']:6.2f} s, "
+                f"{s['tuned_s']:6.2f} s  {s['step_ms']:7.3f}   "
                 f"({r['import_s']:.1f} s, {r['ready_s']:.1f} s, {r['process_s']:.1f} s)"
             )
     by = {r["phase"]: r for r in results if "error" not in r}

@@ -101,6 +101,17 @@ class Progress:
         elif summary or self._shown != (self.count, self.total):  # (not the line just written again)
             self._write((summary or self.text()) + "\n")
 
+    def detach(self) -> None:
+        """The work goes on in the background while the program does other things: a terminal's line
+        is cleared and, from now on, plain lines are written (as to a log) instead of one line rewritten
+        in place under the program's own output."""
+        if self.quiet or self.closed:
+            return
+        if self.tty:
+            self._write("\r\x1b[K")
+            self.tty = False
+        self.show(force=True)
+
     def __enter__(self) -> Progress:
         return self
 

@@ -17,6 +17,7 @@ Invariants: gradients flow to every floating-point input that requires grad, in 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ __all__ = [
     "function",
     "precompile",
     "uses_kernels",
+    "wait_for_kernels",
 ]
 
 REMATS = ("save", "recompute", "auto")
@@ -194,6 +196,19 @@ def precompile(*functions: BlockFunction, jobs: int | None = None, quiet: bool =
 
     blocks = [b for f in functions for b in f.kernel_blocks()]
     compile_blocks(blocks, jobs=jobs, quiet=quiet, strict=True)
+
+
+def wait_for_kernels(timeout: float | None = None) -> bool:
+    """Block until the kernels that first calls left compiling in the background (each stage's other
+    candidate tiles, for the tuner) are all compiled; each stage is then timed at its next launch and
+    runs at the fastest tile from there on. True when done, False when `timeout` seconds passed first.
+    For a benchmark's steady state, or with `$CODA_TUNE=wait` instead: a first call then compiles and
+    times everything before it returns."""
+    if "coda_lang.backend_cute.parallel" not in sys.modules:  # nothing was ever compiled here
+        return True
+    from coda_lang.backend_cute.parallel import wait_all
+
+    return wait_all(timeout)
 
 
 class BlockModule(torch.nn.Module):

@@ -145,6 +145,142 @@ def test_default_jobs(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parallel.default_jobs(70) == 4 and parallel.default_jobs(2) == 2
 
 
+class GatedBuild:
+    """A fake build in threads (the pool's workers): the kernels of `free` finish at once (those in
+    `spills` spilling), every other one waits for `gate`."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, free: set[tuple[int, TileConfig]], spills=()) -> None:
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.gate = threading.Event()
+        self.free, self.spills = free, set(spills)
+        self.calls: list[tuple[int, TileConfig]] = []
+        self.submitted: list[tuple[int, TileConfig]] = []
+        self.lock = threading.Lock()
+        fake = self
+
+        class Pool(ThreadPoolExecutor):
+            def submit(self, fn: Any, spec: Any, config: TileConfig, root: str) -> Any:  # type: ignore[override]
+                fake.submitted.append((spec.index, config))
+                return super().submit(fn, spec, config, root)
+
+        monkeypatch.setattr(Kernel, "status", lambda k: None)
+        monkeypatch.setattr(parallel, "build", self.build)
+        monkeypatch.setattr(parallel, "_executor", lambda n: Pool(n))
+        monkeypatch.setattr(parallel, "_at_exit", lambda fn: None)
+
+    def build(self, spec: Any, config: TileConfig, root: str) -> tuple[str, bool]:
+        name = (spec.index, config)
+        with self.lock:
+            self.calls.append(name)
+        if name not in self.free:
+            assert self.gate.wait(30)
+        return ("spills" if name in self.spills else "ok"), True
+
+
+def test_warm_in_the_background_returns_once_every_stage_has_its_first_tile(
+    mlp: coda_lang.Block, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`background=True`: the first requests' kernels are built first, and warm returns as soon as each
+    has a tile without spills (a spilling first tile makes its stage wait for the next); the tuner's
+    other candidates compile on, `Background.pending` says for which stages, `wait` blocks until they
+    are done, and every kernel is built once."""
+    from coda_lang.backend_cute.emit import emit_stage
+
+    s1, s2 = plan_stage(mlp, 1), plan_stage(mlp, 2)
+    first1 = [c for c in CANDIDATES if fits(s1, c)][:2]
+    first2 = next(c for c in CANDIDATES if fits(s2, c))
+    fake = GatedBuild(monkeypatch, {(1, first1[0]), (1, first1[1]), (2, first2)}, spills={(1, first1[0])})
+    requests = [
+        parallel.Request(s1, CANDIDATES, first=True),
+        parallel.Request(s1, TUNE_CANDIDATES),
+        parallel.Request(s2, CANDIDATES, first=True),
+        parallel.Request(s2, TUNE_CANDIDATES),
+    ]
+    try:
+        stats = parallel.warm(requests, jobs=3, directory=tmp_path, quiet=True, background=True)
+        bg = stats.background
+        assert bg is not None and not bg.over and stats.jobs == 3
+        assert fake.submitted[:2] == [(1, first1[0]), (2, first2)]  # the first tiles go first
+        assert {(1, first1[1])} <= set(fake.calls)  # the next tile of the stage whose first one spills
+        assert bg.pending(emit_stage(s1)) and bg.pending(emit_stage(s2))
+        assert not bg.wait(timeout=0.2)  # the rest waits for the gate
+    finally:
+        fake.gate.set()
+    assert bg.wait(timeout=30) and parallel.wait_all(timeout=30)
+    assert not bg.pending(emit_stage(s1)) and not bg.pending(emit_stage(s2)) and bg.over
+    every = [
+        (s.index, c) for s in (s1, s2) for c in dict.fromkeys((*CANDIDATES, *TUNE_CANDIDATES)) if fits(s, c)
+    ]
+    assert sorted(fake.calls, key=str) == sorted(
+        [x for x in every if x[1] in TUNE_CANDIDATES or x in {(1, first1[0]), (1, first1[1]), (2, first2)}],
+        key=str,
+    )  # each kernel once
+
+
+def test_work_left_in_the_background_is_cancelled(
+    mlp: coda_lang.Block, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`Background.cancel` (registered to run at the interpreter's exit) drops the work left: nothing is
+    pending any more and waiting returns at once; with one job there is no background (all is built
+    before warm returns)."""
+    s1 = plan_stage(mlp, 1)
+    first = next(c for c in CANDIDATES if fits(s1, c))
+    fake = GatedBuild(monkeypatch, {(1, first)})
+    try:
+        stats = parallel.warm(
+            [parallel.Request(s1, CANDIDATES, first=True), parallel.Request(s1, TUNE_CANDIDATES)],
+            jobs=2,
+            directory=tmp_path,
+            quiet=True,
+            background=True,
+        )
+        assert stats.background is not None
+        stats.background.cancel()
+        assert stats.background.over and stats.background.wait(timeout=0.5)
+    finally:
+        fake.gate.set()
+    fake.calls.clear()
+    one = parallel.warm(
+        [parallel.Request(s1, (first,))], jobs=1, directory=tmp_path, quiet=True, background=True
+    )
+    assert one.background is None and fake.calls == [(1, first)]
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc (Linux)")
+def test_a_process_exits_without_waiting_for_its_background_compiles(tmp_path: Path) -> None:
+    """A program whose first call left kernels compiling in the background exits at once when it is
+    done (not after the compiles), and its compile workers end with it."""
+    import time
+
+    t0 = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "background_exit.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{ROOT}"},
+    )
+    took = time.monotonic() - t0
+    assert r.returncode == 0, r.stderr[-3000:]
+    workers = [int(x) for x in r.stdout.split()[1:]]
+    assert r.stdout.startswith("workers") and len(workers) >= 2, r.stdout
+    assert took < 120, took  # (the workers' builds sleep for 300 s)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in workers):
+        time.sleep(0.2)
+    alive = []
+    for p in workers:
+        try:
+            state = Path(f"/proc/{p}/status").read_text()
+        except OSError:
+            continue
+        if "State:\tZ" not in state:  # (a zombie has ended; only its parent's wait is missing)
+            alive.append(p)
+    assert not alive, f"compile workers still running after the process exited: {alive}"
+
+
 # ------------------------------------------------------------------------------------------------
 # CLI usage errors (no toolchain needed: they stop before any compile)
 

@@ -417,21 +417,29 @@ def test_cuda_graph_replay() -> None:
 
 
 def test_tuning_picks_a_measured_tile_and_caches_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With tuning, each stage's first launch at a shape times the spill-free candidates and keeps the
-    fastest; the choice lands in <cache>/tuning.json and a second CudaBlock reuses it without timing."""
+    """With tuning, the first call returns once each stage has its first spill-free tile, the other
+    candidates compiling in the background (and runs right at those tiles); each stage's first launch
+    after they are compiled times them and keeps the fastest; the choice lands in <cache>/tuning.json
+    and a second CudaBlock reuses it without timing."""
+    import coda_lang.torch as ct
     from coda_lang.backend_cute import tune
 
     monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path))
     blk = block("llama_mlp")
     inputs = example_inputs(blk, RAGGED, seed=21, device="cuda")
+    cpu = {k: v.cpu() for k, v in inputs.items()}
+    f64 = blk.run(cpu, precision="f64")["x2"]
     cb = blk.cuda(tune=True, poison=True)
+    first = cb(inputs)["x2"]
+    assert cb._background is not None  # (compiling the rest)
+    check_output("x2", first, blk.run(cpu, tile=cb.tiles)["x2"], f64, "bf16")
+    assert ct.wait_for_kernels(timeout=900) and cb._background.over
     outs, partials = cb.run_with_partials(inputs)
     data = json.loads((tmp_path / "tuning.json").read_text())
     assert len(data) == 3 and all(len(e["ms"]) >= 1 for e in data.values())
     print("\n" + json.dumps(data, indent=1))
-    cpu = {k: v.cpu() for k, v in inputs.items()}
     ref, ref_partials = blk.run_with_partials(cpu, tile=cb.tiles)
-    check_output("x2", outs["x2"], ref["x2"], blk.run(cpu, precision="f64")["x2"], "bf16")
+    check_output("x2", outs["x2"], ref["x2"], f64, "bf16")
     for k, buf in partials.items():
         check_partial(k, buf, ref_partials[k])
 

@@ -362,6 +362,7 @@ def test_a_hanging_tile_is_reported_recorded_and_skipped_next_time(tmp_path: Pat
     import sys
 
     env = {**os.environ, "CODA_CACHE_DIR": str(tmp_path), "CODA_HANG_S": "5", "CODA_PROGRESS": "0"}
+    env["CODA_TUNE"] = "wait"  # (the first call times the tile, instead of compiling it in the background)
     script = tmp_path / "hang.py"
     script.write_text(HANG_SCRIPT)
     root = Path(__file__).resolve().parent.parent
@@ -377,3 +378,74 @@ def test_a_hanging_tile_is_reported_recorded_and_skipped_next_time(tmp_path: Pat
     data = json.loads((tmp_path / "tuning.json").read_text())
     hung = [v for k, v in data.items() if k.startswith("hung:")]
     assert [c["tile_m"] for v in hung for c in v["configs"]] == [256]
+
+
+class FakeBackground:
+    """parallel.Background's interface over a set of sources still compiling (no workers)."""
+
+    def __init__(self, pending: set[str]) -> None:
+        self.left = set(pending)
+        self.waited: list[str | None] = []
+
+    def pending(self, source: str) -> bool:
+        return source in self.left
+
+    def wait(self, source: str | None = None, timeout: float | None = None) -> bool:
+        self.waited.append(source)
+        self.left.discard(source) if source is not None else self.left.clear()
+        return True
+
+
+def test_a_stage_runs_at_its_first_tile_until_its_candidates_are_compiled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While the tuner's candidates of a stage compile in the background (a first call's default), the
+    stage launches at its first tile and is not timed; at its first launch after they are all compiled
+    it is timed, once per shape, and the choice kept. Under a torch.compile trace (`wait`) it waits for
+    them instead, since a traced graph keeps the tile it was given."""
+    import torch
+
+    import coda_lang
+    from coda_lang.backend_cute.cuda_block import CudaBlock
+    from coda_lang.backend_cute.emit import emit_stage
+
+    blk = coda_lang.load(Path(__file__).resolve().parent.parent / "examples" / "llama_mlp.coda")["llama_mlp"]
+    cb = blk.cuda(emulate=True, tune=True)
+    timed: list[tuple[int, tuple[int, int, int, int]]] = []
+
+    def choose(self: Any, k: int, r: Any, ins: Any, scalars: Any, key: Any, source: str) -> Any:
+        assert source == emit_stage(r.spec)
+        timed.append((k, key))
+        return r  # (timing needs a GPU: tests/test_gpu.py)
+
+    monkeypatch.setattr(CudaBlock, "_choose", choose)
+    sources = {k: emit_stage(cb.specs[k - 1]) for k in cb.gemm_stages}
+    bg = FakeBackground(set(sources.values()))
+    cb._background = bg
+    inputs = tune.random_inputs(blk.ir, {"M": 64, "D": 32, "F": 48}, torch.device("cpu"))
+    want = blk.cuda(emulate=True)(**inputs)["x2"]
+    for _ in range(2):
+        got = cb(**inputs)["x2"]
+        assert torch.equal(got, want)
+    assert timed == [] and cb._by_shape == {}  # every stage still compiling: first tiles, nothing timed
+    bg.left.discard(sources[1])
+    cb(**inputs)
+    cb(**inputs)
+    assert [k for k, _ in timed] == [1] and list(cb._by_shape) == [timed[0][1]]  # stage 1, once
+    bg.left.clear()
+    assert torch.equal(cb(**inputs)["x2"], want)
+    cb(**inputs)
+    assert [k for k, _ in timed] == [1, 2, 3]
+    # at another shape: timed again, at once (nothing is compiling any more)
+    cb(**tune.random_inputs(blk.ir, {"M": 32, "D": 32, "F": 48}, torch.device("cpu")))
+    assert [k for k, _ in timed] == [1, 2, 3, 1, 2, 3]
+    # a traced call waits for the stage's candidates, then times it
+    traced = blk.cuda(emulate=True, tune=True)
+    traced._background = bg2 = FakeBackground(set(sources.values()))
+    r = traced.runner(1)
+    ins, scalars = r.arguments(traced._bind(inputs, {})[0])
+    runner, final = traced._measure(1, r, ins, scalars, (1, 64, 32, 32), wait=True)
+    assert final and runner is r and bg2.waited == [sources[1]] and timed[-1] == (1, (1, 64, 32, 32))
+    bg2.left.add(sources[1])
+    runner, final = traced._measure(1, r, ins, scalars, (1, 64, 32, 32), wait=False)
+    assert not final and runner is r and len(timed) == 7  # not traced: the first tile, not timed

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,6 +52,7 @@ from coda_lang.verify.repeat import check_repeats, repeat_uses
 
 if TYPE_CHECKING:
     from coda_lang.backend_cute.autograd import CudaFunction
+    from coda_lang.backend_cute.parallel import Background
 
 
 class CudaBlock:
@@ -163,6 +166,7 @@ class CudaBlock:
         self._repeats = repeat_uses(self.ir)
         self._ready = False
         self._precompiled = False  # tiles.precompile: this block's kernels were compiled at once
+        self._background: Background | None = None  # the tuner's candidates still compiling, if any
         self._compile_with: list[CudaBlock] = []
         # the body item (statement index) of each value's last read (block outputs are never dead), and
         # the values whose last read is each item: what a consuming run drops after it
@@ -225,13 +229,19 @@ class CudaBlock:
         self._compile_with = [*self._compile_with, *others]
 
     @torch.compiler.disable
-    def prepare(self) -> CudaBlock:
+    def prepare(self, background: bool = False) -> CudaBlock:
         """Choose every stage's tile and import its epilogue now (a first call does it otherwise); the
-        kernels of every stage (and of the blocks given to `compile_with`) are compiled first, at once."""
+        kernels of every stage (and of the blocks given to `compile_with`) are compiled first, at once.
+        `background` (a first call's, unless $CODA_TUNE is `wait` or `full`): return once every stage has
+        its first tile without spills; the tuner's other candidates compile on, and each stage is
+        timed at the first launch after its candidates are all compiled (until then it runs at that
+        first tile)."""
         if not self.emulate:
             from coda_lang.backend_cute.tiles import precompile
+            from coda_lang.backend_cute.tune import in_background
 
-            precompile([self, *self._compile_with])
+            _preload_runtime()
+            precompile([self, *self._compile_with], background=background and self.tune and in_background())
         for k in self.gemm_stages:
             r = self.runner(k)
             if not self.emulate:
@@ -312,7 +322,7 @@ class CudaBlock:
         env, dims, device = self._bind(tensors, self._given(given))
         env.update({dim_operand(k): v for k, v in dims.items()})  # a dim used as a value inside a stage
         if not self._ready:
-            self.prepare()
+            self.prepare(background=not torch.compiler.is_compiling())
         partials: dict[str, torch.Tensor] = {}
         k = 0
         for i, s in enumerate(self.ir.body):
@@ -365,9 +375,12 @@ class CudaBlock:
         spec = r.spec
         n = B.shape[0] if spec.gemm.tb else B.shape[1]
         key = (k, int(A.shape[0]), int(n), int(A.shape[1]))
-        if key not in self._by_shape:
-            self._by_shape[key] = self._measure(k, r, ins, scalars, key)
-        return self._by_shape[key]
+        got = self._by_shape.get(key)
+        if got is None:
+            got, final = self._measure(k, r, ins, scalars, key, torch.compiler.is_compiling())
+            if final:
+                self._by_shape[key] = got
+        return got
 
     @torch.compiler.disable
     def _measure(
@@ -377,13 +390,38 @@ class CudaBlock:
         ins: list[torch.Tensor | None],
         scalars: list[float],
         key: tuple[int, int, int, int],
+        wait: bool = False,
+    ) -> tuple[StageRunner, bool]:
+        """(the runner to launch, whether it is this shape's final choice). While the stage's
+        candidates are still compiling in the background: its first tile, not final (`wait`: under a
+        torch.compile trace, whose graph keeps what it is given, wait for them instead)."""
+
+        spec = r.spec
+        A = ins[0]
+        assert A is not None
+        source = emit_stage(spec)
+        bg = self._background
+        if bg is not None and bg.pending(source):
+            if not wait:
+                return r, False
+            bg.wait(source)
+        return self._choose(k, r, ins, scalars, key, source), True
+
+    def _choose(
+        self,
+        k: int,
+        r: StageRunner,
+        ins: list[torch.Tensor | None],
+        scalars: list[float],
+        key: tuple[int, int, int, int],
+        source: str,
     ) -> StageRunner:
         from coda_lang.backend_cute import tune
 
         spec = r.spec
         A = ins[0]
         assert A is not None
-        source, shape, device = emit_stage(spec), key[1:], torch.cuda.get_device_name(A.device)
+        shape, device = key[1:], torch.cuda.get_device_name(A.device)
         disk = tune.disk_key(source, shape, device)
         cached = tune.lookup(disk)
         if cached is None:
@@ -551,6 +589,26 @@ class CudaBlock:
         return CudaFunction(
             self, wrt, tile if tile is not None else self.tile, remat, chunk, budget, chunk_dim
         )
+
+
+_PRELOAD: threading.Thread | None = None
+
+
+def _preload_runtime() -> None:
+    """Import the kernels' runtime (CuTeDSL, quack, and the parts of torch they import: seconds) in a
+    thread, while this one waits for the compile workers; the first launch imports it otherwise."""
+    global _PRELOAD
+    if _PRELOAD is None and "quack.epilogue.frontend" not in sys.modules:
+        _PRELOAD = threading.Thread(target=_import_runtime, name="coda-import", daemon=True)
+        _PRELOAD.start()
+
+
+def _import_runtime() -> None:
+    import importlib
+
+    with contextlib.suppress(Exception):  # (a missing toolchain: the launch that needs it says so)
+        for name in ("coda_lang.backend_cute.quack_adapter", "quack.epilogue.frontend"):  # (in this order)
+            importlib.import_module(name)
 
 
 def _reads(item: Any) -> set[str]:

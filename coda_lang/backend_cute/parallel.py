@@ -13,13 +13,20 @@ child must not inherit CuTeDSL's MLIR state or a CUDA context), import only comp
 quack_adapter, and hide every GPU (`CUDA_VISIBLE_DEVICES=`). `default_jobs`: the CPUs this process
 may use, at most one worker per WORKER_BYTES of available memory, at most one per kernel ($CODA_JOBS
 overrides). A progress display (coda_lang.progress) shows done/total and the time left.
+`background=True` returns as soon as every `first` request has its tile (each stage can run) and
+leaves the rest compiling: a `Background` says which emitted stages still have kernels on the way
+(the tuner waits for them before timing that stage) and cancels what is left when the process exits.
+Workers run at a lower priority (nice) than the process that started them, so that its GPU work and
+timings keep their CPU.
 What it does not: choose a tile (compile.select_config, tune.py) or raise a kernel's error: a kernel
 quack refuses, or one whose worker failed, is left to the caller's compile_spec, which gives its
 error (from the refusal record, or by compiling it here).
 Invariants: the caller's __main__ is never re-run in a worker (it is masked while workers start:
 a training script without a main guard is safe); a pool that can't start (a daemonic process, such
 as a DataLoader worker) or breaks (a worker killed) compiles the rest here; the toolchain missing
-stops the work at once (the caller's compile raises BackendUnavailable).
+stops the work at once (the caller's compile raises BackendUnavailable). In the background, only a
+thread of this process touches the schedule, and a broken pool leaves what it did not build to the
+caller's compile (nothing is compiled in this process from a background thread).
 """
 
 from __future__ import annotations
@@ -29,18 +36,20 @@ import contextlib
 import multiprocessing
 import os
 import sys
+import threading
 import time
 import types
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
 from coda_lang.backend_cute.compile import BackendUnavailable, Kernel, TileConfig, compile_spec, fits
-from coda_lang.backend_cute.emit import cache_dir, emit_stage
+from coda_lang.backend_cute.emit import cache_dir, emit_stage, source_hash
 from coda_lang.backend_cute.spec import StageSpec
 from coda_lang.interp.inputs import available_memory
 from coda_lang.progress import Progress
@@ -49,6 +58,7 @@ from coda_lang.verify.diagnostics import CodaError
 # A compile worker's peak memory, rounded up: torch, CuTeDSL and quack imported and one kernel
 # compiled take about 0.7 GB (measured on llama_mlp's forward and backward stages).
 WORKER_BYTES = 1 << 30
+WORKER_NICE = 10  # how much lower a compile worker's CPU priority is than its parent's
 
 
 @dataclass(frozen=True)
@@ -74,6 +84,76 @@ class Warmed:
     jobs: int = 0
     seconds: float = 0.0
     built: set[Path] = field(default_factory=set)  # the PTX paths of the kernels compiled
+    background: Background | None = None  # what still compiles (warm(..., background=True))
+
+
+_LIVE: weakref.WeakSet[Background] = weakref.WeakSet()  # every Background whose work may be going on
+
+
+def wait_all(timeout: float | None = None) -> bool:
+    """Block until every compile this process left in the background has finished (False when
+    `timeout` seconds passed first)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for bg in list(_LIVE):
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not bg.wait(timeout=left):
+            return False
+    return True
+
+
+class Background:
+    """Kernels still compiling after `warm(..., background=True)` returned. `pending(source)`: whether
+    an emitted stage (its source text) still has kernels on the way; `wait(source)` blocks until it has
+    none (`wait()`: until nothing is left); `cancel()` stops the work (its workers are ended: every
+    cache entry is written whole or not at all). Safe to call from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._left: dict[str, int] = {}  # source hash -> kernels of it not finished
+        self._over = False
+        self._cancel: Callable[[], None] | None = None
+        _LIVE.add(self)
+
+    def _add(self, sources: set[str]) -> None:
+        with self._lock:
+            for h in sources:
+                self._left[h] = self._left.get(h, 0) + 1
+
+    def _finished(self, sources: set[str]) -> None:
+        with self._changed:
+            for h in sources:
+                self._left[h] -= 1
+                if self._left[h] <= 0:
+                    del self._left[h]
+            self._changed.notify_all()
+
+    def _end(self) -> None:
+        with self._changed:
+            self._over = True
+            self._left.clear()
+            self._changed.notify_all()
+
+    @property
+    def over(self) -> bool:
+        with self._lock:
+            return self._over
+
+    def pending(self, source: str) -> bool:
+        with self._lock:
+            return source_hash(source) in self._left
+
+    def wait(self, source: str | None = None, timeout: float | None = None) -> bool:
+        """Block until `source` (None: everything) has nothing left to compile; False on timeout."""
+        h = None if source is None else source_hash(source)
+        with self._changed:
+            return self._changed.wait_for(lambda: self._over if h is None else h not in self._left, timeout)
+
+    def cancel(self) -> None:
+        fn = self._cancel
+        if fn is not None:
+            fn()
+        self._end()
 
 
 def cpus() -> int:
@@ -120,6 +200,8 @@ def _init_worker() -> None:
     imports paid once, at start."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ["CODA_PROGRESS"] = "0"
+    with contextlib.suppress(AttributeError, OSError):
+        os.nice(WORKER_NICE)  # the starting process's GPU work and timings keep their CPU
     with contextlib.suppress(BackendUnavailable):
         from coda_lang.backend_cute.compile import _adapter
 
@@ -161,9 +243,12 @@ def warm(
     label: str = "coda: compiling kernels",
     quiet: bool = False,
     stream: TextIO | None = None,
+    background: bool = False,
 ) -> Warmed:
     """Compile what the cache lacks for `requests` (see the module docstring); `jobs`: worker
-    processes (None: default_jobs; 1: in this process)."""
+    processes (None: default_jobs; 1: in this process). `background`: return once every `first`
+    request has its tile, the rest compiling on (`Warmed.background`; with one job, or where no
+    worker can start, everything is compiled before returning)."""
     t0 = time.monotonic()
     root = directory or cache_dir()
     stats = Warmed()
@@ -173,6 +258,7 @@ def warm(
     todo: deque[Kernel] = deque()  # kernels to build, in the order they were found
     queued: set[str] = set()
     waiting: dict[str, list[int]] = {}  # kernel key -> first-mode requests waiting for its status
+    bg = Background() if background else None
 
     def kernel(spec: StageSpec, config: TileConfig) -> Kernel:
         src = sources.get(id(spec))
@@ -199,6 +285,8 @@ def warm(
                 if k.key not in queued:
                     queued.add(k.key)
                     todo.append(k)
+                    if bg is not None:
+                        bg._add({source_hash(k.source)})
                 if r.first:
                     waiting.setdefault(k.key, []).append(i)
                     return
@@ -222,18 +310,25 @@ def warm(
                 queues[i].clear()
             else:
                 advance(i)
+        if bg is not None:  # (last: a first request's next tile of this stage is queued by now)
+            bg._finished({source_hash(k.source)})
 
-    for i in range(len(requests)):
+    # the first requests' kernels first: with the work in the background, those are what a call waits for
+    for i in sorted(range(len(requests)), key=lambda i: not requests[i].first):
         advance(i)
     if not todo:
         stats.seconds = time.monotonic() - t0
         return stats
-    n = jobs if jobs is not None else default_jobs(len(todo) + sum(len(q) for q in queues))
-    n = max(1, n)
+    work = len(todo) + sum(len(q) for q in queues)
+    n = max(1, jobs if jobs is not None else default_jobs(work))
+    # (a daemonic process, e.g. a DataLoader worker, may not start processes: compile here)
+    pool = n >= 2 and work >= 2 and not _daemon()
     progress = Progress(label, len(todo), unit="kernels", quiet=quiet, stream=stream)
+    if bg is not None and pool:
+        n = min(n, len(todo))
+        return _warm_in_background(n, root, todo, finish, progress, stats, bg, lambda: not waiting, t0)
     try:
-        # (a daemonic process, e.g. a DataLoader worker, may not start processes: compile here)
-        if n >= 2 and len(todo) + sum(len(q) for q in queues) >= 2 and not _daemon():
+        if pool:
             stats.jobs = n
             progress.extra = f"{n} workers"
             _run_pool(n, root, todo, finish, progress)
@@ -248,8 +343,161 @@ def warm(
         pass  # the caller's own compile says so
     finally:
         progress.close()
+        if bg is not None:
+            bg._end()
     stats.seconds = time.monotonic() - t0
     return stats
+
+
+def _warm_in_background(
+    n: int,
+    root: Path,
+    todo: deque[Kernel],
+    finish: Callable[[Kernel, tuple[str, bool]], None],
+    progress: Progress,
+    stats: Warmed,
+    bg: Background,
+    ready: Callable[[], bool],
+    t0: float,
+) -> Warmed:
+    """warm's background mode: the pool's loop in a thread of this process; return once `ready()`
+    (every first request has its tile) or the loop ended. Every worker starts here, in the calling
+    thread (while the caller's __main__ is hidden from them: `n` is at most the kernels queued now)."""
+    stats.jobs = n
+    progress.extra = f"{n} workers"
+    is_ready = threading.Event()
+    ex = _executor(n)
+    running: dict[Future[tuple[str, bool]], Kernel] = {}
+    try:
+        _submit_all(ex, root, todo, running)
+    except (OSError, RuntimeError, AssertionError):  # no worker could start: compile here, all of it
+        ex.shutdown(wait=False, cancel_futures=True)
+        todo.extendleft(reversed(list(running.values())))
+        try:
+            while todo:
+                k = todo.popleft()
+                progress.doing(_describe(k.spec, k.config))
+                before = len(todo)
+                finish(k, build(k.spec, k.config, str(root)))
+                progress.add_total(len(todo) - before)
+                progress.advance()
+        except BackendUnavailable:
+            pass
+        finally:
+            progress.close()
+            bg._end()
+        stats.seconds = time.monotonic() - t0
+        return stats
+
+    def cancel() -> None:
+        progress.quiet = True  # (a process exiting says nothing about the work it drops)
+        procs = list((getattr(ex, "_processes", None) or {}).values())  # (shutdown forgets them)
+        ex.shutdown(wait=False, cancel_futures=True)
+        for proc in procs:
+            with contextlib.suppress(Exception):
+                proc.terminate()
+
+    bg._cancel = cancel
+
+    def check() -> None:
+        if ready():
+            is_ready.set()
+
+    def loop() -> None:
+        try:
+            _pool_loop(ex, root, todo, running, finish, progress, check, False)
+        except BaseException:  # (BackendUnavailable, a cancelled pool: the callers' compiles say so)
+            pass
+        finally:
+            ex.shutdown(wait=False, cancel_futures=True)
+            progress.close()
+            bg._end()
+            is_ready.set()
+
+    if ready():
+        is_ready.set()
+    threading.Thread(target=loop, name="coda-compile", daemon=True).start()
+    _at_exit(bg.cancel)
+    is_ready.wait()
+    if not bg.over:
+        progress.extra = f"{n} workers, in the background"
+        progress.detach()
+        stats.background = bg
+    stats.seconds = time.monotonic() - t0
+    return stats
+
+
+def _executor(n: int) -> Executor:
+    """n spawned compile workers (see _init_worker)."""
+    return ProcessPoolExecutor(
+        max_workers=n, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker
+    )
+
+
+def _at_exit(fn: Callable[[], None]) -> None:
+    """Run `fn` when the interpreter exits, before it joins the executors' threads (so that it does not
+    wait for compiles nobody needs any more)."""
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is not None:
+            register(fn)
+            return
+    except RuntimeError:  # (already shutting down)
+        return
+    atexit.register(fn)
+
+
+def _submit_all(
+    ex: Executor,
+    root: Path,
+    todo: deque[Kernel],
+    running: dict[Future[tuple[str, bool]], Kernel],
+    hide_main: bool = True,
+) -> None:
+    """Submit every kernel of `todo`. A submission may start a worker: with `hide_main`, the caller's
+    __main__ is hidden meanwhile (a background thread must not touch it: the pool's workers all
+    started in the calling thread)."""
+    with _neutral_main() if hide_main else contextlib.nullcontext():
+        while todo:
+            k = todo[0]
+            running[ex.submit(build, k.spec, k.config, str(root))] = k
+            todo.popleft()
+
+
+def _pool_loop(
+    ex: Executor,
+    root: Path,
+    todo: deque[Kernel],
+    running: dict[Future[tuple[str, bool]], Kernel],
+    finish: Callable[[Kernel, tuple[str, bool]], None],
+    progress: Progress,
+    on_finish: Callable[[], None] | None = None,
+    hide_main: bool = True,
+) -> None:
+    """Finish the kernels in `running` as they come back (submitting what finishing them adds to
+    `todo`); on a broken pool, return with the unfinished kernels back in `todo`."""
+    while running:
+        done, _ = wait(running, return_when=FIRST_COMPLETED)
+        for f in done:
+            k = running.pop(f)
+            try:
+                st = f.result()
+            except BrokenProcessPool:
+                todo.extendleft(reversed([k, *running.values()]))
+                running.clear()
+                return
+            except BackendUnavailable:
+                todo.clear()
+                raise
+            except Exception:  # it failed in its worker (or was cancelled): the caller compiles it again
+                st = ("failed", False)
+            before = len(todo)
+            finish(k, st)
+            progress.add_total(len(todo) - before)
+            progress.advance(what=_describe(k.spec, k.config))
+            if on_finish is not None:
+                on_finish()
+        _submit_all(ex, root, todo, running, hide_main)
 
 
 def _run_pool(
@@ -261,43 +509,15 @@ def _run_pool(
 ) -> None:
     """Build `todo` (and what finishing its kernels adds to it) in n spawned workers; on a broken pool,
     return with the unfinished kernels back in `todo`."""
-    ctx = multiprocessing.get_context("spawn")
-    ex = ProcessPoolExecutor(max_workers=n, mp_context=ctx, initializer=_init_worker)
+    ex = _executor(n)
     running: dict[Future[tuple[str, bool]], Kernel] = {}
-
-    def submit_all() -> None:
-        with _neutral_main():
-            while todo:
-                k = todo[0]
-                running[ex.submit(build, k.spec, k.config, str(root))] = k
-                todo.popleft()
-
     try:
         try:
-            submit_all()
+            _submit_all(ex, root, todo, running)
         except (OSError, RuntimeError, AssertionError):  # no worker could start: compile here
             todo.extendleft(reversed(list(running.values())))
             running.clear()
             return
-        while running:
-            done, _ = wait(running, return_when=FIRST_COMPLETED)
-            for f in done:
-                k = running.pop(f)
-                try:
-                    st = f.result()
-                except BrokenProcessPool:
-                    todo.extendleft(reversed([k, *running.values()]))
-                    running.clear()
-                    return
-                except BackendUnavailable:
-                    todo.clear()
-                    raise
-                except Exception:  # this kernel failed in its worker: the caller compiles it again
-                    st = ("failed", False)
-                before = len(todo)
-                finish(k, st)
-                progress.add_total(len(todo) - before)
-                progress.advance(what=_describe(k.spec, k.config))
-            submit_all()
+        _pool_loop(ex, root, todo, running, finish, progress)
     finally:
         ex.shutdown(wait=False, cancel_futures=True)

@@ -7,7 +7,8 @@ emulating or when no ptxas can be found (`find_ptxas`: $CODA_PTXAS, PATH, else T
 `precompile` compiles, at once and in worker processes (parallel.py), every kernel the first calls of
 some CUDA blocks will ask for (a block and its autograd backward together): each stage's given tile,
 else its select_config candidates and, when the block tunes, every candidate the tuner times; what
-the cache holds already costs nothing.
+the cache holds already costs nothing. In the background (a first call's default), it returns once
+every stage has its select_config tile, and the tuner's candidates compile on.
 What it does not: time anything on the GPU (the CUDA block's tuner does, through tune.py).
 Invariants: a stage with no fitting candidate is E0706; any other failure falls back to the first
 fitting candidate with a warning, never an exception; `precompile` never raises for a kernel (the
@@ -106,19 +107,28 @@ def choose_config(block: Any, index: int, spec: StageSpec, emulate: bool) -> Til
 
 
 def precompile(
-    blocks: Sequence[Any], *, jobs: int | None = None, quiet: bool = False, strict: bool = False
+    blocks: Sequence[Any],
+    *,
+    jobs: int | None = None,
+    quiet: bool = False,
+    strict: bool = False,
+    background: bool = False,
 ) -> Warmed | None:
     """Compile every kernel the first calls of these CUDA blocks (`CudaBlock`s) will ask for, at once
     (see the module docstring); each block is done once per process. None when there was nothing to
-    do or no toolchain (`strict`: BackendUnavailable is raised instead)."""
+    do or no toolchain (`strict`: BackendUnavailable is raised instead). `background`: return once
+    each stage has its first tile without spills, the tuner's other candidates compiling on (each
+    block's `_background` then says which are on the way)."""
     from coda_lang.backend_cute import parallel
 
     requests: list[parallel.Request] = []
     names: list[str] = []
+    mine: list[Any] = []  # the blocks compiled now
     for cb in blocks:
         if cb.emulate or cb._precompiled:
             continue
         cb._precompiled = True
+        mine.append(cb)
         names.append(cb.name)
         for k in cb.gemm_stages:
             spec = cb.specs[k - 1]
@@ -137,10 +147,17 @@ def precompile(
             raise BackendUnavailable("ptxas not found (install the CUDA toolkit, or set CODA_PTXAS)")
         return None
     try:
-        return parallel.warm(
-            requests, jobs=jobs, quiet=quiet, label=f"coda: compiling {', '.join(dict.fromkeys(names))}"
+        done = parallel.warm(
+            requests,
+            jobs=jobs,
+            quiet=quiet,
+            label=f"coda: compiling {', '.join(dict.fromkeys(names))}",
+            background=background,
         )
     except BackendUnavailable:
         if strict:
             raise
         return None
+    for cb in mine:
+        cb._background = done.background
+    return done

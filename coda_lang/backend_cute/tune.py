@@ -65,6 +65,13 @@ def hang_limit() -> float:
         return HANG_S
 
 
+def in_background() -> bool:
+    """Whether a first call compiles the tuner's candidates in the background (it runs each stage at
+    its first tile without spills until that stage's candidates are compiled and timed): unless
+    $CODA_TUNE is `wait` (compile and time everything before the first call returns) or `full`."""
+    return os.environ.get("CODA_TUNE", "1") not in ("wait", "full")
+
+
 def exhaustive() -> bool:
     """$CODA_TUNE=full: time every candidate to the end (no pruning by neighbours, no early stop)."""
     return os.environ.get("CODA_TUNE", "1") == "full"
