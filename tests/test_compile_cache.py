@@ -104,14 +104,15 @@ def test_warm_builds_what_the_cache_lacks_and_stops_at_the_first_tile_without_sp
     )
     # stage 1: 128x192 spills, so 128x192e16 (ok) and no further; stage 2: from its next fitting tile
     # on (paired: no e16, tile_N % 32 == 0: no 176), the first is ok; stage 3: 128x192 refused (built
-    # once for both requests), then 128x192e16; the fourth request adds 128x128
+    # once for both requests), then 128x192e16; the fourth request adds 128x128. A first tile that
+    # spills or is refused sends its stage's next tile to the front of what is queued.
     assert fake.calls == [
         (1, "128x1921"),
+        (1, "128x192e161"),
         (2, "128x1281"),
         (3, "128x1921"),
-        (3, "128x1281"),
-        (1, "128x192e161"),
         (3, "128x192e161"),
+        (3, "128x1281"),
     ]
     assert (stats.compiled, stats.cached, stats.spills, stats.refused, stats.jobs) == (6, 1, 1, 1, 0)
     again = parallel.warm(
@@ -183,7 +184,8 @@ def test_warm_in_the_background_returns_once_every_stage_has_its_first_tile(
     mlp: coda_lang.Block, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """`background=True`: the first requests' kernels are built first, and warm returns as soon as each
-    has a tile without spills (a spilling first tile makes its stage wait for the next); the tuner's
+    has a tile without spills; a spilling first tile sends its stage's next one ahead of everything
+    queued (with two workers both busy otherwise, nothing else would let warm return); the tuner's
     other candidates compile on, `Background.pending` says for which stages, `wait` blocks until they
     are done, and every kernel is built once."""
     from coda_lang.backend_cute.emit import emit_stage
@@ -193,30 +195,30 @@ def test_warm_in_the_background_returns_once_every_stage_has_its_first_tile(
     first2 = next(c for c in CANDIDATES if fits(s2, c))
     fake = GatedBuild(monkeypatch, {(1, first1[0]), (1, first1[1]), (2, first2)}, spills={(1, first1[0])})
     requests = [
-        parallel.Request(s1, CANDIDATES, first=True),
-        parallel.Request(s1, TUNE_CANDIDATES),
         parallel.Request(s2, CANDIDATES, first=True),
         parallel.Request(s2, TUNE_CANDIDATES),
+        parallel.Request(s1, CANDIDATES, first=True),
+        parallel.Request(s1, TUNE_CANDIDATES),
     ]
     try:
-        stats = parallel.warm(requests, jobs=3, directory=tmp_path, quiet=True, background=True)
+        stats = parallel.warm(requests, jobs=2, directory=tmp_path, quiet=True, background=True)
         bg = stats.background
-        assert bg is not None and not bg.over and stats.jobs == 3
-        assert fake.submitted[:2] == [(1, first1[0]), (2, first2)]  # the first tiles go first
-        assert {(1, first1[1])} <= set(fake.calls)  # the next tile of the stage whose first one spills
+        assert bg is not None and not bg.over and stats.jobs == 2
+        # the first tiles first; stage 1's spills, so its next tile goes ahead of stage 2's candidates
+        # (one of which may have taken the worker that stage 2's first tile freed)
+        assert fake.submitted[:2] == [(2, first2), (1, first1[0])], fake.submitted
+        assert fake.submitted.index((1, first1[1])) in (2, 3), fake.submitted
         assert bg.pending(emit_stage(s1)) and bg.pending(emit_stage(s2))
         assert not bg.wait(timeout=0.2)  # the rest waits for the gate
     finally:
         fake.gate.set()
     assert bg.wait(timeout=30) and parallel.wait_all(timeout=30)
     assert not bg.pending(emit_stage(s1)) and not bg.pending(emit_stage(s2)) and bg.over
-    every = [
-        (s.index, c) for s in (s1, s2) for c in dict.fromkeys((*CANDIDATES, *TUNE_CANDIDATES)) if fits(s, c)
-    ]
-    assert sorted(fake.calls, key=str) == sorted(
-        [x for x in every if x[1] in TUNE_CANDIDATES or x in {(1, first1[0]), (1, first1[1]), (2, first2)}],
-        key=str,
-    )  # each kernel once
+    want = {(s.index, c) for s in (s1, s2) for c in TUNE_CANDIDATES if fits(s, c)} | {
+        (1, first1[0]),
+        (1, first1[1]),
+    }
+    assert sorted(fake.calls, key=str) == sorted(want, key=str)  # each kernel once
 
 
 def test_work_left_in_the_background_is_cancelled(

@@ -425,13 +425,14 @@ def test_tuning_picks_a_measured_tile_and_caches_it(tmp_path: Path, monkeypatch:
     from coda_lang.backend_cute import tune
 
     monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CODA_JOBS", "3")  # (fewer workers than kernels: the first call returns before all)
     blk = block("llama_mlp")
     inputs = example_inputs(blk, RAGGED, seed=21, device="cuda")
     cpu = {k: v.cpu() for k, v in inputs.items()}
     f64 = blk.run(cpu, precision="f64")["x2"]
     cb = blk.cuda(tune=True, poison=True)
     first = cb(inputs)["x2"]
-    assert cb._background is not None  # (compiling the rest)
+    assert cb._background is not None and not cb._background.over  # (compiling the rest)
     check_output("x2", first, blk.run(cpu, tile=cb.tiles)["x2"], f64, "bf16")
     assert ct.wait_for_kernels(timeout=900) and cb._background.over
     outs, partials = cb.run_with_partials(inputs)

@@ -288,11 +288,21 @@ def warm(
                     if bg is not None:
                         bg._add({source_hash(k.source)})
                 if r.first:
+                    if started:  # a first tile spilled: its stage's next one goes ahead of the rest
+                        promote(k.key)
                     waiting.setdefault(k.key, []).append(i)
                     return
                 continue
             if r.first and st == "ok":
                 q.clear()
+
+    def promote(key: str) -> None:
+        """Move a queued kernel not submitted yet to the front of the queue."""
+        for j, k in enumerate(todo):
+            if k.key == key:
+                del todo[j]
+                todo.appendleft(k)
+                return
 
     def finish(k: Kernel, result: tuple[str, bool]) -> None:
         st, compiled = result
@@ -314,8 +324,10 @@ def warm(
             bg._finished({source_hash(k.source)})
 
     # the first requests' kernels first: with the work in the background, those are what a call waits for
+    started = False
     for i in sorted(range(len(requests)), key=lambda i: not requests[i].first):
         advance(i)
+    started = True
     if not todo:
         stats.seconds = time.monotonic() - t0
         return stats
@@ -369,7 +381,7 @@ def _warm_in_background(
     ex = _executor(n)
     running: dict[Future[tuple[str, bool]], Kernel] = {}
     try:
-        _submit_all(ex, root, todo, running)
+        _submit(ex, n, root, todo, running)
     except (OSError, RuntimeError, AssertionError):  # no worker could start: compile here, all of it
         ex.shutdown(wait=False, cancel_futures=True)
         todo.extendleft(reversed(list(running.values())))
@@ -405,7 +417,7 @@ def _warm_in_background(
 
     def loop() -> None:
         try:
-            _pool_loop(ex, root, todo, running, finish, progress, check, False)
+            _pool_loop(ex, n, root, todo, running, finish, progress, check, False)
         except BaseException:  # (BackendUnavailable, a cancelled pool: the callers' compiles say so)
             pass
         finally:
@@ -447,18 +459,20 @@ def _at_exit(fn: Callable[[], None]) -> None:
     atexit.register(fn)
 
 
-def _submit_all(
+def _submit(
     ex: Executor,
+    n: int,
     root: Path,
     todo: deque[Kernel],
     running: dict[Future[tuple[str, bool]], Kernel],
     hide_main: bool = True,
 ) -> None:
-    """Submit every kernel of `todo`. A submission may start a worker: with `hide_main`, the caller's
-    __main__ is hidden meanwhile (a background thread must not touch it: the pool's workers all
-    started in the calling thread)."""
+    """Submit kernels from the front of `todo` until n are running (one per worker: the rest stays
+    in `todo`, where a kernel can still move ahead). A submission may start a worker: with
+    `hide_main`, the caller's __main__ is hidden meanwhile (a background thread must not touch it: the
+    pool's n workers all started in the calling thread, at the first n submissions)."""
     with _neutral_main() if hide_main else contextlib.nullcontext():
-        while todo:
+        while todo and len(running) < n:
             k = todo[0]
             running[ex.submit(build, k.spec, k.config, str(root))] = k
             todo.popleft()
@@ -466,6 +480,7 @@ def _submit_all(
 
 def _pool_loop(
     ex: Executor,
+    n: int,
     root: Path,
     todo: deque[Kernel],
     running: dict[Future[tuple[str, bool]], Kernel],
@@ -497,7 +512,7 @@ def _pool_loop(
             progress.advance(what=_describe(k.spec, k.config))
             if on_finish is not None:
                 on_finish()
-        _submit_all(ex, root, todo, running, hide_main)
+        _submit(ex, n, root, todo, running, hide_main)
 
 
 def _run_pool(
@@ -513,11 +528,11 @@ def _run_pool(
     running: dict[Future[tuple[str, bool]], Kernel] = {}
     try:
         try:
-            _submit_all(ex, root, todo, running)
+            _submit(ex, n, root, todo, running)
         except (OSError, RuntimeError, AssertionError):  # no worker could start: compile here
             todo.extendleft(reversed(list(running.values())))
             running.clear()
             return
-        _pool_loop(ex, root, todo, running, finish, progress)
+        _pool_loop(ex, n, root, todo, running, finish, progress)
     finally:
         ex.shutdown(wait=False, cancel_futures=True)
