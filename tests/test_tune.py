@@ -397,7 +397,7 @@ class FakeBackground:
 
 
 def test_a_stage_runs_at_its_first_tile_until_its_candidates_are_compiled(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """While the tuner's candidates of a stage compile in the background (a first call's default), the
     stage launches at its first tile and is not timed; at its first launch after they are all compiled
@@ -409,6 +409,7 @@ def test_a_stage_runs_at_its_first_tile_until_its_candidates_are_compiled(
     from coda_lang.backend_cute.cuda_block import CudaBlock
     from coda_lang.backend_cute.emit import emit_stage
 
+    monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path))  # (no compiled kernel: the first fitting tile)
     blk = coda_lang.load(Path(__file__).resolve().parent.parent / "examples" / "llama_mlp.coda")["llama_mlp"]
     cb = blk.cuda(emulate=True, tune=True)
     timed: list[tuple[int, tuple[int, int, int, int]]] = []
@@ -449,3 +450,30 @@ def test_a_stage_runs_at_its_first_tile_until_its_candidates_are_compiled(
     bg2.left.add(sources[1])
     runner, final = traced._measure(1, r, ins, scalars, (1, 64, 32, 32), wait=False)
     assert not final and runner is r and len(timed) == 7  # not traced: the first tile, not timed
+
+
+def test_while_compiling_a_stage_takes_the_first_candidate_compiled_without_spills(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """tiles.first_compiled: select_config's order, then the tuner's, skipping what is not compiled yet
+    or spills; None when nothing is compiled."""
+    import coda_lang
+    from coda_lang.backend_cute.compile import CANDIDATES, TUNE_CANDIDATES, Kernel, fits
+    from coda_lang.backend_cute.planner import plan_stage
+    from coda_lang.backend_cute.tiles import first_compiled
+
+    blk = coda_lang.load(Path(__file__).resolve().parent.parent / "examples" / "llama_mlp.coda")["llama_mlp"]
+    spec = plan_stage(blk, 1)
+    order = [c for c in dict.fromkeys((*CANDIDATES, *TUNE_CANDIDATES)) if fits(spec, c)]
+    known: dict[TileConfig, str] = {}
+    monkeypatch.setattr(Kernel, "status", lambda k: known.get(k.config))
+    assert first_compiled(spec) is None
+    known[order[3]] = "ok"
+    assert first_compiled(spec) == order[3]
+    known[order[0]] = "spills"
+    known[order[1]] = "ok"
+    assert first_compiled(spec) == order[1]
+    tune_only = next(c for c in TUNE_CANDIDATES if c not in CANDIDATES and fits(spec, c))
+    known.clear()
+    known[tune_only] = "ok"
+    assert first_compiled(spec) == tune_only

@@ -42,7 +42,7 @@ from coda_lang.backend_cute.emit import emit_stage
 from coda_lang.backend_cute.launch import HALF_DTYPES, TORCH_DTYPES, StageRunner, compute_value, round_value
 from coda_lang.backend_cute.planner import plan_stage
 from coda_lang.backend_cute.spec import StageSpec, dim_operand
-from coda_lang.backend_cute.tiles import as_config, choose_config, find_ptxas
+from coda_lang.backend_cute.tiles import as_config, choose_config, find_ptxas, first_compiled
 from coda_lang.interp.inputs import dims_from_shapes, fail, given_dims, shape_rules
 from coda_lang.ir.nodes import DEFAULT_REMAT, DimRef, Eqn, Lit, Stage, Var
 from coda_lang.ir.types import MATRIX, Dim
@@ -219,7 +219,10 @@ class CudaBlock:
                 raise ValueError(
                     f"stage {index} of {self.name} is elementwise: it has no GEMM kernel or tile"
                 )
-            cfg = self._tiles.get(index) or choose_config(self.block, index, spec, self.emulate)
+            cfg = self._tiles.get(index)
+            if cfg is None and self._background is not None and self._background.pending(emit_stage(spec)):
+                cfg = first_compiled(spec)  # (the others may still be compiling; the tuner picks later)
+            cfg = cfg or choose_config(self.block, index, spec, self.emulate)
             r = self._runners[index] = StageRunner(self.block, index, spec, cfg, self.emulate, self.poison)
         return r
 
@@ -233,9 +236,9 @@ class CudaBlock:
         """Choose every stage's tile and import its epilogue now (a first call does it otherwise); the
         kernels of every stage (and of the blocks given to `compile_with`) are compiled first, at once.
         `background` (a first call's, unless $CODA_TUNE is `wait` or `full`): return once every stage has
-        its first tile without spills; the tuner's other candidates compile on, and each stage is
-        timed at the first launch after its candidates are all compiled (until then it runs at that
-        first tile)."""
+        a kernel without spills (its first such tile, or any compiled by then: tiles.first_compiled);
+        the tuner's other candidates compile on, and each stage is timed at the first launch after its
+        candidates are all compiled (until then it runs at that tile)."""
         if not self.emulate:
             from coda_lang.backend_cute.tiles import precompile
             from coda_lang.backend_cute.tune import in_background

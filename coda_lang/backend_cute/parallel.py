@@ -13,8 +13,9 @@ child must not inherit CuTeDSL's MLIR state or a CUDA context), import only comp
 quack_adapter, and hide every GPU (`CUDA_VISIBLE_DEVICES=`). `default_jobs`: the CPUs this process
 may use, at most one worker per WORKER_BYTES of available memory, at most one per kernel ($CODA_JOBS
 overrides). A progress display (coda_lang.progress) shows done/total and the time left.
-`background=True` returns as soon as every `first` request has its tile (each stage can run) and
-leaves the rest compiling: a `Background` says which emitted stages still have kernels on the way
+`background=True` queues each stage's first kernel, then each one's second, and so on, returns as
+soon as every `first` request has its tile or its stage any kernel without spills (each stage can
+run), and leaves the rest compiling: a `Background` says which emitted stages still have kernels on the way
 (the tuner waits for them before timing that stage) and cancels what is left when the process exits.
 Workers run at a lower priority (nice) than the process that started them, so that its GPU work and
 timings keep their CPU.
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import multiprocessing
 import os
 import sys
@@ -259,6 +261,7 @@ def warm(
     queued: set[str] = set()
     waiting: dict[str, list[int]] = {}  # kernel key -> first-mode requests waiting for its status
     bg = Background() if background else None
+    ok: set[str] = set()  # the stages (source hashes) with a kernel without spills
 
     def kernel(spec: StageSpec, config: TileConfig) -> Kernel:
         src = sources.get(id(spec))
@@ -281,6 +284,8 @@ def warm(
                 if st is not None:
                     status[k.key] = st
                     stats.cached += 1
+                    if st == "ok":
+                        ok.add(source_hash(k.source))
             if st is None:
                 if k.key not in queued:
                     queued.add(k.key)
@@ -307,6 +312,8 @@ def warm(
     def finish(k: Kernel, result: tuple[str, bool]) -> None:
         st, compiled = result
         status[k.key] = st
+        if st == "ok":
+            ok.add(source_hash(k.source))
         if compiled:
             stats.compiled += 1
             stats.built.add(k.ptx_path)
@@ -328,6 +335,13 @@ def warm(
     for i in sorted(range(len(requests)), key=lambda i: not requests[i].first):
         advance(i)
     started = True
+    if bg is not None:  # each stage's first kernel, then each one's second, ...: every stage soon has one
+        by_stage: dict[str, list[Kernel]] = {}
+        for k in todo:
+            by_stage.setdefault(source_hash(k.source), []).append(k)
+        interleaved = [k for rank in itertools.zip_longest(*by_stage.values()) for k in rank if k is not None]
+        todo.clear()
+        todo.extend(interleaved)
     if not todo:
         stats.seconds = time.monotonic() - t0
         return stats
@@ -338,7 +352,16 @@ def warm(
     progress = Progress(label, len(todo), unit="kernels", quiet=quiet, stream=stream)
     if bg is not None and pool:
         n = min(n, len(todo))
-        return _warm_in_background(n, root, todo, finish, progress, stats, bg, lambda: not waiting, t0)
+        firsts = {
+            i: source_hash(sources[id(r.spec)]) for i, r in enumerate(requests) if id(r.spec) in sources
+        }
+
+        def ready() -> bool:
+            """Every stage has a tile to run at: its first request's, or any without spills."""
+            unresolved = {i for waiters in waiting.values() for i in waiters}
+            return all(firsts[i] in ok for i in unresolved)
+
+        return _warm_in_background(n, root, todo, finish, progress, stats, bg, ready, t0)
     try:
         if pool:
             stats.jobs = n

@@ -9,6 +9,8 @@ some CUDA blocks will ask for (a block and its autograd backward together): each
 else its select_config candidates and, when the block tunes, every candidate the tuner times; what
 the cache holds already costs nothing. In the background (a first call's default), it returns once
 every stage has its select_config tile, and the tuner's candidates compile on.
+`first_compiled` is the stage's tile while its candidates compile in the background: the first one
+(in select_config's order) that the cache holds without spills.
 What it does not: time anything on the GPU (the CUDA block's tuner does, through tune.py).
 Invariants: a stage with no fitting candidate is E0706; any other failure falls back to the first
 fitting candidate with a warning, never an exception; `precompile` never raises for a kernel (the
@@ -104,6 +106,18 @@ def choose_config(block: Any, index: int, spec: StageSpec, emulate: bool) -> Til
             )
             return candidates[0]
     return _SELECTED[key]
+
+
+def first_compiled(spec: StageSpec) -> TileConfig | None:
+    """The first candidate (select_config's order, then the tuner's) whose kernel the cache already
+    holds without spills: a stage's tile while its other candidates still compile in the background."""
+    from coda_lang.backend_cute.compile import Kernel
+
+    source = emit_stage(spec)
+    for c in dict.fromkeys((*CANDIDATES, *TUNE_CANDIDATES)):
+        if fits(spec, c) and Kernel(spec, c, source=source).status() == "ok":
+            return c
+    return None
 
 
 def precompile(
