@@ -385,24 +385,25 @@ class FakeBackground:
 
     def __init__(self, pending: set[str]) -> None:
         self.left = set(pending)
-        self.waited: list[str | None] = []
+        self.waited = 0
 
-    def pending(self, source: str) -> bool:
-        return source in self.left
+    @property
+    def over(self) -> bool:
+        return not self.left
 
     def wait(self, source: str | None = None, timeout: float | None = None) -> bool:
-        self.waited.append(source)
-        self.left.discard(source) if source is not None else self.left.clear()
+        self.waited += 1
+        self.left.clear()
         return True
 
 
 def test_a_stage_runs_at_its_first_tile_until_its_candidates_are_compiled(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """While the tuner's candidates of a stage compile in the background (a first call's default), the
-    stage launches at its first tile and is not timed; at its first launch after they are all compiled
-    it is timed, once per shape, and the choice kept. Under a torch.compile trace (`wait`) it waits for
-    them instead, since a traced graph keeps the tile it was given."""
+    """While kernels compile in the background (a first call's default), each stage launches at its
+    first tile and is not timed (the workers load every CPU); at its first launch after they are all
+    compiled it is timed, once per shape, and the choice kept. Under a torch.compile trace (`wait`) it
+    waits for them instead, since a traced graph keeps the tile it was given."""
     import torch
 
     import coda_lang
@@ -421,35 +422,30 @@ def test_a_stage_runs_at_its_first_tile_until_its_candidates_are_compiled(
 
     monkeypatch.setattr(CudaBlock, "_choose", choose)
     sources = {k: emit_stage(cb.specs[k - 1]) for k in cb.gemm_stages}
-    bg = FakeBackground(set(sources.values()))
+    bg = FakeBackground({sources[1]})
     cb._background = bg
     inputs = tune.random_inputs(blk.ir, {"M": 64, "D": 32, "F": 48}, torch.device("cpu"))
     want = blk.cuda(emulate=True)(**inputs)["x2"]
     for _ in range(2):
         got = cb(**inputs)["x2"]
         assert torch.equal(got, want)
-    assert timed == [] and cb._by_shape == {}  # every stage still compiling: first tiles, nothing timed
-    bg.left.discard(sources[1])
-    cb(**inputs)
-    cb(**inputs)
-    assert [k for k, _ in timed] == [1] and list(cb._by_shape) == [timed[0][1]]  # stage 1, once
+    assert timed == [] and cb._by_shape == {}  # still compiling: first tiles, nothing timed
     bg.left.clear()
     assert torch.equal(cb(**inputs)["x2"], want)
     cb(**inputs)
-    assert [k for k, _ in timed] == [1, 2, 3]
+    assert [k for k, _ in timed] == [1, 2, 3] and len(cb._by_shape) == 3  # each stage once
     # at another shape: timed again, at once (nothing is compiling any more)
     cb(**tune.random_inputs(blk.ir, {"M": 32, "D": 32, "F": 48}, torch.device("cpu")))
     assert [k for k, _ in timed] == [1, 2, 3, 1, 2, 3]
-    # a traced call waits for the stage's candidates, then times it
+    # a traced call waits for the compiles, then times the stage
     traced = blk.cuda(emulate=True, tune=True)
-    traced._background = bg2 = FakeBackground(set(sources.values()))
+    traced._background = bg2 = FakeBackground({sources[2]})
     r = traced.runner(1)
     ins, scalars = r.arguments(traced._bind(inputs, {})[0])
-    runner, final = traced._measure(1, r, ins, scalars, (1, 64, 32, 32), wait=True)
-    assert final and runner is r and bg2.waited == [sources[1]] and timed[-1] == (1, (1, 64, 32, 32))
-    bg2.left.add(sources[1])
     runner, final = traced._measure(1, r, ins, scalars, (1, 64, 32, 32), wait=False)
-    assert not final and runner is r and len(timed) == 7  # not traced: the first tile, not timed
+    assert not final and runner is r and len(timed) == 6  # not traced: the first tile, not timed
+    runner, final = traced._measure(1, r, ins, scalars, (1, 64, 32, 32), wait=True)
+    assert final and runner is r and bg2.waited == 1 and timed[-1] == (1, (1, 64, 32, 32))
 
 
 def test_while_compiling_a_stage_takes_the_first_candidate_compiled_without_spills(

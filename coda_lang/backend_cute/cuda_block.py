@@ -220,7 +220,7 @@ class CudaBlock:
                     f"stage {index} of {self.name} is elementwise: it has no GEMM kernel or tile"
                 )
             cfg = self._tiles.get(index)
-            if cfg is None and self._background is not None and self._background.pending(emit_stage(spec)):
+            if cfg is None and self._background is not None and not self._background.over:
                 cfg = first_compiled(spec)  # (the others may still be compiling; the tuner picks later)
             cfg = cfg or choose_config(self.block, index, spec, self.emulate)
             r = self._runners[index] = StageRunner(self.block, index, spec, cfg, self.emulate, self.poison)
@@ -237,8 +237,8 @@ class CudaBlock:
         kernels of every stage (and of the blocks given to `compile_with`) are compiled first, at once.
         `background` (a first call's, unless $CODA_TUNE is `wait` or `full`): return once every stage has
         a kernel without spills (its first such tile, or any compiled by then: tiles.first_compiled);
-        the tuner's other candidates compile on, and each stage is timed at the first launch after its
-        candidates are all compiled (until then it runs at that tile)."""
+        the tuner's other candidates compile on, and once they are all compiled each stage is timed
+        at its next launch (until then it runs at that tile)."""
         if not self.emulate:
             from coda_lang.backend_cute.tiles import precompile
             from coda_lang.backend_cute.tune import in_background
@@ -395,20 +395,16 @@ class CudaBlock:
         key: tuple[int, int, int, int],
         wait: bool = False,
     ) -> tuple[StageRunner, bool]:
-        """(the runner to launch, whether it is this shape's final choice). While the stage's
-        candidates are still compiling in the background: its first tile, not final (`wait`: under a
+        """(the runner to launch, whether it is this shape's final choice). While kernels of its
+        compile are still compiling in the background: the stage's first compiled tile, not final
+        (timings taken while the workers load every CPU are not to be trusted; `wait`: under a
         torch.compile trace, whose graph keeps what it is given, wait for them instead)."""
-
-        spec = r.spec
-        A = ins[0]
-        assert A is not None
-        source = emit_stage(spec)
         bg = self._background
-        if bg is not None and bg.pending(source):
+        if bg is not None and not bg.over:
             if not wait:
                 return r, False
-            bg.wait(source)
-        return self._choose(k, r, ins, scalars, key, source), True
+            bg.wait()
+        return self._choose(k, r, ins, scalars, key, emit_stage(r.spec)), True
 
     def _choose(
         self,
