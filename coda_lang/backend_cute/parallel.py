@@ -367,13 +367,7 @@ def warm(
             stats.jobs = n
             progress.extra = f"{n} workers"
             _run_pool(n, root, todo, finish, progress)
-        while todo:  # one job, or what a broken pool left
-            k = todo.popleft()
-            progress.doing(_describe(k.spec, k.config))
-            before = len(todo)
-            finish(k, build(k.spec, k.config, str(root)))
-            progress.add_total(len(todo) - before)
-            progress.advance()
+        _build_here(root, todo, finish, progress)  # one job, or what a broken pool left
     except BackendUnavailable:
         pass  # the caller's own compile says so
     finally:
@@ -382,6 +376,22 @@ def warm(
             bg._end()
     stats.seconds = time.monotonic() - t0
     return stats
+
+
+def _build_here(
+    root: Path,
+    todo: deque[Kernel],
+    finish: Callable[[Kernel, tuple[str, bool]], None],
+    progress: Progress,
+) -> None:
+    """Build `todo` (and what finishing its kernels adds to it) in this process, one after another."""
+    while todo:
+        k = todo.popleft()
+        progress.doing(_describe(k.spec, k.config))
+        before = len(todo)
+        finish(k, build(k.spec, k.config, str(root)))
+        progress.add_total(len(todo) - before)
+        progress.advance()
 
 
 def _warm_in_background(
@@ -409,13 +419,7 @@ def _warm_in_background(
         ex.shutdown(wait=False, cancel_futures=True)
         todo.extendleft(reversed(list(running.values())))
         try:
-            while todo:
-                k = todo.popleft()
-                progress.doing(_describe(k.spec, k.config))
-                before = len(todo)
-                finish(k, build(k.spec, k.config, str(root)))
-                progress.add_total(len(todo) - before)
-                progress.advance()
+            _build_here(root, todo, finish, progress)
         except BackendUnavailable:
             pass
         finally:
