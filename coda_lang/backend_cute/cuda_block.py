@@ -404,7 +404,7 @@ class CudaBlock:
             if not wait:
                 return r, False
             bg.wait()
-        return self._choose(k, r, ins, scalars, key, emit_stage(r.spec)), True
+        return self._choose(k, r, ins, scalars, key), True
 
     def _choose(
         self,
@@ -413,14 +413,13 @@ class CudaBlock:
         ins: list[torch.Tensor | None],
         scalars: list[float],
         key: tuple[int, int, int, int],
-        source: str,
     ) -> StageRunner:
         from coda_lang.backend_cute import tune
 
         spec = r.spec
         A = ins[0]
         assert A is not None
-        shape, device = key[1:], torch.cuda.get_device_name(A.device)
+        source, shape, device = emit_stage(spec), key[1:], torch.cuda.get_device_name(A.device)
         disk = tune.disk_key(source, shape, device)
         cached = tune.lookup(disk)
         if cached is None:

@@ -249,7 +249,7 @@ def warm(
 ) -> Warmed:
     """Compile what the cache lacks for `requests` (see the module docstring); `jobs`: worker
     processes (None: default_jobs; 1: in this process). `background`: return once every `first`
-    request has its tile, the rest compiling on (`Warmed.background`; with one job, or where no
+    request has its tile or its stage any kernel without spills, the rest compiling on (`Warmed.background`; with one job, or where no
     worker can start, everything is compiled before returning)."""
     t0 = time.monotonic()
     root = directory or cache_dir()
@@ -406,7 +406,7 @@ def _warm_in_background(
     t0: float,
 ) -> Warmed:
     """warm's background mode: the pool's loop in a thread of this process; return once `ready()`
-    (every first request has its tile) or the loop ended. Every worker starts here, in the calling
+    (every stage has a tile to run at) or the loop ended. Every worker starts here, in the calling
     thread (while the caller's __main__ is hidden from them: `n` is at most the kernels queued now)."""
     stats.jobs = n
     progress.extra = f"{n} workers"

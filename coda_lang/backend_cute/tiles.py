@@ -8,9 +8,9 @@ emulating or when no ptxas can be found (`find_ptxas`: $CODA_PTXAS, PATH, else T
 some CUDA blocks will ask for (a block and its autograd backward together): each stage's given tile,
 else its select_config candidates and, when the block tunes, every candidate the tuner times; what
 the cache holds already costs nothing. In the background (a first call's default), it returns once
-every stage has its select_config tile, and the tuner's candidates compile on.
-`first_compiled` is the stage's tile while its candidates compile in the background: the first one
-(in select_config's order) that the cache holds without spills.
+every stage has a kernel without spills, and the other candidates compile on.
+`first_compiled` is the stage's tile while kernels compile in the background: the first candidate
+(in select_config's order, then the tuner's) that the cache holds without spills.
 What it does not: time anything on the GPU (the CUDA block's tuner does, through tune.py).
 Invariants: a stage with no fitting candidate is E0706; any other failure falls back to the first
 fitting candidate with a warning, never an exception; `precompile` never raises for a kernel (the
@@ -131,8 +131,8 @@ def precompile(
     """Compile every kernel the first calls of these CUDA blocks (`CudaBlock`s) will ask for, at once
     (see the module docstring); each block is done once per process. None when there was nothing to
     do or no toolchain (`strict`: BackendUnavailable is raised instead). `background`: return once
-    each stage has its first tile without spills, the tuner's other candidates compiling on (each
-    block's `_background` then says which are on the way)."""
+    each stage has a kernel without spills, the other candidates compiling on (each block's
+    `_background` then says whether they are done)."""
     from coda_lang.backend_cute import parallel
 
     requests: list[parallel.Request] = []

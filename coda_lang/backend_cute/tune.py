@@ -66,9 +66,9 @@ def hang_limit() -> float:
 
 
 def in_background() -> bool:
-    """Whether a first call compiles the tuner's candidates in the background (it runs each stage at
-    its first tile without spills until that stage's candidates are compiled and timed): unless
-    $CODA_TUNE is `wait` (compile and time everything before the first call returns) or `full`."""
+    """Whether a first call compiles the tuner's candidates in the background (each stage runs at a
+    tile compiled without spills until every kernel is built, then is timed): unless $CODA_TUNE is
+    `wait` (compile and time everything before the first call returns) or `full`."""
     return os.environ.get("CODA_TUNE", "1") not in ("wait", "full")
 
 
