@@ -472,3 +472,26 @@ def test_while_compiling_a_stage_takes_the_first_candidate_compiled_without_spil
     known.clear()
     known[tune_only] = "ok"
     assert first_compiled(spec) == tune_only
+
+
+def test_coda_tune_chooses_whether_first_calls_compile_in_the_background(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """$CODA_TUNE: unset, 1 or 0 compile in the background; `wait` and `full` make the first call wait
+    for every kernel. `coda_lang.torch.wait_for_kernels` returns at once when nothing is compiling, and
+    False when its timeout passes first."""
+    import coda_lang.torch as ct
+    from coda_lang.backend_cute import parallel
+
+    monkeypatch.delenv("CODA_TUNE", raising=False)
+    assert tune.in_background()
+    for value, want in (("1", True), ("0", True), ("wait", False), ("full", False)):
+        monkeypatch.setenv("CODA_TUNE", value)
+        assert tune.in_background() is want, value
+    assert ct.wait_for_kernels(timeout=0) is True
+    busy = parallel.Background()
+    try:
+        assert ct.wait_for_kernels(timeout=0.05) is False  # (its work is not over)
+    finally:
+        busy._end()
+    assert ct.wait_for_kernels(timeout=0.05) is True
