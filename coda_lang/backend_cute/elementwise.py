@@ -18,6 +18,7 @@ stored; the function is built once per stage and reads only its inputs.
 
 from __future__ import annotations
 
+import os
 import types
 from collections.abc import Callable
 from fractions import Fraction
@@ -144,14 +145,31 @@ class ElementwiseStage:
         return self.plan.text
 
     def function(self) -> Callable[..., tuple[torch.Tensor, ...]]:
-        """The stage as one function of (rows, cols, dim sizes, loads...): eager when emulating, else
-        compiled by torch.compile (built on first use)."""
+        """The stage as one function of (rows, cols, dim sizes, loads...): eager when emulating, else a
+        generated Triton kernel (triton_stage.py) where the stage's ops allow one, else compiled by
+        torch.compile; built on first use. `CODA_ELEMENTWISE=inductor` takes torch.compile always."""
         if self._fn is None:
             fn = self._body
             if not self.emulate:
-                fn = torch.compile(self.own_body(), dynamic=DYNAMIC, fullgraph=True)
+                from coda_lang.backend_cute import triton_stage
+
+                if os.environ.get("CODA_ELEMENTWISE", "triton") != "inductor" and (
+                    triton_stage.unsupported(self) is None
+                ):
+                    fn = triton_stage.TritonStage(self)
+                else:
+                    fn = torch.compile(self.own_body(), dynamic=DYNAMIC, fullgraph=True)
             self._fn = fn
         return self._fn
+
+    @property
+    def generator(self) -> str:
+        """How the stage runs on the GPU: "triton" (a generated kernel) or "inductor" (torch.compile)."""
+        from coda_lang.backend_cute import triton_stage
+
+        if os.environ.get("CODA_ELEMENTWISE", "triton") == "inductor" or triton_stage.unsupported(self):
+            return "inductor"
+        return "triton"
 
     def own_body(self) -> Callable[..., tuple[torch.Tensor, ...]]:
         """`_body` bound to this stage through a code object of its own. Dynamo keeps its compiled

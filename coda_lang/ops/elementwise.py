@@ -91,6 +91,7 @@ def _pointwise(
     vjp: Any = None,
     emit: Any = None,
     imports: tuple[tuple[str, str], ...] = (),
+    triton: Any = None,
 ) -> OpDef:
     return register(
         OpDef(
@@ -107,6 +108,7 @@ def _pointwise(
             emit=emit,
             imports=imports,
             torch=torch,
+            triton=triton,
             doc=doc,
         )
     )
@@ -150,6 +152,7 @@ _pointwise(
     vjp=lambda b, p, ct: [ct, ct],
     emit=lambda a, b: f"{a} + {b}",
     torch=lambda a, b: a + b,
+    triton=lambda a, b: f"({a} + {b})",
     doc="a + b",
 )
 _pointwise(
@@ -162,6 +165,7 @@ _pointwise(
     vjp=lambda b, p, ct: [ct, b.neg(ct)],
     emit=lambda a, b: f"{a} - {b}",
     torch=lambda a, b: a - b,
+    triton=lambda a, b: f"({a} - {b})",
     doc="a - b",
 )
 _pointwise(
@@ -174,6 +178,7 @@ _pointwise(
     vjp=lambda b, p, ct: [b.mul(ct, p.x[1]), b.mul(ct, p.x[0])],
     emit=lambda a, b: f"{a} * {b}",
     torch=lambda a, b: a * b,
+    triton=lambda a, b: f"({a} * {b})",
     doc="a * b",
 )
 _pointwise(
@@ -186,6 +191,7 @@ _pointwise(
     vjp=lambda b, p, ct: [b.div(ct, p.x[1]), b.neg(b.div(b.mul(ct, p.y[0]), p.x[1]))],
     emit=lambda a, b: f"{a} / {b}",
     torch=lambda a, b: as_tensor(a) / b,
+    triton=lambda a, b: f"tl.math.div_rn({a}, {b})",
     doc="a / b, always floating",
 )
 _pointwise(
@@ -198,6 +204,7 @@ _pointwise(
     vjp=lambda b, p, ct: [b.neg(ct)],
     emit=lambda a: f"-{a}",
     torch=lambda a: -a,
+    triton=lambda a: f"(-{a})",
     doc="-x",
 )
 _pointwise(
@@ -209,6 +216,7 @@ _pointwise(
     vjp=lambda b, p, ct: _select(b, b.op("ge", p.x[0], p.x[1]), ct),
     emit=_fn("cute.math.max", propagate_nan="True"),  # NaN in, NaN out (IEEE maximum), as NumPy and torch
     torch=lambda a, b: torch.maximum(*as_tensors(a, b)),
+    triton=lambda a, b: f"tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",
     doc="the larger of a and b, elementwise (ties: the gradient goes to a; a NaN operand gives NaN)",
 )
 _pointwise(
@@ -220,6 +228,7 @@ _pointwise(
     vjp=lambda b, p, ct: _select(b, b.op("le", p.x[0], p.x[1]), ct),
     emit=_fn("cute.math.min", propagate_nan="True"),
     torch=lambda a, b: torch.minimum(*as_tensors(a, b)),
+    triton=lambda a, b: f"tl.minimum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",
     doc="the smaller of a and b, elementwise (ties: the gradient goes to a; a NaN operand gives NaN)",
 )
 _pointwise(
@@ -231,6 +240,7 @@ _pointwise(
     vjp=lambda b, p, ct: [b.where(b.op("ge", p.x[0], b.lit(0.0)), ct, b.neg(ct))],
     emit=_fn("abs"),
     torch=unary(lambda x: x.abs()),
+    triton=lambda a: f"tl.abs({a})",
     doc="|x|",
 )
 
@@ -253,6 +263,7 @@ for _name, _sym, _impl in [
         differentiable=False,
         emit=lambda a, b, _sym=_sym: f"{a} {_sym} {b}",
         torch=lambda a, b, _impl=_impl: _impl(*as_tensors(a, b)),
+        triton=lambda a, b, _sym=_sym: f"({a} {_sym} {b})",
         doc=f"a {_sym} b: a bool, only for the condition of where()",
     )
 
@@ -272,6 +283,7 @@ _pointwise(
     vjp=lambda b, p, ct: [None, b.where(p.x[0], ct, b.lit(0.0)), b.where(p.x[0], b.lit(0.0), ct)],
     emit=_fn("cutlass.select_"),
     torch=_where_torch,
+    triton=lambda c, a, b: f"tl.where({c}, {a}, {b})",
     doc="a where the comparison c holds, else b",
 )
 
@@ -324,6 +336,7 @@ _pointwise(
     lambda x: np.exp(x),
     vjp=lambda b, p, ct: [b.mul(ct, p.y[0])],
     torch=unary(lambda x: x.exp()),
+    triton=lambda x: f"_exp({x})",
     doc="e^x",
     **_quack("epilogue.math", "pexp"),
 )
@@ -336,6 +349,7 @@ _pointwise(
     vjp=lambda b, p, ct: [b.div(ct, p.x[0])],
     emit=_fn("cute.math.log", fastmath="True"),
     torch=unary(lambda x: x.log()),
+    triton=lambda x: f"_log({x})",
     doc="natural logarithm",
 )
 _pointwise(
@@ -347,6 +361,7 @@ _pointwise(
     vjp=lambda b, p, ct: [b.div(b.mul(ct, b.lit(0.5)), p.y[0])],
     emit=_fn("cute.math.sqrt", fastmath="True"),
     torch=unary(lambda x: x.sqrt()),
+    triton=lambda x: f"tl.sqrt_rn({x})",
     doc="square root",
 )
 _pointwise(
@@ -358,6 +373,7 @@ _pointwise(
     vjp=lambda b, p, ct: [b.mul(b.mul(ct, b.lit(-0.5)), b.mul(p.y[0], b.mul(p.y[0], p.y[0])))],
     emit=_fn("cute.math.rsqrt", fastmath="True"),
     torch=unary(lambda x: x.rsqrt()),
+    triton=lambda x: f"_rsqrt({x})",
     doc="1 / sqrt(x)",
 )
 _pointwise(
@@ -368,6 +384,7 @@ _pointwise(
     lambda x: np.tanh(x),
     vjp=lambda b, p, ct: [b.mul(ct, b.sub(b.lit(1.0), b.mul(p.y[0], p.y[0])))],
     torch=unary(lambda x: x.tanh()),
+    triton=lambda x: f"_tanh({x})",
     doc="hyperbolic tangent",
     **_quack("activation", "tanh"),
 )
@@ -379,6 +396,7 @@ _pointwise(
     _sigmoid,
     vjp=lambda b, p, ct: [b.mul(ct, b.mul(p.y[0], b.sub(b.lit(1.0), p.y[0])))],
     torch=unary(lambda x: x.sigmoid()),
+    triton=lambda x: f"_sigmoid({x})",
     doc="1 / (1 + e^-x)",
     **_quack("activation", "sigmoid"),
 )
@@ -390,6 +408,7 @@ _pointwise(
     lambda x: x * _sigmoid(x),
     vjp=lambda b, p, ct: [_silu_vjp(b, p.x[0], ct)],
     torch=unary(lambda x: torch.nn.functional.silu(x)),
+    triton=lambda x: f"({x} * _sigmoid({x}))",
     doc="x * sigmoid(x) (SwiGLU's gate)",
     **_quack("activation", "silu"),
 )
@@ -467,6 +486,7 @@ _pointwise(
     vjp=lambda b, p, ct: [b.mul(ct, b.op("cos", p.x[0]))],
     emit=_fn("cute.math.sin"),
     torch=unary(lambda x: x.sin()),
+    triton=lambda x: f"_sin({x})",
     doc="sine (RoPE)",
 )
 _pointwise(
@@ -478,6 +498,7 @@ _pointwise(
     vjp=lambda b, p, ct: [b.neg(b.mul(ct, b.op("sin", p.x[0])))],
     emit=_fn("cute.math.cos"),
     torch=unary(lambda x: x.cos()),
+    triton=lambda x: f"_cos({x})",
     doc="cosine (RoPE)",
 )
 
@@ -501,6 +522,16 @@ def _cast_impl(x: Any, dtype: str, precision: str = "exact") -> Any:
 _TORCH_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
 
 
+def _cast_triton(x: str, dtype: str) -> str:
+    if dtype == "i32":  # truncates toward zero, as the interpreter's cast
+        return f"{x}.to(tl.int32)"
+    if dtype == "f32":
+        return f"{x}.to(tl.float32)"
+    if dtype == "bf16":
+        return f"_bf16({x})"  # the generated module's rounding to bf16 (the value stays f32)
+    return f'{x}.to(tl.{_TORCH_DTYPES[dtype]}, fp_downcast_rounding="rtne").to(tl.float32)'
+
+
 def _cast_torch(x: Any, dtype: str) -> Any:
     """cast(x, dtype) on torch: round to dtype (the value stays f32), or truncate to i32."""
     x = as_tensor(x)
@@ -522,6 +553,7 @@ _pointwise(
     differentiable=True,
     emit=_cast_emit,
     torch=_cast_torch,
+    triton=_cast_triton,
     doc="x rounded to a dtype (the value stays f32); i32 truncates",
 )
 
@@ -548,5 +580,6 @@ _pointwise(
     vjp=lambda b, p, ct: [ct],
     emit=lambda x: x,
     torch=lambda x: x,
+    triton=lambda x: x,
     doc="`y = x`: a named copy (or, between stages, an alias of a matrix)",
 )

@@ -236,6 +236,11 @@ class OpDef:
     # impl computes it; used between stages by the CUDA runtime, in the emulated kernels and in the
     # elementwise stages. A reduction's stand-in reduces a whole vector (partials fold by `combine`).
     torch: Callable[..., Any] | None = None
+    # Triton emitter of a pointwise op for the elementwise stages' generated kernels
+    # (backend_cute/triton_stage.py): the operands' expressions (f32 elements, or bool for where()'s
+    # condition) -> one element's expression, written with `tl` and that module's helpers (`_exp`,
+    # `_sin`, ...: libdevice on the GPU). None: a stage using the op is compiled by torch.compile instead.
+    triton: Callable[..., str] | None = None
     # a rewrite into other ops, applied when the source is lowered: `decompose(d, ins, params)` returns
     # the (op name, operands, params) of the top equation, emitting helper equations with `d.op(...)`
     # (syntax/lower.py's Decomposer); such an op needs no impl, VJP, emitter or stand-in of its own

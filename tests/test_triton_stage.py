@@ -1,0 +1,254 @@
+"""Elementwise stages as generated Triton kernels (coda_lang/backend_cute/triton_stage.py), on the CPU.
+
+The generated kernel runs under Triton's CPU interpreter (NumPy) and is compared with the stage's
+eager torch function (`ElementwiseStage._body`, the emulated kernels' path, itself checked against
+the interpreter elsewhere):
+- every elementwise stage of the examples and of the Hugging Face patch's blocks (forward, and backward
+  with the patch's and with every gradient) that the generator accepts, at sizes that are multiples of
+  no block (rows, column pairs), with random inputs: stored tiles within one bf16 rounding (of the value's
+  magnitude), reductions over the columns and over the rows within f32 accumulation error;
+- the stages it must refuse (grouped reductions, vectors repeating across columns) and why;
+- a hand-written stage with max/min over both axes, a NaN and an infinity in the data, a cast, a scalar
+  given as a tensor and as a number, a stored row vector and a literal;
+- which path `ElementwiseStage.function()` takes off the emulator (`CODA_ELEMENTWISE`);
+- on a GPU (marked `gpu`): the compiled kernels against the torch function on the same device.
+"""
+
+from __future__ import annotations
+
+import glob
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import coda_lang
+from coda_lang.backend_cute.elementwise import ElementwiseStage
+from coda_lang.backend_cute.triton_stage import TritonStage, unsupported
+from coda_lang.hf.blocks import model_source
+from coda_lang.ir.nodes import Stage
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parent.parent
+HF_WRT = {"w_o", "w_13", "w_2", "w_qkv", "w_lm", "g", "g1", "g2", "gq", "gk", "h", "y", "x", "hg", "r"}
+TORCH = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "i32": torch.int32}
+
+
+def _programs() -> list[tuple[str, str, bool]]:
+    out = [
+        ("llama", model_source("bfloat16", 1e-5, 8, False), True),
+        ("qwen3", model_source("bfloat16", 1e-6, 8, True), True),
+    ]
+    for f in sorted(glob.glob(str(ROOT / "examples" / "*.coda"))):
+        out.append((Path(f).stem, Path(f).read_text(), False))
+    return out
+
+
+def elementwise_stages() -> list[tuple[str, ElementwiseStage]]:
+    """(id, stage) for every elementwise stage of the programs' blocks and their backwards."""
+    found = []
+    for prog_name, src, hf in _programs():
+        prog = coda_lang.load(src)
+        for bn in prog.blocks:
+            b = prog[bn]
+            blocks = [("fwd", b), ("bwd", b.grad())]
+            if hf:
+                blocks.append(
+                    ("bwd_hf", b.grad(wrt=[p.var.name for p in b.ir.params if p.var.name in HF_WRT]))
+                )
+            for tag, blk in blocks:
+                stages = [s for s in blk.ir.body if isinstance(s, Stage)]
+                for i, s in enumerate(stages, 1):
+                    if s.a is None:
+                        found.append((f"{prog_name}.{bn}.{tag}.{i}", ElementwiseStage(blk, i, emulate=True)))
+    return found
+
+
+STAGES = elementwise_stages()
+
+
+def _sizes(st: ElementwiseStage) -> dict[str, int]:
+    """Dim sizes that are multiples of no block: 37 rows; odd numbers of column pairs."""
+    sizes = {}
+    fixed = {d.name: int(d.value) for d in st.block.ir.dims if d.value is not None}
+    base = {"M": 37, "D": 150, "F": 134, "K": 146, "P": 136, "V": 300, "N": 262, "H": 2}
+    names = set()
+    for prm in st.block.ir.params:
+        for d in getattr(prm.var.type, "shape", ()) or ():
+            if d.name is not None:
+                names.add(d.name)
+    for n in names:
+        sizes[n] = fixed.get(n, base.get(n, 134))
+    return sizes
+
+
+def _extent(d: Any, sizes: dict[str, int]) -> int:
+    n = d.coeff * (sizes[d.name] if d.name is not None else 1)
+    assert n.denominator == 1
+    return int(n)
+
+
+def _inputs(st: ElementwiseStage, sizes: dict[str, int], gen: torch.Generator) -> list[Any]:
+    ins: list[Any] = []
+    for ld in st.loads:
+        shape = tuple(_extent(d, sizes) for d in ld.shape)
+        if ld.role == "scalar":
+            ins.append(0.25)
+            continue
+        if ld.dtype == "i32":
+            ins.append(torch.randint(-1, 7, shape, generator=gen, dtype=torch.int32))
+            continue
+        x = torch.randn(shape, generator=gen)
+        if ld.role == "row vector":
+            x = x.abs() + 0.5  # row scales (rsqrt's results) are positive in the programs
+        ins.append(x.to(TORCH[ld.dtype]))
+    return ins
+
+
+def assert_same(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...], what: str) -> None:
+    assert len(got) == len(want), what
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.shape == w.shape and g.dtype == w.dtype, (what, i, g.shape, w.shape, g.dtype, w.dtype)
+        g64, w64 = g.double(), w.double()
+        assert torch.equal(torch.isnan(g64), torch.isnan(w64)), (what, i, "NaN positions differ")
+        fin = torch.isfinite(w64)
+        assert torch.equal(g64[~fin & ~torch.isnan(w64)], w64[~fin & ~torch.isnan(w64)]), (
+            what,
+            i,
+            "infinities",
+        )
+        scale = float(w64[fin].abs().max()) if fin.any() else 1.0
+        if g.dtype in (torch.bfloat16, torch.float16):
+            # one unit in the last place of the stored dtype (f32 differences in the math before the
+            # rounding may flip it), plus f32 noise at the output's scale (cancellation)
+            eps = 2.0**-7 if g.dtype == torch.bfloat16 else 2.0**-10
+            tol = eps * w64[fin].abs() + 1e-5 * scale
+        else:
+            tol = 1e-5 * scale + 1e-6
+        err = (g64[fin] - w64[fin]).abs()
+        assert bool((err <= tol).all()), (what, i, float((err - tol).max()), scale)
+
+
+SUPPORTED = [(n, st) for n, st in STAGES if unsupported(st) is None]
+
+
+def test_the_generator_takes_the_stages_the_llama_step_runs() -> None:
+    names = {n for n, _ in SUPPORTED}
+    # RoPE's backward at the entry of the layer's and the first layer's backward, the last block's
+    # norm backward (a reduction over the rows), the first block's forward norm statistics
+    for need in (
+        "llama.layer.bwd_hf.1",
+        "llama.first_qkv.bwd_hf.1",
+        "llama.last.bwd_hf.1",
+        "llama.first_qkv.fwd.1",
+    ):
+        assert need in names, sorted(names)
+    assert len(SUPPORTED) >= 12
+
+
+@pytest.mark.parametrize("name,st", SUPPORTED, ids=[n for n, _ in SUPPORTED])
+def test_generated_kernel_matches_the_torch_function(name: str, st: ElementwiseStage) -> None:
+    sizes = _sizes(st)
+    rows = _extent(st.rows, sizes)
+    cols = _extent(st.cols, sizes)
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    ins = _inputs(st, sizes, gen)
+    want = st._body(rows, cols, sizes, torch.device("cpu"), *ins)
+    got = TritonStage(st, interpret=True)(rows, cols, sizes, torch.device("cpu"), *ins)
+    assert_same(got, want, name)
+
+
+def test_refused_stages_say_why() -> None:
+    why = {n: unsupported(st) for n, st in STAGES}
+    assert "grouped reduction" in (why["qwen3.layer.bwd_hf.1"] or "")
+    assert "qk_norm.qk_norm.bwd.1" in why and why["qk_norm.qk_norm.bwd.1"] is not None
+    with pytest.raises(AssertionError):
+        TritonStage(dict(STAGES)["qwen3.layer.bwd_hf.1"], interpret=True)
+
+
+HAND = """dims M, N
+
+block b(x: bf16[M, N], s: f32[M], v: f32[N/2], a: f32, k: f32 = 3.0) -> (y: bf16[M, N], q: f32[M, N/2], z: f16[M, N]) {
+  elementwise [M, N] {
+    u, w = pairs(x)
+    t = max(u * v, w) * a - k
+    y: bf16 = interleave(t, cast(w * s, bf16))
+    q = min(u, w) + s
+    z: f16 = x * s - 1.0
+    hi = max(x * s, over=N)
+    lo = min(x, over=M)
+    tot = sum(x / s, over=M)
+    top = max(t, over=N/2)
+  }
+}
+"""
+
+
+@pytest.mark.parametrize("scalar_as_tensor", [False, True])
+def test_max_min_nan_inf_cast_scalars(scalar_as_tensor: bool) -> None:
+    blk = coda_lang.load(HAND)["b"]
+    st = ElementwiseStage(blk, 1, emulate=True)
+    assert unsupported(st) is None
+    rows, cols = 41, 2 * 133
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(rows, cols, generator=gen)
+    x[3, 7] = float("nan")
+    x[5, 10] = float("inf")
+    x[6, 11] = float("-inf")
+    named = {
+        "x": x.bfloat16(),
+        "s": torch.rand(rows, generator=gen) + 0.5,
+        "v": torch.randn(cols // 2, generator=gen),
+        "a": torch.tensor(1.5) if scalar_as_tensor else 1.5,
+        "k": torch.tensor(3.0) if scalar_as_tensor else 3.0,
+    }
+    ins = [named[n] for n, _ in st.roles]
+    sizes = {"M": rows, "N": cols}
+    want = st._body(rows, cols, sizes, torch.device("cpu"), *ins)
+    with np.errstate(all="ignore"):  # inf / inf in the interpreter's NumPy, as in the torch function
+        got = TritonStage(st, interpret=True)(rows, cols, sizes, torch.device("cpu"), *ins)
+    assert_same(got, want, "hand")
+    # the NaN reached the max over its row and the min over its column
+    hi = got[len(st.store_meta) + st.reductions.index("hi")]
+    lo = got[len(st.store_meta) + st.reductions.index("lo")]
+    assert torch.isnan(hi[3]) and not torch.isnan(hi[4])
+    assert torch.isnan(lo[7]) and torch.isneginf(lo[11])
+
+
+def test_function_uses_the_generated_kernel_off_the_emulator(monkeypatch: pytest.MonkeyPatch) -> None:
+    st = dict(STAGES)["llama.layer.bwd_hf.1"]
+    monkeypatch.delenv("CODA_ELEMENTWISE", raising=False)
+    off = ElementwiseStage(st.block, st.index, emulate=False)
+    assert off.generator == "triton" and isinstance(off.function(), TritonStage)
+    monkeypatch.setenv("CODA_ELEMENTWISE", "inductor")
+    off = ElementwiseStage(st.block, st.index, emulate=False)
+    assert off.generator == "inductor" and not isinstance(off.function(), TritonStage)
+    grouped = dict(STAGES)["qwen3.layer.bwd_hf.1"]
+    monkeypatch.delenv("CODA_ELEMENTWISE")
+    assert ElementwiseStage(grouped.block, grouped.index, emulate=False).generator == "inductor"
+    # emulated: the eager torch function, whatever the setting
+    emulated = ElementwiseStage(st.block, st.index, emulate=True)
+    assert emulated.function() == emulated._body
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,st", SUPPORTED, ids=[n for n, _ in SUPPORTED])
+def test_compiled_kernel_on_the_gpu(name: str, st: ElementwiseStage) -> None:
+    """The compiled kernel (libdevice math, the GPU's conversions) against the torch function on the
+    same GPU inputs, at the test's sizes and at 8192 rows with 3072 columns where the stage allows."""
+    dev = torch.device("cuda")
+    for big in (False, True):
+        sizes = _sizes(st)
+        if big:
+            sizes = {k: (8192 if k == "M" else 1536 if k == "P" else v) for k, v in sizes.items()}
+        rows, cols = _extent(st.rows, sizes), _extent(st.cols, sizes)
+        gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        ins = [x.to(dev) if isinstance(x, torch.Tensor) else x for x in _inputs(st, sizes, gen)]
+        want = st._body(rows, cols, sizes, dev, *ins)
+        got = TritonStage(st)(rows, cols, sizes, dev, *ins)
+        torch.cuda.synchronize()
+        assert_same(tuple(g.cpu() for g in got), tuple(w.cpu() for w in want), f"{name} big={big}")
