@@ -65,7 +65,7 @@ def main() -> None:
         if n == "pos":
             x = torch.arange(a.M, device=dev, dtype=dt)
         elif n == "freq":
-            x = 500000.0 ** (-torch.arange(P, device=dev, dtype=dt) % (HD // 2) * 2 / HD)
+            x = 500000.0 ** (-(torch.arange(P, device=dev, dtype=dt) % (HD // 2)) * 2 / HD)  # <= 1
         elif n.startswith("w_"):
             x = (torch.randn(*shp, device=dev) / shp[-1] ** 0.5).to(dt)
         else:

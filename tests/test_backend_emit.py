@@ -768,3 +768,35 @@ ptxas info    : Used 168 registers, used 16 barriers, 152 bytes cumulative stack
     r = parse_ptxas(text, "ptxas 13.0")
     assert (r.registers, r.spill_stores, r.spill_loads, r.stack_frame, r.spills) == (168, 574, 624, 152, True)
     assert str(r) == "168 registers, 574 bytes spill stores, 624 bytes spill loads (ptxas 13.0)"
+
+
+def test_epilogue_sin_cos_reduce_the_argument_to_within_rounding() -> None:
+    """epi_ops.sin_rr / cos_rr reduce the argument by 2 pi in three f32 parts (each product with the
+    multiple exact inside an fma) before the hardware's approximation: emulated here in NumPy (fma as an
+    exact product and one rounding), the reduced argument's sine is within 2e-7 of float64's sine of
+    the f32 argument, for RoPE's angles up to 128k positions; and the emitted stages call them."""
+    pytest.importorskip("cutlass")
+    import warnings
+
+    import numpy as np
+
+    with warnings.catch_warnings():  # quack's own DeprecationWarnings about CuTeDSL names
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from coda_lang.backend_cute import epi_ops
+
+    f = np.float32
+    parts = [f(epi_ops._TWO_PI_1), f(epi_ops._TWO_PI_2), f(epi_ops._TWO_PI_3)]
+    assert abs(sum(float(p) for p in parts) - 2 * np.pi) < 1e-15
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.uniform(-20, 20, 4000), rng.uniform(0, 131072, 4000), [0.0, np.pi, 1e5]]).astype(
+        f
+    )
+    k = np.round(x * f(epi_ops._INV_TWO_PI)).astype(np.float64)  # roundeven of the f32 product
+    r = x.astype(np.float64)
+    for p in parts:
+        r = (-k * np.float64(p) + r).astype(f).astype(np.float64)  # fma: exact product, one rounding
+    assert np.abs(r).max() < np.pi + 0.02  # within sin.approx's accurate range
+    err = np.abs(np.sin(r) - np.sin(x.astype(np.float64)))
+    assert err.max() < 2e-7, err.max()
+    assert REGISTRY["sin"].emit is not None and REGISTRY["sin"].emit("a") == "sin_rr(a)"
+    assert REGISTRY["cos"].emit is not None and REGISTRY["cos"].emit("a") == "cos_rr(a)"

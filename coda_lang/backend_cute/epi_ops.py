@@ -57,7 +57,7 @@ from quack.epilogue.ops import (
     rowvec_reduce_accumulate,
 )
 
-VERSION = 8
+VERSION = 9
 
 
 @cute.jit
@@ -97,6 +97,35 @@ def _lse2(a: Any, b: Any) -> Any:
     lo = cute.arch.fmin(a, b, nan=True)
     d = Float32(cutlass.select_(lo == hi, Float32(0.0), lo - hi))
     return hi + _math.log(Float32(1.0) + _math.exp(d, fastmath=True), fastmath=True)
+
+
+# sin and cos for the epilogues: the argument reduced into [-pi, pi] (Cody-Waite: 2 pi in three f32
+# parts, each product with the multiple k exact inside an fma), then the hardware's sin.approx /
+# cos.approx (absolute error 2^-20.9 on [-pi, pi]). The error stays about 6e-7 at any argument below
+# 2^24 pi (RoPE's angles reach position x frequency: 1.3e5 at 128k tokens), where the unreduced
+# sin.approx loses precision linearly with the argument. CuTeDSL's accurate cos/sin (libdevice) made the
+# Llama-3.2-1B QKV + RoPE epilogue 0.66 ms against 0.14 ms for the bare GEMM (H100, M=8192).
+_INV_TWO_PI = 0.15915493667125702
+_TWO_PI_1 = 6.2831854820251465
+_TWO_PI_2 = -1.7484555314695172e-07
+_TWO_PI_3 = -7.105427357601002e-15
+
+
+def _reduce_two_pi(x: Any) -> Any:
+    k = _math.roundeven(x * Float32(_INV_TWO_PI))
+    r = _math.fma(k, Float32(-_TWO_PI_1), x)
+    r = _math.fma(k, Float32(-_TWO_PI_2), r)
+    return _math.fma(k, Float32(-_TWO_PI_3), r)
+
+
+def sin_rr(x: Any) -> Any:
+    """sin(x): the argument reduced into [-pi, pi], then sin.approx."""
+    return _math.sin(_reduce_two_pi(x), approx=True)
+
+
+def cos_rr(x: Any) -> Any:
+    """cos(x): the argument reduced into [-pi, pi], then cos.approx."""
+    return _math.cos(_reduce_two_pi(x), approx=True)
 
 
 @cute.jit

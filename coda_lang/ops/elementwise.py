@@ -128,6 +128,11 @@ def _quack(module: str, name: str) -> dict[str, Any]:
     return {"emit": _fn(name), "imports": ((name, f"from quack.{module} import {name}"),)}
 
 
+def _epi(name: str) -> dict[str, Any]:
+    """The emitter of a function of coda_lang's epilogue ops (backend_cute/epi_ops.py) and its import."""
+    return {"emit": _fn(name), "imports": ((name, f"from coda_lang.backend_cute.epi_ops import {name}"),)}
+
+
 def _cast_emit(x: str, dtype: str) -> str:
     if dtype == "i32":
         raise Mistake("E0703", "cast() to i32 has no CuTeDSL emitter yet")
@@ -484,7 +489,7 @@ _pointwise(
     _floating,
     lambda x: np.sin(x),
     vjp=lambda b, p, ct: [b.mul(ct, b.op("cos", p.x[0]))],
-    emit=_fn("cute.math.sin"),
+    **_epi("sin_rr"),
     torch=unary(lambda x: x.sin()),
     triton=lambda x: f"_sin({x})",
     doc="sine (RoPE)",
@@ -496,7 +501,7 @@ _pointwise(
     _floating,
     lambda x: np.cos(x),
     vjp=lambda b, p, ct: [b.neg(b.mul(ct, b.op("sin", p.x[0])))],
-    emit=_fn("cute.math.cos"),
+    **_epi("cos_rr"),
     torch=unary(lambda x: x.cos()),
     triton=lambda x: f"_cos({x})",
     doc="cosine (RoPE)",

@@ -29,7 +29,7 @@ from quack.epilogue.frontend import gemm_epilogue
 from quack.epilogue.math import pack, unpack
 from quack.epilogue.ops import ColVecLoad, RowVecLoad, Scalar
 
-from coda_lang.backend_cute.epi_ops import GroupedReduce
+from coda_lang.backend_cute.epi_ops import GroupedReduce, cos_rr, sin_rr
 
 
 def qk_norm_stage1_prepass(acc):
@@ -56,8 +56,8 @@ def qk_norm_stage1(acc, eps, g, pos, freq, dim_HD, ss):
     n_1 = _t5_1 * g_1
     a, b = n_0, n_1
     ang = pos * freq_0
-    c = cute.math.cos(ang)
-    s = cute.math.sin(ang)
+    c = cos_rr(ang)
+    s = sin_rr(ang)
     _t6 = a * c
     _t7 = b * s
     _t8 = _t6 - _t7
