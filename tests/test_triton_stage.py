@@ -233,6 +233,12 @@ def test_function_uses_the_generated_kernel_off_the_emulator(monkeypatch: pytest
     # emulated: the eager torch function, whatever the setting
     emulated = ElementwiseStage(st.block, st.index, emulate=True)
     assert emulated.function() == emulated._body
+    # the generated kernel given CPU tensors (no GPU to launch on) runs the eager function
+    sizes = _sizes(st)
+    rows, cols = _extent(st.rows, sizes), _extent(st.cols, sizes)
+    ins = _inputs(st, sizes, torch.Generator().manual_seed(1))
+    got = TritonStage(st)(rows, cols, sizes, torch.device("cpu"), *ins)
+    assert_same(got, st._body(rows, cols, sizes, torch.device("cpu"), *ins), "cpu")
 
 
 @pytest.mark.gpu

@@ -17,8 +17,8 @@ expression comes from the op registry (`OpDef.triton`); the helpers it may call 
 are libdevice's accurate functions on the GPU and `tl`'s under Triton's CPU interpreter (`interpret=True`,
 the tests' way to run the generated kernel without a GPU).
 What it does not: fold a reduction's result back into the same stage (a reduction inside a stage is a
-partial, used only after it, as the language says), or run when the stage is empty (no rows or no
-columns: the torch function runs then).
+partial, used only after it, as the language says), or launch when the stage is empty (no rows or no
+columns) or its tensors are not on a CUDA device (the eager torch function runs then).
 Invariants: numerics follow the interpreter: loads widened to f32, math in f32, rounding only where a
 tile is stored (or at `cast`), division and square root IEEE-rounded; the source depends only on the
 stage and on which scalar operands are tensors, and is built once per such signature.
@@ -443,8 +443,8 @@ class TritonStage:
         self, rows: int, cols: int, sizes: dict[str, int], device: torch.device, *ins: Any
     ) -> tuple[torch.Tensor, ...]:
         st = self.st
-        if rows == 0 or cols == 0:
-            return st._body(rows, cols, sizes, device, *ins)
+        if rows == 0 or cols == 0 or (device.type != "cuda" and not self.interpret):
+            return st._body(rows, cols, sizes, device, *ins)  # nothing to launch, or no GPU to launch on
         scalar_tensors = tuple(
             isinstance(x, torch.Tensor)
             for (_n, role), x in zip(st.roles, ins, strict=True)
