@@ -1,7 +1,7 @@
 """Training steps of a Hugging Face LLaMA-3 model: HF eager, HF + torch.compile, HF + Liger Kernel, HF + coda.
 
 Usage (on a Hopper GPU): python benchmarks/hf_train_step.py [--configs eager,compile,liger,coda]
-    [--layers 16] [--seq 8192] [--batch 1] [--steps 9] [--warmup 3] [--json FILE] [--profile]
+    [--layers 16] [--seq 8192] [--batch 1] [--steps 9] [--warmup 3] [--json FILE] [--profile] [--trace FILE]
 
 Llama-3.2-1B shapes by default (hidden 2048, 16 layers, 32 query / 8 KV heads of 64, intermediate 8192,
 vocab 128256, tied embeddings, rope_theta 5e5 with Llama-3 rope scaling), random init (seed 0), bf16,
@@ -166,6 +166,8 @@ def run_config(name: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[s
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             losses.append(step())
             torch.cuda.synchronize()
+        if args.trace:  # the profiled step's kernels on a timeline (chrome://tracing, or gaps.py)
+            prof.export_chrome_trace(args.trace.replace("{config}", name))
         split = {"attention": 0.0, "gemm": 0.0, "other": 0.0}
         kernels = []
         for ev in prof.key_averages():
@@ -208,6 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--top", type=int, default=12, help="kernels listed per profiled configuration")
+    p.add_argument(
+        "--trace",
+        default=None,
+        help="with --profile: write each configuration's profiled step as a Chrome trace to this path "
+        "({config} is replaced by the configuration's name); benchmarks/gaps.py lists where the GPU idles",
+    )
     p.add_argument("--host-profile", action="store_true", help="cProfile one coda step (host time)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
