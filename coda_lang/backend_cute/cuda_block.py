@@ -293,7 +293,7 @@ class CudaBlock:
             return new, partials
         r = self.runner(index)
         ins, scalars = r.arguments(env)
-        outs = torch.ops.coda.stage(r.key, ins, scalars)
+        outs = r.call(ins, scalars)
         r.collect(outs, new, partials, self.plan.storage)
         return new, partials
 
@@ -341,10 +341,7 @@ class CudaBlock:
                     if not torch.compiler.is_compiling():  # (a side effect a traced Function can't hold)
                         self._last[k] = r
                     into = self._into(r.spec, i, env, consume) if consume is not None else None
-                    if into is not None:
-                        outs = [into, *torch.ops.coda.stage_into(r.key, into, ins, scalars)]
-                    else:
-                        outs = torch.ops.coda.stage(r.key, ins, scalars)
+                    outs = r.call(ins, scalars, into)
                     r.collect(outs, env, partials, self.plan.storage)
             else:
                 self._vector_eqn(s, env, dims, device)

@@ -16,6 +16,7 @@ where it is not; `poison=True` fills the rest with NaN so tests can see an unwri
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from fractions import Fraction
@@ -70,8 +71,16 @@ def sink_shape(s: Sink, m: Any, n: Any, tile_m: int, tile_n: int) -> tuple[Any, 
 
 def _width(shape_dim: Dim, cols: Dim, n: Any) -> Any:
     """The extent of a stage value's column dim `shape_dim` when the stage's width `cols` is n."""
-    ratio = Fraction(shape_dim.coeff) / Fraction(cols.coeff)
-    return n if ratio == 1 else n * ratio.numerator // ratio.denominator
+    num, den = _ratio(shape_dim.coeff, cols.coeff)
+    return n if num == den else n * num // den
+
+
+@functools.lru_cache(maxsize=1024)
+def _ratio(a: Any, b: Any) -> tuple[int, int]:
+    """a / b as (numerator, denominator), remembered: a launch asks for the same few ratios every time
+    (Fraction arithmetic was a visible part of a stage launch's host time)."""
+    r = Fraction(a) / Fraction(b)
+    return r.numerator, r.denominator
 
 
 def _aligned(t: Any) -> Any:
@@ -214,6 +223,22 @@ class StageRunner:
             if gr.out is not None:
                 outs.append(new((m, n // gr.width), torch.float32))
         return outs
+
+    def call(
+        self, ins: list[torch.Tensor | None], scalars: list[float], into: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        """The stage's launch as the block runs it: [D] + stored tiles + sink buffers (D written into
+        `into` when given). Under a torch.compile trace through the custom ops `coda::stage` /
+        `coda::stage_into`, which the graph records; eagerly, their body directly (the dispatcher's
+        Python layers around a custom op cost tens of microseconds per launch, and a layer's forward
+        launches its stages faster than the GPU runs them only without them)."""
+        if torch.compiler.is_compiling():
+            if into is not None:
+                return [into, *torch.ops.coda.stage_into(self.key, into, ins, scalars)]
+            return list(torch.ops.coda.stage(self.key, ins, scalars))
+        if into is not None:
+            return [into, *self.launch(ins, scalars, d_out=into)[1:]]
+        return self.launch(ins, scalars)
 
     # device side (the op's body): one kernel launch
     def launch(
