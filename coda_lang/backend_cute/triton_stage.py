@@ -42,87 +42,35 @@ _REDUCTIONS = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min"}
 # jitted when triton is imported, so its CPU interpreter can't run them unless it was on from the start)
 _COMBINE = {"sum": "_add", "max": "_nanmax", "min": "_nanmin"}
 
-_GPU_HELPERS = """
-from triton.language.extra import libdevice
+# The generated module's one-argument helpers: name -> (its body on the GPU, under Triton's CPU
+# interpreter, which has no libdevice: NumPy's functions through `tl`).
+_HELPERS = {
+    "_exp": ("return libdevice.exp(x)", "return tl.exp(x)"),
+    "_log": ("return libdevice.log(x)", "return tl.log(x)"),
+    "_rsqrt": ("return libdevice.rsqrt(x)", "return tl.rsqrt(x)"),
+    "_sin": ("return libdevice.sin(x)", "return tl.sin(x)"),
+    "_cos": ("return libdevice.cos(x)", "return tl.cos(x)"),
+    "_tanh": (
+        "return libdevice.tanh(x)",
+        "e = tl.exp(-2.0 * tl.abs(x))\n    t = tl.math.div_rn(1.0 - e, 1.0 + e)\n    return tl.where(x >= 0, t, -t)",
+    ),
+    # rounding to bf16, the value staying f32; the interpreter's own f32 -> bf16 conversion truncates,
+    # so there the bits are rounded to nearest even by hand
+    "_bf16": (
+        "return x.to(tl.bfloat16).to(tl.float32)",
+        "b = x.to(tl.uint32, bitcast=True)\n    r = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000\n"
+        "    return tl.where(x != x, x, r.to(tl.float32, bitcast=True))",
+    ),
+}
 
 
-@_jit
-def _exp(x):
-    return libdevice.exp(x)
+def _helpers(interpret: bool) -> str:
+    head = "" if interpret else "from triton.language.extra import libdevice\n"
+    return head + "".join(
+        f"\n\n@_jit\ndef {name}(x):\n    {bodies[1 if interpret else 0]}\n"
+        for name, bodies in _HELPERS.items()
+    )
 
-
-@_jit
-def _log(x):
-    return libdevice.log(x)
-
-
-@_jit
-def _rsqrt(x):
-    return libdevice.rsqrt(x)
-
-
-@_jit
-def _tanh(x):
-    return libdevice.tanh(x)
-
-
-@_jit
-def _sin(x):
-    return libdevice.sin(x)
-
-
-@_jit
-def _cos(x):
-    return libdevice.cos(x)
-
-
-@_jit
-def _bf16(x):
-    return x.to(tl.bfloat16).to(tl.float32)
-"""
-
-# Triton's CPU interpreter has no libdevice: NumPy's functions through `tl`
-_INTERPRETER_HELPERS = """
-
-@_jit
-def _exp(x):
-    return tl.exp(x)
-
-
-@_jit
-def _log(x):
-    return tl.log(x)
-
-
-@_jit
-def _rsqrt(x):
-    return tl.rsqrt(x)
-
-
-@_jit
-def _tanh(x):
-    e = tl.exp(-2.0 * tl.abs(x))
-    t = tl.math.div_rn(1.0 - e, 1.0 + e)
-    return tl.where(x >= 0, t, -t)
-
-
-@_jit
-def _sin(x):
-    return tl.sin(x)
-
-
-@_jit
-def _cos(x):
-    return tl.cos(x)
-
-
-@_jit
-def _bf16(x):
-    # round to nearest even on the bits (the interpreter's own f32 -> bf16 conversion truncates)
-    b = x.to(tl.uint32, bitcast=True)
-    r = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
-    return tl.where(x != x, x, r.to(tl.float32, bitcast=True))
-"""
 
 _COMMON_HELPERS = """
 
@@ -355,7 +303,7 @@ class TritonStage:
         lines = [
             "import triton",
             "import triton.language as tl",
-            _INTERPRETER_HELPERS if self.interpret else _GPU_HELPERS,
+            _helpers(self.interpret),
             _COMMON_HELPERS,
             "",
             "@_jit",
