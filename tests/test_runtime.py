@@ -552,6 +552,38 @@ def test_block_traces_into_one_graph() -> None:
     assert torch.equal(compiled(**inputs), eager)
 
 
+def test_eager_launches_skip_the_custom_op_and_traces_record_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An eager call runs each stage's body directly (torch's Python around a custom op was half of a
+    layer forward's host time); a torch.compile trace records the custom op `coda::stage`, whose graph
+    gives the eager result."""
+    import coda_lang.backend_cute.launch as launch_mod
+
+    blk = block("llama_mlp")
+    cb = blk.cuda(tile=TILE, emulate=True)
+    inputs = example_inputs(blk, SMALL, seed=9)
+    through_op = []
+    real = launch_mod._stage_op
+
+    def counted(key: str, ins: Any, scalars: Any) -> Any:
+        through_op.append(key)
+        return real(key, ins, scalars)
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.ops.coda, "stage", counted)
+        eager = cb(inputs)["x2"]
+    assert through_op == []
+    gm = []
+
+    def backend(g: Any, example_inputs: Any) -> Any:
+        gm.append(g)
+        return g.forward
+
+    compiled = torch.compile(lambda **kw: cb(**kw)["x2"], backend=backend, fullgraph=True)
+    assert torch.equal(compiled(**inputs), eager)
+    stages = [n for n in gm[0].graph.nodes if n.op == "call_function" and "coda.stage" in str(n.target)]
+    assert len(stages) == len(cb.gemm_stages)
+
+
 def test_autograd_traces_under_torch_compile() -> None:
     blk = coda_lang.load(GRAD_BLOCKS)["gelu_mlp"]
     fn = blk.cuda(tile=TILE, emulate=True).autograd()
