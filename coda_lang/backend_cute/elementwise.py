@@ -151,12 +151,10 @@ class ElementwiseStage:
         if self._fn is None:
             fn = self._body
             if not self.emulate:
-                from coda_lang.backend_cute import triton_stage
+                if self.generator == "triton":
+                    from coda_lang.backend_cute.triton_stage import TritonStage
 
-                if os.environ.get("CODA_ELEMENTWISE", "triton") != "inductor" and (
-                    triton_stage.unsupported(self) is None
-                ):
-                    fn = triton_stage.TritonStage(self)
+                    fn = TritonStage(self)
                 else:
                     fn = torch.compile(self.own_body(), dynamic=DYNAMIC, fullgraph=True)
             self._fn = fn

@@ -236,9 +236,7 @@ class StageRunner:
             if into is not None:
                 return [into, *torch.ops.coda.stage_into(self.key, into, ins, scalars)]
             return list(torch.ops.coda.stage(self.key, ins, scalars))
-        if into is not None:
-            return [into, *self.launch(ins, scalars, d_out=into)[1:]]
-        return self.launch(ins, scalars)
+        return self.launch(ins, scalars, d_out=into)  # (D first: `into` itself when given)
 
     # device side (the op's body): one kernel launch
     def launch(

@@ -175,9 +175,13 @@ class TritonStage:
         assert why is None, why
         self.st, self.interpret = st, interpret
         self.paired = any(op in ("pairs", "interleave") for op, *_ in st.steps)
-        self.col_reductions = [
-            i for i, (op, _o, _a, info) in enumerate(st.steps) if op in _REDUCTIONS and not info["per_row"]
+        # each reduction's (fold, over the columns of a row, of a half-width value), in output order
+        self.reductions = [
+            (_REDUCTIONS[op], bool(info["per_row"]), info["widths"][0] == (1, 2))
+            for op, _o, _a, info in st.steps
+            if op in _REDUCTIONS
         ]
+        self.col_reductions = any(not per_row for _f, per_row, _h in self.reductions)
         # program shapes measured on an H100 (the Llama layer's RoPE backward, [8192, 3072]: 1 row x
         # 128 pairs 0.068 ms, 4 x 128 0.116 ms; the last layer's norm backward with its reduction over
         # the rows, [8192, 2048]: 32 rows x 128 columns, 8 warps 0.096 ms)
@@ -201,6 +205,9 @@ class TritonStage:
         post: list[str] = []  # after it
         vals: dict[str, _Val] = {}
         scalars = iter(scalar_tensors)
+
+        def row_len(width: str | None) -> str:
+            return "C" if width == "full" else "(C // 2)"
 
         def col_index(width: str, lane: int, one_d: bool = False) -> str:
             c = "cols1" if one_d else "cols"
@@ -231,8 +238,7 @@ class TritonStage:
                 for lane in range(n):
                     v = f"t{k}_{lane}"
                     if ld.role == "tile":
-                        ncols = "C" if width == "full" else "(C // 2)"
-                        ptr = f"{p} + roff * {ncols} + {col_index(width, lane)}"
+                        ptr = f"{p} + roff * {row_len(width)} + {col_index(width, lane)}"
                         body.append(f"{v} = {_widen(f'tl.load({ptr}, mask=m, other=0)', ld.dtype)}")
                     else:
                         ptr = f"{p} + {col_index(width, lane)}"
@@ -252,7 +258,7 @@ class TritonStage:
         outs_args: list[str] = []  # the stored tiles', then the reductions' outputs
         red_args: list[str] = []
         tmp = 0
-        for e, (op, outs, eargs, info) in zip(st.stage.body, st.steps, strict=True):
+        for op, outs, eargs, info in st.steps:
             xs = [operand(k, v) for k, v in eargs]
             if op == "pairs":
                 (x,) = xs
@@ -264,7 +270,9 @@ class TritonStage:
                 vals[outs[0]] = _Val(kind, "full", (xs[0].lane(0), xs[1].lane(0)))
                 continue
             if op in _REDUCTIONS:
-                self._reduction(e, op, outs[0], info, xs[0], lanes, pre, body, post, red_args, col_index)
+                self._reduction(
+                    op, outs[0], info, xs[0], lanes, pre, body, post, red_args, col_index, row_len
+                )
                 continue
             od = REGISTRY[op]
             assert od.triton is not None
@@ -284,9 +292,8 @@ class TritonStage:
             x = vals[sname]
             width = "full" if w == (1, 1) else "half"
             n = lanes if width == "full" else 1
-            ncols = "C" if width == "full" else "(C // 2)"
             for lane in range(n):
-                ptr = f"{p} + roff * {ncols} + {col_index(width, lane)}"
+                ptr = f"{p} + roff * {row_len(width)} + {col_index(width, lane)}"
                 value = (
                     x.lane(lane)
                     if x.kind == "tile"
@@ -329,7 +336,6 @@ class TritonStage:
 
     def _reduction(
         self,
-        e: Any,
         op: str,
         out: str,
         info: dict[str, Any],
@@ -338,8 +344,9 @@ class TritonStage:
         pre: list[str],
         body: list[str],
         post: list[str],
-        outs_args: list[str],
+        red_args: list[str],
         col_index: Any,
+        row_len: Any,
     ) -> None:
         fold = _REDUCTIONS[op]
         ident = {"sum": "0.0", "max": "float('-inf')", "min": "float('inf')"}[fold]
@@ -354,14 +361,14 @@ class TritonStage:
             total = f"tl.reduce({acc}, 1, {_COMBINE[fold]})"
             post.append(f"tl.store({p} + rows1, {total}, mask=rows1 < R)")
         else:
-            ncols = "C" if x.width == "full" else "(C // 2)"
             for lane in range(n):
                 term = f"tl.where(m, {x.lane(lane)}, {ident})"
                 part = f"tl.reduce({term}, 0, {_COMBINE[fold]})"
                 body.append(
-                    f"tl.store({p} + pid * {ncols} + {col_index(x.width, lane, one_d=True)}, {part}, mask=cols1 < CW)"
+                    f"tl.store({p} + pid * {row_len(x.width)} + {col_index(x.width, lane, one_d=True)}, {part}, "
+                    "mask=cols1 < CW)"
                 )
-        outs_args.append(p)
+        red_args.append(p)
 
     def kernel_name(self) -> str:
         st = self.st
@@ -404,35 +411,24 @@ class TritonStage:
             if role == "scalar" and not isinstance(x, torch.Tensor):
                 args.append(float(x) if not isinstance(x, bool) else x)
             else:
-                args.append(x if x.is_contiguous() else x.contiguous())
+                args.append(x.contiguous())
         args += [float(sizes[d[0]] * d[1] // d[2] if d[0] is not None else d[1] // d[2]) for d in self.dims]
         nprog = math.ceil(rows / self.bm)
         outs: list[torch.Tensor] = []
         for _name, dtype, w in st.store_meta:
             outs.append(torch.empty((rows, cols * w[0] // w[1]), dtype=dtype, device=device))
-        reds: list[torch.Tensor] = []
-        for op, _o, _a, info in st.steps:
-            if op not in _REDUCTIONS:
-                continue
-            x_half = info["widths"][0] == (1, 2)
-            width = cols // 2 if x_half else cols
-            reds.append(
-                torch.empty(rows, dtype=torch.float32, device=device)
-                if info["per_row"]
-                else torch.empty((nprog, width), dtype=torch.float32, device=device)
+        reds = [
+            torch.empty(
+                rows if per_row else (nprog, cols // 2 if half else cols), dtype=torch.float32, device=device
             )
+            for _f, per_row, half in self.reductions
+        ]
         kern[(nprog,)](*args, *outs, *reds, rows, cols, BM=self.bm, BC=self.bc, num_warps=self.num_warps)
-        results = list(outs)
-        i = 0
-        for op, _o, _a, info in st.steps:
-            if op not in _REDUCTIONS:
-                continue
-            r = reds[i]
-            i += 1
-            if not info["per_row"]:
-                r = combine_rule(_REDUCTIONS[op]).torch(r, 0)
-            results.append(r)
-        return tuple(results)
+        folded = [
+            r if per_row else combine_rule(fold).torch(r, 0)
+            for r, (fold, per_row, _h) in zip(reds, self.reductions, strict=True)
+        ]
+        return (*outs, *folded)
 
 
 def _fold_expr(fold: str, acc: str, term: str) -> str:
@@ -458,15 +454,8 @@ def _widen(load: str, dtype: str) -> str:
 
 
 def _literal(v: Any) -> str:
-    if isinstance(v, bool):
-        return repr(v)
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "float('nan')"
-        if math.isinf(v):
-            return "float('inf')" if v > 0 else "float('-inf')"
-        return repr(v)
-    return repr(v)
+    """A literal's Python text (a non-finite float as `float('inf')`, `float('nan')`, ...)."""
+    return f"float('{v!r}')" if isinstance(v, float) and not math.isfinite(v) else repr(v)
 
 
 def _jit(interpret: bool) -> Any:
