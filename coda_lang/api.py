@@ -198,10 +198,10 @@ class Block:
         plans = candidate_plans(self, wrt, remat, chunk, chunk_dim)
         env, sizes = bind(d.backward.ir, bins, bdims, precision)
         plan, c = choose(plans, sizes, chunk, budget)
-        wide = plan.block
 
-        def run(sub: dict[str, Any], n: int) -> dict[str, Any]:
+        def run(sub: dict[str, Any], n: int, acc: bool) -> dict[str, Any]:
             dims = {**sizes, plan.inner: n}
+            wide = plan.acc_block if acc else plan.block
             return run_block(wide.ir, wide.plan, sub, dims, precision=precision, tile=tile)[0]
 
         def empty(part: Any, shape: tuple[int, ...]) -> Any:

@@ -145,6 +145,29 @@ class BlockFunction:
             raise ValueError(f"block {self.name}: no torch tensor among the inputs")
         return self._fn(not uses_kernels(device))(given, dims=dims)
 
+    def forward_backward(
+        self,
+        inputs: dict[str, Any] | None = None,
+        /,
+        *,
+        cotangents: dict[str, Any],
+        chunk: int,
+        dims: dict[str, int] | None = None,
+        **tensors: Any,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(outputs, gradients by input name): the forward and at once the backward with `cotangents`
+        (by output name, tensors of the outputs' shapes), `chunk` rows at a time, each chunk's backward right
+        after its forward, so what the forward saves lives for one chunk only (a loss head's logits
+        with `remat="save"`: three GEMMs, no [M, V] tensor, as a hand-written fused linear
+        cross-entropy does; docs/design.md, "Chunked backward"). Made with `chunk_dim=` the
+        forward's row dim. No autograd graph is recorded: wrap it in a torch.autograd.Function whose
+        backward scales the gradients (coda_lang.hf's loss head does)."""
+        given = {**(inputs or {}), **tensors}
+        device = next((v.device for v in given.values() if isinstance(v, torch.Tensor)), None)
+        if device is None:
+            raise ValueError(f"block {self.name}: no torch tensor among the inputs")
+        return self._fn(not uses_kernels(device)).forward_backward(given, cotangents, chunk, dims)
+
 
 def function(
     block: Block | str,

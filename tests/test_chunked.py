@@ -27,6 +27,7 @@ import torch
 import coda_lang
 import coda_lang.interp
 import coda_lang.torch as ct
+from coda_lang.backend_cute import autograd
 from coda_lang.interp import random_inputs
 from coda_lang.interp.chunk import DEFAULT_BUDGET, candidate_plans, choose, chunk_plan, chunk_size, run_chunks
 
@@ -227,6 +228,28 @@ def _torch_grads(fn: Any, ins: dict[str, np.ndarray], seed: int = 0) -> dict[str
     return res
 
 
+def spy_chunks(fn: Any, monkeypatch: pytest.MonkeyPatch, extent: Any) -> list[tuple[str, int]]:
+    """Records (which chunked block, `extent(tensors, dims)`) of each chunk's run of a CudaFunction:
+    "M" / "V" the plan's block, "M+" / "V+" the one adding to the running totals."""
+    calls: list[tuple[str, int]] = []
+    for key, cb in fn.chunked_blocks.items():
+        call = cb._call
+
+        def spy(
+            tensors: dict[str, Any],
+            dims: dict[str, int] | None,
+            consume: Any = None,
+            call: Any = call,
+            key: str = key,
+        ) -> Any:
+            assert dims is not None
+            calls.append((key, extent(tensors, dims)))
+            return call(tensors, dims, consume)
+
+        monkeypatch.setattr(cb, "_call", spy)
+    return calls
+
+
 @pytest.mark.parametrize("name", ["lm_head_ce", "lm_head_ce_softcap", "llama_mlp"])
 def test_emulated_autograd_chunked_equals_unchunked(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     blk = block(name)
@@ -239,25 +262,43 @@ def test_emulated_autograd_chunked_equals_unchunked(name: str, monkeypatch: pyte
     want = _torch_grads(blk.cuda(emulate=True).autograd(remat=remat), ins)
     for chunk in chunks:
         fn = blk.cuda(emulate=True).autograd(remat=remat, chunk=chunk)
-        calls: list[int] = []
-        call = fn.chunked._call
-
-        def spy(
-            tensors: dict[str, Any],
-            dims: dict[str, int] | None,
-            consume: Any = None,
-            call: Any = call,
-            calls: list[int] = calls,
-        ) -> Any:
-            assert dims is not None
-            calls.append(dims["M"])
-            return call(tensors, dims, consume)
-
-        monkeypatch.setattr(fn.chunked, "_call", spy)
+        calls = spy_chunks(fn, monkeypatch, lambda tensors, dims: dims["M"])
         got = _torch_grads(fn, ins)
         c = min(chunk, 29)
-        assert calls == [min(c, 29 - i) for i in range(0, 29, c)]
+        # each of these has a weight gradient `dw = acc`: the chunks after the first add to its total
+        assert calls == [("M" if i == 0 else "M+", min(c, 29 - i)) for i in range(0, 29, c)]
         assert_same(got, want, "exact", f"{name} autograd chunk={chunk}")
+
+
+def test_chunks_add_to_the_weight_gradient_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In row chunks, lm_head_ce's dw_lm (its GEMM sums over the chunk's rows) is one f32 buffer: the
+    first chunk's GEMM stores it, each later chunk's GEMM stores `acc + total` over the total it reads
+    (CudaBlock._into), so no chunk allocates a part of it or adds one afterwards; the gradients equal
+    the unchunked ones."""
+    blk = block("lm_head_ce")
+    ins = ce_inputs(m=29, v=48)
+    want = _torch_grads(blk.cuda(emulate=True).autograd(remat="recompute"), ins)
+    fn = blk.cuda(emulate=True).autograd(remat="recompute", chunk=8, chunk_dim="M")
+    plan = fn.chunk_plans[0]
+    assert plan.accumulate == {"dw_lm": "dw_lm_total"}
+    ptrs: list[tuple[int, int | None]] = []
+    for cb in fn.chunked_blocks.values():
+        call = cb._call
+
+        def spy(tensors: dict[str, Any], dims: Any, consume: Any = None, call: Any = call) -> Any:
+            total = tensors.get("dw_lm_total")
+            outs = call(tensors, dims, consume)
+            ptrs.append((outs[0]["dw_lm"].data_ptr(), None if total is None else total.data_ptr()))
+            return outs
+
+        monkeypatch.setattr(cb, "_call", spy)
+    adds: list[int] = []
+    monkeypatch.setattr(autograd, "_add", lambda total, part: adds.append(1) or total.add_(part))
+    got = _torch_grads(fn, ins)
+    assert len(ptrs) == 4 and len({p for p, _ in ptrs}) == 1, ptrs  # one buffer, every chunk
+    assert all(t == ptrs[0][0] for _, t in ptrs[1:]) and ptrs[0][1] is None
+    assert not adds  # dw_lm's total is never added to outside the kernels (dr is joined over M)
+    assert_same(got, want, "exact", "in-place totals")
 
 
 def test_torch_function_takes_chunk_and_budget() -> None:
@@ -373,10 +414,9 @@ def run_chunked(
     plan = chunk_plan(b, dim)
     env, sizes = bind(b.ir, ins, None, precision)
 
-    def run(sub: dict[str, Any], n: int) -> dict[str, Any]:
-        return run_block(plan.block.ir, plan.block.plan, sub, {**sizes, plan.inner: n}, precision=precision)[
-            0
-        ]
+    def run(sub: dict[str, Any], n: int, acc: bool) -> dict[str, Any]:
+        b = plan.acc_block if acc else plan.block
+        return run_block(b.ir, b.plan, sub, {**sizes, plan.inner: n}, precision=precision)[0]
 
     def finish(total: Any, dtype: str) -> Any:
         return to_storage(round_to(total, dtype, precision), dtype, precision)
@@ -498,9 +538,12 @@ def test_columns_of_a_gemm_chunk() -> None:
 def test_joins_write_into_one_preallocated_output() -> None:
     plan = block("lm_head_ce").chunk_plan(remat="recompute", dim="V")
     allocs: list[tuple[int, ...]] = []
+    accs: list[bool] = []
 
-    def run(sub: dict[str, Any], n: int) -> dict[str, Any]:
-        return {"dw_lm": np.full((3, n), float(n), np.float32), "dhg": np.ones((4, 3)), "dr": np.ones(4)}
+    def run(sub: dict[str, Any], n: int, acc: bool) -> dict[str, Any]:
+        accs.append(acc)  # dhg = acc (K = V): the chunks after the first add to its running total
+        dhg = sub["dhg_total"] + 1.0 if acc else np.ones((4, 3))
+        return {"dw_lm": np.full((3, n), float(n), np.float32), "dhg": dhg, "dr": np.ones(4)}
 
     def empty(part: Any, shape: tuple[int, ...]) -> Any:
         allocs.append(shape)
@@ -509,6 +552,7 @@ def test_joins_write_into_one_preallocated_output() -> None:
     ins = {"w_lm": np.zeros((3, 10)), "target": np.arange(4, dtype=np.int32)}
     out = run_chunks(plan, ins, 10, 4, run, empty, lambda a, b: a + b, lambda t, dt: t)
     assert allocs == [(3, 10)]
+    assert accs == [False, True, True] and plan.accumulate == {"dhg": "dhg_total"}
     np.testing.assert_array_equal(out["dw_lm"][0], [4, 4, 4, 4, 4, 4, 4, 4, 2, 2])
     np.testing.assert_array_equal(out["dhg"], np.full((4, 3), 3.0))
 
@@ -521,16 +565,17 @@ LLAMA3 = {"M": 8192, "D": 2048, "V": 128256}
 
 @pytest.mark.parametrize("remat", ["recompute", "auto", "save"])
 def test_auto_chunks_the_lm_head_over_v(remat: str) -> None:
-    """Row chunks hold dw_lm's [D, V] f32 sum (1 GiB, plus a chunk's part); column chunks hold dhg's
-    [M, D] (64 MiB, plus a chunk's part) and a [D, c] part of dw_lm; both a 256 MiB dlogits chunk."""
+    """Row chunks hold dw_lm's [D, V] f32 sum (1 GiB; each chunk's GEMM adds to it in place); column
+    chunks hold dhg's [M, D] (64 MiB, likewise), dr's sum and a chunk's part of it, and a [D, c] part of
+    dw_lm; both a 256 MiB dlogits chunk."""
     blk = block("lm_head_ce")
     plans = {p.dim: p for p in candidate_plans(blk, None, remat, "auto", None)}
     assert {"M", "V"} <= set(plans)
     m, v = plans["M"], plans["V"]
     cm, cv = (chunk_size(p, LLAMA3[p.dim], LLAMA3, "auto", None) for p in (m, v))
     assert (cm, cv) == (1024, 16384)  # 256 MiB of bf16 dlogits: [1024, V] or [M, 16384]
-    assert m.memory(LLAMA3, cm) == 2 * 4 * 2048 * 128256 + 1024 * 2 * 128256 + 1024 * (2 * 2048 + 4)
-    assert v.memory(LLAMA3, cv) == 2 * 4 * (8192 * 2048 + 8192) + 8192 * 2 * 16384 + 2048 * 16384 * 2
+    assert m.memory(LLAMA3, cm) == 4 * 2048 * 128256 + 1024 * 2 * 128256 + 1024 * (2 * 2048 + 4)
+    assert v.memory(LLAMA3, cv) == 4 * 8192 * 2048 + 2 * 4 * 8192 + 8192 * 2 * 16384 + 2048 * 16384 * 2
     plan, c = choose(list(plans.values()), LLAMA3, "auto", None)
     assert (plan.dim, c) == ("V", 16384)
 
@@ -582,27 +627,17 @@ def test_emulated_autograd_chunked_over_v(name: str, monkeypatch: pytest.MonkeyP
     want = _torch_grads(blk.cuda(emulate=True).autograd(remat="recompute"), ins)
     for chunk in (8, 40, 48, 100):  # 40: a ragged last chunk of 8 columns
         fn = blk.cuda(emulate=True).autograd(remat="recompute", chunk=chunk, chunk_dim="V")
-        calls: list[int] = []
-        call = fn.chunked._call
 
-        def spy(
-            tensors: dict[str, Any],
-            dims: dict[str, int] | None,
-            consume: Any = None,
-            call: Any = call,
-            calls: list[int] = calls,
-        ) -> Any:
-            assert dims is not None
+        def extent(tensors: dict[str, Any], dims: dict[str, int]) -> int:
             n = dims.get("Vc", dims["V"])  # the smoothed CE's chunks run at Vc (it reads V whole)
             assert dims["V"] == 48 or "Vc" not in dims
-            calls.append(n)
             assert tuple(tensors["w_lm"].shape) == (16, n)
-            return call(tensors, dims, consume)
+            return n
 
-        monkeypatch.setattr(fn.chunked, "_call", spy)
+        calls = spy_chunks(fn, monkeypatch, extent)
         got = _torch_grads(fn, ins)
         c = min(chunk, 48)
-        assert calls == [min(c, 48 - i) for i in range(0, 48, c)]
+        assert calls == [("V" if i == 0 else "V+", min(c, 48 - i)) for i in range(0, 48, c)]
         assert_same(got, want, "exact", f"{name} autograd chunk={chunk} over V")
 
 

@@ -104,10 +104,13 @@ def test_float32_matches_unpatched(family: str) -> None:
         assert rel(g1[name], g0[name]) < 1e-5, name
 
 
+@pytest.mark.parametrize("loss_mode", ["vocab", "rows"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_bf16_within_the_accuracy_rule(family: str, device: str, monkeypatch: Any) -> None:
-    """On the CPU the blocks run as the kernels' stand-ins; on a Hopper GPU as the CUDA kernels."""
+def test_bf16_within_the_accuracy_rule(family: str, device: str, loss_mode: str, monkeypatch: Any) -> None:
+    """On the CPU the blocks run as the kernels' stand-ins; on a Hopper GPU as the CUDA kernels. The
+    loss head in either mode; "rows" in chunks of 16 of its 48 rows, its weight gradient
+    summed over them inside the GEMM."""
     if device == "cuda":
         from coda_lang.torch import uses_kernels
 
@@ -117,6 +120,8 @@ def test_bf16_within_the_accuracy_rule(family: str, device: str, monkeypatch: An
     ref32 = make(family, **(ON_KERNELS[family] if device == "cuda" else {})).to(device)
     ref16 = copy.deepcopy(ref32).to(torch.bfloat16)
     pat = patch(family, copy.deepcopy(ref32).to(torch.bfloat16))
+    pat._coda.loss_mode = loss_mode
+    pat._coda.loss_rows = 16
     ids, labels = (t.to(device) for t in batch())
     want = run(ref32, ids, labels)
     low = run(ref16, ids, labels)

@@ -4,7 +4,7 @@ The generated kernel runs under Triton's CPU interpreter (NumPy) and is compared
 eager torch function (`ElementwiseStage._body`, the emulated kernels' path, itself checked against
 the interpreter elsewhere):
 - every elementwise stage of the examples and of the Hugging Face patch's blocks (forward, and backward
-  with the patch's and with every gradient) that the generator accepts, at sizes that are multiples of
+  with the patch's and with every gradient, and with the patch's saving every tile) that the generator accepts, at sizes that are multiples of
   no block (rows, column pairs), with random inputs: stored tiles within one bf16 rounding (of the value's
   magnitude), reductions over the columns and over the rows within f32 accumulation error;
 - the stages it must refuse (grouped reductions, vectors repeating across columns) and why;
@@ -57,9 +57,11 @@ def elementwise_stages() -> list[tuple[str, ElementwiseStage]]:
             b = prog[bn]
             blocks = [("fwd", b), ("bwd", b.grad())]
             if hf:
-                blocks.append(
-                    ("bwd_hf", b.grad(wrt=[p.var.name for p in b.ir.params if p.var.name in HF_WRT]))
-                )
+                wrt = [p.var.name for p in b.ir.params if p.var.name in HF_WRT]
+                blocks.append(("bwd_hf", b.grad(wrt=wrt)))
+                # the loss head of "rows" mode saves its logits: its backward's elementwise stage
+                # picks the target's column with col_index()
+                blocks.append(("bwd_hf_save", b.grad(wrt=wrt, remat="save")))
             for tag, blk in blocks:
                 stages = [s for s in blk.ir.body if isinstance(s, Stage)]
                 for i, s in enumerate(stages, 1):
@@ -172,13 +174,14 @@ def test_refused_stages_say_why() -> None:
 
 HAND = """dims M, N
 
-block b(x: bf16[M, N], s: f32[M], v: f32[N/2], a: f32, k: f32 = 3.0) -> (y: bf16[M, N], q: f32[M, N/2], z: f16[M, N]) {
+block b(x: bf16[M, N], s: f32[M], v: f32[N/2], a: f32, k: f32 = 3.0, j: i32[M]) -> (y: bf16[M, N], q: f32[M, N/2], z: f16[M, N], ci: f32[M, N]) {
   elementwise [M, N] {
     u, w = pairs(x)
     t = max(u * v, w) * a - k
     y: bf16 = interleave(t, cast(w * s, bf16))
     q = min(u, w) + s
     z: f16 = x * s - 1.0
+    ci = where(col_index() >= row_index(), x, 0.0) + where(col_index() == j, 100.0, 0.0)
     hi = max(x * s, over=N)
     lo = min(x, over=M)
     tot = sum(x / s, over=M)
@@ -205,6 +208,7 @@ def test_max_min_nan_inf_cast_scalars(scalar_as_tensor: bool) -> None:
         "v": torch.randn(cols // 2, generator=gen),
         "a": torch.tensor(1.5) if scalar_as_tensor else 1.5,
         "k": torch.tensor(3.0) if scalar_as_tensor else 3.0,
+        "j": torch.randint(-1, cols + 1, (rows,), generator=gen, dtype=torch.int32),
     }
     ins = [named[n] for n, _ in st.roles]
     sizes = {"M": rows, "N": cols}
@@ -217,6 +221,12 @@ def test_max_min_nan_inf_cast_scalars(scalar_as_tensor: bool) -> None:
     lo = got[len(st.store_meta) + st.reductions.index("lo")]
     assert torch.isnan(hi[3]) and not torch.isnan(hi[4])
     assert torch.isnan(lo[7]) and torch.isneginf(lo[11])
+    # row_index()/col_index() in a paired stage: each lane its own column (a causal mask, a one-hot)
+    ci = got[[n for n, *_ in st.store_meta].index("ci")]
+    r, c = torch.arange(rows)[:, None], torch.arange(cols)[None, :]
+    xb = named["x"].float()
+    want_ci = torch.where(c >= r, xb, 0.0) + torch.where(c == named["j"][:, None], 100.0, 0.0)
+    torch.testing.assert_close(ci, want_ci, rtol=0, atol=0, equal_nan=True)
 
 
 def test_function_uses_the_generated_kernel_off_the_emulator(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -258,3 +268,35 @@ def test_compiled_kernel_on_the_gpu(name: str, st: ElementwiseStage) -> None:
         got = TritonStage(st)(rows, cols, sizes, dev, *ins)
         torch.cuda.synchronize()
         assert_same(tuple(g.cpu() for g in got), tuple(w.cpu() for w in want), f"{name} big={big}")
+
+
+def test_the_loss_heads_dlogits_are_stored_over_its_logits() -> None:
+    """The loss head of "rows" mode saves its logits (acc1, bf16) for its backward, whose elementwise
+    stage stores dlogits (dacc1, bf16, the same shape): a run that may consume acc1 (its forward made
+    it for this chunk alone) hands acc1's buffer to the generated kernel as dacc1's, which loads every
+    element before it stores there; the result is the eager function's, in that buffer."""
+    st = dict(STAGES)["llama.head_loss.bwd_hf_save.1"]
+    cb = st.block.cuda(emulate=True)
+    es = cb.elementwise[1]
+    i = next(k for k, s in enumerate(st.block.ir.body) if isinstance(s, Stage))
+    sizes = _sizes(st)
+    ins = _inputs(st, sizes, torch.Generator().manual_seed(4))
+    env = {ld.name: x for ld, x in zip(es.loads, ins, strict=True)}
+    assert cb._into_loads(es, i, env, frozenset()) is None  # nothing consumable
+    over = cb._into_loads(es, i, env, frozenset({"acc1"}))
+    assert over is not None and set(over) == {"dacc1"} and over["dacc1"] is env["acc1"]
+    rows, cols = _extent(st.rows, sizes), _extent(st.cols, sizes)
+    want = st._body(
+        rows,
+        cols,
+        sizes,
+        torch.device("cpu"),
+        *[x.clone() if isinstance(x, torch.Tensor) else x for x in ins],
+    )
+    buf = env["acc1"]
+    got = TritonStage(st, interpret=True)(
+        rows, cols, sizes, torch.device("cpu"), *ins, into=[over.get(n) for n, _, _ in es.stores]
+    )
+    k = [n for n, *_ in st.store_meta].index("dacc1")
+    assert got[k].data_ptr() == buf.data_ptr()
+    assert_same(got, want, "dlogits over logits")

@@ -21,7 +21,16 @@ import torch
 
 from coda_lang.backend_cute.cuda_block import CudaBlock, with_sources
 from coda_lang.backend_cute.launch import TORCH_DTYPES
-from coda_lang.interp.chunk import ChunkPlan, candidate_plans, choose, chunk_mode, run_chunks
+from coda_lang.interp.chunk import (
+    ChunkPlan,
+    ChunkResults,
+    candidate_plans,
+    choose,
+    chunk_inputs,
+    chunk_mode,
+    row_dim,
+    run_chunks,
+)
 from coda_lang.interp.inputs import given_dims
 from coda_lang.ir.nodes import DEFAULT_REMAT
 from coda_lang.verify.diagnostics import CodaError, Diagnostic
@@ -87,12 +96,17 @@ class CudaFunction:
         if chunk is not None or budget is not None:
             self.chunk_plans = candidate_plans(cb.block, wrt, remat, chunk, chunk_dim)
             for plan in self.chunk_plans:
-                try:
-                    self.chunked_blocks[plan.dim] = CudaBlock(
-                        plan.block, tile, emulate=cb.emulate, poison=cb.poison, tune=cb.tune
-                    )
-                except CodaError as e:
-                    raise _runtime_error(e, "chunked backward", plan.block) from None
+                # (and the block of the chunks after the first, which add to the weight gradients'
+                # running totals in their GEMMs' epilogues: key "<dim>+")
+                for key, blk in ((plan.dim, plan.block), (plan.dim + "+", plan.acc_block)):
+                    if blk is None:
+                        continue
+                    try:
+                        self.chunked_blocks[key] = CudaBlock(
+                            blk, tile, emulate=cb.emulate, poison=cb.poison, tune=cb.tune
+                        )
+                    except CodaError as e:
+                        raise _runtime_error(e, "chunked backward", blk) from None
             self.chunked = self.chunked_blocks[self.chunk_plans[0].dim]
         # the backward's kernels are compiled with the forward's, at the first call (one parallel compile)
         self.forward.compile_with(self.backward, *self.chunked_blocks.values())
@@ -110,6 +124,81 @@ class CudaFunction:
         outs = _CodaAutograd.apply(self, names, sizes, *[given[n] for n in names])
         return dict(zip(self.outputs, outs, strict=True))
 
+    def forward_backward(
+        self,
+        inputs: dict[str, Any],
+        cotangents: dict[str, Any],
+        chunk: int,
+        dims: dict[str, int] | None = None,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(outputs, gradients by input name) of the forward and, at once, the backward with the given
+        cotangents (by output name), `chunk` rows at a time: each chunk's forward, then its backward,
+        so what the forward saves for the backward (a loss head's logits, `remat="save"`) lives for
+        one chunk only, and no tensor is kept for later. Outputs are joined over the rows; gradients
+        of inputs indexed by the rows joined, of the others summed (in f32, rounded once; a weight
+        gradient adds each chunk inside its GEMM: `ChunkPlan.acc_block`). The function must be made
+        with `chunk_dim=` the forward's row dim. No autograd graph is recorded."""
+        row = row_dim(self.forward.ir)
+        plan = next((p for p in self.chunk_plans if p.dim == row), None)
+        if plan is None or row is None:
+            raise ValueError(
+                f"block {self.forward.name}: forward_backward runs in chunks of its rows; make the "
+                f"function with chunk_dim={row!r}"
+            )
+        if chunk < 1:
+            raise ValueError(f"chunk= is {chunk}; a chunk holds at least 1 row")
+        d = self.derivation
+        given = {**self.dims, **given_dims(self.ir, dims)} if dims else dict(self.dims)
+        rows_of = {p.var.name: _axis(p.var.type, row) for p in self.ir.params}
+        outs_of: dict[str, int] = {}
+        for o in self.forward.ir.outputs:
+            if o.name in self.outputs:
+                ax = _axis(o.type, row)
+                if ax is None:
+                    raise ValueError(
+                        f"block {self.forward.name}: output `{o.name}` is not indexed by its rows `{row}`, "
+                        "so forward_backward can't run it in chunks"
+                    )
+                outs_of[o.name] = ax
+        missing = [o for o in d.cotangents if o not in cotangents]
+        if missing:
+            raise ValueError(f"block {self.forward.name}: no cotangent given for {', '.join(missing)}")
+        size = next(int(v.shape[ax]) for n, v in inputs.items() if (ax := rows_of.get(n)) is not None)
+        full = {**inputs, **{d.cotangents[o]: g for o, g in cotangents.items() if o in d.cotangents}}
+        wanted = [p.var.name for p in plan.block.ir.params]
+        res = ChunkResults(plan, size, _empty, _add, _finish)
+        joined: dict[str, torch.Tensor] = {}
+        run: Any = None
+        with torch.no_grad():
+            for i in range(0, size, chunk):
+                j = min(i + chunk, size)
+                sub = {
+                    n: v if (ax := rows_of.get(n)) is None else v[(slice(None),) * ax + (slice(i, j),)]
+                    for n, v in inputs.items()
+                }
+                fres, _, fdims = self.forward._call(sub, given)
+                for n, ax in outs_of.items():
+                    part = fres[n]
+                    if n not in joined:
+                        shape = list(part.shape)
+                        shape[ax] = size
+                        joined[n] = part.new_empty(shape)
+                    joined[n][(slice(None),) * ax + (slice(i, j),)] = part
+                if run is None:
+                    bdims = {k: v for k, v in {**given, **fdims}.items() if k in self.backward_dims}
+                    # what the chunk's forward saved is the chunk's own: its backward may write over it
+                    own = frozenset(n for n in self.needs if n in fres and n not in inputs)
+                    run = self.chunk_runner(plan, bdims, own=own)
+                bins = chunk_inputs(plan, {n: full[n] for n in wanted if n in full}, i, j)
+                bins.update({n: fres[n] for n in self.needs if n in fres})
+                totals = res.totals()
+                if totals is not None:
+                    bins.update(totals)
+                res.take(run(bins, j - i, totals is not None), i, j, totals is not None)
+                del fres, bins
+        grads = res.result()
+        return joined, {n: grads[g] for n, g in d.grads.items() if g in grads}
+
     def run_backward(
         self, bins: dict[str, Any], dims: dict[str, int], consume: frozenset[str] | None = None
     ) -> dict[str, Any]:
@@ -121,22 +210,49 @@ class CudaFunction:
         if not self.chunk_plans:
             return self.backward._call(bins, dims, consume)[0]
         plan, c = choose(self.chunk_plans, dims, self.chunk, self.budget)
-        chunked = self.chunked_blocks[plan.dim]
-        keep_all: frozenset[str] | None = frozenset() if consume is not None else None
+        run = self.chunk_runner(plan, dims, consume)
+        return run_chunks(plan, bins, dims[plan.dim], c, run, _empty, _add, _finish)
 
-        def run(sub: dict[str, Any], n: int) -> dict[str, Any]:
-            return chunked._call(sub, {**dims, plan.inner: n}, keep_all)[0]
+    def chunk_runner(
+        self,
+        plan: ChunkPlan,
+        dims: dict[str, int],
+        consume: frozenset[str] | None = None,
+        own: frozenset[str] = frozenset(),
+    ) -> Any:
+        """`run(inputs of a chunk, its extent, acc)` for `run_chunks`: the chunk's run of `plan.block`,
+        or with `acc` of `plan.acc_block`, whose running totals it overwrites with the new ones (their
+        GEMMs store `acc + total` over `total`: CudaBlock._into). `consume` as `run_backward`'s: a
+        chunk otherwise only drops values (an input passed whole to every chunk must not be
+        overwritten by the first). `own`: inputs made for each chunk alone (what its forward saved),
+        which its run may overwrite."""
+        keep: frozenset[str] | None = own if consume is not None or own else None
+        totals = frozenset(plan.accumulate.values())
 
-        def empty(part: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-            return torch.empty(shape, dtype=part.dtype, device=part.device)
+        def run(sub: dict[str, Any], n: int, acc: bool) -> dict[str, Any]:
+            at = {**dims, plan.inner: n}
+            if acc:
+                return self.chunked_blocks[plan.dim + "+"]._call(sub, at, totals | own)[0]
+            return self.chunked_blocks[plan.dim]._call(sub, at, keep)[0]
 
-        def add(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
-            return total.add_(part)
+        return run
 
-        def finish(total: torch.Tensor, dtype: str) -> torch.Tensor:
-            return total.to(TORCH_DTYPES[dtype])
 
-        return run_chunks(plan, bins, dims[plan.dim], c, run, empty, add, finish)
+def _axis(t: Any, dim: str) -> int | None:
+    """The axis of `dim` in type `t`'s shape, if any."""
+    return next((k for k, x in enumerate(t.shape) if x.name == dim and x.coeff == 1), None)
+
+
+def _empty(part: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.empty(shape, dtype=part.dtype, device=part.device)
+
+
+def _add(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    return total.add_(part)
+
+
+def _finish(total: torch.Tensor, dtype: str) -> torch.Tensor:
+    return total.to(TORCH_DTYPES[dtype])
 
 
 class _CodaAutograd(torch.autograd.Function):

@@ -332,7 +332,9 @@ class CudaBlock:
             if isinstance(s, Stage):
                 k += 1
                 if k in self.elementwise:
-                    self.elementwise[k].run(env, dims, self.plan.storage)
+                    es = self.elementwise[k]
+                    over = self._into_loads(es, i, env, consume) if consume else None
+                    es.run(env, dims, self.plan.storage, into=over)
                 else:
                     r = self.runner(k)
                     ins, scalars = r.arguments(env)
@@ -353,17 +355,54 @@ class CudaBlock:
     def _into(
         self, spec: StageSpec, i: int, env: dict[str, Any], consume: frozenset[str]
     ) -> torch.Tensor | None:
-        """The buffer a packed stage may write its D into: its C operand's, when C is consumable, read by
-        nothing after this stage, and of D's shape and dtype."""
-        c, d = spec.c, spec.d
-        if c is None or d is None or c.name not in consume or self._last_read.get(c.name) != i:
+        """The buffer a stage may write its D into: that of the tile it loads at D's coordinates (a
+        packed stage's C operand, or a TileLoad of D's shape: a running total `acc + total`) when
+        that tile is consumable, read by nothing after this stage, and of D's dtype. Each tile of the
+        GEMM loads its subtile of that input before it stores its D there, and no two tiles share
+        elements, so the kernel reads every element before it overwrites it."""
+        d = spec.d
+        if d is None:
             return None
-        t = env.get(c.name)
+        src = spec.c
+        if src is None:
+            src = next(
+                (o for o in spec.operands if o.role == "tile" and o.name in consume and o.shape == d.shape),
+                None,
+            )
+        if src is None or src.name not in consume or self._last_read.get(src.name) != i:
+            return None
+        t = env.get(src.name)
         if not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.dtype != TORCH_DTYPES[d.dtype]:
             return None
         if t.data_ptr() % 16:
             return None
         return t
+
+    def _into_loads(
+        self, es: Any, i: int, env: dict[str, Any], consume: frozenset[str]
+    ) -> dict[str, torch.Tensor] | None:
+        """Buffers an elementwise stage may store its tiles over: for each stored tile, a tile it
+        loads of the same shape and dtype that is consumable and read by nothing after it (the loss
+        head's backward writes dlogits over the logits it saved)."""
+        over: dict[str, torch.Tensor] = {}
+        taken: set[str] = set()
+        for name, dtype, shape in es.stores:
+            for ld in es.loads:
+                if (
+                    ld.role == "tile"
+                    and ld.name in consume
+                    and ld.name not in taken
+                    and self._last_read.get(ld.name) == i
+                    and ld.shape == shape
+                    and ld.dtype == dtype
+                    and isinstance(t := env.get(ld.name), torch.Tensor)
+                    and t.is_contiguous()
+                    and t.dtype == TORCH_DTYPES[dtype]
+                ):
+                    over[name] = t
+                    taken.add(ld.name)
+                    break
+        return over or None
 
     def _tuned(
         self, k: int, r: StageRunner, ins: list[torch.Tensor | None], scalars: list[float]

@@ -281,9 +281,12 @@ class ElementwiseStage:
         dims: dict[str, int],
         storage: dict[str, str],
         out: dict[str, Any] | None = None,
+        into: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """Run the stage on the block's values in `env`; binds what it stores and reduces in `out`
-        (default: `env`)."""
+        (default: `env`). `into`: stored tiles to write over a buffer (a tile the stage loads and
+        nothing reads later, of the stored tile's shape and dtype): the generated Triton kernel
+        loads each element before it stores there; the other paths allocate as usual."""
         ins = []
         for ld in self.loads:
             v = env[ld.name]
@@ -296,7 +299,12 @@ class ElementwiseStage:
         device = next(
             (v.device for v in (*ins, *env.values()) if isinstance(v, torch.Tensor)), torch.device("cpu")
         )
-        outs = self.function()(rows, cols, {k: int(v) for k, v in dims.items()}, device, *ins)
+        fn = self.function()
+        sizes = {k: int(v) for k, v in dims.items()}
+        if into and hasattr(fn, "into"):
+            outs = fn(rows, cols, sizes, device, *ins, into=[into.get(n) for n, _, _ in self.stores])
+        else:
+            outs = fn(rows, cols, sizes, device, *ins)
         if out is None:
             out = env
         i = 0

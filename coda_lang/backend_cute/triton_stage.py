@@ -119,6 +119,12 @@ def unsupported(st: Any) -> str | None:
                 return f"`{op}` of a value that is not a tile"
         elif op in ("pairs", "interleave"):
             continue
+        elif op == "col_index":
+            paired = any(o in ("pairs", "interleave") for o, *_ in st.steps)
+            if info["width"] not in ((1, 1), (1, 2) if paired else (1, 1)):
+                return "col_index() of a tile wider than the stage"
+        elif op == "row_index":
+            continue
         elif od.triton is None:
             return f"`{op}` has no Triton emitter"
     for w in (*(m[2] for m in st.store_meta), *(_load_width(st, ld) for ld in st.loads)):
@@ -269,6 +275,14 @@ class TritonStage:
                 kind = _combine_kinds([x.kind for x in xs])
                 vals[outs[0]] = _Val(kind, "full", (xs[0].lane(0), xs[1].lane(0)))
                 continue
+            if op == "row_index":  # i32, as the torch stand-in's
+                vals[outs[0]] = _Val("row", None, ("rows",))
+                continue
+            if op == "col_index":  # the stage's full width: both lanes; after pairs: a column pair's
+                width = "full" if info["width"] == (1, 1) else "half"
+                n = lanes if width == "full" else 1
+                vals[outs[0]] = _Val("col", width, tuple(col_index(width, lane) for lane in range(n)))
+                continue
             if op in _REDUCTIONS:
                 self._reduction(
                     op, outs[0], info, xs[0], lanes, pre, body, post, red_args, col_index, row_len
@@ -394,9 +408,19 @@ class TritonStage:
             self._kernels[scalar_tensors] = k
         return k
 
+    into = True  # (ElementwiseStage.run: the call takes buffers for its stored tiles)
+
     def __call__(
-        self, rows: int, cols: int, sizes: dict[str, int], device: torch.device, *ins: Any
+        self,
+        rows: int,
+        cols: int,
+        sizes: dict[str, int],
+        device: torch.device,
+        *ins: Any,
+        into: list[torch.Tensor | None] | None = None,
     ) -> tuple[torch.Tensor, ...]:
+        """The stage's stored tiles and reductions; `into[i]`, when given, is the buffer of the i-th
+        stored tile (one the stage loads: each program loads an element before it stores there)."""
         st = self.st
         if rows == 0 or cols == 0 or (device.type != "cuda" and not self.interpret):
             return st._body(rows, cols, sizes, device, *ins)  # nothing to launch, or no GPU to launch on
@@ -415,8 +439,12 @@ class TritonStage:
         args += [float(sizes[d[0]] * d[1] // d[2] if d[0] is not None else d[1] // d[2]) for d in self.dims]
         nprog = math.ceil(rows / self.bm)
         outs: list[torch.Tensor] = []
-        for _name, dtype, w in st.store_meta:
-            outs.append(torch.empty((rows, cols * w[0] // w[1]), dtype=dtype, device=device))
+        for j, (_name, dtype, w) in enumerate(st.store_meta):
+            shape = (rows, cols * w[0] // w[1])
+            buf = into[j] if into else None
+            if buf is None or tuple(buf.shape) != shape or buf.dtype != dtype or not buf.is_contiguous():
+                buf = torch.empty(shape, dtype=dtype, device=device)
+            outs.append(buf)
         reds = [
             torch.empty(
                 rows if per_row else (nprog, cols // 2 if half else cols), dtype=torch.float32, device=device

@@ -64,19 +64,27 @@ class _Model:
 
         # the default saved-tensor policy (auto): e.g. the SwiGLU output is recomputed in the backward
         self.first, self.layer, self.last = fn("first_qkv"), fn("layer"), fn("last")
-        # the loss head keeps only its log-sum-exp; its backward runs the GEMM again. "vocab": one
-        # forward GEMM, the backward in chunks of the vocabulary (each chunk's weight gradient complete);
-        # "rows": chunks of rows, each chunk's backward run at once in the forward
-        self.head_loss = fn("head_loss")
+        # the loss head. "vocab": it keeps only its log-sum-exp, its backward runs the GEMM again in
+        # chunks of the vocabulary (each chunk's weight gradient complete): four GEMMs. "rows": chunks
+        # of rows, each chunk's forward keeping its logits and its backward run at once in the
+        # forward: three GEMMs, the weight gradient summed over the chunks inside its GEMM
         self.head_logits = fn("head_logits")
         self.loss_mode = "vocab"
         self.loss_budget = LOSS_CHUNK_BYTES  # bytes of the largest transient of a chunk ("vocab")
-        self.loss_rows = 0  # rows per chunk of the loss head ("rows"); 0: from LOSS_CHUNK_BYTES
+        self.loss_rows = 0  # rows per chunk of the loss head ("rows"); 0: from LOSS_ROWS_BYTES
         self._fn = fn
         self._vocab_heads: dict[int, BlockFunction] = {}
+        self._row_head: BlockFunction | None = None
         # a training step's kernels (the first layer's, the layers', the last layer's, the loss head's:
         # forward and backward) compile at once at its first call, in one pool of workers
         compile_together(self.first, self.layer, self.last, self.vocab_head())
+
+    def row_head(self) -> BlockFunction:
+        """The loss head of "rows" mode: its logits saved (remat="save"), run forward and backward
+        in chunks of rows (BlockFunction.forward_backward)."""
+        if self._row_head is None:
+            self._row_head = self._fn("head_loss", remat="save", chunk_dim="M")
+        return self._row_head
 
     def vocab_head(self) -> BlockFunction:
         """The loss head whose backward runs in chunks of V within `loss_budget` bytes."""
@@ -234,19 +242,59 @@ def _qk_norm_weights(st: _Model, attn: Any, device: torch.device) -> dict[str, t
     return {"gq": gq, "gk": gk, "mq": mq, "mk": mk}
 
 
+class _Heads(torch.autograd.Function):
+    """q, k and v as [batch, heads, seq, head_dim] views of the fused [tokens, (H + 2 KV) * HD] QKV
+    tile; the backward writes dq, dk and dv into one gradient of that tile, each copied once from
+    whatever layout the attention's backward gives (autograd's split would make each contiguous
+    in the token-major layout first, then concatenate: two passes)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, qkv: torch.Tensor, b: int, s: int, h: int, kv: int, hd: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ctx.shape = (b, s, h, kv, hd)
+        x = qkv.view(b, s, h + 2 * kv, hd)
+        q, k, v = x.split([h, kv, kv], dim=2)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx: Any, dq: Any, dk: Any, dv: Any) -> tuple[Any, ...]:
+        b, s, h, kv, hd = ctx.shape
+        like = next(g for g in (dq, dk, dv) if g is not None)
+        out = torch.empty((b * s, (h + 2 * kv) * hd), dtype=like.dtype, device=like.device)
+        join_heads(out, (dq, dk, dv), b, s, h, kv, hd)
+        return out, None, None, None, None, None
+
+
+def join_heads(
+    out: torch.Tensor, grads: tuple[Any, Any, Any], b: int, s: int, h: int, kv: int, hd: int
+) -> None:
+    """dq, dk, dv ([b, heads, s, hd], or None: zeros) into their columns of the [b * s, (h + 2 kv) * hd]
+    tile `out`: on a GPU one Triton kernel per part (backend_cute/heads.py), else torch's copies."""
+    parts = [(g, n, col) for g, n, col in zip(grads, (h, kv, kv), (0, h * hd, (h + kv) * hd), strict=True)]
+    if out.device.type == "cuda":
+        from coda_lang.backend_cute import heads
+
+        if heads.supported(out, hd) and all(g is None or g.dtype == out.dtype for g, _, _ in parts):
+            heads.join_heads(out, parts, b, s, hd)
+            return
+    cols = out.view(b, s, h + 2 * kv, hd)
+    for g, n, col in parts:
+        part = cols[:, :, col // hd : col // hd + n]
+        if g is None:
+            part.zero_()
+        else:
+            part.copy_(g.transpose(1, 2))
+
+
 def _attention(
     st: _Model, attn: Any, qkv: torch.Tensor, b: int, s: int, mask: Any, kwargs: dict[str, Any]
 ) -> torch.Tensor:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
-    nq, nk = st.H * st.HD, st.KV * st.HD
-    # one split (its backward is one concatenation of dq, dk, dv; three slices would each give a
-    # zero-filled [tokens, width] gradient, summed)
-    qs, ks, vs = qkv.split([nq, nk, qkv.shape[1] - nq - nk], dim=1)
-    q = qs.view(b, s, st.H, st.HD).transpose(1, 2)
-    k = ks.view(b, s, st.KV, st.HD).transpose(1, 2)
-    v = vs.view(b, s, st.KV, st.HD).transpose(1, 2)
+    nq = st.H * st.HD
+    q, k, v = _Heads.apply(qkv, b, s, st.H, st.KV, st.HD)
     fn = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
     extra = {"sliding_window": attn.sliding_window} if hasattr(attn, "sliding_window") else {}
     out, _ = fn(
@@ -354,15 +402,14 @@ def _targets(labels: torch.Tensor, shift_labels: Any, vocab: int) -> torch.Tenso
     return t.to(torch.int32)
 
 
-# The loss head runs in row chunks whose [rows, V] logits stay under this many bytes (bf16: 1024 rows
-# of a 128256-token vocabulary); each chunk's backward runs at once in the forward (as Liger's fused
-# linear cross-entropy does), so no [M, V] tensor is held and the backward only scales what it kept.
+# The loss head's backward ("vocab" mode) runs in chunks of the vocabulary whose [M, c] dlogits stay
+# under this many bytes.
 LOSS_CHUNK_BYTES = 256 * 2**20
 
 
 class _ChunkedLoss(torch.autograd.Function):
     """sum(per-token loss) / denom, with the gradients of hg, r and w_lm made in the forward, chunk
-    by chunk; the backward scales them by the incoming gradient."""
+    by chunk (BlockFunction.forward_backward); the backward scales them by the incoming gradient."""
 
     @staticmethod
     def forward(
@@ -376,37 +423,33 @@ class _ChunkedLoss(torch.autograd.Function):
         rows: int,
     ) -> torch.Tensor:
         scale = (1.0 / denom.float()).to(hg.device)
-        want_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        want_w = ctx.needs_input_grad[2]
-        total = torch.zeros((), dtype=torch.float32, device=hg.device)
-        dh = torch.empty_like(hg) if want_x else None
-        dr = torch.empty_like(r) if want_x else None
-        w = w_lm.detach().requires_grad_(want_w)
-        for i in range(0, hg.shape[0], rows):
-            with torch.enable_grad():
-                hc = hg[i : i + rows].detach().requires_grad_(want_x)
-                rc = r[i : i + rows].detach().requires_grad_(want_x)
-                loss = head(hg=hc, r=rc, w_lm=w, target=target[i : i + rows])["loss"]
-                total += loss.detach().sum()
-                if want_x or want_w:
-                    loss.backward(scale.expand_as(loss))  # w.grad accumulates over the chunks
-            if dh is not None and dr is not None and hc.grad is not None and rc.grad is not None:
-                dh[i : i + rows] = hc.grad
-                dr[i : i + rows] = rc.grad
-        ctx.kept = (dh, dr, w.grad if want_w else None)
-        return total * scale
+        outs, grads = head.forward_backward(
+            hg=hg, r=r, w_lm=w_lm, target=target, cotangents={"loss": scale.expand(hg.shape[0])}, chunk=rows
+        )
+        ctx.kept = tuple(
+            grads[n] if ctx.needs_input_grad[i] else None for i, n in enumerate(("hg", "r", "w_lm"))
+        )
+        return outs["loss"].sum() * scale
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        dh, dr, dw = ctx.kept
+        kept = ctx.kept
         del ctx.kept
-        scaled = [None if t is None else t * g.to(t.dtype) for t in (dh, dr, dw)]
+        scaled = [None if t is None else t * g.to(t.dtype) for t in kept]
         return (*scaled, None, None, None, None)
 
 
+# Rows per chunk of the loss head in "rows" mode: its forward keeps a chunk's bf16 logits, which its
+# backward overwrites with their cotangent, one [rows, V] tile within this many bytes (4096 rows of a
+# 128256-token vocabulary). Fewer, larger chunks: each chunk's weight-gradient GEMM reads and writes
+# the f32 [V, D] total once (D = 2048: 2 GiB per chunk).
+LOSS_ROWS_BYTES = 2**30
+
+
 def _loss_rows(m: int, vocab: int, itemsize: int) -> int:
-    """Rows per chunk of the loss head: whole multiples of 128 whose logits fit LOSS_CHUNK_BYTES."""
-    rows = max(128, LOSS_CHUNK_BYTES // max(1, vocab * itemsize) // 128 * 128)
+    """Rows per chunk of the loss head: whole multiples of 128 whose [rows, V] tile fits
+    LOSS_ROWS_BYTES."""
+    rows = max(128, LOSS_ROWS_BYTES // max(1, vocab * itemsize) // 128 * 128)
     return min(m, rows)
 
 
@@ -440,7 +483,7 @@ def _causal_lm_forward(
             loss = per_token.sum() / denom.to(per_token.device)
         else:
             chunk = st.loss_rows or _loss_rows(hg.shape[0], w_lm.shape[0], w_lm.element_size())
-            loss = _ChunkedLoss.apply(hg, r, w_lm, target, denom, st.head_loss, chunk)
+            loss = _ChunkedLoss.apply(hg, r, w_lm, target, denom, st.row_head(), chunk)
         return CausalLMOutputWithPast(loss=loss, logits=None)  # type: ignore[arg-type]
     rows = torch.arange(b * s, device=hg.device).view(b, s)
     if isinstance(logits_to_keep, int) and logits_to_keep > 0:

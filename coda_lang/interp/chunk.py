@@ -38,7 +38,7 @@ the chunk's extent where it needs them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from coda_lang.interp.inputs import extent, fail
@@ -75,6 +75,13 @@ class ChunkPlan:
     fixed: tuple[tuple[str, Shape, str], ...]  # (name, shape, dtype) of such tiles not indexed by `dim`
     shapes: dict[str, tuple[Shape, str]]  # each output's declared shape and dtype
     align: int = 1  # COL_ALIGN when `dim` is the last axis of a matrix the block loads or stores
+    # summed outputs that a GEMM over the chunked dim stores as they are (`dw = acc`: a weight
+    # gradient of a row chunk) -> the parameter of `acc_block` that holds their running total
+    accumulate: dict[str, str] = field(default_factory=dict)
+    # `block` with each of `accumulate` stored as `acc + total` (its running total, f32, as an input of
+    # the same shape): a chunk after the first adds its part inside the GEMM's epilogue, and a runtime
+    # that can store a tile over the input it reads (CudaBlock) makes no part and no separate sum
+    acc_block: Any = None
 
     @property
     def rows(self) -> frozenset[str]:
@@ -95,7 +102,8 @@ class ChunkPlan:
 
     def memory(self, sizes: dict[str, int], chunk: int) -> int:
         """Bytes a run in chunks of `chunk` holds beyond the block's (unchunked) outputs: each summed
-        output's f32 accumulator and one chunk's f32 part of it, every transient tile (those indexed
+        output's f32 accumulator and one chunk's f32 part of it (none for those of `accumulate`, which
+        the kernels add up in place), every transient tile (those indexed
         by `dim` at the chunk's extent), and one chunk's part of each joined output."""
         at = {**sizes, self.dim: chunk}
 
@@ -105,7 +113,9 @@ class ChunkPlan:
                 n *= int(extent(d, s))
             return n
 
-        acc = sum(2 * 4 * numel(self.shapes[n][0], sizes) for n in self.summed)
+        acc = sum(
+            (1 if n in self.accumulate else 2) * 4 * numel(self.shapes[n][0], sizes) for n in self.summed
+        )
         trans = sum(chunk * int(extent(w, sizes)) * DTYPE_BYTES.get(dt, 4) for _, w, dt in self.transients)
         trans += sum(numel(sh, sizes) * DTYPE_BYTES.get(dt, 4) for _, sh, dt in self.fixed)
         parts = sum(numel(self.shapes[n][0], at) * DTYPE_BYTES.get(self.shapes[n][1], 4) for n in self.joined)
@@ -232,6 +242,7 @@ def chunk_plan(blk: Any, dim: str) -> ChunkPlan:
     transients: list[tuple[str, Dim, str]] = []
     fixed: list[tuple[str, Shape, str]] = []
     col_stores = False  # a tile stored whose columns are the chunked dim
+    stored_acc: set[str] = set()  # outputs a GEMM over the chunked dim stores as `name = acc`
     outputs = {o.name for o in ir.outputs}
     for u in repeat_uses(ir):
         if _is(u.width, dim) and not u.fold:  # (a fold of a vector over `dim` is refused below)
@@ -299,6 +310,8 @@ def chunk_plan(blk: Any, dim: str) -> ChunkPlan:
                         "(K): only `name = acc` can be summed across chunks"
                     )
                 kind[e.outs[0].name] = SUM
+                if src.name == "acc" and e.outs[0].name in outputs:
+                    stored_acc.add(e.outs[0].name)
             continue
         chunked = role is not None
         own_index = "row_index" if role == "rows" else "col_index"
@@ -358,14 +371,18 @@ def chunk_plan(blk: Any, dim: str) -> ChunkPlan:
         while inner in taken:
             inner += "c"
     shifts = {new: (old, params[old].default) for old, new in shift_of.items()}
-    wide = _chunk_block(
-        ir,
-        {n for n, k in kind.items() if k == SUM},
-        set(summed),
-        patches,
-        {old: new for old, new in shift_of.items()},
-        dim,
-        inner,
+    sums = {n for n, k in kind.items() if k == SUM}
+    wide = _chunk_block(ir, sums, set(summed), patches, shift_of, dim, inner)
+    accumulate: dict[str, str] = {}
+    for o in ir.outputs:
+        if o.name in summed and o.name in stored_acc:
+            new = f"{o.name}_total"
+            while new in taken:
+                new += "_"
+            taken.add(new)
+            accumulate[o.name] = new
+    acc_block = (
+        _chunk_block(ir, sums, set(summed), patches, shift_of, dim, inner, accumulate) if accumulate else None
     )
     return ChunkPlan(
         dim,
@@ -380,6 +397,8 @@ def chunk_plan(blk: Any, dim: str) -> ChunkPlan:
         tuple(fixed),
         {o.name: (o.type.shape, o.type.dtype) for o in ir.outputs},
         align,
+        accumulate,
+        acc_block,
     )
 
 
@@ -397,11 +416,14 @@ def _chunk_block(
     shift_of: dict[str, str],
     dim: str,
     inner: str,
+    accumulate: dict[str, str] | None = None,
 ) -> Any:
     """The block a chunk runs: `ir` with its values summed over the chunked dim stored in f32 (outputs
     declared f32), so that each chunk's part is accumulated unrounded; the patched operands reading
     the shifted parameters (declared after the parameter each shifts); and, when `inner` is not `dim`,
-    every shape's `dim` renamed `inner` (the chunk's extent) while a size read as a value stays `dim`."""
+    every shape's `dim` renamed `inner` (the chunk's extent) while a size read as a value stays `dim`.
+    `accumulate` (output -> new parameter): each such output, stored `name = acc`, is stored
+    `name = acc + total` instead, `total` an f32 parameter of the output's shape (declared last)."""
     from coda_lang.api import load
 
     def wide(v: Var) -> Var:
@@ -417,12 +439,17 @@ def _chunk_block(
     def rt(t: Type | None) -> Type | None:
         return None if t is None else replace(t, shape=tuple(rd(d) for d in t.shape))
 
+    totals = accumulate or {}
+
     def eqn(e: Eqn, stage: int, j: int) -> Eqn:
         ins = tuple(
             Var(patches[(stage, j, i)]) if (stage, j, i) in patches else a for i, a in enumerate(e.ins)
         )
+        op = e.op
+        if stage and e.op == "copy" and e.outs[0].name in totals:
+            op, ins = "add", (*ins, Var(totals[e.outs[0].name]))
         return replace(
-            e, ins=ins, outs=tuple(map(wide, e.outs)), params=tuple((k, rd(v)) for k, v in e.params)
+            e, op=op, ins=ins, outs=tuple(map(wide, e.outs)), params=tuple((k, rd(v)) for k, v in e.params)
         )
 
     body: list[Any] = []
@@ -439,6 +466,9 @@ def _chunk_block(
         params.append(replace(p, var=replace(p.var, type=rt(p.var.type))))
         if p.var.name in shift_of:
             params.append(replace(p, var=replace(p.var, name=shift_of[p.var.name], type=rt(p.var.type))))
+    for o in ir.outputs:
+        if o.name in totals:
+            params.append(Param(Var(totals[o.name], replace(o.type, dtype="f32"))))
     outs = tuple(
         replace(
             o,
@@ -591,47 +621,93 @@ def _at(axis: int, i: int, j: int) -> tuple[slice, ...]:
     return (slice(None),) * axis + (slice(i, j),)
 
 
+class ChunkResults:
+    """The outputs of a run in chunks of `plan.dim` (`size` elements), taken chunk by chunk: each joined
+    output allocated once by `empty(first part, whole shape)` and every chunk's part copied into its
+    slice; summed ones `add(total, part)` (which may add in place into `total`, the first chunk's part)
+    and at the end `finish(total, dtype)` (rounding once to the declared dtype); the others the first
+    chunk's. Outputs of `plan.accumulate` come from the chunk's run of `plan.acc_block` (`totals()`
+    gives its inputs) already summed: they are the new totals."""
+
+    def __init__(
+        self,
+        plan: ChunkPlan,
+        size: int,
+        empty: Callable[[Any, tuple[int, ...]], Any],
+        add: Callable[[Any, Any], Any],
+        finish: Callable[[Any, str], Any],
+    ):
+        self.plan, self.size, self.empty, self.add, self.finish = plan, size, empty, add, finish
+        self.joined: dict[str, Any] = {}
+        self.sums: dict[str, Any] = {}
+        self.whole: dict[str, Any] | None = None
+
+    def totals(self) -> dict[str, Any] | None:
+        """The running totals by `plan.acc_block`'s parameter names, for the next chunk's run of it;
+        None when that chunk runs `plan.block` (the first chunk, or a plan with nothing to accumulate)."""
+        if not self.plan.accumulate or self.whole is None:
+            return None
+        return {p: self.sums[n] for n, p in self.plan.accumulate.items()}
+
+    def take(self, outs: dict[str, Any], i: int, j: int, accumulated: bool) -> None:
+        """Chunk [i, j)'s outputs (`accumulated`: from a run of `plan.acc_block`)."""
+        plan = self.plan
+        for n, ax in plan.joined.items():
+            part = outs[n]
+            if n not in self.joined:
+                shape = list(part.shape)
+                shape[ax] = self.size
+                self.joined[n] = self.empty(part, tuple(shape))
+            self.joined[n][_at(ax, i, j)] = part
+        for n in plan.summed:
+            if n not in self.sums or (accumulated and n in plan.accumulate):
+                self.sums[n] = outs[n]
+            else:
+                self.sums[n] = self.add(self.sums[n], outs[n])
+        if self.whole is None:
+            self.whole = {n: outs[n] for n in plan.whole}
+
+    def result(self) -> dict[str, Any]:
+        return {
+            **self.joined,
+            **{n: self.finish(t, self.plan.summed[n]) for n, t in self.sums.items()},
+            **(self.whole or {}),
+        }
+
+
+def chunk_inputs(plan: ChunkPlan, inputs: dict[str, Any], i: int, j: int) -> dict[str, Any]:
+    """The inputs of chunk [i, j) of `plan.dim`: sliced where indexed by it, shifted parameters
+    minus the chunk's start, the others whole."""
+    sub = {n: (v if n not in plan.sliced else v[_at(plan.sliced[n], i, j)]) for n, v in inputs.items()}
+    for new, (old, default) in plan.shifted.items():
+        base = inputs.get(old, default)
+        if base is not None:
+            sub[new] = base - i
+    return sub
+
+
 def run_chunks(
     plan: ChunkPlan,
     inputs: dict[str, Any],
     size: int,
     chunk: int,
-    run: Callable[[dict[str, Any], int], dict[str, Any]],
+    run: Callable[[dict[str, Any], int, bool], dict[str, Any]],
     empty: Callable[[Any, tuple[int, ...]], Any],
     add: Callable[[Any, Any], Any],
     finish: Callable[[Any, str], Any],
 ) -> dict[str, Any]:
     """Outputs of `plan.block` run chunk by chunk over `size` elements of `plan.dim`: `run(inputs of
-    the chunk, its extent)` gives a chunk's outputs (run it with `plan.inner` at that extent); each
-    joined output is allocated once by `empty(first part, whole shape)` and every chunk's part is
-    copied into its slice; summed ones are `add(total, part)` (which may add in place into `total`,
-    the first chunk's part) and then `finish(total, dtype)` (rounding once to the declared dtype);
-    the others are the first chunk's. Shifted parameters get their parameter minus the chunk's start."""
-    joined: dict[str, Any] = {}
-    totals: dict[str, Any] = {}
-    whole: dict[str, Any] = {}
+    the chunk, its extent, acc)` gives a chunk's outputs (run `plan.acc_block` when `acc`, whose
+    inputs then hold the running totals, else `plan.block`, with `plan.inner` at that extent);
+    the outputs are collected as `ChunkResults` says."""
+    res = ChunkResults(plan, size, empty, add, finish)
     for i in range(0, size, chunk):
         j = min(i + chunk, size)
-        sub = {n: (v if n not in plan.sliced else v[_at(plan.sliced[n], i, j)]) for n, v in inputs.items()}
-        for new, (old, default) in plan.shifted.items():
-            base = inputs.get(old, default)
-            if base is not None:
-                sub[new] = base - i
-        outs = run(sub, j - i)
-        for n, ax in plan.joined.items():
-            part = outs[n]
-            if n not in joined:
-                shape = list(part.shape)
-                shape[ax] = size
-                joined[n] = empty(part, tuple(shape))
-            joined[n][_at(ax, i, j)] = part
-        for n in plan.summed:
-            totals[n] = outs[n] if n not in totals else add(totals[n], outs[n])
-        if i == 0:
-            whole = {n: outs[n] for n in plan.whole}
+        sub = chunk_inputs(plan, inputs, i, j)
+        totals = res.totals()
+        if totals is not None:
+            sub.update(totals)
+        outs = run(sub, j - i, totals is not None)
+        res.take(outs, i, j, totals is not None)
         del outs, sub
-    return {
-        **joined,
-        **{n: finish(t, plan.summed[n]) for n, t in totals.items()},
-        **whole,
-    }
+    return res.result()

@@ -1,0 +1,102 @@
+"""The fused QKV tile's gradient from dq, dk, dv (coda_lang/backend_cute/heads.py, hf.patch._Heads).
+
+- `join_heads`' Triton kernel under Triton's CPU interpreter, against torch's reference (the
+  concatenation of the token-major transposes): per-head gradients in the attention backward's
+  [B, H, S, D] layout, as transposed views of a token-major tensor, and a part given as None (zeros),
+  with a sequence that is not a multiple of the kernel's block, two batches, GQA widths;
+- `_Heads` (the patch's q/k/v views) against autograd's split + transpose: the same views forward,
+  the same gradient backward, on the CPU path;
+- on a GPU (marked `gpu`): the compiled kernel through `_Heads.backward`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from coda_lang.hf.patch import _Heads
+
+pytest.importorskip("triton")
+
+B, S, H, KV, HD = 2, 100, 4, 2, 16
+
+
+def reference(grads: list[Any]) -> torch.Tensor:
+    parts = [
+        (torch.zeros(B, n, S, HD) if g is None else g.float()).transpose(1, 2).reshape(B * S, n * HD)
+        for g, n in zip(grads, (H, KV, KV), strict=True)
+    ]
+    return torch.cat(parts, dim=1)
+
+
+def grads(layout: str, gen: torch.Generator) -> list[Any]:
+    out: list[Any] = []
+    for n in (H, KV, KV):
+        if layout == "bhsd":
+            g = torch.randn(B, n, S, HD, generator=gen)
+        else:  # [B, S, H, D] memory seen as [B, H, S, D]
+            g = torch.randn(B, S, n, HD, generator=gen).transpose(1, 2)
+        out.append(g.bfloat16())
+    return out
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("none", [None, 1])
+def test_join_heads_kernel_on_the_interpreter(layout: str, none: int | None) -> None:
+    from coda_lang.backend_cute import heads
+
+    gs = grads(layout, torch.Generator().manual_seed(3))
+    if none is not None:
+        gs[none] = None
+    out = torch.full((B * S, (H + 2 * KV) * HD), float("nan"), dtype=torch.bfloat16)
+    assert heads.supported(out, HD, interpret=True)
+    parts = [(g, n, c) for g, n, c in zip(gs, (H, KV, KV), (0, H * HD, (H + KV) * HD), strict=True)]
+    heads.join_heads(out, parts, B, S, HD, interpret=True)
+    torch.testing.assert_close(out.float(), reference(gs), rtol=0, atol=0)
+
+
+def test_join_heads_refuses_what_it_cant_take() -> None:
+    from coda_lang.backend_cute import heads
+
+    out = torch.empty(4, 48, dtype=torch.bfloat16)
+    assert not heads.supported(out, 16)  # a CPU tensor, not interpreted
+    assert not heads.supported(out, 24, interpret=True)  # not a power of two
+    assert not heads.supported(out.t(), 16, interpret=True)  # not contiguous
+
+
+def test_heads_views_and_gradient_match_autograds_split() -> None:
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(B * S, (H + 2 * KV) * HD, generator=gen).bfloat16()
+    gs = grads("bhsd", gen)
+
+    def split(x: Any) -> Any:
+        qs, ks, vs = x.split([H * HD, KV * HD, KV * HD], dim=1)
+        return tuple(t.view(B, S, -1, HD).transpose(1, 2) for t in (qs, ks, vs))
+
+    x0 = qkv.clone().requires_grad_()
+    x1 = qkv.clone().requires_grad_()
+    want = split(x0)
+    got = _Heads.apply(x1, B, S, H, KV, HD)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
+    torch.autograd.backward(want, gs)
+    torch.autograd.backward(got, gs)
+    assert torch.equal(x1.grad, x0.grad)
+    # only q and k used: v's columns of the gradient are zeros
+    x2 = qkv.clone().requires_grad_()
+    q, k, _ = _Heads.apply(x2, B, S, H, KV, HD)
+    ((q.float() * gs[0].float()).sum() + (k.float() * gs[1].float()).sum()).backward()
+    torch.testing.assert_close(x2.grad.float(), reference([gs[0], gs[1], None]), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_heads_backward_on_the_gpu(layout: str) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    gs = [g.cuda() for g in grads(layout, torch.Generator().manual_seed(7))]
+    x = torch.randn(B * S, (H + 2 * KV) * HD, device="cuda").bfloat16().requires_grad_()
+    torch.autograd.backward(_Heads.apply(x, B, S, H, KV, HD), gs)
+    torch.testing.assert_close(x.grad.float().cpu(), reference([g.cpu() for g in gs]), rtol=0, atol=0)
