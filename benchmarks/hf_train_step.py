@@ -82,12 +82,12 @@ def prepare(model: Any, name: str) -> Any:
 
         apply_liger_kernel_to_llama(model=model)
         return model
-    if name in ("coda", "coda-rows"):
+    if name in ("coda", "coda-vocab"):
         from coda_lang.hf import apply_coda_to_llama
 
         apply_coda_to_llama(model)
-        if name == "coda-rows":  # the loss head in row chunks, each chunk's backward in the forward
-            model._coda.loss_mode = "rows"
+        if name == "coda-vocab":  # the loss head's other mode: lse only, the backward in vocabulary chunks
+            model._coda.loss_mode = "vocab"
         return model
     raise SystemExit(f"unknown configuration {name!r}")
 

@@ -331,10 +331,10 @@ def test_the_loss_head_in_chunks(mode: str, size: int, monkeypatch: Any) -> None
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_a_training_step_compiles_its_kernels_at_once(family: str) -> None:
     """The patched model's block functions (first layer, layers, last layer, the loss head in chunks of
-    V) are compiled together: the first GPU call of any compiles every kernel of a training step in one
+    rows) are compiled together: the first GPU call of any compiles every kernel of a training step in one
     pool of workers (coda_lang.torch.compile_together)."""
     model = patch(family, make(family))
     st = model._coda
     group = st.first._together
-    assert group is st.layer._together is st.last._together is st.vocab_head()._together
+    assert group is st.layer._together is st.last._together is st.row_head()._together
     assert [f.name for f in group] == ["first_qkv", "layer", "last", "head_loss"]

@@ -274,12 +274,13 @@ def test_the_loss_heads_dlogits_are_stored_over_its_logits() -> None:
     """The loss head of "rows" mode saves its logits (acc1, bf16) for its backward, whose elementwise
     stage stores dlogits (dacc1, bf16, the same shape): a run that may consume acc1 (its forward made
     it for this chunk alone) hands acc1's buffer to the generated kernel as dacc1's, which loads every
-    element before it stores there; the result is the eager function's, in that buffer."""
+    element before it stores there; the result is the eager function's, in that buffer. With 1030
+    vocabulary columns the kernel takes its wide chunks (1024 columns, a ragged second one)."""
     st = dict(STAGES)["llama.head_loss.bwd_hf_save.1"]
     cb = st.block.cuda(emulate=True)
     es = cb.elementwise[1]
     i = next(k for k, s in enumerate(st.block.ir.body) if isinstance(s, Stage))
-    sizes = _sizes(st)
+    sizes = {**_sizes(st), "V": 1030}
     ins = _inputs(st, sizes, torch.Generator().manual_seed(4))
     env = {ld.name: x for ld, x in zip(es.loads, ins, strict=True)}
     assert cb._into_loads(es, i, env, frozenset()) is None  # nothing consumable
@@ -294,9 +295,9 @@ def test_the_loss_heads_dlogits_are_stored_over_its_logits() -> None:
         *[x.clone() if isinstance(x, torch.Tensor) else x for x in ins],
     )
     buf = env["acc1"]
-    got = TritonStage(st, interpret=True)(
-        rows, cols, sizes, torch.device("cpu"), *ins, into=[over.get(n) for n, _, _ in es.stores]
-    )
+    ts = TritonStage(st, interpret=True)
+    assert cols >= ts.bc_wide == 1024
+    got = ts(rows, cols, sizes, torch.device("cpu"), *ins, into=[over.get(n) for n, _, _ in es.stores])
     k = [n for n, *_ in st.store_meta].index("dacc1")
     assert got[k].data_ptr() == buf.data_ptr()
     assert_same(got, want, "dlogits over logits")

@@ -322,7 +322,7 @@ class StageRunner:
                 lanes.setdefault(o.name, []).append(outs[i])
                 if len(lanes[o.name]) == 2:
                     even, odd = lanes[o.name]
-                    env[o.name] = torch.stack((even, odd), dim=-1).reshape(even.shape[0], -1)
+                    env[o.name] = _interleave(even, odd)
             else:
                 env[o.name] = outs[i]
             i += 1
@@ -339,6 +339,16 @@ class StageRunner:
                 dtype = storage.get(gr.name)
                 env[gr.name] = round_value(outs[i], dtype) if dtype else outs[i]
                 i += 1
+
+
+def _interleave(even: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
+    """A full-width tile from its two lanes (columns 2 j and 2 j + 1): one Triton kernel on a GPU
+    (layouts.interleave), torch's stack elsewhere or under a torch.compile trace."""
+    if even.device.type == "cuda" and not torch.compiler.is_compiling():
+        from coda_lang.backend_cute import layouts
+
+        return layouts.interleave(even, odd)
+    return torch.stack((even, odd), dim=-1).reshape(even.shape[0], -1)
 
 
 def _prefill_select(out: torch.Tensor, idx: torch.Tensor, n: int) -> None:

@@ -194,6 +194,9 @@ class TritonStage:
         self.bm = self.BM_COLUMN_REDUCTIONS if self.col_reductions else self.BM
         self.bc = 128  # column units (pairs, or columns) per chunk
         self.num_warps = 8 if self.col_reductions else 4
+        # an unpaired stage over long rows (the loss head's dlogits, [4096, 128256]) takes 1024 columns
+        # at a time: 8 adjacent elements per thread, so its loads and stores are 16 bytes wide
+        self.bc_wide = 128 if self.paired or self.col_reductions else 1024
         self.dims = sorted({v for _op, _o, args, _i in st.steps for k, v in args if k == "d"})
         self._kernels: dict[tuple[bool, ...], Any] = {}
 
@@ -451,7 +454,8 @@ class TritonStage:
             )
             for _f, per_row, half in self.reductions
         ]
-        kern[(nprog,)](*args, *outs, *reds, rows, cols, BM=self.bm, BC=self.bc, num_warps=self.num_warps)
+        bc = self.bc_wide if cols >= self.bc_wide else self.bc
+        kern[(nprog,)](*args, *outs, *reds, rows, cols, BM=self.bm, BC=bc, num_warps=self.num_warps)
         folded = [
             r if per_row else combine_rule(fold).torch(r, 0)
             for r, (fold, per_row, _h) in zip(reds, self.reductions, strict=True)

@@ -69,7 +69,7 @@ class _Model:
         # of rows, each chunk's forward keeping its logits and its backward run at once in the
         # forward: three GEMMs, the weight gradient summed over the chunks inside its GEMM
         self.head_logits = fn("head_logits")
-        self.loss_mode = "vocab"
+        self.loss_mode = "rows"
         self.loss_budget = LOSS_CHUNK_BYTES  # bytes of the largest transient of a chunk ("vocab")
         self.loss_rows = 0  # rows per chunk of the loss head ("rows"); 0: from LOSS_ROWS_BYTES
         self._fn = fn
@@ -77,7 +77,7 @@ class _Model:
         self._row_head: BlockFunction | None = None
         # a training step's kernels (the first layer's, the layers', the last layer's, the loss head's:
         # forward and backward) compile at once at its first call, in one pool of workers
-        compile_together(self.first, self.layer, self.last, self.vocab_head())
+        compile_together(self.first, self.layer, self.last, self.row_head())
 
     def row_head(self) -> BlockFunction:
         """The loss head of "rows" mode: its logits saved (remat="save"), run forward and backward
@@ -270,13 +270,13 @@ def join_heads(
     out: torch.Tensor, grads: tuple[Any, Any, Any], b: int, s: int, h: int, kv: int, hd: int
 ) -> None:
     """dq, dk, dv ([b, heads, s, hd], or None: zeros) into their columns of the [b * s, (h + 2 kv) * hd]
-    tile `out`: on a GPU one Triton kernel per part (backend_cute/heads.py), else torch's copies."""
+    tile `out`: on a GPU one Triton kernel per part (backend_cute/layouts.py), else torch's copies."""
     parts = [(g, n, col) for g, n, col in zip(grads, (h, kv, kv), (0, h * hd, (h + kv) * hd), strict=True)]
     if out.device.type == "cuda":
-        from coda_lang.backend_cute import heads
+        from coda_lang.backend_cute import layouts
 
-        if heads.supported(out, hd) and all(g is None or g.dtype == out.dtype for g, _, _ in parts):
-            heads.join_heads(out, parts, b, s, hd)
+        if layouts.supported(out, hd) and all(g is None or g.dtype == out.dtype for g, _, _ in parts):
+            layouts.join_heads(out, parts, b, s, hd)
             return
     cols = out.view(b, s, h + 2 * kv, hd)
     for g, n, col in parts:

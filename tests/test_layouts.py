@@ -1,4 +1,5 @@
-"""The fused QKV tile's gradient from dq, dk, dv (coda_lang/backend_cute/heads.py, hf.patch._Heads).
+"""Layout copies (coda_lang/backend_cute/layouts.py): the fused QKV tile's gradient from dq, dk, dv
+(hf.patch._Heads), and a paired stage's full-width tile from its two lanes.
 
 - `join_heads`' Triton kernel under Triton's CPU interpreter, against torch's reference (the
   concatenation of the token-major transposes): per-head gradients in the attention backward's
@@ -6,7 +7,8 @@
   with a sequence that is not a multiple of the kernel's block, two batches, GQA widths;
 - `_Heads` (the patch's q/k/v views) against autograd's split + transpose: the same views forward,
   the same gradient backward, on the CPU path;
-- on a GPU (marked `gpu`): the compiled kernel through `_Heads.backward`.
+- `interleave` under the interpreter against torch's stack, at sizes that are multiples of no block;
+- on a GPU (marked `gpu`): the compiled kernels, through `_Heads.backward` and directly.
 """
 
 from __future__ import annotations
@@ -45,25 +47,25 @@ def grads(layout: str, gen: torch.Generator) -> list[Any]:
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("none", [None, 1])
 def test_join_heads_kernel_on_the_interpreter(layout: str, none: int | None) -> None:
-    from coda_lang.backend_cute import heads
+    from coda_lang.backend_cute import layouts
 
     gs = grads(layout, torch.Generator().manual_seed(3))
     if none is not None:
         gs[none] = None
     out = torch.full((B * S, (H + 2 * KV) * HD), float("nan"), dtype=torch.bfloat16)
-    assert heads.supported(out, HD, interpret=True)
+    assert layouts.supported(out, HD, interpret=True)
     parts = [(g, n, c) for g, n, c in zip(gs, (H, KV, KV), (0, H * HD, (H + KV) * HD), strict=True)]
-    heads.join_heads(out, parts, B, S, HD, interpret=True)
+    layouts.join_heads(out, parts, B, S, HD, interpret=True)
     torch.testing.assert_close(out.float(), reference(gs), rtol=0, atol=0)
 
 
 def test_join_heads_refuses_what_it_cant_take() -> None:
-    from coda_lang.backend_cute import heads
+    from coda_lang.backend_cute import layouts
 
     out = torch.empty(4, 48, dtype=torch.bfloat16)
-    assert not heads.supported(out, 16)  # a CPU tensor, not interpreted
-    assert not heads.supported(out, 24, interpret=True)  # not a power of two
-    assert not heads.supported(out.t(), 16, interpret=True)  # not contiguous
+    assert not layouts.supported(out, 16)  # a CPU tensor, not interpreted
+    assert not layouts.supported(out, 24, interpret=True)  # not a power of two
+    assert not layouts.supported(out.t(), 16, interpret=True)  # not contiguous
 
 
 def test_heads_views_and_gradient_match_autograds_split() -> None:
@@ -100,3 +102,28 @@ def test_heads_backward_on_the_gpu(layout: str) -> None:
     x = torch.randn(B * S, (H + 2 * KV) * HD, device="cuda").bfloat16().requires_grad_()
     torch.autograd.backward(_Heads.apply(x, B, S, H, KV, HD), gs)
     torch.testing.assert_close(x.grad.float().cpu(), reference([g.cpu() for g in gs]), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows, n", [(37, 300), (1, 5), (16, 128)])
+def test_interleave_on_the_interpreter(rows: int, n: int) -> None:
+    from coda_lang.backend_cute import layouts
+
+    gen = torch.Generator().manual_seed(rows + n)
+    even = torch.randn(rows, n, generator=gen).bfloat16()
+    odd = torch.randn(rows, n, generator=gen).bfloat16()
+    got = layouts.interleave(even, odd, interpret=True)
+    want = torch.stack((even, odd), dim=-1).reshape(rows, 2 * n)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert torch.equal(got[:, 0::2], even) and torch.equal(got[:, 1::2], odd)
+
+
+@pytest.mark.gpu
+def test_interleave_on_the_gpu() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from coda_lang.backend_cute import layouts
+
+    even = torch.randn(8192 + 3, 1536, device="cuda").bfloat16()
+    odd = torch.randn(8192 + 3, 1536, device="cuda").bfloat16()
+    got = layouts.interleave(even, odd)
+    assert torch.equal(got, torch.stack((even, odd), dim=-1).reshape(even.shape[0], -1))

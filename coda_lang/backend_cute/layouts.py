@@ -1,13 +1,18 @@
-"""The gradient of a fused QKV tile from the attention's per-head gradients, in one Triton kernel.
+"""Layout copies as Triton kernels: a fused QKV tile's gradient from per-head gradients, and a tile
+from its two lanes.
 
 What it does: `join_heads(out, parts)` writes per-head tensors g[b, h, s, :] ([batch, heads, seq,
 head_dim], any strides with a unit last one: what an attention backward gives for dq, dk, dv) into
 their columns of one token-major [batch * seq, width] tile: out[b * seq + s, col + h * head_dim + d].
 Each program moves a block of 64 positions of one head: a read and a write of 128-byte rows, where
 torch's strided copy of the transposed view ran at a tenth of the memory bandwidth.
+`interleave(even, odd)` makes the [rows, 2 n] tile whose even columns are `even` and odd ones `odd`
+(a paired stage's second full-width tile, stored by the kernel as two lanes): torch's stack of the
+two along a new last axis is a strided concatenation at a quarter of the bandwidth.
 What it does not: convert dtypes, or take head dims that are not a power of two or tensors on the CPU
 (`supported` says; the caller copies with torch then).
-Invariants: every element of each part's columns is written once; a part given as None is zeroed.
+Invariants: every element of each part's columns is written once; a part given as None is zeroed;
+`interleave` writes every element of its result once and keeps the lanes' dtype.
 """
 
 from __future__ import annotations
@@ -33,20 +38,53 @@ def _join_kernel(src, out, S, sb, sh, ss, out_row, col0, HD: tl.constexpr, BS: t
     tl.store(out + (b64 * S + s) * out_row + col0 + h * HD + d, x, mask=m)
 
 
-_kernels: dict[bool, Any] = {}
+def _interleave_kernel(even, odd, out, R, N, BM: tl.constexpr, BN: tl.constexpr):
+    r = tl.program_id(0) * BM + tl.arange(0, BM)[:, None]
+    c = tl.program_id(1) * BN + tl.arange(0, BN)[None, :]
+    m = (r < R) & (c < N)
+    at = r.to(tl.int64) * N + c
+    e = tl.load(even + at, mask=m)
+    o = tl.load(odd + at, mask=m)
+    # [BM, BN, 2] -> [BM, 2 BN]: e0 o0 e1 o1 ... (tl.interleave is a jitted helper, which the CPU
+    # interpreter can only call when interpretation was on from import)
+    both = tl.reshape(tl.join(e, o), (BM, 2 * BN))
+    r2 = tl.program_id(0) * BM + tl.arange(0, BM)[:, None]
+    c2 = 2 * tl.program_id(1) * BN + tl.arange(0, 2 * BN)[None, :]
+    tl.store(out + r2.to(tl.int64) * (2 * N) + c2, both, mask=(r2 < R) & (c2 < 2 * N))
 
 
-def _kernel(interpret: bool) -> Any:
-    k = _kernels.get(interpret)
+_kernels: dict[tuple[str, bool], Any] = {}
+_FUNCTIONS = {"join": _join_kernel, "interleave": _interleave_kernel}
+
+
+def _kernel(name: str, interpret: bool) -> Any:
+    k = _kernels.get((name, interpret))
     if k is None:
+        fn = _FUNCTIONS[name]
         if interpret:
             from triton.runtime.interpreter import InterpretedFunction
 
-            k = InterpretedFunction(_join_kernel)
+            k = InterpretedFunction(fn)
         else:
-            k = triton.jit(_join_kernel)
-        _kernels[interpret] = k
+            k = triton.jit(fn)
+        _kernels[(name, interpret)] = k
     return k
+
+
+def interleave(even: torch.Tensor, odd: torch.Tensor, interpret: bool = False) -> torch.Tensor:
+    """The [rows, 2 n] tile whose column 2 j is even[:, j] and 2 j + 1 is odd[:, j]; on the CPU (not
+    interpreted) torch's stack."""
+    assert even.shape == odd.shape and even.dim() == 2 and even.dtype == odd.dtype
+    rows, n = even.shape
+    if not (interpret or even.device.type == "cuda"):
+        return torch.stack((even, odd), dim=-1).reshape(rows, 2 * n)
+    even, odd = even.contiguous(), odd.contiguous()
+    out = torch.empty((rows, 2 * n), dtype=even.dtype, device=even.device)
+    if rows and n:
+        bm, bn = 8, 128
+        grid = (triton.cdiv(rows, bm), triton.cdiv(n, bn))
+        _kernel("interleave", interpret)[grid](even, odd, out, rows, n, BM=bm, BN=bn)
+    return out
 
 
 def supported(out: torch.Tensor, head_dim: int, interpret: bool = False) -> bool:
@@ -71,7 +109,7 @@ def join_heads(
     """Write each (g, heads, col) of `parts`, g a [batch, heads, seq, head_dim] tensor or None (zeros),
     into out[:, col : col + heads * head_dim] (out: [batch * seq, width], contiguous)."""
     assert supported(out, head_dim, interpret)
-    k = _kernel(interpret)
+    k = _kernel("join", interpret)
     for g, heads, col in parts:
         if g is None:
             out[:, col : col + heads * head_dim].zero_()
