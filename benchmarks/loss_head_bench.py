@@ -74,8 +74,12 @@ def main() -> None:
         logits = (x @ wt.t()).float() * s[:, None]
         return F.cross_entropy(logits, target.long(), ignore_index=-100, reduction="sum") / n
 
-    configs: list[tuple[str, Any]] = [("torch eager", torch_eager), ("coda vocab (default)", coda_vocab)]
-    configs += [(f"coda rows {c}", coda_rows(int(c))) for c in a.rows.split(",") if c]
+    configs: list[tuple[str, Any]] = [("torch eager", torch_eager), ("coda vocab", coda_vocab)]
+    configs += [
+        (f"coda rows {c}" + (" (default)" if c == "4096" else ""), coda_rows(int(c)))
+        for c in a.rows.split(",")
+        if c
+    ]
     if not a.no_liger:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 

@@ -256,6 +256,38 @@ def test_tied_embeddings_llama_3_rope_and_base_model() -> None:
     assert pat(ids, labels=labels).logits is None  # with labels the logits are never made
 
 
+def test_positions_reach_the_mask_only_when_given(monkeypatch: Any) -> None:
+    """Without position_ids the mask is made without them: from given positions transformers looks
+    for packed sequences, which reads a value back from the GPU, and the default positions 0..s-1
+    pack nothing. Given positions (two packed sequences of 20 in a row of 40) still reach it: each
+    packed sequence's logits are those of the unpatched model run on that sequence alone.
+    (transformers 5.17's own LlamaForCausalLM, given the same packed positions, does not mask across
+    them in its eager attention: its second half differs from the sequence run alone.)"""
+    import transformers.masking_utils as mu
+
+    seen: list[Any] = []
+    make_mask = mu.create_causal_mask
+
+    def spy(*args: Any, **kw: Any) -> Any:
+        seen.append(kw.get("position_ids"))
+        return make_mask(*args, **kw)
+
+    ref = make("llama")
+    pat = patch("llama", copy.deepcopy(ref))
+    ids, _ = batch(s=40)
+    monkeypatch.setattr(mu, "create_causal_mask", spy)
+    z1 = pat(ids).logits
+    assert seen == [None]
+    pos = torch.cat([torch.arange(20), torch.arange(20)]).unsqueeze(0).expand(ids.shape[0], -1)
+    seen.clear()
+    z2 = pat(ids, position_ids=pos).logits
+    assert len(seen) == 1 and torch.equal(seen[0], pos)
+    monkeypatch.setattr(mu, "create_causal_mask", make_mask)
+    assert rel(z2[:, :20], ref(ids[:, :20]).logits) < 1e-5
+    assert rel(z2[:, 20:], ref(ids[:, 20:]).logits) < 1e-5  # the second sequence alone
+    assert rel(z2[:, 20:], z1[:, 20:]) > 1e-3  # (unpacked, it saw the first)
+
+
 @pytest.mark.parametrize(
     ("over", "named"),
     [

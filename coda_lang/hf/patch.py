@@ -339,8 +339,9 @@ def _hidden(
             f"the model was patched in {st.dtype}; patch it again after changing its dtype",
         )
     b, s, _ = emb.shape
-    if position_ids is None:
-        position_ids = torch.arange(s, device=emb.device).unsqueeze(0)
+    # the mask sees the caller's positions only: from given positions transformers looks for packed
+    # sequences, which reads a value back from the GPU (a synchronization that leaves the GPU idle
+    # while the host launches the first layer); the default 0..s-1 packs nothing
     mask = create_causal_mask(
         config=model.config,
         inputs_embeds=emb,
@@ -348,6 +349,8 @@ def _hidden(
         past_key_values=None,
         position_ids=position_ids,
     )
+    if position_ids is None:
+        position_ids = torch.arange(s, device=emb.device).unsqueeze(0)
     pos = position_ids.expand(b, s).reshape(-1).to(torch.float32)
     freq = _freq(st, model, emb.device)
     layers = base.layers
