@@ -686,3 +686,51 @@ def test_bad_chunk_dims_are_refused(kw: dict[str, Any], msg: str) -> None:
     with pytest.raises(coda_lang.CodaError) as e:
         block("llama_mlp").chunk_plan(dim="F")
     assert "a chunk of `F` can't split `2*F`" in str(e.value)
+
+
+def _cuda_grads(fn: Any, ins: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    tens = {k: v.cuda().detach().requires_grad_(v.is_floating_point()) for k, v in _torch_inputs(ins).items()}
+    outs = fn(tens)
+    gen = torch.Generator().manual_seed(0)
+    total = sum(
+        (o.float() * torch.randn(o.shape, generator=gen).cuda()).sum()
+        for o in outs.values()
+        if o.is_floating_point()
+    )
+    total.backward()  # type: ignore[union-attr]
+    return {k: t.grad for k, t in tens.items() if t.grad is not None}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim, chunk", [("M", 64), ("V", 128)])
+def test_kernels_add_chunks_inside_the_gemm(dim: str, chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CUDA kernels: lm_head_ce's backward in chunks of rows (dw_lm summed) or of the vocabulary
+    (dhg summed) equals the unchunked one up to the order of f32 summation (each bf16 gradient within
+    one rounding), and the summed gradient is one f32 buffer that every chunk's GEMM stores over."""
+    from coda_lang.torch import uses_kernels
+
+    if not uses_kernels("cuda"):
+        pytest.skip("needs a Hopper GPU (compute capability 9.0) for the kernels")
+    monkeypatch.setenv("CODA_TUNE", "0")
+    blk = block("lm_head_ce")
+    ins = ce_inputs(m=300, d=64, v=520)
+    want = _cuda_grads(blk.cuda().autograd(remat="recompute"), ins)
+    fn = blk.cuda().autograd(remat="recompute", chunk=chunk, chunk_dim=dim)
+    summed = next(iter(fn.chunk_plans[0].accumulate))
+    ptrs: list[int] = []
+    for cb in fn.chunked_blocks.values():
+        call = cb._call
+
+        def spy(tensors: dict[str, Any], dims: Any, consume: Any = None, call: Any = call) -> Any:
+            outs = call(tensors, dims, consume)
+            ptrs.append(outs[0][summed].data_ptr())
+            return outs
+
+        monkeypatch.setattr(cb, "_call", spy)
+    got = _cuda_grads(fn, ins)
+    assert len(ptrs) > 2 and len(set(ptrs)) == 1, ptrs
+    for k, w in want.items():
+        g = got[k].float()
+        w = w.float()
+        ulp = w.abs() * 2.0**-7 + 1e-30 if got[k].dtype == torch.bfloat16 else w.abs() * 1e-5 + 1e-6
+        assert bool(((g - w).abs() <= ulp).all()), (k, float((g - w).abs().max()))
