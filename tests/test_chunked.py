@@ -301,6 +301,32 @@ def test_chunks_add_to_the_weight_gradient_in_place(monkeypatch: pytest.MonkeyPa
     assert_same(got, want, "exact", "in-place totals")
 
 
+def test_forward_backward_in_row_chunks() -> None:
+    """`BlockFunction.forward_backward` (a loss head that saves its logits, each chunk's backward right
+    after its forward) gives the outputs and the gradients of the function's autograd, for cotangents
+    given up front (an output left out, here `lse`, has a zero cotangent, as for autograd); refused
+    without a row-chunked plan or with a cotangent for no output."""
+    blk = block("lm_head_ce")
+    ins = _torch_inputs(ce_inputs(m=29, v=48))
+    ct_loss = torch.randn(29, generator=torch.Generator().manual_seed(2))
+    plain = ct.function(blk, remat="save")
+    leaves = {k: v.detach().requires_grad_(v.is_floating_point()) for k, v in ins.items()}
+    want = plain(leaves)
+    want["loss"].backward(ct_loss)
+    f = ct.function(blk, remat="save", chunk_dim="M")
+    for chunk in (8, 29, 64):
+        outs, grads = f.forward_backward(ins, cotangents={"loss": ct_loss}, chunk=chunk)
+        assert torch.equal(outs["loss"], want["loss"].detach())
+        assert set(grads) == {k for k, v in leaves.items() if v.grad is not None}
+        got = {k: g.float().numpy() for k, g in grads.items()}
+        ref = {k: leaves[k].grad.float().numpy() for k in grads}  # type: ignore[union-attr]
+        assert_same(got, ref, "exact", f"forward_backward chunk={chunk}")
+    with pytest.raises(ValueError, match="chunk_dim='M'"):
+        plain.forward_backward(ins, cotangents={"loss": ct_loss}, chunk=8)
+    with pytest.raises(ValueError, match="cotangents given for logits, which are not"):
+        f.forward_backward(ins, cotangents={"logits": ct_loss}, chunk=8)
+
+
 def test_torch_function_takes_chunk_and_budget() -> None:
     ins = ce_inputs(m=29, v=48)  # stored rows of the kernels: multiples of 16 bytes
     blk = block("lm_head_ce_zloss")

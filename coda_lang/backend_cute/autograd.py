@@ -132,7 +132,7 @@ class CudaFunction:
         dims: dict[str, int] | None = None,
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(outputs, gradients by input name) of the forward and, at once, the backward with the given
-        cotangents (by output name), `chunk` rows at a time: each chunk's forward, then its backward,
+        cotangents (by output name; an output not given has a zero cotangent), `chunk` rows at a time: each chunk's forward, then its backward,
         so what the forward saves for the backward (a loss head's logits, `remat="save"`) lives for
         one chunk only, and no tensor is kept for later. Outputs are joined over the rows; gradients
         of inputs indexed by the rows joined, of the others summed (in f32, rounded once; a weight
@@ -160,9 +160,13 @@ class CudaFunction:
                         "so forward_backward can't run it in chunks"
                     )
                 outs_of[o.name] = ax
-        missing = [o for o in d.cotangents if o not in cotangents]
-        if missing:
-            raise ValueError(f"block {self.forward.name}: no cotangent given for {', '.join(missing)}")
+        unknown = [o for o in cotangents if o not in d.cotangents]
+        if unknown:
+            raise ValueError(
+                f"block {self.forward.name}: cotangents given for {', '.join(unknown)}, which are not "
+                f"differentiable outputs ({', '.join(d.cotangents)})"
+            )
+        zero = [o for o in d.cotangents if o not in cotangents]  # as autograd: an unused output's is 0
         size = next(int(v.shape[ax]) for n, v in inputs.items() if (ax := rows_of.get(n)) is not None)
         full = {**inputs, **{d.cotangents[o]: g for o, g in cotangents.items() if o in d.cotangents}}
         wanted = [p.var.name for p in plan.block.ir.params]
@@ -191,6 +195,7 @@ class CudaFunction:
                     run = self.chunk_runner(plan, bdims, own=own)
                 bins = chunk_inputs(plan, {n: full[n] for n in wanted if n in full}, i, j)
                 bins.update({n: fres[n] for n in self.needs if n in fres})
+                bins.update({d.cotangents[o]: torch.zeros_like(fres[o]) for o in zero})
                 totals = res.totals()
                 if totals is not None:
                     bins.update(totals)
