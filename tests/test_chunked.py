@@ -8,7 +8,10 @@
   The same in chunks of the vocabulary's columns (chunk_dim="V": w_lm sliced, dw_lm joined, dhg and
   dr accumulated, the target shifted by the chunk's start; the smoothed CE reads V whole), and in row
   chunks of a block whose backward compares row_index() with a parameter.
-- The chunks really run: one backward run per chunk, each at the chunk's extent of the chunked dim.
+- The chunks really run: one backward run per chunk, each at the chunk's extent of the chunked dim;
+  a gradient a GEMM sums over the chunked dim (`dw = acc`) is one f32 buffer that each later chunk's
+  GEMM stores `acc + total` over (emulated, and on the GPU's kernels: marked `gpu`).
+- `forward_backward`: each row chunk's forward then its backward, against the function's autograd.
 - `budget=` picks the chunk the rule says, and "auto" the dim whose run holds the least memory (V for
   the LM head at Llama-3 sizes, M for llama_mlp); bad `chunk=`/`budget=`/`chunk_dim=` and blocks that
   can't run in chunks are E0809 naming the argument or the value in the way.

@@ -3,8 +3,9 @@
 Tiny models (2 layers, GQA, random init from a seed, some labels -100) on the CPU, where the blocks run
 as the kernels' torch stand-ins: loss, logits and every parameter's gradient to 1e-5 relative in
 float32, and within the paper's accuracy rule in bf16 (max|out - ref_f32| < 2 max|ref_bf16 - ref_f32|
-+ 1e-6, ref = the unpatched model in f32 and in bf16); 30 AdamW steps train the same; checkpoints move
-between patched and unpatched models; what the patch can't handle is refused by name.
++ 1e-6, ref = the unpatched model in f32 and in bf16), with the loss head in either mode; 30 AdamW
+steps train the same; checkpoints move between patched and unpatched models; packed position_ids give
+each sequence's logits alone; what the patch can't handle is refused by name.
 """
 
 from __future__ import annotations

@@ -4,12 +4,15 @@ The generated kernel runs under Triton's CPU interpreter (NumPy) and is compared
 eager torch function (`ElementwiseStage._body`, the emulated kernels' path, itself checked against
 the interpreter elsewhere):
 - every elementwise stage of the examples and of the Hugging Face patch's blocks (forward, and backward
-  with the patch's and with every gradient, and with the patch's saving every tile) that the generator accepts, at sizes that are multiples of
-  no block (rows, column pairs), with random inputs: stored tiles within one bf16 rounding (of the value's
-  magnitude), reductions over the columns and over the rows within f32 accumulation error;
+  with the patch's and with every gradient, and with the patch's saving every tile) that the generator
+  accepts, at sizes that are multiples of no block (rows, column pairs), with random inputs: stored
+  tiles within one bf16 rounding (of the value's magnitude), reductions over the columns and over the
+  rows within f32 accumulation error;
 - the stages it must refuse (grouped reductions, vectors repeating across columns) and why;
-- a hand-written stage with max/min over both axes, a NaN and an infinity in the data, a cast, a scalar
-  given as a tensor and as a number, a stored row vector and a literal;
+- a hand-written stage with max/min over both axes, row_index()/col_index() in a paired stage, a NaN
+  and an infinity in the data, a cast, a scalar given as a tensor and as a number, a stored row
+  vector and a literal;
+- the loss head's dlogits stored over the logits it loads, in the kernel's wide chunks;
 - which path `ElementwiseStage.function()` takes off the emulator (`CODA_ELEMENTWISE`);
 - on a GPU (marked `gpu`): the compiled kernels against the torch function on the same device.
 """

@@ -132,12 +132,13 @@ class CudaFunction:
         dims: dict[str, int] | None = None,
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(outputs, gradients by input name) of the forward and, at once, the backward with the given
-        cotangents (by output name; an output not given has a zero cotangent), `chunk` rows at a time: each chunk's forward, then its backward,
-        so what the forward saves for the backward (a loss head's logits, `remat="save"`) lives for
-        one chunk only, and no tensor is kept for later. Outputs are joined over the rows; gradients
-        of inputs indexed by the rows joined, of the others summed (in f32, rounded once; a weight
-        gradient adds each chunk inside its GEMM: `ChunkPlan.acc_block`). The function must be made
-        with `chunk_dim=` the forward's row dim. No autograd graph is recorded."""
+        cotangents (by output name; an output not given has a zero cotangent), `chunk` rows at a time:
+        each chunk's forward, then its backward, so what the forward saves for the backward (a loss
+        head's logits, `remat="save"`) lives for one chunk only, and no tensor is kept for later.
+        Outputs are joined over the rows; gradients of inputs indexed by the rows joined, of the
+        others summed (in f32, rounded once; a weight gradient adds each chunk inside its GEMM:
+        `ChunkPlan.acc_block`). The function must be made with `chunk_dim=` the forward's row dim.
+        No autograd graph is recorded."""
         row = row_dim(self.forward.ir)
         plan = next((p for p in self.chunk_plans if p.dim == row), None)
         if plan is None or row is None:
