@@ -489,8 +489,10 @@ def _wrong_dr(monkeypatch: pytest.MonkeyPatch, factor: float) -> None:
 
     run = elementwise.ElementwiseStage.run
 
-    def wrong(self: Any, env: dict[str, Any], dims: Any, storage: Any, out: Any = None) -> None:
-        run(self, env, dims, storage, out)
+    def wrong(
+        self: Any, env: dict[str, Any], dims: Any, storage: Any, out: Any = None, into: Any = None
+    ) -> None:
+        run(self, env, dims, storage, out, into)
         o = env if out is None else out
         if "dr" in o:
             o["dr"] = o["dr"] * factor
