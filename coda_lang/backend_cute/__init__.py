@@ -9,9 +9,11 @@ The layer map, in the order a stage goes through it:
   parallel.py: many kernels at once, in worker processes;
 - tiles.py, tune.py: the tile of a stage (first without spills, or the fastest, cached on disk), and
   compiling a block's kernels before its first call;
-- launch.py: one stage as the torch custom op `coda::stage`; elementwise.py: a stage with no GEMM;
+- launch.py: one stage as the torch custom op `coda::stage`; elementwise.py: a stage with no GEMM,
+  triton_stage.py: such a stage as a generated Triton kernel; layouts.py: two layout copies (a paired
+  stage's lanes, the fused QKV gradient) as Triton kernels;
 - cuda_block.py: `Block.cuda()`, the block on torch tensors; autograd.py: `.autograd()`;
 - emulate.py: a torch stand-in for a stage's kernel, to run all of the above without a GPU.
-Importing this package imports nothing heavy; the runtime modules import torch, and only
-quack_adapter imports quack and cutlass. docs/backend.md describes the modes and limits for users.
+Importing this package imports nothing heavy; the runtime modules import torch, only quack_adapter
+imports quack and cutlass, and only triton_stage and layouts import Triton (when first used). docs/backend.md describes the modes and limits for users.
 """
