@@ -15,5 +15,6 @@ The layer map, in the order a stage goes through it:
 - cuda_block.py: `Block.cuda()`, the block on torch tensors; autograd.py: `.autograd()`;
 - emulate.py: a torch stand-in for a stage's kernel, to run all of the above without a GPU.
 Importing this package imports nothing heavy; the runtime modules import torch, only quack_adapter
-imports quack and cutlass, and only triton_stage and layouts import Triton (when first used). docs/backend.md describes the modes and limits for users.
+imports quack and cutlass, and only triton_stage and layouts import Triton (when first used).
+docs/backend.md describes the modes and limits for users.
 """

@@ -26,8 +26,10 @@ from coda_lang.interp.chunk import (
     ChunkResults,
     candidate_plans,
     choose,
+    chunk_at,
     chunk_inputs,
     chunk_mode,
+    join_part,
     row_dim,
     run_chunks,
 )
@@ -178,17 +180,12 @@ class CudaFunction:
             for i in range(0, size, chunk):
                 j = min(i + chunk, size)
                 sub = {
-                    n: v if (ax := rows_of.get(n)) is None else v[(slice(None),) * ax + (slice(i, j),)]
+                    n: v if (ax := rows_of.get(n)) is None else v[chunk_at(ax, i, j)]
                     for n, v in inputs.items()
                 }
                 fres, _, fdims = self.forward._call(sub, given)
                 for n, ax in outs_of.items():
-                    part = fres[n]
-                    if n not in joined:
-                        shape = list(part.shape)
-                        shape[ax] = size
-                        joined[n] = part.new_empty(shape)
-                    joined[n][(slice(None),) * ax + (slice(i, j),)] = part
+                    join_part(joined, n, fres[n], ax, size, i, j, _empty)
                 if run is None:
                     bdims = {k: v for k, v in {**given, **fdims}.items() if k in self.backward_dims}
                     # what the chunk's forward saved is the chunk's own: its backward may write over it

@@ -369,12 +369,10 @@ class CudaBlock:
                 (o for o in spec.operands if o.role == "tile" and o.name in consume and o.shape == d.shape),
                 None,
             )
-        if src is None or src.name not in consume or self._last_read.get(src.name) != i:
+        if src is None:
             return None
-        t = env.get(src.name)
-        if not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.dtype != TORCH_DTYPES[d.dtype]:
-            return None
-        if t.data_ptr() % 16:
+        t = self._overwritable(src.name, d.dtype, i, env, consume)
+        if t is None or t.data_ptr() % 16:
             return None
         return t
 
@@ -388,21 +386,26 @@ class CudaBlock:
         taken: set[str] = set()
         for name, dtype, shape in es.stores:
             for ld in es.loads:
-                if (
-                    ld.role == "tile"
-                    and ld.name in consume
-                    and ld.name not in taken
-                    and self._last_read.get(ld.name) == i
-                    and ld.shape == shape
-                    and ld.dtype == dtype
-                    and isinstance(t := env.get(ld.name), torch.Tensor)
-                    and t.is_contiguous()
-                    and t.dtype == TORCH_DTYPES[dtype]
-                ):
+                if ld.role != "tile" or ld.name in taken or ld.shape != shape or ld.dtype != dtype:
+                    continue
+                t = self._overwritable(ld.name, dtype, i, env, consume)
+                if t is not None:
                     over[name] = t
                     taken.add(ld.name)
                     break
         return over or None
+
+    def _overwritable(
+        self, name: str, dtype: str, i: int, env: dict[str, Any], consume: frozenset[str]
+    ) -> torch.Tensor | None:
+        """Value `name`'s tensor when statement i may store a `dtype` tile over it: it is consumable,
+        read by nothing after statement i, contiguous and of that dtype."""
+        if name not in consume or self._last_read.get(name) != i:
+            return None
+        t = env.get(name)
+        if not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.dtype != TORCH_DTYPES[dtype]:
+            return None
+        return t
 
     def _tuned(
         self, k: int, r: StageRunner, ins: list[torch.Tensor | None], scalars: list[float]

@@ -10,7 +10,7 @@ torch's strided copy of the transposed view ran at a tenth of the memory bandwid
 (a paired stage's second full-width tile, stored by the kernel as two lanes): torch's stack of the
 two along a new last axis is a strided concatenation at a quarter of the bandwidth.
 What it does not: convert dtypes, or take head dims that are not a power of two or tensors on the CPU
-(`supported` says; the caller copies with torch then).
+(`supported` says; the callers copy with torch there).
 Invariants: every element of each part's columns is written once; a part given as None is zeroed;
 `interleave` writes every element of its result once and keeps the lanes' dtype.
 """
@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+
+from coda_lang.backend_cute.triton_stage import _jit
 
 BLOCK_S = 64  # positions per program
 
@@ -60,24 +62,16 @@ _FUNCTIONS = {"join": _join_kernel, "interleave": _interleave_kernel}
 def _kernel(name: str, interpret: bool) -> Any:
     k = _kernels.get((name, interpret))
     if k is None:
-        fn = _FUNCTIONS[name]
-        if interpret:
-            from triton.runtime.interpreter import InterpretedFunction
-
-            k = InterpretedFunction(fn)
-        else:
-            k = triton.jit(fn)
-        _kernels[(name, interpret)] = k
+        k = _kernels[(name, interpret)] = _jit(interpret)(_FUNCTIONS[name])
     return k
 
 
 def interleave(even: torch.Tensor, odd: torch.Tensor, interpret: bool = False) -> torch.Tensor:
-    """The [rows, 2 n] tile whose column 2 j is even[:, j] and 2 j + 1 is odd[:, j]; on the CPU (not
-    interpreted) torch's stack."""
+    """The [rows, 2 n] tile whose column 2 j is even[:, j] and 2 j + 1 is odd[:, j] (CUDA tensors, or
+    any under the interpreter; launch.py stacks them with torch elsewhere)."""
     assert even.shape == odd.shape and even.dim() == 2 and even.dtype == odd.dtype
+    assert interpret or even.device.type == "cuda"
     rows, n = even.shape
-    if not (interpret or even.device.type == "cuda"):
-        return torch.stack((even, odd), dim=-1).reshape(rows, 2 * n)
     even, odd = even.contiguous(), odd.contiguous()
     out = torch.empty((rows, 2 * n), dtype=even.dtype, device=even.device)
     if rows and n:

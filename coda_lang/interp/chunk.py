@@ -617,8 +617,28 @@ def choose(plans: list[ChunkPlan], sizes: dict[str, int], chunk: Any, budget: An
     return best[1], best[2]
 
 
-def _at(axis: int, i: int, j: int) -> tuple[slice, ...]:
+def chunk_at(axis: int, i: int, j: int) -> tuple[slice, ...]:
+    """The index of elements [i, j) along `axis`."""
     return (slice(None),) * axis + (slice(i, j),)
+
+
+def join_part(
+    joined: dict[str, Any],
+    name: str,
+    part: Any,
+    axis: int,
+    size: int,
+    i: int,
+    j: int,
+    empty: Callable[[Any, tuple[int, ...]], Any],
+) -> None:
+    """Write chunk [i, j)'s `part` of output `name` into its slice of joined[name], which the first
+    chunk allocates (`empty(part, whole shape)`, `size` elements along `axis`)."""
+    if name not in joined:
+        shape = list(part.shape)
+        shape[axis] = size
+        joined[name] = empty(part, tuple(shape))
+    joined[name][chunk_at(axis, i, j)] = part
 
 
 class ChunkResults:
@@ -653,12 +673,7 @@ class ChunkResults:
         """Chunk [i, j)'s outputs (`accumulated`: from a run of `plan.acc_block`)."""
         plan = self.plan
         for n, ax in plan.joined.items():
-            part = outs[n]
-            if n not in self.joined:
-                shape = list(part.shape)
-                shape[ax] = self.size
-                self.joined[n] = self.empty(part, tuple(shape))
-            self.joined[n][_at(ax, i, j)] = part
+            join_part(self.joined, n, outs[n], ax, self.size, i, j, self.empty)
         for n in plan.summed:
             if n not in self.sums or (accumulated and n in plan.accumulate):
                 self.sums[n] = outs[n]
@@ -678,7 +693,7 @@ class ChunkResults:
 def chunk_inputs(plan: ChunkPlan, inputs: dict[str, Any], i: int, j: int) -> dict[str, Any]:
     """The inputs of chunk [i, j) of `plan.dim`: sliced where indexed by it, shifted parameters
     minus the chunk's start, the others whole."""
-    sub = {n: (v if n not in plan.sliced else v[_at(plan.sliced[n], i, j)]) for n, v in inputs.items()}
+    sub = {n: (v if n not in plan.sliced else v[chunk_at(plan.sliced[n], i, j)]) for n, v in inputs.items()}
     for new, (old, default) in plan.shifted.items():
         base = inputs.get(old, default)
         if base is not None:
