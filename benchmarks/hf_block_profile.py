@@ -8,7 +8,10 @@ The block is the one `coda_lang.hf` runs for each decoder layer (`layer`: out-pr
 QKV and RoPE; `first_qkv`; `last`), in bf16 with random inputs (weights scaled by 1/sqrt(K)), a random
 cotangent for each output, the tiles untuned (CODA_TUNE=0 unless set). Prints the CUDA time per kernel
 name per step, largest first, and the step's total, so that a stage that takes far longer than its
-memory traffic shows (the elementwise stages run as torch.compile'd kernels).
+memory traffic shows (the elementwise stages run as torch.compile'd kernels). `--cublas` adds a
+table of each GEMM stage (forward, backward) next to cuBLAS's bare GEMM of the same shape and
+operand layouts (torch.matmul, bf16 out; do_bench medians), the ratio being what the stage's
+epilogue and tile cost over the GEMM alone.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -29,6 +33,7 @@ def main() -> None:
     p.add_argument("--M", type=int, default=8192)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--cublas", action="store_true", help="each GEMM stage against cuBLAS's bare GEMM")
     p.add_argument("--device", default="cuda", help="cpu: the emulated kernels (a dry run)")
     p.add_argument(
         "--dynamic",
@@ -99,6 +104,55 @@ def main() -> None:
     print(f"{a.block} at M={a.M}: {len(rows)} kernel names; top {a.top}:")
     for k, ms in rows[: a.top]:
         print(f"    {ms:8.3f} ms  {k}")
+    if a.cublas:
+        against_cublas(fn, shapes, rows)
+
+
+def against_cublas(fn: Any, shapes: dict[str, int], rows: list[tuple[str, float]]) -> None:
+    """Each GEMM stage's CUDA time per step (from the profile's kernel names) next to torch.matmul's
+    bare GEMM of the stage's [rows, k] x [k, cols] with the same majors."""
+    import torch
+    from triton.testing import do_bench
+
+    def size(d: Any) -> int:
+        return int(d.coeff * (shapes[d.name] if d.name else 1))
+
+    print("| stage | GEMM | M x N x K | coda ms | cuBLAS ms | x cuBLAS |")
+    print("|---|---|---|---|---|---|")
+    tot_c = tot_b = plain_b = 0.0
+    for cb in fn.kernel_blocks():
+        for k, spec in enumerate(cb.specs, 1):
+            if spec is None:
+                continue
+            tag = f"{cb.name}_stage{k}_"
+            ms = sum(t for name, t in rows if tag in name)
+            g = spec.gemm
+            m, n, kk = size(g.rows), size(g.cols), size(g.k)
+            a = (
+                torch.randn(kk, m, device="cuda", dtype=torch.bfloat16).t()
+                if g.ta
+                else torch.randn(m, kk, device="cuda", dtype=torch.bfloat16)
+            )
+            b = (
+                torch.randn(n, kk, device="cuda", dtype=torch.bfloat16).t()
+                if g.tb
+                else torch.randn(kk, n, device="cuda", dtype=torch.bfloat16)
+            )
+            ref = do_bench(lambda a=a, b=b: torch.matmul(a, b), warmup=25, rep=100)
+            tot_b += ref
+            if not ms:  # an epilogue-free stage runs a shared kernel (`plain_<dtype>_<majors>`): summed below
+                plain_b += ref
+                print(f"| {cb.name} {k} | `{spec.text}` | {m} x {n} x {kk} | (shared) | {ref:.3f} | |")
+                continue
+            tot_c += ms
+            print(
+                f"| {cb.name} {k} | `{spec.text}` | {m} x {n} x {kk} | {ms:.3f} | {ref:.3f} | {ms / ref:.2f}x |"
+            )
+    plain = sum(t for name, t in rows if "GemmMod_plain_" in name)
+    if plain_b:
+        print(f"| shared plain GEMMs | | | {plain:.3f} | {plain_b:.3f} | {plain / plain_b:.2f}x |")
+    tot_c += plain
+    print(f"| all GEMM stages | | | {tot_c:.3f} | {tot_b:.3f} | {tot_c / tot_b:.2f}x |")
 
 
 if __name__ == "__main__":

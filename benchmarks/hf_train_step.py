@@ -136,6 +136,7 @@ def run_config(name: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[s
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     times, host = [], []
+    window = [time.time()]  # wall clock of the timed steps (to match against sampled GPU clocks)
     for _ in range(args.steps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
@@ -145,6 +146,7 @@ def run_config(name: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[s
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
+    window.append(time.time())
     peak = torch.cuda.max_memory_allocated() / GIB
     if args.host_profile and name.startswith("coda"):
         import cProfile
@@ -188,6 +190,7 @@ def run_config(name: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[s
         "peak_gib": peak,
         "losses": [float(x) for x in losses],
         "profile_ms": split,
+        "timed_window": window,
     }
     print(json.dumps(res), flush=True)
     return res

@@ -153,6 +153,7 @@ class BlockFunction:
         cotangents: dict[str, Any],
         chunk: int,
         dims: dict[str, int] | None = None,
+        rounded: bool = True,
         **tensors: Any,
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(outputs, gradients by input name): the forward and at once the backward with `cotangents`
@@ -161,12 +162,14 @@ class BlockFunction:
         with `remat="save"`: three GEMMs, no [M, V] tensor, as a hand-written fused linear
         cross-entropy does; docs/design.md, "Chunked backward"). Made with `chunk_dim=` the
         forward's row dim. No autograd graph is recorded: wrap it in a torch.autograd.Function whose
-        backward scales the gradients (coda_lang.hf's loss head does)."""
+        backward scales the gradients (coda_lang.hf's loss head does). Gradients summed over the rows
+        (a weight's) add up in f32 and are rounded to their dtype at the end; `rounded=False` returns
+        them in f32, so that such a backward scales and rounds them in one pass."""
         given = {**(inputs or {}), **tensors}
         device = next((v.device for v in given.values() if isinstance(v, torch.Tensor)), None)
         if device is None:
             raise ValueError(f"block {self.name}: no torch tensor among the inputs")
-        return self._fn(not uses_kernels(device)).forward_backward(given, cotangents, chunk, dims)
+        return self._fn(not uses_kernels(device)).forward_backward(given, cotangents, chunk, dims, rounded)
 
 
 def function(

@@ -307,7 +307,8 @@ def test_chunks_add_to_the_weight_gradient_in_place(monkeypatch: pytest.MonkeyPa
 def test_forward_backward_in_row_chunks() -> None:
     """`BlockFunction.forward_backward` (a loss head that saves its logits, each chunk's backward right
     after its forward) gives the outputs and the gradients of the function's autograd, for cotangents
-    given up front (an output left out, here `lse`, has a zero cotangent, as for autograd); refused
+    given up front (an output left out, here `lse`, has a zero cotangent, as for autograd), the
+    weight's as its f32 total with `rounded=False`; refused
     without a row-chunked plan or with a cotangent for no output."""
     blk = block("lm_head_ce")
     ins = _torch_inputs(ce_inputs(m=29, v=48))
@@ -324,6 +325,14 @@ def test_forward_backward_in_row_chunks() -> None:
         got = {k: g.float().numpy() for k, g in grads.items()}
         ref = {k: leaves[k].grad.float().numpy() for k in grads}  # type: ignore[union-attr]
         assert_same(got, ref, "exact", f"forward_backward chunk={chunk}")
+    # rounded=False: the weight's gradient (summed over the rows) comes back as its f32 total, which
+    # rounds to the rounded run's; the row-indexed gradients are as before
+    _, totals = f.forward_backward(ins, cotangents={"loss": ct_loss}, chunk=8, rounded=False)
+    _, grads = f.forward_backward(ins, cotangents={"loss": ct_loss}, chunk=8)
+    assert totals["w_lm"].dtype == torch.float32 and grads["w_lm"].dtype == torch.bfloat16
+    assert not torch.equal(totals["w_lm"], grads["w_lm"].float())  # more bits than the bf16 gradient
+    assert torch.equal(totals["w_lm"].to(torch.bfloat16), grads["w_lm"])
+    assert all(torch.equal(totals[k], grads[k]) for k in grads if k != "w_lm")
     with pytest.raises(ValueError, match="chunk_dim='M'"):
         plain.forward_backward(ins, cotangents={"loss": ct_loss}, chunk=8)
     with pytest.raises(ValueError, match="cotangents given for logits, which are not"):

@@ -289,6 +289,33 @@ def test_positions_reach_the_mask_only_when_given(monkeypatch: Any) -> None:
     assert rel(z2[:, 20:], z1[:, 20:]) > 1e-3  # (unpacked, it saw the first)
 
 
+def test_positions_and_frequencies_are_made_once() -> None:
+    """The default positions and RoPE's frequencies are made at the first forward and reused (no
+    launches at each step's start), remade for a new shape, and for an inv_freq changed in place or
+    replaced (then the patched model still matches the unpatched one, which reads inv_freq each call)."""
+    ref = make("llama")
+    pat = patch("llama", copy.deepcopy(ref))
+    st = pat._coda
+    ids, _ = batch()
+    pat(ids)
+    pos, freq = st.positions(2, 24, ids.device), st.freq(pat, ids.device)
+    pat(ids)
+    assert st.positions(2, 24, ids.device) is pos and st.freq(pat, ids.device) is freq
+    assert torch.equal(pos, torch.arange(24.0).repeat(2))
+    assert st.positions(1, 24, ids.device).shape == (24,)
+    for how in ("in place", "replaced"):
+        for m in (ref, pat):
+            rot = m.model.rotary_emb
+            if how == "in place":
+                rot.inv_freq.mul_(0.5)
+            else:
+                rot.inv_freq = rot.inv_freq * 1.5
+        new = st.freq(pat, ids.device)
+        assert new is not freq and not torch.equal(new, freq)
+        freq = new
+        assert rel(pat(ids).logits, ref(ids).logits) < 1e-5, how
+
+
 @pytest.mark.parametrize(
     ("over", "named"),
     [

@@ -8,6 +8,8 @@
 - `_Heads` (the patch's q/k/v views) against autograd's split + transpose: the same views forward,
   the same gradient backward, on the CPU path;
 - `interleave` under the interpreter against torch's stack, at sizes that are multiples of no block;
+- `scale_round` under the interpreter against torch's mul of the same operands (f32 and bf16 inputs,
+  an f32 or bf16 scale, a size that is a multiple of no block), and the patch's CPU path;
 - on a GPU (marked `gpu`): the compiled kernels, through `_Heads.backward` and directly.
 """
 
@@ -117,6 +119,23 @@ def test_interleave_on_the_interpreter(rows: int, n: int) -> None:
     assert torch.equal(got[:, 0::2], even) and torch.equal(got[:, 1::2], odd)
 
 
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+def test_scale_round_on_the_interpreter(src_dtype: torch.dtype, scale_dtype: torch.dtype) -> None:
+    from coda_lang.backend_cute import layouts
+    from coda_lang.hf.patch import scale_round
+
+    gen = torch.Generator().manual_seed(3)
+    src = (torch.randn(37, 300, generator=gen) * 1e3).to(src_dtype)
+    g = torch.tensor(0.37, dtype=scale_dtype)
+    want = (src.float() * g.float()).bfloat16()
+    got = layouts.scale_round(src, g.reshape(1), torch.bfloat16, interpret=True)
+    assert got.dtype == torch.bfloat16 and got.shape == src.shape and torch.equal(got, want)
+    assert torch.equal(scale_round(src, g, torch.bfloat16), want)  # the CPU path: torch's mul
+    if src_dtype == torch.float32:  # (rounding the f32 total first, then scaling, differs)
+        assert not torch.equal(want, (src.bfloat16() * g.bfloat16()))
+
+
 @pytest.mark.gpu
 def test_interleave_on_the_gpu() -> None:
     if not torch.cuda.is_available():
@@ -127,3 +146,6 @@ def test_interleave_on_the_gpu() -> None:
     odd = torch.randn(8192 + 3, 1536, device="cuda").bfloat16()
     got = layouts.interleave(even, odd)
     assert torch.equal(got, torch.stack((even, odd), dim=-1).reshape(even.shape[0], -1))
+    src = torch.randn(4096 + 7, 2048, device="cuda")
+    g = torch.tensor(0.37, device="cuda")
+    assert torch.equal(layouts.scale_round(src, g.reshape(1), torch.bfloat16), (src * g).bfloat16())

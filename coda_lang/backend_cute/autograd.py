@@ -132,6 +132,7 @@ class CudaFunction:
         cotangents: dict[str, Any],
         chunk: int,
         dims: dict[str, int] | None = None,
+        rounded: bool = True,
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(outputs, gradients by input name) of the forward and, at once, the backward with the given
         cotangents (by output name; an output not given has a zero cotangent), `chunk` rows at a time:
@@ -139,8 +140,9 @@ class CudaFunction:
         head's logits, `remat="save"`) lives for one chunk only, and no tensor is kept for later.
         Outputs are joined over the rows; gradients of inputs indexed by the rows joined, of the
         others summed (in f32, rounded once; a weight gradient adds each chunk inside its GEMM:
-        `ChunkPlan.acc_block`). The function must be made with `chunk_dim=` the forward's row dim.
-        No autograd graph is recorded."""
+        `ChunkPlan.acc_block`; `rounded=False`: those come back as their f32 totals, for a caller
+        that scales them before rounding, in one pass). The function must be made with `chunk_dim=`
+        the forward's row dim. No autograd graph is recorded."""
         row = row_dim(self.forward.ir)
         plan = next((p for p in self.chunk_plans if p.dim == row), None)
         if plan is None or row is None:
@@ -173,7 +175,7 @@ class CudaFunction:
         size = next(int(v.shape[ax]) for n, v in inputs.items() if (ax := rows_of.get(n)) is not None)
         full = {**inputs, **{d.cotangents[o]: g for o, g in cotangents.items() if o in d.cotangents}}
         wanted = [p.var.name for p in plan.block.ir.params]
-        res = ChunkResults(plan, size, _empty, _add, _finish)
+        res = ChunkResults(plan, size, _empty, _add, _finish if rounded else _unrounded)
         joined: dict[str, torch.Tensor] = {}
         run: Any = None
         with torch.no_grad():
@@ -256,6 +258,10 @@ def _add(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
 
 def _finish(total: torch.Tensor, dtype: str) -> torch.Tensor:
     return total.to(TORCH_DTYPES[dtype])
+
+
+def _unrounded(total: torch.Tensor, dtype: str) -> torch.Tensor:
+    return total
 
 
 class _CodaAutograd(torch.autograd.Function):

@@ -1,5 +1,5 @@
-"""Layout copies as Triton kernels: a fused QKV tile's gradient from per-head gradients, and a tile
-from its two lanes.
+"""Layout copies as Triton kernels: a fused QKV tile's gradient from per-head gradients, a tile
+from its two lanes, and a scaled, rounded copy.
 
 What it does: `join_heads(out, parts)` writes per-head tensors g[b, h, s, :] ([batch, heads, seq,
 head_dim], any strides with a unit last one: what an attention backward gives for dq, dk, dv) into
@@ -9,10 +9,14 @@ torch's strided copy of the transposed view ran at a tenth of the memory bandwid
 `interleave(even, odd)` makes the [rows, 2 n] tile whose even columns are `even` and odd ones `odd`
 (a paired stage's second full-width tile, stored by the kernel as two lanes): torch's stack of the
 two along a new last axis is a strided concatenation at a quarter of the bandwidth.
-What it does not: convert dtypes, or take head dims that are not a power of two or tensors on the CPU
+`scale_round(src, scale, dtype)` is src * scale rounded to dtype in one pass, the scale read from
+the GPU (a loss head's f32 weight-gradient total times the incoming gradient: torch's mixed-dtype
+`mul(out=)` runs unvectorized at a third of the bandwidth, and a multiply then a cast is two passes).
+What it does not: convert dtypes (but `scale_round`), or take head dims that are not a power of two or tensors on the CPU
 (`supported` says; the callers copy with torch there).
 Invariants: every element of each part's columns is written once; a part given as None is zeroed;
-`interleave` writes every element of its result once and keeps the lanes' dtype.
+`interleave` writes every element of its result once and keeps the lanes' dtype; `scale_round`
+multiplies in f32 and rounds once, as torch's `mul` of the same operands.
 """
 
 from __future__ import annotations
@@ -55,8 +59,18 @@ def _interleave_kernel(even, odd, out, R, N, BM: tl.constexpr, BN: tl.constexpr)
     tl.store(out + r2.to(tl.int64) * (2 * N) + c2, both, mask=(r2 < R) & (c2 < 2 * N))
 
 
+def _scale_kernel(src, scale, out, n, BLOCK: tl.constexpr, RNE_BF16: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    x = tl.load(src + i, mask=m).to(tl.float32) * tl.load(scale).to(tl.float32)
+    if RNE_BF16:  # the CPU interpreter's f32 -> bf16 truncates: round the bits to nearest even first
+        b = x.to(tl.uint32, bitcast=True)
+        x = tl.where(x != x, x, ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True))
+    tl.store(out + i, x.to(out.dtype.element_ty), mask=m)
+
+
 _kernels: dict[tuple[str, bool], Any] = {}
-_FUNCTIONS = {"join": _join_kernel, "interleave": _interleave_kernel}
+_FUNCTIONS = {"join": _join_kernel, "interleave": _interleave_kernel, "scale": _scale_kernel}
 
 
 def _kernel(name: str, interpret: bool) -> Any:
@@ -78,6 +92,23 @@ def interleave(even: torch.Tensor, odd: torch.Tensor, interpret: bool = False) -
         bm, bn = 8, 128
         grid = (triton.cdiv(rows, bm), triton.cdiv(n, bn))
         _kernel("interleave", interpret)[grid](even, odd, out, rows, n, BM=bm, BN=bn)
+    return out
+
+
+def scale_round(
+    src: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, interpret: bool = False
+) -> torch.Tensor:
+    """src * scale (a one-element tensor on src's device, not read back to the host), computed in f32
+    and rounded to `dtype` (contiguous CUDA tensors, or any under the interpreter)."""
+    assert interpret or src.device.type == "cuda"
+    assert scale.numel() == 1 and scale.device == src.device
+    src = src.contiguous()
+    out = torch.empty(src.shape, dtype=dtype, device=src.device)
+    n = src.numel()
+    if n:
+        block = 4096
+        rne = interpret and dtype == torch.bfloat16
+        _kernel("scale", interpret)[(triton.cdiv(n, block),)](src, scale, out, n, BLOCK=block, RNE_BF16=rne)
     return out
 
 

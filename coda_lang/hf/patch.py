@@ -73,6 +73,11 @@ class _Model:
         self.loss_budget = LOSS_CHUNK_BYTES  # bytes of the largest transient of a chunk ("vocab")
         self.loss_rows = 0  # rows per chunk of the loss head ("rows"); 0: from LOSS_ROWS_BYTES
         self._fn = fn
+        # made once, not at each forward (launches while the GPU waits at a step's start): the default
+        # positions per (batch, seq, device), and the RoPE frequencies of the model's inv_freq buffer
+        # while it is the same tensor at the same version (not modified in place)
+        self._positions: dict[tuple[int, int, str], torch.Tensor] = {}
+        self._freq: tuple[Any, int, str, torch.Tensor] | None = None
         self._vocab_heads: dict[int, BlockFunction] = {}
         self._row_head: BlockFunction | None = None
         # a training step's kernels (the first layer's, the layers', the last layer's, the loss head's:
@@ -97,6 +102,26 @@ class _Model:
     @property
     def rope_width(self) -> int:
         return (self.H + self.KV) * self.HD
+
+    def positions(self, b: int, s: int, device: torch.device) -> torch.Tensor:
+        """The f32 positions 0..s-1 of each of b sequences, flattened: the default position_ids."""
+        key = (b, s, str(device))
+        pos = self._positions.get(key)
+        if pos is None:
+            pos = torch.arange(s, device=device, dtype=torch.float32).repeat(b)
+            self._positions = {key: pos}  # one shape at a time: a new shape replaces it
+        return pos
+
+    def freq(self, model: Any, device: torch.device) -> torch.Tensor:
+        """RoPE's frequency of each column of the fused QKV tile's q and k heads (0 for v's)."""
+        inv = model.model.rotary_emb.inv_freq
+        got = self._freq
+        if got is not None and got[0] is inv and got[1] == inv._version and got[2] == str(device):
+            return got[3]
+        inv32 = inv.to(device=device, dtype=torch.float32)
+        f = torch.cat([inv32.repeat(self.H + self.KV), inv32.new_zeros(self.KV * self.HD // 2)])
+        self._freq = (inv, inv._version, str(device), f)
+        return f
 
 
 def _refuse(what: str, why: str) -> ValueError:
@@ -224,11 +249,6 @@ def unfused_grads(model: Any) -> dict[str, torch.Tensor]:
 # -- the forward ------------------------------------------------------------------------------------
 
 
-def _freq(st: _Model, model: Any, device: torch.device) -> torch.Tensor:
-    inv = model.model.rotary_emb.inv_freq.to(device=device, dtype=torch.float32)
-    return torch.cat([inv.repeat(st.H + st.KV), inv.new_zeros(st.KV * st.HD // 2)])
-
-
 def _qk_norm_weights(st: _Model, attn: Any, device: torch.device) -> dict[str, torch.Tensor]:
     """Qwen3: the q and k norm weights, one head's each in the interleaved RoPE layout (the block repeats
     them for every head and folds their gradients back), and the masks of the fused QKV's q and k
@@ -350,9 +370,10 @@ def _hidden(
         position_ids=position_ids,
     )
     if position_ids is None:
-        position_ids = torch.arange(s, device=emb.device).unsqueeze(0)
-    pos = position_ids.expand(b, s).reshape(-1).to(torch.float32)
-    freq = _freq(st, model, emb.device)
+        pos = st.positions(b, s, emb.device)
+    else:
+        pos = position_ids.expand(b, s).reshape(-1).to(torch.float32)
+    freq = st.freq(model, emb.device)
     layers = base.layers
     h = emb.reshape(b * s, -1)
 
@@ -426,20 +447,41 @@ class _ChunkedLoss(torch.autograd.Function):
         rows: int,
     ) -> torch.Tensor:
         scale = (1.0 / denom.float()).to(hg.device)
+        # the weight's gradient stays an f32 total until the backward scales it and rounds it, one pass
+        # (the total is no larger than the chunks' working memory it outlives)
         outs, grads = head.forward_backward(
-            hg=hg, r=r, w_lm=w_lm, target=target, cotangents={"loss": scale.expand(hg.shape[0])}, chunk=rows
+            hg=hg,
+            r=r,
+            w_lm=w_lm,
+            target=target,
+            cotangents={"loss": scale.expand(hg.shape[0])},
+            chunk=rows,
+            rounded=False,
         )
         ctx.kept = tuple(
             grads[n] if ctx.needs_input_grad[i] else None for i, n in enumerate(("hg", "r", "w_lm"))
         )
+        ctx.dtypes = (hg.dtype, r.dtype, w_lm.dtype)
         return outs["loss"].sum() * scale
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         kept = ctx.kept
         del ctx.kept
-        scaled = [None if t is None else t * g.to(t.dtype) for t in kept]
+        scaled = [
+            None if t is None else scale_round(t, g, dt) for t, dt in zip(kept, ctx.dtypes, strict=True)
+        ]
         return (*scaled, None, None, None, None)
+
+
+def scale_round(t: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t * g rounded to dtype, in one pass: on a GPU one Triton kernel (backend_cute/layouts.py), else
+    torch's mul into a tensor of that dtype."""
+    if t.device.type == "cuda":
+        from coda_lang.backend_cute import layouts
+
+        return layouts.scale_round(t, g.reshape(1), dtype)
+    return torch.mul(t, g, out=torch.empty(t.shape, dtype=dtype, device=t.device))
 
 
 # Rows per chunk of the loss head in "rows" mode: its forward keeps a chunk's bf16 logits, which its
