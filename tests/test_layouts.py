@@ -10,6 +10,8 @@
 - `interleave` under the interpreter against torch's stack, at sizes that are multiples of no block;
 - `scale_round` under the interpreter against torch's mul of the same operands (f32 and bf16 inputs,
   an f32 or bf16 scale, a size that is a multiple of no block), and the patch's CPU path;
+- `tied_grad` (a tied LM head + embedding's weight gradient) under the interpreter and on the patch's
+  CPU path against float64: repeated ids, a padding id whose rows add nothing, ids never seen;
 - on a GPU (marked `gpu`): the compiled kernels, through `_Heads.backward` and directly.
 """
 
@@ -136,6 +138,37 @@ def test_scale_round_on_the_interpreter(src_dtype: torch.dtype, scale_dtype: tor
         assert not torch.equal(want, (src.bfloat16() * g.bfloat16()))
 
 
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_tied_grad_against_float64(padding_idx: int | None) -> None:
+    from coda_lang.backend_cute import layouts
+    from coda_lang.hf.patch import tied_grad
+
+    gen = torch.Generator().manual_seed(5)
+    V, D, T = 50, 40, 70  # D a multiple of no block; ids repeat, and some ids never occur
+    total = torch.randn(V, D, generator=gen)
+    ids = torch.randint(0, 20, (2, T // 2), generator=gen)
+    ids[0, :4] = 3
+    rows = torch.randn(T, D, generator=gen).bfloat16()
+    g = torch.tensor(0.25)
+    keep = (
+        torch.ones(T, dtype=torch.float64)
+        if padding_idx is None
+        else (ids.reshape(-1) != padding_idx).double()
+    )
+    want = (total.double() * 0.25).index_add_(0, ids.reshape(-1), rows.double() * keep[:, None])
+    assert padding_idx is None or torch.equal(want[3], total[3].double() * 0.25)  # (no rows at the pad)
+    for got in (
+        layouts.tied_grad(total, g.reshape(1), ids, rows, torch.float32, padding_idx, interpret=True),
+        tied_grad(total, g, ids, rows, torch.float32, padding_idx),
+    ):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+    got = layouts.tied_grad(total, g.reshape(1), ids, rows, torch.bfloat16, padding_idx, interpret=True)
+    assert got.dtype == torch.bfloat16
+    # rounded once from the f32 sum: within half a bf16 step of the exact value (a step 2^-7 relative)
+    assert ((got.double() - want).abs() <= want.abs() * 2.0**-8 * 1.0001).all()
+
+
 @pytest.mark.gpu
 def test_interleave_on_the_gpu() -> None:
     if not torch.cuda.is_available():
@@ -149,3 +182,8 @@ def test_interleave_on_the_gpu() -> None:
     src = torch.randn(4096 + 7, 2048, device="cuda")
     g = torch.tensor(0.37, device="cuda")
     assert torch.equal(layouts.scale_round(src, g.reshape(1), torch.bfloat16), (src * g).bfloat16())
+    ids = torch.randint(0, 1000, (1, 4096), device="cuda")
+    rows = torch.randn(4096, 2048, device="cuda").bfloat16()
+    want = (src[:1000] * g).index_add_(0, ids[0], rows.float())
+    got = layouts.tied_grad(src[:1000], g.reshape(1), ids, rows, torch.float32)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

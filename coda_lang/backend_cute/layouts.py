@@ -1,5 +1,5 @@
 """Layout copies as Triton kernels: a fused QKV tile's gradient from per-head gradients, a tile
-from its two lanes, and a scaled, rounded copy.
+from its two lanes, a scaled, rounded copy, and a tied embedding's gradient.
 
 What it does: `join_heads(out, parts)` writes per-head tensors g[b, h, s, :] ([batch, heads, seq,
 head_dim], any strides with a unit last one: what an attention backward gives for dq, dk, dv) into
@@ -12,11 +12,16 @@ two along a new last axis is a strided concatenation at a quarter of the bandwid
 `scale_round(src, scale, dtype)` is src * scale rounded to dtype in one pass, the scale read from
 the GPU (a loss head's f32 weight-gradient total times the incoming gradient: torch's mixed-dtype
 `mul(out=)` runs unvectorized at a third of the bandwidth, and a multiply then a cast is two passes).
-What it does not: convert dtypes (but `scale_round`), or take head dims that are not a power of two or tensors on the CPU
+`tied_grad(total, scale, ids, rows, dtype)` is a tied LM head + embedding weight's gradient in one
+pass over the [V, D] weight: the head's f32 total times the scale, plus the embedding's rows of each
+token whose id is that row's, summed in f32 and rounded once (torch fills a dense [V, D] embedding
+gradient with zeros, scatters into it and adds it to the head's: three passes).
+What it does not: convert dtypes (but `scale_round` and `tied_grad`), or take head dims that are not a power of two or tensors on the CPU
 (`supported` says; the callers copy with torch there).
 Invariants: every element of each part's columns is written once; a part given as None is zeroed;
 `interleave` writes every element of its result once and keeps the lanes' dtype; `scale_round`
-multiplies in f32 and rounds once, as torch's `mul` of the same operands.
+multiplies in f32 and rounds once, as torch's `mul` of the same operands; `tied_grad` rounds each
+element once, after adding every row of its id (none for the padding id).
 """
 
 from __future__ import annotations
@@ -69,8 +74,33 @@ def _scale_kernel(src, scale, out, n, BLOCK: tl.constexpr, RNE_BF16: tl.constexp
     tl.store(out + i, x.to(out.dtype.element_ty), mask=m)
 
 
+def _tied_kernel(total, scale, perm, starts, rows, out, D, PAD, BD: tl.constexpr, RNE_BF16: tl.constexpr):
+    v = tl.program_id(0)
+    c = tl.program_id(1) * BD + tl.arange(0, BD)
+    m = c < D
+    v64 = v.to(tl.int64)
+    acc = tl.load(total + v64 * D + c, mask=m).to(tl.float32) * tl.load(scale).to(tl.float32)
+    lo = tl.load(starts + v).to(tl.int32)
+    hi = tl.load(starts + v + 1).to(tl.int32)
+    hi = tl.where(v == PAD, lo, hi)  # the padding id's rows get no gradient (torch's embedding)
+    for k in range(lo, hi):  # the tokens of id v (ids sorted: perm[lo:hi])
+        t = tl.load(perm + k).to(tl.int64)
+        acc += tl.load(rows + t * D + c, mask=m).to(tl.float32)
+    if RNE_BF16:  # as _scale_kernel
+        b = acc.to(tl.uint32, bitcast=True)
+        acc = tl.where(
+            acc != acc, acc, ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        )
+    tl.store(out + v64 * D + c, acc.to(out.dtype.element_ty), mask=m)
+
+
 _kernels: dict[tuple[str, bool], Any] = {}
-_FUNCTIONS = {"join": _join_kernel, "interleave": _interleave_kernel, "scale": _scale_kernel}
+_FUNCTIONS = {
+    "join": _join_kernel,
+    "interleave": _interleave_kernel,
+    "scale": _scale_kernel,
+    "tied": _tied_kernel,
+}
 
 
 def _kernel(name: str, interpret: bool) -> Any:
@@ -109,6 +139,38 @@ def scale_round(
         block = 4096
         rne = interpret and dtype == torch.bfloat16
         _kernel("scale", interpret)[(triton.cdiv(n, block),)](src, scale, out, n, BLOCK=block, RNE_BF16=rne)
+    return out
+
+
+def tied_grad(
+    total: torch.Tensor,
+    scale: torch.Tensor,
+    ids: torch.Tensor,
+    rows: torch.Tensor,
+    dtype: torch.dtype,
+    padding_idx: int | None = None,
+    interpret: bool = False,
+) -> torch.Tensor:
+    """total * scale + the sum of rows[i] over the tokens i with ids[i] == v, in each row v of the
+    [V, D] result (`total`: [V, D]; `scale`: one element on the device; `ids`: the token ids, any
+    shape; `rows`: [tokens, D]), summed in f32 and rounded to `dtype`; rows of `padding_idx` add
+    nothing. Nothing is read back to the host."""
+    assert interpret or total.device.type == "cuda"
+    assert scale.numel() == 1 and total.dim() == 2 and rows.dim() == 2 and rows.shape[1] == total.shape[1]
+    V, D = total.shape
+    ids = ids.reshape(-1)
+    assert ids.numel() == rows.shape[0]
+    total, rows = total.contiguous(), rows.contiguous()
+    ordered, perm = torch.sort(ids)
+    starts = torch.searchsorted(ordered, torch.arange(V + 1, device=ids.device, dtype=ordered.dtype))
+    out = torch.empty((V, D), dtype=dtype, device=total.device)
+    if V and D:
+        bd = min(1024, triton.next_power_of_2(D))
+        pad = -1 if padding_idx is None else int(padding_idx) % V
+        rne = interpret and dtype == torch.bfloat16
+        _kernel("tied", interpret)[(V, triton.cdiv(D, bd))](
+            total, scale, perm, starts, rows, out, D, pad, BD=bd, RNE_BF16=rne
+        )
     return out
 
 

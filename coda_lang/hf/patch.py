@@ -340,8 +340,10 @@ def _hidden(
     inputs_embeds: Any,
     use_cache: Any,
     kwargs: dict[str, Any],
+    tied: _TiedGrad | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """The last layer's output times the final norm's weight, and the norm's row scale: [B*S, D], [B*S]."""
+    """The last layer's output times the final norm's weight, and the norm's row scale: [B*S, D], [B*S].
+    `tied`: the embedding lookup is `_Embed`, whose backward adds the loss head's weight gradient."""
     from transformers.masking_utils import create_causal_mask
 
     st: _Model = model._coda
@@ -352,7 +354,13 @@ def _hidden(
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
     base = model.model
-    emb = base.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+    if inputs_embeds is not None:
+        emb = inputs_embeds
+    elif tied is not None:
+        e = base.embed_tokens
+        emb = _Embed.apply(e.weight, input_ids, e.padding_idx, tied)
+    else:
+        emb = base.embed_tokens(input_ids)
     if emb.dtype != st.dtype or base.layers[0].self_attn.qkv_weight.dtype != st.dtype:
         raise _refuse(
             f"dtype {base.layers[0].self_attn.qkv_weight.dtype}",
@@ -445,6 +453,7 @@ class _ChunkedLoss(torch.autograd.Function):
         denom: torch.Tensor,
         head: BlockFunction,
         rows: int,
+        tied: _TiedGrad | None,
     ) -> torch.Tensor:
         scale = (1.0 / denom.float()).to(hg.device)
         # the weight's gradient stays an f32 total until the backward scales it and rounds it, one pass
@@ -462,16 +471,104 @@ class _ChunkedLoss(torch.autograd.Function):
             grads[n] if ctx.needs_input_grad[i] else None for i, n in enumerate(("hg", "r", "w_lm"))
         )
         ctx.dtypes = (hg.dtype, r.dtype, w_lm.dtype)
+        ctx.tied = tied
         return outs["loss"].sum() * scale
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         kept = ctx.kept
         del ctx.kept
-        scaled = [
-            None if t is None else scale_round(t, g, dt) for t, dt in zip(kept, ctx.dtypes, strict=True)
-        ]
-        return (*scaled, None, None, None, None)
+        dh, dr = (
+            None if t is None else scale_round(t, g, dt)
+            for t, dt in zip(kept[:2], ctx.dtypes[:2], strict=True)
+        )
+        dw = None
+        if kept[2] is not None:
+            if ctx.tied is not None:  # the embedding's backward adds its rows and rounds: _Embed
+                ctx.tied.total, ctx.tied.scale = kept[2], g
+            else:
+                dw = scale_round(kept[2], g, ctx.dtypes[2])
+        return (dh, dr, dw, None, None, None, None, None)
+
+
+class _TiedGrad:
+    """A tied LM head and embedding: the head's weight-gradient total (f32) and the loss's incoming
+    gradient, handed from the head's backward to the embedding's, which runs after it (the embedding
+    is upstream of every layer). One pass then makes the weight's gradient, accumulated once
+    (`tied_grad`), where torch fills a dense [V, D] embedding gradient, scatters into it and adds it
+    to the head's."""
+
+    def __init__(self) -> None:
+        self.total: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None
+
+
+class _Embed(torch.autograd.Function):
+    """torch's embedding lookup, whose backward adds the loss head's weight gradient left in `tied`
+    (without it, as torch's embedding backward: a backward that did not start from the loss)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, weight: torch.Tensor, ids: torch.Tensor, padding_idx: int | None, tied: _TiedGrad
+    ) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.padding_idx, ctx.tied, ctx.vocab, ctx.dtype = padding_idx, tied, weight.shape[0], weight.dtype
+        return torch.nn.functional.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        (ids,) = ctx.saved_tensors
+        tied: _TiedGrad = ctx.tied
+        total, scale = tied.total, tied.scale
+        tied.total = tied.scale = None
+        if total is None or scale is None:
+            pad = -1 if ctx.padding_idx is None else ctx.padding_idx
+            dw = torch.ops.aten.embedding_dense_backward(grad, ids, ctx.vocab, pad, False)
+        else:
+            dw = tied_grad(total, scale, ids, grad.reshape(-1, grad.shape[-1]), ctx.dtype, ctx.padding_idx)
+        return dw, None, None, None
+
+
+def tied_grad(
+    total: torch.Tensor,
+    scale: torch.Tensor,
+    ids: torch.Tensor,
+    rows: torch.Tensor,
+    dtype: torch.dtype,
+    padding_idx: int | None,
+) -> torch.Tensor:
+    """total * scale plus each token's row of `rows` added at its id (none at `padding_idx`), in f32,
+    rounded to dtype once: on a GPU one Triton kernel (backend_cute/layouts.py), else torch's
+    index_add."""
+    if total.device.type == "cuda":
+        from coda_lang.backend_cute import layouts
+
+        return layouts.tied_grad(total, scale.reshape(1), ids, rows, dtype, padding_idx)
+    out = total.float() * scale.float()
+    flat = ids.reshape(-1)
+    add = rows.float()
+    if padding_idx is not None:
+        add = add * (flat != padding_idx % total.shape[0]).unsqueeze(1)
+    return out.index_add_(0, flat, add).to(dtype)
+
+
+def _tied_embedding(model: Any) -> bool:
+    """Whether the embedding lookup may be `_Embed`: a plain nn.Embedding sharing the LM head's weight,
+    with nothing its module call would do besides the lookup (no hooks, max_norm or sparse gradients)."""
+    from torch.nn.modules import module as m
+
+    e = model.model.embed_tokens
+    return (
+        type(e) is torch.nn.Embedding
+        and e.weight is model.lm_head.weight
+        and e.weight.requires_grad
+        and torch.is_grad_enabled()
+        and e.max_norm is None
+        and not e.scale_grad_by_freq
+        and not e.sparse
+        and not (e._forward_hooks or e._forward_pre_hooks)
+        and not (m._global_forward_hooks or m._global_forward_pre_hooks)
+    )
 
 
 def scale_round(t: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -516,11 +613,18 @@ def _causal_lm_forward(
     num_items = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)
     kwargs.pop("return_dict", None)
+    with_loss = labels is not None or shift_labels is not None
+    # a tied head + embedding in "rows" mode: the weight's gradient made in one pass (_TiedGrad)
+    tied = (
+        _TiedGrad()
+        if with_loss and st.loss_mode != "vocab" and inputs_embeds is None and _tied_embedding(self)
+        else None
+    )
     hg, r, b, s = _hidden(
-        self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs
+        self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs, tied
     )
     w_lm = self.lm_head.weight
-    if labels is not None or shift_labels is not None:
+    if with_loss:
         target = _targets(labels, shift_labels, self.config.vocab_size)
         denom = torch.as_tensor(num_items if num_items is not None else (target != IGNORE).sum())
         if st.loss_mode == "vocab":
@@ -528,7 +632,7 @@ def _causal_lm_forward(
             loss = per_token.sum() / denom.to(per_token.device)
         else:
             chunk = st.loss_rows or _loss_rows(hg.shape[0], w_lm.shape[0], w_lm.element_size())
-            loss = _ChunkedLoss.apply(hg, r, w_lm, target, denom, st.row_head(), chunk)
+            loss = _ChunkedLoss.apply(hg, r, w_lm, target, denom, st.row_head(), chunk, tied)
         return CausalLMOutputWithPast(loss=loss, logits=None)  # type: ignore[arg-type]
     rows = torch.arange(b * s, device=hg.device).view(b, s)
     if isinstance(logits_to_keep, int) and logits_to_keep > 0:
