@@ -39,7 +39,14 @@ from coda_lang.backend_cute.compile import (
 )
 from coda_lang.backend_cute.elementwise import ElementwiseStage
 from coda_lang.backend_cute.emit import emit_stage
-from coda_lang.backend_cute.launch import HALF_DTYPES, TORCH_DTYPES, StageRunner, compute_value, round_value
+from coda_lang.backend_cute.launch import (
+    HALF_DTYPES,
+    TORCH_DTYPES,
+    StageRunner,
+    compute_value,
+    dense,
+    round_value,
+)
 from coda_lang.backend_cute.planner import plan_stage
 from coda_lang.backend_cute.spec import StageSpec, dim_operand
 from coda_lang.backend_cute.tiles import as_config, choose_config, find_ptxas, first_compiled
@@ -309,7 +316,9 @@ class CudaBlock:
         outs = {}
         for o in self.ir.outputs:
             x = env[o.name]
-            outs[o.name] = x.to(TORCH_DTYPES[o.type.dtype]) if isinstance(x, torch.Tensor) else x
+            if isinstance(x, torch.Tensor) and x.dtype != TORCH_DTYPES[o.type.dtype]:
+                x = x.to(TORCH_DTYPES[o.type.dtype])
+            outs[o.name] = x
         return outs, partials, sizes
 
     def _run(
@@ -588,7 +597,7 @@ class CudaBlock:
             elif not (v.is_floating_point() or (v.dim() == 0 and v.dtype != torch.bool)):
                 raise fail("E0803", f"input `{name}` is {v.dtype}, but it is declared {t.dtype}")
             shapes[name] = tuple(v.shape)
-            env[name] = v.to(TORCH_DTYPES[t.dtype]).contiguous()
+            env[name] = dense(v, TORCH_DTYPES[t.dtype])
         if device is None:
             raise fail("E0801", "no tensor inputs")
         if not self.emulate and device.type != "cuda":

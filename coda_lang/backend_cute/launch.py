@@ -83,6 +83,14 @@ def _ratio(a: Any, b: Any) -> tuple[int, int]:
     return r.numerator, r.denominator
 
 
+def dense(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in `dtype`, contiguous: t itself when it is both (what `.to(dtype).contiguous()` returns
+    then too, skipping the two dispatches: a block call binds a few dozen tensors, each a few us)."""
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def _aligned(t: Any) -> Any:
     """A tensor whose data pointer is 16-byte aligned (TMA and the vector loads assume it)."""
     if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.data_ptr() % 16:
@@ -123,8 +131,8 @@ class StageRunner:
     # host side (traced by torch.compile): the op's arguments from the block's values
     def arguments(self, env: dict[str, Any]) -> tuple[list[torch.Tensor | None], list[float]]:
         spec, g = self.spec, self.spec.gemm
-        A = env[g.a].to(TORCH_DTYPES[g.a_dtype]).contiguous()
-        B = env[g.b].to(TORCH_DTYPES[g.b_dtype]).contiguous()
+        A = dense(env[g.a], TORCH_DTYPES[g.a_dtype])
+        B = dense(env[g.b], TORCH_DTYPES[g.b_dtype])
         ins: list[torch.Tensor | None] = [A.t() if g.ta else A, B]  # B: (k, n), or (n, k) for transpose(b)
         scalars: list[float] = []
         n = B.shape[0] if g.tb else B.shape[1]
@@ -147,7 +155,7 @@ class StageRunner:
                     ins.append(None)
                     scalars.append(float(v))
                 continue
-            t = v.to(TORCH_DTYPES[o.dtype])
+            t = v if v.dtype == TORCH_DTYPES[o.dtype] else v.to(TORCH_DTYPES[o.dtype])
             if o.period is not None:  # a vector over G repeating across W columns: passed repeated
                 w = _width(o.shape[0], g.cols, n)
                 if w % t.shape[0]:
@@ -159,9 +167,9 @@ class StageRunner:
                 t = t.repeat(w // t.shape[0])
             if o.host == "repeat_interleave(2)":
                 t = t.repeat_interleave(2)
-            ins.append(t.contiguous())
+            ins.append(t if t.is_contiguous() else t.contiguous())
         for _, name in self.index_names:
-            ins.append(env[name].to(torch.int32).contiguous())
+            ins.append(dense(env[name], torch.int32))
         return ins, scalars
 
     def allocate(
@@ -430,4 +438,6 @@ def compute_value(x: Any, t: Type | None, device: torch.device) -> Any:
     dtype = torch.float32 if t.dtype in ("f32", "bf16", "f16") else TORCH_DTYPES.get(t.dtype, torch.float32)
     if not isinstance(x, torch.Tensor):
         return torch.full((), x, dtype=dtype, device=device)
+    if x.dtype == dtype and x.device == device:
+        return x  # (what .to returns then, without its dispatch)
     return x.to(device=device, dtype=dtype)
