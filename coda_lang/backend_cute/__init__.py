@@ -10,8 +10,9 @@ The layer map, in the order a stage goes through it:
 - tiles.py, tune.py: the tile of a stage (first without spills, or the fastest, cached on disk), and
   compiling a block's kernels before its first call;
 - launch.py: one stage as the torch custom op `coda::stage`; elementwise.py: a stage with no GEMM,
-  triton_stage.py: such a stage as a generated Triton kernel; layouts.py: two layout copies (a paired
-  stage's lanes, the fused QKV gradient) as Triton kernels;
+  triton_stage.py: such a stage as a generated Triton kernel; layouts.py: copies torch makes slowly
+  (a paired stage's lanes, the fused QKV gradient, a scaled rounding, a tied weight's gradient) as
+  Triton kernels;
 - cuda_block.py: `Block.cuda()`, the block on torch tensors; autograd.py: `.autograd()`;
 - emulate.py: a torch stand-in for a stage's kernel, to run all of the above without a GPU.
 Importing this package imports nothing heavy; the runtime modules import torch, only quack_adapter
