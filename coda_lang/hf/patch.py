@@ -74,9 +74,9 @@ class _Model:
         self.loss_rows = 0  # rows per chunk of the loss head ("rows"); 0: from LOSS_ROWS_BYTES
         self._fn = fn
         # made once, not at each forward (launches while the GPU waits at a step's start): the default
-        # positions per (batch, seq, device), and the RoPE frequencies of the model's inv_freq buffer
-        # while it is the same tensor at the same version (not modified in place)
-        self._positions: dict[tuple[int, int, str], torch.Tensor] = {}
+        # positions of the last (batch, seq, device), and the RoPE frequencies of the model's inv_freq
+        # buffer while it is the same tensor at the same version (not modified in place)
+        self._positions: tuple[tuple[int, int, str], torch.Tensor] | None = None
         self._freq: tuple[Any, int, str, torch.Tensor] | None = None
         self._vocab_heads: dict[int, BlockFunction] = {}
         self._row_head: BlockFunction | None = None
@@ -106,11 +106,9 @@ class _Model:
     def positions(self, b: int, s: int, device: torch.device) -> torch.Tensor:
         """The f32 positions 0..s-1 of each of b sequences, flattened: the default position_ids."""
         key = (b, s, str(device))
-        pos = self._positions.get(key)
-        if pos is None:
-            pos = torch.arange(s, device=device, dtype=torch.float32).repeat(b)
-            self._positions = {key: pos}  # one shape at a time: a new shape replaces it
-        return pos
+        if self._positions is None or self._positions[0] != key:  # a new shape replaces the last
+            self._positions = (key, torch.arange(s, device=device, dtype=torch.float32).repeat(b))
+        return self._positions[1]
 
     def freq(self, model: Any, device: torch.device) -> torch.Tensor:
         """RoPE's frequency of each column of the fused QKV tile's q and k heads (0 for v's)."""
