@@ -7,7 +7,7 @@ Not a test; on a Hopper GPU host (after `source .gpu/env/gpu.sh`):
 
 For each block's backward (layer, first_qkv, last) with the patch's gradients, its elementwise stage
 (RoPE's backward, the final norm's backward) runs once as the generated Triton kernel
-(backend_cute/triton_stage.py) and once compiled by torch.compile (`dynamic=None`, as the runtime
+(backend_triton/generate.py) and once compiled by torch.compile (`dynamic=None`, as the runtime
 did before), on the same random inputs (RoPE frequencies <= 1 and positions 0..M-1, as in the model);
 each is timed twice with `triton.testing.do_bench` (the two timings show the warm-up was enough), and
 its largest error against the eager torch function is printed (relative to the output's largest
@@ -58,8 +58,8 @@ def main() -> None:
     from triton.testing import do_bench
 
     import coda_lang
-    from coda_lang.backend_cute.elementwise import ElementwiseStage
-    from coda_lang.backend_cute.triton_stage import TritonStage
+    from coda_lang.backend_triton.elementwise import ElementwiseStage
+    from coda_lang.backend_triton.generate import TritonStage
     from coda_lang.hf.blocks import model_source
 
     dev = torch.device("cuda")

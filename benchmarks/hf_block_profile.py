@@ -47,7 +47,7 @@ def main() -> None:
     import torch
     from fwd_bwd_bench import profile
 
-    import coda_lang.backend_cute.elementwise as elementwise
+    import coda_lang.backend_triton.elementwise as elementwise
     from coda_lang import load
     from coda_lang.hf.blocks import model_source
     from coda_lang.torch import function

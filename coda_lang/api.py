@@ -2,7 +2,7 @@
 
 What it does: `Program` (blocks by name) and `Block` (a typed IR block with its plan), the objects
 that later layers extend (`Block.run`, `Block.grad`, `Block.cuda`).
-What it does not: parse or check by itself (frontend.py).
+What it does not: parse or check by itself (frontend/source.py).
 Invariants: a `Program` only exists for text without errors; `str(block)` is .coda source that
 loads back to an equal block.
 """
@@ -14,12 +14,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from coda_lang.frontend import check_source, normalize_newlines, read_source
+from coda_lang.core.diagnostics import CodaError
+from coda_lang.frontend.source import check_source, normalize_newlines, read_source
+from coda_lang.frontend.syntax.printer import print_block, print_program
+from coda_lang.frontend.verify.plan import BlockPlan, explain
 from coda_lang.ir import nodes
 from coda_lang.ir.nodes import DEFAULT_REMAT
-from coda_lang.ir.printer import print_block, print_program
-from coda_lang.verify.diagnostics import CodaError
-from coda_lang.verify.plan import BlockPlan, explain
 
 
 class Block:
@@ -109,7 +109,7 @@ class Block:
         [D, V] f32 sum over the rows). Gradients summed over the chunked dim accumulate across chunks
         unrounded and are rounded once. CodaError E0809 for bad arguments or a backward that can't run
         in chunks of that dim."""
-        from coda_lang.interp.chunk import chunk_mode
+        from coda_lang.autodiff.chunk import chunk_mode
 
         chunk = chunk_mode(chunk, budget, chunk_dim)
         d = self.derivation(wrt, remat)
@@ -164,7 +164,7 @@ class Block:
     ) -> Any:
         """How the derived backward runs in chunks of `dim` (default: the forward's row dim, its first
         stage's rows): an `interp.chunk.ChunkPlan`; CodaError E0809 where it can't."""
-        from coda_lang.interp.chunk import chunk_plan, refuse, row_dim
+        from coda_lang.autodiff.chunk import chunk_plan, refuse, row_dim
 
         if dim is None:
             dim = row_dim(self.ir)
@@ -190,9 +190,9 @@ class Block:
     ) -> dict[str, Any]:
         import numpy as np
 
+        from coda_lang.autodiff.chunk import candidate_plans, choose, run_chunks
+        from coda_lang.core.numerics import round_to, to_storage
         from coda_lang.interp import bind, run_block
-        from coda_lang.interp.chunk import candidate_plans, choose, run_chunks
-        from coda_lang.interp.numerics import round_to, to_storage
 
         d = self.derivation(wrt, remat)
         plans = candidate_plans(self, wrt, remat, chunk, chunk_dim)
@@ -219,12 +219,12 @@ class Block:
         return run_chunks(plan, env, sizes[plan.dim], c, run, empty, add, finish)
 
     def cuda(self, tile: Any = None, *, dims: dict[str, int] | None = None, **options: Any) -> Any:
-        """The block as a callable on torch CUDA tensors (`coda_lang.backend_cute.cuda_block.CudaBlock`):
+        """The block as a callable on torch CUDA tensors (`coda_lang.backend_cute.runtime.cuda_block.CudaBlock`):
         one quack kernel per GEMM stage, tiny torch ops between stages. `tile`: None (each stage's
         tile chosen by `select_config`), `(tile_M, tile_N)` or a `TileConfig` for every stage, or a
         dict {stage: tile}. `dims`: sizes of dims no input's shape gives (as `run(..., dims=)`; a call
         may give them too). Raises CodaError (E07) for stages the backend can't run yet."""
-        from coda_lang.backend_cute.cuda_block import CudaBlock
+        from coda_lang.backend_cute.runtime.cuda_block import CudaBlock
 
         return CudaBlock(self, tile=tile, dims=dims, **options)
 
@@ -284,8 +284,8 @@ def derive_checked(
 ) -> Derivation:
     """Derive the backward block and check both blocks; CodaError (E06) where it can't."""
     from coda_lang.autodiff import AutodiffError, derive
-    from coda_lang.verify.check import check_block
-    from coda_lang.verify.diagnostics import Diagnostic
+    from coda_lang.core.diagnostics import Diagnostic
+    from coda_lang.frontend.verify.check import check_block
 
     try:
         d = derive(ir, plan, wrt, remat)

@@ -43,14 +43,14 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.errors import Flaky
 
-from coda_lang import progress
 from coda_lang.api import Block
-from coda_lang.interp.chunk import check_chunk_args
+from coda_lang.autodiff.chunk import check_chunk_args
+from coda_lang.core import progress
+from coda_lang.core.diagnostics import CodaError
 from coda_lang.ir.nodes import DEFAULT_REMAT, REMAT
 from coda_lang.testing.compare import mismatch
 from coda_lang.testing.dims import dim_sizes, dim_units, tiles
 from coda_lang.testing.inputs import block_inputs, cotangents, input_seeds
-from coda_lang.verify.diagnostics import CodaError
 
 TARGETS = ("interp", "cuda", "emulate")
 REMATS = ("save", "recompute", "auto")  # the saved-tensor policies, save first (hypothesis shrinks to it)
@@ -66,7 +66,7 @@ EMULATE_TILES = ((16, 32), (16, 64), (32, 128), (64, 128))  # --target emulate: 
 
 def _small_tiles(cb: Any) -> dict[int, tuple[int, int]]:
     """{stage: the first of EMULATE_TILES that fits it} for the GEMM stages of a CudaBlock."""
-    from coda_lang.backend_cute.compile import TileConfig, fits
+    from coda_lang.backend_cute.build.compile import TileConfig, fits
 
     out = {}
     for k, spec in enumerate(cb.specs, 1):
@@ -228,7 +228,7 @@ class Fuzzer:
             )
         self.device = "cuda" if self.target == "cuda" else "cpu"
         emulate = self.target == "emulate"
-        from coda_lang.backend_cute.compile import BackendUnavailable
+        from coda_lang.backend_cute.build.compile import BackendUnavailable
 
         try:
             # choose every stage's tile and compile it now: CodaError (E07) if the block can't run at all.
@@ -596,7 +596,7 @@ class Fuzzer:
 
 
 class Progress(progress.Progress):
-    """`coda fuzz`'s progress (coda_lang.progress): cases done of the total and the time left, the case
+    """`coda fuzz`'s progress (coda_lang.core.progress): cases done of the total and the time left, the case
     running on a terminal; once a case fails, the shrinking tries instead."""
 
     def __init__(self, label: str, total: int, stream: TextIO | None = None, quiet: bool = False):

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from coda_lang.api import Block, load
-from coda_lang.interp.chunk import candidate_plans, chunk_mode
+from coda_lang.autodiff.chunk import candidate_plans, chunk_mode
 from coda_lang.ir.nodes import DEFAULT_REMAT
 
 __all__ = [
@@ -218,7 +218,7 @@ def precompile(*functions: BlockFunction, jobs: int | None = None, quiet: bool =
     """Compile every kernel of these functions now, in `jobs` worker processes (default: one per CPU),
     as their first calls would (the tuning at each shape still happens at the first call there; `coda
     tune` does both ahead of a run). Raises BackendUnavailable without the GPU toolchain."""
-    from coda_lang.backend_cute.tiles import precompile as compile_blocks
+    from coda_lang.backend_cute.runtime.tiles import precompile as compile_blocks
 
     blocks = [b for f in functions for b in f.kernel_blocks()]
     compile_blocks(blocks, jobs=jobs, quiet=quiet, strict=True)
@@ -230,9 +230,9 @@ def wait_for_kernels(timeout: float | None = None) -> bool:
     runs at the fastest tile from there on. True when done, False when `timeout` seconds passed first.
     For a benchmark's steady state, or with `$CODA_TUNE=wait` instead: a first call then compiles and
     times everything before it returns."""
-    if "coda_lang.backend_cute.parallel" not in sys.modules:  # nothing was ever compiled here
+    if "coda_lang.backend_cute.build.parallel" not in sys.modules:  # nothing was ever compiled here
         return True
-    from coda_lang.backend_cute.parallel import wait_all
+    from coda_lang.backend_cute.build.parallel import wait_all
 
     return wait_all(timeout)
 

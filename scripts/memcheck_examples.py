@@ -75,8 +75,8 @@ def run_block(block: Any, device: str, emulate: bool, out: list[str]) -> bool:
     import numpy as np
     import torch
 
+    from coda_lang.core.diagnostics import CodaError
     from coda_lang.testing.inputs import block_inputs, cotangents
-    from coda_lang.verify.diagnostics import CodaError
 
     dims = sizes(block)
     all_dims = {**{d.name: d.value for d in block.ir.dims if d.value is not None}, **dims}

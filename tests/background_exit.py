@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def first_tile(spec: Any) -> Any:
-    from coda_lang.backend_cute.compile import CANDIDATES, fits
+    from coda_lang.backend_cute.build.compile import CANDIDATES, fits
 
     return next(c for c in CANDIDATES if fits(spec, c))
 
@@ -50,9 +50,9 @@ def main() -> None:
     import background_exit  # (this file as a module: the workers unpickle its build by that name)
 
     import coda_lang
-    from coda_lang.backend_cute import parallel
-    from coda_lang.backend_cute.compile import CANDIDATES, TUNE_CANDIDATES, Kernel
-    from coda_lang.backend_cute.planner import plan_stage
+    from coda_lang.backend_cute.build import parallel
+    from coda_lang.backend_cute.build.compile import CANDIDATES, TUNE_CANDIDATES, Kernel
+    from coda_lang.backend_cute.plan.planner import plan_stage
 
     parallel.build = background_exit.sleepy_build
     Kernel.status = lambda self: None  # type: ignore[method-assign]

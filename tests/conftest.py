@@ -68,7 +68,7 @@ def _toolchain_available() -> bool:
     """CuTeDSL, quack and a ptxas ($CODA_PTXAS, on PATH, or Triton's) are here."""
     import importlib.util
 
-    from coda_lang.backend_cute.tiles import find_ptxas
+    from coda_lang.backend_cute.runtime.tiles import find_ptxas
 
     return bool(importlib.util.find_spec("cutlass") and importlib.util.find_spec("quack") and find_ptxas())
 

@@ -14,7 +14,7 @@ import pytest
 
 import coda_lang
 from coda_lang import Block, CodaError, Diagnostic, Program
-from coda_lang.ir.printer import print_block, print_program
+from coda_lang.frontend.syntax.printer import print_block, print_program
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP = ROOT / "examples" / "llama_mlp.coda"

@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from support import coda, golden
 
 import coda_lang
+from coda_lang.core.diagnostics import CODES
 from coda_lang.ir.nodes import Eqn, Stage, Var
 from coda_lang.ir.types import MATRIX, SCALAR, VEC, is_float
 from coda_lang.layout import deinterleave_rope, interleave_gate_up, interleave_rope, split_gate_up
@@ -40,7 +41,6 @@ from coda_lang.testing import (
     gradcheck_inputs,
     op_programs,
 )
-from coda_lang.verify.diagnostics import CODES
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

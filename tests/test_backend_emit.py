@@ -21,10 +21,10 @@ import pytest
 from support import coda, golden
 
 import coda_lang
-from coda_lang.backend_cute.emit import EMITTER_VERSION, emit_stage, module_name, write_source
-from coda_lang.backend_cute.planner import plan_stage
+from coda_lang.backend_cute.plan.emit import EMITTER_VERSION, emit_stage, module_name, write_source
+from coda_lang.backend_cute.plan.planner import plan_stage
+from coda_lang.core.diagnostics import CodaError
 from coda_lang.ops import REGISTRY
-from coda_lang.verify.diagnostics import CodaError
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.coda"))
@@ -539,7 +539,7 @@ def test_sums_whose_padding_is_not_zero_are_masked() -> None:
     assert '"z": BoundedColVecReduce("z", ragged_only=True)' in src
     assert [s.name for s in spec.sinks if s.ragged_only] == ["q", "z"]  # 0 there for finite inputs
     assert '"a": ColVecReduce("a", combine="max")' in src and "max_abs" not in src
-    assert "from coda_lang.backend_cute.epi_ops import BoundedColVecReduce, BoundedRowVecReduce" in src
+    assert "from coda_lang.backend_cute.plan.epi_ops import BoundedColVecReduce, BoundedRowVecReduce" in src
     tiles_only = """dims M, K, N
 block b(x: bf16[M, K], w: bf16[K, N], t: bf16[M, N]) -> (o: bf16[M, N], z: f32[M], y: f32[M]) {
   gemm x @ w {
@@ -565,7 +565,7 @@ def test_pick_is_bounded_by_n() -> None:
     spec = plan_stage(coda_lang.load(ROOT / "examples" / "lm_head_ce.coda")["lm_head_ce"], 1)
     assert [s.op for s in spec.sinks if s.index is not None] == ["ColVecSelect"]
     src = emit_stage(spec)
-    assert "from coda_lang.backend_cute.epi_ops import BoundedColVecSelect" in src
+    assert "from coda_lang.backend_cute.plan.epi_ops import BoundedColVecSelect" in src
     assert "BoundedColVecSelect(" in src and "import ColVecSelect" not in src
 
 
@@ -591,7 +591,7 @@ def test_grouped_min_and_logsumexp() -> None:
 
 def test_a_stage_storing_acc_and_a_group_is_not_plain() -> None:
     """D = acc plus a grouped sum used after the stage: quack's kernel, never a bare cuBLAS GEMM."""
-    from coda_lang.backend_cute.compile import is_plain
+    from coda_lang.backend_cute.build.compile import is_plain
 
     text = program(
         gemm("s = sum(acc * acc, over=N, group=64)\ny = acc"), outs="y: bf16[M, N], s: f32[M, N/64]"
@@ -606,7 +606,7 @@ def test_bare_gemm_stages_share_one_kernel_per_dtype_and_majors(tmp_path: Path) 
     (and their tuning) are shared: 12 plain stages, 2 kernels per tile. A stage that does anything
     else keeps its own module."""
     import coda_lang.hf.blocks as hb
-    from coda_lang.backend_cute.compile import TileConfig, ptx_key
+    from coda_lang.backend_cute.build.compile import TileConfig, ptx_key
 
     prog = coda_lang.load(hb.model_source("bfloat16", 1e-5, 64, False))
     plain, other = {}, {}
@@ -680,8 +680,8 @@ def test_reserved_names_are_renamed() -> None:
 
 def test_import_coda_lang_imports_no_gpu_library() -> None:
     code = (
-        "import sys, coda_lang, coda_lang.cli, coda_lang.backend_cute.planner, coda_lang.backend_cute.emit, "
-        "coda_lang.backend_cute.compile; "
+        "import sys, coda_lang, coda_lang.cli, coda_lang.backend_cute.plan.planner, coda_lang.backend_cute.plan.emit, "
+        "coda_lang.backend_cute.build.compile; "
         f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -757,7 +757,7 @@ def test_cli_compile_usage_errors_exit_2(args: tuple, tmp_path: Path) -> None:
 
 
 def test_parse_ptxas_report() -> None:
-    from coda_lang.backend_cute.compile import parse_ptxas
+    from coda_lang.backend_cute.build.compile import parse_ptxas
 
     text = """ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function 'kernel_x' for 'sm_90a'
@@ -782,7 +782,7 @@ def test_epilogue_sin_cos_reduce_the_argument_to_within_rounding() -> None:
 
     with warnings.catch_warnings():  # quack's own DeprecationWarnings about CuTeDSL names
         warnings.simplefilter("ignore", DeprecationWarning)
-        from coda_lang.backend_cute import epi_ops
+        from coda_lang.backend_cute.plan import epi_ops
 
     f = np.float32
     parts = [f(epi_ops._TWO_PI_1), f(epi_ops._TWO_PI_2), f(epi_ops._TWO_PI_3)]

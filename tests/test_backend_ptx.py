@@ -29,7 +29,7 @@ from reduction_programs import NEW_REDUCTIONS
 from runtime_check import DIMS_AS_VALUES, RAGGED_SUMS
 
 import coda_lang
-from coda_lang.backend_cute.compile import (
+from coda_lang.backend_cute.build.compile import (
     CANDIDATES,
     DEFAULT_CONFIG,
     CompiledStage,
@@ -37,8 +37,8 @@ from coda_lang.backend_cute.compile import (
     compile_stage,
     select_config,
 )
+from coda_lang.core.diagnostics import CodaError
 from coda_lang.ir.nodes import Stage
-from coda_lang.verify.diagnostics import CodaError
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP = ROOT / "examples" / "llama_mlp.coda"
@@ -105,7 +105,7 @@ def test_epilogue_subtile_override_is_a_cache_key() -> None:
     (what it answers is checked by the compile above: it is called inside the CuTeDSL trace only)."""
     import pickle
 
-    from coda_lang.backend_cute.quack_adapter import EpiSubtileN, post_init_attrs
+    from coda_lang.backend_cute.build.quack_adapter import EpiSubtileN, post_init_attrs
 
     assert pickle.loads(pickle.dumps(EpiSubtileN(16))) == EpiSubtileN(16)
     assert hash(EpiSubtileN(16)) == hash(EpiSubtileN(16)) and EpiSubtileN(16) != EpiSubtileN(32)
@@ -353,7 +353,7 @@ def test_masked_sums_compile(cache: Path) -> None:
 def test_a_warm_compile_reads_the_ptxas_report_instead_of_running_ptxas(
     mlp: coda_lang.Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from coda_lang.backend_cute import compile as compile_mod
+    from coda_lang.backend_cute.build import compile as compile_mod
 
     first = compile_stage(mlp, 3, DEFAULT_CONFIG, directory=tmp_path)
     assert first.report is not None

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from support import golden
 
-from coda_lang.frontend import check_source
-from coda_lang.verify.diagnostics import CHECK_ONLY_EXEMPT, CODES, Diagnostic, render_all
+from coda_lang.core.diagnostics import CHECK_ONLY_EXEMPT, CODES, Diagnostic, render_all
+from coda_lang.frontend.source import check_source
 
 ROOT = Path(__file__).resolve().parent.parent
 BAD = ROOT / "tests" / "bad"

@@ -1,4 +1,4 @@
-"""Chunked backward runs (coda_lang/interp/chunk.py; docs/design.md, "Chunked backward").
+"""Chunked backward runs (coda_lang/autodiff/chunk.py; docs/design.md, "Chunked backward").
 
 - Chunked and unchunked backwards agree: f64 to 1e-12, exact mode to the order of f32 summation (f32
   outputs to 1e-5 of their scale, 16-bit outputs to one ulp of their dtype), for lm_head_ce and its
@@ -30,9 +30,16 @@ import torch
 import coda_lang
 import coda_lang.interp
 import coda_lang.torch as ct
-from coda_lang.backend_cute import autograd
+from coda_lang.autodiff.chunk import (
+    DEFAULT_BUDGET,
+    candidate_plans,
+    choose,
+    chunk_plan,
+    chunk_size,
+    run_chunks,
+)
+from coda_lang.backend_cute.runtime import autograd
 from coda_lang.interp import random_inputs
-from coda_lang.interp.chunk import DEFAULT_BUDGET, candidate_plans, choose, chunk_plan, chunk_size, run_chunks
 
 ROOT = Path(__file__).resolve().parent.parent
 CE = ["lm_head_ce", "lm_head_ce_smooth", "lm_head_ce_zloss", "lm_head_ce_softcap"]
@@ -446,8 +453,8 @@ def run_chunked(
     b: coda_lang.Block, dim: str, ins: dict[str, Any], chunk: int, precision: str
 ) -> dict[str, Any]:
     """Any block (a forward too) run in chunks of `dim` on the interpreter, through `run_chunks`."""
+    from coda_lang.core.numerics import round_to, to_storage
     from coda_lang.interp import bind, run_block
-    from coda_lang.interp.numerics import round_to, to_storage
 
     plan = chunk_plan(b, dim)
     env, sizes = bind(b.ir, ins, None, precision)

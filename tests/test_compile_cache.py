@@ -1,4 +1,4 @@
-"""The kernel cache and parallel compiles (coda_lang/backend_cute/compile.py, parallel.py), and
+"""The kernel cache and parallel compiles (coda_lang/backend_cute/build/compile.py, parallel.py), and
 `coda compile --jobs` / `coda tune`.
 
 Without the toolchain: which kernels `parallel.warm` builds (a fake build), how many workers it
@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 
 import coda_lang
-from coda_lang.backend_cute import compile as compile_mod
-from coda_lang.backend_cute import parallel
-from coda_lang.backend_cute.compile import (
+from coda_lang.backend_cute.build import compile as compile_mod
+from coda_lang.backend_cute.build import parallel
+from coda_lang.backend_cute.build.compile import (
     CANDIDATES,
     TUNE_CANDIDATES,
     Kernel,
@@ -33,8 +33,8 @@ from coda_lang.backend_cute.compile import (
     compile_spec,
     fits,
 )
-from coda_lang.backend_cute.planner import plan_stage
-from coda_lang.verify.diagnostics import CodaError
+from coda_lang.backend_cute.plan.planner import plan_stage
+from coda_lang.core.diagnostics import CodaError
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP = ROOT / "examples" / "llama_mlp.coda"
@@ -188,7 +188,7 @@ def test_warm_in_the_background_returns_once_every_stage_has_its_first_tile(
     queued (with two workers both busy otherwise, nothing else would let warm return); the tuner's
     other candidates compile on, `Background.pending` says for which stages, `wait` blocks until they
     are done, and every kernel is built once."""
-    from coda_lang.backend_cute.emit import emit_stage
+    from coda_lang.backend_cute.plan.emit import emit_stage
 
     s1, s2 = plan_stage(mlp, 1), plan_stage(mlp, 2)
     first1 = [c for c in CANDIDATES if fits(s1, c)][:2]
@@ -474,7 +474,7 @@ import coda_lang
 from quack.gemm_runtime import host
 from test_compile_cache import RUNTIME_KEY
 from test_runtime import _meta_env
-from coda_lang.backend_cute import quack_adapter
+from coda_lang.backend_cute.build import quack_adapter
 blk = next(iter(coda_lang.load(RUNTIME_KEY)))
 cb = blk.cuda(tile=(128, 128))
 for k in (1, 2):
@@ -563,7 +563,7 @@ def test_two_processes_filling_one_cache_at_once(tmp_path: Path) -> None:
 def _same_as_one_job(block: coda_lang.Block, file: Path, tmp_path: Path) -> None:
     """`coda compile --jobs 2` (spawned workers) and one job (`select_config` in this process): the same
     tiles, the same PTX, byte for byte; a second run (warm) compiles nothing and runs no ptxas."""
-    from coda_lang.backend_cute.compile import select_config
+    from coda_lang.backend_cute.build.compile import select_config
 
     n = len(block.plan.stages)
     one = [select_config(block, k, directory=tmp_path / "c1", jobs=1) for k in range(1, n + 1)]
@@ -609,7 +609,7 @@ def test_coda_tune_without_a_gpu_compiles_everything_and_says_timing_needs_one(
     """On this machine (no GPU) `coda tune --backward` compiles every candidate of the forward's and
     the backward's stages into the cache, says the timing needs a Hopper GPU, and exits 0; a second
     run finds everything in the cache. (One candidate tile, in this process, to keep it short.)"""
-    from coda_lang.backend_cute import tiles
+    from coda_lang.backend_cute.runtime import tiles
     from coda_lang.cli import main
 
     monkeypatch.setattr(tiles, "CANDIDATES", (TileConfig(128, 128),))
@@ -636,8 +636,8 @@ def test_a_first_call_compiles_the_forward_and_the_backward_at_once(
     (CudaBlock.prepare -> tiles.precompile): one request per stage for select_config's order and, when
     tuning, one for every candidate the tuner times; a fixed tile is the only request of its stage; a
     cuBLAS stage compiles nothing; each block once per process."""
-    from coda_lang.backend_cute import tiles
-    from coda_lang.backend_cute.compile import CUBLAS
+    from coda_lang.backend_cute.build.compile import CUBLAS
+    from coda_lang.backend_cute.runtime import tiles
 
     monkeypatch.delenv("CODA_TUNE", raising=False)  # (tests/test_gpu.py sets it to 0 for the session)
     fn = mlp.cuda().autograd()

@@ -14,7 +14,7 @@ from support import coda
 
 import coda_lang
 from coda_lang import reference
-from coda_lang.verify.diagnostics import CODES, CodaError
+from coda_lang.core.diagnostics import CODES, CodaError
 
 ROOT = Path(__file__).resolve().parent.parent
 ENTRIES = reference.entries()
@@ -35,7 +35,7 @@ def _codes(text: str, stage: str) -> list[tuple[str, int]]:
             for b in prog:
                 b.grad()
         elif stage == "backend":
-            from coda_lang.backend_cute.planner import plan_stage
+            from coda_lang.backend_cute.plan.planner import plan_stage
 
             for b in prog:
                 for k in range(1, len(b.plan.stages) + 1):

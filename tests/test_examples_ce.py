@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from support import coda, golden, no_traceback
 
 import coda_lang
-from coda_lang.backend_cute.emit import emit_stage
-from coda_lang.backend_cute.planner import plan_stage
+from coda_lang.backend_cute.plan.emit import emit_stage
+from coda_lang.backend_cute.plan.planner import plan_stage
 from coda_lang.ir.types import Dim
 
 ROOT = Path(__file__).resolve().parent.parent

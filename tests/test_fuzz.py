@@ -284,7 +284,7 @@ def test_a_planted_index_bug_in_the_recomputed_epilogue_is_caught_on_the_cpu(
     recomputed LM head's backward has col_index() in a GEMM's epilogue (the saved one compares it in an
     elementwise stage)."""
     pytest.importorskip("torch")
-    import coda_lang.backend_cute.emulate as emulate
+    import coda_lang.backend_cute.runtime.emulate as emulate
 
     run_stage = emulate.run_stage
 
@@ -312,7 +312,7 @@ def test_a_planted_chunk_bug_is_caught_and_reproduced(
 ) -> None:
     """The last chunk's sums (the wgrads) dropped when it is ragged: caught with --chunk auto (a drawn
     budget), shrunk, and reproduced by a command naming the chunk and the budget."""
-    import coda_lang.interp.chunk as chunk
+    import coda_lang.autodiff.chunk as chunk
 
     run_chunks = chunk.run_chunks
 
@@ -485,7 +485,7 @@ HEAD_NORM_CASE = ["--dims", "M=8,D=8,N=128,HD=16", "--input-seed", "16777212"]
 def _wrong_dr(monkeypatch: pytest.MonkeyPatch, factor: float) -> None:
     """The planted bug: the emulated backward's `dr` (the cancelling gradient, computed in the backward's
     elementwise stage) comes out times `factor` (-1: its sign flipped)."""
-    from coda_lang.backend_cute import elementwise
+    from coda_lang.backend_triton import elementwise
 
     run = elementwise.ElementwiseStage.run
 
@@ -567,7 +567,7 @@ def _backward_rounds_tanh_up(monkeypatch: pytest.MonkeyPatch) -> None:
     cotangent is split) compute tanh one ulp above the forward's kernel: two kernels that round a
     fast-math function differently, as a GEMM epilogue and a torch.compile kernel do on the GPU."""
     torch = pytest.importorskip("torch")
-    from coda_lang.backend_cute import elementwise
+    from coda_lang.backend_triton import elementwise
     from coda_lang.ops import REGISTRY
 
     inside = [False]

@@ -422,7 +422,7 @@ def test_tuning_picks_a_measured_tile_and_caches_it(tmp_path: Path, monkeypatch:
     after they are compiled times them and keeps the fastest; the choice lands in <cache>/tuning.json
     and a second CudaBlock reuses it without timing."""
     import coda_lang.torch as ct
-    from coda_lang.backend_cute import tune
+    from coda_lang.backend_cute.build import tune
 
     monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CODA_JOBS", "3")  # (fewer workers than kernels: the first call returns before all)
@@ -520,7 +520,7 @@ def test_narrow_epilogue_subtile_matches_interpreter() -> None:
     backward, the norm backward with its column partials, the plain GEMMs) and on the forward's element
     stages 1 and 3 (the paired stage 2 keeps quack's subtile): outputs and partials against the
     interpreter at ragged sizes."""
-    from coda_lang.backend_cute.compile import TileConfig
+    from coda_lang.backend_cute.build.compile import TileConfig
 
     e16 = TileConfig(128, 192, epi_n=16)
     r = backward_run("llama_mlp")

@@ -24,7 +24,7 @@ import pytest
 from test_autodiff import check_vjp
 
 import coda_lang
-from coda_lang.verify.diagnostics import CodaError
+from coda_lang.core.diagnostics import CodaError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -373,8 +373,8 @@ def test_the_runtime_refuses_sizes_that_cut_the_last_copy() -> None:
 
 
 def test_the_planner_passes_the_vector_repeated() -> None:
-    from coda_lang.backend_cute.emit import emit_stage
-    from coda_lang.backend_cute.planner import plan_stage
+    from coda_lang.backend_cute.plan.emit import emit_stage
+    from coda_lang.backend_cute.plan.planner import plan_stage
 
     b = coda_lang.load(ROOT / "examples" / "qk_norm.coda")["qk_norm"]
     spec = plan_stage(b, 1)
@@ -386,7 +386,7 @@ def test_the_planner_passes_the_vector_repeated() -> None:
 
 
 def test_a_chunked_run_along_the_repeated_columns_is_refused() -> None:
-    from coda_lang.interp.chunk import chunk_plan
+    from coda_lang.autodiff.chunk import chunk_plan
 
     text = "dims M, D, V, HD = 4\n\nblock b(x: f32[M, D], w: f32[D, V], g: f32[HD]) -> (y: f32[M, V]) {\n" + (
         "  gemm x @ w {\n    y = acc * g\n  }\n}\n"
@@ -424,7 +424,7 @@ def test_the_qwen3_program_takes_one_head_s_norm_weights() -> None:
 def test_the_qwen3_qkv_stage_compiles(tmp_path: Path) -> None:
     """The Qwen3 QKV stage (per-head q/k norm with the weights repeated across the heads, RoPE) compiles
     to PTX without spills: the repeated weights are ordinary column vector loads (RowVecLoad)."""
-    from coda_lang.backend_cute.compile import select_config
+    from coda_lang.backend_cute.build.compile import select_config
     from coda_lang.hf.blocks import model_source
 
     b = coda_lang.load(model_source("bfloat16", 1e-6, 128, True))["first_qkv"]

@@ -401,7 +401,7 @@ def test_the_loss_head_in_chunks(mode: str, size: int, monkeypatch: Any) -> None
     chunks of the vocabulary, here 64 (a ragged last one) or 16 of its 96 columns (a budget of
     [48, size] f32 dlogits). The loss and every gradient still match the unpatched model in f32, and a
     backward with a scaled loss scales them."""
-    from coda_lang.backend_cute import autograd
+    from coda_lang.backend_cute.runtime import autograd
 
     chosen: list[tuple[str, int]] = []
     choose = autograd.choose

@@ -73,7 +73,7 @@ def test_a_picked_minus_infinity_reads_minus_infinity(monkeypatch: pytest.Monkey
     cb = block.cuda(emulate=True, tile=(16, 32))
     got = cb(tensors)["p"]
     assert mismatch("p", got, ref) is None
-    import coda_lang.backend_cute.launch as launch
+    import coda_lang.backend_cute.runtime.launch as launch
 
     monkeypatch.setattr(launch, "_prefill_select", lambda out, idx, n: out.zero_())  # the old prefill
     got = block.cuda(emulate=True, tile=(16, 32))(tensors)["p"]
@@ -87,7 +87,7 @@ def test_the_pick_prefill_is_minus_infinity_in_range_and_zero_elsewhere() -> Non
     after the zeroed allocation (the GPU test counts the kernels of a launch)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    import coda_lang.backend_cute.launch as launch
+    import coda_lang.backend_cute.runtime.launch as launch
 
     class Count(TorchDispatchMode):
         def __init__(self) -> None:
@@ -152,7 +152,7 @@ def test_sums_of_a_row_with_an_infinity_are_not_nan(monkeypatch: pytest.MonkeyPa
     got = cb(tensors)
     for k in ref:
         assert mismatch(k, got[k], ref[k]) is None, k
-    import coda_lang.backend_cute.planner as planner
+    import coda_lang.backend_cute.plan.planner as planner
 
     padding_value = planner.padding_value
     monkeypatch.setattr(  # the old rule: sums that are 0 there for finite inputs left unmasked
@@ -198,7 +198,7 @@ def test_logsumexp_of_infinities_and_nan_through_max_and_min(monkeypatch: pytest
     got = block.cuda(emulate=True, tile=(16, 32))(tensors)
     for k in ref:
         assert mismatch(k, got[k], ref[k]) is None, k
-    import coda_lang.backend_cute.spec as specs
+    import coda_lang.backend_cute.plan.spec as specs
 
     monkeypatch.setattr(specs, "LSE_CLAMP", False)  # quack's online log-sum-exp as it is
     got = block.cuda(emulate=True, tile=(16, 32))(tensors)

@@ -1,4 +1,4 @@
-"""Layout copies (coda_lang/backend_cute/layouts.py): the fused QKV tile's gradient from dq, dk, dv
+"""Layout copies (coda_lang/backend_triton/layouts.py): the fused QKV tile's gradient from dq, dk, dv
 (hf.patch._Heads), and a paired stage's full-width tile from its two lanes.
 
 - `join_heads`' Triton kernel under Triton's CPU interpreter, against torch's reference (the
@@ -51,7 +51,7 @@ def grads(layout: str, gen: torch.Generator) -> list[Any]:
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("none", [None, 1])
 def test_join_heads_kernel_on_the_interpreter(layout: str, none: int | None) -> None:
-    from coda_lang.backend_cute import layouts
+    from coda_lang.backend_triton import layouts
 
     gs = grads(layout, torch.Generator().manual_seed(3))
     if none is not None:
@@ -64,7 +64,7 @@ def test_join_heads_kernel_on_the_interpreter(layout: str, none: int | None) -> 
 
 
 def test_join_heads_refuses_what_it_cant_take() -> None:
-    from coda_lang.backend_cute import layouts
+    from coda_lang.backend_triton import layouts
 
     out = torch.empty(4, 48, dtype=torch.bfloat16)
     assert not layouts.supported(out, 16)  # a CPU tensor, not interpreted
@@ -110,7 +110,7 @@ def test_heads_backward_on_the_gpu(layout: str) -> None:
 
 @pytest.mark.parametrize("rows, n", [(37, 300), (1, 5), (16, 128)])
 def test_interleave_on_the_interpreter(rows: int, n: int) -> None:
-    from coda_lang.backend_cute import layouts
+    from coda_lang.backend_triton import layouts
 
     gen = torch.Generator().manual_seed(rows + n)
     even = torch.randn(rows, n, generator=gen).bfloat16()
@@ -124,7 +124,7 @@ def test_interleave_on_the_interpreter(rows: int, n: int) -> None:
 @pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
 def test_scale_round_on_the_interpreter(src_dtype: torch.dtype, scale_dtype: torch.dtype) -> None:
-    from coda_lang.backend_cute import layouts
+    from coda_lang.backend_triton import layouts
     from coda_lang.hf.patch import scale_round
 
     gen = torch.Generator().manual_seed(3)
@@ -140,7 +140,7 @@ def test_scale_round_on_the_interpreter(src_dtype: torch.dtype, scale_dtype: tor
 
 @pytest.mark.parametrize("padding_idx", [None, 3])
 def test_tied_grad_against_float64(padding_idx: int | None) -> None:
-    from coda_lang.backend_cute import layouts
+    from coda_lang.backend_triton import layouts
     from coda_lang.hf.patch import tied_grad
 
     gen = torch.Generator().manual_seed(5)
@@ -173,7 +173,7 @@ def test_tied_grad_against_float64(padding_idx: int | None) -> None:
 def test_interleave_on_the_gpu() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from coda_lang.backend_cute import layouts
+    from coda_lang.backend_triton import layouts
 
     even = torch.randn(8192 + 3, 1536, device="cuda").bfloat16()
     odd = torch.randn(8192 + 3, 1536, device="cuda").bfloat16()

@@ -17,8 +17,8 @@ import torch
 from test_autodiff import check_vjp
 
 import coda_lang
-from coda_lang.backend_cute.emit import emit_stage
-from coda_lang.backend_cute.planner import plan_stage
+from coda_lang.backend_cute.plan.emit import emit_stage
+from coda_lang.backend_cute.plan.planner import plan_stage
 from coda_lang.ops import BY_SURFACE, REGISTRY, SUGAR, OpDef
 from coda_lang.ops.registry import as_tensor, broadcast, register
 

@@ -1,4 +1,4 @@
-"""coda_lang.progress: one updating line on a terminal, plain throttled lines elsewhere, silence on
+"""coda_lang.core.progress: one updating line on a terminal, plain throttled lines elsewhere, silence on
 request; coda fuzz's progress on top of it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import io
 
 import pytest
 
-from coda_lang.progress import Progress, duration
+from coda_lang.core.progress import Progress, duration
 
 
 class Clock:

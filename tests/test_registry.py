@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
+from coda_lang.core.diagnostics import CODES, Mistake
 from coda_lang.ir.types import BOOL, DTYPES, ERROR_TYPE, GROUP, MATRIX, SCALAR, TILE, VEC, Dim, Type
 from coda_lang.ops import BY_SURFACE, REGISTRY, Ctx, OpDef, StageShape, resolve
-from coda_lang.verify.diagnostics import CODES, Mistake
 
 RULES = ("type_rule", "locality", "impl", "vjp", "emit", "torch")
 REQUIRED = ("type_rule", "locality")
@@ -112,7 +112,20 @@ def test_optional_rules_match_the_expected_sets(rule: str) -> None:
 # ----------------------------------------------------------------------------------------------
 # Names
 
-INFIX = {"+", "-", "*", "/", "neg", "=", "<", "<=", ">", ">=", "==", "!="}  # what grammar.lark can write
+INFIX = {
+    "+",
+    "-",
+    "*",
+    "/",
+    "neg",
+    "=",
+    "<",
+    "<=",
+    ">",
+    ">=",
+    "==",
+    "!=",
+}  # what frontend/syntax/grammar.lark can write
 KEYWORDS = {"dims", "block", "gemm", "elementwise", "transpose", "acc"}
 
 

@@ -25,9 +25,9 @@ from support import coda
 from test_autodiff import NAMES, TILES, _forward_case, example, example_dims, example_inputs
 
 import coda_lang
+from coda_lang.core.diagnostics import CodaError
 from coda_lang.ir.nodes import Stage
 from coda_lang.testing import Forward, forward_blocks
-from coda_lang.verify.diagnostics import CodaError
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

@@ -25,8 +25,10 @@ from support import coda, no_traceback
 from test_roundtrip import programs
 
 import coda_lang
-from coda_lang.frontend import check_source, normalize_newlines
-from coda_lang.ir.printer import print_program
+from coda_lang.core.diagnostics import CODES, render_all
+from coda_lang.frontend.source import check_source, normalize_newlines
+from coda_lang.frontend.syntax.printer import print_program
+from coda_lang.frontend.verify.plan import explain
 from coda_lang.ir.types import DTYPES
 from coda_lang.ops import BY_SURFACE
 from coda_lang.testing.malformed import (
@@ -40,8 +42,6 @@ from coda_lang.testing.malformed import (
     random_sources,
     tokens,
 )
-from coda_lang.verify.diagnostics import CODES, render_all
-from coda_lang.verify.plan import explain
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.coda"))
 SOURCES = {p.name: p.read_text() for p in EXAMPLES}
@@ -243,7 +243,7 @@ def test_deep_expressions_are_e0108(expr: str, tmp_path: Path) -> None:
 
 
 def test_nesting_below_the_limit_checks_prints_and_differentiates() -> None:
-    from coda_lang.frontend import MAX_DEPTH
+    from coda_lang.frontend.source import MAX_DEPTH
 
     for expr in (
         "(" * 400 + "acc" + ")" * 400,  # parentheses make no nesting of their own
@@ -257,7 +257,7 @@ def test_nesting_below_the_limit_checks_prints_and_differentiates() -> None:
 
 
 def test_many_unknown_names_give_hints_only_for_the_first_ones() -> None:
-    from coda_lang.syntax.lower import MAX_HINTS
+    from coda_lang.frontend.syntax.lower import MAX_HINTS
 
     body = "".join(f"    t{i} = acc + t{i}x\n" for i in range(400))  # did you mean `t{i - 1}`?
     text = HEAD.replace("    y = ", "") + body + "    y = acc" + TAIL
@@ -299,8 +299,8 @@ def test_odd_options_are_usage_errors(args: list[str]) -> None:
 
 
 def test_the_emitted_kernel_does_not_change_with_the_layout_of_the_source() -> None:
-    from coda_lang.backend_cute.emit import emit_stage
-    from coda_lang.backend_cute.planner import plan_stage
+    from coda_lang.backend_cute.plan.emit import emit_stage
+    from coda_lang.backend_cute.plan.planner import plan_stage
 
     text = SOURCES["llama_mlp.coda"]
     moved = text.replace("dims M, D, F", "# a comment\n\n# and another\ndims M, D, F")

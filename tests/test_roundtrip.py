@@ -23,8 +23,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import coda_lang
-from coda_lang.frontend import check_source
-from coda_lang.ir.printer import print_block, print_program
+from coda_lang.core.diagnostics import Mistake, render_all
+from coda_lang.frontend.source import check_source
+from coda_lang.frontend.syntax.printer import print_block, print_program
 from coda_lang.ir.types import (
     BOOL,
     DTYPES,
@@ -41,7 +42,6 @@ from coda_lang.ir.types import (
     shape_str,
 )
 from coda_lang.ops import REGISTRY, Ctx, OpDef, StageShape
-from coda_lang.verify.diagnostics import Mistake, render_all
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.coda"))
 

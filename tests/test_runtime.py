@@ -38,15 +38,15 @@ from runtime_check import (  # noqa: E402
 )
 
 import coda_lang  # noqa: E402
-from coda_lang.backend_cute.launch import (  # noqa: E402
+from coda_lang.backend_cute.plan.spec import Sink  # noqa: E402
+from coda_lang.backend_cute.runtime.launch import (  # noqa: E402
     sink_partials,
     sink_rule,
     sink_shape,
 )
-from coda_lang.backend_cute.spec import Sink  # noqa: E402
+from coda_lang.core.diagnostics import CodaError  # noqa: E402
 from coda_lang.interp import combine  # noqa: E402
 from coda_lang.ops import COMBINES, REGISTRY  # noqa: E402
-from coda_lang.verify.diagnostics import CodaError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -210,7 +210,7 @@ def test_sink_rules_and_shapes() -> None:
 def test_sink_shapes_are_quacks() -> None:
     from quack.epilogue.ops import ColVecLoad, ColVecReduce, OnlineLSEReduce, RowVecReduce
 
-    from coda_lang.backend_cute.epi_ops import BoundedColVecSelect
+    from coda_lang.backend_cute.plan.epi_ops import BoundedColVecSelect
 
     ours = {
         "ColVecReduce": Sink("a", "a", "ColVecReduce", "add", False, ("x",), (), "row partials"),
@@ -556,7 +556,7 @@ def test_eager_launches_skip_the_custom_op_and_traces_record_it(monkeypatch: pyt
     """An eager call runs each stage's body directly (torch's Python around a custom op was half of a
     layer forward's host time); a torch.compile trace records the custom op `coda::stage`, whose graph
     gives the eager result."""
-    import coda_lang.backend_cute.launch as launch_mod
+    import coda_lang.backend_cute.runtime.launch as launch_mod
 
     blk = block("llama_mlp")
     cb = blk.cuda(tile=TILE, emulate=True)
@@ -723,7 +723,7 @@ def test_bad_tiles_and_inputs() -> None:
     with pytest.raises(CodaError) as e:
         blk.cuda(tile=(128, 48), emulate=True)  # stage 2 stores a paired tile: tile_N % 32 == 0
     assert e.value.diagnostics[0].code == "E0805"
-    from coda_lang.backend_cute.compile import TileConfig
+    from coda_lang.backend_cute.build.compile import TileConfig
 
     with pytest.raises(CodaError) as e:  # stage 2 is paired: quack's own epilogue subtile only
         blk.cuda(tile=TileConfig(128, 192, epi_n=16), emulate=True)
@@ -764,7 +764,7 @@ def test_importing_coda_lang_imports_no_torch() -> None:
 def _meta_env(blk: coda_lang.Block, sizes: dict[str, int]) -> dict[str, object]:
     """A "meta" tensor (or a number, for scalars) for every named value of the block, in the dtype the
     runtime holds it in (stored values in their storage dtype, vectors in f32)."""
-    from coda_lang.backend_cute.launch import TORCH_DTYPES
+    from coda_lang.backend_cute.runtime.launch import TORCH_DTYPES
     from coda_lang.interp.inputs import extent
     from coda_lang.ir.nodes import Stage
 
@@ -792,7 +792,7 @@ def _meta_env(blk: coda_lang.Block, sizes: dict[str, int]) -> dict[str, object]:
 
 
 def _dry_run(blk: coda_lang.Block, index: int) -> None:
-    from coda_lang.backend_cute import quack_adapter
+    from coda_lang.backend_cute.build import quack_adapter
 
     cb = blk.cuda(tile=(128, 192))
     r = cb.runner(index)
@@ -848,7 +848,7 @@ def test_each_elementwise_stage_compiles_as_its_own_function(monkeypatch: pytest
     stages (of three blocks) compile and give what the eager stage gives."""
     import torch._dynamo
 
-    from coda_lang.backend_cute.elementwise import ElementwiseStage
+    from coda_lang.backend_triton.elementwise import ElementwiseStage
 
     torch._dynamo.reset()
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
@@ -904,7 +904,7 @@ def test_emulated_sums_past_the_ragged_end_match_interpreter(monkeypatch: pytest
     memory as NaN). With the planner's masks (`bounded` sums: exp(0), stale vectors; a max of abs()
     is quack's max, masked by quack itself) outputs and partials match the interpreter at ragged sizes along both dims; without
     them, the same emulated run does not (which is what the GPU did before the masks)."""
-    from coda_lang.backend_cute import planner
+    from coda_lang.backend_cute.plan import planner
 
     blk = next(iter(coda_lang.load(RAGGED_SUMS)))
     sizes, tile = {"M": 200, "K": 72, "N": 136}, (64, 64)
@@ -930,8 +930,8 @@ def test_a_group_narrower_than_the_epilogue_subtile_is_refused() -> None:
     unless epi_n says otherwise): a group of 16 columns under a 32-column subtile would be folded with
     its neighbour (found on an H100: Qwen3's q/k norm at head_dim 16 came out scaled by ~1/sqrt 2). Only
     tiles whose subtile divides the group fit; a tile given that doesn't is E0805 naming the rule."""
-    from coda_lang.backend_cute.compile import CANDIDATES, TileConfig, epilogue_subtile_n, fits
-    from coda_lang.backend_cute.planner import plan_stage
+    from coda_lang.backend_cute.build.compile import CANDIDATES, TileConfig, epilogue_subtile_n, fits
+    from coda_lang.backend_cute.plan.planner import plan_stage
 
     src = EXAMPLES.joinpath("qk_norm.coda").read_text().replace("HD = 128", "HD = 16")  # group=HD
     blk = coda_lang.load(src)["qk_norm"]

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from coda_lang.syntax.parse import GRAMMAR
+from coda_lang.frontend.syntax.parse import GRAMMAR
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "llama_mlp.coda"
@@ -32,7 +32,7 @@ class _Payload:
 
 # what coda_lang did before: lark's parser cache in the (shared) temp directory
 LARK_CACHED = (
-    "from lark import Lark; from coda_lang.syntax.parse import GRAMMAR; "
+    "from lark import Lark; from coda_lang.frontend.syntax.parse import GRAMMAR; "
     "Lark(GRAMMAR.read_text(), parser='lalr', propagate_positions=True, maybe_placeholders=True, cache=True)"
 )
 

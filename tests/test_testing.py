@@ -29,14 +29,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import coda_lang
-from coda_lang.frontend import check_source
+from coda_lang.core.diagnostics import CodaError
+from coda_lang.frontend.source import check_source
 from coda_lang.fuzz import Case, Fuzzer
 from coda_lang.testing import forward_blocks, random_blocks
 from coda_lang.testing.compare import mismatch
 from coda_lang.testing.dims import dim_sizes, dim_units, tile_unit, tiles
 from coda_lang.testing.inputs import SPECIAL_KINDS, block_inputs, cotangents, input_seeds
 from coda_lang.testing.mistakes import MISTAKES, Twin, make_twin, twins
-from coda_lang.verify.diagnostics import CodaError
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.coda"))

@@ -99,7 +99,8 @@ def test_functions_compiled_together_share_one_compile(monkeypatch: pytest.Monke
     """`compile_together(f, g)`: the first GPU call of either compiles the kernels of both (forward,
     backward, chunked backwards) in one parallel compile; the other's first call then has nothing left
     to compile. `precompile(f, g)` does it at once, strictly. The CPU path is unchanged."""
-    from coda_lang.backend_cute import parallel, tiles
+    from coda_lang.backend_cute.build import parallel
+    from coda_lang.backend_cute.runtime import tiles
     from coda_lang.torch import compile_together, precompile
 
     monkeypatch.delenv("CODA_TUNE", raising=False)
@@ -128,7 +129,7 @@ def test_functions_compiled_together_share_one_compile(monkeypatch: pytest.Monke
     precompile(f2, g2, quiet=True)
     assert seen[-1] == ["llama_mlp", "llama_mlp_bwd", "lm_head_ce", "lm_head_ce_bwd"]
     # without the toolchain, precompile says so (a first call would run, uncompiled, on the CPU)
-    from coda_lang.backend_cute.compile import BackendUnavailable
+    from coda_lang.backend_cute.build.compile import BackendUnavailable
 
     monkeypatch.setattr(tiles, "find_ptxas", lambda: False)
     with pytest.raises(BackendUnavailable, match="ptxas"):

@@ -1,4 +1,4 @@
-"""Elementwise stages as generated Triton kernels (coda_lang/backend_cute/triton_stage.py), on the CPU.
+"""Elementwise stages as generated Triton kernels (coda_lang/backend_triton/generate.py), on the CPU.
 
 The generated kernel runs under Triton's CPU interpreter (NumPy) and is compared with the stage's
 eager torch function (`ElementwiseStage._body`, the emulated kernels' path, itself checked against
@@ -29,8 +29,8 @@ import pytest
 import torch
 
 import coda_lang
-from coda_lang.backend_cute.elementwise import ElementwiseStage
-from coda_lang.backend_cute.triton_stage import TritonStage, unsupported
+from coda_lang.backend_triton.elementwise import ElementwiseStage
+from coda_lang.backend_triton.generate import TritonStage, unsupported
 from coda_lang.hf.blocks import model_source
 from coda_lang.ir.nodes import Stage
 

@@ -1,4 +1,4 @@
-"""The tile-tuning cache (coda_lang/backend_cute/tune.py), on the CPU: keys and the file on disk.
+"""The tile-tuning cache (coda_lang/backend_cute/build/tune.py), on the CPU: keys and the file on disk.
 
 Timing itself needs a GPU: tests/test_gpu.py::test_tuning_picks_a_measured_tile_and_caches_it.
 """
@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from coda_lang.backend_cute import tune  # noqa: E402
-from coda_lang.backend_cute.compile import TileConfig  # noqa: E402
+from coda_lang.backend_cute.build import tune  # noqa: E402
+from coda_lang.backend_cute.build.compile import TileConfig  # noqa: E402
 
 
 def test_store_and_lookup_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -56,8 +56,8 @@ def test_plain_stages_may_run_on_cublas() -> None:
     from runtime_check import check_gradient, example_inputs
 
     import coda_lang
-    from coda_lang.backend_cute.compile import CUBLAS, is_plain
-    from coda_lang.backend_cute.planner import plan_stage
+    from coda_lang.backend_cute.build.compile import CUBLAS, is_plain
+    from coda_lang.backend_cute.plan.planner import plan_stage
 
     blk = coda_lang.load(Path(__file__).resolve().parent.parent / "examples" / "llama_mlp.coda")["llama_mlp"]
     bwd = blk.grad(remat="save")
@@ -123,7 +123,7 @@ def test_measure_stops_timing_a_clearly_slower_config(monkeypatch: pytest.Monkey
     end; CODA_TUNE=full (or early=False) times everything. The choice is the same."""
     import io
 
-    from coda_lang.progress import Progress
+    from coda_lang.core.progress import Progress
 
     cuda = FakeCuda(monkeypatch)
     a, b, c = TileConfig(128, 192), TileConfig(128, 128), TileConfig(256, 128, 2, 1, False)
@@ -227,8 +227,8 @@ def test_store_keeps_every_entry_of_processes_storing_at_once(tmp_path: Path) ->
     root = Path(__file__).resolve().parent.parent
     script = (
         "import sys\n"
-        "from coda_lang.backend_cute import tune\n"
-        "from coda_lang.backend_cute.compile import TileConfig\n"
+        "from coda_lang.backend_cute.build import tune\n"
+        "from coda_lang.backend_cute.build.compile import TileConfig\n"
         "for i in range(40):\n"
         "    tune.store(f'{sys.argv[1]}{i}', TileConfig(), {TileConfig(): 1.0})\n"
     )
@@ -247,9 +247,9 @@ def test_a_stage_that_hung_at_a_cooperative_tile_is_given_pingpong_tiles_only() 
     bf16, keep them."""
     import coda_lang.hf.blocks as hb
     from coda_lang.api import load
-    from coda_lang.backend_cute.compile import TUNE_CANDIDATES, WIDE_F32_TILE, TileConfig, fits
-    from coda_lang.backend_cute.planner import plan_stage
-    from coda_lang.verify.diagnostics import CodaError
+    from coda_lang.backend_cute.build.compile import TUNE_CANDIDATES, WIDE_F32_TILE, TileConfig, fits
+    from coda_lang.backend_cute.plan.planner import plan_stage
+    from coda_lang.core.diagnostics import CodaError
 
     program = load(hb.model_source("bfloat16", 1e-5, 64, False))
     last, layer = program["last"], program["layer"]
@@ -325,9 +325,10 @@ import sys, time
 import torch
 import coda_lang.hf.blocks as hb
 from coda_lang.api import load
-from coda_lang.backend_cute import compile as cc, tune
-from coda_lang.backend_cute.compile import TileConfig
-from coda_lang.verify.diagnostics import CodaError
+from coda_lang.backend_cute.build import compile as cc
+from coda_lang.backend_cute.build import tune
+from coda_lang.backend_cute.build.compile import TileConfig
+from coda_lang.core.diagnostics import CodaError
 
 coop = TileConfig(256, 128, 2, 1, False)
 cc.hangs_cooperative = lambda spec, config: False  # the guard off: the cooperative tile is a candidate
@@ -407,8 +408,8 @@ def test_a_stage_runs_at_its_first_tile_until_its_candidates_are_compiled(
     import torch
 
     import coda_lang
-    from coda_lang.backend_cute.cuda_block import CudaBlock
-    from coda_lang.backend_cute.emit import emit_stage
+    from coda_lang.backend_cute.plan.emit import emit_stage
+    from coda_lang.backend_cute.runtime.cuda_block import CudaBlock
 
     monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path))  # (no compiled kernel: the first fitting tile)
     blk = coda_lang.load(Path(__file__).resolve().parent.parent / "examples" / "llama_mlp.coda")["llama_mlp"]
@@ -453,9 +454,9 @@ def test_while_compiling_a_stage_takes_the_first_candidate_compiled_without_spil
     """tiles.first_compiled: select_config's order, then the tuner's, skipping what is not compiled yet
     or spills; None when nothing is compiled."""
     import coda_lang
-    from coda_lang.backend_cute.compile import CANDIDATES, TUNE_CANDIDATES, Kernel, fits
-    from coda_lang.backend_cute.planner import plan_stage
-    from coda_lang.backend_cute.tiles import first_compiled
+    from coda_lang.backend_cute.build.compile import CANDIDATES, TUNE_CANDIDATES, Kernel, fits
+    from coda_lang.backend_cute.plan.planner import plan_stage
+    from coda_lang.backend_cute.runtime.tiles import first_compiled
 
     blk = coda_lang.load(Path(__file__).resolve().parent.parent / "examples" / "llama_mlp.coda")["llama_mlp"]
     spec = plan_stage(blk, 1)
@@ -481,7 +482,7 @@ def test_coda_tune_chooses_whether_first_calls_compile_in_the_background(
     for every kernel. `coda_lang.torch.wait_for_kernels` returns at once when nothing is compiling, and
     False when its timeout passes first."""
     import coda_lang.torch as ct
-    from coda_lang.backend_cute import parallel
+    from coda_lang.backend_cute.build import parallel
 
     monkeypatch.delenv("CODA_TUNE", raising=False)
     assert tune.in_background()

@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from coda_lang.core.diagnostics import Mistake
 from coda_lang.ir.nodes import NO_SPAN, Atom, DimRef, Eqn, Lit, Span, Var
 from coda_lang.ir.types import ERROR_TYPE, MATRIX, SCALAR, TILE, VEC, Dim, Type, is_float
 from coda_lang.ops import REGISTRY, Ctx, StageShape
-from coda_lang.verify.diagnostics import Mistake
 
 
 def float_value(t: Type | None) -> bool:

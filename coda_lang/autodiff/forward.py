@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from coda_lang.autodiff.builder import AutodiffError
 from coda_lang.autodiff.builder import float_value as _float
+from coda_lang.frontend.verify.plan import BlockPlan
 from coda_lang.ir.nodes import Block, Eqn, Param, Var
 from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type
-from coda_lang.verify.plan import BlockPlan
 
 INDEX_OPS = ("row_index", "col_index")
 # one IEEE operation: on the same operands, every kernel rounds it the same (no approximation, and

@@ -36,11 +36,11 @@ from coda_lang.autodiff.builder import float_value as _float
 from coda_lang.autodiff.forward import ForwardFacts
 from coda_lang.autodiff.site import Host, Site
 from coda_lang.autodiff.state import State
+from coda_lang.frontend.verify.plan import BlockPlan
 from coda_lang.ir.nodes import DEFAULT_REMAT, REMAT, Atom, Block, Eqn, Stage, Var
 from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type
 from coda_lang.ops import REGISTRY, StageShape
 from coda_lang.ops.registry import repeats_in
-from coda_lang.verify.plan import BlockPlan
 
 
 def stage_policies(block: Block, remat: str) -> list[str]:

@@ -33,10 +33,10 @@ from coda_lang.autodiff.builder import float_value as _float
 from coda_lang.autodiff.forward import INDEX_OPS
 from coda_lang.autodiff.state import State
 from coda_lang.autodiff.unbroadcast import Later, Part, same_shape
+from coda_lang.frontend.verify.repeat import repeated
 from coda_lang.ir.nodes import Atom, DimRef, Eqn, Lit, Span, Stage, Var
 from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Dim, Type
 from coda_lang.ops import REGISTRY, StageShape
-from coda_lang.verify.repeat import repeated
 
 
 def _elementwise(body: list[Eqn], shape: StageShape, span: Span) -> Stage:

@@ -4,7 +4,7 @@ for what they share.
 What it does: `build_parser` registers each command's subparser (each module's `add_parser` sets the
 function that runs it); `main` parses, runs the command and maps failures to exit codes: 0 ok, 1 the
 program has errors (or a fuzz failure), 2 usage or I/O errors, 3 an internal error.
-What it does not: any compiler work itself (frontend.py, api.py, the backends).
+What it does not: any compiler work itself (frontend/source.py, api.py, the backends).
 Invariants: never prints a Python traceback (an internal error prints one line and exits 3; set
 CODA_DEBUG=1 to see the traceback); imports nothing heavy (no NumPy, torch or CuTeDSL) on the
 `check` path, so it starts fast: each command imports what it needs when it runs.

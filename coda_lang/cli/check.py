@@ -39,9 +39,9 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from coda_lang.frontend import check_source
-    from coda_lang.verify.diagnostics import render_all
-    from coda_lang.verify.plan import explain
+    from coda_lang.core.diagnostics import render_all
+    from coda_lang.frontend.source import check_source
+    from coda_lang.frontend.verify.plan import explain
 
     status = EXIT_OK
     n_errors = 0

@@ -5,7 +5,7 @@ What it does: `Parser` (argparse with usage errors as exit 2 and a `coda: error:
 `read_source_file`, `load_block` (a file's block by name, with diagnostics printed), `parse_dims`,
 `parse_tile`, `parse_tile_subtile`, and atomic writers (`write_text`, `write_npz`: a temporary file in
 the same folder renamed over the target, so no partial output file is ever left).
-What it does not: any command's work (the modules beside it) or any compiler work (frontend.py, api.py).
+What it does not: any command's work (the modules beside it) or any compiler work (frontend/source.py, api.py).
 Invariants: nothing here imports NumPy, torch or CuTeDSL at import time (`coda check` starts fast).
 """
 
@@ -80,8 +80,8 @@ def parse_tile_subtile(text: str | None) -> tuple[int, int, int] | None | str:
 
 def load_block(path: str, block: str | None, fmt: str = "human") -> tuple[object | None, int]:
     """(Block, 0), or (None, exit code) after printing why."""
-    from coda_lang.frontend import check_source
-    from coda_lang.verify.diagnostics import render_all
+    from coda_lang.core.diagnostics import render_all
+    from coda_lang.frontend.source import check_source
 
     text = read_source_file(path)
     if text is None:

@@ -64,7 +64,7 @@ def parse_jobs(text: str | None) -> int | None | str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from coda_lang.verify.diagnostics import CodaError, render_all
+    from coda_lang.core.diagnostics import CodaError, render_all
 
     block, code = load_block(args.file, args.block, args.error_format)
     if block is None:
@@ -98,16 +98,16 @@ def run(args: argparse.Namespace) -> int:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         return usage_error(f"can't create {out_dir}: {e.strerror or e}")
-    from coda_lang.backend_cute import parallel
-    from coda_lang.backend_cute.compile import (
+    from coda_lang.backend_cute.build import parallel
+    from coda_lang.backend_cute.build.compile import (
         CANDIDATES,
         BackendUnavailable,
         TileConfig,
         compile_spec,
         select_config,
     )
-    from coda_lang.backend_cute.emit import emit_stage
-    from coda_lang.backend_cute.planner import plan_stage
+    from coda_lang.backend_cute.plan.emit import emit_stage
+    from coda_lang.backend_cute.plan.planner import plan_stage
     from coda_lang.ir.nodes import Stage
 
     status = EXIT_OK

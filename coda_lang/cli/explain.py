@@ -28,8 +28,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from coda_lang.core.diagnostics import CODES
     from coda_lang.reference import explain
-    from coda_lang.verify.diagnostics import CODES
 
     if args.code is None:
         for code, title in CODES.items():

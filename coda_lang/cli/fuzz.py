@@ -151,6 +151,7 @@ def run(args: Any) -> int:
     """Exit 0 all cases passed, 1 a failure (or the block has errors or can't run on the target), 2 usage
     errors and targets this machine can't run."""
     from coda_lang.api import Block
+    from coda_lang.core.diagnostics import CodaError, render_all
     from coda_lang.fuzz import (
         ALIGN,
         DRAW,
@@ -162,7 +163,6 @@ def run(args: Any) -> int:
         fuzz_programs,
         save_program,
     )
-    from coda_lang.verify.diagnostics import CodaError, render_all
 
     if args.examples is None:
         args.examples = 100 if args.programs is None else 5

@@ -61,8 +61,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from coda_lang.ir.printer import dims_source, print_block
-    from coda_lang.verify.diagnostics import CodaError, render_all
+    from coda_lang.core.diagnostics import CodaError, render_all
+    from coda_lang.frontend.syntax.printer import dims_source, print_block
 
     block, code = load_block(args.file, args.block, args.error_format)
     if block is None:

@@ -45,9 +45,9 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
+    from coda_lang.core.diagnostics import CodaError, render_all
     from coda_lang.interp import random_inputs
     from coda_lang.interp.inputs import check_sizes, infer_dims
-    from coda_lang.verify.diagnostics import CodaError, render_all
 
     if args.seed < 0:
         return usage_error(f"--seed takes a number >= 0, got {args.seed}")

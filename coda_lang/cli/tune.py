@@ -109,9 +109,9 @@ def run(args: argparse.Namespace) -> int:
                 f"{block.name} ({', '.join(names)})"
             )
 
-    from coda_lang.backend_cute.compile import BackendUnavailable
-    from coda_lang.backend_cute.tiles import precompile
-    from coda_lang.verify.diagnostics import CodaError, render_all
+    from coda_lang.backend_cute.build.compile import BackendUnavailable
+    from coda_lang.backend_cute.runtime.tiles import precompile
+    from coda_lang.core.diagnostics import CodaError, render_all
 
     def report(e: CodaError) -> int:
         print(render_all(e.diagnostics, e.sources, "human"), file=sys.stderr)
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_OK
-    from coda_lang.backend_cute import tune
+    from coda_lang.backend_cute.build import tune
 
     for d in sizes:
         try:

@@ -288,10 +288,10 @@ def join_heads(
     out: torch.Tensor, grads: tuple[Any, Any, Any], b: int, s: int, h: int, kv: int, hd: int
 ) -> None:
     """dq, dk, dv ([b, heads, s, hd], or None: zeros) into their columns of the [b * s, (h + 2 kv) * hd]
-    tile `out`: on a GPU one Triton kernel per part (backend_cute/layouts.py), else torch's copies."""
+    tile `out`: on a GPU one Triton kernel per part (backend_triton/layouts.py), else torch's copies."""
     parts = [(g, n, col) for g, n, col in zip(grads, (h, kv, kv), (0, h * hd, (h + kv) * hd), strict=True)]
     if out.device.type == "cuda":
-        from coda_lang.backend_cute import layouts
+        from coda_lang.backend_triton import layouts
 
         if layouts.supported(out, hd) and all(g is None or g.dtype == out.dtype for g, _, _ in parts):
             layouts.join_heads(out, parts, b, s, hd)
@@ -536,10 +536,10 @@ def tied_grad(
     padding_idx: int | None,
 ) -> torch.Tensor:
     """total * scale plus each token's row of `rows` added at its id (none at `padding_idx`), in f32,
-    rounded to dtype once: on a GPU one Triton kernel (backend_cute/layouts.py), else torch's
+    rounded to dtype once: on a GPU one Triton kernel (backend_triton/layouts.py), else torch's
     index_add."""
     if total.device.type == "cuda":
-        from coda_lang.backend_cute import layouts
+        from coda_lang.backend_triton import layouts
 
         return layouts.tied_grad(total, scale.reshape(1), ids, rows, dtype, padding_idx)
     out = total.float() * scale.float()
@@ -570,10 +570,10 @@ def _tied_embedding(model: Any) -> bool:
 
 
 def scale_round(t: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """t * g rounded to dtype, in one pass: on a GPU one Triton kernel (backend_cute/layouts.py), else
+    """t * g rounded to dtype, in one pass: on a GPU one Triton kernel (backend_triton/layouts.py), else
     torch's mul into a tensor of that dtype."""
     if t.device.type == "cuda":
-        from coda_lang.backend_cute import layouts
+        from coda_lang.backend_triton import layouts
 
         return layouts.scale_round(t, g.reshape(1), dtype)
     return torch.mul(t, g, out=torch.empty(t.shape, dtype=dtype, device=t.device))

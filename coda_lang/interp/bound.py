@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from coda_lang.interp.numerics import round_to
+from coda_lang.core.numerics import round_to
 from coda_lang.interp.run import Interpreter, _Tile, _type
 from coda_lang.ir.nodes import Atom, Eqn, Stage, Var
 from coda_lang.ir.types import GROUP, TILE, Dim

@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from coda_lang.interp.numerics import compute_dtype, round_to
+from coda_lang.core.diagnostics import CodaError, Diagnostic
+from coda_lang.core.numerics import compute_dtype, round_to
 from coda_lang.ir.nodes import Block, Stage, Var
 from coda_lang.ir.types import Dim, is_float, shape_str
-from coda_lang.verify.diagnostics import CodaError, Diagnostic
 
 # Codes of run-time input errors (not program errors: they are not in CODES).
 INPUT_CODES = {

@@ -4,7 +4,7 @@ What it does: runs a checked block on NumPy arrays. GEMMs accumulate in f32 (flo
 precision); epilogues run vectorized over whole matrices (whole mode) or tile by tile (tile mode);
 every op is computed by its registry `impl`. A tile used after its stage is rounded to its storage
 dtype when the stage ends, so later stages read the rounded value while its own stage used the f32 one.
-What it does not: check the program (verify/ did) or validate inputs (inputs.py does).
+What it does not: check the program (frontend/verify/ did) or validate inputs (inputs.py does).
 Invariants: in tile mode each partial reduction is computed per tile into a buffer shaped like a
 kernel's (row partials [rows, ceil(cols/tile_N)], column partials [ceil(rows/tile_M), cols]) and then
 combined with its op's combine rule; whole and tile modes agree up to floating-point reassociation.
@@ -20,14 +20,14 @@ from typing import Any
 
 import numpy as np
 
+from coda_lang.core.numerics import compute_dtype, round_to, to_storage
+from coda_lang.frontend.verify.plan import BlockPlan
+from coda_lang.frontend.verify.repeat import check_repeats, repeat_uses, repeated
 from coda_lang.interp.inputs import check_sizes, extent, fail
-from coda_lang.interp.numerics import compute_dtype, round_to, to_storage
 from coda_lang.ir.nodes import Atom, Block, DimRef, Eqn, Lit, Stage, Var
 from coda_lang.ir.types import ERROR_TYPE, GROUP, MATRIX, PARTIAL, TILE, Dim, Type
 from coda_lang.ops import REGISTRY
 from coda_lang.ops.registry import combine_rule, repeats_in
-from coda_lang.verify.plan import BlockPlan
-from coda_lang.verify.repeat import check_repeats, repeat_uses, repeated
 
 
 def combine(buf: np.ndarray, rule: str, axis: int) -> np.ndarray:

@@ -2,7 +2,7 @@
 
 What it does: defines the frozen node classes (`Var`, `Lit`, `DimRef`, `Eqn`, `Stage`, `Param`,
 `Output`, `Block`, `Program`) and `Span`, the source location every node carries.
-What it does not: type anything (verify/ fills in `Var.type`), print (ir/printer.py) or parse.
+What it does not: type anything (frontend/verify/ fills in `Var.type`), print (frontend/syntax/printer.py) or parse.
 Invariants: nodes are frozen; spans never take part in equality, so a block re-parsed from its
 printed form compares equal to the original; every name is assigned once per block, except `acc`,
 which each stage binds afresh for its own body.

@@ -3,7 +3,7 @@
 What it does: defines `Dim` (a symbolic extent `c*X`, with `c` a rational coefficient, or an integer
 constant), `Type` (dtype, shape, kind) and the dtype promotion rule shared by every op.
 What it does not: decide what an op returns (ops/) or whether a value is allowed where it is used
-(verify/).
+(frontend/verify/).
 Invariants: every class here is frozen and hashable; a `Dim` is normalised (coefficient != 0, a
 constant has `name is None`), so structural equality is symbolic equality.
 """

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from coda_lang.core.diagnostics import Mistake
 from coda_lang.ir.types import BOOL, ERROR_TYPE, FLOAT_DTYPES, INT_DTYPES, Type, promote
 from coda_lang.ops.registry import (
     Ctx,
@@ -25,7 +26,6 @@ from coda_lang.ops.registry import (
     torch,
     unary,
 )
-from coda_lang.verify.diagnostics import Mistake
 
 
 def _numeric(types: tuple[Type, ...], what: str) -> None:
@@ -114,7 +114,7 @@ def _pointwise(
     )
 
 
-# CuTeDSL emitters (backend_cute/emit.py): `emit(*operands, **params)` maps the operands' Python
+# CuTeDSL emitters (backend_cute/plan/emit.py): `emit(*operands, **params)` maps the operands' Python
 # expressions (names or literals: the emitted code is flat) to the expression of one f32 element. The
 # emitted module always has `cute`, `cutlass`, `Float32`, `BFloat16`, `Float16` and `Int32`; any other
 # name an emitter uses comes with its import (`imports=`), fastmath where quack's own epilogues use it.
@@ -129,8 +129,11 @@ def _quack(module: str, name: str) -> dict[str, Any]:
 
 
 def _epi(name: str) -> dict[str, Any]:
-    """The emitter of a function of coda_lang's epilogue ops (backend_cute/epi_ops.py) and its import."""
-    return {"emit": _fn(name), "imports": ((name, f"from coda_lang.backend_cute.epi_ops import {name}"),)}
+    """The emitter of a function of coda_lang's epilogue ops (backend_cute/plan/epi_ops.py) and its import."""
+    return {
+        "emit": _fn(name),
+        "imports": ((name, f"from coda_lang.backend_cute.plan.epi_ops import {name}"),),
+    }
 
 
 def _cast_emit(x: str, dtype: str) -> str:
@@ -440,7 +443,7 @@ _pointwise(
 def _gelu(x: Any, approximate: str | None = None) -> Any:
     x = np.asarray(x)
     if approximate == "none":
-        from coda_lang.interp.numerics import erf
+        from coda_lang.core.numerics import erf
 
         return 0.5 * x * (1 + erf(x * x.dtype.type(_INV_SQRT_2)))
     c, k = x.dtype.type(_GELU_C), x.dtype.type(0.044715)
@@ -509,14 +512,14 @@ _pointwise(
 
 
 def _erf(x: Any) -> Any:
-    from coda_lang.interp.numerics import erf
+    from coda_lang.core.numerics import erf
 
     return erf(np.asarray(x))
 
 
 def _cast_impl(x: Any, dtype: str, precision: str = "exact") -> Any:
     """Round to `dtype` (no-op for floats in the f64 gradient-check precision); i32 truncates."""
-    from coda_lang.interp.numerics import round_to
+    from coda_lang.core.numerics import round_to
 
     x = np.asarray(x)
     if dtype == "i32":

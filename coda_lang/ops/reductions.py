@@ -3,7 +3,7 @@
 What it does: registers each reduction with its type rule and its combine record (registry.COMBINES:
 how per-tile partials combine, sum, max, min or log-sum-exp, in NumPy, torch and quack's epilogue);
 `mean` is a decomposition (sum(x / N, over=N)), not an op the later passes see.
-What it does not: decide where a partial may be used (verify/locality rules do).
+What it does not: decide where a partial may be used (frontend/verify/locality rules do).
 Invariants: inside a stage a reduction over rows or columns gives a `partial`, complete only after
 every tile ran; a grouped reduction (group=g) gives a `group` value, complete inside one tile when the
 tile width is a multiple of g (the checker records that tiling constraint); between stages a
@@ -15,6 +15,7 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Any
 
+from coda_lang.core.diagnostics import Mistake
 from coda_lang.ir.nodes import DimRef, Lit
 from coda_lang.ir.types import (
     BOOL,
@@ -38,7 +39,6 @@ from coda_lang.ops.registry import (
     np,
     register,
 )
-from coda_lang.verify.diagnostics import Mistake
 
 
 def _reduce_rule(name: str, combine: str) -> Any:
@@ -244,7 +244,7 @@ def _pick_vjp(b: Any, p: Any, ct: Any) -> list[Any]:
     return [b.mul(onehot, ct), None]
 
 
-# CuTeDSL emitters of reductions and pick give the per-element value the kernel folds (backend_cute/planner.py
+# CuTeDSL emitters of reductions and pick give the per-element value the kernel folds (backend_cute/plan/planner.py
 # picks the quack sink: ColVecReduce, RowVecReduce, OnlineLSEReduce, ColVecSelect).
 register(
     OpDef(

@@ -3,7 +3,7 @@
 What it does: defines `OpDef` (type rule, locality class, NumPy impl, VJP rule, CuTeDSL emitter),
 `Ctx` (what a type rule may know about where it runs) and the helpers that most type rules share
 (broadcasting of tiles, vectors and scalars inside and outside a stage).
-What it does not: walk a program (verify/ does), or name any op (the ops/*.py modules register them).
+What it does not: walk a program (frontend/verify/ does), or name any op (the ops/*.py modules register them).
 Invariants: an op's surface name (how it is written) plus its keyword arguments pick exactly one
 OpDef; type rules are pure and raise `Mistake` for user errors, never anything else.
 
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+from coda_lang.core.diagnostics import Mistake
 from coda_lang.ir.types import (
     ERROR_TYPE,
     GROUP,
@@ -34,7 +35,6 @@ from coda_lang.ir.types import (
     Type,
     shape_str,
 )
-from coda_lang.verify.diagnostics import Mistake
 
 
 class _Lazy:
@@ -237,13 +237,13 @@ class OpDef:
     # elementwise stages. A reduction's stand-in reduces a whole vector (partials fold by `combine`).
     torch: Callable[..., Any] | None = None
     # Triton emitter of a pointwise op for the elementwise stages' generated kernels
-    # (backend_cute/triton_stage.py): the operands' expressions (f32 elements, or bool for where()'s
+    # (backend_triton/generate.py): the operands' expressions (f32 elements, or bool for where()'s
     # condition) -> one element's expression, written with `tl` and that module's helpers (`_exp`,
     # `_sin`, ...: libdevice on the GPU). None: a stage using the op is compiled by torch.compile instead.
     triton: Callable[..., str] | None = None
     # a rewrite into other ops, applied when the source is lowered: `decompose(d, ins, params)` returns
     # the (op name, operands, params) of the top equation, emitting helper equations with `d.op(...)`
-    # (syntax/lower.py's Decomposer); such an op needs no impl, VJP, emitter or stand-in of its own
+    # (frontend/syntax/lower.py's Decomposer); such an op needs no impl, VJP, emitter or stand-in of its own
     decompose: Callable[..., Any] | None = None
     doc: str = ""  # one line for the language reference (docs/language.md's op table)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Any
 
+from coda_lang.core.diagnostics import Mistake
 from coda_lang.ir.types import (
     BOOL,
     ERROR_TYPE,
@@ -44,7 +45,6 @@ from coda_lang.ops.registry import (
     require_tile,
     torch,
 )
-from coda_lang.verify.diagnostics import Mistake
 
 
 def provably_even(ctx: Ctx, width: Dim) -> bool | None:

@@ -23,9 +23,9 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from coda_lang.frontend.verify.repeat import repeat_uses
 from coda_lang.ir.nodes import Block, Stage, Var
 from coda_lang.ir.types import GROUP, MATRIX, TILE, Dim
-from coda_lang.verify.repeat import repeat_uses
 
 
 def _ir(b: Any) -> Block:

@@ -147,7 +147,7 @@ def mutated(draw: st.DrawFn, sources: st.SearchStrategy[str], names: list[str] |
 
 def _depths() -> st.SearchStrategy[int]:
     """How deep to nest: a little, around MAX_DEPTH (the front end's limit), or far beyond it."""
-    from coda_lang.frontend import MAX_DEPTH
+    from coda_lang.frontend.source import MAX_DEPTH
 
     return st.one_of(
         st.integers(1, 20),
@@ -296,7 +296,7 @@ def crash(
     and each command run, by its exit code: {"loaded": 3, "check 1": 7, "grad 0": 2, ...}."""
     import coda_lang
     from coda_lang.cli import main
-    from coda_lang.verify.diagnostics import CodaError
+    from coda_lang.core.diagnostics import CodaError
 
     why = bad_diagnostics(text)
     if why:
@@ -347,8 +347,8 @@ def bad_diagnostics(text: str) -> str | None:
     """What is wrong with the diagnostics `check_source` gives for `text` (None: nothing): it must return
     them (not raise), with codes from the error index, spans inside the text (CR and CRLF end lines
     too), and they must render in both formats."""
-    from coda_lang.frontend import check_source, normalize_newlines
-    from coda_lang.verify.diagnostics import CODES, render_all
+    from coda_lang.core.diagnostics import CODES, render_all
+    from coda_lang.frontend.source import check_source, normalize_newlines
 
     file = "malformed.coda"
     try:

@@ -23,8 +23,8 @@ from typing import Any, TypeVar
 
 from hypothesis import strategies as st
 
+from coda_lang.frontend.syntax.printer import print_block
 from coda_lang.ir.nodes import Block, Stage
-from coda_lang.ir.printer import print_block
 from coda_lang.ir.types import Dim
 
 T = TypeVar("T")

@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from coda_lang.ir.printer import op_call_source
+from coda_lang.core.diagnostics import Mistake
+from coda_lang.frontend.syntax.printer import op_call_source
 from coda_lang.ir.types import Type, shape_str
 from coda_lang.ops import REGISTRY, Ctx, OpDef
-from coda_lang.verify.diagnostics import Mistake
 
 
 def positive_args(op: OpDef) -> frozenset[int]:

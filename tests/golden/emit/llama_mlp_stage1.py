@@ -18,7 +18,7 @@ coda source:
 from quack.epilogue.frontend import gemm_epilogue
 from quack.epilogue.ops import RowVecLoad, TileLoad, TileStore
 
-from coda_lang.backend_cute.epi_ops import BoundedColVecReduce
+from coda_lang.backend_cute.plan.epi_ops import BoundedColVecReduce
 
 
 @gemm_epilogue(

@@ -21,7 +21,7 @@ from cutlass import Float32
 from quack.epilogue.frontend import gemm_epilogue
 from quack.epilogue.ops import ColVecLoad, OnlineLSEReduce, Scalar
 
-from coda_lang.backend_cute.epi_ops import BoundedColVecReduce, BoundedColVecSelect
+from coda_lang.backend_cute.plan.epi_ops import BoundedColVecReduce, BoundedColVecSelect
 
 _lm_head_ce_smooth_stage1_target = ColVecLoad("target")
 

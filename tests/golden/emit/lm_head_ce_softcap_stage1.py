@@ -20,7 +20,7 @@ from quack.activation import tanh
 from quack.epilogue.frontend import gemm_epilogue
 from quack.epilogue.ops import ColVecLoad, OnlineLSEReduce, Scalar
 
-from coda_lang.backend_cute.epi_ops import BoundedColVecSelect
+from coda_lang.backend_cute.plan.epi_ops import BoundedColVecSelect
 
 _lm_head_ce_softcap_stage1_target = ColVecLoad("target")
 

@@ -18,7 +18,7 @@ from cutlass import Float32
 from quack.epilogue.frontend import gemm_epilogue
 from quack.epilogue.ops import ColVecLoad, OnlineLSEReduce
 
-from coda_lang.backend_cute.epi_ops import BoundedColVecSelect
+from coda_lang.backend_cute.plan.epi_ops import BoundedColVecSelect
 
 _lm_head_ce_zloss_stage1_target = ColVecLoad("target")
 

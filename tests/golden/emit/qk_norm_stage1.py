@@ -29,7 +29,7 @@ from quack.epilogue.frontend import gemm_epilogue
 from quack.epilogue.math import pack, unpack
 from quack.epilogue.ops import ColVecLoad, RowVecLoad, Scalar
 
-from coda_lang.backend_cute.epi_ops import GroupedReduce, cos_rr, sin_rr
+from coda_lang.backend_cute.plan.epi_ops import GroupedReduce, cos_rr, sin_rr
 
 
 def qk_norm_stage1_prepass(acc):

@@ -2,7 +2,7 @@
 
 What it does: the table of error codes (by family: E01 syntax, E02 names, E03 dtypes, E04 shapes,
 E05 locality, E06 autodiff, E07 backend limits), `Diagnostic`, `CodaError`, and `render`.
-What it does not: decide when an error occurs (syntax/, verify/).
+What it does not: decide when an error occurs (frontend/syntax/, frontend/verify/).
 Invariants: every code raised anywhere is in `CODES` (a test checks it); rendering never fails,
 even for a span outside the source text.
 """

@@ -52,7 +52,7 @@ import torch  # noqa: E402
 from cutlass.cutlass_dsl import CuTeDSL  # noqa: E402
 from quack.gemm_sm90 import GemmSm90  # noqa: E402
 
-import coda_lang.backend_cute.epi_ops  # noqa: E402, F401  (installs quack's NaN-propagating max fold)
+import coda_lang.backend_cute.plan.epi_ops  # noqa: E402, F401  (installs quack's NaN-propagating max fold)
 
 _TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "i32": torch.int32}
 _H100_SMS = 132
@@ -96,8 +96,8 @@ def quack_cache_dir(root: Path | None = None) -> Path:
     ops by class name, not by their code); $QUACK_CACHE_DIR, when set, instead."""
     if os.environ.get("QUACK_CACHE_DIR"):
         return Path(os.environ["QUACK_CACHE_DIR"])
-    from coda_lang.backend_cute.compile import kernel_fingerprint
-    from coda_lang.backend_cute.emit import cache_dir
+    from coda_lang.backend_cute.build.compile import kernel_fingerprint
+    from coda_lang.backend_cute.plan.emit import cache_dir
 
     return (root or cache_dir()) / "quack" / kernel_fingerprint()
 

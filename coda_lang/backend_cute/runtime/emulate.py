@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from coda_lang.backend_cute import spec as specs
-from coda_lang.backend_cute.spec import INDEX_AXIS, Sink, StageSpec, dim_operand
+from coda_lang.backend_cute.plan import spec as specs
+from coda_lang.backend_cute.plan.spec import INDEX_AXIS, Sink, StageSpec, dim_operand
 from coda_lang.ir.nodes import DimRef, Eqn, Lit, Var
 from coda_lang.ops import REGISTRY
 from coda_lang.ops.registry import combine_of_group, combine_of_sink

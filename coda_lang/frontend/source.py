@@ -13,12 +13,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from coda_lang.core.diagnostics import Diagnostic
+from coda_lang.frontend.syntax.lower import lower
+from coda_lang.frontend.syntax.parse import parse
+from coda_lang.frontend.verify.check import check_block
+from coda_lang.frontend.verify.plan import BlockPlan
 from coda_lang.ir.nodes import Block, Program, Span
-from coda_lang.syntax.lower import lower
-from coda_lang.syntax.parse import parse
-from coda_lang.verify.check import check_block
-from coda_lang.verify.diagnostics import Diagnostic
-from coda_lang.verify.plan import BlockPlan
 
 
 def _pos(d: Diagnostic) -> tuple[int, int]:

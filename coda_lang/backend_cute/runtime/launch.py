@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from coda_lang.backend_cute import spec as specs
-from coda_lang.backend_cute.compile import TileConfig
-from coda_lang.backend_cute.emit import emit_stage, write_source
-from coda_lang.backend_cute.spec import F32_EXACT_INT, INDEX_AXIS, Sink, StageSpec
+from coda_lang.backend_cute.build.compile import TileConfig
+from coda_lang.backend_cute.plan import spec as specs
+from coda_lang.backend_cute.plan.emit import emit_stage, write_source
+from coda_lang.backend_cute.plan.spec import F32_EXACT_INT, INDEX_AXIS, Sink, StageSpec
 from coda_lang.interp.inputs import fail
 from coda_lang.ir.types import BOOL, MATRIX, Dim, Type
 from coda_lang.ops.registry import combine_of_sink, combine_rule
@@ -122,7 +122,7 @@ class StageRunner:
     def mod(self) -> Any:
         """The quack EpiMod of the emitted epilogue (imports quack on first use)."""
         if self._mod is None:
-            from coda_lang.backend_cute import quack_adapter
+            from coda_lang.backend_cute.build import quack_adapter
 
             path = write_source(emit_stage(self.spec))
             self._mod = quack_adapter.load_epilogue(path, self.spec.fn_name)
@@ -262,11 +262,11 @@ class StageRunner:
             assert D is not None
             torch.matmul(A, B.t() if self.spec.gemm.tb else B, out=D)
         elif self.emulate:
-            from coda_lang.backend_cute import emulate
+            from coda_lang.backend_cute.runtime import emulate
 
             emulate.run_stage(self.spec, self.config, A, B, D, epi, C=C)
         else:
-            from coda_lang.backend_cute import quack_adapter
+            from coda_lang.backend_cute.build import quack_adapter
 
             quack_adapter.launch(self.mod, self.spec, self.config, A, B, D, epi, C=C)
         return outs
@@ -353,7 +353,7 @@ def _interleave(even: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
     """A full-width tile from its two lanes (columns 2 j and 2 j + 1): one Triton kernel on a GPU
     (layouts.interleave), torch's stack elsewhere or under a torch.compile trace."""
     if even.device.type == "cuda" and not torch.compiler.is_compiling():
-        from coda_lang.backend_cute import layouts
+        from coda_lang.backend_triton import layouts
 
         return layouts.interleave(even, odd)
     return torch.stack((even, odd), dim=-1).reshape(even.shape[0], -1)

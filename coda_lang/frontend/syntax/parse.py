@@ -1,6 +1,6 @@
 """Parse .coda text into a lark tree with positions, turning every lark error into a Diagnostic.
 
-What it does: builds (once per process, never cached on disk) the LALR parser of grammar.lark and maps
+What it does: builds (once per process, never cached on disk) the LALR parser of frontend/syntax/grammar.lark and maps
 UnexpectedCharacters / UnexpectedToken / UnexpectedEOF to E01 diagnostics with a caret and, where
 the mistake is a common one, a named message (lark's `match_examples`).
 What it does not: resolve names or know any op (lower.py, ops/).
@@ -13,10 +13,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from coda_lang.core.diagnostics import Diagnostic
 from coda_lang.ir.nodes import Span
-from coda_lang.verify.diagnostics import Diagnostic
 
-GRAMMAR = Path(__file__).resolve().parent.parent / "grammar.lark"
+GRAMMAR = Path(__file__).resolve().parent / "grammar.lark"
 
 _TOKEN_NAMES = {
     "NAME": "a name",

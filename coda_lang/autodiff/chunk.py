@@ -41,13 +41,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from coda_lang.core.diagnostics import CodaError
+from coda_lang.frontend.syntax.printer import print_block
+from coda_lang.frontend.verify.repeat import repeat_uses
 from coda_lang.interp.inputs import extent, fail
 from coda_lang.ir.nodes import Block, DimDecl, DimRef, Eqn, Param, Stage, Var
-from coda_lang.ir.printer import print_block
 from coda_lang.ir.types import TILE, Dim, Shape, Type, shape_str
 from coda_lang.ops import REGISTRY
-from coda_lang.verify.diagnostics import CodaError
-from coda_lang.verify.repeat import repeat_uses
 
 CHUNK_CODE = "E0809"
 DEFAULT_BUDGET = 256 * 2**20  # bytes of the largest transient of one chunk, for chunk="auto"

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from coda_lang.backend_cute.compile import (
+from coda_lang.backend_cute.build.compile import (
     GROUP_SUBTILE,
     PAIRED_SUBTILE,
     WIDE_F32_TILE,
@@ -37,9 +37,10 @@ from coda_lang.backend_cute.compile import (
     narrows_paired_subtile,
     splits_groups,
 )
-from coda_lang.backend_cute.elementwise import ElementwiseStage
-from coda_lang.backend_cute.emit import emit_stage
-from coda_lang.backend_cute.launch import (
+from coda_lang.backend_cute.plan.emit import emit_stage
+from coda_lang.backend_cute.plan.planner import plan_stage
+from coda_lang.backend_cute.plan.spec import StageSpec, dim_operand
+from coda_lang.backend_cute.runtime.launch import (
     HALF_DTYPES,
     TORCH_DTYPES,
     StageRunner,
@@ -47,19 +48,18 @@ from coda_lang.backend_cute.launch import (
     dense,
     round_value,
 )
-from coda_lang.backend_cute.planner import plan_stage
-from coda_lang.backend_cute.spec import StageSpec, dim_operand
-from coda_lang.backend_cute.tiles import as_config, choose_config, find_ptxas, first_compiled
+from coda_lang.backend_cute.runtime.tiles import as_config, choose_config, find_ptxas, first_compiled
+from coda_lang.backend_triton.elementwise import ElementwiseStage
+from coda_lang.core.diagnostics import CodaError, Diagnostic
+from coda_lang.frontend.verify.repeat import check_repeats, repeat_uses
 from coda_lang.interp.inputs import dims_from_shapes, fail, given_dims, shape_rules
 from coda_lang.ir.nodes import DEFAULT_REMAT, DimRef, Eqn, Lit, Stage, Var
 from coda_lang.ir.types import MATRIX, Dim
 from coda_lang.ops import REGISTRY
-from coda_lang.verify.diagnostics import CodaError, Diagnostic
-from coda_lang.verify.repeat import check_repeats, repeat_uses
 
 if TYPE_CHECKING:
-    from coda_lang.backend_cute.autograd import CudaFunction
-    from coda_lang.backend_cute.parallel import Background
+    from coda_lang.backend_cute.build.parallel import Background
+    from coda_lang.backend_cute.runtime.autograd import CudaFunction
 
 
 class CudaBlock:
@@ -247,8 +247,8 @@ class CudaBlock:
         the tuner's other candidates compile on, and once they are all compiled each stage is timed
         at its next launch (until then it runs at that tile)."""
         if not self.emulate:
-            from coda_lang.backend_cute.tiles import precompile
-            from coda_lang.backend_cute.tune import in_background
+            from coda_lang.backend_cute.build.tune import in_background
+            from coda_lang.backend_cute.runtime.tiles import precompile
 
             _preload_runtime()
             precompile([self, *self._compile_with], background=background and self.tune and in_background())
@@ -462,7 +462,7 @@ class CudaBlock:
         scalars: list[float],
         key: tuple[int, int, int, int],
     ) -> StageRunner:
-        from coda_lang.backend_cute import tune
+        from coda_lang.backend_cute.build import tune
 
         spec = r.spec
         A = ins[0]
@@ -473,8 +473,8 @@ class CudaBlock:
         if cached is None:
             if not find_ptxas():
                 return r
-            from coda_lang.backend_cute.compile import configs_without_spills
-            from coda_lang.progress import Progress
+            from coda_lang.backend_cute.build.compile import configs_without_spills
+            from coda_lang.core.progress import Progress
 
             hung = tune.hung(source, device)
             configs, skipped = tune.prune(
@@ -630,7 +630,7 @@ class CudaBlock:
         `chunk_dim` run the backward in chunks of one dim, as `Block.vjp` does (docs/design.md, "Chunked
         backward"). CodaError (E07) when a stage of either can't run on the GPU yet, E0809 for a bad
         chunk=, budget= or chunk_dim=, or a backward that can't run in chunks."""
-        from coda_lang.backend_cute.autograd import CudaFunction
+        from coda_lang.backend_cute.runtime.autograd import CudaFunction
 
         return CudaFunction(
             self, wrt, tile if tile is not None else self.tile, remat, chunk, budget, chunk_dim
@@ -653,7 +653,10 @@ def _import_runtime() -> None:
     import importlib
 
     with contextlib.suppress(Exception):  # (a missing toolchain: the launch that needs it says so)
-        for name in ("coda_lang.backend_cute.quack_adapter", "quack.epilogue.frontend"):  # (in this order)
+        for name in (
+            "coda_lang.backend_cute.build.quack_adapter",
+            "quack.epilogue.frontend",
+        ):  # (in this order)
             importlib.import_module(name)
 
 

@@ -34,11 +34,11 @@ _MODULE_IMPORTS: dict[str, str] = {
     "Scalar": "from quack.epilogue.ops import Scalar",
     "TileLoad": "from quack.epilogue.ops import TileLoad",
     "TileStore": "from quack.epilogue.ops import TileStore",
-    "GroupedReduce": "from coda_lang.backend_cute.epi_ops import GroupedReduce",
-    "BoundedColVecSelect": "from coda_lang.backend_cute.epi_ops import BoundedColVecSelect",
-    "BoundedColVecReduce": "from coda_lang.backend_cute.epi_ops import BoundedColVecReduce",
-    "BoundedRowVecReduce": "from coda_lang.backend_cute.epi_ops import BoundedRowVecReduce",
-    "TileIndex": "from coda_lang.backend_cute.epi_ops import TileIndex",
+    "GroupedReduce": "from coda_lang.backend_cute.plan.epi_ops import GroupedReduce",
+    "BoundedColVecSelect": "from coda_lang.backend_cute.plan.epi_ops import BoundedColVecSelect",
+    "BoundedColVecReduce": "from coda_lang.backend_cute.plan.epi_ops import BoundedColVecReduce",
+    "BoundedRowVecReduce": "from coda_lang.backend_cute.plan.epi_ops import BoundedRowVecReduce",
+    "TileIndex": "from coda_lang.backend_cute.plan.epi_ops import TileIndex",
 }
 
 # Python names the emitted code uses without importing them

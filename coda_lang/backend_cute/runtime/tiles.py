@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from coda_lang.backend_cute.compile import (
+from coda_lang.backend_cute.build.compile import (
     CANDIDATES,
     PAIRED_SUBTILE,
     TUNE_CANDIDATES,
@@ -34,12 +34,12 @@ from coda_lang.backend_cute.compile import (
     TileConfig,
     fits,
 )
-from coda_lang.backend_cute.emit import emit_stage, source_hash
-from coda_lang.backend_cute.spec import StageSpec
-from coda_lang.verify.diagnostics import CodaError, Diagnostic
+from coda_lang.backend_cute.plan.emit import emit_stage, source_hash
+from coda_lang.backend_cute.plan.spec import StageSpec
+from coda_lang.core.diagnostics import CodaError, Diagnostic
 
 if TYPE_CHECKING:
-    from coda_lang.backend_cute.parallel import Warmed
+    from coda_lang.backend_cute.build.parallel import Warmed
 
 _SELECTED: dict[tuple[str, tuple[TileConfig, ...]], TileConfig] = {}
 
@@ -88,7 +88,7 @@ def choose_config(block: Any, index: int, spec: StageSpec, emulate: bool) -> Til
         return candidates[0]
     key = (source_hash(emit_stage(spec)), candidates)
     if key not in _SELECTED:
-        from coda_lang.backend_cute.compile import select_config
+        from coda_lang.backend_cute.build.compile import select_config
 
         if not find_ptxas():
             warnings.warn(
@@ -111,7 +111,7 @@ def choose_config(block: Any, index: int, spec: StageSpec, emulate: bool) -> Til
 def first_compiled(spec: StageSpec) -> TileConfig | None:
     """The first candidate (select_config's order, then the tuner's) whose kernel the cache already
     holds without spills: a stage's tile while its other candidates still compile in the background."""
-    from coda_lang.backend_cute.compile import Kernel
+    from coda_lang.backend_cute.build.compile import Kernel
 
     source = emit_stage(spec)
     for c in dict.fromkeys((*CANDIDATES, *TUNE_CANDIDATES)):
@@ -133,7 +133,7 @@ def precompile(
     do or no toolchain (`strict`: BackendUnavailable is raised instead). `background`: return once
     each stage has a kernel without spills, the other candidates compiling on (each block's
     `_background` then says whether they are done)."""
-    from coda_lang.backend_cute import parallel
+    from coda_lang.backend_cute.build import parallel
 
     requests: list[parallel.Request] = []
     names: list[str] = []

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from coda_lang.backend_cute.triton_stage import _jit
+from coda_lang.backend_triton.generate import _jit
 
 BLOCK_S = 64  # positions per program
 

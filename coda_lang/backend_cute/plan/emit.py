@@ -23,12 +23,12 @@ import os
 import re
 from pathlib import Path
 
-from coda_lang.backend_cute import names as module_names
-from coda_lang.backend_cute import spec as specs
-from coda_lang.backend_cute.spec import INDEX_AXIS, Group, StageSpec, describe, dim_operand
+from coda_lang.backend_cute.plan import names as module_names
+from coda_lang.backend_cute.plan import spec as specs
+from coda_lang.backend_cute.plan.spec import INDEX_AXIS, Group, StageSpec, describe, dim_operand
+from coda_lang.core.diagnostics import CodaError, Diagnostic, Mistake
 from coda_lang.ir.nodes import Atom, DimRef, Eqn, Lit, Var
 from coda_lang.ops import REGISTRY
-from coda_lang.verify.diagnostics import CodaError, Diagnostic, Mistake
 
 EMITTER_VERSION = "3"
 

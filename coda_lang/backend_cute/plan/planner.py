@@ -22,9 +22,9 @@ from dataclasses import replace
 from fractions import Fraction
 from typing import Any
 
-from coda_lang.backend_cute.names import helper_names
-from coda_lang.backend_cute.padding import is_zero, padding_value
-from coda_lang.backend_cute.spec import (
+from coda_lang.backend_cute.plan.names import helper_names
+from coda_lang.backend_cute.plan.padding import is_zero, padding_value
+from coda_lang.backend_cute.plan.spec import (
     DIM_PREFIX,
     GEMM_DTYPES,
     INDEX_ROLES,
@@ -44,12 +44,12 @@ from coda_lang.backend_cute.spec import (
     lanes_of,
     plain_name,
 )
+from coda_lang.core.diagnostics import CodaError, Diagnostic
+from coda_lang.frontend.syntax.printer import inline_source
+from coda_lang.frontend.verify.repeat import repeated
 from coda_lang.ir.nodes import DimRef, Eqn, Span, Stage, Var
-from coda_lang.ir.printer import inline_source
 from coda_lang.ir.types import FLOAT_DTYPES, GROUP, MATRIX, TILE, Dim, Type, shape_str
 from coda_lang.ops import REGISTRY
-from coda_lang.verify.diagnostics import CodaError, Diagnostic
-from coda_lang.verify.repeat import repeated
 
 COMPARISONS = frozenset({"lt", "le", "gt", "ge", "eq", "ne"})
 

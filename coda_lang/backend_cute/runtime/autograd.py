@@ -6,7 +6,7 @@ its `torch.autograd.Function` runs the first in `forward`, keeps the saved tenso
 in `backward` with the incoming cotangents, returning each input's gradient in its dtype.
 What it does not: derive anything (autodiff/ does) or launch kernels itself (cuda_block.py).
 `chunk=`/`budget=`/`chunk_dim=` run the backward in chunks of one dim, rows of M or columns of V
-(interp/chunk.py decides how, picks the dim for "auto", and refuses blocks that can't; its transient
+(autodiff/chunk.py decides how, picks the dim for "auto", and refuses blocks that can't; its transient
 tiles are then bounded by the chunk).
 Invariants: the backward runs at the dims of the forward's call; an output nobody differentiates gets a
 zero cotangent; a stage either block can't compile is E07 when the function is made, naming the block;
@@ -19,9 +19,7 @@ from typing import Any
 
 import torch
 
-from coda_lang.backend_cute.cuda_block import CudaBlock, with_sources
-from coda_lang.backend_cute.launch import TORCH_DTYPES
-from coda_lang.interp.chunk import (
+from coda_lang.autodiff.chunk import (
     ChunkPlan,
     ChunkResults,
     candidate_plans,
@@ -33,9 +31,11 @@ from coda_lang.interp.chunk import (
     row_dim,
     run_chunks,
 )
+from coda_lang.backend_cute.runtime.cuda_block import CudaBlock, with_sources
+from coda_lang.backend_cute.runtime.launch import TORCH_DTYPES
+from coda_lang.core.diagnostics import CodaError, Diagnostic
 from coda_lang.interp.inputs import given_dims
 from coda_lang.ir.nodes import DEFAULT_REMAT
-from coda_lang.verify.diagnostics import CodaError, Diagnostic
 
 
 def _runtime_error(e: CodaError, what: str, block: Any) -> CodaError:

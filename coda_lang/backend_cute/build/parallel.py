@@ -12,7 +12,7 @@ lock per entry (two processes never build one kernel twice). Workers are spawned
 child must not inherit CuTeDSL's MLIR state or a CUDA context), import only compile.py and
 quack_adapter, and hide every GPU (`CUDA_VISIBLE_DEVICES=`). `default_jobs`: the CPUs this process
 may use, at most one worker per WORKER_BYTES of available memory, at most one per kernel ($CODA_JOBS
-overrides). A progress display (coda_lang.progress) shows done/total and the time left.
+overrides). A progress display (coda_lang.core.progress) shows done/total and the time left.
 `background=True` queues each stage's first kernel, then each one's second, and so on, returns as
 soon as every `first` request has its tile or its stage any kernel without spills (each stage can
 run), and leaves the rest compiling: a `Background` says which emitted stages still have kernels on the way
@@ -50,12 +50,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from coda_lang.backend_cute.compile import BackendUnavailable, Kernel, TileConfig, compile_spec, fits
-from coda_lang.backend_cute.emit import cache_dir, emit_stage, source_hash
-from coda_lang.backend_cute.spec import StageSpec
+from coda_lang.backend_cute.build.compile import BackendUnavailable, Kernel, TileConfig, compile_spec, fits
+from coda_lang.backend_cute.plan.emit import cache_dir, emit_stage, source_hash
+from coda_lang.backend_cute.plan.spec import StageSpec
+from coda_lang.core.diagnostics import CodaError
+from coda_lang.core.progress import Progress
 from coda_lang.interp.inputs import available_memory
-from coda_lang.progress import Progress
-from coda_lang.verify.diagnostics import CodaError
 
 # A compile worker's peak memory, rounded up: torch, CuTeDSL and quack imported and one kernel
 # compiled take about 0.7 GB (measured on llama_mlp's forward and backward stages).
@@ -205,7 +205,7 @@ def _init_worker() -> None:
     with contextlib.suppress(AttributeError, OSError):
         os.nice(WORKER_NICE)  # the starting process's GPU work and timings keep their CPU
     with contextlib.suppress(BackendUnavailable):
-        from coda_lang.backend_cute.compile import _adapter
+        from coda_lang.backend_cute.build.compile import _adapter
 
         _adapter()
     # At exit, skip the interpreter's teardown of torch and CuTeDSL (a second or more a worker): every

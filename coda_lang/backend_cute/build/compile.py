@@ -42,10 +42,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from coda_lang.backend_cute.emit import EMITTER_VERSION, cache_dir, emit_stage, source_hash, write_source
-from coda_lang.backend_cute.planner import plan_stage
-from coda_lang.backend_cute.spec import StageSpec
-from coda_lang.verify.diagnostics import CodaError, Diagnostic
+from coda_lang.backend_cute.plan.emit import EMITTER_VERSION, cache_dir, emit_stage, source_hash, write_source
+from coda_lang.backend_cute.plan.planner import plan_stage
+from coda_lang.backend_cute.plan.spec import StageSpec
+from coda_lang.core.diagnostics import CodaError, Diagnostic
 
 ARCH = "sm_90a"
 
@@ -234,7 +234,7 @@ def library_versions() -> dict[str, str]:
 
 # The modules of this backend whose text shapes a compiled kernel beyond the emitted source: the
 # epilogue ops the emitted module imports, and how quack is asked to compile.
-KERNEL_MODULES = ("epi_ops.py", "quack_adapter.py")
+KERNEL_MODULES = ("plan/epi_ops.py", "build/quack_adapter.py")
 
 
 @functools.cache
@@ -245,7 +245,7 @@ def kernel_fingerprint() -> str:
 
     h = hashlib.sha256(f"coda_lang {__version__}\n".encode())
     for name in KERNEL_MODULES:
-        h.update(name.encode() + b"\n" + (Path(__file__).parent / name).read_bytes())
+        h.update(name.encode() + b"\n" + (Path(__file__).parent.parent / name).read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -264,7 +264,7 @@ def ptx_key(source: str, config: TileConfig) -> str:
 
 def _adapter() -> Any:
     try:
-        from coda_lang.backend_cute import quack_adapter
+        from coda_lang.backend_cute.build import quack_adapter
     except ImportError as e:
         raise BackendUnavailable(
             f"the CuTeDSL backend needs nvidia-cutlass-dsl and quack-kernels: {e}"
@@ -495,7 +495,7 @@ def select_config(
     cache yet (None: parallel.default_jobs; 1: compile them here, one after another)."""
     spec = plan_stage(block, index)
     if jobs != 1:
-        from coda_lang.backend_cute import parallel
+        from coda_lang.backend_cute.build import parallel
 
         parallel.warm([parallel.Request(spec, candidates, first=True)], jobs=jobs, directory=directory)
     tried: list[str] = []
@@ -556,7 +556,7 @@ def configs_without_spills(
     with five row vectors loaded: 4-12 bytes at 128x128 and 256x128 against 1 KB at 128x192).
     `jobs` as select_config's."""
     if jobs != 1:
-        from coda_lang.backend_cute import parallel
+        from coda_lang.backend_cute.build import parallel
 
         parallel.warm([parallel.Request(spec, candidates)], jobs=jobs, directory=directory)
     out = [CUBLAS] if is_plain(spec) else []

@@ -4,7 +4,7 @@ What it does: walks a block in program order, types every equation through its o
 tracks what each value is where it is used (inside a stage: tile, row/column vector, scalar, partial,
 group; between stages: scalar, vector, matrix), and reports E03/E04/E05 mistakes. It returns the typed
 block and its plan (loads, stores with dtype, reductions, tiling constraints, vector computations).
-What it does not: parse or resolve names (syntax/), or run anything.
+What it does not: parse or resolve names (frontend/syntax/), or run anything.
 Invariants: a failing equation poisons its results (type `<error>`), and a poisoned operand never
 gives a second diagnostic, so one mistake gives one message; the returned block is a new block (IR
 nodes are frozen) whose every Var carries its type.
@@ -25,6 +25,8 @@ from dataclasses import replace
 from math import lcm
 from typing import Any
 
+from coda_lang.core.diagnostics import Diagnostic, Mistake
+from coda_lang.frontend.verify.plan import BlockPlan, Load, Reduction, StagePlan, Store
 from coda_lang.ir.nodes import Atom, Block, DimRef, Eqn, ErrAtom, Lit, Output, Param, Span, Stage, Var
 from coda_lang.ir.types import (
     BOOL,
@@ -42,8 +44,6 @@ from coda_lang.ir.types import (
 )
 from coda_lang.ops import REGISTRY, Ctx, StageShape
 from coda_lang.ops.registry import COMBINES, kind_name
-from coda_lang.verify.diagnostics import Diagnostic, Mistake
-from coda_lang.verify.plan import BlockPlan, Load, Reduction, StagePlan, Store
 
 
 def _stage_text(st: Stage) -> str:

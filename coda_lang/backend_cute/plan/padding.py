@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from coda_lang.frontend.verify.plan import Load
 from coda_lang.ir.nodes import DimRef, Eqn, Lit, Var
 from coda_lang.ops import REGISTRY
-from coda_lang.verify.plan import Load
 
 REAL = object()  # a value made of real inputs, not known when planning
 

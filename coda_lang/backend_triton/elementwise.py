@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
+from coda_lang.core.diagnostics import CodaError, Diagnostic
+from coda_lang.frontend.verify.repeat import repeated
 from coda_lang.ir.nodes import DimRef, Lit, Stage, Var
 from coda_lang.ir.types import GROUP, MATRIX, TILE, VEC, Dim, Type
 from coda_lang.ops import REGISTRY
-from coda_lang.verify.diagnostics import CodaError, Diagnostic
-from coda_lang.verify.repeat import repeated
 
 # torch.compile's `dynamic` for the stages' kernels: None (PyTorch's default) compiles for the first
 # shape and once more, shape-generic, when a second one comes. True (one shape-generic kernel from the
@@ -152,7 +152,7 @@ class ElementwiseStage:
             fn = self._body
             if not self.emulate:
                 if self.generator == "triton":
-                    from coda_lang.backend_cute.triton_stage import TritonStage
+                    from coda_lang.backend_triton.generate import TritonStage
 
                     fn = TritonStage(self)
                 else:
@@ -163,7 +163,7 @@ class ElementwiseStage:
     @property
     def generator(self) -> str:
         """How the stage runs on the GPU: "triton" (a generated kernel) or "inductor" (torch.compile)."""
-        from coda_lang.backend_cute import triton_stage
+        from coda_lang.backend_triton import generate as triton_stage
 
         if os.environ.get("CODA_ELEMENTWISE", "triton") == "inductor" or triton_stage.unsupported(self):
             return "inductor"
@@ -321,6 +321,6 @@ class ElementwiseStage:
 
 
 def _torch_dtype(dtype: str) -> torch.dtype:
-    from coda_lang.backend_cute.launch import TORCH_DTYPES
+    from coda_lang.backend_cute.runtime.launch import TORCH_DTYPES
 
     return TORCH_DTYPES[dtype]

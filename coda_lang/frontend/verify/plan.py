@@ -71,13 +71,13 @@ class BlockPlan:
 
 
 def _source(eqns: tuple[Eqn, ...]) -> list[str]:
-    from coda_lang.ir.printer import inline_source
+    from coda_lang.frontend.syntax.printer import inline_source
 
     return inline_source(eqns)
 
 
 def explain(plan: BlockPlan) -> str:
-    from coda_lang.verify.repeat import repeat_uses
+    from coda_lang.frontend.verify.repeat import repeat_uses
 
     b = plan.block
     repeats: dict[tuple[int, str], list[str]] = {}  # (stage, vector) -> the widths it repeats across

@@ -29,15 +29,15 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from coda_lang.backend_cute.compile import (
+from coda_lang.backend_cute.build.compile import (
     TileConfig,
     entry_lock,
     kernel_fingerprint,
     library_versions,
     write_atomic,
 )
-from coda_lang.backend_cute.emit import EMITTER_VERSION, cache_dir, source_hash
-from coda_lang.progress import Progress
+from coda_lang.backend_cute.plan.emit import EMITTER_VERSION, cache_dir, source_hash
+from coda_lang.core.progress import Progress
 
 WARMUP = 3  # launches before timing (module load, first-touch of the inputs)
 BATCH = 5  # launches per timed batch
@@ -327,7 +327,7 @@ def random_inputs(block_ir: Any, dims: dict[str, int], device: Any, seed: int = 
     by 1/sqrt(K), i32 indices within the range they index), made on the device."""
     import torch
 
-    from coda_lang.backend_cute.launch import TORCH_DTYPES
+    from coda_lang.backend_cute.runtime.launch import TORCH_DTYPES
     from coda_lang.interp.inputs import extent, input_scales
 
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -359,7 +359,7 @@ def times_of(cb: Any, k: int, shape: tuple[int, int, int]) -> dict[str, float]:
     """The times tuning.json holds for stage k of a CudaBlock at a GEMM shape, by config label."""
     import torch
 
-    from coda_lang.backend_cute.emit import emit_stage
+    from coda_lang.backend_cute.plan.emit import emit_stage
 
     spec = cb.specs[k - 1]
     entry = _read().get(disk_key(emit_stage(spec), shape, torch.cuda.get_device_name()))

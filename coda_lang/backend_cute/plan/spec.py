@@ -23,7 +23,7 @@ from coda_lang.ir.types import FLOAT_DTYPES, TILE, VEC, Dim, Shape, Type, shape_
 # key is the renamed one.
 QUACK_RESERVED = frozenset({"acc", "c", "D"})
 
-# Quack op for each load role of verify/plan.py.
+# Quack op for each load role of frontend/verify/plan.py.
 LOAD_OPS = {"tile": "TileLoad", "row vector": "ColVecLoad", "column vector": "RowVecLoad", "scalar": "Scalar"}
 
 # `row_index()` / `col_index()` in an element-mode stage: an operand of role "row index" / "column

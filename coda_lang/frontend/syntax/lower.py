@@ -3,7 +3,7 @@
 What it does: turns each block of the tree into an `ir.Block` whose statements are flat equations
 (one op each, temporaries named `_tN`) and stages; params and outputs get their declared types;
 every node gets a span. Name errors (E02) and shape-expression errors (E0409) are reported here.
-What it does not: type the body or check locality (verify/ does); it never looks at kinds.
+What it does not: type the body or check locality (frontend/verify/ does); it never looks at kinds.
 Invariants: a name is bound once per block (E0202 otherwise); a failed name becomes an `ErrAtom`,
 so one mistake gives one diagnostic; temporaries never collide with user names.
 """
@@ -14,6 +14,7 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
+from coda_lang.core.diagnostics import Diagnostic, did_you_mean
 from coda_lang.ir.nodes import (
     REMAT,
     Atom,
@@ -33,7 +34,6 @@ from coda_lang.ir.nodes import (
 )
 from coda_lang.ir.types import DTYPES, MATRIX, SCALAR, VEC, Dim, Type
 from coda_lang.ops import registry
-from coda_lang.verify.diagnostics import Diagnostic, did_you_mean
 
 _INFIX_RULES = {"add": "+", "sub": "-", "mul": "*", "div": "/", "neg": "neg"}
 _CMP = {"<": "lt", "<=": "le", ">": "gt", ">=": "ge", "==": "eq", "!=": "ne"}
