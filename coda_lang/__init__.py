@@ -7,7 +7,8 @@ imported, lazily). `coda_lang.load(path_or_text)` is the entry point of the Pyth
 """
 
 from coda_lang.api import Block, Program, load
+from coda_lang.core import VERSION
 from coda_lang.core.diagnostics import CodaError, Diagnostic
 
-__version__ = "0.1.0"
+__version__ = VERSION
 __all__ = ["Block", "CodaError", "Diagnostic", "Program", "load"]

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from coda_lang.core.diagnostics import CodaError
+from coda_lang.core.diagnostics import CodaError, error
 from coda_lang.frontend.source import check_source, normalize_newlines, read_source
 from coda_lang.frontend.syntax.printer import print_block, print_program
 from coda_lang.frontend.verify.plan import BlockPlan, explain
@@ -135,13 +135,13 @@ class Block:
         import numpy as np
 
         from coda_lang.interp import bind
-        from coda_lang.interp.inputs import extent, fail
+        from coda_lang.ir.types import extent
 
         _, sizes = bind(self.ir, inputs, dims, precision)
         outputs = {o.name: o for o in self.ir.outputs}
         unknown = sorted(set(cotangents) - set(outputs))
         if unknown:
-            raise fail(
+            raise error(
                 "E0801", f"no output `{unknown[0]}` to take a cotangent of; outputs: {', '.join(outputs)}"
             )
         bins: dict[str, Any] = {}

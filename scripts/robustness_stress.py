@@ -7,7 +7,7 @@
 Programs come from `coda_lang.testing.malformed.malformed`: the examples and random valid programs
 (`coda_lang.testing.random_blocks`), mutated, deeply nested, given huge literals and other line
 endings. Each job runs hypothesis (random, seeded with seed + job) over its share of the programs and
-`malformed.crash` on each (the three commands in-process, through the CLI's `main`), with a time
+`coda_lang.cli.crash.crash` on each (the three commands in-process, through the CLI's `main`), with a time
 limit per program (a hang). Prints the number of programs, how many were distinct, how many loaded,
 each command's exit codes, and every crash (its program written to --out, one line of why);
 exit status 1 if any program crashed or hung. tests/test_robustness.py runs the same property on a
@@ -47,6 +47,7 @@ def job(args: tuple[int, int, int, str]) -> tuple[Counter[str], set[str], list[t
     from hypothesis import seed as hypothesis_seed
     from hypothesis import strategies as st
 
+    from coda_lang.cli.crash import crash
     from coda_lang.testing import malformed as mf
 
     sources = st.one_of(st.sampled_from(mf.examples_sources(str(ROOT / "examples"))), mf.random_sources())
@@ -71,7 +72,7 @@ def job(args: tuple[int, int, int, str]) -> tuple[Counter[str], set[str], list[t
         digests.add(hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest())
         signal.alarm(timeout)
         try:
-            why = mf.crash(text, folder, counts=counts)
+            why = crash(text, folder, counts=counts)
         except Hang:
             why = f"no answer within {timeout} s (a hang)"
         finally:

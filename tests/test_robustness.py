@@ -25,6 +25,7 @@ from support import coda, no_traceback
 from test_roundtrip import programs
 
 import coda_lang
+from coda_lang.cli.crash import crash
 from coda_lang.core.diagnostics import CODES, render_all
 from coda_lang.frontend.source import check_source, normalize_newlines
 from coda_lang.frontend.syntax.printer import print_program
@@ -36,7 +37,6 @@ from coda_lang.testing.malformed import (
     NUMBERS,
     PUNCT,
     SPACE,
-    crash,
     malformed,
     mutated,
     random_sources,

@@ -765,8 +765,8 @@ def _meta_env(blk: coda_lang.Block, sizes: dict[str, int]) -> dict[str, object]:
     """A "meta" tensor (or a number, for scalars) for every named value of the block, in the dtype the
     runtime holds it in (stored values in their storage dtype, vectors in f32)."""
     from coda_lang.backend_cute.runtime.launch import TORCH_DTYPES
-    from coda_lang.interp.inputs import extent
     from coda_lang.ir.nodes import Stage
+    from coda_lang.ir.types import extent
 
     dims = {d.name: sizes[d.name] for d in blk.ir.dims}
     types = {p.var.name: p.var.type for p in blk.ir.params}

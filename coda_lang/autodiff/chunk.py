@@ -41,12 +41,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from coda_lang.core.diagnostics import CodaError
+from coda_lang.core.diagnostics import CodaError, error
 from coda_lang.frontend.syntax.printer import print_block
 from coda_lang.frontend.verify.repeat import repeat_uses
-from coda_lang.interp.inputs import extent, fail
 from coda_lang.ir.nodes import Block, DimDecl, DimRef, Eqn, Param, Stage, Var
-from coda_lang.ir.types import TILE, Dim, Shape, Type, shape_str
+from coda_lang.ir.types import TILE, Dim, Shape, Type, extent, shape_str
 from coda_lang.ops import REGISTRY
 
 CHUNK_CODE = "E0809"
@@ -123,7 +122,7 @@ class ChunkPlan:
 
 
 def refuse(msg: str, notes: list[str] | None = None) -> CodaError:
-    return fail(
+    return error(
         CHUNK_CODE,
         msg,
         notes=notes

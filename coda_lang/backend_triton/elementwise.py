@@ -31,6 +31,7 @@ from coda_lang.frontend.verify.repeat import repeated
 from coda_lang.ir.nodes import DimRef, Lit, Stage, Var
 from coda_lang.ir.types import GROUP, MATRIX, TILE, VEC, Dim, Type
 from coda_lang.ops import REGISTRY
+from coda_lang.ops.registry import torch_dtype
 
 # torch.compile's `dynamic` for the stages' kernels: None (PyTorch's default) compiles for the first
 # shape and once more, shape-generic, when a second one comes. True (one shape-generic kernel from the
@@ -321,6 +322,4 @@ class ElementwiseStage:
 
 
 def _torch_dtype(dtype: str) -> torch.dtype:
-    from coda_lang.backend_cute.runtime.launch import TORCH_DTYPES
-
-    return TORCH_DTYPES[dtype]
+    return torch_dtype(dtype)

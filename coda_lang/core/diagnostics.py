@@ -1,17 +1,38 @@
-"""Diagnostics: error codes, the `Diagnostic` record, and its rustc-style and short renderings.
+"""Diagnostics: source spans, error codes, the `Diagnostic` record, and its rustc-style and short renderings.
 
-What it does: the table of error codes (by family: E01 syntax, E02 names, E03 dtypes, E04 shapes,
-E05 locality, E06 autodiff, E07 backend limits), `Diagnostic`, `CodaError`, and `render`.
-What it does not: decide when an error occurs (frontend/syntax/, frontend/verify/).
+The ground floor of the package: it imports nothing of coda_lang, and every layer above raises its
+errors through it.
+
+What it does: `Span` (a source location), the table of error codes (by family: E01 syntax, E02
+names, E03 dtypes, E04 shapes, E05 locality, E06 autodiff, E07 backend limits; E08 runtime inputs are
+interp/inputs.py's INPUT_CODES), `Diagnostic`, `CodaError`, `render`, and `error()`, the one way to
+make a located error: `raise error("E0801", "missing input `x`", span)`. `Mistake` is what a type
+or locality rule raises when it does not know its span yet (the checker locates it).
+What it does not: decide when an error occurs (frontend/syntax/, frontend/verify/, the runtimes).
 Invariants: every code raised anywhere is in `CODES` (a test checks it); rendering never fails,
 even for a span outside the source text.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from coda_lang.ir.nodes import Span
+
+@dataclass(frozen=True)
+class Span:
+    """A source location: file, and the first and one-past-last line and column (1-based)."""
+
+    file: str
+    line: int
+    col: int
+    end_line: int
+    end_col: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.col}"
+
 
 CODES: dict[str, str] = {
     # E01 syntax
@@ -107,6 +128,31 @@ class CodaError(Exception):
 
     def render(self, fmt: str = "human") -> str:
         return render_all(self.diagnostics, self.sources, fmt)
+
+
+def error(
+    code: str,
+    message: str,
+    span: Span | None = None,
+    *,
+    label: str = "",
+    notes: list[str] | None = None,
+    help: list[str] | None = None,
+) -> CodaError:
+    """A CodaError carrying one diagnostic (at `span`, when the error has a place in a source): the
+    one way the layers above make an error to raise. `raise error(...)`."""
+    return CodaError([Diagnostic(code, message, span, label=label, notes=notes or [], help=help or [])])
+
+
+def with_sources(e: CodaError) -> CodaError:
+    """`e` with the text of the files its spans point at (so that it renders with source lines)."""
+    if e.sources:
+        return e
+    sources = {}
+    for f in {d.span.file for d in e.diagnostics if d.span is not None}:
+        with contextlib.suppress(OSError):
+            sources[f] = Path(f).read_text()
+    return CodaError(e.diagnostics, sources) if sources else e
 
 
 class Mistake(Exception):

@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from coda_lang.core.diagnostics import CodaError, Diagnostic
+from coda_lang.core.diagnostics import error
 from coda_lang.core.numerics import compute_dtype, round_to
 from coda_lang.ir.nodes import Block, Stage, Var
-from coda_lang.ir.types import Dim, is_float, shape_str
+from coda_lang.ir.types import Dim, extent, is_float, shape_str
 
 # Codes of run-time input errors (not program errors: they are not in CODES).
 INPUT_CODES = {
@@ -85,7 +85,7 @@ def check_sizes(block: Block, dims: dict[str, int], precision: str = "exact", ti
     need, have = memory_needed(block, dims, precision), available_memory()
     if need > have:
         sizes = ", ".join(f"{k}={v}" for k, v in dims.items())
-        raise fail(
+        raise error(
             "E0808",
             f"at {sizes} the interpreter needs about {need / 2**30:.1f} GiB; "
             f"{have / 2**30:.1f} GiB are available",
@@ -99,7 +99,7 @@ def check_sizes(block: Block, dims: dict[str, int], precision: str = "exact", ti
         for tm, tn in tiles:
             count = -(-rows // max(tm, 1)) * -(-cols // max(tn, 1))
             if count > MAX_TILES:
-                raise fail(
+                raise error(
                     "E0808",
                     f"a {tm}x{tn} tile makes {count:,} tiles of a {rows}x{cols} stage; the "
                     f"tile simulation takes one step per tile (at most {MAX_TILES:,})",
@@ -107,22 +107,18 @@ def check_sizes(block: Block, dims: dict[str, int], precision: str = "exact", ti
                 )
 
 
-def fail(code: str, msg: str, notes: list[str] | None = None) -> CodaError:
-    return CodaError([Diagnostic(code, msg, None, notes=notes or [])])
-
-
 def _solve(d: Dim, n: int, dims: dict[str, int], where: str, given: dict[str, int]) -> None:
     if d.name is None:
         if Fraction(n) != d.coeff:
-            raise fail("E0802", f"{where} has extent {n}, but the declared extent is {d}")
+            raise error("E0802", f"{where} has extent {n}, but the declared extent is {d}")
         return
     x = Fraction(n) / d.coeff
     if x.denominator != 1 or x <= 0:
-        raise fail("E0802", f"{where} has extent {n}, which is not {d} for any integer {d.name}")
+        raise error("E0802", f"{where} has extent {n}, which is not {d} for any integer {d.name}")
     value = int(x)
     if d.name in dims and dims[d.name] != value:
         src = "given" if d.name in given else "inferred"
-        raise fail(
+        raise error(
             "E0804", f"{where} gives {d.name} = {value}, but {d.name} = {dims[d.name]} was {src} before"
         )
     dims[d.name] = value
@@ -134,16 +130,16 @@ def infer_dims(
     given = dict(dims or {})
     for name in given:
         if name not in {d.name for d in block.dims}:
-            raise fail(
+            raise error(
                 "E0804", f"unknown dim `{name}`; the block's dims are {', '.join(d.name for d in block.dims)}"
             )
         if not isinstance(given[name], (int, np.integer)) or given[name] <= 0:
-            raise fail("E0804", f"dim {name} must be a positive integer, got {given[name]!r}")
+            raise error("E0804", f"dim {name} must be a positive integer, got {given[name]!r}")
     out = {k: int(v) for k, v in given.items()}
     for d in block.dims:
         if d.value is not None:
             if d.name in out and out[d.name] != d.value:
-                raise fail("E0804", f"dim {d.name} is fixed to {d.value} by the program, got {out[d.name]}")
+                raise error("E0804", f"dim {d.name} is fixed to {d.value} by the program, got {out[d.name]}")
             out[d.name] = d.value
     for p in block.params:
         t = p.var.type
@@ -152,7 +148,7 @@ def infer_dims(
             continue
         shape = shapes[p.var.name]
         if len(shape) != len(t.shape):
-            raise fail(
+            raise error(
                 "E0802",
                 f"input `{p.var.name}` has shape {tuple(shape)}, but it is declared "
                 f"{t.dtype}{shape_str(t.shape) if t.shape else ' (a scalar)'}",
@@ -161,7 +157,7 @@ def infer_dims(
             _solve(ext, n, out, f"axis {axis} of input `{p.var.name}`", given)
     missing = [d.name for d in block.dims if d.name not in out]
     if missing:
-        raise fail(
+        raise error(
             "E0804", f"dims {', '.join(missing)} can't be inferred from the inputs; give them (dims={{...}})"
         )
     # Every declared extent must be a positive integer for these dims (X/2 needs an even X).
@@ -169,15 +165,8 @@ def infer_dims(
         for ext in p.var.type.shape if p.var.type else ():
             v = ext.evaluate(out)
             if v.denominator != 1 or v <= 0:
-                raise fail("E0804", f"parameter `{p.var.name}` has extent {ext} = {v} for these dims")
+                raise error("E0804", f"parameter `{p.var.name}` has extent {ext} = {v} for these dims")
     return out
-
-
-def extent(d: Dim, dims: dict[str, int]) -> int:
-    v = d.evaluate(dims)
-    if v.denominator != 1:
-        raise fail("E0804", f"extent {d} = {v} is not an integer for these dims")
-    return int(v)
 
 
 def _to_numpy(x: Any) -> np.ndarray:
@@ -198,7 +187,7 @@ def bind(
     names = {p.var.name for p in block.params}
     unknown = sorted(set(inputs) - names)
     if unknown:
-        raise fail(
+        raise error(
             "E0801", f"unknown input `{unknown[0]}`; the block's parameters are {', '.join(sorted(names))}"
         )
     arrays: dict[str, np.ndarray] = {}
@@ -207,15 +196,15 @@ def bind(
             try:
                 arrays[p.var.name] = _to_numpy(inputs[p.var.name])
             except Exception as e:  # e.g. ragged lists
-                raise fail("E0803", f"input `{p.var.name}` is not an array: {e}") from None
+                raise error("E0803", f"input `{p.var.name}` is not an array: {e}") from None
             if arrays[p.var.name].dtype.kind not in "fiub" and arrays[p.var.name].dtype.name != "bfloat16":
-                raise fail(
+                raise error(
                     "E0803",
                     f"input `{p.var.name}` is an array of {arrays[p.var.name].dtype} "
                     "(void, record, string or object elements); it must hold numbers",
                 )
         elif p.default is None:
-            raise fail("E0801", f"missing input `{p.var.name}`")
+            raise error("E0801", f"missing input `{p.var.name}`")
     shapes = {k: tuple(v.shape) for k, v in arrays.items()}
     sizes = infer_dims(block, shapes, dims)
     env: dict[str, np.ndarray] = {}
@@ -230,14 +219,14 @@ def bind(
         kind = a.dtype.kind
         if is_float(t.dtype):
             if kind != "f" and not (kind in "iu" and a.ndim == 0) and a.dtype.name != "bfloat16":
-                raise fail("E0803", f"input `{p.var.name}` is {a.dtype}, but it is declared {t.dtype}")
+                raise error("E0803", f"input `{p.var.name}` is {a.dtype}, but it is declared {t.dtype}")
             x = a.astype(compute_dtype("f32", precision))
             env[p.var.name] = round_to(x, t.dtype, precision)
         else:
             if kind not in "iu":
-                raise fail("E0803", f"input `{p.var.name}` is {a.dtype}, but it is declared i32")
+                raise error("E0803", f"input `{p.var.name}` is {a.dtype}, but it is declared i32")
             if a.size and (a.max() > np.iinfo(np.int32).max or a.min() < np.iinfo(np.int32).min):
-                raise fail("E0803", f"input `{p.var.name}` has values outside the i32 range")
+                raise error("E0803", f"input `{p.var.name}` has values outside the i32 range")
             env[p.var.name] = a.astype(np.int32)
     return env, sizes
 
@@ -305,9 +294,9 @@ def given_dims(block: Any, dims: dict[str, int] | None) -> dict[str, int]:
     out = {}
     for name, v in dims.items():
         if name not in names:
-            raise fail("E0804", f"unknown dim `{name}`; the block's dims are {', '.join(names) or '(none)'}")
+            raise error("E0804", f"unknown dim `{name}`; the block's dims are {', '.join(names) or '(none)'}")
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-            raise fail("E0804", f"dim {name} must be a positive integer, got {v!r}")
+            raise error("E0804", f"dim {name} must be a positive integer, got {v!r}")
         out[name] = int(v)
     return out
 

@@ -20,12 +20,13 @@ from typing import Any
 
 import numpy as np
 
+from coda_lang.core.diagnostics import error
 from coda_lang.core.numerics import compute_dtype, round_to, to_storage
 from coda_lang.frontend.verify.plan import BlockPlan
 from coda_lang.frontend.verify.repeat import check_repeats, repeat_uses, repeated
-from coda_lang.interp.inputs import check_sizes, extent, fail
+from coda_lang.interp.inputs import check_sizes
 from coda_lang.ir.nodes import Atom, Block, DimRef, Eqn, Lit, Stage, Var
-from coda_lang.ir.types import ERROR_TYPE, GROUP, MATRIX, PARTIAL, TILE, Dim, Type
+from coda_lang.ir.types import ERROR_TYPE, GROUP, MATRIX, PARTIAL, TILE, Dim, Type, extent
 from coda_lang.ops import REGISTRY
 from coda_lang.ops.registry import combine_rule, repeats_in
 
@@ -189,7 +190,7 @@ class Interpreter:
         full = extent(cols, self.dims)
         tn = min(tn, full)  # one clipped tile holds the whole width
         if tm < 1 or tn < 1:
-            raise fail("E0805", f"tile sizes must be positive, got {tm}x{tn}")
+            raise error("E0805", f"tile sizes must be positive, got {tm}x{tn}")
 
         def splits_pairs(t: Type) -> bool:
             """A tile of another width than the stage's (half: after pairs) gets tn * ratio columns per
@@ -204,16 +205,18 @@ class Interpreter:
         for e in s.body:
             for a in e.ins:
                 if isinstance(a, Var) and splits_pairs(_type(a)):
-                    raise fail("E0805", f"tile_N = {tn} is odd, but stage reads `{a.name}` at half its width")
+                    raise error(
+                        "E0805", f"tile_N = {tn} is odd, but stage reads `{a.name}` at half its width"
+                    )
             for v in e.outs:
                 t = _type(v)
                 if splits_pairs(t):
-                    raise fail("E0805", f"tile_N = {tn} is odd, but stage `{v.name}` works on column pairs")
+                    raise error("E0805", f"tile_N = {tn} is odd, but stage `{v.name}` works on column pairs")
                 if t.kind == GROUP:
                     assert t.group is not None
                     ratio = t.shape[1].coeff * t.group / cols.coeff
                     if (tn * ratio) % t.group:
-                        raise fail(
+                        raise error(
                             "E0805",
                             f"tile_N = {tn} splits the groups of {t.group} columns of `{v.name}`",
                             notes=["the checker recorded this tiling constraint; see `coda check --explain`"],
@@ -287,7 +290,7 @@ class Interpreter:
                 g = int(group)  # type: ignore[arg-type]
                 if x.shape[1] % g:  # a width the checker could not see (a dim known only from the inputs)
                     assert isinstance(over, Dim)
-                    raise fail(
+                    raise error(
                         "E0802",
                         f"`{e.outs[0].name}` reduces groups of {g} columns of `{over}`, which is "
                         f"{extent(over, self.dims)}: not a multiple of {g}",
@@ -341,12 +344,12 @@ def check_tiles(block: Block, tile: Any) -> None:
         n = len(block.stages)
         for k, t in tile.items():
             if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= n:
-                raise fail("E0805", f"tile= names stage {k!r}, but block {block.name} has stages 1 to {n}")
+                raise error("E0805", f"tile= names stage {k!r}, but block {block.name} has stages 1 to {n}")
             if not _is_tile(t):
-                raise fail("E0805", f"tile= of stage {k} is {t!r}; a tile is (tile_M, tile_N), two integers")
+                raise error("E0805", f"tile= of stage {k} is {t!r}; a tile is (tile_M, tile_N), two integers")
         return
     if not _is_tile(tile):
-        raise fail(
+        raise error(
             "E0805", f"tile= is {tile!r}; a tile is (tile_M, tile_N), two integers, or a dict by stage"
         )
 

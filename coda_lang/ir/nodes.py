@@ -1,7 +1,7 @@
 """IR nodes: a block is a flat SSA list of equations and GEMM stages.
 
 What it does: defines the frozen node classes (`Var`, `Lit`, `DimRef`, `Eqn`, `Stage`, `Param`,
-`Output`, `Block`, `Program`) and `Span`, the source location every node carries.
+`Output`, `Block`, `Program`); every node carries a `Span` (core/diagnostics.py), its source location.
 What it does not: type anything (frontend/verify/ fills in `Var.type`), print (frontend/syntax/printer.py) or parse.
 Invariants: nodes are frozen; spans never take part in equality, so a block re-parsed from its
 printed form compares equal to the original; every name is assigned once per block, except `acc`,
@@ -12,19 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from coda_lang.core.diagnostics import Span
 from coda_lang.ir.types import Dim, Type
 
-
-@dataclass(frozen=True)
-class Span:
-    file: str
-    line: int
-    col: int
-    end_line: int
-    end_col: int
-
-    def __str__(self) -> str:
-        return f"{self.file}:{self.line}:{self.col}"
+__all__ = ["Span"]  # (re-exported: the location every node carries is the diagnostics' own record)
 
 
 NO_SPAN = Span("<generated>", 0, 0, 0, 0)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+from coda_lang.core.diagnostics import error
+
 FLOAT_DTYPES = ("f32", "bf16", "f16")
 INT_DTYPES = ("i32",)
 DTYPES = FLOAT_DTYPES + INT_DTYPES  # what a user may write
@@ -121,3 +123,12 @@ class Type:
 
 
 ERROR_TYPE = Type(ERROR)
+
+
+def extent(d: Dim, sizes: dict[str, int]) -> int:
+    """The size of `d` at these sizes of the dims; CodaError E0804 when it is not a whole number
+    (`F/2` with F odd)."""
+    v = d.evaluate(sizes)
+    if v.denominator != 1:
+        raise error("E0804", f"extent {d} = {v} is not an integer for these dims")
+    return int(v)

@@ -58,6 +58,15 @@ np: Any = _Lazy("numpy")
 torch: Any = _Lazy("torch")
 
 
+_TORCH_DTYPE_NAMES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "i32": "int32", "bool": "bool"}
+
+
+def torch_dtype(dtype: str) -> Any:
+    """The torch dtype of a coda dtype ("f32", "bf16", "f16", "i32", "bool"): the one table every
+    runtime (CUDA blocks, generated stages, the quack adapter, `coda tune`'s inputs) uses."""
+    return getattr(torch, _TORCH_DTYPE_NAMES[dtype])
+
+
 def as_tensor(x: Any) -> Any:
     """A torch stand-in's operand as a tensor (a Python number becomes an f32 scalar tensor)."""
     return x if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=torch.float32)
@@ -490,6 +499,7 @@ __all__ = [
     "REGISTRY",
     "SUGAR",
     "as_tensor",
+    "torch_dtype",
     "as_tensors",
     "axis_of",
     "broadcast",

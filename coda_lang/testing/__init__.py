@@ -4,7 +4,7 @@ Public API (each module's docstring says more):
 - programs.py: `forward_blocks()`, random well-typed, block-local forward blocks drawn from the op
   registry (a `Forward`: source text, sizes of its dims, index ranges, input scales): several GEMM
   stages, vectors between stages, pairs/interleave, ordinary and grouped reductions, tile loads,
-  scalars. `random_blocks()` (here) draws from all of it, several dtypes included.
+  scalars. `random_blocks()` draws from all of it, several dtypes included.
 - mistakes.py: `twins()`, a valid block with one well-chosen mistake and the error code the checker
   must give (`Twin`); `MISTAKES` (kind -> code); `make_twin` for a given program.
 - dims.py: `dim_sizes(blocks, max_dim, align)`, sizes for a block's symbolic dims that bind (every
@@ -22,25 +22,13 @@ Importing this package imports hypothesis and NumPy, never torch; `coda check/ru
 import it.
 """
 
-from hypothesis import strategies as st
-
 from coda_lang.testing.compare import mismatch
 from coda_lang.testing.dims import dim_sizes, dim_units, tiles
 from coda_lang.testing.inputs import SPECIAL_KINDS, block_inputs, cotangents, gradcheck_inputs, input_seeds
 from coda_lang.testing.mistakes import MISTAKES, Twin, make_twin, twins
 from coda_lang.testing.op_programs import OP_SIZES, OpProgram, op_programs
-from coda_lang.testing.programs import Forward, forward_blocks
+from coda_lang.testing.programs import Forward, forward_blocks, random_blocks
 from coda_lang.testing.rules import differentiable_ops, positive_args
-
-
-def random_blocks(gemm_dtypes: tuple[str, ...] = ("f32", "bf16", "f16")) -> st.SearchStrategy[Forward]:
-    """Random checked blocks with every feature the generator has: several dtypes (activations, stored
-    tiles and GEMM operands in f32, bf16 or f16), grouped values read after their stage, partials read
-    by later stages, picks from narrower tiles. Not restricted to what autodiff handles today, so a
-    drawn block's backward may raise CodaError (E06); for differential testing that is fine.
-    `gemm_dtypes`: the dtypes GEMM operands may have (("bf16", "f16") for the CUDA backend)."""
-    return forward_blocks(known_bugs=True, gemm_dtypes=gemm_dtypes)
-
 
 __all__ = [
     "MISTAKES",

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 import coda_lang
 from coda_lang.ir.nodes import Block, Var
-from coda_lang.ir.types import Dim
+from coda_lang.ir.types import Dim, extent
 
 SPECIAL_KINDS = ("nan", "inf", "-inf", "large", "denormal", "zero")
 SPECIAL_FRACTION = 0.1
@@ -105,8 +105,6 @@ def block_inputs(
 ) -> dict[str, np.ndarray]:
     """Seeded inputs for every parameter of `block` (a Block or its IR) without a default (see the
     module docstring)."""
-    from coda_lang.interp.inputs import extent
-
     ir = _ir(block)
     sizes = {**_fixed(ir), **sizes}
     kinds = SPECIAL_KINDS if special is True else tuple(special) if special else ()
@@ -143,8 +141,6 @@ def block_inputs(
 
 def cotangents(block: Any, sizes: dict[str, int], seed: int) -> dict[str, np.ndarray]:
     """Seeded standard-normal cotangents for every float output, rounded to the output's dtype."""
-    from coda_lang.interp.inputs import extent
-
     ir = _ir(block)
     sizes = {**_fixed(_ir(block)), **sizes}
     rng = np.random.default_rng([seed, 1])
@@ -167,8 +163,6 @@ def gradcheck_inputs(
 ) -> dict[str, np.ndarray]:
     """float64 inputs for every parameter without a default: standard normal (times `scale`), uniform
     in [0.5, 1.5] for `positive` ones; i32 indices uniform in [-1, index_range) (-1: no column)."""
-    from coda_lang.interp.inputs import extent
-
     out: dict[str, np.ndarray] = {}
     for p in block.ir.params:
         t = p.var.type

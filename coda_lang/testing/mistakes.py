@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from coda_lang.frontend.syntax.printer import print_block
 from coda_lang.ir.nodes import Block, Stage
 from coda_lang.ir.types import Dim
+from coda_lang.testing.programs import random_blocks
 
 T = TypeVar("T")
 Choose = Callable[[Sequence[T]], T]
@@ -250,8 +251,6 @@ def twins(
     """A broken twin of a random valid program: `programs` draws program texts (default: the text of
     `random_blocks()`), `kinds` limits the mistakes (default: every kind in MISTAKES)."""
     if programs is None:
-        from coda_lang.testing import random_blocks
-
         programs = random_blocks().map(lambda f: f.text)
     text = draw(programs)
     options = list(kinds or MISTAKES)

@@ -456,3 +456,12 @@ def forward_blocks(
     gen = ForwardGen(draw, sizes, known_bugs, gemm_dtypes)
     text = gen.block()
     return Forward(text, sizes, dict(gen.index_range), dict(gen.scale))
+
+
+def random_blocks(gemm_dtypes: tuple[str, ...] = ("f32", "bf16", "f16")) -> st.SearchStrategy[Forward]:
+    """Random checked blocks with every feature the generator has: several dtypes (activations, stored
+    tiles and GEMM operands in f32, bf16 or f16), grouped values read after their stage, partials read
+    by later stages, picks from narrower tiles. Not restricted to what autodiff handles today, so a
+    drawn block's backward may raise CodaError (E06); for differential testing that is fine.
+    `gemm_dtypes`: the dtypes GEMM operands may have (("bf16", "f16") for the CUDA backend)."""
+    return forward_blocks(known_bugs=True, gemm_dtypes=gemm_dtypes)

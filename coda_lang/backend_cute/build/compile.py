@@ -45,6 +45,7 @@ from typing import Any
 from coda_lang.backend_cute.plan.emit import EMITTER_VERSION, cache_dir, emit_stage, source_hash, write_source
 from coda_lang.backend_cute.plan.planner import plan_stage
 from coda_lang.backend_cute.plan.spec import StageSpec
+from coda_lang.core import VERSION
 from coda_lang.core.diagnostics import CodaError, Diagnostic
 
 ARCH = "sm_90a"
@@ -241,9 +242,7 @@ KERNEL_MODULES = ("plan/epi_ops.py", "build/quack_adapter.py")
 def kernel_fingerprint() -> str:
     """coda_lang's version and the text of KERNEL_MODULES, hashed: part of every cache key, so that a
     cache written by another coda_lang is never read."""
-    from coda_lang import __version__
-
-    h = hashlib.sha256(f"coda_lang {__version__}\n".encode())
+    h = hashlib.sha256(f"coda_lang {VERSION}\n".encode())
     for name in KERNEL_MODULES:
         h.update(name.encode() + b"\n" + (Path(__file__).parent.parent / name).read_bytes())
     return h.hexdigest()[:16]

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from coda_lang.ops.registry import torch_dtype
+
 ARCH = "sm_90a"
 
 # Before quack and cutlass are imported: without a GPU they can't ask the driver which arch to
@@ -54,7 +56,6 @@ from quack.gemm_sm90 import GemmSm90  # noqa: E402
 
 import coda_lang.backend_cute.plan.epi_ops  # noqa: E402, F401  (installs quack's NaN-propagating max fold)
 
-_TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "i32": torch.int32}
 _H100_SMS = 132
 NOMINAL = 3072  # the size every named dim gets for validation (the kernel is shape-generic)
 
@@ -156,7 +157,7 @@ def _size(dim: Any) -> int:
 
 
 def _meta(shape: tuple[int, ...], dtype: str) -> Any:
-    return torch.empty(shape, dtype=_TORCH_DTYPES[dtype], device="meta")
+    return torch.empty(shape, dtype=torch_dtype(dtype), device="meta")
 
 
 def compile_ptx(spec: Any, path: Path, config: Any, root: Path | None = None) -> tuple[str, float]:

@@ -38,6 +38,7 @@ from coda_lang.backend_cute.build.compile import (
 )
 from coda_lang.backend_cute.plan.emit import EMITTER_VERSION, cache_dir, source_hash
 from coda_lang.core.progress import Progress
+from coda_lang.ops.registry import torch_dtype
 
 WARMUP = 3  # launches before timing (module load, first-touch of the inputs)
 BATCH = 5  # launches per timed batch
@@ -327,8 +328,8 @@ def random_inputs(block_ir: Any, dims: dict[str, int], device: Any, seed: int = 
     by 1/sqrt(K), i32 indices within the range they index), made on the device."""
     import torch
 
-    from coda_lang.backend_cute.runtime.launch import TORCH_DTYPES
-    from coda_lang.interp.inputs import extent, input_scales
+    from coda_lang.interp.inputs import input_scales
+    from coda_lang.ir.types import extent
 
     gen = torch.Generator(device=device).manual_seed(seed)
     rhs, pick_range = input_scales(block_ir)
@@ -345,7 +346,7 @@ def random_inputs(block_ir: Any, dims: dict[str, int], device: Any, seed: int = 
         x = torch.randn(shape, generator=gen, device=device)
         if p.var.name in rhs:
             x /= math.sqrt(max(extent(rhs[p.var.name], dims), 1))
-        out[p.var.name] = x.to(TORCH_DTYPES[t.dtype])
+        out[p.var.name] = x.to(torch_dtype(t.dtype))
     return out
 
 

@@ -50,9 +50,9 @@ from coda_lang.backend_cute.runtime.launch import (
 )
 from coda_lang.backend_cute.runtime.tiles import as_config, choose_config, find_ptxas, first_compiled
 from coda_lang.backend_triton.elementwise import ElementwiseStage
-from coda_lang.core.diagnostics import CodaError, Diagnostic
+from coda_lang.core.diagnostics import CodaError, Diagnostic, error
 from coda_lang.frontend.verify.repeat import check_repeats, repeat_uses
-from coda_lang.interp.inputs import dims_from_shapes, fail, given_dims, shape_rules
+from coda_lang.interp.inputs import dims_from_shapes, given_dims, shape_rules
 from coda_lang.ir.nodes import DEFAULT_REMAT, DimRef, Eqn, Lit, Stage, Var
 from coda_lang.ir.types import MATRIX, Dim
 from coda_lang.ops import REGISTRY
@@ -138,7 +138,7 @@ class CudaBlock:
                     *([GROUP_SUBTILE] if splits_groups(target, cfg) and not self.emulate else []),
                     *([WIDE_F32_TILE] if hangs_cooperative(target, cfg) and not self.emulate else []),
                 ]
-                raise fail(
+                raise error(
                     "E0805", f"tile {cfg.short} does not fit stage {k} (`{target.text}`): {'; '.join(why)}"
                 )
         for s in self.ir.body:
@@ -495,11 +495,11 @@ class CudaBlock:
                     times = tune.measure({c: launch(x) for c, x in runners.items()}, progress=progress)
                 except tune.KernelHang as e:
                     tune.store_hung(source, device, e.config)
-                    raise fail(
+                    raise error(
                         "E0810",
                         f"stage {k} of {self.name} (`{spec.text}`) at tile {tune.label(e.config)} did not "
                         f"finish within {e.seconds:g} s on the GPU ({device}): the kernel hangs",
-                        [
+                        notes=[
                             f"the tile is recorded as hung in {tune.cache_file()} and is not tried again: "
                             "run again in a new process",
                             "the GPU stays busy with the kernel until this process exits",
@@ -553,7 +553,7 @@ class CudaBlock:
         names = {p.var.name for p in self.ir.params}
         unknown = sorted(set(tensors) - names)
         if unknown:
-            raise fail(
+            raise error(
                 "E0801",
                 f"unknown input `{unknown[0]}`; the block's parameters are {', '.join(sorted(names))}",
             )
@@ -565,13 +565,13 @@ class CudaBlock:
             assert t is not None
             if name not in tensors:
                 if p.default is None:
-                    raise fail("E0801", f"missing input `{name}`")
+                    raise error("E0801", f"missing input `{name}`")
                 env[name] = p.default
                 continue
             v = tensors[name]
             if isinstance(v, (int, float)) and not isinstance(v, bool) and not t.shape:
                 if t.dtype == "i32" and not isinstance(v, int):
-                    raise fail("E0803", f"input `{name}` is {v!r}, but it is declared i32")
+                    raise error("E0803", f"input `{name}` is {v!r}, but it is declared i32")
                 # a 16-bit scalar rounded to its dtype, as the interpreter binds it
                 env[name] = (
                     int(v)
@@ -584,24 +584,24 @@ class CudaBlock:
                 )
                 continue
             if not isinstance(v, torch.Tensor):
-                raise fail(
+                raise error(
                     "E0803", f"input `{name}` is a {type(v).__name__}; the CUDA runtime takes torch tensors"
                 )
             if device is None:
                 device = v.device
             elif v.device != device:
-                raise fail("E0806", f"input `{name}` is on {v.device}, but other inputs are on {device}")
+                raise error("E0806", f"input `{name}` is on {v.device}, but other inputs are on {device}")
             if t.dtype == "i32":
                 if v.is_floating_point() or v.is_complex() or v.dtype == torch.bool:
-                    raise fail("E0803", f"input `{name}` is {v.dtype}, but it is declared i32")
+                    raise error("E0803", f"input `{name}` is {v.dtype}, but it is declared i32")
             elif not (v.is_floating_point() or (v.dim() == 0 and v.dtype != torch.bool)):
-                raise fail("E0803", f"input `{name}` is {v.dtype}, but it is declared {t.dtype}")
+                raise error("E0803", f"input `{name}` is {v.dtype}, but it is declared {t.dtype}")
             shapes[name] = tuple(v.shape)
             env[name] = dense(v, TORCH_DTYPES[t.dtype])
         if device is None:
-            raise fail("E0801", "no tensor inputs")
+            raise error("E0801", "no tensor inputs")
         if not self.emulate and device.type != "cuda":
-            raise fail(
+            raise error(
                 "E0806",
                 f"inputs are on {device}; the CUDA runtime needs CUDA tensors",
                 notes=["Block.run runs the interpreter on CPU tensors"],

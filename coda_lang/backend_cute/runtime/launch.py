@@ -28,17 +28,11 @@ from coda_lang.backend_cute.build.compile import TileConfig
 from coda_lang.backend_cute.plan import spec as specs
 from coda_lang.backend_cute.plan.emit import emit_stage, write_source
 from coda_lang.backend_cute.plan.spec import F32_EXACT_INT, INDEX_AXIS, Sink, StageSpec
-from coda_lang.interp.inputs import fail
+from coda_lang.core.diagnostics import error
 from coda_lang.ir.types import BOOL, MATRIX, Dim, Type
-from coda_lang.ops.registry import combine_of_sink, combine_rule
+from coda_lang.ops.registry import combine_of_sink, combine_rule, torch_dtype
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "f32": torch.float32,
-    "bf16": torch.bfloat16,
-    "f16": torch.float16,
-    "i32": torch.int32,
-    BOOL: torch.bool,
-}
+TORCH_DTYPES: dict[str, torch.dtype] = {d: torch_dtype(d) for d in ("f32", "bf16", "f16", "i32", BOOL)}
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -140,7 +134,7 @@ class StageRunner:
             if o.role in INDEX_AXIS:  # computed in the kernel from its coordinates; nothing to pass
                 extent = A.shape[0] if INDEX_AXIS[o.role] == 0 else n
                 if extent > F32_EXACT_INT:
-                    raise fail(
+                    raise error(
                         "E0703",
                         f"stage {spec.index}: `{o.name}` indexes {extent} {o.role.split()[0]}s; the kernel "
                         f"holds an index as f32, exact up to {F32_EXACT_INT}",
@@ -159,7 +153,7 @@ class StageRunner:
             if o.period is not None:  # a vector over G repeating across W columns: passed repeated
                 w = _width(o.shape[0], g.cols, n)
                 if w % t.shape[0]:
-                    raise fail(
+                    raise error(
                         "E0802",
                         f"stage {spec.index}: `{o.name}` ({t.shape[0]} values) repeats across {w} columns: "
                         f"not a multiple of {t.shape[0]}",
@@ -201,7 +195,7 @@ class StageRunner:
         stored = ([spec.d.name] if spec.d is not None else []) + [o.name for o in spec.outputs]
         for t, name in zip(outs, stored, strict=True):
             if isinstance(t.shape[1], int) and (t.shape[1] * t.element_size()) % 16:
-                raise fail(
+                raise error(
                     "E0807",
                     f"stage {spec.index} (`{spec.text}`) stores `{name}` with rows of {t.shape[1]} "
                     f"values, {t.shape[1] * t.element_size()} bytes: the kernel's TMA stores need rows of a multiple "
@@ -213,7 +207,7 @@ class StageRunner:
                 )
         for gr in spec.groups:  # quack's GroupedColStatsBase needs whole groups (it raises ValueError)
             if isinstance(n, int) and n % gr.width:
-                raise fail(
+                raise error(
                     "E0802",
                     f"stage {spec.index} (`{spec.text}`) reduces `{gr.name}` in groups of {gr.width} "
                     f"columns, but its width is {n}: not a multiple of {gr.width}",

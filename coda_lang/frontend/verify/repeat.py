@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+from coda_lang.core.diagnostics import error
 from coda_lang.ir.nodes import Block, Eqn, Span, Stage, Var
 from coda_lang.ir.types import PARTIAL, TILE, VEC, Dim
 from coda_lang.ops import REGISTRY
@@ -112,14 +113,13 @@ def repeat_uses(block: Block) -> list[RepeatUse]:
 def check_repeats(uses: list[RepeatUse], dims: dict[str, Any]) -> None:
     """E0802 when, at these dims, a repeating vector meets a width that is not a multiple of its length
     (so its last copy would be cut)."""
-    from coda_lang.interp.inputs import fail
 
     for u in uses:
         (gn, gp, gq), (wn, wp, wq) = u.sizes
         g = (dims[gn] if gn is not None else 1) * gp // gq
         w = (dims[wn] if wn is not None else 1) * wp // wq
         if (g <= 0 or w % g) and u.fold:
-            raise fail(
+            raise error(
                 "E0802",
                 f"`fold({u.name}, into={u.over})` (line {u.span.line}): `{u.name}` has `{u.width}` = {w} "
                 f"values, not a multiple of `{u.over}` = {g}",
@@ -127,7 +127,7 @@ def check_repeats(uses: list[RepeatUse], dims: dict[str, Any]) -> None:
             )
         if g <= 0 or w % g:
             where = f"stage {u.stage}" if u.stage else "between stages"
-            raise fail(
+            raise error(
                 "E0802",
                 f"`{u.name}` (over `{u.over}`, {g} values) repeats across `{u.width}` = {w} columns "
                 f"({where}, line {u.span.line}): not a multiple of {g}",

@@ -1,0 +1,318 @@
+"""The package's layers: no module imports one above its own layer, no import circles, and a
+function-level import of a project module only where it keeps a light command light.
+
+The walk reads every module of coda_lang/ as text (ast), including imports inside functions; imports
+under `if TYPE_CHECKING:` are annotations only and are left out. `LAYERS` is the order, bottom first
+(docs/CONTRIBUTING.md draws it): a module may import modules of its own layer or of any layer below,
+never above, and the imports within a layer form no circle.
+
+A function-level import of a project module is allowed only with a `# lazy:` comment on its line or
+the line before, saying why, and only when the imported module (or what it imports at its top level)
+imports a heavy library at its top: deferring the import is then what keeps `coda check` (which
+imports neither NumPy nor torch), `coda run`'s start or `import coda_lang` fast. Any other
+function-level import hides a circle or is merely untidy: it belongs at the top of the module.
+
+`python tests/test_layers.py` prints the graph's violations and counts, for a quick look.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "coda_lang"
+
+# Bottom first. A module belongs to the first layer one of whose prefixes it starts with (a prefix
+# matches itself and its submodules).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("coda_lang.core",),  # ground floor: diagnostics, numerics, progress; imports nothing of coda_lang
+    ("coda_lang.ir",),  # types and nodes
+    ("coda_lang.ops",),  # the op registry
+    ("coda_lang.frontend.syntax", "coda_lang.reference"),  # parse, lower, print; the generated docs
+    ("coda_lang.frontend",),  # the checker, plans, the text -> checked program entry
+    ("coda_lang.autodiff",),  # backward blocks, chunk plans and their rewrite
+    ("coda_lang.interp",),  # the NumPy reference interpreter
+    ("coda_lang.backend_triton",),  # generated Triton kernels of elementwise stages, layout copies
+    ("coda_lang.backend_cute.plan",),  # stage -> StageSpec -> epilogue source
+    ("coda_lang.backend_cute.build",),  # PTX, kernel cache, worker processes, tuning
+    ("coda_lang.backend_cute.runtime", "coda_lang.backend_cute"),  # launches, CudaBlock, autograd
+    ("coda_lang.api", "coda_lang.layout", "coda_lang"),  # Block and Program; `import coda_lang`
+    ("coda_lang.torch",),  # torch functions and modules of blocks
+    ("coda_lang.testing",),  # hypothesis strategies
+    ("coda_lang.fuzz",),  # the differential fuzzer
+    ("coda_lang.hf", "coda_lang.cli"),  # the Hugging Face patch; the command line
+)
+
+# Libraries whose import takes long enough that a light path must not pay for it.
+HEAVY = ("numpy", "torch", "triton", "cutlass", "quack", "hypothesis", "transformers", "ml_dtypes", "lark")
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str  # importing module
+    target: str  # imported project module
+    line: int
+    function_level: bool
+    reason: str  # the `# lazy:` comment's text, "" if none
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, known: set[str]) -> list[str]:
+    """The project modules an import statement imports (a `from pkg import mod` names the module)."""
+    out: list[str] = []
+    if isinstance(node, ast.Import):
+        for a in node.names:
+            if a.name in known:
+                out.append(a.name)
+        return out
+    base = node.module or ""
+    if node.level:
+        pkg = module.split(".") if is_package else module.split(".")[:-1]
+        pkg = pkg[: len(pkg) - (node.level - 1)]
+        base = ".".join(pkg + ([base] if base else []))
+    for a in node.names:
+        sub = f"{base}.{a.name}"
+        if sub in known:
+            out.append(sub)
+        elif base in known:
+            out.append(base)
+    return sorted(set(out))
+
+
+def _lazy_reason(lines: list[str], lineno: int) -> str:
+    for text in (lines[lineno - 1], lines[lineno - 2] if lineno >= 2 else ""):
+        if "# lazy:" in text:
+            return text.split("# lazy:", 1)[1].strip()
+    return ""
+
+
+def imports(mods: dict[str, Path] | None = None) -> list[Import]:
+    """Every import of a project module by a project module (TYPE_CHECKING blocks left out)."""
+    mods = mods if mods is not None else modules()
+    known = set(mods)
+    found: list[Import] = []
+    for name, path in mods.items():
+        text = path.read_text()
+        lines = text.split("\n")
+        tree = ast.parse(text)
+
+        def visit(
+            node: ast.AST, in_function: bool, name: str = name, path: Path = path, lines: list[str] = lines
+        ) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                    for c in child.orelse:
+                        visit(c, in_function)
+                    continue
+                if isinstance(child, (ast.Import, ast.ImportFrom)):
+                    for t in _targets(child, name, path.name == "__init__.py", known):
+                        if t != name:
+                            reason = _lazy_reason(lines, child.lineno) if in_function else ""
+                            found.append(Import(name, t, child.lineno, in_function, reason))
+                    continue
+                fn = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                visit(child, in_function or fn)
+
+        visit(tree, False)
+    return found
+
+
+def layer_of(module: str) -> int:
+    for i, prefixes in enumerate(LAYERS):
+        for p in prefixes:
+            if p == "coda_lang" and module != "coda_lang":
+                continue
+            if module == p or module.startswith(p + "."):
+                return i
+    raise AssertionError(f"module {module} is in no layer of tests/test_layers.py's LAYERS")
+
+
+def upward(found: list[Import]) -> list[Import]:
+    """Imports of a module in a higher layer than the importer's."""
+    return [i for i in found if layer_of(i.target) > layer_of(i.source)]
+
+
+def circles(found: list[Import]) -> list[list[str]]:
+    """The import circles (strongly connected components of more than one module), each sorted."""
+    graph: dict[str, set[str]] = {}
+    for i in found:
+        graph.setdefault(i.source, set()).add(i.target)
+        graph.setdefault(i.target, set())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        # iterative Tarjan: (node, iterator over its successors)
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            node, succ = work[-1]
+            nxt = next(succ, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = counter
+                    counter += 1
+                    stack.append(nxt)
+                    on.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                elif nxt in on:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    x = stack.pop()
+                    on.discard(x)
+                    comp.append(x)
+                    if x == node:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def heavy_at_top(mods: dict[str, Path]) -> dict[str, bool]:
+    """Whether importing each module imports a HEAVY library (through top-level imports only)."""
+    direct: dict[str, bool] = {}
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    for name, path in mods.items():
+        tree = ast.parse(path.read_text())
+        heavy = False
+        for node in tree.body:
+            if isinstance(node, ast.Import):
+                heavy |= any(a.name.split(".")[0] in HEAVY for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                heavy |= node.module.split(".")[0] in HEAVY
+        direct[name] = heavy
+    for i in imports(mods):
+        if not i.function_level:
+            edges[i.source].add(i.target)
+    # a package's parents are imported first: importing a.b.c imports a and a.b
+    for m in mods:
+        parts = m.split(".")
+        for k in range(1, len(parts)):
+            parent = ".".join(parts[:k])
+            if parent in mods:
+                edges[m].add(parent)
+    memo: dict[str, bool] = {}
+
+    def heavy_of(m: str, seen: frozenset[str]) -> bool:
+        if m in memo:
+            return memo[m]
+        r = direct[m] or any(heavy_of(t, seen | {m}) for t in edges[m] if t not in seen)
+        if not seen:
+            memo[m] = r
+        return r
+
+    return {m: heavy_of(m, frozenset()) for m in mods}
+
+
+def needless_lazy(found: list[Import], mods: dict[str, Path]) -> list[Import]:
+    """Function-level imports without a `# lazy:` reason, or of a module that is light anyway."""
+    heavy = heavy_at_top(mods)
+    return [i for i in found if i.function_level and (not i.reason or not heavy[i.target])]
+
+
+def _show(i: Import) -> str:
+    where = "in a function" if i.function_level else "at the top"
+    return f"{i.source} (line {i.line}, {where}) imports {i.target}"
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_every_module_has_a_layer() -> None:
+    for m in modules():
+        layer_of(m)
+
+
+def test_no_module_imports_a_layer_above_its_own() -> None:
+    bad = upward(imports())
+    assert not bad, "imports that point up the layers:\n" + "\n".join(map(_show, bad))
+
+
+def test_no_import_circles() -> None:
+    found = circles(imports())
+    assert not found, "import circles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_function_level_imports_only_keep_light_paths_light() -> None:
+    mods = modules()
+    bad = needless_lazy(imports(mods), mods)
+    assert not bad, (
+        "function-level imports of project modules that are not needed to keep a path light (move "
+        "them to the top of the module, or say `# lazy: why` when the module imports a heavy library):\n"
+        + "\n".join(f"{_show(i)}{' (no # lazy: reason)' if not i.reason else ''}" for i in bad)
+    )
+
+
+def test_the_ground_floor_imports_nothing_of_the_project() -> None:
+    ground = [i for i in imports() if layer_of(i.source) == 0 and layer_of(i.target) != 0]
+    assert not ground, "\n".join(map(_show, ground))
+
+
+def test_an_upward_import_is_caught(tmp_path: Path) -> None:
+    """The walk itself: a copy of two modules with an import up the layers added (ops importing the
+    interpreter) and one with a circle (the ground floor importing ops, which imports it) must be
+    found, at their lines."""
+    mods = modules()
+    registry = tmp_path / "registry.py"
+    registry.write_text(mods["coda_lang.ops.registry"].read_text() + "\nfrom coda_lang.interp import run\n")
+    numerics = tmp_path / "numerics.py"
+    numerics.write_text(mods["coda_lang.core.numerics"].read_text() + "\nimport coda_lang.ops.registry\n")
+    planted = {**mods, "coda_lang.ops.registry": registry, "coda_lang.core.numerics": numerics}
+    found = imports(planted)
+    up = {(i.source, i.target) for i in upward(found)}
+    assert ("coda_lang.ops.registry", "coda_lang.interp.run") in up
+    assert ("coda_lang.core.numerics", "coda_lang.ops.registry") in up
+    assert any("coda_lang.core.numerics" in c and "coda_lang.ops.registry" in c for c in circles(found))
+    # and a function-level import without a reason is reported
+    lazy = tmp_path / "lazy.py"
+    lazy.write_text("def f():\n    from coda_lang.ir import types\n    return types\n")
+    planted = {**mods, "coda_lang.core.lazy": lazy}
+    found = imports(planted)
+    assert [
+        (i.source, i.target) for i in needless_lazy(found, planted) if i.source == "coda_lang.core.lazy"
+    ] == [("coda_lang.core.lazy", "coda_lang.ir.types")]
+
+
+if __name__ == "__main__":
+    mods = modules()
+    found = imports(mods)
+    for i in upward(found):
+        print("UP  ", _show(i))
+    for c in circles(found):
+        print("CIRCLE", " <-> ".join(c))
+    lazy = needless_lazy(found, mods)
+    for i in lazy:
+        print("LAZY", _show(i), "" if i.reason else "(no reason)")
+    fn = [i for i in found if i.function_level]
+    print(
+        f"{len(mods)} modules, {len(found)} imports, {len(fn)} function-level, "
+        f"{len(upward(found))} upward, {len(circles(found))} circles, {len(lazy)} unjustified function-level",
+        file=sys.stderr,
+    )
