@@ -47,7 +47,7 @@ def main() -> None:
     from triton.testing import do_bench
 
     import coda_lang
-    from coda_lang.backend_cute.build.compile import TileConfig
+    from coda_lang.backend_cute.build.config import TileConfig
 
     M, D = a.M, a.D
     F = {2048: 5632, 4096: 11008}.get(D, (8 * D // 3 + 255) // 256 * 256)

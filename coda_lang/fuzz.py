@@ -66,7 +66,7 @@ EMULATE_TILES = ((16, 32), (16, 64), (32, 128), (64, 128))  # --target emulate: 
 
 def _small_tiles(cb: Any) -> dict[int, tuple[int, int]]:
     """{stage: the first of EMULATE_TILES that fits it} for the GEMM stages of a CudaBlock."""
-    from coda_lang.backend_cute.build.compile import TileConfig, fits
+    from coda_lang.backend_cute.build.config import TileConfig, fits
 
     out = {}
     for k, spec in enumerate(cb.specs, 1):
@@ -228,7 +228,7 @@ class Fuzzer:
             )
         self.device = "cuda" if self.target == "cuda" else "cpu"
         emulate = self.target == "emulate"
-        from coda_lang.backend_cute.build.compile import BackendUnavailable
+        from coda_lang.backend_cute.build.ptxas import BackendUnavailable
 
         try:
             # choose every stage's tile and compile it now: CodaError (E07) if the block can't run at all.

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def first_tile(spec: Any) -> Any:
-    from coda_lang.backend_cute.build.compile import CANDIDATES, fits
+    from coda_lang.backend_cute.build.config import CANDIDATES, fits
 
     return next(c for c in CANDIDATES if fits(spec, c))
 
@@ -51,7 +51,8 @@ def main() -> None:
 
     import coda_lang
     from coda_lang.backend_cute.build import parallel
-    from coda_lang.backend_cute.build.compile import CANDIDATES, TUNE_CANDIDATES, Kernel
+    from coda_lang.backend_cute.build.cache import Kernel
+    from coda_lang.backend_cute.build.config import CANDIDATES, TUNE_CANDIDATES
     from coda_lang.backend_cute.plan.planner import plan_stage
 
     parallel.build = background_exit.sleepy_build

@@ -591,7 +591,7 @@ def test_grouped_min_and_logsumexp() -> None:
 
 def test_a_stage_storing_acc_and_a_group_is_not_plain() -> None:
     """D = acc plus a grouped sum used after the stage: quack's kernel, never a bare cuBLAS GEMM."""
-    from coda_lang.backend_cute.build.compile import is_plain
+    from coda_lang.backend_cute.build.config import is_plain
 
     text = program(
         gemm("s = sum(acc * acc, over=N, group=64)\ny = acc"), outs="y: bf16[M, N], s: f32[M, N/64]"
@@ -606,7 +606,8 @@ def test_bare_gemm_stages_share_one_kernel_per_dtype_and_majors(tmp_path: Path) 
     (and their tuning) are shared: 12 plain stages, 2 kernels per tile. A stage that does anything
     else keeps its own module."""
     import coda_lang.hf.blocks as hb
-    from coda_lang.backend_cute.build.compile import TileConfig, ptx_key
+    from coda_lang.backend_cute.build.cache import ptx_key
+    from coda_lang.backend_cute.build.config import TileConfig
 
     prog = coda_lang.load(hb.model_source("bfloat16", 1e-5, 64, False))
     plain, other = {}, {}
@@ -757,7 +758,7 @@ def test_cli_compile_usage_errors_exit_2(args: tuple, tmp_path: Path) -> None:
 
 
 def test_parse_ptxas_report() -> None:
-    from coda_lang.backend_cute.build.compile import parse_ptxas
+    from coda_lang.backend_cute.build.ptxas import parse_ptxas
 
     text = """ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function 'kernel_x' for 'sm_90a'

@@ -29,14 +29,9 @@ from reduction_programs import NEW_REDUCTIONS
 from runtime_check import DIMS_AS_VALUES, RAGGED_SUMS
 
 import coda_lang
-from coda_lang.backend_cute.build.compile import (
-    CANDIDATES,
-    DEFAULT_CONFIG,
-    CompiledStage,
-    TileConfig,
-    compile_stage,
-    select_config,
-)
+from coda_lang.backend_cute.build.compile import CompiledStage, compile_stage
+from coda_lang.backend_cute.build.config import CANDIDATES, DEFAULT_CONFIG, TileConfig
+from coda_lang.backend_cute.build.select import select_config
 from coda_lang.core.diagnostics import CodaError
 from coda_lang.ir.nodes import Stage
 
@@ -353,7 +348,7 @@ def test_masked_sums_compile(cache: Path) -> None:
 def test_a_warm_compile_reads_the_ptxas_report_instead_of_running_ptxas(
     mlp: coda_lang.Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from coda_lang.backend_cute.build import compile as compile_mod
+    from coda_lang.backend_cute.build import cache as cache_mod
 
     first = compile_stage(mlp, 3, DEFAULT_CONFIG, directory=tmp_path)
     assert first.report is not None
@@ -361,7 +356,7 @@ def test_a_warm_compile_reads_the_ptxas_report_instead_of_running_ptxas(
     def no_ptxas(*args: object, **kwargs: object) -> None:
         raise AssertionError("ptxas ran on a warm cache")
 
-    monkeypatch.setattr(compile_mod, "run_ptxas", no_ptxas)
+    monkeypatch.setattr(cache_mod, "run_ptxas", no_ptxas)
     again = compile_stage(mlp, 3, DEFAULT_CONFIG, directory=tmp_path)
     assert again.cached and again.report == first.report  # registers, spills, stack, version, text
     for record in tmp_path.glob("ptx/*.ptxas-*.json"):  # a damaged record: ptxas runs again

@@ -23,16 +23,12 @@ from typing import Any
 import pytest
 
 import coda_lang
+from coda_lang.backend_cute.build import cache as cache_mod
 from coda_lang.backend_cute.build import compile as compile_mod
 from coda_lang.backend_cute.build import parallel
-from coda_lang.backend_cute.build.compile import (
-    CANDIDATES,
-    TUNE_CANDIDATES,
-    Kernel,
-    TileConfig,
-    compile_spec,
-    fits,
-)
+from coda_lang.backend_cute.build.cache import Kernel
+from coda_lang.backend_cute.build.compile import compile_spec
+from coda_lang.backend_cute.build.config import CANDIDATES, TUNE_CANDIDATES, TileConfig, fits
 from coda_lang.backend_cute.plan.planner import plan_stage
 from coda_lang.core.diagnostics import CodaError
 
@@ -357,7 +353,7 @@ def _no_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("compiled a kernel the cache holds")
 
-    monkeypatch.setattr(compile_mod.Kernel, "build", refuse)
+    monkeypatch.setattr(compile_mod, "build", refuse)
 
 
 @pytest.mark.parametrize(
@@ -373,8 +369,8 @@ def test_a_stale_or_damaged_entry_is_detected_and_rebuilt(
     good = first.ptx_path.read_text()
     assert first.report is not None
     ran: list[object] = []
-    real_ptxas = compile_mod.run_ptxas
-    monkeypatch.setattr(compile_mod, "run_ptxas", lambda *a, **k: ran.append(a) or real_ptxas(*a, **k))
+    real_ptxas = cache_mod.run_ptxas
+    monkeypatch.setattr(cache_mod, "run_ptxas", lambda *a, **k: ran.append(a) or real_ptxas(*a, **k))
     records = list(tmp_path.glob("ptx/*.ptxas-*.json"))
     assert len(records) == 1
     if damage == "truncated ptx":
@@ -384,10 +380,10 @@ def test_a_stale_or_damaged_entry_is_detected_and_rebuilt(
     elif damage == "report damaged":
         records[0].write_text('{"registers": 1')
     elif damage == "other library":  # a cache written with another quack: another key, never read
-        versions = {**compile_mod.library_versions(), "quack-kernels": "0.0.1"}
-        monkeypatch.setattr(compile_mod, "library_versions", lambda: versions)
+        versions = {**cache_mod.library_versions(), "quack-kernels": "0.0.1"}
+        monkeypatch.setattr(cache_mod, "library_versions", lambda: versions)
     else:  # another coda_lang (its kernel modules differ)
-        monkeypatch.setattr(compile_mod, "kernel_fingerprint", lambda: "0123456789abcdef")
+        monkeypatch.setattr(cache_mod, "kernel_fingerprint", lambda: "0123456789abcdef")
     if damage.startswith("report"):
         _no_compiles(monkeypatch)  # the PTX is fine: only ptxas runs again
     again = compile_spec(spec, SMALL, directory=tmp_path)
@@ -416,7 +412,7 @@ def test_a_refused_tile_is_not_compiled_again(
     with pytest.raises(CodaError) as first:
         compile_spec(spec, wide, directory=tmp_path)
     (record,) = tmp_path.glob("ptx/*.refused.json")
-    real_build = compile_mod.Kernel.build
+    real_build = compile_mod.build
     _no_compiles(monkeypatch)
     with pytest.raises(CodaError) as again:  # from the record: the same diagnostic, nothing compiled
         compile_spec(spec, wide, directory=tmp_path)
@@ -424,7 +420,7 @@ def test_a_refused_tile_is_not_compiled_again(
     assert again.value.diagnostics[0].notes == first.value.diagnostics[0].notes
     assert parallel.build(spec, wide, str(tmp_path)) == ("refused", False)
     record.write_text('{"key": "another key", "error": "x"}')  # a record not of this kernel: compiled
-    monkeypatch.setattr(compile_mod.Kernel, "build", real_build)
+    monkeypatch.setattr(compile_mod, "build", real_build)
     with pytest.raises(CodaError) as third:
         compile_spec(spec, wide, directory=tmp_path)
     assert third.value.diagnostics[0].notes == first.value.diagnostics[0].notes
@@ -447,7 +443,7 @@ def test_the_cache_is_portable(mlp: coda_lang.Block, tmp_path: Path, monkeypatch
     there = tmp_path / "there"
     shutil.copytree(here, there)
     _no_compiles(monkeypatch)
-    monkeypatch.setattr(compile_mod, "run_ptxas", lambda *a, **k: pytest.fail("ptxas ran"))
+    monkeypatch.setattr(cache_mod, "run_ptxas", lambda *a, **k: pytest.fail("ptxas ran"))
     copy = compile_spec(_small(mlp), SMALL, directory=there)
     assert copy.cached and copy.report == first.report
 
@@ -563,7 +559,7 @@ def test_two_processes_filling_one_cache_at_once(tmp_path: Path) -> None:
 def _same_as_one_job(block: coda_lang.Block, file: Path, tmp_path: Path) -> None:
     """`coda compile --jobs 2` (spawned workers) and one job (`select_config` in this process): the same
     tiles, the same PTX, byte for byte; a second run (warm) compiles nothing and runs no ptxas."""
-    from coda_lang.backend_cute.build.compile import select_config
+    from coda_lang.backend_cute.build.select import select_config
 
     n = len(block.plan.stages)
     one = [select_config(block, k, directory=tmp_path / "c1", jobs=1) for k in range(1, n + 1)]
@@ -636,7 +632,7 @@ def test_a_first_call_compiles_the_forward_and_the_backward_at_once(
     (CudaBlock.prepare -> tiles.precompile): one request per stage for select_config's order and, when
     tuning, one for every candidate the tuner times; a fixed tile is the only request of its stage; a
     cuBLAS stage compiles nothing; each block once per process."""
-    from coda_lang.backend_cute.build.compile import CUBLAS
+    from coda_lang.backend_cute.build.config import CUBLAS
     from coda_lang.backend_cute.runtime import tiles
 
     monkeypatch.delenv("CODA_TUNE", raising=False)  # (tests/test_gpu.py sets it to 0 for the session)

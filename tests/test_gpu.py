@@ -520,7 +520,7 @@ def test_narrow_epilogue_subtile_matches_interpreter() -> None:
     backward, the norm backward with its column partials, the plain GEMMs) and on the forward's element
     stages 1 and 3 (the paired stage 2 keeps quack's subtile): outputs and partials against the
     interpreter at ragged sizes."""
-    from coda_lang.backend_cute.build.compile import TileConfig
+    from coda_lang.backend_cute.build.config import TileConfig
 
     e16 = TileConfig(128, 192, epi_n=16)
     r = backward_run("llama_mlp")

@@ -424,7 +424,7 @@ def test_the_qwen3_program_takes_one_head_s_norm_weights() -> None:
 def test_the_qwen3_qkv_stage_compiles(tmp_path: Path) -> None:
     """The Qwen3 QKV stage (per-head q/k norm with the weights repeated across the heads, RoPE) compiles
     to PTX without spills: the repeated weights are ordinary column vector loads (RowVecLoad)."""
-    from coda_lang.backend_cute.build.compile import select_config
+    from coda_lang.backend_cute.build.select import select_config
     from coda_lang.hf.blocks import model_source
 
     b = coda_lang.load(model_source("bfloat16", 1e-6, 128, True))["first_qkv"]

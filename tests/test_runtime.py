@@ -723,7 +723,7 @@ def test_bad_tiles_and_inputs() -> None:
     with pytest.raises(CodaError) as e:
         blk.cuda(tile=(128, 48), emulate=True)  # stage 2 stores a paired tile: tile_N % 32 == 0
     assert e.value.diagnostics[0].code == "E0805"
-    from coda_lang.backend_cute.build.compile import TileConfig
+    from coda_lang.backend_cute.build.config import TileConfig
 
     with pytest.raises(CodaError) as e:  # stage 2 is paired: quack's own epilogue subtile only
         blk.cuda(tile=TileConfig(128, 192, epi_n=16), emulate=True)
@@ -930,7 +930,7 @@ def test_a_group_narrower_than_the_epilogue_subtile_is_refused() -> None:
     unless epi_n says otherwise): a group of 16 columns under a 32-column subtile would be folded with
     its neighbour (found on an H100: Qwen3's q/k norm at head_dim 16 came out scaled by ~1/sqrt 2). Only
     tiles whose subtile divides the group fit; a tile given that doesn't is E0805 naming the rule."""
-    from coda_lang.backend_cute.build.compile import CANDIDATES, TileConfig, epilogue_subtile_n, fits
+    from coda_lang.backend_cute.build.config import CANDIDATES, TileConfig, epilogue_subtile_n, fits
     from coda_lang.backend_cute.plan.planner import plan_stage
 
     src = EXAMPLES.joinpath("qk_norm.coda").read_text().replace("HD = 128", "HD = 16")  # group=HD

@@ -129,7 +129,7 @@ def test_functions_compiled_together_share_one_compile(monkeypatch: pytest.Monke
     precompile(f2, g2, quiet=True)
     assert seen[-1] == ["llama_mlp", "llama_mlp_bwd", "lm_head_ce", "lm_head_ce_bwd"]
     # without the toolchain, precompile says so (a first call would run, uncompiled, on the CPU)
-    from coda_lang.backend_cute.build.compile import BackendUnavailable
+    from coda_lang.backend_cute.build.ptxas import BackendUnavailable
 
     monkeypatch.setattr(tiles, "find_ptxas", lambda: False)
     with pytest.raises(BackendUnavailable, match="ptxas"):

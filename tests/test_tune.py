@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("torch")
 
 from coda_lang.backend_cute.build import tune  # noqa: E402
-from coda_lang.backend_cute.build.compile import TileConfig  # noqa: E402
+from coda_lang.backend_cute.build.config import TileConfig  # noqa: E402
 
 
 def test_store_and_lookup_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -56,7 +56,7 @@ def test_plain_stages_may_run_on_cublas() -> None:
     from runtime_check import check_gradient, example_inputs
 
     import coda_lang
-    from coda_lang.backend_cute.build.compile import CUBLAS, is_plain
+    from coda_lang.backend_cute.build.config import CUBLAS, is_plain
     from coda_lang.backend_cute.plan.planner import plan_stage
 
     blk = coda_lang.load(Path(__file__).resolve().parent.parent / "examples" / "llama_mlp.coda")["llama_mlp"]
@@ -228,7 +228,7 @@ def test_store_keeps_every_entry_of_processes_storing_at_once(tmp_path: Path) ->
     script = (
         "import sys\n"
         "from coda_lang.backend_cute.build import tune\n"
-        "from coda_lang.backend_cute.build.compile import TileConfig\n"
+        "from coda_lang.backend_cute.build.config import TileConfig\n"
         "for i in range(40):\n"
         "    tune.store(f'{sys.argv[1]}{i}', TileConfig(), {TileConfig(): 1.0})\n"
     )
@@ -247,7 +247,7 @@ def test_a_stage_that_hung_at_a_cooperative_tile_is_given_pingpong_tiles_only() 
     bf16, keep them."""
     import coda_lang.hf.blocks as hb
     from coda_lang.api import load
-    from coda_lang.backend_cute.build.compile import TUNE_CANDIDATES, WIDE_F32_TILE, TileConfig, fits
+    from coda_lang.backend_cute.build.config import TUNE_CANDIDATES, WIDE_F32_TILE, TileConfig, fits
     from coda_lang.backend_cute.plan.planner import plan_stage
     from coda_lang.core.diagnostics import CodaError
 
@@ -325,15 +325,16 @@ import sys, time
 import torch
 import coda_lang.hf.blocks as hb
 from coda_lang.api import load
-from coda_lang.backend_cute.build import compile as cc
+from coda_lang.backend_cute.build import config as cc
+from coda_lang.backend_cute.build import select as sel
 from coda_lang.backend_cute.build import tune
-from coda_lang.backend_cute.build.compile import TileConfig
+from coda_lang.backend_cute.build.config import TileConfig
 from coda_lang.core.diagnostics import CodaError
 
 coop = TileConfig(256, 128, 2, 1, False)
 cc.hangs_cooperative = lambda spec, config: False  # the guard off: the cooperative tile is a candidate
 if sys.argv[1] == "first":  # ... and the only one
-    cc.configs_without_spills = lambda spec, *a, **k: [coop]
+    sel.configs_without_spills = lambda spec, *a, **k: [coop]
 layer = load(hb.model_source("bfloat16", 1e-5, 64, False))["layer"]
 bwd = layer.derivation([p.var.name for p in layer.ir.params], "auto").backward
 gemms = bwd.cuda(emulate=True).gemm_stages
@@ -454,7 +455,8 @@ def test_while_compiling_a_stage_takes_the_first_candidate_compiled_without_spil
     """tiles.first_compiled: select_config's order, then the tuner's, skipping what is not compiled yet
     or spills; None when nothing is compiled."""
     import coda_lang
-    from coda_lang.backend_cute.build.compile import CANDIDATES, TUNE_CANDIDATES, Kernel, fits
+    from coda_lang.backend_cute.build.cache import Kernel
+    from coda_lang.backend_cute.build.config import CANDIDATES, TUNE_CANDIDATES, fits
     from coda_lang.backend_cute.plan.planner import plan_stage
     from coda_lang.backend_cute.runtime.tiles import first_compiled
 

@@ -99,13 +99,10 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         return usage_error(f"can't create {out_dir}: {e.strerror or e}")
     from coda_lang.backend_cute.build import parallel
-    from coda_lang.backend_cute.build.compile import (
-        CANDIDATES,
-        BackendUnavailable,
-        TileConfig,
-        compile_spec,
-        select_config,
-    )
+    from coda_lang.backend_cute.build.compile import compile_spec
+    from coda_lang.backend_cute.build.config import CANDIDATES, TileConfig
+    from coda_lang.backend_cute.build.ptxas import BackendUnavailable
+    from coda_lang.backend_cute.build.select import select_config
     from coda_lang.backend_cute.plan.emit import emit_stage
     from coda_lang.backend_cute.plan.planner import plan_stage
     from coda_lang.ir.nodes import Stage

@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{block.name} ({', '.join(names)})"
             )
 
-    from coda_lang.backend_cute.build.compile import BackendUnavailable
+    from coda_lang.backend_cute.build.ptxas import BackendUnavailable
     from coda_lang.backend_cute.runtime.tiles import precompile
     from coda_lang.core.diagnostics import CodaError, render_all
 

@@ -19,7 +19,7 @@ run), and leaves the rest compiling: a `Background` says which emitted stages st
 (the tuner waits for them before timing that stage) and cancels what is left when the process exits.
 Workers run at a lower priority (nice) than the process that started them, so that its GPU work and
 timings keep their CPU.
-What it does not: choose a tile (compile.select_config, tune.py) or raise a kernel's error: a kernel
+What it does not: choose a tile (select.select_config, tune.py) or raise a kernel's error: a kernel
 quack refuses, or one whose worker failed, is left to the caller's compile_spec, which gives its
 error (from the refusal record, or by compiling it here).
 Invariants: the caller's __main__ is never re-run in a worker (it is masked while workers start:
@@ -50,7 +50,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from coda_lang.backend_cute.build.compile import BackendUnavailable, Kernel, TileConfig, compile_spec, fits
+from coda_lang.backend_cute.build.cache import Kernel
+from coda_lang.backend_cute.build.compile import _adapter, compile_spec
+from coda_lang.backend_cute.build.config import TileConfig, fits
+from coda_lang.backend_cute.build.ptxas import BackendUnavailable
 from coda_lang.backend_cute.plan.emit import cache_dir, emit_stage, source_hash
 from coda_lang.backend_cute.plan.spec import StageSpec
 from coda_lang.core.diagnostics import CodaError
@@ -205,8 +208,6 @@ def _init_worker() -> None:
     with contextlib.suppress(AttributeError, OSError):
         os.nice(WORKER_NICE)  # the starting process's GPU work and timings keep their CPU
     with contextlib.suppress(BackendUnavailable):
-        from coda_lang.backend_cute.build.compile import _adapter
-
         _adapter()
     # At exit, skip the interpreter's teardown of torch and CuTeDSL (a second or more a worker): every
     # file a worker writes is complete when its task returns. (Registered last, so it runs first.)

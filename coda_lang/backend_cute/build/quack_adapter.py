@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from coda_lang.backend_cute.build.cache import kernel_fingerprint
+from coda_lang.backend_cute.plan.emit import cache_dir
 from coda_lang.ops.registry import torch_dtype
 
 ARCH = "sm_90a"
@@ -97,9 +99,6 @@ def quack_cache_dir(root: Path | None = None) -> Path:
     ops by class name, not by their code); $QUACK_CACHE_DIR, when set, instead."""
     if os.environ.get("QUACK_CACHE_DIR"):
         return Path(os.environ["QUACK_CACHE_DIR"])
-    from coda_lang.backend_cute.build.compile import kernel_fingerprint
-    from coda_lang.backend_cute.plan.emit import cache_dir
-
     return (root or cache_dir()) / "quack" / kernel_fingerprint()
 
 

@@ -29,13 +29,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from coda_lang.backend_cute.build.compile import (
-    TileConfig,
-    entry_lock,
-    kernel_fingerprint,
-    library_versions,
-    write_atomic,
-)
+from coda_lang.backend_cute.build.cache import entry_lock, kernel_fingerprint, library_versions, write_atomic
+from coda_lang.backend_cute.build.config import TileConfig
 from coda_lang.backend_cute.plan.emit import EMITTER_VERSION, cache_dir, source_hash
 from coda_lang.core.progress import Progress
 from coda_lang.ops.registry import torch_dtype

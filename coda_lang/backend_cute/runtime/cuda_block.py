@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from coda_lang.backend_cute.build.compile import (
+from coda_lang.backend_cute.build import select
+from coda_lang.backend_cute.build.config import (
     GROUP_SUBTILE,
     PAIRED_SUBTILE,
     WIDE_F32_TILE,
@@ -473,12 +474,11 @@ class CudaBlock:
         if cached is None:
             if not find_ptxas():
                 return r
-            from coda_lang.backend_cute.build.compile import configs_without_spills
             from coda_lang.core.progress import Progress
 
             hung = tune.hung(source, device)
             configs, skipped = tune.prune(
-                [c for c in configs_without_spills(spec) if c not in hung], source, shape, device
+                [c for c in select.configs_without_spills(spec) if c not in hung], source, shape, device
             )
             runners = {
                 c: r if c == r.config else StageRunner(self.block, k, spec, c, self.emulate, self.poison)

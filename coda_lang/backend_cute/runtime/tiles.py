@@ -26,14 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from coda_lang.backend_cute.build.compile import (
-    CANDIDATES,
-    PAIRED_SUBTILE,
-    TUNE_CANDIDATES,
-    BackendUnavailable,
-    TileConfig,
-    fits,
-)
+from coda_lang.backend_cute.build.config import CANDIDATES, PAIRED_SUBTILE, TUNE_CANDIDATES, TileConfig, fits
+from coda_lang.backend_cute.build.ptxas import BackendUnavailable
 from coda_lang.backend_cute.plan.emit import emit_stage, source_hash
 from coda_lang.backend_cute.plan.spec import StageSpec
 from coda_lang.core.diagnostics import CodaError, Diagnostic
@@ -88,7 +82,7 @@ def choose_config(block: Any, index: int, spec: StageSpec, emulate: bool) -> Til
         return candidates[0]
     key = (source_hash(emit_stage(spec)), candidates)
     if key not in _SELECTED:
-        from coda_lang.backend_cute.build.compile import select_config
+        from coda_lang.backend_cute.build.select import select_config
 
         if not find_ptxas():
             warnings.warn(
@@ -111,7 +105,7 @@ def choose_config(block: Any, index: int, spec: StageSpec, emulate: bool) -> Til
 def first_compiled(spec: StageSpec) -> TileConfig | None:
     """The first candidate (select_config's order, then the tuner's) whose kernel the cache already
     holds without spills: a stage's tile while its other candidates still compile in the background."""
-    from coda_lang.backend_cute.build.compile import Kernel
+    from coda_lang.backend_cute.build.cache import Kernel
 
     source = emit_stage(spec)
     for c in dict.fromkeys((*CANDIDATES, *TUNE_CANDIDATES)):

@@ -1,0 +1,159 @@
+"""Tile configurations of a stage's kernel and the rules of which fit it.
+
+What it does: `TileConfig` (quack's SM90 default: 128x192 pingpong, cluster 2x1; `CUBLAS`, the
+stand-in config of a plain stage run by cuBLAS), the candidate lists (`CANDIDATES`, tried in order by
+select.select_config; `TUNE_CANDIDATES`, timed by the tuner), and `fits`: whether a config satisfies
+a stage's tiling constraints and the backend's own rules (PAIRED_SUBTILE, GROUP_SUBTILE,
+WIDE_F32_TILE).
+What it does not: compile or time anything.
+Invariants: pure functions of a StageSpec and a TileConfig.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from coda_lang.backend_cute.plan.spec import StageSpec
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    tile_m: int = 128
+    tile_n: int = 192
+    cluster_m: int = 2
+    cluster_n: int = 1
+    pingpong: bool = True
+    # The N extent of the epilogue's subtile (the columns each pass over the accumulator handles):
+    # 0 is quack's choice (32 for 16-bit outputs); 16 halves the registers the epilogue holds at once,
+    # which keeps heavy epilogues (two tile loads and a sink) spill-free at 128x192.
+    epi_n: int = 0
+
+    def __str__(self) -> str:
+        if self.is_cublas:
+            return "cuBLAS (torch.matmul)"
+        kind = "pingpong" if self.pingpong else "cooperative"
+        epi = f", epilogue subtile N {self.epi_n}" if self.epi_n else ""
+        return f"{self.tile_m}x{self.tile_n} {kind}, cluster {self.cluster_m}x{self.cluster_n}{epi}"
+
+    @property
+    def short(self) -> str:
+        if self.is_cublas:
+            return "cublas"
+        return f"{self.tile_m}x{self.tile_n}" + (f"e{self.epi_n}" if self.epi_n else "")
+
+    @property
+    def is_cublas(self) -> bool:
+        """The stand-in config of a plain GEMM stage run by cuBLAS (see `CUBLAS`)."""
+        return self.tile_m == 0
+
+
+# A stage whose epilogue only stores the accumulator in the operands' dtype (a wgrad or dgrad GEMM
+# with nothing fused) is a bare GEMM: the tuner also times it on cuBLAS and takes that when faster.
+CUBLAS = TileConfig(0, 0, 1, 1, False)
+
+
+def is_plain(spec: StageSpec) -> bool:
+    """Whether the stage's kernel would be a bare GEMM: D = acc in the operands' dtype, nothing else."""
+    return spec.plain
+
+
+DEFAULT_CONFIG = TileConfig()
+# Tried in order by select_config: quack's default, the same tile with a narrower epilogue subtile,
+
+# Tried in order by select_config: quack's default, the same tile with a narrower epilogue subtile,
+# then narrower tiles (fewer accumulator registers per thread, so more room for the epilogue; quack's
+# subtile of 128x176 is 16 columns wide by itself).
+CANDIDATES = (
+    TileConfig(128, 192),
+    TileConfig(128, 192, epi_n=16),
+    TileConfig(128, 176),
+    TileConfig(128, 128),
+    TileConfig(128, 96),
+    TileConfig(128, 64),
+)
+
+# What the runtime measures on a GPU (quack's SM90 space: pingpong 128xN, cooperative 256xN, clusters
+# 2x1 and 1x2), after the ptxas check has dropped the configs that spill.
+TUNE_CANDIDATES = (
+    TileConfig(128, 192),
+    TileConfig(128, 192, epi_n=16),
+    TileConfig(128, 176),
+    TileConfig(128, 160),
+    TileConfig(128, 128),
+    TileConfig(128, 192, 1, 2),
+    TileConfig(256, 128, 2, 1, False),
+    TileConfig(256, 192, 2, 1, False),
+)
+
+SMALL_SPILL = 16  # bytes: configs_without_spills' fallback when every candidate spills
+
+# A paired stage (acc_pair mode: SwiGLU's half-width stores) keeps quack's epilogue subtile: a
+# half-width store of a narrower subtile is a path quack doesn't exercise on SM90.
+PAIRED_SUBTILE = "a paired stage keeps quack's epilogue subtile (epi_n=0)"
+
+
+def narrows_paired_subtile(spec: StageSpec, config: TileConfig) -> bool:
+    return spec.paired and 0 < config.epi_n < 32
+
+
+def epilogue_subtile_n(spec: StageSpec, config: TileConfig) -> int:
+    """The N extent of quack's SM90 epilogue subtile for `config`: its `epi_n` when set, else quack's
+    default, gcd(32, tile_N) (gcd(64, tile_N), the wider of its choices, for an 8-bit D)."""
+    if config.epi_n:
+        return config.epi_n
+    eight_bit = spec.d is not None and spec.d.dtype.startswith("f8")
+    return math.gcd(64 if eight_bit else 32, config.tile_n)
+
+
+# quack's grouped statistics (GroupedColStatsBase) fold one statistic slot per thread and epilogue
+# subtile: a group narrower than the subtile would be folded together with its neighbours.
+GROUP_SUBTILE = "a group= width is a multiple of the epilogue subtile's N extent (gcd(32, tile_N) or epi_n)"
+
+
+def splits_groups(spec: StageSpec, config: TileConfig) -> bool:
+    n_e = epilogue_subtile_n(spec, config)
+    return any(g.width % n_e for g in spec.groups)
+
+
+# Seen on an H100 (2026-11-25): the cooperative 256x128 kernel of a stage that moves an f32 tile and
+# folds column partials never finished; the tuner's first launch hung the GPU. Twice in the Llama
+# training step's RMSNorm backwards: `dx1: f32` loaded beside `sum(.., over=M)` (last_bwd at
+# 8192x2048x16384), and `dx1: f32` stored beside one (layer_bwd at 8192x2048x3072). The same stages
+# with bf16 tiles (llama_mlp's) run at 256x128; until the cause in quack's epilogue is known, a stage
+# that loads or stores an f32 tile beside column partials is given pingpong (128-row) tiles only.
+WIDE_F32_TILE = "a stage loading or storing an f32 tile beside column partials takes 128-row (pingpong) tiles"
+
+
+def moves_f32_tile(spec: StageSpec) -> bool:
+    """Whether the stage's epilogue loads or stores an f32 tile (D included)."""
+    stored = [*spec.outputs, *([spec.d] if spec.d is not None else [])]
+    return any(o.role == "tile" and o.dtype == "f32" for o in spec.operands) or any(
+        o.dtype == "f32" for o in stored
+    )
+
+
+def hangs_cooperative(spec: StageSpec, config: TileConfig) -> bool:
+    return (
+        not config.is_cublas
+        and not config.pingpong
+        and moves_f32_tile(spec)
+        and any(s.layout == "column partials" for s in spec.sinks)
+    )
+
+
+def fits(spec: StageSpec, config: TileConfig, emulated: bool = False) -> bool:
+    """Whether `config` satisfies the stage's tiling constraints (plan.py writes them) and, in a paired
+    stage, keeps quack's epilogue subtile (PAIRED_SUBTILE); on the kernels (not `emulated`, whose
+    grouped folds are exact at any subtile) no group is narrower than the subtile (GROUP_SUBTILE) and
+    no stage that hung at a cooperative tile gets one (WIDE_F32_TILE)."""
+    if narrows_paired_subtile(spec, config) or not emulated and splits_groups(spec, config):
+        return False
+    if not emulated and hangs_cooperative(spec, config):
+        return False
+    for c in spec.constraints:
+        m = re.match(r"tile_N % (\d+) == 0", c)
+        if m and config.tile_n % int(m.group(1)):
+            return False
+    return True
