@@ -14,26 +14,32 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from coda_lang.core.diagnostics import CodaError, error
-from coda_lang.frontend.source import check_source, normalize_newlines, read_source
-from coda_lang.frontend.syntax.printer import print_block, print_program
-from coda_lang.frontend.verify.plan import BlockPlan, explain
+from coda_lang.autodiff import AutodiffError, derive
+from coda_lang.autodiff.chunk import candidate_plans, choose, chunk_plan, refuse, row_dim
+from coda_lang.autodiff.chunk_run import run_chunks
+from coda_lang.autodiff.options import BackwardOptions
+from coda_lang.core.diagnostics import CodaError, Diagnostic, error
+from coda_lang.frontend.source import (
+    CheckedBlock,
+    check_generated,
+    check_source,
+    normalize_newlines,
+    read_source,
+)
+from coda_lang.frontend.syntax.printer import print_program
+from coda_lang.frontend.verify.plan import BlockPlan
 from coda_lang.ir import nodes
-from coda_lang.ir.nodes import DEFAULT_REMAT
+from coda_lang.ir.types import extent
 
 
-class Block:
-    """One checked block: `ir` is its typed IR, `plan` what each stage loads, stores and reduces."""
+class Block(CheckedBlock):
+    """One checked block: `ir` is its typed IR, `plan` what each stage loads, stores and reduces; run
+    on the interpreter, differentiated, or made a CUDA block."""
 
     def __init__(self, ir: nodes.Block, plan: BlockPlan):
-        self.ir = ir
-        self.plan = plan
+        super().__init__(ir, plan)
         self._derivations: dict[tuple[tuple[str, ...] | None, str], Derivation] = {}
         self._chunk_plans: dict[tuple[tuple[str, ...] | None, str, str], Any] = {}
-
-    @property
-    def name(self) -> str:
-        return self.ir.name
 
     def run(
         self,
@@ -68,19 +74,33 @@ class Block:
         env, sizes = bind(self.ir, inputs, dims, precision)
         return run_block(self.ir, self.plan, env, sizes, precision=precision, tile=tile)
 
-    def derivation(self, wrt: list[str] | None = None, remat: str = DEFAULT_REMAT) -> Derivation:
+    def derivation(
+        self,
+        wrt: list[str] | None = None,
+        remat: str | None = None,
+        *,
+        backward: BackwardOptions | None = None,
+    ) -> Derivation:
         """Forward block extended to store what the backward reads, and the backward block. `remat`:
         which forward tiles the backward recomputes rather than reads saved ("auto", "save",
-        "recompute"; docs/design.md, "Saved and recomputed")."""
+        "recompute"; docs/design.md, "Saved and recomputed"), or `backward=BackwardOptions(...)`."""
+        remat = BackwardOptions.of(backward, remat=remat).remat
         key = (tuple(wrt) if wrt is not None else None, remat)
         if key not in self._derivations:
             self._derivations[key] = derive_checked(self.ir, self.plan, wrt, remat)
         return self._derivations[key]
 
-    def grad(self, wrt: list[str] | None = None, remat: str = DEFAULT_REMAT) -> Block:
+    def grad(
+        self,
+        wrt: list[str] | None = None,
+        remat: str | None = None,
+        *,
+        backward: BackwardOptions | None = None,
+    ) -> Block:
         """The backward block (checked): cotangents of the outputs and saved tensors in, one gradient
-        per differentiable parameter (float parameters without a default, or `wrt`) out."""
-        return self.derivation(wrt, remat).backward
+        per differentiable parameter (float parameters without a default, or `wrt`) out. `remat` or
+        `backward=` as `derivation`."""
+        return self.derivation(wrt, remat, backward=backward).backward
 
     def vjp(
         self,
@@ -91,7 +111,8 @@ class Block:
         precision: str = "exact",
         tile: tuple[int, int] | dict[int, tuple[int, int]] | None = None,
         wrt: list[str] | None = None,
-        remat: str = DEFAULT_REMAT,
+        backward: BackwardOptions | None = None,
+        remat: str | None = None,
         chunk: int | str | None = None,
         budget: int | None = None,
         chunk_dim: str | None = None,
@@ -100,25 +121,25 @@ class Block:
         forward and the derived backward block on the interpreter. Keys: parameter names. Outputs
         without a cotangent get zeros.
 
-        `chunk`: run the backward in chunks of one dim (docs/design.md, "Chunked backward"): an int
+        The backward's options are one `BackwardOptions` (`backward=`), or its fields as keywords
+        (`remat=`, `chunk=`, `budget=`, `chunk_dim=`; not both): what the backward recomputes, and
+        whether it runs in chunks of one dim (docs/design.md, "Chunked backward"): `chunk` an int
         (elements of that dim per chunk), "auto" (as many as keep the largest transient tile within
         `budget` bytes, default 256 MiB), or None (unchunked; a `budget` or `chunk_dim` alone means
         "auto"). `chunk_dim`: the dim (its name: "M" for rows, "V" for a vocabulary's columns); by
         default the forward's row dim for an int chunk, and for "auto" the dim whose chunked run holds
         the least memory (the columns of V for an LM head, whose wgrad would otherwise accumulate a
         [D, V] f32 sum over the rows). Gradients summed over the chunked dim accumulate across chunks
-        unrounded and are rounded once. CodaError E0809 for bad arguments or a backward that can't run
-        in chunks of that dim."""
-        from coda_lang.autodiff.chunk import chunk_mode
-
-        chunk = chunk_mode(chunk, budget, chunk_dim)
-        d = self.derivation(wrt, remat)
+        unrounded and are rounded once. A bad argument raises TypeError or ValueError; a backward that
+        can't run in chunks of that dim, CodaError E0809."""
+        options = BackwardOptions.of(backward, remat=remat, chunk=chunk, budget=budget, chunk_dim=chunk_dim)
+        d = self.derivation(wrt, options.remat)
         fwd = d.forward.run_with_partials(inputs, dims=dims, tile=tile, precision=precision)[0]
         bins, bdims = self.backward_inputs(d, inputs, cotangents, fwd, dims, precision)
-        if chunk is None and budget is None:
+        if not options.chunked:
             grads = d.backward.run(bins, dims=bdims, tile=tile, precision=precision)
         else:
-            grads = self._chunked_backward(wrt, remat, bins, bdims, tile, precision, chunk, budget, chunk_dim)
+            grads = self._chunked_backward(wrt, options, bins, bdims, tile, precision)
         return {p: grads[g] for p, g in d.grads.items()}
 
     def backward_inputs(
@@ -135,7 +156,6 @@ class Block:
         import numpy as np
 
         from coda_lang.interp import bind
-        from coda_lang.ir.types import extent
 
         _, sizes = bind(self.ir, inputs, dims, precision)
         outputs = {o.name: o for o in self.ir.outputs}
@@ -160,48 +180,44 @@ class Block:
         return bins, bdims
 
     def chunk_plan(
-        self, wrt: list[str] | None = None, remat: str = DEFAULT_REMAT, dim: str | None = None
+        self, wrt: list[str] | None = None, remat: str | None = None, chunk_dim: str | None = None
     ) -> Any:
-        """How the derived backward runs in chunks of `dim` (default: the forward's row dim, its first
-        stage's rows): an `interp.chunk.ChunkPlan`; CodaError E0809 where it can't."""
-        from coda_lang.autodiff.chunk import chunk_plan, refuse, row_dim
-
-        if dim is None:
-            dim = row_dim(self.ir)
-            if dim is None:
+        """How the derived backward runs in chunks of `chunk_dim` (default: the forward's row dim, its
+        first stage's rows): an `autodiff.chunk.ChunkPlan`; CodaError E0809 where it can't."""
+        remat = BackwardOptions.of(remat=remat).remat
+        if chunk_dim is None:
+            chunk_dim = row_dim(self.ir)
+            if chunk_dim is None:
                 raise refuse(f"block {self.name} has no stage whose rows could be chunked")
-        key = (tuple(wrt) if wrt is not None else None, remat, dim)
+        key = (tuple(wrt) if wrt is not None else None, remat, chunk_dim)
         if key not in self._chunk_plans:
             d = self.derivation(wrt, remat)
-            self._chunk_plans[key] = chunk_plan(d.backward, dim)
+            self._chunk_plans[key] = chunk_plan(d.backward, chunk_dim)
         return self._chunk_plans[key]
 
     def _chunked_backward(
         self,
         wrt: list[str] | None,
-        remat: str,
+        options: BackwardOptions,
         bins: dict[str, Any],
         bdims: dict[str, int],
         tile: Any,
         precision: str,
-        chunk: int | str | None,
-        budget: int | None,
-        chunk_dim: str | None = None,
     ) -> dict[str, Any]:
-        import numpy as np
+        import numpy as np  # lazy: `coda check` and `coda grad` never import NumPy
 
-        from coda_lang.autodiff.chunk import candidate_plans, choose, run_chunks
         from coda_lang.core.numerics import round_to, to_storage
         from coda_lang.interp import bind, run_block
 
-        d = self.derivation(wrt, remat)
-        plans = candidate_plans(self, wrt, remat, chunk, chunk_dim)
+        d = self.derivation(wrt, options.remat)
+        plans = candidate_plans(self, wrt, options)
         env, sizes = bind(d.backward.ir, bins, bdims, precision)
-        plan, c = choose(plans, sizes, chunk, budget)
+        plan, c = choose(plans, sizes, options)
 
         def run(sub: dict[str, Any], n: int, acc: bool) -> dict[str, Any]:
             dims = {**sizes, plan.inner: n}
             wide = plan.acc_block if acc else plan.block
+            assert wide is not None  # (acc only where the plan has an acc_block)
             return run_block(wide.ir, wide.plan, sub, dims, precision=precision, tile=tile)[0]
 
         def empty(part: Any, shape: tuple[int, ...]) -> Any:
@@ -227,15 +243,6 @@ class Block:
         from coda_lang.backend_cute.runtime.cuda_block import CudaBlock
 
         return CudaBlock(self, tile=tile, dims=dims, **options)
-
-    def explain(self) -> str:
-        return explain(self.plan)
-
-    def __str__(self) -> str:
-        return print_block(self.ir)
-
-    def __repr__(self) -> str:
-        return f"<coda Block {self.name}: {len(self.plan.stages)} stages>"
 
 
 class Program:
@@ -280,30 +287,22 @@ class Derivation:
 
 
 def derive_checked(
-    ir: nodes.Block, plan: BlockPlan, wrt: list[str] | None = None, remat: str = DEFAULT_REMAT
+    ir: nodes.Block, plan: BlockPlan, wrt: list[str] | None = None, remat: str = nodes.DEFAULT_REMAT
 ) -> Derivation:
     """Derive the backward block and check both blocks; CodaError (E06) where it can't."""
-    from coda_lang.autodiff import AutodiffError, derive
-    from coda_lang.core.diagnostics import Diagnostic
-    from coda_lang.frontend.verify.check import check_block
-
     try:
         d = derive(ir, plan, wrt, remat)
     except AutodiffError as e:
         raise CodaError([Diagnostic(e.code, e.message, e.span, notes=e.notes)]) from None
-    blocks = []
-    for b in (d.forward, d.backward):
-        diags: list[Diagnostic] = []
-        typed, bplan = check_block(b, diags)
-        if diags:
-            notes = [f"{x.short()}" for x in diags[:5]] + [
-                "this is a bug in coda_lang's autodiff; please report it"
-            ]
-            raise CodaError(
-                [Diagnostic("E0601", f"the derived block `{b.name}` does not check", ir.span, notes=notes)]
-            )
-        blocks.append(Block(typed, bplan))
-    return Derivation(blocks[0], blocks[1], d.saved, d.cotangents, d.grads, d.report)
+    blocks = [check_generated(b, "the derived block", ir.span) for b in (d.forward, d.backward)]
+    return Derivation(
+        Block(blocks[0].ir, blocks[0].plan),
+        Block(blocks[1].ir, blocks[1].plan),
+        d.saved,
+        d.cotangents,
+        d.grads,
+        d.report,
+    )
 
 
 def load(path_or_text: str | os.PathLike[str]) -> Program:

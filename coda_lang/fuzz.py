@@ -44,7 +44,6 @@ from hypothesis import strategies as st
 from hypothesis.errors import Flaky
 
 from coda_lang.api import Block
-from coda_lang.autodiff.chunk import check_chunk_args
 from coda_lang.core import progress
 from coda_lang.core.diagnostics import CodaError
 from coda_lang.ir.nodes import DEFAULT_REMAT, REMAT
@@ -289,9 +288,8 @@ class Fuzzer:
                 self.fns[(1, None)] = self.cb.autograd(tile=self.fn_tile, remat=self.remat, chunk=1)
             base = self.fns[(1, None)]
             if key not in self.fns:
-                check_chunk_args(chunk, budget)
                 fn = copy.copy(base)
-                fn.chunk, fn.budget = chunk, budget
+                fn.options = base.options.with_(chunk=chunk, budget=budget)
                 self.fns[key] = fn
         return self.fns[key]
 

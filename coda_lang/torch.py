@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from coda_lang.api import Block, load
-from coda_lang.autodiff.chunk import candidate_plans, chunk_mode
+from coda_lang.autodiff.chunk import candidate_plans
+from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.ir.nodes import DEFAULT_REMAT
 
 __all__ = [
@@ -36,8 +37,6 @@ __all__ = [
     "uses_kernels",
     "wait_for_kernels",
 ]
-
-REMATS = ("save", "recompute", "auto")
 
 
 def uses_kernels(device: torch.device | str) -> bool:
@@ -81,26 +80,25 @@ class BlockFunction:
         block: Block,
         *,
         wrt: list[str] | None = None,
-        remat: str = DEFAULT_REMAT,
+        backward: BackwardOptions | None = None,
+        remat: str | None = None,
         tile: Any = None,
         dims: dict[str, int] | None = None,
         chunk: int | str | None = None,
         budget: int | None = None,
         chunk_dim: str | None = None,
     ):
-        if remat not in REMATS:
-            raise ValueError(f"remat must be one of {', '.join(REMATS)}, got {remat!r}")
-        chunk = chunk_mode(chunk, budget, chunk_dim)
-        self.block, self.wrt, self.remat, self.tile, self.dims = block, wrt, remat, tile, dims
-        self.chunk, self.budget, self.chunk_dim = chunk, budget, chunk_dim
+        self.options = BackwardOptions.of(
+            backward, remat=remat, chunk=chunk, budget=budget, chunk_dim=chunk_dim
+        )
+        self.block, self.wrt, self.tile, self.dims = block, wrt, tile, dims
+        self.remat = self.options.remat
         self._fns: dict[bool, Any] = {}  # emulate? -> CudaFunction
         # functions whose kernels compile with this one's, at the first call of any (compile_together)
         self._together: list[BlockFunction] = [self]
-        block.derivation(wrt, remat)  # derive now: an error shows when the function is made
-        if chunk is not None or budget is not None:
-            candidate_plans(
-                block, wrt, remat, chunk, chunk_dim
-            )  # and a backward that can't run in chunks is refused now
+        block.derivation(wrt, self.remat)  # derive now: an error shows when the function is made
+        if self.options.chunked:  # and a backward that can't run in chunks is refused now
+            candidate_plans(block, wrt, self.options)
 
     @property
     def name(self) -> str:
@@ -113,9 +111,7 @@ class BlockFunction:
         fn = self._fns.get(emulate)
         if fn is None:
             cb = self.block.cuda(tile=self.tile, dims=self.dims, emulate=emulate)
-            fn = self._fns[emulate] = cb.autograd(
-                self.wrt, remat=self.remat, chunk=self.chunk, budget=self.budget, chunk_dim=self.chunk_dim
-            )
+            fn = self._fns[emulate] = cb.autograd(self.wrt, backward=self.options)
         return fn
 
     def _fn(self, emulate: bool) -> Any:
@@ -177,7 +173,8 @@ def function(
     *,
     name: str | None = None,
     wrt: list[str] | None = None,
-    remat: str = DEFAULT_REMAT,
+    backward: BackwardOptions | None = None,
+    remat: str | None = None,
     tile: Any = None,
     dims: dict[str, int] | None = None,
     chunk: int | str | None = None,
@@ -185,10 +182,12 @@ def function(
     chunk_dim: str | None = None,
 ) -> BlockFunction:
     """`block` (a Block, or .coda source text or a path; `name` picks one of several blocks) as a
-    differentiable torch function. See `BlockFunction`."""
+    differentiable torch function. The backward's options: one `BackwardOptions` (`backward=`) or its
+    fields as keywords (`remat=`, `chunk=`, `budget=`, `chunk_dim=`). See `BlockFunction`."""
     return BlockFunction(
         _as_block(block, name),
         wrt=wrt,
+        backward=backward,
         remat=remat,
         tile=tile,
         dims=dims,
@@ -250,7 +249,8 @@ class BlockModule(torch.nn.Module):
         params: dict[str, torch.Tensor],
         *,
         name: str | None = None,
-        remat: str = DEFAULT_REMAT,
+        backward: BackwardOptions | None = None,
+        remat: str | None = None,
         tile: Any = None,
         chunk: int | str | None = None,
         budget: int | None = None,
@@ -258,7 +258,14 @@ class BlockModule(torch.nn.Module):
     ):
         super().__init__()
         self.fn = function(
-            block, name=name, remat=remat, tile=tile, chunk=chunk, budget=budget, chunk_dim=chunk_dim
+            block,
+            name=name,
+            backward=backward,
+            remat=remat,
+            tile=tile,
+            chunk=chunk,
+            budget=budget,
+            chunk_dim=chunk_dim,
         )
         names = {p.var.name for p in self.fn.block.ir.params}
         for k, v in params.items():

@@ -30,14 +30,9 @@ import torch
 import coda_lang
 import coda_lang.interp
 import coda_lang.torch as ct
-from coda_lang.autodiff.chunk import (
-    DEFAULT_BUDGET,
-    candidate_plans,
-    choose,
-    chunk_plan,
-    chunk_size,
-    run_chunks,
-)
+from coda_lang.autodiff.chunk import candidate_plans, choose, chunk_plan, chunk_size
+from coda_lang.autodiff.chunk_run import run_chunks
+from coda_lang.autodiff.options import DEFAULT_BUDGET, BackwardOptions
 from coda_lang.backend_cute.runtime import autograd
 from coda_lang.interp import random_inputs
 
@@ -166,17 +161,21 @@ def test_budget_picks_the_chunk() -> None:
     plan = block("lm_head_ce").chunk_plan(remat="recompute")
     sizes = {"M": 8192, "D": 2048, "V": 50}  # dacc1: bf16[M, V], 100 bytes per row
     assert plan.bytes_per_row(sizes) == 100
-    assert chunk_size(plan, 8192, sizes, "auto", 1000) == 10
-    assert chunk_size(plan, 8192, sizes, None, 1000) == 10  # a budget alone means "auto"
-    assert chunk_size(plan, 8192, sizes, "auto", 100 * 300) == 256  # a multiple of 128 from 128 rows
-    assert chunk_size(plan, 8192, sizes, "auto", 99) == 1  # at least one row
-    assert chunk_size(plan, 8192, sizes, "auto", 10**12) == 8192  # at most M
-    assert chunk_size(plan, 8192, sizes, 100, None) == 100
-    assert chunk_size(plan, 8192, sizes, 10**6, None) == 8192
-    assert chunk_size(plan, 8192, sizes, None, None) is None
+    assert chunk_size(plan, 8192, sizes, BackwardOptions(chunk="auto", budget=1000)) == 10
+    assert chunk_size(plan, 8192, sizes, BackwardOptions(budget=1000)) == 10  # a budget alone means "auto"
+    assert (
+        chunk_size(plan, 8192, sizes, BackwardOptions(chunk="auto", budget=100 * 300)) == 256
+    )  # a multiple of 128 from 128 rows
+    assert chunk_size(plan, 8192, sizes, BackwardOptions(chunk="auto", budget=99)) == 1  # at least one row
+    assert chunk_size(plan, 8192, sizes, BackwardOptions(chunk="auto", budget=10**12)) == 8192  # at most M
+    assert chunk_size(plan, 8192, sizes, BackwardOptions(chunk=100)) == 100
+    assert chunk_size(plan, 8192, sizes, BackwardOptions(chunk=10**6)) == 8192
+    assert chunk_size(plan, 8192, sizes, BackwardOptions()) is None
     llama3 = {"M": 8192, "D": 2048, "V": 128256}  # 256 MiB of bf16 dlogits: 1046 rows -> 1024
     assert (
-        chunk_size(plan, 8192, llama3, "auto", None) == 1024 == (DEFAULT_BUDGET // (2 * 128256)) // 128 * 128
+        chunk_size(plan, 8192, llama3, BackwardOptions(chunk="auto"))
+        == 1024
+        == (DEFAULT_BUDGET // (2 * 128256)) // 128 * 128
     )
     mlp = block("llama_mlp").chunk_plan(remat="recompute")  # dacc2: bf16[M, 2F], dacc1: bf16[M, D]
     assert mlp.bytes_per_row({"M": 64, "D": 16, "F": 24}) == 96
@@ -359,37 +358,62 @@ def test_torch_function_takes_chunk_and_budget() -> None:
 
 
 BAD_ARGS = [
-    ({"chunk": 0}, "chunk= is 0"),
-    ({"chunk": -3}, "chunk= is -3"),
-    ({"chunk": 2.5}, "chunk= is 2.5"),
-    ({"chunk": "big"}, "chunk= is 'big'"),
-    ({"chunk": True}, "chunk= is True"),
-    ({"budget": 0}, "budget= is 0"),
-    ({"budget": "1GB"}, "budget= is '1GB'"),
-    ({"chunk": "auto", "budget": 1.5e9}, "budget= is 1500000000.0"),
-    ({"chunk": 8, "budget": 1000}, "chunk=8 and budget=1000 both given"),
+    ({"chunk": 0}, ValueError, "chunk= is 0"),
+    ({"chunk": -3}, ValueError, "chunk= is -3"),
+    ({"chunk": 2.5}, TypeError, "chunk= is 2.5"),
+    ({"chunk": "big"}, ValueError, "chunk= is 'big'"),
+    ({"chunk": True}, TypeError, "chunk= is True"),
+    ({"budget": 0}, ValueError, "budget= is 0"),
+    ({"budget": "1GB"}, TypeError, "budget= is '1GB'"),
+    ({"chunk": "auto", "budget": 1.5e9}, TypeError, "budget= is 1500000000.0"),
+    ({"chunk": 8, "budget": 1000}, ValueError, "chunk=8 and budget=1000 both given"),
+    ({"chunk_dim": 3}, TypeError, "chunk_dim= is 3"),
+    ({"chunk_dim": "Q"}, ValueError, "chunk_dim= is 'Q'; block lm_head_ce has no such dim"),
+    ({"remat": "never"}, ValueError, "remat= is 'never'"),
+    ({"remat": None, "backward": "save"}, TypeError, "backward= is 'save'"),
+    ({"backward": BackwardOptions(), "remat": "save"}, TypeError, "backward= and remat= both given"),
 ]
 
 
-def assert_refused_by_every_entry(kw: dict[str, Any], msg: str) -> None:
-    """Block.vjp, CudaBlock.autograd and coda_lang.torch.function each refuse lm_head_ce's chunk
-    arguments `kw` with E0809 and `msg`."""
+def assert_refused_by_every_entry(kw: dict[str, Any], kind: type[Exception], msg: str) -> None:
+    """Block.vjp, Block.grad, CudaBlock.autograd and coda_lang.torch.function each refuse lm_head_ce's
+    backward options `kw` with the same exception (a TypeError or ValueError: an argument mistake,
+    not a CodaError) and `msg`."""
     blk = block("lm_head_ce")
     ins = ce_inputs(m=8)
-    for call in (
+    calls = [
         lambda: blk.vjp(ins, {"loss": np.ones(8, np.float32)}, **kw),
         lambda: blk.cuda(emulate=True).autograd(**kw),
         lambda: ct.function(blk, **kw),
-    ):
-        with pytest.raises(coda_lang.CodaError) as e:
+    ]
+    for call in calls:
+        with pytest.raises(kind) as e:
             call()
-        text = str(e.value)
-        assert "E0809" in text and msg in text, text
+        assert not isinstance(e.value, coda_lang.CodaError)
+        assert msg in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize("kw,msg", BAD_ARGS, ids=[str(k) for k, _ in BAD_ARGS])
-def test_bad_arguments_are_refused(kw: dict[str, Any], msg: str) -> None:
-    assert_refused_by_every_entry(kw, msg)
+@pytest.mark.parametrize("kw,kind,msg", BAD_ARGS, ids=[str(k) for k, _, _ in BAD_ARGS])
+def test_bad_arguments_are_refused(kw: dict[str, Any], kind: type[Exception], msg: str) -> None:
+    assert_refused_by_every_entry(kw, kind, msg)
+
+
+def test_backward_options_are_one_value() -> None:
+    """`backward=BackwardOptions(...)` and the keyword shorthands give the same run."""
+    blk = block("lm_head_ce")
+    ins = ce_inputs(m=24)
+    ct_ = {"loss": np.ones(24, np.float32)}
+    a = blk.vjp(ins, ct_, backward=BackwardOptions(remat="recompute", chunk=8))
+    b = blk.vjp(ins, ct_, remat="recompute", chunk=8)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+    assert BackwardOptions(chunk="auto").mode == "auto" and BackwardOptions(budget=10).mode == "auto"
+    assert BackwardOptions(chunk_dim="V").mode == "auto" and BackwardOptions().mode is None
+    assert (
+        BackwardOptions(chunk=np.int64(4)).chunk == 4
+        and type(BackwardOptions(chunk=np.int64(4)).chunk) is int
+    )
+    assert BackwardOptions(remat="save", chunk=8).flags() == ["--remat", "save", "--chunk", "8"]
 
 
 def _refused(src: str) -> str:
@@ -496,14 +520,14 @@ def test_ce_chunked_over_v_with_simulated_tiles() -> None:
 def test_the_column_plan_of_the_lm_head() -> None:
     """w_lm sliced on its columns, dw_lm joined on them, dhg (K = V) and dr (a sum over V)
     accumulated, the target shifted for `col_index() == target`; the smoothed CE reads V whole."""
-    plan = block("lm_head_ce").chunk_plan(remat="recompute", dim="V")
+    plan = block("lm_head_ce").chunk_plan(remat="recompute", chunk_dim="V")
     assert plan.dim == plan.inner == "V" and plan.sliced == {"w_lm": 1} and plan.joined == {"dw_lm": 1}
     assert plan.summed == {"dhg": "bf16", "dr": "f32"} and plan.shifted == {"target_at_V": ("target", None)}
     assert [(n, str(w), dt) for n, w, dt in plan.transients] == [("dacc1", "M", "bf16")] and plan.align == 8
     text = str(plan.block)
     assert "_t7 = _t6 == target_at_V" in text and "_t1 = target >= 0" in text  # the ignore test: whole
     assert "dhg: f32[M, D]" in text
-    smooth = block("lm_head_ce_smooth").chunk_plan(remat="recompute", dim="V")
+    smooth = block("lm_head_ce_smooth").chunk_plan(remat="recompute", chunk_dim="V")
     assert (
         smooth.inner == "Vc"
         and "dmlogit / V" in str(smooth.block)
@@ -581,7 +605,7 @@ def test_columns_of_a_gemm_chunk() -> None:
 
 
 def test_joins_write_into_one_preallocated_output() -> None:
-    plan = block("lm_head_ce").chunk_plan(remat="recompute", dim="V")
+    plan = block("lm_head_ce").chunk_plan(remat="recompute", chunk_dim="V")
     allocs: list[tuple[int, ...]] = []
     accs: list[bool] = []
 
@@ -614,23 +638,23 @@ def test_auto_chunks_the_lm_head_over_v(remat: str) -> None:
     chunks hold dhg's [M, D] (64 MiB, likewise), dr's sum and a chunk's part of it, and a [D, c] part of
     dw_lm; both a 256 MiB dlogits chunk."""
     blk = block("lm_head_ce")
-    plans = {p.dim: p for p in candidate_plans(blk, None, remat, "auto", None)}
+    plans = {p.dim: p for p in candidate_plans(blk, None, BackwardOptions(remat=remat, chunk="auto"))}
     assert {"M", "V"} <= set(plans)
     m, v = plans["M"], plans["V"]
-    cm, cv = (chunk_size(p, LLAMA3[p.dim], LLAMA3, "auto", None) for p in (m, v))
+    cm, cv = (chunk_size(p, LLAMA3[p.dim], LLAMA3, BackwardOptions(chunk="auto")) for p in (m, v))
     assert (cm, cv) == (1024, 16384)  # 256 MiB of bf16 dlogits: [1024, V] or [M, 16384]
     assert m.memory(LLAMA3, cm) == 4 * 2048 * 128256 + 1024 * 2 * 128256 + 1024 * (2 * 2048 + 4)
     assert v.memory(LLAMA3, cv) == 4 * 8192 * 2048 + 2 * 4 * 8192 + 8192 * 2 * 16384 + 2048 * 16384 * 2
-    plan, c = choose(list(plans.values()), LLAMA3, "auto", None)
+    plan, c = choose(list(plans.values()), LLAMA3, BackwardOptions(chunk="auto"))
     assert (plan.dim, c) == ("V", 16384)
 
 
 def test_auto_chunks_llama_mlp_over_m() -> None:
     blk = block("llama_mlp")
-    plans = candidate_plans(blk, None, "recompute", "auto", None)
+    plans = candidate_plans(blk, None, BackwardOptions(remat="recompute", chunk="auto"))
     assert [p.dim for p in plans] == ["M"]  # D is both rows and K of its GEMMs, F is paired (2*F)
     sizes = {"M": 8192, "D": 2048, "F": 8192}
-    assert choose(plans, sizes, "auto", 2**26)[0].dim == "M"
+    assert choose(plans, sizes, BackwardOptions(chunk="auto", budget=2**26))[0].dim == "M"
 
 
 def test_auto_in_vjp_runs_the_chosen_dim(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -716,20 +740,34 @@ def test_torch_function_and_module_take_chunk_dim() -> None:
 
 
 BAD_DIMS = [
-    ({"chunk_dim": 3}, "chunk_dim= is 3"),
+    ({"chunk_dim": 3}, TypeError, "chunk_dim= is 3"),
     (
         {"chunk": 4, "chunk_dim": "X"},
+        ValueError,
         "chunk_dim= is 'X'; block lm_head_ce has no such dim (its dims: M, D, V)",
     ),
-    ({"chunk_dim": "D", "remat": "recompute"}, "sums over `D` (K): only `name = acc`"),
+    ({"chunk_dim": "D", "remat": "recompute"}, coda_lang.CodaError, "sums over `D` (K): only `name = acc`"),
 ]
 
 
-@pytest.mark.parametrize("kw,msg", BAD_DIMS, ids=[str(k) for k, _ in BAD_DIMS])
-def test_bad_chunk_dims_are_refused(kw: dict[str, Any], msg: str) -> None:
-    assert_refused_by_every_entry(kw, msg)
+@pytest.mark.parametrize("kw,kind,msg", BAD_DIMS, ids=[str(k) for k, _, _ in BAD_DIMS])
+def test_bad_chunk_dims_are_refused(kw: dict[str, Any], kind: type[Exception], msg: str) -> None:
+    """An argument mistake (a dim's name that is not a str, a dim the block lacks) is a TypeError or a
+    ValueError; a dim the program can't be chunked along is the program's CodaError E0809."""
+    if kind is coda_lang.CodaError:
+        blk = block("lm_head_ce")
+        for call in (
+            lambda: blk.vjp(ce_inputs(m=8), {"loss": np.ones(8, np.float32)}, **kw),
+            lambda: blk.cuda(emulate=True).autograd(**kw),
+            lambda: ct.function(blk, **kw),
+        ):
+            with pytest.raises(coda_lang.CodaError) as e:
+                call()
+            assert "E0809" in str(e.value) and msg in str(e.value)
+    else:
+        assert_refused_by_every_entry(kw, kind, msg)
     with pytest.raises(coda_lang.CodaError) as e:
-        block("llama_mlp").chunk_plan(dim="F")
+        block("llama_mlp").chunk_plan(chunk_dim="F")
     assert "a chunk of `F` can't split `2*F`" in str(e.value)
 
 

@@ -216,12 +216,11 @@ def test_a_block_that_cant_be_chunked_is_checked_unchunked(capsys: pytest.Captur
 
 
 def test_the_default_policy_is_the_apis(capsys: pytest.CaptureFixture[str]) -> None:
-    import inspect
 
-    from coda_lang.api import Block
+    from coda_lang.autodiff.options import BackwardOptions
     from coda_lang.fuzz import DEFAULT_REMAT
 
-    assert inspect.signature(Block.derivation).parameters["remat"].default == DEFAULT_REMAT
+    assert BackwardOptions().remat == DEFAULT_REMAT  # what every API takes when no remat= is given
     code, out, _ = fuzz(capsys, HEAD, "--examples", "2")
     assert code == 0 and f"--remat {DEFAULT_REMAT})" in out, out
 
@@ -312,9 +311,9 @@ def test_a_planted_chunk_bug_is_caught_and_reproduced(
 ) -> None:
     """The last chunk's sums (the wgrads) dropped when it is ragged: caught with --chunk auto (a drawn
     budget), shrunk, and reproduced by a command naming the chunk and the budget."""
-    import coda_lang.autodiff.chunk as chunk
+    import coda_lang.api as api  # (the interpreter's chunked backward runs chunks through it)
 
-    run_chunks = chunk.run_chunks
+    run_chunks = api.run_chunks
 
     def wrong(plan, inputs, rows, c, run, cat, add, finish):  # type: ignore[no-untyped-def]
         out = run_chunks(plan, inputs, rows, c, run, cat, add, finish)
@@ -324,7 +323,7 @@ def test_a_planted_chunk_bug_is_caught_and_reproduced(
             out.update({n: run_chunks(plan, head, full, c, run, cat, add, finish)[n] for n in plan.summed})
         return out
 
-    monkeypatch.setattr(chunk, "run_chunks", wrong)
+    monkeypatch.setattr(api, "run_chunks", wrong)
     assert fuzz(capsys, MLP, "--examples", "20")[0] == 0  # unchunked: the bug is not on this path
     code, out, err = fuzz(capsys, MLP, "--examples", "50", "--chunk", "auto", "--remat", "recompute")
     assert code == 1, out + err

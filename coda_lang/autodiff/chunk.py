@@ -20,36 +20,35 @@ Otherwise it raises CodaError E0809 saying which stage or value is in the way. O
 are accumulated: the plan's `block` is the same block with those outputs stored in f32 (float64 in
 the f64 precision), added chunk by chunk and rounded once, at the end, to their declared dtype, so a
 chunked run equals the unchunked one up to the order of f32 summation.
-`candidate_plans` lists the plans a run may take (the given `chunk_dim`, the forward's row dim for a
-number of rows, every chunkable dim for "auto") and `choose` picks the one whose run holds the least
-memory (`ChunkPlan.memory`: f32 accumulators, transients, a chunk's parts of the joined outputs).
-`chunk_size` validates `chunk=` and `budget=` and picks the chunk: `budget // bytes_per_row` for
-"auto", where bytes_per_row is the bytes per element of `dim` of the largest tile the block stores
-for a later stage only (a transient such as dlogits: bf16[M, V] is 2*V bytes per row of M, 2*M per
-column of V). `run_chunks` runs any runtime (the interpreter's, the CUDA block's) chunk by chunk with
-allocation and accumulation given as callables.
-What it does not: run stages itself, or change the numerics of an element (each element's
-computation is the same chunked or not).
-Invariants: a plan's block checks (it is loaded from printed source) and has the parameters, outputs
-and stages of the block it came from, some outputs wider, plus the shifted parameters and a dim for
-the chunk's extent where it needs them.
+`candidate_plans` lists the plans a run may take under a `BackwardOptions` (the given `chunk_dim`,
+the forward's row dim for a number of rows, every chunkable dim for "auto") and `choose` picks the one
+whose run holds the least memory (`ChunkPlan.memory`: f32 accumulators, transients, a chunk's parts
+of the joined outputs). `chunk_size` picks the chunk: `budget // bytes_per_row` for "auto", where
+bytes_per_row is the bytes per element of `dim` of the largest tile the block stores for a later
+stage only (a transient such as dlogits: bf16[M, V] is 2*V bytes per row of M, 2*M per column of V).
+What it does not: rewrite the block (chunk_rewrite.py makes the plan's blocks), run chunks
+(chunk_run.py), check the options (options.py), or change the numerics of an element (each
+element's computation is the same chunked or not).
+Invariants: a plan's blocks check and have the parameters, outputs and stages of the block they came
+from, some outputs wider, plus the shifted parameters and a dim for the chunk's extent where they
+need them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
+from coda_lang.autodiff.chunk_rewrite import widen
+from coda_lang.autodiff.options import DEFAULT_BUDGET, BackwardOptions
 from coda_lang.core.diagnostics import CodaError, error
-from coda_lang.frontend.syntax.printer import print_block
+from coda_lang.frontend.source import CheckedBlock
 from coda_lang.frontend.verify.repeat import repeat_uses
-from coda_lang.ir.nodes import Block, DimDecl, DimRef, Eqn, Param, Stage, Var
+from coda_lang.ir.nodes import Block, DimRef, Eqn, Stage, Var
 from coda_lang.ir.types import TILE, Dim, Shape, Type, extent, shape_str
 from coda_lang.ops import REGISTRY
 
 CHUNK_CODE = "E0809"
-DEFAULT_BUDGET = 256 * 2**20  # bytes of the largest transient of one chunk, for chunk="auto"
 ROW_ALIGN = 128  # an automatic chunk of at least this many rows is a multiple of it (a kernel's tile_M)
 COL_ALIGN = 8  # an automatic chunk of a matrix's last axis is a multiple of it (16-byte rows for TMA)
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4}
@@ -68,7 +67,7 @@ class ChunkPlan:
     whole: tuple[str, ...]  # outputs that do not depend on the chunk: taken from the first chunk
     shifted: dict[str, tuple[str, Any]]  # parameter of `block` -> (the parameter it is, its default)
     # minus the chunk's start: an index compared with the chunk's row_index()/col_index(), or picked
-    block: Any  # the api.Block each chunk runs (summed outputs stored wide)
+    block: CheckedBlock  # the block each chunk runs (summed outputs stored wide)
     transients: tuple[tuple[str, Dim, str], ...]  # (name, other axis, dtype) of tiles indexed by
     # `dim` that the block stores for its later stages only
     fixed: tuple[tuple[str, Shape, str], ...]  # (name, shape, dtype) of such tiles not indexed by `dim`
@@ -80,7 +79,7 @@ class ChunkPlan:
     # `block` with each of `accumulate` stored as `acc + total` (its running total, f32, as an input of
     # the same shape): a chunk after the first adds its part inside the GEMM's epilogue, and a runtime
     # that can store a tile over the input it reads (CudaBlock) makes no part and no separate sum
-    acc_block: Any = None
+    acc_block: CheckedBlock | None = None
 
     @property
     def rows(self) -> frozenset[str]:
@@ -151,8 +150,8 @@ def _ty(v: Any) -> Type:
     return v.type
 
 
-def chunk_plan(blk: Any, dim: str) -> ChunkPlan:
-    """How `blk` (an api.Block) runs in chunks of `dim`; CodaError E0809 where it can't."""
+def chunk_plan(blk: CheckedBlock, dim: str) -> ChunkPlan:
+    """How `blk` runs in chunks of `dim`; CodaError E0809 where it can't."""
     ir: Block = blk.ir
     name = ir.name
     if dim not in {d.name for d in ir.dims}:
@@ -185,7 +184,7 @@ def chunk_plan(blk: Any, dim: str) -> ChunkPlan:
     def read(a: Any, by: str) -> str:
         nonlocal reads_size
         if isinstance(a, DimRef) and _is(a.dim, dim):
-            reads_size = True  # the chunked block reads the whole extent (see _chunk_block)
+            reads_size = True  # the chunked block reads the whole extent (see chunk_rewrite.widen)
             return CONST
         if not isinstance(a, Var):
             return CONST
@@ -371,7 +370,7 @@ def chunk_plan(blk: Any, dim: str) -> ChunkPlan:
             inner += "c"
     shifts = {new: (old, params[old].default) for old, new in shift_of.items()}
     sums = {n for n, k in kind.items() if k == SUM}
-    wide = _chunk_block(ir, sums, set(summed), patches, shift_of, dim, inner)
+    wide = widen(ir, sums, set(summed), patches, shift_of, dim, inner)
     accumulate: dict[str, str] = {}
     for o in ir.outputs:
         if o.name in summed and o.name in stored_acc:
@@ -381,7 +380,7 @@ def chunk_plan(blk: Any, dim: str) -> ChunkPlan:
             taken.add(new)
             accumulate[o.name] = new
     acc_block = (
-        _chunk_block(ir, sums, set(summed), patches, shift_of, dim, inner, accumulate) if accumulate else None
+        widen(ir, sums, set(summed), patches, shift_of, dim, inner, accumulate) if accumulate else None
     )
     return ChunkPlan(
         dim,
@@ -407,155 +406,28 @@ def _outs(s: Any) -> tuple[Var, ...]:
     return tuple(s.outs)
 
 
-def _chunk_block(
-    ir: Block,
-    sums: set[str],
-    summed_outputs: set[str],
-    patches: dict[tuple[int, int, int], str],
-    shift_of: dict[str, str],
-    dim: str,
-    inner: str,
-    accumulate: dict[str, str] | None = None,
-) -> Any:
-    """The block a chunk runs: `ir` with its values summed over the chunked dim stored in f32 (outputs
-    declared f32), so that each chunk's part is accumulated unrounded; the patched operands reading
-    the shifted parameters (declared after the parameter each shifts); and, when `inner` is not `dim`,
-    every shape's `dim` renamed `inner` (the chunk's extent) while a size read as a value stays `dim`.
-    `accumulate` (output -> new parameter): each such output, stored `name = acc`, is stored
-    `name = acc + total` instead, `total` an f32 parameter of the output's shape (declared last)."""
-    from coda_lang.api import load
-
-    def wide(v: Var) -> Var:
-        if v.name not in sums:
-            return v
-        if v.annot in ("bf16", "f16") or (v.annot is None and v.name not in summed_outputs):
-            return replace(v, annot="f32")
-        return v
-
-    def rd(d: Any) -> Any:  # a dim in a shape or a parameter, renamed
-        return Dim(d.coeff, inner) if isinstance(d, Dim) and d.name == dim else d
-
-    def rt(t: Type | None) -> Type | None:
-        return None if t is None else replace(t, shape=tuple(rd(d) for d in t.shape))
-
-    totals = accumulate or {}
-
-    def eqn(e: Eqn, stage: int, j: int) -> Eqn:
-        ins = tuple(
-            Var(patches[(stage, j, i)]) if (stage, j, i) in patches else a for i, a in enumerate(e.ins)
-        )
-        op = e.op
-        if stage and e.op == "copy" and e.outs[0].name in totals:
-            op, ins = "add", (*ins, Var(totals[e.outs[0].name]))
-        return replace(
-            e, op=op, ins=ins, outs=tuple(map(wide, e.outs)), params=tuple((k, rd(v)) for k, v in e.params)
-        )
-
-    body: list[Any] = []
-    k = 0
-    for s in ir.body:
-        if isinstance(s, Stage):
-            k += 1
-            shape = None if s.shape is None else (rd(s.shape[0]), rd(s.shape[1]))
-            body.append(replace(s, body=tuple(eqn(e, k, j) for j, e in enumerate(s.body)), shape=shape))
-        else:
-            body.append(eqn(s, 0, 0))
-    params: list[Param] = []
-    for p in ir.params:
-        params.append(replace(p, var=replace(p.var, type=rt(p.var.type))))
-        if p.var.name in shift_of:
-            params.append(replace(p, var=replace(p.var, name=shift_of[p.var.name], type=rt(p.var.type))))
-    for o in ir.outputs:
-        if o.name in totals:
-            params.append(Param(Var(totals[o.name], replace(o.type, dtype="f32"))))
-    outs = tuple(
-        replace(
-            o,
-            type=replace(
-                o.type,
-                shape=tuple(rd(d) for d in o.type.shape),
-                dtype="f32" if o.name in summed_outputs and o.type.dtype in ("bf16", "f16") else o.type.dtype,
-            ),
-        )
-        for o in ir.outputs
-    )
-    dims = ir.dims
-    if inner != dim:
-        at = [d.name for d in dims].index(dim) + 1
-        dims = dims[:at] + (DimDecl(inner),) + dims[at:]
-    wide_ir = replace(ir, dims=dims, params=tuple(params), body=tuple(body), outputs=outs)
-    return load(print_block(wide_ir))[ir.name]
-
-
 def chunk_size(
-    plan: ChunkPlan | None, rows: int, sizes: dict[str, int], chunk: Any, budget: Any
+    plan: ChunkPlan | None, rows: int, sizes: dict[str, int], options: BackwardOptions
 ) -> int | None:
     """The elements of the chunked dim per chunk of a run over `rows` of them (None: unchunked).
-    `chunk`: None, "auto" or a positive int; `budget`: bytes (a positive int) for "auto" (default
-    DEFAULT_BUDGET), which `chunk=None` with a budget means too. "auto" takes budget // bytes_per_row,
-    a multiple of ROW_ALIGN when that is at least ROW_ALIGN, else of the plan's `align` (COL_ALIGN for
-    a matrix's columns: a kernel stores rows of a multiple of 16 bytes), at least that; every chunk is
-    at most `rows`."""
-    check_chunk_args(chunk, budget)
-    if chunk is None and budget is None:
+    `options.mode`: None, "auto" or a number; for "auto", `options.budget` bytes (default
+    DEFAULT_BUDGET) // bytes_per_row, a multiple of ROW_ALIGN when that is at least ROW_ALIGN, else of
+    the plan's `align` (COL_ALIGN for a matrix's columns: a kernel stores rows of a multiple of 16
+    bytes), at least that; every chunk is at most `rows`."""
+    mode = options.mode
+    if mode is None:
         return None
-    if chunk is None or chunk == "auto":
+    if mode == "auto":
         assert plan is not None
         per_row = plan.bytes_per_row(sizes)
         if per_row == 0:
             return rows
-        c = int(budget if budget is not None else DEFAULT_BUDGET) // per_row
+        c = int(options.budget if options.budget is not None else DEFAULT_BUDGET) // per_row
         if c >= ROW_ALIGN:
             c -= c % ROW_ALIGN
         c -= c % plan.align
         return max(plan.align, 1, min(c, rows)) if plan.align <= rows else rows
-    return min(int(chunk), rows)
-
-
-def check_chunk_args(chunk: Any, budget: Any, chunk_dim: Any = None) -> None:
-    """E0809 naming `chunk=`, `budget=` or `chunk_dim=` when one is not what a chunked run takes."""
-    if chunk is not None and chunk != "auto":
-        if isinstance(chunk, bool) or not isinstance(chunk, int) and not _np_int(chunk):
-            raise refuse(
-                f'chunk= is {chunk!r}; it takes None (no chunks), "auto" (from budget=) or a number of rows',
-                notes=["chunk=1024 runs the backward 1024 rows at a time"],
-            )
-        if int(chunk) < 1:
-            raise refuse(
-                f"chunk= is {chunk}; a chunk holds at least 1 row", notes=["chunk=None runs unchunked"]
-            )
-    if budget is not None:
-        if isinstance(budget, bool) or not isinstance(budget, int) and not _np_int(budget):
-            raise refuse(
-                f"budget= is {budget!r}; it takes a number of bytes (an int)",
-                notes=["budget=2**28 bounds the largest transient of a chunk to 256 MiB"],
-            )
-        if int(budget) < 1:
-            raise refuse(f"budget= is {budget}; it must be a positive number of bytes")
-        if chunk is not None and chunk != "auto":
-            raise refuse(
-                f'chunk={chunk} and budget={budget} both given; budget= picks the chunk only with chunk="auto"'
-            )
-    if chunk_dim is not None and not isinstance(chunk_dim, str):
-        raise refuse(
-            f"chunk_dim= is {chunk_dim!r}; it takes the name of a dim (a str), or None",
-            notes=['chunk_dim="V" runs the backward in chunks of V\'s columns'],
-        )
-
-
-def chunk_mode(chunk: Any, budget: Any, chunk_dim: Any) -> Any:
-    """`chunk=` as a run takes it, after checking the three arguments: a `chunk_dim=` alone means
-    "auto" (as a `budget=` alone does); None: the run is not chunked."""
-    check_chunk_args(chunk, budget, chunk_dim)
-    if chunk is None and budget is None and chunk_dim is not None:
-        return "auto"
-    return chunk
-
-
-def _np_int(x: Any) -> bool:
-    import numpy as np
-
-    return isinstance(x, np.integer)
+    return min(int(mode), rows)
 
 
 def row_dim(forward: Block) -> str | None:
@@ -568,22 +440,21 @@ def row_dim(forward: Block) -> str | None:
     return None
 
 
-def candidate_plans(
-    blk: Any, wrt: list[str] | None, remat: str, chunk: Any, chunk_dim: str | None
-) -> list[ChunkPlan]:
-    """The plans a chunked backward of `blk` (an api.Block) may take, the preferred first: along
-    `chunk_dim` when it is given (E0809 when the block has no such dim or can't be chunked along
-    it); along the forward's row dim for a number of rows; for "auto", along every dim of the
-    backward's parameters that it can be chunked along (the row dim first), E0809 with the row
-    dim's reason when there is none."""
+def candidate_plans(blk: Any, wrt: list[str] | None, options: BackwardOptions) -> list[ChunkPlan]:
+    """The plans a chunked backward of `blk` (an api.Block: its `chunk_plan` and `derivation`) may
+    take under `options`, the preferred first: along `options.chunk_dim` when it is given (ValueError
+    when the block has no such dim; E0809 when it can't be chunked along it); along the forward's row
+    dim for a number of rows; for "auto", along every dim of the backward's parameters that it can be
+    chunked along (the row dim first), E0809 with the row dim's reason when there is none."""
     dims = [d.name for d in blk.ir.dims]
+    remat, chunk_dim = options.remat, options.chunk_dim
     if chunk_dim is not None:
         if chunk_dim not in dims:
-            raise refuse(
+            raise ValueError(
                 f"chunk_dim= is {chunk_dim!r}; block {blk.name} has no such dim (its dims: {', '.join(dims)})"
             )
         return [blk.chunk_plan(wrt, remat, chunk_dim)]
-    if chunk is not None and chunk != "auto":
+    if options.mode != "auto":
         return [blk.chunk_plan(wrt, remat)]
     first = row_dim(blk.ir)
     bwd = blk.derivation(wrt, remat).backward.ir
@@ -603,125 +474,14 @@ def candidate_plans(
     return plans
 
 
-def choose(plans: list[ChunkPlan], sizes: dict[str, int], chunk: Any, budget: Any) -> tuple[ChunkPlan, int]:
+def choose(plans: list[ChunkPlan], sizes: dict[str, int], options: BackwardOptions) -> tuple[ChunkPlan, int]:
     """The plan (and its chunk) whose run holds the least memory (`ChunkPlan.memory`); the earlier on a tie."""
     best: tuple[int, ChunkPlan, int] | None = None
     for p in plans:
-        c = chunk_size(p, sizes[p.dim], sizes, chunk, budget)
+        c = chunk_size(p, sizes[p.dim], sizes, options)
         assert c is not None
         m = p.memory(sizes, c)
         if best is None or m < best[0]:
             best = (m, p, c)
     assert best is not None
     return best[1], best[2]
-
-
-def chunk_at(axis: int, i: int, j: int) -> tuple[slice, ...]:
-    """The index of elements [i, j) along `axis`."""
-    return (slice(None),) * axis + (slice(i, j),)
-
-
-def join_part(
-    joined: dict[str, Any],
-    name: str,
-    part: Any,
-    axis: int,
-    size: int,
-    i: int,
-    j: int,
-    empty: Callable[[Any, tuple[int, ...]], Any],
-) -> None:
-    """Write chunk [i, j)'s `part` of output `name` into its slice of joined[name], which the first
-    chunk allocates (`empty(part, whole shape)`, `size` elements along `axis`)."""
-    if name not in joined:
-        shape = list(part.shape)
-        shape[axis] = size
-        joined[name] = empty(part, tuple(shape))
-    joined[name][chunk_at(axis, i, j)] = part
-
-
-class ChunkResults:
-    """The outputs of a run in chunks of `plan.dim` (`size` elements), taken chunk by chunk: each joined
-    output allocated once by `empty(first part, whole shape)` and every chunk's part copied into its
-    slice; summed ones `add(total, part)` (which may add in place into `total`, the first chunk's part)
-    and at the end `finish(total, dtype)` (rounding once to the declared dtype); the others the first
-    chunk's. Outputs of `plan.accumulate` come from the chunk's run of `plan.acc_block` (`totals()`
-    gives its inputs) already summed: they are the new totals."""
-
-    def __init__(
-        self,
-        plan: ChunkPlan,
-        size: int,
-        empty: Callable[[Any, tuple[int, ...]], Any],
-        add: Callable[[Any, Any], Any],
-        finish: Callable[[Any, str], Any],
-    ):
-        self.plan, self.size, self.empty, self.add, self.finish = plan, size, empty, add, finish
-        self.joined: dict[str, Any] = {}
-        self.sums: dict[str, Any] = {}
-        self.whole: dict[str, Any] | None = None
-
-    def totals(self) -> dict[str, Any] | None:
-        """The running totals by `plan.acc_block`'s parameter names, for the next chunk's run of it;
-        None when that chunk runs `plan.block` (the first chunk, or a plan with nothing to accumulate)."""
-        if not self.plan.accumulate or self.whole is None:
-            return None
-        return {p: self.sums[n] for n, p in self.plan.accumulate.items()}
-
-    def take(self, outs: dict[str, Any], i: int, j: int, accumulated: bool) -> None:
-        """Chunk [i, j)'s outputs (`accumulated`: from a run of `plan.acc_block`)."""
-        plan = self.plan
-        for n, ax in plan.joined.items():
-            join_part(self.joined, n, outs[n], ax, self.size, i, j, self.empty)
-        for n in plan.summed:
-            if n not in self.sums or (accumulated and n in plan.accumulate):
-                self.sums[n] = outs[n]
-            else:
-                self.sums[n] = self.add(self.sums[n], outs[n])
-        if self.whole is None:
-            self.whole = {n: outs[n] for n in plan.whole}
-
-    def result(self) -> dict[str, Any]:
-        return {
-            **self.joined,
-            **{n: self.finish(t, self.plan.summed[n]) for n, t in self.sums.items()},
-            **(self.whole or {}),
-        }
-
-
-def chunk_inputs(plan: ChunkPlan, inputs: dict[str, Any], i: int, j: int) -> dict[str, Any]:
-    """The inputs of chunk [i, j) of `plan.dim`: sliced where indexed by it, shifted parameters
-    minus the chunk's start, the others whole."""
-    sub = {n: (v if n not in plan.sliced else v[chunk_at(plan.sliced[n], i, j)]) for n, v in inputs.items()}
-    for new, (old, default) in plan.shifted.items():
-        base = inputs.get(old, default)
-        if base is not None:
-            sub[new] = base - i
-    return sub
-
-
-def run_chunks(
-    plan: ChunkPlan,
-    inputs: dict[str, Any],
-    size: int,
-    chunk: int,
-    run: Callable[[dict[str, Any], int, bool], dict[str, Any]],
-    empty: Callable[[Any, tuple[int, ...]], Any],
-    add: Callable[[Any, Any], Any],
-    finish: Callable[[Any, str], Any],
-) -> dict[str, Any]:
-    """Outputs of `plan.block` run chunk by chunk over `size` elements of `plan.dim`: `run(inputs of
-    the chunk, its extent, acc)` gives a chunk's outputs (run `plan.acc_block` when `acc`, whose
-    inputs then hold the running totals, else `plan.block`, with `plan.inner` at that extent);
-    the outputs are collected as `ChunkResults` says."""
-    res = ChunkResults(plan, size, empty, add, finish)
-    for i in range(0, size, chunk):
-        j = min(i + chunk, size)
-        sub = chunk_inputs(plan, inputs, i, j)
-        totals = res.totals()
-        if totals is not None:
-            sub.update(totals)
-        outs = run(sub, j - i, totals is not None)
-        res.take(outs, i, j, totals is not None)
-        del outs, sub
-    return res.result()

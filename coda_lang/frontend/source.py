@@ -1,10 +1,14 @@
 """The front end as one function: text -> parse -> lower -> check, collecting every diagnostic.
 
 What it does: `check_source` runs the passes in order and returns the typed program, the plan of
-each block and the diagnostics (sorted by position); `load` wraps that for the Python API.
+each block and the diagnostics (sorted by position); `api.load` wraps that for the Python API.
+`CheckedBlock` is a block that checked (typed IR and plan), what every later layer takes;
+`check_generated` checks a block a pass made (autodiff's backward, the chunker's rewrite) directly,
+without printing and parsing it.
 What it does not: run, differentiate or compile anything (interp/, autodiff/, backend_cute/).
-Invariants: never raises for any text (a diagnostic instead); the typed program is returned only
-when there are no errors.
+Invariants: `check_source` never raises for any text (a diagnostic instead); the typed program is
+returned only when there are no errors; a CheckedBlock's `str()` is .coda source that loads back to
+an equal block.
 """
 
 from __future__ import annotations
@@ -13,12 +17,46 @@ import os
 from pathlib import Path
 from typing import Any
 
-from coda_lang.core.diagnostics import Diagnostic
+from coda_lang.core.diagnostics import Diagnostic, error
 from coda_lang.frontend.syntax.lower import lower
 from coda_lang.frontend.syntax.parse import parse
+from coda_lang.frontend.syntax.printer import print_block
 from coda_lang.frontend.verify.check import check_block
-from coda_lang.frontend.verify.plan import BlockPlan
+from coda_lang.frontend.verify.plan import BlockPlan, explain
 from coda_lang.ir.nodes import Block, Program, Span
+
+
+class CheckedBlock:
+    """A block that checked: `ir` is its typed IR, `plan` what each stage loads, stores and reduces.
+    `coda_lang.Block` (api.py) is one, with the interpreter, autodiff and the backends on top."""
+
+    def __init__(self, ir: Block, plan: BlockPlan):
+        self.ir = ir
+        self.plan = plan
+
+    @property
+    def name(self) -> str:
+        return self.ir.name
+
+    def explain(self) -> str:
+        return explain(self.plan)
+
+    def __str__(self) -> str:
+        return print_block(self.ir)
+
+    def __repr__(self) -> str:
+        return f"<coda Block {self.name}: {len(self.plan.stages)} stages>"
+
+
+def check_generated(block: Block, what: str, origin: Span | None = None) -> CheckedBlock:
+    """`block`, made by a pass (`what` names it), checked; CodaError E0601 (a bug in coda_lang, with
+    the first diagnostics as notes) when it does not check. `origin`: the user's source it came from."""
+    diags: list[Diagnostic] = []
+    typed, plan = check_block(block, diags)
+    if diags:
+        notes = [x.short() for x in diags[:5]] + ["this is a bug in coda_lang; please report it"]
+        raise error("E0601", f"{what} `{block.name}` does not check", origin, notes=notes)
+    return CheckedBlock(typed, plan)
 
 
 def _pos(d: Diagnostic) -> tuple[int, int]:

@@ -4,10 +4,11 @@ What it does: `CudaFunction` holds the CUDA blocks of the extended forward (`Blo
 .forward`: the forward that also stores what the backward reads) and of the derived backward block;
 its `torch.autograd.Function` runs the first in `forward`, keeps the saved tensors, and runs the second
 in `backward` with the incoming cotangents, returning each input's gradient in its dtype.
-What it does not: derive anything (autodiff/ does) or launch kernels itself (cuda_block.py).
-`chunk=`/`budget=`/`chunk_dim=` run the backward in chunks of one dim, rows of M or columns of V
-(autodiff/chunk.py decides how, picks the dim for "auto", and refuses blocks that can't; its transient
-tiles are then bounded by the chunk).
+What it does not: derive anything (autodiff/ does) or launch kernels itself (cuda_block.py, whose
+`CudaBlock.sibling` makes the blocks it runs, so this module needs no import of it). A
+`BackwardOptions` with `chunk=`/`budget=`/`chunk_dim=` runs the backward in chunks of one dim, rows
+of M or columns of V (autodiff/chunk.py decides how, picks the dim for "auto", and refuses blocks
+that can't; its transient tiles are then bounded by the chunk).
 Invariants: the backward runs at the dims of the forward's call; an output nobody differentiates gets a
 zero cotangent; a stage either block can't compile is E07 when the function is made, naming the block;
 chunked and unchunked backwards agree up to the order of f32 summation.
@@ -15,27 +16,19 @@ chunked and unchunked backwards agree up to the order of f32 summation.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from coda_lang.autodiff.chunk import (
-    ChunkPlan,
-    ChunkResults,
-    candidate_plans,
-    choose,
-    chunk_at,
-    chunk_inputs,
-    chunk_mode,
-    join_part,
-    row_dim,
-    run_chunks,
-)
-from coda_lang.backend_cute.runtime.cuda_block import CudaBlock, with_sources
+from coda_lang.autodiff.chunk import ChunkPlan, candidate_plans, choose, row_dim
+from coda_lang.autodiff.chunk_run import ChunkResults, chunk_at, chunk_inputs, join_part, run_chunks
+from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.backend_cute.runtime.launch import TORCH_DTYPES
-from coda_lang.core.diagnostics import CodaError, Diagnostic
+from coda_lang.core.diagnostics import CodaError, Diagnostic, with_sources
 from coda_lang.interp.inputs import given_dims
-from coda_lang.ir.nodes import DEFAULT_REMAT
+
+if TYPE_CHECKING:
+    from coda_lang.backend_cute.runtime.cuda_block import CudaBlock
 
 
 def _runtime_error(e: CodaError, what: str, block: Any) -> CodaError:
@@ -55,27 +48,17 @@ class CudaFunction:
     """`CudaBlock.autograd()`: call with the block's inputs by name; returns the outputs by name, which
     torch.autograd differentiates through the derived backward block's kernels."""
 
-    def __init__(
-        self,
-        cb: CudaBlock,
-        wrt: list[str] | None,
-        tile: Any,
-        remat: str = DEFAULT_REMAT,
-        chunk: int | str | None = None,
-        budget: int | None = None,
-        chunk_dim: str | None = None,
-    ):
+    def __init__(self, cb: CudaBlock, wrt: list[str] | None, tile: Any, options: BackwardOptions):
         if isinstance(tile, dict):
             raise TypeError("autograd() takes one tile for every stage (or None), not a dict")
-        chunk = chunk_mode(chunk, budget, chunk_dim)
-        d = cb.block.derivation(wrt, remat)
+        d = cb.block.derivation(wrt, options.remat)
         self.derivation = d
         try:
-            self.forward = CudaBlock(d.forward, tile, emulate=cb.emulate, poison=cb.poison, tune=cb.tune)
+            self.forward = cb.sibling(d.forward, tile)
         except CodaError as e:
             raise _runtime_error(e, "extended forward", d.forward) from None
         try:
-            self.backward = CudaBlock(d.backward, tile, emulate=cb.emulate, poison=cb.poison, tune=cb.tune)
+            self.backward = cb.sibling(d.backward, tile)
         except CodaError as e:
             raise _runtime_error(e, "backward", d.backward) from None
         # saved tensors a packed backward stage may overwrite with its D (CudaBlock._run's `consume`)
@@ -92,11 +75,11 @@ class CudaFunction:
         # or every chunkable dim for "auto", chosen per call by memory), and the CUDA block of each
         # plan's widened backward (gradients summed over the chunked dim stored in f32, added across
         # chunks); `chunked` is the first's
-        self.chunk, self.budget = chunk, budget
+        self.options = options
         self.chunk_plans: list[ChunkPlan] = []
         self.chunked_blocks: dict[str, CudaBlock] = {}
-        if chunk is not None or budget is not None:
-            self.chunk_plans = candidate_plans(cb.block, wrt, remat, chunk, chunk_dim)
+        if options.chunked:
+            self.chunk_plans = candidate_plans(cb.block, wrt, options)
             for plan in self.chunk_plans:
                 # (and the block of the chunks after the first, which add to the weight gradients'
                 # running totals in their GEMMs' epilogues: key "<dim>+")
@@ -104,9 +87,7 @@ class CudaFunction:
                     if blk is None:
                         continue
                     try:
-                        self.chunked_blocks[key] = CudaBlock(
-                            blk, tile, emulate=cb.emulate, poison=cb.poison, tune=cb.tune
-                        )
+                        self.chunked_blocks[key] = cb.sibling(blk, tile)
                     except CodaError as e:
                         raise _runtime_error(e, "chunked backward", blk) from None
             self.chunked = self.chunked_blocks[self.chunk_plans[0].dim]
@@ -214,7 +195,7 @@ class CudaFunction:
         every chunk must not be overwritten by the first)."""
         if not self.chunk_plans:
             return self.backward._call(bins, dims, consume)[0]
-        plan, c = choose(self.chunk_plans, dims, self.chunk, self.budget)
+        plan, c = choose(self.chunk_plans, dims, self.options)
         run = self.chunk_runner(plan, dims, consume)
         return run_chunks(plan, bins, dims[plan.dim], c, run, _empty, _add, _finish)
 

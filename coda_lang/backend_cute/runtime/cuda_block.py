@@ -22,11 +22,11 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.backend_cute.build import select
 from coda_lang.backend_cute.build.config import (
     GROUP_SUBTILE,
@@ -41,6 +41,7 @@ from coda_lang.backend_cute.build.config import (
 from coda_lang.backend_cute.plan.emit import emit_stage
 from coda_lang.backend_cute.plan.planner import plan_stage
 from coda_lang.backend_cute.plan.spec import StageSpec, dim_operand
+from coda_lang.backend_cute.runtime.autograd import CudaFunction
 from coda_lang.backend_cute.runtime.launch import (
     HALF_DTYPES,
     TORCH_DTYPES,
@@ -51,16 +52,15 @@ from coda_lang.backend_cute.runtime.launch import (
 )
 from coda_lang.backend_cute.runtime.tiles import as_config, choose_config, find_ptxas, first_compiled
 from coda_lang.backend_triton.elementwise import ElementwiseStage
-from coda_lang.core.diagnostics import CodaError, Diagnostic, error
+from coda_lang.core.diagnostics import CodaError, Diagnostic, error, with_sources
 from coda_lang.frontend.verify.repeat import check_repeats, repeat_uses
 from coda_lang.interp.inputs import dims_from_shapes, given_dims, shape_rules
-from coda_lang.ir.nodes import DEFAULT_REMAT, DimRef, Eqn, Lit, Stage, Var
+from coda_lang.ir.nodes import DimRef, Eqn, Lit, Stage, Var
 from coda_lang.ir.types import MATRIX, Dim
 from coda_lang.ops import REGISTRY
 
 if TYPE_CHECKING:
     from coda_lang.backend_cute.build.parallel import Background
-    from coda_lang.backend_cute.runtime.autograd import CudaFunction
 
 
 class CudaBlock:
@@ -613,12 +613,19 @@ class CudaBlock:
 
     # -- autograd -----------------------------------------------------------------------------
 
+    def sibling(self, block: Any, tile: Any = None) -> CudaBlock:
+        """A CUDA block of another checked block with this one's settings (emulated or not, poisoned
+        outputs, tuning): the blocks an autograd function runs (its extended forward, its backward, the
+        chunked backwards)."""
+        return CudaBlock(block, tile, emulate=self.emulate, poison=self.poison, tune=self.tune)
+
     def autograd(
         self,
         wrt: list[str] | None = None,
-        tile: Any = None,
-        remat: str = DEFAULT_REMAT,
         *,
+        tile: Any = None,
+        backward: BackwardOptions | None = None,
+        remat: str | None = None,
         chunk: int | str | None = None,
         budget: int | None = None,
         chunk_dim: str | None = None,
@@ -626,15 +633,13 @@ class CudaBlock:
         """A function of the block's inputs (by name) whose outputs are differentiable by torch.autograd:
         forward = the extended forward block, backward = the derived backward block, both on CUDA, at
         `tile` (default: this block's own, when it was given one tile for every stage), tuned as this
-        block is; `remat` as `Block.derivation`. `chunk` (a number, or "auto" from `budget` bytes) and
-        `chunk_dim` run the backward in chunks of one dim, as `Block.vjp` does (docs/design.md, "Chunked
-        backward"). CodaError (E07) when a stage of either can't run on the GPU yet, E0809 for a bad
-        chunk=, budget= or chunk_dim=, or a backward that can't run in chunks."""
-        from coda_lang.backend_cute.runtime.autograd import CudaFunction
-
-        return CudaFunction(
-            self, wrt, tile if tile is not None else self.tile, remat, chunk, budget, chunk_dim
-        )
+        block is. The backward's options are one `BackwardOptions` (`backward=`) or its fields as
+        keywords (`remat=`, `chunk=`, `budget=`, `chunk_dim=`), as `Block.vjp` takes them: what the
+        backward recomputes, and whether it runs in chunks of one dim (docs/design.md, "Chunked
+        backward"). CodaError (E07) when a stage of either can't run on the GPU yet, E0809 for a
+        backward that can't run in chunks; TypeError or ValueError for a bad argument."""
+        options = BackwardOptions.of(backward, remat=remat, chunk=chunk, budget=budget, chunk_dim=chunk_dim)
+        return CudaFunction(self, wrt, tile if tile is not None else self.tile, options)
 
 
 _PRELOAD: threading.Thread | None = None
@@ -667,14 +672,3 @@ def _reads(item: Any) -> set[str]:
         names |= {a.name for e in item.body for a in e.ins if isinstance(a, Var)}
         return names - {"acc"} - {v.name for e in item.body for v in e.outs}
     return {a.name for a in item.ins if isinstance(a, Var)}
-
-
-def with_sources(e: CodaError) -> CodaError:
-    """`e` with the text of the files its spans point at (so that it renders with source lines)."""
-    if e.sources:
-        return e
-    sources = {}
-    for f in {d.span.file for d in e.diagnostics if d.span is not None}:
-        with contextlib.suppress(OSError):
-            sources[f] = Path(f).read_text()
-    return CodaError(e.diagnostics, sources) if sources else e
