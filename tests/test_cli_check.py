@@ -104,6 +104,18 @@ def test_explain_llama_block() -> None:
     assert lines[-1] == "ok: examples/llama_block.coda: 1 block (llama_block), 4 GEMM stages"
 
 
+def test_summary_counts_elementwise_stages_apart() -> None:
+    # llama_block's backward (its golden file) has an elementwise stage at the block's entry
+    path = "tests/golden/grad/llama_block.coda"
+    lines = [line.strip() for line in (ROOT / path).read_text().splitlines()]
+    n_gemm = sum(line.startswith("gemm ") for line in lines)
+    assert sum(line.startswith("elementwise [") for line in lines) == 1 and n_gemm > 1
+    r = coda("check", path)
+    no_traceback(r)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"ok: {path}: 1 block (llama_block_bwd), {n_gemm} GEMM stages + 1 elementwise stage\n"
+
+
 def test_short_error_format() -> None:
     path = "tests/bad/two_mistakes_lm_head.coda"
     r = coda("check", "--error-format=short", path)

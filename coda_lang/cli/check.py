@@ -70,10 +70,13 @@ def run(args: argparse.Namespace) -> int:
             for b in prog.blocks:
                 if args.block is None or b.name == args.block:
                     print(explain(plans[b.name]))
-        stages = sum(len(plans[n].stages) for n in names)
+        stages = [sp for n in names for sp in plans[n].stages]
+        n_ew = sum(1 for sp in stages if sp.text.startswith("elementwise"))  # as explain() counts
+        n_gemm = len(stages) - n_ew
+        ew = f" + {n_ew} elementwise stage{'s' * (n_ew != 1)}" if n_ew else ""
         print(
             f"ok: {path}: {len(names)} block{'s' * (len(names) != 1)} ({', '.join(names)}), "
-            f"{stages} GEMM stage{'s' * (stages != 1)}"
+            f"{n_gemm} GEMM stage{'s' * (n_gemm != 1)}{ew}"
         )
     if n_errors and args.error_format == "human":
         print(f"error: {n_errors} error{'s' * (n_errors != 1)} found", file=sys.stderr)

@@ -86,7 +86,7 @@ CODES: dict[str, str] = {
     "E0602": "can't differentiate this program",
     # E07 backend limits (`coda compile`, coda_lang.backend_cute): valid programs the CuTeDSL backend
     # can't compile yet
-    "E0701": "stage has no GEMM (elementwise stages are not compiled yet)",
+    "E0701": "stage has no GEMM (the CuTeDSL backend compiles GEMM stages only)",
     "E0702": "dtype not supported by the CuTeDSL backend",
     "E0703": "op has no CuTeDSL emitter yet",
     "E0704": "column layout not supported by the epilogue",

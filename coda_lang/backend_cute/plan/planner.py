@@ -76,7 +76,8 @@ def plan_stage(block: Any, index: int, emulated: bool = False) -> StageSpec:
             st.span,
             notes=[
                 "an elementwise stage is a memory-bound kernel (autodiff makes one where no GEMM "
-                "produces a cotangent); it will get its own emitter"
+                "produces a cotangent): a generated Triton kernel, or a torch.compile kernel where the "
+                "generator can't take its ops"
             ],
         )
     return _Planner(block, index, st, sp, emulated).run()
