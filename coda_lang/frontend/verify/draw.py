@@ -328,11 +328,11 @@ def _ports(panel: _Panel) -> None:
         else:
             group.sort(key=lambda i: (panel.edges[i].src.row_y(panel.edges[i].src_row), i))
         for i, dy in zip(
-            group, _spread(len(group), -7, 0) if leaves else _spread(len(group), -6, 6), strict=True
+            group, _spread(len(group), -8, -2) if leaves else _spread(len(group), -6, 6), strict=True
         ):
             panel.dy_in[i] = 0 if len(group) == 1 and not leaves else dy
         if leaves:
-            panel.dy_out[(box, row)] = 5
+            panel.dy_out[(box, row)] = 6
 
 
 def _layout(panel: _Panel) -> None:
@@ -375,7 +375,7 @@ def _layout(panel: _Panel) -> None:
     for i in sorted(inner, key=lambda i: (spans[i][1] - spans[i][0], spans[i][0], i)):
         lo, hi = spans[i]
         for lane, used in enumerate(taken):
-            if all(hi + 14 < a or lo - 14 > b for a, b in used):  # (the ends move by up to 7: below)
+            if all(hi + 14 < a or lo - 14 > b for a, b in used):  # (the ends move by up to 8: below)
                 used.append((lo, hi))
                 panel.lanes[i] = lane
                 break
