@@ -233,8 +233,8 @@ TypeRule = Callable[[Ctx, tuple[Type, ...], dict[str, Any]], tuple[Type, ...]]
 
 class Locality(enum.StrEnum):
     """Where an op's result elements come from (frontend/verify's locality rules, and how every
-    executor runs the op). Its members equal their names as strings ("pointwise", ...): that is how
-    docs/language.md's op table writes them."""
+    executor runs the op). Its members are their strings ("pointwise", ...), as docs/language.md's op
+    table writes them; passes compare members (`is Locality.PAIR`), never strings."""
 
     POINTWISE = "pointwise"  # output at (i, j) reads inputs at (i, j) and broadcast vectors
     PAIR = "pair"  # reads the pair partner column too (pairs, interleave: see `Lanes`)
@@ -400,7 +400,7 @@ class OpDef:
     # does from the same operands (autodiff's exact tie operands)
     exact: bool = False
     commutative: bool = False  # f(a, b) == f(b, a) (CSE's keys, random programs' value keys)
-    compares: bool = False  # a comparison: a bool, only for where's condition (exact on i32 below 2**24)
+    compares: bool = False  # a comparison: a bool, only for where's condition (the planner, bounds)
     # the result is one of its operands (or elements) wherever it selects it, so it ties with that one:
     # max, min, where, abs; a reduction that selects (max, min) shares its cotangent among ties (`ties`)
     selects: bool = False
