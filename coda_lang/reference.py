@@ -21,14 +21,12 @@ from pathlib import Path
 INDEX = Path(__file__).resolve().parent / "error_index"
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
-_OPERANDS = {"pick": ["x", "idx"], "expand": ["x", "like"], "pairs": ["z"]}  # names the docs lines use
-
 
 def _signature(op: object) -> str:
     from coda_lang.ops.registry import OpDef
 
     assert isinstance(op, OpDef)
-    names = _OPERANDS.get(op.name) or {0: [], 1: ["x"], 2: ["a", "b"], 3: ["c", "a", "b"]}[op.nin]
+    names = op.operand_names or {0: (), 1: ("x",), 2: ("a", "b"), 3: ("c", "a", "b")}[op.nin]
     if op.infix == "=":
         return "`y = x`"
     if op.infix == "neg":
@@ -54,7 +52,7 @@ def op_table_markdown() -> str:
     seen = set()
     for ops in BY_SURFACE.values():
         for op in ops:
-            if op.name in seen or op.name == "copy" and op.infix is None:
+            if op.name in seen:
                 continue
             seen.add(op.name)
             grad = "yes" if op.differentiable else "no"
@@ -62,7 +60,7 @@ def op_table_markdown() -> str:
             if op.decompose is not None:
                 grad, locality = "via its rewrite", "rewritten"
             else:
-                locality = op.locality or ""
+                locality = op.locality.value
             doc = op.doc.replace("|", "\\|")  # a table cell
             rows.append(f"| {_signature(op)} | {locality} | {grad} | {comb} | {doc} |")
     return "\n".join(rows) + "\n"

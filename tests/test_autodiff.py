@@ -32,7 +32,7 @@ from coda_lang.core.diagnostics import CODES
 from coda_lang.ir.nodes import Eqn, Stage, Var
 from coda_lang.ir.types import MATRIX, SCALAR, VEC, is_float
 from coda_lang.layout import deinterleave_rope, interleave_gate_up, interleave_rope, split_gate_up
-from coda_lang.ops import REGISTRY
+from coda_lang.ops import REGISTRY, Locality
 from coda_lang.testing import (
     OP_SIZES,
     Forward,
@@ -226,7 +226,7 @@ def test_check_vjp_each_op(name: str) -> None:
         f"`{op.surface}` is differentiable but has no VJP rule (`vjp=` in coda_lang/ops/)"
     )
     programs = op_programs(op)
-    if op.locality == "vector":  # a computation on whole vectors: between stages only
+    if op.locality is Locality.VECTOR:  # a computation on whole vectors: between stages only
         assert any("(between)" in p.label for p in programs), f"no program uses `{op.surface}`"
     else:
         assert any("(stage" in p.label for p in programs), f"no program uses `{op.surface}` in a stage"

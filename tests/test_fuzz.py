@@ -30,6 +30,7 @@ import re
 import shlex
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -173,9 +174,10 @@ def test_a_planted_sign_swap_in_the_runtime_is_caught_on_the_cpu(
     pytest.importorskip("torch")
     from coda_lang.ops import REGISTRY
 
-    silu = REGISTRY["silu"].torch
+    op = REGISTRY["silu"]
+    silu = op.lower.torch
     assert silu is not None
-    monkeypatch.setattr(REGISTRY["silu"], "torch", lambda x: -silu(x))
+    monkeypatch.setattr(op, "lower", replace(op.lower, torch=lambda x: -silu(x)))
     code, out, err = fuzz(capsys, MLP, "--target", "emulate", "--examples", "10", "--no-backward")
     assert code == 1, out + err
     assert "output `x2`" in out and "--target emulate" in out
@@ -344,9 +346,9 @@ def test_a_planted_sign_swap_in_an_emitter_is_caught_on_the_gpu(
     from coda_lang.ops import REGISTRY
 
     op = REGISTRY["silu"]
-    emit = op.emit
+    emit = op.lower.cute
     assert emit is not None
-    monkeypatch.setattr(op, "emit", lambda *xs: f"(-{emit(*xs)})")
+    monkeypatch.setattr(op, "lower", replace(op.lower, cute=lambda *xs: f"(-{emit(*xs)})"))
     code, out, err = fuzz(capsys, MLP, "--target", "cuda", "--examples", "20", "--no-backward")
     assert code == 1, out + err
     assert "output `x2`" in out and "reproduce: coda fuzz" in out
@@ -570,7 +572,7 @@ def _backward_rounds_tanh_up(monkeypatch: pytest.MonkeyPatch) -> None:
     from coda_lang.ops import REGISTRY
 
     inside = [False]
-    run, tanh = elementwise.ElementwiseStage.run, REGISTRY["tanh"].torch
+    run, tanh = elementwise.ElementwiseStage.run, REGISTRY["tanh"].lower.torch
     assert tanh is not None
 
     def flagged(self: Any, *args: Any, **kw: Any) -> None:
@@ -585,7 +587,7 @@ def _backward_rounds_tanh_up(monkeypatch: pytest.MonkeyPatch) -> None:
         return torch.nextafter(y, torch.full_like(y, float("inf"))) if inside[0] else y
 
     monkeypatch.setattr(elementwise.ElementwiseStage, "run", flagged)
-    monkeypatch.setattr(REGISTRY["tanh"], "torch", up)
+    monkeypatch.setattr(REGISTRY["tanh"], "lower", replace(REGISTRY["tanh"].lower, torch=up))
 
 
 def test_max_ties_agree_when_the_backward_rounds_differently(

@@ -19,7 +19,7 @@ from test_autodiff import check_vjp
 import coda_lang
 from coda_lang.backend_cute.plan.emit import emit_stage
 from coda_lang.backend_cute.plan.planner import plan_stage
-from coda_lang.ops import BY_SURFACE, REGISTRY, SUGAR, OpDef
+from coda_lang.ops import BY_SURFACE, REGISTRY, SUGAR, Locality, Lowerings, OpDef
 from coda_lang.ops.registry import as_tensor, broadcast, register
 
 CUBE = """dims M, N, K
@@ -43,15 +43,13 @@ def throwaway_op() -> Iterator[OpDef]:
     """`cube_t`: registered for the test, unregistered after it (whatever it raised)."""
     op = register(
         OpDef(
-            "cube_t",
-            "cube_t",
-            1,
+            name="cube_t",
+            nin=1,
             type_rule=_cube_rule,
-            locality="pointwise",
+            locality=Locality.POINTWISE,
             impl=lambda x: x * x * x,
             vjp=lambda b, p, ct: [b.mul(ct, b.mul(b.lit(3.0), b.mul(p.x[0], p.x[0])))],
-            emit=lambda x: f"{x} * {x} * {x}",
-            torch=lambda x: as_tensor(x) ** 3,
+            lower=Lowerings(cute=lambda x: f"{x} * {x} * {x}", torch=lambda x: as_tensor(x) ** 3),
             doc="x cubed (a test's throwaway op)",
         )
     )
@@ -239,17 +237,16 @@ def throwaway_reduction() -> Iterator[OpDef]:
     COMBINES[rec.name] = rec
     op = register(
         OpDef(
-            "reduce_prod_t",
-            "prod_t",
-            1,
-            type_rule=_reduce_rule("prod_t", rec.name),
-            locality="reduce",
+            name="reduce_prod_t",
+            surface="prod_t",
+            nin=1,
             params=REDUCE_PARAMS,
-            combine=rec,
+            type_rule=_reduce_rule("prod_t", rec.name),
+            locality=Locality.REDUCE,
             impl=lambda x, axis: np.prod(x, axis=axis),
-            emit=lambda x, **params: x,
-            torch=lambda x: as_tensor(x).prod(),
             differentiable=False,
+            combine=rec,
+            lower=Lowerings(cute=lambda x, **params: x, torch=lambda x: as_tensor(x).prod()),
         )
     )
     try:

@@ -1,9 +1,11 @@
 """The op registry: every op has the rules it needs, names resolve unambiguously, type rules behave.
 
-- A table of which rules each op has (type rule, locality, NumPy impl, VJP, CuTeDSL emitter). A type
-  rule and a locality class are required now; for impl, vjp and emit the set of ops that lack one is
-  written out below and must match exactly, so filling a rule in means updating this test (and an
-  op registered without one shows up here).
+- A table of which rules each op has (type rule, locality, NumPy impl, VJP, CuTeDSL and torch
+  lowerings). A type rule and a locality class are required now; for impl, vjp and the lowerings the
+  set of ops that lack one is written out below and must match exactly, so filling a rule in means
+  updating this test (and an op registered without one shows up here).
+- The facts an OpDef declares fit its locality (an index axis exactly for INDEX ops, a lane role
+  exactly for PAIR ops, a bound rule of its kind).
 - A surface name with a number of operands and a set of keyword arguments means at most one op, and
   each op is reachable from the syntax.
 - Every type rule, given well-formed operands of every kind (scalar, vector, tile, grouped value
@@ -21,39 +23,57 @@ import pytest
 
 from coda_lang.core.diagnostics import CODES, Mistake
 from coda_lang.ir.types import BOOL, DTYPES, ERROR_TYPE, GROUP, MATRIX, SCALAR, TILE, VEC, Dim, Type
-from coda_lang.ops import BY_SURFACE, REGISTRY, Ctx, OpDef, StageShape, resolve
+from coda_lang.ops import (
+    BY_SURFACE,
+    REGISTRY,
+    BoundRule,
+    Ctx,
+    Lanes,
+    Locality,
+    OpDef,
+    Role,
+    StageShape,
+    resolve,
+)
 
-RULES = ("type_rule", "locality", "impl", "vjp", "emit", "torch")
+RULES = ("type_rule", "locality", "impl", "vjp", "lower.cute", "lower.torch")
 REQUIRED = ("type_rule", "locality")
-LOCALITIES = {"pointwise", "pair", "reduce", "index", "gather", "vector"}
 
 # Ops that lack each optional rule today. Later issues fill these in: shrink the sets as they do.
 EXPECTED_MISSING: dict[str, frozenset[str]] = {
     "impl": frozenset(),  # the interpreter issue
     "vjp": frozenset({"col_index", "eq", "ge", "gt", "le", "lt", "ne", "row_index"}),  # not differentiable
     # the executors know where their tile sits; fold runs between stages only (no epilogue)
-    "emit": frozenset({"col_index", "fold", "row_index"}),
-    "torch": frozenset(
+    "lower.cute": frozenset({"col_index", "fold", "row_index"}),
+    "lower.torch": frozenset(
         {"col_index", "row_index", "pick"}
     ),  # as emit; pick is a sink (or a gather) of its own
 }
 
 
+def _rule(op: OpDef, rule: str) -> object:
+    """The OpDef's field `rule` ("lower.cute": a field of its lowerings)."""
+    obj: object = op
+    for part in rule.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def rule_table() -> str:
     names = sorted(REGISTRY)
     width = max(len(n) for n in names)
-    lines = [f"{'op'.ljust(width)}  " + "  ".join(r.ljust(9) for r in RULES)]
+    lines = [f"{'op'.ljust(width)}  " + "  ".join(r.ljust(11) for r in RULES)]
     for n in names:
         op = REGISTRY[n]
         lines.append(
             f"{n.ljust(width)}  "
-            + "  ".join(("yes" if getattr(op, r) is not None else "-").ljust(9) for r in RULES)
+            + "  ".join(("yes" if _rule(op, r) is not None else "-").ljust(11) for r in RULES)
         )
     return "\n".join(lines)
 
 
 def missing(rule: str) -> set[str]:
-    return {n for n, op in REGISTRY.items() if getattr(op, rule) is None}
+    return {n for n, op in REGISTRY.items() if _rule(op, rule) is None}
 
 
 def test_rule_table() -> None:
@@ -68,16 +88,16 @@ def test_rule_table() -> None:
     for line in table[1:]:
         name, *cells = line.split()
         op = REGISTRY[name]
-        assert cells == ["yes" if getattr(op, r) is not None else "-" for r in RULES], name
+        assert cells == ["yes" if _rule(op, r) is not None else "-" for r in RULES], name
         assert (op.vjp is not None) == op.differentiable, name
-        assert (op.combine is not None) == (op.locality in ("reduce", "gather")), name
-        for ident, line_ in op.imports:
+        assert (op.combine is not None) == op.reduces, name
+        for ident, line_ in op.lower.cute_imports:
             assert (
                 ident.isidentifier() and line_.split()[-1] == ident and line_.startswith(("from ", "import "))
             ), name
     x = np.random.default_rng(0).standard_normal((5, 7))
     for name, op in REGISTRY.items():
-        if op.locality == "reduce":
+        if op.locality is Locality.REDUCE:
             assert op.combine is not None and op.impl is not None
             for axis in (0, 1):  # a whole tile's reduction is the fold of per-tile partials
                 parts = (
@@ -96,7 +116,42 @@ def test_required_rules(rule: str) -> None:
 
 
 def test_locality_classes_are_known() -> None:
-    assert {n: op.locality for n, op in REGISTRY.items() if op.locality not in LOCALITIES} == {}
+    assert {n: op.locality for n, op in REGISTRY.items() if not isinstance(op.locality, Locality)} == {}
+
+
+# the bound rules an op of each locality may follow (interp/bound.py's dispatch)
+_PER_ELEMENT_RULES = set(BoundRule) - {BoundRule.REDUCE, BoundRule.GATHER, BoundRule.FOLD}
+BOUND_RULES = {
+    Locality.POINTWISE: _PER_ELEMENT_RULES - {BoundRule.MOVE},
+    Locality.PAIR: {BoundRule.MOVE},
+    Locality.REDUCE: {BoundRule.REDUCE},
+    Locality.GATHER: {BoundRule.GATHER},
+    Locality.INDEX: {BoundRule.EXACT},
+    Locality.VECTOR: {BoundRule.FOLD},
+}
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_the_facts_of_an_op_fit_its_locality(name: str) -> None:
+    """What an OpDef declares beyond its rules agrees with its locality and arity: a lane role for
+    exactly the PAIR ops (a split of one operand, a join of two), an index axis for exactly the INDEX
+    ops, a bound rule its locality's executors implement, a role per operand (an index or a shape
+    operand beside a value operand), `ties` only for reductions, a comparison non-differentiable."""
+    op = REGISTRY[name]
+    assert op.bound_rule in BOUND_RULES[op.locality], (name, op.locality, op.bound_rule)
+    assert (op.lanes is not None) == (op.locality is Locality.PAIR)
+    if op.lanes is not None:
+        assert op.nin == (1 if op.lanes is Lanes.SPLIT else 2)
+        assert op.nout == (2 if op.lanes is Lanes.SPLIT else 1)
+    assert (op.index_axis is not None) == (op.locality is Locality.INDEX)
+    assert op.index_axis in (None, 0, 1)
+    assert len(op.roles) in (0, op.nin)
+    if Role.INDEX in op.roles or Role.SHAPE in op.roles:  # an index into, or the shape for, operand 0
+        assert op.role(0) is Role.VALUE
+    assert not op.ties or op.locality is Locality.REDUCE
+    assert not op.compares or not op.differentiable
+    assert not (op.copy and op.rounds)
+    assert len(op.operand_names) in (0, op.nin)
 
 
 @pytest.mark.parametrize("rule", sorted(EXPECTED_MISSING))

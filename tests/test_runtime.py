@@ -46,7 +46,7 @@ from coda_lang.backend_cute.runtime.launch import (  # noqa: E402
 )
 from coda_lang.core.diagnostics import CodaError  # noqa: E402
 from coda_lang.interp import combine  # noqa: E402
-from coda_lang.ops import COMBINES, REGISTRY  # noqa: E402
+from coda_lang.ops import COMBINES, REGISTRY, Locality  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -77,7 +77,7 @@ def block(name: str) -> coda_lang.Block:
 # ------------------------------------------------------------------ the torch op table
 
 
-STAND_INS = sorted(n for n, od in REGISTRY.items() if od.torch is not None)
+STAND_INS = sorted(n for n, od in REGISTRY.items() if od.lower.torch is not None)
 POSITIVE = {"log", "sqrt", "rsqrt"}  # ops whose operand is drawn positive
 
 
@@ -103,9 +103,9 @@ def _cases(
         return [((tx > 0, tx, ty), (x > 0, x, y), {}), ((tx > 0, tx, 0.0), (x > 0, x, 0.0), {})]
     if od.name == "expand":  # a broadcast scalar, and a vector repeated to a longer one
         return [((tx[:1], tx), (x[:1], x), {}), ((tx[:8], tx[:256]), (x[:8], x[:256]), {})]
-    if od.locality == "vector":  # fold(x, into=G): the stand-in and the impl take G's size
+    if od.locality is Locality.VECTOR:  # fold(x, into=G): the stand-in and the impl take G's size
         return [((tx[:256], 8), (x[:256], 8), {}), ((tx[:256], 256), (x[:256], 256), {})]
-    if od.locality == "pair":
+    if od.locality is Locality.PAIR:
         if od.nin == 1:
             return [((tx.reshape(1, -1)[:, :256],), (x.reshape(1, -1)[:, :256],), {})]
         return [((tx, ty), (x, y), {}), ((tx, 0.0), (x, np.float32(0.0)), {})]
@@ -128,10 +128,11 @@ def test_torch_stand_ins_match_numpy_impls(op: str) -> None:
     if op in POSITIVE:
         x = np.abs(x) + 0.1
     od = REGISTRY[op]
-    assert od.impl is not None and od.torch is not None
+    stand_in = od.lower.torch
+    assert od.impl is not None and stand_in is not None
     for targs, nargs, kw in _cases(op, x, y):
-        got = od.torch(*targs, **kw)
-        want = od.impl(nargs[0], 0) if od.locality == "reduce" else od.impl(*nargs, **kw)
+        got = stand_in(*targs, **kw)
+        want = od.impl(nargs[0], 0) if od.locality is Locality.REDUCE else od.impl(*nargs, **kw)
         for g_t, w in zip(
             got if isinstance(got, tuple) else (got,),
             want if isinstance(want, tuple) else (want,),
@@ -149,7 +150,9 @@ def test_torch_stand_ins_match_numpy_impls(op: str) -> None:
 
 def test_every_op_that_runs_outside_a_kernel_has_a_torch_stand_in() -> None:
     lacking = {
-        n for n, od in REGISTRY.items() if od.locality in ("pointwise", "pair", "reduce") and od.torch is None
+        n
+        for n, od in REGISTRY.items()
+        if od.locality in (Locality.POINTWISE, Locality.PAIR, Locality.REDUCE) and od.lower.torch is None
     }
     assert lacking == set()
 
@@ -158,7 +161,7 @@ def test_torch_stand_ins_on_integers_and_scalars() -> None:
     t = torch.tensor([3, -100, 7], dtype=torch.int32)
 
     def run(op: str, *args: Any, **kw: Any) -> Any:
-        fn = REGISTRY[op].torch
+        fn = REGISTRY[op].lower.torch
         assert fn is not None
         return fn(*args, **kw)
 

@@ -20,7 +20,7 @@ from typing import Any
 from coda_lang.core.diagnostics import Mistake
 from coda_lang.ir.nodes import NO_SPAN, Atom, DimRef, Eqn, Lit, Span, Var
 from coda_lang.ir.types import ERROR_TYPE, MATRIX, SCALAR, TILE, VEC, Dim, Type, is_float
-from coda_lang.ops import REGISTRY, Ctx, StageShape
+from coda_lang.ops import REGISTRY, Ctx, Locality, StageShape
 
 
 def float_value(t: Type | None) -> bool:
@@ -136,8 +136,8 @@ class Builder:
         self.out.append(Eqn(op, tuple(ins), outs, ordered, self.span, (self.span,) * len(ins)))
         return outs
 
-    def hoistable(self, locality: str | None, ins: tuple[Atom, ...]) -> bool:
-        if locality != "pointwise":
+    def hoistable(self, locality: Locality, ins: tuple[Atom, ...]) -> bool:
+        if locality is not Locality.POINTWISE:
             return False
         for a in ins:
             if isinstance(a, Var) and (

@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from coda_lang.ir.nodes import Atom, Eqn, Stage, Stmt, Var
+from coda_lang.ops import REGISTRY
 
 
 def _uses(a: Atom) -> str | None:
@@ -41,7 +42,7 @@ def dce(body: list[Stmt], live_out: set[str]) -> list[Stmt]:
 
 def _key(e: Eqn) -> tuple[Any, ...]:
     ins = tuple(("v", a.name) if isinstance(a, Var) else ("a", a) for a in e.ins)
-    if e.op in ("add", "mul", "maximum", "minimum", "eq", "ne"):  # commutative
+    if REGISTRY[e.op].commutative:
         ins = tuple(sorted(ins, key=repr))
     return (e.op, ins, e.params)
 
@@ -60,12 +61,13 @@ def cse(body: list[Stmt], keep: set[str]) -> list[Stmt]:
         for e in eqns:
             e = replace(e, ins=tuple(fix(a) for a in e.ins))
             k = _key(e)
-            mergeable = all(v.annot is None and v.name not in keep for v in e.outs) and e.op != "copy"
+            copy = REGISTRY[e.op].copy  # `y = x` names a value: never merged away, never merged into
+            mergeable = all(v.annot is None and v.name not in keep for v in e.outs) and not copy
             if mergeable and k in seen:
                 for v, w in zip(e.outs, seen[k], strict=True):
                     subst[v.name] = w.name
                 continue
-            if e.op not in ("copy",):
+            if not copy:
                 seen.setdefault(k, e.outs)
             out.append(e)
         return out

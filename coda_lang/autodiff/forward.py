@@ -17,11 +17,12 @@ from coda_lang.autodiff.builder import float_value as _float
 from coda_lang.frontend.verify.plan import BlockPlan
 from coda_lang.ir.nodes import Block, Eqn, Param, Var
 from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type
+from coda_lang.ops import REGISTRY, Locality
 
-INDEX_OPS = ("row_index", "col_index")
-# one IEEE operation: on the same operands, every kernel rounds it the same (no approximation, and
-# nothing to fuse it with)
-EXACT_OPS = frozenset({"copy", "neg", "abs", "add", "sub", "mul", "maximum", "minimum"})
+
+def is_index(e: Eqn) -> bool:
+    """Whether `e` is row_index() or col_index() (an INDEX op)."""
+    return REGISTRY[e.op].locality is Locality.INDEX
 
 
 class ForwardFacts:
@@ -109,8 +110,7 @@ class ForwardFacts:
         differ): one whose operand is not saved as it is (`tie_operands`)."""
         saved = set(self.tie_operands(k).values())
         exact = any(
-            e.op in ("reduce_max", "reduce_min")
-            and not (isinstance(e.ins[0], Var) and e.ins[0].name in saved)
+            REGISTRY[e.op].ties and not (isinstance(e.ins[0], Var) and e.ins[0].name in saved)
             for e in self.block.stages[k].body
         )
         return "f32" if exact else self.plan.activation
@@ -121,7 +121,7 @@ class ForwardFacts:
         compute again bit for bit: the backward finds the elements that attain the max by comparing
         the operand with the forward's result, so it reads an f32 copy of the operand that the forward
         stores (`State.read_exact`). An operand is computed again exactly when it is `acc`, a value from
-        outside the stage (a load, a parameter), or one IEEE operation (`EXACT_OPS`) of such values,
+        outside the stage (a load, a parameter), or one IEEE operation (`OpDef.exact`) of such values,
         literals and indices: every kernel rounds those the same. Others (a fast-math function, a
         product fused into a sum, a vector the backward recomputes between stages) may come out one
         ulp apart in another kernel, and then no element would equal the max."""
@@ -130,17 +130,17 @@ class ForwardFacts:
         def plain(a: object) -> bool:
             if not isinstance(a, Var) or a.name == "acc" or self.fstage.get(a.name) != k:
                 return True
-            return self.fdef[a.name].op in INDEX_OPS
+            return is_index(self.fdef[a.name])
 
         for e in self.block.stages[k].body:
-            if e.op not in ("reduce_max", "reduce_min") or e.param("group") is not None:
+            if not REGISTRY[e.op].ties or e.param("group") is not None:
                 continue
             (x,) = e.ins
             if plain(x):
                 continue
             assert isinstance(x, Var)
             d = self.fdef[x.name]
-            if d.op in EXACT_OPS and all(plain(a) for a in d.ins):
+            if REGISTRY[d.op].exact and all(plain(a) for a in d.ins):
                 continue
             out[e.outs[0].name] = x.name
         return out
@@ -161,7 +161,7 @@ class ForwardFacts:
         indexed: set[str] = set()
         out: set[str] = set()
         for e in self.block.stages[k].body:
-            dep = e.op in INDEX_OPS or any(isinstance(a, Var) and a.name in indexed for a in e.ins)
+            dep = is_index(e) or any(isinstance(a, Var) and a.name in indexed for a in e.ins)
             for v in e.outs:
                 assert v.type is not None
                 if dep:

@@ -39,7 +39,7 @@ from coda_lang.autodiff.state import State
 from coda_lang.frontend.verify.plan import BlockPlan
 from coda_lang.ir.nodes import DEFAULT_REMAT, REMAT, Atom, Block, Eqn, Stage, Var
 from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type
-from coda_lang.ops import REGISTRY, StageShape
+from coda_lang.ops import REGISTRY, Locality, StageShape
 from coda_lang.ops.registry import repeats_in
 
 
@@ -105,7 +105,9 @@ class Reverse:
                 continue
             target = self.fwd.after_type(a.name)
             # a pointwise op's cotangents are of its (broadcast) output; a reduction's of its input
-            logical = e.outs[0].type if op.locality == "pointwise" and e.outs[0].type is not None else target
+            logical = (
+                e.outs[0].type if op.locality is Locality.POINTWISE and e.outs[0].type is not None else target
+            )
             s.add_cotangent(a.name, unbroadcast.complete(b, c, logical, target))
 
     # ------------------------------------------------------------------ stages
@@ -175,7 +177,7 @@ class Reverse:
         policy = self.policy[k]
         if policy == "save" or not st.is_gemm or st.a is None or st.b is None:
             return None
-        ties = [e for e in st.body if e.op in ("reduce_max", "reduce_min") and e.param("group") is None]
+        ties = [e for e in st.body if REGISTRY[e.op].ties and e.param("group") is None]
         if ties:
             return None
         assert isinstance(st.a, Var) and st.acc is not None and st.acc.type is not None

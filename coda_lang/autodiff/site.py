@@ -30,13 +30,13 @@ from fractions import Fraction
 from coda_lang.autodiff import unbroadcast
 from coda_lang.autodiff.builder import AutodiffError, Primals
 from coda_lang.autodiff.builder import float_value as _float
-from coda_lang.autodiff.forward import INDEX_OPS
+from coda_lang.autodiff.forward import is_index
 from coda_lang.autodiff.state import State
 from coda_lang.autodiff.unbroadcast import Later, Part, same_shape
 from coda_lang.frontend.verify.repeat import repeated
 from coda_lang.ir.nodes import Atom, DimRef, Eqn, Lit, Span, Stage, Var
 from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Dim, Type
-from coda_lang.ops import REGISTRY, StageShape
+from coda_lang.ops import REGISTRY, Lanes, Locality, StageShape
 
 
 def _elementwise(body: list[Eqn], shape: StageShape, span: Span) -> Stage:
@@ -195,7 +195,7 @@ class Site:
 
     def recompute(self, name: str) -> Atom:
         e = self.fwd.fdef[name]
-        if e.op in INDEX_OPS and not self.at_forward_width():
+        if is_index(e) and not self.at_forward_width():
             raise AutodiffError(
                 "E0602",
                 f"`{name}` uses {e.op}() in a stage whose backward runs at another "
@@ -234,9 +234,7 @@ class Site:
         eqns = [
             e
             for e in self.st.body
-            if e.op in ("reduce_max", "reduce_min")
-            and e.param("group") is None
-            and s.has_cotangent(e.outs[0].name)
+            if REGISTRY[e.op].ties and e.param("group") is None and s.has_cotangent(e.outs[0].name)
         ]
         if not eqns:
             return
@@ -356,18 +354,19 @@ class Site:
             return
         b.span = e.span
         cts: list[Atom | None] = [t[0] if t is not None else None for t in taken]
-        if op.locality == "pair" or (
-            op.locality == "pointwise" and repeated(e, self.fshape.rows, self.fshape.cols)
+        if op.locality is Locality.PAIR or (
+            op.locality is Locality.POINTWISE and repeated(e, self.fshape.rows, self.fshape.cols)
         ):  # pairs/interleave move columns, and a repeating vector repeats across a tile's columns (a
             # row vector's cotangent times it would have no width): they need whole tiles
             cts = [self.fill(t[0], t[1]) if t is not None else None for t in taken]
-        self.exact = e.op in ("reduce_max", "reduce_min")
+        self.exact = op.ties
         if self.exact:
             self.exact_operand(e)
         got = op.vjp(b, Primals(e, self.primal), cts if op.nout > 1 else cts[0])
         self.exact = False
         out_logical = next(t[1] for t in taken if t is not None)
-        if e.op == "interleave":  # its operands broadcast to half its width
+        joins = op.lanes is Lanes.JOIN
+        if joins:  # interleave: its operands broadcast to half its width
             rows, wide = out_logical.shape
             out_logical = Type(out_logical.dtype, (rows, wide.scale(Fraction(1, 2))), TILE)
         for a, c in zip(e.ins, got, strict=True):
@@ -375,7 +374,7 @@ class Site:
                 continue
             target = self.logical(a.name)
             # a pointwise op's (or interleave's) cotangents are of its broadcast operands; the others' of their inputs
-            logical = out_logical if op.locality == "pointwise" or e.op == "interleave" else target
+            logical = out_logical if op.locality is Locality.POINTWISE or joins else target
             if self.in_site(a.name):
                 if not _float(target):
                     continue

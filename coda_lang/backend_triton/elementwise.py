@@ -30,7 +30,7 @@ from coda_lang.core.diagnostics import CodaError, Diagnostic
 from coda_lang.frontend.verify.repeat import repeated
 from coda_lang.ir.nodes import DimRef, Lit, Stage, Var
 from coda_lang.ir.types import GROUP, MATRIX, TILE, VEC, Dim, Type
-from coda_lang.ops import REGISTRY
+from coda_lang.ops import REGISTRY, Locality
 from coda_lang.ops.registry import torch_dtype
 
 # torch.compile's `dynamic` for the stages' kernels: None (PyTorch's default) compiles for the first
@@ -60,7 +60,7 @@ class ElementwiseStage:
         self.groups = tuple(r.group or 0 for r in self.plan.reductions)  # 0: not grouped
         for e in self.stage.body:
             od = REGISTRY[e.op]
-            if od.locality not in ("reduce", "gather", "index") and od.torch is None:
+            if not (od.reduces or od.locality is Locality.INDEX) and od.lower.torch is None:
                 raise CodaError(
                     [Diagnostic("E0708", f"`{e.op}` has no torch stand-in for an elementwise stage", e.span)]
                 )
@@ -100,7 +100,8 @@ class ElementwiseStage:
         widths = tuple(self._width(a.type) if isinstance(a, Var) else None for a in e.ins)
         out = e.outs[0].type
         info: dict[str, Any] = {"widths": widths}
-        if REGISTRY[e.op].locality == "reduce":
+        od = REGISTRY[e.op]
+        if od.locality is Locality.REDUCE:
             per_row = bool(out is not None and out.shape and out.shape[0] == self.rows)
             info["per_row"] = per_row
             info["group"] = e.param("group") or 0
@@ -110,7 +111,7 @@ class ElementwiseStage:
             )  # its groups reduced: one each
             if widths[0] is None:  # a vector or scalar broadcast over the reduced axis
                 info["widths"] = ((1, 1),) if per_row else (None,)
-        elif e.op == "expand":
+        elif od.broadcasts:  # expand
             x = e.ins[0].type if isinstance(e.ins[0], Var) else None
             # a stored tile of one column per group read as a grouped value: each column over its group
             info["repeat"] = (
@@ -123,10 +124,10 @@ class ElementwiseStage:
                 else 0
             )
             info["params"] = {}
-        elif e.op in ("row_index", "col_index"):
+        elif od.locality is Locality.INDEX:
             assert out is not None and out.shape
-            info["width"] = self._ratio(out.shape[0]) if e.op == "col_index" else None
-        elif e.op not in ("pairs", "interleave", "pick"):
+            info["width"] = self._ratio(out.shape[0]) if od.index_axis == 1 else None
+        elif od.locality not in (Locality.PAIR, Locality.GATHER):
             info["params"] = {k: v for k, v in e.params if not isinstance(v, Dim)}
         info["vec"] = tuple(
             None
@@ -218,11 +219,11 @@ class ElementwiseStage:
                 xs[i] = torch.as_tensor(xs[i], device=device).reshape(1, -1)[:, idx]
             od = REGISTRY[op]
             res: tuple[Any, ...]
-            if od.locality == "pair":  # on whole tiles: a broadcast operand expanded first
+            if od.locality is Locality.PAIR:  # on whole tiles: a broadcast operand expanded first
                 xs = [torch.as_tensor(full(x, w), device=device) for x, w in zip(xs, ws, strict=True)]
-                out = od.torch(*xs) if od.torch is not None else None
+                out = od.lower.torch(*xs) if od.lower.torch is not None else None
                 res = out if isinstance(out, tuple) else (out,)
-            elif od.locality == "reduce":
+            elif od.locality is Locality.REDUCE:
                 assert od.combine is not None
                 fold = od.combine.torch
                 per_row = info["per_row"]
@@ -240,23 +241,24 @@ class ElementwiseStage:
                 else:
                     r = fold(x, 1 if per_row else 0)
                     res = (r.reshape(-1, 1) if per_row else r.reshape(1, -1),)
-            elif op == "expand" and info["repeat"]:
+            elif od.broadcasts and info["repeat"]:  # a tile of one column per group, as a grouped value
                 g = info["repeat"]
                 x = torch.as_tensor(xs[0], dtype=torch.float32, device=device)
                 res = (x.unsqueeze(2).expand(-1, -1, g).reshape(rows, -1),)
-            elif op == "pick":
+            elif od.locality is Locality.GATHER:  # pick(x, idx): one column per row
                 x = full(xs[0], ws[0])
                 idx = torch.as_tensor(xs[1], device=device).long().reshape(-1, 1)
                 ok = (idx >= 0) & (idx < x.shape[1])
                 got = x.gather(1, torch.where(ok, idx, 0))
                 res = (torch.where(ok, got, 0.0),)
-            elif op in ("row_index", "col_index"):
+            elif od.locality is Locality.INDEX:
                 n = rows if info["width"] is None else width(info["width"])
                 ix = torch.arange(n, dtype=torch.int32, device=device)
-                res = (ix.reshape(-1, 1) if op == "row_index" else ix.reshape(1, -1),)
+                res = (ix.reshape(-1, 1) if od.index_axis == 0 else ix.reshape(1, -1),)
             else:
-                assert od.torch is not None, f"`{op}` has no torch stand-in"
-                out = od.torch(*xs, **info["params"])
+                stand_in = od.lower.torch
+                assert stand_in is not None, f"`{op}` has no torch stand-in"
+                out = stand_in(*xs, **info["params"])
                 res = out if isinstance(out, tuple) else (out,)
             for name, x, vec in zip(outs, res, info["vec"], strict=True):
                 if isinstance(x, torch.Tensor):

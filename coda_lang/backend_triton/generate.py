@@ -13,7 +13,7 @@ program; reductions over the rows leave one partial per program, folded afterwar
 torch rule.
 `unsupported(stage)` says why a stage can't be generated (an op without a Triton emitter, a grouped
 reduction, a vector repeating across columns, ...); such a stage keeps torch.compile. Each op's Triton
-expression comes from the op registry (`OpDef.triton`); the helpers it may call (`_exp`, `_sin`, ...)
+expression comes from the op registry (`Lowerings.triton`); the helpers it may call (`_exp`, `_sin`, ...)
 are libdevice's accurate functions on the GPU and `tl`'s under Triton's CPU interpreter (`interpret=True`,
 the tests' way to run the generated kernel without a GPU).
 What it does not: fold a reduction's result back into the same stage (a reduction inside a stage is a
@@ -34,13 +34,22 @@ import torch
 
 from coda_lang.ir.nodes import Var
 from coda_lang.ir.types import MATRIX, TILE
-from coda_lang.ops import REGISTRY
+from coda_lang.ops import REGISTRY, Lanes, Locality
 from coda_lang.ops.registry import combine_rule
 
-_REDUCTIONS = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min"}
-# the generated module's combine functions (tl.reduce's; not tl.sum: Triton's library functions are
-# jitted when triton is imported, so its CPU interpreter can't run them unless it was on from the start)
+# the generated module's combine functions, by combine record (tl.reduce's; not tl.sum: Triton's library
+# functions are jitted when triton is imported, so its CPU interpreter can't run them unless it was on
+# from the start); a reduction folding by another record (logsumexp) keeps torch.compile
 _COMBINE = {"sum": "_add", "max": "_nanmax", "min": "_nanmin"}
+
+
+def _fold(op: str) -> str | None:
+    """The combine record a reduction `op` folds by, where the generated kernel has it; else None."""
+    od = REGISTRY[op]
+    if od.locality is not Locality.REDUCE or od.combine is None or od.combine.name not in _COMBINE:
+        return None
+    return od.combine.name
+
 
 # The generated module's one-argument helpers: name -> (its body on the GPU, under Triton's CPU
 # interpreter, which has no libdevice: NumPy's functions through `tl`).
@@ -109,30 +118,29 @@ def unsupported(st: Any) -> str | None:
         od = REGISTRY[op]
         if info.get("cycle"):
             return f"`{op}` reads a vector that repeats across the columns"
-        if od.locality == "reduce":
-            if op not in _REDUCTIONS:
+        if od.locality is Locality.REDUCE:
+            if _fold(op) is None:
                 return f"the reduction `{op}`"
             if info["group"] or info["ungroup"]:
                 return "a grouped reduction"
             x = e.ins[0]
             if not (isinstance(x, Var) and x.type is not None and x.type.kind in (TILE, MATRIX)):
                 return f"`{op}` of a value that is not a tile"
-        elif op in ("pairs", "interleave"):
+        elif od.lanes is not None:
             continue
-        elif op == "col_index":
-            paired = any(o in ("pairs", "interleave") for o, *_ in st.steps)
-            if info["width"] not in ((1, 1), (1, 2) if paired else (1, 1)):
+        elif od.index_axis == 1:
+            if info["width"] not in ((1, 1), (1, 2) if _paired(st) else (1, 1)):
                 return "col_index() of a tile wider than the stage"
-        elif op == "row_index":
+        elif od.index_axis == 0:
             continue
-        elif od.triton is None:
+        elif od.lower.triton is None:
             return f"`{op}` has no Triton emitter"
     for w in (*(m[2] for m in st.store_meta), *(_load_width(st, ld) for ld in st.loads)):
         if w not in (None, (1, 1), (1, 2)):
             return "a tile wider than the stage"
     reduced = set(st.reductions)
     for e in st.stage.body:
-        if REGISTRY[e.op].locality != "reduce" and any(
+        if REGISTRY[e.op].locality is not Locality.REDUCE and any(
             isinstance(a, Var) and a.name in reduced for a in e.ins
         ):
             return "a reduction's partial used inside its stage"
@@ -140,6 +148,11 @@ def unsupported(st: Any) -> str | None:
         if dtype not in _TL_DTYPES:
             return f"`{name}` stored as {dtype}"
     return None
+
+
+def _paired(st: Any) -> bool:
+    """Whether the stage uses pairs/interleave (a pair op: `Lanes`): its chunks are of column pairs."""
+    return any(REGISTRY[op].lanes is not None for op, *_ in st.steps)
 
 
 def _load_width(st: Any, ld: Any) -> tuple[int, int] | None:
@@ -180,12 +193,12 @@ class TritonStage:
         why = unsupported(st)
         assert why is None, why
         self.st, self.interpret = st, interpret
-        self.paired = any(op in ("pairs", "interleave") for op, *_ in st.steps)
+        self.paired = _paired(st)
         # each reduction's (fold, over the columns of a row, of a half-width value), in output order
         self.reductions = [
-            (_REDUCTIONS[op], bool(info["per_row"]), info["widths"][0] == (1, 2))
+            (fold, bool(info["per_row"]), info["widths"][0] == (1, 2))
             for op, _o, _a, info in st.steps
-            if op in _REDUCTIONS
+            if (fold := _fold(op)) is not None
         ]
         self.col_reductions = any(not per_row for _f, per_row, _h in self.reductions)
         # program shapes measured on an H100 (the Llama layer's RoPE backward, [8192, 3072]: 1 row x
@@ -269,36 +282,38 @@ class TritonStage:
         tmp = 0
         for op, outs, eargs, info in st.steps:
             xs = [operand(k, v) for k, v in eargs]
-            if op == "pairs":
+            od = REGISTRY[op]
+            if od.lanes is Lanes.SPLIT:  # pairs: one half-width value per lane
                 (x,) = xs
                 for o, lane in zip(outs, (0, 1), strict=True):
                     vals[o] = _Val(x.kind, "half", (x.lane(lane),))
                 continue
-            if op == "interleave":
+            if od.lanes is Lanes.JOIN:  # interleave: two half-width values are the two lanes
                 kind = _combine_kinds([x.kind for x in xs])
                 vals[outs[0]] = _Val(kind, "full", (xs[0].lane(0), xs[1].lane(0)))
                 continue
-            if op == "row_index":  # i32, as the torch stand-in's
+            if od.index_axis == 0:  # row_index: i32, as the torch stand-in's
                 vals[outs[0]] = _Val("row", None, ("rows",))
                 continue
-            if op == "col_index":  # the stage's full width: both lanes; after pairs: a column pair's
+            if od.index_axis == 1:  # col_index: the stage's full width: both lanes; after pairs: a pair's
                 width = "full" if info["width"] == (1, 1) else "half"
                 n = lanes if width == "full" else 1
                 vals[outs[0]] = _Val("col", width, tuple(col_index(width, lane) for lane in range(n)))
                 continue
-            if op in _REDUCTIONS:
+            fold = _fold(op)
+            if fold is not None:
                 self._reduction(
-                    op, outs[0], info, xs[0], lanes, pre, body, post, red_args, col_index, row_len
+                    fold, outs[0], info, xs[0], lanes, pre, body, post, red_args, col_index, row_len
                 )
                 continue
-            od = REGISTRY[op]
-            assert od.triton is not None
+            triton = od.lower.triton
+            assert triton is not None
             width_of: str | None = next((x.width for x in xs if x.width is not None), None)
             n = lanes if width_of == "full" else 1
             exprs = []
             for lane in range(n):
                 v = f"v{tmp}_{lane}"
-                body.append(f"{v} = {od.triton(*(x.lane(lane) for x in xs), **info['params'])}")
+                body.append(f"{v} = {triton(*(x.lane(lane) for x in xs), **info['params'])}")
                 exprs.append(v)
             tmp += 1
             vals[outs[0]] = _Val(_combine_kinds([x.kind for x in xs]), width_of, tuple(exprs))
@@ -353,7 +368,7 @@ class TritonStage:
 
     def _reduction(
         self,
-        op: str,
+        fold: str,
         out: str,
         info: dict[str, Any],
         x: _Val,
@@ -365,7 +380,6 @@ class TritonStage:
         col_index: Any,
         row_len: Any,
     ) -> None:
-        fold = _REDUCTIONS[op]
         ident = {"sum": "0.0", "max": "float('-inf')", "min": "float('inf')"}[fold]
         n = lanes if x.width == "full" else 1
         p = f"red_{out}"

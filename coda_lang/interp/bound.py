@@ -21,7 +21,9 @@ bound, propagated through the program one equation at a time:
   operands, or a bound nothing is known of, is unbounded (inf), never NaN;
 - a value rounded to bf16/f16 has bound 0 where no value within its bound rounds differently (both
   implementations then store the same number), else the distance to what it may round to.
-The inputs, cotangents and literals are the same on both sides (bound 0).
+The inputs, cotangents and literals are the same on both sides (bound 0). Which of these rules an op
+follows, and what it adds of its own, is its OpDef's `bound` (a `BoundRule` and its `own` rounding, in
+coda_lang/ops/): this module implements the rules and names no op.
 What it does not: decide whether a result passes (testing/compare.py), or bound discrete jumps beyond
 one comparison (a max's tie, an index that may change); those elements get large or infinite bounds,
 and the other parts of the tolerance rule judge them.
@@ -40,10 +42,10 @@ from coda_lang.core.numerics import round_to
 from coda_lang.interp.run import Interpreter, _Tile, _type
 from coda_lang.ir.nodes import Atom, Eqn, Stage, Var
 from coda_lang.ir.types import GROUP, TILE, Dim
-from coda_lang.ops import REGISTRY
-from coda_lang.ops.registry import repeats_in
+from coda_lang.ops import REGISTRY, BoundRule, OpDef
+from coda_lang.ops.registry import F32_U, FASTMATH_ROUNDING, repeats_in
 
-U = 2.0**-24  # f32's unit roundoff
+U = F32_U  # f32's unit roundoff
 
 
 def gamma(n: int) -> float:
@@ -58,9 +60,7 @@ def gamma_gemm(k: int) -> float:
     return 2.0 * max(k, 1) * U
 
 
-DEFAULT_INJECT = (
-    2.0**-21
-)  # an op's own rounding, in both implementations (fast-math exp, log, rsqrt: a few ulps)
+DEFAULT_INJECT = FASTMATH_ROUNDING  # an op's own rounding, in both implementations (fast-math: a few ulps)
 
 
 def _times(mag: Any, err: Any) -> Any:
@@ -122,32 +122,17 @@ def _mag_matmul(mag: np.ndarray, err: np.ndarray) -> np.ndarray:
     return out
 
 
-def _inject(name: str, x: list[np.ndarray], y: np.ndarray) -> np.ndarray:
-    """The bound an op adds of its own: its result rounded (and approximated) in both implementations.
-    (An infinite operand adds nothing through its size: the op's result there is exact, +-inf, 0 or
-    NaN, or the operand's own bound already covers it.)"""
+def _inject(op: OpDef, x: list[np.ndarray], y: np.ndarray) -> np.ndarray:
+    """The bound an op adds of its own: its result rounded (and approximated) in both implementations,
+    by its `Bound.own` rule. (An infinite operand adds nothing through its size: the op's result there
+    is exact, +-inf, 0 or NaN, or the operand's own bound already covers it.)"""
     finite_x = np.ones(np.shape(y), bool)
     for v in x:
         finite_x = finite_x & (np.isfinite(v) if np.asarray(v).dtype.kind == "f" else True)
     # |y|; 0 where y is non-finite because an operand is; inf where y overflowed from finite operands
     ay = np.where(np.isfinite(y), np.abs(y), np.where(finite_x, np.inf, 0.0))
     ax = np.where(np.isfinite(x[0]), np.abs(x[0]), 0.0) if x else 0.0
-    if name in ("add", "sub", "mul"):  # IEEE: the same inputs round the same, but a kernel may fuse a
-        return U * ay  # product into an add (FMA) where the interpreter rounds it
-    if name == "div":  # div.approx
-        return 2.0**-22 * ay
-    if name in ("tanh", "gelu"):  # tanh.approx.f32: a relative error of 2^-11 (GELU: of its tanh, times x/2)
-        return 2.0**-10 * (ay + ax)
-    if name == "exp":  # ex2.approx of x * log2(e): the product's rounding grows with |x|
-        return DEFAULT_INJECT * (1.0 + ax) * ay
-    if name in ("softplus", "erf", "sin", "cos"):  # approximations with an absolute error
-        return 2.0**-20 * (ay + 1.0 + ax)
-    return DEFAULT_INJECT * ay
-
-
-_COMPARE = {"lt", "le", "gt", "ge", "eq", "ne"}
-_LIPSCHITZ = {"neg", "copy", "abs"}  # |f(x') - f(x)| <= |x' - x|, and exact
-_STRUCTURAL = {"pairs", "interleave"}  # move values between columns: move their bounds the same way
+    return np.asarray(op.bound.own(ax, ay))
 
 
 def _f64(x: Any) -> Any:
@@ -279,24 +264,24 @@ class Bounds(Interpreter):
         op = REGISTRY[e.op]
         outs_t = [_type(v) for v in e.outs]
         params = {k: v for k, v in e.params}
-        if op.locality in ("pointwise", "pair"):
-            if outs_t[0].kind == TILE:  # grouped values broadcast over their groups' columns (as apply does)
-                grouped = [
-                    _type(a).kind == GROUP and (senv is None or isinstance(a, Var) and a.name in senv)
-                    for a in e.ins
-                ]
-                vals = [
-                    np.repeat(x, _type(a).group or 1, axis=1) if g else x
-                    for a, x, g in zip(e.ins, vals, grouped, strict=True)
-                ]
-                errs = [
-                    np.repeat(x, _type(a).group or 1, axis=1) if g and np.ndim(x) else x
-                    for a, x, g in zip(e.ins, errs, grouped, strict=True)
-                ]
-            return self.pointwise(op.name, params, vals, errs, outs)
-        if op.locality == "reduce":
+        rule = op.bound_rule
+        if op.locality.per_element and outs_t[0].kind == TILE:
+            # grouped values broadcast over their groups' columns (as apply does)
+            grouped = [
+                _type(a).kind == GROUP and (senv is None or isinstance(a, Var) and a.name in senv)
+                for a in e.ins
+            ]
+            vals = [
+                np.repeat(x, _type(a).group or 1, axis=1) if g else x
+                for a, x, g in zip(e.ins, vals, grouped, strict=True)
+            ]
+            errs = [
+                np.repeat(x, _type(a).group or 1, axis=1) if g and np.ndim(x) else x
+                for a, x, g in zip(e.ins, errs, grouped, strict=True)
+            ]
+        if rule is BoundRule.REDUCE:
             return [self.reduce(op, params, _type(e.ins[0]), vals[0], errs[0], outs[0], t)]
-        if op.locality == "gather":
+        if rule is BoundRule.GATHER:
             x, idx = vals
             ex = np.broadcast_to(np.asarray(errs[0], np.float64), np.shape(x))
             assert t is not None and op.impl is not None
@@ -304,35 +289,38 @@ class Bounds(Interpreter):
             if _type(e.ins[1]).shape[0] == t.rows:  # the picked element's bound, as the value is picked
                 return [op.impl(ex, idx, 1, t.col_slice(_type(e.ins[0]).shape[1]).start)]
             return [op.impl(ex, idx, 0, t.r0)]
-        if op.name == "fold":  # runs of a vector added up: a sum of as many terms as runs
+        if rule is BoundRule.FOLD:  # runs of a vector added up: a sum of as many terms as runs
             x = _f64(vals[0]).reshape(-1)
             n = np.size(outs[0])
             ex = np.broadcast_to(np.asarray(errs[0], np.float64), x.shape).reshape(-1, n)
             return [self.summed(x.reshape(-1, n), ex, _f64(outs[0]), 0)]
-        assert op.locality == "index", f"no rounding bound for `{op.name}` ({op.locality})"
-        return [0.0] * len(outs)  # indices: exact integers
+        if rule is BoundRule.EXACT:
+            # == and != are judged exactly: the backward's ties compare the values the forward computed
+            # (bit for bit, by design), and integers (picks, indices) are exact anyway
+            return [0.0] * len(outs)
+        assert op.locality.per_element, f"no rounding bound for `{op.name}` ({op.locality}, {rule})"
+        return self.pointwise(op, params, vals, errs, outs)
 
     def pointwise(
-        self, name: str, params: dict[str, Any], vals: list[Any], errs: list[Any], outs: tuple[Any, ...]
+        self, op: OpDef, params: dict[str, Any], vals: list[Any], errs: list[Any], outs: tuple[Any, ...]
     ) -> list[Any]:
+        """The bound of a POINTWISE or PAIR op's results, by its `Bound.rule`."""
         x = [_f64(v) for v in vals]
         y = _f64(outs[0])
         ev = [np.asarray(v, np.float64) for v in errs]
-        if name in ("eq", "ne"):  # judged exactly: the backward's ties compare the values the forward
-            return [0.0]  # computed (bit for bit, by design), and integers (picks) are exact anyway
-        if name in _COMPARE:  # may come out either way where the operands are closer than their bounds
+        rule = op.bound_rule
+        if rule is BoundRule.FLIP:  # may come out either way where the operands are closer than their bounds
             a, b = x
             slack = ev[0] + ev[1]
             return [np.where((slack > 0) & ~(np.abs(a - b) > slack), 1.0, 0.0)]
-        if name in _STRUCTURAL:
-            impl = REGISTRY[name].impl
-            assert impl is not None
+        if rule is BoundRule.MOVE:  # values moved between columns: their bounds move the same way
+            assert op.impl is not None
             shaped = [np.broadcast_to(b, np.shape(v)) for b, v in zip(ev, x, strict=True)]
-            res = impl(*shaped)
+            res = op.impl(*shaped)
             return list(res) if isinstance(res, tuple) else [res]
-        if name == "expand":
+        if rule is BoundRule.BROADCAST:
             return [np.broadcast_to(ev[0], np.broadcast_shapes(np.shape(x[0]), np.shape(x[1])))]
-        if name == "cast":
+        if rule is BoundRule.ROUND:
             dtype = params["dtype"]
             if x[0].dtype == np.bool_:
                 return [ev[0]]  # 0 or 1, as the comparison may come out
@@ -340,37 +328,38 @@ class Bounds(Interpreter):
                 lo, hi = np.trunc(x[0] - ev[0]), np.trunc(x[0] + ev[0])
                 return [np.maximum(np.abs(hi - y), np.abs(y - lo))]
             return [_rounding(x[0], ev[0], dtype)]
-        if name == "where":
+        if rule is BoundRule.BRANCH:
             c, a, b = x
             pick = np.where(c, ev[1], ev[2])
             with np.errstate(invalid="ignore"):  # (inf - inf, NaN: either branch may be anything)
                 apart = np.abs(a - b)
             either = np.maximum(ev[1], ev[2]) + np.where(np.isnan(apart), np.inf, apart)
             return [np.where(ev[0] > 0, either, pick)]
-        if name in _LIPSCHITZ:
+        if rule is BoundRule.PASS:  # |f(x') - f(x)| <= |x' - x|, and exact
             return [ev[0]]
-        if name in ("maximum", "minimum"):
+        if rule is BoundRule.LARGEST:
             return [np.maximum(ev[0], ev[1])]
-        if name in ("add", "sub"):
+        if rule is BoundRule.SUM:
             moved = ev[0] + ev[1]
-        elif name == "mul":
+        elif rule is BoundRule.PRODUCT:
             moved = _times(np.abs(x[1]), ev[0]) + _times(np.abs(x[0]), ev[1]) + _times(ev[0], ev[1])
-        elif name == "div":
+        elif rule is BoundRule.QUOTIENT:
             b = np.abs(x[1])
             moved = np.where(
                 b > ev[1], (ev[0] + _times(np.abs(y), ev[1])) / np.where(b > ev[1], b - ev[1], 1.0), np.inf
             )
         else:
-            moved = self.moved(name, params, x, ev, y)
+            assert rule is BoundRule.NUMERIC, f"`{op.name}`: {rule} is not a rule of a pointwise op"
+            moved = self.moved(op, params, x, ev, y)
         if y.dtype.kind != "f":  # integer arithmetic is exact
             return [moved]
-        return [np.where(_exact_nonfinite(y, x, ev), 0.0, moved + _inject(name, x, y))]
+        return [np.where(_exact_nonfinite(y, x, ev), 0.0, moved + _inject(op, x, y))]
 
     def moved(
-        self, name: str, params: dict[str, Any], x: list[Any], ev: list[Any], y: np.ndarray
+        self, op: OpDef, params: dict[str, Any], x: list[Any], ev: list[Any], y: np.ndarray
     ) -> np.ndarray:
         """How far an op moves when each input moves within its bound (one at a time, summed)."""
-        impl: Callable[..., Any] = REGISTRY[name].impl  # type: ignore[assignment]
+        impl: Callable[..., Any] = op.impl  # type: ignore[assignment]
         kw = {k: v for k, v in params.items() if not isinstance(v, Dim)}
         f0 = _f64(impl(*x, **kw))
         total = np.zeros(np.broadcast_shapes(*[np.shape(v) for v in x], np.shape(y)))

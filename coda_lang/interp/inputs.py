@@ -21,6 +21,7 @@ from coda_lang.core.diagnostics import error
 from coda_lang.core.numerics import compute_dtype, round_to
 from coda_lang.ir.nodes import Block, Stage, Var
 from coda_lang.ir.types import Dim, extent, is_float, shape_str
+from coda_lang.ops import REGISTRY, Role
 
 # Codes of run-time input errors (not program errors: they are not in CODES).
 INPUT_CODES = {
@@ -240,8 +241,11 @@ def input_scales(block: Any) -> tuple[dict[str, Dim], dict[str, Dim]]:
         if isinstance(st.b, Var) and st.b.type is not None:
             rhs[st.b.name] = st.b.type.shape[1 if st.tb else 0]
         for e in st.body:
-            src, idx = (e.ins + (None, None))[:2]
-            if e.op == "pick" and isinstance(idx, Var) and isinstance(src, Var) and src.type is not None:
+            od = REGISTRY[e.op]
+            if Role.INDEX not in od.roles:
+                continue
+            src, idx = e.ins[0], e.ins[od.roles.index(Role.INDEX)]
+            if isinstance(idx, Var) and isinstance(src, Var) and src.type is not None:
                 pick_range[idx.name] = src.type.shape[1]
     return rhs, pick_range
 

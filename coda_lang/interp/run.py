@@ -27,7 +27,7 @@ from coda_lang.frontend.verify.repeat import check_repeats, repeat_uses, repeate
 from coda_lang.interp.inputs import check_sizes
 from coda_lang.ir.nodes import Atom, Block, DimRef, Eqn, Lit, Stage, Var
 from coda_lang.ir.types import ERROR_TYPE, GROUP, MATRIX, PARTIAL, TILE, Dim, Type, extent
-from coda_lang.ops import REGISTRY
+from coda_lang.ops import REGISTRY, Locality
 from coda_lang.ops.registry import combine_rule, repeats_in
 
 
@@ -267,7 +267,7 @@ class Interpreter:
         outs_t = [_type(v) for v in e.outs]
         params = dict(e.params)
         vals = self.repeat_operands(e, vals, t)
-        if op.locality == "pointwise" or op.locality == "pair":
+        if op.locality.per_element:
             if outs_t[0].kind == TILE:  # a grouped value of this stage broadcasts over its groups' columns
                 # (one stored by an earlier stage is a tile of one column per group: read as it is)
                 vals = [
@@ -277,10 +277,10 @@ class Interpreter:
                     for a, x in zip(e.ins, vals, strict=True)
                 ]
             kw: dict[str, Any] = {k: v for k, v in params.items() if not isinstance(v, Dim)}
-            if op.name == "cast":
+            if op.rounds:  # its rounding depends on the precision (none in "f64")
                 kw["precision"] = self.precision
             res = op.impl(*vals, **kw)
-        elif op.locality == "reduce":
+        elif op.locality is Locality.REDUCE:
             (x,) = vals
             over = params["over"]
             group = params.get("group")
@@ -301,7 +301,7 @@ class Interpreter:
                 xt = _type(e.ins[0])
                 axis = 1 if (xt.shape[1] == over and xt.shape[0] != over) else 0
                 res = op.impl(x, axis)
-        elif op.locality == "gather":
+        elif op.locality is Locality.GATHER:
             x, idx = vals
             assert t is not None
             it = _type(e.ins[1])
@@ -309,13 +309,13 @@ class Interpreter:
                 res = op.impl(x, np.asarray(idx).reshape(-1), 1, t.col_slice(_type(e.ins[0]).shape[1]).start)
             else:
                 res = op.impl(x, np.asarray(idx).reshape(-1), 0, t.r0)
-        elif op.locality == "vector":  # between stages: fold(x, into=G)
+        elif op.locality is Locality.VECTOR:  # between stages: fold(x, into=G)
             into = params["into"]
             assert isinstance(into, Dim)
             res = op.impl(np.asarray(vals[0]), extent(into, self.dims))
-        elif op.locality == "index":
+        elif op.locality is Locality.INDEX:
             assert t is not None
-            if op.name == "row_index":
+            if op.index_axis == 0:
                 res = op.impl(t.r0, t.r1 - t.r0)[:, None]
             else:
                 res = op.impl(t.c0, t.c1 - t.c0)[None, :]

@@ -1,7 +1,9 @@
 """Pointwise ops: arithmetic, comparisons, math functions, where, cast.
 
 What it does: registers each pointwise op with its type rule (dtype promotion + broadcasting of
-scalars, vectors and tiles), its locality class ("pointwise") and its NumPy implementation.
+scalars, vectors and tiles), its locality class (POINTWISE), its NumPy implementation, its VJP, the
+facts passes ask of it (exact, commutative, a comparison, ...), its rounding-bound rule and its
+lowerings (CuTeDSL, Triton, torch).
 What it does not: reductions, pairs, indices (see reductions.py and structural.py).
 Invariants: NumPy impls compute in the dtype of their inputs (f32 in a stage, f64 in the gradient
 mode) and never round to a storage dtype; the interpreter does that.
@@ -15,12 +17,20 @@ from typing import Any
 from coda_lang.core.diagnostics import Mistake
 from coda_lang.ir.types import BOOL, ERROR_TYPE, FLOAT_DTYPES, INT_DTYPES, Type, promote
 from coda_lang.ops.registry import (
+    FASTMATH_ROUNDING,
+    Arith,
+    Bound,
+    BoundRule,
     Ctx,
+    Locality,
+    Lowerings,
     OpDef,
     ParamSpec,
+    Role,
     as_tensor,
     as_tensors,
     broadcast,
+    ieee_rounding,
     np,
     register,
     torch,
@@ -76,63 +86,26 @@ def _cast(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type
     return (t,)
 
 
-def _pointwise(
-    name: str,
-    surface: str,
-    nin: int,
-    rule: Any,
-    impl: Any,
-    *,
-    torch: Any,
-    doc: str,
-    infix: str | None = None,
-    differentiable: bool = True,
-    params: tuple[ParamSpec, ...] = (),
-    vjp: Any = None,
-    emit: Any = None,
-    imports: tuple[tuple[str, str], ...] = (),
-    triton: Any = None,
-) -> OpDef:
-    return register(
-        OpDef(
-            name,
-            surface,
-            nin,
-            type_rule=rule,
-            locality="pointwise",
-            impl=impl,
-            infix=infix,
-            differentiable=differentiable,
-            params=params,
-            vjp=vjp,
-            emit=emit,
-            imports=imports,
-            torch=torch,
-            triton=triton,
-            doc=doc,
-        )
-    )
-
-
-# CuTeDSL emitters (backend_cute/plan/emit.py): `emit(*operands, **params)` maps the operands' Python
-# expressions (names or literals: the emitted code is flat) to the expression of one f32 element. The
-# emitted module always has `cute`, `cutlass`, `Float32`, `BFloat16`, `Float16` and `Int32`; any other
-# name an emitter uses comes with its import (`imports=`), fastmath where quack's own epilogues use it.
+# CuTeDSL emitters (backend_cute/plan/emit.py): `Lowerings.cute(*operands, **params)` maps the operands'
+# Python expressions (names or literals: the emitted code is flat) to the expression of one f32 element.
+# The emitted module always has `cute`, `cutlass`, `Float32`, `BFloat16`, `Float16` and `Int32`; any other
+# name an emitter uses comes with its import (`cute_imports=`), fastmath where quack's own epilogues use it.
 def _fn(name: str, **kw: str) -> Any:
     extra = "".join(f", {k}={v}" for k, v in kw.items())
     return lambda *xs: f"{name}({', '.join(xs)}{extra})"
 
 
 def _quack(module: str, name: str) -> dict[str, Any]:
-    """The emitter of a function of quack's (`from quack.<module> import <name>`) and its import."""
-    return {"emit": _fn(name), "imports": ((name, f"from quack.{module} import {name}"),)}
+    """The CuTeDSL lowering of a function of quack's (`from quack.<module> import <name>`) and its import."""
+    return {"cute": _fn(name), "cute_imports": ((name, f"from quack.{module} import {name}"),)}
 
 
 def _epi(name: str) -> dict[str, Any]:
-    """The emitter of a function of coda_lang's epilogue ops (backend_cute/plan/epi_ops.py) and its import."""
+    """The CuTeDSL lowering of a function of coda_lang's epilogue ops (backend_cute/plan/epi_ops.py) and
+    its import."""
     return {
-        "emit": _fn(name),
-        "imports": ((name, f"from coda_lang.backend_cute.plan.epi_ops import {name}"),),
+        "cute": _fn(name),
+        "cute_imports": ((name, f"from coda_lang.backend_cute.plan.epi_ops import {name}"),),
     }
 
 
@@ -145,134 +118,210 @@ def _cast_emit(x: str, dtype: str) -> str:
 # VJP rules: `vjp(b, p, ct)` returns one cotangent per input (None: no gradient), written with other
 # ops through the builder `b` (coda_lang/autodiff/builder.py); `p.x[i]` / `p.y[i]` are the primal
 # inputs / outputs, loaded or recomputed on demand. Broadcasting is undone centrally by autodiff.
-# Torch stand-ins (`torch=`) take tensors or Python numbers (operands of a vector op between stages
-# may be plain numbers), and compute what `impl` computes.
+# Torch stand-ins (`Lowerings.torch`) take tensors or Python numbers (operands of a vector op between
+# stages may be plain numbers), and compute what `impl` computes.
+# Own roundings (`Bound.own`, interp/bound.py) of the ops that fast math approximates beyond the
+# default's few ulps:
+_DIV_APPROX = Bound(rule=BoundRule.QUOTIENT, own=lambda ax, ay: 2.0**-22 * ay)  # div.approx
+# tanh.approx.f32: a relative error of 2^-11 (GELU: of its tanh, times x/2)
+_TANH_APPROX = Bound(own=lambda ax, ay: 2.0**-10 * (ay + ax))
+# approximations with an absolute error (softplus, erf, sin, cos)
+_ABSOLUTE = Bound(own=lambda ax, ay: 2.0**-20 * (ay + 1.0 + ax))
 
 
 # Arithmetic (infix). Integer operands stay integer except for `/`.
-_pointwise(
-    "add",
-    "add",
-    2,
-    _arith,
-    lambda a, b: a + b,
-    infix="+",
-    vjp=lambda b, p, ct: [ct, ct],
-    emit=lambda a, b: f"{a} + {b}",
-    torch=lambda a, b: a + b,
-    triton=lambda a, b: f"({a} + {b})",
-    doc="a + b",
+register(
+    OpDef(
+        name="add",
+        nin=2,
+        infix="+",
+        type_rule=_arith,
+        locality=Locality.POINTWISE,
+        impl=lambda a, b: a + b,
+        vjp=lambda b, p, ct: [ct, ct],
+        exact=True,
+        commutative=True,
+        bound=Bound(rule=BoundRule.SUM, own=ieee_rounding),
+        lower=Lowerings(
+            cute=lambda a, b: f"{a} + {b}",
+            triton=lambda a, b: f"({a} + {b})",
+            torch=lambda a, b: a + b,
+        ),
+        doc="a + b",
+    )
 )
-_pointwise(
-    "sub",
-    "sub",
-    2,
-    _arith,
-    lambda a, b: a - b,
-    infix="-",
-    vjp=lambda b, p, ct: [ct, b.neg(ct)],
-    emit=lambda a, b: f"{a} - {b}",
-    torch=lambda a, b: a - b,
-    triton=lambda a, b: f"({a} - {b})",
-    doc="a - b",
+register(
+    OpDef(
+        name="sub",
+        nin=2,
+        infix="-",
+        type_rule=_arith,
+        locality=Locality.POINTWISE,
+        impl=lambda a, b: a - b,
+        vjp=lambda b, p, ct: [ct, b.neg(ct)],
+        exact=True,
+        bound=Bound(rule=BoundRule.SUM, own=ieee_rounding),
+        lower=Lowerings(
+            cute=lambda a, b: f"{a} - {b}",
+            triton=lambda a, b: f"({a} - {b})",
+            torch=lambda a, b: a - b,
+        ),
+        doc="a - b",
+    )
 )
-_pointwise(
-    "mul",
-    "mul",
-    2,
-    _arith,
-    lambda a, b: a * b,
-    infix="*",
-    vjp=lambda b, p, ct: [b.mul(ct, p.x[1]), b.mul(ct, p.x[0])],
-    emit=lambda a, b: f"{a} * {b}",
-    torch=lambda a, b: a * b,
-    triton=lambda a, b: f"({a} * {b})",
-    doc="a * b",
+register(
+    OpDef(
+        name="mul",
+        nin=2,
+        infix="*",
+        type_rule=_arith,
+        locality=Locality.POINTWISE,
+        impl=lambda a, b: a * b,
+        vjp=lambda b, p, ct: [b.mul(ct, p.x[1]), b.mul(ct, p.x[0])],
+        exact=True,
+        commutative=True,
+        arith=Arith.PRODUCT,
+        bound=Bound(rule=BoundRule.PRODUCT, own=ieee_rounding),
+        lower=Lowerings(
+            cute=lambda a, b: f"{a} * {b}",
+            triton=lambda a, b: f"({a} * {b})",
+            torch=lambda a, b: a * b,
+        ),
+        doc="a * b",
+    )
 )
-_pointwise(
-    "div",
-    "div",
-    2,
-    _floating,
-    lambda a, b: a / b,
-    infix="/",
-    vjp=lambda b, p, ct: [b.div(ct, p.x[1]), b.neg(b.div(b.mul(ct, p.y[0]), p.x[1]))],
-    emit=lambda a, b: f"{a} / {b}",
-    torch=lambda a, b: as_tensor(a) / b,
-    triton=lambda a, b: f"tl.math.div_rn({a}, {b})",
-    doc="a / b, always floating",
+register(
+    OpDef(
+        name="div",
+        nin=2,
+        infix="/",
+        type_rule=_floating,
+        locality=Locality.POINTWISE,
+        impl=lambda a, b: a / b,
+        vjp=lambda b, p, ct: [b.div(ct, p.x[1]), b.neg(b.div(b.mul(ct, p.y[0]), p.x[1]))],
+        arith=Arith.QUOTIENT,
+        bound=_DIV_APPROX,
+        lower=Lowerings(
+            cute=lambda a, b: f"{a} / {b}",
+            triton=lambda a, b: f"tl.math.div_rn({a}, {b})",
+            torch=lambda a, b: as_tensor(a) / b,
+        ),
+        doc="a / b, always floating",
+    )
 )
-_pointwise(
-    "neg",
-    "neg",
-    1,
-    _arith,
-    lambda a: -a,
-    infix="neg",
-    vjp=lambda b, p, ct: [b.neg(ct)],
-    emit=lambda a: f"-{a}",
-    torch=lambda a: -a,
-    triton=lambda a: f"(-{a})",
-    doc="-x",
+register(
+    OpDef(
+        name="neg",
+        nin=1,
+        infix="neg",
+        type_rule=_arith,
+        locality=Locality.POINTWISE,
+        impl=lambda a: -a,
+        vjp=lambda b, p, ct: [b.neg(ct)],
+        exact=True,
+        bound=Bound(rule=BoundRule.PASS),
+        lower=Lowerings(
+            cute=lambda a: f"-{a}",
+            triton=lambda a: f"(-{a})",
+            torch=lambda a: -a,
+        ),
+        doc="-x",
+    )
 )
-_pointwise(
-    "maximum",
-    "max",
-    2,
-    _arith,
-    lambda a, b: np.maximum(a, b),
-    vjp=lambda b, p, ct: _select(b, b.op("ge", p.x[0], p.x[1]), ct),
-    emit=_fn("cute.math.max", propagate_nan="True"),  # NaN in, NaN out (IEEE maximum), as NumPy and torch
-    torch=lambda a, b: torch.maximum(*as_tensors(a, b)),
-    triton=lambda a, b: f"tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",
-    doc="the larger of a and b, elementwise (ties: the gradient goes to a; a NaN operand gives NaN)",
+register(
+    OpDef(
+        name="maximum",
+        surface="max",
+        nin=2,
+        type_rule=_arith,
+        locality=Locality.POINTWISE,
+        impl=lambda a, b: np.maximum(a, b),
+        vjp=lambda b, p, ct: _select(b, b.op("ge", p.x[0], p.x[1]), ct),
+        exact=True,
+        commutative=True,
+        selects=True,
+        bound=Bound(rule=BoundRule.LARGEST),
+        lower=Lowerings(
+            # NaN in, NaN out (IEEE maximum), as NumPy and torch
+            cute=_fn("cute.math.max", propagate_nan="True"),
+            triton=lambda a, b: f"tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",
+            torch=lambda a, b: torch.maximum(*as_tensors(a, b)),
+        ),
+        doc="the larger of a and b, elementwise (ties: the gradient goes to a; a NaN operand gives NaN)",
+    )
 )
-_pointwise(
-    "minimum",
-    "min",
-    2,
-    _arith,
-    lambda a, b: np.minimum(a, b),
-    vjp=lambda b, p, ct: _select(b, b.op("le", p.x[0], p.x[1]), ct),
-    emit=_fn("cute.math.min", propagate_nan="True"),
-    torch=lambda a, b: torch.minimum(*as_tensors(a, b)),
-    triton=lambda a, b: f"tl.minimum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",
-    doc="the smaller of a and b, elementwise (ties: the gradient goes to a; a NaN operand gives NaN)",
+register(
+    OpDef(
+        name="minimum",
+        surface="min",
+        nin=2,
+        type_rule=_arith,
+        locality=Locality.POINTWISE,
+        impl=lambda a, b: np.minimum(a, b),
+        vjp=lambda b, p, ct: _select(b, b.op("le", p.x[0], p.x[1]), ct),
+        exact=True,
+        commutative=True,
+        selects=True,
+        bound=Bound(rule=BoundRule.LARGEST),
+        lower=Lowerings(
+            cute=_fn("cute.math.min", propagate_nan="True"),
+            triton=lambda a, b: f"tl.minimum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",
+            torch=lambda a, b: torch.minimum(*as_tensors(a, b)),
+        ),
+        doc="the smaller of a and b, elementwise (ties: the gradient goes to a; a NaN operand gives NaN)",
+    )
 )
-_pointwise(
-    "abs",
-    "abs",
-    1,
-    _arith,
-    lambda a: np.abs(a),
-    vjp=lambda b, p, ct: [b.where(b.op("ge", p.x[0], b.lit(0.0)), ct, b.neg(ct))],
-    emit=_fn("abs"),
-    torch=unary(lambda x: x.abs()),
-    triton=lambda a: f"tl.abs({a})",
-    doc="|x|",
+register(
+    OpDef(
+        name="abs",
+        nin=1,
+        type_rule=_arith,
+        locality=Locality.POINTWISE,
+        impl=lambda a: np.abs(a),
+        vjp=lambda b, p, ct: [b.where(b.op("ge", p.x[0], b.lit(0.0)), ct, b.neg(ct))],
+        exact=True,
+        selects=True,
+        bound=Bound(rule=BoundRule.PASS),
+        lower=Lowerings(
+            cute=_fn("abs"),
+            triton=lambda a: f"tl.abs({a})",
+            torch=unary(lambda x: x.abs()),
+        ),
+        doc="|x|",
+    )
 )
 
-# Comparisons give a bool, usable only as the condition of where().
-for _name, _sym, _impl in [
-    ("lt", "<", lambda a, b: a < b),
-    ("le", "<=", lambda a, b: a <= b),
-    ("gt", ">", lambda a, b: a > b),
-    ("ge", ">=", lambda a, b: a >= b),
-    ("eq", "==", lambda a, b: a == b),
-    ("ne", "!=", lambda a, b: a != b),
+# Comparisons give a bool, usable only as the condition of where(). An ordering comparison whose operands
+# are closer than their rounding bounds may come out either way; == and != are judged exactly (a max's
+# backward finds its ties by comparing the very values the forward compared: a tie that flips is a bug).
+_ORDERING, _EQUALITY = Bound(rule=BoundRule.FLIP), Bound(rule=BoundRule.EXACT)
+for _name, _sym, _impl, _symmetric in [
+    ("lt", "<", lambda a, b: a < b, False),
+    ("le", "<=", lambda a, b: a <= b, False),
+    ("gt", ">", lambda a, b: a > b, False),
+    ("ge", ">=", lambda a, b: a >= b, False),
+    ("eq", "==", lambda a, b: a == b, True),
+    ("ne", "!=", lambda a, b: a != b, True),
 ]:
-    _pointwise(
-        _name,
-        _name,
-        2,
-        _compare,
-        _impl,
-        infix=_sym,
-        differentiable=False,
-        emit=lambda a, b, _sym=_sym: f"{a} {_sym} {b}",
-        torch=lambda a, b, _impl=_impl: _impl(*as_tensors(a, b)),
-        triton=lambda a, b, _sym=_sym: f"({a} {_sym} {b})",
-        doc=f"a {_sym} b: a bool, only for the condition of where()",
+    register(
+        OpDef(
+            name=_name,
+            nin=2,
+            infix=_sym,
+            type_rule=_compare,
+            locality=Locality.POINTWISE,
+            impl=_impl,
+            differentiable=False,
+            compares=True,
+            commutative=_symmetric,
+            bound=_EQUALITY if _symmetric else _ORDERING,
+            lower=Lowerings(
+                cute=lambda a, b, _sym=_sym: f"{a} {_sym} {b}",
+                triton=lambda a, b, _sym=_sym: f"({a} {_sym} {b})",
+                torch=lambda a, b, _impl=_impl: _impl(*as_tensors(a, b)),
+            ),
+            doc=f"a {_sym} b: a bool, only for the condition of where()",
+        )
     )
 
 
@@ -282,17 +331,24 @@ def _where_torch(c: Any, a: Any, b: Any) -> Any:
     return torch.where(c, a, b)
 
 
-_pointwise(
-    "where",
-    "where",
-    3,
-    _where,
-    lambda c, a, b: np.where(c, a, b),
-    vjp=lambda b, p, ct: [None, b.where(p.x[0], ct, b.lit(0.0)), b.where(p.x[0], b.lit(0.0), ct)],
-    emit=_fn("cutlass.select_"),
-    torch=_where_torch,
-    triton=lambda c, a, b: f"tl.where({c}, {a}, {b})",
-    doc="a where the comparison c holds, else b",
+register(
+    OpDef(
+        name="where",
+        nin=3,
+        type_rule=_where,
+        locality=Locality.POINTWISE,
+        roles=(Role.CONDITION, Role.VALUE, Role.VALUE),
+        impl=lambda c, a, b: np.where(c, a, b),
+        vjp=lambda b, p, ct: [None, b.where(p.x[0], ct, b.lit(0.0)), b.where(p.x[0], b.lit(0.0), ct)],
+        selects=True,
+        bound=Bound(rule=BoundRule.BRANCH),
+        lower=Lowerings(
+            cute=_fn("cutlass.select_"),
+            triton=lambda c, a, b: f"tl.where({c}, {a}, {b})",
+            torch=_where_torch,
+        ),
+        doc="a where the comparison c holds, else b",
+    )
 )
 
 
@@ -336,89 +392,120 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 SOFTPLUS_LINEAR = 20.0
 
 # Math functions: float in, f32 out.
-_pointwise(
-    "exp",
-    "exp",
-    1,
-    _floating,
-    lambda x: np.exp(x),
-    vjp=lambda b, p, ct: [b.mul(ct, p.y[0])],
-    torch=unary(lambda x: x.exp()),
-    triton=lambda x: f"_exp({x})",
-    doc="e^x",
-    **_quack("epilogue.math", "pexp"),
+register(
+    OpDef(
+        name="exp",
+        nin=1,
+        type_rule=_floating,
+        locality=Locality.POINTWISE,
+        impl=lambda x: np.exp(x),
+        vjp=lambda b, p, ct: [b.mul(ct, p.y[0])],
+        # ex2.approx of x * log2(e): the product's rounding grows with |x|
+        bound=Bound(own=lambda ax, ay: FASTMATH_ROUNDING * (1.0 + ax) * ay),
+        lower=Lowerings(
+            triton=lambda x: f"_exp({x})",
+            torch=unary(lambda x: x.exp()),
+            **_quack("epilogue.math", "pexp"),
+        ),
+        doc="e^x",
+    )
 )
-_pointwise(
-    "log",
-    "log",
-    1,
-    _floating,
-    lambda x: np.log(x),
-    vjp=lambda b, p, ct: [b.div(ct, p.x[0])],
-    emit=_fn("cute.math.log", fastmath="True"),
-    torch=unary(lambda x: x.log()),
-    triton=lambda x: f"_log({x})",
-    doc="natural logarithm",
+register(
+    OpDef(
+        name="log",
+        nin=1,
+        type_rule=_floating,
+        locality=Locality.POINTWISE,
+        impl=lambda x: np.log(x),
+        vjp=lambda b, p, ct: [b.div(ct, p.x[0])],
+        lower=Lowerings(
+            cute=_fn("cute.math.log", fastmath="True"),
+            triton=lambda x: f"_log({x})",
+            torch=unary(lambda x: x.log()),
+        ),
+        doc="natural logarithm",
+    )
 )
-_pointwise(
-    "sqrt",
-    "sqrt",
-    1,
-    _floating,
-    lambda x: np.sqrt(x),
-    vjp=lambda b, p, ct: [b.div(b.mul(ct, b.lit(0.5)), p.y[0])],
-    emit=_fn("cute.math.sqrt", fastmath="True"),
-    torch=unary(lambda x: x.sqrt()),
-    triton=lambda x: f"tl.sqrt_rn({x})",
-    doc="square root",
+register(
+    OpDef(
+        name="sqrt",
+        nin=1,
+        type_rule=_floating,
+        locality=Locality.POINTWISE,
+        impl=lambda x: np.sqrt(x),
+        vjp=lambda b, p, ct: [b.div(b.mul(ct, b.lit(0.5)), p.y[0])],
+        lower=Lowerings(
+            cute=_fn("cute.math.sqrt", fastmath="True"),
+            triton=lambda x: f"tl.sqrt_rn({x})",
+            torch=unary(lambda x: x.sqrt()),
+        ),
+        doc="square root",
+    )
 )
-_pointwise(
-    "rsqrt",
-    "rsqrt",
-    1,
-    _floating,
-    lambda x: 1 / np.sqrt(x),  # d/dx x^-1/2 = -y^3 / 2
-    vjp=lambda b, p, ct: [b.mul(b.mul(ct, b.lit(-0.5)), b.mul(p.y[0], b.mul(p.y[0], p.y[0])))],
-    emit=_fn("cute.math.rsqrt", fastmath="True"),
-    torch=unary(lambda x: x.rsqrt()),
-    triton=lambda x: f"_rsqrt({x})",
-    doc="1 / sqrt(x)",
+register(
+    OpDef(
+        name="rsqrt",
+        nin=1,
+        type_rule=_floating,
+        locality=Locality.POINTWISE,
+        impl=lambda x: 1 / np.sqrt(x),  # d/dx x^-1/2 = -y^3 / 2
+        vjp=lambda b, p, ct: [b.mul(b.mul(ct, b.lit(-0.5)), b.mul(p.y[0], b.mul(p.y[0], p.y[0])))],
+        lower=Lowerings(
+            cute=_fn("cute.math.rsqrt", fastmath="True"),
+            triton=lambda x: f"_rsqrt({x})",
+            torch=unary(lambda x: x.rsqrt()),
+        ),
+        doc="1 / sqrt(x)",
+    )
 )
-_pointwise(
-    "tanh",
-    "tanh",
-    1,
-    _floating,
-    lambda x: np.tanh(x),
-    vjp=lambda b, p, ct: [b.mul(ct, b.sub(b.lit(1.0), b.mul(p.y[0], p.y[0])))],
-    torch=unary(lambda x: x.tanh()),
-    triton=lambda x: f"_tanh({x})",
-    doc="hyperbolic tangent",
-    **_quack("activation", "tanh"),
+register(
+    OpDef(
+        name="tanh",
+        nin=1,
+        type_rule=_floating,
+        locality=Locality.POINTWISE,
+        impl=lambda x: np.tanh(x),
+        vjp=lambda b, p, ct: [b.mul(ct, b.sub(b.lit(1.0), b.mul(p.y[0], p.y[0])))],
+        bound=_TANH_APPROX,
+        lower=Lowerings(
+            triton=lambda x: f"_tanh({x})",
+            torch=unary(lambda x: x.tanh()),
+            **_quack("activation", "tanh"),
+        ),
+        doc="hyperbolic tangent",
+    )
 )
-_pointwise(
-    "sigmoid",
-    "sigmoid",
-    1,
-    _floating,
-    _sigmoid,
-    vjp=lambda b, p, ct: [b.mul(ct, b.mul(p.y[0], b.sub(b.lit(1.0), p.y[0])))],
-    torch=unary(lambda x: x.sigmoid()),
-    triton=lambda x: f"_sigmoid({x})",
-    doc="1 / (1 + e^-x)",
-    **_quack("activation", "sigmoid"),
+register(
+    OpDef(
+        name="sigmoid",
+        nin=1,
+        type_rule=_floating,
+        locality=Locality.POINTWISE,
+        impl=_sigmoid,
+        vjp=lambda b, p, ct: [b.mul(ct, b.mul(p.y[0], b.sub(b.lit(1.0), p.y[0])))],
+        lower=Lowerings(
+            triton=lambda x: f"_sigmoid({x})",
+            torch=unary(lambda x: x.sigmoid()),
+            **_quack("activation", "sigmoid"),
+        ),
+        doc="1 / (1 + e^-x)",
+    )
 )
-_pointwise(
-    "silu",
-    "silu",
-    1,
-    _floating,
-    lambda x: x * _sigmoid(x),
-    vjp=lambda b, p, ct: [_silu_vjp(b, p.x[0], ct)],
-    torch=unary(lambda x: torch.nn.functional.silu(x)),
-    triton=lambda x: f"({x} * _sigmoid({x}))",
-    doc="x * sigmoid(x) (SwiGLU's gate)",
-    **_quack("activation", "silu"),
+register(
+    OpDef(
+        name="silu",
+        nin=1,
+        type_rule=_floating,
+        locality=Locality.POINTWISE,
+        impl=lambda x: x * _sigmoid(x),
+        vjp=lambda b, p, ct: [_silu_vjp(b, p.x[0], ct)],
+        lower=Lowerings(
+            triton=lambda x: f"({x} * _sigmoid({x}))",
+            torch=unary(lambda x: torch.nn.functional.silu(x)),
+            **_quack("activation", "silu"),
+        ),
+        doc="x * sigmoid(x) (SwiGLU's gate)",
+    )
 )
 
 
@@ -427,16 +514,21 @@ def _softplus(x: Any) -> Any:
     return np.where(x > SOFTPLUS_LINEAR, x, np.log1p(np.exp(np.minimum(x, SOFTPLUS_LINEAR))))
 
 
-_pointwise(
-    "softplus",
-    "softplus",
-    1,
-    _floating,
-    _softplus,
-    vjp=lambda b, p, ct: [b.mul(ct, b.op("sigmoid", p.x[0]))],
-    torch=unary(lambda x: torch.nn.functional.softplus(x, threshold=SOFTPLUS_LINEAR)),
-    doc=f"log(1 + e^x) (x itself above {SOFTPLUS_LINEAR:g}, as torch's)",
-    **_quack("activation", "softplus"),
+register(
+    OpDef(
+        name="softplus",
+        nin=1,
+        type_rule=_floating,
+        locality=Locality.POINTWISE,
+        impl=_softplus,
+        vjp=lambda b, p, ct: [b.mul(ct, b.op("sigmoid", p.x[0]))],
+        bound=_ABSOLUTE,
+        lower=Lowerings(
+            torch=unary(lambda x: torch.nn.functional.softplus(x, threshold=SOFTPLUS_LINEAR)),
+            **_quack("activation", "softplus"),
+        ),
+        doc=f"log(1 + e^x) (x itself above {SOFTPLUS_LINEAR:g}, as torch's)",
+    )
 )
 
 
@@ -454,60 +546,80 @@ def _gelu_emit(x: str, approximate: str | None = None) -> str:
     return f"gelu_erf({x})" if approximate == "none" else f"gelu_tanh_approx({x})"
 
 
-_pointwise(
-    "gelu",
-    "gelu",
-    1,
-    _floating,
-    _gelu,
-    vjp=lambda b, p, ct: [_gelu_vjp(b, p, ct)],
-    emit=_gelu_emit,
-    imports=(
-        ("gelu_tanh_approx", "from quack.activation import gelu_tanh_approx"),
-        ("gelu_erf", "from quack.activation import gelu_erf"),
-    ),
-    params=(ParamSpec("approximate", "choice", choices=("tanh", "none")),),
-    torch=lambda x, approximate=None: torch.nn.functional.gelu(
-        as_tensor(x), approximate="none" if approximate == "none" else "tanh"
-    ),
-    doc='GELU: tanh approximation (default, or approximate="tanh"); exact with approximate="none"',
+register(
+    OpDef(
+        name="gelu",
+        nin=1,
+        params=(ParamSpec("approximate", "choice", choices=("tanh", "none")),),
+        type_rule=_floating,
+        locality=Locality.POINTWISE,
+        impl=_gelu,
+        vjp=lambda b, p, ct: [_gelu_vjp(b, p, ct)],
+        bound=_TANH_APPROX,
+        lower=Lowerings(
+            cute=_gelu_emit,
+            cute_imports=(
+                ("gelu_tanh_approx", "from quack.activation import gelu_tanh_approx"),
+                ("gelu_erf", "from quack.activation import gelu_erf"),
+            ),
+            torch=lambda x, approximate=None: torch.nn.functional.gelu(
+                as_tensor(x), approximate="none" if approximate == "none" else "tanh"
+            ),
+        ),
+        doc='GELU: tanh approximation (default, or approximate="tanh"); exact with approximate="none"',
+    )
 )
-_pointwise(
-    "erf",
-    "erf",
-    1,
-    _floating,
-    lambda x: _erf(x),
-    vjp=lambda b, p, ct: [
-        b.mul(ct, b.mul(b.lit(2.0 / math.sqrt(math.pi)), b.op("exp", b.neg(b.mul(p.x[0], p.x[0])))))
-    ],
-    emit=_fn("cute.math.erf"),
-    torch=unary(lambda x: torch.special.erf(x)),
-    doc="the error function",
+register(
+    OpDef(
+        name="erf",
+        nin=1,
+        type_rule=_floating,
+        locality=Locality.POINTWISE,
+        impl=lambda x: _erf(x),
+        vjp=lambda b, p, ct: [
+            b.mul(ct, b.mul(b.lit(2.0 / math.sqrt(math.pi)), b.op("exp", b.neg(b.mul(p.x[0], p.x[0])))))
+        ],
+        bound=_ABSOLUTE,
+        lower=Lowerings(
+            cute=_fn("cute.math.erf"),
+            torch=unary(lambda x: torch.special.erf(x)),
+        ),
+        doc="the error function",
+    )
 )
-_pointwise(
-    "sin",
-    "sin",
-    1,
-    _floating,
-    lambda x: np.sin(x),
-    vjp=lambda b, p, ct: [b.mul(ct, b.op("cos", p.x[0]))],
-    **_epi("sin_rr"),
-    torch=unary(lambda x: x.sin()),
-    triton=lambda x: f"_sin({x})",
-    doc="sine (RoPE)",
+register(
+    OpDef(
+        name="sin",
+        nin=1,
+        type_rule=_floating,
+        locality=Locality.POINTWISE,
+        impl=lambda x: np.sin(x),
+        vjp=lambda b, p, ct: [b.mul(ct, b.op("cos", p.x[0]))],
+        bound=_ABSOLUTE,
+        lower=Lowerings(
+            triton=lambda x: f"_sin({x})",
+            torch=unary(lambda x: x.sin()),
+            **_epi("sin_rr"),
+        ),
+        doc="sine (RoPE)",
+    )
 )
-_pointwise(
-    "cos",
-    "cos",
-    1,
-    _floating,
-    lambda x: np.cos(x),
-    vjp=lambda b, p, ct: [b.neg(b.mul(ct, b.op("sin", p.x[0])))],
-    **_epi("cos_rr"),
-    torch=unary(lambda x: x.cos()),
-    triton=lambda x: f"_cos({x})",
-    doc="cosine (RoPE)",
+register(
+    OpDef(
+        name="cos",
+        nin=1,
+        type_rule=_floating,
+        locality=Locality.POINTWISE,
+        impl=lambda x: np.cos(x),
+        vjp=lambda b, p, ct: [b.neg(b.mul(ct, b.op("sin", p.x[0])))],
+        bound=_ABSOLUTE,
+        lower=Lowerings(
+            triton=lambda x: f"_cos({x})",
+            torch=unary(lambda x: x.cos()),
+            **_epi("cos_rr"),
+        ),
+        doc="cosine (RoPE)",
+    )
 )
 
 
@@ -550,19 +662,25 @@ def _cast_torch(x: Any, dtype: str) -> Any:
 
 # cast(x, bf16): rounds to the dtype (the value is still computed in f32 afterwards). Its VJP passes the
 # cotangent straight through (a cast to i32 has none).
-_pointwise(
-    "cast",
-    "cast",
-    1,
-    _cast,
-    _cast_impl,
-    vjp=lambda b, p, ct: [None if p.param("dtype") == "i32" else ct],
-    params=(ParamSpec("dtype", "dtype", required=True, positional=True),),
-    differentiable=True,
-    emit=_cast_emit,
-    torch=_cast_torch,
-    triton=_cast_triton,
-    doc="x rounded to a dtype (the value stays f32); i32 truncates",
+register(
+    OpDef(
+        name="cast",
+        nin=1,
+        params=(ParamSpec("dtype", "dtype", required=True, positional=True),),
+        type_rule=_cast,
+        locality=Locality.POINTWISE,
+        impl=_cast_impl,
+        differentiable=True,
+        vjp=lambda b, p, ct: [None if p.param("dtype") == "i32" else ct],
+        rounds=True,
+        bound=Bound(rule=BoundRule.ROUND),
+        lower=Lowerings(
+            cute=_cast_emit,
+            triton=_cast_triton,
+            torch=_cast_torch,
+        ),
+        doc="x rounded to a dtype (the value stays f32); i32 truncates",
+    )
 )
 
 CAST_TARGETS = FLOAT_DTYPES + INT_DTYPES
@@ -578,16 +696,24 @@ def _copy(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type
 
 
 # `y = x`: a named copy (an output that is exactly `acc`, an alias of a parameter).
-_pointwise(
-    "copy",
-    "copy",
-    1,
-    _copy,
-    lambda x: x,
-    infix="=",
-    vjp=lambda b, p, ct: [ct],
-    emit=lambda x: x,
-    torch=lambda x: x,
-    triton=lambda x: x,
-    doc="`y = x`: a named copy (or, between stages, an alias of a matrix)",
+register(
+    OpDef(
+        name="copy",
+        nin=1,
+        infix="=",
+        type_rule=_copy,
+        locality=Locality.POINTWISE,
+        impl=lambda x: x,
+        vjp=lambda b, p, ct: [ct],
+        copy=True,
+        linear=True,
+        exact=True,
+        bound=Bound(rule=BoundRule.PASS),
+        lower=Lowerings(
+            cute=lambda x: x,
+            triton=lambda x: x,
+            torch=lambda x: x,
+        ),
+        doc="`y = x`: a named copy (or, between stages, an alias of a matrix)",
+    )
 )

@@ -31,8 +31,11 @@ from coda_lang.ir.types import (
 from coda_lang.ops.registry import (
     COMBINES,
     Ctx,
+    Locality,
+    Lowerings,
     OpDef,
     ParamSpec,
+    Role,
     as_tensor,
     axis_of,
     kind_name,
@@ -142,20 +145,24 @@ _REDUCE_DOCS = {
     "logsumexp": "log(sum(exp(x))) over a dim, computed stably (as sum)",
 }
 for _surface, _combine in [("sum", "sum"), ("max", "max"), ("min", "min"), ("logsumexp", "lse")]:
-    # The stand-in reduces a whole vector (between stages); partials fold by the combine record.
+    # The stand-in reduces a whole vector (between stages); partials fold by the combine record. The
+    # CuTeDSL lowering gives the per-element value the kernel folds (the planner picks the quack sink).
     register(
         OpDef(
-            f"reduce_{_surface}",
-            _surface,
-            1,
-            type_rule=_reduce_rule(_surface, _combine),
-            locality="reduce",
+            name=f"reduce_{_surface}",
+            surface=_surface,
+            nin=1,
             params=REDUCE_PARAMS,
-            combine=COMBINES[_combine],
+            type_rule=_reduce_rule(_surface, _combine),
+            locality=Locality.REDUCE,
             impl=_reduce_impl(_surface),
             vjp=_reduce_vjp(_surface),
-            emit=lambda x, **params: x,
-            torch=lambda x, _c=COMBINES[_combine]: _c.torch(as_tensor(x).reshape(-1), 0),
+            combine=COMBINES[_combine],
+            selects=_combine in ("max", "min"),  # the result is one of the elements: ties share its gradient
+            lower=Lowerings(
+                cute=lambda x, **params: x,
+                torch=lambda x, _c=COMBINES[_combine]: _c.torch(as_tensor(x).reshape(-1), 0),
+            ),
             doc=_REDUCE_DOCS[_surface],
         )
     )
@@ -172,11 +179,11 @@ def _mean(d: Any, ins: list[Any], params: dict[str, Any]) -> tuple[str, list[Any
 
 register(
     OpDef(
-        "reduce_mean",
-        "mean",
-        1,
-        locality="reduce",
+        name="reduce_mean",
+        surface="mean",
+        nin=1,
         params=REDUCE_PARAMS,
+        locality=Locality.REDUCE,
         combine=COMBINES["sum"],
         decompose=_mean,
         doc="the mean over a dim: sum(x / N, over=N)",
@@ -244,19 +251,19 @@ def _pick_vjp(b: Any, p: Any, ct: Any) -> list[Any]:
     return [b.mul(onehot, ct), None]
 
 
-# CuTeDSL emitters of reductions and pick give the per-element value the kernel folds (backend_cute/plan/planner.py
-# picks the quack sink: ColVecReduce, RowVecReduce, OnlineLSEReduce, ColVecSelect).
+# pick's CuTeDSL lowering gives the per-element value; the planner folds it by quack's ColVecSelect.
 register(
     OpDef(
-        "pick",
-        "pick",
-        2,
+        name="pick",
+        nin=2,
         type_rule=_pick_rule,
-        locality="gather",
-        combine=COMBINES["sum"],
+        locality=Locality.GATHER,
+        roles=(Role.VALUE, Role.INDEX),
         impl=_pick_impl,
         vjp=_pick_vjp,
-        emit=lambda x, idx: x,
+        combine=COMBINES["sum"],
+        lower=Lowerings(cute=lambda x, idx: x),
+        operand_names=("x", "idx"),
         doc="x[i, idx[i]]: one column per row (a cross-entropy's target logit); 0 where idx is out of range",
     )
 )

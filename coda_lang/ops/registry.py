@@ -1,20 +1,28 @@
 """The op registry: one `OpDef` per op, holding every rule the toolchain needs about it.
 
-What it does: defines `OpDef` (type rule, locality class, NumPy impl, VJP rule, CuTeDSL emitter),
-`Ctx` (what a type rule may know about where it runs) and the helpers that most type rules share
+What it does: defines `OpDef` (built with keywords only) and the records it is made of: the rules (type
+rule, `Locality`, parameters, operand `Role`s), the semantics (NumPy impl, VJP rule, `Combine` record of
+a reduction, decomposition) with the facts passes ask of an op (its `Lanes` role, index axis, whether it
+is a copy, a rounding, linear, exact, commutative, a comparison, selecting, a product or quotient, its
+`Bound` rule, whether random programs draw it), its `Lowerings` (CuTeDSL, Triton, torch) and its doc
+line; `Ctx` (what a type rule may know about where it runs) and the helpers that most type rules share
 (broadcasting of tiles, vectors and scalars inside and outside a stage).
-What it does not: walk a program (frontend/verify/ does), or name any op (the ops/*.py modules register them).
+What it does not: walk a program (frontend/verify/ does), or name any op (the ops/*.py modules register
+them).
 Invariants: an op's surface name (how it is written) plus its keyword arguments pick exactly one
-OpDef; type rules are pure and raise `Mistake` for user errors, never anything else.
+OpDef; type rules are pure and raise `Mistake` for user errors, never anything else. The registry is
+the only place an op is special-cased: a pass asks an OpDef's fields, never compares an op's name
+(tests/test_registry_only.py walks the package for such comparisons).
 
-Locality classes: "pointwise" (output at (i, j) reads inputs at (i, j) and broadcast vectors),
-"pair" (reads the pair partner column too), "reduce" (a reduction: a partial inside a stage),
-"index" (a row or column index), "gather" (pick: one column per row, a partial), "vector" (a
-computation on whole vectors, between stages only: `fold`).
+Locality classes (`Locality`): POINTWISE (output at (i, j) reads inputs at (i, j) and broadcast
+vectors), PAIR (reads the pair partner column too), REDUCE (a reduction: a partial inside a stage),
+INDEX (a row or column index), GATHER (pick: one column per row, a partial), VECTOR (a computation on
+whole vectors, between stages only: `fold`).
 """
 
 from __future__ import annotations
 
+import enum
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -223,38 +231,233 @@ class ParamSpec:
 TypeRule = Callable[[Ctx, tuple[Type, ...], dict[str, Any]], tuple[Type, ...]]
 
 
-@dataclass
+class Locality(enum.StrEnum):
+    """Where an op's result elements come from (frontend/verify's locality rules, and how every
+    executor runs the op). Its members are their strings ("pointwise", ...), as docs/language.md's op
+    table writes them; passes compare members (`is Locality.PAIR`), never strings."""
+
+    POINTWISE = "pointwise"  # output at (i, j) reads inputs at (i, j) and broadcast vectors
+    PAIR = "pair"  # reads the pair partner column too (pairs, interleave: see `Lanes`)
+    REDUCE = "reduce"  # a reduction: a partial inside a stage, folded by its `Combine`
+    INDEX = "index"  # a row or column index of the stage's tile (see `OpDef.index_axis`)
+    GATHER = "gather"  # one element per row picked by an index (pick): a partial; quack's ColVecSelect
+    VECTOR = "vector"  # a computation on whole vectors, between stages only (fold)
+
+    @property
+    def reduces(self) -> bool:
+        """REDUCE or GATHER: a partial inside a stage, complete after it (an epilogue sink, never an
+        equation of the epilogue's fn)."""
+        return self in (Locality.REDUCE, Locality.GATHER)
+
+    @property
+    def per_element(self) -> bool:
+        """POINTWISE or PAIR: each result element is computed from operand elements at its position
+        (or its pair partner's): such an op takes broadcast, grouped and repeating operands."""
+        return self in (Locality.POINTWISE, Locality.PAIR)
+
+
+class Lanes(enum.Enum):
+    """A pair op's role on lanes (quack's acc_pair mode holds a full-width value as two lanes, the even
+    and the odd columns): SPLIT makes one half-width value of each lane (pairs), JOIN makes one
+    full-width value of two half-width ones (interleave: its operands are half as wide as its result)."""
+
+    SPLIT = "split"
+    JOIN = "join"
+
+
+class Role(enum.Enum):
+    """What an operand is to its op, where it is not a plain value (`OpDef.roles`)."""
+
+    VALUE = "value"
+    CONDITION = "condition"  # a comparison's bool (where's first operand)
+    INDEX = "index"  # an i32 vector of indices into operand 0 (pick's second operand)
+    SHAPE = "shape"  # only its shape is read (expand's `like`)
+
+
+class Arith(enum.Enum):
+    """The arithmetic an op is, where a pass reasons about it algebraically (`OpDef.arith`)."""
+
+    PRODUCT = "product"  # a * b: a sum of it folds as one fma (the planner's scaled sink); 0 * finite is 0
+    QUOTIENT = "quotient"  # a / b
+
+
+class BoundRule(enum.Enum):
+    """How interp/bound.py carries the operands' rounding bounds through an op (`Bound.rule`)."""
+
+    NUMERIC = "numeric"  # how far the impl moves when each operand moves within its bound, + own rounding
+    SUM = "sum"  # a + b, a - b: the bounds add, + own rounding
+    PRODUCT = "product"  # a * b: |b| E(a) + |a| E(b) + E(a) E(b), + own rounding
+    QUOTIENT = "quotient"  # a / b, + own rounding
+    PASS = "pass"  # 1-Lipschitz and exact (neg, copy, abs): the operand's bound
+    LARGEST = "largest"  # max, min: the larger of the operands' bounds
+    BRANCH = "branch"  # where(c, a, b): the chosen branch's, or either where the condition may flip
+    FLIP = "flip"  # an ordering comparison: may come out either way where the operands are that close
+    EXACT = "exact"  # judged exactly, bound 0: == and != (a max's ties), the indices
+    MOVE = "move"  # moves values between columns (pairs, interleave): the impl applied to the bounds
+    BROADCAST = "broadcast"  # the value operand's bound broadcast (expand)
+    ROUND = "round"  # rounding to the `dtype` parameter (cast)
+    REDUCE = "reduce"  # by the op's combine record: a sum's two orders, a max's largest bound, lse's
+    GATHER = "gather"  # the picked element's bound, picked as the value is (the impl on the bounds)
+    FOLD = "fold"  # runs of a vector added up: a sum of as many terms as runs
+
+
+F32_U = 2.0**-24  # f32's unit roundoff
+FASTMATH_ROUNDING = 2.0**-21  # a fast-math function's own rounding, relative (exp, log, rsqrt: a few ulps)
+
+
+def ieee_rounding(ax: Any, ay: Any) -> Any:
+    """One IEEE operation's own rounding (`Bound.own`): u |y| (the same inputs round the same, but a
+    kernel may fuse a product into an add, FMA, where the interpreter rounds it)."""
+    return F32_U * ay
+
+
+def fastmath_rounding(ax: Any, ay: Any) -> Any:
+    """The default `Bound.own`: a fast-math function's relative error, in both implementations."""
+    return FASTMATH_ROUNDING * ay
+
+
+@dataclass(frozen=True, kw_only=True)
+class Bound:
+    """An op's rule in the rounding-bound analysis (interp/bound.py, the fuzzer's tolerance): how its
+    operands' bounds reach its result (`rule`; None: its locality's, `OpDef.bound_rule`), and, for the
+    NUMERIC, SUM, PRODUCT and QUOTIENT rules, the bound it adds of its own where an f32 result is
+    rounded or approximated: `own(ax, ay)` of |x| (its first operand's magnitude, 0 where not finite)
+    and |y| (the result's; inf where it overflowed from finite operands), NumPy arrays."""
+
+    rule: BoundRule | None = None
+    own: Callable[[Any, Any], Any] = fastmath_rounding
+
+
+# The bound rule of an op whose `Bound` names none, by locality (a VECTOR op names its own).
+_LOCALITY_BOUND = {
+    Locality.POINTWISE: BoundRule.NUMERIC,
+    Locality.PAIR: BoundRule.MOVE,
+    Locality.REDUCE: BoundRule.REDUCE,
+    Locality.GATHER: BoundRule.GATHER,
+    Locality.INDEX: BoundRule.EXACT,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Lowerings:
+    """An op's lowerings, one per backend; None where the backend has none (the tests list which ops
+    lack each, tests/test_registry.py).
+
+    `cute`: the CuTeDSL emitter (backend_cute/plan/emit.py): operand expressions -> the expression of one
+    f32 element (a pair op's emitter maps lanes: `Lanes`); `cute_imports`: the names the emitter's code
+    uses beyond the emitted module's own (cute, cutlass, Float32, ...), each with the import line that
+    provides it: ("pexp", "from quack.epilogue.math import pexp").
+    `triton`: the Triton expression of one element for the elementwise stages' generated kernels
+    (backend_triton/generate.py): the operands' expressions (f32 elements, or bool for a condition) ->
+    one element's expression, written with `tl` and that module's helpers (`_exp`, `_sin`, ...:
+    libdevice on the GPU). None: a stage using the op is compiled by torch.compile instead.
+    `torch`: the torch stand-in, the op on torch tensors (or Python numbers) of any device, as the
+    interpreter's impl computes it; used between stages by the CUDA runtime, in the emulated kernels and
+    in the elementwise stages. A reduction's stand-in reduces a whole vector (partials fold by its
+    `Combine`); fold's takes the size of its `into` dim.
+    """
+
+    cute: Callable[..., Any] | None = None
+    cute_imports: tuple[tuple[str, str], ...] = ()
+    triton: Callable[..., str] | None = None
+    torch: Callable[..., Any] | None = None
+
+
+@dataclass(kw_only=True)
 class OpDef:
+    """One op: every rule the toolchain needs about it, so that no pass names an op. Built with keywords
+    only; the fields come in four groups."""
+
+    # -- rules: how it is written, typed, and where it may run
     name: str  # IR name
-    surface: str  # how it is written: a call name, or an infix/prefix operator
+    surface: str = ""  # how it is written: a call name (default: `name`), or see `infix`
     nin: int
     nout: int = 1
-    type_rule: TypeRule | None = None
-    locality: str | None = None  # see the module docstring
+    infix: str | None = None  # "+", "<", ...; "neg" is prefix "-", "=" the copy `y = x`
     params: tuple[ParamSpec, ...] = ()
-    infix: str | None = None  # "+", "<", ...; "neg" is prefix "-"
-    differentiable: bool = True
-    combine: Combine | None = None  # reductions (and pick): how per-tile partials combine
+    type_rule: TypeRule | None = None
+    locality: Locality
+    roles: tuple[Role, ...] = ()  # each operand's role (default: all VALUE)
+
+    # -- semantics
     impl: Callable[..., Any] | None = None  # NumPy implementation: the interpreter's, the oracle
+    differentiable: bool = True
     vjp: Callable[..., Any] | None = None  # VJP rule, written with other ops through autodiff's builder
-    emit: Callable[..., Any] | None = None  # CuTeDSL emitter: operand expressions -> the element's expression
-    # the names the emitter's code uses beyond the emitted module's own (cute, cutlass, Float32, ...),
-    # each with the import line that provides it: ("pexp", "from quack.epilogue.math import pexp")
-    imports: tuple[tuple[str, str], ...] = ()
-    # torch stand-in: the op on torch tensors (or Python numbers) of any device, as the interpreter's
-    # impl computes it; used between stages by the CUDA runtime, in the emulated kernels and in the
-    # elementwise stages. A reduction's stand-in reduces a whole vector (partials fold by `combine`).
-    torch: Callable[..., Any] | None = None
-    # Triton emitter of a pointwise op for the elementwise stages' generated kernels
-    # (backend_triton/generate.py): the operands' expressions (f32 elements, or bool for where()'s
-    # condition) -> one element's expression, written with `tl` and that module's helpers (`_exp`,
-    # `_sin`, ...: libdevice on the GPU). None: a stage using the op is compiled by torch.compile instead.
-    triton: Callable[..., str] | None = None
+    combine: Combine | None = None  # reductions (and pick): how per-tile partials combine
     # a rewrite into other ops, applied when the source is lowered: `decompose(d, ins, params)` returns
     # the (op name, operands, params) of the top equation, emitting helper equations with `d.op(...)`
-    # (frontend/syntax/lower.py's Decomposer); such an op needs no impl, VJP, emitter or stand-in of its own
+    # (frontend/syntax/lower.py's Decomposer); such an op needs no impl, VJP, lowering of its own
     decompose: Callable[..., Any] | None = None
+    # What the passes ask of an op (each names its readers), False/None where it does not hold:
+    lanes: Lanes | None = None  # a pair op's role on lanes (emitters, autodiff, repeats, bounds)
+    index_axis: int | None = None  # an INDEX op's axis: 0 the rows (row_index), 1 the columns (col_index)
+    copy: bool = False  # `y = x`: the operand itself under a new name (CSE keeps it; a bare GEMM's body)
+    # the operand rounded to the `dtype` parameter (cast): the same value where rounding is ignored
+    # (padding values, random programs' value keys); its impl takes the interpreter's `precision=`
+    rounds: bool = False
+    linear: bool = False  # a chunked sum passes through it: f(a + b) == f(a) + f(b) (the chunker: copy, fold)
+    # one IEEE operation, correctly rounded: every kernel computes it bit for bit as the interpreter
+    # does from the same operands (autodiff's exact tie operands)
+    exact: bool = False
+    commutative: bool = False  # f(a, b) == f(b, a) (CSE's keys, random programs' value keys)
+    compares: bool = False  # a comparison: a bool, only for where's condition (the planner, bounds)
+    # the result is one of its operands (or elements) wherever it selects it, so it ties with that one:
+    # max, min, where, abs; a reduction that selects (max, min) shares its cotangent among ties (`ties`)
+    selects: bool = False
+    arith: Arith | None = None  # a product or quotient (the planner's fma fold, padding, the checker)
+    bound: Bound = field(default_factory=Bound)  # its rule in the rounding-bound analysis
+    random_programs: bool = True  # testing/programs.py's random forward blocks may draw it
+
+    # -- lowerings, one per backend
+    lower: Lowerings = field(default_factory=Lowerings)
+
+    # -- docs
+    operand_names: tuple[str, ...] = ()  # the operands as docs/language.md's op table writes them
     doc: str = ""  # one line for the language reference (docs/language.md's op table)
+
+    def __post_init__(self) -> None:
+        self.surface = self.surface or self.name
+        assert len(self.roles) in (0, self.nin), (self.name, self.roles)
+        assert (self.index_axis is not None) == (self.locality is Locality.INDEX), self.name
+        assert (self.lanes is not None) == (self.locality is Locality.PAIR), self.name
+
+    def role(self, i: int) -> Role:
+        """The role of operand i."""
+        return self.roles[i] if self.roles else Role.VALUE
+
+    @property
+    def reduces(self) -> bool:
+        """A partial inside a stage (REDUCE or GATHER locality)."""
+        return self.locality.reduces
+
+    @property
+    def ties(self) -> bool:
+        """A reduction whose result is one of its elements (max, min): its VJP shares the cotangent
+        among the elements that attain it, so autodiff compares operand and result exactly (an f32
+        copy of the operand, a tie count before the site)."""
+        return self.selects and self.locality is Locality.REDUCE
+
+    @property
+    def bound_rule(self) -> BoundRule:
+        """Its rule in the rounding-bound analysis: `bound.rule`, or its locality's."""
+        rule = self.bound.rule or _LOCALITY_BOUND.get(self.locality)
+        assert rule is not None, f"`{self.name}` ({self.locality}) names no bound rule"
+        return rule
+
+    @property
+    def broadcasts(self) -> bool:
+        """Its value operand broadcast to the shape of an operand only its shape is read of (expand)."""
+        return Role.SHAPE in self.roles
+
+    @property
+    def scales(self) -> bool:
+        """A product or quotient: a partial flowing into one with a tile scales (normalizes) the tile."""
+        return self.arith is not None
+
+    @property
+    def torch(self) -> Callable[..., Any] | None:
+        """`lower.torch`, for backend_cute/runtime/cuda_block.py until it reads `lower.torch` itself."""
+        return self.lower.torch
 
     def accepts(self, nargs: int, kwargs: set[str]) -> bool:
         """Whether a call with these positional and keyword arguments means this op."""
@@ -484,7 +687,12 @@ def require_tile(t: Type, what: str) -> None:
 
 
 __all__ = [
+    "Arith",
+    "Bound",
+    "BoundRule",
     "COMBINES",
+    "F32_U",
+    "FASTMATH_ROUNDING",
     "GROUP",
     "MATRIX",
     "PARTIAL",
@@ -493,6 +701,9 @@ __all__ = [
     "VEC",
     "Combine",
     "Ctx",
+    "Lanes",
+    "Locality",
+    "Lowerings",
     "OpDef",
     "ParamSpec",
     "StageShape",
@@ -513,6 +724,9 @@ __all__ = [
     "repeats_in",
     "require_tile",
     "resolve",
+    "Role",
+    "fastmath_rounding",
+    "ieee_rounding",
     "np",
     "torch",
     "unary",

@@ -6,9 +6,10 @@ longer vector), `fold` (the adjoint of that repetition: a vector's runs of G val
 between stages) and `row_index()` / `col_index()` (i32 vectors of global indices), with type rules
 and NumPy impls.
 What it does not: anything pointwise or reducing.
-Invariants: pairs and interleave are exact inverses; both are "pair"-local (a value reads only its
-own column and its pair partner), and both need an even width that the checker can prove; `fold` and
-the repeating `expand` are adjoint (sum(fold(x) * g) == sum(x * expand(g, x))).
+Invariants: pairs and interleave are exact inverses; both are PAIR-local (a value reads only its
+own column and its pair partner: pairs splits a value into its two lanes, interleave joins two), and
+both need an even width that the checker can prove; `fold` and the repeating `expand` are adjoint
+(sum(fold(x) * g) == sum(x * expand(g, x))).
 """
 
 from __future__ import annotations
@@ -31,9 +32,15 @@ from coda_lang.ir.types import (
     shape_str,
 )
 from coda_lang.ops.registry import (
+    Bound,
+    BoundRule,
     Ctx,
+    Lanes,
+    Locality,
+    Lowerings,
     OpDef,
     ParamSpec,
+    Role,
     as_tensor,
     as_tensors,
     broadcast,
@@ -144,30 +151,29 @@ def _interleave_torch(a: Any, b: Any) -> Any:
 
 register(
     OpDef(
-        "pairs",
-        "pairs",
-        1,
+        name="pairs",
+        nin=1,
         nout=2,
         type_rule=_pairs,
-        locality="pair",
+        locality=Locality.PAIR,
         impl=_pairs_impl,
         vjp=_pairs_vjp,
-        emit=lambda z: ((z[0],), (z[1],)),
-        torch=_pairs_impl,
+        lanes=Lanes.SPLIT,
+        lower=Lowerings(cute=lambda z: ((z[0],), (z[1],)), torch=_pairs_impl),
+        operand_names=("z",),
         doc="`a, b = pairs(z)`: the even and the odd columns of z (interleaved gate/up, RoPE pairs)",
     )
 )
 register(
     OpDef(
-        "interleave",
-        "interleave",
-        2,
+        name="interleave",
+        nin=2,
         type_rule=_interleave,
-        locality="pair",
+        locality=Locality.PAIR,
         impl=_interleave_impl,
         vjp=_interleave_vjp,
-        emit=lambda a, b: ((a[0], b[0]),),
-        torch=_interleave_torch,
+        lanes=Lanes.JOIN,
+        lower=Lowerings(cute=lambda a, b: ((a[0], b[0]),), torch=_interleave_torch),
         doc="the inverse of pairs: a's and b's columns alternating, twice as wide",
     )
 )
@@ -221,15 +227,17 @@ def _expand_torch(x: Any, like: Any) -> Any:
 
 register(
     OpDef(
-        "expand",
-        "expand",
-        2,
+        name="expand",
+        nin=2,
         type_rule=_expand,
-        locality="pointwise",
+        locality=Locality.POINTWISE,
+        roles=(Role.VALUE, Role.SHAPE),
         impl=_expand_impl,
         vjp=lambda b, p, ct: [ct, None],
-        emit=lambda x, like: x,
-        torch=_expand_torch,
+        bound=Bound(rule=BoundRule.BROADCAST),
+        random_programs=False,  # it makes tiles of equal columns: a max over them ties
+        lower=Lowerings(cute=lambda x, like: x, torch=_expand_torch),
+        operand_names=("x", "like"),
         doc="x broadcast to the shape of x and `like` together (like's values are not read)",
     )
 )
@@ -286,15 +294,17 @@ def _fold_impl(x: Any, n: int) -> Any:
 # between stages only, on a complete vector; its impl and stand-in take the size of G.
 register(
     OpDef(
-        "fold",
-        "fold",
-        1,
-        type_rule=_fold,
-        locality="vector",
+        name="fold",
+        nin=1,
         params=(ParamSpec("into", "dim", required=True),),
+        type_rule=_fold,
+        locality=Locality.VECTOR,
         impl=_fold_impl,
         vjp=lambda b, p, ct: [b.op("expand", ct, p.x[0])],
-        torch=lambda x, n: as_tensor(x).reshape(-1, n).sum(0),
+        linear=True,
+        bound=Bound(rule=BoundRule.FOLD),
+        random_programs=False,  # it folds into a dim of fixed size; random forward blocks declare none
+        lower=Lowerings(torch=lambda x, n: as_tensor(x).reshape(-1, n).sum(0)),
         doc="a vector's runs of D values added up, `out[j] = sum_k x[k*D + j]` (D of fixed size; between "
         "stages): the gradient of a vector over D that repeats across wider columns",
     )
@@ -318,27 +328,20 @@ def _index_rule(axis: int) -> Any:
 # The impls receive the stage's (row offset, row count) or (column offset, column count) of the
 # tile being computed; the interpreter passes the whole range in whole-matrix mode. They have no
 # emitter or torch stand-in: each executor knows where its tile sits (the epilogue's coordinates).
-register(
-    OpDef(
-        "row_index",
-        "row_index",
-        0,
-        type_rule=_index_rule(0),
-        locality="index",
-        differentiable=False,
-        impl=lambda start, n: np.arange(start, start + n, dtype=np.int32),
-        doc="the global row index of each row of the stage's tile (i32)",
+for _name, _axis, _doc in [
+    ("row_index", 0, "the global row index of each row of the stage's tile (i32)"),
+    ("col_index", 1, "the global column index of each column of the stage's tile (i32)"),
+]:
+    register(
+        OpDef(
+            name=_name,
+            nin=0,
+            type_rule=_index_rule(_axis),
+            locality=Locality.INDEX,
+            index_axis=_axis,
+            impl=lambda start, n: np.arange(start, start + n, dtype=np.int32),
+            differentiable=False,
+            random_programs=False,  # piecewise constant
+            doc=_doc,
+        )
     )
-)
-register(
-    OpDef(
-        "col_index",
-        "col_index",
-        0,
-        type_rule=_index_rule(1),
-        locality="index",
-        differentiable=False,
-        impl=lambda start, n: np.arange(start, start + n, dtype=np.int32),
-        doc="the global column index of each column of the stage's tile (i32)",
-    )
-)

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 import coda_lang
 from coda_lang.ir.nodes import Block, Var
 from coda_lang.ir.types import Dim, extent
+from coda_lang.ops import REGISTRY, Role
 
 SPECIAL_KINDS = ("nan", "inf", "-inf", "large", "denormal", "zero")
 SPECIAL_FRACTION = 0.1
@@ -53,9 +54,10 @@ def _pick_ranges(block: Block) -> dict[str, Dim]:
             s.acc.type.shape[0] if s.acc is not None and s.acc.type is not None else (s.shape or (None,))[0]
         )
         for e in s.body:
-            if e.op != "pick" or len(e.ins) < 2:
+            od = REGISTRY[e.op]
+            if Role.INDEX not in od.roles:
                 continue
-            x, idx = e.ins[0], e.ins[1]
+            x, idx = e.ins[0], e.ins[od.roles.index(Role.INDEX)]
             if isinstance(idx, Var) and isinstance(x, Var) and x.type is not None and idx.type is not None:
                 along_rows = idx.type.shape[0] == rows
                 out[idx.name] = x.type.shape[1] if along_rows else x.type.shape[0]

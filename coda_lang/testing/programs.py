@@ -45,7 +45,7 @@ from coda_lang.ir.types import (
     promote,
     shape_str,
 )
-from coda_lang.ops import REGISTRY, Ctx, OpDef, StageShape
+from coda_lang.ops import REGISTRY, Ctx, Lanes, Locality, OpDef, Role, StageShape
 from coda_lang.testing.inputs import gradcheck_inputs
 from coda_lang.testing.rules import differentiable_ops, op_source, positive_args, try_rule
 
@@ -56,12 +56,10 @@ ROWS = Dim.sym("M")
 INNER = Dim.sym("K")
 COL_NAMES = ("N", "F")
 LITERALS = ("0.5", "1.5", "-0.75", "2.0", "0.25", "-1.25", "3")
-# Not drawn (see the module docstring): expand, row/col indices, fold (it folds into a dim of fixed size,
-# and these programs' dims have none); comparisons only as conditions.
-EXCLUDED = frozenset({"expand", "row_index", "col_index", "fold"})
-# max(u, v), min, where, abs equal an operand on part of the domain: max(interleave(max(u, v), v)) ties
-SELECTING = ("maximum", "minimum", "where", "abs")
-MAXMIN_REDUCTIONS = ("reduce_max", "reduce_min")
+# Not drawn: ops whose OpDef says `random_programs=False` (see the module docstring: expand, row/col
+# indices, fold); comparisons only as conditions. A pointwise op that `selects` (max(u, v), min, where,
+# abs) equals an operand on part of the domain: max(interleave(max(u, v), v)) ties; a reduction that
+# selects (`ties`: max, min) reduces only generic tiles.
 
 
 @dataclass
@@ -104,9 +102,9 @@ class Forward:
 
 
 def _weight(op: OpDef) -> int:
-    if op.name in ("pairs", "interleave"):
+    if op.locality is Locality.PAIR:
         return 4
-    if op.locality in ("reduce", "gather"):
+    if op.reduces:
         return 2
     return 1
 
@@ -130,11 +128,11 @@ class ForwardGen:
         self.made: list[Val] = []  # values of statements, usable after their stage (block outputs)
         self.index_range: dict[str, Dim] = {}
         self.scale: dict[str, float] = {}
-        self.ops = [op for op in differentiable_ops() if op.name not in EXCLUDED]
+        self.ops = [op for op in differentiable_ops() if op.random_programs]
         self.compare = [
             op
             for op in REGISTRY.values()
-            if not op.differentiable and op.locality == "pointwise" and op.nin == 2
+            if not op.differentiable and op.locality is Locality.POINTWISE and op.nin == 2
         ]
         self.compare.sort(key=lambda op: op.name)
         self.weighted = [op for op in self.ops for _ in range(_weight(op))]
@@ -269,27 +267,28 @@ class ForwardGen:
             pos = positive_args(op)
             ins = []
             for i in range(op.nin):
-                want_bool = op.name == "where" and i == 0
-                want_index = op.name == "pick" and i == 1
+                want_bool = op.role(i) is Role.CONDITION
+                want_index = op.role(i) is Role.INDEX
                 ins.append(self.operand(stage, local, depth, i in pos, want_bool, want_index))
-            if op.name in MAXMIN_REDUCTIONS and not ins[0].generic:
+            if op.ties and not ins[0].generic:
                 continue
             params = self.params_for(op, ins, stage)
             outs = try_rule(op, ctx, tuple(v.type for v in ins), params)
             if outs is None or not all(is_float(t.dtype) for t in outs):
                 continue
-            values = ins[1:] if op.name == "where" else ins
-            if op.name in SELECTING:  # equal to an operand where it selects it: ties with that operand
+            values = [v for i, v in enumerate(ins) if op.role(i) is not Role.CONDITION]
+            if op.selects and op.locality is Locality.POINTWISE:  # equal to an operand where it selects it
                 generic = False
-            elif op.name == "interleave":  # interleave(u, u) repeats each value: a tie
+            elif op.lanes is Lanes.JOIN:  # interleave(u, u) repeats each value: a tie
                 generic = all(v.generic for v in values) and values[0].ident != values[1].ident
             else:  # a tile made of generic tiles (a non-generic one may coincide with another value)
                 tiles = [v for v in values if v.type.kind in (TILE, GROUP)]
                 generic = bool(tiles) and all(v.generic for v in tiles)
             idents = [v.ident for v in ins]
-            if op.name in ("add", "mul", "maximum", "minimum"):
+            if op.commutative:
                 idents.sort()
-            key = idents[0] if op.name in ("copy", "cast") else f"{op.name}({', '.join(idents)}; {params})"
+            same = op.copy or op.rounds  # the operand's value (rounded)
+            key = idents[0] if same else f"{op.name}({', '.join(idents)}; {params})"
             vals = [
                 Val("", t, generic and t.kind in (TILE, GROUP), key=key if len(outs) == 1 else f"{key}#{i}")
                 for i, t in enumerate(outs)

@@ -17,13 +17,13 @@ import numpy as np
 from coda_lang.core.diagnostics import Mistake
 from coda_lang.frontend.syntax.printer import op_call_source
 from coda_lang.ir.types import Type, shape_str
-from coda_lang.ops import REGISTRY, Ctx, OpDef
+from coda_lang.ops import REGISTRY, Ctx, Locality, OpDef
 
 
 def positive_args(op: OpDef) -> frozenset[int]:
     """Operand positions where `op`'s impl gives a non-finite value for some input in [-2, 2] (the
     others held at 1): such an operand must be positive (log, sqrt, rsqrt, the divisor of div)."""
-    if op.impl is None or op.params or op.locality != "pointwise" or op.nin == 0:
+    if op.impl is None or op.params or op.locality is not Locality.POINTWISE or op.nin == 0:
         return frozenset()
     probe = np.linspace(-2.0, 2.0, 9)  # holds 0
     out = set()

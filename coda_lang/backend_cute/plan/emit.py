@@ -28,7 +28,7 @@ from coda_lang.backend_cute.plan import spec as specs
 from coda_lang.backend_cute.plan.spec import INDEX_AXIS, Group, StageSpec, describe, dim_operand
 from coda_lang.core.diagnostics import CodaError, Diagnostic, Mistake
 from coda_lang.ir.nodes import Atom, DimRef, Eqn, Lit, Var
-from coda_lang.ops import REGISTRY
+from coda_lang.ops import REGISTRY, Locality
 
 EMITTER_VERSION = "3"
 
@@ -110,11 +110,12 @@ class _Emitter:
 
     def eqn(self, e: Eqn) -> None:
         od = REGISTRY[e.op]
-        assert od.emit is not None
+        emit = od.lower.cute
+        assert emit is not None
         params = dict(e.params)
-        if od.locality == "pair":
+        if od.locality is Locality.PAIR:  # on lanes (`Lanes`): operands' lanes -> each result's lanes
             args = [self.lanes_of(a) for a in e.ins]
-            results = od.emit(*args)
+            results = emit(*args)
             targets: list[str] = []
             exprs: list[str] = []
             for v, lanes in zip(e.outs, results, strict=True):
@@ -128,7 +129,7 @@ class _Emitter:
         n = 1 if self.prepass else self.spec.lanes(v.type)
         names = self.bind(v.name, n)
         for i, target in enumerate(names):
-            self.lines.append(f"{target} = {od.emit(*[self.atom(a, i) for a in e.ins], **params)}")
+            self.lines.append(f"{target} = {emit(*[self.atom(a, i) for a in e.ins], **params)}")
         self.lanes[v.name] = names
 
     def lanes_of(self, a: Atom) -> tuple[str, ...]:

@@ -2,7 +2,7 @@
 
 What it does: `imports()` maps each name the emitted code may use to the import line that provides it:
 the module's own (CuTeDSL's `cute`, `cutlass` and dtypes, quack's decorator, epilogue ops and pair
-helpers, coda_lang's own epilogue ops) and every op's (`OpDef.imports`: an emitter that calls
+helpers, coda_lang's own epilogue ops) and every op's (`Lowerings.cute_imports`: an emitter that calls
 `pexp` or `silu` names its import there). `helper_names()` is that set plus the builtins the
 emitted code calls: the planner and the emitter rename a value that would shadow one.
 What it does not: decide which names a given kernel imports (emit.py imports only those it uses).
@@ -50,7 +50,7 @@ def imports() -> dict[str, str]:
     """Every name the emitted code may use -> the line that imports it."""
     table = dict(_MODULE_IMPORTS)
     for op in REGISTRY.values():
-        for name, line in op.imports:
+        for name, line in op.lower.cute_imports:
             if table.setdefault(name, line) != line:
                 raise AssertionError(
                     f"`{name}` is imported as `{table[name]}` and, by `{op.name}`, as `{line}`"

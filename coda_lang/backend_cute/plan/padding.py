@@ -16,7 +16,7 @@ from typing import Any
 
 from coda_lang.frontend.verify.plan import Load
 from coda_lang.ir.nodes import DimRef, Eqn, Lit, Var
-from coda_lang.ops import REGISTRY
+from coda_lang.ops import REGISTRY, Arith, Locality
 
 REAL = object()  # a value made of real inputs, not known when planning
 
@@ -68,16 +68,20 @@ def padding_value(
                 ins.append(float(x.value))
             else:
                 ins.append(None)
-        if od.locality in ("reduce", "gather") or any(v is None for v in ins):
+        if od.reduces or any(v is None for v in ins):
             value = None
-        elif e.op == "mul" and any(v is not REAL and v == 0.0 for v in ins) and (finite or REAL not in ins):
+        elif (
+            od.arith is Arith.PRODUCT
+            and any(v is not REAL and v == 0.0 for v in ins)
+            and (finite or REAL not in ins)
+        ):
             value = 0.0
         elif any(v is REAL for v in ins):
             value = REAL
-        elif e.op in ("pairs", "copy", "cast"):
+        elif od.copy or od.rounds:  # the operand's value (rounded: a padding value is 0 or a constant)
             value = ins[0]
-        elif e.op == "interleave":
-            value = ins[0] if ins[0] == ins[1] else REAL
+        elif od.locality is Locality.PAIR:  # values moved between columns: mixed unless all the same
+            value = ins[0] if all(v == ins[0] for v in ins[1:]) else REAL
         elif od.impl is not None and len(e.outs) == 1:
             import numpy as np
 

@@ -49,9 +49,12 @@ from coda_lang.frontend.syntax.printer import inline_source
 from coda_lang.frontend.verify.repeat import repeated
 from coda_lang.ir.nodes import DimRef, Eqn, Span, Stage, Var
 from coda_lang.ir.types import FLOAT_DTYPES, GROUP, MATRIX, TILE, Dim, Type, shape_str
-from coda_lang.ops import REGISTRY
+from coda_lang.ops import REGISTRY, Arith, Locality
 
-COMPARISONS = frozenset({"lt", "le", "gt", "ge", "eq", "ne"})
+
+def _is_index(e: Eqn) -> bool:
+    """row_index() or col_index(): a TileIndex value port of an element-mode stage."""
+    return REGISTRY[e.op].locality is Locality.INDEX
 
 
 def _fail(
@@ -177,7 +180,7 @@ class _Planner:
         if wide:
             self.check_packed(wide)
         paired = not wide and (
-            any(REGISTRY[e.op].locality == "pair" for e in st.body)
+            any(REGISTRY[e.op].locality is Locality.PAIR for e in st.body)
             or any(
                 t.kind == TILE and len(t.shape) == 2 and t.shape[1] != self.cols for t in self.types.values()
             )
@@ -242,15 +245,15 @@ class _Planner:
         eqns = self.live_eqns(needed)
         indices = self.index_operands(eqns, mode)
         for e in eqns:
-            if not (indices and e.op in INDEX_ROLES):
+            if not (indices and _is_index(e)):
                 self.check_eqn(e)
         groups, prepass = self.groups(eqns, stored_groups, packed)
         for e in prepass:
-            if not (indices and e.op in INDEX_ROLES):
+            if not (indices and _is_index(e)):
                 self.check_eqn(e)
         if indices:  # index values are operands (value ports), not equations of the fn
-            eqns = [e for e in eqns if e.op not in INDEX_ROLES]
-            prepass = [e for e in prepass if e.op not in INDEX_ROLES]
+            eqns = [e for e in eqns if not _is_index(e)]
+            prepass = [e for e in prepass if not _is_index(e)]
         repeats = self.repeats(eqns + prepass)
         operands = self.operands(
             eqns,
@@ -356,7 +359,9 @@ class _Planner:
         for a in e.ins:
             if isinstance(a, DimRef) and a.dim.name is None:  # (the checker folds constant extents)
                 raise _fail("E0703", f"the extent `{a.dim}` is used as a value inside a stage", e.span)
-        if od.emit is None and not (self.emulated and (od.torch is not None or od.locality == "index")):
+        if od.lower.cute is None and not (
+            self.emulated and (od.lower.torch is not None or od.locality is Locality.INDEX)
+        ):
             raise _fail("E0703", f"`{od.surface}` has no CuTeDSL emitter yet", e.span)
         for v in e.outs:
             t = v.type
@@ -382,7 +387,7 @@ class _Planner:
         index_uses: dict[str, int] = {}
         for e in self.st.body:
             od = REGISTRY[e.op]
-            if od.locality not in ("reduce", "gather"):
+            if not od.reduces:
                 continue
             (v,) = e.outs
             t = v.type
@@ -430,7 +435,7 @@ class _Planner:
                         "sum(), max() and min() over its columns fold the lanes first"
                     ],
                 )
-            if od.name == "pick":
+            if od.locality is Locality.GATHER:  # quack's ColVecSelect
                 idx = e.ins[1]
                 if not per_row or not isinstance(idx, Var):
                     raise _fail("E0705", "pick() with one index per column is not compiled yet", e.span)
@@ -516,7 +521,7 @@ class _Planner:
                 and not paired
                 and zero_if_finite
                 and prod is not None
-                and prod.op == "mul"
+                and REGISTRY[prod.op].arith is Arith.PRODUCT
                 and uses.get(x.name) == 1
                 and x.name not in live_out
                 and all(isinstance(a, Var) for a in prod.ins)
@@ -579,7 +584,7 @@ class _Planner:
         return {
             e.outs[0].name: e
             for e in self.st.body
-            if REGISTRY[e.op].locality == "reduce" and e.param("group") is not None
+            if REGISTRY[e.op].locality is Locality.REDUCE and e.param("group") is not None
         }
 
     def stored_groups(self, live_out: set[str]) -> set[str]:
@@ -677,7 +682,7 @@ class _Planner:
                                 "second one"
                             ],
                         )
-                if REGISTRY[p.op].locality == "pair":
+                if REGISTRY[p.op].locality is Locality.PAIR:
                     raise _fail(
                         "E0705",
                         f"the grouped reduction `{v.name}` reduces a value computed with "
@@ -701,7 +706,7 @@ class _Planner:
         want = set(needed)
         keep: list[Eqn] = []
         for e in reversed(self.st.body):
-            if REGISTRY[e.op].locality in ("reduce", "gather") or not {v.name for v in e.outs} & want:
+            if REGISTRY[e.op].reduces or not {v.name for v in e.outs} & want:
                 continue
             keep.append(e)
             want |= {a.name for a in e.ins if isinstance(a, Var)}
@@ -711,7 +716,7 @@ class _Planner:
         """`row_index()` / `col_index()` of an element-mode stage as TileIndex value ports (nothing is
         loaded: the kernel takes each element's index from its coordinates). In a paired or packed
         stage they have no emitter (E0703); the emulator computes them there as equations."""
-        found = [e for e in eqns if e.op in INDEX_ROLES]
+        found = [e for e in eqns if _is_index(e)]
         if not found:
             return []
         if mode != "element":
@@ -733,7 +738,9 @@ class _Planner:
             if any(o.name == v.name for o in out):
                 continue
             shape = v.type.shape if v.type is not None else ()
-            out.append(Operand(v.name, self.py(v.name), INDEX_ROLES[e.op], "TileIndex", "i32", shape, 1))
+            axis = REGISTRY[e.op].index_axis
+            assert axis is not None
+            out.append(Operand(v.name, self.py(v.name), INDEX_ROLES[axis], "TileIndex", "i32", shape, 1))
         return out
 
     def repeats(self, eqns: list[Eqn]) -> dict[Dim, Dim]:
@@ -764,7 +771,7 @@ class _Planner:
         loaded as f32 by quack's vector loads: comparing it with another integer there is exact below
         2**24, arithmetic on it is not.)"""
         uses = [e for e in eqns if any(isinstance(a, Var) and a.name == name for a in e.ins)]
-        return bool(uses) and all(e.op in COMPARISONS for e in uses)
+        return bool(uses) and all(REGISTRY[e.op].compares for e in uses)
 
     def operands(self, eqns: list[Eqn], sink_values: list[str], paired: bool, packed: bool) -> list[Operand]:
         """The loads the emitted code reads, in order of first use (packed mode: the double-width tile

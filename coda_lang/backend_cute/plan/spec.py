@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from coda_lang.ir.nodes import Eqn, Span
 from coda_lang.ir.types import FLOAT_DTYPES, TILE, VEC, Dim, Shape, Type, shape_str
+from coda_lang.ops import REGISTRY
 
 # A value whose name the emitted module imports (names.helper_names()), or that quack reserves (`c` is
 # the GEMM's C operand, `D` its output), is renamed `v_<name>` in the emitted function; the epi_args
@@ -27,10 +28,11 @@ QUACK_RESERVED = frozenset({"acc", "c", "D"})
 LOAD_OPS = {"tile": "TileLoad", "row vector": "ColVecLoad", "column vector": "RowVecLoad", "scalar": "Scalar"}
 
 # `row_index()` / `col_index()` in an element-mode stage: an operand of role "row index" / "column
-# index", quack op epi_ops.TileIndex (a value port computed from the epilogue's coordinates: nothing is
-# loaded; the runtime passes the op's host scalar as 0), axis 0 / 1. The fn receives the index as f32.
-INDEX_ROLES = {"row_index": "row index", "col_index": "column index"}
-INDEX_AXIS = {"row index": 0, "column index": 1}
+# index" (by the op's `OpDef.index_axis`, 0 / 1), quack op epi_ops.TileIndex (a value port computed from
+# the epilogue's coordinates: nothing is loaded; the runtime passes the op's host scalar as 0). The fn
+# receives the index as f32.
+INDEX_ROLES = ("row index", "column index")
+INDEX_AXIS = {role: axis for axis, role in enumerate(INDEX_ROLES)}
 # an i32 value compared inside an epilogue is compared as f32: exact below this magnitude
 F32_EXACT_INT = 2**24
 
@@ -196,7 +198,7 @@ class StageSpec:
             and not self.groups
             and self.mode == "element"
             and self.d.dtype == self.gemm.a_dtype == self.gemm.b_dtype
-            and all(e.op == "copy" for e in self.eqns)
+            and all(REGISTRY[e.op].copy for e in self.eqns)
         )
 
     @property

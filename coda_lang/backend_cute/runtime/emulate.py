@@ -29,7 +29,7 @@ import torch
 from coda_lang.backend_cute.plan import spec as specs
 from coda_lang.backend_cute.plan.spec import INDEX_AXIS, Sink, StageSpec, dim_operand
 from coda_lang.ir.nodes import DimRef, Eqn, Lit, Var
-from coda_lang.ops import REGISTRY
+from coda_lang.ops import REGISTRY, Locality
 from coda_lang.ops.registry import combine_of_group, combine_of_sink
 
 
@@ -55,7 +55,7 @@ def _index(e: Eqn, vals: dict[str, Any], cols: Any) -> torch.Tensor:
     """`row_index()` / `col_index()` over the whole matrix (a half- or double-width value's own width)."""
     acc = vals["acc"]
     m, n = acc.shape
-    if e.op == "row_index":
+    if REGISTRY[e.op].index_axis == 0:
         return torch.arange(m, device=acc.device, dtype=torch.int32).reshape(-1, 1)
     t = e.outs[0].type
     width = n
@@ -65,9 +65,9 @@ def _index(e: Eqn, vals: dict[str, Any], cols: Any) -> torch.Tensor:
 
 
 def _eval(eqns: tuple[Eqn, ...], vals: dict[str, Any], cols: Any = None) -> None:
-    """The equations through each op's torch stand-in (the registry's `torch`)."""
+    """The equations through each op's torch stand-in (the registry's `Lowerings.torch`)."""
     for e in eqns:
-        if e.op in ("row_index", "col_index"):
+        if REGISTRY[e.op].locality is Locality.INDEX:
             vals[e.outs[0].name] = _index(e, vals, cols)
             continue
         ins: list[Any] = [
@@ -81,7 +81,7 @@ def _eval(eqns: tuple[Eqn, ...], vals: dict[str, Any], cols: Any = None) -> None
             for a in e.ins
         ]
         params = {k: v for k, v in e.params if isinstance(v, (str, int, float))}
-        stand_in = REGISTRY[e.op].torch
+        stand_in = REGISTRY[e.op].lower.torch
         assert stand_in is not None, (
             f"`{e.op}` has no torch stand-in (the planner lets only such ops through)"
         )

@@ -35,8 +35,8 @@ from coda_lang.ir.nodes import (
 from coda_lang.ir.types import DTYPES, MATRIX, SCALAR, VEC, Dim, Type
 from coda_lang.ops import registry
 
+# the grammar's rules of arithmetic operators -> the operator, the `infix` of the op it writes
 _INFIX_RULES = {"add": "+", "sub": "-", "mul": "*", "div": "/", "neg": "neg"}
-_CMP = {"<": "lt", "<=": "le", ">": "gt", ">=": "ge", "==": "eq", "!=": "ne"}
 _RESERVED = {"acc", "dims", "block", "gemm", "transpose"}
 
 # Functions users reach for from PyTorch that are not ops here, with how to write them instead (a
@@ -640,11 +640,12 @@ class BlockLowerer:
     def infix(self, node: Any, out: list[Eqn]) -> tuple[str, list[Atom], tuple, list[Span]] | None:
         if node.data == "compare":
             a, sym, b = node.children
-            op = _CMP[str(sym)]
-            args = [a, b]
+            symbol, args = str(sym), [a, b]
         else:
-            op = node.data
-            args = list(node.children)
+            symbol, args = _INFIX_RULES[node.data], list(node.children)
+        opdef = registry.resolve(symbol, len(args), set())  # the op whose `infix` is the operator
+        assert opdef is not None, symbol
+        op = opdef.name
         atoms = [self.atom(c, out) for c in args]
         return (
             op,
@@ -671,8 +672,9 @@ class BlockLowerer:
                 self.atom(a, out)
             return None
         candidates = registry.BY_SURFACE.get(fn)
-        if not candidates or fn in ("add", "sub", "mul", "div", "neg", "copy") or not fn.isidentifier():
-            hint = did_you_mean(fn, [n for n in registry.call_names() if n not in ("copy",)])
+        # an operator is not called by name (`neg(x)`: the surface of an op written as an operator)
+        if not candidates or any(c.infix for c in candidates) or not fn.isidentifier():
+            hint = did_you_mean(fn, registry.call_names())
             extra = (
                 ["`transpose` is written only on GEMM operands: `gemm a @ transpose(b)`"]
                 if fn == "transpose"
@@ -819,7 +821,7 @@ class BlockLowerer:
         if top is None:
             return None
         op, ins, params, in_spans = top
-        if op == "copy":
+        if registry.REGISTRY[op].copy:  # a bare atom
             return ins[0]
         if registry.REGISTRY[op].nout != 1:
             self.error(

@@ -16,13 +16,14 @@ from coda_lang.ir.nodes import Atom, Block, DimDecl, DimRef, Eqn, ErrAtom, Lit, 
 from coda_lang.ir.types import Dim, Type, shape_str
 from coda_lang.ops import REGISTRY, OpDef
 
-_PREC = {"copy": 5, "neg": 4, "mul": 3, "div": 3, "add": 2, "sub": 2}
+# the grammar's precedence of each operator (an op's `infix`); a comparison binds loosest, a call tightest
+_PREC = {"=": 5, "neg": 4, "*": 3, "/": 3, "+": 2, "-": 2}
 
 
 def _prec(op: str) -> int:
     infix = REGISTRY[op].infix
-    if op in _PREC:
-        return _PREC[op]
+    if infix in _PREC:
+        return _PREC[infix]
     return 1 if infix else 5
 
 

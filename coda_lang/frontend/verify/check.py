@@ -384,7 +384,7 @@ class Checker:
             if not any(hit):
                 continue
             others = [a for a, h in zip(e.ins, hit, strict=True) if not h]
-            if e.op in ("mul", "div") and any(isinstance(a, Var) and self.is_tile_like(a) for a in others):
+            if REGISTRY[e.op].scales and any(isinstance(a, Var) and self.is_tile_like(a) for a in others):
                 return self.named_result(e, body)
             derived.update(v.name for v in e.outs)
         return None
@@ -515,7 +515,7 @@ class Checker:
                 if t is None or t.is_error:
                     continue
                 why = self.used_after(v.name, k)
-                if REGISTRY[e.op].locality in ("reduce", "gather"):
+                if REGISTRY[e.op].reduces:
                     over = e.param("over")
                     axis = (
                         "columns"

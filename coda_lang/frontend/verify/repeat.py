@@ -9,9 +9,9 @@ E0802 when the sizes a run binds make a width that is not a multiple of G (the c
 where it knows both sizes).
 What it does not: decide whether a use is valid (the type rules did), or compute anything (each
 executor repeats the vector itself: the interpreter per tile, the CUDA runtime on the host).
-Invariants: only ops of locality "pointwise" and "pair" take a repeating operand (reductions, pick
+Invariants: only ops of locality POINTWISE and PAIR take a repeating operand (reductions, pick
 and the pair splitter need tiles); the width of an equation is that of its result (half of it for
-interleave, whose operands are half as wide as its result).
+interleave, a JOIN of lanes, whose operands are half as wide as its result).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 from coda_lang.core.diagnostics import error
 from coda_lang.ir.nodes import Block, Eqn, Span, Stage, Var
 from coda_lang.ir.types import PARTIAL, TILE, VEC, Dim
-from coda_lang.ops import REGISTRY
+from coda_lang.ops import REGISTRY, Lanes, Locality
 from coda_lang.ops.registry import repeats_in
 
 
@@ -31,14 +31,14 @@ def width_of(e: Eqn, rows: Dim | None) -> Dim | None:
     """The column extent a pointwise (or pair) equation computes at: its result's width (a tile's
     columns, or a vector's length when it is not a row vector), half of it for interleave."""
     op = REGISTRY[e.op]
-    if op.locality not in ("pointwise", "pair") or not e.outs:
+    if not op.locality.per_element or not e.outs:
         return None
     t = e.outs[0].type
     if t is None or t.is_error:
         return None
     if t.kind == TILE and len(t.shape) == 2:
         w = t.shape[1]
-        return w.scale(Fraction(1, 2)) if e.op == "interleave" else w
+        return w.scale(Fraction(1, 2)) if op.lanes is Lanes.JOIN else w
     if t.kind == VEC and t.shape and (rows is None or t.shape[0] != rows):
         return t.shape[0]
     return None
@@ -104,7 +104,7 @@ def repeat_uses(block: Block) -> list[RepeatUse]:
                 assert isinstance(a, Var)
                 uses.append(RepeatUse(a.name, g, w, s.span, 0))
             x, into = (s.ins[0] if s.ins else None), s.param("into")
-            if REGISTRY[s.op].locality == "vector" and isinstance(x, Var) and isinstance(into, Dim):
+            if REGISTRY[s.op].locality is Locality.VECTOR and isinstance(x, Var) and isinstance(into, Dim):
                 assert x.type is not None
                 uses.append(RepeatUse(x.name, into, x.type.shape[0], s.span, 0, fold=True))
     return uses
