@@ -36,14 +36,7 @@ OPDEF_SPELLINGS = frozenset({"op", "od", "opdef"})  # names an OpDef is held by
 OP_NAME_SPELLINGS = frozenset({"op", "name", "fn", "opname", "surface"})  # names an op's name is held by
 
 # (path relative to the repository, kind) -> how many sites remain there, for the lead to convert
-PENDING: dict[tuple[str, str], int] = {
-    # e.op == "copy" (twice), s.op in ("copy", "fold"), e.op in COMPARISONS
-    ("coda_lang/autodiff/chunk.py", "op name"): 4,
-    # REGISTRY[e.op].locality == "reduce", op.locality == "gather"
-    ("coda_lang/autodiff/chunk.py", "locality"): 2,
-    # od.locality == "vector"
-    ("coda_lang/backend_cute/runtime/cuda_block.py", "locality"): 1,
-}
+PENDING: dict[tuple[str, str], int] = {}  # (none left: every site reads the registry)
 
 
 @dataclass(frozen=True)

@@ -47,12 +47,12 @@ from coda_lang.frontend.verify.repeat import repeat_uses
 from coda_lang.ir.nodes import Block, DimRef, Eqn, Stage, Var
 from coda_lang.ir.types import TILE, Dim, Shape, Type, extent, shape_str
 from coda_lang.ops import REGISTRY
+from coda_lang.ops.registry import Locality
 
 CHUNK_CODE = "E0809"
 ROW_ALIGN = 128  # an automatic chunk of at least this many rows is a multiple of it (a kernel's tile_M)
 COL_ALIGN = 8  # an automatic chunk of a matrix's last axis is a multiple of it (16-byte rows for TMA)
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4}
-COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
 
 IDX, SUM, CONST, INDEX = "indexed", "sum", "const", "index"  # what a value is to a chunk
 
@@ -205,7 +205,7 @@ def chunk_plan(blk: CheckedBlock, dim: str) -> ChunkPlan:
 
     def sums_over(e: Eqn) -> bool:
         over = e.param("over")
-        return REGISTRY[e.op].locality == "reduce" and isinstance(over, Dim) and _is(over, dim)
+        return REGISTRY[e.op].locality is Locality.REDUCE and isinstance(over, Dim) and _is(over, dim)
 
     def derived(v: Var, ks: list[str], by: str) -> str:
         t = _ty(v)
@@ -254,7 +254,7 @@ def chunk_plan(blk: CheckedBlock, dim: str) -> ChunkPlan:
     for s in ir.body:
         if not isinstance(s, Stage):  # between stages: vectors and scalars (and matrix aliases)
             by = f"`{s.outs[0].name}` between stages"
-            if s.op in ("copy", "fold") and isinstance(s.ins[0], Var) and kind.get(s.ins[0].name) == SUM:
+            if REGISTRY[s.op].linear and isinstance(s.ins[0], Var) and kind.get(s.ins[0].name) == SUM:
                 kind[s.outs[0].name] = (
                     SUM  # a copy or a fold (linear) of a sum is the sum of the chunks' ones
                 )
@@ -299,7 +299,7 @@ def chunk_plan(blk: CheckedBlock, dim: str) -> ChunkPlan:
             for e in s.body:
                 src = e.ins[0] if e.ins else None
                 if not (
-                    e.op == "copy"
+                    REGISTRY[e.op].copy
                     and isinstance(src, Var)
                     and (src.name == "acc" or kind.get(src.name) == SUM)
                 ):
@@ -312,21 +312,22 @@ def chunk_plan(blk: CheckedBlock, dim: str) -> ChunkPlan:
                     stored_acc.add(e.outs[0].name)
             continue
         chunked = role is not None
-        own_index = "row_index" if role == "rows" else "col_index"
+        own_axis = 0 if role == "rows" else 1  # the index op counting the chunked dim
+        own_index = ("row_index", "col_index")[own_axis]  # (its name, for messages)
         for j, e in enumerate(s.body):
             by = f"`{e.outs[0].name}` {where}"
             op = REGISTRY[e.op]
-            if chunked and e.op == own_index:
+            if chunked and op.index_axis == own_axis:
                 kind[e.outs[0].name] = INDEX
                 continue
             at_index = [i for i, a in enumerate(e.ins) if isinstance(a, Var) and kind.get(a.name) == INDEX]
-            if at_index and e.op in COMPARISONS and len(at_index) == 1:
+            if at_index and op.compares and len(at_index) == 1:
                 other = 1 - at_index[0]
                 patches[(idx, j, other)] = shifted(e.ins[other], by, f"compares {own_index}() with")
                 v = e.outs[0]
                 kind[v.name] = IDX if _ty(v).kind == TILE else derived(v, [CONST], where)
                 continue
-            if chunked and op.locality == "gather" and not _is(_ty(e.ins[1]).shape[0], dim):
+            if chunked and op.locality is Locality.GATHER and not _is(_ty(e.ins[1]).shape[0], dim):
                 # a pick along the chunked dim: 0 in every chunk but the one holding the index, a sum
                 read(e.ins[0], by)
                 patches[(idx, j, 1)] = shifted(e.ins[1], by, f"picks along `{dim}` by")

@@ -19,6 +19,7 @@ from typing import Any
 from coda_lang.frontend.source import CheckedBlock, check_generated
 from coda_lang.ir.nodes import Block, DimDecl, Eqn, Param, Stage, Var
 from coda_lang.ir.types import Dim, Type
+from coda_lang.ops import REGISTRY
 
 
 def widen(
@@ -58,7 +59,7 @@ def widen(
             Var(patches[(stage, j, i)]) if (stage, j, i) in patches else a for i, a in enumerate(e.ins)
         )
         op = e.op
-        if stage and e.op == "copy" and e.outs[0].name in totals:
+        if stage and REGISTRY[e.op].copy and e.outs[0].name in totals:
             op, ins = "add", (*ins, Var(totals[e.outs[0].name]))
         return replace(
             e, op=op, ins=ins, outs=tuple(map(wide, e.outs)), params=tuple((k, rd(v)) for k, v in e.params)

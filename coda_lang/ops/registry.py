@@ -454,11 +454,6 @@ class OpDef:
         """A product or quotient: a partial flowing into one with a tile scales (normalizes) the tile."""
         return self.arith is not None
 
-    @property
-    def torch(self) -> Callable[..., Any] | None:
-        """`lower.torch`, for backend_cute/runtime/cuda_block.py until it reads `lower.torch` itself."""
-        return self.lower.torch
-
     def accepts(self, nargs: int, kwargs: set[str]) -> bool:
         """Whether a call with these positional and keyword arguments means this op."""
         positional = [p.name for p in self.params if p.positional]

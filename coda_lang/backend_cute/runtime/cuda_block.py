@@ -5,7 +5,7 @@ devices, dims from the shapes: interp/inputs.py's rules, which the interpreter u
 GEMM stage as one `coda::stage` launch (launch.py) at the tile given, or else the fastest of the tiles
 without register spills, measured on the stage's first launch at a GEMM shape and cached on disk
 (tune.py), runs an elementwise stage as one torch.compile'd kernel (elementwise.py), and computes the
-vector equations between stages with each op's torch stand-in (`OpDef.torch`). `run_with_partials`
+vector equations between stages with each op's torch stand-in (`OpDef.lower.torch`). `run_with_partials`
 also returns the kernels' per-tile partial buffers; `autograd()` gives a differentiable function
 (autograd.py). `emulate=True` runs the torch stand-ins of the kernels (emulate.py) instead, on any
 device, so all of this runs without a GPU.
@@ -58,6 +58,7 @@ from coda_lang.interp.inputs import dims_from_shapes, given_dims, shape_rules
 from coda_lang.ir.nodes import DimRef, Eqn, Lit, Stage, Var
 from coda_lang.ir.types import MATRIX, Dim
 from coda_lang.ops import REGISTRY
+from coda_lang.ops.registry import Locality
 
 if TYPE_CHECKING:
     from coda_lang.backend_cute.build.parallel import Background
@@ -143,14 +144,16 @@ class CudaBlock:
                     "E0805", f"tile {cfg.short} does not fit stage {k} (`{target.text}`): {'; '.join(why)}"
                 )
         for s in self.ir.body:
-            if not isinstance(s, Stage) and REGISTRY[s.op].torch is None:
+            if not isinstance(s, Stage) and REGISTRY[s.op].lower.torch is None:
                 raise CodaError(
                     [
                         Diagnostic(
                             "E0708",
                             f"`{s.op}` between stages has no torch stand-in in the CUDA runtime",
                             s.span,
-                            notes=["an op's torch stand-in is its OpDef's `torch=` (coda_lang/ops/)"],
+                            notes=[
+                                "an op's torch stand-in is its OpDef's `lower=Lowerings(torch=...)` (coda_lang/ops/)"
+                            ],
                         )
                     ]
                 )
@@ -535,9 +538,9 @@ class CudaBlock:
                 vals.append((dims[name] if name is not None else 1) * num // den)
         params = {k: v for k, v in e.params if not isinstance(v, Dim)}
         od = REGISTRY[e.op]
-        stand_in = od.torch
+        stand_in = od.lower.torch
         assert stand_in is not None  # checked when the CudaBlock was made (E0708)
-        if od.locality == "vector":  # fold(x, into=G): its stand-in takes G's size
+        if od.locality is Locality.VECTOR:  # fold(x, into=G): its stand-in takes G's size
             name, num, den = self._sizes[e.outs[0].name]
             res = stand_in(*vals, (dims[name] if name is not None else 1) * num // den)
         else:
