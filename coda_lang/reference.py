@@ -18,13 +18,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from coda_lang.ops import BY_SURFACE
+from coda_lang.ops.registry import OpDef
+
 INDEX = Path(__file__).resolve().parent / "error_index"
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
 def _signature(op: object) -> str:
-    from coda_lang.ops.registry import OpDef
-
     assert isinstance(op, OpDef)
     names = op.operand_names or {0: (), 1: ("x",), 2: ("a", "b"), 3: ("c", "a", "b")}[op.nin]
     if op.infix == "=":
@@ -46,8 +47,6 @@ def _signature(op: object) -> str:
 
 def op_table_markdown() -> str:
     """The op table: one row per op a program can write, in registry order."""
-    from coda_lang.ops import BY_SURFACE
-
     rows = ["| op | locality | gradient | partials combine | what it computes |", "|---|---|---|---|---|"]
     seen = set()
     for ops in BY_SURFACE.values():

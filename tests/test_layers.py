@@ -7,10 +7,11 @@ under `if TYPE_CHECKING:` are annotations only and are left out. `LAYERS` is the
 never above, and the imports within a layer form no circle.
 
 A function-level import of a project module is allowed only with a `# lazy:` comment on its line or
-the line before, saying why, and only when the imported module (or what it imports at its top level)
-imports a heavy library at its top: deferring the import is then what keeps `coda check` (which
-imports neither NumPy nor torch), `coda run`'s start or `import coda_lang` fast. Any other
-function-level import hides a circle or is merely untidy: it belongs at the top of the module.
+the line before, saying why, and only when the imported module (through its top-level imports)
+brings a heavy library that the importing module does not bring already: deferring the import is
+then what keeps `coda check` (which imports neither NumPy nor torch), `coda run`'s start or `import
+coda_lang` fast. Any other function-level import hides a circle or is merely untidy: it belongs at
+the top of the module.
 
 `python tests/test_layers.py` prints the graph's violations and counts, for a quick look.
 """
@@ -195,19 +196,19 @@ def circles(found: list[Import]) -> list[list[str]]:
     return out
 
 
-def heavy_at_top(mods: dict[str, Path]) -> dict[str, bool]:
-    """Whether importing each module imports a HEAVY library (through top-level imports only)."""
-    direct: dict[str, bool] = {}
+def heavy_at_top(mods: dict[str, Path]) -> dict[str, frozenset[str]]:
+    """The HEAVY libraries importing each module imports (through top-level imports only)."""
+    direct: dict[str, set[str]] = {}
     edges: dict[str, set[str]] = {m: set() for m in mods}
     for name, path in mods.items():
         tree = ast.parse(path.read_text())
-        heavy = False
+        libs: set[str] = set()
         for node in tree.body:
             if isinstance(node, ast.Import):
-                heavy |= any(a.name.split(".")[0] in HEAVY for a in node.names)
+                libs |= {a.name.split(".")[0] for a in node.names} & set(HEAVY)
             elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-                heavy |= node.module.split(".")[0] in HEAVY
-        direct[name] = heavy
+                libs |= {node.module.split(".")[0]} & set(HEAVY)
+        direct[name] = libs
     for i in imports(mods):
         if not i.function_level:
             edges[i.source].add(i.target)
@@ -218,23 +219,26 @@ def heavy_at_top(mods: dict[str, Path]) -> dict[str, bool]:
             parent = ".".join(parts[:k])
             if parent in mods:
                 edges[m].add(parent)
-    memo: dict[str, bool] = {}
-
-    def heavy_of(m: str, seen: frozenset[str]) -> bool:
-        if m in memo:
-            return memo[m]
-        r = direct[m] or any(heavy_of(t, seen | {m}) for t in edges[m] if t not in seen)
-        if not seen:
-            memo[m] = r
-        return r
-
-    return {m: heavy_of(m, frozenset()) for m in mods}
+    out: dict[str, frozenset[str]] = {}
+    for m in mods:  # everything reachable from m
+        seen, stack, libs = {m}, [m], set()
+        while stack:
+            x = stack.pop()
+            libs |= direct[x]
+            for y in edges[x] - seen:
+                seen.add(y)
+                stack.append(y)
+        out[m] = frozenset(libs)
+    return out
 
 
 def needless_lazy(found: list[Import], mods: dict[str, Path]) -> list[Import]:
-    """Function-level imports without a `# lazy:` reason, or of a module that is light anyway."""
+    """Function-level imports without a `# lazy:` reason, or that defer no heavy library (the imported
+    module brings none that the importing module does not bring already)."""
     heavy = heavy_at_top(mods)
-    return [i for i in found if i.function_level and (not i.reason or not heavy[i.target])]
+    return [
+        i for i in found if i.function_level and (not i.reason or not heavy[i.target] - heavy[i.source])
+    ]
 
 
 def _show(i: Import) -> str:

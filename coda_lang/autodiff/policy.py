@@ -34,6 +34,8 @@ from coda_lang.autodiff.assemble import Derived, row_bytes
 from coda_lang.autodiff.builder import AutodiffError
 from coda_lang.autodiff.reverse import derive_with, stage_policies
 from coda_lang.autodiff.state import SAVED
+from coda_lang.core.diagnostics import Diagnostic
+from coda_lang.frontend.verify.check import check_block
 from coda_lang.frontend.verify.plan import BlockPlan
 from coda_lang.ir.nodes import DEFAULT_REMAT, Block
 from coda_lang.ir.types import TILE, Dim
@@ -131,9 +133,6 @@ def _text(per: Bytes) -> str:
 
 def _checks(d: Derived) -> bool:
     """Whether both blocks of a trial derivation pass the checker (a trial that doesn't is not taken)."""
-    from coda_lang.core.diagnostics import Diagnostic
-    from coda_lang.frontend.verify.check import check_block
-
     for b in (d.forward, d.backward):
         diags: list[Diagnostic] = []
         check_block(b, diags)

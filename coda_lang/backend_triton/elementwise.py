@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from coda_lang.backend_triton import generate as triton_stage
+from coda_lang.backend_triton.generate import TritonStage
 from coda_lang.core.diagnostics import CodaError, Diagnostic
 from coda_lang.frontend.verify.repeat import repeated
 from coda_lang.ir.nodes import DimRef, Lit, Stage, Var
@@ -154,8 +156,6 @@ class ElementwiseStage:
             fn = self._body
             if not self.emulate:
                 if self.generator == "triton":
-                    from coda_lang.backend_triton.generate import TritonStage
-
                     fn = TritonStage(self)
                 else:
                     fn = torch.compile(self.own_body(), dynamic=DYNAMIC, fullgraph=True)
@@ -165,8 +165,6 @@ class ElementwiseStage:
     @property
     def generator(self) -> str:
         """How the stage runs on the GPU: "triton" (a generated kernel) or "inductor" (torch.compile)."""
-        from coda_lang.backend_triton import generate as triton_stage
-
         if os.environ.get("CODA_ELEMENTWISE", "triton") == "inductor" or triton_stage.unsupported(self):
             return "inductor"
         return "triton"

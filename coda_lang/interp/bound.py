@@ -39,8 +39,9 @@ from typing import Any
 import numpy as np
 
 from coda_lang.core.numerics import round_to
+from coda_lang.interp.inputs import bind, check_sizes
 from coda_lang.interp.run import Interpreter, _Tile, _type
-from coda_lang.ir.nodes import Atom, Eqn, Stage, Var
+from coda_lang.ir.nodes import DEFAULT_REMAT, Atom, Eqn, Stage, Var
 from coda_lang.ir.types import GROUP, TILE, Dim
 from coda_lang.ops import REGISTRY, BoundRule, OpDef
 from coda_lang.ops.registry import F32_U, FASTMATH_ROUNDING, repeats_in
@@ -434,8 +435,6 @@ def run(
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """`block.run(inputs, dims=dims)` (an `api.Block`) and a bound for every output element (module
     docstring). `errors`: bounds of inputs that are themselves computed (default: none)."""
-    from coda_lang.interp.inputs import bind, check_sizes
-
     env, sizes = bind(block.ir, inputs, dims, "exact")
     check_sizes(block.ir, sizes, "exact", None)
     return Bounds(block.ir, block.plan, sizes).run_bounds(env, errors or {})
@@ -450,8 +449,6 @@ def vjp(
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """`block.vjp(inputs, cotangents, dims=dims, remat=remat)` (unchunked, exact precision) and a bound
     for every gradient element: the saved tensors carry the forward's bounds into the backward."""
-    from coda_lang.ir.nodes import DEFAULT_REMAT
-
     d = block.derivation(remat=remat or DEFAULT_REMAT)
     fwd, ferr = run(d.forward, inputs, dims)
     bins, bdims = block.backward_inputs(d, inputs, cotangents, fwd, dims)

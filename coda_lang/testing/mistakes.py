@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from hypothesis import strategies as st
 
+from coda_lang.api import load
 from coda_lang.frontend.syntax.printer import print_block
 from coda_lang.ir.nodes import Block, Stage
 from coda_lang.ir.types import Dim
@@ -186,9 +187,7 @@ def make_twin(text: str, kind: str, choose: Choose[Any]) -> Twin | None:
     """The first block of the valid program `text` with one mistake of `kind` (a key of MISTAKES);
     None where the block has no place for it (e.g. `pairs_odd_width` with only even widths).
     `choose(options)` picks among options (`random.Random(s).choice`, or a hypothesis draw)."""
-    import coda_lang
-
-    block = next(iter(coda_lang.load(text))).ir
+    block = next(iter(load(text))).ir
     src = _Src.of(block)
     original = "\n".join(src.lines)
     ed = _Edit(src)

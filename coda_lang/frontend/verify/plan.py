@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from coda_lang.frontend.syntax.printer import inline_source
+from coda_lang.frontend.verify.repeat import repeat_uses
 from coda_lang.ir.nodes import Block, Eqn
 from coda_lang.ir.types import Dim, Shape, shape_str
 
@@ -71,14 +73,10 @@ class BlockPlan:
 
 
 def _source(eqns: tuple[Eqn, ...]) -> list[str]:
-    from coda_lang.frontend.syntax.printer import inline_source
-
     return inline_source(eqns)
 
 
 def explain(plan: BlockPlan) -> str:
-    from coda_lang.frontend.verify.repeat import repeat_uses
-
     b = plan.block
     repeats: dict[tuple[int, str], list[str]] = {}  # (stage, vector) -> the widths it repeats across
     for u in repeat_uses(b):
