@@ -183,13 +183,25 @@ def test_torch_folds_match_the_interpreters(rule: str) -> None:
 
 
 def test_sink_rules_and_shapes() -> None:
-    row = Sink("ss", "ss", "ColVecReduce", "add", True, ("h", "h"), (), "row partials")
-    col = Sink("db", "db", "RowVecReduce", "add", False, ("x",), (), "column partials")
-    lse = Sink("lse", "lse", "OnlineLSEReduce", None, False, ("x",), (), "row partials")
-    amax = Sink("a", "a", "ColVecReduce", "max_abs", False, ("x",), (), "row partials")
-    pick = Sink("t", "t", "ColVecSelect", None, False, ("x",), (), "vector", index="target")
-    rmin = Sink("m", "m", "ColVecReduce", "max", False, ("x",), (), "row partials", negate=True)
-    cmin = Sink("m", "m", "RowVecReduce", "max", False, ("x",), (), "column partials", negate=True)
+    x = {"value": ("x",), "shape": ()}
+    row = Sink(
+        name="ss",
+        py="ss",
+        op="ColVecReduce",
+        combine="add",
+        layout="row partials",
+        scaled=True,
+        value=("h", "h"),
+        shape=(),
+    )
+    col = Sink(name="db", py="db", op="RowVecReduce", combine="add", layout="column partials", **x)
+    lse = Sink(name="lse", py="lse", op="OnlineLSEReduce", combine=None, layout="row partials", **x)
+    amax = Sink(name="a", py="a", op="ColVecReduce", combine="max_abs", layout="row partials", **x)
+    pick = Sink(name="t", py="t", op="ColVecSelect", combine=None, layout="vector", index="target", **x)
+    rmin = Sink(name="m", py="m", op="ColVecReduce", combine="max", layout="row partials", negate=True, **x)
+    cmin = Sink(
+        name="m", py="m", op="RowVecReduce", combine="max", layout="column partials", negate=True, **x
+    )
     assert [sink_rule(s) for s in (row, col, lse, amax, pick, rmin, cmin)] == [
         ("sum", 1),
         ("sum", 0),
@@ -212,11 +224,12 @@ def test_sink_shapes_are_quacks() -> None:
 
     from coda_lang.backend_cute.plan.epi_ops import BoundedColVecSelect
 
+    x = {"name": "a", "py": "a", "value": ("x",), "shape": ()}
     ours = {
-        "ColVecReduce": Sink("a", "a", "ColVecReduce", "add", False, ("x",), (), "row partials"),
-        "RowVecReduce": Sink("a", "a", "RowVecReduce", "add", False, ("x",), (), "column partials"),
-        "OnlineLSEReduce": Sink("a", "a", "OnlineLSEReduce", None, False, ("x",), (), "row partials"),
-        "ColVecSelect": Sink("a", "a", "ColVecSelect", None, False, ("x",), (), "vector", index="i"),
+        "ColVecReduce": Sink(op="ColVecReduce", combine="add", layout="row partials", **x),
+        "RowVecReduce": Sink(op="RowVecReduce", combine="add", layout="column partials", **x),
+        "OnlineLSEReduce": Sink(op="OnlineLSEReduce", combine=None, layout="row partials", **x),
+        "ColVecSelect": Sink(op="ColVecSelect", combine=None, layout="vector", index="i", **x),
     }
     theirs = {
         "ColVecReduce": ColVecReduce("a"),

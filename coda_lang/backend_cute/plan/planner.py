@@ -27,21 +27,28 @@ from coda_lang.backend_cute.plan.padding import is_zero, padding_value
 from coda_lang.backend_cute.plan.spec import (
     DIM_PREFIX,
     GEMM_DTYPES,
+    GROUP_COMBINES,
     INDEX_ROLES,
     LOAD_OPS,
+    LOAD_ROLES,
     PACKED,
     PACKED_DTYPES,
     QUACK_RESERVED,
+    SINK_COMBINES,
     STORE_DTYPES,
     Gemm,
     Group,
+    Layout,
+    Mode,
     Operand,
     Output,
     Sink,
+    SinkOp,
     StageSpec,
     dim_operand,
     is_wide,
     lanes_of,
+    member,
     plain_name,
 )
 from coda_lang.core.diagnostics import CodaError, Diagnostic
@@ -182,7 +189,7 @@ class _Planner:
                 t.kind == TILE and len(t.shape) == 2 and t.shape[1] != self.cols for t in self.types.values()
             )
         )
-        mode = PACKED if wide else "acc_pair" if paired else "element"
+        mode: Mode = PACKED if wide else "acc_pair" if paired else "element"
         packed = mode == PACKED
 
         full = [s for s in sp.stores if s.shape[1] == (self.cols.scale(2) if packed else self.cols)]
@@ -199,7 +206,9 @@ class _Planner:
                     e.span,
                 )
             if d_store is not None and store.name == d_store.name:
-                d = Output(store.name, self.py(store.name), store.dtype, store.shape, "D")
+                d = Output(
+                    name=store.name, py=self.py(store.name), dtype=store.dtype, shape=store.shape, op="D"
+                )
                 continue
             if store.shape[1] not in (self.cols, self.cols.scale(Fraction(1, 2))):
                 raise _fail(
@@ -226,12 +235,25 @@ class _Planner:
                 for lane in (0, 1):
                     outputs.append(
                         Output(
-                            store.name, f"{py}_lane{lane}", store.dtype, store.shape, "TileStore", True, lane
+                            name=store.name,
+                            py=f"{py}_lane{lane}",
+                            dtype=store.dtype,
+                            shape=store.shape,
+                            op="TileStore",
+                            gated=True,
+                            lane=lane,
                         )
                     )
                 continue
             outputs.append(
-                Output(store.name, self.py(store.name), store.dtype, store.shape, "TileStore", gated)
+                Output(
+                    name=store.name,
+                    py=self.py(store.name),
+                    dtype=store.dtype,
+                    shape=store.shape,
+                    op="TileStore",
+                    gated=gated,
+                )
             )
 
         sinks = self.sinks(live_out, paired, packed)
@@ -292,22 +314,22 @@ class _Planner:
             if outputs:
                 constraints.append("tile_N % 32 == 0 (paired TileStore on SM90)")
         spec = StageSpec(
-            self.ir.name,
-            self.index,
-            sp.text,
-            sp.line,
-            self.fn_name,
-            mode,
-            gemm,
-            tuple(operands),
-            d,
-            tuple(outputs),
-            tuple(sinks),
-            tuple(eqns),
-            dict(self.names),
-            tuple(constraints),
-            tuple(inline_source(st.body)),
-            st.span,
+            block=self.ir.name,
+            index=self.index,
+            text=sp.text,
+            line=sp.line,
+            fn_name=self.fn_name,
+            mode=mode,
+            gemm=gemm,
+            operands=tuple(operands),
+            d=d,
+            outputs=tuple(outputs),
+            sinks=tuple(sinks),
+            eqns=tuple(eqns),
+            names=dict(self.names),
+            constraints=tuple(constraints),
+            source=tuple(inline_source(st.body)),
+            span=st.span,
             groups=tuple(groups),
             prepass=tuple(prepass),
             repeats=tuple(repeats.items()),
@@ -348,7 +370,17 @@ class _Planner:
             raise _fail(
                 "E0702", f"GEMM operands are {a_dtype} and {b_dtype}; the backend needs equal dtypes", st.span
             )
-        return Gemm(st.a.name, st.b.name, a_dtype, b_dtype, st.ta, st.tb, sp.rows, sp.cols, sp.k)
+        return Gemm(
+            a=st.a.name,
+            b=st.b.name,
+            a_dtype=a_dtype,
+            b_dtype=b_dtype,
+            ta=st.ta,
+            tb=st.tb,
+            rows=sp.rows,
+            cols=sp.cols,
+            k=sp.k,
+        )
 
     def check_eqn(self, e: Eqn) -> None:
         """Can the emitter write this (live, non-reducing) equation?"""
@@ -440,14 +472,13 @@ class _Planner:
                 ld = next(ld for ld in self.sp.loads if ld.name == idx.name)
                 sinks.append(
                     Sink(
-                        v.name,
-                        py,
-                        "ColVecSelect",
-                        None,
-                        False,
-                        (x.name,),
-                        t.shape,
-                        "vector",
+                        name=v.name,
+                        py=py,
+                        op="ColVecSelect",
+                        combine=None,
+                        value=(x.name,),
+                        shape=t.shape,
+                        layout="vector",
                         index=self.py(idx.name),
                         index_dtype=ld.dtype,
                     )
@@ -467,10 +498,18 @@ class _Planner:
                         ],
                     )
                 sinks.append(
-                    Sink(v.name, py, "OnlineLSEReduce", None, False, (x.name,), t.shape, "row partials")
+                    Sink(
+                        name=v.name,
+                        py=py,
+                        op="OnlineLSEReduce",
+                        combine=None,
+                        value=(x.name,),
+                        shape=t.shape,
+                        layout="row partials",
+                    )
                 )
                 continue
-            combine = rec.sink  # "add" | "max"
+            combine = member(rec.sink, SINK_COMBINES)  # "add" | "max"
             negate = rec.negate  # min(x) = -max(-x): quack folds the negation by max (exact)
             if not per_row and half:
                 raise _fail(
@@ -478,8 +517,8 @@ class _Planner:
                     f"a reduction over the rows of the half-width tile `{x.name}` is not compiled yet",
                     e.span,
                 )
-            op = "ColVecReduce" if per_row else "RowVecReduce"
-            layout = "row partials" if per_row else "column partials"
+            op: SinkOp = "ColVecReduce" if per_row else "RowVecReduce"
+            layout: Layout = "row partials" if per_row else "column partials"
             prod = self.defined.get(x.name)
             # quack masks the ragged end of the reduced dim for max (and min, its negation) itself; a
             # sum over the columns is masked there unless its value is 0 there whatever the inputs (the
@@ -496,14 +535,13 @@ class _Planner:
             if wide:
                 sinks.append(
                     Sink(
-                        v.name,
-                        py,
-                        op,
-                        combine,
-                        False,
-                        (x.name,),
-                        t.shape,
-                        layout,
+                        name=v.name,
+                        py=py,
+                        op=op,
+                        combine=combine,
+                        value=(x.name,),
+                        shape=t.shape,
+                        layout=layout,
                         lanes=2,
                         negate=negate,
                         bounded=bounded,
@@ -524,14 +562,14 @@ class _Planner:
                 ins = tuple(a.name for a in prod.ins if isinstance(a, Var))
                 sinks.append(
                     Sink(
-                        v.name,
-                        py,
-                        op,
-                        combine,
-                        True,
-                        ins,
-                        t.shape,
-                        layout,
+                        name=v.name,
+                        py=py,
+                        op=op,
+                        combine=combine,
+                        scaled=True,
+                        value=ins,
+                        shape=t.shape,
+                        layout=layout,
                         bounded=bounded,
                         ragged_only=bounded,
                     )
@@ -540,18 +578,16 @@ class _Planner:
             # max(abs(x)) is folded as a max of the value abs(x), not by quack's max.xorsign.abs (its amax
             # epilogue): that instruction dropped a NaN on the H100 even with .NaN (an amax of a row
             # holding NaN came out inf; coda fuzz --target cuda --special on amax_fp8)
-            pad = "0.0" if combine == "add" else "self"
             sinks.append(
                 Sink(
-                    v.name,
-                    py,
-                    op,
-                    combine,
-                    False,
-                    (x.name,),
-                    t.shape,
-                    layout,
-                    pad=pad,
+                    name=v.name,
+                    py=py,
+                    op=op,
+                    combine=combine,
+                    value=(x.name,),
+                    shape=t.shape,
+                    layout=layout,
+                    pad="0.0" if combine == "add" else "self",
                     negate=negate,
                     bounded=bounded,
                     ragged_only=bounded and zero_if_finite,
@@ -692,8 +728,17 @@ class _Planner:
                 raise _fail(
                     "E0705", f"grouped `{od.surface}()` has no fold in the epilogue's prepass", e.span
                 )
-            combine = od.combine.group  # add | max | min | lse
-            groups.append(Group(v.name, py, combine, group, x.name, v.type.shape if v.type else (), out))
+            groups.append(
+                Group(
+                    name=v.name,
+                    py=py,
+                    combine=member(od.combine.group, GROUP_COMBINES),
+                    width=group,
+                    value=x.name,
+                    shape=v.type.shape if v.type else (),
+                    out=out,
+                )
+            )
         return groups, [e for e in self.st.body if id(e) in keep]
 
     def live_eqns(self, needed: set[str]) -> list[Eqn]:
@@ -707,7 +752,7 @@ class _Planner:
             want |= {a.name for a in e.ins if isinstance(a, Var)}
         return keep[::-1]
 
-    def index_operands(self, eqns: list[Eqn], mode: str) -> list[Operand]:
+    def index_operands(self, eqns: list[Eqn], mode: Mode) -> list[Operand]:
         """`row_index()` / `col_index()` of an element-mode stage as TileIndex value ports (nothing is
         loaded: the kernel takes each element's index from its coordinates). In a paired or packed
         stage they have no emitter (E0703); the emulator computes them there as equations."""
@@ -733,7 +778,17 @@ class _Planner:
             if any(o.name == v.name for o in out):
                 continue
             shape = v.type.shape if v.type is not None else ()
-            out.append(Operand(v.name, self.py(v.name), INDEX_ROLES[e.op], "TileIndex", "i32", shape, 1))
+            out.append(
+                Operand(
+                    name=v.name,
+                    py=self.py(v.name),
+                    role=INDEX_ROLES[e.op],
+                    op="TileIndex",
+                    dtype="i32",
+                    shape=shape,
+                    lanes=1,
+                )
+            )
         return out
 
     def repeats(self, eqns: list[Eqn]) -> dict[Dim, Dim]:
@@ -777,6 +832,7 @@ class _Planner:
         out: list[Operand] = []
         for name in used:
             ld = loads[name]
+            role = member(ld.role, LOAD_ROLES)
             e = next(e for e in self.st.body if any(isinstance(a, Var) and a.name == name for a in e.ins))
             compared = (
                 ld.dtype == "i32"
@@ -812,18 +868,20 @@ class _Planner:
                         "16-bit pairs",
                         e.span,
                     )
-                out.append(Operand(name, "c", ld.role, "C", ld.dtype, ld.shape, 2))
+                out.append(
+                    Operand(name=name, py="c", role=role, op="C", dtype=ld.dtype, shape=ld.shape, lanes=2)
+                )
                 continue
             if paired and ld.role == "column vector" and width == self.cols.scale(Fraction(1, 2)):
                 out.append(
                     Operand(
-                        name,
-                        self.py(name),
-                        ld.role,
-                        LOAD_OPS[ld.role],
-                        ld.dtype,
-                        shape,
-                        2,
+                        name=name,
+                        py=self.py(name),
+                        role=role,
+                        op=LOAD_OPS[role],
+                        dtype=ld.dtype,
+                        shape=shape,
+                        lanes=2,
                         host="repeat_interleave(2)",
                         period=period,
                     )
@@ -846,7 +904,14 @@ class _Planner:
             lanes = 2 if paired and width is not None else 1
             out.append(
                 Operand(
-                    name, self.py(name), ld.role, LOAD_OPS[ld.role], ld.dtype, shape, lanes, period=period
+                    name=name,
+                    py=self.py(name),
+                    role=role,
+                    op=LOAD_OPS[role],
+                    dtype=ld.dtype,
+                    shape=shape,
+                    lanes=lanes,
+                    period=period,
                 )
             )
         # a dim used as a value (`acc / K`): a Scalar operand holding its size, passed by the runtime
@@ -854,5 +919,15 @@ class _Planner:
             a.dim.name for e in eqns for a in e.ins if isinstance(a, DimRef) and a.dim.name
         ):
             name = dim_operand(dim)
-            out.append(Operand(name, self.py(name), "scalar", LOAD_OPS["scalar"], "f32", (), 1))
+            out.append(
+                Operand(
+                    name=name,
+                    py=self.py(name),
+                    role="scalar",
+                    op=LOAD_OPS["scalar"],
+                    dtype="f32",
+                    shape=(),
+                    lanes=1,
+                )
+            )
         return out
