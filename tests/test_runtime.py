@@ -938,6 +938,50 @@ def test_emulated_sums_past_the_ragged_end_match_interpreter(monkeypatch: pytest
         check_output(name, unmasked[name], ref[name], None, "f32")
 
 
+def test_tile_constraints_are_typed_values() -> None:
+    """A tiling constraint is a TileConstraint (ir/types.py): the checker's (whole groups), the planner's
+    (pairs, paired stores, groups within the epilogue subtile) and the backend's own rules print as
+    `coda check --explain` and the emitted source show them, and `fits` evaluates them on a config's
+    values without reading text; a tile given that breaks some is E0805 listing those, only those."""
+    from fractions import Fraction
+
+    from coda_lang.backend_cute.build.config import PAIRED_SUBTILE, TileConfig, broken, rules, tile_values
+    from coda_lang.backend_cute.plan.planner import plan_stage
+    from coda_lang.ir.types import TileConstraint
+
+    c = TileConstraint(of="tile_N", multiple_of=128, reason="group=128 over `N`")
+    assert str(c) == "tile_N % 128 == 0 (group=128 over `N`)"
+    assert c.holds({"tile_N": 256}) and not c.holds({"tile_N": 192})
+    half = TileConstraint(of="tile_N", multiple_of=Fraction(3, 2), reason="group=3 over `2*N`")
+    assert str(half) == "tile_N % 3/2 == 0 (group=3 over `2*N`)"
+    assert half.holds({"tile_N": 9}) and not half.holds({"tile_N": 4})
+    sub = TileConstraint(of="the epilogue subtile's N", divides=16, reason="whole groups")
+    assert str(sub) == "16 % the epilogue subtile's N == 0 (whole groups)"
+    assert sub.holds({"the epilogue subtile's N": 16}) and not sub.holds({"the epilogue subtile's N": 32})
+    assert str(TileConstraint(of="cooperative", equals=0, reason="r")) == "cooperative == 0 (r)"
+    for relations in ({}, {"multiple_of": 2, "equals": 0}, {"multiple_of": 0}):
+        with pytest.raises(ValueError):
+            TileConstraint(of="tile_N", reason="r", **relations)
+
+    blk = block("llama_mlp")
+    spec = plan_stage(blk, 2)  # paired, with a TileStore
+    assert [str(c) for c in spec.tiling] == [
+        "tile_N % 2 == 0 (pairs of adjacent columns)",
+        "tile_N % 32 == 0 (paired TileStore on SM90)",
+    ]
+    assert rules(spec) == [*spec.tiling, PAIRED_SUBTILE]
+    assert tile_values(spec, TileConfig(128, 48))["tile_N"] == 48
+    assert broken(spec, TileConfig(128, 48)) == [spec.tiling[1]]
+    assert broken(spec, TileConfig(128, 48, epi_n=16)) == [spec.tiling[1], PAIRED_SUBTILE]
+    with pytest.raises(CodaError) as e:
+        blk.cuda(tile=(128, 48), emulate=True)
+    (d,) = e.value.diagnostics
+    assert d.code == "E0805" and d.message.endswith("`): tile_N % 32 == 0 (paired TileStore on SM90)")
+    (checked,) = block("qk_norm").plan.stages[0].tiling  # the checker's, as the plan holds it
+    assert checked == TileConstraint(of="tile_N", multiple_of=128, reason="group=128 over `2*P`")
+    assert block("qk_norm").plan.stages[0].constraints == (str(checked),)  # (what coda draw prints)
+
+
 def test_a_group_narrower_than_the_epilogue_subtile_is_refused() -> None:
     """quack's grouped statistics fold one slot per thread and epilogue subtile (N = gcd(32, tile_N)
     unless epi_n says otherwise): a group of 16 columns under a 32-column subtile would be folded with

@@ -55,7 +55,7 @@ from coda_lang.core.diagnostics import CodaError, Diagnostic
 from coda_lang.frontend.syntax.printer import inline_source
 from coda_lang.frontend.verify.repeat import repeated
 from coda_lang.ir.nodes import DimRef, Eqn, Span, Stage, Var
-from coda_lang.ir.types import FLOAT_DTYPES, GROUP, MATRIX, TILE, Dim, Type, shape_str
+from coda_lang.ir.types import FLOAT_DTYPES, GROUP, MATRIX, TILE, Dim, TileConstraint, Type, shape_str
 from coda_lang.ops import REGISTRY
 
 COMPARISONS = frozenset({"lt", "le", "gt", "ge", "eq", "ne"})
@@ -304,15 +304,23 @@ class _Planner:
                     self.defined[d.name].span,
                     help=[f"annotate it: `{d.name}: {c.dtype} = ...`"],
                 )
-        constraints = list(sp.constraints)  # the checker's: tile_N holds whole groups
+        tiling = list(sp.tiling)  # the checker's: tile_N holds whole groups
         for w in sorted({g.width for g in groups}):
-            constraints.append(
-                f"{w} % the epilogue subtile's N == 0 (gcd(32, tile_N), or epi_n; compile.fits)"
+            # quack's grouped statistics (GroupedColStatsBase) fold one statistic slot per thread and
+            # epilogue subtile: a group narrower than the subtile would be folded together with its
+            # neighbours (the emulated kernels fold each group exactly, at any subtile)
+            tiling.append(
+                TileConstraint(
+                    of="the epilogue subtile's N",
+                    divides=w,
+                    reason="gcd(32, tile_N), or epi_n; compile.fits",
+                    kernel_only=True,
+                )
             )
         if paired:
-            constraints.append("tile_N % 2 == 0 (pairs of adjacent columns)")
+            tiling.append(TileConstraint(of="tile_N", multiple_of=2, reason="pairs of adjacent columns"))
             if outputs:
-                constraints.append("tile_N % 32 == 0 (paired TileStore on SM90)")
+                tiling.append(TileConstraint(of="tile_N", multiple_of=32, reason="paired TileStore on SM90"))
         spec = StageSpec(
             block=self.ir.name,
             index=self.index,
@@ -327,7 +335,7 @@ class _Planner:
             sinks=tuple(sinks),
             eqns=tuple(eqns),
             names=dict(self.names),
-            constraints=tuple(constraints),
+            tiling=tuple(tiling),
             source=tuple(inline_source(st.body)),
             span=st.span,
             groups=tuple(groups),

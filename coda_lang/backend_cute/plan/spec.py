@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 from coda_lang.ir.nodes import Eqn, Span
-from coda_lang.ir.types import FLOAT_DTYPES, TILE, VEC, Dim, Shape, Type, shape_str
+from coda_lang.ir.types import FLOAT_DTYPES, TILE, VEC, Dim, Shape, TileConstraint, Type, shape_str
 
 # The epilogue mode of a stage (docs/backend.md, "Epilogue modes").
 Mode = Literal["element", "acc_pair", "packed_cd_b16x2"]
@@ -209,7 +209,9 @@ class StageSpec:
     sinks: tuple[Sink, ...]
     eqns: tuple[Eqn, ...]  # the live equations, in order (scaled-sum products dropped)
     names: dict[str, str] = field(compare=False, default_factory=dict)  # coda name -> py name
-    constraints: tuple[str, ...] = ()  # on the tile config, e.g. "tile_N % 32 == 0"
+    # on the tile config: the checker's (whole groups) and the planner's (pairs, paired stores, groups
+    # within the epilogue subtile), printed in the emitted source; build/config.py adds the backend's own
+    tiling: tuple[TileConstraint, ...] = ()
     source: tuple[str, ...] = ()  # the stage's body as .coda source (for the emitted docstring)
     span: Span | None = field(compare=False, default=None)
     groups: tuple[Group, ...] = ()  # grouped reductions (quack's prepass), in program order
@@ -343,7 +345,7 @@ def describe(spec: StageSpec) -> list[str]:
             f"group  {gr.py}: f32{shape_str(gr.shape)} = {fold} over each run of {gr.width} columns, complete "
             f"in the tile (GroupedReduce, folded by the prepass{writer})"
         )
-    for c in spec.constraints:
+    for c in spec.tiling:
         lines.append(f"tiling {c}")
     return lines
 

@@ -28,16 +28,7 @@ import torch
 
 from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.backend_cute.build import select
-from coda_lang.backend_cute.build.config import (
-    GROUP_SUBTILE,
-    PAIRED_SUBTILE,
-    WIDE_F32_TILE,
-    TileConfig,
-    fits,
-    hangs_cooperative,
-    narrows_paired_subtile,
-    splits_groups,
-)
+from coda_lang.backend_cute.build.config import TileConfig, broken
 from coda_lang.backend_cute.plan.emit import emit_stage
 from coda_lang.backend_cute.plan.planner import plan_stage
 from coda_lang.backend_cute.plan.spec import StageSpec, dim_operand
@@ -132,15 +123,11 @@ class CudaBlock:
         for k, cfg in self._tiles.items():
             target = self.specs[k - 1]
             assert target is not None
-            if not fits(target, cfg, self.emulate):
-                why = [
-                    *target.constraints,
-                    *([PAIRED_SUBTILE] if narrows_paired_subtile(target, cfg) else []),
-                    *([GROUP_SUBTILE] if splits_groups(target, cfg) and not self.emulate else []),
-                    *([WIDE_F32_TILE] if hangs_cooperative(target, cfg) and not self.emulate else []),
-                ]
+            why = broken(target, cfg, self.emulate)
+            if why:
                 raise error(
-                    "E0805", f"tile {cfg.short} does not fit stage {k} (`{target.text}`): {'; '.join(why)}"
+                    "E0805",
+                    f"tile {cfg.short} does not fit stage {k} (`{target.text}`): {'; '.join(map(str, why))}",
                 )
         for s in self.ir.body:
             if not isinstance(s, Stage) and REGISTRY[s.op].torch is None:

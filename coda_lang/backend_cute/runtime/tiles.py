@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from coda_lang.backend_cute.build.config import CANDIDATES, PAIRED_SUBTILE, TUNE_CANDIDATES, TileConfig, fits
+from coda_lang.backend_cute.build.config import CANDIDATES, TUNE_CANDIDATES, TileConfig, fits, rules
 from coda_lang.backend_cute.build.ptxas import BackendUnavailable
 from coda_lang.backend_cute.plan.emit import emit_stage, source_hash
 from coda_lang.backend_cute.plan.spec import StageSpec
@@ -74,7 +74,7 @@ def choose_config(block: Any, index: int, spec: StageSpec, emulate: bool) -> Til
                     "E0706",
                     f"stage {index} (`{spec.text}`): no candidate tile satisfies its tiling constraints",
                     spec.span,
-                    notes=list(spec.constraints) + [PAIRED_SUBTILE] * spec.paired,
+                    notes=[str(c) for c in rules(spec, emulate)],
                 )
             ]
         )
