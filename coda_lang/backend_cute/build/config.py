@@ -64,7 +64,6 @@ def is_plain(spec: StageSpec) -> bool:
 
 
 DEFAULT_CONFIG = TileConfig()
-# Tried in order by select_config: quack's default, the same tile with a narrower epilogue subtile,
 
 # Tried in order by select_config: quack's default, the same tile with a narrower epilogue subtile,
 # then narrower tiles (fewer accumulator registers per thread, so more room for the epilogue; quack's

@@ -1,4 +1,4 @@
-"""Tile choice for a stage when the caller gives none: the first candidate whose kernel does not spill.
+"""A stage's tile: the one given, checked against its rules, or else the first candidate without spills.
 
 What it does: `as_config` reads a tile argument; `given_tiles` reads a CUDA block's `tile=` (one tile
 for every GEMM stage, or a dict by stage) and refuses a tile that breaks one of its stage's rules
