@@ -406,7 +406,7 @@ def test_qk_norm_folds_its_grouped_sum_in_a_prepass() -> None:
         ("ss", "ss", "add", 128, None)
     ]
     assert [e.op for e in spec.prepass] == ["mul"] and spec.groups[0].value == spec.prepass[0].outs[0].name
-    assert "tile_N % 128 == 0 (group=128 over `2*P`)" in spec.constraints
+    assert "tile_N % 128 == 0 (group=128 over `2*P`)" in map(str, spec.tiling)
     assert all(e.op != "reduce_sum" for e in spec.eqns)
     src = emit_stage(spec)
     assert 'prepass=qk_norm_stage1_prepass, prepass_outs=("ss",)' in src

@@ -282,7 +282,7 @@ def test_emulated_autograd_chunked_equals_unchunked(name: str, monkeypatch: pyte
 def test_chunks_add_to_the_weight_gradient_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
     """In row chunks, lm_head_ce's dw_lm (its GEMM sums over the chunk's rows) is one f32 buffer: the
     first chunk's GEMM stores it, each later chunk's GEMM stores `acc + total` over the total it reads
-    (CudaBlock._into), so no chunk allocates a part of it or adds one afterwards; the gradients equal
+    (Liveness.into), so no chunk allocates a part of it or adds one afterwards; the gradients equal
     the unchunked ones."""
     blk = block("lm_head_ce")
     ins = ce_inputs(m=29, v=48)

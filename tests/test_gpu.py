@@ -432,9 +432,9 @@ def test_tuning_picks_a_measured_tile_and_caches_it(tmp_path: Path, monkeypatch:
     f64 = blk.run(cpu, precision="f64")["x2"]
     cb = blk.cuda(tune=True, poison=True)
     first = cb(inputs)["x2"]
-    assert cb._background is not None and not cb._background.over  # (compiling the rest)
+    assert cb.tuner.background is not None and not cb.tuner.background.over  # (compiling the rest)
     check_output("x2", first, blk.run(cpu, tile=cb.tiles)["x2"], f64, "bf16")
-    assert ct.wait_for_kernels(timeout=900) and cb._background.over
+    assert ct.wait_for_kernels(timeout=900) and cb.tuner.background.over
     outs, partials = cb.run_with_partials(inputs)
     data = json.loads((tmp_path / "tuning.json").read_text())
     assert len(data) == 3 and all(len(e["ms"]) >= 1 for e in data.values())

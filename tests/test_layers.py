@@ -236,9 +236,7 @@ def needless_lazy(found: list[Import], mods: dict[str, Path]) -> list[Import]:
     """Function-level imports without a `# lazy:` reason, or that defer no heavy library (the imported
     module brings none that the importing module does not bring already)."""
     heavy = heavy_at_top(mods)
-    return [
-        i for i in found if i.function_level and (not i.reason or not heavy[i.target] - heavy[i.source])
-    ]
+    return [i for i in found if i.function_level and (not i.reason or not heavy[i.target] - heavy[i.source])]
 
 
 def _show(i: Import) -> str:

@@ -186,13 +186,25 @@ def test_torch_folds_match_the_interpreters(rule: str) -> None:
 
 
 def test_sink_rules_and_shapes() -> None:
-    row = Sink("ss", "ss", "ColVecReduce", "add", True, ("h", "h"), (), "row partials")
-    col = Sink("db", "db", "RowVecReduce", "add", False, ("x",), (), "column partials")
-    lse = Sink("lse", "lse", "OnlineLSEReduce", None, False, ("x",), (), "row partials")
-    amax = Sink("a", "a", "ColVecReduce", "max_abs", False, ("x",), (), "row partials")
-    pick = Sink("t", "t", "ColVecSelect", None, False, ("x",), (), "vector", index="target")
-    rmin = Sink("m", "m", "ColVecReduce", "max", False, ("x",), (), "row partials", negate=True)
-    cmin = Sink("m", "m", "RowVecReduce", "max", False, ("x",), (), "column partials", negate=True)
+    x = {"value": ("x",), "shape": ()}
+    row = Sink(
+        name="ss",
+        py="ss",
+        op="ColVecReduce",
+        combine="add",
+        layout="row partials",
+        scaled=True,
+        value=("h", "h"),
+        shape=(),
+    )
+    col = Sink(name="db", py="db", op="RowVecReduce", combine="add", layout="column partials", **x)
+    lse = Sink(name="lse", py="lse", op="OnlineLSEReduce", combine=None, layout="row partials", **x)
+    amax = Sink(name="a", py="a", op="ColVecReduce", combine="max_abs", layout="row partials", **x)
+    pick = Sink(name="t", py="t", op="ColVecSelect", combine=None, layout="vector", index="target", **x)
+    rmin = Sink(name="m", py="m", op="ColVecReduce", combine="max", layout="row partials", negate=True, **x)
+    cmin = Sink(
+        name="m", py="m", op="RowVecReduce", combine="max", layout="column partials", negate=True, **x
+    )
     assert [sink_rule(s) for s in (row, col, lse, amax, pick, rmin, cmin)] == [
         ("sum", 1),
         ("sum", 0),
@@ -215,11 +227,12 @@ def test_sink_shapes_are_quacks() -> None:
 
     from coda_lang.backend_cute.plan.epi_ops import BoundedColVecSelect
 
+    x = {"name": "a", "py": "a", "value": ("x",), "shape": ()}
     ours = {
-        "ColVecReduce": Sink("a", "a", "ColVecReduce", "add", False, ("x",), (), "row partials"),
-        "RowVecReduce": Sink("a", "a", "RowVecReduce", "add", False, ("x",), (), "column partials"),
-        "OnlineLSEReduce": Sink("a", "a", "OnlineLSEReduce", None, False, ("x",), (), "row partials"),
-        "ColVecSelect": Sink("a", "a", "ColVecSelect", None, False, ("x",), (), "vector", index="i"),
+        "ColVecReduce": Sink(op="ColVecReduce", combine="add", layout="row partials", **x),
+        "RowVecReduce": Sink(op="RowVecReduce", combine="add", layout="column partials", **x),
+        "OnlineLSEReduce": Sink(op="OnlineLSEReduce", combine=None, layout="row partials", **x),
+        "ColVecSelect": Sink(op="ColVecSelect", combine=None, layout="vector", index="i", **x),
     }
     theirs = {
         "ColVecReduce": ColVecReduce("a"),
@@ -926,6 +939,50 @@ def test_emulated_sums_past_the_ragged_end_match_interpreter(monkeypatch: pytest
         assert not torch.allclose(got, want, rtol=1e-3, atol=1e-3), name
     for name in ("q", "z"):  # 0 past the end either way
         check_output(name, unmasked[name], ref[name], None, "f32")
+
+
+def test_tile_constraints_are_typed_values() -> None:
+    """A tiling constraint is a TileConstraint (ir/types.py): the checker's (whole groups), the planner's
+    (pairs, paired stores, groups within the epilogue subtile) and the backend's own rules print as
+    `coda check --explain` and the emitted source show them, and `fits` evaluates them on a config's
+    values without reading text; a tile given that breaks some is E0805 listing those, only those."""
+    from fractions import Fraction
+
+    from coda_lang.backend_cute.build.config import PAIRED_SUBTILE, TileConfig, broken, rules, tile_values
+    from coda_lang.backend_cute.plan.planner import plan_stage
+    from coda_lang.ir.types import TileConstraint
+
+    c = TileConstraint(of="tile_N", multiple_of=128, reason="group=128 over `N`")
+    assert str(c) == "tile_N % 128 == 0 (group=128 over `N`)"
+    assert c.holds({"tile_N": 256}) and not c.holds({"tile_N": 192})
+    half = TileConstraint(of="tile_N", multiple_of=Fraction(3, 2), reason="group=3 over `2*N`")
+    assert str(half) == "tile_N % 3/2 == 0 (group=3 over `2*N`)"
+    assert half.holds({"tile_N": 9}) and not half.holds({"tile_N": 4})
+    sub = TileConstraint(of="the epilogue subtile's N", divides=16, reason="whole groups")
+    assert str(sub) == "16 % the epilogue subtile's N == 0 (whole groups)"
+    assert sub.holds({"the epilogue subtile's N": 16}) and not sub.holds({"the epilogue subtile's N": 32})
+    assert str(TileConstraint(of="cooperative", equals=0, reason="r")) == "cooperative == 0 (r)"
+    for relations in ({}, {"multiple_of": 2, "equals": 0}, {"multiple_of": 0}):
+        with pytest.raises(ValueError):
+            TileConstraint(of="tile_N", reason="r", **relations)
+
+    blk = block("llama_mlp")
+    spec = plan_stage(blk, 2)  # paired, with a TileStore
+    assert [str(c) for c in spec.tiling] == [
+        "tile_N % 2 == 0 (pairs of adjacent columns)",
+        "tile_N % 32 == 0 (paired TileStore on SM90)",
+    ]
+    assert rules(spec) == [*spec.tiling, PAIRED_SUBTILE]
+    assert tile_values(spec, TileConfig(128, 48))["tile_N"] == 48
+    assert broken(spec, TileConfig(128, 48)) == [spec.tiling[1]]
+    assert broken(spec, TileConfig(128, 48, epi_n=16)) == [spec.tiling[1], PAIRED_SUBTILE]
+    with pytest.raises(CodaError) as e:
+        blk.cuda(tile=(128, 48), emulate=True)
+    (d,) = e.value.diagnostics
+    assert d.code == "E0805" and d.message.endswith("`): tile_N % 32 == 0 (paired TileStore on SM90)")
+    (checked,) = block("qk_norm").plan.stages[0].tiling  # the checker's, as the plan holds it
+    assert checked == TileConstraint(of="tile_N", multiple_of=128, reason="group=128 over `2*P`")
+    assert block("qk_norm").plan.stages[0].constraints == (str(checked),)  # (what coda draw prints)
 
 
 def test_a_group_narrower_than_the_epilogue_subtile_is_refused() -> None:

@@ -286,8 +286,8 @@ def test_the_loss_heads_dlogits_are_stored_over_its_logits() -> None:
     sizes = {**_sizes(st), "V": 1030}
     ins = _inputs(st, sizes, torch.Generator().manual_seed(4))
     env = {ld.name: x for ld, x in zip(es.loads, ins, strict=True)}
-    assert cb._into_loads(es, i, env, frozenset()) is None  # nothing consumable
-    over = cb._into_loads(es, i, env, frozenset({"acc1"}))
+    assert cb.liveness.into_loads(es, i, env, frozenset()) is None  # nothing consumable
+    over = cb.liveness.into_loads(es, i, env, frozenset({"acc1"}))
     assert over is not None and set(over) == {"dacc1"} and over["dacc1"] is env["acc1"]
     rows, cols = _extent(st.rows, sizes), _extent(st.cols, sizes)
     want = st._body(

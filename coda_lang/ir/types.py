@@ -1,18 +1,22 @@
 """Types of the coda IR: dtypes, symbolic dims and value types.
 
 What it does: defines `Dim` (a symbolic extent `c*X`, with `c` a rational coefficient, or an integer
-constant), `Type` (dtype, shape, kind) and the dtype promotion rule shared by every op.
+constant), `Type` (dtype, shape, kind), the dtype promotion rule shared by every op, and
+`TileConstraint`, a rule on the tile configuration of a stage's kernel with its reason (the checker
+makes them from the program, the CUDA backend adds its own and evaluates them all, one loop).
 What it does not: decide what an op returns (ops/) or whether a value is allowed where it is used
-(frontend/verify/).
+(frontend/verify/), or which tiles a kernel is tried at (backend_cute/build/config.py).
 Invariants: every class here is frozen and hashable; a `Dim` is normalised (coefficient != 0, a
-constant has `name is None`), so structural equality is symbolic equality.
+constant has `name is None`), so structural equality is symbolic equality; a `TileConstraint` prints
+as the text `coda check --explain` and the emitted kernels' headers show.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Any, Literal
 
 from coda_lang.core.diagnostics import error
 
@@ -132,3 +136,61 @@ def extent(d: Dim, sizes: dict[str, int]) -> int:
     if v.denominator != 1:
         raise error("E0804", f"extent {d} = {v} is not an integer for these dims")
     return int(v)
+
+
+# What a tile constraint is about: an extent of a stage's tile configuration (quack's tile_M and
+# tile_N; epi_n, the epilogue subtile's N extent asked for, 0 for quack's choice; the epilogue
+# subtile's N extent the kernel gets), or whether its kernel is quack's cooperative one (1; 0 for a
+# pingpong kernel or cuBLAS). The CUDA backend gives their values for a config (build/config.py).
+TileQuantity = Literal["tile_M", "tile_N", "epi_n", "the epilogue subtile's N", "cooperative"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TileConstraint:
+    """A rule a stage's tile configuration must satisfy, and why. Exactly one relation is given:
+    `of % multiple_of == 0` (a whole number of `multiple_of`, which may be a fraction: a tile of half
+    the stage's width holds whole groups of 3 when tile_N is a multiple of 3/2), `divides % of == 0`,
+    or `of == equals`. `kernel_only`: a rule of the compiled kernel alone; what stands in for it (the
+    CUDA runtime's emulated kernels, the interpreter) holds at any tile.
+
+    `TileConstraint(of="tile_N", multiple_of=128, reason="group=128 over `N`")` prints as
+    `tile_N % 128 == 0 (group=128 over `N`)`."""
+
+    of: TileQuantity
+    reason: str
+    multiple_of: int | Fraction | None = None
+    divides: int | None = None
+    equals: int | None = None
+    kernel_only: bool = False
+
+    def __post_init__(self) -> None:
+        given = [r for r in (self.multiple_of, self.divides, self.equals) if r is not None]
+        if len(given) != 1:
+            raise ValueError(
+                f"a TileConstraint has one relation (multiple_of, divides or equals), got {given}"
+            )
+        if (
+            self.multiple_of is not None
+            and self.multiple_of <= 0
+            or self.divides is not None
+            and self.divides <= 0
+        ):
+            raise ValueError(f"a TileConstraint's multiple_of and divides are positive: {self!r}")
+
+    def holds(self, values: Mapping[TileQuantity, int]) -> bool:
+        """Whether the rule holds where the quantity `of` has its value in `values`."""
+        v = values[self.of]
+        if self.multiple_of is not None:
+            return Fraction(v) % Fraction(self.multiple_of) == 0
+        if self.divides is not None:
+            return v != 0 and self.divides % v == 0
+        return v == self.equals
+
+    def __str__(self) -> str:
+        if self.multiple_of is not None:
+            rule = f"{self.of} % {self.multiple_of} == 0"
+        elif self.divides is not None:
+            rule = f"{self.divides} % {self.of} == 0"
+        else:
+            rule = f"{self.of} == {self.equals}"
+        return f"{rule} ({self.reason})"

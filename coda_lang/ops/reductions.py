@@ -26,6 +26,7 @@ from coda_lang.ir.types import (
     TILE,
     VEC,
     Dim,
+    TileConstraint,
     Type,
 )
 from coda_lang.ops.registry import (
@@ -102,7 +103,9 @@ def _reduce_rule(name: str, combine: str) -> Any:
             )
             # The tile of the stage must hold whole groups: tile_N * (width / cols) % group == 0.
             need = Fraction(group) / per_acc_col
-            ctx.constraints.append(f"tile_N % {need} == 0 (group={group} over `{width}`)")
+            ctx.constraints.append(
+                TileConstraint(of="tile_N", multiple_of=need, reason=f"group={group} over `{width}`")
+            )
             return (Type(dtype, (t.shape[0], width.scale(Fraction(1, group))), GROUP, group=group),)
         other = t.shape[1 - axis]
         return (Type(dtype, (other,), PARTIAL, combine=combine),)

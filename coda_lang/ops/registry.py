@@ -40,6 +40,7 @@ from coda_lang.ir.types import (
     VEC,
     Dim,
     Shape,
+    TileConstraint,
     Type,
     shape_str,
 )
@@ -213,7 +214,7 @@ class Ctx:
     # Divisor known for each dim (from `X/k` in the signature or a fixed value); used by `pairs`.
     divisors: dict[str, int] = field(default_factory=dict)
     values: dict[str, int] = field(default_factory=dict)
-    constraints: list[str] = field(default_factory=list)
+    constraints: list[TileConstraint] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -2,20 +2,24 @@
 
 What it does: `TileConfig` (quack's SM90 default: 128x192 pingpong, cluster 2x1; `CUBLAS`, the
 stand-in config of a plain stage run by cuBLAS), the candidate lists (`CANDIDATES`, tried in order by
-select.select_config; `TUNE_CANDIDATES`, timed by the tuner), and `fits`: whether a config satisfies
-a stage's tiling constraints and the backend's own rules (PAIRED_SUBTILE, GROUP_SUBTILE,
-WIDE_F32_TILE).
+select.select_config; `TUNE_CANDIDATES`, timed by the tuner), and the rules a stage's config must
+satisfy, every one a `TileConstraint` (ir/types.py) with its reason: the stage's own (`spec.tiling`:
+whole groups, from the checker; pairs, paired stores and groups within the epilogue subtile, from the
+planner) and the backend's that apply to it (PAIRED_SUBTILE, WIDE_F32_TILE): `rules`. `broken` is the
+rules a config breaks (one loop over them, on the config's `tile_values`); `fits` is whether it
+breaks none. E0805 (a tile given that does not fit) and E0706 (no candidate fits) list their text.
 What it does not: compile or time anything.
-Invariants: pure functions of a StageSpec and a TileConfig.
+Invariants: pure functions of a StageSpec and a TileConfig; a kernel_only rule never refuses a config
+of the emulated kernels (`emulated=True`), which hold at any tile.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 from coda_lang.backend_cute.plan.spec import StageSpec
+from coda_lang.ir.types import TileConstraint, TileQuantity
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,6 @@ def is_plain(spec: StageSpec) -> bool:
 
 
 DEFAULT_CONFIG = TileConfig()
-# Tried in order by select_config: quack's default, the same tile with a narrower epilogue subtile,
 
 # Tried in order by select_config: quack's default, the same tile with a narrower epilogue subtile,
 # then narrower tiles (fewer accumulator registers per thread, so more room for the epilogue; quack's
@@ -89,13 +92,14 @@ TUNE_CANDIDATES = (
 
 SMALL_SPILL = 16  # bytes: configs_without_spills' fallback when every candidate spills
 
-# A paired stage (acc_pair mode: SwiGLU's half-width stores) keeps quack's epilogue subtile: a
-# half-width store of a narrower subtile is a path quack doesn't exercise on SM90.
-PAIRED_SUBTILE = "a paired stage keeps quack's epilogue subtile (epi_n=0)"
-
-
-def narrows_paired_subtile(spec: StageSpec, config: TileConfig) -> bool:
-    return spec.paired and 0 < config.epi_n < 32
+# A paired stage (acc_pair mode: SwiGLU's half-width stores) keeps quack's epilogue subtile (32
+# columns for 16-bit stores; epi_n 0) or a wider one: a half-width store of a narrower subtile is a
+# path quack doesn't exercise on SM90.
+PAIRED_SUBTILE = TileConstraint(
+    of="epi_n",
+    multiple_of=32,
+    reason="a paired stage keeps quack's epilogue subtile (epi_n=0) or a wider one",
+)
 
 
 def epilogue_subtile_n(spec: StageSpec, config: TileConfig) -> int:
@@ -107,23 +111,18 @@ def epilogue_subtile_n(spec: StageSpec, config: TileConfig) -> int:
     return math.gcd(64 if eight_bit else 32, config.tile_n)
 
 
-# quack's grouped statistics (GroupedColStatsBase) fold one statistic slot per thread and epilogue
-# subtile: a group narrower than the subtile would be folded together with its neighbours.
-GROUP_SUBTILE = "a group= width is a multiple of the epilogue subtile's N extent (gcd(32, tile_N) or epi_n)"
-
-
-def splits_groups(spec: StageSpec, config: TileConfig) -> bool:
-    n_e = epilogue_subtile_n(spec, config)
-    return any(g.width % n_e for g in spec.groups)
-
-
 # Seen on an H100 (2026-11-25): the cooperative 256x128 kernel of a stage that moves an f32 tile and
 # folds column partials never finished; the tuner's first launch hung the GPU. Twice in the Llama
 # training step's RMSNorm backwards: `dx1: f32` loaded beside `sum(.., over=M)` (last_bwd at
 # 8192x2048x16384), and `dx1: f32` stored beside one (layer_bwd at 8192x2048x3072). The same stages
 # with bf16 tiles (llama_mlp's) run at 256x128; until the cause in quack's epilogue is known, a stage
 # that loads or stores an f32 tile beside column partials is given pingpong (128-row) tiles only.
-WIDE_F32_TILE = "a stage loading or storing an f32 tile beside column partials takes 128-row (pingpong) tiles"
+WIDE_F32_TILE = TileConstraint(
+    of="cooperative",
+    equals=0,
+    reason="a stage loading or storing an f32 tile beside column partials takes 128-row (pingpong) tiles",
+    kernel_only=True,
+)
 
 
 def moves_f32_tile(spec: StageSpec) -> bool:
@@ -134,26 +133,40 @@ def moves_f32_tile(spec: StageSpec) -> bool:
     )
 
 
-def hangs_cooperative(spec: StageSpec, config: TileConfig) -> bool:
-    return (
-        not config.is_cublas
-        and not config.pingpong
-        and moves_f32_tile(spec)
-        and any(s.layout == "column partials" for s in spec.sinks)
-    )
+def rules(spec: StageSpec, emulated: bool = False) -> list[TileConstraint]:
+    """Every rule a config of this stage must satisfy: the stage's own (`spec.tiling`, which the
+    emitted source prints: the groups within the epilogue subtile among them) and the backend's that
+    apply to it; `emulated`: without the kernel_only ones (the emulated kernels' grouped folds are
+    exact at any subtile, and they never hang)."""
+    own = [
+        *spec.tiling,
+        *([PAIRED_SUBTILE] if spec.paired else []),
+        *(
+            [WIDE_F32_TILE]
+            if moves_f32_tile(spec) and any(s.layout == "column partials" for s in spec.sinks)
+            else []
+        ),
+    ]
+    return [c for c in own if not (emulated and c.kernel_only)]
+
+
+def tile_values(spec: StageSpec, config: TileConfig) -> dict[TileQuantity, int]:
+    """The quantities a TileConstraint may be about, for this config of this stage."""
+    return {
+        "tile_M": config.tile_m,
+        "tile_N": config.tile_n,
+        "epi_n": config.epi_n,
+        "the epilogue subtile's N": epilogue_subtile_n(spec, config),
+        "cooperative": int(not config.pingpong and not config.is_cublas),
+    }
+
+
+def broken(spec: StageSpec, config: TileConfig, emulated: bool = False) -> list[TileConstraint]:
+    """The rules of the stage (`rules`) that `config` breaks, in order."""
+    values = tile_values(spec, config)
+    return [c for c in rules(spec, emulated) if not c.holds(values)]
 
 
 def fits(spec: StageSpec, config: TileConfig, emulated: bool = False) -> bool:
-    """Whether `config` satisfies the stage's tiling constraints (plan.py writes them) and, in a paired
-    stage, keeps quack's epilogue subtile (PAIRED_SUBTILE); on the kernels (not `emulated`, whose
-    grouped folds are exact at any subtile) no group is narrower than the subtile (GROUP_SUBTILE) and
-    no stage that hung at a cooperative tile gets one (WIDE_F32_TILE)."""
-    if narrows_paired_subtile(spec, config) or not emulated and splits_groups(spec, config):
-        return False
-    if not emulated and hangs_cooperative(spec, config):
-        return False
-    for c in spec.constraints:
-        m = re.match(r"tile_N % (\d+) == 0", c)
-        if m and config.tile_n % int(m.group(1)):
-            return False
-    return True
+    """Whether `config` breaks none of the stage's rules (`emulated`: the kernel_only ones aside)."""
+    return not broken(spec, config, emulated)

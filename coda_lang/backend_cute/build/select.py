@@ -3,7 +3,7 @@
 What it does: `select_config` tries tile configs in order and keeps the first whose ptxas report
 shows no register spills (heavy epilogues spill at quack's default 128x192); `configs_without_spills`
 gives every candidate of `TUNE_CANDIDATES` that passes that check, for the runtime to time on a GPU
-(runtime/cuda_block.py, tune.py). Both take `jobs=`: the kernels they will read are first compiled in
+(runtime/tuning.py, tune.py). Both take `jobs=`: the kernels they will read are first compiled in
 worker processes (parallel.py).
 What it does not: time kernels (tune.py) or compile them itself (compile.py).
 Invariants: CodaError E0706 when every candidate spills, E0707 when quack refused every candidate.

@@ -11,8 +11,8 @@ library versions, the GPU's name and the GEMM shape (m, n, k): a second process 
 timing anything. `$CODA_TUNE=full` times every candidate to the end (no pruning, no early stop: the
 exhaustive tuner, to compare with). `random_inputs` and `warm_block` run a block (and its autograd
 backward) once on random CUDA inputs, which tunes every stage at those sizes (`coda tune`).
-cuda_block.py decides when to tune (a stage's first launch at a shape) and which configs are
-candidates (compile.configs_without_spills: the ptxas check first).
+runtime/tuning.py decides when to tune (a stage's first launch at a shape) and which configs are
+candidates (select.configs_without_spills: the ptxas check first).
 What it does not: compile or launch kernels itself, or tune anything under a torch.compile trace.
 Invariants: the cache file is only ever replaced whole (written to a temporary file, then renamed),
 under a lock, so that processes storing at once lose no entry; an unreadable cache counts as empty.
@@ -347,7 +347,7 @@ def random_inputs(block_ir: Any, dims: dict[str, int], device: Any, seed: int = 
 
 def tuned(cb: Any) -> list[tuple[int, tuple[int, int, int], TileConfig]]:
     """(stage, GEMM shape m x n x k, tile) of every stage a CudaBlock has tuned, in stage order."""
-    rows = [(k, (m, n, kk), r.config) for (k, m, n, kk), r in cb._by_shape.items()]
+    rows = [(k, (m, n, kk), r.config) for (k, m, n, kk), r in cb.tuner.by_shape.items()]
     return sorted(rows, key=lambda row: (row[0], row[1]))
 
 

@@ -1,1 +1,9 @@
-"""(package docstring: filled in below)"""
+"""Planning and emission: a checked GEMM stage -> its `StageSpec` -> the source of its quack epilogue.
+
+spec.py holds the data model, planner.py decides it (E07 for what the backend can't compile yet),
+emit.py writes it (names.py: the emitted module's imports; padding.py: what a ragged tile's padding
+holds). epi_ops.py is CuTeDSL code, our own epilogue ops: only the emitted modules and quack_adapter
+import it, and importing it imports quack and CuTeDSL; no other module here imports quack, CuTeDSL or
+torch, or anything of build/ or runtime/. The emitted source is deterministic (a golden file per
+example stage).
+"""

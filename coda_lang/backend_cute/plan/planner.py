@@ -27,28 +27,35 @@ from coda_lang.backend_cute.plan.padding import is_zero, padding_value
 from coda_lang.backend_cute.plan.spec import (
     DIM_PREFIX,
     GEMM_DTYPES,
+    GROUP_COMBINES,
     INDEX_ROLES,
     LOAD_OPS,
+    LOAD_ROLES,
     PACKED,
     PACKED_DTYPES,
     QUACK_RESERVED,
+    SINK_COMBINES,
     STORE_DTYPES,
     Gemm,
     Group,
+    Layout,
+    Mode,
     Operand,
     Output,
     Sink,
+    SinkOp,
     StageSpec,
     dim_operand,
     is_wide,
     lanes_of,
+    member,
     plain_name,
 )
 from coda_lang.core.diagnostics import CodaError, Diagnostic
 from coda_lang.frontend.syntax.printer import inline_source
 from coda_lang.frontend.verify.repeat import repeated
 from coda_lang.ir.nodes import DimRef, Eqn, Span, Stage, Var
-from coda_lang.ir.types import FLOAT_DTYPES, GROUP, MATRIX, TILE, Dim, Type, shape_str
+from coda_lang.ir.types import FLOAT_DTYPES, GROUP, MATRIX, TILE, Dim, TileConstraint, Type, shape_str
 from coda_lang.ops import REGISTRY, Arith, Locality
 
 
@@ -185,7 +192,7 @@ class _Planner:
                 t.kind == TILE and len(t.shape) == 2 and t.shape[1] != self.cols for t in self.types.values()
             )
         )
-        mode = PACKED if wide else "acc_pair" if paired else "element"
+        mode: Mode = PACKED if wide else "acc_pair" if paired else "element"
         packed = mode == PACKED
 
         full = [s for s in sp.stores if s.shape[1] == (self.cols.scale(2) if packed else self.cols)]
@@ -202,7 +209,9 @@ class _Planner:
                     e.span,
                 )
             if d_store is not None and store.name == d_store.name:
-                d = Output(store.name, self.py(store.name), store.dtype, store.shape, "D")
+                d = Output(
+                    name=store.name, py=self.py(store.name), dtype=store.dtype, shape=store.shape, op="D"
+                )
                 continue
             if store.shape[1] not in (self.cols, self.cols.scale(Fraction(1, 2))):
                 raise _fail(
@@ -229,12 +238,25 @@ class _Planner:
                 for lane in (0, 1):
                     outputs.append(
                         Output(
-                            store.name, f"{py}_lane{lane}", store.dtype, store.shape, "TileStore", True, lane
+                            name=store.name,
+                            py=f"{py}_lane{lane}",
+                            dtype=store.dtype,
+                            shape=store.shape,
+                            op="TileStore",
+                            gated=True,
+                            lane=lane,
                         )
                     )
                 continue
             outputs.append(
-                Output(store.name, self.py(store.name), store.dtype, store.shape, "TileStore", gated)
+                Output(
+                    name=store.name,
+                    py=self.py(store.name),
+                    dtype=store.dtype,
+                    shape=store.shape,
+                    op="TileStore",
+                    gated=gated,
+                )
             )
 
         sinks = self.sinks(live_out, paired, packed)
@@ -285,32 +307,40 @@ class _Planner:
                     self.defined[d.name].span,
                     help=[f"annotate it: `{d.name}: {c.dtype} = ...`"],
                 )
-        constraints = list(sp.constraints)  # the checker's: tile_N holds whole groups
+        tiling = list(sp.tiling)  # the checker's: tile_N holds whole groups
         for w in sorted({g.width for g in groups}):
-            constraints.append(
-                f"{w} % the epilogue subtile's N == 0 (gcd(32, tile_N), or epi_n; compile.fits)"
+            # quack's grouped statistics (GroupedColStatsBase) fold one statistic slot per thread and
+            # epilogue subtile: a group narrower than the subtile would be folded together with its
+            # neighbours (the emulated kernels fold each group exactly, at any subtile)
+            tiling.append(
+                TileConstraint(
+                    of="the epilogue subtile's N",
+                    divides=w,
+                    reason="gcd(32, tile_N), or epi_n; compile.fits",
+                    kernel_only=True,
+                )
             )
         if paired:
-            constraints.append("tile_N % 2 == 0 (pairs of adjacent columns)")
+            tiling.append(TileConstraint(of="tile_N", multiple_of=2, reason="pairs of adjacent columns"))
             if outputs:
-                constraints.append("tile_N % 32 == 0 (paired TileStore on SM90)")
+                tiling.append(TileConstraint(of="tile_N", multiple_of=32, reason="paired TileStore on SM90"))
         spec = StageSpec(
-            self.ir.name,
-            self.index,
-            sp.text,
-            sp.line,
-            self.fn_name,
-            mode,
-            gemm,
-            tuple(operands),
-            d,
-            tuple(outputs),
-            tuple(sinks),
-            tuple(eqns),
-            dict(self.names),
-            tuple(constraints),
-            tuple(inline_source(st.body)),
-            st.span,
+            block=self.ir.name,
+            index=self.index,
+            text=sp.text,
+            line=sp.line,
+            fn_name=self.fn_name,
+            mode=mode,
+            gemm=gemm,
+            operands=tuple(operands),
+            d=d,
+            outputs=tuple(outputs),
+            sinks=tuple(sinks),
+            eqns=tuple(eqns),
+            names=dict(self.names),
+            tiling=tuple(tiling),
+            source=tuple(inline_source(st.body)),
+            span=st.span,
             groups=tuple(groups),
             prepass=tuple(prepass),
             repeats=tuple(repeats.items()),
@@ -351,7 +381,17 @@ class _Planner:
             raise _fail(
                 "E0702", f"GEMM operands are {a_dtype} and {b_dtype}; the backend needs equal dtypes", st.span
             )
-        return Gemm(st.a.name, st.b.name, a_dtype, b_dtype, st.ta, st.tb, sp.rows, sp.cols, sp.k)
+        return Gemm(
+            a=st.a.name,
+            b=st.b.name,
+            a_dtype=a_dtype,
+            b_dtype=b_dtype,
+            ta=st.ta,
+            tb=st.tb,
+            rows=sp.rows,
+            cols=sp.cols,
+            k=sp.k,
+        )
 
     def check_eqn(self, e: Eqn) -> None:
         """Can the emitter write this (live, non-reducing) equation?"""
@@ -445,14 +485,13 @@ class _Planner:
                 ld = next(ld for ld in self.sp.loads if ld.name == idx.name)
                 sinks.append(
                     Sink(
-                        v.name,
-                        py,
-                        "ColVecSelect",
-                        None,
-                        False,
-                        (x.name,),
-                        t.shape,
-                        "vector",
+                        name=v.name,
+                        py=py,
+                        op="ColVecSelect",
+                        combine=None,
+                        value=(x.name,),
+                        shape=t.shape,
+                        layout="vector",
                         index=self.py(idx.name),
                         index_dtype=ld.dtype,
                     )
@@ -472,10 +511,18 @@ class _Planner:
                         ],
                     )
                 sinks.append(
-                    Sink(v.name, py, "OnlineLSEReduce", None, False, (x.name,), t.shape, "row partials")
+                    Sink(
+                        name=v.name,
+                        py=py,
+                        op="OnlineLSEReduce",
+                        combine=None,
+                        value=(x.name,),
+                        shape=t.shape,
+                        layout="row partials",
+                    )
                 )
                 continue
-            combine = rec.sink  # "add" | "max"
+            combine = member(rec.sink, SINK_COMBINES)  # "add" | "max"
             negate = rec.negate  # min(x) = -max(-x): quack folds the negation by max (exact)
             if not per_row and half:
                 raise _fail(
@@ -483,8 +530,8 @@ class _Planner:
                     f"a reduction over the rows of the half-width tile `{x.name}` is not compiled yet",
                     e.span,
                 )
-            op = "ColVecReduce" if per_row else "RowVecReduce"
-            layout = "row partials" if per_row else "column partials"
+            op: SinkOp = "ColVecReduce" if per_row else "RowVecReduce"
+            layout: Layout = "row partials" if per_row else "column partials"
             prod = self.defined.get(x.name)
             # quack masks the ragged end of the reduced dim for max (and min, its negation) itself; a
             # sum over the columns is masked there unless its value is 0 there whatever the inputs (the
@@ -501,14 +548,13 @@ class _Planner:
             if wide:
                 sinks.append(
                     Sink(
-                        v.name,
-                        py,
-                        op,
-                        combine,
-                        False,
-                        (x.name,),
-                        t.shape,
-                        layout,
+                        name=v.name,
+                        py=py,
+                        op=op,
+                        combine=combine,
+                        value=(x.name,),
+                        shape=t.shape,
+                        layout=layout,
                         lanes=2,
                         negate=negate,
                         bounded=bounded,
@@ -529,14 +575,14 @@ class _Planner:
                 ins = tuple(a.name for a in prod.ins if isinstance(a, Var))
                 sinks.append(
                     Sink(
-                        v.name,
-                        py,
-                        op,
-                        combine,
-                        True,
-                        ins,
-                        t.shape,
-                        layout,
+                        name=v.name,
+                        py=py,
+                        op=op,
+                        combine=combine,
+                        scaled=True,
+                        value=ins,
+                        shape=t.shape,
+                        layout=layout,
                         bounded=bounded,
                         ragged_only=bounded,
                     )
@@ -545,18 +591,16 @@ class _Planner:
             # max(abs(x)) is folded as a max of the value abs(x), not by quack's max.xorsign.abs (its amax
             # epilogue): that instruction dropped a NaN on the H100 even with .NaN (an amax of a row
             # holding NaN came out inf; coda fuzz --target cuda --special on amax_fp8)
-            pad = "0.0" if combine == "add" else "self"
             sinks.append(
                 Sink(
-                    v.name,
-                    py,
-                    op,
-                    combine,
-                    False,
-                    (x.name,),
-                    t.shape,
-                    layout,
-                    pad=pad,
+                    name=v.name,
+                    py=py,
+                    op=op,
+                    combine=combine,
+                    value=(x.name,),
+                    shape=t.shape,
+                    layout=layout,
+                    pad="0.0" if combine == "add" else "self",
                     negate=negate,
                     bounded=bounded,
                     ragged_only=bounded and zero_if_finite,
@@ -697,8 +741,17 @@ class _Planner:
                 raise _fail(
                     "E0705", f"grouped `{od.surface}()` has no fold in the epilogue's prepass", e.span
                 )
-            combine = od.combine.group  # add | max | min | lse
-            groups.append(Group(v.name, py, combine, group, x.name, v.type.shape if v.type else (), out))
+            groups.append(
+                Group(
+                    name=v.name,
+                    py=py,
+                    combine=member(od.combine.group, GROUP_COMBINES),
+                    width=group,
+                    value=x.name,
+                    shape=v.type.shape if v.type else (),
+                    out=out,
+                )
+            )
         return groups, [e for e in self.st.body if id(e) in keep]
 
     def live_eqns(self, needed: set[str]) -> list[Eqn]:
@@ -712,7 +765,7 @@ class _Planner:
             want |= {a.name for a in e.ins if isinstance(a, Var)}
         return keep[::-1]
 
-    def index_operands(self, eqns: list[Eqn], mode: str) -> list[Operand]:
+    def index_operands(self, eqns: list[Eqn], mode: Mode) -> list[Operand]:
         """`row_index()` / `col_index()` of an element-mode stage as TileIndex value ports (nothing is
         loaded: the kernel takes each element's index from its coordinates). In a paired or packed
         stage they have no emitter (E0703); the emulator computes them there as equations."""
@@ -740,7 +793,17 @@ class _Planner:
             shape = v.type.shape if v.type is not None else ()
             axis = REGISTRY[e.op].index_axis
             assert axis is not None
-            out.append(Operand(v.name, self.py(v.name), INDEX_ROLES[axis], "TileIndex", "i32", shape, 1))
+            out.append(
+                Operand(
+                    name=v.name,
+                    py=self.py(v.name),
+                    role=INDEX_ROLES[axis],
+                    op="TileIndex",
+                    dtype="i32",
+                    shape=shape,
+                    lanes=1,
+                )
+            )
         return out
 
     def repeats(self, eqns: list[Eqn]) -> dict[Dim, Dim]:
@@ -784,6 +847,7 @@ class _Planner:
         out: list[Operand] = []
         for name in used:
             ld = loads[name]
+            role = member(ld.role, LOAD_ROLES)
             e = next(e for e in self.st.body if any(isinstance(a, Var) and a.name == name for a in e.ins))
             compared = (
                 ld.dtype == "i32"
@@ -819,18 +883,20 @@ class _Planner:
                         "16-bit pairs",
                         e.span,
                     )
-                out.append(Operand(name, "c", ld.role, "C", ld.dtype, ld.shape, 2))
+                out.append(
+                    Operand(name=name, py="c", role=role, op="C", dtype=ld.dtype, shape=ld.shape, lanes=2)
+                )
                 continue
             if paired and ld.role == "column vector" and width == self.cols.scale(Fraction(1, 2)):
                 out.append(
                     Operand(
-                        name,
-                        self.py(name),
-                        ld.role,
-                        LOAD_OPS[ld.role],
-                        ld.dtype,
-                        shape,
-                        2,
+                        name=name,
+                        py=self.py(name),
+                        role=role,
+                        op=LOAD_OPS[role],
+                        dtype=ld.dtype,
+                        shape=shape,
+                        lanes=2,
                         host="repeat_interleave(2)",
                         period=period,
                     )
@@ -853,7 +919,14 @@ class _Planner:
             lanes = 2 if paired and width is not None else 1
             out.append(
                 Operand(
-                    name, self.py(name), ld.role, LOAD_OPS[ld.role], ld.dtype, shape, lanes, period=period
+                    name=name,
+                    py=self.py(name),
+                    role=role,
+                    op=LOAD_OPS[role],
+                    dtype=ld.dtype,
+                    shape=shape,
+                    lanes=lanes,
+                    period=period,
                 )
             )
         # a dim used as a value (`acc / K`): a Scalar operand holding its size, passed by the runtime
@@ -861,5 +934,15 @@ class _Planner:
             a.dim.name for e in eqns for a in e.ins if isinstance(a, DimRef) and a.dim.name
         ):
             name = dim_operand(dim)
-            out.append(Operand(name, self.py(name), "scalar", LOAD_OPS["scalar"], "f32", (), 1))
+            out.append(
+                Operand(
+                    name=name,
+                    py=self.py(name),
+                    role="scalar",
+                    op=LOAD_OPS["scalar"],
+                    dtype="f32",
+                    shape=(),
+                    lanes=1,
+                )
+            )
         return out

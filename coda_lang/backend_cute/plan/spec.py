@@ -4,20 +4,54 @@ What it does: defines the records the planner fills and the emitter, the runtime
 the operands the epilogue loads (`Operand`: quack's ColVecLoad / RowVecLoad / TileLoad / Scalar, or
 the GEMM's C operand in packed mode), the tiles it stores (`Output`: quack's D or a TileStore), the
 partial reductions it folds (`Sink`), the grouped reductions complete in a tile (`Group`), the GEMM
-(`Gemm`), and the epilogue mode ("element", "acc_pair", "packed_cd_b16x2"); `describe` turns a spec
-into the human lines of the emitted source's header. docs/backend.md explains the modes and limits.
+(`Gemm`), and the epilogue mode (`Mode`: "element", "acc_pair", "packed_cd_b16x2"); `describe` turns a
+spec into the human lines of the emitted source's header. docs/backend.md explains the modes and limits.
+Each closed set of names (a mode, an operand's role, a quack op, a sink's fold and layout) is a
+`Literal` type: mypy checks every record built and every comparison's spelling, and the names print
+as they always did (the emitted source is a golden file); `member` turns a name that arrives as a
+plain string (the checker's plan, an op's combine record) into one, or raises.
 What it does not: decide anything (planner.py does) or import quack, CuTeDSL or torch.
-Invariants: every record is frozen; a spec fully determines the emitted source (emit.py), so planning
-the same stage twice gives equal specs.
+Invariants: every record is frozen and built with keywords only; a spec fully determines the emitted
+source (emit.py), so planning the same stage twice gives equal specs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, TypeVar
 
 from coda_lang.ir.nodes import Eqn, Span
-from coda_lang.ir.types import FLOAT_DTYPES, TILE, VEC, Dim, Shape, Type, shape_str
+from coda_lang.ir.types import FLOAT_DTYPES, TILE, VEC, Dim, Shape, TileConstraint, Type, shape_str
 from coda_lang.ops import REGISTRY
+
+# The epilogue mode of a stage (docs/backend.md, "Epilogue modes").
+Mode = Literal["element", "acc_pair", "packed_cd_b16x2"]
+# What a loaded value is, as the checker's plan says it (frontend/verify/plan.py's `Load.role`) ...
+LoadRole = Literal["tile", "row vector", "column vector", "scalar"]
+LOAD_ROLES: tuple[LoadRole, ...] = ("tile", "row vector", "column vector", "scalar")
+# ... and what an epilogue operand is: one of those, or an index computed from the coordinates.
+Role = Literal["tile", "row vector", "column vector", "scalar", "row index", "column index"]
+# The quack epilogue op of an operand (epi_ops.TileIndex for an index), or "C": the GEMM's C operand.
+OperandOp = Literal["TileLoad", "ColVecLoad", "RowVecLoad", "Scalar", "TileIndex", "C"]
+# The quack op that folds a sink, the fold of a VecReduce, and what the kernel writes (for the runtime).
+SinkOp = Literal["ColVecReduce", "RowVecReduce", "OnlineLSEReduce", "ColVecSelect"]
+SinkCombine = Literal["add", "max", "max_abs"]
+SINK_COMBINES: tuple[SinkCombine, ...] = ("add", "max", "max_abs")
+Layout = Literal["row partials", "column partials", "vector"]
+# The fold of a grouped reduction (epi_ops.GroupedReduce; "lse": log-sum-exp).
+GroupCombine = Literal["add", "max", "min", "lse"]
+GROUP_COMBINES: tuple[GroupCombine, ...] = ("add", "max", "min", "lse")
+
+_Name = TypeVar("_Name", bound=str)
+
+
+def member(name: str, names: tuple[_Name, ...]) -> _Name:
+    """`name` as a member of a closed set of names (one of the tuples above); ValueError if it is none."""
+    for n in names:
+        if n == name:
+            return n
+    raise ValueError(f"{name!r} is not one of {', '.join(names)}")
+
 
 # A value whose name the emitted module imports (names.helper_names()), or that quack reserves (`c` is
 # the GEMM's C operand, `D` its output), is renamed `v_<name>` in the emitted function; the epi_args
@@ -25,14 +59,19 @@ from coda_lang.ops import REGISTRY
 QUACK_RESERVED = frozenset({"acc", "c", "D"})
 
 # Quack op for each load role of frontend/verify/plan.py.
-LOAD_OPS = {"tile": "TileLoad", "row vector": "ColVecLoad", "column vector": "RowVecLoad", "scalar": "Scalar"}
+LOAD_OPS: dict[LoadRole, OperandOp] = {
+    "tile": "TileLoad",
+    "row vector": "ColVecLoad",
+    "column vector": "RowVecLoad",
+    "scalar": "Scalar",
+}
 
 # `row_index()` / `col_index()` in an element-mode stage: an operand of role "row index" / "column
 # index" (by the op's `OpDef.index_axis`, 0 / 1), quack op epi_ops.TileIndex (a value port computed from
 # the epilogue's coordinates: nothing is loaded; the runtime passes the op's host scalar as 0). The fn
 # receives the index as f32.
-INDEX_ROLES = ("row index", "column index")
-INDEX_AXIS = {role: axis for axis, role in enumerate(INDEX_ROLES)}
+INDEX_ROLES: tuple[Role, Role] = ("row index", "column index")
+INDEX_AXIS: dict[Role, int] = {role: axis for axis, role in enumerate(INDEX_ROLES)}
 # an i32 value compared inside an epilogue is compared as f32: exact below this magnitude
 F32_EXACT_INT = 2**24
 
@@ -50,14 +89,14 @@ def dim_operand(dim: str) -> str:
     return DIM_PREFIX + dim
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Operand:
     """A value the epilogue loads: a parameter of the emitted fn (and a key of epi_args)."""
 
     name: str  # coda name
     py: str  # name in the emitted fn
-    role: str  # "tile" | "row vector" | "column vector" | "scalar" | "row index" | "column index"
-    op: str  # quack op class, or "C" for the GEMM's C operand (packed mode: not an epilogue op)
+    role: Role
+    op: OperandOp  # quack op class, or "C" for the GEMM's C operand (packed mode: not an epilogue op)
     dtype: str
     shape: Shape
     lanes: int  # 2: arrives as a Pair (full-width tile or column vector in acc_pair mode; C in packed mode)
@@ -71,7 +110,7 @@ class Operand:
     period: Dim | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Output:
     """A stored tile: quack's D, or a TileStore (gated: half-width, in acc_pair mode). In acc_pair mode a
     second full-width tile is stored as two gated TileStores, one per lane (`lane` 0: the even
@@ -82,27 +121,29 @@ class Output:
     py: str
     dtype: str
     shape: Shape
-    op: str  # "D" | "TileStore"
+    op: Literal["D", "TileStore"]
     gated: bool = False
     lane: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Sink:
     """A partial reduction (or pick) the epilogue folds; `value` are the coda names it folds
     (two for a scaled sum of a product: folded as one fma, like quack's `(y, y)`)."""
 
     name: str
     py: str
-    op: str  # ColVecReduce | RowVecReduce | OnlineLSEReduce | ColVecSelect
-    combine: str | None  # "add" | "max" | "max_abs" for VecReduces
-    scaled: bool
+    op: SinkOp
+    combine: SinkCombine | None  # for VecReduces; None for OnlineLSEReduce and ColVecSelect
+    scaled: bool = False  # a sum of a product folded as one fma of its two factors (`value`)
     value: tuple[str, ...]
     shape: Shape
-    layout: str  # what the kernel writes, for the runtime: "row partials" | "column partials" | "vector"
+    layout: Layout  # what the kernel writes, for the runtime
     index: str | None = None  # ColVecSelect: py name of its index operand (an extra op, not an fn parameter)
     index_dtype: str | None = None
-    pad: str = "0.0"  # acc_pair mode, half-width value: the second lane (the fold's identity)
+    # acc_pair mode, half-width value: what fills the second lane, "0.0" (a sum's identity) or the value
+    # itself ("self": a max's)
+    pad: Literal["0.0", "self"] = "0.0"
     lanes: int = 1  # packed mode, double-width value: 2 (its two lanes are folded first, by `combine`)
     # min(): the kernel folds the negation by max (`combine` "max"), so its partial buffer holds -min per
     # tile; the runtime negates the buffer back (exact, infinities included: -max(-x) == min(x))
@@ -126,7 +167,7 @@ F32_MAX = 3.4028234663852886e38
 LSE_CLAMP = True
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Group:
     """A grouped reduction complete in its tile: the prepass computes `value` per element, the op `py`
     (epi_ops.GroupedReduce, a parameter of the main fn) folds it per (row, run of `width` columns of
@@ -135,14 +176,14 @@ class Group:
 
     name: str
     py: str
-    combine: str  # "add" | "max" | "min" | "lse" (log-sum-exp)
+    combine: GroupCombine
     width: int  # columns of the stage's tile per group
     value: str  # coda name of the reduced value (computed by the prepass fn)
     shape: Shape  # [rows, cols / width]
     out: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Gemm:
     a: str
     b: str
@@ -155,14 +196,14 @@ class Gemm:
     k: Dim
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StageSpec:
     block: str
     index: int  # 1-based
     text: str  # `gemm y @ w_o`
     line: int
     fn_name: str
-    mode: str  # "element" | "acc_pair" | "packed_cd_b16x2"
+    mode: Mode
     gemm: Gemm
     operands: tuple[Operand, ...]
     d: Output | None
@@ -170,7 +211,9 @@ class StageSpec:
     sinks: tuple[Sink, ...]
     eqns: tuple[Eqn, ...]  # the live equations, in order (scaled-sum products dropped)
     names: dict[str, str] = field(compare=False, default_factory=dict)  # coda name -> py name
-    constraints: tuple[str, ...] = ()  # on the tile config, e.g. "tile_N % 32 == 0"
+    # on the tile config: the checker's (whole groups) and the planner's (pairs, paired stores, groups
+    # within the epilogue subtile), printed in the emitted source; build/config.py adds the backend's own
+    tiling: tuple[TileConstraint, ...] = ()
     source: tuple[str, ...] = ()  # the stage's body as .coda source (for the emitted docstring)
     span: Span | None = field(compare=False, default=None)
     groups: tuple[Group, ...] = ()  # grouped reductions (quack's prepass), in program order
@@ -220,7 +263,7 @@ class StageSpec:
         return lanes_of(t, self.gemm.rows, self.gemm.cols) if self.paired else 1
 
 
-PACKED = "packed_cd_b16x2"
+PACKED: Mode = "packed_cd_b16x2"
 PACKED_DTYPES = ("bf16", "f16")
 
 
@@ -304,7 +347,7 @@ def describe(spec: StageSpec) -> list[str]:
             f"group  {gr.py}: f32{shape_str(gr.shape)} = {fold} over each run of {gr.width} columns, complete "
             f"in the tile (GroupedReduce, folded by the prepass{writer})"
         )
-    for c in spec.constraints:
+    for c in spec.tiling:
         lines.append(f"tiling {c}")
     return lines
 

@@ -208,7 +208,7 @@ class CudaFunction:
     ) -> Any:
         """`run(inputs of a chunk, its extent, acc)` for `run_chunks`: the chunk's run of `plan.block`,
         or with `acc` of `plan.acc_block`, whose running totals it overwrites with the new ones (their
-        GEMMs store `acc + total` over `total`: CudaBlock._into). `consume` as `run_backward`'s: a
+        GEMMs store `acc + total` over `total`: Liveness.into). `consume` as `run_backward`'s: a
         chunk otherwise only drops values (an input passed whole to every chunk must not be
         overwritten by the first). `own`: inputs made for each chunk alone (what its forward saved),
         which its run may overwrite."""

@@ -1,15 +1,20 @@
 """`CudaBlock`: a checked block as a callable on torch tensors, one kernel launch per GEMM stage.
 
-What it does: `Block.cuda(tile=None)` makes one. A call binds the inputs by parameter name (dtypes,
-devices, dims from the shapes: interp/inputs.py's rules, which the interpreter uses too), runs each
-GEMM stage as one `coda::stage` launch (launch.py) at the tile given, or else the fastest of the tiles
-without register spills, measured on the stage's first launch at a GEMM shape and cached on disk
-(tune.py), runs an elementwise stage as one torch.compile'd kernel (elementwise.py), and computes the
-vector equations between stages with each op's torch stand-in (`OpDef.lower.torch`). `run_with_partials`
-also returns the kernels' per-tile partial buffers; `autograd()` gives a differentiable function
-(autograd.py). `emulate=True` runs the torch stand-ins of the kernels (emulate.py) instead, on any
-device, so all of this runs without a GPU.
-What it does not: plan, emit or compile (planner.py, emit.py, compile.py) or touch quack.
+What it does: `Block.cuda(tile=None)` makes one; this module composes the runtime's parts. Made, it
+plans every GEMM stage (plan/planner.py: E07 for what the backend can't compile), makes each
+elementwise stage (backend_triton/elementwise.py) and reads the tiles given (tiles.given_tiles:
+E0805). A call binds the inputs by parameter name (binding.py), then runs the block's body in order:
+each GEMM stage as one `coda::stage` launch (launch.py) at the tile given, else its first tile without
+register spills (tiles.py) or, when tuning, the fastest at its GEMM shape (tuning.py); each
+elementwise stage as one generated kernel; each vector equation between stages with its op's torch
+stand-in (`OpDef.lower.torch`). A run that may consume values (an autograd backward) drops each after its
+last read and stores over the buffers liveness.py hands out. `run_with_partials` also returns the
+kernels' per-tile partial buffers, `values` every named value, `run_stage` runs one stage alone;
+`prepare` compiles and chooses the tiles before a first call; `autograd()` gives a differentiable
+function (autograd.py), whose blocks `sibling` makes. `emulate=True` runs the torch stand-ins of the
+kernels (emulate.py) instead, on any device, so all of this runs without a GPU.
+What it does not: plan, emit or compile (plan/, build/), check inputs (binding.py), say what a run
+may overwrite (liveness.py), time tiles (tuning.py, build/tune.py), or touch quack.
 Invariants: numerics follow the interpreter's (f32 inside a stage and between stages, stored tiles
 rounded to their dtype, annotated values rounded where they are defined); nothing the planner
 rejects runs (E07 when the CudaBlock is made); importing this module imports torch, never quack.
@@ -17,51 +22,35 @@ rejects runs (E07 when the CudaBlock is made); importing this module imports tor
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
-import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from coda_lang.autodiff.options import BackwardOptions
-from coda_lang.backend_cute.build import select
-from coda_lang.backend_cute.build.config import (
-    GROUP_SUBTILE,
-    PAIRED_SUBTILE,
-    WIDE_F32_TILE,
-    TileConfig,
-    fits,
-    hangs_cooperative,
-    narrows_paired_subtile,
-    splits_groups,
-)
+from coda_lang.backend_cute.build.config import TileConfig
+from coda_lang.backend_cute.build.tune import in_background
 from coda_lang.backend_cute.plan.emit import emit_stage
 from coda_lang.backend_cute.plan.planner import plan_stage
 from coda_lang.backend_cute.plan.spec import StageSpec, dim_operand
 from coda_lang.backend_cute.runtime.autograd import CudaFunction
+from coda_lang.backend_cute.runtime.binding import Binder
 from coda_lang.backend_cute.runtime.launch import (
     HALF_DTYPES,
     TORCH_DTYPES,
     StageRunner,
     compute_value,
-    dense,
     round_value,
 )
-from coda_lang.backend_cute.runtime.tiles import as_config, choose_config, find_ptxas, first_compiled
+from coda_lang.backend_cute.runtime.liveness import Liveness
+from coda_lang.backend_cute.runtime.tiles import choose_config, first_compiled, given_tiles, precompile
+from coda_lang.backend_cute.runtime.tuning import Tuner, preload_runtime
 from coda_lang.backend_triton.elementwise import ElementwiseStage
-from coda_lang.core.diagnostics import CodaError, Diagnostic, error, with_sources
-from coda_lang.frontend.verify.repeat import check_repeats, repeat_uses
-from coda_lang.interp.inputs import dims_from_shapes, given_dims, shape_rules
+from coda_lang.core.diagnostics import CodaError, Diagnostic, with_sources
 from coda_lang.ir.nodes import DimRef, Eqn, Lit, Stage, Var
 from coda_lang.ir.types import MATRIX, Dim
 from coda_lang.ops import REGISTRY
 from coda_lang.ops.registry import Locality
-
-if TYPE_CHECKING:
-    from coda_lang.backend_cute.build.parallel import Background
 
 
 class CudaBlock:
@@ -94,14 +83,14 @@ class CudaBlock:
         dims: dict[str, int] | None = None,
     ):
         self.block, self.emulate, self.poison = block, emulate, poison
-        self.dims = given_dims(block.ir, dims)
+        self.ir, self.plan = block.ir, block.plan
+        self.binder = Binder(self.ir, dims, emulate=emulate)  # a call's inputs: checked and bound
+        self.dims = self.binder.dims
         # measure the non-spilling tiles of each stage on its first launch at a shape (default: on a GPU,
         # for the stages given no tile, unless $CODA_TUNE=0)
         self.tune = (not emulate and os.environ.get("CODA_TUNE", "1") != "0") if tune is None else tune
-        self._by_shape: dict[tuple[int, int, int, int], StageRunner] = {}  # (stage, m, n, k) -> tuned
+        self.tuner = Tuner(block, emulate=emulate, poison=poison)
         self._last: dict[int, StageRunner] = {}  # the runner of each stage's latest launch
-        self.ir, self.plan = block.ir, block.plan
-        self._shape_rules = shape_rules(self.ir)
         # GEMM stages: their StageSpec; elementwise stages (no GEMM): an ElementwiseStage, spec None
         self.specs: list[StageSpec | None] = []
         self.elementwise: dict[int, ElementwiseStage] = {}
@@ -117,32 +106,8 @@ class CudaBlock:
                 self.specs.append(spec)
         except CodaError as e:
             raise with_sources(e) from None
-        gemms = [k for k, spec in enumerate(self.specs, 1) if spec is not None]
-        if isinstance(tile, dict):
-            self._tiles = {int(k): as_config(v) for k, v in tile.items()}
-            unknown = sorted(set(self._tiles) - set(gemms))
-            if unknown:
-                raise ValueError(
-                    f"stage {unknown[0]} of block {self.ir.name} is elementwise: it has no tile"
-                    if unknown[0] in self.elementwise
-                    else f"block {self.ir.name} has no stage {unknown[0]}"
-                )
-        else:
-            self._tiles = {k: as_config(tile) for k in gemms} if tile is not None else {}
+        self._tiles = given_tiles(self.ir.name, self.specs, tile, emulate)  # E0805 for one that does not fit
         self.tile = None if isinstance(tile, dict) else tile  # one tile for every stage: autograd() reuses it
-        for k, cfg in self._tiles.items():
-            target = self.specs[k - 1]
-            assert target is not None
-            if not fits(target, cfg, self.emulate):
-                why = [
-                    *target.constraints,
-                    *([PAIRED_SUBTILE] if narrows_paired_subtile(target, cfg) else []),
-                    *([GROUP_SUBTILE] if splits_groups(target, cfg) and not self.emulate else []),
-                    *([WIDE_F32_TILE] if hangs_cooperative(target, cfg) and not self.emulate else []),
-                ]
-                raise error(
-                    "E0805", f"tile {cfg.short} does not fit stage {k} (`{target.text}`): {'; '.join(why)}"
-                )
         for s in self.ir.body:
             if not isinstance(s, Stage) and REGISTRY[s.op].lower.torch is None:
                 raise CodaError(
@@ -173,24 +138,11 @@ class CudaBlock:
             for s in self.ir.body
             if not isinstance(s, Stage) and isinstance(d := s.param("into"), Dim)
         }
-        # vectors over a fixed dim that repeat across columns: a run's sizes must hold whole copies
-        self._repeats = repeat_uses(self.ir)
         self._ready = False
         self._precompiled = False  # tiles.precompile: this block's kernels were compiled at once
-        self._background: Background | None = None  # the tuner's candidates still compiling, if any
         self._compile_with: list[CudaBlock] = []
-        # the body item (statement index) of each value's last read (block outputs are never dead), and
-        # the values whose last read is each item: what a consuming run drops after it
-        self._last_read: dict[str, int] = {}
-        for i, item in enumerate(self.ir.body):
-            for n in _reads(item):
-                self._last_read[n] = i
-        for o in self.ir.outputs:
-            self._last_read[o.name] = len(self.ir.body)
-        self._dead_after: list[list[str]] = [[] for _ in self.ir.body]
-        for n, i in self._last_read.items():
-            if i < len(self.ir.body):
-                self._dead_after[i].append(n)
+        # what each statement reads last, and what a consuming run (an autograd backward) may overwrite
+        self.liveness = Liveness(self.ir)
 
     @property
     def name(self) -> str:
@@ -231,7 +183,8 @@ class CudaBlock:
                     f"stage {index} of {self.name} is elementwise: it has no GEMM kernel or tile"
                 )
             cfg = self._tiles.get(index)
-            if cfg is None and self._background is not None and not self._background.over:
+            bg = self.tuner.background
+            if cfg is None and bg is not None and not bg.over:
                 cfg = first_compiled(spec)  # (the others may still be compiling; the tuner picks later)
             cfg = cfg or choose_config(self.block, index, spec, self.emulate)
             r = self._runners[index] = StageRunner(self.block, index, spec, cfg, self.emulate, self.poison)
@@ -251,10 +204,7 @@ class CudaBlock:
         the tuner's other candidates compile on, and once they are all compiled each stage is timed
         at its next launch (until then it runs at that tile)."""
         if not self.emulate:
-            from coda_lang.backend_cute.build.tune import in_background
-            from coda_lang.backend_cute.runtime.tiles import precompile
-
-            _preload_runtime()
+            preload_runtime()
             precompile([self, *self._compile_with], background=background and self.tune and in_background())
         for k in self.gemm_stages:
             r = self.runner(k)
@@ -299,7 +249,7 @@ class CudaBlock:
                 for p in self.ir.params
                 if isinstance(env.get(p.var.name), torch.Tensor)
             }
-            sizes = dims_from_shapes(self.ir, self._shape_rules, shapes, self._given(dims))
+            sizes = self.binder.sizes(shapes, self.binder.given(dims))
             self.elementwise[index].run({**env}, sizes, self.plan.storage, out=new)
             return new, partials
         r = self.runner(index)
@@ -307,10 +257,6 @@ class CudaBlock:
         outs = r.call(ins, scalars)
         r.collect(outs, new, partials, self.plan.storage)
         return new, partials
-
-    def _given(self, dims: dict[str, int] | None) -> dict[str, int]:
-        """The dims given to a call, with the CudaBlock's own."""
-        return {**self.dims, **given_dims(self.ir, dims)} if dims else self.dims
 
     def _call(
         self, tensors: dict[str, Any], dims: dict[str, int] | None, consume: frozenset[str] | None = None
@@ -333,9 +279,10 @@ class CudaBlock:
     ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, int]]:
         """Run the block. `consume` (an autograd backward: the forward's saved intermediates, which
         nothing else reads): each value is dropped from the run's environment after its last read, and
-        a packed stage whose C operand is one of `consume`, read by nothing after it, writes its D into
-        C's buffer (`coda::stage_into`) instead of a new one."""
-        env, dims, device = self._bind(tensors, self._given(given))
+        a stage that loads one of `consume`, read by nothing after it, may store over its buffer
+        instead of a new one (liveness.py: a packed stage's D over its C operand, through
+        `coda::stage_into`, or a running total; an elementwise stage's tile over a tile it loads)."""
+        env, dims, device = self.binder.bind(tensors, self.binder.given(given))
         env.update({dim_operand(k): v for k, v in dims.items()})  # a dim used as a value inside a stage
         if not self._ready:
             self.prepare(background=not torch.compiler.is_compiling())
@@ -346,177 +293,24 @@ class CudaBlock:
                 k += 1
                 if k in self.elementwise:
                     es = self.elementwise[k]
-                    over = self._into_loads(es, i, env, consume) if consume else None
+                    over = self.liveness.into_loads(es, i, env, consume) if consume else None
                     es.run(env, dims, self.plan.storage, into=over)
                 else:
                     r = self.runner(k)
                     ins, scalars = r.arguments(env)
                     if self.tune and k not in self._tiles:
-                        r = self._tuned(k, r, ins, scalars)
+                        r = self.tuner.tuned(k, r, ins, scalars)
                     if not torch.compiler.is_compiling():  # (a side effect a traced Function can't hold)
                         self._last[k] = r
-                    into = self._into(r.spec, i, env, consume) if consume is not None else None
+                    into = self.liveness.into(r.spec, i, env, consume) if consume is not None else None
                     outs = r.call(ins, scalars, into)
                     r.collect(outs, env, partials, self.plan.storage)
             else:
                 self._vector_eqn(s, env, dims, device)
             if consume is not None:
-                for n in self._dead_after[i]:
+                for n in self.liveness.dead_after[i]:
                     env.pop(n, None)
         return env, partials, dims
-
-    def _into(
-        self, spec: StageSpec, i: int, env: dict[str, Any], consume: frozenset[str]
-    ) -> torch.Tensor | None:
-        """The buffer a stage may write its D into: that of the tile it loads at D's coordinates (a
-        packed stage's C operand, or a TileLoad of D's shape: a running total `acc + total`) when
-        that tile is consumable, read by nothing after this stage, and of D's dtype. Each tile of the
-        GEMM loads its subtile of that input before it stores its D there, and no two tiles share
-        elements, so the kernel reads every element before it overwrites it."""
-        d = spec.d
-        if d is None:
-            return None
-        src = spec.c
-        if src is None:
-            src = next(
-                (o for o in spec.operands if o.role == "tile" and o.name in consume and o.shape == d.shape),
-                None,
-            )
-        if src is None:
-            return None
-        t = self._overwritable(src.name, d.dtype, i, env, consume)
-        if t is None or t.data_ptr() % 16:
-            return None
-        return t
-
-    def _into_loads(
-        self, es: Any, i: int, env: dict[str, Any], consume: frozenset[str]
-    ) -> dict[str, torch.Tensor] | None:
-        """Buffers an elementwise stage may store its tiles over: for each stored tile, a tile it
-        loads of the same shape and dtype that is consumable and read by nothing after it (the loss
-        head's backward writes dlogits over the logits it saved)."""
-        over: dict[str, torch.Tensor] = {}
-        taken: set[str] = set()
-        for name, dtype, shape in es.stores:
-            for ld in es.loads:
-                if ld.role != "tile" or ld.name in taken or ld.shape != shape or ld.dtype != dtype:
-                    continue
-                t = self._overwritable(ld.name, dtype, i, env, consume)
-                if t is not None:
-                    over[name] = t
-                    taken.add(ld.name)
-                    break
-        return over or None
-
-    def _overwritable(
-        self, name: str, dtype: str, i: int, env: dict[str, Any], consume: frozenset[str]
-    ) -> torch.Tensor | None:
-        """Value `name`'s tensor when statement i may store a `dtype` tile over it: it is consumable,
-        read by nothing after statement i, contiguous and of that dtype."""
-        if name not in consume or self._last_read.get(name) != i:
-            return None
-        t = env.get(name)
-        if not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.dtype != TORCH_DTYPES[dtype]:
-            return None
-        return t
-
-    def _tuned(
-        self, k: int, r: StageRunner, ins: list[torch.Tensor | None], scalars: list[float]
-    ) -> StageRunner:
-        """Stage k's runner at the fastest non-spilling tile for this GEMM shape: from this block's
-        memory, else the tuning cache on disk, else measured now on these very arguments."""
-        A, B = ins[0], ins[1]
-        assert A is not None and B is not None
-        spec = r.spec
-        n = B.shape[0] if spec.gemm.tb else B.shape[1]
-        key = (k, int(A.shape[0]), int(n), int(A.shape[1]))
-        got = self._by_shape.get(key)
-        if got is None:
-            got, final = self._measure(k, r, ins, scalars, key, torch.compiler.is_compiling())
-            if final:
-                self._by_shape[key] = got
-        return got
-
-    @torch.compiler.disable
-    def _measure(
-        self,
-        k: int,
-        r: StageRunner,
-        ins: list[torch.Tensor | None],
-        scalars: list[float],
-        key: tuple[int, int, int, int],
-        wait: bool = False,
-    ) -> tuple[StageRunner, bool]:
-        """(the runner to launch, whether it is this shape's final choice). While kernels of its
-        compile are still compiling in the background: the stage's first compiled tile, not final
-        (timings taken while the workers load every CPU are not to be trusted; `wait`: under a
-        torch.compile trace, whose graph keeps what it is given, wait for them instead)."""
-        bg = self._background
-        if bg is not None and not bg.over:
-            if not wait:
-                return r, False
-            bg.wait()
-        return self._choose(k, r, ins, scalars, key), True
-
-    def _choose(
-        self,
-        k: int,
-        r: StageRunner,
-        ins: list[torch.Tensor | None],
-        scalars: list[float],
-        key: tuple[int, int, int, int],
-    ) -> StageRunner:
-        from coda_lang.backend_cute.build import tune
-
-        spec = r.spec
-        A = ins[0]
-        assert A is not None
-        source, shape, device = emit_stage(spec), key[1:], torch.cuda.get_device_name(A.device)
-        disk = tune.disk_key(source, shape, device)
-        cached = tune.lookup(disk)
-        if cached is None:
-            if not find_ptxas():
-                return r
-            from coda_lang.core.progress import Progress
-
-            hung = tune.hung(source, device)
-            configs, skipped = tune.prune(
-                [c for c in select.configs_without_spills(spec) if c not in hung], source, shape, device
-            )
-            runners = {
-                c: r if c == r.config else StageRunner(self.block, k, spec, c, self.emulate, self.poison)
-                for c in configs
-            }
-
-            def launch(x: StageRunner) -> Callable[[], Any]:
-                return lambda: torch.ops.coda.stage(x.key, ins, scalars)
-
-            what = f"coda: tuning stage {k} of {self.name} at {'x'.join(map(str, shape))}"
-            with Progress(what, len(runners) * tune.BATCHES, unit="batches") as progress:
-                progress.extra = f"{len(runners)} tiles" + (f", {skipped}" if skipped else "")
-                try:
-                    times = tune.measure({c: launch(x) for c, x in runners.items()}, progress=progress)
-                except tune.KernelHang as e:
-                    tune.store_hung(source, device, e.config)
-                    raise error(
-                        "E0810",
-                        f"stage {k} of {self.name} (`{spec.text}`) at tile {tune.label(e.config)} did not "
-                        f"finish within {e.seconds:g} s on the GPU ({device}): the kernel hangs",
-                        notes=[
-                            f"the tile is recorded as hung in {tune.cache_file()} and is not tried again: "
-                            "run again in a new process",
-                            "the GPU stays busy with the kernel until this process exits",
-                            "please report it with the stage's epilogue: `coda compile FILE --emit source --backward`",
-                        ],
-                    ) from None
-            if not times:
-                return r
-            cached = min(times, key=lambda c: times[c])
-            tune.store(disk, cached, times, source=source, shape=shape, device=device)
-            return runners[cached]
-        return (
-            r if cached == r.config else StageRunner(self.block, k, spec, cached, self.emulate, self.poison)
-        )
 
     def _vector_eqn(self, e: Eqn, env: dict[str, Any], dims: dict[str, int], device: torch.device) -> None:
         vals = []
@@ -550,70 +344,6 @@ class CudaBlock:
             x = compute_value(x, v.type, device)
             env[v.name] = round_value(x, v.annot) if v.annot else x
 
-    def _bind(
-        self, tensors: dict[str, Any], given: dict[str, int]
-    ) -> tuple[dict[str, Any], dict[str, int], torch.device]:
-        names = {p.var.name for p in self.ir.params}
-        unknown = sorted(set(tensors) - names)
-        if unknown:
-            raise error(
-                "E0801",
-                f"unknown input `{unknown[0]}`; the block's parameters are {', '.join(sorted(names))}",
-            )
-        env: dict[str, Any] = {}
-        shapes: dict[str, tuple[int, ...]] = {}
-        device: torch.device | None = None
-        for p in self.ir.params:
-            name, t = p.var.name, p.var.type
-            assert t is not None
-            if name not in tensors:
-                if p.default is None:
-                    raise error("E0801", f"missing input `{name}`")
-                env[name] = p.default
-                continue
-            v = tensors[name]
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and not t.shape:
-                if t.dtype == "i32" and not isinstance(v, int):
-                    raise error("E0803", f"input `{name}` is {v!r}, but it is declared i32")
-                # a 16-bit scalar rounded to its dtype, as the interpreter binds it
-                env[name] = (
-                    int(v)
-                    if t.dtype == "i32"
-                    else (
-                        float(torch.tensor(float(v)).to(TORCH_DTYPES[t.dtype]))
-                        if t.dtype in ("bf16", "f16")
-                        else float(v)
-                    )
-                )
-                continue
-            if not isinstance(v, torch.Tensor):
-                raise error(
-                    "E0803", f"input `{name}` is a {type(v).__name__}; the CUDA runtime takes torch tensors"
-                )
-            if device is None:
-                device = v.device
-            elif v.device != device:
-                raise error("E0806", f"input `{name}` is on {v.device}, but other inputs are on {device}")
-            if t.dtype == "i32":
-                if v.is_floating_point() or v.is_complex() or v.dtype == torch.bool:
-                    raise error("E0803", f"input `{name}` is {v.dtype}, but it is declared i32")
-            elif not (v.is_floating_point() or (v.dim() == 0 and v.dtype != torch.bool)):
-                raise error("E0803", f"input `{name}` is {v.dtype}, but it is declared {t.dtype}")
-            shapes[name] = tuple(v.shape)
-            env[name] = dense(v, TORCH_DTYPES[t.dtype])
-        if device is None:
-            raise error("E0801", "no tensor inputs")
-        if not self.emulate and device.type != "cuda":
-            raise error(
-                "E0806",
-                f"inputs are on {device}; the CUDA runtime needs CUDA tensors",
-                notes=["Block.run runs the interpreter on CPU tensors"],
-            )
-        dims = dims_from_shapes(self.ir, self._shape_rules, shapes, given)
-        if self._repeats:
-            check_repeats(self._repeats, dims)
-        return env, dims, device
-
     # -- autograd -----------------------------------------------------------------------------
 
     def sibling(self, block: Any, tile: Any = None) -> CudaBlock:
@@ -643,35 +373,3 @@ class CudaBlock:
         backward that can't run in chunks; TypeError or ValueError for a bad argument."""
         options = BackwardOptions.of(backward, remat=remat, chunk=chunk, budget=budget, chunk_dim=chunk_dim)
         return CudaFunction(self, wrt, tile if tile is not None else self.tile, options)
-
-
-_PRELOAD: threading.Thread | None = None
-
-
-def _preload_runtime() -> None:
-    """Import the kernels' runtime (CuTeDSL, quack, and the parts of torch they import: seconds) in a
-    thread, while this one waits for the compile workers; the first launch imports it otherwise."""
-    global _PRELOAD
-    if _PRELOAD is None and "quack.epilogue.frontend" not in sys.modules:
-        _PRELOAD = threading.Thread(target=_import_runtime, name="coda-import", daemon=True)
-        _PRELOAD.start()
-
-
-def _import_runtime() -> None:
-    import importlib
-
-    with contextlib.suppress(Exception):  # (a missing toolchain: the launch that needs it says so)
-        for name in (
-            "coda_lang.backend_cute.build.quack_adapter",
-            "quack.epilogue.frontend",
-        ):  # (in this order)
-            importlib.import_module(name)
-
-
-def _reads(item: Any) -> set[str]:
-    """The names a body item (a stage or a vector equation) reads."""
-    if isinstance(item, Stage):
-        names = {a.name for a in (item.a, item.b) if isinstance(a, Var)}
-        names |= {a.name for e in item.body for a in e.ins if isinstance(a, Var)}
-        return names - {"acc"} - {v.name for e in item.body for v in e.outs}
-    return {a.name for a in item.ins if isinstance(a, Var)}

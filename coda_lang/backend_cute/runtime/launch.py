@@ -8,7 +8,7 @@ stand-in) and `collect` binds the results by coda name, each sink's partials com
 record. The launch is the torch custom op `coda::stage` (a fake impl allocates the same buffers), so
 torch.compile traces a block without a graph break. `round_value` / `compute_value` keep the
 interpreter's numerics (stored tiles rounded to their dtype, f32 compute).
-What it does not: choose tiles (tiles.py, tune.py), bind a call's inputs (cuda_block.py) or plan/emit.
+What it does not: choose tiles (tiles.py, tune.py), bind a call's inputs (binding.py) or plan/emit.
 Invariants: every element of every buffer the op returns is written by the kernel (pick's output is
 pre-filled: -inf where its index is in range, which the kernel overwrites unless it picks -inf, and 0
 where it is not; `poison=True` fills the rest with NaN so tests can see an unwritten element).

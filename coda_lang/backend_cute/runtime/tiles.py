@@ -1,7 +1,9 @@
-"""Tile choice for a stage when the caller gives none: the first candidate whose kernel does not spill.
+"""A stage's tile: the one given, checked against its rules, or else the first candidate without spills.
 
-What it does: `as_config` reads a tile argument; `choose_config` asks compile.select_config for the
-first candidate tile (compile.CANDIDATES) that fits the stage's tiling constraints and compiles without
+What it does: `as_config` reads a tile argument; `given_tiles` reads a CUDA block's `tile=` (one tile
+for every GEMM stage, or a dict by stage) and refuses a tile that breaks one of its stage's rules
+(E0805, listing them: build/config.py's `broken`); `choose_config` asks select.select_config for the
+first candidate tile (config.CANDIDATES) that fits the stage's tiling constraints and compiles without
 register spills (cached per emitted source in this process), or takes the first that fits when
 emulating or when no ptxas can be found (`find_ptxas`: $CODA_PTXAS, PATH, else Triton's).
 `precompile` compiles, at once and in worker processes (parallel.py), every kernel the first calls of
@@ -11,7 +13,7 @@ the cache holds already costs nothing. In the background (a first call's default
 every stage has a kernel without spills, and the other candidates compile on.
 `first_compiled` is the stage's tile while kernels compile in the background: the first candidate
 (in select_config's order, then the tuner's) that the cache holds without spills.
-What it does not: time anything on the GPU (the CUDA block's tuner does, through tune.py).
+What it does not: time anything on the GPU (tuning.py's Tuner does, through build/tune.py).
 Invariants: a stage with no fitting candidate is E0706; any other failure falls back to the first
 fitting candidate with a warning, never an exception; `precompile` never raises for a kernel (the
 stage's own compile reports it) and, unless `strict`, not for a missing toolchain either.
@@ -26,11 +28,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from coda_lang.backend_cute.build.config import CANDIDATES, PAIRED_SUBTILE, TUNE_CANDIDATES, TileConfig, fits
+from coda_lang.backend_cute.build.config import CANDIDATES, TUNE_CANDIDATES, TileConfig, broken, fits, rules
 from coda_lang.backend_cute.build.ptxas import BackendUnavailable
 from coda_lang.backend_cute.plan.emit import emit_stage, source_hash
 from coda_lang.backend_cute.plan.spec import StageSpec
-from coda_lang.core.diagnostics import CodaError, Diagnostic
+from coda_lang.core.diagnostics import CodaError, Diagnostic, error
 
 if TYPE_CHECKING:
     from coda_lang.backend_cute.build.parallel import Warmed
@@ -63,6 +65,36 @@ def as_config(tile: Any) -> TileConfig:
     raise TypeError(f"a tile is a TileConfig or (tile_M, tile_N), got {tile!r}")
 
 
+def given_tiles(
+    name: str, specs: Sequence[StageSpec | None], tile: Any, emulate: bool
+) -> dict[int, TileConfig]:
+    """{stage: tile} of the GEMM stages a CUDA block's `tile=` fixes (`specs`: the block's, None for an
+    elementwise stage): every one for a tile, the ones named for a dict, none for None. ValueError for
+    a stage that is elementwise or not there; E0805 for a tile that breaks a rule of its stage."""
+    gemms = [k for k, spec in enumerate(specs, 1) if spec is not None]
+    if isinstance(tile, dict):
+        tiles = {int(k): as_config(v) for k, v in tile.items()}
+        unknown = sorted(set(tiles) - set(gemms))
+        if unknown:
+            raise ValueError(
+                f"stage {unknown[0]} of block {name} is elementwise: it has no tile"
+                if 1 <= unknown[0] <= len(specs)
+                else f"block {name} has no stage {unknown[0]}"
+            )
+    else:
+        tiles = {k: as_config(tile) for k in gemms} if tile is not None else {}
+    for k, cfg in tiles.items():
+        target = specs[k - 1]
+        assert target is not None
+        why = broken(target, cfg, emulate)
+        if why:
+            raise error(
+                "E0805",
+                f"tile {cfg.short} does not fit stage {k} (`{target.text}`): {'; '.join(map(str, why))}",
+            )
+    return tiles
+
+
 def choose_config(block: Any, index: int, spec: StageSpec, emulate: bool) -> TileConfig:
     """select_config's tile for a stage (cached per emitted source); without a usable ptxas, or when
     emulating, the first candidate that fits the stage's tiling constraints."""
@@ -74,7 +106,7 @@ def choose_config(block: Any, index: int, spec: StageSpec, emulate: bool) -> Til
                     "E0706",
                     f"stage {index} (`{spec.text}`): no candidate tile satisfies its tiling constraints",
                     spec.span,
-                    notes=list(spec.constraints) + [PAIRED_SUBTILE] * spec.paired,
+                    notes=[str(c) for c in rules(spec, emulate)],
                 )
             ]
         )
@@ -126,7 +158,7 @@ def precompile(
     (see the module docstring); each block is done once per process. None when there was nothing to
     do or no toolchain (`strict`: BackendUnavailable is raised instead). `background`: return once
     each stage has a kernel without spills, the other candidates compiling on (each block's
-    `_background` then says whether they are done)."""
+    `tuner.background` then says whether they are done)."""
     from coda_lang.backend_cute.build import parallel
 
     requests: list[parallel.Request] = []
@@ -167,5 +199,5 @@ def precompile(
             raise
         return None
     for cb in mine:
-        cb._background = done.background
+        cb.tuner.background = done.background
     return done

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from coda_lang.frontend.syntax.printer import inline_source
 from coda_lang.frontend.verify.repeat import repeat_uses
 from coda_lang.ir.nodes import Block, Eqn
-from coda_lang.ir.types import Dim, Shape, shape_str
+from coda_lang.ir.types import Dim, Shape, TileConstraint, shape_str
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,12 @@ class StagePlan:
     loads: tuple[Load, ...]
     stores: tuple[Store, ...]
     reductions: tuple[Reduction, ...]
-    constraints: tuple[str, ...]
+    tiling: tuple[TileConstraint, ...]  # what the stage's tile must satisfy (whole groups of a group=)
+
+    @property
+    def constraints(self) -> tuple[str, ...]:
+        """The tiling constraints' text, as `explain` and `coda draw` print them."""
+        return tuple(str(c) for c in self.tiling)
 
 
 @dataclass(frozen=True)
@@ -127,7 +132,7 @@ def explain(plan: BlockPlan) -> str:
                     f"    reduce  {r.name}: f32{shape_str(r.shape)} = {r.op} over {r.over}, one partial per {per}, "
                     f"combined by {r.combine}"
                 )
-        for c in sp.constraints:
+        for c in sp.tiling:
             lines.append(f"    tiling  {c}")
         if not (sp.loads or sp.stores or sp.reductions):
             lines.append("    (epilogue reads and writes nothing but acc)")
@@ -139,6 +144,6 @@ def explain(plan: BlockPlan) -> str:
         f"{o.name}: {o.type.dtype}{shape_str(o.type.shape) if o.type.shape else ''}" for o in b.outputs
     )
     lines.append(f"  outputs: {outs}")
-    constraints = [c for sp in plan.stages for c in sp.constraints]
+    constraints = [c for sp in plan.stages for c in sp.tiling]
     lines.append(f"  tiling constraints: {len(constraints) or 'none'}")
     return "\n".join(lines)

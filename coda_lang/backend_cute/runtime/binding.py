@@ -1,0 +1,113 @@
+"""A CUDA block's call inputs: checked, bound by parameter name, and the dims they give.
+
+What it does: `Binder` (one per CudaBlock) holds what a call's inputs are checked against: the
+block's parameters, the dims it was given (`Block.cuda(dims=...)`), its shape rules and its vectors
+that repeat across columns. `bind` checks the tensors and numbers of a call (E0801: unknown or missing
+input, none a tensor; E0803: a dtype that does not fit, or not a tensor; E0806: inputs on two devices,
+or not on CUDA unless emulated), binds each in its dtype (a dense tensor; a number for a scalar, a
+16-bit one rounded to its dtype as the interpreter binds it; a parameter's default where none is
+given), and infers the dims from the shapes (interp/inputs.py's rules, which the interpreter uses too),
+checking that each repeating vector meets widths that hold whole copies of it (E0802). `given` merges
+a call's dims with the block's own; `sizes` infers the dims from shapes alone (one stage's run).
+What it does not: run, plan or launch anything, or keep state between calls.
+Invariants: a bound environment holds every parameter, each tensor on the one device of the call;
+binding never writes to a tensor it is given: one already contiguous in its dtype is bound as it is
+(no copy), any other as a copy in its dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from coda_lang.backend_cute.runtime.launch import TORCH_DTYPES, dense
+from coda_lang.core.diagnostics import error
+from coda_lang.frontend.verify.repeat import check_repeats, repeat_uses
+from coda_lang.interp.inputs import dims_from_shapes, given_dims, shape_rules
+
+
+class Binder:
+    """Checks and binds the inputs of a block's calls (see the module docstring). `dims`: the sizes
+    of dims no input's shape gives, as `Block.cuda(dims=...)` takes them; `emulate`: inputs may be on
+    any device."""
+
+    def __init__(self, ir: Any, dims: dict[str, int] | None = None, *, emulate: bool = False):
+        self.ir, self.emulate = ir, emulate
+        self.dims = given_dims(ir, dims)  # the block's own, added to every call's
+        self.shape_rules = shape_rules(ir)
+        # vectors over a fixed dim that repeat across columns: a run's sizes must hold whole copies
+        self.repeats = repeat_uses(ir)
+
+    def given(self, dims: dict[str, int] | None) -> dict[str, int]:
+        """The dims given to a call, with the block's own."""
+        return {**self.dims, **given_dims(self.ir, dims)} if dims else self.dims
+
+    def sizes(self, shapes: dict[str, tuple[int, ...]], given: dict[str, int]) -> dict[str, int]:
+        """Every dim's size, from the parameters' shapes and the dims `given`."""
+        return dims_from_shapes(self.ir, self.shape_rules, shapes, given)
+
+    def bind(
+        self, tensors: dict[str, Any], given: dict[str, int]
+    ) -> tuple[dict[str, Any], dict[str, int], torch.device]:
+        """(the bound environment, the dims of the call, its device); `given`: as `given()` makes it."""
+        names = {p.var.name for p in self.ir.params}
+        unknown = sorted(set(tensors) - names)
+        if unknown:
+            raise error(
+                "E0801",
+                f"unknown input `{unknown[0]}`; the block's parameters are {', '.join(sorted(names))}",
+            )
+        env: dict[str, Any] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        device: torch.device | None = None
+        for p in self.ir.params:
+            name, t = p.var.name, p.var.type
+            assert t is not None
+            if name not in tensors:
+                if p.default is None:
+                    raise error("E0801", f"missing input `{name}`")
+                env[name] = p.default
+                continue
+            v = tensors[name]
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and not t.shape:
+                if t.dtype == "i32" and not isinstance(v, int):
+                    raise error("E0803", f"input `{name}` is {v!r}, but it is declared i32")
+                # a 16-bit scalar rounded to its dtype, as the interpreter binds it
+                env[name] = (
+                    int(v)
+                    if t.dtype == "i32"
+                    else (
+                        float(torch.tensor(float(v)).to(TORCH_DTYPES[t.dtype]))
+                        if t.dtype in ("bf16", "f16")
+                        else float(v)
+                    )
+                )
+                continue
+            if not isinstance(v, torch.Tensor):
+                raise error(
+                    "E0803", f"input `{name}` is a {type(v).__name__}; the CUDA runtime takes torch tensors"
+                )
+            if device is None:
+                device = v.device
+            elif v.device != device:
+                raise error("E0806", f"input `{name}` is on {v.device}, but other inputs are on {device}")
+            if t.dtype == "i32":
+                if v.is_floating_point() or v.is_complex() or v.dtype == torch.bool:
+                    raise error("E0803", f"input `{name}` is {v.dtype}, but it is declared i32")
+            elif not (v.is_floating_point() or (v.dim() == 0 and v.dtype != torch.bool)):
+                raise error("E0803", f"input `{name}` is {v.dtype}, but it is declared {t.dtype}")
+            shapes[name] = tuple(v.shape)
+            env[name] = dense(v, TORCH_DTYPES[t.dtype])
+        if device is None:
+            raise error("E0801", "no tensor inputs")
+        if not self.emulate and device.type != "cuda":
+            raise error(
+                "E0806",
+                f"inputs are on {device}; the CUDA runtime needs CUDA tensors",
+                notes=["Block.run runs the interpreter on CPU tensors"],
+            )
+        dims = self.sizes(shapes, given)
+        if self.repeats:
+            check_repeats(self.repeats, dims)
+        return env, dims, device
