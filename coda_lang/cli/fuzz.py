@@ -2,7 +2,7 @@
 
 What it does: parses the options, runs coda_lang.fuzz (the library: the differential runner and the
 hypothesis search), prints progress, the smallest failing case and one command that reproduces it.
-What it does not: fuzz anything itself (coda_lang/fuzz.py does).
+What it does not: fuzz anything itself (the coda_lang.fuzz package does).
 Invariants: exit 0 every case passed, 1 a failure, 2 usage errors or a target this machine can't run;
 hypothesis (and torch, for --target cuda/emulate) is imported only when the command runs.
 """
