@@ -18,8 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from coda_lang.hf import apply_coda_to_llama, apply_coda_to_qwen3  # noqa: E402
-from coda_lang.hf.patch import unfused_grads  # noqa: E402
+from coda_lang.hf import apply_coda_to_llama, apply_coda_to_qwen3, unfused_grads  # noqa: E402
 
 VOCAB = 96
 SHAPES = dict(
@@ -302,7 +301,7 @@ def test_a_tied_weights_gradient_is_made_in_one_pass(monkeypatch: Any) -> None:
     embedding backward is not run), matching the unpatched model, also with a padding id among the
     tokens (its rows add nothing); "vocab" mode, or a hook on the embedding module, keep torch's
     embedding (the hook runs)."""
-    import coda_lang.hf.patch as P
+    import coda_lang.hf.loss as P
 
     calls: list[int] = []
     real = P.tied_grad

@@ -16,7 +16,7 @@ and k norm weights, one head's `HD` values each (interleaved like a RoPE head): 
 dim HD repeats for every head (docs/language.md, "Vectors that repeat"), so its gradient comes back
 folded into one head's; `mq` is 1 on the q columns and 0 elsewhere, `mk` 1 on the k columns (constant
 masks: the v columns are not normalized).
-What it does not: hold parameters or touch transformers (hf/patch.py does).
+What it does not: hold parameters or touch transformers (the other modules of coda_lang.hf do).
 Invariants: RMSNorm's row scale is deferred into the next GEMM's epilogue (RMSNorm(h)*g @ W ==
 r * ((h*g) @ W)), as the examples do.
 """
