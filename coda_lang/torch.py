@@ -25,7 +25,6 @@ import torch
 from coda_lang.api import Block, load
 from coda_lang.autodiff.chunk import candidate_plans
 from coda_lang.autodiff.options import BackwardOptions
-from coda_lang.ir.nodes import DEFAULT_REMAT
 
 __all__ = [
     "BlockFunction",
@@ -309,7 +308,8 @@ class LlamaMLP(BlockModule):
     """After a LLaMA layer's attention: `x2 = mlp(rmsnorm(y @ w_o.T + x) * g) + (y @ w_o.T + x)`, three
     fused GEMMs. `forward(y, x)`: y the attention output [tokens, heads*head_dim], x the residual
     [tokens, hidden]. Weights are in `nn.Linear` layout ([out, in]); `w_13` holds gate and up rows
-    interleaved (g0, u0, g1, u1, ...: `coda_lang.layout.interleave_gate_up` on the transposes)."""
+    interleaved (g0, u0, g1, u1, ...: `coda_lang.layout.interleave_gate_up` on the transposes). The
+    backward's options: `backward=` or its keyword shorthands, as `function` takes them."""
 
     def __init__(
         self,
@@ -320,7 +320,11 @@ class LlamaMLP(BlockModule):
         eps: float = 1e-6,
         dtype: torch.dtype = torch.bfloat16,
         device: Any = None,
-        remat: str = DEFAULT_REMAT,
+        backward: BackwardOptions | None = None,
+        remat: str | None = None,
+        chunk: int | str | None = None,
+        budget: int | None = None,
+        chunk_dim: str | None = None,
     ):
         t = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}.get(dtype)
         if t is None:
@@ -337,7 +341,15 @@ class LlamaMLP(BlockModule):
             "w_13": w(2 * intermediate, hidden),
             "w_2": w(hidden, intermediate),
         }
-        super().__init__(LLAMA_MLP.format(t=t, eps=repr(float(eps))), params, remat=remat)
+        super().__init__(
+            LLAMA_MLP.format(t=t, eps=repr(float(eps))),
+            params,
+            backward=backward,
+            remat=remat,
+            chunk=chunk,
+            budget=budget,
+            chunk_dim=chunk_dim,
+        )
 
     def forward(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return super().forward(y=y, x=x)

@@ -12,9 +12,11 @@ cancelled is judged against the magnitudes that cancelled). Targets:
   the kernels' per-tile partial buffers are also compared with the tile simulation at their tiles;
 - `emulate`: the CUDA runtime with each kernel launch replaced by its torch stand-in, on the CPU
   (tests the runtime's host logic without a GPU).
-The backward under test is derived with a saved-tensor policy (`remat`: save, recompute or auto;
-docs/design.md, "Saved and recomputed"; default DEFAULT_REMAT, the API's) and can run in row chunks
-(`chunk`: a number of rows, or "auto" from a memory budget the search draws; "Chunked backward"); its
+The backward under test takes its options as the API does, one `BackwardOptions` (`backward=`) or
+its keywords: it is derived with a saved-tensor policy (`remat`: save, recompute or auto;
+docs/design.md, "Saved and recomputed"; default DEFAULT_REMAT, the API's) and can run in chunks
+(`chunk`: a number of rows, "auto" from a memory budget the search draws, or DRAW, each case its
+own; `chunk_dim`: along another dim; "Chunked backward"); its
 references are the whole-matrix interpreter's gradients under the same policy, unchunked, and under
 a policy other than save the float64 gradients are also compared with save's (every policy computes
 the same function: this catches a wrong recompute derivation, which the reference would share).
@@ -33,7 +35,7 @@ Invariants: no GPU library is imported unless the target needs one; a case that 
 command finds the same failure.
 """
 
-from coda_lang.fuzz.case import ALIGN, DRAW, MAX_DIM, REMATS, TARGETS, Case, Unavailable
+from coda_lang.fuzz.case import ALIGN, DRAW, MAX_DIM, POLICIES, TARGETS, Case, Unavailable
 from coda_lang.fuzz.fuzzer import EMULATE_TILES, Fuzzer
 from coda_lang.fuzz.programs import fuzz_programs, save_program
 from coda_lang.fuzz.search import Failure, Progress, Result, fuzz_block
@@ -45,7 +47,7 @@ __all__ = [
     "DRAW",
     "EMULATE_TILES",
     "MAX_DIM",
-    "REMATS",
+    "POLICIES",
     "TARGETS",
     "Case",
     "Failure",

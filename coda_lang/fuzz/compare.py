@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from coda_lang.api import Block
+from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.core.diagnostics import CodaError
 from coda_lang.fuzz.case import Case, dtype_of, first_line
 from coda_lang.testing.compare import mismatch
@@ -49,7 +50,7 @@ class Comparisons:
     fn: Any
     device: str
 
-    def _chunked_fn(self, chunk: int | str, budget: int | None) -> Any:
+    def _chunked_fn(self, options: BackwardOptions) -> Any:
         raise NotImplementedError  # (Fuzzer's)
 
     def check(self, case: Case) -> list[str]:
@@ -198,18 +199,12 @@ class Comparisons:
     ) -> list[str]:
         d = self.derivation
         assert d is not None
+        # the case's options (a case made by hand may give none: the Fuzzer's policy, unchunked)
+        options = case.backward if case.backward is not None else BackwardOptions(self.remat)
         out_t = {o.name: o.type for o in d.backward.ir.outputs}
         dtypes = {p: dtype_of(out_t.get(g)) for p, g in d.grads.items()}
         if self.target == "interp":
-            got = self.block.vjp(
-                ins,
-                cots,
-                dims=case.dims,
-                tile=case.tile,
-                remat=self.remat,
-                chunk=case.chunk,
-                budget=case.budget,
-            )
+            got = self.block.vjp(ins, cots, dims=case.dims, tile=case.tile, backward=options)
             return self._outputs("gradient of", got, gref, g64, dtypes, bounds)
         import torch
 
@@ -217,7 +212,7 @@ class Comparisons:
         wrt = [p for p in d.grads if p in tensors and tensors[p].is_floating_point()]
         for p in wrt:
             tensors[p] = tensors[p].detach().requires_grad_(True)
-        fn = self.fn if case.chunk is None else self._chunked_fn(case.chunk, case.budget)
+        fn = self._chunked_fn(options) if options.chunked else self.fn
         outs = fn(tensors, dims=self._dims(self.block, case))
         pairs = [(outs[o], self._tensor(c)) for o, c in cots.items() if o in outs and outs[o].requires_grad]
         if not pairs or not wrt:

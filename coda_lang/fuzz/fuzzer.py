@@ -17,8 +17,10 @@ import copy
 from typing import Any
 
 from coda_lang.api import Block
+from coda_lang.autodiff.chunk import candidate_plans
+from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.core.diagnostics import CodaError
-from coda_lang.fuzz.case import DRAW, REMATS, TARGETS, CaseDraws, Unavailable, first_line
+from coda_lang.fuzz.case import TARGETS, CaseDraws, Unavailable, backward_options, first_line
 from coda_lang.fuzz.compare import Comparisons
 from coda_lang.ir.nodes import DEFAULT_REMAT
 
@@ -44,66 +46,71 @@ def _small_tiles(cb: Any) -> dict[int, tuple[int, int]]:
 class Fuzzer(CaseDraws, Comparisons):
     """One block on one target: `check(case)` gives the mismatches of that case (empty: it passed).
 
-    `remat`: the backward's saved-tensor policy (default DEFAULT_REMAT). `chunk`: None (the backward
-    unchunked), a number of rows, "auto" (chunk from `budget` bytes; the search draws the budget when
-    none is given) or DRAW (each case draws one of these). A backward that can't run in chunks (E0809)
-    is checked unchunked, with a note (`chunk_error`).
+    `backward`: True (the backward is checked too, default), False (the forward only), or the
+    backward's options, a `BackwardOptions`; or their fields as keywords (`remat=`, `chunk=`, `budget=`,
+    `chunk_dim=`, as `Block.vjp` takes them; not both). `chunk`: None (the backward unchunked), a
+    number of rows, "auto" (chunk from `budget` bytes; the search draws the budget when none is
+    given), or DRAW (each case draws one of these). A backward that can't run in chunks (E0809) is
+    checked unchunked, with a note (`chunk_error`).
 
-    Raises CodaError when the block can't run on the target at all (e.g. E07 for a stage the CUDA
-    backend can't compile), Unavailable when the target can't run on this machine."""
+    Raises TypeError or ValueError for a bad argument, CodaError when the block can't run on the
+    target at all (e.g. E07 for a stage the CUDA backend can't compile), Unavailable when the target
+    can't run on this machine."""
 
     def __init__(
         self,
         block: Block,
         target: str = "interp",
         *,
-        backward: bool = True,
+        backward: bool | BackwardOptions = True,
         special: bool | tuple[str, ...] = False,
         tile: tuple[int, int] | None = None,
         remat: str | None = None,
         chunk: int | str | None = None,
         budget: int | None = None,
+        chunk_dim: str | None = None,
     ):
         if target not in TARGETS:
             raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
-        remat = DEFAULT_REMAT if remat is None else remat
-        if remat not in REMATS:
-            raise ValueError(f"remat must be one of {REMATS}, got {remat!r}")
-        if chunk not in (None, "auto", DRAW) and not (
-            isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= 1
-        ):
-            raise ValueError(f'chunk must be None, a positive int, "auto" or {DRAW!r}, got {chunk!r}')
-        if budget is not None and (chunk != "auto" or budget < 1):
-            raise ValueError(f'budget (a positive number of bytes) goes with chunk="auto", got {budget!r}')
+        self.options, self.draw = backward_options(backward, remat, chunk, budget, chunk_dim)
+        # the backward's saved-tensor policy (the default one when the backward is not checked)
+        self.remat = self.options.remat if self.options is not None else DEFAULT_REMAT
         self.block, self.target, self.special, self.tile = block, target, special, tile
-        self.remat, self.chunk, self.budget = remat, chunk, budget
         self.notes: list[str] = []
         self.backward_error: str | None = None  # the code of the error that keeps the backward out
         self.chunk_error: str | None = None  # the code of the error that keeps the backward unchunked
         self.derivation = None
-        self.chunk_plan: Any = None  # interp.chunk.ChunkPlan, when the backward runs in chunks
+        self.chunk_plan: Any = None  # autodiff.chunk.ChunkPlan, when the backward runs in chunks
         self.crash: str | None = None
-        if backward:
+        o = self.options
+        if o is not None:
             try:
-                self.derivation = block.derivation(remat=remat)
+                self.derivation = block.derivation(remat=o.remat)
             except CodaError as e:
-                self.notes.append(f"backward not checked (--remat {remat}): {first_line(e)}")
+                self.notes.append(f"backward not checked (--remat {o.remat}): {first_line(e)}")
                 self.backward_error = e.diagnostics[0].code if e.diagnostics else "?"
             except Exception as e:  # a traceback is a bug: every case fails with it
-                self.crash = f"autodiff (Block.derivation, remat={remat!r}) raised {first_line(e)}"
-        if self.derivation is not None and chunk is not None:
-            try:
-                self.chunk_plan = block.chunk_plan(remat=remat)
+                self.crash = f"autodiff (Block.derivation, remat={o.remat!r}) raised {first_line(e)}"
+        if self.derivation is not None and o is not None and (self.draw or o.chunked):
+            try:  # the plan cases draw their chunks by: along chunk_dim, else the rows
+                self.chunk_plan = candidate_plans(block, None, self._chunked(1))[0]
             except CodaError as e:
                 self.no_chunks(e, "")
+            except ValueError:  # chunk_dim= names no dim of the block: an argument mistake
+                raise
             except Exception as e:
-                self.crash = f"Block.chunk_plan(remat={remat!r}) raised {first_line(e)}"
+                self.crash = f"Block.chunk_plan({self._chunked(1)}) raised {first_line(e)}"
         self.cb: Any = None
         self.fn: Any = None  # CudaBlock.autograd(): the backward unchunked
-        self.fns: dict[tuple[Any, Any], Any] = {}  # ... and in chunks, by (chunk, budget)
+        self.fns: dict[BackwardOptions, Any] = {}  # ... and in chunks, by a case's options
         self.fn_tile: tuple[int, int] | None = tile
         if target != "interp":
             self._prepare_cuda()
+
+    def _chunked(self, chunk: int) -> BackwardOptions:
+        """The Fuzzer's options in chunks of `chunk` (along its chunk_dim, if it has one)."""
+        chunk_dim = self.options.chunk_dim if self.options is not None else None
+        return BackwardOptions(self.remat, chunk, None, chunk_dim)
 
     def no_chunks(self, e: CodaError, where: str) -> None:
         """The backward can't run in chunks (`where`: on this target): note it and check it unchunked."""
@@ -155,11 +162,11 @@ class Fuzzer(CaseDraws, Comparisons):
                 self.crash = f"CudaBlock.autograd(remat={self.remat!r}) raised {first_line(e)}"
         if self.fn is not None and self.chunk_plan is not None:
             try:  # the chunked backward's CUDA blocks (E07 if it can't compile): now, not in a case
-                self._chunked_fn(1, None)
+                self._chunked_fn(self._chunked(1))
             except CodaError as e:
                 self.no_chunks(e, f" on {self.target}")
             except Exception as e:
-                self.crash = f"CudaBlock.autograd(remat={self.remat!r}, chunk=1) raised {first_line(e)}"
+                self.crash = f"CudaBlock.autograd({self._chunked(1)}) raised {first_line(e)}"
 
     def _autograd(self, emulate: bool) -> Any:
         """`CudaBlock.autograd()`; emulated, at the first small tile that fits every stage."""
@@ -176,17 +183,15 @@ class Fuzzer(CaseDraws, Comparisons):
         self.fn_tile = None
         return self.cb.autograd(remat=self.remat)
 
-    def _chunked_fn(self, chunk: int | str, budget: int | None) -> Any:
-        """`CudaBlock.autograd(chunk=, budget=)` at the unchunked function's tile. Made once (chunk=1);
-        every other chunk is a shallow copy with its own `chunk`/`budget` (what `run_backward` reads),
-        sharing the CUDA blocks: a case's drawn chunk compiles nothing new on the GPU."""
-        key = (chunk, budget)
-        if key not in self.fns:
-            if not self.fns:
-                self.fns[(1, None)] = self.cb.autograd(tile=self.fn_tile, remat=self.remat, chunk=1)
-            base = self.fns[(1, None)]
-            if key not in self.fns:
-                fn = copy.copy(base)
-                fn.options = base.options.with_(chunk=chunk, budget=budget)
-                self.fns[key] = fn
-        return self.fns[key]
+    def _chunked_fn(self, options: BackwardOptions) -> Any:
+        """`CudaBlock.autograd(backward=options)` at the unchunked function's tile. Made once (chunk=1);
+        every other chunk is a shallow copy with its own options (what `run_backward` reads), sharing
+        the CUDA blocks: a case's drawn chunk compiles nothing new on the GPU."""
+        if options not in self.fns:
+            first = self._chunked(1)
+            if first not in self.fns:
+                self.fns[first] = self.cb.autograd(tile=self.fn_tile, backward=first)
+            fn = copy.copy(self.fns[first])
+            fn.options = options
+            self.fns[options] = fn
+        return self.fns[options]

@@ -18,10 +18,13 @@ import time
 
 from hypothesis import strategies as st
 
+from coda_lang.api import load
+from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.core.diagnostics import CodaError
-from coda_lang.fuzz.case import DRAW, REMATS, first_line
+from coda_lang.fuzz.case import DRAW, POLICIES, backward_options, first_line
 from coda_lang.fuzz.fuzzer import Fuzzer
 from coda_lang.fuzz.search import Failure, Progress, Result, check_case, run_search
+from coda_lang.testing import random_blocks
 
 
 def fuzz_programs(
@@ -32,7 +35,7 @@ def fuzz_programs(
     seed: int = 0,
     max_dim: int | None = None,
     special: bool = False,
-    backward: bool = True,
+    backward: bool | BackwardOptions = True,
     shrink: bool = True,
     tile: tuple[int, int] | None = None,
     progress: Progress | None = None,
@@ -41,12 +44,13 @@ def fuzz_programs(
     budget: int | None = None,
 ) -> Result:
     """Fuzz `programs` random blocks (`coda_lang.testing.random_blocks`), `examples` cases each; on a
-    failure hypothesis shrinks the program and the case together. `remat`: every program's policy
-    (None: each program draws one); `chunk`, `budget`: as Fuzzer's (DRAW: each case of a program whose
-    backward can run in chunks draws unchunked, a number of rows or a budget)."""
-    import coda_lang
-    from coda_lang.testing import random_blocks
-
+    failure hypothesis shrinks the program and the case together. `backward` and its shorthands as
+    `Fuzzer` takes them, except that without a policy (no `remat`, `backward` not a BackwardOptions)
+    each program draws one, and `chunk` defaults to DRAW (each case of a program whose backward can
+    run in chunks draws unchunked, a number of rows or a budget). TypeError or ValueError for a bad
+    argument, before any program is drawn."""
+    options, draw = backward_options(backward, remat, chunk, budget)
+    draw_policy = options is not None and remat is None and not isinstance(backward, BackwardOptions)
     t0 = time.monotonic()
     failures: list[Failure] = []
     skipped: list[str] = []
@@ -59,20 +63,18 @@ def fuzz_programs(
         fw = data.draw(
             random_blocks(("f32", "bf16", "f16") if target == "interp" else ("bf16", "f16")), label="program"
         )
-        policy = remat
-        if policy is None and backward:
-            policy = data.draw(st.sampled_from(REMATS), label="remat")
-        block = coda_lang.load(fw.text)["fwd"]
+        opts = options
+        if opts is not None and draw_policy:
+            opts = opts.with_(remat=data.draw(st.sampled_from(POLICIES), label="remat"))
+        block = load(fw.text)["fwd"]
         try:
             fz = Fuzzer(
                 block,
                 target,
-                backward=backward,
+                backward=False if opts is None else opts,
+                chunk=DRAW if draw else None,
                 special=special,
                 tile=tile,
-                remat=policy,
-                chunk=chunk,
-                budget=budget,
             )
         except CodaError as e:  # the target can't run it (E07): not a failure
             if not failures:
@@ -81,8 +83,8 @@ def fuzz_programs(
         if not failures:
             if fz.backward_error:
                 no_backward.append(fz.backward_error)
-            elif policy is not None:
-                policies.append(policy)
+            elif opts is not None:
+                policies.append(opts.remat)
             if fz.chunk_error:
                 no_chunks.append(fz.chunk_error)
         strategy = fz.cases(max_dim)
@@ -96,7 +98,7 @@ def fuzz_programs(
     if policies:
         notes.append(
             "backward checked under "
-            + ", ".join(f"--remat {p} x{policies.count(p)}" for p in REMATS if p in policies)
+            + ", ".join(f"--remat {p} x{policies.count(p)}" for p in POLICIES if p in policies)
         )
     if no_backward:
         codes = ", ".join(f"{c} x{no_backward.count(c)}" for c in sorted(set(no_backward)))

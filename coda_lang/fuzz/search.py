@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import Flaky
 
 from coda_lang.api import Block
+from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.core import progress
 from coda_lang.fuzz.case import Case
 from coda_lang.fuzz.fuzzer import Fuzzer
@@ -131,7 +132,7 @@ def check_case(
     msgs = fz.check(case)
     if not failures:
         count[0] += 1
-        count[1] += case.chunk is not None
+        count[1] += case.backward is not None and case.backward.chunked
     if progress:
         progress.step(bool(msgs), case)
     if msgs:
@@ -150,20 +151,30 @@ def fuzz_block(
     input_seed: int | None = None,
     tile: tuple[int, int] | None = None,
     special: bool = False,
-    backward: bool = True,
+    backward: bool | BackwardOptions = True,
     shrink: bool = True,
     progress: Progress | None = None,
     fuzzer: Fuzzer | None = None,
     remat: str | None = None,
     chunk: int | str | None = None,
     budget: int | None = None,
+    chunk_dim: str | None = None,
 ) -> Result:
-    """Fuzz one block (see the module docstring). CodaError if it can't run on the target at all.
-    `fuzzer`: a Fuzzer made already (then target, tile, special, backward, remat, chunk and budget are
-    its own)."""
+    """Fuzz one block (see the package docstring). `backward` and its shorthands (`remat`, `chunk`,
+    `budget`, `chunk_dim`) as `Fuzzer` takes them. CodaError if it can't run on the target at all.
+    `fuzzer`: a Fuzzer made already (then target, tile, special and the backward's options are its
+    own)."""
     t0 = time.monotonic()
     fz = fuzzer or Fuzzer(
-        block, target, backward=backward, special=special, tile=tile, remat=remat, chunk=chunk, budget=budget
+        block,
+        target,
+        backward=backward,
+        special=special,
+        tile=tile,
+        remat=remat,
+        chunk=chunk,
+        budget=budget,
+        chunk_dim=chunk_dim,
     )
     failures: list[Failure] = []
     count = [0, 0]

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from coda_lang.api import load
+from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.hf.blocks import model_source
 from coda_lang.hf.loss import LOSS_CHUNK_BYTES
 from coda_lang.torch import BlockFunction, compile_together, function
@@ -43,14 +44,14 @@ class ModelState:
         prog = load(src)
         weights = {"w_o", "w_13", "w_2", "w_qkv", "w_lm", "g", "g1", "g2", "gq", "gk"}
 
-        def fn(name: str, **options: Any) -> BlockFunction:
+        def fn(name: str, backward: BackwardOptions | None = None) -> BlockFunction:
             b = prog[name]
             wrt = [
                 p.var.name
                 for p in b.ir.params
                 if p.var.name in weights or p.var.name in ("h", "y", "x", "hg", "r")
             ]
-            return function(b, wrt=wrt, **options)
+            return function(b, wrt=wrt, backward=backward)
 
         # the default saved-tensor policy (auto): e.g. the SwiGLU output is recomputed in the backward
         self.first, self.layer, self.last = fn("first_qkv"), fn("layer"), fn("last")
@@ -78,14 +79,14 @@ class ModelState:
         """The loss head of "rows" mode: its logits saved (remat="save"), run forward and backward
         in chunks of rows (BlockFunction.forward_backward)."""
         if self._row_head is None:
-            self._row_head = self._fn("head_loss", remat="save", chunk_dim="M")
+            self._row_head = self._fn("head_loss", BackwardOptions(remat="save", chunk_dim="M"))
         return self._row_head
 
     def vocab_head(self) -> BlockFunction:
         """The loss head whose backward runs in chunks of V within `loss_budget` bytes."""
         f = self._vocab_heads.get(self.loss_budget)
         if f is None:
-            f = self._fn("head_loss", chunk="auto", chunk_dim="V", budget=self.loss_budget)
+            f = self._fn("head_loss", BackwardOptions(chunk="auto", budget=self.loss_budget, chunk_dim="V"))
             self._vocab_heads[self.loss_budget] = f
         return f
 
