@@ -131,6 +131,7 @@ def test_a_planted_tile_bug_is_caught_shrunk_and_reproduced(
     assert max(dims.values()) <= 8, dims  # shrunk: a few rows, a row of 2 tiles (llama_mlp's tile_N is even)
     args = repro_args(out)
     assert args[:5] == [MLP, "--block", "llama_mlp", "--target", "interp"] and "--input-seed" in args
+    assert "--sim-tile" in args and "--tile" not in args, args  # the simulated tile
     code, out2, _ = fuzz(capsys, *args)  # the one-line command reproduces exactly that case
     assert code == 1 and failing_dims(out2) == dims, out2
     monkeypatch.undo()
@@ -438,7 +439,12 @@ def test_help() -> None:
     [
         ([MLP, "--examples", "0"], "positive"),
         ([MLP, "--max-dim", "0"], "--max-dim"),
-        ([MLP, "--tile", "4by8"], "--tile"),
+        ([MLP, "--sim-tile", "4by8"], "--sim-tile takes MxN"),
+        (
+            [MLP, "--tile", "4x8"],
+            "--tile is the kernels' tile (--target cuda, emulate); --target interp's is",
+        ),
+        ([MLP, "--target", "emulate", "--sim-tile", "4x8"], "--sim-tile is the interpreter's tile"),
         ([MLP, "--dims", "M=x"], "--dims"),
         ([MLP, "--dims", "Q=4"], "unknown dim Q"),
         (

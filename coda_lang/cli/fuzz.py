@@ -70,10 +70,14 @@ def add_parser(sub: Any) -> None:
         "--input-seed", type=int, metavar="S", help="fix the seed of the inputs (reproducing a case)"
     )
     f.add_argument(
+        "--sim-tile",
+        metavar="MxN",
+        help="--target interp: fix the simulated tile (default: small random tiles)",
+    )
+    f.add_argument(
         "--tile",
         metavar="MxN",
-        help="interp: fix the simulated tile (default: small random tiles); "
-        "cuda, emulate: the kernels' tile (default: the backend's choice)",
+        help="--target cuda, emulate: the kernels' tile (default: the backend's choice)",
     )
     f.add_argument(
         "--special",
@@ -182,10 +186,19 @@ def run(args: Any) -> int:
         )
     if args.input_seed is not None and not 0 <= args.input_seed < 2**32:
         return usage_error(f"--input-seed takes a number in [0, 2**32), got {args.input_seed}")
-    tile = parse_tile(args.tile)
-    if tile == "bad":
-        return usage_error(f"--tile takes MxN with positive sizes (e.g. 4x8 or 128x192), got {args.tile!r}")
-    assert tile is None or isinstance(tile, tuple)
+    kernel = args.target != "interp"
+    if args.tile is not None and not kernel:
+        return usage_error(
+            "--tile is the kernels' tile (--target cuda, emulate); --target interp's is --sim-tile"
+        )
+    if args.sim_tile is not None and kernel:
+        return usage_error(f"--sim-tile is the interpreter's tile; --target {args.target}'s is --tile")
+    flag, text = ("--tile", args.tile) if kernel else ("--sim-tile", args.sim_tile)
+    parsed = parse_tile(text)
+    if parsed == "bad":
+        return usage_error(f"{flag} takes MxN with positive sizes (e.g. 4x8 or 128x192), got {text!r}")
+    assert parsed is None or isinstance(parsed, tuple)
+    tile, sim_tile = (parsed, None) if kernel else (None, parsed)
     dims = parse_dims(args.dims)
     if dims is None:
         return usage_error(
@@ -240,6 +253,7 @@ def run(args: Any) -> int:
                 backward=not args.no_backward,
                 shrink=not args.no_shrink,
                 tile=tile,
+                sim_tile=sim_tile,
                 progress=prog,
                 remat=args.remat,  # (None: each program draws its policy)
                 chunk=options.mode if options.chunked else DRAW,
@@ -284,6 +298,7 @@ def run(args: Any) -> int:
                 backward=False if args.no_backward else options,
                 special=args.special,
                 tile=tile,
+                sim_tile=sim_tile,
             )
         except CodaError as e:
             print(render_all(e.diagnostics, e.sources, "human"), file=sys.stderr)

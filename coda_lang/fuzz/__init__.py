@@ -7,7 +7,7 @@ hypothesis, runs the block on the path under test and on the whole-matrix interp
 backward, and compares them with the tolerance rule of `coda_lang.testing.compare` (where an element
 misses its per-element part, with that element's rounding bound, `coda_lang.interp.bound`: a value that
 cancelled is judged against the magnitudes that cancelled). Targets:
-- `interp`: the interpreter's tile simulation (`Block.run(..., tile=...)`, `Block.vjp(..., tile=...)`);
+- `interp`: the interpreter's tile simulation (`Block.run(..., sim_tile=...)`, `Block.vjp(..., sim_tile=...)`);
 - `cuda`: the compiled kernels (`Block.cuda()`; backward through `CudaBlock.autograd()`), on a GPU;
   the kernels' per-tile partial buffers are also compared with the tile simulation at their tiles;
 - `emulate`: the CUDA runtime with each kernel launch replaced by its torch stand-in, on the CPU

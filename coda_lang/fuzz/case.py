@@ -1,7 +1,7 @@
 """What a fuzz case is, how the search draws one for a block, and the command that reproduces it.
 
-What it does: `Case` (a block's sizes, the seed of its inputs and cotangents, the tile, the
-backward's options: policy and chunk), its one-line description and its `coda fuzz` arguments;
+What it does: `Case` (a block's sizes, the seed of its inputs and cotangents, the simulated or the
+kernels' tile, the backward's options: policy and chunk), its one-line description and its `coda fuzz` arguments;
 `CaseDraws`, the `Fuzzer`'s hypothesis strategies of cases (sizes, seeds, tiles, chunks: `cases`) and
 the one case that given values fix (`single_case`); `backward_options`, the fuzzer's backward
 arguments as one `BackwardOptions` (checked there, once) and whether each case draws its chunk
@@ -78,18 +78,21 @@ def backward_options(
 
 @dataclass(frozen=True)
 class Case:
-    """One case: the sizes of the block's dims, the seed of its inputs and cotangents, the tile
-    (interp: the simulated tile; cuda, emulate: the kernels', when one is given) and the backward's
-    options (None: the backward is not checked). A chunked case's options give the chunk explicitly
-    ("auto" with its budget, or a number)."""
+    """One case: the sizes of the block's dims, the seed of its inputs and cotangents, the
+    interpreter's simulated tile (interp), the backward's options (None: the backward is not checked)
+    and the kernels' tile (cuda, emulate: when one is given). A chunked case's options give the chunk
+    explicitly ("auto" with its budget, or a number)."""
 
     dims: dict[str, int]
     seed: int
-    tile: tuple[int, int] | None = None
+    sim_tile: tuple[int, int] | None = None
     backward: BackwardOptions | None = None
+    tile: tuple[int, int] | None = None
 
     def describe(self) -> str:
         parts = ["dims " + ", ".join(f"{k}={v}" for k, v in self.dims.items())]
+        if self.sim_tile is not None:
+            parts.append(f"sim tile {self.sim_tile[0]}x{self.sim_tile[1]}")
         if self.tile is not None:
             parts.append(f"tile {self.tile[0]}x{self.tile[1]}")
         parts.append(f"input seed {self.seed}")
@@ -108,6 +111,8 @@ class Case:
     def args(self) -> list[str]:
         """The `coda fuzz` arguments that run exactly this case."""
         out = ["--dims", ",".join(f"{k}={v}" for k, v in self.dims.items())]
+        if self.sim_tile is not None:
+            out += ["--sim-tile", f"{self.sim_tile[0]}x{self.sim_tile[1]}"]
         if self.tile is not None:
             out += ["--tile", f"{self.tile[0]}x{self.tile[1]}"]
         out += ["--input-seed", str(self.seed)]
@@ -135,6 +140,7 @@ class CaseDraws:
     block: Block
     target: str
     tile: tuple[int, int] | None
+    sim_tile: tuple[int, int] | None
     options: BackwardOptions | None
     draw: bool
     derivation: Any
@@ -151,27 +157,24 @@ class CaseDraws:
         dims: dict[str, int] | None = None,
         seed: int | None = None,
     ) -> st.SearchStrategy[Case]:
-        """Cases for this block: `dims`, `seed` (and the tile, policy and chunk given to the Fuzzer) fix
-        what they give."""
+        """Cases for this block: `dims`, `seed` (and the tiles, policy and chunk given to the Fuzzer)
+        fix what they give; on interp each case draws a small simulated tile unless one is given."""
         blocks = self.blocks()
         top = max_dim or MAX_DIM[self.target]
         sizes = dim_sizes(blocks, top, ALIGN[self.target], given=dims)
-        if self.target == "interp":
-            tile_s: st.SearchStrategy[tuple[int, int] | None] = (
-                st.just(self.tile) if self.tile else tiles(blocks)
-            )
-        else:
-            tile_s = st.just(self.tile)
+        sim_tile: st.SearchStrategy[tuple[int, int] | None] = st.just(self.sim_tile)
+        if self.target == "interp" and self.sim_tile is None:
+            sim_tile = tiles(blocks)
         seeds = st.just(seed) if seed is not None else input_seeds()
-        if self.derivation is None:
-            return st.builds(Case, sizes, seeds, tile_s)
+        tile = self.tile
 
         def make(
-            d: dict[str, int], seed: int, tile: tuple[int, int] | None, pick: tuple[str, int, int]
+            d: dict[str, int], seed: int, sim: tuple[int, int] | None, pick: tuple[str, int, int] | None
         ) -> Case:
-            return Case(d, seed, tile, self._chunk_of(d, pick))
+            return Case(d, seed, sim, None if pick is None else self._chunk_of(d, pick), tile)
 
-        return st.builds(make, sizes, seeds, tile_s, self._chunk_picks(top))
+        picks = st.none() if self.derivation is None else self._chunk_picks(top)
+        return st.builds(make, sizes, seeds, sim_tile, picks)
 
     def _fixed(self) -> bool:
         """Whether the Fuzzer's options fix the chunk (a number, or "auto" with a budget)."""
@@ -226,18 +229,18 @@ class CaseDraws:
             seed is None
             or not dims
             or not names <= set(dims)
-            or (self.target == "interp" and self.tile is None)
+            or (self.target == "interp" and self.sim_tile is None)
         ):
             return None
         if self.derivation is None:
-            return Case(dict(dims), seed, self.tile)
+            return Case(dict(dims), seed, self.sim_tile, None, self.tile)
         o = self.options
         assert o is not None
         if self.chunk_plan is None or not (self.draw or o.chunked):
-            return Case(dict(dims), seed, self.tile, BackwardOptions(o.remat))
+            return Case(dict(dims), seed, self.sim_tile, BackwardOptions(o.remat), self.tile)
         if not self._fixed():
             return None
-        return Case(dict(dims), seed, self.tile, self._chunk_of(dims, ("fixed", 0, 0)))
+        return Case(dict(dims), seed, self.sim_tile, self._chunk_of(dims, ("fixed", 0, 0)), self.tile)
 
     def units(self) -> dict[str, int]:
         return dim_units(self.blocks(), ALIGN[self.target])

@@ -155,7 +155,7 @@ class Comparisons:
     ) -> list[str]:
         dtypes = {o.name: dtype_of(o.type) for o in self.block.ir.outputs}
         if self.target == "interp":
-            got = self.block.run(ins, dims=case.dims, tile=case.tile)
+            got = self.block.run(ins, dims=case.dims, sim_tile=case.sim_tile)
             return self._outputs("output", got, ref, ref64, dtypes, bounds)
         outs, parts = self.cb.run_with_partials(
             {k: self._tensor(v) for k, v in ins.items()}, dims=self._dims(self.block, case)
@@ -164,7 +164,7 @@ class Comparisons:
         # the tile simulation at the kernels' tiles, rounded as they round; where a partial misses the
         # per-element rule (one that cancels: a sum of products of bf16-rounded values), the same
         # simulation in float64 gives the tolerance rule's f64 part (run only then)
-        _, sim = self.block.run_with_partials(ins, dims=case.dims, tile=self.cb.tiles)
+        _, sim = self.block.run_with_partials(ins, dims=case.dims, sim_tile=self.cb.tiles)
         sim64: dict[str, Any] | None = None
         for name, buf in parts.items():
             if name not in sim:
@@ -178,7 +178,7 @@ class Comparisons:
                 continue
             if sim64 is None:
                 _, sim64 = self.block.run_with_partials(
-                    ins, dims=case.dims, tile=self.cb.tiles, precision="f64"
+                    ins, dims=case.dims, sim_tile=self.cb.tiles, precision="f64"
                 )
             want64 = sim64.get(name)
             if pick and want64 is not None:
@@ -204,7 +204,7 @@ class Comparisons:
         out_t = {o.name: o.type for o in d.backward.ir.outputs}
         dtypes = {p: dtype_of(out_t.get(g)) for p, g in d.grads.items()}
         if self.target == "interp":
-            got = self.block.vjp(ins, cots, dims=case.dims, tile=case.tile, backward=options)
+            got = self.block.vjp(ins, cots, dims=case.dims, sim_tile=case.sim_tile, backward=options)
             return self._outputs("gradient of", got, gref, g64, dtypes, bounds)
         import torch
 

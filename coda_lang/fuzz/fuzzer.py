@@ -51,7 +51,9 @@ class Fuzzer(CaseDraws, Comparisons):
     `chunk_dim=`, as `Block.vjp` takes them; not both). `chunk`: None (the backward unchunked), a
     number of rows, "auto" (chunk from `budget` bytes; the search draws the budget when none is
     given), or DRAW (each case draws one of these). A backward that can't run in chunks (E0809) is
-    checked unchunked, with a note (`chunk_error`).
+    checked unchunked, with a note (`chunk_error`). `sim_tile` (interp): the simulated tile (default:
+    each case draws a small one); `tile` (cuda, emulate): the kernels' tile (default: the backend's
+    choice; small tiles when emulated).
 
     Raises TypeError or ValueError for a bad argument, CodaError when the block can't run on the
     target at all (e.g. E07 for a stage the CUDA backend can't compile), Unavailable when the target
@@ -65,6 +67,7 @@ class Fuzzer(CaseDraws, Comparisons):
         backward: bool | BackwardOptions = True,
         special: bool | tuple[str, ...] = False,
         tile: tuple[int, int] | None = None,
+        sim_tile: tuple[int, int] | None = None,
         remat: str | None = None,
         chunk: int | str | None = None,
         budget: int | None = None,
@@ -72,10 +75,17 @@ class Fuzzer(CaseDraws, Comparisons):
     ):
         if target not in TARGETS:
             raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+        if target == "interp" and tile is not None:
+            raise ValueError(
+                "tile= is the kernels' tile (targets cuda, emulate); the interpreter's is sim_tile="
+            )
+        if target != "interp" and sim_tile is not None:
+            raise ValueError(f"sim_tile= is the interpreter's simulated tile; target {target}'s is tile=")
         self.options, self.draw = backward_options(backward, remat, chunk, budget, chunk_dim)
         # the backward's saved-tensor policy (the default one when the backward is not checked)
         self.remat = self.options.remat if self.options is not None else DEFAULT_REMAT
-        self.block, self.target, self.special, self.tile = block, target, special, tile
+        self.block, self.target, self.special = block, target, special
+        self.tile, self.sim_tile = tile, sim_tile
         self.notes: list[str] = []
         self.backward_error: str | None = None  # the code of the error that keeps the backward out
         self.chunk_error: str | None = None  # the code of the error that keeps the backward unchunked

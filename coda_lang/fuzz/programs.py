@@ -38,6 +38,7 @@ def fuzz_programs(
     backward: bool | BackwardOptions = True,
     shrink: bool = True,
     tile: tuple[int, int] | None = None,
+    sim_tile: tuple[int, int] | None = None,
     progress: Progress | None = None,
     remat: str | None = None,
     chunk: int | str | None = DRAW,
@@ -75,6 +76,7 @@ def fuzz_programs(
                 chunk=DRAW if draw else None,
                 special=special,
                 tile=tile,
+                sim_tile=sim_tile,
             )
         except CodaError as e:  # the target can't run it (E07): not a failure
             if not failures:

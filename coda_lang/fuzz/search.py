@@ -150,6 +150,7 @@ def fuzz_block(
     dims: dict[str, int] | None = None,
     input_seed: int | None = None,
     tile: tuple[int, int] | None = None,
+    sim_tile: tuple[int, int] | None = None,
     special: bool = False,
     backward: bool | BackwardOptions = True,
     shrink: bool = True,
@@ -162,7 +163,7 @@ def fuzz_block(
 ) -> Result:
     """Fuzz one block (see the package docstring). `backward` and its shorthands (`remat`, `chunk`,
     `budget`, `chunk_dim`) as `Fuzzer` takes them. CodaError if it can't run on the target at all.
-    `fuzzer`: a Fuzzer made already (then target, tile, special and the backward's options are its
+    `fuzzer`: a Fuzzer made already (then target, tiles, special and the backward's options are its
     own)."""
     t0 = time.monotonic()
     fz = fuzzer or Fuzzer(
@@ -171,6 +172,7 @@ def fuzz_block(
         backward=backward,
         special=special,
         tile=tile,
+        sim_tile=sim_tile,
         remat=remat,
         chunk=chunk,
         budget=budget,
