@@ -17,6 +17,8 @@ patching: each raises ValueError naming what it met.
 Invariants: the optimizer should be made after patching (the fused weights are new parameters); the
 loss follows transformers' contract (labels shifted by one, -100 ignored, the mean over counted tokens
 or the sum over `num_items_in_batch`).
+The LM head's loss mode and chunk sizes are the patch's keyword arguments (`loss_mode`,
+`loss_budget`, `loss_rows`: hf/loss.py, `LossSettings`).
 
 The modules: families.py (the families and their entry points), patch.py (patching one model),
 checks.py (what a model must be), state.py (the patched model's blocks and settings), forward.py

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from coda_lang.hf.loss import LossSettings
 from coda_lang.hf.patch import apply
 
 
@@ -26,13 +27,21 @@ LLAMA = Family("llama", "LlamaForCausalLM", qk_norm=False)
 QWEN3 = Family("qwen3", "Qwen3ForCausalLM", qk_norm=True)
 
 
-def apply_coda_to_llama(model: Any) -> Any:
+def apply_coda_to_llama(
+    model: Any, *, loss_mode: str = "rows", loss_budget: int | None = None, loss_rows: int | None = None
+) -> Any:
     """Patch a transformers `LlamaForCausalLM` in place (and return it) so that everything outside
-    attention runs as coda blocks; see `coda_lang.hf`. Make the optimizer afterwards."""
-    return apply(model, LLAMA)
+    attention runs as coda blocks; see `coda_lang.hf`. Make the optimizer afterwards. The LM head's
+    loss: `loss_mode` "rows" (default: chunks of `loss_rows` rows, None: 1 GiB of logits each) or
+    "vocab" (less memory, one GEMM more: the backward in chunks of the vocabulary within
+    `loss_budget` bytes, None: 256 MiB); TypeError or ValueError for a bad setting, before anything
+    is patched (hf/loss.py, `LossSettings`)."""
+    return apply(model, LLAMA, LossSettings(loss_mode, loss_budget, loss_rows))
 
 
-def apply_coda_to_qwen3(model: Any) -> Any:
+def apply_coda_to_qwen3(
+    model: Any, *, loss_mode: str = "rows", loss_budget: int | None = None, loss_rows: int | None = None
+) -> Any:
     """Patch a transformers `Qwen3ForCausalLM` in place (and return it): as `apply_coda_to_llama`, with
     Qwen3's per-head q/k RMSNorm in the QKV blocks' epilogue."""
-    return apply(model, QWEN3)
+    return apply(model, QWEN3, LossSettings(loss_mode, loss_budget, loss_rows))

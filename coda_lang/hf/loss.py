@@ -1,6 +1,7 @@
 """The LM head's loss in a patched model: transformers' loss contract, run chunk by chunk.
 
-What it does: `targets` (labels shifted by one, -100 ignored, checked in range); `ChunkedLoss`, the
+What it does: `LossSettings`, the head's mode and chunk sizes (`apply_coda_to_*`'s `loss_mode=`,
+`loss_budget=`, `loss_rows=`, checked when made); `targets` (labels shifted by one, -100 ignored, checked in range); `ChunkedLoss`, the
 "rows" mode: the head's forward and backward at once, in chunks of rows (`BlockFunction.
 forward_backward`), the gradients scaled in the backward (`scale_round`); with a tied embedding,
 `TiedGrad` and `Embed` hand the head's f32 weight-gradient total to the embedding's backward, which
@@ -14,6 +15,8 @@ rounding.
 
 from __future__ import annotations
 
+import numbers
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,6 +24,50 @@ import torch
 from coda_lang.torch import BlockFunction
 
 IGNORE = -100
+LOSS_MODES = ("rows", "vocab")
+
+
+def _count(name: str, value: Any, what: str) -> int | None:
+    """`value` (None, or a positive int: not a bool) as an int; TypeError or ValueError otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}= is {value!r}; it takes {what}")
+    if value < 1:
+        raise ValueError(f"{name}= is {value!r}; it takes {what}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """How a patched model's LM head makes the loss (docs/models.md, "Loss"). `mode`: "rows" (chunks
+    of rows, each chunk's backward run at once in the forward: three GEMMs, one [rows, V] tile of
+    logits at a time) or "vocab" (only the log-sum-exp kept, the backward's GEMM run again in chunks
+    of the vocabulary: four GEMMs, less memory). `rows` ("rows"): rows per chunk (None: as many as
+    keep a chunk's logits within LOSS_ROWS_BYTES). `budget` ("vocab"): bytes of a chunk's dlogits
+    (None: LOSS_CHUNK_BYTES). Checked when made: TypeError for a value of the wrong type, ValueError
+    for a mode that is not one, a number below 1, or a setting of the other mode."""
+
+    mode: str = "rows"
+    budget: int | None = None
+    rows: int | None = None
+
+    def __post_init__(self) -> None:
+        modes = " or ".join(map(repr, LOSS_MODES))
+        if not isinstance(self.mode, str):
+            raise TypeError(f"loss_mode= is {self.mode!r}; it takes {modes}")
+        if self.mode not in LOSS_MODES:
+            raise ValueError(f"loss_mode= is {self.mode!r}; it takes {modes}")
+        object.__setattr__(self, "budget", _count("loss_budget", self.budget, "a positive number of bytes"))
+        object.__setattr__(self, "rows", _count("loss_rows", self.rows, "a positive number of rows"))
+        if self.budget is not None and self.mode != "vocab":
+            raise ValueError(
+                f"loss_budget= bounds the chunks of loss_mode='vocab'; loss_mode={self.mode!r} takes loss_rows="
+            )
+        if self.rows is not None and self.mode != "rows":
+            raise ValueError(
+                f"loss_rows= sizes the chunks of loss_mode='rows'; loss_mode={self.mode!r} takes loss_budget="
+            )
 
 
 def targets(labels: torch.Tensor, shift_labels: Any, vocab: int) -> torch.Tensor:

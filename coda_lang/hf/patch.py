@@ -1,6 +1,6 @@
 """Patching one model instance in place: checked, its layers' weights fused, its forwards replaced.
 
-What it does: `apply(model, family)`: checks.py's checks, the model's state (state.py, kept as
+What it does: `apply(model, family, loss)`: checks.py's checks, the model's state (state.py, kept as
 `model._coda`), each layer's fused weights and checkpoint hooks (checkpoint.py), and the causal LM's
 and the base model's `forward` bound to forward.py's.
 What it does not: know one family from another (families.py gives their facts).
@@ -17,16 +17,18 @@ from typing import TYPE_CHECKING, Any
 from coda_lang.hf.checkpoint import fuse_layer
 from coda_lang.hf.checks import check_model
 from coda_lang.hf.forward import base_forward, causal_lm_forward
+from coda_lang.hf.loss import LossSettings
 from coda_lang.hf.state import ModelState
 
 if TYPE_CHECKING:
     from coda_lang.hf.families import Family
 
 
-def apply(model: Any, family: Family) -> Any:
-    """Patch `model` (a transformers causal LM of `family`) in place and return it."""
+def apply(model: Any, family: Family, loss: LossSettings) -> Any:
+    """Patch `model` (a transformers causal LM of `family`) in place and return it; its LM head makes
+    the loss as `loss` says."""
     check_model(model, family)
-    st = ModelState(model, family)
+    st = ModelState(model, family, loss)
     for layer in model.model.layers:
         fuse_layer(layer, st.HD)
     model._coda = st

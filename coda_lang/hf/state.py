@@ -1,7 +1,7 @@
 """The state of one patched model: its facts (heads, widths, dtype), its block functions and the
 loss head's settings, and the small tensors its forward makes once.
 
-What it does: `ModelState(model, family)` builds the model's program (blocks.py) for its shapes and
+What it does: `ModelState(model, family, loss)` builds the model's program (blocks.py) for its shapes and
 makes each block a differentiable torch function (`coda_lang.torch.function`): the first layer's,
 the layers', the last layer's, the logits head and, made when first used, the loss head of each loss
 mode; their kernels compile together at the first call. `positions` and `freq` give the default
@@ -21,7 +21,7 @@ import torch
 from coda_lang.api import load
 from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.hf.blocks import model_source
-from coda_lang.hf.loss import LOSS_CHUNK_BYTES
+from coda_lang.hf.loss import LOSS_CHUNK_BYTES, LossSettings
 from coda_lang.torch import BlockFunction, compile_together, function
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 class ModelState:
     """The facts of one patched model and its block functions."""
 
-    def __init__(self, model: Any, family: Family):
+    def __init__(self, model: Any, family: Family, loss: LossSettings):
         cfg = model.config
         self.family = family
         self.qk_norm = qk_norm = family.qk_norm
@@ -60,20 +60,23 @@ class ModelState:
         # of rows, each chunk's forward keeping its logits and its backward run at once in the
         # forward: three GEMMs, the weight gradient summed over the chunks inside its GEMM
         self.head_logits = fn("head_logits")
-        self.loss_mode = "rows"
-        self.loss_budget = LOSS_CHUNK_BYTES  # bytes of the largest transient of a chunk ("vocab")
-        self.loss_rows = 0  # rows per chunk of the loss head ("rows"); 0: from LOSS_ROWS_BYTES
+        self.loss = loss
+        self.loss_mode = loss.mode
+        # bytes of the largest transient of a chunk ("vocab")
+        self.loss_budget = LOSS_CHUNK_BYTES if loss.budget is None else loss.budget
+        self.loss_rows = loss.rows or 0  # rows per chunk of the loss head ("rows"); 0: from LOSS_ROWS_BYTES
         self._fn = fn
         # made once, not at each forward (launches while the GPU waits at a step's start): the default
         # positions of the last (batch, seq, device), and the RoPE frequencies of the model's inv_freq
         # buffer while it is the same tensor at the same version (not modified in place)
         self._positions: tuple[tuple[int, int, str], torch.Tensor] | None = None
         self._freq: tuple[Any, int, str, torch.Tensor] | None = None
-        self._vocab_heads: dict[int, BlockFunction] = {}
+        self._vocab_head: BlockFunction | None = None
         self._row_head: BlockFunction | None = None
         # a training step's kernels (the first layer's, the layers', the last layer's, the loss head's:
         # forward and backward) compile at once at its first call, in one pool of workers
-        compile_together(self.first, self.layer, self.last, self.row_head())
+        head = self.row_head() if self.loss_mode == "rows" else self.vocab_head()
+        compile_together(self.first, self.layer, self.last, head)
 
     def row_head(self) -> BlockFunction:
         """The loss head of "rows" mode: its logits saved (remat="save"), run forward and backward
@@ -84,11 +87,10 @@ class ModelState:
 
     def vocab_head(self) -> BlockFunction:
         """The loss head whose backward runs in chunks of V within `loss_budget` bytes."""
-        f = self._vocab_heads.get(self.loss_budget)
-        if f is None:
-            f = self._fn("head_loss", BackwardOptions(chunk="auto", budget=self.loss_budget, chunk_dim="V"))
-            self._vocab_heads[self.loss_budget] = f
-        return f
+        if self._vocab_head is None:
+            options = BackwardOptions(chunk="auto", budget=self.loss_budget, chunk_dim="V")
+            self._vocab_head = self._fn("head_loss", options)
+        return self._vocab_head
 
     @property
     def rope_width(self) -> int:
