@@ -20,6 +20,7 @@ from coda_lang.api import Block
 from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.core.diagnostics import CodaError
 from coda_lang.fuzz.case import Case, dtype_of, first_line
+from coda_lang.interp import bound
 from coda_lang.testing.compare import mismatch
 from coda_lang.testing.inputs import block_inputs, cotangents
 
@@ -63,8 +64,6 @@ class Comparisons:
             ref64 = self.block.run(ins, dims=case.dims, precision="f64")
         except Exception as e:  # the reference path must run every drawn case
             return [f"the whole-matrix interpreter raised {first_line(e)}"]
-        from coda_lang.interp import bound
-
         bounds = _Once(lambda: bound.run(self.block, ins, case.dims)[1])
         try:
             msgs = self._forward(case, ins, ref, ref64, bounds)

@@ -19,6 +19,8 @@ from typing import Any
 from coda_lang.api import Block
 from coda_lang.autodiff.chunk import candidate_plans
 from coda_lang.autodiff.options import BackwardOptions
+from coda_lang.backend_cute.build.config import TileConfig, fits
+from coda_lang.backend_cute.build.ptxas import BackendUnavailable
 from coda_lang.core.diagnostics import CodaError
 from coda_lang.fuzz.case import TARGETS, CaseDraws, Unavailable, backward_options, first_line
 from coda_lang.fuzz.compare import Comparisons
@@ -30,8 +32,6 @@ EMULATE_TILES = ((16, 32), (16, 64), (32, 128), (64, 128))  # --target emulate: 
 
 def _small_tiles(cb: Any) -> dict[int, tuple[int, int]]:
     """{stage: the first of EMULATE_TILES that fits it} for the GEMM stages of a CudaBlock."""
-    from coda_lang.backend_cute.build.config import TileConfig, fits
-
     out = {}
     for k, spec in enumerate(cb.specs, 1):
         if spec is None:  # an elementwise stage: no tile
@@ -142,8 +142,6 @@ class Fuzzer(CaseDraws, Comparisons):
             )
         self.device = "cuda" if self.target == "cuda" else "cpu"
         emulate = self.target == "emulate"
-        from coda_lang.backend_cute.build.ptxas import BackendUnavailable
-
         try:
             # choose every stage's tile and compile it now: CodaError (E07) if the block can't run at all.
             # No tuning: it would compile and time every tile config at each drawn shape (minutes a case)
