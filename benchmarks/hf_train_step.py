@@ -85,9 +85,8 @@ def prepare(model: Any, name: str) -> Any:
     if name in ("coda", "coda-vocab"):
         from coda_lang.hf import apply_coda_to_llama
 
-        apply_coda_to_llama(model)
-        if name == "coda-vocab":  # the loss head's other mode: lse only, the backward in vocabulary chunks
-            model._coda.loss_mode = "vocab"
+        # coda-vocab: the loss head's other mode, lse only, the backward in vocabulary chunks
+        apply_coda_to_llama(model, loss_mode="vocab" if name == "coda-vocab" else "rows")
         return model
     raise SystemExit(f"unknown configuration {name!r}")
 

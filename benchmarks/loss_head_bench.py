@@ -12,7 +12,7 @@ the gradients of hg, r and w, on the same random bf16 inputs (about 3% of the ta
 timed twice with `triton.testing.do_bench` (median; the two timings show the warm-up was enough), and
 its peak memory is `torch.cuda.max_memory_allocated` above the inputs during one call. Errors: each
 gradient against torch eager's in f32, relative in the 2-norm. `--heads` also times the backward of
-the q/k/v split (the patch's `_Heads` against autograd's split + transpose) at the layer's shapes.
+the q/k/v split (the patch's `Heads` against autograd's split + transpose) at the layer's shapes.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def main() -> None:
 
     from coda_lang.api import load
     from coda_lang.hf.blocks import model_source
-    from coda_lang.hf.patch import LOSS_CHUNK_BYTES, _ChunkedLoss
+    from coda_lang.hf.loss import LOSS_CHUNK_BYTES, ChunkedLoss
     from coda_lang.torch import function
 
     dev = torch.device("cuda")
@@ -66,7 +66,7 @@ def main() -> None:
 
     def coda_rows(rows: int) -> Any:
         def f(x: Any, s: Any, wt: Any) -> Any:
-            return _ChunkedLoss.apply(x, s, wt, target, n, rows_head, rows)
+            return ChunkedLoss.apply(x, s, wt, target, n, rows_head, rows, None)
 
         return f
 
@@ -143,10 +143,10 @@ def main() -> None:
 
 def heads_bench(dev: Any) -> None:
     """The backward of the q/k/v split at one layer's shapes: autograd's split (contiguous copies,
-    then a concatenation) against the patch's `_Heads` (one copy per part)."""
+    then a concatenation) against the patch's `Heads` (one copy per part)."""
     import torch
 
-    from coda_lang.hf.patch import _Heads
+    from coda_lang.hf.forward import Heads
 
     b, s, h, kv, hd = 1, 8192, 32, 8, 64
     qkv = torch.randn(b * s, (h + 2 * kv) * hd, device=dev).bfloat16().requires_grad_()
@@ -156,7 +156,7 @@ def heads_bench(dev: Any) -> None:
         qs, ks, vs = x.split([h * hd, kv * hd, kv * hd], dim=1)
         return tuple(t.view(b, s, -1, hd).transpose(1, 2) for t in (qs, ks, vs))
 
-    for name, f in (("autograd split", split), ("_Heads", lambda x: _Heads.apply(x, b, s, h, kv, hd))):
+    for name, f in (("autograd split", split), ("Heads", lambda x: Heads.apply(x, b, s, h, kv, hd))):
 
         def run(f: Any = f) -> Any:
             outs = f(qkv)

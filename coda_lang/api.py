@@ -46,33 +46,34 @@ class Block(CheckedBlock):
         inputs: dict[str, Any],
         *,
         dims: dict[str, int] | None = None,
-        tile: tuple[int, int] | dict[int, tuple[int, int]] | None = None,
+        sim_tile: tuple[int, int] | dict[int, tuple[int, int]] | None = None,
         precision: str = "exact",
     ) -> dict[str, Any]:
         """Run the block on NumPy arrays with the reference interpreter; outputs by name.
 
         `precision="exact"` follows the kernel's numerics (f32 in stages, stored tiles rounded to
         their dtype); `"f64"` computes everything in float64 without rounding (gradient checks).
-        `tile=(tile_M, tile_N)` simulates the kernel's tiling (partials per tile, then combined);
-        `tile={stage: (tile_M, tile_N)}` gives each stage its own tile (as `CudaBlock.tiles` does).
+        `sim_tile=(tile_M, tile_N)` simulates a kernel's tiling (partials per tile, then combined);
+        `sim_tile={stage: (tile_M, tile_N)}` gives each stage its own tile (as `CudaBlock.tiles` does).
+        The kernels' own tile is `cuda(tile=)`'s.
         """
-        return self.run_with_partials(inputs, dims=dims, tile=tile, precision=precision)[0]
+        return self.run_with_partials(inputs, dims=dims, sim_tile=sim_tile, precision=precision)[0]
 
     def run_with_partials(
         self,
         inputs: dict[str, Any],
         *,
         dims: dict[str, int] | None = None,
-        tile: tuple[int, int] | dict[int, tuple[int, int]] | None = None,
+        sim_tile: tuple[int, int] | dict[int, tuple[int, int]] | None = None,
         precision: str = "exact",
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """`run`, plus the per-tile partial buffers of every partial reduction (tile mode)."""
+        """`run`, plus the per-tile partial buffers of every partial reduction (with a `sim_tile`)."""
         from coda_lang.interp import PRECISIONS, bind, run_block
 
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         env, sizes = bind(self.ir, inputs, dims, precision)
-        return run_block(self.ir, self.plan, env, sizes, precision=precision, tile=tile)
+        return run_block(self.ir, self.plan, env, sizes, precision=precision, sim_tile=sim_tile)
 
     def derivation(
         self,
@@ -109,7 +110,7 @@ class Block(CheckedBlock):
         *,
         dims: dict[str, int] | None = None,
         precision: str = "exact",
-        tile: tuple[int, int] | dict[int, tuple[int, int]] | None = None,
+        sim_tile: tuple[int, int] | dict[int, tuple[int, int]] | None = None,
         wrt: list[str] | None = None,
         backward: BackwardOptions | None = None,
         remat: str | None = None,
@@ -118,8 +119,8 @@ class Block(CheckedBlock):
         chunk_dim: str | None = None,
     ) -> dict[str, Any]:
         """Gradients of <outputs, cotangents> w.r.t. each differentiable input, by running the extended
-        forward and the derived backward block on the interpreter. Keys: parameter names. Outputs
-        without a cotangent get zeros.
+        forward and the derived backward block on the interpreter (both at `sim_tile`, as `run`).
+        Keys: parameter names. Outputs without a cotangent get zeros.
 
         The backward's options are one `BackwardOptions` (`backward=`), or its fields as keywords
         (`remat=`, `chunk=`, `budget=`, `chunk_dim=`; not both): what the backward recomputes, and
@@ -134,12 +135,12 @@ class Block(CheckedBlock):
         can't run in chunks of that dim, CodaError E0809."""
         options = BackwardOptions.of(backward, remat=remat, chunk=chunk, budget=budget, chunk_dim=chunk_dim)
         d = self.derivation(wrt, options.remat)
-        fwd = d.forward.run_with_partials(inputs, dims=dims, tile=tile, precision=precision)[0]
+        fwd = d.forward.run_with_partials(inputs, dims=dims, sim_tile=sim_tile, precision=precision)[0]
         bins, bdims = self.backward_inputs(d, inputs, cotangents, fwd, dims, precision)
         if not options.chunked:
-            grads = d.backward.run(bins, dims=bdims, tile=tile, precision=precision)
+            grads = d.backward.run(bins, dims=bdims, sim_tile=sim_tile, precision=precision)
         else:
-            grads = self._chunked_backward(wrt, options, bins, bdims, tile, precision)
+            grads = self._chunked_backward(wrt, options, bins, bdims, sim_tile, precision)
         return {p: grads[g] for p, g in d.grads.items()}
 
     def backward_inputs(
@@ -201,7 +202,7 @@ class Block(CheckedBlock):
         options: BackwardOptions,
         bins: dict[str, Any],
         bdims: dict[str, int],
-        tile: Any,
+        sim_tile: Any,
         precision: str,
     ) -> dict[str, Any]:
         import numpy as np  # lazy: `coda check` and `coda grad` never import NumPy
@@ -218,7 +219,7 @@ class Block(CheckedBlock):
             dims = {**sizes, plan.inner: n}
             wide = plan.acc_block if acc else plan.block
             assert wide is not None  # (acc only where the plan has an acc_block)
-            return run_block(wide.ir, wide.plan, sub, dims, precision=precision, tile=tile)[0]
+            return run_block(wide.ir, wide.plan, sub, dims, precision=precision, sim_tile=sim_tile)[0]
 
         def empty(part: Any, shape: tuple[int, ...]) -> Any:
             return np.empty(shape, np.asarray(part).dtype)
@@ -234,15 +235,26 @@ class Block(CheckedBlock):
 
         return run_chunks(plan, env, sizes[plan.dim], c, run, empty, add, finish)
 
-    def cuda(self, tile: Any = None, *, dims: dict[str, int] | None = None, **options: Any) -> Any:
+    def cuda(
+        self,
+        *,
+        tile: Any = None,
+        dims: dict[str, int] | None = None,
+        emulate: bool = False,
+        poison: bool = False,
+        tune: bool | None = None,
+    ) -> Any:
         """The block as a callable on torch CUDA tensors (`coda_lang.backend_cute.runtime.cuda_block.CudaBlock`):
-        one quack kernel per GEMM stage, tiny torch ops between stages. `tile`: None (each stage's
-        tile chosen by `select_config`), `(tile_M, tile_N)` or a `TileConfig` for every stage, or a
-        dict {stage: tile}. `dims`: sizes of dims no input's shape gives (as `run(..., dims=)`; a call
-        may give them too). Raises CodaError (E07) for stages the backend can't run yet."""
+        one quack kernel per GEMM stage, tiny torch ops between stages. `tile`, the kernels' tile: None
+        (each stage's tile chosen by `select_config`), `(tile_M, tile_N)` or a `TileConfig` for every
+        stage, or a dict {stage: tile}. `dims`: sizes of dims no input's shape gives (as `run(...,
+        dims=)`; a call may give them too). `emulate`: each kernel replaced by its torch stand-in (any
+        device); `poison`: outputs filled with NaN before each launch (tests); `tune`: time the
+        candidate tiles at each shape (default: on a GPU, unless $CODA_TUNE=0). Raises CodaError (E07)
+        for stages the backend can't run yet."""
         from coda_lang.backend_cute.runtime.cuda_block import CudaBlock
 
-        return CudaBlock(self, tile=tile, dims=dims, **options)
+        return CudaBlock(self, tile=tile, dims=dims, emulate=emulate, poison=poison, tune=tune)
 
 
 class Program:

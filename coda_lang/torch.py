@@ -6,7 +6,8 @@ backward block's kernels; on any other device (a CPU, another GPU) the same stag
 stand-ins with the kernels' numerics (f32 inside a stage, stored tiles rounded to their dtype), so a
 CPU machine and CI take the same code path as the GPU. `BlockModule` is a `torch.nn.Module` that owns
 some of a block's inputs as parameters; `LlamaMLP` is the LLaMA layer's out-proj + residual + RMSNorm +
-SwiGLU MLP + residual as one such module.
+SwiGLU MLP + residual as one such module, its text `llama_mlp_source` (`llama_mlp_stages`: the one
+source of the LLaMA MLP, also of coda_lang.hf's blocks and of examples/llama_mlp.coda).
 What it does not: choose between fused and unfused math (a block is what its .coda text says), or
 fall back silently: a block the GPU backend can't compile raises the backend's CodaError (E07) on its
 first call on the GPU.
@@ -25,7 +26,6 @@ import torch
 from coda_lang.api import Block, load
 from coda_lang.autodiff.chunk import candidate_plans
 from coda_lang.autodiff.options import BackwardOptions
-from coda_lang.ir.nodes import DEFAULT_REMAT
 
 __all__ = [
     "BlockFunction",
@@ -33,6 +33,8 @@ __all__ = [
     "LlamaMLP",
     "compile_together",
     "function",
+    "llama_mlp_source",
+    "llama_mlp_stages",
     "precompile",
     "uses_kernels",
     "wait_for_kernels",
@@ -283,33 +285,77 @@ class BlockModule(torch.nn.Module):
         return next(iter(outs.values())) if len(outs) == 1 else outs
 
 
-LLAMA_MLP = """
-dims M, D, F, K
-block llama_mlp(y: {t}[M, K], x: {t}[M, D], w_o: {t}[D, K], g: f32[D], w_13: {t}[2*F, D],
-                w_2: {t}[D, F], eps: f32 = {eps}) -> (x2: {t}[M, D]) {{
-  gemm y @ transpose(w_o) {{
-    h: {t} = acc + x
-    hg: {t} = h * g
-    ss = sum(h * h, over=D)
+# The LLaMA MLP's three GEMM stages: out-proj + residual + RMSNorm's statistics, gate/up + SwiGLU (the
+# norm's row scale deferred into its epilogue), down + residual. The one source of `LlamaMLP`'s block,
+# of coda_lang.hf's layer blocks (hf/blocks.py) and of examples/llama_mlp.coda (tests/test_torch_api.py
+# checks the example against `llama_mlp_source(linear=False, attn="D")`).
+_LLAMA_MLP_STAGES = """
+  gemm y @ {w_o} {{
+    {h}: {t} = acc + x
+    {h}g: {t} = {h} * g{n}
+    ss{n} = sum({h} * {h}, over=D)
   }}
-  r = rsqrt(ss / D + eps)
-  gemm hg @ transpose(w_13) {{
-    z = acc * r
-    gt, up = pairs(z)
+  r{n} = rsqrt(ss{n} / D + eps)
+  gemm {h}g @ {w_13} {{
+    z{n} = acc * r{n}
+    gt, up = pairs(z{n})
     a: {t} = silu(gt) * up
   }}
-  gemm a @ transpose(w_2) {{
-    x2 = acc + h
-  }}
+  gemm a @ {w_2} {{
+    {x2} = acc + {h}{then}
+  }}"""
+
+_LLAMA_MLP_BLOCK = """dims M, D, F{k_dim}
+
+block llama_mlp(y: {t}[M, {k}], x: {t}[M, D], w_o: {t}[{w_o}], g: f32[D], w_13: {t}[{w_13}],
+                w_2: {t}[{w_2}], eps: f32 = {eps}) -> (x2: {t}[M, D]) {{{stages}
 }}
 """
+
+
+def llama_mlp_stages(
+    t: str, *, linear: bool = True, h: str = "h", n: str = "", stored: bool = False, then: str = ""
+) -> str:
+    """The LLaMA MLP's stages as .coda text (each line indented for a block's body), at storage dtype
+    `t` ("bf16", "f16", "f32"). `linear`: weights in `nn.Linear` layout ([out, in], read as
+    `transpose(w)`), else [in, out]. `h`: the residual's name (the norm's input `{h}g`); `n`: the suffix
+    of the norm's names (`g{n}`, `ss{n}`, `r{n}`, `z{n}`); `stored`: `x2` stored as `t` within its
+    stage (for `then`, statements that follow it in the down-projection's epilogue)."""
+    w = (lambda name: f"transpose({name})") if linear else (lambda name: name)
+    return _LLAMA_MLP_STAGES.format(
+        t=t,
+        w_o=w("w_o"),
+        w_13=w("w_13"),
+        w_2=w("w_2"),
+        h=h,
+        n=n,
+        x2=f"x2: {t}" if stored else "x2",
+        then=then,
+    )
+
+
+def llama_mlp_source(t: str = "bf16", eps: float = 1e-6, *, linear: bool = True, attn: str = "K") -> str:
+    """The block `llama_mlp(y, x, w_o, g, w_13, w_2, eps) -> (x2)` as a .coda program: `llama_mlp_stages`
+    at storage dtype `t`, weights in `nn.Linear` layout (`linear`) or [in, out]; `attn`, the dim of
+    the attention output's width (y's columns: "K", or "D" when it is the hidden size)."""
+    k = attn
+    shapes = {"w_o": (f"D, {k}", f"{k}, D"), "w_13": ("2*F, D", "D, 2*F"), "w_2": ("D, F", "F, D")}
+    return _LLAMA_MLP_BLOCK.format(
+        t=t,
+        eps=repr(float(eps)),
+        k=k,
+        k_dim="" if k == "D" else f", {k}",
+        stages=llama_mlp_stages(t, linear=linear),
+        **{name: pair[0 if linear else 1] for name, pair in shapes.items()},
+    )
 
 
 class LlamaMLP(BlockModule):
     """After a LLaMA layer's attention: `x2 = mlp(rmsnorm(y @ w_o.T + x) * g) + (y @ w_o.T + x)`, three
     fused GEMMs. `forward(y, x)`: y the attention output [tokens, heads*head_dim], x the residual
     [tokens, hidden]. Weights are in `nn.Linear` layout ([out, in]); `w_13` holds gate and up rows
-    interleaved (g0, u0, g1, u1, ...: `coda_lang.layout.interleave_gate_up` on the transposes)."""
+    interleaved (g0, u0, g1, u1, ...: `coda_lang.layout.interleave_gate_up` on the transposes). The
+    backward's options: `backward=` or its keyword shorthands, as `function` takes them."""
 
     def __init__(
         self,
@@ -320,7 +366,11 @@ class LlamaMLP(BlockModule):
         eps: float = 1e-6,
         dtype: torch.dtype = torch.bfloat16,
         device: Any = None,
-        remat: str = DEFAULT_REMAT,
+        backward: BackwardOptions | None = None,
+        remat: str | None = None,
+        chunk: int | str | None = None,
+        budget: int | None = None,
+        chunk_dim: str | None = None,
     ):
         t = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}.get(dtype)
         if t is None:
@@ -337,7 +387,15 @@ class LlamaMLP(BlockModule):
             "w_13": w(2 * intermediate, hidden),
             "w_2": w(hidden, intermediate),
         }
-        super().__init__(LLAMA_MLP.format(t=t, eps=repr(float(eps))), params, remat=remat)
+        super().__init__(
+            llama_mlp_source(t, eps),
+            params,
+            backward=backward,
+            remat=remat,
+            chunk=chunk,
+            budget=budget,
+            chunk_dim=chunk_dim,
+        )
 
     def forward(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return super().forward(y=y, x=x)

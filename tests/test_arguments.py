@@ -27,20 +27,20 @@ def _error(f: Any) -> str:
 @pytest.mark.parametrize(
     ("tile", "message"),
     [
-        ({7: (4, 4)}, "tile= names stage 7, but block llama_mlp has stages 1 to 3"),
-        ({0: (4, 4)}, "tile= names stage 0"),
-        ({"1": (4, 4)}, "tile= names stage '1'"),
-        ({1: (4, 4.5)}, "tile= of stage 1 is (4, 4.5)"),
-        ((True, True), "tile= is (True, True)"),
-        ((4,), "tile= is (4,)"),
-        ("4x4", "tile= is '4x4'"),
+        ({7: (4, 4)}, "sim_tile= names stage 7, but block llama_mlp has stages 1 to 3"),
+        ({0: (4, 4)}, "sim_tile= names stage 0"),
+        ({"1": (4, 4)}, "sim_tile= names stage '1'"),
+        ({1: (4, 4.5)}, "sim_tile= of stage 1 is (4, 4.5)"),
+        ((True, True), "sim_tile= is (True, True)"),
+        ((4,), "sim_tile= is (4,)"),
+        ("4x4", "sim_tile= is '4x4'"),
     ],
 )
 def test_a_bad_tile_is_e0805(tile: Any, message: str) -> None:
     for call in (
-        lambda: MLP.run(INS, tile=tile),
-        lambda: MLP.run_with_partials(INS, tile=tile),
-        lambda: MLP.vjp(INS, {"x2": np.ones((16, 8))}, tile=tile),
+        lambda: MLP.run(INS, sim_tile=tile),
+        lambda: MLP.run_with_partials(INS, sim_tile=tile),
+        lambda: MLP.vjp(INS, {"x2": np.ones((16, 8))}, sim_tile=tile),
     ):
         text = _error(call)
         assert "E0805" in text and message in text, text
@@ -49,7 +49,7 @@ def test_a_bad_tile_is_e0805(tile: Any, message: str) -> None:
 def test_good_tiles_still_run() -> None:
     whole = MLP.run(INS, precision="f64")["x2"]
     for tile in ((4, 4), [8, 4], {1: (4, 4), 3: (8, 8)}, {2: (np.int64(4), np.int64(4))}):
-        np.testing.assert_allclose(MLP.run(INS, precision="f64", tile=tile)["x2"], whole, rtol=1e-10)
+        np.testing.assert_allclose(MLP.run(INS, precision="f64", sim_tile=tile)["x2"], whole, rtol=1e-10)
 
 
 @pytest.mark.parametrize("dtype", ["V4", [("a", "f4")], "U3", "O"], ids=["void", "record", "str", "object"])
@@ -71,7 +71,7 @@ def test_wrt_as_a_string_names_the_mistake() -> None:
     [
         (["run", "examples/llama_mlp.coda", "--dims", "M=100000000"], "error[E0808]: at M=100000000"),
         (
-            ["run", "examples/llama_mlp.coda", "--dims", "M=4096,D=4096,F=4096", "--tile", "1x1"],
+            ["run", "examples/llama_mlp.coda", "--dims", "M=4096,D=4096,F=4096", "--sim-tile", "1x1"],
             "error[E0808]: a 1x1 tile makes 16,777,216 tiles",
         ),
         (["fuzz", "examples/llama_mlp.coda", "--max-dim", "100000000"], "--max-dim 100000000 is more than"),
@@ -87,5 +87,5 @@ def test_sizes_that_cannot_be_had_are_refused_up_front(args: list[str], message:
 def test_block_run_refuses_a_tile_count_it_cannot_simulate() -> None:
     from coda_lang.interp.inputs import MAX_TILES
 
-    text = _error(lambda: MLP.run(random_inputs(MLP.ir, {"M": 1024, "D": 512, "F": 512}, 0), tile=(1, 1)))
+    text = _error(lambda: MLP.run(random_inputs(MLP.ir, {"M": 1024, "D": 512, "F": 512}, 0), sim_tile=(1, 1)))
     assert "E0808" in text and f"{MAX_TILES:,}" in text

@@ -175,7 +175,7 @@ def test_backward_is_tile_invariant(name: str) -> None:
     cts = {k: rng.standard_normal(np.shape(v)) for k, v in outs.items() if np.asarray(v).dtype.kind == "f"}
     whole = b.vjp(inputs, cts, dims=dims, precision="f64")
     for tile in TILES.get(name, DEFAULT_TILES):
-        tiled = b.vjp(inputs, cts, dims=dims, precision="f64", tile=tile)
+        tiled = b.vjp(inputs, cts, dims=dims, precision="f64", sim_tile=tile)
         assert sorted(tiled) == sorted(whole)
         for k in whole:
             err = float(np.max(np.abs(tiled[k] - whole[k]))) if np.size(whole[k]) else 0.0
@@ -773,7 +773,7 @@ def _check_random(
     cts = {k: rng.standard_normal(np.shape(v)) for k, v in outs.items() if np.asarray(v).dtype.kind == "f"}
     whole = block.vjp(inputs, cts, dims=dims, precision="f64")
     for tile in tiles:
-        tiled = block.vjp(inputs, cts, dims=dims, precision="f64", tile=tile)
+        tiled = block.vjp(inputs, cts, dims=dims, precision="f64", sim_tile=tile)
         for k in whole:
             err = float(np.max(np.abs(tiled[k] - whole[k]))) if np.size(whole[k]) else 0.0
             assert err <= 1e-12 * max(float(np.max(np.abs(whole[k]))), 1.0), f"d{k} at tile {tile}: {err:.3e}"
@@ -952,7 +952,7 @@ def test_reduction_ties() -> None:
     inputs = {"x": rng.standard_normal((3, 2)), "w": rng.standard_normal((2, 4)), "r": rng.standard_normal(3)}
     g = b.vjp(inputs, {"m": np.ones(3)}, precision="f64")
     assert np.allclose(g["r"], 1.0), g["r"]  # m == r exactly
-    assert np.allclose(b.vjp(inputs, {"m": np.ones(3)}, precision="f64", tile=(2, 3))["r"], 1.0)
+    assert np.allclose(b.vjp(inputs, {"m": np.ones(3)}, precision="f64", sim_tile=(2, 3))["r"], 1.0)
     assert any("ties" in r for r in b.derivation().report)
 
 

@@ -124,8 +124,8 @@ def test_chunked_with_simulated_tiles() -> None:
     blk = block("lm_head_ce")
     ins = ce_inputs(m=23, v=40)
     cts = cotangents(blk, ins)
-    want = blk.vjp(ins, cts, remat="recompute", tile=(4, 16))
-    got = blk.vjp(ins, cts, remat="recompute", tile=(4, 16), chunk=6)
+    want = blk.vjp(ins, cts, remat="recompute", sim_tile=(4, 16))
+    got = blk.vjp(ins, cts, remat="recompute", sim_tile=(4, 16), chunk=6)
     assert_same(got, want, "exact", "tiled")
 
 
@@ -512,8 +512,8 @@ def test_ce_chunked_over_v_with_simulated_tiles() -> None:
     blk = block("lm_head_ce_smooth")
     ins = ce_inputs(m=23, v=40)
     cts = cotangents(blk, ins)
-    want = blk.vjp(ins, cts, remat="recompute", tile=(8, 16))
-    got = blk.vjp(ins, cts, remat="recompute", tile=(8, 16), chunk=24, chunk_dim="V")
+    want = blk.vjp(ins, cts, remat="recompute", sim_tile=(8, 16))
+    got = blk.vjp(ins, cts, remat="recompute", sim_tile=(8, 16), chunk=24, chunk_dim="V")
     assert_same(got, want, "exact", "tiled over V")
 
 

@@ -226,3 +226,16 @@ def test_no_traceback_for_odd_inputs(tmp_path: Path) -> None:
     r = coda("grad", tmp_path)  # a directory
     no_traceback(r)
     assert r.returncode == 2
+
+
+def test_a_bad_policy_is_a_usage_error() -> None:
+    """--remat is parsed into a BackwardOptions (coda grad, coda tune); what it refuses is one line and
+    exit 2."""
+    mlp = "examples/llama_mlp.coda"
+    for args in (["grad", mlp], ["tune", mlp, "--backward", "--dims", "M=8,D=8,F=8"]):
+        r = coda(*args, "--remat", "never")
+        no_traceback(r)
+        assert r.returncode == 2, r.stderr
+        assert (
+            r.stderr.strip() == "coda: error: remat= is 'never'; it takes one of 'auto', 'save', 'recompute'"
+        )

@@ -34,7 +34,7 @@ def test_run_with_inputs_and_tile(tmp_path: Path) -> None:
         b=rng.standard_normal(12).astype(np.float32),
     )
     out = tmp_path / "o.npz"
-    r = coda("run", "examples/bias_gelu.coda", "--inputs", str(ins), "--tile", "4x8", "--out", str(out))
+    r = coda("run", "examples/bias_gelu.coda", "--inputs", str(ins), "--sim-tile", "4x8", "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert "tiles of 4x8" in r.stdout
     assert np.load(out)["out"].shape == (10, 12)
@@ -57,7 +57,8 @@ def test_run_usage_errors() -> None:
     for args, pattern in [
         (["--dims", "M=x"], "--dims takes"),
         (["--dims", "Q=4"], "unknown dim Q"),
-        (["--tile", "128"], "--tile takes"),
+        (["--sim-tile", "128"], "--sim-tile takes"),
+        (["--tile", "128x64"], "coda run simulates a tile: --sim-tile MxN (--tile is the kernels' tile"),
         (["--block", "nope"], "no block `nope`"),
         (["--inputs", "/nonexistent.npz"], "can't read"),
     ]:

@@ -108,7 +108,7 @@ def test_forward_f64_matches_torch_float64(name: str, which: str) -> None:
         want = ref[out].detach().numpy()
         np.testing.assert_allclose(ours[out], want, rtol=1e-12, atol=1e-12, err_msg=f"{name}.{out}")
     assert np.all(ours["loss"][ins["target"] < 0] == 0.0)  # ignored rows
-    tiled = block(name).run(given, precision="f64", tile=(4, 8))  # ragged tiles both ways
+    tiled = block(name).run(given, precision="f64", sim_tile=(4, 8))  # ragged tiles both ways
     for out in ("loss", "lse"):
         np.testing.assert_allclose(tiled[out], ours[out], rtol=1e-12, atol=1e-12)
 

@@ -369,7 +369,7 @@ def test_rope_freq_matches_the_reference_inv_freq() -> None:
 @pytest.mark.parametrize("name", CASES)
 def test_exact_within_twice_bf16_error(name: str, tiled: bool) -> None:
     case, ref64, ref16 = prepared(name)
-    ours = run(name, precision="exact", tile=case.tile if tiled else None)
+    ours = run(name, precision="exact", sim_tile=case.tile if tiled else None)
     assert sorted(ours) == sorted(ref64)
     for out in ours:
         check_rule(
@@ -386,6 +386,6 @@ def test_f64_matches_float64_reference(name: str) -> None:
     ours = run(name, precision="f64")
     for out in ours:
         check_f64(f"{name}.{out}", ours[out], ref64[out])
-    ours_tiled = run(name, precision="f64", tile=case.tile)
+    ours_tiled = run(name, precision="f64", sim_tile=case.tile)
     for out in ours_tiled:
         check_f64(f"{name}.{out} (tiled)", ours_tiled[out], ref64[out])

@@ -1,4 +1,4 @@
-"""`coda fuzz` (coda_lang/fuzz.py): it passes on the examples, and it catches, shrinks and reproduces
+"""`coda fuzz` (coda_lang/fuzz/): it passes on the examples, and it catches, shrinks and reproduces
 planted bugs.
 
 - `coda fuzz --target interp` on every example (a few cases each) and on random programs: exit 0.
@@ -132,6 +132,7 @@ def test_a_planted_tile_bug_is_caught_shrunk_and_reproduced(
     assert max(dims.values()) <= 8, dims  # shrunk: a few rows, a row of 2 tiles (llama_mlp's tile_N is even)
     args = repro_args(out)
     assert args[:5] == [MLP, "--block", "llama_mlp", "--target", "interp"] and "--input-seed" in args
+    assert "--sim-tile" in args and "--tile" not in args, args  # the simulated tile
     code, out2, _ = fuzz(capsys, *args)  # the one-line command reproduces exactly that case
     assert code == 1 and failing_dims(out2) == dims, out2
     monkeypatch.undo()
@@ -210,6 +211,55 @@ def test_examples_pass_under_policies_and_chunks(
     assert f"8 cases (forward and backward, {' '.join(policy)}), target {target}" in out, out
 
 
+def test_chunks_of_the_vocabulary_and_the_reproduce_command(capsys: pytest.CaptureFixture[str]) -> None:
+    """--chunk-dim V runs the loss head's backward in chunks of its vocabulary's columns; a case's
+    reproduce arguments name the dim."""
+    from hypothesis import find
+
+    import coda_lang
+    from coda_lang.fuzz import Case, Fuzzer
+
+    args = ["--examples", "6", "--remat", "recompute", "--chunk", "16", "--chunk-dim", "V"]
+    code, out, err = fuzz(capsys, HEAD, *args)
+    assert code == 0, out + err
+    assert "6 cases (forward and backward, --remat recompute --chunk 16 --chunk-dim V)" in out, out
+    fz = Fuzzer(coda_lang.load(HEAD)["lm_head_ce"], "interp", remat="recompute", chunk="auto", chunk_dim="V")
+    assert fz.chunk_plan.dim == "V"
+    case = find(fz.cases(max_dim=16), lambda c: True)
+    assert case.args()[-8:-4] == ["--remat", "recompute", "--chunk", "auto"] and case.args()[-4] == "--budget"
+    assert "--chunk-dim" in case.args() and case.args()[-1] == "V", case.args()
+    fixed = Case({"M": 4, "D": 8, "V": 32}, 0, None, coda_lang.BackwardOptions("recompute", 16, None, "V"))
+    assert "remat recompute; chunks of 16 along V" in fixed.describe()
+
+
+def test_the_fuzzers_backward_options_are_one_value() -> None:
+    """Fuzzer takes the backward's options as `backward=BackwardOptions(...)` or its shorthands, checked
+    by BackwardOptions once (TypeError/ValueError); DRAW is the fuzzer's own chunk."""
+    import coda_lang
+    from coda_lang.fuzz import DRAW, Fuzzer
+
+    blk = coda_lang.load(MLP)["llama_mlp"]
+    fz = Fuzzer(blk, backward=coda_lang.BackwardOptions(remat="save", chunk=3))
+    assert fz.remat == "save" and fz.options == coda_lang.BackwardOptions("save", 3) and not fz.draw
+    assert Fuzzer(blk, remat="save", chunk=3).options == fz.options
+    assert Fuzzer(blk, backward=False).options is None
+    assert Fuzzer(blk, chunk=DRAW).draw
+    for kwargs, error in [
+        ({"remat": "sometimes"}, ValueError),
+        ({"chunk": 0}, ValueError),
+        ({"chunk": "half"}, ValueError),
+        ({"chunk": 2.5}, TypeError),
+        ({"chunk": 4, "budget": 64}, ValueError),
+        ({"chunk": DRAW, "budget": 64}, ValueError),
+        ({"backward": False, "remat": "save"}, ValueError),
+        ({"backward": coda_lang.BackwardOptions(), "remat": "save"}, TypeError),
+        ({"backward": "save"}, TypeError),
+        ({"chunk_dim": "Q"}, ValueError),
+    ]:
+        with pytest.raises(error):
+            Fuzzer(blk, **kwargs)  # type: ignore[arg-type]
+
+
 def test_a_block_that_cant_be_chunked_is_checked_unchunked(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = fuzz(capsys, str(ROOT / "examples" / "amax_fp8.coda"), "--examples", "4", "--chunk", "2")
     assert code == 0, out + err
@@ -234,7 +284,7 @@ def test_random_programs_pass_under_policies_and_chunks(
     assert code == 0, out + err
     assert out.startswith("ok: 12 random programs"), out
     assert re.search(
-        r"backward checked under --remat save x\d+, --remat recompute x\d+, --remat auto x\d+", err
+        r"backward checked under --remat save x\d+, --remat auto x\d+, --remat recompute x\d+", err
     )
     assert re.search(r"[1-9]\d* cases ran the backward in row chunks", err), err
     code, out, err = fuzz(
@@ -391,7 +441,12 @@ def test_help() -> None:
     [
         ([MLP, "--examples", "0"], "positive"),
         ([MLP, "--max-dim", "0"], "--max-dim"),
-        ([MLP, "--tile", "4by8"], "--tile"),
+        ([MLP, "--sim-tile", "4by8"], "--sim-tile takes MxN"),
+        (
+            [MLP, "--tile", "4x8"],
+            "--tile is the kernels' tile (--target cuda, emulate); --target interp's is",
+        ),
+        ([MLP, "--target", "emulate", "--sim-tile", "4x8"], "--sim-tile is the interpreter's tile"),
         ([MLP, "--dims", "M=x"], "--dims"),
         ([MLP, "--dims", "Q=4"], "unknown dim Q"),
         (
@@ -406,11 +461,13 @@ def test_help() -> None:
         (["--programs", "3", "--dims", "M=4"], "go with a FILE"),
         ([MLP, "--target", "tpu"], "invalid choice"),
         ([MLP, "--examples", "many"], "invalid int"),
-        ([MLP, "--remat", "sometimes"], "--remat takes save, recompute or auto, got 'sometimes'"),
-        ([MLP, "--chunk", "0"], "--chunk takes a number of rows (a positive integer) or auto"),
-        ([MLP, "--chunk", "half"], "--chunk takes a number of rows (a positive integer) or auto"),
-        ([MLP, "--budget", "64"], "--budget takes a positive number of bytes, with --chunk auto"),
-        ([MLP, "--chunk", "auto", "--budget", "0"], "--budget takes a positive number of bytes"),
+        ([MLP, "--remat", "sometimes"], "coda: error: remat= is 'sometimes'; it takes one of 'auto'"),
+        ([MLP, "--chunk", "0"], "coda: error: chunk= is 0; a chunk holds at least 1 element"),
+        ([MLP, "--chunk", "half"], "coda: error: chunk= is 'half'; it takes None (no chunks), \"auto\""),
+        ([MLP, "--chunk", "4", "--budget", "64"], "coda: error: chunk=4 and budget=64 both given"),
+        ([MLP, "--chunk", "auto", "--budget", "0"], "coda: error: budget= is 0; it must be a positive"),
+        ([MLP, "--chunk-dim", "Q"], "coda: error: chunk_dim= is 'Q'; block llama_mlp has no such dim"),
+        (["--programs", "3", "--chunk-dim", "M"], "--chunk-dim names a dim of FILE's block"),
         ([MLP, "--no-backward", "--remat", "recompute"], "--no-backward checks none"),
     ],
 )

@@ -6,7 +6,7 @@ Every test is marked `gpu` and skipped without a CUDA GPU (tests/conftest.py). O
 - Forward of llama_mlp, bias_gelu, scale_residual, amax_fp8, lm_head_ce, qkv_rope, llama_block, qk_norm
   at sizes that are multiples of no tile (M=1000, D=520, F=1000, ...; qk_norm's 2*P = 1152 holds whole
   heads of 128; bf16), each stage at the tile `select_config` picks: outputs against
-  `Block.run(..., tile=cb.tiles)` on the same bf16 inputs copied to the CPU, and against float64
+  `Block.run(..., sim_tile=cb.tiles)` on the same bf16 inputs copied to the CPU, and against float64
   (tests/runtime_check.py states the two tolerance rules: elementwise within a bf16 ulp of the
   interpreter, and an f64 error at most twice the interpreter's); every output buffer is poisoned with
   NaN first, so an unwritten element fails.
@@ -104,8 +104,8 @@ def run(name: str) -> Run:
         outs, partials = cb.run_with_partials(inputs)
         torch.cuda.synchronize()
         cpu = {k: v.cpu() for k, v in inputs.items()}
-        ref, ref_partials = blk.run_with_partials(cpu, tile=cb.tiles)
-        ref64, ref64_partials = blk.run_with_partials(cpu, tile=cb.tiles, precision="f64")
+        ref, ref_partials = blk.run_with_partials(cpu, sim_tile=cb.tiles)
+        ref64, ref64_partials = blk.run_with_partials(cpu, sim_tile=cb.tiles, precision="f64")
         _RUNS[name] = Run(blk, cb, inputs, outs, partials, ref, ref_partials, ref64, ref64_partials)
     return _RUNS[name]
 
@@ -137,8 +137,8 @@ def check_against_interpreter(blk: coda_lang.Block, cb: Any, inputs: dict[str, A
     outs, partials = cb.run_with_partials(inputs)
     torch.cuda.synchronize()
     cpu = {k: v.cpu() for k, v in inputs.items()}
-    ref, ref_partials = blk.run_with_partials(cpu, tile=cb.tiles)
-    ref64, ref64_partials = blk.run_with_partials(cpu, tile=cb.tiles, precision="f64")
+    ref, ref_partials = blk.run_with_partials(cpu, sim_tile=cb.tiles)
+    ref64, ref64_partials = blk.run_with_partials(cpu, sim_tile=cb.tiles, precision="f64")
     for o in blk.ir.outputs:
         assert o.type is not None
         check_output(o.name, outs[o.name], ref[o.name], ref64[o.name], o.type.dtype)
@@ -257,8 +257,8 @@ def test_backward_block_matches_interpreter(name: str) -> None:
     outs, partials = r.cb.run_with_partials(r.inputs)
     torch.cuda.synchronize()
     cpu = {k: v.cpu() for k, v in r.inputs.items()}
-    ref, ref_partials = r.bwd.run_with_partials(cpu, tile=BWD_TILE)
-    ref64, ref64_partials = r.bwd.run_with_partials(cpu, tile=BWD_TILE, precision="f64")
+    ref, ref_partials = r.bwd.run_with_partials(cpu, sim_tile=BWD_TILE)
+    ref64, ref64_partials = r.bwd.run_with_partials(cpu, sim_tile=BWD_TILE, precision="f64")
     print(
         f"\n{r.bwd.name}: GEMM stages {r.cb.gemm_stages}, elementwise {sorted(r.cb.elementwise)}, "
         f"modes {[s.mode for s in r.cb.specs if s is not None]}"
@@ -305,7 +305,7 @@ def test_example_autograd_matches_vjp(name: str, remat: str) -> None:
     torch.autograd.backward([outs[o] for o in cts], [cts[o] for o in cts])
     cpu = {k: v.cpu() for k, v in inputs.items()}
     cts_cpu = {k: v.cpu() for k, v in cts.items()}
-    ref = blk.vjp(cpu, cts_cpu, tile=BWD_TILE, remat=remat)
+    ref = blk.vjp(cpu, cts_cpu, sim_tile=BWD_TILE, remat=remat)
     ref64 = blk.vjp(cpu, cts_cpu, precision="f64", remat=remat)
     assert ref
     for n in ref:
@@ -321,7 +321,7 @@ def test_llama_mlp_fresh_inputs_other_tile() -> None:
     inputs = example_inputs(blk, {**RAGGED, "M": 777, "D": 392, "F": 600}, seed=2, device="cuda")
     outs, partials = cb.run_with_partials(inputs)
     cpu = {k: v.cpu() for k, v in inputs.items()}
-    ref, ref_partials = blk.run_with_partials(cpu, tile=(128, 128))
+    ref, ref_partials = blk.run_with_partials(cpu, sim_tile=(128, 128))
     ref64 = blk.run(cpu, precision="f64")
     check_output("x2", outs["x2"], ref["x2"], ref64["x2"], "bf16")
     check_partial("ss", partials["ss"], ref_partials["ss"])
@@ -336,7 +336,7 @@ def test_scalar_operand_as_cuda_tensor() -> None:
     as_tensor = cb({**r.inputs, "alpha": torch.tensor(0.75, device="cuda")})["out"]
     assert torch.equal(as_float, as_tensor)
     cpu = {k: v.cpu() for k, v in r.inputs.items()}
-    ref = r.blk.run({**cpu, "alpha": np.float32(0.75)}, tile=cb.tiles)
+    ref = r.blk.run({**cpu, "alpha": np.float32(0.75)}, sim_tile=cb.tiles)
     check_output("out", as_float, ref["out"], None, "bf16")
 
 
@@ -353,9 +353,9 @@ def test_backward_matches_vjp(name: str) -> None:
     )
     out.backward(ct)
     cpu = {k: v.cpu() for k, v in inputs.items()}
-    ref = blk.vjp(cpu, {"out": ct.cpu()}, tile=tile)
+    ref = blk.vjp(cpu, {"out": ct.cpu()}, sim_tile=tile)
     ref64 = blk.vjp(cpu, {"out": ct.cpu()}, precision="f64")
-    check_output("out", out, blk.run(cpu, tile=tile)["out"], blk.run(cpu, precision="f64")["out"], "bf16")
+    check_output("out", out, blk.run(cpu, sim_tile=tile)["out"], blk.run(cpu, precision="f64")["out"], "bf16")
     for p in blk.ir.params:
         g = leaves[p.var.name].grad
         assert g is not None and g.dtype == inputs[p.var.name].dtype
@@ -433,13 +433,13 @@ def test_tuning_picks_a_measured_tile_and_caches_it(tmp_path: Path, monkeypatch:
     cb = blk.cuda(tune=True, poison=True)
     first = cb(inputs)["x2"]
     assert cb.tuner.background is not None and not cb.tuner.background.over  # (compiling the rest)
-    check_output("x2", first, blk.run(cpu, tile=cb.tiles)["x2"], f64, "bf16")
+    check_output("x2", first, blk.run(cpu, sim_tile=cb.tiles)["x2"], f64, "bf16")
     assert ct.wait_for_kernels(timeout=900) and cb.tuner.background.over
     outs, partials = cb.run_with_partials(inputs)
     data = json.loads((tmp_path / "tuning.json").read_text())
     assert len(data) == 3 and all(len(e["ms"]) >= 1 for e in data.values())
     print("\n" + json.dumps(data, indent=1))
-    ref, ref_partials = blk.run_with_partials(cpu, tile=cb.tiles)
+    ref, ref_partials = blk.run_with_partials(cpu, sim_tile=cb.tiles)
     check_output("x2", outs["x2"], ref["x2"], f64, "bf16")
     for k, buf in partials.items():
         check_partial(k, buf, ref_partials[k])
@@ -529,8 +529,8 @@ def test_narrow_epilogue_subtile_matches_interpreter() -> None:
     outs, partials = cb.run_with_partials(r.inputs)
     torch.cuda.synchronize()
     cpu = {k: v.cpu() for k, v in r.inputs.items()}
-    ref, ref_partials = r.bwd.run_with_partials(cpu, tile=cb.tiles)
-    ref64, ref64_partials = r.bwd.run_with_partials(cpu, tile=cb.tiles, precision="f64")
+    ref, ref_partials = r.bwd.run_with_partials(cpu, sim_tile=cb.tiles)
+    ref64, ref64_partials = r.bwd.run_with_partials(cpu, sim_tile=cb.tiles, precision="f64")
     for o in r.bwd.ir.outputs:
         assert o.type is not None
         check_gradient(o.name, outs[o.name], ref[o.name], ref64[o.name], o.type.dtype)

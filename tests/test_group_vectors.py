@@ -163,7 +163,7 @@ def test_the_interpreter_repeats_the_vector_per_head() -> None:
     acc = x.astype(np.float64) @ w
     want = acc * np.tile(g, 3) + r[:, None]
     for tile in (None, (3, 5), (4, 2), (2, 12)):  # ragged tiles that cut the heads anywhere
-        out = b.run(dict(x=x, w=w, g=g, r=r), tile=tile)
+        out = b.run(dict(x=x, w=w, g=g, r=r), sim_tile=tile)
         np.testing.assert_allclose(out["y"], want, rtol=1e-5, atol=1e-5, err_msg=str(tile))
         np.testing.assert_allclose(out["s"], (acc * np.tile(g, 3)).sum(1), rtol=1e-4, atol=1e-4)
 
@@ -179,7 +179,7 @@ def test_columns_are_counted_in_the_tile_the_vector_meets() -> None:
     want[:, 0::2] = acc[:, 0::2] * np.tile(g, 2)
     want[:, 1::2] = acc[:, 1::2] - np.tile(g, 2)
     for tile in (None, (2, 4), (3, 10)):
-        np.testing.assert_allclose(b.run(dict(x=x, w=w, g=g), tile=tile)["y"], want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(b.run(dict(x=x, w=w, g=g), sim_tile=tile)["y"], want, rtol=1e-5, atol=1e-5)
 
 
 def test_expand_and_fold_between_stages() -> None:

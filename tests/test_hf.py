@@ -18,8 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from coda_lang.hf import apply_coda_to_llama, apply_coda_to_qwen3  # noqa: E402
-from coda_lang.hf.patch import unfused_grads  # noqa: E402
+from coda_lang.hf import apply_coda_to_llama, apply_coda_to_qwen3, unfused_grads  # noqa: E402
 
 VOCAB = 96
 SHAPES = dict(
@@ -60,8 +59,8 @@ def make(family: str, dtype: Any = None, seed: int = 0, **over: Any) -> Any:
 ON_KERNELS = {"qwen3": {"head_dim": 32}, "llama": {}}
 
 
-def patch(family: str, model: Any) -> Any:
-    return FAMILIES[family][2](model)
+def patch(family: str, model: Any, **loss: Any) -> Any:
+    return FAMILIES[family][2](model, **loss)
 
 
 def batch(seed: int = 1, b: int = 2, s: int = 24) -> tuple[Any, Any]:
@@ -126,9 +125,8 @@ def test_bf16_within_the_accuracy_rule(
     over = {**(ON_KERNELS[family] if device == "cuda" else {}), "tie_word_embeddings": tied}
     ref32 = make(family, **over).to(device)
     ref16 = copy.deepcopy(ref32).to(torch.bfloat16)
-    pat = patch(family, copy.deepcopy(ref32).to(torch.bfloat16))
-    pat._coda.loss_mode = loss_mode
-    pat._coda.loss_rows = 16
+    rows = {"loss_rows": 16} if loss_mode == "rows" else {}
+    pat = patch(family, copy.deepcopy(ref32).to(torch.bfloat16), loss_mode=loss_mode, **rows)
     ids, labels = (t.to(device) for t in batch())
     want = run(ref32, ids, labels)
     low = run(ref16, ids, labels)
@@ -302,7 +300,7 @@ def test_a_tied_weights_gradient_is_made_in_one_pass(monkeypatch: Any) -> None:
     embedding backward is not run), matching the unpatched model, also with a padding id among the
     tokens (its rows add nothing); "vocab" mode, or a hook on the embedding module, keep torch's
     embedding (the hook runs)."""
-    import coda_lang.hf.patch as P
+    import coda_lang.hf.loss as P
 
     calls: list[int] = []
     real = P.tied_grad
@@ -323,10 +321,9 @@ def test_a_tied_weights_gradient_is_made_in_one_pass(monkeypatch: Any) -> None:
     assert rel(l1, l0) < 1e-5
     for name in g0:
         assert rel(g1[name], g0[name]) < 1e-5, name
-    pat._coda.loss_mode = "vocab"
-    _, _, g2 = run(pat, ids, labels)
+    vocab = patch("llama", copy.deepcopy(ref), loss_mode="vocab")
+    _, _, g2 = run(vocab, ids, labels)
     assert calls == [1] and rel(g2["model.embed_tokens.weight"], g0["model.embed_tokens.weight"]) < 1e-5
-    pat._coda.loss_mode = "rows"
     for m in (ref, pat):
         m.model.embed_tokens.register_forward_hook(lambda mod, args, out: out * 2)
     l0, _, g0 = run(ref, ids, labels)
@@ -394,6 +391,47 @@ def test_misuse_is_refused() -> None:
         model(ids)
 
 
+@pytest.mark.parametrize(
+    "loss, error, message",
+    [
+        ({"loss_mode": "logits"}, ValueError, "loss_mode= is 'logits'; it takes 'rows' or 'vocab'"),
+        ({"loss_mode": None}, TypeError, "loss_mode= is None"),
+        ({"loss_rows": 0}, ValueError, "loss_rows= is 0; it takes a positive number of rows"),
+        ({"loss_rows": 2.5}, TypeError, "loss_rows= is 2.5"),
+        ({"loss_mode": "vocab", "loss_budget": -1}, ValueError, "loss_budget= is -1"),
+        ({"loss_mode": "vocab", "loss_budget": "1GiB"}, TypeError, "loss_budget= is '1GiB'"),
+        ({"loss_budget": 2**20}, ValueError, "loss_budget= bounds the chunks of loss_mode='vocab'"),
+        (
+            {"loss_mode": "vocab", "loss_rows": 16},
+            ValueError,
+            "loss_rows= sizes the chunks of loss_mode='rows'",
+        ),
+    ],
+)
+def test_bad_loss_settings_are_refused_before_patching(
+    loss: dict[str, Any], error: type, message: str
+) -> None:
+    """The loss head's settings are arguments of the patch, checked before anything changes."""
+    for family in sorted(FAMILIES):
+        model = make(family)
+        with pytest.raises(error) as e:
+            patch(family, model, **loss)
+        assert message in str(e.value), e.value
+        assert getattr(model, "_coda", None) is None and hasattr(model.model.layers[0].self_attn, "q_proj")
+
+
+def test_the_loss_settings_reach_the_model_state() -> None:
+    """`loss_mode`, `loss_rows` and `loss_budget` become the patched model's loss head (its mode, its
+    chunk sizes, and the head its kernels compile with at the first call)."""
+    st = patch("llama", make("llama"))._coda
+    assert (st.loss_mode, st.loss_rows) == ("rows", 0) and st.first._together[-1] is st.row_head()
+    st = patch("llama", make("llama"), loss_rows=16)._coda
+    assert st.loss_rows == 16
+    st = patch("qwen3", make("qwen3"), loss_mode="vocab", loss_budget=2**20)._coda
+    assert (st.loss_mode, st.loss_budget) == ("vocab", 2**20) and st.first._together[-1] is st.vocab_head()
+    assert st.vocab_head().options.budget == 2**20 and st.vocab_head().options.chunk_dim == "V"
+
+
 @pytest.mark.parametrize("mode, size", [("rows", 16), ("rows", 20), ("vocab", 64), ("vocab", 16)])
 def test_the_loss_head_in_chunks(mode: str, size: int, monkeypatch: Any) -> None:
     """The loss head never holds an [M, V] tensor: "rows" runs it in row chunks, each chunk's backward
@@ -413,12 +451,8 @@ def test_the_loss_head_in_chunks(mode: str, size: int, monkeypatch: Any) -> None
 
     monkeypatch.setattr(autograd, "choose", spy)
     ref = make("llama")
-    pat = patch("llama", copy.deepcopy(ref))
-    pat._coda.loss_mode = mode
-    if mode == "rows":
-        pat._coda.loss_rows = size
-    else:
-        pat._coda.loss_budget = 48 * size * 4
+    chunks = {"loss_rows": size} if mode == "rows" else {"loss_budget": 48 * size * 4}
+    pat = patch("llama", copy.deepcopy(ref), loss_mode=mode, **chunks)
     ids, labels = batch()
     l0, _, g0 = run(ref, ids, labels)
     l1, _, g1 = run(pat, ids, labels)
@@ -444,3 +478,18 @@ def test_a_training_step_compiles_its_kernels_at_once(family: str) -> None:
     group = st.first._together
     assert group is st.layer._together is st.last._together is st.row_head()._together
     assert [f.name for f in group] == ["first_qkv", "layer", "last", "head_loss"]
+
+
+def test_the_public_names() -> None:
+    """coda_lang.hf exports the two patches and `unfused_grads` (the gradients under the unpatched
+    model's names: none before a backward)."""
+    import coda_lang.hf as hf
+
+    assert sorted(hf.__all__) == ["apply_coda_to_llama", "apply_coda_to_qwen3", "unfused_grads"]
+    model = patch("llama", make("llama"))
+    assert hf.unfused_grads(model) == {}
+    ids, labels = batch()
+    model(ids, labels=labels).loss.backward()
+    names = set(hf.unfused_grads(model))
+    assert "model.layers.0.self_attn.q_proj.weight" in names and "model.layers.1.mlp.up_proj.weight" in names
+    assert not any("qkv_weight" in n or "gate_up_weight" in n for n in names)

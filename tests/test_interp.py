@@ -72,7 +72,7 @@ def test_partial_buffers_are_per_tile_and_combine() -> None:
     M, K, N, tm, tn = 37, 8, 50, 16, 24  # ragged in both directions
     x, w = rng.standard_normal((M, K)).astype(np.float32), rng.standard_normal((K, N)).astype(np.float32)
     t = rng.integers(-1, N, M).astype(np.int32)  # -1: an index no tile holds
-    out, parts = b.run_with_partials({"x": x, "w": w, "t": t}, tile=(tm, tn))
+    out, parts = b.run_with_partials({"x": x, "w": w, "t": t}, sim_tile=(tm, tn))
     acc = x @ w
     col_tiles = [slice(j, min(j + tn, N)) for j in range(0, N, tn)]
     row_tiles = [slice(i, min(i + tm, M)) for i in range(0, M, tm)]
@@ -109,9 +109,9 @@ block b(x: f32[M, K], w: f32[K, N]) -> (o: f32[M, N]) {
     ss = (acc.reshape(9, 5, 4) ** 2).sum(-1)
     want = acc / np.sqrt(np.repeat(ss, 4, axis=1))
     np.testing.assert_allclose(b.run({"x": x, "w": w})["o"], want, rtol=1e-5)
-    np.testing.assert_allclose(b.run({"x": x, "w": w}, tile=(4, 8))["o"], want, rtol=1e-5)
+    np.testing.assert_allclose(b.run({"x": x, "w": w}, sim_tile=(4, 8))["o"], want, rtol=1e-5)
     with pytest.raises(coda_lang.CodaError, match="splits the groups"):
-        b.run({"x": x, "w": w}, tile=(4, 6))
+        b.run({"x": x, "w": w}, sim_tile=(4, 6))
 
 
 def test_f64_precision_does_not_round() -> None:
@@ -168,7 +168,7 @@ def test_index_input_must_be_integer_and_pairs_need_even_tile() -> None:
     mlp = coda_lang.load("examples/llama_mlp.coda")["llama_mlp"]
     ins = random_inputs(mlp.ir, {"M": 8, "D": 4, "F": 6})
     with pytest.raises(coda_lang.CodaError, match="odd"):
-        mlp.run(ins, tile=(4, 5))
+        mlp.run(ins, sim_tile=(4, 5))
 
 
 # Tile-size invariance: any tiling gives the whole-matrix result up to reassociation.
@@ -202,13 +202,13 @@ def test_tile_size_invariance(case: tuple[coda_lang.Block, dict[str, int], tuple
     block, dims, tile, seed = case
     inputs = random_inputs(block.ir, dims, seed)
     whole = block.run(inputs, precision="f64")
-    tiled = block.run(inputs, precision="f64", tile=tile)
+    tiled = block.run(inputs, precision="f64", sim_tile=tile)
     for name in whole:
         np.testing.assert_allclose(
             tiled[name], whole[name], rtol=1e-9, atol=1e-9, err_msg=f"{block.name}.{name}"
         )
     whole32 = block.run(inputs)
-    tiled32 = block.run(inputs, tile=tile)
+    tiled32 = block.run(inputs, sim_tile=tile)
     for name in whole32:
         a, b = f32(whole32[name]), f32(tiled32[name])
         scale = max(float(np.abs(a).max()), 1.0) if a.size else 1.0

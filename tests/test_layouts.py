@@ -1,18 +1,18 @@
 """Layout copies (coda_lang/backend_triton/layouts.py): the fused QKV tile's gradient from dq, dk, dv
-(hf.patch._Heads), and a paired stage's full-width tile from its two lanes.
+(hf.forward.Heads), and a paired stage's full-width tile from its two lanes.
 
 - `join_heads`' Triton kernel under Triton's CPU interpreter, against torch's reference (the
   concatenation of the token-major transposes): per-head gradients in the attention backward's
   [B, H, S, D] layout, as transposed views of a token-major tensor, and a part given as None (zeros),
   with a sequence that is not a multiple of the kernel's block, two batches, GQA widths;
-- `_Heads` (the patch's q/k/v views) against autograd's split + transpose: the same views forward,
+- `Heads` (the patch's q/k/v views) against autograd's split + transpose: the same views forward,
   the same gradient backward, on the CPU path;
 - `interleave` under the interpreter against torch's stack, at sizes that are multiples of no block;
 - `scale_round` under the interpreter against torch's mul of the same operands (f32 and bf16 inputs,
   an f32 or bf16 scale, a size that is a multiple of no block), and the patch's CPU path;
 - `tied_grad` (a tied LM head + embedding's weight gradient) under the interpreter and on the patch's
   CPU path against float64: repeated ids, a padding id whose rows add nothing, ids never seen;
-- on a GPU (marked `gpu`): the compiled kernels, through `_Heads.backward` and directly.
+- on a GPU (marked `gpu`): the compiled kernels, through `Heads.backward` and directly.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from coda_lang.hf.patch import _Heads
+from coda_lang.hf.forward import Heads
 
 pytest.importorskip("triton")
 
@@ -84,7 +84,7 @@ def test_heads_views_and_gradient_match_autograds_split() -> None:
     x0 = qkv.clone().requires_grad_()
     x1 = qkv.clone().requires_grad_()
     want = split(x0)
-    got = _Heads.apply(x1, B, S, H, KV, HD)
+    got = Heads.apply(x1, B, S, H, KV, HD)
     for a, b in zip(got, want, strict=True):
         assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
     torch.autograd.backward(want, gs)
@@ -92,7 +92,7 @@ def test_heads_views_and_gradient_match_autograds_split() -> None:
     assert torch.equal(x1.grad, x0.grad)
     # only q and k used: v's columns of the gradient are zeros
     x2 = qkv.clone().requires_grad_()
-    q, k, _ = _Heads.apply(x2, B, S, H, KV, HD)
+    q, k, _ = Heads.apply(x2, B, S, H, KV, HD)
     ((q.float() * gs[0].float()).sum() + (k.float() * gs[1].float()).sum()).backward()
     torch.testing.assert_close(x2.grad.float(), reference([gs[0], gs[1], None]), rtol=0, atol=0)
 
@@ -104,7 +104,7 @@ def test_heads_backward_on_the_gpu(layout: str) -> None:
         pytest.skip("needs a CUDA GPU")
     gs = [g.cuda() for g in grads(layout, torch.Generator().manual_seed(7))]
     x = torch.randn(B * S, (H + 2 * KV) * HD, device="cuda").bfloat16().requires_grad_()
-    torch.autograd.backward(_Heads.apply(x, B, S, H, KV, HD), gs)
+    torch.autograd.backward(Heads.apply(x, B, S, H, KV, HD), gs)
     torch.testing.assert_close(x.grad.float().cpu(), reference([g.cpu() for g in gs]), rtol=0, atol=0)
 
 
@@ -125,7 +125,7 @@ def test_interleave_on_the_interpreter(rows: int, n: int) -> None:
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
 def test_scale_round_on_the_interpreter(src_dtype: torch.dtype, scale_dtype: torch.dtype) -> None:
     from coda_lang.backend_triton import layouts
-    from coda_lang.hf.patch import scale_round
+    from coda_lang.hf.loss import scale_round
 
     gen = torch.Generator().manual_seed(3)
     src = (torch.randn(37, 300, generator=gen) * 1e3).to(src_dtype)
@@ -141,7 +141,7 @@ def test_scale_round_on_the_interpreter(src_dtype: torch.dtype, scale_dtype: tor
 @pytest.mark.parametrize("padding_idx", [None, 3])
 def test_tied_grad_against_float64(padding_idx: int | None) -> None:
     from coda_lang.backend_triton import layouts
-    from coda_lang.hf.patch import tied_grad
+    from coda_lang.hf.loss import tied_grad
 
     gen = torch.Generator().manual_seed(5)
     V, D, T = 50, 40, 70  # D a multiple of no block; ids repeat, and some ids never occur

@@ -90,7 +90,7 @@ def test_an_op_is_one_opdef(throwaway_op: OpDef) -> None:
 
     cb = block.cuda(tile=(16, 8), emulate=True, poison=True)  # the emulated kernels run its torch stand-in
     got = cb({k: torch.from_numpy(v) for k, v in ins.items()})
-    want = block.run(ins, tile=(16, 8))
+    want = block.run(ins, sim_tile=(16, 8))
     for name in ("y", "s", "t"):
         np.testing.assert_allclose(
             got[name].float().numpy(),
@@ -193,7 +193,7 @@ def test_mean_is_a_sum_divided_by_the_count() -> None:
     centred = acc - np.repeat(acc.reshape(24, 4, 4).mean(axis=2), 4, axis=1)
     want = {"m": m, "g": centred, "t": np.mean(ins["v"] * m)}
     for tile in (None, (8, 8), (5, 12)):  # tile_N a multiple of the group
-        outs = block.run(ins, precision="f64", tile=tile) if tile else block.run(ins, precision="f64")
+        outs = block.run(ins, precision="f64", sim_tile=tile) if tile else block.run(ins, precision="f64")
         for k, ref in want.items():
             np.testing.assert_allclose(outs[k], ref, rtol=1e-12, err_msg=f"{k} at tile {tile}")
     check_vjp(block, ins)
@@ -264,7 +264,7 @@ def test_a_new_reduction_combines_by_its_record_and_is_refused_where_no_sink_fol
     ins = {"x": rng.standard_normal((12, 4)) * 0.2, "w": rng.standard_normal((4, 20))}
     want = np.prod((ins["x"] @ ins["w"]) * 0.5 + 1.0, axis=1)
     for tile in (None, (4, 8), (5, 6)):  # per-tile partials multiplied together by the record's fold
-        got = block.run(ins, precision="f64", tile=tile) if tile else block.run(ins, precision="f64")
+        got = block.run(ins, precision="f64", sim_tile=tile) if tile else block.run(ins, precision="f64")
         np.testing.assert_allclose(got["p"], want, rtol=1e-12, err_msg=str(tile))
     with pytest.raises(coda_lang.CodaError, match="E0705") as e:
         plan_stage(block, 1)  # never folded as a max (or a sum) on the GPU

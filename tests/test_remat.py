@@ -136,4 +136,4 @@ def test_coda_grad_remat_option(tmp_path: Path) -> None:
     assert "acc1: bf16[M, V]" in coda("grad", LM, "--remat", "save").stdout  # save keeps the logits
     assert "acc1: bf16[M, V]" not in coda("grad", LM).stdout  # the default (auto) does not
     r = coda("grad", LM, "--remat", "sometimes")
-    assert r.returncode == 2 and "invalid choice" in r.stderr and not r.stdout
+    assert r.returncode == 2 and "coda: error: remat= is 'sometimes'" in r.stderr and not r.stdout

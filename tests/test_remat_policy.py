@@ -80,7 +80,7 @@ def test_every_example_under_every_policy(name: str, remat: str) -> None:
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-12, atol=1e-13, err_msg=f"{name} d{k}")
     for tile in TILES.get(name, [(4, 6)]):
-        tiled = blk.vjp(inputs, cts, dims=dims, precision="f64", remat=remat, tile=tile)
+        tiled = blk.vjp(inputs, cts, dims=dims, precision="f64", remat=remat, sim_tile=tile)
         for k in want:
             np.testing.assert_allclose(
                 tiled[k], want[k], rtol=1e-12, atol=1e-13, err_msg=f"{name} d{k} {tile}"

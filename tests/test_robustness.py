@@ -287,7 +287,7 @@ def test_line_endings_mean_the_same_in_a_file_and_in_text(newline: str, tmp_path
     [
         ["compile", "examples/llama_mlp.coda", "--emit", "ptx", "--tile", "128x192e²"],
         ["compile", "examples/llama_mlp.coda", "--emit", "ptx", "--tile", "²x2"],
-        ["run", "examples/llama_mlp.coda", "--tile", "１２８x64"],
+        ["run", "examples/llama_mlp.coda", "--sim-tile", "１２８x64"],
         ["run", "examples/llama_mlp.coda", "--seed", "-1"],
         ["run", "examples/llama_mlp.coda", "--dims", "M=²"],
     ],

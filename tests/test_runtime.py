@@ -256,7 +256,7 @@ def test_emulated_block_matches_interpreter(name: str) -> None:
     inputs = example_inputs(blk, sizes, seed=3)
     outs, partials = cb.run_with_partials(inputs)
     assert cb.tiles == {k: tile for k in range(1, len(blk.plan.stages) + 1)}
-    ref, ref_partials = blk.run_with_partials(inputs, tile=cb.tiles)
+    ref, ref_partials = blk.run_with_partials(inputs, sim_tile=cb.tiles)
     ref64 = blk.run(inputs, precision="f64")
     assert set(outs) == set(ref)
     for o in blk.ir.outputs:
@@ -287,7 +287,7 @@ def test_emulated_grouped_max_and_stored_group_match_interpreter() -> None:
     cb = blk.cuda(tile=(128, 128), emulate=True, poison=True)
     inputs = example_inputs(blk, {"M": 300, "K": 200, "N": 448}, seed=14)
     outs = cb(inputs)
-    ref = blk.run(inputs, tile=(128, 128))
+    ref = blk.run(inputs, sim_tile=(128, 128))
     ref64 = blk.run(inputs, precision="f64")
     assert outs["s"].shape == (300, 7)
     for o in blk.ir.outputs:
@@ -304,7 +304,7 @@ def test_emulated_min_and_logsumexp_match_interpreter(name: str) -> None:
     cb = blk.cuda(tile=tile, emulate=True, poison=True)
     inputs = example_inputs(blk, sizes, seed=21)
     outs, partials = cb.run_with_partials(inputs)
-    ref, ref_partials = blk.run_with_partials(inputs, tile=cb.tiles)
+    ref, ref_partials = blk.run_with_partials(inputs, sim_tile=cb.tiles)
     ref64 = blk.run(inputs, precision="f64")
     for o in blk.ir.outputs:
         assert o.type is not None
@@ -331,7 +331,7 @@ block p(x: bf16[M, K], w: bf16[K, N]) -> (r: f32[M], c: f32[N]) {
     cb = blk.cuda(tile=(128, 64), emulate=True, poison=True)
     inputs = example_inputs(blk, {"M": 300, "K": 200, "N": 264}, seed=5)
     _, partials = cb.run_with_partials(inputs)
-    _, ref_partials = blk.run_with_partials(inputs, tile=cb.tiles)
+    _, ref_partials = blk.run_with_partials(inputs, sim_tile=cb.tiles)
     assert np.isinf(ref_partials["r"]).any() and np.isinf(ref_partials["c"]).any()
     for k, buf in partials.items():
         check_partial(k, buf, ref_partials[k])
@@ -355,7 +355,7 @@ def test_emulated_backward_reads_a_stored_group_over_its_groups() -> None:
     assert any(e.op == "expand" for s in bwd.ir.stages if not s.is_gemm for e in s.body)
     inputs = example_inputs(bwd, {"M": 300, "K": 200, "N": 136}, seed=16)
     outs = bwd.cuda(tile=TILE, emulate=True, poison=True)(inputs)
-    ref = bwd.run(inputs, tile=TILE)
+    ref = bwd.run(inputs, sim_tile=TILE)
     ref64 = bwd.run(inputs, precision="f64")
     for o in bwd.ir.outputs:
         assert o.type is not None
@@ -385,10 +385,10 @@ def test_run_stage_alone_reproduces_the_block_run() -> None:
 def test_per_stage_tiles_in_the_interpreter() -> None:
     blk = block("llama_mlp")
     inputs = example_inputs(blk, SMALL, seed=6)
-    _, p1 = blk.run_with_partials(inputs, tile={1: (128, 64), 2: (128, 64), 3: (128, 64)})
-    _, p2 = blk.run_with_partials(inputs, tile=(128, 64))
+    _, p1 = blk.run_with_partials(inputs, sim_tile={1: (128, 64), 2: (128, 64), 3: (128, 64)})
+    _, p2 = blk.run_with_partials(inputs, sim_tile=(128, 64))
     np.testing.assert_array_equal(p1["ss"], p2["ss"])
-    _, p3 = blk.run_with_partials(inputs, tile={1: (64, 96)})
+    _, p3 = blk.run_with_partials(inputs, sim_tile={1: (64, 96)})
     assert p3["ss"].shape == (300, 3)
 
 
@@ -404,7 +404,7 @@ def test_emulated_autograd_matches_vjp(name: str) -> None:
     out = fn(leaves)["out"]
     ct = torch.randn(out.shape, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
     out.backward(ct)
-    ref = blk.vjp(inputs, {"out": ct}, tile=TILE)
+    ref = blk.vjp(inputs, {"out": ct}, sim_tile=TILE)
     ref64 = blk.vjp(inputs, {"out": ct}, precision="f64")
     for p in blk.ir.params:
         g = leaves[p.var.name].grad
@@ -432,7 +432,7 @@ def test_emulated_autograd_of_examples_matches_vjp(name: str) -> None:
         o: torch.randn(v.shape, generator=gen).to(v.dtype) for o, v in outs.items() if v.is_floating_point()
     }
     torch.autograd.backward([outs[o] for o in cts], [cts[o] for o in cts])
-    ref = blk.vjp(inputs, cts, tile=tile)
+    ref = blk.vjp(inputs, cts, sim_tile=tile)
     ref64 = blk.vjp(inputs, cts, precision="f64")
     assert ref
     for n in ref:
@@ -496,7 +496,7 @@ def test_dims_no_input_shape_gives() -> None:
         out = fn(leaves, dims=given)["out"]
         ct = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.dtype)
         out.backward(ct)
-        grads = blk.vjp(inputs, {"out": ct}, dims={"F": 7}, tile=(16, 32))
+        grads = blk.vjp(inputs, {"out": ct}, dims={"F": 7}, sim_tile=(16, 32))
         g64 = blk.vjp(inputs, {"out": ct}, dims={"F": 7}, precision="f64")
         for p in blk.ir.params:
             assert p.var.type is not None
@@ -905,7 +905,7 @@ def test_emulated_dims_used_as_values_match_interpreter() -> None:
     for sizes, seed in (({"M": 200, "K": 72, "N": 136}, 3), ({"M": 72, "K": 24, "N": 264}, 4)):
         inputs = example_inputs(blk, sizes, seed=seed)
         outs, partials = cb.run_with_partials(inputs)
-        ref, ref_partials = blk.run_with_partials(inputs, tile=(64, 64))
+        ref, ref_partials = blk.run_with_partials(inputs, sim_tile=(64, 64))
         for o in blk.ir.outputs:
             assert o.type is not None
             check_output(o.name, outs[o.name], ref[o.name], None, o.type.dtype)
@@ -925,7 +925,7 @@ def test_emulated_sums_past_the_ragged_end_match_interpreter(monkeypatch: pytest
     blk = next(iter(coda_lang.load(RAGGED_SUMS)))
     sizes, tile = {"M": 200, "K": 72, "N": 136}, (64, 64)
     inputs = example_inputs(blk, sizes, seed=5)
-    ref, ref_partials = blk.run_with_partials(inputs, tile=tile)
+    ref, ref_partials = blk.run_with_partials(inputs, sim_tile=tile)
     outs, partials = blk.cuda(tile=tile, emulate=True, poison=True).run_with_partials(inputs)
     for o in blk.ir.outputs:
         assert o.type is not None
@@ -1063,7 +1063,7 @@ def test_autograd_backward_overwrites_only_its_own_saved_tensor_and_refuses_a_se
     x2 = fn(leaves)["x2"]
     ct = torch.randn(x2.shape, generator=torch.Generator().manual_seed(6)).to(x2.dtype)
     x2.backward(ct, retain_graph=True)
-    ref = blk.vjp(inputs, {"x2": ct}, tile=(64, 64), remat="save")
+    ref = blk.vjp(inputs, {"x2": ct}, sim_tile=(64, 64), remat="save")
     for n, g in ref.items():
         want = torch.from_numpy(np.asarray(g, dtype=np.float64))
         assert torch.allclose(leaves[n].grad.double(), want, rtol=2e-2, atol=1e-2), n

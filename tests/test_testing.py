@@ -238,7 +238,7 @@ def test_odd_tiles_raise_only_coda_errors(data: st.DataObject) -> None:
     tile = (data.draw(st.integers(1, 9)), data.draw(st.integers(1, 9)))
     ins = block_inputs(block, sizes, 0)
     try:
-        block.run(ins, dims=sizes, tile=tile)
+        block.run(ins, dims=sizes, sim_tile=tile)
     except CodaError as e:
         assert [d.code for d in e.diagnostics] == ["E0805"]
 
@@ -253,7 +253,7 @@ def test_odd_tile_with_a_half_width_load_is_e0805() -> None:
     block = coda_lang.load(src)["f"]
     sizes = {"M": 1, "K": 1, "N": 1}
     with pytest.raises(CodaError) as e:
-        block.run(block_inputs(block, sizes, 0), dims=sizes, tile=(1, 1))
+        block.run(block_inputs(block, sizes, 0), dims=sizes, sim_tile=(1, 1))
     assert [d.code for d in e.value.diagnostics] == ["E0805"] and "`p`" in e.value.diagnostics[0].message
 
 
@@ -264,7 +264,7 @@ def test_odd_width_stage_with_double_width_tiles_is_simulated() -> None:
     block = coda_lang.load(ROOT / "examples" / "llama_mlp.coda")["llama_mlp"]
     sizes = {"M": 2, "D": 2, "F": 1}
     ins, cts = block_inputs(block, sizes, 0), cotangents(block, sizes, 0)
-    tiled = block.vjp(ins, cts, dims=sizes, tile=(2, 2))
+    tiled = block.vjp(ins, cts, dims=sizes, sim_tile=(2, 2))
     whole = block.vjp(ins, cts, dims=sizes)
     for k in whole:
         assert mismatch(k, tiled[k], whole[k]) is None, k

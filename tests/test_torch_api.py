@@ -151,3 +151,22 @@ def _mlp_inputs() -> dict[str, Any]:
         "w_13": (torch.randn(D, 2 * F) / D**0.5).to(torch.bfloat16),
         "w_2": (torch.randn(F, D) / F**0.5).to(torch.bfloat16),
     }
+
+
+def test_the_llama_mlp_has_one_source() -> None:
+    """examples/llama_mlp.coda (read in the README), `LlamaMLP`'s block and coda_lang.hf's layer blocks
+    are one program: the example's block is `llama_mlp_source` in bf16 with [in, out] weights and y as
+    wide as the hidden size, LlamaMLP's is its nn.Linear-layout form, and hf's blocks hold its stages."""
+    from coda_lang.hf.blocks import model_source
+    from coda_lang.torch import llama_mlp_source, llama_mlp_stages
+
+    example = coda_lang.load(ROOT / "examples" / "llama_mlp.coda")["llama_mlp"]
+    made = coda_lang.load(llama_mlp_source("bf16", 1e-6, linear=False, attn="D"))["llama_mlp"]
+    assert str(example) == str(made)
+    mlp = LlamaMLP(32, 48, 40, dtype=torch.float16, eps=1e-5)
+    assert str(mlp.fn.block) == str(coda_lang.load(llama_mlp_source("f16", 1e-5))["llama_mlp"])
+    assert [p.var.name for p in mlp.fn.block.ir.params] == ["y", "x", "w_o", "g", "w_13", "w_2", "eps"]
+    for qk_norm in (False, True):
+        assert llama_mlp_stages("bf16", h="x1", n="1", stored=True).split("x2: bf16")[0] in model_source(
+            "bfloat16", 1e-5, 16, qk_norm
+        )

@@ -70,7 +70,7 @@ def test_plain_stages_may_run_on_cublas() -> None:
     cb = bwd.cuda(tile={**{k: (128, 64) for k in (2, 4)}, **{k: CUBLAS for k in plain}}, emulate=True)
     outs = cb(inputs)
     assert str(cb.config(1)) == "cuBLAS (torch.matmul)"
-    ref = bwd.run(inputs, tile=(128, 64))
+    ref = bwd.run(inputs, sim_tile=(128, 64))
     ref64 = bwd.run(inputs, precision="f64")
     for o in bwd.ir.outputs:
         assert o.type is not None

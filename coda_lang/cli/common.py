@@ -3,7 +3,8 @@ parsing sizes, loading one block, and the exit codes.
 
 What it does: `Parser` (argparse with usage errors as exit 2 and a `coda: error:` line), `usage_error`,
 `read_source_file`, `load_block` (a file's block by name, with diagnostics printed), `parse_dims`,
-`parse_tile`, `parse_tile_subtile`, and atomic writers (`write_text`, `write_npz`: a temporary file in
+`parse_tile`, `parse_tile_subtile`, `parse_backward` (--remat, --chunk, --budget, --chunk-dim as one
+`BackwardOptions`, checked by it: its TypeError or ValueError is a usage error), and atomic writers (`write_text`, `write_npz`: a temporary file in
 the same folder renamed over the target, so no partial output file is ever left).
 What it does not: any command's work (the modules beside it) or any compiler work (frontend/source.py, api.py).
 Invariants: nothing here imports NumPy, torch or CuTeDSL at import time (`coda check` starts fast).
@@ -14,6 +15,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+
+from coda_lang.autodiff.options import BackwardOptions
 
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
@@ -56,6 +59,18 @@ def parse_dims(text: str | None) -> dict[str, int] | None:
             return None
         out[name.strip()] = int(value)
     return out
+
+
+def parse_backward(
+    remat: str | None, chunk: str | None = None, budget: int | None = None, chunk_dim: str | None = None
+) -> BackwardOptions | int:
+    """The backward's options the flags give (`--chunk` a number of elements or auto), or the exit
+    code after a one-line usage error: BackwardOptions says what is wrong with them."""
+    n: int | str | None = int(chunk) if chunk is not None and _digits(chunk.lstrip("-")) else chunk
+    try:
+        return BackwardOptions.of(remat=remat, chunk=n, budget=budget, chunk_dim=chunk_dim)
+    except (TypeError, ValueError) as e:
+        return usage_error(str(e))
 
 
 def parse_tile(text: str | None) -> tuple[int, int] | None | str:

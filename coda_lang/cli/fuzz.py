@@ -2,7 +2,7 @@
 
 What it does: parses the options, runs coda_lang.fuzz (the library: the differential runner and the
 hypothesis search), prints progress, the smallest failing case and one command that reproduces it.
-What it does not: fuzz anything itself (coda_lang/fuzz.py does).
+What it does not: fuzz anything itself (the coda_lang.fuzz package does).
 Invariants: exit 0 every case passed, 1 a failure, 2 usage errors or a target this machine can't run;
 hypothesis (and torch, for --target cuda/emulate) is imported only when the command runs.
 """
@@ -12,8 +12,17 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any, TextIO
 
-from coda_lang.cli.common import EXIT_ERRORS, EXIT_OK, load_block, parse_dims, parse_tile, usage_error
-from coda_lang.ir.nodes import DEFAULT_REMAT
+from coda_lang.autodiff.options import BackwardOptions
+from coda_lang.cli.common import (
+    EXIT_ERRORS,
+    EXIT_OK,
+    load_block,
+    parse_backward,
+    parse_dims,
+    parse_tile,
+    usage_error,
+)
+from coda_lang.ir.nodes import DEFAULT_REMAT, REMAT
 
 if TYPE_CHECKING:
     from coda_lang.fuzz import Case, Failure
@@ -61,10 +70,14 @@ def add_parser(sub: Any) -> None:
         "--input-seed", type=int, metavar="S", help="fix the seed of the inputs (reproducing a case)"
     )
     f.add_argument(
+        "--sim-tile",
+        metavar="MxN",
+        help="--target interp: fix the simulated tile (default: small random tiles)",
+    )
+    f.add_argument(
         "--tile",
         metavar="MxN",
-        help="interp: fix the simulated tile (default: small random tiles); "
-        "cuda, emulate: the kernels' tile (default: the backend's choice)",
+        help="--target cuda, emulate: the kernels' tile (default: the backend's choice)",
     )
     f.add_argument(
         "--special",
@@ -74,7 +87,7 @@ def add_parser(sub: Any) -> None:
     f.add_argument(
         "--remat",
         metavar="POLICY",
-        help="the backward's saved-tensor policy, as `coda grad --remat`: save, recompute or auto "
+        help=f"the backward's saved-tensor policy, as `coda grad --remat`: {', '.join(REMAT)} "
         f"(default: the API's, {DEFAULT_REMAT}; with --programs: each program draws one)",
     )
     f.add_argument(
@@ -89,7 +102,14 @@ def add_parser(sub: Any) -> None:
         "--budget",
         type=int,
         metavar="BYTES",
-        help="with --chunk auto: the budget the chunk is chosen from (reproducing a case)",
+        help="the budget --chunk auto chooses the chunk from (alone, it means --chunk auto; "
+        "reproducing a case)",
+    )
+    f.add_argument(
+        "--chunk-dim",
+        metavar="DIM",
+        help="run the backward in chunks of this dim (Block.vjp chunk_dim=; e.g. V, a vocabulary's "
+        "columns; alone, it means --chunk auto) instead of the rows; with a FILE",
     )
     f.add_argument("--no-backward", action="store_true", help="fuzz the forward only")
     f.add_argument("--no-shrink", action="store_true", help="report the first failing case as found")
@@ -111,17 +131,6 @@ def add_parser(sub: Any) -> None:
     )
     f.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     f.set_defaults(run=run)
-
-
-def _parse_chunk(text: str | None) -> int | str | None:
-    """--chunk: None, "auto" or a positive number of rows; "bad" otherwise."""
-    if text is None or text == "auto":
-        return text
-    try:
-        n = int(text)
-    except ValueError:
-        return "bad"
-    return n if n >= 1 else "bad"
 
 
 def _repro(args: Any, case: Case, file: str, block: str) -> str:
@@ -155,7 +164,6 @@ def run(args: Any) -> int:
     from coda_lang.fuzz import (
         ALIGN,
         DRAW,
-        REMATS,
         Fuzzer,
         Progress,
         Unavailable,
@@ -178,10 +186,19 @@ def run(args: Any) -> int:
         )
     if args.input_seed is not None and not 0 <= args.input_seed < 2**32:
         return usage_error(f"--input-seed takes a number in [0, 2**32), got {args.input_seed}")
-    tile = parse_tile(args.tile)
-    if tile == "bad":
-        return usage_error(f"--tile takes MxN with positive sizes (e.g. 4x8 or 128x192), got {args.tile!r}")
-    assert tile is None or isinstance(tile, tuple)
+    kernel = args.target != "interp"
+    if args.tile is not None and not kernel:
+        return usage_error(
+            "--tile is the kernels' tile (--target cuda, emulate); --target interp's is --sim-tile"
+        )
+    if args.sim_tile is not None and kernel:
+        return usage_error(f"--sim-tile is the interpreter's tile; --target {args.target}'s is --tile")
+    flag, text = ("--tile", args.tile) if kernel else ("--sim-tile", args.sim_tile)
+    parsed = parse_tile(text)
+    if parsed == "bad":
+        return usage_error(f"{flag} takes MxN with positive sizes (e.g. 4x8 or 128x192), got {text!r}")
+    assert parsed is None or isinstance(parsed, tuple)
+    tile, sim_tile = (parsed, None) if kernel else (None, parsed)
     dims = parse_dims(args.dims)
     if dims is None:
         return usage_error(
@@ -196,18 +213,18 @@ def run(args: Any) -> int:
         return usage_error("give a FILE to fuzz, or --programs N for random programs (not both)")
     if args.programs is not None and (dims or args.input_seed is not None or args.block):
         return usage_error("--dims, --input-seed and --block go with a FILE, not with --programs")
-    if args.remat is not None and args.remat not in REMATS:
-        return usage_error(f"--remat takes {', '.join(REMATS[:-1])} or {REMATS[-1]}, got {args.remat!r}")
-    chunk = _parse_chunk(args.chunk)
-    if chunk == "bad":
-        return usage_error(f"--chunk takes a number of rows (a positive integer) or auto, got {args.chunk!r}")
-    if args.budget is not None and (chunk != "auto" or args.budget < 1):
+    options = parse_backward(args.remat, args.chunk, args.budget, args.chunk_dim)
+    if not isinstance(options, BackwardOptions):
+        return options
+    given = [f for f in ("remat", "chunk", "budget", "chunk_dim") if getattr(args, f) is not None]
+    if args.no_backward and given:
+        named = " and ".join(f"--{f.replace('_', '-')}" for f in given)
+        verb = "chooses" if len(given) == 1 else "choose"
+        return usage_error(f"{named} {verb} the backward under test; --no-backward checks none")
+    if args.programs is not None and args.chunk_dim is not None:
         return usage_error(
-            f"--budget takes a positive number of bytes, with --chunk auto (got --budget {args.budget}"
-            + (f" and --chunk {args.chunk})" if args.chunk is not None else " without --chunk auto)")
+            "--chunk-dim names a dim of FILE's block; it goes with a FILE, not with --programs"
         )
-    if args.no_backward and (args.remat is not None or chunk is not None):
-        return usage_error("--remat and --chunk choose the backward under test; --no-backward checks none")
     if args.jobs < 1:
         return usage_error(f"--jobs takes a positive number of processes, got {args.jobs}")
     if args.jobs > 1 and (dims or args.input_seed is not None) and args.programs is None:
@@ -236,10 +253,11 @@ def run(args: Any) -> int:
                 backward=not args.no_backward,
                 shrink=not args.no_shrink,
                 tile=tile,
+                sim_tile=sim_tile,
                 progress=prog,
-                remat=args.remat,
-                chunk=DRAW if chunk is None else chunk,
-                budget=args.budget,
+                remat=args.remat,  # (None: each program draws its policy)
+                chunk=options.mode if options.chunked else DRAW,
+                budget=options.budget,
             )
             for n in res.notes:
                 print(f"note: {n}", file=sys.stderr)
@@ -277,17 +295,17 @@ def run(args: Any) -> int:
             fz = Fuzzer(
                 block,
                 args.target,
-                backward=not args.no_backward,
+                backward=False if args.no_backward else options,
                 special=args.special,
                 tile=tile,
-                remat=args.remat,
-                chunk=chunk,
-                budget=args.budget,
+                sim_tile=sim_tile,
             )
         except CodaError as e:
             print(render_all(e.diagnostics, e.sources, "human"), file=sys.stderr)
             print(f"coda fuzz: {block.name} can't run on --target {args.target}", file=sys.stderr)
             return EXIT_ERRORS
+        except ValueError as e:  # --chunk-dim names no dim of the block
+            return usage_error(str(e))
         units = fz.units()
         for name, size in dims.items():
             u = units.get(name, 1)
@@ -323,7 +341,8 @@ def run(args: Any) -> int:
         else:
             what = f"forward and backward, --remat {fz.remat}"
             if fz.chunk_plan is not None:
-                what += f" --chunk {fz.chunk}" + (f" --budget {fz.budget}" if fz.budget is not None else "")
+                flags = options.flags()  # (the policy is named above)
+                what += "".join(f" {f}" for f in (flags[2:] if flags[:1] == ["--remat"] else flags))
             elif fz.chunk_error is not None:
                 what += f", unchunked ({fz.chunk_error})"
         print(

@@ -6,15 +6,16 @@ import argparse
 import sys
 from typing import Any
 
+from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.cli.common import (
     EXIT_ERRORS,
     EXIT_OK,
     load_block,
+    parse_backward,
     read_source_file,
     usage_error,
     write_text,
 )
-from coda_lang.ir.nodes import DEFAULT_REMAT
 
 
 def add_parser(sub: Any) -> None:
@@ -46,8 +47,7 @@ def add_parser(sub: Any) -> None:
     )
     g.add_argument(
         "--remat",
-        choices=("auto", "save", "recompute"),
-        default=DEFAULT_REMAT,
+        metavar="POLICY",
         help="the saved-tensor policy: auto (default: stored tiles are recomputed in an epilogue the "
         "backward runs anyway where that holds fewer bytes, and a GEMM runs again only for a stage that "
         "stores no tile, such as a loss head, whose [M, V] logits are then never kept), save (the "
@@ -70,9 +70,12 @@ def run(args: argparse.Namespace) -> int:
     from coda_lang.api import Block
 
     assert isinstance(block, Block)
+    options = parse_backward(args.remat)
+    if not isinstance(options, BackwardOptions):
+        return options
     wrt = [w.strip() for w in args.wrt.split(",") if w.strip()] if args.wrt else None
     try:
-        d = block.derivation(wrt, args.remat)
+        d = block.derivation(wrt, backward=options)
     except CodaError as e:
         text = read_source_file(args.file) or ""
         print(render_all(e.diagnostics, {args.file: text}, args.error_format), file=sys.stderr)

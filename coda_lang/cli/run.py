@@ -31,8 +31,12 @@ def add_parser(sub: Any) -> None:
     r.add_argument("--seed", type=int, default=0, help="seed of the random inputs, a number >= 0 (default 0)")
     r.add_argument("--out", metavar="OUT.npz", help="write the outputs here (written atomically)")
     r.add_argument(
-        "--tile", metavar="MxN", help="simulate the kernel's tiling, e.g. 128x256 (default: whole matrices)"
+        "--sim-tile",
+        metavar="MxN",
+        help="simulate a kernel's tiling, e.g. 128x256: per-tile partials, then combined (default: whole "
+        "matrices)",
     )
+    r.add_argument("--tile", help=argparse.SUPPRESS)  # the kernels' tile elsewhere: a usage error here
     r.add_argument(
         "--precision",
         choices=("exact", "f64"),
@@ -62,9 +66,14 @@ def run(args: argparse.Namespace) -> int:
         return usage_error(
             f"--dims takes NAME=SIZE pairs separated by commas (e.g. M=4096,D=1024), got {args.dims!r}"
         )
-    tile = parse_tile(args.tile)
+    if args.tile is not None:
+        return usage_error(
+            "coda run simulates a tile: --sim-tile MxN (--tile is the kernels' tile, of coda compile "
+            "and coda fuzz --target cuda)"
+        )
+    tile = parse_tile(args.sim_tile)
     if tile == "bad":
-        return usage_error(f"--tile takes MxN with positive sizes (e.g. 128x256), got {args.tile!r}")
+        return usage_error(f"--sim-tile takes MxN with positive sizes (e.g. 128x256), got {args.sim_tile!r}")
     try:
         if args.inputs:
             try:
@@ -89,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
             check_sizes(block.ir, sizes, args.precision, tile)
             inputs = random_inputs(block.ir, sizes, args.seed)
             source = f"random inputs, seed {args.seed}"
-        outs = block.run(inputs, dims=sizes, tile=tile, precision=args.precision)  # type: ignore[arg-type]
+        outs = block.run(inputs, dims=sizes, sim_tile=tile, precision=args.precision)  # type: ignore[arg-type]
     except CodaError as e:
         print(render_all(e.diagnostics, {}, "human"), file=sys.stderr)
         return EXIT_ERRORS

@@ -19,10 +19,17 @@ import argparse
 import sys
 from typing import Any
 
-from coda_lang.cli.common import EXIT_ERRORS, EXIT_OK, EXIT_USAGE, load_block, parse_dims, usage_error
-from coda_lang.ir.nodes import DEFAULT_REMAT
-
-REMATS = ("save", "recompute", "auto")
+from coda_lang.autodiff.options import BackwardOptions
+from coda_lang.cli.common import (
+    EXIT_ERRORS,
+    EXIT_OK,
+    EXIT_USAGE,
+    load_block,
+    parse_backward,
+    parse_dims,
+    usage_error,
+)
+from coda_lang.ir.nodes import DEFAULT_REMAT, REMAT
 
 
 def add_parser(sub: Any) -> None:
@@ -55,9 +62,9 @@ def add_parser(sub: Any) -> None:
     )
     t.add_argument(
         "--remat",
-        choices=REMATS,
-        default=DEFAULT_REMAT,
-        help=f"with --backward: the saved-tensor policy of the backward (default {DEFAULT_REMAT})",
+        metavar="POLICY",
+        help=f"with --backward: the saved-tensor policy of the backward, {', '.join(REMAT)} "
+        f"(default {DEFAULT_REMAT})",
     )
     t.add_argument(
         "-j",
@@ -77,7 +84,10 @@ def run(args: argparse.Namespace) -> int:
     if jobs == "bad":
         return usage_error(f"--jobs takes a positive number, got {args.jobs!r}")
     assert jobs is None or isinstance(jobs, int)
-    if args.remat != DEFAULT_REMAT and not args.backward:
+    options = parse_backward(args.remat)
+    if not isinstance(options, BackwardOptions):
+        return options
+    if options.remat != DEFAULT_REMAT and not args.backward:
         return usage_error("--remat chooses the backward's policy; it goes with --backward")
     if not args.dims:
         return usage_error("give the sizes to tune at: --dims M=...,D=... (every dim of the block)")
@@ -122,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         target: Any = cb
         blocks = [("forward", cb)]
         if args.backward:
-            target = cb.autograd(remat=args.remat)
+            target = cb.autograd(backward=options)
             blocks = [("forward", target.forward), ("backward", target.backward)]
     except CodaError as e:
         return report(e)

@@ -1,6 +1,32 @@
-"""Hugging Face integration: one call patches a transformers model to run its non-attention work as coda
-blocks (`apply_coda_to_llama`, `apply_coda_to_qwen3`; hf/patch.py). Needs `pip install 'coda_lang[hf]'`."""
+"""Hugging Face integration: `apply_coda_to_llama` / `apply_coda_to_qwen3` make a Hugging Face
+causal LM whose non-attention work runs as coda blocks.
 
-from coda_lang.hf.patch import apply_coda_to_llama, apply_coda_to_qwen3
+What it does: patches one model instance in place. Per layer, q/k/v projections become one parameter
+`self_attn.qkv_weight` (q and k rows in the interleaved RoPE layout) and gate/up one parameter
+`mlp.gate_up_weight` (rows interleaved); the model's forward then runs, in the paper's schedule, the
+first layer's input norm + QKV + RoPE (+ Qwen3's q/k norm) as one block, each layer boundary (out-proj
++ residual + norm + gate/up + SwiGLU + down + residual + the next layer's norm + QKV + RoPE) as one
+block, the last layer's MLP as one block, and the LM head with the loss (labels given: per-token
+cross-entropy, logits never stored) or the logits. Attention is the model's own attention function
+(`config._attn_implementation`), on q, k in the interleaved layout (q.k is unchanged by permuting q and
+k alike). `state_dict()` gives, and `load_state_dict()` takes, the unpatched model's names and layouts,
+so checkpoints move between patched and unpatched models (and `save_pretrained`).
+What it does not: generation with a KV cache, biases, sliding-window attention, RoPE types that scale
+cos/sin (`attention_scaling` != 1) or change `inv_freq` per call, or a model whose dtype changes after
+patching: each raises ValueError naming what it met.
+Invariants: the optimizer should be made after patching (the fused weights are new parameters); the
+loss follows transformers' contract (labels shifted by one, -100 ignored, the mean over counted tokens
+or the sum over `num_items_in_batch`).
+The LM head's loss mode and chunk sizes are the patch's keyword arguments (`loss_mode`,
+`loss_budget`, `loss_rows`: hf/loss.py, `LossSettings`).
 
-__all__ = ["apply_coda_to_llama", "apply_coda_to_qwen3"]
+The modules: families.py (the families and their entry points), patch.py (patching one model),
+checks.py (what a model must be), state.py (the patched model's blocks and settings), forward.py
+(the patched forward), loss.py (the loss head), checkpoint.py (fused and checkpoint layouts), blocks.py
+(the .coda program). Needs `pip install 'coda_lang[hf]'`.
+"""
+
+from coda_lang.hf.checkpoint import unfused_grads
+from coda_lang.hf.families import apply_coda_to_llama, apply_coda_to_qwen3
+
+__all__ = ["apply_coda_to_llama", "apply_coda_to_qwen3", "unfused_grads"]

@@ -8,8 +8,9 @@ What it does not: check the program (frontend/verify/ did) or validate inputs (i
 Invariants: in tile mode each partial reduction is computed per tile into a buffer shaped like a
 kernel's (row partials [rows, ceil(cols/tile_N)], column partials [ceil(rows/tile_M), cols]) and then
 combined with its op's combine rule; whole and tile modes agree up to floating-point reassociation.
-`tile` is one (tile_M, tile_N) for every stage, or a dict {stage index (1-based): (tile_M, tile_N)}
-(a kernel chooses its tile per stage; a stage missing from the dict runs in whole mode).
+The simulated tile (`run_block(sim_tile=)`, `Block.run(sim_tile=)`) is one (tile_M, tile_N) for
+every stage, or a dict {stage index (1-based): (tile_M, tile_N)} (a kernel chooses its tile per
+stage; a stage missing from the dict runs in whole mode).
 """
 
 from __future__ import annotations
@@ -336,21 +337,25 @@ def _is_tile(t: Any) -> bool:
 
 
 def check_tiles(block: Block, tile: Any) -> None:
-    """`tile=` of a run: None, one (tile_M, tile_N) of integers for every stage, or a dict from stage
-    numbers (1-based) of the block to such pairs; E0805 naming what is wrong otherwise."""
+    """`sim_tile=` of a run: None, one (tile_M, tile_N) of integers for every stage, or a dict from
+    stage numbers (1-based) of the block to such pairs; E0805 naming what is wrong otherwise."""
     if tile is None:
         return
     if isinstance(tile, dict):
         n = len(block.stages)
         for k, t in tile.items():
             if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= n:
-                raise error("E0805", f"tile= names stage {k!r}, but block {block.name} has stages 1 to {n}")
+                raise error(
+                    "E0805", f"sim_tile= names stage {k!r}, but block {block.name} has stages 1 to {n}"
+                )
             if not _is_tile(t):
-                raise error("E0805", f"tile= of stage {k} is {t!r}; a tile is (tile_M, tile_N), two integers")
+                raise error(
+                    "E0805", f"sim_tile= of stage {k} is {t!r}; a tile is (tile_M, tile_N), two integers"
+                )
         return
     if not _is_tile(tile):
         raise error(
-            "E0805", f"tile= is {tile!r}; a tile is (tile_M, tile_N), two integers, or a dict by stage"
+            "E0805", f"sim_tile= is {tile!r}; a tile is (tile_M, tile_N), two integers, or a dict by stage"
         )
 
 
@@ -361,13 +366,14 @@ def run_block(
     dims: dict[str, int],
     *,
     precision: str = "exact",
-    tile: Tiles = None,
+    sim_tile: Tiles = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """Outputs by name, and (tile mode) the per-tile partial buffers by name."""
-    check_tiles(block, tile)
-    check_sizes(block, dims, precision, tile)
+    """Outputs by name, and (tile mode: `sim_tile`, the simulated tile) the per-tile partial buffers
+    by name."""
+    check_tiles(block, sim_tile)
+    check_sizes(block, dims, precision, sim_tile)
     check_repeats(repeat_uses(block), dims)
-    it = Interpreter(block, plan, dims, precision, tile)
+    it = Interpreter(block, plan, dims, precision, sim_tile)
     with np.errstate(all="ignore"):
         outs = it.run(env)
     return outs, it.partials

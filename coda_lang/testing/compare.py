@@ -16,7 +16,7 @@ The rule (as tests/runtime_check.py states it for the GPU tests, and PAPER.md se
   paper's rule on the finite elements: max|got - ref64| <= 2 * max|ref - ref64| + 1e-6 (the
   interpreter rounds exactly where a kernel does, so it is the low-precision reference): a result as
   accurate as the interpreter passes even where the problem is ill-conditioned.
-What it does not: choose what to compare (coda_lang/fuzz.py does).
+What it does not: choose what to compare (coda_lang/fuzz/ does).
 Invariants: accepts NumPy arrays (bf16 too), Python numbers and torch tensors (converted without
 importing torch here); never raises for mismatching values, only says why.
 """

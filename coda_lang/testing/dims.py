@@ -7,7 +7,7 @@ fixed dim G repeats across a multiple of G, and, with `align > 1`, a
 multiple of `align` (the CUDA backend's TMA loads need rows of 16 bytes: align 8 for bf16).
 `dim_sizes(blocks, max_dim, align)` is a hypothesis strategy of {dim: size} (fixed dims keep their
 value) that shrinks towards the smallest sizes. `tile_unit(blocks)` and `tiles(blocks, ...)` do the
-same for `Block.run(..., tile=(tile_M, tile_N))`: tile_N must be even in a stage that works on
+same for `Block.run(..., sim_tile=(tile_M, tile_N))`: tile_N must be even in a stage that works on
 column pairs and must hold whole groups (`interp/run.py`, `check_tile`).
 What it does not: look at values (inputs.py) or make programs (programs.py).
 Invariants: every size drawn here binds without error (`Block.run(dims=...)`), for every block given
@@ -147,7 +147,7 @@ def _group_step(ratio: Fraction, group: int) -> int:
 
 
 def tiles(blocks: Any, max_tile: int = 16) -> st.SearchStrategy[tuple[int, int]]:
-    """(tile_M, tile_N) for `Block.run(tile=...)`: small tiles (at most `max_tile`, tile_N a multiple
+    """(tile_M, tile_N) for `Block.run(sim_tile=...)`: small tiles (at most `max_tile`, tile_N a multiple
     of `tile_unit`) so that small matrices still have several, ragged, tiles."""
     blocks = [blocks] if not isinstance(blocks, (list, tuple)) else list(blocks)
     u = tile_unit(blocks)

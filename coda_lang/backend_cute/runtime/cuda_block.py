@@ -166,7 +166,7 @@ class CudaBlock:
 
     @property
     def tiles(self) -> dict[int, tuple[int, int]]:
-        """{stage: (tile_M, tile_N)} of the GEMM stages: what `Block.run(..., tile=cb.tiles)` simulates."""
+        """{stage: (tile_M, tile_N)} of the GEMM stages: what `Block.run(..., sim_tile=cb.tiles)` simulates."""
         return {k: (self.config(k).tile_m, self.config(k).tile_n) for k in self.gemm_stages}
 
     def launched(self, index: int) -> StageRunner:

@@ -1,0 +1,115 @@
+"""The state of one patched model: its facts (heads, widths, dtype), its block functions and the
+loss head's settings, and the small tensors its forward makes once.
+
+What it does: `ModelState(model, family, loss)` builds the model's program (blocks.py) for its shapes and
+makes each block a differentiable torch function (`coda_lang.torch.function`): the first layer's,
+the layers', the last layer's, the logits head and, made when first used, the loss head of each loss
+mode; their kernels compile together at the first call. `positions` and `freq` give the default
+positions and RoPE's frequencies, made once per shape (and per `inv_freq` version).
+What it does not: touch the model's modules (patch.py), run the forward (forward.py) or the loss
+(loss.py).
+Invariants: made once per model, at patching; the model keeps it as `model._coda` (private: the
+loss settings are `apply_coda_to_*`'s arguments).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from coda_lang.api import load
+from coda_lang.autodiff.options import BackwardOptions
+from coda_lang.hf.blocks import model_source
+from coda_lang.hf.loss import LOSS_CHUNK_BYTES, LossSettings
+from coda_lang.torch import BlockFunction, compile_together, function
+
+if TYPE_CHECKING:
+    from coda_lang.hf.families import Family
+
+
+class ModelState:
+    """The facts of one patched model and its block functions."""
+
+    def __init__(self, model: Any, family: Family, loss: LossSettings):
+        cfg = model.config
+        self.family = family
+        self.qk_norm = qk_norm = family.qk_norm
+        self.H = cfg.num_attention_heads
+        self.KV = cfg.num_key_value_heads
+        self.HD = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.H
+        self.D = cfg.hidden_size
+        self.dtype = model.dtype
+        src = model_source(str(self.dtype).removeprefix("torch."), cfg.rms_norm_eps, self.HD, qk_norm)
+        prog = load(src)
+        weights = {"w_o", "w_13", "w_2", "w_qkv", "w_lm", "g", "g1", "g2", "gq", "gk"}
+
+        def fn(name: str, backward: BackwardOptions | None = None) -> BlockFunction:
+            b = prog[name]
+            wrt = [
+                p.var.name
+                for p in b.ir.params
+                if p.var.name in weights or p.var.name in ("h", "y", "x", "hg", "r")
+            ]
+            return function(b, wrt=wrt, backward=backward)
+
+        # the default saved-tensor policy (auto): e.g. the SwiGLU output is recomputed in the backward
+        self.first, self.layer, self.last = fn("first_qkv"), fn("layer"), fn("last")
+        # the loss head. "vocab": it keeps only its log-sum-exp, its backward runs the GEMM again in
+        # chunks of the vocabulary (each chunk's weight gradient complete): four GEMMs. "rows": chunks
+        # of rows, each chunk's forward keeping its logits and its backward run at once in the
+        # forward: three GEMMs, the weight gradient summed over the chunks inside its GEMM
+        self.head_logits = fn("head_logits")
+        self.loss = loss
+        self.loss_mode = loss.mode
+        # bytes of the largest transient of a chunk ("vocab")
+        self.loss_budget = LOSS_CHUNK_BYTES if loss.budget is None else loss.budget
+        self.loss_rows = loss.rows or 0  # rows per chunk of the loss head ("rows"); 0: from LOSS_ROWS_BYTES
+        self._fn = fn
+        # made once, not at each forward (launches while the GPU waits at a step's start): the default
+        # positions of the last (batch, seq, device), and the RoPE frequencies of the model's inv_freq
+        # buffer while it is the same tensor at the same version (not modified in place)
+        self._positions: tuple[tuple[int, int, str], torch.Tensor] | None = None
+        self._freq: tuple[Any, int, str, torch.Tensor] | None = None
+        self._vocab_head: BlockFunction | None = None
+        self._row_head: BlockFunction | None = None
+        # a training step's kernels (the first layer's, the layers', the last layer's, the loss head's:
+        # forward and backward) compile at once at its first call, in one pool of workers
+        head = self.row_head() if self.loss_mode == "rows" else self.vocab_head()
+        compile_together(self.first, self.layer, self.last, head)
+
+    def row_head(self) -> BlockFunction:
+        """The loss head of "rows" mode: its logits saved (remat="save"), run forward and backward
+        in chunks of rows (BlockFunction.forward_backward)."""
+        if self._row_head is None:
+            self._row_head = self._fn("head_loss", BackwardOptions(remat="save", chunk_dim="M"))
+        return self._row_head
+
+    def vocab_head(self) -> BlockFunction:
+        """The loss head whose backward runs in chunks of V within `loss_budget` bytes."""
+        if self._vocab_head is None:
+            options = BackwardOptions(chunk="auto", budget=self.loss_budget, chunk_dim="V")
+            self._vocab_head = self._fn("head_loss", options)
+        return self._vocab_head
+
+    @property
+    def rope_width(self) -> int:
+        return (self.H + self.KV) * self.HD
+
+    def positions(self, b: int, s: int, device: torch.device) -> torch.Tensor:
+        """The f32 positions 0..s-1 of each of b sequences, flattened: the default position_ids."""
+        key = (b, s, str(device))
+        if self._positions is None or self._positions[0] != key:  # a new shape replaces the last
+            self._positions = (key, torch.arange(s, device=device, dtype=torch.float32).repeat(b))
+        return self._positions[1]
+
+    def freq(self, model: Any, device: torch.device) -> torch.Tensor:
+        """RoPE's frequency of each column of the fused QKV tile's q and k heads (0 for v's)."""
+        inv = model.model.rotary_emb.inv_freq
+        got = self._freq
+        if got is not None and got[0] is inv and got[1] == inv._version and got[2] == str(device):
+            return got[3]
+        inv32 = inv.to(device=device, dtype=torch.float32)
+        f = torch.cat([inv32.repeat(self.H + self.KV), inv32.new_zeros(self.KV * self.HD // 2)])
+        self._freq = (inv, inv._version, str(device), f)
+        return f
