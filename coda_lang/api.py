@@ -68,7 +68,12 @@ class Block(CheckedBlock):
         precision: str = "exact",
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """`run`, plus the per-tile partial buffers of every partial reduction (with a `sim_tile`)."""
-        from coda_lang.interp import PRECISIONS, bind, run_block
+        # lazy: imports NumPy, which `coda check` and `import coda_lang` never load
+        from coda_lang.interp import (
+            PRECISIONS,
+            bind,
+            run_block,
+        )
 
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -156,6 +161,7 @@ class Block(CheckedBlock):
         tensors from the extended forward's outputs `fwd`; parameters) and its dims."""
         import numpy as np
 
+        # lazy: imports NumPy, which `coda check` and `import coda_lang` never load
         from coda_lang.interp import bind
 
         _, sizes = bind(self.ir, inputs, dims, precision)
@@ -207,8 +213,17 @@ class Block(CheckedBlock):
     ) -> dict[str, Any]:
         import numpy as np  # lazy: `coda check` and `coda grad` never import NumPy
 
-        from coda_lang.core.numerics import round_to, to_storage
-        from coda_lang.interp import bind, run_block
+        # lazy: imports NumPy, which `coda check` and `import coda_lang` never load
+        from coda_lang.core.numerics import (
+            round_to,
+            to_storage,
+        )
+
+        # lazy: imports NumPy, which `coda check` and `import coda_lang` never load
+        from coda_lang.interp import (
+            bind,
+            run_block,
+        )
 
         d = self.derivation(wrt, options.remat)
         plans = candidate_plans(self, wrt, options)
@@ -252,7 +267,10 @@ class Block(CheckedBlock):
         device); `poison`: outputs filled with NaN before each launch (tests); `tune`: time the
         candidate tiles at each shape (default: on a GPU, unless $CODA_TUNE=0). Raises CodaError (E07)
         for stages the backend can't run yet."""
-        from coda_lang.backend_cute.runtime.cuda_block import CudaBlock
+        # lazy: imports torch, which `coda check`, `coda run` and `import coda_lang` never load
+        from coda_lang.backend_cute.runtime.cuda_block import (
+            CudaBlock,
+        )
 
         return CudaBlock(self, tile=tile, dims=dims, emulate=emulate, poison=poison, tune=tune)
 

@@ -26,6 +26,7 @@ import torch
 from coda_lang.api import Block, load
 from coda_lang.autodiff.chunk import candidate_plans
 from coda_lang.autodiff.options import BackwardOptions
+from coda_lang.backend_cute.runtime.tiles import precompile as compile_blocks
 
 __all__ = [
     "BlockFunction",
@@ -219,7 +220,6 @@ def precompile(*functions: BlockFunction, jobs: int | None = None, quiet: bool =
     """Compile every kernel of these functions now, in `jobs` worker processes (default: one per CPU),
     as their first calls would (the tuning at each shape still happens at the first call there; `coda
     tune` does both ahead of a run). Raises BackendUnavailable without the GPU toolchain."""
-    from coda_lang.backend_cute.runtime.tiles import precompile as compile_blocks
 
     blocks = [b for f in functions for b in f.kernel_blocks()]
     compile_blocks(blocks, jobs=jobs, quiet=quiet, strict=True)
@@ -233,7 +233,10 @@ def wait_for_kernels(timeout: float | None = None) -> bool:
     times everything before it returns."""
     if "coda_lang.backend_cute.build.parallel" not in sys.modules:  # nothing was ever compiled here
         return True
-    from coda_lang.backend_cute.build.parallel import wait_all
+    # lazy: imports NumPy, which `coda check` and `import coda_lang` never load
+    from coda_lang.backend_cute.build.parallel import (
+        wait_all,
+    )
 
     return wait_all(timeout)
 

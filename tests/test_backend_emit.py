@@ -727,6 +727,14 @@ def test_cli_compile_backward_source(tmp_path: Path) -> None:
     assert "packed_cd_b16x2 mode; D = dacc2; stores a; reduces dr" in r.stdout  # a recomputed (auto)
 
 
+def test_cli_compile_one_stage(tmp_path: Path) -> None:
+    """--stage K writes that stage only (llama_mlp's backward has six)."""
+    r = coda("compile", MLP, "--emit", "source", "--backward", "--stage", "4", "-o", tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert [p.name for p in tmp_path.glob("*.py")] == ["llama_mlp_bwd_stage4.py"]
+    assert len(r.stdout.splitlines()) == 1 and "stage 4 `" in r.stdout
+
+
 def test_cli_compile_skips_an_elementwise_stage(tmp_path: Path) -> None:
     r = coda(
         "compile", ROOT / "examples" / "bias_gelu.coda", "--emit", "source", "--backward", "-o", tmp_path
@@ -749,6 +757,9 @@ def test_cli_compile_skips_an_elementwise_stage(tmp_path: Path) -> None:
         ("compile", MLP, "--emit", "ptx", "--tile", "128x0"),
         ("compile", MLP),
         ("compile", MLP, "--emit", "source", "--block", "nope"),
+        ("compile", MLP, "--emit", "source", "--stage", "0"),
+        ("compile", MLP, "--emit", "source", "--stage", "4"),
+        ("compile", MLP, "--emit", "source", "--stage", "two"),
     ],
 )
 def test_cli_compile_usage_errors_exit_2(args: tuple, tmp_path: Path) -> None:

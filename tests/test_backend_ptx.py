@@ -210,8 +210,9 @@ def test_cli_compile_ptx(mlp: coda_lang.Block, cache: Path, tmp_path: Path) -> N
 
 
 def test_cli_compile_ptx_at_a_narrow_epilogue_subtile(cache: Path, tmp_path: Path) -> None:
-    """`--tile 128x192e16` compiles llama_mlp's norm backward at 128x192 with a 16-column epilogue
-    subtile: no spills (at 128x192 itself it spills: test_narrow_epilogue_subtile_...)."""
+    """`--tile 128x192e16 --stage 4` compiles llama_mlp's norm backward (stage 4 of its backward, alone)
+    at 128x192 with a 16-column epilogue subtile: no spills (at 128x192 itself it spills:
+    test_narrow_epilogue_subtile_...)."""
     env = {**os.environ, "CODA_CACHE_DIR": str(cache)}
     r = subprocess.run(
         [
@@ -225,6 +226,8 @@ def test_cli_compile_ptx_at_a_narrow_epilogue_subtile(cache: Path, tmp_path: Pat
             "ptx",
             "--tile",
             "128x192e16",
+            "--stage",
+            "4",
             "-o",
             str(tmp_path),
         ],
@@ -235,7 +238,9 @@ def test_cli_compile_ptx_at_a_narrow_epilogue_subtile(cache: Path, tmp_path: Pat
         env=env,
     )
     assert r.returncode == 0, r.stderr
-    b4 = next(line for line in r.stdout.splitlines() if line.startswith("wrote") and "stage4" in line)
+    wrote = [line for line in r.stdout.splitlines() if line.startswith("wrote")]
+    assert len(wrote) == 1 and "stage4" in wrote[0], r.stdout  # that stage only
+    b4 = wrote[0]
     assert "128x192 pingpong, cluster 2x1, epilogue subtile N 16" in b4 and "0 bytes spill stores" in b4, b4
 
 

@@ -93,8 +93,9 @@ def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, k
     return sorted(set(out))
 
 
-def _lazy_reason(lines: list[str], lineno: int) -> str:
-    for text in (lines[lineno - 1], lines[lineno - 2] if lineno >= 2 else ""):
+def _lazy_reason(lines: list[str], first: int, last: int) -> str:
+    """The text of a `# lazy:` comment on the statement's lines or the line before it."""
+    for text in [lines[first - 2] if first >= 2 else "", *lines[first - 1 : last]]:
         if "# lazy:" in text:
             return text.split("# lazy:", 1)[1].strip()
     return ""
@@ -121,7 +122,11 @@ def imports(mods: dict[str, Path] | None = None) -> list[Import]:
                 if isinstance(child, (ast.Import, ast.ImportFrom)):
                     for t in _targets(child, name, path.name == "__init__.py", known):
                         if t != name:
-                            reason = _lazy_reason(lines, child.lineno) if in_function else ""
+                            reason = (
+                                _lazy_reason(lines, child.lineno, child.end_lineno or child.lineno)
+                                if in_function
+                                else ""
+                            )
                             found.append(Import(name, t, child.lineno, in_function, reason))
                     continue
                 fn = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))

@@ -153,14 +153,20 @@ def test_coda_grad_auto_prints_the_policy_and_saves_no_a(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize("remat", POLICIES)
-def test_coda_check_accepts_every_printed_backward(remat: str, tmp_path: Path) -> None:
+def test_coda_check_accepts_every_printed_backward(remat: str, tmp_path: Path, capsys: Any) -> None:
+    """`coda grad --with-forward -o` on every example, then `coda check` on what it wrote: both commands'
+    `main`, in this process (one `coda` process per example and policy would cost a start each;
+    test_cli_grad.py runs the real command line)."""
+    from coda_lang.cli import main
+
     for name in NAMES:
-        r = coda(
-            "grad", EXAMPLES / f"{name}.coda", "--remat", remat, "--with-forward", "-o", tmp_path / "o.coda"
+        out = tmp_path / f"{name}.coda"
+        code = main(
+            ["grad", str(EXAMPLES / f"{name}.coda"), "--remat", remat, "--with-forward", "-o", str(out)]
         )
-        assert r.returncode == 0, r.stderr
-        c = coda("check", tmp_path / "o.coda")
-        assert c.returncode == 0, (name, c.stdout + c.stderr)
+        assert code == 0, capsys.readouterr().err
+        code = main(["check", str(out)])
+        assert code == 0, (name, capsys.readouterr())
 
 
 def test_save_is_the_derivation_of_before() -> None:

@@ -12,6 +12,9 @@ from coda_lang.cli.common import (
     EXIT_USAGE,
     read_source_file,
 )
+from coda_lang.core.diagnostics import render_all
+from coda_lang.frontend.source import check_source
+from coda_lang.frontend.verify.plan import explain
 
 
 def add_parser(sub: Any) -> None:
@@ -39,9 +42,6 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from coda_lang.core.diagnostics import render_all
-    from coda_lang.frontend.source import check_source
-    from coda_lang.frontend.verify.plan import explain
 
     status = EXIT_OK
     n_errors = 0

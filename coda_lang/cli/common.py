@@ -16,7 +16,10 @@ import argparse
 import os
 import sys
 
+from coda_lang.api import Block
 from coda_lang.autodiff.options import BackwardOptions
+from coda_lang.core.diagnostics import render_all
+from coda_lang.frontend.source import check_source
 
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
@@ -95,8 +98,6 @@ def parse_tile_subtile(text: str | None) -> tuple[int, int, int] | None | str:
 
 def load_block(path: str, block: str | None, fmt: str = "human") -> tuple[object | None, int]:
     """(Block, 0), or (None, exit code) after printing why."""
-    from coda_lang.core.diagnostics import render_all
-    from coda_lang.frontend.source import check_source
 
     text = read_source_file(path)
     if text is None:
@@ -106,7 +107,6 @@ def load_block(path: str, block: str | None, fmt: str = "human") -> tuple[object
         print(render_all(diags, {path: text}, fmt), file=sys.stderr)
         return None, EXIT_ERRORS
     assert prog is not None
-    from coda_lang.api import Block
 
     names = [b.name for b in prog.blocks]
     if block is None:

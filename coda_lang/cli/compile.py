@@ -7,6 +7,12 @@ import os
 import sys
 from typing import Any
 
+from coda_lang.api import Block
+from coda_lang.backend_cute.build.compile import compile_spec
+from coda_lang.backend_cute.build.config import CANDIDATES, TileConfig
+from coda_lang.backend_cute.build.ptxas import BackendUnavailable
+from coda_lang.backend_cute.plan.emit import emit_stage
+from coda_lang.backend_cute.plan.planner import plan_stage
 from coda_lang.cli.common import (
     EXIT_ERRORS,
     EXIT_OK,
@@ -17,6 +23,8 @@ from coda_lang.cli.common import (
     usage_error,
     write_text,
 )
+from coda_lang.core.diagnostics import CodaError, render_all
+from coda_lang.ir.nodes import Stage
 
 
 def add_parser(sub: Any) -> None:
@@ -38,6 +46,11 @@ def add_parser(sub: Any) -> None:
     k.add_argument("--emit", choices=("source", "ptx"), required=True, help="what to write for each stage")
     k.add_argument("-o", "--output-dir", metavar="DIR", default=".", help="where to write (default: .)")
     k.add_argument("--backward", action="store_true", help="compile the derived backward block instead")
+    k.add_argument(
+        "--stage",
+        metavar="K",
+        help="only stage K (1-based, as `coda check --explain` numbers them), e.g. the one that spills",
+    )
     k.add_argument(
         "--tile",
         metavar="MxN[eS]",
@@ -64,12 +77,10 @@ def parse_jobs(text: str | None) -> int | None | str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from coda_lang.core.diagnostics import CodaError, render_all
 
     block, code = load_block(args.file, args.block, args.error_format)
     if block is None:
         return code
-    from coda_lang.api import Block
 
     assert isinstance(block, Block)
     tile = parse_tile_subtile(args.tile)
@@ -82,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
     if jobs == "bad" or (jobs is not None and args.emit != "ptx"):
         return usage_error(f"--jobs takes a positive number and goes with --emit ptx, got {args.jobs!r}")
     assert jobs is None or isinstance(jobs, int)
+    only = parse_jobs(args.stage)  # (a positive number, like --jobs)
+    if only == "bad":
+        return usage_error(f"--stage takes a stage's number (1, 2, ...), got {args.stage!r}")
     text = read_source_file(args.file) or ""
 
     def report(e: CodaError) -> None:
@@ -98,22 +112,26 @@ def run(args: argparse.Namespace) -> int:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         return usage_error(f"can't create {out_dir}: {e.strerror or e}")
-    from coda_lang.backend_cute.build import parallel
-    from coda_lang.backend_cute.build.compile import compile_spec
-    from coda_lang.backend_cute.build.config import CANDIDATES, TileConfig
-    from coda_lang.backend_cute.build.ptxas import BackendUnavailable
-    from coda_lang.backend_cute.build.select import select_config
-    from coda_lang.backend_cute.plan.emit import emit_stage
-    from coda_lang.backend_cute.plan.planner import plan_stage
-    from coda_lang.ir.nodes import Stage
+    # lazy: imports NumPy, which `coda check` and `import coda_lang` never load
+    from coda_lang.backend_cute.build import (
+        parallel,
+    )
+
+    # lazy: imports NumPy, which `coda check` and `import coda_lang` never load
+    from coda_lang.backend_cute.build.select import (
+        select_config,
+    )
 
     status = EXIT_OK
     stages = [s for s in block.ir.body if isinstance(s, Stage)]
+    if only is not None and not 1 <= int(only) <= len(stages):
+        return usage_error(f"--stage {only}: block {block.name} has stages 1 to {len(stages)}")
+    chosen = range(1, len(stages) + 1) if only is None else [int(only)]
     fixed = TileConfig(tile[0], tile[1], epi_n=tile[2]) if isinstance(tile, tuple) else None
     built: set[Any] = set()
     if args.emit == "ptx":  # every stage's kernels at once (a stage that can't be planned: below)
         requests = []
-        for k in range(1, len(block.plan.stages) + 1):
+        for k in chosen:
             if stages[k - 1].is_gemm:
                 try:
                     spec = plan_stage(block, k)
@@ -128,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
             built = parallel.warm(requests, jobs=jobs, quiet=args.quiet).built
         except OSError as e:
             return usage_error(f"can't write {e.filename or 'the kernel cache'}: {e.strerror or e}")
-    for k in range(1, len(block.plan.stages) + 1):
+    for k in chosen:
         name = f"{block.name}_stage{k}"
         if not stages[k - 1].is_gemm:
             print(

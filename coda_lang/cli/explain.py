@@ -13,6 +13,8 @@ import sys
 from typing import Any
 
 from coda_lang.cli.common import EXIT_OK, usage_error
+from coda_lang.core.diagnostics import CODES
+from coda_lang.reference import explain
 
 
 def add_parser(sub: Any) -> None:
@@ -28,8 +30,6 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from coda_lang.core.diagnostics import CODES
-    from coda_lang.reference import explain
 
     if args.code is None:
         for code, title in CODES.items():

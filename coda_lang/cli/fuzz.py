@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any, TextIO
 
+from coda_lang.api import Block
 from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.cli.common import (
     EXIT_ERRORS,
@@ -22,6 +23,8 @@ from coda_lang.cli.common import (
     parse_tile,
     usage_error,
 )
+from coda_lang.cli.fuzz_jobs import run_jobs
+from coda_lang.core.diagnostics import CodaError, render_all
 from coda_lang.ir.nodes import DEFAULT_REMAT, REMAT
 
 if TYPE_CHECKING:
@@ -159,8 +162,7 @@ def _print_failure(args: Any, f: Failure, file: str, block: str, out: TextIO) ->
 def run(args: Any) -> int:
     """Exit 0 all cases passed, 1 a failure (or the block has errors or can't run on the target), 2 usage
     errors and targets this machine can't run."""
-    from coda_lang.api import Block
-    from coda_lang.core.diagnostics import CodaError, render_all
+    # lazy: imports hypothesis, which only the fuzzer needs
     from coda_lang.fuzz import (
         ALIGN,
         DRAW,
@@ -234,7 +236,6 @@ def run(args: Any) -> int:
             checked, code = load_block(args.file, args.block)
             if checked is None:
                 return code
-        from coda_lang.cli.fuzz_jobs import run_jobs
 
         return run_jobs(args, list(getattr(args, "argv", [])))
     out = sys.stdout

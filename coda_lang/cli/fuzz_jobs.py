@@ -87,6 +87,7 @@ def _stop(jobs: list[Job]) -> None:
 def run_jobs(args: Any, argv: list[str]) -> int:
     """Run `coda fuzz` as `args.jobs` processes (the module docstring); `argv` is the command's own
     arguments (after `coda`), as given."""
+    # lazy: imports hypothesis, which only the fuzzer needs
     from coda_lang.fuzz import Progress
 
     programs = args.programs is not None

@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+from coda_lang.api import Block
 from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.cli.common import (
     EXIT_ERRORS,
@@ -16,6 +17,8 @@ from coda_lang.cli.common import (
     usage_error,
     write_text,
 )
+from coda_lang.core.diagnostics import CodaError, render_all
+from coda_lang.frontend.syntax.printer import dims_source, print_block
 
 
 def add_parser(sub: Any) -> None:
@@ -61,13 +64,10 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from coda_lang.core.diagnostics import CodaError, render_all
-    from coda_lang.frontend.syntax.printer import dims_source, print_block
 
     block, code = load_block(args.file, args.block, args.error_format)
     if block is None:
         return code
-    from coda_lang.api import Block
 
     assert isinstance(block, Block)
     options = parse_backward(args.remat)

@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+from coda_lang.api import Block
 from coda_lang.cli.common import (
     EXIT_ERRORS,
     EXIT_OK,
@@ -15,6 +16,7 @@ from coda_lang.cli.common import (
     usage_error,
     write_npz,
 )
+from coda_lang.core.diagnostics import CodaError, render_all
 
 
 def add_parser(sub: Any) -> None:
@@ -49,16 +51,22 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from coda_lang.core.diagnostics import CodaError, render_all
-    from coda_lang.interp import random_inputs
-    from coda_lang.interp.inputs import check_sizes, infer_dims
+    # lazy: imports NumPy, which `coda check` and `import coda_lang` never load
+    from coda_lang.interp import (
+        random_inputs,
+    )
+
+    # lazy: imports NumPy, which `coda check` and `import coda_lang` never load
+    from coda_lang.interp.inputs import (
+        check_sizes,
+        infer_dims,
+    )
 
     if args.seed < 0:
         return usage_error(f"--seed takes a number >= 0, got {args.seed}")
     block, code = load_block(args.file, args.block)
     if block is None:
         return code
-    from coda_lang.api import Block
 
     assert isinstance(block, Block)
     dims = parse_dims(args.dims)

@@ -19,7 +19,11 @@ import argparse
 import sys
 from typing import Any
 
+from coda_lang.api import Block
 from coda_lang.autodiff.options import BackwardOptions
+from coda_lang.backend_cute.build import tune
+from coda_lang.backend_cute.build.ptxas import BackendUnavailable
+from coda_lang.backend_cute.runtime.tiles import precompile
 from coda_lang.cli.common import (
     EXIT_ERRORS,
     EXIT_OK,
@@ -29,6 +33,8 @@ from coda_lang.cli.common import (
     parse_dims,
     usage_error,
 )
+from coda_lang.cli.compile import parse_jobs
+from coda_lang.core.diagnostics import CodaError, render_all
 from coda_lang.ir.nodes import DEFAULT_REMAT, REMAT
 
 
@@ -78,7 +84,6 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from coda_lang.cli.compile import parse_jobs
 
     jobs = parse_jobs(args.jobs)
     if jobs == "bad":
@@ -102,7 +107,6 @@ def run(args: argparse.Namespace) -> int:
     block, code = load_block(args.file, args.block)
     if block is None:
         return code
-    from coda_lang.api import Block
 
     assert isinstance(block, Block)
     names = [d.name for d in block.ir.dims if d.value is None]
@@ -118,10 +122,6 @@ def run(args: argparse.Namespace) -> int:
                 f"--dims {_text(d)} gives no size for {', '.join(missing)}: tuning needs every dim of "
                 f"{block.name} ({', '.join(names)})"
             )
-
-    from coda_lang.backend_cute.build.ptxas import BackendUnavailable
-    from coda_lang.backend_cute.runtime.tiles import precompile
-    from coda_lang.core.diagnostics import CodaError, render_all
 
     def report(e: CodaError) -> int:
         print(render_all(e.diagnostics, e.sources, "human"), file=sys.stderr)
@@ -174,7 +174,6 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_OK
-    from coda_lang.backend_cute.build import tune
 
     for d in sizes:
         try:

@@ -67,7 +67,8 @@ def join_heads(
     tile `out`: on a GPU one Triton kernel per part (backend_triton/layouts.py), else torch's copies."""
     parts = [(g, n, col) for g, n, col in zip(grads, (h, kv, kv), (0, h * hd, (h + kv) * hd), strict=True)]
     if out.device.type == "cuda":
-        from coda_lang.backend_triton import layouts  # lazy: Triton (and its compiles) only on a GPU
+        # lazy: imports Triton, which only a GPU run needs
+        from coda_lang.backend_triton import layouts
 
         if layouts.supported(out, hd) and all(g is None or g.dtype == out.dtype for g, _, _ in parts):
             layouts.join_heads(out, parts, b, s, hd)

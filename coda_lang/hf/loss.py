@@ -190,7 +190,8 @@ def tied_grad(
     rounded to dtype once: on a GPU one Triton kernel (backend_triton/layouts.py), else torch's
     index_add."""
     if total.device.type == "cuda":
-        from coda_lang.backend_triton import layouts  # lazy: Triton (and its compiles) only on a GPU
+        # lazy: imports Triton, which only a GPU run needs
+        from coda_lang.backend_triton import layouts
 
         return layouts.tied_grad(total, scale.reshape(1), ids, rows, dtype, padding_idx)
     out = total.float() * scale.float()
@@ -224,7 +225,8 @@ def scale_round(t: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.T
     """t * g rounded to dtype, in one pass: on a GPU one Triton kernel (backend_triton/layouts.py), else
     torch's mul into a tensor of that dtype."""
     if t.device.type == "cuda":
-        from coda_lang.backend_triton import layouts  # lazy: Triton (and its compiles) only on a GPU
+        # lazy: imports Triton, which only a GPU run needs
+        from coda_lang.backend_triton import layouts
 
         return layouts.scale_round(t, g.reshape(1), dtype)
     return torch.mul(t, g, out=torch.empty(t.shape, dtype=dtype, device=t.device))

@@ -535,7 +535,8 @@ register(
 def _gelu(x: Any, approximate: str | None = None) -> Any:
     x = np.asarray(x)
     if approximate == "none":
-        from coda_lang.core.numerics import erf  # lazy: NumPy and ml_dtypes; `coda check` imports neither
+        # lazy: imports NumPy, which `coda check` and `import coda_lang` never load
+        from coda_lang.core.numerics import erf
 
         return 0.5 * x * (1 + erf(x * x.dtype.type(_INV_SQRT_2)))
     c, k = x.dtype.type(_GELU_C), x.dtype.type(0.044715)
@@ -624,14 +625,16 @@ register(
 
 
 def _erf(x: Any) -> Any:
-    from coda_lang.core.numerics import erf  # lazy: NumPy and ml_dtypes; `coda check` imports neither
+    # lazy: imports NumPy, which `coda check` and `import coda_lang` never load
+    from coda_lang.core.numerics import erf
 
     return erf(np.asarray(x))
 
 
 def _cast_impl(x: Any, dtype: str, precision: str = "exact") -> Any:
     """Round to `dtype` (no-op for floats in the f64 gradient-check precision); i32 truncates."""
-    from coda_lang.core.numerics import round_to  # lazy: NumPy and ml_dtypes; `coda check` imports neither
+    # lazy: imports NumPy, which `coda check` and `import coda_lang` never load
+    from coda_lang.core.numerics import round_to
 
     x = np.asarray(x)
     if dtype == "i32":

@@ -63,7 +63,7 @@ class CompiledStage:
 
 def _adapter() -> Any:
     try:
-        # lazy: quack_adapter imports quack and CuTeDSL (seconds); only a real compile needs them
+        # lazy: imports CuTeDSL and quack (seconds), which only a real compile or launch needs
         from coda_lang.backend_cute.build import quack_adapter
     except ImportError as e:
         raise BackendUnavailable(

@@ -31,8 +31,9 @@ from typing import Any
 
 from coda_lang.backend_cute.build.cache import entry_lock, kernel_fingerprint, library_versions, write_atomic
 from coda_lang.backend_cute.build.config import TileConfig
-from coda_lang.backend_cute.plan.emit import EMITTER_VERSION, cache_dir, source_hash
+from coda_lang.backend_cute.plan.emit import EMITTER_VERSION, cache_dir, emit_stage, source_hash
 from coda_lang.core.progress import Progress
+from coda_lang.ir.types import extent
 from coda_lang.ops.registry import torch_dtype
 
 WARMUP = 3  # launches before timing (module load, first-touch of the inputs)
@@ -323,8 +324,10 @@ def random_inputs(block_ir: Any, dims: dict[str, int], device: Any, seed: int = 
     by 1/sqrt(K), i32 indices within the range they index), made on the device."""
     import torch
 
-    from coda_lang.interp.inputs import input_scales
-    from coda_lang.ir.types import extent
+    # lazy: imports NumPy, which `coda check` and `import coda_lang` never load
+    from coda_lang.interp.inputs import (
+        input_scales,
+    )
 
     gen = torch.Generator(device=device).manual_seed(seed)
     rhs, pick_range = input_scales(block_ir)
@@ -354,8 +357,6 @@ def tuned(cb: Any) -> list[tuple[int, tuple[int, int, int], TileConfig]]:
 def times_of(cb: Any, k: int, shape: tuple[int, int, int]) -> dict[str, float]:
     """The times tuning.json holds for stage k of a CudaBlock at a GEMM shape, by config label."""
     import torch
-
-    from coda_lang.backend_cute.plan.emit import emit_stage
 
     spec = cb.specs[k - 1]
     entry = _read().get(disk_key(emit_stage(spec), shape, torch.cuda.get_device_name()))

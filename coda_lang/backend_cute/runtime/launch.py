@@ -28,6 +28,7 @@ from coda_lang.backend_cute.build.config import TileConfig
 from coda_lang.backend_cute.plan import spec as specs
 from coda_lang.backend_cute.plan.emit import emit_stage, write_source
 from coda_lang.backend_cute.plan.spec import F32_EXACT_INT, INDEX_AXIS, Sink, StageSpec
+from coda_lang.backend_cute.runtime import emulate
 from coda_lang.core.diagnostics import error
 from coda_lang.ir.types import BOOL, MATRIX, Dim, Type
 from coda_lang.ops.registry import combine_of_sink, combine_rule, torch_dtype
@@ -116,7 +117,10 @@ class StageRunner:
     def mod(self) -> Any:
         """The quack EpiMod of the emitted epilogue (imports quack on first use)."""
         if self._mod is None:
-            from coda_lang.backend_cute.build import quack_adapter
+            # lazy: imports CuTeDSL and quack (seconds), which only a real compile or launch needs
+            from coda_lang.backend_cute.build import (
+                quack_adapter,
+            )
 
             path = write_source(emit_stage(self.spec))
             self._mod = quack_adapter.load_epilogue(path, self.spec.fn_name)
@@ -256,11 +260,12 @@ class StageRunner:
             assert D is not None
             torch.matmul(A, B.t() if self.spec.gemm.tb else B, out=D)
         elif self.emulate:
-            from coda_lang.backend_cute.runtime import emulate
-
             emulate.run_stage(self.spec, self.config, A, B, D, epi, C=C)
         else:
-            from coda_lang.backend_cute.build import quack_adapter
+            # lazy: imports CuTeDSL and quack (seconds), which only a real compile or launch needs
+            from coda_lang.backend_cute.build import (
+                quack_adapter,
+            )
 
             quack_adapter.launch(self.mod, self.spec, self.config, A, B, D, epi, C=C)
         return outs
@@ -347,6 +352,7 @@ def _interleave(even: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
     """A full-width tile from its two lanes (columns 2 j and 2 j + 1): one Triton kernel on a GPU
     (layouts.interleave), torch's stack elsewhere or under a torch.compile trace."""
     if even.device.type == "cuda" and not torch.compiler.is_compiling():
+        # lazy: imports Triton, which only a GPU run needs
         from coda_lang.backend_triton import layouts
 
         return layouts.interleave(even, odd)

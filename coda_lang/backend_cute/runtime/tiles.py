@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from coda_lang.backend_cute.build.cache import Kernel
 from coda_lang.backend_cute.build.config import CANDIDATES, TUNE_CANDIDATES, TileConfig, broken, fits, rules
 from coda_lang.backend_cute.build.ptxas import BackendUnavailable
 from coda_lang.backend_cute.plan.emit import emit_stage, source_hash
@@ -114,7 +115,10 @@ def choose_config(block: Any, index: int, spec: StageSpec, emulate: bool) -> Til
         return candidates[0]
     key = (source_hash(emit_stage(spec)), candidates)
     if key not in _SELECTED:
-        from coda_lang.backend_cute.build.select import select_config
+        # lazy: imports NumPy, which `coda check` and `import coda_lang` never load
+        from coda_lang.backend_cute.build.select import (
+            select_config,
+        )
 
         if not find_ptxas():
             warnings.warn(
@@ -137,7 +141,6 @@ def choose_config(block: Any, index: int, spec: StageSpec, emulate: bool) -> Til
 def first_compiled(spec: StageSpec) -> TileConfig | None:
     """The first candidate (select_config's order, then the tuner's) whose kernel the cache already
     holds without spills: a stage's tile while its other candidates still compile in the background."""
-    from coda_lang.backend_cute.build.cache import Kernel
 
     source = emit_stage(spec)
     for c in dict.fromkeys((*CANDIDATES, *TUNE_CANDIDATES)):
@@ -159,7 +162,10 @@ def precompile(
     do or no toolchain (`strict`: BackendUnavailable is raised instead). `background`: return once
     each stage has a kernel without spills, the other candidates compiling on (each block's
     `tuner.background` then says whether they are done)."""
-    from coda_lang.backend_cute.build import parallel
+    # lazy: imports NumPy, which `coda check` and `import coda_lang` never load
+    from coda_lang.backend_cute.build import (
+        parallel,
+    )
 
     requests: list[parallel.Request] = []
     names: list[str] = []
