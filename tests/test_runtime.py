@@ -921,7 +921,7 @@ def test_emulated_sums_past_the_ragged_end_match_interpreter(monkeypatch: pytest
     memory as NaN). With the planner's masks (`bounded` sums: exp(0), stale vectors; a max of abs()
     is quack's max, masked by quack itself) outputs and partials match the interpreter at ragged sizes along both dims; without
     them, the same emulated run does not (which is what the GPU did before the masks)."""
-    from coda_lang.backend_cute.plan import planner
+    from coda_lang.backend_cute.plan import sinks
 
     blk = next(iter(coda_lang.load(RAGGED_SUMS)))
     sizes, tile = {"M": 200, "K": 72, "N": 136}, (64, 64)
@@ -933,7 +933,7 @@ def test_emulated_sums_past_the_ragged_end_match_interpreter(monkeypatch: pytest
         check_output(o.name, outs[o.name], ref[o.name], None, o.type.dtype)
     for k, buf in partials.items():
         check_partial(k, buf, ref_partials[k])
-    monkeypatch.setattr(planner, "is_zero", lambda v: True)  # no masks: every sum trusted to be 0 there
+    monkeypatch.setattr(sinks, "is_zero", lambda v: True)  # no masks: every sum trusted to be 0 there
     unmasked, _ = blk.cuda(tile=tile, emulate=True, poison=True).run_with_partials(inputs)
     for name in ("s", "u", "v"):  # the masked ones: wrong, or NaN from the stale vectors
         got, want = unmasked[name].double(), torch.as_tensor(np.asarray(ref[name], dtype=np.float64))

@@ -4,9 +4,11 @@ The layer map, in the order a stage goes through it (each package below the one 
 nothing of build/ or runtime/, build/ nothing of runtime/):
 - plan/: a checked stage -> the Python source of its epilogue, without quack, CuTeDSL or torch.
   spec.py: the data model (`StageSpec`: operands, outputs, sinks, groups, mode, its tiling
-  constraints; keyword-built records, closed sets of names as Literal types); planner.py (+
-  padding.py, what a ragged tile's padding holds): a checked stage -> its StageSpec, or an E07
-  diagnostic; names.py + emit.py: StageSpec -> the epilogue's source (content-addressed files);
+  constraints; keyword-built records, closed sets of names as Literal types); planner.py: a checked
+  stage -> its StageSpec, or an E07 diagnostic, with a module per job (context.py: the stage and its
+  values' Python names; sinks.py: reductions -> sinks and groups, padding.py: what a ragged tile's
+  padding holds; operands.py: loads -> operands; refusals.py: the E07 checks); names.py + emit.py:
+  StageSpec -> the epilogue's source (content-addressed files);
   epi_ops.py: our own CuTeDSL epilogue ops (imported by the emitted modules, not by the planner).
 - build/: kernels, without a GPU. config.py: tile configs, the candidate lists and the rules a
   stage's config must satisfy (`fits`); ptxas.py: ptxas and its register/spill report; cache.py: the

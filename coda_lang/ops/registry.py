@@ -387,7 +387,7 @@ class OpDef:
     combine: Combine | None = None  # reductions (and pick): how per-tile partials combine
     # a rewrite into other ops, applied when the source is lowered: `decompose(d, ins, params)` returns
     # the (op name, operands, params) of the top equation, emitting helper equations with `d.op(...)`
-    # (frontend/syntax/lower.py's Decomposer); such an op needs no impl, VJP, lowering of its own
+    # (frontend/syntax/exprs.py's Decomposer); such an op needs no impl, VJP, lowering of its own
     decompose: Callable[..., Any] | None = None
     # What the passes ask of an op (each names its readers), False/None where it does not hold:
     lanes: Lanes | None = None  # a pair op's role on lanes (emitters, autodiff, repeats, bounds)

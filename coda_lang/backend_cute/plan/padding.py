@@ -6,7 +6,7 @@ reductions also fold): a number when it is the same whatever the inputs, `REAL` 
 values, None when it may be anything. The planner masks a sum over the columns there (a
 Bounded*Reduce) unless its summand is known to be 0 whatever the inputs, infinities in A included
 (`is_zero` of `finite=False`), and a sum over the rows unless it is 0 there for finite inputs.
-What it does not: choose sinks (planner.py) or run anything.
+What it does not: choose sinks (sinks.py) or run anything.
 Invariants: pure (reads the stage's loads and definitions only); recursion is memoized per call.
 """
 

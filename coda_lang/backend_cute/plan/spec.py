@@ -10,7 +10,7 @@ Each closed set of names (a mode, an operand's role, a quack op, a sink's fold a
 `Literal` type: mypy checks every record built and every comparison's spelling, and the names print
 as they always did (the emitted source is a golden file); `member` turns a name that arrives as a
 plain string (the checker's plan, an op's combine record) into one, or raises.
-What it does not: decide anything (planner.py does) or import quack, CuTeDSL or torch.
+What it does not: decide anything (planner.py and its jobs do) or import quack, CuTeDSL or torch.
 Invariants: every record is frozen and built with keywords only; a spec fully determines the emitted
 source (emit.py), so planning the same stage twice gives equal specs.
 """

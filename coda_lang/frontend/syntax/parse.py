@@ -2,8 +2,9 @@
 
 What it does: builds (once per process, never cached on disk) the LALR parser of frontend/syntax/grammar.lark and maps
 UnexpectedCharacters / UnexpectedToken / UnexpectedEOF to E01 diagnostics with a caret and, where
-the mistake is a common one, a named message (lark's `match_examples`).
-What it does not: resolve names or know any op (lower.py, ops/).
+the mistake is a common one, a named message (lark's `match_examples`); `span_of` and `text_of`
+give a node's position and words, for lowering's diagnostics.
+What it does not: resolve names or know any op (lower.py, blocks.py, exprs.py, ops/).
 Invariants: `parse` returns either a tree or exactly one diagnostic; it never raises.
 """
 
@@ -190,3 +191,22 @@ def parse(text: str, file: str) -> tuple[Any | None, Diagnostic | None]:
             )
         exp = _expected(e.accepts or e.expected)  # accepts: exact, where LALR lookaheads over-approximate
         return None, Diagnostic("E0101", f"unexpected {_describe(tok.type, str(tok))}", span, label=exp)
+
+
+def span_of(file: str, node: Any) -> Span:
+    """Where a node of the tree (a rule's subtree, or a token) is in `file` (line 0 when lark kept no
+    position for it)."""
+    meta = getattr(node, "meta", None)
+    if meta is not None and not getattr(meta, "empty", True):
+        return Span(file, meta.line, meta.column, meta.end_line, meta.end_column)
+    line = getattr(node, "line", None)
+    if line is not None:
+        return Span(file, line, node.column, node.end_line, node.end_column)
+    return Span(file, 0, 0, 0, 0)
+
+
+def text_of(node: Any) -> str:
+    """A node's tokens, joined by spaces (for a message that quotes what was written)."""
+    if hasattr(node, "children"):
+        return " ".join(text_of(c) for c in node.children if c is not None)
+    return str(node)

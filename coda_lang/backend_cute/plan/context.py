@@ -1,0 +1,118 @@
+"""What every planning job reads: one GEMM stage of a checked block, and the Python names of its values.
+
+What it does: `StageContext` is the stage as the planner's jobs (planner.py, sinks.py, operands.py,
+refusals.py) see it: the block's IR and plan, the stage and its StagePlan, the rows and cols of its
+tile, each value's type and defining equation, and whether the plan is for the torch stand-ins
+(`emulated`). It also names the stage's values in Python (`py`; `fresh` for names that are no coda
+value), and `live_eqns` gives the equations a set of values depends on.
+What it does not: choose a port, a mode or a record (planner.py, sinks.py, operands.py) or refuse
+anything (refusals.py).
+Invariants: the naming tables (`names`, `used`) are a context's only changing state: a value's Python
+name is fixed when first asked for, no two values share one, and names are given in the order the
+planner asks (the emitted source is a golden file, so planning stays deterministic).
+"""
+
+from __future__ import annotations
+
+import keyword
+from dataclasses import dataclass, field
+
+from coda_lang.backend_cute.plan.names import helper_names
+from coda_lang.backend_cute.plan.spec import DIM_PREFIX, QUACK_RESERVED
+from coda_lang.frontend.verify.plan import BlockPlan, StagePlan
+from coda_lang.ir.nodes import Block, Eqn, Stage, Var
+from coda_lang.ir.types import Dim, Type
+from coda_lang.ops import REGISTRY
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """Stage `index` (1-based) of the checked block `ir`, as planning reads it."""
+
+    ir: Block
+    bplan: BlockPlan
+    index: int
+    st: Stage
+    sp: StagePlan
+    emulated: bool  # for the torch stand-ins only (which also multiply f32 operands)
+    fn_name: str  # the emitted epilogue's function name
+    types: dict[str, Type] = field(default_factory=dict)  # each typed value of the stage
+    defined: dict[str, Eqn] = field(default_factory=dict)  # each value of the stage -> its equation
+    names: dict[str, str] = field(default_factory=dict)  # coda name -> Python name, as given so far
+    used: set[str] = field(default_factory=set)  # Python names taken
+
+    @property
+    def rows(self) -> Dim:
+        return self.sp.rows
+
+    @property
+    def cols(self) -> Dim:
+        return self.sp.cols
+
+    def py(self, name: str) -> str:
+        """The Python name of a coda value (renamed when it would clash with a helper or keyword)."""
+        if name in self.names:
+            return self.names[name]
+        # (a leading underscore, as autodiff's temporaries have, is no name quack takes for an operand
+        # or sink: they become fields of its argument dataclasses)
+        base = (
+            name
+            if name == "acc"
+            else (
+                f"dim_{name[1:]}"
+                if name.startswith(DIM_PREFIX)
+                else f"v{name}"
+                if name.startswith("_")
+                else f"v_{name}"
+                if name in helper_names() | QUACK_RESERVED or keyword.iskeyword(name) or name == self.fn_name
+                else name
+            )
+        )
+        out = base
+        while out in self.used and name != "acc":
+            out += "_"
+        self.used.add(out)
+        self.names[name] = out
+        return out
+
+    def fresh(self, base: str) -> str:
+        """A Python name no value uses (for names that are not coda values: a group's writer)."""
+        out = base
+        while out in self.used or out in helper_names() | QUACK_RESERVED or keyword.iskeyword(out):
+            out += "_"
+        self.used.add(out)
+        return out
+
+
+def stage_context(ir: Block, bplan: BlockPlan, index: int, emulated: bool) -> StageContext:
+    """The context of stage `index` (1-based, a GEMM stage) of the checked block `ir`."""
+    st = ir.stages[index - 1]
+    fn_name = f"{ir.name}_stage{index}"
+    ctx = StageContext(
+        ir=ir,
+        bplan=bplan,
+        index=index,
+        st=st,
+        sp=bplan.stages[index - 1],
+        emulated=emulated,
+        fn_name=fn_name,
+        used={"acc", fn_name, f"{fn_name}_prepass"},
+    )
+    for e in st.body:
+        for v in e.outs:
+            if v.type is not None:
+                ctx.types[v.name] = v.type
+            ctx.defined[v.name] = e
+    return ctx
+
+
+def live_eqns(ctx: StageContext, needed: set[str]) -> list[Eqn]:
+    """The equations the stored tiles and sinks depend on, in order (reductions are sinks)."""
+    want = set(needed)
+    keep: list[Eqn] = []
+    for e in reversed(ctx.st.body):
+        if REGISTRY[e.op].reduces or not {v.name for v in e.outs} & want:
+            continue
+        keep.append(e)
+        want |= {a.name for a in e.ins if isinstance(a, Var)}
+    return keep[::-1]

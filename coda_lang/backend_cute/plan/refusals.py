@@ -1,0 +1,431 @@
+"""What the CuTeDSL backend refuses (E07): each check the planner makes, with its diagnostic.
+
+What it does: one function per check, named for what it checks, raising `CodaError` with one E07
+diagnostic (its message, notes and help as docs/errors.md shows them) where the stage asks for
+something the backend can't compile yet, and returning None where it can: a stage without a GEMM
+(E0701); dtypes the GEMM, a store, a load or an equation can't have (E0702); equations without an
+emitter (E0703); widths, packed tiles and repeats the epilogue can't lay out (E0704); reductions and
+grouped reductions it can't fold (E0705). planner.py, sinks.py and operands.py call them where they
+choose ports, so a refusal's wording lives here and the port choice stays free of it.
+What it does not: choose ports, modes or records (planner.py, sinks.py, operands.py), or check what
+the checker already guarantees (frontend/verify/).
+Invariants: a check only reads (the context, the IR, the registry) and raises nothing but an E07
+`CodaError`; the planner calls the checks in a fixed order, so the same stage always gets the same
+diagnostic (they are golden files).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from fractions import Fraction
+
+from coda_lang.backend_cute.plan.context import StageContext
+from coda_lang.backend_cute.plan.spec import GEMM_DTYPES, PACKED_DTYPES, STORE_DTYPES, Mode, Operand, Output
+from coda_lang.core.diagnostics import CodaError, Diagnostic
+from coda_lang.frontend.verify.plan import Load, StagePlan, Store
+from coda_lang.ir.nodes import Atom, DimRef, Eqn, Span, Stage, Var
+from coda_lang.ir.types import FLOAT_DTYPES, GROUP, MATRIX, TILE, Dim, Type, shape_str
+from coda_lang.ops import REGISTRY, Locality
+
+
+def fail(
+    code: str, message: str, span: Span | None, notes: list[str] | None = None, help: list[str] | None = None
+) -> CodaError:
+    return CodaError([Diagnostic(code, message, span, notes=list(notes or []), help=list(help or []))])
+
+
+# -- the stage and its GEMM -------------------------------------------------------------------------
+
+
+def check_gemm_stage(index: int, st: Stage, sp: StagePlan) -> None:
+    """E0701 for a stage without a GEMM (an elementwise stage: backend_triton compiles it)."""
+    if not st.is_gemm:
+        raise fail(
+            "E0701",
+            f"stage {index} (`{sp.text}`) has no GEMM; the CuTeDSL backend compiles GEMM stages only",
+            st.span,
+            notes=[
+                "an elementwise stage is a memory-bound kernel (autodiff makes one where no GEMM "
+                "produces a cotangent): a generated Triton kernel, or a torch.compile kernel where the "
+                "generator can't take its ops"
+            ],
+        )
+
+
+def check_gemm_dtypes(ctx: StageContext, a_dtype: str, b_dtype: str) -> None:
+    """The GEMM multiplies bf16 or f16 operands of one dtype (f32 too for the torch stand-ins)."""
+    st = ctx.st
+    assert isinstance(st.a, Var) and isinstance(st.b, Var)
+    gemm_dtypes = (*GEMM_DTYPES, "f32") if ctx.emulated else GEMM_DTYPES
+    for name, dt, span in ((st.a.name, a_dtype, st.a_span), (st.b.name, b_dtype, st.b_span)):
+        if dt not in gemm_dtypes:
+            raise fail(
+                "E0702",
+                f"GEMM operand `{name}` is {dt}; the backend multiplies bf16 or f16 operands",
+                span,
+                help=[f"declare `{name}` as bf16 (or, for a stored tile, annotate it: `{name}: bf16 = ...`)"],
+            )
+    if a_dtype != b_dtype:
+        raise fail(
+            "E0702", f"GEMM operands are {a_dtype} and {b_dtype}; the backend needs equal dtypes", st.span
+        )
+
+
+def check_packed(ctx: StageContext, wide: list[str]) -> None:
+    """A stage with double-width values compiles in packed mode: no half-width values beside them."""
+    half = ctx.cols.scale(Fraction(1, 2))
+    for name, t in ctx.types.items():
+        if t.kind == TILE and len(t.shape) == 2 and t.shape[1] == half:
+            raise fail(
+                "E0704",
+                f"`{name}` is half the stage's width while `{wide[0]}` is twice it",
+                ctx.defined[name].span,
+                notes=[
+                    "a stage compiles either paired (half-width values, acc_pair mode) or packed "
+                    "(double-width values, packed_cd_b16x2 mode), not both"
+                ],
+            )
+
+
+def check_packed_cd(ctx: StageContext, operands: list[Operand], d: Output | None) -> None:
+    """A packed stage loads one double-width tile as C and stores one as D, of one 16-bit dtype."""
+    c = next((o for o in operands if o.op == "C"), None)
+    if d is None or c is None:
+        missing = "stores no double-width tile (D)" if d is None else "loads no double-width tile (C)"
+        raise fail(
+            "E0704",
+            f"stage {ctx.index} works on a tile twice its width but {missing}",
+            ctx.st.span,
+            notes=[
+                "quack's packed_cd_b16x2 mode loads one 16-bit double-width tile as the GEMM's C "
+                "operand and stores one as D, two lanes per accumulator element"
+            ],
+        )
+    if c.dtype != d.dtype and not ctx.emulated:
+        raise fail(
+            "E0702",
+            f"the double-width tile `{c.name}` is {c.dtype} and the stored `{d.name}` is "
+            f"{d.dtype}; quack's packed mode needs one 16-bit dtype for both",
+            ctx.defined[d.name].span,
+            help=[f"annotate it: `{d.name}: {c.dtype} = ...`"],
+        )
+
+
+# -- stores and equations ---------------------------------------------------------------------------
+
+
+def check_store(store: Store, e: Eqn) -> None:
+    """The epilogue stores f32, bf16 or f16 tiles (D or a TileStore)."""
+    if store.dtype not in STORE_DTYPES:
+        raise fail(
+            "E0702",
+            f"stored tile `{store.name}` has dtype {store.dtype}; the epilogue stores f32, bf16 or f16",
+            e.span,
+        )
+
+
+def check_tile_store(ctx: StageContext, store: Store, e: Eqn, gated: bool, split: bool) -> None:
+    """A TileStore (not D) is as wide as the stage or half of it; a paired one is 16-bit (`gated`: a
+    half-width one in a paired stage, `split`: a full-width one there, stored as two lanes)."""
+    if store.shape[1] not in (ctx.cols, ctx.cols.scale(Fraction(1, 2))):
+        raise fail(
+            "E0704",
+            f"`{store.name}` is stored at width `{store.shape[1]}` in a stage of width `{ctx.cols}`",
+            e.span,
+            notes=[
+                "quack stores tiles at the GEMM's width, half of it after pairs(), or twice it as D in "
+                "packed mode"
+            ],
+        )
+    if (gated or split) and store.dtype == "f32" and not ctx.emulated:
+        what = "half-width" if gated else "full-width (stored as two half-width lanes)"
+        raise fail(
+            "E0702",
+            f"{what} stored tile `{store.name}` is f32; quack stores paired outputs as 16-bit values",
+            e.span,
+            help=[f"annotate it, e.g. `{store.name}: bf16 = ...`"],
+        )
+
+
+def check_eqn(ctx: StageContext, e: Eqn) -> None:
+    """Can the emitter write this (live, non-reducing) equation?"""
+    od = REGISTRY[e.op]
+    for a in e.ins:
+        if isinstance(a, DimRef) and a.dim.name is None:  # (the checker folds constant extents)
+            raise fail("E0703", f"the extent `{a.dim}` is used as a value inside a stage", e.span)
+    if od.lower.cute is None and not (
+        ctx.emulated and (od.lower.torch is not None or od.locality is Locality.INDEX)
+    ):
+        raise fail("E0703", f"`{od.surface}` has no CuTeDSL emitter yet", e.span)
+    for v in e.outs:
+        t = v.type
+        if t is None:
+            continue
+        if t.dtype == "i32" and not ctx.emulated:
+            raise fail(
+                "E0702",
+                f"`{v.name}` is i32: integer arithmetic inside an epilogue is not supported yet",
+                e.span,
+            )
+
+
+# -- reductions (sinks.py) --------------------------------------------------------------------------
+
+
+def check_reduced(e: Eqn, x: Atom) -> None:
+    """A reduction (partial or grouped) reduces a value, not a constant."""
+    if not isinstance(x, Var):
+        raise fail("E0705", f"`{REGISTRY[e.op].surface}()` of a constant", e.span)
+
+
+def check_sink(
+    ctx: StageContext, e: Eqn, x: Var, xt: Type | None, per_row: bool, wide: bool, paired: bool
+) -> None:
+    """A partial reduction read after the stage has a quack sink: its combine record names one, and
+    the sink folds this value the way it is reduced (`per_row`: over the columns; `wide`: a
+    double-width value of a packed stage); check_vec_reduce adds the add and max sinks' own check."""
+    od = REGISTRY[e.op]
+    if xt is not None and xt.kind == GROUP:
+        raise fail(
+            "E0705",
+            f"`{od.surface}()` of the grouped value `{x.name}` over its groups is not compiled yet",
+            e.span,
+            notes=[
+                "quack's grouped statistics stay inside the kernel; reduce the tile the groups came "
+                "from instead"
+            ],
+        )
+    rec = od.combine
+    assert rec is not None  # a reduction without a combine record does not check
+    if rec.sink is None:
+        raise fail(
+            "E0705",
+            f"`{od.surface}()` has no epilogue sink (its combine record names none)",
+            e.span,
+            notes=["quack's epilogue reductions fold by add or max, and log-sum-exp along the columns"],
+        )
+    if wide and (rec.sink not in ("add", "max") or not per_row):
+        what = f"{od.surface}() over the rows" if not per_row else f"{od.surface}()"
+        raise fail(
+            "E0705",
+            f"{what} of the double-width tile `{x.name}` is not compiled yet",
+            e.span,
+            notes=[
+                "in packed mode a double-width value is two lanes per accumulator element; "
+                "sum(), max() and min() over its columns fold the lanes first"
+            ],
+        )
+    if od.locality is Locality.GATHER:  # quack's ColVecSelect
+        if not per_row or not isinstance(e.ins[1], Var):
+            raise fail("E0705", "pick() with one index per column is not compiled yet", e.span)
+        if paired:
+            raise fail("E0705", "pick() in a paired stage is not compiled yet", e.span)
+    elif rec.sink == "lse":
+        if paired:
+            raise fail("E0705", "logsumexp() in a paired stage is not compiled yet", e.span)
+        if not per_row:  # quack's online log-sum-exp folds along the columns only
+            raise fail(
+                "E0705",
+                "logsumexp() over the rows is not compiled yet",
+                e.span,
+                notes=[
+                    "quack's OnlineLSEReduce folds a row's columns; a column's rows would "
+                    "need an online (max, sum) pair carried through RowVecReduce's exchange"
+                ],
+            )
+
+
+def check_vec_reduce(e: Eqn, x: Var, per_row: bool, half: bool) -> None:
+    """A ColVecReduce / RowVecReduce folds a half-width value of a paired stage over its columns only."""
+    if not per_row and half:
+        raise fail(
+            "E0705",
+            f"a reduction over the rows of the half-width tile `{x.name}` is not compiled yet",
+            e.span,
+        )
+
+
+def check_pick_indices(ctx: StageContext, index_uses: dict[str, int], uses: dict[str, int]) -> None:
+    """A pick()'s index is read by quack's ColVecSelect only: the stage uses it for nothing else."""
+    for n, k in index_uses.items():
+        if uses.get(n, 0) != k:
+            e = next(e for e in ctx.st.body if any(isinstance(a, Var) and a.name == n for a in e.ins))
+            raise fail(
+                "E0705",
+                f"the pick() index `{n}` is also used as a value",
+                e.span,
+                notes=["quack's ColVecSelect reads its index itself; the epilogue can't also see it"],
+            )
+
+
+def check_stored_group(v: Var, e: Eqn, grouped: dict[str, Eqn]) -> None:
+    """A grouped value used after the stage is a grouped reduction (its writer stores it)."""
+    if v.name not in grouped:
+        raise fail(
+            "E0705",
+            f"`{v.name}`, computed from a grouped reduction, is used after the stage: not compiled yet",
+            e.span,
+            notes=[
+                "the kernel can store a grouped reduction itself (one value per row and "
+                "group), not values computed from it"
+            ],
+            help=["use the grouped reduction after the stage, or recompute from it there"],
+        )
+
+
+def check_group(ctx: StageContext, e: Eqn, packed: bool) -> None:
+    """A grouped reduction quack's prepass folds: outside packed mode, of a full-width tile, over
+    groups of 8, 16 or a multiple of 32 columns."""
+    od = REGISTRY[e.op]
+    x = e.ins[0]
+    if packed:
+        raise fail(
+            "E0705",
+            "a grouped reduction in a stage that works on double-width tiles (packed mode) is not "
+            "compiled yet",
+            e.span,
+            notes=['quack: "prepass + packed C: not supported"'],
+        )
+    if not isinstance(x, Var):
+        raise fail("E0705", f"grouped `{od.surface}()` of a constant", e.span)
+    xt = x.type if x.type is not None else ctx.types.get(x.name)
+    if xt is None or xt.kind not in (TILE, MATRIX) or len(xt.shape) != 2 or xt.shape[1] != ctx.cols:
+        raise fail(
+            "E0705",
+            f"a grouped reduction of `{x.name}`, which is not a tile as wide as the stage's "
+            f"({shape_str((ctx.rows, ctx.cols))}), is not compiled yet",
+            e.span,
+            notes=["quack's prepass sees the accumulator one element at a time, not in pairs"],
+        )
+    group = e.param("group")
+    assert isinstance(group, int)
+    if group % 32 and group not in (8, 16):
+        raise fail(
+            "E0705",
+            f"grouped reduction over groups of {group} columns: not compiled",
+            e.span,
+            notes=[
+                "quack's grouped statistics fold each thread's runs of 8 adjacent accumulator "
+                "columns, and the groups must nest with the epilogue's subtiles of 32 columns "
+                "(SM90): groups of 8, 16 or a multiple of 32 compile"
+            ],
+        )
+
+
+def check_group_prepass(ctx: StageContext, e: Eqn, prepass: list[Eqn], grouped: dict[str, Eqn]) -> None:
+    """What a grouped reduction reduces is computed in the one prepass over the accumulator (no tile
+    loads, no other grouped reduction, no pairs), and its combine record has a fold there."""
+    (v,) = e.outs
+    tiles = {ld.name for ld in ctx.sp.loads if ld.role == "tile"}
+    for p in prepass + [e]:
+        for a in p.ins:
+            if isinstance(a, Var) and a.name in tiles:
+                raise fail(
+                    "E0705",
+                    f"the grouped reduction `{v.name}` reduces a value that reads the tile `{a.name}`: "
+                    "not compiled yet",
+                    e.span,
+                    notes=[
+                        "quack's prepass runs over the accumulator before the epilogue's tile "
+                        "loads arrive; it can read acc, vectors and scalars"
+                    ],
+                )
+            if isinstance(a, Var) and a.name in grouped:
+                raise fail(
+                    "E0705",
+                    f"the grouped reduction `{v.name}` reduces a value computed from the "
+                    f"grouped reduction `{a.name}` of the same stage: not compiled yet",
+                    e.span,
+                    notes=["the epilogue has one prepass over the accumulator; this would need a second one"],
+                )
+        if REGISTRY[p.op].locality is Locality.PAIR:
+            raise fail(
+                "E0705",
+                f"the grouped reduction `{v.name}` reduces a value computed with "
+                f"`{REGISTRY[p.op].surface}()`: not compiled yet",
+                e.span,
+                notes=["quack's prepass sees the accumulator one element at a time, not in pairs"],
+            )
+    od = REGISTRY[e.op]
+    if od.combine is None or od.combine.group is None:
+        raise fail("E0705", f"grouped `{od.surface}()` has no fold in the epilogue's prepass", e.span)
+
+
+# -- loads (operands.py) ----------------------------------------------------------------------------
+
+
+def check_index_mode(ctx: StageContext, e: Eqn, mode: Mode) -> None:
+    """row_index() / col_index() have an emitter in element-mode stages only (the torch stand-ins
+    compute them anywhere)."""
+    if mode != "element" and not ctx.emulated:
+        raise fail(
+            "E0703",
+            f"`{e.op}()` in a stage of mode {mode} has no CuTeDSL emitter yet",
+            e.span,
+            notes=[
+                "the kernel gives row_index()/col_index() to element-mode stages (no pairs(), no "
+                "double-width tiles)"
+            ],
+        )
+
+
+def check_repeat(e: Eqn, i: int, width: Dim, other: Dim) -> None:
+    """The vectors over one dim repeat to one width per stage (`other`: the width met first)."""
+    if other != width:
+        a = e.ins[i]
+        raise fail(
+            "E0704",
+            f"`{getattr(a, 'name', a)}` repeats across `{width}` columns here and across "
+            f"`{other}` columns elsewhere in the stage",
+            e.span,
+            notes=[
+                "the kernel reads a vector over a fixed dim repeated to one width per stage "
+                "(the runtime repeats it before the launch)"
+            ],
+        )
+
+
+def check_operand_dtype(ctx: StageContext, ld: Load, e: Eqn, compared: bool) -> None:
+    """The epilogue loads float values, and i32 vectors that are only compared (`compared`)."""
+    if ld.dtype not in FLOAT_DTYPES and not ctx.emulated and not compared:
+        raise fail(
+            "E0702",
+            f"`{ld.name}` is {ld.dtype}: integer operands of the epilogue are not supported yet",
+            e.span,
+            notes=["an i32 row or column vector that is only compared (==, <, ...) is supported"],
+        )
+
+
+def check_packed_tile(ctx: StageContext, ld: Load, e: Eqn, operands: Sequence[Operand]) -> None:
+    """Packed mode loads one double-width tile (the GEMM's C), of 16-bit pairs."""
+    if any(o.op == "C" for o in operands):
+        raise fail(
+            "E0704",
+            f"`{ld.name}` is a second double-width tile load",
+            e.span,
+            notes=["quack's packed_cd_b16x2 mode loads one double-width tile (the GEMM's C)"],
+        )
+    if ld.dtype not in PACKED_DTYPES and not ctx.emulated:
+        raise fail(
+            "E0702",
+            f"the double-width tile `{ld.name}` is {ld.dtype}; quack's packed mode loads 16-bit pairs",
+            e.span,
+        )
+
+
+def check_operand_width(ctx: StageContext, ld: Load, e: Eqn, width: Dim | None, period: Dim | None) -> None:
+    """A tile or column vector is loaded at the stage's width (`width`: the one it is loaded at,
+    `period`: its own, where it repeats to `width`)."""
+    if width is not None and width != ctx.cols:
+        shown = f"{ld.dtype}{shape_str(ld.shape)}"
+        if period is not None:
+            shown += f", repeated to `{width}` columns"
+        raise fail(
+            "E0704",
+            f"`{ld.name}` ({shown}) is not as wide as the stage's tile ({shape_str((ctx.rows, ctx.cols))})",
+            e.span,
+            notes=[
+                "quack loads tiles at the GEMM's width (column vectors too, except one value "
+                "per column pair in a paired stage); other widths are not supported yet"
+            ],
+        )
