@@ -72,6 +72,7 @@ def test_llama_mlp_stage_compiles_without_spills(mlp: coda_lang.Block, cache: Pa
     )
 
 
+@pytest.mark.slow  # (the default run compiles 128x128 kernels of llama_mlp in test_compile_cache.py)
 @pytest.mark.parametrize("index", [1, 2, 3])
 def test_llama_mlp_at_128x128(mlp: coda_lang.Block, cache: Path, index: int) -> None:
     c = compile_stage(mlp, index, TileConfig(128, 128), directory=cache)

@@ -581,6 +581,7 @@ def _same_as_one_job(block: coda_lang.Block, file: Path, tmp_path: Path) -> None
     assert "workers" not in warm.stderr  # nothing to compile: no worker started
 
 
+@pytest.mark.slow  # (25 s on 2 cores; the default run spawns compile workers in the background test)
 @pytest.mark.toolchain
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_two_jobs_write_the_same_ptx_as_one(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ the top of the module.
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,7 +104,12 @@ def _lazy_reason(lines: list[str], first: int, last: int) -> str:
 
 def imports(mods: dict[str, Path] | None = None) -> list[Import]:
     """Every import of a project module by a project module (TYPE_CHECKING blocks left out)."""
-    mods = mods if mods is not None else modules()
+    return list(_walk(tuple(sorted((mods if mods is not None else modules()).items()))))
+
+
+@functools.cache  # (each test of this module walks the same files: read them once per process)
+def _walk(items: tuple[tuple[str, Path], ...]) -> tuple[Import, ...]:
+    mods = dict(items)
     known = set(mods)
     found: list[Import] = []
     for name, path in mods.items():
@@ -133,7 +139,7 @@ def imports(mods: dict[str, Path] | None = None) -> list[Import]:
                 visit(child, in_function or fn)
 
         visit(tree, False)
-    return found
+    return tuple(found)
 
 
 def layer_of(module: str) -> int:
