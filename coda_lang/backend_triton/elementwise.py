@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from coda_lang.backend_triton import generate as triton_stage
+from coda_lang.backend_triton import generate
 from coda_lang.backend_triton.generate import TritonStage
 from coda_lang.core.diagnostics import CodaError, Diagnostic
 from coda_lang.frontend.verify.repeat import repeated
@@ -150,7 +150,7 @@ class ElementwiseStage:
 
     def function(self) -> Callable[..., tuple[torch.Tensor, ...]]:
         """The stage as one function of (rows, cols, dim sizes, loads...): eager when emulating, else a
-        generated Triton kernel (triton_stage.py) where the stage's ops allow one, else compiled by
+        generated Triton kernel (generate.py) where the stage's ops allow one, else compiled by
         torch.compile; built on first use. `CODA_ELEMENTWISE=inductor` takes torch.compile always."""
         if self._fn is None:
             fn = self._body
@@ -165,7 +165,7 @@ class ElementwiseStage:
     @property
     def generator(self) -> str:
         """How the stage runs on the GPU: "triton" (a generated kernel) or "inductor" (torch.compile)."""
-        if os.environ.get("CODA_ELEMENTWISE", "triton") == "inductor" or triton_stage.unsupported(self):
+        if os.environ.get("CODA_ELEMENTWISE", "triton") == "inductor" or generate.unsupported(self):
             return "inductor"
         return "triton"
 

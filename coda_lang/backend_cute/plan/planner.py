@@ -227,7 +227,7 @@ def _tiling(
             TileConstraint(
                 of="the epilogue subtile's N",
                 divides=w,
-                reason="gcd(32, tile_N), or epi_n; compile.fits",
+                reason="gcd(32, tile_N), or epi_n; build/config.fits",
                 kernel_only=True,
             )
         )
