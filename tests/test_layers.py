@@ -1,8 +1,9 @@
 """The package's layers: no module imports one above its own layer, no import circles, and a
 function-level import of a project module only where it keeps a light command light.
 
-The walk reads every module of coda_lang/ as text (ast), including imports inside functions; imports
-under `if TYPE_CHECKING:` are annotations only and are left out. `LAYERS` is the order, bottom first
+The walk reads every module of coda_lang/ as text (ast), including imports inside functions and
+imports under `if TYPE_CHECKING:` (annotations only: they never run, but a module that names another's
+types depends on it, so they count for the layer order and for circles, not for the lazy rule). `LAYERS` is the order, bottom first
 (docs/CONTRIBUTING.md draws it): a module may import modules of its own layer or of any layer below,
 never above, and the imports within a layer form no circle.
 
@@ -59,6 +60,7 @@ class Import:
     line: int
     function_level: bool
     reason: str  # the `# lazy:` comment's text, "" if none
+    annotation: bool = False  # under `if TYPE_CHECKING:`: for annotations only, never run
 
 
 def module_name(path: Path) -> str:
@@ -118,12 +120,17 @@ def _walk(items: tuple[tuple[str, Path], ...]) -> tuple[Import, ...]:
         tree = ast.parse(text)
 
         def visit(
-            node: ast.AST, in_function: bool, name: str = name, path: Path = path, lines: list[str] = lines
+            node: ast.AST,
+            in_function: bool,
+            typing_only: bool = False,
+            name: str = name,
+            path: Path = path,
+            lines: list[str] = lines,
         ) -> None:
             for child in ast.iter_child_nodes(node):
                 if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                    for c in child.orelse:
-                        visit(c, in_function)
+                    visit(ast.Module(body=child.body, type_ignores=[]), in_function, True)
+                    visit(ast.Module(body=child.orelse, type_ignores=[]), in_function, typing_only)
                     continue
                 if isinstance(child, (ast.Import, ast.ImportFrom)):
                     for t in _targets(child, name, path.name == "__init__.py", known):
@@ -133,10 +140,10 @@ def _walk(items: tuple[tuple[str, Path], ...]) -> tuple[Import, ...]:
                                 if in_function
                                 else ""
                             )
-                            found.append(Import(name, t, child.lineno, in_function, reason))
+                            found.append(Import(name, t, child.lineno, in_function, reason, typing_only))
                     continue
                 fn = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-                visit(child, in_function or fn)
+                visit(child, in_function or fn, typing_only)
 
         visit(tree, False)
     return tuple(found)
@@ -221,7 +228,7 @@ def heavy_at_top(mods: dict[str, Path]) -> dict[str, frozenset[str]]:
                 libs |= {node.module.split(".")[0]} & set(HEAVY)
         direct[name] = libs
     for i in imports(mods):
-        if not i.function_level:
+        if not i.function_level and not i.annotation:
             edges[i.source].add(i.target)
     # a package's parents are imported first: importing a.b.c imports a and a.b
     for m in mods:
@@ -252,6 +259,7 @@ def needless_lazy(found: list[Import], mods: dict[str, Path]) -> list[Import]:
 
 def _show(i: Import) -> str:
     where = "in a function" if i.function_level else "at the top"
+    where += ", for annotations" if i.annotation else ""
     return f"{i.source} (line {i.line}, {where}) imports {i.target}"
 
 

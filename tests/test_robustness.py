@@ -257,7 +257,7 @@ def test_nesting_below_the_limit_checks_prints_and_differentiates() -> None:
 
 
 def test_many_unknown_names_give_hints_only_for_the_first_ones() -> None:
-    from coda_lang.frontend.syntax.lower import MAX_HINTS
+    from coda_lang.frontend.syntax.scope import MAX_HINTS
 
     body = "".join(f"    t{i} = acc + t{i}x\n" for i in range(400))  # did you mean `t{i - 1}`?
     text = HEAD.replace("    y = ", "") + body + "    y = acc" + TAIL

@@ -11,12 +11,10 @@ Invariants: it reads the model and changes nothing; nothing is patched unless it
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from coda_lang.hf.blocks import DTYPES
-
-if TYPE_CHECKING:
-    from coda_lang.hf.families import Family
+from coda_lang.hf.family import Family
 
 ROPE_TYPES = ("default", "llama3", "linear")
 

@@ -1,30 +1,18 @@
-"""The model families the patch knows, and their entry points (`apply_coda_to_llama`, ...).
+"""The entry points of the model families the patch knows: `apply_coda_to_<family>`.
 
-What it does: one `Family` per transformers model class (its name, its class, whether its attention
-normalizes q and k per head), and `apply_coda_to_<family>`, which patches a model of it (patch.py).
-A new family's facts and entry point go here; blocks it needs beyond these, in blocks.py.
+What it does: `apply_coda_to_llama`, `apply_coda_to_qwen3`: check the loss settings, then patch a
+model of that family (patch.py) with its facts (family.py). A new family's entry point goes here, its
+facts in family.py, blocks it needs beyond these in blocks.py.
 What it does not: patch (patch.py) or check (checks.py).
-Invariants: a family's blocks are `blocks.model_source(..., qk_norm=family.qk_norm)`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
+from coda_lang.hf.family import LLAMA, QWEN3
 from coda_lang.hf.loss import LossSettings
 from coda_lang.hf.patch import apply
-
-
-@dataclass(frozen=True)
-class Family:
-    name: str  # as in `apply_coda_to_<name>`
-    model_class: str  # the transformers causal LM it patches
-    qk_norm: bool  # per-head RMSNorm of q and k in the QKV blocks' epilogue (Qwen3)
-
-
-LLAMA = Family("llama", "LlamaForCausalLM", qk_norm=False)
-QWEN3 = Family("qwen3", "Qwen3ForCausalLM", qk_norm=True)
 
 
 def apply_coda_to_llama(

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import types
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from coda_lang.hf.checkpoint import fuse_layer
 from coda_lang.hf.checks import check_model
+from coda_lang.hf.family import Family
 from coda_lang.hf.forward import base_forward, causal_lm_forward
 from coda_lang.hf.loss import LossSettings
 from coda_lang.hf.state import ModelState
-
-if TYPE_CHECKING:
-    from coda_lang.hf.families import Family
 
 
 def apply(model: Any, family: Family, loss: LossSettings) -> Any:

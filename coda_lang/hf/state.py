@@ -14,18 +14,16 @@ loss settings are `apply_coda_to_*`'s arguments).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from coda_lang.api import load
 from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.hf.blocks import model_source
+from coda_lang.hf.family import Family
 from coda_lang.hf.loss import LOSS_CHUNK_BYTES, LossSettings
 from coda_lang.torch import BlockFunction, compile_together, function
-
-if TYPE_CHECKING:
-    from coda_lang.hf.families import Family
 
 
 class ModelState:

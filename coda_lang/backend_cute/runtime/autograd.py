@@ -16,7 +16,7 @@ chunked and unchunked backwards agree up to the order of f32 summation.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -27,8 +27,26 @@ from coda_lang.backend_cute.runtime.launch import TORCH_DTYPES
 from coda_lang.core.diagnostics import CodaError, Diagnostic, with_sources
 from coda_lang.interp.inputs import given_dims
 
-if TYPE_CHECKING:
-    from coda_lang.backend_cute.runtime.cuda_block import CudaBlock
+
+class CudaBlock(Protocol):
+    """What this module asks of a CUDA block (runtime/cuda_block.py's `CudaBlock`, which imports this
+    module): named here so that the two do not import each other."""
+
+    block: Any  # the checked block (api.Block: its derivation and chunk plans)
+    ir: Any
+    dims: dict[str, int]
+    specs: list[Any]
+
+    @property
+    def name(self) -> str: ...
+
+    def sibling(self, block: Any, tile: Any = None) -> CudaBlock: ...
+
+    def compile_with(self, *others: Any) -> None: ...
+
+    def _call(
+        self, tensors: dict[str, Any], dims: dict[str, int] | None, consume: frozenset[str] | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, int]]: ...
 
 
 def _runtime_error(e: CodaError, what: str, block: Any) -> CodaError:

@@ -6,25 +6,23 @@ lowers the parameters (with their defaults, E0304), the outputs (E0205 for one n
 for one declared twice), the GEMM stages (operands, `transpose`, the `remat=` option: E0211) and the
 elementwise stages (their shape), and each assignment (targets, storage annotations: E0406, the number
 of values: E0207), its expression through exprs.py.
-What it does not: lower expressions (exprs.py), read dims, shape expressions or types (lower.py's
-Lowerer, which it asks), or type the body (frontend/verify/).
+What it does not: lower expressions (exprs.py), read dims, shape expressions or types (scope.py's
+ProgramScope, which it asks), or type the body (frontend/verify/).
 Invariants: a name is bound once per block; a statement that failed still binds its names, so later
 uses don't cascade; `acc` is defined only inside a GEMM stage.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from coda_lang.core.diagnostics import did_you_mean
 from coda_lang.frontend.syntax import exprs
 from coda_lang.frontend.syntax.parse import span_of
+from coda_lang.frontend.syntax.scope import ProgramScope
 from coda_lang.ir.nodes import REMAT, Atom, Block, Eqn, ErrAtom, Output, Param, Span, Stage, Stmt, Var
 from coda_lang.ir.types import Dim, Type
 from coda_lang.ops import registry
-
-if TYPE_CHECKING:
-    from coda_lang.frontend.syntax.lower import Lowerer
 
 _RESERVED = {"acc", "dims", "block", "gemm", "transpose"}
 
@@ -32,7 +30,7 @@ _RESERVED = {"acc", "dims", "block", "gemm", "transpose"}
 class BlockLowerer:
     """One block being lowered: its scope, temporaries and the dims it uses; `lower()` makes its Block."""
 
-    def __init__(self, prog: Lowerer, tree: Any):
+    def __init__(self, prog: ProgramScope, tree: Any):
         self.p = prog
         self.tree = tree
         self.file = prog.file

@@ -16,16 +16,33 @@ mistake gives one diagnostic; every equation made here has a span, each operand 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from coda_lang.core.diagnostics import did_you_mean
 from coda_lang.frontend.syntax.parse import span_of, text_of
+from coda_lang.frontend.syntax.scope import ProgramScope
 from coda_lang.ir.nodes import Atom, DimRef, Eqn, ErrAtom, Lit, Span, Var
 from coda_lang.ir.types import Dim
 from coda_lang.ops import registry
 
-if TYPE_CHECKING:
-    from coda_lang.frontend.syntax.blocks import BlockLowerer
+
+class BlockLowerer(Protocol):
+    """What lowering an expression asks of the block it is in (blocks.py's `BlockLowerer`, which calls
+    these functions): named here so that the two modules do not import each other."""
+
+    p: ProgramScope  # the file's scope: dims, shapes, types, hints
+    file: str
+    scope: dict[str, Var]  # the names bound so far
+    defined_at: dict[str, Span]
+    acc: Var | None  # the stage's accumulator, inside a GEMM stage
+    used_dims: set[str]
+    unknown: set[str]  # names already reported as unknown
+    in_ew: bool  # inside an elementwise stage
+
+    def error(self, *a: Any, **kw: Any) -> None: ...
+
+    def fresh(self) -> str: ...
+
 
 # the grammar's rules of arithmetic operators -> the operator, the `infix` of the op it writes
 _INFIX_RULES = {"add": "+", "sub": "-", "mul": "*", "div": "/", "neg": "neg"}
