@@ -87,14 +87,37 @@ class Block(CheckedBlock):
         *,
         backward: BackwardOptions | None = None,
     ) -> Derivation:
-        """Forward block extended to store what the backward reads, and the backward block. `remat`:
-        which forward tiles the backward recomputes rather than reads saved ("auto", "save",
+        """Forward block extended to store what the backward reads, and the backward block. `wrt`: the
+        parameters to differentiate with respect to (default: every float parameter without a
+        default); TypeError or ValueError when it is not a list of this block's parameters.
+        `remat`: which forward tiles the backward recomputes rather than reads saved ("auto", "save",
         "recompute"; docs/design.md, "Saved and recomputed"), or `backward=BackwardOptions(...)`."""
         remat = BackwardOptions.of(backward, remat=remat).remat
+        self._check_wrt(wrt)
         key = (tuple(wrt) if wrt is not None else None, remat)
         if key not in self._derivations:
             self._derivations[key] = derive_checked(self.ir, self.plan, wrt, remat)
         return self._derivations[key]
+
+    def _check_wrt(self, wrt: Any) -> None:
+        """`wrt=` is None or a list of names of parameters of this block: TypeError, ValueError (a
+        parameter the program declares without a gradient, an i32, is the program's E0602)."""
+        if wrt is None:
+            return
+        if (
+            isinstance(wrt, str)
+            or not isinstance(wrt, (list, tuple))
+            or not all(isinstance(w, str) for w in wrt)
+        ):
+            hint = f" (write wrt=[{wrt!r}])" if isinstance(wrt, str) else ""
+            raise TypeError(f"wrt= takes a list of parameter names, got {wrt!r}{hint}")
+        params = {p.var.name: p for p in self.ir.params}
+        for w in wrt:
+            if w not in params:
+                raise ValueError(
+                    f"wrt= names `{w}`, which is not a parameter of block {self.name} "
+                    f"(its parameters: {', '.join(params)})"
+                )
 
     def grad(
         self,

@@ -59,10 +59,24 @@ def test_arrays_of_non_numbers_are_e0803(dtype: Any) -> None:
     assert "E0803" in text and "input `y`" in text, text
 
 
-def test_wrt_as_a_string_names_the_mistake() -> None:
-    text = _error(lambda: MLP.grad(wrt="w_o"))  # type: ignore[arg-type]
-    assert "E0602" in text and "wrt= takes a list of parameter names" in text and "wrt=['w_o']" in text
-    assert "`w`" not in text  # it used to blame a parameter `w`, the string's first character
+def test_wrt_mistakes_are_argument_errors() -> None:
+    """A `wrt=` that is not a list of names is a TypeError, a name that is no parameter a ValueError
+    (argument mistakes, not CodaErrors), on every entry that takes it."""
+    with pytest.raises(
+        TypeError, match=r"wrt= takes a list of parameter names, got 'w_o' \(write wrt=\['w_o'\]\)"
+    ):
+        MLP.grad(wrt="w_o")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="got \\[3\\]"):
+        MLP.derivation([3])  # type: ignore[list-item]
+    for call in (
+        lambda: MLP.grad(wrt=["nope"]),
+        lambda: MLP.vjp(INS, {}, wrt=["nope"]),
+        lambda: MLP.cuda(emulate=True).autograd(["nope"]),
+    ):
+        with pytest.raises(
+            ValueError, match="wrt= names `nope`, which is not a parameter of block llama_mlp"
+        ):
+            call()
     assert [o.name for o in MLP.grad(wrt=["w_o"]).ir.outputs] == ["dw_o"]
 
 

@@ -76,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
     wrt = [w.strip() for w in args.wrt.split(",") if w.strip()] if args.wrt else None
     try:
         d = block.derivation(wrt, backward=options)
+    except ValueError as e:  # --wrt naming no parameter of the block
+        return usage_error(str(e).replace("wrt= names", "--wrt names"))
     except CodaError as e:
         text = read_source_file(args.file) or ""
         print(render_all(e.diagnostics, {args.file: text}, args.error_format), file=sys.stderr)
