@@ -21,6 +21,7 @@ import torch
 from coda_lang.api import load
 from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.hf.blocks import model_source
+from coda_lang.hf.checkpoint import Layout
 from coda_lang.hf.family import Family
 from coda_lang.hf.loss import LOSS_CHUNK_BYTES, LossSettings
 from coda_lang.torch import BlockFunction, compile_together, function
@@ -28,6 +29,8 @@ from coda_lang.torch import BlockFunction, compile_together, function
 
 class ModelState:
     """The facts of one patched model and its block functions."""
+
+    layout: Layout  # where each weight sits, patched and Hugging Face's: set by the patch (checkpoint.py)
 
     def __init__(self, model: Any, family: Family, loss: LossSettings):
         cfg = model.config
