@@ -16,9 +16,11 @@ Face's hidden states (the embedding output, each layer's output, the final norme
 What it does not: build the blocks (state.py), hold parameters (checkpoint.py) or check the model
 (checks.py).
 Invariants: HF's calling contract (input_ids or inputs_embeds, attention_mask, position_ids, labels,
-shift_labels, num_items_in_batch, logits_to_keep, output_hidden_states); a KV cache, a dtype changed
-after patching or a list of hidden-state layers is refused (ValueError); nothing extra is made
-unless hidden states are asked for.
+shift_labels, num_items_in_batch, logits_to_keep, output_hidden_states); the blocks run at the
+dtype of the embeddings and weights (under FSDP2's MixedPrecisionPolicy, its param_dtype), made at its
+first forward if it is not the dtype at patching; a KV cache, embeddings of another dtype than the
+weights or a list of hidden-state layers is refused (ValueError); nothing extra is made unless
+hidden states are asked for.
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ import torch
 
 from coda_lang.backend_cute.runtime.binding import unallocated
 from coda_lang.core.diagnostics import CodaError, error
+from coda_lang.hf.blocks import DTYPES
 from coda_lang.hf.checkpoint import WRAPPED
 from coda_lang.hf.checks import refuse
 from coda_lang.hf.loss import IGNORE, ChunkedLoss, Embed, TiedGrad, rows_per_chunk, targets, tied_embedding
-from coda_lang.hf.state import ModelState
+from coda_lang.hf.state import Blocks, ModelState
 from coda_lang.layout import interleave_rope
 from coda_lang.torch import BlockFunction
 
@@ -121,18 +124,27 @@ def attention(
 
 
 class Step:
-    """What every decoder layer of one forward reads besides its inputs x and qkv: the attention mask,
+    """What every decoder layer of one forward reads besides its inputs x and qkv: the block functions
+    of the forward's dtype, the attention mask,
     the batch and sequence lengths, RoPE's f32 positions and frequencies, and the attention function's
     keyword arguments. One object, not tensors, among a layer's arguments: FSDP2 casts a module's
     floating-point tensor arguments to its MixedPrecisionPolicy's param_dtype, and positions in bf16
     would lose their low bits."""
 
-    __slots__ = ("mask", "b", "s", "pos", "freq", "kwargs")
+    __slots__ = ("blocks", "mask", "b", "s", "pos", "freq", "kwargs")
 
     def __init__(
-        self, mask: Any, b: int, s: int, pos: torch.Tensor, freq: torch.Tensor, kwargs: dict[str, Any]
+        self,
+        blocks: Blocks,
+        mask: Any,
+        b: int,
+        s: int,
+        pos: torch.Tensor,
+        freq: torch.Tensor,
+        kwargs: dict[str, Any],
     ):
-        self.mask, self.b, self.s, self.pos, self.freq, self.kwargs = mask, b, s, pos, freq, kwargs
+        self.blocks, self.mask, self.b, self.s = blocks, mask, b, s
+        self.pos, self.freq, self.kwargs = pos, freq, kwargs
 
 
 def run_block(owner: Any, fn: BlockFunction, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -192,7 +204,7 @@ def layer_forward(
         w_2=mlp.down_proj.weight,
     )
     if self._coda_last:
-        out = run_block(self, st.last, {**inputs, "g2": nxt.norm.weight})
+        out = run_block(self, step.blocks.last, {**inputs, "g2": nxt.norm.weight})
         return out["x2g"], out["r2"]
     fused = nxt.self_attn
     inputs.update(
@@ -202,7 +214,7 @@ def layer_forward(
         freq=step.freq,
         **(qk_norm_weights(st, fused, x.device) if st.qk_norm else {}),
     )
-    out = run_block(self, st.layer, inputs)
+    out = run_block(self, step.blocks.layer, inputs)
     return out["x2"], out["qkv"]
 
 
@@ -242,10 +254,12 @@ def hidden(
     else:
         emb = base.embed_tokens(input_ids)
     first = base.coda_first
-    if emb.dtype != st.dtype or first.self_attn.qkv_weight.dtype != st.dtype:
+    weights = first.self_attn.qkv_weight.dtype
+    if emb.dtype != weights or str(weights).removeprefix("torch.") not in DTYPES:
         raise refuse(
-            f"dtype {emb.dtype if emb.dtype != st.dtype else first.self_attn.qkv_weight.dtype}",
-            f"the model was patched in {st.dtype}; patch it again after changing its dtype",
+            f"dtype {emb.dtype}",
+            f"the embeddings are {emb.dtype} and the weights {weights}; the blocks run in one dtype, "
+            "bfloat16, float16 or float32",
         )
     b, s, _ = emb.shape
     # the mask sees the caller's positions only: from given positions transformers looks for packed
@@ -262,12 +276,12 @@ def hidden(
         pos = st.positions(b, s, emb.device)
     else:
         pos = position_ids.expand(b, s).reshape(-1).to(torch.float32)
-    step = Step(mask, b, s, pos, st.freq(model, emb.device), kwargs)
+    step = Step(st.blocks(emb.dtype), mask, b, s, pos, st.freq(model, emb.device), kwargs)
     h = emb.reshape(b * s, -1)
     fused = first.self_attn
     qkv = run_block(
         model,
-        st.first,
+        step.blocks.first,
         dict(
             h=h,
             g=first.input_layernorm.weight,
@@ -348,16 +362,17 @@ def causal_lm_forward(
         states.append(normed(hg, r, b, s))
     hs = None if states is None else tuple(states)
     w_lm = self.lm_head.weight
+    bl = st.blocks(hg.dtype)
     if with_loss:
         target = targets(labels, shift_labels, self.config.vocab_size)
         denom = torch.as_tensor(num_items if num_items is not None else (target != IGNORE).sum())
         if st.loss_mode == "vocab":
-            per_token = run_block(self, st.vocab_head(), dict(hg=hg, r=r, w_lm=w_lm, target=target))["loss"]
+            per_token = run_block(self, bl.vocab_head(), dict(hg=hg, r=r, w_lm=w_lm, target=target))["loss"]
             loss = per_token.sum() / denom.to(per_token.device)
         else:
             chunk = st.loss_rows or rows_per_chunk(hg.shape[0], w_lm.shape[0], w_lm.element_size())
             try:
-                loss = ChunkedLoss.apply(hg, r, w_lm, target, denom, st.row_head(), chunk, tied)
+                loss = ChunkedLoss.apply(hg, r, w_lm, target, denom, bl.row_head(), chunk, tied)
             except CodaError as e:
                 raise named(self, "head_loss", {"hg": hg, "r": r, "w_lm": w_lm}, e) from None
         return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=hs)  # type: ignore[arg-type]
@@ -367,7 +382,7 @@ def causal_lm_forward(
     elif isinstance(logits_to_keep, torch.Tensor):
         rows = rows[:, logits_to_keep]
     keep = rows.reshape(-1)
-    logits = run_block(self, st.head_logits, dict(hg=hg[keep], r=r[keep], w_lm=w_lm))["logits"]
+    logits = run_block(self, bl.head_logits, dict(hg=hg[keep], r=r[keep], w_lm=w_lm))["logits"]
     return CausalLMOutputWithPast(loss=None, logits=logits.view(b, rows.shape[1], -1), hidden_states=hs)  # type: ignore[arg-type]
 
 
