@@ -50,7 +50,7 @@ FAMILIES = ("llama", "qwen3")
 WRAPS = ("ddp", "fsdp", "fsdp-keep")  # fsdp-keep: reshard_after_forward=False
 # llama only: FSDP2 on the root alone; per layer with checkpointing either way; a decoder layer's
 # MLP sharded on its own (a wrapping the patched forward can't serve: E0811)
-EXTRA = ("fsdp-root", "fsdp-gc", "fsdp-ckpt", "fsdp-submodule")
+EXTRA = ("fsdp-root", "fsdp-gc", "fsdp-ckpt", "fsdp-submodule", "fsdp-dcp")
 
 
 def cases() -> list[dict[str, Any]]:
@@ -145,6 +145,8 @@ def run_case(case: dict[str, Any], rank: int, mesh: Any) -> dict[str, Any]:
         losses = train(model, rows)
     except CodaError as e:
         return {"error": str(e)}
+    if case["wrap"] == "fsdp-dcp":
+        checkpoint_round_trip(model, family, rank, mesh)
     mean = torch.stack(losses)
     dist.all_reduce(mean)
     named = {}
@@ -152,6 +154,23 @@ def run_case(case: dict[str, Any], rank: int, mesh: Any) -> dict[str, Any]:
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         named[name.replace("_checkpoint_wrapped_module.", "")] = full.detach().clone()
     return {"losses": (mean / WORLD).tolist(), "params": named, "grads": grads}
+
+
+def checkpoint_round_trip(model: Any, family: str, rank: int, mesh: Any) -> None:
+    """torch.distributed.checkpoint of the sharded patched model: saved under Hugging Face's names
+    (DCP_DIR, read back unpatched by the test), and loaded into a fresh patched model sharded the same
+    way, which then holds the same parameters."""
+    import torch.distributed.checkpoint as dcp
+
+    where = os.environ["DCP_DIR"]
+    dcp.save(model.state_dict(), checkpoint_id=where)
+    fresh = wrap(patch(family, make(family, seed=4)), "fsdp", mesh)
+    sd = fresh.state_dict()
+    dcp.load(sd, checkpoint_id=where)
+    fresh.load_state_dict(sd)
+    mine = dict(model.named_parameters())
+    for name, p in fresh.named_parameters():
+        assert torch.equal(p.full_tensor(), mine[name].full_tensor()), name
 
 
 def first_grads(model: Any, inner: Any, rows: slice, patched: bool) -> dict[str, Any]:
@@ -204,6 +223,7 @@ def torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[st
 
 def launch(tmp: Path, which: list[str]) -> dict[str, Any]:
     out = tmp / "results.pt"
+    os.environ["DCP_DIR"] = str(tmp / "dcp")
     r = torchrun(__file__, str(out), json.dumps(which))
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-8000:]
     return torch.load(out, weights_only=False)
@@ -273,11 +293,24 @@ def test_trains_as_one_process_and_as_the_unpatched_model(family: str, tmp_path:
 def test_root_only_checkpointed_and_a_sharded_submodule(tmp_path: Path) -> None:
     """FSDP2 on the root alone, and per layer with activation checkpointing
     (`gradient_checkpointing_enable()`, or each layer in a `checkpoint_wrapper`): as one process.
+    torch.distributed.checkpoint of the per-layer sharded model saves Hugging Face's names and
+    layouts: it loads into an unpatched model in one process, and into a sharded patched one.
     Each decoder layer's MLP sharded as a unit of its own: its forward never runs, so its weights are
     never gathered; the layer's block is refused (E0811) naming the parameter and what to do."""
     runs = launch(tmp_path, [key(c) for c in cases() if c["wrap"] in EXTRA])
     for w in ("fsdp-root", "fsdp-gc", "fsdp-ckpt"):
         same(runs[f"llama-coda-{w}"], single("llama", True), w)
+    same(runs["llama-coda-fsdp-dcp"], single("llama", True), "fsdp-dcp")
+    # the distributed checkpoint, read in one process into the unpatched model: its parameters
+    import torch.distributed.checkpoint as dcp
+
+    ref = make("llama")
+    sd = ref.state_dict()
+    dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    ref.load_state_dict(sd)
+    want = runs["llama-coda-fsdp-dcp"]["params"]
+    for name, p in ref.state_dict().items():
+        assert torch.equal(p, want[name]), name
     err = runs["llama-coda-fsdp-submodule"]["error"]
     assert "E0811" in err and "parameter `model.layers.0.mlp.gate_up_weight`" in err, err
     assert "model.layers.0.mlp.{gate,up}_proj.weight" in err and "is a DTensor" in err, err

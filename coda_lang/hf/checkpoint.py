@@ -11,8 +11,10 @@ The moved modules stay reachable where Hugging Face had them (`layers[i].input_l
 `self_attn.q_norm`, `model.model.norm`) as plain attributes, not registered there: every parameter
 is registered once, so that a wrapper of a decoder layer (FSDP2's `fully_shard`) holds exactly the
 weights its forward reads. State-dict hooks make `state_dict()` give, and `load_state_dict()` take,
-the unpatched names, layouts and order (`Layout`); `unfused_grads` gives the gradients under those
-names.
+the unpatched names, layouts and order (`Layout`), also of a model FSDP2 has sharded (its fused
+weights gathered, split and sharded again: `torch.distributed.checkpoint.save(model.state_dict())`
+saves Hugging Face's names, and `load` then `load_state_dict` takes them back); `unfused_grads` gives
+the gradients under those names.
 What it does not: decide whether a model may be patched (checks.py) or run anything (forward.py).
 Invariants: unfusing a fused weight gives back the original tensors exactly (a permutation of rows);
 a checkpoint saved from a patched model loads into an unpatched one and back; no module is
@@ -44,37 +46,55 @@ def split_qkv(w: torch.Tensor, hd: int, nq: int, nk: int) -> tuple[torch.Tensor,
     return plain[:nq].contiguous(), plain[nq : nq + nk].contiguous(), plain[nq + nk :].contiguous()
 
 
+def whole(*ts: torch.Tensor) -> tuple[list[torch.Tensor], Any]:
+    """The tensors whole, and how to shard a result as the first one is: None for plain tensors; for
+    DTensors (a state dict of a model FSDP2 has sharded) each is gathered, a collective that every
+    rank runs, as every rank makes the state dict."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None or not isinstance(ts[0], dtensor.DTensor):
+        return list(ts), None
+    with torch.no_grad():
+        return [t.full_tensor() for t in ts], (ts[0].device_mesh, ts[0].placements)
+
+
+def sharded(t: torch.Tensor, how: Any) -> torch.Tensor:
+    """`t` sharded as `whole` found its inputs: each rank keeps its own part (no communication)."""
+    if how is None:
+        return t
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(t, how[0], how[1], src_data_rank=None)
+
+
 def qkv_save_hook(module: Any, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
     key = prefix + "qkv_weight"
     if key not in state_dict:
         return
-    q, k, v = split_qkv(state_dict.pop(key).detach(), module.head_dim, module.nq, module.nk)
-    state_dict[prefix + "q_proj.weight"] = q
-    state_dict[prefix + "k_proj.weight"] = k
-    state_dict[prefix + "v_proj.weight"] = v
+    (w,), how = whole(state_dict.pop(key).detach())
+    for n, part in zip("qkv", split_qkv(w, module.head_dim, module.nq, module.nk), strict=True):
+        state_dict[prefix + f"{n}_proj.weight"] = sharded(part, how)
 
 
 def qkv_load_hook(module: Any, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
     keys = [prefix + f"{n}_proj.weight" for n in "qkv"]
     if all(k in state_dict for k in keys):
-        q, k, v = (state_dict.pop(x) for x in keys)
-        state_dict[prefix + "qkv_weight"] = fuse_qkv(q, k, v, module.head_dim)
+        (q, k, v), how = whole(*(state_dict.pop(x) for x in keys))
+        state_dict[prefix + "qkv_weight"] = sharded(fuse_qkv(q, k, v, module.head_dim), how)
 
 
 def mlp_save_hook(module: Any, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
     key = prefix + "gate_up_weight"
     if key in state_dict:
-        w = state_dict.pop(key).detach()
-        state_dict[prefix + "gate_proj.weight"] = w[0::2].contiguous()
-        state_dict[prefix + "up_proj.weight"] = w[1::2].contiguous()
+        (w,), how = whole(state_dict.pop(key).detach())
+        state_dict[prefix + "gate_proj.weight"] = sharded(w[0::2].contiguous(), how)
+        state_dict[prefix + "up_proj.weight"] = sharded(w[1::2].contiguous(), how)
 
 
 def mlp_load_hook(module: Any, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
     g, u = prefix + "gate_proj.weight", prefix + "up_proj.weight"
     if g in state_dict and u in state_dict:
-        state_dict[prefix + "gate_up_weight"] = torch.stack(
-            [state_dict.pop(g), state_dict.pop(u)], 1
-        ).flatten(0, 1)
+        (gw, uw), how = whole(state_dict.pop(g), state_dict.pop(u))
+        state_dict[prefix + "gate_up_weight"] = sharded(torch.stack([gw, uw], 1).flatten(0, 1), how)
 
 
 class FusedQKV(torch.nn.Module):
