@@ -54,7 +54,8 @@ def whole(*ts: torch.Tensor) -> tuple[list[torch.Tensor], Any]:
     if dtensor is None or not isinstance(ts[0], dtensor.DTensor):
         return list(ts), None
     with torch.no_grad():
-        return [t.full_tensor() for t in ts], (ts[0].device_mesh, ts[0].placements)
+        parts: list[Any] = list(ts)  # DTensors
+        return [t.full_tensor() for t in parts], (parts[0].device_mesh, parts[0].placements)
 
 
 def sharded(t: torch.Tensor, how: Any) -> torch.Tensor:
