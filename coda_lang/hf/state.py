@@ -1,11 +1,14 @@
 """The state of one patched model: its facts (heads, widths, dtype), its block functions and the
 loss head's settings, and the small tensors its forward makes once.
 
-What it does: `ModelState(model, family, loss)` builds the model's program (blocks.py) for its shapes and
-makes each block a differentiable torch function (`coda_lang.torch.function`): the first layer's,
-the layers', the last layer's, the logits head and, made when first used, the loss head of each loss
-mode; their kernels compile together at the first call. `positions` and `freq` give the default
-positions and RoPE's frequencies, made once per shape (and per `inv_freq` version).
+What it does: `ModelState(model, family, loss)` holds the model's facts; `blocks(dtype)` builds the
+model's program (blocks.py) for its shapes at one dtype and makes each block a differentiable torch
+function (`coda_lang.torch.function`; `Blocks`): the first layer's, the layers', the last layer's,
+the logits head and, made when first used, the loss head of each loss mode; their kernels compile
+together at the first call. The blocks of the dtype at patching are made at once (`first`, `layer`,
+`last`, `head_logits`, `row_head()`, `vocab_head()`), those of another dtype (the param_dtype of
+FSDP2's MixedPrecisionPolicy, a model cast after patching) when it first runs. `positions` and `freq`
+give the default positions and RoPE's frequencies, made once per shape (and per `inv_freq` version).
 What it does not: touch the model's modules (patch.py), run the forward (forward.py) or the loss
 (loss.py).
 Invariants: made once per model, at patching; the model keeps it as `model._coda` (private: the
@@ -21,24 +24,20 @@ import torch
 from coda_lang.api import load
 from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.hf.blocks import model_source
+from coda_lang.hf.checkpoint import Layout
 from coda_lang.hf.family import Family
 from coda_lang.hf.loss import LOSS_CHUNK_BYTES, LossSettings
 from coda_lang.torch import BlockFunction, compile_together, function
 
 
-class ModelState:
-    """The facts of one patched model and its block functions."""
+class Blocks:
+    """A patched model's block functions at one dtype (its parameters', or under FSDP2's
+    MixedPrecisionPolicy the gathered parameters' `param_dtype`): the first layer's, the layers', the
+    last layer's, the logits head and, made when first used, the loss head of each loss mode."""
 
-    def __init__(self, model: Any, family: Family, loss: LossSettings):
-        cfg = model.config
-        self.family = family
-        self.qk_norm = qk_norm = family.qk_norm
-        self.H = cfg.num_attention_heads
-        self.KV = cfg.num_key_value_heads
-        self.HD = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.H
-        self.D = cfg.hidden_size
-        self.dtype = model.dtype
-        src = model_source(str(self.dtype).removeprefix("torch."), cfg.rms_norm_eps, self.HD, qk_norm)
+    def __init__(self, st: ModelState, dtype: torch.dtype, eps: float):
+        self.dtype = dtype
+        src = model_source(str(dtype).removeprefix("torch."), eps, st.HD, st.qk_norm)
         prog = load(src)
         weights = {"w_o", "w_13", "w_2", "w_qkv", "w_lm", "g", "g1", "g2", "gq", "gk"}
 
@@ -58,22 +57,13 @@ class ModelState:
         # of rows, each chunk's forward keeping its logits and its backward run at once in the
         # forward: three GEMMs, the weight gradient summed over the chunks inside its GEMM
         self.head_logits = fn("head_logits")
-        self.loss = loss
-        self.loss_mode = loss.mode
-        # bytes of the largest transient of a chunk ("vocab")
-        self.loss_budget = LOSS_CHUNK_BYTES if loss.budget is None else loss.budget
-        self.loss_rows = loss.rows or 0  # rows per chunk of the loss head ("rows"); 0: from LOSS_ROWS_BYTES
+        self.loss_budget = st.loss_budget
         self._fn = fn
-        # made once, not at each forward (launches while the GPU waits at a step's start): the default
-        # positions of the last (batch, seq, device), and the RoPE frequencies of the model's inv_freq
-        # buffer while it is the same tensor at the same version (not modified in place)
-        self._positions: tuple[tuple[int, int, str], torch.Tensor] | None = None
-        self._freq: tuple[Any, int, str, torch.Tensor] | None = None
         self._vocab_head: BlockFunction | None = None
         self._row_head: BlockFunction | None = None
         # a training step's kernels (the first layer's, the layers', the last layer's, the loss head's:
         # forward and backward) compile at once at its first call, in one pool of workers
-        head = self.row_head() if self.loss_mode == "rows" else self.vocab_head()
+        head = self.row_head() if st.loss_mode == "rows" else self.vocab_head()
         compile_together(self.first, self.layer, self.last, head)
 
     def row_head(self) -> BlockFunction:
@@ -89,6 +79,57 @@ class ModelState:
             options = BackwardOptions(chunk="auto", budget=self.loss_budget, chunk_dim="V")
             self._vocab_head = self._fn("head_loss", options)
         return self._vocab_head
+
+
+class ModelState:
+    """The facts of one patched model and its block functions."""
+
+    layout: Layout  # where each weight sits, patched and Hugging Face's: set by the patch (checkpoint.py)
+
+    def __init__(self, model: Any, family: Family, loss: LossSettings):
+        cfg = model.config
+        self.family = family
+        self.qk_norm = family.qk_norm
+        self.H = cfg.num_attention_heads
+        self.KV = cfg.num_key_value_heads
+        self.HD = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.H
+        self.D = cfg.hidden_size
+        self.eps = cfg.rms_norm_eps
+        self.dtype = model.dtype  # the dtype at patching; the blocks of another are made when it runs
+        self.loss = loss
+        self.loss_mode = loss.mode
+        # bytes of the largest transient of a chunk ("vocab")
+        self.loss_budget = LOSS_CHUNK_BYTES if loss.budget is None else loss.budget
+        self.loss_rows = loss.rows or 0  # rows per chunk of the loss head ("rows"); 0: from LOSS_ROWS_BYTES
+        # made once, not at each forward (launches while the GPU waits at a step's start): the default
+        # positions of the last (batch, seq, device), and the RoPE frequencies of the model's inv_freq
+        # buffer while it is the same tensor at the same version (not modified in place)
+        self._positions: tuple[tuple[int, int, str], torch.Tensor] | None = None
+        self._freq: tuple[Any, int, str, torch.Tensor] | None = None
+        self._blocks: dict[torch.dtype, Blocks] = {}
+        main = self.blocks(self.dtype)  # (made now: a block that can't be made fails the patch)
+        self.first, self.layer, self.last, self.head_logits = (
+            main.first,
+            main.layer,
+            main.last,
+            main.head_logits,
+        )
+
+    def blocks(self, dtype: torch.dtype) -> Blocks:
+        """The block functions at `dtype` (made at its first use: a model whose layers run in another
+        dtype than at patching, as under FSDP2's MixedPrecisionPolicy, compiles its kernels then)."""
+        got = self._blocks.get(dtype)
+        if got is None:
+            got = self._blocks[dtype] = Blocks(self, dtype, self.eps)
+        return got
+
+    def row_head(self) -> BlockFunction:
+        """The "rows" loss head at the dtype of patching."""
+        return self.blocks(self.dtype).row_head()
+
+    def vocab_head(self) -> BlockFunction:
+        """The "vocab" loss head at the dtype of patching."""
+        return self.blocks(self.dtype).vocab_head()
 
     @property
     def rope_width(self) -> int:
