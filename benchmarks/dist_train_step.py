@@ -2,7 +2,7 @@
 only, or DDP; HF eager, HF + Liger Kernel or HF + coda.
 
 Usage: torchrun --nproc_per_node N benchmarks/dist_train_step.py [--patch none,liger,coda]
-    [--wrap fsdp-layer,fsdp-root,ddp,none] [--compile] [--checkpointing] [--layers 16] [--seq 8192]
+    [--wrap fsdp-layer,fsdp-layer-keep,fsdp-root,ddp,none] [--compile] [--checkpointing] [--layers 16] [--seq 8192]
     [--batch 1] [--steps 9] [--warmup 3] [--json FILE] [--trace FILE]
     smoke test on the CPU (gloo): --device cpu --layers 2 --hidden 64 --intermediate 128 --heads 4
     --kv-heads 2 --vocab 256 --seq 32 --steps 2 --warmup 1
@@ -43,7 +43,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_train_step import GIB, llama_config, prepare, release  # noqa: E402
 
 PATCHES = {"none": "eager", "liger": "liger", "coda": "coda"}  # hf_train_step's configuration names
-WRAPS = ("fsdp-layer", "fsdp-root", "ddp", "none")  # none: unwrapped (one process: the baseline)
+WRAPS = (
+    "fsdp-layer",
+    "fsdp-layer-keep",
+    "fsdp-root",
+    "ddp",
+    "none",
+)  # none: unwrapped (one process: the baseline)
 
 
 def config(args: argparse.Namespace) -> Any:
@@ -93,9 +99,9 @@ def build(args: argparse.Namespace, patch: str, wrap: str, device: torch.device)
         kw: dict[str, Any] = {}
         if device.type == "cuda":
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if wrap == "fsdp-layer":
+        if wrap.startswith("fsdp-layer"):  # -keep: reshard_after_forward=False
             for layer in model.model.layers:
-                fully_shard(layer, **kw)
+                fully_shard(layer, reshard_after_forward=wrap == "fsdp-layer", **kw)
         fully_shard(model, **kw)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     return model, opt

@@ -1,7 +1,7 @@
 """How much of a step's communication runs under its computation, from a Chrome trace of one step
 (torch.profiler's export, as `dist_train_step.py --trace` writes them).
 
-Usage: python benchmarks/trace_overlap.py TRACE.json [TRACE.json ...]
+Usage: python benchmarks/trace_overlap.py [--top N] TRACE.json [TRACE.json ...]
 
 For each trace: the GPU kernels (events of category `kernel`), split into communication (NCCL's
 kernels: the name holds `nccl`) and computation (every other kernel). Printed: the step's span on the
@@ -9,6 +9,8 @@ GPU (first kernel start to last kernel end), the computation's busy time, the co
 time, and how much of the communication's busy time has some computation kernel running at the same
 moment (hidden) or none (exposed). Busy times are unions of intervals, so kernels on several streams
 are not counted twice. Exposed communication is what a perfect overlap would remove from the step.
+`--top N`: then, per trace, the N kernels (by name, cut at 60 characters) with the most GPU time, and
+how many times each ran: two traces' lists side by side say where one step spends more.
 """
 
 from __future__ import annotations
@@ -50,16 +52,31 @@ def intersect(xs: list[Interval], ys: list[Interval]) -> float:
     return total
 
 
-def overlap(path: Path) -> dict[str, float]:
+def kernels(path: Path) -> list[dict[str, object]]:
     data = json.loads(path.read_text())
     events = data["traceEvents"] if isinstance(data, dict) else data
+    return [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+
+
+def top(path: Path, n: int) -> list[tuple[str, float, int]]:
+    """The n kernel names with the most GPU time: (name, ms, count)."""
+    total: dict[str, float] = {}
+    count: dict[str, int] = {}
+    for e in kernels(path):
+        name = str(e.get("name", ""))[:60]
+        total[name] = total.get(name, 0.0) + float(e["dur"])  # type: ignore[arg-type]
+        count[name] = count.get(name, 0) + 1
+    ranked = sorted(total, key=lambda k: -total[k])[:n]
+    return [(k, total[k] / 1e3, count[k]) for k in ranked]
+
+
+def overlap(path: Path) -> dict[str, float]:
+    events = kernels(path)
     comm: list[Interval] = []
     comp: list[Interval] = []
     for e in events:
-        if e.get("cat") != "kernel" or "dur" not in e:
-            continue
-        span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
-        (comm if "nccl" in e.get("name", "").lower() else comp).append(span)
+        span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))  # type: ignore[arg-type]
+        (comm if "nccl" in str(e.get("name", "")).lower() else comp).append(span)
     if not comm and not comp:
         raise SystemExit(f"{path}: no GPU kernels in the trace")
     comm_u, comp_u = union(comm), union(comp)
@@ -75,17 +92,26 @@ def overlap(path: Path) -> dict[str, float]:
 
 
 def main() -> None:
-    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+    args = sys.argv[1:]
+    if not args or args[0] in ("-h", "--help"):
         print(__doc__)
-        raise SystemExit(0 if len(sys.argv) > 1 else 2)
+        raise SystemExit(0 if args else 2)
+    n = 0
+    if args[0] == "--top":
+        n, args = int(args[1]), args[2:]
     print("| trace | GPU span | compute | communication | hidden | exposed |")
     print("|---|---|---|---|---|---|")
-    for name in sys.argv[1:]:
+    for name in args:
         r = overlap(Path(name))
         print(
             f"| {Path(name).name} | {r['span_ms']:.1f} ms | {r['compute_ms']:.1f} ms | {r['comm_ms']:.1f} ms"
             f" | {r['hidden_ms']:.1f} ms | {r['exposed_ms']:.1f} ms |"
         )
+
+    for name in args if n else []:
+        print(f"\n{Path(name).name}: the {n} kernels with the most GPU time")
+        for k, ms, c in top(Path(name), n):
+            print(f"  {ms:8.2f} ms {c:6d}x  {k}")
 
 
 if __name__ == "__main__":

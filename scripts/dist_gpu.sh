@@ -3,6 +3,7 @@
 # under torchrun. Usage: scripts/dist_gpu.sh small|large [extra args]
 #   small: Llama-3.2-1B shapes, HF + Liger and coda, on 1 GPU (unwrapped), 2 and 4 GPUs (FSDP2 per
 #          decoder layer, DDP), one Chrome trace per configuration on 2 GPUs, its overlap summarised
+#   probe: 2 GPUs, FSDP2 per layer (resharding or not) and DDP, the kernels of one traced step
 #   large: Llama-3-8B shapes on 4 GPUs, FSDP2 per decoder layer
 # Logs and JSON go to $OUT. NVLink multicast stays off (the host's variables are kept, and set here).
 set -uo pipefail
@@ -30,6 +31,11 @@ case "$what" in
     python benchmarks/trace_overlap.py /tmp/trace-*.json | tee "$OUT/overlap.md"
     run x1 1 --patch liger,coda --wrap none "$@"
     [ "$ngpu" -ge 4 ] && run x4 4 --patch liger,coda --wrap fsdp-layer,ddp "$@"
+    ;;
+  probe)  # where FSDP2 per layer spends its time: kernels of one traced step, coda and Liger
+    rm -f /tmp/trace-*.json
+    run probe 2 --patch liger,coda --wrap fsdp-layer,fsdp-layer-keep,ddp --trace "/tmp/trace-{config}.json" "$@"
+    python benchmarks/trace_overlap.py --top 30 /tmp/trace-*.json | tee "$OUT/probe.md"
     ;;
   large)
     run x4-8b 4 --patch liger,coda --wrap fsdp-layer --layers 32 --hidden 4096 --intermediate 14336 \
