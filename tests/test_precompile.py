@@ -109,7 +109,7 @@ class FakeBuild:
         fake = self
         monkeypatch.setattr(Kernel, "status", lambda k: "ok" if k.key in fake.built else None)
 
-        def build(spec: Any, config: TileConfig, root: str) -> tuple[str, bool]:
+        def build(spec: Any, config: TileConfig, root: str, wait: bool = True) -> tuple[str, bool]:
             fake.built.append(Kernel(spec, config, Path(root)).key)
             return "ok", True
 
