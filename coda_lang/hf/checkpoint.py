@@ -54,7 +54,7 @@ def whole(*ts: torch.Tensor) -> tuple[list[torch.Tensor], Any]:
     if dtensor is None or not isinstance(ts[0], dtensor.DTensor):
         return list(ts), None
     with torch.no_grad():
-        return [t.full_tensor() for t in ts], (ts[0].device_mesh, ts[0].placements)
+        return [t.full_tensor() for t in ts], (ts[0].device_mesh, ts[0].placements)  # type: ignore[attr-defined]
 
 
 def sharded(t: torch.Tensor, how: Any) -> torch.Tensor:
