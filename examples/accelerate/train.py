@@ -1,12 +1,12 @@
-"""Train a coda-patched Hugging Face Llama with the HF Trainer under Accelerate's FSDP2.
+"""Train a coda-patched Hugging Face Llama (or Qwen3) with the HF Trainer under Accelerate's FSDP2.
 
     accelerate launch --config_file examples/accelerate/fsdp2.yaml examples/accelerate/train.py \
         [--patch none,coda] [--model CONFIG] [--steps 10] [--seq 8192] [--batch 1] [--json FILE]
 
 For each model (`--model`: a config.json or a folder holding one, repeatable; by default
 Llama-3.2-1B's shapes) and each of `--patch` in turn: the model is built from its config with random
-weights (seed 0), in bf16 on a GPU, f32 on the CPU; patched with `apply_coda_to_llama` (`coda`) or
-not (`none`, the reference); then the Trainer
+weights (seed 0), in bf16 on a GPU, f32 on the CPU; patched with `apply_coda_to_llama` or
+`apply_coda_to_qwen3` (`coda`) or not (`none`, the reference); then the Trainer
 trains it on random tokens (`--batch` rows of `--seq` tokens per process and step, labels = inputs),
 AdamW, constant learning rate. Accelerate wraps it as the config file says: with
 examples/accelerate/fsdp2.yaml, `fully_shard` on each decoder layer, on the embedding and the LM head,
@@ -98,9 +98,10 @@ def train(cfg: Any, patch: str, args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if cuda else torch.float32)
     if patch == "coda":
-        from coda_lang.hf import apply_coda_to_llama
+        from coda_lang.hf import apply_coda_to_llama, apply_coda_to_qwen3
 
-        apply_coda_to_llama(model)  # before the Trainer wraps it: patching fuses and moves parameters
+        apply = {"llama": apply_coda_to_llama, "qwen3": apply_coda_to_qwen3}[cfg.model_type]
+        apply(model)  # before the Trainer wraps it: patching fuses and moves parameters
 
     steps: list[dict[str, float]] = []
 
