@@ -11,8 +11,8 @@ config, never M, N, K: a cache written by another version is never read, and no 
 absolute path, so the folder can be copied to another machine with the same versions.
 
 What it does: `Kernel` (one stage at one tile: its source, key and entry paths; what the cache knows
-of it), `ptx_key`, `kernel_fingerprint`, `write_atomic`, `entry_lock` (or, not waiting, `EntryBusy`), and the ptxas records
-(`read_ptxas_record`, `cached_ptxas`).
+of it), `ptx_key`, `kernel_fingerprint`, `write_atomic`, `entry_lock` (not waiting: `EntryBusy`), and
+the ptxas records (`read_ptxas_record`, `cached_ptxas`).
 What it does not: compile (compile.py) or run a kernel.
 Invariants: the cache only ever holds complete files (written to a temporary file, then renamed); a
 damaged or stale entry (truncated PTX, a missing or unreadable record) reads as missing, so it is

@@ -11,11 +11,12 @@ runs compile.compile_spec itself, so a kernel is built the same way either way, 
 lock per entry (two processes never build one kernel twice). Several processes compiling at once (the
 ranks of a job on one host) share the work: a kernel whose entry another process is building is put
 back at the end of the queue (BUSY) while the worker builds another; it is finished as soon as the
-cache holds it, or built, waiting for the other process, when nothing else is left. Workers are spawned, not forked (a
-child must not inherit CuTeDSL's MLIR state or a CUDA context), import only compile.py and
-quack_adapter, and hide every GPU (`CUDA_VISIBLE_DEVICES=`). `default_jobs`: the CPUs this process
-may use, at most one worker per WORKER_BYTES of available memory, divided among this host's ranks
-($LOCAL_WORLD_SIZE), at most one per kernel ($CODA_JOBS overrides). A progress display (coda_lang.core.progress) shows done/total and the time left.
+cache holds it, or built, waiting for the other process, when nothing else is left. Workers are
+spawned, not forked (a child must not inherit CuTeDSL's MLIR state or a CUDA context), import only
+compile.py and quack_adapter, and hide every GPU (`CUDA_VISIBLE_DEVICES=`). `default_jobs`: the CPUs
+this process may use, at most one worker per WORKER_BYTES of available memory, divided among this
+host's ranks ($LOCAL_WORLD_SIZE), at most one per kernel ($CODA_JOBS overrides). A progress display
+(coda_lang.core.progress) shows done/total and the time left.
 `background=True` queues each stage's first kernel, then each one's second, and so on, returns as
 soon as every `first` request has its tile or its stage any kernel without spills (each stage can
 run), and leaves the rest compiling: a `Background` says which emitted stages still have kernels on the way
