@@ -101,6 +101,14 @@ def test_the_kernels_do_not_depend_on_the_sizes(tmp_path: Path) -> None:
     assert q32 != sources(write_config(tmp_path / "q64", "qwen3", head_dim=64))
 
 
+def test_the_timing_steps_run(tmp_path: Path) -> None:
+    """`coda precompile --seq`'s two training steps of a two-layer patched model (here on the CPU, the
+    kernels' stand-ins: nothing is timed) run at the given shape."""
+    cfg = hfp.read_config(write_config(tmp_path / "m"))
+    first, second = hfp.time_tiles(cfg, torch.bfloat16, "rows", 16, 2, device="cpu")
+    assert first > 0 and second > 0
+
+
 class FakeBuild:
     """Kernel statuses by cache key instead of files: `build` marks a kernel "ok" and records it."""
 

@@ -109,20 +109,22 @@ def model_kernels(functions: list[BlockFunction]) -> list[Any]:
 
 
 def time_tiles(
-    config: Any, dtype: torch.dtype, loss_mode: str, seq: int, batch: int = 1
+    config: Any, dtype: torch.dtype, loss_mode: str, seq: int, batch: int = 1, device: str = "cuda"
 ) -> tuple[float, float]:
     """On a Hopper GPU: two training steps (forward and backward with labels) of a two-layer patched
     model of `config` with random weights at `batch` x `seq` tokens, the kernels' background compiles
     finished between them; the second step times each stage's tiles at those shapes (tuning.json in
-    the kernel cache keeps the choices). Returns the two steps' seconds."""
+    the kernel cache keeps the choices). Returns the two steps' seconds. (`device`: another runs the
+    same steps on the kernels' stand-ins, timing nothing.)"""
     torch.manual_seed(0)
-    model = _patched(config, dtype, loss_mode, "cuda")
-    ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda")
+    model = _patched(config, dtype, loss_mode, device)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
     times = []
     for _ in range(2):
         t0 = time.perf_counter()
         model(ids, labels=ids).loss.backward()
-        torch.cuda.synchronize()
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         wait_for_kernels()
     return times[0], times[1]
