@@ -110,12 +110,14 @@ def world_of_one() -> Any:
     ids=["untied", "tied", "checkpointed"],
 )
 def test_accelerates_fsdp2_wrapping_trains_as_the_unpatched_model(
-    tied: bool, checkpointing: bool, world_of_one: Any
+    tied: bool, checkpointing: bool, world_of_one: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Accelerate's FSDP2 preparation of a patched Llama (with its activation checkpointing, or
     without): the decoder layers, the LM head (with the embedding when tied) and the root are FSDP2
     units; 3 AdamW steps give the unpatched model's losses and parameters under the same wrapping."""
     from torch.distributed.fsdp import FSDPModule
+
+    monkeypatch.delenv("FSDP_CPU_RAM_EFFICIENT_LOADING", raising=False)  # (the plugin sets it: undone after)
 
     ref = make("llama", tie_word_embeddings=tied, use_cache=False)  # (a cache grows in a recompute)
     runs = {}
