@@ -21,7 +21,7 @@ the first step, then (coda: after its kernels' other candidate tiles compiled,
 `coda_lang.torch.wait_for_kernels`) `--warmup` steps, then `--steps` timed steps. Printed: the median
 step time (CUDA events on a GPU, the host clock on the CPU; the slowest rank's), tokens/s per GPU, the
 peak memory per GPU (torch.cuda.max_memory_allocated over the timed steps, the largest rank's), the
-first step's time and the losses (the mean over ranks); then a markdown table. `--trace` writes one
+first step's time (the slowest rank's) and the losses (the mean over ranks); then a markdown table. `--trace` writes one
 profiled step per configuration (rank 0) as a Chrome trace.
 """
 
@@ -165,16 +165,16 @@ def run_config(
         prof.export_chrome_trace(args.trace.replace("{config}", f"{patch}-{wrap}"))
     elif args.trace:
         losses.append(step())
-    # the slowest rank's median step, the largest rank's peak memory, the mean loss over ranks
+    # the slowest rank's median step and first step, the largest rank's peak memory, the mean loss
     stats = torch.tensor(
-        [statistics.median(times), torch.cuda.max_memory_allocated() / GIB if cuda else 0.0],
+        [statistics.median(times), torch.cuda.max_memory_allocated() / GIB if cuda else 0.0, first],
         dtype=torch.float64,
         device=device,
     )
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     mean = torch.stack(losses).float()
     dist.all_reduce(mean)
-    med, peak = float(stats[0]), float(stats[1])
+    med, peak, first = float(stats[0]), float(stats[1]), float(stats[2])
     res = {
         "patch": patch,
         "wrap": wrap,

@@ -68,7 +68,7 @@ class FakeCache:
         def status(k: Kernel) -> str | None:
             return cache.known.get((k.spec.index, k.config.short + str(k.config.cluster_n)))
 
-        def build(spec: Any, config: TileConfig, root: str) -> tuple[str, bool]:
+        def build(spec: Any, config: TileConfig, root: str, wait: bool = True) -> tuple[str, bool]:
             name = (spec.index, config.short + str(config.cluster_n))
             cache.calls.append(name)
             cache.known[name] = cache.built.get(name, "ok")
@@ -158,16 +158,16 @@ class GatedBuild:
         fake = self
 
         class Pool(ThreadPoolExecutor):
-            def submit(self, fn: Any, spec: Any, config: TileConfig, root: str) -> Any:  # type: ignore[override]
+            def submit(self, fn: Any, spec: Any, config: TileConfig, root: str, *rest: Any) -> Any:  # type: ignore[override]
                 fake.submitted.append((spec.index, config))
-                return super().submit(fn, spec, config, root)
+                return super().submit(fn, spec, config, root, *rest)
 
         monkeypatch.setattr(Kernel, "status", lambda k: None)
         monkeypatch.setattr(parallel, "build", self.build)
         monkeypatch.setattr(parallel, "_executor", lambda n: Pool(n))
         monkeypatch.setattr(parallel, "_at_exit", lambda fn: None)
 
-    def build(self, spec: Any, config: TileConfig, root: str) -> tuple[str, bool]:
+    def build(self, spec: Any, config: TileConfig, root: str, wait: bool = True) -> tuple[str, bool]:
         name = (spec.index, config)
         with self.lock:
             self.calls.append(name)

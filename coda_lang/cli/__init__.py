@@ -1,5 +1,5 @@
-"""The `coda` command line: one module per command (check, draw, run, grad, compile, tune, fuzz,
-explain), common.py for what they share.
+"""The `coda` command line: one module per command (check, draw, run, grad, compile, tune, precompile,
+fuzz, explain), common.py for what they share.
 
 What it does: `build_parser` registers each command's subparser (each module's `add_parser` sets the
 function that runs it); `main` parses, runs the command and maps failures to exit codes: 0 ok, 1 the
@@ -17,10 +17,10 @@ import os
 import sys
 from collections.abc import Sequence
 
-from coda_lang.cli import check, compile, draw, explain, fuzz, grad, run, tune
+from coda_lang.cli import check, compile, draw, explain, fuzz, grad, precompile, run, tune
 from coda_lang.cli.common import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, Parser
 
-COMMANDS = (check, draw, run, grad, compile, tune, fuzz, explain)
+COMMANDS = (check, draw, run, grad, compile, tune, precompile, fuzz, explain)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -36,6 +36,7 @@ from coda_lang.hf.checkpoint import WRAPPED
 from coda_lang.hf.checks import refuse
 from coda_lang.hf.loss import IGNORE, ChunkedLoss, Embed, TiedGrad, rows_per_chunk, targets, tied_embedding
 from coda_lang.hf.state import Blocks, ModelState
+from coda_lang.hf.units import gathered
 from coda_lang.layout import interleave_rope
 from coda_lang.torch import BlockFunction
 
@@ -361,7 +362,7 @@ def causal_lm_forward(
     if states is not None:
         states.append(normed(hg, r, b, s))
     hs = None if states is None else tuple(states)
-    w_lm = self.lm_head.weight
+    w_lm = gathered(self.lm_head).weight  # (an FSDP2 unit of its own, as Accelerate shards it)
     bl = st.blocks(hg.dtype)
     if with_loss:
         target = targets(labels, shift_labels, self.config.vocab_size)

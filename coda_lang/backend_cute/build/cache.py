@@ -11,8 +11,8 @@ config, never M, N, K: a cache written by another version is never read, and no 
 absolute path, so the folder can be copied to another machine with the same versions.
 
 What it does: `Kernel` (one stage at one tile: its source, key and entry paths; what the cache knows
-of it), `ptx_key`, `kernel_fingerprint`, `write_atomic`, `entry_lock`, and the ptxas records
-(`read_ptxas_record`, `cached_ptxas`).
+of it), `ptx_key`, `kernel_fingerprint`, `write_atomic`, `entry_lock` (not waiting: `EntryBusy`), and
+the ptxas records (`read_ptxas_record`, `cached_ptxas`).
 What it does not: compile (compile.py) or run a kernel.
 Invariants: the cache only ever holds complete files (written to a temporary file, then renamed); a
 damaged or stale entry (truncated PTX, a missing or unreadable record) reads as missing, so it is
@@ -110,10 +110,15 @@ def write_atomic(path: Path, text: str) -> None:
         raise
 
 
+class EntryBusy(Exception):
+    """Another process holds the entry's lock: it is building that kernel now (`entry_lock(wait=False)`)."""
+
+
 @contextlib.contextmanager
-def entry_lock(path: Path) -> Iterator[None]:
+def entry_lock(path: Path, wait: bool = True) -> Iterator[None]:
     """An exclusive lock on one cache entry (`path`: its lock file), held while it is built: a second
-    process asking for the same kernel waits, then finds it in the cache."""
+    process asking for the same kernel waits, then finds it in the cache. `wait=False`: raise
+    EntryBusy instead of waiting (a compile worker then builds another kernel first)."""
     try:
         import fcntl
     except ImportError:  # (not POSIX: no locking; writes are still atomic)
@@ -121,7 +126,10 @@ def entry_lock(path: Path) -> Iterator[None]:
         return
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            raise EntryBusy(str(path)) from None
         yield
     finally:
         os.close(fd)  # (closing releases the lock)

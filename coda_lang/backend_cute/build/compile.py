@@ -105,16 +105,22 @@ def build(k: Kernel, src_path: Path) -> CompiledStage:
 
 
 def compile_spec(
-    spec: StageSpec, config: TileConfig = DEFAULT_CONFIG, *, ptxas: bool = True, directory: Path | None = None
+    spec: StageSpec,
+    config: TileConfig = DEFAULT_CONFIG,
+    *,
+    ptxas: bool = True,
+    directory: Path | None = None,
+    wait: bool = True,
 ) -> CompiledStage:
     """Emit, compile (or reuse the cached PTX) and check one planned stage. A tile quack refused once
-    is refused again from its record (E0707), not compiled again."""
+    is refused again from its record (E0707), not compiled again. `wait=False`: when another process
+    is building this kernel, raise cache.EntryBusy instead of waiting for it."""
     k = Kernel(spec, config, directory)
     src_path = write_source(k.source, k.root)
     k.ptx_path.parent.mkdir(parents=True, exist_ok=True)
     out = cached(k, src_path)
     if out is None or (ptxas and read_ptxas_record(k.ptx_path) is None):
-        with entry_lock(k.lock_path):  # another process may be building it: wait, then look again
+        with entry_lock(k.lock_path, wait):  # another process may be building it: wait, then look again
             out = cached(k, src_path)
             if out is None:
                 error = k.refusal()
