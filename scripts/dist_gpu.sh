@@ -4,6 +4,7 @@
 #   small: Llama-3.2-1B shapes, HF + Liger and coda, on 1 GPU (unwrapped), 2 and 4 GPUs (FSDP2 per
 #          decoder layer, DDP), one Chrome trace per configuration on 2 GPUs, its overlap summarised
 #   probe: 2 GPUs, FSDP2 per layer (resharding or not) and DDP, the kernels of one traced step
+#   first: the first step from an empty cache on 1 GPU and 4 ranks, and after coda precompile
 #   large: Llama-3-8B shapes on 4 GPUs, FSDP2 per decoder layer
 # Logs and JSON go to $OUT. NVLink multicast stays off (the host's variables are kept, and set here).
 set -uo pipefail
@@ -36,6 +37,15 @@ case "$what" in
     rm -f /tmp/trace-*.json
     run probe 2 --patch liger,coda --wrap fsdp-layer,fsdp-layer-keep,ddp --trace "/tmp/trace-{config}.json" "$@"
     python benchmarks/trace_overlap.py --top 30 /tmp/trace-*.json | tee "$OUT/probe.md"
+    ;;
+  first)  # the first step from an empty kernel cache: 1 GPU, 4 ranks, and 1 GPU after coda precompile
+    python -c "import sys; sys.path.insert(0, 'benchmarks'); from hf_train_step import llama_config; llama_config(16).save_pretrained('/tmp/cfg-1b')"
+    fresh() { rm -rf "$CODA_CACHE_DIR" "$QUACK_CACHE_DIR"; mkdir -p "$CODA_CACHE_DIR" "$QUACK_CACHE_DIR"; }
+    fresh; run first-x1 1 --patch coda --wrap none --steps 2 --warmup 1 "$@"
+    fresh; [ "$ngpu" -ge 4 ] && run first-x4 4 --patch coda --wrap fsdp-layer --steps 2 --warmup 1 "$@"
+    fresh; echo "== coda precompile $(date -u +%T)"; /usr/bin/time -f "precompile: %e s" python -m coda_lang.cli precompile --model /tmp/cfg-1b --seq 8192 -q
+    run first-x1-precompiled 1 --patch coda --wrap none --steps 2 --warmup 1 "$@"
+    grep -h first_step_s "$OUT"/first-*.log | python -c "import sys, json; [print(json.loads(l)['world'], 'GPU(s):', round(json.loads(l)['first_step_s'], 1), 's') for l in sys.stdin]"
     ;;
   large)
     run x4-8b 4 --patch liger,coda --wrap fsdp-layer --layers 32 --hidden 4096 --intermediate 14336 \
