@@ -201,11 +201,9 @@ def run(args: Any) -> int:
         return usage_error(f"{flag} takes MxN with positive sizes (e.g. 4x8 or 128x192), got {text!r}")
     assert parsed is None or isinstance(parsed, tuple)
     tile, sim_tile = (parsed, None) if kernel else (None, parsed)
-    dims = parse_dims(args.dims)
-    if dims is None:
-        return usage_error(
-            f"--dims takes NAME=SIZE pairs separated by commas (e.g. M=5,D=12), got {args.dims!r}"
-        )
+    dims = parse_dims(args.dims, "M=5,D=12")
+    if isinstance(dims, str):
+        return usage_error(dims)
     big = sorted(k for k, v in dims.items() if v > MAX_DIM)
     if big:
         return usage_error(

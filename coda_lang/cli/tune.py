@@ -99,9 +99,11 @@ def run(args: argparse.Namespace) -> int:
     sizes: list[dict[str, int]] = []
     for text in args.dims:
         d = parse_dims(text)
-        if not d:
+        if isinstance(d, str) or not d:
             return usage_error(
-                f"--dims takes NAME=SIZE pairs separated by commas (e.g. M=4096,D=1024), got {text!r}"
+                d
+                if isinstance(d, str)
+                else f"--dims takes NAME=SIZE pairs separated by commas (e.g. M=4096,D=1024), got {text!r}"
             )
         sizes.append(d)
     block, code = load_block(args.file, args.block)

@@ -39,6 +39,7 @@ class CudaBlock(Protocol):
     ir: Any
     dims: dict[str, int]
     specs: list[Any]
+    binder: Any  # its inputs' checks (runtime/binding.py's Binder)
 
     @property
     def name(self) -> str: ...
