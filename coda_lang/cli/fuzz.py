@@ -161,7 +161,26 @@ def _print_failure(args: Any, f: Failure, file: str, block: str, out: TextIO) ->
 
 def run(args: Any) -> int:
     """Exit 0 all cases passed, 1 a failure (or the block has errors or can't run on the target), 2 usage
-    errors and targets this machine can't run."""
+    errors and targets this machine can't run. hypothesis's own folder (`.hypothesis/` in the working
+    directory by default: the constants it collects from source) is a temporary one, removed at the
+    end (the search keeps no database), unless $HYPOTHESIS_STORAGE_DIRECTORY names one."""
+    import os
+    import tempfile
+
+    # lazy: imports hypothesis, which only the fuzzer needs
+    from hypothesis.configuration import set_hypothesis_home_dir
+
+    if os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
+        return _run(args)
+    with tempfile.TemporaryDirectory(prefix="coda-fuzz-hypothesis-") as home:
+        set_hypothesis_home_dir(home)
+        try:
+            return _run(args)
+        finally:
+            set_hypothesis_home_dir(None)
+
+
+def _run(args: Any) -> int:
     # lazy: imports hypothesis, which only the fuzzer needs
     from coda_lang.fuzz import (
         ALIGN,
@@ -266,7 +285,7 @@ def run(args: Any) -> int:
                 print(f"wrote the failing program to {path}", file=out)
                 _print_failure(args, res.failure, path, "fwd", out)
                 return EXIT_ERRORS
-            ran = args.programs - len(res.skipped)
+            ran = res.programs  # (counted: hypothesis draws about, not exactly, --programs)
             skip = (
                 f"; {len(res.skipped)} skipped (the target can't run them: {sorted(set(res.skipped))[0]} ...)"
                 if res.skipped
