@@ -84,7 +84,15 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """`_run`; a kernel cache that can't be written or trusted (an OSError wherever it shows: a file in
+    the way, a path under /proc, a folder someone else can write) is exit 2, as for coda compile."""
+    try:
+        return _run(args)
+    except OSError as e:
+        return usage_error(f"can't write {e.filename or 'the kernel cache'}: {e.strerror or e}")
 
+
+def _run(args: argparse.Namespace) -> int:
     jobs = parse_jobs(args.jobs)
     if jobs == "bad":
         return usage_error(f"--jobs takes a positive number, got {args.jobs!r}")
@@ -143,8 +151,6 @@ def run(args: argparse.Namespace) -> int:
     except BackendUnavailable as e:
         print(f"coda: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except OSError as e:
-        return usage_error(f"can't write {e.filename or 'the kernel cache'}: {e.strerror or e}")
     what = " and ".join(b.name for _, b in blocks)
     if done is None:
         print(f"kernels of {what}: nothing to compile")

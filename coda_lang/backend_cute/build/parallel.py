@@ -54,7 +54,8 @@ from coda_lang.backend_cute.build.cache import Kernel
 from coda_lang.backend_cute.build.compile import _adapter, compile_spec
 from coda_lang.backend_cute.build.config import TileConfig, fits
 from coda_lang.backend_cute.build.ptxas import BackendUnavailable
-from coda_lang.backend_cute.plan.emit import cache_dir, emit_stage, source_hash
+from coda_lang.backend_cute.build.store import cache_dir, checked
+from coda_lang.backend_cute.plan.emit import emit_stage, source_hash
 from coda_lang.backend_cute.plan.spec import StageSpec
 from coda_lang.core.diagnostics import CodaError
 from coda_lang.core.progress import Progress
@@ -253,7 +254,7 @@ def warm(
     request has its tile or its stage any kernel without spills, the rest compiling on (`Warmed.background`; with one job, or where no
     worker can start, everything is compiled before returning)."""
     t0 = time.monotonic()
-    root = directory or cache_dir()
+    root = checked(directory) if directory is not None else cache_dir()  # (OSError: unusable, said now)
     stats = Warmed()
     queues = [deque(c for c in r.configs if fits(r.spec, c)) for r in requests]
     sources: dict[int, str] = {}

@@ -28,10 +28,8 @@ once when cutlass is imported, which may have happened before us.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import math
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -40,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from coda_lang.backend_cute.build.cache import kernel_fingerprint
-from coda_lang.backend_cute.plan.emit import cache_dir
+from coda_lang.backend_cute.build.store import cache_dir, checked, load_module, subfolder
 from coda_lang.ops.registry import torch_dtype
 
 ARCH = "sm_90a"
@@ -94,12 +92,14 @@ def post_init_attrs(config: Any) -> tuple[tuple[str, Any], ...]:
 
 
 def quack_cache_dir(root: Path | None = None) -> Path:
-    """Where quack keeps its compiled objects of coda's kernels: beside coda's kernel cache (`root`,
-    default $CODA_CACHE_DIR), in a folder of this backend's kernel fingerprint (quack keys an epilogue's
-    ops by class name, not by their code); $QUACK_CACHE_DIR, when set, instead."""
+    """Where quack keeps its compiled objects of coda's kernels (which the runtime loads and runs):
+    beside coda's kernel cache (`root`, default $CODA_CACHE_DIR), in a folder of this backend's kernel
+    fingerprint (quack keys an epilogue's ops by class name, not by their code); $QUACK_CACHE_DIR, when
+    set, instead. Either is checked as the kernel cache is (store.py: UnsafeCache when someone else
+    could write it)."""
     if os.environ.get("QUACK_CACHE_DIR"):
-        return Path(os.environ["QUACK_CACHE_DIR"])
-    return (root or cache_dir()) / "quack" / kernel_fingerprint()
+        return checked(Path(os.environ["QUACK_CACHE_DIR"]))
+    return subfolder(root or cache_dir(), "quack", kernel_fingerprint())
 
 
 quack.cache.CACHE_DIR = str(quack_cache_dir())
@@ -139,13 +139,9 @@ def compile_only(dump_dir: Path, root: Path | None = None) -> Iterator[None]:
 
 
 def load_epilogue(path: Path, fn_name: str) -> Any:
-    """The EpiMod defined by an emitted module (imported by name, its folder on sys.path, so that a
-    fresh process, e.g. a quack compile worker, can import it too)."""
-    folder = str(path.parent)
-    if folder not in sys.path:
-        sys.path.append(folder)
-    module = sys.modules.get(path.stem) or importlib.import_module(path.stem)
-    return getattr(module, fn_name)
+    """The EpiMod defined by an emitted module, run from its verified source text (store.load_module:
+    never from a bytecode cache, never found on sys.path)."""
+    return getattr(load_module(path), fn_name)
 
 
 def _size(dim: Any) -> int:
