@@ -334,3 +334,27 @@ def test_coda_tune_with_a_cache_it_cant_write_exits_2(
     err = capsys.readouterr().err
     assert code == 2, err
     assert err.startswith(f"coda: error: can't write {bad}") and err.count("\n") == 1, err
+
+
+@pytest.mark.toolchain
+def test_cutedsls_own_file_cache_is_inside_the_kernel_cache(tmp_path: Path) -> None:
+    """CuTeDSL keeps compiled IR, which it loads and runs, in /tmp/<user>/cutlass_python_cache unless
+    told otherwise (a folder another user can make first): coda points it inside its kernel cache, and
+    a $CUTE_DSL_CACHE_DIR others can write is refused as the kernel cache would be."""
+    code = (
+        "import os\n"
+        "from coda_lang.backend_cute.build import quack_adapter\n"
+        "from cutlass.base_dsl.cache_helpers import get_default_generated_ir_path\n"
+        "print(get_default_generated_ir_path())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CUTE_DSL_CACHE_DIR"}
+    env.update(CODA_CACHE_DIR=str(tmp_path / "cache"), HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == str(tmp_path / "cache" / "cute_dsl")
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    env["CUTE_DSL_CACHE_DIR"] = str(shared)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode != 0 and "its group or others can write it" in run.stderr

@@ -6,7 +6,8 @@ compile runs, CuTeDSL told to keep the PTX); imports an emitted epilogue module 
 content-addressed file; compiles one stage through quack's own path (`EpiMod.gemm(..., _launch=False)`:
 kind pinning, kernel-class minting, `_compile_gemm_epi` against fake symbolic tensors) with torch
 "meta" tensors standing in for the operands; returns the PTX. quack's on-disk object cache is kept in
-the kernel cache (`<cache>/quack/<kernel fingerprint>`, unless $QUACK_CACHE_DIR is set), and a
+the kernel cache (`<cache>/quack/<kernel fingerprint>`, unless $QUACK_CACHE_DIR is set), as is
+CuTeDSL's own file cache (`<cache>/cute_dsl`, unless $CUTE_DSL_CACHE_DIR is set), and a
 compile-only run writes the kernel's object there too: the runtime's first launch of that stage and
 tile (same dtypes and majors, so the same quack key) loads it instead of compiling again.
 At run time (launch.py), `launch` runs one stage's kernel on CUDA tensors through the same
@@ -47,6 +48,14 @@ ARCH = "sm_90a"
 # target, and quack's answer is cached for the life of the process.
 os.environ.setdefault("QUACK_ARCH", "90")
 os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
+# CuTeDSL's own file cache of compiled IR (which it loads and runs) is by default a folder under the
+# shared temp directory (/tmp/<user>/cutlass_python_cache: a folder another user can make first): it
+# goes inside the kernel cache instead, or where $CUTE_DSL_CACHE_DIR says if that passes the same
+# checks (store.py). (CuTeDSL reads the variable each time it looks for its cache.)
+if os.environ.get("CUTE_DSL_CACHE_DIR"):
+    checked(Path(os.environ["CUTE_DSL_CACHE_DIR"]))
+else:
+    os.environ["CUTE_DSL_CACHE_DIR"] = str(subfolder(cache_dir(), "cute_dsl"))
 
 import quack.cache  # noqa: E402
 import quack.gemm_runtime.host as quack_host  # noqa: E402
