@@ -21,7 +21,8 @@ import pytest
 from support import coda, golden
 
 import coda_lang
-from coda_lang.backend_cute.plan.emit import EMITTER_VERSION, emit_stage, module_name, write_source
+from coda_lang.backend_cute.build.store import write_source
+from coda_lang.backend_cute.plan.emit import EMITTER_VERSION, emit_stage, module_name
 from coda_lang.backend_cute.plan.planner import plan_stage
 from coda_lang.core.diagnostics import CodaError
 from coda_lang.ops import REGISTRY

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from coda_lang.cli import check, compile, draw, explain, fuzz, grad, precompile, run, tune
 from coda_lang.cli.common import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, Parser
+from coda_lang.core import orphans
 
 COMMANDS = (check, draw, run, grad, compile, tune, precompile, fuzz, explain)
 
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    orphans.from_environment()  # (a `coda fuzz --jobs` job: it ends with the coda that started it)
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # (as given: `coda fuzz --jobs` reruns it)

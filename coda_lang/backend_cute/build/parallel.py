@@ -13,9 +13,10 @@ ranks of a job on one host) share the work: a kernel whose entry another process
 back at the end of the queue (BUSY) while the worker builds another; it is finished as soon as the
 cache holds it, or built, waiting for the other process, when nothing else is left. Workers are
 spawned, not forked (a child must not inherit CuTeDSL's MLIR state or a CUDA context), import only
-compile.py and quack_adapter, and hide every GPU (`CUDA_VISIBLE_DEVICES=`). `default_jobs`: the CPUs
-this process may use, at most one worker per WORKER_BYTES of available memory, divided among this
-host's ranks ($LOCAL_WORLD_SIZE), at most one per kernel ($CODA_JOBS overrides). A progress display
+compile.py and quack_adapter, hide every GPU (`CUDA_VISIBLE_DEVICES=`) and end with the process that
+started them, however it ends (core/orphans.py). `default_jobs`: the CPUs this process may use, at
+most one worker per WORKER_BYTES of available memory, divided among this host's ranks
+($LOCAL_WORLD_SIZE), at most one per kernel ($CODA_JOBS overrides). A progress display
 (coda_lang.core.progress) shows done/total and the time left.
 `background=True` queues each stage's first kernel, then each one's second, and so on, returns as
 soon as every `first` request has its tile or its stage any kernel without spills (each stage can
@@ -54,13 +55,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from coda_lang.backend_cute.build.cache import EntryBusy, Kernel
+from coda_lang.backend_cute.build.cache import Kernel
 from coda_lang.backend_cute.build.compile import _adapter, compile_spec
 from coda_lang.backend_cute.build.config import TileConfig, fits
 from coda_lang.backend_cute.build.ptxas import BackendUnavailable
-from coda_lang.backend_cute.plan.emit import cache_dir, emit_stage, source_hash
+from coda_lang.backend_cute.build.store import EntryBusy, cache_dir, checked
+from coda_lang.backend_cute.plan.emit import emit_stage, source_hash
 from coda_lang.backend_cute.plan.spec import StageSpec
 from coda_lang.core.diagnostics import CodaError
+from coda_lang.core.orphans import die_with_parent
 from coda_lang.core.progress import Progress
 from coda_lang.interp.inputs import available_memory
 
@@ -213,9 +216,11 @@ def _daemon() -> bool:
     return bool(multiprocessing.current_process().daemon)
 
 
-def _init_worker() -> None:
-    """A compile worker: no GPU (no CUDA context, no driver queries), no progress lines, and the heavy
-    imports paid once, at start."""
+def _init_worker(parent: int) -> None:
+    """A compile worker: it ends with `parent`, the process that started it, however that one ends
+    (core/orphans.py: a worker holds about 0.7 GB); no GPU (no CUDA context, no driver queries), no
+    progress lines, and the heavy imports paid once, at start."""
+    die_with_parent(parent)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ["CODA_PROGRESS"] = "0"
     with contextlib.suppress(AttributeError, OSError):
@@ -312,7 +317,7 @@ def warm(
     request has its tile or its stage any kernel without spills, the rest compiling on (`Warmed.background`; with one job, or where no
     worker can start, everything is compiled before returning)."""
     t0 = time.monotonic()
-    root = directory or cache_dir()
+    root = checked(directory) if directory is not None else cache_dir()  # (OSError: unusable, said now)
     stats = Warmed()
     queues = [deque(c for c in r.configs if fits(r.spec, c)) for r in requests]
     sources: dict[int, str] = {}
@@ -533,7 +538,10 @@ def _warm_in_background(
 def _executor(n: int) -> Executor:
     """n spawned compile workers (see _init_worker)."""
     return ProcessPoolExecutor(
-        max_workers=n, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker
+        max_workers=n,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_init_worker,
+        initargs=(os.getpid(),),
     )
 
 

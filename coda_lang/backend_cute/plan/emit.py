@@ -8,8 +8,9 @@ in "acc_pair" mode splits every full-width value into its two lanes (adjacent co
 each statement is scalar f32 code. A stage with grouped reductions gets a second function, the
 prepass (`prepass=`, `prepass_outs=`): scalar code over single accumulator elements that returns what
 each `GroupedReduce` op folds; the main fn then receives each group's fold as a parameter (a Pair in
-acc_pair mode, both lanes holding it: lane 0 is read). `write_source` stores the source in a content-addressed file (quack
-fingerprints an epilogue by its source file, so it must be real) under the kernel cache.
+acc_pair mode, both lanes holding it: lane 0 is read). `module_name` names the content-addressed file
+the kernel cache keeps the source in (build/store.py's `write_source`: quack fingerprints an epilogue
+by its source file, so it must be real).
 What it does not: import quack or CuTeDSL (the emitted module does, when quack_adapter loads it).
 Invariants: the same spec gives the same text (golden files in tests/golden/emit), and so does a stage
 of the same meaning in another block (its names are the stage's own: plan/context.py; the header
@@ -21,9 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import keyword
-import os
 import re
-from pathlib import Path
 
 from coda_lang.backend_cute.plan import names as module_names
 from coda_lang.backend_cute.plan import spec as specs
@@ -40,30 +39,12 @@ _TEMP = re.compile(r"(?<![\w])_t\d+(?![\w])")
 _CUTLASS_DTYPES = {"f32": "Float32", "bf16": "BFloat16", "f16": "Float16", "i32": "Int32"}
 
 
-def cache_dir() -> Path:
-    """The kernel cache: $CODA_CACHE_DIR, else ~/.cache/coda_lang/kernels."""
-    env = os.environ.get("CODA_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "coda_lang" / "kernels"
-
-
 def source_hash(source: str) -> str:
     return hashlib.sha256(f"coda-emitter-{EMITTER_VERSION}\n{source}".encode()).hexdigest()
 
 
 def module_name(source: str) -> str:
     return f"coda_epi_{source_hash(source)[:24]}"
-
-
-def write_source(source: str, directory: Path | None = None) -> Path:
-    """Write `source` to <cache>/epilogues/<hash>.py (atomically; an existing file is kept)."""
-    folder = (directory or cache_dir()) / "epilogues"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{module_name(source)}.py"
-    if not path.exists() or path.read_text() != source:
-        tmp = folder / f".{path.name}.{os.getpid()}.tmp"
-        tmp.write_text(source)
-        os.replace(tmp, path)
-    return path
 
 
 class _Emitter:
