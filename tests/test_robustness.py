@@ -366,8 +366,9 @@ def test_a_long_chain_of_statements_differentiates(
     assert main(["check", str(path)]) == 0
     for remat in ("auto", "recompute", "save"):
         assert main(["grad", str(path), "--remat", remat, "-o", str(tmp_path / "g.coda")]) == 0, remat
-    text = (tmp_path / "g.coda").read_text()
-    assert "dx = acc" in text and "dw = acc" in text and text.count("\n") > 2000
+        text = (tmp_path / "g.coda").read_text()
+        # every statement's value and its cotangent: at least two lines each, whatever the policy
+        assert "dx = acc" in text and "dw = acc" in text and text.count("\n") > 2 * 600, remat
     capsys.readouterr()
 
 
