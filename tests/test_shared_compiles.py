@@ -51,7 +51,9 @@ class FakeAdapter:
     @staticmethod
     def compile_ptx(spec, path, config, root):
         time.sleep(DELAY)
-        return f"// fake PTX of {{spec.fn_name}} at {{config.short}}\\n", DELAY
+        # (a whole module as cache.complete_ptx tells one: header, an entry, closed braces)
+        text = f"// fake PTX of {{spec.fn_name}} at {{config.short}}\\n.version 8.0\\n.target sm_90a\\n"
+        return text + ".visible .entry k()\\n{{\\n\\tret;\\n}}\\n", DELAY
 
 cm._adapter = lambda: FakeAdapter
 cache.ptxas_executable = lambda: "fake-ptxas"
