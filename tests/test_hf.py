@@ -386,9 +386,7 @@ def test_misuse_is_refused() -> None:
     bad[0, 7] = VOCAB
     with pytest.raises(ValueError, match="labels must be in"):
         model(ids, labels=bad)
-    model.to(torch.bfloat16)
-    with pytest.raises(ValueError, match="patch it again"):
-        model(ids)
+    # a dtype changed after patching rebuilds the blocks: tests/test_hf_contract.py
 
 
 @pytest.mark.parametrize(
@@ -481,11 +479,11 @@ def test_a_training_step_compiles_its_kernels_at_once(family: str) -> None:
 
 
 def test_the_public_names() -> None:
-    """coda_lang.hf exports the two patches and `unfused_grads` (the gradients under the unpatched
-    model's names: none before a backward)."""
+    """coda_lang.hf exports the two patches, `unpatch` and `unfused_grads` (the gradients under the
+    unpatched model's names: none before a backward)."""
     import coda_lang.hf as hf
 
-    assert sorted(hf.__all__) == ["apply_coda_to_llama", "apply_coda_to_qwen3", "unfused_grads"]
+    assert sorted(hf.__all__) == ["apply_coda_to_llama", "apply_coda_to_qwen3", "unfused_grads", "unpatch"]
     model = patch("llama", make("llama"))
     assert hf.unfused_grads(model) == {}
     ids, labels = batch()

@@ -7,8 +7,8 @@ layer-boundary block, the last layer's block, then the loss (loss.py) or the log
 What it does not: build the blocks (state.py), hold parameters (checkpoint.py) or check the model
 (checks.py).
 Invariants: HF's calling contract (input_ids or inputs_embeds, attention_mask, position_ids, labels,
-shift_labels, num_items_in_batch, logits_to_keep); a KV cache or a dtype changed after patching is
-refused (ValueError).
+shift_labels, num_items_in_batch, logits_to_keep, return_dict); a KV cache is refused (ValueError);
+each forward first checks that nothing changed since patching (contract.py, `check_call`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from coda_lang.hf.checks import refuse
+from coda_lang.hf.contract import check_call, returned
 from coda_lang.hf.loss import IGNORE, ChunkedLoss, Embed, TiedGrad, rows_per_chunk, targets, tied_embedding
 from coda_lang.hf.state import ModelState
 from coda_lang.layout import interleave_rope
@@ -210,10 +211,11 @@ def causal_lm_forward(
 ) -> Any:
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
+    return_dict = kwargs.pop("return_dict", None)
+    check_call(self, input_ids, inputs_embeds, labels, kwargs, past_key_values is not None or bool(use_cache))
     st: ModelState = self._coda
     num_items = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)
-    kwargs.pop("return_dict", None)
     with_loss = labels is not None or shift_labels is not None
     # a tied head + embedding in "rows" mode: the weight's gradient made in one pass (TiedGrad)
     tied = (
@@ -234,7 +236,7 @@ def causal_lm_forward(
         else:
             chunk = st.loss_rows or rows_per_chunk(hg.shape[0], w_lm.shape[0], w_lm.element_size())
             loss = ChunkedLoss.apply(hg, r, w_lm, target, denom, st.row_head(), chunk, tied)
-        return CausalLMOutputWithPast(loss=loss, logits=None)  # type: ignore[arg-type]
+        return returned(self, CausalLMOutputWithPast(loss=loss, logits=None), return_dict)  # type: ignore[arg-type]
     rows = torch.arange(b * s, device=hg.device).view(b, s)
     if isinstance(logits_to_keep, int) and logits_to_keep > 0:
         rows = rows[:, -logits_to_keep:]
@@ -242,7 +244,8 @@ def causal_lm_forward(
         rows = rows[:, logits_to_keep]
     keep = rows.reshape(-1)
     logits = st.head_logits(hg=hg[keep], r=r[keep], w_lm=w_lm)["logits"]
-    return CausalLMOutputWithPast(loss=None, logits=logits.view(b, rows.shape[1], -1))  # type: ignore[arg-type]
+    out = CausalLMOutputWithPast(loss=None, logits=logits.view(b, rows.shape[1], -1))  # type: ignore[arg-type]
+    return returned(self, out, return_dict)
 
 
 def base_forward(
@@ -257,9 +260,13 @@ def base_forward(
 ) -> Any:
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
-    owner = self._coda_owner()  # the causal LM holding this base model (a weak reference: no module cycle)
+    owner = self._coda_owner()  # the causal LM holding this base model
+    return_dict = kwargs.pop("return_dict", None)
+    check_call(
+        owner, input_ids, inputs_embeds, None, kwargs, past_key_values is not None or bool(use_cache), True
+    )
     hg, r, b, s = hidden(
         owner, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs
     )
     out = (hg.float() * r[:, None]).to(hg.dtype)
-    return BaseModelOutputWithPast(last_hidden_state=out.view(b, s, -1))  # type: ignore[arg-type]
+    return returned(owner, BaseModelOutputWithPast(last_hidden_state=out.view(b, s, -1)), return_dict)  # type: ignore[arg-type]

@@ -8,8 +8,10 @@ mode; their kernels compile together at the first call. `positions` and `freq` g
 positions and RoPE's frequencies, made once per shape (and per `inv_freq` version).
 What it does not: touch the model's modules (patch.py), run the forward (forward.py) or the loss
 (loss.py).
-Invariants: made once per model, at patching; the model keeps it as `model._coda` (private: the
-loss settings are `apply_coda_to_*`'s arguments).
+Invariants: made at patching, and again when the model's dtype changes (contract.py, `rebuild`); the
+model keeps it as `model._coda` (private: the loss settings are `apply_coda_to_*`'s arguments), with
+the forward's contract (`contract`). A copy or pickle of the model makes its state again from the
+facts (`__reduce__`): blocks of its own, the contract copied with the model's modules.
 """
 
 from __future__ import annotations
@@ -29,16 +31,26 @@ from coda_lang.torch import BlockFunction, compile_together, function
 class ModelState:
     """The facts of one patched model and its block functions."""
 
-    def __init__(self, model: Any, family: Family, loss: LossSettings):
+    def __init__(self, model: Any, family: Family, loss: LossSettings, dtype: torch.dtype | None = None):
         cfg = model.config
+        heads = cfg.num_attention_heads
+        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        facts = (heads, cfg.num_key_value_heads, hd, cfg.hidden_size, dtype or model.dtype, cfg.rms_norm_eps)
+        self._build(family, loss, facts)
+        # what the forward relies on, recorded by the patch once it has installed its forwards
+        self.contract: Any = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """A copy (`copy.deepcopy`, pickle) is made from the facts, with blocks of its own and a copy
+        of the contract (its modules those of the model copied with it, one memo)."""
+        return (_restored, (self.family, self.loss, self.facts, self.contract))
+
+    def _build(self, family: Family, loss: LossSettings, facts: tuple[Any, ...]) -> None:
+        self.facts = facts
         self.family = family
         self.qk_norm = qk_norm = family.qk_norm
-        self.H = cfg.num_attention_heads
-        self.KV = cfg.num_key_value_heads
-        self.HD = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.H
-        self.D = cfg.hidden_size
-        self.dtype = model.dtype
-        src = model_source(str(self.dtype).removeprefix("torch."), cfg.rms_norm_eps, self.HD, qk_norm)
+        self.H, self.KV, self.HD, self.D, self.dtype, eps = facts
+        src = model_source(str(self.dtype).removeprefix("torch."), eps, self.HD, qk_norm)
         prog = load(src)
         weights = {"w_o", "w_13", "w_2", "w_qkv", "w_lm", "g", "g1", "g2", "gq", "gk"}
 
@@ -111,3 +123,11 @@ class ModelState:
         f = torch.cat([inv32.repeat(self.H + self.KV), inv32.new_zeros(self.KV * self.HD // 2)])
         self._freq = (inv, inv._version, str(device), f)
         return f
+
+
+def _restored(family: Family, loss: LossSettings, facts: tuple[Any, ...], contract: Any) -> ModelState:
+    """A model state made again from its facts (`ModelState.__reduce__`)."""
+    st = ModelState.__new__(ModelState)
+    st._build(family, loss, facts)
+    st.contract = contract
+    return st
