@@ -386,7 +386,14 @@ def test_misuse_is_refused() -> None:
     bad[0, 7] = VOCAB
     with pytest.raises(ValueError, match="labels must be in"):
         model(ids, labels=bad)
-    # a dtype changed after patching rebuilds the blocks: tests/test_hf_contract.py
+    with pytest.raises(ValueError, match="the blocks run in one dtype"):
+        model(inputs_embeds=torch.randn(2, 24, 64, dtype=torch.float64))
+    # a model cast after patching runs blocks made for its new dtype (as under FSDP2's
+    # MixedPrecisionPolicy, whose gathered parameters are its param_dtype)
+    model.to(torch.bfloat16)
+    assert model(ids).logits.dtype == torch.bfloat16 and torch.bfloat16 in model._coda._blocks
+    with pytest.raises(ValueError, match="the embeddings are torch.float32 and the weights torch.bfloat16"):
+        model(inputs_embeds=torch.randn(2, 24, 64))
 
 
 @pytest.mark.parametrize(

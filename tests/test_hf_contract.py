@@ -79,6 +79,12 @@ CASES += [
     for k in HOOKS
 ]
 CASES += [("qwen3", p, "forward") for p in BYPASSED]
+# the containers patching moves weights into (their forwards never run either)
+CASES += [
+    ("llama", p, "forward")
+    for p in ("model.coda_first", "model.coda_first.self_attn", "model.layers.0.coda_next")
+]
+CASES += [("qwen3", "model.layers.0.coda_next.self_attn", "pre")]
 
 
 @pytest.mark.parametrize(("family", "path", "kind"), CASES)
@@ -117,6 +123,35 @@ def test_hooks_that_run_are_honoured() -> None:
     assert rel(l1, l0) < 1e-5 and rel(z1, z0) < 1e-5
     for name in g0:
         assert rel(g1[name], g0[name]) < 1e-5, name
+
+
+def test_a_decoder_layer_runs_its_hooks_and_refuses_changed_tensors() -> None:
+    """A patched decoder layer is called as a module (FSDP2 and activation checkpointing hook it), so a
+    hook on it runs, once per forward as unpatched. Its arguments and outputs are the patched layer's
+    (the residual stream and the QKV tile made from it): a hook or wrapper that changes one would not
+    change the other, so a changed input or output is refused, not half-honoured."""
+    ref, pat = pair()
+    ids, labels = batch()
+    calls: dict[str, int] = {"ref": 0, "pat": 0}
+    for name, m in (("ref", ref), ("pat", pat)):
+        m.model.layers[1].register_forward_hook(
+            lambda mod, a, out, name=name: calls.__setitem__(name, calls[name] + 1)
+        )
+    l0, _, _ = run(ref, ids, labels)
+    l1, _, _ = run(pat, ids, labels)
+    assert calls == {"ref": 2, "pat": 2} and rel(l1, l0) < 1e-5  # (run: a loss and a logits forward)
+    layer = pat.model.layers[0]
+    h = layer.register_forward_hook(lambda mod, a, out: (out[0] * 0.5, out[1]))
+    with refused(
+        r"coda_lang.hf: model.layers.0: its outputs were changed on the way out .*run the model unpatched"
+    ):
+        pat(ids, labels=labels)
+    h.remove()
+    h = layer.register_forward_pre_hook(lambda mod, a: (a[0] + 1.0, *a[1:]))
+    with refused(r"coda_lang.hf: model.layers.0: its inputs were changed on the way in"):
+        pat(ids, labels=labels)
+    h.remove()
+    assert rel(pat(ids, labels=labels).loss, l0) < 1e-5
 
 
 GLOBAL = {
@@ -214,21 +249,43 @@ REPLACED = {
 }
 
 
+def swap(model: Any, path: str, new: Any) -> Any:
+    """Put `new` at `path` as a user would (`parent.<name> = new`), and return what undoes it. A module
+    patching moved (an input norm, the final norm, Qwen3's q/k norms) is reachable at its Hugging Face
+    place through a plain attribute: setting it registers the new module there."""
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path)
+    if name in parent._modules:
+        old = parent._modules[name]
+        parent._modules[name] = new
+
+        def undo() -> None:
+            parent._modules[name] = old
+
+        return undo
+    old = parent.__dict__[name]
+    setattr(parent, name, new)
+
+    def undo_alias() -> None:
+        del parent._modules[name]
+        object.__setattr__(parent, name, old)
+
+    return undo_alias
+
+
 @pytest.mark.parametrize("path", sorted(REPLACED))
 def test_a_module_replaced_after_patching_is_refused(path: str, patched: Any) -> None:
     """The issue's `down_proj` replaced (output x2) and `act_fn` set to GELU, and every other module
-    the blocks stand in for: refused, naming the module and what replaced it."""
+    the blocks stand in for (at its Hugging Face place, also where patching moved it from): refused,
+    naming the module and what replaced it."""
     model = patched["llama"]
     ids, labels = batch()
-    parent_path, _, name = path.rpartition(".")
-    parent = model.get_submodule(parent_path)
-    old = parent._modules[name]
-    parent._modules[name] = REPLACED[path](model, old)
+    undo = swap(model, path, REPLACED[path](model, model.get_submodule(path)))
     try:
         with refused(rf"coda_lang.hf: {path}: replaced after patching by a .*; coda_lang.hf.unpatch"):
             model(ids, labels=labels)
     finally:
-        parent._modules[name] = old
+        undo()
     model(ids, labels=labels)
 
 
@@ -283,7 +340,8 @@ def test_a_child_added_or_removed_is_refused() -> None:
         ("model.layers.1.mlp.down_proj", "weight"),
         ("model.layers.0.input_layernorm", "weight"),
         ("lm_head", "weight"),
-        ("model.layers.0.self_attn", "qkv_weight"),
+        ("model.coda_first.self_attn", "qkv_weight"),
+        ("model.layers.0.coda_next.self_attn", "qkv_weight"),
         ("model.layers.1.mlp", "gate_up_weight"),
     ],
 )
@@ -414,9 +472,9 @@ def test_freezing_all_the_parts_is_honoured() -> None:
     for n in ("gate_proj", "up_proj"):
         ref.model.layers[1].mlp.get_submodule(n).weight.requires_grad_(False)
     pat = apply_coda_to_llama(copy.deepcopy(ref))
-    assert not pat.model.layers[0].self_attn.qkv_weight.requires_grad
+    assert not pat.model.coda_first.self_attn.qkv_weight.requires_grad
     assert not pat.model.layers[1].mlp.gate_up_weight.requires_grad
-    assert pat.model.layers[1].self_attn.qkv_weight.requires_grad
+    assert pat.model.layers[0].coda_next.self_attn.qkv_weight.requires_grad
     ids, labels = batch()
     l0, _, g0 = run(ref, ids, labels)
     l1, _, g1 = run(pat, ids, labels)
@@ -451,7 +509,7 @@ def test_gradient_hooks_on_weights_the_blocks_read_run() -> None:
     seen: dict[str, list[Any]] = {"ref": [], "pat": [], "qkv": []}
     ref.model.layers[1].self_attn.o_proj.weight.register_hook(lambda g: seen["ref"].append(g.clone()))
     pat.model.layers[1].self_attn.o_proj.weight.register_hook(lambda g: seen["pat"].append(g.clone()))
-    pat.model.layers[0].self_attn.qkv_weight.register_hook(lambda g: seen["qkv"].append(1))
+    pat.model.coda_first.self_attn.qkv_weight.register_hook(lambda g: seen["qkv"].append(1))
     run(ref, ids, labels)
     run(pat, ids, labels)
     assert len(seen["pat"]) == len(seen["ref"]) == 1 and seen["qkv"] == [1]
@@ -613,17 +671,21 @@ def test_a_dtype_changed_after_patching_rebuilds_the_blocks(family: str) -> None
     ids, labels = batch()
     la, za, ga = run(a, ids, labels)
     lb, zb, gb = run(b, ids, labels)
-    assert a._coda.dtype == torch.bfloat16
+    assert torch.bfloat16 in a._coda._blocks
     assert torch.equal(la, lb) and torch.equal(za, zb)
     for name in gb:
         assert torch.equal(ga[name], gb[name]), name
     a.model.layers[1].float()
-    with refused(r"coda_lang.hf: model.layers.1.self_attn.qkv_weight is float32: lm_head.weight is bfloat16"):
+    with refused(r"coda_lang.hf: model.layers.1.\S+ is float32: lm_head.weight is bfloat16"):
         a(ids)
-    with refused(r"coda_lang.hf: inputs_embeds of torch.float32: the model's weights are torch.bfloat16"):
+    with refused(
+        r"coda_lang.hf: dtype torch.float32: the embeddings are torch.float32 and the weights torch.bfloat16"
+    ):
         b(inputs_embeds=torch.randn(2, 24, 64))
     b.model.embed_tokens.float()
-    with refused(r"coda_lang.hf: model.embed_tokens.weight is float32: the other weights are bfloat16"):
+    with refused(
+        r"coda_lang.hf: dtype torch.float32: the embeddings are torch.float32 and the weights torch.bfloat16"
+    ):
         b(ids)
 
 
@@ -790,7 +852,7 @@ def test_unpatch_gives_the_transformers_model_back(family: str) -> None:
     and generation with a KV cache giving the original's tokens; patching again works."""
     ref, pat = pair(family)
     ids, labels = batch()
-    pat.model.layers[1].self_attn.qkv_weight.requires_grad_(False)
+    pat.model.layers[0].coda_next.self_attn.qkv_weight.requires_grad_(False)  # layer 1's
     pat(ids, labels=labels).loss.backward()
     grads = unfused_grads(pat)
     assert unpatch(pat) is pat
@@ -834,22 +896,21 @@ def test_unpatch_after_a_dtype_change_and_its_errors() -> None:
     pat.model.layers[1].mlp = _family_module(pat, "MLP", pat.config)
     with refused(r"coda_lang.hf: model.layers.1.mlp.gate_up_weight: gone since patching"):
         unpatch(pat)
-    assert hasattr(pat.model.layers[0].self_attn, "qkv_weight") and pat._coda is not None
+    assert hasattr(pat.model.coda_first.self_attn, "qkv_weight") and pat._coda is not None
 
 
 # ---- the check's cost ----
 
 
 def test_the_check_costs_no_measurable_time() -> None:
-    """The per-forward check of a 16-layer model's module tree: a walk of C-level scans over columns
-    made at patching (about 4 us per layer on a shared 2-core CPU; the bound is 30x that), and a
-    forward of the 2-layer model is no slower with it than without, within the noise."""
-    import coda_lang.hf.contract as C
-
+    """The per-forward check: a walk of C-level scans over columns made at patching. Timed alone on a
+    16-layer model's module tree (about 4-7 us per layer on a 2-core CPU; the bound is 30x that), and
+    on the 2-layer model against that model's no-grad forward: under 2% of it. Each is the best of
+    several runs, so that other work on the machine (which makes a forward vary 10x here) does not
+    count."""
     model = apply_coda_to_llama(make("llama", num_hidden_layers=16))
-    contract, dtype = model._coda.contract, model._coda.dtype
 
-    def best(f: Any, n: int, reps: int = 5) -> float:
+    def best(f: Any, n: int, reps: int = 7) -> float:
         out = float("inf")
         for _ in range(reps):
             t = time.perf_counter()
@@ -858,24 +919,19 @@ def test_the_check_costs_no_measurable_time() -> None:
             out = min(out, (time.perf_counter() - t) / n)
         return out
 
-    alone = best(lambda: contract.check(model, dtype, False), 200)
-    assert alone < 2e-3, f"{alone * 1e6:.0f} us"
+    alone = best(lambda: model._coda.contract.check(model, False), 200)
+    assert alone < 3e-3, f"{alone * 1e6:.0f} us"
     small = apply_coda_to_llama(make("llama"))
     ids, _ = batch()
-    real = C.Contract.check
 
     def fwd() -> None:
         with torch.no_grad():
             small(ids)
 
     fwd()
-    with_check = best(fwd, 10)
-    C.Contract.check = lambda self, model, dtype, base: True  # type: ignore[method-assign]
-    try:
-        without = best(fwd, 10)
-    finally:
-        C.Contract.check = real  # type: ignore[method-assign]
+    forward = best(fwd, 3)
+    check = best(lambda: small._coda.contract.check(small, False), 200)
     print(
-        f"check alone (16 layers): {alone * 1e6:.1f} us; 2-layer forward {with_check * 1e3:.2f} ms with, {without * 1e3:.2f} ms without"
+        f"check: {alone * 1e6:.1f} us (16 layers), {check * 1e6:.1f} us (2 layers); forward {forward * 1e3:.2f} ms"
     )
-    assert with_check < 1.5 * without + 1e-3
+    assert check < 0.02 * forward

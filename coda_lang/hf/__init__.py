@@ -2,7 +2,8 @@
 causal LM whose non-attention work runs as coda blocks.
 
 What it does: patches one model instance in place. Per layer, q/k/v projections become one parameter
-`self_attn.qkv_weight` (q and k rows in the interleaved RoPE layout) and gate/up one parameter
+`qkv_weight` (q and k rows in the interleaved RoPE layout; registered, with the layer's input norm,
+under the module whose forward reads it: checkpoint.py) and gate/up one parameter
 `mlp.gate_up_weight` (rows interleaved); the model's forward then runs, in the paper's schedule, the
 first layer's input norm + QKV + RoPE (+ Qwen3's q/k norm) as one block, each layer boundary (out-proj
 + residual + norm + gate/up + SwiGLU + down + residual + the next layer's norm + QKV + RoPE) as one

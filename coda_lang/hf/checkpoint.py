@@ -1,22 +1,38 @@
-"""Parameter layouts: fused in the patched model, unfused (Hugging Face's) in checkpoints.
+"""Parameter layouts and owners: fused, and registered under the module whose forward reads them, in
+the patched model; unfused under Hugging Face's names in checkpoints.
 
-What it does: `fuse_layer` replaces a layer's q/k/v projections by one parameter
-`self_attn.qkv_weight` (q and k rows in the interleaved RoPE layout) and gate/up by
-`mlp.gate_up_weight` (rows interleaved), and registers state-dict hooks so that `state_dict()` gives,
-and `load_state_dict()` takes, the unpatched names and layouts; `unfused_grads` gives the gradients
-under those names.
-What it does not: decide whether a model may be patched (checks.py) or run anything.
+What it does: `fuse_and_move(model, hd)` replaces each layer's q/k/v projections by one parameter
+`qkv_weight` (q and k rows in the interleaved RoPE layout; `FusedQKV`, which also takes Qwen3's
+`q_norm` and `k_norm`) and gate/up by `mlp.gate_up_weight` (rows interleaved), then moves each
+weight to the module whose forward runs the block that reads it (`Moved` containers): layer i+1's
+input norm and QKV under layer i (`layers.i.coda_next`), the final norm under the last layer
+(`layers.{L-1}.coda_next.norm`), layer 0's input norm and QKV under the base model (`coda_first`).
+The moved modules stay reachable where Hugging Face had them (`layers[i].input_layernorm`,
+`self_attn.q_norm`, `model.model.norm`) as plain attributes, not registered there: every parameter
+is registered once, so that a wrapper of a decoder layer (FSDP2's `fully_shard`) holds exactly the
+weights its forward reads. State-dict hooks make `state_dict()` give, and `load_state_dict()` take,
+the unpatched names, layouts and order (`Layout`), also of a model FSDP2 has sharded (its fused
+weights gathered, split and sharded again: `torch.distributed.checkpoint.save(model.state_dict())`
+saves Hugging Face's names, and `load` then `load_state_dict` takes them back); `unfused_grads` gives
+the gradients under those names.
+What it does not: decide whether a model may be patched (checks.py) or run anything (forward.py).
 Invariants: unfusing a fused weight gives back the original tensors exactly (a permutation of rows);
-a checkpoint saved from a patched model loads into an unpatched one and back.
+a checkpoint saved from a patched model loads into an unpatched one and back; no module is
+registered under two names.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import re
+import sys
+from typing import Any, cast
 
 import torch
 
 from coda_lang.layout import deinterleave_rope, interleave_rope
+
+# what torch's checkpoint_wrapper puts into the names under it (its state-dict hooks take it out)
+WRAPPED = "_checkpoint_wrapped_module."
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hd: int) -> torch.Tensor:
@@ -30,63 +46,171 @@ def split_qkv(w: torch.Tensor, hd: int, nq: int, nk: int) -> tuple[torch.Tensor,
     return plain[:nq].contiguous(), plain[nq : nq + nk].contiguous(), plain[nq + nk :].contiguous()
 
 
-def attn_save_hook(module: Any, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
+def whole(*ts: torch.Tensor) -> tuple[list[torch.Tensor], Any]:
+    """The tensors whole, and how to shard a result as the first one is: None for plain tensors; for
+    DTensors (a state dict of a model FSDP2 has sharded) each is gathered, a collective that every
+    rank runs, as every rank makes the state dict."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None or not isinstance(ts[0], dtensor.DTensor):
+        return list(ts), None
+    with torch.no_grad():
+        return [cast(Any, t).full_tensor() for t in ts], (
+            cast(Any, ts[0]).device_mesh,
+            cast(Any, ts[0]).placements,
+        )
+
+
+def sharded(t: torch.Tensor, how: Any) -> torch.Tensor:
+    """`t` sharded as `whole` found its inputs: each rank keeps its own part (no communication)."""
+    if how is None:
+        return t
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(t, how[0], how[1], src_data_rank=None)
+
+
+def qkv_save_hook(module: Any, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
     key = prefix + "qkv_weight"
     if key not in state_dict:
         return
-    q, k, v = split_qkv(state_dict.pop(key).detach(), module.head_dim, module._coda_nq, module._coda_nk)
-    state_dict[prefix + "q_proj.weight"] = q
-    state_dict[prefix + "k_proj.weight"] = k
-    state_dict[prefix + "v_proj.weight"] = v
+    (w,), how = whole(state_dict.pop(key).detach())
+    for n, part in zip("qkv", split_qkv(w, module.head_dim, module.nq, module.nk), strict=True):
+        state_dict[prefix + f"{n}_proj.weight"] = sharded(part, how)
 
 
-def attn_load_hook(module: Any, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+def qkv_load_hook(module: Any, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
     keys = [prefix + f"{n}_proj.weight" for n in "qkv"]
     if all(k in state_dict for k in keys):
-        q, k, v = (state_dict.pop(x) for x in keys)
-        state_dict[prefix + "qkv_weight"] = fuse_qkv(q, k, v, module.head_dim)
+        (q, k, v), how = whole(*(state_dict.pop(x) for x in keys))
+        state_dict[prefix + "qkv_weight"] = sharded(fuse_qkv(q, k, v, module.head_dim), how)
 
 
 def mlp_save_hook(module: Any, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
     key = prefix + "gate_up_weight"
     if key in state_dict:
-        w = state_dict.pop(key).detach()
-        state_dict[prefix + "gate_proj.weight"] = w[0::2].contiguous()
-        state_dict[prefix + "up_proj.weight"] = w[1::2].contiguous()
+        (w,), how = whole(state_dict.pop(key).detach())
+        state_dict[prefix + "gate_proj.weight"] = sharded(w[0::2].contiguous(), how)
+        state_dict[prefix + "up_proj.weight"] = sharded(w[1::2].contiguous(), how)
 
 
 def mlp_load_hook(module: Any, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
     g, u = prefix + "gate_proj.weight", prefix + "up_proj.weight"
     if g in state_dict and u in state_dict:
-        state_dict[prefix + "gate_up_weight"] = torch.stack(
-            [state_dict.pop(g), state_dict.pop(u)], 1
-        ).flatten(0, 1)
+        (gw, uw), how = whole(state_dict.pop(g), state_dict.pop(u))
+        state_dict[prefix + "gate_up_weight"] = sharded(torch.stack([gw, uw], 1).flatten(0, 1), how)
 
 
-def fuse_layer(layer: Any, hd: int) -> None:
-    """q/k/v and gate/up of `layer` made one parameter each (their gradients too, when they have any),
-    the projections removed, and the state-dict hooks of the unpatched names registered; the
-    attention's and MLP's children's order kept for `unfuse_layer`. checks.py has refused parts whose
-    requires_grad, dtype, device or hooks differ."""
-    attn, mlp = layer.self_attn, layer.mlp
-    q, k, v = attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight
-    g, u = mlp.gate_proj.weight, mlp.up_proj.weight
-    with torch.no_grad():
-        qkv = fuse_qkv(q, k, v, hd)
-        gu = torch.stack([g, u], 1).flatten(0, 1)
-        qkv_grads, gu_grads = _grads(q, k, v), _grads(g, u)
-        qkv_grad = fuse_qkv(qkv_grads[0], qkv_grads[1], qkv_grads[2], hd) if qkv_grads else None
-        gu_grad = torch.stack(gu_grads, 1).flatten(0, 1) if gu_grads else None
-    attn._coda_nq, attn._coda_nk = q.shape[0], k.shape[0]
-    attn._coda_children, mlp._coda_children = tuple(attn._modules), tuple(mlp._modules)
-    attn.qkv_weight = torch.nn.Parameter(qkv, requires_grad=q.requires_grad)
-    mlp.gate_up_weight = torch.nn.Parameter(gu.contiguous(), requires_grad=g.requires_grad)
-    attn.qkv_weight.grad, mlp.gate_up_weight.grad = qkv_grad, gu_grad
-    del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
-    attn._register_state_dict_hook(attn_save_hook)
-    attn.register_load_state_dict_pre_hook(attn_load_hook)
-    mlp._register_state_dict_hook(mlp_save_hook)
-    mlp.register_load_state_dict_pre_hook(mlp_load_hook)
+class FusedQKV(torch.nn.Module):
+    """One decoder layer's QKV projection as one parameter `qkv_weight` ([(H + 2 KV) * HD, D]: q, k and
+    v rows, q and k in the interleaved RoPE layout) and, in Qwen3, the attention's `q_norm` and
+    `k_norm` (moved here: the QKV block's epilogue reads them). In a state dict it is
+    `q_proj.weight`, `k_proj.weight`, `v_proj.weight` (and the norms) under its prefix. Never
+    called: the patched forward reads its weights."""
+
+    def __init__(self, attn: Any, hd: int):
+        super().__init__()
+        q, k, v = attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight
+        with torch.no_grad():
+            qkv = fuse_qkv(q, k, v, hd)
+            grads = _grads(q, k, v)
+            grad = fuse_qkv(grads[0], grads[1], grads[2], hd) if grads else None
+        self.head_dim, self.nq, self.nk = hd, q.shape[0], k.shape[0]
+        self.qkv_weight = torch.nn.Parameter(qkv, requires_grad=q.requires_grad)
+        self.qkv_weight.grad = grad
+        for name in ("q_norm", "k_norm"):
+            if isinstance(getattr(attn, name, None), torch.nn.Module):
+                move(attn, name, self)
+        self._register_state_dict_hook(qkv_save_hook)
+        self.register_load_state_dict_pre_hook(qkv_load_hook)
+
+    def extra_repr(self) -> str:
+        return f"qkv_weight: {tuple(self.qkv_weight.shape)}"
+
+
+class Moved(torch.nn.Module):
+    """Modules whose weights a block reads, registered under the module whose forward runs that block:
+    `coda_first` on the base model (layer 0's `input_layernorm` and `self_attn`, a `FusedQKV`),
+    `coda_next` on each decoder layer (the next layer's, or on the last layer the final `norm`).
+    Never called: the patched forward reads its weights."""
+
+    def __init__(self, **modules: torch.nn.Module):
+        super().__init__()
+        for name, m in modules.items():
+            self.add_module(name, m)
+
+
+def move(src: torch.nn.Module, name: str, dst: torch.nn.Module, as_name: str | None = None) -> None:
+    """Register `src`'s submodule `name` under `dst` instead (as `as_name`), leaving `src.<name>` a plain
+    attribute that reaches it (not registered: its parameters are `dst`'s alone)."""
+    m = src._modules.pop(name)
+    dst.add_module(as_name or name, m)
+    object.__setattr__(src, name, m)
+
+
+# Hugging Face's names, relative to the base model, of what a layer's `Moved` container holds
+_HF_INPUT = re.compile(r"layers\.(\d+)\.((?:input_layernorm|self_attn\.(?:[qkv]_proj|q_norm|k_norm))\..*)")
+_NEXT = re.compile(r"layers\.(\d+)\.coda_next\.(.*)")
+_FIRST = "coda_first."
+
+
+class Layout:
+    """Names relative to the base model, patched and Hugging Face's, for a model of `layers` decoder
+    layers; `order`: the unpatched model's state-dict keys (relative), which `state_dict()` keeps."""
+
+    def __init__(self, layers: int, order: list[str]):
+        self.layers = layers
+        self.rank = {k: i for i, k in enumerate(order)}
+
+    def to_hf(self, rel: str) -> str:
+        """The Hugging Face name of the patched model's key `rel` (unfused keys: `qkv_weight` is split
+        into q/k/v_proj.weight by FusedQKV's own hook first)."""
+        if rel.startswith(_FIRST):
+            return "layers.0." + rel[len(_FIRST) :]
+        m = _NEXT.fullmatch(rel)
+        if m is None:
+            return rel
+        i, rest = int(m[1]), m[2]
+        return rest if i == self.layers - 1 else f"layers.{i + 1}.{rest}"
+
+    def to_patched(self, rel: str) -> str:
+        """The patched model's key of Hugging Face's key `rel` (the inverse of `to_hf`)."""
+        m = _HF_INPUT.fullmatch(rel)
+        if m is not None:
+            j = int(m[1])
+            return (_FIRST if j == 0 else f"layers.{j - 1}.coda_next.") + m[2]
+        if rel.startswith("norm."):
+            return f"layers.{self.layers - 1}.coda_next.{rel}"
+        return rel
+
+    def hf_name(self, name: str) -> str:
+        """Hugging Face's name of a parameter named `name` in the patched causal LM (its base model
+        `model.`), fused weights by both of their parts: for messages."""
+        if name.startswith("model."):
+            name = "model." + self.to_hf(name[len("model.") :])
+        return name.replace("qkv_weight", "{q,k,v}_proj.weight").replace(
+            "gate_up_weight", "{gate,up}_proj.weight"
+        )
+
+    def save_hook(self, module: Any, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
+        """The base model's state-dict hook (run after its children's): Hugging Face's names, in the
+        unpatched model's order (keys it does not know stay after the key they followed)."""
+        keys = [k for k in state_dict if k.startswith(prefix)]
+        items = []
+        last = -1
+        for n, k in enumerate(keys):
+            hf = self.to_hf(k[len(prefix) :])
+            r = self.rank.get(hf)
+            last = last if r is None else r
+            items.append(((last, r is None, n), prefix + hf, state_dict.pop(k)))
+        for _, k, v in sorted(items, key=lambda t: t[0]):
+            state_dict[k] = v
+
+    def load_hook(self, module: Any, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+        """The base model's load pre-hook (run before its children's): the patched model's names."""
+        for k in [k for k in state_dict if k.startswith(prefix)]:
+            new = prefix + self.to_patched(k[len(prefix) :])
+            if new != k:
+                state_dict[new] = state_dict.pop(k)
 
 
 def _grads(*ws: torch.Tensor) -> list[torch.Tensor]:
@@ -96,86 +220,175 @@ def _grads(*ws: torch.Tensor) -> list[torch.Tensor]:
     return [torch.zeros_like(w) if w.grad is None else w.grad for w in ws]
 
 
-def check_unfusable(path: str, layer: Any) -> None:
-    """ValueError unless `layer` (at `path`) has the fused parameters `unfuse_layer` splits."""
-    for sub, name in (("self_attn", "qkv_weight"), ("mlp", "gate_up_weight")):
-        m = getattr(layer, sub, None)
-        if m is None or not isinstance(m._parameters.get(name), torch.Tensor):
-            raise ValueError(
-                f"coda_lang.hf: {path}.{sub}.{name}: gone since patching; this model can't be unpatched"
-            )
+def fuse_and_move(model: Any, hd: int) -> Layout:
+    """Fuse every layer's weights (and the gradients they have) and move each to the module that reads
+    it (see the module docstring); register the state-dict hooks; keep each touched module's order of
+    children (`_coda_children`) for `unfuse_and_restore`. Returns the model's `Layout`. checks.py has
+    refused parts to fuse whose requires_grad, dtype, device or hooks differ."""
+    base = model.model
+    layers = list(base.layers)
+    order = list(base.state_dict(keep_vars=True).keys())  # references: no copy
+    for m in (base, *layers, *(x for layer in layers for x in (layer.self_attn, layer.mlp))):
+        m._coda_children = tuple(m._modules)
+    qkvs = []
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkvs.append(FusedQKV(attn, hd))
+        g, u = mlp.gate_proj.weight, mlp.up_proj.weight
+        with torch.no_grad():
+            gu = torch.stack([g, u], 1).flatten(0, 1)
+            grads = _grads(g, u)
+        mlp.gate_up_weight = torch.nn.Parameter(gu.contiguous(), requires_grad=g.requires_grad)
+        mlp.gate_up_weight.grad = torch.stack(grads, 1).flatten(0, 1) if grads else None
+        del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
+        mlp._register_state_dict_hook(mlp_save_hook)
+        mlp.register_load_state_dict_pre_hook(mlp_load_hook)
+    for i, layer in enumerate(layers):
+        owner, name = (base, "coda_first") if i == 0 else (layers[i - 1], "coda_next")
+        owner.add_module(name, Moved())
+        move(layer, "input_layernorm", getattr(owner, name))
+        getattr(owner, name).add_module("self_attn", qkvs[i])
+    layers[-1].add_module("coda_next", Moved())
+    move(base, "norm", layers[-1].coda_next)
+    layout = Layout(len(layers), order)
+    base._register_state_dict_hook(layout.save_hook)
+    base.register_load_state_dict_pre_hook(layout.load_hook)
+    return layout
 
 
-def unfuse_layer(path: str, layer: Any) -> None:
-    """`fuse_layer` undone: q/k/v and gate/up as `nn.Linear`s again, their weights (and gradients)
-    the fused ones' rows exactly, each child in its place; the fused parameters and the state-dict
-    hooks removed."""
-    check_unfusable(path, layer)
-    attn, mlp = layer.self_attn, layer.mlp
-    w, gu = attn.qkv_weight, mlp.gate_up_weight
-    nq, nk = attn._coda_nq, attn._coda_nk
-    parts = dict(
-        zip(("q_proj", "k_proj", "v_proj"), split_qkv(w.detach(), attn.head_dim, nq, nk), strict=True)
-    )
-    grads = (
-        dict(zip(parts, split_qkv(w.grad, attn.head_dim, nq, nk), strict=True)) if w.grad is not None else {}
-    )
-    _restore(attn, parts, grads, w.requires_grad, "qkv_weight", attn_save_hook, attn_load_hook)
-    parts = {"gate_proj": gu.detach()[0::2].contiguous(), "up_proj": gu.detach()[1::2].contiguous()}
-    grads = (
-        {"gate_proj": gu.grad[0::2].contiguous(), "up_proj": gu.grad[1::2].contiguous()}
-        if gu.grad is not None
-        else {}
-    )
-    _restore(mlp, parts, grads, gu.requires_grad, "gate_up_weight", mlp_save_hook, mlp_load_hook)
-    del attn._coda_nq, attn._coda_nk
-
-
-def _restore(
-    m: Any,
-    parts: dict[str, torch.Tensor],
-    grads: dict[str, torch.Tensor],
-    requires_grad: bool,
-    fused: str,
-    save: Any,
-    load: Any,
-) -> None:
-    for name, t in parts.items():
-        lin = torch.nn.utils.skip_init(
-            torch.nn.Linear, t.shape[1], t.shape[0], bias=False, device=t.device, dtype=t.dtype
+def moved_parts(model: Any) -> list[tuple[Any, Any, Any]]:
+    """(decoder layer, its FusedQKV, its input norm) of each layer of a patched model, where
+    `fuse_and_move` registered them (a layer in a checkpoint wrapper unwrapped); ValueError naming
+    what is gone since patching."""
+    base = model.model
+    layers = [getattr(x, "_checkpoint_wrapped_module", x) for x in base.layers]
+    owners = [(base, "model.coda_first")] + [
+        (layer, f"model.layers.{i}.coda_next") for i, layer in enumerate(layers[:-1])
+    ]
+    out = []
+    for i, (layer, (owner, where)) in enumerate(zip(layers, owners, strict=True)):
+        moved = owner._modules.get(where.rpartition(".")[2])
+        fused = None if moved is None else moved._modules.get("self_attn")
+        norm = None if moved is None else moved._modules.get("input_layernorm")
+        mlp = layer._modules.get("mlp")
+        for what, ok in (
+            (f"{where}.self_attn.qkv_weight", fused is not None and "qkv_weight" in fused._parameters),
+            (f"{where}.input_layernorm", norm is not None),
+            (f"model.layers.{i}.mlp.gate_up_weight", mlp is not None and "gate_up_weight" in mlp._parameters),
+        ):
+            if not ok:
+                raise ValueError(f"coda_lang.hf: {what}: gone since patching; this model can't be unpatched")
+        out.append((layer, fused, norm))
+    last = layers[-1]._modules.get("coda_next")
+    if last is None or "norm" not in last._modules:
+        raise ValueError(
+            f"coda_lang.hf: model.layers.{len(layers) - 1}.coda_next.norm: gone since patching; this model "
+            "can't be unpatched"
         )
-        lin.weight = torch.nn.Parameter(t, requires_grad=requires_grad)
-        lin.weight.grad = grads.get(name)
-        setattr(m, name, lin)
-    delattr(m, fused)
+    return out
+
+
+def unfuse_and_restore(model: Any, layout: Layout) -> None:
+    """`fuse_and_move` undone on a patched model: q/k/v and gate/up as `nn.Linear`s again, their weights
+    (and gradients, and requires_grad) the fused ones' rows exactly; every moved module registered
+    where Hugging Face has it, each module's children in their order; the `Moved` containers and the
+    state-dict hooks removed. `moved_parts` has checked that everything is there."""
+    base = model.model
+    parts = moved_parts(model)
+    final = parts[-1][0].coda_next.norm
+    for layer, fused, norm in parts:
+        attn, mlp = layer.self_attn, layer.mlp
+        w = fused.qkv_weight
+        split = split_qkv(w.detach(), fused.head_dim, fused.nq, fused.nk)
+        grads = split_qkv(w.grad, fused.head_dim, fused.nq, fused.nk) if w.grad is not None else (None,) * 3
+        for n, t, g in zip(("q_proj", "k_proj", "v_proj"), split, grads, strict=True):
+            attn._modules[n] = _linear(t, g, w.requires_grad)
+        for n in ("q_norm", "k_norm"):
+            if n in fused._modules:
+                attn.__dict__.pop(n, None)
+                attn._modules[n] = fused._modules[n]
+        gu = mlp.gate_up_weight
+        g = gu.grad
+        mlp._modules["gate_proj"] = _linear(
+            gu.detach()[0::2], None if g is None else g[0::2], gu.requires_grad
+        )
+        mlp._modules["up_proj"] = _linear(gu.detach()[1::2], None if g is None else g[1::2], gu.requires_grad)
+        del mlp.gate_up_weight
+        _drop_hooks(mlp, mlp_save_hook, mlp_load_hook)
+        layer.__dict__.pop("input_layernorm", None)
+        layer._modules["input_layernorm"] = norm
+    for layer, _, _ in parts:
+        layer._modules.pop("coda_next", None)
+        for m in (layer, layer.self_attn, layer.mlp):
+            _reorder(m)
+    base.__dict__.pop("norm", None)
+    base._modules["norm"] = final
+    base._modules.pop("coda_first", None)
+    _reorder(base)
+    _drop_hooks(base, layout.save_hook, layout.load_hook)
+
+
+def _linear(w: torch.Tensor, grad: torch.Tensor | None, requires_grad: bool) -> torch.nn.Linear:
+    lin = torch.nn.utils.skip_init(
+        torch.nn.Linear, w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype
+    )
+    lin.weight = torch.nn.Parameter(w.contiguous(), requires_grad=requires_grad)
+    lin.weight.grad = None if grad is None else grad.contiguous()
+    return lin
+
+
+def _reorder(m: Any) -> None:
+    """`m`'s children in the order recorded at patching (`_coda_children`), any new ones after."""
     order = m.__dict__.pop("_coda_children", ())
     children = {**{n: m._modules[n] for n in order if n in m._modules}, **m._modules}
     m._modules.clear()
     m._modules.update(children)
+
+
+def _drop_hooks(m: Any, save: Any, load: Any) -> None:
     for key, hook in list(m._state_dict_hooks.items()):
-        if hook is save:
+        if hook == save:
             del m._state_dict_hooks[key]
     for key, hook in list(m._load_state_dict_pre_hooks.items()):
-        if getattr(hook, "hook", hook) is load:
+        if getattr(hook, "hook", hook) == load:
             del m._load_state_dict_pre_hooks[key]
 
 
 def unfused_grads(model: Any) -> dict[str, torch.Tensor]:
     """The gradients of a patched model's parameters under the unpatched model's names and layouts (as
-    its `state_dict()` names them): to compare with an unpatched model, or to log per-projection norms."""
+    its `state_dict()` names them): to compare with an unpatched model, or to log per-projection norms.
+    Under `checkpoint_wrapper` the names are the unwrapped ones; a sharded gradient (a DTensor, under
+    FSDP2) is gathered whole, a collective: call it on every rank."""
+    layout: Layout = model._coda.layout
+    base = next(n for n, m in model.named_modules() if m is model.model)
+    prefix = base + "." if base else ""
+    dt = sys.modules.get("torch.distributed.tensor")
     out: dict[str, torch.Tensor] = {}
-    fused: dict[str, Any] = {}
     for name, p in model.named_parameters():
-        if p.grad is None:
+        g = p.grad
+        if g is None:
             continue
-        if name.endswith("self_attn.qkv_weight") or name.endswith("mlp.gate_up_weight"):
-            fused[name] = p.grad
-        else:
-            out[name] = p.grad
-    for name, g in fused.items():
-        prefix = name.rsplit(".", 1)[0] + "."
-        module = model.get_submodule(prefix[:-1])
-        sd = {name.rsplit(".", 1)[1]: g}
-        (attn_save_hook if name.endswith("qkv_weight") else mlp_save_hook)(module, sd, "", None)
-        out.update({prefix + k: v for k, v in sd.items()})
+        if dt is not None and isinstance(g, dt.DTensor):
+            g = g.full_tensor()
+        name = name.replace(WRAPPED, "")
+        owner, _, leaf = name.rpartition(".")
+        sd = {leaf: g}
+        if leaf == "qkv_weight":
+            qkv_save_hook(_unwrapped(model, owner), sd, "", None)
+        elif leaf == "gate_up_weight":
+            mlp_save_hook(None, sd, "", None)
+        for k, v in sd.items():
+            full = f"{owner}.{k}" if owner else k
+            if full.startswith(prefix):
+                full = prefix + layout.to_hf(full[len(prefix) :])
+            out[full] = v
     return out
+
+
+def _unwrapped(model: Any, name: str) -> Any:
+    """The submodule of `model` named `name` as the unwrapped names give it."""
+    m = model
+    for part in name.split("."):
+        m = getattr(m, part)
+        m = getattr(m, "_checkpoint_wrapped_module", m)
+    return m

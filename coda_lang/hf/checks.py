@@ -72,20 +72,38 @@ def _is_capture_hook(hook: Any) -> bool:
     return getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
 
 
+def _is_fsdp_hook(hook: Any) -> bool:
+    """FSDP2's own gather and reduce hooks (`fully_shard` on a module): on a module the blocks bypass
+    they never run, its parameters are never gathered, and the block that reads them says so (E0811,
+    naming the parameter), so they are let be here."""
+    return str(getattr(hook, "__module__", None)).startswith("torch.distributed.fsdp")
+
+
+def _fsdp_class(m: Any, cls: type) -> bool:
+    """`m`'s class is the one FSDP2's `fully_shard` makes of `cls` (FSDP<cls>: FSDPModule and `cls`)."""
+    bases = type(m).__bases__
+    return len(bases) == 2 and bases[1] is cls and bases[0].__module__.startswith("torch.distributed.fsdp")
+
+
 def _hook_name(hook: Any) -> str:
     return getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None) or type(hook).__name__
 
 
 def module_hooks(m: Any) -> list[str]:
     """The module's forward / backward hooks and pre-hooks (with_kwargs ones among them), but for
-    transformers' inert output-capturing hooks."""
+    transformers' inert output-capturing hooks and FSDP2's own."""
     kinds = (
         ("forward hook", m._forward_hooks),
         ("forward pre-hook", m._forward_pre_hooks),
         ("backward hook", m._backward_hooks),
         ("backward pre-hook", m._backward_pre_hooks),
     )
-    return [f"a {kind} ({_hook_name(h)})" for kind, d in kinds for h in d.values() if not _is_capture_hook(h)]
+    return [
+        f"a {kind} ({_hook_name(h)})"
+        for kind, d in kinds
+        for h in d.values()
+        if not (_is_capture_hook(h) or _is_fsdp_hook(h))
+    ]
 
 
 def global_hooks() -> list[str]:
@@ -125,7 +143,7 @@ def module_trouble(m: Any, cls: type, forward: Any = None, hooks: bool = True) -
             "parameter, not its parametrized value; remove it (parametrize.remove_parametrizations) or "
             "train the model unpatched"
         )
-    if type(m) is not cls:
+    if type(m) is not cls and not _fsdp_class(m, cls):
         return (
             f"a {class_name(m)}, not the {class_name(cls)} the fused blocks stand in for; "
             "run this model unpatched, or restore the module"
@@ -256,8 +274,12 @@ def check_model(model: Any, family: Family) -> None:
     check_norms(model)
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        check_fused_parts(f"model.layers.{i}.self_attn", attn, ("q_proj", "k_proj", "v_proj"), "qkv_weight")
-        check_fused_parts(f"model.layers.{i}.mlp", mlp, ("gate_proj", "up_proj"), "gate_up_weight")
+        check_fused_parts(
+            f"model.layers.{i}.self_attn", attn, ("q_proj", "k_proj", "v_proj"), fused_qkv_name(i)
+        )
+        check_fused_parts(
+            f"model.layers.{i}.mlp", mlp, ("gate_proj", "up_proj"), f"model.layers.{i}.mlp.gate_up_weight"
+        )
     check_widths(model, model.dtype)
 
 
@@ -272,6 +294,12 @@ def check_norms(model: Any) -> None:
                 f"the blocks are built with config.rms_norm_eps={eps}, for every norm",
                 "make them agree before patching",
             )
+
+
+def fused_qkv_name(i: int) -> str:
+    """Where layer `i`'s fused QKV weight is in a patched model (checkpoint.py moves it to the module
+    whose forward reads it)."""
+    return ("model.coda_first" if i == 0 else f"model.layers.{i - 1}.coda_next") + ".self_attn.qkv_weight"
 
 
 def check_fused_parts(path: str, parent: Any, names: tuple[str, ...], fused: str) -> None:
@@ -294,7 +322,7 @@ def check_fused_parts(path: str, parent: Any, names: tuple[str, ...], fused: str
                 f"{path}.{n}.weight",
                 f"a gradient hook (register_hook / register_post_accumulate_grad_hook) on it: patching "
                 f"replaces {', '.join(names)} by one parameter {fused}, and the hook would never run",
-                f"register it after patching, on {path}.{fused} (coda_lang.hf.unfused_grads splits "
+                f"register it after patching, on {fused} (coda_lang.hf.unfused_grads splits "
                 "its gradient into the projections')",
             )
     for n, w in zip(names[1:], ws[1:], strict=True):
@@ -303,7 +331,7 @@ def check_fused_parts(path: str, parent: Any, names: tuple[str, ...], fused: str
                 f"{path}.{n}.weight.requires_grad={w.requires_grad}",
                 f"{first}'s is {ws[0].requires_grad}, and patching makes {', '.join(names)} one "
                 f"parameter {fused} with one requires_grad flag",
-                f"freeze all of them or none before patching (after patching, {path}.{fused}."
+                f"freeze all of them or none before patching (after patching, {fused}."
                 "requires_grad_(False) freezes them all)",
             )
         if w.dtype != ws[0].dtype or w.device != ws[0].device:

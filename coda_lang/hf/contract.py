@@ -3,29 +3,31 @@ model never ignores what the user changed since.
 
 What it does: `Contract(model, family, forwards)` records, after patching, each module whose work
 the blocks do without calling it (the base model, the LM head, the rotary embedding, the final norm,
-and per layer the attention, its out-projection (and Qwen3's q/k norms), the MLP, its down-projection
-and activation, the two norms): its identity in its parent, its class, its number of children, its
-instance `forward` and its hooks; the decoder layers' identities; each norm's epsilon and the rotary
-embedding's settings; the config fields the blocks were built from; the weights the blocks read (for
-their dtype). `check_call(model, ...)`, at the start of each patched forward, compares them all and
-raises `refuse(...)` (checks.py) naming the module, parameter or field and what to do: a hook (on such
-a module, or global), a module replaced or re-classed (a peft LoRA layer, a parametrization), a
-forward replaced on the instance, a changed config field or epsilon; it also refuses
-`output_attentions`, labels whose count is not the input's tokens, `ignore_index` other than -100,
-and `inputs_embeds` of another dtype than the model's. A model whose dtype changed since patching
-(`model.to(torch.bfloat16)`) gets its blocks rebuilt for the new dtype, unless its weights disagree.
-`returned` gives the output as transformers does for `return_dict` (a tuple when False, from the
-argument or `config.return_dict`).
-What it does not: check what patching itself refuses (checks.py) or run anything (forward.py).
-Invariants: the check costs no measurable step time. It compares columns recorded at patching (per
-layer 7 modules: their identity, class, children, instance forward and 4 hook dicts; the layer's
-identity; 2 epsilons; 4 weights' dtype) in C-level scans (`any(map(...))`: no Python loop per module,
-no tensor made; tracemalloc sees nothing left allocated). Measured with time.perf_counter on this
-project's 2-core CPU under load (best of 5 x 2000 calls): the check alone takes 67 us on a 16-layer
-Llama's module tree (about 4 us per layer; 16 us for the 2-layer test model), and a no-grad forward
-of the 2-layer test model (2 x 24 tokens, 3.3-4.8 ms) is the same with and without it, within the
-run-to-run noise (tests/test_hf_contract.py, `test_the_check_costs_no_measurable_time`, times both);
-a Llama-3.2-1B training step takes 150 ms on an H100: 0.05%.
+per layer the attention, its out-projection (and Qwen3's q/k norms), the MLP, its down-projection and
+activation, the two norms; and the containers patching moved weights into): its identity in the
+module that registers it, its class, its number of children, its instance `forward` and its hooks;
+the Hugging Face places of the moved modules (plain attributes); the layer list's and the decoder
+layers' identities and their patched forwards (a decoder layer is called: its hooks run, a
+checkpoint wrapper around it is let be); each norm's epsilon and the rotary embedding's settings; the
+config fields the blocks were built from; the weights the blocks read (for their dtype).
+`check_call(model, ...)`, at the start of each patched forward, compares them all and raises
+`refuse(...)` (checks.py) naming the module, parameter or field and what to do: a hook (on such a
+module, or global), a module replaced or re-classed (a peft LoRA layer, a parametrization), a forward
+replaced on the instance, a changed config field or epsilon, weights of mixed dtypes; it also refuses
+`output_attentions`, labels whose count is not the input's tokens and `ignore_index` other than
+-100. Weights converted to a new dtype all alike have the widths checked for it (the blocks of that
+dtype are made at its first run: state.py). `returned` gives the output as transformers does for
+`return_dict` (a tuple when False, from the argument or `config.return_dict`).
+What it does not: check what patching itself refuses (checks.py), run anything, or check what flows
+between the decoder layers (forward.py refuses inputs or outputs a hook changed).
+Invariants: the check costs no measurable step time. It compares columns recorded at patching in
+C-level scans (`any(map(...))`: no Python loop per module, no tensor made). Measured with
+time.perf_counter on this project's shared 2-core CPU (best of 7 x 200 calls): 100 us on a 16-layer
+Llama's module tree, 25 us on the 2-layer test model, whose no-grad forward takes 20 ms there
+(tests/test_hf_contract.py, `test_the_check_costs_no_measurable_time`, bounds it to 2%); a
+Llama-3.2-1B training step takes 150 ms on an H100: under 0.1%. FSDP2's own hooks and classes on a
+bypassed module and its sharded (DTensor) weights are let be: the block that reads such a weight
+raises E0811 naming it.
 A copy or unpickling of the model copies the record with the modules it names (one memo), so a copy
 checks its own modules.
 """
@@ -33,6 +35,7 @@ checks its own modules.
 from __future__ import annotations
 
 import copy
+import sys
 from itertools import repeat
 from operator import attrgetter, is_not, ne
 from typing import Any
@@ -41,6 +44,7 @@ import torch
 from torch.nn.modules import module as torch_module
 
 from coda_lang.hf.blocks import DTYPES
+from coda_lang.hf.checkpoint import FusedQKV
 from coda_lang.hf.checks import (
     UNPATCH,
     bypassed_modules,
@@ -53,7 +57,6 @@ from coda_lang.hf.checks import (
     refuse,
 )
 from coda_lang.hf.family import Family
-from coda_lang.hf.state import ModelState
 
 MISSING = "<missing>"  # a sentinel that a copy or pickle keeps equal (an object() would not be)
 
@@ -88,12 +91,17 @@ class Contract:
     """The record of one patched model (see the module's docstring). `modules`: (path, module,
     parent, name in the parent, class, children, instance forward) of each bypassed module, the base
     model first and the LM head second (a call of the base model alone skips both: its own hooks run,
-    the head is not used); `present`: (path, module, parent, name) of modules only their identity
-    matters of (the decoder layers: their forwards are the patch's business); `attrs`: (path,
-    object, attribute, value) read from the object's `__dict__` (each norm's epsilon, the rotary
-    embedding's settings, no loss function of the model's own); `config`: (field, value) of the
-    config's `__dict__`; `weights`: (path, module, parameter name) of the weights the blocks read;
-    `forwards`: the causal LM's and the base model's installed forwards.
+    the head is not used), then those of the layers (a moved one under the module that registers it
+    now: `coda_first`, `coda_next`, a `FusedQKV`), then those containers; `present`: (path, module,
+    parent, name) of modules only their identity matters of (the layer list, each decoder layer: its
+    forward runs, so its hooks do too; a checkpoint wrapper around it is let be); `aliases`: (path,
+    object, attribute, module) of the moved modules' Hugging Face places (`layers[i].input_layernorm`,
+    `model.model.norm`, Qwen3's `self_attn.q_norm`), plain attributes that must still reach them;
+    `attrs`: (path, object, attribute, value) read from the object's `__dict__` (each norm's epsilon,
+    the rotary embedding's settings, each decoder layer's patched forward, no loss function of the
+    model's own); `config`: (field, value) of the config's `__dict__`; `weights`: (path, module,
+    parameter name) of the weights the blocks read; `forwards`: the causal LM's and the base model's
+    installed forwards.
 
     `check` reads them as columns (`_columns`: a tuple per field), each compared in one C-level
     `any(map(...))` over all the rows: no Python loop per module, no tensor made; only when one
@@ -103,15 +111,33 @@ class Contract:
         base = model.model
         self.forwards = forwards
         parents = {id(m): (p, n) for p in model.modules() for n, m in p._modules.items() if m is not None}
+        layers = list(base.layers)
+        containers: list[tuple[str, Any]] = [("model.coda_first", base.coda_first)]
+        containers += [(f"model.layers.{i}.coda_next", layer.coda_next) for i, layer in enumerate(layers)]
+        containers += [(f"{p}.self_attn", m.self_attn) for p, m in containers if "self_attn" in m._modules]
+        rows = [(path, m, type(m)) for path, m, _cls in bypassed_modules(model, family)]
+        rows += [(path, m, type(m)) for path, m in containers]
         self.modules: list[tuple[str, Any, Any, str, type, int, Any]] = []
-        for path, m, _cls in bypassed_modules(model, family):
+        for path, m, cls in rows:
             parent, name = parents[id(m)]
             fwd = forwards[1] if m is base else None
-            self.modules.append((path, m, parent, name, type(m), len(m._modules), fwd))
-        layers = base.layers
-        self.present = [("model.layers", layers, base, "layers")] + [
-            (f"model.layers.{i}", layer, layers, str(i)) for i, layer in enumerate(layers)
+            self.modules.append((path, m, parent, name, cls, len(m._modules), fwd))
+        self.present = [("model.layers", base.layers, base, "layers")] + [
+            (f"model.layers.{i}", layer, base.layers, str(i)) for i, layer in enumerate(layers)
         ]
+        # what each place in `present` holds now: the module, or a wrapper of it let be (`wrapped`)
+        self._held = [m for _, m, _, _ in self.present]
+        self.aliases: list[tuple[str, Any, str, Any]] = [("model.norm", base, "norm", base.norm)]
+        for i, layer in enumerate(layers):
+            self.aliases.append(
+                (f"model.layers.{i}.input_layernorm", layer, "input_layernorm", layer.input_layernorm)
+            )
+            attn = layer.self_attn
+            self.aliases += [
+                (f"model.layers.{i}.self_attn.{n}", attn, n, attn.__dict__[n])
+                for n in ("q_norm", "k_norm")
+                if n in attn.__dict__
+            ]
         self.attrs: list[tuple[str, Any, str, Any]] = [
             (path, m, "variance_epsilon", m.variance_epsilon)
             for path, m, *_ in self.modules
@@ -121,6 +147,10 @@ class Contract:
         self.attrs += [
             ("model.rotary_emb", rope, k, rope.__dict__.get(k)) for k in ("rope_type", "attention_scaling")
         ]
+        self.attrs += [
+            (f"model.layers.{i}", layer, "forward", layer.__dict__["forward"])
+            for i, layer in enumerate(layers)
+        ]
         self.attrs.append(("model", model, "_loss_function", MISSING))
         self.attrs.append(("model", model, "loss_type", model.__dict__.get("loss_type", MISSING)))
         cfg = vars(model.config)
@@ -128,15 +158,20 @@ class Contract:
         # (a PretrainedConfig's getattr costs a microsecond)
         self.config = [(k, copy.deepcopy(cfg.get(k, MISSING))) for k in CONFIG_FIELDS]
         self.weights: list[tuple[str, Any, str]] = [("lm_head.weight", model.lm_head, "weight")]
+        self.weights += [
+            (f"{p}.qkv_weight", m, "qkv_weight") for p, m in containers if isinstance(m, FusedQKV)
+        ]
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
             p = f"model.layers.{i}"
             self.weights += [
-                (f"{p}.self_attn.qkv_weight", attn, "qkv_weight"),
                 (f"{p}.self_attn.o_proj.weight", attn.o_proj, "weight"),
                 (f"{p}.mlp.gate_up_weight", mlp, "gate_up_weight"),
                 (f"{p}.mlp.down_proj.weight", mlp.down_proj, "weight"),
             ]
+        # the dtypes whose widths were checked (check_widths): the one at patching, and any the
+        # model's weights were converted to since
+        self.dtypes = {model.dtype}
         self._columns()
 
     def _columns(self) -> None:
@@ -148,14 +183,14 @@ class Contract:
 
         self._all = cols(self.modules, 1, 2, 3, 4, 5, 6)
         self._below_base = cols(self.modules[2:], 1, 2, 3, 4, 5, 6)
-        self._present = cols(self.present, 1, 2, 3)
+        self._present = (tuple(self._held), *cols(self.present, 2, 3))
+        self._aliases = cols(self.aliases, 1, 2, 3)
         self._attrs = cols(self.attrs, 1, 2, 3)
         self._config = cols(self.config, 0, 1)
         self._weights = cols(self.weights, 1, 2)
 
-    def check(self, model: Any, dtype: torch.dtype, base_call: bool) -> bool:
-        """Raise `refuse(...)` for the first thing changed since patching; False when only the dtype of
-        the weights changed (all of them alike: the caller rebuilds the blocks), True when nothing."""
+    def check(self, model: Any, base_call: bool) -> None:
+        """Raise `refuse(...)` for the first thing changed since patching."""
         g = torch_module
         if (
             g._global_forward_hooks
@@ -164,6 +199,12 @@ class Contract:
             or g._global_backward_pre_hooks
         ):
             raise global_refusal(global_hooks())
+        objs, keys, mods = self._aliases
+        if any(map(is_not, map(dict.get, map(_DICT, objs), keys), mods)):
+            for path, obj, key, m in self.aliases:
+                now = obj.__dict__.get(key, obj._modules.get(key))
+                if now is not m:
+                    raise replaced(path, now, type(m))
         mods, parents, names, classes, children, fwds = self._below_base if base_call else self._all
         if (
             any(map(is_not, map(dict.get, map(_MODULES, parents), names), mods))
@@ -176,11 +217,9 @@ class Contract:
             or any(map(_BACKWARD_PRE_HOOKS, mods))
         ):
             self.explain(self.modules[2:] if base_call else self.modules)
-        mods, parents, names = self._present
-        if any(map(is_not, map(dict.get, map(_MODULES, parents), names), mods)):
-            for path, m, parent, name in self.present:
-                if parent._modules.get(name) is not m:
-                    raise replaced(path, parent._modules.get(name), type(m))
+        held, parents, names = self._present
+        if any(map(is_not, map(dict.get, map(_MODULES, parents), names), held)):
+            self.wrapped()
         objs, keys, values = self._attrs
         if any(map(ne, map(dict.get, map(_DICT, objs), keys, repeat(MISSING)), values)):
             for path, obj, key, value in self.attrs:
@@ -200,15 +239,31 @@ class Contract:
                     )
         mods, names = self._weights
         try:
-            if any(map(is_not, map(_DTYPE, map(dict.get, map(_PARAMETERS, mods), names)), repeat(dtype))):
-                return self.weights_changed(dtype)
+            dtypes = set(map(_DTYPE, map(dict.get, map(_PARAMETERS, mods), names)))
         except AttributeError:  # a weight removed: its None has no dtype
-            return self.weights_changed(dtype)
-        return True
+            dtypes = set()
+        if len(dtypes) != 1 or not dtypes <= self.dtypes:
+            self.weights_changed(model)
+
+    def wrapped(self) -> None:
+        """A place of `present` holds another module than the last check saw: a decoder layer in a
+        wrapper that contains it (torch's checkpoint_wrapper) is let be, and remembered; anything else
+        is refused, naming the place."""
+        for k, (path, m, parent, name) in enumerate(self.present):
+            now = parent._modules.get(name)
+            if now is self._held[k]:
+                continue
+            if k > 0 and now is not None and now is not m and any(x is m for x in now.modules()):
+                self._held[k] = now
+                continue
+            raise replaced(path, now, type(m))
+        self._present = (tuple(self._held), *self._present[1:])
 
     def explain(self, rows: list[tuple[str, Any, Any, str, type, int, Any]]) -> None:
         """Raise the refusal for the first module record of `rows` that fails; nothing when the only
-        hooks found are transformers' inert output-capturing ones."""
+        hooks found are transformers' inert output-capturing ones, or FSDP2's own (fully_shard on a
+        module the blocks bypass: its parameters are never gathered, and the block that reads them
+        raises E0811 naming them)."""
         for path, m, parent, name, cls, _, _ in rows:  # a module replaced or removed names itself
             now = parent._modules.get(name)
             if now is not m:
@@ -227,15 +282,20 @@ class Contract:
             if why is not None:
                 raise refuse(path, why)
 
-    def weights_changed(self, dtype: torch.dtype) -> bool:
-        """A weight the blocks read is gone or of another dtype than the blocks': refused, unless every
-        one of them is of one new dtype the blocks run (False: rebuild them)."""
+    def weights_changed(self, model: Any) -> None:
+        """A weight the blocks read is gone, or the weights' dtypes are not one the widths were checked
+        for: refused when one is gone or they disagree (sharded ones aside: under FSDP2 a DTensor is
+        stored in its own dtype and gathered in the MixedPrecisionPolicy's), else the widths checked
+        for the new dtype (`check_widths`) and it remembered. The blocks of a new dtype are made at its
+        first run (state.py)."""
+        dtensor = sys.modules.get("torch.distributed.tensor")
         seen: dict[torch.dtype, str] = {}
         for path, m, name in self.weights:
             p = m._parameters.get(name)
             if p is None:
                 raise refuse(path, "removed after patching: the fused blocks read it", CHANGED)
-            seen.setdefault(p.dtype, path)
+            if dtensor is None or not isinstance(p, dtensor.DTensor):
+                seen.setdefault(p.dtype, path)
         if len(seen) > 1:
             (d0, p0), (d1, p1) = list(seen.items())[:2]
             raise refuse(
@@ -243,10 +303,12 @@ class Contract:
                 f"{p0} is {str(d0).removeprefix('torch.')}: the fused blocks run one dtype for the whole model",
                 "convert the whole model (model.to(dtype))",
             )
-        new = next(iter(seen))
-        if str(new).removeprefix("torch.") not in DTYPES:
-            raise refuse(f"dtype {new}", "coda blocks run in bfloat16, float16 or float32")
-        return False
+        for new in seen:
+            if new not in self.dtypes:
+                if str(new).removeprefix("torch.") not in DTYPES:
+                    raise refuse(f"dtype {new}", "coda blocks run in bfloat16, float16 or float32")
+                check_widths(model, new)
+                self.dtypes.add(new)
 
 
 _DICT = attrgetter("__dict__")
@@ -301,9 +363,7 @@ def check_call(
     """At the start of each patched forward (`base`: the base model called alone): what changed since
     patching (`Contract.check`; a new dtype of every weight rebuilds the blocks), and the arguments
     the patched forward can't honour (`cache`: use_cache or past_key_values given)."""
-    st = model._coda
-    if not st.contract.check(model, st.dtype, base):
-        rebuild(model)
+    model._coda.contract.check(model, base)
     if cache:
         raise refuse(
             "use_cache / past_key_values",
@@ -322,20 +382,6 @@ def check_call(
         raise refuse(
             f"ignore_index={kwargs['ignore_index']}", "the fused loss ignores the label -100", "use -100"
         )
-    dtype = model._coda.dtype
-    if inputs_embeds is not None and inputs_embeds.dtype != dtype:
-        raise refuse(
-            f"inputs_embeds of {inputs_embeds.dtype}",
-            f"the model's weights are {dtype}",
-            "pass them in the model's dtype",
-        )
-    w = getattr(model.model.embed_tokens, "weight", None) if inputs_embeds is None else None
-    if isinstance(w, torch.Tensor) and w.dtype != dtype:
-        raise refuse(
-            f"model.embed_tokens.weight is {str(w.dtype).removeprefix('torch.')}",
-            f"the other weights are {str(dtype).removeprefix('torch.')}: the fused blocks run one dtype",
-            "convert the whole model (model.to(dtype))",
-        )
     if labels is None and kwargs.get("shift_labels") is None:
         return
     tokens = input_ids if input_ids is not None else inputs_embeds
@@ -351,18 +397,6 @@ def check_call(
                 'batch_size ...")',
                 f"give {what} of the input's shape",
             )
-
-
-def rebuild(model: Any) -> None:
-    """The model's blocks made again for the dtype its weights now have (`model.to(dtype)` after
-    patching): the same family and loss settings, the same contract; the kernels of the new dtype
-    compile at the first call, as at patching."""
-    st = model._coda
-    dtype = model.model.layers[0].self_attn.qkv_weight.dtype
-    check_widths(model, dtype)
-    new = ModelState(model, st.family, st.loss, dtype=dtype)
-    new.contract = st.contract
-    model._coda = new
 
 
 def returned(model: Any, out: Any, return_dict: bool | None) -> Any:

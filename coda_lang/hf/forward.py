@@ -1,14 +1,26 @@
-"""The patched model's forward: the layers as coda blocks, attention the model's own.
+"""The patched model's forward: the layers as coda blocks, attention the model's own, each decoder
+layer called as a module.
 
 What it does: `causal_lm_forward` (bound as the causal LM's `forward`) and `base_forward` (the base
-model's): the embedding, the first layer's norm + QKV + RoPE block, per layer the model's attention
-function on the fused QKV tile (`Heads`: q, k, v as views, their gradients joined in one pass) and the
-layer-boundary block, the last layer's block, then the loss (loss.py) or the logits.
+model's) run the embedding and the first layer's norm + QKV + RoPE block (`hidden`), then call each
+decoder layer, whose `layer_forward` (bound to each layer) runs its attention (the model's attention
+function on the fused QKV tile, `Heads`: q, k, v as views, their gradients joined in one pass) and its
+block: the layer-boundary block to the next layer's residual and QKV tile, or on the last layer the
+last block; then the causal LM's forward runs the loss (loss.py) or the logits. Each block reads only
+the weights of the module that runs it (checkpoint.py moves them there), and layers are called as
+modules, so hooks and wrappers on decoder layers fire: FSDP2's gathers and reduce-scatters per layer,
+activation checkpointing (`gradient_checkpointing_enable()`, whose flag Hugging Face's layer
+`__call__` reads; `checkpoint_wrapper`). A block input without memory (E0811: a parameter FSDP2 has
+resharded) is raised naming the parameter (`run_block`). `output_hidden_states=True` returns Hugging
+Face's hidden states (the embedding output, each layer's output, the final normed one last).
 What it does not: build the blocks (state.py), hold parameters (checkpoint.py) or check the model
 (checks.py).
 Invariants: HF's calling contract (input_ids or inputs_embeds, attention_mask, position_ids, labels,
-shift_labels, num_items_in_batch, logits_to_keep, return_dict); a KV cache is refused (ValueError);
-each forward first checks that nothing changed since patching (contract.py, `check_call`).
+shift_labels, num_items_in_batch, logits_to_keep, output_hidden_states); the blocks run at the
+dtype of the embeddings and weights (under FSDP2's MixedPrecisionPolicy, its param_dtype), made at its
+first forward if it is not the dtype at patching; a KV cache, embeddings of another dtype than the
+weights or a list of hidden-state layers is refused (ValueError); nothing extra is made unless
+hidden states are asked for.
 """
 
 from __future__ import annotations
@@ -17,19 +29,24 @@ from typing import Any
 
 import torch
 
+from coda_lang.backend_cute.runtime.binding import unallocated
+from coda_lang.core.diagnostics import CodaError, error
+from coda_lang.hf.blocks import DTYPES
+from coda_lang.hf.checkpoint import WRAPPED
 from coda_lang.hf.checks import refuse
 from coda_lang.hf.contract import check_call, returned
 from coda_lang.hf.loss import IGNORE, ChunkedLoss, Embed, TiedGrad, rows_per_chunk, targets, tied_embedding
-from coda_lang.hf.state import ModelState
+from coda_lang.hf.state import Blocks, ModelState
 from coda_lang.layout import interleave_rope
+from coda_lang.torch import BlockFunction
 
 
-def qk_norm_weights(st: ModelState, attn: Any, device: torch.device) -> dict[str, torch.Tensor]:
-    """Qwen3: the q and k norm weights, one head's each in the interleaved RoPE layout (the block repeats
+def qk_norm_weights(st: ModelState, fused: Any, device: torch.device) -> dict[str, torch.Tensor]:
+    """Qwen3: the q and k norm weights (of a `FusedQKV`), one head's each in the interleaved RoPE layout (the block repeats
     them for every head and folds their gradients back), and the masks of the fused QKV's q and k
     columns (constants)."""
-    gq = interleave_rope(attn.q_norm.weight.float(), st.HD)
-    gk = interleave_rope(attn.k_norm.weight.float(), st.HD)
+    gq = interleave_rope(fused.q_norm.weight.float(), st.HD)
+    gk = interleave_rope(fused.k_norm.weight.float(), st.HD)
     nq, nk = st.H * st.HD, st.KV * st.HD
     col = torch.arange(st.rope_width + nk, device=device)
     mq = (col < nq).float()
@@ -107,6 +124,133 @@ def attention(
     return out.reshape(b * s, nq)
 
 
+class Step:
+    """What every decoder layer of one forward reads besides its inputs x and qkv: the block functions
+    of the forward's dtype, the attention mask,
+    the batch and sequence lengths, RoPE's f32 positions and frequencies, and the attention function's
+    keyword arguments. One object, not tensors, among a layer's arguments: FSDP2 casts a module's
+    floating-point tensor arguments to its MixedPrecisionPolicy's param_dtype, and positions in bf16
+    would lose their low bits."""
+
+    __slots__ = ("blocks", "mask", "b", "s", "pos", "freq", "kwargs", "given", "made")
+
+    def __init__(
+        self,
+        blocks: Blocks,
+        mask: Any,
+        b: int,
+        s: int,
+        pos: torch.Tensor,
+        freq: torch.Tensor,
+        kwargs: dict[str, Any],
+    ):
+        self.blocks, self.mask, self.b, self.s = blocks, mask, b, s
+        self.pos, self.freq, self.kwargs = pos, freq, kwargs
+        # per decoder layer (by index): the tensors the patched forward passed it and those its
+        # forward made, to see that nothing between them (a hook, a wrapper) changed them
+        self.given: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def same(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """The same tensors: the same memory and shapes (activation checkpointing passes a layer detached
+    copies of its inputs, which share their memory; FSDP2's casts to the dtype they have already are
+    the tensors themselves)."""
+    return all(x.data_ptr() == y.data_ptr() and x.shape == y.shape for x, y in zip(a, b, strict=True))
+
+
+CHANGED_FLOW = (
+    "the patched decoder layer takes the residual stream and the QKV tile made from it by the layer "
+    "before, and returns the next layer's, each [batch * seq, width]; a change of one would not reach "
+    "the other, so it is refused, not half-honoured. A hook that only reads them runs (output_hidden_states "
+    "gives Hugging Face's hidden states); to change hidden states, run the model unpatched "
+    "(coda_lang.hf.unpatch(model))"
+)
+
+
+def run_block(owner: Any, fn: BlockFunction, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """`fn(**inputs)`, run by `owner` (the module whose forward it is); a tensor without memory among
+    the inputs (E0811: a parameter FSDP2 has resharded) is raised naming `owner`'s parameter."""
+    try:
+        return fn(**inputs)
+    except CodaError as e:
+        raise named(owner, fn.name, inputs, e) from None
+
+
+def named(owner: Any, block: str, inputs: dict[str, Any], e: CodaError) -> CodaError:
+    """`e`, or for E0811 (an input without memory) an E0811 naming the parameters of `owner` among
+    `inputs` that have no memory (patched and Hugging Face's names), and what to do."""
+    if e.diagnostics[0].code != "E0811":
+        return e
+    st: ModelState = owner._coda
+    where = getattr(owner, "_coda_name", "")
+    found = []
+    for name, p in owner.named_parameters():
+        for k, v in inputs.items():
+            if v is p and (why := unallocated(v)) is not None:
+                full = (f"{where}." if where else "") + name.replace(WRAPPED, "")
+                hf = st.layout.hf_name(full)
+                also = f" (Hugging Face's `{hf}`)" if hf != full else ""
+                found.append(f"parameter `{full}`{also}, input `{k}` of block `{block}`, {why}")
+    if not found:
+        return e
+    return error(
+        "E0811",
+        f"coda_lang.hf: {'; '.join(found)}. A patched model's blocks read the weights of the module "
+        "that runs them, and FSDP2 gathers a module's parameters only while its forward or backward "
+        "runs: shard after patching, each whole decoder layer and then the model (`for layer in "
+        "model.model.layers: fully_shard(layer)`, then `fully_shard(model)`), not a submodule of a "
+        "decoder layer; and call the model or its decoder layers",
+        notes=['docs/models.md, "Sharded training"'],
+    )
+
+
+def layer_forward(
+    self: Any, x: torch.Tensor, qkv: torch.Tensor, step: Step
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A patched decoder layer's forward (bound to each layer): its attention on `qkv` (its fused QKV
+    tile, [B*S, (H + 2 KV) * HD]), then its block from the attention output on: `layer`, to the next
+    layer's residual and QKV tile (x2, qkv), or on the last layer `last`, to the final norm's weighted
+    input and row scale (x2g, r2). x: its residual input, [B*S, D]. Every weight it reads is its own
+    (checkpoint.py: the next layer's input norm and QKV, or the final norm, under `coda_next`)."""
+    st: ModelState = self._coda
+    i = self._coda_index
+    # (none when activation checkpointing runs the forward again in the backward: nothing checked, nothing kept)
+    given = step.given.pop(i, None)
+    if given is not None and not same((x, qkv), given):
+        raise refuse(
+            f"{self._coda_name}: its inputs were changed on the way in (a forward pre-hook or a wrapper)",
+            CHANGED_FLOW,
+        )
+    attn, mlp, nxt = self.self_attn, self.mlp, self.coda_next
+    y = attention(st, attn, qkv, step.b, step.s, step.mask, step.kwargs)
+    inputs = dict(
+        y=y,
+        x=x,
+        w_o=attn.o_proj.weight,
+        g1=self.post_attention_layernorm.weight,
+        w_13=mlp.gate_up_weight,
+        w_2=mlp.down_proj.weight,
+    )
+    if self._coda_last:
+        out = run_block(self, step.blocks.last, {**inputs, "g2": nxt.norm.weight})
+        if given is not None:
+            step.made[i] = (out["x2g"], out["r2"])
+        return out["x2g"], out["r2"]
+    fused = nxt.self_attn
+    inputs.update(
+        g2=nxt.input_layernorm.weight,
+        w_qkv=fused.qkv_weight,
+        pos=step.pos,
+        freq=step.freq,
+        **(qk_norm_weights(st, fused, x.device) if st.qk_norm else {}),
+    )
+    out = run_block(self, step.blocks.layer, inputs)
+    if given is not None:
+        step.made[i] = (out["x2"], out["qkv"])
+    return out["x2"], out["qkv"]
+
+
 def hidden(
     model: Any,
     input_ids: Any,
@@ -117,9 +261,14 @@ def hidden(
     use_cache: Any,
     kwargs: dict[str, Any],
     tied: TiedGrad | None = None,
+    states: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """The last layer's output times the final norm's weight, and the norm's row scale: [B*S, D], [B*S].
-    `tied`: the embedding lookup is `Embed`, whose backward adds the loss head's weight gradient."""
+    The embedding and the first layer's QKV block run here, then each decoder layer as a module call
+    (its hooks and wrappers fire: FSDP2's gathers, activation checkpointing).
+    `tied`: the embedding lookup is `Embed`, whose backward adds the loss head's weight gradient.
+    `states`: a list to fill with the embedding output and each layer's output but the last, [B, S, D]
+    (Hugging Face's hidden states without the final normed one)."""
     from transformers.masking_utils import create_causal_mask
 
     st: ModelState = model._coda
@@ -137,10 +286,13 @@ def hidden(
         emb = Embed.apply(e.weight, input_ids, e.padding_idx, tied)
     else:
         emb = base.embed_tokens(input_ids)
-    if emb.dtype != st.dtype or base.layers[0].self_attn.qkv_weight.dtype != st.dtype:
+    first = base.coda_first
+    weights = first.self_attn.qkv_weight.dtype
+    if emb.dtype != weights or str(weights).removeprefix("torch.") not in DTYPES:
         raise refuse(
-            f"dtype {base.layers[0].self_attn.qkv_weight.dtype}",
-            f"the model was patched in {st.dtype}; patch it again after changing its dtype",
+            f"dtype {emb.dtype}",
+            f"the embeddings are {emb.dtype} and the weights {weights}; the blocks run in one dtype, "
+            "bfloat16, float16 or float32",
         )
     b, s, _ = emb.shape
     # the mask sees the caller's positions only: from given positions transformers looks for packed
@@ -157,44 +309,61 @@ def hidden(
         pos = st.positions(b, s, emb.device)
     else:
         pos = position_ids.expand(b, s).reshape(-1).to(torch.float32)
-    freq = st.freq(model, emb.device)
-    layers = base.layers
+    step = Step(st.blocks(emb.dtype), mask, b, s, pos, st.freq(model, emb.device), kwargs)
     h = emb.reshape(b * s, -1)
-
-    def qkn(i: int) -> dict[str, Any]:
-        return qk_norm_weights(st, layers[i].self_attn, emb.device) if st.qk_norm else {}
-
-    a0 = layers[0]
-    qkv = st.first(
-        h=h, g=a0.input_layernorm.weight, w_qkv=a0.self_attn.qkv_weight, pos=pos, freq=freq, **qkn(0)
+    fused = first.self_attn
+    qkv = run_block(
+        model,
+        step.blocks.first,
+        dict(
+            h=h,
+            g=first.input_layernorm.weight,
+            w_qkv=fused.qkv_weight,
+            pos=step.pos,
+            freq=step.freq,
+            **(qk_norm_weights(st, fused, emb.device) if st.qk_norm else {}),
+        ),
     )["qkv"]
+    if states is not None:
+        states.append(emb)
+    layers = base.layers
     x = h
+    last = len(layers) - 1
     for i, layer in enumerate(layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        y = attention(st, attn, qkv, b, s, mask, kwargs)
-        common = dict(
-            y=y,
-            x=x,
-            w_o=attn.o_proj.weight,
-            g1=layer.post_attention_layernorm.weight,
-            w_13=mlp.gate_up_weight,
-            w_2=mlp.down_proj.weight,
-        )
-        if i + 1 < len(layers):
-            nxt = layers[i + 1]
-            out = st.layer(
-                **common,
-                g2=nxt.input_layernorm.weight,
-                w_qkv=nxt.self_attn.qkv_weight,
-                pos=pos,
-                freq=freq,
-                **qkn(i + 1),
+        step.given[i] = (x, qkv)
+        # positional x and qkv: what activation checkpointing (use_reentrant=True) differentiates
+        x, qkv = layer(x, qkv, step)
+        step.given.pop(i, None)
+        made = step.made.pop(i, None)
+        if made is None or not same((x, qkv), made):
+            where = getattr(
+                getattr(layer, "_checkpoint_wrapped_module", layer), "_coda_name", f"model.layers.{i}"
             )
-            x, qkv = out["x2"], out["qkv"]
-        else:
-            out = st.last(**common, g2=base.norm.weight)
-            return out["x2g"], out["r2"], b, s
-    raise AssertionError("unreachable")
+            raise refuse(
+                f"{where}: its outputs were changed on the way out (a forward hook or a wrapper)"
+                if made is not None
+                else f"{where}: its patched forward did not run",
+                CHANGED_FLOW,
+            )
+        if states is not None and i < last:
+            states.append(x.view(b, s, -1))
+    return x, qkv, b, s  # the last layer's (x2g, r2)
+
+
+def wants_states(model: Any, kwargs: dict[str, Any]) -> bool:
+    """`output_hidden_states` (popped from `kwargs`, else the config's): True or False; a list of layers
+    is refused."""
+    want = kwargs.pop("output_hidden_states", None)
+    if want is None:
+        want = getattr(model.config, "output_hidden_states", False)
+    if isinstance(want, (list, tuple, set)):
+        raise refuse("output_hidden_states=[...]", "a coda-patched model returns all hidden states or none")
+    return bool(want)
+
+
+def normed(hg: torch.Tensor, r: torch.Tensor, b: int, s: int) -> torch.Tensor:
+    """The final norm's output, [B, S, D], from its weighted input and row scale."""
+    return (hg.float() * r[:, None]).to(hg.dtype).view(b, s, -1)
 
 
 def causal_lm_forward(
@@ -216,6 +385,7 @@ def causal_lm_forward(
     st: ModelState = self._coda
     num_items = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)
+    states: list[torch.Tensor] | None = [] if wants_states(self, kwargs) else None
     with_loss = labels is not None or shift_labels is not None
     # a tied head + embedding in "rows" mode: the weight's gradient made in one pass (TiedGrad)
     tied = (
@@ -224,27 +394,43 @@ def causal_lm_forward(
         else None
     )
     hg, r, b, s = hidden(
-        self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs, tied
+        self,
+        input_ids,
+        attention_mask,
+        position_ids,
+        past_key_values,
+        inputs_embeds,
+        use_cache,
+        kwargs,
+        tied,
+        states,
     )
+    if states is not None:
+        states.append(normed(hg, r, b, s))
+    hs = None if states is None else tuple(states)
     w_lm = self.lm_head.weight
+    bl = st.blocks(hg.dtype)
     if with_loss:
         target = targets(labels, shift_labels, self.config.vocab_size)
         denom = torch.as_tensor(num_items if num_items is not None else (target != IGNORE).sum())
         if st.loss_mode == "vocab":
-            per_token = st.vocab_head()(hg=hg, r=r, w_lm=w_lm, target=target)["loss"]
+            per_token = run_block(self, bl.vocab_head(), dict(hg=hg, r=r, w_lm=w_lm, target=target))["loss"]
             loss = per_token.sum() / denom.to(per_token.device)
         else:
             chunk = st.loss_rows or rows_per_chunk(hg.shape[0], w_lm.shape[0], w_lm.element_size())
-            loss = ChunkedLoss.apply(hg, r, w_lm, target, denom, st.row_head(), chunk, tied)
-        return returned(self, CausalLMOutputWithPast(loss=loss, logits=None), return_dict)  # type: ignore[arg-type]
+            try:
+                loss = ChunkedLoss.apply(hg, r, w_lm, target, denom, bl.row_head(), chunk, tied)
+            except CodaError as e:
+                raise named(self, "head_loss", {"hg": hg, "r": r, "w_lm": w_lm}, e) from None
+        return returned(self, CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=hs), return_dict)  # type: ignore[arg-type]
     rows = torch.arange(b * s, device=hg.device).view(b, s)
     if isinstance(logits_to_keep, int) and logits_to_keep > 0:
         rows = rows[:, -logits_to_keep:]
     elif isinstance(logits_to_keep, torch.Tensor):
         rows = rows[:, logits_to_keep]
     keep = rows.reshape(-1)
-    logits = st.head_logits(hg=hg[keep], r=r[keep], w_lm=w_lm)["logits"]
-    out = CausalLMOutputWithPast(loss=None, logits=logits.view(b, rows.shape[1], -1))  # type: ignore[arg-type]
+    logits = run_block(self, bl.head_logits, dict(hg=hg[keep], r=r[keep], w_lm=w_lm))["logits"]
+    out = CausalLMOutputWithPast(loss=None, logits=logits.view(b, rows.shape[1], -1), hidden_states=hs)  # type: ignore[arg-type]
     return returned(self, out, return_dict)
 
 
@@ -265,8 +451,18 @@ def base_forward(
     check_call(
         owner, input_ids, inputs_embeds, None, kwargs, past_key_values is not None or bool(use_cache), True
     )
+    states: list[torch.Tensor] | None = [] if wants_states(owner, kwargs) else None
     hg, r, b, s = hidden(
-        owner, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs
+        owner,
+        input_ids,
+        attention_mask,
+        position_ids,
+        past_key_values,
+        inputs_embeds,
+        use_cache,
+        kwargs,
+        states=states,
     )
-    out = (hg.float() * r[:, None]).to(hg.dtype)
-    return returned(owner, BaseModelOutputWithPast(last_hidden_state=out.view(b, s, -1)), return_dict)  # type: ignore[arg-type]
+    out = normed(hg, r, b, s)
+    hs = None if states is None else (*states, out)
+    return returned(owner, BaseModelOutputWithPast(last_hidden_state=out, hidden_states=hs), return_dict)  # type: ignore[arg-type]

@@ -1,17 +1,20 @@
 """The state of one patched model: its facts (heads, widths, dtype), its block functions and the
 loss head's settings, and the small tensors its forward makes once.
 
-What it does: `ModelState(model, family, loss)` builds the model's program (blocks.py) for its shapes and
-makes each block a differentiable torch function (`coda_lang.torch.function`): the first layer's,
-the layers', the last layer's, the logits head and, made when first used, the loss head of each loss
-mode; their kernels compile together at the first call. `positions` and `freq` give the default
-positions and RoPE's frequencies, made once per shape (and per `inv_freq` version).
+What it does: `ModelState(model, family, loss)` holds the model's facts; `blocks(dtype)` builds the
+model's program (blocks.py) for its shapes at one dtype and makes each block a differentiable torch
+function (`coda_lang.torch.function`; `Blocks`): the first layer's, the layers', the last layer's,
+the logits head and, made when first used, the loss head of each loss mode; their kernels compile
+together at the first call. The blocks of the dtype at patching are made at once (`first`, `layer`,
+`last`, `head_logits`, `row_head()`, `vocab_head()`), those of another dtype (the param_dtype of
+FSDP2's MixedPrecisionPolicy, a model cast after patching) when it first runs. `positions` and `freq`
+give the default positions and RoPE's frequencies, made once per shape (and per `inv_freq` version).
 What it does not: touch the model's modules (patch.py), run the forward (forward.py) or the loss
 (loss.py).
-Invariants: made at patching, and again when the model's dtype changes (contract.py, `rebuild`); the
-model keeps it as `model._coda` (private: the loss settings are `apply_coda_to_*`'s arguments), with
-the forward's contract (`contract`). A copy or pickle of the model makes its state again from the
-facts (`__reduce__`): blocks of its own, the contract copied with the model's modules.
+Invariants: made once per model, at patching; the model and each decoder layer keep it as `_coda`
+(private: the loss settings are `apply_coda_to_*`'s arguments), with the forward's contract
+(`contract`, contract.py). A copy or pickle of the model makes its state again from the facts
+(`__reduce__`): blocks of its own, the layout and the contract copied with the model's modules.
 """
 
 from __future__ import annotations
@@ -23,34 +26,20 @@ import torch
 from coda_lang.api import load
 from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.hf.blocks import model_source
+from coda_lang.hf.checkpoint import Layout
 from coda_lang.hf.family import Family
 from coda_lang.hf.loss import LOSS_CHUNK_BYTES, LossSettings
 from coda_lang.torch import BlockFunction, compile_together, function
 
 
-class ModelState:
-    """The facts of one patched model and its block functions."""
+class Blocks:
+    """A patched model's block functions at one dtype (its parameters', or under FSDP2's
+    MixedPrecisionPolicy the gathered parameters' `param_dtype`): the first layer's, the layers', the
+    last layer's, the logits head and, made when first used, the loss head of each loss mode."""
 
-    def __init__(self, model: Any, family: Family, loss: LossSettings, dtype: torch.dtype | None = None):
-        cfg = model.config
-        heads = cfg.num_attention_heads
-        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        facts = (heads, cfg.num_key_value_heads, hd, cfg.hidden_size, dtype or model.dtype, cfg.rms_norm_eps)
-        self._build(family, loss, facts)
-        # what the forward relies on, recorded by the patch once it has installed its forwards
-        self.contract: Any = None
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        """A copy (`copy.deepcopy`, pickle) is made from the facts, with blocks of its own and a copy
-        of the contract (its modules those of the model copied with it, one memo)."""
-        return (_restored, (self.family, self.loss, self.facts, self.contract))
-
-    def _build(self, family: Family, loss: LossSettings, facts: tuple[Any, ...]) -> None:
-        self.facts = facts
-        self.family = family
-        self.qk_norm = qk_norm = family.qk_norm
-        self.H, self.KV, self.HD, self.D, self.dtype, eps = facts
-        src = model_source(str(self.dtype).removeprefix("torch."), eps, self.HD, qk_norm)
+    def __init__(self, st: ModelState, dtype: torch.dtype, eps: float):
+        self.dtype = dtype
+        src = model_source(str(dtype).removeprefix("torch."), eps, st.HD, st.qk_norm)
         prog = load(src)
         weights = {"w_o", "w_13", "w_2", "w_qkv", "w_lm", "g", "g1", "g2", "gq", "gk"}
 
@@ -70,22 +59,13 @@ class ModelState:
         # of rows, each chunk's forward keeping its logits and its backward run at once in the
         # forward: three GEMMs, the weight gradient summed over the chunks inside its GEMM
         self.head_logits = fn("head_logits")
-        self.loss = loss
-        self.loss_mode = loss.mode
-        # bytes of the largest transient of a chunk ("vocab")
-        self.loss_budget = LOSS_CHUNK_BYTES if loss.budget is None else loss.budget
-        self.loss_rows = loss.rows or 0  # rows per chunk of the loss head ("rows"); 0: from LOSS_ROWS_BYTES
+        self.loss_budget = st.loss_budget
         self._fn = fn
-        # made once, not at each forward (launches while the GPU waits at a step's start): the default
-        # positions of the last (batch, seq, device), and the RoPE frequencies of the model's inv_freq
-        # buffer while it is the same tensor at the same version (not modified in place)
-        self._positions: tuple[tuple[int, int, str], torch.Tensor] | None = None
-        self._freq: tuple[Any, int, str, torch.Tensor] | None = None
         self._vocab_head: BlockFunction | None = None
         self._row_head: BlockFunction | None = None
         # a training step's kernels (the first layer's, the layers', the last layer's, the loss head's:
         # forward and backward) compile at once at its first call, in one pool of workers
-        head = self.row_head() if self.loss_mode == "rows" else self.vocab_head()
+        head = self.row_head() if st.loss_mode == "rows" else self.vocab_head()
         compile_together(self.first, self.layer, self.last, head)
 
     def row_head(self) -> BlockFunction:
@@ -101,6 +81,67 @@ class ModelState:
             options = BackwardOptions(chunk="auto", budget=self.loss_budget, chunk_dim="V")
             self._vocab_head = self._fn("head_loss", options)
         return self._vocab_head
+
+
+class ModelState:
+    """The facts of one patched model and its block functions."""
+
+    layout: Layout  # where each weight sits, patched and Hugging Face's: set by the patch (checkpoint.py)
+
+    def __init__(self, model: Any, family: Family, loss: LossSettings):
+        cfg = model.config
+        heads = cfg.num_attention_heads
+        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        facts = (heads, cfg.num_key_value_heads, hd, cfg.hidden_size, cfg.rms_norm_eps, model.dtype)
+        self._build(family, loss, facts)
+        # what the forward relies on, recorded by the patch once it has installed its forwards
+        self.contract: Any = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """A copy (`copy.deepcopy`, pickle) is made from the facts, with blocks of its own and a copy
+        of the layout and the contract (its modules those of the model copied with it, one memo)."""
+        return (_restored, (self.family, self.loss, self.facts, self.layout, self.contract))
+
+    def _build(self, family: Family, loss: LossSettings, facts: tuple[Any, ...]) -> None:
+        self.facts = facts
+        self.family = family
+        self.qk_norm = family.qk_norm
+        self.H, self.KV, self.HD, self.D, self.eps, dtype = facts
+        self.dtype = dtype  # the dtype at patching; the blocks of another are made when it runs
+        self.loss = loss
+        self.loss_mode = loss.mode
+        # bytes of the largest transient of a chunk ("vocab")
+        self.loss_budget = LOSS_CHUNK_BYTES if loss.budget is None else loss.budget
+        self.loss_rows = loss.rows or 0  # rows per chunk of the loss head ("rows"); 0: from LOSS_ROWS_BYTES
+        # made once, not at each forward (launches while the GPU waits at a step's start): the default
+        # positions of the last (batch, seq, device), and the RoPE frequencies of the model's inv_freq
+        # buffer while it is the same tensor at the same version (not modified in place)
+        self._positions: tuple[tuple[int, int, str], torch.Tensor] | None = None
+        self._freq: tuple[Any, int, str, torch.Tensor] | None = None
+        self._blocks: dict[torch.dtype, Blocks] = {}
+        main = self.blocks(self.dtype)  # (made now: a block that can't be made fails the patch)
+        self.first, self.layer, self.last, self.head_logits = (
+            main.first,
+            main.layer,
+            main.last,
+            main.head_logits,
+        )
+
+    def blocks(self, dtype: torch.dtype) -> Blocks:
+        """The block functions at `dtype` (made at its first use: a model whose layers run in another
+        dtype than at patching, as under FSDP2's MixedPrecisionPolicy, compiles its kernels then)."""
+        got = self._blocks.get(dtype)
+        if got is None:
+            got = self._blocks[dtype] = Blocks(self, dtype, self.eps)
+        return got
+
+    def row_head(self) -> BlockFunction:
+        """The "rows" loss head at the dtype of patching."""
+        return self.blocks(self.dtype).row_head()
+
+    def vocab_head(self) -> BlockFunction:
+        """The "vocab" loss head at the dtype of patching."""
+        return self.blocks(self.dtype).vocab_head()
 
     @property
     def rope_width(self) -> int:
@@ -125,9 +166,11 @@ class ModelState:
         return f
 
 
-def _restored(family: Family, loss: LossSettings, facts: tuple[Any, ...], contract: Any) -> ModelState:
+def _restored(
+    family: Family, loss: LossSettings, facts: tuple[Any, ...], layout: Layout, contract: Any
+) -> ModelState:
     """A model state made again from its facts (`ModelState.__reduce__`)."""
     st = ModelState.__new__(ModelState)
     st._build(family, loss, facts)
-    st.contract = contract
+    st.layout, st.contract = layout, contract
     return st

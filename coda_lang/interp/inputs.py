@@ -35,6 +35,7 @@ INPUT_CODES = {
     "E0808": "sizes whose memory or tile count the interpreter can't have",
     "E0809": "row chunks: a bad chunk= or budget=, or a block that can't run in row chunks",
     "E0810": "a kernel that did not finish on the GPU while tuning (a hang): its tile is not tried again",
+    "E0811": "an input tensor without memory to read (a meta tensor, a DTensor, a freed storage such as a resharded FSDP2 parameter's)",
 }
 
 MAX_TILES = 200_000  # tiles one stage may simulate: the tile mode takes one NumPy step per tile

@@ -6,7 +6,8 @@ that repeat across columns. `bind` checks the tensors and numbers of a call (E08
 input, none a tensor; E0803: a dtype that does not fit, or not a tensor; E0806: inputs on two devices,
 or not on CUDA unless emulated), binds each in its dtype (a dense tensor; a number for a scalar, a
 16-bit one rounded to its dtype as the interpreter binds it; a parameter's default where none is
-given), and infers the dims from the shapes (interp/inputs.py's rules, which the interpreter uses too),
+given), refuses a tensor without memory to read (E0811: a meta tensor, a DTensor, a storage freed as
+FSDP2 frees a resharded parameter's: `unallocated`), and infers the dims from the shapes (interp/inputs.py's rules, which the interpreter uses too),
 checking that each repeating vector meets widths that hold whole copies of it (E0802). `given` merges
 a call's dims with the block's own; `sizes` infers the dims from shapes alone (one stage's run).
 What it does not: run, plan or launch anything, or keep state between calls.
@@ -17,6 +18,7 @@ binding never writes to a tensor it is given: one already contiguous in its dtyp
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -25,6 +27,39 @@ from coda_lang.backend_cute.runtime.launch import TORCH_DTYPES, dense
 from coda_lang.core.diagnostics import error
 from coda_lang.frontend.verify.repeat import check_repeats, repeat_uses
 from coda_lang.interp.inputs import dims_from_shapes, given_dims, shape_rules
+
+
+def unallocated(t: torch.Tensor) -> str | None:
+    """Why a kernel can't read `t`'s elements (a tensor with elements but no memory of its own), or
+    None: a meta tensor, a DTensor (a shard, or a wrapper whose local tensor is elsewhere), or a
+    storage of 0 bytes (FSDP2 frees a parameter's gathered storage when it reshards). Two reads of
+    the tensor's header on the usual path."""
+    if t.data_ptr() != 0 and t.untyped_storage().nbytes() != 0:
+        return None
+    if t.numel() == 0:
+        return None
+    if t.is_meta:
+        return "is a meta tensor (no data)"
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(t, dtensor.DTensor):
+        return f"is a DTensor {t.placements}, where the whole tensor is needed"
+    return "has no memory (a storage of 0 bytes, as FSDP2 leaves a resharded parameter)"
+
+
+def unallocated_advice(t: torch.Tensor) -> str:
+    """What to do about a tensor `unallocated` refuses."""
+    if t.is_meta:
+        return "materialize it first (to_empty(), then load the weights)"
+    return (
+        "FSDP2 gathers a module's parameters only while that module's forward or backward runs, so call "
+        "the block inside the forward of the module that owns them"
+    )
+
+
+UNALLOCATED_NOTES = [
+    "coda_lang.hf: fully_shard each whole decoder layer, then the model, after patching "
+    '(docs/models.md, "Sharded training")',
+]
 
 
 class Binder:
@@ -61,6 +96,7 @@ class Binder:
         env: dict[str, Any] = {}
         shapes: dict[str, tuple[int, ...]] = {}
         device: torch.device | None = None
+        check = not torch.compiler.is_compiling()  # (a traced fake tensor has no data pointer)
         for p in self.ir.params:
             name, t = p.var.name, p.var.type
             assert t is not None
@@ -87,6 +123,12 @@ class Binder:
             if not isinstance(v, torch.Tensor):
                 raise error(
                     "E0803", f"input `{name}` is a {type(v).__name__}; the CUDA runtime takes torch tensors"
+                )
+            if check and (why := unallocated(v)) is not None:
+                raise error(
+                    "E0811",
+                    f"input `{name}` of block `{self.ir.name}` {why}: {unallocated_advice(v)}",
+                    notes=UNALLOCATED_NOTES,
                 )
             if device is None:
                 device = v.device

@@ -1,0 +1,543 @@
+"""coda_lang.hf under sharded and replicated training: FSDP2 per decoder layer, FSDP2 on the root only,
+DDP, activation checkpointing; and who owns which weight.
+
+Two processes (gloo on the CPU, the blocks as the kernels' torch stand-ins), started once by
+`torchrun` with this file as the script (`worker`): a tiny patched Llama and Qwen3 (test_hf.py's), and
+the same models unpatched, each wrapped as a case says, train 5 AdamW steps on halves of a batch.
+The losses and the parameters (gathered whole) equal those of one process on the whole batch, and
+those of the unpatched model under the same wrapping (float32 tolerance). Checkpointing
+(`gradient_checkpointing_enable()`, `checkpoint_wrapper` per layer as torchtitan applies it) trains
+the same, and so does FSDP2's MixedPrecisionPolicy with bf16 gathers and f32 reductions (as close
+to an f32 run as the unpatched model's). A decoder layer's submodule sharded on its own (its forward never runs) is refused with
+CodaError E0811 naming the parameter, never a crash. In one process: each block reads only weights
+of the module that runs it, every parameter is registered once, state_dict() is the unpatched
+model's (names, order, values), checkpointing saves less for the backward and gives the same
+gradients, hidden states are Hugging Face's, and a tensor without memory (meta, freed) is E0811.
+benchmarks/dist_train_step.py runs once, on the CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_hf import VOCAB, batch, make, patch, rel  # noqa: E402
+
+from coda_lang.core.diagnostics import CodaError  # noqa: E402
+from coda_lang.hf import unfused_grads  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS, ROWS, SEQ, WORLD, LR = 5, 4, 24, 2, 3e-3
+# AdamW scales each element's step to about LR whatever its gradient's size, so gradients equal up to
+# float32 rounding (summed in another order over ranks) still move the elements whose gradients are
+# near zero by a fraction of a step: Hugging Face's own model under DDP ends 1.8% of a step from one
+# process's run (5.3e-5), the patched model 1.1%. Parameters agree within 5% of one step.
+PARAMS_TOL = 0.05 * LR
+FAMILIES = ("llama", "qwen3")
+WRAPS = ("ddp", "fsdp", "fsdp-keep")  # fsdp-keep: reshard_after_forward=False
+# llama only: FSDP2 on the root alone; per layer with checkpointing either way; a decoder layer's
+# MLP sharded on its own (a wrapping the patched forward can't serve: E0811)
+EXTRA = ("fsdp-root", "fsdp-gc", "fsdp-ckpt", "fsdp-submodule", "fsdp-dcp")
+
+
+def cases() -> list[dict[str, Any]]:
+    out = [{"family": f, "patched": p, "wrap": w} for f in FAMILIES for w in WRAPS for p in (True, False)]
+    out += [{"family": "llama", "patched": True, "wrap": w} for w in EXTRA]
+    out += [{"family": f, "patched": p, "wrap": "fsdp-mp"} for f in FAMILIES for p in (True, False)]
+    return out
+
+
+def key(case: dict[str, Any]) -> str:
+    return f"{case['family']}-{'coda' if case['patched'] else 'hf'}-{case['wrap']}"
+
+
+def data(step: int) -> tuple[Any, Any]:
+    """The whole batch of a step: ROWS rows, the same count of ignored labels in each (so the mean of
+    the ranks' mean losses is the whole batch's)."""
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
+    labels = ids.clone()
+    labels[:, :3] = -100
+    return ids, labels
+
+
+def train(model: Any, rows: slice, steps: int = STEPS) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    losses = []
+    for step in range(steps):
+        ids, labels = data(step)
+        loss = model(ids[rows], labels=labels[rows]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return losses
+
+
+def hf_params(family: str, named: dict[str, Any], patched: bool) -> dict[str, Any]:
+    """Parameters under Hugging Face's names: a patched model's through a fresh patched model's
+    load_state_dict / state_dict (its own names in, the unpatched ones out)."""
+    if not patched:
+        return dict(named)
+    fresh = patch(family, make(family))
+    fresh.load_state_dict(named, strict=True)
+    return {k: v.detach().clone() for k, v in fresh.state_dict().items()}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The worker: run by torchrun, WORLD processes
+
+
+def wrap(model: Any, how: str, mesh: Any) -> Any:
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    if how == "ddp":
+        return DistributedDataParallel(model)
+    kw = {}
+    if how == "fsdp-mp":  # torchtitan's: f32 parameters, gathered in bf16, gradients reduced in f32
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    layers = model.model.layers
+    if how == "fsdp-gc":
+        model.gradient_checkpointing_enable()
+    if how == "fsdp-ckpt":  # torchtitan's way: each layer replaced by its checkpoint wrapper
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, layer in enumerate(list(layers)):
+            layers.register_module(str(i), checkpoint_wrapper(layer, preserve_rng_state=False))
+    if how != "fsdp-root":
+        for layer in layers:
+            if how == "fsdp-submodule":
+                fully_shard(layer.mlp, mesh=mesh)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=how != "fsdp-keep", **kw)
+    fully_shard(model, mesh=mesh, **kw)
+    return model
+
+
+def run_case(case: dict[str, Any], rank: int, mesh: Any) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    family = case["family"]
+    model = make(family)
+    if case["patched"]:
+        patch(family, model)
+    model = wrap(model, case["wrap"], mesh)
+    half = ROWS // WORLD
+    rows = slice(rank * half, (rank + 1) * half)
+    inner = getattr(model, "module", model)  # DDP's
+    try:
+        grads = first_grads(model, inner, rows, case["patched"])
+        losses = train(model, rows)
+    except CodaError as e:
+        return {"error": str(e)}
+    if case["wrap"] == "fsdp-dcp":
+        checkpoint_round_trip(model, family, rank, mesh)
+    mean = torch.stack(losses)
+    dist.all_reduce(mean)
+    named = {}
+    for name, p in inner.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        named[name.replace("_checkpoint_wrapped_module.", "")] = full.detach().clone()
+    return {"losses": (mean / WORLD).tolist(), "params": named, "grads": grads}
+
+
+def checkpoint_round_trip(model: Any, family: str, rank: int, mesh: Any) -> None:
+    """torch.distributed.checkpoint of the sharded patched model: saved under Hugging Face's names
+    (DCP_DIR, read back unpatched by the test), and loaded into a fresh patched model sharded the same
+    way, which then holds the same parameters."""
+    import torch.distributed.checkpoint as dcp
+
+    where = os.environ["DCP_DIR"]
+    dcp.save(model.state_dict(), checkpoint_id=where)
+    fresh = wrap(patch(family, make(family, seed=4)), "fsdp", mesh)
+    sd = fresh.state_dict()
+    dcp.load(sd, checkpoint_id=where)
+    fresh.load_state_dict(sd)
+    mine = dict(model.named_parameters())
+    for name, p in fresh.named_parameters():
+        assert torch.equal(p.full_tensor(), mine[name].full_tensor()), name
+
+
+def first_grads(model: Any, inner: Any, rows: slice, patched: bool) -> dict[str, Any]:
+    """The gradients of the first batch (averaged over the ranks by the wrapper) under Hugging Face's
+    names: `unfused_grads` for a patched model (a DTensor's gathered whole), the wrapper's own names
+    unwrapped for an unpatched one."""
+    ids, labels = data(0)
+    model(ids[rows], labels=labels[rows]).loss.backward()
+    if patched:
+        grads = unfused_grads(inner)
+    else:
+        grads = {}
+        for name, p in inner.named_parameters():
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grads[name.replace("_checkpoint_wrapped_module.", "")] = g
+    model.zero_grad(set_to_none=True)
+    return {k: v.detach().clone() for k, v in grads.items()}
+
+
+def worker(out: str, which: list[str]) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    results = {}
+    for case in cases():
+        if key(case) in which:
+            t0 = time.perf_counter()
+            res = run_case(case, rank, mesh)
+            if rank == 0:
+                print(f"{key(case)}: {time.perf_counter() - t0:.1f} s", flush=True)
+            if "params" in res:
+                res["params"] = hf_params(case["family"], res["params"], case["patched"])
+            results[key(case)] = res
+    if rank == 0:
+        torch.save(results, out)
+    dist.barrier()  # (a rank leaving while another's gloo work is pending aborts it)
+    dist.destroy_process_group()
+
+
+def torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CODA_EMULATE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}"]
+    return subprocess.run([*cmd, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def launch(tmp: Path, which: list[str]) -> dict[str, Any]:
+    out = tmp / "results.pt"
+    os.environ["DCP_DIR"] = str(tmp / "dcp")
+    r = torchrun(__file__, str(out), json.dumps(which))
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-8000:]
+    return torch.load(out, weights_only=False)
+
+
+@functools.cache
+def single(family: str, patched: bool) -> dict[str, Any]:
+    """One process, the whole batch."""
+    model = make(family)
+    if patched:
+        patch(family, model)
+    ids, labels = data(0)
+    model(ids, labels=labels).loss.backward()
+    grads = unfused_grads(model) if patched else {n: p.grad for n, p in model.named_parameters()}
+    grads = {k: v.detach().clone() for k, v in grads.items()}
+    model.zero_grad(set_to_none=True)
+    losses = train(model, slice(0, ROWS))
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"losses": [float(x) for x in losses], "params": params, "grads": grads}
+
+
+def same(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
+    assert len(got["losses"]) == STEPS
+    for a, b in zip(got["losses"], want["losses"], strict=True):
+        assert abs(a - b) < 1e-5 * abs(b), (what, got["losses"], want["losses"])
+    assert set(got["params"]) == set(want["params"]), what
+    for name, w in want["params"].items():
+        err = float((got["params"][name] - w).abs().max())
+        assert err < PARAMS_TOL, (what, name, err)
+    assert set(got["grads"]) == set(want["grads"]) == set(want["params"]), what
+    for name, g in want["grads"].items():
+        assert rel(got["grads"][name], g) < 1e-5, (what, "gradient", name)
+
+
+def mixed_precision_as_close(runs: dict[str, Any], family: str) -> None:
+    """FSDP2 per layer with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=f32) on an f32 model
+    (torchtitan's): the run is as close to one f32 process on the whole batch as the unpatched
+    model's under the same policy (twice its distance and a floor: bf16 rounding moves AdamW's
+    steps)."""
+    want = single(family, False)
+    coda, hf = runs[f"{family}-coda-fsdp-mp"], runs[f"{family}-hf-fsdp-mp"]
+    loss = [max(abs(a - b) for a, b in zip(r["losses"], want["losses"], strict=True)) for r in (coda, hf)]
+    assert loss[0] < 2 * loss[1] + 1e-3, loss
+    params = [
+        max(float((r["params"][k] - w).abs().max()) for k, w in want["params"].items()) for r in (coda, hf)
+    ]
+    assert params[0] < 2 * params[1] + 1e-3, params
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_trains_as_one_process_and_as_the_unpatched_model(family: str, tmp_path: Path) -> None:
+    """DDP and FSDP2 per decoder layer (resharding after the forward or not), 2 processes, 5 AdamW
+    steps: the patched model's losses and parameters are one process's on the whole batch, and the
+    unpatched model's under the same wrapping; so are the first batch's gradients (`unfused_grads`,
+    each gathered whole under FSDP2). With FSDP2's MixedPrecisionPolicy (bf16 gathers, f32
+    reductions, f32 parameters), the layers run the blocks made for bf16, as close to an f32 run as
+    the unpatched model (`mixed_precision_as_close`). One torchrun for every case."""
+    wraps = [*WRAPS, "fsdp-mp"]
+    runs = launch(tmp_path, [key(c) for c in cases() if c["family"] == family and c["wrap"] in wraps])
+    for w in WRAPS:
+        got = runs[f"{family}-coda-{w}"]
+        same(got, single(family, True), f"{family} coda {w} against one process")
+        same(got, runs[f"{family}-hf-{w}"], f"{family} coda {w} against HF {w}")
+    mixed_precision_as_close(runs, family)
+
+
+def test_root_only_checkpointed_and_a_sharded_submodule(tmp_path: Path) -> None:
+    """FSDP2 on the root alone, and per layer with activation checkpointing
+    (`gradient_checkpointing_enable()`, or each layer in a `checkpoint_wrapper`): as one process.
+    torch.distributed.checkpoint of the per-layer sharded model saves Hugging Face's names and
+    layouts: it loads into an unpatched model in one process, and into a sharded patched one.
+    Each decoder layer's MLP sharded as a unit of its own: its forward never runs, so its weights are
+    never gathered; the layer's block is refused (E0811) naming the parameter and what to do."""
+    runs = launch(tmp_path, [key(c) for c in cases() if c["wrap"] in EXTRA])
+    for w in ("fsdp-root", "fsdp-gc", "fsdp-ckpt"):
+        same(runs[f"llama-coda-{w}"], single("llama", True), w)
+    same(runs["llama-coda-fsdp-dcp"], single("llama", True), "fsdp-dcp")
+    # the distributed checkpoint, read in one process into the unpatched model: its parameters
+    import torch.distributed.checkpoint as dcp
+
+    ref = make("llama")
+    sd = ref.state_dict()
+    dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    ref.load_state_dict(sd)
+    want = runs["llama-coda-fsdp-dcp"]["params"]
+    for name, p in ref.state_dict().items():
+        assert torch.equal(p, want[name]), name
+    err = runs["llama-coda-fsdp-submodule"]["error"]
+    assert "E0811" in err and "parameter `model.layers.0.mlp.gate_up_weight`" in err, err
+    assert "model.layers.0.mlp.{gate,up}_proj.weight" in err and "is a DTensor" in err, err
+    assert "fully_shard(layer)" in err, err
+
+
+# ---------------------------------------------------------------------------------------------------
+# One process
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_block_reads_only_the_weights_of_the_module_running_it(family: str, monkeypatch: Any) -> None:
+    """Ownership follows use: every parameter a block reads is registered under the module whose
+    forward runs it (the layer's block: under that decoder layer; the first layer's QKV and the loss
+    head: under the root, outside every decoder layer), every parameter is read, and none is registered
+    twice."""
+    from coda_lang.hf import forward as fwd
+
+    model = patch(family, make(family))
+    layers = list(model.model.layers)
+    owned = {id(m): {id(p) for p in m.parameters()} for m in [*layers, model]}
+    inside = set().union(*(owned[id(m)] for m in layers))
+    # Qwen3's q/k norm weights reach the blocks through a tensor made from them: they count as read
+    # with the fused QKV weight they sit beside
+    beside = {
+        id(m.qkv_weight): [id(m.q_norm.weight), id(m.k_norm.weight)]
+        for m in model.modules()
+        if hasattr(m, "q_norm") and hasattr(m, "qkv_weight")
+    }
+    read: set[int] = set()
+    real = fwd.run_block
+
+    def spy(owner: Any, fn: Any, inputs: dict[str, Any]) -> Any:
+        params = {id(v) for v in inputs.values() if isinstance(v, torch.nn.Parameter)}
+        params |= {n for p in list(params) for n in beside.get(p, [])}
+        read.update(params)
+        assert params <= owned[id(owner)], fn.name
+        if owner is model:
+            assert not params & inside, fn.name
+        return real(owner, fn, inputs)
+
+    monkeypatch.setattr(fwd, "run_block", spy)
+    ids, labels = batch()
+    model(ids, labels=labels).loss.backward()
+    model(ids)  # the logits head
+    every = [id(p) for _, p in model.named_parameters(remove_duplicate=False)]
+    assert len(every) == len(set(every))
+    embedding = id(model.model.embed_tokens.weight)  # (torch's lookup, not a block)
+    assert read | {embedding} == set(every)
+    assert len(list(model.parameters())) == len(list(make(family).parameters())) - 3 * 2  # fused
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_state_dict_is_the_unpatched_models(family: str) -> None:
+    """The moved weights keep Hugging Face's names, layouts and order in state_dict(), and
+    load_state_dict() takes them back (also into a model whose layers are in checkpoint wrappers)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    ref = make(family)
+    pat = patch(family, copy.deepcopy(ref))
+    want, got = ref.state_dict(), pat.state_dict()
+    assert list(got) == list(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    other = patch(family, make(family, seed=4))
+    layers = other.model.layers
+    for i, layer in enumerate(list(layers)):
+        layers.register_module(str(i), checkpoint_wrapper(layer))
+    assert list(other.state_dict()) == list(want)
+    other.load_state_dict(want)
+    back = other.state_dict()
+    for k in want:
+        assert torch.equal(back[k], want[k]), k
+    ids, labels = batch()
+    assert rel(other(ids).logits, ref(ids).logits) < 1e-5
+    other(ids, labels=labels).loss.backward()
+    assert set(unfused_grads(other)) == set(want)
+
+
+def saved_bytes(model: Any, ids: Any, labels: Any) -> tuple[int, dict[str, Any]]:
+    """Bytes saved for the backward by one training forward (distinct storages), and the gradients."""
+    seen: dict[int, int] = {}
+
+    def pack(t: Any) -> Any:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(ids, labels=labels).loss
+    loss.backward()
+    return sum(seen.values()), unfused_grads(model)
+
+
+@pytest.mark.parametrize("how", ["gradient_checkpointing_enable", "reentrant", "checkpoint_wrapper"])
+def test_checkpointing_saves_less_and_gives_the_same_gradients(how: str) -> None:
+    """Activation checkpointing of each decoder layer (Hugging Face's flag, read by the layer's own
+    __call__, with or without use_reentrant; or torch's checkpoint_wrapper): the layers' saved tensors
+    are not kept (a fraction of the bytes), the gradients are the same."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    ref = patch("llama", make("llama", num_hidden_layers=4))
+    model = copy.deepcopy(ref)
+    if how == "checkpoint_wrapper":
+        layers = model.model.layers
+        for i, layer in enumerate(list(layers)):
+            layers.register_module(str(i), checkpoint_wrapper(layer))
+    else:
+        model.gradient_checkpointing_enable({"use_reentrant": how == "reentrant"})
+    ids, labels = batch(s=64)
+    full, g0 = saved_bytes(ref, ids, labels)
+    less, g1 = saved_bytes(model, ids, labels)
+    assert less < 0.5 * full, (less, full)
+    assert set(g1) == set(g0)
+    for name in g0:
+        assert rel(g1[name], g0[name]) < 1e-6, name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hidden_states_are_hugging_faces(family: str) -> None:
+    """output_hidden_states=True: the embedding output, each layer's output, the final normed state
+    last (Hugging Face's tuple), from the causal LM and the base model; none unless asked for."""
+    ref = make(family, num_hidden_layers=3)
+    pat = patch(family, copy.deepcopy(ref))
+    ids, labels = batch()
+    for call in (
+        lambda m: m(ids, output_hidden_states=True),
+        lambda m: m.model(ids, output_hidden_states=True),
+    ):
+        want, got = call(ref).hidden_states, call(pat).hidden_states
+        assert len(got) == len(want) == 4
+        for a, b in zip(got, want, strict=True):
+            assert a.shape == b.shape and rel(a, b) < 1e-5
+    out = pat(ids, labels=labels, output_hidden_states=True)
+    assert rel(out.hidden_states[-1], want[-1]) < 1e-5 and out.logits is None
+    assert pat(ids).hidden_states is None and pat.model(ids).hidden_states is None
+    with pytest.raises(ValueError, match="output_hidden_states"):
+        pat(ids, output_hidden_states=[1])
+
+
+def test_a_tensor_without_memory_is_e0811() -> None:
+    """A block input that is a meta tensor, or whose storage is freed (as FSDP2 frees a resharded
+    parameter's), is refused before anything runs: a coda function called directly names the input,
+    the patched model names the parameter (patched and Hugging Face's names)."""
+    from coda_lang.hf.state import ModelState
+
+    model = patch("llama", make("llama"))
+    st: ModelState = model._coda
+    h = torch.randn(8, 64)
+    first = model.model.coda_first
+    inputs = dict(
+        h=h,
+        g=first.input_layernorm.weight,
+        w_qkv=first.self_attn.qkv_weight.detach().to("meta"),
+        pos=torch.arange(8.0),
+        freq=st.freq(model, h.device),
+    )
+    with pytest.raises(CodaError) as e:
+        st.first(**inputs)
+    assert "E0811" in str(e.value) and "input `w_qkv` of block `first_qkv` is a meta tensor" in str(e.value)
+    ids, labels = batch()
+    w = model.model.layers[0].coda_next.self_attn.qkv_weight
+    kept = w.detach().clone()
+    w.untyped_storage().resize_(0)
+    with pytest.raises(CodaError) as e:
+        model(ids, labels=labels)
+    text = str(e.value)
+    assert "parameter `model.layers.0.coda_next.self_attn.qkv_weight`" in text, text
+    assert "Hugging Face's `model.layers.1.self_attn.{q,k,v}_proj.weight`" in text, text
+    assert "has no memory" in text and "fully_shard" in text, text
+    w.untyped_storage().resize_(kept.numel() * kept.element_size())
+    with torch.no_grad():
+        w.copy_(kept)
+    assert model(ids, labels=labels).loss.isfinite()
+
+
+def test_a_sharded_model_is_not_patched() -> None:
+    """Patching replaces parameters, so it comes before sharding: a DTensor parameter is refused."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists already")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        model = make("llama")
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        with pytest.raises(ValueError, match="patch the model before sharding"):
+            patch("llama", model)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_distributed_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
+    """benchmarks/dist_train_step.py, 2 processes on the CPU (gloo), a tiny model: coda under FSDP2
+    per layer and HF under DDP, its table printed."""
+    r = torchrun(
+        "benchmarks/dist_train_step.py",
+        "--device=cpu",
+        "--patch=coda,none",
+        "--wrap=fsdp-layer,ddp",
+        "--layers=2",
+        "--hidden=64",
+        "--intermediate=128",
+        "--heads=4",
+        "--kv-heads=2",
+        "--vocab=256",
+        "--seq=32",
+        "--steps=2",
+        "--warmup=1",
+        f"--json={tmp_path / 'out.json'}",
+    )
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    rows = json.loads((tmp_path / "out.json").read_text())
+    assert {(x["patch"], x["wrap"]) for x in rows} == {
+        ("coda", "fsdp-layer"),
+        ("coda", "ddp"),
+        ("none", "fsdp-layer"),
+        ("none", "ddp"),
+    }
+    assert "| patch | wrap |" in r.stdout
+    losses = {(x["patch"], x["wrap"]): x["losses"] for x in rows}
+    for w in ("fsdp-layer", "ddp"):
+        assert all(abs(a - b) < 1e-4 for a, b in zip(losses["coda", w], losses["none", w], strict=True))
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], json.loads(sys.argv[2]))
