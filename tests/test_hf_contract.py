@@ -787,34 +787,18 @@ def test_a_padding_mask_is_honoured(family: str, where: str, attn: str) -> None:
 # ---- peft LoRA and bitsandbytes ----
 
 
-def test_peft_lora_before_patching_is_refused() -> None:
-    """LoRA applied, then patched: the loss ignored the adapters (5.593936 against 5.581284). Patching
-    the base model under the adapters, or the PeftModel, is refused, naming the adapter layer and
-    what works meanwhile."""
-    peft = pytest.importorskip("peft")
-    model = make("llama")
-    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["v_proj", "down_proj"]))
-    with refused(
-        r"coda_lang.hf: model.layers.0.self_attn.v_proj: a peft adapter layer \(peft.tuners.lora.layer.Linear\): "
-        r"fused LoRA is not supported yet: train a LoRA or QLoRA model unpatched \(or with Liger Kernel\)"
-    ):
-        apply_coda_to_llama(pm.base_model.model)
-    with refused(r"coda_lang.hf: PeftModel \(a peft model\): fused LoRA is not supported yet"):
-        apply_coda_to_llama(pm)
-    assert hasattr(pm.base_model.model.model.layers[0].self_attn, "q_proj")
-
-
 def test_peft_lora_after_patching_is_refused_at_the_forward() -> None:
     """get_peft_model on a patched model replaces the projections it finds (o_proj, down_proj): the
-    forward refuses, naming them; the default targets (q_proj, v_proj) are fused away, which peft
-    reports itself."""
+    forward refuses, naming them and saying that LoRA applied before patching works
+    (tests/test_hf_lora.py); the default targets (q_proj, v_proj) are fused away, which peft reports
+    itself."""
     peft = pytest.importorskip("peft")
     ids, labels = batch()
     _, pat = pair()
     pm = peft.get_peft_model(pat, peft.LoraConfig(r=4, target_modules=["o_proj", "down_proj"]))
     with refused(
         r"coda_lang.hf: model.layers.0.self_attn.o_proj: replaced after patching by a peft adapter layer .*"
-        r"fused LoRA is not supported yet"
+        r"supported on q, k, v, o, gate, up and down when applied before patching"
     ):
         pm(input_ids=ids, labels=labels)
     with pytest.raises(ValueError, match="Target modules .* not found"):

@@ -31,6 +31,7 @@ import torch
 
 from coda_lang.backend_cute.runtime.binding import unallocated
 from coda_lang.core.diagnostics import CodaError, error
+from coda_lang.hf import lora
 from coda_lang.hf.blocks import DTYPES
 from coda_lang.hf.checkpoint import WRAPPED
 from coda_lang.hf.checks import refuse
@@ -227,10 +228,10 @@ def layer_forward(
     inputs = dict(
         y=y,
         x=x,
-        w_o=attn.o_proj.weight,
+        w_o=lora.linear_weight(attn.o_proj),
         g1=self.post_attention_layernorm.weight,
-        w_13=mlp.gate_up_weight,
-        w_2=mlp.down_proj.weight,
+        w_13=lora.gate_up_weight(mlp),
+        w_2=lora.linear_weight(mlp.down_proj),
     )
     if self._coda_last:
         out = run_block(self, step.blocks.last, {**inputs, "g2": nxt.norm.weight})
@@ -240,7 +241,7 @@ def layer_forward(
     fused = nxt.self_attn
     inputs.update(
         g2=nxt.input_layernorm.weight,
-        w_qkv=fused.qkv_weight,
+        w_qkv=lora.qkv_weight(fused),
         pos=step.pos,
         freq=step.freq,
         **(qk_norm_weights(st, fused, x.device) if st.qk_norm else {}),
@@ -318,7 +319,7 @@ def hidden(
         dict(
             h=h,
             g=first.input_layernorm.weight,
-            w_qkv=fused.qkv_weight,
+            w_qkv=lora.qkv_weight(fused),
             pos=step.pos,
             freq=step.freq,
             **(qk_norm_weights(st, fused, emb.device) if st.qk_norm else {}),
