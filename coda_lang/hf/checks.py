@@ -2,13 +2,13 @@
 refused by name.
 
 What it does: `check_model(model, family)` raises ValueError (`refuse`: "coda_lang.hf: what: why;
-what to do") for a model of another class (a peft model among them), one patched already, a dtype
-the blocks don't run, biases, an activation other than SiLU, sliding-window attention, RoPE that
-scales cos/sin, (Qwen3) attention without its q/k norms, a width whose rows the kernels can't load
-(`check_widths`: a vocabulary not a multiple of 8 in bf16), a module the blocks would bypass that is
-not the family's own (peft layers but plain LoRA on the seven projections, which `check_lora`
-checks; bitsandbytes' quantized layers, a parametrization, an activation or norm swapped), hooks on such a module or global ones (`module_trouble`,
-`global_hooks`), and what fusing q/k/v and gate/up would merge: their `requires_grad`, dtype, device,
+what to do") for a model of another class (a peft tuner among them: patch the PeftModel), one
+patched already, a dtype the blocks don't run, biases, an activation other than SiLU, sliding-window
+attention, RoPE that scales cos/sin, (Qwen3) attention without its q/k norms, a width whose rows the
+kernels can't load (`check_widths`: a vocabulary not a multiple of 8 in bf16), a module the blocks
+would bypass that is not the family's own (peft layers but plain LoRA on the seven projections,
+which `check_lora` checks; bitsandbytes' quantized layers, a parametrization, an activation or norm
+swapped), hooks on such a module or global ones (`module_trouble`, `global_hooks`), and what fusing q/k/v and gate/up would merge: their `requires_grad`, dtype, device,
 gradient hooks or tensor type (`check_fused_parts`). The per-forward checks of the same contract
 are contract.py's; the messages and the tests of what a module may carry are shared from here.
 What it does not: patch anything (patch.py); refuse what only a call can show (contract.py refuses
