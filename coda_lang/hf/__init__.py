@@ -2,7 +2,8 @@
 causal LM whose non-attention work runs as coda blocks.
 
 What it does: patches one model instance in place. Per layer, q/k/v projections become one parameter
-`self_attn.qkv_weight` (q and k rows in the interleaved RoPE layout) and gate/up one parameter
+`qkv_weight` (q and k rows in the interleaved RoPE layout; registered, with the layer's input norm,
+under the module whose forward reads it: checkpoint.py) and gate/up one parameter
 `mlp.gate_up_weight` (rows interleaved); the model's forward then runs, in the paper's schedule, the
 first layer's input norm + QKV + RoPE (+ Qwen3's q/k norm) as one block, each layer boundary (out-proj
 + residual + norm + gate/up + SwiGLU + down + residual + the next layer's norm + QKV + RoPE) as one
@@ -12,21 +13,29 @@ cross-entropy, logits never stored) or the logits. Attention is the model's own 
 k alike). `state_dict()` gives, and `load_state_dict()` takes, the unpatched model's names and layouts,
 so checkpoints move between patched and unpatched models (and `save_pretrained`).
 What it does not: generation with a KV cache, biases, sliding-window attention, RoPE types that scale
-cos/sin (`attention_scaling` != 1) or change `inv_freq` per call, or a model whose dtype changes after
-patching: each raises ValueError naming what it met.
+cos/sin (`attention_scaling` != 1) or change `inv_freq` per call, peft layers other than plain LoRA
+on the seven projections, LoRA dropout in training, quantized layers (bitsandbytes, QLoRA), or anything the fused forward would bypass (hooks on the modules whose work
+the blocks do, a module swapped or a config field changed since patching): each raises ValueError
+naming what it met and what to do (checks.py at patching, contract.py at each forward;
+docs/models.md lists them). peft LoRA applied before patching runs in the blocks (lora.py: each block
+reads W + s B A). `unpatch(model)` gives the transformers model back (generation with a KV cache works
+again).
 Invariants: the optimizer should be made after patching (the fused weights are new parameters); the
 loss follows transformers' contract (labels shifted by one, -100 ignored, the mean over counted tokens
 or the sum over `num_items_in_batch`).
 The LM head's loss mode and chunk sizes are the patch's keyword arguments (`loss_mode`,
 `loss_budget`, `loss_rows`: hf/loss.py, `LossSettings`).
 
-The modules: families.py (the families and their entry points), patch.py (patching one model),
-checks.py (what a model must be), state.py (the patched model's blocks and settings), forward.py
+The modules: families.py (the families and their entry points), patch.py (patching one model, and
+unpatching it), checks.py (what a model must be), lora.py (the weights a block reads under peft LoRA),
+contract.py (what the forward checks has not changed
+since patching), state.py (the patched model's blocks and settings), forward.py
 (the patched forward), loss.py (the loss head), checkpoint.py (fused and checkpoint layouts), blocks.py
 (the .coda program). Needs `pip install 'coda_lang[hf]'`.
 """
 
 from coda_lang.hf.checkpoint import unfused_grads
 from coda_lang.hf.families import apply_coda_to_llama, apply_coda_to_qwen3
+from coda_lang.hf.patch import unpatch
 
-__all__ = ["apply_coda_to_llama", "apply_coda_to_qwen3", "unfused_grads"]
+__all__ = ["apply_coda_to_llama", "apply_coda_to_qwen3", "unfused_grads", "unpatch"]

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import re
 import sys
-from typing import Any
+from typing import Any, cast
 
 import torch
 
+from coda_lang.hf.checks import base_of, is_lora, peft_inner
 from coda_lang.layout import deinterleave_rope, interleave_rope
 
 # what torch's checkpoint_wrapper puts into the names under it (its state-dict hooks take it out)
@@ -72,12 +73,21 @@ def qkv_save_hook(module: Any, state_dict: dict[str, Any], prefix: str, _meta: A
     if key not in state_dict:
         return
     (w,), how = whole(state_dict.pop(key).detach())
-    for n, part in zip("qkv", split_qkv(w, module.head_dim, module.nq, module.nk), strict=True):
-        state_dict[prefix + f"{n}_proj.weight"] = sharded(part, how)
+    for name, part in zip(module.parts, split_qkv(w, module.head_dim, module.nq, module.nk), strict=True):
+        state_dict[prefix + name] = sharded(part, how)
+
+
+def part_names(m: Any, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The state-dict keys of the projections `names` of `m`: `<name>.weight`, or under a peft LoRA
+    layer `<name>.base_layer.weight` (as the unpatched peft model names them)."""
+    return tuple(f"{n}.base_layer.weight" if is_lora(getattr(m, n)) else f"{n}.weight" for n in names)
+
+
+GATE_UP_PARTS = ("gate_proj.weight", "up_proj.weight")
 
 
 def qkv_load_hook(module: Any, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
-    keys = [prefix + f"{n}_proj.weight" for n in "qkv"]
+    keys = [prefix + n for n in module.parts]
     if all(k in state_dict for k in keys):
         (q, k, v), how = whole(*(state_dict.pop(x) for x in keys))
         state_dict[prefix + "qkv_weight"] = sharded(fuse_qkv(q, k, v, module.head_dim), how)
@@ -87,12 +97,13 @@ def mlp_save_hook(module: Any, state_dict: dict[str, Any], prefix: str, _meta: A
     key = prefix + "gate_up_weight"
     if key in state_dict:
         (w,), how = whole(state_dict.pop(key).detach())
-        state_dict[prefix + "gate_proj.weight"] = sharded(w[0::2].contiguous(), how)
-        state_dict[prefix + "up_proj.weight"] = sharded(w[1::2].contiguous(), how)
+        g, u = getattr(module, "_coda_parts", GATE_UP_PARTS)
+        state_dict[prefix + g] = sharded(w[0::2].contiguous(), how)
+        state_dict[prefix + u] = sharded(w[1::2].contiguous(), how)
 
 
 def mlp_load_hook(module: Any, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
-    g, u = prefix + "gate_proj.weight", prefix + "up_proj.weight"
+    g, u = (prefix + n for n in getattr(module, "_coda_parts", GATE_UP_PARTS))
     if g in state_dict and u in state_dict:
         (gw, uw), how = whole(state_dict.pop(g), state_dict.pop(u))
         state_dict[prefix + "gate_up_weight"] = sharded(torch.stack([gw, uw], 1).flatten(0, 1), how)
@@ -107,19 +118,119 @@ class FusedQKV(torch.nn.Module):
 
     def __init__(self, attn: Any, hd: int):
         super().__init__()
-        q, k, v = attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight
+        names = ("q_proj", "k_proj", "v_proj")
+        # the state-dict keys of the parts (a peft LoRA layer's base weight: `q_proj.base_layer.weight`)
+        self.parts = part_names(attn, names)
+        q, k, v = (base_of(getattr(attn, n)).weight for n in names)
         with torch.no_grad():
             qkv = fuse_qkv(q, k, v, hd)
+            grads = _grads(q, k, v)
+            grad = fuse_qkv(grads[0], grads[1], grads[2], hd) if grads else None
         self.head_dim, self.nq, self.nk = hd, q.shape[0], k.shape[0]
         self.qkv_weight = torch.nn.Parameter(qkv, requires_grad=q.requires_grad)
+        self.qkv_weight.grad = grad
         for name in ("q_norm", "k_norm"):
             if isinstance(getattr(attn, name, None), torch.nn.Module):
                 move(attn, name, self)
+        # a projection with LoRA adapters: the LoRA layer stays where peft put it (its names are what
+        # peft saves and loads adapters by), its base layer a FusedPart over qkv_weight's rows, and
+        # this module reaches it (`loras`, not registered); the others are removed
+        loras = []
+        for i, name in enumerate(names):
+            m = attn._modules[name]
+            if is_lora(m):
+                m.base_layer = FusedPart(
+                    self, "qkv_weight", i, m.base_layer.out_features, m.base_layer.in_features
+                )
+                loras.append(m)
+            else:
+                del attn._modules[name]
+                loras.append(None)
+        object.__setattr__(self, "loras", tuple(loras))
         self._register_state_dict_hook(qkv_save_hook)
         self.register_load_state_dict_pre_hook(qkv_load_hook)
 
     def extra_repr(self) -> str:
         return f"qkv_weight: {tuple(self.qkv_weight.shape)}"
+
+
+class PartWeight:
+    """A fused parameter's rows of one projection, as peft's merge and unmerge use a base weight:
+    `.data` is a copy in Hugging Face's layout, and setting it writes the rows back into the fused
+    parameter; `dtype`, `device` and `shape` are the projection's."""
+
+    def __init__(self, part: FusedPart):
+        self.part = part
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.part.read()
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        self.part.write(value)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.part.fused().dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.part.fused().device
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.part.out_features, self.part.in_features))
+
+
+class FusedPart(torch.nn.Module):
+    """The base layer of a LoRA layer whose base weight is rows of a fused parameter: `owner`'s
+    `name` (a FusedQKV's `qkv_weight`: `index` 0, 1, 2 for q, k, v; an MLP's `gate_up_weight`: 0, 1
+    for gate, up). No parameters of its own; never called (the blocks read the fused weight)."""
+
+    owner: Any
+
+    def __init__(self, owner: torch.nn.Module, name: str, index: int, out_features: int, in_features: int):
+        super().__init__()
+        object.__setattr__(self, "owner", owner)  # (not a submodule: the owner holds this one)
+        self.fused_name, self.index = name, index
+        self.out_features, self.in_features = out_features, in_features
+
+    def fused(self) -> torch.Tensor:
+        return cast(torch.Tensor, self.owner._parameters[self.fused_name])
+
+    def parts(self) -> list[torch.Tensor]:
+        w = self.fused().detach()
+        if self.fused_name == "qkv_weight":
+            o = self.owner
+            return list(split_qkv(w, o.head_dim, o.nq, o.nk))
+        return [w[0::2], w[1::2]]
+
+    def read(self) -> torch.Tensor:
+        return self.parts()[self.index].clone()
+
+    def write(self, value: torch.Tensor) -> None:
+        w = self.fused()
+        value = value.to(w.dtype)
+        with torch.no_grad():
+            if self.fused_name == "qkv_weight":
+                parts = self.parts()
+                parts[self.index] = value
+                w.copy_(fuse_qkv(parts[0], parts[1], parts[2], self.owner.head_dim))
+            else:
+                w[self.index :: 2] = value
+
+    @property
+    def weight(self) -> PartWeight:
+        return PartWeight(self)
+
+    def forward(self, *_: Any) -> Any:
+        raise RuntimeError(
+            "coda_lang.hf: a fused projection's base layer is read by the blocks, never called"
+        )
+
+    def extra_repr(self) -> str:
+        return f"rows {self.index} of {self.fused_name}: ({self.out_features}, {self.in_features})"
 
 
 class Moved(torch.nn.Module):
@@ -208,22 +319,42 @@ class Layout:
                 state_dict[new] = state_dict.pop(k)
 
 
+def _grads(*ws: torch.Tensor) -> list[torch.Tensor]:
+    """The gradients of `ws` (zeros for those without), or [] when none has one."""
+    if all(w.grad is None for w in ws):
+        return []
+    return [torch.zeros_like(w) if w.grad is None else w.grad for w in ws]
+
+
 def fuse_and_move(model: Any, hd: int) -> Layout:
-    """Fuse every layer's weights and move each to the module that reads it (see the module
-    docstring); register the state-dict hooks. Returns the model's `Layout`."""
+    """Fuse every layer's weights (and the gradients they have) and move each to the module that reads
+    it (see the module docstring); register the state-dict hooks; keep each touched module's order of
+    children (`_coda_children`) for `unfuse_and_restore`. Returns the model's `Layout`. checks.py has
+    refused parts to fuse whose requires_grad, dtype, device or hooks differ."""
     base = model.model
     layers = list(base.layers)
     order = list(base.state_dict(keep_vars=True).keys())  # references: no copy
+    for m in (base, *layers, *(x for layer in layers for x in (layer.self_attn, layer.mlp))):
+        m._coda_children = tuple(m._modules)
     qkvs = []
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         qkvs.append(FusedQKV(attn, hd))
+        g, u = base_of(mlp.gate_proj).weight, base_of(mlp.up_proj).weight
+        mlp._coda_parts = part_names(mlp, ("gate_proj", "up_proj"))
         with torch.no_grad():
-            gu = torch.stack([mlp.gate_proj.weight, mlp.up_proj.weight], 1).flatten(0, 1)
-        mlp.gate_up_weight = torch.nn.Parameter(
-            gu.contiguous(), requires_grad=mlp.gate_proj.weight.requires_grad
-        )
-        del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
+            gu = torch.stack([g, u], 1).flatten(0, 1)
+            grads = _grads(g, u)
+        mlp.gate_up_weight = torch.nn.Parameter(gu.contiguous(), requires_grad=g.requires_grad)
+        mlp.gate_up_weight.grad = torch.stack(grads, 1).flatten(0, 1) if grads else None
+        for i, name in enumerate(("gate_proj", "up_proj")):  # LoRA layers stay, over gate_up_weight's rows
+            m = mlp._modules[name]
+            if is_lora(m):
+                m.base_layer = FusedPart(
+                    mlp, "gate_up_weight", i, m.base_layer.out_features, m.base_layer.in_features
+                )
+            else:
+                del mlp._modules[name]
         mlp._register_state_dict_hook(mlp_save_hook)
         mlp.register_load_state_dict_pre_hook(mlp_load_hook)
     for i, layer in enumerate(layers):
@@ -239,13 +370,121 @@ def fuse_and_move(model: Any, hd: int) -> Layout:
     return layout
 
 
+def moved_parts(model: Any) -> list[tuple[Any, Any, Any]]:
+    """(decoder layer, its FusedQKV, its input norm) of each layer of a patched model, where
+    `fuse_and_move` registered them (a layer in a checkpoint wrapper unwrapped); ValueError naming
+    what is gone since patching."""
+    base = model.model
+    layers = [getattr(x, "_checkpoint_wrapped_module", x) for x in base.layers]
+    owners = [(base, "model.coda_first")] + [
+        (layer, f"model.layers.{i}.coda_next") for i, layer in enumerate(layers[:-1])
+    ]
+    out = []
+    for i, (layer, (owner, where)) in enumerate(zip(layers, owners, strict=True)):
+        moved = owner._modules.get(where.rpartition(".")[2])
+        fused = None if moved is None else moved._modules.get("self_attn")
+        norm = None if moved is None else moved._modules.get("input_layernorm")
+        mlp = layer._modules.get("mlp")
+        for what, ok in (
+            (f"{where}.self_attn.qkv_weight", fused is not None and "qkv_weight" in fused._parameters),
+            (f"{where}.input_layernorm", norm is not None),
+            (f"model.layers.{i}.mlp.gate_up_weight", mlp is not None and "gate_up_weight" in mlp._parameters),
+        ):
+            if not ok:
+                raise ValueError(f"coda_lang.hf: {what}: gone since patching; this model can't be unpatched")
+        out.append((layer, fused, norm))
+    last = layers[-1]._modules.get("coda_next")
+    if last is None or "norm" not in last._modules:
+        raise ValueError(
+            f"coda_lang.hf: model.layers.{len(layers) - 1}.coda_next.norm: gone since patching; this model "
+            "can't be unpatched"
+        )
+    return out
+
+
+def unfuse_and_restore(model: Any, layout: Layout) -> None:
+    """`fuse_and_move` undone on a patched model: q/k/v and gate/up as `nn.Linear`s again, their weights
+    (and gradients, and requires_grad) the fused ones' rows exactly; every moved module registered
+    where Hugging Face has it, each module's children in their order; the `Moved` containers and the
+    state-dict hooks removed. `moved_parts` has checked that everything is there."""
+    base = model.model
+    parts = moved_parts(model)
+    final = parts[-1][0].coda_next.norm
+    for layer, fused, norm in parts:
+        attn, mlp = layer.self_attn, layer.mlp
+        w = fused.qkv_weight
+        split = split_qkv(w.detach(), fused.head_dim, fused.nq, fused.nk)
+        grads = split_qkv(w.grad, fused.head_dim, fused.nq, fused.nk) if w.grad is not None else (None,) * 3
+        for n, t, g in zip(("q_proj", "k_proj", "v_proj"), split, grads, strict=True):
+            lin = _linear(t, g, w.requires_grad)
+            lora = attn._modules.get(n)
+            if lora is not None and is_lora(lora):  # over a Linear of its own again
+                lora.base_layer = lin
+            else:
+                attn._modules[n] = lin
+        for n in ("q_norm", "k_norm"):
+            if n in fused._modules:
+                attn.__dict__.pop(n, None)
+                attn._modules[n] = fused._modules[n]
+        gu = mlp.gate_up_weight
+        g = gu.grad
+        for k, n in enumerate(("gate_proj", "up_proj")):
+            lin = _linear(gu.detach()[k::2], None if g is None else g[k::2], gu.requires_grad)
+            lora = mlp._modules.get(n)
+            if lora is not None and is_lora(lora):
+                lora.base_layer = lin
+            else:
+                mlp._modules[n] = lin
+        del mlp.gate_up_weight
+        mlp.__dict__.pop("_coda_parts", None)
+        _drop_hooks(mlp, mlp_save_hook, mlp_load_hook)
+        layer.__dict__.pop("input_layernorm", None)
+        layer._modules["input_layernorm"] = norm
+    for layer, _, _ in parts:
+        layer._modules.pop("coda_next", None)
+        for m in (layer, layer.self_attn, layer.mlp):
+            _reorder(m)
+    base.__dict__.pop("norm", None)
+    base._modules["norm"] = final
+    base._modules.pop("coda_first", None)
+    _reorder(base)
+    _drop_hooks(base, layout.save_hook, layout.load_hook)
+
+
+def _linear(w: torch.Tensor, grad: torch.Tensor | None, requires_grad: bool) -> torch.nn.Linear:
+    lin = torch.nn.utils.skip_init(
+        torch.nn.Linear, w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype
+    )
+    lin.weight = torch.nn.Parameter(w.contiguous(), requires_grad=requires_grad)
+    lin.weight.grad = None if grad is None else grad.contiguous()
+    return lin
+
+
+def _reorder(m: Any) -> None:
+    """`m`'s children in the order recorded at patching (`_coda_children`), any new ones after."""
+    order = m.__dict__.pop("_coda_children", ())
+    children = {**{n: m._modules[n] for n in order if n in m._modules}, **m._modules}
+    m._modules.clear()
+    m._modules.update(children)
+
+
+def _drop_hooks(m: Any, save: Any, load: Any) -> None:
+    for key, hook in list(m._state_dict_hooks.items()):
+        if hook == save:
+            del m._state_dict_hooks[key]
+    for key, hook in list(m._load_state_dict_pre_hooks.items()):
+        if getattr(hook, "hook", hook) == load:
+            del m._load_state_dict_pre_hooks[key]
+
+
 def unfused_grads(model: Any) -> dict[str, torch.Tensor]:
     """The gradients of a patched model's parameters under the unpatched model's names and layouts (as
     its `state_dict()` names them): to compare with an unpatched model, or to log per-projection norms.
     Under `checkpoint_wrapper` the names are the unwrapped ones; a sharded gradient (a DTensor, under
     FSDP2) is gathered whole, a collective: call it on every rank."""
     layout: Layout = model._coda.layout
-    base = next(n for n, m in model.named_modules() if m is model.model)
+    inner = peft_inner(model)  # (a peft model's names have its prefix)
+    base = next(n for n, m in model.named_modules() if m is inner.model)
     prefix = base + "." if base else ""
     dt = sys.modules.get("torch.distributed.tensor")
     out: dict[str, torch.Tensor] = {}
@@ -261,7 +500,7 @@ def unfused_grads(model: Any) -> dict[str, torch.Tensor]:
         if leaf == "qkv_weight":
             qkv_save_hook(_unwrapped(model, owner), sd, "", None)
         elif leaf == "gate_up_weight":
-            mlp_save_hook(None, sd, "", None)
+            mlp_save_hook(_unwrapped(model, owner), sd, "", None)
         for k, v in sd.items():
             full = f"{owner}.{k}" if owner else k
             if full.startswith(prefix):

@@ -31,9 +31,11 @@ import torch
 
 from coda_lang.backend_cute.runtime.binding import unallocated
 from coda_lang.core.diagnostics import CodaError, error
+from coda_lang.hf import lora
 from coda_lang.hf.blocks import DTYPES
 from coda_lang.hf.checkpoint import WRAPPED
 from coda_lang.hf.checks import refuse
+from coda_lang.hf.contract import check_call, returned
 from coda_lang.hf.loss import IGNORE, ChunkedLoss, Embed, TiedGrad, rows_per_chunk, targets, tied_embedding
 from coda_lang.hf.state import Blocks, ModelState
 from coda_lang.hf.units import gathered
@@ -132,7 +134,7 @@ class Step:
     floating-point tensor arguments to its MixedPrecisionPolicy's param_dtype, and positions in bf16
     would lose their low bits."""
 
-    __slots__ = ("blocks", "mask", "b", "s", "pos", "freq", "kwargs")
+    __slots__ = ("blocks", "mask", "b", "s", "pos", "freq", "kwargs", "given", "made")
 
     def __init__(
         self,
@@ -146,6 +148,26 @@ class Step:
     ):
         self.blocks, self.mask, self.b, self.s = blocks, mask, b, s
         self.pos, self.freq, self.kwargs = pos, freq, kwargs
+        # per decoder layer (by index): the tensors the patched forward passed it and those its
+        # forward made, to see that nothing between them (a hook, a wrapper) changed them
+        self.given: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def same(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """The same tensors: the same memory and shapes (activation checkpointing passes a layer detached
+    copies of its inputs, which share their memory; FSDP2's casts to the dtype they have already are
+    the tensors themselves)."""
+    return all(x.data_ptr() == y.data_ptr() and x.shape == y.shape for x, y in zip(a, b, strict=True))
+
+
+CHANGED_FLOW = (
+    "the patched decoder layer takes the residual stream and the QKV tile made from it by the layer "
+    "before, and returns the next layer's, each [batch * seq, width]; a change of one would not reach "
+    "the other, so it is refused, not half-honoured. A hook that only reads them runs (output_hidden_states "
+    "gives Hugging Face's hidden states); to change hidden states, run the model unpatched "
+    "(coda_lang.hf.unpatch(model))"
+)
 
 
 def run_block(owner: Any, fn: BlockFunction, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -194,28 +216,40 @@ def layer_forward(
     input and row scale (x2g, r2). x: its residual input, [B*S, D]. Every weight it reads is its own
     (checkpoint.py: the next layer's input norm and QKV, or the final norm, under `coda_next`)."""
     st: ModelState = self._coda
+    i = self._coda_index
+    # (none when activation checkpointing runs the forward again in the backward: nothing checked, nothing kept)
+    given = step.given.pop(i, None)
+    if given is not None and not same((x, qkv), given):
+        raise refuse(
+            f"{self._coda_name}: its inputs were changed on the way in (a forward pre-hook or a wrapper)",
+            CHANGED_FLOW,
+        )
     attn, mlp, nxt = self.self_attn, self.mlp, self.coda_next
     y = attention(st, attn, qkv, step.b, step.s, step.mask, step.kwargs)
     inputs = dict(
         y=y,
         x=x,
-        w_o=attn.o_proj.weight,
+        w_o=lora.linear_weight(attn.o_proj),
         g1=self.post_attention_layernorm.weight,
-        w_13=mlp.gate_up_weight,
-        w_2=mlp.down_proj.weight,
+        w_13=lora.gate_up_weight(mlp),
+        w_2=lora.linear_weight(mlp.down_proj),
     )
     if self._coda_last:
         out = run_block(self, step.blocks.last, {**inputs, "g2": nxt.norm.weight})
+        if given is not None:
+            step.made[i] = (out["x2g"], out["r2"])
         return out["x2g"], out["r2"]
     fused = nxt.self_attn
     inputs.update(
         g2=nxt.input_layernorm.weight,
-        w_qkv=fused.qkv_weight,
+        w_qkv=lora.qkv_weight(fused),
         pos=step.pos,
         freq=step.freq,
         **(qk_norm_weights(st, fused, x.device) if st.qk_norm else {}),
     )
     out = run_block(self, step.blocks.layer, inputs)
+    if given is not None:
+        step.made[i] = (out["x2"], out["qkv"])
     return out["x2"], out["qkv"]
 
 
@@ -286,7 +320,7 @@ def hidden(
         dict(
             h=h,
             g=first.input_layernorm.weight,
-            w_qkv=fused.qkv_weight,
+            w_qkv=lora.qkv_weight(fused),
             pos=step.pos,
             freq=step.freq,
             **(qk_norm_weights(st, fused, emb.device) if st.qk_norm else {}),
@@ -298,8 +332,21 @@ def hidden(
     x = h
     last = len(layers) - 1
     for i, layer in enumerate(layers):
+        step.given[i] = (x, qkv)
         # positional x and qkv: what activation checkpointing (use_reentrant=True) differentiates
         x, qkv = layer(x, qkv, step)
+        step.given.pop(i, None)
+        made = step.made.pop(i, None)
+        if made is None or not same((x, qkv), made):
+            where = getattr(
+                getattr(layer, "_checkpoint_wrapped_module", layer), "_coda_name", f"model.layers.{i}"
+            )
+            raise refuse(
+                f"{where}: its outputs were changed on the way out (a forward hook or a wrapper)"
+                if made is not None
+                else f"{where}: its patched forward did not run",
+                CHANGED_FLOW,
+            )
         if states is not None and i < last:
             states.append(x.view(b, s, -1))
     return x, qkv, b, s  # the last layer's (x2g, r2)
@@ -335,10 +382,11 @@ def causal_lm_forward(
 ) -> Any:
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
+    return_dict = kwargs.pop("return_dict", None)
+    check_call(self, input_ids, inputs_embeds, labels, kwargs, past_key_values is not None or bool(use_cache))
     st: ModelState = self._coda
     num_items = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)
-    kwargs.pop("return_dict", None)
     states: list[torch.Tensor] | None = [] if wants_states(self, kwargs) else None
     with_loss = labels is not None or shift_labels is not None
     # a tied head + embedding in "rows" mode: the weight's gradient made in one pass (TiedGrad)
@@ -376,7 +424,7 @@ def causal_lm_forward(
                 loss = ChunkedLoss.apply(hg, r, w_lm, target, denom, bl.row_head(), chunk, tied)
             except CodaError as e:
                 raise named(self, "head_loss", {"hg": hg, "r": r, "w_lm": w_lm}, e) from None
-        return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=hs)  # type: ignore[arg-type]
+        return returned(self, CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=hs), return_dict)  # type: ignore[arg-type]
     rows = torch.arange(b * s, device=hg.device).view(b, s)
     if isinstance(logits_to_keep, int) and logits_to_keep > 0:
         rows = rows[:, -logits_to_keep:]
@@ -384,7 +432,8 @@ def causal_lm_forward(
         rows = rows[:, logits_to_keep]
     keep = rows.reshape(-1)
     logits = run_block(self, bl.head_logits, dict(hg=hg[keep], r=r[keep], w_lm=w_lm))["logits"]
-    return CausalLMOutputWithPast(loss=None, logits=logits.view(b, rows.shape[1], -1), hidden_states=hs)  # type: ignore[arg-type]
+    out = CausalLMOutputWithPast(loss=None, logits=logits.view(b, rows.shape[1], -1), hidden_states=hs)  # type: ignore[arg-type]
+    return returned(self, out, return_dict)
 
 
 def base_forward(
@@ -399,8 +448,11 @@ def base_forward(
 ) -> Any:
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
-    owner = self._coda_owner()  # the causal LM holding this base model (a weak reference: no module cycle)
-    kwargs.pop("return_dict", None)
+    owner = self._coda_owner()  # the causal LM holding this base model
+    return_dict = kwargs.pop("return_dict", None)
+    check_call(
+        owner, input_ids, inputs_embeds, None, kwargs, past_key_values is not None or bool(use_cache), True
+    )
     states: list[torch.Tensor] | None = [] if wants_states(owner, kwargs) else None
     hg, r, b, s = hidden(
         owner,
@@ -415,4 +467,4 @@ def base_forward(
     )
     out = normed(hg, r, b, s)
     hs = None if states is None else (*states, out)
-    return BaseModelOutputWithPast(last_hidden_state=out, hidden_states=hs)  # type: ignore[arg-type]
+    return returned(owner, BaseModelOutputWithPast(last_hidden_state=out, hidden_states=hs), return_dict)  # type: ignore[arg-type]

@@ -125,8 +125,14 @@ class ChunkedLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        kept = ctx.kept
-        del ctx.kept
+        kept = ctx.__dict__.pop("kept", None)
+        if kept is None:
+            raise RuntimeError(
+                "coda_lang.hf: a second backward through the loss (retain_graph=True): the loss head of "
+                "loss_mode='rows' makes its gradients in the forward and hands them to the first backward "
+                "only (the f32 weight-gradient total is not kept for another), and the layers' blocks "
+                "write their backward over what they saved; run the forward again for another backward"
+            )
         dh, dr = (
             None if t is None else scale_round(t, g, dt)
             for t, dt in zip(kept[:2], ctx.dtypes[:2], strict=True)

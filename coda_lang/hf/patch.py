@@ -1,32 +1,55 @@
-"""Patching one model instance in place: checked, its layers' weights fused and moved to the modules
-that read them, its forwards replaced.
+"""Patching one model instance in place, and undoing it: checked, its layers' weights fused and moved
+to the modules that read them, its forwards replaced; `unpatch` gives the Hugging Face modules and
+forwards back.
 
 What it does: `apply(model, family, loss)`: checks.py's checks (and that no parameter is sharded
 yet), the model's state (state.py, kept as `model._coda`), the fused weights, each moved under the
-module whose forward runs the block that reads it, and the state-dict hooks (checkpoint.py), and the
-forwards bound to forward.py's: the causal LM's, the base model's and each decoder layer's.
+module whose forward runs the block that reads it, and the state-dict hooks (checkpoint.py), the
+forwards set to forward.py's (the causal LM's, the base model's and each decoder layer's, bound with
+`functools.partial`, which a copy or pickle of the model keeps, where a bound method would not
+unpickle), and the contract the forward checks at each call (contract.py). `unpatch(model)`: the
+projections split back out of the fused weights exactly and every moved module put back
+(checkpoint.py), the forwards and the state removed: an ordinary transformers model again
+(generation with a KV cache works), the parameters it shared with the patched model the same objects.
 What it does not: know one family from another (families.py gives their facts).
 Invariants: nothing changes on a model that fails a check; the optimizer should be made after
 patching (the fused weights are new parameters), and so should any wrapping that holds parameters
-(FSDP2's `fully_shard`, DDP).
+(FSDP2's `fully_shard`, DDP); and again after unpatching (the projections it makes are new
+parameters).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
-import types
-import weakref
 from typing import Any
 
-from coda_lang.hf.checkpoint import fuse_and_move
-from coda_lang.hf.checks import check_model, refuse
+from coda_lang.hf.checkpoint import fuse_and_move, moved_parts, unfuse_and_restore
+from coda_lang.hf.checks import check_model, peft_inner, refuse
+from coda_lang.hf.contract import Contract
 from coda_lang.hf.family import Family
 from coda_lang.hf.forward import base_forward, causal_lm_forward, layer_forward
 from coda_lang.hf.loss import LossSettings
 from coda_lang.hf.state import ModelState
 
 
-def check_unsharded(model: Any) -> None:
+class Owner:
+    """The causal LM holding a patched base model, called as the weak reference it once was
+    (`base._coda_owner()`); a strong reference, which a copy or pickle of the model carries (the
+    forwards bound to the model make a reference cycle already)."""
+
+    __slots__ = ("model",)
+
+    def __init__(self, model: Any):
+        self.model = model
+
+    def __call__(self) -> Any:
+        return self.model
+
+
+def check_unsharded(
+    model: Any, what: str = "patch the model before sharding it (fully_shard after apply_coda_to_*)"
+) -> None:
     """A model whose parameters FSDP2 has sharded already (DTensors) is refused: patching replaces and
     moves parameters, which the wrapper would not know of."""
     dtensor = sys.modules.get("torch.distributed.tensor")
@@ -34,15 +57,17 @@ def check_unsharded(model: Any) -> None:
         return
     for name, p in model.named_parameters():
         if isinstance(p, dtensor.DTensor):
-            raise refuse(
-                f"parameter {name} is a DTensor",
-                "patch the model before sharding it (fully_shard after apply_coda_to_*)",
-            )
+            raise refuse(f"parameter {name} is a DTensor", what)
 
 
 def apply(model: Any, family: Family, loss: LossSettings) -> Any:
-    """Patch `model` (a transformers causal LM of `family`) in place and return it; its LM head makes
-    the loss as `loss` says."""
+    """Patch `model` (a transformers causal LM of `family`, or a peft model of one: its base model is
+    patched, its LoRA layers run in the blocks) in place and return it; its LM head makes the loss as
+    `loss` says."""
+    inner = peft_inner(model)
+    if inner is not model:
+        apply(inner, family, loss)
+        return model
     check_unsharded(model)
     check_model(model, family)
     st = ModelState(model, family, loss)
@@ -50,12 +75,54 @@ def apply(model: Any, family: Family, loss: LossSettings) -> Any:
     layers = list(model.model.layers)
     st.layout = fuse_and_move(model, st.HD)
     model._coda = st
-    object.__setattr__(model.model, "_coda_owner", weakref.ref(model))
+    object.__setattr__(model.model, "_coda_owner", Owner(model))
     for i, layer in enumerate(layers):
         layer._coda = st
         layer._coda_name = names[id(layer)]  # (for messages)
+        layer._coda_index = i
         layer._coda_last = i == len(layers) - 1
-        layer.forward = types.MethodType(layer_forward, layer)
-    model.forward = types.MethodType(causal_lm_forward, model)
-    model.model.forward = types.MethodType(base_forward, model.model)
+        layer.forward = functools.partial(layer_forward, layer)
+    forwards = (functools.partial(causal_lm_forward, model), functools.partial(base_forward, model.model))
+    model.forward, model.model.forward = forwards
+    st.contract = Contract(model, family, forwards)
+    return model
+
+
+LAYER_ATTRS = ("forward", "_coda", "_coda_name", "_coda_index", "_coda_last")
+
+
+def unpatch(model: Any) -> Any:
+    """Undo `apply_coda_to_llama` / `apply_coda_to_qwen3` on `model` in place (and return it): each
+    layer's q/k/v and gate/up projections split back out of the fused weights exactly (and their
+    gradients, when any), every moved module back where Hugging Face has it, the transformers
+    forwards back, the coda state removed. What was changed since patching (a module replaced, an
+    adapter, a checkpoint wrapper) stays as it is. ValueError for a model not patched, sharded, or
+    whose forward was wrapped since patching (unpatch it before wrapping)."""
+    inner = peft_inner(model)
+    if inner is not model:
+        unpatch(inner)
+        return model
+    st = getattr(model, "_coda", None)
+    if st is None:
+        raise refuse(type(model).__name__, "not patched by coda_lang.hf", "there is nothing to unpatch")
+    check_unsharded(
+        model, "unpatch the model before sharding it, or load its state_dict() into an unpatched one"
+    )
+    lm_forward, base_fwd = st.contract.forwards
+    base = model.model
+    for what, m, fwd in (("model.forward", model, lm_forward), ("model.model.forward", base, base_fwd)):
+        if m.__dict__.get("forward") is not fwd:
+            raise refuse(
+                what,
+                "replaced or wrapped since patching (e.g. by accelerate's prepare)",
+                "unpatch the model before wrapping it",
+            )
+    parts = moved_parts(model)  # all checked before anything changes
+    unfuse_and_restore(model, st.layout)
+    for layer, _, _ in parts:
+        for a in LAYER_ATTRS:
+            layer.__dict__.pop(a, None)
+    del model.forward, base.forward
+    base.__dict__.pop("_coda_owner", None)
+    del model._coda
     return model

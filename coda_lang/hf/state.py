@@ -11,8 +11,10 @@ FSDP2's MixedPrecisionPolicy, a model cast after patching) when it first runs. `
 give the default positions and RoPE's frequencies, made once per shape (and per `inv_freq` version).
 What it does not: touch the model's modules (patch.py), run the forward (forward.py) or the loss
 (loss.py).
-Invariants: made once per model, at patching; the model keeps it as `model._coda` (private: the
-loss settings are `apply_coda_to_*`'s arguments).
+Invariants: made once per model, at patching; the model and each decoder layer keep it as `_coda`
+(private: the loss settings are `apply_coda_to_*`'s arguments), with the forward's contract
+(`contract`, contract.py). A copy or pickle of the model makes its state again from the facts
+(`__reduce__`): blocks of its own, the layout and the contract copied with the model's modules.
 """
 
 from __future__ import annotations
@@ -88,14 +90,24 @@ class ModelState:
 
     def __init__(self, model: Any, family: Family, loss: LossSettings):
         cfg = model.config
+        heads = cfg.num_attention_heads
+        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        facts = (heads, cfg.num_key_value_heads, hd, cfg.hidden_size, cfg.rms_norm_eps, model.dtype)
+        self._build(family, loss, facts)
+        # what the forward relies on, recorded by the patch once it has installed its forwards
+        self.contract: Any = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """A copy (`copy.deepcopy`, pickle) is made from the facts, with blocks of its own and a copy
+        of the layout and the contract (its modules those of the model copied with it, one memo)."""
+        return (_restored, (self.family, self.loss, self.facts, self.layout, self.contract))
+
+    def _build(self, family: Family, loss: LossSettings, facts: tuple[Any, ...]) -> None:
+        self.facts = facts
         self.family = family
         self.qk_norm = family.qk_norm
-        self.H = cfg.num_attention_heads
-        self.KV = cfg.num_key_value_heads
-        self.HD = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.H
-        self.D = cfg.hidden_size
-        self.eps = cfg.rms_norm_eps
-        self.dtype = model.dtype  # the dtype at patching; the blocks of another are made when it runs
+        self.H, self.KV, self.HD, self.D, self.eps, dtype = facts
+        self.dtype = dtype  # the dtype at patching; the blocks of another are made when it runs
         self.loss = loss
         self.loss_mode = loss.mode
         # bytes of the largest transient of a chunk ("vocab")
@@ -152,3 +164,13 @@ class ModelState:
         f = torch.cat([inv32.repeat(self.H + self.KV), inv32.new_zeros(self.KV * self.HD // 2)])
         self._freq = (inv, inv._version, str(device), f)
         return f
+
+
+def _restored(
+    family: Family, loss: LossSettings, facts: tuple[Any, ...], layout: Layout, contract: Any
+) -> ModelState:
+    """A model state made again from its facts (`ModelState.__reduce__`)."""
+    st = ModelState.__new__(ModelState)
+    st._build(family, loss, facts)
+    st.layout, st.contract = layout, contract
+    return st
