@@ -253,15 +253,20 @@ def test_changes_after_patching_are_refused() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_bf16_on_the_gpu_within_the_accuracy_rule(family: str) -> None:
+def test_bf16_on_the_gpu_within_the_accuracy_rule(family: str, monkeypatch: Any) -> None:
     """bf16 on the GPU: the patched peft model's loss and adapter gradients are as close to a float64
-    run of the unpatched peft model as the unpatched bf16 run is (twice its error, and a floor)."""
+    run of the unpatched peft model as the unpatched bf16 run is (twice its error, and a floor).
+    Refused by default there (not yet checked); CODA_LORA_CUDA=1 lets this check run."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)")
     from test_hf import ON_KERNELS
 
     torch.manual_seed(0)
-    ref = peft.get_peft_model(make(family, **ON_KERNELS[family]), config(16, autocast_adapter_dtype=False))
+    cuda = patch(family, peft.get_peft_model(make(family, **ON_KERNELS[family]), config(16)).cuda())
+    with pytest.raises(ValueError, match="peft LoRA adapters on a CUDA model"):
+        step(cuda, *(t.cuda() for t in batch(s=64)))
+    monkeypatch.setenv("CODA_LORA_CUDA", "1")
+    ref = peft.get_peft_model(make(family, **ON_KERNELS[family]), config(16), autocast_adapter_dtype=False)
     f64 = copy.deepcopy(ref).double().cuda()
     bf = copy.deepcopy(ref).to(torch.bfloat16).cuda()
     pat = patch(family, copy.deepcopy(ref).to(torch.bfloat16).cuda())
