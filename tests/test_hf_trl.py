@@ -3,8 +3,8 @@
 On the CPU with the tiny Llama of tests/test_hf.py, a word-level tokenizer made here (no hub) and a
 dataset of random "text": LoRA applied, the peft model patched, then `SFTTrainer(model=...)`. TRL
 1.16 adds its own chunked LM head to the model's forward (`add_fused_lm_head`), which calls the
-patched base model (the blocks) and reads the LM head's weight; its losses at each step equal those
-of the same run unpatched (f32), and so do the adapters after it. A `peft_config` given to
+patched base model (the blocks) and reads the LM head's weight: on one batch its loss and every
+adapter gradient equal the unpatched run's (f32), and 2 steps lower the loss as unpatched. A `peft_config` given to
 SFTTrainer with a patched model (LoRA after patching) is refused by name.
 """
 
@@ -60,7 +60,7 @@ def peft_model() -> Any:
     return peft.get_peft_model(model, lora)
 
 
-def trainer(model: Any, out: Any, steps: int = 3, **kw: Any) -> Any:
+def trainer(model: Any, out: Any, steps: int = 2, **kw: Any) -> Any:
     args = trl.SFTConfig(
         output_dir=str(out),
         max_steps=steps,
@@ -81,7 +81,7 @@ def trainer(model: Any, out: Any, steps: int = 3, **kw: Any) -> Any:
 def test_sft_trainer_trains_a_patched_peft_model_as_the_unpatched_one(tmp_path: Any) -> None:
     """The recipe: LoRA, then the patch, then SFTTrainer. On one batch, SFTTrainer's loss (its own
     chunked head over the patched base model's blocks) and every adapter gradient are the unpatched
-    run's within 1e-5 (f32). Then 3 steps each: the loss falls, and the logged losses agree within
+    run's within 1e-5 (f32). Then 2 steps each: the loss falls, and the logged losses agree within
     1e-3 (two runs of the unpatched model in one process differ by 5e-5 already: the trainer's own
     state between runs, not the model)."""
     ref = peft_model()
@@ -107,7 +107,7 @@ def test_sft_trainer_trains_a_patched_peft_model_as_the_unpatched_one(tmp_path: 
         t.train()
         logged.append([h["loss"] for h in t.state.log_history if "loss" in h])
     want, have = logged
-    assert len(have) == len(want) == 3 and have[-1] < have[0] - 0.05
+    assert len(have) == len(want) == 2 and have[-1] < have[0] - 0.05
     for a, b in zip(have, want, strict=True):
         assert abs(a - b) < 1e-3 * abs(b), logged
 
