@@ -149,6 +149,7 @@ def test_coda_precompile_builds_what_a_training_step_asks_for(
             first = next(c for c in CANDIDATES if fits(spec, c))
             for c in {first, *(c for c in TUNE_CANDIDATES if fits(spec, c))}:
                 assert Kernel(spec, c, tmp_path / "cache").key in fake.built, (cb.name, k, c)
+    assert f"kernel cache: {tmp_path / 'cache'}" in out
     n = len(fake.built)
     assert main(["precompile", "--model", str(tmp_path / "m" / "config.json"), "-q"]) == 0
     assert len(fake.built) == n

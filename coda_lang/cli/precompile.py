@@ -23,6 +23,7 @@ import sys
 from typing import Any
 
 from coda_lang.backend_cute.build.ptxas import BackendUnavailable
+from coda_lang.backend_cute.plan.emit import cache_dir
 from coda_lang.backend_cute.runtime.tiles import precompile
 from coda_lang.cli.common import EXIT_ERRORS, EXIT_OK, EXIT_USAGE, usage_error
 from coda_lang.cli.compile import parse_jobs
@@ -134,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
             f"kernels of {what}: {done.compiled} compiled ({how}, {done.seconds:.1f} s), {done.cached} "
             f"from the cache; {done.spills} spill and {done.refused} were refused: never run ({names})"
         )
+    print(f"kernel cache: {cache_dir()}")
     for b in blocks:  # a stage no candidate compiles for: E0706/E0707 now, not at the first step
         try:
             for k in b.gemm_stages:
