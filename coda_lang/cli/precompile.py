@@ -23,7 +23,7 @@ import sys
 from typing import Any
 
 from coda_lang.backend_cute.build.ptxas import BackendUnavailable
-from coda_lang.backend_cute.plan.emit import cache_dir
+from coda_lang.backend_cute.build.store import cache_dir
 from coda_lang.backend_cute.runtime.tiles import precompile
 from coda_lang.cli.common import EXIT_ERRORS, EXIT_OK, EXIT_USAGE, usage_error
 from coda_lang.cli.compile import parse_jobs
