@@ -277,3 +277,31 @@ def test_bf16_on_the_gpu_within_the_accuracy_rule(family: str, monkeypatch: Any)
     assert abs(float(lpt) - float(l64)) <= 2 * abs(float(lbf) - float(l64)) + 1e-2
     for name, g in g64.items():
         assert rel(gpt[name], g) <= 2 * rel(gbf[name], g) + 2e-2, name
+
+
+def test_adapters_on_a_cuda_model_are_refused(monkeypatch: Any) -> None:
+    """Until the GPU check explains the 1B benchmark's drift, active adapters whose weights are on a
+    GPU are refused at the forward (a stand-in layer whose adapter weight says it is on CUDA);
+    CODA_LORA_CUDA=1 lets them run."""
+    from types import SimpleNamespace
+
+    from coda_lang.hf import lora
+
+    weight = SimpleNamespace(is_cuda=True)
+    layer = SimpleNamespace(
+        disable_adapters=False,
+        merged=False,
+        active_adapters=["default"],
+        lora_A={"default": SimpleNamespace(weight=weight)},
+        lora_dropout={"default": torch.nn.Identity()},
+    )
+    monkeypatch.delenv("CODA_LORA_CUDA", raising=False)
+    with pytest.raises(ValueError, match="peft LoRA adapters on a CUDA model"):
+        lora.delta(layer)
+    monkeypatch.setenv("CODA_LORA_CUDA", "1")
+    with pytest.raises(AttributeError):  # past the refusal: on to the adapter's B weight
+        lora.delta(layer)
+    weight.is_cuda = False
+    monkeypatch.delenv("CODA_LORA_CUDA")
+    with pytest.raises(AttributeError):
+        lora.delta(layer)

@@ -40,7 +40,8 @@ def delta(m: Any, sharded_ok: bool = True) -> torch.Tensor | None:
         return None
     if m.merged:
         return None
-    if m.base_layer.weight.is_cuda and not os.environ.get("CODA_LORA_CUDA"):
+    on_cuda = any(m.lora_A[a].weight.is_cuda for a in m.active_adapters if a in m.lora_A)
+    if on_cuda and not os.environ.get("CODA_LORA_CUDA"):
         raise refuse(
             "peft LoRA adapters on a CUDA model",
             "the adapters run in the blocks' CUDA kernels, which are not yet checked against peft there "
