@@ -887,6 +887,7 @@ def test_unpatch_after_a_dtype_change_and_its_errors() -> None:
 # ---- the check's cost ----
 
 
+@pytest.mark.slow  # (a timing; its numbers are in hf/contract.py's docstring: kept out of CI's run)
 def test_the_check_costs_no_measurable_time() -> None:
     """The per-forward check: a walk of C-level scans over columns made at patching. Timed alone on a
     16-layer model's module tree (about 4-7 us per layer on a 2-core CPU; the bound is 30x that), and
