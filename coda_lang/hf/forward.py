@@ -311,7 +311,10 @@ def hidden(
         pos = st.positions(b, s, emb.device)
     else:
         pos = position_ids.expand(b, s).reshape(-1).to(torch.float32)
-    step = Step(st.blocks(emb.dtype), mask, b, s, pos, st.freq(model, emb.device), kwargs)
+    # the attention function gets the caller's position_ids as Hugging Face's attention does (flash
+    # attention finds packed sequences from them when there is no mask)
+    attn_kwargs = kwargs if position_ids is None else {**kwargs, "position_ids": position_ids}
+    step = Step(st.blocks(emb.dtype), mask, b, s, pos, st.freq(model, emb.device), attn_kwargs)
     h = emb.reshape(b * s, -1)
     fused = first.self_attn
     qkv = run_block(
