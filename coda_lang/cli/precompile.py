@@ -26,7 +26,7 @@ from coda_lang.backend_cute.build.ptxas import BackendUnavailable
 from coda_lang.backend_cute.build.store import cache_dir
 from coda_lang.backend_cute.runtime.tiles import precompile
 from coda_lang.cli.common import EXIT_ERRORS, EXIT_OK, EXIT_USAGE, usage_error
-from coda_lang.cli.compile import parse_jobs
+from coda_lang.cli.compile import add_jobs_argument, parse_jobs
 from coda_lang.core.diagnostics import CodaError, render_all
 
 DTYPES = ("bf16", "f16")  # (the kernels multiply 16-bit operands: an f32 GEMM is E0702)
@@ -72,13 +72,7 @@ def add_parser(sub: Any) -> None:
         help="on a Hopper GPU: also time each stage's tiles at N tokens per sequence (the training shape)",
     )
     p.add_argument("--batch", metavar="N", default="1", help="with --seq: sequences per step (default 1)")
-    p.add_argument(
-        "-j",
-        "--jobs",
-        metavar="N",
-        help="worker processes compiling kernels (default: one per CPU, at most one per GB of available "
-        "memory, or $CODA_JOBS; 1: one after another in this process)",
-    )
+    add_jobs_argument(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(run=run)
 

@@ -33,7 +33,7 @@ from coda_lang.cli.common import (
     parse_dims,
     usage_error,
 )
-from coda_lang.cli.compile import parse_jobs
+from coda_lang.cli.compile import add_jobs_argument, parse_jobs
 from coda_lang.core.diagnostics import CodaError, render_all
 from coda_lang.ir.nodes import DEFAULT_REMAT, REMAT
 
@@ -72,13 +72,7 @@ def add_parser(sub: Any) -> None:
         help=f"with --backward: the saved-tensor policy of the backward, {', '.join(REMAT)} "
         f"(default {DEFAULT_REMAT})",
     )
-    t.add_argument(
-        "-j",
-        "--jobs",
-        metavar="N",
-        help="worker processes compiling kernels (default: one per CPU, at most one per GB of available "
-        "memory, or $CODA_JOBS; 1: one after another in this process)",
-    )
+    add_jobs_argument(t)
     t.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     t.set_defaults(run=run)
 
