@@ -11,7 +11,11 @@
   elsewhere; a comparison closer than its bounds lets `where` take either branch; a GEMM's bound is
   relative to |A| @ |B|; a max keeps the largest bound.
 - `compare.mismatch(bound=)`: an element within 2 * bound passes; a NaN bound passes nothing (the
-  bound never gives one: special inputs, random programs with special inputs, flipped ties).
+  bound never gives one: special inputs, random programs with special inputs, flipped ties); a bound
+  of `ANY` passes anything, and comes only where another correct implementation may give anything:
+  inf times a value within rounding of 0 (qkv_rope's inf * sin of an angle near 1e8), 0 / 0 and a
+  log of a value within rounding of 0, and what is computed from those.
+- sin and cos of an operand whose bound spans a period move by 2, not by the endpoints' difference.
 """
 
 from __future__ import annotations
@@ -313,3 +317,68 @@ def test_special_inputs_in_random_programs_leave_no_bound_unknown(
     result = fuzz.fuzz_programs(12, "interp", examples=2, seed=seed, shrink=False, special=True)
     assert result.failure is None, result.failure
     assert seen["values"] > 20 and not seen["nan"], seen
+
+
+def _rope_inputs(pos: list[float]) -> dict[str, Any]:
+    """qkv_rope's inputs for one column pair: x = inf (from w_qkv), y = 1, angles `pos`."""
+    bf = ml_dtypes.bfloat16
+    m = len(pos)
+    return {
+        "xg": np.ones((m, 1), bf),
+        "r": np.ones(m, np.float32),
+        "w_qkv": np.array([[np.inf, 1.0]], bf),
+        "pos": np.array(pos, np.float32),
+        "freq": np.array([1.0], np.float32),
+    }
+
+
+def test_inf_times_a_value_within_rounding_of_zero_may_be_anything() -> None:
+    """`coda fuzz examples/qkv_rope.coda --target cuda --special` on the H100 (dims M=8, D=8, P=24,
+    input seed 0) failed: NaN from the kernel where the interpreter has inf. An infinite x times
+    cos(ang) at an angle near 1e8 (its bound spans periods: the kernel's cos may be 0 or of the other
+    sign) is inf, -inf or NaN in a correct implementation: its bound is ANY, and that element passes
+    whatever it is; at angle 3 the same inf is exact and a NaN there still fails."""
+    block = _one_block(ROOT / "examples" / "qkv_rope.coda")
+    outs, errs = bound.run(block, _rope_inputs([1e8, 3.0]), {"M": 2, "D": 1, "P": 1})
+    q = as_float64(outs["qkv"])
+    assert np.isinf(q).all()
+    assert (errs["qkv"][0] == bound.ANY).all() and (errs["qkv"][1] == 0).all()
+    for got in (np.nan, -q[0, 0], 1.0):
+        g = q.copy()
+        g[0, 0] = got
+        assert mismatch("qkv", g, q, None, "bf16", errs["qkv"]) is None, got
+    g = q.copy()
+    g[1, 0] = np.nan
+    assert mismatch("qkv", g, q, None, "bf16", errs["qkv"]) is not None
+    assert mismatch("qkv", np.where(np.isinf(q), np.nan, q), q, None, "bf16") is not None  # (no bound)
+
+
+def test_sin_and_cos_of_an_angle_that_may_move_a_period_may_be_anything_in_range() -> None:
+    """The endpoints' rule (f(x +- e) - f(x)) gave cos(1e8) with e near 6 a bound of 0.31, though
+    cos swings through [-1, 1] within it: sin and cos move by min(e, 2)."""
+    block = _program(
+        "  gemm x @ w {\n    c = cos(acc)\n    s = sin(acc)\n  }",
+        "x: f32[M, K], w: f32[K, N]",
+        "c: f32[M, N], s: f32[M, N]",
+    )
+    x = np.array([[1e8, 1.0], [0.5, 0.0]], np.float32)
+    outs, errs = bound.run(block, {"x": x, "w": np.ones((2, 1), np.float32)}, {"M": 2, "K": 2, "N": 1})
+    for name in ("c", "s"):
+        assert errs[name][0, 0] >= 2.0, name  # |x| @ |w| near 1e8: the sum's bound is over a period
+        assert errs[name][1, 0] < 1e-5, name
+
+
+def test_a_quotient_or_log_of_a_value_within_rounding_of_zero_may_be_anything() -> None:
+    """acc = 1 - 1 + 2^-30 is within its rounding bound of 0: acc / acc may be 0 / 0 (NaN) and
+    log(acc) the log of a negative number (NaN) in a correct implementation; at acc = 2 both are
+    bounded numbers."""
+    block = _program(
+        "  gemm x @ w {\n    q = acc / acc\n    l = log(acc)\n    n = q * 0.0 + 1.0\n  }",
+        "x: f32[M, K], w: f32[K, N]",
+        "q: f32[M, N], l: f32[M, N], n: f32[M, N]",
+    )
+    x = np.array([[1.0, -1.0, 2.0**-30], [1.0, 1.0, 0.0]], np.float32)
+    outs, errs = bound.run(block, {"x": x, "w": np.ones((3, 1), np.float32)}, {"M": 2, "K": 3, "N": 1})
+    for name in ("q", "l", "n"):  # (n: computed from q, which may be NaN: anything too)
+        assert errs[name][0, 0] == bound.ANY, name
+        assert 0 <= errs[name][1, 0] < 1e-5, name

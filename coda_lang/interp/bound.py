@@ -20,7 +20,13 @@ bound, propagated through the program one equation at a time:
   any order of the arithmetic), and 0 times any bound is 0; a value that overflowed from finite
   operands, or a bound nothing is known of, is unbounded (inf), never NaN;
 - a value rounded to bf16/f16 has bound 0 where no value within its bound rounds differently (both
-  implementations then store the same number), else the distance to what it may round to.
+  implementations then store the same number), else the distance to what it may round to;
+- a value that another correct implementation may have as anything, NaN included, has bound `ANY`
+  (-inf, never a real bound): an infinity times (or over) a value whose bound reaches 0 (inf * sin(x)
+  where sin's fast-math twin may give 0 or the other sign: inf, -inf or NaN), 0 / 0 within the
+  bounds, a function that is NaN within its operand's bound (log, sqrt near 0); everything computed
+  from it is `ANY` too, but a comparison (which may then flip: bound 1), a `where` whose chosen branch
+  is not `ANY`, and values moved elsewhere.
 The inputs, cotangents and literals are the same on both sides (bound 0). Which of these rules an op
 follows, and what it adds of its own, is its OpDef's `bound` (a `BoundRule` and its `own` rounding, in
 coda_lang/ops/): this module implements the rules and names no op.
@@ -28,7 +34,7 @@ What it does not: decide whether a result passes (testing/compare.py), or bound 
 one comparison (a max's tie, an index that may change); those elements get large or infinite bounds,
 and the other parts of the tolerance rule judge them.
 Invariants: the values are exactly `Block.run`'s / `Block.vjp`'s in "exact" precision (the same
-interpreter, hooks only add the bounds); every bound is >= 0, or NaN/inf where nothing is known.
+interpreter, hooks only add the bounds); every bound is >= 0 (inf where nothing is known) or `ANY`.
 """
 
 from __future__ import annotations
@@ -59,6 +65,28 @@ def gamma(n: int) -> float:
 def gamma_gemm(k: int) -> float:
     """A GEMM's K-term accumulation in two implementations (tensor cores may truncate: k u each)."""
     return 2.0 * max(k, 1) * U
+
+
+ANY = -np.inf  # the bound of a value another correct implementation may have as anything, NaN included
+
+
+def _any(e: Any) -> Any:
+    """Where bound `e` is `ANY`."""
+    return np.asarray(e) == ANY
+
+
+def _near_zero(x: Any, e: Any) -> Any:
+    """Where a value `x` with bound `e` may be 0 or of the other sign in another implementation (its
+    bound reaches 0; an exact 0 is exact), or may be anything."""
+    x, e = np.asarray(x, np.float64), np.asarray(e, np.float64)
+    with np.errstate(invalid="ignore"):
+        return ((e > 0) & ~(np.abs(x) > e)) | (e == ANY)
+
+
+def _infinite(x: Any) -> Any:
+    """Where `x` is +-inf (a float array; integers and booleans never are)."""
+    x = np.asarray(x)
+    return np.isinf(x) if x.dtype.kind == "f" else np.zeros(x.shape, bool)
 
 
 DEFAULT_INJECT = FASTMATH_ROUNDING  # an op's own rounding, in both implementations (fast-math: a few ulps)
@@ -146,8 +174,8 @@ def _rounding(x: Any, e: Any, dtype: str) -> Any:
     rounding): the farthest that anything within `e` of `x` rounds from where `x` rounds."""
     if dtype == "f32" or dtype == "bool":
         return e
-    if np.isscalar(e) and e == 0:
-        return 0.0
+    if np.isscalar(e) and e in (0, ANY):
+        return 0.0 if e == 0 else ANY
     x = np.asarray(x, np.float64)
     e = np.broadcast_to(np.asarray(e, np.float64), x.shape)
     with np.errstate(all="ignore"):
@@ -157,7 +185,7 @@ def _rounding(x: Any, e: Any, dtype: str) -> Any:
         out = np.maximum(np.abs(hi - here), np.abs(here - lo))
         # the same number whatever moved (both overflow to inf): 0; a difference of infinities: inf
         out = np.where((hi == here) & (lo == here), 0.0, np.where(np.isnan(out), np.inf, out))
-    return np.where(e == 0, 0.0, out)
+    return np.where(e == 0, 0.0, np.where(e == ANY, ANY, out))
 
 
 class Bounds(Interpreter):
@@ -205,7 +233,13 @@ class Bounds(Interpreter):
         # order of the sum (module docstring), and another implementation's is the same
         xa, xb = _exact_along(a, ea, 1), _exact_along(b, eb, 0)
         e = np.where((xa[:, None] | xb[None, :]) & ~np.isfinite(acc), 0.0, e)
-        self.serr["acc"] = e
+        # anything: an infinity times a term that may be 0 or of the other sign, a term that may be anything
+        f = np.float64
+        anything = (_infinite(a).astype(f) @ _near_zero(b, eb).astype(f)) + (
+            _near_zero(a, ea).astype(f) @ _infinite(b).astype(f)
+        )
+        anything = (anything > 0) | np.any(_any(ea), axis=1)[:, None] | np.any(_any(eb), axis=0)[None, :]
+        self.serr["acc"] = np.where(anything, ANY, e)
         return acc
 
     def store(self, name: str, x: Any, dtype: str | None) -> None:
@@ -281,7 +315,8 @@ class Bounds(Interpreter):
                 for a, x, g in zip(e.ins, errs, grouped, strict=True)
             ]
         if rule is BoundRule.REDUCE:
-            return [self.reduce(op, params, _type(e.ins[0]), vals[0], errs[0], outs[0], t)]
+            b = self.reduce(op, params, _type(e.ins[0]), vals[0], errs[0], outs[0], t)
+            return [np.where(self.reduced_any(params, _type(e.ins[0]), vals[0], errs[0], t), ANY, b)]
         if rule is BoundRule.GATHER:
             x, idx = vals
             ex = np.broadcast_to(np.asarray(errs[0], np.float64), np.shape(x))
@@ -294,13 +329,46 @@ class Bounds(Interpreter):
             x = _f64(vals[0]).reshape(-1)
             n = np.size(outs[0])
             ex = np.broadcast_to(np.asarray(errs[0], np.float64), x.shape).reshape(-1, n)
-            return [self.summed(x.reshape(-1, n), ex, _f64(outs[0]), 0)]
+            b = self.summed(x.reshape(-1, n), ex, _f64(outs[0]), 0)
+            return [np.where(np.any(_any(ex.reshape(-1, n)), axis=0), ANY, b)]
         if rule is BoundRule.EXACT:
             # == and != are judged exactly: the backward's ties compare the values the forward computed
-            # (bit for bit, by design), and integers (picks, indices) are exact anyway
-            return [0.0] * len(outs)
+            # (bit for bit, by design), and integers (picks, indices) are exact anyway; but an operand
+            # that may be anything makes a comparison that may flip (1) and an integer anything
+            tainted = self.tainted(errs)
+            if tainted is None:
+                return [0.0] * len(outs)
+            return [np.where(tainted, 1.0 if np.asarray(y).dtype == np.bool_ else ANY, 0.0) for y in outs]
         assert op.locality.per_element, f"no rounding bound for `{op.name}` ({op.locality}, {rule})"
-        return self.pointwise(op, params, vals, errs, outs)
+        bounds = self.pointwise(op, params, vals, errs, outs)
+        tainted = self.tainted(errs) if rule not in (BoundRule.MOVE, BoundRule.BRANCH) else None
+        if tainted is None:  # (MOVE moves `ANY` with the values; BRANCH decides for itself)
+            return bounds
+        flips = rule is BoundRule.FLIP or np.asarray(outs[0]).dtype == np.bool_
+        return [np.where(tainted, 1.0 if flips else ANY, b) for b in bounds]
+
+    @staticmethod
+    def tainted(errs: list[Any]) -> Any:
+        """Where some operand's bound is `ANY` (None where none is)."""
+        marks = [_any(x) for x in errs]
+        if not any(m.any() for m in marks):
+            return None
+        return np.logical_or.reduce(np.broadcast_arrays(*marks)) if len(marks) > 1 else marks[0]
+
+    def reduced_any(self, params: dict[str, Any], xt: Any, x: Any, e: Any, t: _Tile | None) -> Any:
+        """Where a reduction (laid out as `reduce` lays it) has a term whose bound is `ANY`."""
+        e = np.broadcast_to(np.asarray(e, np.float64), np.shape(x))
+        if not _any(e).any():
+            return False
+        group = params.get("group")
+        if t is None:
+            return np.any(_any(e), axis=0)
+        if group is not None:
+            g = int(group)
+            return np.any(_any(e).reshape(e.shape[0], e.shape[1] // g, g), axis=2)
+        over = params["over"]
+        axis = 1 if (xt.shape[1] == over and xt.shape[0] != over) else 0
+        return np.any(_any(e), axis=axis)
 
     def pointwise(
         self, op: OpDef, params: dict[str, Any], vals: list[Any], errs: list[Any], outs: tuple[Any, ...]
@@ -335,49 +403,66 @@ class Bounds(Interpreter):
             with np.errstate(invalid="ignore"):  # (inf - inf, NaN: either branch may be anything)
                 apart = np.abs(a - b)
             either = np.maximum(ev[1], ev[2]) + np.where(np.isnan(apart), np.inf, apart)
-            return [np.where(ev[0] > 0, either, pick)]
+            either = np.where(_any(ev[1]) | _any(ev[2]), ANY, either)
+            return [np.where((ev[0] > 0) | _any(ev[0]), either, pick)]
         if rule is BoundRule.PASS:  # |f(x') - f(x)| <= |x' - x|, and exact
             return [ev[0]]
         if rule is BoundRule.LARGEST:
             return [np.maximum(ev[0], ev[1])]
+        anything: Any = False
         if rule is BoundRule.SUM:
             moved = ev[0] + ev[1]
         elif rule is BoundRule.PRODUCT:
             moved = _times(np.abs(x[1]), ev[0]) + _times(np.abs(x[0]), ev[1]) + _times(ev[0], ev[1])
+            # inf times a value that may be 0 or of the other sign: inf, -inf or NaN
+            anything = (_infinite(x[0]) & _near_zero(x[1], ev[1])) | (
+                _infinite(x[1]) & _near_zero(x[0], ev[0])
+            )
         elif rule is BoundRule.QUOTIENT:
             b = np.abs(x[1])
             moved = np.where(
                 b > ev[1], (ev[0] + _times(np.abs(y), ev[1])) / np.where(b > ev[1], b - ev[1], 1.0), np.inf
             )
+            # inf over a value that may be 0 or of the other sign; 0 / 0 within the bounds
+            zero_den = _near_zero(x[1], ev[1])
+            anything = zero_den & (_infinite(x[0]) | _near_zero(x[0], ev[0]))
         else:
             assert rule is BoundRule.NUMERIC, f"`{op.name}`: {rule} is not a rule of a pointwise op"
-            moved = self.moved(op, params, x, ev, y)
+            moved, anything = self.moved(op, params, x, ev, y)
         if y.dtype.kind != "f":  # integer arithmetic is exact
-            return [moved]
-        return [np.where(_exact_nonfinite(y, x, ev), 0.0, moved + _inject(op, x, y))]
+            return [np.where(anything, ANY, moved)]
+        return [np.where(anything, ANY, np.where(_exact_nonfinite(y, x, ev), 0.0, moved + _inject(op, x, y)))]
 
     def moved(
         self, op: OpDef, params: dict[str, Any], x: list[Any], ev: list[Any], y: np.ndarray
-    ) -> np.ndarray:
-        """How far an op moves when each input moves within its bound (one at a time, summed)."""
+    ) -> tuple[np.ndarray, Any]:
+        """How far an op moves when each input moves within its bound (one at a time, summed), and
+        where it may be NaN then though it is not here (log or sqrt of a value that may be negative:
+        anything)."""
         impl: Callable[..., Any] = op.impl  # type: ignore[assignment]
         kw = {k: v for k, v in params.items() if not isinstance(v, Dim)}
         f0 = _f64(impl(*x, **kw))
         total = np.zeros(np.broadcast_shapes(*[np.shape(v) for v in x], np.shape(y)))
+        anything: Any = False
         for i, e in enumerate(ev):
             if not np.any(e):
                 continue
             if x[i].dtype == np.bool_:  # a condition that may flip: anything may happen
                 total = total + np.where(e > 0, np.inf, 0.0)
                 continue
+            if op.bound.moved is not None and len(x) == 1:  # the op's own rule (sin, cos)
+                total = total + np.where(e > 0, np.asarray(op.bound.moved(x[0], e), np.float64), 0.0)
+                continue
             far: Any = 0.0
             for sign in (1.0, -1.0):
                 moved = list(x)
                 moved[i] = x[i] + sign * e
-                d = np.abs(_f64(impl(*moved, **kw)) - f0)
+                f1 = _f64(impl(*moved, **kw))
+                d = np.abs(f1 - f0)
                 far = np.maximum(far, np.where(np.isnan(d), np.inf, d))
+                anything = anything | ((e > 0) & np.isnan(f1) & ~np.isnan(f0))
             total = total + np.where(e > 0, far, 0.0)
-        return total
+        return total, anything
 
     def reduce(
         self, op: Any, params: dict[str, Any], xt: Any, x: Any, e: Any, y: Any, t: _Tile | None

@@ -129,7 +129,8 @@ _TANH_APPROX = Bound(own=lambda ax, ay: 2.0**-10 * (ay + ax))
 _ABSOLUTE = Bound(own=lambda ax, ay: 2.0**-20 * (ay + 1.0 + ax))
 # sin and cos: the epilogue's reduction is exact at any argument (a slow path beyond 2^23:
 # backend_cute/plan/epi_ops.py), then sin.approx/cos.approx (2^-20.9): absolute, whatever the argument
-_TRIG = Bound(own=lambda ax, ay: 2.0**-20 * (ay + 1.0))
+# (1-Lipschitz, and never more than 2 apart: an operand that may move by a period may land anywhere)
+_TRIG = Bound(own=lambda ax, ay: 2.0**-20 * (ay + 1.0), moved=lambda x, e: np.minimum(e, 2.0))
 
 
 # Arithmetic (infix). Integer operands stay integer except for `/`.

@@ -323,10 +323,14 @@ class Bound:
     operands' bounds reach its result (`rule`; None: its locality's, `OpDef.bound_rule`), and, for the
     NUMERIC, SUM, PRODUCT and QUOTIENT rules, the bound it adds of its own where an f32 result is
     rounded or approximated: `own(ax, ay)` of |x| (its first operand's magnitude, 0 where not finite)
-    and |y| (the result's; inf where it overflowed from finite operands), NumPy arrays."""
+    and |y| (the result's; inf where it overflowed from finite operands), NumPy arrays. `moved(x, e)`:
+    for a one-operand NUMERIC op, how far it may move when its operand moves by up to `e` (None: the
+    larger of f(x + e) - f(x) and f(x - e) - f(x), which is right for a function monotone on the
+    interval but misses a periodic one's swing: sin and cos give min(e, 2))."""
 
     rule: BoundRule | None = None
     own: Callable[[Any, Any], Any] = fastmath_rounding
+    moved: Callable[[Any, Any], Any] | None = None
 
 
 # The bound rule of an op whose `Bound` names none, by locality (a VECTOR op names its own).

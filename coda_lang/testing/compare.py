@@ -15,7 +15,9 @@ The rule (as tests/runtime_check.py states it for the GPU tests, and PAPER.md se
 - or, where that fails too and `ref64` (the interpreter in float64, without rounding) is given, the
   paper's rule on the finite elements: max|got - ref64| <= 2 * max|ref - ref64| + 1e-6 (the
   interpreter rounds exactly where a kernel does, so it is the low-precision reference): a result as
-  accurate as the interpreter passes even where the problem is ill-conditioned.
+  accurate as the interpreter passes even where the problem is ill-conditioned;
+- an element whose bound is `ANY` (-inf: another correct implementation may have anything there, NaN
+  included, such as inf * sin(x) where sin(x) is within rounding of 0) passes whatever it is.
 What it does not: choose what to compare (coda_lang/fuzz/ does).
 Invariants: accepts NumPy arrays (bf16 too), Python numbers and torch tensors (converted without
 importing torch here); never raises for mismatching values, only says why.
@@ -30,6 +32,7 @@ import numpy as np
 REL = {"f32": 1e-3, "bf16": 2.0**-7, "f16": 2.0**-7}
 PAPER_ATOL = 1e-6
 F32_MAX = float(np.finfo(np.float32).max)
+ANY = -np.inf  # a bound that passes anything (interp/bound.py's ANY)
 BOUND_SAFETY = 2.0  # |got - ref| <= BOUND_SAFETY * bound (the bound is first-order: a margin)
 
 
@@ -60,6 +63,8 @@ def mismatch(
     b = b if b is not None and b.shape == r.shape else None  # the bound of each element, if given
     fin_g, fin_r = np.isfinite(g), np.isfinite(r)
     odd = (fin_g != fin_r) | (~fin_r & ~((np.isnan(g) & np.isnan(r)) | (g == r)))
+    anything = b == ANY if b is not None else np.zeros(r.shape, bool)
+    odd &= ~anything
     if odd.any() and b is not None:
         # where the bound exceeds f32's range (an exp of a difference of huge values, an infinity among
         # the inputs), a correct implementation may overflow where the reference does not, or not where
@@ -79,16 +84,17 @@ def mismatch(
     if bad.any() and b is not None:
         bf = b[fin_r]
         # (a NaN bound passes nothing; one past f32's range passes any number, infinities too)
-        bad &= ~((np.abs(gf - rf) <= BOUND_SAFETY * bf) | (bf > F32_MAX))
+        bad &= ~((np.abs(gf - rf) <= BOUND_SAFETY * bf) | (bf > F32_MAX) | (bf == ANY))
     if not bad.any():
         return None
     if ref64 is not None:
         f = as_float64(ref64)
         if f.shape == r.shape:
-            ok = fin_r & np.isfinite(f)
+            judged = fin_r & ~anything
+            ok = judged & np.isfinite(f)
             err = float(np.max(np.abs(g[ok] - f[ok]), initial=0.0))
             base = float(np.max(np.abs(r[ok] - f[ok]), initial=0.0))
-            if err <= 2 * base + PAPER_ATOL and ok.sum() == fin_r.sum():
+            if err <= 2 * base + PAPER_ATOL and ok.sum() == judged.sum():
                 return None
     k = int(np.argmax(np.where(bad, np.abs(gf - rf) - tol, -np.inf)))
     idx = tuple(int(w[k]) for w in np.nonzero(fin_r)) if g.ndim else ()  # (np.nonzero refuses 0-d arrays)
