@@ -486,11 +486,15 @@ def test_a_training_step_compiles_its_kernels_at_once(family: str) -> None:
 
 
 def test_the_public_names() -> None:
-    """coda_lang.hf exports the two patches, `unpatch` and `unfused_grads` (the gradients under the
-    unpatched model's names: none before a backward)."""
+    """coda_lang.hf exports the patches (each family's, `apply_coda` and `AutoCodaForCausalLM`, which
+    pick the family), `unpatch` and `unfused_grads` (the gradients under the unpatched model's names:
+    none before a backward)."""
     import coda_lang.hf as hf
 
-    assert sorted(hf.__all__) == ["apply_coda_to_llama", "apply_coda_to_qwen3", "unfused_grads", "unpatch"]
+    patches = sorted(f"apply_coda_to_{f}" for f in FAMILIES)
+    assert sorted(hf.__all__) == sorted(
+        ["AutoCodaForCausalLM", "apply_coda", *patches, "unfused_grads", "unpatch"]
+    )
     model = patch("llama", make("llama"))
     assert hf.unfused_grads(model) == {}
     ids, labels = batch()

@@ -1,5 +1,6 @@
-"""Hugging Face integration: `apply_coda_to_llama` / `apply_coda_to_qwen3` make a Hugging Face
-causal LM whose non-attention work runs as coda blocks.
+"""Hugging Face integration: `apply_coda(model)` (or the family's own `apply_coda_to_llama`,
+`apply_coda_to_qwen3`, ...) makes a Hugging Face causal LM whose non-attention work runs as coda
+blocks; `AutoCodaForCausalLM.from_pretrained(...)` loads one and patches it.
 
 What it does: patches one model instance in place. Per layer, q/k/v projections become one parameter
 `qkv_weight` (q and k rows in the interleaved RoPE layout; registered, with the layer's input norm,
@@ -33,7 +34,14 @@ since patching), state.py (the patched model's blocks and settings), forward.py
 """
 
 from coda_lang.hf.checkpoint import unfused_grads
-from coda_lang.hf.families import apply_coda_to_llama, apply_coda_to_qwen3
+from coda_lang.hf.families import AutoCodaForCausalLM, apply_coda, apply_coda_to_llama, apply_coda_to_qwen3
 from coda_lang.hf.patch import unpatch
 
-__all__ = ["apply_coda_to_llama", "apply_coda_to_qwen3", "unfused_grads", "unpatch"]
+__all__ = [
+    "AutoCodaForCausalLM",
+    "apply_coda",
+    "apply_coda_to_llama",
+    "apply_coda_to_qwen3",
+    "unfused_grads",
+    "unpatch",
+]

@@ -1,10 +1,12 @@
 """The facts of each model family the patch knows: one `Family` per transformers model class.
 
-What it does: `Family` (its name, its causal LM class, whether its attention normalizes q and k per
-head) and the families known (`LLAMA`, `QWEN3`). The checks, the model's state and the patch read a
-family's facts from here; families.py holds the entry points.
+What it does: `Family` (its name, which is also the config's `model_type`, its causal LM class, and
+what its layers do beyond the LLaMA layer: a per-head q/k norm) and the families known (`LLAMA`,
+`QWEN3`), by model type in `FAMILIES`. The checks, the model's state and the patch read a family's
+facts from here; families.py holds the entry points.
 What it does not: anything but describe (no import of transformers, torch or the patch).
-Invariants: a family's blocks are `blocks.model_source(..., qk_norm=family.qk_norm)`.
+Invariants: a family's blocks are `blocks.model_source(..., qk_norm=family.qk_norm)`; shared code
+branches on a family's facts, never on its name.
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Family:
-    name: str  # as in `apply_coda_to_<name>`
+    name: str  # as in `apply_coda_to_<name>`; the config's `model_type`
     model_class: str  # the transformers causal LM it patches
     qk_norm: bool  # per-head RMSNorm of q and k in the QKV blocks' epilogue (Qwen3)
 
 
 LLAMA = Family("llama", "LlamaForCausalLM", qk_norm=False)
 QWEN3 = Family("qwen3", "Qwen3ForCausalLM", qk_norm=True)
+
+# by `config.model_type`: what `apply_coda` and `AutoCodaForCausalLM` patch
+FAMILIES = {f.name: f for f in (LLAMA, QWEN3)}
