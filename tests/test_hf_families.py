@@ -24,17 +24,13 @@ from coda_lang.hf.family import FAMILIES as KNOWN  # noqa: E402
 
 
 def test_apply_coda_patches_each_family_by_model_type() -> None:
-    """Every family of the tests is patched by `apply_coda` as by its own entry point (its facts, its
-    loss settings), and matches the unpatched model."""
+    """Every family of the tests is patched by `apply_coda` as by its own entry point: its facts, its
+    loss settings (test_hf.py's tests run each family's model against the unpatched one)."""
     assert set(KNOWN) == set(FAMILIES)
     for family in sorted(FAMILIES):
-        ref = make(family)
-        pat = apply_coda(copy.deepcopy(ref), loss_mode="vocab")
+        pat = apply_coda(make(family), loss_mode="vocab")
         assert pat._coda.family is KNOWN[family] and pat._coda.loss_mode == "vocab"
-        ids, labels = batch()
-        l0, z0, _ = run(ref, ids, labels)
-        l1, z1, _ = run(pat, ids, labels)
-        assert rel(l1, l0) < 1e-5 and rel(z1, z0) < 1e-5, family
+        assert type(pat) is FAMILIES[family][1]
 
 
 def test_apply_coda_refuses_what_it_does_not_know() -> None:
@@ -128,10 +124,10 @@ def test_a_checkpoint_round_trip_is_bit_exact(family: str, tmp_path: Any) -> Non
     state_equal(unpatch(again).state_dict(), want)
 
 
-# Released Llama-architecture configurations (model_type "llama"), from their config.json: the
-# settings the patch reads (widths, heads, tied embeddings, RoPE, epsilon). Two layers each: the
-# layer count changes nothing the patch checks.
-RELEASED_LLAMA = {
+# Released configurations, from their config.json: the settings the patch reads (widths, heads,
+# head_dim, tied embeddings, RoPE, sliding window, epsilon), by family. Two layers each: the layer count
+# changes nothing the patch checks.
+RELEASED_LLAMA = {  # model_type "llama"
     "SmolLM-135M": dict(
         hidden_size=576,
         intermediate_size=1536,
@@ -187,22 +183,61 @@ RELEASED_LLAMA = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(RELEASED_LLAMA))
-def test_released_llama_configurations_patch_at_their_widths(name: str) -> None:
+RELEASED_MISTRAL = {  # model_type "mistral"
+    "Mistral-7B-v0.1": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+        sliding_window=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+    "Mistral-7B-v0.3": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32768,
+        tie_word_embeddings=False,
+        sliding_window=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    "Mistral-Small-24B-2501": dict(  # head_dim 128, not hidden_size / heads (160)
+        hidden_size=5120,
+        intermediate_size=32768,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=131072,
+        tie_word_embeddings=False,
+        sliding_window=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000000.0},
+    ),
+}
+RELEASED = {
+    **{n: ("llama", c) for n, c in RELEASED_LLAMA.items()},
+    **{n: ("mistral", c) for n, c in RELEASED_MISTRAL.items()},
+}
+
+
+@pytest.mark.parametrize("name", sorted(RELEASED))
+def test_released_configurations_patch_at_their_widths(name: str) -> None:
     """Each released configuration, at its own widths (on the meta device: no memory, no forward), in
-    bf16: the patch's checks pass (widths the kernels can load, the RoPE type, the heads) and its
-    fused weights have the model's shapes (one head_dim of 64 or 128, from hidden_size / heads)."""
-    over = RELEASED_LLAMA[name]
-    cfg = transformers.LlamaConfig(
-        **over, num_hidden_layers=2, rms_norm_eps=1e-5, max_position_embeddings=8192
-    )
+    bf16: the patch's checks pass (widths the kernels can load, the RoPE type, the heads, the sliding
+    window) and its fused weights have the model's shapes (head_dim 64 or 128: the config's, else
+    hidden_size / heads)."""
+    family, over = RELEASED[name]
+    config_cls, model_cls, _ = FAMILIES[family]
+    cfg = config_cls(**over, num_hidden_layers=2, rms_norm_eps=1e-5, max_position_embeddings=8192)
     with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+        model = model_cls(cfg).to(torch.bfloat16)
     apply_coda(model)
     h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size
-    hd = d // h
+    hd = over.get("head_dim", d // h)
     st = model._coda
-    assert (st.H, st.KV, st.HD, st.D, st.eps) == (h, kv, hd, d, 1e-5)
+    assert (st.family.name, st.H, st.KV, st.HD, st.D, st.eps) == (family, h, kv, hd, d, 1e-5)
     assert model.model.coda_first.self_attn.qkv_weight.shape == ((h + 2 * kv) * hd, d)
     assert model.model.layers[1].mlp.gate_up_weight.shape == (2 * cfg.intermediate_size, d)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == over["tie_word_embeddings"]
@@ -268,9 +303,110 @@ TINY_LLAMA = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(TINY_LLAMA))
-def test_llama_configurations_match_unpatched(name: str) -> None:
+TINY = {
+    **{n: ("llama", c) for n, c in TINY_LLAMA.items()},
+    # Mistral Small's head_dim wider than hidden_size / heads (here 16, not 8), no sliding window
+    "Mistral-Small-24B-2501": (
+        "mistral",
+        dict(
+            hidden_size=64,
+            intermediate_size=384,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=None,
+            rope_parameters={"rope_type": "default", "rope_theta": 100000000.0},
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_released_configurations_match_unpatched(name: str) -> None:
     """Each released configuration's settings at tiny widths: loss, logits and every gradient of the
     patched model are the unpatched model's in float32 (1e-4), over 40 positions."""
-    ref = make("llama", rms_norm_eps=1e-5, **TINY_LLAMA[name])
+    family, over = TINY[name]
+    ref = make(family, rms_norm_eps=1e-5, **over)
     matches_unpatched(ref, apply_coda(copy.deepcopy(ref)), s=40)
+
+
+# Sliding windows: the attention function's business, with the masks the family's forward makes.
+# Mistral's every layer (or none: sliding_window None, as Mistral-7B-v0.3), Ministral's and Qwen3's
+# layers by config.layer_types (Qwen3: from use_sliding_window and max_window_layers); a window of 8
+# in a sequence of 40.
+WINDOWS = {
+    "mistral-8": ("mistral", "eager", {"sliding_window": 8}),
+    "mistral-none": ("mistral", "sdpa", {"sliding_window": None}),
+    "ministral-8": (
+        "ministral",
+        "sdpa",
+        {"sliding_window": 8, "layer_types": ["full_attention", "sliding_attention"]},
+    ),
+    "qwen3-8": ("qwen3", "eager", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WINDOWS))
+def test_sliding_windows_match_unpatched(case: str) -> None:
+    """With and without a sliding window, in every layer or some: loss, logits and every gradient are
+    the unpatched model's in float32 (1e-4), under eager or sdpa attention (test_hf_contract.py's
+    padding test runs both for each family)."""
+    family, attn, over = WINDOWS[case]
+    ref = make(family, attn_implementation=attn, **over)
+    matches_unpatched(ref, apply_coda(copy.deepcopy(ref)), s=40)
+
+
+CALLS: list[tuple[Any, ...]] = []
+
+
+def spy_attention(module: Any, q: Any, k: Any, v: Any, mask: Any, **kw: Any) -> Any:
+    """sdpa, recording what the attention function is given besides q, k and v."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    CALLS.append(
+        (module.layer_idx, mask, kw.get("sliding_window", "none given"), kw["scaling"], kw["dropout"])
+    )
+    return sdpa_attention_forward(module, q, k, v, mask, **kw)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_models_own_attention_function_gets_what_it_gets_unpatched(family: str) -> None:
+    """The patched layers call the model's own attention function (here one registered with
+    transformers' AttentionInterface) with what the unpatched model gives it: each layer's mask (a
+    padded batch), sliding window (Mistral's from the config, Ministral's and Qwen3's from the layer,
+    Llama's none), scaling and dropout."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register("coda_spy", spy_attention)
+    AttentionMaskInterface.register("coda_spy", sdpa_mask)
+    over = {"qwen3": WINDOWS["qwen3-8"][2]}.get(family, {})
+    ref = make(family, attn_implementation="coda_spy", **over)
+    pat = apply_coda(copy.deepcopy(ref))
+    ids, _ = batch(s=24)
+    pad = torch.ones_like(ids)
+    pad[0, :5] = 0
+    seen = []
+    for m in (ref, pat):
+        CALLS.clear()
+        m(ids, attention_mask=pad)
+        seen.append(list(CALLS))
+    assert len(seen[0]) == len(seen[1]) == 2
+    for a, b in zip(*seen, strict=True):
+        assert a[0] == b[0] and a[2:] == b[2:], (a[2:], b[2:])
+        assert (a[1] is None and b[1] is None) or torch.equal(a[1], b[1]), a[0]
+    windows = [c[2] for c in seen[1]]
+    assert windows == {"llama": ["none given"] * 2, "mistral": [16, 16], "ministral": [16, None]}.get(
+        family, [None, 8]
+    )
+
+
+def test_a_sliding_window_the_family_has_not_is_refused() -> None:
+    """A Llama config given sliding-window layers (its attention has no window) and a layer kind
+    the patched layers don't run are refused when patching, naming them."""
+    llama = make("llama", layer_types=["sliding_attention", "full_attention"])
+    with pytest.raises(ValueError, match="sliding-window attention: the LlamaForCausalLM's attention has no"):
+        apply_coda(llama)
+    odd = make("ministral", layer_types=["sliding_attention", "chunked_attention"])
+    with pytest.raises(ValueError, match=r"layer_types \['chunked_attention'\]: the patched layers run"):
+        apply_coda(odd)

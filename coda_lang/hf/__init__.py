@@ -13,7 +13,8 @@ cross-entropy, logits never stored) or the logits. Attention is the model's own 
 (`config._attn_implementation`), on q, k in the interleaved layout (q.k is unchanged by permuting q and
 k alike). `state_dict()` gives, and `load_state_dict()` takes, the unpatched model's names and layouts,
 so checkpoints move between patched and unpatched models (and `save_pretrained`).
-What it does not: generation with a KV cache, biases, sliding-window attention, RoPE types that scale
+What it does not: generation with a KV cache, biases, sliding-window attention in a family without
+it (where a family has it, its attention function runs the window: masks.py), RoPE types that scale
 cos/sin (`attention_scaling` != 1) or change `inv_freq` per call, LoRA adapters (peft) or quantized
 layers (bitsandbytes), or anything the fused forward would bypass (hooks on the modules whose work
 the blocks do, a module swapped or a config field changed since patching): each raises ValueError
@@ -28,19 +29,28 @@ The LM head's loss mode and chunk sizes are the patch's keyword arguments (`loss
 
 The modules: families.py (the families and their entry points), patch.py (patching one model, and
 unpatching it), checks.py (what a model must be), contract.py (what the forward checks has not changed
-since patching), state.py (the patched model's blocks and settings), forward.py
-(the patched forward), loss.py (the loss head), checkpoint.py (fused and checkpoint layouts), blocks.py
-(the .coda program). Needs `pip install 'coda_lang[hf]'`.
+since patching), state.py (the patched model's blocks and settings), forward.py (the patched
+forward), masks.py (each layer's attention mask and sliding window), loss.py (the loss head),
+checkpoint.py (fused and checkpoint layouts), blocks.py (the .coda program). Needs `pip install 'coda_lang[hf]'`.
 """
 
 from coda_lang.hf.checkpoint import unfused_grads
-from coda_lang.hf.families import AutoCodaForCausalLM, apply_coda, apply_coda_to_llama, apply_coda_to_qwen3
+from coda_lang.hf.families import (
+    AutoCodaForCausalLM,
+    apply_coda,
+    apply_coda_to_llama,
+    apply_coda_to_ministral,
+    apply_coda_to_mistral,
+    apply_coda_to_qwen3,
+)
 from coda_lang.hf.patch import unpatch
 
 __all__ = [
     "AutoCodaForCausalLM",
     "apply_coda",
     "apply_coda_to_llama",
+    "apply_coda_to_ministral",
+    "apply_coda_to_mistral",
     "apply_coda_to_qwen3",
     "unfused_grads",
     "unpatch",

@@ -3,9 +3,10 @@ refused by name.
 
 What it does: `check_model(model, family)` raises ValueError (`refuse`: "coda_lang.hf: what: why;
 what to do") for a model of another class (a peft model among them), one patched already, a dtype
-the blocks don't run, biases, an activation other than SiLU, sliding-window attention, RoPE that
-scales cos/sin, (Qwen3) attention without its q/k norms, a width whose rows the kernels can't load
-(`check_widths`: a vocabulary not a multiple of 8 in bf16), a module the blocks would bypass that is
+the blocks don't run, biases, an activation other than SiLU, sliding-window attention where the
+family has none (`check_layer_kinds`), RoPE that scales cos/sin, (Qwen3) attention without its q/k
+norms, a width whose rows the kernels can't load (`check_widths`: a vocabulary not a multiple of 8
+in bf16), a module the blocks would bypass that is
 not the family's own (peft's LoRA layers, bitsandbytes' quantized layers, a parametrization, an
 activation or norm swapped), hooks on such a module or global ones (`module_trouble`,
 `global_hooks`), and what fusing q/k/v and gate/up would merge: their `requires_grad`, dtype, device,
@@ -27,6 +28,7 @@ from torch.nn.utils import parametrize
 
 from coda_lang.hf.blocks import DTYPES
 from coda_lang.hf.family import Family
+from coda_lang.hf.masks import FULL, SLIDING, layer_kinds
 
 ROPE_TYPES = ("default", "llama3", "linear")
 
@@ -232,10 +234,7 @@ def check_model(model: Any, family: Family) -> None:
         raise refuse("mlp_bias=True", "the fused MLP block has no bias")
     if cfg.hidden_act != "silu":
         raise refuse(f"hidden_act={cfg.hidden_act!r}", "the MLP block is SwiGLU (silu)")
-    if getattr(cfg, "use_sliding_window", False) or any(
-        t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])
-    ):
-        raise refuse("sliding-window attention", "only full attention layers are supported")
+    check_layer_kinds(cfg, family)
     if (
         getattr(cfg, "loss_type", None) not in (None, "ForCausalLM")
         or model.__dict__.get("loss_type") not in (None, "ForCausalLM")
@@ -281,6 +280,24 @@ def check_model(model: Any, family: Family) -> None:
             f"model.layers.{i}.mlp", mlp, ("gate_proj", "up_proj"), f"model.layers.{i}.mlp.gate_up_weight"
         )
     check_widths(model, model.dtype)
+
+
+def check_layer_kinds(cfg: Any, family: Family) -> None:
+    """Sliding-window attention only where the family's attention has it (masks.py), and no kind of
+    layer but full and sliding-window attention."""
+    if family.sliding is None:
+        if getattr(cfg, "use_sliding_window", False) or any(
+            t != FULL for t in (getattr(cfg, "layer_types", None) or [])
+        ):
+            raise refuse(
+                "sliding-window attention", f"the {family.model_class}'s attention has no sliding window"
+            )
+        return
+    other = sorted(set(layer_kinds(family, cfg)) - {FULL, SLIDING})
+    if other:
+        raise refuse(
+            f"layer_types {other}", f"the patched layers run {FULL!r} and {SLIDING!r} attention only"
+        )
 
 
 def check_norms(model: Any) -> None:

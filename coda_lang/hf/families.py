@@ -1,7 +1,8 @@
 """The entry points of the model families the patch knows: `apply_coda_to_<family>`, and `apply_coda`
 and `AutoCodaForCausalLM`, which pick the family from the config's `model_type`.
 
-What it does: `apply_coda_to_llama`, `apply_coda_to_qwen3`: check the loss settings, then patch a
+What it does: `apply_coda_to_llama`, `apply_coda_to_qwen3`, `apply_coda_to_mistral`,
+`apply_coda_to_ministral`: check the loss settings, then patch a
 model of that family (patch.py) with its facts (family.py). `apply_coda(model)`: the same for the
 family of `model.config.model_type` (`FAMILIES`), refusing a type it does not know with the list of
 those it does. `AutoCodaForCausalLM.from_pretrained(...)` / `.from_config(...)`: transformers'
@@ -16,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from coda_lang.hf.checks import refuse
-from coda_lang.hf.family import FAMILIES, LLAMA, QWEN3, Family
+from coda_lang.hf.family import FAMILIES, LLAMA, MINISTRAL, MISTRAL, QWEN3, Family
 from coda_lang.hf.loss import LossSettings
 from coda_lang.hf.patch import apply
 
@@ -39,6 +40,23 @@ def apply_coda_to_qwen3(
     """Patch a transformers `Qwen3ForCausalLM` in place (and return it): as `apply_coda_to_llama`, with
     Qwen3's per-head q/k RMSNorm in the QKV blocks' epilogue."""
     return apply(model, QWEN3, LossSettings(loss_mode, loss_budget, loss_rows))
+
+
+def apply_coda_to_mistral(
+    model: Any, *, loss_mode: str = "rows", loss_budget: int | None = None, loss_rows: int | None = None
+) -> Any:
+    """Patch a transformers `MistralForCausalLM` in place (and return it): as `apply_coda_to_llama`; a
+    sliding window (`config.sliding_window`) is the model's attention function's, with its mask."""
+    return apply(model, MISTRAL, LossSettings(loss_mode, loss_budget, loss_rows))
+
+
+def apply_coda_to_ministral(
+    model: Any, *, loss_mode: str = "rows", loss_budget: int | None = None, loss_rows: int | None = None
+) -> Any:
+    """Patch a transformers `MinistralForCausalLM` in place (and return it): as `apply_coda_to_llama`;
+    its layers' full or sliding-window attention (`config.layer_types`) is the model's attention
+    function's, with its masks."""
+    return apply(model, MINISTRAL, LossSettings(loss_mode, loss_budget, loss_rows))
 
 
 def family_of(model_type: Any, what: str) -> Family:

@@ -36,6 +36,7 @@ from coda_lang.hf.checkpoint import WRAPPED
 from coda_lang.hf.checks import refuse
 from coda_lang.hf.contract import check_call, returned
 from coda_lang.hf.loss import IGNORE, ChunkedLoss, Embed, TiedGrad, rows_per_chunk, targets, tied_embedding
+from coda_lang.hf.masks import layer_masks, window
 from coda_lang.hf.state import Blocks, ModelState
 from coda_lang.layout import interleave_rope
 from coda_lang.torch import BlockFunction
@@ -109,7 +110,7 @@ def attention(
     nq = st.H * st.HD
     q, k, v = Heads.apply(qkv, b, s, st.H, st.KV, st.HD)
     fn = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
-    extra = {"sliding_window": attn.sliding_window} if hasattr(attn, "sliding_window") else {}
+    extra = window(st.family, attn)
     out, _ = fn(
         attn,
         q,
@@ -126,7 +127,7 @@ def attention(
 
 class Step:
     """What every decoder layer of one forward reads besides its inputs x and qkv: the block functions
-    of the forward's dtype, the attention mask,
+    of the forward's dtype, the attention mask of each layer,
     the batch and sequence lengths, RoPE's f32 positions and frequencies, and the attention function's
     keyword arguments. One object, not tensors, among a layer's arguments: FSDP2 casts a module's
     floating-point tensor arguments to its MixedPrecisionPolicy's param_dtype, and positions in bf16
@@ -223,7 +224,7 @@ def layer_forward(
             CHANGED_FLOW,
         )
     attn, mlp, nxt = self.self_attn, self.mlp, self.coda_next
-    y = attention(st, attn, qkv, step.b, step.s, step.mask, step.kwargs)
+    y = attention(st, attn, qkv, step.b, step.s, step.mask[i], step.kwargs)
     inputs = dict(
         y=y,
         x=x,
@@ -269,8 +270,6 @@ def hidden(
     `tied`: the embedding lookup is `Embed`, whose backward adds the loss head's weight gradient.
     `states`: a list to fill with the embedding output and each layer's output but the last, [B, S, D]
     (Hugging Face's hidden states without the final normed one)."""
-    from transformers.masking_utils import create_causal_mask
-
     st: ModelState = model._coda
     if past_key_values is not None or use_cache:
         raise refuse(
@@ -298,13 +297,7 @@ def hidden(
     # the mask sees the caller's positions only: from given positions transformers looks for packed
     # sequences, which reads a value back from the GPU (a synchronization that leaves the GPU idle
     # while the host launches the first layer); the default 0..s-1 packs nothing
-    mask = create_causal_mask(
-        config=model.config,
-        inputs_embeds=emb,
-        attention_mask=attention_mask,
-        past_key_values=None,
-        position_ids=position_ids,
-    )
+    mask = layer_masks(model, st.family, emb, attention_mask, position_ids)  # one per layer
     if position_ids is None:
         pos = st.positions(b, s, emb.device)
     else:
