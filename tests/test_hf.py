@@ -22,6 +22,7 @@ from coda_lang.hf import (  # noqa: E402
     apply_coda_to_llama,
     apply_coda_to_ministral,
     apply_coda_to_mistral,
+    apply_coda_to_qwen2,
     apply_coda_to_qwen3,
     unfused_grads,
 )
@@ -44,6 +45,7 @@ FAMILIES = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, apply_coda_to_qwen3),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, apply_coda_to_mistral),
     "ministral": (transformers.MinistralConfig, transformers.MinistralForCausalLM, apply_coda_to_ministral),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, apply_coda_to_qwen2),
 }
 # Each family's own settings in the tiny models: a sliding window of 16 (Mistral: every layer;
 # Ministral: the first of its two layers, the second full attention), shorter than most test sequences
@@ -69,11 +71,13 @@ def make(family: str, dtype: Any = None, seed: int = 0, **over: Any) -> Any:
         kw.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})
     torch.manual_seed(seed)
     model = model_cls(config_cls(**kw))
-    # norm weights away from 1, so that a wrong norm weight layout shows
+    # norm weights away from 1 and biases (Qwen2's q, k, v) away from 0, so that a wrong layout shows
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.5 * torch.randn_like(p))
     return model.to(dtype) if dtype is not None else model
 
 

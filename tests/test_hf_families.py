@@ -95,7 +95,7 @@ def matches_unpatched(ref: Any, pat: Any, s: int = 24, tol: float = 1e-4) -> Non
     l1, z1, g1 = run(pat, ids, labels)
     assert rel(l1, l0) < tol, (float(l1), float(l0))
     assert rel(z1, z0) < tol
-    assert set(g1) == set(g0) and len(g0) == len(list(ref.parameters()))
+    assert set(g1) == set(g0) and len(g0) == sum(p.requires_grad for p in ref.parameters())
     for name in g0:
         assert rel(g1[name], g0[name]) < tol, name
 
@@ -216,9 +216,40 @@ RELEASED_MISTRAL = {  # model_type "mistral"
         rope_parameters={"rope_type": "default", "rope_theta": 100000000.0},
     ),
 }
+QWEN25 = {"rope_type": "default", "rope_theta": 1000000.0}
+RELEASED_QWEN2 = {  # model_type "qwen2"
+    "Qwen2.5-0.5B": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        rope_parameters=QWEN25,
+    ),
+    "Qwen2.5-1.5B": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        rope_parameters=QWEN25,
+    ),
+    "Qwen2.5-7B": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+        rope_parameters=QWEN25,
+    ),
+}
 RELEASED = {
     **{n: ("llama", c) for n, c in RELEASED_LLAMA.items()},
     **{n: ("mistral", c) for n, c in RELEASED_MISTRAL.items()},
+    **{n: ("qwen2", c) for n, c in RELEASED_QWEN2.items()},
 }
 
 
@@ -305,6 +336,19 @@ TINY_LLAMA = {
 
 TINY = {
     **{n: ("llama", c) for n, c in TINY_LLAMA.items()},
+    # Qwen2.5-0.5B's 14 query and 2 key/value heads, tied embeddings, its RoPE base
+    "Qwen2.5-0.5B": (
+        "qwen2",
+        dict(
+            hidden_size=112,
+            intermediate_size=608,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            head_dim=8,
+            tie_word_embeddings=True,
+            rope_parameters=QWEN25,
+        ),
+    ),
     # Mistral Small's head_dim wider than hidden_size / heads (here 16, not 8), no sliding window
     "Mistral-Small-24B-2501": (
         "mistral",
@@ -331,9 +375,9 @@ def test_released_configurations_match_unpatched(name: str) -> None:
 
 
 # Sliding windows: the attention function's business, with the masks the family's forward makes.
-# Mistral's every layer (or none: sliding_window None, as Mistral-7B-v0.3), Ministral's and Qwen3's
-# layers by config.layer_types (Qwen3: from use_sliding_window and max_window_layers); a window of 8
-# in a sequence of 40.
+# Mistral's every layer (or none: sliding_window None, as Mistral-7B-v0.3), Ministral's, Qwen3's and
+# Qwen2's layers by config.layer_types (Qwen3, Qwen2: from use_sliding_window and max_window_layers); a
+# window of 8 in a sequence of 40.
 WINDOWS = {
     "mistral-8": ("mistral", "eager", {"sliding_window": 8}),
     "mistral-none": ("mistral", "sdpa", {"sliding_window": None}),
@@ -343,6 +387,7 @@ WINDOWS = {
         {"sliding_window": 8, "layer_types": ["full_attention", "sliding_attention"]},
     ),
     "qwen3-8": ("qwen3", "eager", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    "qwen2-8": ("qwen2", "sdpa", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
 }
 
 
@@ -373,14 +418,14 @@ def spy_attention(module: Any, q: Any, k: Any, v: Any, mask: Any, **kw: Any) -> 
 def test_the_models_own_attention_function_gets_what_it_gets_unpatched(family: str) -> None:
     """The patched layers call the model's own attention function (here one registered with
     transformers' AttentionInterface) with what the unpatched model gives it: each layer's mask (a
-    padded batch), sliding window (Mistral's from the config, Ministral's and Qwen3's from the layer,
-    Llama's none), scaling and dropout."""
+    padded batch), sliding window (Mistral's from the config, Ministral's, Qwen3's and Qwen2's from
+    the layer, Llama's none), scaling and dropout."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register("coda_spy", spy_attention)
     AttentionMaskInterface.register("coda_spy", sdpa_mask)
-    over = {"qwen3": WINDOWS["qwen3-8"][2]}.get(family, {})
+    over = WINDOWS["qwen3-8"][2] if family in ("qwen3", "qwen2") else {}
     ref = make(family, attn_implementation="coda_spy", **over)
     pat = apply_coda(copy.deepcopy(ref))
     ids, _ = batch(s=24)
@@ -410,3 +455,57 @@ def test_a_sliding_window_the_family_has_not_is_refused() -> None:
     odd = make("ministral", layer_types=["sliding_attention", "chunked_attention"])
     with pytest.raises(ValueError, match=r"layer_types \['chunked_attention'\]: the patched layers run"):
         apply_coda(odd)
+
+
+def test_qwen2_biases_are_checked_and_honoured() -> None:
+    """Qwen2's q, k and v biases become one parameter `qkv_bias`: each must be there, be a plain
+    Parameter without gradient hooks, and agree in requires_grad (frozen together: no gradient, the
+    others' still the unpatched model's); an out-projection bias, which the blocks don't add, is
+    refused."""
+    attn = "model.layers.1.self_attn"
+    ref = make("qwen2")
+    ref.model.layers[1].self_attn.k_proj.bias.requires_grad_(False)
+    with pytest.raises(ValueError, match=f"{attn}.k_proj.bias.requires_grad=False: .*one parameter"):
+        apply_coda(copy.deepcopy(ref))
+    ref.model.layers[1].self_attn.q_proj.bias.requires_grad_(False)
+    ref.model.layers[1].self_attn.v_proj.bias.requires_grad_(False)
+    pat = apply_coda(copy.deepcopy(ref))
+    assert not pat.model.layers[0].coda_next.self_attn.qkv_bias.requires_grad
+    matches_unpatched(ref, pat)  # (the frozen biases have no gradient in either)
+    hooked = make("qwen2")
+    hooked.model.layers[0].self_attn.v_proj.bias.register_hook(lambda g: g)
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.v_proj.bias: a gradient hook"):
+        apply_coda(hooked)
+    missing = make("qwen2")
+    missing.model.layers[0].self_attn.q_proj.bias = None
+    with pytest.raises(ValueError, match="layer 0: self_attn.q_proj: missing or without a bias"):
+        apply_coda(missing)
+    o_bias = make("qwen2")
+    o = o_bias.model.layers[1].self_attn.o_proj
+    o.bias = torch.nn.Parameter(torch.zeros(o.out_features))
+    with pytest.raises(ValueError, match="layer 1: self_attn.o_proj: missing or has a bias"):
+        apply_coda(o_bias)
+
+
+def test_the_lines_table_in_the_docs_is_current() -> None:
+    """docs/models.md's table of the .coda and Python lines each family took is what
+    scripts/family_lines.py counts now (`python scripts/family_lines.py --write` renews it); Mistral's
+    and Ministral's programs are Llama's, Qwen2's differs from it by the bias (two parameters, two
+    adds), and every family's Python is counted."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("family_lines", root / "scripts" / "family_lines.py")
+    assert spec is not None and spec.loader is not None
+    lines = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = lines  # (its dataclasses look their module up)
+    spec.loader.exec_module(lines)
+    counts = lines.count()
+    doc = (root / "docs" / "models.md").read_text()
+    assert f"{lines.BEGIN}\n{lines.table(counts)}{lines.END}" in doc, (
+        "run python scripts/family_lines.py --write"
+    )
+    assert counts.coda["mistral"][1] == counts.coda["ministral"][1] == 0 and counts.coda["qwen2"][1] == 4
+    assert all(n > 0 for n in counts.python.values())

@@ -41,6 +41,7 @@ from coda_lang.hf.families import (
     apply_coda_to_llama,
     apply_coda_to_ministral,
     apply_coda_to_mistral,
+    apply_coda_to_qwen2,
     apply_coda_to_qwen3,
 )
 from coda_lang.hf.patch import unpatch
@@ -51,6 +52,7 @@ __all__ = [
     "apply_coda_to_llama",
     "apply_coda_to_ministral",
     "apply_coda_to_mistral",
+    "apply_coda_to_qwen2",
     "apply_coda_to_qwen3",
     "unfused_grads",
     "unpatch",

@@ -31,6 +31,7 @@ from coda_lang.hf.family import Family
 from coda_lang.hf.masks import FULL, SLIDING, layer_kinds
 
 ROPE_TYPES = ("default", "llama3", "linear")
+QKV_PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
 UNPATCH = "coda_lang.hf.unpatch(model) makes it an unpatched model again"
 LORA = (
@@ -254,8 +255,13 @@ def check_model(model: Any, family: Family) -> None:
         attn = layer.self_attn
         for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
             proj = getattr(attn, n, None)
-            if proj is None or (foreign(proj) is None and getattr(proj, "bias", None) is not None):
-                raise refuse(f"layer {i}: self_attn.{n}", "missing or has a bias")
+            biased = family.qkv_bias and n != "o_proj"  # (Qwen2's q, k and v have biases)
+            if proj is None or (
+                foreign(proj) is None and (getattr(proj, "bias", None) is not None) != biased
+            ):
+                raise refuse(
+                    f"layer {i}: self_attn.{n}", f"missing or {'without' if biased else 'has'} a bias"
+                )
         if family.qk_norm and (
             getattr(attn, "q_norm", None) is None or getattr(attn, "k_norm", None) is None
         ):
@@ -265,7 +271,11 @@ def check_model(model: Any, family: Family) -> None:
         why = module_trouble(m, cls, hooks=path != "model")
         if why is not None:
             raise refuse(path, why)
-        if cls is torch.nn.Linear and m.bias is not None:
+        if (
+            cls is torch.nn.Linear
+            and m.bias is not None
+            and not (family.qkv_bias and path.endswith(QKV_PROJ))
+        ):
             raise refuse(path, "has a bias, which the fused blocks don't add")
     hooks = global_hooks()
     if hooks:
@@ -276,6 +286,11 @@ def check_model(model: Any, family: Family) -> None:
         check_fused_parts(
             f"model.layers.{i}.self_attn", attn, ("q_proj", "k_proj", "v_proj"), fused_qkv_name(i)
         )
+        if family.qkv_bias:
+            bias = fused_qkv_name(i).replace("weight", "bias")
+            check_fused_parts(
+                f"model.layers.{i}.self_attn", attn, ("q_proj", "k_proj", "v_proj"), bias, "bias"
+            )
         check_fused_parts(
             f"model.layers.{i}.mlp", mlp, ("gate_proj", "up_proj"), f"model.layers.{i}.mlp.gate_up_weight"
         )
@@ -319,16 +334,18 @@ def fused_qkv_name(i: int) -> str:
     return ("model.coda_first" if i == 0 else f"model.layers.{i - 1}.coda_next") + ".self_attn.qkv_weight"
 
 
-def check_fused_parts(path: str, parent: Any, names: tuple[str, ...], fused: str) -> None:
-    """The weights of `parent`'s projections `names`, which patching makes one parameter `fused`:
-    what each carries must be one for all (requires_grad, dtype, device, a plain Parameter, no
-    gradient hooks), since the fused parameter has one of each."""
-    ws = [getattr(parent, n).weight for n in names]
+def check_fused_parts(
+    path: str, parent: Any, names: tuple[str, ...], fused: str, kind: str = "weight"
+) -> None:
+    """The weights (`kind`; or the biases) of `parent`'s projections `names`, which patching makes
+    one parameter `fused`: what each carries must be one for all (requires_grad, dtype, device, a
+    plain Parameter, no gradient hooks), since the fused parameter has one of each."""
+    ws = [getattr(getattr(parent, n), kind) for n in names]
     first = names[0]
     for n, w in zip(names, ws, strict=True):
         if type(w) is not torch.nn.Parameter:
             raise refuse(
-                f"{path}.{n}.weight",
+                f"{path}.{n}.{kind}",
                 f"a {class_name(w)}, not a torch.nn.Parameter (a sharded or quantized tensor): fusing "
                 f"{', '.join(names)} into {fused} would drop what it carries",
                 "patch the model before sharding or quantizing it",
@@ -336,7 +353,7 @@ def check_fused_parts(path: str, parent: Any, names: tuple[str, ...], fused: str
         hooks = [h for h in (w._backward_hooks, getattr(w, "_post_accumulate_grad_hooks", None)) if h]
         if hooks:
             raise refuse(
-                f"{path}.{n}.weight",
+                f"{path}.{n}.{kind}",
                 f"a gradient hook (register_hook / register_post_accumulate_grad_hook) on it: patching "
                 f"replaces {', '.join(names)} by one parameter {fused}, and the hook would never run",
                 f"register it after patching, on {fused} (coda_lang.hf.unfused_grads splits "
@@ -345,7 +362,7 @@ def check_fused_parts(path: str, parent: Any, names: tuple[str, ...], fused: str
     for n, w in zip(names[1:], ws[1:], strict=True):
         if w.requires_grad != ws[0].requires_grad:
             raise refuse(
-                f"{path}.{n}.weight.requires_grad={w.requires_grad}",
+                f"{path}.{n}.{kind}.requires_grad={w.requires_grad}",
                 f"{first}'s is {ws[0].requires_grad}, and patching makes {', '.join(names)} one "
                 f"parameter {fused} with one requires_grad flag",
                 f"freeze all of them or none before patching (after patching, {fused}."
@@ -353,7 +370,7 @@ def check_fused_parts(path: str, parent: Any, names: tuple[str, ...], fused: str
             )
         if w.dtype != ws[0].dtype or w.device != ws[0].device:
             raise refuse(
-                f"{path}.{n}.weight",
+                f"{path}.{n}.{kind}",
                 f"{w.dtype} on {w.device}, {first}'s {ws[0].dtype} on {ws[0].device}: patching makes "
                 f"{', '.join(names)} one parameter {fused}, of one dtype on one device",
                 "convert the model to one dtype and device before patching (model.to(...))",

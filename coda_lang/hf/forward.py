@@ -55,6 +55,15 @@ def qk_norm_weights(st: ModelState, fused: Any, device: torch.device) -> dict[st
     return {"gq": gq, "gk": gk, "mq": mq, "mk": mk}
 
 
+def qkv_inputs(st: ModelState, fused: Any, device: torch.device) -> dict[str, torch.Tensor]:
+    """The QKV blocks' inputs beyond the LLaMA layer's, from a `FusedQKV`: Qwen3's q/k norm weights
+    and masks, Qwen2's bias."""
+    out = qk_norm_weights(st, fused, device) if st.qk_norm else {}
+    if st.family.qkv_bias:
+        out["b_qkv"] = fused.qkv_bias
+    return out
+
+
 class Heads(torch.autograd.Function):
     """q, k and v as [batch, heads, seq, head_dim] views of the fused [tokens, (H + 2 KV) * HD] QKV
     tile; the backward writes dq, dk and dv into one gradient of that tile, each copied once from
@@ -244,7 +253,7 @@ def layer_forward(
         w_qkv=fused.qkv_weight,
         pos=step.pos,
         freq=step.freq,
-        **(qk_norm_weights(st, fused, x.device) if st.qk_norm else {}),
+        **qkv_inputs(st, fused, x.device),
     )
     out = run_block(self, step.blocks.layer, inputs)
     if given is not None:
@@ -314,7 +323,7 @@ def hidden(
             w_qkv=fused.qkv_weight,
             pos=step.pos,
             freq=step.freq,
-            **(qk_norm_weights(st, fused, emb.device) if st.qk_norm else {}),
+            **qkv_inputs(st, fused, emb.device),
         ),
     )["qkv"]
     if states is not None:

@@ -39,9 +39,9 @@ class Blocks:
 
     def __init__(self, st: ModelState, dtype: torch.dtype, eps: float):
         self.dtype = dtype
-        src = model_source(str(dtype).removeprefix("torch."), eps, st.HD, st.qk_norm)
+        src = model_source(str(dtype).removeprefix("torch."), eps, st.HD, st.qk_norm, st.family.qkv_bias)
         prog = load(src)
-        weights = {"w_o", "w_13", "w_2", "w_qkv", "w_lm", "g", "g1", "g2", "gq", "gk"}
+        weights = {"w_o", "w_13", "w_2", "w_qkv", "b_qkv", "w_lm", "g", "g1", "g2", "gq", "gk"}
 
         def fn(name: str, backward: BackwardOptions | None = None) -> BlockFunction:
             b = prog[name]
