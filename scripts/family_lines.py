@@ -9,7 +9,8 @@ parameterised source); its lines are counted without blank and comment lines, an
 are the lines of its program that are not in Llama's (difflib: new or changed lines).
 
 Python: the code lines of coda_lang/hf/*.py (no blank lines, comments or docstrings; the .coda
-templates of blocks.py are .coda, not Python). A family's lines are those of the definitions and
+templates of blocks.py are .coda, not Python), and the lines of coda_lang/torch.py (whose LLaMA MLP
+stages the blocks share) that name a family's markers. A family's lines are those of the definitions and
 modules named for it in `PARTS`, and every statement elsewhere that names one of its markers (a
 name, an attribute, an imported name, a parameter or a string equal to a marker: its Family
 constant, its entry point, the facts it brought, their helpers): the lines naming one, a definition
@@ -35,6 +36,9 @@ ROOT = Path(__file__).resolve().parent.parent
 HF = ROOT / "coda_lang" / "hf"
 DOC = ROOT / "docs" / "models.md"
 BEGIN, END = "<!-- generated:family-lines -->", "<!-- end:family-lines -->"
+# outside coda_lang/hf, searched for the families' markers only (not part of the shared patch's count):
+# coda_lang.torch's LLaMA MLP stages, which the hf blocks share
+ALSO = (ROOT / "coda_lang" / "torch.py",)
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,23 @@ PARTS = (
                 "b_qkv",
                 "bias",
                 "qkv_inputs",
+            }
+        ),
+    ),
+    Part(
+        "Granite: multipliers",
+        ("granite",),
+        frozenset(
+            {
+                "GRANITE",
+                "apply_coda_to_granite",
+                "multipliers",
+                "residual",
+                "logit_scale",
+                "embedding_multiplier",
+                "residual_multiplier",
+                "logits_scaling",
+                "attention_multiplier",
             }
         ),
     ),
@@ -212,7 +233,8 @@ def count() -> Counts:
 
     def program(fam: str) -> list[str]:
         f = FAMILIES[fam]
-        text = model_source("bfloat16", 1e-6, 128, f.qk_norm, f.qkv_bias)
+        scales = (2.0, 0.5, 4.0) if f.multipliers else None  # (any values: the text is the same)
+        text = model_source("bfloat16", 1e-6, 128, f.qk_norm, f.qkv_bias, scales)
         return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
 
     base = program("llama")
@@ -225,8 +247,9 @@ def count() -> Counts:
     python: dict[str, int] = {}
     shown: dict[str, list[str]] = {}
     everything: dict[str, set[int]] = {}
+    hf_files = {p.name for p in HF.glob("*.py")}
     claimed: dict[str, set[int]] = {}
-    for path in sorted(HF.glob("*.py")):
+    for path in [*sorted(HF.glob("*.py")), *ALSO]:
         src = path.read_text()
         tree = ast.parse(src)
         coda_names = (
@@ -241,7 +264,7 @@ def count() -> Counts:
             python[part.label] = python.get(part.label, 0) + len(got)
             shown.setdefault(part.label, []).extend(f"{path.name}:{n}: {text[n - 1]}" for n in sorted(got))
             claimed.setdefault(path.name, set()).update(got)
-    python[""] = sum(len(everything[f] - claimed.get(f, set())) for f in everything)
+    python[""] = sum(len(everything[f] - claimed.get(f, set())) for f in everything if f in hf_files)
     return Counts(coda, python, shown)
 
 

@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from coda_lang.hf import (  # noqa: E402
+    apply_coda_to_granite,
     apply_coda_to_llama,
     apply_coda_to_ministral,
     apply_coda_to_mistral,
@@ -46,12 +47,21 @@ FAMILIES = {
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, apply_coda_to_mistral),
     "ministral": (transformers.MinistralConfig, transformers.MinistralForCausalLM, apply_coda_to_ministral),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, apply_coda_to_qwen2),
+    "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM, apply_coda_to_granite),
 }
 # Each family's own settings in the tiny models: a sliding window of 16 (Mistral: every layer;
-# Ministral: the first of its two layers, the second full attention), shorter than most test sequences
+# Ministral: the first of its two layers, the second full attention), shorter than most test sequences;
+# Granite's multipliers
 OWN = {
     "mistral": {"sliding_window": 16},
     "ministral": {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]},
+    # Granite's multipliers of the order of Granite 3's (attention: 1 / head_dim)
+    "granite": {
+        "embedding_multiplier": 12.0,
+        "residual_multiplier": 0.22,
+        "logits_scaling": 8.0,
+        "attention_multiplier": 0.0625,
+    },
 }
 # The families every test runs; the others' costly tests (bf16, convergence, ...) run under -m slow
 FIRST = ("llama", "qwen3")

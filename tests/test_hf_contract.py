@@ -81,6 +81,10 @@ CASES += [
 CASES += [(f, p, "forward") for f in ("qwen3", "mistral") for p in BYPASSED]
 CASES += [("ministral", p, "pre") for p in BYPASSED[2:6]]
 CASES += [("qwen2", p, "forward") for p in ("model.layers.0.self_attn", "model.layers.0.coda_next.self_attn")]
+CASES += [
+    ("granite", p, "forward")
+    for p in ("model", "model.layers.1.mlp", "model.layers.1.post_attention_layernorm")
+]
 # the containers patching moves weights into (their forwards never run either)
 CASES += [
     ("llama", p, "forward")
@@ -375,23 +379,27 @@ def test_a_parametrization_is_refused(path: str, name: str, patched: Any) -> Non
 
 
 @pytest.mark.parametrize(
-    ("field", "value"),
+    ("field", "value", "family"),
     [
-        ("rms_norm_eps", 1e-5),
-        ("hidden_act", "gelu"),
-        ("rope_parameters", {"rope_type": "default", "rope_theta": 500000.0}),
-        ("head_dim", 32),
-        ("vocab_size", 128),
-        ("num_hidden_layers", 1),
-        ("num_key_value_heads", 4),
-        ("tie_word_embeddings", True),
-        ("loss_type", "ForMaskedLM"),
+        ("rms_norm_eps", 1e-5, "llama"),
+        ("hidden_act", "gelu", "llama"),
+        ("rope_parameters", {"rope_type": "default", "rope_theta": 500000.0}, "llama"),
+        ("head_dim", 32, "llama"),
+        ("vocab_size", 128, "llama"),
+        ("num_hidden_layers", 1, "llama"),
+        ("num_key_value_heads", 4, "llama"),
+        ("tie_word_embeddings", True, "llama"),
+        ("loss_type", "ForMaskedLM", "llama"),
+        ("sliding_window", 4, "mistral"),
+        ("residual_multiplier", 0.5, "granite"),
+        ("logits_scaling", 2.0, "granite"),
+        ("embedding_multiplier", 2.0, "granite"),
     ],
 )
-def test_a_changed_config_field_is_refused(field: str, value: Any, patched: Any) -> None:
+def test_a_changed_config_field_is_refused(field: str, value: Any, family: str, patched: Any) -> None:
     """A config field the blocks were built from (or that transformers' forward reads, as
-    num_hidden_layers), changed since patching."""
-    model = patched["llama"]
+    num_hidden_layers; Mistral's window, Granite's multipliers), changed since patching."""
+    model = patched[family]
     ids, _ = batch()
     cfg = model.config
     had = field in vars(cfg)

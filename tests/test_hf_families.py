@@ -79,8 +79,9 @@ def test_auto_class_refuses_an_unsupported_type_before_loading(tmp_path: Any) ->
     """Only a config is saved: the refusal comes from it (a ValueError listing the types supported),
     not from transformers looking for weights that are not there."""
     transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
+    supported = ", ".join(sorted(KNOWN))
     with pytest.raises(
-        ValueError, match="model_type 'gpt2' .*not a family coda_lang.hf patches; supported: llama"
+        ValueError, match=f"model_type 'gpt2' .*not a family coda_lang.hf patches; supported: {supported};"
     ):
         AutoCodaForCausalLM.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match="model_type 'gpt2' \\(GPT2Config\\)"):
@@ -441,7 +442,8 @@ def test_the_models_own_attention_function_gets_what_it_gets_unpatched(family: s
         assert a[0] == b[0] and a[2:] == b[2:], (a[2:], b[2:])
         assert (a[1] is None and b[1] is None) or torch.equal(a[1], b[1]), a[0]
     windows = [c[2] for c in seen[1]]
-    assert windows == {"llama": ["none given"] * 2, "mistral": [16, 16], "ministral": [16, None]}.get(
+    none = ["none given"] * 2
+    assert windows == {"llama": none, "granite": none, "mistral": [16, 16], "ministral": [16, None]}.get(
         family, [None, 8]
     )
 

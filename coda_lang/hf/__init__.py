@@ -38,6 +38,7 @@ from coda_lang.hf.checkpoint import unfused_grads
 from coda_lang.hf.families import (
     AutoCodaForCausalLM,
     apply_coda,
+    apply_coda_to_granite,
     apply_coda_to_llama,
     apply_coda_to_ministral,
     apply_coda_to_mistral,
@@ -49,6 +50,7 @@ from coda_lang.hf.patch import unpatch
 __all__ = [
     "AutoCodaForCausalLM",
     "apply_coda",
+    "apply_coda_to_granite",
     "apply_coda_to_llama",
     "apply_coda_to_ministral",
     "apply_coda_to_mistral",

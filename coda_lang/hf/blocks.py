@@ -18,6 +18,8 @@ folded into one head's; `mq` is 1 on the q columns and 0 elsewhere, `mk` 1 on th
 masks: the v columns are not normalized).
 The MLP's stages are coda_lang.torch's `llama_mlp_stages`, the one source of the LLaMA MLP's text.
 What it does not: hold parameters or touch transformers (the other modules of coda_lang.hf do).
+With `multipliers` (Granite), each branch joins the residual times `rm` (the layer's residual
+multiplier) and the logits are divided by `ls` (its logits scaling): scalars in the epilogues.
 With `qkv_bias` (Qwen2), `b_qkv` is the QKV projection's bias, q, k and v's in the fused weight's
 row order, added in the epilogue before RoPE; its gradient is the column sum of the epilogue's
 cotangent, which the derived backward gives.
@@ -66,41 +68,51 @@ block first_qkv(h: {t}[M, D], g: f32[D], w_qkv: {t}[2*P, D]{qkb}, pos: f32[M], f
 
 block layer(y: {t}[M, K], x: {t}[M, D], w_o: {t}[D, K], g1: f32[D], w_13: {t}[2*F, D],
             w_2: {t}[D, F], g2: f32[D], w_qkv: {t}[2*P, D]{qkb}, pos: f32[M], freq: f32[P]{qkp},
-            eps: f32 = {eps}) -> (x2: {t}[M, D], qkv: {t}[M, 2*P]) {{{mlp}
+            eps: f32 = {eps}{rmp}) -> (x2: {t}[M, D], qkv: {t}[M, 2*P]) {{{mlp}
   gemm x2g @ transpose(w_qkv) {{{qkv_r2}
   }}
 }}
 
 block last(y: {t}[M, K], x: {t}[M, D], w_o: {t}[D, K], g1: f32[D], w_13: {t}[2*F, D],
-           w_2: {t}[D, F], g2: f32[D], eps: f32 = {eps}) -> (x2g: {t}[M, D], r2: f32[M]) {{{mlp}
+           w_2: {t}[D, F], g2: f32[D], eps: f32 = {eps}{rmp}) -> (x2g: {t}[M, D], r2: f32[M]) {{{mlp}
 }}
 
-block head_loss(hg: {t}[M, D], r: f32[M], w_lm: {t}[V, D], target: i32[M]) -> (loss: f32[M]) {{
+block head_loss(hg: {t}[M, D], r: f32[M], w_lm: {t}[V, D], target: i32[M]{lsp}) -> (loss: f32[M]) {{
   gemm hg @ transpose(w_lm) {{
-    logits = acc * r
+    logits = acc * r{ls}
     lse = logsumexp(logits, over=V)
     tgt = pick(logits, target)
   }}
   loss = where(target >= 0, lse - tgt, 0.0)
 }}
 
-block head_logits(hg: {t}[M, D], r: f32[M], w_lm: {t}[V, D]) -> (logits: {t}[M, V]) {{
+block head_logits(hg: {t}[M, D], r: f32[M], w_lm: {t}[V, D]{lsp}) -> (logits: {t}[M, V]) {{
   gemm hg @ transpose(w_lm) {{
-    logits = acc * r
+    logits = acc * r{ls}
   }}
 }}
 """
 
 
-def _mlp(t: str) -> str:
+def _mlp(t: str, residual: str) -> str:
     """The LLaMA MLP's stages (coda_lang.torch's, the one source), x1 and g1 its residual and norm,
     then the next norm's weight and row statistics of its output x2."""
     then = f"\n    x2g: {t} = x2 * g2\n    ss2 = sum(x2 * x2, over=D)"
-    return llama_mlp_stages(t, h="x1", n="1", stored=True, then=then) + "\n  r2 = rsqrt(ss2 / D + eps)"
+    stages = llama_mlp_stages(t, h="x1", n="1", stored=True, then=then, residual=residual)
+    return stages + "\n  r2 = rsqrt(ss2 / D + eps)"
 
 
-def model_source(dtype: str, eps: float, head_dim: int, qk_norm: bool, qkv_bias: bool = False) -> str:
-    """The program's text for a model of parameter dtype `dtype` (a torch dtype's name)."""
+def model_source(
+    dtype: str,
+    eps: float,
+    head_dim: int,
+    qk_norm: bool,
+    qkv_bias: bool = False,
+    multipliers: tuple[float, float, float] | None = None,
+) -> str:
+    """The program's text for a model of parameter dtype `dtype` (a torch dtype's name); `multipliers`:
+    Granite's (embedding, residual, logits), the last two written into the blocks."""
+    residual, logit_scale = (None, None) if multipliers is None else multipliers[1:]
     t = DTYPES[dtype]
     body = (_QKV_NORM if qk_norm else _QKV).replace("{b}", " + b_qkv" if qkv_bias else "")
     return _TEMPLATE.format(
@@ -114,5 +126,8 @@ def model_source(dtype: str, eps: float, head_dim: int, qk_norm: bool, qkv_bias:
         qkp=", gq: f32[HD], gk: f32[HD], mq: f32[2*P], mk: f32[2*P]" if qk_norm else "",
         qkv_r=body.format(r="r").replace("\n", "\n  "),
         qkv_r2=body.format(r="r2").replace("\n", "\n  "),
-        mlp=_mlp(t),
+        mlp=_mlp(t, "" if residual is None else " * rm"),
+        rmp="" if residual is None else f", rm: f32 = {float(residual)!r}",
+        lsp="" if logit_scale is None else f", ls: f32 = {float(logit_scale)!r}",
+        ls="" if logit_scale is None else " / ls",
     )

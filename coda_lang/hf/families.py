@@ -2,7 +2,7 @@
 and `AutoCodaForCausalLM`, which pick the family from the config's `model_type`.
 
 What it does: `apply_coda_to_llama`, `apply_coda_to_qwen3`, `apply_coda_to_mistral`,
-`apply_coda_to_ministral`, `apply_coda_to_qwen2`: check the loss settings, then patch a
+`apply_coda_to_ministral`, `apply_coda_to_qwen2`, `apply_coda_to_granite`: check the loss settings, then patch a
 model of that family (patch.py) with its facts (family.py). `apply_coda(model)`: the same for the
 family of `model.config.model_type` (`FAMILIES`), refusing a type it does not know with the list of
 those it does. `AutoCodaForCausalLM.from_pretrained(...)` / `.from_config(...)`: transformers'
@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from coda_lang.hf.checks import refuse
-from coda_lang.hf.family import FAMILIES, LLAMA, MINISTRAL, MISTRAL, QWEN2, QWEN3, Family
+from coda_lang.hf.family import FAMILIES, GRANITE, LLAMA, MINISTRAL, MISTRAL, QWEN2, QWEN3, Family
 from coda_lang.hf.loss import LossSettings
 from coda_lang.hf.patch import apply
 
@@ -66,6 +66,16 @@ def apply_coda_to_qwen2(
     `apply_coda_to_llama`, with the q, k and v projections' biases added in the QKV blocks' epilogue;
     sliding-window layers (`use_sliding_window`) as `apply_coda_to_ministral`."""
     return apply(model, QWEN2, LossSettings(loss_mode, loss_budget, loss_rows))
+
+
+def apply_coda_to_granite(
+    model: Any, *, loss_mode: str = "rows", loss_budget: int | None = None, loss_rows: int | None = None
+) -> Any:
+    """Patch a transformers `GraniteForCausalLM` (Granite 3.x dense) in place (and return it): as
+    `apply_coda_to_llama`, with its multipliers: the embedding's (applied to the embeddings), the
+    residual's and the logits' (scalars in the blocks' epilogues) and the attention's (the scaling
+    its attention function is given)."""
+    return apply(model, GRANITE, LossSettings(loss_mode, loss_budget, loss_rows))
 
 
 def family_of(model_type: Any, what: str) -> Family:

@@ -294,6 +294,8 @@ def hidden(
         emb = Embed.apply(e.weight, input_ids, e.padding_idx, tied)
     else:
         emb = base.embed_tokens(input_ids)
+    if st.multipliers is not None:  # Granite's embedding multiplier, applied as its model does
+        emb = emb * st.multipliers[0]
     first = base.coda_first
     weights = first.self_attn.qkv_weight.dtype
     if emb.dtype != weights or str(weights).removeprefix("torch.") not in DTYPES:
