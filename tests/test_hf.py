@@ -87,7 +87,7 @@ def make(family: str, dtype: Any = None, seed: int = 0, **over: Any) -> Any:
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.3 * torch.randn_like(p))
             elif name.endswith(".bias"):
-                p.copy_(0.5 * torch.randn_like(p))
+                p.copy_(0.1 * torch.randn_like(p))
     return model.to(dtype) if dtype is not None else model
 
 
