@@ -511,3 +511,18 @@ def test_the_lines_table_in_the_docs_is_current() -> None:
     )
     assert counts.coda["mistral"][1] == counts.coda["ministral"][1] == 0 and counts.coda["qwen2"][1] == 4
     assert all(n > 0 for n in counts.python.values())
+
+
+@pytest.mark.parametrize("family", [f for f in sorted(FAMILIES) if f not in ("llama", "qwen3")])
+def test_hidden_states_are_hugging_faces(family: str) -> None:
+    """`output_hidden_states=True` gives the unpatched model's hidden states, each of them (Granite's
+    first one its embeddings times the embedding multiplier), and the base model's last state."""
+    ref = make(family)
+    pat = apply_coda(copy.deepcopy(ref))
+    ids, _ = batch()
+    want = ref(ids, output_hidden_states=True).hidden_states
+    got = pat(ids, output_hidden_states=True).hidden_states
+    assert len(got) == len(want) == 3
+    for a, b in zip(got, want, strict=True):
+        assert rel(a, b) < 1e-5
+    assert rel(pat.model(ids).last_hidden_state, ref.model(ids).last_hidden_state) < 1e-5
