@@ -205,13 +205,16 @@ def train(
 @pytest.mark.parametrize("family", each(costly=True))
 def test_convergence_30_adamw_steps(family: str) -> None:
     """As Liger's mini-model tests: the same init and data, 30 AdamW steps, patched and unpatched in
-    bf16 (and the unpatched model in f32 as the reference): the loss falls, and the patched run is as
-    close to the f32 run as the unpatched bf16 run is (2x, plus a floor of bf16 resolution)."""
+    bf16 (and the unpatched model in f32 as the reference): the loss falls as much as the f32 run's
+    (80%), and the patched run is as close to the f32 run as the unpatched bf16 run is (2x, plus a
+    floor of bf16 resolution)."""
     base = make(family)
     l32, p32 = train(copy.deepcopy(base), 30)
     l16, p16 = train(copy.deepcopy(base).to(torch.bfloat16), 30)
     lc, pc = train(patch(family, copy.deepcopy(base).to(torch.bfloat16)), 30)
-    assert lc[-1] < 0.5 * lc[0], lc  # it learns
+    # it learns, as much as the unpatched model in f32 does (Llama's loss halves in 30 steps;
+    # Granite's, its logits divided by 8 and its branches by 0.22 / 1, falls by an eighth, unpatched too)
+    assert lc[0] - lc[-1] > 0.8 * (l32[0] - l32[-1]) > 0.1, (lc, l32)
     curve_ref = max(abs(a - b) for a, b in zip(l16, l32, strict=True))
     curve = max(abs(a - b) for a, b in zip(lc, l32, strict=True))
     assert curve < 2 * curve_ref + 2e-2, (curve, curve_ref)
@@ -240,7 +243,7 @@ def test_convergence_on_the_gpu_kernels(family: str, monkeypatch: Any) -> None:
     print(
         f"{family}: loss {lc[0]:.3f} -> {lc[-1]:.3f} (f32 {l32[-1]:.3f}); max |coda - f32| {curve:.3g}, |HF bf16 - f32| {curve_ref:.3g}"
     )
-    assert lc[-1] < 0.5 * lc[0], lc
+    assert lc[0] - lc[-1] > 0.8 * (l32[0] - l32[-1]) > 0.1, (lc, l32)
     assert curve < 2 * curve_ref + 2e-2, (curve, curve_ref)
     for name in p32:
         ref = float((p16[name] - p32[name]).abs().max())
