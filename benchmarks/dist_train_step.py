@@ -2,7 +2,7 @@
 only, or DDP; HF eager, HF + Liger Kernel or HF + coda.
 
 Usage: torchrun --nproc_per_node N benchmarks/dist_train_step.py [--patch none,liger,coda]
-    [--wrap fsdp-layer,fsdp-root,ddp] [--compile] [--checkpointing] [--layers 16] [--seq 8192]
+    [--wrap fsdp-layer,fsdp-layer-keep,fsdp-root,ddp,none] [--compile] [--checkpointing] [--layers 16] [--seq 8192]
     [--batch 1] [--steps 9] [--warmup 3] [--json FILE] [--trace FILE]
     smoke test on the CPU (gloo): --device cpu --layers 2 --hidden 64 --intermediate 128 --heads 4
     --kv-heads 2 --vocab 256 --seq 32 --steps 2 --warmup 1
@@ -16,12 +16,12 @@ another): the model is built, patched (`--patch`: none, liger, coda), its layers
 (`--compile`: torch.compile per decoder layer) and checkpointed (`--checkpointing`: torch's
 checkpoint_wrapper per decoder layer, as torchtitan applies it), then wrapped (`--wrap`:
 `fully_shard` per decoder layer and on the root, with `MixedPrecisionPolicy(param_dtype=bf16,
-reduce_dtype=f32)` on a GPU; `fully_shard` on the root only; DDP), its optimizer made, and it trains:
+reduce_dtype=f32)` on a GPU; `fully_shard` on the root only; DDP; none: unwrapped, the one-GPU baseline), its optimizer made, and it trains:
 the first step, then (coda: after its kernels' other candidate tiles compiled,
 `coda_lang.torch.wait_for_kernels`) `--warmup` steps, then `--steps` timed steps. Printed: the median
 step time (CUDA events on a GPU, the host clock on the CPU; the slowest rank's), tokens/s per GPU, the
 peak memory per GPU (torch.cuda.max_memory_allocated over the timed steps, the largest rank's), the
-first step's time and the losses (the mean over ranks); then a markdown table. `--trace` writes one
+first step's time (the slowest rank's) and the losses (the mean over ranks); then a markdown table. `--trace` writes one
 profiled step per configuration (rank 0) as a Chrome trace.
 """
 
@@ -43,7 +43,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_train_step import GIB, llama_config, prepare, release  # noqa: E402
 
 PATCHES = {"none": "eager", "liger": "liger", "coda": "coda"}  # hf_train_step's configuration names
-WRAPS = ("fsdp-layer", "fsdp-root", "ddp")
+WRAPS = (
+    "fsdp-layer",
+    "fsdp-layer-keep",
+    "fsdp-root",
+    "ddp",
+    "none",
+)  # none: unwrapped (one process: the baseline)
 
 
 def config(args: argparse.Namespace) -> Any:
@@ -58,6 +64,8 @@ def config(args: argparse.Namespace) -> Any:
         if getattr(args, name) is not None:
             setattr(cfg, attr, getattr(args, name))
     cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
+    if args.untied:  # Llama-3-8B's: an LM head of its own
+        cfg.tie_word_embeddings = False
     return cfg
 
 
@@ -78,7 +86,9 @@ def build(args: argparse.Namespace, patch: str, wrap: str, device: torch.device)
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
             layers.register_module(str(i), checkpoint_wrapper(layer, preserve_rng_state=False))
-    if wrap == "ddp":
+    if wrap == "none":
+        pass
+    elif wrap == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [device.index] if device.type == "cuda" else None
@@ -89,9 +99,9 @@ def build(args: argparse.Namespace, patch: str, wrap: str, device: torch.device)
         kw: dict[str, Any] = {}
         if device.type == "cuda":
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if wrap == "fsdp-layer":
+        if wrap.startswith("fsdp-layer"):  # -keep: reshard_after_forward=False
             for layer in model.model.layers:
-                fully_shard(layer, **kw)
+                fully_shard(layer, reshard_after_forward=wrap == "fsdp-layer", **kw)
         fully_shard(model, **kw)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     return model, opt
@@ -155,16 +165,16 @@ def run_config(
         prof.export_chrome_trace(args.trace.replace("{config}", f"{patch}-{wrap}"))
     elif args.trace:
         losses.append(step())
-    # the slowest rank's median step, the largest rank's peak memory, the mean loss over ranks
+    # the slowest rank's median step and first step, the largest rank's peak memory, the mean loss
     stats = torch.tensor(
-        [statistics.median(times), torch.cuda.max_memory_allocated() / GIB if cuda else 0.0],
+        [statistics.median(times), torch.cuda.max_memory_allocated() / GIB if cuda else 0.0, first],
         dtype=torch.float64,
         device=device,
     )
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     mean = torch.stack(losses).float()
     dist.all_reduce(mean)
-    med, peak = float(stats[0]), float(stats[1])
+    med, peak, first = float(stats[0]), float(stats[1]), float(stats[2])
     res = {
         "patch": patch,
         "wrap": wrap,
@@ -196,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=None)
     p.add_argument("--kv-heads", type=int, default=None)
     p.add_argument("--vocab", type=int, default=None)
+    p.add_argument("--untied", action="store_true", help="an LM head apart from the embedding (Llama-3-8B)")
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=9)

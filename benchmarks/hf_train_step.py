@@ -2,7 +2,7 @@
 
 Usage (on a Hopper GPU): python benchmarks/hf_train_step.py [--configs eager,compile,liger,coda]
     [--family llama] [--layers N] [--seq 8192] [--batch 1] [--steps 9] [--warmup 3] [--json FILE]
-    [--profile] [--trace FILE]
+    [--profile] [--trace FILE] [--lora R]
 
 Llama-3.2-1B shapes by default (hidden 2048, 16 layers, 32 query / 8 KV heads of 64, intermediate 8192,
 vocab 128256, tied embeddings, rope_theta 5e5 with Llama-3 rope scaling); `--family` picks another
@@ -20,7 +20,10 @@ state included) and the loss after each step. coda's first step runs each stage 
 without spills while the tuner's other candidates compile in the background; the script then waits
 for them (`coda_lang.torch.wait_for_kernels`, the time is printed as "all compiled") before the
 warm-up steps, the first of which times them. `--profile` adds one profiled step per configuration,
-its CUDA time split into attention, GEMM and other kernels. Prints a markdown table last.
+its CUDA time split into attention, GEMM and other kernels. `--lora R`: peft LoRA of rank R (alpha 2R,
+dropout 0) on q, k, v, o, gate, up and down, the base frozen, the optimizer over the adapters: applied
+after Liger's patch (which keeps the modules LoRA wraps) and before coda's (which runs LoRA in its
+blocks). Prints a markdown table last.
 """
 
 from __future__ import annotations
@@ -174,11 +177,26 @@ def build(config_name: str, layers: int | None, family: str = "llama") -> tuple[
     return model, config_name
 
 
-def prepare(model: Any, name: str, family: str = "llama") -> Any:
-    if name == "eager":
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def with_lora(model: Any, r: int) -> Any:
+    """The peft model of `model` with LoRA of rank `r` on every linear layer of the decoder (or `model`
+    for r 0)."""
+    if not r:
         return model
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(
+        model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=LORA_TARGETS)
+    )
+
+
+def prepare(model: Any, name: str, family: str = "llama", lora: int = 0) -> Any:
+    if name == "eager":
+        return with_lora(model, lora)
     if name == "compile":
-        return torch.compile(model)
+        return torch.compile(with_lora(model, lora))
     if name == "liger":
         import liger_kernel.transformers as liger
 
@@ -186,11 +204,12 @@ def prepare(model: Any, name: str, family: str = "llama") -> Any:
         if patch is None:
             raise SystemExit(f"Liger Kernel has no apply_liger_kernel_to_{family}")
         patch(model=model)
-        return model
+        return with_lora(model, lora)
     if name in ("coda", "coda-vocab"):
         from coda_lang.hf import apply_coda
 
         # coda-vocab: the loss head's other mode, lse only, the backward in vocabulary chunks
+        model = with_lora(model, lora)
         apply_coda(model, loss_mode="vocab" if name == "coda-vocab" else "rows")
         return model
     raise SystemExit(f"unknown configuration {name!r}")
@@ -216,8 +235,8 @@ def run_config(name: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[s
     model, _ = build(name, args.layers, args.family)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    fwd = prepare(model, name, args.family)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    fwd = prepare(model, name, args.family, args.lora)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
 
     def step() -> float:
         loss = fwd(input_ids=ids, labels=ids).loss
@@ -318,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=9)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--lora", type=int, default=0, help="peft LoRA of this rank on every linear layer (0: none)"
+    )
     p.add_argument("--profile", action="store_true")
     p.add_argument("--top", type=int, default=12, help="kernels listed per profiled configuration")
     p.add_argument(

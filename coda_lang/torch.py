@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from coda_lang.api import Block, load
-from coda_lang.autodiff.chunk import candidate_plans, row_dim
+from coda_lang.autodiff.chunk import candidate_plans
 from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.backend_cute.runtime.tiles import precompile as compile_blocks
 
@@ -168,30 +168,7 @@ class BlockFunction:
         device = next((v.device for v in given.values() if isinstance(v, torch.Tensor)), None)
         if device is None:
             raise ValueError(f"block {self.name}: no torch tensor among the inputs")
-        self._check_rows(given, cotangents)
         return self._fn(not uses_kernels(device)).forward_backward(given, cotangents, chunk, dims, rounded)
-
-    def _check_rows(self, given: dict[str, Any], cotangents: dict[str, Any]) -> None:
-        """forward_backward slices every input and cotangent indexed by the rows into chunks: each must
-        have the same number of rows (ValueError naming them), as a call of the whole block requires."""
-        ir = self.block.ir
-        row = row_dim(ir)
-        typed = [(p.var.name, p.var.type, given) for p in ir.params]
-        typed += [(o.name, o.type, cotangents) for o in ir.outputs]
-        rows: dict[str, int] = {}
-        for name, t, where in typed:
-            v = where.get(name)
-            if t is None:
-                continue
-            ax = next((k for k, x in enumerate(t.shape) if x.name == row and x.coeff == 1), None)
-            if isinstance(v, torch.Tensor) and ax is not None and ax < v.dim():
-                rows[name] = int(v.shape[ax])
-        if len(set(rows.values())) > 1:
-            sizes = ", ".join(f"{n} {r}" for n, r in rows.items())
-            raise ValueError(
-                f"block {self.name}: forward_backward's inputs and cotangents disagree on the number of "
-                f"rows `{row}` ({sizes}); each must have the same"
-            )
 
 
 def function(

@@ -13,7 +13,7 @@
 # benchmark (python benchmarks/gpu_bench.py), printing each; logs (and the benchmark's JSON) go to $OUT
 # (a fresh temporary folder when $OUT is unset). Compiled kernels are cached under /tmp/coda-gpu/cache
 # (coda's PTX and emitted epilogues, quack's .o files), so a second run on the same host skips the
-# compiles. Exit status: non-zero if the tests or the benchmark failed.
+# compiles (when /tmp/coda-gpu is not a private folder of this user's, a fresh temporary one instead). Exit status: non-zero if the tests or the benchmark failed.
 # (The device's copy of the tree may carry a stale .git: don't run git commands there.)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -22,14 +22,22 @@ what="${1:-all}"
 OUT="${OUT:-$(mktemp -d -t coda-gpu-XXXX)}"
 export OUT
 mkdir -p "$OUT"
+# The caches below hold code that runs (bytecode, kernels): under /tmp only in a folder of this user's
+# that no one else can write (one another user made first, or can write, is not used: a fresh one is)
+CACHE_ROOT=/tmp/coda-gpu
+mkdir -p -m 700 "$CACHE_ROOT" 2>/dev/null
+if [ ! -O "$CACHE_ROOT" ] || [ -n "$(find "$CACHE_ROOT" -maxdepth 0 -perm /022)" ]; then
+  CACHE_ROOT="$(mktemp -d -t coda-gpu-cache-XXXX)"
+  echo "warning: /tmp/coda-gpu is not a private folder of this user's: caching in $CACHE_ROOT" >&2
+fi
 # Python bytecode cached, as a pip install has it (the GPU host sets PYTHONDONTWRITEBYTECODE and its
 # packages carry no .pyc: every process and compile worker would byte-compile torch and CuTeDSL again)
 if [ -n "${PYTHONDONTWRITEBYTECODE:-}" ]; then
   unset PYTHONDONTWRITEBYTECODE
-  export PYTHONPYCACHEPREFIX="${PYTHONPYCACHEPREFIX:-/tmp/coda-gpu/pycache}"
+  export PYTHONPYCACHEPREFIX="${PYTHONPYCACHEPREFIX:-$CACHE_ROOT/pycache}"
 fi
-export CODA_CACHE_DIR="${CODA_CACHE_DIR:-/tmp/coda-gpu/cache/coda}"
-export QUACK_CACHE_DIR="${QUACK_CACHE_DIR:-/tmp/coda-gpu/cache/quack}"
+export CODA_CACHE_DIR="${CODA_CACHE_DIR:-$CACHE_ROOT/cache/coda}"
+export QUACK_CACHE_DIR="${QUACK_CACHE_DIR:-$CACHE_ROOT/cache/quack}"
 mkdir -p "$CODA_CACHE_DIR" "$QUACK_CACHE_DIR"
 
 {

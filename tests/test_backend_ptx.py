@@ -119,7 +119,7 @@ def test_qk_norm_compiles_with_its_prepass(cache: Path) -> None:
     c = select_config(block, 1, directory=cache)
     check_ptx(c)
     assert c.config == TileConfig(128, 128) and c.report is not None and not c.report.spills, c.report.text
-    assert "shfl.sync.bfly" in c.ptx and "qk_norm_stage1_prepass" in c.source
+    assert "shfl.sync.bfly" in c.ptx and "epi_x_w_q_prepass" in c.source
 
 
 # each entry of tests/reduction_programs.py: (program, what its PTX must hold beyond WGMMA and TMA).

@@ -68,7 +68,7 @@ class FakeCache:
         def status(k: Kernel) -> str | None:
             return cache.known.get((k.spec.index, k.config.short + str(k.config.cluster_n)))
 
-        def build(spec: Any, config: TileConfig, root: str) -> tuple[str, bool]:
+        def build(spec: Any, config: TileConfig, root: str, wait: bool = True) -> tuple[str, bool]:
             name = (spec.index, config.short + str(config.cluster_n))
             cache.calls.append(name)
             cache.known[name] = cache.built.get(name, "ok")
@@ -158,16 +158,16 @@ class GatedBuild:
         fake = self
 
         class Pool(ThreadPoolExecutor):
-            def submit(self, fn: Any, spec: Any, config: TileConfig, root: str) -> Any:  # type: ignore[override]
+            def submit(self, fn: Any, spec: Any, config: TileConfig, root: str, *rest: Any) -> Any:  # type: ignore[override]
                 fake.submitted.append((spec.index, config))
-                return super().submit(fn, spec, config, root)
+                return super().submit(fn, spec, config, root, *rest)
 
         monkeypatch.setattr(Kernel, "status", lambda k: None)
         monkeypatch.setattr(parallel, "build", self.build)
         monkeypatch.setattr(parallel, "_executor", lambda n: Pool(n))
         monkeypatch.setattr(parallel, "_at_exit", lambda fn: None)
 
-    def build(self, spec: Any, config: TileConfig, root: str) -> tuple[str, bool]:
+    def build(self, spec: Any, config: TileConfig, root: str, wait: bool = True) -> tuple[str, bool]:
         name = (spec.index, config)
         with self.lock:
             self.calls.append(name)
@@ -400,6 +400,52 @@ def test_a_stale_or_damaged_entry_is_detected_and_rebuilt(
     ran.clear()
     third = compile_spec(spec, SMALL, directory=tmp_path)  # and warm again: no compile, no ptxas
     assert third.cached and third.report == again.report and not ran
+
+
+@pytest.mark.toolchain
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_only_whole_ptx_that_ptxas_accepted_enters_the_cache(
+    mlp: coda_lang.Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CuTeDSL's PTX cut short (its dump under a full disk or a 64 KiB file-size limit) is an error and
+    is not cached; one ptxas refuses is not cached either; an entry an older coda_lang recorded that
+    way (the cut PTX under its own hash, or PTX ptxas refuses) reads as missing and is built again,
+    instead of failing every later compile in ptxas."""
+    import hashlib
+
+    spec = _small(mlp)
+    good = compile_spec(spec, SMALL, directory=tmp_path / "ref").ptx_path.read_text()  # one real compile
+    assert len(good) > 64 * 1024
+    cut, broken = good[: 64 * 1024], good.replace("ret;", "bogus.instruction;", 1)
+    adapter = compile_mod._adapter()
+    cache = tmp_path / "cache"
+
+    def made(text: str) -> None:
+        monkeypatch.setattr(adapter, "compile_ptx", lambda *a, **k: (text, 1.0))
+
+    def entries() -> list[str]:
+        return sorted(p.name.split(".", 1)[1] for p in (cache / "ptx").iterdir() if p.suffix != ".lock")
+
+    made(cut)
+    with pytest.raises(compile_mod.IncompletePTX, match="is cut short"):
+        compile_spec(spec, SMALL, directory=cache)
+    assert entries() == []
+    made(broken)
+    with pytest.raises(RuntimeError, match="ptxas failed"):
+        compile_spec(spec, SMALL, directory=cache)
+    assert entries() == []
+    k = Kernel(spec, SMALL, cache)
+    made(good)
+    for old in (cut, broken):  # as an older coda_lang left it: the PTX and its hash, no ptxas report
+        k.ptx_path.write_text(old)
+        k.meta_path.write_text(
+            json.dumps({"compile_s": 1.0, "sha256": hashlib.sha256(old.encode()).hexdigest()})
+        )
+        assert k.status() is None  # (coda tune counts it as not compiled)
+        out = compile_spec(spec, SMALL, directory=cache)
+        assert not out.cached and out.ptx == good and out.report is not None
+        assert k.status() == ("spills" if out.report.spills else "ok")
+        assert [e.split("-")[0] for e in entries()] == ["json", "ptx", "ptxas"]  # (and its report)
 
 
 @pytest.mark.toolchain

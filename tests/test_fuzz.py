@@ -85,6 +85,38 @@ def test_random_programs_pass(capsys: pytest.CaptureFixture[str], tmp_path: Path
     assert not list(tmp_path.iterdir())
 
 
+def test_random_programs_report_what_ran_and_leave_no_hypothesis_folder(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ok line's numbers are counted, not computed from --programs and --examples (hypothesis draws
+    about as many programs as asked, not exactly: here it is made to draw two more, and its case draws
+    may stop a program short); hypothesis writes nothing into the working directory (`.hypothesis/`)."""
+    import coda_lang.fuzz.programs as fp
+
+    made, cases = [0], [0]
+    real_search, real_fuzzer, real_check = fp.run_search, fp.Fuzzer, fp.check_case
+
+    def fuzzer(*a: Any, **k: Any) -> Any:
+        made[0] += 1
+        return real_fuzzer(*a, **k)
+
+    def check(*a: Any, **k: Any) -> None:
+        cases[0] += 1
+        real_check(*a, **k)
+
+    monkeypatch.setattr(
+        fp, "run_search", lambda test, strat, n, *rest: real_search(test, strat, n + 2, *rest)
+    )
+    monkeypatch.setattr(fp, "Fuzzer", fuzzer)
+    monkeypatch.setattr(fp, "check_case", check)
+    monkeypatch.delenv("HYPOTHESIS_STORAGE_DIRECTORY", raising=False)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = fuzz(capsys, "--programs", "3", "--examples", "2", "--no-backward", "-q")
+    assert code == 0, out + err
+    assert made[0] >= 5 and out.startswith(f"ok: {made[0]} random programs, {cases[0]} cases,"), out
+    assert not list(tmp_path.iterdir())
+
+
 def test_the_console_script(tmp_path: Path) -> None:
     run = subprocess.run(
         [sys.executable, "-m", "coda_lang.cli", "fuzz", MLP, "--examples", "5", "--seed", "3"],

@@ -542,3 +542,42 @@ def test_the_public_names() -> None:
     names = set(hf.unfused_grads(model))
     assert "model.layers.0.self_attn.q_proj.weight" in names and "model.layers.1.mlp.up_proj.weight" in names
     assert not any("qkv_weight" in n or "gate_up_weight" in n for n in names)
+
+
+def test_the_attention_function_gets_the_callers_position_ids() -> None:
+    """The attention function is called with the caller's position_ids, as Hugging Face's attention
+    calls it (flash attention finds packed sequences from them when no mask is given), and without
+    them when none were given."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ref = make("llama")
+    ref.config._attn_implementation = impl = "sdpa"  # (eager is called directly, not looked up)
+    pat = patch("llama", copy.deepcopy(ref))
+    real = ALL_ATTENTION_FUNCTIONS[impl]
+    seen: list[Any] = []
+
+    def spy(*args: Any, **kw: Any) -> Any:
+        seen.append(kw.get("position_ids"))
+        return real(*args, **kw)
+
+    ids, _ = batch(s=40)
+    pos = torch.cat([torch.arange(20), torch.arange(20)]).unsqueeze(0).expand(ids.shape[0], -1)
+    ALL_ATTENTION_FUNCTIONS.register(impl, spy)
+    try:
+        got = []
+        for m in (ref, pat):
+            seen.clear()
+            m(ids, position_ids=pos)
+            got.append(list(seen))
+            seen.clear()
+            m(ids)
+            got.append(list(seen))
+    finally:
+        ALL_ATTENTION_FUNCTIONS.register(impl, real)
+    (ref_pos, ref_none, pat_pos, pat_none) = got
+    assert len(pat_pos) == len(ref_pos) == 2  # a call per layer
+    assert all(p is not None and torch.equal(p, pos) for p in pat_pos + ref_pos)
+    # without them, transformers passes its default 0..s-1, which packs nothing; the patched model
+    # passes none (flash attention would read them back from the GPU to look for packing)
+    default = torch.arange(40).unsqueeze(0)
+    assert pat_none == [None, None] and all(torch.equal(p, default) for p in ref_none)

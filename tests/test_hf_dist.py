@@ -506,6 +506,7 @@ def test_a_sharded_model_is_not_patched() -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # (a smoke run of a benchmark script, 2 processes: kept out of CI's 6 minutes)
 def test_the_distributed_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     """benchmarks/dist_train_step.py, 2 processes on the CPU (gloo), a tiny model: coda under FSDP2
     per layer and HF under DDP, its table printed."""

@@ -170,3 +170,76 @@ def test_the_llama_mlp_has_one_source() -> None:
         assert llama_mlp_stages("bf16", h="x1", n="1", stored=True).split("x2: bf16")[0] in model_source(
             "bfloat16", 1e-5, 16, qk_norm
         )
+
+
+# ---------------------------------------------------------------------------- nothing dropped or sliced
+
+_LIN = """dims M, K, N
+
+block lin(x: f32[M, K], w: f32[K, N], r: f32[M], eps: f32 = 1.0) -> (y: f32[M, N]) {
+  gemm x @ w {
+    y = acc * r * eps
+  }
+}
+"""
+
+
+def _code(e: Any) -> str:
+    return str(e.value.diagnostics[0].code)
+
+
+def test_a_misspelled_input_is_an_error_not_dropped() -> None:
+    """`esp=` for `eps=` is E0801 through `function`, `BlockModule` and `forward_backward`, as
+    `Block.cuda(emulate=True)` gives it; never the default used in silence."""
+    x, w, r = torch.randn(4, 8), torch.randn(8, 16), torch.rand(4)
+    f = function(_LIN, chunk_dim="M")
+    ref = f(x=x, w=w, r=r, eps=0.5)["y"]
+    calls = [
+        lambda: f(x=x, w=w, r=r, esp=0.5),
+        lambda: f({"x": x, "w": w, "r": r, "esp": 0.5}),
+        lambda: BlockModule(_LIN, {"w": w})(x=x, r=r, esp=0.5),
+        lambda: f.forward_backward(x=x, w=w, r=r, esp=0.5, cotangents={"y": ref}, chunk=2),
+        lambda: f.block.cuda(emulate=True)(x=x, w=w, r=r, esp=0.5),
+    ]
+    for call in calls:
+        with pytest.raises(coda_lang.CodaError, match="unknown input `esp`") as e:
+            call()
+        assert _code(e) == "E0801"
+
+
+def test_forward_backward_refuses_inputs_of_other_lengths() -> None:
+    """A row-indexed input (or a cotangent) longer or shorter than the others is refused before any
+    chunk runs, as a plain call refuses it (E0804; a cotangent not of its output's shape E0802), never
+    sliced to the first input's rows."""
+    torch.manual_seed(3)
+    x, w, r = torch.randn(6, 8), torch.randn(8, 16), torch.rand(6)
+    f = function(_LIN, chunk_dim="M")
+    ct_y = torch.randn(6, 16)
+    outs, grads = f.forward_backward(x=x, w=w, r=r, cotangents={"y": ct_y}, chunk=4)
+    assert outs["y"].shape == (6, 16) and grads["x"].shape == (6, 8)
+    for bad in (torch.rand(9), torch.rand(3)):
+        with pytest.raises(coda_lang.CodaError) as e:
+            f(x=x, w=w, r=bad)
+        assert _code(e) == "E0804"
+        with pytest.raises(coda_lang.CodaError, match="input `r` gives M") as e:
+            f.forward_backward(x=x, w=w, r=bad, cotangents={"y": ct_y}, chunk=4)
+        assert _code(e) == "E0804"
+    for bad in (torch.randn(9, 16), torch.randn(3, 16), torch.randn(6, 17)):
+        with pytest.raises(coda_lang.CodaError, match="cotangent of output `y`") as e:
+            f.forward_backward(x=x, w=w, r=r, cotangents={"y": bad}, chunk=4)
+        assert _code(e) == "E0802"
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_create_graph_is_refused_not_first_order() -> None:
+    """A gradient penalty needs the gradient's own gradient, which the kernels' backward has not:
+    `create_graph=True` is a RuntimeError naming coda and the option (it used to give a gradient that
+    was a constant, so penalty + L2 came out as the L2 term alone); first-order runs are unchanged."""
+    m = BlockModule(_LIN, {"w": torch.randn(8, 16)})
+    x, r = torch.randn(4, 8, requires_grad=True), torch.rand(4)
+    with pytest.raises(RuntimeError, match=r"coda: block lin .*create_graph=True"):
+        torch.autograd.grad(m(x=x, r=r).sum(), m.w, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"coda: block lin .*create_graph=True"):
+        m(x=x, r=r).sum().backward(create_graph=True)
+    (g,) = torch.autograd.grad(m(x=x, r=r).sum(), m.w)
+    assert torch.allclose(g, x.detach().T @ r[:, None].expand(4, 16), rtol=1e-5)

@@ -172,28 +172,60 @@ class Site:
         cache = self.exact_cache if self.exact else self.cache
         if a.name in cache:
             return cache[a.name]
+        if self.recomputes(a.name):
+            return self.recompute(a.name)
         if a.name in fwd.params:
             out: Atom = s.read_param(a.name)
         elif fwd.fstage.get(a.name) != self.k:
             out = s.read_between(a)
+        elif a.name in self.local_vec:
+            out = s.recompute_between(a.name)  # recomputed before the site
         else:
-            t = fwd.ftype[a.name]
-            if a.name in self.local_vec:
-                out = s.recompute_between(a.name)  # recomputed before the site
-            elif (
-                t.kind == PARTIAL
-                or t.kind == TILE
-                and a.name in fwd.storage
-                and not (self.exact or self.remat)
-                and (a.name not in self.make or s.is_saved(a.name))
-            ):
-                out = s.read_saved(a.name)
-            else:  # a grouped value is recomputed: stored, it is one column per group, not a group
-                out = self.recompute(a.name)
+            out = s.read_saved(a.name)
         cache[a.name] = out
         return out
 
+    def recomputes(self, name: str) -> bool:
+        """Whether `primal` gets value `name` of the stage by recomputing it in the site, not by reading it
+        (a parameter, a value of another stage or between stages, a saved tile). A grouped value is
+        recomputed: stored, it is one column per group, not a group."""
+        fwd = self.fwd
+        if name in fwd.params or fwd.fstage.get(name) != self.k or name in self.local_vec:
+            return False
+        t = fwd.ftype[name]
+        return not (
+            t.kind == PARTIAL
+            or t.kind == TILE
+            and name in fwd.storage
+            and not (self.exact or self.remat)
+            and (name not in self.make or self.s.is_saved(name))
+        )
+
     def recompute(self, name: str) -> Atom:
+        """Value `name` of the stage recomputed in the site, after what it reads: a chain of statements
+        as deep as the program's, walked with a stack of its own, not Python's (no depth limit), each
+        operand got in the order the statement reads them, as a recursive walk gets them."""
+        cache = self.exact_cache if self.exact else self.cache
+        self.check_recompute(name)
+        todo: list[tuple[str, int]] = [(name, 0)]
+        while todo:
+            top, i = todo[-1]
+            e = self.fwd.fdef[top]
+            if i < len(e.ins):
+                todo[-1] = (top, i + 1)
+                a = e.ins[i]
+                if isinstance(a, Var) and a.name != "acc" and a.name not in cache and self.recomputes(a.name):
+                    self.check_recompute(a.name)
+                    todo.append((a.name, 0))
+                else:
+                    self.primal(a)
+                continue
+            todo.pop()
+            if top not in cache or not todo:  # (a statement's other output may have made it)
+                self.recompute_one(top)
+        return cache[name]
+
+    def check_recompute(self, name: str) -> None:
         e = self.fwd.fdef[name]
         if is_index(e) and not self.at_forward_width():
             raise AutodiffError(
@@ -202,6 +234,10 @@ class Site:
                 "width; it can't be recomputed there",
                 e.span,
             )
+
+    def recompute_one(self, name: str) -> Atom:
+        """`name`'s statement emitted again, on operands got already."""
+        e = self.fwd.fdef[name]
         ins = [self.primal(a) for a in e.ins]
         store = None
         if name in self.make and not self.exact and name not in self.s.made and not self.s.is_saved(name):

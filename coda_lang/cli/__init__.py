@@ -1,5 +1,5 @@
-"""The `coda` command line: one module per command (check, draw, run, grad, compile, tune, fuzz,
-explain), common.py for what they share.
+"""The `coda` command line: one module per command (check, draw, run, grad, compile, tune, precompile,
+fuzz, explain), common.py for what they share.
 
 What it does: `build_parser` registers each command's subparser (each module's `add_parser` sets the
 function that runs it); `main` parses, runs the command and maps failures to exit codes: 0 ok, 1 the
@@ -17,10 +17,11 @@ import os
 import sys
 from collections.abc import Sequence
 
-from coda_lang.cli import check, compile, draw, explain, fuzz, grad, run, tune
+from coda_lang.cli import check, compile, draw, explain, fuzz, grad, precompile, run, tune
 from coda_lang.cli.common import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, Parser
+from coda_lang.core import orphans
 
-COMMANDS = (check, draw, run, grad, compile, tune, fuzz, explain)
+COMMANDS = (check, draw, run, grad, compile, tune, precompile, fuzz, explain)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    orphans.from_environment()  # (a `coda fuzz --jobs` job: it ends with the coda that started it)
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # (as given: `coda fuzz --jobs` reruns it)

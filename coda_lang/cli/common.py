@@ -5,7 +5,8 @@ What it does: `Parser` (argparse with usage errors as exit 2 and a `coda: error:
 `read_source_file`, `load_block` (a file's block by name, with diagnostics printed), `parse_dims`,
 `parse_tile`, `parse_tile_subtile`, `parse_backward` (--remat, --chunk, --budget, --chunk-dim as one
 `BackwardOptions`, checked by it: its TypeError or ValueError is a usage error), and atomic writers (`write_text`, `write_npz`: a temporary file in
-the same folder renamed over the target, so no partial output file is ever left).
+the same folder renamed over the target, so no partial output file is ever left; the file gets the mode
+open() would give it: the umask's for a new one, an existing one's own).
 What it does not: any command's work (the modules beside it) or any compiler work (frontend/source.py, api.py).
 Invariants: nothing here imports NumPy, torch or CuTeDSL at import time (`coda check` starts fast).
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import sys
 
 from coda_lang.api import Block
@@ -52,15 +54,22 @@ def usage_error(msg: str) -> int:
     return EXIT_USAGE
 
 
-def parse_dims(text: str | None) -> dict[str, int] | None:
+def parse_dims(text: str | None, example: str = "M=4096,D=1024") -> dict[str, int] | str:
+    """--dims NAME=SIZE,...: the sizes by name, or the one-line reason it is not that (a dim given
+    twice too: `M=4,M=5` says nothing one could act on)."""
     if not text:
         return {}
     out: dict[str, int] = {}
     for part in text.split(","):
         name, eq, value = part.strip().partition("=")
-        if not eq or not name.strip().isidentifier() or not _digits(value.strip()) or int(value) <= 0:
-            return None
-        out[name.strip()] = int(value)
+        name = name.strip()
+        if not eq or not name.isidentifier() or not _digits(value.strip()) or int(value) <= 0:
+            return f"--dims takes NAME=SIZE pairs separated by commas (e.g. {example}), got {text!r}"
+        if name in out:
+            return (
+                f"--dims gives {name} twice ({name}={out[name]} and {name}={int(value)}); give each dim once"
+            )
+        out[name] = int(value)
     return out
 
 
@@ -121,6 +130,20 @@ def load_block(path: str, block: str | None, fmt: str = "human") -> tuple[object
     return Block(b, plans[block]), EXIT_OK
 
 
+def _mode(path: str) -> int:
+    """The mode a written file gets, as open() would give it: an existing file's own, else what the
+    umask leaves of 0666 (mkstemp's temporary file is 0600, which a rename would keep)."""
+    try:
+        st = os.stat(path)
+        if stat.S_ISREG(st.st_mode):
+            return stat.S_IMODE(st.st_mode)
+    except OSError:
+        pass
+    umask = os.umask(0o022)  # (read by setting it: there is no call that only reads it)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def write_npz(path: str, arrays: dict[str, object]) -> None:
     """Write atomically: a temporary file in the same folder, renamed over `path` when complete."""
     import tempfile
@@ -130,6 +153,7 @@ def write_npz(path: str, arrays: dict[str, object]) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".coda-", suffix=".npz", dir=folder)
     try:
+        os.fchmod(fd, _mode(path))
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **{k: savable(v) for k, v in arrays.items()})  # type: ignore[arg-type]
         os.replace(tmp, path)
@@ -152,6 +176,7 @@ def write_text(path: str, text: str) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".coda-", suffix=".coda", dir=folder)
     try:
+        os.fchmod(fd, _mode(path))
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)

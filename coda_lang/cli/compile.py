@@ -57,16 +57,22 @@ def add_parser(sub: Any) -> None:
         help="--emit ptx: this tile only (e.g. 128x128; pingpong, cluster "
         "2x1); a suffix eS sets the epilogue subtile S columns wide (e.g. 128x192e16)",
     )
-    k.add_argument(
-        "-j",
-        "--jobs",
-        metavar="N",
-        help="--emit ptx: worker processes compiling kernels (default: one per CPU, at most one per GB "
-        "of available memory, or $CODA_JOBS; 1: one after another in this process)",
-    )
+    add_jobs_argument(k, "--emit ptx: ")
     k.add_argument("-q", "--quiet", action="store_true", help="no progress line on stderr")
     k.add_argument("--error-format", choices=("human", "short"), default="human")
     k.set_defaults(run=run)
+
+
+def add_jobs_argument(parser: argparse.ArgumentParser, when: str = "") -> None:
+    """`-j/--jobs N`, the compile workers' count, as every compiling command takes it (`when`: what
+    the option applies to, e.g. "--emit ptx: "); parse_jobs reads it."""
+    parser.add_argument(
+        "-j",
+        "--jobs",
+        metavar="N",
+        help=f"{when}worker processes compiling kernels (default: one per CPU, at most one per GB of "
+        "available memory, or $CODA_JOBS; 1: one after another in this process)",
+    )
 
 
 def parse_jobs(text: str | None) -> int | None | str:

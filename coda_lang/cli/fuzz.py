@@ -161,7 +161,26 @@ def _print_failure(args: Any, f: Failure, file: str, block: str, out: TextIO) ->
 
 def run(args: Any) -> int:
     """Exit 0 all cases passed, 1 a failure (or the block has errors or can't run on the target), 2 usage
-    errors and targets this machine can't run."""
+    errors and targets this machine can't run. hypothesis's own folder (`.hypothesis/` in the working
+    directory by default: the constants it collects from source) is a temporary one, removed at the
+    end (the search keeps no database), unless $HYPOTHESIS_STORAGE_DIRECTORY names one."""
+    import os
+    import tempfile
+
+    # lazy: imports hypothesis, which only the fuzzer needs
+    from hypothesis.configuration import set_hypothesis_home_dir
+
+    if os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
+        return _run(args)
+    with tempfile.TemporaryDirectory(prefix="coda-fuzz-hypothesis-") as home:
+        set_hypothesis_home_dir(home)
+        try:
+            return _run(args)
+        finally:
+            set_hypothesis_home_dir(None)
+
+
+def _run(args: Any) -> int:
     # lazy: imports hypothesis, which only the fuzzer needs
     from coda_lang.fuzz import (
         ALIGN,
@@ -201,11 +220,9 @@ def run(args: Any) -> int:
         return usage_error(f"{flag} takes MxN with positive sizes (e.g. 4x8 or 128x192), got {text!r}")
     assert parsed is None or isinstance(parsed, tuple)
     tile, sim_tile = (parsed, None) if kernel else (None, parsed)
-    dims = parse_dims(args.dims)
-    if dims is None:
-        return usage_error(
-            f"--dims takes NAME=SIZE pairs separated by commas (e.g. M=5,D=12), got {args.dims!r}"
-        )
+    dims = parse_dims(args.dims, "M=5,D=12")
+    if isinstance(dims, str):
+        return usage_error(dims)
     big = sorted(k for k, v in dims.items() if v > MAX_DIM)
     if big:
         return usage_error(
@@ -268,7 +285,7 @@ def run(args: Any) -> int:
                 print(f"wrote the failing program to {path}", file=out)
                 _print_failure(args, res.failure, path, "fwd", out)
                 return EXIT_ERRORS
-            ran = args.programs - len(res.skipped)
+            ran = res.programs  # (counted: hypothesis draws about, not exactly, --programs)
             skip = (
                 f"; {len(res.skipped)} skipped (the target can't run them: {sorted(set(res.skipped))[0]} ...)"
                 if res.skipped

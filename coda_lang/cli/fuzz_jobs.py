@@ -10,7 +10,8 @@ smallest failing case and the command that reproduces it, which needs no seed) i
 gave it. When all pass, one ok line sums them.
 What it does not: fuzz (each job is a plain `coda fuzz` run) or validate options (the caller has).
 Invariants: exit 0 when every job passed, 1 when one failed (or the block can't run on the target),
-2 when a job reports a usage error; no job outlives the call (Ctrl-C stops them all).
+2 when a job reports a usage error; no job outlives the call (Ctrl-C stops them all, and a job ends
+with this process however it ends: SIGKILL too, core/orphans.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coda_lang.cli.common import EXIT_ERRORS, EXIT_OK, EXIT_USAGE
+from coda_lang.core.orphans import PARENT_ENV
 
 _COUNT = re.compile(r": (\d+)/(\d+)(?: cases)?(?: \(|,|$)")
 _OK_BLOCK = re.compile(
@@ -98,6 +100,7 @@ def run_jobs(args: Any, argv: list[str]) -> int:
     if "CODA_JOBS" not in env:  # each job's compile workers: its share of the CPUs
         env["CODA_JOBS"] = str(max(1, (os.cpu_count() or 1) // n))
     env["PYTHONUNBUFFERED"] = "1"
+    env[PARENT_ENV] = str(os.getpid())  # each job ends with this process, however it ends
     jobs = [Job(args.seed + i, share) for i, share in enumerate(parts)]
     # (argparse keeps the last of a repeated option: the job's own seed, share and --jobs 1 win)
     what = "--programs" if programs else "--examples"

@@ -90,8 +90,10 @@ def run(args: argparse.Namespace) -> int:
         parts.append(print_block(d.forward.ir, with_dims=False))
     parts.append(print_block(d.backward.ir, with_dims=False))
     text = "\n".join(parts)
-    for line in d.report:
-        print(f"note: {line}", file=sys.stderr)
+    # the notes are `# note:` comments of the printed source too: on a terminal, once is enough
+    if args.output or not sys.stdout.isatty():
+        for line in d.report:
+            print(f"note: {line}", file=sys.stderr)
     if args.output:
         try:
             write_text(args.output, text)

@@ -16,6 +16,7 @@ from coda_lang.cli.common import (
     usage_error,
     write_npz,
 )
+from coda_lang.cli.npz import BadInputs, read_npz
 from coda_lang.core.diagnostics import CodaError, render_all
 
 
@@ -58,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
     # lazy: imports NumPy, which `coda check` and `import coda_lang` never load
     from coda_lang.interp.inputs import (
+        available_memory,
         check_sizes,
         infer_dims,
     )
@@ -70,10 +72,8 @@ def run(args: argparse.Namespace) -> int:
 
     assert isinstance(block, Block)
     dims = parse_dims(args.dims)
-    if dims is None:
-        return usage_error(
-            f"--dims takes NAME=SIZE pairs separated by commas (e.g. M=4096,D=1024), got {args.dims!r}"
-        )
+    if isinstance(dims, str):
+        return usage_error(dims)
     if args.tile is not None:
         return usage_error(
             "coda run simulates a tile: --sim-tile MxN (--tile is the kernels' tile, of coda compile "
@@ -85,9 +85,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.inputs:
             try:
-                with np.load(args.inputs, allow_pickle=False) as z:
-                    inputs = {k: z[k] for k in z.files}
-            except (OSError, ValueError) as e:
+                inputs = read_npz(args.inputs, available_memory())
+            except OSError as e:
+                return usage_error(f"can't read {args.inputs}: {e.strerror or e}")
+            except BadInputs as e:
                 return usage_error(f"can't read {args.inputs}: {e}")
             source = f"inputs from {args.inputs}"
             sizes = infer_dims(
@@ -95,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
                 {k: v.shape for k, v in inputs.items() if k in {p.var.name for p in block.ir.params}},
                 dims,
             )
+            check_sizes(block.ir, sizes, args.precision, tile)
         else:
             sizes = {d.name: dims.get(d.name, d.value or 256) for d in block.ir.dims}
             unknown = set(dims) - set(sizes)

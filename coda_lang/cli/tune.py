@@ -33,7 +33,7 @@ from coda_lang.cli.common import (
     parse_dims,
     usage_error,
 )
-from coda_lang.cli.compile import parse_jobs
+from coda_lang.cli.compile import add_jobs_argument, parse_jobs
 from coda_lang.core.diagnostics import CodaError, render_all
 from coda_lang.ir.nodes import DEFAULT_REMAT, REMAT
 
@@ -72,19 +72,21 @@ def add_parser(sub: Any) -> None:
         help=f"with --backward: the saved-tensor policy of the backward, {', '.join(REMAT)} "
         f"(default {DEFAULT_REMAT})",
     )
-    t.add_argument(
-        "-j",
-        "--jobs",
-        metavar="N",
-        help="worker processes compiling kernels (default: one per CPU, at most one per GB of available "
-        "memory, or $CODA_JOBS; 1: one after another in this process)",
-    )
+    add_jobs_argument(t)
     t.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     t.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    """`_run`; a kernel cache that can't be written or trusted (an OSError wherever it shows: a file in
+    the way, a path under /proc, a folder someone else can write) is exit 2, as for coda compile."""
+    try:
+        return _run(args)
+    except OSError as e:
+        return usage_error(f"can't write {e.filename or 'the kernel cache'}: {e.strerror or e}")
 
+
+def _run(args: argparse.Namespace) -> int:
     jobs = parse_jobs(args.jobs)
     if jobs == "bad":
         return usage_error(f"--jobs takes a positive number, got {args.jobs!r}")
@@ -99,9 +101,11 @@ def run(args: argparse.Namespace) -> int:
     sizes: list[dict[str, int]] = []
     for text in args.dims:
         d = parse_dims(text)
-        if not d:
+        if isinstance(d, str) or not d:
             return usage_error(
-                f"--dims takes NAME=SIZE pairs separated by commas (e.g. M=4096,D=1024), got {text!r}"
+                d
+                if isinstance(d, str)
+                else f"--dims takes NAME=SIZE pairs separated by commas (e.g. M=4096,D=1024), got {text!r}"
             )
         sizes.append(d)
     block, code = load_block(args.file, args.block)
@@ -141,8 +145,6 @@ def run(args: argparse.Namespace) -> int:
     except BackendUnavailable as e:
         print(f"coda: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except OSError as e:
-        return usage_error(f"can't write {e.filename or 'the kernel cache'}: {e.strerror or e}")
     what = " and ".join(b.name for _, b in blocks)
     if done is None:
         print(f"kernels of {what}: nothing to compile")

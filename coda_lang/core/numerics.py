@@ -54,6 +54,7 @@ def to_storage(x: np.ndarray, dtype: str, precision: str) -> np.ndarray:
 
 
 _ERF = np.frompyfunc(math.erf, 1, 1)
+_ERF_PIECE = 1 << 16
 
 
 def erf(x: Any) -> Any:
@@ -61,4 +62,11 @@ def erf(x: Any) -> Any:
     element), in the dtype of `x` (f32 stays f32)."""
     x = np.asarray(x)
     dtype = x.dtype if x.dtype.kind == "f" else np.dtype(np.float64)
-    return np.asarray(_ERF(x.astype(np.float64)), dtype=np.float64).astype(dtype)
+    out = np.empty(x.shape, dtype)
+    flat, into = x.reshape(-1), out.reshape(-1)
+    # in pieces: math.erf's Python floats (an object array) exist for one piece at a time, so that
+    # the interpreter's memory estimate (interp/inputs.py) holds for erf too
+    for i in range(0, flat.size, _ERF_PIECE):
+        piece = flat[i : i + _ERF_PIECE].astype(np.float64)
+        into[i : i + _ERF_PIECE] = np.asarray(_ERF(piece), dtype=np.float64)
+    return out

@@ -59,6 +59,7 @@ def fuzz_programs(
     no_chunks: list[str] = []
     policies: list[str] = []
     count = [0, 0]
+    ran = [0]  # programs run, as counted (hypothesis may draw more than `programs`, or fewer)
 
     def test(data: st.DataObject) -> None:
         fw = data.draw(
@@ -83,6 +84,7 @@ def fuzz_programs(
                 skipped.append(first_line(e))
             return
         if not failures:
+            ran[0] += 1
             if fz.backward_error:
                 no_backward.append(fz.backward_error)
             elif opts is not None:
@@ -110,7 +112,7 @@ def fuzz_programs(
     if no_chunks:
         codes = ", ".join(f"{c} x{no_chunks.count(c)}" for c in sorted(set(no_chunks)))
         notes.append(f"backward not chunked for {len(no_chunks)} programs ({codes}), checked unchunked")
-    return Result(count[0], failure, notes, time.monotonic() - t0, skipped, count[1])
+    return Result(count[0], failure, notes, time.monotonic() - t0, skipped, count[1], programs=ran[0])
 
 
 def save_program(text: str, folder: str = ".") -> str:

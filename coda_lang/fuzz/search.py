@@ -77,6 +77,7 @@ class Result:
     seconds: float = 0.0
     skipped: list[str] = field(default_factory=list)  # fuzz_programs: programs the target can't run
     chunked: int = 0  # cases whose backward ran in row chunks
+    programs: int = 0  # fuzz_programs: programs run (skipped ones not counted)
 
 
 class Mismatch(Exception):

@@ -30,6 +30,7 @@ from typing import Any, cast
 
 import torch
 
+from coda_lang.hf.checks import base_of, is_lora, peft_inner
 from coda_lang.layout import deinterleave_rope, interleave_rope
 
 # what torch's checkpoint_wrapper puts into the names under it (its state-dict hooks take it out)
@@ -55,10 +56,8 @@ def whole(*ts: torch.Tensor) -> tuple[list[torch.Tensor], Any]:
     if dtensor is None or not isinstance(ts[0], dtensor.DTensor):
         return list(ts), None
     with torch.no_grad():
-        return [cast(Any, t).full_tensor() for t in ts], (
-            cast(Any, ts[0]).device_mesh,
-            cast(Any, ts[0]).placements,
-        )
+        parts: list[Any] = list(ts)  # DTensors
+        return [t.full_tensor() for t in parts], (parts[0].device_mesh, parts[0].placements)
 
 
 def sharded(t: torch.Tensor, how: Any) -> torch.Tensor:
@@ -70,19 +69,36 @@ def sharded(t: torch.Tensor, how: Any) -> torch.Tensor:
     return distribute_tensor(t, how[0], how[1], src_data_rank=None)
 
 
+def bias_name(weight_key: str) -> str:
+    """The bias's state-dict key beside a projection's weight key (`q_proj.weight` -> `q_proj.bias`,
+    under peft `q_proj.base_layer.weight` -> `q_proj.base_layer.bias`)."""
+    return weight_key[: -len("weight")] + "bias"
+
+
 def qkv_save_hook(module: Any, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
     for kind in ("weight", "bias"):  # (the bias: Qwen2's)
         key = prefix + f"qkv_{kind}"
         if key not in state_dict:
             continue
+        names = module.parts if kind == "weight" else tuple(bias_name(n) for n in module.parts)
         (w,), how = whole(state_dict.pop(key).detach())
-        for n, part in zip("qkv", split_qkv(w, module.head_dim, module.nq, module.nk), strict=True):
-            state_dict[prefix + f"{n}_proj.{kind}"] = sharded(part, how)
+        for name, part in zip(names, split_qkv(w, module.head_dim, module.nq, module.nk), strict=True):
+            state_dict[prefix + name] = sharded(part, how)
+
+
+def part_names(m: Any, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The state-dict keys of the projections `names` of `m`: `<name>.weight`, or under a peft LoRA
+    layer `<name>.base_layer.weight` (as the unpatched peft model names them)."""
+    return tuple(f"{n}.base_layer.weight" if is_lora(getattr(m, n)) else f"{n}.weight" for n in names)
+
+
+GATE_UP_PARTS = ("gate_proj.weight", "up_proj.weight")
 
 
 def qkv_load_hook(module: Any, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
     for kind in ("weight", "bias"):
-        keys = [prefix + f"{n}_proj.{kind}" for n in "qkv"]
+        names = module.parts if kind == "weight" else tuple(bias_name(n) for n in module.parts)
+        keys = [prefix + n for n in names]
         if all(k in state_dict for k in keys):
             (q, k, v), how = whole(*(state_dict.pop(x) for x in keys))
             state_dict[prefix + f"qkv_{kind}"] = sharded(fuse_qkv(q, k, v, module.head_dim), how)
@@ -92,12 +108,13 @@ def mlp_save_hook(module: Any, state_dict: dict[str, Any], prefix: str, _meta: A
     key = prefix + "gate_up_weight"
     if key in state_dict:
         (w,), how = whole(state_dict.pop(key).detach())
-        state_dict[prefix + "gate_proj.weight"] = sharded(w[0::2].contiguous(), how)
-        state_dict[prefix + "up_proj.weight"] = sharded(w[1::2].contiguous(), how)
+        g, u = getattr(module, "_coda_parts", GATE_UP_PARTS)
+        state_dict[prefix + g] = sharded(w[0::2].contiguous(), how)
+        state_dict[prefix + u] = sharded(w[1::2].contiguous(), how)
 
 
 def mlp_load_hook(module: Any, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
-    g, u = prefix + "gate_proj.weight", prefix + "up_proj.weight"
+    g, u = (prefix + n for n in getattr(module, "_coda_parts", GATE_UP_PARTS))
     if g in state_dict and u in state_dict:
         (gw, uw), how = whole(state_dict.pop(g), state_dict.pop(u))
         state_dict[prefix + "gate_up_weight"] = sharded(torch.stack([gw, uw], 1).flatten(0, 1), how)
@@ -112,7 +129,10 @@ class FusedQKV(torch.nn.Module):
 
     def __init__(self, attn: Any, hd: int):
         super().__init__()
-        q, k, v = attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight
+        names = ("q_proj", "k_proj", "v_proj")
+        # the state-dict keys of the parts (a peft LoRA layer's base weight: `q_proj.base_layer.weight`)
+        self.parts = part_names(attn, names)
+        q, k, v = (base_of(getattr(attn, n)).weight for n in names)
         with torch.no_grad():
             qkv = fuse_qkv(q, k, v, hd)
             grads = _grads(q, k, v)
@@ -120,11 +140,26 @@ class FusedQKV(torch.nn.Module):
         self.head_dim, self.nq, self.nk = hd, q.shape[0], k.shape[0]
         self.qkv_weight = torch.nn.Parameter(qkv, requires_grad=q.requires_grad)
         self.qkv_weight.grad = grad
-        if attn.q_proj.bias is not None:  # Qwen2: q, k and v biases, one vector in the rows' order
+        if base_of(attn.q_proj).bias is not None:  # Qwen2: q, k and v biases, one vector in the rows' order
             self.qkv_bias = fused_bias(attn, hd)
         for name in ("q_norm", "k_norm"):
             if isinstance(getattr(attn, name, None), torch.nn.Module):
                 move(attn, name, self)
+        # a projection with LoRA adapters: the LoRA layer stays where peft put it (its names are what
+        # peft saves and loads adapters by), its base layer a FusedPart over qkv_weight's rows, and
+        # this module reaches it (`loras`, not registered); the others are removed
+        loras = []
+        for i, name in enumerate(names):
+            m = attn._modules[name]
+            if is_lora(m):
+                m.base_layer = FusedPart(
+                    self, "qkv_weight", i, m.base_layer.out_features, m.base_layer.in_features
+                )
+                loras.append(m)
+            else:
+                del attn._modules[name]
+                loras.append(None)
+        object.__setattr__(self, "loras", tuple(loras))
         self._register_state_dict_hook(qkv_save_hook)
         self.register_load_state_dict_pre_hook(qkv_load_hook)
 
@@ -135,12 +170,91 @@ class FusedQKV(torch.nn.Module):
 def fused_bias(attn: Any, hd: int) -> torch.nn.Parameter:
     """q, k and v projections' biases (and their gradients) as one parameter, in the order of the
     fused weight's rows; checks.py has refused biases whose requires_grad, dtype or device differ."""
-    q, k, v = (getattr(attn, f"{n}_proj").bias for n in "qkv")
+    q, k, v = (base_of(getattr(attn, f"{n}_proj")).bias for n in "qkv")
     with torch.no_grad():
         b = torch.nn.Parameter(fuse_qkv(q, k, v, hd), requires_grad=q.requires_grad)
         grads = _grads(q, k, v)
         b.grad = fuse_qkv(grads[0], grads[1], grads[2], hd) if grads else None
     return b
+
+
+class PartWeight:
+    """A fused parameter's rows of one projection, as peft's merge and unmerge use a base weight:
+    `.data` is a copy in Hugging Face's layout, and setting it writes the rows back into the fused
+    parameter; `dtype`, `device` and `shape` are the projection's."""
+
+    def __init__(self, part: FusedPart):
+        self.part = part
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.part.read()
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        self.part.write(value)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.part.fused().dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.part.fused().device
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.part.out_features, self.part.in_features))
+
+
+class FusedPart(torch.nn.Module):
+    """The base layer of a LoRA layer whose base weight is rows of a fused parameter: `owner`'s
+    `name` (a FusedQKV's `qkv_weight`: `index` 0, 1, 2 for q, k, v; an MLP's `gate_up_weight`: 0, 1
+    for gate, up). No parameters of its own; never called (the blocks read the fused weight)."""
+
+    owner: Any
+
+    def __init__(self, owner: torch.nn.Module, name: str, index: int, out_features: int, in_features: int):
+        super().__init__()
+        object.__setattr__(self, "owner", owner)  # (not a submodule: the owner holds this one)
+        self.fused_name, self.index = name, index
+        self.out_features, self.in_features = out_features, in_features
+
+    def fused(self) -> torch.Tensor:
+        return cast(torch.Tensor, self.owner._parameters[self.fused_name])
+
+    def parts(self) -> list[torch.Tensor]:
+        w = self.fused().detach()
+        if self.fused_name == "qkv_weight":
+            o = self.owner
+            return list(split_qkv(w, o.head_dim, o.nq, o.nk))
+        return [w[0::2], w[1::2]]
+
+    def read(self) -> torch.Tensor:
+        return self.parts()[self.index].clone()
+
+    def write(self, value: torch.Tensor) -> None:
+        w = self.fused()
+        value = value.to(w.dtype)
+        with torch.no_grad():
+            if self.fused_name == "qkv_weight":
+                parts = self.parts()
+                parts[self.index] = value
+                w.copy_(fuse_qkv(parts[0], parts[1], parts[2], self.owner.head_dim))
+            else:
+                w[self.index :: 2] = value
+
+    @property
+    def weight(self) -> PartWeight:
+        return PartWeight(self)
+
+    def forward(self, *_: Any) -> Any:
+        raise RuntimeError(
+            "coda_lang.hf: a fused projection's base layer is read by the blocks, never called"
+        )
+
+    def extra_repr(self) -> str:
+        return f"rows {self.index} of {self.fused_name}: ({self.out_features}, {self.in_features})"
 
 
 class Moved(torch.nn.Module):
@@ -252,13 +366,21 @@ def fuse_and_move(model: Any, hd: int) -> Layout:
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         qkvs.append(FusedQKV(attn, hd))
-        g, u = mlp.gate_proj.weight, mlp.up_proj.weight
+        g, u = base_of(mlp.gate_proj).weight, base_of(mlp.up_proj).weight
+        mlp._coda_parts = part_names(mlp, ("gate_proj", "up_proj"))
         with torch.no_grad():
             gu = torch.stack([g, u], 1).flatten(0, 1)
             grads = _grads(g, u)
         mlp.gate_up_weight = torch.nn.Parameter(gu.contiguous(), requires_grad=g.requires_grad)
         mlp.gate_up_weight.grad = torch.stack(grads, 1).flatten(0, 1) if grads else None
-        del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
+        for i, name in enumerate(("gate_proj", "up_proj")):  # LoRA layers stay, over gate_up_weight's rows
+            m = mlp._modules[name]
+            if is_lora(m):
+                m.base_layer = FusedPart(
+                    mlp, "gate_up_weight", i, m.base_layer.out_features, m.base_layer.in_features
+                )
+            else:
+                del mlp._modules[name]
         mlp._register_state_dict_hook(mlp_save_hook)
         mlp.register_load_state_dict_pre_hook(mlp_load_hook)
     for i, layer in enumerate(layers):
@@ -320,7 +442,12 @@ def unfuse_and_restore(model: Any, layout: Layout) -> None:
         split = split_qkv(w.detach(), fused.head_dim, fused.nq, fused.nk)
         grads = split_qkv(w.grad, fused.head_dim, fused.nq, fused.nk) if w.grad is not None else (None,) * 3
         for n, t, g in zip(("q_proj", "k_proj", "v_proj"), split, grads, strict=True):
-            attn._modules[n] = _linear(t, g, w.requires_grad)
+            lin = _linear(t, g, w.requires_grad)
+            lora = attn._modules.get(n)
+            if lora is not None and is_lora(lora):  # over a Linear of its own again
+                lora.base_layer = lin
+            else:
+                attn._modules[n] = lin
         b = fused._parameters.get("qkv_bias")
         if b is not None:
             bgrads = (
@@ -330,6 +457,8 @@ def unfuse_and_restore(model: Any, layout: Layout) -> None:
                 "qkv", split_qkv(b.detach(), fused.head_dim, fused.nq, fused.nk), bgrads, strict=True
             ):
                 lin = attn._modules[f"{n}_proj"]
+                if is_lora(lin):
+                    lin = lin.base_layer
                 lin.bias = torch.nn.Parameter(t.contiguous(), requires_grad=b.requires_grad)
                 lin.bias.grad = None if g is None else g.contiguous()
         for n in ("q_norm", "k_norm"):
@@ -338,11 +467,15 @@ def unfuse_and_restore(model: Any, layout: Layout) -> None:
                 attn._modules[n] = fused._modules[n]
         gu = mlp.gate_up_weight
         g = gu.grad
-        mlp._modules["gate_proj"] = _linear(
-            gu.detach()[0::2], None if g is None else g[0::2], gu.requires_grad
-        )
-        mlp._modules["up_proj"] = _linear(gu.detach()[1::2], None if g is None else g[1::2], gu.requires_grad)
+        for k, n in enumerate(("gate_proj", "up_proj")):
+            lin = _linear(gu.detach()[k::2], None if g is None else g[k::2], gu.requires_grad)
+            lora = mlp._modules.get(n)
+            if lora is not None and is_lora(lora):
+                lora.base_layer = lin
+            else:
+                mlp._modules[n] = lin
         del mlp.gate_up_weight
+        mlp.__dict__.pop("_coda_parts", None)
         _drop_hooks(mlp, mlp_save_hook, mlp_load_hook)
         layer.__dict__.pop("input_layernorm", None)
         layer._modules["input_layernorm"] = norm
@@ -389,7 +522,8 @@ def unfused_grads(model: Any) -> dict[str, torch.Tensor]:
     Under `checkpoint_wrapper` the names are the unwrapped ones; a sharded gradient (a DTensor, under
     FSDP2) is gathered whole, a collective: call it on every rank."""
     layout: Layout = model._coda.layout
-    base = next(n for n, m in model.named_modules() if m is model.model)
+    inner = peft_inner(model)  # (a peft model's names have its prefix)
+    base = next(n for n, m in model.named_modules() if m is inner.model)
     prefix = base + "." if base else ""
     dt = sys.modules.get("torch.distributed.tensor")
     out: dict[str, torch.Tensor] = {}
@@ -405,7 +539,7 @@ def unfused_grads(model: Any) -> dict[str, torch.Tensor]:
         if leaf in ("qkv_weight", "qkv_bias"):
             qkv_save_hook(_unwrapped(model, owner), sd, "", None)
         elif leaf == "gate_up_weight":
-            mlp_save_hook(None, sd, "", None)
+            mlp_save_hook(_unwrapped(model, owner), sd, "", None)
         for k, v in sd.items():
             full = f"{owner}.{k}" if owner else k
             if full.startswith(prefix):

@@ -2,14 +2,15 @@
 refused by name.
 
 What it does: `check_model(model, family)` raises ValueError (`refuse`: "coda_lang.hf: what: why;
-what to do") for a model of another class (a peft model among them), one patched already, a dtype
-the blocks don't run, biases, an activation other than SiLU, sliding-window attention where the
-family has none (`check_layer_kinds`), RoPE that scales cos/sin, (Qwen3) attention without its q/k
-norms, a width whose rows the kernels can't load (`check_widths`: a vocabulary not a multiple of 8
-in bf16), a module the blocks would bypass that is
-not the family's own (peft's LoRA layers, bitsandbytes' quantized layers, a parametrization, an
-activation or norm swapped), hooks on such a module or global ones (`module_trouble`,
-`global_hooks`), and what fusing q/k/v and gate/up would merge: their `requires_grad`, dtype, device,
+what to do") for a model of another class (a peft tuner among them: patch the PeftModel), one
+patched already, a dtype the blocks don't run, biases the family has none of, an activation other
+than SiLU, sliding-window attention where the family has none (`check_layer_kinds`), RoPE that scales
+cos/sin, (Qwen3) attention without its q/k norms, a width whose rows the kernels can't load
+(`check_widths`: a vocabulary not a multiple of 8 in bf16), a module the blocks would bypass that is
+not the family's own (peft layers but plain LoRA on the seven projections, which `check_lora`
+checks; bitsandbytes' quantized layers, a parametrization, an activation or norm swapped), hooks on
+such a module or global ones (`module_trouble`, `global_hooks`), and what fusing q/k/v and gate/up
+would merge: their `requires_grad`, dtype, device,
 gradient hooks or tensor type (`check_fused_parts`). The per-forward checks of the same contract
 are contract.py's; the messages and the tests of what a module may carry are shared from here.
 What it does not: patch anything (patch.py); refuse what only a call can show (contract.py refuses
@@ -35,8 +36,10 @@ QKV_PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
 UNPATCH = "coda_lang.hf.unpatch(model) makes it an unpatched model again"
 LORA = (
-    "fused LoRA is not supported yet: train a LoRA or QLoRA model unpatched (or with Liger Kernel) "
-    "meanwhile, or merge the adapters first (merge_and_unload())"
+    "peft LoRA is supported on q, k, v, o, gate, up and down when applied before patching "
+    "(get_peft_model, then apply_coda_to_* on the peft model); on a patched model, unpatch first "
+    "(coda_lang.hf.unpatch(model)), apply LoRA, and patch again; other peft layers (LoRA on other "
+    "modules, other methods) are not supported: train such a model unpatched"
 )
 BYPASSED = (
     "the patched forward runs this module's work inside fused coda blocks and never calls it, so it "
@@ -66,6 +69,79 @@ def foreign(m: Any) -> tuple[str, str] | None:
             "4-bit and 8-bit base weights (QLoRA) are not supported: " + LORA,
         )
     return None
+
+
+LORA_LAYER = "peft.tuners.lora.layer.Linear"
+
+
+def peft_inner(model: Any) -> Any:
+    """The transformers model inside a peft `PeftModel` (its `get_base_model()`), or `model`."""
+    if type(model).__module__.split(".")[0] == "peft" and hasattr(model, "get_base_model"):
+        return model.get_base_model()
+    return model
+
+
+def is_lora(m: Any) -> bool:
+    """`m` is peft's LoRA layer for an `nn.Linear` (its class exactly)."""
+    cls = type(m)
+    return f"{cls.__module__}.{cls.__qualname__}" == LORA_LAYER
+
+
+def base_of(m: Any) -> Any:
+    """The `nn.Linear` a projection is: itself, or a LoRA layer's base layer."""
+    return m.base_layer if is_lora(m) else m
+
+
+# the projections whose peft LoRA layers the patch runs (checks.py `check_lora`, lora.py)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def check_lora(path: str, m: Any) -> None:
+    """Raise `refuse(...)` unless the patch can run LoRA layer `m` (at `path`) as one weight W + s B A:
+    plain LoRA (no DoRA, no LoRA bias, no other variant, not fan_in_fan_out) on an `nn.Linear` base
+    without a bias (not a quantized one: QLoRA), no hooks on it or its parts."""
+    base = m.base_layer
+    what = foreign(base)
+    if what is not None:
+        raise refuse(
+            f"{path}.base_layer",
+            f"{what[0]}: a quantized base (QLoRA) is not supported: the blocks read a dense bf16/f16/f32 "
+            "weight",
+            "train QLoRA unpatched, or LoRA on a bf16 base patched",
+        )
+    if type(base) is not torch.nn.Linear or base.bias is not None:
+        raise refuse(
+            f"{path}.base_layer",
+            f"a {class_name(base)}{' with a bias' if getattr(base, 'bias', None) is not None else ''}, not "
+            "an nn.Linear without bias",
+            "train this model unpatched",
+        )
+    if getattr(m, "fan_in_fan_out", False):
+        raise refuse(path, "fan_in_fan_out=True: not an nn.Linear's layout", "train it unpatched")
+    for a in m.lora_A:
+        for flag, what_ in (
+            ("use_dora", "DoRA (use_dora=True)"),
+            ("lora_bias", "a LoRA bias (lora_bias=True)"),
+        ):
+            if getattr(m, flag, {}).get(a, False):
+                raise refuse(
+                    f"{path} (adapter {a!r})",
+                    f"{what_}: the patch runs plain LoRA, one weight W + s B A per projection",
+                    "train it unpatched",
+                )
+        if a in getattr(m, "lora_variant", {}):
+            raise refuse(
+                f"{path} (adapter {a!r})", "a LoRA variant other than plain LoRA", "train it unpatched"
+            )
+    for sub_path, sub in m.named_modules(prefix=path):
+        hooks = module_hooks(sub)
+        if hooks:
+            raise refuse(
+                sub_path,
+                f"{', '.join(hooks)} registered on it: the patched forward runs LoRA inside fused blocks "
+                "and never calls it, so it would be ignored",
+                f"remove it, or run the model unpatched ({UNPATCH})",
+            )
 
 
 def _is_capture_hook(hook: Any) -> bool:
@@ -136,7 +212,7 @@ def module_trouble(m: Any, cls: type, forward: Any = None, hooks: bool = True) -
     """Why the blocks can't stand in for module `m` (expected of class `cls`, its instance `forward`
     attribute `forward`), or None: a peft or bitsandbytes layer, a parametrization, another class, a
     forward replaced on the instance, hooks (`hooks`)."""
-    what = foreign(m)
+    what = foreign(m) if type(m) is not cls else None  # (a LoRA layer recorded at patching is let be)
     if what is not None:
         return f"{what[0]}: {what[1]}"
     if parametrize.is_parametrized(m):
@@ -217,7 +293,10 @@ def check_model(model: Any, family: Family) -> None:
     """Raise `refuse(...)` for the first thing about `model` that the blocks of `family` can't run."""
     name = type(model).__name__
     if type(model).__module__.split(".")[0] == "peft":
-        raise refuse(f"{name} (a peft model)", LORA)
+        raise refuse(
+            f"{name} (a peft model's tuner)",
+            "patch the PeftModel (get_peft_model's result) or its base model",
+        )
     if name != family.model_class:
         raise refuse(name, f"apply_coda_to_{family.name} patches a transformers {family.model_class}")
     if getattr(model, "_coda", None) is not None:
@@ -267,6 +346,9 @@ def check_model(model: Any, family: Family) -> None:
         ):
             raise refuse(f"layer {i}", "Qwen3 attention without q_norm/k_norm")
     for path, m, cls in bypassed_modules(model, family):
+        if cls is torch.nn.Linear and is_lora(m) and path.rpartition(".")[2] in LORA_TARGETS:
+            check_lora(path, m)
+            continue
         # the base model's hooks run when it is called alone; the causal LM's forward refuses them
         why = module_trouble(m, cls, hooks=path != "model")
         if why is not None:

@@ -47,12 +47,14 @@ from coda_lang.hf.blocks import DTYPES
 from coda_lang.hf.checkpoint import FusedQKV
 from coda_lang.hf.checks import (
     UNPATCH,
+    base_of,
     bypassed_modules,
     check_widths,
     class_name,
     foreign,
     global_hooks,
     global_refusal,
+    is_lora,
     module_trouble,
     refuse,
 )
@@ -120,6 +122,15 @@ class Contract:
         containers += [(f"model.layers.{i}.coda_next", layer.coda_next) for i, layer in enumerate(layers)]
         containers += [(f"{p}.self_attn", m.self_attn) for p, m in containers if "self_attn" in m._modules]
         rows = [(path, m, type(m)) for path, m, _cls in bypassed_modules(model, family)]
+        # a LoRA layer's parts (its base layer, its adapters' A, B and dropout, and their dicts: an
+        # adapter added since patching changes their children)
+        rows += [
+            (sub_path, sub, type(sub))
+            for path, m, _ in list(rows)
+            if is_lora(m)
+            for sub_path, sub in m.named_modules(prefix=path)
+            if sub is not m
+        ]
         rows += [(path, m, type(m)) for path, m in containers]
         self.modules: list[tuple[str, Any, Any, str, type, int, Any]] = []
         for path, m, cls in rows:
@@ -139,7 +150,7 @@ class Contract:
             attn = layer.self_attn
             self.aliases += [
                 (f"model.layers.{i}.self_attn.{n}", attn, n, attn.__dict__[n])
-                for n in ("q_norm", "k_norm")
+                for n in ("q_norm", "k_norm", "q_proj", "k_proj", "v_proj")
                 if n in attn.__dict__
             ]
         self.attrs: list[tuple[str, Any, str, Any]] = [
@@ -169,9 +180,9 @@ class Contract:
             attn, mlp = layer.self_attn, layer.mlp
             p = f"model.layers.{i}"
             self.weights += [
-                (f"{p}.self_attn.o_proj.weight", attn.o_proj, "weight"),
+                (f"{p}.self_attn.o_proj.weight", base_of(attn.o_proj), "weight"),
                 (f"{p}.mlp.gate_up_weight", mlp, "gate_up_weight"),
-                (f"{p}.mlp.down_proj.weight", mlp.down_proj, "weight"),
+                (f"{p}.mlp.down_proj.weight", base_of(mlp.down_proj), "weight"),
             ]
         # the dtypes whose widths were checked (check_widths): the one at patching, and any the
         # model's weights were converted to since

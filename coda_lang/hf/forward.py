@@ -31,6 +31,7 @@ import torch
 
 from coda_lang.backend_cute.runtime.binding import unallocated
 from coda_lang.core.diagnostics import CodaError, error
+from coda_lang.hf import lora
 from coda_lang.hf.blocks import DTYPES
 from coda_lang.hf.checkpoint import WRAPPED
 from coda_lang.hf.checks import refuse
@@ -38,6 +39,7 @@ from coda_lang.hf.contract import check_call, returned
 from coda_lang.hf.loss import IGNORE, ChunkedLoss, Embed, TiedGrad, rows_per_chunk, targets, tied_embedding
 from coda_lang.hf.masks import layer_masks, window
 from coda_lang.hf.state import Blocks, ModelState
+from coda_lang.hf.units import gathered
 from coda_lang.layout import interleave_rope
 from coda_lang.torch import BlockFunction
 
@@ -237,10 +239,10 @@ def layer_forward(
     inputs = dict(
         y=y,
         x=x,
-        w_o=attn.o_proj.weight,
+        w_o=lora.linear_weight(attn.o_proj),
         g1=self.post_attention_layernorm.weight,
-        w_13=mlp.gate_up_weight,
-        w_2=mlp.down_proj.weight,
+        w_13=lora.gate_up_weight(mlp),
+        w_2=lora.linear_weight(mlp.down_proj),
     )
     if self._coda_last:
         out = run_block(self, step.blocks.last, {**inputs, "g2": nxt.norm.weight})
@@ -250,7 +252,7 @@ def layer_forward(
     fused = nxt.self_attn
     inputs.update(
         g2=nxt.input_layernorm.weight,
-        w_qkv=fused.qkv_weight,
+        w_qkv=lora.qkv_weight(fused),
         pos=step.pos,
         freq=step.freq,
         **qkv_inputs(st, fused, x.device),
@@ -313,7 +315,10 @@ def hidden(
         pos = st.positions(b, s, emb.device)
     else:
         pos = position_ids.expand(b, s).reshape(-1).to(torch.float32)
-    step = Step(st.blocks(emb.dtype), mask, b, s, pos, st.freq(model, emb.device), kwargs)
+    # the attention function gets the caller's position_ids as Hugging Face's attention does (flash
+    # attention finds packed sequences from them when there is no mask)
+    attn_kwargs = kwargs if position_ids is None else {**kwargs, "position_ids": position_ids}
+    step = Step(st.blocks(emb.dtype), mask, b, s, pos, st.freq(model, emb.device), attn_kwargs)
     h = emb.reshape(b * s, -1)
     fused = first.self_attn
     qkv = run_block(
@@ -322,7 +327,7 @@ def hidden(
         dict(
             h=h,
             g=first.input_layernorm.weight,
-            w_qkv=fused.qkv_weight,
+            w_qkv=lora.qkv_weight(fused),
             pos=step.pos,
             freq=step.freq,
             **qkv_inputs(st, fused, emb.device),
@@ -412,7 +417,7 @@ def causal_lm_forward(
     if states is not None:
         states.append(normed(hg, r, b, s))
     hs = None if states is None else tuple(states)
-    w_lm = self.lm_head.weight
+    w_lm = gathered(self.lm_head).weight  # (an FSDP2 unit of its own, as Accelerate shards it)
     bl = st.blocks(hg.dtype)
     if with_loss:
         target = targets(labels, shift_labels, self.config.vocab_size)

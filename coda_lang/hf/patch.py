@@ -25,7 +25,7 @@ import sys
 from typing import Any
 
 from coda_lang.hf.checkpoint import fuse_and_move, moved_parts, unfuse_and_restore
-from coda_lang.hf.checks import check_model, refuse
+from coda_lang.hf.checks import check_model, peft_inner, refuse
 from coda_lang.hf.contract import Contract
 from coda_lang.hf.family import Family
 from coda_lang.hf.forward import base_forward, causal_lm_forward, layer_forward
@@ -61,8 +61,13 @@ def check_unsharded(
 
 
 def apply(model: Any, family: Family, loss: LossSettings) -> Any:
-    """Patch `model` (a transformers causal LM of `family`) in place and return it; its LM head makes
-    the loss as `loss` says."""
+    """Patch `model` (a transformers causal LM of `family`, or a peft model of one: its base model is
+    patched, its LoRA layers run in the blocks) in place and return it; its LM head makes the loss as
+    `loss` says."""
+    inner = peft_inner(model)
+    if inner is not model:
+        apply(inner, family, loss)
+        return model
     check_unsharded(model)
     check_model(model, family)
     st = ModelState(model, family, loss)
@@ -93,6 +98,10 @@ def unpatch(model: Any) -> Any:
     forwards back, the coda state removed. What was changed since patching (a module replaced, an
     adapter, a checkpoint wrapper) stays as it is. ValueError for a model not patched, sharded, or
     whose forward was wrapped since patching (unpatch it before wrapping)."""
+    inner = peft_inner(model)
+    if inner is not model:
+        unpatch(inner)
+        return model
     st = getattr(model, "_coda", None)
     if st is None:
         raise refuse(type(model).__name__, "not patched by coda_lang.hf", "there is nothing to unpatch")

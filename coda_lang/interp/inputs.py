@@ -56,12 +56,18 @@ def available_memory() -> int:
         return 1 << 62
 
 
+# Bytes per element of a run's largest value that one step may hold beyond the values themselves: an
+# op's temporaries, a random input drawn in float64, `coda run`'s statistics of an output (float64)
+SCRATCH = 16
+
+
 def memory_needed(block: Block, dims: dict[str, int], precision: str = "exact") -> int:
-    """About the bytes the interpreter holds at these sizes: every parameter, output and value of the
-    block at its full extent (whole mode computes each over whole matrices), in the compute dtype."""
+    """About the most bytes a run of the interpreter holds at these sizes, from its inputs to `coda
+    run`'s report (an upper bound: tests/test_cli_run.py measures runs against it): every
+    parameter, output and value of the block at its full extent (whole mode computes each over whole
+    matrices) in the compute dtype, counted twice (a stage's results and their rounded copies); the
+    inputs and the outputs again in their own dtypes; and SCRATCH bytes per element of the largest."""
     itemsize = 8 if precision == "f64" else 4
-    total = 0
-    seen: set[str] = set()
     values = [p.var for p in block.params]
     for s in block.body:
         for e in s.body if isinstance(s, Stage) else (s,):
@@ -69,16 +75,30 @@ def memory_needed(block: Block, dims: dict[str, int], precision: str = "exact") 
     for st in block.stages:
         if st.acc is not None:
             values.append(st.acc)
+
+    def count(t: Any) -> int:
+        n = 1
+        for d in t.shape:
+            n *= max(int(d.evaluate(dims)), 1)
+        return n
+
+    total = largest = 0
+    seen: set[str] = set()
     for v in values:
         if v.type is None or (v.name in seen and v.name != "acc"):
             continue
         seen.add(v.name)
-        n = 1
-        for d in v.type.shape:
-            x = d.evaluate(dims)
-            n *= max(int(x), 1)
-        total += n * itemsize
-    return total
+        n = count(v.type)
+        total += 2 * n * itemsize
+        largest = max(largest, n)
+    for t in [p.var.type for p in block.params] + [o.type for o in block.outputs]:
+        if t is not None:
+            size = 8 if precision == "f64" and is_float(t.dtype) else _ITEMSIZE.get(t.dtype, 4)
+            total += count(t) * size
+    return total + SCRATCH * largest
+
+
+_ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "bool": 1}
 
 
 def check_sizes(block: Block, dims: dict[str, int], precision: str = "exact", tile: Any = None) -> None:

@@ -11,23 +11,24 @@ config, never M, N, K: a cache written by another version is never read, and no 
 absolute path, so the folder can be copied to another machine with the same versions.
 
 What it does: `Kernel` (one stage at one tile: its source, key and entry paths; what the cache knows
-of it), `ptx_key`, `kernel_fingerprint`, `write_atomic`, `entry_lock`, and the ptxas records
-(`read_ptxas_record`, `cached_ptxas`).
+of it), `ptx_key`, `kernel_fingerprint`, `complete_ptx` (whether a PTX text is whole), and the ptxas
+records (`read_ptxas_record`, `cached_ptxas`, `forget`). Where the cache is and whether it can be
+trusted, and how its files are written, locked (`entry_lock`; not waiting: `EntryBusy`) and loaded:
+store.py.
 What it does not: compile (compile.py) or run a kernel.
 Invariants: the cache only ever holds complete files (written to a temporary file, then renamed); a
-damaged or stale entry (truncated PTX, a missing or unreadable record) reads as missing, so it is
-rebuilt; one process at a time builds an entry (a lock file per entry).
+PTX enters it only once ptxas accepted it (compile.py); a damaged or stale entry (truncated PTX, a
+missing or unreadable record) reads as missing, so it is rebuilt; one process at a time builds an
+entry (a lock file per entry).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import importlib.metadata
 import json
-import os
-from collections.abc import Iterator
+import re
 from dataclasses import asdict
 from pathlib import Path
 
@@ -40,7 +41,8 @@ from coda_lang.backend_cute.build.ptxas import (
     ptxas_version,
     run_ptxas,
 )
-from coda_lang.backend_cute.plan.emit import EMITTER_VERSION, cache_dir, emit_stage, source_hash
+from coda_lang.backend_cute.build.store import cache_dir, checked, write_atomic
+from coda_lang.backend_cute.plan.emit import EMITTER_VERSION, emit_stage, source_hash
 from coda_lang.backend_cute.plan.spec import StageSpec
 from coda_lang.core import VERSION
 from coda_lang.core.diagnostics import CodaError, error
@@ -86,45 +88,35 @@ def ptx_key(source: str, config: TileConfig) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
+_HEADER = re.compile(r"^\s*\.version\s+\d+\.\d+\s*$.*^\s*\.target\s+\S+", re.M | re.S)
+_ENTRY = re.compile(r"^\s*(?:\.(?:visible|weak)\s+)?\.entry\s", re.M)
+
+
+def complete_ptx(text: str) -> bool:
+    """Whether `text` is a whole PTX module, as far as can be told without ptxas: its header
+    (`.version`, `.target`), a kernel entry, balanced braces, and a last line that closes the last
+    function (a PTX cut short by a full disk or a file-size limit fails this)."""
+    if not _HEADER.search(text) or not _ENTRY.search(text):
+        return False
+    body = re.sub(r"//[^\n]*", "", text)  # (comments may hold braces)
+    if body.count("{") != body.count("}") or body.count("{") == 0:
+        return False
+    return body.rstrip().endswith("}") and text.endswith("\n")
+
+
 def cached_compile_s(ptx_path: Path, meta_path: Path) -> float | None:
     """The compile time recorded for a cached PTX, or None when the entry is missing, unreadable, not
-    JSON, or its PTX is not the one recorded (truncated, edited, or written by an older coda_lang):
-    then the stage is compiled again and the entry rewritten."""
+    JSON, its PTX is not the one recorded (truncated, edited, or written by an older coda_lang), or not
+    a whole PTX module (one an older coda_lang recorded cut short): then the stage is compiled again and
+    the entry rewritten."""
     try:
         meta = json.loads(meta_path.read_text())
-        if meta.get("sha256") != hashlib.sha256(ptx_path.read_bytes()).hexdigest():
+        data = ptx_path.read_bytes()
+        if meta.get("sha256") != hashlib.sha256(data).hexdigest() or not complete_ptx(data.decode()):
             return None
         return float(meta["compile_s"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """`text` into `path` whole: written to a temporary file of this process beside it, then renamed."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-@contextlib.contextmanager
-def entry_lock(path: Path) -> Iterator[None]:
-    """An exclusive lock on one cache entry (`path`: its lock file), held while it is built: a second
-    process asking for the same kernel waits, then finds it in the cache."""
-    try:
-        import fcntl
-    except ImportError:  # (not POSIX: no locking; writes are still atomic)
-        yield
-        return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # (closing releases the lock)
 
 
 class Kernel:
@@ -134,7 +126,7 @@ class Kernel:
         self, spec: StageSpec, config: TileConfig, directory: Path | None = None, source: str | None = None
     ):
         self.spec, self.config = spec, config
-        self.root = directory or cache_dir()
+        self.root = checked(directory) if directory is not None else cache_dir()
         self.source = source if source is not None else emit_stage(spec)
         self.key = ptx_key(self.source, config)
         self.ptx_path = self.root / "ptx" / f"{spec.fn_name}-{config.short}-{self.key[:20]}.ptx"
@@ -190,27 +182,35 @@ def _record_path(ptx_path: Path, arch: str) -> Path:
     return ptx_path.with_suffix(f".ptxas-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json")
 
 
-def read_ptxas_record(ptx_path: Path, arch: str = ARCH) -> PtxasReport | None:
-    """The kept ptxas report of a PTX file, or None when it is missing, damaged, or made from other
-    PTX (or when there is no ptxas to name it by)."""
+def read_ptxas_record(ptx_path: Path, arch: str = ARCH, staged: Path | None = None) -> PtxasReport | None:
+    """The kept ptxas report of a PTX file (`staged`: the PTX of entry `ptx_path` not yet in the
+    cache), or None when it is missing, damaged, or made from other PTX (or when there is no ptxas to
+    name it by)."""
     try:
         record = _record_path(ptx_path, arch)
         data = json.loads(record.read_text())
-        if data.pop("ptx_sha256") == hashlib.sha256(ptx_path.read_bytes()).hexdigest():
+        if data.pop("ptx_sha256") == hashlib.sha256((staged or ptx_path).read_bytes()).hexdigest():
             return PtxasReport(**data)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, BackendUnavailable):
         pass
     return None
 
 
-def cached_ptxas(ptx_path: Path, arch: str = ARCH) -> PtxasReport:
+def cached_ptxas(ptx_path: Path, arch: str = ARCH, staged: Path | None = None) -> PtxasReport:
     """`run_ptxas`'s report, kept beside the PTX: a record keyed by the ptxas version and the arch,
     holding the hash of the PTX it was made from. A warm compile reads it instead of running ptxas
-    again; any mismatch or damage runs ptxas and rewrites it."""
-    report = read_ptxas_record(ptx_path, arch)
+    again; any mismatch or damage runs ptxas and rewrites it. `staged`: the file holding entry
+    `ptx_path`'s new PTX, checked before it is put in the cache (RuntimeError when ptxas refuses it)."""
+    report = read_ptxas_record(ptx_path, arch, staged)
     if report is not None:
         return report
-    report = run_ptxas(ptx_path, arch)
-    digest = hashlib.sha256(ptx_path.read_bytes()).hexdigest()
+    report = run_ptxas(staged or ptx_path, arch)
+    digest = hashlib.sha256((staged or ptx_path).read_bytes()).hexdigest()
     write_atomic(_record_path(ptx_path, arch), json.dumps({**asdict(report), "ptx_sha256": digest}))
     return report
+
+
+def forget(k: Kernel) -> None:
+    """Remove kernel `k`'s entry (its PTX, record and ptxas reports): one found bad, to be rebuilt."""
+    for p in [k.meta_path, k.ptx_path, *k.ptx_path.parent.glob(k.ptx_path.stem + ".ptxas-*.json")]:
+        p.unlink(missing_ok=True)

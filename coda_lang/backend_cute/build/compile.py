@@ -8,13 +8,18 @@ plan or emit (plan/), or touch quack itself (quack_adapter.py, imported only whe
 to be compiled).
 Invariants: a program the backend can't compile raises CodaError (E07); a missing toolchain raises
 `BackendUnavailable`; a tile quack refused once is refused again from its record (E0707), not
-compiled again; two processes asking for one kernel compile it once (the entry's lock).
+compiled again; two processes asking for one kernel compile it once (the entry's lock); a PTX enters
+the cache only whole (`IncompletePTX` otherwise: CuTeDSL's dump cut short by a full disk or a
+file-size limit) and once ptxas accepted it; a cached entry ptxas refuses (one an older coda_lang
+recorded) is removed and built again.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,13 +29,13 @@ from coda_lang.backend_cute.build.cache import (
     Kernel,
     cached_compile_s,
     cached_ptxas,
-    entry_lock,
+    complete_ptx,
+    forget,
     read_ptxas_record,
-    write_atomic,
 )
 from coda_lang.backend_cute.build.config import DEFAULT_CONFIG, TileConfig
 from coda_lang.backend_cute.build.ptxas import BackendUnavailable, PtxasReport
-from coda_lang.backend_cute.plan.emit import write_source
+from coda_lang.backend_cute.build.store import entry_lock, staged, subfolder, write_atomic, write_source
 from coda_lang.backend_cute.plan.planner import plan_stage
 from coda_lang.backend_cute.plan.spec import StageSpec
 
@@ -80,8 +85,14 @@ def cached(k: Kernel, src_path: Path) -> CompiledStage | None:
     return CompiledStage(k.spec, k.source, src_path, k.config, k.ptx_path, seconds, True)
 
 
-def build(k: Kernel, src_path: Path) -> CompiledStage:
-    """Compile kernel `k` (the caller holds the entry's lock), record its PTX, or its refusal (E0707)."""
+class IncompletePTX(OSError):
+    """CuTeDSL's PTX of a kernel came back cut short (its dump file was: a full disk, a file-size
+    limit): nothing is cached."""
+
+
+def build(k: Kernel, src_path: Path, ptxas: bool = True) -> CompiledStage:
+    """Compile kernel `k` (the caller holds the entry's lock), record its PTX, or its refusal (E0707).
+    The PTX enters the cache only whole and, with `ptxas`, once ptxas accepted it (its report kept)."""
     adapter = _adapter()
     try:
         text, seconds = adapter.compile_ptx(k.spec, src_path, k.config, k.root)
@@ -92,7 +103,17 @@ def build(k: Kernel, src_path: Path) -> CompiledStage:
         error = f"{type(e).__name__}: {first}"
         write_atomic(k.refused_path, json.dumps({"key": k.key, "error": error}))
         raise k.refused_error(error, src_path) from e
-    write_atomic(k.ptx_path, text)
+    if not complete_ptx(text):
+        raise IncompletePTX(
+            errno.EIO,
+            f"the PTX CuTeDSL made for {k.spec.block} stage {k.spec.index} at {k.config.short} is cut "
+            f"short ({len(text.encode()):,} bytes; a full disk or a file-size limit?); nothing was cached",
+        )
+    report = None
+    with staged(k.ptx_path, text) as tmp:
+        if ptxas:  # (RuntimeError when ptxas refuses it: then it never enters the cache)
+            report = cached_ptxas(k.ptx_path, staged=tmp)
+        os.replace(tmp, k.ptx_path)
     meta = {
         "compile_s": seconds,
         "config": asdict(k.config),
@@ -101,28 +122,38 @@ def build(k: Kernel, src_path: Path) -> CompiledStage:
     }
     write_atomic(k.meta_path, json.dumps(meta))  # last: the entry counts once it names the hash
     k.refused_path.unlink(missing_ok=True)
-    return CompiledStage(k.spec, k.source, src_path, k.config, k.ptx_path, seconds, False)
+    return CompiledStage(k.spec, k.source, src_path, k.config, k.ptx_path, seconds, False, report)
 
 
 def compile_spec(
-    spec: StageSpec, config: TileConfig = DEFAULT_CONFIG, *, ptxas: bool = True, directory: Path | None = None
+    spec: StageSpec,
+    config: TileConfig = DEFAULT_CONFIG,
+    *,
+    ptxas: bool = True,
+    directory: Path | None = None,
+    wait: bool = True,
 ) -> CompiledStage:
     """Emit, compile (or reuse the cached PTX) and check one planned stage. A tile quack refused once
-    is refused again from its record (E0707), not compiled again."""
+    is refused again from its record (E0707), not compiled again. `wait=False`: when another process
+    is building this kernel, raise store.EntryBusy instead of waiting for it."""
     k = Kernel(spec, config, directory)
     src_path = write_source(k.source, k.root)
-    k.ptx_path.parent.mkdir(parents=True, exist_ok=True)
+    subfolder(k.root, "ptx")
     out = cached(k, src_path)
     if out is None or (ptxas and read_ptxas_record(k.ptx_path) is None):
-        with entry_lock(k.lock_path):  # another process may be building it: wait, then look again
+        with entry_lock(k.lock_path, wait):  # another process may be building it: wait, then look again
             out = cached(k, src_path)
+            if out is not None and ptxas:
+                try:
+                    out.report = cached_ptxas(k.ptx_path)
+                except RuntimeError:  # ptxas refuses the cached PTX (an older coda_lang kept it): rebuild
+                    forget(k)
+                    out = None
             if out is None:
                 error = k.refusal()
                 if error is not None:
                     raise k.refused_error(error, src_path)
-                out = build(k, src_path)
-            if ptxas:
-                out.report = cached_ptxas(k.ptx_path)
+                out = build(k, src_path, ptxas)
     elif ptxas:
         out.report = read_ptxas_record(k.ptx_path)
     return out

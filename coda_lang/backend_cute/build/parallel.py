@@ -8,11 +8,16 @@ select_config tries them (the next is compiled only once the one before is known
 refused). What the cache already knows (compiled, checked by ptxas, spilling or refused) costs
 nothing; the rest is compiled and checked in `jobs` worker processes, or, with one job, here. A worker
 runs compile.compile_spec itself, so a kernel is built the same way either way, under the cache's
-lock per entry (two processes never build one kernel twice). Workers are spawned, not forked (a
-child must not inherit CuTeDSL's MLIR state or a CUDA context), import only compile.py and
-quack_adapter, and hide every GPU (`CUDA_VISIBLE_DEVICES=`). `default_jobs`: the CPUs this process
-may use, at most one worker per WORKER_BYTES of available memory, at most one per kernel ($CODA_JOBS
-overrides). A progress display (coda_lang.core.progress) shows done/total and the time left.
+lock per entry (two processes never build one kernel twice). Several processes compiling at once (the
+ranks of a job on one host) share the work: a kernel whose entry another process is building is put
+back at the end of the queue (BUSY) while the worker builds another; it is finished as soon as the
+cache holds it, or built, waiting for the other process, when nothing else is left. Workers are
+spawned, not forked (a child must not inherit CuTeDSL's MLIR state or a CUDA context), import only
+compile.py and quack_adapter, hide every GPU (`CUDA_VISIBLE_DEVICES=`) and end with the process that
+started them, however it ends (core/orphans.py). `default_jobs`: the CPUs this process may use, at
+most one worker per WORKER_BYTES of available memory, divided among this host's ranks
+($LOCAL_WORLD_SIZE), at most one per kernel ($CODA_JOBS overrides). A progress display
+(coda_lang.core.progress) shows done/total and the time left.
 `background=True` queues each stage's first kernel, then each one's second, and so on, returns as
 soon as every `first` request has its tile or its stage any kernel without spills (each stage can
 run), and leaves the rest compiling: a `Background` says which emitted stages still have kernels on the way
@@ -54,9 +59,11 @@ from coda_lang.backend_cute.build.cache import Kernel
 from coda_lang.backend_cute.build.compile import _adapter, compile_spec
 from coda_lang.backend_cute.build.config import TileConfig, fits
 from coda_lang.backend_cute.build.ptxas import BackendUnavailable
-from coda_lang.backend_cute.plan.emit import cache_dir, emit_stage, source_hash
+from coda_lang.backend_cute.build.store import EntryBusy, cache_dir, checked
+from coda_lang.backend_cute.plan.emit import emit_stage, source_hash
 from coda_lang.backend_cute.plan.spec import StageSpec
 from coda_lang.core.diagnostics import CodaError
+from coda_lang.core.orphans import die_with_parent
 from coda_lang.core.progress import Progress
 from coda_lang.interp.inputs import available_memory
 
@@ -169,15 +176,24 @@ def cpus() -> int:
         return os.cpu_count() or 1
 
 
+def local_processes() -> int:
+    """The processes of this job on this host, which compile the same kernels at the same time:
+    $LOCAL_WORLD_SIZE (torchrun's and Accelerate's ranks per host), else 1."""
+    env = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(env) if env.isascii() and env.isdigit() and int(env) > 0 else 1
+
+
 def default_jobs(work: int | None = None) -> int:
     """Worker processes for `work` kernels: $CODA_JOBS if set, else the CPUs this process may use,
-    at most one per WORKER_BYTES of available memory; never more than the work, never fewer than 1."""
+    at most one per WORKER_BYTES of available memory, shared by this host's ranks (`local_processes`:
+    each rank of a 4-rank job takes a quarter; they split the kernels by the entries' locks); never
+    more than the work, never fewer than 1."""
     n = 0
     env = os.environ.get("CODA_JOBS", "")
     if env.isdigit() and int(env) > 0:
         n = int(env)
     else:
-        n = min(cpus(), max(1, available_memory() // WORKER_BYTES))
+        n = min(cpus(), max(1, available_memory() // WORKER_BYTES)) // local_processes()
     if work is not None:
         n = min(n, work)
     return max(1, n)
@@ -200,9 +216,11 @@ def _daemon() -> bool:
     return bool(multiprocessing.current_process().daemon)
 
 
-def _init_worker() -> None:
-    """A compile worker: no GPU (no CUDA context, no driver queries), no progress lines, and the heavy
-    imports paid once, at start."""
+def _init_worker(parent: int) -> None:
+    """A compile worker: it ends with `parent`, the process that started it, however that one ends
+    (core/orphans.py: a worker holds about 0.7 GB); no GPU (no CUDA context, no driver queries), no
+    progress lines, and the heavy imports paid once, at start."""
+    die_with_parent(parent)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ["CODA_PROGRESS"] = "0"
     with contextlib.suppress(AttributeError, OSError):
@@ -221,17 +239,63 @@ def _exit_now() -> None:
     os._exit(0)
 
 
-def build(spec: StageSpec, config: TileConfig, root: str) -> tuple[str, bool]:
+BUSY = "busy"  # build's status of a kernel another process is building (not waited for)
+
+
+class _Queue(deque[Kernel]):
+    """The kernels to build, and (`busy`) those found being built by another process once: tried again
+    at the back of the queue, then waiting for that process."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.busy: set[str] = set()
+
+
+def build(spec: StageSpec, config: TileConfig, root: str, wait: bool = True) -> tuple[str, bool]:
     """Compile and check one kernel into the cache at `root` (in a worker, or here): its status, "ok",
     "spills" or "refused" (quack refused it, or the emitter can't write the stage: the caller's compile
     says why), and whether it was compiled here (not found in the cache, built by another process
-    while this one waited for the entry's lock)."""
+    while this one waited for the entry's lock). `wait=False`: BUSY when another process is building
+    it (this worker builds another kernel meanwhile)."""
     try:
-        c = compile_spec(spec, config, directory=Path(root))
+        c = compile_spec(spec, config, directory=Path(root), wait=wait)
+    except EntryBusy:
+        return BUSY, False
     except CodaError as e:
         return "refused", bool(e.__cause__)  # (a refusal re-read from its record has no cause)
     assert c.report is not None
     return ("spills" if c.report.spills else "ok"), not c.cached
+
+
+def _busy(todo: deque[Kernel]) -> set[str]:
+    return todo.busy if isinstance(todo, _Queue) else set()
+
+
+def _later(todo: deque[Kernel], k: Kernel) -> None:
+    """`k`, found busy: to the back of the queue, to be built (waiting for the other process) then."""
+    todo.append(k)
+    _busy(todo).add(k.key)
+
+
+def _wait_for(todo: deque[Kernel], k: Kernel) -> bool:
+    """Whether `k` was found busy once (its next build waits for the other process)."""
+    return k.key in _busy(todo)
+
+
+def _finish_busy(
+    todo: deque[Kernel], finish: Callable[[Kernel, tuple[str, bool]], None], progress: Progress
+) -> None:
+    """The queued busy kernels that the other process has built by now, finished without a worker."""
+    busy = _busy(todo)
+    for k in [k for k in todo if k.key in busy]:
+        st = k.status()
+        if st is not None:
+            todo.remove(k)
+            busy.discard(k.key)
+            before = len(todo)
+            finish(k, (st, False))
+            progress.add_total(len(todo) - before)
+            progress.advance(what=_describe(k.spec, k.config))
 
 
 def _describe(spec: StageSpec, config: TileConfig) -> str:
@@ -253,12 +317,12 @@ def warm(
     request has its tile or its stage any kernel without spills, the rest compiling on (`Warmed.background`; with one job, or where no
     worker can start, everything is compiled before returning)."""
     t0 = time.monotonic()
-    root = directory or cache_dir()
+    root = checked(directory) if directory is not None else cache_dir()  # (OSError: unusable, said now)
     stats = Warmed()
     queues = [deque(c for c in r.configs if fits(r.spec, c)) for r in requests]
     sources: dict[int, str] = {}
     status: dict[str, str] = {}  # kernel key -> "ok" | "spills" | "refused" | "failed"
-    todo: deque[Kernel] = deque()  # kernels to build, in the order they were found
+    todo: deque[Kernel] = _Queue()  # kernels to build, in the order they were found
     queued: set[str] = set()
     waiting: dict[str, list[int]] = {}  # kernel key -> first-mode requests waiting for its status
     bg = Background() if background else None
@@ -389,8 +453,12 @@ def _build_here(
     while todo:
         k = todo.popleft()
         progress.doing(_describe(k.spec, k.config))
+        st = build(k.spec, k.config, str(root), _wait_for(todo, k))
+        if st[0] == BUSY:  # another process builds it: another kernel first
+            _later(todo, k)
+            continue
         before = len(todo)
-        finish(k, build(k.spec, k.config, str(root)))
+        finish(k, st)
         progress.add_total(len(todo) - before)
         progress.advance()
 
@@ -470,7 +538,10 @@ def _warm_in_background(
 def _executor(n: int) -> Executor:
     """n spawned compile workers (see _init_worker)."""
     return ProcessPoolExecutor(
-        max_workers=n, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker
+        max_workers=n,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_init_worker,
+        initargs=(os.getpid(),),
     )
 
 
@@ -502,7 +573,7 @@ def _submit(
     with _neutral_main() if hide_main else contextlib.nullcontext():
         while todo and len(running) < n:
             k = todo[0]
-            running[ex.submit(build, k.spec, k.config, str(root))] = k
+            running[ex.submit(build, k.spec, k.config, str(root), _wait_for(todo, k))] = k
             todo.popleft()
 
 
@@ -534,12 +605,18 @@ def _pool_loop(
                 raise
             except Exception:  # it failed in its worker (or was cancelled): the caller compiles it again
                 st = ("failed", False)
+            if st[0] == BUSY:  # another process builds it: this worker takes another kernel first
+                _later(todo, k)
+                continue
             before = len(todo)
             finish(k, st)
             progress.add_total(len(todo) - before)
             progress.advance(what=_describe(k.spec, k.config))
             if on_finish is not None:
                 on_finish()
+        _finish_busy(todo, finish, progress)
+        if on_finish is not None:
+            on_finish()
         _submit(ex, n, root, todo, running, hide_main)
 
 

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,8 +86,10 @@ def run_ptxas(ptx_path: Path, arch: str = ARCH) -> PtxasReport:
         # The PTX comes from a newer NVVM than this ptxas (CuTeDSL assembles it with its own embedded
         # ptxas); for the register and spill report, the older ptxas reads it at its own ISA version.
         text = Path(ptx_path).read_text().replace(f".version {m.group(1)}", f".version {m.group(2)}", 1)
-        older = Path(ptx_path).with_suffix(f".{os.getpid()}.ptx{m.group(2)}.tmp")
-        older.write_text(text)
+        fd, name = tempfile.mkstemp(prefix=".coda-", suffix=f".ptx{m.group(2)}.tmp")  # (O_EXCL: its own)
+        older = Path(name)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
         try:
             r = subprocess.run(
                 [exe, "-v", f"-arch={arch}", str(older), "-o", os.devnull],

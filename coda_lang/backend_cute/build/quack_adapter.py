@@ -6,7 +6,8 @@ compile runs, CuTeDSL told to keep the PTX); imports an emitted epilogue module 
 content-addressed file; compiles one stage through quack's own path (`EpiMod.gemm(..., _launch=False)`:
 kind pinning, kernel-class minting, `_compile_gemm_epi` against fake symbolic tensors) with torch
 "meta" tensors standing in for the operands; returns the PTX. quack's on-disk object cache is kept in
-the kernel cache (`<cache>/quack/<kernel fingerprint>`, unless $QUACK_CACHE_DIR is set), and a
+the kernel cache (`<cache>/quack/<kernel fingerprint>`, unless $QUACK_CACHE_DIR is set), as is
+CuTeDSL's own file cache (`<cache>/cute_dsl`, unless $CUTE_DSL_CACHE_DIR is set), and a
 compile-only run writes the kernel's object there too: the runtime's first launch of that stage and
 tile (same dtypes and majors, so the same quack key) loads it instead of compiling again.
 At run time (launch.py), `launch` runs one stage's kernel on CUDA tensors through the same
@@ -28,10 +29,8 @@ once when cutlass is imported, which may have happened before us.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import math
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -40,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from coda_lang.backend_cute.build.cache import kernel_fingerprint
-from coda_lang.backend_cute.plan.emit import cache_dir
+from coda_lang.backend_cute.build.store import cache_dir, checked, load_module, subfolder
 from coda_lang.ops.registry import torch_dtype
 
 ARCH = "sm_90a"
@@ -49,6 +48,14 @@ ARCH = "sm_90a"
 # target, and quack's answer is cached for the life of the process.
 os.environ.setdefault("QUACK_ARCH", "90")
 os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
+# CuTeDSL's own file cache of compiled IR (which it loads and runs) is by default a folder under the
+# shared temp directory (/tmp/<user>/cutlass_python_cache: a folder another user can make first): it
+# goes inside the kernel cache instead, or where $CUTE_DSL_CACHE_DIR says if that passes the same
+# checks (store.py). (CuTeDSL reads the variable each time it looks for its cache.)
+if os.environ.get("CUTE_DSL_CACHE_DIR"):
+    checked(Path(os.environ["CUTE_DSL_CACHE_DIR"]))
+else:
+    os.environ["CUTE_DSL_CACHE_DIR"] = str(subfolder(cache_dir(), "cute_dsl"))
 
 import quack.cache  # noqa: E402
 import quack.gemm_runtime.host as quack_host  # noqa: E402
@@ -94,12 +101,14 @@ def post_init_attrs(config: Any) -> tuple[tuple[str, Any], ...]:
 
 
 def quack_cache_dir(root: Path | None = None) -> Path:
-    """Where quack keeps its compiled objects of coda's kernels: beside coda's kernel cache (`root`,
-    default $CODA_CACHE_DIR), in a folder of this backend's kernel fingerprint (quack keys an epilogue's
-    ops by class name, not by their code); $QUACK_CACHE_DIR, when set, instead."""
+    """Where quack keeps its compiled objects of coda's kernels (which the runtime loads and runs):
+    beside coda's kernel cache (`root`, default $CODA_CACHE_DIR), in a folder of this backend's kernel
+    fingerprint (quack keys an epilogue's ops by class name, not by their code); $QUACK_CACHE_DIR, when
+    set, instead. Either is checked as the kernel cache is (store.py: UnsafeCache when someone else
+    could write it)."""
     if os.environ.get("QUACK_CACHE_DIR"):
-        return Path(os.environ["QUACK_CACHE_DIR"])
-    return (root or cache_dir()) / "quack" / kernel_fingerprint()
+        return checked(Path(os.environ["QUACK_CACHE_DIR"]))
+    return subfolder(root or cache_dir(), "quack", kernel_fingerprint())
 
 
 quack.cache.CACHE_DIR = str(quack_cache_dir())
@@ -139,13 +148,9 @@ def compile_only(dump_dir: Path, root: Path | None = None) -> Iterator[None]:
 
 
 def load_epilogue(path: Path, fn_name: str) -> Any:
-    """The EpiMod defined by an emitted module (imported by name, its folder on sys.path, so that a
-    fresh process, e.g. a quack compile worker, can import it too)."""
-    folder = str(path.parent)
-    if folder not in sys.path:
-        sys.path.append(folder)
-    module = sys.modules.get(path.stem) or importlib.import_module(path.stem)
-    return getattr(module, fn_name)
+    """The EpiMod defined by an emitted module, run from its verified source text (store.load_module:
+    never from a bytecode cache, never found on sys.path)."""
+    return getattr(load_module(path), fn_name)
 
 
 def _size(dim: Any) -> int:

@@ -29,9 +29,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from coda_lang.backend_cute.build.cache import entry_lock, kernel_fingerprint, library_versions, write_atomic
+from coda_lang.backend_cute.build.cache import kernel_fingerprint, library_versions
 from coda_lang.backend_cute.build.config import TileConfig
-from coda_lang.backend_cute.plan.emit import EMITTER_VERSION, cache_dir, emit_stage, source_hash
+from coda_lang.backend_cute.build.store import cache_dir, entry_lock, write_atomic
+from coda_lang.backend_cute.plan.emit import EMITTER_VERSION, emit_stage, source_hash
 from coda_lang.core.progress import Progress
 from coda_lang.ir.types import extent
 from coda_lang.ops.registry import torch_dtype

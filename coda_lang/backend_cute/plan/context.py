@@ -4,17 +4,24 @@ What it does: `StageContext` is the stage as the planner's jobs (planner.py, sin
 refusals.py) see it: the block's IR and plan, the stage and its StagePlan, the rows and cols of its
 tile, each value's type and defining equation, and whether the plan is for the torch stand-ins
 (`emulated`). It also names the stage's values in Python (`py`; `fresh` for names that are no coda
-value), and `live_eqns` gives the equations a set of values depends on.
+value), and `live_eqns` gives the equations a set of values depends on. The emitted module is named
+by the stage's meaning, not by where it stands: the function by its GEMM's operands (`epi_y_w_o`),
+numbered temporaries (`_t77`, the lowering's and autodiff's) renumbered `_t1`, `_t2`, ... in the
+order the stage first reads or writes them (`temps`), so that a stage whose text two blocks share
+(a Llama layer's MLP and the last layer's; their backwards) emits one module, hence one kernel per
+tile in the cache.
 What it does not: choose a port, a mode or a record (planner.py, sinks.py, operands.py) or refuse
 anything (refusals.py).
 Invariants: the naming tables (`names`, `used`) are a context's only changing state: a value's Python
 name is fixed when first asked for, no two values share one, and names are given in the order the
-planner asks (the emitted source is a golden file, so planning stays deterministic).
+planner asks (the emitted source is a golden file, so planning stays deterministic); nothing of the
+block's name, the stage's index or the block's temporary numbering reaches a Python name.
 """
 
 from __future__ import annotations
 
 import keyword
+import re
 from dataclasses import dataclass, field
 
 from coda_lang.backend_cute.plan.names import helper_names
@@ -40,6 +47,7 @@ class StageContext:
     defined: dict[str, Eqn] = field(default_factory=dict)  # each value of the stage -> its equation
     names: dict[str, str] = field(default_factory=dict)  # coda name -> Python name, as given so far
     used: set[str] = field(default_factory=set)  # Python names taken
+    temps: dict[str, str] = field(default_factory=dict)  # numbered temporary -> its name in the stage
 
     @property
     def rows(self) -> Dim:
@@ -61,7 +69,7 @@ class StageContext:
             else (
                 f"dim_{name[1:]}"
                 if name.startswith(DIM_PREFIX)
-                else f"v{name}"
+                else f"v{self.temps.get(name, name)}"
                 if name.startswith("_")
                 else f"v_{name}"
                 if name in helper_names() | QUACK_RESERVED or keyword.iskeyword(name) or name == self.fn_name
@@ -84,10 +92,26 @@ class StageContext:
         return out
 
 
+TEMP = re.compile(r"_t\d+")  # the numbered temporaries of the lowering and of autodiff
+
+
+def stage_temps(st: Stage) -> dict[str, str]:
+    """The stage's numbered temporaries renamed `_t1`, `_t2`, ... in the order the stage first uses
+    them (its GEMM's operands, then each equation's inputs and outputs)."""
+    seen: dict[str, str] = {}
+    atoms = [st.a, st.b, *(a for e in st.body for a in (*e.ins, *e.outs))]
+    for a in atoms:
+        if isinstance(a, Var) and TEMP.fullmatch(a.name) and a.name not in seen:
+            seen[a.name] = f"_t{len(seen) + 1}"
+    return seen
+
+
 def stage_context(ir: Block, bplan: BlockPlan, index: int, emulated: bool) -> StageContext:
     """The context of stage `index` (1-based, a GEMM stage) of the checked block `ir`."""
     st = ir.stages[index - 1]
-    fn_name = f"{ir.name}_stage{index}"
+    temps = stage_temps(st)
+    operands = [temps.get(x.name, x.name) if isinstance(x, Var) else "x" for x in (st.a, st.b)]
+    fn_name = "epi_" + "_".join(operands)  # (the GEMM's, not the block's: see the module docstring)
     ctx = StageContext(
         ir=ir,
         bplan=bplan,
@@ -97,6 +121,7 @@ def stage_context(ir: Block, bplan: BlockPlan, index: int, emulated: bool) -> St
         emulated=emulated,
         fn_name=fn_name,
         used={"acc", fn_name, f"{fn_name}_prepass"},
+        temps=temps,
     )
     for e in st.body:
         for v in e.outs:

@@ -57,7 +57,7 @@ from quack.epilogue.ops import (
     rowvec_reduce_accumulate,
 )
 
-VERSION = 9
+VERSION = 10
 
 
 @cute.jit
@@ -101,10 +101,16 @@ def _lse2(a: Any, b: Any) -> Any:
 
 # sin and cos for the epilogues: the argument reduced into [-pi, pi] (Cody-Waite: 2 pi in three f32
 # parts, each product with the multiple k exact inside an fma), then the hardware's sin.approx /
-# cos.approx (absolute error 2^-20.9 on [-pi, pi]). The error stays about 6e-7 at any argument below
-# 2^24 pi (RoPE's angles reach position x frequency: 1.3e5 at 128k tokens), where the unreduced
-# sin.approx loses precision linearly with the argument. CuTeDSL's accurate cos/sin (libdevice) made the
-# Llama-3.2-1B QKV + RoPE epilogue 0.66 ms against 0.14 ms for the bare GEMM (H100, M=8192).
+# cos.approx (absolute error 2^-20.9 on [-pi, pi]). The reduction's own error stays below 1.3e-7 for
+# |x| <= FAST_TRIG (2^23; RoPE's angles reach position x frequency: 1.3e5 at 128k tokens), where the
+# unreduced sin.approx loses precision linearly with the argument. CuTeDSL's accurate cos/sin
+# (libdevice) made the Llama-3.2-1B QKV + RoPE epilogue 0.66 ms against 0.14 ms for the bare GEMM (H100,
+# M=8192), so only an argument beyond FAST_TRIG takes it, behind a branch (as CUDA's sinf takes its
+# slow path): past 2^24 the three parts lose bits (k * 2 pi needs more of 2 pi than 72 bits; at 1e30
+# the reduced value was noise, and x * cos(1e30) with x = inf came out -inf or NaN where the
+# interpreter gives +inf), and libdevice's sinf/cosf reduce with all the bits of 2/pi (Payne-Hanek).
+# inf and NaN take that path too: NaN, as the interpreter gives.
+FAST_TRIG = 2.0**23
 _INV_TWO_PI = 0.15915493667125702
 _TWO_PI_1 = 6.2831854820251465
 _TWO_PI_2 = -1.7484555314695172e-07
@@ -118,14 +124,28 @@ def _reduce_two_pi(x: Any) -> Any:
     return _math.fma(k, Float32(-_TWO_PI_3), r)
 
 
+@cute.jit
 def sin_rr(x: Any) -> Any:
-    """sin(x): the argument reduced into [-pi, pi], then sin.approx."""
-    return _math.sin(_reduce_two_pi(x), approx=True)
+    """sin(x): for |x| <= FAST_TRIG the argument reduced into [-pi, pi], then sin.approx; beyond (and
+    inf, NaN) libdevice's sinf, whose reduction is exact at any argument."""
+    y = Float32(x)
+    if _math.abs(y) <= Float32(FAST_TRIG):
+        y = _math.sin(_reduce_two_pi(y), approx=True)
+    else:
+        y = _math.sin(y)
+    return y
 
 
+@cute.jit
 def cos_rr(x: Any) -> Any:
-    """cos(x): the argument reduced into [-pi, pi], then cos.approx."""
-    return _math.cos(_reduce_two_pi(x), approx=True)
+    """cos(x): for |x| <= FAST_TRIG the argument reduced into [-pi, pi], then cos.approx; beyond (and
+    inf, NaN) libdevice's cosf, whose reduction is exact at any argument."""
+    y = Float32(x)
+    if _math.abs(y) <= Float32(FAST_TRIG):
+        y = _math.cos(_reduce_two_pi(y), approx=True)
+    else:
+        y = _math.cos(y)
+    return y
 
 
 @cute.jit

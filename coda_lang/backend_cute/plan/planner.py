@@ -99,6 +99,7 @@ def run(ctx: StageContext) -> StageSpec:
         sinks=tuple(partials),
         eqns=tuple(eqns),
         names=dict(ctx.names),
+        temps=dict(ctx.temps),
         tiling=_tiling(ctx, [g.width for g in groups], paired, bool(outputs)),
         source=tuple(inline_source(st.body)),
         span=st.span,

@@ -211,6 +211,9 @@ class StageSpec:
     sinks: tuple[Sink, ...]
     eqns: tuple[Eqn, ...]  # the live equations, in order (scaled-sum products dropped)
     names: dict[str, str] = field(compare=False, default_factory=dict)  # coda name -> py name
+    # numbered temporaries -> their names in the stage (context.py, `stage_temps`: the emitted text
+    # names them so, whatever the block's numbering)
+    temps: dict[str, str] = field(compare=False, default_factory=dict)
     # on the tile config: the checker's (whole groups) and the planner's (pairs, paired stores, groups
     # within the epilogue subtile), printed in the emitted source; build/config.py adds the backend's own
     tiling: tuple[TileConstraint, ...] = ()

@@ -10,7 +10,9 @@ What it does not: derive anything (autodiff/ does) or launch kernels itself (cud
 of M or columns of V (autodiff/chunk.py decides how, picks the dim for "auto", and refuses blocks
 that can't; its transient tiles are then bounded by the chunk).
 Invariants: the backward runs at the dims of the forward's call; an output nobody differentiates gets a
-zero cotangent; a stage either block can't compile is E07 when the function is made, naming the block;
+zero cotangent; an input name the block does not have is E0801 and inputs (cotangents too) whose
+shapes disagree are E0804/E0802 before anything runs, chunked or not: nothing is dropped or sliced to
+fit; there is no double backward (`create_graph=True` is refused: never a silent first-order one); a stage either block can't compile is E07 when the function is made, naming the block;
 chunked and unchunked backwards agree up to the order of f32 summation.
 """
 
@@ -24,8 +26,9 @@ from coda_lang.autodiff.chunk import ChunkPlan, candidate_plans, choose, row_dim
 from coda_lang.autodiff.chunk_run import ChunkResults, chunk_at, chunk_inputs, join_part, run_chunks
 from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.backend_cute.runtime.launch import TORCH_DTYPES
-from coda_lang.core.diagnostics import CodaError, Diagnostic, with_sources
+from coda_lang.core.diagnostics import CodaError, Diagnostic, error, with_sources
 from coda_lang.interp.inputs import given_dims
+from coda_lang.ir.types import extent, shape_str
 
 
 class CudaBlock(Protocol):
@@ -36,6 +39,7 @@ class CudaBlock(Protocol):
     ir: Any
     dims: dict[str, int]
     specs: list[Any]
+    binder: Any  # its inputs' checks (runtime/binding.py's Binder)
 
     @property
     def name(self) -> str: ...
@@ -120,6 +124,7 @@ class CudaFunction:
         """`dims`: sizes of the block's dims that no input's shape gives (with the CudaBlock's own);
         the backward block runs at the dims of the forward's run."""
         given = {**(inputs or {}), **tensors}
+        self._known(given)
         names = tuple(n for n in self.params if n in given)
         sizes = tuple(sorted({**self.dims, **given_dims(self.ir, dims)}.items()))
         outs = _CodaAutograd.apply(self, names, sizes, *[given[n] for n in names])
@@ -171,7 +176,7 @@ class CudaFunction:
                 f"differentiable outputs ({', '.join(d.cotangents)})"
             )
         zero = [o for o in d.cotangents if o not in cotangents]  # as autograd: an unused output's is 0
-        size = next(int(v.shape[ax]) for n, v in inputs.items() if (ax := rows_of.get(n)) is not None)
+        size = self._whole(inputs, cotangents, given)[row]
         full = {**inputs, **{d.cotangents[o]: g for o, g in cotangents.items() if o in d.cotangents}}
         wanted = [p.var.name for p in plan.block.ir.params]
         res = ChunkResults(plan, size, _empty, _add, _finish if rounded else _unrounded)
@@ -202,6 +207,37 @@ class CudaFunction:
                 del fres, bins
         grads = res.result()
         return joined, {n: grads[g] for n, g in d.grads.items() if g in grads}
+
+    def _known(self, given: dict[str, Any]) -> None:
+        """E0801 for a name that is no input of the block (a misspelled one would otherwise be left
+        out, and its default used), as a CUDA block's call gives it."""
+        unknown = sorted(set(given) - set(self.params))
+        if unknown:
+            raise error(
+                "E0801",
+                f"unknown input `{unknown[0]}`; the block's parameters are {', '.join(sorted(self.params))}",
+            )
+
+    def _whole(
+        self, inputs: dict[str, Any], cotangents: dict[str, Any], given: dict[str, int]
+    ) -> dict[str, int]:
+        """The dims of the whole inputs of a run in chunks, checked before any is sliced: E0801 for an
+        unknown name, E0804 for inputs that disagree (a row-indexed one longer or shorter than the
+        others), E0802 for a cotangent not of its output's shape."""
+        self._known(inputs)
+        shapes = {n: tuple(v.shape) for n, v in inputs.items() if isinstance(v, torch.Tensor)}
+        dims = self.forward.binder.sizes(shapes, given)
+        outputs = {o.name: o.type for o in self.ir.outputs}
+        for o, g in cotangents.items():
+            want = tuple(extent(x, dims) for x in outputs[o].shape)
+            if not isinstance(g, torch.Tensor) or tuple(g.shape) != want:
+                got = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
+                raise error(
+                    "E0802",
+                    f"the cotangent of output `{o}` is {got}, but `{o}` is "
+                    f"{outputs[o].dtype}{shape_str(outputs[o].shape)} = {want} for these inputs",
+                )
+        return dims
 
     def run_backward(
         self, bins: dict[str, Any], dims: dict[str, int], consume: frozenset[str] | None = None
@@ -305,6 +341,12 @@ class _CodaAutograd(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         fn: CudaFunction = ctx.fn
         d = fn.derivation
+        if torch.is_grad_enabled():  # create_graph=True: the kernels' gradients have no graph of their own
+            raise RuntimeError(
+                f"coda: block {fn.forward.name} has no double backward, so its gradient can't be "
+                "differentiated again: create_graph=True is refused (the gradient would be a constant "
+                "and a second backward through it would silently miss this block's terms)"
+            )
         if ctx.consumed:
             raise RuntimeError(
                 f"coda: the backward of block {fn.forward.name} ran already and wrote into the tensors it "

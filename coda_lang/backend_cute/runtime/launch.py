@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from coda_lang.backend_cute.build.config import TileConfig
+from coda_lang.backend_cute.build.store import write_source
 from coda_lang.backend_cute.plan import spec as specs
-from coda_lang.backend_cute.plan.emit import emit_stage, write_source
+from coda_lang.backend_cute.plan.emit import emit_stage
 from coda_lang.backend_cute.plan.spec import F32_EXACT_INT, INDEX_AXIS, Sink, StageSpec
 from coda_lang.backend_cute.runtime import emulate
 from coda_lang.core.diagnostics import error
