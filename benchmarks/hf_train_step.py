@@ -1,11 +1,15 @@
-"""Training steps of a Hugging Face LLaMA-3 model: HF eager, HF + torch.compile, HF + Liger Kernel, HF + coda.
+"""Training steps of a Hugging Face model: HF eager, HF + torch.compile, HF + Liger Kernel, HF + coda.
 
 Usage (on a Hopper GPU): python benchmarks/hf_train_step.py [--configs eager,compile,liger,coda]
-    [--layers 16] [--seq 8192] [--batch 1] [--steps 9] [--warmup 3] [--json FILE] [--profile] [--trace FILE]
-    [--lora R]
+    [--family llama] [--layers N] [--seq 8192] [--batch 1] [--steps 9] [--warmup 3] [--json FILE]
+    [--profile] [--trace FILE] [--lora R]
 
 Llama-3.2-1B shapes by default (hidden 2048, 16 layers, 32 query / 8 KV heads of 64, intermediate 8192,
-vocab 128256, tied embeddings, rope_theta 5e5 with Llama-3 rope scaling), random init (seed 0), bf16,
+vocab 128256, tied embeddings, rope_theta 5e5 with Llama-3 rope scaling); `--family` picks another
+family's shapes (`FAMILY_SHAPES`: Qwen3-1.7B, Qwen2.5-1.5B, a Granite 3.x 2B, Mistral-7B's widths at 8
+layers with its 4096-token sliding window, Ministral likewise with alternating layers), `--layers`
+another layer count; coda is patched by `coda_lang.hf.apply_coda`, Liger by its
+`apply_liger_kernel_to_<family>` (where it has one). Random init (seed 0), bf16,
 sdpa attention, fused AdamW, one fixed batch of random tokens (labels = inputs). Per configuration, in
 one process one after another: the time to the first step (patching or compiling included, from the
 model on the GPU to the end of step 1; Python bytecode cached as a pip install has it:
@@ -65,13 +69,110 @@ def llama_config(layers: int) -> Any:
     )
 
 
-def build(config_name: str, layers: int) -> tuple[Any, Any]:
+# Released models' shapes per family (random init): (transformers config class, its keywords, layers).
+# Mistral has no released model of 1-3B: Mistral-7B-v0.1's widths and window at 8 layers.
+_COMMON = dict(attn_implementation="sdpa", use_cache=False, max_position_embeddings=32768)
+FAMILY_SHAPES: dict[str, tuple[str, dict[str, Any], int]] = {
+    "qwen3": (  # Qwen3-1.7B
+        "Qwen3Config",
+        dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        ),
+        28,
+    ),
+    "qwen2": (  # Qwen2.5-1.5B
+        "Qwen2Config",
+        dict(
+            vocab_size=151936,
+            hidden_size=1536,
+            intermediate_size=8960,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        ),
+        28,
+    ),
+    "granite": (  # a Granite 3.x 2B: its widths and multipliers; the vocabulary padded to a multiple of 8
+        "GraniteConfig",
+        dict(
+            vocab_size=49160,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            logits_scaling=8.0,
+            attention_multiplier=0.015625,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+        40,
+    ),
+    "mistral": (  # Mistral-7B-v0.1's widths and sliding window
+        "MistralConfig",
+        dict(
+            vocab_size=32000,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            rms_norm_eps=1e-5,
+            sliding_window=4096,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+        8,
+    ),
+    "ministral": (  # the same widths, full and sliding-window layers alternating
+        "MinistralConfig",
+        dict(
+            vocab_size=32000,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            rms_norm_eps=1e-5,
+            sliding_window=4096,
+            layer_types=["full_attention", "sliding_attention"] * 4,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+        8,
+    ),
+}
+
+
+def family_config(family: str, layers: int | None) -> Any:
+    """The benchmark's config of `family` (its released layer count unless `layers`)."""
+    if family == "llama":
+        return llama_config(layers or 16)
+    import transformers
+
+    cls, kw, n = FAMILY_SHAPES[family]
+    n = layers or n
+    if "layer_types" in kw:
+        kw = {**kw, "layer_types": (kw["layer_types"] * n)[:n]}
+    return getattr(transformers, cls)(**kw, **_COMMON, num_hidden_layers=n)
+
+
+def build(config_name: str, layers: int | None, family: str = "llama") -> tuple[Any, Any]:
     """(model on the GPU, the callable to step) for one configuration."""
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = LlamaForCausalLM(llama_config(layers)).to(torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(family_config(family, layers)).to(torch.bfloat16)
     model.train()
     return model, config_name
 
@@ -91,22 +192,25 @@ def with_lora(model: Any, r: int) -> Any:
     )
 
 
-def prepare(model: Any, name: str, lora: int = 0) -> Any:
+def prepare(model: Any, name: str, family: str = "llama", lora: int = 0) -> Any:
     if name == "eager":
         return with_lora(model, lora)
     if name == "compile":
         return torch.compile(with_lora(model, lora))
     if name == "liger":
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        import liger_kernel.transformers as liger
 
-        apply_liger_kernel_to_llama(model=model)
+        patch = getattr(liger, f"apply_liger_kernel_to_{family}", None)
+        if patch is None:
+            raise SystemExit(f"Liger Kernel has no apply_liger_kernel_to_{family}")
+        patch(model=model)
         return with_lora(model, lora)
     if name in ("coda", "coda-vocab"):
-        from coda_lang.hf import apply_coda_to_llama
+        from coda_lang.hf import apply_coda
 
         # coda-vocab: the loss head's other mode, lse only, the backward in vocabulary chunks
         model = with_lora(model, lora)
-        apply_coda_to_llama(model, loss_mode="vocab" if name == "coda-vocab" else "rows")
+        apply_coda(model, loss_mode="vocab" if name == "coda-vocab" else "rows")
         return model
     raise SystemExit(f"unknown configuration {name!r}")
 
@@ -128,10 +232,10 @@ def all_compiled(r: dict[str, Any]) -> str:
 
 
 def run_config(name: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[str, Any]:
-    model, _ = build(name, args.layers)
+    model, _ = build(name, args.layers, args.family)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    fwd = prepare(model, name, args.lora)
+    fwd = prepare(model, name, args.family, args.lora)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
 
     def step() -> float:
@@ -224,7 +328,10 @@ def release() -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default="eager,compile,liger,coda")
-    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--family", default="llama", choices=["llama", *FAMILY_SHAPES])
+    p.add_argument(
+        "--layers", type=int, default=None, help="layers (default: the family's model's; Llama 16)"
+    )
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=9)
@@ -251,7 +358,9 @@ def main(argv: list[str] | None = None) -> int:
 
     reexec_with_bytecode()  # (first steps timed as a pip install runs them: bytecode cached)
     g = torch.Generator(device="cuda").manual_seed(1)
-    ids = torch.randint(0, 128256, (args.batch, args.seq), device="cuda", generator=g)
+    vocab = family_config(args.family, 1).vocab_size
+    ids = torch.randint(0, vocab, (args.batch, args.seq), device="cuda", generator=g)
+    layers = family_config(args.family, args.layers).num_hidden_layers
     results = []
     for name in args.configs.split(","):
         try:
@@ -263,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     print(
-        f"\n{torch.cuda.get_device_name()}, {args.layers} layers, seq {args.seq} x batch {args.batch}, bf16"
+        f"\n{torch.cuda.get_device_name()}, {args.family}, {layers} layers, seq {args.seq} x batch {args.batch}, bf16"
     )
     print("| | step | tokens/s | peak memory | first step | loss after | first two steps (ms) | host |")
     print("|---|---|---|---|---|---|---|---|")

@@ -294,7 +294,7 @@ class BlockModule(torch.nn.Module):
 # checks the example against `llama_mlp_source(linear=False, attn="D")`).
 _LLAMA_MLP_STAGES = """
   gemm y @ {w_o} {{
-    {h}: {t} = acc + x
+    {h}: {t} = acc{residual} + x
     {h}g: {t} = {h} * g{n}
     ss{n} = sum({h} * {h}, over=D)
   }}
@@ -305,7 +305,7 @@ _LLAMA_MLP_STAGES = """
     a: {t} = silu(gt) * up
   }}
   gemm a @ {w_2} {{
-    {x2} = acc + {h}{then}
+    {x2} = acc{residual} + {h}{then}
   }}"""
 
 _LLAMA_MLP_BLOCK = """dims M, D, F{k_dim}
@@ -317,13 +317,21 @@ block llama_mlp(y: {t}[M, {k}], x: {t}[M, D], w_o: {t}[{w_o}], g: f32[D], w_13: 
 
 
 def llama_mlp_stages(
-    t: str, *, linear: bool = True, h: str = "h", n: str = "", stored: bool = False, then: str = ""
+    t: str,
+    *,
+    linear: bool = True,
+    h: str = "h",
+    n: str = "",
+    stored: bool = False,
+    then: str = "",
+    residual: str = "",
 ) -> str:
     """The LLaMA MLP's stages as .coda text (each line indented for a block's body), at storage dtype
     `t` ("bf16", "f16", "f32"). `linear`: weights in `nn.Linear` layout ([out, in], read as
     `transpose(w)`), else [in, out]. `h`: the residual's name (the norm's input `{h}g`); `n`: the suffix
     of the norm's names (`g{n}`, `ss{n}`, `r{n}`, `z{n}`); `stored`: `x2` stored as `t` within its
-    stage (for `then`, statements that follow it in the down-projection's epilogue)."""
+    stage (for `then`, statements that follow it in the down-projection's epilogue); `residual`: a
+    factor of each branch before it joins the residual (" * rm": `acc * rm + x`, Granite's)."""
     w = (lambda name: f"transpose({name})") if linear else (lambda name: name)
     return _LLAMA_MLP_STAGES.format(
         t=t,
@@ -334,6 +342,7 @@ def llama_mlp_stages(
         n=n,
         x2=f"x2: {t}" if stored else "x2",
         then=then,
+        residual=residual,
     )
 
 

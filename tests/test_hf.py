@@ -18,7 +18,15 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from coda_lang.hf import apply_coda_to_llama, apply_coda_to_qwen3, unfused_grads  # noqa: E402
+from coda_lang.hf import (  # noqa: E402
+    apply_coda_to_granite,
+    apply_coda_to_llama,
+    apply_coda_to_ministral,
+    apply_coda_to_mistral,
+    apply_coda_to_qwen2,
+    apply_coda_to_qwen3,
+    unfused_grads,
+)
 
 VOCAB = 96
 SHAPES = dict(
@@ -36,21 +44,50 @@ SHAPES = dict(
 FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, apply_coda_to_llama),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, apply_coda_to_qwen3),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, apply_coda_to_mistral),
+    "ministral": (transformers.MinistralConfig, transformers.MinistralForCausalLM, apply_coda_to_ministral),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, apply_coda_to_qwen2),
+    "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM, apply_coda_to_granite),
 }
+# Each family's own settings in the tiny models: a sliding window of 16 (Mistral: every layer;
+# Ministral: the first of its two layers, the second full attention), shorter than most test sequences;
+# Granite's multipliers
+OWN = {
+    "mistral": {"sliding_window": 16},
+    "ministral": {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]},
+    # Granite's multipliers of the order of Granite 3's (attention: 1 / head_dim)
+    "granite": {
+        "embedding_multiplier": 12.0,
+        "residual_multiplier": 0.22,
+        "logits_scaling": 8.0,
+        "attention_multiplier": 0.0625,
+    },
+}
+# The families every test runs; the others' costly tests (bf16, convergence, ...) run under -m slow
+FIRST = ("llama", "qwen3")
+
+
+def each(costly: bool = False) -> list[Any]:
+    """The families to parametrize a test over: all of them, the costly ones' others marked slow."""
+    return [
+        f if f in FIRST or not costly else pytest.param(f, marks=pytest.mark.slow) for f in sorted(FAMILIES)
+    ]
 
 
 def make(family: str, dtype: Any = None, seed: int = 0, **over: Any) -> Any:
     config_cls, model_cls, _ = FAMILIES[family]
-    kw = {**SHAPES, **over}
+    kw = {**SHAPES, **OWN.get(family, {}), **over}
     if family == "llama":
         kw.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})
     torch.manual_seed(seed)
     model = model_cls(config_cls(**kw))
-    # norm weights away from 1, so that a wrong norm weight layout shows
+    # norm weights away from 1 and biases (Qwen2's q, k, v) away from 0, so that a wrong layout shows
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
     return model.to(dtype) if dtype is not None else model
 
 
@@ -90,7 +127,7 @@ def run(model: Any, ids: Any, labels: Any) -> tuple[Any, Any, dict[str, Any]]:
     return out.loss.detach(), logits.detach(), g
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", each())
 def test_float32_matches_unpatched(family: str) -> None:
     ref = make(family)
     pat = patch(family, copy.deepcopy(ref))
@@ -106,7 +143,7 @@ def test_float32_matches_unpatched(family: str) -> None:
 
 @pytest.mark.parametrize(("loss_mode", "tied"), [("vocab", False), ("rows", False), ("rows", True)])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", each(costly=True))
 def test_bf16_within_the_accuracy_rule(
     family: str, device: str, loss_mode: str, tied: bool, monkeypatch: Any
 ) -> None:
@@ -122,7 +159,7 @@ def test_bf16_within_the_accuracy_rule(
         if not uses_kernels("cuda"):
             pytest.skip("needs a Hopper GPU (compute capability 9.0) for the kernels")
         monkeypatch.setenv("CODA_TUNE", "0")
-    over = {**(ON_KERNELS[family] if device == "cuda" else {}), "tie_word_embeddings": tied}
+    over = {**(ON_KERNELS.get(family, {}) if device == "cuda" else {}), "tie_word_embeddings": tied}
     ref32 = make(family, **over).to(device)
     ref16 = copy.deepcopy(ref32).to(torch.bfloat16)
     rows = {"loss_rows": 16} if loss_mode == "rows" else {}
@@ -165,16 +202,19 @@ def train(
     return losses, {k: v.float() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", each(costly=True))
 def test_convergence_30_adamw_steps(family: str) -> None:
     """As Liger's mini-model tests: the same init and data, 30 AdamW steps, patched and unpatched in
-    bf16 (and the unpatched model in f32 as the reference): the loss falls, and the patched run is as
-    close to the f32 run as the unpatched bf16 run is (2x, plus a floor of bf16 resolution)."""
+    bf16 (and the unpatched model in f32 as the reference): the loss falls as much as the f32 run's
+    (80%), and the patched run is as close to the f32 run as the unpatched bf16 run is (2x, plus a
+    floor of bf16 resolution)."""
     base = make(family)
     l32, p32 = train(copy.deepcopy(base), 30)
     l16, p16 = train(copy.deepcopy(base).to(torch.bfloat16), 30)
     lc, pc = train(patch(family, copy.deepcopy(base).to(torch.bfloat16)), 30)
-    assert lc[-1] < 0.5 * lc[0], lc  # it learns
+    # it learns, as much as the unpatched model in f32 does (Llama's loss halves in 30 steps;
+    # Granite's, its logits divided by 8 and its branches by 0.22 / 1, falls by an eighth, unpatched too)
+    assert lc[0] - lc[-1] > 0.8 * (l32[0] - l32[-1]) > 0.1, (lc, l32)
     curve_ref = max(abs(a - b) for a, b in zip(l16, l32, strict=True))
     curve = max(abs(a - b) for a, b in zip(lc, l32, strict=True))
     assert curve < 2 * curve_ref + 2e-2, (curve, curve_ref)
@@ -185,7 +225,7 @@ def test_convergence_30_adamw_steps(family: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", each())
 def test_convergence_on_the_gpu_kernels(family: str, monkeypatch: Any) -> None:
     """The convergence test on a Hopper GPU, where the patched model runs the CUDA kernels (the same
     tiny shapes; each stage's default tile, not the measured one: CODA_TUNE=0 keeps compiles few)."""
@@ -194,7 +234,7 @@ def test_convergence_on_the_gpu_kernels(family: str, monkeypatch: Any) -> None:
     if not uses_kernels("cuda"):
         pytest.skip("needs a Hopper GPU (compute capability 9.0) for the kernels")
     monkeypatch.setenv("CODA_TUNE", "0")
-    base = make(family, **ON_KERNELS[family]).cuda()
+    base = make(family, **ON_KERNELS.get(family, {})).cuda()
     l32, p32 = train(copy.deepcopy(base), 30)
     l16, p16 = train(copy.deepcopy(base).to(torch.bfloat16), 30)
     lc, pc = train(patch(family, copy.deepcopy(base).to(torch.bfloat16)), 30)
@@ -203,7 +243,7 @@ def test_convergence_on_the_gpu_kernels(family: str, monkeypatch: Any) -> None:
     print(
         f"{family}: loss {lc[0]:.3f} -> {lc[-1]:.3f} (f32 {l32[-1]:.3f}); max |coda - f32| {curve:.3g}, |HF bf16 - f32| {curve_ref:.3g}"
     )
-    assert lc[-1] < 0.5 * lc[0], lc
+    assert lc[0] - lc[-1] > 0.8 * (l32[0] - l32[-1]) > 0.1, (lc, l32)
     assert curve < 2 * curve_ref + 2e-2, (curve, curve_ref)
     for name in p32:
         ref = float((p16[name] - p32[name]).abs().max())
@@ -211,7 +251,7 @@ def test_convergence_on_the_gpu_kernels(family: str, monkeypatch: Any) -> None:
         assert got < 2 * ref + 1e-2, (name, got, ref)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", each(costly=True))
 def test_checkpoints_round_trip(family: str, tmp_path: Any) -> None:
     ref = make(family)
     pat = patch(family, make(family, seed=3))  # other weights
@@ -473,7 +513,7 @@ def test_the_loss_head_in_chunks(mode: str, size: int, monkeypatch: Any) -> None
     assert set(chosen) == ({("V", size)} if mode == "vocab" else set())
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", each())
 def test_a_training_step_compiles_its_kernels_at_once(family: str) -> None:
     """The patched model's block functions (first layer, layers, last layer, the loss head in chunks of
     rows) are compiled together: the first GPU call of any compiles every kernel of a training step in one
@@ -486,11 +526,15 @@ def test_a_training_step_compiles_its_kernels_at_once(family: str) -> None:
 
 
 def test_the_public_names() -> None:
-    """coda_lang.hf exports the two patches, `unpatch` and `unfused_grads` (the gradients under the
-    unpatched model's names: none before a backward)."""
+    """coda_lang.hf exports the patches (each family's, `apply_coda` and `AutoCodaForCausalLM`, which
+    pick the family), `unpatch` and `unfused_grads` (the gradients under the unpatched model's names:
+    none before a backward)."""
     import coda_lang.hf as hf
 
-    assert sorted(hf.__all__) == ["apply_coda_to_llama", "apply_coda_to_qwen3", "unfused_grads", "unpatch"]
+    patches = sorted(f"apply_coda_to_{f}" for f in FAMILIES)
+    assert sorted(hf.__all__) == sorted(
+        ["AutoCodaForCausalLM", "apply_coda", *patches, "unfused_grads", "unpatch"]
+    )
     model = patch("llama", make("llama"))
     assert hf.unfused_grads(model) == {}
     ids, labels = batch()

@@ -24,7 +24,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_hf import FAMILIES, VOCAB, batch, make, patch, rel, run  # noqa: E402
+from test_hf import FAMILIES, FIRST, VOCAB, batch, each, make, patch, rel, run  # noqa: E402
 
 import coda_lang  # noqa: E402
 from coda_lang.hf import apply_coda_to_llama, unfused_grads, unpatch  # noqa: E402
@@ -79,7 +79,13 @@ CASES += [
     for p in ("model.layers.0.self_attn.q_norm", "model.layers.1.self_attn.k_norm")
     for k in HOOKS
 ]
-CASES += [("qwen3", p, "forward") for p in BYPASSED]
+CASES += [(f, p, "forward") for f in ("qwen3", "mistral") for p in BYPASSED]
+CASES += [("ministral", p, "pre") for p in BYPASSED[2:6]]
+CASES += [("qwen2", p, "forward") for p in ("model.layers.0.self_attn", "model.layers.0.coda_next.self_attn")]
+CASES += [
+    ("granite", p, "forward")
+    for p in ("model", "model.layers.1.mlp", "model.layers.1.post_attention_layernorm")
+]
 # the containers patching moves weights into (their forwards never run either)
 CASES += [
     ("llama", p, "forward")
@@ -374,23 +380,27 @@ def test_a_parametrization_is_refused(path: str, name: str, patched: Any) -> Non
 
 
 @pytest.mark.parametrize(
-    ("field", "value"),
+    ("field", "value", "family"),
     [
-        ("rms_norm_eps", 1e-5),
-        ("hidden_act", "gelu"),
-        ("rope_parameters", {"rope_type": "default", "rope_theta": 500000.0}),
-        ("head_dim", 32),
-        ("vocab_size", 128),
-        ("num_hidden_layers", 1),
-        ("num_key_value_heads", 4),
-        ("tie_word_embeddings", True),
-        ("loss_type", "ForMaskedLM"),
+        ("rms_norm_eps", 1e-5, "llama"),
+        ("hidden_act", "gelu", "llama"),
+        ("rope_parameters", {"rope_type": "default", "rope_theta": 500000.0}, "llama"),
+        ("head_dim", 32, "llama"),
+        ("vocab_size", 128, "llama"),
+        ("num_hidden_layers", 1, "llama"),
+        ("num_key_value_heads", 4, "llama"),
+        ("tie_word_embeddings", True, "llama"),
+        ("loss_type", "ForMaskedLM", "llama"),
+        ("sliding_window", 4, "mistral"),
+        ("residual_multiplier", 0.5, "granite"),
+        ("logits_scaling", 2.0, "granite"),
+        ("embedding_multiplier", 2.0, "granite"),
     ],
 )
-def test_a_changed_config_field_is_refused(field: str, value: Any, patched: Any) -> None:
+def test_a_changed_config_field_is_refused(field: str, value: Any, family: str, patched: Any) -> None:
     """A config field the blocks were built from (or that transformers' forward reads, as
-    num_hidden_layers), changed since patching."""
-    model = patched["llama"]
+    num_hidden_layers; Mistral's window, Granite's multipliers), changed since patching."""
+    model = patched[family]
     ids, _ = batch()
     cfg = model.config
     had = field in vars(cfg)
@@ -660,7 +670,7 @@ def test_forward_backward_refuses_inputs_whose_rows_disagree() -> None:
     assert outs["loss"].shape == (48,) and set(grads) == {"hg", "r", "w_lm"}
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", each(costly=True))
 def test_a_dtype_changed_after_patching_rebuilds_the_blocks(family: str) -> None:
     """`.to(torch.bfloat16)` after patching used to say "patch it again", and patching again was refused.
     The forward now rebuilds the blocks for the new dtype: the same loss, logits and gradients as a
@@ -760,9 +770,17 @@ def _padded(where: str) -> tuple[Any, Any, Any]:
     return ids, labels, mask
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("where", ["left", "middle"])
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+PADDINGS = [
+    (f, where, attn)
+    for f in sorted(FAMILIES)
+    for where in ("left", "middle")
+    for attn in ("eager", "sdpa")
+    # the other families (sliding windows shorter than the rows) two of the four: each kind once
+    if f in FIRST or (where, attn) in (("left", "eager"), ("middle", "sdpa"))
+]
+
+
+@pytest.mark.parametrize(("family", "where", "attn"), PADDINGS)
 def test_a_padding_mask_is_honoured(family: str, where: str, attn: str) -> None:
     """A mutant that ignored `attention_mask` passed every test of tests/test_hf.py, its left-padded
     logits 75% off. Left padding (and a masked run in the middle of a row): logits at every position,
@@ -830,7 +848,7 @@ def test_quantized_layers_are_refused_by_class() -> None:
 # ---- unpatch ----
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", each(costly=True))
 def test_unpatch_gives_the_transformers_model_back(family: str) -> None:
     """`coda_lang.hf.unpatch` splits q/k/v and gate/up back out of the fused weights exactly: the same
     parameter names in the same order, a state dict equal bit for bit, the same logits, gradients kept,

@@ -1,5 +1,6 @@
-"""Hugging Face integration: `apply_coda_to_llama` / `apply_coda_to_qwen3` make a Hugging Face
-causal LM whose non-attention work runs as coda blocks.
+"""Hugging Face integration: `apply_coda(model)` (or the family's own `apply_coda_to_llama`,
+`apply_coda_to_qwen3`, ...) makes a Hugging Face causal LM whose non-attention work runs as coda
+blocks; `AutoCodaForCausalLM.from_pretrained(...)` loads one and patches it.
 
 What it does: patches one model instance in place. Per layer, q/k/v projections become one parameter
 `qkv_weight` (q and k rows in the interleaved RoPE layout; registered, with the layer's input norm,
@@ -12,9 +13,12 @@ cross-entropy, logits never stored) or the logits. Attention is the model's own 
 (`config._attn_implementation`), on q, k in the interleaved layout (q.k is unchanged by permuting q and
 k alike). `state_dict()` gives, and `load_state_dict()` takes, the unpatched model's names and layouts,
 so checkpoints move between patched and unpatched models (and `save_pretrained`).
-What it does not: generation with a KV cache, biases, sliding-window attention, RoPE types that scale
-cos/sin (`attention_scaling` != 1) or change `inv_freq` per call, peft layers other than plain LoRA
-on the seven projections, LoRA dropout in training, quantized layers (bitsandbytes, QLoRA), or anything the fused forward would bypass (hooks on the modules whose work
+What it does not: generation with a KV cache, biases other than a family's own (Qwen2's q/k/v
+biases), sliding-window attention in a family without it (where a family has it, its attention
+function runs the window: masks.py), RoPE types that scale cos/sin (`attention_scaling` != 1) or
+change `inv_freq` per call, peft layers other than plain LoRA on the seven projections, LoRA dropout
+in training, quantized layers (bitsandbytes, QLoRA), or anything the fused forward would bypass (hooks
+on the modules whose work
 the blocks do, a module swapped or a config field changed since patching): each raises ValueError
 naming what it met and what to do (checks.py at patching, contract.py at each forward;
 docs/models.md lists them). peft LoRA applied before patching runs in the blocks (lora.py: each block
@@ -27,15 +31,35 @@ The LM head's loss mode and chunk sizes are the patch's keyword arguments (`loss
 `loss_budget`, `loss_rows`: hf/loss.py, `LossSettings`).
 
 The modules: families.py (the families and their entry points), patch.py (patching one model, and
-unpatching it), checks.py (what a model must be), lora.py (the weights a block reads under peft LoRA),
-contract.py (what the forward checks has not changed
-since patching), state.py (the patched model's blocks and settings), forward.py
-(the patched forward), loss.py (the loss head), checkpoint.py (fused and checkpoint layouts), blocks.py
+unpatching it), checks.py (what a model must be), lora.py (the weights a block reads under peft
+LoRA), contract.py (what the forward checks has not changed since patching), state.py (the patched
+model's blocks and settings), forward.py (the patched forward), masks.py (each layer's attention mask
+and sliding window), loss.py (the loss head), checkpoint.py (fused and checkpoint layouts), blocks.py
 (the .coda program). Needs `pip install 'coda_lang[hf]'`.
 """
 
 from coda_lang.hf.checkpoint import unfused_grads
-from coda_lang.hf.families import apply_coda_to_llama, apply_coda_to_qwen3
+from coda_lang.hf.families import (
+    AutoCodaForCausalLM,
+    apply_coda,
+    apply_coda_to_granite,
+    apply_coda_to_llama,
+    apply_coda_to_ministral,
+    apply_coda_to_mistral,
+    apply_coda_to_qwen2,
+    apply_coda_to_qwen3,
+)
 from coda_lang.hf.patch import unpatch
 
-__all__ = ["apply_coda_to_llama", "apply_coda_to_qwen3", "unfused_grads", "unpatch"]
+__all__ = [
+    "AutoCodaForCausalLM",
+    "apply_coda",
+    "apply_coda_to_granite",
+    "apply_coda_to_llama",
+    "apply_coda_to_ministral",
+    "apply_coda_to_mistral",
+    "apply_coda_to_qwen2",
+    "apply_coda_to_qwen3",
+    "unfused_grads",
+    "unpatch",
+]

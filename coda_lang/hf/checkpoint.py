@@ -7,6 +7,7 @@ What it does: `fuse_and_move(model, hd)` replaces each layer's q/k/v projections
 weight to the module whose forward runs the block that reads it (`Moved` containers): layer i+1's
 input norm and QKV under layer i (`layers.i.coda_next`), the final norm under the last layer
 (`layers.{L-1}.coda_next.norm`), layer 0's input norm and QKV under the base model (`coda_first`).
+Qwen2's q, k and v biases become one parameter `qkv_bias` of the `FusedQKV`, in its rows' order.
 The moved modules stay reachable where Hugging Face had them (`layers[i].input_layernorm`,
 `self_attn.q_norm`, `model.model.norm`) as plain attributes, not registered there: every parameter
 is registered once, so that a wrapper of a decoder layer (FSDP2's `fully_shard`) holds exactly the
@@ -68,13 +69,21 @@ def sharded(t: torch.Tensor, how: Any) -> torch.Tensor:
     return distribute_tensor(t, how[0], how[1], src_data_rank=None)
 
 
+def bias_name(weight_key: str) -> str:
+    """The bias's state-dict key beside a projection's weight key (`q_proj.weight` -> `q_proj.bias`,
+    under peft `q_proj.base_layer.weight` -> `q_proj.base_layer.bias`)."""
+    return weight_key[: -len("weight")] + "bias"
+
+
 def qkv_save_hook(module: Any, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
-    key = prefix + "qkv_weight"
-    if key not in state_dict:
-        return
-    (w,), how = whole(state_dict.pop(key).detach())
-    for name, part in zip(module.parts, split_qkv(w, module.head_dim, module.nq, module.nk), strict=True):
-        state_dict[prefix + name] = sharded(part, how)
+    for kind in ("weight", "bias"):  # (the bias: Qwen2's)
+        key = prefix + f"qkv_{kind}"
+        if key not in state_dict:
+            continue
+        names = module.parts if kind == "weight" else tuple(bias_name(n) for n in module.parts)
+        (w,), how = whole(state_dict.pop(key).detach())
+        for name, part in zip(names, split_qkv(w, module.head_dim, module.nq, module.nk), strict=True):
+            state_dict[prefix + name] = sharded(part, how)
 
 
 def part_names(m: Any, names: tuple[str, ...]) -> tuple[str, ...]:
@@ -87,10 +96,12 @@ GATE_UP_PARTS = ("gate_proj.weight", "up_proj.weight")
 
 
 def qkv_load_hook(module: Any, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
-    keys = [prefix + n for n in module.parts]
-    if all(k in state_dict for k in keys):
-        (q, k, v), how = whole(*(state_dict.pop(x) for x in keys))
-        state_dict[prefix + "qkv_weight"] = sharded(fuse_qkv(q, k, v, module.head_dim), how)
+    for kind in ("weight", "bias"):
+        names = module.parts if kind == "weight" else tuple(bias_name(n) for n in module.parts)
+        keys = [prefix + n for n in names]
+        if all(k in state_dict for k in keys):
+            (q, k, v), how = whole(*(state_dict.pop(x) for x in keys))
+            state_dict[prefix + f"qkv_{kind}"] = sharded(fuse_qkv(q, k, v, module.head_dim), how)
 
 
 def mlp_save_hook(module: Any, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
@@ -129,6 +140,8 @@ class FusedQKV(torch.nn.Module):
         self.head_dim, self.nq, self.nk = hd, q.shape[0], k.shape[0]
         self.qkv_weight = torch.nn.Parameter(qkv, requires_grad=q.requires_grad)
         self.qkv_weight.grad = grad
+        if base_of(attn.q_proj).bias is not None:  # Qwen2: q, k and v biases, one vector in the rows' order
+            self.qkv_bias = fused_bias(attn, hd)
         for name in ("q_norm", "k_norm"):
             if isinstance(getattr(attn, name, None), torch.nn.Module):
                 move(attn, name, self)
@@ -152,6 +165,17 @@ class FusedQKV(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"qkv_weight: {tuple(self.qkv_weight.shape)}"
+
+
+def fused_bias(attn: Any, hd: int) -> torch.nn.Parameter:
+    """q, k and v projections' biases (and their gradients) as one parameter, in the order of the
+    fused weight's rows; checks.py has refused biases whose requires_grad, dtype or device differ."""
+    q, k, v = (base_of(getattr(attn, f"{n}_proj")).bias for n in "qkv")
+    with torch.no_grad():
+        b = torch.nn.Parameter(fuse_qkv(q, k, v, hd), requires_grad=q.requires_grad)
+        grads = _grads(q, k, v)
+        b.grad = fuse_qkv(grads[0], grads[1], grads[2], hd) if grads else None
+    return b
 
 
 class PartWeight:
@@ -293,8 +317,10 @@ class Layout:
         `model.`), fused weights by both of their parts: for messages."""
         if name.startswith("model."):
             name = "model." + self.to_hf(name[len("model.") :])
-        return name.replace("qkv_weight", "{q,k,v}_proj.weight").replace(
-            "gate_up_weight", "{gate,up}_proj.weight"
+        return (
+            name.replace("qkv_weight", "{q,k,v}_proj.weight")
+            .replace("qkv_bias", "{q,k,v}_proj.bias")
+            .replace("gate_up_weight", "{gate,up}_proj.weight")
         )
 
     def save_hook(self, module: Any, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
@@ -422,6 +448,19 @@ def unfuse_and_restore(model: Any, layout: Layout) -> None:
                 lora.base_layer = lin
             else:
                 attn._modules[n] = lin
+        b = fused._parameters.get("qkv_bias")
+        if b is not None:
+            bgrads = (
+                split_qkv(b.grad, fused.head_dim, fused.nq, fused.nk) if b.grad is not None else (None,) * 3
+            )
+            for n, t, g in zip(
+                "qkv", split_qkv(b.detach(), fused.head_dim, fused.nq, fused.nk), bgrads, strict=True
+            ):
+                lin = attn._modules[f"{n}_proj"]
+                if is_lora(lin):
+                    lin = lin.base_layer
+                lin.bias = torch.nn.Parameter(t.contiguous(), requires_grad=b.requires_grad)
+                lin.bias.grad = None if g is None else g.contiguous()
         for n in ("q_norm", "k_norm"):
             if n in fused._modules:
                 attn.__dict__.pop(n, None)
@@ -497,7 +536,7 @@ def unfused_grads(model: Any) -> dict[str, torch.Tensor]:
         name = name.replace(WRAPPED, "")
         owner, _, leaf = name.rpartition(".")
         sd = {leaf: g}
-        if leaf == "qkv_weight":
+        if leaf in ("qkv_weight", "qkv_bias"):
             qkv_save_hook(_unwrapped(model, owner), sd, "", None)
         elif leaf == "gate_up_weight":
             mlp_save_hook(_unwrapped(model, owner), sd, "", None)

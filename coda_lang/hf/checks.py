@@ -3,12 +3,14 @@ refused by name.
 
 What it does: `check_model(model, family)` raises ValueError (`refuse`: "coda_lang.hf: what: why;
 what to do") for a model of another class (a peft tuner among them: patch the PeftModel), one
-patched already, a dtype the blocks don't run, biases, an activation other than SiLU, sliding-window
-attention, RoPE that scales cos/sin, (Qwen3) attention without its q/k norms, a width whose rows the
-kernels can't load (`check_widths`: a vocabulary not a multiple of 8 in bf16), a module the blocks
-would bypass that is not the family's own (peft layers but plain LoRA on the seven projections,
-which `check_lora` checks; bitsandbytes' quantized layers, a parametrization, an activation or norm
-swapped), hooks on such a module or global ones (`module_trouble`, `global_hooks`), and what fusing q/k/v and gate/up would merge: their `requires_grad`, dtype, device,
+patched already, a dtype the blocks don't run, biases the family has none of, an activation other
+than SiLU, sliding-window attention where the family has none (`check_layer_kinds`), RoPE that scales
+cos/sin, (Qwen3) attention without its q/k norms, a width whose rows the kernels can't load
+(`check_widths`: a vocabulary not a multiple of 8 in bf16), a module the blocks would bypass that is
+not the family's own (peft layers but plain LoRA on the seven projections, which `check_lora`
+checks; bitsandbytes' quantized layers, a parametrization, an activation or norm swapped), hooks on
+such a module or global ones (`module_trouble`, `global_hooks`), and what fusing q/k/v and gate/up
+would merge: their `requires_grad`, dtype, device,
 gradient hooks or tensor type (`check_fused_parts`). The per-forward checks of the same contract
 are contract.py's; the messages and the tests of what a module may carry are shared from here.
 What it does not: patch anything (patch.py); refuse what only a call can show (contract.py refuses
@@ -27,8 +29,10 @@ from torch.nn.utils import parametrize
 
 from coda_lang.hf.blocks import DTYPES
 from coda_lang.hf.family import Family
+from coda_lang.hf.masks import FULL, SLIDING, layer_kinds
 
 ROPE_TYPES = ("default", "llama3", "linear")
+QKV_PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
 UNPATCH = "coda_lang.hf.unpatch(model) makes it an unpatched model again"
 LORA = (
@@ -310,10 +314,7 @@ def check_model(model: Any, family: Family) -> None:
         raise refuse("mlp_bias=True", "the fused MLP block has no bias")
     if cfg.hidden_act != "silu":
         raise refuse(f"hidden_act={cfg.hidden_act!r}", "the MLP block is SwiGLU (silu)")
-    if getattr(cfg, "use_sliding_window", False) or any(
-        t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])
-    ):
-        raise refuse("sliding-window attention", "only full attention layers are supported")
+    check_layer_kinds(cfg, family)
     if (
         getattr(cfg, "loss_type", None) not in (None, "ForCausalLM")
         or model.__dict__.get("loss_type") not in (None, "ForCausalLM")
@@ -333,8 +334,13 @@ def check_model(model: Any, family: Family) -> None:
         attn = layer.self_attn
         for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
             proj = getattr(attn, n, None)
-            if proj is None or (foreign(proj) is None and getattr(proj, "bias", None) is not None):
-                raise refuse(f"layer {i}: self_attn.{n}", "missing or has a bias")
+            biased = family.qkv_bias and n != "o_proj"  # (Qwen2's q, k and v have biases)
+            if proj is None or (
+                foreign(proj) is None and (getattr(proj, "bias", None) is not None) != biased
+            ):
+                raise refuse(
+                    f"layer {i}: self_attn.{n}", f"missing or {'without' if biased else 'has'} a bias"
+                )
         if family.qk_norm and (
             getattr(attn, "q_norm", None) is None or getattr(attn, "k_norm", None) is None
         ):
@@ -347,7 +353,11 @@ def check_model(model: Any, family: Family) -> None:
         why = module_trouble(m, cls, hooks=path != "model")
         if why is not None:
             raise refuse(path, why)
-        if cls is torch.nn.Linear and m.bias is not None:
+        if (
+            cls is torch.nn.Linear
+            and m.bias is not None
+            and not (family.qkv_bias and path.endswith(QKV_PROJ))
+        ):
             raise refuse(path, "has a bias, which the fused blocks don't add")
     hooks = global_hooks()
     if hooks:
@@ -358,10 +368,33 @@ def check_model(model: Any, family: Family) -> None:
         check_fused_parts(
             f"model.layers.{i}.self_attn", attn, ("q_proj", "k_proj", "v_proj"), fused_qkv_name(i)
         )
+        if family.qkv_bias:
+            bias = fused_qkv_name(i).replace("weight", "bias")
+            check_fused_parts(
+                f"model.layers.{i}.self_attn", attn, ("q_proj", "k_proj", "v_proj"), bias, "bias"
+            )
         check_fused_parts(
             f"model.layers.{i}.mlp", mlp, ("gate_proj", "up_proj"), f"model.layers.{i}.mlp.gate_up_weight"
         )
     check_widths(model, model.dtype)
+
+
+def check_layer_kinds(cfg: Any, family: Family) -> None:
+    """Sliding-window attention only where the family's attention has it (masks.py), and no kind of
+    layer but full and sliding-window attention."""
+    if family.sliding is None:
+        if getattr(cfg, "use_sliding_window", False) or any(
+            t != FULL for t in (getattr(cfg, "layer_types", None) or [])
+        ):
+            raise refuse(
+                "sliding-window attention", f"the {family.model_class}'s attention has no sliding window"
+            )
+        return
+    other = sorted(set(layer_kinds(family, cfg)) - {FULL, SLIDING})
+    if other:
+        raise refuse(
+            f"layer_types {other}", f"the patched layers run {FULL!r} and {SLIDING!r} attention only"
+        )
 
 
 def check_norms(model: Any) -> None:
@@ -383,16 +416,18 @@ def fused_qkv_name(i: int) -> str:
     return ("model.coda_first" if i == 0 else f"model.layers.{i - 1}.coda_next") + ".self_attn.qkv_weight"
 
 
-def check_fused_parts(path: str, parent: Any, names: tuple[str, ...], fused: str) -> None:
-    """The weights of `parent`'s projections `names`, which patching makes one parameter `fused`:
-    what each carries must be one for all (requires_grad, dtype, device, a plain Parameter, no
-    gradient hooks), since the fused parameter has one of each."""
-    ws = [getattr(parent, n).weight for n in names]
+def check_fused_parts(
+    path: str, parent: Any, names: tuple[str, ...], fused: str, kind: str = "weight"
+) -> None:
+    """The weights (`kind`; or the biases) of `parent`'s projections `names`, which patching makes
+    one parameter `fused`: what each carries must be one for all (requires_grad, dtype, device, a
+    plain Parameter, no gradient hooks), since the fused parameter has one of each."""
+    ws = [getattr(getattr(parent, n), kind) for n in names]
     first = names[0]
     for n, w in zip(names, ws, strict=True):
         if type(w) is not torch.nn.Parameter:
             raise refuse(
-                f"{path}.{n}.weight",
+                f"{path}.{n}.{kind}",
                 f"a {class_name(w)}, not a torch.nn.Parameter (a sharded or quantized tensor): fusing "
                 f"{', '.join(names)} into {fused} would drop what it carries",
                 "patch the model before sharding or quantizing it",
@@ -400,7 +435,7 @@ def check_fused_parts(path: str, parent: Any, names: tuple[str, ...], fused: str
         hooks = [h for h in (w._backward_hooks, getattr(w, "_post_accumulate_grad_hooks", None)) if h]
         if hooks:
             raise refuse(
-                f"{path}.{n}.weight",
+                f"{path}.{n}.{kind}",
                 f"a gradient hook (register_hook / register_post_accumulate_grad_hook) on it: patching "
                 f"replaces {', '.join(names)} by one parameter {fused}, and the hook would never run",
                 f"register it after patching, on {fused} (coda_lang.hf.unfused_grads splits "
@@ -409,7 +444,7 @@ def check_fused_parts(path: str, parent: Any, names: tuple[str, ...], fused: str
     for n, w in zip(names[1:], ws[1:], strict=True):
         if w.requires_grad != ws[0].requires_grad:
             raise refuse(
-                f"{path}.{n}.weight.requires_grad={w.requires_grad}",
+                f"{path}.{n}.{kind}.requires_grad={w.requires_grad}",
                 f"{first}'s is {ws[0].requires_grad}, and patching makes {', '.join(names)} one "
                 f"parameter {fused} with one requires_grad flag",
                 f"freeze all of them or none before patching (after patching, {fused}."
@@ -417,7 +452,7 @@ def check_fused_parts(path: str, parent: Any, names: tuple[str, ...], fused: str
             )
         if w.dtype != ws[0].dtype or w.device != ws[0].device:
             raise refuse(
-                f"{path}.{n}.weight",
+                f"{path}.{n}.{kind}",
                 f"{w.dtype} on {w.device}, {first}'s {ws[0].dtype} on {ws[0].device}: patching makes "
                 f"{', '.join(names)} one parameter {fused}, of one dtype on one device",
                 "convert the model to one dtype and device before patching (model.to(...))",

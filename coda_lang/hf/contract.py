@@ -84,6 +84,10 @@ CONFIG_FIELDS = (
     "max_window_layers",
     "layer_types",
     "loss_type",
+    "embedding_multiplier",  # (Granite's)
+    "residual_multiplier",
+    "logits_scaling",
+    "attention_multiplier",
 )
 
 CHANGED = f"coda_lang.hf.unpatch(model), make the change, and patch it again ({UNPATCH})"

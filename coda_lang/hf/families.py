@@ -1,7 +1,13 @@
-"""The entry points of the model families the patch knows: `apply_coda_to_<family>`.
+"""The entry points of the model families the patch knows: `apply_coda_to_<family>`, and `apply_coda`
+and `AutoCodaForCausalLM`, which pick the family from the config's `model_type`.
 
-What it does: `apply_coda_to_llama`, `apply_coda_to_qwen3`: check the loss settings, then patch a
-model of that family (patch.py) with its facts (family.py). A new family's entry point goes here, its
+What it does: `apply_coda_to_llama`, `apply_coda_to_qwen3`, `apply_coda_to_mistral`,
+`apply_coda_to_ministral`, `apply_coda_to_qwen2`, `apply_coda_to_granite`: check the loss settings, then patch a
+model of that family (patch.py) with its facts (family.py). `apply_coda(model)`: the same for the
+family of `model.config.model_type` (`FAMILIES`), refusing a type it does not know with the list of
+those it does. `AutoCodaForCausalLM.from_pretrained(...)` / `.from_config(...)`: transformers'
+`AutoModelForCausalLM`'s, then `apply_coda` (as Liger Kernel's `AutoLigerKernelForCausalLM`), the
+model type checked from the config before any weights load. A new family's entry point goes here, its
 facts in family.py, blocks it needs beyond these in blocks.py.
 What it does not: patch (patch.py) or check (checks.py).
 """
@@ -10,7 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from coda_lang.hf.family import LLAMA, QWEN3
+from coda_lang.hf.checks import refuse
+from coda_lang.hf.family import FAMILIES, GRANITE, LLAMA, MINISTRAL, MISTRAL, QWEN2, QWEN3, Family
 from coda_lang.hf.loss import LossSettings
 from coda_lang.hf.patch import apply
 
@@ -33,3 +40,135 @@ def apply_coda_to_qwen3(
     """Patch a transformers `Qwen3ForCausalLM` in place (and return it): as `apply_coda_to_llama`, with
     Qwen3's per-head q/k RMSNorm in the QKV blocks' epilogue."""
     return apply(model, QWEN3, LossSettings(loss_mode, loss_budget, loss_rows))
+
+
+def apply_coda_to_mistral(
+    model: Any, *, loss_mode: str = "rows", loss_budget: int | None = None, loss_rows: int | None = None
+) -> Any:
+    """Patch a transformers `MistralForCausalLM` in place (and return it): as `apply_coda_to_llama`; a
+    sliding window (`config.sliding_window`) is the model's attention function's, with its mask."""
+    return apply(model, MISTRAL, LossSettings(loss_mode, loss_budget, loss_rows))
+
+
+def apply_coda_to_ministral(
+    model: Any, *, loss_mode: str = "rows", loss_budget: int | None = None, loss_rows: int | None = None
+) -> Any:
+    """Patch a transformers `MinistralForCausalLM` in place (and return it): as `apply_coda_to_llama`;
+    its layers' full or sliding-window attention (`config.layer_types`) is the model's attention
+    function's, with its masks."""
+    return apply(model, MINISTRAL, LossSettings(loss_mode, loss_budget, loss_rows))
+
+
+def apply_coda_to_qwen2(
+    model: Any, *, loss_mode: str = "rows", loss_budget: int | None = None, loss_rows: int | None = None
+) -> Any:
+    """Patch a transformers `Qwen2ForCausalLM` (Qwen2, Qwen2.5) in place (and return it): as
+    `apply_coda_to_llama`, with the q, k and v projections' biases added in the QKV blocks' epilogue;
+    sliding-window layers (`use_sliding_window`) as `apply_coda_to_ministral`."""
+    return apply(model, QWEN2, LossSettings(loss_mode, loss_budget, loss_rows))
+
+
+def apply_coda_to_granite(
+    model: Any, *, loss_mode: str = "rows", loss_budget: int | None = None, loss_rows: int | None = None
+) -> Any:
+    """Patch a transformers `GraniteForCausalLM` (Granite 3.x dense) in place (and return it): as
+    `apply_coda_to_llama`, with its multipliers: the embedding's (applied to the embeddings), the
+    residual's and the logits' (scalars in the blocks' epilogues) and the attention's (the scaling
+    its attention function is given)."""
+    return apply(model, GRANITE, LossSettings(loss_mode, loss_budget, loss_rows))
+
+
+def family_of(model_type: Any, what: str) -> Family:
+    """The family of a config's `model_type`; ValueError naming it (`what`: the model or config it is
+    read from) and the types supported."""
+    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        raise refuse(
+            f"model_type {model_type!r} ({what})",
+            f"not a family coda_lang.hf patches; supported: {', '.join(sorted(FAMILIES))}",
+            "train this model unpatched (or with Liger Kernel)",
+        )
+    return family
+
+
+def apply_coda(
+    model: Any, *, loss_mode: str = "rows", loss_budget: int | None = None, loss_rows: int | None = None
+) -> Any:
+    """Patch a transformers causal LM of any supported family in place (and return it): the family of
+    `model.config.model_type`, patched as its `apply_coda_to_<family>` does (the loss settings are
+    theirs). ValueError for a model type not supported, listing those that are (and, as the entry
+    points, for a model of another class than the family's causal LM); TypeError for an object
+    without a transformers config."""
+    loss = LossSettings(loss_mode, loss_budget, loss_rows)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type is None:
+        raise TypeError(
+            f"apply_coda takes a transformers causal LM (a model with config.model_type), got a "
+            f"{type(model).__name__}"
+        )
+    return apply(model, family_of(model_type, type(model).__name__), loss)
+
+
+# transformers' keyword arguments of `from_pretrained` that say where and how to find the config
+_HUB = (
+    "cache_dir",
+    "force_download",
+    "local_files_only",
+    "token",
+    "revision",
+    "subfolder",
+    "trust_remote_code",
+)
+
+
+class AutoCodaForCausalLM:
+    """transformers' `AutoModelForCausalLM`, then `apply_coda`: `from_pretrained(name_or_path, ...,
+    loss_mode=, loss_budget=, loss_rows=)` takes transformers' arguments (dtype, device_map, config,
+    ...) and the patch's loss settings, and returns the patched model; `from_config(config, ...)` the
+    same for a model of random weights. A model type coda_lang.hf does not patch is refused (ValueError,
+    listing those it does) from the config alone, before any weights load."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        raise TypeError(
+            "AutoCodaForCausalLM is made with AutoCodaForCausalLM.from_pretrained(...) or "
+            "AutoCodaForCausalLM.from_config(config)"
+        )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: Any,
+        *model_args: Any,
+        loss_mode: str = "rows",
+        loss_budget: int | None = None,
+        loss_rows: int | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        # lazy: transformers, which `import coda_lang.hf` does not need
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        loss = LossSettings(loss_mode, loss_budget, loss_rows)
+        config = kwargs.get("config")
+        if config is None or isinstance(config, str):
+            hub = {k: kwargs[k] for k in _HUB if k in kwargs}
+            config = AutoConfig.from_pretrained(config or pretrained_model_name_or_path, **hub)
+        family = family_of(getattr(config, "model_type", None), str(pretrained_model_name_or_path))
+        model = AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        return apply(model, family, loss)
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Any,
+        *,
+        loss_mode: str = "rows",
+        loss_budget: int | None = None,
+        loss_rows: int | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        # lazy: transformers, which `import coda_lang.hf` does not need
+        from transformers import AutoModelForCausalLM
+
+        loss = LossSettings(loss_mode, loss_budget, loss_rows)
+        family = family_of(getattr(config, "model_type", None), type(config).__name__)
+        return apply(AutoModelForCausalLM.from_config(config, **kwargs), family, loss)

@@ -37,6 +37,7 @@ from coda_lang.hf.checkpoint import WRAPPED
 from coda_lang.hf.checks import refuse
 from coda_lang.hf.contract import check_call, returned
 from coda_lang.hf.loss import IGNORE, ChunkedLoss, Embed, TiedGrad, rows_per_chunk, targets, tied_embedding
+from coda_lang.hf.masks import layer_masks, window
 from coda_lang.hf.state import Blocks, ModelState
 from coda_lang.hf.units import gathered
 from coda_lang.layout import interleave_rope
@@ -54,6 +55,15 @@ def qk_norm_weights(st: ModelState, fused: Any, device: torch.device) -> dict[st
     mq = (col < nq).float()
     mk = ((col >= nq) & (col < nq + nk)).float()
     return {"gq": gq, "gk": gk, "mq": mq, "mk": mk}
+
+
+def qkv_inputs(st: ModelState, fused: Any, device: torch.device) -> dict[str, torch.Tensor]:
+    """The QKV blocks' inputs beyond the LLaMA layer's, from a `FusedQKV`: Qwen3's q/k norm weights
+    and masks, Qwen2's bias."""
+    out = qk_norm_weights(st, fused, device) if st.qk_norm else {}
+    if st.family.qkv_bias:
+        out["b_qkv"] = fused.qkv_bias
+    return out
 
 
 class Heads(torch.autograd.Function):
@@ -111,7 +121,7 @@ def attention(
     nq = st.H * st.HD
     q, k, v = Heads.apply(qkv, b, s, st.H, st.KV, st.HD)
     fn = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
-    extra = {"sliding_window": attn.sliding_window} if hasattr(attn, "sliding_window") else {}
+    extra = window(st.family, attn)
     out, _ = fn(
         attn,
         q,
@@ -128,7 +138,7 @@ def attention(
 
 class Step:
     """What every decoder layer of one forward reads besides its inputs x and qkv: the block functions
-    of the forward's dtype, the attention mask,
+    of the forward's dtype, the attention mask of each layer,
     the batch and sequence lengths, RoPE's f32 positions and frequencies, and the attention function's
     keyword arguments. One object, not tensors, among a layer's arguments: FSDP2 casts a module's
     floating-point tensor arguments to its MixedPrecisionPolicy's param_dtype, and positions in bf16
@@ -225,7 +235,7 @@ def layer_forward(
             CHANGED_FLOW,
         )
     attn, mlp, nxt = self.self_attn, self.mlp, self.coda_next
-    y = attention(st, attn, qkv, step.b, step.s, step.mask, step.kwargs)
+    y = attention(st, attn, qkv, step.b, step.s, step.mask[i], step.kwargs)
     inputs = dict(
         y=y,
         x=x,
@@ -245,7 +255,7 @@ def layer_forward(
         w_qkv=lora.qkv_weight(fused),
         pos=step.pos,
         freq=step.freq,
-        **(qk_norm_weights(st, fused, x.device) if st.qk_norm else {}),
+        **qkv_inputs(st, fused, x.device),
     )
     out = run_block(self, step.blocks.layer, inputs)
     if given is not None:
@@ -271,8 +281,6 @@ def hidden(
     `tied`: the embedding lookup is `Embed`, whose backward adds the loss head's weight gradient.
     `states`: a list to fill with the embedding output and each layer's output but the last, [B, S, D]
     (Hugging Face's hidden states without the final normed one)."""
-    from transformers.masking_utils import create_causal_mask
-
     st: ModelState = model._coda
     if past_key_values is not None or use_cache:
         raise refuse(
@@ -288,6 +296,8 @@ def hidden(
         emb = Embed.apply(e.weight, input_ids, e.padding_idx, tied)
     else:
         emb = base.embed_tokens(input_ids)
+    if st.multipliers is not None:  # Granite's embedding multiplier, applied as its model does
+        emb = emb * st.multipliers[0]
     first = base.coda_first
     weights = first.self_attn.qkv_weight.dtype
     if emb.dtype != weights or str(weights).removeprefix("torch.") not in DTYPES:
@@ -300,13 +310,7 @@ def hidden(
     # the mask sees the caller's positions only: from given positions transformers looks for packed
     # sequences, which reads a value back from the GPU (a synchronization that leaves the GPU idle
     # while the host launches the first layer); the default 0..s-1 packs nothing
-    mask = create_causal_mask(
-        config=model.config,
-        inputs_embeds=emb,
-        attention_mask=attention_mask,
-        past_key_values=None,
-        position_ids=position_ids,
-    )
+    mask = layer_masks(model, st.family, emb, attention_mask, position_ids)  # one per layer
     if position_ids is None:
         pos = st.positions(b, s, emb.device)
     else:
@@ -326,7 +330,7 @@ def hidden(
             w_qkv=lora.qkv_weight(fused),
             pos=step.pos,
             freq=step.freq,
-            **(qk_norm_weights(st, fused, emb.device) if st.qk_norm else {}),
+            **qkv_inputs(st, fused, emb.device),
         ),
     )["qkv"]
     if states is not None:

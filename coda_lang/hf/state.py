@@ -27,7 +27,7 @@ from coda_lang.api import load
 from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.hf.blocks import model_source
 from coda_lang.hf.checkpoint import Layout
-from coda_lang.hf.family import Family
+from coda_lang.hf.family import Family, multipliers
 from coda_lang.hf.loss import LOSS_CHUNK_BYTES, LossSettings
 from coda_lang.torch import BlockFunction, compile_together, function
 
@@ -39,9 +39,11 @@ class Blocks:
 
     def __init__(self, st: ModelState, dtype: torch.dtype, eps: float):
         self.dtype = dtype
-        src = model_source(str(dtype).removeprefix("torch."), eps, st.HD, st.qk_norm)
+        src = model_source(
+            str(dtype).removeprefix("torch."), eps, st.HD, st.qk_norm, st.family.qkv_bias, st.multipliers
+        )
         prog = load(src)
-        weights = {"w_o", "w_13", "w_2", "w_qkv", "w_lm", "g", "g1", "g2", "gq", "gk"}
+        weights = {"w_o", "w_13", "w_2", "w_qkv", "b_qkv", "w_lm", "g", "g1", "g2", "gq", "gk"}
 
         def fn(name: str, backward: BackwardOptions | None = None) -> BlockFunction:
             b = prog[name]
@@ -92,7 +94,8 @@ class ModelState:
         cfg = model.config
         heads = cfg.num_attention_heads
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        facts = (heads, cfg.num_key_value_heads, hd, cfg.hidden_size, cfg.rms_norm_eps, model.dtype)
+        facts: tuple[Any, ...] = (heads, cfg.num_key_value_heads, hd, cfg.hidden_size, cfg.rms_norm_eps)
+        facts += (model.dtype, multipliers(family, cfg))
         self._build(family, loss, facts)
         # what the forward relies on, recorded by the patch once it has installed its forwards
         self.contract: Any = None
@@ -106,7 +109,7 @@ class ModelState:
         self.facts = facts
         self.family = family
         self.qk_norm = family.qk_norm
-        self.H, self.KV, self.HD, self.D, self.eps, dtype = facts
+        self.H, self.KV, self.HD, self.D, self.eps, dtype, self.multipliers = facts
         self.dtype = dtype  # the dtype at patching; the blocks of another are made when it runs
         self.loss = loss
         self.loss_mode = loss.mode
