@@ -262,11 +262,13 @@ def test_bf16_on_the_gpu_within_the_accuracy_rule(family: str, monkeypatch: Any)
     from test_hf import ON_KERNELS
 
     torch.manual_seed(0)
-    cuda = patch(family, peft.get_peft_model(make(family, **ON_KERNELS[family]), config(16)).cuda())
+    cuda = patch(family, peft.get_peft_model(make(family, **ON_KERNELS.get(family, {})), config(16)).cuda())
     with pytest.raises(ValueError, match="peft LoRA adapters on a CUDA model"):
         step(cuda, *(t.cuda() for t in batch(s=64)))
     monkeypatch.setenv("CODA_LORA_CUDA", "1")
-    ref = peft.get_peft_model(make(family, **ON_KERNELS[family]), config(16), autocast_adapter_dtype=False)
+    ref = peft.get_peft_model(
+        make(family, **ON_KERNELS.get(family, {})), config(16), autocast_adapter_dtype=False
+    )
     f64 = copy.deepcopy(ref).double().cuda()
     bf = copy.deepcopy(ref).to(torch.bfloat16).cuda()
     pat = patch(family, copy.deepcopy(ref).to(torch.bfloat16).cuda())
