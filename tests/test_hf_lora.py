@@ -59,11 +59,15 @@ def step(model: Any, ids: Any, labels: Any) -> tuple[Any, dict[str, Any]]:
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize(("family", "r"), [("llama", 8), ("llama", 64), ("qwen3", 16)])
+@pytest.mark.parametrize(
+    ("family", "r"),
+    [("llama", 8), ("llama", 64), *((f, 16) for f in sorted(FAMILIES) if f != "llama")],
+)
 def test_loss_and_adapter_gradients_are_the_unpatched_peft_models(family: str, r: int) -> None:
     """The issue's row: LoRA applied, then patched, gave the base model's loss (adapters ignored).
     Now the loss and each A and B gradient are peft's within 1e-5 (f32); only the adapters have
-    gradients (the base is frozen, its fused weights too); the state dict is the peft model's."""
+    gradients (the base is frozen, its fused weights too); the state dict is the peft model's. Every
+    family (Qwen2's q, k and v projections keep their biases under the adapters)."""
     ref, pat = pair(family, r)
     ids, labels = batch()
     l0, g0 = step(ref, ids, labels)
@@ -73,7 +77,9 @@ def test_loss_and_adapter_gradients_are_the_unpatched_peft_models(family: str, r
     for name in g0:
         assert rel(g1[name], g0[name]) < 1e-5, name
     assert all(not p.requires_grad for n, p in pat.named_parameters() if "lora_" not in n)
-    assert rel(l0, make(family)(input_ids=ids, labels=labels).loss) > 1e-4  # the adapters count
+    # the adapters count: they move the loss far more than the patched model differs from peft's
+    # (1e-4 and more, but Granite's logits / 8 and branches x 0.22 leave 7e-5)
+    assert rel(l0, make(family)(input_ids=ids, labels=labels).loss) > 100 * rel(l1, l0) + 1e-6
     sd0, sd1 = ref.state_dict(), pat.state_dict()
     assert list(sd1) == list(sd0) and all(torch.equal(sd1[k], sd0[k]) for k in sd0)
 

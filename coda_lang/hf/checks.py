@@ -96,10 +96,11 @@ def base_of(m: Any) -> Any:
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def check_lora(path: str, m: Any) -> None:
+def check_lora(path: str, m: Any, biased: bool = False) -> None:
     """Raise `refuse(...)` unless the patch can run LoRA layer `m` (at `path`) as one weight W + s B A:
     plain LoRA (no DoRA, no LoRA bias, no other variant, not fan_in_fan_out) on an `nn.Linear` base
-    without a bias (not a quantized one: QLoRA), no hooks on it or its parts."""
+    (not a quantized one: QLoRA) with a bias where the family's projection has one (`biased`: Qwen2's
+    q, k and v), no hooks on it or its parts."""
     base = m.base_layer
     what = foreign(base)
     if what is not None:
@@ -109,11 +110,12 @@ def check_lora(path: str, m: Any) -> None:
             "weight",
             "train QLoRA unpatched, or LoRA on a bf16 base patched",
         )
-    if type(base) is not torch.nn.Linear or base.bias is not None:
+    if type(base) is not torch.nn.Linear or (base.bias is not None) != biased:
+        has = getattr(base, "bias", None) is not None
         raise refuse(
             f"{path}.base_layer",
-            f"a {class_name(base)}{' with a bias' if getattr(base, 'bias', None) is not None else ''}, not "
-            "an nn.Linear without bias",
+            f"a {class_name(base)}{' with a bias' if has else ' without a bias'}, not "
+            f"an nn.Linear {'with' if biased else 'without'} a bias",
             "train this model unpatched",
         )
     if getattr(m, "fan_in_fan_out", False):
@@ -347,7 +349,7 @@ def check_model(model: Any, family: Family) -> None:
             raise refuse(f"layer {i}", "Qwen3 attention without q_norm/k_norm")
     for path, m, cls in bypassed_modules(model, family):
         if cls is torch.nn.Linear and is_lora(m) and path.rpartition(".")[2] in LORA_TARGETS:
-            check_lora(path, m)
+            check_lora(path, m, family.qkv_bias and path.endswith(QKV_PROJ))
             continue
         # the base model's hooks run when it is called alone; the causal LM's forward refuses them
         why = module_trouble(m, cls, hooks=path != "model")
