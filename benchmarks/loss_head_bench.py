@@ -59,7 +59,7 @@ def main() -> None:
     prog = load(model_source("bfloat16", 1e-5, 64, False))
     wrt = ["hg", "r", "w_lm"]
     vocab = function(prog["head_loss"], wrt=wrt, chunk="auto", chunk_dim="V", budget=LOSS_CHUNK_BYTES)
-    rows_head = function(prog["head_loss"], wrt=wrt, remat="save", chunk_dim="M")
+    rows_head = function(prog["head_loss_rows"], wrt=wrt, remat="save", chunk_dim="M")
 
     def coda_vocab(x: Any, s: Any, wt: Any) -> Any:
         return vocab(hg=x, r=s, w_lm=wt, target=target)["loss"].sum() / n

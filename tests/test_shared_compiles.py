@@ -214,7 +214,7 @@ def llama_kernels() -> tuple[int, int, int]:
         ("first_qkv", {}),
         ("layer", {}),
         ("last", {}),
-        ("head_loss", {"remat": "save", "chunk_dim": "M"}),
+        ("head_loss_rows", {"remat": "save", "chunk_dim": "M"}),
     ):
         b = prog[name]
         f = function(b, wrt=[p.var.name for p in b.ir.params if p.var.name in grads], **options)

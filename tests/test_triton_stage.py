@@ -279,7 +279,7 @@ def test_the_loss_heads_dlogits_are_stored_over_its_logits() -> None:
     it for this chunk alone) hands acc1's buffer to the generated kernel as dacc1's, which loads every
     element before it stores there; the result is the eager function's, in that buffer. With 1030
     vocabulary columns the kernel takes its wide chunks (1024 columns, a ragged second one)."""
-    st = dict(STAGES)["llama.head_loss.bwd_hf_save.1"]
+    st = dict(STAGES)["llama.head_loss_rows.bwd_hf_save.1"]
     cb = st.block.cuda(emulate=True)
     es = cb.elementwise[1]
     i = next(k for k, s in enumerate(st.block.ir.body) if isinstance(s, Stage))

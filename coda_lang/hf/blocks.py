@@ -9,7 +9,12 @@ Face patch runs, each a fused chain of GEMMs and their epilogues, weights in `nn
     gate/up + SwiGLU + down + residual + the next layer's input RMSNorm, QKV projection and RoPE;
   - `last`: the last layer's out-proj .. down + residual, then the final norm's weight and row scale;
   - `head_loss` / `head_logits`: the LM head with the row scale and per-token cross-entropy (the logits
-    never stored), or the logits.
+    never stored), or the logits;
+  - `head_loss_rows`: `head_loss` with the logits made from the accumulator rounded to the model's
+    dtype, for "rows" mode, whose backward reads the logits saved in that dtype: the forward's
+    log-sum-exp and the backward's softmax then see the same numbers (rounded in the backward only,
+    a softmax that does not sum to 1 moved each confident token's gradient p - 1 by up to 2^-9 times
+    its logit: 36 times the true gradient once the loss was near 1e-3, H100, 2026-11-27).
 The QKV weight holds q, k and v rows (q and k in the interleaved RoPE layout, `coda_lang.layout`),
 `freq` the inverse frequency of each column pair (0 for v). With `qk_norm`, `gq` and `gk` are the q
 and k norm weights, one head's `HD` values each (interleaved like a RoPE head): a vector over the fixed
@@ -80,6 +85,15 @@ block last(y: {t}[M, K], x: {t}[M, D], w_o: {t}[D, K], g1: f32[D], w_13: {t}[2*F
 block head_loss(hg: {t}[M, D], r: f32[M], w_lm: {t}[V, D], target: i32[M]{lsp}) -> (loss: f32[M]) {{
   gemm hg @ transpose(w_lm) {{
     logits = acc * r{ls}
+    lse = logsumexp(logits, over=V)
+    tgt = pick(logits, target)
+  }}
+  loss = where(target >= 0, lse - tgt, 0.0)
+}}
+
+block head_loss_rows(hg: {t}[M, D], r: f32[M], w_lm: {t}[V, D], target: i32[M]{lsp}) -> (loss: f32[M]) {{
+  gemm hg @ transpose(w_lm) {{
+    logits = cast(acc, {t}) * r{ls}
     lse = logsumexp(logits, over=V)
     tgt = pick(logits, target)
   }}

@@ -72,9 +72,10 @@ class Blocks:
 
     def row_head(self) -> BlockFunction:
         """The loss head of "rows" mode: its logits saved (remat="save"), run forward and backward
-        in chunks of rows (BlockFunction.forward_backward)."""
+        in chunks of rows (BlockFunction.forward_backward); `head_loss_rows`, whose forward makes the
+        loss from the same rounded logits its backward reads."""
         if self._row_head is None:
-            self._row_head = self._fn("head_loss", BackwardOptions(remat="save", chunk_dim="M"))
+            self._row_head = self._fn("head_loss_rows", BackwardOptions(remat="save", chunk_dim="M"))
         return self._row_head
 
     def vocab_head(self) -> BlockFunction:
