@@ -8,6 +8,10 @@ weight to the module whose forward runs the block that reads it (`Moved` contain
 input norm and QKV under layer i (`layers.i.coda_next`), the final norm under the last layer
 (`layers.{L-1}.coda_next.norm`), layer 0's input norm and QKV under the base model (`coda_first`).
 Qwen2's q, k and v biases become one parameter `qkv_bias` of the `FusedQKV`, in its rows' order.
+Phi-3's checkpoints hold the parts fused already, in other layouts: one `qkv_proj` (q, k and v rows
+stacked) and one `gate_up_proj` (the gate rows, then the up rows); they are reordered into coda's
+layouts the same way and given back in Phi-3's (`Family.qkv_parts`, `gate_up_parts`: `qkv_fused`,
+`qkv_unfused`, `gate_up_fused`, `gate_up_unfused`).
 The moved modules stay reachable where Hugging Face had them (`layers[i].input_layernorm`,
 `self_attn.q_norm`, `model.model.norm`) as plain attributes, not registered there: every parameter
 is registered once, so that a wrapper of a decoder layer (FSDP2's `fully_shard`) holds exactly the

@@ -11,7 +11,9 @@ not the family's own (peft layers but plain LoRA on the seven projections, which
 checks; bitsandbytes' quantized layers, a parametrization, an activation or norm swapped), hooks on
 such a module or global ones (`module_trouble`, `global_hooks`), and what fusing q/k/v and gate/up
 would merge: their `requires_grad`, dtype, device,
-gradient hooks or tensor type (`check_fused_parts`). The per-forward checks of the same contract
+gradient hooks or tensor type (`check_fused_parts`); RoPE the QKV blocks don't compute (`check_rope`:
+a rope type that scales cos/sin or changes inv_freq per call, Phi-3's LongRoPE among them, or a
+partial rotary factor). The per-forward checks of the same contract
 are contract.py's; the messages and the tests of what a module may carry are shared from here.
 What it does not: patch anything (patch.py); refuse what only a call can show (contract.py refuses
 what changed since patching, forward.py a KV cache, loss.py labels out of range).

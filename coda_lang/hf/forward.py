@@ -19,7 +19,8 @@ Invariants: HF's calling contract (input_ids or inputs_embeds, attention_mask, p
 shift_labels, num_items_in_batch, logits_to_keep, output_hidden_states); the blocks run at the
 dtype of the embeddings and weights (under FSDP2's MixedPrecisionPolicy, its param_dtype), made at its
 first forward if it is not the dtype at patching; a KV cache, embeddings of another dtype than the
-weights or a list of hidden-state layers is refused (ValueError); nothing extra is made unless
+weights, a list of hidden-state layers, or (Phi-3) a residual dropout of p > 0 in training mode is
+refused (ValueError); nothing extra is made unless
 hidden states are asked for.
 """
 

@@ -8,7 +8,7 @@ merge and unmerge change the fused weight. `delta(m)` is the sum over m's active
 (the base weight holds them). `linear_weight`, `qkv_weight`, `gate_up_weight` give the weights a
 block reads: the parameter itself without adapters, else the base plus the deltas as differentiable
 torch ops (q and k rows in the interleaved RoPE layout, gate and up rows interleaved, as the fused
-parameters are), so the block's weight gradient flows to A and B (and to the base only if it is
+parameters are; for Phi-3's fused `qkv_proj` and `gate_up_proj` one delta over all their rows), so the block's weight gradient flows to A and B (and to the base only if it is
 trainable).
 What it does not: run a block, fuse or move weights (checkpoint.py), or refuse anything else
 (checks.py).
