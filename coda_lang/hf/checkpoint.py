@@ -42,29 +42,21 @@ from coda_lang.layout import deinterleave_rope, interleave_rope
 WRAPPED = "_checkpoint_wrapped_module."
 
 
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hd: int) -> torch.Tensor:
-    w = torch.cat([q, k, v], 0)  # [out, in]
-    rw = q.shape[0] + k.shape[0]
-    return interleave_rope(w.t(), hd, rw).t().contiguous()
-
-
-def split_qkv(w: torch.Tensor, hd: int, nq: int, nk: int) -> tuple[torch.Tensor, ...]:
-    plain = deinterleave_rope(w.t(), hd, nq + nk).t()
-    return plain[:nq].contiguous(), plain[nq : nq + nk].contiguous(), plain[nq + nk :].contiguous()
-
-
 def qkv_fused(parts: list[torch.Tensor] | tuple[torch.Tensor, ...], m: Any) -> torch.Tensor:
-    """The fused layout of a QKV weight, bias or gradient from its checkpoint parts (q, k and v; or
-    Phi-3's one `qkv_proj`, their rows stacked), `m` the `FusedQKV` (its head_dim, nq, nk)."""
+    """The fused layout of a QKV weight, bias or gradient ([out, in], or [out]) from its checkpoint
+    parts (q, k and v; or Phi-3's one `qkv_proj`, their rows stacked), `m` the `FusedQKV` (its
+    head_dim, nq, nk): q and k rows in the interleaved RoPE layout."""
     w = parts[0] if len(parts) == 1 else torch.cat(list(parts), 0)
     return interleave_rope(w.t(), m.head_dim, m.nq + m.nk).t().contiguous()
 
 
 def qkv_unfused(w: torch.Tensor, m: Any) -> list[torch.Tensor]:
     """The checkpoint parts of a fused QKV tensor `w` (`qkv_fused` undone): q, k and v, or one."""
+    plain = deinterleave_rope(w.t(), m.head_dim, m.nq + m.nk).t()
     if len(m.parts) == 1:
-        return [deinterleave_rope(w.t(), m.head_dim, m.nq + m.nk).t().contiguous()]
-    return list(split_qkv(w, m.head_dim, m.nq, m.nk))
+        return [plain.contiguous()]
+    nq, nk = m.nq, m.nk
+    return [plain[:nq].contiguous(), plain[nq : nq + nk].contiguous(), plain[nq + nk :].contiguous()]
 
 
 def gate_up_fused(parts: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torch.Tensor:
