@@ -7,7 +7,8 @@ Usage (on a Hopper GPU): python benchmarks/hf_train_step.py [--configs eager,com
 Llama-3.2-1B shapes by default (hidden 2048, 16 layers, 32 query / 8 KV heads of 64, intermediate 8192,
 vocab 128256, tied embeddings, rope_theta 5e5 with Llama-3 rope scaling); `--family` picks another
 family's shapes (`FAMILY_SHAPES`: Qwen3-1.7B, Qwen2.5-1.5B, a Granite 3.x 2B, Mistral-7B's widths at 8
-layers with its 4096-token sliding window, Ministral likewise with alternating layers), `--layers`
+layers with its 4096-token sliding window, Ministral likewise with alternating layers, Phi-3-mini-4k:
+32 heads of 96, its 2047-token sliding window), `--layers`
 another layer count; coda is patched by `coda_lang.hf.apply_coda`, Liger by its
 `apply_liger_kernel_to_<family>` (where it has one). Random init (seed 0), bf16,
 sdpa attention, fused AdamW, one fixed batch of random tokens (labels = inputs). Per configuration, in
@@ -21,7 +22,7 @@ without spills while the tuner's other candidates compile in the background; the
 for them (`coda_lang.torch.wait_for_kernels`, the time is printed as "all compiled") before the
 warm-up steps, the first of which times them. `--profile` adds one profiled step per configuration,
 its CUDA time split into attention, GEMM and other kernels. `--lora R`: peft LoRA of rank R (alpha 2R,
-dropout 0) on q, k, v, o, gate, up and down, the base frozen, the optimizer over the adapters: applied
+dropout 0) on q, k, v, o, gate, up and down (Phi-3: qkv, o, gate_up, down), the base frozen, the optimizer over the adapters: applied
 after Liger's patch (which keeps the modules LoRA wraps) and before coda's (which runs LoRA in its
 blocks). Prints a markdown table last.
 """
@@ -150,6 +151,24 @@ FAMILY_SHAPES: dict[str, tuple[str, dict[str, Any], int]] = {
         ),
         8,
     ),
+    "phi3": (  # Phi-3-mini-4k-instruct: 32 heads of 96 (multi-head), its 2047-token sliding window
+        "Phi3Config",
+        dict(
+            vocab_size=32064,
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            sliding_window=2047,
+            bos_token_id=1,
+            eos_token_id=32000,
+            pad_token_id=32000,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+        32,
+    ),
 }
 
 
@@ -178,6 +197,8 @@ def build(config_name: str, layers: int | None, family: str = "llama") -> tuple[
 
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Phi-3's checkpoints fuse q, k, v (qkv_proj) and gate, up (gate_up_proj)
+PHI3_LORA_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 
 
 def with_lora(model: Any, r: int) -> Any:
@@ -187,9 +208,8 @@ def with_lora(model: Any, r: int) -> Any:
         return model
     from peft import LoraConfig, get_peft_model
 
-    return get_peft_model(
-        model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=LORA_TARGETS)
-    )
+    targets = PHI3_LORA_TARGETS if model.config.model_type == "phi3" else LORA_TARGETS
+    return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=targets))
 
 
 def prepare(model: Any, name: str, family: str = "llama", lora: int = 0) -> Any:

@@ -110,6 +110,27 @@ PARTS = (
             }
         ),
     ),
+    Part(
+        "Phi-3: fused checkpoint projections, residual dropout",
+        ("phi3",),
+        frozenset(
+            {
+                "PHI3",
+                "apply_coda_to_phi3",
+                "qkv_parts",
+                "gate_up_parts",
+                "act_name",
+                "resid_dropouts",
+                "qkv_fused",
+                "qkv_unfused",
+                "gate_up_fused",
+                "gate_up_unfused",
+                "_coda_names",
+                "brace",
+                "ROPE_WHY",
+            }
+        ),
+    ),
 )
 
 

@@ -24,10 +24,12 @@ from coda_lang.hf import (  # noqa: E402
     apply_coda_to_llama,
     apply_coda_to_ministral,
     apply_coda_to_mistral,
+    apply_coda_to_phi3,
     apply_coda_to_qwen2,
     apply_coda_to_qwen3,
     unfused_grads,
 )
+from coda_lang.hf.family import FAMILIES as KNOWN  # noqa: E402
 
 VOCAB = 96
 SHAPES = dict(
@@ -49,10 +51,11 @@ FAMILIES = {
     "ministral": (transformers.MinistralConfig, transformers.MinistralForCausalLM, apply_coda_to_ministral),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, apply_coda_to_qwen2),
     "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM, apply_coda_to_granite),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, apply_coda_to_phi3),
 }
-# Each family's own settings in the tiny models: a sliding window of 16 (Mistral: every layer;
+# Each family's own settings in the tiny models: a sliding window of 16 (Mistral, Phi-3: every layer;
 # Ministral: the first of its two layers, the second full attention), shorter than most test sequences;
-# Granite's multipliers
+# Granite's multipliers. (Phi-3's fused checkpoint projections are its model's own.)
 OWN = {
     "mistral": {"sliding_window": 16},
     "ministral": {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]},
@@ -63,6 +66,8 @@ OWN = {
         "logits_scaling": 8.0,
         "attention_multiplier": 0.0625,
     },
+    # Phi-3's every-layer window (Phi-3-mini-4k's is 2047); its pad token (32000 of 32064) the last
+    "phi3": {"sliding_window": 16, "pad_token_id": VOCAB - 1, "eos_token_id": VOCAB - 1},
 }
 # The families every test runs; the others' costly tests (bf16, convergence, ...) run under -m slow
 FIRST = ("llama", "qwen3")
@@ -277,7 +282,7 @@ def test_checkpoints_round_trip(family: str, tmp_path: Any) -> None:
     ids, _ = batch()
     sd = pat.state_dict()
     assert set(sd) == set(ref.state_dict())  # the unpatched model's names
-    assert not any("qkv_weight" in k or "gate_up" in k for k in sd)
+    assert not any("qkv_weight" in k or "gate_up_weight" in k for k in sd)  # (Phi-3's is gate_up_proj)
     ref.load_state_dict(sd)  # patched -> unpatched
     assert rel(ref(ids).logits, pat(ids).logits) < 1e-5
     other = patch(family, make(family, seed=5))
@@ -286,7 +291,8 @@ def test_checkpoints_round_trip(family: str, tmp_path: Any) -> None:
     pat.save_pretrained(tmp_path)
     back = FAMILIES[family][1].from_pretrained(tmp_path)
     assert rel(back(ids).logits, pat(ids).logits) < 1e-5
-    assert isinstance(back.model.layers[0].self_attn.q_proj, torch.nn.Linear)  # an ordinary model
+    qkv = KNOWN[family].qkv_parts[0]  # (q_proj; Phi-3's qkv_proj)
+    assert isinstance(getattr(back.model.layers[0].self_attn, qkv), torch.nn.Linear)  # an ordinary model
 
 
 def test_tied_embeddings_llama_3_rope_and_base_model() -> None:
@@ -481,7 +487,8 @@ def test_bad_loss_settings_are_refused_before_patching(
         with pytest.raises(error) as e:
             patch(family, model, **loss)
         assert message in str(e.value), e.value
-        assert getattr(model, "_coda", None) is None and hasattr(model.model.layers[0].self_attn, "q_proj")
+        qkv = KNOWN[family].qkv_parts[0]
+        assert getattr(model, "_coda", None) is None and hasattr(model.model.layers[0].self_attn, qkv)
 
 
 def test_the_loss_settings_reach_the_model_state() -> None:

@@ -28,6 +28,7 @@ from test_hf import FAMILIES, FIRST, VOCAB, batch, each, make, patch, rel, run  
 
 import coda_lang  # noqa: E402
 from coda_lang.hf import apply_coda_to_llama, unfused_grads, unpatch  # noqa: E402
+from coda_lang.hf.family import FAMILIES as KNOWN  # noqa: E402
 
 nn = torch.nn
 
@@ -85,6 +86,18 @@ CASES += [("qwen2", p, "forward") for p in ("model.layers.0.self_attn", "model.l
 CASES += [
     ("granite", p, "forward")
     for p in ("model", "model.layers.1.mlp", "model.layers.1.post_attention_layernorm")
+]
+# Phi-3's own modules: its MLP's activation (`activation_fn`), the residual dropouts, its fused QKV
+CASES += [
+    ("phi3", p, k)
+    for p in (
+        "model.layers.0.mlp.activation_fn",
+        "model.layers.1.resid_attn_dropout",
+        "model.layers.0.resid_mlp_dropout",
+        "model.layers.0.coda_next.self_attn",
+        "model.layers.1.mlp",
+    )
+    for k in ("forward", "pre")
 ]
 # the containers patching moves weights into (their forwards never run either)
 CASES += [
@@ -218,6 +231,25 @@ def test_a_hook_before_patching_is_refused_at_patching(path: str) -> None:
     assert getattr(model, "_coda", None) is None and hasattr(model.model.layers[0].self_attn, "q_proj")
 
 
+@pytest.mark.parametrize(
+    "path",
+    [
+        "model.layers.0.self_attn.qkv_proj",
+        "model.layers.1.mlp.gate_up_proj",
+        "model.layers.1.mlp.activation_fn",
+        "model.layers.0.resid_attn_dropout",
+    ],
+)
+def test_a_hook_on_phi3s_own_modules_is_refused_at_patching(path: str) -> None:
+    """Phi-3's fused checkpoint projections (which patching reorders into coda's layouts), its MLP's
+    activation and its residual dropouts: a hook on one is refused when patching, nothing patched."""
+    model = make("phi3")
+    model.get_submodule(path).register_forward_hook(lambda m, a, out: out)
+    with refused(rf"coda_lang.hf: {path}: a forward hook"):
+        patch("phi3", model)
+    assert getattr(model, "_coda", None) is None and hasattr(model.model.layers[0].self_attn, "qkv_proj")
+
+
 # ---- modules replaced, re-classed, parametrized; forwards replaced ----
 
 
@@ -322,6 +354,31 @@ def test_a_module_reclassed_or_its_forward_replaced_is_refused(path: str, patche
     model(ids)
 
 
+PHI3_REPLACED = {
+    "model.layers.0.mlp.activation_fn": lambda m: nn.GELU(),
+    "model.layers.1.resid_mlp_dropout": lambda m: nn.Dropout(0.1),
+    "model.layers.0.resid_attn_dropout": lambda m: nn.Identity(),
+    "model.layers.1.mlp.down_proj": lambda m: _linear_like(m, Doubled),
+    "model.layers.1.input_layernorm": lambda m: copy.deepcopy(m),
+}
+
+
+@pytest.mark.parametrize("path", sorted(PHI3_REPLACED))
+def test_a_phi3_module_replaced_after_patching_is_refused(path: str, patched: Any) -> None:
+    """Phi-3's activation (`activation_fn`), its residual dropouts (one swapped for dropout of p 0.1, one
+    for an identity), a projection and a moved norm (at its Hugging Face place), each replaced after
+    patching: refused at the forward, naming the module."""
+    model = patched["phi3"]
+    ids, labels = batch()
+    undo = swap(model, path, PHI3_REPLACED[path](model.get_submodule(path)))
+    try:
+        with refused(rf"coda_lang.hf: {path}: replaced after patching by a .*; coda_lang.hf.unpatch"):
+            model(ids, labels=labels)
+    finally:
+        undo()
+    model(ids, labels=labels)
+
+
 def test_a_child_added_or_removed_is_refused() -> None:
     """A projection put back on a patched attention (its q, k, v are one fused parameter) would be
     ignored; an activation deleted would be too."""
@@ -395,6 +452,13 @@ def test_a_parametrization_is_refused(path: str, name: str, patched: Any) -> Non
         ("residual_multiplier", 0.5, "granite"),
         ("logits_scaling", 2.0, "granite"),
         ("embedding_multiplier", 2.0, "granite"),
+        ("sliding_window", 8, "phi3"),
+        (
+            "rope_parameters",
+            {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+            "phi3",
+        ),
+        ("intermediate_size", 128, "phi3"),
     ],
 )
 def test_a_changed_config_field_is_refused(field: str, value: Any, family: str, patched: Any) -> None:
@@ -869,10 +933,12 @@ def test_unpatch_gives_the_transformers_model_back(family: str) -> None:
     assert list(sd1) == list(sd0) and all(torch.equal(sd1[k], sd0[k]) for k in sd0)
     for name, g in grads.items():
         assert torch.equal(pat.get_parameter(name).grad, g), name
-    assert not pat.model.layers[1].self_attn.k_proj.weight.requires_grad
-    assert pat.model.layers[0].self_attn.k_proj.weight.requires_grad
+    parts = KNOWN[family].qkv_parts  # (q, k and v; Phi-3's one qkv_proj)
+    k = "k_proj" if "k_proj" in parts else parts[0]
+    assert not getattr(pat.model.layers[1].self_attn, k).weight.requires_grad
+    assert getattr(pat.model.layers[0].self_attn, k).weight.requires_grad
     assert torch.equal(pat(ids).logits, ref(ids).logits)
-    ref.model.layers[1].self_attn.k_proj.weight.requires_grad_(False)
+    getattr(ref.model.layers[1].self_attn, k).weight.requires_grad_(False)
     prompt = ids[:, :6]
     mask = torch.ones_like(prompt)
     kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)

@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 from test_hf import FAMILIES, batch, make, rel, run  # noqa: E402
 
-from coda_lang.hf import AutoCodaForCausalLM, apply_coda, unpatch  # noqa: E402
+from coda_lang.hf import AutoCodaForCausalLM, apply_coda, unfused_grads, unpatch  # noqa: E402
 from coda_lang.hf.family import FAMILIES as KNOWN  # noqa: E402
 
 
@@ -247,10 +247,34 @@ RELEASED_QWEN2 = {  # model_type "qwen2"
         rope_parameters=QWEN25,
     ),
 }
+PHI3_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+RELEASED_PHI3 = {  # model_type "phi3": the 4k variants (default RoPE); the 128k ones are refused below
+    "Phi-3-mini-4k-instruct": dict(  # head_dim 96 (3072 / 32), multi-head
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32064,
+        tie_word_embeddings=False,
+        sliding_window=2047,
+        rope_parameters=PHI3_ROPE,
+    ),
+    "Phi-3-medium-4k-instruct": dict(
+        hidden_size=5120,
+        intermediate_size=17920,
+        num_attention_heads=40,
+        num_key_value_heads=10,
+        vocab_size=32064,
+        tie_word_embeddings=False,
+        sliding_window=2047,
+        rope_parameters=PHI3_ROPE,
+    ),
+}
 RELEASED = {
     **{n: ("llama", c) for n, c in RELEASED_LLAMA.items()},
     **{n: ("mistral", c) for n, c in RELEASED_MISTRAL.items()},
     **{n: ("qwen2", c) for n, c in RELEASED_QWEN2.items()},
+    **{n: ("phi3", c) for n, c in RELEASED_PHI3.items()},
 }
 
 
@@ -350,6 +374,49 @@ TINY = {
             rope_parameters=QWEN25,
         ),
     ),
+    # Phi-3-mini's head_dim of 96 (not a power of two) and multi-head attention, its RoPE base, a window
+    "Phi-3-mini-4k-instruct": (
+        "phi3",
+        dict(
+            hidden_size=192,
+            intermediate_size=512,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=96,
+            tie_word_embeddings=False,
+            sliding_window=16,
+            rope_parameters=PHI3_ROPE,
+        ),
+    ),
+    # Phi-3.5-mini's settings with the 4k variants' RoPE (its own LongRoPE is refused: below): head_dim
+    # 96, 4 heads, a window longer than the sequence (262144)
+    "Phi-3.5-mini-instruct, default RoPE": (
+        "phi3",
+        dict(
+            hidden_size=384,
+            intermediate_size=1024,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            head_dim=96,
+            tie_word_embeddings=False,
+            sliding_window=262144,
+            rope_parameters=PHI3_ROPE,
+        ),
+    ),
+    # Phi-3-medium's 4:1 GQA (40 and 10 heads of 128)
+    "Phi-3-medium-4k-instruct": (
+        "phi3",
+        dict(
+            hidden_size=128,
+            intermediate_size=448,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=False,
+            sliding_window=16,
+            rope_parameters=PHI3_ROPE,
+        ),
+    ),
     # Mistral Small's head_dim wider than hidden_size / heads (here 16, not 8), no sliding window
     "Mistral-Small-24B-2501": (
         "mistral",
@@ -419,8 +486,8 @@ def spy_attention(module: Any, q: Any, k: Any, v: Any, mask: Any, **kw: Any) -> 
 def test_the_models_own_attention_function_gets_what_it_gets_unpatched(family: str) -> None:
     """The patched layers call the model's own attention function (here one registered with
     transformers' AttentionInterface) with what the unpatched model gives it: each layer's mask (a
-    padded batch), sliding window (Mistral's from the config, Ministral's, Qwen3's and Qwen2's from
-    the layer, Llama's none), scaling and dropout."""
+    padded batch), sliding window (Mistral's and Phi-3's from the config, Ministral's, Qwen3's and
+    Qwen2's from the layer, Llama's none), scaling and dropout."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -443,9 +510,8 @@ def test_the_models_own_attention_function_gets_what_it_gets_unpatched(family: s
         assert (a[1] is None and b[1] is None) or torch.equal(a[1], b[1]), a[0]
     windows = [c[2] for c in seen[1]]
     none = ["none given"] * 2
-    assert windows == {"llama": none, "granite": none, "mistral": [16, 16], "ministral": [16, None]}.get(
-        family, [None, 8]
-    )
+    own = {"llama": none, "granite": none, "mistral": [16, 16], "ministral": [16, None], "phi3": [16, 16]}
+    assert windows == own.get(family, [None, 8])
 
 
 def test_a_sliding_window_the_family_has_not_is_refused() -> None:
@@ -526,3 +592,157 @@ def test_hidden_states_are_hugging_faces(family: str) -> None:
     for a, b in zip(got, want, strict=True):
         assert rel(a, b) < 1e-5
     assert rel(pat.model(ids).last_hidden_state, ref.model(ids).last_hidden_state) < 1e-5
+
+
+# ---- Phi-3: fused checkpoint projections, LongRoPE, residual dropout ----
+
+
+def test_phi3_checkpoints_keep_its_fused_projections() -> None:
+    """Phi-3's checkpoints hold one `qkv_proj` (q, k, v rows stacked) and one `gate_up_proj` (the gate
+    rows, then the up rows); the patched model holds coda's layouts (q and k rows in the interleaved
+    RoPE layout, gate and up rows interleaved), and its state dict, gradients and unpatch give Phi-3's
+    names and layouts back exactly (test_a_checkpoint_round_trip_is_bit_exact: through save_pretrained
+    and AutoCodaForCausalLM)."""
+    from coda_lang.layout import deinterleave_rope
+
+    ref = make("phi3")
+    pat = apply_coda(copy.deepcopy(ref))
+    qkv = ref.model.layers[1].self_attn.qkv_proj.weight
+    gate, up = ref.model.layers[1].mlp.gate_up_proj.weight.chunk(2)
+    fused = pat.model.layers[0].coda_next.self_attn.qkv_weight
+    gu = pat.model.layers[1].mlp.gate_up_weight
+    nqk = (4 + 2) * 16  # the q and k rows
+    assert torch.equal(gu[0::2], gate) and torch.equal(gu[1::2], up)
+    assert torch.equal(fused[nqk:], qkv[nqk:])  # v's rows as they are
+    assert not torch.equal(fused[:nqk], qkv[:nqk])
+    assert torch.equal(deinterleave_rope(fused.t(), 16, nqk).t(), qkv)
+    sd = pat.state_dict()
+    assert "model.layers.1.self_attn.qkv_proj.weight" in sd and "model.layers.1.mlp.gate_up_proj.weight" in sd
+    state_equal(sd, ref.state_dict())
+    ids, labels = batch()
+    pat(ids, labels=labels).loss.backward()
+    names = set(unfused_grads(pat))
+    assert names == {n for n, _ in ref.named_parameters()}
+    unpatch(pat)
+    state_equal(pat.state_dict(), ref.state_dict())
+    assert [n for n, _ in pat.named_parameters()] == [n for n, _ in ref.named_parameters()]
+
+
+PHI35_MINI = dict(  # Phi-3.5-mini-instruct's config.json (LongRoPE's factors: any 48 values here)
+    hidden_size=3072,
+    intermediate_size=8192,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    vocab_size=32064,
+    tie_word_embeddings=False,
+    sliding_window=262144,
+    max_position_embeddings=131072,
+    original_max_position_embeddings=4096,
+    rope_parameters={
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0 + i / 48 for i in range(48)],
+        "long_factor": [1.0 + i / 4 for i in range(48)],
+    },
+)
+
+
+def test_phi3_longrope_and_partial_rotary_are_refused() -> None:
+    """The 128k variants' LongRoPE (Phi-3.5-mini, Phi-3-mini-128k: `rope_scaling` longrope or su) scales
+    cos and sin and switches factors with the length at each call, which the QKV blocks don't: refused
+    when patching, saying so (at Phi-3.5-mini's widths, on the meta device); the same model with the
+    4k variants' default RoPE patches. A partial rotary factor is refused too."""
+    cls = transformers.Phi3ForCausalLM
+    with torch.device("meta"):
+        long = cls(transformers.Phi3Config(**PHI35_MINI, num_hidden_layers=2)).to(torch.bfloat16)
+        plain = cls(
+            transformers.Phi3Config(**{**PHI35_MINI, "rope_parameters": PHI3_ROPE}, num_hidden_layers=2)
+        ).to(torch.bfloat16)
+    assert float(long.model.rotary_emb.attention_scaling) > 1.0
+    with pytest.raises(
+        ValueError, match=r"coda_lang.hf: rope_type='longrope': LongRoPE \(Phi-3's 128k variants.*scales cos"
+    ):
+        apply_coda(long)
+    assert getattr(long, "_coda", None) is None
+    apply_coda(plain)
+    assert plain._coda.HD == 96 and plain.model.coda_first.self_attn.qkv_weight.shape == (9216, 3072)
+    half = make("phi3", rope_parameters={**PHI3_ROPE, "partial_rotary_factor": 0.5})
+    with pytest.raises(
+        ValueError, match=r"partial rotary embedding \(partial_rotary_factor=0.5: 8 of head_dim 16 columns"
+    ):
+        apply_coda(half)
+
+
+CALLED: list[Any] = []
+
+
+def dropout_spy(module: Any, q: Any, k: Any, v: Any, mask: Any, **kw: Any) -> Any:
+    """sdpa, recording the dropout the attention function is given."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    CALLED.append(kw["dropout"])
+    return sdpa_attention_forward(module, q, k, v, mask, **kw)
+
+
+def test_phi3_dropouts() -> None:
+    """Phi-3's residual dropout (`resid_pdrop`, a Dropout module on each branch of each layer), which
+    the blocks don't have: refused at a forward in training mode when p > 0, naming the module; in eval
+    mode it is the identity, and the model runs as unpatched. The attention's dropout is the attention
+    function's (given as unpatched); `embd_pdrop` is not used by transformers' Phi-3 at all."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    ids, labels = batch()
+    ref = make("phi3", resid_pdrop=0.1)
+    pat = apply_coda(copy.deepcopy(ref))
+    with pytest.raises(
+        ValueError,
+        match=r"coda_lang.hf: model.layers.0.resid_attn_dropout: dropout p=0.1 in training mode: .*resid_pdrop=0",
+    ):
+        pat(ids, labels=labels)
+    ref.eval()
+    pat.eval()
+    matches_unpatched(ref, pat)
+    pat.train()
+    for layer in pat.model.layers:
+        layer.resid_attn_dropout.p = 0.0
+        with pytest.raises(ValueError, match=rf"{layer._coda_name}.resid_mlp_dropout: dropout p=0.1"):
+            pat(ids, labels=labels)
+        layer.resid_mlp_dropout.p = 0.0
+    pat(ids, labels=labels)
+    # the attention dropout reaches the attention function, in training mode only, as unpatched
+    AttentionInterface.register("coda_dropout_spy", dropout_spy)
+    AttentionMaskInterface.register("coda_dropout_spy", sdpa_mask)
+    ref = make("phi3", attention_dropout=0.25, attn_implementation="coda_dropout_spy")
+    pat = apply_coda(copy.deepcopy(ref))
+    seen = []
+    for training in (True, False):
+        for m in (ref, pat):
+            m.train(training)
+            CALLED.clear()
+            m(ids)
+            seen.append(list(CALLED))
+    assert seen == [[0.25, 0.25], [0.25, 0.25], [0.0, 0.0], [0.0, 0.0]]
+    emb = make("phi3", embd_pdrop=0.5)
+    matches_unpatched(emb, apply_coda(copy.deepcopy(emb)))  # (in training mode)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny", "Phi-3-mini-4k-instruct"])
+def test_phi3_bf16_within_the_accuracy_rule_against_float64(name: str) -> None:
+    """bf16 against a float64 run of the unpatched model (the tiny Phi-3, and Phi-3-mini's settings at
+    tiny widths: head_dim 96): the patched model's loss, logits and every gradient are within twice the
+    unpatched bf16 run's error, plus 1e-6 (the accuracy rule; on the CPU the blocks are the kernels'
+    stand-ins)."""
+    over = {} if name == "tiny" else {"rms_norm_eps": 1e-5, **TINY[name][1]}
+    ids, labels = batch(s=40)
+    ref64 = make("phi3", dtype=torch.float64, **over)
+    want = run(ref64, ids, labels)[:2] + ({n: p.grad for n, p in ref64.named_parameters()},)  # (in f64)
+    low = run(make("phi3", dtype=torch.bfloat16, **over), ids, labels)
+    got = run(apply_coda(make("phi3", dtype=torch.bfloat16, **over)), ids, labels)
+    pairs = [("loss", got[0], low[0], want[0]), ("logits", got[1], low[1], want[1])]
+    pairs += [(n, got[2][n], low[2][n], want[2][n]) for n in want[2]]
+    for what, out, lowp, ref in pairs:
+        err = float((out.double() - ref).abs().max())
+        bound = 2 * float((lowp.double() - ref).abs().max()) + 1e-6
+        assert err < bound, f"{what}: |coda - f64| = {err:.3g}, 2 |HF bf16 - f64| + 1e-6 = {bound:.3g}"

@@ -26,6 +26,12 @@ from test_hf import FAMILIES, batch, make, patch, rel  # noqa: E402
 from coda_lang.hf import unfused_grads, unpatch  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Phi-3's projections: LoRA on its fused qkv_proj and gate_up_proj adds B A to all their rows
+PHI3_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+
+
+def targets(family: str) -> list[str]:
+    return PHI3_TARGETS if family == "phi3" else TARGETS
 
 
 def config(r: int = 8, **kw: Any) -> Any:
@@ -42,8 +48,8 @@ def config(r: int = 8, **kw: Any) -> Any:
 
 
 def pair(family: str = "llama", r: int = 8, **kw: Any) -> tuple[Any, Any]:
-    """An unpatched peft model and a patched copy of it."""
-    ref = peft.get_peft_model(make(family), config(r, **kw))
+    """An unpatched peft model and a patched copy of it (LoRA on every projection of the family)."""
+    ref = peft.get_peft_model(make(family), config(r, **{"target_modules": targets(family), **kw}))
     pat = copy.deepcopy(ref)
     assert patch(family, pat) is pat
     return ref, pat
@@ -84,10 +90,11 @@ def test_loss_and_adapter_gradients_are_the_unpatched_peft_models(family: str, r
     assert list(sd1) == list(sd0) and all(torch.equal(sd1[k], sd0[k]) for k in sd0)
 
 
-def test_ten_adamw_steps_side_by_side() -> None:
+@pytest.mark.parametrize("family", ["llama", pytest.param("phi3", marks=pytest.mark.slow)])
+def test_ten_adamw_steps_side_by_side(family: str) -> None:
     """10 AdamW steps on the adapters, the unpatched and the patched peft model side by side: the same
     losses at every step (f32), and the same adapters at the end."""
-    ref, pat = pair("llama", 16)
+    ref, pat = pair(family, 16)
     lr = 1e-3
     opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=lr) for m in (ref, pat)]
     for i in range(10):
@@ -104,7 +111,7 @@ def test_ten_adamw_steps_side_by_side() -> None:
     moved = max(float((a[k] - b[k]).abs().max()) for k in a if "lora_" in k)
     # AdamW moves each element about lr a step; gradients equal to f32 rounding agree to a few % of it
     assert moved < 0.05 * lr, moved
-    start = pair("llama", 16)[0].state_dict()
+    start = pair(family, 16)[0].state_dict()
     assert max(float((a[k] - start[k]).abs().max()) for k in a if "lora_" in k) > 5 * lr  # they trained
 
 
@@ -188,6 +195,37 @@ def test_unpatch_gives_the_peft_model_back() -> None:
     assert torch.equal(pat(input_ids=ids, labels=labels).loss, ref(input_ids=ids, labels=labels).loss)
 
 
+def test_phi3_lora_on_its_fused_projections() -> None:
+    """LoRA on Phi-3's fused qkv_proj and gate_up_proj (B A over all their rows; a FusedPart over the
+    whole fused weight is the base layer): merge_adapter() writes it into coda's fused weights (the
+    state dict then the merged unpatched model's), unmerge_adapter() takes it out, and unpatch gives
+    the peft model back over nn.Linear bases; LoRA on qkv_proj alone runs too."""
+    ref, pat = pair("phi3", 8)
+    ids, labels = batch()
+    for m in (ref, pat):
+        m.merge_adapter()
+    sd0, sd1 = ref.state_dict(), pat.state_dict()
+    assert list(sd1) == list(sd0) and all(rel(sd1[k], sd0[k]) < 1e-6 for k in sd0)
+    assert "base_model.model.model.layers.1.self_attn.qkv_proj.base_layer.weight" in sd1
+    assert rel(pat(input_ids=ids, labels=labels).loss, ref(input_ids=ids, labels=labels).loss) < 1e-5
+    for m in (ref, pat):
+        m.unmerge_adapter()
+    sd0, sd1 = ref.state_dict(), pat.state_dict()
+    assert all(rel(sd1[k], sd0[k]) < 1e-6 for k in sd0)
+    assert unpatch(pat) is pat
+    base = pat.get_base_model().model.layers[0]
+    assert (
+        type(base.self_attn.qkv_proj.base_layer) is type(base.mlp.gate_up_proj.base_layer) is torch.nn.Linear
+    )
+    assert rel(pat(input_ids=ids, labels=labels).loss, ref(input_ids=ids, labels=labels).loss) < 1e-6
+    ref, pat = pair("phi3", 4, target_modules=["qkv_proj"])
+    l0, g0 = step(ref, ids, labels)
+    l1, g1 = step(pat, ids, labels)
+    assert rel(l1, l0) < 1e-5 and set(g1) == set(g0) and len(g0) == 4
+    for name in g0:
+        assert rel(g1[name], g0[name]) < 1e-5, name
+
+
 def test_dropout_in_training_is_refused_and_in_eval_honoured() -> None:
     """LoRA dropout draws another input for the adapter than the base weight's, which one weight
     W + s B A can't express: refused in training mode, saying why and what works; in eval mode
@@ -268,12 +306,16 @@ def test_bf16_on_the_gpu_within_the_accuracy_rule(family: str, monkeypatch: Any)
     from test_hf import ON_KERNELS
 
     torch.manual_seed(0)
-    cuda = patch(family, peft.get_peft_model(make(family, **ON_KERNELS.get(family, {})), config(16)).cuda())
+    kernels = ON_KERNELS.get(family, {})
+    cuda = patch(
+        family,
+        peft.get_peft_model(make(family, **kernels), config(16, target_modules=targets(family))).cuda(),
+    )
     with pytest.raises(ValueError, match="peft LoRA adapters on a CUDA model"):
         step(cuda, *(t.cuda() for t in batch(s=64)))
     monkeypatch.setenv("CODA_LORA_CUDA", "1")
     ref = peft.get_peft_model(
-        make(family, **ON_KERNELS.get(family, {})), config(16), autocast_adapter_dtype=False
+        make(family, **kernels), config(16, target_modules=targets(family)), autocast_adapter_dtype=False
     )
     f64 = copy.deepcopy(ref).double().cuda()
     bf = copy.deepcopy(ref).to(torch.bfloat16).cuda()

@@ -29,38 +29,39 @@ pytest.importorskip("triton")
 B, S, H, KV, HD = 2, 100, 4, 2, 16
 
 
-def reference(grads: list[Any]) -> torch.Tensor:
+def reference(grads: list[Any], hd: int = HD) -> torch.Tensor:
     parts = [
-        (torch.zeros(B, n, S, HD) if g is None else g.float()).transpose(1, 2).reshape(B * S, n * HD)
+        (torch.zeros(B, n, S, hd) if g is None else g.float()).transpose(1, 2).reshape(B * S, n * hd)
         for g, n in zip(grads, (H, KV, KV), strict=True)
     ]
     return torch.cat(parts, dim=1)
 
 
-def grads(layout: str, gen: torch.Generator) -> list[Any]:
+def grads(layout: str, gen: torch.Generator, hd: int = HD) -> list[Any]:
     out: list[Any] = []
     for n in (H, KV, KV):
         if layout == "bhsd":
-            g = torch.randn(B, n, S, HD, generator=gen)
+            g = torch.randn(B, n, S, hd, generator=gen)
         else:  # [B, S, H, D] memory seen as [B, H, S, D]
-            g = torch.randn(B, S, n, HD, generator=gen).transpose(1, 2)
+            g = torch.randn(B, S, n, hd, generator=gen).transpose(1, 2)
         out.append(g.bfloat16())
     return out
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("none", [None, 1])
-def test_join_heads_kernel_on_the_interpreter(layout: str, none: int | None) -> None:
+@pytest.mark.parametrize("hd", [HD, 96])  # 96: Phi-3's, not a power of two (masked columns)
+def test_join_heads_kernel_on_the_interpreter(layout: str, none: int | None, hd: int) -> None:
     from coda_lang.backend_triton import layouts
 
-    gs = grads(layout, torch.Generator().manual_seed(3))
+    gs = grads(layout, torch.Generator().manual_seed(3), hd)
     if none is not None:
         gs[none] = None
-    out = torch.full((B * S, (H + 2 * KV) * HD), float("nan"), dtype=torch.bfloat16)
-    assert layouts.supported(out, HD, interpret=True)
-    parts = [(g, n, c) for g, n, c in zip(gs, (H, KV, KV), (0, H * HD, (H + KV) * HD), strict=True)]
-    layouts.join_heads(out, parts, B, S, HD, interpret=True)
-    torch.testing.assert_close(out.float(), reference(gs), rtol=0, atol=0)
+    out = torch.full((B * S, (H + 2 * KV) * hd), float("nan"), dtype=torch.bfloat16)
+    assert layouts.supported(out, hd, interpret=True)
+    parts = [(g, n, c) for g, n, c in zip(gs, (H, KV, KV), (0, H * hd, (H + KV) * hd), strict=True)]
+    layouts.join_heads(out, parts, B, S, hd, interpret=True)
+    torch.testing.assert_close(out.float(), reference(gs, hd), rtol=0, atol=0)
 
 
 def test_join_heads_refuses_what_it_cant_take() -> None:
@@ -68,7 +69,9 @@ def test_join_heads_refuses_what_it_cant_take() -> None:
 
     out = torch.empty(4, 48, dtype=torch.bfloat16)
     assert not layouts.supported(out, 16)  # a CPU tensor, not interpreted
-    assert not layouts.supported(out, 24, interpret=True)  # not a power of two
+    assert not layouts.supported(out, 24, interpret=True)  # not a multiple of 16
+    assert not layouts.supported(out, 8, interpret=True)  # below 16
+    assert layouts.supported(out, 48, interpret=True)  # a multiple of 16, not a power of two
     assert not layouts.supported(out.t(), 16, interpret=True)  # not contiguous
 
 

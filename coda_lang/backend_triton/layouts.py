@@ -16,8 +16,10 @@ the GPU (a loss head's f32 weight-gradient total times the incoming gradient: to
 pass over the [V, D] weight: the head's f32 total times the scale, plus the embedding's rows of each
 token whose id is that row's, summed in f32 and rounded once (torch fills a dense [V, D] embedding
 gradient with zeros, scatters into it and adds it to the head's: three passes).
-What it does not: convert dtypes (but `scale_round` and `tied_grad`), or take head dims that are not a power of two or tensors on the CPU
-(`supported` says; the callers copy with torch there).
+A head dim that is not a power of two (a multiple of 16: Phi-3's 96) is moved as a block of the
+next power of two's columns, the columns beyond it masked (not read or written).
+What it does not: convert dtypes (but `scale_round` and `tied_grad`), or take head dims below 16
+or not a multiple of 16, or tensors on the CPU (`supported` says; the callers copy with torch there).
 Invariants: every element of each part's columns is written once; a part given as None is zeroed;
 `interleave` writes every element of its result once and keeps the lanes' dtype; `scale_round`
 multiplies in f32 and rounds once, as torch's `mul` of the same operands; `tied_grad` rounds each
@@ -37,13 +39,15 @@ from coda_lang.backend_triton.generate import _jit
 BLOCK_S = 64  # positions per program
 
 
-def _join_kernel(src, out, S, sb, sh, ss, out_row, col0, HD: tl.constexpr, BS: tl.constexpr):
+def _join_kernel(
+    src, out, S, sb, sh, ss, out_row, col0, HD: tl.constexpr, HDP: tl.constexpr, BS: tl.constexpr
+):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
     s = pid * BS + tl.arange(0, BS)[:, None]
-    d = tl.arange(0, HD)[None, :]
-    m = s < S
+    d = tl.arange(0, HDP)[None, :]  # HDP: HD rounded up to a power of two (Phi-3's 96: 128)
+    m = (s < S) & (d < HD)
     b64 = b.to(tl.int64)
     x = tl.load(src + b64 * sb + h.to(tl.int64) * sh + s.to(tl.int64) * ss + d, mask=m)
     tl.store(out + (b64 * S + s) * out_row + col0 + h * HD + d, x, mask=m)
@@ -179,7 +183,7 @@ def supported(out: torch.Tensor, head_dim: int, interpret: bool = False) -> bool
     return (
         (interpret or out.device.type == "cuda")
         and head_dim >= 16
-        and head_dim & (head_dim - 1) == 0
+        and head_dim % 16 == 0
         and out.dim() == 2
         and out.is_contiguous()
     )
@@ -206,5 +210,15 @@ def join_heads(
             g = g.contiguous()
         grid = (triton.cdiv(seq, BLOCK_S), heads, batch)
         k[grid](
-            g, out, seq, g.stride(0), g.stride(1), g.stride(2), out.stride(0), col, HD=head_dim, BS=BLOCK_S
+            g,
+            out,
+            seq,
+            g.stride(0),
+            g.stride(1),
+            g.stride(2),
+            out.stride(0),
+            col,
+            HD=head_dim,
+            HDP=triton.next_power_of_2(head_dim),
+            BS=BLOCK_S,
         )

@@ -5,7 +5,8 @@ blocks; `AutoCodaForCausalLM.from_pretrained(...)` loads one and patches it.
 What it does: patches one model instance in place. Per layer, q/k/v projections become one parameter
 `qkv_weight` (q and k rows in the interleaved RoPE layout; registered, with the layer's input norm,
 under the module whose forward reads it: checkpoint.py) and gate/up one parameter
-`mlp.gate_up_weight` (rows interleaved); the model's forward then runs, in the paper's schedule, the
+`mlp.gate_up_weight` (rows interleaved; Phi-3's fused `qkv_proj` and `gate_up_proj` reordered
+alike); the model's forward then runs, in the paper's schedule, the
 first layer's input norm + QKV + RoPE (+ Qwen3's q/k norm) as one block, each layer boundary (out-proj
 + residual + norm + gate/up + SwiGLU + down + residual + the next layer's norm + QKV + RoPE) as one
 block, the last layer's MLP as one block, and the LM head with the loss (labels given: per-token
@@ -16,11 +17,12 @@ so checkpoints move between patched and unpatched models (and `save_pretrained`)
 What it does not: generation with a KV cache, biases other than a family's own (Qwen2's q/k/v
 biases), sliding-window attention in a family without it (where a family has it, its attention
 function runs the window: masks.py), RoPE types that scale cos/sin (`attention_scaling` != 1) or
-change `inv_freq` per call, peft layers other than plain LoRA on the seven projections, LoRA dropout
-in training, quantized layers (bitsandbytes, QLoRA), or anything the fused forward would bypass (hooks
-on the modules whose work
-the blocks do, a module swapped or a config field changed since patching): each raises ValueError
-naming what it met and what to do (checks.py at patching, contract.py at each forward;
+change `inv_freq` per call (Phi-3's LongRoPE), a partial rotary factor, dropout on the residual
+branches in training (Phi-3's `resid_pdrop`), peft layers other than plain LoRA on the seven
+projections (Phi-3's four), LoRA dropout in training, quantized layers (bitsandbytes, QLoRA), or
+anything the fused forward would bypass (hooks on the modules whose work the blocks do, a module
+swapped or a config field changed since patching): each raises ValueError naming what it met and
+what to do (checks.py at patching, contract.py at each forward;
 docs/models.md lists them). peft LoRA applied before patching runs in the blocks (lora.py: each block
 reads W + s B A). `unpatch(model)` gives the transformers model back (generation with a KV cache works
 again).
@@ -46,6 +48,7 @@ from coda_lang.hf.families import (
     apply_coda_to_llama,
     apply_coda_to_ministral,
     apply_coda_to_mistral,
+    apply_coda_to_phi3,
     apply_coda_to_qwen2,
     apply_coda_to_qwen3,
 )
@@ -58,6 +61,7 @@ __all__ = [
     "apply_coda_to_llama",
     "apply_coda_to_ministral",
     "apply_coda_to_mistral",
+    "apply_coda_to_phi3",
     "apply_coda_to_qwen2",
     "apply_coda_to_qwen3",
     "unfused_grads",

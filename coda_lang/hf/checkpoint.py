@@ -8,6 +8,10 @@ weight to the module whose forward runs the block that reads it (`Moved` contain
 input norm and QKV under layer i (`layers.i.coda_next`), the final norm under the last layer
 (`layers.{L-1}.coda_next.norm`), layer 0's input norm and QKV under the base model (`coda_first`).
 Qwen2's q, k and v biases become one parameter `qkv_bias` of the `FusedQKV`, in its rows' order.
+Phi-3's checkpoints hold the parts fused already, in other layouts: one `qkv_proj` (q, k and v rows
+stacked) and one `gate_up_proj` (the gate rows, then the up rows); they are reordered into coda's
+layouts the same way and given back in Phi-3's (`Family.qkv_parts`, `gate_up_parts`: `qkv_fused`,
+`qkv_unfused`, `gate_up_fused`, `gate_up_unfused`).
 The moved modules stay reachable where Hugging Face had them (`layers[i].input_layernorm`,
 `self_attn.q_norm`, `model.model.norm`) as plain attributes, not registered there: every parameter
 is registered once, so that a wrapper of a decoder layer (FSDP2's `fully_shard`) holds exactly the
@@ -31,21 +35,41 @@ from typing import Any, cast
 import torch
 
 from coda_lang.hf.checks import base_of, is_lora, peft_inner
+from coda_lang.hf.family import Family
 from coda_lang.layout import deinterleave_rope, interleave_rope
 
 # what torch's checkpoint_wrapper puts into the names under it (its state-dict hooks take it out)
 WRAPPED = "_checkpoint_wrapped_module."
 
 
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hd: int) -> torch.Tensor:
-    w = torch.cat([q, k, v], 0)  # [out, in]
-    rw = q.shape[0] + k.shape[0]
-    return interleave_rope(w.t(), hd, rw).t().contiguous()
+def qkv_fused(parts: list[torch.Tensor] | tuple[torch.Tensor, ...], m: Any) -> torch.Tensor:
+    """The fused layout of a QKV weight, bias or gradient ([out, in], or [out]) from its checkpoint
+    parts (q, k and v; or Phi-3's one `qkv_proj`, their rows stacked), `m` the `FusedQKV` (its
+    head_dim, nq, nk): q and k rows in the interleaved RoPE layout."""
+    w = parts[0] if len(parts) == 1 else torch.cat(list(parts), 0)
+    return interleave_rope(w.t(), m.head_dim, m.nq + m.nk).t().contiguous()
 
 
-def split_qkv(w: torch.Tensor, hd: int, nq: int, nk: int) -> tuple[torch.Tensor, ...]:
-    plain = deinterleave_rope(w.t(), hd, nq + nk).t()
-    return plain[:nq].contiguous(), plain[nq : nq + nk].contiguous(), plain[nq + nk :].contiguous()
+def qkv_unfused(w: torch.Tensor, m: Any) -> list[torch.Tensor]:
+    """The checkpoint parts of a fused QKV tensor `w` (`qkv_fused` undone): q, k and v, or one."""
+    plain = deinterleave_rope(w.t(), m.head_dim, m.nq + m.nk).t()
+    if len(m.parts) == 1:
+        return [plain.contiguous()]
+    nq, nk = m.nq, m.nk
+    return [plain[:nq].contiguous(), plain[nq : nq + nk].contiguous(), plain[nq + nk :].contiguous()]
+
+
+def gate_up_fused(parts: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The fused gate/up layout (rows interleaved: g0, u0, g1, u1, ...) from its checkpoint parts: gate
+    and up, or Phi-3's one `gate_up_proj` (the gate rows, then the up rows)."""
+    g, u = parts if len(parts) == 2 else parts[0].chunk(2, 0)
+    return torch.stack([g, u], 1).flatten(0, 1).contiguous()
+
+
+def gate_up_unfused(w: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """The `n` checkpoint parts of a fused gate/up tensor (`gate_up_fused` undone)."""
+    g, u = w[0::2], w[1::2]
+    return [g.contiguous(), u.contiguous()] if n == 2 else [torch.cat([g, u], 0)]
 
 
 def whole(*ts: torch.Tensor) -> tuple[list[torch.Tensor], Any]:
@@ -82,7 +106,7 @@ def qkv_save_hook(module: Any, state_dict: dict[str, Any], prefix: str, _meta: A
             continue
         names = module.parts if kind == "weight" else tuple(bias_name(n) for n in module.parts)
         (w,), how = whole(state_dict.pop(key).detach())
-        for name, part in zip(names, split_qkv(w, module.head_dim, module.nq, module.nk), strict=True):
+        for name, part in zip(names, qkv_unfused(w, module), strict=True):
             state_dict[prefix + name] = sharded(part, how)
 
 
@@ -92,7 +116,7 @@ def part_names(m: Any, names: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(f"{n}.base_layer.weight" if is_lora(getattr(m, n)) else f"{n}.weight" for n in names)
 
 
-GATE_UP_PARTS = ("gate_proj.weight", "up_proj.weight")
+GATE_UP_PARTS = ("gate_proj.weight", "up_proj.weight")  # (a module patched without `_coda_parts`)
 
 
 def qkv_load_hook(module: Any, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
@@ -100,48 +124,50 @@ def qkv_load_hook(module: Any, state_dict: dict[str, Any], prefix: str, *_: Any)
         names = module.parts if kind == "weight" else tuple(bias_name(n) for n in module.parts)
         keys = [prefix + n for n in names]
         if all(k in state_dict for k in keys):
-            (q, k, v), how = whole(*(state_dict.pop(x) for x in keys))
-            state_dict[prefix + f"qkv_{kind}"] = sharded(fuse_qkv(q, k, v, module.head_dim), how)
+            parts, how = whole(*(state_dict.pop(x) for x in keys))
+            state_dict[prefix + f"qkv_{kind}"] = sharded(qkv_fused(parts, module), how)
 
 
 def mlp_save_hook(module: Any, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
     key = prefix + "gate_up_weight"
     if key in state_dict:
         (w,), how = whole(state_dict.pop(key).detach())
-        g, u = getattr(module, "_coda_parts", GATE_UP_PARTS)
-        state_dict[prefix + g] = sharded(w[0::2].contiguous(), how)
-        state_dict[prefix + u] = sharded(w[1::2].contiguous(), how)
+        names = getattr(module, "_coda_parts", GATE_UP_PARTS)
+        for name, part in zip(names, gate_up_unfused(w, len(names)), strict=True):
+            state_dict[prefix + name] = sharded(part, how)
 
 
 def mlp_load_hook(module: Any, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
-    g, u = (prefix + n for n in getattr(module, "_coda_parts", GATE_UP_PARTS))
-    if g in state_dict and u in state_dict:
-        (gw, uw), how = whole(state_dict.pop(g), state_dict.pop(u))
-        state_dict[prefix + "gate_up_weight"] = sharded(torch.stack([gw, uw], 1).flatten(0, 1), how)
+    keys = [prefix + n for n in getattr(module, "_coda_parts", GATE_UP_PARTS)]
+    if all(k in state_dict for k in keys):
+        parts, how = whole(*(state_dict.pop(k) for k in keys))
+        state_dict[prefix + "gate_up_weight"] = sharded(gate_up_fused(parts), how)
 
 
 class FusedQKV(torch.nn.Module):
     """One decoder layer's QKV projection as one parameter `qkv_weight` ([(H + 2 KV) * HD, D]: q, k and
     v rows, q and k in the interleaved RoPE layout) and, in Qwen3, the attention's `q_norm` and
-    `k_norm` (moved here: the QKV block's epilogue reads them). In a state dict it is
-    `q_proj.weight`, `k_proj.weight`, `v_proj.weight` (and the norms) under its prefix. Never
+    `k_norm` (moved here: the QKV block's epilogue reads them). In a state dict it is its parts'
+    weights under its prefix: `q_proj.weight`, `k_proj.weight`, `v_proj.weight` (and the norms), or
+    Phi-3's one `qkv_proj.weight` (q, k and v rows stacked, `names` the attention's projections:
+    `Family.qkv_parts`). `heads`: (H, KV), the query and key/value heads of `hd` columns. Never
     called: the patched forward reads its weights."""
 
-    def __init__(self, attn: Any, hd: int):
+    def __init__(self, attn: Any, hd: int, names: tuple[str, ...], heads: tuple[int, int]):
         super().__init__()
-        names = ("q_proj", "k_proj", "v_proj")
+        self.names = names
         # the state-dict keys of the parts (a peft LoRA layer's base weight: `q_proj.base_layer.weight`)
         self.parts = part_names(attn, names)
-        q, k, v = (base_of(getattr(attn, n)).weight for n in names)
+        self.head_dim, self.nq, self.nk = hd, heads[0] * hd, heads[1] * hd
+        ws = [base_of(getattr(attn, n)).weight for n in names]
         with torch.no_grad():
-            qkv = fuse_qkv(q, k, v, hd)
-            grads = _grads(q, k, v)
-            grad = fuse_qkv(grads[0], grads[1], grads[2], hd) if grads else None
-        self.head_dim, self.nq, self.nk = hd, q.shape[0], k.shape[0]
-        self.qkv_weight = torch.nn.Parameter(qkv, requires_grad=q.requires_grad)
+            qkv = qkv_fused(ws, self)
+            grads = _grads(*ws)
+            grad = qkv_fused(grads, self) if grads else None
+        self.qkv_weight = torch.nn.Parameter(qkv, requires_grad=ws[0].requires_grad)
         self.qkv_weight.grad = grad
-        if base_of(attn.q_proj).bias is not None:  # Qwen2: q, k and v biases, one vector in the rows' order
-            self.qkv_bias = fused_bias(attn, hd)
+        if base_of(getattr(attn, names[0])).bias is not None:  # Qwen2: q, k and v biases, one vector
+            self.qkv_bias = fused_bias(attn, self)
         for name in ("q_norm", "k_norm"):
             if isinstance(getattr(attn, name, None), torch.nn.Module):
                 move(attn, name, self)
@@ -167,14 +193,14 @@ class FusedQKV(torch.nn.Module):
         return f"qkv_weight: {tuple(self.qkv_weight.shape)}"
 
 
-def fused_bias(attn: Any, hd: int) -> torch.nn.Parameter:
-    """q, k and v projections' biases (and their gradients) as one parameter, in the order of the
-    fused weight's rows; checks.py has refused biases whose requires_grad, dtype or device differ."""
-    q, k, v = (base_of(getattr(attn, f"{n}_proj")).bias for n in "qkv")
+def fused_bias(attn: Any, fused: FusedQKV) -> torch.nn.Parameter:
+    """The QKV projections' biases (and their gradients) as one parameter, in the order of the fused
+    weight's rows; checks.py has refused biases whose requires_grad, dtype or device differ."""
+    bs = [base_of(getattr(attn, n)).bias for n in fused.names]
     with torch.no_grad():
-        b = torch.nn.Parameter(fuse_qkv(q, k, v, hd), requires_grad=q.requires_grad)
-        grads = _grads(q, k, v)
-        b.grad = fuse_qkv(grads[0], grads[1], grads[2], hd) if grads else None
+        b = torch.nn.Parameter(qkv_fused(bs, fused), requires_grad=bs[0].requires_grad)
+        grads = _grads(*bs)
+        b.grad = qkv_fused(grads, fused) if grads else None
     return b
 
 
@@ -209,8 +235,9 @@ class PartWeight:
 
 class FusedPart(torch.nn.Module):
     """The base layer of a LoRA layer whose base weight is rows of a fused parameter: `owner`'s
-    `name` (a FusedQKV's `qkv_weight`: `index` 0, 1, 2 for q, k, v; an MLP's `gate_up_weight`: 0, 1
-    for gate, up). No parameters of its own; never called (the blocks read the fused weight)."""
+    `name` (a FusedQKV's `qkv_weight`: `index` 0, 1, 2 for q, k, v, or 0 for Phi-3's whole
+    `qkv_proj`; an MLP's `gate_up_weight`: 0, 1 for gate, up, or 0 for Phi-3's whole `gate_up_proj`).
+    No parameters of its own; never called (the blocks read the fused weight)."""
 
     owner: Any
 
@@ -224,25 +251,22 @@ class FusedPart(torch.nn.Module):
         return cast(torch.Tensor, self.owner._parameters[self.fused_name])
 
     def parts(self) -> list[torch.Tensor]:
+        """The fused parameter's parts in the checkpoint's layout (copies)."""
         w = self.fused().detach()
         if self.fused_name == "qkv_weight":
-            o = self.owner
-            return list(split_qkv(w, o.head_dim, o.nq, o.nk))
-        return [w[0::2], w[1::2]]
+            return qkv_unfused(w, self.owner)
+        return gate_up_unfused(w, len(self.owner._coda_parts))
 
     def read(self) -> torch.Tensor:
         return self.parts()[self.index].clone()
 
     def write(self, value: torch.Tensor) -> None:
         w = self.fused()
-        value = value.to(w.dtype)
+        parts = self.parts()
+        parts[self.index] = value.to(w.dtype)
+        fuse = qkv_fused(parts, self.owner) if self.fused_name == "qkv_weight" else gate_up_fused(parts)
         with torch.no_grad():
-            if self.fused_name == "qkv_weight":
-                parts = self.parts()
-                parts[self.index] = value
-                w.copy_(fuse_qkv(parts[0], parts[1], parts[2], self.owner.head_dim))
-            else:
-                w[self.index :: 2] = value
+            w.copy_(fuse)
 
     @property
     def weight(self) -> PartWeight:
@@ -278,18 +302,29 @@ def move(src: torch.nn.Module, name: str, dst: torch.nn.Module, as_name: str | N
 
 
 # Hugging Face's names, relative to the base model, of what a layer's `Moved` container holds
-_HF_INPUT = re.compile(r"layers\.(\d+)\.((?:input_layernorm|self_attn\.(?:[qkv]_proj|q_norm|k_norm))\..*)")
+_HF_INPUT = re.compile(
+    r"layers\.(\d+)\.((?:input_layernorm|self_attn\.(?:[qkv]_proj|qkv_proj|q_norm|k_norm))\..*)"
+)
 _NEXT = re.compile(r"layers\.(\d+)\.coda_next\.(.*)")
 _FIRST = "coda_first."
 
 
+def brace(names: tuple[str, ...]) -> str:
+    """Projections' names as one: `{q,k,v}_proj`, or a single one itself (`qkv_proj`)."""
+    if len(names) == 1:
+        return names[0]
+    return "{" + ",".join(n.removesuffix("_proj") for n in names) + "}_proj"
+
+
 class Layout:
     """Names relative to the base model, patched and Hugging Face's, for a model of `layers` decoder
-    layers; `order`: the unpatched model's state-dict keys (relative), which `state_dict()` keeps."""
+    layers; `order`: the unpatched model's state-dict keys (relative), which `state_dict()` keeps;
+    `qkv`, `gate_up`: the projections the fused weights hold (`Family.qkv_parts`, `gate_up_parts`)."""
 
-    def __init__(self, layers: int, order: list[str]):
+    def __init__(self, layers: int, order: list[str], qkv: tuple[str, ...], gate_up: tuple[str, ...]):
         self.layers = layers
         self.rank = {k: i for i, k in enumerate(order)}
+        self.qkv, self.gate_up = qkv, gate_up
 
     def to_hf(self, rel: str) -> str:
         """The Hugging Face name of the patched model's key `rel` (unfused keys: `qkv_weight` is split
@@ -317,10 +352,11 @@ class Layout:
         `model.`), fused weights by both of their parts: for messages."""
         if name.startswith("model."):
             name = "model." + self.to_hf(name[len("model.") :])
+        qkv, gate_up = brace(self.qkv), brace(self.gate_up)
         return (
-            name.replace("qkv_weight", "{q,k,v}_proj.weight")
-            .replace("qkv_bias", "{q,k,v}_proj.bias")
-            .replace("gate_up_weight", "{gate,up}_proj.weight")
+            name.replace("qkv_weight", f"{qkv}.weight")
+            .replace("qkv_bias", f"{qkv}.bias")
+            .replace("gate_up_weight", f"{gate_up}.weight")
         )
 
     def save_hook(self, module: Any, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
@@ -352,28 +388,31 @@ def _grads(*ws: torch.Tensor) -> list[torch.Tensor]:
     return [torch.zeros_like(w) if w.grad is None else w.grad for w in ws]
 
 
-def fuse_and_move(model: Any, hd: int) -> Layout:
+def fuse_and_move(model: Any, family: Family, hd: int, heads: tuple[int, int]) -> Layout:
     """Fuse every layer's weights (and the gradients they have) and move each to the module that reads
     it (see the module docstring); register the state-dict hooks; keep each touched module's order of
     children (`_coda_children`) for `unfuse_and_restore`. Returns the model's `Layout`. checks.py has
-    refused parts to fuse whose requires_grad, dtype, device or hooks differ."""
+    refused parts to fuse whose requires_grad, dtype, device or hooks differ. The parts are the
+    family's (`Family.qkv_parts`, `gate_up_parts`); `heads`: (H, KV), of `hd` columns each."""
     base = model.model
     layers = list(base.layers)
     order = list(base.state_dict(keep_vars=True).keys())  # references: no copy
     for m in (base, *layers, *(x for layer in layers for x in (layer.self_attn, layer.mlp))):
         m._coda_children = tuple(m._modules)
     qkvs = []
+    names = family.gate_up_parts
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
-        qkvs.append(FusedQKV(attn, hd))
-        g, u = base_of(mlp.gate_proj).weight, base_of(mlp.up_proj).weight
-        mlp._coda_parts = part_names(mlp, ("gate_proj", "up_proj"))
+        qkvs.append(FusedQKV(attn, hd, family.qkv_parts, heads))
+        ws = [base_of(getattr(mlp, n)).weight for n in names]
+        mlp._coda_names = names
+        mlp._coda_parts = part_names(mlp, names)
         with torch.no_grad():
-            gu = torch.stack([g, u], 1).flatten(0, 1)
-            grads = _grads(g, u)
-        mlp.gate_up_weight = torch.nn.Parameter(gu.contiguous(), requires_grad=g.requires_grad)
-        mlp.gate_up_weight.grad = torch.stack(grads, 1).flatten(0, 1) if grads else None
-        for i, name in enumerate(("gate_proj", "up_proj")):  # LoRA layers stay, over gate_up_weight's rows
+            gu = gate_up_fused(ws)
+            grads = _grads(*ws)
+        mlp.gate_up_weight = torch.nn.Parameter(gu, requires_grad=ws[0].requires_grad)
+        mlp.gate_up_weight.grad = gate_up_fused(grads) if grads else None
+        for i, name in enumerate(names):  # LoRA layers stay, over gate_up_weight's rows
             m = mlp._modules[name]
             if is_lora(m):
                 m.base_layer = FusedPart(
@@ -390,7 +429,7 @@ def fuse_and_move(model: Any, hd: int) -> Layout:
         getattr(owner, name).add_module("self_attn", qkvs[i])
     layers[-1].add_module("coda_next", Moved())
     move(base, "norm", layers[-1].coda_next)
-    layout = Layout(len(layers), order)
+    layout = Layout(len(layers), order, family.qkv_parts, family.gate_up_parts)
     base._register_state_dict_hook(layout.save_hook)
     base.register_load_state_dict_pre_hook(layout.load_hook)
     return layout
@@ -439,9 +478,9 @@ def unfuse_and_restore(model: Any, layout: Layout) -> None:
     for layer, fused, norm in parts:
         attn, mlp = layer.self_attn, layer.mlp
         w = fused.qkv_weight
-        split = split_qkv(w.detach(), fused.head_dim, fused.nq, fused.nk)
-        grads = split_qkv(w.grad, fused.head_dim, fused.nq, fused.nk) if w.grad is not None else (None,) * 3
-        for n, t, g in zip(("q_proj", "k_proj", "v_proj"), split, grads, strict=True):
+        split = qkv_unfused(w.detach(), fused)
+        grads = qkv_unfused(w.grad, fused) if w.grad is not None else [None] * len(split)
+        for n, t, g in zip(fused.names, split, grads, strict=True):
             lin = _linear(t, g, w.requires_grad)
             lora = attn._modules.get(n)
             if lora is not None and is_lora(lora):  # over a Linear of its own again
@@ -450,13 +489,9 @@ def unfuse_and_restore(model: Any, layout: Layout) -> None:
                 attn._modules[n] = lin
         b = fused._parameters.get("qkv_bias")
         if b is not None:
-            bgrads = (
-                split_qkv(b.grad, fused.head_dim, fused.nq, fused.nk) if b.grad is not None else (None,) * 3
-            )
-            for n, t, g in zip(
-                "qkv", split_qkv(b.detach(), fused.head_dim, fused.nq, fused.nk), bgrads, strict=True
-            ):
-                lin = attn._modules[f"{n}_proj"]
+            bgrads = qkv_unfused(b.grad, fused) if b.grad is not None else [None] * len(split)
+            for n, t, g in zip(fused.names, qkv_unfused(b.detach(), fused), bgrads, strict=True):
+                lin = attn._modules[n]
                 if is_lora(lin):
                     lin = lin.base_layer
                 lin.bias = torch.nn.Parameter(t.contiguous(), requires_grad=b.requires_grad)
@@ -466,9 +501,11 @@ def unfuse_and_restore(model: Any, layout: Layout) -> None:
                 attn.__dict__.pop(n, None)
                 attn._modules[n] = fused._modules[n]
         gu = mlp.gate_up_weight
-        g = gu.grad
-        for k, n in enumerate(("gate_proj", "up_proj")):
-            lin = _linear(gu.detach()[k::2], None if g is None else g[k::2], gu.requires_grad)
+        names = mlp._coda_names
+        split = gate_up_unfused(gu.detach(), len(names))
+        grads = gate_up_unfused(gu.grad, len(names)) if gu.grad is not None else [None] * len(names)
+        for n, t, g in zip(names, split, grads, strict=True):
+            lin = _linear(t, g, gu.requires_grad)
             lora = mlp._modules.get(n)
             if lora is not None and is_lora(lora):
                 lora.base_layer = lin
@@ -476,6 +513,7 @@ def unfuse_and_restore(model: Any, layout: Layout) -> None:
                 mlp._modules[n] = lin
         del mlp.gate_up_weight
         mlp.__dict__.pop("_coda_parts", None)
+        mlp.__dict__.pop("_coda_names", None)
         _drop_hooks(mlp, mlp_save_hook, mlp_load_hook)
         layer.__dict__.pop("input_layernorm", None)
         layer._modules["input_layernorm"] = norm

@@ -11,7 +11,9 @@ not the family's own (peft layers but plain LoRA on the seven projections, which
 checks; bitsandbytes' quantized layers, a parametrization, an activation or norm swapped), hooks on
 such a module or global ones (`module_trouble`, `global_hooks`), and what fusing q/k/v and gate/up
 would merge: their `requires_grad`, dtype, device,
-gradient hooks or tensor type (`check_fused_parts`). The per-forward checks of the same contract
+gradient hooks or tensor type (`check_fused_parts`); RoPE the QKV blocks don't compute (`check_rope`:
+a rope type that scales cos/sin or changes inv_freq per call, Phi-3's LongRoPE among them, or a
+partial rotary factor). The per-forward checks of the same contract
 are contract.py's; the messages and the tests of what a module may carry are shared from here.
 What it does not: patch anything (patch.py); refuse what only a call can show (contract.py refuses
 what changed since patching, forward.py a KV cache, loss.py labels out of range).
@@ -37,7 +39,8 @@ QKV_PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 UNPATCH = "coda_lang.hf.unpatch(model) makes it an unpatched model again"
 LORA = (
     "peft LoRA is supported on q, k, v, o, gate, up and down when applied before patching "
-    "(get_peft_model, then apply_coda_to_* on the peft model); on a patched model, unpatch first "
+    "(get_peft_model, then apply_coda_to_* on the peft model; Phi-3's projections: qkv_proj, o_proj, "
+    "gate_up_proj, down_proj); on a patched model, unpatch first "
     "(coda_lang.hf.unpatch(model)), apply LoRA, and patch again; other peft layers (LoRA on other "
     "modules, other methods) are not supported: train such a model unpatched"
 )
@@ -93,7 +96,17 @@ def base_of(m: Any) -> Any:
 
 
 # the projections whose peft LoRA layers the patch runs (checks.py `check_lora`, lora.py)
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "qkv_proj",  # (Phi-3's fused projections: LoRA's B A on all their rows)
+    "gate_up_proj",
+)
 
 
 def check_lora(path: str, m: Any, biased: bool = False) -> None:
@@ -261,8 +274,9 @@ def bypassed_modules(model: Any, family: Family) -> list[tuple[str, Any, type]]:
     """(path, module, expected class) of every module whose work the patched forward does in its
     blocks without calling it, in the unpatched model (the projections to fuse among them): the
     base model, the LM head, the rotary embedding, the final norm, and per layer its attention (its
-    projections and Qwen3's q/k norms), MLP (projections, activation) and norms. The decoder layers,
-    the embedding (called) and the causal LM itself are not among them."""
+    projections and Qwen3's q/k norms), MLP (projections, activation), norms and (Phi-3) residual
+    dropouts. The decoder layers, the embedding (called) and the causal LM itself are not among
+    them."""
     c = family_classes(model, family)
     base = model.model
     out = [
@@ -279,15 +293,17 @@ def bypassed_modules(model: Any, family: Family) -> list[tuple[str, Any, type]]:
             (f"{p}.input_layernorm", layer.input_layernorm, c["RMSNorm"]),
             (f"{p}.post_attention_layernorm", layer.post_attention_layernorm, c["RMSNorm"]),
         ]
-        for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
+        for n in (*family.qkv_parts, "o_proj", "q_norm", "k_norm"):
             sub = getattr(layer.self_attn, n, None)
             if sub is not None:
                 out.append((f"{p}.self_attn.{n}", sub, c["RMSNorm"] if n.endswith("norm") else c["Linear"]))
-        for n in ("gate_proj", "up_proj", "down_proj"):
+        for n in (*family.gate_up_parts, "down_proj"):
             sub = getattr(layer.mlp, n, None)
             if sub is not None:  # (gate and up are one parameter once patched)
                 out.append((f"{p}.mlp.{n}", sub, c["Linear"]))
-        out.append((f"{p}.mlp.act_fn", layer.mlp.act_fn, c["act"]))
+        act = family.act_name
+        out.append((f"{p}.mlp.{act}", getattr(layer.mlp, act), c["act"]))
+        out += [(f"{p}.{n}", getattr(layer, n), torch.nn.Dropout) for n in family.resid_dropouts]
     return out
 
 
@@ -327,14 +343,10 @@ def check_model(model: Any, family: Family) -> None:
             "the fused LM head computes transformers' causal-LM cross-entropy",
             "train this model unpatched",
         )
-    rope = model.model.rotary_emb
-    if rope.rope_type not in ROPE_TYPES:
-        raise refuse(f"rope_type={rope.rope_type!r}", f"supported: {', '.join(ROPE_TYPES)}")
-    if float(rope.attention_scaling) != 1.0:
-        raise refuse(f"RoPE attention_scaling={rope.attention_scaling}", "only 1.0 is supported")
+    check_rope(model)
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
-        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        for n in (*family.qkv_parts, "o_proj"):
             proj = getattr(attn, n, None)
             biased = family.qkv_bias and n != "o_proj"  # (Qwen2's q, k and v have biases)
             if proj is None or (
@@ -367,18 +379,58 @@ def check_model(model: Any, family: Family) -> None:
     check_norms(model)
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        check_fused_parts(
-            f"model.layers.{i}.self_attn", attn, ("q_proj", "k_proj", "v_proj"), fused_qkv_name(i)
-        )
+        check_fused_parts(f"model.layers.{i}.self_attn", attn, family.qkv_parts, fused_qkv_name(i))
         if family.qkv_bias:
             bias = fused_qkv_name(i).replace("weight", "bias")
-            check_fused_parts(
-                f"model.layers.{i}.self_attn", attn, ("q_proj", "k_proj", "v_proj"), bias, "bias"
-            )
+            check_fused_parts(f"model.layers.{i}.self_attn", attn, family.qkv_parts, bias, "bias")
         check_fused_parts(
-            f"model.layers.{i}.mlp", mlp, ("gate_proj", "up_proj"), f"model.layers.{i}.mlp.gate_up_weight"
+            f"model.layers.{i}.mlp", mlp, family.gate_up_parts, f"model.layers.{i}.mlp.gate_up_weight"
         )
     check_widths(model, model.dtype)
+
+
+def check_rope(model: Any) -> None:
+    """RoPE the QKV blocks compute: inverse frequencies fixed at patching (the `inv_freq` the rotary
+    embedding holds, of a rope type that changes it only when set, never per call), cos and sin
+    unscaled (`attention_scaling` 1), and every column of each q and k head rotated (no partial
+    rotary factor)."""
+    rope = model.model.rotary_emb
+    cfg = model.config
+    if rope.rope_type not in ROPE_TYPES:
+        why = ROPE_WHY.get(rope.rope_type, "it scales cos/sin or changes inv_freq per call")
+        raise refuse(
+            f"rope_type={rope.rope_type!r}",
+            f"{why}; the QKV blocks rotate q and k by fixed frequencies, unscaled; supported: "
+            f"{', '.join(ROPE_TYPES)}",
+            "train this model unpatched (or with Liger Kernel)",
+        )
+    if float(rope.attention_scaling) != 1.0:
+        raise refuse(
+            f"RoPE attention_scaling={rope.attention_scaling}",
+            "transformers multiplies cos and sin by it; the QKV blocks don't: only 1.0 is supported",
+            "train this model unpatched",
+        )
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if rope.inv_freq.numel() * 2 != hd:
+        factor = (getattr(cfg, "rope_parameters", None) or {}).get("partial_rotary_factor")
+        raise refuse(
+            f"partial rotary embedding (partial_rotary_factor={factor}: {2 * rope.inv_freq.numel()} of "
+            f"head_dim {hd} columns rotated)",
+            "the QKV blocks rotate every column of each q and k head",
+            "use partial_rotary_factor=1.0, or train this model unpatched",
+        )
+
+
+# why a rope type is not supported, where more can be said than that it is not among ROPE_TYPES
+ROPE_WHY = {
+    "longrope": (
+        "LongRoPE (Phi-3's 128k variants, Phi-3.5: `rope_scaling` of type longrope or su) scales cos "
+        "and sin by its attention factor and switches between its short and long factors with the "
+        "sequence length at each call (Phi-3's 4k variants use the default RoPE, which is supported)"
+    ),
+    "dynamic": "dynamic NTK scaling changes inv_freq with the sequence length at each call",
+    "yarn": "YaRN scales cos and sin by its attention factor",
+}
 
 
 def check_layer_kinds(cfg: Any, family: Family) -> None:

@@ -150,7 +150,7 @@ class Contract:
             attn = layer.self_attn
             self.aliases += [
                 (f"model.layers.{i}.self_attn.{n}", attn, n, attn.__dict__[n])
-                for n in ("q_norm", "k_norm", "q_proj", "k_proj", "v_proj")
+                for n in ("q_norm", "k_norm", *family.qkv_parts)
                 if n in attn.__dict__
             ]
         self.attrs: list[tuple[str, Any, str, Any]] = [

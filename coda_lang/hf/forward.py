@@ -19,7 +19,8 @@ Invariants: HF's calling contract (input_ids or inputs_embeds, attention_mask, p
 shift_labels, num_items_in_batch, logits_to_keep, output_hidden_states); the blocks run at the
 dtype of the embeddings and weights (under FSDP2's MixedPrecisionPolicy, its param_dtype), made at its
 first forward if it is not the dtype at patching; a KV cache, embeddings of another dtype than the
-weights or a list of hidden-state layers is refused (ValueError); nothing extra is made unless
+weights, a list of hidden-state layers, or (Phi-3) a residual dropout of p > 0 in training mode is
+refused (ValueError); nothing extra is made unless
 hidden states are asked for.
 """
 
@@ -235,6 +236,16 @@ def layer_forward(
             CHANGED_FLOW,
         )
     attn, mlp, nxt = self.self_attn, self.mlp, self.coda_next
+    for name in st.family.resid_dropouts:  # (Phi-3's residual dropout, which the blocks don't have)
+        drop = getattr(self, name)
+        if drop.training and drop.p > 0:
+            raise refuse(
+                f"{self._coda_name}.{name}: dropout p={drop.p} in training mode",
+                "the fused blocks add each branch to the residual without dropout (Phi-3's resid_pdrop)",
+                "set resid_pdrop=0 before making the model (Phi-3's released configs have 0.0) or the "
+                "dropout modules' p to 0, or train it unpatched; in eval mode dropout is the identity "
+                "and runs",
+            )
     y = attention(st, attn, qkv, step.b, step.s, step.mask[i], step.kwargs)
     inputs = dict(
         y=y,

@@ -8,7 +8,7 @@ merge and unmerge change the fused weight. `delta(m)` is the sum over m's active
 (the base weight holds them). `linear_weight`, `qkv_weight`, `gate_up_weight` give the weights a
 block reads: the parameter itself without adapters, else the base plus the deltas as differentiable
 torch ops (q and k rows in the interleaved RoPE layout, gate and up rows interleaved, as the fused
-parameters are), so the block's weight gradient flows to A and B (and to the base only if it is
+parameters are; for Phi-3's fused `qkv_proj` and `gate_up_proj` one delta over all their rows), so the block's weight gradient flows to A and B (and to the base only if it is
 trainable).
 What it does not: run a block, fuse or move weights (checkpoint.py), or refuse anything else
 (checks.py).
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from coda_lang.hf.checkpoint import fuse_qkv
+from coda_lang.hf.checkpoint import gate_up_fused, qkv_fused
 from coda_lang.hf.checks import is_lora, refuse
 
 
@@ -86,8 +86,8 @@ def linear_weight(m: Any) -> torch.Tensor:
 
 
 def qkv_weight(fused: Any) -> torch.Tensor:
-    """The fused QKV weight a block reads: `qkv_weight`, plus the LoRA deltas of q, k and v (the LoRA
-    layers the FusedQKV reaches: `loras`) in the fused layout."""
+    """The fused QKV weight a block reads: `qkv_weight`, plus the LoRA deltas of its parts (q, k and v,
+    or Phi-3's whole `qkv_proj`: the LoRA layers the FusedQKV reaches, `loras`) in the fused layout."""
     w = fused.qkv_weight
     loras = fused.__dict__.get("loras", ())
     if not any(loras):
@@ -95,22 +95,23 @@ def qkv_weight(fused: Any) -> torch.Tensor:
     ds = [None if m is None else delta(m, sharded_ok=False) for m in loras]
     if all(d is None for d in ds):
         return w
-    rows = (fused.nq, fused.nk, w.shape[0] - fused.nq - fused.nk)
+    n = w.shape[0]
+    rows = [n] if len(ds) == 1 else [fused.nq, fused.nk, n - fused.nq - fused.nk]
     parts = [
         w.new_zeros(r, w.shape[1]) if d is None else d.to(w.dtype) for d, r in zip(ds, rows, strict=True)
     ]
-    return w + fuse_qkv(parts[0], parts[1], parts[2], fused.head_dim)
+    return w + qkv_fused(parts, fused)
 
 
 def gate_up_weight(mlp: Any) -> torch.Tensor:
     """The fused gate/up weight a block reads: `gate_up_weight`, plus the LoRA deltas of gate and up
-    (rows interleaved)."""
+    (or Phi-3's whole `gate_up_proj`) in the fused layout (rows interleaved)."""
     w = mlp.gate_up_weight
     mods = mlp._modules
-    g, u = mods.get("gate_proj"), mods.get("up_proj")
-    ds = [None if x is None else delta(x) for x in (g, u)]
+    names = mlp._coda_names
+    ds = [None if mods.get(n) is None else delta(mods[n]) for n in names]
     if all(d is None for d in ds):
         return w
-    half = w.shape[0] // 2
-    parts = [w.new_zeros(half, w.shape[1]) if d is None else d.to(w.dtype) for d in ds]
-    return w + torch.stack(parts, 1).flatten(0, 1)
+    rows = w.shape[0] // len(names)
+    parts = [w.new_zeros(rows, w.shape[1]) if d is None else d.to(w.dtype) for d in ds]
+    return w + gate_up_fused(parts)

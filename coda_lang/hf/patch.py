@@ -73,7 +73,7 @@ def apply(model: Any, family: Family, loss: LossSettings) -> Any:
     st = ModelState(model, family, loss)
     names = {id(m): n for n, m in model.named_modules()}
     layers = list(model.model.layers)
-    st.layout = fuse_and_move(model, st.HD)
+    st.layout = fuse_and_move(model, family, st.HD, (st.H, st.KV))
     model._coda = st
     object.__setattr__(model.model, "_coda_owner", Owner(model))
     for i, layer in enumerate(layers):
