@@ -23,6 +23,7 @@ from coda_lang.hf import (  # noqa: E402
     apply_coda_to_llama,
     apply_coda_to_ministral,
     apply_coda_to_mistral,
+    apply_coda_to_olmo2,
     apply_coda_to_qwen2,
     apply_coda_to_qwen3,
     unfused_grads,
@@ -48,6 +49,7 @@ FAMILIES = {
     "ministral": (transformers.MinistralConfig, transformers.MinistralForCausalLM, apply_coda_to_ministral),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, apply_coda_to_qwen2),
     "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM, apply_coda_to_granite),
+    "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM, apply_coda_to_olmo2),
 }
 # Each family's own settings in the tiny models: a sliding window of 16 (Mistral: every layer;
 # Ministral: the first of its two layers, the second full attention), shorter than most test sequences;
@@ -62,6 +64,8 @@ OWN = {
         "logits_scaling": 8.0,
         "attention_multiplier": 0.0625,
     },
+    # (its config's default end-of-text token, 50279, is outside the tiny vocabulary)
+    "olmo2": {"eos_token_id": None},
 }
 # The families every test runs; the others' costly tests (bf16, convergence, ...) run under -m slow
 FIRST = ("llama", "qwen3")

@@ -247,10 +247,34 @@ RELEASED_QWEN2 = {  # model_type "qwen2"
         rope_parameters=QWEN25,
     ),
 }
+OLMO2_ROPE = {"rope_type": "default", "rope_theta": 500000.0}
+RELEASED_OLMO2 = {  # model_type "olmo2": no pre-norms, post-norms, q/k norms over each projection
+    "OLMo-2-0425-1B": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        vocab_size=100352,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        rope_parameters=OLMO2_ROPE,
+    ),
+    "OLMo-2-1124-7B": dict(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=100352,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        rope_parameters=OLMO2_ROPE,
+    ),
+}
 RELEASED = {
     **{n: ("llama", c) for n, c in RELEASED_LLAMA.items()},
     **{n: ("mistral", c) for n, c in RELEASED_MISTRAL.items()},
     **{n: ("qwen2", c) for n, c in RELEASED_QWEN2.items()},
+    **{n: ("olmo2", c) for n, c in RELEASED_OLMO2.items()},
 }
 
 
@@ -259,18 +283,23 @@ def test_released_configurations_patch_at_their_widths(name: str) -> None:
     """Each released configuration, at its own widths (on the meta device: no memory, no forward), in
     bf16: the patch's checks pass (widths the kernels can load, the RoPE type, the heads, the sliding
     window) and its fused weights have the model's shapes (head_dim 64 or 128: the config's, else
-    hidden_size / heads)."""
+    hidden_size / heads; OLMo 2's q and k norms over all of q's and k's heads)."""
     family, over = RELEASED[name]
     config_cls, model_cls, _ = FAMILIES[family]
-    cfg = config_cls(**over, num_hidden_layers=2, rms_norm_eps=1e-5, max_position_embeddings=8192)
+    over = {"rms_norm_eps": 1e-5, **over}
+    cfg = config_cls(**over, num_hidden_layers=2, max_position_embeddings=8192)
     with torch.device("meta"):
         model = model_cls(cfg).to(torch.bfloat16)
     apply_coda(model)
     h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size
     hd = over.get("head_dim", d // h)
     st = model._coda
-    assert (st.family.name, st.H, st.KV, st.HD, st.D, st.eps) == (family, h, kv, hd, d, 1e-5)
-    assert model.model.coda_first.self_attn.qkv_weight.shape == ((h + 2 * kv) * hd, d)
+    eps = over["rms_norm_eps"]
+    assert (st.family.name, st.H, st.KV, st.HD, st.D, st.eps) == (family, h, kv, hd, d, eps)
+    fused = model.model.coda_first.self_attn
+    assert fused.qkv_weight.shape == ((h + 2 * kv) * hd, d)
+    if family == "olmo2":
+        assert fused.q_norm.weight.shape == (h * hd,) and fused.k_norm.weight.shape == (kv * hd,)
     assert model.model.layers[1].mlp.gate_up_weight.shape == (2 * cfg.intermediate_size, d)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == over["tie_word_embeddings"]
 
@@ -350,6 +379,34 @@ TINY = {
             rope_parameters=QWEN25,
         ),
     ),
+    # OLMo 2's released settings (multi-head attention, RoPE base 5e5, epsilon 1e-6, untied), at the
+    # 1B's 16 heads and its MLP 4x the hidden size, and the 7B's MLP 2.6875x (8 heads here)
+    "OLMo-2-0425-1B": (
+        "olmo2",
+        dict(
+            hidden_size=128,
+            intermediate_size=512,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            head_dim=8,
+            tie_word_embeddings=False,
+            rms_norm_eps=1e-6,
+            rope_parameters=OLMO2_ROPE,
+        ),
+    ),
+    "OLMo-2-1124-7B": (
+        "olmo2",
+        dict(
+            hidden_size=128,
+            intermediate_size=344,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            head_dim=16,
+            tie_word_embeddings=False,
+            rms_norm_eps=1e-6,
+            rope_parameters=OLMO2_ROPE,
+        ),
+    ),
     # Mistral Small's head_dim wider than hidden_size / heads (here 16, not 8), no sliding window
     "Mistral-Small-24B-2501": (
         "mistral",
@@ -371,7 +428,7 @@ def test_released_configurations_match_unpatched(name: str) -> None:
     """Each released configuration's settings at tiny widths: loss, logits and every gradient of the
     patched model are the unpatched model's in float32 (1e-4), over 40 positions."""
     family, over = TINY[name]
-    ref = make(family, rms_norm_eps=1e-5, **over)
+    ref = make(family, **{"rms_norm_eps": 1e-5, **over})
     matches_unpatched(ref, apply_coda(copy.deepcopy(ref)), s=40)
 
 
@@ -443,9 +500,13 @@ def test_the_models_own_attention_function_gets_what_it_gets_unpatched(family: s
         assert (a[1] is None and b[1] is None) or torch.equal(a[1], b[1]), a[0]
     windows = [c[2] for c in seen[1]]
     none = ["none given"] * 2
-    assert windows == {"llama": none, "granite": none, "mistral": [16, 16], "ministral": [16, None]}.get(
-        family, [None, 8]
-    )
+    assert windows == {
+        "llama": none,
+        "granite": none,
+        "olmo2": none,
+        "mistral": [16, 16],
+        "ministral": [16, None],
+    }.get(family, [None, 8])
 
 
 def test_a_sliding_window_the_family_has_not_is_refused() -> None:

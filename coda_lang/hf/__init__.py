@@ -46,6 +46,7 @@ from coda_lang.hf.families import (
     apply_coda_to_llama,
     apply_coda_to_ministral,
     apply_coda_to_mistral,
+    apply_coda_to_olmo2,
     apply_coda_to_qwen2,
     apply_coda_to_qwen3,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "apply_coda_to_llama",
     "apply_coda_to_ministral",
     "apply_coda_to_mistral",
+    "apply_coda_to_olmo2",
     "apply_coda_to_qwen2",
     "apply_coda_to_qwen3",
     "unfused_grads",

@@ -386,7 +386,8 @@ def fuse_and_move(model: Any, hd: int) -> Layout:
     for i, layer in enumerate(layers):
         owner, name = (base, "coda_first") if i == 0 else (layers[i - 1], "coda_next")
         owner.add_module(name, Moved())
-        move(layer, "input_layernorm", getattr(owner, name))
+        if "input_layernorm" in layer._modules:  # (a family with pre-norms: OLMo 2 has none)
+            move(layer, "input_layernorm", getattr(owner, name))
         getattr(owner, name).add_module("self_attn", qkvs[i])
     layers[-1].add_module("coda_next", Moved())
     move(base, "norm", layers[-1].coda_next)
@@ -397,10 +398,11 @@ def fuse_and_move(model: Any, hd: int) -> Layout:
 
 
 def moved_parts(model: Any) -> list[tuple[Any, Any, Any]]:
-    """(decoder layer, its FusedQKV, its input norm) of each layer of a patched model, where
-    `fuse_and_move` registered them (a layer in a checkpoint wrapper unwrapped); ValueError naming
-    what is gone since patching."""
+    """(decoder layer, its FusedQKV, its input norm or None in a family without one) of each layer of
+    a patched model, where `fuse_and_move` registered them (a layer in a checkpoint wrapper
+    unwrapped); ValueError naming what is gone since patching."""
     base = model.model
+    without_norm = not model._coda.family.pre_norm  # (OLMo 2's layers have no input norm)
     layers = [getattr(x, "_checkpoint_wrapped_module", x) for x in base.layers]
     owners = [(base, "model.coda_first")] + [
         (layer, f"model.layers.{i}.coda_next") for i, layer in enumerate(layers[:-1])
@@ -413,7 +415,7 @@ def moved_parts(model: Any) -> list[tuple[Any, Any, Any]]:
         mlp = layer._modules.get("mlp")
         for what, ok in (
             (f"{where}.self_attn.qkv_weight", fused is not None and "qkv_weight" in fused._parameters),
-            (f"{where}.input_layernorm", norm is not None),
+            (f"{where}.input_layernorm", norm is not None or without_norm),
             (f"model.layers.{i}.mlp.gate_up_weight", mlp is not None and "gate_up_weight" in mlp._parameters),
         ):
             if not ok:
@@ -477,8 +479,9 @@ def unfuse_and_restore(model: Any, layout: Layout) -> None:
         del mlp.gate_up_weight
         mlp.__dict__.pop("_coda_parts", None)
         _drop_hooks(mlp, mlp_save_hook, mlp_load_hook)
-        layer.__dict__.pop("input_layernorm", None)
-        layer._modules["input_layernorm"] = norm
+        if norm is not None:
+            layer.__dict__.pop("input_layernorm", None)
+            layer._modules["input_layernorm"] = norm
     for layer, _, _ in parts:
         layer._modules.pop("coda_next", None)
         for m in (layer, layer.self_attn, layer.mlp):

@@ -28,7 +28,7 @@ from torch.nn.modules import module as torch_module
 from torch.nn.utils import parametrize
 
 from coda_lang.hf.blocks import DTYPES
-from coda_lang.hf.family import Family
+from coda_lang.hf.family import Family, layer_norms
 from coda_lang.hf.masks import FULL, SLIDING, layer_kinds
 
 ROPE_TYPES = ("default", "llama3", "linear")
@@ -255,12 +255,19 @@ def family_classes(model: Any, family: Family) -> dict[str, type]:
     return out
 
 
+def norm_names(family: Family) -> list[str]:
+    """The names of a decoder layer's norm modules in the family: its input norm (with pre-norms) and
+    those its own block reads (`layer_norms`)."""
+    return (["input_layernorm"] if family.pre_norm else []) + list(layer_norms(family).values())
+
+
 def bypassed_modules(model: Any, family: Family) -> list[tuple[str, Any, type]]:
     """(path, module, expected class) of every module whose work the patched forward does in its
     blocks without calling it, in the unpatched model (the projections to fuse among them): the
     base model, the LM head, the rotary embedding, the final norm, and per layer its attention (its
-    projections and Qwen3's q/k norms), MLP (projections, activation) and norms. The decoder layers,
-    the embedding (called) and the causal LM itself are not among them."""
+    projections and q/k norms), MLP (projections, activation) and norms (`norm_names`). The decoder
+    layers, the embedding (called) and the causal LM itself are not among them. `check_model` has
+    made sure that each norm is there."""
     c = family_classes(model, family)
     base = model.model
     out = [
@@ -269,14 +276,14 @@ def bypassed_modules(model: Any, family: Family) -> list[tuple[str, Any, type]]:
         ("model.rotary_emb", base.rotary_emb, c["RotaryEmbedding"]),
         ("model.norm", base.norm, c["RMSNorm"]),
     ]
+    norms = norm_names(family)
     for i, layer in enumerate(base.layers):
         p = f"model.layers.{i}"
         out += [
             (f"{p}.self_attn", layer.self_attn, c["Attention"]),
             (f"{p}.mlp", layer.mlp, c["MLP"]),
-            (f"{p}.input_layernorm", layer.input_layernorm, c["RMSNorm"]),
-            (f"{p}.post_attention_layernorm", layer.post_attention_layernorm, c["RMSNorm"]),
         ]
+        out += [(f"{p}.{n}", getattr(layer, n), c["RMSNorm"]) for n in norms]
         for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
             sub = getattr(layer.self_attn, n, None)
             if sub is not None:
@@ -344,7 +351,10 @@ def check_model(model: Any, family: Family) -> None:
         if family.qk_norm and (
             getattr(attn, "q_norm", None) is None or getattr(attn, "k_norm", None) is None
         ):
-            raise refuse(f"layer {i}", "Qwen3 attention without q_norm/k_norm")
+            raise refuse(f"layer {i}", f"{family.model_class}'s attention without q_norm/k_norm")
+        for n in norm_names(family):
+            if getattr(layer, n, None) is None:
+                raise refuse(f"layer {i}: {n}", f"missing: the {family.model_class}'s layers have one")
     for path, m, cls in bypassed_modules(model, family):
         if cls is torch.nn.Linear and is_lora(m) and path.rpartition(".")[2] in LORA_TARGETS:
             check_lora(path, m)

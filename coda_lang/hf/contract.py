@@ -144,9 +144,10 @@ class Contract:
         self._held = [m for _, m, _, _ in self.present]
         self.aliases: list[tuple[str, Any, str, Any]] = [("model.norm", base, "norm", base.norm)]
         for i, layer in enumerate(layers):
-            self.aliases.append(
-                (f"model.layers.{i}.input_layernorm", layer, "input_layernorm", layer.input_layernorm)
-            )
+            if "input_layernorm" in layer.__dict__:  # (moved; OLMo 2's layers have none)
+                self.aliases.append(
+                    (f"model.layers.{i}.input_layernorm", layer, "input_layernorm", layer.input_layernorm)
+                )
             attn = layer.self_attn
             self.aliases += [
                 (f"model.layers.{i}.self_attn.{n}", attn, n, attn.__dict__[n])
