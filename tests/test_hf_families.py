@@ -88,17 +88,21 @@ def test_auto_class_refuses_an_unsupported_type_before_loading(tmp_path: Any) ->
         AutoCodaForCausalLM.from_config(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2))
 
 
-def matches_unpatched(ref: Any, pat: Any, s: int = 24, tol: float = 1e-4) -> None:
-    """The patched model's loss, logits and every parameter's gradient (under the unpatched names) are
-    the unpatched model's in float32, to `tol` relative."""
+def differences(ref: Any, pat: Any, s: int = 24) -> dict[str, float]:
+    """The relative differences of the patched model's loss, logits and every parameter's gradient
+    (under the unpatched names) from the unpatched model's, by name."""
     ids, labels = batch(s=s)
     l0, z0, g0 = run(ref, ids, labels)
     l1, z1, g1 = run(pat, ids, labels)
-    assert rel(l1, l0) < tol, (float(l1), float(l0))
-    assert rel(z1, z0) < tol
     assert set(g1) == set(g0) and len(g0) == sum(p.requires_grad for p in ref.parameters())
-    for name in g0:
-        assert rel(g1[name], g0[name]) < tol, name
+    return {"loss": rel(l1, l0), "logits": rel(z1, z0), **{n: rel(g1[n], g0[n]) for n in g0}}
+
+
+def matches_unpatched(ref: Any, pat: Any, s: int = 24, tol: float = 1e-4) -> None:
+    """The patched model's loss, logits and every parameter's gradient (under the unpatched names) are
+    the unpatched model's in float32, to `tol` relative."""
+    off = {k: v for k, v in differences(ref, pat, s).items() if not v < tol}
+    assert not off, off
 
 
 def state_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
@@ -587,3 +591,172 @@ def test_hidden_states_are_hugging_faces(family: str) -> None:
     for a, b in zip(got, want, strict=True):
         assert rel(a, b) < 1e-5
     assert rel(pat.model(ids).last_hidden_state, ref.model(ids).last_hidden_state) < 1e-5
+
+
+# OLMo 2: mutants of its blocks, which the float32 comparison with the unpatched model must catch.
+# The per-head q/k norm is Qwen3's (each head of the tiny model's 16 columns normalized on its own),
+# with OLMo 2's weights over the whole width.
+OLMO2_MUTANTS = {
+    "attention's post-norm dropped": ("_POST_NORM_STAGES", "o * ro * go", "o * go"),
+    "MLP's post-norm dropped": ("_POST_NORM_STAGES", "m * rd * gd", "m * gd"),
+    "q/k norm per head": (
+        "_QKV_PROJ_NORM",
+        None,
+        """
+    zr = acc{r}{b}
+    hs = sum(zr * zr, over=2*P, group=16)
+    zn = zr * rsqrt(hs / 16.0 + eps)
+    z = ((mq + mk) * zn + (1.0 - mq - mk) * zr) * gqk
+    qa, qb = pairs(z)
+    ang = pos * freq
+    c = cos(ang)
+    s = sin(ang)
+    qkv = interleave(qa * c - qb * s, qa * s + qb * c)""",
+    ),
+}
+
+
+@pytest.mark.parametrize("mutant", sorted(OLMO2_MUTANTS))
+def test_olmo2_mutants_fail_the_float32_comparison(mutant: str, monkeypatch: Any) -> None:
+    """Each mutant of OLMo 2's blocks (a post-norm dropped, the q/k norm per head instead of over the
+    projection) patches and runs, and fails the float32 comparison with the unpatched model that
+    test_hf.py's `test_float32_matches_unpatched` and `matches_unpatched` make (loss, logits and every
+    gradient within 1e-5 and 1e-4): the logits and most gradients are off by far more."""
+    import coda_lang.hf.blocks as hb
+
+    name, old, new = OLMO2_MUTANTS[mutant]
+    text = getattr(hb, name)
+    assert old is None or old in text
+    monkeypatch.setattr(hb, name, new if old is None else text.replace(old, new))
+    ref = make("olmo2")
+    off = differences(ref, apply_coda(copy.deepcopy(ref)))
+    assert off["logits"] > 1e-2 and sum(v > 1e-2 for v in off.values()) > len(off) / 2, off
+
+
+def test_olmo2_contract() -> None:
+    """OLMo 2's modules are under the patch's contract as every family's: hooks on its q/k norms and
+    post-norms are refused at patching and at the forward, as are a q/k norm replaced at its Hugging
+    Face place, a post-norm's epsilon or the config's `rms_norm_eps` changed; a layer without its
+    post-feedforward norm is refused at patching; removed, the model runs again."""
+    ids, labels = batch()
+    pat = apply_coda(make("olmo2"))
+    layer = pat.model.layers[1]
+    for path in (
+        "model.layers.0.self_attn.q_norm",
+        "model.layers.1.self_attn.k_norm",
+        "model.layers.1.post_attention_layernorm",
+        "model.layers.0.post_feedforward_layernorm",
+    ):
+        handle = pat.get_submodule(path).register_forward_hook(lambda mod, args, out: out)
+        try:
+            with pytest.raises(ValueError, match=rf"coda_lang.hf: {path}: a forward hook .*never calls it"):
+                pat(ids, labels=labels)
+        finally:
+            handle.remove()
+    q_norm = layer.self_attn.q_norm  # (moved into layer 0's coda_next, reachable where it was)
+    layer.self_attn.q_norm = torch.nn.Identity()
+    with pytest.raises(ValueError, match="model.layers.1.self_attn.q_norm: replaced after patching by a"):
+        pat(ids)
+    del layer.self_attn._modules["q_norm"]
+    object.__setattr__(layer.self_attn, "q_norm", q_norm)
+    layer.post_feedforward_layernorm.variance_epsilon = 1e-3
+    with pytest.raises(ValueError, match="post_feedforward_layernorm.variance_epsilon = 0.001: it was 1e-06"):
+        pat(ids)
+    layer.post_feedforward_layernorm.variance_epsilon = 1e-6
+    pat.config.rms_norm_eps = 1e-5
+    with pytest.raises(ValueError, match="config.rms_norm_eps = 1e-05: it was 1e-06"):
+        pat(ids)
+    pat.config.rms_norm_eps = 1e-6
+    pat(ids, labels=labels)
+    hooked = make("olmo2")
+    hooked.model.layers[0].post_feedforward_layernorm.register_forward_pre_hook(lambda mod, args: None)
+    with pytest.raises(ValueError, match="model.layers.0.post_feedforward_layernorm: a forward pre-hook"):
+        apply_coda(hooked)
+    missing = make("olmo2")
+    missing.model.layers[1].post_feedforward_layernorm = None
+    with pytest.raises(ValueError, match="layer 1: post_feedforward_layernorm: missing"):
+        apply_coda(missing)
+    assert getattr(missing, "_coda", None) is None
+
+
+@pytest.mark.slow
+def test_olmo2_bf16_against_float64() -> None:
+    """The patched bf16 model against the unpatched model in float64 (the accuracy rule with float64 as
+    the reference): loss, logits and every gradient no further from float64 than twice the unpatched
+    bf16 model's distance (plus 1e-6)."""
+    ref64 = make("olmo2").double()
+    ref16 = make("olmo2", dtype=torch.bfloat16)
+    pat = apply_coda(make("olmo2", dtype=torch.bfloat16))
+    ids, labels = batch()
+    want, low, got = (run(m, ids, labels) for m in (ref64, ref16, pat))
+    pairs = [("loss", got[0], low[0], want[0]), ("logits", got[1], low[1], want[1])]
+    pairs += [(n, got[2][n], low[2][n], want[2][n]) for n in want[2]]
+    for what, out, lowp, ref in pairs:
+        err = float((out.double() - ref).abs().max())
+        bound = 2 * float((lowp.double() - ref).abs().max()) + 1e-6
+        assert err < bound, f"{what}: |coda - f64| = {err:.3g}, 2 |HF bf16 - f64| + 1e-6 = {bound:.3g}"
+
+
+def test_post_norms_compose_with_pre_norms() -> None:
+    """The post-norm option is a block option, not OLMo 2's alone: with pre-norms too (Gemma 2/3's
+    sandwich: input norm, attention, post-attention norm, residual, pre-feedforward norm, MLP,
+    post-feedforward norm, residual) the `layer` block computes, in float32 on the emulated kernels,
+    what the layer written in torch computes in float64: its outputs (the residual and the next
+    layer's QKV tile after RoPE) and the gradient of every input, within 1e-4."""
+    import coda_lang
+    from coda_lang.hf.blocks import model_source
+    from coda_lang.layout import interleave_gate_up
+    from coda_lang.torch import function
+
+    m, d, f, hd, nq, nkv = 12, 32, 48, 8, 4, 2
+    block = coda_lang.load(model_source("float32", 1e-6, hd, None, pre_norm=True, post_norm=True))["layer"]
+    # out-proj, its post-norm's row stage (and the MLP's pre-norm statistics), gate/up, down, the MLP's
+    # post-norm's row stage (and the next input norm's statistics), QKV
+    assert [s.is_gemm for s in block.ir.stages] == [True, False, True, True, False, True]
+    g = torch.Generator().manual_seed(3)
+
+    def rnd(*shape: int, scale: float = 0.2, mean: float = 0.0) -> Any:
+        x = mean + scale * torch.randn(*shape, generator=g, dtype=torch.float64)
+        return x.requires_grad_()
+
+    norms = ("go", "g1", "gd", "g2")
+    ins = dict(
+        y=rnd(m, nq * hd, scale=1.0),
+        x=rnd(m, d, scale=1.0),
+        w_o=rnd(d, nq * hd),
+        w_gate=rnd(f, d),
+        w_up=rnd(f, d),
+        w_2=rnd(d, f),
+        w_qkv=rnd((nq + 2 * nkv) * hd, d),
+        **{k: rnd(d, scale=0.3, mean=1.0) for k in norms},
+    )
+    pos = torch.arange(m, dtype=torch.float64) % 5
+    inv = 1.0 / 100.0 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)  # (RoPE's, base 100)
+    freq = torch.cat([inv.repeat(nq + nkv), torch.zeros(nkv * hd // 2, dtype=torch.float64)])  # (v: 0)
+
+    def rms(v: Any, weight: Any) -> Any:
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+
+    def reference(i: dict[str, Any]) -> tuple[Any, Any]:
+        x1 = i["x"] + rms(i["y"] @ i["w_o"].T, i["go"])
+        h = rms(x1, i["g1"])
+        mlp = (torch.nn.functional.silu(h @ i["w_gate"].T) * (h @ i["w_up"].T)) @ i["w_2"].T
+        x2 = x1 + rms(mlp, i["gd"])
+        z = rms(x2, i["g2"]) @ i["w_qkv"].T  # (q and k heads in the interleaved RoPE layout)
+        a, b = z[:, 0::2], z[:, 1::2]
+        c, s = torch.cos(pos[:, None] * freq), torch.sin(pos[:, None] * freq)
+        return x2, torch.stack([a * c - b * s, a * s + b * c], -1).flatten(1)
+
+    fn = function(block, wrt=["y", "x", "w_o", "w_13", "w_2", "w_qkv", *norms])
+    w13 = interleave_gate_up(ins["w_gate"].T, ins["w_up"].T).T  # (differentiable: a permutation)
+    given = {k: v for k, v in ins.items() if k not in ("w_gate", "w_up")}
+    out = fn(**{k: v.float() for k, v in given.items()}, w_13=w13.float(), pos=pos.float(), freq=freq.float())
+    got = (out["x2"], out["qkv"])
+    want = reference(ins)
+    cot = [torch.randn(t.shape, generator=g, dtype=torch.float64) for t in want]
+    grads_want = torch.autograd.grad(want, list(ins.values()), cot)
+    grads_got = torch.autograd.grad(got, list(ins.values()), [c.float() for c in cot])
+    for a, b in zip(got, want, strict=True):
+        assert rel(a, b) < 1e-4
+    for name, a, b in zip(ins, grads_got, grads_want, strict=True):
+        assert rel(a, b) < 1e-4, name

@@ -59,7 +59,7 @@ def step(model: Any, ids: Any, labels: Any) -> tuple[Any, dict[str, Any]]:
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize(("family", "r"), [("llama", 8), ("llama", 64), ("qwen3", 16)])
+@pytest.mark.parametrize(("family", "r"), [("llama", 8), ("llama", 64), ("qwen3", 16), ("olmo2", 8)])
 def test_loss_and_adapter_gradients_are_the_unpatched_peft_models(family: str, r: int) -> None:
     """The issue's row: LoRA applied, then patched, gave the base model's loss (adapters ignored).
     Now the loss and each A and B gradient are peft's within 1e-5 (f32); only the adapters have
