@@ -3,7 +3,9 @@
 - Golden files: tests/golden/emit/<block>_stage<k>.py hold the emitted source of llama_mlp's stages
   and of qk_norm's (a prepass for its per-head grouped sum; compared exactly; `pytest --update-golden`
   rewrites them).
-- Every example's stages either emit valid Python or stop with a clean E07 diagnostic.
+- Every example's stages either emit valid Python or stop with a clean E07 diagnostic; so does every
+  GEMM stage of the OLMo 2 program coda_lang.hf generates (and its backwards), its row stages the
+  Triton generator's.
 - Each E07 code the planner gives is produced by a small program, at the offending line.
 - `import coda_lang, coda_lang.cli` (and the backend's planning modules) import no GPU library.
 - `coda compile --emit source`: one file per stage, exit codes 0/1/2, no traceback.

@@ -4,7 +4,10 @@
 On the CPU with tiny models (2 layers, random init from a seed): `apply_coda` patches each supported
 model type as its own entry point does and refuses any other with the list of those supported;
 `AutoCodaForCausalLM` loads a saved model and patches it (an unsupported type refused from its config
-alone, before any weights load).
+alone, before any weights load). Released configurations at their widths (meta device) and their
+settings at tiny widths against the unpatched model; sliding windows; Qwen2's biases; OLMo 2's
+mutants, contract and bf16 against float64; the post-norm option with pre-norms (Gemma's sandwich)
+against a torch layer; the lines table of docs/models.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ The generated kernel runs under Triton's CPU interpreter (NumPy) and is compared
 eager torch function (`ElementwiseStage._body`, the emulated kernels' path, itself checked against
 the interpreter elsewhere):
 - every elementwise stage of the examples and of the Hugging Face patch's blocks (forward, and backward
-  with the patch's and with every gradient, and with the patch's saving every tile) that the generator
+  with the patch's and with every gradient, and with the patch's saving every tile; OLMo 2's row
+  stages beyond its layer block's forward and the patch's backward under -m slow) that the generator
   accepts, at sizes that are multiples of no block (rows, column pairs), with random inputs: stored
   tiles within one bf16 rounding (of the value's magnitude), reductions over the columns and over the
   rows within f32 accumulation error;

@@ -2,11 +2,12 @@
 the patched model; unfused under Hugging Face's names in checkpoints.
 
 What it does: `fuse_and_move(model, hd)` replaces each layer's q/k/v projections by one parameter
-`qkv_weight` (q and k rows in the interleaved RoPE layout; `FusedQKV`, which also takes Qwen3's
-`q_norm` and `k_norm`) and gate/up by `mlp.gate_up_weight` (rows interleaved), then moves each
+`qkv_weight` (q and k rows in the interleaved RoPE layout; `FusedQKV`, which also takes Qwen3's or
+OLMo 2's `q_norm` and `k_norm`) and gate/up by `mlp.gate_up_weight` (rows interleaved), then moves each
 weight to the module whose forward runs the block that reads it (`Moved` containers): layer i+1's
 input norm and QKV under layer i (`layers.i.coda_next`), the final norm under the last layer
-(`layers.{L-1}.coda_next.norm`), layer 0's input norm and QKV under the base model (`coda_first`).
+(`layers.{L-1}.coda_next.norm`), layer 0's input norm and QKV under the base model (`coda_first`);
+a family without input norms (OLMo 2) has only the QKV moved.
 Qwen2's q, k and v biases become one parameter `qkv_bias` of the `FusedQKV`, in its rows' order.
 The moved modules stay reachable where Hugging Face had them (`layers[i].input_layernorm`,
 `self_attn.q_norm`, `model.model.norm`) as plain attributes, not registered there: every parameter
@@ -122,8 +123,8 @@ def mlp_load_hook(module: Any, state_dict: dict[str, Any], prefix: str, *_: Any)
 
 class FusedQKV(torch.nn.Module):
     """One decoder layer's QKV projection as one parameter `qkv_weight` ([(H + 2 KV) * HD, D]: q, k and
-    v rows, q and k in the interleaved RoPE layout) and, in Qwen3, the attention's `q_norm` and
-    `k_norm` (moved here: the QKV block's epilogue reads them). In a state dict it is
+    v rows, q and k in the interleaved RoPE layout) and, in Qwen3 and OLMo 2, the attention's
+    `q_norm` and `k_norm` (moved here: the QKV block reads them). In a state dict it is
     `q_proj.weight`, `k_proj.weight`, `v_proj.weight` (and the norms) under its prefix. Never
     called: the patched forward reads its weights."""
 

@@ -5,7 +5,8 @@ What it does: `check_model(model, family)` raises ValueError (`refuse`: "coda_la
 what to do") for a model of another class (a peft tuner among them: patch the PeftModel), one
 patched already, a dtype the blocks don't run, biases the family has none of, an activation other
 than SiLU, sliding-window attention where the family has none (`check_layer_kinds`), RoPE that scales
-cos/sin, (Qwen3) attention without its q/k norms, a width whose rows the kernels can't load
+cos/sin, (Qwen3, OLMo 2) attention without its q/k norms, a layer without one of the family's norms
+(`norm_names`), a width whose rows the kernels can't load
 (`check_widths`: a vocabulary not a multiple of 8 in bf16), a module the blocks would bypass that is
 not the family's own (peft layers but plain LoRA on the seven projections, which `check_lora`
 checks; bitsandbytes' quantized layers, a parametrization, an activation or norm swapped), hooks on
