@@ -387,12 +387,12 @@ TINY = {
         ),
     ),
     # OLMo 2's released settings (multi-head attention, RoPE base 5e5, epsilon 1e-6, untied), at the
-    # 1B's 16 heads and its MLP 4x the hidden size, and the 7B's MLP 2.6875x (8 heads here)
+    # 1B's 16 heads, and the 7B's MLP 2.6875x the hidden size (8 heads here)
     "OLMo-2-0425-1B": (
         "olmo2",
         dict(
             hidden_size=128,
-            intermediate_size=512,
+            intermediate_size=256,
             num_attention_heads=16,
             num_key_value_heads=16,
             head_dim=8,
@@ -619,7 +619,11 @@ OLMO2_MUTANTS = {
 }
 
 
-@pytest.mark.parametrize("mutant", sorted(OLMO2_MUTANTS))
+@pytest.mark.parametrize(
+    "mutant",
+    # (the MLP's post-norm is the same row stage as the attention's: -m slow)
+    [m if "MLP" not in m else pytest.param(m, marks=pytest.mark.slow) for m in sorted(OLMO2_MUTANTS)],
+)
 def test_olmo2_mutants_fail_the_float32_comparison(mutant: str, monkeypatch: Any) -> None:
     """Each mutant of OLMo 2's blocks (a post-norm dropped, the q/k norm per head instead of over the
     projection) patches and runs, and fails the float32 comparison with the unpatched model that
