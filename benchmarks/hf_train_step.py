@@ -8,7 +8,7 @@ Llama-3.2-1B shapes by default (hidden 2048, 16 layers, 32 query / 8 KV heads of
 vocab 128256, tied embeddings, rope_theta 5e5 with Llama-3 rope scaling); `--family` picks another
 family's shapes (`FAMILY_SHAPES`: Qwen3-1.7B, Qwen2.5-1.5B, a Granite 3.x 2B, Mistral-7B's widths at 8
 layers with its 4096-token sliding window, Ministral likewise with alternating layers, Phi-3-mini-4k:
-32 heads of 96, its 2047-token sliding window), `--layers`
+32 heads of 96, its 2047-token sliding window, OLMo-2-0425-1B), `--layers`
 another layer count; coda is patched by `coda_lang.hf.apply_coda`, Liger by its
 `apply_liger_kernel_to_<family>` (where it has one). Random init (seed 0), bf16,
 sdpa attention, fused AdamW, one fixed batch of random tokens (labels = inputs). Per configuration, in
@@ -168,6 +168,20 @@ FAMILY_SHAPES: dict[str, tuple[str, dict[str, Any], int]] = {
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         ),
         32,
+    ),
+    "olmo2": (  # OLMo-2-0425-1B: no pre-norms, post-norms, q/k norms over each projection
+        "Olmo2Config",
+        dict(
+            vocab_size=100352,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        ),
+        16,
     ),
 }
 

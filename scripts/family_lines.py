@@ -131,6 +131,27 @@ PARTS = (
             }
         ),
     ),
+    Part(
+        "OLMo 2: post norms, q/k norm over each projection",
+        ("olmo2",),
+        frozenset(
+            {
+                "OLMO2",
+                "apply_coda_to_olmo2",
+                "pre_norm",
+                "post_norm",
+                "layer_norms",
+                "norm_names",
+                "post_feedforward_layernorm",
+                "pre_feedforward_layernorm",
+                "qk_proj_norm_weights",
+                "_QKV_PROJ_NORM",
+                "gqk",
+                "go",
+                "gd",
+            }
+        ),
+    ),
 )
 
 
@@ -255,7 +276,17 @@ def count() -> Counts:
     def program(fam: str) -> list[str]:
         f = FAMILIES[fam]
         scales = (2.0, 0.5, 4.0) if f.multipliers else None  # (any values: the text is the same)
-        text = model_source("bfloat16", 1e-6, 128, f.qk_norm, f.qkv_bias, scales)
+        text = model_source(
+            "bfloat16",
+            1e-6,
+            128,
+            f.qk_norm,
+            f.qkv_bias,
+            scales,
+            pre_norm=f.pre_norm,
+            post_norm=f.post_norm,
+            heads=(16, 8),  # (any heads: the text is the same but for their widths' values)
+        )
         return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
 
     base = program("llama")
@@ -274,7 +305,19 @@ def count() -> Counts:
         src = path.read_text()
         tree = ast.parse(src)
         coda_names = (
-            frozenset({"_QKV", "_QKV_NORM", "_TEMPLATE"}) if path.name == "blocks.py" else frozenset()
+            frozenset(
+                {
+                    "_QKV",
+                    "_QKV_NORM",
+                    "_QKV_PROJ_NORM",
+                    "_POST_NORM_STAGES",
+                    "_TEMPLATE",
+                    "_INPUT_NORM",
+                    "_THEN",
+                }
+            )
+            if path.name == "blocks.py"
+            else frozenset()
         )
         code = code_lines(src, tree, coda_names)
         everything[path.name] = code

@@ -3,7 +3,9 @@
 - Golden files: tests/golden/emit/<block>_stage<k>.py hold the emitted source of llama_mlp's stages
   and of qk_norm's (a prepass for its per-head grouped sum; compared exactly; `pytest --update-golden`
   rewrites them).
-- Every example's stages either emit valid Python or stop with a clean E07 diagnostic.
+- Every example's stages either emit valid Python or stop with a clean E07 diagnostic; so does every
+  GEMM stage of the OLMo 2 program coda_lang.hf generates (and its backwards), its row stages the
+  Triton generator's.
 - Each E07 code the planner gives is produced by a small program, at the offending line.
 - `import coda_lang, coda_lang.cli` (and the backend's planning modules) import no GPU library.
 - `coda compile --emit source`: one file per stage, exit codes 0/1/2, no traceback.
@@ -655,6 +657,47 @@ def test_bare_gemm_stages_share_one_kernel_per_dtype_and_majors(tmp_path: Path) 
     assert len(set(sources.values())) == len(other) - len(shared) == 12
     for key, src in sources.items():  # nothing of where the stage stands
         assert f"block `{key[0]}`" not in src and f"{key[0]}_stage" not in src and "_t77" not in src
+
+
+def test_the_olmo2_blocks_plan_and_emit() -> None:
+    """OLMo 2's program (coda_lang.hf: post norms, no pre-norms, q and k each normalized over its
+    projection's whole width) fuses as `coda check` says: each full-row norm is a GEMM storing its tile
+    and folding the partial sums of squares (a column reduction per tile), then a row stage. Every GEMM
+    stage of its blocks and of the backwards the patch runs plans and emits Python without a GPU, and
+    every row stage is one the Triton generator takes (tests/test_triton_stage.py runs them)."""
+    import coda_lang.hf.blocks as hb
+    from coda_lang.backend_triton.elementwise import ElementwiseStage
+    from coda_lang.backend_triton.generate import unsupported
+
+    src = hb.model_source("bfloat16", 1e-6, 64, "proj", pre_norm=False, post_norm=True, heads=(16, 8))
+    prog = coda_lang.load(src)
+    shape = {n: [s.is_gemm for s in prog[n].ir.stages] for n in ("first_qkv", "layer", "last")}
+    assert shape == {
+        "first_qkv": [True, False],  # QKV, the q/k norm's row stage (row scales, weight, RoPE)
+        "layer": [True, False, True, True, False, True, False],  # o, x1, gate/up, down, x2, QKV, q/k
+        "last": [True, False, True, True, False],  # ... x2 and the final norm's statistics
+    }
+    o, _, _, m, _, qkv, _ = (
+        plan_stage(prog["layer"], k) if g else None for k, g in enumerate(shape["layer"], 1)
+    )
+    for spec, tile, ss in ((o, "o", "sso"), (m, "m", "ssm"), (qkv, "zr", None)):
+        assert spec is not None and spec.mode == "element" and spec.d is not None and spec.d.name == tile
+        if ss:
+            assert [(k.name, k.op, k.value) for k in spec.sinks] == [(ss, "ColVecReduce", (tile, tile))]
+    assert qkv is not None and [(k.name, k.op) for k in qkv.sinks] == [
+        ("ssq", "ColVecReduce"),
+        ("ssk", "ColVecReduce"),
+    ]
+    weights = {"w_o", "w_13", "w_2", "w_qkv", "go", "gd", "g2", "gqk", "h", "y", "x"}
+    for name in ("first_qkv", "layer", "last"):
+        blk = prog[name]
+        bwd = blk.derivation([p.var.name for p in blk.ir.params if p.var.name in weights], "auto").backward
+        for b in (blk, bwd):
+            for k, st in enumerate(b.ir.stages, 1):
+                if st.is_gemm:
+                    ast.parse(emit_stage(plan_stage(b, k)))
+                else:
+                    assert unsupported(ElementwiseStage(b, k, emulate=True)) is None, (b.name, k)
 
 
 def test_half_width_column_vector_is_loaded_repeated() -> None:

@@ -326,6 +326,46 @@ def test_examples_compile_without_spills(cache: Path, name: str, kind: str, inde
     print(f"\n{name} {kind} stage {index}: {c.config}: {c.report}")
 
 
+def _olmo2_stages() -> list[tuple[str, int]]:
+    """The GEMM stages of the OLMo 2 `layer` block coda_lang.hf generates (at head_dim 128, the released
+    models'), forward and the backward the patch runs: (forward or backward, index)."""
+    b = _olmo2_layer()
+    bwd = _olmo2_backward(b)
+    return [
+        (kind, k)
+        for kind, x in (("forward", b), ("backward", bwd))
+        for k, s in enumerate(x.ir.stages, 1)
+        if s.is_gemm
+    ]
+
+
+def _olmo2_layer() -> coda_lang.Block:
+    from coda_lang.hf.blocks import model_source
+
+    src = model_source("bfloat16", 1e-6, 128, "proj", pre_norm=False, post_norm=True, heads=(16, 16))
+    return coda_lang.load(src)["layer"]
+
+
+def _olmo2_backward(b: coda_lang.Block) -> coda_lang.Block:
+    wrt = {"w_o", "w_13", "w_2", "w_qkv", "go", "gd", "gqk", "y", "x"}
+    return b.derivation([p.var.name for p in b.ir.params if p.var.name in wrt], "auto").backward
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,index", _olmo2_stages(), ids=[f"{k}-{i}" for k, i in _olmo2_stages()])
+def test_olmo2_layer_stages_compile_without_spills(cache: Path, kind: str, index: int) -> None:
+    """OLMo 2's layer block (post norms: the out- and down-projections storing their branch and its
+    partial sums of squares; the QKV projection storing its tile and the q and k columns' partial
+    sums) and its backward: PTX for sm_90a with WGMMA and TMA at a tile without spills. (On this
+    project's 2-core CPU: forward at 128x192, the QKV stages at epilogue subtile N 16, the post norms'
+    backward in the dgrad epilogues of QKV and gate/up at 128x96 and 128x64.)"""
+    b = _olmo2_layer()
+    c = select_config(b if kind == "forward" else _olmo2_backward(b), index, directory=cache)
+    check_ptx(c)
+    assert c.report is not None and not c.report.spills, c.report.text
+    print(f"\nolmo2 layer {kind} stage {index}: {c.config}: {c.report}")
+
+
 def test_every_example_stage_is_covered() -> None:
     names = {n for n, _, _ in EXAMPLE_STAGES}
     assert names == {p.stem for p in (ROOT / "examples").glob("*.coda")}

@@ -24,6 +24,7 @@ from coda_lang.hf import (  # noqa: E402
     apply_coda_to_llama,
     apply_coda_to_ministral,
     apply_coda_to_mistral,
+    apply_coda_to_olmo2,
     apply_coda_to_phi3,
     apply_coda_to_qwen2,
     apply_coda_to_qwen3,
@@ -52,6 +53,7 @@ FAMILIES = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, apply_coda_to_qwen2),
     "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM, apply_coda_to_granite),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, apply_coda_to_phi3),
+    "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM, apply_coda_to_olmo2),
 }
 # Each family's own settings in the tiny models: a sliding window of 16 (Mistral, Phi-3: every layer;
 # Ministral: the first of its two layers, the second full attention), shorter than most test sequences;
@@ -68,6 +70,8 @@ OWN = {
     },
     # Phi-3's every-layer window (Phi-3-mini-4k's is 2047); its pad token (32000 of 32064) the last
     "phi3": {"sliding_window": 16, "pad_token_id": VOCAB - 1, "eos_token_id": VOCAB - 1},
+    # (its config's default end-of-text token, 50279, is outside the tiny vocabulary)
+    "olmo2": {"eos_token_id": None},
 }
 # The families every test runs; the others' costly tests (bf16, convergence, ...) run under -m slow
 FIRST = ("llama", "qwen3")

@@ -4,7 +4,10 @@
 On the CPU with tiny models (2 layers, random init from a seed): `apply_coda` patches each supported
 model type as its own entry point does and refuses any other with the list of those supported;
 `AutoCodaForCausalLM` loads a saved model and patches it (an unsupported type refused from its config
-alone, before any weights load).
+alone, before any weights load). Released configurations at their widths (meta device) and their
+settings at tiny widths against the unpatched model; sliding windows; Qwen2's biases; OLMo 2's
+mutants, contract and bf16 against float64; the post-norm option with pre-norms (Gemma's sandwich)
+against a torch layer; the lines table of docs/models.md.
 """
 
 from __future__ import annotations
@@ -88,17 +91,21 @@ def test_auto_class_refuses_an_unsupported_type_before_loading(tmp_path: Any) ->
         AutoCodaForCausalLM.from_config(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2))
 
 
-def matches_unpatched(ref: Any, pat: Any, s: int = 24, tol: float = 1e-4) -> None:
-    """The patched model's loss, logits and every parameter's gradient (under the unpatched names) are
-    the unpatched model's in float32, to `tol` relative."""
+def differences(ref: Any, pat: Any, s: int = 24) -> dict[str, float]:
+    """The relative differences of the patched model's loss, logits and every parameter's gradient
+    (under the unpatched names) from the unpatched model's, by name."""
     ids, labels = batch(s=s)
     l0, z0, g0 = run(ref, ids, labels)
     l1, z1, g1 = run(pat, ids, labels)
-    assert rel(l1, l0) < tol, (float(l1), float(l0))
-    assert rel(z1, z0) < tol
     assert set(g1) == set(g0) and len(g0) == sum(p.requires_grad for p in ref.parameters())
-    for name in g0:
-        assert rel(g1[name], g0[name]) < tol, name
+    return {"loss": rel(l1, l0), "logits": rel(z1, z0), **{n: rel(g1[n], g0[n]) for n in g0}}
+
+
+def matches_unpatched(ref: Any, pat: Any, s: int = 24, tol: float = 1e-4) -> None:
+    """The patched model's loss, logits and every parameter's gradient (under the unpatched names) are
+    the unpatched model's in float32, to `tol` relative."""
+    off = {k: v for k, v in differences(ref, pat, s).items() if not v < tol}
+    assert not off, off
 
 
 def state_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
@@ -270,11 +277,35 @@ RELEASED_PHI3 = {  # model_type "phi3": the 4k variants (default RoPE); the 128k
         rope_parameters=PHI3_ROPE,
     ),
 }
+OLMO2_ROPE = {"rope_type": "default", "rope_theta": 500000.0}
+RELEASED_OLMO2 = {  # model_type "olmo2": no pre-norms, post-norms, q/k norms over each projection
+    "OLMo-2-0425-1B": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        vocab_size=100352,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        rope_parameters=OLMO2_ROPE,
+    ),
+    "OLMo-2-1124-7B": dict(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=100352,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        rope_parameters=OLMO2_ROPE,
+    ),
+}
 RELEASED = {
     **{n: ("llama", c) for n, c in RELEASED_LLAMA.items()},
     **{n: ("mistral", c) for n, c in RELEASED_MISTRAL.items()},
     **{n: ("qwen2", c) for n, c in RELEASED_QWEN2.items()},
     **{n: ("phi3", c) for n, c in RELEASED_PHI3.items()},
+    **{n: ("olmo2", c) for n, c in RELEASED_OLMO2.items()},
 }
 
 
@@ -283,18 +314,23 @@ def test_released_configurations_patch_at_their_widths(name: str) -> None:
     """Each released configuration, at its own widths (on the meta device: no memory, no forward), in
     bf16: the patch's checks pass (widths the kernels can load, the RoPE type, the heads, the sliding
     window) and its fused weights have the model's shapes (head_dim 64 or 128: the config's, else
-    hidden_size / heads)."""
+    hidden_size / heads; OLMo 2's q and k norms over all of q's and k's heads)."""
     family, over = RELEASED[name]
     config_cls, model_cls, _ = FAMILIES[family]
-    cfg = config_cls(**over, num_hidden_layers=2, rms_norm_eps=1e-5, max_position_embeddings=8192)
+    over = {"rms_norm_eps": 1e-5, **over}
+    cfg = config_cls(**over, num_hidden_layers=2, max_position_embeddings=8192)
     with torch.device("meta"):
         model = model_cls(cfg).to(torch.bfloat16)
     apply_coda(model)
     h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size
     hd = over.get("head_dim", d // h)
     st = model._coda
-    assert (st.family.name, st.H, st.KV, st.HD, st.D, st.eps) == (family, h, kv, hd, d, 1e-5)
-    assert model.model.coda_first.self_attn.qkv_weight.shape == ((h + 2 * kv) * hd, d)
+    eps = over["rms_norm_eps"]
+    assert (st.family.name, st.H, st.KV, st.HD, st.D, st.eps) == (family, h, kv, hd, d, eps)
+    fused = model.model.coda_first.self_attn
+    assert fused.qkv_weight.shape == ((h + 2 * kv) * hd, d)
+    if family == "olmo2":
+        assert fused.q_norm.weight.shape == (h * hd,) and fused.k_norm.weight.shape == (kv * hd,)
     assert model.model.layers[1].mlp.gate_up_weight.shape == (2 * cfg.intermediate_size, d)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == over["tie_word_embeddings"]
 
@@ -417,6 +453,34 @@ TINY = {
             rope_parameters=PHI3_ROPE,
         ),
     ),
+    # OLMo 2's released settings (multi-head attention, RoPE base 5e5, epsilon 1e-6, untied), at the
+    # 1B's 16 heads, and the 7B's MLP 2.6875x the hidden size (8 heads here)
+    "OLMo-2-0425-1B": (
+        "olmo2",
+        dict(
+            hidden_size=128,
+            intermediate_size=256,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            head_dim=8,
+            tie_word_embeddings=False,
+            rms_norm_eps=1e-6,
+            rope_parameters=OLMO2_ROPE,
+        ),
+    ),
+    "OLMo-2-1124-7B": (
+        "olmo2",
+        dict(
+            hidden_size=128,
+            intermediate_size=344,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            head_dim=16,
+            tie_word_embeddings=False,
+            rms_norm_eps=1e-6,
+            rope_parameters=OLMO2_ROPE,
+        ),
+    ),
     # Mistral Small's head_dim wider than hidden_size / heads (here 16, not 8), no sliding window
     "Mistral-Small-24B-2501": (
         "mistral",
@@ -438,7 +502,7 @@ def test_released_configurations_match_unpatched(name: str) -> None:
     """Each released configuration's settings at tiny widths: loss, logits and every gradient of the
     patched model are the unpatched model's in float32 (1e-4), over 40 positions."""
     family, over = TINY[name]
-    ref = make(family, rms_norm_eps=1e-5, **over)
+    ref = make(family, **{"rms_norm_eps": 1e-5, **over})
     matches_unpatched(ref, apply_coda(copy.deepcopy(ref)), s=40)
 
 
@@ -510,8 +574,14 @@ def test_the_models_own_attention_function_gets_what_it_gets_unpatched(family: s
         assert (a[1] is None and b[1] is None) or torch.equal(a[1], b[1]), a[0]
     windows = [c[2] for c in seen[1]]
     none = ["none given"] * 2
-    own = {"llama": none, "granite": none, "mistral": [16, 16], "ministral": [16, None], "phi3": [16, 16]}
-    assert windows == own.get(family, [None, 8])
+    assert windows == {
+        "llama": none,
+        "granite": none,
+        "olmo2": none,
+        "mistral": [16, 16],
+        "ministral": [16, None],
+        "phi3": [16, 16],
+    }.get(family, [None, 8])
 
 
 def test_a_sliding_window_the_family_has_not_is_refused() -> None:
@@ -746,3 +816,176 @@ def test_phi3_bf16_within_the_accuracy_rule_against_float64(name: str) -> None:
         err = float((out.double() - ref).abs().max())
         bound = 2 * float((lowp.double() - ref).abs().max()) + 1e-6
         assert err < bound, f"{what}: |coda - f64| = {err:.3g}, 2 |HF bf16 - f64| + 1e-6 = {bound:.3g}"
+
+
+# OLMo 2: mutants of its blocks, which the float32 comparison with the unpatched model must catch.
+# The per-head q/k norm is Qwen3's (each head of the tiny model's 16 columns normalized on its own),
+# with OLMo 2's weights over the whole width.
+OLMO2_MUTANTS = {
+    "attention's post-norm dropped": ("_POST_NORM_STAGES", "o * ro * go", "o * go"),
+    "MLP's post-norm dropped": ("_POST_NORM_STAGES", "m * rd * gd", "m * gd"),
+    "q/k norm per head": (
+        "_QKV_PROJ_NORM",
+        None,
+        """
+    zr = acc{r}{b}
+    hs = sum(zr * zr, over=2*P, group=16)
+    zn = zr * rsqrt(hs / 16.0 + eps)
+    z = ((mq + mk) * zn + (1.0 - mq - mk) * zr) * gqk
+    qa, qb = pairs(z)
+    ang = pos * freq
+    c = cos(ang)
+    s = sin(ang)
+    qkv = interleave(qa * c - qb * s, qa * s + qb * c)""",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "mutant",
+    # (the MLP's post-norm is the same row stage as the attention's: -m slow)
+    [m if "MLP" not in m else pytest.param(m, marks=pytest.mark.slow) for m in sorted(OLMO2_MUTANTS)],
+)
+def test_olmo2_mutants_fail_the_float32_comparison(mutant: str, monkeypatch: Any) -> None:
+    """Each mutant of OLMo 2's blocks (a post-norm dropped, the q/k norm per head instead of over the
+    projection) patches and runs, and fails the float32 comparison with the unpatched model that
+    test_hf.py's `test_float32_matches_unpatched` and `matches_unpatched` make (loss, logits and every
+    gradient within 1e-5 and 1e-4): the logits and most gradients are off by far more."""
+    import coda_lang.hf.blocks as hb
+
+    name, old, new = OLMO2_MUTANTS[mutant]
+    text = getattr(hb, name)
+    assert old is None or old in text
+    monkeypatch.setattr(hb, name, new if old is None else text.replace(old, new))
+    ref = make("olmo2")
+    off = differences(ref, apply_coda(copy.deepcopy(ref)))
+    assert off["logits"] > 1e-2 and sum(v > 1e-2 for v in off.values()) > len(off) / 2, off
+
+
+def test_olmo2_contract() -> None:
+    """OLMo 2's modules are under the patch's contract as every family's: hooks on its q/k norms and
+    post-norms are refused at patching and at the forward, as are a q/k norm replaced at its Hugging
+    Face place, a post-norm's epsilon or the config's `rms_norm_eps` changed; a layer without its
+    post-feedforward norm is refused at patching; removed, the model runs again."""
+    ids, labels = batch()
+    pat = apply_coda(make("olmo2"))
+    layer = pat.model.layers[1]
+    for path in (
+        "model.layers.0.self_attn.q_norm",
+        "model.layers.1.self_attn.k_norm",
+        "model.layers.1.post_attention_layernorm",
+        "model.layers.0.post_feedforward_layernorm",
+    ):
+        handle = pat.get_submodule(path).register_forward_hook(lambda mod, args, out: out)
+        try:
+            with pytest.raises(ValueError, match=rf"coda_lang.hf: {path}: a forward hook .*never calls it"):
+                pat(ids, labels=labels)
+        finally:
+            handle.remove()
+    q_norm = layer.self_attn.q_norm  # (moved into layer 0's coda_next, reachable where it was)
+    layer.self_attn.q_norm = torch.nn.Identity()
+    with pytest.raises(ValueError, match="model.layers.1.self_attn.q_norm: replaced after patching by a"):
+        pat(ids)
+    del layer.self_attn._modules["q_norm"]
+    object.__setattr__(layer.self_attn, "q_norm", q_norm)
+    layer.post_feedforward_layernorm.variance_epsilon = 1e-3
+    with pytest.raises(ValueError, match="post_feedforward_layernorm.variance_epsilon = 0.001: it was 1e-06"):
+        pat(ids)
+    layer.post_feedforward_layernorm.variance_epsilon = 1e-6
+    pat.config.rms_norm_eps = 1e-5
+    with pytest.raises(ValueError, match="config.rms_norm_eps = 1e-05: it was 1e-06"):
+        pat(ids)
+    pat.config.rms_norm_eps = 1e-6
+    pat(ids, labels=labels)
+    hooked = make("olmo2")
+    hooked.model.layers[0].post_feedforward_layernorm.register_forward_pre_hook(lambda mod, args: None)
+    with pytest.raises(ValueError, match="model.layers.0.post_feedforward_layernorm: a forward pre-hook"):
+        apply_coda(hooked)
+    missing = make("olmo2")
+    missing.model.layers[1].post_feedforward_layernorm = None
+    with pytest.raises(ValueError, match="layer 1: post_feedforward_layernorm: missing"):
+        apply_coda(missing)
+    assert getattr(missing, "_coda", None) is None
+
+
+@pytest.mark.slow
+def test_olmo2_bf16_against_float64() -> None:
+    """The patched bf16 model against the unpatched model in float64 (the accuracy rule with float64 as
+    the reference): loss, logits and every gradient no further from float64 than twice the unpatched
+    bf16 model's distance (plus 1e-6)."""
+    ref64 = make("olmo2").double()
+    ref16 = make("olmo2", dtype=torch.bfloat16)
+    pat = apply_coda(make("olmo2", dtype=torch.bfloat16))
+    ids, labels = batch()
+    want, low, got = (run(m, ids, labels) for m in (ref64, ref16, pat))
+    pairs = [("loss", got[0], low[0], want[0]), ("logits", got[1], low[1], want[1])]
+    pairs += [(n, got[2][n], low[2][n], want[2][n]) for n in want[2]]
+    for what, out, lowp, ref in pairs:
+        err = float((out.double() - ref).abs().max())
+        bound = 2 * float((lowp.double() - ref).abs().max()) + 1e-6
+        assert err < bound, f"{what}: |coda - f64| = {err:.3g}, 2 |HF bf16 - f64| + 1e-6 = {bound:.3g}"
+
+
+def test_post_norms_compose_with_pre_norms() -> None:
+    """The post-norm option is a block option, not OLMo 2's alone: with pre-norms too (Gemma 2/3's
+    sandwich: input norm, attention, post-attention norm, residual, pre-feedforward norm, MLP,
+    post-feedforward norm, residual) the `layer` block computes, in float32 on the emulated kernels,
+    what the layer written in torch computes in float64: its outputs (the residual and the next
+    layer's QKV tile after RoPE) and the gradient of every input, within 1e-4."""
+    import coda_lang
+    from coda_lang.hf.blocks import model_source
+    from coda_lang.layout import interleave_gate_up
+    from coda_lang.torch import function
+
+    m, d, f, hd, nq, nkv = 12, 32, 48, 8, 4, 2
+    block = coda_lang.load(model_source("float32", 1e-6, hd, None, pre_norm=True, post_norm=True))["layer"]
+    # out-proj, its post-norm's row stage (and the MLP's pre-norm statistics), gate/up, down, the MLP's
+    # post-norm's row stage (and the next input norm's statistics), QKV
+    assert [s.is_gemm for s in block.ir.stages] == [True, False, True, True, False, True]
+    g = torch.Generator().manual_seed(3)
+
+    def rnd(*shape: int, scale: float = 0.2, mean: float = 0.0) -> Any:
+        x = mean + scale * torch.randn(*shape, generator=g, dtype=torch.float64)
+        return x.requires_grad_()
+
+    norms = ("go", "g1", "gd", "g2")
+    ins = dict(
+        y=rnd(m, nq * hd, scale=1.0),
+        x=rnd(m, d, scale=1.0),
+        w_o=rnd(d, nq * hd),
+        w_gate=rnd(f, d),
+        w_up=rnd(f, d),
+        w_2=rnd(d, f),
+        w_qkv=rnd((nq + 2 * nkv) * hd, d),
+        **{k: rnd(d, scale=0.3, mean=1.0) for k in norms},
+    )
+    pos = torch.arange(m, dtype=torch.float64) % 5
+    inv = 1.0 / 100.0 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)  # (RoPE's, base 100)
+    freq = torch.cat([inv.repeat(nq + nkv), torch.zeros(nkv * hd // 2, dtype=torch.float64)])  # (v: 0)
+
+    def rms(v: Any, weight: Any) -> Any:
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+
+    def reference(i: dict[str, Any]) -> tuple[Any, Any]:
+        x1 = i["x"] + rms(i["y"] @ i["w_o"].T, i["go"])
+        h = rms(x1, i["g1"])
+        mlp = (torch.nn.functional.silu(h @ i["w_gate"].T) * (h @ i["w_up"].T)) @ i["w_2"].T
+        x2 = x1 + rms(mlp, i["gd"])
+        z = rms(x2, i["g2"]) @ i["w_qkv"].T  # (q and k heads in the interleaved RoPE layout)
+        a, b = z[:, 0::2], z[:, 1::2]
+        c, s = torch.cos(pos[:, None] * freq), torch.sin(pos[:, None] * freq)
+        return x2, torch.stack([a * c - b * s, a * s + b * c], -1).flatten(1)
+
+    fn = function(block, wrt=["y", "x", "w_o", "w_13", "w_2", "w_qkv", *norms])
+    w13 = interleave_gate_up(ins["w_gate"].T, ins["w_up"].T).T  # (differentiable: a permutation)
+    given = {k: v for k, v in ins.items() if k not in ("w_gate", "w_up")}
+    out = fn(**{k: v.float() for k, v in given.items()}, w_13=w13.float(), pos=pos.float(), freq=freq.float())
+    got = (out["x2"], out["qkv"])
+    want = reference(ins)
+    cot = [torch.randn(t.shape, generator=g, dtype=torch.float64) for t in want]
+    grads_want = torch.autograd.grad(want, list(ins.values()), cot)
+    grads_got = torch.autograd.grad(got, list(ins.values()), [c.float() for c in cot])
+    for a, b in zip(got, want, strict=True):
+        assert rel(a, b) < 1e-4
+    for name, a, b in zip(ins, grads_got, grads_want, strict=True):
+        assert rel(a, b) < 1e-4, name

@@ -4,7 +4,8 @@ The generated kernel runs under Triton's CPU interpreter (NumPy) and is compared
 eager torch function (`ElementwiseStage._body`, the emulated kernels' path, itself checked against
 the interpreter elsewhere):
 - every elementwise stage of the examples and of the Hugging Face patch's blocks (forward, and backward
-  with the patch's and with every gradient, and with the patch's saving every tile) that the generator
+  with the patch's and with every gradient, and with the patch's saving every tile; OLMo 2's row
+  stages beyond its layer block's forward and the patch's backward under -m slow) that the generator
   accepts, at sizes that are multiples of no block (rows, column pairs), with random inputs: stored
   tiles within one bf16 rounding (of the value's magnitude), reductions over the columns and over the
   rows within f32 accumulation error;
@@ -37,7 +38,8 @@ from coda_lang.ir.nodes import Stage
 pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parent.parent
-HF_WRT = {"w_o", "w_13", "w_2", "w_qkv", "w_lm", "g", "g1", "g2", "gq", "gk", "h", "y", "x", "hg", "r"}
+HF_WRT = {"w_o", "w_13", "w_2", "w_qkv", "w_lm", "g", "g1", "g2", "go", "gd", "gq", "gk", "gqk"}
+HF_WRT |= {"h", "y", "x", "hg", "r"}
 TORCH = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "i32": torch.int32}
 
 
@@ -45,6 +47,12 @@ def _programs() -> list[tuple[str, str, bool]]:
     out = [
         ("llama", model_source("bfloat16", 1e-5, 8, False), True),
         ("qwen3", model_source("bfloat16", 1e-6, 8, True), True),
+        # OLMo 2: the post norms' row stages, the q/k norm over each projection's row stage
+        (
+            "olmo2",
+            model_source("bfloat16", 1e-6, 8, "proj", pre_norm=False, post_norm=True, heads=(4, 2)),
+            True,
+        ),
     ]
     for f in sorted(glob.glob(str(ROOT / "examples" / "*.coda"))):
         out.append((Path(f).stem, Path(f).read_text(), False))
@@ -155,7 +163,17 @@ def test_the_generator_takes_the_stages_the_llama_step_runs() -> None:
     assert len(SUPPORTED) >= 12
 
 
-@pytest.mark.parametrize("name,st", SUPPORTED, ids=[n for n, _ in SUPPORTED])
+def _costly(name: str) -> bool:
+    """OLMo 2's stages beyond its layer block's forward and the patch's backward of it (the first
+    layer's and the last's are the same kinds of stage; the other backwards, the heads' are Llama's)
+    run under -m slow."""
+    return name.startswith("olmo2.") and not (name.startswith(("olmo2.layer.fwd.", "olmo2.layer.bwd_hf.")))
+
+
+@pytest.mark.parametrize(
+    "name,st",
+    [pytest.param(n, st, id=n, marks=[pytest.mark.slow] if _costly(n) else []) for n, st in SUPPORTED],
+)
 def test_generated_kernel_matches_the_torch_function(name: str, st: ElementwiseStage) -> None:
     sizes = _sizes(st)
     rows = _extent(st.rows, sizes)

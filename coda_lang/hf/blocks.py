@@ -1,10 +1,9 @@
 """The .coda text of a LLaMA-family model in the paper's schedule, generated for one model's shapes.
 
-What it does: `model_source(dtype, eps, head_dim, qk_norm, qkv_bias)` gives a program with the blocks the Hugging
-Face patch runs, each a fused chain of GEMMs and their epilogues, weights in `nn.Linear` layout
-([out, in], used as `transpose(w)`):
-  - `first_qkv`: the first layer's input RMSNorm, QKV projection and RoPE (and Qwen3's per-head q/k
-    norm);
+What it does: `model_source(dtype, eps, head_dim, qk_norm, qkv_bias, multipliers, ...)` gives a
+program with the blocks the Hugging Face patch runs, each a fused chain of GEMMs and their
+epilogues, weights in `nn.Linear` layout ([out, in], used as `transpose(w)`):
+  - `first_qkv`: the first layer's input RMSNorm, QKV projection and RoPE (and a q/k norm);
   - `layer`: from layer i's attention output to layer i+1's QKV: out-proj + residual + RMSNorm +
     gate/up + SwiGLU + down + residual + the next layer's input RMSNorm, QKV projection and RoPE;
   - `last`: the last layer's out-proj .. down + residual, then the final norm's weight and row scale;
@@ -16,12 +15,25 @@ Face patch runs, each a fused chain of GEMMs and their epilogues, weights in `nn
     a softmax that does not sum to 1 moved each confident token's gradient p - 1 by up to 2^-9 times
     its logit: 36 times the true gradient once the loss was near 1e-3, H100, 2026-11-27).
 The QKV weight holds q, k and v rows (q and k in the interleaved RoPE layout, `coda_lang.layout`),
-`freq` the inverse frequency of each column pair (0 for v). With `qk_norm`, `gq` and `gk` are the q
-and k norm weights, one head's `HD` values each (interleaved like a RoPE head): a vector over the fixed
-dim HD repeats for every head (docs/language.md, "Vectors that repeat"), so its gradient comes back
-folded into one head's; `mq` is 1 on the q columns and 0 elsewhere, `mk` 1 on the k columns (constant
-masks: the v columns are not normalized).
-The MLP's stages are coda_lang.torch's `llama_mlp_stages`, the one source of the LLaMA MLP's text.
+`freq` the inverse frequency of each column pair (0 for v). `mq` is 1 on the q columns and 0
+elsewhere, `mk` 1 on the k columns (constant masks: the v columns are not normalized).
+With `qk_norm="head"` (Qwen3; `True` says the same), `gq` and `gk` are the q and k norm weights, one
+head's `HD` values each (interleaved like a RoPE head): a vector over the fixed dim HD repeats for
+every head (docs/language.md, "Vectors that repeat"), so its gradient comes back folded into one
+head's. With `qk_norm="proj"` (OLMo 2) each of q and k is normalized over its projection's whole
+width (`NQ` = heads * HD columns, `NK` = kv heads * HD, fixed dims from `heads`), a full-row
+reduction that no kernel tile spans: the QKV epilogue stores the projection `zr` and the partial
+sums of squares of its q and k columns, and a row stage (an elementwise stage) applies the row
+scales, the norm weight `gqk` (q's and k's in the fused columns' order, 1 on v) and RoPE.
+Where the norms sit: `pre_norm` (LLaMA) normalizes each branch's input (the input norm before the
+QKV projection, the MLP's norm before gate/up), its row scale deferred into the GEMM it feeds.
+`post_norm` (OLMo 2; with `pre_norm`, Gemma 2/3's sandwich) normalizes each branch's output before
+it joins the residual, `x1 = x + RMSNorm(o) * go` after the out-projection `o` and `x2 = x1 +
+RMSNorm(m) * gd` after the down-projection `m`: the residual add needs the row scale on a tile that
+feeds no GEMM as a row-scaled operand, so each is a row stage after its GEMM (which stores the
+branch and the partial sums of its squares), and that row stage also makes the next pre-norm's
+weighted input and statistics when there is one. The MLP's stages without post norms are
+coda_lang.torch's `llama_mlp_stages`, the one source of the LLaMA MLP's text.
 What it does not: hold parameters or touch transformers (the other modules of coda_lang.hf do).
 With `multipliers` (Granite), each branch joins the residual times `rm` (the layer's residual
 multiplier) and the logits are divided by `ls` (its logits scaling): scalars in the epilogues.
@@ -29,7 +41,9 @@ With `qkv_bias` (Qwen2), `b_qkv` is the QKV projection's bias, q, k and v's in t
 row order, added in the epilogue before RoPE; its gradient is the column sum of the epilogue's
 cotangent, which the derived backward gives.
 Invariants: RMSNorm's row scale is deferred into the next GEMM's epilogue (RMSNorm(h)*g @ W ==
-r * ((h*g) @ W)), as the examples do; the bias is added after it (r * ((h*g) @ W) + b).
+r * ((h*g) @ W)), as the examples do, wherever a norm feeds a GEMM; the bias is added after it
+(r * ((h*g) @ W) + b). A full-row reduction is never completed inside the stage that makes it: its
+partial sums are combined after the stage and applied by a later one (docs/design.md).
 """
 
 from __future__ import annotations
@@ -39,7 +53,7 @@ from coda_lang.torch import llama_mlp_stages
 DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 
 _QKV = """
-    z = acc * {r}{b}
+    z = acc{r}{b}
     qa, qb = pairs(z)
     ang = pos * freq
     c = cos(ang)
@@ -47,7 +61,7 @@ _QKV = """
     qkv = interleave(qa * c - qb * s, qa * s + qb * c)"""
 
 _QKV_NORM = """
-    z = acc * {r}{b}
+    z = acc{r}{b}
     hs = sum(z * z, over=2*P, group=HD)
     zn = z * rsqrt(hs / HD + eps)
     n = mq * (zn * gq) + mk * (zn * gk) + (1.0 - mq - mk) * z
@@ -57,29 +71,61 @@ _QKV_NORM = """
     s = sin(ang)
     qkv = interleave(qa * c - qb * s, qa * s + qb * c)"""
 
-_TEMPLATE = """# generated by coda_lang.hf for one model's shapes ({t}, eps {eps}, head_dim {hd}{qkn}{qbn})
-dims M, D, F, K, P, V{hd_dim}
+# q and k normalized over each projection's whole width: the GEMM stores the projection and the
+# partial sums of squares of its q and k columns, the row stage after it applies the row scales
+_QKV_PROJ_NORM = """
+    zr: {t} = acc{r}{b}
+    ssq = sum(mq * (zr * zr), over=2*P)
+    ssk = sum(mk * (zr * zr), over=2*P)
+  }}
+  rq = rsqrt(ssq / NQ + eps)
+  rk = rsqrt(ssk / NK + eps)
+  elementwise [M, 2*P] {{
+    z = zr * (mq * rq + mk * rk + (1.0 - mq - mk)) * gqk
+    qa, qb = pairs(z)
+    ang = pos * freq
+    c = cos(ang)
+    s = sin(ang)
+    qkv = interleave(qa * c - qb * s, qa * s + qb * c)"""
 
-block first_qkv(h: {t}[M, D], g: f32[D], w_qkv: {t}[2*P, D]{qkb}, pos: f32[M], freq: f32[P]{qkp},
-                eps: f32 = {eps}) -> (qkv: {t}[M, 2*P]) {{
+# Post norms: each branch (the out-projection's `o`, the down-projection's `m`) stored with the
+# partial sums of its squares, normalized and added to the residual in a row stage after its GEMM
+_POST_NORM_STAGES = """
+  gemm y @ transpose(w_o) {{
+    o: {t} = acc
+    sso = sum(o * o, over=D)
+  }}
+  ro = rsqrt(sso / D + eps)
   elementwise [M, D] {{
-    ss = sum(h * h, over=D)
-    hg: {t} = h * g
+    x1: {t} = o * ro * go{residual} + x{pre1}
+  }}{r1}
+  gemm {x1} @ transpose(w_13) {{{z1}
+    gt, up = pairs({z})
+    a: {t} = silu(gt) * up
   }}
-  r = rsqrt(ss / D + eps)
-  gemm hg @ transpose(w_qkv) {{{qkv_r}
+  gemm a @ transpose(w_2) {{
+    m: {t} = acc
+    ssm = sum(m * m, over=D)
   }}
+  rd = rsqrt(ssm / D + eps)
+  elementwise [M, D] {{
+    x2: {t} = m * rd * gd{residual} + x1{then}
+  }}"""
+
+_TEMPLATE = """# generated by coda_lang.hf for one model's shapes ({t}, eps {eps}, head_dim {hd}{notes})
+dims M, D, F, K, P, V{fixed}
+
+block first_qkv(h: {t}[M, D]{g}, w_qkv: {t}[2*P, D]{qkb}, pos: f32[M], freq: f32[P]{qkp},
+                eps: f32 = {eps}) -> (qkv: {t}[M, 2*P]) {{{first}
 }}
 
-block layer(y: {t}[M, K], x: {t}[M, D], w_o: {t}[D, K], g1: f32[D], w_13: {t}[2*F, D],
-            w_2: {t}[D, F], g2: f32[D], w_qkv: {t}[2*P, D]{qkb}, pos: f32[M], freq: f32[P]{qkp},
-            eps: f32 = {eps}{rmp}) -> (x2: {t}[M, D], qkv: {t}[M, 2*P]) {{{mlp}
-  gemm x2g @ transpose(w_qkv) {{{qkv_r2}
-  }}
+block layer(y: {t}[M, K], x: {t}[M, D], w_o: {t}[D, K]{g_attn}, w_13: {t}[2*F, D],
+            w_2: {t}[D, F]{g_mlp}{g2}, w_qkv: {t}[2*P, D]{qkb}, pos: f32[M], freq: f32[P]{qkp},
+            eps: f32 = {eps}{rmp}) -> (x2: {t}[M, D], qkv: {t}[M, 2*P]) {{{mlp}{qkv}
 }}
 
-block last(y: {t}[M, K], x: {t}[M, D], w_o: {t}[D, K], g1: f32[D], w_13: {t}[2*F, D],
-           w_2: {t}[D, F], g2: f32[D], eps: f32 = {eps}{rmp}) -> (x2g: {t}[M, D], r2: f32[M]) {{{mlp}
+block last(y: {t}[M, K], x: {t}[M, D], w_o: {t}[D, K]{g_attn}, w_13: {t}[2*F, D],
+           w_2: {t}[D, F]{g_mlp}, g2: f32[D], eps: f32 = {eps}{rmp}) -> (x2g: {t}[M, D], r2: f32[M]) {{{mlp_last}
 }}
 
 block head_loss(hg: {t}[M, D], r: f32[M], w_lm: {t}[V, D], target: i32[M]{lsp}) -> (loss: f32[M]) {{
@@ -107,40 +153,115 @@ block head_logits(hg: {t}[M, D], r: f32[M], w_lm: {t}[V, D]{lsp}) -> (logits: {t
 }}
 """
 
+# the first layer's input norm: its weighted input and row statistics, in an elementwise stage (no
+# GEMM makes the embeddings)
+_INPUT_NORM = """
+  elementwise [M, D] {{
+    ss = sum(h * h, over=D)
+    hg: {t} = h * g
+  }}
+  r = rsqrt(ss / D + eps)"""
 
-def _mlp(t: str, residual: str) -> str:
-    """The LLaMA MLP's stages (coda_lang.torch's, the one source), x1 and g1 its residual and norm,
-    then the next norm's weight and row statistics of its output x2."""
-    then = f"\n    x2g: {t} = x2 * g2\n    ss2 = sum(x2 * x2, over=D)"
-    stages = llama_mlp_stages(t, h="x1", n="1", stored=True, then=then, residual=residual)
-    return stages + "\n  r2 = rsqrt(ss2 / D + eps)"
+# the next norm's weighted input and row statistics of the residual x2 (the next layer's input norm,
+# or the final norm), in the stage that makes x2
+_THEN = "\n    x2g: {t} = x2 * g2\n    ss2 = sum(x2 * x2, over=D)"
+
+
+def _mlp(t: str, residual: str, pre_norm: bool, post_norm: bool, then: bool) -> str:
+    """The layer's stages from the attention output `y` to the residual `x2`: the LLaMA MLP's (x1 and
+    g1 its residual and norm; coda_lang.torch's, the one source) or, with `post_norm`, the branches
+    normalized before they join the residual (with `pre_norm` too, the MLP's input normalized as
+    well); `then`: followed by the next norm's weight and row statistics of x2 (`x2g`, `r2`)."""
+    nxt = _THEN.format(t=t) if then else ""
+    if not post_norm:
+        assert pre_norm, "a layer without norms"
+        stages = llama_mlp_stages(t, h="x1", n="1", stored=True, then=nxt, residual=residual)
+    else:
+        pre1 = f"\n    x1g: {t} = x1 * g1\n    ss1 = sum(x1 * x1, over=D)" if pre_norm else ""
+        stages = _POST_NORM_STAGES.format(
+            t=t,
+            residual=residual,
+            pre1=pre1,
+            r1="\n  r1 = rsqrt(ss1 / D + eps)" if pre_norm else "",
+            x1="x1g" if pre_norm else "x1",
+            z1="\n    z1 = acc * r1" if pre_norm else "",
+            z="z1" if pre_norm else "acc",
+            then=nxt,
+        )
+    return stages + ("\n  r2 = rsqrt(ss2 / D + eps)" if then else "")
+
+
+def _qkv(t: str, src: str, r: str, qk_norm: str | None, bias: bool) -> str:
+    """The QKV projection's stage reading `src` (its row scale `r`, or "" for none) through RoPE,
+    with the q/k norm `qk_norm` (and, for "proj", the row stage after it)."""
+    body = {None: _QKV, "head": _QKV_NORM, "proj": _QKV_PROJ_NORM}[qk_norm]
+    scale = f" * {r}" if r else ""
+    text = body.format(t=t, r=scale, b=" + b_qkv" if bias else "")
+    return f"\n  gemm {src} @ transpose(w_qkv) {{{text}\n  }}"
 
 
 def model_source(
     dtype: str,
     eps: float,
     head_dim: int,
-    qk_norm: bool,
+    qk_norm: bool | str | None,
     qkv_bias: bool = False,
     multipliers: tuple[float, float, float] | None = None,
+    *,
+    pre_norm: bool = True,
+    post_norm: bool = False,
+    heads: tuple[int, int] | None = None,
 ) -> str:
-    """The program's text for a model of parameter dtype `dtype` (a torch dtype's name); `multipliers`:
-    Granite's (embedding, residual, logits), the last two written into the blocks."""
+    """The program's text for a model of parameter dtype `dtype` (a torch dtype's name); `qk_norm`:
+    None (or False), "head" (or True: per head, Qwen3) or "proj" (over each projection: OLMo 2, which
+    needs `heads`, the numbers of query and key/value heads); `multipliers`: Granite's (embedding,
+    residual, logits), the last two written into the blocks; `pre_norm` / `post_norm`: where the
+    layer's norms sit (at least one)."""
+    kind = ("head" if qk_norm else None) if isinstance(qk_norm, bool) else qk_norm
+    if kind not in (None, "head", "proj"):
+        raise ValueError(f"qk_norm must be None, 'head' or 'proj', got {qk_norm!r}")
+    if not (pre_norm or post_norm):
+        raise ValueError("a layer needs pre_norm or post_norm (or both)")
+    if kind == "proj" and heads is None:
+        raise ValueError("qk_norm='proj' needs heads=(query heads, key/value heads)")
     residual, logit_scale = (None, None) if multipliers is None else multipliers[1:]
+    rm = "" if residual is None else " * rm"
     t = DTYPES[dtype]
-    body = (_QKV_NORM if qk_norm else _QKV).replace("{b}", " + b_qkv" if qkv_bias else "")
+    fixed = ""
+    if kind == "head":
+        fixed = f", HD = {head_dim}"
+    elif kind == "proj":
+        assert heads is not None
+        fixed = f", NQ = {heads[0] * head_dim}, NK = {heads[1] * head_dim}"
+    qkp = {
+        None: "",
+        "head": ", gq: f32[HD], gk: f32[HD], mq: f32[2*P], mk: f32[2*P]",
+        "proj": ", gqk: f32[2*P], mq: f32[2*P], mk: f32[2*P]",
+    }[kind]
+    notes = {None: "", "head": ", per-head q/k norm", "proj": ", q/k norm over each projection"}[kind]
+    notes += ", QKV bias" if qkv_bias else ""
+    notes += ", post norms" if post_norm else ""
+    notes += "" if pre_norm else ", no pre norms"
+    if pre_norm:
+        first = _INPUT_NORM.format(t=t) + _qkv(t, "hg", "r", kind, qkv_bias)
+    else:
+        first = _qkv(t, "h", "", kind, qkv_bias)
     return _TEMPLATE.format(
-        qbn=", QKV bias" if qkv_bias else "",
-        qkb=", b_qkv: f32[2*P]" if qkv_bias else "",
         t=t,
         eps=repr(float(eps)),
         hd=head_dim,
-        hd_dim=f", HD = {head_dim}" if qk_norm else "",
-        qkn=", per-head q/k norm" if qk_norm else "",
-        qkp=", gq: f32[HD], gk: f32[HD], mq: f32[2*P], mk: f32[2*P]" if qk_norm else "",
-        qkv_r=body.format(r="r").replace("\n", "\n  "),
-        qkv_r2=body.format(r="r2").replace("\n", "\n  "),
-        mlp=_mlp(t, "" if residual is None else " * rm"),
+        notes=notes,
+        fixed=fixed,
+        g=", g: f32[D]" if pre_norm else "",
+        qkb=", b_qkv: f32[2*P]" if qkv_bias else "",
+        qkp=qkp,
+        first=first,
+        g_attn=(", go: f32[D]" if post_norm else "") + (", g1: f32[D]" if pre_norm else ""),
+        g_mlp=", gd: f32[D]" if post_norm else "",
+        g2=", g2: f32[D]" if pre_norm else "",
+        mlp=_mlp(t, rm, pre_norm, post_norm, pre_norm),
+        qkv=_qkv(t, "x2g" if pre_norm else "x2", "r2" if pre_norm else "", kind, qkv_bias),
+        mlp_last=_mlp(t, rm, pre_norm, post_norm, True),
         rmp="" if residual is None else f", rm: f32 = {float(residual)!r}",
         lsp="" if logit_scale is None else f", ls: f32 = {float(logit_scale)!r}",
         ls="" if logit_scale is None else " / ls",

@@ -2,11 +2,12 @@
 the patched model; unfused under Hugging Face's names in checkpoints.
 
 What it does: `fuse_and_move(model, hd)` replaces each layer's q/k/v projections by one parameter
-`qkv_weight` (q and k rows in the interleaved RoPE layout; `FusedQKV`, which also takes Qwen3's
-`q_norm` and `k_norm`) and gate/up by `mlp.gate_up_weight` (rows interleaved), then moves each
+`qkv_weight` (q and k rows in the interleaved RoPE layout; `FusedQKV`, which also takes Qwen3's or
+OLMo 2's `q_norm` and `k_norm`) and gate/up by `mlp.gate_up_weight` (rows interleaved), then moves each
 weight to the module whose forward runs the block that reads it (`Moved` containers): layer i+1's
 input norm and QKV under layer i (`layers.i.coda_next`), the final norm under the last layer
-(`layers.{L-1}.coda_next.norm`), layer 0's input norm and QKV under the base model (`coda_first`).
+(`layers.{L-1}.coda_next.norm`), layer 0's input norm and QKV under the base model (`coda_first`);
+a family without input norms (OLMo 2) has only the QKV moved.
 Qwen2's q, k and v biases become one parameter `qkv_bias` of the `FusedQKV`, in its rows' order.
 Phi-3's checkpoints hold the parts fused already, in other layouts: one `qkv_proj` (q, k and v rows
 stacked) and one `gate_up_proj` (the gate rows, then the up rows); they are reordered into coda's
@@ -146,8 +147,8 @@ def mlp_load_hook(module: Any, state_dict: dict[str, Any], prefix: str, *_: Any)
 
 class FusedQKV(torch.nn.Module):
     """One decoder layer's QKV projection as one parameter `qkv_weight` ([(H + 2 KV) * HD, D]: q, k and
-    v rows, q and k in the interleaved RoPE layout) and, in Qwen3, the attention's `q_norm` and
-    `k_norm` (moved here: the QKV block's epilogue reads them). In a state dict it is its parts'
+    v rows, q and k in the interleaved RoPE layout) and, in Qwen3 and OLMo 2, the attention's
+    `q_norm` and `k_norm` (moved here: the QKV block reads them). In a state dict it is its parts'
     weights under its prefix: `q_proj.weight`, `k_proj.weight`, `v_proj.weight` (and the norms), or
     Phi-3's one `qkv_proj.weight` (q, k and v rows stacked, `names` the attention's projections:
     `Family.qkv_parts`). `heads`: (H, KV), the query and key/value heads of `hd` columns. Never
@@ -425,7 +426,8 @@ def fuse_and_move(model: Any, family: Family, hd: int, heads: tuple[int, int]) -
     for i, layer in enumerate(layers):
         owner, name = (base, "coda_first") if i == 0 else (layers[i - 1], "coda_next")
         owner.add_module(name, Moved())
-        move(layer, "input_layernorm", getattr(owner, name))
+        if "input_layernorm" in layer._modules:  # (a family with pre-norms: OLMo 2 has none)
+            move(layer, "input_layernorm", getattr(owner, name))
         getattr(owner, name).add_module("self_attn", qkvs[i])
     layers[-1].add_module("coda_next", Moved())
     move(base, "norm", layers[-1].coda_next)
@@ -436,10 +438,11 @@ def fuse_and_move(model: Any, family: Family, hd: int, heads: tuple[int, int]) -
 
 
 def moved_parts(model: Any) -> list[tuple[Any, Any, Any]]:
-    """(decoder layer, its FusedQKV, its input norm) of each layer of a patched model, where
-    `fuse_and_move` registered them (a layer in a checkpoint wrapper unwrapped); ValueError naming
-    what is gone since patching."""
+    """(decoder layer, its FusedQKV, its input norm or None in a family without one) of each layer of
+    a patched model, where `fuse_and_move` registered them (a layer in a checkpoint wrapper
+    unwrapped); ValueError naming what is gone since patching."""
     base = model.model
+    without_norm = not model._coda.family.pre_norm  # (OLMo 2's layers have no input norm)
     layers = [getattr(x, "_checkpoint_wrapped_module", x) for x in base.layers]
     owners = [(base, "model.coda_first")] + [
         (layer, f"model.layers.{i}.coda_next") for i, layer in enumerate(layers[:-1])
@@ -452,7 +455,7 @@ def moved_parts(model: Any) -> list[tuple[Any, Any, Any]]:
         mlp = layer._modules.get("mlp")
         for what, ok in (
             (f"{where}.self_attn.qkv_weight", fused is not None and "qkv_weight" in fused._parameters),
-            (f"{where}.input_layernorm", norm is not None),
+            (f"{where}.input_layernorm", norm is not None or without_norm),
             (f"model.layers.{i}.mlp.gate_up_weight", mlp is not None and "gate_up_weight" in mlp._parameters),
         ):
             if not ok:
@@ -515,8 +518,9 @@ def unfuse_and_restore(model: Any, layout: Layout) -> None:
         mlp.__dict__.pop("_coda_parts", None)
         mlp.__dict__.pop("_coda_names", None)
         _drop_hooks(mlp, mlp_save_hook, mlp_load_hook)
-        layer.__dict__.pop("input_layernorm", None)
-        layer._modules["input_layernorm"] = norm
+        if norm is not None:
+            layer.__dict__.pop("input_layernorm", None)
+            layer._modules["input_layernorm"] = norm
     for layer, _, _ in parts:
         layer._modules.pop("coda_next", None)
         for m in (layer, layer.self_attn, layer.mlp):

@@ -5,7 +5,8 @@ What it does: `check_model(model, family)` raises ValueError (`refuse`: "coda_la
 what to do") for a model of another class (a peft tuner among them: patch the PeftModel), one
 patched already, a dtype the blocks don't run, biases the family has none of, an activation other
 than SiLU, sliding-window attention where the family has none (`check_layer_kinds`), RoPE that scales
-cos/sin, (Qwen3) attention without its q/k norms, a width whose rows the kernels can't load
+cos/sin, (Qwen3, OLMo 2) attention without its q/k norms, a layer without one of the family's norms
+(`norm_names`), a width whose rows the kernels can't load
 (`check_widths`: a vocabulary not a multiple of 8 in bf16), a module the blocks would bypass that is
 not the family's own (peft layers but plain LoRA on the seven projections, which `check_lora`
 checks; bitsandbytes' quantized layers, a parametrization, an activation or norm swapped), hooks on
@@ -30,7 +31,7 @@ from torch.nn.modules import module as torch_module
 from torch.nn.utils import parametrize
 
 from coda_lang.hf.blocks import DTYPES
-from coda_lang.hf.family import Family
+from coda_lang.hf.family import Family, layer_norms
 from coda_lang.hf.masks import FULL, SLIDING, layer_kinds
 
 ROPE_TYPES = ("default", "llama3", "linear")
@@ -270,13 +271,19 @@ def family_classes(model: Any, family: Family) -> dict[str, type]:
     return out
 
 
+def norm_names(family: Family) -> list[str]:
+    """The names of a decoder layer's norm modules in the family: its input norm (with pre-norms) and
+    those its own block reads (`layer_norms`)."""
+    return (["input_layernorm"] if family.pre_norm else []) + list(layer_norms(family).values())
+
+
 def bypassed_modules(model: Any, family: Family) -> list[tuple[str, Any, type]]:
     """(path, module, expected class) of every module whose work the patched forward does in its
     blocks without calling it, in the unpatched model (the projections to fuse among them): the
     base model, the LM head, the rotary embedding, the final norm, and per layer its attention (its
-    projections and Qwen3's q/k norms), MLP (projections, activation), norms and (Phi-3) residual
-    dropouts. The decoder layers, the embedding (called) and the causal LM itself are not among
-    them."""
+    projections and q/k norms), MLP (projections, activation), norms (`norm_names`) and (Phi-3)
+    residual dropouts. The decoder layers, the embedding (called) and the causal LM itself are not
+    among them. `check_model` has made sure that each norm is there."""
     c = family_classes(model, family)
     base = model.model
     out = [
@@ -285,14 +292,14 @@ def bypassed_modules(model: Any, family: Family) -> list[tuple[str, Any, type]]:
         ("model.rotary_emb", base.rotary_emb, c["RotaryEmbedding"]),
         ("model.norm", base.norm, c["RMSNorm"]),
     ]
+    norms = norm_names(family)
     for i, layer in enumerate(base.layers):
         p = f"model.layers.{i}"
         out += [
             (f"{p}.self_attn", layer.self_attn, c["Attention"]),
             (f"{p}.mlp", layer.mlp, c["MLP"]),
-            (f"{p}.input_layernorm", layer.input_layernorm, c["RMSNorm"]),
-            (f"{p}.post_attention_layernorm", layer.post_attention_layernorm, c["RMSNorm"]),
         ]
+        out += [(f"{p}.{n}", getattr(layer, n), c["RMSNorm"]) for n in norms]
         for n in (*family.qkv_parts, "o_proj", "q_norm", "k_norm"):
             sub = getattr(layer.self_attn, n, None)
             if sub is not None:
@@ -358,7 +365,10 @@ def check_model(model: Any, family: Family) -> None:
         if family.qk_norm and (
             getattr(attn, "q_norm", None) is None or getattr(attn, "k_norm", None) is None
         ):
-            raise refuse(f"layer {i}", "Qwen3 attention without q_norm/k_norm")
+            raise refuse(f"layer {i}", f"{family.model_class}'s attention without q_norm/k_norm")
+        for n in norm_names(family):
+            if getattr(layer, n, None) is None:
+                raise refuse(f"layer {i}: {n}", f"missing: the {family.model_class}'s layers have one")
     for path, m, cls in bypassed_modules(model, family):
         if cls is torch.nn.Linear and is_lora(m) and path.rpartition(".")[2] in LORA_TARGETS:
             check_lora(path, m, family.qkv_bias and path.endswith(QKV_PROJ))

@@ -3,8 +3,8 @@ model never ignores what the user changed since.
 
 What it does: `Contract(model, family, forwards)` records, after patching, each module whose work
 the blocks do without calling it (the base model, the LM head, the rotary embedding, the final norm,
-per layer the attention, its out-projection (and Qwen3's q/k norms), the MLP, its down-projection and
-activation, the two norms; and the containers patching moved weights into): its identity in the
+per layer the attention, its out-projection (and its q/k norms: Qwen3, OLMo 2), the MLP, its
+down-projection and activation, the family's norms; and the containers patching moved weights into): its identity in the
 module that registers it, its class, its number of children, its instance `forward` and its hooks;
 the Hugging Face places of the moved modules (plain attributes); the layer list's and the decoder
 layers' identities and their patched forwards (a decoder layer is called: its hooks run, a
@@ -102,7 +102,7 @@ class Contract:
     parent, name) of modules only their identity matters of (the layer list, each decoder layer: its
     forward runs, so its hooks do too; a checkpoint wrapper around it is let be); `aliases`: (path,
     object, attribute, module) of the moved modules' Hugging Face places (`layers[i].input_layernorm`,
-    `model.model.norm`, Qwen3's `self_attn.q_norm`), plain attributes that must still reach them;
+    `model.model.norm`, Qwen3's and OLMo 2's `self_attn.q_norm`), plain attributes that must still reach them;
     `attrs`: (path, object, attribute, value) read from the object's `__dict__` (each norm's epsilon,
     the rotary embedding's settings, each decoder layer's patched forward, no loss function of the
     model's own); `config`: (field, value) of the config's `__dict__`; `weights`: (path, module,
@@ -144,9 +144,10 @@ class Contract:
         self._held = [m for _, m, _, _ in self.present]
         self.aliases: list[tuple[str, Any, str, Any]] = [("model.norm", base, "norm", base.norm)]
         for i, layer in enumerate(layers):
-            self.aliases.append(
-                (f"model.layers.{i}.input_layernorm", layer, "input_layernorm", layer.input_layernorm)
-            )
+            if "input_layernorm" in layer.__dict__:  # (moved; OLMo 2's layers have none)
+                self.aliases.append(
+                    (f"model.layers.{i}.input_layernorm", layer, "input_layernorm", layer.input_layernorm)
+                )
             attn = layer.self_attn
             self.aliases += [
                 (f"model.layers.{i}.self_attn.{n}", attn, n, attn.__dict__[n])

@@ -2,7 +2,8 @@
 and `AutoCodaForCausalLM`, which pick the family from the config's `model_type`.
 
 What it does: `apply_coda_to_llama`, `apply_coda_to_qwen3`, `apply_coda_to_mistral`,
-`apply_coda_to_ministral`, `apply_coda_to_qwen2`, `apply_coda_to_granite`, `apply_coda_to_phi3`: check the loss settings, then patch a
+`apply_coda_to_ministral`, `apply_coda_to_qwen2`, `apply_coda_to_granite`, `apply_coda_to_phi3`,
+`apply_coda_to_olmo2`: check the loss settings, then patch a
 model of that family (patch.py) with its facts (family.py). `apply_coda(model)`: the same for the
 family of `model.config.model_type` (`FAMILIES`), refusing a type it does not know with the list of
 those it does. `AutoCodaForCausalLM.from_pretrained(...)` / `.from_config(...)`: transformers'
@@ -17,7 +18,18 @@ from __future__ import annotations
 from typing import Any
 
 from coda_lang.hf.checks import refuse
-from coda_lang.hf.family import FAMILIES, GRANITE, LLAMA, MINISTRAL, MISTRAL, PHI3, QWEN2, QWEN3, Family
+from coda_lang.hf.family import (
+    FAMILIES,
+    GRANITE,
+    LLAMA,
+    MINISTRAL,
+    MISTRAL,
+    OLMO2,
+    PHI3,
+    QWEN2,
+    QWEN3,
+    Family,
+)
 from coda_lang.hf.loss import LossSettings
 from coda_lang.hf.patch import apply
 
@@ -87,6 +99,17 @@ def apply_coda_to_phi3(
     window (`config.sliding_window`) is the attention function's, as Mistral's; LongRoPE (the 128k
     variants) and residual dropout in training are refused."""
     return apply(model, PHI3, LossSettings(loss_mode, loss_budget, loss_rows))
+
+
+def apply_coda_to_olmo2(
+    model: Any, *, loss_mode: str = "rows", loss_budget: int | None = None, loss_rows: int | None = None
+) -> Any:
+    """Patch a transformers `Olmo2ForCausalLM` (OLMo 2) in place (and return it): as
+    `apply_coda_to_llama`, with OLMo 2's norms: no norm before attention or the MLP, a norm of each
+    branch's output before it joins the residual (`post_attention_layernorm` after the
+    out-projection, `post_feedforward_layernorm` after the down-projection), and q and k each
+    normalized over its projection's whole width before RoPE (`q_norm`, `k_norm`)."""
+    return apply(model, OLMO2, LossSettings(loss_mode, loss_budget, loss_rows))
 
 
 def family_of(model_type: Any, what: str) -> Family:

@@ -37,6 +37,7 @@ from coda_lang.hf.blocks import DTYPES
 from coda_lang.hf.checkpoint import WRAPPED
 from coda_lang.hf.checks import refuse
 from coda_lang.hf.contract import check_call, returned
+from coda_lang.hf.family import layer_norms
 from coda_lang.hf.loss import IGNORE, ChunkedLoss, Embed, TiedGrad, rows_per_chunk, targets, tied_embedding
 from coda_lang.hf.masks import layer_masks, window
 from coda_lang.hf.state import Blocks, ModelState
@@ -58,10 +59,22 @@ def qk_norm_weights(st: ModelState, fused: Any, device: torch.device) -> dict[st
     return {"gq": gq, "gk": gk, "mq": mq, "mk": mk}
 
 
+def qk_proj_norm_weights(st: ModelState, fused: Any, device: torch.device) -> dict[str, torch.Tensor]:
+    """OLMo 2: the q and k norm weights (of a `FusedQKV`; each over its projection's whole width) as
+    one vector over the fused QKV tile's columns, in its order (q and k heads interleaved for RoPE; 1
+    on v, whose gradient goes nowhere), and the masks of the q and k columns (constants)."""
+    nq, nk = st.H * st.HD, st.KV * st.HD
+    w = (fused.q_norm.weight.float(), fused.k_norm.weight.float())
+    g = interleave_rope(torch.cat([*w, w[1].new_ones(nk)]), st.HD, nq + nk)
+    col = torch.arange(nq + 2 * nk, device=device)
+    return {"gqk": g, "mq": (col < nq).float(), "mk": ((col >= nq) & (col < nq + nk)).float()}
+
+
 def qkv_inputs(st: ModelState, fused: Any, device: torch.device) -> dict[str, torch.Tensor]:
-    """The QKV blocks' inputs beyond the LLaMA layer's, from a `FusedQKV`: Qwen3's q/k norm weights
-    and masks, Qwen2's bias."""
-    out = qk_norm_weights(st, fused, device) if st.qk_norm else {}
+    """The QKV blocks' inputs beyond the LLaMA layer's, from a `FusedQKV`: Qwen3's or OLMo 2's q/k
+    norm weights and masks, Qwen2's bias."""
+    norms = {"head": qk_norm_weights, "proj": qk_proj_norm_weights}
+    out = norms[st.qk_norm](st, fused, device) if st.qk_norm else {}
     if st.family.qkv_bias:
         out["b_qkv"] = fused.qkv_bias
     return out
@@ -251,9 +264,9 @@ def layer_forward(
         y=y,
         x=x,
         w_o=lora.linear_weight(attn.o_proj),
-        g1=self.post_attention_layernorm.weight,
         w_13=lora.gate_up_weight(mlp),
         w_2=lora.linear_weight(mlp.down_proj),
+        **{k: getattr(self, n).weight for k, n in layer_norms(st.family).items()},
     )
     if self._coda_last:
         out = run_block(self, step.blocks.last, {**inputs, "g2": nxt.norm.weight})
@@ -261,8 +274,9 @@ def layer_forward(
             step.made[i] = (out["x2g"], out["r2"])
         return out["x2g"], out["r2"]
     fused = nxt.self_attn
+    if st.family.pre_norm:
+        inputs["g2"] = nxt.input_layernorm.weight
     inputs.update(
-        g2=nxt.input_layernorm.weight,
         w_qkv=lora.qkv_weight(fused),
         pos=step.pos,
         freq=step.freq,
@@ -332,18 +346,12 @@ def hidden(
     step = Step(st.blocks(emb.dtype), mask, b, s, pos, st.freq(model, emb.device), attn_kwargs)
     h = emb.reshape(b * s, -1)
     fused = first.self_attn
-    qkv = run_block(
-        model,
-        step.blocks.first,
-        dict(
-            h=h,
-            g=first.input_layernorm.weight,
-            w_qkv=lora.qkv_weight(fused),
-            pos=step.pos,
-            freq=step.freq,
-            **qkv_inputs(st, fused, emb.device),
-        ),
-    )["qkv"]
+    inputs = dict(
+        h=h, w_qkv=lora.qkv_weight(fused), pos=step.pos, freq=step.freq, **qkv_inputs(st, fused, emb.device)
+    )
+    if st.family.pre_norm:
+        inputs["g"] = first.input_layernorm.weight
+    qkv = run_block(model, step.blocks.first, inputs)["qkv"]
     if states is not None:
         states.append(emb)
     layers = base.layers

@@ -39,11 +39,21 @@ class Blocks:
 
     def __init__(self, st: ModelState, dtype: torch.dtype, eps: float):
         self.dtype = dtype
+        f = st.family
         src = model_source(
-            str(dtype).removeprefix("torch."), eps, st.HD, st.qk_norm, st.family.qkv_bias, st.multipliers
+            str(dtype).removeprefix("torch."),
+            eps,
+            st.HD,
+            f.qk_norm,
+            f.qkv_bias,
+            st.multipliers,
+            pre_norm=f.pre_norm,
+            post_norm=f.post_norm,
+            heads=(st.H, st.KV),
         )
         prog = load(src)
-        weights = {"w_o", "w_13", "w_2", "w_qkv", "b_qkv", "w_lm", "g", "g1", "g2", "gq", "gk"}
+        weights = {"w_o", "w_13", "w_2", "w_qkv", "b_qkv", "w_lm", "g", "g1", "g2", "go", "gd"}
+        weights |= {"gq", "gk", "gqk"}
 
         def fn(name: str, backward: BackwardOptions | None = None) -> BlockFunction:
             b = prog[name]
