@@ -230,7 +230,9 @@ def train(
     return losses, {k: v.float() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("family", each(costly=True))
+@pytest.mark.parametrize(
+    "family", [f if f == "llama" else pytest.param(f, marks=pytest.mark.slow) for f in sorted(FAMILIES)]
+)
 def test_convergence_30_adamw_steps(family: str) -> None:
     """As Liger's mini-model tests: the same init and data, 30 AdamW steps, patched and unpatched in
     bf16 (and the unpatched model in f32 as the reference): the loss falls as much as the f32 run's
@@ -613,7 +615,7 @@ def test_the_attention_function_gets_the_callers_position_ids() -> None:
     assert pat_none == [None, None] and all(torch.equal(p, default) for p in ref_none)
 
 
-@pytest.mark.parametrize("loss_mode", ["rows", "vocab"])
+@pytest.mark.parametrize("loss_mode", ["rows", pytest.param("vocab", marks=pytest.mark.slow)])
 def test_confident_tokens_keep_their_gradient(loss_mode: str) -> None:
     """Where the model is sure of every label (the loss near 1e-3, as a trained model is on many
     tokens), each label's gradient p - 1 is small and a softmax whose terms don't sum to 1 swamps it.
