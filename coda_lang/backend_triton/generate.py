@@ -188,6 +188,7 @@ class TritonStage:
 
     BM = 1  # rows per program
     BM_COLUMN_REDUCTIONS = 32  # rows per program when a reduction runs over the rows (fewer partials)
+    BM_PAIRED_COLUMN_REDUCTIONS = 4  # the same in a stage over column pairs (two lanes: more registers)
 
     def __init__(self, st: Any, interpret: bool = False):
         why = unsupported(st)
@@ -203,8 +204,13 @@ class TritonStage:
         self.col_reductions = any(not per_row for _f, per_row, _h in self.reductions)
         # program shapes measured on an H100 (the Llama layer's RoPE backward, [8192, 3072]: 1 row x
         # 128 pairs 0.068 ms, 4 x 128 0.116 ms; the last layer's norm backward with its reduction over
-        # the rows, [8192, 2048]: 32 rows x 128 columns, 8 warps 0.096 ms)
-        self.bm = self.BM_COLUMN_REDUCTIONS if self.col_reductions else self.BM
+        # the rows, [8192, 2048]: 32 rows x 128 columns, 8 warps 0.096 ms; OLMo 2's q/k-norm and RoPE
+        # backward, paired with column sums, [8192, 6144], 8 warps: 32 rows 1.448 ms, 16 0.699, 8 0.321,
+        # 4 0.254, 2 0.285, 1 0.381; 4 warps slower at every row count, 2026-11-27)
+        if not self.col_reductions:
+            self.bm = self.BM
+        else:
+            self.bm = self.BM_PAIRED_COLUMN_REDUCTIONS if self.paired else self.BM_COLUMN_REDUCTIONS
         self.bc = 128  # column units (pairs, or columns) per chunk
         self.num_warps = 8 if self.col_reductions else 4
         # an unpaired stage over long rows (the loss head's dlogits, [4096, 128256]) takes 1024 columns
