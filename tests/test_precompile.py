@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_hf import ON_KERNELS, SHAPES, make, patch  # noqa: E402
+from test_hf import FAMILIES, ON_KERNELS, OWN, SHAPES, make, patch  # noqa: E402
 
 from coda_lang.backend_cute.build import parallel  # noqa: E402
 from coda_lang.backend_cute.build.cache import Kernel  # noqa: E402
@@ -33,17 +33,18 @@ from coda_lang.backend_cute.build.config import CANDIDATES, TUNE_CANDIDATES, Til
 from coda_lang.backend_cute.plan.emit import emit_stage, source_hash  # noqa: E402
 from coda_lang.cli import main  # noqa: E402
 from coda_lang.hf import precompile as hfp  # noqa: E402
+from coda_lang.hf.family import FAMILIES as KNOWN  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}
 
 
 def write_config(where: Path, family: str = "llama", **over: Any) -> Path:
-    """A tiny config of test_hf.py's shapes (Qwen3: with a head_dim the kernels take) saved at `where`."""
-    kw = {**SHAPES, **ON_KERNELS[family], **over}
+    """A tiny config of test_hf.py's shapes and the family's own settings (Qwen3: with a head_dim the
+    kernels take) saved at `where`."""
+    kw = {**SHAPES, **OWN.get(family, {}), **ON_KERNELS.get(family, {}), **over}
     if family == "llama":
         kw.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})
-    CONFIGS[family](**kw).save_pretrained(where)
+    FAMILIES[family][0](**kw).save_pretrained(where)
     return where
 
 
@@ -55,7 +56,7 @@ def stage_sources(blocks: list[Any]) -> set[str]:
 def training_blocks(family: str, dtype: Any, loss_mode: str) -> list[Any]:
     """The CUDA blocks whose kernels a patched model with weights compiles at its first training step
     (its blocks at `dtype` and its loss head, compiled together)."""
-    model = patch(family, make(family, **ON_KERNELS[family]), loss_mode=loss_mode)
+    model = patch(family, make(family, **ON_KERNELS.get(family, {})), loss_mode=loss_mode)
     st = model._coda
     b = st.blocks(dtype)
     head = b.row_head() if loss_mode == "rows" else b.vocab_head()
@@ -64,7 +65,17 @@ def training_blocks(family: str, dtype: Any, loss_mode: str) -> list[Any]:
 
 @pytest.mark.parametrize(
     "family, loss_mode, dtype",
-    [("llama", "rows", "bf16"), ("llama", "vocab", "f16"), ("qwen3", "rows", "bf16")],
+    [
+        ("llama", "rows", "bf16"),
+        ("llama", "vocab", "f16"),
+        ("qwen3", "rows", "bf16"),
+        ("olmo2", "rows", "bf16"),  # (row stages, post norms)
+        # the other families' programs are Llama's with a term or two: -m slow
+        *(
+            pytest.param(f, "rows", "bf16", marks=pytest.mark.slow)
+            for f in ("granite", "mistral", "ministral", "phi3", "qwen2")
+        ),
+    ],
 )
 def test_the_kernels_of_a_config_are_a_training_models(
     family: str, loss_mode: str, dtype: str, tmp_path: Path
@@ -193,7 +204,7 @@ def test_coda_precompile_bad_configs(tmp_path: Path, capsys: Any) -> None:
     gpt = tmp_path / "gpt2.json"
     gpt.write_text(json.dumps({"model_type": "gpt2"}))
     assert main(["precompile", "--model", str(gpt)]) == 1
-    assert "model_type 'gpt2'; coda_lang.hf patches llama, qwen3" in capsys.readouterr().err
+    assert "model_type 'gpt2'; coda_lang.hf patches " + ", ".join(sorted(KNOWN)) in capsys.readouterr().err
     biased = write_config(tmp_path / "b", attention_bias=True)
     assert main(["precompile", "--model", str(biased)]) == 1
     err = capsys.readouterr().err

@@ -1,6 +1,7 @@
 """`coda precompile`: fill the kernel cache with a Hugging Face model's kernels before training starts.
 
-What it does: reads a transformers config (a config.json, or a folder holding one: Llama or Qwen3),
+What it does: reads a transformers config (a config.json, or a folder holding one, of any family
+`coda_lang.hf.apply_coda` patches),
 makes the blocks the model patched by coda_lang.hf would run in a training step, without weights (the
 model built on the meta device: hf/precompile.py), and compiles every kernel of their forwards and
 backwards that a first training step asks for (each GEMM stage's candidate tiles, as `coda tune`
@@ -38,7 +39,7 @@ def add_parser(sub: Any) -> None:
         "precompile",
         help="compile a Hugging Face model's kernels into the cache before training",
         description="Compile every kernel that the first training step of a Hugging Face model "
-        "patched by coda_lang.hf compiles (Llama, Qwen3: its blocks' forwards and backwards, each GEMM "
+        "patched by coda_lang.hf compiles (any family apply_coda patches: its blocks' forwards and backwards, each GEMM "
         "stage's candidate tiles) from the model's config alone, without weights, in --jobs worker "
         "processes, into $CODA_CACHE_DIR (default ~/.cache/coda_lang/kernels). A training process "
         "using that cache then compiles nothing. The kernels do not depend on the model's sizes, only "

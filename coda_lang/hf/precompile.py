@@ -1,7 +1,7 @@
 """A patched model's kernels from its config alone: what `coda precompile` compiles ahead of training.
 
 What it does: `read_config(path)` reads a transformers config (a config.json, or a folder holding one)
-of a family the patch knows (`FAMILIES`: its `model_type` -> the entry point), raising `ConfigError`
+of a family the patch knows (`FAMILIES`: the model types `apply_coda` patches), raising `ConfigError`
 with what is wrong. `model_functions(config, dtype, loss_mode)` gives the block functions a patched
 model of that config runs in a training step: the first layer's, the layers', the last layer's and
 the loss head of `loss_mode`. They are made the way a training process makes them: the model is
@@ -28,10 +28,11 @@ from typing import Any
 
 import torch
 
-from coda_lang.hf.families import apply_coda_to_llama, apply_coda_to_qwen3
+from coda_lang.hf.families import apply_coda
+from coda_lang.hf.family import FAMILIES as KNOWN
 from coda_lang.torch import BlockFunction, wait_for_kernels
 
-FAMILIES = {"llama": apply_coda_to_llama, "qwen3": apply_coda_to_qwen3}
+FAMILIES = sorted(KNOWN)  # the model types it takes: every family the patch knows
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16}  # (the kernels multiply 16-bit operands)
 
 
@@ -84,7 +85,7 @@ def _patched(config: Any, dtype: torch.dtype, loss_mode: str, device: str, layer
     cfg.use_cache = False
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    return FAMILIES[cfg.model_type](model, loss_mode=loss_mode)
+    return apply_coda(model, loss_mode=loss_mode)
 
 
 def model_functions(
