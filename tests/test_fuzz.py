@@ -176,6 +176,7 @@ def test_the_planted_bug_is_caught_in_random_programs(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _drop_last_tile(monkeypatch)
+    found = tmp_path / "found" / "here"  # (made by coda fuzz: a search of minutes must not lose its find)
     code, out, err = fuzz(
         capsys,
         "--programs",
@@ -185,11 +186,11 @@ def test_the_planted_bug_is_caught_in_random_programs(
         "--examples",
         "3",
         "--save-dir",
-        str(tmp_path),
+        str(found),
         "--no-backward",
     )
     assert code == 1, out + err
-    saved = list(tmp_path.glob("coda-fuzz-*.coda"))
+    saved = list(found.glob("coda-fuzz-*.coda"))
     assert len(saved) == 1 and f"wrote the failing program to {saved[0]}" in out
     assert re.search(r"sum\(|pick\(", saved[0].read_text())  # a row partial (combined by sum) is left
     args = repro_args(out)
@@ -197,6 +198,20 @@ def test_the_planted_bug_is_caught_in_random_programs(
     assert fuzz(capsys, *args)[0] == 1
     monkeypatch.undo()
     assert fuzz(capsys, *args)[0] == 0
+
+
+def test_a_save_dir_that_cant_be_a_folder_is_a_usage_error_before_the_search(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """On the H100 a 5-minute search found a failing program, then stopped with an internal error
+    (FileNotFoundError) writing it to a --save-dir that did not exist, and the program was lost. The
+    folder is made at the start now (above); one that can't be (a file in the way) is exit 2 at once."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    code, out, err = fuzz(capsys, "--programs", "3", "--save-dir", str(blocker / "sub"))
+    assert code == 2 and out == "", (out, err)
+    assert err.startswith(f"coda: error: --save-dir {blocker / 'sub'}: can't make the folder"), err
+    assert "Traceback" not in err and "random programs" not in err
 
 
 def test_a_planted_sign_swap_in_the_runtime_is_caught_on_the_cpu(

@@ -9,6 +9,7 @@ hypothesis (and torch, for --target cuda/emulate) is imported only when the comm
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -246,6 +247,15 @@ def _run(args: Any) -> int:
         )
     if args.jobs < 1:
         return usage_error(f"--jobs takes a positive number of processes, got {args.jobs}")
+    if args.programs is not None:
+        # the folder a failing program is written to: made now, so that a long search doesn't end in an
+        # error (created as `mkdir -p` would; one that can't be made or written is a usage error now)
+        try:
+            os.makedirs(args.save_dir, exist_ok=True)
+        except OSError as e:
+            return usage_error(f"--save-dir {args.save_dir}: can't make the folder: {e.strerror or e}")
+        if not os.access(args.save_dir, os.W_OK | os.X_OK):
+            return usage_error(f"--save-dir {args.save_dir}: not a folder this user can write")
     if args.jobs > 1 and (dims or args.input_seed is not None) and args.programs is None:
         return usage_error("--jobs splits a search; --dims and --input-seed reproduce one case (drop --jobs)")
     if args.jobs > 1:
@@ -281,8 +291,16 @@ def _run(args: Any) -> int:
                 print(f"note: {n}", file=sys.stderr)
             if res.failure is not None:
                 assert res.failure.program is not None
-                path = save_program(res.failure.program, args.save_dir)
-                print(f"wrote the failing program to {path}", file=out)
+                try:
+                    path = save_program(res.failure.program, args.save_dir)
+                    print(f"wrote the failing program to {path}", file=out)
+                except OSError as e:  # (the folder was checked at the start; removed since, or full)
+                    path = "PROGRAM.coda"
+                    print(
+                        f"can't write the failing program to {args.save_dir} ({e.strerror or e}); it is:\n"
+                        f"{res.failure.program}\n(save it as {path} to reproduce)",
+                        file=out,
+                    )
                 _print_failure(args, res.failure, path, "fwd", out)
                 return EXIT_ERRORS
             ran = res.programs  # (counted: hypothesis draws about, not exactly, --programs)
