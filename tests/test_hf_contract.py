@@ -24,11 +24,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_hf import FAMILIES, FIRST, VOCAB, batch, each, make, patch, rel, run  # noqa: E402
+from test_hf import FAMILIES, FIRST, KNOWN, VOCAB, batch, each, make, patch, rel, run  # noqa: E402
 
 import coda_lang  # noqa: E402
 from coda_lang.hf import apply_coda_to_llama, unfused_grads, unpatch  # noqa: E402
-from coda_lang.hf.family import FAMILIES as KNOWN  # noqa: E402
 
 nn = torch.nn
 

@@ -20,10 +20,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_hf import FAMILIES, batch, make, rel, run  # noqa: E402
+from test_hf import FAMILIES, KNOWN, batch, make, rel, run  # noqa: E402
 
 from coda_lang.hf import AutoCodaForCausalLM, apply_coda, unfused_grads, unpatch  # noqa: E402
-from coda_lang.hf.family import FAMILIES as KNOWN  # noqa: E402
+from coda_lang.hf.family import FAMILIES as BY_TYPE  # noqa: E402
 
 
 def test_apply_coda_patches_each_family_by_model_type() -> None:
@@ -43,7 +43,7 @@ def test_apply_coda_refuses_what_it_does_not_know() -> None:
     gpt2 = transformers.GPT2LMHeadModel(
         transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
     )
-    supported = ", ".join(sorted(KNOWN))
+    supported = ", ".join(sorted(BY_TYPE))
     with pytest.raises(
         ValueError, match=f"model_type 'gpt2' \\(GPT2LMHeadModel\\): .*supported: {supported}"
     ):
@@ -82,7 +82,7 @@ def test_auto_class_refuses_an_unsupported_type_before_loading(tmp_path: Any) ->
     """Only a config is saved: the refusal comes from it (a ValueError listing the types supported),
     not from transformers looking for weights that are not there."""
     transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
-    supported = ", ".join(sorted(KNOWN))
+    supported = ", ".join(sorted(BY_TYPE))
     with pytest.raises(
         ValueError, match=f"model_type 'gpt2' .*not a family coda_lang.hf patches; supported: {supported};"
     ):
@@ -541,7 +541,14 @@ def spy_attention(module: Any, q: Any, k: Any, v: Any, mask: Any, **kw: Any) -> 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     CALLS.append(
-        (module.layer_idx, mask, kw.get("sliding_window", "none given"), kw["scaling"], kw["dropout"])
+        (
+            module.layer_idx,
+            mask,
+            kw.get("sliding_window", "none given"),
+            kw["scaling"],
+            kw["dropout"],
+            kw.get("softcap", "none given"),
+        )
     )
     return sdpa_attention_forward(module, q, k, v, mask, **kw)
 
@@ -550,8 +557,9 @@ def spy_attention(module: Any, q: Any, k: Any, v: Any, mask: Any, **kw: Any) -> 
 def test_the_models_own_attention_function_gets_what_it_gets_unpatched(family: str) -> None:
     """The patched layers call the model's own attention function (here one registered with
     transformers' AttentionInterface) with what the unpatched model gives it: each layer's mask (a
-    padded batch), sliding window (Mistral's and Phi-3's from the config, Ministral's, Qwen3's and
-    Qwen2's from the layer, Llama's none), scaling and dropout."""
+    padded batch), sliding window (Mistral's and Phi-3's from the config, Ministral's, Qwen3's,
+    Qwen2's and Gemma's from the layer, Llama's none), scaling (Gemma's from query_pre_attn_scalar),
+    dropout and soft-capping (Gemma 2's; Gemma 3's attention gives none)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -581,7 +589,13 @@ def test_the_models_own_attention_function_gets_what_it_gets_unpatched(family: s
         "mistral": [16, 16],
         "ministral": [16, None],
         "phi3": [16, 16],
+        "gemma2": [16, None],
+        "gemma3": [16, None],
     }.get(family, [None, 8])
+    caps = [c[5] for c in seen[1]]
+    assert caps == ([0.2, 0.2] if family == "gemma2" else ["none given"] * 2), caps
+    if family.startswith("gemma"):  # (query_pre_attn_scalar's, not head_dim's)
+        assert [c[3] for c in seen[1]] == [ref.config.query_pre_attn_scalar**-0.5] * 2
 
 
 def test_a_sliding_window_the_family_has_not_is_refused() -> None:
@@ -822,8 +836,8 @@ def test_phi3_bf16_within_the_accuracy_rule_against_float64(name: str) -> None:
 # The per-head q/k norm is Qwen3's (each head of the tiny model's 16 columns normalized on its own),
 # with OLMo 2's weights over the whole width.
 OLMO2_MUTANTS = {
-    "attention's post-norm dropped": ("_POST_NORM_STAGES", "o * ro * go", "o * go"),
-    "MLP's post-norm dropped": ("_POST_NORM_STAGES", "m * rd * gd", "m * gd"),
+    "attention's post-norm dropped": ("_POST_NORM_STAGES", "o * ro * {go}", "o * {go}"),
+    "MLP's post-norm dropped": ("_POST_NORM_STAGES", "m * rd * {gd}", "m * {gd}"),
     "q/k norm per head": (
         "_QKV_PROJ_NORM",
         None,

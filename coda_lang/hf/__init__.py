@@ -45,6 +45,8 @@ from coda_lang.hf.checkpoint import unfused_grads
 from coda_lang.hf.families import (
     AutoCodaForCausalLM,
     apply_coda,
+    apply_coda_to_gemma2,
+    apply_coda_to_gemma3,
     apply_coda_to_granite,
     apply_coda_to_llama,
     apply_coda_to_ministral,
@@ -59,6 +61,8 @@ from coda_lang.hf.patch import unpatch
 __all__ = [
     "AutoCodaForCausalLM",
     "apply_coda",
+    "apply_coda_to_gemma2",
+    "apply_coda_to_gemma3",
     "apply_coda_to_granite",
     "apply_coda_to_llama",
     "apply_coda_to_ministral",

@@ -26,6 +26,7 @@ hidden states are asked for.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -130,12 +131,15 @@ def attention(
     st: ModelState, attn: Any, qkv: torch.Tensor, b: int, s: int, mask: Any, kwargs: dict[str, Any]
 ) -> torch.Tensor:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from transformers.models.llama.modeling_llama import eager_attention_forward
 
     nq = st.H * st.HD
     q, k, v = Heads.apply(qkv, b, s, st.H, st.KV, st.HD)
-    fn = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
+    # eager: the attention module's own modeling file's (Gemma 2's applies the soft-capping)
+    eager = sys.modules[type(attn).__module__].eager_attention_forward
+    fn = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager)
     extra = window(st.family, attn)
+    if st.family.attn_softcap:  # (Gemma 2's attention passes its soft-capping; under sdpa it is unused)
+        extra["softcap"] = attn.attn_logit_softcapping
     out, _ = fn(
         attn,
         q,
@@ -152,9 +156,9 @@ def attention(
 
 class Step:
     """What every decoder layer of one forward reads besides its inputs x and qkv: the block functions
-    of the forward's dtype, the attention mask of each layer,
-    the batch and sequence lengths, RoPE's f32 positions and frequencies, and the attention function's
-    keyword arguments. One object, not tensors, among a layer's arguments: FSDP2 casts a module's
+    of the forward's dtype, the attention mask of each layer, the batch and sequence lengths, RoPE's f32
+    positions and each layer's frequencies (`freq[i]`: layer i's QKV, which layer i - 1's block makes),
+    and the attention function's keyword arguments. One object, not tensors, among a layer's arguments: FSDP2 casts a module's
     floating-point tensor arguments to its MixedPrecisionPolicy's param_dtype, and positions in bf16
     would lose their low bits."""
 
@@ -167,7 +171,7 @@ class Step:
         b: int,
         s: int,
         pos: torch.Tensor,
-        freq: torch.Tensor,
+        freq: tuple[torch.Tensor, ...],
         kwargs: dict[str, Any],
     ):
         self.blocks, self.mask, self.b, self.s = blocks, mask, b, s
@@ -279,7 +283,7 @@ def layer_forward(
     inputs.update(
         w_qkv=lora.qkv_weight(fused),
         pos=step.pos,
-        freq=step.freq,
+        freq=step.freq[i + 1],  # (the next layer's QKV: Gemma 3's RoPE is per kind of layer)
         **qkv_inputs(st, fused, x.device),
     )
     out = run_block(self, step.blocks.layer, inputs)
@@ -319,6 +323,8 @@ def hidden(
     elif tied is not None:
         e = base.embed_tokens
         emb = Embed.apply(e.weight, input_ids, e.padding_idx, tied)
+        if st.family.scaled_embedding:  # (Gemma's: times sqrt(hidden_size) in the weight's dtype)
+            emb = emb * e.embed_scale.to(e.weight.dtype)
     else:
         emb = base.embed_tokens(input_ids)
     if st.multipliers is not None:  # Granite's embedding multiplier, applied as its model does
@@ -343,11 +349,15 @@ def hidden(
     # the attention function gets the caller's position_ids as Hugging Face's attention does (flash
     # attention finds packed sequences from them when there is no mask)
     attn_kwargs = kwargs if position_ids is None else {**kwargs, "position_ids": position_ids}
-    step = Step(st.blocks(emb.dtype), mask, b, s, pos, st.freq(model, emb.device), attn_kwargs)
+    step = Step(st.blocks(emb.dtype), mask, b, s, pos, st.freqs(model, emb.device), attn_kwargs)
     h = emb.reshape(b * s, -1)
     fused = first.self_attn
     inputs = dict(
-        h=h, w_qkv=lora.qkv_weight(fused), pos=step.pos, freq=step.freq, **qkv_inputs(st, fused, emb.device)
+        h=h,
+        w_qkv=lora.qkv_weight(fused),
+        pos=step.pos,
+        freq=step.freq[0],
+        **qkv_inputs(st, fused, emb.device),
     )
     if st.family.pre_norm:
         inputs["g"] = first.input_layernorm.weight
@@ -418,7 +428,7 @@ def causal_lm_forward(
     # a tied head + embedding in "rows" mode: the weight's gradient made in one pass (TiedGrad)
     tied = (
         TiedGrad()
-        if with_loss and st.loss_mode != "vocab" and inputs_embeds is None and tied_embedding(self)
+        if with_loss and st.loss_mode != "vocab" and inputs_embeds is None and tied_embedding(self, st.family)
         else None
     )
     hg, r, b, s = hidden(
