@@ -394,12 +394,13 @@ def test_positions_reach_the_mask_only_when_given(monkeypatch: Any) -> None:
     assert rel(z2[:, 20:], z1[:, 20:]) > 1e-3  # (unpacked, it saw the first)
 
 
-def test_a_tied_weights_gradient_is_made_in_one_pass(monkeypatch: Any) -> None:
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_a_tied_weights_gradient_is_made_in_one_pass(family: str, monkeypatch: Any) -> None:
     """Tied LM head and embedding, "rows" loss mode: the embedding's backward adds its rows to the
     head's weight-gradient total and rounds once (`tied_grad`, called once per backward; torch's dense
     embedding backward is not run), matching the unpatched model, also with a padding id among the
     tokens (its rows add nothing); "vocab" mode, or a hook on the embedding module, keep torch's
-    embedding (the hook runs)."""
+    embedding (the hook runs). Gemma's scaled embedding too (the lookup times its embed_scale)."""
     import coda_lang.hf.loss as P
 
     calls: list[int] = []
@@ -410,8 +411,8 @@ def test_a_tied_weights_gradient_is_made_in_one_pass(monkeypatch: Any) -> None:
         return real(*args)
 
     monkeypatch.setattr(P, "tied_grad", spy)
-    ref = make("llama", tie_word_embeddings=True, pad_token_id=3)
-    pat = patch("llama", copy.deepcopy(ref))
+    ref = make(family, tie_word_embeddings=True, pad_token_id=3)
+    pat = patch(family, copy.deepcopy(ref))
     assert pat.model.embed_tokens.padding_idx == 3
     ids, labels = batch()
     ids[0, 2:6] = 3
@@ -421,7 +422,7 @@ def test_a_tied_weights_gradient_is_made_in_one_pass(monkeypatch: Any) -> None:
     assert rel(l1, l0) < 1e-5
     for name in g0:
         assert rel(g1[name], g0[name]) < 1e-5, name
-    vocab = patch("llama", copy.deepcopy(ref), loss_mode="vocab")
+    vocab = patch(family, copy.deepcopy(ref), loss_mode="vocab")
     _, _, g2 = run(vocab, ids, labels)
     assert calls == [1] and rel(g2["model.embed_tokens.weight"], g0["model.embed_tokens.weight"]) < 1e-5
     for m in (ref, pat):
