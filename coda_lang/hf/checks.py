@@ -4,18 +4,20 @@ refused by name.
 What it does: `check_model(model, family)` raises ValueError (`refuse`: "coda_lang.hf: what: why;
 what to do") for a model of another class (a peft tuner among them: patch the PeftModel), one
 patched already, a dtype the blocks don't run, biases the family has none of, an activation other
-than SiLU, sliding-window attention where the family has none (`check_layer_kinds`), RoPE that scales
-cos/sin, (Qwen3, OLMo 2) attention without its q/k norms, a layer without one of the family's norms
-(`norm_names`), a width whose rows the kernels can't load
+than the family's (SiLU; Gemma's GELU-tanh), bidirectional attention (Gemma 3's option),
+sliding-window attention where the family has none (`check_layer_kinds`), RoPE that scales cos/sin
+(of each kind of layer: Gemma 3's, `rope_tables`), (Qwen3, OLMo 2, Gemma 3) attention without its
+q/k norms, a layer without one of the family's norms (`norm_names`), a norm whose epsilon is not the
+config's (`check_norms`: Gemma's norms keep it as `eps`), a width whose rows the kernels can't load
 (`check_widths`: a vocabulary not a multiple of 8 in bf16), a module the blocks would bypass that is
 not the family's own (peft layers but plain LoRA on the seven projections, which `check_lora`
 checks; bitsandbytes' quantized layers, a parametrization, an activation or norm swapped), hooks on
 such a module or global ones (`module_trouble`, `global_hooks`), and what fusing q/k/v and gate/up
-would merge: their `requires_grad`, dtype, device,
-gradient hooks or tensor type (`check_fused_parts`); RoPE the QKV blocks don't compute (`check_rope`:
-a rope type that scales cos/sin or changes inv_freq per call, Phi-3's LongRoPE among them, or a
-partial rotary factor). The per-forward checks of the same contract
-are contract.py's; the messages and the tests of what a module may carry are shared from here.
+would merge: their `requires_grad`, dtype, device, gradient hooks or tensor type
+(`check_fused_parts`); RoPE the QKV blocks don't compute (`check_rope`: a rope type that scales
+cos/sin or changes inv_freq per call, Phi-3's LongRoPE among them, or a partial rotary factor). The
+per-forward checks of the same contract are contract.py's; the messages and the tests of what a
+module may carry are shared from here.
 What it does not: patch anything (patch.py); refuse what only a call can show (contract.py refuses
 what changed since patching, forward.py a KV cache, loss.py labels out of range).
 Invariants: it reads the model and changes nothing; nothing is patched unless it passes.

@@ -12,7 +12,11 @@ modules, so hooks and wrappers on decoder layers fire: FSDP2's gathers and reduc
 activation checkpointing (`gradient_checkpointing_enable()`, whose flag Hugging Face's layer
 `__call__` reads; `checkpoint_wrapper`). A block input without memory (E0811: a parameter FSDP2 has
 resharded) is raised naming the parameter (`run_block`). `output_hidden_states=True` returns Hugging
-Face's hidden states (the embedding output, each layer's output, the final normed one last).
+Face's hidden states (the embedding output, each layer's output, the final normed one last). The
+attention function is given what the family's attention module gives it (its mask, window, scaling,
+dropout; Gemma 2's soft-capping), eager being that module's own modeling file's; each layer's QKV
+gets its kind's RoPE table (Gemma 3); Gemma's embedding scales its rows itself (the tied one-pass
+lookup multiplies by its `embed_scale`).
 What it does not: build the blocks (state.py), hold parameters (checkpoint.py) or check the model
 (checks.py).
 Invariants: HF's calling contract (input_ids or inputs_embeds, attention_mask, position_ids, labels,

@@ -7,8 +7,9 @@ function (`coda_lang.torch.function`; `Blocks`): the first layer's, the layers',
 the logits head and, made when first used, the loss head of each loss mode; their kernels compile
 together at the first call. The blocks of the dtype at patching are made at once (`first`, `layer`,
 `last`, `head_logits`, `row_head()`, `vocab_head()`), those of another dtype (the param_dtype of
-FSDP2's MixedPrecisionPolicy, a model cast after patching) when it first runs. `positions` and `freq`
-give the default positions and RoPE's frequencies, made once per shape (and per `inv_freq` version).
+FSDP2's MixedPrecisionPolicy, a model cast after patching) when it first runs. `positions` and
+`freqs` give the default positions and each layer's RoPE frequencies (Gemma 3's per kind of layer),
+made once per shape (and per `inv_freq` version).
 What it does not: touch the model's modules (patch.py), run the forward (forward.py) or the loss
 (loss.py).
 Invariants: made once per model, at patching; the model and each decoder layer keep it as `_coda`
