@@ -595,8 +595,9 @@ TINY = {
             sliding_window=None,
             rope_parameters={"rope_type": "default", "rope_theta": 100000000.0},
         ),
-    ),  # Gemma 2's released settings (soft-capping at 30 and 50, window 4096, query_pre_attn_scalar 256,
-    # epsilon 1e-6, tied): the 2B's 8 query and 4 key/value heads, q wider than the hidden size
+    ),
+    # Gemma 2's released settings (soft-capping at 30 and 50, window 4096, query_pre_attn_scalar 256,
+    # epsilon 1e-6, tied): the 2B's 8 query and 4 key/value heads of 256, q wider than the hidden size
     "gemma-2-2b": (
         "gemma2",
         dict(
@@ -605,7 +606,7 @@ TINY = {
             intermediate_size=256,
             num_attention_heads=8,
             num_key_value_heads=4,
-            head_dim=32,
+            head_dim=256,
             query_pre_attn_scalar=256,
         ),
     ),
