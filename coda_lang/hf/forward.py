@@ -131,6 +131,26 @@ def join_heads(
             part.copy_(g.transpose(1, 2))
 
 
+_EAGER: dict[type, Any] = {}
+
+
+def eager_attention(attn: Any) -> Any:
+    """The eager attention function of the attention module's own modeling file, as its forward calls
+    it (Gemma 2's applies the soft-capping; Llama's, the fallback, ignores it): the first class of its
+    MRO whose module defines one (FSDP2's class around it is defined elsewhere)."""
+    cls = type(attn)
+    fn = _EAGER.get(cls)
+    if fn is None:
+        for c in cls.__mro__:
+            fn = getattr(sys.modules.get(c.__module__), "eager_attention_forward", None)
+            if fn is not None:
+                break
+        else:
+            from transformers.models.llama.modeling_llama import eager_attention_forward as fn
+        _EAGER[cls] = fn
+    return fn
+
+
 def attention(
     st: ModelState, attn: Any, qkv: torch.Tensor, b: int, s: int, mask: Any, kwargs: dict[str, Any]
 ) -> torch.Tensor:
@@ -138,9 +158,7 @@ def attention(
 
     nq = st.H * st.HD
     q, k, v = Heads.apply(qkv, b, s, st.H, st.KV, st.HD)
-    # eager: the attention module's own modeling file's (Gemma 2's applies the soft-capping)
-    eager = sys.modules[type(attn).__module__].eager_attention_forward
-    fn = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager)
+    fn = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention(attn))
     extra = window(st.family, attn)
     if st.family.attn_softcap:  # (Gemma 2's attention passes its soft-capping; under sdpa it is unused)
         extra["softcap"] = attn.attn_logit_softcapping
@@ -160,11 +178,11 @@ def attention(
 
 class Step:
     """What every decoder layer of one forward reads besides its inputs x and qkv: the block functions
-    of the forward's dtype, the attention mask of each layer, the batch and sequence lengths, RoPE's f32
-    positions and each layer's frequencies (`freq[i]`: layer i's QKV, which layer i - 1's block makes),
-    and the attention function's keyword arguments. One object, not tensors, among a layer's arguments: FSDP2 casts a module's
-    floating-point tensor arguments to its MixedPrecisionPolicy's param_dtype, and positions in bf16
-    would lose their low bits."""
+    of the forward's dtype, the attention mask of each layer, the batch and sequence lengths, RoPE's
+    f32 positions and each layer's frequencies (`freq[i]`: layer i's QKV, which layer i - 1's block
+    makes), and the attention function's keyword arguments. One object, not tensors, among a layer's
+    arguments: FSDP2 casts a module's floating-point tensor arguments to its MixedPrecisionPolicy's
+    param_dtype, and positions in bf16 would lose their low bits."""
 
     __slots__ = ("blocks", "mask", "b", "s", "pos", "freq", "kwargs", "given", "made")
 
