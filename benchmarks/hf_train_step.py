@@ -8,9 +8,11 @@ Llama-3.2-1B shapes by default (hidden 2048, 16 layers, 32 query / 8 KV heads of
 vocab 128256, tied embeddings, rope_theta 5e5 with Llama-3 rope scaling); `--family` picks another
 family's shapes (`FAMILY_SHAPES`: Qwen3-1.7B, Qwen2.5-1.5B, a Granite 3.x 2B, Mistral-7B's widths at 8
 layers with its 4096-token sliding window, Ministral likewise with alternating layers, Phi-3-mini-4k:
-32 heads of 96, its 2047-token sliding window, OLMo-2-0425-1B), `--layers`
+32 heads of 96, its 2047-token sliding window, OLMo-2-0425-1B, Gemma-2-2B: 8 heads of 256, its
+alternating 4096-token windows and soft-capping, a vocabulary of 256000; Gemma-3-1B: 4 heads of 256
+and 1 KV head, five 512-token local layers to one global, a vocabulary of 262144), `--layers`
 another layer count; coda is patched by `coda_lang.hf.apply_coda`, Liger by its
-`apply_liger_kernel_to_<family>` (where it has one). Random init (seed 0), bf16,
+`apply_liger_kernel_to_<family>` (where it has one; Gemma 3's text model: `..._gemma3_text`). Random init (seed 0), bf16,
 sdpa attention, fused AdamW, one fixed batch of random tokens (labels = inputs). Per configuration, in
 one process one after another: the time to the first step (patching or compiling included, from the
 model on the GPU to the end of step 1; Python bytecode cached as a pip install has it:
@@ -183,7 +185,52 @@ FAMILY_SHAPES: dict[str, tuple[str, dict[str, Any], int]] = {
         ),
         16,
     ),
+    "gemma2": (  # Gemma-2-2B: 8 heads of 256 (q wider than hidden), soft-capping 30 / 50, GeGLU
+        "Gemma2Config",
+        dict(
+            vocab_size=256000,
+            hidden_size=2304,
+            intermediate_size=9216,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=256,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            sliding_window=4096,
+            query_pre_attn_scalar=256,
+            final_logit_softcapping=30.0,
+            attn_logit_softcapping=50.0,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+        26,
+    ),
+    "gemma3": (  # Gemma-3-1B: 4 heads of 256, 1 KV head, 5 local (512 tokens, RoPE 1e4) to 1 global (1e6)
+        "Gemma3TextConfig",
+        dict(
+            vocab_size=262144,
+            hidden_size=1152,
+            intermediate_size=6912,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            sliding_window=512,
+            query_pre_attn_scalar=256,
+            final_logit_softcapping=None,
+            layer_types=["sliding_attention"] * 5 + ["full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+        ),
+        26,
+    ),
 }
+# Liger Kernel's entry point per family, where its name is not apply_liger_kernel_to_<family>
+# (its apply_liger_kernel_to_gemma3 patches the multimodal model)
+LIGER = {"gemma3": "gemma3_text"}
 
 
 def family_config(family: str, layers: int | None) -> Any:
@@ -234,9 +281,10 @@ def prepare(model: Any, name: str, family: str = "llama", lora: int = 0) -> Any:
     if name == "liger":
         import liger_kernel.transformers as liger
 
-        patch = getattr(liger, f"apply_liger_kernel_to_{family}", None)
+        name = f"apply_liger_kernel_to_{LIGER.get(family, family)}"
+        patch = getattr(liger, name, None)
         if patch is None:
-            raise SystemExit(f"Liger Kernel has no apply_liger_kernel_to_{family}")
+            raise SystemExit(f"Liger Kernel has no {name}")
         patch(model=model)
         return with_lora(model, lora)
     if name in ("coda", "coda-vocab"):

@@ -295,14 +295,14 @@ class BlockModule(torch.nn.Module):
 _LLAMA_MLP_STAGES = """
   gemm y @ {w_o} {{
     {h}: {t} = acc{residual} + x
-    {h}g: {t} = {h} * g{n}
+    {h}g: {t} = {h} * {g}
     ss{n} = sum({h} * {h}, over=D)
   }}
   r{n} = rsqrt(ss{n} / D + eps)
   gemm {h}g @ {w_13} {{
     z{n} = acc * r{n}
     gt, up = pairs(z{n})
-    a: {t} = silu(gt) * up
+    a: {t} = {act}(gt) * up
   }}
   gemm a @ {w_2} {{
     {x2} = acc{residual} + {h}{then}
@@ -325,13 +325,17 @@ def llama_mlp_stages(
     stored: bool = False,
     then: str = "",
     residual: str = "",
+    act: str = "silu",
+    norm_offset: float = 0.0,
 ) -> str:
     """The LLaMA MLP's stages as .coda text (each line indented for a block's body), at storage dtype
     `t` ("bf16", "f16", "f32"). `linear`: weights in `nn.Linear` layout ([out, in], read as
     `transpose(w)`), else [in, out]. `h`: the residual's name (the norm's input `{h}g`); `n`: the suffix
     of the norm's names (`g{n}`, `ss{n}`, `r{n}`, `z{n}`); `stored`: `x2` stored as `t` within its
     stage (for `then`, statements that follow it in the down-projection's epilogue); `residual`: a
-    factor of each branch before it joins the residual (" * rm": `acc * rm + x`, Granite's)."""
+    factor of each branch before it joins the residual (" * rm": `acc * rm + x`, Granite's); `act`: the
+    gate's activation, a .coda op of one argument (`silu`: SwiGLU; `gelu`, tanh-approximated: GeGLU);
+    `norm_offset`: the norm scales by (norm_offset + g) (Gemma's 1 + w) when not 0."""
     w = (lambda name: f"transpose({name})") if linear else (lambda name: name)
     return _LLAMA_MLP_STAGES.format(
         t=t,
@@ -343,6 +347,8 @@ def llama_mlp_stages(
         x2=f"x2: {t}" if stored else "x2",
         then=then,
         residual=residual,
+        g=f"({float(norm_offset)!r} + g{n})" if norm_offset else f"g{n}",
+        act=act,
     )
 
 

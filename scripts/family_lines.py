@@ -47,7 +47,7 @@ class Part:
     name a marker."""
 
     label: str  # the table's row
-    families: tuple[str, ...]  # their names in coda_lang.hf.family.FAMILIES
+    families: tuple[str, ...]  # their names (`Family.name`) in coda_lang.hf.family.FAMILIES
     markers: frozenset[str] = field(default_factory=frozenset)
     modules: tuple[str, ...] = ()
 
@@ -149,6 +149,53 @@ PARTS = (
                 "gqk",
                 "go",
                 "gd",
+            }
+        ),
+    ),
+    Part(
+        "Gemma 2: norms of 1 + w, GeGLU, scaled embeddings, soft-capping",
+        ("gemma2",),
+        frozenset(
+            {
+                "GEMMA2",
+                "apply_coda_to_gemma2",
+                "norm_offset",
+                "_weight",
+                "activation",
+                "act_config",
+                "ACTIVATIONS",
+                "act",
+                "scaled_embedding",
+                "embed_scale",
+                "logit_softcap",
+                "softcap",
+                "_logits",
+                "attn_softcap",
+                "attn_logit_softcapping",
+                "final_logit_softcapping",
+                "hidden_activation",
+                "query_pre_attn_scalar",
+                "use_bidirectional_attention",
+                "eps_attr",
+                "eager",
+            }
+        ),
+    ),
+    Part(
+        "Gemma 3: per-head q/k norm of heads wider than a tile, a RoPE per kind of layer",
+        ("gemma3",),
+        frozenset(
+            {
+                "GEMMA3",
+                "apply_coda_to_gemma3",
+                "config_type",
+                "base_class",
+                "NOT_FAMILIES",
+                "heads_fit_tiles",
+                "CANDIDATES",
+                "rope_kinds",
+                "rope_tables",
+                "freqs",
             }
         ),
     ),
@@ -273,25 +320,30 @@ def count() -> Counts:
     from coda_lang.hf.blocks import model_source
     from coda_lang.hf.family import FAMILIES
 
+    by_name = {f.name: f for f in FAMILIES.values()}
+
     def program(fam: str) -> list[str]:
-        f = FAMILIES[fam]
+        f = by_name[fam]
         scales = (2.0, 0.5, 4.0) if f.multipliers else None  # (any values: the text is the same)
         text = model_source(
             "bfloat16",
             1e-6,
-            128,
+            256 if f.rope_kinds else 128,  # (Gemma 3's heads: 256 columns, as its released models')
             f.qk_norm,
             f.qkv_bias,
             scales,
             pre_norm=f.pre_norm,
             post_norm=f.post_norm,
             heads=(16, 8),  # (any heads: the text is the same but for their widths' values)
+            norm_offset=f.norm_offset,
+            act=f.activation,
+            softcap=30.0 if f.logit_softcap else None,  # (Gemma 2's; Gemma 3's is off by default)
         )
         return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
 
     base = program("llama")
     coda = {"llama": (len(base), len(base))}
-    for fam in FAMILIES:
+    for fam in by_name:
         if fam != "llama":
             lines = program(fam)
             diff = difflib.ndiff(base, lines)
@@ -309,6 +361,7 @@ def count() -> Counts:
                 {
                     "_QKV",
                     "_QKV_NORM",
+                    "_QKV_NORM_ROWS",
                     "_QKV_PROJ_NORM",
                     "_POST_NORM_STAGES",
                     "_TEMPLATE",
@@ -340,8 +393,9 @@ def table(c: Counts) -> str:
         "|---|---|---|---|",
         f"| Llama (the shared patch) | {c.coda['llama'][0]} | (all) | {c.python['']} (all of coda_lang/hf but the rows below) |",
     ]
+    names = {f.name for f in FAMILIES.values()}
     for part in PARTS:
-        fams = [f for f in part.families if f in FAMILIES]
+        fams = [f for f in part.families if f in names]
         progs = ", ".join(f"{c.coda[f][0]}" for f in fams)
         beyond = ", ".join(f"{c.coda[f][1]}" for f in fams)
         rows.append(f"| {part.label} | {progs} | {beyond} | {c.python[part.label]} |")

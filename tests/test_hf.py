@@ -20,6 +20,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from coda_lang.hf import (  # noqa: E402
+    apply_coda_to_gemma2,
+    apply_coda_to_gemma3,
     apply_coda_to_granite,
     apply_coda_to_llama,
     apply_coda_to_ministral,
@@ -30,7 +32,9 @@ from coda_lang.hf import (  # noqa: E402
     apply_coda_to_qwen3,
     unfused_grads,
 )
-from coda_lang.hf.family import FAMILIES as KNOWN  # noqa: E402
+from coda_lang.hf.family import FAMILIES as BY_TYPE  # noqa: E402
+
+KNOWN = {f.name: f for f in BY_TYPE.values()}  # the families by name (Gemma 3's type: gemma3_text)
 
 VOCAB = 96
 SHAPES = dict(
@@ -54,6 +58,8 @@ FAMILIES = {
     "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM, apply_coda_to_granite),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, apply_coda_to_phi3),
     "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM, apply_coda_to_olmo2),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, apply_coda_to_gemma2),
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, apply_coda_to_gemma3),
 }
 # Each family's own settings in the tiny models: a sliding window of 16 (Mistral, Phi-3: every layer;
 # Ministral: the first of its two layers, the second full attention), shorter than most test sequences;
@@ -72,6 +78,28 @@ OWN = {
     "phi3": {"sliding_window": 16, "pad_token_id": VOCAB - 1, "eos_token_id": VOCAB - 1},
     # (its config's default end-of-text token, 50279, is outside the tiny vocabulary)
     "olmo2": {"eos_token_id": None},
+    # Gemma 2: its alternating sliding-window (first) and full layers, a window of 16; soft-capping at
+    # values of the tiny model's scale, so that tanh bends them (its logits reach 0.6, its attention's
+    # 0.1; the released 30 and 50 leave them linear to 1e-5); an attention scaling that is not
+    # head_dim's (query_pre_attn_scalar 4: 1/2, where 1/16 would leave the attention's logits so small
+    # that k's gradient through the cap is a cancellation, f32's error 1e-5 of it)
+    "gemma2": {
+        "sliding_window": 16,
+        "final_logit_softcapping": 0.5,
+        "attn_logit_softcapping": 0.2,
+        "query_pre_attn_scalar": 4,
+    },
+    # Gemma 3: head_dim 256, as every released Gemma 3 (its per-head q/k norm then completes in a row
+    # stage: no kernel tile holds a head), Gemma-3-27B's attention scaling (query_pre_attn_scalar 168,
+    # not head_dim); a sliding (RoPE base 1e4) and a full (1e6) layer, a window of 16, its final
+    # soft-capping (none by default) on
+    "gemma3": {
+        "head_dim": 256,
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "final_logit_softcapping": 0.5,
+        "query_pre_attn_scalar": 168,
+    },
 }
 # The families every test runs; the others' costly tests (bf16, convergence, ...) run under -m slow
 FIRST = ("llama", "qwen3")
@@ -91,11 +119,13 @@ def make(family: str, dtype: Any = None, seed: int = 0, **over: Any) -> Any:
         kw.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})
     torch.manual_seed(seed)
     model = model_cls(config_cls(**kw))
-    # norm weights away from 1 and biases (Qwen2's q, k, v) away from 0, so that a wrong layout shows
+    # norm weights away from 1 (Gemma's, which scale by 1 + w, away from 0) and biases (Qwen2's q, k,
+    # v) away from 0, so that a wrong layout shows
+    one = 0.0 if KNOWN[family].norm_offset else 1.0
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.copy_(1 + 0.3 * torch.randn_like(p))
+                p.copy_(one + 0.3 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn_like(p))
     return model.to(dtype) if dtype is not None else model
@@ -295,7 +325,8 @@ def test_checkpoints_round_trip(family: str, tmp_path: Any) -> None:
     other.load_state_dict(make(family, seed=3).state_dict())  # unpatched -> patched
     assert rel(other(ids).logits, pat(ids).logits) < 1e-6
     pat.save_pretrained(tmp_path)
-    back = FAMILIES[family][1].from_pretrained(tmp_path)
+    # (the attention the model ran: Gemma 2's soft-capping is eager's, sdpa has none)
+    back = FAMILIES[family][1].from_pretrained(tmp_path, attn_implementation="eager")
     assert rel(back(ids).logits, pat(ids).logits) < 1e-5
     qkv = KNOWN[family].qkv_parts[0]  # (q_proj; Phi-3's qkv_proj)
     assert isinstance(getattr(back.model.layers[0].self_attn, qkv), torch.nn.Linear)  # an ordinary model
@@ -365,12 +396,13 @@ def test_positions_reach_the_mask_only_when_given(monkeypatch: Any) -> None:
     assert rel(z2[:, 20:], z1[:, 20:]) > 1e-3  # (unpacked, it saw the first)
 
 
-def test_a_tied_weights_gradient_is_made_in_one_pass(monkeypatch: Any) -> None:
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_a_tied_weights_gradient_is_made_in_one_pass(family: str, monkeypatch: Any) -> None:
     """Tied LM head and embedding, "rows" loss mode: the embedding's backward adds its rows to the
     head's weight-gradient total and rounds once (`tied_grad`, called once per backward; torch's dense
     embedding backward is not run), matching the unpatched model, also with a padding id among the
     tokens (its rows add nothing); "vocab" mode, or a hook on the embedding module, keep torch's
-    embedding (the hook runs)."""
+    embedding (the hook runs). Gemma's scaled embedding too (the lookup times its embed_scale)."""
     import coda_lang.hf.loss as P
 
     calls: list[int] = []
@@ -381,8 +413,8 @@ def test_a_tied_weights_gradient_is_made_in_one_pass(monkeypatch: Any) -> None:
         return real(*args)
 
     monkeypatch.setattr(P, "tied_grad", spy)
-    ref = make("llama", tie_word_embeddings=True, pad_token_id=3)
-    pat = patch("llama", copy.deepcopy(ref))
+    ref = make(family, tie_word_embeddings=True, pad_token_id=3)
+    pat = patch(family, copy.deepcopy(ref))
     assert pat.model.embed_tokens.padding_idx == 3
     ids, labels = batch()
     ids[0, 2:6] = 3
@@ -392,7 +424,7 @@ def test_a_tied_weights_gradient_is_made_in_one_pass(monkeypatch: Any) -> None:
     assert rel(l1, l0) < 1e-5
     for name in g0:
         assert rel(g1[name], g0[name]) < 1e-5, name
-    vocab = patch("llama", copy.deepcopy(ref), loss_mode="vocab")
+    vocab = patch(family, copy.deepcopy(ref), loss_mode="vocab")
     _, _, g2 = run(vocab, ids, labels)
     assert calls == [1] and rel(g2["model.embed_tokens.weight"], g0["model.embed_tokens.weight"]) < 1e-5
     for m in (ref, pat):

@@ -53,6 +53,21 @@ def _programs() -> list[tuple[str, str, bool]]:
             model_source("bfloat16", 1e-6, 8, "proj", pre_norm=False, post_norm=True, heads=(4, 2)),
             True,
         ),
+        # Gemma 2: the sandwich's row stages with norms of 1 + w, GeGLU, the logits soft-capped
+        (
+            "gemma2",
+            model_source(
+                "bfloat16",
+                1e-6,
+                8,
+                None,
+                post_norm=True,
+                norm_offset=1.0,
+                act="gelu_pytorch_tanh",
+                softcap=30.0,
+            ),
+            True,
+        ),
     ]
     for f in sorted(glob.glob(str(ROOT / "examples" / "*.coda"))):
         out.append((Path(f).stem, Path(f).read_text(), False))
@@ -164,10 +179,13 @@ def test_the_generator_takes_the_stages_the_llama_step_runs() -> None:
 
 
 def _costly(name: str) -> bool:
-    """OLMo 2's stages beyond its layer block's forward and the patch's backward of it (the first
-    layer's and the last's are the same kinds of stage; the other backwards, the heads' are Llama's)
-    run under -m slow."""
-    return name.startswith("olmo2.") and not (name.startswith(("olmo2.layer.fwd.", "olmo2.layer.bwd_hf.")))
+    """OLMo 2's and Gemma 2's stages beyond their layer block's forward and the patch's backward of it
+    (the first layer's and the last's are the same kinds of stage; the other backwards, the heads' are
+    Llama's or its soft-capped ones) run under -m slow."""
+    return any(
+        name.startswith(f"{f}.") and not name.startswith((f"{f}.layer.fwd.", f"{f}.layer.bwd_hf."))
+        for f in ("olmo2", "gemma2")
+    )
 
 
 @pytest.mark.parametrize(

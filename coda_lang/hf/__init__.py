@@ -7,11 +7,12 @@ What it does: patches one model instance in place. Per layer, q/k/v projections 
 under the module whose forward reads it: checkpoint.py) and gate/up one parameter
 `mlp.gate_up_weight` (rows interleaved; Phi-3's fused `qkv_proj` and `gate_up_proj` reordered
 alike); the model's forward then runs, in the paper's schedule, the
-first layer's input norm + QKV + RoPE (+ a q/k norm: Qwen3's per head, OLMo 2's over each projection)
-as one block, each layer boundary (out-proj + residual + norm + gate/up + SwiGLU + down + residual +
-the next layer's norm + QKV + RoPE; OLMo 2's norms after the out- and down-projections instead) as one
-block, the last layer's MLP as one block, and the LM head with the loss (labels given: per-token
-cross-entropy, logits never stored) or the logits. Attention is the model's own attention function
+first layer's input norm + QKV + RoPE (+ a q/k norm: Qwen3's and Gemma 3's per head, OLMo 2's over
+each projection) as one block, each layer boundary (out-proj + residual + norm + gate/up + SwiGLU +
+down + residual + the next layer's norm + QKV + RoPE; OLMo 2's norms after the out- and
+down-projections instead, Gemma's before and after them, of 1 + w, with GeGLU) as one block, the last
+layer's MLP as one block, and the LM head with the loss (labels given: per-token cross-entropy, logits
+never stored; Gemma's soft-capped) or the logits. Attention is the model's own attention function
 (`config._attn_implementation`), on q, k in the interleaved layout (q.k is unchanged by permuting q and
 k alike). `state_dict()` gives, and `load_state_dict()` takes, the unpatched model's names and layouts,
 so checkpoints move between patched and unpatched models (and `save_pretrained`).
@@ -45,6 +46,8 @@ from coda_lang.hf.checkpoint import unfused_grads
 from coda_lang.hf.families import (
     AutoCodaForCausalLM,
     apply_coda,
+    apply_coda_to_gemma2,
+    apply_coda_to_gemma3,
     apply_coda_to_granite,
     apply_coda_to_llama,
     apply_coda_to_ministral,
@@ -59,6 +62,8 @@ from coda_lang.hf.patch import unpatch
 __all__ = [
     "AutoCodaForCausalLM",
     "apply_coda",
+    "apply_coda_to_gemma2",
+    "apply_coda_to_gemma3",
     "apply_coda_to_granite",
     "apply_coda_to_llama",
     "apply_coda_to_ministral",

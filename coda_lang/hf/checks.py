@@ -4,18 +4,20 @@ refused by name.
 What it does: `check_model(model, family)` raises ValueError (`refuse`: "coda_lang.hf: what: why;
 what to do") for a model of another class (a peft tuner among them: patch the PeftModel), one
 patched already, a dtype the blocks don't run, biases the family has none of, an activation other
-than SiLU, sliding-window attention where the family has none (`check_layer_kinds`), RoPE that scales
-cos/sin, (Qwen3, OLMo 2) attention without its q/k norms, a layer without one of the family's norms
-(`norm_names`), a width whose rows the kernels can't load
+than the family's (SiLU; Gemma's GELU-tanh), bidirectional attention (Gemma 3's option),
+sliding-window attention where the family has none (`check_layer_kinds`), RoPE that scales cos/sin
+(of each kind of layer: Gemma 3's, `rope_tables`), (Qwen3, OLMo 2, Gemma 3) attention without its
+q/k norms, a layer without one of the family's norms (`norm_names`), a norm whose epsilon is not the
+config's (`check_norms`: Gemma's norms keep it as `eps`), a width whose rows the kernels can't load
 (`check_widths`: a vocabulary not a multiple of 8 in bf16), a module the blocks would bypass that is
 not the family's own (peft layers but plain LoRA on the seven projections, which `check_lora`
 checks; bitsandbytes' quantized layers, a parametrization, an activation or norm swapped), hooks on
 such a module or global ones (`module_trouble`, `global_hooks`), and what fusing q/k/v and gate/up
-would merge: their `requires_grad`, dtype, device,
-gradient hooks or tensor type (`check_fused_parts`); RoPE the QKV blocks don't compute (`check_rope`:
-a rope type that scales cos/sin or changes inv_freq per call, Phi-3's LongRoPE among them, or a
-partial rotary factor). The per-forward checks of the same contract
-are contract.py's; the messages and the tests of what a module may carry are shared from here.
+would merge: their `requires_grad`, dtype, device, gradient hooks or tensor type
+(`check_fused_parts`); RoPE the QKV blocks don't compute (`check_rope`: a rope type that scales
+cos/sin or changes inv_freq per call, Phi-3's LongRoPE among them, or a partial rotary factor). The
+per-forward checks of the same contract are contract.py's; the messages and the tests of what a
+module may carry are shared from here.
 What it does not: patch anything (patch.py); refuse what only a call can show (contract.py refuses
 what changed since patching, forward.py a KV cache, loss.py labels out of range).
 Invariants: it reads the model and changes nothing; nothing is patched unless it passes.
@@ -263,10 +265,9 @@ def family_classes(model: Any, family: Family) -> dict[str, type]:
 
     modeling = sys.modules[type(model).__module__]
     prefix = family.model_class.removesuffix("ForCausalLM")
-    out = {
-        k: getattr(modeling, prefix + k) for k in ("RMSNorm", "Attention", "MLP", "RotaryEmbedding", "Model")
-    }
-    out["act"] = type(ACT2FN[model.config.hidden_act])
+    out = {k: getattr(modeling, prefix + k) for k in ("RMSNorm", "Attention", "MLP", "RotaryEmbedding")}
+    out["Model"] = getattr(modeling, family.base_class or prefix + "Model")
+    out["act"] = type(ACT2FN[getattr(model.config, family.act_config)])
     out["Linear"] = torch.nn.Linear
     return out
 
@@ -337,8 +338,22 @@ def check_model(model: Any, family: Family) -> None:
         raise refuse("attention_bias=True", "the fused QKV and out-projection blocks have no bias")
     if getattr(cfg, "mlp_bias", False):
         raise refuse("mlp_bias=True", "the fused MLP block has no bias")
-    if cfg.hidden_act != "silu":
-        raise refuse(f"hidden_act={cfg.hidden_act!r}", "the MLP block is SwiGLU (silu)")
+    act = getattr(cfg, family.act_config, None)
+    if act != family.activation:
+        mlp = {
+            "silu": "SwiGLU (silu)",
+            "gelu_pytorch_tanh": "GeGLU (gelu_pytorch_tanh: GELU, tanh-approximated)",
+        }
+        raise refuse(
+            f"{family.act_config}={act!r}",
+            f"the {family.model_class}'s MLP block is {mlp[family.activation]}",
+        )
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise refuse(
+            "use_bidirectional_attention=True",
+            "the patched forward makes the causal (and sliding-window causal) masks of a causal LM",
+            "train this model unpatched",
+        )
     check_layer_kinds(cfg, family)
     if (
         getattr(cfg, "loss_type", None) not in (None, "ForCausalLM")
@@ -350,7 +365,7 @@ def check_model(model: Any, family: Family) -> None:
             "the fused LM head computes transformers' causal-LM cross-entropy",
             "train this model unpatched",
         )
-    check_rope(model)
+    check_rope(model, family)
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         for n in (*family.qkv_parts, "o_proj"):
@@ -386,7 +401,7 @@ def check_model(model: Any, family: Family) -> None:
     hooks = global_hooks()
     if hooks:
         raise global_refusal(hooks)
-    check_norms(model)
+    check_norms(model, family)
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         check_fused_parts(f"model.layers.{i}.self_attn", attn, family.qkv_parts, fused_qkv_name(i))
@@ -399,36 +414,60 @@ def check_model(model: Any, family: Family) -> None:
     check_widths(model, model.dtype)
 
 
-def check_rope(model: Any) -> None:
+def rope_tables(model: Any, family: Family) -> list[tuple[str, Any, Any, Any]]:
+    """(where, rope type, attention scaling, inv_freq) of each RoPE the rotary embedding computes: its
+    one (`model.rotary_emb`), or (Gemma 3: `Family.rope_kinds`) one per kind of layer
+    (`model.rotary_emb[<kind>]`, from its `<kind>_inv_freq`, `<kind>_attention_scaling` and
+    `rope_type[<kind>]`)."""
+    rope = model.model.rotary_emb
+    if not family.rope_kinds:
+        return [("model.rotary_emb", rope.rope_type, rope.attention_scaling, rope.inv_freq)]
+    return [
+        (
+            f"model.rotary_emb[{kind!r}]",
+            rope.rope_type.get(kind),
+            getattr(rope, f"{kind}_attention_scaling", None),
+            getattr(rope, f"{kind}_inv_freq", None),
+        )
+        for kind in dict.fromkeys(layer_kinds(family, model.config))
+    ]
+
+
+def check_rope(model: Any, family: Family) -> None:
     """RoPE the QKV blocks compute: inverse frequencies fixed at patching (the `inv_freq` the rotary
     embedding holds, of a rope type that changes it only when set, never per call), cos and sin
     unscaled (`attention_scaling` 1), and every column of each q and k head rotated (no partial
-    rotary factor)."""
-    rope = model.model.rotary_emb
+    rotary factor); each kind of layer's RoPE so (Gemma 3's local and global layers: `rope_tables`)."""
     cfg = model.config
-    if rope.rope_type not in ROPE_TYPES:
-        why = ROPE_WHY.get(rope.rope_type, "it scales cos/sin or changes inv_freq per call")
-        raise refuse(
-            f"rope_type={rope.rope_type!r}",
-            f"{why}; the QKV blocks rotate q and k by fixed frequencies, unscaled; supported: "
-            f"{', '.join(ROPE_TYPES)}",
-            "train this model unpatched (or with Liger Kernel)",
-        )
-    if float(rope.attention_scaling) != 1.0:
-        raise refuse(
-            f"RoPE attention_scaling={rope.attention_scaling}",
-            "transformers multiplies cos and sin by it; the QKV blocks don't: only 1.0 is supported",
-            "train this model unpatched",
-        )
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if rope.inv_freq.numel() * 2 != hd:
-        factor = (getattr(cfg, "rope_parameters", None) or {}).get("partial_rotary_factor")
-        raise refuse(
-            f"partial rotary embedding (partial_rotary_factor={factor}: {2 * rope.inv_freq.numel()} of "
-            f"head_dim {hd} columns rotated)",
-            "the QKV blocks rotate every column of each q and k head",
-            "use partial_rotary_factor=1.0, or train this model unpatched",
-        )
+    for where, rope_type, scaling, inv in rope_tables(model, family):
+        if inv is None:
+            raise refuse(
+                where, "the rotary embedding has no inv_freq for this kind of layer", "train it unpatched"
+            )
+        if rope_type not in ROPE_TYPES:
+            why = ROPE_WHY.get(rope_type, "it scales cos/sin or changes inv_freq per call")
+            raise refuse(
+                f"rope_type={rope_type!r}" + (f" ({where})" if family.rope_kinds else ""),
+                f"{why}; the QKV blocks rotate q and k by fixed frequencies, unscaled; supported: "
+                f"{', '.join(ROPE_TYPES)}",
+                "train this model unpatched (or with Liger Kernel)",
+            )
+        if float(scaling) != 1.0:
+            raise refuse(
+                f"RoPE attention_scaling={scaling}" + (f" ({where})" if family.rope_kinds else ""),
+                "transformers multiplies cos and sin by it; the QKV blocks don't: only 1.0 is supported",
+                "train this model unpatched",
+            )
+        if inv.numel() * 2 != hd:
+            params = getattr(cfg, "rope_parameters", None) or {}
+            factor = params.get("partial_rotary_factor")
+            raise refuse(
+                f"partial rotary embedding (partial_rotary_factor={factor}: {2 * inv.numel()} of "
+                f"head_dim {hd} columns rotated)",
+                "the QKV blocks rotate every column of each q and k head",
+                "use partial_rotary_factor=1.0, or train this model unpatched",
+            )
 
 
 # why a rope type is not supported, where more can be said than that it is not among ROPE_TYPES
@@ -461,14 +500,16 @@ def check_layer_kinds(cfg: Any, family: Family) -> None:
         )
 
 
-def check_norms(model: Any) -> None:
-    """Each RMSNorm's epsilon is the config's `rms_norm_eps`, which the blocks are built with."""
+def check_norms(model: Any, family: Family) -> None:
+    """Each RMSNorm's epsilon (its `Family.eps_attr`: `variance_epsilon`, Gemma's `eps`) is the
+    config's `rms_norm_eps`, which the blocks are built with."""
     eps = model.config.rms_norm_eps
+    norm = family_classes(model, family)["RMSNorm"]
     for path, m in model.named_modules():
-        e = m.__dict__.get("variance_epsilon")
+        e = m.__dict__.get(family.eps_attr) if isinstance(m, norm) else None
         if e is not None and e != eps:
             raise refuse(
-                f"{path}.variance_epsilon={e}",
+                f"{path}.{family.eps_attr}={e}",
                 f"the blocks are built with config.rms_norm_eps={eps}, for every norm",
                 "make them agree before patching",
             )

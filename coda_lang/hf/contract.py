@@ -51,6 +51,7 @@ from coda_lang.hf.checks import (
     bypassed_modules,
     check_widths,
     class_name,
+    family_classes,
     foreign,
     global_hooks,
     global_refusal,
@@ -59,6 +60,7 @@ from coda_lang.hf.checks import (
     refuse,
 )
 from coda_lang.hf.family import Family
+from coda_lang.hf.masks import layer_kinds
 
 MISSING = "<missing>"  # a sentinel that a copy or pickle keeps equal (an object() would not be)
 
@@ -88,6 +90,11 @@ CONFIG_FIELDS = (
     "residual_multiplier",
     "logits_scaling",
     "attention_multiplier",
+    "hidden_activation",  # (Gemma's)
+    "final_logit_softcapping",
+    "attn_logit_softcapping",
+    "query_pre_attn_scalar",
+    "use_bidirectional_attention",
 )
 
 CHANGED = f"coda_lang.hf.unpatch(model), make the change, and patch it again ({UNPATCH})"
@@ -154,14 +161,20 @@ class Contract:
                 for n in ("q_norm", "k_norm", *family.qkv_parts)
                 if n in attn.__dict__
             ]
+        eps = family.eps_attr  # (Gemma's norms: `eps`)
+        norm = family_classes(model, family)["RMSNorm"]
         self.attrs: list[tuple[str, Any, str, Any]] = [
-            (path, m, "variance_epsilon", m.variance_epsilon)
+            (path, m, eps, m.__dict__[eps])
             for path, m, *_ in self.modules
-            if "variance_epsilon" in m.__dict__
+            if isinstance(m, norm) and eps in m.__dict__
         ]
         rope = base.rotary_emb
+        scalings = ["attention_scaling"]
+        if family.rope_kinds:  # (Gemma 3: a rope type and scaling per kind of layer)
+            scalings = [f"{k}_attention_scaling" for k in dict.fromkeys(layer_kinds(family, model.config))]
         self.attrs += [
-            ("model.rotary_emb", rope, k, rope.__dict__.get(k)) for k in ("rope_type", "attention_scaling")
+            ("model.rotary_emb", rope, k, copy.deepcopy(rope.__dict__.get(k)))
+            for k in ("rope_type", *scalings)
         ]
         self.attrs += [
             (f"model.layers.{i}", layer, "forward", layer.__dict__["forward"])

@@ -3,10 +3,10 @@ and `AutoCodaForCausalLM`, which pick the family from the config's `model_type`.
 
 What it does: `apply_coda_to_llama`, `apply_coda_to_qwen3`, `apply_coda_to_mistral`,
 `apply_coda_to_ministral`, `apply_coda_to_qwen2`, `apply_coda_to_granite`, `apply_coda_to_phi3`,
-`apply_coda_to_olmo2`: check the loss settings, then patch a
+`apply_coda_to_olmo2`, `apply_coda_to_gemma2`, `apply_coda_to_gemma3`: check the loss settings, then patch a
 model of that family (patch.py) with its facts (family.py). `apply_coda(model)`: the same for the
 family of `model.config.model_type` (`FAMILIES`), refusing a type it does not know with the list of
-those it does. `AutoCodaForCausalLM.from_pretrained(...)` / `.from_config(...)`: transformers'
+those it does (the multimodal Gemma 3, `gemma3`, with what to load instead). `AutoCodaForCausalLM.from_pretrained(...)` / `.from_config(...)`: transformers'
 `AutoModelForCausalLM`'s, then `apply_coda` (as Liger Kernel's `AutoLigerKernelForCausalLM`), the
 model type checked from the config before any weights load. A new family's entry point goes here, its
 facts in family.py, blocks it needs beyond these in blocks.py.
@@ -20,6 +20,8 @@ from typing import Any
 from coda_lang.hf.checks import refuse
 from coda_lang.hf.family import (
     FAMILIES,
+    GEMMA2,
+    GEMMA3,
     GRANITE,
     LLAMA,
     MINISTRAL,
@@ -112,10 +114,51 @@ def apply_coda_to_olmo2(
     return apply(model, OLMO2, LossSettings(loss_mode, loss_budget, loss_rows))
 
 
+def apply_coda_to_gemma2(
+    model: Any, *, loss_mode: str = "rows", loss_budget: int | None = None, loss_rows: int | None = None
+) -> Any:
+    """Patch a transformers `Gemma2ForCausalLM` (Gemma 2) in place (and return it): as
+    `apply_coda_to_llama`, with Gemma's layer: a norm before and after each branch (the sandwich:
+    `input_layernorm`, `post_attention_layernorm`, `pre_feedforward_layernorm`,
+    `post_feedforward_layernorm`), every norm scaling by 1 + w, a GELU-tanh gated MLP (GeGLU), the
+    final logits soft-capped (`final_logit_softcapping`) in the LM head; the embeddings scaled by
+    sqrt(hidden_size) as its embedding does, the attention's scaling (`query_pre_attn_scalar`),
+    soft-capping (`attn_logit_softcapping`) and alternating sliding-window layers the model's attention
+    function's."""
+    return apply(model, GEMMA2, LossSettings(loss_mode, loss_budget, loss_rows))
+
+
+def apply_coda_to_gemma3(
+    model: Any, *, loss_mode: str = "rows", loss_budget: int | None = None, loss_rows: int | None = None
+) -> Any:
+    """Patch a transformers `Gemma3ForCausalLM` (Gemma 3's text model, `model_type` gemma3_text) in
+    place (and return it): as `apply_coda_to_gemma2`, with Gemma 3's per-head q/k norm (of 1 + w)
+    before RoPE, each kind of layer's RoPE (local layers' `rope_local_base_freq`, global layers'
+    `rope_theta` and linear scaling), and no attention soft-capping (its attention passes none). The
+    multimodal `Gemma3ForConditionalGeneration` is refused."""
+    return apply(model, GEMMA3, LossSettings(loss_mode, loss_budget, loss_rows))
+
+
+# model types whose refusal can say more than that they are not supported
+NOT_FAMILIES = {
+    "gemma3": (
+        "the multimodal Gemma 3 (Gemma3ForConditionalGeneration: a vision tower, image tokens and "
+        "bidirectional attention over them) is not a family coda_lang.hf patches; its text-only model, "
+        "Gemma3ForCausalLM (model_type 'gemma3_text', as google/gemma-3-1b-pt), is",
+        "patch a Gemma3ForCausalLM, or train this model unpatched",
+    ),
+}
+
+
 def family_of(model_type: Any, what: str) -> Family:
     """The family of a config's `model_type`; ValueError naming it (`what`: the model or config it is
     read from) and the types supported."""
     family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is None and model_type in NOT_FAMILIES:
+        why, todo = NOT_FAMILIES[model_type]
+        raise refuse(
+            f"model_type {model_type!r} ({what})", f"{why}; supported: {', '.join(sorted(FAMILIES))}", todo
+        )
     if family is None:
         raise refuse(
             f"model_type {model_type!r} ({what})",

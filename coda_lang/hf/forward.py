@@ -12,7 +12,11 @@ modules, so hooks and wrappers on decoder layers fire: FSDP2's gathers and reduc
 activation checkpointing (`gradient_checkpointing_enable()`, whose flag Hugging Face's layer
 `__call__` reads; `checkpoint_wrapper`). A block input without memory (E0811: a parameter FSDP2 has
 resharded) is raised naming the parameter (`run_block`). `output_hidden_states=True` returns Hugging
-Face's hidden states (the embedding output, each layer's output, the final normed one last).
+Face's hidden states (the embedding output, each layer's output, the final normed one last). The
+attention function is given what the family's attention module gives it (its mask, window, scaling,
+dropout; Gemma 2's soft-capping), eager being that module's own modeling file's; each layer's QKV
+gets its kind's RoPE table (Gemma 3); Gemma's embedding scales its rows itself (the tied one-pass
+lookup multiplies by its `embed_scale`).
 What it does not: build the blocks (state.py), hold parameters (checkpoint.py) or check the model
 (checks.py).
 Invariants: HF's calling contract (input_ids or inputs_embeds, attention_mask, position_ids, labels,
@@ -26,6 +30,7 @@ hidden states are asked for.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -126,16 +131,37 @@ def join_heads(
             part.copy_(g.transpose(1, 2))
 
 
+_EAGER: dict[type, Any] = {}
+
+
+def eager_attention(attn: Any) -> Any:
+    """The eager attention function of the attention module's own modeling file, as its forward calls
+    it (Gemma 2's applies the soft-capping; Llama's, the fallback, ignores it): the first class of its
+    MRO whose module defines one (FSDP2's class around it is defined elsewhere)."""
+    cls = type(attn)
+    fn = _EAGER.get(cls)
+    if fn is None:
+        for c in cls.__mro__:
+            fn = getattr(sys.modules.get(c.__module__), "eager_attention_forward", None)
+            if fn is not None:
+                break
+        else:
+            from transformers.models.llama.modeling_llama import eager_attention_forward as fn
+        _EAGER[cls] = fn
+    return fn
+
+
 def attention(
     st: ModelState, attn: Any, qkv: torch.Tensor, b: int, s: int, mask: Any, kwargs: dict[str, Any]
 ) -> torch.Tensor:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from transformers.models.llama.modeling_llama import eager_attention_forward
 
     nq = st.H * st.HD
     q, k, v = Heads.apply(qkv, b, s, st.H, st.KV, st.HD)
-    fn = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
+    fn = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention(attn))
     extra = window(st.family, attn)
+    if st.family.attn_softcap:  # (Gemma 2's attention passes its soft-capping; under sdpa it is unused)
+        extra["softcap"] = attn.attn_logit_softcapping
     out, _ = fn(
         attn,
         q,
@@ -152,11 +178,11 @@ def attention(
 
 class Step:
     """What every decoder layer of one forward reads besides its inputs x and qkv: the block functions
-    of the forward's dtype, the attention mask of each layer,
-    the batch and sequence lengths, RoPE's f32 positions and frequencies, and the attention function's
-    keyword arguments. One object, not tensors, among a layer's arguments: FSDP2 casts a module's
-    floating-point tensor arguments to its MixedPrecisionPolicy's param_dtype, and positions in bf16
-    would lose their low bits."""
+    of the forward's dtype, the attention mask of each layer, the batch and sequence lengths, RoPE's
+    f32 positions and each layer's frequencies (`freq[i]`: layer i's QKV, which layer i - 1's block
+    makes), and the attention function's keyword arguments. One object, not tensors, among a layer's
+    arguments: FSDP2 casts a module's floating-point tensor arguments to its MixedPrecisionPolicy's
+    param_dtype, and positions in bf16 would lose their low bits."""
 
     __slots__ = ("blocks", "mask", "b", "s", "pos", "freq", "kwargs", "given", "made")
 
@@ -167,7 +193,7 @@ class Step:
         b: int,
         s: int,
         pos: torch.Tensor,
-        freq: torch.Tensor,
+        freq: tuple[torch.Tensor, ...],
         kwargs: dict[str, Any],
     ):
         self.blocks, self.mask, self.b, self.s = blocks, mask, b, s
@@ -279,7 +305,7 @@ def layer_forward(
     inputs.update(
         w_qkv=lora.qkv_weight(fused),
         pos=step.pos,
-        freq=step.freq,
+        freq=step.freq[i + 1],  # (the next layer's QKV: Gemma 3's RoPE is per kind of layer)
         **qkv_inputs(st, fused, x.device),
     )
     out = run_block(self, step.blocks.layer, inputs)
@@ -319,6 +345,8 @@ def hidden(
     elif tied is not None:
         e = base.embed_tokens
         emb = Embed.apply(e.weight, input_ids, e.padding_idx, tied)
+        if st.family.scaled_embedding:  # (Gemma's: times sqrt(hidden_size) in the weight's dtype)
+            emb = emb * e.embed_scale.to(e.weight.dtype)
     else:
         emb = base.embed_tokens(input_ids)
     if st.multipliers is not None:  # Granite's embedding multiplier, applied as its model does
@@ -343,11 +371,15 @@ def hidden(
     # the attention function gets the caller's position_ids as Hugging Face's attention does (flash
     # attention finds packed sequences from them when there is no mask)
     attn_kwargs = kwargs if position_ids is None else {**kwargs, "position_ids": position_ids}
-    step = Step(st.blocks(emb.dtype), mask, b, s, pos, st.freq(model, emb.device), attn_kwargs)
+    step = Step(st.blocks(emb.dtype), mask, b, s, pos, st.freqs(model, emb.device), attn_kwargs)
     h = emb.reshape(b * s, -1)
     fused = first.self_attn
     inputs = dict(
-        h=h, w_qkv=lora.qkv_weight(fused), pos=step.pos, freq=step.freq, **qkv_inputs(st, fused, emb.device)
+        h=h,
+        w_qkv=lora.qkv_weight(fused),
+        pos=step.pos,
+        freq=step.freq[0],
+        **qkv_inputs(st, fused, emb.device),
     )
     if st.family.pre_norm:
         inputs["g"] = first.input_layernorm.weight
@@ -418,7 +450,7 @@ def causal_lm_forward(
     # a tied head + embedding in "rows" mode: the weight's gradient made in one pass (TiedGrad)
     tied = (
         TiedGrad()
-        if with_loss and st.loss_mode != "vocab" and inputs_embeds is None and tied_embedding(self)
+        if with_loss and st.loss_mode != "vocab" and inputs_embeds is None and tied_embedding(self, st.family)
         else None
     )
     hg, r, b, s = hidden(

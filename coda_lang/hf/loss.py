@@ -208,23 +208,38 @@ def tied_grad(
     return out.index_add_(0, flat, add).to(dtype)
 
 
-def tied_embedding(model: Any) -> bool:
-    """Whether the embedding lookup may be `Embed`: a plain nn.Embedding sharing the LM head's weight,
-    with nothing its module call would do besides the lookup (no hooks, max_norm or sparse gradients)."""
+def tied_embedding(model: Any, family: Any) -> bool:
+    """Whether the embedding lookup may be `Embed`: a plain nn.Embedding (or the family's scaled
+    embedding, Gemma's: the forward multiplies by its `embed_scale` as its module does) sharing the LM
+    head's weight, with nothing its module call would do besides the lookup (no hooks, max_norm or
+    sparse gradients)."""
     from torch.nn.modules import module as m
 
-    e = model.model.embed_tokens
+    e: Any = model.model.embed_tokens
+    plain = type(e) is torch.nn.Embedding
     return (
-        type(e) is torch.nn.Embedding
+        (plain or (family.scaled_embedding and type(e) is scaled_embedding(model)))
         and e.weight is model.lm_head.weight
         and e.weight.requires_grad
         and torch.is_grad_enabled()
         and e.max_norm is None
         and not e.scale_grad_by_freq
         and not e.sparse
+        and "forward" not in e.__dict__
         and not (e._forward_hooks or e._forward_pre_hooks)
         and not (m._global_forward_hooks or m._global_forward_pre_hooks)
     )
+
+
+def scaled_embedding(model: Any) -> type:
+    """The scaled embedding class (`<prefix>TextScaledWordEmbedding`: Gemma's) of the modeling module
+    that defines the model's class."""
+    import sys
+
+    modeling = sys.modules[type(model).__module__]
+    prefix = type(model).__name__.removesuffix("ForCausalLM")
+    cls: type = getattr(modeling, f"{prefix}TextScaledWordEmbedding")
+    return cls
 
 
 def scale_round(t: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

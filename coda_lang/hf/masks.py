@@ -3,7 +3,7 @@
 What it does: `layer_masks(model, family, emb, attention_mask, position_ids)`: the mask of each
 decoder layer, one made per kind of layer the model has, as transformers' forward of that family
 makes them (`create_causal_mask` for full attention, `create_sliding_window_causal_mask` for a
-sliding window), the kinds from `layer_kinds`: `config.layer_types` (Ministral, Qwen2, Qwen3:
+sliding window), the kinds from `layer_kinds`: `config.layer_types` (Ministral, Qwen2, Qwen3, Gemma 2, Gemma 3:
 `Family.sliding == "layer_types"`), every layer sliding when the config has a `sliding_window`
 (Mistral: `"config"`), or every layer full (Llama: None). `window(family, attn)`: the attention
 function's `sliding_window` argument as the family's attention module passes it: its own

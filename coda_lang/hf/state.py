@@ -7,8 +7,9 @@ function (`coda_lang.torch.function`; `Blocks`): the first layer's, the layers',
 the logits head and, made when first used, the loss head of each loss mode; their kernels compile
 together at the first call. The blocks of the dtype at patching are made at once (`first`, `layer`,
 `last`, `head_logits`, `row_head()`, `vocab_head()`), those of another dtype (the param_dtype of
-FSDP2's MixedPrecisionPolicy, a model cast after patching) when it first runs. `positions` and `freq`
-give the default positions and RoPE's frequencies, made once per shape (and per `inv_freq` version).
+FSDP2's MixedPrecisionPolicy, a model cast after patching) when it first runs. `positions` and
+`freqs` give the default positions and each layer's RoPE frequencies (Gemma 3's per kind of layer),
+made once per shape (and per `inv_freq` version).
 What it does not: touch the model's modules (patch.py), run the forward (forward.py) or the loss
 (loss.py).
 Invariants: made once per model, at patching; the model and each decoder layer keep it as `_coda`
@@ -27,8 +28,9 @@ from coda_lang.api import load
 from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.hf.blocks import model_source
 from coda_lang.hf.checkpoint import Layout
-from coda_lang.hf.family import Family, multipliers
+from coda_lang.hf.family import Family, multipliers, softcap
 from coda_lang.hf.loss import LOSS_CHUNK_BYTES, LossSettings
+from coda_lang.hf.masks import layer_kinds
 from coda_lang.torch import BlockFunction, compile_together, function
 
 
@@ -50,6 +52,9 @@ class Blocks:
             pre_norm=f.pre_norm,
             post_norm=f.post_norm,
             heads=(st.H, st.KV),
+            norm_offset=f.norm_offset,
+            act=f.activation,
+            softcap=st.softcap,
         )
         prog = load(src)
         weights = {"w_o", "w_13", "w_2", "w_qkv", "b_qkv", "w_lm", "g", "g1", "g2", "go", "gd"}
@@ -106,7 +111,12 @@ class ModelState:
         heads = cfg.num_attention_heads
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         facts: tuple[Any, ...] = (heads, cfg.num_key_value_heads, hd, cfg.hidden_size, cfg.rms_norm_eps)
-        facts += (model.dtype, multipliers(family, cfg))
+        facts += (
+            model.dtype,
+            multipliers(family, cfg),
+            softcap(family, cfg),
+            tuple(layer_kinds(family, cfg)),
+        )
         self._build(family, loss, facts)
         # what the forward relies on, recorded by the patch once it has installed its forwards
         self.contract: Any = None
@@ -120,7 +130,8 @@ class ModelState:
         self.facts = facts
         self.family = family
         self.qk_norm = family.qk_norm
-        self.H, self.KV, self.HD, self.D, self.eps, dtype, self.multipliers = facts
+        self.H, self.KV, self.HD, self.D, self.eps, dtype, self.multipliers, self.softcap, kinds = facts
+        self.kinds: tuple[str, ...] = kinds  # each decoder layer's kind of attention (masks.py)
         self.dtype = dtype  # the dtype at patching; the blocks of another are made when it runs
         self.loss = loss
         self.loss_mode = loss.mode
@@ -131,7 +142,7 @@ class ModelState:
         # positions of the last (batch, seq, device), and the RoPE frequencies of the model's inv_freq
         # buffer while it is the same tensor at the same version (not modified in place)
         self._positions: tuple[tuple[int, int, str], torch.Tensor] | None = None
-        self._freq: tuple[Any, int, str, torch.Tensor] | None = None
+        self._freq: tuple[tuple[Any, ...], str, tuple[torch.Tensor, ...]] | None = None
         self._blocks: dict[torch.dtype, Blocks] = {}
         main = self.blocks(self.dtype)  # (made now: a block that can't be made fails the patch)
         self.first, self.layer, self.last, self.head_logits = (
@@ -169,15 +180,38 @@ class ModelState:
         return self._positions[1]
 
     def freq(self, model: Any, device: torch.device) -> torch.Tensor:
-        """RoPE's frequency of each column of the fused QKV tile's q and k heads (0 for v's)."""
-        inv = model.model.rotary_emb.inv_freq
+        """RoPE's frequency of each column of the fused QKV tile's q and k heads (0 for v's), of the
+        first layer (`freqs`)."""
+        return self.freqs(model, device)[0]
+
+    def freqs(self, model: Any, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Each decoder layer's RoPE frequency of each column of its fused QKV tile's q and k heads (0
+        for v's): from the rotary embedding's `inv_freq`, or (Gemma 3: `Family.rope_kinds`) from its
+        `<kind>_inv_freq` of the layer's kind. Made again when an `inv_freq` is another tensor or was
+        modified in place; the layers of one kind share one tensor."""
+        rope = model.model.rotary_emb
+        if self.family.rope_kinds:
+            invs = {k: getattr(rope, f"{k}_inv_freq") for k in dict.fromkeys(self.kinds)}
+        else:
+            invs = {k: rope.inv_freq for k in dict.fromkeys(self.kinds)}
+        key = tuple((inv, inv._version) for inv in invs.values())
         got = self._freq
-        if got is not None and got[0] is inv and got[1] == inv._version and got[2] == str(device):
-            return got[3]
-        inv32 = inv.to(device=device, dtype=torch.float32)
-        f = torch.cat([inv32.repeat(self.H + self.KV), inv32.new_zeros(self.KV * self.HD // 2)])
-        self._freq = (inv, inv._version, str(device), f)
-        return f
+        if (
+            got is not None
+            and got[1] == str(device)
+            and len(got[0]) == len(key)
+            and all(a is b and v == w for (a, v), (b, w) in zip(got[0], key, strict=True))
+        ):
+            return got[2]
+        tables = {}
+        for kind, inv in invs.items():
+            inv32 = inv.to(device=device, dtype=torch.float32)
+            tables[kind] = torch.cat(
+                [inv32.repeat(self.H + self.KV), inv32.new_zeros(self.KV * self.HD // 2)]
+            )
+        out = tuple(tables[k] for k in self.kinds)
+        self._freq = (key, str(device), out)
+        return out
 
 
 def _restored(
