@@ -135,9 +135,15 @@ def unsupported(st: Any) -> str | None:
             continue
         elif od.lower.triton is None:
             return f"`{op}` has no Triton emitter"
+    paired = _paired(st)
     for w in (*(m[2] for m in st.store_meta), *(_load_width(st, ld) for ld in st.loads)):
         if w not in (None, (1, 1), (1, 2)):
             return "a tile wider than the stage"
+        if w == (1, 2) and not paired:
+            # (half-width values are the lanes of column pairs; in a stage that pairs nothing the
+            # generated kernel walked the stage's columns over them: a random program's min backward,
+            # [M, 2*N] over [M, N] tiles, came out wrong on the H100 and on Triton's interpreter)
+            return "a half-width tile in a stage that pairs no columns"
     reduced = set(st.reductions)
     for e in st.stage.body:
         if REGISTRY[e.op].locality is not Locality.REDUCE and any(
