@@ -64,24 +64,26 @@ from coda_lang.torch import llama_mlp_stages
 
 DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 
+
+def _rope(x: str) -> str:
+    """The QKV blocks' last lines: RoPE on the column pairs of `x` (q and k rows interleaved, v's
+    angle 0), stored as `qkv`. Every QKV variant below ends with it."""
+    return (
+        f"    qa, qb = pairs({x})\n    ang = pos * freq\n    c = cos(ang)\n    s = sin(ang)"
+        "\n    qkv = interleave(qa * c - qb * s, qa * s + qb * c)"
+    )
+
+
 _QKV = """
     z = acc{r}{b}
-    qa, qb = pairs(z)
-    ang = pos * freq
-    c = cos(ang)
-    s = sin(ang)
-    qkv = interleave(qa * c - qb * s, qa * s + qb * c)"""
+""" + _rope("z")
 
 _QKV_NORM = """
     z = acc{r}{b}
     hs = sum(z * z, over=2*P, group=HD)
     zn = z * rsqrt(hs / HD + eps)
     n = mq * (zn * {gq}) + mk * (zn * {gk}) + (1.0 - mq - mk) * z
-    qa, qb = pairs(n)
-    ang = pos * freq
-    c = cos(ang)
-    s = sin(ang)
-    qkv = interleave(qa * c - qb * s, qa * s + qb * c)"""
+""" + _rope("n")
 
 # the per-head q/k norm of heads wider than the kernels' tiles (Gemma 3's 256 columns): the GEMM
 # stores the projection, a row stage completes each head's sum of squares (a grouped reduction, whose
@@ -93,11 +95,7 @@ _QKV_NORM_ROWS = """
     hs = sum(zr * zr, over=2*P, group=HD)
     zn = zr * rsqrt(hs / HD + eps)
     n = mq * (zn * {gq}) + mk * (zn * {gk}) + (1.0 - mq - mk) * zr
-    qa, qb = pairs(n)
-    ang = pos * freq
-    c = cos(ang)
-    s = sin(ang)
-    qkv = interleave(qa * c - qb * s, qa * s + qb * c)"""
+""" + _rope("n")
 
 # q and k normalized over each projection's whole width: the GEMM stores the projection and the
 # partial sums of squares of its q and k columns, the row stage after it applies the row scales
@@ -110,11 +108,7 @@ _QKV_PROJ_NORM = """
   rk = rsqrt(ssk / NK + eps)
   elementwise [M, 2*P] {{
     z = zr * (mq * rq + mk * rk + (1.0 - mq - mk)) * gqk
-    qa, qb = pairs(z)
-    ang = pos * freq
-    c = cos(ang)
-    s = sin(ang)
-    qkv = interleave(qa * c - qb * s, qa * s + qb * c)"""
+""" + _rope("z")
 
 # Post norms: each branch (the out-projection's `o`, the down-projection's `m`) stored with the
 # partial sums of its squares, normalized and added to the residual in a row stage after its GEMM
