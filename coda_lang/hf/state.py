@@ -31,6 +31,7 @@ from coda_lang.hf.checkpoint import Layout
 from coda_lang.hf.family import Family, multipliers, softcap
 from coda_lang.hf.loss import LOSS_CHUNK_BYTES, LossSettings
 from coda_lang.hf.masks import layer_kinds
+from coda_lang.hf.split import split
 from coda_lang.torch import BlockFunction, compile_together, function
 
 
@@ -78,12 +79,35 @@ class Blocks:
         self.head_logits = fn("head_logits")
         self.loss_budget = st.loss_budget
         self._fn = fn
+        self._prog = prog
+        self._weights = weights
+        self._parts: dict[
+            tuple[str, tuple[str, ...]], list[tuple[BlockFunction, tuple[str, str] | None]]
+        ] = {}
         self._vocab_head: BlockFunction | None = None
         self._row_head: BlockFunction | None = None
         # a training step's kernels (the first layer's, the layers', the last layer's, the loss head's:
         # forward and backward) compile at once at its first call, in one pool of workers
         head = self.row_head() if st.loss_mode == "rows" else self.vocab_head()
         compile_together(self.first, self.layer, self.last, head)
+
+    def parts(self, name: str, cut: tuple[str, ...]) -> list[tuple[BlockFunction, tuple[str, str] | None]]:
+        """Block `name` cut before the GEMMs on the weights `cut` (split.py: where peft LoRA adapters
+        widen a GEMM's K, lora.py), each part a function with its cut GEMM's operands in the block
+        (x, w) or None; made at first use, its kernels compiled at its first call."""
+        key = (name, cut)
+        got = self._parts.get(key)
+        if got is None:
+            block = self._prog[name]
+            own = {p.var.name for p in block.ir.params}
+            wants = self._weights | {"h", "y", "x", "hg", "r"}
+            got = []
+            for b, ops in split(block, self._prog.ir.dims, cut):
+                # differentiated: what the block is, and what the parts before make (and lora_x, lora_w)
+                wrt = [p.var.name for p in b.ir.params if p.var.name in wants or p.var.name not in own]
+                got.append((function(b, wrt=wrt), ops))
+            self._parts[key] = got
+        return got
 
     def row_head(self) -> BlockFunction:
         """The loss head of "rows" mode: its logits saved (remat="save"), run forward and backward
