@@ -45,7 +45,7 @@ from coda_lang.hf.contract import check_call, returned
 from coda_lang.hf.family import layer_norms
 from coda_lang.hf.loss import IGNORE, ChunkedLoss, Embed, TiedGrad, rows_per_chunk, targets, tied_embedding
 from coda_lang.hf.masks import layer_masks, window
-from coda_lang.hf.split import LORA_W, LORA_X
+from coda_lang.hf.split import LORA_C
 from coda_lang.hf.state import Blocks, ModelState
 from coda_lang.hf.units import gathered
 from coda_lang.layout import interleave_rope
@@ -234,20 +234,22 @@ def run_lora(
     owner: Any, blocks: Blocks, name: str, inputs: dict[str, Any], loras: dict[str, lora.Spec | None]
 ) -> dict[str, torch.Tensor]:
     """Block `name` of `blocks` on `inputs`, run by `owner`: whole, or where `loras` gives active peft
-    LoRA adapters of some of its weights, in parts cut before those weights' GEMMs, each of which runs
-    over its K widened by the adapters' ranks (lora.py, split.py)."""
+    LoRA adapters of some of its weights, in parts cut before those weights' GEMMs, each of which adds
+    the adapters' output to its accumulator (lora.py, split.py). A weight or bias that requires no
+    gradient (a frozen base) is not differentiated: no weight-gradient GEMM is made for it."""
     cut = tuple(sorted(k for k, v in loras.items() if v is not None))
     fn = {"first_qkv": blocks.first, "layer": blocks.layer, "last": blocks.last}[name]
-    if not cut:
+    frozen = tuple(sorted(k for k, v in inputs.items() if k.startswith(("w_", "b_")) and not v.requires_grad))
+    if not cut and not frozen:
         return run_block(owner, fn, inputs)
     env = dict(inputs)
-    for part, ops in blocks.parts(name, cut):
+    for part, ops in blocks.parts(name, cut, frozen):
         args = {p.var.name: env[p.var.name] for p in part.block.ir.params if p.var.name in env}
         if ops is not None:
             xn, wn = ops
             spec = loras[wn]
             assert spec is not None
-            args[LORA_X], args[LORA_W] = lora.widen(env[xn], env[wn], spec)
+            args[LORA_C] = lora.correction(env[xn], env[wn], spec)
         env.update(run_block(owner, part, args))
     return {o.name: env[o.name] for o in fn.block.ir.outputs}
 

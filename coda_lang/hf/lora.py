@@ -2,22 +2,24 @@
 
 What it does: where peft LoRA layers stand at projections (checks.py: `is_lora`, and `check_lora` at
 patching: plain LoRA on an `nn.Linear` base), a block is cut before each GEMM whose weight has active
-adapters (split.py), and that GEMM reads [x, u] and [W, B'] instead of x and W: u = x A^T (the
-adapters' A stacked, [tokens, R]), B' the adapters' s_a B_a in W's fused row layout, zero in the rows
-of a part without an adapter ([out, R]). Then x W^T + s (x A^T) B^T, peft's `lora.Linear.forward`,
-is one GEMM whose epilogue (RoPE, SwiGLU, the residual add, the next norm) sees the adapted output,
-and the block's derived backward gives d[x, u] and d[W, B'], from which autograd gives dA and dB.
+adapters (split.py), and that GEMM's epilogue adds the adapters' output c = s (x A^T) B^T to its f32
+accumulator before anything else reads it: x W^T + s (x A^T) B^T, peft's `lora.Linear.forward`, with
+the epilogue (RoPE, SwiGLU, the residual add, the next norm) on the adapted output. `correction`
+makes c ([tokens, out], two GEMMs of K = tokens' width and the ranks summed); the block's derived
+backward gives dc, the cotangent of the accumulator, from which autograd gives dA and dB (two thin
+GEMMs), and it makes no gradient of a frozen base weight (forward.py: such a weight is not
+differentiated), so a LoRA step does no weight-gradient GEMM of the base.
 `Spec` says which LoRA layers feed one fused weight (`linear`, `qkv`, `gate_up`: None without active
-adapters); `widen(x, w, spec)` gives the GEMM's operands. The base layer of a LoRA layer whose base
+adapters). The base layer of a LoRA layer whose base
 weight patching fused is checkpoint.py's `FusedPart`, through which peft's merge and unmerge change
 the fused weight; `active(m)` follows peft: no adapter while adapters are disabled (unmerging first,
 as peft does) or merged (the base weight holds them).
 What it does not: run a block, fuse or move weights (checkpoint.py), or refuse anything else
 (checks.py).
 Invariants: the base weight is read as it is (never W + s B A rounded to the weights' dtype, which
-loses an update smaller than half of W's spacing: the adapter's contribution is computed apart from
-W's, as peft's is). Each adapter reads its own dropout of x (`lora_dropout`), as peft's does; without
-dropout one GEMM makes every adapter's u (`Widen`, which keeps only [x, u] for its backward).
+loses an update smaller than half of W's spacing), and c joins x W^T in f32, inside the GEMM's
+epilogue (peft's bf16 forward rounds x W^T to bf16 first, and loses a c below half its spacing).
+Each adapter reads its own dropout of x (`lora_dropout`), as peft's does.
 """
 
 from __future__ import annotations
@@ -117,57 +119,25 @@ def _dropout(m: Any, a: str) -> torch.nn.Module | None:
     return drop
 
 
-class Widen(torch.autograd.Function):
-    """[x, x A^T] (A: the adapters' A stacked, [R, K]; the product in x's dtype), saving only the
-    result for the backward (x is its first K columns): dx = dy[:, :K] + du A, dA = du^T x."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-        k = x.shape[1]
-        out = x.new_empty(x.shape[0], k + a.shape[0])
-        out[:, :k] = x
-        out[:, k:] = x @ a.to(x.dtype).t()
-        ctx.save_for_backward(out, a)
-        ctx.k = k
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, Any]:
-        out, a = ctx.saved_tensors
-        k = ctx.k
-        x, du = out[:, :k], dy[:, k:]
-        dx = da = None
-        if ctx.needs_input_grad[0]:
-            dx = dy[:, :k] + du @ a.to(dy.dtype)
-        if ctx.needs_input_grad[1]:
-            da = (du.t() @ x).to(a.dtype)
-        return dx, da
-
-
-def widen(x: torch.Tensor, w: torch.Tensor, spec: Spec) -> tuple[torch.Tensor, torch.Tensor]:
-    """The operands of the GEMM x W^T + sum_a s_a (drop_a(x) A_a^T) B_a^T over a widened K: [x, u] and
-    [W, B'] (u [tokens, R], B' [out, R] in W's fused row layout), R the adapters' ranks summed,
-    padded to a multiple of 8 (16-byte rows for the kernels' loads)."""
+def correction(x: torch.Tensor, w: torch.Tensor, spec: Spec) -> torch.Tensor:
+    """sum_a s_a (drop_a(x) A_a^T) B_a^T in the fused weight `w`'s row layout, [tokens, out] in x's
+    dtype: what the adapters add to x W^T. One GEMM makes every adapter's x A^T when none drops
+    anything, then one GEMM of K = the ranks summed multiplies it by the adapters' s B (zero in the
+    rows of a part without an adapter); autograd gives dA and dB from the cotangent of the sum."""
     As, drops, cols = [], [], []
     for i, m, a in spec.adapters:
         As.append(m.lora_A[a].weight)
         drops.append(_dropout(m, a))
         cols.append((i, m.lora_B[a].weight * m.scaling[a]))
-    r = sum(t.shape[0] for t in As)
-    pad = -r % 8
     if all(d is None for d in drops):
-        a_all = torch.cat(As + ([As[0].new_zeros(pad, As[0].shape[1])] if pad else []), 0)
-        xw = Widen.apply(x, a_all)
+        u = x @ torch.cat(As, 0).to(x.dtype).t()
     else:
-        us = [(x if d is None else d(x)) @ A.to(x.dtype).t() for A, d in zip(As, drops, strict=True)]
-        if pad:
-            us.append(x.new_zeros(x.shape[0], pad))
-        xw = torch.cat([x, *us], 1)
+        u = torch.cat(
+            [(x if d is None else d(x)) @ A.to(x.dtype).t() for A, d in zip(As, drops, strict=True)], 1
+        )
     # B': each part's rows hold its adapters' s B in their columns, zeros elsewhere
-    blocks = []
-    for i, rows in enumerate(spec.rows):
-        cs = [b.to(w.dtype) if j == i else w.new_zeros(rows, b.shape[1]) for j, b in cols]
-        if pad:
-            cs.append(w.new_zeros(rows, pad))
-        blocks.append(torch.cat(cs, 1))
-    return xw, torch.cat([w, spec.fuse(blocks)], 1)
+    blocks = [
+        torch.cat([b.to(x.dtype) if j == i else x.new_zeros(rows, b.shape[1]) for j, b in cols], 1)
+        for i, rows in enumerate(spec.rows)
+    ]
+    return u @ spec.fuse(blocks).t()

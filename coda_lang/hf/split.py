@@ -23,10 +23,10 @@ from collections.abc import Iterable
 from coda_lang.api import Block, load
 from coda_lang.frontend.syntax.printer import print_program
 from coda_lang.ir import nodes
-from coda_lang.ir.types import Dim, Type
+from coda_lang.ir.types import Type
 
-# the names a cut GEMM's operands take in its part, and the dim of their K
-LORA_X, LORA_W, LORA_K = "lora_x", "lora_w", "L"
+# the input a cut GEMM adds to its accumulator, and the sum's name
+LORA_C, LORA_ACC = "lora_c", "lora_acc"
 
 
 def _defined(stmt: nodes.Stmt) -> list[nodes.Var]:
@@ -93,7 +93,7 @@ def split_block(
             assert isinstance(st, nodes.Stage) and isinstance(st.a, nodes.Var) and isinstance(st.b, nodes.Var)
             if st.ta or not st.tb:
                 raise ValueError(f"block {block.name}: the GEMM on {st.b.name} is not `x @ transpose(w)`")
-            stmts[0] = _widened(st)
+            stmts[0] = _corrected(st)
         bodies.append(stmts)
     outputs = {o.name: o for o in block.outputs}
     defs: dict[str, nodes.Var] = {}
@@ -117,12 +117,12 @@ def split_block(
                 if n not in made_names and n not in free:
                     free.append(n)
         ps: list[nodes.Param] = []
-        order = {n: i for i, n in enumerate([LORA_X, LORA_W, *params])}
+        order = {n: i for i, n in enumerate([*params, LORA_C])}
         for n in sorted(free, key=lambda n: order.get(n, len(order))):
             if n in params:
                 ps.append(params[n])
-            elif n in (LORA_X, LORA_W):
-                ps.append(nodes.Param(_lora_param(body[0], n)))  # type: ignore[arg-type]
+            elif n == LORA_C:
+                ps.append(nodes.Param(_lora_param(body[0])))  # type: ignore[arg-type]
             else:
                 ps.append(nodes.Param(nodes.Var(n, _crossing_type(defs[n], block.name))))
         outs = [
@@ -152,28 +152,31 @@ def split_block(
     return parts
 
 
-def _widened(st: nodes.Stage) -> nodes.Stage:
-    """The cut GEMM reading `lora_x` and `lora_w`, whose K is `L`."""
-    assert isinstance(st.a, nodes.Var) and isinstance(st.b, nodes.Var)
+def _corrected(st: nodes.Stage) -> nodes.Stage:
+    """The cut GEMM with `lora_c` (its output's shape, the weight's dtype) added to its accumulator
+    before its epilogue reads it."""
+    assert isinstance(st.a, nodes.Var) and isinstance(st.b, nodes.Var) and st.acc is not None
     a_t, b_t = st.a.type, st.b.type
     assert a_t is not None and b_t is not None
-    k = Dim.sym(LORA_K)
-    a_dtype = st.a.annot or a_t.dtype
-    x = nodes.Var(LORA_X, Type(a_dtype, (a_t.shape[0], k), "matrix"))
-    w = nodes.Var(LORA_W, Type(b_t.dtype, (b_t.shape[0], k), "matrix"))
-    return nodes.Stage(x, w, st.ta, st.tb, st.acc, st.body, st.shape, st.span, remat=st.remat)
+    c = nodes.Var(LORA_C, Type(b_t.dtype, (a_t.shape[0], b_t.shape[0]), "matrix"))
+    acc = nodes.Var(LORA_ACC)
+    body = [nodes.Eqn("add", (nodes.Var(st.acc.name), c), (acc,))]
+    for e in st.body:
+        ins = tuple(acc if isinstance(a, nodes.Var) and a.name == st.acc.name else a for a in e.ins)
+        body.append(nodes.Eqn(e.op, ins, e.outs, e.params, e.span, e.in_spans))
+    return nodes.Stage(st.a, st.b, st.ta, st.tb, st.acc, tuple(body), st.shape, st.span, remat=st.remat)
 
 
-def _lora_param(st: nodes.Stage, name: str) -> nodes.Var:
-    v = st.a if name == LORA_X else st.b
+def _lora_param(st: nodes.Stage) -> nodes.Var:
+    """The `lora_c` parameter a corrected GEMM's first equation reads."""
+    v = st.body[0].ins[1]
     assert isinstance(v, nodes.Var)
     return v
 
 
 def split_source(program_dims: tuple[nodes.DimDecl, ...], blocks: list[nodes.Block]) -> str:
-    """The .coda text of the parts (every block's), with the program's dims and `L`."""
-    dims = program_dims + (nodes.DimDecl(LORA_K),)
-    return print_program(nodes.Program(dims=dims, blocks=tuple(blocks)))
+    """The .coda text of the parts (every block's), with the program's dims."""
+    return print_program(nodes.Program(dims=program_dims, blocks=tuple(blocks)))
 
 
 def split(
