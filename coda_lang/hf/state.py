@@ -89,7 +89,7 @@ class Blocks:
         self.head_norm = f.qk_norm in ("head", True)
         self._weights = weights
         self._parts: dict[
-            tuple[str, tuple[str, ...]], list[tuple[BlockFunction, tuple[str, str] | None]]
+            tuple[str, tuple[str, ...], tuple[str, ...]], list[tuple[BlockFunction, tuple[str, str] | None]]
         ] = {}
         self._vocab_head: BlockFunction | None = None
         self._row_head: BlockFunction | None = None
