@@ -353,7 +353,8 @@ def test_an_update_below_the_base_weights_spacing_is_kept() -> None:
     spec = lora.qkv(fused)
     assert spec is not None
     x = torch.randn(16, w.shape[1]).to(torch.bfloat16)
-    got = lora.correction(x, w, spec)
+    got, again = lora.correction(x, spec)
+    assert torch.equal(again(), got)
     ds = [
         (m.lora_B["default"].weight.double() @ m.lora_A["default"].weight.double()) * m.scaling["default"]
         for m in parts
@@ -403,3 +404,34 @@ def test_one_adamw_steps_effect_at_1b_width_is_float64s() -> None:
     want = effect(copy.deepcopy(ref).double())
     got = effect(apply_coda_to_llama(copy.deepcopy(ref)))
     assert abs(want) > 1e-3 and abs(got - want) <= 0.05 * abs(want), (got, want)
+
+
+def test_a_frozen_base_gets_no_weight_gradient_gemm_and_the_lora_output_is_not_held() -> None:
+    """With the base frozen (peft's), the blocks a LoRA step runs differentiate no weight (their
+    backward makes no dW GEMM, which peft's layers skip too), and the adapters' [tokens, out] output
+    that a block's backward reads is made again there from its thin factors (`lora.kept`), not held
+    from the forward."""
+    from coda_lang.hf import lora
+
+    _, pat = pair("llama", 8)
+    ids, labels = batch()
+    step(pat, ids, labels)
+    blocks = pat.get_base_model()._coda.blocks(torch.float32)
+    made = [fn for parts in blocks._parts.values() for fn, _ in parts]
+    assert made and all(not any(n.startswith("w_") for n in fn.wrt) for fn in made)
+    assert all(
+        any(n == "lora_c" for n in fn.wrt) for fn, cut in blocks._parts[next(iter(blocks._parts))] if cut
+    )
+
+    c = torch.randn(4, 3, requires_grad=True)
+    w = torch.randn(4, 3, requires_grad=True)
+    calls = []
+
+    def again() -> Any:
+        calls.append(1)
+        return c.detach().clone()
+
+    with lora.kept(c, again):
+        y = (c * w).sum()  # (mul saves c for w's gradient)
+    y.backward()
+    assert calls == [1] and torch.equal(w.grad, c.detach())

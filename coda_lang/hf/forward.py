@@ -249,8 +249,11 @@ def run_lora(
             xn, wn = ops
             spec = loras[wn]
             assert spec is not None
-            args[LORA_C] = lora.correction(env[xn], env[wn], spec)
-        env.update(run_block(owner, part, args))
+            args[LORA_C], again = lora.correction(env[xn], spec)
+            with lora.kept(args[LORA_C], again):  # (the block's backward makes it again)
+                env.update(run_block(owner, part, args))
+        else:
+            env.update(run_block(owner, part, args))
     return {o.name: env[o.name] for o in fn.block.ir.outputs}
 
 

@@ -119,25 +119,66 @@ def _dropout(m: Any, a: str) -> torch.nn.Module | None:
     return drop
 
 
-def correction(x: torch.Tensor, w: torch.Tensor, spec: Spec) -> torch.Tensor:
-    """sum_a s_a (drop_a(x) A_a^T) B_a^T in the fused weight `w`'s row layout, [tokens, out] in x's
-    dtype: what the adapters add to x W^T. One GEMM makes every adapter's x A^T when none drops
-    anything, then one GEMM of K = the ranks summed multiplies it by the adapters' s B (zero in the
-    rows of a part without an adapter); autograd gives dA and dB from the cotangent of the sum."""
-    As, drops, cols = [], [], []
+def correction(x: torch.Tensor, spec: Spec) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+    """sum_a s_a (drop_a(x) A_a^T) B_a^T in the fused weight's row layout, [tokens, out] in x's
+    dtype: what the adapters add to x W^T; and a function that makes it again (without autograd) from
+    the thin factors, so that the block's backward need not hold it (`kept`). One GEMM makes every
+    adapter's x A^T when none drops anything, then one GEMM of K = the ranks summed multiplies it by
+    the adapters' s B (zero in the rows of a part without an adapter); autograd gives dA and dB from
+    the cotangent of the sum."""
+    As, drops, bs, owner = [], [], [], []
     for i, m, a in spec.adapters:
         As.append(m.lora_A[a].weight)
         drops.append(_dropout(m, a))
-        cols.append((i, m.lora_B[a].weight * m.scaling[a]))
+        bs.append((m.lora_B[a].weight * m.scaling[a]).to(x.dtype))
+        owner.append(i)
     if all(d is None for d in drops):
-        u = x @ torch.cat(As, 0).to(x.dtype).t()
+        u = x @ (As[0] if len(As) == 1 else torch.cat(As, 0)).to(x.dtype).t()
     else:
         u = torch.cat(
             [(x if d is None else d(x)) @ A.to(x.dtype).t() for A, d in zip(As, drops, strict=True)], 1
         )
-    # B': each part's rows hold its adapters' s B in their columns, zeros elsewhere
-    blocks = [
-        torch.cat([b.to(x.dtype) if j == i else x.new_zeros(rows, b.shape[1]) for j, b in cols], 1)
-        for i, rows in enumerate(spec.rows)
-    ]
-    return u @ spec.fuse(blocks).t()
+    if len(set(owner)) == len(owner):  # (one adapter per part: each part's rows hold its s B, as a block)
+        by_part = dict(zip(owner, bs, strict=True))
+        diag = torch.block_diag(*[by_part.get(i, x.new_zeros(rows, 0)) for i, rows in enumerate(spec.rows)])
+        fused = spec.fuse([diag])  # (one part: the fused layout of the rows stacked)
+    else:  # each part's rows hold its adapters' s B in their columns, zeros elsewhere
+        fused = spec.fuse(
+            [
+                torch.cat(
+                    [b if j == i else x.new_zeros(rows, b.shape[1]) for j, b in zip(owner, bs, strict=True)],
+                    1,
+                )
+                for i, rows in enumerate(spec.rows)
+            ]
+        )
+
+    def again() -> torch.Tensor:
+        with torch.no_grad():
+            return u @ fused.t()
+
+    return u @ fused.t(), again
+
+
+class kept:
+    """Within it, a tensor `c` that autograd would save for a backward is saved as the way to make it
+    again (`again`): the LoRA output a block reads, [tokens, out], is not held from the forward to the
+    backward (its factors are: x A^T, [tokens, ranks], and s B)."""
+
+    def __init__(self, c: torch.Tensor, again: Callable[[], torch.Tensor]):
+        self.key = (c.data_ptr(), c.shape, c.dtype)
+        self.again = again
+
+    def pack(self, t: torch.Tensor) -> Any:
+        return self if (t.data_ptr(), t.shape, t.dtype) == self.key else t
+
+    @staticmethod
+    def unpack(p: Any) -> torch.Tensor:
+        return p.again() if isinstance(p, kept) else p
+
+    def __enter__(self) -> None:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self._hooks.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
