@@ -126,12 +126,17 @@ def correction(x: torch.Tensor, spec: Spec) -> tuple[torch.Tensor, Callable[[], 
     adapter's x A^T when none drops anything, then one GEMM of K = the ranks summed multiplies it by
     the adapters' s B (zero in the rows of a part without an adapter); autograd gives dA and dB from
     the cotangent of the sum."""
-    As, drops, bs, owner = [], [], [], []
+    As, drops, bs, owner, scales = [], [], [], [], []
     for i, m, a in spec.adapters:
         As.append(m.lora_A[a].weight)
         drops.append(_dropout(m, a))
-        bs.append((m.lora_B[a].weight * m.scaling[a]).to(x.dtype))
+        bs.append(m.lora_B[a].weight)
+        scales.append(m.scaling[a])
         owner.append(i)
+    # (few launches: the host, not the GPU, bounds a LoRA step's time)
+    one = len(set(scales)) == 1
+    if not one:
+        bs = [b * sc for b, sc in zip(bs, scales, strict=True)]
     if all(d is None for d in drops):
         u = x @ (As[0] if len(As) == 1 else torch.cat(As, 0)).to(x.dtype).t()
     else:
@@ -140,18 +145,21 @@ def correction(x: torch.Tensor, spec: Spec) -> tuple[torch.Tensor, Callable[[], 
         )
     if len(set(owner)) == len(owner):  # (one adapter per part: each part's rows hold its s B, as a block)
         by_part = dict(zip(owner, bs, strict=True))
-        diag = torch.block_diag(*[by_part.get(i, x.new_zeros(rows, 0)) for i, rows in enumerate(spec.rows)])
+        diag = torch.block_diag(
+            *[by_part.get(i, bs[0].new_zeros(rows, 0)) for i, rows in enumerate(spec.rows)]
+        )
         fused = spec.fuse([diag])  # (one part: the fused layout of the rows stacked)
     else:  # each part's rows hold its adapters' s B in their columns, zeros elsewhere
         fused = spec.fuse(
             [
                 torch.cat(
-                    [b if j == i else x.new_zeros(rows, b.shape[1]) for j, b in zip(owner, bs, strict=True)],
+                    [b if j == i else b.new_zeros(rows, b.shape[1]) for j, b in zip(owner, bs, strict=True)],
                     1,
                 )
                 for i, rows in enumerate(spec.rows)
             ]
         )
+    fused = (fused * scales[0] if one else fused).to(x.dtype)
 
     def again() -> torch.Tensor:
         with torch.no_grad():
