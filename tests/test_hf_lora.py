@@ -1,13 +1,15 @@
 """peft LoRA on a patched model (issue 32, "Support, not refusal"), against the unpatched peft model.
 
 On the CPU with the tiny models of tests/test_hf.py: LoRA on q, k, v, o, gate, up and down, applied
-before patching (`get_peft_model`, then `apply_coda_to_*` on the peft model), the base frozen. The
-blocks run each projection's weight W + s (B A) (hf/lora.py): the loss and every adapter gradient
-equal the unpatched peft model's in float32, and so do 10 AdamW steps; the base gets no gradient; the
-state dict is the peft model's; an adapter saved from the patched model loads into an unpatched one;
-merge, unmerge and disabled adapters act as peft's do. What the patch can't run as one weight is
-refused by name: LoRA dropout in training mode, DoRA, a quantized base (QLoRA), LoRA on other
-modules, LoRA applied after patching, hooks on a LoRA layer, an adapter added after patching.
+before patching (`get_peft_model`, then `apply_coda_to_*` on the peft model), the base frozen. Each
+adapted GEMM adds the adapters' output s (x A^T) B^T to its accumulator (hf/lora.py): the loss and
+every adapter gradient equal the unpatched peft model's in float32, and so do 10 AdamW steps; LoRA
+dropout draws peft's masks; the base gets no gradient (and no weight-gradient GEMM); the state dict
+is the peft model's; an adapter saved from the patched model loads into an unpatched one; merge,
+unmerge and disabled adapters act as peft's do. What the patch can't run is refused by name: DoRA, a
+quantized base (QLoRA), LoRA on other modules, LoRA applied after patching, hooks on a LoRA layer,
+an adapter added after patching. On the GPU (-m gpu): bf16 against float64 for every family, and one
+AdamW step's effect at 1B width against float64.
 """
 
 from __future__ import annotations

@@ -161,8 +161,12 @@ def correction(x: torch.Tensor, spec: Spec) -> tuple[torch.Tensor, Callable[[], 
         )
     fused = (fused * scales[0] if one else fused).to(x.dtype)
 
-    def again() -> torch.Tensor:
-        with torch.no_grad():
+    kind = x.device.type
+    cast = torch.is_autocast_enabled(kind)
+    cast_dtype = torch.get_autocast_dtype(kind) if cast else None
+
+    def again() -> torch.Tensor:  # (as the forward made it: under its autocast, if any)
+        with torch.no_grad(), torch.autocast(kind, dtype=cast_dtype, enabled=cast):
             return u @ fused.t()
 
     return u @ fused.t(), again
