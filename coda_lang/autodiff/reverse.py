@@ -38,7 +38,7 @@ from coda_lang.autodiff.site import Host, Site
 from coda_lang.autodiff.state import State
 from coda_lang.frontend.verify.plan import BlockPlan
 from coda_lang.ir.nodes import DEFAULT_REMAT, REMAT, Atom, Block, Eqn, Stage, Var
-from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type
+from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type, cotangent_dtype
 from coda_lang.ops import REGISTRY, Locality, StageShape
 from coda_lang.ops.registry import repeats_in
 
@@ -75,7 +75,10 @@ class Reverse:
         for o in fwd.block.outputs:
             if _float(fwd.ftype.get(o.name, o.type)):
                 s.cotangent_param(
-                    o.name, Type(o.type.dtype, o.type.shape, (SCALAR, VEC, MATRIX)[len(o.type.shape)])
+                    o.name,
+                    Type(
+                        cotangent_dtype(o.type.dtype), o.type.shape, (SCALAR, VEC, MATRIX)[len(o.type.shape)]
+                    ),
                 )
         stages = fwd.block.stages
         self.block_backward(fwd.plan.between[len(stages)])

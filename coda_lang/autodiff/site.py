@@ -35,7 +35,7 @@ from coda_lang.autodiff.state import State
 from coda_lang.autodiff.unbroadcast import Later, Part, same_shape
 from coda_lang.frontend.verify.repeat import repeated
 from coda_lang.ir.nodes import Atom, DimRef, Eqn, Lit, Span, Stage, Var
-from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Dim, Type
+from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Dim, Type, cotangent_dtype
 from coda_lang.ops import REGISTRY, Lanes, Locality, StageShape
 
 
@@ -467,7 +467,7 @@ class Site:
             if (
                 isinstance(total, Var)
                 and total.name not in b.local
-                and (pt is None or s.types[total.name].dtype == pt.dtype)
+                and (pt is None or s.types[total.name].dtype == cotangent_dtype(pt.dtype))
             ):
                 s.add_cotangent(name, total)  # an alias of a loaded matrix
                 continue
@@ -476,7 +476,7 @@ class Site:
                 and stored is not None
                 and pt is not None
                 and od is not None
-                and pt.dtype == od
+                and cotangent_dtype(pt.dtype) == od
             ):
                 aliases.append((name, stored))  # the same tile as dacc (e.g. a residual's dx)
                 continue

@@ -21,14 +21,30 @@ from typing import Any, Literal
 from coda_lang.core.diagnostics import error
 
 FLOAT_DTYPES = ("f32", "bf16", "f16")
+# fp8 storage dtypes (OCP): e4m3 is float8_e4m3fn (max 448, NaN, no infinities), e5m2 is float8_e5m2
+# (max 57344, infinities). Values of them compute in f32 like bf16's; a store saturates to +-max.
+FP8_DTYPES = ("e4m3", "e5m2")
+FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 INT_DTYPES = ("i32",)
-DTYPES = FLOAT_DTYPES + INT_DTYPES  # what a user may write
+DTYPES = FLOAT_DTYPES + FP8_DTYPES + INT_DTYPES  # what a user may write
 BOOL = "bool"  # internal: the dtype of comparisons
 ERROR = "<error>"  # internal: the dtype of a poisoned value
 
 
 def is_float(dtype: str) -> bool:
-    return dtype in FLOAT_DTYPES
+    """A floating-point dtype: f32, bf16, f16 or an fp8 one."""
+    return dtype in FLOAT_DTYPES or dtype in FP8_DTYPES
+
+
+def is_fp8(dtype: str | None) -> bool:
+    return dtype in FP8_DTYPES
+
+
+def cotangent_dtype(dtype: str) -> str:
+    """The dtype a derived backward stores the cotangent of a value of `dtype` in: its own, but bf16
+    for an fp8 value (the backward through an fp8 store is straight-through; quantizing a gradient
+    needs a scale, which only the program can write)."""
+    return "bf16" if dtype in FP8_DTYPES else dtype
 
 
 def promote(*dtypes: str) -> str:

@@ -67,13 +67,34 @@ np: Any = _Lazy("numpy")
 torch: Any = _Lazy("torch")
 
 
-_TORCH_DTYPE_NAMES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "i32": "int32", "bool": "bool"}
+_TORCH_DTYPE_NAMES = {
+    "f32": "float32",
+    "bf16": "bfloat16",
+    "f16": "float16",
+    "e4m3": "float8_e4m3fn",
+    "e5m2": "float8_e5m2",
+    "i32": "int32",
+    "bool": "bool",
+}
 
 
 def torch_dtype(dtype: str) -> Any:
-    """The torch dtype of a coda dtype ("f32", "bf16", "f16", "i32", "bool"): the one table every
-    runtime (CUDA blocks, generated stages, the quack adapter, `coda tune`'s inputs) uses."""
+    """The torch dtype of a coda dtype ("f32", "bf16", "f16", "e4m3", "e5m2", "i32", "bool"): the one
+    table every runtime (CUDA blocks, generated stages, the quack adapter, `coda tune`'s inputs) uses."""
     return getattr(torch, _TORCH_DTYPE_NAMES[dtype])
+
+
+def torch_round(x: Any, dtype: str) -> Any:
+    """A float tensor rounded to the coda float dtype `dtype` and back to f32 (the value stays f32):
+    fp8 saturates first, to +-max, infinities included (torch's own cast to fp8 does not saturate
+    everywhere), as the interpreter's store does (core/numerics.round_fp8)."""
+    from coda_lang.ir.types import FP8_MAX
+
+    x = x.float()
+    if dtype in FP8_MAX:
+        m = FP8_MAX[dtype]
+        x = x.clamp(-m, m)  # (NaN stays NaN)
+    return x.to(torch_dtype(dtype)).float()
 
 
 def as_tensor(x: Any) -> Any:
