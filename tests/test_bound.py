@@ -26,6 +26,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+from support import NO_BACKWARD
 
 import coda_lang
 from coda_lang import fuzz
@@ -52,6 +53,8 @@ def test_the_values_are_the_interpreters(path: Path) -> None:
     for k, v in block.run(ins, dims=dims).items():
         assert np.array_equal(as_float64(outs[k]), as_float64(v), equal_nan=True), k
         assert errs[k].shape == np.shape(v) and np.all(errs[k] >= 0), k
+    if block.name in NO_BACKWARD:
+        return
     cots = cotangents(block, dims, 3)
     grads, gerrs = bound.vjp(block, ins, cots, dims)
     for k, v in block.vjp(ins, cots, dims=dims).items():

@@ -188,6 +188,12 @@ def _rounding(x: Any, e: Any, dtype: str) -> Any:
     return np.where(e == 0, 0.0, np.where(e == ANY, ANY, out))
 
 
+def rounded(x: Any, e: Any, dtype: str) -> Any:
+    """The bound of `x` (with bound `e`) once rounded to `dtype`: where a caller rounds an
+    interpreter's value itself (an fp8 leaf's gradient, which autograd returns in the leaf's dtype)."""
+    return _rounding(np.asarray(x, np.float64), e, dtype)
+
+
 class Bounds(Interpreter):
     """The interpreter (exact precision, whole mode) with a bound for every value (module docstring)."""
 

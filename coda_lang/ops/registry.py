@@ -84,6 +84,18 @@ def torch_dtype(dtype: str) -> Any:
     return getattr(torch, _TORCH_DTYPE_NAMES[dtype])
 
 
+def torch_store(x: Any, dtype: Any) -> Any:
+    """x (f32) converted for a store of the torch dtype `dtype`: an fp8 one saturates first (to +-max,
+    infinities too; NaN stays NaN), as the interpreter stores it; torch's cast does not saturate
+    everywhere."""
+    from coda_lang.ir.types import FP8_MAX
+
+    for name, m in FP8_MAX.items():
+        if dtype == torch_dtype(name):
+            return x.clamp(-m, m).to(dtype)
+    return x.to(dtype)
+
+
 def torch_round(x: Any, dtype: str) -> Any:
     """A float tensor rounded to the coda float dtype `dtype` and back to f32 (the value stays f32):
     fp8 saturates first, to +-max, infinities included (torch's own cast to fp8 does not saturate
