@@ -261,6 +261,25 @@ def test_delayed_scale_gradient_is_straight_through(dtype: str) -> None:
         np.testing.assert_allclose(got[name], g.numpy(), rtol=1e-10, atol=1e-12, err_msg=name)
 
 
+@pytest.mark.parametrize("remat", ["save", "auto"])
+def test_a_vjp_reads_the_unquantized_result(remat: str) -> None:
+    """exp's VJP reads its result: straight through an fp8 store that is exp(v), not the stored e4m3
+    copy (an ulp, 6%, away), under every policy (saved tiles included)."""
+    src = (
+        "dims M, K, N\nblock f(x: f32[M, K], w: f32[K, N]) -> (q: e4m3[M, N]) {\n"
+        " gemm x @ w { q: e4m3 = exp(acc) }\n}\n"
+    )
+    block = coda_lang.load(src)["f"]
+    ins = {k: v / 2 for k, v in _inputs(8).items() if k in ("x", "w")}
+    cot = round_fp8(np.random.default_rng(9).standard_normal((SIZES["M"], SIZES["N"])), "e4m3")
+    got = block.vjp(ins, {"q": cot}, precision="f64", remat=remat)
+    t = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in ins.items()}
+    q = _fake_quant((t["x"] @ t["w"]).exp(), "e4m3")
+    grads = torch.autograd.grad(q, [t["x"], t["w"]], torch.tensor(cot))
+    for name, g in zip(("x", "w"), grads, strict=True):
+        np.testing.assert_allclose(got[name], g.numpy(), rtol=1e-10, atol=1e-12, err_msg=name)
+
+
 def test_cotangents_of_fp8_values_are_bf16() -> None:
     """The derived backward keeps gradients of fp8 values in bf16 (quantizing a gradient needs a scale
     the program writes): the output's cotangent, the fp8 GEMM's dacc, an fp8 parameter's gradient."""

@@ -19,8 +19,10 @@ bound, propagated through the program one equation at a time:
 - an infinity or NaN that comes from an exact infinite or NaN operand has bound 0 (IEEE gives it in
   any order of the arithmetic), and 0 times any bound is 0; a value that overflowed from finite
   operands, or a bound nothing is known of, is unbounded (inf), never NaN;
-- a value rounded to bf16/f16 has bound 0 where no value within its bound rounds differently (both
-  implementations then store the same number), else the distance to what it may round to;
+- a value rounded to bf16/f16 or fp8 has bound 0 where no value within its bound rounds differently
+  (both implementations then store the same number), else the distance to what it may round to (up
+  to one ulp: 2^-7 relative for bf16, 2^-3 for e4m3, whose unit roundoff is 2^-4, 2^-2 for e5m2); an
+  fp8 store saturates, so values beyond its largest one all store it (bound 0 there);
 - a value that another correct implementation may have as anything, NaN included, has bound `ANY`
   (-inf, never a real bound): an infinity times (or over) a value whose bound reaches 0 (inf * sin(x)
   where sin's fast-math twin may give 0 or the other sign: inf, -inf or NaN), 0 / 0 within the

@@ -691,7 +691,7 @@ register(
             triton=_cast_triton,
             torch=_cast_torch,
         ),
-        doc="x rounded to a dtype (the value stays f32); i32 truncates",
+        doc="x rounded to a dtype (the value stays f32; fp8 saturates to +-max first); i32 truncates",
     )
 )
 

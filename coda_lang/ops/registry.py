@@ -98,8 +98,8 @@ def torch_store(x: Any, dtype: Any) -> Any:
 
 def torch_round(x: Any, dtype: str) -> Any:
     """A float tensor rounded to the coda float dtype `dtype` and back to f32 (the value stays f32):
-    fp8 saturates first, to +-max, infinities included (torch's own cast to fp8 does not saturate
-    everywhere), as the interpreter's store does (core/numerics.round_fp8)."""
+    fp8 saturates first, to +-max, infinities included (torch's own cast to e5m2 overflows to inf), as
+    the interpreter's store does (core/numerics.round_fp8)."""
     from coda_lang.ir.types import FP8_MAX
 
     x = x.float()

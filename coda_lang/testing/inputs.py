@@ -149,7 +149,9 @@ def block_inputs(
 
 def cotangents(block: Any, sizes: dict[str, int], seed: int) -> dict[str, np.ndarray]:
     """Seeded standard-normal cotangents for every float output, rounded to the dtype of its cotangent
-    (the output's; bf16 for an fp8 output: `cotangent_dtype`)."""
+    (the output's; bf16 for an fp8 output: `cotangent_dtype`). An fp8 output's cotangent holds fp8
+    values (rounded to the output's dtype first): torch's autograd hands an fp8 tensor an fp8
+    gradient, so the emulated runtime can only be given such cotangents."""
     ir = _ir(block)
     sizes = {**_fixed(_ir(block)), **sizes}
     rng = np.random.default_rng([seed, 1])
@@ -158,6 +160,8 @@ def cotangents(block: Any, sizes: dict[str, int], seed: int) -> dict[str, np.nda
         if not is_float(o.type.dtype):
             continue
         x = rng.standard_normal(tuple(extent(d, sizes) for d in o.type.shape))
+        if is_fp8(o.type.dtype):
+            x = _storage(np.asarray(x), o.type.dtype).astype(np.float64)
         out[o.name] = _storage(np.asarray(x), cotangent_dtype(o.type.dtype))
     return out
 

@@ -37,7 +37,7 @@ from coda_lang.ops.registry import combine_of_sink, combine_rule, torch_dtype, t
 TORCH_DTYPES: dict[str, torch.dtype] = {
     d: torch_dtype(d) for d in ("f32", "bf16", "f16", "e4m3", "e5m2", "i32", BOOL)
 }
-HALF_DTYPES = (torch.bfloat16, torch.float16)
+NARROW_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)  # computed in f32
 
 
 def sink_rule(s: Sink) -> tuple[str, int]:
