@@ -468,6 +468,49 @@ def test_emulated_runtime_runs_fp8() -> None:
         assert mismatch(k, leaf.grad, r, dtype=dtype) is None, mismatch(k, leaf.grad, r, dtype=dtype)
 
 
+def test_emulated_store_saturates_e5m2() -> None:
+    """torch's cast to e5m2 overflows to inf: the emulated store clamps first, as the interpreter's."""
+    import coda_lang.torch as ct
+
+    block = coda_lang.load(DELAYED.format(t="e5m2"))["delayed"]
+    g = torch.Generator().manual_seed(10)
+    ins = {
+        "x": torch.randn(16, 16, generator=g),
+        "w": torch.randn(16, 16, generator=g),
+        "s": torch.tensor(3e4),  # |acc * s| up to ~1e5: past e5m2's 57344
+        "w2": torch.randn(16, 16, generator=g) / 4,
+    }
+    with torch.no_grad():
+        outs = ct.function(block)(**ins)
+    ref = block.run({k: v.numpy() for k, v in ins.items()})
+    assert np.isfinite(ref["out"]).all() and torch.isfinite(outs["out"]).all()
+    assert np.array_equal(outs["out"].numpy(), ref["out"])
+
+
+def test_emulated_fp8_vector_between_stages() -> None:
+    """A partial stored as e4m3 and computed on between stages, forward and backward (which reads it
+    saved, an e4m3 tensor): the emulated runtime computes it in f32 (torch has no comparisons of
+    float8 tensors), as the interpreter does."""
+    import coda_lang.torch as ct
+
+    src = (
+        "dims M, K, N\nblock f(x: f32[M, K], w: f32[K, N]) -> (r: f32[M]) {\n"
+        " gemm x @ w { s: e4m3 = sum(acc, over=N) }\n r = where(s >= 0.0, s, 0.0)\n}\n"
+    )
+    block = coda_lang.load(src)["f"]
+    g = torch.Generator().manual_seed(11)
+    ins = {"x": torch.randn(16, 16, generator=g), "w": torch.randn(16, 16, generator=g)}
+    leaves = {k: v.clone().requires_grad_(True) for k, v in ins.items()}
+    got = ct.function(block)(**leaves)["r"]
+    plain = {k: v.numpy() for k, v in ins.items()}
+    assert np.array_equal(got.detach().numpy(), block.run(plain)["r"])
+    dr = torch.randn(16, generator=g)
+    got.backward(dr)
+    want = block.vjp(plain, {"r": dr.numpy()})
+    for k, leaf in leaves.items():
+        assert leaf.grad is not None and np.allclose(leaf.grad.numpy(), want[k], rtol=1e-5, atol=1e-5), k
+
+
 @pytest.mark.parametrize("name", ["fp8_blockwise", "fp8_delayed"])
 def test_kernel_backend_refuses_fp8_not_yet(name: str, tmp_path: Path) -> None:
     """`coda compile` (the CuTeDSL kernels) refuses an fp8 store or GEMM operand with a clear E0702,
