@@ -278,7 +278,10 @@ def test_special_inputs_leave_no_bound_unknown() -> None:
         d = fuzz.Fuzzer(blk, "interp", backward=True).units()
         small = {k: 16 * v for k, v in d.items() if k not in {x.name for x in blk.ir.dims if x.value}}
         ins = block_inputs(blk, small, 3, special=True)
-        _, errs = bound.vjp(blk, ins, cotangents(blk, small, 3), small, "auto")
+        if blk.name in NO_BACKWARD:
+            _, errs = bound.run(blk, ins, small)
+        else:
+            _, errs = bound.vjp(blk, ins, cotangents(blk, small, 3), small, "auto")
         assert not any(np.isnan(e).any() for e in errs.values()), path.stem
 
 

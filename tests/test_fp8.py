@@ -358,6 +358,8 @@ def test_local_recipes_check() -> None:
     group = ROWWISE.format(t="e4m3", stat="max", over="N, group=128", mx=448.0)
     plan = coda_lang.load(group)["quant"].explain()
     assert "tile_N % 128 == 0" in plan and "store   q: e4m3[M, N]" in plan
+    col = ROWWISE.format(t="e5m2", stat="max", over="M, group=128", mx=57344.0)  # the columnwise fix-it's
+    assert "tile_M % 128 == 0" in coda_lang.load(col)["quant"].explain()
     delayed = coda_lang.load(DELAYED.format(t="e4m3"))["delayed"].explain()
     assert "store   hq: e4m3[M, N]" in delayed and "combined by max" in delayed
 
@@ -519,3 +521,58 @@ def test_kernel_backend_refuses_fp8_not_yet(name: str, tmp_path: Path) -> None:
     assert r.returncode == 1, r.stdout + r.stderr
     assert "error[E0702]" in r.stderr and "fp8 is not compiled by the CuTeDSL backend yet" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+# ---------------------------------------------------------------------------- 128x1 groups (runs of rows)
+
+COLQ = """
+dims M, K, N
+block colq(x: f32[M, K], w: f32[K, N]) -> (yq: e4m3[M, N], amax: f32[M/128, N]) {
+  gemm x @ w {
+    amax = max(abs(acc), over=M, group=128)
+    yq: e4m3 = acc * (448.0 / max(amax, 1e-12))
+  }
+}
+"""
+
+
+def test_row_groups_quantize_a_column_copy() -> None:
+    """A 128x1 group (one amax per column and run of 128 rows, the scales of the copy a weight gradient
+    reads): against NumPy, whole and in tiles (tile_M a multiple of 128), with its tiling constraint."""
+    block = coda_lang.load(COLQ)["colq"]
+    assert "tile_M % 128 == 0 (group=128 over `M`)" in block.explain()
+    rng = np.random.default_rng(12)
+    ins = {
+        "x": rng.standard_normal((384, 8)).astype(np.float32),
+        "w": rng.standard_normal((8, 24)).astype(np.float32),
+    }
+    y = ins["x"] @ ins["w"]
+    amax = np.abs(y).reshape(3, 128, 24).max(axis=1)
+    s = (448.0 / np.repeat(amax, 128, axis=0)).astype(np.float32)
+    want = np.clip(y * s, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    for tile in (None, (128, 16), (256, 8)):
+        out = block.run(ins, sim_tile=tile)
+        assert np.array_equal(out["amax"], amax), tile
+        assert np.array_equal(out["yq"].view(np.uint8), want.view(np.uint8)), tile
+    with pytest.raises(CodaError, match="tile_M = 64 splits the groups of 128 rows"):
+        block.run(ins, sim_tile=(64, 16))
+    with pytest.raises(CodaError, match="not a multiple of 128"):
+        block.run({"x": ins["x"][:200], "w": ins["w"]})
+
+
+def test_row_groups_not_yet_differentiated_or_compiled(tmp_path: Path) -> None:
+    block = coda_lang.load(COLQ)["colq"]
+    with pytest.raises(CodaError) as ei:
+        block.grad()
+    assert (
+        ei.value.diagnostics[0].code == "E0602" and "grouped over the rows" in ei.value.diagnostics[0].message
+    )
+    path = tmp_path / "colq.coda"
+    path.write_text(
+        COLQ.replace("f32[M, K]", "bf16[M, K]")
+        .replace("f32[K, N]", "bf16[K, N]")
+        .replace(": e4m3", ": bf16")
+        .replace("e4m3[", "bf16[")
+    )
+    r = coda("compile", path, "--emit", "source", "-o", tmp_path / "out")
+    assert r.returncode == 1 and "error[E0705]" in r.stderr and "runs of 128 rows" in r.stderr, r.stderr

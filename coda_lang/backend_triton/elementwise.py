@@ -104,6 +104,17 @@ class ElementwiseStage:
         info: dict[str, Any] = {"widths": widths}
         od = REGISTRY[e.op]
         if od.locality is Locality.REDUCE:
+            if out is not None and out.kind == GROUP and out.group_axis == 0:
+                raise CodaError(
+                    [
+                        Diagnostic(
+                            "E0705",
+                            f"`{e.outs[0].name}` reduces runs of rows (group= over the rows) in an "
+                            "elementwise stage: not run by the CUDA runtime yet",
+                            e.span,
+                        )
+                    ]
+                )
             per_row = bool(out is not None and out.shape and out.shape[0] == self.rows)
             info["per_row"] = per_row
             info["group"] = e.param("group") or 0

@@ -315,14 +315,16 @@ class Bounds(Interpreter):
                 for a in e.ins
             ]
             vals = [
-                np.repeat(x, _type(a).group or 1, axis=1) if g else x
+                np.repeat(x, _type(a).group or 1, axis=_type(a).group_axis) if g else x
                 for a, x, g in zip(e.ins, vals, grouped, strict=True)
             ]
             errs = [
-                np.repeat(x, _type(a).group or 1, axis=1) if g and np.ndim(x) else x
+                np.repeat(x, _type(a).group or 1, axis=_type(a).group_axis) if g and np.ndim(x) else x
                 for a, x, g in zip(e.ins, errs, grouped, strict=True)
             ]
         if rule is BoundRule.REDUCE:
+            if outs_t[0].kind == GROUP and outs_t[0].group_axis == 0:
+                params["_rows"] = True  # runs of rows (the layout run.py's apply reduces)
             b = self.reduce(op, params, _type(e.ins[0]), vals[0], errs[0], outs[0], t)
             return [np.where(self.reduced_any(params, _type(e.ins[0]), vals[0], errs[0], t), ANY, b)]
         if rule is BoundRule.GATHER:
@@ -371,6 +373,9 @@ class Bounds(Interpreter):
         group = params.get("group")
         if t is None:
             return np.any(_any(e), axis=0)
+        if group is not None and params.get("_rows"):
+            g = int(group)
+            return np.any(_any(e).reshape(e.shape[0] // g, g, e.shape[1]), axis=1)
         if group is not None:
             g = int(group)
             return np.any(_any(e).reshape(e.shape[0], e.shape[1] // g, g), axis=2)
@@ -481,6 +486,11 @@ class Bounds(Interpreter):
         group = params.get("group")
         if t is None:
             axis = 0
+        elif group is not None and params.get("_rows"):
+            g = int(group)
+            x = x.reshape(x.shape[0] // g, g, x.shape[1])
+            e = e.reshape(x.shape)
+            axis = 1
         elif group is not None:
             g = int(group)
             x = x.reshape(x.shape[0], x.shape[1] // g, g)
@@ -504,6 +514,8 @@ class Bounds(Interpreter):
                 + gamma(n)
                 + DEFAULT_INJECT * (np.abs(y) + np.max(finite, axis=axis, initial=0.0))
             )
+            # a NaN term whose bound is not 0 (it may be a number elsewhere) makes p NaN: unbounded
+            b = np.where(np.isnan(b), np.inf, b)
         else:
             return np.full(np.shape(y), np.inf)
         return np.where(_exact_sum(x, e, y, axis), 0.0, b)

@@ -111,9 +111,12 @@ class Type:
     dtype: str
     shape: Shape = ()
     kind: str = SCALAR
-    # PARTIAL: the combine rule ("sum", "max", "min", "lse"); GROUP: the group size.
+    # PARTIAL: the combine rule ("sum", "max", "min", "lse"); GROUP: the group size, and the axis its
+    # groups run along: 1, runs of `group` adjacent columns (shape [rows, W/group]); 0, runs of `group`
+    # adjacent rows (shape [rows/group, W]: a 128x1 group)
     combine: str | None = None
     group: int | None = None
+    group_axis: int = 1
 
     @property
     def is_error(self) -> bool:
@@ -126,6 +129,7 @@ class Type:
             "kind": kind,
             "combine": None,
             "group": None,
+            "group_axis": 1,
         }
         fields.update(kw)
         return Type(**fields)
@@ -138,8 +142,15 @@ class Type:
         if self.combine:
             extra += f" ({self.combine})"
         if self.group:
-            extra += f" (group={self.group})"
+            extra += f" (group={self.group}{', rows' if self.group_axis == 0 else ''})"
         return f"{s} {extra}"
+
+    def grouped_shape(self) -> Shape:
+        """The tile shape a grouped value broadcasts over: its groups widened back to their runs."""
+        assert self.group is not None
+        if self.group_axis == 0:
+            return (self.shape[0].scale(self.group), self.shape[1])
+        return (self.shape[0], self.shape[1].scale(self.group))
 
 
 ERROR_TYPE = Type(ERROR)

@@ -628,9 +628,13 @@ def broadcast(ctx: Ctx, types: tuple[Type, ...], dtype: str) -> Type:
             raise Mistake("E0402", f"tile shapes differ: {shape_str(shape)} and {shape_str(t.shape)}")
         shape = t.shape
     group: int | None = None
+    group_axis = 1
     for g in groups:
         assert g.group is not None
-        full = (g.shape[0], g.shape[1].scale(g.group))
+        full = g.grouped_shape()
+        if group is not None and g.group_axis != group_axis:
+            raise Mistake("E0402", "a value grouped over the rows meets one grouped over the columns")
+        group_axis = g.group_axis
         if shape is not None and full != shape:
             if tiles:
                 raise Mistake(
@@ -679,6 +683,12 @@ def broadcast(ctx: Ctx, types: tuple[Type, ...], dtype: str) -> Type:
             continue
         axis_of(ctx, d, shape, "a vector")
     if group is not None and not tiles:
+        if group_axis == 0:  # one value per column and run of rows: column vectors broadcast over it
+            if any(v.shape[0] != shape[1] for v in vecs):
+                raise Mistake("E0402", "a row vector can't broadcast over a value grouped over the rows")
+            return Type(
+                dtype, (shape[0].scale(Fraction(1, group)), shape[1]), GROUP, group=group, group_axis=0
+            )
         if any(v.shape[0] != shape[0] for v in vecs):
             raise Mistake("E0402", "a column vector can't broadcast over a grouped value")
         return Type(dtype, (shape[0], shape[1].scale(Fraction(1, group))), GROUP, group=group)

@@ -249,6 +249,9 @@ class ForwardGen:
                 out[spec.name] = self.draw(st.sampled_from(dims or [ROWS]))
             elif spec.kind == "int":
                 width = ins[0].type.shape[-1] if ins and ins[0].type.shape else Dim.const(1)
+                if spec.name == "group" and out.get("over") not in (None, width):
+                    # (groups of rows: no backward yet, and sizes that would have to be multiples of them)
+                    continue
                 c = width.coeff
                 ok = [g for g in (1, 2, 4) if c.denominator == 1 and c.numerator % g == 0]
                 out[spec.name] = self.draw(st.sampled_from(ok))

@@ -299,6 +299,17 @@ def check_group(ctx: StageContext, e: Eqn, packed: bool) -> None:
     groups of 8, 16 or a multiple of 32 columns."""
     od = REGISTRY[e.op]
     x = e.ins[0]
+    out = e.outs[0].type
+    if out is not None and out.group_axis == 0:
+        raise fail(
+            "E0705",
+            f"`{e.outs[0].name}` reduces runs of {out.group} rows (a 128x1 group): not compiled yet",
+            e.span,
+            notes=[
+                "quack's grouped statistics fold runs of columns in the prepass; runs of rows would "
+                "fold across the warps that hold a column (the interpreter runs it)"
+            ],
+        )
     if packed:
         raise fail(
             "E0705",

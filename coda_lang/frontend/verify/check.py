@@ -574,7 +574,9 @@ class Checker:
                     over = e.param("over")
                     axis = (
                         "columns"
-                        if t.kind == GROUP or (t.shape and t.shape[0] == st.rows) or not t.shape
+                        if (t.kind == GROUP and t.group_axis == 1)
+                        or (t.kind != GROUP and t.shape and t.shape[0] == st.rows)
+                        or not t.shape
                         else "rows"
                     )
                     reductions.append(
