@@ -144,6 +144,18 @@ def test_store_applies_the_scale_as_written(dtype: str) -> None:
     assert np.array_equal(round_fp8(p64, dtype), g64, equal_nan=True)
 
 
+def test_the_fp8_tables_agree() -> None:
+    """The ranges the checker, the interpreter and the torch stand-ins saturate to are the formats'."""
+    from coda_lang.core import numerics
+    from coda_lang.ir import types
+
+    assert numerics.FP8_DTYPES == types.FP8_DTYPES
+    assert set(numerics.FLOATS) == set(types.FLOAT_DTYPES + types.FP8_DTYPES)
+    for d in types.FP8_DTYPES:
+        assert types.FP8_MAX[d] == float(ml_dtypes.finfo(numerics.STORAGE[d]).max) == FP8[d][1]
+        assert float(torch.finfo(FP8[d][2]).max) == FP8[d][1]
+
+
 def test_fp8_input_is_rounded_and_saturated() -> None:
     """A parameter declared e4m3 reads its values rounded (saturating) as any stored dtype does."""
     src = "dims M, N\nblock f(x: e4m3[M, N]) -> (y: f32[M, N]) {\n elementwise [M, N] { y = x * 1.0 }\n}\n"

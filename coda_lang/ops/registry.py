@@ -32,6 +32,7 @@ from typing import Any
 from coda_lang.core.diagnostics import Mistake
 from coda_lang.ir.types import (
     ERROR_TYPE,
+    FP8_MAX,
     GROUP,
     MATRIX,
     PARTIAL,
@@ -88,8 +89,6 @@ def torch_store(x: Any, dtype: Any) -> Any:
     """x (f32) converted for a store of the torch dtype `dtype`: an fp8 one saturates first (to +-max,
     infinities too; NaN stays NaN), as the interpreter stores it; torch's cast does not saturate
     everywhere."""
-    from coda_lang.ir.types import FP8_MAX
-
     for name, m in FP8_MAX.items():
         if dtype == torch_dtype(name):
             return x.clamp(-m, m).to(dtype)
@@ -100,8 +99,6 @@ def torch_round(x: Any, dtype: str) -> Any:
     """A float tensor rounded to the coda float dtype `dtype` and back to f32 (the value stays f32):
     fp8 saturates first, to +-max, infinities included (torch's own cast to e5m2 overflows to inf), as
     the interpreter's store does (core/numerics.round_fp8)."""
-    from coda_lang.ir.types import FP8_MAX
-
     x = x.float()
     if dtype in FP8_MAX:
         m = FP8_MAX[dtype]

@@ -25,6 +25,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 import coda_lang
+from coda_lang.core.numerics import STORAGE, round_fp8
 from coda_lang.ir.nodes import Block, Var
 from coda_lang.ir.types import Dim, cotangent_dtype, extent, is_float, is_fp8
 from coda_lang.ops import REGISTRY, Role
@@ -100,8 +101,6 @@ def _specials(kinds: tuple[str, ...], dtype: str, n: int, rng: np.random.Generat
 
 def _storage(x: np.ndarray, dtype: str) -> np.ndarray:
     import ml_dtypes
-
-    from coda_lang.core.numerics import STORAGE, round_fp8
 
     if is_fp8(dtype):  # saturated, as an fp8 input binds
         return round_fp8(x, dtype).astype(STORAGE[dtype])
