@@ -182,7 +182,7 @@ def test_the_planted_bug_is_caught_in_random_programs(
         "--programs",
         "40",
         "--seed",
-        "4",
+        "5",
         "--examples",
         "3",
         "--save-dir",
