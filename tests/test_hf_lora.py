@@ -437,3 +437,11 @@ def test_a_frozen_base_gets_no_weight_gradient_gemm_and_the_lora_output_is_not_h
         y = (c * w).sum()  # (mul saves c for w's gradient)
     y.backward()
     assert calls == [1] and torch.equal(w.grad, c.detach())
+    # the other saved tensors go to the hooks around (activation checkpointing's), c does not
+    seen: list[Any] = []
+    w.grad = None
+    outer = torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or ("outer", t), lambda p: p[1])
+    with outer, lora.kept(c, again):
+        y = (c * w).sum()
+    y.backward()
+    assert calls == [1, 1] and len(seen) == 1 and seen[0] is w and torch.equal(w.grad, c.detach())

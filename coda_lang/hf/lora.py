@@ -175,22 +175,38 @@ def correction(x: torch.Tensor, spec: Spec) -> tuple[torch.Tensor, Callable[[], 
 class kept:
     """Within it, a tensor `c` that autograd would save for a backward is saved as the way to make it
     again (`again`): the LoRA output a block reads, [tokens, out], is not held from the forward to the
-    backward (its factors are: x A^T, [tokens, ranks], and s B)."""
+    backward (its factors are: x A^T, [tokens, ranks], and s B). Every other tensor is saved by the
+    hooks around it, if any (activation checkpointing's: a checkpointed layer keeps nothing)."""
 
     def __init__(self, c: torch.Tensor, again: Callable[[], torch.Tensor]):
         self.key = (c.data_ptr(), c.shape, c.dtype)
         self.again = again
+        self.outer: Any = None
 
     def pack(self, t: torch.Tensor) -> Any:
-        return self if (t.data_ptr(), t.shape, t.dtype) == self.key else t
+        if (t.data_ptr(), t.shape, t.dtype) == self.key:
+            return self
+        return t if self.outer is None else _Outer(self.outer[0](t))
 
-    @staticmethod
-    def unpack(p: Any) -> torch.Tensor:
-        return p.again() if isinstance(p, kept) else p
+    def unpack(self, p: Any) -> torch.Tensor:
+        if p is self:
+            return self.again()
+        return self.outer[1](p.packed) if isinstance(p, _Outer) else p
 
     def __enter__(self) -> None:
+        # (the hooks this one sits in: torch gives only the innermost pair a tensor to save)
+        self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._hooks.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         self._hooks.__exit__(*exc)
+
+
+class _Outer:
+    """What the outer hooks made of a saved tensor (`kept.pack`)."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, packed: Any):
+        self.packed = packed
