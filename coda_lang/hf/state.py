@@ -123,6 +123,7 @@ class Blocks:
                 # differentiated: what the block is, and what the parts before make (and lora_c)
                 wrt = [p.var.name for p in b.ir.params if p.var.name in wants or p.var.name not in own]
                 got.append((function(b, wrt=wrt), ops))
+            compile_together(*[fn for fn, _ in got])  # (the parts' kernels in one pool, at their first call)
             self._parts[key] = got
         return got
 
