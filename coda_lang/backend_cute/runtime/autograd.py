@@ -25,7 +25,7 @@ import torch
 from coda_lang.autodiff.chunk import ChunkPlan, candidate_plans, choose, row_dim
 from coda_lang.autodiff.chunk_run import ChunkResults, chunk_at, chunk_inputs, join_part, run_chunks
 from coda_lang.autodiff.options import BackwardOptions
-from coda_lang.backend_cute.runtime.grad_scales import DelayedScaling
+from coda_lang.backend_cute.runtime.grad_scales import DelayedScaling, check_grad_scales
 from coda_lang.backend_cute.runtime.launch import TORCH_DTYPES
 from coda_lang.core.diagnostics import CodaError, Diagnostic, error, with_sources
 from coda_lang.interp.inputs import given_dims
@@ -406,33 +406,6 @@ class _CodaAutograd(torch.autograd.Function):
                 # in the input's dtype, as autograd needs (an fp8 input's gradient saturates)
                 result.append(torch_store(grads_out[g], ctx.in_dtypes[i]))
         return tuple(result)
-
-
-def check_grad_scales(
-    state: DelayedScaling | None, options: BackwardOptions, d: Any, name: str
-) -> DelayedScaling | None:
-    """The delayed scales of a function with fp8 cotangents, bound to its backward's scales: a
-    ValueError when there are none (the first step's scale is the user's choice) or they are not a
-    DelayedScaling; None for a function without fp8 cotangents, which takes none."""
-    if options.fp8_grads is None or not d.scales:
-        if state is not None:
-            raise ValueError(
-                f"block {name}: grad_scales= given, but its backward has no fp8 cotangents "
-                "(BackwardOptions(fp8_grads=...) on a block with an fp8 GEMM stage makes them)"
-            )
-        return None
-    if state is None:
-        raise ValueError(
-            f"block {name}: fp8_grads={options.fp8_grads!r} quantizes the backward's cotangents with delayed "
-            f"scales ({', '.join(d.scales)}), which autograd keeps in a DelayedScaling: pass "
-            'grad_scales=DelayedScaling(initial=...) (a first scale, or initial="calibrate")'
-        )
-    if not isinstance(state, DelayedScaling):
-        raise TypeError(
-            f"grad_scales= is a {type(state).__name__}; it takes a coda_lang.torch.DelayedScaling"
-        )
-    state.bind(list(d.scales), options.fp8_grads)
-    return state
 
 
 def _fp8_backward(

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from coda_lang.autodiff.options import FP8_GRADS
+from coda_lang.autodiff.options import FP8_GRADS, BackwardOptions
 from coda_lang.ir.types import FP8_MAX
 
 __all__ = ["DelayedScaling"]
@@ -172,3 +172,30 @@ def _positive(name: str, v: Any) -> None:
         raise TypeError(f"{name}= is {v!r}; a scale is a positive number")
     if not (math.isfinite(float(v)) and float(v) > 0):
         raise ValueError(f"{name}= is {v!r}; a scale is a positive finite number")
+
+
+def check_grad_scales(
+    state: DelayedScaling | None, options: BackwardOptions, d: Any, name: str
+) -> DelayedScaling | None:
+    """The delayed scales of a function with fp8 cotangents, bound to its backward's scales: a
+    ValueError when there are none (the first step's scale is the user's choice) or they are not a
+    DelayedScaling; None for a function without fp8 cotangents, which takes none."""
+    if options.fp8_grads is None or not d.scales:
+        if state is not None:
+            raise ValueError(
+                f"block {name}: grad_scales= given, but its backward has no fp8 cotangents "
+                "(BackwardOptions(fp8_grads=...) on a block with an fp8 GEMM stage makes them)"
+            )
+        return None
+    if state is None:
+        raise ValueError(
+            f"block {name}: fp8_grads={options.fp8_grads!r} quantizes the backward's cotangents with delayed "
+            f"scales ({', '.join(d.scales)}), which autograd keeps in a DelayedScaling: pass "
+            'grad_scales=DelayedScaling(initial=...) (a first scale, or initial="calibrate")'
+        )
+    if not isinstance(state, DelayedScaling):
+        raise TypeError(
+            f"grad_scales= is a {type(state).__name__}; it takes a coda_lang.torch.DelayedScaling"
+        )
+    state.bind(list(d.scales), options.fp8_grads)
+    return state
