@@ -30,6 +30,7 @@ hidden states are asked for.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
@@ -245,14 +246,14 @@ def run_lora(
     env = dict(inputs)
     for part, ops in blocks.parts(name, cut, frozen):
         args = {p.var.name: env[p.var.name] for p in part.block.ir.params if p.var.name in env}
+        made_again: Any = contextlib.nullcontext()
         if ops is not None:
             xn, wn = ops
             spec = loras[wn]
             assert spec is not None
             args[LORA_C], again = lora.correction(env[xn], spec)
-            with lora.kept(args[LORA_C], again):  # (the block's backward makes it again)
-                env.update(run_block(owner, part, args))
-        else:
+            made_again = lora.kept(args[LORA_C], again)  # (the block's backward makes it again)
+        with made_again:
             env.update(run_block(owner, part, args))
     return {o.name: env[o.name] for o in fn.block.ir.outputs}
 

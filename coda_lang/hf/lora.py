@@ -1,4 +1,4 @@
-"""peft LoRA under the patch: each LoRA projection's GEMM runs over a K widened by the adapters' ranks.
+"""peft LoRA under the patch: each adapted GEMM adds the adapters' output to its f32 accumulator.
 
 What it does: where peft LoRA layers stand at projections (checks.py: `is_lora`, and `check_lora` at
 patching: plain LoRA on an `nn.Linear` base), a block is cut before each GEMM whose weight has active
@@ -60,11 +60,10 @@ def active(m: Any, sharded_ok: bool = True) -> list[str]:
 
 @dataclass
 class Spec:
-    """The LoRA layers of one fused weight: `parts` (a LoRA layer or None per part, in the checkpoint's
-    order), `rows` (each part's rows) and `fuse` (the parts' rows, each [rows_i, C], in the fused
-    weight's row layout, [out, C]); `adapters` the (part, LoRA layer, adapter) that are active."""
+    """The LoRA of one fused weight: `rows` (each part's rows, in the checkpoint's order), `fuse` (the
+    parts' rows, each [rows_i, C], in the fused weight's row layout, [out, C]) and `adapters` (the
+    active ones: part index, LoRA layer, adapter name)."""
 
-    parts: tuple[Any, ...]
     rows: tuple[int, ...]
     fuse: Callable[[list[torch.Tensor]], torch.Tensor]
     adapters: tuple[tuple[int, Any, str], ...]
@@ -77,7 +76,7 @@ def _spec(
     sharded_ok: bool = True,
 ) -> Spec | None:
     adapters = tuple((i, m, a) for i, m in enumerate(parts) if m is not None for a in active(m, sharded_ok))
-    return Spec(tuple(parts), tuple(rows), fuse, adapters) if adapters else None
+    return Spec(tuple(rows), fuse, adapters) if adapters else None
 
 
 def linear(m: Any, out: int) -> Spec | None:

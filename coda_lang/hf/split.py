@@ -1,4 +1,4 @@
-"""A block cut into parts before chosen GEMMs, each such GEMM reading operands of a K of its own.
+"""A block cut into parts before chosen GEMMs, each such GEMM adding an input tile to its accumulator.
 
 What it does: `split_block(block, before)` gives the parts of a checked block cut before each GEMM
 stage whose right operand is a parameter named in `before` (in the order of the body), as the text of
@@ -6,10 +6,10 @@ one program (`split_source`) or as checked blocks (`split`). The parts run one a
 what the block computes: each part's parameters are the block's parameters it reads and the values
 of the parts before it that it reads (a stored tile, with its stored dtype; a row vector); its
 outputs are the block's outputs it makes and the values later parts read. The GEMM that starts a
-part at a cut reads `lora_x` and `lora_w` instead of its operands, [rows, L] and [cols, L] of a dim
-`L` of their own, so that the caller may give it the operands widened along K: x W^T + (x A^T) B^T
-is one GEMM over [x, x A^T] and [W, B] (lora.py: peft LoRA). Given the plain operands, a part
-computes what the block does.
+part at a cut adds the parameter `lora_c` (its output's shape, the weight's dtype) to its f32
+accumulator before its epilogue reads it (`lora_acc = acc + lora_c`), so that the caller may give it
+the output of peft LoRA's adapters, s (x A^T) B^T (lora.py). Given zeros, a part computes what the
+block does.
 What it does not: decide where to cut (the caller names the weights), or run anything.
 Invariants: the parts are checked as any program is (block-locality, types); a value crosses a cut
 only as what the language lets a later stage read (a stored tile, or a completed row reduction);
@@ -62,10 +62,10 @@ def split_block(
     block: nodes.Block, before: Iterable[str]
 ) -> list[tuple[nodes.Block, tuple[str, str] | None]]:
     """The parts of `block` cut before each GEMM whose right operand is a parameter in `before`
-    (named `<block>_<i>`, i from 0), each with the names of the operands its first GEMM had in the block
-    (x, w) if it starts at a cut, else None: a cut GEMM reads `lora_x` [rows, L] and `lora_w` [cols, L]
-    instead, the caller gives them from x (an input of the block, or an output of a part before) and w
-    (a parameter of the block)."""
+    (named `<block>_<i>`, i from 0), each with the names of its first GEMM's operands (x, w) if it
+    starts at a cut, else None: a cut GEMM adds `lora_c` [rows, cols] to its accumulator, which the
+    caller makes from x (an input of the block, or an output of a part before: an output of that part
+    for this reason) and the adapters of w (a parameter of the block)."""
     before = set(before)
     params = {p.var.name: p for p in block.params}
     cuts = [
@@ -82,7 +82,7 @@ def split_block(
         raise ValueError(f"block {block.name}: no GEMM reads {sorted(missing)} as its right operand")
     bounds = [0, *cuts, len(block.body)]
     segments = [(lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False) if hi > lo]
-    # each segment's statements, the cut GEMM's operands renamed (`originals`: as in the block)
+    # each segment's statements, the cut GEMM adding `lora_c` (`originals`: as in the block)
     bodies: list[list[nodes.Stmt]] = []
     originals: list[list[nodes.Stmt]] = []
     for lo, hi in segments:

@@ -91,14 +91,7 @@ def _reduce_rule(name: str, combine: str) -> Any:
             if axis == 0:
                 return (_row_group(ctx, t, group, dtype),)
             width = t.shape[1]
-            if width.name is None or width.name in ctx.values:  # a known width: whole groups only
-                n = width.evaluate(ctx.values)
-                if n % group != 0:
-                    raise Mistake(
-                        "E0408",
-                        f"group={group} does not divide the width `{width}`, which is {n}",
-                        notes=["each group is a run of `group` adjacent columns; the last one would be cut"],
-                    )
+            _whole_groups(ctx, width, group, "the width", "is", "columns")
             per_acc_col = (
                 width.coeff / ctx.stage.cols.coeff if width.name == ctx.stage.cols.name else Fraction(1)
             )
@@ -114,19 +107,25 @@ def _reduce_rule(name: str, combine: str) -> Any:
     return rule
 
 
+def _whole_groups(ctx: Ctx, d: Dim, group: int, what: str, verb: str, unit: str) -> None:
+    """E0408 unless `group` divides the extent `d` where it is known (a constant, or a dim given a
+    value): each group is a run of `group` adjacent `unit` (columns or rows), whole."""
+    if d.name is None or d.name in ctx.values:
+        n = d.evaluate(ctx.values)
+        if n % group != 0:
+            raise Mistake(
+                "E0408",
+                f"group={group} does not divide {what} `{d}`, which {verb} {n}",
+                notes=[f"each group is a run of `group` adjacent {unit}; the last one would be cut"],
+            )
+
+
 def _row_group(ctx: Ctx, t: Type, group: int, dtype: str) -> Type:
     """A reduction over runs of `group` adjacent rows (a 128x1 group: the scale of a column-quantized
     copy): one value per column and run, complete in a tile whose tile_M is a multiple of the group.
     Only of a tile as tall as the stage (the rows are the stage's own)."""
     rows = t.shape[0]
-    if rows.name is None or rows.name in ctx.values:  # a known height: whole groups only
-        n = rows.evaluate(ctx.values)
-        if n % group != 0:
-            raise Mistake(
-                "E0408",
-                f"group={group} does not divide the rows `{rows}`, which are {n}",
-                notes=["each group is a run of `group` adjacent rows; the last one would be cut"],
-            )
+    _whole_groups(ctx, rows, group, "the rows", "are", "rows")
     ctx.constraints.append(
         TileConstraint(of="tile_M", multiple_of=group, reason=f"group={group} over `{rows}`")
     )
