@@ -106,7 +106,7 @@ def check_packed_cd(ctx: StageContext, operands: list[Operand], d: Output | None
                 "operand and stores one as D, two lanes per accumulator element"
             ],
         )
-    if c.dtype != d.dtype and not ctx.emulated:
+    if (c.dtype != d.dtype or d.dtype not in PACKED_DTYPES) and not ctx.emulated:
         raise fail(
             "E0702",
             f"the double-width tile `{c.name}` is {c.dtype} and the stored `{d.name}` is "
@@ -120,8 +120,9 @@ def check_packed_cd(ctx: StageContext, operands: list[Operand], d: Output | None
 
 
 def check_fp8(ctx: StageContext, name: str, dtype: str, span: Span | None, what: str) -> None:
-    """fp8 (e4m3, e5m2) runs on the torch stand-ins only (`emulate=True`, and every device but a Hopper
-    GPU): the kernels' fp8 GEMMs and quantizing epilogues are not written yet."""
+    """An fp8 (e4m3, e5m2) GEMM operand or loaded tile runs on the torch stand-ins only (`emulate=True`,
+    and every device but a Hopper GPU): the kernels' fp8 GEMMs and fp8 loads are not written yet (an
+    fp8 stored tile is compiled: check_store)."""
     if is_fp8(dtype) and not ctx.emulated:
         raise fail(
             "E0702",
@@ -135,8 +136,9 @@ def check_fp8(ctx: StageContext, name: str, dtype: str, span: Span | None, what:
 
 
 def check_store(ctx: StageContext, store: Store, e: Eqn) -> None:
-    """The epilogue stores f32, bf16 or f16 tiles (D or a TileStore); fp8 ones in the torch stand-ins."""
-    check_fp8(ctx, store.name, store.dtype, e.span, "stored tile")
+    """The epilogue stores f32, bf16, f16 or fp8 tiles (D or a TileStore); an fp8 one is saturated by
+    the emitted epilogue and rounded by quack's store (emit.py); where quack's store is 16-bit only
+    (a paired stage's lanes, packed mode's D) check_tile_store and check_packed_cd refuse it."""
     if store.dtype not in STORE_DTYPES and not is_fp8(store.dtype):
         raise fail(
             "E0702",
@@ -158,12 +160,18 @@ def check_tile_store(ctx: StageContext, store: Store, e: Eqn, gated: bool, split
                 "packed mode"
             ],
         )
-    if (gated or split) and store.dtype == "f32" and not ctx.emulated:
+    if (gated or split) and (store.dtype == "f32" or is_fp8(store.dtype)) and not ctx.emulated:
         what = "half-width" if gated else "full-width (stored as two half-width lanes)"
         raise fail(
             "E0702",
-            f"{what} stored tile `{store.name}` is f32; quack stores paired outputs as 16-bit values",
+            f"{what} stored tile `{store.name}` is {store.dtype}; quack stores paired outputs as 16-bit "
+            "values",
             e.span,
+            notes=[
+                "an fp8 tile is compiled where it is the stage's D or a TileStore of an element-mode stage"
+            ]
+            if is_fp8(store.dtype)
+            else [],
             help=[f"annotate it, e.g. `{store.name}: bf16 = ...`"],
         )
 
