@@ -1,21 +1,28 @@
-"""fp8 in the CuTeDSL kernels: a bf16 GEMM's epilogue stores a quantized (e4m3 / e5m2) tile.
+"""fp8 in the CuTeDSL kernels: a bf16 GEMM's epilogue stores a quantized (e4m3 / e5m2) tile, and a
+GEMM multiplies fp8 operands (e4m3 x e4m3, e5m2 x e4m3) read K-major, a per-tensor scale in its epilogue.
 
 - The planner compiles an fp8 stored tile (the stage's D, or a TileStore of an element-mode stage):
   examples/fp8_blockwise.coda's forward (1x128 group amax, then the store), fp8_delayed.coda's first
   stage (a delayed per-tensor scale, this step's amax as a partial), and a stage storing bf16, e4m3
   and e5m2 tiles together. The emitted epilogue clamps each fp8 value to the dtype's range with
   NaN-propagating max/min before quack's store rounds it (the interpreter's saturation rule).
-- What it still refuses, with E0702/E0703 at the place: an fp8 GEMM operand (fp8_delayed's second
-  stage), an fp8 tile loaded into an epilogue, `cast(x, e4m3)` inside a stage, an fp8 tile stored by a
+- The fp8 GEMM: fp8_delayed's second stage (`hq @ transpose(w2)`) and a dgrad-like e5m2 x e4m3 GEMM
+  plan; what quack 0.6.5's SM90 GEMM can't multiply is E0702 at the operand with the layout that would
+  compile: an N-major B (`hq @ w2`, w2 stored [N, P]), a transposed A, fp8 beside bf16.
+- What it still refuses, with E0702/E0703 at the place: an fp8 tile loaded into an epilogue, `cast(x, e4m3)` inside a stage, an fp8 tile stored by a
   paired stage (quack's SM90 paired stores are 16-bit).
-- Toolchain (no GPU): the stages compile to PTX for sm_90a without spills, rounding with
+- Toolchain (no GPU): the fp8 GEMMs compile for sm_90a without spills at the fp8 tiles
+  (config.FP8_CANDIDATES) with fp8 WGMMA (`wgmma...f32.e4m3.e4m3`, `.e5m2.e4m3`); quack accepts the
+  whole fp8_delayed forward from the runtime ("meta" tensors). The stores compile without spills, rounding with
   `cvt.rn.satfinite.e4m3x2.f32` / `e5m2x2` after the clamp; quack accepts what the runtime hands it
   (an fp8 D on "meta" tensors).
 - GPU (marked `gpu`): the kernels' fp8 codes against the interpreter's, bit for bit (NaN as NaN), where
   the accumulator is exact (an identity A, so acc = B): every e4m3/e5m2 value, the midpoints between
   neighbours and the bf16 values next to them, subnormals, values past the range, and scales of 1,
   2^-8 (subnormal results), 2^100 (products overflow f32 to inf, then saturate), inf and NaN; and the
-  examples at ragged sizes against the interpreter within one fp8 ulp (accumulation order differs).
+  examples at ragged sizes against the interpreter within one fp8 ulp (accumulation order differs);
+  the fp8 GEMMs (e4m3 x e4m3, e5m2 x e4m3, and the whole fp8_delayed forward) against the interpreter
+  within the accuracy rule, and exactly where every product and partial sum is exact in f32.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from coda_lang.core.diagnostics import CodaError
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# fp8_delayed.coda's first stage, alone (its second GEMM reads e4m3: not compiled yet)
+# fp8_delayed.coda's first stage, alone
 DELAYED = """
 dims M, K, N
 block fp8_store(x: bf16[M, K], w: bf16[K, N], scale: f32) -> (hq: e4m3[M, N], amax: f32) {
@@ -61,6 +68,56 @@ block fp8_stores(x: bf16[M, K], w: bf16[K, N], scale: f32)
   amax = max(row_amax, over=M)
 }
 """
+
+# a dgrad of the fp8 recipes: the e5m2 gradient times the e4m3 weight, both scales folded in
+DGRAD = """
+dims M, K, N
+block dgrad(dy: e5m2[M, N], w: e4m3[K, N], sdy: f32, sw: f32) -> (dx: bf16[M, K]) {
+  gemm dy @ transpose(w) {
+    dx = acc * (sdy * sw)
+  }
+}
+"""
+
+# fp8 GEMMs quack 0.6.5 does not multiply: (source, stage, message, help)
+GEMM_REFUSED = {
+    # fp8_delayed as it was written first: w2 stored [N, P], N-major
+    "b_n_major": (
+        (ROOT / "examples" / "fp8_delayed.coda")
+        .read_text()
+        .replace("w2: e4m3[P, N]", "w2: e4m3[N, P]")
+        .replace("hq @ transpose(w2)", "hq @ w2"),
+        2,
+        "fp8 GEMM operand `w2` is stored [N, P]: its contiguous dimension is `P`, not K (`N`)",
+        "declare `w2` as e4m3[P, N] (K contiguous",
+    ),
+    "a_m_major": (
+        """
+dims M, K, N
+block b(x: e4m3[K, M], w: e4m3[N, K]) -> (y: bf16[M, N]) {
+  gemm transpose(x) @ transpose(w) {
+    y = acc
+  }
+}
+""",
+        1,
+        "fp8 GEMM operand `x` is written `transpose(x)`: stored [K, M], its contiguous dimension is `M`",
+        "store `x` as [M, K] (K contiguous)",
+    ),
+    "mixed_width": (
+        """
+dims M, K, N
+block b(x: bf16[M, K], w: e4m3[N, K], s: f32) -> (y: bf16[M, N]) {
+  gemm x @ transpose(w) {
+    y = acc * s
+  }
+}
+""",
+        1,
+        "GEMM operand `x` is bf16 and `w` is e4m3; an fp8 GEMM needs both operands in fp8",
+        "quantize `x` too",
+    ),
+}
 
 REFUSED = {
     # an fp8 tile loaded into an epilogue
@@ -138,16 +195,32 @@ def test_the_fp8_store_is_planned_and_saturated(i: int) -> None:
     assert '"h": h' in src or name != "mixed"
 
 
-def test_fp8_gemm_operand_still_refused() -> None:
-    """fp8_delayed's second GEMM (e4m3 @ e4m3) is refused at its operand; its first stage plans."""
-    blk = example("fp8_delayed")
-    assert plan_stage(blk, 1).d is not None
+def test_fp8_gemm_is_planned() -> None:
+    """fp8_delayed's second GEMM (e4m3 @ transpose(e4m3), both K-major) and a dgrad's e5m2 x e4m3 plan:
+    the scale product is the epilogue's, the operands keep their dtypes."""
+    spec = plan_stage(example("fp8_delayed"), 2)
+    g = spec.gemm
+    assert (g.a_dtype, g.b_dtype, g.ta, g.tb) == ("e4m3", "e4m3", False, True)
+    assert spec.d is not None and spec.d.dtype == "bf16" and not spec.plain
+    spec = plan_stage(one(DGRAD), 1)
+    assert (spec.gemm.a_dtype, spec.gemm.b_dtype, spec.gemm.tb) == ("e5m2", "e4m3", True)
+    assert "acc * " in emit_stage(spec)
+
+
+@pytest.mark.parametrize("what", sorted(GEMM_REFUSED))
+def test_fp8_gemm_layouts_refused(what: str) -> None:
+    """What quack's SM90 fp8 GEMM can't read is E0702 at the operand, saying which layout would compile;
+    the emulated runtime takes it."""
+    source, where, want, fix = GEMM_REFUSED[what]
+    blk = one(source) if source else example("fp8_delayed")
     with pytest.raises(CodaError) as ei:
-        plan_stage(blk, 2)
+        plan_stage(blk, where)
     (d,) = ei.value.diagnostics
-    assert d.code == "E0702" and "GEMM operand `hq` is e4m3" in d.message and d.span is not None
-    with pytest.raises(CodaError):
-        blk.cuda()  # (the block's plan refuses before any tensor: on a CPU machine too)
+    assert d.code == "E0702" and want in d.message, d.message
+    assert d.span is not None and d.span.line > 1
+    assert any(fix in h for h in d.help), d.help
+    assert any("K-major" in n for n in d.notes), d.notes
+    assert plan_stage(blk, where, emulated=True) is not None
 
 
 @pytest.mark.parametrize("what", sorted(REFUSED))

@@ -254,6 +254,7 @@ class StageSpec:
             and not self.groups
             and self.mode == "element"
             and self.d.dtype == self.gemm.a_dtype == self.gemm.b_dtype
+            and self.d.dtype in GEMM_DTYPES  # (an fp8 D is clamped by the emitted epilogue)
             and all(REGISTRY[e.op].copy for e in self.eqns)
         )
 
