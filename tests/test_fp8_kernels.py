@@ -28,6 +28,8 @@ GEMM multiplies fp8 operands (e4m3 x e4m3, e5m2 x e4m3) read K-major, a per-tens
 from __future__ import annotations
 
 import os
+import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -293,6 +295,70 @@ def test_quack_accepts_an_fp8_d_from_the_runtime(
     quack_adapter.launch(r.mod, r.spec, r.config, ins[0], ins[1], D, epi, C=C, dry_run=True)
 
 
+@pytest.mark.toolchain
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("src", ["fp8_delayed", "dgrad"])
+def test_fp8_gemm_compiles_to_ptx(src: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """fp8_delayed's e4m3 x e4m3 GEMM and the dgrad's e5m2 x e4m3 compile for sm_90a at the first fp8
+    tile (cooperative 128x128) without spills, with fp8 WGMMA (k32) of the two dtypes only."""
+    from coda_lang.backend_cute.build.compile import compile_stage
+    from coda_lang.backend_cute.build.config import FP8_CANDIDATES
+
+    blk, index = (example("fp8_delayed"), 2) if src == "fp8_delayed" else (one(DGRAD), 1)
+    c = compile_stage(blk, index, FP8_CANDIDATES[0], directory=tmp_path_factory.mktemp("fp8-gemm"))
+    ptx = c.ptx
+    assert c.report is not None and not c.report.spills, c.report.text
+    want = "e4m3.e4m3" if src == "fp8_delayed" else "e5m2.e4m3"
+    wgmma = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.(\w+\.\w+)", ptx))
+    assert wgmma == {want}, wgmma
+    assert "bf16.bf16" not in ptx and "add.f32" in ptx
+
+
+@pytest.mark.toolchain
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_quack_accepts_the_fp8_forward_from_the_runtime(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole fp8_delayed forward as the runtime hands it to quack ("meta" tensors): stage 1 stores an
+    e4m3 hq, stage 2 multiplies it by w2 [P, N] passed (n, k); quack validates both and compiles."""
+    import torch
+
+    from coda_lang.backend_cute.build import quack_adapter
+
+    monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path_factory.mktemp("fp8-dry")))
+    blk = example("fp8_delayed")
+    cb = blk.cuda(tile=(128, 128))
+    m, k, n, p = 1000, 512, 1008, 528
+    env: dict[str, Any] = {
+        "x": torch.empty((m, k), dtype=torch.bfloat16, device="meta"),
+        "w": torch.empty((k, n), dtype=torch.bfloat16, device="meta"),
+        "scale": 0.5,
+        "inv": 2.0,
+        "w2": torch.empty((p, n), dtype=torch.float8_e4m3fn, device="meta"),
+    }
+    for index in (1, 2):
+        r = cb.runner(index)
+        if index == 2:
+            r.config = replace(r.config, pingpong=False)  # FP8_CANDIDATES[0]
+        ins, scalars = r.arguments(env)
+        assert ins[0] is not None and ins[1] is not None
+        outs = r.allocate(ins[0], ins[1])
+        if index == 1:
+            env["hq"] = outs[0]
+            assert outs[0].dtype == torch.float8_e4m3fn
+        else:
+            assert outs[0].dtype == torch.bfloat16 and tuple(outs[0].shape) == (m, p)
+            assert tuple(ins[1].shape) == (p, n) and not r.spec.plain
+        D, C, epi = r.epilogue_arguments(ins, scalars, outs)
+        quack_adapter.launch(r.mod, r.spec, r.config, ins[0], ins[1], D, epi, C=C, dry_run=True)
+    # a K the TMA loads can't take (rows of 1000 bytes: not a multiple of 16) is E0807 before quack
+    env["hq"] = torch.empty((m, 1000), dtype=torch.float8_e4m3fn, device="meta")
+    env["w2"] = torch.empty((p, 1000), dtype=torch.float8_e4m3fn, device="meta")
+    with pytest.raises(CodaError) as ei:
+        cb.runner(2).arguments(env)
+    assert ei.value.diagnostics[0].code == "E0807"
+
+
 # --------------------------------------------------------------------------------------------- GPU
 
 FP8 = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
@@ -409,4 +475,89 @@ def test_gpu_fp8_store_matches_interpreter(src: str) -> None:
         g = got.float() if got.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16) else got
         assert not torch.isnan(g).any(), f"{o.name}: NaN (unwritten?)"
         why = mismatch(o.name, g, ref[o.name], None, o.type.dtype)
+        assert why is None, why
+
+
+# e4m3 x e4m3 with both scales: fp8_delayed's second GEMM with its scales as inputs
+E4M3_GEMM = DGRAD.replace("dy: e5m2", "dy: e4m3")
+
+
+def fp8_gemm_inputs(src: str, exact: bool, device: str) -> dict[str, Any]:
+    """dy [M, N] and w [K, N] (N, the GEMM's K, is 1024; M = 1000, K = 520: ragged tiles). `exact`:
+    values in {-1, 0, 1} and power-of-two scales, so every product and sum is exact in f32 and the
+    kernel's bf16 must equal the interpreter's bit for bit; else randn values and scales 0.37, 1/300."""
+    import torch
+
+    g = torch.Generator().manual_seed(5)
+    m, k, n = 1000, 520, 1024
+    dy_t = torch.float8_e5m2 if src == "dgrad" else torch.float8_e4m3fn
+    if exact:
+        dy = torch.randint(-1, 2, (m, n), generator=g).float()
+        w = torch.randint(-1, 2, (k, n), generator=g).float()
+        sdy, sw = 0.25, 2.0**-3
+    else:
+        dy, w = torch.randn(m, n, generator=g) * 8, torch.randn(k, n, generator=g) * 30
+        sdy, sw = 0.37, 1 / 300
+    return {"dy": dy.to(dy_t).to(device), "w": w.to(torch.float8_e4m3fn).to(device), "sdy": sdy, "sw": sw}
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("src", ["e4m3", "dgrad"])
+def test_gpu_fp8_gemm_matches_interpreter(src: str, exact: bool) -> None:
+    """The fp8 GEMM (e4m3 x e4m3, e5m2 x e4m3) against the interpreter (fp8 upcast to f32, f32 sums):
+    bit for bit where everything is exact, else within the accuracy rule."""
+    import torch
+
+    from coda_lang.testing.compare import mismatch
+
+    os.environ.setdefault("CODA_TUNE", "0")
+    blk = one(DGRAD if src == "dgrad" else E4M3_GEMM)
+    ins = fp8_gemm_inputs(src, exact, "cuda")
+    cb = blk.cuda(poison=True)
+    got = cb(ins)["dx"]
+    torch.cuda.synchronize()
+    ref = blk.run({k: v.cpu() if hasattr(v, "cpu") else v for k, v in ins.items()})["dx"]
+    g = got.float().cpu().numpy()
+    assert not np.isnan(g).any(), "NaN (unwritten?)"
+    if exact:
+        assert np.array_equal(g, np.asarray(ref, np.float32))
+    else:
+        why = mismatch("dx", got.float(), ref, None, "bf16")
+        assert why is None, why
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_gpu_fp8_delayed_forward_matches_interpreter() -> None:
+    """The whole examples/fp8_delayed.coda forward on the kernels (two stages: the quantizing
+    epilogue, then the e4m3 GEMM): hq's rounding of the f32 sums may differ by one fp8 ulp where the
+    two summation orders straddle a midpoint, so `out` is compared within the accuracy rule and the
+    amax within f32's."""
+    import torch
+
+    from coda_lang.testing.compare import mismatch
+
+    os.environ.setdefault("CODA_TUNE", "0")
+    blk = example("fp8_delayed")
+    g = torch.Generator().manual_seed(9)
+    m, k, n, p = 1000, 520, 1024, 528
+    cpu: dict[str, Any] = {
+        "x": torch.randn(m, k, generator=g).bfloat16(),
+        "w": (torch.randn(k, n, generator=g) / 20).bfloat16(),
+        "scale": 1.0,
+        "w2": (torch.randn(p, n, generator=g) / 4).to(torch.float8_e4m3fn),
+    }
+    cpu["scale"] = 448.0 / (0.5 * float(blk.run(cpu)["amax"]))  # the top half of the range saturates
+    ins = {k_: v.cuda() if isinstance(v, torch.Tensor) else v for k_, v in cpu.items()}
+    cb = blk.cuda(poison=True)
+    outs = cb(ins)
+    torch.cuda.synchronize()
+    ref = blk.run(cpu, sim_tile=cb.tiles)
+    for o in blk.ir.outputs:
+        assert o.type is not None
+        got = outs[o.name].float() if outs[o.name].dtype == torch.bfloat16 else outs[o.name]
+        assert not torch.isnan(got).any(), f"{o.name}: NaN (unwritten?)"
+        why = mismatch(o.name, got, ref[o.name], None, o.type.dtype)
         assert why is None, why
