@@ -186,9 +186,9 @@ def check_packed_cd(ctx: StageContext, operands: list[Operand], d: Output | None
 
 
 def check_fp8(ctx: StageContext, name: str, dtype: str, span: Span | None, what: str) -> None:
-    """An fp8 (e4m3, e5m2) GEMM operand or loaded tile runs on the torch stand-ins only (`emulate=True`,
-    and every device but a Hopper GPU): the kernels' fp8 GEMMs and fp8 loads are not written yet (an
-    fp8 stored tile is compiled: check_store)."""
+    """An fp8 (e4m3, e5m2) tile loaded into an epilogue runs on the torch stand-ins only (`emulate=True`,
+    and every device but a Hopper GPU): the kernels' fp8 loads are not written yet (an fp8 stored tile
+    is compiled: check_store; fp8 GEMM operands: check_fp8_gemm)."""
     if is_fp8(dtype) and not ctx.emulated:
         raise fail(
             "E0702",
