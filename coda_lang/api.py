@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from coda_lang.autodiff import AutodiffError, derive
@@ -38,7 +38,7 @@ class Block(CheckedBlock):
 
     def __init__(self, ir: nodes.Block, plan: BlockPlan):
         super().__init__(ir, plan)
-        self._derivations: dict[tuple[tuple[str, ...] | None, str], Derivation] = {}
+        self._derivations: dict[tuple[tuple[str, ...] | None, str, str | None], Derivation] = {}
         self._chunk_plans: dict[tuple[tuple[str, ...] | None, str, str], Any] = {}
 
     def run(
@@ -92,11 +92,12 @@ class Block(CheckedBlock):
         default); TypeError or ValueError when it is not a list of this block's parameters.
         `remat`: which forward tiles the backward recomputes rather than reads saved ("auto", "save",
         "recompute"; docs/design.md, "Saved and recomputed"), or `backward=BackwardOptions(...)`."""
-        remat = BackwardOptions.of(backward, remat=remat).remat
+        options = BackwardOptions.of(backward, remat=remat)
+        remat, fp8_grads = options.remat, options.fp8_grads
         self._check_wrt(wrt)
-        key = (tuple(wrt) if wrt is not None else None, remat)
+        key = (tuple(wrt) if wrt is not None else None, remat, fp8_grads)
         if key not in self._derivations:
-            self._derivations[key] = derive_checked(self.ir, self.plan, wrt, remat)
+            self._derivations[key] = derive_checked(self.ir, self.plan, wrt, remat, fp8_grads)
         return self._derivations[key]
 
     def _check_wrt(self, wrt: Any) -> None:
@@ -145,10 +146,17 @@ class Block(CheckedBlock):
         chunk: int | str | None = None,
         budget: int | None = None,
         chunk_dim: str | None = None,
+        fp8_grads: str | None = None,
+        scales: dict[str, float] | None = None,
     ) -> dict[str, Any]:
         """Gradients of <outputs, cotangents> w.r.t. each differentiable input, by running the extended
         forward and the derived backward block on the interpreter (both at `sim_tile`, as `run`).
         Keys: parameter names. Outputs without a cotangent get zeros.
+
+        With `fp8_grads=` ("e5m2" or "e4m3"; docs/design.md, "The fp8 backward"), `scales` gives the
+        backward's cotangent scales by name (`Derivation.scales`' keys, e.g. "dacc2_scale"; 1.0 where
+        not given), and the result also holds, under their names, this step's amax of each quantized
+        cotangent (`Derivation.scales`' values, e.g. "dacc2_amax").
 
         The backward's options are one `BackwardOptions` (`backward=`), or its fields as keywords
         (`remat=`, `chunk=`, `budget=`, `chunk_dim=`; not both): what the backward recomputes, and
@@ -161,15 +169,27 @@ class Block(CheckedBlock):
         [D, V] f32 sum over the rows). Gradients summed over the chunked dim accumulate across chunks
         unrounded and are rounded once. A bad argument raises TypeError or ValueError; a backward that
         can't run in chunks of that dim, CodaError E0809."""
-        options = BackwardOptions.of(backward, remat=remat, chunk=chunk, budget=budget, chunk_dim=chunk_dim)
-        d = self.derivation(wrt, options.remat)
+        options = BackwardOptions.of(
+            backward, remat=remat, chunk=chunk, budget=budget, chunk_dim=chunk_dim, fp8_grads=fp8_grads
+        )
+        d = self.derivation(wrt, backward=options.with_(chunk=None, budget=None, chunk_dim=None))
+        unknown = sorted(set(scales or {}) - set(d.scales))
+        if unknown:
+            raise ValueError(
+                f"scales= names `{unknown[0]}`, which is not a cotangent scale of this backward "
+                f"(its scales: {', '.join(d.scales) or 'none; fp8_grads= makes them'})"
+            )
         fwd = d.forward.run_with_partials(inputs, dims=dims, sim_tile=sim_tile, precision=precision)[0]
         bins, bdims = self.backward_inputs(d, inputs, cotangents, fwd, dims, precision)
+        for name in d.scales:
+            bins[name] = float((scales or {}).get(name, 1.0))
         if not options.chunked:
             grads = d.backward.run(bins, dims=bdims, sim_tile=sim_tile, precision=precision)
         else:
             grads = self._chunked_backward(wrt, options, bins, bdims, sim_tile, precision)
-        return {p: grads[g] for p, g in d.grads.items()}
+        out = {p: grads[g] for p, g in d.grads.items()}
+        out.update({a: grads[a] for a in d.scales.values()})
+        return out
 
     def backward_inputs(
         self,
@@ -337,14 +357,21 @@ class Derivation:
     cotangents: dict[str, str]  # forward output -> backward parameter holding its cotangent
     grads: dict[str, str]  # forward parameter -> backward output holding its gradient
     report: list[str]  # e.g. stages whose backward runs as an elementwise stage
+    # fp8 cotangents (BackwardOptions.fp8_grads): each scale (a scalar input of the backward) -> the
+    # backward output holding this step's amax of that cotangent
+    scales: dict[str, str] = field(default_factory=dict)
 
 
 def derive_checked(
-    ir: nodes.Block, plan: BlockPlan, wrt: list[str] | None = None, remat: str = nodes.DEFAULT_REMAT
+    ir: nodes.Block,
+    plan: BlockPlan,
+    wrt: list[str] | None = None,
+    remat: str = nodes.DEFAULT_REMAT,
+    fp8_grads: str | None = None,
 ) -> Derivation:
     """Derive the backward block and check both blocks; CodaError (E06) where it can't."""
     try:
-        d = derive(ir, plan, wrt, remat)
+        d = derive(ir, plan, wrt, remat, fp8_grads)
     except AutodiffError as e:
         raise CodaError([Diagnostic(e.code, e.message, e.span, notes=e.notes)]) from None
     blocks = [check_generated(b, "the derived block", ir.span) for b in (d.forward, d.backward)]
@@ -355,6 +382,7 @@ def derive_checked(
         d.cotangents,
         d.grads,
         d.report,
+        dict(d.scales),
     )
 
 

@@ -94,6 +94,12 @@ class BlockFunction:
         self.options = BackwardOptions.of(
             backward, remat=remat, chunk=chunk, budget=budget, chunk_dim=chunk_dim
         )
+        if self.options.fp8_grads is not None:
+            raise ValueError(
+                "fp8_grads= is not run through torch autograd yet (the backward's cotangent scales and "
+                "amaxes have no place in autograd's signature); run the derived backward block "
+                "(Block.derivation(backward=...).backward) or Block.vjp(..., fp8_grads=, scales=)"
+            )
         self.block, self.wrt, self.tile, self.dims = block, wrt, tile, dims
         self.remat = self.options.remat
         self._fns: dict[bool, Any] = {}  # emulate? -> CudaFunction

@@ -591,3 +591,157 @@ def test_row_groups_not_yet_differentiated_or_compiled() -> None:
         plan_stage(bf16, 1)
     (d,) = ei.value.diagnostics
     assert d.code == "E0705" and "runs of 128 rows" in d.message
+
+
+# ---------------------------------------------------------------------------- fp8 cotangents (fp8_grads=)
+
+TWO = """
+dims M, K, N, P
+block two(xq: e4m3[M, K], w1: e4m3[K, N], s: f32, w2: e4m3[N, P]) -> (out: bf16[M, P]) {
+  gemm xq @ w1 {
+    hq: e4m3 = silu(acc) * s
+  }
+  inv = 1.0 / s
+  gemm hq @ w2 {
+    out = acc * inv
+  }
+}
+"""
+WRT = ["xq", "w1", "w2"]  # the recipes differentiate no scale
+
+
+class _GradQuant(torch.autograd.Function):
+    """Identity forward; backward quantizes the incoming gradient as the derived backward's dacc store
+    does (times the scale, saturated, rounded to fp8) and takes the scale off again, recording the
+    gradient's amax (what fp8_grads= returns as `dacc<k>_amax`)."""
+
+    @staticmethod
+    def forward(ctx, x, scale, dtype, amaxes):  # type: ignore[no-untyped-def, override]
+        ctx.scale, ctx.dtype, ctx.amaxes = scale, dtype, amaxes
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def, override]
+        _, mx, tdt = FP8[ctx.dtype]
+        ctx.amaxes.append(float(g.abs().max()))
+        return (g * ctx.scale).clamp(-mx, mx).to(tdt).to(g.dtype) / ctx.scale, None, None, None
+
+
+def _two_inputs(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    m, k, n, p = 8, 16, 32, 16
+    return {
+        "xq": round_fp8(rng.standard_normal((m, k)) * 2, "e4m3"),
+        "w1": round_fp8(rng.standard_normal((k, n)) / 4, "e4m3"),
+        "s": np.float64(64.0),
+        "w2": round_fp8(rng.standard_normal((n, p)) / 6, "e4m3"),
+    }
+
+
+def _two_torch(ins: dict, dout: np.ndarray, dtype: str, g1: float, g2: float) -> tuple[dict, list]:
+    """Gradients of xq, w1, w2 by torch autograd of the fake-quant math, float64, and the cotangent
+    amaxes (of dacc2, then dacc1: the order the backward meets them)."""
+    t = {k: torch.tensor(v, dtype=torch.float64, requires_grad=k in WRT) for k, v in ins.items()}
+    amaxes: list[float] = []
+    acc1 = _GradQuant.apply(t["xq"] @ t["w1"], g1, dtype, amaxes)
+    hq = _fake_quant(torch.nn.functional.silu(acc1) * t["s"], "e4m3")
+    acc2 = _GradQuant.apply(hq @ t["w2"], g2, dtype, amaxes)
+    out = acc2 * (1.0 / t["s"])
+    grads = torch.autograd.grad(out, [t[k] for k in WRT], torch.tensor(dout))
+    return {k: g.numpy() for k, g in zip(WRT, grads, strict=True)}, amaxes
+
+
+@pytest.mark.parametrize("dtype", ["e5m2", "e4m3"])
+def test_fp8_cotangents_against_torch(dtype: str) -> None:
+    """fp8_grads=: both stages' cotangents quantized, stage 2's in its elementwise entry stage, stage 1's
+    in the epilogue of stage 2's dgrad GEMM; float64 gradients and amaxes against torch autograd of
+    the same fake-quant math (a straight-through quantize of each GEMM output's gradient), the scales
+    chosen so that some cotangents saturate; and the quantization changes the gradients (the bf16
+    backward differs), so the comparison can tell."""
+    block = coda_lang.load(TWO)["two"]
+    ins = _two_inputs(12)
+    dout = np.random.default_rng(13).standard_normal((8, 16))
+    d = block.derivation(WRT, backward=coda_lang.BackwardOptions(fp8_grads=dtype))
+    assert d.scales == {"dacc2_scale": "dacc2_amax", "dacc1_scale": "dacc1_amax"}
+    text = str(d.backward)
+    assert f"dacc1: {dtype}" in text and f"dacc2: {dtype}" in text
+    assert "dacc2_scale: f32" in text and "dacc1_amax: f32" in text
+    # every backward GEMM multiplies fp8 by fp8
+    types = {p.var.name: p.var.type.dtype for p in d.backward.ir.params}
+    types.update({"dacc1": dtype, "dacc2": dtype, "hq": "e4m3"})
+    for st in d.backward.ir.stages:
+        if st.is_gemm:
+            assert {types[st.a.name], types[st.b.name]} <= {"e4m3", "e5m2"}, (st.a, st.b)
+    # this step's amaxes with scale 1, then scales that saturate a few of each cotangent (delayed)
+    _, mx, _ = FP8[dtype]
+    first = block.vjp(ins, {"out": dout}, precision="f64", wrt=WRT, fp8_grads=dtype)
+    g1, g2 = 1.3 * mx / first["dacc1_amax"], 1.3 * mx / first["dacc2_amax"]
+    scales = {"dacc1_scale": g1, "dacc2_scale": g2}
+    got = block.vjp(ins, {"out": dout}, precision="f64", wrt=WRT, fp8_grads=dtype, scales=scales)
+    want, amaxes = _two_torch(ins, dout, dtype, g1, g2)
+    for k in WRT:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-10, atol=1e-12, err_msg=k)
+    np.testing.assert_allclose([got["dacc2_amax"], got["dacc1_amax"]], amaxes, rtol=1e-12)
+    plain = block.vjp(ins, {"out": dout}, precision="f64", wrt=WRT)
+    for k in WRT:
+        assert not np.allclose(plain[k], want[k], rtol=1e-3, atol=0), k
+
+
+def test_fp8_cotangents_exact_and_emulated() -> None:
+    """The derived backward in exact precision and on the emulated runtime (the CUDA runtime's torch
+    stand-ins, on the CPU), on the same inputs, within the accuracy rule; the forward of
+    examples/fp8_delayed.coda with its e5m2 cotangent read by the e5m2 @ e4m3 dgrad and the
+    e4m3 @ e5m2 wgrad."""
+    from coda_lang.testing.compare import mismatch
+
+    block = _example("fp8_delayed")
+    wrt = ["x", "w", "w2"]
+    d = block.derivation(wrt, backward=coda_lang.BackwardOptions(fp8_grads="e5m2"))
+    assert list(d.scales) == ["dacc2_scale"]
+    rng = np.random.default_rng(14)
+    m, k, n, p = 16, 32, 32, 16
+    ins = {
+        "x": rng.standard_normal((m, k)).astype(np.float32),
+        "w": (rng.standard_normal((k, n)) / 4).astype(np.float32),
+        "scale": np.float32(200.0),
+        "w2": round_fp8(rng.standard_normal((n, p)) / 6, "e4m3").astype(np.float32),
+    }
+    cots = {"out": rng.standard_normal((m, p)).astype(np.float32), "amax": np.float32(0.0)}
+    fwd = d.forward.run(ins)
+    bins, bdims = block.backward_inputs(d, ins, cots, fwd, None)
+    bins["dacc2_scale"] = np.float32(3000.0)
+    ref = d.backward.run(bins, dims=bdims)
+    ref64 = d.backward.run(bins, dims=bdims, precision="f64")
+    got = d.backward.cuda(emulate=True)({key: torch.as_tensor(np.asarray(v)) for key, v in bins.items()})
+    for key, dt in (("dx", "bf16"), ("dw", "bf16"), ("dw2", "bf16"), ("dacc2_amax", "f32")):
+        assert mismatch(key, got[key], ref[key], ref64[key], dtype=dt) is None, mismatch(
+            key, got[key], ref[key], ref64[key], dtype=dt
+        )
+
+
+def test_fp8_cotangent_with_a_bf16_operand_is_refused(tmp_path: Path) -> None:
+    """A stage multiplying e4m3 by bf16: its wgrad would multiply the e5m2 cotangent with bf16 `x`,
+    which fp8 kernels don't run: E0602 at the stage, naming the operand and the two ways out; without
+    --fp8-grads the block derives as before; through autograd fp8_grads= is a ValueError."""
+    src = tmp_path / "mixed.coda"
+    src.write_text(
+        "dims M, K, N\nblock mixed(x: bf16[M, K], w: e4m3[K, N]) -> (y: bf16[M, N]) {\n"
+        "  gemm x @ w {\n    y = acc\n  }\n}\n"
+    )
+    r = coda("grad", src, "--fp8-grads", "e5m2")
+    assert r.returncode == 1, r.stderr
+    assert "error[E0602]" in r.stderr and f"--> {src}:3:3" in r.stderr, r.stderr
+    assert "`x`" in r.stderr and "store `x` in fp8" in r.stderr and "without --fp8-grads" in r.stderr
+    assert coda("grad", src).returncode == 0
+    block = coda_lang.load(src)["mixed"]
+    import coda_lang.torch as ct
+
+    fp8 = coda_lang.BackwardOptions(fp8_grads="e5m2")
+    with pytest.raises(ValueError, match="not run through torch autograd"):
+        block.cuda(emulate=True).autograd(backward=fp8)
+    with pytest.raises(ValueError, match="not run through torch autograd"):
+        ct.function(block, backward=fp8)
+    with pytest.raises(ValueError, match="fp8_grads="):
+        coda_lang.BackwardOptions(fp8_grads="e3m4")
+    with pytest.raises(ValueError, match="chunks"):
+        coda_lang.BackwardOptions(fp8_grads="e5m2", chunk=64)

@@ -36,6 +36,9 @@ class Derived:
     # every read of a forward value the derivation made, and how (State.reads); made before clean-up,
     # so some may be unused in `backward` (`saved` lists the saved tensors it does read)
     reads: tuple[Read, ...] = ()
+    # fp8 cotangents (BackwardOptions.fp8_grads): each scale (a scalar input of the backward) -> the
+    # output holding this step's amax of the cotangent it scales (for the next step's scale)
+    scales: dict[str, str] = field(default_factory=dict)
 
 
 def _kind(t: Type) -> str:
@@ -142,8 +145,9 @@ def bytes_per_row(types: list[Type]) -> str:
 
 def assemble(s: State, grads: dict[str, str], renames: dict[str, str], remat: str = DEFAULT_REMAT) -> Derived:
     f = s.fwd.block
-    keep = set(grads.values()) | set(renames) | set(s.ct)
-    body = dce(cse(s.body, keep), set(grads.values()) | set(renames))
+    amaxes = set(s.scales.values())
+    keep = set(grads.values()) | set(renames) | set(s.ct) | amaxes
+    body = dce(cse(s.body, keep), set(grads.values()) | set(renames) | amaxes)
     body = rename(body, renames)
     body = rename(body, {k: v for k, v in s.cosmetic.items() if k not in renames})
     alive = {(st.span, st.is_gemm) for st in body if isinstance(st, Stage)}
@@ -159,6 +163,9 @@ def assemble(s: State, grads: dict[str, str], renames: dict[str, str], remat: st
         t = s.fwd.params[name].var.type
         assert t is not None
         outputs.append(Output(g, Type(cotangent_dtype(t.dtype), t.shape, _kind(t)), s.fwd.params[name].span))
+    scales = {k: v for k, v in s.scales.items() if k in used}
+    for amax in scales.values():
+        outputs.append(Output(amax, Type("f32", (), SCALAR), f.span))
     dims = tuple(d for d in f.dims if d.name in _used_dims(params, outputs, body))
     notes = [
         f"backward of `{f.name}`, derived by `coda grad`",
@@ -173,9 +180,16 @@ def assemble(s: State, grads: dict[str, str], renames: dict[str, str], remat: st
             "saved bytes per row: "
             + ", ".join(f"{n} {bytes_per_row([s.types[n]]).removesuffix(' bytes')}" for n in saved),
         )
+    if scales:
+        notes.append(
+            f"fp8 cotangents (fp8_grads={s.fp8_grads}, straight-through): "
+            + ", ".join(f"scale {k} in, amax {v} out" for k, v in scales.items())
+        )
     notes += [f"note: {r}" for r in report]
     bwd = Block(f"{f.name}_bwd", dims, tuple(params), tuple(outputs), tuple(body), f.span, tuple(notes))
-    return Derived(extend_forward(s, saved), bwd, saved, dict(s.cotangents), grads, report, tuple(s.reads))
+    return Derived(
+        extend_forward(s, saved), bwd, saved, dict(s.cotangents), grads, report, tuple(s.reads), scales
+    )
 
 
 def policy_text(s: State, remat: str) -> str:

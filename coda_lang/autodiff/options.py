@@ -11,7 +11,12 @@ argument or its keyword shorthands (`Block.vjp`, `Block.grad`, `coda_lang.torch.
 - `budget`: bytes of that transient for "auto" (default 256 MiB); a budget alone means "auto";
 - `chunk_dim`: the dim to chunk ("M" for the rows, "V" for a vocabulary's columns); alone it means
   "auto"; by default the forward's row dim for a number, and the dim whose run holds the least
-  memory for "auto" (docs/design.md, "Chunked backward").
+  memory for "auto" (docs/design.md, "Chunked backward");
+- `fp8_grads`: None (cotangents in bf16), or "e5m2" / "e4m3": the cotangent of the acc of each GEMM
+  stage with an fp8 operand is quantized to that dtype with a delayed per-tensor scale, an input
+  of the backward (`dacc<k>_scale`), before its dgrad and wgrad GEMMs, which multiply their acc by
+  the inverse scale; the backward also returns the cotangent's amax for the next step
+  (`dacc<k>_amax`) (docs/design.md, "The fp8 backward").
 What it does not: decide whether a block's backward can run in chunks of a dim (chunk.py: CodaError
 E0809 when it can't, a property of the program).
 Invariants: a mistake in an argument is a TypeError (a value of the wrong type) or a ValueError (a
@@ -27,6 +32,7 @@ from typing import Any
 
 from coda_lang.ir.nodes import DEFAULT_REMAT, REMAT
 
+FP8_GRADS = ("e5m2", "e4m3")  # what fp8_grads= takes besides None
 DEFAULT_BUDGET = 256 * 2**20  # bytes of the largest transient of one chunk, for chunk="auto"
 
 _UNSET: Any = None  # a keyword shorthand not given (None is also "not given" for each of them)
@@ -49,6 +55,7 @@ class BackwardOptions:
     chunk: int | str | None = None
     budget: int | None = None
     chunk_dim: str | None = None
+    fp8_grads: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.remat, str):
@@ -82,6 +89,18 @@ class BackwardOptions:
                 f'chunk_dim= is {self.chunk_dim!r}; it takes the name of a dim (a str), e.g. chunk_dim="V"'
             )
 
+        if self.fp8_grads is not None:
+            if self.fp8_grads not in FP8_GRADS:
+                raise (ValueError if isinstance(self.fp8_grads, str) else TypeError)(
+                    f"fp8_grads= is {self.fp8_grads!r}; it takes None (bf16 cotangents), "
+                    f"{' or '.join(map(repr, FP8_GRADS))} (cotangents quantized with a delayed per-tensor scale)"
+                )
+            if self.chunked:
+                raise ValueError(
+                    "fp8_grads= and chunked backwards both given; a backward with fp8 cotangents does not "
+                    "run in chunks yet (run it unchunked)"
+                )
+
     @classmethod
     def of(
         cls,
@@ -91,12 +110,19 @@ class BackwardOptions:
         chunk: int | str | None = _UNSET,
         budget: int | None = _UNSET,
         chunk_dim: str | None = _UNSET,
+        fp8_grads: str | None = _UNSET,
     ) -> BackwardOptions:
         """The options of a call: `options` (a `backward=` argument) or the keyword shorthands, not both
         (TypeError); `BackwardOptions()` when neither is given."""
         given: dict[str, Any] = {
             k: v
-            for k, v in (("remat", remat), ("chunk", chunk), ("budget", budget), ("chunk_dim", chunk_dim))
+            for k, v in (
+                ("remat", remat),
+                ("chunk", chunk),
+                ("budget", budget),
+                ("chunk_dim", chunk_dim),
+                ("fp8_grads", fp8_grads),
+            )
             if v is not None
         }
         if options is None:
@@ -143,4 +169,6 @@ class BackwardOptions:
                 parts.append(f"budget={self.budget}")
             if self.chunk_dim is not None:
                 parts.append(f"chunk_dim={self.chunk_dim}")
+        if self.fp8_grads is not None:
+            parts.append(f"fp8_grads={self.fp8_grads}")
         return ", ".join(parts)

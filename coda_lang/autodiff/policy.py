@@ -44,11 +44,16 @@ Bytes = dict[str | None, Fraction]
 
 
 def derive(
-    block: Block, plan: BlockPlan, wrt: list[str] | None = None, remat: str = DEFAULT_REMAT
+    block: Block,
+    plan: BlockPlan,
+    wrt: list[str] | None = None,
+    remat: str = DEFAULT_REMAT,
+    fp8_grads: str | None = None,
 ) -> Derived:
-    """The backward of `block` under the saved-tensor policy `remat` (see the module docstring)."""
+    """The backward of `block` under the saved-tensor policy `remat` (see the module docstring), its
+    fp8 stages' cotangents quantized to `fp8_grads` (reverse.py, `Reverse.quantizes`) where given."""
     policies = stage_policies(block, remat)
-    d = derive_with(block, plan, wrt, remat)
+    d = derive_with(block, plan, wrt, remat, fp8_grads=fp8_grads)
     if all(p == "save" for p in policies):
         return d
     fstage = {v.name: k for k, st in enumerate(block.stages) for e in st.body for v in e.outs}
@@ -78,7 +83,7 @@ def derive(
         where = f"`{name}` (line {fdef[name].span.line})"
         before = _held(d)
         try:
-            trial = derive_with(block, plan, wrt, remat, frozenset(made) | {name})
+            trial = derive_with(block, plan, wrt, remat, frozenset(made) | {name}, fp8_grads)
         except AutodiffError as e:
             lines.append(f"{where} stays saved: stage {k + 1}'s backward can't recompute it ({e.message})")
             continue

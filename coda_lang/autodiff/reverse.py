@@ -38,7 +38,7 @@ from coda_lang.autodiff.site import Host, Site
 from coda_lang.autodiff.state import State
 from coda_lang.frontend.verify.plan import BlockPlan
 from coda_lang.ir.nodes import DEFAULT_REMAT, REMAT, Atom, Block, Eqn, Stage, Var
-from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type, cotangent_dtype
+from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type, cotangent_dtype, is_fp8
 from coda_lang.ops import REGISTRY, Locality, StageShape
 from coda_lang.ops.registry import repeats_in
 
@@ -58,10 +58,12 @@ class Reverse:
         wrt: list[str] | None,
         remat: str = DEFAULT_REMAT,
         make: frozenset[str] = frozenset(),
+        fp8_grads: str | None = None,
     ):
         self.policy = stage_policies(block, remat)
         self.fwd = ForwardFacts(block, plan, wrt)
         self.s = State(self.fwd)
+        self.s.fp8_grads = fp8_grads
         self.remat = remat
         # stored forward tiles that their stage's backward recomputes and stores (policy.py chooses)
         self.make = make
@@ -275,11 +277,38 @@ class Reverse:
         st = self.fwd.block.stages[c]
         dacc = self.s.dacc[c]
         assert st.a is not None and st.b is not None
+        if isinstance(dacc, Var) and dacc.name in self.s.qscale:
+            other = st.b if pos == "a" else st.a
+            self.fp8_operand(c, other, "dgrad" if pos == "a" else "wgrad")
         if pos == "a":
             b_op = self.forward_operand(st.b)
             return (dacc, b_op, False, not st.tb) if not st.ta else (b_op, dacc, st.tb, True)
         a_op = self.forward_operand(st.a)
         return (a_op, dacc, not st.ta, False) if not st.tb else (dacc, a_op, True, st.ta)
+
+    def fp8_operand(self, c: int, other: Atom, what: str) -> None:
+        """Refuse a GEMM of stage c's quantized dacc with a forward operand not stored in fp8 (E0602):
+        fp8 with bf16 is a GEMM the fp8 kernels don't run, and quantizing that operand in the
+        backward would be a separate pass (the forward's store is where it fuses)."""
+        assert isinstance(other, Var)
+        dtype = self.fwd.stored_dtype(other)
+        if is_fp8(dtype):
+            return
+        st = self.fwd.block.stages[c]
+        raise AutodiffError(
+            "E0602",
+            f"stage {c + 1}'s {what} GEMM would multiply its {self.s.fp8_grads} cotangent with `{other.name}`, "
+            f"stored in {dtype}: fp8_grads= quantizes the cotangents of stages with an fp8 operand, and "
+            "each of their backward GEMMs must have fp8 operands on both sides",
+            st.span,
+            notes=[
+                f"store `{other.name}` in fp8 where it is made (a parameter `{other.name}: e4m3[...]`, or a "
+                "tile `name: e4m3 = acc * scale` in the stage that produces it), with its scale folded "
+                "into this stage's epilogue",
+                "or derive this block without fp8_grads= (`coda grad` without --fp8-grads): its "
+                "cotangents stay bf16",
+            ],
+        )
 
     def forward_operand(self, a: Atom) -> Var:
         return self.s.read_operand(a)
@@ -297,7 +326,7 @@ class Reverse:
         st = self.fwd.block.stages[c]
         s.open_stage(self.gemm_shape(a, b, ta, tb))
         s.b.span = st.span
-        total = s.accumulate(Var("acc"), name)
+        total = s.accumulate(s.dequantize((a, b, ta, tb), Var("acc")), name)
         out = s.b.op(
             "copy", total, name=s.names.fresh(f"d{name}"), annot=None if name in self.fwd.params else "f32"
         )
@@ -322,8 +351,14 @@ class Reverse:
 
 
 def derive_with(
-    block: Block, plan: BlockPlan, wrt: list[str] | None, remat: str, make: frozenset[str] = frozenset()
+    block: Block,
+    plan: BlockPlan,
+    wrt: list[str] | None,
+    remat: str,
+    make: frozenset[str] = frozenset(),
+    fp8_grads: str | None = None,
 ) -> Derived:
     """The backward of `block` under policy `remat` (stage reruns: Reverse.recompute_host), with the
-    tiles `make` recomputed and stored by their stage's backward (policy.py chooses them)."""
-    return Reverse(block, plan, wrt, remat, make).run()
+    tiles `make` recomputed and stored by their stage's backward (policy.py chooses them), and the
+    cotangents of its fp8 stages quantized to `fp8_grads` where given (`Reverse.quantizes`)."""
+    return Reverse(block, plan, wrt, remat, make, fp8_grads).run()

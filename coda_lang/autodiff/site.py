@@ -99,7 +99,7 @@ class Site:
                 for p in s.take_cotangents(v.name):
                     self.seed(v.name, p)
         if self.host is not None and self.host.tile is not None:
-            self.seed(self.host.tile, Var("acc"))
+            self.seed(self.host.tile, s.dequantize(self.host.gemm, Var("acc")))
         for e in reversed(st.body):
             if any(v.name in self.local_vec for v in e.outs):
                 continue
@@ -435,11 +435,25 @@ class Site:
         stored: Atom | None = None  # the matrix stored as dacc
         aliases: list[tuple[str, Atom]] = []
         od = fwd.operand_dtype(self.k) if st.is_gemm else None
+        amax_of: tuple[Var, str, Dim] | None = None  # a quantized dacc's amax: (partial, output, rows)
         if got is not None and st.is_gemm:
             assert st.acc is not None and st.acc.type is not None
             dacc = self.fill(got[0], st.acc.type)
             bt = s.types.get(dacc.name) if isinstance(dacc, Var) else None
-            if (
+            if s.quantizes(self.k):
+                # straight-through quantization of the cotangent (BackwardOptions.fp8_grads): stored
+                # scaled and saturated in fp8, as the forward's stores; its amax, for the next step
+                assert s.fp8_grads is not None
+                scale, amax = s.grad_scale(self.k)
+                out = b.op(
+                    "copy", b.mul(dacc, scale), name=s.names.fresh(f"dacc{self.k + 1}"), annot=s.fp8_grads
+                )
+                stored = Var(out.name)  # (no dacc_src: a gradient equal to dacc is not this tile)
+                s.qscale[out.name] = scale.name
+                cols = st.acc.type.shape[1]
+                amax_part = b.op("reduce_max", b.op("abs", dacc), over=cols)
+                amax_of = (amax_part, amax, st.acc.type.shape[0])
+            elif (
                 isinstance(dacc, Var)
                 and dacc.name not in b.local
                 and bt is not None
@@ -510,6 +524,10 @@ class Site:
                     f"of {what or 'its outputs'}, so its backward runs as an elementwise stage",
                 )
         with s.between_stages():
+            if amax_of is not None:
+                amax_part, amax, rows = amax_of
+                b.span = st.span
+                b.op("copy", b.op("reduce_max", amax_part, over=rows), name=amax)
             for name, f in later:
                 s.add_cotangent(name, f(b))
             for name, same in aliases:

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 from coda_lang.autodiff.builder import Builder, Names
 from coda_lang.autodiff.forward import ForwardFacts
-from coda_lang.ir.nodes import Atom, Eqn, Param, Span, Stmt, Var
-from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type, is_float
+from coda_lang.ir.nodes import Atom, Eqn, Lit, Param, Span, Stmt, Var
+from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type, is_float, is_fp8
 from coda_lang.ops import StageShape
 
 PARAM = "param"  # a forward parameter, passed to the backward too
@@ -79,6 +79,12 @@ class State:
         # (remat in an epilogue): read instead of a saved copy by whatever runs after that stage
         self.made: dict[str, str] = {}
         self.made_dtype: dict[str, str] = {}  # such a matrix -> its storage dtype (the forward's)
+        # fp8 cotangents (BackwardOptions.fp8_grads): the dtype a quantized dacc is stored in; each
+        # quantized dacc matrix -> its scale (an input of the backward); each scale -> the output
+        # holding this step's amax of the cotangent it scales
+        self.fp8_grads: str | None = None
+        self.qscale: dict[str, str] = {}
+        self.scales: dict[str, str] = {}
 
     # ------------------------------------------------------------------ names and parameters
 
@@ -282,6 +288,34 @@ class State:
             and total.name not in self.cosmetic
         ):
             self.cosmetic[total.name] = self.names.fresh(f"d{name}")
+
+    def quantizes(self, k: int) -> bool:
+        """Whether forward stage k's dacc is stored in fp8: `fp8_grads` is given and one of the stage's
+        GEMM operands is fp8 (its dgrad and wgrad GEMMs then multiply fp8 by fp8)."""
+        st = self.fwd.block.stages[k]
+        return (
+            self.fp8_grads is not None
+            and st.is_gemm
+            and any(is_fp8(self.fwd.stored_dtype(x)) for x in (st.a, st.b))
+        )
+
+    def grad_scale(self, k: int) -> tuple[Var, str]:
+        """(The scale of forward stage k's quantized dacc, a scalar input of the backward; the name of
+        the output holding this step's amax of that cotangent, unscaled)."""
+        name = self.names.fresh(f"dacc{k + 1}_scale")
+        amax = self.names.fresh(f"dacc{k + 1}_amax")
+        self.scales[name] = amax
+        return self._param(name, Type("f32", (), SCALAR)), amax
+
+    def dequantize(self, gemm: tuple[Atom, Atom, bool, bool], acc: Atom) -> Atom:
+        """`acc`, the accumulator of a GEMM on operands `gemm` (in the stage being built), as the
+        cotangent product it stands for: times the inverse scale of the quantized dacc it reads, if any
+        (one multiply in the epilogue, as the forward folds its own inverse scale)."""
+        for x in (gemm[0], gemm[1]):
+            if isinstance(x, Var) and x.name in self.qscale:
+                inv = self.b.div(Lit(1.0, "f32"), Var(self.qscale[x.name]))  # hoisted: a scalar
+                return self.b.mul(acc, inv)
+        return acc
 
     def set_dacc(self, k: int, dacc: Atom) -> None:
         """The cotangent of forward stage k's acc: a matrix of its GEMM operands' dtype."""

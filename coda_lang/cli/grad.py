@@ -59,6 +59,16 @@ def add_parser(sub: Any) -> None:
         'from the f32 acc). remat="..." on a gemm stage overrides it for that stage. The printed header '
         "lists each saved tensor with its bytes per row and says why each value is recomputed",
     )
+    g.add_argument(
+        "--fp8-grads",
+        choices=("e5m2", "e4m3"),
+        help="quantize the cotangent (dacc) of each GEMM stage with an fp8 operand to this dtype before "
+        "its dgrad and wgrad GEMMs (straight-through, scaled and saturating as the forward's stores), "
+        "with a delayed per-tensor scale: the backward takes `dacc<k>_scale: f32` as an input, "
+        "multiplies the GEMMs' acc by its inverse, and returns this step's amax of the cotangent as "
+        '`dacc<k>_amax` (docs/design.md, "The fp8 backward"). A backward GEMM of such a cotangent and '
+        "an operand not stored in fp8 is refused (E0602)",
+    )
     g.add_argument("--error-format", choices=("human", "short"), default="human")
     g.set_defaults(run=run)
 
@@ -73,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     options = parse_backward(args.remat)
     if not isinstance(options, BackwardOptions):
         return options
+    options = options.with_(fp8_grads=args.fp8_grads)
     wrt = [w.strip() for w in args.wrt.split(",") if w.strip()] if args.wrt else None
     try:
         d = block.derivation(wrt, backward=options)

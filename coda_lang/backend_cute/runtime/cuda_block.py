@@ -372,4 +372,10 @@ class CudaBlock:
         backward"). CodaError (E07) when a stage of either can't run on the GPU yet, E0809 for a
         backward that can't run in chunks; TypeError or ValueError for a bad argument."""
         options = BackwardOptions.of(backward, remat=remat, chunk=chunk, budget=budget, chunk_dim=chunk_dim)
+        if options.fp8_grads is not None:
+            raise ValueError(
+                "fp8_grads= is not run through torch autograd yet (the backward's cotangent scales and "
+                "amaxes have no place in autograd's signature); run the derived backward block "
+                "(Block.derivation(backward=...).backward) or Block.vjp(..., fp8_grads=, scales=)"
+            )
         return CudaFunction(self, wrt, tile if tile is not None else self.tile, options)
