@@ -704,7 +704,7 @@ def test_fp8_cotangents_exact_and_emulated() -> None:
         "x": rng.standard_normal((m, k)).astype(np.float32),
         "w": (rng.standard_normal((k, n)) / 4).astype(np.float32),
         "scale": np.float32(200.0),
-        "w2": round_fp8(rng.standard_normal((n, p)) / 6, "e4m3").astype(np.float32),
+        "w2": round_fp8(rng.standard_normal((p, n)) / 6, "e4m3").astype(np.float32),
     }
     cots = {"out": rng.standard_normal((m, p)).astype(np.float32), "amax": np.float32(0.0)}
     fwd = d.forward.run(ins)
