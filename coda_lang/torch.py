@@ -26,11 +26,13 @@ import torch
 from coda_lang.api import Block, load
 from coda_lang.autodiff.chunk import candidate_plans
 from coda_lang.autodiff.options import BackwardOptions
+from coda_lang.backend_cute.runtime.grad_scales import DelayedScaling, check_grad_scales
 from coda_lang.backend_cute.runtime.tiles import precompile as compile_blocks
 
 __all__ = [
     "BlockFunction",
     "BlockModule",
+    "DelayedScaling",
     "LlamaMLP",
     "compile_together",
     "function",
@@ -76,6 +78,10 @@ class BlockFunction:
     backward"), so that a loss head's [rows, V] dlogits is never whole; gradients summed over the
     chunked dim accumulate in f32. `chunk_dim`: that dim's name ("M", "V"); by default the forward's
     row dim for a number, and for "auto" the dim whose run holds the least memory (V for an LM head).
+    `grad_scales`: with `BackwardOptions(fp8_grads=...)`, the `DelayedScaling` keeping the delayed
+    scales of the backward's fp8 cotangents (required then); each backward runs at its current scales
+    and records its amaxes, which set the next step's (docs/design.md, "The fp8 backward"). A call may
+    pass its own (`f(..., grad_scales=s)`): one per call site when one function serves several layers.
     """
 
     def __init__(
@@ -90,22 +96,20 @@ class BlockFunction:
         chunk: int | str | None = None,
         budget: int | None = None,
         chunk_dim: str | None = None,
+        grad_scales: DelayedScaling | None = None,
     ):
         self.options = BackwardOptions.of(
             backward, remat=remat, chunk=chunk, budget=budget, chunk_dim=chunk_dim
         )
-        if self.options.fp8_grads is not None:
-            raise ValueError(
-                "fp8_grads= is not run through torch autograd yet (the backward's cotangent scales and "
-                "amaxes have no place in autograd's signature); run the derived backward block "
-                "(Block.derivation(backward=...).backward) or Block.vjp(..., fp8_grads=, scales=)"
-            )
         self.block, self.wrt, self.tile, self.dims = block, wrt, tile, dims
         self.remat = self.options.remat
         self._fns: dict[bool, Any] = {}  # emulate? -> CudaFunction
         # functions whose kernels compile with this one's, at the first call of any (compile_together)
         self._together: list[BlockFunction] = [self]
-        block.derivation(wrt, self.remat)  # derive now: an error shows when the function is made
+        # derive now: an error shows when the function is made
+        d = block.derivation(wrt, backward=self.options.with_(chunk=None, budget=None, chunk_dim=None))
+        # fp8 cotangents: their delayed scales (required then), bound to this backward's scale names
+        self.grad_scales = check_grad_scales(grad_scales, self.options, d, block.name)
         if self.options.chunked:  # and a backward that can't run in chunks is refused now
             candidate_plans(block, wrt, self.options)
 
@@ -120,7 +124,9 @@ class BlockFunction:
         fn = self._fns.get(emulate)
         if fn is None:
             cb = self.block.cuda(tile=self.tile, dims=self.dims, emulate=emulate)
-            fn = self._fns[emulate] = cb.autograd(self.wrt, backward=self.options)
+            fn = self._fns[emulate] = cb.autograd(
+                self.wrt, backward=self.options, grad_scales=self.grad_scales
+            )
         return fn
 
     def _fn(self, emulate: bool) -> Any:
@@ -142,13 +148,21 @@ class BlockFunction:
         return [fn.forward, fn.backward, *fn.chunked_blocks.values()]
 
     def __call__(
-        self, inputs: dict[str, Any] | None = None, /, *, dims: dict[str, int] | None = None, **tensors: Any
+        self,
+        inputs: dict[str, Any] | None = None,
+        /,
+        *,
+        dims: dict[str, int] | None = None,
+        grad_scales: DelayedScaling | None = None,
+        **tensors: Any,
     ) -> dict[str, torch.Tensor]:
         given = {**(inputs or {}), **tensors}
         device = next((v.device for v in given.values() if isinstance(v, torch.Tensor)), None)
         if device is None:
             raise ValueError(f"block {self.name}: no torch tensor among the inputs")
-        return self._fn(not uses_kernels(device))(given, dims=dims)
+        return self._fn(not uses_kernels(device))(
+            given, dims=dims, grad_scales=grad_scales if grad_scales is not None else self.grad_scales
+        )
 
     def forward_backward(
         self,
@@ -189,10 +203,12 @@ def function(
     chunk: int | str | None = None,
     budget: int | None = None,
     chunk_dim: str | None = None,
+    grad_scales: DelayedScaling | None = None,
 ) -> BlockFunction:
     """`block` (a Block, or .coda source text or a path; `name` picks one of several blocks) as a
     differentiable torch function. The backward's options: one `BackwardOptions` (`backward=`) or its
-    fields as keywords (`remat=`, `chunk=`, `budget=`, `chunk_dim=`). See `BlockFunction`."""
+    fields as keywords (`remat=`, `chunk=`, `budget=`, `chunk_dim=`). `grad_scales`: the
+    `DelayedScaling` of a backward with fp8 cotangents. See `BlockFunction`."""
     return BlockFunction(
         _as_block(block, name),
         wrt=wrt,
@@ -203,6 +219,7 @@ def function(
         chunk=chunk,
         budget=budget,
         chunk_dim=chunk_dim,
+        grad_scales=grad_scales,
     )
 
 
@@ -252,6 +269,7 @@ class BlockModule(torch.nn.Module):
 
     `params`: {input name: initial tensor}; each becomes an `nn.Parameter` of that name. `forward(**x)`
     takes the block's other inputs and returns its outputs by name (a dict), or the only output.
+    `grad_scales`: the `DelayedScaling` of a backward with fp8 cotangents (one per module).
     """
 
     def __init__(
@@ -266,6 +284,7 @@ class BlockModule(torch.nn.Module):
         chunk: int | str | None = None,
         budget: int | None = None,
         chunk_dim: str | None = None,
+        grad_scales: DelayedScaling | None = None,
     ):
         super().__init__()
         self.fn = function(
@@ -277,6 +296,7 @@ class BlockModule(torch.nn.Module):
             chunk=chunk,
             budget=budget,
             chunk_dim=chunk_dim,
+            grad_scales=grad_scales,
         )
         names = {p.var.name for p in self.fn.block.ir.params}
         for k, v in params.items():

@@ -25,6 +25,7 @@ import torch
 from coda_lang.autodiff.chunk import ChunkPlan, candidate_plans, choose, row_dim
 from coda_lang.autodiff.chunk_run import ChunkResults, chunk_at, chunk_inputs, join_part, run_chunks
 from coda_lang.autodiff.options import BackwardOptions
+from coda_lang.backend_cute.runtime.grad_scales import DelayedScaling, check_grad_scales
 from coda_lang.backend_cute.runtime.launch import TORCH_DTYPES
 from coda_lang.core.diagnostics import CodaError, Diagnostic, error, with_sources
 from coda_lang.interp.inputs import given_dims
@@ -71,11 +72,20 @@ class CudaFunction:
     """`CudaBlock.autograd()`: call with the block's inputs by name; returns the outputs by name, which
     torch.autograd differentiates through the derived backward block's kernels."""
 
-    def __init__(self, cb: CudaBlock, wrt: list[str] | None, tile: Any, options: BackwardOptions):
+    def __init__(
+        self,
+        cb: CudaBlock,
+        wrt: list[str] | None,
+        tile: Any,
+        options: BackwardOptions,
+        grad_scales: DelayedScaling | None = None,
+    ):
         if isinstance(tile, dict):
             raise TypeError("autograd() takes one tile for every stage (or None), not a dict")
-        d = cb.block.derivation(wrt, options.remat)
+        d = cb.block.derivation(wrt, backward=options)
         self.derivation = d
+        # fp8 cotangents: the delayed scales of the call site a call names, else these
+        self.grad_scales = check_grad_scales(grad_scales, options, d, cb.name)
         try:
             self.forward = cb.sibling(d.forward, tile)
         except CodaError as e:
@@ -120,15 +130,29 @@ class CudaFunction:
         self.backward_dims = frozenset(x.name for x in d.backward.ir.dims)
 
     def __call__(
-        self, inputs: dict[str, Any] | None = None, /, *, dims: dict[str, int] | None = None, **tensors: Any
+        self,
+        inputs: dict[str, Any] | None = None,
+        /,
+        *,
+        dims: dict[str, int] | None = None,
+        grad_scales: DelayedScaling | None = None,
+        **tensors: Any,
     ) -> dict[str, torch.Tensor]:
         """`dims`: sizes of the block's dims that no input's shape gives (with the CudaBlock's own);
-        the backward block runs at the dims of the forward's run."""
+        the backward block runs at the dims of the forward's run. `grad_scales`: with fp8 cotangents,
+        the delayed scales of this call site (default: the function's own), which its backward reads
+        and updates."""
         given = {**(inputs or {}), **tensors}
         self._known(given)
         names = tuple(n for n in self.params if n in given)
         sizes = tuple(sorted({**self.dims, **given_dims(self.ir, dims)}.items()))
-        outs = _CodaAutograd.apply(self, names, sizes, *[given[n] for n in names])
+        state = check_grad_scales(
+            grad_scales if grad_scales is not None else self.grad_scales,
+            self.options,
+            self.derivation,
+            self.forward.name,
+        )
+        outs = _CodaAutograd.apply(self, names, sizes, state, *[given[n] for n in names])
         return dict(zip(self.outputs, outs, strict=True))
 
     def forward_backward(
@@ -303,7 +327,12 @@ def _unrounded(total: torch.Tensor, dtype: str) -> torch.Tensor:
 class _CodaAutograd(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, fn: CudaFunction, names: tuple[str, ...], sizes: tuple[tuple[str, int], ...], *vals: Any
+        ctx: Any,
+        fn: CudaFunction,
+        names: tuple[str, ...],
+        sizes: tuple[tuple[str, int], ...],
+        grad_scales: DelayedScaling | None,
+        *vals: Any,
     ) -> tuple[torch.Tensor, ...]:
         inputs = dict(zip(names, vals, strict=True))
         res, _, dims = fn.forward._call(inputs, {k: v for k, v in sizes if k in fn.forward_dims})
@@ -312,6 +341,7 @@ class _CodaAutograd(torch.autograd.Function):
         tensor_names = [n for n, v in keep.items() if isinstance(v, torch.Tensor)]
         ctx.save_for_backward(*[keep[n] for n in tensor_names])
         ctx.fn, ctx.names, ctx.tensor_names = fn, names, tensor_names
+        ctx.grad_scales = grad_scales
         ctx.others = {n: v for n, v in keep.items() if not isinstance(v, torch.Tensor)}
         ctx.in_dtypes = [v.dtype if isinstance(v, torch.Tensor) else None for v in vals]
         # Each output is a tensor object of its own (detach: no copy). Under torch.compile, PyTorch 2.11
@@ -363,13 +393,47 @@ class _CodaAutograd(torch.autograd.Function):
                     g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
                 )
         ctx.consumed = bool(ctx.consumable) and not fn.chunk_plans  # a chunked run overwrites nothing
-        grads_out = fn.run_backward(bins, ctx.dims, ctx.consumable)
-        result: list[Any] = [None, None, None]
+        if ctx.grad_scales is None:
+            grads_out = fn.run_backward(bins, ctx.dims, ctx.consumable)
+        else:
+            grads_out = _fp8_backward(fn, ctx.grad_scales, bins, ctx.dims, ctx.consumable)
+        result: list[Any] = [None, None, None, None]
         for i, name in enumerate(ctx.names):
             g = d.grads.get(name)
-            if g is None or not ctx.needs_input_grad[i + 3]:
+            if g is None or not ctx.needs_input_grad[i + 4]:
                 result.append(None)
             else:
                 # in the input's dtype, as autograd needs (an fp8 input's gradient saturates)
                 result.append(torch_store(grads_out[g], ctx.in_dtypes[i]))
         return tuple(result)
+
+
+def _fp8_backward(
+    fn: CudaFunction,
+    state: DelayedScaling,
+    bins: dict[str, Any],
+    dims: dict[str, int],
+    consume: frozenset[str] | None,
+) -> dict[str, Any]:
+    """The backward with fp8 cotangents: run at the state's scales, its amaxes recorded (the next
+    step's scales set by the state's rule). The first backward of initial="calibrate" runs again, its
+    saved tensors kept, until the scales it ran at are the rule applied to its own amaxes (at most one
+    run more than there are scales: each cotangent's amax depends only on the scales before it)."""
+    d = fn.derivation
+    device = next((v.device for v in bins.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    scales = state.scales_for(device)
+    if not state.calibrating:
+        out = fn.run_backward({**bins, **scales}, dims, consume)
+    else:
+        for _ in range(len(d.scales) + 1):
+            out = fn.run_backward({**bins, **scales}, dims, None)
+            amaxes = {s: out[a] for s, a in d.scales.items()}
+            nxt = state.next_scales(amaxes, scales)
+            if all(torch.equal(nxt[s], scales[s]) for s in d.scales):
+                break
+            scales = nxt
+        else:  # (not reached: the last run's scales are each the rule of amaxes that depend on no later one)
+            raise RuntimeError(f"block {fn.forward.name}: the fp8 cotangent scales did not settle")
+        state.scales = scales
+    state.record({s: out[a] for s, a in d.scales.items()})
+    return out

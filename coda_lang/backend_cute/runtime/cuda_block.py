@@ -35,6 +35,7 @@ from coda_lang.backend_cute.plan.planner import plan_stage
 from coda_lang.backend_cute.plan.spec import StageSpec, dim_operand
 from coda_lang.backend_cute.runtime.autograd import CudaFunction
 from coda_lang.backend_cute.runtime.binding import Binder
+from coda_lang.backend_cute.runtime.grad_scales import DelayedScaling
 from coda_lang.backend_cute.runtime.launch import (
     NARROW_DTYPES,
     TORCH_DTYPES,
@@ -362,6 +363,7 @@ class CudaBlock:
         chunk: int | str | None = None,
         budget: int | None = None,
         chunk_dim: str | None = None,
+        grad_scales: DelayedScaling | None = None,
     ) -> CudaFunction:
         """A function of the block's inputs (by name) whose outputs are differentiable by torch.autograd:
         forward = the extended forward block, backward = the derived backward block, both on CUDA, at
@@ -369,13 +371,10 @@ class CudaBlock:
         block is. The backward's options are one `BackwardOptions` (`backward=`) or its fields as
         keywords (`remat=`, `chunk=`, `budget=`, `chunk_dim=`), as `Block.vjp` takes them: what the
         backward recomputes, and whether it runs in chunks of one dim (docs/design.md, "Chunked
-        backward"). CodaError (E07) when a stage of either can't run on the GPU yet, E0809 for a
-        backward that can't run in chunks; TypeError or ValueError for a bad argument."""
+        backward"). With `fp8_grads=` (the backward's cotangents in fp8), `grad_scales` is the
+        `DelayedScaling` that keeps their delayed scales (required: ValueError without it; a call may
+        name another, one per call site). CodaError (E07) when a stage of either can't run on the
+        GPU yet, E0809 for a backward that can't run in chunks; TypeError or ValueError for a bad
+        argument."""
         options = BackwardOptions.of(backward, remat=remat, chunk=chunk, budget=budget, chunk_dim=chunk_dim)
-        if options.fp8_grads is not None:
-            raise ValueError(
-                "fp8_grads= is not run through torch autograd yet (the backward's cotangent scales and "
-                "amaxes have no place in autograd's signature); run the derived backward block "
-                "(Block.derivation(backward=...).backward) or Block.vjp(..., fp8_grads=, scales=)"
-            )
-        return CudaFunction(self, wrt, tile if tile is not None else self.tile, options)
+        return CudaFunction(self, wrt, tile if tile is not None else self.tile, options, grad_scales)
