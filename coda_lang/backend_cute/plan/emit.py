@@ -28,9 +28,8 @@ from coda_lang.backend_cute.plan import names as module_names
 from coda_lang.backend_cute.plan import spec as specs
 from coda_lang.backend_cute.plan.spec import INDEX_AXIS, Group, StageSpec, describe, dim_operand
 from coda_lang.core.diagnostics import CodaError, Diagnostic, Mistake
-from coda_lang.core.numerics import fp8_max
 from coda_lang.ir.nodes import Atom, DimRef, Eqn, Lit, Var
-from coda_lang.ir.types import is_fp8
+from coda_lang.ir.types import FP8_MAX, is_fp8
 from coda_lang.ops import REGISTRY, Locality
 
 EMITTER_VERSION = "4"
@@ -127,7 +126,7 @@ class _Emitter:
         quack's store then rounds it to nearest even (`cvt.rn.satfinite.e4m3x2.f32`, which on a value
         in range only rounds). The clamp is written out rather than left to the cvt's saturation, so
         that what reaches the cvt is finite or NaN whatever the cvt does with an infinity."""
-        m = fp8_max(dtype)
+        m = FP8_MAX[dtype]
         lanes = []
         for x in self.lanes[name]:
             target = self.fresh(f"{x}_sat")
