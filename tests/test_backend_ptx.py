@@ -298,7 +298,9 @@ def test_spills_everywhere_is_e0706(cache: Path) -> None:
 def _example_stages() -> list[tuple[str, str, int]]:
     """(example, "forward" | "backward", stage) for every GEMM stage of every example's extended forward
     (what autograd runs: the forward plus the tiles it saves) and derived backward. Not the fp8 ones:
-    the kernels refuse fp8 yet (E0702, tests/test_fp8.py)."""
+    their fp8 stages (stores, fp8_delayed's e4m3 GEMM) compile in tests/test_fp8_kernels.py;
+    fp8_delayed's backward multiplies bf16 cotangents by e4m3 values (E0702), and fp8_blockwise has no
+    backward."""
     out = []
     for path in sorted((ROOT / "examples").glob("*.coda")):
         if path.stem in QUANTIZED_EXAMPLES:

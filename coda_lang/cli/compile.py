@@ -9,7 +9,7 @@ from typing import Any
 
 from coda_lang.api import Block
 from coda_lang.backend_cute.build.compile import compile_spec
-from coda_lang.backend_cute.build.config import CANDIDATES, TileConfig
+from coda_lang.backend_cute.build.config import TileConfig, candidates_for
 from coda_lang.backend_cute.build.ptxas import BackendUnavailable
 from coda_lang.backend_cute.plan.emit import emit_stage
 from coda_lang.backend_cute.plan.planner import plan_stage
@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
                 requests.append(
                     parallel.Request(spec, (fixed,))
                     if fixed
-                    else parallel.Request(spec, CANDIDATES, first=True)
+                    else parallel.Request(spec, candidates_for(spec), first=True)
                 )
         try:
             built = parallel.warm(requests, jobs=jobs, quiet=args.quiet).built

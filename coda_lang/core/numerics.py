@@ -42,9 +42,14 @@ def compute_dtype(dtype: str, precision: str) -> np.dtype[Any]:
     return STORAGE[dtype]
 
 
+def fp8_max(dtype: str) -> float:
+    """The largest finite value of the fp8 dtype `dtype`: 448 (e4m3), 57344 (e5m2)."""
+    return float(ml_dtypes.finfo(STORAGE[dtype]).max)
+
+
 def saturate(x: np.ndarray, dtype: str) -> np.ndarray:
     """x clamped to the finite range of the fp8 dtype `dtype` (infinities too; NaN stays NaN)."""
-    m = float(ml_dtypes.finfo(STORAGE[dtype]).max)  # 448 (e4m3), 57344 (e5m2)
+    m = fp8_max(dtype)
     return np.clip(x, -m, m)
 
 

@@ -90,6 +90,33 @@ TUNE_CANDIDATES = (
     TileConfig(256, 192, 2, 1, False),
 )
 
+# A GEMM of fp8 operands accumulates in two sets of f32 registers (quack's default for 8-bit operands:
+# each K tile's WGMMA result is added into a second accumulator, so the sum keeps f32's precision,
+# which Hopper's fp8 WGMMA accumulator alone does not), twice the accumulator registers of a 16-bit
+# GEMM: quack's 128-row pingpong tiles spill from 128x128 up (512 bytes at 128x128, ptxas, sm_90a),
+# the cooperative 256x128 too. These fit (no spills with fp8_delayed's second GEMM):
+FP8_CANDIDATES = (
+    TileConfig(128, 128, 2, 1, False),
+    TileConfig(128, 96),
+    TileConfig(128, 64),
+)
+
+
+def fp8_operands(spec: StageSpec) -> bool:
+    """Whether the stage's GEMM multiplies fp8 operands (the planner compiles only both fp8)."""
+    return spec.gemm.a_dtype in ("e4m3", "e5m2") or spec.gemm.b_dtype in ("e4m3", "e5m2")
+
+
+def candidates_for(spec: StageSpec) -> tuple[TileConfig, ...]:
+    """The tiles select_config tries for this stage, in order (FP8_CANDIDATES for an fp8 GEMM)."""
+    return FP8_CANDIDATES if fp8_operands(spec) else CANDIDATES
+
+
+def tune_candidates_for(spec: StageSpec) -> tuple[TileConfig, ...]:
+    """The tiles the tuner times for this stage."""
+    return FP8_CANDIDATES if fp8_operands(spec) else TUNE_CANDIDATES
+
+
 SMALL_SPILL = 16  # bytes: configs_without_spills' fallback when every candidate spills
 
 # A paired stage (acc_pair mode: SwiGLU's half-width stores) keeps quack's epilogue subtile (32

@@ -17,13 +17,13 @@ from typing import Any
 from coda_lang.backend_cute.build import parallel
 from coda_lang.backend_cute.build.compile import CompiledStage, compile_spec
 from coda_lang.backend_cute.build.config import (
-    CANDIDATES,
     CUBLAS,
     SMALL_SPILL,
-    TUNE_CANDIDATES,
     TileConfig,
+    candidates_for,
     fits,
     is_plain,
+    tune_candidates_for,
 )
 from coda_lang.backend_cute.plan.planner import plan_stage
 from coda_lang.backend_cute.plan.spec import StageSpec
@@ -33,15 +33,18 @@ from coda_lang.core.diagnostics import CodaError, error
 def select_config(
     block: Any,
     index: int,
-    candidates: tuple[TileConfig, ...] = CANDIDATES,
+    candidates: tuple[TileConfig, ...] | None = None,
     *,
     directory: Path | None = None,
     jobs: int | None = 1,
 ) -> CompiledStage:
     """The first candidate tile whose kernel compiles and has no register spills (CodaError E0706 if
-    none; E0707 if quack refused every candidate). `jobs`: worker processes for the kernels not in the
+    none; E0707 if quack refused every candidate); `candidates`: default candidates_for(the stage).
+    `jobs`: worker processes for the kernels not in the
     cache yet (None: parallel.default_jobs; 1: compile them here, one after another)."""
     spec = plan_stage(block, index)
+    if candidates is None:
+        candidates = candidates_for(spec)
     if jobs != 1:
         parallel.warm([parallel.Request(spec, candidates, first=True)], jobs=jobs, directory=directory)
     tried: list[str] = []
@@ -73,7 +76,7 @@ def select_config(
 
 def configs_without_spills(
     spec: StageSpec,
-    candidates: tuple[TileConfig, ...] = TUNE_CANDIDATES,
+    candidates: tuple[TileConfig, ...] | None = None,
     *,
     directory: Path | None = None,
     jobs: int | None = 1,
@@ -82,7 +85,9 @@ def configs_without_spills(
     (and `CUBLAS` first for a plain stage). When every one spills, those that spill at most
     `SMALL_SPILL` bytes each way (a few words of the epilogue, e.g. the recomputed LM head's backward
     with five row vectors loaded: 4-12 bytes at 128x128 and 256x128 against 1 KB at 128x192).
-    `jobs` as select_config's."""
+    `jobs` as select_config's; `candidates`: default tune_candidates_for(spec)."""
+    if candidates is None:
+        candidates = tune_candidates_for(spec)
     if jobs != 1:
         parallel.warm([parallel.Request(spec, candidates)], jobs=jobs, directory=directory)
     out = [CUBLAS] if is_plain(spec) else []

@@ -29,6 +29,7 @@ from coda_lang.backend_cute.plan import spec as specs
 from coda_lang.backend_cute.plan.spec import INDEX_AXIS, Group, StageSpec, describe, dim_operand
 from coda_lang.core.diagnostics import CodaError, Diagnostic, Mistake
 from coda_lang.ir.nodes import Atom, DimRef, Eqn, Lit, Var
+from coda_lang.ir.types import FP8_MAX, is_fp8
 from coda_lang.ops import REGISTRY, Locality
 
 EMITTER_VERSION = "4"
@@ -119,6 +120,21 @@ class _Emitter:
             self.lines.append(f"{target} = {emit(*[self.atom(a, i) for a in e.ins], **params)}")
         self.lanes[v.name] = names
 
+    def saturate(self, name: str, dtype: str) -> None:
+        """An fp8 stored value clamped to the dtype's finite range, infinities included (NaN stays NaN:
+        the NaN-propagating max and min), as the interpreter's store does (core/numerics.round_fp8);
+        quack's store then rounds it to nearest even (`cvt.rn.satfinite.e4m3x2.f32`, which on a value
+        in range only rounds). The clamp is written out rather than left to the cvt's saturation, so
+        that what reaches the cvt is finite or NaN whatever the cvt does with an infinity."""
+        m = FP8_MAX[dtype]
+        lanes = []
+        for x in self.lanes[name]:
+            target = self.fresh(f"{x}_sat")
+            lo = f"cute.math.max({x}, {-m!r}, propagate_nan=True)"
+            self.lines.append(f"{target} = cute.math.min({lo}, {m!r}, propagate_nan=True)")
+            lanes.append(target)
+        self.lanes[name] = tuple(lanes)
+
     def lanes_of(self, a: Atom) -> tuple[str, ...]:
         if isinstance(a, Var):
             return self.lanes[a.name]
@@ -185,6 +201,7 @@ class _Emitter:
                 self.lanes[o.name] = (f"{o.py}(acc)",)
             else:
                 self.lanes[o.name] = (o.py,)
+        saturated: set[str] = set()
         for g in spec.groups:  # a value port: each element's group fold (a Pair of equal lanes when paired)
             if spec.paired:
                 l0, l1 = self.fresh(f"{g.py}_0"), self.fresh(f"{g.py}_1")
@@ -193,6 +210,10 @@ class _Emitter:
             else:
                 self.lanes[g.name] = (g.py,)
         self.equations(spec.eqns)
+        for out in ((spec.d,) if spec.d is not None else ()) + spec.outputs:
+            if is_fp8(out.dtype) and out.name not in saturated:
+                saturated.add(out.name)
+                self.saturate(out.name, out.dtype)
         body += self.lines
         ret: list[str] = []
         if spec.d is not None:

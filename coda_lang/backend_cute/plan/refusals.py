@@ -53,13 +53,15 @@ def check_gemm_stage(index: int, st: Stage, sp: StagePlan) -> None:
 
 
 def check_gemm_dtypes(ctx: StageContext, a_dtype: str, b_dtype: str) -> None:
-    """The GEMM multiplies bf16 or f16 operands of one dtype (f32 and fp8 too for the torch stand-ins,
-    fp8 beside any float as the checker allows)."""
+    """The GEMM multiplies bf16 or f16 operands of one dtype, or fp8 operands (e4m3, e5m2, mixed) that
+    are both K-major (check_fp8_gemm); f32, and fp8 beside any float as the checker allows, run on the
+    torch stand-ins only."""
     st = ctx.st
     assert isinstance(st.a, Var) and isinstance(st.b, Var)
-    for name, dt, span in ((st.a.name, a_dtype, st.a_span), (st.b.name, b_dtype, st.b_span)):
-        check_fp8(ctx, name, dt, span, "GEMM operand")
     if ctx.emulated and (is_fp8(a_dtype) or is_fp8(b_dtype)):
+        return
+    if is_fp8(a_dtype) or is_fp8(b_dtype):
+        check_fp8_gemm(ctx, a_dtype, b_dtype)
         return
     gemm_dtypes = (*GEMM_DTYPES, "f32") if ctx.emulated else GEMM_DTYPES
     for name, dt, span in ((st.a.name, a_dtype, st.a_span), (st.b.name, b_dtype, st.b_span)):
@@ -74,6 +76,70 @@ def check_gemm_dtypes(ctx: StageContext, a_dtype: str, b_dtype: str) -> None:
         raise fail(
             "E0702", f"GEMM operands are {a_dtype} and {b_dtype}; the backend needs equal dtypes", st.span
         )
+
+
+FP8_GEMM_NOTE = (
+    "quack 0.6.5's SM90 GEMM multiplies 8-bit operands (e4m3 or e5m2, either with either) only with "
+    "each other and only K-major: K is the contiguous dimension of both (Hopper's fp8 WGMMA reads no "
+    "transposed 8-bit tile from shared memory)"
+)
+
+
+def check_fp8_gemm(ctx: StageContext, a_dtype: str, b_dtype: str) -> None:
+    """An fp8 GEMM compiles where both operands are fp8 and K-major: A stored [M, K] (written `a`, not
+    `transpose(a)`), B stored [N, K] (written `transpose(b)`). Otherwise E0702 at the operand, saying
+    which layout would compile."""
+    st = ctx.st
+    assert isinstance(st.a, Var) and isinstance(st.b, Var)
+    ops = ((st.a.name, a_dtype, st.a_span, "A"), (st.b.name, b_dtype, st.b_span, "B"))
+    for name, dt, span, _ in ops:
+        if not is_fp8(dt):
+            fp8_name, fp8_dt = next((n, d) for n, d, _, _ in ops if is_fp8(d))
+            raise fail(
+                "E0702",
+                f"GEMM operand `{name}` is {dt} and `{fp8_name}` is {fp8_dt}; an fp8 GEMM needs both "
+                "operands in fp8",
+                span,
+                notes=[FP8_GEMM_NOTE],
+                help=[
+                    f"quantize `{name}` too (e4m3 with a scale folded in the epilogue), or store "
+                    f"`{fp8_name}` as {dt if dt in GEMM_DTYPES else 'bf16'}"
+                ],
+            )
+    if st.ta:
+        name = st.a.name
+        raise fail(
+            "E0702",
+            f"fp8 GEMM operand `{name}` is written `transpose({name})`: stored "
+            f"{_stored(st.a) or '[K, M]'}, its contiguous dimension is `{ctx.sp.rows}`, not K (`{ctx.sp.k}`); "
+            "the fp8 GEMM reads A K-major only",
+            st.a_span,
+            notes=[FP8_GEMM_NOTE],
+            help=[
+                f"store `{name}` as {_stored(st.a, swap=True) or '[M, K]'} (K contiguous) and write `{name}` untransposed"
+            ],
+        )
+    if not st.tb:
+        name = st.b.name
+        raise fail(
+            "E0702",
+            f"fp8 GEMM operand `{name}` is stored {_stored(st.b) or '[K, N]'}: its contiguous dimension is "
+            f"`{ctx.sp.cols}`, not K (`{ctx.sp.k}`); the fp8 GEMM reads B K-major only",
+            st.b_span,
+            notes=[FP8_GEMM_NOTE],
+            help=[
+                f"declare `{name}` as {b_dtype}{_stored(st.b, swap=True) or '[N, K]'} (K contiguous: torch's Linear "
+                f"weight layout) and write `transpose({name})`"
+            ],
+        )
+
+
+def _stored(v: Var, swap: bool = False) -> str | None:
+    """The operand's stored shape (`[K, N]`), or its transpose's with `swap`; None if unknown."""
+    t = v.type
+    if t is None or len(t.shape) != 2:
+        return None
+    return shape_str(t.shape[::-1] if swap else t.shape)
 
 
 def check_packed(ctx: StageContext, wide: list[str]) -> None:
@@ -106,7 +172,7 @@ def check_packed_cd(ctx: StageContext, operands: list[Operand], d: Output | None
                 "operand and stores one as D, two lanes per accumulator element"
             ],
         )
-    if c.dtype != d.dtype and not ctx.emulated:
+    if (c.dtype != d.dtype or d.dtype not in PACKED_DTYPES) and not ctx.emulated:
         raise fail(
             "E0702",
             f"the double-width tile `{c.name}` is {c.dtype} and the stored `{d.name}` is "
@@ -120,8 +186,9 @@ def check_packed_cd(ctx: StageContext, operands: list[Operand], d: Output | None
 
 
 def check_fp8(ctx: StageContext, name: str, dtype: str, span: Span | None, what: str) -> None:
-    """fp8 (e4m3, e5m2) runs on the torch stand-ins only (`emulate=True`, and every device but a Hopper
-    GPU): the kernels' fp8 GEMMs and quantizing epilogues are not written yet."""
+    """An fp8 (e4m3, e5m2) tile loaded into an epilogue runs on the torch stand-ins only (`emulate=True`,
+    and every device but a Hopper GPU): the kernels' fp8 loads are not written yet (an fp8 stored tile
+    is compiled: check_store; fp8 GEMM operands: check_fp8_gemm)."""
     if is_fp8(dtype) and not ctx.emulated:
         raise fail(
             "E0702",
@@ -135,8 +202,9 @@ def check_fp8(ctx: StageContext, name: str, dtype: str, span: Span | None, what:
 
 
 def check_store(ctx: StageContext, store: Store, e: Eqn) -> None:
-    """The epilogue stores f32, bf16 or f16 tiles (D or a TileStore); fp8 ones in the torch stand-ins."""
-    check_fp8(ctx, store.name, store.dtype, e.span, "stored tile")
+    """The epilogue stores f32, bf16, f16 or fp8 tiles (D or a TileStore); an fp8 one is saturated by
+    the emitted epilogue and rounded by quack's store (emit.py); where quack's store is 16-bit only
+    (a paired stage's lanes, packed mode's D) check_tile_store and check_packed_cd refuse it."""
     if store.dtype not in STORE_DTYPES and not is_fp8(store.dtype):
         raise fail(
             "E0702",
@@ -158,12 +226,18 @@ def check_tile_store(ctx: StageContext, store: Store, e: Eqn, gated: bool, split
                 "packed mode"
             ],
         )
-    if (gated or split) and store.dtype == "f32" and not ctx.emulated:
+    if (gated or split) and (store.dtype == "f32" or is_fp8(store.dtype)) and not ctx.emulated:
         what = "half-width" if gated else "full-width (stored as two half-width lanes)"
         raise fail(
             "E0702",
-            f"{what} stored tile `{store.name}` is f32; quack stores paired outputs as 16-bit values",
+            f"{what} stored tile `{store.name}` is {store.dtype}; quack stores paired outputs as 16-bit "
+            "values",
             e.span,
+            notes=[
+                "an fp8 tile is compiled where it is the stage's D or a TileStore of an element-mode stage"
+            ]
+            if is_fp8(store.dtype)
+            else [],
             help=[f"annotate it, e.g. `{store.name}: bf16 = ...`"],
         )
 

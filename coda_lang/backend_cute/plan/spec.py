@@ -21,7 +21,17 @@ from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 from coda_lang.ir.nodes import Eqn, Span
-from coda_lang.ir.types import FLOAT_DTYPES, TILE, VEC, Dim, Shape, TileConstraint, Type, shape_str
+from coda_lang.ir.types import (
+    FLOAT_DTYPES,
+    FP8_DTYPES,
+    TILE,
+    VEC,
+    Dim,
+    Shape,
+    TileConstraint,
+    Type,
+    shape_str,
+)
 from coda_lang.ops import REGISTRY
 
 # The epilogue mode of a stage (docs/backend.md, "Epilogue modes").
@@ -244,6 +254,7 @@ class StageSpec:
             and not self.groups
             and self.mode == "element"
             and self.d.dtype == self.gemm.a_dtype == self.gemm.b_dtype
+            and self.d.dtype in GEMM_DTYPES  # (an fp8 D is clamped by the emitted epilogue)
             and all(REGISTRY[e.op].copy for e in self.eqns)
         )
 
@@ -311,12 +322,14 @@ def describe(spec: StageSpec) -> list[str]:
             continue
         lines.append(f"load   {py}: {o.dtype}{shape_str(shape) if shape else ''} {o.role} ({op}{host})")
     if spec.d is not None:
-        lines.append(f"store  D = {spec.d.py}: {spec.d.dtype}{shape_str(spec.d.shape)}")
+        lines.append(
+            f"store  D = {spec.d.py}: {spec.d.dtype}{shape_str(spec.d.shape)}{_quantized(spec.d.dtype)}"
+        )
     for out in spec.outputs:
         lane = f", lane {out.lane} of {out.name}" if out.lane is not None else ""
         lines.append(
             f"store  {out.py}: {out.dtype}{shape_str(out.shape)} (TileStore{', gated' if out.gated else ''}"
-            f"{lane})"
+            f"{lane}){_quantized(out.dtype)}"
         )
     for s in spec.sinks:
         fold = {"add": "sum", "max_abs": "max of |x|"}.get(s.combine or "", s.combine)
@@ -353,6 +366,13 @@ def describe(spec: StageSpec) -> list[str]:
     for c in spec.tiling:
         lines.append(f"tiling {c}")
     return lines
+
+
+def _quantized(dtype: str) -> str:
+    """What the kernel does to a stored fp8 value (emit.py's clamp, then quack's cvt)."""
+    if dtype not in FP8_DTYPES:
+        return ""
+    return ", clamped to the dtype's range (NaN stays NaN), rounded to nearest even (cvt.rn.satfinite)"
 
 
 def plain_name(gemm: Gemm) -> str:

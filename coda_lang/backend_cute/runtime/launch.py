@@ -135,6 +135,15 @@ class StageRunner:
         A = dense(env[g.a], TORCH_DTYPES[g.a_dtype])
         B = dense(env[g.b], TORCH_DTYPES[g.b_dtype])
         ins: list[torch.Tensor | None] = [A.t() if g.ta else A, B]  # B: (k, n), or (n, k) for transpose(b)
+        k = A.shape[0] if g.ta else A.shape[1]
+        if is_fp8(g.a_dtype) and not self.emulate and isinstance(k, int) and k % 16:
+            # (the planner compiles fp8 operands K-major only: K is the rows' length of A and B)
+            raise error(
+                "E0807",
+                f"stage {spec.index} (`{spec.text}`) multiplies fp8 operands with K = {k}: the kernel's TMA "
+                "loads need rows of a multiple of 16 bytes, 16 fp8 values",
+                notes=["choose a K that is a multiple of 16; the interpreter (Block.run) takes any size"],
+            )
         scalars: list[float] = []
         n = B.shape[0] if g.tb else B.shape[1]
         for o in spec.operands:

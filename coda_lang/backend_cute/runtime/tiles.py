@@ -29,7 +29,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from coda_lang.backend_cute.build.cache import Kernel
-from coda_lang.backend_cute.build.config import CANDIDATES, TUNE_CANDIDATES, TileConfig, broken, fits, rules
+from coda_lang.backend_cute.build.config import (
+    TileConfig,
+    broken,
+    candidates_for,
+    fits,
+    rules,
+    tune_candidates_for,
+)
 from coda_lang.backend_cute.build.ptxas import BackendUnavailable
 from coda_lang.backend_cute.plan.emit import emit_stage, source_hash
 from coda_lang.backend_cute.plan.spec import StageSpec
@@ -99,7 +106,7 @@ def given_tiles(
 def choose_config(block: Any, index: int, spec: StageSpec, emulate: bool) -> TileConfig:
     """select_config's tile for a stage (cached per emitted source); without a usable ptxas, or when
     emulating, the first candidate that fits the stage's tiling constraints."""
-    candidates = tuple(c for c in CANDIDATES if fits(spec, c, emulate))
+    candidates = tuple(c for c in candidates_for(spec) if fits(spec, c, emulate))
     if not candidates:
         raise CodaError(
             [
@@ -143,7 +150,7 @@ def first_compiled(spec: StageSpec) -> TileConfig | None:
     holds without spills: a stage's tile while its other candidates still compile in the background."""
 
     source = emit_stage(spec)
-    for c in dict.fromkeys((*CANDIDATES, *TUNE_CANDIDATES)):
+    for c in dict.fromkeys((*candidates_for(spec), *tune_candidates_for(spec))):
         if fits(spec, c) and Kernel(spec, c, source=source).status() == "ok":
             return c
     return None
@@ -183,9 +190,9 @@ def precompile(
                 if not given.is_cublas:
                     requests.append(parallel.Request(spec, (given,)))
                 continue
-            requests.append(parallel.Request(spec, CANDIDATES, first=True))
+            requests.append(parallel.Request(spec, candidates_for(spec), first=True))
             if cb.tune:
-                requests.append(parallel.Request(spec, TUNE_CANDIDATES))
+                requests.append(parallel.Request(spec, tune_candidates_for(spec)))
     if not requests:
         return None
     if not find_ptxas():
