@@ -118,6 +118,14 @@ def _sizes(st: ElementwiseStage) -> dict[str, int]:
                 names.add(d.name)
     for n in names:
         sizes[n] = fixed.get(n, base.get(n, 134))
+    sizes.update(fixed)  # (a fixed dim a stage refers to: a group's HD)
+    # a grouped reduction's row holds whole groups: the stage's columns a multiple of the group (N: 272,
+    # 17 groups of 16: two chunks of 128 columns and a ragged one)
+    g = max((info["group"] for *_x, info in st.steps if info.get("group")), default=0)
+    c = st.cols
+    if g and c.name is not None and c.name not in fixed:
+        while (c.coeff * sizes[c.name]) % g:
+            sizes[c.name] += 1
     return sizes
 
 

@@ -121,8 +121,12 @@ def unsupported(st: Any) -> str | None:
         if od.locality is Locality.REDUCE:
             if _fold(op) is None:
                 return f"the reduction `{op}`"
-            if info["group"] or info["ungroup"]:
-                return "a grouped reduction"
+            if info["ungroup"]:
+                return "a reduction of a grouped value"
+            if info["group"]:
+                units = _group_units(st, info)
+                if isinstance(units, str):
+                    return units
             x = e.ins[0]
             if not (isinstance(x, Var) and x.type is not None and x.type.kind in (TILE, MATRIX)):
                 return f"`{op}` of a value that is not a tile"
@@ -144,7 +148,8 @@ def unsupported(st: Any) -> str | None:
             # generated kernel walked the stage's columns over them: a random program's min backward,
             # [M, 2*N] over [M, N] tiles, came out wrong on the H100 and on Triton's interpreter)
             return "a half-width tile in a stage that pairs no columns"
-    reduced = set(st.reductions)
+    # (a grouped reduction's value is complete within the chunk that holds its group: it may be used)
+    reduced = {n for n, g in zip(st.reductions, st.groups, strict=True) if not g}
     for e in st.stage.body:
         if REGISTRY[e.op].locality is not Locality.REDUCE and any(
             isinstance(a, Var) and a.name in reduced for a in e.ins
@@ -154,6 +159,21 @@ def unsupported(st: Any) -> str | None:
         if dtype not in _TL_DTYPES:
             return f"`{name}` stored as {dtype}"
     return None
+
+
+def _group_units(st: Any, info: dict[str, Any]) -> int | str:
+    """A grouped reduction's group as the number of adjacent column units it covers in one lane of a
+    chunk (a group of g columns of a full-width value in a stage over column pairs: g/2 pairs, in both
+    lanes), or why the generated kernel can't hold its groups whole in one chunk."""
+    g = info["group"]
+    if not info["per_row"]:
+        return "a grouped reduction over the rows"
+    units = g // 2 if _paired(st) and info["widths"][0] == (1, 1) else g
+    if _paired(st) and info["widths"][0] == (1, 1) and g % 2:
+        return f"a group of {g} columns split over column pairs"
+    if units < 1 or units & (units - 1) or units > 1024:
+        return f"a group of {g} columns (a chunk holds whole groups: a power of two, at most 1024 units)"
+    return units
 
 
 def _paired(st: Any) -> bool:
@@ -201,13 +221,14 @@ class TritonStage:
         assert why is None, why
         self.st, self.interpret = st, interpret
         self.paired = _paired(st)
-        # each reduction's (fold, over the columns of a row, of a half-width value), in output order
+        # each reduction's (fold, over the columns of a row, of a half-width value, group (0: none)), in
+        # output order
         self.reductions = [
-            (fold, bool(info["per_row"]), info["widths"][0] == (1, 2))
+            (fold, bool(info["per_row"]), info["widths"][0] == (1, 2), info["group"])
             for op, _o, _a, info in st.steps
             if (fold := _fold(op)) is not None
         ]
-        self.col_reductions = any(not per_row for _f, per_row, _h in self.reductions)
+        self.col_reductions = any(not per_row for _f, per_row, _h, _g in self.reductions)
         # program shapes measured on an H100 (the Llama layer's RoPE backward, [8192, 3072]: 1 row x
         # 128 pairs 0.068 ms, 4 x 128 0.116 ms; the last layer's norm backward with its reduction over
         # the rows, [8192, 2048]: 32 rows x 128 columns, 8 warps 0.096 ms; OLMo 2's q/k-norm and RoPE
@@ -217,11 +238,17 @@ class TritonStage:
             self.bm = self.BM
         else:
             self.bm = self.BM_PAIRED_COLUMN_REDUCTIONS if self.paired else self.BM_COLUMN_REDUCTIONS
-        self.bc = 128  # column units (pairs, or columns) per chunk
+        # a grouped reduction's groups lie whole in a chunk: chunks are a multiple of the (power of two)
+        # column units of the largest group, and start at a multiple of it
+        units = [
+            _group_units(st, info) for op, _o, _a, info in st.steps if _fold(op) is not None and info["group"]
+        ]
+        self.group_units = max([u for u in units if isinstance(u, int)], default=1)
+        self.bc = max(128, self.group_units)  # column units (pairs, or columns) per chunk
         self.num_warps = 8 if self.col_reductions else 4
         # an unpaired stage over long rows (the loss head's dlogits, [4096, 128256]) takes 1024 columns
         # at a time: 8 adjacent elements per thread, so its loads and stores are 16 bytes wide
-        self.bc_wide = 128 if self.paired or self.col_reductions else 1024
+        self.bc_wide = self.bc if self.paired or self.col_reductions else 1024
         self.dims = sorted({v for _op, _o, args, _i in st.steps for k, v in args if k == "d"})
         self._kernels: dict[tuple[bool, ...], Any] = {}
 
@@ -314,9 +341,11 @@ class TritonStage:
                 continue
             fold = _fold(op)
             if fold is not None:
-                self._reduction(
+                grouped = self._reduction(
                     fold, outs[0], info, xs[0], lanes, pre, body, post, red_args, col_index, row_len
                 )
+                if grouped is not None:
+                    vals[outs[0]] = grouped
                 continue
             triton = od.lower.triton
             assert triton is not None
@@ -391,10 +420,36 @@ class TritonStage:
         red_args: list[str],
         col_index: Any,
         row_len: Any,
-    ) -> None:
+    ) -> _Val | None:
+        """Emit reduction `out`; a grouped one's value (used in the stage) is returned."""
         ident = {"sum": "0.0", "max": "float('-inf')", "min": "float('inf')"}[fold]
         n = lanes if x.width == "full" else 1
         p = f"red_{out}"
+        if info["group"]:
+            # each group's units lie in this chunk (in each lane): fold them as [BM, BC // U, U], store
+            # one value per (row, group), and hold it at each unit of its group for what follows
+            units = _group_units(self.st, info)
+            assert isinstance(units, int)
+            ng = f"(BC // {units})"
+            parts = [
+                f"tl.reduce(tl.reshape(tl.where(m, {x.lane(lane)}, {ident}), (BM, {ng}, {units})), 2, "
+                f"{_COMBINE[fold]})"
+                for lane in range(n)
+            ]
+            acc = f"grp_{out}"
+            body.append(f"{acc} = {parts[0]}")
+            for part in parts[1:]:
+                body.append(f"{acc} = {_fold_expr(fold, acc, part)}")
+            gcols = f"(c0 // {units} + tl.arange(0, {ng}))[None, :]"
+            body.append(
+                f"tl.store({p} + roff * (CW // {units}) + {gcols}, {acc}, mask=rmask & ({gcols} < CW // {units}))"
+            )
+            held = f"held_{out}"
+            body.append(
+                f"{held} = tl.reshape(tl.broadcast_to({acc}[:, :, None], (BM, {ng}, {units})), (BM, BC))"
+            )
+            red_args.append(p)
+            return _Val("tile", x.width, (held,))
         if info["per_row"]:
             acc = f"acc_{out}"
             pre.append(f"{acc} = tl.full((BM, BC), {ident}, tl.float32)")
@@ -412,6 +467,7 @@ class TritonStage:
                     "mask=cols1 < CW)"
                 )
         red_args.append(p)
+        return None
 
     def kernel_name(self) -> str:
         st = self.st
@@ -476,15 +532,21 @@ class TritonStage:
             outs.append(buf)
         reds = [
             torch.empty(
-                rows if per_row else (nprog, cols // 2 if half else cols), dtype=torch.float32, device=device
+                (rows, (cols // 2 if half else cols) // g)
+                if g
+                else rows
+                if per_row
+                else (nprog, cols // 2 if half else cols),
+                dtype=torch.float32,
+                device=device,
             )
-            for _f, per_row, half in self.reductions
+            for _f, per_row, half, g in self.reductions
         ]
         bc = self.bc_wide if cols >= self.bc_wide else self.bc
         kern[(nprog,)](*args, *outs, *reds, rows, cols, BM=self.bm, BC=bc, num_warps=self.num_warps)
         folded = [
             r if per_row else combine_rule(fold).torch(r, 0)
-            for r, (fold, per_row, _h) in zip(reds, self.reductions, strict=True)
+            for r, (fold, per_row, _h, _g) in zip(reds, self.reductions, strict=True)
         ]
         return (*outs, *folded)
 
