@@ -10,14 +10,22 @@ once (RoPE's cos and sin) is computed once, where a kernel over the output's ele
 halves of every pair at each element (Inductor's code for such a stage on the Llama-3.2-1B layer took
 0.39-0.47 ms on an H100 against 0.065 ms for this form). Reductions over a row's columns fold in the
 program; reductions over the rows leave one partial per program, folded afterwards by the combine's
-torch rule.
-`unsupported(stage)` says why a stage can't be generated (an op without a Triton emitter, a grouped
-reduction, a vector repeating across columns, ...); such a stage keeps torch.compile. Each op's Triton
+torch rule. A grouped reduction (`sum(x * x, over=2*P, group=HD)`, a per-head sum) folds in the chunk
+that holds its groups whole (chunks are a multiple of the group's power-of-two column units, and start
+at one; in a stage over pairs a group of g columns is g/2 pairs in each lane) as [BM, BC / units,
+units], stores one value per (row, group) and is held at each of its group's columns for the rest of
+the chunk (Qwen3's per-head q/k-norm backward uses it to scale the same head). A vector that repeats
+across the columns (one head_dim vector for every head) is a loaded column vector read at each column
+modulo its length. Neither is timed on a GPU yet (Inductor's kernel for Qwen3-1.7B's q/k-norm backward
+took 0.38 ms per layer on an H100).
+`unsupported(stage)` says why a stage can't be generated (an op without a Triton emitter, a group a
+chunk can't hold whole, a reduction of a grouped value, a repeating vector that is not a loaded column
+vector, ...); such a stage keeps torch.compile. Each op's Triton
 expression comes from the op registry (`Lowerings.triton`); the helpers it may call (`_exp`, `_sin`, ...)
 are libdevice's accurate functions on the GPU and `tl`'s under Triton's CPU interpreter (`interpret=True`,
 the tests' way to run the generated kernel without a GPU).
 What it does not: fold a reduction's result back into the same stage (a reduction inside a stage is a
-partial, used only after it, as the language says), or launch when the stage is empty (no rows or no
+partial, used only after it, as the language says; a grouped one is complete in its chunk), or launch when the stage is empty (no rows or no
 columns) or its tensors are not on a CUDA device (the eager torch function runs then).
 Invariants: numerics follow the interpreter: loads widened to f32, math in f32, rounding only where a
 tile is stored (or at `cast`), division and square root IEEE-rounded; the source depends only on the
@@ -114,10 +122,17 @@ _TL_DTYPES = {
 
 def unsupported(st: Any) -> str | None:
     """Why stage `st` (an ElementwiseStage) can't be a generated Triton kernel, or None if it can."""
-    for e, (op, _outs, _args, info) in zip(st.stage.body, st.steps, strict=True):
+    for e, (op, _outs, args, info) in zip(st.stage.body, st.steps, strict=True):
         od = REGISTRY[op]
-        if info.get("cycle"):
-            return f"`{op}` reads a vector that repeats across the columns"
+        for i, _g, w in info.get("cycle", ()):
+            # (the generated kernel reads a loaded column vector at each column modulo its length)
+            a = args[i]
+            if not (
+                a[0] == "v"
+                and any(ld.name == a[1] and ld.role == "column vector" for ld in st.loads)
+                and w in ((1, 1), (1, 2) if _paired(st) else (1, 1))
+            ):
+                return f"`{op}` reads a vector that repeats across the columns"
         if od.locality is Locality.REDUCE:
             if _fold(op) is None:
                 return f"the reduction `{op}`"
@@ -140,7 +155,11 @@ def unsupported(st: Any) -> str | None:
         elif od.lower.triton is None:
             return f"`{op}` has no Triton emitter"
     paired = _paired(st)
-    for w in (*(m[2] for m in st.store_meta), *(_load_width(st, ld) for ld in st.loads)):
+    cycled = _cycled(st)
+    for w in (
+        *(m[2] for m in st.store_meta),
+        *(_load_width(st, ld) for ld in st.loads if ld.name not in cycled),
+    ):
         if w not in (None, (1, 1), (1, 2)):
             return "a tile wider than the stage"
         if w == (1, 2) and not paired:
@@ -174,6 +193,18 @@ def _group_units(st: Any, info: dict[str, Any]) -> int | str:
     if units < 1 or units & (units - 1) or units > 1024:
         return f"a group of {g} columns (a chunk holds whole groups: a power of two, at most 1024 units)"
     return units
+
+
+def _cycled(st: Any) -> set[str]:
+    """The loaded vectors read only as vectors that repeat across the columns (`info["cycle"]`)."""
+    through: set[str] = set()
+    direct: set[str] = set()
+    for _op, _o, args, info in st.steps:
+        cyc = {i for i, _g, _w in info.get("cycle", ())}
+        for i, (k, v) in enumerate(args):
+            if k == "v":
+                (through if i in cyc else direct).add(v)
+    return through - direct
 
 
 def _paired(st: Any) -> bool:
@@ -250,6 +281,8 @@ class TritonStage:
         # at a time: 8 adjacent elements per thread, so its loads and stores are 16 bytes wide
         self.bc_wide = self.bc if self.paired or self.col_reductions else 1024
         self.dims = sorted({v for _op, _o, args, _i in st.steps for k, v in args if k == "d"})
+        # the lengths of the vectors that repeat across the columns, as (dim, num, den): int arguments
+        self.cycles = sorted({g for *_x, info in st.steps for _i, g, _w in info["cycle"]}, key=repr)
         self._kernels: dict[tuple[bool, ...], Any] = {}
 
     # -- the source
@@ -276,9 +309,14 @@ class TritonStage:
                 return c
             return f"(2 * {c} + {lane})" if lane else f"(2 * {c})"
 
+        cycled = _cycled(st)
+        load_ptr: dict[str, tuple[str, str]] = {}
         for k, ld in enumerate(st.loads):
             p = f"in{k}"
             args.append(p)
+            load_ptr[ld.name] = (p, ld.dtype)
+            if ld.name in cycled:  # read at each column modulo its length, where it is used
+                continue
             if ld.role == "scalar":
                 if next(scalars):
                     pre.append(
@@ -308,6 +346,8 @@ class TritonStage:
                 vals[ld.name] = _Val("tile" if ld.role == "tile" else "col", width, tuple(exprs))
         dim_args = {d: f"dim{i}" for i, d in enumerate(self.dims)}
         args += dim_args.values()
+        cyc_args = {g: f"cyc{i}" for i, g in enumerate(self.cycles)}
+        args += cyc_args.values()
 
         def operand(kind: str, v: Any) -> _Val:
             if kind == "v":
@@ -320,7 +360,18 @@ class TritonStage:
         red_args: list[str] = []
         tmp = 0
         for op, outs, eargs, info in st.steps:
-            xs = [operand(k, v) for k, v in eargs]
+            cyc_vals: dict[int, _Val] = {}
+            for i, g, w in info["cycle"]:  # column c (or pair c) reads element c mod G
+                p, dtype = load_ptr[eargs[i][1]]
+                width = "full" if w == (1, 1) else "half"
+                exprs = []
+                for lane in range(lanes if width == "full" else 1):
+                    v = f"y{tmp}_{i}_{lane}"
+                    ptr = f"{p} + {col_index(width, lane)} % {cyc_args[g]}"
+                    body.append(f"{v} = {_widen(f'tl.load({ptr}, mask=cmask, other=0)', dtype)}")
+                    exprs.append(v)
+                cyc_vals[i] = _Val("col", width, tuple(exprs))
+            xs = [cyc_vals[i] if i in cyc_vals else operand(k, v) for i, (k, v) in enumerate(eargs)]
             od = REGISTRY[op]
             if od.lanes is Lanes.SPLIT:  # pairs: one half-width value per lane
                 (x,) = xs
@@ -522,6 +573,7 @@ class TritonStage:
             else:
                 args.append(x.contiguous())
         args += [float(sizes[d[0]] * d[1] // d[2] if d[0] is not None else d[1] // d[2]) for d in self.dims]
+        args += [(sizes[g[0]] if g[0] is not None else 1) * g[1] // g[2] for g in self.cycles]
         nprog = math.ceil(rows / self.bm)
         outs: list[torch.Tensor] = []
         for j, (_name, dtype, w) in enumerate(st.store_meta):
