@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 from reduction_programs import NEW_REDUCTIONS
 from runtime_check import DIMS_AS_VALUES, RAGGED_SUMS
+from support import QUANTIZED_EXAMPLES
 
 import coda_lang
 from coda_lang.backend_cute.build.compile import CompiledStage, compile_stage
@@ -296,9 +297,12 @@ def test_spills_everywhere_is_e0706(cache: Path) -> None:
 
 def _example_stages() -> list[tuple[str, str, int]]:
     """(example, "forward" | "backward", stage) for every GEMM stage of every example's extended forward
-    (what autograd runs: the forward plus the tiles it saves) and derived backward."""
+    (what autograd runs: the forward plus the tiles it saves) and derived backward. Not the fp8 ones:
+    the kernels refuse fp8 yet (E0702, tests/test_fp8.py)."""
     out = []
     for path in sorted((ROOT / "examples").glob("*.coda")):
+        if path.stem in QUANTIZED_EXAMPLES:
+            continue
         for block in coda_lang.load(path):
             d = block.derivation()
             for kind, b in (("forward", d.forward), ("backward", d.backward)):
@@ -368,7 +372,7 @@ def test_olmo2_layer_stages_compile_without_spills(cache: Path, kind: str, index
 
 def test_every_example_stage_is_covered() -> None:
     names = {n for n, _, _ in EXAMPLE_STAGES}
-    assert names == {p.stem for p in (ROOT / "examples").glob("*.coda")}
+    assert names == {p.stem for p in (ROOT / "examples").glob("*.coda")} - QUANTIZED_EXAMPLES
     assert sum(1 for n, k, _ in EXAMPLE_STAGES if (n, k) == ("llama_mlp", "backward")) == 6
 
 

@@ -28,6 +28,7 @@ SHORT = re.compile(r"^(?P<file>[^:]+):(?P<line>\d+):(?P<col>\d+): error\[(?P<cod
 # Programs whose full human rendering is pinned (carets, labels, notes, fix-its).
 GOLDEN_PROGRAMS = [
     "rmsnorm_same_stage",  # E0503 with its fix-it
+    "amax_scale_same_stage",  # E0508: rowwise current fp8 scaling, the local recipes as fix-its
     "unknown_op_did_you_mean",  # E0203 "did you mean"
     "swiglu_odd_width",  # E0403 on a symbolic width
     "rope_fixed_odd_dim",  # E0403 on a fixed odd dim

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from support import NO_BACKWARD
 
 import coda_lang.interp.run as interp_run
 from coda_lang.cli import main
@@ -72,9 +73,8 @@ def failing_dims(out: str) -> dict[str, int]:
 def test_examples_pass_on_the_tile_simulation(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = fuzz(capsys, str(path), "--examples", "12")
     assert code == 0, out + err
-    assert re.match(
-        r"ok: \w+: 12 cases \(forward and backward, --remat auto\), target interp, seed 0", out
-    ), out
+    checked = "forward" if path.stem in NO_BACKWARD else "forward and backward, --remat auto"
+    assert re.match(rf"ok: \w+: 12 cases \({checked}\), target interp, seed 0", out), out
     assert "coda fuzz: " in err and "/12 cases" in err  # the progress line
 
 
@@ -182,7 +182,7 @@ def test_the_planted_bug_is_caught_in_random_programs(
         "--programs",
         "40",
         "--seed",
-        "4",
+        "5",
         "--examples",
         "3",
         "--save-dir",

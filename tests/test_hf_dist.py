@@ -8,7 +8,8 @@ The losses and the parameters (gathered whole) equal those of one process on the
 those of the unpatched model under the same wrapping (float32 tolerance). Checkpointing
 (`gradient_checkpointing_enable()`, `checkpoint_wrapper` per layer as torchtitan applies it) trains
 the same, and so does FSDP2's MixedPrecisionPolicy with bf16 gathers and f32 reductions (as close
-to an f32 run as the unpatched model's). A decoder layer's submodule sharded on its own (its forward never runs) is refused with
+to an f32 run as the unpatched model's). peft LoRA on o, gate, up and down under FSDP2 per layer trains
+as the unpatched peft model; on q, k or v it is refused by name. A decoder layer's submodule sharded on its own (its forward never runs) is refused with
 CodaError E0811 naming the parameter, never a crash. In one process: each block reads only weights
 of the module that runs it, every parameter is registered once, state_dict() is the unpatched
 model's (names, order, values), checkpointing saves less for the backward and gives the same
@@ -58,7 +59,20 @@ def cases() -> list[dict[str, Any]]:
     out = [{"family": f, "patched": p, "wrap": w} for f in FAMILIES for w in WRAPS for p in (True, False)]
     out += [{"family": "llama", "patched": True, "wrap": w} for w in EXTRA]
     out += [{"family": f, "patched": p, "wrap": "fsdp-mp"} for f in FAMILIES for p in (True, False)]
+    # peft LoRA under FSDP2 per layer: on o, gate, up and down (run), and on q, k, v too (refused)
+    out += [{"family": "llama", "patched": p, "wrap": "fsdp-lora"} for p in (True, False)]
+    out += [{"family": "llama", "patched": True, "wrap": "fsdp-lora-qkv"}]
     return out
+
+
+LORA_OWN = ["o_proj", "gate_proj", "up_proj", "down_proj"]  # (read by their own layer's block)
+
+
+def with_lora(model: Any, targets: list[str]) -> Any:
+    import peft
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    return peft.get_peft_model(model, config)
 
 
 def key(case: dict[str, Any]) -> str:
@@ -135,16 +149,19 @@ def run_case(case: dict[str, Any], rank: int, mesh: Any) -> dict[str, Any]:
 
     family = case["family"]
     model = make(family)
+    lora = case["wrap"].startswith("fsdp-lora")
+    if lora:
+        model = with_lora(model, LORA_OWN + (["q_proj", "v_proj"] if case["wrap"] == "fsdp-lora-qkv" else []))
     if case["patched"]:
         patch(family, model)
-    model = wrap(model, case["wrap"], mesh)
+    model = wrap(model.get_base_model() if lora else model, "fsdp" if lora else case["wrap"], mesh)
     half = ROWS // WORLD
     rows = slice(rank * half, (rank + 1) * half)
     inner = getattr(model, "module", model)  # DDP's
     try:
         grads = first_grads(model, inner, rows, case["patched"])
         losses = train(model, rows)
-    except CodaError as e:
+    except (CodaError, ValueError) as e:  # (a refusal: E0811, or coda_lang.hf's ValueError)
         return {"error": str(e)}
     if case["wrap"] == "fsdp-dcp":
         checkpoint_round_trip(model, family, rank, mesh)
@@ -188,7 +205,7 @@ def first_grads(model: Any, inner: Any, rows: slice, patched: bool) -> dict[str,
             g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             grads[name.replace("_checkpoint_wrapped_module.", "")] = g
     model.zero_grad(set_to_none=True)
-    return {k: v.detach().clone() for k, v in grads.items()}
+    return {k: v.detach().clone() for k, v in grads.items() if v is not None}  # (a frozen base has none)
 
 
 def worker(out: str, which: list[str]) -> None:
@@ -206,7 +223,10 @@ def worker(out: str, which: list[str]) -> None:
             res = run_case(case, rank, mesh)
             if rank == 0:
                 print(f"{key(case)}: {time.perf_counter() - t0:.1f} s", flush=True)
-            if "params" in res:
+            if "params" in res and case["wrap"].startswith("fsdp-lora"):  # (the adapters: one name each way)
+                res["params"] = {k: v for k, v in res["params"].items() if "lora_" in k}
+                res["grads"] = {k: v for k, v in res["grads"].items() if "lora_" in k}
+            elif "params" in res:
                 res["params"] = hf_params(case["family"], res["params"], case["patched"])
             results[key(case)] = res
     if rank == 0:
@@ -294,14 +314,35 @@ def test_trains_as_one_process_and_as_the_unpatched_model(family: str, tmp_path:
     mixed_precision_as_close(runs, family)
 
 
+def lora_as_peft(runs: dict[str, Any]) -> None:
+    """peft LoRA on o, gate, up and down under FSDP2 per decoder layer (2 processes, 5 AdamW steps
+    over the adapters): the patched model's losses, adapter gradients and adapters are the unpatched
+    peft model's under the same wrapping. With q and v adapters too it is refused by name (layer i's
+    QKV is made by layer i-1's block, which FSDP2 has not gathered layer i's adapters for)."""
+    got, want = runs["llama-coda-fsdp-lora"], runs["llama-hf-fsdp-lora"]
+    for a, b in zip(got["losses"], want["losses"], strict=True):
+        assert abs(a - b) < 1e-5 * abs(b), (got["losses"], want["losses"])
+    assert set(got["params"]) == set(want["params"]) and len(want["params"]) == 2 * 4 * 2  # A, B; 4; 2 layers
+    for name, w in want["params"].items():
+        assert float((got["params"][name] - w).abs().max()) < PARAMS_TOL, name
+    assert set(got["grads"]) == set(want["grads"]) == set(want["params"])
+    for name, g in want["grads"].items():
+        assert rel(got["grads"][name], g) < 1e-5, name
+    err = runs["llama-coda-fsdp-lora-qkv"]["error"]
+    assert "DTensors" in err and "fully_shard(model)" in err, err
+
+
 def test_root_only_checkpointed_and_a_sharded_submodule(tmp_path: Path) -> None:
     """FSDP2 on the root alone, and per layer with activation checkpointing
     (`gradient_checkpointing_enable()`, or each layer in a `checkpoint_wrapper`): as one process.
     torch.distributed.checkpoint of the per-layer sharded model saves Hugging Face's names and
     layouts: it loads into an unpatched model in one process, and into a sharded patched one.
     Each decoder layer's MLP sharded as a unit of its own: its forward never runs, so its weights are
-    never gathered; the layer's block is refused (E0811) naming the parameter and what to do."""
-    runs = launch(tmp_path, [key(c) for c in cases() if c["wrap"] in EXTRA])
+    never gathered; the layer's block is refused (E0811) naming the parameter and what to do. peft
+    LoRA per layer (`lora_as_peft`; in the same torchrun: each costs seconds of start-up)."""
+    lora = ["llama-coda-fsdp-lora", "llama-hf-fsdp-lora", "llama-coda-fsdp-lora-qkv"]
+    runs = launch(tmp_path, [key(c) for c in cases() if c["wrap"] in EXTRA] + lora)
+    lora_as_peft(runs)
     for w in ("fsdp-root", "fsdp-gc", "fsdp-ckpt"):
         same(runs[f"llama-coda-{w}"], single("llama", True), w)
     same(runs["llama-coda-fsdp-dcp"], single("llama", True), "fsdp-dcp")
@@ -411,14 +452,24 @@ def saved_bytes(model: Any, ids: Any, labels: Any) -> tuple[int, dict[str, Any]]
     return sum(seen.values()), unfused_grads(model)
 
 
-@pytest.mark.parametrize("how", ["gradient_checkpointing_enable", "reentrant", "checkpoint_wrapper"])
+@pytest.mark.parametrize(
+    "how", ["gradient_checkpointing_enable", "reentrant", "checkpoint_wrapper", "lora, non-reentrant"]
+)
 def test_checkpointing_saves_less_and_gives_the_same_gradients(how: str) -> None:
     """Activation checkpointing of each decoder layer (Hugging Face's flag, read by the layer's own
     __call__, with or without use_reentrant; or torch's checkpoint_wrapper): the layers' saved tensors
-    are not kept (a fraction of the bytes), the gradients are the same."""
+    are not kept (a fraction of the bytes), the gradients are the same. Also with peft LoRA, whose
+    blocks save their inputs through hooks of their own (hf/lora.py `kept`, which hands the rest to
+    the checkpoint's)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    ref = patch("llama", make("llama", num_hidden_layers=4))
+    base = make("llama", num_hidden_layers=4)
+    if how.startswith("lora"):
+        peft = pytest.importorskip("peft")
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False)
+        base = peft.get_peft_model(base, config)
+    ref = patch("llama", base)
     model = copy.deepcopy(ref)
     if how == "checkpoint_wrapper":
         layers = model.model.layers
@@ -427,6 +478,9 @@ def test_checkpointing_saves_less_and_gives_the_same_gradients(how: str) -> None
     else:
         model.gradient_checkpointing_enable({"use_reentrant": how == "reentrant"})
     ids, labels = batch(s=64)
+    if how.startswith("lora"):
+        # (the adapters' gradients: the base is frozen)
+        assert all("lora_" in n for n, p in ref.named_parameters() if p.requires_grad)
     full, g0 = saved_bytes(ref, ids, labels)
     less, g1 = saved_bytes(model, ids, labels)
     assert less < 0.5 * full, (less, full)

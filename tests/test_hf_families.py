@@ -977,6 +977,23 @@ def test_phi3_dropouts() -> None:
     matches_unpatched(emb, apply_coda(copy.deepcopy(emb)))  # (in training mode)
 
 
+def within_the_bf16_rule(got: Any, low: Any, want: Any, labels: Any) -> None:
+    """The accuracy rule with float64 as the reference, for `run`'s (loss, logits, gradients) of the
+    patched bf16 model (`got`), the unpatched bf16 model (`low`) and the unpatched float64 model
+    (`want`): each no further from float64 than twice the unpatched bf16 model's distance, plus 1e-6.
+    The loss, one number, a mean whose unpatched bf16 error is a draw that may all but cancel, is
+    judged against that draw or the standard error of its tokens' errors (test_hf.py's `mean_error`)."""
+    from test_hf import mean_error
+
+    pairs = [("loss", got[0], low[0], want[0]), ("logits", got[1], low[1], want[1])]
+    pairs += [(n, got[2][n], low[2][n], want[2][n]) for n in want[2]]
+    floor = {"loss": mean_error(low[1], want[1], labels)}
+    for what, out, lowp, ref in pairs:
+        err = float((out.double() - ref).abs().max())
+        bound = 2 * max(float((lowp.double() - ref).abs().max()), floor.get(what, 0.0)) + 1e-6
+        assert err < bound, f"{what}: |coda - f64| = {err:.3g}, 2 |HF bf16 - f64| + 1e-6 = {bound:.3g}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny", "Phi-3-mini-4k-instruct"])
 def test_phi3_bf16_within_the_accuracy_rule_against_float64(name: str) -> None:
@@ -990,12 +1007,7 @@ def test_phi3_bf16_within_the_accuracy_rule_against_float64(name: str) -> None:
     want = run(ref64, ids, labels)[:2] + ({n: p.grad for n, p in ref64.named_parameters()},)  # (in f64)
     low = run(make("phi3", dtype=torch.bfloat16, **over), ids, labels)
     got = run(apply_coda(make("phi3", dtype=torch.bfloat16, **over)), ids, labels)
-    pairs = [("loss", got[0], low[0], want[0]), ("logits", got[1], low[1], want[1])]
-    pairs += [(n, got[2][n], low[2][n], want[2][n]) for n in want[2]]
-    for what, out, lowp, ref in pairs:
-        err = float((out.double() - ref).abs().max())
-        bound = 2 * float((lowp.double() - ref).abs().max()) + 1e-6
-        assert err < bound, f"{what}: |coda - f64| = {err:.3g}, 2 |HF bf16 - f64| + 1e-6 = {bound:.3g}"
+    within_the_bf16_rule(got, low, want, labels)
 
 
 # OLMo 2: mutants of its blocks, which the float32 comparison with the unpatched model must catch.
@@ -1098,12 +1110,7 @@ def test_olmo2_bf16_against_float64() -> None:
     pat = apply_coda(make("olmo2", dtype=torch.bfloat16))
     ids, labels = batch()
     want, low, got = (run(m, ids, labels) for m in (ref64, ref16, pat))
-    pairs = [("loss", got[0], low[0], want[0]), ("logits", got[1], low[1], want[1])]
-    pairs += [(n, got[2][n], low[2][n], want[2][n]) for n in want[2]]
-    for what, out, lowp, ref in pairs:
-        err = float((out.double() - ref).abs().max())
-        bound = 2 * float((lowp.double() - ref).abs().max()) + 1e-6
-        assert err < bound, f"{what}: |coda - f64| = {err:.3g}, 2 |HF bf16 - f64| + 1e-6 = {bound:.3g}"
+    within_the_bf16_rule(got, low, want, labels)
 
 
 def test_post_norms_compose_with_pre_norms() -> None:
@@ -1375,17 +1382,9 @@ def test_gemma_bf16_against_float64(family: str) -> None:
     The loss, one number, a mean whose unpatched bf16 error is a draw that may all but cancel (Gemma
     2's: 3.8e-5, its tokens' standard error 1.9e-4; the patched model's 3.5e-4), is judged against
     that draw or the standard error of its tokens' errors, as test_hf.py's bf16 test judges it."""
-    from test_hf import mean_error
-
     ref64 = make(family).double()
     ref16 = make(family, dtype=torch.bfloat16)
     pat = apply_coda(make(family, dtype=torch.bfloat16))
     ids, labels = batch()
     want, low, got = (run(m, ids, labels) for m in (ref64, ref16, pat))
-    pairs = [("loss", got[0], low[0], want[0]), ("logits", got[1], low[1], want[1])]
-    pairs += [(n, got[2][n], low[2][n], want[2][n]) for n in want[2]]
-    floor = {"loss": mean_error(low[1], want[1], labels)}
-    for what, out, lowp, ref in pairs:
-        err = float((out.double() - ref).abs().max())
-        bound = 2 * max(float((lowp.double() - ref).abs().max()), floor.get(what, 0.0)) + 1e-6
-        assert err < bound, f"{what}: |coda - f64| = {err:.3g}, 2 |HF bf16 - f64| + 1e-6 = {bound:.3g}"
+    within_the_bf16_rule(got, low, want, labels)

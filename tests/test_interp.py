@@ -183,6 +183,8 @@ def _dims_for(block: coda_lang.Block, draw: st.DrawFn) -> dict[str, int]:
         lo, hi = (64, 128) if block.name == "qk_norm" and d.name == "P" else (1, 40)
         v = draw(st.integers(lo, hi))
         dims[d.name] = v - v % 64 if block.name == "qk_norm" and d.name == "P" else v
+        if block.name == "fp8_blockwise" and d.name == "N":  # groups of 128 columns
+            dims[d.name] = 128 * (1 + v % 3)
     return dims
 
 
@@ -192,7 +194,7 @@ def example_case(draw: st.DrawFn) -> tuple[coda_lang.Block, dict[str, int], tupl
     block = next(iter(coda_lang.load(path)))
     dims = _dims_for(block, draw)
     tm = draw(st.integers(1, 48))
-    tn = draw(st.integers(1, 40)) * (128 if block.name == "qk_norm" else 2)
+    tn = draw(st.integers(1, 40)) * (128 if block.name in ("qk_norm", "fp8_blockwise") else 2)
     return block, dims, (tm, tn), draw(st.integers(0, 2**16))
 
 

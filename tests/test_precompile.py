@@ -90,6 +90,38 @@ def test_the_kernels_of_a_config_are_a_training_models(
     assert sorted(cb.name for cb in blocks) == sorted(cb.name for cb in want)
 
 
+@pytest.mark.parametrize(
+    "family, targets",
+    [
+        ("llama", ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+        ("qwen3", ("q_proj", "v_proj")),  # (peft's default targets; the q/k norm then in a row stage)
+    ],
+)
+def test_the_lora_kernels_of_a_config_are_a_lora_training_models(
+    family: str, targets: tuple[str, ...], tmp_path: Path
+) -> None:
+    """With `lora` (`coda precompile --lora`): the kernels made from the config alone are those a
+    patched peft LoRA model with weights (its base frozen) runs in a training step: its blocks cut
+    before the adapted GEMMs, no weight differentiated."""
+    peft = pytest.importorskip("peft")
+    dtype = torch.bfloat16
+    cfg = hfp.read_config(write_config(tmp_path / "m", family))
+    got = hfp.model_kernels(hfp.model_functions(cfg, dtype, "rows", targets))
+    model = make(family, **ON_KERNELS.get(family, {})).to(dtype)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=list(targets)))
+    patch(family, model)
+    ids = torch.randint(0, 64, (1, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    st = model.get_base_model()._coda
+    b = st.blocks(dtype)
+    made = [f for parts in b._parts.values() for f, _ in parts]
+    want = [cb for f in (*made, b.row_head()) for cb in f.kernel_blocks()]
+    assert stage_sources(got) == stage_sources(want)
+    assert sorted(cb.name for cb in got) == sorted(cb.name for cb in want)
+    with pytest.raises(ValueError, match=r"LoRA targets \['lm_head'\]"):
+        hfp.model_functions(cfg, dtype, "rows", ("lm_head",))
+
+
 def test_the_kernels_do_not_depend_on_the_sizes(tmp_path: Path) -> None:
     """A wider, deeper Llama with another vocabulary and head_dim has the same kernels; Qwen3's q/k
     norm makes its head_dim part of the program, and the dtype is part of every kernel."""
@@ -176,6 +208,8 @@ def test_coda_precompile_builds_what_a_training_step_asks_for(
         (["--seq", "x"], "--seq takes a positive number"),
         (["--seq", "8", "--batch", "0"], "--batch takes a positive number"),
         (["--batch", "2"], "--batch goes with --seq"),
+        (["--lora", ","], "--lora takes target module names"),
+        (["--lora", "q_proj", "--seq", "8"], "--lora goes without it"),
     ],
 )
 def test_coda_precompile_usage_errors(args: list[str], needle: str, tmp_path: Path, capsys: Any) -> None:

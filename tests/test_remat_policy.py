@@ -22,7 +22,15 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from support import coda
-from test_autodiff import NAMES, TILES, _forward_case, example, example_dims, example_inputs
+from test_autodiff import (
+    FD_NAMES,
+    GRAD_NAMES,
+    TILES,
+    _forward_case,
+    example,
+    example_dims,
+    example_inputs,
+)
 
 import coda_lang
 from coda_lang.core.diagnostics import CodaError
@@ -66,7 +74,7 @@ def _fd_check(block: coda_lang.Block, inputs: dict[str, Any], dims: dict[str, in
 
 
 @pytest.mark.parametrize("remat", POLICIES)
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", FD_NAMES)
 def test_every_example_under_every_policy(name: str, remat: str) -> None:
     blk, dims, inputs = example(name), example_dims(name), example_inputs(name)
     d = blk.derivation(remat=remat)  # checked: CodaError (E0601) if either block does not check
@@ -88,7 +96,7 @@ def test_every_example_under_every_policy(name: str, remat: str) -> None:
 
 
 @pytest.mark.parametrize("remat", ["recompute", "auto"])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", GRAD_NAMES)
 def test_exact_precision_under_every_policy(name: str, remat: str) -> None:
     """A tile recomputed in an epilogue is computed from what the backward reads (bf16 copies), not from
     the forward's f32 values: its rounding may differ from the forward's stored copy by an ulp. The
@@ -159,7 +167,7 @@ def test_coda_check_accepts_every_printed_backward(remat: str, tmp_path: Path, c
     test_cli_grad.py runs the real command line)."""
     from coda_lang.cli import main
 
-    for name in NAMES:
+    for name in GRAD_NAMES:
         out = tmp_path / f"{name}.coda"
         code = main(
             ["grad", str(EXAMPLES / f"{name}.coda"), "--remat", remat, "--with-forward", "-o", str(out)]
@@ -171,7 +179,7 @@ def test_coda_check_accepts_every_printed_backward(remat: str, tmp_path: Path, c
 
 def test_save_is_the_derivation_of_before() -> None:
     """Under save nothing is recomputed: every saved tensor of before, no recompute note, the goldens."""
-    for name in NAMES:
+    for name in GRAD_NAMES:
         d = example(name).derivation(remat="save")
         assert not any("recomputed" in line or "runs again" in line for line in d.report), name
     assert example("llama_block").derivation(remat="save").saved == (
@@ -188,7 +196,7 @@ def test_auto_is_never_worse_than_save_and_recompute_runs_more() -> None:
         types = {p.var.name: p.var.type for p in d.backward.ir.params}
         return row_bytes([types[n] for n in d.saved])
 
-    for name in NAMES:
+    for name in GRAD_NAMES:
         blk = example(name)
         s, a = held(blk.derivation(remat="save")), held(blk.derivation(remat="auto"))
         assert all(a.get(k, 0) <= s.get(k, 0) for k in set(a) | set(s)), (name, a, s)

@@ -19,7 +19,7 @@ from fractions import Fraction
 from coda_lang.autodiff.cleanup import cse, dce, rename, used_names
 from coda_lang.autodiff.state import SAVED, Read, State
 from coda_lang.ir.nodes import DEFAULT_REMAT, Atom, Block, DimRef, Eqn, Lit, Output, Param, Stage, Stmt, Var
-from coda_lang.ir.types import MATRIX, SCALAR, TILE, VEC, Dim, Type
+from coda_lang.ir.types import MATRIX, SCALAR, TILE, VEC, Dim, Type, cotangent_dtype
 from coda_lang.ops import StageShape
 
 
@@ -106,7 +106,7 @@ def _finalize_matrix(
     s.note(span, f"the gradient of `{name}` {why} in an elementwise stage")
 
 
-_ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "bool": 1}
+_ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "e4m3": 1, "e5m2": 1, "i32": 4, "bool": 1}
 
 
 def row_bytes(types: list[Type]) -> dict[str | None, Fraction]:
@@ -158,7 +158,7 @@ def assemble(s: State, grads: dict[str, str], renames: dict[str, str], remat: st
     for name, g in grads.items():
         t = s.fwd.params[name].var.type
         assert t is not None
-        outputs.append(Output(g, Type(t.dtype, t.shape, _kind(t)), s.fwd.params[name].span))
+        outputs.append(Output(g, Type(cotangent_dtype(t.dtype), t.shape, _kind(t)), s.fwd.params[name].span))
     dims = tuple(d for d in f.dims if d.name in _used_dims(params, outputs, body))
     notes = [
         f"backward of `{f.name}`, derived by `coda grad`",

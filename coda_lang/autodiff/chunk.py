@@ -52,7 +52,7 @@ from coda_lang.ops.registry import Locality
 CHUNK_CODE = "E0809"
 ROW_ALIGN = 128  # an automatic chunk of at least this many rows is a multiple of it (a kernel's tile_M)
 COL_ALIGN = 8  # an automatic chunk of a matrix's last axis is a multiple of it (16-byte rows for TMA)
-DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4}
+DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "e4m3": 1, "e5m2": 1, "i32": 4}
 
 IDX, SUM, CONST, INDEX = "indexed", "sum", "const", "index"  # what a value is to a chunk
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 from coda_lang.autodiff.builder import AutodiffError
 from coda_lang.autodiff.builder import float_value as _float
 from coda_lang.frontend.verify.plan import BlockPlan
-from coda_lang.ir.nodes import Block, Eqn, Param, Var
-from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type
+from coda_lang.ir.nodes import Atom, Block, Eqn, Param, Var
+from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type, cotangent_dtype, is_fp8
 from coda_lang.ops import REGISTRY, Locality
 
 
@@ -95,14 +95,23 @@ class ForwardFacts:
         return t
 
     def operand_dtype(self, k: int) -> str:
-        """The dtype of stage k's GEMM operands (the checker makes both the same): its dacc's dtype."""
-        a = self.block.stages[k].a
-        assert isinstance(a, Var)
-        if a.name in self.params:
-            t = self.params[a.name].var.type
+        """The dtype of stage k's GEMM operands (the checker makes both the same but where one is fp8):
+        its dacc's dtype. Where an operand is fp8, the other one's (the dgrad GEMM multiplies dacc by it)
+        if that is not fp8 too, else bf16 (`cotangent_dtype`: gradients are not quantized)."""
+        st = self.block.stages[k]
+        a, b = self.stored_dtype(st.a), self.stored_dtype(st.b)
+        if is_fp8(a) and not is_fp8(b):
+            return b
+        return cotangent_dtype(a)
+
+    def stored_dtype(self, x: Atom | None) -> str:
+        """The dtype of a GEMM operand: a parameter's, or the storage dtype of a forward tile."""
+        assert isinstance(x, Var)
+        if x.name in self.params:
+            t = self.params[x.name].var.type
             assert t is not None
             return t.dtype
-        return self.storage.get(a.name, self.plan.activation)
+        return self.storage.get(x.name, self.plan.activation)
 
     def acc_dtype(self, k: int) -> str:
         """The dtype stage k's acc is saved in: the activation dtype, or f32 where a max/min reduction's

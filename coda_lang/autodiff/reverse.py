@@ -31,14 +31,14 @@ from __future__ import annotations
 
 from coda_lang.autodiff import unbroadcast
 from coda_lang.autodiff.assemble import Derived, assemble, finalize
-from coda_lang.autodiff.builder import Primals
+from coda_lang.autodiff.builder import AutodiffError, Primals
 from coda_lang.autodiff.builder import float_value as _float
 from coda_lang.autodiff.forward import ForwardFacts
 from coda_lang.autodiff.site import Host, Site
 from coda_lang.autodiff.state import State
 from coda_lang.frontend.verify.plan import BlockPlan
 from coda_lang.ir.nodes import DEFAULT_REMAT, REMAT, Atom, Block, Eqn, Stage, Var
-from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type
+from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type, cotangent_dtype
 from coda_lang.ops import REGISTRY, Locality, StageShape
 from coda_lang.ops.registry import repeats_in
 
@@ -72,10 +72,24 @@ class Reverse:
 
     def run(self) -> Derived:
         fwd, s = self.fwd, self.s
+        for st in fwd.block.stages:
+            for e in st.body:
+                t = e.outs[0].type
+                if t is not None and t.kind == GROUP and t.group_axis == 0:
+                    raise AutodiffError(
+                        "E0602",
+                        f"`{e.outs[0].name}` is grouped over the rows (group= of a reduction over "
+                        f"`{e.param('over')}`): its backward is not derived yet",
+                        e.span,
+                        notes=["reductions over runs of columns (group= over the stage's columns) have one"],
+                    )
         for o in fwd.block.outputs:
             if _float(fwd.ftype.get(o.name, o.type)):
                 s.cotangent_param(
-                    o.name, Type(o.type.dtype, o.type.shape, (SCALAR, VEC, MATRIX)[len(o.type.shape)])
+                    o.name,
+                    Type(
+                        cotangent_dtype(o.type.dtype), o.type.shape, (SCALAR, VEC, MATRIX)[len(o.type.shape)]
+                    ),
                 )
         stages = fwd.block.stages
         self.block_backward(fwd.plan.between[len(stages)])

@@ -35,7 +35,7 @@ from coda_lang.autodiff.state import State
 from coda_lang.autodiff.unbroadcast import Later, Part, same_shape
 from coda_lang.frontend.verify.repeat import repeated
 from coda_lang.ir.nodes import Atom, DimRef, Eqn, Lit, Span, Stage, Var
-from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Dim, Type
+from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Dim, Type, cotangent_dtype, is_fp8
 from coda_lang.ops import REGISTRY, Lanes, Locality, StageShape
 
 
@@ -188,7 +188,10 @@ class Site:
     def recomputes(self, name: str) -> bool:
         """Whether `primal` gets value `name` of the stage by recomputing it in the site, not by reading it
         (a parameter, a value of another stage or between stages, a saved tile). A grouped value is
-        recomputed: stored, it is one column per group, not a group."""
+        recomputed: stored, it is one column per group, not a group. So is a tile the stage stores in
+        fp8: the stage's own uses saw its f32 value, and the straight-through backward differentiates
+        that value (a VJP that reads its op's result, sqrt's or exp's, reads the f32 one), not the
+        quantized copy, which is an fp8 ulp (6% in e4m3) away."""
         fwd = self.fwd
         if name in fwd.params or fwd.fstage.get(name) != self.k or name in self.local_vec:
             return False
@@ -197,7 +200,7 @@ class Site:
             t.kind == PARTIAL
             or t.kind == TILE
             and name in fwd.storage
-            and not (self.exact or self.remat)
+            and not (self.exact or self.remat or is_fp8(fwd.storage[name]))
             and (name not in self.make or self.s.is_saved(name))
         )
 
@@ -467,7 +470,7 @@ class Site:
             if (
                 isinstance(total, Var)
                 and total.name not in b.local
-                and (pt is None or s.types[total.name].dtype == pt.dtype)
+                and (pt is None or s.types[total.name].dtype == cotangent_dtype(pt.dtype))
             ):
                 s.add_cotangent(name, total)  # an alias of a loaded matrix
                 continue
@@ -476,7 +479,7 @@ class Site:
                 and stored is not None
                 and pt is not None
                 and od is not None
-                and pt.dtype == od
+                and cotangent_dtype(pt.dtype) == od
             ):
                 aliases.append((name, stored))  # the same tile as dacc (e.g. a residual's dx)
                 continue

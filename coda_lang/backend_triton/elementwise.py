@@ -31,9 +31,9 @@ from coda_lang.backend_triton.generate import TritonStage
 from coda_lang.core.diagnostics import CodaError, Diagnostic
 from coda_lang.frontend.verify.repeat import repeated
 from coda_lang.ir.nodes import DimRef, Lit, Stage, Var
-from coda_lang.ir.types import GROUP, MATRIX, TILE, VEC, Dim, Type
+from coda_lang.ir.types import GROUP, MATRIX, TILE, VEC, Dim, Type, is_fp8
 from coda_lang.ops import REGISTRY, Locality
-from coda_lang.ops.registry import torch_dtype
+from coda_lang.ops.registry import torch_dtype, torch_round, torch_store
 
 # torch.compile's `dynamic` for the stages' kernels: None (PyTorch's default) compiles for the first
 # shape and once more, shape-generic, when a second one comes. True (one shape-generic kernel from the
@@ -104,6 +104,17 @@ class ElementwiseStage:
         info: dict[str, Any] = {"widths": widths}
         od = REGISTRY[e.op]
         if od.locality is Locality.REDUCE:
+            if out is not None and out.kind == GROUP and out.group_axis == 0:
+                raise CodaError(
+                    [
+                        Diagnostic(
+                            "E0705",
+                            f"`{e.outs[0].name}` reduces runs of rows (group= over the rows) in an "
+                            "elementwise stage: not run by the CUDA runtime yet",
+                            e.span,
+                        )
+                    ]
+                )
             per_row = bool(out is not None and out.shape and out.shape[0] == self.rows)
             info["per_row"] = per_row
             info["group"] = e.param("group") or 0
@@ -270,7 +281,7 @@ class ElementwiseStage:
             x = torch.broadcast_to(
                 torch.as_tensor(vals[name], dtype=torch.float32, device=device), (rows, width(w))
             )
-            results.append(x.to(dtype).contiguous())
+            results.append(torch_store(x, dtype).contiguous())
         for name, g in zip(self.reductions, self.groups, strict=True):
             x = torch.as_tensor(vals[name], device=device).float()
             results.append(x[:, ::g].contiguous() if g else x.reshape(-1))
@@ -316,8 +327,8 @@ class ElementwiseStage:
             x = outs[i]
             i += 1
             dtype = storage.get(name)
-            if dtype in ("bf16", "f16"):
-                x = x.to(_torch_dtype(dtype)).float()
+            if dtype is not None and (dtype in ("bf16", "f16") or is_fp8(dtype)):
+                x = torch_round(x, dtype)
             out[name] = x
 
 

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from coda_lang.ir.nodes import Var
-from coda_lang.ir.types import MATRIX, TILE
+from coda_lang.ir.types import MATRIX, TILE, is_fp8
 from coda_lang.ops import REGISTRY, Lanes, Locality
 from coda_lang.ops.registry import combine_rule
 
@@ -177,6 +177,12 @@ def unsupported(st: Any) -> str | None:
     for name, dtype, _w in st.store_meta:
         if dtype not in _TL_DTYPES:
             return f"`{name}` stored as {dtype}"
+    for ld in st.loads:
+        if is_fp8(ld.dtype):
+            return f"`{ld.name}` is {ld.dtype} (fp8 is not generated yet)"
+    for e in st.stage.body:
+        if REGISTRY[e.op].rounds and is_fp8(e.param("dtype")):
+            return f"a cast to {e.param('dtype')} (fp8 is not generated yet)"
     return None
 
 

@@ -166,7 +166,8 @@ def savable(x: object) -> object:
     import numpy as np
 
     a = np.asarray(x)
-    return a.astype(np.float32) if a.dtype.name in ("bfloat16",) else a
+    # (np.load reads ml_dtypes' arrays back as raw bytes: stored as f32, exactly)
+    return a.astype(np.float32) if a.dtype.name in ("bfloat16", "float8_e4m3fn", "float8_e5m2") else a
 
 
 def write_text(path: str, text: str) -> None:

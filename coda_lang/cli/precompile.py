@@ -73,6 +73,13 @@ def add_parser(sub: Any) -> None:
         help="on a Hopper GPU: also time each stage's tiles at N tokens per sequence (the training shape)",
     )
     p.add_argument("--batch", metavar="N", default="1", help="with --seq: sequences per step (default 1)")
+    p.add_argument(
+        "--lora",
+        metavar="TARGETS",
+        help="the kernels of a peft LoRA model's step instead (its base frozen): the target modules, "
+        "comma-separated, as LoraConfig(target_modules=...) names them (q_proj,k_proj,v_proj,o_proj,"
+        "gate_proj,up_proj,down_proj; Phi-3: qkv_proj, gate_up_proj)",
+    )
     add_jobs_argument(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(run=run)
@@ -102,9 +109,16 @@ def run(args: argparse.Namespace) -> int:
             return usage_error(str(e))
         print(f"coda precompile: {e}", file=sys.stderr)
         return EXIT_ERRORS
-    what = f"{config.model_type} ({args.dtype}, loss mode {args.loss_mode})"
+    lora = tuple(t.strip() for t in (args.lora or "").split(",") if t.strip())
+    if args.lora is not None and not lora:
+        return usage_error("--lora takes target module names, comma-separated (q_proj,v_proj,...)")
+    if lora and seq is not None:
+        return usage_error(
+            "--seq times a plain model's tiles; --lora goes without it (the tiles are the same)"
+        )
+    what = f"{config.model_type} ({args.dtype}, loss mode {args.loss_mode}{', LoRA on ' + ','.join(lora) if lora else ''})"
     try:
-        functions = hfp.model_functions(config, hfp.DTYPES[args.dtype], args.loss_mode)
+        functions = hfp.model_functions(config, hfp.DTYPES[args.dtype], args.loss_mode, lora)
         blocks = hfp.model_kernels(functions)
     except ValueError as e:
         print(f"coda precompile: {args.model}: {e}", file=sys.stderr)

@@ -122,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
             np.asarray(x)
             .dtype.name.replace("float32", "f32")
             .replace("bfloat16", "bf16")
+            .replace("float8_e4m3fn", "e4m3")
+            .replace("float8_e5m2", "e5m2")
             .replace("float16", "f16")
             .replace("int32", "i32")
             .replace("float64", "f64")

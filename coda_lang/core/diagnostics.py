@@ -81,6 +81,7 @@ CODES: dict[str, str] = {
     "E0505": "tile operand not aligned with the stage's tile",
     "E0506": "op needs a tile inside a stage",
     "E0507": "vector op inside a stage",
+    "E0508": "current scale over a whole row or column used in its own stage",
     # E06 autodiff (`coda grad`, Block.grad)
     "E0601": "autodiff made a block that does not check (a bug in coda_lang)",
     "E0602": "can't differentiate this program",

@@ -23,6 +23,7 @@ from coda_lang.api import Block
 from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.core.diagnostics import CodaError
 from coda_lang.ir.nodes import REMAT
+from coda_lang.ir.types import is_fp8
 from coda_lang.testing.dims import dim_sizes, dim_units, tiles
 from coda_lang.testing.inputs import input_seeds
 
@@ -131,7 +132,7 @@ def first_line(e: BaseException) -> str:
 
 
 def dtype_of(t: Any) -> str:
-    return t.dtype if t is not None and t.dtype in ("f32", "bf16", "f16") else "f32"
+    return t.dtype if t is not None and t.dtype in ("f32", "bf16", "f16", "e4m3", "e5m2") else "f32"
 
 
 class CaseDraws:
@@ -161,7 +162,7 @@ class CaseDraws:
         fix what they give; on interp each case draws a small simulated tile unless one is given."""
         blocks = self.blocks()
         top = max_dim or MAX_DIM[self.target]
-        sizes = dim_sizes(blocks, top, ALIGN[self.target], given=dims)
+        sizes = dim_sizes(blocks, top, self.align(), given=dims)
         sim_tile: st.SearchStrategy[tuple[int, int] | None] = st.just(self.sim_tile)
         if self.target == "interp" and self.sim_tile is None:
             sim_tile = tiles(blocks)
@@ -243,4 +244,13 @@ class CaseDraws:
         return Case(dict(dims), seed, self.sim_tile, self._chunk_of(dims, ("fixed", 0, 0)), self.tile)
 
     def units(self) -> dict[str, int]:
-        return dim_units(self.blocks(), ALIGN[self.target])
+        return dim_units(self.blocks(), self.align())
+
+    def align(self) -> int:
+        """The target's row alignment in elements (ALIGN: 16 bytes of a 16-bit dtype), doubled where
+        the block has an fp8 matrix (16 bytes are 16 fp8 values)."""
+        a = ALIGN[self.target]
+        ir, plan = self.block.ir, self.block.plan
+        dtypes = [p.var.type.dtype for p in ir.params if p.var.type is not None]
+        dtypes += [o.type.dtype for o in ir.outputs] + list(plan.storage.values())
+        return 2 * a if a > 1 and any(is_fp8(d) for d in dtypes) else a

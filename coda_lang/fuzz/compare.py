@@ -19,8 +19,11 @@ from typing import Any
 from coda_lang.api import Block
 from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.core.diagnostics import CodaError
+from coda_lang.core.numerics import round_fp8
 from coda_lang.fuzz.case import Case, dtype_of, first_line
 from coda_lang.interp import bound
+from coda_lang.interp.bound import rounded
+from coda_lang.ir.types import is_fp8
 from coda_lang.testing.compare import mismatch
 from coda_lang.testing.inputs import block_inputs, cotangents
 
@@ -228,7 +231,14 @@ class Comparisons:
         dtypes.update(
             {p: dtype_of(next(x.var.type for x in self.block.ir.params if x.var.name == p)) for p in wrt}
         )
-        return self._outputs("gradient of", got, {p: gref[p] for p in wrt}, g64, dtypes, bounds)
+        # autograd gives a leaf its gradient in the leaf's dtype: an fp8 input's is fp8 (saturated), so
+        # the interpreter's is rounded so too, and each bound (propagated to the bf16 gradient) rounded
+        fp8 = {p for p in wrt if is_fp8(dtypes[p])}
+        want = {p: round_fp8(gref[p], dtypes[p]) if p in fp8 else gref[p] for p in wrt}
+        if fp8 and bounds is not None:
+            raw = bounds
+            bounds = _Once(lambda: {**raw(), **{p: rounded(gref[p], raw()[p], dtypes[p]) for p in fp8}})
+        return self._outputs("gradient of", got, want, g64, dtypes, bounds)
 
     @staticmethod
     def _dims(block: Block, case: Case) -> dict[str, int]:
@@ -240,6 +250,8 @@ class Comparisons:
         import torch
 
         a = np.asarray(a)
-        if a.dtype.name == "bfloat16":
-            return torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16).to(self.device)
+        narrow = {"bfloat16": "bfloat16", "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2"}
+        if a.dtype.name in narrow:  # (NumPy has no such dtype: through f32, exact)
+            dtype = getattr(torch, narrow[a.dtype.name])
+            return torch.from_numpy(a.astype(np.float32)).to(dtype).to(self.device)
         return torch.from_numpy(a.copy()).to(self.device)  # (np.ascontiguousarray makes 0-d arrays 1-d)

@@ -25,8 +25,8 @@ projections (Phi-3's four), LoRA dropout in training, quantized layers (bitsandb
 anything the fused forward would bypass (hooks on the modules whose work the blocks do, a module
 swapped or a config field changed since patching): each raises ValueError naming what it met and
 what to do (checks.py at patching, contract.py at each forward;
-docs/models.md lists them). peft LoRA applied before patching runs in the blocks (lora.py: each block
-reads W + s B A). `unpatch(model)` gives the transformers model back (generation with a KV cache works
+docs/models.md lists them). peft LoRA applied before patching runs in the blocks (lora.py: each adapted
+GEMM adds the adapters' output to its accumulator). `unpatch(model)` gives the transformers model back (generation with a KV cache works
 again).
 Invariants: the optimizer should be made after patching (the fused weights are new parameters); the
 loss follows transformers' contract (labels shifted by one, -100 ignored, the mean over counted tokens

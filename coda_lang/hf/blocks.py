@@ -64,24 +64,26 @@ from coda_lang.torch import llama_mlp_stages
 
 DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 
+
+def _rope(x: str) -> str:
+    """The QKV blocks' last lines: RoPE on the column pairs of `x` (q and k rows interleaved, v's
+    angle 0), stored as `qkv`. Every QKV variant below ends with it."""
+    return (
+        f"    qa, qb = pairs({x})\n    ang = pos * freq\n    c = cos(ang)\n    s = sin(ang)"
+        "\n    qkv = interleave(qa * c - qb * s, qa * s + qb * c)"
+    )
+
+
 _QKV = """
     z = acc{r}{b}
-    qa, qb = pairs(z)
-    ang = pos * freq
-    c = cos(ang)
-    s = sin(ang)
-    qkv = interleave(qa * c - qb * s, qa * s + qb * c)"""
+""" + _rope("z")
 
 _QKV_NORM = """
     z = acc{r}{b}
     hs = sum(z * z, over=2*P, group=HD)
     zn = z * rsqrt(hs / HD + eps)
     n = mq * (zn * {gq}) + mk * (zn * {gk}) + (1.0 - mq - mk) * z
-    qa, qb = pairs(n)
-    ang = pos * freq
-    c = cos(ang)
-    s = sin(ang)
-    qkv = interleave(qa * c - qb * s, qa * s + qb * c)"""
+""" + _rope("n")
 
 # the per-head q/k norm of heads wider than the kernels' tiles (Gemma 3's 256 columns): the GEMM
 # stores the projection, a row stage completes each head's sum of squares (a grouped reduction, whose
@@ -93,11 +95,7 @@ _QKV_NORM_ROWS = """
     hs = sum(zr * zr, over=2*P, group=HD)
     zn = zr * rsqrt(hs / HD + eps)
     n = mq * (zn * {gq}) + mk * (zn * {gk}) + (1.0 - mq - mk) * zr
-    qa, qb = pairs(n)
-    ang = pos * freq
-    c = cos(ang)
-    s = sin(ang)
-    qkv = interleave(qa * c - qb * s, qa * s + qb * c)"""
+""" + _rope("n")
 
 # q and k normalized over each projection's whole width: the GEMM stores the projection and the
 # partial sums of squares of its q and k columns, the row stage after it applies the row scales
@@ -110,11 +108,7 @@ _QKV_PROJ_NORM = """
   rk = rsqrt(ssk / NK + eps)
   elementwise [M, 2*P] {{
     z = zr * (mq * rq + mk * rk + (1.0 - mq - mk)) * gqk
-    qa, qb = pairs(z)
-    ang = pos * freq
-    c = cos(ang)
-    s = sin(ang)
-    qkv = interleave(qa * c - qb * s, qa * s + qb * c)"""
+""" + _rope("z")
 
 # Post norms: each branch (the out-projection's `o`, the down-projection's `m`) stored with the
 # partial sums of its squares, normalized and added to the residual in a row stage after its GEMM
@@ -243,11 +237,13 @@ def heads_fit_tiles(head_dim: int) -> bool:
     return any(c.tile_n % head_dim == 0 for c in CANDIDATES)
 
 
-def _qkv(t: str, src: str, r: str, qk_norm: str | None, bias: bool, offset: float, hd: int) -> str:
+def _qkv(
+    t: str, src: str, r: str, qk_norm: str | None, bias: bool, offset: float, hd: int, rows: bool = False
+) -> str:
     """The QKV projection's stage reading `src` (its row scale `r`, or "" for none) through RoPE,
-    with the q/k norm `qk_norm` (and, for "proj" or heads wider than the kernels' tiles, the row stage
-    after it); `offset` the norm weights' offset, `hd` the head dim."""
-    if qk_norm == "head" and not heads_fit_tiles(hd):
+    with the q/k norm `qk_norm` (and, for "proj", heads wider than the kernels' tiles or `rows`, the
+    row stage after it); `offset` the norm weights' offset, `hd` the head dim."""
+    if qk_norm == "head" and (rows or not heads_fit_tiles(hd)):
         body = _QKV_NORM_ROWS
     else:
         body = {None: _QKV, "head": _QKV_NORM, "proj": _QKV_PROJ_NORM}[qk_norm]
@@ -283,6 +279,7 @@ def model_source(
     norm_offset: float = 0.0,
     act: str = "silu",
     softcap: float | None = None,
+    head_rows: bool = False,
 ) -> str:
     """The program's text for a model of parameter dtype `dtype` (a torch dtype's name); `qk_norm`:
     None (or False), "head" (or True: per head, Qwen3, Gemma 3) or "proj" (over each projection: OLMo
@@ -290,7 +287,10 @@ def model_source(
     (embedding, residual, logits), the last two written into the blocks; `pre_norm` / `post_norm`:
     where the layer's norms sit (at least one); `norm_offset`: every norm (q/k norms included) scales
     by (norm_offset + w) (Gemma: 1); `act`: the gate's activation, a key of `ACTIVATIONS`; `softcap`:
-    the logits soft-capped at it (Gemma's final_logit_softcapping), written into the heads."""
+    the logits soft-capped at it (Gemma's final_logit_softcapping), written into the heads;
+    `head_rows`: a per-head q/k norm in a row stage after the QKV GEMM even where heads fit the
+    tiles (the blocks of peft LoRA on q, k or v, whose GEMM adds the adapters' output, a tile the
+    backend's grouped reductions don't read yet: hf/lora.py)."""
     kind = ("head" if qk_norm else None) if isinstance(qk_norm, bool) else qk_norm
     if kind not in (None, "head", "proj"):
         raise ValueError(f"qk_norm must be None, 'head' or 'proj', got {qk_norm!r}")
@@ -316,14 +316,16 @@ def model_source(
         "proj": ", gqk: f32[2*P], mq: f32[2*P], mk: f32[2*P]",
     }[kind]
     notes = {None: "", "head": ", per-head q/k norm", "proj": ", q/k norm over each projection"}[kind]
-    notes += " (a row stage)" if kind == "head" and not heads_fit_tiles(head_dim) else ""
+    notes += " (a row stage)" if kind == "head" and (head_rows or not heads_fit_tiles(head_dim)) else ""
     notes += ", QKV bias" if qkv_bias else ""
     notes += ", post norms" if post_norm else ""
     notes += "" if pre_norm else ", no pre norms"
     notes += f", norms of ({float(norm_offset)!r} + w)" if norm_offset else ""
     notes += f", {act}" if act != "silu" else ""
     notes += f", logits soft-capped at {float(softcap)!r}" if softcap is not None else ""
-    qkv = functools.partial(_qkv, t, qk_norm=kind, bias=qkv_bias, offset=norm_offset, hd=head_dim)
+    qkv = functools.partial(
+        _qkv, t, qk_norm=kind, bias=qkv_bias, offset=norm_offset, hd=head_dim, rows=head_rows
+    )
     if pre_norm:
         first = _INPUT_NORM.format(t=t, g=_weight("g", norm_offset)) + qkv("hg", "r")
     else:

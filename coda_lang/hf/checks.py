@@ -113,7 +113,7 @@ LORA_TARGETS = (
 
 
 def check_lora(path: str, m: Any, biased: bool = False) -> None:
-    """Raise `refuse(...)` unless the patch can run LoRA layer `m` (at `path`) as one weight W + s B A:
+    """Raise `refuse(...)` unless the patch can run LoRA layer `m` (at `path`) (lora.py: x W^T + s (x A^T) B^T):
     plain LoRA (no DoRA, no LoRA bias, no other variant, not fan_in_fan_out) on an `nn.Linear` base
     (not a quantized one: QLoRA) with a bias where the family's projection has one (`biased`: Qwen2's
     q, k and v), no hooks on it or its parts."""
@@ -144,7 +144,7 @@ def check_lora(path: str, m: Any, biased: bool = False) -> None:
             if getattr(m, flag, {}).get(a, False):
                 raise refuse(
                     f"{path} (adapter {a!r})",
-                    f"{what_}: the patch runs plain LoRA, one weight W + s B A per projection",
+                    f"{what_}: the patch runs plain LoRA, x W^T + s (x A^T) B^T per projection",
                     "train it unpatched",
                 )
         if a in getattr(m, "lora_variant", {}):

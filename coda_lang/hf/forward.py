@@ -40,11 +40,12 @@ from coda_lang.core.diagnostics import CodaError, error
 from coda_lang.hf import lora
 from coda_lang.hf.blocks import DTYPES
 from coda_lang.hf.checkpoint import WRAPPED
-from coda_lang.hf.checks import refuse
+from coda_lang.hf.checks import base_of, refuse
 from coda_lang.hf.contract import check_call, returned
 from coda_lang.hf.family import layer_norms
 from coda_lang.hf.loss import IGNORE, ChunkedLoss, Embed, TiedGrad, rows_per_chunk, targets, tied_embedding
 from coda_lang.hf.masks import layer_masks, window
+from coda_lang.hf.split import LORA_C
 from coda_lang.hf.state import Blocks, ModelState
 from coda_lang.hf.units import gathered
 from coda_lang.layout import interleave_rope
@@ -229,6 +230,33 @@ def run_block(owner: Any, fn: BlockFunction, inputs: dict[str, Any]) -> dict[str
         raise named(owner, fn.name, inputs, e) from None
 
 
+def run_lora(
+    owner: Any, blocks: Blocks, name: str, inputs: dict[str, Any], loras: dict[str, lora.Spec | None]
+) -> dict[str, torch.Tensor]:
+    """Block `name` of `blocks` on `inputs`, run by `owner`: whole, or where `loras` gives active peft
+    LoRA adapters of some of its weights, in parts cut before those weights' GEMMs, each of which adds
+    the adapters' output to its accumulator (lora.py, split.py). A weight or bias that requires no
+    gradient (a frozen base) is not differentiated: no weight-gradient GEMM is made for it."""
+    cut = tuple(sorted(k for k, v in loras.items() if v is not None))
+    fn = {"first_qkv": blocks.first, "layer": blocks.layer, "last": blocks.last}[name]
+    frozen = tuple(sorted(k for k, v in inputs.items() if k.startswith(("w_", "b_")) and not v.requires_grad))
+    if not cut and not frozen:
+        return run_block(owner, fn, inputs)
+    env = dict(inputs)
+    for part, ops in blocks.parts(name, cut, frozen):
+        args = {p.var.name: env[p.var.name] for p in part.block.ir.params if p.var.name in env}
+        if ops is not None:
+            xn, wn = ops
+            spec = loras[wn]
+            assert spec is not None
+            args[LORA_C], again = lora.correction(env[xn], spec)
+            with lora.kept(args[LORA_C], again):  # (the block's backward makes it again)
+                env.update(run_block(owner, part, args))
+        else:
+            env.update(run_block(owner, part, args))
+    return {o.name: env[o.name] for o in fn.block.ir.outputs}
+
+
 def named(owner: Any, block: str, inputs: dict[str, Any], e: CodaError) -> CodaError:
     """`e`, or for E0811 (an input without memory) an E0811 naming the parameters of `owner` among
     `inputs` that have no memory (patched and Hugging Face's names), and what to do."""
@@ -286,16 +314,22 @@ def layer_forward(
                 "and runs",
             )
     y = attention(st, attn, qkv, step.b, step.s, step.mask[i], step.kwargs)
+    o_proj, down = base_of(attn.o_proj), base_of(mlp.down_proj)
     inputs = dict(
         y=y,
         x=x,
-        w_o=lora.linear_weight(attn.o_proj),
-        w_13=lora.gate_up_weight(mlp),
-        w_2=lora.linear_weight(mlp.down_proj),
+        w_o=o_proj.weight,
+        w_13=mlp.gate_up_weight,
+        w_2=down.weight,
         **{k: getattr(self, n).weight for k, n in layer_norms(st.family).items()},
     )
+    loras = {
+        "w_o": lora.linear(attn.o_proj, o_proj.weight.shape[0]),
+        "w_13": lora.gate_up(mlp),
+        "w_2": lora.linear(mlp.down_proj, down.weight.shape[0]),
+    }
     if self._coda_last:
-        out = run_block(self, step.blocks.last, {**inputs, "g2": nxt.norm.weight})
+        out = run_lora(self, step.blocks, "last", {**inputs, "g2": nxt.norm.weight}, loras)
         if given is not None:
             step.made[i] = (out["x2g"], out["r2"])
         return out["x2g"], out["r2"]
@@ -303,12 +337,13 @@ def layer_forward(
     if st.family.pre_norm:
         inputs["g2"] = nxt.input_layernorm.weight
     inputs.update(
-        w_qkv=lora.qkv_weight(fused),
+        w_qkv=fused.qkv_weight,
         pos=step.pos,
         freq=step.freq[i + 1],  # (the next layer's QKV: Gemma 3's RoPE is per kind of layer)
         **qkv_inputs(st, fused, x.device),
     )
-    out = run_block(self, step.blocks.layer, inputs)
+    loras["w_qkv"] = lora.qkv(fused)
+    out = run_lora(self, step.blocks, "layer", inputs, loras)
     if given is not None:
         step.made[i] = (out["x2"], out["qkv"])
     return out["x2"], out["qkv"]
@@ -376,14 +411,14 @@ def hidden(
     fused = first.self_attn
     inputs = dict(
         h=h,
-        w_qkv=lora.qkv_weight(fused),
+        w_qkv=fused.qkv_weight,
         pos=step.pos,
         freq=step.freq[0],
         **qkv_inputs(st, fused, emb.device),
     )
     if st.family.pre_norm:
         inputs["g"] = first.input_layernorm.weight
-    qkv = run_block(model, step.blocks.first, inputs)["qkv"]
+    qkv = run_lora(model, step.blocks, "first_qkv", inputs, {"w_qkv": lora.qkv(fused)})["qkv"]
     if states is not None:
         states.append(emb)
     layers = base.layers

@@ -88,15 +88,43 @@ def _patched(config: Any, dtype: torch.dtype, loss_mode: str, device: str, layer
     return apply_coda(model, loss_mode=loss_mode)
 
 
+# the block weight each peft LoRA target adapts (Phi-3's fused projections among them)
+LORA_WEIGHTS = {
+    "q_proj": "w_qkv",
+    "k_proj": "w_qkv",
+    "v_proj": "w_qkv",
+    "qkv_proj": "w_qkv",
+    "o_proj": "w_o",
+    "gate_proj": "w_13",
+    "up_proj": "w_13",
+    "gate_up_proj": "w_13",
+    "down_proj": "w_2",
+}
+
+
 def model_functions(
-    config: Any, dtype: torch.dtype = torch.bfloat16, loss_mode: str = "rows"
+    config: Any, dtype: torch.dtype = torch.bfloat16, loss_mode: str = "rows", lora: tuple[str, ...] = ()
 ) -> list[BlockFunction]:
     """The block functions of a training step of the patched model of `config` (see the module
-    docstring); ValueError where the patch refuses the config."""
+    docstring); ValueError where the patch refuses the config, or for a `lora` target (a module name
+    of peft's `target_modules`) the blocks don't run. With `lora`, the step of a peft LoRA model on
+    those targets, its base frozen: each block cut before its adapted GEMMs, no weight differentiated
+    (hf/lora.py), as `forward.run_lora` makes them."""
+    unknown = [t for t in lora if t not in LORA_WEIGHTS]
+    if unknown:
+        raise ValueError(f"LoRA targets {unknown}: the blocks run LoRA on {', '.join(LORA_WEIGHTS)}")
     st = _patched(config, dtype, loss_mode, "meta")._coda
     blocks = st.blocks(dtype)
     head = blocks.row_head() if loss_mode == "rows" else blocks.vocab_head()
-    return [blocks.first, blocks.layer, blocks.last, head]
+    if not lora:
+        return [blocks.first, blocks.layer, blocks.last, head]
+    adapted = {LORA_WEIGHTS[t] for t in lora}
+    out = []
+    for fn in (blocks.first, blocks.layer, blocks.last):
+        weights = [p.var.name for p in fn.block.ir.params if p.var.name.startswith(("w_", "b_"))]
+        cut = tuple(sorted(w for w in weights if w in adapted))
+        out += [f for f, _ in blocks.parts(fn.name, cut, tuple(sorted(weights)))]
+    return [*out, head]
 
 
 def model_kernels(functions: list[BlockFunction]) -> list[Any]:

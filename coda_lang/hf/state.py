@@ -31,6 +31,7 @@ from coda_lang.hf.checkpoint import Layout
 from coda_lang.hf.family import Family, multipliers, softcap
 from coda_lang.hf.loss import LOSS_CHUNK_BYTES, LossSettings
 from coda_lang.hf.masks import layer_kinds
+from coda_lang.hf.split import split
 from coda_lang.torch import BlockFunction, compile_together, function
 
 
@@ -42,21 +43,26 @@ class Blocks:
     def __init__(self, st: ModelState, dtype: torch.dtype, eps: float):
         self.dtype = dtype
         f = st.family
-        src = model_source(
-            str(dtype).removeprefix("torch."),
-            eps,
-            st.HD,
-            f.qk_norm,
-            f.qkv_bias,
-            st.multipliers,
-            pre_norm=f.pre_norm,
-            post_norm=f.post_norm,
-            heads=(st.H, st.KV),
-            norm_offset=f.norm_offset,
-            act=f.activation,
-            softcap=st.softcap,
-        )
-        prog = load(src)
+
+        def source(head_rows: bool = False) -> str:
+            return model_source(
+                str(dtype).removeprefix("torch."),
+                eps,
+                st.HD,
+                f.qk_norm,
+                f.qkv_bias,
+                st.multipliers,
+                pre_norm=f.pre_norm,
+                post_norm=f.post_norm,
+                heads=(st.H, st.KV),
+                norm_offset=f.norm_offset,
+                act=f.activation,
+                softcap=st.softcap,
+                head_rows=head_rows,
+            )
+
+        prog = load(source())
+        self._source = source
         weights = {"w_o", "w_13", "w_2", "w_qkv", "b_qkv", "w_lm", "g", "g1", "g2", "go", "gd"}
         weights |= {"gq", "gk", "gqk"}
 
@@ -78,12 +84,48 @@ class Blocks:
         self.head_logits = fn("head_logits")
         self.loss_budget = st.loss_budget
         self._fn = fn
+        self._prog = prog
+        self._lora_prog: Any = None
+        self.head_norm = f.qk_norm in ("head", True)
+        self._weights = weights
+        self._parts: dict[
+            tuple[str, tuple[str, ...], tuple[str, ...]], list[tuple[BlockFunction, tuple[str, str] | None]]
+        ] = {}
         self._vocab_head: BlockFunction | None = None
         self._row_head: BlockFunction | None = None
         # a training step's kernels (the first layer's, the layers', the last layer's, the loss head's:
         # forward and backward) compile at once at its first call, in one pool of workers
         head = self.row_head() if st.loss_mode == "rows" else self.vocab_head()
         compile_together(self.first, self.layer, self.last, head)
+
+    def parts(
+        self, name: str, cut: tuple[str, ...], frozen: tuple[str, ...] = ()
+    ) -> list[tuple[BlockFunction, tuple[str, str] | None]]:
+        """Block `name` cut before the GEMMs on the weights `cut` (split.py: where peft LoRA adapters
+        add to a GEMM's accumulator, lora.py), each part a function with its cut GEMM's operands in
+        the block (x, w) or None; the parameters in `frozen` not differentiated (no weight-gradient
+        GEMM for a frozen base). Made at first use, its kernels compiled at its first call."""
+        key = (name, cut, frozen)
+        got = self._parts.get(key)
+        if got is None:
+            prog = self._prog
+            if "w_qkv" in cut and self.head_norm:
+                # (a per-head q/k norm after a GEMM that adds LoRA's output: in a row stage)
+                if self._lora_prog is None:
+                    self._lora_prog = load(self._source(head_rows=True))
+                prog = self._lora_prog
+            block = prog[name]
+            own = {p.var.name for p in block.ir.params}
+            wants = (self._weights | {"h", "y", "x", "hg", "r"}) - set(frozen)
+            pieces = split(block, prog.ir.dims, cut) if cut else [(block, None)]
+            got = []
+            for b, ops in pieces:
+                # differentiated: what the block is, and what the parts before make (and lora_c)
+                wrt = [p.var.name for p in b.ir.params if p.var.name in wants or p.var.name not in own]
+                got.append((function(b, wrt=wrt), ops))
+            compile_together(*[fn for fn, _ in got])  # (the parts' kernels in one pool, at their first call)
+            self._parts[key] = got
+        return got
 
     def row_head(self) -> BlockFunction:
         """The loss head of "rows" mode: its logits saved (remat="save"), run forward and backward

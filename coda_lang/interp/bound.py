@@ -19,8 +19,10 @@ bound, propagated through the program one equation at a time:
 - an infinity or NaN that comes from an exact infinite or NaN operand has bound 0 (IEEE gives it in
   any order of the arithmetic), and 0 times any bound is 0; a value that overflowed from finite
   operands, or a bound nothing is known of, is unbounded (inf), never NaN;
-- a value rounded to bf16/f16 has bound 0 where no value within its bound rounds differently (both
-  implementations then store the same number), else the distance to what it may round to;
+- a value rounded to bf16/f16 or fp8 has bound 0 where no value within its bound rounds differently
+  (both implementations then store the same number), else the distance to what it may round to (up
+  to one ulp: 2^-7 relative for bf16, 2^-3 for e4m3, whose unit roundoff is 2^-4, 2^-2 for e5m2); an
+  fp8 store saturates, so values beyond its largest one all store it (bound 0 there);
 - a value that another correct implementation may have as anything, NaN included, has bound `ANY`
   (-inf, never a real bound): an infinity times (or over) a value whose bound reaches 0 (inf * sin(x)
   where sin's fast-math twin may give 0 or the other sign: inf, -inf or NaN), 0 / 0 within the
@@ -188,6 +190,12 @@ def _rounding(x: Any, e: Any, dtype: str) -> Any:
     return np.where(e == 0, 0.0, np.where(e == ANY, ANY, out))
 
 
+def rounded(x: Any, e: Any, dtype: str) -> Any:
+    """The bound of `x` (with bound `e`) once rounded to `dtype`: where a caller rounds an
+    interpreter's value itself (an fp8 leaf's gradient, which autograd returns in the leaf's dtype)."""
+    return _rounding(np.asarray(x, np.float64), e, dtype)
+
+
 class Bounds(Interpreter):
     """The interpreter (exact precision, whole mode) with a bound for every value (module docstring)."""
 
@@ -307,14 +315,16 @@ class Bounds(Interpreter):
                 for a in e.ins
             ]
             vals = [
-                np.repeat(x, _type(a).group or 1, axis=1) if g else x
+                np.repeat(x, _type(a).group or 1, axis=_type(a).group_axis) if g else x
                 for a, x, g in zip(e.ins, vals, grouped, strict=True)
             ]
             errs = [
-                np.repeat(x, _type(a).group or 1, axis=1) if g and np.ndim(x) else x
+                np.repeat(x, _type(a).group or 1, axis=_type(a).group_axis) if g and np.ndim(x) else x
                 for a, x, g in zip(e.ins, errs, grouped, strict=True)
             ]
         if rule is BoundRule.REDUCE:
+            if outs_t[0].kind == GROUP and outs_t[0].group_axis == 0:
+                params["_rows"] = True  # runs of rows (the layout run.py's apply reduces)
             b = self.reduce(op, params, _type(e.ins[0]), vals[0], errs[0], outs[0], t)
             return [np.where(self.reduced_any(params, _type(e.ins[0]), vals[0], errs[0], t), ANY, b)]
         if rule is BoundRule.GATHER:
@@ -363,6 +373,9 @@ class Bounds(Interpreter):
         group = params.get("group")
         if t is None:
             return np.any(_any(e), axis=0)
+        if group is not None and params.get("_rows"):
+            g = int(group)
+            return np.any(_any(e).reshape(e.shape[0] // g, g, e.shape[1]), axis=1)
         if group is not None:
             g = int(group)
             return np.any(_any(e).reshape(e.shape[0], e.shape[1] // g, g), axis=2)
@@ -473,6 +486,11 @@ class Bounds(Interpreter):
         group = params.get("group")
         if t is None:
             axis = 0
+        elif group is not None and params.get("_rows"):
+            g = int(group)
+            x = x.reshape(x.shape[0] // g, g, x.shape[1])
+            e = e.reshape(x.shape)
+            axis = 1
         elif group is not None:
             g = int(group)
             x = x.reshape(x.shape[0], x.shape[1] // g, g)
@@ -496,6 +514,8 @@ class Bounds(Interpreter):
                 + gamma(n)
                 + DEFAULT_INJECT * (np.abs(y) + np.max(finite, axis=axis, initial=0.0))
             )
+            # a NaN term whose bound is not 0 (it may be a number elsewhere) makes p NaN: unbounded
+            b = np.where(np.isnan(b), np.inf, b)
         else:
             return np.full(np.shape(y), np.inf)
         return np.where(_exact_sum(x, e, y, axis), 0.0, b)

@@ -98,7 +98,7 @@ def memory_needed(block: Block, dims: dict[str, int], precision: str = "exact") 
     return total + SCRATCH * largest
 
 
-_ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "bool": 1}
+_ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "e4m3": 1, "e5m2": 1, "i32": 4, "bool": 1}
 
 
 def check_sizes(block: Block, dims: dict[str, int], precision: str = "exact", tile: Any = None) -> None:
@@ -195,12 +195,23 @@ def _to_numpy(x: Any) -> np.ndarray:
     """NumPy view of an input; torch tensors (bf16 included) are copied to the CPU first."""
     if hasattr(x, "detach") and hasattr(x, "dtype") and "torch" in type(x).__module__:
         t = x.detach().cpu()
-        if str(t.dtype) == "torch.bfloat16":
+        ml = _ML_DTYPES.get(str(t.dtype))
+        if ml is not None:  # (NumPy has no such dtype: through f32, exact)
             import ml_dtypes
 
-            return t.float().numpy().astype(ml_dtypes.bfloat16)
+            return t.float().numpy().astype(getattr(ml_dtypes, ml))
         return t.numpy()
     return np.asarray(x)
+
+
+# torch dtypes NumPy lacks -> their ml_dtypes names; and the names of ml_dtypes' float arrays, which
+# NumPy gives the kind "V"
+_ML_DTYPES = {
+    "torch.bfloat16": "bfloat16",
+    "torch.float8_e4m3fn": "float8_e4m3fn",
+    "torch.float8_e5m2": "float8_e5m2",
+}
+_ML_FLOATS = frozenset(_ML_DTYPES.values())
 
 
 def bind(
@@ -219,7 +230,10 @@ def bind(
                 arrays[p.var.name] = _to_numpy(inputs[p.var.name])
             except Exception as e:  # e.g. ragged lists
                 raise error("E0803", f"input `{p.var.name}` is not an array: {e}") from None
-            if arrays[p.var.name].dtype.kind not in "fiub" and arrays[p.var.name].dtype.name != "bfloat16":
+            if (
+                arrays[p.var.name].dtype.kind not in "fiub"
+                and arrays[p.var.name].dtype.name not in _ML_FLOATS
+            ):
                 raise error(
                     "E0803",
                     f"input `{p.var.name}` is an array of {arrays[p.var.name].dtype} "
@@ -240,7 +254,7 @@ def bind(
         a = arrays[p.var.name]
         kind = a.dtype.kind
         if is_float(t.dtype):
-            if kind != "f" and not (kind in "iu" and a.ndim == 0) and a.dtype.name != "bfloat16":
+            if kind != "f" and not (kind in "iu" and a.ndim == 0) and a.dtype.name not in _ML_FLOATS:
                 raise error("E0803", f"input `{p.var.name}` is {a.dtype}, but it is declared {t.dtype}")
             x = a.astype(compute_dtype("f32", precision))
             env[p.var.name] = round_to(x, t.dtype, precision)
@@ -291,7 +305,13 @@ def random_inputs(block: Block, dims: dict[str, int], seed: int = 0) -> dict[str
         x = rng.standard_normal(shape).astype(np.float32)
         if p.var.name in rhs:
             x /= np.sqrt(max(extent(rhs[p.var.name], dims), 1))
-        dt = {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "f16": np.float16}[t.dtype]
+        dt = {
+            "f32": np.float32,
+            "bf16": ml_dtypes.bfloat16,
+            "f16": np.float16,
+            "e4m3": ml_dtypes.float8_e4m3fn,
+            "e5m2": ml_dtypes.float8_e5m2,
+        }[t.dtype]
         out[p.var.name] = x.astype(dt)
     return out
 

@@ -151,6 +151,13 @@ class Interpreter:
                                 (R, extent(vt.shape[1], self.dims)), self.cdtype(vt)
                             )
                         full[r0:r1, t.col_slice(vt.shape[1])] = x
+                    elif vt.kind == GROUP and vt.group_axis == 0:  # one per column and run of rows
+                        full = results.get(v.name)
+                        assert vt.group is not None
+                        if full is None:
+                            shape = (extent(vt.shape[0], self.dims), extent(vt.shape[1], self.dims))
+                            full = results[v.name] = np.empty(shape, self.cdtype(vt))
+                        full[r0 // vt.group : -(-r1 // vt.group), t.col_slice(vt.shape[1])] = x
                     elif vt.kind == GROUP:
                         full = results.get(v.name)
                         width = extent(vt.shape[1], self.dims)
@@ -213,7 +220,15 @@ class Interpreter:
                 t = _type(v)
                 if splits_pairs(t):
                     raise error("E0805", f"tile_N = {tn} is odd, but stage `{v.name}` works on column pairs")
-                if t.kind == GROUP:
+                if t.kind == GROUP and t.group_axis == 0:
+                    assert t.group is not None
+                    if tm % t.group and tm < extent(_type(v).grouped_shape()[0], self.dims):
+                        raise error(
+                            "E0805",
+                            f"tile_M = {tm} splits the groups of {t.group} rows of `{v.name}`",
+                            notes=["the checker recorded this tiling constraint; see `coda check --explain`"],
+                        )
+                elif t.kind == GROUP:
                     assert t.group is not None
                     ratio = t.shape[1].coeff * t.group / cols.coeff
                     if (tn * ratio) % t.group:
@@ -272,7 +287,7 @@ class Interpreter:
             if outs_t[0].kind == TILE:  # a grouped value of this stage broadcasts over its groups' columns
                 # (one stored by an earlier stage is a tile of one column per group: read as it is)
                 vals = [
-                    np.repeat(x, _type(a).group or 1, axis=1)
+                    np.repeat(x, _type(a).group or 1, axis=_type(a).group_axis)
                     if _type(a).kind == GROUP and (senv is None or isinstance(a, Var) and a.name in senv)
                     else x
                     for a, x in zip(e.ins, vals, strict=True)
@@ -287,6 +302,17 @@ class Interpreter:
             group = params.get("group")
             if t is None:
                 res = op.impl(np.asarray(x), 0)
+            elif group is not None and _type(e.outs[0]).group_axis == 0:
+                g = int(group)  # type: ignore[arg-type]
+                if x.shape[0] % g:  # a height the checker could not see
+                    assert isinstance(over, Dim)
+                    raise error(
+                        "E0802",
+                        f"`{e.outs[0].name}` reduces groups of {g} rows of `{over}`, which is "
+                        f"{extent(over, self.dims)}: not a multiple of {g}",
+                        notes=["choose sizes that make the grouped rows a multiple of the group"],
+                    )
+                res = op.impl(x.reshape(x.shape[0] // g, g, x.shape[1]), 1)
             elif group is not None:
                 g = int(group)  # type: ignore[arg-type]
                 if x.shape[1] % g:  # a width the checker could not see (a dim known only from the inputs)

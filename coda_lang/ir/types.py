@@ -21,14 +21,30 @@ from typing import Any, Literal
 from coda_lang.core.diagnostics import error
 
 FLOAT_DTYPES = ("f32", "bf16", "f16")
+# fp8 storage dtypes (OCP): e4m3 is float8_e4m3fn (max 448, NaN, no infinities), e5m2 is float8_e5m2
+# (max 57344, infinities). Values of them compute in f32 like bf16's; a store saturates to +-max.
+FP8_DTYPES = ("e4m3", "e5m2")
+FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 INT_DTYPES = ("i32",)
-DTYPES = FLOAT_DTYPES + INT_DTYPES  # what a user may write
+DTYPES = FLOAT_DTYPES + FP8_DTYPES + INT_DTYPES  # what a user may write
 BOOL = "bool"  # internal: the dtype of comparisons
 ERROR = "<error>"  # internal: the dtype of a poisoned value
 
 
 def is_float(dtype: str) -> bool:
-    return dtype in FLOAT_DTYPES
+    """A floating-point dtype: f32, bf16, f16 or an fp8 one."""
+    return dtype in FLOAT_DTYPES or dtype in FP8_DTYPES
+
+
+def is_fp8(dtype: str | None) -> bool:
+    return dtype in FP8_DTYPES
+
+
+def cotangent_dtype(dtype: str) -> str:
+    """The dtype a derived backward stores the cotangent of a value of `dtype` in: its own, but bf16
+    for an fp8 value (the backward through an fp8 store is straight-through; quantizing a gradient
+    needs a scale, which only the program can write)."""
+    return "bf16" if dtype in FP8_DTYPES else dtype
 
 
 def promote(*dtypes: str) -> str:
@@ -95,9 +111,12 @@ class Type:
     dtype: str
     shape: Shape = ()
     kind: str = SCALAR
-    # PARTIAL: the combine rule ("sum", "max", "min", "lse"); GROUP: the group size.
+    # PARTIAL: the combine rule ("sum", "max", "min", "lse"); GROUP: the group size, and the axis its
+    # groups run along: 1, runs of `group` adjacent columns (shape [rows, W/group]); 0, runs of `group`
+    # adjacent rows (shape [rows/group, W]: a 128x1 group)
     combine: str | None = None
     group: int | None = None
+    group_axis: int = 1
 
     @property
     def is_error(self) -> bool:
@@ -110,6 +129,7 @@ class Type:
             "kind": kind,
             "combine": None,
             "group": None,
+            "group_axis": 1,
         }
         fields.update(kw)
         return Type(**fields)
@@ -122,8 +142,15 @@ class Type:
         if self.combine:
             extra += f" ({self.combine})"
         if self.group:
-            extra += f" (group={self.group})"
+            extra += f" (group={self.group}{', rows' if self.group_axis == 0 else ''})"
         return f"{s} {extra}"
+
+    def grouped_shape(self) -> Shape:
+        """The tile shape a grouped value broadcasts over: its groups widened back to their runs."""
+        assert self.group is not None
+        if self.group_axis == 0:
+            return (self.shape[0].scale(self.group), self.shape[1])
+        return (self.shape[0], self.shape[1].scale(self.group))
 
 
 ERROR_TYPE = Type(ERROR)

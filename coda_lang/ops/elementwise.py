@@ -15,7 +15,7 @@ import math
 from typing import Any
 
 from coda_lang.core.diagnostics import Mistake
-from coda_lang.ir.types import BOOL, ERROR_TYPE, FLOAT_DTYPES, INT_DTYPES, Type, promote
+from coda_lang.ir.types import BOOL, ERROR_TYPE, FLOAT_DTYPES, FP8_DTYPES, INT_DTYPES, Type, is_fp8, promote
 from coda_lang.ops.registry import (
     FASTMATH_ROUNDING,
     Arith,
@@ -34,6 +34,7 @@ from coda_lang.ops.registry import (
     np,
     register,
     torch,
+    torch_round,
     unary,
 )
 
@@ -112,6 +113,8 @@ def _epi(name: str) -> dict[str, Any]:
 def _cast_emit(x: str, dtype: str) -> str:
     if dtype == "i32":
         raise Mistake("E0703", "cast() to i32 has no CuTeDSL emitter yet")
+    if is_fp8(dtype):
+        raise Mistake("E0703", f"cast() to {dtype} has no CuTeDSL emitter yet (fp8 is emulated only)")
     return {"f32": f"Float32({x})", "bf16": f"Float32(BFloat16({x}))", "f16": f"Float32(Float16({x}))"}[dtype]
 
 
@@ -650,6 +653,8 @@ _TORCH_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
 
 
 def _cast_triton(x: str, dtype: str) -> str:
+    if is_fp8(dtype):  # (the stage generator refuses fp8 programs before it lowers an op)
+        raise Mistake("E0703", f"cast() to {dtype} has no Triton lowering yet")
     if dtype == "i32":  # truncates toward zero, as the interpreter's cast
         return f"{x}.to(tl.int32)"
     if dtype == "f32":
@@ -664,7 +669,7 @@ def _cast_torch(x: Any, dtype: str) -> Any:
     x = as_tensor(x)
     if dtype == "i32":
         return x.trunc().to(torch.int32) if x.is_floating_point() else x.to(torch.int32)
-    return x.float().to(getattr(torch, _TORCH_DTYPES[dtype])).float()
+    return torch_round(x, dtype)
 
 
 # cast(x, bf16): rounds to the dtype (the value is still computed in f32 afterwards). Its VJP passes the
@@ -686,11 +691,11 @@ register(
             triton=_cast_triton,
             torch=_cast_torch,
         ),
-        doc="x rounded to a dtype (the value stays f32); i32 truncates",
+        doc="x rounded to a dtype (the value stays f32; fp8 saturates to +-max first); i32 truncates",
     )
 )
 
-CAST_TARGETS = FLOAT_DTYPES + INT_DTYPES
+CAST_TARGETS = FLOAT_DTYPES + FP8_DTYPES + INT_DTYPES
 
 
 def _copy(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Type, ...]:

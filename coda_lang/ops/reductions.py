@@ -6,8 +6,9 @@ how per-tile partials combine, sum, max, min or log-sum-exp, in NumPy, torch and
 What it does not: decide where a partial may be used (frontend/verify/locality rules do).
 Invariants: inside a stage a reduction over rows or columns gives a `partial`, complete only after
 every tile ran; a grouped reduction (group=g) gives a `group` value, complete inside one tile when the
-tile width is a multiple of g (the checker records that tiling constraint); between stages a
-reduction of a vector gives a complete scalar.
+tile width (over the columns: runs of g columns, [rows, W/g]) or the tile height (over the rows: runs
+of g rows, [rows/g, W], `Type.group_axis` 0) is a multiple of g (the checker records that tiling
+constraint); between stages a reduction of a vector gives a complete scalar.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def _reduce_rule(name: str, combine: str) -> Any:
                     "E0404", f"{name}() over `{over}`, but the vector runs over `{t.shape[0]}`", arg=0
                 )
             return (Type(dtype),)
+        if t.kind == GROUP and t.group_axis == 0:
+            raise Mistake("E0408", f"{name}() of a value grouped over the rows is not supported yet", arg=0)
         if t.kind == GROUP and group is None and over == t.shape[1] and over != t.shape[0]:
             # a grouped value (one per row and group) reduced over its groups: a partial per row
             return (Type(dtype, (t.shape[0],), PARTIAL, combine=combine),)
@@ -83,12 +86,10 @@ def _reduce_rule(name: str, combine: str) -> Any:
             m.arg = 0 if m.arg is None else m.arg
             raise
         if group is not None:
-            if axis != 1:
-                raise Mistake(
-                    "E0408", "group= reduces runs of adjacent columns; this reduction is over the rows"
-                )
             if not isinstance(group, int) or group < 1:
                 raise Mistake("E0408", f"group= must be a positive integer, got {group}")
+            if axis == 0:
+                return (_row_group(ctx, t, group, dtype),)
             width = t.shape[1]
             if width.name is None or width.name in ctx.values:  # a known width: whole groups only
                 n = width.evaluate(ctx.values)
@@ -111,6 +112,25 @@ def _reduce_rule(name: str, combine: str) -> Any:
         return (Type(dtype, (other,), PARTIAL, combine=combine),)
 
     return rule
+
+
+def _row_group(ctx: Ctx, t: Type, group: int, dtype: str) -> Type:
+    """A reduction over runs of `group` adjacent rows (a 128x1 group: the scale of a column-quantized
+    copy): one value per column and run, complete in a tile whose tile_M is a multiple of the group.
+    Only of a tile as tall as the stage (the rows are the stage's own)."""
+    rows = t.shape[0]
+    if rows.name is None or rows.name in ctx.values:  # a known height: whole groups only
+        n = rows.evaluate(ctx.values)
+        if n % group != 0:
+            raise Mistake(
+                "E0408",
+                f"group={group} does not divide the rows `{rows}`, which are {n}",
+                notes=["each group is a run of `group` adjacent rows; the last one would be cut"],
+            )
+    ctx.constraints.append(
+        TileConstraint(of="tile_M", multiple_of=group, reason=f"group={group} over `{rows}`")
+    )
+    return Type(dtype, (rows.scale(Fraction(1, group)), t.shape[1]), GROUP, group=group, group_axis=0)
 
 
 def _reduce_impl(fn: str) -> Any:
@@ -142,7 +162,8 @@ def _reduce_vjp(fn: str) -> Any:
 
 REDUCE_PARAMS = (ParamSpec("over", "dim", required=True), ParamSpec("group", "int"))
 _REDUCE_DOCS = {
-    "sum": "the sum over a dim (a partial inside a stage; group=g: per run of g columns, complete in the tile)",
+    "sum": "the sum over a dim (a partial inside a stage; group=g: per run of g columns, or of g rows when "
+    "over the rows, complete in the tile)",
     "max": "the maximum over a dim (as sum; ties share the gradient)",
     "min": "the minimum over a dim (as sum; ties share the gradient)",
     "logsumexp": "log(sum(exp(x))) over a dim, computed stably (as sum)",

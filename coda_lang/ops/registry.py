@@ -32,6 +32,7 @@ from typing import Any
 from coda_lang.core.diagnostics import Mistake
 from coda_lang.ir.types import (
     ERROR_TYPE,
+    FP8_MAX,
     GROUP,
     MATRIX,
     PARTIAL,
@@ -67,13 +68,42 @@ np: Any = _Lazy("numpy")
 torch: Any = _Lazy("torch")
 
 
-_TORCH_DTYPE_NAMES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "i32": "int32", "bool": "bool"}
+_TORCH_DTYPE_NAMES = {
+    "f32": "float32",
+    "bf16": "bfloat16",
+    "f16": "float16",
+    "e4m3": "float8_e4m3fn",
+    "e5m2": "float8_e5m2",
+    "i32": "int32",
+    "bool": "bool",
+}
 
 
 def torch_dtype(dtype: str) -> Any:
-    """The torch dtype of a coda dtype ("f32", "bf16", "f16", "i32", "bool"): the one table every
-    runtime (CUDA blocks, generated stages, the quack adapter, `coda tune`'s inputs) uses."""
+    """The torch dtype of a coda dtype ("f32", "bf16", "f16", "e4m3", "e5m2", "i32", "bool"): the one
+    table every runtime (CUDA blocks, generated stages, the quack adapter, `coda tune`'s inputs) uses."""
     return getattr(torch, _TORCH_DTYPE_NAMES[dtype])
+
+
+def torch_store(x: Any, dtype: Any) -> Any:
+    """x (f32) converted for a store of the torch dtype `dtype`: an fp8 one saturates first (to +-max,
+    infinities too; NaN stays NaN), as the interpreter stores it; torch's cast does not saturate
+    everywhere."""
+    for name, m in FP8_MAX.items():
+        if dtype == torch_dtype(name):
+            return x.clamp(-m, m).to(dtype)
+    return x.to(dtype)
+
+
+def torch_round(x: Any, dtype: str) -> Any:
+    """A float tensor rounded to the coda float dtype `dtype` and back to f32 (the value stays f32):
+    fp8 saturates first, to +-max, infinities included (torch's own cast to e5m2 overflows to inf), as
+    the interpreter's store does (core/numerics.round_fp8)."""
+    x = x.float()
+    if dtype in FP8_MAX:
+        m = FP8_MAX[dtype]
+        x = x.clamp(-m, m)  # (NaN stays NaN)
+    return x.to(torch_dtype(dtype)).float()
 
 
 def as_tensor(x: Any) -> Any:
@@ -595,9 +625,13 @@ def broadcast(ctx: Ctx, types: tuple[Type, ...], dtype: str) -> Type:
             raise Mistake("E0402", f"tile shapes differ: {shape_str(shape)} and {shape_str(t.shape)}")
         shape = t.shape
     group: int | None = None
+    group_axis = 1
     for g in groups:
         assert g.group is not None
-        full = (g.shape[0], g.shape[1].scale(g.group))
+        full = g.grouped_shape()
+        if group is not None and g.group_axis != group_axis:
+            raise Mistake("E0402", "a value grouped over the rows meets one grouped over the columns")
+        group_axis = g.group_axis
         if shape is not None and full != shape:
             if tiles:
                 raise Mistake(
@@ -646,6 +680,12 @@ def broadcast(ctx: Ctx, types: tuple[Type, ...], dtype: str) -> Type:
             continue
         axis_of(ctx, d, shape, "a vector")
     if group is not None and not tiles:
+        if group_axis == 0:  # one value per column and run of rows: column vectors broadcast over it
+            if any(v.shape[0] != shape[1] for v in vecs):
+                raise Mistake("E0402", "a row vector can't broadcast over a value grouped over the rows")
+            return Type(
+                dtype, (shape[0].scale(Fraction(1, group)), shape[1]), GROUP, group=group, group_axis=0
+            )
         if any(v.shape[0] != shape[0] for v in vecs):
             raise Mistake("E0402", "a column vector can't broadcast over a grouped value")
         return Type(dtype, (shape[0], shape[1].scale(Fraction(1, group))), GROUP, group=group)

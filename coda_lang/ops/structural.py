@@ -188,7 +188,7 @@ def _expand(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Ty
             raise Mistake(
                 "E0402", f"expand() of a tile {shape_str(x.shape)} to a grouped value {shape_str(like.shape)}"
             )
-        return (Type(promote(x.dtype), like.shape, GROUP, group=like.group),)
+        return (Type(promote(x.dtype), like.shape, GROUP, group=like.group, group_axis=like.group_axis),)
     if (
         x.kind == VEC
         and like.kind == VEC

@@ -7,7 +7,7 @@ The rule (as tests/runtime_check.py states it for the GPU tests, and PAPER.md se
   value (NaN, +inf or -inf); signed zeros are equal;
 - every finite element close: |got - ref| <= r * (|ref| + rms(ref)), r = 2**-7 (one bf16 ulp at the
   value's scale, with a floor at the output's rms for cancellation) for 16-bit dtypes, r = 1e-3 for
-  f32 (the kernels use fast-math exp/log/tanh);
+  f32 (the kernels use fast-math exp/log/tanh), one fp8 ulp for fp8 (2**-3 e4m3, 2**-2 e5m2);
 - or, where that fails and `bound` is given (per element, `coda_lang.interp.bound`: how far a
   correct implementation that rounds where the interpreter rounds may be from it, propagated from
   the magnitudes that went into each value), |got - ref| <= 2 * bound: an element that cancelled
@@ -29,7 +29,9 @@ from typing import Any
 
 import numpy as np
 
-REL = {"f32": 1e-3, "bf16": 2.0**-7, "f16": 2.0**-7}
+# one ulp at the value's scale (twice the unit roundoff) for the rounded dtypes: bf16's 2^-7, e4m3's
+# 2^-3 (unit roundoff 2^-4), e5m2's 2^-2 (2^-3)
+REL = {"f32": 1e-3, "bf16": 2.0**-7, "f16": 2.0**-7, "e4m3": 2.0**-3, "e5m2": 2.0**-2}
 PAPER_ATOL = 1e-6
 F32_MAX = float(np.finfo(np.float32).max)
 ANY = -np.inf  # a bound that passes anything (interp/bound.py's ANY)

@@ -25,8 +25,9 @@ import numpy as np
 from hypothesis import strategies as st
 
 import coda_lang
+from coda_lang.core.numerics import STORAGE, round_fp8
 from coda_lang.ir.nodes import Block, Var
-from coda_lang.ir.types import Dim, extent
+from coda_lang.ir.types import Dim, cotangent_dtype, extent, is_float, is_fp8
 from coda_lang.ops import REGISTRY, Role
 
 SPECIAL_KINDS = ("nan", "inf", "-inf", "large", "denormal", "zero")
@@ -35,6 +36,8 @@ _TINY = {
     "f32": float(np.finfo(np.float32).tiny),
     "bf16": float(np.finfo(np.float32).tiny),
     "f16": float(np.finfo(np.float16).tiny),
+    "e4m3": 2.0**-6,  # float8_e4m3fn's smallest normal
+    "e5m2": 2.0**-14,
 }
 
 
@@ -99,6 +102,8 @@ def _specials(kinds: tuple[str, ...], dtype: str, n: int, rng: np.random.Generat
 def _storage(x: np.ndarray, dtype: str) -> np.ndarray:
     import ml_dtypes
 
+    if is_fp8(dtype):  # saturated, as an fp8 input binds
+        return round_fp8(x, dtype).astype(STORAGE[dtype])
     return x.astype({"f32": np.float32, "bf16": ml_dtypes.bfloat16, "f16": np.float16}[dtype])
 
 
@@ -142,16 +147,21 @@ def block_inputs(
 
 
 def cotangents(block: Any, sizes: dict[str, int], seed: int) -> dict[str, np.ndarray]:
-    """Seeded standard-normal cotangents for every float output, rounded to the output's dtype."""
+    """Seeded standard-normal cotangents for every float output, rounded to the dtype of its cotangent
+    (the output's; bf16 for an fp8 output: `cotangent_dtype`). An fp8 output's cotangent holds fp8
+    values (rounded to the output's dtype first): torch's autograd hands an fp8 tensor an fp8
+    gradient, so the emulated runtime can only be given such cotangents."""
     ir = _ir(block)
     sizes = {**_fixed(_ir(block)), **sizes}
     rng = np.random.default_rng([seed, 1])
     out = {}
     for o in ir.outputs:
-        if o.type.dtype not in ("f32", "bf16", "f16"):
+        if not is_float(o.type.dtype):
             continue
         x = rng.standard_normal(tuple(extent(d, sizes) for d in o.type.shape))
-        out[o.name] = _storage(np.asarray(x), o.type.dtype)
+        if is_fp8(o.type.dtype):
+            x = _storage(np.asarray(x), o.type.dtype).astype(np.float64)
+        out[o.name] = _storage(np.asarray(x), cotangent_dtype(o.type.dtype))
     return out
 
 

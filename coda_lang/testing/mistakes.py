@@ -159,6 +159,10 @@ def _in_stage(kind: str, src: _Src, ed: _Edit, choose: Choose[Any]) -> bool:
     elif kind == "pairs_odd_width":
         if cols.name is None or cols.coeff.denominator != 1 or cols.coeff.numerator % 2 == 0:
             return False
+        # a width the signature makes even (`f32[M, N/128]`: N is a multiple of 128) may pair
+        types = [p.var.type for p in src.block.params] + [o.type for o in src.block.outputs]
+        if any(d.name == cols.name and d.coeff.denominator % 2 == 0 for t in types if t for d in t.shape):
+            return False
         ed.before(end, f"{a}, {b} = pairs(acc)", indent=4)
     elif kind == "reduce_missing_dim":
         others = [d for d in _dim_names(src) if Dim.sym(d) not in (rows, cols)]

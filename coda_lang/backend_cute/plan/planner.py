@@ -179,7 +179,7 @@ def _stores(ctx: StageContext, paired: bool, packed: bool) -> tuple[Output | Non
     d: Output | None = None
     for store in ctx.sp.stores:
         e = ctx.defined[store.name]
-        refusals.check_store(store, e)
+        refusals.check_store(ctx, store, e)
         if d_store is not None and store.name == d_store.name:
             d = Output(name=store.name, py=ctx.py(store.name), dtype=store.dtype, shape=store.shape, op="D")
             continue

@@ -24,7 +24,7 @@ from coda_lang.backend_cute.plan.spec import GEMM_DTYPES, PACKED_DTYPES, STORE_D
 from coda_lang.core.diagnostics import CodaError, Diagnostic
 from coda_lang.frontend.verify.plan import Load, StagePlan, Store
 from coda_lang.ir.nodes import Atom, DimRef, Eqn, Span, Stage, Var
-from coda_lang.ir.types import FLOAT_DTYPES, GROUP, MATRIX, TILE, Dim, Type, shape_str
+from coda_lang.ir.types import FLOAT_DTYPES, GROUP, MATRIX, TILE, Dim, Type, is_fp8, shape_str
 from coda_lang.ops import REGISTRY, Locality
 
 
@@ -53,9 +53,14 @@ def check_gemm_stage(index: int, st: Stage, sp: StagePlan) -> None:
 
 
 def check_gemm_dtypes(ctx: StageContext, a_dtype: str, b_dtype: str) -> None:
-    """The GEMM multiplies bf16 or f16 operands of one dtype (f32 too for the torch stand-ins)."""
+    """The GEMM multiplies bf16 or f16 operands of one dtype (f32 and fp8 too for the torch stand-ins,
+    fp8 beside any float as the checker allows)."""
     st = ctx.st
     assert isinstance(st.a, Var) and isinstance(st.b, Var)
+    for name, dt, span in ((st.a.name, a_dtype, st.a_span), (st.b.name, b_dtype, st.b_span)):
+        check_fp8(ctx, name, dt, span, "GEMM operand")
+    if ctx.emulated and (is_fp8(a_dtype) or is_fp8(b_dtype)):
+        return
     gemm_dtypes = (*GEMM_DTYPES, "f32") if ctx.emulated else GEMM_DTYPES
     for name, dt, span in ((st.a.name, a_dtype, st.a_span), (st.b.name, b_dtype, st.b_span)):
         if dt not in gemm_dtypes:
@@ -114,9 +119,25 @@ def check_packed_cd(ctx: StageContext, operands: list[Operand], d: Output | None
 # -- stores and equations ---------------------------------------------------------------------------
 
 
-def check_store(store: Store, e: Eqn) -> None:
-    """The epilogue stores f32, bf16 or f16 tiles (D or a TileStore)."""
-    if store.dtype not in STORE_DTYPES:
+def check_fp8(ctx: StageContext, name: str, dtype: str, span: Span | None, what: str) -> None:
+    """fp8 (e4m3, e5m2) runs on the torch stand-ins only (`emulate=True`, and every device but a Hopper
+    GPU): the kernels' fp8 GEMMs and quantizing epilogues are not written yet."""
+    if is_fp8(dtype) and not ctx.emulated:
+        raise fail(
+            "E0702",
+            f"{what} `{name}` is {dtype}: fp8 is not compiled by the CuTeDSL backend yet",
+            span,
+            notes=[
+                "the interpreter and the emulated runtime (`Block.cuda(emulate=True)`, "
+                "coda_lang.torch on any device but a Hopper GPU, or CODA_EMULATE=1) run fp8 programs"
+            ],
+        )
+
+
+def check_store(ctx: StageContext, store: Store, e: Eqn) -> None:
+    """The epilogue stores f32, bf16 or f16 tiles (D or a TileStore); fp8 ones in the torch stand-ins."""
+    check_fp8(ctx, store.name, store.dtype, e.span, "stored tile")
+    if store.dtype not in STORE_DTYPES and not is_fp8(store.dtype):
         raise fail(
             "E0702",
             f"stored tile `{store.name}` has dtype {store.dtype}; the epilogue stores f32, bf16 or f16",
@@ -278,6 +299,17 @@ def check_group(ctx: StageContext, e: Eqn, packed: bool) -> None:
     groups of 8, 16 or a multiple of 32 columns."""
     od = REGISTRY[e.op]
     x = e.ins[0]
+    out = e.outs[0].type
+    if out is not None and out.group_axis == 0:
+        raise fail(
+            "E0705",
+            f"`{e.outs[0].name}` reduces runs of {out.group} rows (a 128x1 group): not compiled yet",
+            e.span,
+            notes=[
+                "quack's grouped statistics fold runs of columns in the prepass; runs of rows would "
+                "fold across the warps that hold a column (the interpreter runs it)"
+            ],
+        )
     if packed:
         raise fail(
             "E0705",
@@ -387,7 +419,8 @@ def check_repeat(e: Eqn, i: int, width: Dim, other: Dim) -> None:
 
 def check_operand_dtype(ctx: StageContext, ld: Load, e: Eqn, compared: bool) -> None:
     """The epilogue loads float values, and i32 vectors that are only compared (`compared`)."""
-    if ld.dtype not in FLOAT_DTYPES and not ctx.emulated and not compared:
+    check_fp8(ctx, ld.name, ld.dtype, e.span, "loaded operand")
+    if ld.dtype not in FLOAT_DTYPES and not is_fp8(ld.dtype) and not ctx.emulated and not compared:
         raise fail(
             "E0702",
             f"`{ld.name}` is {ld.dtype}: integer operands of the epilogue are not supported yet",

@@ -29,6 +29,7 @@ from coda_lang.backend_cute.runtime.launch import TORCH_DTYPES
 from coda_lang.core.diagnostics import CodaError, Diagnostic, error, with_sources
 from coda_lang.interp.inputs import given_dims
 from coda_lang.ir.types import extent, shape_str
+from coda_lang.ops.registry import torch_store
 
 
 class CudaBlock(Protocol):
@@ -369,5 +370,6 @@ class _CodaAutograd(torch.autograd.Function):
             if g is None or not ctx.needs_input_grad[i + 3]:
                 result.append(None)
             else:
-                result.append(grads_out[g].to(ctx.in_dtypes[i]))
+                # in the input's dtype, as autograd needs (an fp8 input's gradient saturates)
+                result.append(torch_store(grads_out[g], ctx.in_dtypes[i]))
         return tuple(result)

@@ -27,6 +27,8 @@ from coda_lang.backend_cute.runtime.launch import TORCH_DTYPES, dense
 from coda_lang.core.diagnostics import error
 from coda_lang.frontend.verify.repeat import check_repeats, repeat_uses
 from coda_lang.interp.inputs import dims_from_shapes, given_dims, shape_rules
+from coda_lang.ir.types import is_fp8
+from coda_lang.ops.registry import torch_round
 
 
 def unallocated(t: torch.Tensor) -> str | None:
@@ -116,6 +118,8 @@ class Binder:
                     else (
                         float(torch.tensor(float(v)).to(TORCH_DTYPES[t.dtype]))
                         if t.dtype in ("bf16", "f16")
+                        else float(torch_round(torch.tensor(float(v)), t.dtype))
+                        if is_fp8(t.dtype)
                         else float(v)
                     )
                 )
@@ -140,6 +144,8 @@ class Binder:
             elif not (v.is_floating_point() or (v.dim() == 0 and v.dtype != torch.bool)):
                 raise error("E0803", f"input `{name}` is {v.dtype}, but it is declared {t.dtype}")
             shapes[name] = tuple(v.shape)
+            if is_fp8(t.dtype) and v.dtype != TORCH_DTYPES[t.dtype]:
+                v = torch_round(v, t.dtype)  # saturating, as the interpreter binds an fp8 input
             env[name] = dense(v, TORCH_DTYPES[t.dtype])
         if device is None:
             raise error("E0801", "no tensor inputs")

@@ -36,7 +36,7 @@ from coda_lang.backend_cute.plan.spec import StageSpec, dim_operand
 from coda_lang.backend_cute.runtime.autograd import CudaFunction
 from coda_lang.backend_cute.runtime.binding import Binder
 from coda_lang.backend_cute.runtime.launch import (
-    HALF_DTYPES,
+    NARROW_DTYPES,
     TORCH_DTYPES,
     StageRunner,
     compute_value,
@@ -323,7 +323,7 @@ class CudaBlock:
                     a.name
                 ]  # a 16-bit parameter is bound in its dtype: computed in f32, as the interpreter does
                 vals.append(
-                    x.float() if upcast and isinstance(x, torch.Tensor) and x.dtype in HALF_DTYPES else x
+                    x.float() if upcast and isinstance(x, torch.Tensor) and x.dtype in NARROW_DTYPES else x
                 )
             elif isinstance(a, Lit):
                 vals.append(a.value)

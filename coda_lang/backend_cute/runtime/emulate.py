@@ -6,7 +6,8 @@ reduction complete per row and group, bound at every element of its group as the
 value port gives it, its writer's [m, n / width] buffer filled), the live equations of the
 `StageSpec` on whole matrices, the stored tiles rounded into `D` and the `TileStore` buffers, and
 every sink as the kernel's per-tile partial buffer (`ColVecReduce` [m, ceil(n/tile_N)],
-`RowVecReduce` [ceil(m/tile_M), n], `OnlineLSEReduce` like ColVecReduce, a min() sink as its kernel writes it: the max of the negation, -min per tile;
+`RowVecReduce` [ceil(m/tile_M), n], `OnlineLSEReduce` like ColVecReduce, an fp8 tile saturated
+before it is cast (as the interpreter stores it; no kernel writes fp8 yet), a min() sink as its kernel writes it: the max of the negation, -min per tile;
 `ColVecSelect` the picked value per row, rows with an index outside [0, n) or a picked -inf left as
 they are, as quack's select leaves them); past
 the end of a sum's reduced dim, in the ragged last tile, what quack's kernel folds there: the
@@ -30,7 +31,12 @@ from coda_lang.backend_cute.plan import spec as specs
 from coda_lang.backend_cute.plan.spec import INDEX_AXIS, Sink, StageSpec, dim_operand
 from coda_lang.ir.nodes import DimRef, Eqn, Lit, Var
 from coda_lang.ops import REGISTRY, Locality
-from coda_lang.ops.registry import combine_of_group, combine_of_sink
+from coda_lang.ops.registry import combine_of_group, combine_of_sink, torch_store
+
+
+def _store_into(buf: torch.Tensor, x: torch.Tensor) -> None:
+    """x written into a stored tile's buffer, rounded to its dtype (an fp8 one saturating first)."""
+    buf.copy_(torch_store(x, buf.dtype))
 
 
 def _operand_values(spec: StageSpec, epi_args: dict[str, Any]) -> dict[str, Any]:
@@ -249,13 +255,13 @@ def run_stage(
     _eval(spec.eqns, vals, spec.gemm.cols)
     if spec.d is not None:
         assert D is not None
-        D.copy_(torch.as_tensor(vals[spec.d.name], dtype=torch.float32).expand(D.shape))
+        _store_into(D, torch.as_tensor(vals[spec.d.name], dtype=torch.float32).expand(D.shape))
     for o in spec.outputs:
         buf = epi_args[o.py]
         x = torch.as_tensor(vals[o.name], dtype=torch.float32)
         if o.lane is not None:  # one lane of a full-width tile of a paired stage
             x = x.expand(m, n)[:, o.lane :: 2]
-        buf.copy_(x.expand(buf.shape))
+        _store_into(buf, x.expand(buf.shape))
     for s in spec.sinks:
         buf = epi_args[s.py]
         got = _sink(s, spec, vals, m, n, config.tile_m, config.tile_n, epi_args)

@@ -31,11 +31,13 @@ from coda_lang.backend_cute.plan.emit import emit_stage
 from coda_lang.backend_cute.plan.spec import F32_EXACT_INT, INDEX_AXIS, Sink, StageSpec
 from coda_lang.backend_cute.runtime import emulate
 from coda_lang.core.diagnostics import error
-from coda_lang.ir.types import BOOL, MATRIX, Dim, Type
-from coda_lang.ops.registry import combine_of_sink, combine_rule, torch_dtype
+from coda_lang.ir.types import BOOL, MATRIX, Dim, Type, is_float, is_fp8
+from coda_lang.ops.registry import combine_of_sink, combine_rule, torch_dtype, torch_round
 
-TORCH_DTYPES: dict[str, torch.dtype] = {d: torch_dtype(d) for d in ("f32", "bf16", "f16", "i32", BOOL)}
-HALF_DTYPES = (torch.bfloat16, torch.float16)
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    d: torch_dtype(d) for d in ("f32", "bf16", "f16", "e4m3", "e5m2", "i32", BOOL)
+}
+NARROW_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)  # computed in f32
 
 
 def sink_rule(s: Sink) -> tuple[str, int]:
@@ -427,6 +429,8 @@ def round_value(x: Any, dtype: str | None) -> Any:
         return x
     if dtype in ("bf16", "f16"):
         return x.to(TORCH_DTYPES[dtype]).float() if x.is_floating_point() else x
+    if is_fp8(dtype):  # saturating, as the interpreter's store (torch's cast may not saturate)
+        return torch_round(x, dtype) if x.is_floating_point() else x
     if dtype == "i32":
         return x.trunc().to(torch.int32) if x.is_floating_point() else x.to(torch.int32)
     return x.float() if dtype == "f32" else x
@@ -436,7 +440,7 @@ def compute_value(x: Any, t: Type | None, device: torch.device) -> Any:
     """A block-level value in its compute dtype (f32 for floats), as a tensor on the block's device."""
     if t is None or t.kind == MATRIX:
         return x  # a matrix alias (`y = x`) is the same tensor
-    dtype = torch.float32 if t.dtype in ("f32", "bf16", "f16") else TORCH_DTYPES.get(t.dtype, torch.float32)
+    dtype = torch.float32 if is_float(t.dtype) else TORCH_DTYPES.get(t.dtype, torch.float32)
     if not isinstance(x, torch.Tensor):
         return torch.full((), x, dtype=dtype, device=device)
     if x.dtype == dtype and x.device == device:

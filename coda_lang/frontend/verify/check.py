@@ -40,6 +40,7 @@ from coda_lang.ir.types import (
     Dim,
     Type,
     is_float,
+    is_fp8,
     shape_str,
 )
 from coda_lang.ops import REGISTRY, Ctx, StageShape
@@ -91,7 +92,8 @@ class Checker:
         self.diags.append(Diagnostic(code, msg, span, label=label, **kw))
 
     def _activation(self) -> str:
-        """The dtype of the first GEMM's operand that is a parameter (a, else b), else bf16."""
+        """The dtype of the first GEMM's operand that is a parameter (a, else b), else bf16; bf16 where
+        that is fp8 (a tile is stored in fp8 only where the program says so, with its scale)."""
         for st in self.block.stages:
             if not st.is_gemm:
                 continue
@@ -99,7 +101,7 @@ class Checker:
                 if isinstance(x, Var):
                     for p in self.block.params:
                         if p.var.name == x.name and p.var.type is not None and is_float(p.var.type.dtype):
-                            return p.var.type.dtype
+                            return "bf16" if is_fp8(p.var.type.dtype) else p.var.type.dtype
             break
         return "bf16"
 
@@ -343,7 +345,9 @@ class Checker:
             f"`{a.name}` is {what}: each tile sees only its own columns, so it is complete only after every "
             f"tile of stage {k + 1} ran"
         ]
-        if normalized is not None:
+        if normalized is not None and (t.combine == "max" or is_fp8(self.stored_dtype(normalized))):
+            self.current_scale(a.name, t, normalized, span, k, notes)
+        elif normalized is not None:
             self.error(
                 "E0503",
                 f"row statistic `{a.name}` is used to normalize `{normalized}` in its own stage",
@@ -371,6 +375,53 @@ class Checker:
                 notes=notes,
                 help=["use it after the stage: between stages, or in a later stage's epilogue"],
             )
+
+    def stored_dtype(self, name: str) -> str | None:
+        """The dtype `name` is annotated with or declared as an output with, if any."""
+        v = self.typed.get(name)
+        return (v.annot if v is not None else None) or self.output_dtype(name)
+
+    def current_scale(self, name: str, t: Type, target: str, span: Span, k: int, notes: list[str]) -> None:
+        """E0508: an amax (or a statistic that makes an fp8 value) over a whole row or column scales a
+        tile in its own stage: rowwise *current* scaling, which no epilogue can fuse. The fix-its name
+        the recipes that are local: a 1x128 group scale, or a delayed per-tensor scale."""
+        acc = self.acc_var.type
+        rows, cols = acc.shape if acc is not None and not acc.is_error else (Dim.sym("M"), Dim.sym("N"))
+        per_row = not t.shape or t.shape[0] == rows
+        over = cols if per_row else rows
+        fp8 = self.stored_dtype(target)
+        q = fp8 if fp8 is not None and is_fp8(fp8) else "e4m3"
+        qmax = "448.0" if q == "e4m3" else "57344.0"
+        what = "rows" if per_row else "columns"
+        group = (
+            f"scale per group of 128 columns instead (the 1x128 recipe, local when the tile's N is a "
+            f"multiple of 128): `amax = max(abs(acc), over={cols}, group=128)`, "
+            f"`{target}: {q} = acc * ({qmax} / amax)`, and store `amax` (an `f32[{rows}, {cols}/128]` output) "
+            "for the dequantization"
+            if per_row
+            else f"scale per group of 128 rows instead (the 128x1 recipe): `amax = max(abs(acc), over={rows}, "
+            f"group=128)`, `{target}: {q} = acc * ({qmax} / amax)`, and store `amax` (an "
+            f"`f32[{rows}/128, {cols}]` output) for the dequantization"
+        )
+        self.error(
+            "E0508",
+            f"`{name}`, a statistic of whole {what} of `{over}`, scales `{target}` in its own stage: "
+            f"{'row' if per_row else 'column'}wise current scaling is not block-local",
+            span,
+            label="not complete until the stage ends",
+            notes=notes
+            + [
+                f"`{target}` could be scaled only after every tile of stage {k + 1} ran: a second pass "
+                "over the tensor (a separate amax and cast kernel), which is what fusing avoids"
+            ],
+            help=[
+                group,
+                f"or use a delayed per-tensor scale: take last step's scale as a scalar parameter "
+                f"(`scale: f32`), quantize with it (`{target}: {q} = acc * scale`), and record this "
+                f"step's amax as a partial (`amax = max(abs(acc), over={over})`, its max over the "
+                f"{'rows' if per_row else 'columns'} taken between stages) for the next step",
+            ],
+        )
 
     def normalizes(self, name: str, first: Eqn, body: tuple[Eqn, ...]) -> str | None:
         """If the partial `name` flows (inside this stage) into a product or quotient with a tile, that tile's result."""
@@ -454,14 +505,18 @@ class Checker:
                 ok = False
             elif not is_float(t.dtype):
                 self.error(
-                    "E0305", f"the {name} GEMM operand is {t.dtype}; GEMMs take f32, bf16 or f16", span
+                    "E0305",
+                    f"the {name} GEMM operand is {t.dtype}; GEMMs take f32, bf16, f16, e4m3 or e5m2",
+                    span,
                 )
                 ok = False
         if not ok:
             return None
         # The primary span covers `a @ b` (a stage's own span runs to its closing brace).
         gemm_span = Span(s.a_span.file, s.a_span.line, s.a_span.col, s.b_span.end_line, s.b_span.end_col)
-        if ta.dtype != tb.dtype:
+        # fp8 operands may meet the other fp8 dtype (e5m2 gradients times e4m3 weights) or a wider float
+        # (a derived backward's bf16 cotangent): the product is computed in f32 from the stored values
+        if ta.dtype != tb.dtype and not (is_fp8(ta.dtype) or is_fp8(tb.dtype)):
             self.error(
                 "E0305",
                 f"GEMM operands have different dtypes: {ta.dtype} and {tb.dtype}",
@@ -519,7 +574,9 @@ class Checker:
                     over = e.param("over")
                     axis = (
                         "columns"
-                        if t.kind == GROUP or (t.shape and t.shape[0] == st.rows) or not t.shape
+                        if (t.kind == GROUP and t.group_axis == 1)
+                        or (t.kind != GROUP and t.shape and t.shape[0] == st.rows)
+                        or not t.shape
                         else "rows"
                     )
                     reductions.append(
