@@ -9,7 +9,10 @@ the interpreter elsewhere):
   accepts, at sizes that are multiples of no block (rows, column pairs), with random inputs: stored
   tiles within one bf16 rounding (of the value's magnitude), reductions over the columns and over the
   rows within f32 accumulation error;
-- the stages it must refuse (grouped reductions, vectors repeating across columns) and why;
+- the stages it must refuse (a group a chunk can't hold whole, half-width tiles in a stage pairing no
+  columns) and why;
+- a hand-written stage with grouped sums and maxes (groups of 16 and 8, paired and not) used in their
+  stage (a per-head RMSNorm), against the torch function, and a mutant with the wrong group width;
 - a hand-written stage with max/min over both axes, row_index()/col_index() in a paired stage, a NaN
   and an infinity in the data, a cast, a scalar given as a tensor and as a number, a stored row
   vector and a literal;
@@ -31,6 +34,7 @@ import torch
 from support import NO_BACKWARD
 
 import coda_lang
+from coda_lang.backend_triton import generate
 from coda_lang.backend_triton.elementwise import ElementwiseStage
 from coda_lang.backend_triton.generate import TritonStage, unsupported
 from coda_lang.hf.blocks import model_source
@@ -119,6 +123,14 @@ def _sizes(st: ElementwiseStage) -> dict[str, int]:
                 names.add(d.name)
     for n in names:
         sizes[n] = fixed.get(n, base.get(n, 134))
+    sizes.update(fixed)  # (a fixed dim a stage refers to: a group's HD)
+    # a grouped reduction's row holds whole groups: the stage's columns a multiple of the group (N: 272,
+    # 17 groups of 16: two chunks of 128 columns and a ragged one)
+    g = max((info["group"] for *_x, info in st.steps if info.get("group")), default=0)
+    c = st.cols
+    if g and c.name is not None and c.name not in fixed:
+        while (c.coeff * sizes[c.name]) % g:
+            sizes[c.name] += 1
     return sizes
 
 
@@ -213,10 +225,19 @@ def test_generated_kernel_matches_the_torch_function(name: str, st: ElementwiseS
 
 def test_refused_stages_say_why() -> None:
     why = {n: unsupported(st) for n, st in STAGES}
-    assert "grouped reduction" in (why["qwen3.layer.bwd_hf.1"] or "")
-    assert "qk_norm.qk_norm.bwd.1" in why and why["qk_norm.qk_norm.bwd.1"] is not None
+    # Qwen3's per-head q/k-norm backward (grouped sums, a head_dim vector repeating across the heads)
+    # and the example's are generated now
+    for name in (
+        "qwen3.layer.bwd_hf.1",
+        "qk_norm.qk_norm.bwd.1",
+        "found.head_norm_row_scale.head_norm.bwd.1",
+    ):
+        assert why[name] is None, (name, why[name])
+    # a group a chunk can't hold whole (12 columns: chunks are powers of two)
+    odd = ElementwiseStage(coda_lang.load(_grouped_src(False, group=12))["gsum"], 1, emulate=True)
+    assert "a group of 12 columns" in (unsupported(odd) or "")
     with pytest.raises(AssertionError):
-        TritonStage(dict(STAGES)["qwen3.layer.bwd_hf.1"], interpret=True)
+        TritonStage(odd, interpret=True)
     # half-width tiles in a stage that pairs no columns (the found program's min backward)
     assert "pairs no columns" in (why["found.min_half_width_special.fwd.bwd_save.1"] or "")
 
@@ -278,6 +299,54 @@ def test_max_min_nan_inf_cast_scalars(scalar_as_tensor: bool) -> None:
     torch.testing.assert_close(ci, want_ci, rtol=0, atol=0, equal_nan=True)
 
 
+def _grouped_src(paired: bool, group: int = 16) -> str:
+    """Per-head sums used in their stage: an RMSNorm over groups of `group` columns scaling its own
+    columns, a max over groups of 8 subtracted from them, a row sum of what they made; `paired`: the
+    stage also pairs columns (its chunks are of column pairs, each group in both lanes)."""
+    outs, more = (", p: bf16[M, 2*P]", "    u, v = pairs(x)\n    p: bf16 = interleave(u * v, v - u)\n")
+    if not paired:
+        outs, more = "", ""
+    return f"""dims M, P
+
+block gsum(x: bf16[M, 2*P], w: f32[2*P]) -> (y: bf16[M, 2*P], z: bf16[M, 2*P]{outs}) {{
+  elementwise [M, 2*P] {{
+    s16 = sum(x * x, over=2*P, group={group})
+    y: bf16 = x * rsqrt(s16 / {float(group)} + 0.000001) * w
+    s8 = max(x * w, over=2*P, group=8)
+    z: bf16 = x - s8
+    t = sum(z * y, over=2*P)
+{more}  }}
+}}
+"""
+
+
+@pytest.mark.parametrize("paired", [False, True])
+def test_grouped_reductions_used_in_their_stage(paired: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    blk = coda_lang.load(_grouped_src(paired))["gsum"]
+    st = ElementwiseStage(blk, 1, emulate=True)
+    assert unsupported(st) is None and st.groups == (16, 8, 0)
+    # 2 * 136 columns: two chunks of 128 and a ragged one (unpaired), or a chunk of 128 pairs and one
+    # of 8 (paired); 17 groups of 16
+    rows, cols = 37, 2 * 136
+    gen = torch.Generator().manual_seed(5)
+    ins = [torch.randn(rows, cols, generator=gen).bfloat16(), torch.randn(cols, generator=gen)]
+    sizes = {"M": rows, "P": cols // 2}
+    want = st._body(rows, cols, sizes, torch.device("cpu"), *ins)
+    ts = TritonStage(st, interpret=True)
+    assert "tl.reshape" in ts.source(())
+    got = ts(rows, cols, sizes, torch.device("cpu"), *ins)
+    assert_same(got, want, f"grouped paired={paired}")
+    k = len(st.store_meta)
+    assert got[k].shape == (rows, cols // 16) and got[k + 1].shape == (rows, cols // 8)
+    # a mutant: the kernel's groups twice as wide as the program's (its stores stay in the buffers)
+    real = generate._group_units
+    monkeypatch.setattr(generate, "_group_units", lambda st, info: real(st, info) * 2)
+    with np.errstate(all="ignore"):  # (the buffers' unwritten groups)
+        bad = TritonStage(st, interpret=True)(rows, cols, sizes, torch.device("cpu"), *ins)
+    with pytest.raises(AssertionError):
+        assert_same(bad, want, "mutant")
+
+
 def test_function_uses_the_generated_kernel_off_the_emulator(monkeypatch: pytest.MonkeyPatch) -> None:
     st = dict(STAGES)["llama.layer.bwd_hf.1"]
     monkeypatch.delenv("CODA_ELEMENTWISE", raising=False)
@@ -286,9 +355,11 @@ def test_function_uses_the_generated_kernel_off_the_emulator(monkeypatch: pytest
     monkeypatch.setenv("CODA_ELEMENTWISE", "inductor")
     off = ElementwiseStage(st.block, st.index, emulate=False)
     assert off.generator == "inductor" and not isinstance(off.function(), TritonStage)
-    grouped = dict(STAGES)["qwen3.layer.bwd_hf.1"]
     monkeypatch.delenv("CODA_ELEMENTWISE")
-    assert ElementwiseStage(grouped.block, grouped.index, emulate=False).generator == "inductor"
+    grouped = dict(STAGES)["qwen3.layer.bwd_hf.1"]
+    assert ElementwiseStage(grouped.block, grouped.index, emulate=False).generator == "triton"
+    refused = dict(STAGES)["found.min_half_width_special.fwd.bwd.1"]
+    assert ElementwiseStage(refused.block, refused.index, emulate=False).generator == "inductor"
     # emulated: the eager torch function, whatever the setting
     emulated = ElementwiseStage(st.block, st.index, emulate=True)
     assert emulated.function() == emulated._body

@@ -10,14 +10,22 @@ once (RoPE's cos and sin) is computed once, where a kernel over the output's ele
 halves of every pair at each element (Inductor's code for such a stage on the Llama-3.2-1B layer took
 0.39-0.47 ms on an H100 against 0.065 ms for this form). Reductions over a row's columns fold in the
 program; reductions over the rows leave one partial per program, folded afterwards by the combine's
-torch rule.
-`unsupported(stage)` says why a stage can't be generated (an op without a Triton emitter, a grouped
-reduction, a vector repeating across columns, ...); such a stage keeps torch.compile. Each op's Triton
+torch rule. A grouped reduction (`sum(x * x, over=2*P, group=HD)`, a per-head sum) folds in the chunk
+that holds its groups whole (chunks are a multiple of the group's power-of-two column units, and start
+at one; in a stage over pairs a group of g columns is g/2 pairs in each lane) as [BM, BC / units,
+units], stores one value per (row, group) and is held at each of its group's columns for the rest of
+the chunk (Qwen3's per-head q/k-norm backward uses it to scale the same head). A vector that repeats
+across the columns (one head_dim vector for every head) is a loaded column vector read at each column
+modulo its length. Neither is timed on a GPU yet (Inductor's kernel for Qwen3-1.7B's q/k-norm backward
+took 0.38 ms per layer on an H100).
+`unsupported(stage)` says why a stage can't be generated (an op without a Triton emitter, a group a
+chunk can't hold whole, a reduction of a grouped value, a repeating vector that is not a loaded column
+vector, ...); such a stage keeps torch.compile. Each op's Triton
 expression comes from the op registry (`Lowerings.triton`); the helpers it may call (`_exp`, `_sin`, ...)
 are libdevice's accurate functions on the GPU and `tl`'s under Triton's CPU interpreter (`interpret=True`,
 the tests' way to run the generated kernel without a GPU).
 What it does not: fold a reduction's result back into the same stage (a reduction inside a stage is a
-partial, used only after it, as the language says), or launch when the stage is empty (no rows or no
+partial, used only after it, as the language says; a grouped one is complete in its chunk), or launch when the stage is empty (no rows or no
 columns) or its tensors are not on a CUDA device (the eager torch function runs then).
 Invariants: numerics follow the interpreter: loads widened to f32, math in f32, rounding only where a
 tile is stored (or at `cast`), division and square root IEEE-rounded; the source depends only on the
@@ -114,15 +122,26 @@ _TL_DTYPES = {
 
 def unsupported(st: Any) -> str | None:
     """Why stage `st` (an ElementwiseStage) can't be a generated Triton kernel, or None if it can."""
-    for e, (op, _outs, _args, info) in zip(st.stage.body, st.steps, strict=True):
+    for e, (op, _outs, args, info) in zip(st.stage.body, st.steps, strict=True):
         od = REGISTRY[op]
-        if info.get("cycle"):
-            return f"`{op}` reads a vector that repeats across the columns"
+        for i, _g, w in info.get("cycle", ()):
+            # (the generated kernel reads a loaded column vector at each column modulo its length)
+            a = args[i]
+            if not (
+                a[0] == "v"
+                and any(ld.name == a[1] and ld.role == "column vector" for ld in st.loads)
+                and w in ((1, 1), (1, 2) if _paired(st) else (1, 1))
+            ):
+                return f"`{op}` reads a vector that repeats across the columns"
         if od.locality is Locality.REDUCE:
             if _fold(op) is None:
                 return f"the reduction `{op}`"
-            if info["group"] or info["ungroup"]:
-                return "a grouped reduction"
+            if info["ungroup"]:
+                return "a reduction of a grouped value"
+            if info["group"]:
+                units = _group_units(st, info)
+                if isinstance(units, str):
+                    return units
             x = e.ins[0]
             if not (isinstance(x, Var) and x.type is not None and x.type.kind in (TILE, MATRIX)):
                 return f"`{op}` of a value that is not a tile"
@@ -136,7 +155,11 @@ def unsupported(st: Any) -> str | None:
         elif od.lower.triton is None:
             return f"`{op}` has no Triton emitter"
     paired = _paired(st)
-    for w in (*(m[2] for m in st.store_meta), *(_load_width(st, ld) for ld in st.loads)):
+    cycled = _cycled(st)
+    for w in (
+        *(m[2] for m in st.store_meta),
+        *(_load_width(st, ld) for ld in st.loads if ld.name not in cycled),
+    ):
         if w not in (None, (1, 1), (1, 2)):
             return "a tile wider than the stage"
         if w == (1, 2) and not paired:
@@ -144,7 +167,8 @@ def unsupported(st: Any) -> str | None:
             # generated kernel walked the stage's columns over them: a random program's min backward,
             # [M, 2*N] over [M, N] tiles, came out wrong on the H100 and on Triton's interpreter)
             return "a half-width tile in a stage that pairs no columns"
-    reduced = set(st.reductions)
+    # (a grouped reduction's value is complete within the chunk that holds its group: it may be used)
+    reduced = {n for n, g in zip(st.reductions, st.groups, strict=True) if not g}
     for e in st.stage.body:
         if REGISTRY[e.op].locality is not Locality.REDUCE and any(
             isinstance(a, Var) and a.name in reduced for a in e.ins
@@ -160,6 +184,33 @@ def unsupported(st: Any) -> str | None:
         if REGISTRY[e.op].rounds and is_fp8(e.param("dtype")):
             return f"a cast to {e.param('dtype')} (fp8 is not generated yet)"
     return None
+
+
+def _group_units(st: Any, info: dict[str, Any]) -> int | str:
+    """A grouped reduction's group as the number of adjacent column units it covers in one lane of a
+    chunk (a group of g columns of a full-width value in a stage over column pairs: g/2 pairs, in both
+    lanes), or why the generated kernel can't hold its groups whole in one chunk."""
+    g = info["group"]
+    if not info["per_row"]:
+        return "a grouped reduction over the rows"
+    units = g // 2 if _paired(st) and info["widths"][0] == (1, 1) else g
+    if _paired(st) and info["widths"][0] == (1, 1) and g % 2:
+        return f"a group of {g} columns split over column pairs"
+    if units < 1 or units & (units - 1) or units > 1024:
+        return f"a group of {g} columns (a chunk holds whole groups: a power of two, at most 1024 units)"
+    return units
+
+
+def _cycled(st: Any) -> set[str]:
+    """The loaded vectors read only as vectors that repeat across the columns (`info["cycle"]`)."""
+    through: set[str] = set()
+    direct: set[str] = set()
+    for _op, _o, args, info in st.steps:
+        cyc = {i for i, _g, _w in info.get("cycle", ())}
+        for i, (k, v) in enumerate(args):
+            if k == "v":
+                (through if i in cyc else direct).add(v)
+    return through - direct
 
 
 def _paired(st: Any) -> bool:
@@ -207,13 +258,14 @@ class TritonStage:
         assert why is None, why
         self.st, self.interpret = st, interpret
         self.paired = _paired(st)
-        # each reduction's (fold, over the columns of a row, of a half-width value), in output order
+        # each reduction's (fold, over the columns of a row, of a half-width value, group (0: none)), in
+        # output order
         self.reductions = [
-            (fold, bool(info["per_row"]), info["widths"][0] == (1, 2))
+            (fold, bool(info["per_row"]), info["widths"][0] == (1, 2), info["group"])
             for op, _o, _a, info in st.steps
             if (fold := _fold(op)) is not None
         ]
-        self.col_reductions = any(not per_row for _f, per_row, _h in self.reductions)
+        self.col_reductions = any(not per_row for _f, per_row, _h, _g in self.reductions)
         # program shapes measured on an H100 (the Llama layer's RoPE backward, [8192, 3072]: 1 row x
         # 128 pairs 0.068 ms, 4 x 128 0.116 ms; the last layer's norm backward with its reduction over
         # the rows, [8192, 2048]: 32 rows x 128 columns, 8 warps 0.096 ms; OLMo 2's q/k-norm and RoPE
@@ -223,12 +275,20 @@ class TritonStage:
             self.bm = self.BM
         else:
             self.bm = self.BM_PAIRED_COLUMN_REDUCTIONS if self.paired else self.BM_COLUMN_REDUCTIONS
-        self.bc = 128  # column units (pairs, or columns) per chunk
+        # a grouped reduction's groups lie whole in a chunk: chunks are a multiple of the (power of two)
+        # column units of the largest group, and start at a multiple of it
+        units = [
+            _group_units(st, info) for op, _o, _a, info in st.steps if _fold(op) is not None and info["group"]
+        ]
+        self.group_units = max([u for u in units if isinstance(u, int)], default=1)
+        self.bc = max(128, self.group_units)  # column units (pairs, or columns) per chunk
         self.num_warps = 8 if self.col_reductions else 4
         # an unpaired stage over long rows (the loss head's dlogits, [4096, 128256]) takes 1024 columns
         # at a time: 8 adjacent elements per thread, so its loads and stores are 16 bytes wide
-        self.bc_wide = 128 if self.paired or self.col_reductions else 1024
+        self.bc_wide = self.bc if self.paired or self.col_reductions else 1024
         self.dims = sorted({v for _op, _o, args, _i in st.steps for k, v in args if k == "d"})
+        # the lengths of the vectors that repeat across the columns, as (dim, num, den): int arguments
+        self.cycles = sorted({g for *_x, info in st.steps for _i, g, _w in info["cycle"]}, key=repr)
         self._kernels: dict[tuple[bool, ...], Any] = {}
 
     # -- the source
@@ -255,9 +315,14 @@ class TritonStage:
                 return c
             return f"(2 * {c} + {lane})" if lane else f"(2 * {c})"
 
+        cycled = _cycled(st)
+        load_ptr: dict[str, tuple[str, str]] = {}
         for k, ld in enumerate(st.loads):
             p = f"in{k}"
             args.append(p)
+            load_ptr[ld.name] = (p, ld.dtype)
+            if ld.name in cycled:  # read at each column modulo its length, where it is used
+                continue
             if ld.role == "scalar":
                 if next(scalars):
                     pre.append(
@@ -287,6 +352,8 @@ class TritonStage:
                 vals[ld.name] = _Val("tile" if ld.role == "tile" else "col", width, tuple(exprs))
         dim_args = {d: f"dim{i}" for i, d in enumerate(self.dims)}
         args += dim_args.values()
+        cyc_args = {g: f"cyc{i}" for i, g in enumerate(self.cycles)}
+        args += cyc_args.values()
 
         def operand(kind: str, v: Any) -> _Val:
             if kind == "v":
@@ -299,7 +366,18 @@ class TritonStage:
         red_args: list[str] = []
         tmp = 0
         for op, outs, eargs, info in st.steps:
-            xs = [operand(k, v) for k, v in eargs]
+            cyc_vals: dict[int, _Val] = {}
+            for i, g, w in info["cycle"]:  # column c (or pair c) reads element c mod G
+                p, dtype = load_ptr[eargs[i][1]]
+                width = "full" if w == (1, 1) else "half"
+                exprs = []
+                for lane in range(lanes if width == "full" else 1):
+                    v = f"y{tmp}_{i}_{lane}"
+                    ptr = f"{p} + {col_index(width, lane)} % {cyc_args[g]}"
+                    body.append(f"{v} = {_widen(f'tl.load({ptr}, mask=cmask, other=0)', dtype)}")
+                    exprs.append(v)
+                cyc_vals[i] = _Val("col", width, tuple(exprs))
+            xs = [cyc_vals[i] if i in cyc_vals else operand(k, v) for i, (k, v) in enumerate(eargs)]
             od = REGISTRY[op]
             if od.lanes is Lanes.SPLIT:  # pairs: one half-width value per lane
                 (x,) = xs
@@ -320,9 +398,11 @@ class TritonStage:
                 continue
             fold = _fold(op)
             if fold is not None:
-                self._reduction(
+                grouped = self._reduction(
                     fold, outs[0], info, xs[0], lanes, pre, body, post, red_args, col_index, row_len
                 )
+                if grouped is not None:
+                    vals[outs[0]] = grouped
                 continue
             triton = od.lower.triton
             assert triton is not None
@@ -397,10 +477,36 @@ class TritonStage:
         red_args: list[str],
         col_index: Any,
         row_len: Any,
-    ) -> None:
+    ) -> _Val | None:
+        """Emit reduction `out`; a grouped one's value (used in the stage) is returned."""
         ident = {"sum": "0.0", "max": "float('-inf')", "min": "float('inf')"}[fold]
         n = lanes if x.width == "full" else 1
         p = f"red_{out}"
+        if info["group"]:
+            # each group's units lie in this chunk (in each lane): fold them as [BM, BC // U, U], store
+            # one value per (row, group), and hold it at each unit of its group for what follows
+            units = _group_units(self.st, info)
+            assert isinstance(units, int)
+            ng = f"(BC // {units})"
+            parts = [
+                f"tl.reduce(tl.reshape(tl.where(m, {x.lane(lane)}, {ident}), (BM, {ng}, {units})), 2, "
+                f"{_COMBINE[fold]})"
+                for lane in range(n)
+            ]
+            acc = f"grp_{out}"
+            body.append(f"{acc} = {parts[0]}")
+            for part in parts[1:]:
+                body.append(f"{acc} = {_fold_expr(fold, acc, part)}")
+            gcols = f"(c0 // {units} + tl.arange(0, {ng}))[None, :]"
+            body.append(
+                f"tl.store({p} + roff * (CW // {units}) + {gcols}, {acc}, mask=rmask & ({gcols} < CW // {units}))"
+            )
+            held = f"held_{out}"
+            body.append(
+                f"{held} = tl.reshape(tl.broadcast_to({acc}[:, :, None], (BM, {ng}, {units})), (BM, BC))"
+            )
+            red_args.append(p)
+            return _Val("tile", x.width, (held,))
         if info["per_row"]:
             acc = f"acc_{out}"
             pre.append(f"{acc} = tl.full((BM, BC), {ident}, tl.float32)")
@@ -418,6 +524,7 @@ class TritonStage:
                     "mask=cols1 < CW)"
                 )
         red_args.append(p)
+        return None
 
     def kernel_name(self) -> str:
         st = self.st
@@ -472,6 +579,7 @@ class TritonStage:
             else:
                 args.append(x.contiguous())
         args += [float(sizes[d[0]] * d[1] // d[2] if d[0] is not None else d[1] // d[2]) for d in self.dims]
+        args += [(sizes[g[0]] if g[0] is not None else 1) * g[1] // g[2] for g in self.cycles]
         nprog = math.ceil(rows / self.bm)
         outs: list[torch.Tensor] = []
         for j, (_name, dtype, w) in enumerate(st.store_meta):
@@ -482,15 +590,21 @@ class TritonStage:
             outs.append(buf)
         reds = [
             torch.empty(
-                rows if per_row else (nprog, cols // 2 if half else cols), dtype=torch.float32, device=device
+                (rows, (cols // 2 if half else cols) // g)
+                if g
+                else rows
+                if per_row
+                else (nprog, cols // 2 if half else cols),
+                dtype=torch.float32,
+                device=device,
             )
-            for _f, per_row, half in self.reductions
+            for _f, per_row, half, g in self.reductions
         ]
         bc = self.bc_wide if cols >= self.bc_wide else self.bc
         kern[(nprog,)](*args, *outs, *reds, rows, cols, BM=self.bm, BC=bc, num_warps=self.num_warps)
         folded = [
             r if per_row else combine_rule(fold).torch(r, 0)
-            for r, (fold, per_row, _h) in zip(reds, self.reductions, strict=True)
+            for r, (fold, per_row, _h, _g) in zip(reds, self.reductions, strict=True)
         ]
         return (*outs, *folded)
 
