@@ -652,11 +652,11 @@ def test_coda_tune_without_a_gpu_compiles_everything_and_says_timing_needs_one(
     """On this machine (no GPU) `coda tune --backward` compiles every candidate of the forward's and
     the backward's stages into the cache, says the timing needs a Hopper GPU, and exits 0; a second
     run finds everything in the cache. (One candidate tile, in this process, to keep it short.)"""
-    from coda_lang.backend_cute.runtime import tiles
+    from coda_lang.backend_cute.build import config
     from coda_lang.cli import main
 
-    monkeypatch.setattr(tiles, "CANDIDATES", (TileConfig(128, 128),))
-    monkeypatch.setattr(tiles, "TUNE_CANDIDATES", (TileConfig(128, 128),))
+    monkeypatch.setattr(config, "CANDIDATES", (TileConfig(128, 128),))
+    monkeypatch.setattr(config, "TUNE_CANDIDATES", (TileConfig(128, 128),))
     monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("CODA_TUNE", raising=False)
     program = tmp_path / "rt_key.coda"
