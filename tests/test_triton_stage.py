@@ -73,6 +73,22 @@ def _programs() -> list[tuple[str, str, bool]]:
             ),
             True,
         ),
+        # Gemma 3: heads of 256 (every released one), whose per-head q/k norm (of 1 + w) completes in
+        # a row stage: its backward's grouped reductions over groups of 256 columns (128 pairs)
+        (
+            "gemma3",
+            model_source(
+                "bfloat16",
+                1e-6,
+                256,
+                "head",
+                post_norm=True,
+                norm_offset=1.0,
+                act="gelu_pytorch_tanh",
+                softcap=30.0,
+            ),
+            True,
+        ),
     ]
     for f in sorted(glob.glob(str(ROOT / "examples" / "*.coda"))):
         out.append((Path(f).stem, Path(f).read_text(), False))
@@ -129,7 +145,7 @@ def _sizes(st: ElementwiseStage) -> dict[str, int]:
     g = max((info["group"] for *_x, info in st.steps if info.get("group")), default=0)
     c = st.cols
     if g and c.name is not None and c.name not in fixed:
-        while (c.coeff * sizes[c.name]) % g:
+        while (c.coeff * sizes[c.name]) % g or c.coeff * sizes[c.name] < 3 * g:  # three groups or more
             sizes[c.name] += 1
     return sizes
 
@@ -204,7 +220,7 @@ def _costly(name: str) -> bool:
     Llama's or its soft-capped ones) run under -m slow."""
     return any(
         name.startswith(f"{f}.") and not name.startswith((f"{f}.layer.fwd.", f"{f}.layer.bwd_hf."))
-        for f in ("olmo2", "gemma2")
+        for f in ("olmo2", "gemma2", "gemma3")
     )
 
 
