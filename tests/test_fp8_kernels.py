@@ -529,8 +529,10 @@ def test_gpu_fp8_gemm_matches_interpreter(src: str, exact: bool) -> None:
 
 
 # fp8_delayed.coda with its quantized tile hq an output too: the test reads the kernel's own hq
-DELAYED_WITH_HQ = (ROOT / "examples" / "fp8_delayed.coda").read_text().replace(
-    "-> (out: bf16[M, P], amax: f32)", "-> (out: bf16[M, P], hq: e4m3[M, N], amax: f32)"
+DELAYED_WITH_HQ = (
+    (ROOT / "examples" / "fp8_delayed.coda")
+    .read_text()
+    .replace("-> (out: bf16[M, P], amax: f32)", "-> (out: bf16[M, P], hq: e4m3[M, N], amax: f32)")
 )
 
 
