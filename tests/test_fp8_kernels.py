@@ -586,3 +586,24 @@ def test_gpu_fp8_delayed_forward_matches_interpreter() -> None:
     assert why is None, why
     why = mismatch("amax", outs["amax"], ref["amax"], None, "f32")
     assert why is None, why
+
+
+def test_epilogue_subtile_of_an_fp8_d_is_quacks() -> None:
+    """quack 0.6.5 widens its SM90 epilogue subtile to gcd(64, tile_N) for an 8-bit D where one
+    warpgroup row holds the tile (pingpong); a cooperative 128- or 256-row tile keeps gcd(32, tile_N),
+    as a 16-bit D does everywhere. The grouped statistics' tiling rule reads this width."""
+    from coda_lang.backend_cute.build.config import TileConfig, epilogue_subtile_n
+
+    fp8 = plan_stage(one(DELAYED), 1)
+    bf16 = plan_stage(one(DELAYED.replace("hq: e4m3", "hq: bf16")), 1)
+    assert fp8.d is not None and fp8.d.dtype == "e4m3"
+    assert bf16.d is not None and bf16.d.dtype == "bf16"
+    for tile, want8, want16 in [
+        (TileConfig(128, 128), 64, 32),
+        (TileConfig(128, 96), 32, 32),
+        (TileConfig(128, 128, 2, 1, False), 32, 32),
+        (TileConfig(256, 128, 2, 1, False), 32, 32),
+        (TileConfig(128, 128, epi_n=16), 16, 16),
+    ]:
+        assert epilogue_subtile_n(fp8, tile) == want8, tile
+        assert epilogue_subtile_n(bf16, tile) == want16, tile

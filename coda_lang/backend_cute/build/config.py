@@ -129,13 +129,29 @@ PAIRED_SUBTILE = TileConstraint(
 )
 
 
+def _atom_rows(config: TileConfig) -> int:
+    """How many warpgroups quack 0.6.5's SM90 GEMM stacks along M in a tile (its atom_layout_mnk[0]):
+    one in a pingpong tile; in a cooperative one, tile_M / 64 below 256 rows and 2 from 256 (192 rows:
+    3 for tile_N <= 128, else 1; 320 rows: 1)."""
+    if config.pingpong:
+        return 1
+    if config.tile_m == 320:
+        return 1
+    if config.tile_m == 192:
+        return 3 if config.tile_n <= 128 else 1
+    return config.tile_m // 64 if config.tile_m < 256 else 2
+
+
 def epilogue_subtile_n(spec: StageSpec, config: TileConfig) -> int:
     """The N extent of quack's SM90 epilogue subtile for `config`: its `epi_n` when set, else quack's
-    default, gcd(32, tile_N) (gcd(64, tile_N), the wider of its choices, for an 8-bit D)."""
+    default (`_compute_tile_shape_or_override`): gcd(32, tile_N), but gcd(64, tile_N) for an 8-bit D
+    (e4m3, e5m2) where one warpgroup row holds the tile's rows (a pingpong tile; not a cooperative
+    tile of 128 or 192 rows stacked in warpgroups)."""
     if config.epi_n:
         return config.epi_n
-    eight_bit = spec.d is not None and spec.d.dtype.startswith("f8")
-    return math.gcd(64 if eight_bit else 32, config.tile_n)
+    stacked = _atom_rows(config) > 1 and (config.tile_m % 128 == 0 or config.tile_m % 192 == 0)
+    eight_bit = spec.d is not None and spec.d.dtype in ("e4m3", "e5m2")
+    return math.gcd(64 if eight_bit and not stacked else 32, config.tile_n)
 
 
 # Seen on an H100 (2026-11-25): the cooperative 256x128 kernel of a stage that moves an f32 tile and

@@ -228,7 +228,7 @@ def _tiling(
             TileConstraint(
                 of="the epilogue subtile's N",
                 divides=w,
-                reason="gcd(32, tile_N), or epi_n; build/config.fits",
+                reason="gcd(32, tile_N), gcd(64, tile_N) for an 8-bit D in a pingpong tile, or epi_n; build/config.epilogue_subtile_n",
                 kernel_only=True,
             )
         )

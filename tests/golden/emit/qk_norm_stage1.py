@@ -12,7 +12,7 @@ load   dim_HD = the size of HD: f32 scalar (Scalar)
 store  D = q: bf16[M, 2*P]
 group  ss: f32[M, P/64] = sum over each run of 128 columns, complete in the tile (GroupedReduce, folded by the prepass)
 tiling tile_N % 128 == 0 (group=128 over `2*P`)
-tiling 128 % the epilogue subtile's N == 0 (gcd(32, tile_N), or epi_n; build/config.fits)
+tiling 128 % the epilogue subtile's N == 0 (gcd(32, tile_N), gcd(64, tile_N) for an 8-bit D in a pingpong tile, or epi_n; build/config.epilogue_subtile_n)
 tiling tile_N % 2 == 0 (pairs of adjacent columns)
 
 coda source:
