@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command on the GPU host (after `source .gpu/env/gpu.sh`, from the project root or anywhere):
 #   scripts/gpu_check.sh [all|tests|fuzz|memcheck|bench] [extra args for benchmarks/gpu_bench.py]
-# runs the GPU tests (python -m pytest -q -m gpu tests/, in five processes), `coda fuzz --target cuda` on every example
+# runs the GPU tests (python -m pytest -q -m gpu tests/, in nine processes), `coda fuzz --target cuda` on every example
 # (200 cases each, in FUZZ_JOBS=4 processes; FUZZ_EXAMPLES="examples/a.coda ..." picks some) and on random programs (PROGRAMS=240
 # drawn, of which the backend refuses about half, in SHARDS=12 processes), all in parallel (compiles are
 # CPU-bound; FUZZ_ARGS="--special" adds non-finite inputs), then a summary with the number of programs
@@ -60,7 +60,7 @@ PY
 rc_tests=0
 rc_bench=0
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  echo "== GPU tests (five pytest processes in parallel: one in a row takes over 10 minutes)"
+  echo "== GPU tests (nine pytest processes in parallel: in one, the files beside test_gpu.py alone take over 10 minutes)"
   groups=("ragged_end or dims or min_and or pick or scalar or fresh" "forward_matches or partials"
           "backward_block or autograd_matches or backward_matches_vjp"
           "not (ragged_end or dims or min_and or pick or scalar or fresh or forward_matches or partials or backward_block or autograd_matches or backward_matches_vjp)")
@@ -70,7 +70,18 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
       --junitxml="$OUT/pytest_$i.xml" > "$OUT/pytest_$i.log" 2>&1 &
     i=$((i + 1))
   done
-  python -m pytest -q -m gpu tests/ --ignore=tests/test_gpu.py -p no:logging -p no:cacheprovider -rfEs \
+  # the other files with GPU tests, in four named groups and one of whatever else (a new file lands there)
+  files=("tests/test_hf.py tests/test_hf_accelerate.py" "tests/test_hf_lora.py"
+         "tests/test_chunked.py tests/test_fuzz.py" "tests/test_precompile.py tests/test_tune.py")
+  rest=(--ignore=tests/test_gpu.py)
+  for f in ${files[@]}; do rest+=(--ignore="$f"); done
+  for fs in "${files[@]}"; do
+    # shellcheck disable=SC2086
+    python -m pytest -q -m gpu $fs -p no:logging -p no:cacheprovider -rfEs \
+      --junitxml="$OUT/pytest_$i.xml" > "$OUT/pytest_$i.log" 2>&1 &
+    i=$((i + 1))
+  done
+  python -m pytest -q -m gpu tests/ "${rest[@]}" -p no:logging -p no:cacheprovider -rfEs \
     --junitxml="$OUT/pytest_$i.xml" > "$OUT/pytest_$i.log" 2>&1 &
   wait
   for log in "$OUT"/pytest_*.log; do echo "$(basename "$log"): $(tail -1 "$log")"; done
