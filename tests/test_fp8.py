@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -426,7 +427,8 @@ def test_blockwise_example_against_torch() -> None:
 
 def test_delayed_example_gradients_against_torch() -> None:
     """examples/fp8_delayed.coda: float64 straight-through gradients (of x, w, the scale and the e4m3
-    weight w2) against torch autograd of the fake-quant math, the amax's cotangent included."""
+    weight w2) against torch autograd of the fake-quant math; the amax is detached there, so a
+    cotangent given for it changes nothing (torch: the amax made from h.detach())."""
     block = _example("fp8_delayed")
     rng = np.random.default_rng(6)
     m, k, n, p = 8, 16, 32, 16
@@ -443,13 +445,14 @@ def test_delayed_example_gradients_against_torch() -> None:
     hq = _fake_quant(h * t["scale"], "e4m3")
     assert (hq.detach().abs() == 448).any()
     out = (hq @ t["w2"].T) * (1.0 / t["scale"])
-    grads = torch.autograd.grad(
-        [out, h.abs().max()],
-        [t[key] for key in ins],
-        [torch.tensor(cots["out"]), torch.tensor(-0.4, dtype=torch.float64)],
-    )
+    assert float(block.run(ins, precision="f64")["amax"]) == float(h.detach().abs().max())
+    grads = torch.autograd.grad([out], [t[key] for key in ins], [torch.tensor(cots["out"])])
     for key, gr in zip(ins, grads, strict=True):
         np.testing.assert_allclose(got[key], gr.numpy(), rtol=1e-10, atol=1e-12, err_msg=key)
+    # the amax's cotangent reaches nothing: the same gradients without it
+    alone = block.vjp(ins, {**cots, "amax": np.float64(0.0)}, precision="f64")
+    for key in ins:
+        assert np.array_equal(alone[key], got[key]), key
 
 
 def test_emulated_runtime_runs_fp8() -> None:
@@ -713,7 +716,19 @@ def test_fp8_cotangents_exact_and_emulated() -> None:
     bins["dacc2_scale"] = np.float32(3000.0)
     ref = d.backward.run(bins, dims=bdims)
     ref64 = d.backward.run(bins, dims=bdims, precision="f64")
-    got = d.backward.cuda(emulate=True)({key: torch.as_tensor(np.asarray(v)) for key, v in bins.items()})
+    fp8 = {
+        np.dtype(ml_dtypes.float8_e4m3fn): torch.float8_e4m3fn,
+        np.dtype(ml_dtypes.float8_e5m2): torch.float8_e5m2,
+    }
+
+    def tensor(v: Any) -> torch.Tensor:  # (the forward saves its e4m3 tile hq: torch takes no ml_dtypes)
+        v = np.asarray(v)
+        return (
+            torch.as_tensor(v.astype(np.float32)).to(fp8[v.dtype]) if v.dtype in fp8 else torch.as_tensor(v)
+        )
+
+    assert any(np.asarray(v).dtype in fp8 for v in bins.values())
+    got = d.backward.cuda(emulate=True)({key: tensor(v) for key, v in bins.items()})
     for key, dt in (("dx", "bf16"), ("dw", "bf16"), ("dw2", "bf16"), ("dacc2_amax", "f32")):
         assert mismatch(key, got[key], ref[key], ref64[key], dtype=dt) is None, mismatch(
             key, got[key], ref[key], ref64[key], dtype=dt
@@ -863,3 +878,48 @@ def test_fp8_cotangents_torch_function_refusals() -> None:
         ct.DelayedScaling(1.0, history=0)
     with pytest.raises(TypeError, match="margin="):
         ct.DelayedScaling(1.0, margin=0.5)
+
+
+DETACHED = """
+dims M, K, N
+block b(x: f32[M, K], w: f32[K, N], s: f32) -> (y: f32[M, N], m: f32) {
+  gemm x @ w {
+    t = acc * detach(acc) * s
+    y = t + detach(t * s)
+    rm = max(abs(acc), over=N)
+  }
+  m = detach(max(rm, over=M)) * s
+}
+"""
+
+
+def test_detach_passes_no_gradient_against_torch() -> None:
+    """detach(x) is x in the forward and stops the gradient, in a stage and between stages, as torch's
+    .detach() does (float64 vjp against torch autograd of the same math)."""
+    block = coda_lang.load(DETACHED)["b"]
+    rng = np.random.default_rng(3)
+    ins = {"x": rng.standard_normal((4, 8)), "w": rng.standard_normal((8, 6)), "s": np.float64(0.7)}
+    cots = {"y": rng.standard_normal((4, 6)), "m": np.float64(1.3)}
+    got = block.vjp(ins, cots, precision="f64")
+    t = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in ins.items()}
+    acc = t["x"] @ t["w"]
+    tt = acc * acc.detach() * t["s"]
+    y = tt + (tt * t["s"]).detach()
+    m = acc.detach().abs().max() * t["s"]
+    out = block.run(ins, precision="f64")
+    np.testing.assert_allclose(out["y"], y.detach().numpy(), rtol=1e-12)
+    assert math.isclose(float(out["m"]), float(m.detach()), rel_tol=1e-12)
+    grads = torch.autograd.grad(
+        [y, m], [t[k] for k in ins], [torch.tensor(cots["y"]), torch.tensor(1.3, dtype=torch.float64)]
+    )
+    for k, g in zip(ins, grads, strict=True):
+        np.testing.assert_allclose(got[k], g.numpy(), rtol=1e-10, atol=1e-12, err_msg=k)
+
+
+def test_delayed_backward_saves_the_fp8_tile_not_an_f32_one() -> None:
+    """With the amax detached, fp8_delayed's backward reads the e4m3 hq the forward stores (1 byte an
+    element) and no f32 accumulator or max-tie tile: the saved tensors are the fp8 copies."""
+    d = _example("fp8_delayed").derivation(["x", "w", "w2"])
+    saved = {p.var.name: p.var.type for p in d.backward.ir.params if p.var.name in d.saved}
+    assert "hq" in saved and saved["hq"].dtype == "e4m3", saved
+    assert all(t.dtype != "f32" or not t.shape for t in saved.values()), saved

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import statistics
 from typing import Any
 
 import pytest
@@ -260,55 +261,62 @@ def train(
     return losses, {k: v.float() for k, v in model.state_dict().items()}
 
 
+def converge(family: str, seeds: tuple[int, ...], device: str = "cpu", **over: Any) -> None:
+    """As Liger's mini-model tests: the same init and data, 30 AdamW steps, patched and unpatched in
+    bf16 (and the unpatched model in f32 as the reference). Each run's loss falls as much as the f32
+    run's (80%); the patched run is as close to the f32 run as the unpatched bf16 run is (2x, plus a
+    floor of bf16 resolution): the largest gap along the loss curve and each parameter's largest gap
+    at the end, averaged over `seeds` (an init and a data stream each). Over one seed the comparison
+    is a draw: 30 steps amplify rounding chaotically, and HF bf16's own gap to f32 varied 3x over four
+    seeds of Gemma 3 (0.019 to 0.059) with the patched model's no further on average."""
+    curves, refs = [], []
+    params: dict[str, list[tuple[float, float]]] = {}
+    for s in seeds:
+        base = make(family, seed=s, **over).to(device)
+        l32, p32 = train(copy.deepcopy(base), 30, seed=7 + s)
+        l16, p16 = train(copy.deepcopy(base).to(torch.bfloat16), 30, seed=7 + s)
+        lc, pc = train(patch(family, copy.deepcopy(base).to(torch.bfloat16)), 30, seed=7 + s)
+        # it learns, as much as the unpatched model in f32 does (Llama's loss halves in 30 steps;
+        # Granite's, its logits divided by 8 and its branches by 0.22 / 1, falls by an eighth, unpatched too)
+        assert lc[0] - lc[-1] > 0.8 * (l32[0] - l32[-1]) > 0.1, (s, lc, l32)
+        refs.append(max(abs(a - b) for a, b in zip(l16, l32, strict=True)))
+        curves.append(max(abs(a - b) for a, b in zip(lc, l32, strict=True)))
+        print(
+            f"{family} seed {s}: loss {lc[0]:.3f} -> {lc[-1]:.3f} (f32 {l32[-1]:.3f}); "
+            f"max |coda - f32| {curves[-1]:.3g}, |HF bf16 - f32| {refs[-1]:.3g}"
+        )
+        for name in p32:
+            ref = float((p16[name] - p32[name]).abs().max())
+            got = float((pc[name] - p32[name]).abs().max())
+            params.setdefault(name, []).append((got, ref))
+    curve, curve_ref = statistics.fmean(curves), statistics.fmean(refs)
+    assert curve < 2 * curve_ref + 2e-2, (curves, refs)
+    for name, pairs in params.items():
+        got, ref = (statistics.fmean(v) for v in zip(*pairs, strict=True))
+        assert got < 2 * ref + 1e-2, (name, pairs)
+
+
 @pytest.mark.parametrize(
     "family", [f if f == "llama" else pytest.param(f, marks=pytest.mark.slow) for f in sorted(FAMILIES)]
 )
 def test_convergence_30_adamw_steps(family: str) -> None:
-    """As Liger's mini-model tests: the same init and data, 30 AdamW steps, patched and unpatched in
-    bf16 (and the unpatched model in f32 as the reference): the loss falls as much as the f32 run's
-    (80%), and the patched run is as close to the f32 run as the unpatched bf16 run is (2x, plus a
-    floor of bf16 resolution)."""
-    base = make(family)
-    l32, p32 = train(copy.deepcopy(base), 30)
-    l16, p16 = train(copy.deepcopy(base).to(torch.bfloat16), 30)
-    lc, pc = train(patch(family, copy.deepcopy(base).to(torch.bfloat16)), 30)
-    # it learns, as much as the unpatched model in f32 does (Llama's loss halves in 30 steps;
-    # Granite's, its logits divided by 8 and its branches by 0.22 / 1, falls by an eighth, unpatched too)
-    assert lc[0] - lc[-1] > 0.8 * (l32[0] - l32[-1]) > 0.1, (lc, l32)
-    curve_ref = max(abs(a - b) for a, b in zip(l16, l32, strict=True))
-    curve = max(abs(a - b) for a, b in zip(lc, l32, strict=True))
-    assert curve < 2 * curve_ref + 2e-2, (curve, curve_ref)
-    for name in p32:
-        ref = float((p16[name] - p32[name]).abs().max())
-        got = float((pc[name] - p32[name]).abs().max())
-        assert got < 2 * ref + 1e-2, (name, got, ref)
+    """`converge` on the CPU (the emulated kernels): one seed in the default suite (Llama), three
+    under -m slow (every family)."""
+    converge(family, (0,) if family == "llama" else (0, 1, 2))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", each())
 def test_convergence_on_the_gpu_kernels(family: str, monkeypatch: Any) -> None:
-    """The convergence test on a Hopper GPU, where the patched model runs the CUDA kernels (the same
-    tiny shapes; each stage's default tile, not the measured one: CODA_TUNE=0 keeps compiles few)."""
+    """`converge` on a Hopper GPU, three seeds, where the patched model runs the CUDA kernels (the
+    same tiny shapes; each stage's default tile, not the measured one: CODA_TUNE=0 keeps compiles
+    few)."""
     from coda_lang.torch import uses_kernels
 
     if not uses_kernels("cuda"):
         pytest.skip("needs a Hopper GPU (compute capability 9.0) for the kernels")
     monkeypatch.setenv("CODA_TUNE", "0")
-    base = make(family, **ON_KERNELS.get(family, {})).cuda()
-    l32, p32 = train(copy.deepcopy(base), 30)
-    l16, p16 = train(copy.deepcopy(base).to(torch.bfloat16), 30)
-    lc, pc = train(patch(family, copy.deepcopy(base).to(torch.bfloat16)), 30)
-    curve_ref = max(abs(a - b) for a, b in zip(l16, l32, strict=True))
-    curve = max(abs(a - b) for a, b in zip(lc, l32, strict=True))
-    print(
-        f"{family}: loss {lc[0]:.3f} -> {lc[-1]:.3f} (f32 {l32[-1]:.3f}); max |coda - f32| {curve:.3g}, |HF bf16 - f32| {curve_ref:.3g}"
-    )
-    assert lc[0] - lc[-1] > 0.8 * (l32[0] - l32[-1]) > 0.1, (lc, l32)
-    assert curve < 2 * curve_ref + 2e-2, (curve, curve_ref)
-    for name in p32:
-        ref = float((p16[name] - p32[name]).abs().max())
-        got = float((pc[name] - p32[name]).abs().max())
-        assert got < 2 * ref + 1e-2, (name, got, ref)
+    converge(family, (0, 1, 2), "cuda", **ON_KERNELS.get(family, {}))
 
 
 @pytest.mark.parametrize("family", each(costly=True))

@@ -298,6 +298,32 @@ register(
     )
 )
 
+# detach(x): x itself, through which no gradient flows (torch's .detach(), jax's stop_gradient). For a
+# statistic the program records for a later step, as an fp8 recipe's amax: `amax = detach(max(row_amax,
+# over=M))` gets no cotangent, so the backward neither takes one for it nor saves what a max's ties need.
+register(
+    OpDef(
+        name="detach",
+        nin=1,
+        type_rule=_arith,
+        locality=Locality.POINTWISE,
+        impl=lambda a: a,
+        differentiable=False,
+        exact=True,
+        linear=True,
+        bound=Bound(rule=BoundRule.PASS),
+        # a random program's finite differences see through it, its gradient doesn't
+        random_programs=False,
+        lower=Lowerings(
+            cute=lambda a: a,
+            triton=lambda a: a,
+            torch=lambda a: a,
+        ),
+        operand_names=("x",),
+        doc="x itself; no gradient flows through it (a statistic kept for the next step: an fp8 amax)",
+    )
+)
+
 # Comparisons give a bool, usable only as the condition of where(). An ordering comparison whose operands
 # are closer than their rounding bounds may come out either way; == and != are judged exactly (a max's
 # backward finds its ties by comparing the very values the forward compared: a tie that flips is a bug).
