@@ -4,11 +4,11 @@ run per configuration: HF eager, HF + torch.compile, HF + Liger Kernel, HF + cod
 Usage:
     python benchmarks/convergence.py prepare --out DIR [--vocab 16384] [--max-files N]
     python benchmarks/convergence.py train --data DIR [--configs eager,compile,liger,coda,torchao-tensorwise,
-        torchao-rowwise] [--steps 1000] [--seq 1024] [--batch 16] [--lr 6e-4] [--warmup 100] [--clip 1.0]
-        [--eval-every 100] [--eval-batches 8] [--seed 0] [--size 124m|tiny] [--json FILE] [--device cuda|cpu]
+        torchao-rowwise] [--steps 1000] [--seq 1024] [--batch 8] [--lr 6e-4] [--warmup 100] [--clip 1.0]
+        [--eval-every 100] [--eval-batches 8] [--seed 0] [--size 150m|tiny] [--json FILE] [--device cuda|cpu]
     python benchmarks/convergence.py plot FILE.json --out FILE.svg|FILE.png|FILE.pdf
     the run on one GPU: prepare --out DIR, then train --data DIR --json FILE.json (every configuration,
-    1,000 steps of 16 x 1024 tokens), then plot FILE.json --out FILE.svg on a machine with matplotlib
+    1,000 steps of 8 x 1024 tokens), then plot FILE.json --out FILE.svg on a machine with matplotlib
     smoke test on the CPU: prepare --out DIR --max-files 30 --vocab 400, then train --data DIR --size tiny
     --device cpu --configs eager,coda --steps 3 --seq 32 --batch 2 --eval-every 2
 
@@ -25,11 +25,12 @@ them, is trained on the training split; each file is encoded and followed by `<|
 to DIR: tokenizer.json, train.npy and val.npy (uint16, `np.save`) and meta.json (the Python version,
 the files of each split, their bytes and tokens, the sha256 of each split's text and of each file
 written, the exclusions). The same Python and arguments write the same bytes. Python 3.11.7's: 732 files,
-12.1 MB, 2.78M training tokens at 16384 (4.0 bytes a token): 1,000 steps of 16 x 1024 tokens see each
-about six times.
+12.1 MB, 2.78M training tokens at 16384 (4.0 bytes a token): 1,000 steps of 8 x 1024 tokens see each
+about three times. The GPU host's Python differs (3.12): prepare here and carry DIR there, so that every
+run reads the same tokens (meta.json's hashes say which).
 
-`train`: a Llama of `--size` (124m: hidden 768, 12 layers, 12 query / 4 KV heads of 64, intermediate 2048,
-tied embeddings, rope_theta 1e4, sdpa; about 88M parameters at a vocabulary of 16384; tiny: hidden 64, 2
+`train`: a Llama of `--size` (150m: hidden 1024, 12 layers, 16 query / 4 KV heads of 64, intermediate 2816,
+tied embeddings, rope_theta 1e4, sdpa; about 152M parameters at a vocabulary of 16384; tiny: hidden 64, 2
 layers, for tests), its vocabulary the tokenizer's, initialized once from `--seed` (on the CPU) and copied
 for each configuration, bf16 weights (as hf_train_step.py), trained by AdamW (betas 0.9, 0.95, weight
 decay 0.1 on the matrices and embeddings, none on the norms; fused on a GPU), `--lr` warmed up linearly
@@ -355,13 +356,13 @@ def cannot_run(name: str, device: str) -> str | None:
 # train
 
 SIZES: dict[str, dict[str, Any]] = {
-    "124m": dict(
-        hidden_size=768,
+    "150m": dict(
+        hidden_size=1024,
         num_hidden_layers=12,
-        num_attention_heads=12,
+        num_attention_heads=16,
         num_key_value_heads=4,
         head_dim=64,
-        intermediate_size=2048,
+        intermediate_size=2816,
     ),
     "tiny": dict(
         hidden_size=64,
@@ -757,14 +758,14 @@ def main(argv: list[str] | None = None) -> int:
     pt.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of: {', '.join(CONFIGS)}")
     pt.add_argument("--steps", type=int, default=1000, help="training steps per configuration")
     pt.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
-    pt.add_argument("--batch", type=int, default=16, help="sequences per step")
+    pt.add_argument("--batch", type=int, default=8, help="sequences per step")
     pt.add_argument("--lr", type=float, default=6e-4, help="peak learning rate")
     pt.add_argument("--warmup", type=int, default=100, help="linear warmup steps")
     pt.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping (0: none)")
     pt.add_argument("--eval-every", type=int, default=100, help="validation loss every N steps")
     pt.add_argument("--eval-batches", type=int, default=8, help="validation batches (fixed)")
     pt.add_argument("--seed", type=int, default=0, help="the weights' and the batches' seed")
-    pt.add_argument("--size", default="124m", choices=list(SIZES), help="the Llama's shapes")
+    pt.add_argument("--size", default="150m", choices=list(SIZES), help="the Llama's shapes")
     pt.add_argument("--json", default=None, help="write the results here (after each configuration)")
     pt.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     pl = sub.add_parser("plot", help="the loss curves of a `train --json` file")
