@@ -42,7 +42,9 @@ REQUIRED = ("type_rule", "locality")
 # Ops that lack each optional rule today. Later issues fill these in: shrink the sets as they do.
 EXPECTED_MISSING: dict[str, frozenset[str]] = {
     "impl": frozenset(),  # the interpreter issue
-    "vjp": frozenset({"col_index", "detach", "eq", "ge", "gt", "le", "lt", "ne", "row_index"}),  # not differentiable
+    "vjp": frozenset(
+        {"col_index", "detach", "eq", "ge", "gt", "le", "lt", "ne", "row_index"}
+    ),  # not differentiable
     # the executors know where their tile sits; fold runs between stages only (no epilogue)
     "lower.cute": frozenset({"col_index", "fold", "row_index"}),
     "lower.torch": frozenset(
