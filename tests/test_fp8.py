@@ -923,3 +923,29 @@ def test_delayed_backward_saves_the_fp8_tile_not_an_f32_one() -> None:
     saved = {p.var.name: p.var.type for p in d.backward.ir.params if p.var.name in d.saved}
     assert "hq" in saved and saved["hq"].dtype == "e4m3", saved
     assert all(t.dtype != "f32" or not t.shape for t in saved.values()), saved
+
+
+def test_blockwise_example_gradients_against_torch() -> None:
+    """examples/fp8_blockwise.coda, its amax detached: float64 straight-through gradients of x and w
+    against torch autograd of the fake-quant math at the forward's scales (dacc = dyq * 448 / amax);
+    a cotangent given for the amax changes nothing."""
+    block = _example("fp8_blockwise")
+    rng = np.random.default_rng(8)
+    m, k, n = 8, 16, 256
+    ins = {"x": rng.standard_normal((m, k)), "w": rng.standard_normal((k, n)) / 4}
+    cots = {"yq": rng.standard_normal((m, n)), "amax": rng.standard_normal((m, n // 128))}
+    got = block.vjp(ins, cots, precision="f64")
+    t = {key: torch.tensor(v, dtype=torch.float64, requires_grad=True) for key, v in ins.items()}
+    y = t["x"] @ t["w"]
+    amax = y.detach().abs().unflatten(1, (-1, 128)).amax(-1)
+    s = (448.0 / amax.clamp(min=1e-12)).repeat_interleave(128, 1)
+    yq = _fake_quant(y * s, "e4m3")
+    out = block.run(ins, precision="f64")
+    np.testing.assert_array_equal(out["amax"], amax.numpy())
+    np.testing.assert_array_equal(out["yq"], yq.detach().numpy())
+    grads = torch.autograd.grad([yq], [t["x"], t["w"]], [torch.tensor(cots["yq"])])
+    for key, gr in zip(ins, grads, strict=True):
+        np.testing.assert_allclose(got[key], gr.numpy(), rtol=1e-10, atol=1e-12, err_msg=key)
+    alone = block.vjp(ins, {**cots, "amax": np.zeros_like(cots["amax"])}, precision="f64")
+    for key in ins:
+        assert np.array_equal(alone[key], got[key]), key

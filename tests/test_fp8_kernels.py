@@ -607,3 +607,33 @@ def test_epilogue_subtile_of_an_fp8_d_is_quacks() -> None:
     ]:
         assert epilogue_subtile_n(fp8, tile) == want8, tile
         assert epilogue_subtile_n(bf16, tile) == want16, tile
+
+
+def test_detach_is_the_identity_in_a_kernel() -> None:
+    """The planner reads `detach` as the identity: fp8_blockwise's detached grouped amax is the stored
+    reduction itself (one store, under the output's name); a detached value the stage also reads
+    undetached (acc) is a copy."""
+    from coda_lang.backend_cute.plan.context import without_detach
+
+    blk = example("fp8_blockwise")
+    (st,) = blk.ir.stages
+    plain = without_detach(st)
+    assert [e.op for e in st.body if e.op == "detach"] == ["detach"]
+    assert all(e.op != "detach" for e in plain.body) and len(plain.body) == len(st.body) - 1
+    (amax,) = [e for e in plain.body if any(v.name == "amax" for v in e.outs)]
+    assert amax.op == "reduce_max" and amax.param("group") == 128
+    twice = one(
+        """
+dims M, K, N
+block b(x: bf16[M, K], w: bf16[K, N]) -> (y: bf16[M, N]) {
+  gemm x @ w {
+    t = detach(acc)
+    y = t * t + acc
+  }
+}
+"""
+    )
+    (st2,) = twice.ir.stages
+    assert [e.op for e in without_detach(st2).body].count("copy") == 1
+    src = emit_stage(plan_stage(twice, 1))
+    assert "detach" not in src

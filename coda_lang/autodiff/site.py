@@ -91,12 +91,16 @@ class Site:
         b = s.b
         b.span = st.span
         b.tie_counts = self.tie_count
-        # seed: the cotangents of this stage's values that later stages, outputs and vectors gave
+        # seed: the cotangents of this stage's values that later stages, outputs and vectors gave (a
+        # value made by an op no gradient flows through, detach, drops them: none reaches the stage)
         for e in st.body:
             for v in e.outs:
                 if v.name in self.local_vec:
                     continue
-                for p in s.take_cotangents(v.name):
+                parts = s.take_cotangents(v.name)
+                if parts and REGISTRY[e.op].vjp is None and not REGISTRY[e.op].differentiable:
+                    continue
+                for p in parts:
                     self.seed(v.name, p)
         if self.host is not None and self.host.tile is not None:
             self.seed(self.host.tile, s.dequantize(self.host.gemm, Var("acc")))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import keyword
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from coda_lang.backend_cute.plan.names import helper_names
 from coda_lang.backend_cute.plan.spec import DIM_PREFIX, QUACK_RESERVED
@@ -106,9 +106,35 @@ def stage_temps(st: Stage) -> dict[str, str]:
     return seen
 
 
+def without_detach(st: Stage) -> Stage:
+    """The stage as a kernel runs it: `detach` is the identity there (it only tells autodiff that no
+    gradient flows). `y = detach(x)` of a value x the stage makes and reads nowhere else names x's
+    equation y (a grouped reduction stored as `amax = detach(max(..., group=128))` stays the stored
+    reduction); any other is the copy `y = x`. One at a time, so that detach(detach(x)) is one value."""
+    body = list(st.body)
+    while (i := next((i for i, e in enumerate(body) if e.op == "detach"), None)) is not None:
+        e = body[i]
+        (x,), (y,) = e.ins, e.outs
+        reads = (
+            sum(isinstance(a, Var) and a.name == x.name for f in body for a in f.ins)
+            if isinstance(x, Var)
+            else 0
+        )
+        j = next((j for j, f in enumerate(body) if isinstance(x, Var) and x in f.outs), None)
+        if j is not None and reads == 1 and len(body[j].outs) == 1:
+            body[j] = replace(body[j], outs=(y,))
+            del body[i]
+        else:
+            body[i] = replace(e, op="copy")
+    return st if body == list(st.body) else replace(st, body=tuple(body))
+
+
 def stage_context(ir: Block, bplan: BlockPlan, index: int, emulated: bool) -> StageContext:
     """The context of stage `index` (1-based, a GEMM stage) of the checked block `ir`."""
-    st = ir.stages[index - 1]
+    original = ir.stages[index - 1]
+    st = without_detach(original)
+    if st is not original:  # (the block as the planner reads it: the stage is found by identity)
+        ir = replace(ir, body=tuple(st if b is original else b for b in ir.body))
     temps = stage_temps(st)
     operands = [temps.get(x.name, x.name) if isinstance(x, Var) else "x" for x in (st.a, st.b)]
     fn_name = "epi_" + "_".join(operands)  # (the GEMM's, not the block's: see the module docstring)
