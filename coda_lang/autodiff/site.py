@@ -98,7 +98,7 @@ class Site:
                 if v.name in self.local_vec:
                     continue
                 parts = s.take_cotangents(v.name)
-                if parts and REGISTRY[e.op].vjp is None and not REGISTRY[e.op].differentiable:
+                if parts and REGISTRY[e.op].stops_gradient:
                     continue
                 for p in parts:
                     self.seed(v.name, p)
@@ -126,7 +126,11 @@ class Site:
                     "which the stage's tiles can't read (a tile is half, once or twice the stage's "
                     "width)",
                     self.fwd.fdef[name].span,
-                    notes=["use group=2, or use the grouped value only inside its stage"],
+                    notes=[
+                        "use group=2, or use the grouped value only inside its stage, or `detach` it "
+                        "if no gradient should flow through it (a statistic such as an fp8 amax: "
+                        "`amax = detach(max(abs(acc), over=N, group=128))`)"
+                    ],
                 )
             ct = b.op("expand", ct, self.group_like(logical))
         self.cts.setdefault(name, []).append((ct, logical))

@@ -309,6 +309,7 @@ register(
         locality=Locality.POINTWISE,
         impl=lambda a: a,
         differentiable=False,
+        stops_gradient=True,
         exact=True,
         linear=True,
         bound=Bound(rule=BoundRule.PASS),

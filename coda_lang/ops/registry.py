@@ -417,6 +417,9 @@ class OpDef:
     # -- semantics
     impl: Callable[..., Any] | None = None  # NumPy implementation: the interpreter's, the oracle
     differentiable: bool = True
+    # the identity in every run, through which no gradient flows (detach): autodiff drops the
+    # cotangents its result gets, the kernels read it as its operand
+    stops_gradient: bool = False
     vjp: Callable[..., Any] | None = None  # VJP rule, written with other ops through autodiff's builder
     combine: Combine | None = None  # reductions (and pick): how per-tile partials combine
     # a rewrite into other ops, applied when the source is lowered: `decompose(d, ins, params)` returns

@@ -112,7 +112,8 @@ def without_detach(st: Stage) -> Stage:
     equation y (a grouped reduction stored as `amax = detach(max(..., group=128))` stays the stored
     reduction); any other is the copy `y = x`. One at a time, so that detach(detach(x)) is one value."""
     body = list(st.body)
-    while (i := next((i for i, e in enumerate(body) if e.op == "detach"), None)) is not None:
+    copy = next(name for name, op in REGISTRY.items() if op.copy)
+    while (i := next((i for i, e in enumerate(body) if REGISTRY[e.op].stops_gradient), None)) is not None:
         e = body[i]
         (x,), (y,) = e.ins, e.outs
         reads = (
@@ -125,7 +126,7 @@ def without_detach(st: Stage) -> Stage:
             body[j] = replace(body[j], outs=(y,))
             del body[i]
         else:
-            body[i] = replace(e, op="copy")
+            body[i] = replace(e, op=copy)
     return st if body == list(st.body) else replace(st, body=tuple(body))
 
 
