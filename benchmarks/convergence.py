@@ -278,20 +278,6 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 # configurations
 
 
-def torchao_float8(model: Any, recipe: str) -> Any:
-    """torchao's float8 training (`recipe`: tensorwise or rowwise) on every nn.Linear but the LM head,
-    then torch.compile (which fuses its scaling and casts)."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    def keep(mod: torch.nn.Module, fqn: str) -> bool:
-        return isinstance(mod, torch.nn.Linear) and fqn.split(".")[-1] != "lm_head"
-
-    convert_to_float8_training(
-        model, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=keep
-    )
-    return torch.compile(model)
-
-
 @dataclass(frozen=True)
 class Config:
     """A configuration: `prepare` patches or wraps the model (on its device) and returns what to call
@@ -313,12 +299,14 @@ CONFIGS: dict[str, Config] = {
     ),
     "coda": Config(functools.partial(hf_train_step.prepare, name="coda")),
     "torchao-tensorwise": Config(
-        functools.partial(torchao_float8, recipe="tensorwise"),
+        functools.partial(hf_train_step.prepare, name="torchao-tensorwise"),
         packages=(("torchao", "torchao"),),
         cuda=(8, 9),
     ),
     "torchao-rowwise": Config(
-        functools.partial(torchao_float8, recipe="rowwise"), packages=(("torchao", "torchao"),), cuda=(8, 9)
+        functools.partial(hf_train_step.prepare, name="torchao-rowwise"),
+        packages=(("torchao", "torchao"),),
+        cuda=(8, 9),
     ),
 }
 

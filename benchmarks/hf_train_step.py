@@ -1,6 +1,8 @@
-"""Training steps of a Hugging Face model: HF eager, HF + torch.compile, HF + Liger Kernel, HF + coda.
+"""Training steps of a Hugging Face model: HF eager, HF + torch.compile, HF + Liger Kernel, HF + coda,
+HF + torchao float8.
 
-Usage (on a Hopper GPU): python benchmarks/hf_train_step.py [--configs eager,compile,liger,coda]
+Usage (on a Hopper GPU): python benchmarks/hf_train_step.py [--configs eager,compile,liger,coda,
+    torchao-tensorwise,torchao-rowwise]
     [--family llama] [--layers N] [--seq 8192] [--batch 1] [--steps 9] [--warmup 3] [--json FILE]
     [--profile] [--trace FILE] [--lora R]
 
@@ -26,7 +28,10 @@ warm-up steps, the first of which times them. `--profile` adds one profiled step
 its CUDA time split into attention, GEMM and other kernels. `--lora R`: peft LoRA of rank R (alpha 2R,
 dropout 0) on q, k, v, o, gate, up and down (Phi-3: qkv, o, gate_up, down), the base frozen, the optimizer over the adapters: applied
 after Liger's patch (which keeps the modules LoRA wraps) and before coda's (which runs LoRA in its
-blocks). Prints a markdown table last.
+blocks). `torchao-tensorwise` / `torchao-rowwise`: torchao's float8 training of that recipe
+(`convert_to_float8_training` on every nn.Linear but the LM head), then torch.compile of the model, as
+torchao's own benchmarks run it (its wheel: `pip install torchao`; not with --lora). An unknown
+configuration is a usage error before anything runs. Prints a markdown table last.
 """
 
 from __future__ import annotations
@@ -273,6 +278,24 @@ def with_lora(model: Any, r: int) -> Any:
     return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=targets))
 
 
+def torchao_float8(model: Any, recipe: str) -> Any:
+    """torchao's float8 training (`recipe`: tensorwise or rowwise) on every nn.Linear but the LM head,
+    then torch.compile of the model (which fuses torchao's amax and cast ops into neighbouring kernels:
+    the configuration torchao's own numbers use)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    def keep(mod: torch.nn.Module, fqn: str) -> bool:
+        return isinstance(mod, torch.nn.Linear) and fqn.split(".")[-1] != "lm_head"
+
+    convert_to_float8_training(
+        model, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=keep
+    )
+    return torch.compile(model)
+
+
+CONFIGS = ("eager", "compile", "liger", "coda", "coda-vocab", "torchao-tensorwise", "torchao-rowwise")
+
+
 def prepare(model: Any, name: str, family: str = "llama", lora: int = 0) -> Any:
     if name == "eager":
         return with_lora(model, lora)
@@ -287,6 +310,10 @@ def prepare(model: Any, name: str, family: str = "llama", lora: int = 0) -> Any:
             raise SystemExit(f"Liger Kernel has no {name}")
         patch(model=model)
         return with_lora(model, lora)
+    if name in ("torchao-tensorwise", "torchao-rowwise"):
+        if lora:
+            raise SystemExit(f"{name}: torchao's float8 training of a LoRA model is not a configuration here")
+        return torchao_float8(model, name.removeprefix("torchao-"))
     if name in ("coda", "coda-vocab"):
         from coda_lang.hf import apply_coda
 
@@ -432,6 +459,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--host-profile", action="store_true", help="cProfile one coda step (host time)")
     args = p.parse_args(argv)
+    unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
+    if unknown:
+        p.error(f"unknown configuration {unknown[0]!r}; the configurations: {', '.join(CONFIGS)}")
     if not torch.cuda.is_available():
         print("hf_train_step: needs a CUDA GPU", file=sys.stderr)
         return 2
