@@ -580,8 +580,33 @@ def test_row_groups_quantize_a_column_copy() -> None:
         block.run({"x": ins["x"][:200], "w": ins["w"]})
 
 
+def test_detached_row_group_amax_is_differentiated() -> None:
+    """The 128x1 recipe with its amax detached: no cotangent reaches the row-grouped values (the amax,
+    the scale made from it), so the backward is derived and recomputes them as values; float64
+    straight-through gradients against torch autograd of the same fake-quant math, in the interpreter."""
+    block = coda_lang.load(
+        COLQ.replace(
+            "amax = max(abs(acc), over=M, group=128)", "amax = detach(max(abs(acc), over=M, group=128))"
+        )
+    )["colq"]
+    rng = np.random.default_rng(12)
+    m, k, n = 256, 8, 16
+    ins = {"x": rng.standard_normal((m, k)), "w": rng.standard_normal((k, n))}
+    cots = {"yq": rng.standard_normal((m, n)), "amax": rng.standard_normal((m // 128, n))}
+    got = block.vjp(ins, cots, precision="f64")
+    t = {key: torch.tensor(v, dtype=torch.float64, requires_grad=True) for key, v in ins.items()}
+    y = t["x"] @ t["w"]
+    amax = y.detach().abs().unflatten(0, (-1, 128)).amax(1)  # [M/128, N]
+    yq = _fake_quant(y * (448.0 / amax.clamp(min=1e-12)).repeat_interleave(128, 0), "e4m3")
+    np.testing.assert_allclose(block.run(ins, precision="f64")["amax"], amax.numpy(), rtol=1e-14)
+    grads = torch.autograd.grad([yq], [t["x"], t["w"]], [torch.tensor(cots["yq"])])
+    for key, gr in zip(ins, grads, strict=True):
+        np.testing.assert_allclose(got[key], gr.numpy(), rtol=1e-10, atol=1e-12, err_msg=key)
+
+
 def test_row_groups_not_yet_differentiated_or_compiled() -> None:
-    """No backward (E0602) and no kernel (E0705) for groups of rows yet: refused, not wrong."""
+    """No backward (E0602) for groups of rows a cotangent reaches, and no kernel (E0705) for groups of
+    rows yet: refused, not wrong."""
     from coda_lang.backend_cute.plan.planner import plan_stage
 
     block = coda_lang.load(COLQ)["colq"]

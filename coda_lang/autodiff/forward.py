@@ -15,7 +15,7 @@ from __future__ import annotations
 from coda_lang.autodiff.builder import AutodiffError
 from coda_lang.autodiff.builder import float_value as _float
 from coda_lang.frontend.verify.plan import BlockPlan
-from coda_lang.ir.nodes import Atom, Block, Eqn, Param, Var
+from coda_lang.ir.nodes import Atom, Block, Eqn, Param, Stage, Var
 from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type, cotangent_dtype, is_fp8
 from coda_lang.ops import REGISTRY, Locality
 
@@ -67,6 +67,28 @@ class ForwardFacts:
                     assert v.type is not None
                     self.ftype[v.name], self.fdef[v.name] = v.type, e
         self.storage = plan.storage
+        # the values that depend on a `wrt` parameter other than through an op that stops gradients
+        # (detach), and the stages whose acc does: only they take cotangents (a detached amax's scale
+        # gets none, so its VJP, grouped over the rows or not, is never built)
+        self.active: set[str] = set(self.wrt)
+        self.active_acc: set[int] = set()
+        k = 0
+        for item in block.body:
+            eqns = item.body if isinstance(item, Stage) else (item,)
+            if isinstance(item, Stage):
+                if any(isinstance(x, Var) and x.name in self.active for x in (item.a, item.b)):
+                    self.active_acc.add(k)
+                k += 1
+            for e in eqns:
+                if REGISTRY[e.op].stops_gradient:
+                    continue
+                for a in e.ins:
+                    if isinstance(a, Var) and (
+                        a.name in self.active
+                        or (a.name == "acc" and isinstance(item, Stage) and k - 1 in self.active_acc)
+                    ):
+                        self.active |= {v.name for v in e.outs}
+                        break
         # dim facts for the backward's type rules: divisors (`X/k` in a type) and fixed values
         self.divisors: dict[str, int] = {}
         for t in self.ftype.values():
@@ -79,6 +101,10 @@ class ForwardFacts:
         """Every name the forward block uses (dims, parameters, values, outputs)."""
         b = self.block
         return {d.name for d in b.dims} | set(self.params) | set(self.ftype) | {o.name for o in b.outputs}
+
+    def is_active(self, name: str, k: int | None) -> bool:
+        """Whether a cotangent of `name` (stage k's `acc` for "acc") can reach a `wrt` parameter."""
+        return k in self.active_acc if name == "acc" else name in self.active
 
     def has_gradient(self, name: str) -> bool:
         """Whether cotangents of `name` are wanted: a float value that is not a parameter outside `wrt`."""

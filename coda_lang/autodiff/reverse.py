@@ -74,10 +74,13 @@ class Reverse:
 
     def run(self) -> Derived:
         fwd, s = self.fwd, self.s
-        for st in fwd.block.stages:
+        reached = _reached(fwd.block)
+        for k, st in enumerate(fwd.block.stages):
             for e in st.body:
                 t = e.outs[0].type
-                if t is not None and t.kind == GROUP and t.group_axis == 0:
+                # (a value no cotangent reaches, one read only through detach, is recomputed as a value)
+                needed = e.outs[0].name in reached and fwd.is_active(e.outs[0].name, k)
+                if t is not None and t.kind == GROUP and t.group_axis == 0 and needed:
                     raise AutodiffError(
                         "E0602",
                         f"`{e.outs[0].name}` is grouped over the rows (group= of a reduction over "
@@ -114,10 +117,14 @@ class Reverse:
         cts = [s.sum_cotangents(v.name) if _float(v.type) else None for v in e.outs]
         if all(c is None for c in cts) or op.vjp is None:
             return
+        if not any(isinstance(a, Var) and self.fwd.is_active(a.name, None) for a in e.ins):
+            return  # no cotangent of it reaches a parameter
         b.span = e.span
         got = op.vjp(b, Primals(e, s.read_between), cts if op.nout > 1 else cts[0])
         for a, c in zip(e.ins, got, strict=True):
             if c is None or not isinstance(a, Var) or not self.fwd.has_gradient(a.name):
+                continue
+            if not self.fwd.is_active(a.name, None):
                 continue
             target = self.fwd.after_type(a.name)
             # a pointwise op's cotangents are of its (broadcast) output; a reduction's of its input
@@ -362,3 +369,14 @@ def derive_with(
     tiles `make` recomputed and stored by their stage's backward (policy.py chooses them), and the
     cotangents of its fp8 stages quantized to `fp8_grads` where given (`Reverse.quantizes`)."""
     return Reverse(block, plan, wrt, remat, make, fp8_grads).run()
+
+
+def _reached(block: Block) -> set[str]:
+    """The values of `block` a cotangent reaches: the outputs, and the operands of each statement one
+    reaches, except through an op that stops gradients (detach)."""
+    reached = {o.name for o in block.outputs}
+    for item in reversed(block.body):
+        for e in reversed(item.body if isinstance(item, Stage) else (item,)):
+            if not REGISTRY[e.op].stops_gradient and any(v.name in reached for v in e.outs):
+                reached |= {a.name for a in e.ins if isinstance(a, Var)}
+    return reached

@@ -399,6 +399,8 @@ class Site:
             if op.differentiable:
                 raise AutodiffError("E0601", f"`{op.surface}` has no VJP rule", e.span)
             return
+        if not any(isinstance(a, Var) and self.fwd.is_active(a.name, self.k) for a in e.ins):
+            return  # no cotangent of it reaches a parameter (it depends on none but through detach)
         b.span = e.span
         cts: list[Atom | None] = [t[0] if t is not None else None for t in taken]
         if op.locality is Locality.PAIR or (
@@ -417,7 +419,7 @@ class Site:
             rows, wide = out_logical.shape
             out_logical = Type(out_logical.dtype, (rows, wide.scale(Fraction(1, 2))), TILE)
         for a, c in zip(e.ins, got, strict=True):
-            if c is None or not isinstance(a, Var):
+            if c is None or not isinstance(a, Var) or not self.fwd.is_active(a.name, self.k):
                 continue
             target = self.logical(a.name)
             # a pointwise op's (or interleave's) cotangents are of its broadcast operands; the others' of their inputs
