@@ -360,6 +360,9 @@ class Derivation:
     # fp8 cotangents (BackwardOptions.fp8_grads): each scale (a scalar input of the backward) -> the
     # backward output holding this step's amax of that cotangent
     scales: dict[str, str] = field(default_factory=dict)
+    # outputs no gradient flows back from (made through `detach`, or from no differentiated
+    # parameter): their cotangents reach nothing
+    detached: frozenset[str] = frozenset()
 
 
 def derive_checked(
@@ -383,6 +386,7 @@ def derive_checked(
         d.grads,
         d.report,
         dict(d.scales),
+        d.detached,
     )
 
 

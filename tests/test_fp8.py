@@ -477,8 +477,9 @@ def test_emulated_runtime_runs_fp8() -> None:
     assert np.array_equal(outs["out"].detach().float().numpy(), ref["out"].astype(np.float32))
     assert float(outs["amax"].detach()) == float(ref["amax"])
     dout = torch.randn(32, 16, generator=g).bfloat16()
-    torch.autograd.backward([outs["out"], outs["amax"]], [dout, torch.tensor(0.5)])
-    want = block.vjp(ins, {"out": dout, "amax": np.float32(0.5)})
+    assert not outs["amax"].requires_grad  # detached in the program: no gradient flows from it
+    torch.autograd.backward([outs["out"]], [dout])
+    want = block.vjp(ins, {"out": dout, "amax": np.float32(0.0)})
     for k, leaf in leaves.items():
         assert leaf.grad is not None and leaf.grad.dtype == ins[k].dtype, k
         dtype = "e4m3" if k == "w2" else "bf16" if k != "scale" else "f32"
@@ -974,3 +975,39 @@ def test_blockwise_example_gradients_against_torch() -> None:
     alone = block.vjp(ins, {**cots, "amax": np.zeros_like(cots["amax"])}, precision="f64")
     for key in ins:
         assert np.array_equal(alone[key], got[key]), key
+
+
+def test_a_detached_output_is_not_differentiable_through_torch() -> None:
+    """coda_lang.torch.function of examples/fp8_delayed.coda (emulated runtime): the detached amax comes
+    back without a grad_fn (torch's mark_non_differentiable), out with one; the backward of out gives
+    the interpreter's gradients; and a block whose output depends on no differentiated parameter
+    returns it without a grad_fn too."""
+    import coda_lang.torch as ct
+
+    block = _example("fp8_delayed")
+    f = ct.function(block, wrt=["x", "w"])
+    rng = np.random.default_rng(4)
+    ins = {
+        "x": torch.tensor(rng.standard_normal((8, 16)), dtype=torch.bfloat16, requires_grad=True),
+        "w": torch.tensor(rng.standard_normal((16, 32)) / 4, dtype=torch.bfloat16, requires_grad=True),
+        "scale": 200.0,
+        "w2": torch.tensor(rng.standard_normal((16, 32)) / 6).to(torch.float8_e4m3fn),
+    }
+    res = f(**ins)
+    assert res["amax"].grad_fn is None and not res["amax"].requires_grad
+    assert res["out"].requires_grad
+    res["out"].float().sum().backward()
+    assert ins["x"].grad is not None and float(ins["x"].grad.float().abs().sum()) > 0
+    plain = coda_lang.load(
+        """
+dims M, K, N
+block b(x: f32[M, K], w: f32[K, N], s: f32[N]) -> (y: f32[M, N], z: f32[M, N]) {
+  gemm x @ w {
+    y = acc
+    z = acc + s
+  }
+}
+"""
+    )["b"]
+    d = plain.derivation(["s"])
+    assert d.detached == frozenset({"y"}), d.detached

@@ -39,6 +39,9 @@ class Derived:
     # fp8 cotangents (BackwardOptions.fp8_grads): each scale (a scalar input of the backward) -> the
     # output holding this step's amax of the cotangent it scales (for the next step's scale)
     scales: dict[str, str] = field(default_factory=dict)
+    # outputs no gradient flows back from (made through detach, or from no `wrt` parameter): their
+    # cotangents reach nothing (a torch wrapper marks them non-differentiable)
+    detached: frozenset[str] = frozenset()
 
 
 def _kind(t: Type) -> str:
@@ -187,8 +190,17 @@ def assemble(s: State, grads: dict[str, str], renames: dict[str, str], remat: st
         )
     notes += [f"note: {r}" for r in report]
     bwd = Block(f"{f.name}_bwd", dims, tuple(params), tuple(outputs), tuple(body), f.span, tuple(notes))
+    detached = frozenset(o.name for o in f.outputs if not s.fwd.is_active(o.name, None))
     return Derived(
-        extend_forward(s, saved), bwd, saved, dict(s.cotangents), grads, report, tuple(s.reads), scales
+        extend_forward(s, saved),
+        bwd,
+        saved,
+        dict(s.cotangents),
+        grads,
+        report,
+        tuple(s.reads),
+        scales,
+        detached,
     )
 
 

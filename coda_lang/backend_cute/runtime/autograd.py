@@ -350,7 +350,14 @@ class _CodaAutograd(torch.autograd.Function):
         # backward then ran on zero cotangents and every gradient came out zero (fixed in 2.13).
         outs = tuple(res[o].detach() for o in fn.outputs)
         ctx.out_meta = [(x.shape, x.dtype, x.device) for x in outs]
-        ctx.mark_non_differentiable(*[x for x in outs if not x.is_floating_point()])
+        # integer outputs, and those no gradient flows back from (a detached amax): no grad_fn
+        ctx.mark_non_differentiable(
+            *[
+                x
+                for o, x in zip(fn.outputs, outs, strict=True)
+                if not x.is_floating_point() or o in fn.derivation.detached
+            ]
+        )
         # what the backward may overwrite: tensors this forward made (not the caller's inputs, not memory
         # an output shares) that a packed backward stage reads as its C operand (not under a
         # torch.compile trace, which can't follow storages: there the backward allocates as before)
