@@ -297,17 +297,20 @@ def test_spills_everywhere_is_e0706(cache: Path) -> None:
 
 def _example_stages() -> list[tuple[str, str, int]]:
     """(example, "forward" | "backward", stage) for every GEMM stage of every example's extended forward
-    (what autograd runs: the forward plus the tiles it saves) and derived backward. Not the fp8 ones:
-    their fp8 stages (stores, fp8_delayed's e4m3 GEMM) compile in tests/test_fp8_kernels.py;
-    fp8_delayed's backward multiplies bf16 cotangents by e4m3 values (E0702), and fp8_blockwise has no
-    backward."""
+    (what autograd runs: the forward plus the tiles it saves) and derived backward. Not the fp8 stages:
+    their stores and fp8_delayed's e4m3 GEMM compile in tests/test_fp8_kernels.py, and fp8_delayed's
+    backward multiplies bf16 cotangents by e4m3 values (E0702). fp8_blockwise's backward (its amax
+    detached: bf16 GEMMs) is here."""
     out = []
     for path in sorted((ROOT / "examples").glob("*.coda")):
-        if path.stem in QUANTIZED_EXAMPLES:
+        if path.stem in QUANTIZED_EXAMPLES and path.stem != "fp8_blockwise":
             continue
         for block in coda_lang.load(path):
             d = block.derivation()
-            for kind, b in (("forward", d.forward), ("backward", d.backward)):
+            kinds = [("backward", d.backward)]
+            if path.stem not in QUANTIZED_EXAMPLES:
+                kinds.insert(0, ("forward", d.forward))
+            for kind, b in kinds:
                 stages = [s for s in b.ir.body if isinstance(s, Stage)]
                 out += [(path.stem, kind, k) for k, s in enumerate(stages, 1) if s.is_gemm]
     return out
