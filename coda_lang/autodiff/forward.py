@@ -4,7 +4,9 @@ What it does: `ForwardFacts` reads the forward block and its plan once (each val
 that defines it, its defining equation, its storage dtype, the parameters to differentiate) and
 answers the questions the schedule (reverse.py) and the epilogue VJPs (site.py) ask of the forward:
 a value's type after its stage, the dtype a stage's `acc` and `dacc` are stored in, the GEMMs that
-read a matrix, the vectors of a stage that are recomputed between stages.
+read a matrix, the vectors of a stage that are recomputed between stages, and which values are
+active (`is_active`: they depend on a `wrt` parameter other than through `detach`; only they take
+cotangents).
 What it does not: emit anything or hold any state of the derivation (state.py does).
 Invariants: read-only once built; every value a forward equation defines has a type here (the block
 was checked); an unknown or non-float `wrt` is refused (E0602) when it is built.

@@ -4,12 +4,13 @@ What it does: `StageContext` is the stage as the planner's jobs (planner.py, sin
 refusals.py) see it: the block's IR and plan, the stage and its StagePlan, the rows and cols of its
 tile, each value's type and defining equation, and whether the plan is for the torch stand-ins
 (`emulated`). It also names the stage's values in Python (`py`; `fresh` for names that are no coda
-value), and `live_eqns` gives the equations a set of values depends on. The emitted module is named
-by the stage's meaning, not by where it stands: the function by its GEMM's operands (`epi_y_w_o`),
-numbered temporaries (`_t77`, the lowering's and autodiff's) renumbered `_t1`, `_t2`, ... in the
-order the stage first reads or writes them (`temps`), so that a stage whose text two blocks share
-(a Llama layer's MLP and the last layer's; their backwards) emits one module, hence one kernel per
-tile in the cache.
+value), and `live_eqns` gives the equations a set of values depends on. The stage is read without
+`detach` (`without_detach`): the identity in a kernel, it only tells autodiff where gradients stop.
+The emitted module is named by the stage's meaning, not by where it stands: the function by its
+GEMM's operands (`epi_y_w_o`), numbered temporaries (`_t77`, the lowering's and autodiff's)
+renumbered `_t1`, `_t2`, ... in the order the stage first reads or writes them (`temps`), so that a
+stage whose text two blocks share (a Llama layer's MLP and the last layer's; their backwards) emits
+one module, hence one kernel per tile in the cache.
 What it does not: choose a port, a mode or a record (planner.py, sinks.py, operands.py) or refuse
 anything (refusals.py).
 Invariants: the naming tables (`names`, `used`) are a context's only changing state: a value's Python
