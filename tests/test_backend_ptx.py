@@ -297,14 +297,11 @@ def test_spills_everywhere_is_e0706(cache: Path) -> None:
 
 def _example_stages() -> list[tuple[str, str, int]]:
     """(example, "forward" | "backward", stage) for every GEMM stage of every example's extended forward
-    (what autograd runs: the forward plus the tiles it saves) and derived backward. Not the fp8 stages:
-    their stores and fp8_delayed's e4m3 GEMM compile in tests/test_fp8_kernels.py, and fp8_delayed's
-    backward multiplies bf16 cotangents by e4m3 values (E0702). fp8_blockwise's backward (its amax
-    detached: bf16 GEMMs) is here."""
+    (what autograd runs: the forward plus the tiles it saves) and derived backward. Not the fp8
+    examples' forwards: their stores and fp8_delayed's e4m3 GEMM compile in tests/test_fp8_kernels.py.
+    Their backwards are here: bf16 GEMMs, fp8_delayed's fp8 operands multiplied in bf16."""
     out = []
     for path in sorted((ROOT / "examples").glob("*.coda")):
-        if path.stem in QUANTIZED_EXAMPLES and path.stem != "fp8_blockwise":
-            continue
         for block in coda_lang.load(path):
             d = block.derivation()
             kinds = [("backward", d.backward)]
@@ -377,10 +374,9 @@ def test_olmo2_layer_stages_compile_without_spills(cache: Path, kind: str, index
 
 def test_every_example_stage_is_covered() -> None:
     names = {n for n, _, _ in EXAMPLE_STAGES}
-    assert names == {p.stem for p in (ROOT / "examples").glob("*.coda")} - (
-        QUANTIZED_EXAMPLES - {"fp8_blockwise"}
-    )
-    assert {k for n, k, _ in EXAMPLE_STAGES if n == "fp8_blockwise"} == {"backward"}
+    assert names == {p.stem for p in (ROOT / "examples").glob("*.coda")}
+    for name in QUANTIZED_EXAMPLES:
+        assert {k for n, k, _ in EXAMPLE_STAGES if n == name} == {"backward"}, name
     assert sum(1 for n, k, _ in EXAMPLE_STAGES if (n, k) == ("llama_mlp", "backward")) == 6
 
 

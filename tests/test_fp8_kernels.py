@@ -637,3 +637,120 @@ block b(x: bf16[M, K], w: bf16[K, N]) -> (y: bf16[M, N]) {
     assert [e.op for e in without_detach(st2).body].count("copy") == 1
     src = emit_stage(plan_stage(twice, 1))
     assert "detach" not in src
+
+
+# ------------------------------------------------------------------ a derived backward's fp8 operands
+
+
+def _backward(fp8_grads: str | None) -> coda_lang.Block:
+    options = coda_lang.BackwardOptions(fp8_grads=fp8_grads) if fp8_grads else None
+    d = example("fp8_delayed").derivation(["x", "w", "w2"], backward=options)
+    assert d.backward.ir.derived and not d.forward.ir.derived
+    return d.backward
+
+
+def _gemm_stages(blk: coda_lang.Block) -> list[int]:
+    from coda_lang.ir.nodes import Stage
+
+    stages = [s for s in blk.ir.body if isinstance(s, Stage)]
+    return [k for k, s in enumerate(stages, 1) if s.is_gemm]
+
+
+@pytest.mark.parametrize("fp8_grads", [None, "e5m2"])
+def test_derived_backward_multiplies_unreadable_fp8_operands_in_bf16(fp8_grads: str | None) -> None:
+    """fp8_delayed's derived backward (its GEMMs read the e4m3 weight beside a bf16 or e5m2 cotangent,
+    N-major, and the saved e4m3 hq M-major: none of which quack's fp8 GEMM reads) plans every GEMM: an
+    fp8 operand is multiplied in bf16, which the runtime casts it to (exactly). A user's block with
+    such a GEMM is still E0702 (test_fp8_gemm_layouts_refused); the emulated plan keeps fp8."""
+    import torch
+
+    bwd = _backward(fp8_grads)
+    fp8_ops = 0
+    for k in _gemm_stages(bwd):
+        spec = plan_stage(bwd, k)
+        g = spec.gemm
+        assert (g.a_dtype, g.b_dtype) == ("bf16", "bf16"), (k, g)
+        declared = {p.var.name: p.var.type.dtype for p in bwd.ir.params if p.var.type is not None}
+        if declared.get(g.a) in ("e4m3", "e5m2") or declared.get(g.b) in ("e4m3", "e5m2"):
+            fp8_ops += 1
+            emulated = plan_stage(bwd, k, emulated=True).gemm
+            assert "e4m3" in (emulated.a_dtype, emulated.b_dtype), emulated
+    assert fp8_ops >= 1
+    # the runtime's arguments: the fp8 weight handed to the GEMM in bf16
+    cb = bwd.cuda(tile=(128, 128))
+    k = next(k for k in _gemm_stages(bwd) if plan_stage(bwd, k).gemm.b == "w2")
+    r = cb.runner(k)
+    m, n, p = 1000, 1024, 528
+    env: dict[str, Any] = {
+        "w2": torch.empty((p, n), dtype=torch.float8_e4m3fn, device="meta"),
+        r.spec.gemm.a: torch.empty((m, p), dtype=torch.bfloat16, device="meta"),
+    }
+    env.update({o.name: 1.0 for o in r.spec.operands if o.name not in env})
+    a_dtype = torch.bfloat16
+    ins, _ = r.arguments({**env, r.spec.gemm.a: env[r.spec.gemm.a].to(a_dtype)})
+    assert ins[1] is not None and ins[1].dtype == torch.bfloat16 and tuple(ins[1].shape) == (p, n)
+
+
+@pytest.mark.toolchain
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_derived_backward_with_an_e4m3_weight_compiles(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The dgrad GEMM of the e4m3 weight (multiplied in bf16) compiles for sm_90a without spills, as a
+    bf16 WGMMA."""
+    from coda_lang.backend_cute.build.compile import compile_stage
+    from coda_lang.backend_cute.build.config import TileConfig
+
+    bwd = _backward(None)
+    k = next(k for k in _gemm_stages(bwd) if plan_stage(bwd, k).gemm.b == "w2")
+    c = compile_stage(bwd, k, TileConfig(128, 128), directory=tmp_path_factory.mktemp("fp8-bwd"))
+    assert "wgmma.mma_async" in c.ptx and "bf16.bf16" in c.ptx and "e4m3" not in c.ptx
+    assert c.report is not None and not c.report.spills, c.report.text
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("fp8_grads", [None, "e5m2"])
+def test_gpu_fp8_delayed_backward_matches_interpreter(fp8_grads: str | None) -> None:
+    """fp8_delayed's derived backward on the kernels (its fp8 operands multiplied in bf16) against the
+    interpreter on the same backward inputs, within the accuracy rule."""
+    import torch
+
+    from coda_lang.testing.compare import mismatch
+
+    os.environ.setdefault("CODA_TUNE", "0")
+    block = example("fp8_delayed")
+    options = coda_lang.BackwardOptions(fp8_grads=fp8_grads) if fp8_grads else None
+    d = block.derivation(["x", "w", "w2"], backward=options)
+    rng = np.random.default_rng(21)
+    m, k, n, p = 1000, 520, 1024, 528
+    ins = {
+        "x": rng.standard_normal((m, k)).astype(np.float32),
+        "w": (rng.standard_normal((k, n)) / 20).astype(np.float32),
+        "scale": np.float32(60.0),
+        "w2": np.asarray(
+            torch.tensor(rng.standard_normal((p, n)) / 4).to(torch.float8_e4m3fn).float().numpy(), np.float32
+        ),
+    }
+    cots = {"out": rng.standard_normal((m, p)).astype(np.float32), "amax": np.float32(0.0)}
+    fwd = d.forward.run(ins)
+    bins, bdims = block.backward_inputs(d, ins, cots, fwd, None)
+    for name in d.scales:
+        bins[name] = np.float32(3000.0)
+    ref = d.backward.run(bins, dims=bdims)
+    fp8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+    declared = {q.var.name: q.var.type.dtype for q in d.backward.ir.params if q.var.type is not None}
+
+    def tensor(name: str, v: Any) -> Any:
+        if np.ndim(v) == 0:
+            return float(v)
+        t = torch.as_tensor(np.asarray(v, np.float32))
+        dt = declared.get(name)
+        return (t.to(fp8[dt]) if dt in fp8 else t.to(torch.bfloat16) if dt == "bf16" else t).cuda()
+
+    got = d.backward.cuda(poison=True)({name: tensor(name, v) for name, v in bins.items()})
+    torch.cuda.synchronize()
+    for o in d.backward.ir.outputs:
+        assert o.type is not None
+        g = got[o.name]
+        g = g.float() if isinstance(g, torch.Tensor) and g.dtype != torch.float32 else g
+        why = mismatch(o.name, g, ref[o.name], None, o.type.dtype)
+        assert why is None, why

@@ -189,7 +189,9 @@ def assemble(s: State, grads: dict[str, str], renames: dict[str, str], remat: st
             + ", ".join(f"scale {k} in, amax {v} out" for k, v in scales.items())
         )
     notes += [f"note: {r}" for r in report]
-    bwd = Block(f"{f.name}_bwd", dims, tuple(params), tuple(outputs), tuple(body), f.span, tuple(notes))
+    bwd = Block(
+        f"{f.name}_bwd", dims, tuple(params), tuple(outputs), tuple(body), f.span, tuple(notes), derived=True
+    )
     detached = frozenset(o.name for o in f.outputs if not s.fwd.is_active(o.name, None))
     return Derived(
         extend_forward(s, saved),

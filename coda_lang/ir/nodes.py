@@ -144,6 +144,11 @@ class Block:
     span: Span = _span()
     # Comment lines printed above the block (e.g. which tensors autodiff saved); not semantics.
     notes: tuple[str, ...] = field(default=(), compare=False)
+    # Made by autodiff (a derived backward), not written by a user: its GEMMs' operand layouts are
+    # autodiff's, so the kernel backend multiplies an fp8 operand its fp8 GEMM can't read in bf16
+    # (the runtime casts it) rather than refusing it. Not printed: a backward printed as .coda source
+    # and loaded again is the user's.
+    derived: bool = field(default=False, compare=False)
 
     @property
     def stages(self) -> tuple[Stage, ...]:

@@ -29,7 +29,7 @@ from coda_lang.backend_cute.plan.context import StageContext, live_eqns, stage_c
 from coda_lang.backend_cute.plan.spec import PACKED, Gemm, Mode, Output, StageSpec, is_wide, plain_name
 from coda_lang.frontend.syntax.printer import inline_source
 from coda_lang.ir.nodes import Eqn, Stage, Var
-from coda_lang.ir.types import TILE, TileConstraint
+from coda_lang.ir.types import TILE, TileConstraint, is_fp8
 from coda_lang.ops import REGISTRY, Locality
 
 
@@ -115,6 +115,17 @@ def _gemm(ctx: StageContext) -> Gemm:
     st, sp = ctx.st, ctx.sp
     assert isinstance(st.a, Var) and isinstance(st.b, Var)
     a_dtype, b_dtype = _param_dtype(ctx, st.a), _param_dtype(ctx, st.b)
+    if (
+        ctx.ir.derived
+        and not ctx.emulated
+        and (is_fp8(a_dtype) or is_fp8(b_dtype))
+        and not refusals.fp8_gemm_compiles(st, a_dtype, b_dtype)
+    ):
+        # a derived backward's GEMM of an fp8 operand quack's fp8 GEMM can't read (beside a bf16
+        # cotangent, or not K-major): multiplied in the other operand's 16-bit dtype (bf16 if both are
+        # fp8), the runtime casting the fp8 operand first (exact: every fp8 value is a bf16 one)
+        wide = next((d for d in (a_dtype, b_dtype) if d in ("bf16", "f16")), "bf16")
+        a_dtype, b_dtype = (wide if is_fp8(a_dtype) else a_dtype), (wide if is_fp8(b_dtype) else b_dtype)
     refusals.check_gemm_dtypes(ctx, a_dtype, b_dtype)
     return Gemm(
         a=st.a.name,

@@ -85,6 +85,12 @@ FP8_GEMM_NOTE = (
 )
 
 
+def fp8_gemm_compiles(st: Stage, a_dtype: str, b_dtype: str) -> bool:
+    """Whether quack's fp8 GEMM multiplies this stage's operands as they are stored: both fp8, both
+    K-major (A written `a`, B written `transpose(b)`)."""
+    return is_fp8(a_dtype) and is_fp8(b_dtype) and not st.ta and st.tb
+
+
 def check_fp8_gemm(ctx: StageContext, a_dtype: str, b_dtype: str) -> None:
     """An fp8 GEMM compiles where both operands are fp8 and K-major: A stored [M, K] (written `a`, not
     `transpose(a)`), B stored [N, K] (written `transpose(b)`). Otherwise E0702 at the operand, saying
