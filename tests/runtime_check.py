@@ -39,8 +39,14 @@ RAGGED = {"M": 1000, "D": 520, "F": 1000, "K": 520, "N": 1000, "V": 1000, "P": 5
 def to_torch(a: np.ndarray, device: str = "cpu") -> Any:
     import torch
 
-    if a.dtype.name == "bfloat16":
-        return torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16).to(device)
+    # (torch takes no ml_dtypes array: bf16 and fp8 go through f32, exactly)
+    narrow = {
+        "bfloat16": torch.bfloat16,
+        "float8_e4m3fn": torch.float8_e4m3fn,
+        "float8_e5m2": torch.float8_e5m2,
+    }
+    if a.dtype.name in narrow:
+        return torch.from_numpy(a.astype(np.float32)).to(narrow[a.dtype.name]).to(device)
     return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
 

@@ -713,6 +713,7 @@ def test_gpu_fp8_delayed_backward_matches_interpreter(fp8_grads: str | None) -> 
     """fp8_delayed's derived backward on the kernels (its fp8 operands multiplied in bf16) against the
     interpreter on the same backward inputs, within the accuracy rule."""
     import torch
+    from runtime_check import to_torch
 
     from coda_lang.testing.compare import mismatch
 
@@ -726,9 +727,7 @@ def test_gpu_fp8_delayed_backward_matches_interpreter(fp8_grads: str | None) -> 
         "x": rng.standard_normal((m, k)).astype(np.float32),
         "w": (rng.standard_normal((k, n)) / 20).astype(np.float32),
         "scale": np.float32(60.0),
-        "w2": np.asarray(
-            torch.tensor(rng.standard_normal((p, n)) / 4).to(torch.float8_e4m3fn).float().numpy(), np.float32
-        ),
+        "w2": (rng.standard_normal((p, n)) / 4).astype(ml_dtypes.float8_e4m3fn).astype(np.float32),
     }
     cots = {"out": rng.standard_normal((m, p)).astype(np.float32), "amax": np.float32(0.0)}
     fwd = d.forward.run(ins)
@@ -736,17 +735,7 @@ def test_gpu_fp8_delayed_backward_matches_interpreter(fp8_grads: str | None) -> 
     for name in d.scales:
         bins[name] = np.float32(3000.0)
     ref = d.backward.run(bins, dims=bdims)
-    fp8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-    declared = {q.var.name: q.var.type.dtype for q in d.backward.ir.params if q.var.type is not None}
-
-    def tensor(name: str, v: Any) -> Any:
-        if np.ndim(v) == 0:
-            return float(v)
-        t = torch.as_tensor(np.asarray(v, np.float32))
-        dt = declared.get(name)
-        return (t.to(fp8[dt]) if dt in fp8 else t.to(torch.bfloat16) if dt == "bf16" else t).cuda()
-
-    got = d.backward.cuda(poison=True)({name: tensor(name, v) for name, v in bins.items()})
+    got = d.backward.cuda(poison=True)({name: to_torch(np.asarray(v), "cuda") for name, v in bins.items()})
     torch.cuda.synchronize()
     for o in d.backward.ir.outputs:
         assert o.type is not None
