@@ -74,23 +74,20 @@ class ForwardFacts:
         # gets none, so its VJP, grouped over the rows or not, is never built)
         self.active: set[str] = set(self.wrt)
         self.active_acc: set[int] = set()
-        k = 0
+        stages = 0
         for item in block.body:
-            eqns = item.body if isinstance(item, Stage) else (item,)
+            acc = isinstance(item, Stage) and any(
+                isinstance(x, Var) and x.name in self.active for x in (item.a, item.b)
+            )
             if isinstance(item, Stage):
-                if any(isinstance(x, Var) and x.name in self.active for x in (item.a, item.b)):
-                    self.active_acc.add(k)
-                k += 1
-            for e in eqns:
-                if REGISTRY[e.op].stops_gradient:
-                    continue
-                for a in e.ins:
-                    if isinstance(a, Var) and (
-                        a.name in self.active
-                        or (a.name == "acc" and isinstance(item, Stage) and k - 1 in self.active_acc)
-                    ):
-                        self.active |= {v.name for v in e.outs}
-                        break
+                if acc:
+                    self.active_acc.add(stages)
+                stages += 1
+            for e in item.body if isinstance(item, Stage) else (item,):
+                if not REGISTRY[e.op].stops_gradient and any(
+                    isinstance(a, Var) and (a.name in self.active or (acc and a.name == "acc")) for a in e.ins
+                ):
+                    self.active |= {v.name for v in e.outs}
         # dim facts for the backward's type rules: divisors (`X/k` in a type) and fixed values
         self.divisors: dict[str, int] = {}
         for t in self.ftype.values():
@@ -109,8 +106,9 @@ class ForwardFacts:
         return k in self.active_acc if name == "acc" else name in self.active
 
     def has_gradient(self, name: str) -> bool:
-        """Whether cotangents of `name` are wanted: a float value that is not a parameter outside `wrt`."""
-        return _float(self.ftype.get(name)) and not (name in self.params and name not in self.wrt)
+        """Whether cotangents of `name` are wanted: a float value that is active (a parameter outside
+        `wrt` never is)."""
+        return _float(self.ftype.get(name)) and name in self.active
 
     def after_type(self, name: str) -> Type:
         """A forward value's type after its stage: what later stages and the block level see."""

@@ -124,8 +124,6 @@ class Reverse:
         for a, c in zip(e.ins, got, strict=True):
             if c is None or not isinstance(a, Var) or not self.fwd.has_gradient(a.name):
                 continue
-            if not self.fwd.is_active(a.name, None):
-                continue
             target = self.fwd.after_type(a.name)
             # a pointwise op's cotangents are of its (broadcast) output; a reduction's of its input
             logical = (

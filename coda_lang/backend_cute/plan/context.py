@@ -113,21 +113,17 @@ def without_detach(st: Stage) -> Stage:
     equation y (a grouped reduction stored as `amax = detach(max(..., group=128))` stays the stored
     reduction); any other is the copy `y = x`. One at a time, so that detach(detach(x)) is one value."""
     body = list(st.body)
-    copy = next(name for name, op in REGISTRY.items() if op.copy)
     while (i := next((i for i, e in enumerate(body) if REGISTRY[e.op].stops_gradient), None)) is not None:
         e = body[i]
         (x,), (y,) = e.ins, e.outs
-        reads = (
-            sum(isinstance(a, Var) and a.name == x.name for f in body for a in f.ins)
-            if isinstance(x, Var)
-            else 0
-        )
-        j = next((j for j, f in enumerate(body) if isinstance(x, Var) and x in f.outs), None)
+        name = x.name if isinstance(x, Var) else None  # (detach of a literal: a copy)
+        j = next((j for j, f in enumerate(body) if any(v.name == name for v in f.outs)), None)
+        reads = sum(isinstance(a, Var) and a.name == name for f in body for a in f.ins)
         if j is not None and reads == 1 and len(body[j].outs) == 1:
             body[j] = replace(body[j], outs=(y,))
             del body[i]
         else:
-            body[i] = replace(e, op=copy)
+            body[i] = replace(e, op=next(name for name, op in REGISTRY.items() if op.copy))
     return st if body == list(st.body) else replace(st, body=tuple(body))
 
 

@@ -146,11 +146,10 @@ class CudaFunction:
         self._known(given)
         names = tuple(n for n in self.params if n in given)
         sizes = tuple(sorted({**self.dims, **given_dims(self.ir, dims)}.items()))
-        state = check_grad_scales(
-            grad_scales if grad_scales is not None else self.grad_scales,
-            self.options,
-            self.derivation,
-            self.forward.name,
+        state = (  # (the function's own was checked when it was made)
+            self.grad_scales
+            if grad_scales is None
+            else check_grad_scales(grad_scales, self.options, self.derivation, self.forward.name)
         )
         outs = _CodaAutograd.apply(self, names, sizes, state, *[given[n] for n in names])
         return dict(zip(self.outputs, outs, strict=True))
