@@ -4,7 +4,8 @@ file's tokens back to the file's text; `train` refuses files that don't match me
 unknown configuration (exit 2) and one that can't run here (exit 2, before any training), and trains a
 tiny Llama eager and with coda from the same weights on the same batches (the same losses within bf16's
 error; eager's first loss is the documented recipe's: seed -> weights, seed -> windows); the plot's
-smoothing against NumPy, the learning-rate schedule, and the plot's error without matplotlib.
+smoothing against NumPy, the learning-rate schedule, and the plot's error without matplotlib;
+hf_train_step.py's usage error for an unknown configuration, and its torchao float8 refused with LoRA.
 """
 
 from __future__ import annotations
@@ -175,3 +176,17 @@ def test_plot_without_matplotlib_says_what_to_install(
     assert conv.main(["plot", str(run), "--out", str(tmp_path / "curves.svg")]) == 2
     assert "pip install matplotlib" in capsys.readouterr().err
     assert not (tmp_path / "curves.svg").exists()
+
+
+def test_hf_train_step_refuses_an_unknown_configuration_first(capsys: Any) -> None:
+    """benchmarks/hf_train_step.py (whose configurations convergence.py reuses): an unknown name is a
+    usage error (exit 2) naming the configurations, torchao's among them, before it looks for a GPU;
+    torchao's float8 with --lora is refused before the model is touched."""
+    step = conv.hf_train_step
+    with pytest.raises(SystemExit) as ei:
+        step.main(["--configs", "coda,bogus"])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown configuration 'bogus'" in err and "torchao-tensorwise" in err and "torchao-rowwise" in err
+    with pytest.raises(SystemExit, match="LoRA"):
+        step.prepare(None, "torchao-rowwise", lora=16)

@@ -1001,3 +1001,26 @@ block b(x: f32[M, K], w: f32[K, N], s: f32[N]) -> (y: f32[M, N], z: f32[M, N]) {
     )["b"]
     d = plain.derivation(["s"])
     assert d.detached == frozenset({"y"}), d.detached
+
+
+def test_parameters_reached_only_through_detach_get_zero_gradients() -> None:
+    """x and w reach the output only through detach: their gradients are zeros of their shapes (torch
+    gives none for them), and the backward builds no GEMM for them; s's is the column sum."""
+    block = coda_lang.load(
+        """
+dims M, K, N
+block b(x: f32[M, K], w: f32[K, N], s: f32[N]) -> (y: f32[M, N]) {
+  gemm x @ w {
+    y = detach(acc) + s
+  }
+}
+"""
+    )["b"]
+    rng = np.random.default_rng(2)
+    ins = {"x": rng.standard_normal((4, 3)), "w": rng.standard_normal((3, 5)), "s": rng.standard_normal(5)}
+    dy = rng.standard_normal((4, 5))
+    got = block.vjp(ins, {"y": dy}, precision="f64")
+    assert got["x"].shape == (4, 3) and not got["x"].any()
+    assert got["w"].shape == (3, 5) and not got["w"].any()
+    np.testing.assert_allclose(got["s"], dy.sum(0), rtol=1e-12)
+    assert not any(st.is_gemm for st in block.derivation().backward.ir.stages)
