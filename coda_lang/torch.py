@@ -35,9 +35,11 @@ __all__ = [
     "DelayedScaling",
     "LlamaMLP",
     "compile_together",
+    "fp8_weight",
     "function",
     "llama_mlp_source",
     "llama_mlp_stages",
+    "llama_mlp_stages_fp8",
     "precompile",
     "uses_kernels",
     "wait_for_kernels",
@@ -334,6 +336,32 @@ _LLAMA_MLP_STAGES = """
     {x2} = acc{residual} + {h}{then}
   }}"""
 
+# The same stages with the gate/up and down GEMMs in e4m3 at delayed per-tensor scales (fp8="delayed"):
+# the out-projection's epilogue quantizes the norm's weighted input `{h}q` with the scale `s_{h}` (an
+# input, last steps' amax) and records this step's amax (`am_{h}`, detached: no gradient); the gate/up
+# GEMM multiplies it by the e4m3 weight `w_13q` (made by `fp8_weight`) and folds both inverse scales
+# into the norm's row scale; its SwiGLU output is quantized the same way (`aq`, or stored in {t} and
+# multiplied by the {t} down weight where `act_fp8` is off).
+_LLAMA_MLP_STAGES_FP8 = """
+  gemm y @ {w_o} {{
+    {h}: {t} = acc{residual} + x
+    {h}g = {h} * {g}
+    {h}q: e4m3 = {h}g * s_{h}
+    amp_{h} = max(abs({h}g), over=D)
+    ss{n} = sum({h} * {h}, over=D)
+  }}
+  am_{h} = detach(max(amp_{h}, over=M))
+  r{n} = rsqrt(ss{n} / D + eps)
+  i{n} = r{n} / (s_{h} * s_w_13)
+  gemm {h}q @ {w_13} {{
+    z{n} = acc * i{n}
+    gt, up = pairs(z{n})
+    {a_line}
+  }}{a_after}
+  gemm {a} @ {w_2} {{
+    {x2} = acc{down_scale}{residual} + {h}{then}
+  }}"""
+
 _LLAMA_MLP_BLOCK = """dims M, D, F{k_dim}
 
 block llama_mlp(y: {t}[M, {k}], x: {t}[M, D], w_o: {t}[{w_o}], g: f32[D], w_13: {t}[{w_13}],
@@ -375,6 +403,59 @@ def llama_mlp_stages(
         residual=residual,
         g=f"({float(norm_offset)!r} + g{n})" if norm_offset else f"g{n}",
         act=act,
+    )
+
+
+def fp8_weight(name: str, rows: str, cols: str) -> str:
+    """An elementwise stage (.coda text) quantizing the weight `name` ([rows, cols]) to e4m3 at its delayed
+    scale `s_{name}` (an input), as `{name}q`, and recording its amax `am_{name}` (detached)."""
+    return (
+        f"\n  elementwise [{rows}, {cols}] {{\n    {name}q: e4m3 = {name} * s_{name}"
+        f"\n    amp_{name} = max(abs({name}), over={cols})\n  }}"
+        f"\n  am_{name} = detach(max(amp_{name}, over={rows}))"
+    )
+
+
+def llama_mlp_stages_fp8(
+    t: str,
+    *,
+    h: str = "h",
+    n: str = "",
+    stored: bool = False,
+    then: str = "",
+    residual: str = "",
+    act: str = "silu",
+    norm_offset: float = 0.0,
+    act_fp8: bool = True,
+) -> str:
+    """`llama_mlp_stages` (weights in `nn.Linear` layout) with the gate/up GEMM, and with `act_fp8` the
+    down GEMM, in e4m3 at delayed per-tensor scales (fp8="delayed"): reads the e4m3 weights `w_13q`
+    (and `w_2q`, `fp8_weight`'s), the scales `s_{h}`, `s_w_13` (and `s_a`, `s_w_2`); records the
+    amaxes `am_{h}` (and `am_a`), detached. The scales are inputs: the caller keeps their history
+    (coda_lang.hf's `Fp8Scales`)."""
+    g = f"({float(norm_offset)!r} + g{n})" if norm_offset else f"g{n}"
+    if act_fp8:
+        a_line = f"a = {act}(gt) * up\n    aq: e4m3 = a * s_a\n    amp_a = max(abs(a), over=F)"
+        a_after = "\n  am_a = detach(max(amp_a, over=M))\n  ia = 1.0 / (s_a * s_w_2)"
+        a, w_2, down_scale = "aq", "transpose(w_2q)", " * ia"
+    else:
+        a_line = f"a: {t} = {act}(gt) * up"
+        a_after, a, w_2, down_scale = "", "a", "transpose(w_2)", ""
+    return _LLAMA_MLP_STAGES_FP8.format(
+        t=t,
+        w_o="transpose(w_o)",
+        w_13="transpose(w_13q)",
+        w_2=w_2,
+        h=h,
+        n=n,
+        x2=f"x2: {t}" if stored else "x2",
+        then=then,
+        residual=residual,
+        g=g,
+        a_line=a_line,
+        a_after=a_after,
+        a=a,
+        down_scale=down_scale,
     )
 
 

@@ -38,7 +38,7 @@ import torch
 
 from coda_lang.backend_cute.runtime.binding import unallocated
 from coda_lang.core.diagnostics import CodaError, error
-from coda_lang.hf import lora
+from coda_lang.hf import fp8, lora
 from coda_lang.hf.blocks import DTYPES
 from coda_lang.hf.checkpoint import WRAPPED
 from coda_lang.hf.checks import base_of, refuse
@@ -186,7 +186,7 @@ class Step:
     arguments: FSDP2 casts a module's floating-point tensor arguments to its MixedPrecisionPolicy's
     param_dtype, and positions in bf16 would lose their low bits."""
 
-    __slots__ = ("blocks", "mask", "b", "s", "pos", "freq", "kwargs", "given", "made")
+    __slots__ = ("blocks", "mask", "b", "s", "pos", "freq", "kwargs", "given", "made", "scales")
 
     def __init__(
         self,
@@ -204,6 +204,9 @@ class Step:
         # forward made, to see that nothing between them (a hook, a wrapper) changed them
         self.given: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # fp8 models: the delayed scales each call site ran at in this step (by layer index, -1 the
+        # first block), which activation checkpointing's second run of a layer reuses (fp8.py)
+        self.scales: dict[int, dict[str, torch.Tensor]] = {}
 
 
 def same(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
@@ -256,6 +259,19 @@ def run_lora(
         with made_again:
             env.update(run_block(owner, part, args))
     return {o.name: env[o.name] for o in fn.block.ir.outputs}
+
+
+def run_step(
+    owner: Any, step: Step, index: int, name: str, inputs: dict[str, Any], loras: dict[str, lora.Spec | None]
+) -> dict[str, torch.Tensor]:
+    """Block `name` of the step's blocks, run by `owner` (`run_lora`); in an fp8 model with the delayed
+    scales of the call site (`index`: the decoder layer's, -1 the first block's) and its amaxes
+    recorded (fp8.py)."""
+    st: ModelState = owner._coda
+    if st.fp8 is None:
+        return run_lora(owner, step.blocks, name, inputs, loras)
+    fn = {"first_qkv": step.blocks.first, "layer": step.blocks.layer, "last": step.blocks.last}[name]
+    return fp8.run_scaled(owner, step, index, lambda ins: run_block(owner, fn, ins), fn, inputs, loras)
 
 
 def named(owner: Any, block: str, inputs: dict[str, Any], e: CodaError) -> CodaError:
@@ -330,7 +346,7 @@ def layer_forward(
         "w_2": lora.linear(mlp.down_proj, down.weight.shape[0]),
     }
     if self._coda_last:
-        out = run_lora(self, step.blocks, "last", {**inputs, "g2": nxt.norm.weight}, loras)
+        out = run_step(self, step, i, "last", {**inputs, "g2": nxt.norm.weight}, loras)
         if given is not None:
             step.made[i] = (out["x2g"], out["r2"])
         return out["x2g"], out["r2"]
@@ -344,7 +360,7 @@ def layer_forward(
         **qkv_inputs(st, fused, x.device),
     )
     loras["w_qkv"] = lora.qkv(fused)
-    out = run_lora(self, step.blocks, "layer", inputs, loras)
+    out = run_step(self, step, i, "layer", inputs, loras)
     if given is not None:
         step.made[i] = (out["x2"], out["qkv"])
     return out["x2"], out["qkv"]
@@ -419,7 +435,7 @@ def hidden(
     )
     if st.family.pre_norm:
         inputs["g"] = first.input_layernorm.weight
-    qkv = run_lora(model, step.blocks, "first_qkv", inputs, {"w_qkv": lora.qkv(fused)})["qkv"]
+    qkv = run_step(model, step, -1, "first_qkv", inputs, {"w_qkv": lora.qkv(fused)})["qkv"]
     if states is not None:
         states.append(emb)
     layers = base.layers

@@ -24,6 +24,8 @@ import functools
 import sys
 from typing import Any
 
+from coda_lang.hf import fp8 as fp8_state
+from coda_lang.hf.blocks import FP8_RECIPES
 from coda_lang.hf.checkpoint import fuse_and_move, moved_parts, unfuse_and_restore
 from coda_lang.hf.checks import check_model, peft_inner, refuse
 from coda_lang.hf.contract import Contract
@@ -60,17 +62,38 @@ def check_unsharded(
             raise refuse(f"parameter {name} is a DTensor", what)
 
 
-def apply(model: Any, family: Family, loss: LossSettings) -> Any:
+def check_fp8(fp8: Any, family: Family) -> None:
+    """`fp8=` is None or a recipe of blocks.FP8_RECIPES, for a family whose layers the fp8 blocks are
+    written for (pre-norm, no post norms): TypeError / ValueError naming what it takes."""
+    if fp8 is None:
+        return
+    takes = f"None (bf16 blocks) or {' or '.join(map(repr, FP8_RECIPES))}"
+    if not isinstance(fp8, str):
+        raise TypeError(f"fp8= is {fp8!r}; it takes {takes}")
+    if fp8 not in FP8_RECIPES:
+        raise ValueError(f"fp8= is {fp8!r}; it takes {takes}")
+    if family.post_norm or not family.pre_norm:
+        raise refuse(
+            f"fp8={fp8!r} for {family.name}",
+            "the fp8 blocks are written for pre-norm layers (LLaMA's, Qwen's, Mistral's, Phi-3's, "
+            f"Granite's); {family.name}'s norms after attention and the MLP are not quantized yet",
+            "patch without fp8=",
+        )
+
+
+def apply(model: Any, family: Family, loss: LossSettings, fp8: str | None = None) -> Any:
     """Patch `model` (a transformers causal LM of `family`, or a peft model of one: its base model is
     patched, its LoRA layers run in the blocks) in place and return it; its LM head makes the loss as
-    `loss` says."""
+    `loss` says; `fp8`: None (the blocks in the model's dtype) or "delayed" (the layers' gate/up, down
+    and QKV GEMMs in e4m3 at delayed per-tensor scales: fp8.py)."""
+    check_fp8(fp8, family)
     inner = peft_inner(model)
     if inner is not model:
-        apply(inner, family, loss)
+        apply(inner, family, loss, fp8)
         return model
     check_unsharded(model)
     check_model(model, family)
-    st = ModelState(model, family, loss)
+    st = ModelState(model, family, loss, fp8)
     names = {id(m): n for n, m in model.named_modules()}
     layers = list(model.model.layers)
     st.layout = fuse_and_move(model, family, st.HD, (st.H, st.KV))
@@ -122,6 +145,8 @@ def unpatch(model: Any) -> Any:
     for layer, _, _ in parts:
         for a in LAYER_ATTRS:
             layer.__dict__.pop(a, None)
+        fp8_state.forget(layer)
+    fp8_state.forget(model)
     del model.forward, base.forward
     base.__dict__.pop("_coda_owner", None)
     del model._coda

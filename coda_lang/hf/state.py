@@ -59,6 +59,7 @@ class Blocks:
                 act=f.activation,
                 softcap=st.softcap,
                 head_rows=head_rows,
+                fp8=st.fp8,
             )
 
         prog = load(source())
@@ -148,7 +149,7 @@ class ModelState:
 
     layout: Layout  # where each weight sits, patched and Hugging Face's: set by the patch (checkpoint.py)
 
-    def __init__(self, model: Any, family: Family, loss: LossSettings):
+    def __init__(self, model: Any, family: Family, loss: LossSettings, fp8: str | None = None):
         cfg = model.config
         heads = cfg.num_attention_heads
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -158,6 +159,7 @@ class ModelState:
             multipliers(family, cfg),
             softcap(family, cfg),
             tuple(layer_kinds(family, cfg)),
+            fp8,
         )
         self._build(family, loss, facts)
         # what the forward relies on, recorded by the patch once it has installed its forwards
@@ -172,7 +174,8 @@ class ModelState:
         self.facts = facts
         self.family = family
         self.qk_norm = family.qk_norm
-        self.H, self.KV, self.HD, self.D, self.eps, dtype, self.multipliers, self.softcap, kinds = facts
+        self.H, self.KV, self.HD, self.D, self.eps, dtype, self.multipliers, self.softcap, kinds, fp8 = facts
+        self.fp8: str | None = fp8  # the fp8 recipe of the blocks (blocks.FP8_RECIPES), or None: bf16
         self.kinds: tuple[str, ...] = kinds  # each decoder layer's kind of attention (masks.py)
         self.dtype = dtype  # the dtype at patching; the blocks of another are made when it runs
         self.loss = loss

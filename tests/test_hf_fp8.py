@@ -1,0 +1,272 @@
+"""coda_lang.hf with fp8="delayed": a patched tiny LLaMA against an independent torch reference of the same
+recipe (fake quantization to e4m3 at the scales the model ran at, straight-through gradients, float64
+elsewhere), the delayed-scaling rule across steps, activation checkpointing's recomputation at the
+first run's scales, and the refusals (a post-norm family, LoRA adapters, a bad recipe name).
+
+On the CPU the blocks run as the kernels' torch stand-ins; the same tests run on a Hopper GPU with the
+CuTeDSL kernels (`-m gpu`, where the model is on CUDA).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from coda_lang.hf import apply_coda, apply_coda_to_llama, apply_coda_to_olmo2, unfused_grads, unpatch  # noqa: E402
+from coda_lang.hf.fp8 import ATTR, HISTORY  # noqa: E402
+
+E4M3_MAX = 448.0
+SHAPES = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    attn_implementation="eager",
+)
+
+
+def tiny(dtype: torch.dtype = torch.float32, seed: int = 0, **extra) -> transformers.LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(**{**SHAPES, **extra})
+    model = transformers.LlamaForCausalLM(cfg).to(dtype)
+    # norm weights away from 1, so that the reference must apply them where the blocks do
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def batch(seed: int = 1, b: int = 2, s: int = 24) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, SHAPES["vocab_size"], (b, s), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    return ids, labels
+
+
+def fake_quant(v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """v quantized to e4m3 at scale s and back (v * s, saturated to +-448, rounded to nearest even, / s),
+    its gradient straight through: the recipe's math, written with torch's own float8 type."""
+    scaled = (v * s).float()
+    q = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(v.dtype)
+    return (v * s + (q - v * s).detach()) / s
+
+
+def ran_at(model) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """The scales the last forward ran at: the first block's, and each decoder layer's block's."""
+    first = getattr(model, ATTR).last_scales
+    return first, [getattr(layer, ATTR).last_scales for layer in model.model.layers]
+
+
+def reference_loss(ref, ids, labels, first, layers) -> torch.Tensor:
+    """The fp8 recipe on the unpatched float64 model `ref`: each layer's q/k/v, gate/up and down GEMMs on
+    e4m3 fake-quantized inputs (the norm's weighted input x * g, before the row scale, as the blocks
+    quantize it; the SwiGLU output) and weights (q, k and v at one scale, gate and up at one), at
+    the scales the patched model ran at; the out-projection and the LM head unquantized."""
+    m = ref.model
+    n_layers = len(m.layers)
+    b, s = ids.shape
+    x = m.embed_tokens(ids)
+    pos = torch.arange(s)[None].expand(b, s)
+    cos, sin = m.rotary_emb(x, pos)
+    mask = torch.full((s, s), float("-inf"), dtype=x.dtype).triu(1)[None, None]
+    eps = ref.config.rms_norm_eps
+
+    def r(v: torch.Tensor) -> torch.Tensor:
+        return torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+
+    def qlin(v: torch.Tensor, w: torch.Tensor, sv: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
+        return fake_quant(v, sv) @ fake_quant(w, sw).T
+
+    for i, layer in enumerate(m.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        sc_in = first if i == 0 else layers[i - 1]
+        s_h = sc_in["h"] if i == 0 else sc_in["x2"]
+        hg = x * layer.input_layernorm.weight
+        rr = r(x)
+        q = qlin(hg, attn.q_proj.weight, s_h, sc_in["w_qkv"]) * rr
+        k = qlin(hg, attn.k_proj.weight, s_h, sc_in["w_qkv"]) * rr
+        v = qlin(hg, attn.v_proj.weight, s_h, sc_in["w_qkv"]) * rr
+        hd = attn.head_dim
+        q = q.view(b, s, -1, hd).transpose(1, 2)
+        k = k.view(b, s, -1, hd).transpose(1, 2)
+        v = v.view(b, s, -1, hd).transpose(1, 2)
+        q, k = transformers.models.llama.modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        att = torch.softmax(q @ k.transpose(-1, -2) * attn.scaling + mask, -1) @ v
+        y = att.transpose(1, 2).reshape(b, s, -1)
+        x1 = x + y @ attn.o_proj.weight.T
+        sc = layers[i]
+        x1g = x1 * layer.post_attention_layernorm.weight
+        r1 = r(x1)
+        gate = qlin(x1g, mlp.gate_proj.weight, sc["x1"], sc["w_13"]) * r1
+        up = qlin(x1g, mlp.up_proj.weight, sc["x1"], sc["w_13"]) * r1
+        a = torch.nn.functional.silu(gate) * up
+        if "a" in sc:
+            down = qlin(a, mlp.down_proj.weight, sc["a"], sc["w_2"])
+        else:
+            down = a @ mlp.down_proj.weight.T
+        x = x1 + down
+        assert i < n_layers
+    logits = (x * m.norm.weight * r(x)) @ ref.lm_head.weight.T
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+    )
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def test_fp8_model_against_a_fake_quant_reference() -> None:
+    """float32 model: the loss and every parameter's gradient against the float64 reference of the same
+    recipe at the same scales (close: only e4m3 codes at a rounding midpoint can differ), and much
+    further from the same model unquantized (the quantization is really there)."""
+    base = tiny()
+    ids, labels = batch()
+    ref = copy.deepcopy(base).double()
+    plain = copy.deepcopy(base).double()
+    model = apply_coda_to_llama(copy.deepcopy(base), fp8="delayed")
+    for _ in range(2):  # (the second step runs at delayed scales, not the first step's calibrated ones)
+        model.zero_grad()
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+    first, layers = ran_at(model)
+    assert set(first) == {"h", "w_qkv"}
+    assert set(layers[0]) >= {"x1", "w_13", "x2", "w_qkv"} and "x2" not in layers[-1]
+    want = reference_loss(ref, ids, labels, first, layers)
+    want.backward()
+    unq = plain(input_ids=ids, labels=labels).loss
+    unq.backward()
+    err, off = abs(loss.item() - want.item()), abs(unq.item() - want.item())
+    assert err < 1e-5 * abs(want.item()), (loss.item(), want.item())
+    assert off > 5 * err, (err, off)
+    got = unfused_grads(model)
+    refs = dict(ref.named_parameters())
+    plains = dict(plain.named_parameters())
+    for name, g in got.items():
+        w, p = refs[name].grad, plains[name].grad
+        e, o = _rel(g, w), _rel(p, w)
+        assert e < 1e-2, (name, e)
+        assert o > 5 * e, (name, e, o)  # the unquantized model's gradient is much further off
+    assert len(got) == len(refs)
+
+
+def test_delayed_scales_follow_the_amax_history() -> None:
+    """Each step's scales are 448 / the max of the amaxes recorded so far (at most HISTORY of them); the
+    first step runs at scales calibrated from its own amaxes (never at 1)."""
+    model = apply_coda_to_llama(tiny(), fp8="delayed")
+    st = None
+    history: dict[str, list[float]] = {}
+    for step in range(3):
+        ids, labels = batch(seed=10 + step)
+        model(input_ids=ids, labels=labels).loss.backward()
+        st = getattr(model.model.layers[1], ATTR)
+        for n, a in st.amaxes.items():
+            history.setdefault(n, []).append(float(a))
+        if step == 0:
+            assert all(float(s) != 1.0 for s in st.last_scales.values())
+        else:
+            for n, s in st.last_scales.items():
+                # (the scale this step ran at: from the amaxes of the steps before it)
+                want = E4M3_MAX / max(history[n][-HISTORY - 1 : -1])
+                assert math.isclose(float(s), want, rel_tol=1e-6), (n, float(s), want)
+    assert st is not None and st.steps == 3
+
+
+def test_weight_amax_is_the_weights() -> None:
+    """The recorded weight amaxes are the weights' own (the fused gate/up weight's, the next layer's QKV
+    weight's)."""
+    base = tiny()
+    model = apply_coda_to_llama(copy.deepcopy(base), fp8="delayed")
+    ids, labels = batch()
+    model(input_ids=ids, labels=labels).loss.backward()
+    st = getattr(model.model.layers[0], ATTR)
+    mlp, nxt = base.model.layers[0].mlp, base.model.layers[1].self_attn
+    w13 = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).abs().max()
+    wqkv = torch.cat([nxt.q_proj.weight, nxt.k_proj.weight, nxt.v_proj.weight]).abs().max()
+    assert float(st.amaxes["w_13"]) == w13.item()
+    assert float(st.amaxes["w_qkv"]) == wqkv.item()
+    assert float(st.amaxes["w_2"]) == mlp.down_proj.weight.abs().max().item()
+
+
+def test_checkpointing_recomputes_at_the_first_runs_scales() -> None:
+    """Under activation checkpointing a layer's forward runs twice a step; the second run uses the scales
+    of the first and records nothing: the gradients equal those without checkpointing."""
+    base = tiny()
+    ids, labels = batch()
+    plain = apply_coda_to_llama(copy.deepcopy(base), fp8="delayed")
+    ckpt = copy.deepcopy(base)
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ckpt.train()
+    apply_coda_to_llama(ckpt, fp8="delayed")
+    plain.train()
+    for _ in range(2):
+        for m in (plain, ckpt):
+            m.zero_grad()
+            m(input_ids=ids, labels=labels).loss.backward()
+    g1, g2 = unfused_grads(plain), unfused_grads(ckpt)
+    for k in g1:
+        assert torch.equal(g1[k], g2[k]), k
+    assert getattr(ckpt.model.layers[0], ATTR).steps == 2
+
+
+def test_bf16_fp8_model_trains() -> None:
+    """bf16: 8 AdamW steps on one batch lower the loss as the bf16 patched model's do (within 5%)."""
+    base = tiny(torch.bfloat16)
+    ids, labels = batch()
+    out = []
+    for fp8 in (None, "delayed"):
+        m = apply_coda_to_llama(copy.deepcopy(base), fp8=fp8)
+        opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+        for _ in range(8):
+            opt.zero_grad()
+            loss = m(input_ids=ids, labels=labels).loss
+            loss.backward()
+            opt.step()
+        out.append(float(m(input_ids=ids, labels=labels).loss))
+    first = float(tiny(torch.bfloat16)(input_ids=ids, labels=labels).loss)
+    assert out[0] < 0.9 * first and out[1] < 0.9 * first, (first, out)
+    assert abs(out[1] - out[0]) < 0.05 * out[0], out
+
+
+def test_refusals() -> None:
+    with pytest.raises(ValueError, match="fp8= is 'rowwise'; it takes None"):
+        apply_coda_to_llama(tiny(), fp8="rowwise")
+    with pytest.raises(TypeError, match="fp8= is True"):
+        apply_coda(tiny(), fp8=True)
+    cfg = transformers.Olmo2Config(**{**SHAPES, "num_hidden_layers": 2})
+    olmo = transformers.Olmo2ForCausalLM(cfg)
+    with pytest.raises(ValueError, match="pre-norm layers.*patch without fp8="):
+        apply_coda_to_olmo2(olmo, fp8="delayed")
+    assert getattr(olmo, "_coda", None) is None  # nothing patched
+
+
+def test_lora_on_an_fp8_model_is_refused_not_skipped() -> None:
+    peft = pytest.importorskip("peft")
+    cfg = peft.LoraConfig(r=4, target_modules=["gate_proj", "up_proj"], lora_dropout=0.0)
+    model = apply_coda_to_llama(peft.get_peft_model(tiny(), cfg), fp8="delayed")
+    ids, labels = batch()
+    with pytest.raises(ValueError, match="LoRA adapters on w_13.*no adapter path"):
+        model(input_ids=ids, labels=labels)
+
+
+def test_unpatch_forgets_the_scales() -> None:
+    model = apply_coda_to_llama(tiny(), fp8="delayed")
+    ids, labels = batch()
+    model(input_ids=ids, labels=labels).loss.backward()
+    assert ATTR in model.model.layers[0].__dict__
+    unpatch(model)
+    assert ATTR not in model.__dict__ and all(ATTR not in layer.__dict__ for layer in model.model.layers)
