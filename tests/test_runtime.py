@@ -40,6 +40,7 @@ from runtime_check import (  # noqa: E402
 import coda_lang  # noqa: E402
 from coda_lang.backend_cute.plan.spec import Sink  # noqa: E402
 from coda_lang.backend_cute.runtime.launch import (  # noqa: E402
+    _operand,
     sink_partials,
     sink_rule,
     sink_shape,
@@ -1108,3 +1109,24 @@ def test_an_index_past_what_f32_holds_exactly_is_refused() -> None:
             }
         )
     assert f"indexes {n} columns" in str(e.value)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_operands_with_short_rows_are_padded_for_tma(dtype: str) -> None:
+    """A GEMM operand whose rows are not a multiple of 16 bytes (K = 4 bf16 values) goes to the kernel as
+    a copy in rows padded to 16 bytes, viewed at its own shape and with its own major dim (quack's
+    launch refused the 8-byte rows of tests/test_trig.py's GPU test: `strides[0] ... divisible by
+    8`); an aligned operand is passed as it is."""
+    torch = pytest.importorskip("torch")
+    t = getattr(torch, dtype)
+    unit = 16 // torch.empty((), dtype=t).element_size()
+    rows = torch.randn(6, 3, dtype=t)  # K-major, 3 values a row
+    cols = torch.randn(3, 6, dtype=t).t()  # M-major, rows of 3 along dim 0
+    for x in (rows, cols):
+        y = _operand(x)
+        assert y.shape == x.shape and torch.equal(y, x)
+        major = 1 if x.stride(1) == 1 else 0
+        assert y.stride(major) == 1 and y.stride(1 - major) % unit == 0, (x.stride(), y.stride())
+        assert y.data_ptr() % 16 == 0
+    ok = torch.randn(6, unit * 2, dtype=t)
+    assert _operand(ok) is ok

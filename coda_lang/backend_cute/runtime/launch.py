@@ -96,6 +96,26 @@ def _aligned(t: Any) -> Any:
     return t
 
 
+def _operand(t: Any) -> Any:
+    """A GEMM operand TMA can load: 16-byte aligned, and a matrix whose rows (along its contiguous dim)
+    start every multiple of 16 bytes. A row of K = 4 bf16 values (8 bytes) is copied into rows padded
+    to 16 bytes and viewed at its own width (the kernel reads only its K columns: the padding is never
+    loaded); quack's launch would refuse it (`strides[0] ... divisible by 8`)."""
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta" or t.dim() != 2:
+        return _aligned(t)
+    unit = 16 // t.element_size()
+    major = 1 if t.stride(1) == 1 else 0 if t.stride(0) == 1 else None
+    if major is None or t.stride(1 - major) % unit == 0 or t.shape[1 - major] <= 1:
+        return _aligned(t)
+    width = -(-t.shape[major] // unit) * unit
+    if major == 1:
+        padded = torch.zeros((t.shape[0], width), dtype=t.dtype, device=t.device)[:, : t.shape[1]]
+    else:
+        padded = torch.zeros((t.shape[1], width), dtype=t.dtype, device=t.device).t()[: t.shape[0]]
+    padded.copy_(t)
+    return padded
+
+
 # ------------------------------------------------------------------------------------------------
 # One stage: its spec, tile config, epilogue module, and the custom op that launches it.
 
@@ -260,7 +280,7 @@ class StageRunner:
     def launch(
         self, ins: list[torch.Tensor | None], scalars: list[float], d_out: torch.Tensor | None = None
     ) -> list[torch.Tensor]:
-        A, B = _aligned(ins[0]), _aligned(ins[1])
+        A, B = _operand(ins[0]), _operand(ins[1])
         assert A is not None and B is not None
         outs = self.allocate(A, B, d_out)
         D, C, epi = self.epilogue_arguments(ins, scalars, outs)
@@ -296,7 +316,7 @@ class StageRunner:
             t = ins[j]
             j += 1
             if o.op == "C":
-                C = _aligned(t)
+                C = _operand(t)
                 continue
             if o.role in INDEX_AXIS:
                 epi[o.py] = 0  # TileIndex's host scalar: an offset added to every index
