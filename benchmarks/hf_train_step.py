@@ -28,7 +28,7 @@ warm-up steps, the first of which times them. `--profile` adds one profiled step
 its CUDA time split into attention, GEMM and other kernels. `--lora R`: peft LoRA of rank R (alpha 2R,
 dropout 0) on q, k, v, o, gate, up and down (Phi-3: qkv, o, gate_up, down), the base frozen, the optimizer over the adapters: applied
 after Liger's patch (which keeps the modules LoRA wraps) and before coda's (which runs LoRA in its
-blocks). `torchao-tensorwise` / `torchao-rowwise`: torchao's float8 training of that recipe
+blocks). `coda-fp8`: `apply_coda(model, fp8="delayed")` (not with --lora). `torchao-tensorwise` / `torchao-rowwise`: torchao's float8 training of that recipe
 (`convert_to_float8_training` on every nn.Linear but the LM head), then torch.compile of the model, as
 torchao's own benchmarks run it (its wheel: `pip install torchao`; not with --lora). An unknown
 configuration is a usage error before anything runs. Prints a markdown table last.
@@ -293,7 +293,16 @@ def torchao_float8(model: Any, recipe: str) -> Any:
     return torch.compile(model)
 
 
-CONFIGS = ("eager", "compile", "liger", "coda", "coda-vocab", "torchao-tensorwise", "torchao-rowwise")
+CONFIGS = (
+    "eager",
+    "compile",
+    "liger",
+    "coda",
+    "coda-vocab",
+    "coda-fp8",
+    "torchao-tensorwise",
+    "torchao-rowwise",
+)
 
 
 def prepare(model: Any, name: str, family: str = "llama", lora: int = 0) -> Any:
@@ -314,12 +323,19 @@ def prepare(model: Any, name: str, family: str = "llama", lora: int = 0) -> Any:
         if lora:
             raise SystemExit(f"{name}: torchao's float8 training of a LoRA model is not a configuration here")
         return torchao_float8(model, name.removeprefix("torchao-"))
-    if name in ("coda", "coda-vocab"):
+    if name in ("coda", "coda-vocab", "coda-fp8"):
         from coda_lang.hf import apply_coda
 
-        # coda-vocab: the loss head's other mode, lse only, the backward in vocabulary chunks
+        # coda-vocab: the loss head's other mode, lse only, the backward in vocabulary chunks;
+        # coda-fp8: fp8="delayed", the layers' gate/up, down and QKV GEMMs in e4m3
+        if name == "coda-fp8" and lora:
+            raise SystemExit("coda-fp8: fp8 blocks refuse LoRA adapters; not a configuration here")
         model = with_lora(model, lora)
-        apply_coda(model, loss_mode="vocab" if name == "coda-vocab" else "rows")
+        apply_coda(
+            model,
+            loss_mode="vocab" if name == "coda-vocab" else "rows",
+            fp8="delayed" if name == "coda-fp8" else None,
+        )
         return model
     raise SystemExit(f"unknown configuration {name!r}")
 

@@ -270,3 +270,58 @@ def test_unpatch_forgets_the_scales() -> None:
     assert ATTR in model.model.layers[0].__dict__
     unpatch(model)
     assert ATTR not in model.__dict__ and all(ATTR not in layer.__dict__ for layer in model.model.layers)
+
+
+def _bf16_against_reference(device: str) -> tuple[float, float, dict[str, tuple[float, float]]]:
+    """A bf16 model patched with fp8="delayed" on `device` (on a Hopper GPU: the kernels) against the float64
+    reference of the recipe at the scales it ran at: (loss error, the unquantized model's loss error,
+    {parameter: (gradient error, the unquantized model's gradient error)}), relative."""
+    shapes = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, head_dim=64, vocab_size=512)
+    base = tiny(torch.bfloat16, num_hidden_layers=2, **shapes)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 512, (2, 128), generator=g).to(device)
+    labels = ids.clone()
+    ref = copy.deepcopy(base).double().to(device)
+    plain = copy.deepcopy(base).double().to(device)
+    model = apply_coda_to_llama(copy.deepcopy(base).to(device), fp8="delayed")
+    for _ in range(2):
+        model.zero_grad()
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+    first, layers = ran_at(model)
+    want = reference_loss(ref, ids, labels, first, layers)
+    want.backward()
+    unq = plain(input_ids=ids, labels=labels).loss
+    unq.backward()
+    w = want.item()
+    grads = {}
+    refs, plains = dict(ref.named_parameters()), dict(plain.named_parameters())
+    for name, gr in unfused_grads(model).items():
+        grads[name] = (_rel(gr, refs[name].grad), _rel(plains[name].grad, refs[name].grad))
+    return abs(loss.item() - w) / abs(w), abs(unq.item() - w) / abs(w), grads
+
+
+def _check_bf16(device: str) -> None:
+    err, off, grads = _bf16_against_reference(device)
+    assert err < 2e-3, (err, off)
+    for name, (e, o) in grads.items():
+        assert e < 0.1, (name, e, o)
+    # the quantization shows: the unquantized model's gradients are further from the recipe's than ours
+    mean_e = sum(e for e, _ in grads.values()) / len(grads)
+    mean_o = sum(o for _, o in grads.values()) / len(grads)
+    assert mean_o > 1.5 * mean_e, (mean_e, mean_o)
+
+
+def test_bf16_fp8_model_against_the_reference() -> None:
+    """bf16 (the blocks' stored tiles rounded to bf16) against the float64 reference of the recipe."""
+    _check_bf16("cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_model_against_the_reference() -> None:
+    """The same on a Hopper GPU, where the blocks are the CuTeDSL kernels (fp8 x fp8 GEMMs, e4m3 stores)."""
+    from coda_lang.torch import uses_kernels
+
+    if not torch.cuda.is_available() or not uses_kernels("cuda"):
+        pytest.skip("needs a Hopper GPU")
+    _check_bf16("cuda")
