@@ -140,17 +140,45 @@ block b(x: bf16[M, K], w: bf16[K, N], s: f32) -> (y: bf16[M, N]) {
   }
 }
 """,
-    # an fp8 tile stored by a paired stage (its lanes are quack's 16-bit gated TileStores)
-    "paired": """
+    # a full-width fp8 tile stored by a paired stage beside its D (as two lanes: quack's gated
+    # TileStores, 16-bit only; a half-width fp8 one compiles: SWIGLU8)
+    "paired_lanes": """
 dims M, K, N
-block b(x: bf16[M, K], w: bf16[K, 2*N]) -> (y: e4m3[M, N]) {
+block b(x: bf16[M, K], w: bf16[K, 2*N]) -> (y: bf16[M, N], h: e4m3[M, 2*N], d: bf16[M, 2*N]) {
   gemm x @ w {
     g, u = pairs(acc)
-    y: e4m3 = g * u
+    y = g * u
+    h: e4m3 = acc
+    d = acc * 2.0
+  }
+}
+""",
+    # an f32 half-width tile of a paired stage
+    "paired_f32": """
+dims M, K, N
+block b(x: bf16[M, K], w: bf16[K, 2*N]) -> (y: f32[M, N]) {
+  gemm x @ w {
+    g, u = pairs(acc)
+    y: f32 = g * u
   }
 }
 """,
 }
+
+# SwiGLU's gate/up GEMM of fp8 operands storing its half-width result in fp8 (acc_pair mode: the
+# store is GatedFp8Store, plan/gated_store.py); SWIGLU8_EXACT: no silu, so that the kernel's value
+# is the interpreter's exactly before the store rounds it
+SWIGLU8 = """
+dims M, D, F
+block g(x: e4m3[M, D], w: e4m3[2*F, D], r: f32[M], s: f32) -> (aq: e4m3[M, F]) {
+  gemm x @ transpose(w) {
+    z = acc * r
+    gt, up = pairs(z)
+    aq: e4m3 = silu(gt) * up * s
+  }
+}
+"""
+SWIGLU8_EXACT = SWIGLU8.replace("silu(gt) * up * s", "gt * up * s")
 
 
 def one(source: str) -> coda_lang.Block:
@@ -235,11 +263,45 @@ def test_other_fp8_uses_still_refused(what: str) -> None:
     want = {
         "load": ("E0702", "loaded operand `r` is e4m3: fp8 is not compiled"),
         "cast": ("E0703", "cast() to e4m3 has no CuTeDSL emitter yet"),
-        "paired": ("E0702", "stored tile `y` is e4m3; quack stores paired outputs as 16-bit values"),
+        "paired_lanes": (
+            "E0702",
+            "full-width (stored as two half-width lanes) stored tile `h` is e4m3; quack stores paired "
+            "outputs as 16-bit values",
+        ),
+        "paired_f32": ("E0702", "half-width stored tile `y` is f32; quack stores paired outputs"),
     }[what]
     assert d.code == want[0] and want[1] in d.message, d.message
     assert d.span is not None and d.span.line > 1
     assert plan_stage(blk, 1, emulated=True) is not None  # the torch stand-ins run it
+
+
+@pytest.mark.parametrize("dtype", ["e4m3", "e5m2", "bf16"])
+def test_gated_fp8_store_is_planned(dtype: str) -> None:
+    """A paired stage's half-width fp8 tile plans (no E0702): a gated TileStore of its dtype, emitted as
+    our GatedFp8Store, clamped like every fp8 store, with the subtile rule of its TMA store written
+    down; a 16-bit one keeps quack's TileStore (its source unchanged)."""
+    from coda_lang.backend_cute.build.config import TileConfig, fits
+
+    spec = plan_stage(one(SWIGLU8.replace("aq: e4m3", f"aq: {dtype}")), 1)
+    assert spec.paired and spec.d is None
+    (out,) = spec.outputs
+    assert (out.name, out.dtype, out.gated, out.lane) == ("aq", dtype, True, None)
+    src = emit_stage(spec)
+    subtile = [c for c in spec.tiling if c.of == "the epilogue subtile's N"]
+    if dtype == "bf16":
+        assert 'outputs=(TileStore("aq", gated=True),)' in src and "GatedFp8Store" not in src
+        assert '"aq": aq}' in src and not subtile
+        return
+    assert 'outputs=(GatedFp8Store("aq"),)' in src, src
+    assert "from coda_lang.backend_cute.plan.gated_store import GatedFp8Store" in src
+    assert "from quack.epilogue.ops import ColVecLoad, Scalar\n" in src  # not quack's TileStore
+    m = {"e4m3": 448.0, "e5m2": 57344.0}[dtype]
+    clamp = f"aq_sat = cute.math.min(cute.math.max(aq, {-m!r}, propagate_nan=True), {m!r}, propagate_nan=True)"
+    assert clamp in src and '"aq": aq_sat}' in src, src
+    assert [c.multiple_of for c in subtile] == [32] and subtile[0].kernel_only
+    assert fits(spec, TileConfig(128, 96)) and fits(spec, TileConfig(128, 128, 2, 1, False))
+    assert not fits(spec, TileConfig(128, 112))  # tile_N % 32
+    assert not fits(spec, TileConfig(128, 128, epi_n=16))  # 8 fp8 columns: rows of 8 bytes
 
 
 # --------------------------------------------------------------------------------------- toolchain
@@ -265,6 +327,119 @@ def test_fp8_store_compiles_to_ptx(i: int, tmp_path_factory: pytest.TempPathFact
     if name == "mixed":
         assert "cvt.rn.satfinite.e5m2x2.f32" in ptx and "cvt.rn.bf16x2.f32" in ptx
         assert "0f47600000" in ptx and "0fC7600000" in ptx  # +-57344
+
+
+# the GPU test's tiles: cooperative 128x128 (two warpgroups stacked: a 128x32 subtile), pingpong
+# 128x96 (64x32, a ragged half tile of 48 columns) and 128x64 with a 64-column subtile (two 16-column
+# STSM blocks per half-width row of it)
+GATED_TILES = [((128, 128, 2, 1, False), 0), ((128, 96, 2, 1, True), 0), ((128, 64, 2, 1, True), 64)]
+
+
+def _gated_tile(i: int) -> Any:
+    from coda_lang.backend_cute.build.config import TileConfig
+
+    (m, n, cm, cn, pingpong), epi_n = GATED_TILES[i]
+    return TileConfig(m, n, cm, cn, pingpong, epi_n)
+
+
+@pytest.mark.toolchain
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("i", range(len(GATED_TILES)))
+def test_gated_fp8_store_compiles_to_ptx(i: int, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """SWIGLU8 compiles for sm_90a at the GPU test's tiles without spills: the gated register permute
+    (quad shuffles, at f32), the clamp, two values per cvt, then two fp8 per shared store (a universal
+    copy, no STSM), and the TMA store of the half-width tile."""
+    from coda_lang.backend_cute.build.compile import compile_stage
+
+    c = compile_stage(one(SWIGLU8), 1, _gated_tile(i), directory=tmp_path_factory.mktemp("gated8"))
+    ptx = c.ptx
+    assert c.report is not None and not c.report.spills, c.report.text
+    assert "e4m3.e4m3" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert "0f43E00000" in ptx and "0fC3E00000" in ptx  # +-448
+    assert "shfl.sync.idx" in ptx and "st.shared.b16" in ptx and "stmatrix" not in ptx
+    assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx
+
+
+@pytest.mark.toolchain
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("rows,tile_n,epi", [(1, 96, (64, 32)), (2, 128, (128, 32)), (1, 64, (64, 64))])
+def test_sm90_gated_fp8_store_layout(rows: int, tile_n: int, epi: tuple[int, int]) -> None:
+    """The layout argument of plan/gated_store.py, traced on the CPU with CuTeDSL's layouts: the gated
+    TileStore's register-to-smem copy (quack's: its atom over D's 16-bit STSM tiled copy) puts, after
+    quack's f32 register permute (simulated here: its quad shuffles), each thread's half-width value
+    at its own position, for the 8-bit atom (a universal copy of two fp8) as for the 16-bit STSM one,
+    and the two atoms map every register to the same position."""
+    from coda_lang.backend_cute.build import quack_adapter  # noqa: F401  (CUTE_DSL_ARCH=sm_90a)
+
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as hh
+    from cutlass.cute.nvgpu import OperandMajorMode, warp
+    from quack import copy_utils
+
+    epi_m, epi_n = epi
+    nthr = 128 * rows
+    got: dict[Any, Any] = {}
+
+    def trace() -> None:  # static layouts only: evaluated while tracing
+        mma = hh.make_trivial_tiled_mma(
+            cutlass.BFloat16, cutlass.BFloat16, OperandMajorMode.K, OperandMajorMode.K,
+            cutlass.Float32, (rows, 1, 1), tiler_mn=(64, tile_n),
+        )  # fmt: skip
+        c_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, num_matrices=4), cutlass.Float16)
+        d_r2s = cute.make_tiled_copy_S(
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), cutlass.BFloat16),
+            cute.make_tiled_copy_C_atom(c_atom, mma),
+        )  # gemm_sm90.epilog_smem_store_and_partition, D absent (quack builds it in bf16)
+        copies = {
+            dt: cute.make_tiled_copy_S(copy_utils.get_smem_store_atom(t, False, epi_n // 2), d_r2s)
+            for dt, t in (("bf16", cutlass.BFloat16), ("e4m3", cutlass.Float8E4M3FN))
+        }  # TileStore._make_copy_atom_r2s / _make_tiled_copy_r2s on SM90
+        for t in range(nthr):
+            d = d_r2s.get_slice(t).partition_S(cute.make_identity_tensor((epi_m, epi_n)))
+            got["D", t] = [tuple(d[j]) for j in range(cute.size(d))]
+            aux_shape = cute.recast_layout(2, 1, cute.make_layout(d.shape)).shape  # visit.py's aux frag
+            for dt, tc in copies.items():
+                rt = tc.retile(cute.make_rmem_tensor(aux_shape, cutlass.Float32))
+                at = tc.get_slice(t).partition_S(cute.make_identity_tensor((epi_m, epi_n // 2)))
+                got[dt, t] = {
+                    cute.crd2idx(cute.idx2crd(j, rt.shape), rt.layout): tuple(at[cute.idx2crd(j, at.shape)])
+                    for j in range(cute.size(rt))
+                }
+        got["atom"] = str(copies["e4m3"])
+
+    @cute.jit
+    def probe() -> None:
+        trace()
+
+    probe()
+    assert "CopyUniversal" in got["atom"] or "f8E4M3FN" in got["atom"], got["atom"]
+    nv = len(got["D", 0]) // 2
+    before = {}
+    for t in range(nthr):  # aux value i of a thread: its D pair (2i, 2i + 1), half-width column c // 2
+        pairs_ = [(got["D", t][2 * i], got["D", t][2 * i + 1]) for i in range(nv)]
+        assert all(a[0] == b[0] and a[1] % 2 == 0 and b[1] == a[1] + 1 for a, b in pairs_)
+        before[t] = [(a[0], a[1] // 2) for a, _ in pairs_]
+
+    def parts(t: int, g: int) -> tuple[Any, ...]:
+        v, lane03 = before[t][4 * g : 4 * g + 4], t % 4 in (0, 3)
+        return (v[0], v[1], v[2], v[3]) if lane03 else (v[2], v[3], v[0], v[1])  # x0, x1, y0, y1
+
+    for dt in ("bf16", "e4m3"):
+        seen = set()
+        for t in range(nthr):  # layout_utils.permute_gated_Cregs_f32, lane by lane
+            q = t % 4
+            upper = q // 2 if q % 2 == 0 else 3 - q // 2
+            for g in range(nv // 4):
+                x0, x1, _, _ = parts(t - q + upper, g)
+                _, _, y0, y1 = parts(t - q + (upper ^ 1), g)
+                after = [x0, y0, x1, y1] if q in (0, 3) else [y0, x0, y1, x1]
+                for k in range(4):
+                    pos = got[dt, t][4 * g + k]
+                    assert after[k] == pos, (dt, t, 4 * g + k, after[k], pos)
+                    seen.add(pos)
+        assert len(seen) == epi_m * epi_n // 2, dt
+    assert all(got["bf16", t] == got["e4m3", t] for t in range(nthr))
 
 
 @pytest.mark.toolchain
