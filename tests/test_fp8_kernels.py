@@ -9,8 +9,11 @@ GEMM multiplies fp8 operands (e4m3 x e4m3, e5m2 x e4m3) read K-major, a per-tens
 - The fp8 GEMM: fp8_delayed's second stage (`hq @ transpose(w2)`) and a dgrad-like e5m2 x e4m3 GEMM
   plan; what quack 0.6.5's SM90 GEMM can't multiply is E0702 at the operand with the layout that would
   compile: an N-major B (`hq @ w2`, w2 stored [N, P]), a transposed A, fp8 beside bf16.
-- What it still refuses, with E0702/E0703 at the place: an fp8 tile loaded into an epilogue, `cast(x, e4m3)` inside a stage, an fp8 tile stored by a
-  paired stage (quack's SM90 paired stores are 16-bit).
+- A paired stage's half-width fp8 tile (SwiGLU's gate/up GEMM storing e4m3: SWIGLU8) plans as our
+  GatedFp8Store (plan/gated_store.py; a 16-bit one keeps quack's TileStore), compiles without spills
+  at three tiles, and its register-to-smem layout is checked by tracing CuTeDSL's layouts on the CPU.
+- What it still refuses, with E0702/E0703 at the place: an fp8 tile loaded into an epilogue, `cast(x, e4m3)` inside a stage, a
+  full-width fp8 tile stored by a paired stage as two lanes, an f32 half-width one.
 - Toolchain (no GPU): the fp8 GEMMs compile for sm_90a without spills at the fp8 tiles
   (config.FP8_CANDIDATES) with fp8 WGMMA (`wgmma...f32.e4m3.e4m3`, `.e5m2.e4m3`); quack accepts the
   whole fp8_delayed forward from the runtime ("meta" tensors). The stores compile without spills, rounding with
@@ -23,6 +26,8 @@ GEMM multiplies fp8 operands (e4m3 x e4m3, e5m2 x e4m3) read K-major, a per-tens
   examples at ragged sizes against the interpreter within one fp8 ulp (accumulation order differs);
   the fp8 GEMMs (e4m3 x e4m3, e5m2 x e4m3, and the whole fp8_delayed forward) against the interpreter
   within the accuracy rule, and exactly where every product and partial sum is exact in f32.
+  The gated fp8 store: every e4m3 / e5m2 code bit for bit where the value before the store is exact
+  (SWIGLU8_EXACT, ragged M and F, three tiles), and SWIGLU8 within one fp8 ulp.
 """
 
 from __future__ import annotations
@@ -651,6 +656,101 @@ def test_gpu_fp8_store_matches_interpreter(src: str) -> None:
         assert not torch.isnan(g).any(), f"{o.name}: NaN (unwritten?)"
         why = mismatch(o.name, g, ref[o.name], None, o.type.dtype)
         assert why is None, why
+
+
+# scales of SWIGLU8_EXACT's runs: with the products of two e4m3 values (and r^2 in [1/16, 16]) they
+# reach every code of either fp8 dtype (subnormals from 2^-12 down, saturation, inf and NaN scales)
+GATED_SCALES = [1.0, 2.0**-6, 2.0**-12, 2.0**-18, 2.0**-24, 2.0**10, 2.0**100, float("inf"), float("nan"), 0.37]
+
+
+def gated_exact_inputs(device: str) -> dict[str, Any]:
+    """x = I (M = D = 208: a ragged M tile), w [2F, D] (F = 208: ragged half tiles at tile_N 128, 96
+    and 64) of e4m3 values, r powers of two, so acc * r and every product is exact in f32: gt runs
+    through every e4m3 value (NaN aside) down the rows, up through them at another stride."""
+    import torch
+
+    e4m3 = np.arange(256, dtype=np.uint8).view(FP8["e4m3"]).astype(np.float32)
+    vals = e4m3[np.isfinite(e4m3)]  # 254 values, +-0 included
+    m = f = 208
+    i = np.arange(m)[None, :]
+    j = np.arange(f)[:, None]
+    w = np.empty((2 * f, m), np.float32)
+    w[0::2] = vals[(i + 13 * j) % len(vals)]
+    w[1::2] = vals[(7 * i + 31 * j + 100) % len(vals)]
+    r = 2.0 ** ((np.arange(m) % 5) - 2)
+    return {
+        "x": torch.eye(m).to(torch.float8_e4m3fn).to(device),
+        "w": torch.from_numpy(w).to(torch.float8_e4m3fn).to(device),
+        "r": torch.from_numpy(r.astype(np.float32)).to(device),
+    }
+
+
+def check_gated_exact(dtype: str, tile: Any, emulate: bool) -> set[int]:
+    """SWIGLU8_EXACT storing `dtype` at `tile`, each scale of GATED_SCALES, against the interpreter bit
+    for bit (NaN as NaN, unwritten elements are the poison's NaN); returns the codes the interpreter
+    gave (a test of the inputs: all of them)."""
+    import torch
+
+    blk = one(SWIGLU8_EXACT.replace("aq: e4m3", f"aq: {dtype}"))
+    device = "cpu" if emulate else "cuda"
+    ins = gated_exact_inputs(device)
+    cb = blk.cuda(tile=tile, poison=True, emulate=emulate, tune=False)
+    cpu = {k: v.cpu() for k, v in ins.items()}
+    reached: set[int] = set()
+    for scale in GATED_SCALES:
+        got = cb({**ins, "s": scale})["aq"]
+        if not emulate:
+            torch.cuda.synchronize()
+        assert got.shape == (208, 208)
+        ref = blk.run({**cpu, "s": scale})["aq"]
+        same_codes(f"aq ({dtype}, {tile}, scale {scale})", got, ref, dtype)
+        reached |= set(codes(ref, dtype).ravel().tolist())
+    return reached
+
+
+def test_gated_exact_inputs_reach_every_code() -> None:
+    """The GPU test's inputs, on the emulated runtime (CPU): the interpreter's codes are all 256 of
+    e4m3 and e5m2 (NaN as the interpreter writes it), the emulated store gives them bit for bit."""
+    for dtype in ("e4m3", "e5m2"):
+        reached = check_gated_exact(dtype, _gated_tile(1), emulate=True)
+        finite = np.arange(256, dtype=np.uint8).view(FP8[dtype]).astype(np.float32)
+        want = {int(c) for c in np.nonzero(np.isfinite(finite))[0]}
+        assert want <= reached, sorted(want - reached)[:8]
+        assert any(not np.isfinite(finite[c]) for c in reached)  # inf (e5m2) / NaN reached too
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("dtype,i", [("e4m3", 0), ("e4m3", 1), ("e4m3", 2), ("e5m2", 1)])
+def test_gpu_gated_fp8_store_bit_for_bit(dtype: str, i: int) -> None:
+    """A paired stage's half-width fp8 store (GatedFp8Store) on the GPU: the kernel's codes equal the
+    interpreter's bit for bit where the value before the store is exact (SWIGLU8_EXACT), every code
+    of the dtype reached over the scales, at ragged M and F, at the three GATED_TILES (e5m2 at one)."""
+    check_gated_exact(dtype, _gated_tile(i), emulate=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("i", [0, 1])
+def test_gpu_gated_fp8_swiglu_matches_interpreter(i: int) -> None:
+    """SWIGLU8 itself (quack's silu) at ragged sizes (M = 1000, D = 512, F = 1008) from random inputs:
+    within one fp8 ulp of the interpreter, no element unwritten."""
+    import torch
+    from runtime_check import example_inputs
+
+    from coda_lang.testing.compare import mismatch
+
+    blk = one(SWIGLU8)
+    ins = example_inputs(blk, {"M": 1000, "D": 512, "F": 1008}, seed=4, device="cuda")
+    ins["s"] = 5.0  # the largest values saturate
+    cb = blk.cuda(tile=_gated_tile(i), poison=True, tune=False)
+    got = cb(ins)["aq"]
+    torch.cuda.synchronize()
+    ref = blk.run({k: v.cpu() if hasattr(v, "cpu") else v for k, v in ins.items()}, sim_tile=cb.tiles)
+    g = got.float()
+    assert not torch.isnan(g).any(), "aq: NaN (unwritten?)"
+    why = mismatch("aq", g, ref["aq"], None, "e4m3")
+    assert why is None, why
 
 
 # e4m3 x e4m3 with both scales: fp8_delayed's second GEMM with its scales as inputs
