@@ -301,7 +301,9 @@ def test_gated_fp8_store_is_planned(dtype: str) -> None:
     assert "from coda_lang.backend_cute.plan.gated_store import GatedFp8Store" in src
     assert "from quack.epilogue.ops import ColVecLoad, Scalar\n" in src  # not quack's TileStore
     m = {"e4m3": 448.0, "e5m2": 57344.0}[dtype]
-    clamp = f"aq_sat = cute.math.min(cute.math.max(aq, {-m!r}, propagate_nan=True), {m!r}, propagate_nan=True)"
+    clamp = (
+        f"aq_sat = cute.math.min(cute.math.max(aq, {-m!r}, propagate_nan=True), {m!r}, propagate_nan=True)"
+    )
     assert clamp in src and '"aq": aq_sat}' in src, src
     assert [c.multiple_of for c in subtile] == [32] and subtile[0].kernel_only
     assert fits(spec, TileConfig(128, 96)) and fits(spec, TileConfig(128, 128, 2, 1, False))
@@ -374,13 +376,13 @@ def test_sm90_gated_fp8_store_layout(rows: int, tile_n: int, epi: tuple[int, int
     quack's f32 register permute (simulated here: its quad shuffles), each thread's half-width value
     at its own position, for the 8-bit atom (a universal copy of two fp8) as for the 16-bit STSM one,
     and the two atoms map every register to the same position."""
-    from coda_lang.backend_cute.build import quack_adapter  # noqa: F401  (CUTE_DSL_ARCH=sm_90a)
-
     import cutlass
     import cutlass.cute as cute
     import cutlass.utils.hopper_helpers as hh
     from cutlass.cute.nvgpu import OperandMajorMode, warp
     from quack import copy_utils
+
+    from coda_lang.backend_cute.build import quack_adapter  # noqa: F401  (CUTE_DSL_ARCH=sm_90a)
 
     epi_m, epi_n = epi
     nthr = 128 * rows
@@ -660,7 +662,18 @@ def test_gpu_fp8_store_matches_interpreter(src: str) -> None:
 
 # scales of SWIGLU8_EXACT's runs: with the products of two e4m3 values (and r^2 in [1/16, 16]) they
 # reach every code of either fp8 dtype (subnormals from 2^-12 down, saturation, inf and NaN scales)
-GATED_SCALES = [1.0, 2.0**-6, 2.0**-12, 2.0**-18, 2.0**-24, 2.0**10, 2.0**100, float("inf"), float("nan"), 0.37]
+GATED_SCALES = [
+    1.0,
+    2.0**-6,
+    2.0**-12,
+    2.0**-18,
+    2.0**-24,
+    2.0**10,
+    2.0**100,
+    float("inf"),
+    float("nan"),
+    0.37,
+]
 
 
 def gated_exact_inputs(device: str) -> dict[str, Any]:
