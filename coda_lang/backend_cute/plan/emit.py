@@ -26,7 +26,7 @@ import re
 
 from coda_lang.backend_cute.plan import names as module_names
 from coda_lang.backend_cute.plan import spec as specs
-from coda_lang.backend_cute.plan.spec import INDEX_AXIS, Group, StageSpec, describe, dim_operand
+from coda_lang.backend_cute.plan.spec import INDEX_AXIS, Group, Output, StageSpec, describe, dim_operand
 from coda_lang.core.diagnostics import CodaError, Diagnostic, Mistake
 from coda_lang.ir.nodes import Atom, DimRef, Eqn, Lit, Var
 from coda_lang.ir.types import FP8_MAX, is_fp8
@@ -241,7 +241,7 @@ class _Emitter:
         spec = self.spec
         args: list[str] = []
         if spec.outputs:
-            outs = ", ".join(f'TileStore("{o.py}"{", gated=True" if o.gated else ""})' for o in spec.outputs)
+            outs = ", ".join(_tile_store(o) for o in spec.outputs)
             args.append(f"outputs=({outs}{',' if len(spec.outputs) == 1 else ''})")
         if any(o.op != "C" for o in spec.operands) or spec.groups:
             ops = []
@@ -369,6 +369,14 @@ class _Emitter:
         if pre:
             text += "\n" + "\n".join(pre) + "\n"
         return text + "\n\n" + "\n".join(fn) + "\n"
+
+
+def _tile_store(o: Output) -> str:
+    """The store op of a TileStore output: quack's TileStore, gated for a half-width one; our
+    GatedFp8Store (gated_store.py) for a half-width fp8 one, which quack's asserts 16-bit on SM90."""
+    if o.gated and o.lane is None and is_fp8(o.dtype):
+        return f'GatedFp8Store("{o.py}")'
+    return f'TileStore("{o.py}"{", gated=True" if o.gated else ""})'
 
 
 def _grouped(g: Group) -> str:

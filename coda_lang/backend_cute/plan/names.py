@@ -2,7 +2,7 @@
 
 What it does: `imports()` maps each name the emitted code may use to the import line that provides it:
 the module's own (CuTeDSL's `cute`, `cutlass` and dtypes, quack's decorator, epilogue ops and pair
-helpers, coda_lang's own epilogue ops) and every op's (`Lowerings.cute_imports`: an emitter that calls
+helpers, coda_lang's own epilogue ops and its gated fp8 TileStore) and every op's (`Lowerings.cute_imports`: an emitter that calls
 `pexp` or `silu` names its import there). `helper_names()` is that set plus the builtins the
 emitted code calls: the planner and the emitter rename a value that would shadow one.
 What it does not: decide which names a given kernel imports (emit.py imports only those it uses).
@@ -39,6 +39,7 @@ _MODULE_IMPORTS: dict[str, str] = {
     "BoundedColVecReduce": "from coda_lang.backend_cute.plan.epi_ops import BoundedColVecReduce",
     "BoundedRowVecReduce": "from coda_lang.backend_cute.plan.epi_ops import BoundedRowVecReduce",
     "TileIndex": "from coda_lang.backend_cute.plan.epi_ops import TileIndex",
+    "GatedFp8Store": "from coda_lang.backend_cute.plan.gated_store import GatedFp8Store",
 }
 
 # Python names the emitted code uses without importing them

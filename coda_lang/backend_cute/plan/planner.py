@@ -100,7 +100,13 @@ def run(ctx: StageContext) -> StageSpec:
         eqns=tuple(eqns),
         names=dict(ctx.names),
         temps=dict(ctx.temps),
-        tiling=_tiling(ctx, [g.width for g in groups], paired, bool(outputs)),
+        tiling=_tiling(
+            ctx,
+            [g.width for g in groups],
+            paired,
+            bool(outputs),
+            any(o.gated and is_fp8(o.dtype) for o in outputs),
+        ),
         source=tuple(inline_source(st.body)),
         span=st.span,
         groups=tuple(groups),
@@ -226,10 +232,11 @@ def _stores(ctx: StageContext, paired: bool, packed: bool) -> tuple[Output | Non
 
 
 def _tiling(
-    ctx: StageContext, group_widths: list[int], paired: bool, stores: bool
+    ctx: StageContext, group_widths: list[int], paired: bool, stores: bool, fp8_gated: bool = False
 ) -> tuple[TileConstraint, ...]:
     """The checker's tiling constraints (tile_N holds whole groups) and the kernel's: grouped
-    statistics within the epilogue subtile, pairs of columns, paired TileStores (`stores`)."""
+    statistics within the epilogue subtile, pairs of columns, paired TileStores (`stores`), a
+    half-width fp8 one's subtile (`fp8_gated`)."""
     tiling = list(ctx.sp.tiling)
     for w in sorted(set(group_widths)):
         # quack's grouped statistics (GroupedColStatsBase) fold one statistic slot per thread and
@@ -247,4 +254,18 @@ def _tiling(
         tiling.append(TileConstraint(of="tile_N", multiple_of=2, reason="pairs of adjacent columns"))
         if stores:
             tiling.append(TileConstraint(of="tile_N", multiple_of=32, reason="paired TileStore on SM90"))
+        if fp8_gated:
+            # a half-width fp8 tile is stored by TMA from a subtile half as wide as the epilogue's: the
+            # TMA store's box needs rows of 16 bytes or more, 16 fp8 columns, so the epilogue subtile
+            # is at least 32 columns. Held by the rules above (tile_N % 32, and config.PAIRED_SUBTILE:
+            # epi_n 0 or a multiple of 32; quack's own subtile is then 32 or 64 columns); said here
+            # so that the kernel's reason is written down (gated_store.GatedFp8Store asserts it too)
+            tiling.append(
+                TileConstraint(
+                    of="the epilogue subtile's N",
+                    multiple_of=32,
+                    reason="a half-width fp8 TileStore's rows of 16 bytes or more (TMA)",
+                    kernel_only=True,
+                )
+            )
     return tuple(tiling)

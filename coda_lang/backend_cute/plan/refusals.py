@@ -220,8 +220,11 @@ def check_store(ctx: StageContext, store: Store, e: Eqn) -> None:
 
 
 def check_tile_store(ctx: StageContext, store: Store, e: Eqn, gated: bool, split: bool) -> None:
-    """A TileStore (not D) is as wide as the stage or half of it; a paired one is 16-bit (`gated`: a
-    half-width one in a paired stage, `split`: a full-width one there, stored as two lanes)."""
+    """A TileStore (not D) is as wide as the stage or half of it; a paired one is 16-bit, or fp8 when
+    half-width (`gated`: a half-width one in a paired stage, stored by gated_store.GatedFp8Store when
+    fp8; `split`: a full-width one there, stored as two half-width lanes, 16-bit only: its lanes are
+    quack's gated TileStores, whose fp8 form is untested and whose interleave the runtime does in
+    16 bits)."""
     if store.shape[1] not in (ctx.cols, ctx.cols.scale(Fraction(1, 2))):
         raise fail(
             "E0704",
@@ -232,15 +235,16 @@ def check_tile_store(ctx: StageContext, store: Store, e: Eqn, gated: bool, split
                 "packed mode"
             ],
         )
-    if (gated or split) and (store.dtype == "f32" or is_fp8(store.dtype)) and not ctx.emulated:
+    if (gated or split) and (store.dtype == "f32" or split and is_fp8(store.dtype)) and not ctx.emulated:
         what = "half-width" if gated else "full-width (stored as two half-width lanes)"
         raise fail(
             "E0702",
             f"{what} stored tile `{store.name}` is {store.dtype}; quack stores paired outputs as 16-bit "
-            "values",
+            "values (or fp8 at half width)",
             e.span,
             notes=[
-                "an fp8 tile is compiled where it is the stage's D or a TileStore of an element-mode stage"
+                "an fp8 tile is compiled where it is the stage's D, a TileStore of an element-mode stage "
+                "or a half-width tile of a paired stage"
             ]
             if is_fp8(store.dtype)
             else [],
