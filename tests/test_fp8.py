@@ -1064,3 +1064,26 @@ block b(x: f32[M, K], w: f32[K, N], s: f32[N]) -> (y: f32[M, N]) {
     assert got["w"].shape == (3, 5) and not got["w"].any()
     np.testing.assert_allclose(got["s"], dy.sum(0), rtol=1e-12)
     assert not any(st.is_gemm for st in block.derivation().backward.ir.stages)
+
+
+def test_delayed_scaling_state_dict_round_trip() -> None:
+    """A DelayedScaling saved after more steps than its history and loaded into a fresh one gives the same
+    scales, and the same next scales after one more step (the ring of past amaxes in its order)."""
+    import coda_lang.torch as ct
+
+    g = torch.Generator().manual_seed(0)
+    steps = [{"a": torch.rand((), generator=g) * 10, "b": torch.rand((), generator=g)} for _ in range(7)]
+    one = ct.DelayedScaling(1.0, history=4)
+    one.bind(["a", "b"], "e4m3")
+    one.scales_for(torch.device("cpu"))
+    for am in steps[:6]:
+        one.record(am)
+    two = ct.DelayedScaling(1.0, history=4)
+    two.load_state_dict(one.state_dict())
+    assert {k: float(v) for k, v in two.scales.items()} == {k: float(v) for k, v in one.scales.items()}
+    one.record(steps[6])
+    two.record(steps[6])
+    for n in ("a", "b"):
+        want = 448.0 / max(float(s[n]) for s in steps[3:7])
+        assert float(one.scales[n]) == float(two.scales[n])
+        assert math.isclose(float(one.scales[n]), want, rel_tol=1e-6), (n, float(one.scales[n]), want)

@@ -78,9 +78,9 @@ def reference_loss(ref, ids, labels, first, layers) -> torch.Tensor:
     n_layers = len(m.layers)
     b, s = ids.shape
     x = m.embed_tokens(ids)
-    pos = torch.arange(s)[None].expand(b, s)
+    pos = torch.arange(s, device=ids.device)[None].expand(b, s)
     cos, sin = m.rotary_emb(x, pos)
-    mask = torch.full((s, s), float("-inf"), dtype=x.dtype).triu(1)[None, None]
+    mask = torch.full((s, s), float("-inf"), dtype=x.dtype, device=ids.device).triu(1)[None, None]
     eps = ref.config.rms_norm_eps
 
     def r(v: torch.Tensor) -> torch.Tensor:

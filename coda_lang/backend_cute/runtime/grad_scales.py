@@ -73,7 +73,12 @@ class DelayedScaling:
         self.scales: dict[str, torch.Tensor] = {}
         self.amaxes: dict[str, torch.Tensor] = {}  # the last backward's
         self.last_scales: dict[str, torch.Tensor] = {}  # the scales the last backward ran at
-        self._history: dict[str, list[torch.Tensor]] = {}
+        # the past amaxes, one row per step and a column per name: a ring of history - 1 rows (the
+        # current amax is the history's last), 0 where no step wrote yet (an amax is >= 0, so a 0 row
+        # changes no max; a NaN one stays in the max, as the rule says); the next row to write is
+        # steps % (history - 1). One tensor, so that the rule is a few kernels per step, not a few per
+        # name and past step, and nothing in it waits for the GPU
+        self._past: torch.Tensor | None = None
         self.steps: int = 0
 
     def __repr__(self) -> str:
@@ -114,48 +119,64 @@ class DelayedScaling:
         (1.0 for the first run of a calibration)."""
         if not self.scales:
             init = self.initial
-            for n in self.names:
-                v = 1.0 if init == "calibrate" else init[n] if isinstance(init, dict) else init
-                self.scales[n] = torch.tensor(float(v), dtype=torch.float32, device=device)
-        return {n: s.to(device) for n, s in self.scales.items()}
+            values = [
+                1.0 if init == "calibrate" else init[n] if isinstance(init, dict) else init
+                for n in self.names
+            ]
+            row = torch.tensor(values, dtype=torch.float32).to(device)  # (one copy, made once)
+            self.scales = {n: row[i] for i, n in enumerate(self.names)}
+        return {n: s if s.device == device else s.to(device) for n, s in self.scales.items()}
+
+    def _row(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
+        """`values` by name as one f32 vector in the order of `names`."""
+        return torch.stack([values[n].detach().reshape(()).to(torch.float32) for n in self.names])
 
     def next_scales(
         self, amaxes: dict[str, torch.Tensor], scales: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         """The rule: fp8_max / amax / 2**margin in f32, where amax is the max of `amaxes` with the
         history before it; the scale in `scales` where that amax is 0 or not finite."""
+        return self._rule(self._row(amaxes), scales)
+
+    def _rule(self, a: torch.Tensor, scales: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         assert self.dtype is not None
-        out = {}
-        for n in self.names:
-            a = amaxes[n].detach().to(torch.float32)
-            past = self._history.get(n, [])[-(self.history - 1) :] if self.history > 1 else []
-            for p in past:
-                a = torch.maximum(a, p.to(a.device))
-            new = torch.tensor(FP8_MAX[self.dtype], dtype=torch.float32, device=a.device) / a
-            new = new / (2.0**self.margin)
-            ok = torch.isfinite(a) & (a > 0)
-            out[n] = torch.where(ok, new, scales[n].to(a.device))
-        return out
+        if self._past is not None and self.steps > 0:
+            a = torch.maximum(a, self._past.to(a.device).amax(0))
+        # (a Python number over a tensor: no tensor is made from the host, which would wait for the GPU)
+        new = (FP8_MAX[self.dtype] / 2.0**self.margin) / a
+        ok = torch.isfinite(a) & (a > 0)
+        out = torch.where(ok, new, self._row(scales).to(a.device))
+        return {n: out[i] for i, n in enumerate(self.names)}
 
     def record(self, amaxes: dict[str, torch.Tensor]) -> None:
         """A backward's amaxes (by scale name): into the history, and the next step's scales set by
         the rule."""
-        nxt = self.next_scales(amaxes, self.scales)
-        for n in self.names:
-            h = self._history.setdefault(n, [])
-            h.append(amaxes[n].detach().to(torch.float32))
-            del h[: -self.history]
-        self.amaxes = {n: amaxes[n].detach() for n in self.names}
+        a = self._row(amaxes)
+        nxt = self._rule(a, self.scales)
+        if self.history > 1:
+            if self._past is None or self._past.device != a.device:
+                self._past = a.new_zeros((self.history - 1, len(self.names)))
+            self._past[self.steps % (self.history - 1)] = a
+        self.amaxes = {n: a[i] for i, n in enumerate(self.names)}
         self.last_scales, self.scales = self.scales, nxt
         self.steps += 1
 
+    def _past_rows(self) -> list[torch.Tensor]:
+        """The recorded past amax rows, oldest first."""
+        if self._past is None:
+            return []
+        ring = self.history - 1
+        n = min(self.steps, ring)
+        return [self._past[(self.steps - n + j) % ring] for j in range(n)]
+
     def state_dict(self) -> dict[str, Any]:
         """The scales and amax history (for a checkpoint): `load_state_dict` restores them."""
+        rows = self._past_rows()
         return {
             "dtype": self.dtype,
             "names": list(self.names),
             "scales": {k: v.clone() for k, v in self.scales.items()},
-            "history": {k: [t.clone() for t in v] for k, v in self._history.items()},
+            "history": {n: [r[i].clone() for r in rows] for i, n in enumerate(self.names)},
             "steps": self.steps,
         }
 
@@ -163,8 +184,19 @@ class DelayedScaling:
         self.dtype = state["dtype"]
         self.names = tuple(state["names"])
         self.scales = {k: v.clone() for k, v in state["scales"].items()}
-        self._history = {k: [t.clone() for t in v] for k, v in state["history"].items()}
         self.steps = state["steps"]
+        self._past = None
+        hist = state["history"]
+        n = len(hist[self.names[0]]) if self.names and hist else 0
+        if self.history > 1 and n:
+            ring = self.history - 1
+            first = hist[self.names[0]][0]
+            self._past = torch.zeros((ring, len(self.names)), dtype=torch.float32, device=first.device)
+            for j in range(min(n, ring)):
+                k = n - min(n, ring) + j
+                self._past[(self.steps - min(n, ring) + j) % ring] = torch.stack(
+                    [hist[name][k].reshape(()).to(torch.float32) for name in self.names]
+                )
 
 
 def _positive(name: str, v: Any) -> None:
