@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from coda_lang.hf import apply_coda, apply_coda_to_llama, apply_coda_to_olmo2, unfused_grads, unpatch  # noqa: E402
-from coda_lang.hf.fp8 import ATTR, HISTORY  # noqa: E402
+from coda_lang.hf.fp8 import HISTORY  # noqa: E402
 
 E4M3_MAX = 448.0
 SHAPES = dict(
@@ -63,10 +63,14 @@ def fake_quant(v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return (v * s + (q - v * s).detach()) / s
 
 
+def bank(model):
+    return model._coda.fp8_bank
+
+
 def ran_at(model) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
     """The scales the last forward ran at: the first block's, and each decoder layer's block's."""
-    first = getattr(model, ATTR).last_scales
-    return first, [getattr(layer, ATTR).last_scales for layer in model.model.layers]
+    last = bank(model).last
+    return last[-1], [last[i] for i in range(len(model.model.layers))]
 
 
 def reference_loss(ref, ids, labels, first, layers) -> torch.Tensor:
@@ -168,22 +172,24 @@ def test_delayed_scales_follow_the_amax_history() -> None:
     """Each step's scales are 448 / the max of the amaxes recorded so far (at most HISTORY of them); the
     first step runs at scales calibrated from its own amaxes (never at 1)."""
     model = apply_coda_to_llama(tiny(), fp8="delayed")
-    st = None
-    history: dict[str, list[float]] = {}
-    for step in range(3):
-        ids, labels = batch(seed=10 + step)
+    history: dict[tuple[int, str], list[float]] = {}
+    steps = HISTORY + 3  # (past the history's length: the ring drops the oldest)
+    for step in range(steps):
+        ids, labels = batch(seed=10 + step, s=8 + step)
         model(input_ids=ids, labels=labels).loss.backward()
-        st = getattr(model.model.layers[1], ATTR)
-        for n, a in st.amaxes.items():
-            history.setdefault(n, []).append(float(a))
-        if step == 0:
-            assert all(float(s) != 1.0 for s in st.last_scales.values())
-        else:
-            for n, s in st.last_scales.items():
-                # (the scale this step ran at: from the amaxes of the steps before it)
-                want = E4M3_MAX / max(history[n][-HISTORY - 1 : -1])
-                assert math.isclose(float(s), want, rel_tol=1e-6), (n, float(s), want)
-    assert st is not None and st.steps == 3
+        b = bank(model)
+        for site, amaxes in b.amaxes.items():
+            for n, a in amaxes.items():
+                history.setdefault((site, n), []).append(float(a))
+        for site, scales in b.last.items():
+            for n, s in scales.items():
+                if step == 0:
+                    assert float(s) != 1.0, (site, n)
+                else:
+                    # (the scale this step ran at: from the amaxes of the HISTORY steps before it)
+                    want = E4M3_MAX / max(history[site, n][-HISTORY - 1 : -1])
+                    assert math.isclose(float(s), want, rel_tol=1e-6), (step, site, n, float(s), want)
+    assert bank(model).steps == steps and len(history) == 6 * 2 + 4 + 2
 
 
 def test_weight_amax_is_the_weights() -> None:
@@ -193,13 +199,13 @@ def test_weight_amax_is_the_weights() -> None:
     model = apply_coda_to_llama(copy.deepcopy(base), fp8="delayed")
     ids, labels = batch()
     model(input_ids=ids, labels=labels).loss.backward()
-    st = getattr(model.model.layers[0], ATTR)
+    st = bank(model).amaxes[0]
     mlp, nxt = base.model.layers[0].mlp, base.model.layers[1].self_attn
     w13 = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).abs().max()
     wqkv = torch.cat([nxt.q_proj.weight, nxt.k_proj.weight, nxt.v_proj.weight]).abs().max()
-    assert float(st.amaxes["w_13"]) == w13.item()
-    assert float(st.amaxes["w_qkv"]) == wqkv.item()
-    assert float(st.amaxes["w_2"]) == mlp.down_proj.weight.abs().max().item()
+    assert float(st["w_13"]) == w13.item()
+    assert float(st["w_qkv"]) == wqkv.item()
+    assert float(st["w_2"]) == mlp.down_proj.weight.abs().max().item()
 
 
 def test_checkpointing_recomputes_at_the_first_runs_scales() -> None:
@@ -220,7 +226,7 @@ def test_checkpointing_recomputes_at_the_first_runs_scales() -> None:
     g1, g2 = unfused_grads(plain), unfused_grads(ckpt)
     for k in g1:
         assert torch.equal(g1[k], g2[k]), k
-    assert getattr(ckpt.model.layers[0], ATTR).steps == 2
+    assert bank(ckpt).steps == 2
 
 
 def test_bf16_fp8_model_trains() -> None:
@@ -264,12 +270,17 @@ def test_lora_on_an_fp8_model_is_refused_not_skipped() -> None:
 
 
 def test_unpatch_forgets_the_scales() -> None:
-    model = apply_coda_to_llama(tiny(), fp8="delayed")
+    """Unpatching drops the scales with the patch; patching again calibrates again."""
+    base = tiny()
     ids, labels = batch()
-    model(input_ids=ids, labels=labels).loss.backward()
-    assert ATTR in model.model.layers[0].__dict__
+    model = apply_coda_to_llama(copy.deepcopy(base), fp8="delayed")
+    first = model(input_ids=ids, labels=labels).loss.item()
+    model(input_ids=ids, labels=labels)
     unpatch(model)
-    assert ATTR not in model.__dict__ and all(ATTR not in layer.__dict__ for layer in model.model.layers)
+    assert getattr(model, "_coda", None) is None
+    apply_coda_to_llama(model, fp8="delayed")
+    assert bank(model).steps == 0
+    assert model(input_ids=ids, labels=labels).loss.item() == first
 
 
 def _bf16_against_reference(device: str) -> tuple[float, float, dict[str, tuple[float, float]]]:

@@ -190,3 +190,41 @@ def test_interleave_on_the_gpu() -> None:
     want = (src[:1000] * g).index_add_(0, ids[0], rows.float())
     got = layouts.tied_grad(src[:1000], g.reshape(1), ids, rows, torch.float32)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _every_fp8_code(dtype: torch.dtype) -> torch.Tensor:
+    """Every byte as an fp8 value of `dtype` (NaNs, infinities, subnormals, +-0 among them), each of the
+    256 codes in a column of 37 rows."""
+    return torch.arange(256, dtype=torch.uint8).repeat(37).view(dtype).reshape(37, 256)
+
+
+@pytest.mark.parametrize("src", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_widen_on_the_interpreter(src: torch.dtype, dtype: torch.dtype) -> None:
+    """fp8 widened to bf16, f16 or f32 is torch's cast of every finite code (exact). (Triton's CPU
+    interpreter reads e4m3's NaN codes as +-480 and e5m2's inf and NaN codes as finite numbers past
+    57344, which the GPU's conversion does not: every code is checked there, below.)"""
+    from coda_lang.backend_triton import layouts
+
+    x = _every_fp8_code(src)
+    x = x[:, x[0].float().isfinite()]
+    got, want = layouts.widen(x, dtype, interpret=True), x.to(dtype)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert torch.equal(got.float().signbit(), want.float().signbit())
+
+
+@pytest.mark.gpu
+def test_widen_on_the_gpu() -> None:
+    """The same on the GPU, at a size of many programs, and through the runtime's `dense` (the fp8
+    operand a backward multiplies in bf16)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from coda_lang.backend_cute.runtime.launch import dense
+
+    for src in (torch.float8_e4m3fn, torch.float8_e5m2):
+        x = _every_fp8_code(src).repeat(300, 3).cuda()
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            got, want = dense(x, dtype), x.to(dtype)
+            assert got.is_contiguous() and got.dtype == dtype
+            assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())

@@ -186,7 +186,7 @@ class Step:
     arguments: FSDP2 casts a module's floating-point tensor arguments to its MixedPrecisionPolicy's
     param_dtype, and positions in bf16 would lose their low bits."""
 
-    __slots__ = ("blocks", "mask", "b", "s", "pos", "freq", "kwargs", "given", "made", "scales")
+    __slots__ = ("blocks", "mask", "b", "s", "pos", "freq", "kwargs", "given", "made", "scales", "amaxes")
 
     def __init__(
         self,
@@ -207,6 +207,7 @@ class Step:
         # fp8 models: the delayed scales each call site ran at in this step (by layer index, -1 the
         # first block), which activation checkpointing's second run of a layer reuses (fp8.py)
         self.scales: dict[int, dict[str, torch.Tensor]] = {}
+        self.amaxes: dict[int, dict[str, torch.Tensor]] = {}  # (their amaxes, recorded at the end)
 
 
 def same(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
@@ -271,7 +272,10 @@ def run_step(
     if st.fp8 is None:
         return run_lora(owner, step.blocks, name, inputs, loras)
     fn = {"first_qkv": step.blocks.first, "layer": step.blocks.layer, "last": step.blocks.last}[name]
-    return fp8.run_scaled(owner, step, index, lambda ins: run_block(owner, fn, ins), fn, inputs, loras)
+    assert st.fp8_bank is not None
+    return fp8.run_scaled(
+        st.fp8_bank, owner, step, index, lambda ins: run_block(owner, fn, ins), fn, inputs, loras
+    )
 
 
 def named(owner: Any, block: str, inputs: dict[str, Any], e: CodaError) -> CodaError:
@@ -459,6 +463,7 @@ def hidden(
             )
         if states is not None and i < last:
             states.append(x.view(b, s, -1))
+    fp8.record(st.fp8_bank, step)  # (an fp8 model: every call site's next scales, at once)
     return x, qkv, b, s  # the last layer's (x2g, r2)
 
 

@@ -1,23 +1,25 @@
 """fp8 training of a patched model (`apply_coda(model, fp8="delayed")`): the delayed per-tensor scales
 of each block's e4m3 inputs and weights, kept across steps.
 
-What it does: `run_scaled(owner, step, index, name, inputs, loras)` runs block `name` (blocks.py's fp8
-variant: its gate/up, down and QKV GEMMs in e4m3) with this step's scales and records the amaxes it
-returns. Each call site (the model's first block; each decoder layer's block) keeps one
-`DelayedScaling` (`owner._coda_fp8`), whose rule sets each scale from the amaxes of the last `HISTORY`
-steps: scale = 448 / max(amaxes) (backend_cute/runtime/grad_scales.py; a scale stays as it was where
-the amax is 0 or not finite). The first call calibrates: it runs the block once without autograd at
-scales 1 and sets the scales from that run's amaxes (current scaling for the first step), so that no
-step runs at a default scale. A forward run again by activation checkpointing (the same decoder
-layer in the same `Step`) runs at the scales its first run used and records nothing, so the
-recomputed tensors are the ones the first run saved.
+What it does: `run_scaled(bank, owner, step, index, run, fn, inputs, loras)` runs block `fn` (blocks.py's
+fp8 variant: its gate/up, down and QKV GEMMs in e4m3) with this step's scales of its call site (`index`:
+-1 the model's first block, i the block of decoder layer i) and keeps the amaxes it returns in the
+`Step`; `record(bank, step)`, at the end of the forward, sets every call site's next scales at once. The
+`Bank` (one per patched model, `ModelState.fp8_bank`) holds all call sites' scales in one vector and
+their past amaxes in one ring tensor, so that a step's scale updates are a few kernels, not a few per
+layer (the fp8 forward is short enough that the host's launches would show). The rule, per scale:
+scale = 448 / max(the amaxes of the last `HISTORY` steps), kept as it was where that max is 0 or not
+finite (the rule of backend_cute/runtime/grad_scales.py's DelayedScaling). A call site's first call
+calibrates: it runs the block once without autograd at scales 1 and sets its scales from that run's
+amaxes (current scaling for the first step), so that no step runs at a default scale. A forward run
+again by activation checkpointing (the same decoder layer in the same `Step`) runs at the scales its
+first run used and records nothing, so the recomputed tensors are the ones the first run saved.
 What it does not: quantize anything itself (the blocks do), save the scales in the model's
-state_dict (a model loaded from a checkpoint calibrates again at its first step), or reduce amaxes
-across data-parallel ranks (each rank keeps its own scales: its activations' amaxes; the weights',
-the same on every rank, agree).
-Invariants: scales and amaxes are 0-d f32 tensors on the device of the block's inputs (no host
-synchronization per step); peft LoRA adapters on an fp8 block are refused (ValueError), never
-skipped.
+state_dict (a model loaded from a checkpoint, or a copy of one, calibrates again at its first step),
+or reduce amaxes across data-parallel ranks (each rank keeps its own scales: its activations'
+amaxes; the weights', the same on every rank, agree).
+Invariants: scales and amaxes are f32 tensors on the device of the blocks' inputs, and nothing here
+waits for the GPU; peft LoRA adapters on an fp8 block are refused (ValueError), never skipped.
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ from typing import Any
 
 import torch
 
-from coda_lang.backend_cute.runtime.grad_scales import DelayedScaling
 from coda_lang.hf.checks import refuse
+from coda_lang.ir.types import FP8_MAX
 
 # amaxes a scale is computed from (torchao's delayed scaling kept 16 by default)
 HISTORY = 16
-ATTR = "_coda_fp8"
+E4M3_MAX = FP8_MAX["e4m3"]
 
 
 def scale_names(block: Any) -> list[str]:
@@ -39,23 +41,82 @@ def scale_names(block: Any) -> list[str]:
     return [p.var.name[2:] for p in block.ir.params if p.var.name.startswith("s_")]
 
 
-def state_of(owner: Any, names: list[str]) -> DelayedScaling:
-    """The delayed scales of the block `owner` runs (made at its first call)."""
-    st = owner.__dict__.get(ATTR)
-    if st is None:
-        st = DelayedScaling(1.0, history=HISTORY)
-        st.bind(names, "e4m3")
-        owner.__dict__[ATTR] = st
-    return st
+class Bank:
+    """The delayed scales of every call site of one patched model: `scales` one f32 vector (each call
+    site a slice of it, `sites[index] = (start, names)`), `past` the last HISTORY - 1 steps' amaxes (a
+    ring of rows, 0 where none was recorded yet: an amax is >= 0, so a 0 changes no max), `steps` the
+    forwards recorded."""
+
+    def __init__(self) -> None:
+        self.sites: dict[int, tuple[int, tuple[str, ...]]] = {}
+        self.scales: torch.Tensor | None = None
+        self.past: torch.Tensor | None = None
+        self.steps = 0
+        # the last recorded forward's: the scales each call site ran at, and its amaxes (by name)
+        self.last: dict[int, dict[str, torch.Tensor]] = {}
+        self.amaxes: dict[int, dict[str, torch.Tensor]] = {}
+
+    def site(self, index: int, names: list[str], device: torch.device) -> tuple[int, tuple[str, ...]]:
+        """The slice of call site `index` (its scales made at 1 when it is new: calibrated by the caller)."""
+        got = self.sites.get(index)
+        if got is not None:
+            if got[1] != tuple(names):
+                raise ValueError(f"call site {index}: scales {', '.join(got[1])}, not {', '.join(names)}")
+            return got
+        start = 0 if self.scales is None else self.scales.numel()
+        got = self.sites[index] = (start, tuple(names))
+        ones = torch.ones(len(names), dtype=torch.float32, device=device)
+        self.scales = ones if self.scales is None else torch.cat([self.scales.to(device), ones])
+        if self.past is not None:
+            pad = self.past.new_zeros((self.past.shape[0], len(names)))
+            self.past = torch.cat([self.past.to(device), pad], 1)
+        return got
+
+    def of(self, index: int) -> dict[str, torch.Tensor]:
+        """Call site `index`'s current scales, by name (0-d views)."""
+        assert self.scales is not None
+        start, names = self.sites[index]
+        return {n: self.scales[start + i] for i, n in enumerate(names)}
+
+    def rule(self, amax: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+        """448 / max(amax, the past amaxes) per scale, `current` where that is 0 or not finite."""
+        a = amax if self.past is None else torch.maximum(amax, self.past.amax(0))
+        # (a Python number over a tensor: nothing made from the host, which would wait for the GPU)
+        return torch.where(torch.isfinite(a) & (a > 0), E4M3_MAX / a, current)
+
+    def record(self, amaxes: dict[int, dict[str, torch.Tensor]]) -> None:
+        """One step's amaxes (by call site and name; every call site that ran): into the history, and
+        every scale set by the rule."""
+        assert self.scales is not None
+        parts: list[torch.Tensor] = []
+        for index, (_start, names) in sorted(self.sites.items(), key=lambda kv: kv[1][0]):
+            got = amaxes.get(index)
+            if got is None:  # (a call site that did not run this step: its amax is no evidence)
+                parts.extend(self.scales.new_zeros(()) for _ in names)
+            else:
+                parts.extend(got[n].detach().reshape(()).to(torch.float32) for n in names)
+        a = torch.stack(parts)
+        self.scales = self.rule(a, self.scales)
+        if HISTORY > 1:
+            if self.past is None:
+                self.past = a.new_zeros((HISTORY - 1, a.numel()))
+            self.past[self.steps % (HISTORY - 1)] = a
+        self.steps += 1
 
 
 def run_scaled(
-    owner: Any, step: Any, index: int, run: Any, fn: Any, inputs: dict[str, Any], loras: dict[str, Any]
+    bank: Bank,
+    owner: Any,
+    step: Any,
+    index: int,
+    run: Any,
+    fn: Any,
+    inputs: dict[str, Any],
+    loras: dict[str, Any],
 ) -> dict[str, torch.Tensor]:
-    """`run(inputs)` (the block function `fn`, run by `owner`) with the delayed scales of its fp8
-    values added to `inputs` and its amaxes recorded; `index`: the decoder layer's index in `step`
-    (-1: the first block), whose second run in one step (activation checkpointing's) reuses the first
-    run's scales and records nothing."""
+    """`run(inputs)` (the block function `fn`, run by `owner`) with the delayed scales of call site
+    `index` added to `inputs`; its amaxes kept in `step.amaxes` for `record`. A call site's second run
+    in one step (activation checkpointing's) reuses the first run's scales and keeps nothing."""
     active = sorted(k for k, v in loras.items() if v is not None)
     if active:
         raise refuse(
@@ -63,25 +124,33 @@ def run_scaled(
             'fp8="delayed" blocks multiply e4m3 copies of the base weights and have no adapter path yet',
             "patch without fp8= to train LoRA adapters",
         )
-    names = scale_names(fn.block)
-    st = state_of(owner, names)
-    device = next(v.device for v in inputs.values() if isinstance(v, torch.Tensor))
     ran = step.scales.get(index)
     if ran is not None:  # (activation checkpointing runs the layer again in the backward)
         return run({**inputs, **{f"s_{n}": s for n, s in ran.items()}})
-    if st.steps == 0 and not st.scales:
-        # calibration: the first step's scales from its own amaxes, measured at scales 1
-        ones = st.scales_for(device)
+    names = scale_names(fn.block)
+    device = next(v.device for v in inputs.values() if isinstance(v, torch.Tensor))
+    new = index not in bank.sites
+    start, _ = bank.site(index, names, device)
+    if new:  # calibration: the first step's scales from its own amaxes, measured at scales 1
+        assert bank.scales is not None
         with torch.no_grad():
-            out = run({**inputs, **{f"s_{n}": s for n, s in ones.items()}})
-        st.scales = st.next_scales({n: out[f"am_{n}"] for n in names}, ones)
-    scales = st.scales_for(device)
+            out = run({**inputs, **{f"s_{n}": s for n, s in bank.of(index).items()}})
+        amax = torch.stack([out[f"am_{n}"].reshape(()).to(torch.float32) for n in names])
+        cur = bank.scales[start : start + len(names)]
+        bank.scales = bank.scales.clone()
+        bank.scales[start : start + len(names)] = torch.where(
+            torch.isfinite(amax) & (amax > 0), E4M3_MAX / amax, cur
+        )
+    scales = bank.of(index)
     out = run({**inputs, **{f"s_{n}": s for n, s in scales.items()}})
-    st.record({n: out[f"am_{n}"] for n in names})
     step.scales[index] = scales
+    step.amaxes[index] = {n: out[f"am_{n}"] for n in names}
     return out
 
 
-def forget(module: Any) -> None:
-    """Drop the delayed scales a module keeps (unpatching)."""
-    module.__dict__.pop(ATTR, None)
+def record(bank: Bank | None, step: Any) -> None:
+    """The forward's amaxes into the bank (one update for every call site); nothing for a bf16 model."""
+    if bank is not None and step.amaxes:
+        bank.record(step.amaxes)
+        bank.last, bank.amaxes = dict(step.scales), step.amaxes
+        step.amaxes = {}

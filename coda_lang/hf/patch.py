@@ -24,7 +24,6 @@ import functools
 import sys
 from typing import Any
 
-from coda_lang.hf import fp8 as fp8_state
 from coda_lang.hf.blocks import FP8_RECIPES
 from coda_lang.hf.checkpoint import fuse_and_move, moved_parts, unfuse_and_restore
 from coda_lang.hf.checks import check_model, peft_inner, refuse
@@ -145,8 +144,7 @@ def unpatch(model: Any) -> Any:
     for layer, _, _ in parts:
         for a in LAYER_ATTRS:
             layer.__dict__.pop(a, None)
-        fp8_state.forget(layer)
-    fp8_state.forget(model)
+
     del model.forward, base.forward
     base.__dict__.pop("_coda_owner", None)
     del model._coda

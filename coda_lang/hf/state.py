@@ -29,6 +29,7 @@ from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.hf.blocks import model_source
 from coda_lang.hf.checkpoint import Layout
 from coda_lang.hf.family import Family, multipliers, softcap
+from coda_lang.hf.fp8 import Bank
 from coda_lang.hf.loss import LOSS_CHUNK_BYTES, LossSettings
 from coda_lang.hf.masks import layer_kinds
 from coda_lang.hf.split import split
@@ -176,6 +177,7 @@ class ModelState:
         self.qk_norm = family.qk_norm
         self.H, self.KV, self.HD, self.D, self.eps, dtype, self.multipliers, self.softcap, kinds, fp8 = facts
         self.fp8: str | None = fp8  # the fp8 recipe of the blocks (blocks.FP8_RECIPES), or None: bf16
+        self.fp8_bank: Bank | None = Bank() if fp8 else None  # its delayed scales (fp8.py)
         self.kinds: tuple[str, ...] = kinds  # each decoder layer's kind of attention (masks.py)
         self.dtype = dtype  # the dtype at patching; the blocks of another are made when it runs
         self.loss = loss

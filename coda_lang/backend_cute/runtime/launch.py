@@ -85,8 +85,17 @@ def dense(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t in `dtype`, contiguous: t itself when it is both (what `.to(dtype).contiguous()` returns
     then too, skipping the two dispatches: a block call binds a few dozen tensors, each a few us)."""
     if t.dtype != dtype:
+        if t.dtype in FP8_TORCH and t.device.type == "cuda" and dtype in WIDER:
+            # lazy: Triton, which only a GPU run needs (an fp8 operand multiplied in bf16: exact)
+            from coda_lang.backend_triton.layouts import widen
+
+            return widen(t, dtype)
         t = t.to(dtype)
     return t if t.is_contiguous() else t.contiguous()
+
+
+FP8_TORCH = (torch.float8_e4m3fn, torch.float8_e5m2)
+WIDER = (torch.bfloat16, torch.float16, torch.float32)  # what an fp8 value widens to exactly
 
 
 def _aligned(t: Any) -> Any:
