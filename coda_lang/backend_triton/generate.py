@@ -80,6 +80,47 @@ _HELPERS = {
     ),
 }
 
+# the fp8 dtypes a tile may be stored as: torch dtype -> (helper, Triton dtype, largest finite value,
+# smallest normal exponent, mantissa bits, the NaN code the interpreter's store writes (sign apart))
+_FP8 = {
+    torch.float8_e4m3fn: ("_e4m3", "tl.float8e4nv", 448.0, -6, 3, 0x7F),
+    torch.float8_e5m2: ("_e5m2", "tl.float8e5", 57344.0, -14, 2, 0x7E),
+}
+
+
+def _fp8_helper(tl_dtype: str, fmax: float, emin: int, mant: int, nan: int) -> tuple[str, str]:
+    """The bodies (GPU, CPU interpreter) of a helper storing an f32 value as fp8 as the interpreter does
+    (core/numerics.round_fp8): saturated to +-max (infinities too), NaN kept, rounded to nearest even.
+    On the GPU: the clamp, then Triton's f32 -> fp8 conversion, which on sm_90 is one
+    `cvt.rn.satfinite.e4m3x2.f32` (`e5m2x2`) per pair of values. Triton's CPU interpreter converts by
+    truncating the mantissa and adding the first dropped bit (ties away from zero, a carry out of the
+    mantissa lost) and reads NaN as an e4m3 of 384, so there the value is rounded to the fp8 grid in f32
+    first (adding and subtracting 2^23 units of its fp8 exponent's last place, f32 adds rounding to
+    nearest even; a subnormal's unit is the smallest normal exponent's), converted exactly, and a NaN
+    given the dtype's NaN code (keeping its sign bit, as ml_dtypes' cast)."""
+    gpu = (
+        "x = x.to(tl.float32)\n"
+        f"    y = tl.where(x != x, x, tl.minimum(tl.maximum(x, {-fmax!r}), {fmax!r}))\n"
+        f'    return y.to({tl_dtype}, fp_downcast_rounding="rtne")'
+    )
+    cpu = (
+        "x = x.to(tl.float32)\n"
+        "    b = x.to(tl.uint32, bitcast=True)\n"
+        f"    a = tl.minimum(tl.abs(x), {fmax!r})\n"
+        f"    e = tl.maximum((a.to(tl.uint32, bitcast=True) >> 23).to(tl.int32), {127 + emin})\n"
+        f"    u = ((e + {23 - mant}) << 23).to(tl.float32, bitcast=True)\n"
+        "    r = (a + u) - u\n"
+        "    y = (r.to(tl.uint32, bitcast=True) | (b & 0x80000000)).to(tl.float32, bitcast=True)\n"
+        f"    q = y.to({tl_dtype}).to(tl.uint8, bitcast=True)\n"
+        f"    q = tl.where(x != x, (q & 0x80) | {nan:#x}, q).to(tl.uint8)\n"
+        f"    return q.to({tl_dtype}, bitcast=True)"
+    )
+    return gpu, cpu
+
+
+for _name, _tl, _max, _emin, _mant, _nan in _FP8.values():
+    _HELPERS[_name] = _fp8_helper(_tl, _max, _emin, _mant, _nan)
+
 
 def _helpers(interpret: bool) -> str:
     head = "" if interpret else "from triton.language.extra import libdevice\n"
@@ -117,6 +158,7 @@ _TL_DTYPES = {
     torch.float16: "tl.float16",
     torch.float32: "tl.float32",
     torch.int32: "tl.int32",
+    **{dtype: spec[1] for dtype, spec in _FP8.items()},
 }
 
 
@@ -620,6 +662,8 @@ def _to(x: str, dtype: torch.dtype) -> str:
         return f"_bf16({x}).to(tl.bfloat16)"
     if dtype == torch.float16:
         return f'{x}.to(tl.float16, fp_downcast_rounding="rtne")'
+    if dtype in _FP8:  # (saturated, rounded to nearest even, returned in the fp8 dtype)
+        return f"{_FP8[dtype][0]}({x})"
     return f"{x}.to({_TL_DTYPES[dtype]})"
 
 
