@@ -18,7 +18,16 @@ the interpreter elsewhere):
   vector and a literal;
 - the loss head's dlogits stored over the logits it loads, in the kernel's wide chunks;
 - which path `ElementwiseStage.function()` takes off the emulator (`CODA_ELEMENTWISE`);
-- on a GPU (marked `gpu`): the compiled kernels against the torch function on the same device.
+- fp8 stores (a weight quantized by its scale, with its amax; an e5m2 variant; one stage storing an
+  e4m3 and an e5m2 tile): the generated kernel in the emulated runtime against the interpreter's block
+  (core/numerics.round_fp8) bit for bit, NaN included, on every finite code of each dtype, the
+  midpoints between neighbours and the f32 values next to them, values past the largest one,
+  infinities, subnormals and signed zeros, at several scales; the ties' rounding to the even code and
+  the saturation checked without the interpreter; the GPU source's native conversion; fp8 loads and
+  in-stage fp8 casts still refused;
+- on a GPU (marked `gpu`): the compiled kernels against the torch function on the same device; the fp8
+  stores against the interpreter bit for bit (NaN included), at [16384, 2048] too, and the quantizing
+  block through the CUDA runtime.
 """
 
 from __future__ import annotations

@@ -20,16 +20,26 @@ modulo its length. Neither is timed on a GPU yet (Inductor's kernel for Qwen3-1.
 took 0.38 ms per layer on an H100).
 `unsupported(stage)` says why a stage can't be generated (an op without a Triton emitter, a group a
 chunk can't hold whole, a reduction of a grouped value, a repeating vector that is not a loaded column
-vector, ...); such a stage keeps torch.compile. Each op's Triton
+vector, an fp8 tile loaded or a cast to fp8 inside the stage, ...); such a stage keeps torch.compile.
+A stored tile of an fp8 dtype (e4m3, e5m2: a weight quantized by its scale, `wq: e4m3 = w * s`) is
+generated: clamped to +-max (NaN kept), then Triton's f32 -> fp8 conversion, on sm_90 one
+`cvt.rn.satfinite.e4m3x2.f32` (`e5m2x2`) per pair of values, nearest even: the interpreter's
+saturating store (core/numerics.round_fp8) bit for bit (the tests' `gpu` runs check it). Under
+Triton's CPU interpreter (whose own conversion rounds ties away from zero and reads NaN as a finite
+e4m3) the value is rounded to the fp8 grid in f32 first and a NaN given its code (`_fp8_helper`).
+Each op's Triton
 expression comes from the op registry (`Lowerings.triton`); the helpers it may call (`_exp`, `_sin`, ...)
 are libdevice's accurate functions on the GPU and `tl`'s under Triton's CPU interpreter (`interpret=True`,
 the tests' way to run the generated kernel without a GPU).
 What it does not: fold a reduction's result back into the same stage (a reduction inside a stage is a
 partial, used only after it, as the language says; a grouped one is complete in its chunk), or launch when the stage is empty (no rows or no
-columns) or its tensors are not on a CUDA device (the eager torch function runs then).
+columns) or its tensors are not on a CUDA device (the eager torch function runs then); take a stage
+that loads an fp8 tile or casts to fp8 inside it (`unsupported` says so: torch.compile runs it).
 Invariants: numerics follow the interpreter: loads widened to f32, math in f32, rounding only where a
-tile is stored (or at `cast`), division and square root IEEE-rounded; the source depends only on the
-stage and on which scalar operands are tensors, and is built once per such signature.
+tile is stored (or at `cast`; to nearest even, fp8 saturating first), division and square root
+IEEE-rounded; a stored tile comes back in its torch dtype (torch.float8_e4m3fn, torch.float8_e5m2);
+the source depends only on the stage and on which scalar operands are tensors, and is built once per
+such signature.
 """
 
 from __future__ import annotations
@@ -221,10 +231,10 @@ def unsupported(st: Any) -> str | None:
             return f"`{name}` stored as {dtype}"
     for ld in st.loads:
         if is_fp8(ld.dtype):
-            return f"`{ld.name}` is {ld.dtype} (fp8 is not generated yet)"
+            return f"`{ld.name}` is {ld.dtype} (an fp8 load is not generated yet)"
     for e in st.stage.body:
         if REGISTRY[e.op].rounds and is_fp8(e.param("dtype")):
-            return f"a cast to {e.param('dtype')} (fp8 is not generated yet)"
+            return f"a cast to {e.param('dtype')} (a cast to fp8 inside a stage is not generated yet)"
     return None
 
 
