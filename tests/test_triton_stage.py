@@ -577,8 +577,8 @@ def _finite_codes(ml: Any) -> set[int]:
 @pytest.mark.parametrize("s", FP8_SCALES)
 @pytest.mark.parametrize("kind", list(FP8_STAGES))
 def test_fp8_stores_match_the_interpreter(kind: str, s: float) -> None:
-    """The generated kernel (Triton's CPU interpreter: its store rounds to the fp8 grid in f32 first,
-    then converts exactly, a NaN given the dtype's NaN code) in the emulated runtime against the
+    """The generated kernel (Triton's CPU interpreter: its store rounds to the fp8 grid in f32 and
+    assembles the code from the bits, NaN's too) in the emulated runtime against the
     interpreter's block, bit for bit, NaN included: every finite code of each stored dtype reached
     (powers-of-two scales), midpoints, saturation, subnormals, signed zeros, infinities. The
     motivating stage over 1030 columns (a wide chunk of 1024 and a ragged one), the others 320."""

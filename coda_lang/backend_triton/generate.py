@@ -26,7 +26,8 @@ generated: clamped to +-max (NaN kept), then Triton's f32 -> fp8 conversion, on 
 `cvt.rn.satfinite.e4m3x2.f32` (`e5m2x2`) per pair of values, nearest even: the interpreter's
 saturating store (core/numerics.round_fp8) bit for bit (the tests' `gpu` runs check it). Under
 Triton's CPU interpreter (whose own conversion rounds ties away from zero and reads NaN as a finite
-e4m3) the value is rounded to the fp8 grid in f32 first and a NaN given its code (`_fp8_helper`).
+e4m3) the helper rounds the value to the fp8 grid in f32 and assembles its code from the bits
+(`_fp8_helper`).
 Each op's Triton
 expression comes from the op registry (`Lowerings.triton`); the helpers it may call (`_exp`, `_sin`, ...)
 are libdevice's accurate functions on the GPU and `tl`'s under Triton's CPU interpreter (`interpret=True`,
@@ -104,26 +105,30 @@ def _fp8_helper(tl_dtype: str, fmax: float, emin: int, mant: int, nan: int) -> t
     On the GPU: the clamp, then Triton's f32 -> fp8 conversion, which on sm_90 is one
     `cvt.rn.satfinite.e4m3x2.f32` (`e5m2x2`) per pair of values. Triton's CPU interpreter converts by
     truncating the mantissa and adding the first dropped bit (ties away from zero, a carry out of the
-    mantissa lost) and reads NaN as an e4m3 of 384, so there the value is rounded to the fp8 grid in f32
-    first (adding and subtracting 2^23 units of its fp8 exponent's last place, f32 adds rounding to
-    nearest even; a subnormal's unit is the smallest normal exponent's), converted exactly, and a NaN
-    given the dtype's NaN code (keeping its sign bit, as ml_dtypes' cast)."""
+    mantissa lost) and reads NaN as an e4m3 of 384, so there the helper does without its conversion:
+    the magnitude, saturated, is rounded to the fp8 grid in f32 (adding and subtracting 2^23 units of
+    the last place of its fp8 exponent, a subnormal's the smallest normal exponent's: NumPy's f32 adds
+    round to nearest even), its code assembled from the f32 bits (a normal value: exponent rebiased,
+    mantissa's top bits; a subnormal: its count of units), the sign bit put back (-0 too), a NaN given
+    the dtype's NaN code (with its sign bit, as ml_dtypes' cast), and the byte bitcast to fp8."""
     gpu = (
         "x = x.to(tl.float32)\n"
         f"    y = tl.where(x != x, x, tl.minimum(tl.maximum(x, {-fmax!r}), {fmax!r}))\n"
         f'    return y.to({tl_dtype}, fp_downcast_rounding="rtne")'
     )
+    tiny = 2.0**emin  # the smallest normal value
     cpu = (
         "x = x.to(tl.float32)\n"
-        "    b = x.to(tl.uint32, bitcast=True)\n"
         f"    a = tl.minimum(tl.abs(x), {fmax!r})\n"
-        f"    e = tl.maximum((a.to(tl.uint32, bitcast=True) >> 23).to(tl.int32), {127 + emin})\n"
+        f"    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23), {127 + emin})\n"
         f"    u = ((e + {23 - mant}) << 23).to(tl.float32, bitcast=True)\n"
         "    r = (a + u) - u\n"
-        "    y = (r.to(tl.uint32, bitcast=True) | (b & 0x80000000)).to(tl.float32, bitcast=True)\n"
-        f"    q = y.to({tl_dtype}).to(tl.uint8, bitcast=True)\n"
-        f"    q = tl.where(x != x, (q & 0x80) | {nan:#x}, q).to(tl.uint8)\n"
-        f"    return q.to({tl_dtype}, bitcast=True)"
+        "    rb = r.to(tl.int32, bitcast=True)\n"
+        f"    normal = (rb >> {23 - mant}) - {(126 + emin) << mant}\n"
+        f"    sub = (tl.minimum(r, {tiny!r}) * {2.0 ** (mant - emin)!r}).to(tl.int32)\n"
+        f"    code = tl.where(rb >= {(127 + emin) << 23}, normal, sub)\n"
+        f"    code = tl.where(x != x, {nan:#x}, code) | ((x.to(tl.int32, bitcast=True) >> 24) & 0x80)\n"
+        f"    return code.to(tl.uint8).to({tl_dtype}, bitcast=True)"
     )
     return gpu, cpu
 
