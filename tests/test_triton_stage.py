@@ -18,16 +18,27 @@ the interpreter elsewhere):
   vector and a literal;
 - the loss head's dlogits stored over the logits it loads, in the kernel's wide chunks;
 - which path `ElementwiseStage.function()` takes off the emulator (`CODA_ELEMENTWISE`);
-- on a GPU (marked `gpu`): the compiled kernels against the torch function on the same device.
+- fp8 stores (a weight quantized by its scale, with its amax; an e5m2 variant; one stage storing an
+  e4m3 and an e5m2 tile): the generated kernel in the emulated runtime against the interpreter's block
+  (core/numerics.round_fp8) bit for bit, NaN included, on every finite code of each dtype, the
+  midpoints between neighbours and the f32 values next to them, values past the largest one,
+  infinities, subnormals and signed zeros, at several scales; the ties' rounding to the even code and
+  the saturation checked without the interpreter; the GPU source's native conversion; fp8 loads and
+  in-stage fp8 casts still refused;
+- on a GPU (marked `gpu`): the compiled kernels against the torch function on the same device; the fp8
+  stores against the interpreter bit for bit (NaN included), at [16384, 2048] too, and the quantizing
+  block through the CUDA runtime.
 """
 
 from __future__ import annotations
 
 import glob
+import math
 import zlib
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -437,3 +448,275 @@ def test_the_loss_heads_dlogits_are_stored_over_its_logits() -> None:
     k = [n for n, *_ in st.store_meta].index("dacc1")
     assert got[k].data_ptr() == buf.data_ptr()
     assert_same(got, want, "dlogits over logits")
+
+
+# -- fp8 stores: the generated kernel's store against the interpreter's (core/numerics.round_fp8), bit
+# for bit. The motivating stage quantizes a weight with its delayed scale and takes its amax.
+FP8_STAGES = {
+    "e4m3": """dims R, C
+block q(w: bf16[R, C], s: f32) -> (wq: e4m3[R, C], am: f32) {
+  elementwise [R, C] {
+    wq: e4m3 = w * s
+    amp = max(abs(w), over=C)
+  }
+  am = detach(max(amp, over=R))
+}
+""",
+    "e5m2": """dims R, C
+block q(w: f32[R, C], s: f32) -> (wq: e5m2[R, C], am: f32) {
+  elementwise [R, C] {
+    wq: e5m2 = w * s
+    amp = max(abs(w), over=C)
+  }
+  am = detach(max(amp, over=R))
+}
+""",
+    "both": """dims R, C
+block q(w: f32[R, C], s: f32, t: f32) -> (a: e4m3[R, C], b: e5m2[R, C], am: f32) {
+  elementwise [R, C] {
+    a: e4m3 = w * s
+    b: e5m2 = w * t
+    amp = max(abs(w), over=C)
+  }
+  am = detach(max(amp, over=R))
+}
+""",
+}
+FP8_ML = {torch.float8_e4m3fn: ml_dtypes.float8_e4m3fn, torch.float8_e5m2: ml_dtypes.float8_e5m2}
+# the scales: powers of two (w = probe / s: the products are the probe values exactly), and others
+# (the products near them, rounded in f32)
+FP8_SCALES = (1.0, 2.0**-4, 2.0**6, 3.7, 0.01)
+
+
+def _fp8_grid(ml: Any) -> np.ndarray:
+    """The fp8 dtype's finite values >= 0, ascending (float64)."""
+    v = np.arange(256, dtype=np.uint8).view(ml).astype(np.float64)
+    return np.unique(v[np.isfinite(v) & (v >= 0)])
+
+
+def _fp8_probe() -> np.ndarray:
+    """f32 values that reach every finite code of both fp8 dtypes, the midpoints between neighbours
+    (ties: to even), the f32 values next to each, the overflow boundary and beyond the largest value,
+    subnormals and what rounds to 0 (half the smallest subnormal: a tie), f32's own extremes, random
+    magnitudes from 1e-8 to 1e6, infinities, NaN and zero; both signs."""
+    pts: list[Any] = []
+    for ml in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2):
+        v = _fp8_grid(ml)
+        mx = float(ml_dtypes.finfo(ml).max)
+        top = v[-1] + (v[-1] - v[-2]) / 2  # where a cast that does not saturate overflows
+        pts += [v, (v[1:] + v[:-1]) / 2, [top, mx * 1.01, mx * 2, v[1] / 2, v[1] / 3, v[1] * 0.75]]
+    f32 = np.finfo(np.float32)
+    pts.append([1e30, float(f32.max), float(f32.smallest_subnormal), float(f32.smallest_normal)])
+    p = np.concatenate([np.asarray(x, np.float64) for x in pts]).astype(np.float32)
+    with np.errstate(over="ignore"):  # (next to f32's largest value: inf)
+        up, down = np.nextafter(p, np.float32(np.inf)), np.nextafter(p, np.float32(-np.inf))
+    rng = np.random.default_rng(8)
+    rand = (rng.standard_normal(1000) * 10.0 ** rng.uniform(-8, 6, 1000)).astype(np.float32)
+    x = np.concatenate([p, up, down, rand, np.array([np.inf, np.nan, 0.0], np.float32)])
+    return np.concatenate([x, -x])
+
+
+def _fp8_inputs(kind: str, s: float, rows: int, cols: int, device: str = "cpu") -> dict[str, Any]:
+    """The stage's inputs: w = probe / s laid out over [rows, cols] (the rest of it random), in w's
+    dtype; the scales as a number (s) and as a tensor (t)."""
+    probe = _fp8_probe()
+    n = rows * cols
+    gen = torch.Generator().manual_seed(11)
+    fill = torch.randn(n, generator=gen) * 10.0 ** (torch.rand(n, generator=gen) * 8 - 4)
+    fill[: len(probe)] = torch.from_numpy(probe)
+    with np.errstate(all="ignore"):
+        w = (fill / s).reshape(rows, cols)
+    w = w.bfloat16() if kind == "e4m3" else w
+    ins: dict[str, Any] = {"w": w.to(device), "s": s}
+    if kind == "both":
+        ins["t"] = torch.tensor(s, device=device)
+    return ins
+
+
+def _interp_inputs(ins: dict[str, Any]) -> dict[str, Any]:
+    """The same inputs for the reference interpreter (NumPy; bf16 as ml_dtypes.bfloat16)."""
+    out: dict[str, Any] = {}
+    for k, v in ins.items():
+        if isinstance(v, torch.Tensor) and v.dim():
+            a = v.float().cpu().numpy()
+            out[k] = a.astype(ml_dtypes.bfloat16) if v.dtype == torch.bfloat16 else a
+        else:
+            out[k] = np.float32(float(v))
+    return out
+
+
+def assert_fp8_bits(got: torch.Tensor, want: np.ndarray, what: str) -> None:
+    """An fp8 tile the kernel stored against the interpreter's, code for code; a NaN against a NaN
+    (its code aside: the GPU's conversion writes one NaN, ml_dtypes keeps the sign)."""
+    assert got.dtype in FP8_ML and want.dtype == FP8_ML[got.dtype], (what, got.dtype, want.dtype)
+    assert tuple(got.shape) == want.shape, (what, got.shape, want.shape)
+    g = got.cpu().view(torch.uint8).numpy()
+    w = want.view(np.uint8)
+    gnan = torch.isnan(got.cpu().float()).numpy()
+    wnan = np.isnan(want.astype(np.float32))
+    assert np.array_equal(gnan, wnan), (what, "NaN positions differ")
+    bad = np.flatnonzero(g[~wnan] != w[~wnan])
+    assert bad.size == 0, (what, bad.size, g[~wnan][bad[:8]], w[~wnan][bad[:8]])
+
+
+def _fp8_stage(kind: str) -> tuple[Any, ElementwiseStage]:
+    blk = coda_lang.load(FP8_STAGES[kind])["q"]
+    return blk, ElementwiseStage(blk, 1, emulate=True)
+
+
+def _codes_reached(want: np.ndarray) -> set[int]:
+    w = want.view(np.uint8)
+    return set(np.unique(w[~np.isnan(want.astype(np.float32))]).tolist())
+
+
+def _finite_codes(ml: Any) -> set[int]:
+    c = np.arange(256, dtype=np.uint8)
+    return set(c[np.isfinite(c.view(ml).astype(np.float32))].tolist())
+
+
+@pytest.mark.parametrize("s", FP8_SCALES)
+@pytest.mark.parametrize("kind", list(FP8_STAGES))
+def test_fp8_stores_match_the_interpreter(kind: str, s: float) -> None:
+    """The generated kernel (Triton's CPU interpreter: its store rounds to the fp8 grid in f32 and
+    assembles the code from the bits, NaN's too) in the emulated runtime against the
+    interpreter's block, bit for bit, NaN included: every finite code of each stored dtype reached
+    (powers-of-two scales), midpoints, saturation, subnormals, signed zeros, infinities. The
+    motivating stage over 1030 columns (a wide chunk of 1024 and a ragged one), the others 320."""
+    blk, st = _fp8_stage(kind)
+    assert unsupported(st) is None
+    cols = 1030 if kind == "e4m3" else 320
+    rows = -(-len(_fp8_probe()) // cols)
+    ins = _fp8_inputs(kind, s, rows, cols)
+    cb = blk.cuda(emulate=True)
+    es = cb.elementwise[1]
+    es._fn = TritonStage(es, interpret=True)  # the generated kernel where the emulator runs the eager one
+    with np.errstate(all="ignore"):
+        got = cb(ins)
+        want = blk.run(_interp_inputs(ins))
+    assert set(got) == set(want)
+    for name, dtype, _w in st.store_meta:
+        assert got[name].dtype == dtype, (name, got[name].dtype)
+        assert_fp8_bits(got[name], want[name], f"{kind} s={s} {name}")
+        if math.log2(s).is_integer():
+            assert _codes_reached(want[name]) >= _finite_codes(FP8_ML[dtype]), name
+    # the amax (NaN: the probe holds one)
+    assert torch.isnan(got["am"]) and np.isnan(want["am"])
+
+
+def test_fp8_stores_round_to_nearest_even_and_saturate() -> None:
+    """What the interpreter path's rounding does, without the interpreter as the reference: the ties
+    between neighbours go to the even code, past the largest value (infinities too) to +-max, half the
+    smallest subnormal to a signed 0, NaN to NaN."""
+    blk, st = _fp8_stage("both")
+    for dtype, name in ((torch.float8_e4m3fn, "a"), (torch.float8_e5m2, "b")):
+        ml = FP8_ML[dtype]
+        v = _fp8_grid(ml)
+        mx = float(v[-1])
+        lo, hi = v[1:-1], v[2:]
+        mids = (lo + hi) / 2
+        x = np.concatenate([mids, [mx * 1.5, np.inf, v[1] / 2, 0.0, np.nan]]).astype(np.float32)
+        x = np.concatenate([x, -x])
+        w = torch.from_numpy(x).reshape(1, -1)
+        got = TritonStage(st, interpret=True)(
+            1, w.shape[1], {"R": 1, "C": w.shape[1]}, torch.device("cpu"), w, 1.0, torch.tensor(1.0)
+        )[[n for n, *_ in st.store_meta].index(name)]
+        g = got.float().reshape(-1).numpy().astype(np.float64)
+        codes = got.view(torch.uint8).reshape(-1).numpy()
+        k = len(mids)
+        # each midpoint went to whichever neighbour has the even code (the codes ascend with the values)
+        even_lo = (np.arange(1, len(v) - 1) % 2) == 0
+        assert np.array_equal(g[:k], np.where(even_lo, lo, hi)), name
+        assert np.array_equal(codes[:k] % 2, np.zeros(k)), name
+        assert g[k : k + 2].tolist() == [mx, mx] and g[k + 2] == 0.0 and g[k + 3] == 0.0
+        assert np.isnan(g[k + 4]) and np.isnan(g[-1])
+        assert np.array_equal(g[len(x) // 2 :][: k + 4], -g[: k + 4]) and codes[len(x) // 2 + k + 2] == 0x80
+
+
+def test_fp8_stores_are_generated_and_fp8_loads_are_not() -> None:
+    """A stage that stores fp8 tiles is a generated kernel (on the GPU: the clamp, NaN kept, then
+    Triton's own conversion, rounding to nearest even); one that loads an fp8 tile or casts to fp8
+    inside still keeps torch.compile."""
+    for kind in FP8_STAGES:
+        blk, st = _fp8_stage(kind)
+        assert unsupported(st) is None, kind
+        assert ElementwiseStage(blk, 1, emulate=False).generator == "triton"
+        scalar_tensors = tuple(n == "t" for n, role in st.roles if role == "scalar")
+        gpu = TritonStage(st).source(scalar_tensors)
+        for _name, dtype, _w in st.store_meta:
+            tl_dtype, mx = {
+                torch.float8_e4m3fn: ("tl.float8e4nv", 448.0),
+                torch.float8_e5m2: ("tl.float8e5", 57344.0),
+            }[dtype]
+            assert f"tl.where(x != x, x, tl.minimum(tl.maximum(x, {-mx!r}), {mx!r}))" in gpu
+            assert f'.to({tl_dtype}, fp_downcast_rounding="rtne")' in gpu
+            assert f"{tl_dtype}, bitcast=True" not in gpu  # (the interpreter's path only)
+    loads = """dims M, N
+block f(x: e4m3[M, N], s: f32) -> (y: bf16[M, N]) {
+  elementwise [M, N] {
+    y: bf16 = x * s
+  }
+}
+"""
+    st = ElementwiseStage(coda_lang.load(loads)["f"], 1, emulate=True)
+    assert "`x` is e4m3" in (unsupported(st) or "")
+    casts = """dims M, N
+block f(x: bf16[M, N], s: f32) -> (y: bf16[M, N]) {
+  elementwise [M, N] {
+    y: bf16 = cast(x * s, e5m2) / s
+  }
+}
+"""
+    st = ElementwiseStage(coda_lang.load(casts)["f"], 1, emulate=True)
+    assert "a cast to e5m2" in (unsupported(st) or "")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", list(FP8_STAGES))
+def test_fp8_stores_on_the_gpu(kind: str) -> None:
+    """The compiled kernel's fp8 stores (the GPU's conversion) against the interpreter bit for bit,
+    NaN included, at every scale on the probe's shape, and at [16384, 2048] (wide chunks) at one."""
+    blk, st = _fp8_stage(kind)
+    dev = torch.device("cuda")
+    ts = TritonStage(st)
+    cols = 1030 if kind == "e4m3" else 320
+    rows = -(-len(_fp8_probe()) // cols)
+    for s, (r, c) in [*((s, (rows, cols)) for s in FP8_SCALES), (3.7, (16384, 2048))]:
+        ins = _fp8_inputs(kind, s, r, c, device="cuda")
+        args = [ins[n] for n, _ in st.roles]
+        got = ts(r, c, {"R": r, "C": c}, dev, *args)
+        torch.cuda.synchronize()
+        with np.errstate(all="ignore"):
+            want = blk.run(_interp_inputs(ins))
+        for i, (name, dtype, _w) in enumerate(st.store_meta):
+            assert got[i].dtype == dtype and got[i].device.type == "cuda"
+            assert_fp8_bits(got[i], want[name], f"{kind} s={s} [{r}, {c}] {name}")
+        amp = got[len(st.store_meta)]
+        assert torch.isnan(amp.max()) and np.isnan(want["am"])
+
+
+@pytest.mark.gpu
+def test_fp8_quantize_block_on_the_gpu() -> None:
+    """The motivating block through the CUDA runtime (its stage the generated kernel, its amax folded
+    between stages) against the interpreter, the scale as a number and as a tensor."""
+    blk, _st = _fp8_stage("e4m3")
+    cb = blk.cuda()
+    assert cb.elementwise[1].generator == "triton"
+    for s in (3.7, torch.tensor(2.0**-4, device="cuda")):
+        sv = float(s)
+        ins = _fp8_inputs("e4m3", sv, 4096, 2048, device="cuda")
+        ins["s"] = s
+        got = cb(ins)
+        torch.cuda.synchronize()
+        with np.errstate(all="ignore"):
+            want = blk.run(_interp_inputs(ins))
+        assert_fp8_bits(got["wq"], want["wq"], f"block s={sv}")
+        assert torch.isnan(got["am"]) and np.isnan(want["am"])
+        # without the NaN the amax is the interpreter's
+        w = ins["w"].clone()
+        w[torch.isnan(w)] = 0.0
+        ins["w"] = w
+        got = cb(ins)
+        with np.errstate(all="ignore"):
+            want = blk.run(_interp_inputs(ins))
+        assert float(got["am"]) == float(want["am"])
+        assert_fp8_bits(got["wq"], want["wq"], f"block s={sv} no NaN")

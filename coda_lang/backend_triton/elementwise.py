@@ -11,7 +11,11 @@ block says so), as the GEMM stages (launch.py) give them.
 A grouped value (`sum(x, over=N, group=g)` and what is computed from it) is held at full width, each
 element holding its group's value (as quack's GroupedReduce value port gives it to a GEMM stage's
 epilogue); one stored after the stage is one value per row and group, [m, n / g].
-What it does not: use quack (there is no GEMM to host the epilogue).
+Off the emulator a stage runs as a Triton kernel that generate.py writes where it takes the stage's ops
+(stored fp8 tiles included: the weight quantizer's `wq: e4m3 = w * s`, once per weight and step, is
+spared torch.compile's per-call host overhead, ~245 us in the fp8 model's forward), else as torch.compile's (`generator`).
+What it does not: use quack (there is no GEMM to host the epilogue); generate a kernel for a stage
+that loads an fp8 tile or casts to fp8 inside (torch.compile runs those).
 Invariants: numerics follow the interpreter: f32 inside the stage, rounding only where a tile is
 stored; the function is built once per stage and reads only its inputs.
 """

@@ -20,16 +20,27 @@ modulo its length. Neither is timed on a GPU yet (Inductor's kernel for Qwen3-1.
 took 0.38 ms per layer on an H100).
 `unsupported(stage)` says why a stage can't be generated (an op without a Triton emitter, a group a
 chunk can't hold whole, a reduction of a grouped value, a repeating vector that is not a loaded column
-vector, ...); such a stage keeps torch.compile. Each op's Triton
+vector, an fp8 tile loaded or a cast to fp8 inside the stage, ...); such a stage keeps torch.compile.
+A stored tile of an fp8 dtype (e4m3, e5m2: a weight quantized by its scale, `wq: e4m3 = w * s`) is
+generated: clamped to +-max (NaN kept), then Triton's f32 -> fp8 conversion, on sm_90 one
+`cvt.rn.satfinite.e4m3x2.f32` (`e5m2x2`) per pair of values, nearest even: the interpreter's
+saturating store (core/numerics.round_fp8) bit for bit (the tests' `gpu` runs check it). Under
+Triton's CPU interpreter (whose own conversion rounds ties away from zero and reads NaN as a finite
+e4m3) the helper rounds the value to the fp8 grid in f32 and assembles its code from the bits
+(`_fp8_helper`).
+Each op's Triton
 expression comes from the op registry (`Lowerings.triton`); the helpers it may call (`_exp`, `_sin`, ...)
 are libdevice's accurate functions on the GPU and `tl`'s under Triton's CPU interpreter (`interpret=True`,
 the tests' way to run the generated kernel without a GPU).
 What it does not: fold a reduction's result back into the same stage (a reduction inside a stage is a
 partial, used only after it, as the language says; a grouped one is complete in its chunk), or launch when the stage is empty (no rows or no
-columns) or its tensors are not on a CUDA device (the eager torch function runs then).
+columns) or its tensors are not on a CUDA device (the eager torch function runs then); take a stage
+that loads an fp8 tile or casts to fp8 inside it (`unsupported` says so: torch.compile runs it).
 Invariants: numerics follow the interpreter: loads widened to f32, math in f32, rounding only where a
-tile is stored (or at `cast`), division and square root IEEE-rounded; the source depends only on the
-stage and on which scalar operands are tensors, and is built once per such signature.
+tile is stored (or at `cast`; to nearest even, fp8 saturating first), division and square root
+IEEE-rounded; a stored tile comes back in its torch dtype (torch.float8_e4m3fn, torch.float8_e5m2);
+the source depends only on the stage and on which scalar operands are tensors, and is built once per
+such signature.
 """
 
 from __future__ import annotations
@@ -80,6 +91,51 @@ _HELPERS = {
     ),
 }
 
+# the fp8 dtypes a tile may be stored as: torch dtype -> (helper, Triton dtype, largest finite value,
+# smallest normal exponent, mantissa bits, the NaN code the interpreter's store writes (sign apart))
+_FP8 = {
+    torch.float8_e4m3fn: ("_e4m3", "tl.float8e4nv", 448.0, -6, 3, 0x7F),
+    torch.float8_e5m2: ("_e5m2", "tl.float8e5", 57344.0, -14, 2, 0x7E),
+}
+
+
+def _fp8_helper(tl_dtype: str, fmax: float, emin: int, mant: int, nan: int) -> tuple[str, str]:
+    """The bodies (GPU, CPU interpreter) of a helper storing an f32 value as fp8 as the interpreter does
+    (core/numerics.round_fp8): saturated to +-max (infinities too), NaN kept, rounded to nearest even.
+    On the GPU: the clamp, then Triton's f32 -> fp8 conversion, which on sm_90 is one
+    `cvt.rn.satfinite.e4m3x2.f32` (`e5m2x2`) per pair of values. Triton's CPU interpreter converts by
+    truncating the mantissa and adding the first dropped bit (ties away from zero, a carry out of the
+    mantissa lost) and reads NaN as an e4m3 of 384, so there the helper does without its conversion:
+    the magnitude, saturated, is rounded to the fp8 grid in f32 (adding and subtracting 2^23 units of
+    the last place of its fp8 exponent, a subnormal's the smallest normal exponent's: NumPy's f32 adds
+    round to nearest even), its code assembled from the f32 bits (a normal value: exponent rebiased,
+    mantissa's top bits; a subnormal: its count of units), the sign bit put back (-0 too), a NaN given
+    the dtype's NaN code (with its sign bit, as ml_dtypes' cast), and the byte bitcast to fp8."""
+    gpu = (
+        "x = x.to(tl.float32)\n"
+        f"    y = tl.where(x != x, x, tl.minimum(tl.maximum(x, {-fmax!r}), {fmax!r}))\n"
+        f'    return y.to({tl_dtype}, fp_downcast_rounding="rtne")'
+    )
+    tiny = 2.0**emin  # the smallest normal value
+    cpu = (
+        "x = x.to(tl.float32)\n"
+        f"    a = tl.minimum(tl.abs(x), {fmax!r})\n"
+        f"    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23), {127 + emin})\n"
+        f"    u = ((e + {23 - mant}) << 23).to(tl.float32, bitcast=True)\n"
+        "    r = (a + u) - u\n"
+        "    rb = r.to(tl.int32, bitcast=True)\n"
+        f"    normal = (rb >> {23 - mant}) - {(126 + emin) << mant}\n"
+        f"    sub = (tl.minimum(r, {tiny!r}) * {2.0 ** (mant - emin)!r}).to(tl.int32)\n"
+        f"    code = tl.where(rb >= {(127 + emin) << 23}, normal, sub)\n"
+        f"    code = tl.where(x != x, {nan:#x}, code) | ((x.to(tl.int32, bitcast=True) >> 24) & 0x80)\n"
+        f"    return code.to(tl.uint8).to({tl_dtype}, bitcast=True)"
+    )
+    return gpu, cpu
+
+
+for _name, _tl, _max, _emin, _mant, _nan in _FP8.values():
+    _HELPERS[_name] = _fp8_helper(_tl, _max, _emin, _mant, _nan)
+
 
 def _helpers(interpret: bool) -> str:
     head = "" if interpret else "from triton.language.extra import libdevice\n"
@@ -117,6 +173,7 @@ _TL_DTYPES = {
     torch.float16: "tl.float16",
     torch.float32: "tl.float32",
     torch.int32: "tl.int32",
+    **{dtype: spec[1] for dtype, spec in _FP8.items()},
 }
 
 
@@ -179,10 +236,10 @@ def unsupported(st: Any) -> str | None:
             return f"`{name}` stored as {dtype}"
     for ld in st.loads:
         if is_fp8(ld.dtype):
-            return f"`{ld.name}` is {ld.dtype} (fp8 is not generated yet)"
+            return f"`{ld.name}` is {ld.dtype} (an fp8 load is not generated yet)"
     for e in st.stage.body:
         if REGISTRY[e.op].rounds and is_fp8(e.param("dtype")):
-            return f"a cast to {e.param('dtype')} (fp8 is not generated yet)"
+            return f"a cast to {e.param('dtype')} (a cast to fp8 inside a stage is not generated yet)"
     return None
 
 
@@ -620,6 +677,8 @@ def _to(x: str, dtype: torch.dtype) -> str:
         return f"_bf16({x}).to(tl.bfloat16)"
     if dtype == torch.float16:
         return f'{x}.to(tl.float16, fp_downcast_rounding="rtne")'
+    if dtype in _FP8:  # (saturated, rounded to nearest even, returned in the fp8 dtype)
+        return f"{_FP8[dtype][0]}({x})"
     return f"{x}.to({_TL_DTYPES[dtype]})"
 
 
