@@ -341,9 +341,12 @@ _LLAMA_MLP_STAGES = """
 # input, last steps' amax) and records this step's amax (`am_{h}`, detached: no gradient); the gate/up
 # GEMM multiplies it by the e4m3 weight `w_13q` (made by `fp8_weight`) and folds both inverse scales
 # into the norm's row scale; its SwiGLU output is quantized the same way (`aq`, or stored in {t} and
-# multiplied by the {t} down weight where `act_fp8` is off).
+# multiplied by the {t} down weight where `act_fp8` is off). The out-projection's stage is saved
+# (remat="save"): its e4m3 `{h}q` is kept for the gate/up weight gradient (D bytes a row) instead of
+# stored again by the gate/up data gradient's epilogue, whose fp8 store there narrowed its tiles
+# (1.19 ms against the bf16 block's 0.89 ms a call, Llama-3.2-1B shapes, H100).
 _LLAMA_MLP_STAGES_FP8 = """
-  gemm y @ {w_o} {{
+  gemm y @ {w_o}, remat="save" {{
     {h}: {t} = acc{residual} + x
     {h}g = {h} * {g}
     {h}q: e4m3 = {h}g * s_{h}
