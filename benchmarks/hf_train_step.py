@@ -31,7 +31,8 @@ after Liger's patch (which keeps the modules LoRA wraps) and before coda's (whic
 blocks). `coda-fp8`: `apply_coda(model, fp8="delayed")` (not with --lora). `torchao-tensorwise` / `torchao-rowwise`: torchao's float8 training of that recipe
 (`convert_to_float8_training` on every nn.Linear but the LM head), then torch.compile of the model, as
 torchao's own benchmarks run it (its wheel: `pip install torchao`; not with --lora). An unknown
-configuration is a usage error before anything runs. Prints a markdown table last.
+configuration is a usage error before anything runs, and so is `liger` anywhere but last (Liger replaces
+transformers' classes, which every model made after it would use). Prints a markdown table last.
 """
 
 from __future__ import annotations
@@ -478,6 +479,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
     if unknown:
         p.error(f"unknown configuration {unknown[0]!r}; the configurations: {', '.join(CONFIGS)}")
+    names = args.configs.split(",")
+    if "liger" in names and names[-1] != "liger":
+        # (Liger's apply_liger_kernel_to_* replaces transformers' classes, so every model made after it
+        # runs Liger's kernels: a torchao or torch.compile row after it would not be what it says)
+        after = ", ".join(n for n in names[names.index("liger") + 1 :] if n != "liger")
+        p.error(
+            f"list liger last: Liger patches transformers' classes, which the models of {after} would use"
+        )
     if not torch.cuda.is_available():
         print("hf_train_step: needs a CUDA GPU", file=sys.stderr)
         return 2

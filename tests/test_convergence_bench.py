@@ -190,3 +190,9 @@ def test_hf_train_step_refuses_an_unknown_configuration_first(capsys: Any) -> No
     assert "unknown configuration 'bogus'" in err and "torchao-tensorwise" in err and "torchao-rowwise" in err
     with pytest.raises(SystemExit, match="LoRA"):
         step.prepare(None, "torchao-rowwise", lora=16)
+    # Liger before another configuration would patch that one's classes too: a usage error
+    with pytest.raises(SystemExit) as ei:
+        step.main(["--configs", "coda,liger,torchao-tensorwise"])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert "list liger last" in err and "torchao-tensorwise" in err
