@@ -17,6 +17,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from test_hf import FAMILIES as HF  # noqa: E402
+from test_hf import batch as hf_batch  # noqa: E402
+from test_hf import make  # noqa: E402
+
 from coda_lang.hf import apply_coda, apply_coda_to_llama, apply_coda_to_olmo2, unfused_grads, unpatch  # noqa: E402
 from coda_lang.hf.fp8 import HISTORY  # noqa: E402
 
@@ -336,3 +340,43 @@ def test_gpu_fp8_model_against_the_reference() -> None:
     if not torch.cuda.is_available() or not uses_kernels("cuda"):
         pytest.skip("needs a Hopper GPU")
     _check_bf16("cuda")
+
+
+# every family the patch supports: fp8 where its layers are pre-norm, refused where they have post norms
+PRE_NORM = ("granite", "llama", "ministral", "mistral", "phi3", "qwen2", "qwen3")
+POST_NORM = ("gemma2", "gemma3", "olmo2")
+
+
+@pytest.mark.parametrize("family", PRE_NORM)
+def test_every_pre_norm_family_trains_in_fp8(family: str) -> None:
+    """float32 tiny models of each pre-norm family (Qwen3's q/k norm, Qwen2's bias, Granite's
+    multipliers, Phi-3's fused projections, the sliding windows): the fp8 model's loss and gradients
+    are those of the same model patched without fp8 within e4m3's error (3 mantissa bits), every
+    gradient finite, and the quantization visible (not the bf16 blocks run again)."""
+    base = make(family)
+    ids, labels = hf_batch()
+    out = {}
+    for fp8 in (None, "delayed"):
+        m = HF[family][2](copy.deepcopy(base), fp8=fp8)
+        for _ in range(2):
+            m.zero_grad()
+            loss = m(input_ids=ids, labels=labels).loss
+            loss.backward()
+        out[fp8] = (loss.detach(), unfused_grads(m))
+    (l0, g0), (l8, g8) = out[None], out["delayed"]
+    assert abs(l8.item() - l0.item()) < 2e-3 * abs(l0.item()), (l8.item(), l0.item())
+    assert l8.item() != l0.item()
+    assert set(g8) == set(g0)
+    errs = {k: _rel(g8[k], g0[k]) for k in g0}
+    for k, e in errs.items():
+        assert torch.isfinite(g8[k]).all(), k
+        assert e < 0.25, (k, e)
+    assert sum(errs.values()) / len(errs) > 1e-2, errs  # (the blocks really quantized)
+
+
+@pytest.mark.parametrize("family", POST_NORM)
+def test_post_norm_families_refuse_fp8(family: str) -> None:
+    model = make(family)
+    with pytest.raises(ValueError, match="pre-norm layers.*patch without fp8="):
+        HF[family][2](model, fp8="delayed")
+    assert getattr(model, "_coda", None) is None
