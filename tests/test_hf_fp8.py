@@ -347,7 +347,9 @@ PRE_NORM = ("granite", "llama", "ministral", "mistral", "phi3", "qwen2", "qwen3"
 POST_NORM = ("gemma2", "gemma3", "olmo2")
 
 
-@pytest.mark.parametrize("family", PRE_NORM)
+@pytest.mark.parametrize(
+    "family", [f if f in ("llama", "qwen3") else pytest.param(f, marks=pytest.mark.slow) for f in PRE_NORM]
+)
 def test_every_pre_norm_family_trains_in_fp8(family: str) -> None:
     """float32 tiny models of each pre-norm family (Qwen3's q/k norm, Qwen2's bias, Granite's
     multipliers, Phi-3's fused projections, the sliding windows): the fp8 model's loss and gradients
