@@ -21,7 +21,7 @@ from test_hf import FAMILIES as HF  # noqa: E402
 from test_hf import batch as hf_batch  # noqa: E402
 from test_hf import make  # noqa: E402
 
-from coda_lang.hf import apply_coda, apply_coda_to_llama, apply_coda_to_olmo2, unfused_grads, unpatch  # noqa: E402
+from coda_lang.hf import apply_coda, apply_coda_to_llama, unfused_grads, unpatch  # noqa: E402
 from coda_lang.hf.fp8 import HISTORY  # noqa: E402
 
 E4M3_MAX = 448.0
@@ -257,11 +257,10 @@ def test_refusals() -> None:
         apply_coda_to_llama(tiny(), fp8="rowwise")
     with pytest.raises(TypeError, match="fp8= is True"):
         apply_coda(tiny(), fp8=True)
-    cfg = transformers.Olmo2Config(**{**SHAPES, "num_hidden_layers": 2})
-    olmo = transformers.Olmo2ForCausalLM(cfg)
-    with pytest.raises(ValueError, match="pre-norm layers.*patch without fp8="):
-        apply_coda_to_olmo2(olmo, fp8="delayed")
-    assert getattr(olmo, "_coda", None) is None  # nothing patched
+    model = tiny()
+    with pytest.raises(ValueError, match="fp8= is 'e4m3'"):
+        apply_coda_to_llama(model, fp8="e4m3")
+    assert getattr(model, "_coda", None) is None  # nothing patched
 
 
 def test_lora_on_an_fp8_model_is_refused_not_skipped() -> None:
@@ -342,19 +341,34 @@ def test_gpu_fp8_model_against_the_reference() -> None:
     _check_bf16("cuda")
 
 
-# every family the patch supports: fp8 where its layers are pre-norm, refused where they have post norms
-PRE_NORM = ("granite", "llama", "ministral", "mistral", "phi3", "qwen2", "qwen3")
-POST_NORM = ("gemma2", "gemma3", "olmo2")
+# every family the patch supports trains in fp8
+FAMILY_NAMES = (
+    "gemma2",
+    "gemma3",
+    "granite",
+    "llama",
+    "ministral",
+    "mistral",
+    "olmo2",
+    "phi3",
+    "qwen2",
+    "qwen3",
+)
 
 
 @pytest.mark.parametrize(
-    "family", [f if f in ("llama", "qwen3") else pytest.param(f, marks=pytest.mark.slow) for f in PRE_NORM]
+    "family",
+    [
+        f if f in ("llama", "qwen3", "olmo2") else pytest.param(f, marks=pytest.mark.slow)
+        for f in FAMILY_NAMES
+    ],
 )
-def test_every_pre_norm_family_trains_in_fp8(family: str) -> None:
-    """float32 tiny models of each pre-norm family (Qwen3's q/k norm, Qwen2's bias, Granite's
-    multipliers, Phi-3's fused projections, the sliding windows): the fp8 model's loss and gradients
-    are those of the same model patched without fp8 within e4m3's error (3 mantissa bits), every
-    gradient finite, and the quantization visible (not the bf16 blocks run again)."""
+def test_every_family_trains_in_fp8(family: str) -> None:
+    """float32 tiny models of each family (Qwen3's q/k norm, Qwen2's bias, Granite's multipliers, Phi-3's
+    fused projections, the windows, OLMo 2's and Gemma's post norms): the fp8 model's loss and
+    gradients are those of the same model patched without fp8 within e4m3's error (3 mantissa bits;
+    OLMo 2 quantizes the residual itself, before any norm, which costs it more), every gradient
+    finite, and the quantization visible (not the bf16 blocks run again)."""
     base = make(family)
     ids, labels = hf_batch()
     out = {}
@@ -372,13 +386,65 @@ def test_every_pre_norm_family_trains_in_fp8(family: str) -> None:
     errs = {k: _rel(g8[k], g0[k]) for k in g0}
     for k, e in errs.items():
         assert torch.isfinite(g8[k]).all(), k
-        assert e < 0.25, (k, e)
+        assert e < 0.4, (k, e)
     assert sum(errs.values()) / len(errs) > 1e-2, errs  # (the blocks really quantized)
 
 
-@pytest.mark.parametrize("family", POST_NORM)
-def test_post_norm_families_refuse_fp8(family: str) -> None:
-    model = make(family)
-    with pytest.raises(ValueError, match="pre-norm layers.*patch without fp8="):
-        HF[family][2](model, fp8="delayed")
-    assert getattr(model, "_coda", None) is None
+def _olmo2_reference(ref, ids, labels, bank) -> torch.Tensor:
+    """OLMo 2's fp8 recipe on the unpatched float64 model, by hooks: OLMo 2 has no pre norms, so each
+    quantized value is a module's input itself (q/k/v's: the residual; gate/up's: the residual after
+    attention; down's: the SwiGLU output), fake-quantized at the scale the patched model ran at, and
+    each weight fake-quantized in place (its gradient is then the straight-through one)."""
+    last = bank.last
+    hooks = []
+    layers = ref.model.layers
+
+    def pre(s):
+        return lambda _m, args: (fake_quant(args[0], s),)
+
+    with torch.no_grad():
+        for i, layer in enumerate(layers):
+            qkv_site = last[-1] if i == 0 else last[i - 1]
+            s_in = qkv_site["h"] if i == 0 else qkv_site["x2"]
+            for name in ("q_proj", "k_proj", "v_proj"):
+                lin = getattr(layer.self_attn, name)
+                lin.weight.copy_(fake_quant(lin.weight, qkv_site["w_qkv"].double()))
+                hooks.append(lin.register_forward_pre_hook(pre(s_in.double())))
+            site = last[i]
+            for name in ("gate_proj", "up_proj"):
+                lin = getattr(layer.mlp, name)
+                lin.weight.copy_(fake_quant(lin.weight, site["w_13"].double()))
+                hooks.append(lin.register_forward_pre_hook(pre(site["x1"].double())))
+            down = layer.mlp.down_proj
+            down.weight.copy_(fake_quant(down.weight, site["w_2"].double()))
+            hooks.append(down.register_forward_pre_hook(pre(site["a"].double())))
+    try:
+        return ref(input_ids=ids, labels=labels).loss
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def test_olmo2_fp8_against_a_fake_quant_reference() -> None:
+    """OLMo 2 (post norms, no pre norms, q/k norm over each projection) in float32 against its float64
+    fake-quant reference at the same scales: the loss to 1e-5, every gradient to 1e-2 relative, and
+    the unquantized model much further off."""
+    base = make("olmo2")
+    ids, labels = hf_batch()
+    model = HF["olmo2"][2](copy.deepcopy(base), fp8="delayed")
+    for _ in range(2):
+        model.zero_grad()
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+    ref = copy.deepcopy(base).double()
+    plain = copy.deepcopy(base).double()
+    want = _olmo2_reference(ref, ids, labels, bank(model))
+    want.backward()
+    unq = plain(input_ids=ids, labels=labels).loss
+    unq.backward()
+    err, off = abs(loss.item() - want.item()), abs(unq.item() - want.item())
+    assert err < 1e-5 * abs(want.item()) and off > 5 * err, (err, off)
+    refs, plains = dict(ref.named_parameters()), dict(plain.named_parameters())
+    for name, g in unfused_grads(model).items():
+        e, o = _rel(g, refs[name].grad), _rel(plains[name].grad, refs[name].grad)
+        assert e < 1e-2 and o > 5 * e, (name, e, o)

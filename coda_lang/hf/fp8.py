@@ -3,7 +3,8 @@ of each block's e4m3 inputs and weights, kept across steps.
 
 What it does: `run_scaled(bank, owner, step, index, run, fn, inputs, loras)` runs block `fn` (blocks.py's
 fp8 variant: its gate/up, down and QKV GEMMs in e4m3) with this step's scales of its call site (`index`:
--1 the model's first block, i the block of decoder layer i) and keeps the amaxes it returns in the
+-1 the model's first block, i the block of decoder layer i; every family's: blocks.py writes the
+post-norm and sandwich layers' fp8 blocks too) and keeps the amaxes it returns in the
 `Step`; `record(bank, step)`, at the end of the forward, sets every call site's next scales at once. The
 `Bank` (one per patched model, `ModelState.fp8_bank`) holds all call sites' scales in one vector and
 their past amaxes in one ring tensor, so that a step's scale updates are a few kernels, not a few per

@@ -61,9 +61,9 @@ def check_unsharded(
             raise refuse(f"parameter {name} is a DTensor", what)
 
 
-def check_fp8(fp8: Any, family: Family) -> None:
-    """`fp8=` is None or a recipe of blocks.FP8_RECIPES, for a family whose layers the fp8 blocks are
-    written for (pre-norm, no post norms): TypeError / ValueError naming what it takes."""
+def check_fp8(fp8: Any) -> None:
+    """`fp8=` is None or a recipe of blocks.FP8_RECIPES (every family takes it): TypeError / ValueError
+    naming what it takes."""
     if fp8 is None:
         return
     takes = f"None (bf16 blocks) or {' or '.join(map(repr, FP8_RECIPES))}"
@@ -71,13 +71,6 @@ def check_fp8(fp8: Any, family: Family) -> None:
         raise TypeError(f"fp8= is {fp8!r}; it takes {takes}")
     if fp8 not in FP8_RECIPES:
         raise ValueError(f"fp8= is {fp8!r}; it takes {takes}")
-    if family.post_norm or not family.pre_norm:
-        raise refuse(
-            f"fp8={fp8!r} for {family.name}",
-            "the fp8 blocks are written for pre-norm layers (LLaMA's, Qwen's, Mistral's, Phi-3's, "
-            f"Granite's); {family.name}'s norms after attention and the MLP are not quantized yet",
-            "patch without fp8=",
-        )
 
 
 def apply(model: Any, family: Family, loss: LossSettings, fp8: str | None = None) -> Any:
@@ -85,7 +78,7 @@ def apply(model: Any, family: Family, loss: LossSettings, fp8: str | None = None
     patched, its LoRA layers run in the blocks) in place and return it; its LM head makes the loss as
     `loss` says; `fp8`: None (the blocks in the model's dtype) or "delayed" (the layers' gate/up, down
     and QKV GEMMs in e4m3 at delayed per-tensor scales: fp8.py)."""
-    check_fp8(fp8, family)
+    check_fp8(fp8)
     inner = peft_inner(model)
     if inner is not model:
         apply(inner, family, loss, fp8)
