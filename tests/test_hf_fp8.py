@@ -448,3 +448,39 @@ def test_olmo2_fp8_against_a_fake_quant_reference() -> None:
     for name, g in unfused_grads(model).items():
         e, o = _rel(g, refs[name].grad), _rel(plains[name].grad, refs[name].grad)
         assert e < 1e-2 and o > 5 * e, (name, e, o)
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        f if f in ("llama", "olmo2", "gemma3") else pytest.param(f, marks=pytest.mark.slow)
+        for f in FAMILY_NAMES
+    ],
+)
+def test_every_familys_fp8_blocks_plan_for_the_kernels(family: str) -> None:
+    """Each family's fp8 blocks as the patch makes them (first layer, layers, last layer), forward and
+    the backward its autograd derives: every GEMM stage plans for the CuTeDSL kernels (no refusal), and
+    the forward's gate/up, down and QKV GEMMs multiply e4m3 by e4m3 (no GPU needed: the plan, not a
+    launch)."""
+    from coda_lang.backend_cute.plan.planner import plan_stage
+
+    model = HF[family][2](make(family, torch.bfloat16), fp8="delayed")
+    st = model._coda
+    fp8_gemms = set()
+    for fn in (st.first, st.layer, st.last):
+        d = fn.block.derivation(fn.wrt, backward=fn.options)
+        for blk in (d.forward, d.backward):
+            for k, stage in enumerate(blk.ir.stages, 1):
+                if stage.a is None:  # (an elementwise stage: no GEMM)
+                    continue
+                g = plan_stage(blk, k).gemm
+                if blk is d.forward and g.a_dtype == g.b_dtype == "e4m3":
+                    fp8_gemms.add((fn.name, g.b))
+    assert fp8_gemms >= {
+        ("first_qkv", "w_qkvq"),
+        ("layer", "w_13q"),
+        ("layer", "w_2q"),
+        ("layer", "w_qkvq"),
+        ("last", "w_13q"),
+        ("last", "w_2q"),
+    }, fp8_gemms
