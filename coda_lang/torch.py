@@ -404,9 +404,14 @@ def llama_mlp_stages(
         x2=f"x2: {t}" if stored else "x2",
         then=then,
         residual=residual,
-        g=f"({float(norm_offset)!r} + g{n})" if norm_offset else f"g{n}",
+        g=norm_weight(f"g{n}", norm_offset),
         act=act,
     )
+
+
+def norm_weight(name: str, offset: float) -> str:
+    """A norm weight as the stages read it: `name`, or (offset + name) (Gemma's 1 + w)."""
+    return f"({float(offset)!r} + {name})" if offset else name
 
 
 def fp8_weight(name: str, rows: str, cols: str) -> str:
@@ -435,8 +440,8 @@ def llama_mlp_stages_fp8(
     down GEMM, in e4m3 at delayed per-tensor scales (fp8="delayed"): reads the e4m3 weights `w_13q`
     (and `w_2q`, `fp8_weight`'s), the scales `s_{h}`, `s_w_13` (and `s_a`, `s_w_2`); records the
     amaxes `am_{h}` (and `am_a`), detached. The scales are inputs: the caller keeps their history
-    (coda_lang.hf's `Fp8Scales`)."""
-    g = f"({float(norm_offset)!r} + g{n})" if norm_offset else f"g{n}"
+    (coda_lang.hf's fp8 `Bank`)."""
+    g = norm_weight(f"g{n}", norm_offset)
     if act_fp8:
         a_line = f"a = {act}(gt) * up\n    aq: e4m3 = a * s_a\n    amp_a = max(abs(a), over=F)"
         a_after = "\n  am_a = detach(max(amp_a, over=M))\n  ia = 1.0 / (s_a * s_w_2)"

@@ -1183,7 +1183,7 @@ def test_post_norms_compose_with_pre_norms() -> None:
 # Mutants of Gemma's blocks and RoPE tables, which the float32 comparison with the unpatched model must
 # catch: (what is patched, the text replaced or a function's replacement)
 GEMMA_MUTANTS: dict[str, tuple[str, str, Any]] = {
-    "gemma2: the norms' 1 + w dropped": ("gemma2", "_weight", lambda name, offset: name),
+    "gemma2: the norms' 1 + w dropped": ("gemma2", "norm_weight", lambda name, offset: name),
     "gemma2: the final soft-capping dropped": ("gemma2", "_logits", "no cap"),
     "gemma2: the attention's post-norm dropped": (
         "gemma2",

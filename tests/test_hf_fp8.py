@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from test_hf import FAMILIES as HF  # noqa: E402
+from test_hf import SHAPES as HF_SHAPES  # noqa: E402
 from test_hf import batch as hf_batch  # noqa: E402
 from test_hf import make  # noqa: E402
 
@@ -25,18 +26,7 @@ from coda_lang.hf import apply_coda, apply_coda_to_llama, unfused_grads, unpatch
 from coda_lang.hf.fp8 import HISTORY  # noqa: E402
 
 E4M3_MAX = 448.0
-SHAPES = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    attn_implementation="eager",
-)
+SHAPES = {**HF_SHAPES, "num_hidden_layers": 3}  # (test_hf's tiny model, one layer more)
 
 
 def tiny(dtype: torch.dtype = torch.float32, seed: int = 0, **extra) -> transformers.LlamaForCausalLM:
@@ -49,14 +39,6 @@ def tiny(dtype: torch.dtype = torch.float32, seed: int = 0, **extra) -> transfor
             if "norm" in n:
                 p.uniform_(0.5, 1.5)
     return model
-
-
-def batch(seed: int = 1, b: int = 2, s: int = 24) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, SHAPES["vocab_size"], (b, s), generator=g)
-    labels = ids.clone()
-    labels[0, :3] = -100
-    return ids, labels
 
 
 def fake_quant(v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -143,7 +125,7 @@ def test_fp8_model_against_a_fake_quant_reference() -> None:
     recipe at the same scales (close: only e4m3 codes at a rounding midpoint can differ), and much
     further from the same model unquantized (the quantization is really there)."""
     base = tiny()
-    ids, labels = batch()
+    ids, labels = hf_batch()
     ref = copy.deepcopy(base).double()
     plain = copy.deepcopy(base).double()
     model = apply_coda_to_llama(copy.deepcopy(base), fp8="delayed")
@@ -179,7 +161,7 @@ def test_delayed_scales_follow_the_amax_history() -> None:
     history: dict[tuple[int, str], list[float]] = {}
     steps = HISTORY + 3  # (past the history's length: the ring drops the oldest)
     for step in range(steps):
-        ids, labels = batch(seed=10 + step, s=8 + step)
+        ids, labels = hf_batch(seed=10 + step, s=8 + step)
         model(input_ids=ids, labels=labels).loss.backward()
         b = bank(model)
         for site, amaxes in b.amaxes.items():
@@ -201,7 +183,7 @@ def test_weight_amax_is_the_weights() -> None:
     weight's)."""
     base = tiny()
     model = apply_coda_to_llama(copy.deepcopy(base), fp8="delayed")
-    ids, labels = batch()
+    ids, labels = hf_batch()
     model(input_ids=ids, labels=labels).loss.backward()
     st = bank(model).amaxes[0]
     mlp, nxt = base.model.layers[0].mlp, base.model.layers[1].self_attn
@@ -216,7 +198,7 @@ def test_checkpointing_recomputes_at_the_first_runs_scales() -> None:
     """Under activation checkpointing a layer's forward runs twice a step; the second run uses the scales
     of the first and records nothing: the gradients equal those without checkpointing."""
     base = tiny()
-    ids, labels = batch()
+    ids, labels = hf_batch()
     plain = apply_coda_to_llama(copy.deepcopy(base), fp8="delayed")
     ckpt = copy.deepcopy(base)
     ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -236,7 +218,7 @@ def test_checkpointing_recomputes_at_the_first_runs_scales() -> None:
 def test_bf16_fp8_model_trains() -> None:
     """bf16: 8 AdamW steps on one batch lower the loss as the bf16 patched model's do (within 5%)."""
     base = tiny(torch.bfloat16)
-    ids, labels = batch()
+    ids, labels = hf_batch()
     out = []
     for fp8 in (None, "delayed"):
         m = apply_coda_to_llama(copy.deepcopy(base), fp8=fp8)
@@ -267,7 +249,7 @@ def test_lora_on_an_fp8_model_is_refused_not_skipped() -> None:
     peft = pytest.importorskip("peft")
     cfg = peft.LoraConfig(r=4, target_modules=["gate_proj", "up_proj"], lora_dropout=0.0)
     model = apply_coda_to_llama(peft.get_peft_model(tiny(), cfg), fp8="delayed")
-    ids, labels = batch()
+    ids, labels = hf_batch()
     with pytest.raises(ValueError, match="LoRA adapters on w_13.*no adapter path"):
         model(input_ids=ids, labels=labels)
 
@@ -275,7 +257,7 @@ def test_lora_on_an_fp8_model_is_refused_not_skipped() -> None:
 def test_unpatch_forgets_the_scales() -> None:
     """Unpatching drops the scales with the patch; patching again calibrates again."""
     base = tiny()
-    ids, labels = batch()
+    ids, labels = hf_batch()
     model = apply_coda_to_llama(copy.deepcopy(base), fp8="delayed")
     first = model(input_ids=ids, labels=labels).loss.item()
     model(input_ids=ids, labels=labels)

@@ -243,7 +243,7 @@ def run_lora(
     the adapters' output to its accumulator (lora.py, split.py). A weight or bias that requires no
     gradient (a frozen base) is not differentiated: no weight-gradient GEMM is made for it."""
     cut = tuple(sorted(k for k, v in loras.items() if v is not None))
-    fn = {"first_qkv": blocks.first, "layer": blocks.layer, "last": blocks.last}[name]
+    fn = blocks.named(name)
     frozen = tuple(sorted(k for k, v in inputs.items() if k.startswith(("w_", "b_")) and not v.requires_grad))
     if not cut and not frozen:
         return run_block(owner, fn, inputs)
@@ -271,7 +271,7 @@ def run_step(
     st: ModelState = owner._coda
     if st.fp8 is None:
         return run_lora(owner, step.blocks, name, inputs, loras)
-    fn = {"first_qkv": step.blocks.first, "layer": step.blocks.layer, "last": step.blocks.last}[name]
+    fn = step.blocks.named(name)
     assert st.fp8_bank is not None
     return fp8.run_scaled(
         st.fp8_bank, owner, step, index, lambda ins: run_block(owner, fn, ins), fn, inputs, loras

@@ -4,15 +4,15 @@ of each block's e4m3 inputs and weights, kept across steps.
 What it does: `run_scaled(bank, owner, step, index, run, fn, inputs, loras)` runs block `fn` (blocks.py's
 fp8 variant: its gate/up, down and QKV GEMMs in e4m3) with this step's scales of its call site (`index`:
 -1 the model's first block, i the block of decoder layer i; every family's: blocks.py writes the
-post-norm and sandwich layers' fp8 blocks too) and keeps the amaxes it returns in the
-`Step`; `record(bank, step)`, at the end of the forward, sets every call site's next scales at once. The
+post-norm and sandwich layers' fp8 blocks too) and keeps the amaxes it returns in the `Step`;
+`record(bank, step)`, at the end of the forward, sets every call site's next scales at once. The
 `Bank` (one per patched model, `ModelState.fp8_bank`) holds all call sites' scales in one vector and
 their past amaxes in one ring tensor, so that a step's scale updates are a few kernels, not a few per
 layer (the fp8 forward is short enough that the host's launches would show). The rule, per scale:
 scale = 448 / max(the amaxes of the last `HISTORY` steps), kept as it was where that max is 0 or not
-finite (the rule of backend_cute/runtime/grad_scales.py's DelayedScaling). A call site's first call
-calibrates: it runs the block once without autograd at scales 1 and sets its scales from that run's
-amaxes (current scaling for the first step), so that no step runs at a default scale. A forward run
+finite (`delayed_scales`, which backend_cute/runtime/grad_scales.py's DelayedScaling applies too).
+A call site's first call calibrates: it runs the block once without autograd at scales 1 and sets its
+scales from that run's amaxes (current scaling for the first step), so that no step runs at a default scale. A forward run
 again by activation checkpointing (the same decoder layer in the same `Step`) runs at the scales its
 first run used and records nothing, so the recomputed tensors are the ones the first run saved.
 What it does not: quantize anything itself (the blocks do), save the scales in the model's
@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from coda_lang.backend_cute.runtime.grad_scales import delayed_scales
 from coda_lang.hf.checks import refuse
 from coda_lang.ir.types import FP8_MAX
 
@@ -57,13 +58,9 @@ class Bank:
         self.last: dict[int, dict[str, torch.Tensor]] = {}
         self.amaxes: dict[int, dict[str, torch.Tensor]] = {}
 
-    def site(self, index: int, names: list[str], device: torch.device) -> tuple[int, tuple[str, ...]]:
-        """The slice of call site `index` (its scales made at 1 when it is new: calibrated by the caller)."""
-        got = self.sites.get(index)
-        if got is not None:
-            if got[1] != tuple(names):
-                raise ValueError(f"call site {index}: scales {', '.join(got[1])}, not {', '.join(names)}")
-            return got
+    def add(self, index: int, names: list[str], device: torch.device) -> tuple[int, tuple[str, ...]]:
+        """A new call site `index` and its slice, its scales made at 1 (calibrated by the caller)."""
+        assert index not in self.sites, index
         start = 0 if self.scales is None else self.scales.numel()
         got = self.sites[index] = (start, tuple(names))
         ones = torch.ones(len(names), dtype=torch.float32, device=device)
@@ -79,12 +76,6 @@ class Bank:
         start, names = self.sites[index]
         return {n: self.scales[start + i] for i, n in enumerate(names)}
 
-    def rule(self, amax: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
-        """448 / max(amax, the past amaxes) per scale, `current` where that is 0 or not finite."""
-        a = amax if self.past is None else torch.maximum(amax, self.past.amax(0))
-        # (a Python number over a tensor: nothing made from the host, which would wait for the GPU)
-        return torch.where(torch.isfinite(a) & (a > 0), E4M3_MAX / a, current)
-
     def record(self, amaxes: dict[int, dict[str, torch.Tensor]]) -> None:
         """One step's amaxes (by call site and name; every call site that ran): into the history, and
         every scale set by the rule."""
@@ -97,7 +88,7 @@ class Bank:
             else:
                 parts.extend(got[n].detach().reshape(()).to(torch.float32) for n in names)
         a = torch.stack(parts)
-        self.scales = self.rule(a, self.scales)
+        self.scales = delayed_scales(a, self.past, self.scales, E4M3_MAX)
         if HISTORY > 1:
             if self.past is None:
                 self.past = a.new_zeros((HISTORY - 1, a.numel()))
@@ -128,20 +119,20 @@ def run_scaled(
     ran = step.scales.get(index)
     if ran is not None:  # (activation checkpointing runs the layer again in the backward)
         return run({**inputs, **{f"s_{n}": s for n, s in ran.items()}})
-    names = scale_names(fn.block)
-    device = next(v.device for v in inputs.values() if isinstance(v, torch.Tensor))
-    new = index not in bank.sites
-    start, _ = bank.site(index, names, device)
-    if new:  # calibration: the first step's scales from its own amaxes, measured at scales 1
+    known = bank.sites.get(index)
+    if known is not None:
+        names = known[1]
+    else:  # calibration: the first step's scales from its own amaxes, measured at scales 1
+        names = tuple(scale_names(fn.block))
+        device = next(v.device for v in inputs.values() if isinstance(v, torch.Tensor))
+        start, _ = bank.add(index, list(names), device)
         assert bank.scales is not None
         with torch.no_grad():
             out = run({**inputs, **{f"s_{n}": s for n, s in bank.of(index).items()}})
         amax = torch.stack([out[f"am_{n}"].reshape(()).to(torch.float32) for n in names])
-        cur = bank.scales[start : start + len(names)]
+        part = slice(start, start + len(names))
         bank.scales = bank.scales.clone()
-        bank.scales[start : start + len(names)] = torch.where(
-            torch.isfinite(amax) & (amax > 0), E4M3_MAX / amax, cur
-        )
+        bank.scales[part] = delayed_scales(amax, None, bank.scales[part], E4M3_MAX)
     scales = bank.of(index)
     out = run({**inputs, **{f"s_{n}": s for n, s in scales.items()}})
     step.scales[index] = scales

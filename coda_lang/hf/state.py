@@ -100,6 +100,10 @@ class Blocks:
         head = self.row_head() if st.loss_mode == "rows" else self.vocab_head()
         compile_together(self.first, self.layer, self.last, head)
 
+    def named(self, name: str) -> BlockFunction:
+        """The layers' block function of that name: "first_qkv", "layer" or "last"."""
+        return {"first_qkv": self.first, "layer": self.layer, "last": self.last}[name]
+
     def parts(
         self, name: str, cut: tuple[str, ...], frozen: tuple[str, ...] = ()
     ) -> list[tuple[BlockFunction, tuple[str, str] | None]]:

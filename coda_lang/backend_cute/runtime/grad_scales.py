@@ -140,12 +140,9 @@ class DelayedScaling:
 
     def _rule(self, a: torch.Tensor, scales: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         assert self.dtype is not None
-        if self._past is not None and self.steps > 0:
-            a = torch.maximum(a, self._past.to(a.device).amax(0))
-        # (a Python number over a tensor: no tensor is made from the host, which would wait for the GPU)
-        new = (FP8_MAX[self.dtype] / 2.0**self.margin) / a
-        ok = torch.isfinite(a) & (a > 0)
-        out = torch.where(ok, new, self._row(scales).to(a.device))
+        past = self._past.to(a.device) if self._past is not None and self.steps > 0 else None
+        limit = FP8_MAX[self.dtype] / 2.0**self.margin
+        out = delayed_scales(a, past, self._row(scales).to(a.device), limit)
         return {n: out[i] for i, n in enumerate(self.names)}
 
     def record(self, amaxes: dict[str, torch.Tensor]) -> None:
@@ -197,6 +194,16 @@ class DelayedScaling:
                 self._past[(self.steps - min(n, ring) + j) % ring] = torch.stack(
                     [hist[name][k].reshape(()).to(torch.float32) for name in self.names]
                 )
+
+
+def delayed_scales(
+    amax: torch.Tensor, past: torch.Tensor | None, current: torch.Tensor, limit: float
+) -> torch.Tensor:
+    """The delayed-scaling rule on vectors: limit / max(amax, each column of `past`: the history's rows,
+    0 where none was recorded), `current` where that max is 0 or not finite. A few kernels, and no
+    tensor made from a Python number (a pageable copy to the device, which waits for the GPU)."""
+    a = amax if past is None else torch.maximum(amax, past.amax(0))
+    return torch.where(torch.isfinite(a) & (a > 0), limit / a, current)
 
 
 def _positive(name: str, v: Any) -> None:
