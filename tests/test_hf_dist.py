@@ -52,7 +52,7 @@ FAMILIES = ("llama", "qwen3", "phi3")
 WRAPS = ("ddp", "fsdp", "fsdp-keep")  # fsdp-keep: reshard_after_forward=False
 # llama only: FSDP2 on the root alone; per layer with checkpointing either way; a decoder layer's
 # MLP sharded on its own (a wrapping the patched forward can't serve: E0811)
-EXTRA = ("fsdp-root", "fsdp-gc", "fsdp-ckpt", "fsdp-submodule", "fsdp-dcp")
+EXTRA = ("fsdp-root", "fsdp-gc", "fsdp-ckpt", "fsdp-submodule", "fsdp-dcp", "fsdp-fp8")
 
 
 def cases() -> list[dict[str, Any]]:
@@ -152,9 +152,10 @@ def run_case(case: dict[str, Any], rank: int, mesh: Any) -> dict[str, Any]:
     lora = case["wrap"].startswith("fsdp-lora")
     if lora:
         model = with_lora(model, LORA_OWN + (["q_proj", "v_proj"] if case["wrap"] == "fsdp-lora-qkv" else []))
+    fp8 = case["wrap"] == "fsdp-fp8"  # (fp8="delayed", sharded per layer)
     if case["patched"]:
-        patch(family, model)
-    model = wrap(model.get_base_model() if lora else model, "fsdp" if lora else case["wrap"], mesh)
+        patch(family, model, **({"fp8": "delayed"} if fp8 else {}))
+    model = wrap(model.get_base_model() if lora else model, "fsdp" if lora or fp8 else case["wrap"], mesh)
     half = ROWS // WORLD
     rows = slice(rank * half, (rank + 1) * half)
     inner = getattr(model, "module", model)  # DDP's
@@ -339,7 +340,8 @@ def test_root_only_checkpointed_and_a_sharded_submodule(tmp_path: Path) -> None:
     layouts: it loads into an unpatched model in one process, and into a sharded patched one.
     Each decoder layer's MLP sharded as a unit of its own: its forward never runs, so its weights are
     never gathered; the layer's block is refused (E0811) naming the parameter and what to do. peft
-    LoRA per layer (`lora_as_peft`; in the same torchrun: each costs seconds of start-up)."""
+    LoRA per layer (`lora_as_peft`; in the same torchrun: each costs seconds of start-up). fp8="delayed"
+    per layer trains as the bf16 patch does within e4m3's error."""
     lora = ["llama-coda-fsdp-lora", "llama-hf-fsdp-lora", "llama-coda-fsdp-lora-qkv"]
     runs = launch(tmp_path, [key(c) for c in cases() if c["wrap"] in EXTRA] + lora)
     lora_as_peft(runs)
@@ -356,6 +358,15 @@ def test_root_only_checkpointed_and_a_sharded_submodule(tmp_path: Path) -> None:
     want = runs["llama-coda-fsdp-dcp"]["params"]
     for name, p in ref.state_dict().items():
         assert torch.equal(p, want[name]), name
+    # fp8="delayed" under FSDP2 per layer: each rank's own delayed scales (its half of the batch), the
+    # weights' gathered for its blocks: trains as one process does in bf16 within e4m3's error
+    fp8, whole = runs["llama-coda-fsdp-fp8"], single("llama", True)
+    assert "error" not in fp8, fp8.get("error")
+    for a, b in zip(fp8["losses"], whole["losses"], strict=True):
+        assert abs(a - b) < 2e-3 * abs(b), (fp8["losses"], whole["losses"])
+    assert fp8["losses"] != whole["losses"]
+    for name, g in whole["grads"].items():
+        assert torch.isfinite(fp8["grads"][name]).all() and rel(fp8["grads"][name], g) < 0.4, name
     err = runs["llama-coda-fsdp-submodule"]["error"]
     assert "E0811" in err and "parameter `model.layers.0.mlp.gate_up_weight`" in err, err
     assert "model.layers.0.mlp.{gate,up}_proj.weight" in err and "is a DTensor" in err, err
