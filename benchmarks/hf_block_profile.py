@@ -1,4 +1,4 @@
-"""CUDA time per kernel of one Hugging Face patch block's forward+backward at Llama-3.2-1B shapes.
+"""CUDA time per kernel of one Hugging Face patch block's forward+backward (Llama-3.2-1B shapes or `--widths`).
 
 Not a test; on a Hopper GPU host (after `source .gpu/env/gpu.sh`):
 
@@ -6,7 +6,8 @@ Not a test; on a Hopper GPU host (after `source .gpu/env/gpu.sh`):
 
 The block is the one `coda_lang.hf` runs for each decoder layer (`layer`: out-proj .. the next layer's
 QKV and RoPE; `first_qkv`; `last`), in bf16 with random inputs (weights scaled by 1/sqrt(K)), a random
-cotangent for each output, the tiles untuned (CODA_TUNE=0 unless set). Prints the CUDA time per kernel
+cotangent for each output, the tiles untuned (CODA_TUNE=0 unless set; with CODA_TUNE=1 the tuner's
+candidates compile and are timed before the profile). Prints the CUDA time per kernel
 name per step, largest first, and the step's total, so that a stage that takes far longer than its
 memory traffic shows (the elementwise stages run as torch.compile'd kernels). `--cublas` adds a
 table of each GEMM stage (forward, backward) next to cuBLAS's bare GEMM of the same shape and
@@ -31,6 +32,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--block", default="layer", choices=["layer", "first_qkv", "last"])
     p.add_argument("--M", type=int, default=8192)
+    p.add_argument(
+        "--widths",
+        default="2048,32,8,64,8192",
+        help="D,H,KV,HD,F: hidden size, query heads, key/value heads, head size, MLP width "
+        "(default Llama-3.2-1B's; Mistral-7B's: 4096,32,8,128,14336)",
+    )
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--cublas", action="store_true", help="each GEMM stage against cuBLAS's bare GEMM")
@@ -50,10 +57,13 @@ def main() -> None:
     import coda_lang.backend_triton.elementwise as elementwise
     from coda_lang import load
     from coda_lang.hf.blocks import model_source
-    from coda_lang.torch import function
+    from coda_lang.torch import function, wait_for_kernels
 
     elementwise.DYNAMIC = {"true": True, "false": False, "auto": None}[a.dynamic]
-    D, H, KV, HD, F = 2048, 32, 8, 64, 8192
+    try:
+        D, H, KV, HD, F = (int(w) for w in a.widths.split(","))
+    except ValueError:
+        p.error(f"--widths takes five integers D,H,KV,HD,F, not {a.widths!r}")
     P = (H + 2 * KV) * HD // 2
     K = H * HD
     blk = load(model_source("bfloat16", 1e-5, HD, False))[a.block]
@@ -94,6 +104,10 @@ def main() -> None:
             [o for o in outs if o.requires_grad], [torch.ones_like(o) for o in outs if o.requires_grad]
         )
 
+    step()
+    # (the first step runs each stage at its first tile without spills while the others compile in the
+    # background; the steps after them tune: profiled before then, a stage shows its stand-in tile)
+    wait_for_kernels()
     for _ in range(3):
         step()
     if a.device == "cpu":
@@ -101,7 +115,7 @@ def main() -> None:
         return
     torch.cuda.synchronize()
     rows = profile(step, a.steps)
-    print(f"{a.block} at M={a.M}: {len(rows)} kernel names; top {a.top}:")
+    print(f"{a.block} at M={a.M}, widths {a.widths}: {len(rows)} kernel names; top {a.top}:")
     for k, ms in rows[: a.top]:
         print(f"    {ms:8.3f} ms  {k}")
     if a.cublas:

@@ -2,8 +2,8 @@
 
 The epilogue reduces the argument into [-pi, pi] with 2 pi in three f32 parts (Cody-Waite) and takes
 the hardware's sin.approx/cos.approx, which is fast and within about 6e-7 while the reduction is
-exact; beyond FAST_TRIG (and at inf and NaN) it takes libdevice's sinf/cosf, whose reduction uses all
-the bits of 2/pi (Payne-Hanek), as CUDA's sinf does.
+exact; beyond FAST_TRIG (and at inf and NaN) it reduces by the bits of 1/(2 pi) (Payne-Hanek: 64 of
+them, from the argument's exponent on) in a short block of inline PTX.
 
 - The reduction, emulated exactly (each fma rounded once), stays within 1.3e-7 of the true reduced
   argument up to FAST_TRIG, and is far off beyond 2^26 (why the slow path exists).
@@ -11,8 +11,11 @@ the bits of 2/pi (Payne-Hanek), as CUDA's sinf does.
   values of the wrong size and, times an infinite operand, infinities of the wrong sign) and passes a
   model of the new one (sin/cos's own bound is absolute, 2^-20 (1 + |y|), no longer growing with the
   argument).
-- The PTX of a stage with sin and cos has, for each, the branch on FAST_TRIG and libdevice's
-  Payne-Hanek reduction (toolchain; compiled on the CPU).
+- That slow reduction, modelled bit for bit (its words of 1/(2 pi) recomputed from Machin's formula),
+  is within 2^-23 of the exact reduced argument at any finite f32 beyond FAST_TRIG.
+- The PTX of a stage with sin and cos has, for each, the branch on FAST_TRIG and the slow reduction,
+  without local memory and at most three times the PTX of the fast path alone (libdevice's sinf
+  inlined at every sin and cos made it nine times: toolchain; compiled on the CPU).
 - On a Hopper GPU (marked gpu): the kernel against the interpreter at 0, 1e5, 2^23 and just past it,
   3e7, 1e30, 3.4e38, inf, NaN, each times finite and infinite operands.
 """
@@ -47,6 +50,8 @@ INV_TWO_PI, TWO_PI = (
     np.float32(0.15915493667125702),
     (6.2831854820251465, -1.7484555314695172e-07, -7.105427357601002e-15),
 )
+# the first 192 bits of the fraction of 1/(2 pi), as the slow reduction holds them (checked below)
+RECIP_TWO_PI_WORDS = (0x28BE60DB, 0x9391054A, 0x7F09D5F4, 0x7D4D3770, 0x36D8A566, 0x4F10E410)
 ANGLES = [0.0, 0.5, -2.0, 1e5, -1e5, 2.0**23, 2.0**23 + 2, -(2.0**23 + 2), 3e7, 1e30, -1e30, 3.4e38, -3.4e38]
 SPECIAL = [np.inf, -np.inf, np.nan]
 
@@ -72,6 +77,70 @@ def test_the_constants_are_the_epilogues() -> None:
     epi = pytest.importorskip("coda_lang.backend_cute.plan.epi_ops", exc_type=ImportError)
     assert epi.FAST_TRIG == FAST_TRIG and np.float32(epi._INV_TWO_PI) == INV_TWO_PI
     assert (epi._TWO_PI_1, epi._TWO_PI_2, epi._TWO_PI_3) == TWO_PI
+    assert epi.RECIP_TWO_PI_WORDS == RECIP_TWO_PI_WORDS
+
+
+def _pi_times(scale: int) -> int:
+    """floor(pi * scale), by Machin's formula in integers (scale a power of two well above 2^64)."""
+
+    def arctan_inv(x: int) -> int:
+        total = term = (scale << 64) // x
+        n, sign = 1, -1
+        while term:
+            term //= x * x
+            n += 2
+            total += sign * (term // n)
+            sign = -sign
+        return total
+
+    return (4 * (4 * arctan_inv(5) - arctan_inv(239))) >> 64
+
+
+def test_the_slow_reductions_words_are_the_bits_of_one_over_two_pi() -> None:
+    pi = _pi_times(1 << 400)
+    bits = (1 << (400 + 192)) // (2 * pi)  # floor(2^192 / (2 pi)): the fraction's first 192 bits
+    assert tuple((bits >> (32 * (5 - i))) & 0xFFFFFFFF for i in range(6)) == RECIP_TWO_PI_WORDS
+
+
+def big_reduced(x: np.float32) -> np.float32:
+    """The epilogue's slow reduction (epi_ops._big_reduction_ptx) step by step, in integers: |x| = m 2^e,
+    the 64 bits of 1/(2 pi) after bit e, their product with m mod 2^64 as a signed turn, times 2 pi /
+    2^64 in f64, rounded to f32; the sign of x; NaN at inf and NaN."""
+    b32 = int(np.array(x, np.float32).view(np.uint32))
+    ex = (b32 >> 23) & 0xFF
+    if ex == 255:
+        return np.float32(np.nan)
+    m = (b32 & 0x7FFFFF) | 0x800000
+    e = ex - 150
+    w, b = e >> 5, e & 31
+    c0, c1, c2 = RECIP_TWO_PI_WORDS[w : w + 3]
+    mask = (1 << 64) - 1
+    wbits = (((c0 << 32) | c1) << b & mask) | ((c2 << 32) >> (64 - b) if b else 0)
+    p = (m * wbits) & mask
+    turn = p - (1 << 64) if p >> 63 else p
+    r = np.float32(float(turn) * 3.4061215800865545e-19)  # (float(int) rounds to nearest, as cvt.rn)
+    return -r if b32 >> 31 else r
+
+
+def test_the_slow_reduction_is_exact_at_any_finite_argument() -> None:
+    """Within 2^-23 (about an f32 ulp of pi) of x mod 2 pi, from just past FAST_TRIG to the largest
+    f32, both signs, every exponent (and so every word offset and shift, 0 included)."""
+    pi = _pi_times(1 << 400)  # pi * 2^400
+    rng = np.random.default_rng(7)
+    xs = [np.float32(2.0**23 + 2), np.float32(2.0**24), np.float32(3.4028235e38), np.float32(1e30)]
+    for ex in range(151, 255):
+        sig = rng.integers(0x800000, 0x1000000, 3)
+        xs += [np.float32(np.ldexp(float(s), ex - 150)) for s in sig]
+    worst = 0.0
+    for v in xs:
+        for x in (v, -v):
+            # x mod 2 pi into [-pi, pi), exactly, in units of 2^-400
+            n = int(x) << 400
+            t = n % (2 * pi)
+            t = t - 2 * pi if t >= pi else t
+            worst = max(worst, abs(float(big_reduced(x)) - t / 2.0**400))
+    assert worst < 2.0**-23, worst
+    assert np.isnan(big_reduced(np.float32(np.inf))) and np.isnan(big_reduced(np.float32(np.nan)))
 
 
 def test_the_fast_reduction_is_exact_up_to_its_limit_and_not_far_beyond() -> None:
@@ -108,13 +177,13 @@ def _inputs() -> dict[str, np.ndarray]:
 
 
 def _epilogue_model(a: np.ndarray, fn: Any, limit: float) -> np.ndarray:
-    """sin or cos as the epilogue computes it: the reduction then the function, for |a| <= limit; the
-    function itself beyond (the new epilogue's libdevice path; the old one had no limit)."""
+    """sin or cos as the epilogue computes it: the fast reduction then the function, for |a| <= limit;
+    the slow reduction beyond (the epilogue's; the old one had no limit)."""
     out = []
     for v in a:
         with np.errstate(invalid="ignore"):
             fast = bool(np.abs(v) <= limit)
-        out.append(fn(reduced(v)) if fast else fn(v))
+            out.append(fn(reduced(v)) if fast else fn(big_reduced(v)))
     return np.array(out, np.float32)
 
 
@@ -151,8 +220,10 @@ def test_the_accuracy_rule_judges_trig_at_any_argument(limit: float) -> None:
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_the_ptx_has_the_slow_path_for_sin_and_cos(tmp_path: Path) -> None:
     """The stage's sin and cos branch on |x| <= 2^23 (0f4B000000) to sin.approx/cos.approx, and else
-    run libdevice's reduction by the bits of 2/pi (its first words: 0xA2F9836E, 0x4E441529, as PTX
-    immediates)."""
+    run the slow reduction by the words of 1/(2 pi) (PTX immediates of its selects): compact, without
+    local memory or calls. (libdevice's sinf/cosf, inlined at each of the unrolled tile's sin and
+    cos, made this stage's PTX 145 lines per sin or cos and used local memory; the Llama-3.2-1B QKV +
+    RoPE stage took three times as long for it on the GPU.)"""
     from coda_lang.backend_cute.build.compile import compile_spec
     from coda_lang.backend_cute.build.config import TileConfig
     from coda_lang.backend_cute.plan.planner import plan_stage
@@ -162,10 +233,10 @@ def test_the_ptx_has_the_slow_path_for_sin_and_cos(tmp_path: Path) -> None:
     approx = len(re.findall(r"\b(?:sin|cos)\.approx\.f32", ptx))
     # (the compare of one angle serves its sin and its cos, and every element of its column: CSE)
     checks = len(re.findall(r"setp\.\w+\.f32\s+%p\d+, %r\d+, 0f4B000000;", ptx))
-    assert approx > 0 and checks > 0, (approx, checks)
-    words = [int(w) & 0xFFFFFFFF for w in re.findall(r"mov\.b32\s+%r\d+, (-?\d+);", ptx)]
-    assert words.count(0xA2F9836E) >= 1 and words.count(0x4E441529) >= 1
-    assert ptx.count("__local_depot") >= 1  # (the slow path's 7 words of the product)
+    slow = len(re.findall(rf"selp\.b32\s+c0, {RECIP_TWO_PI_WORDS[1]}, {RECIP_TWO_PI_WORDS[0]}, p1;", ptx))
+    assert approx > 0 and checks > 0 and slow > 0, (approx, checks, slow)
+    assert ptx.count("__local_depot") == 0 and not re.search(r"\bcall(\.uni)?\b", ptx)
+    assert len(ptx.splitlines()) < 60 * approx, (len(ptx.splitlines()), approx)
 
 
 @pytest.mark.gpu

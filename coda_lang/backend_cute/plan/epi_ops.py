@@ -47,6 +47,8 @@ import cutlass
 import cutlass.cute as cute
 import quack.epilogue.ops as _quack_ops
 from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 from quack.epilogue.ops import (
     ColVecReduce,
     ColVecSelect,
@@ -57,7 +59,7 @@ from quack.epilogue.ops import (
     rowvec_reduce_accumulate,
 )
 
-VERSION = 10
+VERSION = 11
 
 
 @cute.jit
@@ -99,22 +101,96 @@ def _lse2(a: Any, b: Any) -> Any:
     return hi + _math.log(Float32(1.0) + _math.exp(d, fastmath=True), fastmath=True)
 
 
-# sin and cos for the epilogues: the argument reduced into [-pi, pi] (Cody-Waite: 2 pi in three f32
-# parts, each product with the multiple k exact inside an fma), then the hardware's sin.approx /
-# cos.approx (absolute error 2^-20.9 on [-pi, pi]). The reduction's own error stays below 1.3e-7 for
-# |x| <= FAST_TRIG (2^23; RoPE's angles reach position x frequency: 1.3e5 at 128k tokens), where the
-# unreduced sin.approx loses precision linearly with the argument. CuTeDSL's accurate cos/sin
-# (libdevice) made the Llama-3.2-1B QKV + RoPE epilogue 0.66 ms against 0.14 ms for the bare GEMM (H100,
-# M=8192), so only an argument beyond FAST_TRIG takes it, behind a branch (as CUDA's sinf takes its
-# slow path): past 2^24 the three parts lose bits (k * 2 pi needs more of 2 pi than 72 bits; at 1e30
-# the reduced value was noise, and x * cos(1e30) with x = inf came out -inf or NaN where the
-# interpreter gives +inf), and libdevice's sinf/cosf reduce with all the bits of 2/pi (Payne-Hanek).
-# inf and NaN take that path too: NaN, as the interpreter gives.
+# sin and cos for the epilogues: the argument reduced into [-pi, pi], then the hardware's sin.approx /
+# cos.approx (absolute error 2^-20.9 on [-pi, pi]).
+# - |x| <= FAST_TRIG (2^23; RoPE's angles reach position x frequency: 1.3e5 at 128k tokens): Cody-Waite,
+#   2 pi in three f32 parts, each product with the multiple k exact inside an fma; the reduction's own
+#   error stays below 1.3e-7 there (past 2^24 the three parts lose bits: at 1e30 the reduced value was
+#   noise, and x * cos(1e30) with x = inf came out -inf or NaN where the interpreter gives +inf).
+# - Beyond, behind a branch (as CUDA's sinf takes its slow path): `_reduce_big`, a Payne-Hanek reduction
+#   by 64 bits of 1/(2 pi) in one short block of inline PTX, exact to 2^-37 at any finite argument;
+#   inf and NaN give NaN, as the interpreter does.
+# Why not libdevice's sinf/cosf for that slow path: their Payne-Hanek reduction (a loop over a local
+# array) is inlined at every sin and cos of the epilogue, which the frontend unrolls over the tile: the
+# Llama-3.2-1B QKV + RoPE stage's PTX grew from 3.6k to 31k lines and its kernel from 0.15 ms to 0.45
+# ms (H200, M=8192), though the branch is never taken there.
 FAST_TRIG = 2.0**23
 _INV_TWO_PI = 0.15915493667125702
 _TWO_PI_1 = 6.2831854820251465
 _TWO_PI_2 = -1.7484555314695172e-07
 _TWO_PI_3 = -7.105427357601002e-15
+# the first 192 bits of the fraction 1/(2 pi) = 0.00101000101111100110..., six 32-bit words (2/pi's
+# well-known 0xA2F9836E 0x4E441529 ... shifted right by two); tests/test_trig.py recomputes them
+RECIP_TWO_PI_WORDS = (0x28BE60DB, 0x9391054A, 0x7F09D5F4, 0x7D4D3770, 0x36D8A566, 0x4F10E410)
+
+
+def _big_reduction_ptx() -> str:
+    """|x| = m 2^e (m the 24-bit significand, e = exponent - 23 >= 0 beyond 2^23): x / (2 pi) mod 1 is
+    m times the 64 bits of 1/(2 pi) after its e-th, mod 2^64 (the bits before make whole turns; those
+    after change it by less than m 2^-64 < 2^-40 turns). That product's low 64 bits, as a signed
+    integer, are the turn in [-1/2, 1/2) times 2^64; times 2 pi / 2^64 in f64, the angle in [-pi, pi).
+    The three words after bit e: a chain of selects (no local memory); shifts past a register's width
+    clamp in PTX (shr of 64 bits by 64 - b is done as two shifts, so that b = 0 gives 0)."""
+    c = [str(w) for w in RECIP_TWO_PI_WORDS]
+    pick = []
+    for out, k in (("c0", 0), ("c1", 1), ("c2", 2)):
+        pick.append(f"selp.b32 {out}, {c[k + 1]}, {c[k]}, p1;")
+        pick.append(f"selp.b32 {out}, {c[k + 2]}, {out}, p2;")
+        pick.append(f"selp.b32 {out}, {c[k + 3]}, {out}, p3;")
+    body = [
+        ".reg .b32 xb, ex, mm, e, w, b, c0, c1, c2, sh;",
+        ".reg .b64 A, B, W, P;",
+        ".reg .f64 d;",
+        ".reg .pred p1, p2, p3, pn, pf;",
+        "mov.b32 xb, $1;",
+        "bfe.u32 ex, xb, 23, 8;",
+        "and.b32 mm, xb, 8388607;",
+        "or.b32 mm, mm, 8388608;",
+        "sub.u32 e, ex, 150;",
+        "shr.u32 w, e, 5;",
+        "and.b32 b, e, 31;",
+        "setp.eq.u32 p1, w, 1;",
+        "setp.eq.u32 p2, w, 2;",
+        "setp.eq.u32 p3, w, 3;",
+        *pick,
+        "mov.b64 A, {c1, c0};",
+        "cvt.u64.u32 B, c2;",
+        "shl.b64 B, B, 32;",
+        "shl.b64 W, A, b;",
+        "sub.u32 sh, 63, b;",
+        "shr.b64 B, B, sh;",
+        "shr.b64 B, B, 1;",
+        "or.b64 W, W, B;",
+        "cvt.u64.u32 P, mm;",
+        "mul.lo.u64 P, P, W;",
+        "cvt.rn.f64.s64 d, P;",
+        "mul.f64 d, d, 0d3C1921FB54442D18;",  # 2 pi / 2^64
+        "cvt.rn.f32.f64 $0, d;",
+        "setp.lt.s32 pn, xb, 0;",
+        "@pn neg.f32 $0, $0;",
+        "setp.gt.u32 pf, ex, 254;",  # inf, NaN: x - x is NaN
+        "@pf sub.f32 $0, $1, $1;",
+    ]
+    return "{\n\t" + "\n\t".join(body) + "\n}"
+
+
+_BIG_REDUCTION_PTX = _big_reduction_ptx()
+
+
+@dsl_user_op
+def _reduce_big(x: Any, *, loc: Any = None, ip: Any = None) -> Any:
+    """x reduced into [-pi, pi) for |x| > FAST_TRIG (NaN for inf and NaN): `_big_reduction_ptx`."""
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [Float32(x).ir_value(loc=loc, ip=ip)],
+            _BIG_REDUCTION_PTX,
+            "=f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
 
 
 def _reduce_two_pi(x: Any) -> Any:
@@ -125,27 +201,26 @@ def _reduce_two_pi(x: Any) -> Any:
 
 
 @cute.jit
-def sin_rr(x: Any) -> Any:
-    """sin(x): for |x| <= FAST_TRIG the argument reduced into [-pi, pi], then sin.approx; beyond (and
-    inf, NaN) libdevice's sinf, whose reduction is exact at any argument."""
+def _reduced(x: Any) -> Any:
+    """x reduced into [-pi, pi]: Cody-Waite up to FAST_TRIG, `_reduce_big` beyond (and at inf, NaN)."""
     y = Float32(x)
     if _math.abs(y) <= Float32(FAST_TRIG):
-        y = _math.sin(_reduce_two_pi(y), approx=True)
+        y = _reduce_two_pi(y)
     else:
-        y = _math.sin(y)
+        y = _reduce_big(y)
     return y
 
 
 @cute.jit
+def sin_rr(x: Any) -> Any:
+    """sin(x) at any argument: the argument reduced (`_reduced`), then sin.approx."""
+    return _math.sin(_reduced(x), approx=True)
+
+
+@cute.jit
 def cos_rr(x: Any) -> Any:
-    """cos(x): for |x| <= FAST_TRIG the argument reduced into [-pi, pi], then cos.approx; beyond (and
-    inf, NaN) libdevice's cosf, whose reduction is exact at any argument."""
-    y = Float32(x)
-    if _math.abs(y) <= Float32(FAST_TRIG):
-        y = _math.cos(_reduce_two_pi(y), approx=True)
-    else:
-        y = _math.cos(y)
-    return y
+    """cos(x) at any argument: the argument reduced (`_reduced`), then cos.approx."""
+    return _math.cos(_reduced(x), approx=True)
 
 
 @cute.jit
