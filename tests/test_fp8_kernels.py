@@ -944,21 +944,21 @@ def _gemm_stages(blk: coda_lang.Block) -> list[int]:
     return [k for k, s in enumerate(stages, 1) if s.is_gemm]
 
 
-@pytest.mark.parametrize("fp8_grads", [None, "e5m2"])
-def test_derived_backward_multiplies_unreadable_fp8_operands_in_bf16(fp8_grads: str | None) -> None:
-    """fp8_delayed's derived backward (its GEMMs read the e4m3 weight beside a bf16 or e5m2 cotangent,
-    N-major, and the saved e4m3 hq M-major: none of which quack's fp8 GEMM reads) plans every GEMM: an
-    fp8 operand is multiplied in bf16, which the runtime casts it to (exactly). A user's block with
-    such a GEMM is still E0702 (test_fp8_gemm_layouts_refused); the emulated plan keeps fp8."""
+def test_derived_backward_multiplies_fp8_beside_bf16_in_bf16() -> None:
+    """fp8_delayed's derived backward with bf16 cotangents: its GEMMs read the e4m3 weight and the
+    saved e4m3 hq beside a bf16 cotangent, which quack's fp8 GEMM can't multiply: each such fp8
+    operand is multiplied in bf16, which the runtime casts it to (exactly). A user's block with such
+    a GEMM is still E0702 (test_fp8_gemm_layouts_refused); the emulated plan keeps fp8."""
     import torch
 
-    bwd = _backward(fp8_grads)
+    bwd = _backward(None)
     fp8_ops = 0
+    declared = {p.var.name: p.var.type.dtype for p in bwd.ir.params if p.var.type is not None}
     for k in _gemm_stages(bwd):
         spec = plan_stage(bwd, k)
         g = spec.gemm
         assert (g.a_dtype, g.b_dtype) == ("bf16", "bf16"), (k, g)
-        declared = {p.var.name: p.var.type.dtype for p in bwd.ir.params if p.var.type is not None}
+        assert not (g.copy_a or g.copy_b)
         if declared.get(g.a) in ("e4m3", "e5m2") or declared.get(g.b) in ("e4m3", "e5m2"):
             fp8_ops += 1
             emulated = plan_stage(bwd, k, emulated=True).gemm
@@ -974,9 +974,66 @@ def test_derived_backward_multiplies_unreadable_fp8_operands_in_bf16(fp8_grads: 
         r.spec.gemm.a: torch.empty((m, p), dtype=torch.bfloat16, device="meta"),
     }
     env.update({o.name: 1.0 for o in r.spec.operands if o.name not in env})
-    a_dtype = torch.bfloat16
-    ins, _ = r.arguments({**env, r.spec.gemm.a: env[r.spec.gemm.a].to(a_dtype)})
+    ins, _ = r.arguments(env)
     assert ins[1] is not None and ins[1].dtype == torch.bfloat16 and tuple(ins[1].shape) == (p, n)
+
+
+def test_derived_backward_multiplies_fp8_cotangents_in_fp8() -> None:
+    """With e5m2 cotangents, the backward's GEMMs of two fp8 operands stay fp8 and are compiled
+    K-major: the weight gradient `transpose(dacc2) @ hq` (both stored M-major) with K-major copies of
+    both, the data gradient `dacc2 @ w2` (w2 stored [P, N]: N-major) with one of w2. The GEMMs of
+    16-bit operands are as they were. The emulated plan keeps the program's layouts."""
+    bwd = _backward("e5m2")
+    got = {}
+    for k in _gemm_stages(bwd):
+        g = plan_stage(bwd, k).gemm
+        got[(g.a, g.b)] = g
+        emulated = plan_stage(bwd, k, emulated=True).gemm
+        assert not (emulated.copy_a or emulated.copy_b)
+    wgrad, dgrad = got[("dacc2", "hq")], got[("dacc2", "w2")]
+    assert (wgrad.a_dtype, wgrad.b_dtype) == ("e5m2", "e4m3") == (dgrad.a_dtype, dgrad.b_dtype)
+    assert (wgrad.ta, wgrad.tb, wgrad.copy_a, wgrad.copy_b) == (False, True, True, True)
+    assert (dgrad.ta, dgrad.tb, dgrad.copy_a, dgrad.copy_b) == (False, True, False, True)
+    assert all(
+        g.a_dtype == g.b_dtype == "bf16" and not (g.copy_a or g.copy_b)
+        for g in got.values()
+        if g not in (wgrad, dgrad)
+    )
+
+
+@pytest.mark.parametrize("m", [1000, 1024])
+def test_runtime_hands_the_fp8_gemm_k_major_copies(m: int) -> None:
+    """The runtime's arguments of those two GEMMs (CPU tensors): A [M, K] and B [N, K], K contiguous,
+    each a copy of what is stored the other way round, and a K that is not a multiple of 16 (the
+    weight gradient's: the tokens) zero-padded in both; their product is the program's GEMM."""
+    import torch
+
+    bwd = _backward("e5m2")
+    cb = bwd.cuda(tile=(128, 128))
+    n, p = 1024, 528
+    gen = torch.Generator().manual_seed(3)
+    dacc2 = (torch.randn((m, p), generator=gen) * 4).to(torch.float8_e5m2)
+    hq = (torch.randn((m, n), generator=gen) * 4).to(torch.float8_e4m3fn)
+    w2 = (torch.randn((p, n), generator=gen) * 4).to(torch.float8_e4m3fn)
+    values = {"dacc2": dacc2, "hq": hq, "w2": w2}
+    for k in _gemm_stages(bwd):
+        r = cb.runner(k)
+        g = r.spec.gemm
+        if not (g.copy_a or g.copy_b):
+            continue
+        env: dict[str, Any] = {name: values[name] for name in (g.a, g.b)}
+        env.update({o.name: 1.0 for o in r.spec.operands if o.name not in env})
+        ins, _ = r.arguments(env)
+        A, B = ins[0], ins[1]
+        assert A is not None and B is not None
+        assert A.dtype == values[g.a].dtype and B.dtype == values[g.b].dtype
+        assert A.is_contiguous() and B.is_contiguous() and A.shape[1] == B.shape[1] and A.shape[1] % 16 == 0
+        a, b = values[g.a].double(), values[g.b].double()
+        want = (a.t() if g.copy_a else a) @ (b if g.copy_b else b.t())
+        assert torch.equal(A.double() @ B.double().t(), want)
+        kk = a.shape[0] if g.copy_a else a.shape[1]
+        assert torch.equal(A[:, kk:].double(), torch.zeros_like(A[:, kk:].double()))
+        assert A.shape[1] == -(-kk // 16) * 16
 
 
 @pytest.mark.toolchain
@@ -994,11 +1051,34 @@ def test_derived_backward_with_an_e4m3_weight_compiles(tmp_path_factory: pytest.
     assert c.report is not None and not c.report.spills, c.report.text
 
 
+@pytest.mark.toolchain
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("operands", [("dacc2", "hq"), ("dacc2", "w2")])
+def test_derived_fp8_gemms_compile_to_fp8_wgmma(
+    operands: tuple[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The e5m2-cotangent backward's weight and data gradient GEMMs compile for sm_90a without spills
+    as e5m2 x e4m3 WGMMAs (not a bf16 one)."""
+    from coda_lang.backend_cute.build.compile import compile_stage
+    from coda_lang.backend_cute.build.config import FP8_CANDIDATES, candidates_for
+
+    bwd = _backward("e5m2")
+    k = next(
+        k for k in _gemm_stages(bwd) if (plan_stage(bwd, k).gemm.a, plan_stage(bwd, k).gemm.b) == operands
+    )
+    assert candidates_for(plan_stage(bwd, k)) == FP8_CANDIDATES
+    c = compile_stage(bwd, k, FP8_CANDIDATES[0], directory=tmp_path_factory.mktemp("fp8-bwd8"))
+    assert re.search(r"wgmma\.mma_async\S*\.e5m2\.e4m3", c.ptx), "no e5m2 x e4m3 WGMMA"
+    assert "bf16.bf16" not in c.ptx
+    assert c.report is not None and not c.report.spills, c.report.text
+
+
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("fp8_grads", [None, "e5m2"])
 def test_gpu_fp8_delayed_backward_matches_interpreter(fp8_grads: str | None) -> None:
-    """fp8_delayed's derived backward on the kernels (its fp8 operands multiplied in bf16) against the
+    """fp8_delayed's derived backward on the kernels (bf16 cotangents: its fp8 operands multiplied in bf16;
+    e5m2 cotangents: fp8 GEMMs on K-major copies, K = 1000 padded to 1008) against the
     interpreter on the same backward inputs, within the accuracy rule."""
     import torch
     from runtime_check import to_torch

@@ -228,3 +228,40 @@ def test_widen_on_the_gpu() -> None:
             got, want = dense(x, dtype), x.to(dtype)
             assert got.is_contiguous() and got.dtype == dtype
             assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (64, 64), (100, 37), (130, 257)])
+@pytest.mark.parametrize("pad", [0, 16])
+def test_transposed_on_the_interpreter(shape: tuple[int, int], pad: int) -> None:
+    """An fp8 tensor's transpose, contiguous, with columns past its rows zero to `width` (the next
+    multiple of 16 here when padded): every byte as torch's transpose (every code, NaN included,
+    moved as bytes), at sizes that are multiples of no block."""
+    from coda_lang.backend_triton import layouts
+
+    r, c = shape
+    codes = torch.arange(r * c, dtype=torch.int64).remainder(256).to(torch.uint8).reshape(r, c)
+    x = codes.view(torch.float8_e5m2)
+    width = -(-r // pad) * pad if pad else r
+    got = layouts.transposed(x, width, interpret=True)
+    assert got.dtype == x.dtype and got.shape == (c, width) and got.is_contiguous()
+    assert torch.equal(got.view(torch.uint8)[:, :r], codes.t())
+    assert not got.view(torch.uint8)[:, r:].any()
+
+
+@pytest.mark.gpu
+def test_transposed_on_the_gpu() -> None:
+    """The same on the GPU at a size of many programs, through the runtime's `kmajor_pair` (a weight
+    gradient's two operands, K = the tokens padded to 16)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from coda_lang.backend_cute.runtime.launch import kmajor_pair
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    m, n, k = 1000, 520, 2056
+    a = torch.randint(0, 256, (m, n), dtype=torch.uint8, device="cuda", generator=g).view(torch.float8_e4m3fn)
+    b = torch.randint(0, 256, (m, k), dtype=torch.uint8, device="cuda", generator=g).view(torch.float8_e5m2)
+    A, B = kmajor_pair(a, b, True, True)
+    assert A.shape == (n, 1008) and B.shape == (k, 1008)
+    assert torch.equal(A.view(torch.uint8)[:, :m], a.view(torch.uint8).t())
+    assert torch.equal(B.view(torch.uint8)[:, :m], b.view(torch.uint8).t())
+    assert not A.view(torch.uint8)[:, m:].any() and not B.view(torch.uint8)[:, m:].any()

@@ -19,7 +19,9 @@ gradient with zeros, scatters into it and adds it to the head's: three passes).
 A head dim that is not a power of two (a multiple of 16: Phi-3's 96) is moved as a block of the
 next power of two's columns, the columns beyond it masked (not read or written).
 `widen(src, dtype)` is an fp8 tensor in bf16, f16 or f32 (exact) in one vectorized pass.
-What it does not: convert dtypes (but `scale_round`, `widen` and `tied_grad`), or take head dims below 16
+`transposed(src, width)` is a one-byte tensor's transpose, contiguous, zero-padded to `width` columns:
+the K-major copy of an fp8 operand that a derived backward's fp8 GEMM reads.
+What it does not: convert dtypes (but `scale_round`, `widen` and `tied_grad`), transpose anything but one-byte tensors, or take head dims below 16
 or not a multiple of 16, or tensors on the CPU (`supported` says; the callers copy with torch there).
 Invariants: every element of each part's columns is written once; a part given as None is zeroed;
 `interleave` writes every element of its result once and keeps the lanes' dtype; `scale_round`
@@ -85,6 +87,18 @@ def _widen_kernel(src, out, n, BLOCK: tl.constexpr):
     tl.store(out + i, tl.load(src + i, mask=m).to(tl.float32).to(out.dtype.element_ty), mask=m)
 
 
+def _transpose_kernel(src, out, R, C, W, BR: tl.constexpr, BC: tl.constexpr):
+    # out[c, r] = src[r, c] for r < R, 0 for R <= r < W (bytes: any one-byte dtype)
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    x = tl.load(
+        src + r[:, None].to(tl.int64) * C + c[None, :], mask=(r[:, None] < R) & (c[None, :] < C), other=0
+    )
+    tl.store(
+        out + c[:, None].to(tl.int64) * W + r[None, :], tl.trans(x), mask=(c[:, None] < C) & (r[None, :] < W)
+    )
+
+
 def _tied_kernel(total, scale, perm, starts, rows, out, D, PAD, BD: tl.constexpr, RNE_BF16: tl.constexpr):
     v = tl.program_id(0)
     c = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -111,6 +125,7 @@ _FUNCTIONS = {
     "interleave": _interleave_kernel,
     "scale": _scale_kernel,
     "widen": _widen_kernel,
+    "transpose": _transpose_kernel,
     "tied": _tied_kernel,
 }
 
@@ -165,6 +180,26 @@ def widen(src: torch.Tensor, dtype: torch.dtype, interpret: bool = False) -> tor
     if n:
         block = 4096
         _kernel("widen", interpret)[(triton.cdiv(n, block),)](src, out, n, BLOCK=block)
+    return out
+
+
+def transposed(src: torch.Tensor, width: int | None = None, interpret: bool = False) -> torch.Tensor:
+    """The [C, width] transpose of a one-byte [R, C] tensor (an fp8 GEMM operand made K-major), contiguous,
+    its columns R to `width` (default R) zeros, in one pass of 64 x 64 tiles: torch's copy of the
+    transposed view moves one byte at a time."""
+    assert interpret or src.device.type == "cuda"
+    assert src.dim() == 2 and src.element_size() == 1
+    R, C = src.shape
+    width = R if width is None else width
+    assert width >= R
+    src = src.contiguous()
+    out = torch.empty((C, width), dtype=src.dtype, device=src.device)
+    if C and width:
+        b = 64
+        grid = (triton.cdiv(width, b), triton.cdiv(C, b))
+        _kernel("transpose", interpret)[grid](
+            src.view(torch.uint8), out.view(torch.uint8), R, C, width, BR=b, BC=b
+        )
     return out
 
 

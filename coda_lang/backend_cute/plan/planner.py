@@ -121,28 +121,39 @@ def _gemm(ctx: StageContext) -> Gemm:
     st, sp = ctx.st, ctx.sp
     assert isinstance(st.a, Var) and isinstance(st.b, Var)
     a_dtype, b_dtype = _param_dtype(ctx, st.a), _param_dtype(ctx, st.b)
+    copy_a = copy_b = False
     if (
         ctx.ir.derived
         and not ctx.emulated
         and (is_fp8(a_dtype) or is_fp8(b_dtype))
         and not refusals.fp8_gemm_compiles(st, a_dtype, b_dtype)
     ):
-        # a derived backward's GEMM of an fp8 operand quack's fp8 GEMM can't read (beside a bf16
-        # cotangent, or not K-major): multiplied in the other operand's 16-bit dtype (bf16 if both are
-        # fp8), the runtime casting the fp8 operand first (exact: every fp8 value is a bf16 one)
-        wide = next((d for d in (a_dtype, b_dtype) if d in ("bf16", "f16")), "bf16")
-        a_dtype, b_dtype = (wide if is_fp8(a_dtype) else a_dtype), (wide if is_fp8(b_dtype) else b_dtype)
-    refusals.check_gemm_dtypes(ctx, a_dtype, b_dtype)
+        if is_fp8(a_dtype) and is_fp8(b_dtype):
+            # a derived backward's GEMM of two fp8 operands, one or both not K-major (a weight
+            # gradient's transpose(dacc) @ x, a data gradient's dacc @ w): compiled K-major, the
+            # runtime handing it K-major copies of those (one transposing pass each, fp8 to fp8:
+            # cheaper than widening them to bf16, and the GEMM runs at the fp8 rate)
+            copy_a, copy_b = st.ta, not st.tb
+        else:
+            # beside a 16-bit cotangent: multiplied in that dtype, the runtime casting the fp8
+            # operand first (exact: every fp8 value is a bf16 one)
+            wide = next(d for d in (a_dtype, b_dtype) if not is_fp8(d))
+            wide = wide if wide in ("bf16", "f16") else "bf16"
+            a_dtype, b_dtype = (wide if is_fp8(a_dtype) else a_dtype), (wide if is_fp8(b_dtype) else b_dtype)
+    if not (copy_a or copy_b):
+        refusals.check_gemm_dtypes(ctx, a_dtype, b_dtype)
     return Gemm(
         a=st.a.name,
         b=st.b.name,
         a_dtype=a_dtype,
         b_dtype=b_dtype,
-        ta=st.ta,
-        tb=st.tb,
+        ta=st.ta and not copy_a,
+        tb=st.tb or copy_b,
         rows=sp.rows,
         cols=sp.cols,
         k=sp.k,
+        copy_a=copy_a,
+        copy_b=copy_b,
     )
 
 

@@ -204,6 +204,11 @@ class Gemm:
     rows: Dim
     cols: Dim
     k: Dim
+    # a derived backward's fp8 operand stored the other way round from how the fp8 GEMM reads it (K
+    # contiguous): the kernel is compiled K-major (ta False / tb True) and the runtime hands it a
+    # K-major copy, transposed in one pass (launch.py, `StageRunner.arguments`)
+    copy_a: bool = False  # a is stored [K, M]
+    copy_b: bool = False  # b is stored [K, N]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -302,6 +307,8 @@ def describe(spec: StageSpec) -> list[str]:
     g = spec.gemm
     a = f"transpose({g.a})" if g.ta else g.a
     b = f"transpose({g.b})" if g.tb else g.b
+    a += " (a K-major copy of transpose(" + g.a + "))" if g.copy_a else ""
+    b += " (a K-major copy of " + g.b + ")" if g.copy_b else ""
     lines = [
         f"GEMM: {a} @ {b}: {g.a_dtype} x {g.b_dtype} -> acc f32{shape_str((g.rows, g.cols))}, K = {g.k}; "
         f"mode {spec.mode}"
@@ -379,4 +386,5 @@ def plain_name(gemm: Gemm) -> str:
     """The function name of the bare-GEMM epilogue (D = acc) for these operand dtypes and majors: one
     emitted module, so one kernel per tile, shared by every plain stage of every block (a weight
     gradient in one block is the same kernel as in another)."""
-    return f"plain_{gemm.a_dtype}_{'t' if gemm.ta else 'n'}{'t' if gemm.tb else 'n'}"
+    dtypes = gemm.a_dtype if gemm.b_dtype == gemm.a_dtype else f"{gemm.a_dtype}_{gemm.b_dtype}"
+    return f"plain_{dtypes}_{'t' if gemm.ta else 'n'}{'t' if gemm.tb else 'n'}"

@@ -95,6 +95,40 @@ def dense(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 FP8_TORCH = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_ROW = 16  # fp8 values in the 16 bytes a TMA-loaded row's length must be a multiple of
+
+
+def kmajor_pair(
+    A: torch.Tensor, B: torch.Tensor, copy_a: bool, copy_b: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The operands of a derived backward's fp8 GEMM compiled K-major (spec.Gemm's copy_a / copy_b),
+    as (A [M, K], B [N, K]), K contiguous: `A` as stored ([K, M] where `copy_a`, else [M, K]) and `B`
+    ([K, N] where `copy_b`, else [N, K]), each stored the other way round copied transposed in one
+    pass. A K that is not a multiple of 16 (a weight gradient's K is the tokens) is padded to one
+    with zero columns in both, which add nothing to any product (TMA loads rows of a multiple of
+    16 bytes): the copy is written at that width, the other operand copied into it only then."""
+    k = A.shape[0] if copy_a else A.shape[1]
+    width = -(-k // FP8_ROW) * FP8_ROW
+
+    def kmajor(t: torch.Tensor, copy: bool) -> torch.Tensor:
+        if copy:
+            if t.device.type == "cuda":
+                # lazy: Triton, which only a GPU run needs
+                from coda_lang.backend_triton.layouts import transposed
+
+                return transposed(t, width)
+            out = torch.zeros((t.shape[1], width), dtype=t.dtype, device=t.device)
+            out[:, : t.shape[0]] = t.t()
+            return out
+        if width == k:
+            return t
+        out = torch.zeros((t.shape[0], width), dtype=t.dtype, device=t.device)
+        out[:, :k] = t
+        return out
+
+    return kmajor(A, copy_a), kmajor(B, copy_b)
+
+
 WIDER = (torch.bfloat16, torch.float16, torch.float32)  # what an fp8 value widens to exactly
 
 
@@ -163,6 +197,8 @@ class StageRunner:
         spec, g = self.spec, self.spec.gemm
         A = dense(env[g.a], TORCH_DTYPES[g.a_dtype])
         B = dense(env[g.b], TORCH_DTYPES[g.b_dtype])
+        if g.copy_a or g.copy_b:
+            A, B = kmajor_pair(A, B, g.copy_a, g.copy_b)
         ins: list[torch.Tensor | None] = [A.t() if g.ta else A, B]  # B: (k, n), or (n, k) for transpose(b)
         k = A.shape[0] if g.ta else A.shape[1]
         if is_fp8(g.a_dtype) and not self.emulate and isinstance(k, int) and k % 16:
