@@ -1073,6 +1073,127 @@ def test_derived_fp8_gemms_compile_to_fp8_wgmma(
     assert c.report is not None and not c.report.spills, c.report.text
 
 
+# an fp8 MLP: its derived backward's SwiGLU stage (the down projection's dgrad) is packed (it reads
+# the saved gate/up pre-activation as its C) and, with e5m2 cotangents, stores an e5m2 D
+MLP8 = """
+dims M, D, F
+block mlp(x: e4m3[M, D], w: e4m3[2*F, D], w2: e4m3[D, F], s_a: f32, inv1: f32, inv2: f32) -> (out: bf16[M, D]) {
+  gemm x @ transpose(w) {
+    z = acc * inv1
+    gt, up = pairs(z)
+    aq: e4m3 = silu(gt) * up * s_a
+  }
+  gemm aq @ transpose(w2) {
+    out = acc * inv2
+  }
+}
+"""
+
+
+def _mlp8_backward() -> coda_lang.Block:
+    d = one(MLP8).derivation(["x", "w", "w2"], backward=coda_lang.BackwardOptions(fp8_grads="e5m2"))
+    return d.backward
+
+
+def _packed_stage(blk: coda_lang.Block) -> int:
+    return next(k for k in _gemm_stages(blk) if plan_stage(blk, k).mode == "packed_cd_b16x2")
+
+
+def test_packed_fp8_d_is_stored_in_bf16_rounded_to_odd() -> None:
+    """The packed SwiGLU stage's e5m2 D (quack's packed mode stores C's dtype only) is planned as a
+    bf16 D narrowed by the runtime; the emitted epilogue clamps each lane to +-57344, then rounds it
+    to odd, before quack packs it. Its other GEMMs multiply fp8 by fp8. The emulated plan stores e5m2."""
+    bwd = _mlp8_backward()
+    k = _packed_stage(bwd)
+    spec = plan_stage(bwd, k)
+    assert spec.d is not None and (spec.d.dtype, spec.d.narrow) == ("bf16", "e5m2")
+    emulated = plan_stage(bwd, k, emulated=True)
+    assert emulated.d is not None and (emulated.d.dtype, emulated.d.narrow) == ("e5m2", None)
+    src = emit_stage(spec)
+    name = spec.d.py
+    for lane in (0, 1):
+        sat = re.search(
+            rf"{name}_{lane}_sat = cute\.math\.min\(cute\.math\.max\({name}_{lane}, -57344\.0", src
+        )
+        odd = re.search(rf"{name}_{lane}_sat_odd = round_odd_bf16\({name}_{lane}_sat\)", src)
+        assert sat and odd and sat.start() < odd.start(), src
+    assert f'"D": pack({name}_0_sat_odd, {name}_1_sat_odd)' in src
+    assert all(plan_stage(bwd, j).gemm.a_dtype == "e5m2" for j in _gemm_stages(bwd))
+
+
+def _round_odd_bf16(x: np.ndarray) -> np.ndarray:
+    """epi_ops.round_odd_bf16's PTX, bit for bit: the low 16 bits cut, the last kept bit set if any was."""
+    b = x.astype(np.float32).view(np.uint32)
+    r = (b & np.uint32(0xFFFF0000)) | np.where(b & np.uint32(0xFFFF), np.uint32(0x10000), np.uint32(0))
+    return r.astype(np.uint32).view(np.float32)
+
+
+@pytest.mark.parametrize("dtype", ["e5m2", "e4m3"])
+def test_round_to_odd_then_nearest_even_is_the_direct_rounding(dtype: str) -> None:
+    """Rounding to bf16 by rounding to odd, then to fp8 to nearest even (the kernel's store, then the
+    runtime's narrowing: torch's cast on the CPU), gives the interpreter's direct rounding of the
+    clamped f32 value, code for code: every fp8 code's neighbourhood (the midpoints between codes and
+    one f32 ulp either side, where a double rounding through bf16 to nearest would err), subnormals,
+    random values of every magnitude, the range's ends, NaN."""
+    import torch
+
+    from coda_lang.backend_cute.runtime.launch import _narrow
+    from coda_lang.core.numerics import round_fp8
+
+    fmax = 57344.0 if dtype == "e5m2" else 448.0
+    mlt = ml_dtypes.float8_e5m2 if dtype == "e5m2" else ml_dtypes.float8_e4m3fn
+    codes = np.arange(256, dtype=np.uint8).view(mlt).astype(np.float32)
+    codes = np.sort(codes[np.isfinite(codes)])
+    mids = ((codes[1:].astype(np.float64) + codes[:-1]) / 2).astype(np.float32)
+    near = np.concatenate(
+        [mids, np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(-np.inf))]
+    )
+    rng = np.random.default_rng(5)
+    rand = (rng.standard_normal(200_000) * np.exp2(rng.uniform(-30, 18, 200_000))).astype(np.float32)
+    x = np.concatenate(
+        [codes, near, rand, np.float32([fmax, -fmax, 1e30, -1e30, np.inf, -np.inf, np.nan, 0.0, -0.0])]
+    )
+    clamped = np.clip(x, -fmax, fmax)  # (the epilogue's clamp; NaN stays NaN)
+    carried = _round_odd_bf16(clamped)
+    bf16 = (
+        torch.from_numpy(carried.view(np.uint32) >> 16).to(torch.int32).to(torch.int16).view(torch.bfloat16)
+    )
+    # (the carrier is exactly a bf16 value: its bits, NaN included)
+    assert np.array_equal(bf16.float().numpy().view(np.uint32), carried.view(np.uint32))
+    got = _narrow(bf16, dtype).float().numpy()
+    want = round_fp8(x, dtype).astype(np.float32)
+    same = (got == want) | (np.isnan(got) & np.isnan(want))
+    assert same.all(), (x[~same][:5], got[~same][:5], want[~same][:5])
+    assert np.array_equal(np.signbit(got[~np.isnan(got)]), np.signbit(want[~np.isnan(want)]))
+    # and rounding to bf16 to nearest first would not do (the test can tell the two apart)
+    nearest = torch.from_numpy(clamped).to(torch.bfloat16)
+    assert not np.array_equal(
+        nearest.to(getattr(torch, "float8_e5m2" if dtype == "e5m2" else "float8_e4m3fn"))
+        .float()
+        .numpy()[: len(codes) + len(near)],
+        want[: len(codes) + len(near)],
+    )
+
+
+@pytest.mark.toolchain
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_packed_fp8_d_compiles(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """That packed stage compiles for sm_90a without spills, an e5m2 x e4m3 WGMMA, the rounding to odd
+    inlined (its mask of the 16 cut bits), and no e5m2 conversion of D (the runtime narrows it)."""
+    from coda_lang.backend_cute.build.compile import compile_stage
+    from coda_lang.backend_cute.build.config import candidates_for
+
+    bwd = _mlp8_backward()
+    k = _packed_stage(bwd)
+    c = compile_stage(
+        bwd, k, candidates_for(plan_stage(bwd, k))[0], directory=tmp_path_factory.mktemp("packed8")
+    )
+    assert re.search(r"wgmma\.mma_async\S*\.e5m2\.e4m3", c.ptx)
+    assert "and.b32" in c.ptx and "65535" in c.ptx
+    assert "e5m2x2" not in c.ptx  # (aq's e4m3 store is there; D is stored as bf16 pairs)
+    assert c.report is not None and not c.report.spills, c.report.text
+
+
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("fp8_grads", [None, "e5m2"])
@@ -1102,6 +1223,52 @@ def test_gpu_fp8_delayed_backward_matches_interpreter(fp8_grads: str | None) -> 
     bins, bdims = block.backward_inputs(d, ins, cots, fwd, None)
     for name in d.scales:
         bins[name] = np.float32(3000.0)
+    ref = d.backward.run(bins, dims=bdims)
+    got = d.backward.cuda(poison=True)({name: to_torch(np.asarray(v), "cuda") for name, v in bins.items()})
+    torch.cuda.synchronize()
+    for o in d.backward.ir.outputs:
+        assert o.type is not None
+        g = got[o.name]
+        g = g.float() if isinstance(g, torch.Tensor) and g.dtype != torch.float32 else g
+        why = mismatch(o.name, g, ref[o.name], None, o.type.dtype)
+        assert why is None, why
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("m", [1000, 1024])
+def test_gpu_fp8_mlp_backward_matches_interpreter(m: int) -> None:
+    """MLP8's e5m2-cotangent backward on the kernels (every GEMM fp8 by fp8 on K-major copies; the
+    packed SwiGLU stage's e5m2 D stored in bf16 rounded to odd, narrowed by the runtime) against the
+    interpreter on the same backward inputs, within the accuracy rule (ragged M: the weight
+    gradients' K padded to 16)."""
+    import torch
+    from runtime_check import to_torch
+
+    from coda_lang.testing.compare import mismatch
+
+    os.environ.setdefault("CODA_TUNE", "0")
+    block = one(MLP8)
+    d = block.derivation(["x", "w", "w2"], backward=coda_lang.BackwardOptions(fp8_grads="e5m2"))
+    rng = np.random.default_rng(23)
+    dd, f = 528, 544
+
+    def e4m3(a: np.ndarray) -> np.ndarray:
+        return a.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+    ins = {
+        "x": e4m3(rng.standard_normal((m, dd)) * 4),
+        "w": e4m3(rng.standard_normal((2 * f, dd)) * 4),
+        "w2": e4m3(rng.standard_normal((dd, f)) * 4),
+        "s_a": np.float32(8.0),
+        "inv1": np.float32(1 / 256),
+        "inv2": np.float32(1 / 512),
+    }
+    cots = {"out": rng.standard_normal((m, dd)).astype(np.float32)}
+    fwd = d.forward.run(ins)
+    bins, bdims = block.backward_inputs(d, ins, cots, fwd, None)
+    for name in d.scales:
+        bins[name] = np.float32(4096.0)
     ref = d.backward.run(bins, dims=bdims)
     got = d.backward.cuda(poison=True)({name: to_torch(np.asarray(v), "cuda") for name, v in bins.items()})
     torch.cuda.synchronize()

@@ -20,7 +20,8 @@ A head dim that is not a power of two (a multiple of 16: Phi-3's 96) is moved as
 next power of two's columns, the columns beyond it masked (not read or written).
 `widen(src, dtype)` is an fp8 tensor in bf16, f16 or f32 (exact) in one vectorized pass.
 `transposed(src, width)` is a one-byte tensor's transpose, contiguous, zero-padded to `width` columns:
-the K-major copy of an fp8 operand that a derived backward's fp8 GEMM reads.
+the K-major copy of an fp8 operand that a derived backward's fp8 GEMM reads. `narrowed(src, dtype)`
+rounds a 16-bit tensor to fp8 (a packed stage's fp8 D, which the kernel stores in bf16).
 What it does not: convert dtypes (but `scale_round`, `widen` and `tied_grad`), transpose anything but one-byte tensors, or take head dims below 16
 or not a multiple of 16, or tensors on the CPU (`supported` says; the callers copy with torch there).
 Invariants: every element of each part's columns is written once; a part given as None is zeroed;
@@ -99,6 +100,12 @@ def _transpose_kernel(src, out, R, C, W, BR: tl.constexpr, BC: tl.constexpr):
     )
 
 
+def _narrow_kernel(src, out, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    tl.store(out + i, tl.load(src + i, mask=m).to(tl.float32).to(out.dtype.element_ty), mask=m)
+
+
 def _tied_kernel(total, scale, perm, starts, rows, out, D, PAD, BD: tl.constexpr, RNE_BF16: tl.constexpr):
     v = tl.program_id(0)
     c = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -126,6 +133,7 @@ _FUNCTIONS = {
     "scale": _scale_kernel,
     "widen": _widen_kernel,
     "transpose": _transpose_kernel,
+    "narrow": _narrow_kernel,
     "tied": _tied_kernel,
 }
 
@@ -200,6 +208,20 @@ def transposed(src: torch.Tensor, width: int | None = None, interpret: bool = Fa
         _kernel("transpose", interpret)[grid](
             src.view(torch.uint8), out.view(torch.uint8), R, C, width, BR=b, BC=b
         )
+    return out
+
+
+def narrowed(src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A 16-bit CUDA tensor rounded to an fp8 dtype to nearest even in one pass (Triton's f32 -> fp8
+    conversion, on sm_90 `cvt.rn.satfinite`): a packed stage's fp8 D, which the kernel stores in bf16
+    rounded to odd and already clamped to the fp8 range (launch.py's `_narrow`)."""
+    assert src.device.type == "cuda" and dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    src = src.contiguous()
+    out = torch.empty(src.shape, dtype=dtype, device=src.device)
+    n = src.numel()
+    if n:
+        block = 4096
+        _kernel("narrow", False)[(triton.cdiv(n, block),)](src, out, n, BLOCK=block)
     return out
 
 

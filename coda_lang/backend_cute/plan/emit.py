@@ -214,6 +214,17 @@ class _Emitter:
             if is_fp8(out.dtype) and out.name not in saturated:
                 saturated.add(out.name)
                 self.saturate(out.name, out.dtype)
+            elif out.narrow is not None and out.name not in saturated:
+                # (an fp8 D stored in bf16: clamped as the fp8 store is, then rounded to odd, so that
+                # the runtime's rounding of it to the fp8 dtype is the direct rounding's)
+                saturated.add(out.name)
+                self.saturate(out.name, out.narrow)
+                lanes = []
+                for x in self.lanes[out.name]:
+                    target = self.fresh(f"{x}_odd")
+                    self.lines.append(f"{target} = round_odd_bf16({x})")
+                    lanes.append(target)
+                self.lanes[out.name] = tuple(lanes)
         body += self.lines
         ret: list[str] = []
         if spec.d is not None:

@@ -193,6 +193,32 @@ def _reduce_big(x: Any, *, loc: Any = None, ip: Any = None) -> Any:
     )
 
 
+# x rounded to bf16 by rounding to odd, as an f32 (its low 16 bits cut, the kept part's last bit set
+# when any cut bit was): rounding that to 2 or 3 significand bits (e5m2, e4m3) to nearest even gives
+# what rounding x directly does, since bf16 keeps 8 (more than 2 extra bits: no double rounding). A
+# NaN stays NaN (a cut payload sets the last bit), an infinity and zero stay as they are.
+_ROUND_ODD_BF16_PTX = (
+    "{\n\t.reg .b32 r, lo;\n\t.reg .pred p;\n\tmov.b32 r, $1;\n\tand.b32 lo, r, 65535;\n\t"
+    "and.b32 r, r, -65536;\n\tsetp.ne.u32 p, lo, 0;\n\t@p or.b32 r, r, 65536;\n\tmov.b32 $0, r;\n}"
+)
+
+
+@dsl_user_op
+def round_odd_bf16(x: Any, *, loc: Any = None, ip: Any = None) -> Any:
+    """x rounded to bf16 by rounding to odd, kept in f32 (exactly a bf16 value): `_ROUND_ODD_BF16_PTX`."""
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [Float32(x).ir_value(loc=loc, ip=ip)],
+            _ROUND_ODD_BF16_PTX,
+            "=f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
 def _reduce_two_pi(x: Any) -> Any:
     k = _math.roundeven(x * Float32(_INV_TWO_PI))
     r = _math.fma(k, Float32(-_TWO_PI_1), x)

@@ -26,7 +26,16 @@ from typing import Any
 
 from coda_lang.backend_cute.plan import operands, refusals, sinks
 from coda_lang.backend_cute.plan.context import StageContext, live_eqns, stage_context
-from coda_lang.backend_cute.plan.spec import PACKED, Gemm, Mode, Output, StageSpec, is_wide, plain_name
+from coda_lang.backend_cute.plan.spec import (
+    PACKED,
+    Gemm,
+    Mode,
+    Operand,
+    Output,
+    StageSpec,
+    is_wide,
+    plain_name,
+)
 from coda_lang.frontend.syntax.printer import inline_source
 from coda_lang.ir.nodes import Eqn, Stage, Var
 from coda_lang.ir.types import TILE, TileConstraint, is_fp8
@@ -84,6 +93,7 @@ def run(ctx: StageContext) -> StageSpec:
     )
     loads += indices
     if packed:
+        d = _narrowed(ctx, loads, d)
         refusals.check_packed_cd(ctx, loads, d)
     spec = StageSpec(
         block=ctx.ir.name,
@@ -115,6 +125,16 @@ def run(ctx: StageContext) -> StageSpec:
     )
     # a bare GEMM is one shared kernel per dtype and majors (emit.py writes it without the stage's names)
     return replace(spec, fn_name=plain_name(gemm)) if spec.plain else spec
+
+
+def _narrowed(ctx: StageContext, loads: list[Operand], d: Output | None) -> Output | None:
+    """A packed stage storing an fp8 D (a derived backward's SwiGLU stage with quantized cotangents,
+    beside its bf16 C): D stored in C's dtype, bf16, rounded to odd, and narrowed by the runtime
+    (`Output.narrow`: exact); quack's packed mode stores one 16-bit dtype. Anything else as it is."""
+    c = next((o for o in loads if o.op == "C"), None)
+    if d is None or c is None or ctx.emulated or not is_fp8(d.dtype) or c.dtype != "bf16":
+        return d
+    return replace(d, dtype="bf16", narrow=d.dtype)
 
 
 def _gemm(ctx: StageContext) -> Gemm:

@@ -134,6 +134,11 @@ class Output:
     op: Literal["D", "TileStore"]
     gated: bool = False
     lane: int | None = None
+    # a packed stage's fp8 D (a derived backward's quantized cotangent of a SwiGLU's gate/up: quack's
+    # packed mode stores C's 16-bit dtype only): the kernel stores it in `dtype` (bf16), rounded to odd
+    # from the clamped f32 value, and the runtime rounds that to `narrow` (to nearest even: the same
+    # code as rounding the f32 value directly, bf16 keeping 5 bits more than e5m2 or e4m3)
+    narrow: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

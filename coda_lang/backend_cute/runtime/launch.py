@@ -398,7 +398,7 @@ class StageRunner:
         spec = self.spec
         i = 0
         if spec.d is not None:
-            env[spec.d.name] = outs[0]
+            env[spec.d.name] = outs[0] if spec.d.narrow is None else _narrow(outs[0], spec.d.narrow)
             i = 1
         lanes: dict[str, list[torch.Tensor]] = {}
         for o in spec.outputs:
@@ -423,6 +423,19 @@ class StageRunner:
                 dtype = storage.get(gr.name)
                 env[gr.name] = round_value(outs[i], dtype) if dtype else outs[i]
                 i += 1
+
+
+def _narrow(t: torch.Tensor, dtype: str) -> torch.Tensor:
+    """A packed stage's fp8 D, stored by the kernel in bf16 rounded to odd and clamped (Output.narrow),
+    rounded to `dtype` to nearest even: one Triton kernel on a GPU (layouts.narrowed), torch's cast
+    elsewhere or under a torch.compile trace (both exact: the value is in range or NaN)."""
+    want = TORCH_DTYPES[dtype]
+    if t.device.type == "cuda" and not torch.compiler.is_compiling():
+        # lazy: Triton, which only a GPU run needs
+        from coda_lang.backend_triton.layouts import narrowed
+
+        return narrowed(t, want)
+    return t.to(want)
 
 
 def _interleave(even: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
