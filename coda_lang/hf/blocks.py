@@ -427,10 +427,11 @@ def model_source(
     `FP8_RECIPES` (both write the same program, whose header says "fp8 delayed"; the recipes differ in
     the backward's options only: every layer's gate/up, down and QKV GEMMs in e4m3, their inputs
     quantized in the epilogue or stage that makes them at delayed per-tensor scales, the weights by a
-    stage at the block's start; the out-projection, whose input is the attention's output, and the LM head stay
-    in the model's dtype; with post norms the row stage after the out-projection quantizes the
-    gate/up input, and without pre norms the residual itself is quantized for the QKV GEMM); `fp8_act`: the SwiGLU output
-    quantized in the gate/up epilogue and the down GEMM in e4m3 (else both in the model's dtype)."""
+    stage at the block's start; the out-projection, whose input is the attention's output, and the LM
+    head stay in the model's dtype; with post norms the row stage after the out-projection quantizes
+    the gate/up input, and without pre norms the residual itself is quantized for the QKV GEMM);
+    `fp8_act`: the SwiGLU output quantized in the gate/up epilogue and the down GEMM in e4m3 (else
+    both in the model's dtype)."""
     if fp8 is not None and fp8 not in FP8_RECIPES:
         raise ValueError(f"fp8 must be None or one of {', '.join(map(repr, FP8_RECIPES))}, got {fp8!r}")
     if fp8 is not None and post_norm and not fp8_act:

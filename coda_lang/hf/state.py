@@ -5,7 +5,9 @@ What it does: `ModelState(model, family, loss)` holds the model's facts; `blocks
 model's program (blocks.py) for its shapes at one dtype and makes each block a differentiable torch
 function (`coda_lang.torch.function`; `Blocks`): the first layer's, the layers', the last layer's,
 the logits head and, made when first used, the loss head of each loss mode; their kernels compile
-together at the first call. The blocks of the dtype at patching are made at once (`first`, `layer`,
+together at the first call. With fp8="delayed" the layers' three are made with
+`BackwardOptions(fp8_grads="e5m2")` (blocks.FP8_GRADS), each call passing its call site's cotangent
+scales (fp8.py); the state they are made with, `fp8.NoCallSite`, serves no backward. The blocks of the dtype at patching are made at once (`first`, `layer`,
 `last`, `head_logits`, `row_head()`, `vocab_head()`), those of another dtype (the param_dtype of
 FSDP2's MixedPrecisionPolicy, a model cast after patching) when it first runs. `positions` and
 `freqs` give the default positions and each layer's RoPE frequencies (Gemma 3's per kind of layer),
