@@ -1,11 +1,11 @@
 """Convergence of a small Llama on a fixed offline corpus (this Python's standard library), one training
-run per configuration: HF eager, HF + torch.compile, HF + Liger Kernel, HF + coda (bf16, and fp8="delayed"),
-HF + torchao float8.
+run per configuration: HF eager, HF + torch.compile, HF + Liger Kernel, HF + coda (bf16, fp8="delayed" and
+fp8="delayed-forward"), HF + torchao float8.
 
 Usage:
     python benchmarks/convergence.py prepare --out DIR [--vocab 16384] [--max-files N]
     python benchmarks/convergence.py train --data DIR [--configs eager,compile,liger,coda,coda-fp8,
-        torchao-tensorwise,torchao-rowwise] [--steps 1000] [--seq 1024] [--batch 8] [--lr 6e-4] [--warmup 100] [--clip 1.0]
+        coda-fp8-fwd,torchao-tensorwise,torchao-rowwise] [--steps 1000] [--seq 1024] [--batch 8] [--lr 6e-4] [--warmup 100] [--clip 1.0]
         [--eval-every 100] [--eval-batches 8] [--seed 0] [--size 150m|tiny] [--json FILE] [--device cuda|cpu]
     python benchmarks/convergence.py plot FILE.json --out FILE.svg|FILE.png|FILE.pdf
     the run on one GPU: prepare --out DIR, then train --data DIR --json FILE.json (every configuration,
@@ -44,9 +44,9 @@ transformers' causal-LM loss computed by each configuration's own head (HF's cro
 coda's fused heads, all to the same contract). Every `--eval-every` steps, before the first and after the
 last, the validation loss: the mean over `--eval-batches` fixed batches of val.npy (the same for every
 configuration; no gradients; the model stays in training mode, which changes nothing in a Llama without
-dropout). The configurations (`CONFIGS`: eager, compile, liger, coda and coda-fp8 as hf_train_step.py makes them;
-torchao-tensorwise and torchao-rowwise: torchao's float8 training of that recipe on every nn.Linear but
-the LM head, then torch.compile; an fp8 configuration of coda will be one more entry) run one after
+dropout). The configurations (`CONFIGS`: eager, compile, liger, coda, coda-fp8 (e5m2 cotangents) and
+coda-fp8-fwd (bf16 cotangents) as hf_train_step.py makes them; torchao-tensorwise and torchao-rowwise:
+torchao's float8 training of that recipe on every nn.Linear but the LM head, then torch.compile) run one after
 another in one process, transformers' Llama module restored between them (Liger patches it); what one
 needs that is not here (a GPU, a package) is an error before any training, an unknown name a usage error
 (exit code 2). Per configuration: the loss of each step, the gradient norm, the validation losses, the
@@ -300,6 +300,7 @@ CONFIGS: dict[str, Config] = {
     ),
     "coda": Config(functools.partial(hf_train_step.prepare, name="coda")),
     "coda-fp8": Config(functools.partial(hf_train_step.prepare, name="coda-fp8")),
+    "coda-fp8-fwd": Config(functools.partial(hf_train_step.prepare, name="coda-fp8-fwd")),
     "torchao-tensorwise": Config(
         functools.partial(hf_train_step.prepare, name="torchao-tensorwise"),
         packages=(("torchao", "torchao"),),

@@ -28,7 +28,9 @@ warm-up steps, the first of which times them. `--profile` adds one profiled step
 its CUDA time split into attention, GEMM and other kernels. `--lora R`: peft LoRA of rank R (alpha 2R,
 dropout 0) on q, k, v, o, gate, up and down (Phi-3: qkv, o, gate_up, down), the base frozen, the optimizer over the adapters: applied
 after Liger's patch (which keeps the modules LoRA wraps) and before coda's (which runs LoRA in its
-blocks). `coda-fp8`: `apply_coda(model, fp8="delayed")` (not with --lora). `torchao-tensorwise` / `torchao-rowwise`: torchao's float8 training of that recipe
+blocks). `coda-fp8`: `apply_coda(model, fp8="delayed")`, e4m3 forward GEMMs and e5m2 cotangents (on a
+Hopper GPU its backward does not compile yet: docs/models.md, "fp8 training"); `coda-fp8-fwd`:
+`fp8="delayed-forward"`, the same forward, bf16 cotangents (neither with --lora). `torchao-tensorwise` / `torchao-rowwise`: torchao's float8 training of that recipe
 (`convert_to_float8_training` on every nn.Linear but the LM head), then torch.compile of the model, as
 torchao's own benchmarks run it (its wheel: `pip install torchao`; not with --lora). An unknown
 configuration is a usage error before anything runs, and so is `liger` anywhere but last (Liger replaces
@@ -294,6 +296,10 @@ def torchao_float8(model: Any, recipe: str) -> Any:
     return torch.compile(model)
 
 
+# coda's fp8 configurations, by their recipe: the layers' gate/up, down and QKV GEMMs in e4m3, and
+# ("delayed") the cotangents of their accumulators in e5m2, or ("delayed-forward") in bf16
+CODA_FP8 = {"coda-fp8": "delayed", "coda-fp8-fwd": "delayed-forward"}
+
 CONFIGS = (
     "eager",
     "compile",
@@ -301,6 +307,7 @@ CONFIGS = (
     "coda",
     "coda-vocab",
     "coda-fp8",
+    "coda-fp8-fwd",
     "torchao-tensorwise",
     "torchao-rowwise",
 )
@@ -324,18 +331,17 @@ def prepare(model: Any, name: str, family: str = "llama", lora: int = 0) -> Any:
         if lora:
             raise SystemExit(f"{name}: torchao's float8 training of a LoRA model is not a configuration here")
         return torchao_float8(model, name.removeprefix("torchao-"))
-    if name in ("coda", "coda-vocab", "coda-fp8"):
+    if name in ("coda", "coda-vocab", *CODA_FP8):
         from coda_lang.hf import apply_coda
 
-        # coda-vocab: the loss head's other mode, lse only, the backward in vocabulary chunks;
-        # coda-fp8: fp8="delayed", the layers' gate/up, down and QKV GEMMs in e4m3
-        if name == "coda-fp8" and lora:
-            raise SystemExit("coda-fp8: fp8 blocks refuse LoRA adapters; not a configuration here")
+        # coda-vocab: the loss head's other mode, lse only, the backward in vocabulary chunks
+        if name in CODA_FP8 and lora:
+            raise SystemExit(f"{name}: fp8 blocks refuse LoRA adapters; not a configuration here")
         model = with_lora(model, lora)
         apply_coda(
             model,
             loss_mode="vocab" if name == "coda-vocab" else "rows",
-            fp8="delayed" if name == "coda-fp8" else None,
+            fp8=CODA_FP8.get(name),
         )
         return model
     raise SystemExit(f"unknown configuration {name!r}")

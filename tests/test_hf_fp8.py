@@ -1,7 +1,9 @@
-"""coda_lang.hf with fp8="delayed": a patched tiny LLaMA against an independent torch reference of the same
-recipe (fake quantization to e4m3 at the scales the model ran at, straight-through gradients, float64
-elsewhere), the delayed-scaling rule across steps, activation checkpointing's recomputation at the
-first run's scales, and the refusals (a post-norm family, LoRA adapters, a bad recipe name).
+"""coda_lang.hf with fp8="delayed" and fp8="delayed-forward": a patched tiny LLaMA against an independent
+torch reference of each recipe (fake quantization to e4m3 at the scales the model ran at, straight-through
+gradients, float64 elsewhere; for "delayed" also each quantized GEMM's accumulator's cotangent quantized
+to e5m2 at the scales its backward ran at), the delayed-scaling rule across steps (the forward's scales
+and the cotangents'), activation checkpointing's recomputation at the first run's scales, and the
+refusals (LoRA adapters, a bad recipe name).
 
 On the CPU the blocks run as the kernels' torch stand-ins; the same tests run on a Hopper GPU with the
 CuTeDSL kernels (`-m gpu`, where the model is on CUDA).
@@ -22,10 +24,13 @@ from test_hf import SHAPES as HF_SHAPES  # noqa: E402
 from test_hf import batch as hf_batch  # noqa: E402
 from test_hf import make  # noqa: E402
 
+from coda_lang.core.diagnostics import CodaError  # noqa: E402
 from coda_lang.hf import apply_coda, apply_coda_to_llama, unfused_grads, unpatch  # noqa: E402
 from coda_lang.hf.fp8 import HISTORY  # noqa: E402
 
 E4M3_MAX = 448.0
+E5M2_MAX = 57344.0
+RECIPES = ("delayed", "delayed-forward")  # (e5m2 cotangents, and the model's dtype's)
 SHAPES = {**HF_SHAPES, "num_hidden_layers": 3}  # (test_hf's tiny model, one layer more)
 
 
@@ -39,6 +44,23 @@ def tiny(dtype: torch.dtype = torch.float32, seed: int = 0, **extra) -> transfor
             if "norm" in n:
                 p.uniform_(0.5, 1.5)
     return model
+
+
+class GradQuant(torch.autograd.Function):
+    """The straight-through quantizer of a cotangent ("delayed"'s e5m2 cotangents): the identity
+    forward, and a backward that returns q(g * s) / s, q saturating to +-57344 and rounding to
+    torch's float8_e5m2 (nearest even): what the derived backward stores for a GEMM's acc."""
+
+    @staticmethod
+    def forward(ctx, v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        ctx.s = s
+        return v.clone()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        s = ctx.s.to(g.dtype)
+        q = (g * s).clamp(-E5M2_MAX, E5M2_MAX).to(torch.float8_e5m2).to(g.dtype)
+        return q / s, None
 
 
 def fake_quant(v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -59,11 +81,43 @@ def ran_at(model) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]
     return last[-1], [last[i] for i in range(len(model.model.layers))]
 
 
-def reference_loss(ref, ids, labels, first, layers) -> torch.Tensor:
+def site_fn(model, site: int):
+    """The block function of call site `site` (-1 the first block, i decoder layer i's)."""
+    st = model._coda
+    if site < 0:
+        return st.first
+    return st.last if site == len(model.model.layers) - 1 else st.layer
+
+
+def grads_ran_at(model) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """The e5m2 cotangent scales the last backward ran at (`DelayedScaling.last_scales`), by the weight
+    of the GEMM whose accumulator's cotangent each scales: `dacc<k>_scale` is stage k of the forward
+    block (1-based among its stages), whose B operand is the e4m3 copy `<weight>q` of a weight. The
+    first block's, and each decoder layer's block's."""
+    from coda_lang.ir.nodes import Stage
+
+    grads = bank(model).grads
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for site, state in grads.items():
+        stages = [s for s in site_fn(model, site).block.ir.body if isinstance(s, Stage)]
+        by_weight = {}
+        for name, scale in state.last_scales.items():
+            k = int(name.removeprefix("dacc").removesuffix("_scale"))
+            b = stages[k - 1].b.name
+            assert b in ("w_qkvq", "w_13q", "w_2q"), (site, name, b)
+            by_weight[b.removesuffix("q")] = scale
+        out[site] = by_weight
+    return out[-1], [out[i] for i in range(len(model.model.layers))]
+
+
+def reference_loss(ref, ids, labels, first, layers, grads=None) -> torch.Tensor:
     """The fp8 recipe on the unpatched float64 model `ref`: each layer's q/k/v, gate/up and down GEMMs on
     e4m3 fake-quantized inputs (the norm's weighted input x * g, before the row scale, as the blocks
     quantize it; the SwiGLU output) and weights (q, k and v at one scale, gate and up at one), at
-    the scales the patched model ran at; the out-projection and the LM head unquantized."""
+    the scales the patched model ran at; the out-projection and the LM head unquantized. Each GEMM is
+    the product of the quantized values in scaled units (the blocks' acc) divided by both scales.
+    `grads` ("delayed": (first block's, [each layer's]) cotangent scales by weight, `grads_ran_at`):
+    each such acc passes a `GradQuant` at its call site's scale (q, k and v one acc, gate and up one)."""
     m = ref.model
     n_layers = len(m.layers)
     b, s = ids.shape
@@ -76,18 +130,26 @@ def reference_loss(ref, ids, labels, first, layers) -> torch.Tensor:
     def r(v: torch.Tensor) -> torch.Tensor:
         return torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
 
-    def qlin(v: torch.Tensor, w: torch.Tensor, sv: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
-        return fake_quant(v, sv) @ fake_quant(w, sw).T
+    def qlin(v, w, sv, sw, sg=None) -> torch.Tensor:
+        acc = (fake_quant(v, sv) * sv) @ (fake_quant(w, sw) * sw).T
+        if sg is not None:
+            acc = GradQuant.apply(acc, sg)
+        return acc / (sv * sw)
+
+    def grad_scale(site: dict[str, torch.Tensor] | None, w: str) -> torch.Tensor | None:
+        return None if site is None else site[w]
 
     for i, layer in enumerate(m.layers):
         attn, mlp = layer.self_attn, layer.mlp
         sc_in = first if i == 0 else layers[i - 1]
+        g_in = None if grads is None else grads[0] if i == 0 else grads[1][i - 1]
         s_h = sc_in["h"] if i == 0 else sc_in["x2"]
         hg = x * layer.input_layernorm.weight
         rr = r(x)
-        q = qlin(hg, attn.q_proj.weight, s_h, sc_in["w_qkv"]) * rr
-        k = qlin(hg, attn.k_proj.weight, s_h, sc_in["w_qkv"]) * rr
-        v = qlin(hg, attn.v_proj.weight, s_h, sc_in["w_qkv"]) * rr
+        sg = grad_scale(g_in, "w_qkv")
+        q = qlin(hg, attn.q_proj.weight, s_h, sc_in["w_qkv"], sg) * rr
+        k = qlin(hg, attn.k_proj.weight, s_h, sc_in["w_qkv"], sg) * rr
+        v = qlin(hg, attn.v_proj.weight, s_h, sc_in["w_qkv"], sg) * rr
         hd = attn.head_dim
         q = q.view(b, s, -1, hd).transpose(1, 2)
         k = k.view(b, s, -1, hd).transpose(1, 2)
@@ -99,13 +161,15 @@ def reference_loss(ref, ids, labels, first, layers) -> torch.Tensor:
         y = att.transpose(1, 2).reshape(b, s, -1)
         x1 = x + y @ attn.o_proj.weight.T
         sc = layers[i]
+        g_here = None if grads is None else grads[1][i]
         x1g = x1 * layer.post_attention_layernorm.weight
         r1 = r(x1)
-        gate = qlin(x1g, mlp.gate_proj.weight, sc["x1"], sc["w_13"]) * r1
-        up = qlin(x1g, mlp.up_proj.weight, sc["x1"], sc["w_13"]) * r1
+        sg = grad_scale(g_here, "w_13")
+        gate = qlin(x1g, mlp.gate_proj.weight, sc["x1"], sc["w_13"], sg) * r1
+        up = qlin(x1g, mlp.up_proj.weight, sc["x1"], sc["w_13"], sg) * r1
         a = torch.nn.functional.silu(gate) * up
         if "a" in sc:
-            down = qlin(a, mlp.down_proj.weight, sc["a"], sc["w_2"])
+            down = qlin(a, mlp.down_proj.weight, sc["a"], sc["w_2"], grad_scale(g_here, "w_2"))
         else:
             down = a @ mlp.down_proj.weight.T
         x = x1 + down
@@ -121,18 +185,19 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_fp8_model_against_a_fake_quant_reference() -> None:
-    """float32 model: the loss and every parameter's gradient against the float64 reference of the same
-    recipe at the same scales (close: only e4m3 codes at a rounding midpoint can differ), and much
-    further from the same model unquantized (the quantization is really there)."""
+    """fp8="delayed-forward", float32 model: the loss and every parameter's gradient against the float64
+    reference of the same recipe at the same scales (close: only e4m3 codes at a rounding midpoint can
+    differ), and much further from the same model unquantized (the quantization is really there)."""
     base = tiny()
     ids, labels = hf_batch()
     ref = copy.deepcopy(base).double()
     plain = copy.deepcopy(base).double()
-    model = apply_coda_to_llama(copy.deepcopy(base), fp8="delayed")
+    model = apply_coda_to_llama(copy.deepcopy(base), fp8="delayed-forward")
     for _ in range(2):  # (the second step runs at delayed scales, not the first step's calibrated ones)
         model.zero_grad()
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
+    assert bank(model).grads == {}  # (no fp8 cotangents: no grad states)
     first, layers = ran_at(model)
     assert set(first) == {"h", "w_qkv"}
     assert set(layers[0]) >= {"x1", "w_13", "x2", "w_qkv"} and "x2" not in layers[-1]
@@ -154,11 +219,70 @@ def test_fp8_model_against_a_fake_quant_reference() -> None:
     assert len(got) == len(refs)
 
 
-def test_delayed_scales_follow_the_amax_history() -> None:
+# the parameters whose gradient no quantized cotangent reaches: the LM head's and the final norm's
+# (the loss head is in the model's dtype, and the last block's GEMMs are upstream of the final norm)
+AFTER_THE_LAST_GEMM = {"lm_head.weight", "model.norm.weight"}
+
+
+def test_fp8_grads_against_a_fake_quant_reference() -> None:
+    """fp8="delayed", float32 model, second step (delayed cotangent scales, not the calibrated ones):
+    the loss and every gradient against the float64 reference of the recipe with one more straight-
+    through quantizer on each quantized GEMM's accumulator (identity forward, q(g * s) / s to e5m2 in
+    the backward) at the scales the model's backward ran at, within the forward recipe's tolerances;
+    and the "delayed-forward" model's gradients (the same forward, bf16 cotangents) much further from
+    it, but for the two parameters no quantized cotangent reaches (the cotangent quantization is
+    really there, and only there)."""
+    base = tiny()
+    ids, labels = hf_batch()
+    models, losses = {}, {}
+    for recipe in RECIPES:
+        m = models[recipe] = apply_coda_to_llama(copy.deepcopy(base), fp8=recipe)
+        for _ in range(2):
+            m.zero_grad()
+            loss = m(input_ids=ids, labels=labels).loss
+            loss.backward()
+        losses[recipe] = loss
+    model = models["delayed"]
+    first, layers = ran_at(model)
+    fwd_first, fwd_layers = ran_at(models["delayed-forward"])
+    # (the same forward: the same scales, the same loss)
+    for a, b in zip([first, *layers], [fwd_first, *fwd_layers], strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert losses["delayed"].item() == losses["delayed-forward"].item()
+    g_first, g_layers = grads_ran_at(model)
+    assert set(g_first) == {"w_qkv"}
+    assert [set(g) for g in g_layers] == [{"w_13", "w_2", "w_qkv"}] * 2 + [{"w_13", "w_2"}]
+    for site, state in bank(model).grads.items():
+        assert state.steps == 2 and state.dtype == "e5m2", site
+        for n, sc in state.last_scales.items():  # (the second step's: the first step's amaxes' rule)
+            assert float(sc) not in (0.0, 1.0) and math.isfinite(float(sc)), (site, n)
+    ref = copy.deepcopy(base).double()
+    want = reference_loss(ref, ids, labels, first, layers, (g_first, g_layers))
+    want.backward()
+    loss = losses["delayed"]
+    assert abs(loss.item() - want.item()) < 1e-5 * abs(want.item()), (loss.item(), want.item())
+    got, fwd = unfused_grads(model), unfused_grads(models["delayed-forward"])
+    refs = dict(ref.named_parameters())
+    assert set(got) == set(refs) == set(fwd)
+    for name, g in got.items():
+        w = refs[name].grad
+        e, o = _rel(g, w), _rel(fwd[name], w)
+        assert e < 1e-2, (name, e)
+        if name in AFTER_THE_LAST_GEMM:
+            assert o < 1e-2, (name, e, o)
+        else:  # the bf16-cotangent model's gradient is much further off
+            assert o > 5 * e and o > 1e-3, (name, e, o)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_delayed_scales_follow_the_amax_history(recipe: str) -> None:
     """Each step's scales are 448 / the max of the amaxes recorded so far (at most HISTORY of them); the
-    first step runs at scales calibrated from its own amaxes (never at 1)."""
-    model = apply_coda_to_llama(tiny(), fp8="delayed")
+    first step runs at scales calibrated from its own amaxes (never at 1). "delayed": each call site's
+    cotangent scales too, 57344 / the max of its backwards' amaxes (at most HISTORY), the first
+    backward's calibrated from its own amaxes (never at 1)."""
+    model = apply_coda_to_llama(tiny(), fp8=recipe)
     history: dict[tuple[int, str], list[float]] = {}
+    grad_history: dict[tuple[int, str], list[float]] = {}
     steps = HISTORY + 3  # (past the history's length: the ring drops the oldest)
     for step in range(steps):
         ids, labels = hf_batch(seed=10 + step, s=8 + step)
@@ -175,7 +299,21 @@ def test_delayed_scales_follow_the_amax_history() -> None:
                     # (the scale this step ran at: from the amaxes of the HISTORY steps before it)
                     want = E4M3_MAX / max(history[site, n][-HISTORY - 1 : -1])
                     assert math.isclose(float(s), want, rel_tol=1e-6), (step, site, n, float(s), want)
+        for site, state in b.grads.items():
+            assert state.steps == step + 1, (site, state.steps)
+            for n, a in state.amaxes.items():
+                grad_history.setdefault((site, n), []).append(float(a))
+            for n, s in state.last_scales.items():
+                if step == 0:  # (calibrated: the rule applied to this backward's own amaxes)
+                    want = E5M2_MAX / grad_history[site, n][-1]
+                    assert float(s) != 1.0, (site, n)
+                else:
+                    want = E5M2_MAX / max(grad_history[site, n][-HISTORY - 1 : -1])
+                assert math.isclose(float(s), want, rel_tol=1e-6), (step, site, n, float(s), want)
     assert bank(model).steps == steps and len(history) == 6 * 2 + 4 + 2
+    # "delayed": the first block's QKV, each layer boundary's gate/up, down and QKV, the last's gate/up
+    # and down; "delayed-forward": none
+    assert len(grad_history) == (1 + 3 * 2 + 2 if recipe == "delayed" else 0), sorted(grad_history)
 
 
 def test_weight_amax_is_the_weights() -> None:
@@ -194,16 +332,21 @@ def test_weight_amax_is_the_weights() -> None:
     assert float(st["w_2"]) == mlp.down_proj.weight.abs().max().item()
 
 
-def test_checkpointing_recomputes_at_the_first_runs_scales() -> None:
+@pytest.mark.parametrize(
+    ("recipe", "reentrant"), [("delayed", False), ("delayed", True), ("delayed-forward", False)]
+)
+def test_checkpointing_recomputes_at_the_first_runs_scales(recipe: str, reentrant: bool) -> None:
     """Under activation checkpointing a layer's forward runs twice a step; the second run uses the scales
-    of the first and records nothing: the gradients equal those without checkpointing."""
+    of the first and records nothing: the gradients equal those without checkpointing. "delayed": the
+    backward (of the recomputation's graph under reentrant checkpointing) runs at the call site's
+    cotangent scales and records once a step, as without checkpointing."""
     base = tiny()
     ids, labels = hf_batch()
-    plain = apply_coda_to_llama(copy.deepcopy(base), fp8="delayed")
+    plain = apply_coda_to_llama(copy.deepcopy(base), fp8=recipe)
     ckpt = copy.deepcopy(base)
-    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     ckpt.train()
-    apply_coda_to_llama(ckpt, fp8="delayed")
+    apply_coda_to_llama(ckpt, fp8=recipe)
     plain.train()
     for _ in range(2):
         for m in (plain, ckpt):
@@ -213,14 +356,21 @@ def test_checkpointing_recomputes_at_the_first_runs_scales() -> None:
     for k in g1:
         assert torch.equal(g1[k], g2[k]), k
     assert bank(ckpt).steps == 2
+    grads, plain_grads = bank(ckpt).grads, bank(plain).grads
+    assert set(grads) == set(plain_grads) == (set(range(-1, 3)) if recipe == "delayed" else set())
+    for site, state in grads.items():
+        assert state.steps == 2, (site, state.steps)
+        for n, sc in state.scales.items():
+            assert torch.equal(sc, plain_grads[site].scales[n]), (site, n)
 
 
-def test_bf16_fp8_model_trains() -> None:
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_bf16_fp8_model_trains(recipe: str) -> None:
     """bf16: 8 AdamW steps on one batch lower the loss as the bf16 patched model's do (within 5%)."""
     base = tiny(torch.bfloat16)
     ids, labels = hf_batch()
     out = []
-    for fp8 in (None, "delayed"):
+    for fp8 in (None, recipe):
         m = apply_coda_to_llama(copy.deepcopy(base), fp8=fp8)
         opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
         for _ in range(8):
@@ -235,9 +385,10 @@ def test_bf16_fp8_model_trains() -> None:
 
 
 def test_refusals() -> None:
-    with pytest.raises(ValueError, match="fp8= is 'rowwise'; it takes None"):
+    takes = "it takes None \\(bf16 blocks\\) or 'delayed' or 'delayed-forward'"
+    with pytest.raises(ValueError, match=f"fp8= is 'rowwise'; {takes}"):
         apply_coda_to_llama(tiny(), fp8="rowwise")
-    with pytest.raises(TypeError, match="fp8= is True"):
+    with pytest.raises(TypeError, match=f"fp8= is True; {takes}"):
         apply_coda(tiny(), fp8=True)
     model = tiny()
     with pytest.raises(ValueError, match="fp8= is 'e4m3'"):
@@ -245,33 +396,105 @@ def test_refusals() -> None:
     assert getattr(model, "_coda", None) is None  # nothing patched
 
 
-def test_lora_on_an_fp8_model_is_refused_not_skipped() -> None:
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_lora_on_an_fp8_model_is_refused_not_skipped(recipe: str) -> None:
     peft = pytest.importorskip("peft")
     cfg = peft.LoraConfig(r=4, target_modules=["gate_proj", "up_proj"], lora_dropout=0.0)
-    model = apply_coda_to_llama(peft.get_peft_model(tiny(), cfg), fp8="delayed")
+    model = apply_coda_to_llama(peft.get_peft_model(tiny(), cfg), fp8=recipe)
     ids, labels = hf_batch()
     with pytest.raises(ValueError, match="LoRA adapters on w_13.*no adapter path"):
         model(input_ids=ids, labels=labels)
+    with torch.no_grad(), pytest.raises(ValueError, match="LoRA adapters on w_13.*no adapter path"):
+        model(input_ids=ids, labels=labels)  # (refused before anything runs, with or without grad)
+    assert 0 not in bank(model.get_base_model()).sites
 
 
-def test_unpatch_forgets_the_scales() -> None:
-    """Unpatching drops the scales with the patch; patching again calibrates again."""
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_unpatch_forgets_the_scales(recipe: str) -> None:
+    """Unpatching drops the scales with the patch, the cotangents' too; patching again calibrates
+    again (the forward's at the first forward, the cotangents' at the first backward)."""
+    base = tiny()
+    ids, labels = hf_batch()
+    model = apply_coda_to_llama(copy.deepcopy(base), fp8=recipe)
+    loss = model(input_ids=ids, labels=labels).loss
+    first = loss.item()
+    loss.backward()
+    calibrated = {site: dict(state.last_scales) for site, state in bank(model).grads.items()}
+    model.zero_grad()
+    model(input_ids=ids, labels=labels).loss.backward()
+    if recipe == "delayed":
+        assert len(calibrated) == 4 and all(st.steps == 2 for st in bank(model).grads.values())
+    unpatch(model)
+    assert getattr(model, "_coda", None) is None
+    apply_coda_to_llama(model, fp8=recipe)
+    assert bank(model).steps == 0 and bank(model).grads == {}
+    loss = model(input_ids=ids, labels=labels).loss
+    assert loss.item() == first
+    loss.backward()
+    again = bank(model).grads
+    assert set(again) == set(calibrated)
+    for site, state in again.items():
+        assert state.steps == 1, site
+        for n, sc in state.last_scales.items():
+            assert torch.equal(sc, calibrated[site][n]), (site, n)
+
+
+def test_fp8_model_without_grad() -> None:
+    """fp8="delayed" under torch.no_grad (evaluation): the blocks run and record the forward's amaxes,
+    the cotangents' states stay untouched (no backward), and training afterwards calibrates them at
+    its first backward; the loss is the "delayed-forward" model's, whose forward is the same."""
     base = tiny()
     ids, labels = hf_batch()
     model = apply_coda_to_llama(copy.deepcopy(base), fp8="delayed")
-    first = model(input_ids=ids, labels=labels).loss.item()
-    model(input_ids=ids, labels=labels)
-    unpatch(model)
-    assert getattr(model, "_coda", None) is None
-    apply_coda_to_llama(model, fp8="delayed")
-    assert bank(model).steps == 0
-    assert model(input_ids=ids, labels=labels).loss.item() == first
+    fwd = apply_coda_to_llama(copy.deepcopy(base), fp8="delayed-forward")
+    model.eval()
+    with torch.no_grad():
+        loss = model(input_ids=ids, labels=labels).loss
+        logits = model(input_ids=ids).logits
+    assert torch.isfinite(loss) and torch.isfinite(logits).all()
+    assert bank(model).steps == 2
+    assert set(bank(model).grads) == set(range(-1, 3))
+    assert all(st.steps == 0 and not st.scales for st in bank(model).grads.values())
+    model.train()
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    assert all(st.steps == 1 for st in bank(model).grads.values())
+    with torch.no_grad():
+        fwd(input_ids=ids, labels=labels)
+        fwd(input_ids=ids)
+    assert fwd(input_ids=ids, labels=labels).loss.item() == loss.item()
+
+
+def test_a_block_run_outside_the_forward_has_no_grad_scales() -> None:
+    """The "delayed" block functions serve every call site, each passing its own cotangent scales: a
+    block called directly (no call site) runs its forward, but its backward raises, naming what to do,
+    rather than run at scales shared between layers."""
+    model = apply_coda_to_llama(tiny(), fp8="delayed")
+    st = model._coda
+    first = model.model.coda_first
+    h = torch.randn(8, SHAPES["hidden_size"], requires_grad=True)
+    inputs = dict(
+        h=h,
+        g=first.input_layernorm.weight,
+        w_qkv=first.self_attn.qkv_weight,
+        pos=torch.arange(8.0),
+        freq=st.freq(model, h.device),
+        s_h=torch.tensor(1.0),
+        s_w_qkv=torch.tensor(1.0),
+    )
+    out = st.first(**inputs)
+    with pytest.raises(RuntimeError, match="first_qkv .*ran without its call site's delayed scales"):
+        out["qkv"].sum().backward()
 
 
 def _bf16_against_reference(device: str) -> tuple[float, float, dict[str, tuple[float, float]]]:
-    """A bf16 model patched with fp8="delayed" on `device` (on a Hopper GPU: the kernels) against the float64
-    reference of the recipe at the scales it ran at: (loss error, the unquantized model's loss error,
-    {parameter: (gradient error, the unquantized model's gradient error)}), relative."""
+    """A bf16 model patched with fp8="delayed-forward" on `device` (on a Hopper GPU: the kernels) against
+    the float64 reference of the recipe at the scales it ran at: (loss error, the unquantized model's
+    loss error, {parameter: (gradient error, the unquantized model's gradient error)}), relative.
+    (Not "delayed": its e5m2 cotangents round the bf16 model's cotangents, a few percent off the
+    float64 ones, to codes 25% apart, so the two land on different codes often enough that the
+    reference is no sharper than the unquantized model; test_fp8_grads_against_a_fake_quant_reference
+    checks it in float32.)"""
     shapes = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, head_dim=64, vocab_size=512)
     base = tiny(torch.bfloat16, num_hidden_layers=2, **shapes)
     g = torch.Generator().manual_seed(3)
@@ -279,7 +502,7 @@ def _bf16_against_reference(device: str) -> tuple[float, float, dict[str, tuple[
     labels = ids.clone()
     ref = copy.deepcopy(base).double().to(device)
     plain = copy.deepcopy(base).double().to(device)
-    model = apply_coda_to_llama(copy.deepcopy(base).to(device), fp8="delayed")
+    model = apply_coda_to_llama(copy.deepcopy(base).to(device), fp8="delayed-forward")
     for _ in range(2):
         model.zero_grad()
         loss = model(input_ids=ids, labels=labels).loss
@@ -338,6 +561,7 @@ FAMILY_NAMES = (
 )
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize(
     "family",
     [
@@ -345,23 +569,24 @@ FAMILY_NAMES = (
         for f in FAMILY_NAMES
     ],
 )
-def test_every_family_trains_in_fp8(family: str) -> None:
+def test_every_family_trains_in_fp8(family: str, recipe: str) -> None:
     """float32 tiny models of each family (Qwen3's q/k norm, Qwen2's bias, Granite's multipliers, Phi-3's
     fused projections, the windows, OLMo 2's and Gemma's post norms): the fp8 model's loss and
     gradients are those of the same model patched without fp8 within e4m3's error (3 mantissa bits;
-    OLMo 2 quantizes the residual itself, before any norm, which costs it more), every gradient
-    finite, and the quantization visible (not the bf16 blocks run again)."""
+    OLMo 2 quantizes the residual itself, before any norm, which costs it more) and, with "delayed",
+    e5m2's on the cotangents; every gradient finite, and the quantization visible (not the bf16 blocks
+    run again). "delayed": every call site's backward ran at its own cotangent scales, one step each."""
     base = make(family)
     ids, labels = hf_batch()
     out = {}
-    for fp8 in (None, "delayed"):
+    for fp8 in (None, recipe):
         m = HF[family][2](copy.deepcopy(base), fp8=fp8)
         for _ in range(2):
             m.zero_grad()
             loss = m(input_ids=ids, labels=labels).loss
             loss.backward()
         out[fp8] = (loss.detach(), unfused_grads(m))
-    (l0, g0), (l8, g8) = out[None], out["delayed"]
+    (l0, g0), (l8, g8) = out[None], out[recipe]
     assert abs(l8.item() - l0.item()) < 2e-3 * abs(l0.item()), (l8.item(), l0.item())
     assert l8.item() != l0.item()
     assert set(g8) == set(g0)
@@ -370,6 +595,11 @@ def test_every_family_trains_in_fp8(family: str) -> None:
         assert torch.isfinite(g8[k]).all(), k
         assert e < 0.4, (k, e)
     assert sum(errs.values()) / len(errs) > 1e-2, errs  # (the blocks really quantized)
+    grads = bank(m).grads
+    assert set(grads) == (set(bank(m).sites) if recipe == "delayed" else set())
+    for site, state in grads.items():
+        assert state.steps == 2 and state.names, site
+        assert all(math.isfinite(float(v)) and float(v) > 0 for v in state.scales.values()), site
 
 
 def _olmo2_reference(ref, ids, labels, bank) -> torch.Tensor:
@@ -408,12 +638,12 @@ def _olmo2_reference(ref, ids, labels, bank) -> torch.Tensor:
 
 
 def test_olmo2_fp8_against_a_fake_quant_reference() -> None:
-    """OLMo 2 (post norms, no pre norms, q/k norm over each projection) in float32 against its float64
-    fake-quant reference at the same scales: the loss to 1e-5, every gradient to 1e-2 relative, and
+    """OLMo 2 (post norms, no pre norms, q/k norm over each projection), fp8="delayed-forward", in float32
+    against its float64 fake-quant reference at the same scales: the loss to 1e-5, every gradient to 1e-2 relative, and
     the unquantized model much further off."""
     base = make("olmo2")
     ids, labels = hf_batch()
-    model = HF["olmo2"][2](copy.deepcopy(base), fp8="delayed")
+    model = HF["olmo2"][2](copy.deepcopy(base), fp8="delayed-forward")
     for _ in range(2):
         model.zero_grad()
         loss = model(input_ids=ids, labels=labels).loss
@@ -432,6 +662,20 @@ def test_olmo2_fp8_against_a_fake_quant_reference() -> None:
         assert e < 1e-2 and o > 5 * e, (name, e, o)
 
 
+# "delayed"'s derived backward does not plan for the kernels yet: the down projection's dgrad, whose
+# epilogue runs the SwiGLU backward in quack's packed mode (the double-width gate/up acc tile loaded as
+# C, 16-bit), stores the gate/up GEMM's e5m2 cotangent as its D, and packed mode takes one 16-bit dtype
+# for both (E0702, refusals.check_packed_cd). strict: this test fails once the backend compiles it
+PACKED_E5M2 = pytest.mark.xfail(
+    raises=CodaError,
+    strict=True,
+    reason="E0702: the SwiGLU backward's packed stage stores the e5m2 cotangent beside its bf16 tile",
+)
+
+
+@pytest.mark.parametrize(
+    "recipe", [pytest.param("delayed", marks=PACKED_E5M2, id="delayed"), "delayed-forward"]
+)
 @pytest.mark.parametrize(
     "family",
     [
@@ -439,17 +683,18 @@ def test_olmo2_fp8_against_a_fake_quant_reference() -> None:
         for f in FAMILY_NAMES
     ],
 )
-def test_every_familys_fp8_blocks_plan_for_the_kernels(family: str) -> None:
+def test_every_familys_fp8_blocks_plan_for_the_kernels(family: str, recipe: str) -> None:
     """Each family's fp8 blocks as the patch makes them (first layer, layers, last layer), forward and
-    the backward its autograd derives: every GEMM stage plans for the CuTeDSL kernels (no refusal), and
-    the forward's gate/up, down and QKV GEMMs multiply e4m3 by e4m3 (no GPU needed: the plan, not a
-    launch)."""
+    the backward its autograd derives (with "delayed", its e5m2 cotangents): every GEMM stage plans for
+    the CuTeDSL kernels (no refusal), and the forward's gate/up, down and QKV GEMMs multiply e4m3 by
+    e4m3 (no GPU needed: the plan, not a launch)."""
     from coda_lang.backend_cute.plan.planner import plan_stage
 
-    model = HF[family][2](make(family, torch.bfloat16), fp8="delayed")
+    model = HF[family][2](make(family, torch.bfloat16), fp8=recipe)
     st = model._coda
     fp8_gemms = set()
     for fn in (st.first, st.layer, st.last):
+        assert fn.options.fp8_grads == ("e5m2" if recipe == "delayed" else None)
         d = fn.block.derivation(fn.wrt, backward=fn.options)
         for blk in (d.forward, d.backward):
             for k, stage in enumerate(blk.ir.stages, 1):

@@ -256,8 +256,14 @@ _INPUT_FP8 = """
   am_h = detach(max(amp_h, over=M))
   i0 = 1.0 / (s_h * s_w_qkv)"""
 
-# the fp8 recipes model_source writes (`fp8=`): "delayed", per-tensor scales from past steps' amaxes
-FP8_RECIPES = ("delayed",)
+# the fp8 recipes of a patched model (`fp8=`), both the same program (`model_source`: the gate/up, down
+# and QKV GEMMs in e4m3 at per-tensor scales from past steps' amaxes); they differ in the backward:
+# "delayed" quantizes the cotangent of each of those GEMMs' accumulators to e5m2 at a delayed
+# per-tensor scale of its own (`BackwardOptions(fp8_grads="e5m2")`, hf/fp8.py keeping the scales), so
+# that the backward GEMMs multiply fp8 by fp8; "delayed-forward" keeps the cotangents in the model's dtype
+FP8_RECIPES = ("delayed", "delayed-forward")
+# the dtype each recipe's backward quantizes those cotangents to (`BackwardOptions.fp8_grads`)
+FP8_GRADS: dict[str, str | None] = {"delayed": "e5m2", "delayed-forward": None}
 
 
 # the MLP's gate activations the blocks run, by the config's name: the .coda op of each (`gelu` is the
@@ -417,13 +423,15 @@ def model_source(
     the logits soft-capped at it (Gemma's final_logit_softcapping), written into the heads;
     `head_rows`: a per-head q/k norm in a row stage after the QKV GEMM even where heads fit the
     tiles (the blocks of peft LoRA on q, k or v, whose GEMM adds the adapters' output, a tile the
-    backend's grouped reductions don't read yet: hf/lora.py); `fp8`: None (bf16 blocks) or "delayed"
-    (a key of `FP8_RECIPES`: every layer's gate/up, down and QKV GEMMs in e4m3, their inputs quantized
-    in the epilogue or stage that makes them at delayed per-tensor scales, the weights by a stage at
-    the block's start; the out-projection, whose input is the attention's output, and the LM head stay
-    in the model's dtype; with post norms the row stage after the out-projection quantizes the
-    gate/up input, and without pre norms the residual itself is quantized for the QKV GEMM); `fp8_act`: the SwiGLU output
-    quantized in the gate/up epilogue and the down GEMM in e4m3 (else both in the model's dtype)."""
+    backend's grouped reductions don't read yet: hf/lora.py); `fp8`: None (bf16 blocks) or a recipe of
+    `FP8_RECIPES` (both write the same program, whose header says "fp8 delayed"; the recipes differ in
+    the backward's options only: every layer's gate/up, down and QKV GEMMs in e4m3, their inputs
+    quantized in the epilogue or stage that makes them at delayed per-tensor scales, the weights by a
+    stage at the block's start; the out-projection, whose input is the attention's output, and the LM
+    head stay in the model's dtype; with post norms the row stage after the out-projection quantizes
+    the gate/up input, and without pre norms the residual itself is quantized for the QKV GEMM);
+    `fp8_act`: the SwiGLU output quantized in the gate/up epilogue and the down GEMM in e4m3 (else
+    both in the model's dtype)."""
     if fp8 is not None and fp8 not in FP8_RECIPES:
         raise ValueError(f"fp8 must be None or one of {', '.join(map(repr, FP8_RECIPES))}, got {fp8!r}")
     if fp8 is not None and post_norm and not fp8_act:
@@ -460,8 +468,8 @@ def model_source(
     notes += f", norms of ({float(norm_offset)!r} + w)" if norm_offset else ""
     notes += f", {act}" if act != "silu" else ""
     notes += f", logits soft-capped at {float(softcap)!r}" if softcap is not None else ""
-    notes += (
-        f", fp8 {fp8}" + ("" if fp8_act else " (SwiGLU output and down GEMM in the model's dtype)")
+    notes += (  # (both recipes' program: they differ in the backward's options only)
+        ", fp8 delayed" + ("" if fp8_act else " (SwiGLU output and down GEMM in the model's dtype)")
         if fp8
         else ""
     )

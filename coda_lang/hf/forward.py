@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from coda_lang.backend_cute.runtime.binding import unallocated
+from coda_lang.backend_cute.runtime.grad_scales import DelayedScaling
 from coda_lang.core.diagnostics import CodaError, error
 from coda_lang.hf import fp8, lora
 from coda_lang.hf.blocks import DTYPES
@@ -226,11 +227,14 @@ CHANGED_FLOW = (
 )
 
 
-def run_block(owner: Any, fn: BlockFunction, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """`fn(**inputs)`, run by `owner` (the module whose forward it is); a tensor without memory among
-    the inputs (E0811: a parameter FSDP2 has resharded) is raised naming `owner`'s parameter."""
+def run_block(
+    owner: Any, fn: BlockFunction, inputs: dict[str, Any], grad_scales: DelayedScaling | None = None
+) -> dict[str, torch.Tensor]:
+    """`fn(**inputs)`, run by `owner` (the module whose forward it is), with `grad_scales` (an fp8
+    model's call site's cotangent scales: fp8.py) when given; a tensor without memory among the
+    inputs (E0811: a parameter FSDP2 has resharded) is raised naming `owner`'s parameter."""
     try:
-        return fn(**inputs)
+        return fn(inputs, grad_scales=grad_scales)
     except CodaError as e:
         raise named(owner, fn.name, inputs, e) from None
 
@@ -267,14 +271,14 @@ def run_step(
 ) -> dict[str, torch.Tensor]:
     """Block `name` of the step's blocks, run by `owner` (`run_lora`); in an fp8 model with the delayed
     scales of the call site (`index`: the decoder layer's, -1 the first block's) and its amaxes
-    recorded (fp8.py)."""
+    recorded, and with fp8="delayed" its cotangents' grad state (fp8.py)."""
     st: ModelState = owner._coda
     if st.fp8 is None:
         return run_lora(owner, step.blocks, name, inputs, loras)
     fn = step.blocks.named(name)
     assert st.fp8_bank is not None
     return fp8.run_scaled(
-        st.fp8_bank, owner, step, index, lambda ins: run_block(owner, fn, ins), fn, inputs, loras
+        st.fp8_bank, owner, step, index, lambda ins, gs: run_block(owner, fn, ins, gs), fn, inputs, loras
     )
 
 

@@ -1,5 +1,6 @@
-"""fp8 training of a patched model (`apply_coda(model, fp8="delayed")`): the delayed per-tensor scales
-of each block's e4m3 inputs and weights, kept across steps.
+"""fp8 training of a patched model (`apply_coda(model, fp8="delayed")` or "delayed-forward"): the
+delayed per-tensor scales of each block's e4m3 inputs and weights, and ("delayed") of its e5m2
+cotangents, kept across steps.
 
 What it does: `run_scaled(bank, owner, step, index, run, fn, inputs, loras)` runs block `fn` (blocks.py's
 fp8 variant: its gate/up, down and QKV GEMMs in e4m3) with this step's scales of its call site (`index`:
@@ -15,21 +16,32 @@ A call site's first call calibrates: it runs the block once without autograd at 
 scales from that run's amaxes (current scaling for the first step), so that no step runs at a default scale. A forward run
 again by activation checkpointing (the same decoder layer in the same `Step`) runs at the scales its
 first run used and records nothing, so the recomputed tensors are the ones the first run saved.
+The backward ("delayed": the block functions made with `BackwardOptions(fp8_grads="e5m2")`, state.py):
+each call site has its own `DelayedScaling(initial="calibrate", history=HISTORY)` (`Bank.grads`,
+made with the site), the scales of the e5m2 cotangents of its GEMMs' accumulators (`dacc<k>_scale`),
+passed as `grad_scales=` to every run of the site's block that autograd may differentiate (the
+checkpointing's second run included: under reentrant checkpointing its graph is the one whose
+backward runs); each backward runs at the state's scales and records the amaxes that set the next
+step's (57344 / max of the last HISTORY amaxes), its first one calibrating. "delayed-forward" has no
+grad states: its cotangents stay in the model's dtype.
 What it does not: quantize anything itself (the blocks do), save the scales in the model's
 state_dict (a model loaded from a checkpoint, or a copy of one, calibrates again at its first step),
 or reduce amaxes across data-parallel ranks (each rank keeps its own scales: its activations'
 amaxes; the weights', the same on every rank, agree).
 Invariants: scales and amaxes are f32 tensors on the device of the blocks' inputs, and nothing here
-waits for the GPU; peft LoRA adapters on an fp8 block are refused (ValueError), never skipped.
+waits for the GPU; peft LoRA adapters on an fp8 block are refused (ValueError), never skipped; a
+block function with fp8 cotangents never runs a backward without its call site's grad state
+(`NoCallSite` raises).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from coda_lang.backend_cute.runtime.grad_scales import delayed_scales
+from coda_lang.backend_cute.runtime.grad_scales import DelayedScaling, delayed_scales
 from coda_lang.hf.checks import refuse
 from coda_lang.ir.types import FP8_MAX
 
@@ -43,13 +55,36 @@ def scale_names(block: Any) -> list[str]:
     return [p.var.name[2:] for p in block.ir.params if p.var.name.startswith("s_")]
 
 
+class NoCallSite(DelayedScaling):
+    """The grad state a patched model's block function with fp8 cotangents is made with
+    (coda_lang.torch requires one): one function serves every call site of its block, each of which
+    passes its own (`Bank.grads`, `run_scaled`), so a backward that reaches this state was run
+    without its call site's and raises, rather than share scales between layers."""
+
+    def __init__(self, block: str):
+        super().__init__("calibrate")
+        self.block = block
+
+    def scales_for(self, device: torch.device) -> dict[str, torch.Tensor]:
+        raise RuntimeError(
+            f"coda_lang.hf: the backward of block {self.block} (fp8 cotangents) ran without its call "
+            "site's delayed scales; a patched fp8 model's blocks are run by its forward, which passes "
+            "each call site's DelayedScaling (coda_lang/hf/fp8.py, run_scaled): call the model or its "
+            "decoder layers, not the block functions"
+        )
+
+
 class Bank:
     """The delayed scales of every call site of one patched model: `scales` one f32 vector (each call
     site a slice of it, `sites[index] = (start, names)`), `past` the last HISTORY - 1 steps' amaxes (a
     ring of rows, 0 where none was recorded yet: an amax is >= 0, so a 0 changes no max), `steps` the
-    forwards recorded."""
+    forwards recorded. `cotangents`: the fp8 dtype the blocks' backward quantizes its cotangents to
+    (blocks.FP8_GRADS: "e5m2" for "delayed"), or None; with one, `grads[index]` is each call site's
+    `DelayedScaling` of those cotangents, made with the site."""
 
-    def __init__(self) -> None:
+    def __init__(self, cotangents: str | None = None) -> None:
+        self.cotangents = cotangents
+        self.grads: dict[int, DelayedScaling] = {}
         self.sites: dict[int, tuple[int, tuple[str, ...]]] = {}
         self.scales: torch.Tensor | None = None
         self.past: torch.Tensor | None = None
@@ -59,8 +94,11 @@ class Bank:
         self.amaxes: dict[int, dict[str, torch.Tensor]] = {}
 
     def add(self, index: int, names: list[str], device: torch.device) -> tuple[int, tuple[str, ...]]:
-        """A new call site `index` and its slice, its scales made at 1 (calibrated by the caller)."""
+        """A new call site `index` and its slice, its scales made at 1 (calibrated by the caller), and
+        with fp8 cotangents its grad state (calibrated by its first backward)."""
         assert index not in self.sites, index
+        if self.cotangents is not None:
+            self.grads[index] = DelayedScaling(initial="calibrate", history=HISTORY)
         start = 0 if self.scales is None else self.scales.numel()
         got = self.sites[index] = (start, tuple(names))
         ones = torch.ones(len(names), dtype=torch.float32, device=device)
@@ -101,24 +139,27 @@ def run_scaled(
     owner: Any,
     step: Any,
     index: int,
-    run: Any,
+    run: Callable[[dict[str, Any], DelayedScaling | None], dict[str, torch.Tensor]],
     fn: Any,
     inputs: dict[str, Any],
     loras: dict[str, Any],
 ) -> dict[str, torch.Tensor]:
-    """`run(inputs)` (the block function `fn`, run by `owner`) with the delayed scales of call site
-    `index` added to `inputs`; its amaxes kept in `step.amaxes` for `record`. A call site's second run
-    in one step (activation checkpointing's) reuses the first run's scales and keeps nothing."""
+    """`run(inputs, grad_scales)` (the block function `fn`, run by `owner`) with the delayed scales of
+    call site `index` added to `inputs`, and its cotangents' grad state (`Bank.grads`, None without fp8
+    cotangents); its amaxes kept in `step.amaxes` for `record`. A call site's second run in one step
+    (activation checkpointing's) reuses the first run's scales, with the same grad state, and keeps
+    nothing."""
     active = sorted(k for k, v in loras.items() if v is not None)
     if active:
         raise refuse(
             f"{getattr(owner, '_coda_name', type(owner).__name__)}: peft LoRA adapters on {', '.join(active)}",
-            'fp8="delayed" blocks multiply e4m3 copies of the base weights and have no adapter path yet',
+            'fp8 blocks ("delayed", "delayed-forward") multiply e4m3 copies of the base weights and have '
+            "no adapter path yet",
             "patch without fp8= to train LoRA adapters",
         )
     ran = step.scales.get(index)
     if ran is not None:  # (activation checkpointing runs the layer again in the backward)
-        return run({**inputs, **{f"s_{n}": s for n, s in ran.items()}})
+        return run({**inputs, **{f"s_{n}": s for n, s in ran.items()}}, bank.grads.get(index))
     known = bank.sites.get(index)
     if known is not None:
         names = known[1]
@@ -127,14 +168,14 @@ def run_scaled(
         device = next(v.device for v in inputs.values() if isinstance(v, torch.Tensor))
         start, _ = bank.add(index, list(names), device)
         assert bank.scales is not None
-        with torch.no_grad():
-            out = run({**inputs, **{f"s_{n}": s for n, s in bank.of(index).items()}})
+        with torch.no_grad():  # (no graph: no backward, no grad state)
+            out = run({**inputs, **{f"s_{n}": s for n, s in bank.of(index).items()}}, None)
         amax = torch.stack([out[f"am_{n}"].reshape(()).to(torch.float32) for n in names])
         part = slice(start, start + len(names))
         bank.scales = bank.scales.clone()
         bank.scales[part] = delayed_scales(amax, None, bank.scales[part], E4M3_MAX)
     scales = bank.of(index)
-    out = run({**inputs, **{f"s_{n}": s for n, s in scales.items()}})
+    out = run({**inputs, **{f"s_{n}": s for n, s in scales.items()}}, bank.grads.get(index))
     step.scales[index] = scales
     step.amaxes[index] = {n: out[f"am_{n}"] for n in names}
     return out

@@ -76,8 +76,10 @@ def check_fp8(fp8: Any) -> None:
 def apply(model: Any, family: Family, loss: LossSettings, fp8: str | None = None) -> Any:
     """Patch `model` (a transformers causal LM of `family`, or a peft model of one: its base model is
     patched, its LoRA layers run in the blocks) in place and return it; its LM head makes the loss as
-    `loss` says; `fp8`: None (the blocks in the model's dtype) or "delayed" (the layers' gate/up, down
-    and QKV GEMMs in e4m3 at delayed per-tensor scales: fp8.py)."""
+    `loss` says; `fp8`: None (the blocks in the model's dtype), "delayed" (the layers' gate/up, down
+    and QKV GEMMs in e4m3 at delayed per-tensor scales, and the cotangents of their accumulators in
+    e5m2 at delayed scales of their own, so that the backward's GEMMs multiply fp8 by fp8: fp8.py) or
+    "delayed-forward" (the same forward, the cotangents in the model's dtype)."""
     check_fp8(fp8)
     inner = peft_inner(model)
     if inner is not model:
@@ -110,7 +112,8 @@ def unpatch(model: Any) -> Any:
     """Undo `apply_coda_to_llama` / `apply_coda_to_qwen3` on `model` in place (and return it): each
     layer's q/k/v and gate/up projections split back out of the fused weights exactly (and their
     gradients, when any), every moved module back where Hugging Face has it, the transformers
-    forwards back, the coda state removed. What was changed since patching (a module replaced, an
+    forwards back, the coda state removed (with it an fp8 model's delayed scales, the forward's and
+    the cotangents': patched again, it calibrates again). What was changed since patching (a module replaced, an
     adapter, a checkpoint wrapper) stays as it is. ValueError for a model not patched, sharded, or
     whose forward was wrapped since patching (unpatch it before wrapping)."""
     inner = peft_inner(model)

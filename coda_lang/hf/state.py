@@ -5,7 +5,9 @@ What it does: `ModelState(model, family, loss)` holds the model's facts; `blocks
 model's program (blocks.py) for its shapes at one dtype and makes each block a differentiable torch
 function (`coda_lang.torch.function`; `Blocks`): the first layer's, the layers', the last layer's,
 the logits head and, made when first used, the loss head of each loss mode; their kernels compile
-together at the first call. The blocks of the dtype at patching are made at once (`first`, `layer`,
+together at the first call. With fp8="delayed" the layers' three are made with
+`BackwardOptions(fp8_grads="e5m2")` (blocks.FP8_GRADS), each call passing its call site's cotangent
+scales (fp8.py); the state they are made with, `fp8.NoCallSite`, serves no backward. The blocks of the dtype at patching are made at once (`first`, `layer`,
 `last`, `head_logits`, `row_head()`, `vocab_head()`), those of another dtype (the param_dtype of
 FSDP2's MixedPrecisionPolicy, a model cast after patching) when it first runs. `positions` and
 `freqs` give the default positions and each layer's RoPE frequencies (Gemma 3's per kind of layer),
@@ -26,10 +28,10 @@ import torch
 
 from coda_lang.api import load
 from coda_lang.autodiff.options import BackwardOptions
-from coda_lang.hf.blocks import model_source
+from coda_lang.hf.blocks import FP8_GRADS, model_source
 from coda_lang.hf.checkpoint import Layout
 from coda_lang.hf.family import Family, multipliers, softcap
-from coda_lang.hf.fp8 import Bank
+from coda_lang.hf.fp8 import Bank, NoCallSite
 from coda_lang.hf.loss import LOSS_CHUNK_BYTES, LossSettings
 from coda_lang.hf.masks import layer_kinds
 from coda_lang.hf.split import split
@@ -75,10 +77,16 @@ class Blocks:
                 for p in b.ir.params
                 if p.var.name in weights or p.var.name in ("h", "y", "x", "hg", "r")
             ]
-            return function(b, wrt=wrt, backward=backward)
+            # (fp8 cotangents: each call passes its call site's grad state, fp8.run_scaled)
+            state = NoCallSite(name) if backward is not None and backward.fp8_grads else None
+            return function(b, wrt=wrt, backward=backward, grad_scales=state)
 
-        # the default saved-tensor policy (auto): e.g. the SwiGLU output is recomputed in the backward
-        self.first, self.layer, self.last = fn("first_qkv"), fn("layer"), fn("last")
+        # the default saved-tensor policy (auto): e.g. the SwiGLU output is recomputed in the backward.
+        # fp8="delayed": the cotangents of the e4m3 GEMMs' accumulators quantized to e5m2 (blocks.py,
+        # FP8_GRADS), at each call site's delayed scales (fp8.py, `Bank.grads`)
+        cot = FP8_GRADS[st.fp8] if st.fp8 else None
+        layers = BackwardOptions(fp8_grads=cot) if cot else None
+        self.first, self.layer, self.last = fn("first_qkv", layers), fn("layer", layers), fn("last", layers)
         # the loss head. "vocab": it keeps only its log-sum-exp, its backward runs the GEMM again in
         # chunks of the vocabulary (each chunk's weight gradient complete): four GEMMs. "rows": chunks
         # of rows, each chunk's forward keeping its logits and its backward run at once in the
@@ -181,7 +189,8 @@ class ModelState:
         self.qk_norm = family.qk_norm
         self.H, self.KV, self.HD, self.D, self.eps, dtype, self.multipliers, self.softcap, kinds, fp8 = facts
         self.fp8: str | None = fp8  # the fp8 recipe of the blocks (blocks.FP8_RECIPES), or None: bf16
-        self.fp8_bank: Bank | None = Bank() if fp8 else None  # its delayed scales (fp8.py)
+        # its delayed scales, and those of its e5m2 cotangents with "delayed" (fp8.py)
+        self.fp8_bank: Bank | None = Bank(FP8_GRADS[fp8]) if fp8 else None
         self.kinds: tuple[str, ...] = kinds  # each decoder layer's kind of attention (masks.py)
         self.dtype = dtype  # the dtype at patching; the blocks of another are made when it runs
         self.loss = loss
