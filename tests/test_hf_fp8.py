@@ -24,7 +24,6 @@ from test_hf import SHAPES as HF_SHAPES  # noqa: E402
 from test_hf import batch as hf_batch  # noqa: E402
 from test_hf import make  # noqa: E402
 
-from coda_lang.core.diagnostics import CodaError  # noqa: E402
 from coda_lang.hf import apply_coda, apply_coda_to_llama, unfused_grads, unpatch  # noqa: E402
 from coda_lang.hf.fp8 import HISTORY  # noqa: E402
 
@@ -662,20 +661,7 @@ def test_olmo2_fp8_against_a_fake_quant_reference() -> None:
         assert e < 1e-2 and o > 5 * e, (name, e, o)
 
 
-# "delayed"'s derived backward does not plan for the kernels yet: the down projection's dgrad, whose
-# epilogue runs the SwiGLU backward in quack's packed mode (the double-width gate/up acc tile loaded as
-# C, 16-bit), stores the gate/up GEMM's e5m2 cotangent as its D, and packed mode takes one 16-bit dtype
-# for both (E0702, refusals.check_packed_cd). strict: this test fails once the backend compiles it
-PACKED_E5M2 = pytest.mark.xfail(
-    raises=CodaError,
-    strict=True,
-    reason="E0702: the SwiGLU backward's packed stage stores the e5m2 cotangent beside its bf16 tile",
-)
-
-
-@pytest.mark.parametrize(
-    "recipe", [pytest.param("delayed", marks=PACKED_E5M2, id="delayed"), "delayed-forward"]
-)
+@pytest.mark.parametrize("recipe", ["delayed", "delayed-forward"])
 @pytest.mark.parametrize(
     "family",
     [
@@ -687,12 +673,16 @@ def test_every_familys_fp8_blocks_plan_for_the_kernels(family: str, recipe: str)
     """Each family's fp8 blocks as the patch makes them (first layer, layers, last layer), forward and
     the backward its autograd derives (with "delayed", its e5m2 cotangents): every GEMM stage plans for
     the CuTeDSL kernels (no refusal), and the forward's gate/up, down and QKV GEMMs multiply e4m3 by
-    e4m3 (no GPU needed: the plan, not a launch)."""
+    e4m3. With "delayed" the backward's data and weight gradients of those GEMMs multiply e5m2 by
+    e4m3 (K-major copies where stored otherwise), the SwiGLU stage's e5m2 cotangent stored in bf16
+    and narrowed; with "delayed-forward" no backward GEMM is fp8 (no GPU needed: the plan, not a
+    launch)."""
     from coda_lang.backend_cute.plan.planner import plan_stage
 
     model = HF[family][2](make(family, torch.bfloat16), fp8=recipe)
     st = model._coda
     fp8_gemms = set()
+    backward_fp8: dict[str, int] = {}
     for fn in (st.first, st.layer, st.last):
         assert fn.options.fp8_grads == ("e5m2" if recipe == "delayed" else None)
         d = fn.block.derivation(fn.wrt, backward=fn.options)
@@ -700,9 +690,14 @@ def test_every_familys_fp8_blocks_plan_for_the_kernels(family: str, recipe: str)
             for k, stage in enumerate(blk.ir.stages, 1):
                 if stage.a is None:  # (an elementwise stage: no GEMM)
                     continue
-                g = plan_stage(blk, k).gemm
+                spec = plan_stage(blk, k)
+                g = spec.gemm
                 if blk is d.forward and g.a_dtype == g.b_dtype == "e4m3":
                     fp8_gemms.add((fn.name, g.b))
+                if blk is d.backward and "e5m2" in (g.a_dtype, g.b_dtype):
+                    assert recipe == "delayed" and g.b_dtype == "e4m3" and not g.ta and g.tb, (fn.name, g)
+                    backward_fp8[fn.name] = backward_fp8.get(fn.name, 0) + 1
+                    assert spec.d is None or spec.d.dtype != "e5m2"  # (a packed D is narrowed)
     assert fp8_gemms >= {
         ("first_qkv", "w_qkvq"),
         ("layer", "w_13q"),
@@ -711,3 +706,6 @@ def test_every_familys_fp8_blocks_plan_for_the_kernels(family: str, recipe: str)
         ("last", "w_13q"),
         ("last", "w_2q"),
     }, fp8_gemms
+    # each e4m3 GEMM's dgrad and wgrad: 2 in the first block, 6 in a layer's, 4 in the last's
+    want = {"first_qkv": 2, "layer": 6, "last": 4} if recipe == "delayed" else {}
+    assert backward_fp8 == want, backward_fp8
