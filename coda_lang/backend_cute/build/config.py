@@ -94,9 +94,13 @@ TUNE_CANDIDATES = (
 # each K tile's WGMMA result is added into a second accumulator, so the sum keeps f32's precision,
 # which Hopper's fp8 WGMMA accumulator alone does not), twice the accumulator registers of a 16-bit
 # GEMM: quack's 128-row pingpong tiles spill from 128x128 up (512 bytes at 128x128, ptxas, sm_90a),
-# the cooperative 256x128 too. These fit (no spills with fp8_delayed's second GEMM):
+# the cooperative 256x128 and 128x256 too. These fit (no spills with fp8_delayed's second GEMM, nor
+# with the fp8 Llama layer's forward and backward GEMMs: each of the cooperative 128x192's two
+# consumer warpgroups holds 64x192 twice, the widest that fits):
 FP8_CANDIDATES = (
     TileConfig(128, 128, 2, 1, False),
+    TileConfig(128, 192, 2, 1, False),
+    TileConfig(128, 192, 1, 2, False),
     TileConfig(128, 96),
     TileConfig(128, 64),
 )
