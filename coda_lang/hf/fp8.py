@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from coda_lang.backend_cute.runtime.grad_scales import DelayedScaling, delayed_scales
+from coda_lang.backend_cute.runtime.grad_scales import DelayedScaling, delayed_scales, f32_row
 from coda_lang.hf.checks import refuse
 from coda_lang.ir.types import FP8_MAX
 
@@ -124,8 +124,8 @@ class Bank:
             if got is None:  # (a call site that did not run this step: its amax is no evidence)
                 parts.extend(self.scales.new_zeros(()) for _ in names)
             else:
-                parts.extend(got[n].detach().reshape(()).to(torch.float32) for n in names)
-        a = torch.stack(parts)
+                parts.extend(got[n] for n in names)
+        a = f32_row(parts)
         self.scales = delayed_scales(a, self.past, self.scales, E4M3_MAX)
         if HISTORY > 1:
             if self.past is None:

@@ -37,6 +37,17 @@ from coda_lang.ir.types import FP8_MAX
 __all__ = ["DelayedScaling"]
 
 
+def f32_row(values: list[torch.Tensor]) -> torch.Tensor:
+    """One-element tensors as one detached f32 vector: one stack where they are all 0-d f32 tensors on
+    one device (a step's amaxes and scales: a few launches fewer per call site, which the host's
+    time of an fp8 step shows), else each reshaped and cast first."""
+    if values and all(
+        v.dim() == 0 and v.dtype == torch.float32 and v.device == values[0].device for v in values
+    ):
+        return torch.stack(values).detach()
+    return torch.stack([v.detach().reshape(()).to(torch.float32) for v in values])
+
+
 class DelayedScaling:
     """Delayed per-tensor scales for the fp8 cotangents of one call site's backward; see the module
     docstring. `initial`: a number, {scale name: number} or "calibrate" (required: there is no
@@ -129,7 +140,7 @@ class DelayedScaling:
 
     def _row(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
         """`values` by name as one f32 vector in the order of `names`."""
-        return torch.stack([values[n].detach().reshape(()).to(torch.float32) for n in self.names])
+        return f32_row([values[n] for n in self.names])
 
     def next_scales(
         self, amaxes: dict[str, torch.Tensor], scales: dict[str, torch.Tensor]
