@@ -789,3 +789,72 @@ def test_jobs_stop_at_the_first_failure_and_report_it(
     _drop_last_tile(monkeypatch)
     code, out2, _ = fuzz(capsys, *repro_args(out))
     assert code == 1 and failing_dims(out2) == dims, out2
+
+
+# ------------------------------------------------------------------ fp8 cotangents
+
+FP8_DELAYED = str(ROOT / "examples" / "fp8_delayed.coda")
+
+
+@pytest.mark.parametrize("target", ["interp", "emulate"])
+@pytest.mark.parametrize("extra", [[], ["--special"], ["--remat", "save"]], ids=["plain", "special", "save"])
+def test_fp8_cotangents_pass(capsys: pytest.CaptureFixture[str], target: str, extra: list[str]) -> None:
+    """--fp8-grads e5m2: the backward under test and its references quantize fp8_delayed's cotangents."""
+    if target == "emulate":
+        pytest.importorskip("torch")
+    code, out, err = fuzz(
+        capsys, FP8_DELAYED, "--examples", "10", "--target", target, "--fp8-grads", "e5m2", *extra
+    )
+    assert code == 0, out + err
+    remat = "save" if "save" in extra else "auto"
+    assert f"10 cases (forward and backward, --remat {remat} --fp8-grads e5m2), target {target}" in out, out
+
+
+def test_a_backward_that_skips_the_cotangent_quantizer_is_caught(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The references quantize the cotangents; a path under test that does not (its derived backward
+    made without fp8 cotangents) fails, and the reproduce command names --fp8-grads."""
+    pytest.importorskip("torch")
+    from coda_lang.fuzz import fuzzer as fuzzer_mod
+
+    made = fuzzer_mod.Fuzzer._autograd
+
+    def unquantized(self: Any, emulate: bool) -> Any:
+        keep = self.fp8_grads
+        self.fp8_grads = None
+        try:
+            return made(self, emulate)
+        finally:
+            self.fp8_grads = keep
+
+    monkeypatch.setattr(fuzzer_mod.Fuzzer, "_autograd", unquantized)
+    monkeypatch.setattr(fuzzer_mod.Fuzzer, "grad_scales", lambda self: None)
+    code, out, err = fuzz(
+        capsys, FP8_DELAYED, "--examples", "20", "--target", "emulate", "--fp8-grads", "e5m2", "--no-shrink"
+    )
+    assert code == 1, out + err
+    assert "gradient of" in out and "--fp8-grads e5m2" in out, out
+    monkeypatch.undo()
+    code, out, err = fuzz(capsys, *repro_args(out))
+    assert code == 0, out + err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--programs", "2", "--fp8-grads", "e5m2"],
+        [FP8_DELAYED, "--no-backward", "--fp8-grads", "e5m2"],
+        [FP8_DELAYED, "--chunk", "4", "--fp8-grads", "e5m2"],
+        [FP8_DELAYED, "--fp8-grads", "e3m4"],
+    ],
+    ids=["programs", "no-backward", "chunk", "dtype"],
+)
+def test_fp8_cotangents_usage_errors(capsys: pytest.CaptureFixture[str], args: list[str]) -> None:
+    try:
+        code = main(["fuzz", *args])
+    except SystemExit as e:  # (argparse's own usage error: exit 2 too)
+        code = e.code
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    assert "--fp8-grads" in err and "Traceback" not in err, err

@@ -115,6 +115,13 @@ def add_parser(sub: Any) -> None:
         help="run the backward in chunks of this dim (Block.vjp chunk_dim=; e.g. V, a vocabulary's "
         "columns; alone, it means --chunk auto) instead of the rows; with a FILE",
     )
+    f.add_argument(
+        "--fp8-grads",
+        choices=("e5m2", "e4m3"),
+        help="quantize the backward's cotangents of each fp8 GEMM stage to this dtype, as `coda grad "
+        "--fp8-grads` (BackwardOptions(fp8_grads=)), every scale 1, in the backward under test and its "
+        "references; unchunked; with a FILE",
+    )
     f.add_argument("--no-backward", action="store_true", help="fuzz the forward only")
     f.add_argument("--no-shrink", action="store_true", help="report the first failing case as found")
     f.add_argument("--programs", type=int, metavar="N", help="fuzz N random programs instead of FILE")
@@ -241,6 +248,13 @@ def _run(args: Any) -> int:
         named = " and ".join(f"--{f.replace('_', '-')}" for f in given)
         verb = "chooses" if len(given) == 1 else "choose"
         return usage_error(f"{named} {verb} the backward under test; --no-backward checks none")
+    if args.fp8_grads is not None and (args.no_backward or args.programs is not None):
+        return usage_error(
+            "--fp8-grads quantizes the cotangents of FILE's backward; it goes with a FILE and a backward "
+            "(not with --programs or --no-backward)"
+        )
+    if args.fp8_grads is not None and options.chunked:
+        return usage_error("--fp8-grads runs the backward unchunked; drop --chunk, --budget and --chunk-dim")
     if args.programs is not None and args.chunk_dim is not None:
         return usage_error(
             "--chunk-dim names a dim of FILE's block; it goes with a FILE, not with --programs"
@@ -335,6 +349,7 @@ def _run(args: Any) -> int:
                 special=args.special,
                 tile=tile,
                 sim_tile=sim_tile,
+                fp8_grads=args.fp8_grads,
             )
         except CodaError as e:
             print(render_all(e.diagnostics, e.sources, "human"), file=sys.stderr)
@@ -376,6 +391,8 @@ def _run(args: Any) -> int:
             what = "forward"
         else:
             what = f"forward and backward, --remat {fz.remat}"
+            if fz.fp8_grads is not None:
+                what += f" --fp8-grads {fz.fp8_grads}"
             if fz.chunk_plan is not None:
                 flags = options.flags()  # (the policy is named above)
                 what += "".join(f" {f}" for f in (flags[2:] if flags[:1] == ["--remat"] else flags))

@@ -203,7 +203,7 @@ class CaseDraws:
         assert o is not None
         kind, n, r = pick
         if kind == "none":
-            return BackwardOptions(o.remat)
+            return BackwardOptions(o.remat, fp8_grads=o.fp8_grads)
         if kind == "fixed":
             return o if o.chunk is not None else o.with_(chunk="auto")
         plan = self.chunk_plan
@@ -238,7 +238,7 @@ class CaseDraws:
         o = self.options
         assert o is not None
         if self.chunk_plan is None or not (self.draw or o.chunked):
-            return Case(dict(dims), seed, self.sim_tile, BackwardOptions(o.remat), self.tile)
+            return Case(dict(dims), seed, self.sim_tile, BackwardOptions(o.remat, fp8_grads=o.fp8_grads), self.tile)
         if not self._fixed():
             return None
         return Case(dict(dims), seed, self.sim_tile, self._chunk_of(dims, ("fixed", 0, 0)), self.tile)

@@ -48,6 +48,7 @@ class Comparisons:
     target: str
     special: bool | tuple[str, ...]
     remat: str
+    fp8_grads: str | None
     crash: str | None
     derivation: Any
     cb: Any
@@ -56,6 +57,14 @@ class Comparisons:
 
     def _chunked_fn(self, options: BackwardOptions) -> Any:
         raise NotImplementedError  # (Fuzzer's)
+
+    def grad_scales(self) -> Any:
+        raise NotImplementedError  # (Fuzzer's)
+
+    def _ref_options(self, remat: str) -> BackwardOptions:
+        """The references' backward options: `remat`, unchunked, the Fuzzer's fp8 cotangents (each
+        scale 1: `Block.vjp`'s default, and the first step of the backward under test's)."""
+        return BackwardOptions(remat, fp8_grads=self.fp8_grads)
 
     def check(self, case: Case) -> list[str]:
         """Mismatches of the forward (outputs, and the kernels' partial buffers) and the backward."""
@@ -83,8 +92,10 @@ class Comparisons:
             # the same derivation makes rule 3 of the accuracy rule weigh the path under test against
             # the rounding error of the very computation the exact-mode reference rounds. (A policy's
             # own mistakes, which both references would share, are `_policies_agree`'s to find.)
-            gref = self.block.vjp(ins, cots, dims=case.dims, remat=remat)
-            g64 = self.block.vjp(ins, cots, dims=case.dims, precision="f64", remat=remat)
+            gref = self.block.vjp(ins, cots, dims=case.dims, backward=self._ref_options(remat))
+            g64 = self.block.vjp(
+                ins, cots, dims=case.dims, precision="f64", backward=self._ref_options(remat)
+            )
         except Exception as e:
             return msgs + [f"the whole-matrix interpreter's backward (Block.vjp) raised {first_line(e)}"]
         try:
@@ -93,7 +104,7 @@ class Comparisons:
             msgs.append(
                 f"the whole-matrix interpreter's float64 backward under --remat save raised {first_line(e)}"
             )
-        gbounds = _Once(lambda: bound.vjp(self.block, ins, cots, case.dims, remat)[1])
+        gbounds = _Once(lambda: bound.vjp(self.block, ins, cots, case.dims, remat, self.fp8_grads)[1])
         try:
             msgs += self._backward(case, ins, cots, gref, g64, gbounds)
         except Exception as e:
@@ -110,10 +121,10 @@ class Comparisons:
         if self.remat == "save" or self.special:
             return []
         try:
-            save = self.block.derivation(remat="save")
+            save = self.block.derivation(backward=self._ref_options("save"))
         except CodaError:  # save can't derive this block: nothing to compare with
             return []
-        s64 = self.block.vjp(ins, cots, dims=case.dims, precision="f64", remat="save")
+        s64 = self.block.vjp(ins, cots, dims=case.dims, precision="f64", backward=self._ref_options("save"))
         out = []
         for p in save.grads:
             if p in g64 and p in s64:
@@ -202,7 +213,7 @@ class Comparisons:
         d = self.derivation
         assert d is not None
         # the case's options (a case made by hand may give none: the Fuzzer's policy, unchunked)
-        options = case.backward if case.backward is not None else BackwardOptions(self.remat)
+        options = case.backward if case.backward is not None else self._ref_options(self.remat)
         out_t = {o.name: o.type for o in d.backward.ir.outputs}
         dtypes = {p: dtype_of(out_t.get(g)) for p, g in d.grads.items()}
         if self.target == "interp":
@@ -215,7 +226,8 @@ class Comparisons:
         for p in wrt:
             tensors[p] = tensors[p].detach().requires_grad_(True)
         fn = self._chunked_fn(options) if options.chunked else self.fn
-        outs = fn(tensors, dims=self._dims(self.block, case))
+        scales = self.grad_scales()  # (fp8 cotangents: this case's backward at scales 1)
+        outs = fn(tensors, dims=self._dims(self.block, case), **({"grad_scales": scales} if scales else {}))
         pairs = [(outs[o], self._tensor(c)) for o, c in cots.items() if o in outs and outs[o].requires_grad]
         if not pairs or not wrt:
             return []

@@ -14,6 +14,7 @@ target at all raises CodaError, a target this machine can't run `Unavailable`, b
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from typing import Any
 
 from coda_lang.api import Block
@@ -72,6 +73,7 @@ class Fuzzer(CaseDraws, Comparisons):
         chunk: int | str | None = None,
         budget: int | None = None,
         chunk_dim: str | None = None,
+        fp8_grads: str | None = None,
     ):
         if target not in TARGETS:
             raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
@@ -82,6 +84,16 @@ class Fuzzer(CaseDraws, Comparisons):
         if target != "interp" and sim_tile is not None:
             raise ValueError(f"sim_tile= is the interpreter's simulated tile; target {target}'s is tile=")
         self.options, self.draw = backward_options(backward, remat, chunk, budget, chunk_dim)
+        # fp8 cotangents (docs/design.md, "The fp8 backward"): the backward under test and the
+        # references quantize each fp8 GEMM stage's cotangent, every scale 1 (the first step of a
+        # DelayedScaling(initial=1.0)); unchunked (BackwardOptions refuses fp8_grads with chunks)
+        self.fp8_grads = fp8_grads
+        if fp8_grads is not None:
+            if self.options is None:
+                raise ValueError("fp8_grads= quantizes the backward's cotangents; backward=False checks none")
+            if self.draw or self.options.chunked:
+                raise ValueError("fp8_grads= runs the backward unchunked: give no chunk=")
+            self.options = replace(self.options, fp8_grads=fp8_grads)  # (checked as it is made)
         # the backward's saved-tensor policy (the default one when the backward is not checked)
         self.remat = self.options.remat if self.options is not None else DEFAULT_REMAT
         self.block, self.target, self.special = block, target, special
@@ -95,7 +107,7 @@ class Fuzzer(CaseDraws, Comparisons):
         o = self.options
         if o is not None:
             try:
-                self.derivation = block.derivation(remat=o.remat)
+                self.derivation = block.derivation(backward=BackwardOptions(o.remat, fp8_grads=o.fp8_grads))
             except CodaError as e:
                 self.notes.append(f"backward not checked (--remat {o.remat}): {first_line(e)}")
                 self.backward_error = e.diagnostics[0].code if e.diagnostics else "?"
@@ -176,20 +188,30 @@ class Fuzzer(CaseDraws, Comparisons):
             except Exception as e:
                 self.crash = f"CudaBlock.autograd({self._chunked(1)}) raised {first_line(e)}"
 
+    def grad_scales(self) -> Any:
+        """A fresh `DelayedScaling(initial=1.0)` for one backward with fp8 cotangents (each case's at
+        scales 1, as the references' `Block.vjp`), else None."""
+        if self.fp8_grads is None or self.derivation is None or not self.derivation.scales:
+            return None
+        from coda_lang.backend_cute.runtime.grad_scales import DelayedScaling
+
+        return DelayedScaling(initial=1.0)
+
     def _autograd(self, emulate: bool) -> Any:
         """`CudaBlock.autograd()`; emulated, at the first small tile that fits every stage."""
+        options = BackwardOptions(self.remat, fp8_grads=self.fp8_grads)
         if not emulate or self.tile is not None:
-            return self.cb.autograd(tile=self.tile, remat=self.remat)
+            return self.cb.autograd(tile=self.tile, backward=options, grad_scales=self.grad_scales())
         for t in EMULATE_TILES:
             try:
-                fn = self.cb.autograd(tile=t, remat=self.remat)
+                fn = self.cb.autograd(tile=t, backward=options, grad_scales=self.grad_scales())
                 self.fn_tile = t
                 return fn
             except CodaError as e:
                 if [d.code for d in e.diagnostics] != ["E0805"]:
                     raise
         self.fn_tile = None
-        return self.cb.autograd(remat=self.remat)
+        return self.cb.autograd(backward=options, grad_scales=self.grad_scales())
 
     def _chunked_fn(self, options: BackwardOptions) -> Any:
         """`CudaBlock.autograd(backward=options)` at the unchunked function's tile. Made once (chunk=1);

@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.core.numerics import round_to
 from coda_lang.interp.inputs import bind, check_sizes
 from coda_lang.interp.run import Interpreter, _Tile, _type
@@ -551,12 +552,15 @@ def vjp(
     cotangents: dict[str, Any],
     dims: dict[str, int] | None = None,
     remat: str | None = None,
+    fp8_grads: str | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """`block.vjp(inputs, cotangents, dims=dims, remat=remat)` (unchunked, exact precision) and a bound
-    for every gradient element: the saved tensors carry the forward's bounds into the backward."""
-    d = block.derivation(remat=remat or DEFAULT_REMAT)
+    """`block.vjp(inputs, cotangents, dims=dims, remat=remat, fp8_grads=fp8_grads)` (unchunked, exact
+    precision, every fp8 cotangent scale 1 as `Block.vjp`'s default) and a bound for every gradient
+    element: the saved tensors carry the forward's bounds into the backward."""
+    d = block.derivation(backward=BackwardOptions(remat or DEFAULT_REMAT, fp8_grads=fp8_grads))
     fwd, ferr = run(d.forward, inputs, dims)
     bins, bdims = block.backward_inputs(d, inputs, cotangents, fwd, dims)
+    bins.update({s: 1.0 for s in d.scales if s not in bins})
     grads, gerr = run(
         d.backward, bins, bdims, {k: v for k, v in ferr.items() if k in bins and k not in inputs}
     )
