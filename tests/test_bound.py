@@ -388,3 +388,31 @@ def test_a_quotient_or_log_of_a_value_within_rounding_of_zero_may_be_anything() 
     for name in ("q", "l", "n"):  # (n: computed from q, which may be NaN: anything too)
         assert errs[name][0, 0] == bound.ANY, name
         assert 0 <= errs[name][1, 0] < 1e-5, name
+
+
+FP8_GEMM = """
+dims M, K, N
+block g(a: {a}[M, K], b: {b}[N, K]) -> (c: f32[M, N]) {{
+  gemm a @ transpose(b) {{
+    c = acc
+  }}
+}}
+"""
+
+
+def test_an_fp8_gemm_is_bounded_by_the_tensor_cores_fp8_accumulation() -> None:
+    """A GEMM of two fp8 operands: its bound holds FP8_MMA_U times the sum of its products' magnitudes
+    (Hopper's fp8 WGMMA keeps about 14 bits as it accumulates), which a bf16 GEMM's does not; the
+    same values in both."""
+    rng = np.random.default_rng(0)
+    m, k, n = 8, 64, 16
+    a = rng.standard_normal((m, k)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    b = rng.standard_normal((n, k)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    mag = np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64)).T
+    errs = {}
+    for dt in ("e4m3", "bf16"):
+        (blk,) = coda_lang.load(FP8_GEMM.format(a=dt, b=dt if dt == "bf16" else "e5m2")).blocks.values()
+        _, e = bound.run(blk, {"a": a, "b": b}, {"M": m, "K": k, "N": n})
+        errs[dt] = np.asarray(e["c"], np.float64)
+    assert np.all(errs["e4m3"] >= bound.FP8_MMA_U * mag)
+    assert np.all(errs["bf16"] < bound.FP8_MMA_U * mag / 10)

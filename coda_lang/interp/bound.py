@@ -10,7 +10,8 @@ bound, propagated through the program one equation at a time:
   function, how far f moves when its input moves by E: max |f(x +- E) - f(x)|) plus the op's own
   rounding in both implementations (`INJECT`, relative; larger for the fast-math tanh/GELU);
 - a sum of n terms gets the sum of their bounds plus `gamma(n)` * sum |terms| (the two summation
-  orders), a GEMM `|A| @ E(B) + E(A) @ |B| + 2 K u |A| @ |B|`: this is where cancellation shows: the
+  orders), a GEMM `|A| @ E(B) + E(A) @ |B| + 2 K u |A| @ |B|` (plus `FP8_MMA_U |A| @ |B|` for two fp8
+  operands: the tensor cores' fp8 accumulation keeps fewer bits): this is where cancellation shows: the
   bound of a sum is relative to the magnitudes that cancelled, not to the (tiny) result;
 - a max/min keeps the largest bound (it is 1-Lipschitz); an ordering comparison whose operands are
   closer than their bounds may come out either way, and `where` then may pick either branch; `==` and
@@ -51,7 +52,7 @@ from coda_lang.core.numerics import round_to
 from coda_lang.interp.inputs import bind, check_sizes
 from coda_lang.interp.run import Interpreter, _Tile, _type
 from coda_lang.ir.nodes import DEFAULT_REMAT, Atom, Eqn, Stage, Var
-from coda_lang.ir.types import GROUP, TILE, Dim
+from coda_lang.ir.types import GROUP, TILE, Dim, is_fp8
 from coda_lang.ops import REGISTRY, BoundRule, OpDef
 from coda_lang.ops.registry import F32_U, FASTMATH_ROUNDING, repeats_in
 
@@ -69,6 +70,12 @@ def gamma_gemm(k: int) -> float:
     """A GEMM's K-term accumulation in two implementations (tensor cores may truncate: k u each)."""
     return 2.0 * max(k, 1) * U
 
+
+# Hopper's fp8 WGMMA keeps about 14 bits while it accumulates the products of one instruction (the
+# sum is aligned to its largest term and the rest truncated; DeepSeek-V3's report measured it), before
+# quack adds each K tile's result into f32: a GEMM of two fp8 operands may be this far off, relative to
+# the sum of the magnitudes of its products (twice the 14 bits' unit)
+FP8_MMA_U = 2.0**-12
 
 ANY = -np.inf  # the bound of a value another correct implementation may have as anything, NaN included
 
@@ -223,6 +230,13 @@ class Bounds(Interpreter):
         super().stage(s)
         self.serr = {}
 
+    def _dtype(self, name: str) -> str | None:
+        """The dtype a GEMM operand is stored in: its storage dtype, else its parameter's."""
+        got = self.plan.storage.get(name)
+        if got is not None:
+            return str(got)
+        return next((p.var.type.dtype for p in self.block.params if p.var.name == name and p.var.type), None)
+
     def gemm(self, s: Stage) -> np.ndarray:
         acc = super().gemm(s)
         assert isinstance(s.a, Var) and isinstance(s.b, Var)
@@ -238,6 +252,8 @@ class Bounds(Interpreter):
             mag = aa @ ab
         mag = np.where(np.isnan(mag), np.inf, mag)
         e = _mag_matmul(aa, eb) + _mag_matmul(ea, ab) + _mag_matmul(ea, eb) + gamma_gemm(a.shape[1]) * mag
+        if is_fp8(self._dtype(s.a.name)) and is_fp8(self._dtype(s.b.name)):
+            e = e + FP8_MMA_U * mag  # (the fp8 tensor cores' accumulation: FP8_MMA_U)
         # a row of A or a column of B holding an exact infinity or NaN: acc is non-finite there in any
         # order of the sum (module docstring), and another implementation's is the same
         xa, xb = _exact_along(a, ea, 1), _exact_along(b, eb, 0)
