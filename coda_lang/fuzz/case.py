@@ -238,7 +238,9 @@ class CaseDraws:
         o = self.options
         assert o is not None
         if self.chunk_plan is None or not (self.draw or o.chunked):
-            return Case(dict(dims), seed, self.sim_tile, BackwardOptions(o.remat, fp8_grads=o.fp8_grads), self.tile)
+            return Case(
+                dict(dims), seed, self.sim_tile, BackwardOptions(o.remat, fp8_grads=o.fp8_grads), self.tile
+            )
         if not self._fixed():
             return None
         return Case(dict(dims), seed, self.sim_tile, self._chunk_of(dims, ("fixed", 0, 0)), self.tile)
