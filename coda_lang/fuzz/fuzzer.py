@@ -193,6 +193,7 @@ class Fuzzer(CaseDraws, Comparisons):
         scales 1, as the references' `Block.vjp`), else None."""
         if self.fp8_grads is None or self.derivation is None or not self.derivation.scales:
             return None
+        # lazy: imports torch, which only a backward with fp8 cotangents on the CUDA runtime needs
         from coda_lang.backend_cute.runtime.grad_scales import DelayedScaling
 
         return DelayedScaling(initial=1.0)
