@@ -1,7 +1,8 @@
 """Training steps of a Hugging Face LLaMA-3 model on several GPUs: FSDP2 per decoder layer or on the root
-only, or DDP; HF eager, HF + Liger Kernel or HF + coda.
+only, or DDP; HF eager, HF + Liger Kernel, HF + coda (bf16 or fp8="delayed"), or HF + torchao float8.
 
-Usage: torchrun --nproc_per_node N benchmarks/dist_train_step.py [--patch none,liger,coda]
+Usage: torchrun --nproc_per_node N benchmarks/dist_train_step.py [--patch none,liger,coda,coda-fp8,
+    torchao-tensorwise,torchao-rowwise]
     [--wrap fsdp-layer,fsdp-layer-keep,fsdp-root,ddp,none] [--compile] [--checkpointing] [--layers 16] [--seq 8192]
     [--batch 1] [--steps 9] [--warmup 3] [--json FILE] [--trace FILE]
     smoke test on the CPU (gloo): --device cpu --layers 2 --hidden 64 --intermediate 128 --heads 4
@@ -42,7 +43,17 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_train_step import GIB, llama_config, prepare, release  # noqa: E402
 
-PATCHES = {"none": "eager", "liger": "liger", "coda": "coda"}  # hf_train_step's configuration names
+# hf_train_step's configuration names; coda-fp8: fp8="delayed" (e4m3 forward, e5m2 cotangents);
+# torchao-*: torchao's float8 training (`convert_to_float8_training` on every Linear but the LM head),
+# each decoder layer compiled (torchtitan's recipe), tensorwise with its fp8 all-gather under FSDP2
+PATCHES = {
+    "none": "eager",
+    "liger": "liger",
+    "coda": "coda",
+    "coda-fp8": "coda-fp8",
+    "torchao-tensorwise": "torchao-tensorwise",
+    "torchao-rowwise": "torchao-rowwise",
+}
 WRAPS = (
     "fsdp-layer",
     "fsdp-layer-keep",
@@ -77,10 +88,14 @@ def build(args: argparse.Namespace, patch: str, wrap: str, device: torch.device)
     with device:
         model = LlamaForCausalLM(config(args)).to(args.dtype)
     model.train()
-    prepare(model, PATCHES[patch])
+    torchao = patch.startswith("torchao-")
+    if torchao:
+        float8(model, patch.removeprefix("torchao-"), wrap.startswith("fsdp"))
+    else:
+        prepare(model, PATCHES[patch])
     layers = model.model.layers
     for i, layer in enumerate(list(layers)):
-        if args.compile:
+        if args.compile or torchao:  # (torchao's float8 casts are separate ops until Inductor fuses them)
             layer.compile()
         if args.checkpointing:
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -105,6 +120,23 @@ def build(args: argparse.Namespace, patch: str, wrap: str, device: torch.device)
         fully_shard(model, **kw)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     return model, opt
+
+
+def float8(model: Any, recipe: str, fsdp: bool) -> None:
+    """torchao's float8 training of `recipe` (tensorwise, rowwise) on every nn.Linear but the LM head;
+    tensorwise under FSDP2 all-gathers its weights in float8 (torchtitan's fastest configuration)."""
+    from dataclasses import replace
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    cfg = Float8LinearConfig.from_recipe_name(recipe)
+    if fsdp and recipe == "tensorwise":
+        cfg = replace(cfg, enable_fsdp_float8_all_gather=True)
+
+    def keep(mod: torch.nn.Module, fqn: str) -> bool:
+        return isinstance(mod, torch.nn.Linear) and fqn.split(".")[-1] != "lm_head"
+
+    convert_to_float8_training(model, config=cfg, module_filter_fn=keep)
 
 
 def run_config(
@@ -132,7 +164,7 @@ def run_config(
     losses = [step()]
     sync()
     first = time.perf_counter() - t0
-    if patch == "coda":  # the other candidate tiles compile on in the background: wait for them
+    if patch.startswith("coda"):  # the other candidate tiles compile on in the background: wait for them
         import coda_lang.torch as ct
 
         ct.wait_for_kernels()
@@ -194,7 +226,7 @@ def run_config(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--patch", default="none,liger,coda", help="comma-separated: none, liger, coda")
+    p.add_argument("--patch", default="none,liger,coda", help="comma-separated: " + ", ".join(PATCHES))
     p.add_argument("--wrap", default="fsdp-layer,ddp", help="comma-separated: " + ", ".join(WRAPS))
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     p.add_argument("--checkpointing", action="store_true", help="checkpoint_wrapper on each decoder layer")
