@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Sharded training on the GPU host (after `source .gpu/env/gpu.sh`): benchmarks/dist_train_step.py
-# under torchrun. Usage: scripts/dist_gpu.sh small|large [extra args]
+# under torchrun. Usage: scripts/dist_gpu.sh small|probe|first|large|fp8 [extra args]
 #   small: Llama-3.2-1B shapes, HF + Liger and coda, on 1 GPU (unwrapped), 2 and 4 GPUs (FSDP2 per
 #          decoder layer, DDP), one Chrome trace per configuration on 2 GPUs, its overlap summarised
 #   probe: 2 GPUs, FSDP2 per layer (resharding or not) and DDP, the kernels of one traced step
 #   first: the first step from an empty cache on 1 GPU and 4 ranks, and after coda precompile
 #   large: Llama-3-8B shapes on 4 GPUs, FSDP2 per decoder layer
+#   fp8:   the same, coda bf16 and fp8="delayed" against torchao float8 tensorwise and rowwise (one run each)
 # Logs and JSON go to $OUT. NVLink multicast stays off (the host's variables are kept, and set here).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -50,5 +51,11 @@ case "$what" in
   large)
     run x4-8b 4 --patch liger,coda --wrap fsdp-layer --layers 32 --hidden 4096 --intermediate 14336 \
       --heads 32 --kv-heads 8 --vocab 128256 --untied --steps 5 --warmup 2 "$@"
+    ;;
+  fp8)  # Llama-3-8B shapes on 4 GPUs, FSDP2 per decoder layer: coda bf16, coda fp8="delayed", torchao float8
+    for p in coda coda-fp8 torchao-tensorwise torchao-rowwise; do
+      run "x4-8b-$p" 4 --patch "$p" --wrap fsdp-layer --layers 32 --hidden 4096 --intermediate 14336 \
+        --heads 32 --kv-heads 8 --vocab 128256 --untied --steps 5 --warmup 2 "$@"
+    done
     ;;
 esac
