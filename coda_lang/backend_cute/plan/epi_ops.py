@@ -177,20 +177,25 @@ def _big_reduction_ptx() -> str:
 _BIG_REDUCTION_PTX = _big_reduction_ptx()
 
 
-@dsl_user_op
-def _reduce_big(x: Any, *, loc: Any = None, ip: Any = None) -> Any:
-    """x reduced into [-pi, pi) for |x| > FAST_TRIG (NaN for inf and NaN): `_big_reduction_ptx`."""
+def _f32_asm(ptx: str, x: Any, loc: Any, ip: Any) -> Any:
+    """`ptx` (inline PTX, `$1` the f32 input, `$0` the f32 result, no side effects) applied to x."""
     return Float32(
         llvm.inline_asm(
             T.f32(),
             [Float32(x).ir_value(loc=loc, ip=ip)],
-            _BIG_REDUCTION_PTX,
+            ptx,
             "=f,f",
             has_side_effects=False,
             is_align_stack=False,
             asm_dialect=llvm.AsmDialect.AD_ATT,
         )
     )
+
+
+@dsl_user_op
+def _reduce_big(x: Any, *, loc: Any = None, ip: Any = None) -> Any:
+    """x reduced into [-pi, pi) for |x| > FAST_TRIG (NaN for inf and NaN): `_big_reduction_ptx`."""
+    return _f32_asm(_BIG_REDUCTION_PTX, x, loc, ip)
 
 
 # x rounded to bf16 by rounding to odd, as an f32 (its low 16 bits cut, the kept part's last bit set
@@ -206,17 +211,7 @@ _ROUND_ODD_BF16_PTX = (
 @dsl_user_op
 def round_odd_bf16(x: Any, *, loc: Any = None, ip: Any = None) -> Any:
     """x rounded to bf16 by rounding to odd, kept in f32 (exactly a bf16 value): `_ROUND_ODD_BF16_PTX`."""
-    return Float32(
-        llvm.inline_asm(
-            T.f32(),
-            [Float32(x).ir_value(loc=loc, ip=ip)],
-            _ROUND_ODD_BF16_PTX,
-            "=f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
+    return _f32_asm(_ROUND_ODD_BF16_PTX, x, loc, ip)
 
 
 def _reduce_two_pi(x: Any) -> Any:
