@@ -82,7 +82,7 @@ def _scale_kernel(src, scale, out, n, BLOCK: tl.constexpr, RNE_BF16: tl.constexp
     tl.store(out + i, x.to(out.dtype.element_ty), mask=m)
 
 
-def _widen_kernel(src, out, n, BLOCK: tl.constexpr):
+def _convert_kernel(src, out, n, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     tl.store(out + i, tl.load(src + i, mask=m).to(tl.float32).to(out.dtype.element_ty), mask=m)
@@ -98,12 +98,6 @@ def _transpose_kernel(src, out, R, C, W, BR: tl.constexpr, BC: tl.constexpr):
     tl.store(
         out + c[:, None].to(tl.int64) * W + r[None, :], tl.trans(x), mask=(c[:, None] < C) & (r[None, :] < W)
     )
-
-
-def _narrow_kernel(src, out, n, BLOCK: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = i < n
-    tl.store(out + i, tl.load(src + i, mask=m).to(tl.float32).to(out.dtype.element_ty), mask=m)
 
 
 def _tied_kernel(total, scale, perm, starts, rows, out, D, PAD, BD: tl.constexpr, RNE_BF16: tl.constexpr):
@@ -131,9 +125,8 @@ _FUNCTIONS = {
     "join": _join_kernel,
     "interleave": _interleave_kernel,
     "scale": _scale_kernel,
-    "widen": _widen_kernel,
+    "convert": _convert_kernel,
     "transpose": _transpose_kernel,
-    "narrow": _narrow_kernel,
     "tied": _tied_kernel,
 }
 
@@ -182,12 +175,17 @@ def widen(src: torch.Tensor, dtype: torch.dtype, interpret: bool = False) -> tor
     cast from a one-byte dtype runs unvectorized, at about a third of the memory bandwidth: the fp8
     operands that a backward multiplies in bf16, H100)."""
     assert interpret or src.device.type == "cuda"
+    return _converted(src, dtype, interpret)
+
+
+def _converted(src: torch.Tensor, dtype: torch.dtype, interpret: bool) -> torch.Tensor:
+    """src in `dtype`, contiguous, in one vectorized pass through f32 (`widen`, `narrowed`)."""
     src = src.contiguous()
     out = torch.empty(src.shape, dtype=dtype, device=src.device)
     n = src.numel()
     if n:
         block = 4096
-        _kernel("widen", interpret)[(triton.cdiv(n, block),)](src, out, n, BLOCK=block)
+        _kernel("convert", interpret)[(triton.cdiv(n, block),)](src, out, n, BLOCK=block)
     return out
 
 
@@ -216,13 +214,7 @@ def narrowed(src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     conversion, on sm_90 `cvt.rn.satfinite`): a packed stage's fp8 D, which the kernel stores in bf16
     rounded to odd and already clamped to the fp8 range (launch.py's `_narrow`)."""
     assert src.device.type == "cuda" and dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    src = src.contiguous()
-    out = torch.empty(src.shape, dtype=dtype, device=src.device)
-    n = src.numel()
-    if n:
-        block = 4096
-        _kernel("narrow", False)[(triton.cdiv(n, block),)](src, out, n, BLOCK=block)
-    return out
+    return _converted(src, dtype, False)
 
 
 def tied_grad(
