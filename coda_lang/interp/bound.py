@@ -230,13 +230,6 @@ class Bounds(Interpreter):
         super().stage(s)
         self.serr = {}
 
-    def _dtype(self, name: str) -> str | None:
-        """The dtype a GEMM operand is stored in: its storage dtype, else its parameter's."""
-        got = self.plan.storage.get(name)
-        if got is not None:
-            return str(got)
-        return next((p.var.type.dtype for p in self.block.params if p.var.name == name and p.var.type), None)
-
     def gemm(self, s: Stage) -> np.ndarray:
         acc = super().gemm(s)
         assert isinstance(s.a, Var) and isinstance(s.b, Var)
@@ -252,7 +245,7 @@ class Bounds(Interpreter):
             mag = aa @ ab
         mag = np.where(np.isnan(mag), np.inf, mag)
         e = _mag_matmul(aa, eb) + _mag_matmul(ea, ab) + _mag_matmul(ea, eb) + gamma_gemm(a.shape[1]) * mag
-        if is_fp8(self._dtype(s.a.name)) and is_fp8(self._dtype(s.b.name)):
+        if is_fp8(self.plan.operand_dtype(s.a)) and is_fp8(self.plan.operand_dtype(s.b)):
             e = e + FP8_MMA_U * mag  # (the fp8 tensor cores' accumulation: FP8_MMA_U)
         # a row of A or a column of B holding an exact infinity or NaN: acc is non-finite there in any
         # order of the sum (module docstring), and another implementation's is the same

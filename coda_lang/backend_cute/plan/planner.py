@@ -140,7 +140,7 @@ def _narrowed(ctx: StageContext, loads: list[Operand], d: Output | None) -> Outp
 def _gemm(ctx: StageContext) -> Gemm:
     st, sp = ctx.st, ctx.sp
     assert isinstance(st.a, Var) and isinstance(st.b, Var)
-    a_dtype, b_dtype = _param_dtype(ctx, st.a), _param_dtype(ctx, st.b)
+    a_dtype, b_dtype = ctx.bplan.operand_dtype(st.a), ctx.bplan.operand_dtype(st.b)
     copy_a = copy_b = False
     if (
         ctx.ir.derived
@@ -175,14 +175,6 @@ def _gemm(ctx: StageContext) -> Gemm:
         copy_a=copy_a,
         copy_b=copy_b,
     )
-
-
-def _param_dtype(ctx: StageContext, a: Var) -> str:
-    """The dtype a GEMM operand is multiplied in: a parameter's declared one, else its storage dtype."""
-    for p in ctx.ir.params:
-        if p.var.name == a.name and p.var.type is not None:
-            return p.var.type.dtype
-    return ctx.bplan.storage.get(a.name, a.type.dtype if a.type else "f32")
 
 
 def _live_out(ctx: StageContext) -> set[str]:

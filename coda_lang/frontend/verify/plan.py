@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from coda_lang.frontend.syntax.printer import inline_source
 from coda_lang.frontend.verify.repeat import repeat_uses
-from coda_lang.ir.nodes import Block, Eqn
+from coda_lang.ir.nodes import Block, Eqn, Var
 from coda_lang.ir.types import Dim, Shape, TileConstraint, shape_str
 
 
@@ -70,6 +70,14 @@ class BlockPlan:
     stages: tuple[StagePlan, ...]
     between: tuple[tuple[Eqn, ...], ...]
     storage: dict[str, str] = field(default_factory=dict)  # every stored value -> its dtype
+
+    def operand_dtype(self, a: Var) -> str:
+        """The dtype a GEMM operand is multiplied in: a parameter's declared one, else its storage dtype
+        (the planner's GEMM dtypes, the rounding bound's fp8 GEMMs)."""
+        for p in self.block.params:
+            if p.var.name == a.name and p.var.type is not None:
+                return p.var.type.dtype
+        return self.storage.get(a.name, a.type.dtype if a.type else "f32")
 
     @property
     def vector_computations(self) -> int:
