@@ -111,19 +111,16 @@ def kmajor_pair(
     width = -(-k // FP8_ROW) * FP8_ROW
 
     def kmajor(t: torch.Tensor, copy: bool) -> torch.Tensor:
-        if copy:
-            if t.device.type == "cuda":
-                # lazy: Triton, which only a GPU run needs
-                from coda_lang.backend_triton.layouts import transposed
+        if copy and t.device.type == "cuda":
+            # lazy: Triton, which only a GPU run needs
+            from coda_lang.backend_triton.layouts import transposed
 
-                return transposed(t, width)
-            out = torch.zeros((t.shape[1], width), dtype=t.dtype, device=t.device)
-            out[:, : t.shape[0]] = t.t()
-            return out
-        if width == k:
+            return transposed(t, width)
+        rows = t.t() if copy else t
+        if not copy and width == k:
             return t
-        out = torch.zeros((t.shape[0], width), dtype=t.dtype, device=t.device)
-        out[:, :k] = t
+        out = torch.zeros((rows.shape[0], width), dtype=t.dtype, device=t.device)
+        out[:, :k] = rows
         return out
 
     return kmajor(A, copy_a), kmajor(B, copy_b)
