@@ -62,8 +62,9 @@ class Comparisons:
         raise NotImplementedError  # (Fuzzer's)
 
     def _ref_options(self, remat: str) -> BackwardOptions:
-        """The references' backward options: `remat`, unchunked, the Fuzzer's fp8 cotangents (each
-        scale 1: `Block.vjp`'s default, and the first step of the backward under test's)."""
+        """The backward's options under `remat`, unchunked, with the Fuzzer's fp8 cotangents (each
+        scale 1: `Block.vjp`'s default, and the first step of the backward under test's): the
+        references', the derivation's and the unchunked function's."""
         return BackwardOptions(remat, fp8_grads=self.fp8_grads)
 
     def check(self, case: Case) -> list[str]:

@@ -107,7 +107,7 @@ class Fuzzer(CaseDraws, Comparisons):
         o = self.options
         if o is not None:
             try:
-                self.derivation = block.derivation(backward=BackwardOptions(o.remat, fp8_grads=o.fp8_grads))
+                self.derivation = block.derivation(backward=self._ref_options(o.remat))
             except CodaError as e:
                 self.notes.append(f"backward not checked (--remat {o.remat}): {first_line(e)}")
                 self.backward_error = e.diagnostics[0].code if e.diagnostics else "?"
@@ -200,7 +200,7 @@ class Fuzzer(CaseDraws, Comparisons):
 
     def _autograd(self, emulate: bool) -> Any:
         """`CudaBlock.autograd()`; emulated, at the first small tile that fits every stage."""
-        options = BackwardOptions(self.remat, fp8_grads=self.fp8_grads)
+        options = self._ref_options(self.remat)
         if not emulate or self.tile is not None:
             return self.cb.autograd(tile=self.tile, backward=options, grad_scales=self.grad_scales())
         for t in EMULATE_TILES:
