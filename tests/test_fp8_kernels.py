@@ -1194,6 +1194,41 @@ def test_packed_fp8_d_compiles(tmp_path_factory: pytest.TempPathFactory) -> None
     assert c.report is not None and not c.report.spills, c.report.text
 
 
+def _gpu_backward_matches(
+    block: coda_lang.Block,
+    d: Any,
+    ins: dict[str, Any],
+    cots: dict[str, Any],
+    scale: float,
+    bounded: bool = False,
+) -> None:
+    """`d`'s derived backward on the kernels against the interpreter on the same backward inputs (every
+    fp8 cotangent scale `scale`), within the accuracy rule; `bounded`: where the plain rule fails for an
+    element, within its rounding bound too (as `coda fuzz` judges)."""
+    import torch
+    from runtime_check import to_torch
+
+    from coda_lang.interp import bound
+    from coda_lang.testing.compare import mismatch
+
+    os.environ.setdefault("CODA_TUNE", "0")
+    fwd = d.forward.run(ins)
+    bins, bdims = block.backward_inputs(d, ins, cots, fwd, None)
+    for name in d.scales:
+        bins[name] = np.float32(scale)
+    ref, bounds = bound.run(d.backward, bins, bdims) if bounded else (d.backward.run(bins, dims=bdims), {})
+    got = d.backward.cuda(poison=True)({name: to_torch(np.asarray(v), "cuda") for name, v in bins.items()})
+    torch.cuda.synchronize()
+    for o in d.backward.ir.outputs:
+        assert o.type is not None
+        g = got[o.name]
+        g = g.float() if isinstance(g, torch.Tensor) and g.dtype != torch.float32 else g
+        why = mismatch(o.name, g, ref[o.name], None, o.type.dtype)
+        if why is not None and bounded:
+            why = mismatch(o.name, g, ref[o.name], None, o.type.dtype, bound=bounds[o.name])
+        assert why is None, why
+
+
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("fp8_grads", [None, "e5m2"])
@@ -1201,12 +1236,6 @@ def test_gpu_fp8_delayed_backward_matches_interpreter(fp8_grads: str | None) -> 
     """fp8_delayed's derived backward on the kernels (bf16 cotangents: its fp8 operands multiplied in bf16;
     e5m2 cotangents: fp8 GEMMs on K-major copies, K = 1000 padded to 1008) against the
     interpreter on the same backward inputs, within the accuracy rule."""
-    import torch
-    from runtime_check import to_torch
-
-    from coda_lang.testing.compare import mismatch
-
-    os.environ.setdefault("CODA_TUNE", "0")
     block = example("fp8_delayed")
     options = coda_lang.BackwardOptions(fp8_grads=fp8_grads) if fp8_grads else None
     d = block.derivation(["x", "w", "w2"], backward=options)
@@ -1219,19 +1248,7 @@ def test_gpu_fp8_delayed_backward_matches_interpreter(fp8_grads: str | None) -> 
         "w2": (rng.standard_normal((p, n)) / 4).astype(ml_dtypes.float8_e4m3fn).astype(np.float32),
     }
     cots = {"out": rng.standard_normal((m, p)).astype(np.float32), "amax": np.float32(0.0)}
-    fwd = d.forward.run(ins)
-    bins, bdims = block.backward_inputs(d, ins, cots, fwd, None)
-    for name in d.scales:
-        bins[name] = np.float32(3000.0)
-    ref = d.backward.run(bins, dims=bdims)
-    got = d.backward.cuda(poison=True)({name: to_torch(np.asarray(v), "cuda") for name, v in bins.items()})
-    torch.cuda.synchronize()
-    for o in d.backward.ir.outputs:
-        assert o.type is not None
-        g = got[o.name]
-        g = g.float() if isinstance(g, torch.Tensor) and g.dtype != torch.float32 else g
-        why = mismatch(o.name, g, ref[o.name], None, o.type.dtype)
-        assert why is None, why
+    _gpu_backward_matches(block, d, ins, cots, 3000.0)
 
 
 @pytest.mark.gpu
@@ -1241,14 +1258,9 @@ def test_gpu_fp8_mlp_backward_matches_interpreter(m: int) -> None:
     """MLP8's e5m2-cotangent backward on the kernels (every GEMM fp8 by fp8 on K-major copies; the
     packed SwiGLU stage's e5m2 D stored in bf16 rounded to odd, narrowed by the runtime) against the
     interpreter on the same backward inputs, within the accuracy rule (ragged M: the weight
-    gradients' K padded to 16)."""
-    import torch
-    from runtime_check import to_torch
-
-    from coda_lang.interp import bound
-    from coda_lang.testing.compare import mismatch
-
-    os.environ.setdefault("CODA_TUNE", "0")
+    gradients' K padded to 16). An e5m2 cotangent whose value before rounding lies near a midpoint
+    may round to the other neighbour in one of the two runs: the rule's per-element rounding bound
+    allows for that where the plain rule does not."""
     block = one(MLP8)
     d = block.derivation(["x", "w", "w2"], backward=coda_lang.BackwardOptions(fp8_grads="e5m2"))
     rng = np.random.default_rng(23)
@@ -1266,24 +1278,7 @@ def test_gpu_fp8_mlp_backward_matches_interpreter(m: int) -> None:
         "inv2": np.float32(1 / 512),
     }
     cots = {"out": rng.standard_normal((m, dd)).astype(np.float32)}
-    fwd = d.forward.run(ins)
-    bins, bdims = block.backward_inputs(d, ins, cots, fwd, None)
-    for name in d.scales:
-        bins[name] = np.float32(4096.0)
-    ref, bounds = bound.run(d.backward, bins, bdims)
-    got = d.backward.cuda(poison=True)({name: to_torch(np.asarray(v), "cuda") for name, v in bins.items()})
-    torch.cuda.synchronize()
-    for o in d.backward.ir.outputs:
-        assert o.type is not None
-        g = got[o.name]
-        g = g.float() if isinstance(g, torch.Tensor) and g.dtype != torch.float32 else g
-        # (an e5m2 cotangent whose value before rounding lies near a midpoint may round to the other
-        # neighbour in one of the two runs: the rule's per-element rounding bound, as `coda fuzz`
-        # applies it, allows for that where the plain rule does not)
-        why = mismatch(o.name, g, ref[o.name], None, o.type.dtype)
-        if why is not None:
-            why = mismatch(o.name, g, ref[o.name], None, o.type.dtype, bound=bounds[o.name])
-        assert why is None, why
+    _gpu_backward_matches(block, d, ins, cots, 4096.0, bounded=True)
 
 
 # a packed stage of your own storing an e5m2 D: the SwiGLU backward's shape (C's pairs times the acc)
