@@ -261,9 +261,10 @@ _INPUT_FP8 = """
 # "delayed" quantizes the cotangent of each of those GEMMs' accumulators to e5m2 at a delayed
 # per-tensor scale of its own (`BackwardOptions(fp8_grads="e5m2")`, hf/fp8.py keeping the scales), so
 # that the backward GEMMs multiply fp8 by fp8; "delayed-forward" keeps the cotangents in the model's dtype
-FP8_RECIPES = ("delayed", "delayed-forward")
-# the dtype each recipe's backward quantizes those cotangents to (`BackwardOptions.fp8_grads`)
+# `FP8_GRADS`: each recipe, and the dtype its backward quantizes those cotangents to
+# (`BackwardOptions.fp8_grads`)
 FP8_GRADS: dict[str, str | None] = {"delayed": "e5m2", "delayed-forward": None}
+FP8_RECIPES = tuple(FP8_GRADS)
 
 
 # the MLP's gate activations the blocks run, by the config's name: the .coda op of each (`gelu` is the

@@ -170,7 +170,7 @@ def run_scaled(
         assert bank.scales is not None
         with torch.no_grad():  # (no graph: no backward, no grad state)
             out = run({**inputs, **{f"s_{n}": s for n, s in bank.of(index).items()}}, None)
-        amax = torch.stack([out[f"am_{n}"].reshape(()).to(torch.float32) for n in names])
+        amax = f32_row([out[f"am_{n}"] for n in names])
         part = slice(start, start + len(names))
         bank.scales = bank.scales.clone()
         bank.scales[part] = delayed_scales(amax, None, bank.scales[part], E4M3_MAX)
