@@ -1128,11 +1128,22 @@ def _round_odd_bf16(x: np.ndarray) -> np.ndarray:
     return r.astype(np.uint32).view(np.float32)
 
 
+def _round_odd_f16(x: np.ndarray) -> np.ndarray:
+    """epi_ops.round_odd_f16's PTX: x rounded toward zero to f16, its last bit set if that was
+    inexact (a NaN is unequal: it stays NaN), as f32."""
+    x = x.astype(np.float32)
+    h = x.astype(np.float16)  # (to nearest; stepped toward zero where that went past x)
+    h = np.where(np.abs(h.astype(np.float32)) > np.abs(x), np.nextafter(h, np.float16(0)), h)
+    inexact = ~(h.astype(np.float32) == x)
+    return (h.view(np.uint16) | inexact.astype(np.uint16)).view(np.float16).astype(np.float32)
+
+
+@pytest.mark.parametrize("carrier", ["bf16", "f16"])
 @pytest.mark.parametrize("dtype", ["e5m2", "e4m3"])
-def test_round_to_odd_then_nearest_even_is_the_direct_rounding(dtype: str) -> None:
-    """Rounding to bf16 by rounding to odd, then to fp8 to nearest even (the kernel's store, then the
-    runtime's narrowing: torch's cast on the CPU), gives the interpreter's direct rounding of the
-    clamped f32 value, code for code: every fp8 code's neighbourhood (the midpoints between codes and
+def test_round_to_odd_then_nearest_even_is_the_direct_rounding(dtype: str, carrier: str) -> None:
+    """Rounding to bf16 or f16 (a packed stage's C dtype) by rounding to odd, then to fp8 to nearest
+    even (the kernel's store, then the runtime's narrowing: torch's cast on the CPU), gives the
+    interpreter's direct rounding of the clamped f32 value, code for code: every fp8 code's neighbourhood (the midpoints between codes and
     one f32 ulp either side, where a double rounding through bf16 to nearest would err), subnormals,
     random values of every magnitude, the range's ends, NaN."""
     import torch
@@ -1154,19 +1165,25 @@ def test_round_to_odd_then_nearest_even_is_the_direct_rounding(dtype: str) -> No
         [codes, near, rand, np.float32([fmax, -fmax, 1e30, -1e30, np.inf, -np.inf, np.nan, 0.0, -0.0])]
     )
     clamped = np.clip(x, -fmax, fmax)  # (the epilogue's clamp; NaN stays NaN)
-    carried = _round_odd_bf16(clamped)
-    bf16 = (
-        torch.from_numpy(carried.view(np.uint32) >> 16).to(torch.int32).to(torch.int16).view(torch.bfloat16)
-    )
-    # (the carrier is exactly a bf16 value: its bits, NaN included)
-    assert np.array_equal(bf16.float().numpy().view(np.uint32), carried.view(np.uint32))
-    got = _narrow(bf16, dtype).float().numpy()
+    if carrier == "bf16":
+        carried = _round_odd_bf16(clamped)
+        bits = torch.from_numpy(carried.view(np.uint32) >> 16).to(torch.int32).to(torch.int16)
+        held = bits.view(torch.bfloat16)
+    else:
+        carried = _round_odd_f16(clamped)
+        held = torch.from_numpy(carried.astype(np.float16))
+    # (the carrier is exactly a value of its dtype: its bits, a NaN as a NaN: f16's payload widens
+    # differently in torch and NumPy)
+    nan = np.isnan(carried)
+    assert np.array_equal(np.isnan(held.float().numpy()), nan)
+    assert np.array_equal(held.float().numpy()[~nan].view(np.uint32), carried[~nan].view(np.uint32))
+    got = _narrow(held, dtype).float().numpy()
     want = round_fp8(x, dtype).astype(np.float32)
     same = (got == want) | (np.isnan(got) & np.isnan(want))
     assert same.all(), (x[~same][:5], got[~same][:5], want[~same][:5])
     assert np.array_equal(np.signbit(got[~np.isnan(got)]), np.signbit(want[~np.isnan(want)]))
-    # and rounding to bf16 to nearest first would not do (the test can tell the two apart)
-    nearest = torch.from_numpy(clamped).to(torch.bfloat16)
+    # and rounding to the carrier to nearest first would not do (the test can tell the two apart)
+    nearest = torch.from_numpy(clamped).to(torch.bfloat16 if carrier == "bf16" else torch.float16)
     assert not np.array_equal(
         nearest.to(getattr(torch, "float8_e5m2" if dtype == "e5m2" else "float8_e4m3fn"))
         .float()
@@ -1293,7 +1310,7 @@ block p(g: bf16[M, N], w: bf16[N, F], c: bf16[M, 2*F], s: f32) -> (dz: e5m2[M, 2
 """
 
 
-def _packed_exact_inputs(m: int, f: int, scale: float) -> dict[str, Any]:
+def _packed_exact_inputs(m: int, f: int, scale: float, dtype: str = "bf16") -> dict[str, Any]:
     """g a 0/1 selection of w's rows (so acc is a w row, exactly), w and c bf16 values of few
     significand bits (their products often an e5m2 midpoint) and random ones, NaN and inf in c."""
     rng = np.random.default_rng(7)
@@ -1306,21 +1323,52 @@ def _packed_exact_inputs(m: int, f: int, scale: float) -> dict[str, Any]:
     c = np.where(rng.random((m, 2 * f)) < 0.5, cf, rng.standard_normal((m, 2 * f)) * 100).astype(np.float32)
     c.flat[rng.integers(0, c.size, 40)] = np.nan
     c.flat[rng.integers(0, c.size, 40)] = np.inf
-    bf = lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float32)  # noqa: E731
+    kind = ml_dtypes.bfloat16 if dtype == "bf16" else np.float16
+    bf = lambda a: a.astype(kind).astype(np.float32)  # noqa: E731
     return {"g": g, "w": bf(w), "c": bf(c), "s": np.float32(scale)}
 
 
-def test_packed_e5m2_plans_narrowed() -> None:
-    """A block of your own whose packed stage stores e5m2 plans as the derived one does: bf16 D narrowed."""
-    spec = plan_stage(one(PACKED_E5M2), 1)
+def _packed_e5m2(dtype: str) -> coda_lang.Block:
+    """PACKED_E5M2 with its 16-bit inputs (and so C) in `dtype`."""
+    return one(PACKED_E5M2.replace("bf16", dtype))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_packed_e5m2_plans_narrowed(dtype: str) -> None:
+    """A block of your own whose packed stage stores e5m2 plans as the derived one does: D in C's
+    dtype (bf16 or f16), rounded to odd by the op of that dtype, narrowed by the runtime."""
+    spec = plan_stage(_packed_e5m2(dtype), 1)
     assert spec.mode == "packed_cd_b16x2" and spec.d is not None
-    assert (spec.d.dtype, spec.d.narrow) == ("bf16", "e5m2")
+    assert (spec.d.dtype, spec.d.narrow) == (dtype, "e5m2")
+    src = emit_stage(spec)
+    other = "f16" if dtype == "bf16" else "bf16"
+    assert f"round_odd_{dtype}(" in src and f"round_odd_{other}(" not in src
+
+
+@pytest.mark.toolchain
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_packed_e5m2_compiles(dtype: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """That stage compiles for sm_90a without spills at 128x128 (the 128x192 candidate spills a few
+    bytes, which the tile choice skips), its rounding to odd inlined: the bf16 one's mask of the 16
+    cut bits, the f16 one's conversion toward zero."""
+    from coda_lang.backend_cute.build.compile import compile_stage
+    from coda_lang.backend_cute.build.config import candidates_for
+
+    blk = _packed_e5m2(dtype)
+    cfg = next(c for c in candidates_for(plan_stage(blk, 1)) if c.short == "128x128")
+    c = compile_stage(blk, 1, cfg, directory=tmp_path_factory.mktemp("pk8"))
+    assert ("cvt.rz.f16.f32" in c.ptx) == (dtype == "f16")
+    if dtype == "bf16":
+        assert "and.b32" in c.ptx and "65535" in c.ptx
+    assert c.report is not None and not c.report.spills, c.report.text
 
 
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
 @pytest.mark.parametrize("scale", [1.0, 2.0**-10, 2.0**12])
-def test_gpu_packed_e5m2_d_bit_for_bit(scale: float) -> None:
+def test_gpu_packed_e5m2_d_bit_for_bit(scale: float, dtype: str) -> None:
     """That packed stage on the kernel (bf16 rounded to odd, then the runtime's narrowing) against the
     interpreter's direct rounding, code for code, where the value before the store is exact (acc a row
     of w, times a bf16 value, times a power of 2): midpoints, subnormals (2^-10), saturation (2^12),
@@ -1329,8 +1377,8 @@ def test_gpu_packed_e5m2_d_bit_for_bit(scale: float) -> None:
     from runtime_check import to_torch
 
     os.environ.setdefault("CODA_TUNE", "0")
-    blk = one(PACKED_E5M2)
-    ins = _packed_exact_inputs(1000, 528, scale)
+    blk = _packed_e5m2(dtype)
+    ins = _packed_exact_inputs(1000, 528, scale, dtype)
     want = blk.run(ins)["dz"]
     got = blk.cuda(poison=True)({k: to_torch(np.asarray(v), "cuda") for k, v in ins.items()})["dz"]
     assert got.dtype == torch.float8_e5m2

@@ -709,3 +709,22 @@ def test_every_familys_fp8_blocks_plan_for_the_kernels(family: str, recipe: str)
     # each e4m3 GEMM's dgrad and wgrad: 2 in the first block, 6 in a layer's, 4 in the last's
     want = {"first_qkv": 2, "layer": 6, "last": 4} if recipe == "delayed" else {}
     assert backward_fp8 == want, backward_fp8
+
+
+def test_an_f16_models_delayed_blocks_plan_for_the_kernels() -> None:
+    """An f16 model's "delayed" blocks: the SwiGLU backward's packed stage (its saved gate/up tile f16)
+    stores its e5m2 cotangent in f16, rounded to odd and narrowed, as a bf16 model's does in bf16;
+    every GEMM stage plans (no refusal)."""
+    from coda_lang.backend_cute.plan.planner import plan_stage
+
+    model = HF["llama"][2](make("llama", torch.float16), fp8="delayed")
+    narrowed = []
+    for fn in (model._coda.first, model._coda.layer, model._coda.last):
+        d = fn.block.derivation(fn.wrt, backward=fn.options)
+        for k, stage in enumerate(d.backward.ir.stages, 1):
+            if stage.a is None:
+                continue
+            spec = plan_stage(d.backward, k)
+            if spec.d is not None and spec.d.narrow is not None:
+                narrowed.append((fn.name, spec.d.dtype, spec.d.narrow))
+    assert narrowed == [("layer", "f16", "e5m2"), ("last", "f16", "e5m2")], narrowed

@@ -21,7 +21,7 @@ next power of two's columns, the columns beyond it masked (not read or written).
 `widen(src, dtype)` is an fp8 tensor in bf16, f16 or f32 (exact) in one vectorized pass.
 `transposed(src, width)` is a one-byte tensor's transpose, contiguous, zero-padded to `width` columns:
 the K-major copy of an fp8 operand that a derived backward's fp8 GEMM reads. `narrowed(src, dtype)`
-rounds a 16-bit tensor to fp8 (a packed stage's fp8 D, which the kernel stores in bf16).
+rounds a 16-bit tensor to fp8 (a packed stage's fp8 D, which the kernel stores in bf16 or f16).
 What it does not: convert dtypes (but `scale_round`, `widen` and `tied_grad`), transpose anything but one-byte tensors, or take head dims below 16
 or not a multiple of 16, or tensors on the CPU (`supported` says; the callers copy with torch there).
 Invariants: every element of each part's columns is written once; a part given as None is zeroed;
@@ -212,7 +212,7 @@ def transposed(src: torch.Tensor, width: int | None = None, interpret: bool = Fa
 def narrowed(src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A 16-bit CUDA tensor rounded to an fp8 dtype to nearest even in one pass (Triton's f32 -> fp8
     conversion, on sm_90 `cvt.rn.satfinite`): a packed stage's fp8 D, which the kernel stores in bf16
-    rounded to odd and already clamped to the fp8 range (launch.py's `_narrow`)."""
+    or f16, rounded to odd and already clamped to the fp8 range (launch.py's `_narrow`)."""
     assert src.device.type == "cuda" and dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     return _converted(src, dtype, False)
 

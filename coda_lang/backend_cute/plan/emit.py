@@ -215,14 +215,14 @@ class _Emitter:
                 saturated.add(out.name)
                 self.saturate(out.name, out.dtype)
             elif out.narrow is not None and out.name not in saturated:
-                # (an fp8 D stored in bf16: clamped as the fp8 store is, then rounded to odd, so that
-                # the runtime's rounding of it to the fp8 dtype is the direct rounding's)
+                # (an fp8 D stored in bf16 or f16: clamped as the fp8 store is, then rounded to odd,
+                # so that the runtime's rounding of it to the fp8 dtype is the direct rounding's)
                 saturated.add(out.name)
                 self.saturate(out.name, out.narrow)
                 lanes = []
                 for x in self.lanes[out.name]:
                     target = self.fresh(f"{x}_odd")
-                    self.lines.append(f"{target} = round_odd_bf16({x})")
+                    self.lines.append(f"{target} = round_odd_{out.dtype}({x})")
                     lanes.append(target)
                 self.lanes[out.name] = tuple(lanes)
         body += self.lines

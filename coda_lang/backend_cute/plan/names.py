@@ -36,6 +36,7 @@ _MODULE_IMPORTS: dict[str, str] = {
     "TileStore": "from quack.epilogue.ops import TileStore",
     "GroupedReduce": "from coda_lang.backend_cute.plan.epi_ops import GroupedReduce",
     "round_odd_bf16": "from coda_lang.backend_cute.plan.epi_ops import round_odd_bf16",
+    "round_odd_f16": "from coda_lang.backend_cute.plan.epi_ops import round_odd_f16",
     "BoundedColVecSelect": "from coda_lang.backend_cute.plan.epi_ops import BoundedColVecSelect",
     "BoundedColVecReduce": "from coda_lang.backend_cute.plan.epi_ops import BoundedColVecReduce",
     "BoundedRowVecReduce": "from coda_lang.backend_cute.plan.epi_ops import BoundedRowVecReduce",

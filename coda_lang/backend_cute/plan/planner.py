@@ -28,6 +28,7 @@ from coda_lang.backend_cute.plan import operands, refusals, sinks
 from coda_lang.backend_cute.plan.context import StageContext, live_eqns, stage_context
 from coda_lang.backend_cute.plan.spec import (
     PACKED,
+    PACKED_DTYPES,
     Gemm,
     Mode,
     Operand,
@@ -129,12 +130,13 @@ def run(ctx: StageContext) -> StageSpec:
 
 def _narrowed(ctx: StageContext, loads: list[Operand], d: Output | None) -> Output | None:
     """A packed stage storing an fp8 D (a derived backward's SwiGLU stage with quantized cotangents,
-    beside its bf16 C): D stored in C's dtype, bf16, rounded to odd, and narrowed by the runtime
-    (`Output.narrow`: exact); quack's packed mode stores one 16-bit dtype. Anything else as it is."""
+    beside its 16-bit C): D stored in C's dtype (bf16 or f16), rounded to odd, and narrowed by the
+    runtime (`Output.narrow`: exact); quack's packed mode stores one 16-bit dtype. Anything else as
+    it is."""
     c = next((o for o in loads if o.op == "C"), None)
-    if d is None or c is None or ctx.emulated or not is_fp8(d.dtype) or c.dtype != "bf16":
+    if d is None or c is None or ctx.emulated or not is_fp8(d.dtype) or c.dtype not in PACKED_DTYPES:
         return d
-    return replace(d, dtype="bf16", narrow=d.dtype)
+    return replace(d, dtype=c.dtype, narrow=d.dtype)
 
 
 def _gemm(ctx: StageContext) -> Gemm:

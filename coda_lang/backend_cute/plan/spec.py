@@ -135,9 +135,10 @@ class Output:
     gated: bool = False
     lane: int | None = None
     # a packed stage's fp8 D (a derived backward's quantized cotangent of a SwiGLU's gate/up: quack's
-    # packed mode stores C's 16-bit dtype only): the kernel stores it in `dtype` (bf16), rounded to odd
-    # from the clamped f32 value, and the runtime rounds that to `narrow` (to nearest even: the same
-    # code as rounding the f32 value directly, bf16 keeping 5 bits more than e5m2 or e4m3)
+    # packed mode stores C's 16-bit dtype only): the kernel stores it in `dtype` (C's: bf16 or f16),
+    # rounded to odd from the clamped f32 value, and the runtime rounds that to `narrow` (to nearest
+    # even: the same code as rounding the f32 value directly, bf16 keeping 5 bits more than e5m2 or
+    # e4m3, f16 7 or more)
     narrow: str | None = None
 
 

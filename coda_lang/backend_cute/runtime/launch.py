@@ -423,7 +423,7 @@ class StageRunner:
 
 
 def _narrow(t: torch.Tensor, dtype: str) -> torch.Tensor:
-    """A packed stage's fp8 D, stored by the kernel in bf16 rounded to odd and clamped (Output.narrow),
+    """A packed stage's fp8 D, stored by the kernel in bf16 or f16 rounded to odd and clamped (Output.narrow),
     rounded to `dtype` to nearest even: one Triton kernel on a GPU (layouts.narrowed), torch's cast
     elsewhere or under a torch.compile trace (both exact: the value is in range or NaN)."""
     want = TORCH_DTYPES[dtype]
