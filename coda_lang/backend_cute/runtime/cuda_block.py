@@ -6,9 +6,11 @@ elementwise stage (backend_triton/elementwise.py) and reads the tiles given (til
 E0805). A call binds the inputs by parameter name (binding.py), then runs the block's body in order:
 each GEMM stage as one `coda::stage` launch (launch.py) at the tile given, else its first tile without
 register spills (tiles.py) or, when tuning, the fastest at its GEMM shape (tuning.py); each
-elementwise stage as one generated kernel; each vector equation between stages with its op's torch
-stand-in (`OpDef.lower.torch`). A run that may consume values (an autograd backward) drops each after its
-last read and stores over the buffers liveness.py hands out. `run_with_partials` also returns the
+elementwise stage as one generated kernel; each run of vector equations between stages as one
+generated kernel on a GPU (backend_triton/vector_run.py; $CODA_VECTOR_RUNS=0: off), else (and each
+equation that kernel can't take) with its op's torch stand-in (`OpDef.lower.torch`), one by one. A
+run that may consume values (an autograd backward) drops each after its last read and stores over
+the buffers liveness.py hands out. `run_with_partials` also returns the
 kernels' per-tile partial buffers, `values` every named value, `run_stage` runs one stage alone;
 `prepare` compiles and chooses the tiles before a first call; `autograd()` gives a differentiable
 function (autograd.py), whose blocks `sibling` makes. `emulate=True` runs the torch stand-ins of the
@@ -47,6 +49,7 @@ from coda_lang.backend_cute.runtime.liveness import Liveness
 from coda_lang.backend_cute.runtime.tiles import choose_config, first_compiled, given_tiles, precompile
 from coda_lang.backend_cute.runtime.tuning import Tuner, preload_runtime
 from coda_lang.backend_triton.elementwise import ElementwiseStage
+from coda_lang.backend_triton.vector_run import VectorRun, plan_runs
 from coda_lang.core.diagnostics import CodaError, Diagnostic, with_sources
 from coda_lang.ir.nodes import DimRef, Eqn, Lit, Stage, Var
 from coda_lang.ir.types import MATRIX, Dim
@@ -139,6 +142,15 @@ class CudaBlock:
             for s in self.ir.body
             if not isinstance(s, Stage) and isinstance(d := s.param("into"), Dim)
         }
+        # runs of consecutive vector equations, each one generated kernel on a GPU (vector_run.py):
+        # {body index of its first equation: the run}, and each of its equations' index -> that first
+        self._runs: dict[int, VectorRun] = {}
+        self._run_of: dict[int, int] = {}
+        if not emulate and os.environ.get("CODA_VECTOR_RUNS", "1") != "0":
+            for first, idx in plan_runs(self.ir.body).items():
+                eqns = [self.ir.body[i] for i in idx]
+                self._runs[first] = VectorRun(eqns, self._dimrefs, self.ir.name, first)
+                self._run_of.update(dict.fromkeys(idx, first))
         self._ready = False
         self._precompiled = False  # tiles.precompile: this block's kernels were compiled at once
         self._compile_with: list[CudaBlock] = []
@@ -289,6 +301,7 @@ class CudaBlock:
             self.prepare(background=not torch.compiler.is_compiling())
         partials: dict[str, torch.Tensor] = {}
         k = 0
+        fused = False  # the current run of vector equations ran as one kernel
         for i, s in enumerate(self.ir.body):
             if isinstance(s, Stage):
                 k += 1
@@ -307,7 +320,11 @@ class CudaBlock:
                     outs = r.call(ins, scalars, into)
                     r.collect(outs, env, partials, self.plan.storage)
             else:
-                self._vector_eqn(s, env, dims, device)
+                first = self._run_of.get(i)
+                if first == i:
+                    fused = not torch.compiler.is_compiling() and self._runs[i](env, dims, device)
+                if first is None or not fused:
+                    self._vector_eqn(s, env, dims, device)
             if consume is not None:
                 for n in self.liveness.dead_after[i]:
                     env.pop(n, None)
