@@ -13,6 +13,10 @@ or loads its operand, complete after it. A loop whose vectors a later loop reads
 stored, in its compute dtype (f32), in one buffer, and comes back as a view of it (a scalar 0-d, a
 vector 1-d), 128-byte aligned: what the per-equation path gives, so nothing after the run changes.
 `plan_runs(body, ...)` finds the runs of a block's body that the kernel can take.
+Measured (H200, fp8 Llama-3.2-1B step, 2026-11-27): slower, not faster (154.4 ms against 146.6-151.2;
+host 133 ms against 122): each launch through Triton's Python launcher costs more than the few torch
+ops it replaces, so the runtime uses the runs only where $CODA_VECTOR_RUNS=1. What would make them pay
+is a cheaper launch (the compiled kernel's own launcher, without the per-call specialization).
 Numerics: the ops' Triton expressions are the elementwise stages' (generate.py: libdevice's functions,
 division and square root IEEE-rounded), in f32; an annotated value (`r: bf16 = ...`) is rounded to
 its dtype and kept in f32, as `round_value` does. A sum over a vector adds in another order than
