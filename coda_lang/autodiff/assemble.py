@@ -115,14 +115,39 @@ def _finalize_matrix(
 _ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "e4m3": 1, "e5m2": 1, "i32": 4, "bool": 1}
 
 
-def row_bytes(types: list[Type]) -> dict[str | None, Fraction]:
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a storage dtype."""
+    return _ITEMSIZE.get(dtype, 4)
+
+
+def token_rows(block: Block) -> str | None:
+    """The dim of a block's token rows, what "per row" counts: the rows of its first GEMM stage (an
+    fp8 block's first stages may be elementwise ones over its weights), else of its first stage."""
+    for s in block.stages:
+        if s.is_gemm and s.acc is not None and s.acc.type is not None:
+            return s.acc.type.shape[0].name
+    for s in block.stages:
+        if s.shape is not None:
+            return s.shape[0].name
+    return None
+
+
+def _per_row(t: Type, rows: str | None) -> bool:
+    """Whether a tensor of type t holds bytes per row of `rows` (None: of its first dim, whatever it
+    is); a scalar holds nothing per row and is counted as per row (0)."""
+    return rows is None or not t.shape or t.shape[0].name == rows
+
+
+def row_bytes(types: list[Type], rows: str | None = None) -> dict[str | None, Fraction]:
     """What tensors of these types hold per row of their first dim: dim name (None: a constant) ->
-    bytes per unit of that dim; `bf16[M, 2*F]` and `f32[M]` hold {"F": 4, None: 4}."""
+    bytes per unit of that dim; `bf16[M, 2*F]` and `f32[M]` hold {"F": 4, None: 4}. With `rows`, only
+    the tensors whose first dim is `rows` (a `[2*M, D]` one twice per row); the others are
+    `fixed_bytes`'."""
     per: dict[str | None, Fraction] = {}
     for t in types:
-        if not t.shape:
+        if not t.shape or not _per_row(t, rows):
             continue
-        size = Fraction(_ITEMSIZE.get(t.dtype, 4))
+        size = Fraction(itemsize(t.dtype)) * (t.shape[0].coeff if rows is not None else 1)
         if len(t.shape) == 1:
             per[None] = per.get(None, Fraction(0)) + size
             continue
@@ -132,10 +157,44 @@ def row_bytes(types: list[Type]) -> dict[str | None, Fraction]:
     return per
 
 
-def bytes_per_row(types: list[Type]) -> str:
-    """What tensors of these types hold per row of their first dim, as a sum over the other dims:
-    `bf16[M, 2*F]` and `f32[M]` hold `4*F + 4 bytes`; a scalar holds nothing per row."""
-    per = row_bytes(types)
+def fixed_bytes(types: list[Type], rows: str | None) -> dict[tuple[str, ...], Fraction]:
+    """What the tensors of these types whose first dim is not `rows` hold (a weight's fp8 copy
+    `e4m3[2*F, D]`: bytes that do not scale with the rows): monomial (the dim names, sorted) -> its
+    coefficient; `e4m3[2*F, D]` holds {("D", "F"): 2}. Scalars are left out (a few bytes)."""
+    out: dict[tuple[str, ...], Fraction] = {}
+    for t in types:
+        if not t.shape or _per_row(t, rows):
+            continue
+        c = Fraction(itemsize(t.dtype))
+        names: list[str] = []
+        for d in t.shape:
+            c *= d.coeff
+            if d.name is not None:
+                names.append(d.name)
+        key = tuple(sorted(names))
+        out[key] = out.get(key, Fraction(0)) + c
+    return out
+
+
+def fixed_text(per: dict[tuple[str, ...], Fraction]) -> str:
+    """`fixed_bytes` written as a sum (`3*D*F + 64 bytes`)."""
+    terms = []
+    for key, c in sorted(per.items(), key=lambda kv: (not kv[0], kv[0])):
+        if not c:
+            continue
+        if not key:
+            terms.append(str(c))
+            continue
+        mono = "*".join(key)
+        terms.append(mono if c == 1 else f"{c}*{mono}" if c.denominator == 1 else f"({c})*{mono}")
+    return (" + ".join(terms) or "0") + " bytes"
+
+
+def bytes_per_row(types: list[Type], rows: str | None = None) -> str:
+    """What tensors of these types hold per row of their first dim (with `rows`: of the tensors whose
+    first dim is `rows`), as a sum over the other dims: `bf16[M, 2*F]` and `f32[M]` hold
+    `4*F + 4 bytes`; a scalar holds nothing per row."""
+    per = row_bytes(types, rows)
     terms = [
         str(Dim(c, name))
         for name, c in sorted(per.items(), key=lambda kv: (kv[0] is None, kv[0] or ""))
@@ -170,18 +229,30 @@ def assemble(s: State, grads: dict[str, str], renames: dict[str, str], remat: st
     for amax in scales.values():
         outputs.append(Output(amax, Type("f32", (), SCALAR), f.span))
     dims = tuple(d for d in f.dims if d.name in _used_dims(params, outputs, body))
+    rows = token_rows(f)
+    per_row = [n for n in saved if _per_row(s.types[n], rows)]
+    fixed = [n for n in saved if n not in per_row]
     notes = [
         f"backward of `{f.name}`, derived by `coda grad`",
         "saved tensors (stored by the forward): " + (", ".join(saved) or "none"),
-        f"saved per row: {bytes_per_row([s.types[n] for n in saved])} ({policy_text(s, remat)})",
+        f"saved per row: {bytes_per_row([s.types[n] for n in per_row], rows)} ({policy_text(s, remat)})",
         "cotangents: " + ", ".join(f"{v} (of {k})" for k, v in s.cotangents.items()),
         "gradients: " + ", ".join(f"{v} (of {k})" for k, v in grads.items()),
     ]
-    if saved:
+    if fixed:  # (a weight's fp8 copy: bytes that do not scale with the rows)
+        notes.insert(
+            2,
+            f"saved, not per row of {rows}: "
+            + ", ".join(
+                f"{n} {fixed_text(fixed_bytes([s.types[n]], rows)).removesuffix(' bytes')}" for n in fixed
+            )
+            + f" ({fixed_text(fixed_bytes([s.types[n] for n in fixed], rows))})",
+        )
+    if per_row:
         notes.insert(
             2,
             "saved bytes per row: "
-            + ", ".join(f"{n} {bytes_per_row([s.types[n]]).removesuffix(' bytes')}" for n in saved),
+            + ", ".join(f"{n} {bytes_per_row([s.types[n]], rows).removesuffix(' bytes')}" for n in per_row),
         )
     if scales:
         notes.append(

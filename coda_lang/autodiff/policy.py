@@ -2,7 +2,8 @@
 
 What it does: `derive(block, plan, wrt, remat)` derives the backward under the block-wide policy
 `remat` ("save", "recompute", "auto"), each stage's own policy overriding it where the source writes
-one on the stage (`gemm a @ b, remat="save" { ... }`). Two kinds of recomputation, and what each costs:
+one on the stage (`gemm a @ b, remat="save" { ... }`). Three kinds of recomputation, and what each
+costs:
 - a GEMM run again (reverse.py, `Reverse.recompute_host`): a stage at the block's entry, whose
   backward no later GEMM's epilogue hosts, runs its GEMM again in the backward (2*M*N*K FLOPs) and its
   backward in that epilogue from the f32 acc, so nothing of its tile is held from forward to backward.
@@ -14,15 +15,36 @@ one on the stage (`gemm a @ b, remat="save" { ... }`). Two kinds of recomputatio
   the backward reads after that stage's backward ran (as a weight-gradient GEMM's operand, or in an
   earlier stage's backward) is recomputed in the epilogue that runs the stage's backward, from what
   that epilogue reads anyway, and stored from there in the dtype the forward stores it in; the GEMM
-  that reads it runs after that stage. Elementwise work in an epilogue that runs anyway: ~free. Under
-  "auto" and "recompute" a tile is recomputed this way when that lowers the bytes held per row (no
-  term grows, one shrinks: it does not when recomputing it needs a saved acc as large as itself); each
-  candidate is tried with a derivation and kept greedily, in the order the backward first read them.
-"save" recomputes nothing: the derivation is exactly the one of before these policies.
-What it does not: build the backward (reverse.py, site.py) or judge time on a device.
+  that reads it runs after that stage. Elementwise work in an epilogue that runs anyway: ~free;
+- in an elementwise stage at the start of the backward (here, and prologue.py): a stored tile that
+  the backward reads before its stage's backward runs (an fp8 weight copy `w_13q: e4m3 = w_13 *
+  s_w_13`, the B operand of the first data-gradient GEMM that reads it) is computed again by an
+  `elementwise [R, C] { ... }` stage over its own shape, the same construct as the forward's
+  weight-quantizing stages, from values the backward holds anyway: the block's parameters (an input
+  of the backward costs no memory), tiles that stay saved, vectors. Only where that is exact: the
+  same equations as the forward's stage, in the same order, on the same f32 values, rounded once at
+  the store, so the copy is bit for bit the forward's (prologue.py says what a chain may read: no
+  reduction, no rounded copy of a value the forward's stage used in f32, no acc unless saved in
+  f32). Its cost is one pass over its sources (a weight's: what the forward's quantizing stage costs)
+  and a kernel launch, so it is tried only where the first kind is not taken, and only for a tile
+  stored no wider than every matrix it is computed from (the fp8 copies of bf16 weights and
+  activations, a bf16 copy of bf16 values): such a copy is redundant with its sources, and the pass
+  reads at most the bytes of those sources and writes at most as many. It is not limited to fp8:
+  exactness does not depend on the dtype (the stage rounds where the forward rounds), and a bf16
+  copy no epilogue can host frees memory the same way; a tile wider than one of its sources (an f32
+  product of bf16 tiles) is left saved: the pass would write more bytes than it reads of that
+  source, and no block of coda's needs it.
+Under "auto" and "recompute" a tile is recomputed by the second or third kind when that lowers the
+bytes held (no term grows, one shrinks: bytes per row of the token rows, and bytes of tensors
+without those rows, a weight's copy, counted apart as constants of the dims; it does not when
+recomputing needs a saved acc as large as the tile itself); each candidate is tried with a
+derivation, the second kind first, and kept greedily, in the order the backward first read them.
+"save", and `remat="save"` on a stage for that stage's tiles, recomputes nothing.
+What it does not: build the backward (reverse.py, site.py, prologue.py) or judge time on a device.
 Invariants: with every stage's policy "save", `derive` is `derive_with(..., remat)` unchanged; a tile
-recomputed in an epilogue is stored under its forward name, in its forward storage dtype; every
-recomputed value and rerun stage has one line of the report saying why.
+recomputed in an epilogue or at the start is stored under its forward name, in its forward storage
+dtype (at the start, bit for bit the forward's copy); every recomputed value and rerun stage has one
+line of the report saying why, as has each candidate kept saved.
 """
 
 from __future__ import annotations
@@ -30,8 +52,10 @@ from __future__ import annotations
 from dataclasses import replace
 from fractions import Fraction
 
-from coda_lang.autodiff.assemble import Derived, row_bytes
+from coda_lang.autodiff.assemble import Derived, fixed_bytes, fixed_text, itemsize, row_bytes, token_rows
 from coda_lang.autodiff.builder import AutodiffError
+from coda_lang.autodiff.forward import ForwardFacts
+from coda_lang.autodiff.prologue import Chain, NotExact, chain
 from coda_lang.autodiff.reverse import derive_with, stage_policies
 from coda_lang.autodiff.state import SAVED
 from coda_lang.core.diagnostics import Diagnostic
@@ -40,7 +64,8 @@ from coda_lang.frontend.verify.plan import BlockPlan
 from coda_lang.ir.nodes import DEFAULT_REMAT, Block
 from coda_lang.ir.types import TILE, Dim
 
-Bytes = dict[str | None, Fraction]
+# bytes held: per row (a dim name, None: a constant) and, for tensors without rows, in all (a monomial)
+Bytes = dict[str | tuple[str, ...] | None, Fraction]
 
 
 def derive(
@@ -56,9 +81,12 @@ def derive(
     d = derive_with(block, plan, wrt, remat, fp8_grads=fp8_grads)
     if all(p == "save" for p in policies):
         return d
+    fwd = ForwardFacts(block, plan, wrt)
+    rows = token_rows(block)
     fstage = {v.name: k for k, st in enumerate(block.stages) for e in st.body for v in e.outs}
     fdef = {v.name: e for st in block.stages for e in st.body for v in e.outs}
-    made: dict[str, str] = {}
+    made: dict[str, str] = {}  # tiles recomputed in an epilogue -> their report line
+    start: dict[str, str] = {}  # tiles made again at the backward's start -> their report line
     lines: list[str] = []
     tried: set[str] = set()
     while True:
@@ -81,30 +109,79 @@ def derive(
         tried.add(name)
         k = fstage[name]
         where = f"`{name}` (line {fdef[name].span.line})"
-        before = _held(d)
+        before = _held(d, rows)
+        # first kind: in the epilogue that runs stage k's backward (free)
         try:
-            trial = derive_with(block, plan, wrt, remat, frozenset(made) | {name}, fp8_grads)
-        except AutodiffError as e:
-            lines.append(f"{where} stays saved: stage {k + 1}'s backward can't recompute it ({e.message})")
-            continue
-        after = _held(trial)
-        if name in trial.saved or not _less(after, before) or not _checks(trial):
-            lines.append(
-                f"{where} stays saved: recomputing it in stage {k + 1}'s backward would hold "
-                f"{_text(after)} per row, not less than {_text(before)}"
+            trial = derive_with(
+                block, plan, wrt, remat, frozenset(made) | {name}, fp8_grads, frozenset(start)
             )
-            continue
-        made[name] = (
-            f"{where} is recomputed in the epilogue that runs stage {k + 1}'s backward, from what it "
-            f"reads anyway, and stored from there (elementwise, ~free), not saved: "
-            f"{_text(_minus(before, after))} per row less ({_source(block, k, remat)})"
-        )
-        d = trial
-    if not lines and not made:
+        except AutodiffError as e:
+            epilogue = f"stage {k + 1}'s backward can't recompute it ({e.message})"
+        else:
+            after = _held(trial, rows)
+            if name not in trial.saved and _less(after, before) and _checks(trial):
+                made[name] = (
+                    f"{where} is recomputed in the epilogue that runs stage {k + 1}'s backward, from what "
+                    f"it reads anyway, and stored from there (elementwise, ~free), not saved: "
+                    f"{_text(_minus(before, after))} less ({_source(block, k, remat)})"
+                )
+                d = trial
+                continue
+            epilogue = (
+                f"recomputing it in stage {k + 1}'s backward would hold {_text(after)}, "
+                f"not less than {_text(before)}"
+            )
+        # second kind: an elementwise stage at the backward's start (one pass over its sources)
+        why, ch = _startable(fwd, name, frozenset(made))
+        if ch is not None:
+            try:
+                trial = derive_with(
+                    block, plan, wrt, remat, frozenset(made), fp8_grads, frozenset(start) | {name}
+                )
+            except AutodiffError as e:
+                why = f"an elementwise stage at the backward's start can't make it ({e.message})"
+            else:
+                after = _held(trial, rows)
+                if name not in trial.saved and _less(after, before) and _checks(trial):
+                    start[name] = (
+                        f"{where} is recomputed by an elementwise stage at the backward's start from "
+                        f"{ch.text()}, bit for bit as the forward stores it, not saved: "
+                        f"{_text(_minus(before, after))} less ({_source(block, k, remat)})"
+                    )
+                    d = trial
+                    continue
+                why = (
+                    f"an elementwise stage at the backward's start would hold {_text(after)}, "
+                    f"not less than {_text(before)}"
+                )
+        lines.append(f"{where} stays saved: {epilogue}; {why}")
+    if not lines and not made and not start:
         return d
-    report = list(d.report) + list(made.values()) + lines
-    notes = tuple(d.backward.notes) + tuple(f"note: {line}" for line in (*made.values(), *lines))
+    report = list(d.report) + list(made.values()) + list(start.values()) + lines
+    notes = tuple(d.backward.notes) + tuple(
+        f"note: {line}" for line in (*made.values(), *start.values(), *lines)
+    )
     return replace(d, backward=replace(d.backward, notes=notes), report=report)
+
+
+def _startable(fwd: ForwardFacts, name: str, make: frozenset[str]) -> tuple[str, Chain | None]:
+    """(why not, None), or ("", its chain) where stored tile `name` may be made again by an elementwise
+    stage at the backward's start: its chain is exact (prologue.py) and it is stored no wider than any
+    matrix it is computed from (see the module docstring)."""
+    try:
+        ch = chain(fwd, name, make)
+    except NotExact as e:
+        return f"nor can an elementwise stage at the backward's start compute it again bit for bit: {e}", None
+    dtype = fwd.storage.get(name, fwd.plan.activation)
+    wider = [(n, t) for n, t in ch.sources if itemsize(t) < itemsize(dtype)]
+    if wider:
+        n, t = wider[0]
+        src = f"stage {ch.stage + 1}'s acc" if n == "acc" else f"`{n}`"
+        return (
+            f"an elementwise stage at the backward's start makes only copies no wider than their "
+            f"sources, and it is {dtype}, computed from {src} ({t})"
+        ), None
+    return "", ch
 
 
 def _source(block: Block, k: int, remat: str) -> str:
@@ -112,10 +189,15 @@ def _source(block: Block, k: int, remat: str) -> str:
     return f'remat="{st.remat}" on the stage' if st.remat is not None else f"--remat {remat}"
 
 
-def _held(d: Derived) -> Bytes:
-    """The bytes per row the saved tensors of `d` hold."""
+def _held(d: Derived, rows: str | None) -> Bytes:
+    """The bytes the saved tensors of `d` hold: per row of `rows` (keys: dim names, None) and, for
+    tensors without those rows (a weight's fp8 copy), in all (keys: tuples of dim names)."""
     types = {p.var.name: p.var.type for p in d.backward.params}
-    return row_bytes([t for n in d.saved if (t := types[n]) is not None])
+    saved = [t for n in d.saved if (t := types[n]) is not None]
+    held: Bytes = {}
+    held.update(row_bytes(saved, rows).items())
+    held.update(fixed_bytes(saved, rows).items())
+    return held
 
 
 def _less(a: Bytes, b: Bytes) -> bool:
@@ -128,12 +210,19 @@ def _minus(a: Bytes, b: Bytes) -> Bytes:
     return {k: a.get(k, Fraction(0)) - b.get(k, Fraction(0)) for k in set(a) | set(b)}
 
 
-def _text(per: Bytes) -> str:
-    """`per` written as bytes_per_row writes it (`4*D + 4 bytes`)."""
+def _text(held: Bytes) -> str:
+    """`held` written as the header writes it: `4*D + 4 bytes per row`, and `2*D*F bytes` (not per
+    row) for tensors without rows (`2*D*F bytes (not per row)` where that is all)."""
+    per = {k: v for k, v in held.items() if not isinstance(k, tuple)}
+    fixed = {k: v for k, v in held.items() if isinstance(k, tuple) and v}
     terms = [str(Dim(c, name)) for name, c in sorted((k, v) for k, v in per.items() if k is not None) if c]
     if per.get(None):
         terms.append(str(per[None]))
-    return (" + ".join(terms) or "0") + " bytes"
+    text = (" + ".join(terms) or "0") + " bytes per row"
+    if not fixed:
+        return text
+    rest = fixed_text({k: v for k, v in fixed.items() if isinstance(k, tuple)})
+    return f"{rest} (not per row)" if not terms else f"{text} and {rest} not per row"
 
 
 def _checks(d: Derived) -> bool:

@@ -20,8 +20,9 @@ Invariants:
   a scalar cotangent standing for a vector multiplied by its length);
 - the backward reads forward values as recorded in `State.reads`: as saved tensors (tiles the
   forward stores anyway, complete partials and vectors, and `acc` where a VJP needs the
-  pre-epilogue value), or recomputed (between stages, or in a site's epilogue); the extended forward
-  block stores the saved ones;
+  pre-epilogue value), or recomputed (between stages, in a site's epilogue, or, for the stored tiles
+  policy.py chooses, by elementwise stages at the backward's start: prologue.py, built first); the
+  extended forward block stores the saved ones;
 - cotangent contributions to one matrix accumulate in the epilogue that produces the next one
   (residual accumulation), never as a tile computation between stages;
 - every node made here carries the span of the forward line it came from.
@@ -34,6 +35,7 @@ from coda_lang.autodiff.assemble import Derived, assemble, finalize
 from coda_lang.autodiff.builder import AutodiffError, Primals
 from coda_lang.autodiff.builder import float_value as _float
 from coda_lang.autodiff.forward import ForwardFacts
+from coda_lang.autodiff.prologue import build as build_prologue
 from coda_lang.autodiff.site import Host, Site
 from coda_lang.autodiff.state import State
 from coda_lang.frontend.verify.plan import BlockPlan
@@ -59,6 +61,7 @@ class Reverse:
         remat: str = DEFAULT_REMAT,
         make: frozenset[str] = frozenset(),
         fp8_grads: str | None = None,
+        prologue: frozenset[str] = frozenset(),
     ):
         self.policy = stage_policies(block, remat)
         self.fwd = ForwardFacts(block, plan, wrt)
@@ -67,6 +70,9 @@ class Reverse:
         self.remat = remat
         # stored forward tiles that their stage's backward recomputes and stores (policy.py chooses)
         self.make = make
+        # stored forward tiles made again by elementwise stages at the backward's start (prologue.py;
+        # policy.py chooses them)
+        self.prologue = prologue
         # forward stage -> weight-gradient GEMMs (consumer stage, operand, parameter) that read a tile
         # of that stage, made after its backward (which stores the tile: `make`)
         self.deferred: dict[int, list[tuple[int, str, str]]] = {}
@@ -97,6 +103,8 @@ class Reverse:
                     ),
                 )
         stages = fwd.block.stages
+        if self.prologue:
+            build_prologue(s, sorted(self.prologue), self.make)
         self.block_backward(fwd.plan.between[len(stages)])
         for k in reversed(range(len(stages))):
             self.stage_backward(k)
@@ -362,11 +370,13 @@ def derive_with(
     remat: str,
     make: frozenset[str] = frozenset(),
     fp8_grads: str | None = None,
+    prologue: frozenset[str] = frozenset(),
 ) -> Derived:
     """The backward of `block` under policy `remat` (stage reruns: Reverse.recompute_host), with the
-    tiles `make` recomputed and stored by their stage's backward (policy.py chooses them), and the
-    cotangents of its fp8 stages quantized to `fp8_grads` where given (`Reverse.quantizes`)."""
-    return Reverse(block, plan, wrt, remat, make, fp8_grads).run()
+    tiles `make` recomputed and stored by their stage's backward and the tiles `prologue` by
+    elementwise stages at its start (prologue.py; policy.py chooses both), and the cotangents of its
+    fp8 stages quantized to `fp8_grads` where given (`Reverse.quantizes`)."""
+    return Reverse(block, plan, wrt, remat, make, fp8_grads, prologue).run()
 
 
 def _reached(block: Block) -> set[str]:

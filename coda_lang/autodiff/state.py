@@ -14,6 +14,8 @@ What it does not: decide what to differentiate, where a VJP runs, or how a cotan
 (reverse.py, site.py, unbroadcast.py). Whether a forward value is saved or recomputed is decided in
 two places, by the kind of value: `read_between` here (a value read at block level) and
 `Site.primal` (in a stage's backward); both record the choice in `reads`.
+A stored tile the policy has made again (in a stage's backward, or at the backward's start by
+prologue.py) is read from `made` instead of a saved copy.
 Invariants:
 - every forward value the backward reads is in `reads`, once per way it is read (a value recomputed
   in a stage's backward: once per place); `saved()` (what the forward must store) is exactly its
@@ -51,7 +53,8 @@ class Read:
     type: Type  # its type there
     # "acc", or SAVED under a name of its own (an f32 copy of a tile: `read_exact`): its forward stage;
     # RECOMPUTED: the forward stage whose backward recomputes it in its epilogue (or in a stage
-    # counting its ties); None: between stages (or not a stage's)
+    # counting its ties, or, for a tile made at the backward's start, the stage that defines it);
+    # None: between stages (or not a stage's)
     stage: int | None = None
 
 
@@ -76,7 +79,8 @@ class State:
         # dead-code removal
         self.report: list[tuple[Span, str, bool]] = []
         # forward tile -> the backward matrix holding it, recomputed and stored by a stage's backward
-        # (remat in an epilogue): read instead of a saved copy by whatever runs after that stage
+        # (remat in an epilogue) or by an elementwise stage at the backward's start (prologue.py):
+        # read instead of a saved copy by whatever runs after that stage
         self.made: dict[str, str] = {}
         self.made_dtype: dict[str, str] = {}  # such a matrix -> its storage dtype (the forward's)
         # fp8 cotangents (BackwardOptions.fp8_grads): the dtype a quantized dacc is stored in; each

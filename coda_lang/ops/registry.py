@@ -431,7 +431,8 @@ class OpDef:
     index_axis: int | None = None  # an INDEX op's axis: 0 the rows (row_index), 1 the columns (col_index)
     copy: bool = False  # `y = x`: the operand itself under a new name (CSE keeps it; a bare GEMM's body)
     # the operand rounded to the `dtype` parameter (cast): the same value where rounding is ignored
-    # (padding values, random programs' value keys); its impl takes the interpreter's `precision=`
+    # (padding values, random programs' value keys), a stored tile's value where that tile is stored
+    # in that dtype (autodiff/prologue.py); its impl takes the interpreter's `precision=`
     rounds: bool = False
     linear: bool = False  # a chunked sum passes through it: f(a + b) == f(a) + f(b) (the chunker: copy, fold)
     # one IEEE operation, correctly rounded: every kernel computes it bit for bit as the interpreter
