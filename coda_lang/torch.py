@@ -348,7 +348,7 @@ _LLAMA_MLP_STAGES = """
 _LLAMA_MLP_STAGES_FP8 = """
   gemm y @ {w_o}, remat="save" {{
     {h}: {t} = acc{residual} + x
-    {h}g = {h} * {g}
+    {h}g = cast({h}, {t}) * {g}
     {h}q: e4m3 = {h}g * s_{h}
     amp_{h} = max(abs({h}g), over=D)
     ss{n} = sum({h} * {h}, over=D)

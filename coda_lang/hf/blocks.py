@@ -240,7 +240,7 @@ _INPUT_NORM_FP8 = """
 _THEN = "\n    x2g: {t} = x2 * {g2}\n    ss2 = sum(x2 * x2, over=D)"
 # the same in e4m3 (fp8="delayed"), for the next layer's QKV GEMM
 _THEN_FP8 = (
-    "\n    x2g = x2 * {g2}\n    x2q: e4m3 = x2g * s_x2\n    amp_x2 = max(abs(x2g), over=D)"
+    "\n    x2g = cast(x2, {t}) * {g2}\n    x2q: e4m3 = x2g * s_x2\n    amp_x2 = max(abs(x2g), over=D)"
     "\n    ss2 = sum(x2 * x2, over=D)"
 )
 
