@@ -592,19 +592,9 @@ class TritonStage:
     def kernel(self, scalar_tensors: tuple[bool, ...]) -> Any:
         k = self._kernels.get(scalar_tensors)
         if k is None:
-            import triton  # noqa: F401  (the generated module imports it; fail here if it is missing)
-
-            src = self.source(scalar_tensors)
-            filename = f"<coda-triton {self.kernel_name()} {abs(hash(src)):x}>"
-            # triton.jit reads its function's source through inspect (linecache): register it there
-            linecache.cache[filename] = (len(src), None, src.splitlines(keepends=True), filename)
-            namespace: dict[str, Any] = {
-                "__name__": f"coda_triton_{self.kernel_name()}",
-                "_jit": _jit(self.interpret),
-            }
-            exec(compile(src, filename, "exec"), namespace)
-            k = namespace[self.kernel_name()]
-            self._kernels[scalar_tensors] = k
+            k = self._kernels[scalar_tensors] = load_kernel(
+                self.source(scalar_tensors), self.kernel_name(), self.interpret
+            )
         return k
 
     into = True  # (ElementwiseStage.run: the call takes buffers for its stored tiles)
@@ -666,6 +656,18 @@ class TritonStage:
         return (*outs, *folded)
 
 
+def load_kernel(src: str, name: str, interpret: bool) -> Any:
+    """The jitted function `name` of the generated module `src` (registered in linecache, where
+    triton.jit reads its source through inspect); Triton's CPU interpreter's with `interpret`."""
+    import triton  # noqa: F401  (the generated module imports it; fail here if it is missing)
+
+    filename = f"<coda-triton {name} {abs(hash(src)):x}>"
+    linecache.cache[filename] = (len(src), None, src.splitlines(keepends=True), filename)
+    namespace: dict[str, Any] = {"__name__": f"coda_triton_{name}", "_jit": _jit(interpret)}
+    exec(compile(src, filename, "exec"), namespace)
+    return namespace[name]
+
+
 def _fold_expr(fold: str, acc: str, term: str) -> str:
     return f"{acc} + {term}" if fold == "sum" else f"{_COMBINE[fold]}({acc}, {term})"
 
@@ -706,4 +708,4 @@ def _jit(interpret: bool) -> Any:
     return InterpretedFunction
 
 
-__all__ = ["TritonStage", "unsupported"]
+__all__ = ["TritonStage", "load_kernel", "unsupported"]

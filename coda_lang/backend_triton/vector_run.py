@@ -33,13 +33,19 @@ is built once per such signature; a vector of length 0 is never launched on (the
 
 from __future__ import annotations
 
-import linecache
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from coda_lang.backend_triton.generate import _COMBINE, _COMMON_HELPERS, _fold, _helpers, _jit, _literal
+from coda_lang.backend_triton.generate import (
+    _COMBINE,
+    _COMMON_HELPERS,
+    _fold,
+    _helpers,
+    _literal,
+    load_kernel,
+)
 from coda_lang.ir.nodes import DimRef, Eqn, Lit, Var
 from coda_lang.ir.types import FLOAT_DTYPES, PARTIAL, SCALAR, VEC, Dim
 from coda_lang.ops import REGISTRY, Locality
@@ -304,15 +310,9 @@ class VectorRun:
     def kernel(self, scalar_tensors: tuple[bool, ...]) -> Any:
         k = self._kernels.get(scalar_tensors)
         if k is None:
-            import triton  # noqa: F401  (the generated module imports it; fail here if it is missing)
-
-            src = self.source(scalar_tensors)
-            filename = f"<coda-triton {self.name} {abs(hash(src)):x}>"
-            # triton.jit reads its function's source through inspect (linecache): register it there
-            linecache.cache[filename] = (len(src), None, src.splitlines(keepends=True), filename)
-            namespace: dict[str, Any] = {"__name__": f"coda_triton_{self.name}", "_jit": _jit(self.interpret)}
-            exec(compile(src, filename, "exec"), namespace)
-            k = self._kernels[scalar_tensors] = namespace[self.name]
+            k = self._kernels[scalar_tensors] = load_kernel(
+                self.source(scalar_tensors), self.name, self.interpret
+            )
         return k
 
     def layout(self, lens: tuple[int, ...]) -> tuple[list[int], int]:
