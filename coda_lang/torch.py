@@ -341,12 +341,14 @@ _LLAMA_MLP_STAGES = """
 # input, last steps' amax) and records this step's amax (`am_{h}`, detached: no gradient); the gate/up
 # GEMM multiplies it by the e4m3 weight `w_13q` (made by `fp8_weight`) and folds both inverse scales
 # into the norm's row scale; its SwiGLU output is quantized the same way (`aq`, or stored in {t} and
-# multiplied by the {t} down weight where `act_fp8` is off). The out-projection's stage is saved
-# (remat="save"): its e4m3 `{h}q` is kept for the gate/up weight gradient (D bytes a row) instead of
-# stored again by the gate/up data gradient's epilogue, whose fp8 store there narrowed its tiles
-# (1.19 ms against the bf16 block's 0.89 ms a call, Llama-3.2-1B shapes, H100).
+# multiplied by the {t} down weight where `act_fp8` is off). The out-projection's stage is
+# remat="rebuild": its e4m3 `{h}q`, which the gate/up weight gradient reads, is made again from the
+# saved `{h}` by an elementwise pass at the backward's start (bit for bit: it quantizes the stored
+# value, `cast({h}, {t})`), not saved (D bytes a row) and not stored again by the gate/up data
+# gradient's epilogue (what "auto" would do), whose fp8 store there narrowed its tiles (1.19 ms
+# against the bf16 block's 0.89 ms a call, Llama-3.2-1B shapes, H100).
 _LLAMA_MLP_STAGES_FP8 = """
-  gemm y @ {w_o}, remat="save" {{
+  gemm y @ {w_o}, remat="rebuild" {{
     {h}: {t} = acc{residual} + x
     {h}g = cast({h}, {t}) * {g}
     {h}q: e4m3 = {h}g * s_{h}

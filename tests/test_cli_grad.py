@@ -237,5 +237,5 @@ def test_a_bad_policy_is_a_usage_error() -> None:
         no_traceback(r)
         assert r.returncode == 2, r.stderr
         assert (
-            r.stderr.strip() == "coda: error: remat= is 'never'; it takes one of 'auto', 'save', 'recompute'"
+            r.stderr.strip() == "coda: error: remat= is 'never'; it takes one of 'auto', 'save', 'recompute', 'rebuild'"
         )

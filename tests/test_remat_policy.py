@@ -262,7 +262,7 @@ def test_recompute_on_a_stage_overrides_save(tmp_path: Path) -> None:
     [
         (
             'remat="sometimes"',
-            '`remat=` of a gemm stage is one of "auto", "save", "recompute", not `"sometimes"`',
+            '`remat=` of a gemm stage is one of "auto", "save", "recompute", "rebuild", not `"sometimes"`',
         ),
         ("remat=recomputed", "not `recomputed`"),
         ("tile=128", "a gemm stage has no option `tile=`"),

@@ -3,12 +3,12 @@ backward that makes a saved tile again (autodiff/prologue.py, chosen by autodiff
 
 - The fp8 Llama layer of coda_lang.hf (fp8="delayed"): under remat auto its backward no longer saves
   the e4m3 weight copies `w_13q`, `w_2q` (made again by elementwise stages [2*F, D] and [D, F] at its
-  start, no amax in them), under "save" it still does; `x1q` (its stage is remat="save") and `x2q`
-  (its stage's uses see x2's f32 value, the backward holds only its bf16 store: not bit for bit) stay
-  saved, each with its reason; the saved bytes fall by the two copies, `3*D*F`, and the header's per
+  start, no amax in them), under "save" it still does; `x1q` and `x2q` (their stages' uses see the
+  f32 values of x1 and x2, the backward holds only their bf16 stores: not bit for bit) stay saved, each with its reason; the saved bytes fall by the two copies, `3*D*F`, and the header's per
   row line counts only tensors of M rows.
 - The same layer quantizing the stored bf16 values (`cast(x2, bf16) * g2`): `x2q` is made again too,
-  at the backward's start from the saved `x2`; `x1q` only where its stage is not remat="save".
+  at the backward's start from the saved `x2`, and `x1q` from `x1` by the same stage (its stage is
+  remat="rebuild": not by the gate/up data gradient's epilogue, as "auto" would; with "save" it stays).
 - A block of this file's own (two weights quantized by elementwise stages, each copy read first by a
   data-gradient GEMM): both copies made by one stage over [N, K].
 - Bit for bit: the gradients of the derived backward on the interpreter equal those of the
@@ -71,17 +71,17 @@ block qmlp(x: bf16[M, K], u: bf16[M, K], w: bf16[N, K], v: bf16[N, K], g: f32[K]
 OWN_SIZES = {"M": 40, "K": 64, "N": 48}
 
 
-def _layer_source(cast: bool = True, save: bool = True) -> str:
+def _layer_source(cast: bool = True, stage: str | None = "rebuild") -> str:
     """The hf fp8 layer; it quantizes the stored bf16 x1 and x2 (`cast(x1, bf16) * g1`); `cast=False`:
-    their f32 values, as it did before (the case an elementwise stage can't make again bit for bit)."""
+    their f32 values, as it did before (the case an elementwise stage can't make again bit for bit).
+    `stage`: the out-projection stage's policy (hf's: "rebuild"; None: no option, the block-wide one)."""
     src = model_source("bfloat16", 1e-5, 64, None, fp8="delayed")
     assert src.count("cast(x1, bf16) * g1") == 2 and src.count("cast(x2, bf16) * g2") == 1
     if not cast:
         src = src.replace("x1g = cast(x1, bf16) * g1", "x1g = x1 * g1")
         src = src.replace("x2g = cast(x2, bf16) * g2", "x2g = x2 * g2")
-    if not save:
-        src = src.replace(', remat="save"', "")
-    return src
+    assert src.count(', remat="rebuild"') == 2  # (the blocks `layer` and `last`)
+    return src.replace(', remat="rebuild"', f', remat="{stage}"' if stage else "")
 
 
 def _layer(**kw: Any) -> coda_lang.Block:
@@ -169,12 +169,16 @@ def test_fp8_layer_recomputes_its_weight_copies_at_the_start(fp8: str | None) ->
 def test_fp8_layer_keeps_what_it_cannot_make_bit_for_bit() -> None:
     """x2q's stage computes it from x2's f32 value (`x2: bf16 = acc * ia + x1` then `x2 * g2` in the
     same epilogue), which the backward does not hold (only x2's bf16 store, and no f32 acc): it stays
-    saved, saying so. x1q's stage is remat="save": not a candidate at all."""
+    saved, saying so; so does x1q (its stage, remat="rebuild", allows no epilogue to recompute it; with
+    remat="save" it is not a candidate at all)."""
     d = _layer(cast=False).derivation(WRT, backward=_options("auto", "e5m2"))
-    notes = "\n".join(d.report)
     line = next(n for n in d.report if n.startswith("`x2q`"))
     assert "stays saved" in line and "bit for bit" in line and "through `x2`" in line, line
-    assert "x1q" not in notes
+    line = next(n for n in d.report if n.startswith("`x1q`"))
+    assert "stays saved: no epilogue recomputes it under rebuild" in line and "through `x1`" in line, line
+    assert {"x1q", "x2q"} <= set(d.saved)
+    saved = _layer(cast=False, stage="save").derivation(WRT, backward=_options("auto", "e5m2"))
+    assert "x1q" not in "\n".join(saved.report) and "x1q" in saved.saved
     fwd = ForwardFacts(_layer(cast=False).ir, _layer(cast=False).plan, WRT)
     with pytest.raises(NotExact, match="stage 3's acc in f32.*through `x1`"):
         chain(fwd, "x1q")
@@ -182,18 +186,42 @@ def test_fp8_layer_keeps_what_it_cannot_make_bit_for_bit() -> None:
 
 def test_quantizing_the_stored_values_lets_x2q_and_x1q_go() -> None:
     """With `cast(x2, bf16) * g2` (exactly the stored x2: what the hf fp8 blocks write), x2q is made at
-    the backward's start from the saved x2, over [M, D]; x1q too once its stage is not remat="save"."""
+    the backward's start from the saved x2, over [M, D]; so is x1q from the saved x1 (its stage is
+    remat="rebuild"), by the same stage. With remat="save" on its stage x1q stays saved; with no option
+    (auto), the epilogue that runs its own stage's backward stores it (the first kind, tried first)."""
     d = _layer(cast=True).derivation(WRT, backward=_options("auto", "e5m2"))
-    assert not {"w_13q", "w_2q", "x2q"} & set(d.saved) and "x1q" in d.saved and "x2" in d.saved
+    assert not {"w_13q", "w_2q", "x1q", "x2q"} & set(d.saved) and {"x1", "x2"} <= set(d.saved)
     (st,) = [s for s in _start_stages(d.backward) if any(e.outs[0].name == "x2q" for e in s.body)]
     assert st.shape is not None and [str(x) for x in st.shape] == ["M", "D"]
-    assert [e.op for e in st.body] == ["mul", "mul"]  # cast(x2, bf16) is the loaded x2 itself
+    # cast(x, bf16) is the loaded x itself
+    assert [_eqn(e) for e in st.body] == [
+        "x1g: None = mul(x1, g1)",
+        "x1q: e4m3 = mul(x1g, s_x1)",
+        "x2g: None = mul(x2, g2)",
+        "x2q: e4m3 = mul(x2g, s_x2)",
+    ]
+    report = "\n".join(d.report)
     assert re.search(
-        r"`x2q` \(line \d+\) is recomputed by an elementwise stage .* from `x2`, `g2`, `s_x2`",
-        "\n".join(d.report),
+        r"`x2q` \(line \d+\) is recomputed by an elementwise stage .* from `x2`, `g2`, `s_x2`", report
     )
-    free = _layer(cast=True, save=False).derivation(WRT, backward=_options("auto", "e5m2"))
+    assert re.search(
+        r"`x1q` \(line \d+\) is recomputed by an elementwise stage .* from `x1`, `g1`, `s_x1`, bit for bit "
+        r"as the forward stores it, not saved: D bytes per row less \(remat=\"rebuild\" on the stage\)",
+        report,
+    ), report
+    saved = _layer(cast=True, stage="save").derivation(WRT, backward=_options("auto", "e5m2"))
+    assert "x1q" in saved.saved and not {"w_13q", "w_2q", "x2q"} & set(saved.saved)
+    free = _layer(cast=True, stage=None).derivation(WRT, backward=_options("auto", "e5m2"))
     assert not {"w_13q", "w_2q", "x1q", "x2q"} & set(free.saved)
+    assert re.search(
+        r"`x1q` \(line \d+\) is recomputed in the epilogue that runs stage 3's backward",
+        "\n".join(free.report),
+    )
+    # a block-wide rebuild: no epilogue recomputes anything, no GEMM runs again; the copies go
+    rb = _layer(cast=True, stage=None).derivation(WRT, backward=_options("rebuild", "e5m2"))
+    # (aq stays: it quantizes a's f32 value, which no start stage has; w_qkvq is made at the start)
+    assert not {"w_13q", "w_2q", "x1q", "x2q", "w_qkvq"} & set(rb.saved) and "aq" in rb.saved
+    assert "recomputed in the epilogue" not in "\n".join(rb.report)
 
 
 def test_own_block_makes_both_weight_copies_in_one_stage() -> None:
@@ -244,7 +272,7 @@ def test_saved_bytes_fall_by_the_weight_copies() -> None:
     assert save[3] == {("D", "F"): 3, ("D", "P"): 2}
     assert after[0] < before[0] < save[0]
     hf = held(_layer().derivation(WRT, backward=_options("auto", "e5m2")))
-    assert after[0] - hf[0] == 4096 * 2048
+    assert after[0] - hf[0] == 2 * 4096 * 2048  # x2q and x1q
     bwd = blk.derivation(WRT, backward=_options("save", "e5m2")).backward
     assert _header(bwd, "saved per row:").startswith("saved per row: 6*D + 5*F + 4*P + 16 bytes")
     assert _header(bwd, "saved, not per row of M:") == (
@@ -268,9 +296,9 @@ def test_coda_grad_prints_what_the_fp8_layer_saves(tmp_path: Any) -> None:
     assert auto.returncode == 0 and save.returncode == 0, auto.stderr + save.stderr
     head = [line for line in auto.stdout.splitlines() if line.startswith("# saved")]
     assert head[0] == (
-        "# saved tensors (stored by the forward): x2, acc7, i2, _t25, r2, ia, acc4, i1, _t11, r1, x1, x1q"
-    )  # (no x2q: made again from the stored x2)
-    assert head[2] == '# saved per row: 5*D + 4*F + 4*P + 16 bytes (--remat auto; stage 3: remat="save")'
+        "# saved tensors (stored by the forward): x1, x2, acc7, i2, _t25, r2, ia, acc4, i1, _t11, r1"
+    )  # (no x1q, x2q: made again from the stored x1, x2)
+    assert head[2] == '# saved per row: 4*D + 4*F + 4*P + 16 bytes (--remat auto; stage 3: remat="rebuild")'
     assert len(head) == 3
     assert "is recomputed by an elementwise stage at the backward's start" in auto.stderr
     assert (
@@ -400,7 +428,7 @@ def _backwards() -> list[tuple[str, coda_lang.Block]]:
     for fp8 in (None, "e5m2"):
         for label, blk, wrt in (
             ("layer", _layer(), WRT),
-            ("layer-cast", _layer(cast=True, save=False), WRT),
+            ("layer-cast", _layer(cast=True, stage=None), WRT),
             ("qmlp", _own(), None),
         ):
             out.append((f"{label} {fp8}", blk.derivation(wrt, backward=_options("auto", fp8)).backward))

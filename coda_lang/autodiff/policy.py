@@ -1,7 +1,7 @@
 """The saved-tensor policy: which forward values the backward reads saved and which it recomputes.
 
 What it does: `derive(block, plan, wrt, remat)` derives the backward under the block-wide policy
-`remat` ("save", "recompute", "auto"), each stage's own policy overriding it where the source writes
+`remat` ("save", "recompute", "auto", "rebuild"), each stage's own policy overriding it where the source writes
 one on the stage (`gemm a @ b, remat="save" { ... }`). Three kinds of recomputation, and what each
 costs:
 - a GEMM run again (reverse.py, `Reverse.recompute_host`): a stage at the block's entry, whose
@@ -39,7 +39,11 @@ bytes held (no term grows, one shrinks: bytes per row of the token rows, and byt
 without those rows, a weight's copy, counted apart as constants of the dims; it does not when
 recomputing needs a saved acc as large as the tile itself); each candidate is tried with a
 derivation, the second kind first, and kept greedily, in the order the backward first read them.
-"save", and `remat="save"` on a stage for that stage's tiles, recomputes nothing.
+"save", and `remat="save"` on a stage for that stage's tiles, recomputes nothing. "rebuild" (on a stage:
+`remat="rebuild"`) takes the second kind only: a tile is made again at the backward's start where
+that is exact and lowers the bytes held, and nothing else is recomputed (for an fp8 copy whose store
+in the epilogue of the first kind costs that epilogue more than the pass: the hf fp8 blocks' `x1q`,
+coda_lang/torch.py).
 What it does not: build the backward (reverse.py, site.py, prologue.py) or judge time on a device.
 Invariants: with every stage's policy "save", `derive` is `derive_with(..., remat)` unchanged; a tile
 recomputed in an epilogue or at the start is stored under its forward name, in its forward storage
@@ -49,8 +53,10 @@ line of the report saying why, as has each candidate kept saved.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from fractions import Fraction
+from functools import partial
 
 from coda_lang.autodiff.assemble import Derived, fixed_bytes, fixed_text, itemsize, row_bytes, token_rows
 from coda_lang.autodiff.builder import AutodiffError
@@ -83,6 +89,7 @@ def derive(
         return d
     fwd = ForwardFacts(block, plan, wrt)
     rows = token_rows(block)
+    derive_k = partial(derive_with, block, plan, wrt, remat, fp8_grads=fp8_grads)  # (make, prologue=)
     fstage = {v.name: k for k, st in enumerate(block.stages) for e in st.body for v in e.outs}
     fdef = {v.name: e for st in block.stages for e in st.body for v in e.outs}
     made: dict[str, str] = {}  # tiles recomputed in an epilogue -> their report line
@@ -110,50 +117,52 @@ def derive(
         k = fstage[name]
         where = f"`{name}` (line {fdef[name].span.line})"
         before = _held(d, rows)
-        # first kind: in the epilogue that runs stage k's backward (free)
-        try:
-            trial = derive_with(
-                block, plan, wrt, remat, frozenset(made) | {name}, fp8_grads, frozenset(start)
-            )
-        except AutodiffError as e:
-            epilogue = f"stage {k + 1}'s backward can't recompute it ({e.message})"
+        source = _source(block, k, remat)
+
+        # first kind: in the epilogue that runs stage k's backward (free); not under "rebuild"
+        if policies[k] == "rebuild":
+            epilogue = f"no epilogue recomputes it under rebuild ({source})"
         else:
-            after = _held(trial, rows)
-            if name not in trial.saved and _less(after, before) and _checks(trial):
+            got, epilogue = _trial(
+                derive_k,
+                rows,
+                before,
+                name,
+                frozenset(made) | {name},
+                frozenset(start),
+                source,
+                f"stage {k + 1}'s backward can't recompute it",
+                f"recomputing it in stage {k + 1}'s backward",
+            )
+            if got is not None:
                 made[name] = (
                     f"{where} is recomputed in the epilogue that runs stage {k + 1}'s backward, from what "
-                    f"it reads anyway, and stored from there (elementwise, ~free), not saved: "
-                    f"{_text(_minus(before, after))} less ({_source(block, k, remat)})"
+                    f"it reads anyway, and stored from there (elementwise, ~free), not saved: {epilogue}"
                 )
-                d = trial
+                d = got
                 continue
-            epilogue = (
-                f"recomputing it in stage {k + 1}'s backward would hold {_text(after)}, "
-                f"not less than {_text(before)}"
-            )
         # second kind: an elementwise stage at the backward's start (one pass over its sources)
         why, ch = _startable(fwd, name, frozenset(made))
         if ch is not None:
-            try:
-                trial = derive_with(
-                    block, plan, wrt, remat, frozenset(made), fp8_grads, frozenset(start) | {name}
+            here = "an elementwise stage at the backward's start"
+            got, why = _trial(
+                derive_k,
+                rows,
+                before,
+                name,
+                frozenset(made),
+                frozenset(start) | {name},
+                source,
+                f"{here} can't make it",
+                here,
+            )
+            if got is not None:
+                start[name] = (
+                    f"{where} is recomputed by an elementwise stage at the backward's start from "
+                    f"{ch.text()}, bit for bit as the forward stores it, not saved: {why}"
                 )
-            except AutodiffError as e:
-                why = f"an elementwise stage at the backward's start can't make it ({e.message})"
-            else:
-                after = _held(trial, rows)
-                if name not in trial.saved and _less(after, before) and _checks(trial):
-                    start[name] = (
-                        f"{where} is recomputed by an elementwise stage at the backward's start from "
-                        f"{ch.text()}, bit for bit as the forward stores it, not saved: "
-                        f"{_text(_minus(before, after))} less ({_source(block, k, remat)})"
-                    )
-                    d = trial
-                    continue
-                why = (
-                    f"an elementwise stage at the backward's start would hold {_text(after)}, "
-                    f"not less than {_text(before)}"
-                )
+                d = got
+                continue
         lines.append(f"{where} stays saved: {epilogue}; {why}")
     if not lines and not made and not start:
         return d
@@ -162,6 +171,31 @@ def derive(
         f"note: {line}" for line in (*made.values(), *start.values(), *lines)
     )
     return replace(d, backward=replace(d.backward, notes=notes), report=report)
+
+
+def _trial(
+    derive_k: Callable[..., Derived],
+    rows: str | None,
+    before: Bytes,
+    name: str,
+    make: frozenset[str],
+    start: frozenset[str],
+    source: str,
+    cant: str,
+    what: str,
+) -> tuple[Derived | None, str]:
+    """The derivation with tiles `make` recomputed in epilogues and `start` at the backward's start,
+    and the bytes it holds less than `before` (with `source`, the policy that allowed it), where it
+    derives, passes the checker and no longer saves `name`; else (None, why not: `cant` with the
+    error, or `what` would hold no fewer bytes)."""
+    try:
+        got = derive_k(make, prologue=start)
+    except AutodiffError as e:
+        return None, f"{cant} ({e.message})"
+    after = _held(got, rows)
+    if name not in got.saved and _less(after, before) and _checks(got):
+        return got, f"{_text(_minus(before, after))} less ({source})"
+    return None, f"{what} would hold {_text(after)}, not less than {_text(before)}"
 
 
 def _startable(fwd: ForwardFacts, name: str, make: frozenset[str]) -> tuple[str, Chain | None]:

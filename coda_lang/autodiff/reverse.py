@@ -196,7 +196,7 @@ class Reverse:
     def recompute_host(self, k: int) -> Host | None:
         """Stage k's own GEMM run again in the backward, to host its site (no GEMM produces a cotangent of
         its tiles: the block's entry), or None (an elementwise stage over its tile space, reading what
-        the forward saved). The policy: "save" never recomputes; "recompute" does for every GEMM stage;
+        the forward saved). The policy: "save" and "rebuild" never recompute; "recompute" does for every GEMM stage;
         "auto" does for a stage that stores no tile in the forward (its results are reductions, as a
         loss head's are): saving would make the forward store an [rows, cols] tile (its acc) only for
         the backward, the largest tensor of an LM head, while running the GEMM again costs FLOPs but no
@@ -204,7 +204,7 @@ class Reverse:
         keeps its acc saved for that count, so it is not recomputed."""
         st = self.fwd.block.stages[k]
         policy = self.policy[k]
-        if policy == "save" or not st.is_gemm or st.a is None or st.b is None:
+        if policy in ("save", "rebuild") or not st.is_gemm or st.a is None or st.b is None:
             return None
         ties = [e for e in st.body if REGISTRY[e.op].ties and e.param("group") is None]
         if ties:

@@ -56,7 +56,9 @@ def add_parser(sub: Any) -> None:
         "stores no tile, such as a loss head, whose [M, V] logits are then never kept), save (the "
         "backward reads every tile the forward keeps), recompute (as auto, and the GEMM of every stage "
         "at the block's entry runs again in the backward, its epilogue computing the stage's backward "
-        'from the f32 acc). remat="..." on a gemm stage overrides it for that stage. The printed header '
+        "from the f32 acc), rebuild (as save, except tiles an elementwise stage at the backward's start "
+        "can make again bit for bit from what the backward holds, such as the fp8 copy of a saved tile). "
+        'remat="..." on a gemm stage overrides it for that stage. The printed header '
         "lists each saved tensor with its bytes per row and says why each value is recomputed",
     )
     g.add_argument(

@@ -56,9 +56,10 @@ class ErrAtom:
 Atom = Var | Lit | DimRef | ErrAtom
 
 # The saved-tensor policies of autodiff (block-wide, or written on a stage: `Stage.remat`).
-REMAT = ("auto", "save", "recompute")
+REMAT = ("auto", "save", "recompute", "rebuild")
 # The default policy: recompute what costs no GEMM, and a loss head's GEMM (docs/design.md, "Saved and
-# recomputed"); `save` keeps every tile the backward reads.
+# recomputed"); `save` keeps every tile the backward reads; `rebuild` keeps them too, except copies an
+# elementwise stage at the backward's start makes again bit for bit (an fp8 copy of a saved tile).
 DEFAULT_REMAT = "auto"
 
 ParamValue = Dim | int | float | str
