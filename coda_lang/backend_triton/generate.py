@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from coda_lang.backend_triton.launcher import launch
 from coda_lang.ir.nodes import Var
 from coda_lang.ir.types import MATRIX, TILE, is_fp8
 from coda_lang.ops import REGISTRY, Lanes, Locality
@@ -648,7 +649,7 @@ class TritonStage:
             for _f, per_row, half, g in self.reductions
         ]
         bc = self.bc_wide if cols >= self.bc_wide else self.bc
-        kern[(nprog,)](*args, *outs, *reds, rows, cols, BM=self.bm, BC=bc, num_warps=self.num_warps)
+        launch(kern, (nprog,), *args, *outs, *reds, rows, cols, BM=self.bm, BC=bc, num_warps=self.num_warps)
         folded = [
             r if per_row else combine_rule(fold).torch(r, 0)
             for r, (fold, per_row, _h, _g) in zip(reds, self.reductions, strict=True)

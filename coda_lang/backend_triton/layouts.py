@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from coda_lang.backend_triton.generate import _jit
+from coda_lang.backend_triton.launcher import launch
 
 BLOCK_S = 64  # positions per program
 
@@ -149,7 +150,7 @@ def interleave(even: torch.Tensor, odd: torch.Tensor, interpret: bool = False) -
     if rows and n:
         bm, bn = 8, 128
         grid = (triton.cdiv(rows, bm), triton.cdiv(n, bn))
-        _kernel("interleave", interpret)[grid](even, odd, out, rows, n, BM=bm, BN=bn)
+        launch(_kernel("interleave", interpret), grid, even, odd, out, rows, n, BM=bm, BN=bn)
     return out
 
 
@@ -166,7 +167,16 @@ def scale_round(
     if n:
         block = 4096
         rne = interpret and dtype == torch.bfloat16
-        _kernel("scale", interpret)[(triton.cdiv(n, block),)](src, scale, out, n, BLOCK=block, RNE_BF16=rne)
+        launch(
+            _kernel("scale", interpret),
+            (triton.cdiv(n, block),),
+            src,
+            scale,
+            out,
+            n,
+            BLOCK=block,
+            RNE_BF16=rne,
+        )
     return out
 
 
@@ -185,7 +195,7 @@ def _converted(src: torch.Tensor, dtype: torch.dtype, interpret: bool) -> torch.
     n = src.numel()
     if n:
         block = 4096
-        _kernel("convert", interpret)[(triton.cdiv(n, block),)](src, out, n, BLOCK=block)
+        launch(_kernel("convert", interpret), (triton.cdiv(n, block),), src, out, n, BLOCK=block)
     return out
 
 
@@ -203,8 +213,16 @@ def transposed(src: torch.Tensor, width: int | None = None, interpret: bool = Fa
     if C and width:
         b = 64
         grid = (triton.cdiv(width, b), triton.cdiv(C, b))
-        _kernel("transpose", interpret)[grid](
-            src.view(torch.uint8), out.view(torch.uint8), R, C, width, BR=b, BC=b
+        launch(
+            _kernel("transpose", interpret),
+            grid,
+            src.view(torch.uint8),
+            out.view(torch.uint8),
+            R,
+            C,
+            width,
+            BR=b,
+            BC=b,
         )
     return out
 
@@ -243,8 +261,19 @@ def tied_grad(
         bd = min(1024, triton.next_power_of_2(D))
         pad = -1 if padding_idx is None else int(padding_idx) % V
         rne = interpret and dtype == torch.bfloat16
-        _kernel("tied", interpret)[(V, triton.cdiv(D, bd))](
-            total, scale, perm, starts, rows, out, D, pad, BD=bd, RNE_BF16=rne
+        launch(
+            _kernel("tied", interpret),
+            (V, triton.cdiv(D, bd)),
+            total,
+            scale,
+            perm,
+            starts,
+            rows,
+            out,
+            D,
+            pad,
+            BD=bd,
+            RNE_BF16=rne,
         )
     return out
 
@@ -280,7 +309,9 @@ def join_heads(
         if g.stride(3) != 1:
             g = g.contiguous()
         grid = (triton.cdiv(seq, BLOCK_S), heads, batch)
-        k[grid](
+        launch(
+            k,
+            grid,
             g,
             out,
             seq,

@@ -46,6 +46,7 @@ from coda_lang.backend_triton.generate import (
     _literal,
     load_kernel,
 )
+from coda_lang.backend_triton.launcher import launch
 from coda_lang.ir.nodes import DimRef, Eqn, Lit, Var
 from coda_lang.ir.types import FLOAT_DTYPES, PARTIAL, SCALAR, VEC, Dim
 from coda_lang.ops import REGISTRY, Locality
@@ -363,7 +364,7 @@ class VectorRun:
         dvals = [
             float((dims[n] if n is not None else 1) * num // den) for n, num, den in self.dimrefs.values()
         ]
-        self.kernel(tuple(flags))[(1,)](*args, buf, *offsets, *lens, *dvals, BLOCK=BLOCK, num_warps=4)
+        launch(self.kernel(tuple(flags)), (1,), *args, buf, *offsets, *lens, *dvals, BLOCK=BLOCK, num_warps=4)
         for v, off in zip(self.outputs, offsets, strict=True):
             ln = _length(v.type)
             env[v.name] = buf[off] if ln is None else buf[off : off + size[ln]]
