@@ -312,8 +312,8 @@ class ElementwiseStage:
         rows = (dims[self._rows[0]] if self._rows[0] is not None else 1) * self._rows[1] // self._rows[2]
         cols = (dims[self._cols[0]] if self._cols[0] is not None else 1) * self._cols[1] // self._cols[2]
         # the block's device (a stage may load no tensor: a zero gradient made from index vectors)
-        device = next(
-            (v.device for v in (*ins, *env.values()) if isinstance(v, torch.Tensor)), torch.device("cpu")
+        device = next((v.device for v in ins if isinstance(v, torch.Tensor)), None) or next(
+            (v.device for v in env.values() if isinstance(v, torch.Tensor)), torch.device("cpu")
         )
         fn = self.function()
         sizes = {k: int(v) for k, v in dims.items()}

@@ -13,11 +13,12 @@ or loads its operand, complete after it. A loop whose vectors a later loop reads
 stored, in its compute dtype (f32), in one buffer, and comes back as a view of it (a scalar 0-d, a
 vector 1-d), 128-byte aligned: what the per-equation path gives, so nothing after the run changes.
 `plan_runs(body, ...)` finds the runs of a block's body that the kernel can take.
-Measured (H200s, fp8 Llama-3.2-1B step, 2026-11-27, three processes): 154.4 ms with the runs, 146.6-151.2
-and 154.1 ms without (host 133 ms against 122 and 139): no gain shown, the processes' host speeds
-differing by more than the runs could save; a launch through Triton's Python launcher costs about what
-the few torch ops it replaces do. So the runtime uses the runs only where $CODA_VECTOR_RUNS=1, until
-a same-process measurement (or a cheaper launch: the compiled kernel's own launcher) shows a gain.
+Measured (H200s, fp8 Llama-3.2-1B step, 2026-11-27): through Triton's Python launcher a run cost about
+what the few torch ops it replaces do (no gain shown across processes); launched through the compiled
+kernel's own launcher (launcher.py), in one process, in three A/Bs against the per-equation path
+through Triton's launcher, the forward issued in 1.2-6.4 ms less host time and the step was 1.1-4.4
+ms shorter (medians of 9 steps each; the steps vary by +-10 ms with the host's speed). The runtime
+uses the runs on a GPU unless $CODA_VECTOR_RUNS=0.
 Numerics: the ops' Triton expressions are the elementwise stages' (generate.py: libdevice's functions,
 division and square root IEEE-rounded), in f32; an annotated value (`r: bf16 = ...`) is rounded to
 its dtype and kept in f32, as `round_value` does. A sum over a vector adds in another order than

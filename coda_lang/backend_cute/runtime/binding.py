@@ -75,6 +75,8 @@ class Binder:
         self.shape_rules = shape_rules(ir)
         # vectors over a fixed dim that repeat across columns: a run's sizes must hold whole copies
         self.repeats = repeat_uses(ir)
+        # the dims of each (shapes, given dims) bound before: inferred and checked once
+        self._dims: dict[tuple[Any, ...], dict[str, int]] = {}
 
     def given(self, dims: dict[str, int] | None) -> dict[str, int]:
         """The dims given to a call, with the block's own."""
@@ -155,7 +157,12 @@ class Binder:
                 f"inputs are on {device}; the CUDA runtime needs CUDA tensors",
                 notes=["Block.run runs the interpreter on CPU tensors"],
             )
-        dims = self.sizes(shapes, given)
-        if self.repeats:
-            check_repeats(self.repeats, dims)
-        return env, dims, device
+        key = (tuple(shapes.items()), tuple(given.items()))
+        dims = self._dims.get(key)
+        if dims is None:  # (a block's calls repeat a few shapes: each is inferred and checked once)
+            dims = self.sizes(shapes, given)
+            if self.repeats:
+                check_repeats(self.repeats, dims)
+            if check and len(self._dims) < 64:
+                self._dims[key] = dims
+        return env, dict(dims), device

@@ -174,6 +174,8 @@ class StageRunner:
         self.key = f"{spec.fn_name}:{config.short}:{next(_KEYS)}"
         self.index_names = [(s.index, _coda_name(spec, s.index)) for s in spec.sinks if s.index is not None]
         self._mod: Any = None
+        # each (m, n) launched: its output buffers' (shape, dtype, zero-filled), checked (`_layout`)
+        self._layouts: dict[tuple[int, int], list[tuple[tuple[Any, ...], torch.dtype, bool]]] = {}
         _STAGES[self.key] = self
 
     @property
@@ -249,34 +251,49 @@ class StageRunner:
     ) -> list[torch.Tensor]:
         """The stage's output buffers: [D?] + TileStores + sinks (also the fake impl of the op). `d_out`:
         D's buffer, given (`coda::stage_into`), not allocated."""
-        spec, g, cfg = self.spec, self.spec.gemm, self.config
+        g = self.spec.gemm
         m, n = A.shape[0], (B.shape[0] if g.tb else B.shape[1])
         dev = A.device
-
-        def new(shape: tuple[Any, ...], dtype: torch.dtype) -> torch.Tensor:
-            if self.poison:  # tests: an element the kernel does not write stays NaN
-                return torch.full(shape, float("nan"), dtype=dtype, device=dev)
-            return torch.empty(shape, dtype=dtype, device=dev)
-
+        layout = self._layouts.get((m, n)) if isinstance(m, int) and isinstance(n, int) else None
+        if layout is None:
+            layout = self._layout(m, n)
+            if isinstance(m, int) and isinstance(n, int):
+                self._layouts[(m, n)] = layout
         outs = []
-        if spec.d is not None:
-            shape = (m, _width(spec.d.shape[1], g.cols, n))
-            if d_out is not None:
-                assert tuple(d_out.shape) == shape and d_out.dtype == TORCH_DTYPES[spec.d.dtype], (
-                    f"stage_into: D is {tuple(d_out.shape)} {d_out.dtype}, the stage stores {shape} {spec.d.dtype}"
+        for j, (shape, dtype, zeros) in enumerate(layout):
+            if j == 0 and self.spec.d is not None and d_out is not None:
+                assert tuple(d_out.shape) == shape and d_out.dtype == dtype, (
+                    f"stage_into: D is {tuple(d_out.shape)} {d_out.dtype}, the stage stores {shape} {self.spec.d.dtype}"
                 )
                 assert d_out.is_contiguous()
-            outs.append(d_out if d_out is not None else new(shape, TORCH_DTYPES[spec.d.dtype]))
+                outs.append(d_out)
+            elif zeros:
+                outs.append(torch.zeros(shape, dtype=dtype, device=dev))
+            elif self.poison:  # tests: an element the kernel does not write stays NaN
+                outs.append(torch.full(shape, float("nan"), dtype=dtype, device=dev))
+            else:
+                outs.append(torch.empty(shape, dtype=dtype, device=dev))
+        return outs
+
+    def _layout(self, m: Any, n: Any) -> list[tuple[tuple[Any, ...], torch.dtype, bool]]:
+        """(shape, dtype, zero-filled) of each output buffer of an (m, n) launch, in `allocate`'s order;
+        E0807 / E0802 for sizes the kernel can't store or reduce (checked once per (m, n): a block's
+        launches repeat the same few)."""
+        spec, g, cfg = self.spec, self.spec.gemm, self.config
+        layout: list[tuple[tuple[Any, ...], torch.dtype, bool]] = []
+        if spec.d is not None:
+            layout.append(((m, _width(spec.d.shape[1], g.cols, n)), TORCH_DTYPES[spec.d.dtype], False))
         for o in spec.outputs:
             width = _width(o.shape[1], g.cols, n)
-            outs.append(new((m, width // 2 if o.lane is not None else width), TORCH_DTYPES[o.dtype]))
+            layout.append(((m, width // 2 if o.lane is not None else width), TORCH_DTYPES[o.dtype], False))
         stored = ([spec.d.name] if spec.d is not None else []) + [o.name for o in spec.outputs]
-        for t, name in zip(outs, stored, strict=True):
-            if isinstance(t.shape[1], int) and (t.shape[1] * t.element_size()) % 16:
+        for (shape, dtype, _z), name in zip(layout, stored, strict=True):
+            size = dtype.itemsize
+            if isinstance(shape[1], int) and (shape[1] * size) % 16:
                 raise error(
                     "E0807",
-                    f"stage {spec.index} (`{spec.text}`) stores `{name}` with rows of {t.shape[1]} "
-                    f"values, {t.shape[1] * t.element_size()} bytes: the kernel's TMA stores need rows of a multiple "
+                    f"stage {spec.index} (`{spec.text}`) stores `{name}` with rows of {shape[1]} "
+                    f"values, {shape[1] * size} bytes: the kernel's TMA stores need rows of a multiple "
                     "of 16 bytes",
                     notes=[
                         "choose dims that make every stored row a multiple of 16 bytes "
@@ -292,17 +309,14 @@ class StageRunner:
                     notes=["choose sizes that make the grouped width a multiple of the group"],
                 )
         for s in spec.sinks:
-            shape = sink_shape(s, m, n, cfg.tile_m, cfg.tile_n)
             # pick: zeros here; `launch` prefills it from the indices (_prefill_select) before the kernel
-            outs.append(
-                torch.zeros(shape, dtype=torch.float32, device=dev)
-                if s.op == "ColVecSelect"
-                else new(shape, torch.float32)
+            layout.append(
+                (sink_shape(s, m, n, cfg.tile_m, cfg.tile_n), torch.float32, s.op == "ColVecSelect")
             )
         for gr in spec.groups:  # a grouped reduction used after the stage: one f32 per row and group
             if gr.out is not None:
-                outs.append(new((m, n // gr.width), torch.float32))
-        return outs
+                layout.append(((m, n // gr.width), torch.float32, False))
+        return layout
 
     def call(
         self, ins: list[torch.Tensor | None], scalars: list[float], into: torch.Tensor | None = None
