@@ -12,7 +12,8 @@ torch stand-in per equation (`CudaBlock._vector_eqn`, checked against the interp
 - where the call declines (off a GPU without the interpreter, an empty vector, an operand of another
   length), leaving the environment as it was;
 - that the fp8 Llama layer's between-stage equations all run in kernels of runs, several per kernel.
-On a GPU the runtime uses these kernels unless $CODA_VECTOR_RUNS=0; with them on, tests/test_gpu.py,
+On a GPU the runtime uses these kernels only where $CODA_VECTOR_RUNS=1 (off by default: no gain shown,
+vector_run.py's docstring says what was measured); with them on, tests/test_gpu.py,
 tests/test_hf_fp8.py and tests/test_fp8_kernels.py passed on an H200 (2026-11-27, 97 tests).
 """
 

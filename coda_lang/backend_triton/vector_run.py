@@ -14,11 +14,11 @@ stored, in its compute dtype (f32), in one buffer, and comes back as a view of i
 vector 1-d), 128-byte aligned: what the per-equation path gives, so nothing after the run changes.
 `plan_runs(body, ...)` finds the runs of a block's body that the kernel can take.
 Measured (H200s, fp8 Llama-3.2-1B step, 2026-11-27): through Triton's Python launcher a run cost about
-what the few torch ops it replaces do (no gain shown across processes); launched through the compiled
-kernel's own launcher (launcher.py), in one process, in three A/Bs against the per-equation path
-through Triton's launcher, the forward issued in 1.2-6.4 ms less host time and the step was 1.1-4.4
-ms shorter (medians of 9 steps each; the steps vary by +-10 ms with the host's speed). The runtime
-uses the runs on a GPU unless $CODA_VECTOR_RUNS=0.
+what the few torch ops it replaces do. Launched through the compiled kernel's own launcher
+(launcher.py), in three same-process A/Bs against the per-equation path (medians of 9 steps each),
+the step was 4.4 and 1.1 ms shorter, then 6.2 ms longer: within the +-10 ms the steps vary by with
+the host's speed; a run's call took about 100 us of host time where each equation takes about 20. No
+gain shown, so the runtime uses the runs only where $CODA_VECTOR_RUNS=1.
 Numerics: the ops' Triton expressions are the elementwise stages' (generate.py: libdevice's functions,
 division and square root IEEE-rounded), in f32; an annotated value (`r: bf16 = ...`) is rounded to
 its dtype and kept in f32, as `round_value` does. A sum over a vector adds in another order than

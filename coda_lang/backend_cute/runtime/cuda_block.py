@@ -7,8 +7,8 @@ E0805). A call binds the inputs by parameter name (binding.py), then runs the bl
 each GEMM stage as one `coda::stage` launch (launch.py) at the tile given, else its first tile without
 register spills (tiles.py) or, when tuning, the fastest at its GEMM shape (tuning.py); each
 elementwise stage as one generated kernel; each run of vector equations between stages as one
-generated kernel on a GPU (backend_triton/vector_run.py; $CODA_VECTOR_RUNS=0 turns them off), else
-(and each equation that kernel can't take) with its op's torch stand-in
+generated kernel on a GPU where $CODA_VECTOR_RUNS=1 (backend_triton/vector_run.py; off by default:
+no gain shown), else (and each equation that kernel can't take) with its op's torch stand-in
 (`OpDef.lower.torch`), one by one. A
 run that may consume values (an autograd backward) drops each after its last read and stores over
 the buffers liveness.py hands out. `run_with_partials` also returns the
@@ -147,11 +147,11 @@ class CudaBlock:
         # {body index of its first equation: the run}, and each of its equations' index -> that first
         self._runs: dict[int, VectorRun] = {}
         self._run_of: dict[int, int] = {}
-        # On by default since their kernels launch through the compiled kernel's own launcher
-        # (backend_triton/launcher.py): in one process on an H200 (2026-11-27) the fp8 Llama-3.2-1B
-        # step's forward issued in less host time with them, in three A/Bs (vector_run.py says what
-        # was measured). $CODA_VECTOR_RUNS=0 turns them off (each equation one torch op again).
-        if not emulate and os.environ.get("CODA_VECTOR_RUNS", "1") != "0":
+        # Off by default: no gain shown. On H200s (2026-11-27), launched through the compiled kernel's
+        # own launcher, three same-process A/Bs of the fp8 Llama-3.2-1B step gave -4.4 to +6.2 ms with
+        # them, within the +-10 ms the steps vary by with the host's speed (vector_run.py).
+        # $CODA_VECTOR_RUNS=1 turns them on.
+        if not emulate and os.environ.get("CODA_VECTOR_RUNS", "0") == "1":
             for first, idx in plan_runs(self.ir.body).items():
                 eqns = [self.ir.body[i] for i in idx]
                 self._runs[first] = VectorRun(eqns, self._dimrefs, self.ir.name, first)
