@@ -19,8 +19,11 @@ sdpa attention, fused AdamW, one fixed batch of random tokens (labels = inputs).
 one process one after another: the time to the first step (patching or compiling included, from the
 model on the GPU to the end of step 1; Python bytecode cached as a pip install has it:
 benchmarks/bytecode.py), the median step time over `--steps` steps after `--warmup`
-(CUDA events; the first and second timed steps are printed too, to show the warm-up was long enough),
-tokens/s, peak memory (torch.cuda.max_memory_allocated over the timed steps, weights and optimizer
+(CUDA events, each step synchronized; the first and second timed steps are printed too, to show the
+warm-up was long enough), the mean step of as many steps again issued back to back with one
+synchronization at the end ("back to back": a loop that does not read the loss every step, where the
+host may issue a step while the GPU still runs the one before, so a step bound by the host's launches
+in its forward can be shorter there), tokens/s (of the synchronized median), peak memory (torch.cuda.max_memory_allocated over the timed steps, weights and optimizer
 state included) and the loss after each step. coda's first step runs each stage at its first tile
 without spills while the tuner's other candidates compile in the background; the script then waits
 for them (`coda_lang.torch.wait_for_kernels`, the time is printed as "all compiled") before the
@@ -28,8 +31,8 @@ warm-up steps, the first of which times them. `--profile` adds one profiled step
 its CUDA time split into attention, GEMM and other kernels. `--lora R`: peft LoRA of rank R (alpha 2R,
 dropout 0) on q, k, v, o, gate, up and down (Phi-3: qkv, o, gate_up, down), the base frozen, the optimizer over the adapters: applied
 after Liger's patch (which keeps the modules LoRA wraps) and before coda's (which runs LoRA in its
-blocks). `coda-fp8`: `apply_coda(model, fp8="delayed")`, e4m3 forward GEMMs and e5m2 cotangents (on a
-Hopper GPU its backward does not compile yet: docs/models.md, "fp8 training"); `coda-fp8-fwd`:
+blocks). `coda-fp8`: `apply_coda(model, fp8="delayed")`, e4m3 forward GEMMs and e5m2 cotangents (docs/models.md,
+"fp8 training"); `coda-fp8-fwd`:
 `fp8="delayed-forward"`, the same forward, bf16 cotangents (neither with --lora). `torchao-tensorwise` / `torchao-rowwise`: torchao's float8 training of that recipe
 (`convert_to_float8_training` on every nn.Linear but the LM head), then torch.compile of the model, as
 torchao's own benchmarks run it (its wheel: `pip install torchao`; not with --lora). An unknown
@@ -403,6 +406,15 @@ def run_config(name: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[s
         times.append(a.elapsed_time(b))
     window.append(time.time())
     peak = torch.cuda.max_memory_allocated() / GIB
+    # the same number of steps issued back to back, one synchronization at the end (a loop that does
+    # not read the loss every step): the host may then issue a step while the GPU runs the one before
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(args.steps):
+        losses.append(step())
+    b.record()
+    b.synchronize()
+    back_to_back = a.elapsed_time(b) / args.steps
     if args.host_profile and name.startswith("coda"):
         import cProfile
         import io
@@ -439,6 +451,7 @@ def run_config(name: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[s
         "first_step_s": first,
         "all_compiled_s": compiled,
         "step_ms": med,
+        "back_to_back_ms": back_to_back,
         "first_two_ms": times[:2],
         "host_ms": statistics.median(host),
         "tokens_per_s": ids.numel() / (med / 1e3),
@@ -517,11 +530,14 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\n{torch.cuda.get_device_name()}, {args.family}, {layers} layers, seq {args.seq} x batch {args.batch}, bf16"
     )
-    print("| | step | tokens/s | peak memory | first step | loss after | first two steps (ms) | host |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| | step | back to back | tokens/s | peak memory | first step | loss after | first two steps (ms) | host |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(
-            f"| {r['config']} | {r['step_ms']:.1f} ms | {r['tokens_per_s'] / 1e3:.1f}k | {r['peak_gib']:.1f} GiB "
+            f"| {r['config']} | {r['step_ms']:.1f} ms | {r['back_to_back_ms']:.1f} ms | {r['tokens_per_s'] / 1e3:.1f}k "
+            f"| {r['peak_gib']:.2f} GiB "
             f"| {r['first_step_s']:.1f} s{all_compiled(r)} | {r['losses'][-1]:.4f} | {r['first_two_ms'][0]:.1f}, {r['first_two_ms'][1]:.1f} "
             f"| {r['host_ms']:.1f} ms |"
         )
