@@ -21,7 +21,9 @@ next power of two's columns, the columns beyond it masked (not read or written).
 `widen(src, dtype)` is an fp8 tensor in bf16, f16 or f32 (exact) in one vectorized pass.
 `transposed(src, width)` is a one-byte tensor's transpose, contiguous, zero-padded to `width` columns:
 the K-major copy of an fp8 operand that a derived backward's fp8 GEMM reads. `narrowed(src, dtype)`
-rounds a 16-bit tensor to fp8 (a packed stage's fp8 D, which the kernel stores in bf16 or f16).
+rounds a 16-bit tensor to fp8 (a packed stage's fp8 D, which the kernel stores in bf16 or f16);
+`narrowed_with_kmajor(src, dtype, width)` does that and writes the result's K-major copy too, from
+the same tiles (a cotangent that a data gradient reads as it is and a weight gradient transposed).
 What it does not: convert dtypes (but `scale_round`, `widen` and `tied_grad`), transpose anything but one-byte tensors, or take head dims below 16
 or not a multiple of 16, or tensors on the CPU (`supported` says; the callers copy with torch there).
 Invariants: every element of each part's columns is written once; a part given as None is zeroed;
@@ -89,6 +91,21 @@ def _convert_kernel(src, out, n, BLOCK: tl.constexpr):
     tl.store(out + i, tl.load(src + i, mask=m).to(tl.float32).to(out.dtype.element_ty), mask=m)
 
 
+def _narrow_t_kernel(src, out, out_t, R, C, W, BR: tl.constexpr, BC: tl.constexpr):
+    # out[r, c] = src[r, c] in out's dtype (nearest even), and out_t[c, r] the same, 0 for R <= r < W
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    at = r[:, None].to(tl.int64) * C + c[None, :]
+    m = (r[:, None] < R) & (c[None, :] < C)
+    x = tl.load(src + at, mask=m, other=0).to(tl.float32).to(out.dtype.element_ty)
+    tl.store(out + at, x, mask=m)
+    tl.store(
+        out_t + c[:, None].to(tl.int64) * W + r[None, :],
+        tl.trans(x),
+        mask=(c[:, None] < C) & (r[None, :] < W),
+    )
+
+
 def _transpose_kernel(src, out, R, C, W, BR: tl.constexpr, BC: tl.constexpr):
     # out[c, r] = src[r, c] for r < R, 0 for R <= r < W (bytes: any one-byte dtype)
     r = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -128,6 +145,7 @@ _FUNCTIONS = {
     "scale": _scale_kernel,
     "convert": _convert_kernel,
     "transpose": _transpose_kernel,
+    "narrow_t": _narrow_t_kernel,
     "tied": _tied_kernel,
 }
 
@@ -233,6 +251,28 @@ def narrowed(src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     or f16, rounded to odd and already clamped to the fp8 range (launch.py's `_narrow`)."""
     assert src.device.type == "cuda" and dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     return _converted(src, dtype, False)
+
+
+def narrowed_with_kmajor(
+    src: torch.Tensor, dtype: torch.dtype, width: int | None = None, interpret: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`narrowed(src, dtype)` ([R, C]) and, from the same pass, its K-major copy for a GEMM that reads
+    it transposed: the [C, width] transpose (`transposed(narrowed(src, dtype), width)`, columns R to
+    `width` zeros), in 64 x 64 tiles. One read of src where `narrowed` then `transposed` read it and
+    the narrowed copy again."""
+    assert interpret or src.device.type == "cuda"
+    assert dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and src.dim() == 2
+    R, C = src.shape
+    width = R if width is None else width
+    assert width >= R
+    src = src.contiguous()
+    out = torch.empty((R, C), dtype=dtype, device=src.device)
+    out_t = torch.empty((C, width), dtype=dtype, device=src.device)
+    if C and width:
+        b = 64
+        grid = (triton.cdiv(width, b), triton.cdiv(C, b))
+        launch(_kernel("narrow_t", interpret), grid, src, out, out_t, R, C, width, BR=b, BC=b)
+    return out, out_t
 
 
 def tied_grad(

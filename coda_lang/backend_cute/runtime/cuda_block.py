@@ -44,6 +44,7 @@ from coda_lang.backend_cute.runtime.launch import (
     TORCH_DTYPES,
     StageRunner,
     compute_value,
+    kmajor_key,
     round_value,
 )
 from coda_lang.backend_cute.runtime.liveness import Liveness
@@ -156,6 +157,15 @@ class CudaBlock:
                 eqns = [self.ir.body[i] for i in idx]
                 self._runs[first] = VectorRun(eqns, self._dimrefs, self.ir.name, first)
                 self._run_of.update(dict.fromkeys(idx, first))
+        # values a GEMM stage reads as a K-major copy (an fp8 operand read transposed: spec.Gemm's
+        # copy_a / copy_b): the stage that makes one may write that copy too (launch.kmajor_key)
+        self._kmajor = frozenset(
+            name
+            for spec in self.specs
+            if spec is not None
+            for name, copy in ((spec.gemm.a, spec.gemm.copy_a), (spec.gemm.b, spec.gemm.copy_b))
+            if copy
+        )
         self._ready = False
         self._precompiled = False  # tiles.precompile: this block's kernels were compiled at once
         self._compile_with: list[CudaBlock] = []
@@ -251,8 +261,9 @@ class CudaBlock:
         self, inputs: dict[str, Any] | None = None, /, *, dims: dict[str, int] | None = None, **tensors: Any
     ) -> dict[str, Any]:
         """Every named value of a run (inputs as bound, stored tiles, vectors, and each dim's size under
-        `%NAME`): what `run_stage` reads."""
-        return self._run({**(inputs or {}), **tensors}, dims)[0]
+        `%NAME`): what `run_stage` reads. (Not the K-major copies some stages write beside a value.)"""
+        env = self._run({**(inputs or {}), **tensors}, dims)[0]
+        return {k: v for k, v in env.items() if not k.endswith("^T")}
 
     def run_stage(
         self, index: int, env: dict[str, Any], dims: dict[str, int] | None = None
@@ -323,7 +334,7 @@ class CudaBlock:
                         self._last[k] = r
                     into = self.liveness.into(r.spec, i, env, consume) if consume is not None else None
                     outs = r.call(ins, scalars, into)
-                    r.collect(outs, env, partials, self.plan.storage)
+                    r.collect(outs, env, partials, self.plan.storage, self._kmajor)
             else:
                 first = self._run_of.get(i)
                 if first == i:
@@ -333,6 +344,7 @@ class CudaBlock:
             if consume is not None:
                 for n in self.liveness.dead_after[i]:
                     env.pop(n, None)
+                    env.pop(kmajor_key(n), None)
         return env, partials, dims
 
     def _vector_eqn(self, e: Eqn, env: dict[str, Any], dims: dict[str, int], device: torch.device) -> None:

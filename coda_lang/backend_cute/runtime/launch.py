@@ -98,32 +98,60 @@ FP8_TORCH = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_ROW = 16  # fp8 values in the 16 bytes a TMA-loaded row's length must be a multiple of
 
 
+def kmajor_key(name: str) -> str:
+    """The environment's key of value `name`'s K-major copy, where the stage that made it wrote one
+    (`KMAJOR` in a CudaBlock's run: a name no .coda identifier can take)."""
+    return name + "^T"
+
+
+def kmajor_copy(t: torch.Tensor, width: int) -> torch.Tensor:
+    """The [C, width] K-major copy of an [R, C] tensor (its transpose, columns R to `width` zeros),
+    with torch: what `layouts.transposed` writes on a GPU, for the CPU and emulated runs."""
+    out = torch.zeros((t.shape[1], width), dtype=t.dtype, device=t.device)
+    out[:, : t.shape[0]] = t.t()
+    return out
+
+
 def kmajor_pair(
-    A: torch.Tensor, B: torch.Tensor, copy_a: bool, copy_b: bool
+    A: torch.Tensor,
+    B: torch.Tensor,
+    copy_a: bool,
+    copy_b: bool,
+    made: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The operands of a derived backward's fp8 GEMM compiled K-major (spec.Gemm's copy_a / copy_b),
     as (A [M, K], B [N, K]), K contiguous: `A` as stored ([K, M] where `copy_a`, else [M, K]) and `B`
     ([K, N] where `copy_b`, else [N, K]), each stored the other way round copied transposed in one
     pass. A K that is not a multiple of 16 (a weight gradient's K is the tokens) is padded to one
     with zero columns in both, which add nothing to any product (TMA loads rows of a multiple of
-    16 bytes): the copy is written at that width, the other operand copied into it only then."""
+    16 bytes): the copy is written at that width, the other operand copied into it only then. `made`:
+    the K-major copies of A and B that the stages that made them wrote (kmajor_key), used where one
+    is given at that width instead of copying again."""
     k = A.shape[0] if copy_a else A.shape[1]
     width = -(-k // FP8_ROW) * FP8_ROW
 
-    def kmajor(t: torch.Tensor, copy: bool) -> torch.Tensor:
+    def kmajor(t: torch.Tensor, copy: bool, given: torch.Tensor | None) -> torch.Tensor:
+        if (
+            copy
+            and given is not None
+            and tuple(given.shape) == (t.shape[1], width)
+            and given.dtype == t.dtype
+        ):
+            return given
         if copy and t.device.type == "cuda":
             # lazy: Triton, which only a GPU run needs
             from coda_lang.backend_triton.layouts import transposed
 
             return transposed(t, width)
-        rows = t.t() if copy else t
-        if not copy and width == k:
+        if copy:
+            return kmajor_copy(t, width)
+        if width == k:
             return t
-        out = torch.zeros((rows.shape[0], width), dtype=t.dtype, device=t.device)
-        out[:, :k] = rows
+        out = torch.zeros((t.shape[0], width), dtype=t.dtype, device=t.device)
+        out[:, :k] = t
         return out
 
-    return kmajor(A, copy_a), kmajor(B, copy_b)
+    return kmajor(A, copy_a, made[0]), kmajor(B, copy_b, made[1])
 
 
 WIDER = (torch.bfloat16, torch.float16, torch.float32)  # what an fp8 value widens to exactly
@@ -197,7 +225,11 @@ class StageRunner:
         A = dense(env[g.a], TORCH_DTYPES[g.a_dtype])
         B = dense(env[g.b], TORCH_DTYPES[g.b_dtype])
         if g.copy_a or g.copy_b:
-            A, B = kmajor_pair(A, B, g.copy_a, g.copy_b)
+            made = (
+                env.get(kmajor_key(g.a)) if g.copy_a else None,
+                env.get(kmajor_key(g.b)) if g.copy_b else None,
+            )
+            A, B = kmajor_pair(A, B, g.copy_a, g.copy_b, made)
         ins: list[torch.Tensor | None] = [A.t() if g.ta else A, B]  # B: (k, n), or (n, k) for transpose(b)
         k = A.shape[0] if g.ta else A.shape[1]
         if is_fp8(g.a_dtype) and not self.emulate and isinstance(k, int) and k % 16:
@@ -404,12 +436,21 @@ class StageRunner:
         env: dict[str, Any],
         partials: dict[str, torch.Tensor],
         storage: dict[str, str],
+        kmajor: frozenset[str] = frozenset(),
     ) -> None:
-        """Bind the stage's results by coda name: stored tiles, and each sink combined across tiles."""
+        """Bind the stage's results by coda name: stored tiles, and each sink combined across tiles.
+        `kmajor`: values a later GEMM of the block reads as a K-major copy (an fp8 operand it reads
+        transposed): a narrowed D among them gets its copy from the narrowing pass (kmajor_key)."""
         spec = self.spec
         i = 0
         if spec.d is not None:
-            env[spec.d.name] = outs[0] if spec.d.narrow is None else _narrow(outs[0], spec.d.narrow)
+            d = spec.d
+            if d.narrow is None:
+                env[d.name] = outs[0]
+            elif d.name in kmajor:
+                env[d.name], env[kmajor_key(d.name)] = _narrow_with_kmajor(outs[0], d.narrow)
+            else:
+                env[d.name] = _narrow(outs[0], d.narrow)
             i = 1
         lanes: dict[str, list[torch.Tensor]] = {}
         for o in spec.outputs:
@@ -447,6 +488,20 @@ def _narrow(t: torch.Tensor, dtype: str) -> torch.Tensor:
 
         return narrowed(t, want)
     return t.to(want)
+
+
+def _narrow_with_kmajor(t: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_narrow(t, dtype)` and its K-major copy (kmajor_pair's, rows padded to 16), in one Triton pass
+    on a GPU (layouts.narrowed_with_kmajor), with torch elsewhere or under a torch.compile trace."""
+    want = TORCH_DTYPES[dtype]
+    width = -(-t.shape[0] // FP8_ROW) * FP8_ROW
+    if t.device.type == "cuda" and not torch.compiler.is_compiling():
+        # lazy: Triton, which only a GPU run needs
+        from coda_lang.backend_triton.layouts import narrowed_with_kmajor
+
+        return narrowed_with_kmajor(t, want, width)
+    row = t.to(want)
+    return row, kmajor_copy(row, width)
 
 
 def _interleave(even: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,150 @@
+"""K-major copies written by the stage that makes a value, not by a separate transpose pass.
+
+A derived fp8 backward's weight-gradient GEMMs read their fp8 operands transposed (`transpose(dacc) @
+x`), and Hopper's fp8 WGMMA reads both operands K-major, so the runtime gives them K-major copies
+(launch.kmajor_pair). The packed SwiGLU stage's e5m2 cotangent is rounded to e5m2 by the runtime
+anyway (its narrowing pass); that pass now writes the K-major copy from the same tiles
+(layouts.narrowed_with_kmajor), and the weight gradient takes it instead of transposing again.
+
+- The CUDA block knows which values its GEMMs read as K-major copies (`_kmajor`).
+- `collect` of the packed stage binds the narrowed cotangent and its copy (kmajor_key), equal to the
+  copy kmajor_pair would make, its rows zero-padded to a multiple of 16.
+- `arguments` of the weight-gradient stage passes that very tensor (no copy made), and without it
+  makes an equal one itself; a copy of another width or dtype is not taken.
+- The Triton kernel, under Triton's CPU interpreter: its row-major result is the conversion kernel's,
+  its K-major copy that result transposed and padded, at sizes that are not multiples of the tile.
+- On a GPU: bit for bit against torch's cast and transpose.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import coda_lang  # noqa: E402
+from coda_lang.backend_cute.build.config import TileConfig  # noqa: E402
+from coda_lang.backend_cute.plan.planner import plan_stage  # noqa: E402
+from coda_lang.backend_cute.runtime.launch import StageRunner, kmajor_copy, kmajor_key  # noqa: E402
+
+MLP8 = """
+dims M, D, F
+block mlp(x: e4m3[M, D], w: e4m3[2*F, D], w2: e4m3[D, F], s_a: f32, inv1: f32, inv2: f32) -> (out: bf16[M, D]) {
+  gemm x @ transpose(w) {
+    z = acc * inv1
+    gt, up = pairs(z)
+    aq: e4m3 = silu(gt) * up * s_a
+  }
+  gemm aq @ transpose(w2) {
+    out = acc * inv2
+  }
+}
+"""
+
+
+def _backward() -> coda_lang.Block:
+    blk = coda_lang.load(MLP8)["mlp"]
+    return blk.derivation(["x", "w", "w2"], backward=coda_lang.BackwardOptions(fp8_grads="e5m2")).backward
+
+
+def _runner(bwd: coda_lang.Block, k: int) -> StageRunner:
+    return StageRunner(bwd, k, plan_stage(bwd, k), TileConfig(128, 128), emulate=True)
+
+
+def test_the_block_knows_its_kmajor_operands() -> None:
+    cb = _backward().cuda()  # (planned for the GPU; nothing runs)
+    assert cb._kmajor == {"dacc1", "x", "w", "w2", "aq", "dacc2"}
+    packed = cb.specs[1]
+    assert (
+        packed is not None and packed.d is not None and (packed.d.name, packed.d.narrow) == ("dacc1", "e5m2")
+    )
+    wgrad = cb.specs[2]
+    assert wgrad is not None and (wgrad.gemm.a, wgrad.gemm.copy_a, wgrad.gemm.b, wgrad.gemm.copy_b) == (
+        "dacc1",
+        True,
+        "x",
+        True,
+    )
+
+
+@pytest.mark.parametrize("m", [64, 72])  # 72 tokens: the copy's rows padded to 80
+def test_the_narrowing_binds_the_copy_and_the_weight_gradient_takes_it(m: int) -> None:
+    bwd = _backward()
+    f, d = 48, 32
+    packed = _runner(bwd, 2)
+    g = torch.Generator().manual_seed(m)
+    A = torch.randn(m, d, generator=g).to(torch.float8_e5m2)  # dacc2 [M, D]
+    B = torch.randn(f, d, generator=g).to(torch.float8_e4m3fn)  # w2's K-major copy, [F, D]: (n, k)
+    outs = packed.allocate(A, B)
+    outs[0].copy_((torch.randn(outs[0].shape, generator=g) * 100).to(outs[0].dtype))
+    for o in outs[1:]:
+        o.zero_()
+    env: dict[str, Any] = {}
+    packed.collect(outs, env, {}, {}, frozenset({"dacc1"}))
+    row = env["dacc1"]
+    assert row.dtype == torch.float8_e5m2 and tuple(row.shape) == (m, 2 * f)
+    assert torch.equal(row.view(torch.uint8), outs[0].to(torch.float8_e5m2).view(torch.uint8))
+    made = env[kmajor_key("dacc1")]
+    width = -(-m // 16) * 16
+    assert tuple(made.shape) == (2 * f, width) and made.dtype == torch.float8_e5m2
+    assert torch.equal(made.view(torch.uint8), kmajor_copy(row, width).view(torch.uint8))
+    assert not made[:, m:].view(torch.uint8).any()
+    # without the name in kmajor: no copy
+    plain: dict[str, Any] = {}
+    packed.collect(outs, plain, {}, {}, frozenset())
+    assert kmajor_key("dacc1") not in plain
+
+    wgrad = _runner(bwd, 3)  # dw = transpose(dacc1) @ x
+    env["x"] = torch.randn(m, d, generator=g).to(torch.float8_e4m3fn)
+    env.update(
+        {o.name: torch.tensor(2.0) for o in wgrad.spec.operands if o.role == "scalar"}
+    )  # (its 1 / scale)
+    ins, _ = wgrad.arguments(env)
+    assert ins[0] is made  # A: the copy the narrowing wrote, not a new one
+    assert torch.equal(ins[1].view(torch.uint8), kmajor_copy(env["x"], width).view(torch.uint8))
+    del env[kmajor_key("dacc1")]
+    again, _ = wgrad.arguments(env)
+    assert again[0] is not made and torch.equal(again[0].view(torch.uint8), made.view(torch.uint8))
+    # a copy of another width (or dtype) is not the one the GEMM needs: made again
+    env[kmajor_key("dacc1")] = torch.zeros((2 * f, width + 16), dtype=torch.float8_e5m2)
+    other, _ = wgrad.arguments(env)
+    assert tuple(other[0].shape) == (2 * f, width)
+    env[kmajor_key("dacc1")] = made.view(torch.uint8)
+    assert wgrad.arguments(env)[0][0].dtype == torch.float8_e5m2
+
+
+@pytest.mark.parametrize("shape", [(100, 72), (64, 64), (130, 200)])
+@pytest.mark.parametrize("dtype", [torch.float8_e5m2, torch.float8_e4m3fn])
+def test_narrowed_with_kmajor_under_the_interpreter(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    from coda_lang.backend_triton import layouts
+
+    r, c = shape
+    g = torch.Generator().manual_seed(r * c)
+    src = (torch.randn(r, c, generator=g) * 50).to(torch.bfloat16)
+    width = -(-r // 16) * 16
+    row, t = layouts.narrowed_with_kmajor(src, dtype, width, interpret=True)
+    want = layouts._converted(src, dtype, True)  # the conversion kernel, interpreted the same way
+    assert torch.equal(row.view(torch.uint8), want.view(torch.uint8))
+    assert tuple(t.shape) == (c, width)
+    assert torch.equal(t.view(torch.uint8), kmajor_copy(row, width).view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(8200, 4096), (1000, 3072), (64, 16)])
+def test_gpu_narrowed_with_kmajor_bit_for_bit(shape: tuple[int, int]) -> None:
+    from coda_lang.backend_triton import layouts
+
+    r, c = shape
+    g = torch.Generator(device="cuda").manual_seed(0)
+    # in range and NaN-free, as the packed stage's clamped D is
+    src = (torch.randn(r, c, device="cuda", generator=g) * 1000).clamp(-57344, 57344).to(torch.bfloat16)
+    width = -(-r // 16) * 16
+    row, t = layouts.narrowed_with_kmajor(src, torch.float8_e5m2, width)
+    want = src.to(torch.float8_e5m2)
+    assert torch.equal(row.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(t.view(torch.uint8), kmajor_copy(want, width).view(torch.uint8))
