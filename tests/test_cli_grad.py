@@ -237,5 +237,6 @@ def test_a_bad_policy_is_a_usage_error() -> None:
         no_traceback(r)
         assert r.returncode == 2, r.stderr
         assert (
-            r.stderr.strip() == "coda: error: remat= is 'never'; it takes one of 'auto', 'save', 'recompute', 'rebuild'"
+            r.stderr.strip()
+            == "coda: error: remat= is 'never'; it takes one of 'auto', 'save', 'recompute', 'rebuild'"
         )

@@ -14,6 +14,10 @@ anyway (its narrowing pass); that pass now writes the K-major copy from the same
 - The Triton kernel, under Triton's CPU interpreter: its row-major result is the conversion kernel's,
   its K-major copy that result transposed and padded, at sizes that are not multiples of the tile.
 - On a GPU: bit for bit against torch's cast and transpose.
+- The elementwise stages that start the fp8 layer's backward (x1q and x2q, the weights' e4m3 copies,
+  each read only by a GEMM that wants it K-major) write the copies from their generated kernel
+  (`TritonStage.kmajor_stores`): the copy is the transpose of the stored tile, padded, and the tile is
+  what the kernel stores without copies, bit for bit, under the interpreter and on a GPU.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import coda_lang  # noqa: E402
 from coda_lang.backend_cute.build.config import TileConfig  # noqa: E402
 from coda_lang.backend_cute.plan.planner import plan_stage  # noqa: E402
-from coda_lang.backend_cute.runtime.launch import StageRunner, kmajor_copy, kmajor_key  # noqa: E402
+from coda_lang.backend_cute.runtime.launch import StageRunner, kmajor_copy  # noqa: E402
+from coda_lang.backend_triton import kmajor_key  # noqa: E402
 
 MLP8 = """
 dims M, D, F
@@ -148,3 +153,96 @@ def test_gpu_narrowed_with_kmajor_bit_for_bit(shape: tuple[int, int]) -> None:
     want = src.to(torch.float8_e5m2)
     assert torch.equal(row.view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(t.view(torch.uint8), kmajor_copy(want, width).view(torch.uint8))
+
+
+# -------------------------------------------------- elementwise stages that write the copy themselves
+
+LAYER_SIZES = {"M": 40, "D": 64, "F": 96, "K": 64, "P": 64}  # 40 token rows: a copy padded to 48
+
+
+def _layer_backward() -> coda_lang.Block:
+    from coda_lang.hf.blocks import model_source
+
+    blk = coda_lang.load(model_source("bfloat16", 1e-5, 64, None, fp8="delayed"))["layer"]
+    wrt = ["y", "x", "w_o", "g1", "w_13", "w_2", "g2", "w_qkv"]
+    return blk.derivation(wrt, backward=coda_lang.BackwardOptions(fp8_grads="e5m2")).backward
+
+
+@pytest.mark.parametrize("which", ["x1q", "w_13q"])
+def test_the_start_stage_kernel_writes_the_copies(which: str) -> None:
+    """The fp8 layer's backward starts with elementwise stages that make x1q and x2q ([M, D]) and the
+    weights' copies again; each is read only by a GEMM that wants it K-major. The generated kernel
+    (Triton's CPU interpreter) writes those copies too: each the transpose of the tile it stores, rows
+    past M zeros; the tiles themselves are the ones the kernel writes without copies, bit for bit."""
+    pytest.importorskip("triton")
+    from coda_lang.backend_triton.elementwise import ElementwiseStage
+    from coda_lang.backend_triton.generate import TritonStage
+    from coda_lang.ir.nodes import Stage
+
+    bwd = _layer_backward()
+    cb = bwd.cuda()
+    stages = [s for s in bwd.ir.body if isinstance(s, Stage)]
+    k = next(i for i, s in enumerate(stages, 1) if any(e.outs[0].name == which for e in s.body))
+    st = ElementwiseStage(bwd, k, emulate=True)
+    ts = TritonStage(st, interpret=True)
+    stored = [n for n, *_ in st.store_meta]
+    marks = ts.kmajor_stores(cb._kmajor)
+    assert marks == tuple(n in cb._kmajor for n in stored) and all(marks), (stored, marks)
+    g = torch.Generator().manual_seed(k)
+    args: list[Any] = []
+    for name, role in st.roles:
+        if role == "scalar":
+            args.append(37.5)
+        else:
+            t = next(p.var.type for p in bwd.ir.params if p.var.name == name)
+            shape = tuple(int(x.evaluate(LAYER_SIZES)) for x in t.shape)
+            x = torch.randn(shape, generator=g) * 3
+            args.append(x.to(torch.bfloat16) if t.dtype == "bf16" else x)
+    rows, cols = int(st.rows.evaluate(LAYER_SIZES)), int(st.cols.evaluate(LAYER_SIZES))
+    plain = ts(rows, cols, dict(LAYER_SIZES), torch.device("cpu"), *args)
+    got = ts(rows, cols, dict(LAYER_SIZES), torch.device("cpu"), *args, kmajor=marks)
+    assert len(got) == len(plain) + len(stored)
+    width = -(-rows // 16) * 16
+    for i, name in enumerate(stored):
+        assert torch.equal(got[i].view(torch.uint8), plain[i].view(torch.uint8)), name
+        copy = got[len(plain) + i]
+        assert tuple(copy.shape) == (cols, width), name
+        assert torch.equal(copy.view(torch.uint8), kmajor_copy(plain[i], width).view(torch.uint8)), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["x1q", "w_13q"])
+def test_gpu_start_stage_kernel_writes_the_copies(which: str) -> None:
+    """The same kernels on the GPU, at Llama-3.2-1B-like widths and a row count that is not a multiple
+    of 16 or of the program's 32 rows."""
+    from coda_lang.backend_triton.elementwise import ElementwiseStage
+    from coda_lang.backend_triton.generate import TritonStage
+    from coda_lang.ir.nodes import Stage
+
+    sizes = {"M": 1000, "D": 2048, "F": 8192, "K": 2048, "P": 1536}
+    bwd = _layer_backward()
+    cb = bwd.cuda()
+    stages = [s for s in bwd.ir.body if isinstance(s, Stage)]
+    k = next(i for i, s in enumerate(stages, 1) if any(e.outs[0].name == which for e in s.body))
+    st = ElementwiseStage(bwd, k, emulate=True)
+    ts = TritonStage(st)
+    marks = ts.kmajor_stores(cb._kmajor)
+    g = torch.Generator(device="cuda").manual_seed(k)
+    args: list[Any] = []
+    for name, role in st.roles:
+        if role == "scalar":
+            args.append(torch.tensor(37.5, device="cuda"))
+        else:
+            t = next(p.var.type for p in bwd.ir.params if p.var.name == name)
+            shape = tuple(int(x.evaluate(sizes)) for x in t.shape)
+            x = torch.randn(shape, generator=g, device="cuda") * 3
+            args.append(x.to(torch.bfloat16) if t.dtype == "bf16" else x)
+    rows, cols = int(st.rows.evaluate(sizes)), int(st.cols.evaluate(sizes))
+    dev = torch.device("cuda")
+    plain = ts(rows, cols, dict(sizes), dev, *args)
+    got = ts(rows, cols, dict(sizes), dev, *args, kmajor=marks)
+    width = -(-rows // 16) * 16
+    for i in range(len(st.store_meta)):
+        assert torch.equal(got[i].view(torch.uint8), plain[i].view(torch.uint8))
+        copy = got[len(plain) + i]
+        assert torch.equal(copy.view(torch.uint8), kmajor_copy(plain[i], width).view(torch.uint8))

@@ -7,3 +7,10 @@ gradient).
 Below backend_cute/ (whose runtime runs these stages between its GEMM stages); imports torch, and
 Triton only when a kernel is first generated or launched.
 """
+
+
+def kmajor_key(name: str) -> str:
+    """The key, in a CUDA block's run, of value `name`'s K-major copy where the stage that made the
+    value wrote one too (the layout a GEMM that reads it transposed takes: backend_cute's
+    launch.kmajor_pair): a name no .coda identifier can take."""
+    return name + "^T"

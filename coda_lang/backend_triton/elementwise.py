@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from coda_lang.backend_triton import generate
+from coda_lang.backend_triton import generate, kmajor_key
 from coda_lang.backend_triton.generate import TritonStage
 from coda_lang.core.diagnostics import CodaError, Diagnostic
 from coda_lang.frontend.verify.repeat import repeated
@@ -298,11 +298,15 @@ class ElementwiseStage:
         storage: dict[str, str],
         out: dict[str, Any] | None = None,
         into: dict[str, torch.Tensor] | None = None,
+        kmajor: frozenset[str] = frozenset(),
     ) -> None:
         """Run the stage on the block's values in `env`; binds what it stores and reduces in `out`
         (default: `env`). `into`: stored tiles to write over a buffer (a tile the stage loads and
         nothing reads later, of the stored tile's shape and dtype): the generated Triton kernel
-        loads each element before it stores there; the other paths allocate as usual."""
+        loads each element before it stores there; the other paths allocate as usual. `kmajor`:
+        values a later GEMM reads as K-major copies: the generated kernel writes the copy of each it
+        stores and can (`TritonStage.kmajor_stores`), bound under launch.kmajor_key; the other
+        paths write none (the GEMM makes its own)."""
         ins = []
         for ld in self.loads:
             v = env[ld.name]
@@ -317,10 +321,14 @@ class ElementwiseStage:
         )
         fn = self.function()
         sizes = {k: int(v) for k, v in dims.items()}
+        kw: dict[str, Any] = {}
         if into and hasattr(fn, "into"):
-            outs = fn(rows, cols, sizes, device, *ins, into=[into.get(n) for n, _, _ in self.stores])
-        else:
-            outs = fn(rows, cols, sizes, device, *ins)
+            kw["into"] = [into.get(n) for n, _, _ in self.stores]
+        marked: list[str] = []
+        if kmajor and hasattr(fn, "kmajor_stores"):
+            kw["kmajor"] = fn.kmajor_stores(kmajor)
+            marked = [n for (n, _, _), on in zip(self.stores, kw["kmajor"], strict=True) if on]
+        outs = fn(rows, cols, sizes, device, *ins, **kw)
         if out is None:
             out = env
         i = 0
@@ -334,6 +342,10 @@ class ElementwiseStage:
             if dtype is not None and (dtype in ("bf16", "f16") or is_fp8(dtype)):
                 x = torch_round(x, dtype)
             out[name] = x
+        if len(outs) > i:  # the K-major copies the kernel wrote
+            for name in marked:
+                out[kmajor_key(name)] = outs[i]
+                i += 1
 
 
 def _torch_dtype(dtype: str) -> torch.dtype:

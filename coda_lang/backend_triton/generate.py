@@ -347,13 +347,15 @@ class TritonStage:
         self.dims = sorted({v for _op, _o, args, _i in st.steps for k, v in args if k == "d"})
         # the lengths of the vectors that repeat across the columns, as (dim, num, den): int arguments
         self.cycles = sorted({g for *_x, info in st.steps for _i, g, _w in info["cycle"]}, key=repr)
-        self._kernels: dict[tuple[bool, ...], Any] = {}
+        self._kernels: dict[tuple[tuple[bool, ...], tuple[bool, ...]], Any] = {}
 
     # -- the source
 
-    def source(self, scalar_tensors: tuple[bool, ...]) -> str:
+    def source(self, scalar_tensors: tuple[bool, ...], kmajor: tuple[bool, ...] = ()) -> str:
         """The kernel module's text; `scalar_tensors[i]`: the i-th scalar operand is a tensor (read
-        through a pointer) rather than a Python number (a kernel argument)."""
+        through a pointer) rather than a Python number (a kernel argument); `kmajor[j]`: the j-th stored
+        tile is also written K-major (`kmajor_stores`), through the pointer argument `kt{j}`, each
+        element (r, c) at c * W + r."""
         st = self.st
         lanes = 2 if self.paired else 1
         name = self.kernel_name()
@@ -474,12 +476,17 @@ class TritonStage:
             tmp += 1
             vals[outs[0]] = _Val(_combine_kinds([x.kind for x in xs]), width_of, tuple(exprs))
 
+        kt_args: list[str] = []
         for j, (sname, dtype, w) in enumerate(st.store_meta):
             p = f"out{j}"
             outs_args.append(p)
             x = vals[sname]
             width = "full" if w == (1, 1) else "half"
             n = lanes if width == "full" else 1
+            transposed = j < len(kmajor) and kmajor[j]
+            if transposed:
+                assert n == 1 and width == "full", "a K-major copy of a full-width tile of an unpaired stage"
+                kt_args.append(f"kt{j}")
             for lane in range(n):
                 ptr = f"{p} + roff * {row_len(width)} + {col_index(width, lane)}"
                 value = (
@@ -490,10 +497,25 @@ class TritonStage:
                     else f"tl.broadcast_to({x.lane(lane)}, (BM, BC))"
                 )
                 value = _to(value, dtype)
-                body.append(f"tl.store({ptr}, {value}, mask=m)")
+                if transposed:
+                    body.append(f"q{j} = {value}")
+                    body.append(f"tl.store({ptr}, q{j}, mask=m)")
+                    body.append(f"tl.store(kt{j} + cols.to(tl.int64) * W + rows, q{j}, mask=m)")
+                else:
+                    body.append(f"tl.store({ptr}, {value}, mask=m)")
 
         signature = ", ".join(
-            [*args, *outs_args, *red_args, "R", "C", "BM: tl.constexpr", "BC: tl.constexpr"]
+            [
+                *args,
+                *outs_args,
+                *kt_args,
+                *red_args,
+                "R",
+                "C",
+                *(["W"] if kt_args else []),
+                "BM: tl.constexpr",
+                "BC: tl.constexpr",
+            ]
         )
         lines = [
             "import triton",
@@ -590,13 +612,26 @@ class TritonStage:
 
     # -- building and running
 
-    def kernel(self, scalar_tensors: tuple[bool, ...]) -> Any:
-        k = self._kernels.get(scalar_tensors)
+    def kernel(self, scalar_tensors: tuple[bool, ...], kmajor: tuple[bool, ...] = ()) -> Any:
+        k = self._kernels.get((scalar_tensors, kmajor))
         if k is None:
-            k = self._kernels[scalar_tensors] = load_kernel(
-                self.source(scalar_tensors), self.kernel_name(), self.interpret
+            k = self._kernels[(scalar_tensors, kmajor)] = load_kernel(
+                self.source(scalar_tensors, kmajor), self.kernel_name(), self.interpret
             )
         return k
+
+    def kmajor_stores(self, names: frozenset[str]) -> tuple[bool, ...]:
+        """Which stored tiles among `names` this kernel can also write K-major (the layout a GEMM that
+        reads the tile transposed takes, launch.kmajor_pair's): one-byte tiles of the stage's full
+        width, in a stage over single columns (not pairs) with no reduction over its rows (whose
+        programs are then BM_KMAJOR rows tall, so that each column's bytes are written together)."""
+        if self.paired or self.col_reductions:
+            return tuple(False for _ in self.st.store_meta)
+        return tuple(
+            name in names and w == (1, 1) and dtype.itemsize == 1 for name, dtype, w in self.st.store_meta
+        )
+
+    BM_KMAJOR = 32  # rows per program when the kernel writes K-major copies
 
     into = True  # (ElementwiseStage.run: the call takes buffers for its stored tiles)
 
@@ -608,9 +643,13 @@ class TritonStage:
         device: torch.device,
         *ins: Any,
         into: list[torch.Tensor | None] | None = None,
+        kmajor: tuple[bool, ...] = (),
     ) -> tuple[torch.Tensor, ...]:
         """The stage's stored tiles and reductions; `into[i]`, when given, is the buffer of the i-th
-        stored tile (one the stage loads: each program loads an element before it stores there)."""
+        stored tile (one the stage loads: each program loads an element before it stores there).
+        `kmajor` (`kmajor_stores`'s): after them, the K-major copy of each stored tile marked, [cols,
+        W] with W the rows rounded up to 16 (rows R to W zeros), from the same kernel; none where
+        nothing is launched (the GEMM that reads it makes its own then)."""
         st = self.st
         if rows == 0 or cols == 0 or (device.type != "cuda" and not self.interpret):
             return st._body(rows, cols, sizes, device, *ins)  # nothing to launch, or no GPU to launch on
@@ -619,7 +658,8 @@ class TritonStage:
             for (_n, role), x in zip(st.roles, ins, strict=True)
             if role == "scalar"
         )
-        kern = self.kernel(scalar_tensors)
+        kmajor = kmajor if any(kmajor) else ()
+        kern = self.kernel(scalar_tensors, kmajor)
         args: list[Any] = []
         for (_n, role), x in zip(st.roles, ins, strict=True):
             if role == "scalar" and not isinstance(x, torch.Tensor):
@@ -628,7 +668,8 @@ class TritonStage:
                 args.append(x.contiguous())
         args += [float(sizes[d[0]] * d[1] // d[2] if d[0] is not None else d[1] // d[2]) for d in self.dims]
         args += [(sizes[g[0]] if g[0] is not None else 1) * g[1] // g[2] for g in self.cycles]
-        nprog = math.ceil(rows / self.bm)
+        bm = self.BM_KMAJOR if kmajor else self.bm
+        nprog = math.ceil(rows / bm)
         outs: list[torch.Tensor] = []
         for j, (_name, dtype, w) in enumerate(st.store_meta):
             shape = (rows, cols * w[0] // w[1])
@@ -636,6 +677,13 @@ class TritonStage:
             if buf is None or tuple(buf.shape) != shape or buf.dtype != dtype or not buf.is_contiguous():
                 buf = torch.empty(shape, dtype=dtype, device=device)
             outs.append(buf)
+        wk = -(-rows // 16) * 16
+        new = torch.zeros if wk > rows else torch.empty  # (rows R to W of a copy: zeros)
+        copies = [
+            new((cols, wk), dtype=dtype, device=device)
+            for (_n, dtype, _w), on in zip(st.store_meta, kmajor, strict=False)
+            if on
+        ]
         reds = [
             torch.empty(
                 (rows, (cols // 2 if half else cols) // g)
@@ -648,13 +696,14 @@ class TritonStage:
             )
             for _f, per_row, half, g in self.reductions
         ]
-        bc = self.bc_wide if cols >= self.bc_wide else self.bc
-        launch(kern, (nprog,), *args, *outs, *reds, rows, cols, BM=self.bm, BC=bc, num_warps=self.num_warps)
+        sizes_: tuple[int, ...] = (rows, cols, wk) if kmajor else (rows, cols)
+        bc = self.bc if kmajor else self.bc_wide if cols >= self.bc_wide else self.bc
+        launch(kern, (nprog,), *args, *outs, *copies, *reds, *sizes_, BM=bm, BC=bc, num_warps=self.num_warps)
         folded = [
             r if per_row else combine_rule(fold).torch(r, 0)
             for r, (fold, per_row, _h, _g) in zip(reds, self.reductions, strict=True)
         ]
-        return (*outs, *folded)
+        return (*outs, *folded, *copies)
 
 
 def load_kernel(src: str, name: str, interpret: bool) -> Any:

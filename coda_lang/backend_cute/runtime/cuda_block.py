@@ -44,12 +44,12 @@ from coda_lang.backend_cute.runtime.launch import (
     TORCH_DTYPES,
     StageRunner,
     compute_value,
-    kmajor_key,
     round_value,
 )
 from coda_lang.backend_cute.runtime.liveness import Liveness
 from coda_lang.backend_cute.runtime.tiles import choose_config, first_compiled, given_tiles, precompile
 from coda_lang.backend_cute.runtime.tuning import Tuner, preload_runtime
+from coda_lang.backend_triton import kmajor_key
 from coda_lang.backend_triton.elementwise import ElementwiseStage
 from coda_lang.backend_triton.vector_run import VectorRun, plan_runs
 from coda_lang.core.diagnostics import CodaError, Diagnostic, with_sources
@@ -324,7 +324,7 @@ class CudaBlock:
                 if k in self.elementwise:
                     es = self.elementwise[k]
                     over = self.liveness.into_loads(es, i, env, consume) if consume else None
-                    es.run(env, dims, self.plan.storage, into=over)
+                    es.run(env, dims, self.plan.storage, into=over, kmajor=self._kmajor)
                 else:
                     r = self.runner(k)
                     ins, scalars = r.arguments(env)

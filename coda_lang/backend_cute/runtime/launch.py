@@ -30,6 +30,7 @@ from coda_lang.backend_cute.plan import spec as specs
 from coda_lang.backend_cute.plan.emit import emit_stage
 from coda_lang.backend_cute.plan.spec import F32_EXACT_INT, INDEX_AXIS, Sink, StageSpec
 from coda_lang.backend_cute.runtime import emulate
+from coda_lang.backend_triton import kmajor_key
 from coda_lang.core.diagnostics import error
 from coda_lang.ir.types import BOOL, MATRIX, Dim, Type, is_float, is_fp8
 from coda_lang.ops.registry import combine_of_sink, combine_rule, torch_dtype, torch_round
@@ -96,12 +97,6 @@ def dense(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 FP8_TORCH = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_ROW = 16  # fp8 values in the 16 bytes a TMA-loaded row's length must be a multiple of
-
-
-def kmajor_key(name: str) -> str:
-    """The environment's key of value `name`'s K-major copy, where the stage that made it wrote one
-    (`KMAJOR` in a CudaBlock's run: a name no .coda identifier can take)."""
-    return name + "^T"
 
 
 def kmajor_copy(t: torch.Tensor, width: int) -> torch.Tensor:
