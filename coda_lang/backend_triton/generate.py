@@ -500,7 +500,13 @@ class TritonStage:
                 if transposed:
                     body.append(f"q{j} = {value}")
                     body.append(f"tl.store({ptr}, q{j}, mask=m)")
-                    body.append(f"tl.store(kt{j} + cols.to(tl.int64) * W + rows, q{j}, mask=m)")
+                    # transposed in registers (tl.trans), then stored along its rows: each column's
+                    # BM_KMAJOR rows are contiguous bytes of the copy (a store along the columns of the
+                    # untransposed tile wrote one byte per column and was 5x slower, H200)
+                    body.append(
+                        f"tl.store(kt{j} + cols1[:, None].to(tl.int64) * W + rows1[None, :], tl.trans(q{j}), "
+                        "mask=tl.trans(m))"
+                    )
                 else:
                     body.append(f"tl.store({ptr}, {value}, mask=m)")
 
@@ -623,15 +629,16 @@ class TritonStage:
     def kmajor_stores(self, names: frozenset[str]) -> tuple[bool, ...]:
         """Which stored tiles among `names` this kernel can also write K-major (the layout a GEMM that
         reads the tile transposed takes, launch.kmajor_pair's): one-byte tiles of the stage's full
-        width, in a stage over single columns (not pairs) with no reduction over its rows (whose
-        programs are then BM_KMAJOR rows tall, so that each column's bytes are written together)."""
-        if self.paired or self.col_reductions:
+        width, in a stage over single columns (not pairs) with no reduction over its rows and no group
+        wider than BM_KMAJOR columns (its programs are then BM_KMAJOR x BM_KMAJOR tiles, so that each
+        column's bytes are written together)."""
+        if self.paired or self.col_reductions or self.group_units > self.BM_KMAJOR:
             return tuple(False for _ in self.st.store_meta)
         return tuple(
             name in names and w == (1, 1) and dtype.itemsize == 1 for name, dtype, w in self.st.store_meta
         )
 
-    BM_KMAJOR = 32  # rows per program when the kernel writes K-major copies
+    BM_KMAJOR = 64  # rows per program (and columns per chunk) when the kernel writes K-major copies
 
     into = True  # (ElementwiseStage.run: the call takes buffers for its stored tiles)
 
@@ -697,7 +704,7 @@ class TritonStage:
             for _f, per_row, half, g in self.reductions
         ]
         sizes_: tuple[int, ...] = (rows, cols, wk) if kmajor else (rows, cols)
-        bc = self.bc if kmajor else self.bc_wide if cols >= self.bc_wide else self.bc
+        bc = self.BM_KMAJOR if kmajor else self.bc_wide if cols >= self.bc_wide else self.bc
         launch(kern, (nprog,), *args, *outs, *copies, *reds, *sizes_, BM=bm, BC=bc, num_warps=self.num_warps)
         folded = [
             r if per_row else combine_rule(fold).torch(r, 0)
