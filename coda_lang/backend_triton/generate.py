@@ -539,7 +539,10 @@ class TritonStage:
             "    roff = rows.to(tl.int64)",
             f"    CW = {'C // 2' if self.paired else 'C'}",
             *("    " + s for s in pre),
-            "    for c0 in range(0, CW, BC):",
+            # (with K-major copies: a grid of row blocks x column chunks, each program its own chunks)
+            "    for c0 in range(tl.program_id(1) * BC, CW, BC * tl.num_programs(1)):"
+            if kt_args
+            else "    for c0 in range(0, CW, BC):",
             "        cols1 = c0 + tl.arange(0, BC)",
             "        cols = cols1[None, :]",
             "        cmask = cols < CW",
@@ -629,10 +632,11 @@ class TritonStage:
     def kmajor_stores(self, names: frozenset[str]) -> tuple[bool, ...]:
         """Which stored tiles among `names` this kernel can also write K-major (the layout a GEMM that
         reads the tile transposed takes, launch.kmajor_pair's): one-byte tiles of the stage's full
-        width, in a stage over single columns (not pairs) with no reduction over its rows and no group
-        wider than BM_KMAJOR columns (its programs are then BM_KMAJOR x BM_KMAJOR tiles, so that each
-        column's bytes are written together)."""
-        if self.paired or self.col_reductions or self.group_units > self.BM_KMAJOR:
+        width, in a stage over single columns (not pairs) with no reduction and no group wider than
+        BM_KMAJOR columns: its programs are then a grid of BM_KMAJOR x BM_KMAJOR tiles (so that each
+        column's bytes of a copy are written together, and a weight's few row blocks still fill the
+        GPU), where they are otherwise blocks of rows that walk all the columns."""
+        if self.paired or self.reductions or self.group_units > self.BM_KMAJOR:
             return tuple(False for _ in self.st.store_meta)
         return tuple(
             name in names and w == (1, 1) and dtype.itemsize == 1 for name, dtype, w in self.st.store_meta
@@ -705,7 +709,8 @@ class TritonStage:
         ]
         sizes_: tuple[int, ...] = (rows, cols, wk) if kmajor else (rows, cols)
         bc = self.BM_KMAJOR if kmajor else self.bc_wide if cols >= self.bc_wide else self.bc
-        launch(kern, (nprog,), *args, *outs, *copies, *reds, *sizes_, BM=bm, BC=bc, num_warps=self.num_warps)
+        grid = (nprog, math.ceil(cols / bc)) if kmajor else (nprog,)
+        launch(kern, grid, *args, *outs, *copies, *reds, *sizes_, BM=bm, BC=bc, num_warps=self.num_warps)
         folded = [
             r if per_row else combine_rule(fold).torch(r, 0)
             for r, (fold, per_row, _h, _g) in zip(reds, self.reductions, strict=True)
