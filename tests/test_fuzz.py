@@ -601,9 +601,9 @@ def _wrong_dr(monkeypatch: pytest.MonkeyPatch, factor: float) -> None:
     run = elementwise.ElementwiseStage.run
 
     def wrong(
-        self: Any, env: dict[str, Any], dims: Any, storage: Any, out: Any = None, into: Any = None
+        self: Any, env: dict[str, Any], dims: Any, storage: Any, out: Any = None, into: Any = None, **kw: Any
     ) -> None:
-        run(self, env, dims, storage, out, into)
+        run(self, env, dims, storage, out, into, **kw)
         o = env if out is None else out
         if "dr" in o:
             o["dr"] = o["dr"] * factor

@@ -31,25 +31,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from test_fp8_kernels import MLP8  # noqa: E402  (the fp8 MLP of those tests)
+
 import coda_lang  # noqa: E402
 from coda_lang.backend_cute.build.config import TileConfig  # noqa: E402
 from coda_lang.backend_cute.plan.planner import plan_stage  # noqa: E402
 from coda_lang.backend_cute.runtime.launch import StageRunner, kmajor_copy  # noqa: E402
 from coda_lang.backend_triton import kmajor_key  # noqa: E402
-
-MLP8 = """
-dims M, D, F
-block mlp(x: e4m3[M, D], w: e4m3[2*F, D], w2: e4m3[D, F], s_a: f32, inv1: f32, inv2: f32) -> (out: bf16[M, D]) {
-  gemm x @ transpose(w) {
-    z = acc * inv1
-    gt, up = pairs(z)
-    aq: e4m3 = silu(gt) * up * s_a
-  }
-  gemm aq @ transpose(w2) {
-    out = acc * inv2
-  }
-}
-"""
 
 
 def _backward() -> coda_lang.Block:
