@@ -226,12 +226,12 @@ def test_the_generator_takes_the_stages_the_llama_step_runs() -> None:
 
 
 def _costly(name: str) -> bool:
-    """OLMo 2's and Gemma 2's stages beyond their layer block's forward and the patch's backward of it
-    (the first layer's and the last's are the same kinds of stage; the other backwards, the heads' are
-    Llama's or its soft-capped ones) run under -m slow."""
+    """Qwen3's, OLMo 2's and Gemma 2's and 3's stages beyond their layer block's forward and the
+    patch's backward of it (the first layer's and the last's are the same kinds of stage; the other
+    backwards, the heads' are Llama's or its soft-capped ones) run under -m slow."""
     return any(
         name.startswith(f"{f}.") and not name.startswith((f"{f}.layer.fwd.", f"{f}.layer.bwd_hf."))
-        for f in ("olmo2", "gemma2", "gemma3")
+        for f in ("qwen3", "olmo2", "gemma2", "gemma3")
     )
 
 
