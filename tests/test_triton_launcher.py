@@ -167,6 +167,16 @@ def test_what_is_not_taken_goes_through_the_jit_every_time(
     assert [e[0] for e in log] == ["jit"] * 6
 
 
+def test_a_torch_compile_trace_gets_the_jit_launch(probe: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a torch.compile trace the launch is written `kern[grid](...)`, which the trace records
+    (a kept kernel's launcher is not something it can follow)."""
+    kern, log = probe
+    launcher.launch(kern, (1,), _t(), _t(), 64, 1.0, True, BLOCK=128, EXTRA=2)
+    monkeypatch.setattr(launcher.torch.compiler, "is_compiling", lambda: True)
+    launcher.launch(kern, (1,), _t(), _t(), 64, 1.0, True, BLOCK=128, EXTRA=2)
+    assert [e[0] for e in log] == ["jit", "jit"]
+
+
 def test_the_interpreter_is_never_bypassed() -> None:
     from coda_lang.backend_triton import layouts
 

@@ -12,7 +12,8 @@ is only ever launched on arguments it was compiled for: for a tensor its dtype a
 pointer is 16-byte aligned; for an int whether it is 1, whether it is a multiple of 16 and its range
 (i32, i64, u64); for a bool its value; for a float nothing (fp32, never specialized); the constexpr
 and compile options (`meta`) by value; the current device.
-What it does not: take the direct path under Triton's CPU interpreter, while a launch hook is set
+What it does not: take the direct path under a torch.compile trace (which records a kernel launched
+as `kern[grid](...)`), under Triton's CPU interpreter, while a launch hook is set
 (a profiler's: `triton.knobs.runtime.launch_enter_hook`; the JIT then builds the launch metadata the
 hook reads), for an argument of another kind (a tuple, a tensor descriptor), or where the constexprs
 are not the kernel's trailing parameters: those calls go through the JIT every time, as before.
@@ -77,7 +78,7 @@ def _stream(device: int) -> int:
 def launch(kern: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
     """`kern[grid](*args, **meta)`: the arguments positional, the constexprs and options (num_warps) by
     name; see the module docstring."""
-    if not _direct(kern):
+    if torch.compiler.is_compiling() or not _direct(kern):  # (a trace records the JIT's launch)
         kern[grid](*args, **meta)
         return
     device = torch.cuda.current_device()
