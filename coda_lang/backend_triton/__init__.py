@@ -8,9 +8,19 @@ Below backend_cute/ (whose runtime runs these stages between its GEMM stages); i
 Triton only when a kernel is first generated or launched.
 """
 
+KMAJOR = "^T"  # the suffix of a K-major copy's key: no .coda identifier can end so
+KMAJOR_ROWS = 16  # a K-major copy's rows (the GEMM's K) are padded to a multiple of this: 16 fp8 bytes
+
 
 def kmajor_key(name: str) -> str:
     """The key, in a CUDA block's run, of value `name`'s K-major copy where the stage that made the
     value wrote one too (the layout a GEMM that reads it transposed takes: backend_cute's
-    launch.kmajor_pair): a name no .coda identifier can take."""
-    return name + "^T"
+    launch.kmajor_pair)."""
+    return name + KMAJOR
+
+
+def kmajor_width(k: int) -> int:
+    """The width of the K-major copy of an operand with K = `k`: k rounded up to KMAJOR_ROWS (TMA
+    loads rows of a multiple of 16 bytes; the padding is zeros). What a producer writes and what the
+    GEMM takes agree through this one rule."""
+    return -(-k // KMAJOR_ROWS) * KMAJOR_ROWS

@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from coda_lang.backend_triton import kmajor_width
 from coda_lang.backend_triton.launcher import launch
 from coda_lang.ir.nodes import Var
 from coda_lang.ir.types import MATRIX, TILE, is_fp8
@@ -524,12 +525,7 @@ class TritonStage:
             ]
         )
         lines = [
-            "import triton",
-            "import triton.language as tl",
-            _helpers(self.interpret),
-            _COMMON_HELPERS,
-            "",
-            "@_jit",
+            *module_head(self.interpret),
             f"def {name}({signature}):",
             f"    # {st.block.name}, stage {st.index}: {st.text}",
             "    pid = tl.program_id(0)",
@@ -688,7 +684,7 @@ class TritonStage:
             if buf is None or tuple(buf.shape) != shape or buf.dtype != dtype or not buf.is_contiguous():
                 buf = torch.empty(shape, dtype=dtype, device=device)
             outs.append(buf)
-        wk = -(-rows // 16) * 16
+        wk = kmajor_width(rows)
         new = torch.zeros if wk > rows else torch.empty  # (rows R to W of a copy: zeros)
         copies = [
             new((cols, wk), dtype=dtype, device=device)
@@ -716,6 +712,19 @@ class TritonStage:
             for r, (fold, per_row, _h, _g) in zip(reds, self.reductions, strict=True)
         ]
         return (*outs, *folded, *copies)
+
+
+def module_head(interpret: bool) -> list[str]:
+    """The lines a generated kernel module starts with, up to its function's `def`: the imports, the
+    helpers (libdevice's on a GPU, `tl`'s under the interpreter) and the decorator."""
+    return [
+        "import triton",
+        "import triton.language as tl",
+        _helpers(interpret),
+        _COMMON_HELPERS,
+        "",
+        "@_jit",
+    ]
 
 
 def load_kernel(src: str, name: str, interpret: bool) -> Any:
@@ -770,4 +779,4 @@ def _jit(interpret: bool) -> Any:
     return InterpretedFunction
 
 
-__all__ = ["TritonStage", "load_kernel", "unsupported"]
+__all__ = ["TritonStage", "load_kernel", "module_head", "unsupported"]

@@ -41,11 +41,10 @@ import torch
 
 from coda_lang.backend_triton.generate import (
     _COMBINE,
-    _COMMON_HELPERS,
     _fold,
-    _helpers,
     _literal,
     load_kernel,
+    module_head,
 )
 from coda_lang.backend_triton.launcher import launch
 from coda_lang.ir.nodes import DimRef, Eqn, Lit, Var
@@ -293,12 +292,7 @@ class VectorRun:
             [*args, "buf", *offs, *(n_of[ln] for ln in self.lengths), *dim_args, "BLOCK: tl.constexpr"]
         )
         lines = [
-            "import triton",
-            "import triton.language as tl",
-            _helpers(self.interpret),
-            _COMMON_HELPERS,
-            "",
-            "@_jit",
+            *module_head(self.interpret),
             f"def {self.name}({signature}):",
             "    offs = tl.arange(0, BLOCK)",
             *("    " + s for s in head),

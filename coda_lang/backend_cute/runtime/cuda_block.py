@@ -49,7 +49,7 @@ from coda_lang.backend_cute.runtime.launch import (
 from coda_lang.backend_cute.runtime.liveness import Liveness
 from coda_lang.backend_cute.runtime.tiles import choose_config, first_compiled, given_tiles, precompile
 from coda_lang.backend_cute.runtime.tuning import Tuner, preload_runtime
-from coda_lang.backend_triton import kmajor_key
+from coda_lang.backend_triton import KMAJOR, kmajor_key
 from coda_lang.backend_triton.elementwise import ElementwiseStage
 from coda_lang.backend_triton.vector_run import VectorRun, plan_runs
 from coda_lang.core.diagnostics import CodaError, Diagnostic, with_sources
@@ -263,7 +263,7 @@ class CudaBlock:
         """Every named value of a run (inputs as bound, stored tiles, vectors, and each dim's size under
         `%NAME`): what `run_stage` reads. (Not the K-major copies some stages write beside a value.)"""
         env = self._run({**(inputs or {}), **tensors}, dims)[0]
-        return {k: v for k, v in env.items() if not k.endswith("^T")}
+        return {k: v for k, v in env.items() if not k.endswith(KMAJOR)}
 
     def run_stage(
         self, index: int, env: dict[str, Any], dims: dict[str, int] | None = None

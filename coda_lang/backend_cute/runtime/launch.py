@@ -30,7 +30,7 @@ from coda_lang.backend_cute.plan import spec as specs
 from coda_lang.backend_cute.plan.emit import emit_stage
 from coda_lang.backend_cute.plan.spec import F32_EXACT_INT, INDEX_AXIS, Sink, StageSpec
 from coda_lang.backend_cute.runtime import emulate
-from coda_lang.backend_triton import kmajor_key
+from coda_lang.backend_triton import kmajor_key, kmajor_width
 from coda_lang.core.diagnostics import error
 from coda_lang.ir.types import BOOL, MATRIX, Dim, Type, is_float, is_fp8
 from coda_lang.ops.registry import combine_of_sink, combine_rule, torch_dtype, torch_round
@@ -96,7 +96,6 @@ def dense(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 FP8_TORCH = (torch.float8_e4m3fn, torch.float8_e5m2)
-FP8_ROW = 16  # fp8 values in the 16 bytes a TMA-loaded row's length must be a multiple of
 
 
 def kmajor_copy(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -123,7 +122,7 @@ def kmajor_pair(
     the K-major copies of A and B that the stages that made them wrote (kmajor_key), used where one
     is given at that width instead of copying again."""
     k = A.shape[0] if copy_a else A.shape[1]
-    width = -(-k // FP8_ROW) * FP8_ROW
+    width = kmajor_width(k)
 
     def kmajor(t: torch.Tensor, copy: bool, given: torch.Tensor | None) -> torch.Tensor:
         if (
@@ -489,7 +488,7 @@ def _narrow_with_kmajor(t: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torc
     """`_narrow(t, dtype)` and its K-major copy (kmajor_pair's, rows padded to 16), in one Triton pass
     on a GPU (layouts.narrowed_with_kmajor), with torch elsewhere or under a torch.compile trace."""
     want = TORCH_DTYPES[dtype]
-    width = -(-t.shape[0] // FP8_ROW) * FP8_ROW
+    width = kmajor_width(t.shape[0])
     if t.device.type == "cuda" and not torch.compiler.is_compiling():
         # lazy: Triton, which only a GPU run needs
         from coda_lang.backend_triton.layouts import narrowed_with_kmajor
