@@ -304,6 +304,15 @@ def test_coda_grad_prints_what_the_fp8_layer_saves(tmp_path: Any) -> None:
     assert (
         "# saved, not per row of M: w_qkvq 2*D*P, w_2q D*F, w_13q 2*D*F (3*D*F + 2*D*P bytes)" in save.stdout
     )
+    # block-wide --remat rebuild: every copy the start stage can make goes (w_qkvq too), nothing else
+    rebuild = coda(*args, "--remat", "rebuild")
+    assert rebuild.returncode == 0, rebuild.stderr
+    head = [line for line in rebuild.stdout.splitlines() if line.startswith("# saved")]
+    assert '(--remat rebuild; stage 3: remat="rebuild")' in head[2], head
+    saved = head[0].split(": ", 1)[1].split(", ")
+    assert "aq" in saved and not {"x1q", "x2q", "w_13q", "w_2q", "w_qkvq"} & set(saved), saved
+    assert "recomputed in the epilogue" not in rebuild.stderr
+    assert "is recomputed by an elementwise stage at the backward's start" in rebuild.stderr
 
 
 # ---------------------------------------------------------------------------- bit for bit
