@@ -29,7 +29,12 @@ from test_hf import FAMILIES, ON_KERNELS, OWN, SHAPES, make, patch  # noqa: E402
 
 from coda_lang.backend_cute.build import parallel  # noqa: E402
 from coda_lang.backend_cute.build.cache import Kernel  # noqa: E402
-from coda_lang.backend_cute.build.config import CANDIDATES, TUNE_CANDIDATES, TileConfig, fits  # noqa: E402
+from coda_lang.backend_cute.build.config import (  # noqa: E402
+    TileConfig,
+    candidates_for,
+    fits,
+    tune_candidates_for,
+)
 from coda_lang.backend_cute.plan.emit import emit_stage, source_hash  # noqa: E402
 from coda_lang.cli import main  # noqa: E402
 from coda_lang.hf import precompile as hfp  # noqa: E402
@@ -53,10 +58,11 @@ def stage_sources(blocks: list[Any]) -> set[str]:
     return {source_hash(emit_stage(cb.specs[k - 1])) for cb in blocks for k in cb.gemm_stages}
 
 
-def training_blocks(family: str, dtype: Any, loss_mode: str) -> list[Any]:
+def training_blocks(family: str, dtype: Any, loss_mode: str, fp8: str | None = None) -> list[Any]:
     """The CUDA blocks whose kernels a patched model with weights compiles at its first training step
-    (its blocks at `dtype` and its loss head, compiled together)."""
-    model = patch(family, make(family, **ON_KERNELS.get(family, {})), loss_mode=loss_mode)
+    (its blocks at `dtype`, or of the fp8 recipe `fp8`, and its loss head, compiled together)."""
+    extra = {"fp8": fp8} if fp8 else {}
+    model = patch(family, make(family, **ON_KERNELS.get(family, {})), loss_mode=loss_mode, **extra)
     st = model._coda
     b = st.blocks(dtype)
     head = b.row_head() if loss_mode == "rows" else b.vocab_head()
@@ -64,30 +70,37 @@ def training_blocks(family: str, dtype: Any, loss_mode: str) -> list[Any]:
 
 
 @pytest.mark.parametrize(
-    "family, loss_mode, dtype",
+    "family, loss_mode, dtype, fp8",
     [
-        ("llama", "rows", "bf16"),
-        ("llama", "vocab", "f16"),
-        ("qwen3", "rows", "bf16"),
-        ("olmo2", "rows", "bf16"),  # (row stages, post norms)
+        ("llama", "rows", "bf16", None),
+        ("llama", "vocab", "f16", None),
+        ("qwen3", "rows", "bf16", None),
+        ("olmo2", "rows", "bf16", None),  # (row stages, post norms)
+        ("llama", "rows", "bf16", "delayed"),  # (`coda precompile --fp8`: fp8 GEMMs, e5m2 cotangents)
+        pytest.param("qwen3", "rows", "bf16", "delayed-forward", marks=pytest.mark.slow),
+        pytest.param("olmo2", "rows", "bf16", "delayed", marks=pytest.mark.slow),
         # the other families' programs are Llama's with a term or two: -m slow
         *(
-            pytest.param(f, "rows", "bf16", marks=pytest.mark.slow)
+            pytest.param(f, "rows", "bf16", None, marks=pytest.mark.slow)
             for f in ("granite", "mistral", "ministral", "phi3", "qwen2")
         ),
     ],
 )
 def test_the_kernels_of_a_config_are_a_training_models(
-    family: str, loss_mode: str, dtype: str, tmp_path: Path
+    family: str, loss_mode: str, dtype: str, fp8: str | None, tmp_path: Path
 ) -> None:
     """The kernels made from the config alone (meta device, no weights) are the ones a patched model
     with weights compiles for its first training step: the same emitted epilogue for every GEMM stage,
-    so every cache key is the same."""
+    so every cache key is the same. With `fp8`, those of a model patched with that recipe, which
+    differ from the bf16 model's."""
     cfg = hfp.read_config(write_config(tmp_path / "m", family))
-    blocks = hfp.model_kernels(hfp.model_functions(cfg, hfp.DTYPES[dtype], loss_mode))
-    want = training_blocks(family, hfp.DTYPES[dtype], loss_mode)
+    blocks = hfp.model_kernels(hfp.model_functions(cfg, hfp.DTYPES[dtype], loss_mode, fp8=fp8))
+    want = training_blocks(family, hfp.DTYPES[dtype], loss_mode, fp8)
     assert stage_sources(blocks) == stage_sources(want)
     assert sorted(cb.name for cb in blocks) == sorted(cb.name for cb in want)
+    if fp8:  # (not the bf16 model's kernels under another name)
+        plain = hfp.model_kernels(hfp.model_functions(cfg, hfp.DTYPES[dtype], loss_mode))
+        assert not stage_sources(blocks) <= stage_sources(plain)
 
 
 @pytest.mark.parametrize(
@@ -171,34 +184,34 @@ class FakeBuild:
         monkeypatch.setattr(cuda_block.CudaBlock, "runner", lambda self, k: None)
 
 
+@pytest.mark.parametrize("fp8", [None, "delayed"])
 def test_coda_precompile_builds_what_a_training_step_asks_for(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+    fp8: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
     """`coda precompile` (a fake build): each kernel once, among them every candidate tile the tuner
-    of a training step times and each stage's first tile; a second run builds nothing."""
+    of a training step times and each stage's first tile; a second run builds nothing. `--fp8
+    delayed`: those of a model patched with fp8="delayed"."""
     monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("CODA_TUNE", raising=False)
     fake = FakeBuild(monkeypatch)
     config = write_config(tmp_path / "m")
-    assert main(["precompile", "--model", str(config), "-j", "1", "-q"]) == 0
+    recipe = ["--fp8", fp8] if fp8 else []
+    what = f"llama (bf16{', fp8 ' + fp8 if fp8 else ''}, loss mode rows)"
+    assert main(["precompile", "--model", str(config), *recipe, "-j", "1", "-q"]) == 0
     out = capsys.readouterr().out
     assert len(fake.built) == len(set(fake.built)) > 0
-    assert out.startswith(
-        f"kernels of llama (bf16, loss mode rows): {len(fake.built)} compiled (in this process"
-    )
-    for cb in training_blocks("llama", torch.bfloat16, "rows"):
+    assert out.startswith(f"kernels of {what}: {len(fake.built)} compiled (in this process")
+    for cb in training_blocks("llama", torch.bfloat16, "rows", fp8):
         for k in cb.gemm_stages:
             spec = cb.specs[k - 1]
-            first = next(c for c in CANDIDATES if fits(spec, c))
-            for c in {first, *(c for c in TUNE_CANDIDATES if fits(spec, c))}:
+            first = next(c for c in candidates_for(spec) if fits(spec, c))
+            for c in {first, *(c for c in tune_candidates_for(spec) if fits(spec, c))}:
                 assert Kernel(spec, c, tmp_path / "cache").key in fake.built, (cb.name, k, c)
     assert f"kernel cache: {tmp_path / 'cache'}" in out
     n = len(fake.built)
-    assert main(["precompile", "--model", str(tmp_path / "m" / "config.json"), "-q"]) == 0
+    assert main(["precompile", "--model", str(tmp_path / "m" / "config.json"), *recipe, "-q"]) == 0
     assert len(fake.built) == n
-    assert capsys.readouterr().out.startswith(
-        f"kernels of llama (bf16, loss mode rows): all {n} in the cache"
-    )
+    assert capsys.readouterr().out.startswith(f"kernels of {what}: all {n} in the cache")
 
 
 @pytest.mark.parametrize(
@@ -210,6 +223,7 @@ def test_coda_precompile_builds_what_a_training_step_asks_for(
         (["--batch", "2"], "--batch goes with --seq"),
         (["--lora", ","], "--lora takes target module names"),
         (["--lora", "q_proj", "--seq", "8"], "--lora goes without it"),
+        (["--lora", "q_proj", "--fp8", "delayed"], "--lora goes without --fp8"),
     ],
 )
 def test_coda_precompile_usage_errors(args: list[str], needle: str, tmp_path: Path, capsys: Any) -> None:
@@ -218,12 +232,25 @@ def test_coda_precompile_usage_errors(args: list[str], needle: str, tmp_path: Pa
 
 
 def test_coda_precompile_argument_errors(capsys: Any) -> None:
-    for args in (["precompile"], ["precompile", "--model", "m", "--dtype", "f64"]):
+    for args in (
+        ["precompile"],
+        ["precompile", "--model", "m", "--dtype", "f64"],
+        ["precompile", "--model", "m", "--fp8", "tensorwise"],
+    ):
         with pytest.raises(SystemExit) as e:
             main(args)
         assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "--model" in err and "invalid choice: 'f64'" in err
+    assert "--model" in err and "invalid choice: 'f64'" in err and "invalid choice: 'tensorwise'" in err
+
+
+def test_coda_precompile_takes_the_patchs_fp8_recipes() -> None:
+    """--fp8's choices are the recipes apply_coda takes (the CLI keeps its own list so that `coda
+    --help` imports no torch)."""
+    from coda_lang.cli import precompile as cli
+    from coda_lang.hf.blocks import FP8_RECIPES
+
+    assert cli.FP8_RECIPES == FP8_RECIPES
 
 
 def test_coda_precompile_bad_configs(tmp_path: Path, capsys: Any) -> None:

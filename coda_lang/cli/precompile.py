@@ -31,6 +31,7 @@ from coda_lang.cli.compile import add_jobs_argument, parse_jobs
 from coda_lang.core.diagnostics import CodaError, render_all
 
 DTYPES = ("bf16", "f16")  # (the kernels multiply 16-bit operands: an f32 GEMM is E0702)
+FP8_RECIPES = ("delayed", "delayed-forward")  # apply_coda's fp8= (hf/blocks.py FP8_RECIPES)
 LOSS_MODES = ("rows", "vocab")
 
 
@@ -43,7 +44,7 @@ def add_parser(sub: Any) -> None:
         "stage's candidate tiles) from the model's config alone, without weights, in --jobs worker "
         "processes, into $CODA_CACHE_DIR (default ~/.cache/coda_lang/kernels). A training process "
         "using that cache then compiles nothing. The kernels do not depend on the model's sizes, only "
-        "on --dtype, RMSNorm's eps, head_dim and the loss mode. With --seq on a Hopper GPU, each "
+        "on --dtype (or --fp8), RMSNorm's eps, head_dim and the loss mode. With --seq on a Hopper GPU, each "
         "stage's tiles are also timed at the training shapes. No GPU is needed to compile: the cache "
         "folder can be copied to a GPU host with the same library versions. Exit 0: done; 1: the "
         "config is not one the patch takes, or a kernel can't compile; 2: usage errors, an unreadable "
@@ -66,6 +67,12 @@ def add_parser(sub: Any) -> None:
         choices=LOSS_MODES,
         default="rows",
         help="the loss head's mode, as apply_coda_to_*(loss_mode=...) (default rows)",
+    )
+    p.add_argument(
+        "--fp8",
+        choices=FP8_RECIPES,
+        help="the kernels of a model patched with apply_coda_to_*(fp8=RECIPE) (its fp8 blocks: "
+        "quantizing epilogues, fp8 GEMMs, their backward) instead of the --dtype ones",
     )
     p.add_argument(
         "--seq",
@@ -112,13 +119,17 @@ def run(args: argparse.Namespace) -> int:
     lora = tuple(t.strip() for t in (args.lora or "").split(",") if t.strip())
     if args.lora is not None and not lora:
         return usage_error("--lora takes target module names, comma-separated (q_proj,v_proj,...)")
+    if lora and args.fp8:
+        return usage_error("--lora goes without --fp8 (the patch refuses peft LoRA adapters on an fp8 model)")
     if lora and seq is not None:
         return usage_error(
             "--seq times a plain model's tiles; --lora goes without it (the tiles are the same)"
         )
-    what = f"{config.model_type} ({args.dtype}, loss mode {args.loss_mode}{', LoRA on ' + ','.join(lora) if lora else ''})"
+    fp8 = f", fp8 {args.fp8}" if args.fp8 else ""
+    adapters = f", LoRA on {','.join(lora)}" if lora else ""
+    what = f"{config.model_type} ({args.dtype}{fp8}, loss mode {args.loss_mode}{adapters})"
     try:
-        functions = hfp.model_functions(config, hfp.DTYPES[args.dtype], args.loss_mode, lora)
+        functions = hfp.model_functions(config, hfp.DTYPES[args.dtype], args.loss_mode, lora, args.fp8)
         blocks = hfp.model_kernels(functions)
     except ValueError as e:
         print(f"coda precompile: {args.model}: {e}", file=sys.stderr)
@@ -166,7 +177,9 @@ def run(args: argparse.Namespace) -> int:
         )
         return EXIT_OK
     try:
-        first, second = hfp.time_tiles(config, hfp.DTYPES[args.dtype], args.loss_mode, int(seq), int(batch))
+        first, second = hfp.time_tiles(
+            config, hfp.DTYPES[args.dtype], args.loss_mode, int(seq), int(batch), fp8=args.fp8
+        )
     except torch.cuda.OutOfMemoryError:
         print(f"coda: error: out of GPU memory at {batch} x {seq} tokens", file=sys.stderr)
         return EXIT_ERRORS

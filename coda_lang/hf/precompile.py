@@ -2,7 +2,7 @@
 
 What it does: `read_config(path)` reads a transformers config (a config.json, or a folder holding one)
 of a family the patch knows (`FAMILIES`: the model types `apply_coda` patches), raising `ConfigError`
-with what is wrong. `model_functions(config, dtype, loss_mode)` gives the block functions a patched
+with what is wrong. `model_functions(config, dtype, loss_mode, lora, fp8)` gives the block functions a patched
 model of that config runs in a training step: the first layer's, the layers', the last layer's and
 the loss head of `loss_mode`. They are made the way a training process makes them: the model is
 built on the meta device (no weights, no memory), with two layers (every block of a deeper model
@@ -14,7 +14,7 @@ GPU: a two-layer patched model with random weights trains two steps on `batch` r
 so that each stage's candidate tiles are timed at the training shapes and the choices cached.
 What it does not: parse arguments or print (cli/precompile.py), compile (the backend) or load weights.
 Invariants: the kernels depend on the config only through the program's text (dtype, RMSNorm's eps,
-head_dim, the family's q/k norm) and the loss mode, never on the hidden size, the vocabulary, the
+head_dim, the family's q/k norm, the fp8 recipe) and the loss mode, never on the hidden size, the vocabulary, the
 number of layers or the sequence: the cache is keyed by the emitted epilogue and the tile, not by M,
 N, K; a config the patch refuses raises its ValueError.
 """
@@ -74,8 +74,11 @@ def read_config(path: str | Path) -> Any:
         raise ConfigError(f"{file}: transformers can't make a {kind} config of it: {e}") from None
 
 
-def _patched(config: Any, dtype: torch.dtype, loss_mode: str, device: str, layers: int = 2) -> Any:
-    """The patched model of `config` (`layers` decoder layers) on `device`, parameters in `dtype`."""
+def _patched(
+    config: Any, dtype: torch.dtype, loss_mode: str, device: str, layers: int = 2, fp8: str | None = None
+) -> Any:
+    """The patched model of `config` (`layers` decoder layers) on `device`, parameters in `dtype`, its
+    blocks those of the fp8 recipe `fp8` (None: `dtype`'s)."""
     from transformers import AutoModelForCausalLM
 
     cfg = type(config).from_dict(config.to_dict())
@@ -85,7 +88,7 @@ def _patched(config: Any, dtype: torch.dtype, loss_mode: str, device: str, layer
     cfg.use_cache = False
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    return apply_coda(model, loss_mode=loss_mode)
+    return apply_coda(model, loss_mode=loss_mode, fp8=fp8)
 
 
 # the block weight each peft LoRA target adapts (Phi-3's fused projections among them)
@@ -103,17 +106,22 @@ LORA_WEIGHTS = {
 
 
 def model_functions(
-    config: Any, dtype: torch.dtype = torch.bfloat16, loss_mode: str = "rows", lora: tuple[str, ...] = ()
+    config: Any,
+    dtype: torch.dtype = torch.bfloat16,
+    loss_mode: str = "rows",
+    lora: tuple[str, ...] = (),
+    fp8: str | None = None,
 ) -> list[BlockFunction]:
     """The block functions of a training step of the patched model of `config` (see the module
     docstring); ValueError where the patch refuses the config, or for a `lora` target (a module name
     of peft's `target_modules`) the blocks don't run. With `lora`, the step of a peft LoRA model on
     those targets, its base frozen: each block cut before its adapted GEMMs, no weight differentiated
-    (hf/lora.py), as `forward.run_lora` makes them."""
+    (hf/lora.py), as `forward.run_lora` makes them. With `fp8` (a recipe of `apply_coda(fp8=...)`),
+    the blocks of a model patched with it."""
     unknown = [t for t in lora if t not in LORA_WEIGHTS]
     if unknown:
         raise ValueError(f"LoRA targets {unknown}: the blocks run LoRA on {', '.join(LORA_WEIGHTS)}")
-    st = _patched(config, dtype, loss_mode, "meta")._coda
+    st = _patched(config, dtype, loss_mode, "meta", fp8=fp8)._coda
     blocks = st.blocks(dtype)
     head = blocks.row_head() if loss_mode == "rows" else blocks.vocab_head()
     if not lora:
@@ -138,7 +146,13 @@ def model_kernels(functions: list[BlockFunction]) -> list[Any]:
 
 
 def time_tiles(
-    config: Any, dtype: torch.dtype, loss_mode: str, seq: int, batch: int = 1, device: str = "cuda"
+    config: Any,
+    dtype: torch.dtype,
+    loss_mode: str,
+    seq: int,
+    batch: int = 1,
+    device: str = "cuda",
+    fp8: str | None = None,
 ) -> tuple[float, float]:
     """On a Hopper GPU: two training steps (forward and backward with labels) of a two-layer patched
     model of `config` with random weights at `batch` x `seq` tokens, the kernels' background compiles
@@ -146,7 +160,7 @@ def time_tiles(
     the kernel cache keeps the choices). Returns the two steps' seconds. (`device`: another runs the
     same steps on the kernels' stand-ins, timing nothing.)"""
     torch.manual_seed(0)
-    model = _patched(config, dtype, loss_mode, device)
+    model = _patched(config, dtype, loss_mode, device, fp8=fp8)
     ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
     times = []
     for _ in range(2):
