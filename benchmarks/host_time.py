@@ -56,7 +56,7 @@ def instrument() -> None:
     import coda_lang.hf.forward as hff
     import coda_lang.hf.fp8 as hf8
     from coda_lang.backend_cute.build import quack_adapter
-    from coda_lang.backend_cute.runtime import autograd, binding, cuda_block, launch
+    from coda_lang.backend_cute.runtime import autograd, binding, cuda_block, launch, vector_eqn
     from coda_lang.backend_triton import elementwise, launcher, vector_run
 
     for owner, attr, label in [
@@ -66,7 +66,7 @@ def instrument() -> None:
         (autograd._CodaAutograd, "forward", "Function.forward"),
         (cuda_block.CudaBlock, "_run", "  CudaBlock._run"),
         (binding.Binder, "bind", "    bind"),
-        (cuda_block.CudaBlock, "_vector_eqn", "    _vector_eqn"),
+        (vector_eqn.VectorStep, "__call__", "    vector equation"),
         (vector_run.VectorRun, "__call__", "    VectorRun"),
         (elementwise.ElementwiseStage, "run", "    elementwise.run"),
         (launch.StageRunner, "arguments", "    gemm.arguments"),

@@ -2,7 +2,7 @@
 on the CPU.
 
 The kernel runs under Triton's CPU interpreter and is compared with the CUDA runtime's own path, one
-torch stand-in per equation (`CudaBlock._vector_eqn`, checked against the interpreter elsewhere):
+torch stand-in per equation (`vector_eqn.VectorStep`, checked against the interpreter elsewhere):
 - every run of the Hugging Face patch's blocks (bf16 and fp8, forward and backward with the patch's
   gradients), at lengths that are multiples of no chunk, with random inputs, scalars given as tensors
   and as numbers: every value the run defines, within f32 rounding (a sum adds in another order);
@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import coda_lang
+from coda_lang.backend_cute.runtime.vector_eqn import VectorStep
 from coda_lang.backend_triton.vector_run import VectorRun, plan_runs, unsupported
 from coda_lang.hf.blocks import model_source
 from coda_lang.ir.nodes import Stage
@@ -79,7 +80,7 @@ def _inputs(vr: VectorRun, dims: dict[str, int], as_tensors: bool, g: torch.Gene
 def _eager(cb: Any, eqns: list[Any], env: dict[str, Any], dims: dict[str, int]) -> dict[str, Any]:
     env = dict(env)
     for e in eqns:
-        cb._vector_eqn(e, env, dims, torch.device("cpu"))
+        VectorStep(e, cb._dimrefs, cb._sizes)(env, dims, torch.device("cpu"))
     return env
 
 

@@ -40,23 +40,20 @@ from coda_lang.backend_cute.runtime.autograd import CudaFunction
 from coda_lang.backend_cute.runtime.binding import Binder
 from coda_lang.backend_cute.runtime.grad_scales import DelayedScaling
 from coda_lang.backend_cute.runtime.launch import (
-    NARROW_DTYPES,
     TORCH_DTYPES,
     StageRunner,
-    compute_value,
-    round_value,
 )
 from coda_lang.backend_cute.runtime.liveness import Liveness
 from coda_lang.backend_cute.runtime.tiles import choose_config, first_compiled, given_tiles, precompile
 from coda_lang.backend_cute.runtime.tuning import Tuner, preload_runtime
+from coda_lang.backend_cute.runtime.vector_eqn import VectorStep
 from coda_lang.backend_triton import KMAJOR, kmajor_key
 from coda_lang.backend_triton.elementwise import ElementwiseStage
 from coda_lang.backend_triton.vector_run import VectorRun, plan_runs
 from coda_lang.core.diagnostics import CodaError, Diagnostic, with_sources
-from coda_lang.ir.nodes import DimRef, Eqn, Lit, Stage, Var
-from coda_lang.ir.types import MATRIX, Dim
+from coda_lang.ir.nodes import DimRef, Stage
+from coda_lang.ir.types import Dim
 from coda_lang.ops import REGISTRY
-from coda_lang.ops.registry import Locality
 
 
 class CudaBlock:
@@ -143,6 +140,12 @@ class CudaBlock:
             s.outs[0].name: (d.name, d.coeff.numerator, d.coeff.denominator)
             for s in self.ir.body
             if not isinstance(s, Stage) and isinstance(d := s.param("into"), Dim)
+        }
+        # each vector equation between stages, prepared once: {body index: its step} (vector_eqn.py)
+        self._steps = {
+            i: VectorStep(s, self._dimrefs, self._sizes)
+            for i, s in enumerate(self.ir.body)
+            if not isinstance(s, Stage)
         }
         # runs of consecutive vector equations, each one generated kernel on a GPU (vector_run.py):
         # {body index of its first equation: the run}, and each of its equations' index -> that first
@@ -340,44 +343,12 @@ class CudaBlock:
                 if first == i:
                     fused = not torch.compiler.is_compiling() and self._runs[i](env, dims, device)
                 if first is None or not fused:
-                    self._vector_eqn(s, env, dims, device)
+                    self._steps[i](env, dims, device)
             if consume is not None:
                 for n in self.liveness.dead_after[i]:
                     env.pop(n, None)
                     env.pop(kmajor_key(n), None)
         return env, partials, dims
-
-    def _vector_eqn(self, e: Eqn, env: dict[str, Any], dims: dict[str, int], device: torch.device) -> None:
-        vals = []
-        upcast = (
-            e.outs[0].type is None or e.outs[0].type.kind != MATRIX
-        )  # a matrix alias stays the same tensor
-        for a in e.ins:
-            if isinstance(a, Var):
-                x = env[
-                    a.name
-                ]  # a 16-bit parameter is bound in its dtype: computed in f32, as the interpreter does
-                vals.append(
-                    x.float() if upcast and isinstance(x, torch.Tensor) and x.dtype in NARROW_DTYPES else x
-                )
-            elif isinstance(a, Lit):
-                vals.append(a.value)
-            else:  # a dim as a value: integer arithmetic on plain ints (torch.compile traces this)
-                name, num, den = self._dimrefs[(e.outs[0].name, len(vals))]
-                vals.append((dims[name] if name is not None else 1) * num // den)
-        params = {k: v for k, v in e.params if not isinstance(v, Dim)}
-        od = REGISTRY[e.op]
-        stand_in = od.lower.torch
-        assert stand_in is not None  # checked when the CudaBlock was made (E0708)
-        if od.locality is Locality.VECTOR:  # fold(x, into=G): its stand-in takes G's size
-            name, num, den = self._sizes[e.outs[0].name]
-            res = stand_in(*vals, (dims[name] if name is not None else 1) * num // den)
-        else:
-            res = stand_in(*vals, **params)
-        res_t = res if isinstance(res, tuple) else (res,)
-        for v, x in zip(e.outs, res_t, strict=True):
-            x = compute_value(x, v.type, device)
-            env[v.name] = round_value(x, v.annot) if v.annot else x
 
     # -- autograd -----------------------------------------------------------------------------
 
