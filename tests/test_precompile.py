@@ -290,15 +290,24 @@ def test_coda_precompile_help() -> None:
 @pytest.mark.slow  # (every stage's first tile compiled to PTX: minutes on two cores)
 @pytest.mark.toolchain
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_after_coda_precompile_a_training_model_compiles_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fp8", [None, "delayed"])
+def test_after_coda_precompile_a_training_model_compiles_nothing(fp8: str | None, tmp_path: Path) -> None:
     """With CODA_TUNE=0 (each stage's first tile without spills, nothing timed): `coda precompile`
-    fills an empty cache; then a patched model with weights asks for its first step's kernels in
-    another process, and none is compiled."""
+    (`--fp8 delayed`: of the model patched with fp8="delayed") fills an empty cache; then a patched
+    model with weights asks for its first step's kernels in another process, and none is compiled."""
     env = {**os.environ, "CODA_CACHE_DIR": str(tmp_path / "cache"), "CODA_TUNE": "0"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     config = write_config(tmp_path / "m")
     r = subprocess.run(
-        [sys.executable, "-m", "coda_lang.cli", "precompile", "--model", str(config)],
+        [
+            sys.executable,
+            "-m",
+            "coda_lang.cli",
+            "precompile",
+            "--model",
+            str(config),
+            *(["--fp8", fp8] if fp8 else []),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -310,7 +319,7 @@ def test_after_coda_precompile_a_training_model_compiles_nothing(tmp_path: Path)
     check = (
         "import sys, json; sys.path.insert(0, 'tests'); import torch; from test_precompile import training_blocks;"
         "from coda_lang.backend_cute.runtime.tiles import precompile;"
-        "d = precompile(training_blocks('llama', torch.bfloat16, 'rows'), jobs=1, quiet=True);"
+        f"d = precompile(training_blocks('llama', torch.bfloat16, 'rows', {fp8!r}), jobs=1, quiet=True);"
         "print(json.dumps({'compiled': d.compiled if d else 0, 'cached': d.cached if d else 0}))"
     )
     r = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True, env=env)
