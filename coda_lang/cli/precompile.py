@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     except OSError as e:
         return usage_error(f"can't write {e.filename or 'the kernel cache'}: {e.strerror or e}")
-    names = ", ".join(b.name for b in blocks)
+    names = ", ".join(dict.fromkeys(b.name for b in blocks))  # (the chunked backwards share a name)
     if done is None:
         print(f"kernels of {what}: nothing to compile ({names})")
     elif not done.compiled:
