@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_hf import VOCAB, batch, make, patch, rel  # noqa: E402
 
 from coda_lang.core.diagnostics import CodaError  # noqa: E402
-from coda_lang.hf import unfused_grads  # noqa: E402
+from coda_lang.hf import reduce_fp8_amaxes, unfused_grads  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, ROWS, SEQ, WORLD, LR = 5, 4, 24, 2, 3e-3
@@ -53,7 +53,18 @@ FAMILIES = ("llama", "qwen3", "phi3")
 WRAPS = ("ddp", "fsdp", "fsdp-keep")  # fsdp-keep: reshard_after_forward=False
 # llama only: FSDP2 on the root alone; per layer with checkpointing either way; a decoder layer's
 # MLP sharded on its own (a wrapping the patched forward can't serve: E0811)
-EXTRA = ("fsdp-root", "fsdp-gc", "fsdp-ckpt", "fsdp-submodule", "fsdp-dcp", "fsdp-fp8")
+EXTRA = (
+    "fsdp-root",
+    "fsdp-gc",
+    "fsdp-ckpt",
+    "fsdp-submodule",
+    "fsdp-dcp",
+    "fsdp-fp8",
+    "fsdp-fp8-sync",
+    "ddp-fp8-sync",
+)
+# the fp8 cases' recipes; "-sync": with reduce_fp8_amaxes (the ranks' amaxes reduced every forward)
+FP8 = {"fsdp-fp8": "delayed", "fsdp-fp8-sync": "delayed", "ddp-fp8-sync": "delayed-forward"}
 
 
 def cases() -> list[dict[str, Any]]:
@@ -153,10 +164,13 @@ def run_case(case: dict[str, Any], rank: int, mesh: Any) -> dict[str, Any]:
     lora = case["wrap"].startswith("fsdp-lora")
     if lora:
         model = with_lora(model, LORA_OWN + (["q_proj", "v_proj"] if case["wrap"] == "fsdp-lora-qkv" else []))
-    fp8 = case["wrap"] == "fsdp-fp8"  # (fp8="delayed", sharded per layer)
+    fp8 = FP8.get(case["wrap"])
     if case["patched"]:
-        patch(family, model, **({"fp8": "delayed"} if fp8 else {}))
-    model = wrap(model.get_base_model() if lora else model, "fsdp" if lora or fp8 else case["wrap"], mesh)
+        patch(family, model, **({"fp8": fp8} if fp8 else {}))
+    if case["wrap"].endswith("-sync"):
+        reduce_fp8_amaxes(model)
+    how = "fsdp" if lora or case["wrap"].startswith("fsdp-fp8") else "ddp" if fp8 else case["wrap"]
+    model = wrap(model.get_base_model() if lora else model, how, mesh)
     half = ROWS // WORLD
     rows = slice(rank * half, (rank + 1) * half)
     inner = getattr(model, "module", model)  # DDP's
@@ -173,7 +187,13 @@ def run_case(case: dict[str, Any], rank: int, mesh: Any) -> dict[str, Any]:
     for name, p in inner.named_parameters():
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         named[name.replace("_checkpoint_wrapped_module.", "")] = full.detach().clone()
-    return {"losses": (mean / WORLD).tolist(), "params": named, "grads": grads}
+    out = {"losses": (mean / WORLD).tolist(), "params": named, "grads": grads}
+    if fp8:  # each rank's forward scales after the last step
+        bank = inner._coda.fp8_bank
+        ranks = [torch.empty_like(bank.scales) for _ in range(WORLD)]
+        dist.all_gather(ranks, bank.scales)
+        out["scales"] = ranks
+    return out
 
 
 def checkpoint_round_trip(model: Any, family: str, rank: int, mesh: Any) -> None:
@@ -262,11 +282,11 @@ def launch(tmp: Path, which: list[str]) -> dict[str, Any]:
 
 
 @functools.cache
-def single(family: str, patched: bool) -> dict[str, Any]:
-    """One process, the whole batch."""
+def single(family: str, patched: bool, fp8: str | None = None) -> dict[str, Any]:
+    """One process, the whole batch (patched with the fp8 recipe `fp8`, where given)."""
     model = make(family)
     if patched:
-        patch(family, model)
+        patch(family, model, **({"fp8": fp8} if fp8 else {}))
     ids, labels = data(0)
     model(ids, labels=labels).loss.backward()
     grads = unfused_grads(model) if patched else {n: p.grad for n, p in model.named_parameters()}
@@ -274,7 +294,10 @@ def single(family: str, patched: bool) -> dict[str, Any]:
     model.zero_grad(set_to_none=True)
     losses = train(model, slice(0, ROWS))
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"losses": [float(x) for x in losses], "params": params, "grads": grads}
+    out = {"losses": [float(x) for x in losses], "params": params, "grads": grads}
+    if fp8:
+        out["scales"] = model._coda.fp8_bank.scales.clone()
+    return out
 
 
 def same(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
@@ -323,6 +346,36 @@ def test_trains_as_one_process_and_as_the_unpatched_model(family: str, tmp_path:
         same(got, single(family, True), f"{family} coda {w} against one process")
         same(got, runs[f"{family}-hf-{w}"], f"{family} coda {w} against HF {w}")
     mixed_precision_as_close(runs, family)
+
+
+def fp8_amaxes_reduced(runs: dict[str, Any]) -> None:
+    """`reduce_fp8_amaxes`: every rank quantizes at one process's scales on the whole batch.
+    - DDP, fp8="delayed-forward" (bf16 cotangents): the run is that process's: losses and the first
+      gradients as the bf16 blocks' are; the parameters within a quarter of one AdamW step (a value
+      that lands by rounding on the other side of an e4m3 rounding boundary moves by 1/16 of itself:
+      0.10 of a step at most here), and with them the last step's scales within 0.1%.
+    - FSDP2 per layer, "delayed": the ranks' scales agree, the first loss is that process's, the
+      later ones within e5m2's error (the cotangents' scales stay each rank's own). Unreduced (the
+      "fsdp-fp8" case), each rank calibrates on its half: its scales and first loss are not."""
+    ddp = runs["llama-coda-ddp-fp8-sync"]
+    want = single("llama", True, "delayed-forward")
+    for a, b in zip(ddp["losses"], want["losses"], strict=True):
+        assert abs(a - b) < 1e-5 * abs(b), (ddp["losses"], want["losses"])
+    assert set(ddp["grads"]) == set(want["grads"]) == set(want["params"])
+    for name, g in want["grads"].items():
+        assert rel(ddp["grads"][name], g) < 1e-5, ("gradient", name)
+    for name, w in want["params"].items():
+        assert float((ddp["params"][name] - w).abs().max()) < 0.25 * LR, name
+    for got in ddp["scales"]:
+        torch.testing.assert_close(got, want["scales"], rtol=1e-3, atol=0)  # (after 5 steps)
+    whole = single("llama", True, "delayed")
+    fsdp, alone = runs["llama-coda-fsdp-fp8-sync"], runs["llama-coda-fsdp-fp8"]
+    assert torch.equal(*fsdp["scales"]), fsdp["scales"]
+    assert not torch.equal(*alone["scales"]), alone["scales"]
+    assert abs(fsdp["losses"][0] - whole["losses"][0]) < 1e-6 * whole["losses"][0]
+    assert abs(alone["losses"][0] - whole["losses"][0]) > 1e-6 * whole["losses"][0]
+    for a, b in zip(fsdp["losses"], whole["losses"], strict=True):
+        assert abs(a - b) < 1e-3 * abs(b), (fsdp["losses"], whole["losses"])
 
 
 def lora_as_peft(runs: dict[str, Any]) -> None:
@@ -377,6 +430,7 @@ def test_root_only_checkpointed_and_a_sharded_submodule(tmp_path: Path) -> None:
     assert fp8["losses"] != whole["losses"]
     for name, g in whole["grads"].items():
         assert torch.isfinite(fp8["grads"][name]).all() and rel(fp8["grads"][name], g) < 0.4, name
+    fp8_amaxes_reduced(runs)
     err = runs["llama-coda-fsdp-submodule"]["error"]
     assert "E0811" in err and "parameter `model.layers.0.mlp.gate_up_weight`" in err, err
     assert "model.layers.0.mlp.{gate,up}_proj.weight" in err and "is a DTensor" in err, err

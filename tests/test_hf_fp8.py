@@ -728,3 +728,64 @@ def test_an_f16_models_delayed_blocks_plan_for_the_kernels() -> None:
             if spec.d is not None and spec.d.narrow is not None:
                 narrowed.append((fn.name, spec.d.dtype, spec.d.narrow))
     assert narrowed == [("layer", "f16", "e5m2"), ("last", "f16", "e5m2")], narrowed
+
+
+def test_reduce_fp8_amaxes_refuses_what_it_cannot_serve() -> None:
+    """`reduce_fp8_amaxes`: a model not patched, one patched without fp8, and no process group are
+    each refused by name (tests/test_hf_dist.py runs it on 2 processes)."""
+    import torch.distributed as dist
+
+    from coda_lang.hf import reduce_fp8_amaxes
+
+    with pytest.raises(ValueError, match="not patched by coda_lang.hf"):
+        reduce_fp8_amaxes(tiny())
+    with pytest.raises(ValueError, match="patched without fp8"):
+        reduce_fp8_amaxes(apply_coda_to_llama(tiny()))
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("a process group exists already")
+    with pytest.raises(ValueError, match="needs a process group"):
+        reduce_fp8_amaxes(apply_coda_to_llama(tiny(), fp8="delayed"))
+
+
+def test_reduced_amaxes_on_one_rank_change_nothing() -> None:
+    """On a process group of one rank, reducing the amaxes is the identity: the same losses and the same
+    scales as the model that does not reduce them, and every forward calls the all-reduce (once per
+    forward, and once per call site's calibration)."""
+    import torch.distributed as dist
+
+    from coda_lang.hf import reduce_fp8_amaxes
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists already")
+    calls = []
+    real = dist.all_reduce
+
+    def counting(t, *a, **k):
+        calls.append(t.numel())
+        return real(t, *a, **k)
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
+        runs = []
+        for reduce in (False, True):
+            m = apply_coda_to_llama(tiny(), fp8="delayed")
+            if reduce:
+                assert reduce_fp8_amaxes(m) is m
+                dist.all_reduce = counting
+            try:
+                losses = []
+                for _ in range(3):
+                    loss = m(input_ids=ids, labels=ids).loss
+                    loss.backward()
+                    losses.append(float(loss))
+            finally:
+                dist.all_reduce = real
+            runs.append((losses, bank(m).scales.clone()))
+        assert runs[0][0] == runs[1][0]
+        assert torch.equal(runs[0][1], runs[1][1])
+        sites = len(bank(m).sites)  # (the first block and each layer's)
+        assert sites == SHAPES["num_hidden_layers"] + 1, bank(m).sites
+        assert len(calls) == sites + 3, calls  # each site's calibration, then one per forward
+    finally:
+        dist.destroy_process_group()

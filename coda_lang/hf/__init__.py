@@ -57,6 +57,7 @@ from coda_lang.hf.families import (
     apply_coda_to_qwen2,
     apply_coda_to_qwen3,
 )
+from coda_lang.hf.fp8 import reduce_amaxes as reduce_fp8_amaxes
 from coda_lang.hf.patch import unpatch
 
 __all__ = [
@@ -72,6 +73,7 @@ __all__ = [
     "apply_coda_to_olmo2",
     "apply_coda_to_qwen2",
     "apply_coda_to_qwen3",
+    "reduce_fp8_amaxes",
     "unfused_grads",
     "unpatch",
 ]

@@ -24,10 +24,14 @@ checkpointing's second run included: under reentrant checkpointing its graph is 
 backward runs); each backward runs at the state's scales and records the amaxes that set the next
 step's (57344 / max of the last HISTORY amaxes), its first one calibrating. "delayed-forward" has no
 grad states: its cotangents stay in the model's dtype.
-What it does not: quantize anything itself (the blocks do), save the scales in the model's
-state_dict (a model loaded from a checkpoint, or a copy of one, calibrates again at its first step),
-or reduce amaxes across data-parallel ranks (each rank keeps its own scales: its activations'
-amaxes; the weights', the same on every rank, agree).
+Across data-parallel ranks: by default each rank keeps its own scales (its activations' amaxes; the
+weights', the same on every rank, agree). `reduce_amaxes(model, group)` (`coda_lang.hf.
+reduce_fp8_amaxes`) makes every forward of the model reduce its amaxes (the max) over `group` before
+it sets the next scales, and each call site's calibration too, so that every rank quantizes at the
+scales one process on the whole batch would: one all-reduce of one vector a forward. Every rank
+must then run every forward (a collective). The cotangents' scales stay each rank's own.
+What it does not: quantize anything itself (the blocks do), or save the scales in the model's
+state_dict (a model loaded from a checkpoint, or a copy of one, calibrates again at its first step).
 Invariants: scales and amaxes are f32 tensors on the device of the blocks' inputs, and nothing here
 waits for the GPU; peft LoRA adapters on an fp8 block are refused (ValueError), never skipped; a
 block function with fp8 cotangents never runs a backward without its call site's grad state
@@ -92,6 +96,16 @@ class Bank:
         # the last recorded forward's: the scales each call site ran at, and its amaxes (by name)
         self.last: dict[int, dict[str, torch.Tensor]] = {}
         self.amaxes: dict[int, dict[str, torch.Tensor]] = {}
+        # the process group the forward's amaxes are reduced over (`reduce_amaxes`), or None
+        self.group: Any = None
+
+    def reduced(self, amax: torch.Tensor) -> torch.Tensor:
+        """`amax` (a vector of amaxes), the max of every rank's where the bank reduces over a group."""
+        if self.group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+        return amax
 
     def add(self, index: int, names: list[str], device: torch.device) -> tuple[int, tuple[str, ...]]:
         """A new call site `index` and its slice, its scales made at 1 (calibrated by the caller), and
@@ -125,7 +139,7 @@ class Bank:
                 parts.extend(self.scales.new_zeros(()) for _ in names)
             else:
                 parts.extend(got[n] for n in names)
-        a = f32_row(parts)
+        a = self.reduced(f32_row(parts))
         self.scales = delayed_scales(a, self.past, self.scales, E4M3_MAX)
         if HISTORY > 1:
             if self.past is None:
@@ -170,7 +184,7 @@ def run_scaled(
         assert bank.scales is not None
         with torch.no_grad():  # (no graph: no backward, no grad state)
             out = run({**inputs, **{f"s_{n}": s for n, s in bank.of(index).items()}}, None)
-        amax = f32_row([out[f"am_{n}"] for n in names])
+        amax = bank.reduced(f32_row([out[f"am_{n}"] for n in names]))
         part = slice(start, start + len(names))
         bank.scales = bank.scales.clone()
         bank.scales[part] = delayed_scales(amax, None, bank.scales[part], E4M3_MAX)
@@ -187,3 +201,33 @@ def record(bank: Bank | None, step: Any) -> None:
         bank.record(step.amaxes)
         bank.last, bank.amaxes = dict(step.scales), step.amaxes
         step.amaxes = {}
+
+
+def reduce_amaxes(model: Any, group: Any = None) -> Any:
+    """From now on, every forward of `model` (patched with `fp8=`: a transformers model, a peft model
+    of one, or either wrapped by DDP or sharded by FSDP2) reduces its fp8 amaxes, the max, over the
+    process group `group` (default: the default group, every rank) before it sets the next scales, and
+    so does each call site's calibration: every rank quantizes its activations at the same scales,
+    those one process on the whole batch would have. Call it on every rank, before the first step;
+    every rank must then run every forward of the model, training or evaluation (each is a
+    collective). Returns `model`. ValueError for a model not patched, or patched without fp8; also
+    where torch.distributed has no process group."""
+    import torch.distributed as dist
+
+    from coda_lang.hf.checks import peft_inner
+
+    inner = peft_inner(getattr(model, "module", model))  # (DDP's module; peft's base model)
+    st = getattr(inner, "_coda", None)
+    name = type(model).__name__
+    if st is None:
+        raise refuse(name, "not patched by coda_lang.hf", "patch it with apply_coda(model, fp8=...) first")
+    if st.fp8_bank is None:
+        raise refuse(name, "patched without fp8: it has no amaxes to reduce", 'patch it with fp8="delayed"')
+    if not (dist.is_available() and dist.is_initialized()):
+        raise refuse(
+            name,
+            "reducing the fp8 amaxes over data-parallel ranks needs a process group",
+            "call torch.distributed.init_process_group() first (torchrun sets its environment)",
+        )
+    st.fp8_bank.group = dist.group.WORLD if group is None else group
+    return model
