@@ -1,8 +1,9 @@
 """Training steps of a Hugging Face LLaMA-3 model on several GPUs: FSDP2 per decoder layer or on the root
-only, or DDP; HF eager, HF + Liger Kernel, HF + coda (bf16 or fp8="delayed"), or HF + torchao float8.
+only, or DDP; HF eager, HF + Liger Kernel, HF + coda (bf16 or fp8="delayed"; coda-fp8-sync: the ranks' amaxes
+reduced every forward, coda_lang.hf.reduce_fp8_amaxes), or HF + torchao float8.
 
 Usage: torchrun --nproc_per_node N benchmarks/dist_train_step.py [--patch none,liger,coda,coda-fp8,
-    torchao-tensorwise,torchao-rowwise]
+    coda-fp8-sync,torchao-tensorwise,torchao-rowwise]
     [--wrap fsdp-layer,fsdp-layer-keep,fsdp-root,ddp,none] [--compile] [--checkpointing] [--layers 16] [--seq 8192]
     [--batch 1] [--steps 9] [--warmup 3] [--json FILE] [--trace FILE]
     smoke test on the CPU (gloo): --device cpu --layers 2 --hidden 64 --intermediate 128 --heads 4
@@ -51,6 +52,7 @@ PATCHES = {
     "liger": "liger",
     "coda": "coda",
     "coda-fp8": "coda-fp8",
+    "coda-fp8-sync": "coda-fp8",  # with coda_lang.hf.reduce_fp8_amaxes: every rank at the same scales
     "torchao-tensorwise": "torchao-tensorwise",
     "torchao-rowwise": "torchao-rowwise",
 }
@@ -93,6 +95,10 @@ def build(args: argparse.Namespace, patch: str, wrap: str, device: torch.device)
         float8(model, patch.removeprefix("torchao-"), wrap.startswith("fsdp"))
     else:
         prepare(model, PATCHES[patch])
+    if patch.endswith("-sync"):
+        from coda_lang.hf import reduce_fp8_amaxes
+
+        reduce_fp8_amaxes(model)
     layers = model.model.layers
     for i, layer in enumerate(list(layers)):
         if args.compile or torchao:  # (torchao's float8 casts are separate ops until Inductor fuses them)
