@@ -1087,3 +1087,24 @@ def test_delayed_scaling_state_dict_round_trip() -> None:
         want = 448.0 / max(float(s[n]) for s in steps[3:7])
         assert float(one.scales[n]) == float(two.scales[n])
         assert math.isclose(float(one.scales[n]), want, rel_tol=1e-6), (n, float(one.scales[n]), want)
+
+
+def test_delayed_scaling_reduces_its_amaxes_before_the_rule() -> None:
+    """`DelayedScaling.reduce` (what coda_lang.hf.reduce_fp8_amaxes sets to an all-reduce over the
+    data-parallel ranks) is applied to each backward's amaxes before the rule: here a stand-in for
+    another rank's larger amax sets the next scale, and the state keeps the reduced amaxes."""
+    import coda_lang.torch as ct
+
+    s = ct.DelayedScaling(1.0, history=2)
+    s.bind(["dacc2_scale", "dacc1_scale"], "e5m2")
+    s.scales_for(torch.device("cpu"))
+    other = torch.tensor([8.0, 0.5])  # (in names' order)
+    seen: list[torch.Tensor] = []
+    s.reduce = lambda a: seen.append(a.clone()) or torch.maximum(a, other)
+    s.record({"dacc2_scale": torch.tensor(2.0), "dacc1_scale": torch.tensor(4.0)})
+    assert len(seen) == 1 and seen[0].tolist() == [2.0, 4.0]
+    assert float(s.scales["dacc2_scale"]) == _rule([8.0], np.float32(1.0), "e5m2", 0)
+    assert float(s.scales["dacc1_scale"]) == _rule([4.0], np.float32(1.0), "e5m2", 0)
+    assert float(s.amaxes["dacc2_scale"]) == 8.0
+    nxt = s.next_scales({"dacc2_scale": torch.tensor(1.0), "dacc1_scale": torch.tensor(1.0)}, s.scales)
+    assert len(seen) == 2 and float(nxt["dacc2_scale"]) == _rule([8.0, 8.0], np.float32(1.0), "e5m2", 0)

@@ -747,10 +747,12 @@ def test_reduce_fp8_amaxes_refuses_what_it_cannot_serve() -> None:
         reduce_fp8_amaxes(apply_coda_to_llama(tiny(), fp8="delayed"))
 
 
-def test_reduced_amaxes_on_one_rank_change_nothing() -> None:
-    """On a process group of one rank, reducing the amaxes is the identity: the same losses and the same
-    scales as the model that does not reduce them, and every forward calls the all-reduce (once per
-    forward, and once per call site's calibration)."""
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_reduced_amaxes_on_one_rank_change_nothing(recipe: str) -> None:
+    """On a process group of one rank, reducing the amaxes is the identity: the same losses, forward
+    scales and (with "delayed") cotangent scales as the model that does not reduce them. The forward
+    reduces once, after each call site's calibration once; "delayed"'s backward reduces its call
+    site's cotangent amaxes (so more reductions than that); "delayed-forward"'s reduces nothing."""
     import torch.distributed as dist
 
     from coda_lang.hf import reduce_fp8_amaxes
@@ -769,7 +771,7 @@ def test_reduced_amaxes_on_one_rank_change_nothing() -> None:
         ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
         runs = []
         for reduce in (False, True):
-            m = apply_coda_to_llama(tiny(), fp8="delayed")
+            m = apply_coda_to_llama(tiny(), fp8=recipe)
             if reduce:
                 assert reduce_fp8_amaxes(m) is m
                 dist.all_reduce = counting
@@ -781,11 +783,19 @@ def test_reduced_amaxes_on_one_rank_change_nothing() -> None:
                     losses.append(float(loss))
             finally:
                 dist.all_reduce = real
-            runs.append((losses, bank(m).scales.clone()))
+            grads = {k: v.scales for k, v in bank(m).grads.items()}
+            runs.append((losses, bank(m).scales.clone(), grads))
         assert runs[0][0] == runs[1][0]
         assert torch.equal(runs[0][1], runs[1][1])
+        assert runs[0][2].keys() == runs[1][2].keys()
+        for k, scales in runs[0][2].items():
+            assert all(torch.equal(v, runs[1][2][k][n]) for n, v in scales.items()), k
         sites = len(bank(m).sites)  # (the first block and each layer's)
         assert sites == SHAPES["num_hidden_layers"] + 1, bank(m).sites
-        assert len(calls) == sites + 3, calls  # each site's calibration, then one per forward
+        forward = sites + 3  # each site's calibration, then one per forward
+        if recipe == "delayed-forward":
+            assert len(calls) == forward, calls
+        else:  # (each backward of each site: one at least)
+            assert len(runs[0][2]) == sites and len(calls) >= forward + 3 * sites, calls
     finally:
         dist.destroy_process_group()

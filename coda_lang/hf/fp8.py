@@ -27,9 +27,10 @@ grad states: its cotangents stay in the model's dtype.
 Across data-parallel ranks: by default each rank keeps its own scales (its activations' amaxes; the
 weights', the same on every rank, agree). `reduce_amaxes(model, group)` (`coda_lang.hf.
 reduce_fp8_amaxes`) makes every forward of the model reduce its amaxes (the max) over `group` before
-it sets the next scales, and each call site's calibration too, so that every rank quantizes at the
-scales one process on the whole batch would: one all-reduce of one vector a forward. Every rank
-must then run every forward (a collective). The cotangents' scales stay each rank's own.
+it sets the next scales, each call site's calibration too, and ("delayed") each call site's backward
+its cotangents' amaxes, so that every rank quantizes at the scales one process on the whole batch
+would: one all-reduce of one small vector a forward, and one a layer's backward. Every rank must then
+run every forward and backward of the model (each is a collective).
 What it does not: quantize anything itself (the blocks do), or save the scales in the model's
 state_dict (a model loaded from a checkpoint, or a copy of one, calibrates again at its first step).
 Invariants: scales and amaxes are f32 tensors on the device of the blocks' inputs, and nothing here
@@ -100,7 +101,8 @@ class Bank:
         self.group: Any = None
 
     def reduced(self, amax: torch.Tensor) -> torch.Tensor:
-        """`amax` (a vector of amaxes), the max of every rank's where the bank reduces over a group."""
+        """`amax` (a vector of amaxes: a forward's, a call site's calibration's, or a backward's of its
+        cotangents), the max of every rank's where the bank reduces over a group."""
         if self.group is not None:
             import torch.distributed as dist
 
@@ -112,7 +114,8 @@ class Bank:
         with fp8 cotangents its grad state (calibrated by its first backward)."""
         assert index not in self.sites, index
         if self.cotangents is not None:
-            self.grads[index] = DelayedScaling(initial="calibrate", history=HISTORY)
+            grads = self.grads[index] = DelayedScaling(initial="calibrate", history=HISTORY)
+            grads.reduce = self.reduced  # (the identity until `reduce_amaxes` gives a group)
         start = 0 if self.scales is None else self.scales.numel()
         got = self.sites[index] = (start, tuple(names))
         ones = torch.ones(len(names), dtype=torch.float32, device=device)
@@ -206,12 +209,14 @@ def record(bank: Bank | None, step: Any) -> None:
 def reduce_amaxes(model: Any, group: Any = None) -> Any:
     """From now on, every forward of `model` (patched with `fp8=`: a transformers model, a peft model
     of one, or either wrapped by DDP or sharded by FSDP2) reduces its fp8 amaxes, the max, over the
-    process group `group` (default: the default group, every rank) before it sets the next scales, and
-    so does each call site's calibration: every rank quantizes its activations at the same scales,
-    those one process on the whole batch would have. Call it on every rank, before the first step;
-    every rank must then run every forward of the model, training or evaluation (each is a
-    collective). Returns `model`. ValueError for a model not patched, or patched without fp8; also
-    where torch.distributed has no process group."""
+    process group `group` before it sets the next scales, and so do each call site's calibration and,
+    with fp8="delayed", each call site's backward for its cotangents' scales: every rank quantizes at
+    the same scales, those one process on the whole batch would have. `group`: default, a new group of
+    every rank (made here: a collective), so that these reductions never queue among the wrapper's
+    own. Call it on every rank, before the first step; every rank must then run every forward and
+    backward of the model, training or evaluation (each is a collective). Returns `model`.
+    ValueError for a model not patched, or patched without fp8; also where torch.distributed has no
+    process group."""
     import torch.distributed as dist
 
     from coda_lang.hf.checks import peft_inner
@@ -229,5 +234,5 @@ def reduce_amaxes(model: Any, group: Any = None) -> Any:
             "reducing the fp8 amaxes over data-parallel ranks needs a process group",
             "call torch.distributed.init_process_group() first (torchrun sets its environment)",
         )
-    st.fp8_bank.group = dist.group.WORLD if group is None else group
+    st.fp8_bank.group = dist.new_group() if group is None else group
     return model

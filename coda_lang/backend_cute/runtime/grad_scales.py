@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -91,6 +92,9 @@ class DelayedScaling:
         # name and past step, and nothing in it waits for the GPU
         self._past: torch.Tensor | None = None
         self.steps: int = 0
+        # applied to each backward's amax vector (in `names` order) before the rule: an all-reduce over
+        # data-parallel ranks (coda_lang.hf.reduce_fp8_amaxes sets it); None: the amaxes as measured
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __repr__(self) -> str:
         shown = {k: float(v) for k, v in self.scales.items()}
@@ -147,7 +151,10 @@ class DelayedScaling:
     ) -> dict[str, torch.Tensor]:
         """The rule: fp8_max / amax / 2**margin in f32, where amax is the max of `amaxes` with the
         history before it; the scale in `scales` where that amax is 0 or not finite."""
-        return self._rule(self._row(amaxes), scales)
+        return self._rule(self._reduced(self._row(amaxes)), scales)
+
+    def _reduced(self, a: torch.Tensor) -> torch.Tensor:
+        return a if self.reduce is None else self.reduce(a)
 
     def _rule(self, a: torch.Tensor, scales: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         assert self.dtype is not None
@@ -159,7 +166,7 @@ class DelayedScaling:
     def record(self, amaxes: dict[str, torch.Tensor]) -> None:
         """A backward's amaxes (by scale name): into the history, and the next step's scales set by
         the rule."""
-        a = self._row(amaxes)
+        a = self._reduced(self._row(amaxes))
         nxt = self._rule(a, self.scales)
         if self.history > 1:
             if self._past is None or self._past.device != a.device:
