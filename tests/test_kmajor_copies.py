@@ -18,6 +18,9 @@ anyway (its narrowing pass); that pass now writes the K-major copy from the same
   each read only by a GEMM that wants it K-major) write the copies from their generated kernel
   (`TritonStage.kmajor_stores`): the copy is the transpose of the stored tile, padded, and the tile is
   what the kernel stores without copies, bit for bit, under the interpreter and on a GPU.
+- Under $CODA_KMAJOR_STAGES=all, the RoPE backward (over column pairs, with reductions over each
+  row) and the last layer's norm backward (with reductions over rows and columns) write theirs too:
+  the same checks, the reductions equal within f32 rounding; without it they write none.
 """
 
 from __future__ import annotations
@@ -145,92 +148,146 @@ def test_gpu_narrowed_with_kmajor_bit_for_bit(shape: tuple[int, int]) -> None:
 
 # -------------------------------------------------- elementwise stages that write the copy themselves
 
-LAYER_SIZES = {"M": 40, "D": 64, "F": 96, "K": 64, "P": 64}  # 40 token rows: a copy padded to 48
+LAYER_SIZES = {
+    "M": 40,
+    "D": 160,
+    "F": 96,
+    "K": 64,
+    "P": 160,
+}  # 40 rows: a copy padded to 48; 160 columns (pairs): 3 chunks of 64
 
 
-def _layer_backward() -> coda_lang.Block:
+def _layer_backward(name: str = "layer") -> coda_lang.Block:
     from coda_lang.hf.blocks import model_source
 
-    blk = coda_lang.load(model_source("bfloat16", 1e-5, 64, None, fp8="delayed"))["layer"]
-    wrt = ["y", "x", "w_o", "g1", "w_13", "w_2", "g2", "w_qkv"]
+    blk = coda_lang.load(model_source("bfloat16", 1e-5, 64, None, fp8="delayed"))[name]
+    wrt = [p.var.name for p in blk.ir.params if p.var.name not in ("pos", "freq", "eps")]
+    wrt = [n for n in wrt if not n.startswith("s_")]
     return blk.derivation(wrt, backward=coda_lang.BackwardOptions(fp8_grads="e5m2")).backward
 
 
-@pytest.mark.parametrize("which", ["x1q", "w_13q"])
-def test_the_start_stage_kernel_writes_the_copies(which: str) -> None:
+# (block, the value whose stage is tested): the start stages' x1q and w_13q; the RoPE backward's e5m2
+# cotangent of the QKV GEMM (a stage over pairs, with per-row reductions); the last block's norm
+# backward's (per-row and column reductions). The last two write copies under $CODA_KMAJOR_STAGES=all.
+STAGES = [("layer", "x1q"), ("layer", "w_13q"), ("layer", "dacc7"), ("last", "dacc5")]
+WIDE = {"dacc7", "dacc5"}
+
+
+def _stage(block: str, which: str, interpret: bool) -> tuple[Any, Any, Any, Any]:
+    """(the backward, its ElementwiseStage that stores `which`, its TritonStage, the K-major marks)."""
+    from coda_lang.backend_triton.elementwise import ElementwiseStage
+    from coda_lang.backend_triton.generate import TritonStage
+    from coda_lang.ir.nodes import Stage
+
+    bwd = _layer_backward(block)
+    cb = bwd.cuda()
+    stages = [s for s in bwd.ir.body if isinstance(s, Stage)]
+    k = next(i for i, s in enumerate(stages, 1) if any(e.outs[0].name == which for e in s.body))
+    st = ElementwiseStage(bwd, k, emulate=True)
+    ts = TritonStage(st, interpret=interpret)
+    stored = [n for n, *_ in st.store_meta]
+    marks = ts.kmajor_stores(cb._kmajor)
+    assert marks == tuple(n in cb._kmajor for n in stored) and any(marks), (stored, marks)
+    return bwd, st, ts, marks
+
+
+def _arguments(bwd: Any, st: Any, sizes: dict[str, int], seed: int, device: str) -> list[Any]:
+    """Random values of the stage's loads, each at its type's shape and dtype (scales: 37.5)."""
+    from coda_lang.ir.nodes import Stage
+
+    types = {p.var.name: p.var.type for p in bwd.ir.params}
+    for s in bwd.ir.body:
+        for e in s.body if isinstance(s, Stage) else [s]:
+            types.update({o.name: o.type for o in e.outs})
+    g = torch.Generator(device=device).manual_seed(seed)
+    args: list[Any] = []
+    for name, role in st.roles:
+        if role == "scalar":
+            args.append(torch.tensor(37.5, device=device) if device == "cuda" else 37.5)
+            continue
+        t = types[name]
+        shape = tuple(int(x.evaluate(sizes)) for x in t.shape)
+        x = torch.randn(shape, generator=g, device=device) * 3
+        args.append(x.to(torch.bfloat16) if t.dtype == "bf16" else x)
+    return args
+
+
+def _same_with_copies(
+    st: Any, marks: tuple[bool, ...], plain: tuple[Any, ...], got: tuple[Any, ...], rows: int, cols: int
+) -> None:
+    """`got` (the kernel writing the K-major copies `marks` says) against `plain` (without): the
+    stored tiles bit for bit, the reductions equal (a max) or within f32 rounding (a sum: its
+    partials fold in another order), then each copy the transpose of its tile, rows past `rows`
+    zeros."""
+    stored = len(st.store_meta)
+    marked = [i for i, on in enumerate(marks) if on]
+    assert len(got) == len(plain) + len(marked)
+    for i in range(stored):
+        assert torch.equal(got[i].view(torch.uint8), plain[i].view(torch.uint8)), st.store_meta[i][0]
+    for i, name in enumerate(st.reductions, stored):
+        w, x = plain[i].float(), got[i].float()
+        assert x.shape == w.shape, name
+        torch.testing.assert_close(x, w, rtol=1e-5, atol=1e-5 * float(w.abs().max()), msg=name)
+    width = -(-rows // 16) * 16
+    for j, i in enumerate(marked):
+        copy = got[len(plain) + j]
+        assert tuple(copy.shape) == (cols, width), st.store_meta[i][0]
+        assert torch.equal(copy.view(torch.uint8), kmajor_copy(plain[i], width).view(torch.uint8))
+
+
+@pytest.mark.parametrize("block, which", STAGES)
+def test_the_stage_kernel_writes_the_copies(block: str, which: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fp8 layer's backward starts with elementwise stages that make x1q and x2q ([M, D]) and the
-    weights' copies again; each is read only by a GEMM that wants it K-major. The generated kernel
-    (Triton's CPU interpreter) writes those copies too: each the transpose of the tile it stores, rows
-    past M zeros; the tiles themselves are the ones the kernel writes without copies, bit for bit."""
+    weights' copies again, and its RoPE backward (a stage over column pairs) makes the QKV GEMM's
+    e5m2 cotangent; the last block's norm backward makes the down GEMM's. Each is read only by GEMMs
+    that want it K-major. The generated kernel (Triton's CPU interpreter) writes those copies too:
+    each the transpose of the tile it stores, rows past M zeros; the tiles are the ones the kernel
+    writes without copies, bit for bit, and its reductions theirs (per row: folded from one partial
+    per program column)."""
+    pytest.importorskip("triton")
+    if which in WIDE:
+        monkeypatch.setenv("CODA_KMAJOR_STAGES", "all")
+    bwd, st, ts, marks = _stage(block, which, interpret=True)
+    args = _arguments(bwd, st, LAYER_SIZES, st.index, "cpu")
+    rows, cols = int(st.rows.evaluate(LAYER_SIZES)), int(st.cols.evaluate(LAYER_SIZES))
+    plain = ts(rows, cols, dict(LAYER_SIZES), torch.device("cpu"), *args)
+    got = ts(rows, cols, dict(LAYER_SIZES), torch.device("cpu"), *args, kmajor=marks)
+    _same_with_copies(st, marks, plain, got, rows, cols)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block, which", STAGES)
+def test_gpu_stage_kernel_writes_the_copies(block: str, which: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same kernels on the GPU, at Llama-3.2-1B-like widths and a row count that is not a multiple
+    of 16 or of the program's 32 rows."""
+    if which in WIDE:
+        monkeypatch.setenv("CODA_KMAJOR_STAGES", "all")
+    sizes = {"M": 1000, "D": 2048, "F": 8192, "K": 2048, "P": 1536}
+    bwd, st, ts, marks = _stage(block, which, interpret=False)
+    args = _arguments(bwd, st, sizes, st.index, "cuda")
+    rows, cols = int(st.rows.evaluate(sizes)), int(st.cols.evaluate(sizes))
+    dev = torch.device("cuda")
+    plain = ts(rows, cols, dict(sizes), dev, *args)
+    got = ts(rows, cols, dict(sizes), dev, *args, kmajor=marks)
+    _same_with_copies(st, marks, plain, got, rows, cols)
+
+
+def test_stages_over_pairs_or_with_reductions_write_no_copies_by_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without $CODA_KMAJOR_STAGES=all, the RoPE backward (over pairs, with reductions) and the norm
+    backward (with reductions) leave their copies to the runtime's transpose pass: their 64 x 64
+    programs are not timed yet; the start stages write theirs."""
     pytest.importorskip("triton")
     from coda_lang.backend_triton.elementwise import ElementwiseStage
     from coda_lang.backend_triton.generate import TritonStage
     from coda_lang.ir.nodes import Stage
 
-    bwd = _layer_backward()
-    cb = bwd.cuda()
-    stages = [s for s in bwd.ir.body if isinstance(s, Stage)]
-    k = next(i for i, s in enumerate(stages, 1) if any(e.outs[0].name == which for e in s.body))
-    st = ElementwiseStage(bwd, k, emulate=True)
-    ts = TritonStage(st, interpret=True)
-    stored = [n for n, *_ in st.store_meta]
-    marks = ts.kmajor_stores(cb._kmajor)
-    assert marks == tuple(n in cb._kmajor for n in stored) and all(marks), (stored, marks)
-    g = torch.Generator().manual_seed(k)
-    args: list[Any] = []
-    for name, role in st.roles:
-        if role == "scalar":
-            args.append(37.5)
-        else:
-            t = next(p.var.type for p in bwd.ir.params if p.var.name == name)
-            shape = tuple(int(x.evaluate(LAYER_SIZES)) for x in t.shape)
-            x = torch.randn(shape, generator=g) * 3
-            args.append(x.to(torch.bfloat16) if t.dtype == "bf16" else x)
-    rows, cols = int(st.rows.evaluate(LAYER_SIZES)), int(st.cols.evaluate(LAYER_SIZES))
-    plain = ts(rows, cols, dict(LAYER_SIZES), torch.device("cpu"), *args)
-    got = ts(rows, cols, dict(LAYER_SIZES), torch.device("cpu"), *args, kmajor=marks)
-    assert len(got) == len(plain) + len(stored)
-    width = -(-rows // 16) * 16
-    for i, name in enumerate(stored):
-        assert torch.equal(got[i].view(torch.uint8), plain[i].view(torch.uint8)), name
-        copy = got[len(plain) + i]
-        assert tuple(copy.shape) == (cols, width), name
-        assert torch.equal(copy.view(torch.uint8), kmajor_copy(plain[i], width).view(torch.uint8)), name
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("which", ["x1q", "w_13q"])
-def test_gpu_start_stage_kernel_writes_the_copies(which: str) -> None:
-    """The same kernels on the GPU, at Llama-3.2-1B-like widths and a row count that is not a multiple
-    of 16 or of the program's 32 rows."""
-    from coda_lang.backend_triton.elementwise import ElementwiseStage
-    from coda_lang.backend_triton.generate import TritonStage
-    from coda_lang.ir.nodes import Stage
-
-    sizes = {"M": 1000, "D": 2048, "F": 8192, "K": 2048, "P": 1536}
-    bwd = _layer_backward()
-    cb = bwd.cuda()
-    stages = [s for s in bwd.ir.body if isinstance(s, Stage)]
-    k = next(i for i, s in enumerate(stages, 1) if any(e.outs[0].name == which for e in s.body))
-    st = ElementwiseStage(bwd, k, emulate=True)
-    ts = TritonStage(st)
-    marks = ts.kmajor_stores(cb._kmajor)
-    g = torch.Generator(device="cuda").manual_seed(k)
-    args: list[Any] = []
-    for name, role in st.roles:
-        if role == "scalar":
-            args.append(torch.tensor(37.5, device="cuda"))
-        else:
-            t = next(p.var.type for p in bwd.ir.params if p.var.name == name)
-            shape = tuple(int(x.evaluate(sizes)) for x in t.shape)
-            x = torch.randn(shape, generator=g, device="cuda") * 3
-            args.append(x.to(torch.bfloat16) if t.dtype == "bf16" else x)
-    rows, cols = int(st.rows.evaluate(sizes)), int(st.cols.evaluate(sizes))
-    dev = torch.device("cuda")
-    plain = ts(rows, cols, dict(sizes), dev, *args)
-    got = ts(rows, cols, dict(sizes), dev, *args, kmajor=marks)
-    width = -(-rows // 16) * 16
-    for i in range(len(st.store_meta)):
-        assert torch.equal(got[i].view(torch.uint8), plain[i].view(torch.uint8))
-        copy = got[len(plain) + i]
-        assert torch.equal(copy.view(torch.uint8), kmajor_copy(plain[i], width).view(torch.uint8))
+    monkeypatch.delenv("CODA_KMAJOR_STAGES", raising=False)
+    for block, which in STAGES:
+        bwd = _layer_backward(block)
+        cb = bwd.cuda()
+        stages = [s for s in bwd.ir.body if isinstance(s, Stage)]
+        k = next(i for i, s in enumerate(stages, 1) if any(e.outs[0].name == which for e in s.body))
+        marks = TritonStage(ElementwiseStage(bwd, k, emulate=True), interpret=True).kmajor_stores(cb._kmajor)
+        assert any(marks) == (which not in WIDE), (which, marks)

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import linecache
 import math
+import os
 from typing import Any
 
 import torch
@@ -360,6 +361,7 @@ class TritonStage:
         st = self.st
         lanes = 2 if self.paired else 1
         name = self.kernel_name()
+        kgrid = any(kmajor)  # (a grid of row blocks x column chunks: `kmajor_stores`)
         args: list[str] = []
         pre: list[str] = []  # before the column loop
         body: list[str] = []  # in it
@@ -460,7 +462,7 @@ class TritonStage:
             fold = _fold(op)
             if fold is not None:
                 grouped = self._reduction(
-                    fold, outs[0], info, xs[0], lanes, pre, body, post, red_args, col_index, row_len
+                    fold, outs[0], info, xs[0], lanes, pre, body, post, red_args, col_index, row_len, kgrid
                 )
                 if grouped is not None:
                     vals[outs[0]] = grouped
@@ -486,7 +488,7 @@ class TritonStage:
             n = lanes if width == "full" else 1
             transposed = j < len(kmajor) and kmajor[j]
             if transposed:
-                assert n == 1 and width == "full", "a K-major copy of a full-width tile of an unpaired stage"
+                assert width == "full", "a K-major copy of a full-width tile"
                 kt_args.append(f"kt{j}")
             for lane in range(n):
                 ptr = f"{p} + roff * {row_len(width)} + {col_index(width, lane)}"
@@ -499,13 +501,16 @@ class TritonStage:
                 )
                 value = _to(value, dtype)
                 if transposed:
-                    body.append(f"q{j} = {value}")
-                    body.append(f"tl.store({ptr}, q{j}, mask=m)")
+                    q = f"q{j}_{lane}"
+                    body.append(f"{q} = {value}")
+                    body.append(f"tl.store({ptr}, {q}, mask=m)")
                     # transposed in registers (tl.trans), then stored along its rows: each column's
                     # BM_KMAJOR rows are contiguous bytes of the copy (a store along the columns of the
-                    # untransposed tile wrote one byte per column and was 5x slower, H200)
+                    # untransposed tile wrote one byte per column and was 5x slower, H200); in a stage
+                    # over pairs each lane's columns are every other row of the copy
+                    col = col_index(width, lane, one_d=True)
                     body.append(
-                        f"tl.store(kt{j} + cols1[:, None].to(tl.int64) * W + rows1[None, :], tl.trans(q{j}), "
+                        f"tl.store(kt{j} + ({col})[:, None].to(tl.int64) * W + rows1[None, :], tl.trans({q}), "
                         "mask=tl.trans(m))"
                     )
                 else:
@@ -562,8 +567,11 @@ class TritonStage:
         red_args: list[str],
         col_index: Any,
         row_len: Any,
+        kgrid: bool = False,
     ) -> _Val | None:
-        """Emit reduction `out`; a grouped one's value (used in the stage) is returned."""
+        """Emit reduction `out`; a grouped one's value (used in the stage) is returned. `kgrid`: the
+        programs are a grid of row blocks x column chunks, so a reduction over a row's columns leaves
+        one partial per (row, program column), folded after the launch."""
         ident = {"sum": "0.0", "max": "float('-inf')", "min": "float('inf')"}[fold]
         n = lanes if x.width == "full" else 1
         p = f"red_{out}"
@@ -599,7 +607,12 @@ class TritonStage:
                 term = f"tl.where(m, {x.lane(lane)}, {ident})"
                 body.append(f"{acc} = {_fold_expr(fold, acc, term)}")
             total = f"tl.reduce({acc}, 1, {_COMBINE[fold]})"
-            post.append(f"tl.store({p} + rows1, {total}, mask=rows1 < R)")
+            if kgrid:
+                post.append(
+                    f"tl.store({p} + rows1 * tl.num_programs(1) + tl.program_id(1), {total}, mask=rows1 < R)"
+                )
+            else:
+                post.append(f"tl.store({p} + rows1, {total}, mask=rows1 < R)")
         else:
             for lane in range(n):
                 term = f"tl.where(m, {x.lane(lane)}, {ident})"
@@ -628,11 +641,21 @@ class TritonStage:
     def kmajor_stores(self, names: frozenset[str]) -> tuple[bool, ...]:
         """Which stored tiles among `names` this kernel can also write K-major (the layout a GEMM that
         reads the tile transposed takes, launch.kmajor_pair's): one-byte tiles of the stage's full
-        width, in a stage over single columns (not pairs) with no reduction and no group wider than
-        BM_KMAJOR columns: its programs are then a grid of BM_KMAJOR x BM_KMAJOR tiles (so that each
-        column's bytes of a copy are written together, and a weight's few row blocks still fill the
-        GPU), where they are otherwise blocks of rows that walk all the columns."""
-        if self.paired or self.reductions or self.group_units > self.BM_KMAJOR:
+        width, in a stage with no group wider than BM_KMAJOR column units: its programs are then a grid
+        of BM_KMAJOR rows x chunks of BM_KMAJOR column units (columns, or pairs in a stage over pairs:
+        each lane's columns are every other row of the copy), so that each column's bytes of a copy
+        are written together and a weight's few row blocks still fill the GPU, where they are
+        otherwise blocks of rows that walk all the columns. A reduction over a row's columns then
+        leaves one partial per program column, folded after the launch (a sum in another order than
+        without copies: within f32 rounding; a max the same); one over the rows, and a grouped one,
+        are written as they are without copies.
+        Only stages over single columns with no reduction (the fp8 layer backward's start stages,
+        timed on an H200) write copies unless `$CODA_KMAJOR_STAGES=all`: the others (the RoPE
+        backward's, 1 row x 128 pairs a program without copies, and the last layer's norm backward)
+        are not timed yet at 64 x 64 programs against their own program shape and a transpose pass."""
+        if self.group_units > self.BM_KMAJOR:
+            return tuple(False for _ in self.st.store_meta)
+        if (self.paired or self.reductions) and os.environ.get("CODA_KMAJOR_STAGES", "plain") != "all":
             return tuple(False for _ in self.st.store_meta)
         return tuple(
             name in names and w == (1, 1) and dtype.itemsize == 1 for name, dtype, w in self.st.store_meta
@@ -691,11 +714,15 @@ class TritonStage:
             for (_n, dtype, _w), on in zip(st.store_meta, kmajor, strict=False)
             if on
         ]
+        bc = self.BM_KMAJOR if kmajor else self.bc_wide if cols >= self.bc_wide else self.bc
+        # with copies, a grid of row blocks x chunks of column units (pairs in a stage over pairs)
+        g1 = math.ceil((cols // 2 if self.paired else cols) / bc) if kmajor else 1
+        grid = (nprog, g1) if kmajor else (nprog,)  # (g1: a row's partials, one per program column)
         reds = [
             torch.empty(
                 (rows, (cols // 2 if half else cols) // g)
                 if g
-                else rows
+                else ((rows, g1) if kmajor else rows)
                 if per_row
                 else (nprog, cols // 2 if half else cols),
                 dtype=torch.float32,
@@ -704,12 +731,14 @@ class TritonStage:
             for _f, per_row, half, g in self.reductions
         ]
         sizes_: tuple[int, ...] = (rows, cols, wk) if kmajor else (rows, cols)
-        bc = self.BM_KMAJOR if kmajor else self.bc_wide if cols >= self.bc_wide else self.bc
-        grid = (nprog, math.ceil(cols / bc)) if kmajor else (nprog,)
         launch(kern, grid, *args, *outs, *copies, *reds, *sizes_, BM=bm, BC=bc, num_warps=self.num_warps)
         folded = [
-            r if per_row else combine_rule(fold).torch(r, 0)
-            for r, (fold, per_row, _h, _g) in zip(reds, self.reductions, strict=True)
+            r
+            if g
+            else (combine_rule(fold).torch(r, 1) if kmajor else r)
+            if per_row
+            else combine_rule(fold).torch(r, 0)
+            for r, (fold, per_row, _h, g) in zip(reds, self.reductions, strict=True)
         ]
         return (*outs, *folded, *copies)
 
