@@ -1,7 +1,8 @@
 """Where a patched model's training step spends its host time, and same-process A/Bs of the runtime's
 host-side options.
 
-Usage (on a Hopper GPU): python benchmarks/host_time.py [--config coda-fp8] [--split] [--ab] [--reps 3]
+Usage (on a Hopper GPU): python benchmarks/host_time.py [--config coda-fp8] [--split] [--ab] [--kmajor-ab]
+    [--reps 3]
 
 Builds one configuration of benchmarks/hf_train_step.py (Llama-3.2-1B shapes, seq 8192, fused AdamW, one
 fixed batch), warms it up (its kernels compiled and tuned), then:
@@ -11,7 +12,9 @@ fixed batch), warms it up (its kernels compiled and tuned), then:
 - `--ab`: the step under each mode of {vector runs on, off} x {Triton kernels launched directly, through
   Triton's JIT}, the modes interleaved `--reps` times, 3 timed steps each after 2 untimed: the median
   step (CUDA events, synchronized per step), the forward's and the whole step's host time. The vector
-  runs are built ($CODA_VECTOR_RUNS=1 is set here) and switched per block afterwards.
+  runs are built ($CODA_VECTOR_RUNS=1 is set here) and switched per block afterwards;
+- `--kmajor-ab`: the same for $CODA_KMAJOR_STAGES=plain and =all (the generated stages over column
+  pairs or with reductions writing their K-major copies, or the runtime transposing them).
 Prints a table last.
 """
 
@@ -84,10 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="coda-fp8")
     p.add_argument("--split", action="store_true")
     p.add_argument("--ab", action="store_true")
+    p.add_argument("--kmajor-ab", action="store_true")
     p.add_argument("--reps", type=int, default=3)
     args = p.parse_args(argv)
-    if not (args.split or args.ab):
-        p.error("give --split, --ab or both")
+    if not (args.split or args.ab or args.kmajor_ab):
+        p.error("give --split, --ab, --kmajor-ab or several")
     if not args.config.startswith("coda"):
         p.error("--config: a coda configuration of hf_train_step.py (coda, coda-fp8, coda-fp8-fwd)")
     import hf_train_step as h
@@ -127,17 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.synchronize()
     print(f"{args.config}: warm after {time.perf_counter() - t:.1f} s", flush=True)
     rows = []
-    if args.ab:
-        blocks = [o for o in gc.get_objects() if isinstance(o, CudaBlock)]
-        runs = {id(c): c._run_of for c in blocks}
-        direct = launcher._direct
-        modes = [(False, False), (False, True), (True, False), (True, True)]
-        res: dict[tuple[bool, bool], list[tuple[float, float, float]]] = {m: [] for m in modes}
+
+    def timed(set_mode: Any, modes: list[Any], label: Any) -> None:
+        """Each mode's 3 timed steps after 2 untimed, the modes interleaved `--reps` times: a table row
+        each (the median step, the forward's and the step's host time)."""
+        res: dict[Any, list[tuple[float, float, float]]] = {m: [] for m in modes}
         for _ in range(args.reps):
             for m in modes:
-                for c in blocks:
-                    c._run_of = runs[id(c)] if m[0] else {}
-                launcher._direct = direct if m[1] else (lambda k: False)  # type: ignore[assignment]
+                set_mode(m)
                 step()
                 step()
                 torch.cuda.synchronize()
@@ -148,16 +149,39 @@ def main(argv: list[str] | None = None) -> int:
                     b.record()
                     b.synchronize()
                     res[m].append((a.elapsed_time(b), f * 1e3, whole * 1e3))
-        for c in blocks:
-            c._run_of = {}
-        launcher._direct = direct  # type: ignore[assignment]
         for m in modes:
             r = res[m]
             rows.append(
-                f"| runs {'on' if m[0] else 'off'}, {'direct' if m[1] else 'JIT'} launches "
-                f"| {statistics.median(x[0] for x in r):.1f} ms | {statistics.median(x[1] for x in r):.1f} ms "
-                f"| {statistics.median(x[2] for x in r):.1f} ms | {', '.join(f'{x[0]:.1f}' for x in r)} |"
+                f"| {label(m)} | {statistics.median(x[0] for x in r):.1f} ms "
+                f"| {statistics.median(x[1] for x in r):.1f} ms | {statistics.median(x[2] for x in r):.1f} ms "
+                f"| {', '.join(f'{x[0]:.1f}' for x in r)} |"
             )
+
+    if args.kmajor_ab:  # (read at each stage's launch: the kernels of both modes compile in the warm-up)
+        timed(
+            lambda m: os.environ.__setitem__("CODA_KMAJOR_STAGES", m),
+            ["plain", "all"],
+            lambda m: f"CODA_KMAJOR_STAGES={m}",
+        )
+        os.environ["CODA_KMAJOR_STAGES"] = "plain"
+    if args.ab:
+        blocks = [o for o in gc.get_objects() if isinstance(o, CudaBlock)]
+        runs = {id(c): c._run_of for c in blocks}
+        direct = launcher._direct
+
+        def set_mode(m: tuple[bool, bool]) -> None:
+            for c in blocks:
+                c._run_of = runs[id(c)] if m[0] else {}
+            launcher._direct = direct if m[1] else (lambda k: False)  # type: ignore[assignment]
+
+        timed(
+            set_mode,
+            [(False, False), (False, True), (True, False), (True, True)],
+            lambda m: f"runs {'on' if m[0] else 'off'}, {'direct' if m[1] else 'JIT'} launches",
+        )
+        for c in blocks:
+            c._run_of = {}
+        launcher._direct = direct  # type: ignore[assignment]
     if args.split:
         instrument()
         T.clear()
