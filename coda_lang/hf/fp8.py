@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from coda_lang.backend_cute.runtime.grad_scales import DelayedScaling, delayed_scales, f32_row
-from coda_lang.hf.checks import refuse
+from coda_lang.hf.checks import peft_inner, refuse
 from coda_lang.ir.types import FP8_MAX
 
 # amaxes a scale is computed from (torchao's delayed scaling kept 16 by default)
@@ -218,8 +218,6 @@ def reduce_amaxes(model: Any, group: Any = None) -> Any:
     ValueError for a model not patched, or patched without fp8; also where torch.distributed has no
     process group."""
     import torch.distributed as dist
-
-    from coda_lang.hf.checks import peft_inner
 
     inner = peft_inner(getattr(model, "module", model))  # (DDP's module; peft's base model)
     st = getattr(inner, "_coda", None)
