@@ -97,7 +97,7 @@ class Bank:
         # the last recorded forward's: the scales each call site ran at, and its amaxes (by name)
         self.last: dict[int, dict[str, torch.Tensor]] = {}
         self.amaxes: dict[int, dict[str, torch.Tensor]] = {}
-        # the process group the forward's amaxes are reduced over (`reduce_amaxes`), or None
+        # the process group every amax is reduced over before a scale is set (`reduce_amaxes`), or None
         self.group: Any = None
 
     def reduced(self, amax: torch.Tensor) -> torch.Tensor:
