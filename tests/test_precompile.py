@@ -287,6 +287,12 @@ def test_coda_precompile_help() -> None:
 # The real compiles
 
 
+def coda_precompile(config: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """`coda precompile --model CONFIG ARGS` in a fresh process with `env`."""
+    cmd = [sys.executable, "-m", "coda_lang.cli", "precompile", "--model", str(config), *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1800)
+
+
 @pytest.mark.slow  # (every stage's first tile compiled to PTX: minutes on two cores)
 @pytest.mark.toolchain
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -298,22 +304,7 @@ def test_after_coda_precompile_a_training_model_compiles_nothing(fp8: str | None
     env = {**os.environ, "CODA_CACHE_DIR": str(tmp_path / "cache"), "CODA_TUNE": "0"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     config = write_config(tmp_path / "m")
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "coda_lang.cli",
-            "precompile",
-            "--model",
-            str(config),
-            *(["--fp8", fp8] if fp8 else []),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=1800,
-    )
+    r = coda_precompile(config, env, *(["--fp8", fp8] if fp8 else []))
     assert r.returncode == 0, r.stderr[-3000:]
     assert " compiled (" in r.stdout and "coda: compiling" in r.stderr, (r.stdout, r.stderr[-2000:])
     check = (
@@ -338,25 +329,7 @@ def test_after_coda_precompile_with_seq_a_training_step_adds_nothing(tmp_path: P
     env = {**os.environ, "CODA_CACHE_DIR": str(tmp_path / "cache")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     config = write_config(tmp_path / "m", hidden_size=256, intermediate_size=512, vocab_size=1024)
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "coda_lang.cli",
-            "precompile",
-            "--model",
-            str(config),
-            "--seq",
-            "256",
-            "--batch",
-            "2",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=1800,
-    )
+    r = coda_precompile(config, env, "--seq", "256", "--batch", "2")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "tiles timed at 2 x 256 tokens" in r.stdout, r.stdout
 
