@@ -23,6 +23,13 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
+# CuTeDSL and quack fix the arch they target when they are first imported (without a GPU they can't
+# ask the driver). coda's backend sets Hopper's before it imports them
+# (coda_lang/backend_cute/build/quack_adapter.py); a test that imports either directly, before the
+# backend, must find the same, or a later test in its process compiles for CuTeDSL's default (sm_100a)
+os.environ.setdefault("QUACK_ARCH", "90")
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
 settings.register_profile(
     "ci",
     derandomize=True,

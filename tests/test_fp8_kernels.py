@@ -376,15 +376,13 @@ def test_sm90_gated_fp8_store_layout(rows: int, tile_n: int, epi: tuple[int, int
     quack's f32 register permute (simulated here: its quad shuffles), each thread's half-width value
     at its own position, for the 8-bit atom (a universal copy of two fp8) as for the 16-bit STSM one,
     and the two atoms map every register to the same position."""
-    # first: it sets CUTE_DSL_ARCH=sm_90a, which CuTeDSL reads when it is imported (run alone, this
-    # test met CuTeDSL's own default, sm_100a)
-    from coda_lang.backend_cute.build import quack_adapter  # noqa: F401, I001
-
     import cutlass
     import cutlass.cute as cute
     import cutlass.utils.hopper_helpers as hh
     from cutlass.cute.nvgpu import OperandMajorMode, warp
     from quack import copy_utils
+
+    from coda_lang.backend_cute.build import quack_adapter  # noqa: F401  (CUTE_DSL_ARCH=sm_90a; conftest too)
 
     epi_m, epi_n = epi
     nthr = 128 * rows

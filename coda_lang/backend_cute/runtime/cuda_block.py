@@ -42,8 +42,9 @@ from coda_lang.backend_cute.runtime.grad_scales import DelayedScaling
 from coda_lang.backend_cute.runtime.launch import (
     TORCH_DTYPES,
     StageRunner,
+    sink_rule,
 )
-from coda_lang.backend_cute.runtime.liveness import Liveness
+from coda_lang.backend_cute.runtime.liveness import Liveness, reads
 from coda_lang.backend_cute.runtime.tiles import choose_config, first_compiled, given_tiles, precompile
 from coda_lang.backend_cute.runtime.tuning import Tuner, preload_runtime
 from coda_lang.backend_cute.runtime.vector_eqn import VectorStep
@@ -51,9 +52,46 @@ from coda_lang.backend_triton import KMAJOR, kmajor_key
 from coda_lang.backend_triton.elementwise import ElementwiseStage
 from coda_lang.backend_triton.vector_run import VectorRun, plan_runs
 from coda_lang.core.diagnostics import CodaError, Diagnostic, with_sources
-from coda_lang.ir.nodes import DimRef, Stage
+from coda_lang.ir.nodes import DimRef, Eqn, Stage
 from coda_lang.ir.types import Dim
 from coda_lang.ops import REGISTRY
+
+_NONE: frozenset[str] = frozenset()
+
+
+def whole_folds(
+    ir: Any, specs: list[StageSpec | None], storage: dict[str, str], fused: frozenset[int] = frozenset()
+) -> dict[int, frozenset[str]]:
+    """{GEMM stage: its sinks that `collect` leaves as per-tile partials}: a max (or min) sink, stored
+    in f32 and no block output, whose one reader is the equation between stages that folds it by the
+    same rule to a scalar (an fp8 amax: `amp = max(abs(x), over=N)` in the epilogue, then
+    `max(amp, over=M)`). That equation's stand-in folds every element of what it is given, so it takes
+    the partials whole: one launch, where combining them per row first was two. Max and min are exact
+    in any order, so the scalar is the same. `fused`: the body indices of equations that run in a
+    generated vector run (vector_run.py), which reads a vector as its type says: never taken."""
+    outputs = {o.name for o in ir.outputs}
+    readers: dict[str, list[Any]] = {}
+    for i, item in enumerate(ir.body):
+        for n in reads(item):
+            readers.setdefault(n, []).append(None if i in fused else item)
+    out: dict[int, frozenset[str]] = {}
+    for k, spec in enumerate(specs, 1):
+        names = set()
+        for sk in spec.sinks if spec is not None else ():
+            rule, _axis = sink_rule(sk)
+            users = readers.get(sk.name, [])
+            if (
+                rule in ("max", "min")
+                and sk.name not in outputs
+                and storage.get(sk.name) in (None, "f32")
+                and len(users) == 1
+                and isinstance(users[0], Eqn)
+                and users[0].op == f"reduce_{rule}"
+            ):
+                names.add(sk.name)
+        if names:
+            out[k] = frozenset(names)
+    return out
 
 
 class CudaBlock:
@@ -174,6 +212,7 @@ class CudaBlock:
         self._compile_with: list[CudaBlock] = []
         # what each statement reads last, and what a consuming run (an autograd backward) may overwrite
         self.liveness = Liveness(self.ir)
+        self._whole = whole_folds(self.ir, self.specs, self.plan.storage, frozenset(self._run_of))
 
     @property
     def name(self) -> str:
@@ -337,7 +376,7 @@ class CudaBlock:
                         self._last[k] = r
                     into = self.liveness.into(r.spec, i, env, consume) if consume is not None else None
                     outs = r.call(ins, scalars, into)
-                    r.collect(outs, env, partials, self.plan.storage, self._kmajor)
+                    r.collect(outs, env, partials, self.plan.storage, self._kmajor, self._whole.get(k, _NONE))
             else:
                 first = self._run_of.get(i)
                 if first == i:

@@ -431,10 +431,13 @@ class StageRunner:
         partials: dict[str, torch.Tensor],
         storage: dict[str, str],
         kmajor: frozenset[str] = frozenset(),
+        whole: frozenset[str] = frozenset(),
     ) -> None:
         """Bind the stage's results by coda name: stored tiles, and each sink combined across tiles.
         `kmajor`: values a later GEMM of the block reads as a K-major copy (an fp8 operand it reads
-        transposed): a narrowed D among them gets its copy from the narrowing pass (kmajor_key)."""
+        transposed): a narrowed D among them gets its copy from the narrowing pass (kmajor_key).
+        `whole`: sinks bound as their per-tile partials, uncombined (cuda_block.whole_folds: their
+        one reader folds every element)."""
         spec = self.spec
         i = 0
         if spec.d is not None:
@@ -460,6 +463,9 @@ class StageRunner:
             buf = sink_partials(s, outs[i])
             i += 1
             partials[s.name] = buf
+            if s.name in whole:
+                env[s.name] = buf
+                continue
             rule, axis = sink_rule(s)
             x = buf if rule == "select" else combine_rule(rule).torch(buf, axis)
             dtype = storage.get(s.name)
