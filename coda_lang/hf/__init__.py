@@ -32,7 +32,8 @@ Invariants: the optimizer should be made after patching (the fused weights are n
 loss follows transformers' contract (labels shifted by one, -100 ignored, the mean over counted tokens
 or the sum over `num_items_in_batch`).
 The LM head's loss mode and chunk sizes are the patch's keyword arguments (`loss_mode`,
-`loss_budget`, `loss_rows`: hf/loss.py, `LossSettings`).
+`loss_budget`, `loss_rows`: hf/loss.py, `LossSettings`). `fp8=` trains in fp8 (fp8.py); under DDP
+or FSDP2, `reduce_fp8_amaxes(model)` gives every rank the scales of the whole batch.
 
 The modules: families.py (the families and their entry points), patch.py (patching one model, and
 unpatching it), checks.py (what a model must be), lora.py (the weights a block reads under peft
