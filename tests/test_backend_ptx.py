@@ -211,6 +211,18 @@ def test_cli_compile_ptx(mlp: coda_lang.Block, cache: Path, tmp_path: Path) -> N
     assert "wgmma" in (tmp_path / "llama_mlp_stage2.ptx").read_text()
 
 
+def test_the_tile_argument_takes_an_epilogue_subtile() -> None:
+    """`--tile MxN` and `--tile MxNeS` (S: the epilogue subtile's width), as `coda compile` reads them."""
+    from coda_lang.cli.common import parse_tile_subtile
+
+    assert parse_tile_subtile("128x192e16") == (128, 192, 16)
+    assert parse_tile_subtile("128X64") == (128, 64, 0)
+    assert parse_tile_subtile(None) is None
+    for bad in ("128x192e", "128x192e0", "128e16", "x192e16", "128x192ex"):
+        assert parse_tile_subtile(bad) == "bad", bad
+
+
+@pytest.mark.slow  # (a compile of its own in a fresh process; the compile itself is the test above's)
 def test_cli_compile_ptx_at_a_narrow_epilogue_subtile(cache: Path, tmp_path: Path) -> None:
     """`--tile 128x192e16 --stage 4` compiles llama_mlp's norm backward (stage 4 of its backward, alone)
     at 128x192 with a 16-column epilogue subtile: no spills (at 128x192 itself it spills:
