@@ -599,13 +599,23 @@ def test_a_training_step_compiles_its_kernels_at_once(family: str) -> None:
 
 def test_the_public_names() -> None:
     """coda_lang.hf exports the patches (each family's, `apply_coda` and `AutoCodaForCausalLM`, which
-    pick the family), `unpatch`, `reduce_fp8_amaxes` (tests/test_hf_fp8.py, test_hf_dist.py) and
+    pick the family), `unpatch`, `reduce_fp8_amaxes`, `fp8_state_dict` and `load_fp8_state_dict`
+    (tests/test_hf_fp8.py, test_hf_dist.py) and
     `unfused_grads` (the gradients under the unpatched model's names: none before a backward)."""
     import coda_lang.hf as hf
 
     patches = sorted(f"apply_coda_to_{f}" for f in FAMILIES)
     assert sorted(hf.__all__) == sorted(
-        ["AutoCodaForCausalLM", "apply_coda", *patches, "reduce_fp8_amaxes", "unfused_grads", "unpatch"]
+        [
+            "AutoCodaForCausalLM",
+            "apply_coda",
+            *patches,
+            "fp8_state_dict",
+            "load_fp8_state_dict",
+            "reduce_fp8_amaxes",
+            "unfused_grads",
+            "unpatch",
+        ]
     )
     assert all(callable(getattr(hf, n)) for n in hf.__all__)
     model = patch("llama", make("llama"))

@@ -799,3 +799,70 @@ def test_reduced_amaxes_on_one_rank_change_nothing(recipe: str) -> None:
             assert len(runs[0][2]) == sites and len(calls) >= forward + 3 * sites, calls
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_saved_fp8_state_resumes_training_where_it_stopped(recipe: str, tmp_path) -> None:
+    """Four AdamW steps, then the model's state_dict, the optimizer's and `fp8_state_dict` saved (and
+    read back with `weights_only=True`); a fresh patched model and optimizer load them and train four
+    steps more: their losses are those of the run that never stopped, bit for bit. Without the fp8
+    state, the resumed model calibrates again and they are not."""
+    from coda_lang.hf import fp8_state_dict, load_fp8_state_dict
+
+    def batch_of(step: int):
+        return torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(100 + step))
+
+    def run(model, opt, steps):
+        out = []
+        for step in steps:
+            ids = batch_of(step)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out.append(float(loss))
+        return out
+
+    def fresh():
+        model = apply_coda_to_llama(tiny(), fp8=recipe)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    model, opt = fresh()
+    run(model, opt, range(4))
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "fp8": fp8_state_dict(model)}, path)
+    whole = run(model, opt, range(4, 8))
+    saved = torch.load(path, weights_only=True)
+    resumed = []
+    for with_fp8 in (True, False):
+        m, o = fresh()
+        m.load_state_dict(saved["model"])
+        o.load_state_dict(saved["opt"])
+        if with_fp8:
+            load_fp8_state_dict(m, saved["fp8"])
+        resumed.append(run(m, o, range(4, 8)))
+    assert resumed[0] == whole
+    assert resumed[1] != whole
+    assert len(saved["fp8"]["sites"]) == SHAPES["num_hidden_layers"] + 1
+    assert (len(saved["fp8"]["grads"]) > 0) == (recipe == "delayed")
+
+
+def test_an_fp8_state_of_another_recipe_or_model_is_refused() -> None:
+    from coda_lang.hf import fp8_state_dict, load_fp8_state_dict
+
+    ids = torch.randint(0, 64, (2, 16))
+    m = apply_coda_to_llama(tiny(), fp8="delayed")
+    m(input_ids=ids, labels=ids).loss.backward()
+    state = fp8_state_dict(m)
+    with pytest.raises(ValueError, match="cotangents are e5m2, loaded into one whose are in its dtype"):
+        load_fp8_state_dict(apply_coda_to_llama(tiny(), fp8="delayed-forward"), state)
+    with pytest.raises(ValueError, match="patched without fp8"):
+        load_fp8_state_dict(apply_coda_to_llama(tiny()), state)
+    # a state whose call sites' scales are not this model's blocks' (its first site given a layer's)
+    other = apply_coda_to_llama(tiny(), fp8="delayed")
+    names = {i: n for i, n in state["sites"]}
+    assert names[-1] != names[0]
+    bad = {**state, "sites": [[i, names[{-1: 0, 0: -1}.get(i, i)]] for i, _ in state["sites"]]}
+    load_fp8_state_dict(other, bad)
+    with pytest.raises(ValueError, match="the state is another model's"):
+        other(input_ids=ids, labels=ids)

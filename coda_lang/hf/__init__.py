@@ -33,7 +33,8 @@ loss follows transformers' contract (labels shifted by one, -100 ignored, the me
 or the sum over `num_items_in_batch`).
 The LM head's loss mode and chunk sizes are the patch's keyword arguments (`loss_mode`,
 `loss_budget`, `loss_rows`: hf/loss.py, `LossSettings`). `fp8=` trains in fp8 (fp8.py); under DDP
-or FSDP2, `reduce_fp8_amaxes(model)` gives every rank the scales of the whole batch.
+or FSDP2, `reduce_fp8_amaxes(model)` gives every rank the scales of the whole batch;
+`fp8_state_dict(model)` / `load_fp8_state_dict(model, state)` save and resume the fp8 scales.
 
 The modules: families.py (the families and their entry points), patch.py (patching one model, and
 unpatching it), checks.py (what a model must be), lora.py (the weights a block reads under peft
@@ -58,7 +59,9 @@ from coda_lang.hf.families import (
     apply_coda_to_qwen2,
     apply_coda_to_qwen3,
 )
+from coda_lang.hf.fp8 import load_state_dict as load_fp8_state_dict
 from coda_lang.hf.fp8 import reduce_amaxes as reduce_fp8_amaxes
+from coda_lang.hf.fp8 import state_dict as fp8_state_dict
 from coda_lang.hf.patch import unpatch
 
 __all__ = [
@@ -74,6 +77,8 @@ __all__ = [
     "apply_coda_to_olmo2",
     "apply_coda_to_qwen2",
     "apply_coda_to_qwen3",
+    "fp8_state_dict",
+    "load_fp8_state_dict",
     "reduce_fp8_amaxes",
     "unfused_grads",
     "unpatch",

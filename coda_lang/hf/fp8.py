@@ -31,8 +31,12 @@ it sets the next scales, each call site's calibration too, and ("delayed") each 
 its cotangents' amaxes, so that every rank quantizes at the scales one process on the whole batch
 would: one all-reduce of one small vector a forward, and one a layer's backward. Every rank must then
 run every forward and backward of the model (each is a collective).
-What it does not: quantize anything itself (the blocks do), or save the scales in the model's
-state_dict (a model loaded from a checkpoint, or a copy of one, calibrates again at its first step).
+Checkpoints: `model.state_dict()` keeps Hugging Face's names and nothing of fp8, so a model loaded
+from it calibrates again at its first step; `state_dict(model)` (`coda_lang.hf.fp8_state_dict`) is
+the scales, their history and the cotangents' grad states, and `load_state_dict(model, state)`
+(`coda_lang.hf.load_fp8_state_dict`) resumes them: the next step runs at the scales the saved
+model's would have.
+What it does not: quantize anything itself (the blocks do).
 Invariants: scales and amaxes are f32 tensors on the device of the blocks' inputs, and nothing here
 waits for the GPU; peft LoRA adapters on an fp8 block are refused (ValueError), never skipped; a
 block function with fp8 cotangents never runs a backward without its call site's grad state
@@ -99,6 +103,8 @@ class Bank:
         self.amaxes: dict[int, dict[str, torch.Tensor]] = {}
         # the process group every amax is reduced over before a scale is set (`reduce_amaxes`), or None
         self.group: Any = None
+        # the call sites whose scale names were checked against their block (after `load_state_dict`)
+        self.checked: set[int] = set()
 
     def reduced(self, amax: torch.Tensor) -> torch.Tensor:
         """`amax` (a vector of amaxes: a forward's, a call site's calibration's, or a backward's of its
@@ -124,6 +130,48 @@ class Bank:
             pad = self.past.new_zeros((self.past.shape[0], len(names)))
             self.past = torch.cat([self.past.to(device), pad], 1)
         return got
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scales, their amax history and the cotangents' grad states, by call site: plain tensors,
+        lists, strings and numbers (a checkpoint that `torch.load(weights_only=True)` reads)."""
+        order = sorted(self.sites.items(), key=lambda kv: kv[1][0])
+        return {
+            "cotangents": self.cotangents,
+            "sites": [[index, list(names)] for index, (_start, names) in order],
+            "scales": None if self.scales is None else self.scales.detach().clone(),
+            "past": None if self.past is None else self.past.detach().clone(),
+            "steps": self.steps,
+            "grads": [[index, self.grads[index].state_dict()] for index, _ in order if index in self.grads],
+        }
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+        """The state `state_dict` gave, on `device`: every call site it holds runs at its scales from the
+        next step, and calibrates no more (ValueError for another recipe's state)."""
+        if state.get("cotangents") != self.cotangents:
+            got, want = state.get("cotangents"), self.cotangents
+            raise ValueError(
+                f"fp8 state of a model whose cotangents are {got or 'in its dtype'}, loaded into one whose "
+                f"are {want or 'in its dtype'}: load it into a model patched with the same fp8 recipe"
+            )
+        sites, start = {}, 0
+        for index, names in state["sites"]:
+            sites[int(index)] = (start, tuple(names))
+            start += len(names)
+        scales = state["scales"]
+        if (scales is None) != (not sites) or (scales is not None and scales.numel() != start):
+            raise ValueError(
+                "fp8 state: its scales do not match its call sites (not a state_dict() of a Bank)"
+            )
+        grads: dict[int, DelayedScaling] = {}
+        for index, gs in state["grads"]:
+            grads[int(index)] = g = DelayedScaling(initial="calibrate", history=HISTORY)
+            g.reduce = self.reduced
+            g.load_state_dict({**gs, "scales": {k: v.to(device) for k, v in gs["scales"].items()}})
+        self.sites, self.grads, self.steps = sites, grads, int(state["steps"])
+        self.scales = None if scales is None else scales.to(device=device, dtype=torch.float32)
+        past = state["past"]
+        self.past = None if past is None else past.to(device=device, dtype=torch.float32)
+        self.last, self.amaxes, self.checked = {}, {}, set()
 
     def of(self, index: int) -> dict[str, torch.Tensor]:
         """Call site `index`'s current scales, by name (0-d views)."""
@@ -180,6 +228,14 @@ def run_scaled(
     known = bank.sites.get(index)
     if known is not None:
         names = known[1]
+        if index not in bank.checked:  # (a loaded state: its names must be this block's)
+            want = tuple(scale_names(fn.block))
+            if names != want:
+                raise ValueError(
+                    f"coda_lang.hf: fp8 state of call site {index} has scales {', '.join(names)}; its "
+                    f"block {fn.block.name} takes {', '.join(want)}: the state is another model's"
+                )
+            bank.checked.add(index)
     else:  # calibration: the first step's scales from its own amaxes, measured at scales 1
         names = tuple(scale_names(fn.block))
         device = next(v.device for v in inputs.values() if isinstance(v, torch.Tensor))
@@ -219,18 +275,47 @@ def reduce_amaxes(model: Any, group: Any = None) -> Any:
     process group."""
     import torch.distributed as dist
 
-    inner = peft_inner(getattr(model, "module", model))  # (DDP's module; peft's base model)
-    st = getattr(inner, "_coda", None)
+    bank = _bank(model)
     name = type(model).__name__
-    if st is None:
-        raise refuse(name, "not patched by coda_lang.hf", "patch it with apply_coda(model, fp8=...) first")
-    if st.fp8_bank is None:
-        raise refuse(name, "patched without fp8: it has no amaxes to reduce", 'patch it with fp8="delayed"')
     if not (dist.is_available() and dist.is_initialized()):
         raise refuse(
             name,
             "reducing the fp8 amaxes over data-parallel ranks needs a process group",
             "call torch.distributed.init_process_group() first (torchrun sets its environment)",
         )
-    st.fp8_bank.group = dist.new_group() if group is None else group
+    bank.group = dist.new_group() if group is None else group
     return model
+
+
+def _bank(model: Any) -> Bank:
+    inner = peft_inner(getattr(model, "module", model))  # (DDP's module; peft's base model)
+    st = getattr(inner, "_coda", None)
+    name = type(model).__name__
+    if st is None:
+        raise refuse(name, "not patched by coda_lang.hf", "patch it with apply_coda(model, fp8=...) first")
+    if st.fp8_bank is None:
+        raise refuse(name, "patched without fp8: it has no fp8 scales", 'patch it with fp8="delayed"')
+    bank: Bank = st.fp8_bank
+    return bank
+
+
+def state_dict(model: Any) -> dict[str, Any]:
+    """The fp8 state of `model` (patched with `fp8=`): every call site's delayed scales, their amax
+    history and, with fp8="delayed", its cotangents' scales and history; tensors, lists, strings and
+    numbers only, for a checkpoint beside `model.state_dict()` (which keeps Hugging Face's names and
+    nothing of fp8). `load_state_dict` resumes from it. Under DDP or FSDP2 each rank has its own (the
+    same on every rank with `reduce_amaxes`). ValueError for a model not patched, or without fp8."""
+    return _bank(model).state_dict()
+
+
+def load_state_dict(model: Any, state: dict[str, Any]) -> None:
+    """Resume `model`'s fp8 scales from `state` (`state_dict`'s, of a model patched with the same
+    recipe and of the same layers): its next step runs at the scales the saved model's would have,
+    where without it each call site calibrates again. ValueError for a model not patched or without
+    fp8, for a state of the other recipe, and (at the next forward) for one of another model."""
+    bank = _bank(model)
+    params = list(getattr(model, "module", model).parameters())
+    device = params[0].device if params else torch.device("cpu")
+    if device.type == "meta":
+        raise refuse(type(model).__name__, "its parameters are on the meta device", "load its weights first")
+    bank.load_state_dict(state, device)
