@@ -554,6 +554,7 @@ def test_the_runtime_launch_loads_the_object_a_compile_wrote(tmp_path: Path) -> 
     assert "hits=2, misses=0" in r.stdout, r.stdout
 
 
+@pytest.mark.slow  # (two real compiles in fresh processes; tests/test_shared_compiles.py checks the same locking by default)
 @pytest.mark.toolchain
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_two_processes_filling_one_cache_at_once(tmp_path: Path) -> None:

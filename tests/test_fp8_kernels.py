@@ -369,7 +369,15 @@ def test_gated_fp8_store_compiles_to_ptx(i: int, tmp_path_factory: pytest.TempPa
 
 @pytest.mark.toolchain
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("rows,tile_n,epi", [(1, 96, (64, 32)), (2, 128, (128, 32)), (1, 64, (64, 64))])
+@pytest.mark.parametrize(
+    "rows,tile_n,epi",
+    [
+        (1, 96, (64, 32)),
+        # (the same argument at two more layouts, a few seconds of tracing each: -m slow)
+        pytest.param(2, 128, (128, 32), marks=pytest.mark.slow),
+        pytest.param(1, 64, (64, 64), marks=pytest.mark.slow),
+    ],
+)
 def test_sm90_gated_fp8_store_layout(rows: int, tile_n: int, epi: tuple[int, int]) -> None:
     """The layout argument of plan/gated_store.py, traced on the CPU with CuTeDSL's layouts: the gated
     TileStore's register-to-smem copy (quack's: its atom over D's 16-bit STSM tiled copy) puts, after

@@ -801,7 +801,7 @@ def test_reduced_amaxes_on_one_rank_change_nothing(recipe: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", ["delayed", pytest.param("delayed-forward", marks=pytest.mark.slow)])
 def test_a_saved_fp8_state_resumes_training_where_it_stopped(recipe: str, tmp_path) -> None:
     """Four AdamW steps, then the model's state_dict, the optimizer's and `fp8_state_dict` saved (and
     read back with `weights_only=True`); a fresh patched model and optimizer load them and train four
