@@ -10,7 +10,8 @@ CPU, through the kernels' torch stand-ins (the path CI runs), and counts, in the
 runtime's launch points, which are the GPU run's:
 - `gemm`: GEMM stage launches (`StageRunner.call`, each one quack kernel on a GPU);
 - `elementwise`: elementwise stages (`ElementwiseStage.run`, each one generated Triton kernel);
-- `vector`: vector equations between stages (`VectorStep`, each one torch op, `detach` none);
+- `vector`: vector equations between stages (`VectorStep`, each one torch op; `detach` and `copy`,
+  which give their operand back, not counted);
 - `combine`: a GEMM sink's per-tile partials combined (one torch op each);
 - `transposes`: the K-major copies the runtime makes in a pass of their own (fp8 backward GEMMs),
   counted from the blocks' plans: what `launch.kmajor_pair` copies on a GPU, with the copies the
@@ -108,7 +109,8 @@ def count(model: Any, whole: bool) -> dict[str, int]:
 
     wrap(launch.StageRunner, "call", "gemm")
     wrap(elementwise.ElementwiseStage, "run", "elementwise")
-    wrap(vector_eqn.VectorStep, "__call__", "vector", lambda s, *a: s.eqn.op != "detach")
+    # (`detach` and `copy` give their operand back: no launch)
+    wrap(vector_eqn.VectorStep, "__call__", "vector", lambda s, *a: s.eqn.op not in ("detach", "copy"))
     wrap(launch, "combine_rule", "combine")
     ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(1))
     try:
