@@ -589,11 +589,19 @@ def round_value(x: Any, dtype: str | None) -> Any:
     return x.float() if dtype == "f32" else x
 
 
-def compute_value(x: Any, t: Type | None, device: torch.device) -> Any:
-    """A block-level value in its compute dtype (f32 for floats), as a tensor on the block's device."""
+def value_dtype(t: Type | None) -> torch.dtype | None:
+    """The compute dtype of a block-level value of type `t` (f32 for floats); None for a matrix alias
+    (`y = x`), which stays the same tensor."""
     if t is None or t.kind == MATRIX:
-        return x  # a matrix alias (`y = x`) is the same tensor
-    dtype = torch.float32 if is_float(t.dtype) else TORCH_DTYPES.get(t.dtype, torch.float32)
+        return None
+    return torch.float32 if is_float(t.dtype) else TORCH_DTYPES.get(t.dtype, torch.float32)
+
+
+def compute_value(x: Any, dtype: torch.dtype | None, device: torch.device) -> Any:
+    """A block-level value in its compute dtype (`value_dtype`'s), as a tensor on the block's
+    device; unchanged where that is None."""
+    if dtype is None:
+        return x
     if not isinstance(x, torch.Tensor):
         return torch.full((), x, dtype=dtype, device=device)
     if x.dtype == dtype and x.device == device:

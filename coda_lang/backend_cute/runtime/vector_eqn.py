@@ -11,7 +11,7 @@ microsecond-scale tensor op whose cost is the host's: looking these up at every 
 10 us of Python per equation on top of the op (cProfile, the emulated runtime; 2026-11-28).
 What it does not: decide which equations run fused (vector_run.py), or run stages.
 Invariants: the results are what `CudaBlock` computed equation by equation before (the same stand-in
-on the same operands, `launch.compute_value` then `launch.round_value`): a block-level float is f32,
+on the same operands, then `launch.compute_value` and `launch.round_value`): a block-level float is f32,
 a scalar result a 0-d tensor on the block's device, a matrix alias the same tensor.
 """
 
@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from coda_lang.backend_cute.runtime.launch import NARROW_DTYPES, TORCH_DTYPES, round_value
+from coda_lang.backend_cute.runtime.launch import NARROW_DTYPES, compute_value, round_value, value_dtype
 from coda_lang.ir.nodes import Eqn, Lit, Var
-from coda_lang.ir.types import MATRIX, Dim, is_float
+from coda_lang.ir.types import MATRIX, Dim
 from coda_lang.ops import REGISTRY
 from coda_lang.ops.registry import Locality
 
@@ -62,15 +62,7 @@ class VectorStep:
         self.params = {k: v for k, v in eqn.params if not isinstance(v, Dim)}
         # fold(x, into=G): its stand-in takes G's size
         self.into = sizes[first.name] if od.locality is Locality.VECTOR else None
-        outs = []
-        for v in eqn.outs:
-            t = v.type
-            if t is None or t.kind == MATRIX:
-                dtype = None
-            else:
-                dtype = torch.float32 if is_float(t.dtype) else TORCH_DTYPES.get(t.dtype, torch.float32)
-            outs.append((v.name, dtype, v.annot))
-        self.outs = tuple(outs)
+        self.outs = tuple((v.name, value_dtype(v.type), v.annot) for v in eqn.outs)
 
     def __call__(self, env: dict[str, Any], dims: dict[str, int], device: torch.device) -> None:
         vals: list[Any] = []
@@ -94,9 +86,5 @@ class VectorStep:
             res = self.stand_in(*vals, **self.params)
         res_t = res if isinstance(res, tuple) else (res,)
         for (name, dtype, annot), x in zip(self.outs, res_t, strict=True):
-            if dtype is not None:  # launch.compute_value: f32 (or the int dtype) on the block's device
-                if not isinstance(x, torch.Tensor):
-                    x = torch.full((), x, dtype=dtype, device=device)
-                elif x.dtype != dtype or x.device != device:
-                    x = x.to(device=device, dtype=dtype)
+            x = compute_value(x, dtype, device)
             env[name] = round_value(x, annot) if annot else x
