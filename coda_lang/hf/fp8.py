@@ -103,7 +103,8 @@ class Bank:
         self.amaxes: dict[int, dict[str, torch.Tensor]] = {}
         # the process group every amax is reduced over before a scale is set (`reduce_amaxes`), or None
         self.group: Any = None
-        # the call sites whose scale names were checked against their block (after `load_state_dict`)
+        # the call sites whose scale names are known to be their block's (added here, or checked after
+        # `load_state_dict`)
         self.checked: set[int] = set()
 
     def reduced(self, amax: torch.Tensor) -> torch.Tensor:
@@ -120,8 +121,8 @@ class Bank:
         with fp8 cotangents its grad state (calibrated by its first backward)."""
         assert index not in self.sites, index
         if self.cotangents is not None:
-            grads = self.grads[index] = DelayedScaling(initial="calibrate", history=HISTORY)
-            grads.reduce = self.reduced  # (the identity until `reduce_amaxes` gives a group)
+            self.grads[index] = self._grad_state()
+        self.checked.add(index)  # (its names are its block's: the caller took them from it)
         start = 0 if self.scales is None else self.scales.numel()
         got = self.sites[index] = (start, tuple(names))
         ones = torch.ones(len(names), dtype=torch.float32, device=device)
@@ -130,6 +131,13 @@ class Bank:
             pad = self.past.new_zeros((self.past.shape[0], len(names)))
             self.past = torch.cat([self.past.to(device), pad], 1)
         return got
+
+    def _grad_state(self) -> DelayedScaling:
+        """A call site's new grad state of its cotangents' scales, its amaxes reduced as the bank's
+        (the identity until `reduce_amaxes` gives a group)."""
+        state = DelayedScaling(initial="calibrate", history=HISTORY)
+        state.reduce = self.reduced
+        return state
 
     def state_dict(self) -> dict[str, Any]:
         """The scales, their amax history and the cotangents' grad states, by call site: plain tensors,
@@ -164,8 +172,7 @@ class Bank:
             )
         grads: dict[int, DelayedScaling] = {}
         for index, gs in state["grads"]:
-            grads[int(index)] = g = DelayedScaling(initial="calibrate", history=HISTORY)
-            g.reduce = self.reduced
+            grads[int(index)] = g = self._grad_state()
             g.load_state_dict({**gs, "scales": {k: v.to(device) for k, v in gs["scales"].items()}})
         self.sites, self.grads, self.steps = sites, grads, int(state["steps"])
         self.scales = None if scales is None else scales.to(device=device, dtype=torch.float32)
@@ -314,8 +321,8 @@ def load_state_dict(model: Any, state: dict[str, Any]) -> None:
     where without it each call site calibrates again. ValueError for a model not patched or without
     fp8, for a state of the other recipe, and (at the next forward) for one of another model."""
     bank = _bank(model)
-    params = list(getattr(model, "module", model).parameters())
-    device = params[0].device if params else torch.device("cpu")
+    first = next(iter(getattr(model, "module", model).parameters()), None)
+    device = first.device if first is not None else torch.device("cpu")
     if device.type == "meta":
         raise refuse(type(model).__name__, "its parameters are on the meta device", "load its weights first")
     bank.load_state_dict(state, device)
