@@ -858,6 +858,13 @@ def test_an_fp8_state_of_another_recipe_or_model_is_refused() -> None:
         load_fp8_state_dict(apply_coda_to_llama(tiny(), fp8="delayed-forward"), state)
     with pytest.raises(ValueError, match="patched without fp8"):
         load_fp8_state_dict(apply_coda_to_llama(tiny()), state)
+    cut = {**state, "scales": state["scales"][:-1]}  # (a damaged state: a scale short)
+    with pytest.raises(ValueError, match="its scales do not match its call sites"):
+        load_fp8_state_dict(apply_coda_to_llama(tiny(), fp8="delayed"), cut)
+    with torch.device("meta"):
+        unloaded = tiny()
+    with pytest.raises(ValueError, match="meta device"):
+        load_fp8_state_dict(apply_coda_to_llama(unloaded, fp8="delayed"), state)
     # a state whose call sites' scales are not this model's blocks' (its first site given a layer's)
     other = apply_coda_to_llama(tiny(), fp8="delayed")
     names = {i: n for i, n in state["sites"]}
