@@ -2,7 +2,7 @@
 HF + torchao float8.
 
 Usage (on a Hopper GPU): python benchmarks/hf_train_step.py [--configs eager,compile,liger,coda,
-    torchao-tensorwise,torchao-rowwise]
+    torchao-tensorwise,torchao-rowwise,coda+graph,coda-fp8+graph]
     [--family llama] [--layers N] [--seq 8192] [--batch 1] [--steps 9] [--warmup 3] [--json FILE]
     [--profile] [--trace FILE] [--lora R]
 
@@ -35,7 +35,13 @@ blocks). `coda-fp8`: `apply_coda(model, fp8="delayed")`, e4m3 forward GEMMs and 
 "fp8 training"); `coda-fp8-fwd`:
 `fp8="delayed-forward"`, the same forward, bf16 cotangents (neither with --lora). `torchao-tensorwise` / `torchao-rowwise`: torchao's float8 training of that recipe
 (`convert_to_float8_training` on every nn.Linear but the LM head), then torch.compile of the model, as
-torchao's own benchmarks run it (its wheel: `pip install torchao`; not with --lora). An unknown
+torchao's own benchmarks run it (its wheel: `pip install torchao`; not with --lora). A configuration
+with `+graph` (`coda+graph`, `coda-fp8+graph`): after the warm-up, which runs on a side stream, one
+whole step (forward, backward, AdamW) is captured in a CUDA graph (`torch.cuda.graph`) and every timed
+step is a replay of it (docs/models.md, "CUDA graphs"), and its peak memory includes the capture's
+(the graph's memory pool holds what the step allocates); with one such row, every row's AdamW is
+`capturable=True`, so that all run the same optimizer. For a model that is not coda's, transformers
+materializes the causal mask during a capture (sdpa's slower masked path). An unknown
 configuration is a usage error before anything runs, and so is `liger` anywhere but last (Liger replaces
 transformers' classes, which every model made after it would use). Prints a markdown table last.
 """
@@ -43,6 +49,7 @@ transformers' classes, which every model made after it would use). Prints a mark
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -366,33 +373,60 @@ def all_compiled(r: dict[str, Any]) -> str:
     return f" (all compiled {r['all_compiled_s']:.1f} s)" if r.get("all_compiled_s") else ""
 
 
+GRAPH = "+graph"
+
+
 def run_config(name: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[str, Any]:
-    model, _ = build(name, args.layers, args.family)
+    base, graphed = name.removesuffix(GRAPH), name.endswith(GRAPH)
+    model, _ = build(base, args.layers, args.family)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    fwd = prepare(model, name, args.family, args.lora)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    fwd = prepare(model, base, args.family, args.lora)
+    # (capturable: the optimizer's step count on the GPU, which a CUDA graph needs; every row of a run
+    # with a graphed row uses it, so that each runs the same optimizer)
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True, capturable=args.capturable
+    )
 
-    def step() -> float:
+    def eager_step() -> torch.Tensor:
         loss = fwd(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    losses = [step()]
-    torch.cuda.synchronize()
-    first = time.perf_counter() - t0
-    compiled = None
-    if name.startswith("coda"):  # the other candidate tiles compile on in the background: wait for them
-        import coda_lang.torch as ct
+    step = eager_step
+    side = torch.cuda.Stream()  # (PyTorch's recipe: the steps before a capture run on a side stream)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side) if graphed else contextlib.nullcontext():
+        losses = [step()]
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t0
+        compiled = None
+        if base.startswith("coda"):  # the other candidate tiles compile on in the background: wait for them
+            import coda_lang.torch as ct
 
-        ct.wait_for_kernels()
-        compiled = time.perf_counter() - t0
-    for _ in range(args.warmup - 1):
-        losses.append(step())
+            ct.wait_for_kernels()
+            compiled = time.perf_counter() - t0
+        for _ in range(args.warmup - 1):
+            losses.append(step())
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.reset_peak_memory_stats()  # (for a graphed row: its capture's allocations count too)
+    if graphed:  # one step (forward, backward, AdamW) captured; a step is then a replay
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            loss = fwd(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            static_loss = loss.detach()
+
+        def step() -> torch.Tensor:
+            graph.replay()
+            return static_loss.clone()
+
+        losses.append(step())  # (the first replay uploads the graph)
+        torch.cuda.synchronize()
     times, host = [], []
     window = [time.time()]  # wall clock of the timed steps (to match against sampled GPU clocks)
     for _ in range(args.steps):
@@ -495,10 +529,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--host-profile", action="store_true", help="cProfile one coda step (host time)")
     args = p.parse_args(argv)
-    unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
+    unknown = [c for c in args.configs.split(",") if c.removesuffix(GRAPH) not in CONFIGS]
     if unknown:
-        p.error(f"unknown configuration {unknown[0]!r}; the configurations: {', '.join(CONFIGS)}")
-    names = args.configs.split(",")
+        p.error(
+            f"unknown configuration {unknown[0]!r}; the configurations: {', '.join(CONFIGS)}, each "
+            f"optionally with {GRAPH}"
+        )
+    names = [c.removesuffix(GRAPH) for c in args.configs.split(",")]
+    args.capturable = any(c.endswith(GRAPH) for c in args.configs.split(","))
+    if args.capturable and args.lora:
+        p.error(f"{GRAPH} with --lora is not a configuration here")
     if "liger" in names and names[-1] != "liger":
         # (Liger's apply_liger_kernel_to_* replaces transformers' classes, so every model made after it
         # runs Liger's kernels: a torchao or torch.compile row after it would not be what it says)

@@ -26,12 +26,14 @@ import torch
 from coda_lang.api import Block, load
 from coda_lang.autodiff.chunk import candidate_plans
 from coda_lang.autodiff.options import BackwardOptions
+from coda_lang.backend_cute.runtime.capture import CaptureError
 from coda_lang.backend_cute.runtime.grad_scales import DelayedScaling, check_grad_scales
 from coda_lang.backend_cute.runtime.tiles import precompile as compile_blocks
 
 __all__ = [
     "BlockFunction",
     "BlockModule",
+    "CaptureError",
     "DelayedScaling",
     "LlamaMLP",
     "compile_together",

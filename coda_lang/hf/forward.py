@@ -187,7 +187,20 @@ class Step:
     arguments: FSDP2 casts a module's floating-point tensor arguments to its MixedPrecisionPolicy's
     param_dtype, and positions in bf16 would lose their low bits."""
 
-    __slots__ = ("blocks", "mask", "b", "s", "pos", "freq", "kwargs", "given", "made", "scales", "amaxes")
+    __slots__ = (
+        "blocks",
+        "mask",
+        "b",
+        "s",
+        "pos",
+        "freq",
+        "kwargs",
+        "given",
+        "made",
+        "scales",
+        "amaxes",
+        "snapshot",
+    )
 
     def __init__(
         self,
@@ -209,6 +222,7 @@ class Step:
         # first block), which activation checkpointing's second run of a layer reuses (fp8.py)
         self.scales: dict[int, dict[str, torch.Tensor]] = {}
         self.amaxes: dict[int, dict[str, torch.Tensor]] = {}  # (their amaxes, recorded at the end)
+        self.snapshot: torch.Tensor | None = None  # (the bank's scales as this step reads them)
 
 
 def same(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:

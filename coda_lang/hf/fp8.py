@@ -50,7 +50,8 @@ from typing import Any
 
 import torch
 
-from coda_lang.backend_cute.runtime.grad_scales import DelayedScaling, delayed_scales, f32_row
+from coda_lang.backend_cute.runtime.capture import refuse_in_capture
+from coda_lang.backend_cute.runtime.grad_scales import AmaxRing, DelayedScaling, delayed_scales, f32_row
 from coda_lang.hf.checks import peft_inner, refuse
 from coda_lang.ir.types import FP8_MAX
 
@@ -89,15 +90,18 @@ class Bank:
     ring of rows, 0 where none was recorded yet: an amax is >= 0, so a 0 changes no max), `steps` the
     forwards recorded. `cotangents`: the fp8 dtype the blocks' backward quantizes its cotangents to
     (blocks.FP8_GRADS: "e5m2" for "delayed"), or None; with one, `grads[index]` is each call site's
-    `DelayedScaling` of those cotangents, made with the site."""
+    `DelayedScaling` of those cotangents, made with the site. Once every call site has run, a step
+    changes the bank only on the device and in place (`scales` by the rule, `past` and its count), so
+    a CUDA graph that captured a step advances it at each replay; a step reads its scales from its own
+    copy (`Step.snapshot`), which the update at the end of the forward leaves as it ran."""
 
     def __init__(self, cotangents: str | None = None) -> None:
         self.cotangents = cotangents
         self.grads: dict[int, DelayedScaling] = {}
         self.sites: dict[int, tuple[int, tuple[str, ...]]] = {}
         self.scales: torch.Tensor | None = None
-        self.past: torch.Tensor | None = None
-        self.steps = 0
+        self.past: AmaxRing | None = None
+        self.steps = 0  # (the forwards the host recorded; a CUDA graph's replays count in `past` only)
         # the last recorded forward's: the scales each call site ran at, and its amaxes (by name)
         self.last: dict[int, dict[str, torch.Tensor]] = {}
         self.amaxes: dict[int, dict[str, torch.Tensor]] = {}
@@ -128,8 +132,7 @@ class Bank:
         ones = torch.ones(len(names), dtype=torch.float32, device=device)
         self.scales = ones if self.scales is None else torch.cat([self.scales.to(device), ones])
         if self.past is not None:
-            pad = self.past.new_zeros((self.past.shape[0], len(names)))
-            self.past = torch.cat([self.past.to(device), pad], 1)
+            self.past.to(device).widen(len(names))
         return got
 
     def _grad_state(self) -> DelayedScaling:
@@ -147,8 +150,9 @@ class Bank:
             "cotangents": self.cotangents,
             "sites": [[index, list(names)] for index, (_start, names) in order],
             "scales": None if self.scales is None else self.scales.detach().clone(),
-            "past": None if self.past is None else self.past.detach().clone(),
-            "steps": self.steps,
+            # (the ring's rows as they lie: the next is written at row steps % (HISTORY - 1))
+            "past": None if self.past is None else self.past.rows.detach().clone(),
+            "steps": self.steps if self.past is None else self.past.pushed(),
             "grads": [[index, self.grads[index].state_dict()] for index, _ in order if index in self.grads],
         }
 
@@ -177,14 +181,24 @@ class Bank:
         self.sites, self.grads, self.steps = sites, grads, int(state["steps"])
         self.scales = None if scales is None else scales.to(device=device, dtype=torch.float32)
         past = state["past"]
-        self.past = None if past is None else past.to(device=device, dtype=torch.float32)
+        self.past = None
+        if past is not None:
+            self.past = AmaxRing(past.shape[0], past.shape[1], device)
+            self.past.rows.copy_(past.to(device=device, dtype=torch.float32))
+            self.past.count.fill_(self.steps)
         self.last, self.amaxes, self.checked = {}, {}, set()
 
-    def of(self, index: int) -> dict[str, torch.Tensor]:
-        """Call site `index`'s current scales, by name (0-d views)."""
+    def of(self, index: int, step: Any) -> dict[str, torch.Tensor]:
+        """Call site `index`'s scales in `step`, by name: 0-d views of the step's copy of `scales`,
+        made at its first call site (one copy a step), which the bank's in-place update at the end of
+        the forward leaves as they ran (the backward, and activation checkpointing's second run, read
+        them after that)."""
         assert self.scales is not None
+        snap = step.snapshot
+        if snap is None or snap.numel() != self.scales.numel():
+            snap = step.snapshot = self.scales.clone()
         start, names = self.sites[index]
-        return {n: self.scales[start + i] for i, n in enumerate(names)}
+        return {n: snap[start + i] for i, n in enumerate(names)}
 
     def record(self, amaxes: dict[int, dict[str, torch.Tensor]]) -> None:
         """One step's amaxes (by call site and name; every call site that ran): into the history, and
@@ -198,11 +212,12 @@ class Bank:
             else:
                 parts.extend(got[n] for n in names)
         a = self.reduced(f32_row(parts))
-        self.scales = delayed_scales(a, self.past, self.scales, E4M3_MAX)
+        past = None if self.past is None else self.past.to(a.device).rows
+        delayed_scales(a, past, self.scales, E4M3_MAX, out=self.scales)
         if HISTORY > 1:
             if self.past is None:
-                self.past = a.new_zeros((HISTORY - 1, a.numel()))
-            self.past[self.steps % (HISTORY - 1)] = a
+                self.past = AmaxRing(HISTORY - 1, a.numel(), a.device)
+            self.past.push(a)
         self.steps += 1
 
 
@@ -244,17 +259,23 @@ def run_scaled(
                 )
             bank.checked.add(index)
     else:  # calibration: the first step's scales from its own amaxes, measured at scales 1
+        refuse_in_capture(
+            f"fp8 call site {index} ({fn.block.name}) runs for the first time and calibrates its scales (a "
+            "graph would calibrate again at every replay)",
+            "run the step once before capturing it",
+        )
         names = tuple(scale_names(fn.block))
         device = next(v.device for v in inputs.values() if isinstance(v, torch.Tensor))
         start, _ = bank.add(index, list(names), device)
         assert bank.scales is not None
         with torch.no_grad():  # (no graph: no backward, no grad state)
-            out = run({**inputs, **{f"s_{n}": s for n, s in bank.of(index).items()}}, None)
+            out = run({**inputs, **{f"s_{n}": s for n, s in bank.of(index, step).items()}}, None)
         amax = bank.reduced(f32_row([out[f"am_{n}"] for n in names]))
         part = slice(start, start + len(names))
         bank.scales = bank.scales.clone()
         bank.scales[part] = delayed_scales(amax, None, bank.scales[part], E4M3_MAX)
-    scales = bank.of(index)
+        step.snapshot = None  # (the step's copy is taken again, with these)
+    scales = bank.of(index, step)
     out = run({**inputs, **{f"s_{n}": s for n, s in scales.items()}}, bank.grads.get(index))
     step.scales[index] = scales
     step.amaxes[index] = {n: out[f"am_{n}"] for n in names}

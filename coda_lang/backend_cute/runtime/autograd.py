@@ -25,6 +25,7 @@ import torch
 from coda_lang.autodiff.chunk import ChunkPlan, candidate_plans, choose, row_dim
 from coda_lang.autodiff.chunk_run import ChunkResults, chunk_at, chunk_inputs, join_part, run_chunks
 from coda_lang.autodiff.options import BackwardOptions
+from coda_lang.backend_cute.runtime.capture import refuse_in_capture
 from coda_lang.backend_cute.runtime.grad_scales import DelayedScaling, check_grad_scales
 from coda_lang.backend_cute.runtime.launch import TORCH_DTYPES
 from coda_lang.core.diagnostics import CodaError, Diagnostic, error, with_sources
@@ -431,6 +432,11 @@ def _fp8_backward(
     if not state.calibrating:
         out = fn.run_backward({**bins, **scales}, dims, consume)
     else:
+        refuse_in_capture(
+            f"block {fn.forward.name}'s first fp8 backward calibrates its cotangent scales (it compares "
+            "them on the host)",
+            "run a step's backward once before capturing it",
+        )
         for _ in range(len(d.scales) + 1):
             out = fn.run_backward({**bins, **scales}, dims, None)
             amaxes = {s: out[a] for s, a in d.scales.items()}
@@ -440,6 +446,6 @@ def _fp8_backward(
             scales = nxt
         else:  # (not reached: the last run's scales are each the rule of amaxes that depend on no later one)
             raise RuntimeError(f"block {fn.forward.name}: the fp8 cotangent scales did not settle")
-        state.scales = scales
+        state.set_scales(scales)
     state.record({s: out[a] for s, a in d.scales.items()})
     return out

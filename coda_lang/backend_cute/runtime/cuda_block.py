@@ -38,6 +38,7 @@ from coda_lang.backend_cute.plan.planner import plan_stage
 from coda_lang.backend_cute.plan.spec import StageSpec, dim_operand
 from coda_lang.backend_cute.runtime.autograd import CudaFunction
 from coda_lang.backend_cute.runtime.binding import Binder
+from coda_lang.backend_cute.runtime.capture import refuse_in_capture
 from coda_lang.backend_cute.runtime.grad_scales import DelayedScaling
 from coda_lang.backend_cute.runtime.launch import (
     TORCH_DTYPES,
@@ -356,6 +357,10 @@ class CudaBlock:
         env, dims, device = self.binder.bind(tensors, self.binder.given(given))
         env.update({dim_operand(k): v for k, v in dims.items()})  # a dim used as a value inside a stage
         if not self._ready:
+            refuse_in_capture(
+                f"block {self.name}'s first call (compiling and choosing its kernels)",
+                "run the step once (eagerly, as PyTorch's recipe for capturing does on a side stream) before capturing it",
+            )
             self.prepare(background=not torch.compiler.is_compiling())
         partials: dict[str, torch.Tensor] = {}
         k = 0

@@ -20,7 +20,9 @@ share one state between call sites: a function used by several layers takes one 
 (`f(..., grad_scales=state)`), since each layer's cotangents have their own magnitude.
 Invariants: scales and amaxes are 0-d f32 tensors on the device of the backward's tensors (no host
 sync per step); a state is bound to the scale names and fp8 dtype of the first backward it serves
-and refuses another's (ValueError).
+and refuses another's (ValueError). After its first backward, a step changes the state only on the
+device and in place (the scales' row, the amax ring and its position), so a CUDA graph that captured
+a step advances it at each replay as the step itself would (docs/models.md, "CUDA graphs").
 """
 
 from __future__ import annotations
@@ -47,6 +49,52 @@ def f32_row(values: list[torch.Tensor]) -> torch.Tensor:
     ):
         return torch.stack(values).detach()
     return torch.stack([v.detach().reshape(()).to(torch.float32) for v in values])
+
+
+class AmaxRing:
+    """The last `size` amax vectors of `width` scales: `rows` [size, width], 0 where nothing was written
+    yet (an amax is >= 0, so a 0 row changes no max; a NaN one stays in the max), and `count` the
+    vectors pushed, a 0-d int64 tensor on the device: `push` writes row `count % size` there, so that
+    a CUDA graph's replay of a step writes the next row, as the step would have (a position kept on
+    the host would be the captured one at every replay). Three small launches a push."""
+
+    def __init__(self, size: int, width: int, device: torch.device):
+        self.rows = torch.zeros((size, width), dtype=torch.float32, device=device)
+        self.count = torch.zeros((), dtype=torch.int64, device=device)
+
+    def push(self, a: torch.Tensor) -> None:
+        self.rows.index_copy_(0, (self.count % self.rows.shape[0]).view(1), a.view(1, -1))
+        self.count.add_(1)
+
+    def widen(self, width: int) -> None:
+        """`width` more scales, their past amaxes 0 (a call site added to a bank)."""
+        self.rows = torch.cat([self.rows, self.rows.new_zeros((self.rows.shape[0], width))], 1)
+
+    def to(self, device: torch.device) -> AmaxRing:
+        if self.rows.device != device:
+            self.rows, self.count = self.rows.to(device), self.count.to(device)
+        return self
+
+    def pushed(self) -> int:
+        """How many vectors were pushed (waits for the GPU: for checkpoints)."""
+        return int(self.count)
+
+    def oldest_first(self) -> list[torch.Tensor]:
+        """The rows written, oldest first (waits for the GPU: for checkpoints)."""
+        size, n = self.rows.shape[0], self.pushed()
+        k = min(n, size)
+        return [self.rows[(n - k + j) % size] for j in range(k)]
+
+    @classmethod
+    def of(cls, size: int, rows: list[torch.Tensor], pushed: int, device: torch.device) -> AmaxRing:
+        """A ring of `size` rows holding `rows` (oldest first) as the last of `pushed` vectors."""
+        width = rows[0].numel() if rows else 0
+        ring = cls(size, width, device)
+        k = min(len(rows), size)
+        for j, r in enumerate(rows[len(rows) - k :]):
+            ring.rows[(pushed - k + j) % size] = r.reshape(-1).to(device=device, dtype=torch.float32)
+        ring.count.fill_(pushed)
+        return ring
 
 
 class DelayedScaling:
@@ -82,15 +130,17 @@ class DelayedScaling:
         self.history: int = int(history)
         self.dtype: str | None = None  # the fp8 dtype of the cotangents, once bound
         self.names: tuple[str, ...] = ()  # the scale names, once bound
-        self.scales: dict[str, torch.Tensor] = {}
+        self.scales: dict[str, torch.Tensor] = {}  # 0-d views of `_vec`, updated in place
         self.amaxes: dict[str, torch.Tensor] = {}  # the last backward's
         self.last_scales: dict[str, torch.Tensor] = {}  # the scales the last backward ran at
+        # the scales as one f32 vector (in `names` order), written in place by each backward's rule
+        self._vec: torch.Tensor | None = None
         # the past amaxes, one row per step and a column per name: a ring of history - 1 rows (the
-        # current amax is the history's last), 0 where no step wrote yet (an amax is >= 0, so a 0 row
-        # changes no max; a NaN one stays in the max, as the rule says); the next row to write is
-        # steps % (history - 1). One tensor, so that the rule is a few kernels per step, not a few per
-        # name and past step, and nothing in it waits for the GPU
-        self._past: torch.Tensor | None = None
+        # current amax is the history's last; AmaxRing). One tensor, so that the rule is a few kernels
+        # per step, not a few per name and past step, and nothing in it waits for the GPU
+        self._past: AmaxRing | None = None
+        # the backwards recorded by the host (a CUDA graph's replays record on the device only: the
+        # ring's count is theirs too)
         self.steps: int = 0
         # applied to each backward's amax vector (in `names` order) before the rule: an all-reduce over
         # data-parallel ranks (coda_lang.hf.reduce_fp8_amaxes sets it); None: the amaxes as measured
@@ -138,9 +188,15 @@ class DelayedScaling:
                 1.0 if init == "calibrate" else init[n] if isinstance(init, dict) else init
                 for n in self.names
             ]
-            row = torch.tensor(values, dtype=torch.float32).to(device)  # (one copy, made once)
-            self.scales = {n: row[i] for i, n in enumerate(self.names)}
-        return {n: s if s.device == device else s.to(device) for n, s in self.scales.items()}
+            self._set(torch.tensor(values, dtype=torch.float32).to(device))  # (one copy, made once)
+        if self._vec is not None and self._vec.device != device:
+            self._set(self._vec.to(device))
+        return dict(self.scales)
+
+    def _set(self, row: torch.Tensor) -> None:
+        """The scales from now on: `row` (in `names` order), which the state owns and updates in place."""
+        self._vec = row
+        self.scales = {n: row[i] for i, n in enumerate(self.names)}
 
     def _row(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
         """`values` by name as one f32 vector in the order of `names`."""
@@ -151,77 +207,92 @@ class DelayedScaling:
     ) -> dict[str, torch.Tensor]:
         """The rule: fp8_max / amax / 2**margin in f32, where amax is the max of `amaxes` with the
         history before it; the scale in `scales` where that amax is 0 or not finite."""
-        return self._rule(self._reduced(self._row(amaxes)), scales)
+        a = self._reduced(self._row(amaxes))
+        new = self._rule(a, self._row(scales).to(a.device))
+        return {n: new[i] for i, n in enumerate(self.names)}
+
+    def set_scales(self, scales: dict[str, torch.Tensor]) -> None:
+        """The next backward's scales (a calibration's), copied into a row the state owns."""
+        self._set(self._row(scales).clone())
 
     def _reduced(self, a: torch.Tensor) -> torch.Tensor:
         return a if self.reduce is None else self.reduce(a)
 
-    def _rule(self, a: torch.Tensor, scales: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _rule(self, a: torch.Tensor, current: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         assert self.dtype is not None
-        past = self._past.to(a.device) if self._past is not None and self.steps > 0 else None
+        past = self._past.to(a.device).rows if self._past is not None else None
         limit = FP8_MAX[self.dtype] / 2.0**self.margin
-        out = delayed_scales(a, past, self._row(scales).to(a.device), limit)
-        return {n: out[i] for i, n in enumerate(self.names)}
+        return delayed_scales(a, past, current, limit, out=out)
 
     def record(self, amaxes: dict[str, torch.Tensor]) -> None:
         """A backward's amaxes (by scale name): into the history, and the next step's scales set by
-        the rule."""
+        the rule, in place (`last_scales`: a copy of those the backward ran at)."""
         a = self._reduced(self._row(amaxes))
-        nxt = self._rule(a, self.scales)
+        if self._vec is None or self._vec.device != a.device:  # (not reached after a first backward)
+            self._set(self._row(self.scales).to(a.device).clone())
+        assert self._vec is not None
+        last = self._vec.clone()
+        self._rule(a, self._vec, out=self._vec)
         if self.history > 1:
-            if self._past is None or self._past.device != a.device:
-                self._past = a.new_zeros((self.history - 1, len(self.names)))
-            self._past[self.steps % (self.history - 1)] = a
+            if self._past is None:
+                self._past = AmaxRing(self.history - 1, len(self.names), a.device)
+            self._past.to(a.device).push(a)
         self.amaxes = {n: a[i] for i, n in enumerate(self.names)}
-        self.last_scales, self.scales = self.scales, nxt
+        self.last_scales = {n: last[i] for i, n in enumerate(self.names)}
         self.steps += 1
 
-    def _past_rows(self) -> list[torch.Tensor]:
-        """The recorded past amax rows, oldest first."""
-        if self._past is None:
-            return []
-        ring = self.history - 1
-        n = min(self.steps, ring)
-        return [self._past[(self.steps - n + j) % ring] for j in range(n)]
-
     def state_dict(self) -> dict[str, Any]:
-        """The scales and amax history (for a checkpoint): `load_state_dict` restores them."""
-        rows = self._past_rows()
+        """The scales and amax history (for a checkpoint): `load_state_dict` restores them. (Reads the
+        ring's count from the device: it counts a CUDA graph's replays too.)"""
+        rows = self._past.oldest_first() if self._past is not None else []
+        steps = self._past.pushed() if self._past is not None else self.steps
         return {
             "dtype": self.dtype,
             "names": list(self.names),
             "scales": {k: v.clone() for k, v in self.scales.items()},
             "history": {n: [r[i].clone() for r in rows] for i, n in enumerate(self.names)},
-            "steps": self.steps,
+            "steps": steps,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.dtype = state["dtype"]
         self.names = tuple(state["names"])
-        self.scales = {k: v.clone() for k, v in state["scales"].items()}
         self.steps = state["steps"]
-        self._past = None
+        self._vec, self.scales, self._past = None, {}, None
+        if state["scales"]:
+            first = next(iter(state["scales"].values()))
+            self._set(
+                torch.stack([state["scales"][n].reshape(()).to(torch.float32) for n in self.names]).to(
+                    first.device
+                )
+            )
         hist = state["history"]
         n = len(hist[self.names[0]]) if self.names and hist else 0
         if self.history > 1 and n:
-            ring = self.history - 1
             first = hist[self.names[0]][0]
-            self._past = torch.zeros((ring, len(self.names)), dtype=torch.float32, device=first.device)
-            for j in range(min(n, ring)):
-                k = n - min(n, ring) + j
-                self._past[(self.steps - min(n, ring) + j) % ring] = torch.stack(
-                    [hist[name][k].reshape(()).to(torch.float32) for name in self.names]
-                )
+            rows = [
+                torch.stack([hist[name][k].reshape(()).to(torch.float32) for name in self.names])
+                for k in range(n)
+            ]
+            self._past = AmaxRing.of(self.history - 1, rows, self.steps, first.device)
 
 
 def delayed_scales(
-    amax: torch.Tensor, past: torch.Tensor | None, current: torch.Tensor, limit: float
+    amax: torch.Tensor,
+    past: torch.Tensor | None,
+    current: torch.Tensor,
+    limit: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The delayed-scaling rule on vectors: limit / max(amax, each column of `past`: the history's rows,
     0 where none was recorded), `current` where that max is 0 or not finite. A few kernels, and no
-    tensor made from a Python number (a pageable copy to the device, which waits for the GPU)."""
+    tensor made from a Python number (a pageable copy to the device, which waits for the GPU).
+    `out`: written in place (it may be `current` itself)."""
     a = amax if past is None else torch.maximum(amax, past.amax(0))
-    return torch.where(torch.isfinite(a) & (a > 0), limit / a, current)
+    keep = torch.isfinite(a) & (a > 0)
+    if out is None:
+        return torch.where(keep, limit / a, current)
+    return torch.where(keep, limit / a, current, out=out)
 
 
 def _positive(name: str, v: Any) -> None:

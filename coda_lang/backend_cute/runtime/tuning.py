@@ -23,6 +23,7 @@ import contextlib
 import importlib
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ import torch
 
 from coda_lang.backend_cute.build import select, tune
 from coda_lang.backend_cute.plan.emit import emit_stage
+from coda_lang.backend_cute.runtime.capture import capturing, refuse_in_capture
 from coda_lang.backend_cute.runtime.launch import StageRunner
 from coda_lang.backend_cute.runtime.tiles import find_ptxas
 from coda_lang.core.diagnostics import error
@@ -51,6 +53,7 @@ class Tuner:
         self.name = block.ir.name
         self.by_shape: dict[ShapeKey, StageRunner] = {}  # (stage, m, n, k) -> tuned
         self.background: Background | None = None  # the tuner's candidates still compiling, if any
+        self.warned = False  # (that a CUDA graph was captured while they compiled)
 
     def tuned(
         self, k: int, r: StageRunner, ins: list[torch.Tensor | None], scalars: list[float]
@@ -86,6 +89,14 @@ class Tuner:
         bg = self.background
         if bg is not None and not bg.over:
             if not wait:
+                if capturing() and not self.warned:
+                    self.warned = True
+                    warnings.warn(
+                        f"coda: a CUDA graph captured block {self.name} while its other candidate tiles "
+                        "were still compiling: the graph keeps each stage at the tile it runs now. Call "
+                        "coda_lang.torch.wait_for_kernels() and run a step before capturing, for the tuned tiles",
+                        stacklevel=2,
+                    )
                 return r, False
             bg.wait()
         return self.choose(k, r, ins, scalars, key), True
@@ -110,6 +121,12 @@ class Tuner:
         if cached is None:
             if not find_ptxas():
                 return r
+            refuse_in_capture(
+                f"stage {k} of {self.name} would be tuned at {'x'.join(map(str, shape))} (timing its tiles "
+                "waits for the GPU)",
+                "run the step once (after coda_lang.torch.wait_for_kernels()) before capturing it, or give "
+                "tiles (tile=) or set CODA_TUNE=0",
+            )
             hung = tune.hung(source, device)
             configs, skipped = tune.prune(
                 [c for c in select.configs_without_spills(spec) if c not in hung], source, shape, device
