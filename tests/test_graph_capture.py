@@ -243,10 +243,16 @@ def test_captured_forward_matches_huggingface_in_capture(capture) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8", [None, "delayed"])
-def test_gpu_captured_step_replays_as_eager_steps(fp8) -> None:
+@pytest.mark.parametrize(
+    "fp8, checkpointing",
+    [(None, False), ("delayed", False), ("delayed", True)],
+    ids=["bf16", "fp8", "fp8-ckpt"],
+)
+def test_gpu_captured_step_replays_as_eager_steps(fp8, checkpointing) -> None:
     """One training step (forward, backward, AdamW) captured in a CUDA graph and replayed on new
-    batches gives the losses, the fp8 scales and the weights of the same steps run eagerly."""
+    batches gives the losses, the fp8 scales and the weights of the same steps run eagerly; with
+    activation checkpointing too (its second run of each layer, in the backward, at the scales its
+    first run used)."""
     from coda_lang.torch import uses_kernels, wait_for_kernels
 
     if not torch.cuda.is_available() or not uses_kernels("cuda"):
@@ -255,7 +261,10 @@ def test_gpu_captured_step_replays_as_eager_steps(fp8) -> None:
     batches = [(i.cuda(), lab.cuda()) for i, lab in batches]
 
     def make():
-        model = apply_coda_to_llama(sdpa_llama().to("cuda", torch.bfloat16), fp8=fp8)
+        model = sdpa_llama().to("cuda", torch.bfloat16)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = apply_coda_to_llama(model, fp8=fp8)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
 
     def step(model, opt, ids, labels):
