@@ -32,6 +32,8 @@ GEMM multiplies fp8 operands (e4m3 x e4m3, e5m2 x e4m3) read K-major, a per-tens
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 from dataclasses import replace
@@ -1396,3 +1398,63 @@ def test_gpu_packed_e5m2_d_bit_for_bit(scale: float, dtype: str) -> None:
     assert np.array_equal(np.isnan(got.float().cpu().numpy()), nan)
     same = (got_codes == want_codes) | nan
     assert same.all(), (np.argwhere(~same)[:5], got_codes[~same][:5], want_codes[~same][:5])
+
+
+@pytest.mark.toolchain
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_fast_accumulation_drops_the_second_accumulator(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """An fp8 GEMM at 128x256 (cooperative, cluster 2x1) spills with quack's second f32 accumulator
+    and not with fast accumulation (`TileConfig.fast_accum`), whose PTX adds no K tile's result into a
+    second accumulator: fewer f32 adds in the mainloop. The two are separate cache entries; a config
+    without it keeps the key it had before the field existed."""
+    from dataclasses import asdict
+
+    from coda_lang.backend_cute.build.cache import ptx_key
+    from coda_lang.backend_cute.build.compile import compile_spec
+    from coda_lang.backend_cute.build.config import TileConfig
+
+    spec = plan_stage(example("fp8_delayed"), 2)  # hq @ transpose(w2), e4m3 x e4m3
+    slow_cfg = TileConfig(128, 256, 2, 1, False)
+    fast_cfg = TileConfig(128, 256, 2, 1, False, fast_accum=True)
+    d = tmp_path_factory.mktemp("fp8-fast")
+    slow, fast = compile_spec(spec, slow_cfg, directory=d), compile_spec(spec, fast_cfg, directory=d)
+    assert slow.report is not None and fast.report is not None
+    assert slow.report.spills and not fast.report.spills, (slow.report.text, fast.report.text)
+    adds = [len(re.findall(r"\badd\.(?:rn\.)?f32\b", c.ptx)) for c in (slow, fast)]
+    assert adds[1] < adds[0], adds
+    source = emit_stage(spec)
+    assert ptx_key(source, slow_cfg) != ptx_key(source, fast_cfg)
+    from coda_lang.backend_cute.build import cache
+
+    # (the key of a config at the defaults, computed as it was before `fast_accum` existed)
+    old = {k: v for k, v in asdict(slow_cfg).items() if k not in ("epi_n", "fast_accum")}
+    key = {
+        "source": cache.source_hash(source),
+        "emitter": cache.EMITTER_VERSION,
+        "coda": cache.kernel_fingerprint(),
+        "arch": cache.ARCH,
+        "config": old,
+        "libraries": cache.library_versions(),
+    }
+    assert ptx_key(source, slow_cfg) == hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def test_fast_accumulation_is_timed_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tuner's fp8 candidates gain the fast-accumulation tiles only with $CODA_FP8_FAST_ACCUM=1;
+    a bf16 stage's never do. The label says which."""
+    from coda_lang.backend_cute.build.config import FP8_FAST_CANDIDATES, TileConfig, tune_candidates_for
+
+    fp8 = plan_stage(example("fp8_delayed"), 2, emulated=True)
+    bf16 = plan_stage(example("llama_mlp"), 1, emulated=True)
+    monkeypatch.delenv("CODA_FP8_FAST_ACCUM", raising=False)
+    assert not any(c.fast_accum for c in tune_candidates_for(fp8))
+    monkeypatch.setenv("CODA_FP8_FAST_ACCUM", "1")
+    assert set(FP8_FAST_CANDIDATES) <= set(tune_candidates_for(fp8))
+    assert not any(c.fast_accum for c in tune_candidates_for(bf16))
+    c = TileConfig(128, 256, 2, 1, False, fast_accum=True)
+    assert c.short == "128x256f" and str(c).endswith("fast fp8 accumulation")
+    from coda_lang.backend_cute.build import tune
+
+    # (a choice made among the default candidates is not taken for one among these)
+    shape = (8192, 2048, 8192)
+    assert tune.disk_key("src", shape, "H100", "fp8-fast-accum") != tune.disk_key("src", shape, "H100")

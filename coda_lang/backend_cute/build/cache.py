@@ -76,7 +76,8 @@ def kernel_fingerprint() -> str:
 
 
 def ptx_key(source: str, config: TileConfig) -> str:
-    conf = {k: v for k, v in asdict(config).items() if k != "epi_n" or v}
+    # (a field at its default that older keys lack is left out: their cache entries stay valid)
+    conf = {k: v for k, v in asdict(config).items() if k not in ("epi_n", "fast_accum") or v}
     key = {
         "source": source_hash(source),
         "emitter": EMITTER_VERSION,

@@ -16,6 +16,7 @@ of the emulated kernels (`emulated=True`), which hold at any tile.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from coda_lang.backend_cute.plan.spec import StageSpec
@@ -33,19 +34,28 @@ class TileConfig:
     # 0 is quack's choice (32 for 16-bit outputs); 16 halves the registers the epilogue holds at once,
     # which keeps heavy epilogues (two tile loads and a sink) spill-free at 128x192.
     epi_n: int = 0
+    # An fp8 GEMM accumulated in the WGMMA accumulator alone (quack's `fp8_fast_accum`): no second f32
+    # accumulator, so half the accumulator registers, but each product sum at the tensor core's own
+    # fp8 accumulation precision, not promoted to f32 after each K tile (FP8_FAST_CANDIDATES)
+    fast_accum: bool = False
 
     def __str__(self) -> str:
         if self.is_cublas:
             return "cuBLAS (torch.matmul)"
         kind = "pingpong" if self.pingpong else "cooperative"
         epi = f", epilogue subtile N {self.epi_n}" if self.epi_n else ""
-        return f"{self.tile_m}x{self.tile_n} {kind}, cluster {self.cluster_m}x{self.cluster_n}{epi}"
+        fast = ", fast fp8 accumulation" if self.fast_accum else ""
+        return f"{self.tile_m}x{self.tile_n} {kind}, cluster {self.cluster_m}x{self.cluster_n}{epi}{fast}"
 
     @property
     def short(self) -> str:
         if self.is_cublas:
             return "cublas"
-        return f"{self.tile_m}x{self.tile_n}" + (f"e{self.epi_n}" if self.epi_n else "")
+        return (
+            f"{self.tile_m}x{self.tile_n}"
+            + (f"e{self.epi_n}" if self.epi_n else "")
+            + ("f" if self.fast_accum else "")
+        )
 
     @property
     def is_cublas(self) -> bool:
@@ -106,6 +116,25 @@ FP8_CANDIDATES = (
 )
 
 
+# With fast accumulation (`TileConfig.fast_accum`), the wider cooperative tiles stop spilling: ptxas,
+# sm_90a, 2026-11-28, the fp8 Llama-3.2-1B layer's backward GEMMs: at 128x256 and 256x128 (cluster
+# 2x1) they spill 512-1,056 bytes with the second accumulator and 0 without it (`dacc5 @ w_2q`, with
+# its SwiGLU-backward epilogue, 16 bytes at 128x256). Timed by the tuner only where
+# $CODA_FP8_FAST_ACCUM=1: it changes the GEMMs' numerics (see docs/backend.md, "fp8 GEMMs"), and
+# its speed was not yet measured.
+FP8_FAST_CANDIDATES = (
+    TileConfig(128, 192, 2, 1, False, fast_accum=True),
+    TileConfig(128, 256, 2, 1, False, fast_accum=True),
+    TileConfig(256, 128, 2, 1, False, fast_accum=True),
+    TileConfig(128, 256, 1, 2, False, fast_accum=True),
+)
+
+
+def fast_accum_on() -> bool:
+    """Whether the tuner also times fp8 GEMMs with fast accumulation ($CODA_FP8_FAST_ACCUM=1)."""
+    return os.environ.get("CODA_FP8_FAST_ACCUM", "0") == "1"
+
+
 def fp8_operands(spec: StageSpec) -> bool:
     """Whether the stage's GEMM multiplies fp8 operands (the planner compiles only both fp8)."""
     return spec.gemm.a_dtype in ("e4m3", "e5m2") or spec.gemm.b_dtype in ("e4m3", "e5m2")
@@ -117,8 +146,11 @@ def candidates_for(spec: StageSpec) -> tuple[TileConfig, ...]:
 
 
 def tune_candidates_for(spec: StageSpec) -> tuple[TileConfig, ...]:
-    """The tiles the tuner times for this stage."""
-    return FP8_CANDIDATES if fp8_operands(spec) else TUNE_CANDIDATES
+    """The tiles the tuner times for this stage (an fp8 GEMM's with fast accumulation too, where
+    $CODA_FP8_FAST_ACCUM=1)."""
+    if not fp8_operands(spec):
+        return TUNE_CANDIDATES
+    return FP8_CANDIDATES + FP8_FAST_CANDIDATES if fast_accum_on() else FP8_CANDIDATES
 
 
 SMALL_SPILL = 16  # bytes: configs_without_spills' fallback when every candidate spills

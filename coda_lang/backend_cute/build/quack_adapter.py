@@ -96,8 +96,15 @@ class EpiSubtileN:
 
 
 def post_init_attrs(config: Any) -> tuple[tuple[str, Any], ...]:
-    """The attributes quack sets on the kernel object for `config` (its epilogue subtile, if not quack's)."""
-    return (("_compute_tile_shape_or_override", EpiSubtileN(config.epi_n)),) if config.epi_n else ()
+    """The attributes quack sets on the kernel object for `config`: its epilogue subtile, if not
+    quack's, and for fast fp8 accumulation quack's own flag off (`GemmSm90.fp8_slow_accum`: its
+    mainloop then keeps no second accumulator; a 16-bit GEMM never has one)."""
+    attrs: tuple[tuple[str, Any], ...] = ()
+    if config.epi_n:
+        attrs += (("_compute_tile_shape_or_override", EpiSubtileN(config.epi_n)),)
+    if config.fast_accum:
+        attrs += (("fp8_slow_accum", False),)
+    return attrs
 
 
 def quack_cache_dir(root: Path | None = None) -> Path:

@@ -85,7 +85,9 @@ def versions() -> str:
     return hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def disk_key(source: str, shape: tuple[int, ...], device: str) -> str:
+def disk_key(source: str, shape: tuple[int, ...], device: str, variant: str | None = None) -> str:
+    """The tuning cache's key of a stage's choice at a GEMM shape on a device; `variant`: a candidate
+    set other than the default (an fp8 GEMM's with fast accumulation), kept apart from it."""
     key = {
         "source": source_hash(source),
         "emitter": EMITTER_VERSION,
@@ -93,6 +95,7 @@ def disk_key(source: str, shape: tuple[int, ...], device: str) -> str:
         "libraries": library_versions(),
         "device": device,
         "shape": list(shape),
+        **({"variant": variant} if variant else {}),
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
