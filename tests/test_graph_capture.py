@@ -182,10 +182,10 @@ def sdpa_llama(**extra) -> transformers.LlamaForCausalLM:
 
 
 def test_mask_in_capture_is_transformers_choice_outside(capture) -> None:
-    """A full-attention layer with no attention mask and no position ids gets None (sdpa's causal
-    path) during a capture, as transformers gives it outside one; during a capture transformers itself
-    materializes it. With a padding mask, position ids, eager attention or a sliding window, the mask
-    is transformers' own."""
+    """A layer with no attention mask and no position ids gets None (sdpa's causal path) during a
+    capture where transformers gives that outside one (full attention; a window longer than the
+    sequence); during a capture transformers itself materializes it. With a padding mask, position
+    ids, eager attention or a window shorter than the sequence, the mask is transformers' own."""
     import transformers.masking_utils as mu
 
     def ours(model, attention_mask=None, position_ids=None):
@@ -221,6 +221,14 @@ def test_mask_in_capture_is_transformers_choice_outside(capture) -> None:
     want = theirs(mistral, maker=mu.create_sliding_window_causal_mask)
     assert isinstance(want, torch.Tensor) and all(torch.equal(m, want) for m in ours(mistral))
     apply_coda_to_mistral(mistral)  # (patchable: the masks above are those its forward makes)
+    # a window longer than the sequence (24 tokens): transformers' choice outside a capture is None
+    cfg = transformers.MistralConfig(**{**HF_SHAPES, "sliding_window": 32, "attn_implementation": "sdpa"})
+    wide = transformers.MistralForCausalLM(cfg)
+    assert isinstance(theirs(wide, maker=mu.create_sliding_window_causal_mask), torch.Tensor)
+    capture.off()
+    assert theirs(wide, maker=mu.create_sliding_window_causal_mask) is None
+    capture.on()
+    assert ours(wide) == [None] * cfg.num_hidden_layers
 
 
 def test_captured_forward_matches_huggingface_in_capture(capture) -> None:
@@ -237,6 +245,21 @@ def test_captured_forward_matches_huggingface_in_capture(capture) -> None:
     model(input_ids=ids)  # (the logits' head: its first call)
     capture.on()
     torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=2e-4, atol=2e-4)
+
+
+def test_captured_sliding_window_forward_matches_huggingface_in_capture(capture) -> None:
+    """The same for a sliding-window family whose window is longer than the sequence (its mask left
+    to sdpa during a capture, as transformers leaves it outside one)."""
+    cfg = {**HF_SHAPES, "sliding_window": 32, "attn_implementation": "sdpa"}
+    torch.manual_seed(0)
+    ref = transformers.MistralForCausalLM(transformers.MistralConfig(**cfg))
+    model = apply_coda_to_mistral(transformers.MistralForCausalLM(transformers.MistralConfig(**cfg)))
+    model.load_state_dict(ref.state_dict())
+    ids, _ = hf_batch(seed=6)
+    model(input_ids=ids, labels=ids)  # (outside the capture: the blocks' first call)
+    capture.on()
+    want, got = ref(input_ids=ids, labels=ids), model(input_ids=ids, labels=ids)
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-5)
 
 
 # -- a real capture ---------------------------------------------------------------------------------

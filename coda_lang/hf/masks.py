@@ -10,8 +10,9 @@ function's `sliding_window` argument as the family's attention module passes it:
 `sliding_window` (None on a full-attention layer), the config's, or no argument.
 What it does not: run attention (forward.py calls the model's attention function with these), or
 decide that a model may be patched (checks.py refuses a sliding window where the family has none).
-During a CUDA graph's capture, a full-attention layer with no attention mask and no position ids
-gets None (sdpa's `is_causal`), as transformers gives it outside a capture (`plain_causal_in_capture`).
+During a CUDA graph's capture, a layer with no attention mask and no position ids gets None (sdpa's
+`is_causal`) where transformers gives that outside a capture: full attention, or a sliding window
+longer than the sequence (`plain_causal_in_capture`).
 Invariants: the sliding window is the attention's business: the blocks are the same for every kind
 of layer. The config fields read here are compared with those at patching at every forward
 (contract.py), so the kinds can't change under a patched model.
@@ -47,7 +48,7 @@ def layer_masks(model: Any, family: Family, emb: Any, attention_mask: Any, posit
     kinds = layer_kinds(family, model.config)
     made = {
         kind: None
-        if plain_causal_in_capture(model.config, kind, attention_mask, position_ids)
+        if plain_causal_in_capture(model.config, kind, emb.shape[1], attention_mask, position_ids)
         else makers[kind](
             config=model.config,
             inputs_embeds=emb,
@@ -60,15 +61,17 @@ def layer_masks(model: Any, family: Family, emb: Any, attention_mask: Any, posit
     return [made[kind] for kind in kinds]
 
 
-def plain_causal_in_capture(config: Any, kind: str, attention_mask: Any, position_ids: Any) -> bool:
-    """Whether a full-attention layer's mask is left to sdpa's `is_causal` while a CUDA graph is being
-    captured. transformers makes that choice itself outside a capture, where no token is padded and
-    the positions give no packed sequences; during one it materializes the [seq, seq] mask, since its
-    test reads the data, and sdpa's attention with that mask ran 3.3x slower than causal on an H200
-    (2026-11-28). Without an attention mask or position ids there is nothing to read: the mask is
-    the plain causal one, the choice transformers makes outside a capture, and the same here."""
+def plain_causal_in_capture(config: Any, kind: str, seq: int, attention_mask: Any, position_ids: Any) -> bool:
+    """Whether a layer's mask is left to sdpa's `is_causal` while a CUDA graph is being captured.
+    transformers makes that choice itself outside a capture, where no token is padded, the positions
+    give no packed sequences, and (a sliding-window layer) the sequence is shorter than the window;
+    during one it materializes the [seq, seq] mask, since its test reads the data, and sdpa's attention
+    with that mask ran 3.3x slower than causal on an H200 (2026-11-28). Without an attention mask or
+    position ids there is nothing to read: the mask is the plain causal one, the choice transformers
+    makes outside a capture, and the same here."""
+    window = getattr(config, "sliding_window", None)
     return (
-        kind == FULL
+        (kind == FULL or (kind == SLIDING and isinstance(window, int) and seq < window))
         and attention_mask is None
         and position_ids is None
         and getattr(config, "_attn_implementation", None) == "sdpa"
