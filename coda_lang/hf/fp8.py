@@ -181,11 +181,7 @@ class Bank:
         self.sites, self.grads, self.steps = sites, grads, int(state["steps"])
         self.scales = None if scales is None else scales.to(device=device, dtype=torch.float32)
         past = state["past"]
-        self.past = None
-        if past is not None:
-            self.past = AmaxRing(past.shape[0], past.shape[1], device)
-            self.past.rows.copy_(past.to(device=device, dtype=torch.float32))
-            self.past.count.fill_(self.steps)
+        self.past = None if past is None else AmaxRing.loaded(past, self.steps, device)
         self.last, self.amaxes, self.checked = {}, {}, set()
 
     def of(self, index: int, step: Any) -> dict[str, torch.Tensor]:

@@ -86,15 +86,22 @@ class AmaxRing:
         return [self.rows[(n - k + j) % size] for j in range(k)]
 
     @classmethod
-    def of(cls, size: int, rows: list[torch.Tensor], pushed: int, device: torch.device) -> AmaxRing:
-        """A ring of `size` rows holding `rows` (oldest first) as the last of `pushed` vectors."""
-        width = rows[0].numel() if rows else 0
-        ring = cls(size, width, device)
-        k = min(len(rows), size)
-        for j, r in enumerate(rows[len(rows) - k :]):
-            ring.rows[(pushed - k + j) % size] = r.reshape(-1).to(device=device, dtype=torch.float32)
+    def loaded(cls, rows: torch.Tensor, pushed: int, device: torch.device) -> AmaxRing:
+        """The ring whose rows are `rows` as they lie in one (the next written at `pushed % size`),
+        after `pushed` vectors: a checkpoint's."""
+        ring = cls(rows.shape[0], rows.shape[1], device)
+        ring.rows.copy_(rows.to(device=device, dtype=torch.float32))
         ring.count.fill_(pushed)
         return ring
+
+    @classmethod
+    def of(cls, size: int, rows: list[torch.Tensor], pushed: int, device: torch.device) -> AmaxRing:
+        """A ring of `size` rows holding `rows` (oldest first) as the last of `pushed` vectors."""
+        lying = torch.zeros((size, rows[0].numel() if rows else 0), dtype=torch.float32)
+        k = min(len(rows), size)
+        for j, r in enumerate(rows[len(rows) - k :]):
+            lying[(pushed - k + j) % size] = r.reshape(-1).to(device="cpu", dtype=torch.float32)
+        return cls.loaded(lying, pushed, device)
 
 
 class DelayedScaling:
