@@ -196,3 +196,14 @@ def test_hf_train_step_refuses_an_unknown_configuration_first(capsys: Any) -> No
     assert ei.value.code == 2
     err = capsys.readouterr().err
     assert "list liger last" in err and "torchao-tensorwise" in err
+    # a configuration captured in a CUDA graph is NAME+graph: another suffix is unknown, and so is it
+    # with --lora; the liger rule reads the names without it
+    for argv, said in (
+        (["--configs", "coda+grap"], "each optionally with +graph"),
+        (["--configs", "coda-fp8+graph", "--lora", "8"], "+graph with --lora"),
+        (["--configs", "liger+graph,coda"], "list liger last"),
+    ):
+        with pytest.raises(SystemExit) as ei:
+            step.main(argv)
+        assert ei.value.code == 2, argv
+        assert said in capsys.readouterr().err, argv
