@@ -60,7 +60,8 @@ def check_ptx(c: CompiledStage) -> None:
     assert f"{c.spec.fn_name}_" in ptx  # the kernel is minted from the emitted epilogue
 
 
-@pytest.mark.parametrize("index", [1, 2, 3])
+# (stage 1, the longest compile, under -m slow: stages 2 and 3 walk the same candidates)
+@pytest.mark.parametrize("index", [pytest.param(1, marks=pytest.mark.slow), 2, 3])
 def test_llama_mlp_stage_compiles_without_spills(mlp: coda_lang.Block, cache: Path, index: int) -> None:
     c = select_config(mlp, index, directory=cache)
     check_ptx(c)
@@ -81,6 +82,7 @@ def test_llama_mlp_at_128x128(mlp: coda_lang.Block, cache: Path, index: int) -> 
     assert c.report is not None and not c.report.spills, c.report.text
 
 
+@pytest.mark.slow  # (four compiles; the override itself: test_epilogue_subtile_override_is_a_cache_key)
 def test_narrow_epilogue_subtile_removes_the_norm_backward_spills(mlp: coda_lang.Block, cache: Path) -> None:
     """llama_mlp's norm backward (b4: two tile loads and a column-partial sink) spills at quack's 128x192
     with its 64x32 epilogue subtile; with the subtile 16 columns wide (`epi_n=16`, set through quack's
@@ -151,7 +153,15 @@ def _from(tile: TileConfig) -> tuple[TileConfig, ...]:
     return CANDIDATES[CANDIDATES.index(tile) :]
 
 
-@pytest.mark.parametrize("name", sorted(REDUCTION_PTX))
+# (the element and packed programs' walks, the longest, under -m slow: the paired and grouped ones
+# compile min, max and logsumexp folds too)
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.slow) if n in ("element", "packed") else n
+        for n in sorted(REDUCTION_PTX)
+    ],
+)
 def test_min_and_logsumexp_compile_without_spills(cache: Path, name: str) -> None:
     """min() (a max of the negation) beside logsumexp() over the columns, grouped min and logsumexp (epi_ops.GroupedReduce): quack compiles them, and a candidate tile has no spills."""
     block = next(iter(coda_lang.load(NEW_REDUCTIONS[name][0])))
@@ -392,6 +402,7 @@ def test_every_example_stage_is_covered() -> None:
     assert sum(1 for n, k, _ in EXAMPLE_STAGES if (n, k) == ("llama_mlp", "backward")) == 6
 
 
+@pytest.mark.slow  # (test_backend_emit checks the Scalar dims' source; this compiles it)
 def test_dims_used_as_values_compile(cache: Path) -> None:
     """Dims inside a stage are Scalar operands: the stage compiles without spills, reading them by name."""
     block = next(iter(coda_lang.load(DIMS_AS_VALUES)))
@@ -401,6 +412,7 @@ def test_dims_used_as_values_compile(cache: Path) -> None:
     assert 'Scalar("dim_K")' in c.source and "acc / dim_K" in c.source
 
 
+@pytest.mark.slow  # (test_backend_emit checks the Bounded reductions' source; this compiles it)
 def test_masked_sums_compile(cache: Path) -> None:
     """Sums masked past the ragged end (epi_ops' Bounded*Reduce, quack's out-of-bounds mask on for add
     and max_abs) compile at a candidate tile without spills."""

@@ -645,6 +645,7 @@ def test_two_jobs_write_the_same_ptx_as_one_for_llama_mlp(mlp: coda_lang.Block, 
     _same_as_one_job(mlp, MLP, tmp_path)
 
 
+@pytest.mark.slow  # (compiles a forward's and a backward's stages in-process: the CI machine's minutes are few)
 @pytest.mark.toolchain
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_coda_tune_without_a_gpu_compiles_everything_and_says_timing_needs_one(

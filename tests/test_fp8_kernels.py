@@ -318,7 +318,7 @@ def test_gated_fp8_store_is_planned(dtype: str) -> None:
 
 @pytest.mark.toolchain
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("i", [0, 2])
+@pytest.mark.parametrize("i", [0, pytest.param(2, marks=pytest.mark.slow)])  # (2, the mixed stage: -m slow)
 def test_fp8_store_compiles_to_ptx(i: int, tmp_path_factory: pytest.TempPathFactory) -> None:
     """fp8_blockwise's forward and the bf16 + e4m3 + e5m2 stage compile for sm_90a at 128x128 without
     spills: WGMMA of bf16, the clamp (setp/selp against +-max: NaN compares false and stays), then
@@ -353,7 +353,10 @@ def _gated_tile(i: int) -> Any:
 
 @pytest.mark.toolchain
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("i", range(len(GATED_TILES)))
+# (the cooperative tile in the default run; the pingpong ones, whose PTX holds the same ops: -m slow)
+@pytest.mark.parametrize(
+    "i", [0, *(pytest.param(i, marks=pytest.mark.slow) for i in range(1, len(GATED_TILES)))]
+)
 def test_gated_fp8_store_compiles_to_ptx(i: int, tmp_path_factory: pytest.TempPathFactory) -> None:
     """SWIGLU8 compiles for sm_90a at the GPU test's tiles without spills: the gated register permute
     (quad shuffles, at f32), the clamp, two values per cvt, then two fp8 per shared store (a universal
@@ -1357,7 +1360,7 @@ def test_packed_e5m2_plans_narrowed(dtype: str) -> None:
 
 @pytest.mark.toolchain
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("dtype", ["bf16", pytest.param("f16", marks=pytest.mark.slow)])
 def test_packed_e5m2_compiles(dtype: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     """That stage compiles for sm_90a without spills at 128x128 (the 128x192 candidate spills a few
     bytes, which the tile choice skips), its rounding to odd inlined: the bf16 one's mask of the 16

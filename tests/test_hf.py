@@ -691,3 +691,27 @@ def test_confident_tokens_keep_their_gradient(loss_mode: str) -> None:
         err = float((gc[name] - g).norm() / g.norm())
         base = float((g16[name] - g).norm() / g.norm())
         assert err < 4 * base + 1e-3, (name, err, base)
+
+
+def test_models_patched_alike_share_their_program_and_its_derivations() -> None:
+    """Two models of one configuration, patched one after the other, share one checked program (made
+    once per process: hf/state.py `program`), so the second patch derives no backward again; a model
+    of another configuration (another width) or another fp8 recipe gets a program of its own. Each
+    still trains as its own unpatched twin (the other tests of this file)."""
+    from coda_lang.hf import state
+
+    a, b = patch("llama", make("llama")), patch("llama", make("llama", seed=5))
+    pa, pb = a._coda.blocks(a._coda.dtype)._prog, b._coda.blocks(b._coda.dtype)._prog
+    assert pa is pb
+    layer = pa["layer"]
+    assert layer._derivations, "the first patch derived the layer's backward"
+    before = dict(layer._derivations)
+    patch("llama", make("llama", seed=7))
+    assert layer._derivations == before  # (the same derivation objects: none made again)
+    wider = patch("llama", make("llama", hidden_size=SHAPES["hidden_size"] * 2))
+    assert wider._coda.blocks(wider._coda.dtype)._prog is pa  # (shapes are dims: one program)
+    fp8 = patch("llama", make("llama"), fp8="delayed")
+    assert fp8._coda.blocks(fp8._coda.dtype)._prog is not pa
+    eps = patch("llama", make("llama", rms_norm_eps=1e-3))
+    assert eps._coda.blocks(eps._coda.dtype)._prog is not pa  # (eps is written into the program)
+    assert state.program.cache_info().hits >= 3

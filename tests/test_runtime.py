@@ -827,10 +827,10 @@ def _dry_run(blk: coda_lang.Block, index: int) -> None:
 QUACK = pytest.mark.toolchain
 DRY = [
     ("llama_mlp", 1),
-    ("lm_head_ce", 1),
+    pytest.param("lm_head_ce", 1, marks=pytest.mark.slow),
     ("qkv_rope", 1),
     ("gelu_mlp_bwd", 2),
-    ("gelu_mlp_bwd", 3),
+    pytest.param("gelu_mlp_bwd", 3, marks=pytest.mark.slow),
     pytest.param("llama_mlp", 2, marks=pytest.mark.slow),
     pytest.param("llama_mlp", 3, marks=pytest.mark.slow),
     pytest.param("amax_fp8", 1, marks=pytest.mark.slow),

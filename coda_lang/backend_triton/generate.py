@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from coda_lang.backend_triton import kmajor_width
+from coda_lang.backend_triton.interpret import interpreted
 from coda_lang.backend_triton.launcher import launch
 from coda_lang.ir.nodes import Var
 from coda_lang.ir.types import MATRIX, TILE, is_fp8
@@ -803,9 +804,7 @@ def _jit(interpret: bool) -> Any:
 
     if not interpret:
         return triton.jit
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return InterpretedFunction
+    return interpreted()
 
 
 __all__ = ["TritonStage", "load_kernel", "module_head", "unsupported"]

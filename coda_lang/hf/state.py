@@ -22,11 +22,12 @@ Invariants: made once per model, at patching; the model and each decoder layer k
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
-from coda_lang.api import load
+from coda_lang.api import Program, load
 from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.hf.blocks import FP8_GRADS, model_source
 from coda_lang.hf.checkpoint import Layout
@@ -36,6 +37,15 @@ from coda_lang.hf.loss import LOSS_CHUNK_BYTES, LossSettings
 from coda_lang.hf.masks import layer_kinds
 from coda_lang.hf.split import split
 from coda_lang.torch import BlockFunction, compile_together, function
+
+
+@functools.lru_cache(maxsize=16)
+def program(text: str) -> Program:
+    """The checked program of a model's source text, made once per process for each text: every model
+    patched alike (another instance, a deep copy, the blocks of another dtype made again, a model
+    patched after `unpatch`) shares it, and with it each block's derivations (`Block.derivation`
+    keeps them), which are most of the time a patch takes. A program is not changed after `load`."""
+    return load(text)
 
 
 class Blocks:
@@ -65,7 +75,7 @@ class Blocks:
                 fp8=st.fp8,
             )
 
-        prog = load(source())
+        prog = program(source())
         self._source = source
         weights = {"w_o", "w_13", "w_2", "w_qkv", "b_qkv", "w_lm", "g", "g1", "g2", "go", "gd"}
         weights |= {"gq", "gk", "gqk"}
@@ -126,7 +136,7 @@ class Blocks:
             if "w_qkv" in cut and self.head_norm:
                 # (a per-head q/k norm after a GEMM that adds LoRA's output: in a row stage)
                 if self._lora_prog is None:
-                    self._lora_prog = load(self._source(head_rows=True))
+                    self._lora_prog = program(self._source(head_rows=True))
                 prog = self._lora_prog
             block = prog[name]
             own = {p.var.name for p in block.ir.params}
