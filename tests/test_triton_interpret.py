@@ -30,6 +30,11 @@ def _both(a, i, b, j):  # type: ignore[no-untyped-def]
     return tl.where(take, a, b), tl.where(take, i, j)
 
 
+_add_j: Any = None  # (the combine functions as the interpreter calls them: set by _run)
+_nanmax_j: Any = None
+_both_j: Any = None
+
+
 def _kernel(x, out_rows, out_cols, out_all, out_keep, out_idx, R: tl.constexpr, C: tl.constexpr):  # type: ignore[no-untyped-def]
     r = tl.arange(0, R)[:, None]
     c = tl.arange(0, C)[None, :]
@@ -47,8 +52,8 @@ def _kernel(x, out_rows, out_cols, out_all, out_keep, out_idx, R: tl.constexpr, 
 def _run(x: torch.Tensor) -> list[torch.Tensor]:
     from triton.runtime.interpreter import InterpretedFunction
 
-    g: dict[str, Any] = _kernel.__globals__
-    g["_add_j"], g["_nanmax_j"], g["_both_j"] = (InterpretedFunction(f) for f in (_add, _nanmax, _both))
+    global _add_j, _nanmax_j, _both_j
+    _add_j, _nanmax_j, _both_j = (InterpretedFunction(f) for f in (_add, _nanmax, _both))
     R, C = x.shape
     outs = [
         torch.empty(R),
@@ -98,8 +103,9 @@ def test_the_slice_fold_is_the_interpreters_fold_bit_for_bit(monkeypatch: pytest
 
 
 def test_the_generated_kernels_use_it() -> None:
-    from coda_lang.backend_triton.generate import _jit
     from triton.runtime import interpreter
+
+    from coda_lang.backend_triton.generate import _jit
 
     _jit(True)
     assert interpreter.ReduceOps.generic_reduce is interpret._slice_fold
