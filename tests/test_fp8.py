@@ -664,6 +664,107 @@ def test_row_groups_not_yet_differentiated_or_compiled() -> None:
     assert d.code == "E0705" and "runs of 128 rows" in d.message
 
 
+# A 128x1 group the stage stores and does not read: one amax per column and run of 128 rows, beside
+# the stage's bf16 store (what a producing GEMM can hand the next step's column scales, or a
+# column-quantizing pass, without an amax pass of its own)
+COLQ_STORED = """
+dims M, K, N
+block colq(x: bf16[M, K], w: bf16[K, N]) -> (y: bf16[M, N], amax_c: f32[M/128, N]) {
+  gemm x @ w {
+    y: bf16 = acc
+    amax_c = detach(max(abs(acc), over=M, group=128))
+  }
+}
+"""
+
+
+def test_a_stored_row_group_is_a_tile_tall_column_partial() -> None:
+    """Planned as quack's RowVecReduce (one value per column and tile) with `Sink.rows`, at tiles whose
+    tile_M is the group: 128-row tiles fit, a 256-row tile is E0805 for the kernel (the emulated
+    kernels take it: they fold each group whole); the header says so."""
+    from coda_lang.backend_cute.build.config import TileConfig, fits
+    from coda_lang.backend_cute.plan.emit import emit_stage
+    from coda_lang.backend_cute.plan.planner import plan_stage
+
+    block = coda_lang.load(COLQ_STORED)["colq"]
+    spec = plan_stage(block, 1)
+    (sink,) = spec.sinks
+    assert (sink.op, sink.combine, sink.rows, sink.layout) == ("RowVecReduce", "max", 128, "column partials")
+    assert not spec.groups
+    assert fits(spec, TileConfig(128, 128)) and fits(spec, TileConfig(128, 192, 2, 1, False))
+    assert not fits(spec, TileConfig(256, 128, 2, 1, False))
+    assert fits(spec, TileConfig(256, 128, 2, 1, False), emulated=True)
+    src = emit_stage(spec)
+    assert 'RowVecReduce("amax_c", combine="max")' in src
+    assert "(a group of 128 rows: each partial complete)" in src
+    with pytest.raises(CodaError) as ei:
+        block.cuda(tile=TileConfig(256, 128, 2, 1, False))
+    assert ei.value.diagnostics[0].code == "E0805"
+    assert "a group of 128 rows is one tile's column partial" in ei.value.diagnostics[0].message
+
+
+@pytest.mark.parametrize("tile", [(128, 128), (128, 64), (256, 128)])
+def test_a_stored_row_group_runs_as_the_interpreter_does(tile: tuple[int, int]) -> None:
+    """The emulated kernels (the runtime's torch stand-ins, on the CPU) against the interpreter, bit
+    for bit: the groups' amaxes, NaN and infinities kept; rows that are not a multiple of the group
+    are E0802 at the call."""
+    from coda_lang.backend_cute.build.config import TileConfig
+
+    block = coda_lang.load(COLQ_STORED)["colq"]
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((512, 32)).astype(ml_dtypes.bfloat16)
+    w = rng.standard_normal((32, 96)).astype(ml_dtypes.bfloat16)
+    x[7, 3] = np.nan  # row 7's acc is NaN: group 0's amax of every column is NaN
+    x[300, :] = np.inf  # row 300: +-inf (or NaN) in group 2
+    want = block.run({"x": x, "w": w})
+    m, n = tile
+    cb = block.cuda(tile=TileConfig(m, n, 2, 1, m == 128), emulate=True)
+    got = cb(x=to_torch(x), w=to_torch(w))
+    assert got["amax_c"].shape == (4, 96)
+    assert np.array_equal(got["amax_c"].numpy(), np.asarray(want["amax_c"]), equal_nan=True)
+    assert np.isnan(want["amax_c"][0]).all() and not np.isnan(want["amax_c"][1]).any()
+    assert np.array_equal(got["y"].float().numpy(), np.asarray(want["y"], np.float32), equal_nan=True)
+    with pytest.raises(CodaError, match="in groups of 128 rows, but it has 300 rows"):
+        cb(x=to_torch(x[:300]), w=to_torch(w))
+
+
+@pytest.mark.toolchain
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_stored_row_group_compiles_to_ptx(tmp_path: Path) -> None:
+    """quack's RowVecReduce of |acc| by max at 128x128 for sm_90a: no spills, every max NaN-propagating
+    (`max.NaN.f32`, no NaN-quiet float max in the epilogue)."""
+    import re
+
+    from coda_lang.backend_cute.build.compile import compile_stage
+    from coda_lang.backend_cute.build.config import TileConfig
+
+    c = compile_stage(coda_lang.load(COLQ_STORED)["colq"], 1, TileConfig(128, 128), directory=tmp_path)
+    assert c.report is not None and not c.report.spills, c.report.text
+    assert "wgmma.mma_async" in c.ptx and "max.NaN.f32" in c.ptx
+    assert not re.findall(r"\b(?:max|min)(?:\.ftz)?\.f32\b", c.ptx)
+
+
+@pytest.mark.gpu
+def test_a_stored_row_group_on_the_gpu() -> None:
+    """The compiled kernel on a Hopper GPU at 8192 x 1024 x 2048 (its tuned tile): the groups' amaxes
+    equal the interpreter's rule applied to the kernel's own bf16-exact f32 product, bit for bit."""
+    block = coda_lang.load(COLQ_STORED)["colq"]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(8192, 1024, device="cuda", generator=g).bfloat16()
+    w = torch.randn(1024, 2048, device="cuda", generator=g).bfloat16()
+    x[9, 5] = float("nan")
+    got = block.cuda()(x=x, w=w)
+    torch.cuda.synchronize()
+    acc = x.float() @ w.float()  # (the same products; f32 sums in another order: compared per group)
+    want = acc.abs().unflatten(0, (-1, 128)).amax(1)
+    assert got["amax_c"].shape == want.shape
+    assert torch.isnan(got["amax_c"][0]).all() and not torch.isnan(got["amax_c"][1:]).any()
+    torch.testing.assert_close(got["amax_c"][1:], want[1:], rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        got["amax_c"][1:], got["y"][128:].float().abs().unflatten(0, (-1, 128)).amax(1), rtol=2**-8, atol=0
+    )
+
+
 # ---------------------------------------------------------------------------- fp8 cotangents (fp8_grads=)
 
 TWO = """

@@ -117,6 +117,7 @@ def run(ctx: StageContext) -> StageSpec:
             paired,
             bool(outputs),
             any(o.gated and is_fp8(o.dtype) for o in outputs),
+            [s.rows for s in partials if s.rows is not None],
         ),
         source=tuple(inline_source(st.body)),
         span=st.span,
@@ -257,12 +258,30 @@ def _stores(ctx: StageContext, paired: bool, packed: bool) -> tuple[Output | Non
 
 
 def _tiling(
-    ctx: StageContext, group_widths: list[int], paired: bool, stores: bool, fp8_gated: bool = False
+    ctx: StageContext,
+    group_widths: list[int],
+    paired: bool,
+    stores: bool,
+    fp8_gated: bool = False,
+    group_rows: list[int] | None = None,
 ) -> tuple[TileConstraint, ...]:
-    """The checker's tiling constraints (tile_N holds whole groups) and the kernel's: grouped
-    statistics within the epilogue subtile, pairs of columns, paired TileStores (`stores`), a
-    half-width fp8 one's subtile (`fp8_gated`)."""
+    """The checker's tiling constraints (tile_N holds whole groups, tile_M whole groups of rows) and
+    the kernel's: grouped statistics within the epilogue subtile, pairs of columns, paired TileStores
+    (`stores`), a half-width fp8 one's subtile (`fp8_gated`), a group of rows one tile tall
+    (`group_rows`)."""
     tiling = list(ctx.sp.tiling)
+    for g in sorted(set(group_rows or ())):
+        # a 128x1 group folded as the tile's column partial (quack's RowVecReduce: one value per
+        # column and tile): the checker's tile_M % g == 0 and this make tile_M == g (the emulated
+        # kernels fold each group exactly at any tile_M the checker allows)
+        tiling.append(
+            TileConstraint(
+                of="tile_M",
+                divides=g,
+                reason=f"a group of {g} rows is one tile's column partial (RowVecReduce)",
+                kernel_only=True,
+            )
+        )
     for w in sorted(set(group_widths)):
         # quack's grouped statistics (GroupedColStatsBase) fold one statistic slot per thread and
         # epilogue subtile: a group narrower than the subtile would be folded together with its

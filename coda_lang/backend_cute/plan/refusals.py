@@ -387,12 +387,16 @@ def check_group(ctx: StageContext, e: Eqn, packed: bool) -> None:
     if out is not None and out.group_axis == 0:
         raise fail(
             "E0705",
-            f"`{e.outs[0].name}` reduces runs of {out.group} rows (a 128x1 group): not compiled yet",
+            f"`{e.outs[0].name}` reduces runs of {out.group} rows (a 128x1 group) and is read in its "
+            "stage: not compiled yet",
             e.span,
             notes=[
                 "quack's grouped statistics fold runs of columns in the prepass; runs of rows would "
-                "fold across the warps that hold a column (the interpreter runs it)"
+                "fold across the warps that hold a column before the stage's stores (the interpreter "
+                "runs it)",
+                "a group of rows the stage only stores compiles: one tile's column partial",
             ],
+            help=["store the group's value and use it after the stage"],
         )
     if packed:
         raise fail(

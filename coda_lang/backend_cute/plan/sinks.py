@@ -61,7 +61,8 @@ def partials(ctx: StageContext, live_out: set[str], paired: bool, packed: bool) 
         refusals.check_reduced(e, x)
         assert isinstance(x, Var)
         xt = x.type if x.type is not None else ctx.types.get(x.name)
-        if e.param("group") is not None:
+        rows = row_group(e, ctx, live_out)
+        if e.param("group") is not None and rows is None:
             continue  # complete in its tile: a Group (groups()), not a partial
         per_row = bool(t.shape) and t.shape[0] == ctx.rows  # one value per row: reduced over the columns
         half = paired and xt is not None and lanes_of(xt, ctx.rows, ctx.cols) == 1
@@ -175,12 +176,28 @@ def partials(ctx: StageContext, live_out: set[str], paired: bool, packed: bool) 
                 layout=layout,
                 pad="0.0" if combine == "add" else "self",
                 negate=negate,
-                bounded=bounded,
-                ragged_only=bounded and zero_if_finite,
+                bounded=bounded and rows is None,  # (a group of rows: M is a multiple of it, no ragged end)
+                ragged_only=bounded and zero_if_finite and rows is None,
+                rows=rows,
             )
         )
     refusals.check_pick_indices(ctx, index_uses, uses)
     return sinks
+
+
+def row_group(e: Eqn, ctx: StageContext, live_out: set[str]) -> int | None:
+    """The group height g of a grouped reduction over runs of g rows (a 128x1 group) that the stage
+    stores and does not read itself: a sink (`Sink.rows`). None for any other reduction; a group of
+    rows the stage reads is a Group, which refusals.check_group refuses (E0705)."""
+    g = e.param("group")
+    (v,) = e.outs
+    t = v.type
+    if g is None or t is None or t.group_axis != 0 or v.name not in live_out:
+        return None
+    if any(isinstance(a, Var) and a.name == v.name for d in ctx.st.body for a in d.ins):
+        return None
+    assert isinstance(g, int)
+    return g
 
 
 def _padding(ctx: StageContext, name: str, per_row: bool, finite: bool = True) -> Any:
@@ -206,6 +223,8 @@ def stored_groups(ctx: StageContext, live_out: set[str]) -> set[str]:
         for v in e.outs:
             if v.type is None or v.type.kind != GROUP or v.name not in live_out:
                 continue
+            if v.name in by_name and row_group(by_name[v.name], ctx, live_out) is not None:
+                continue  # a sink (partials)
             refusals.check_stored_group(v, e, by_name)
             out.add(v.name)
     return out

@@ -173,6 +173,10 @@ class Sink:
     # the CTA (a mask of every tile costs selects everywhere; this one a branch, cheaper where one sum
     # has it, but a branch per sink costs registers where a stage has many)
     ragged_only: bool = False
+    # a grouped reduction over runs of `rows` rows (a 128x1 group: `max(abs(acc), over=M, group=128)`),
+    # stored and not read in its stage: a RowVecReduce at tile_M == rows (planner's rule), so each
+    # tile's partial is one group's value, complete; the runtime keeps the [M / rows, N] buffer as it is
+    rows: int | None = None
 
 
 # quack's online log-sum-exp (OnlineLSEReduce) turns a row holding +inf into NaN (exp(inf - inf)) and one
@@ -350,7 +354,8 @@ def describe(spec: StageSpec) -> list[str]:
             fold = "min"
         what = {
             "ColVecReduce": f"{fold} over the columns, one partial per column tile",
-            "RowVecReduce": f"{fold} over the rows, one partial per row tile",
+            "RowVecReduce": f"{fold} over the rows, one partial per row tile"
+            + (f" (a group of {s.rows} rows: each partial complete)" if s.rows is not None else ""),
             "OnlineLSEReduce": "logsumexp over the columns, one partial per column tile",
             "ColVecSelect": f"the value at column {s.index} of each row",
         }[s.op]

@@ -83,6 +83,7 @@ def whole_folds(
             users = readers.get(sk.name, [])
             if (
                 rule in ("max", "min")
+                and sk.rows is None
                 and sk.name not in outputs
                 and storage.get(sk.name) in (None, "f32")
                 and len(users) == 1

@@ -204,6 +204,8 @@ def _sink(
         return fold.torch(x.reshape(m, tiles, tw), 2)
     width = x.shape[1]
     x = x.expand(m, width)
+    if s.rows is not None:  # a group of rows: one partial per group, at any tile_M the checker allows
+        tile_m = s.rows
     tiles = -(-m // tile_m)
     extra = tiles * tile_m - m
     fill = torch.full((extra, width), identity, device=x.device)

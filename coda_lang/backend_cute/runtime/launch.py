@@ -65,6 +65,8 @@ def sink_shape(s: Sink, m: Any, n: Any, tile_m: int, tile_n: int) -> tuple[Any, 
         return (m,)
     if s.layout == "row partials":
         return (m, -(-n // tile_n))
+    if s.rows is not None:  # a group of rows: one partial per group (tile_M == rows in the kernel)
+        return (-(-m // s.rows), n)
     return (-(-m // tile_m), n)
 
 
@@ -335,6 +337,13 @@ class StageRunner:
                     notes=["choose sizes that make the grouped width a multiple of the group"],
                 )
         for s in spec.sinks:
+            if s.rows is not None and isinstance(m, int) and m % s.rows:
+                raise error(
+                    "E0802",
+                    f"stage {spec.index} (`{spec.text}`) reduces `{s.name}` in groups of {s.rows} rows, "
+                    f"but it has {m} rows: not a multiple of {s.rows}",
+                    notes=["choose sizes that make the rows a multiple of the group"],
+                )
             # pick: zeros here; `launch` prefills it from the indices (_prefill_select) before the kernel
             layout.append(
                 (sink_shape(s, m, n, cfg.tile_m, cfg.tile_n), torch.float32, s.op == "ColVecSelect")
@@ -467,7 +476,8 @@ class StageRunner:
                 env[s.name] = buf
                 continue
             rule, axis = sink_rule(s)
-            x = buf if rule == "select" else combine_rule(rule).torch(buf, axis)
+            # (a group of rows: each partial is one group's value, complete)
+            x = buf if rule == "select" or s.rows is not None else combine_rule(rule).torch(buf, axis)
             dtype = storage.get(s.name)
             env[s.name] = round_value(x, dtype) if dtype else x
         for gr in spec.groups:
