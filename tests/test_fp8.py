@@ -728,6 +728,48 @@ def test_a_stored_row_group_runs_as_the_interpreter_does(tile: tuple[int, int]) 
         cb(x=to_torch(x[:300]), w=to_torch(w))
 
 
+ROW_FOLDS = """
+dims M, K, N
+block rg(x: bf16[M, K], w: bf16[K, N], v: f32[N]) -> (y: bf16[M, N], s: f32[M/128, N], lo: f32[M/128, N]) {
+  gemm x @ w {
+    y: bf16 = acc
+    s = sum(acc * v, over=M, group=128)
+    lo = min(acc, over=M, group=128)
+  }
+}
+"""
+
+
+def test_stored_row_groups_sum_a_product_and_take_a_min() -> None:
+    """A sum of a product over runs of rows (folded as one fma of its factors) and a min (the max of
+    the negation) are stored groups of rows too, each at tile_M == 128, and run as the interpreter
+    does; a logsumexp over runs of rows stays E0705."""
+    from coda_lang.backend_cute.build.config import TileConfig
+    from coda_lang.backend_cute.plan.planner import plan_stage
+
+    block = coda_lang.load(ROW_FOLDS)["rg"]
+    spec = plan_stage(block, 1)
+    assert [(s.name, s.scaled, s.negate, s.rows) for s in spec.sinks] == [
+        ("s", True, False, 128),
+        ("lo", False, True, 128),
+    ]
+    rng = np.random.default_rng(1)
+    ins = {
+        "x": rng.standard_normal((256, 16)).astype(ml_dtypes.bfloat16),
+        "w": rng.standard_normal((16, 64)).astype(ml_dtypes.bfloat16),
+        "v": rng.standard_normal(64).astype(np.float32),
+    }
+    want = block.run(ins)
+    for tile in (TileConfig(128, 64), TileConfig(256, 128, 2, 1, False)):
+        got = block.cuda(tile=tile, emulate=True)({k: to_torch(a) for k, a in ins.items()})
+        assert np.array_equal(got["lo"].numpy(), np.asarray(want["lo"]))
+        np.testing.assert_allclose(got["s"].numpy(), np.asarray(want["s"]), rtol=1e-5, atol=1e-5)
+    lse = ROW_FOLDS.replace("lo = min(acc, over=M, group=128)", "lo = logsumexp(acc, over=M, group=128)")
+    with pytest.raises(CodaError) as ei:
+        plan_stage(coda_lang.load(lse)["rg"], 1)
+    assert ei.value.diagnostics[0].code == "E0705"
+
+
 @pytest.mark.toolchain
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_a_stored_row_group_compiles_to_ptx(tmp_path: Path) -> None:

@@ -20,7 +20,15 @@ from collections.abc import Sequence
 from fractions import Fraction
 
 from coda_lang.backend_cute.plan.context import StageContext
-from coda_lang.backend_cute.plan.spec import GEMM_DTYPES, PACKED_DTYPES, STORE_DTYPES, Mode, Operand, Output
+from coda_lang.backend_cute.plan.spec import (
+    GEMM_DTYPES,
+    PACKED_DTYPES,
+    SINK_COMBINES,
+    STORE_DTYPES,
+    Mode,
+    Operand,
+    Output,
+)
 from coda_lang.core.diagnostics import CodaError, Diagnostic
 from coda_lang.frontend.verify.plan import Load, StagePlan, Store
 from coda_lang.ir.nodes import Atom, DimRef, Eqn, Span, Stage, Var
@@ -375,6 +383,20 @@ def check_stored_group(v: Var, e: Eqn, grouped: dict[str, Eqn]) -> None:
                 "group), not values computed from it"
             ],
             help=["use the grouped reduction after the stage, or recompute from it there"],
+        )
+
+
+def check_row_group_sink(e: Eqn, sink: str, wide: bool) -> None:
+    """A stored group of rows is a RowVecReduce folding by add or max (sum, max, min): not a
+    log-sum-exp, and not of a double-width value (packed mode)."""
+    if sink not in SINK_COMBINES or wide:
+        raise fail(
+            "E0705",
+            f"`{e.outs[0].name}` reduces runs of rows with `{REGISTRY[e.op].surface}()`"
+            + (" of a double-width value (packed mode)" if wide else "")
+            + ": not compiled yet",
+            e.span,
+            notes=["a stored group of rows compiles as a sum, max or min of a tile as wide as the stage"],
         )
 
 

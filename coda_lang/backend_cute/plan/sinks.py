@@ -71,6 +71,8 @@ def partials(ctx: StageContext, live_out: set[str], paired: bool, packed: bool) 
         py = ctx.py(v.name)
         rec = od.combine
         assert rec is not None and rec.sink is not None  # (check_sink)
+        if rows is not None:
+            refusals.check_row_group_sink(e, rec.sink, wide)
         if od.locality is Locality.GATHER:  # quack's ColVecSelect
             idx = e.ins[1]
             assert isinstance(idx, Var)  # (check_sink)
@@ -157,8 +159,9 @@ def partials(ctx: StageContext, live_out: set[str], paired: bool, packed: bool) 
                     value=ins,
                     shape=t.shape,
                     layout=layout,
-                    bounded=bounded,
-                    ragged_only=bounded,
+                    bounded=bounded and rows is None,
+                    ragged_only=bounded and rows is None,
+                    rows=rows,
                 )
             )
             continue
