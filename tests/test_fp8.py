@@ -701,6 +701,15 @@ def test_a_stored_row_group_is_a_tile_tall_column_partial() -> None:
         block.cuda(tile=TileConfig(256, 128, 2, 1, False))
     assert ei.value.diagnostics[0].code == "E0805"
     assert "a group of 128 rows is one tile's column partial" in ei.value.diagnostics[0].message
+    # a kernel launch at such a tile, past those rules, stops before any buffer is made
+    from coda_lang.backend_cute.runtime.launch import StageRunner
+
+    a, b = (torch.empty(shape, device="meta", dtype=torch.bfloat16) for shape in ((512, 64), (64, 128)))
+    outs = StageRunner(block, 1, spec, TileConfig(128, 128), False, False).allocate(a, b)
+    assert [tuple(o.shape) for o in outs] == [(512, 128), (4, 128)]
+    runner = StageRunner(block, 1, spec, TileConfig(256, 128, 2, 1, False), False, False)
+    with pytest.raises(AssertionError, match="colq"):
+        runner.allocate(a, b)
 
 
 @pytest.mark.parametrize("tile", [(128, 128), (128, 64), (256, 128)])

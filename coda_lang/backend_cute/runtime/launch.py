@@ -344,6 +344,9 @@ class StageRunner:
                     f"but it has {m} rows: not a multiple of {s.rows}",
                     notes=["choose sizes that make the rows a multiple of the group"],
                 )
+            # (the kernel writes one partial per tile of rows: only a tile as tall as the group makes
+            # them the groups' values; config.rules keep every other tile away from this stage)
+            assert s.rows is None or self.emulate or cfg.tile_m == s.rows, (spec.block, spec.index, cfg)
             # pick: zeros here; `launch` prefills it from the indices (_prefill_select) before the kernel
             layout.append(
                 (sink_shape(s, m, n, cfg.tile_m, cfg.tile_n), torch.float32, s.op == "ColVecSelect")
