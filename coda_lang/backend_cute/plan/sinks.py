@@ -6,7 +6,9 @@ RowVecReduce (one per column), folding by add or max (min as the max of the nega
 OnlineLSEReduce for logsumexp(), a ColVecSelect for pick(); a sum of a product used nowhere else as
 one fma of its two factors (`scaled`, as quack's rms epilogues do); in packed mode a row reduction of
 a double-width value folding its two lanes first; and where a sum is masked past the ragged end of
-its dim (`bounded`, `ragged_only`: padding.py says what the padding holds). `groups` makes each
+its dim (`bounded`, `ragged_only`: padding.py says what the padding holds); a grouped reduction over
+runs of rows that the stage stores and does not read is a RowVecReduce one tile tall (`Sink.rows`,
+`row_group`). `groups` makes each
 grouped reduction the stage reads (or stores: `stored_groups`) a Group of quack's epilogue prepass,
 with the prepass equations that compute what it reduces.
 What it does not: word refusals (refusals.py: each check is called here, in the order the
