@@ -228,10 +228,21 @@ def test_the_generator_takes_the_stages_the_llama_step_runs() -> None:
 def _costly(name: str) -> bool:
     """Qwen3's, OLMo 2's and Gemma 2's and 3's stages beyond their layer block's forward and the
     patch's backward of it (the first layer's and the last's are the same kinds of stage; the other
-    backwards, the heads' are Llama's or its soft-capped ones) run under -m slow."""
-    return any(
+    backwards, the heads' are Llama's or its soft-capped ones), and Llama's other backwards of the
+    blocks the patch differentiates (the same stages' kinds), run under -m slow."""
+    if any(
         name.startswith(f"{f}.") and not name.startswith((f"{f}.layer.fwd.", f"{f}.layer.bwd_hf."))
         for f in ("qwen3", "olmo2", "gemma2", "gemma3")
+    ):
+        return True
+    # Llama's blocks differentiated for every parameter (`bwd`) and under remat="save" (`bwd_hf_save`),
+    # beside the patch's own backward of each (`bwd_hf`), but the loss heads' saved-logits stages
+    return name.startswith(
+        tuple(
+            f"llama.{b}.{tag}."
+            for b in ("first_qkv", "layer", "last", "head_logits")
+            for tag in ("bwd", "bwd_hf_save")
+        )
     )
 
 
