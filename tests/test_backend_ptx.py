@@ -202,11 +202,26 @@ def test_a_damaged_cache_entry_is_compiled_again(mlp: coda_lang.Block, tmp_path:
 
 
 def test_cli_compile_ptx(mlp: coda_lang.Block, cache: Path, tmp_path: Path) -> None:
+    """`coda compile --emit ptx --tile 128x128`: each stage's PTX, its spill report, and the kernels a
+    compile in this process left in the cache reused by the command's process. (At a fixed tile:
+    select_config's walk over the candidates is test_llama_mlp_stage_compiles_without_spills'.)"""
     for k in (1, 2, 3):  # warm the session cache, so the CLI reuses the PTX
-        select_config(mlp, k, directory=cache)
+        compile_stage(mlp, k, TileConfig(128, 128), directory=cache)
     env = {**os.environ, "CODA_CACHE_DIR": str(cache)}
     r = subprocess.run(
-        [sys.executable, "-m", "coda_lang.cli", "compile", str(MLP), "--emit", "ptx", "-o", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "coda_lang.cli",
+            "compile",
+            str(MLP),
+            "--emit",
+            "ptx",
+            "--tile",
+            "128x128",
+            "-o",
+            str(tmp_path),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -117,13 +117,13 @@ def test_random_token_sequences_unspaced(text: str) -> None:
 mutated_example = mutated(st.sampled_from(sorted(SOURCES.values())), NAMES)
 
 
-@settings(max_examples=400)
+@settings(max_examples=250)
 @given(mutated_example)
 def test_mutated_examples(text: str) -> None:
     assert_diagnosed(text)
 
 
-@settings(max_examples=150)
+@settings(max_examples=100)
 @given(mutated(programs(), NAMES))
 def test_mutated_random_programs(text: str) -> None:
     assert_diagnosed(text)
