@@ -365,7 +365,7 @@ def test_grouped_reductions_used_in_their_stage(paired: bool, monkeypatch: pytes
     assert unsupported(st) is None and st.groups == (16, 8, 0)
     # 2 * 136 columns: two chunks of 128 and a ragged one (unpaired), or a chunk of 128 pairs and one
     # of 8 (paired); 17 groups of 16
-    rows, cols = 37, 2 * 136
+    rows, cols = 11, 2 * 136
     gen = torch.Generator().manual_seed(5)
     ins = [torch.randn(rows, cols, generator=gen).bfloat16(), torch.randn(cols, generator=gen)]
     sizes = {"M": rows, "P": cols // 2}
