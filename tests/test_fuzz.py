@@ -188,6 +188,7 @@ def test_the_planted_bug_is_caught_in_random_programs(
         "--save-dir",
         str(found),
         "--no-backward",
+        "--no-shrink",  # (shrinking is test_a_planted_tile_bug_is_caught_shrunk_and_reproduced's)
     )
     assert code == 1, out + err
     saved = list(found.glob("coda-fuzz-*.coda"))
@@ -409,7 +410,8 @@ def test_a_planted_chunk_bug_is_caught_and_reproduced(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The last chunk's sums (the wgrads) dropped when it is ragged: caught with --chunk auto (a drawn
-    budget), shrunk, and reproduced by a command naming the chunk and the budget."""
+    budget), and reproduced by a command naming the chunk and the budget (unshrunk: shrinking is
+    test_a_planted_tile_bug_is_caught_shrunk_and_reproduced's)."""
     import coda_lang.api as api  # (the interpreter's chunked backward runs chunks through it)
 
     run_chunks = api.run_chunks
@@ -424,7 +426,9 @@ def test_a_planted_chunk_bug_is_caught_and_reproduced(
 
     monkeypatch.setattr(api, "run_chunks", wrong)
     assert fuzz(capsys, MLP, "--examples", "20")[0] == 0  # unchunked: the bug is not on this path
-    code, out, err = fuzz(capsys, MLP, "--examples", "50", "--chunk", "auto", "--remat", "recompute")
+    code, out, err = fuzz(
+        capsys, MLP, "--examples", "50", "--chunk", "auto", "--remat", "recompute", "--no-shrink"
+    )
     assert code == 1, out + err
     assert re.search(r"; remat recompute; chunk auto \(budget \d+ bytes\)", out), out
     args = repro_args(out)
