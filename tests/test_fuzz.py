@@ -38,6 +38,7 @@ import numpy as np
 import pytest
 from support import NO_BACKWARD
 
+import coda_lang
 import coda_lang.interp.run as interp_run
 from coda_lang.cli import main
 
@@ -862,3 +863,65 @@ def test_fp8_cotangents_usage_errors(capsys: pytest.CaptureFixture[str], args: l
     out, err = capsys.readouterr()
     assert code == 2, out + err
     assert "--fp8-grads" in err and "Traceback" not in err, err
+
+
+# ------------------------------------------------------------------ found on the CPU (2026-11-28)
+
+# `coda fuzz --programs 300 --target emulate --examples 3 --seed 23 --special` found both
+TRANSPOSED_INPUT = """dims M, K, N, F
+
+block fwd(x1: bf16[K, M], w2: bf16[N, K], p3: f32[M], p4: f32) -> (v7: f32[M, N]) {
+  gemm transpose(x1) @ transpose(w2) {
+    v6 = abs(0.5)
+    v7: f32 = acc
+  }
+}
+"""
+
+
+def test_a_drawn_chunk_of_fewer_rows_than_the_alignment_is_all_the_rows() -> None:
+    """x1's gradient is stored [K, M]: chunks of M are its columns, and a kernel stores rows of 16 bytes
+    (8 bf16). With M = 8 the drawn chunk was 1 row, a case the kernels (emulated too) refuse with
+    E0807, which the fuzzer reported as a bug; a drawn chunk is now a multiple of the alignment, or
+    all the rows where they are fewer (the interpreter keeps drawing any chunk)."""
+    from coda_lang.fuzz import Fuzzer
+
+    block = coda_lang.load(TRANSPOSED_INPUT)["fwd"]
+    for target, want in (("emulate", 8), ("interp", 1)):
+        f = Fuzzer(block, target, remat="save", chunk="auto")
+        f.draw = True  # (each case draws its chunk, as --programs does)
+        assert f.chunk_plan is not None and f.chunk_plan.align == 8
+        got = f._chunk_of({"M": 8, "K": 8, "N": 8, "F": 8}, ("rows", 1, 0))
+        assert got.chunk == want, (target, got)
+    assert (
+        Fuzzer(block, "emulate", remat="save", chunk="auto")
+        ._chunk_of({"M": 24, "K": 8, "N": 8, "F": 8}, ("rows", 2, 0))
+        .chunk
+        == 16
+    )
+
+
+def test_gelu_of_a_dim_is_torchs() -> None:
+    """`gelu(M)` between stages: the interpreter's GELU of an integer (a dim's value) took its
+    constants in the integer's dtype (0), giving M / 2; it is now computed in float64, as torch's is
+    in float32 for the emulated kernels."""
+    import ml_dtypes
+
+    torch = pytest.importorskip("torch")
+    for approximate in ("tanh", "none"):
+        src = f"""dims M, K, N
+block f(x: bf16[M, K], w: bf16[K, N]) -> (y: f32[M, N], v: f32, u: f32) {{
+  gemm x @ w {{ y: f32 = acc }}
+  v = gelu(M, approximate="{approximate}")
+  u = gelu(-1 * M / 8, approximate="{approximate}")
+}}
+"""
+        block = coda_lang.load(src)["f"]
+        x = np.ones((8, 8), ml_dtypes.bfloat16)
+        got = block.run({"x": x, "w": x})
+        want = [
+            torch.nn.functional.gelu(torch.tensor(v, dtype=torch.float64), approximate=approximate)
+            for v in (8.0, -1.0)
+        ]
+        assert abs(float(got["v"]) - float(want[0])) < 1e-6, (approximate, got["v"])
+        assert abs(float(got["u"]) - float(want[1])) < 1e-6, (approximate, got["u"])

@@ -212,8 +212,10 @@ class CaseDraws:
         c = 1 + (n - 1) % rows  # 1 .. rows: shrinks to 1
         if kind == "rows":
             # a kernel stores rows of 16 bytes: where the dim is a stored matrix's columns (the gradient
-            # of a transposed input), a GPU chunk is a multiple of the plan's alignment (as "auto" makes it)
-            a = plan.align if self.target != "interp" and plan.align < rows else 1
+            # of a transposed input), a GPU chunk is a multiple of the plan's alignment (as "auto" makes it);
+            # where all the rows are fewer than that, one chunk of them all (a chunk of fewer rows would
+            # store rows the kernels refuse, E0807: the emulated kernels too)
+            a = plan.align if self.target != "interp" else 1
             return BackwardOptions(
                 o.remat, min(rows, a * (1 + (n - 1) % max(1, rows // a))), None, o.chunk_dim
             )

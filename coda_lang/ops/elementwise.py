@@ -568,6 +568,8 @@ register(
 
 def _gelu(x: Any, approximate: str | None = None) -> Any:
     x = np.asarray(x)
+    if not np.issubdtype(x.dtype, np.floating):  # a dim or an integer literal: in float64, as NumPy's
+        x = x.astype(np.float64)  # ufuncs take an integer (its constants below would round to 0 in it)
     if approximate == "none":
         # lazy: imports NumPy, which `coda check` and `import coda_lang` never load
         from coda_lang.core.numerics import erf
