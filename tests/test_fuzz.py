@@ -925,3 +925,29 @@ block f(x: bf16[M, K], w: bf16[K, N]) -> (y: f32[M, N], v: f32, u: f32) {{
         ]
         assert abs(float(got["v"]) - float(want[0])) < 1e-6, (approximate, got["v"])
         assert abs(float(got["u"]) - float(want[1])) < 1e-6, (approximate, got["u"])
+
+
+def test_exact_gelu_of_infinities_runs_as_the_kernel_does() -> None:
+    """`gelu(p, approximate="none")` at +-inf: the interpreter and quack's gelu_erf, 0.5 (x erf(x/sqrt 2)
+    + x), give inf at +inf and NaN at -inf; the emulated kernels' torch stand-in gave NaN at +inf
+    (torch's float32 GELU on the CPU). `coda fuzz --special` found it."""
+    import ml_dtypes
+
+    torch = pytest.importorskip("torch")
+    src = """dims M, K, N
+block f(x: bf16[M, K], w: bf16[K, N], p: f32[M, N]) -> (y: f32[M, N]) {
+  gemm x @ w { y: f32 = gelu(p, approximate="none") + acc * 0.0 }
+}
+"""
+    block = coda_lang.load(src)["f"]
+    x = np.ones((8, 8), ml_dtypes.bfloat16)
+    p = np.zeros((8, 8), np.float32)
+    p[0, :4] = [np.inf, -np.inf, 3.0, -3.0]
+    want = block.run({"x": x, "w": x, "p": p})["y"][0, :4]
+    got = block.cuda(emulate=True)(
+        x=torch.ones(8, 8).bfloat16(), w=torch.ones(8, 8).bfloat16(), p=torch.tensor(p)
+    )
+    got_row = got["y"][0, :4].numpy()
+    assert want[0] == np.inf and np.isnan(want[1]), want
+    assert got_row[0] == np.inf and np.isnan(got_row[1]), got_row
+    np.testing.assert_allclose(got_row[2:], want[2:], rtol=1e-6, atol=1e-6)

@@ -579,6 +579,16 @@ def _gelu(x: Any, approximate: str | None = None) -> Any:
     return 0.5 * x * (1 + np.tanh(c * (x + k * x * x * x)))
 
 
+def _gelu_torch(x: Any, approximate: str | None = None) -> Any:
+    """The torch stand-in: the exact GELU as quack's gelu_erf computes it, 0.5 (x erf(x / sqrt 2) + x),
+    which is inf at +inf as the interpreter's is (torch's own float32 GELU on the CPU gives NaN there);
+    the tanh approximation is torch's."""
+    x = as_tensor(x)
+    if approximate == "none":
+        return 0.5 * (x * torch.erf(x * _INV_SQRT_2) + x)
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
 def _gelu_emit(x: str, approximate: str | None = None) -> str:
     return f"gelu_erf({x})" if approximate == "none" else f"gelu_tanh_approx({x})"
 
@@ -599,9 +609,7 @@ register(
                 ("gelu_tanh_approx", "from quack.activation import gelu_tanh_approx"),
                 ("gelu_erf", "from quack.activation import gelu_erf"),
             ),
-            torch=lambda x, approximate=None: torch.nn.functional.gelu(
-                as_tensor(x), approximate="none" if approximate == "none" else "tanh"
-            ),
+            torch=_gelu_torch,
         ),
         doc='GELU: tanh approximation (default, or approximate="tanh"); exact with approximate="none"',
     )
