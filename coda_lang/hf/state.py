@@ -105,7 +105,6 @@ class Blocks:
         self.loss_budget = st.loss_budget
         self._fn = fn
         self._prog = prog
-        self._lora_prog: Any = None
         self.head_norm = f.qk_norm in ("head", True)
         self._weights = weights
         self._parts: dict[
@@ -135,9 +134,7 @@ class Blocks:
             prog = self._prog
             if "w_qkv" in cut and self.head_norm:
                 # (a per-head q/k norm after a GEMM that adds LoRA's output: in a row stage)
-                if self._lora_prog is None:
-                    self._lora_prog = program(self._source(head_rows=True))
-                prog = self._lora_prog
+                prog = program(self._source(head_rows=True))  # (made once per process)
             block = prog[name]
             own = {p.var.name for p in block.ir.params}
             wants = (self._weights | {"h", "y", "x", "hg", "r"}) - set(frozen)
