@@ -865,6 +865,96 @@ def test_fp8_cotangents_usage_errors(capsys: pytest.CaptureFixture[str], args: l
     assert "--fp8-grads" in err and "Traceback" not in err, err
 
 
+def _double_the_gradient_of(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """The planted bug: the path under test's gradient of input `name` comes back doubled (an identity
+    whose backward doubles, between the input and the block function)."""
+    import torch
+
+    from coda_lang.fuzz import fuzzer as fuzzer_mod
+
+    class Doubled(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, t: Any) -> Any:
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx: Any, g: Any) -> Any:
+            return 2 * g
+
+    made = fuzzer_mod.Fuzzer._autograd
+
+    def planted(self: Any, emulate: bool) -> Any:
+        fn = made(self, emulate)
+
+        def wrong(tensors: dict[str, Any], **kw: Any) -> Any:
+            t = dict(tensors)
+            if t[name].requires_grad:
+                t[name] = Doubled.apply(t[name])
+            return fn(t, **kw)
+
+        return wrong
+
+    monkeypatch.setattr(fuzzer_mod.Fuzzer, "_autograd", planted)
+
+
+def test_wrt_checks_the_gradients_it_names_and_only_those(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--wrt, as `coda grad --wrt`: the backward under test and its references differentiate the named
+    parameters only (a patched model's blocks take no gradient of their fp8 scales). A planted bug in
+    the gradient of fp8_delayed's `scale` fails the default fuzz, which differentiates every float
+    parameter, passes with --wrt x,w (scale left out), and fails again with scale named; the reproduce
+    command carries --wrt."""
+    pytest.importorskip("torch")
+    _double_the_gradient_of(monkeypatch, "scale")
+    base = [FP8_DELAYED, "--examples", "6", "--target", "emulate", "--fp8-grads", "e5m2", "--no-shrink"]
+    code, out, err = fuzz(capsys, *base)
+    assert code == 1 and "gradient of `scale`" in out, out + err
+    code, out, err = fuzz(capsys, *base, "--wrt", "x,w")
+    assert code == 0, out + err
+    assert "6 cases (forward and backward, --remat auto --fp8-grads e5m2 --wrt x,w), target emulate" in out, (
+        out
+    )
+    code, out, err = fuzz(capsys, *base, "--wrt", "x,scale")
+    assert code == 1 and "gradient of `scale`" in out and "gradient of `w`" not in out, out + err
+    args = repro_args(out)
+    assert args[args.index("--wrt") + 1] == "x,scale", args
+    monkeypatch.undo()
+    code, out, err = fuzz(capsys, *args)  # the reproduce command passes without the bug
+    assert code == 0, out + err
+
+
+def test_wrt_limits_the_derivation() -> None:
+    """The Fuzzer's derivation (the references') differentiates the named parameters only; the default
+    is every float parameter without a default."""
+    from coda_lang.fuzz.fuzzer import Fuzzer
+
+    block = coda_lang.load(FP8_DELAYED)["fp8_delayed"]
+    assert set(Fuzzer(block, wrt=["x", "w"]).derivation.grads) == {"x", "w"}
+    assert {"x", "w", "scale"} <= set(Fuzzer(block).derivation.grads)
+    with pytest.raises(ValueError, match="not a parameter"):
+        Fuzzer(block, wrt=["nope"])
+    with pytest.raises(ValueError, match="backward=False"):
+        Fuzzer(block, backward=False, wrt=["x"])
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--programs", "2", "--wrt", "x"],
+        [FP8_DELAYED, "--no-backward", "--wrt", "x"],
+        [FP8_DELAYED, "--wrt", "x,nope"],
+        [FP8_DELAYED, "--wrt", ","],
+    ],
+    ids=["programs", "no-backward", "unknown", "empty"],
+)
+def test_wrt_usage_errors(capsys: pytest.CaptureFixture[str], args: list[str]) -> None:
+    code = main(["fuzz", *args])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "", out + err
+    assert "--wrt" in err and "Traceback" not in err, err
+
+
 # ------------------------------------------------------------------ found on the CPU (2026-11-28)
 
 # `coda fuzz --programs 300 --target emulate --examples 3 --seed 23 --special` found both

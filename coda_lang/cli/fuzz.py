@@ -122,6 +122,12 @@ def add_parser(sub: Any) -> None:
         "--fp8-grads` (BackwardOptions(fp8_grads=)), every scale 1, in the backward under test and its "
         "references; unchunked; with a FILE",
     )
+    f.add_argument(
+        "--wrt",
+        metavar="P,Q",
+        help="the parameters the backward differentiates, as `coda grad --wrt` (default: every float "
+        "parameter without a default); the backward under test and its references alike; with a FILE",
+    )
     f.add_argument("--no-backward", action="store_true", help="fuzz the forward only")
     f.add_argument("--no-shrink", action="store_true", help="report the first failing case as found")
     f.add_argument("--programs", type=int, metavar="N", help="fuzz N random programs instead of FILE")
@@ -150,6 +156,8 @@ def _repro(args: Any, case: Case, file: str, block: str) -> str:
     cmd = ["coda", "fuzz", file, "--block", block, "--target", args.target] + case.args()
     if args.special:
         cmd.append("--special")
+    if args.wrt:
+        cmd += ["--wrt", args.wrt]
     if args.no_backward:
         cmd.append("--no-backward")
     return " ".join(shlex.quote(c) for c in cmd)
@@ -253,6 +261,14 @@ def _run(args: Any) -> int:
             "--fp8-grads quantizes the cotangents of FILE's backward; it goes with a FILE and a backward "
             "(not with --programs or --no-backward)"
         )
+    if args.wrt is not None and (args.no_backward or args.programs is not None):
+        return usage_error(
+            "--wrt names what FILE's backward differentiates; it goes with a FILE and a backward "
+            "(not with --programs or --no-backward)"
+        )
+    wrt = [w.strip() for w in args.wrt.split(",") if w.strip()] if args.wrt is not None else None
+    if wrt is not None and not wrt:
+        return usage_error("--wrt takes parameter names separated by commas, e.g. --wrt x,w")
     if args.fp8_grads is not None and options.chunked:
         return usage_error("--fp8-grads runs the backward unchunked; drop --chunk, --budget and --chunk-dim")
     if args.programs is not None and args.chunk_dim is not None:
@@ -350,13 +366,14 @@ def _run(args: Any) -> int:
                 tile=tile,
                 sim_tile=sim_tile,
                 fp8_grads=args.fp8_grads,
+                wrt=wrt,
             )
         except CodaError as e:
             print(render_all(e.diagnostics, e.sources, "human"), file=sys.stderr)
             print(f"coda fuzz: {block.name} can't run on --target {args.target}", file=sys.stderr)
             return EXIT_ERRORS
-        except ValueError as e:  # --chunk-dim names no dim of the block
-            return usage_error(str(e))
+        except ValueError as e:  # --chunk-dim names no dim of the block, --wrt no parameter
+            return usage_error(str(e).replace("wrt= names", "--wrt names"))
         units = fz.units()
         for name, size in dims.items():
             u = units.get(name, 1)
@@ -393,6 +410,8 @@ def _run(args: Any) -> int:
             what = f"forward and backward, --remat {fz.remat}"
             if fz.fp8_grads is not None:
                 what += f" --fp8-grads {fz.fp8_grads}"
+            if fz.wrt is not None:
+                what += f" --wrt {','.join(fz.wrt)}"
             if fz.chunk_plan is not None:
                 flags = options.flags()  # (the policy is named above)
                 what += "".join(f" {f}" for f in (flags[2:] if flags[:1] == ["--remat"] else flags))

@@ -49,6 +49,7 @@ class Comparisons:
     special: bool | tuple[str, ...]
     remat: str
     fp8_grads: str | None
+    wrt: list[str] | None  # the parameters differentiated (None: every float parameter without a default)
     crash: str | None
     derivation: Any
     cb: Any
@@ -93,9 +94,9 @@ class Comparisons:
             # the same derivation makes rule 3 of the accuracy rule weigh the path under test against
             # the rounding error of the very computation the exact-mode reference rounds. (A policy's
             # own mistakes, which both references would share, are `_policies_agree`'s to find.)
-            gref = self.block.vjp(ins, cots, dims=case.dims, backward=self._ref_options(remat))
+            gref = self.block.vjp(ins, cots, dims=case.dims, wrt=self.wrt, backward=self._ref_options(remat))
             g64 = self.block.vjp(
-                ins, cots, dims=case.dims, precision="f64", backward=self._ref_options(remat)
+                ins, cots, dims=case.dims, precision="f64", wrt=self.wrt, backward=self._ref_options(remat)
             )
         except Exception as e:
             return msgs + [f"the whole-matrix interpreter's backward (Block.vjp) raised {first_line(e)}"]
@@ -105,7 +106,9 @@ class Comparisons:
             msgs.append(
                 f"the whole-matrix interpreter's float64 backward under --remat save raised {first_line(e)}"
             )
-        gbounds = _Once(lambda: bound.vjp(self.block, ins, cots, case.dims, remat, self.fp8_grads)[1])
+        gbounds = _Once(
+            lambda: bound.vjp(self.block, ins, cots, case.dims, remat, self.fp8_grads, self.wrt)[1]
+        )
         try:
             msgs += self._backward(case, ins, cots, gref, g64, gbounds)
         except Exception as e:
@@ -122,10 +125,12 @@ class Comparisons:
         if self.remat == "save" or self.special:
             return []
         try:
-            save = self.block.derivation(backward=self._ref_options("save"))
+            save = self.block.derivation(self.wrt, backward=self._ref_options("save"))
         except CodaError:  # save can't derive this block: nothing to compare with
             return []
-        s64 = self.block.vjp(ins, cots, dims=case.dims, precision="f64", backward=self._ref_options("save"))
+        s64 = self.block.vjp(
+            ins, cots, dims=case.dims, precision="f64", wrt=self.wrt, backward=self._ref_options("save")
+        )
         out = []
         for p in save.grads:
             if p in g64 and p in s64:
@@ -218,7 +223,9 @@ class Comparisons:
         out_t = {o.name: o.type for o in d.backward.ir.outputs}
         dtypes = {p: dtype_of(out_t.get(g)) for p, g in d.grads.items()}
         if self.target == "interp":
-            got = self.block.vjp(ins, cots, dims=case.dims, sim_tile=case.sim_tile, backward=options)
+            got = self.block.vjp(
+                ins, cots, dims=case.dims, sim_tile=case.sim_tile, wrt=self.wrt, backward=options
+            )
             return self._outputs("gradient of", got, gref, g64, dtypes, bounds)
         import torch
 

@@ -74,6 +74,7 @@ class Fuzzer(CaseDraws, Comparisons):
         budget: int | None = None,
         chunk_dim: str | None = None,
         fp8_grads: str | None = None,
+        wrt: list[str] | None = None,
     ):
         if target not in TARGETS:
             raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
@@ -88,6 +89,12 @@ class Fuzzer(CaseDraws, Comparisons):
         # references quantize each fp8 GEMM stage's cotangent, every scale 1 (the first step of a
         # DelayedScaling(initial=1.0)); unchunked (BackwardOptions refuses fp8_grads with chunks)
         self.fp8_grads = fp8_grads
+        # the parameters the backward differentiates (None: every float parameter without a default):
+        # the references' and the function under test's alike. Checked here: ValueError, TypeError
+        block._check_wrt(wrt)
+        if wrt is not None and backward is False:
+            raise ValueError("wrt= names what the backward differentiates; backward=False checks none")
+        self.wrt = list(wrt) if wrt is not None else None
         if fp8_grads is not None:
             if self.options is None:
                 raise ValueError("fp8_grads= quantizes the backward's cotangents; backward=False checks none")
@@ -107,7 +114,7 @@ class Fuzzer(CaseDraws, Comparisons):
         o = self.options
         if o is not None:
             try:
-                self.derivation = block.derivation(backward=self._ref_options(o.remat))
+                self.derivation = block.derivation(self.wrt, backward=self._ref_options(o.remat))
             except CodaError as e:
                 self.notes.append(f"backward not checked (--remat {o.remat}): {first_line(e)}")
                 self.backward_error = e.diagnostics[0].code if e.diagnostics else "?"
@@ -115,7 +122,7 @@ class Fuzzer(CaseDraws, Comparisons):
                 self.crash = f"autodiff (Block.derivation, remat={o.remat!r}) raised {first_line(e)}"
         if self.derivation is not None and o is not None and (self.draw or o.chunked):
             try:  # the plan cases draw their chunks by: along chunk_dim, else the rows
-                self.chunk_plan = candidate_plans(block, None, self._chunked(1))[0]
+                self.chunk_plan = candidate_plans(block, self.wrt, self._chunked(1))[0]
             except CodaError as e:
                 self.no_chunks(e, "")
             except ValueError:  # chunk_dim= names no dim of the block: an argument mistake
@@ -202,17 +209,19 @@ class Fuzzer(CaseDraws, Comparisons):
         """`CudaBlock.autograd()`; emulated, at the first small tile that fits every stage."""
         options = self._ref_options(self.remat)
         if not emulate or self.tile is not None:
-            return self.cb.autograd(tile=self.tile, backward=options, grad_scales=self.grad_scales())
+            return self.cb.autograd(
+                self.wrt, tile=self.tile, backward=options, grad_scales=self.grad_scales()
+            )
         for t in EMULATE_TILES:
             try:
-                fn = self.cb.autograd(tile=t, backward=options, grad_scales=self.grad_scales())
+                fn = self.cb.autograd(self.wrt, tile=t, backward=options, grad_scales=self.grad_scales())
                 self.fn_tile = t
                 return fn
             except CodaError as e:
                 if [d.code for d in e.diagnostics] != ["E0805"]:
                     raise
         self.fn_tile = None
-        return self.cb.autograd(backward=options, grad_scales=self.grad_scales())
+        return self.cb.autograd(self.wrt, backward=options, grad_scales=self.grad_scales())
 
     def _chunked_fn(self, options: BackwardOptions) -> Any:
         """`CudaBlock.autograd(backward=options)` at the unchunked function's tile. Made once (chunk=1);
@@ -221,7 +230,7 @@ class Fuzzer(CaseDraws, Comparisons):
         if options not in self.fns:
             first = self._chunked(1)
             if first not in self.fns:
-                self.fns[first] = self.cb.autograd(tile=self.fn_tile, backward=first)
+                self.fns[first] = self.cb.autograd(self.wrt, tile=self.fn_tile, backward=first)
             fn = copy.copy(self.fns[first])
             fn.options = options
             self.fns[options] = fn
