@@ -43,6 +43,18 @@ def main() -> None:
     p.add_argument("--cublas", action="store_true", help="each GEMM stage against cuBLAS's bare GEMM")
     p.add_argument("--device", default="cuda", help="cpu: the emulated kernels (a dry run)")
     p.add_argument(
+        "--fp8",
+        action="store_true",
+        help='the block of a model patched with fp8="delayed" (e4m3 GEMMs, e5m2 cotangents, no gradient '
+        "of the scales, as the patch differentiates it); its fp8 stages against cuBLAS's fp8 GEMM "
+        "(torch._scaled_mm, both operands K-major, bf16 out, --fast-accum as given)",
+    )
+    p.add_argument(
+        "--fast-accum",
+        action="store_true",
+        help="with --fp8: cuBLAS's fp8 GEMM with fast accumulation (coda's: $CODA_FP8_FAST_ACCUM)",
+    )
+    p.add_argument(
         "--dynamic",
         default="auto",
         choices=["true", "false", "auto"],
@@ -56,8 +68,9 @@ def main() -> None:
 
     import coda_lang.backend_triton.elementwise as elementwise
     from coda_lang import load
+    from coda_lang.autodiff.options import BackwardOptions
     from coda_lang.hf.blocks import model_source
-    from coda_lang.torch import function, wait_for_kernels
+    from coda_lang.torch import DelayedScaling, function, wait_for_kernels
 
     elementwise.DYNAMIC = {"true": True, "false": False, "auto": None}[a.dynamic]
     try:
@@ -66,7 +79,7 @@ def main() -> None:
         p.error(f"--widths takes five integers D,H,KV,HD,F, not {a.widths!r}")
     P = (H + 2 * KV) * HD // 2
     K = H * HD
-    blk = load(model_source("bfloat16", 1e-5, HD, False))[a.block]
+    blk = load(model_source("bfloat16", 1e-5, HD, False, fp8="delayed" if a.fp8 else None))[a.block]
     shapes = {"M": a.M, "D": D, "K": K, "F": F, "P": P}
     dev = torch.device(a.device)
     torch.manual_seed(0)
@@ -77,7 +90,19 @@ def main() -> None:
             continue
         shp = [int(d.coeff * shapes[d.name]) for d in prm.var.type.shape]
         dt = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32}[prm.var.type.dtype]
-        if n == "pos":
+        if n.startswith("s_"):  # an fp8 scale: weights ~ 1/sqrt(K) quantized at sqrt(K), activations at 1
+            w = (
+                next((q for q in blk.ir.params if q.var.name == "w_" + n[4:]), None)
+                if n.startswith("s_w_")
+                else None
+            )
+            x = torch.tensor(
+                float(int(w.var.type.shape[-1].coeff * shapes[w.var.type.shape[-1].name]) ** 0.5)
+                if w
+                else 1.0,
+                device=dev,
+            )
+        elif n == "pos":
             x = torch.arange(a.M, device=dev, dtype=dt)
         elif n == "freq":
             x = 500000.0 ** (-(torch.arange(P, device=dev, dtype=dt) % (HD // 2)) * 2 / HD)  # <= 1
@@ -89,9 +114,15 @@ def main() -> None:
                 if n.startswith("g")
                 else torch.randn(*shp, device=dev).to(dt)
             )
-        ins[n] = x.requires_grad_(n not in ("pos", "freq"))
-    wrt = [n for n in ins if n not in ("pos", "freq")]
-    fn = function(blk, wrt=wrt)
+        ins[n] = x.requires_grad_(n not in ("pos", "freq") and not n.startswith("s_"))
+    wrt = [n for n in ins if ins[n].requires_grad]
+    fn = (
+        function(
+            blk, wrt=wrt, backward=BackwardOptions(fp8_grads="e5m2"), grad_scales=DelayedScaling(initial=1.0)
+        )
+        if a.fp8
+        else function(blk, wrt=wrt)
+    )
 
     def step() -> None:
         for v in ins.values():
@@ -119,14 +150,41 @@ def main() -> None:
     for k, ms in rows[: a.top]:
         print(f"    {ms:8.3f} ms  {k}")
     if a.cublas:
-        against_cublas(fn, shapes, rows)
+        against_cublas(fn, shapes, rows, a.fast_accum)
 
 
-def against_cublas(fn: Any, shapes: dict[str, int], rows: list[tuple[str, float]]) -> None:
+FP8 = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
+
+
+def against_cublas(
+    fn: Any, shapes: dict[str, int], rows: list[tuple[str, float]], fast: bool = False
+) -> None:
     """Each GEMM stage's CUDA time per step (from the profile's kernel names) next to torch.matmul's
-    bare GEMM of the stage's [rows, k] x [k, cols] with the same majors."""
+    bare GEMM of the stage's [rows, k] x [k, cols] with the same majors; an fp8 stage next to
+    torch._scaled_mm's (cuBLAS's fp8 GEMM; both operands K-major, as Hopper's fp8 WGMMA and coda's
+    K-major copies have them; bf16 out, unit scales; `fast`: its fast accumulation)."""
     import torch
     from triton.testing import do_bench
+
+    def bare(g: Any, m: int, n: int, kk: int) -> Any:
+        if g.a_dtype in FP8 or g.b_dtype in FP8:
+            a8 = torch.randn(m, kk, device="cuda").to(getattr(torch, FP8.get(g.a_dtype, "float8_e4m3fn")))
+            b8 = torch.randn(n, kk, device="cuda").to(getattr(torch, FP8.get(g.b_dtype, "float8_e4m3fn")))
+            one = torch.ones((), device="cuda")
+            return lambda: torch._scaled_mm(
+                a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=fast
+            )
+        a = (
+            torch.randn(kk, m, device="cuda", dtype=torch.bfloat16).t()
+            if g.ta
+            else torch.randn(m, kk, device="cuda", dtype=torch.bfloat16)
+        )
+        b = (
+            torch.randn(n, kk, device="cuda", dtype=torch.bfloat16).t()
+            if g.tb
+            else torch.randn(kk, n, device="cuda", dtype=torch.bfloat16)
+        )
+        return lambda: torch.matmul(a, b)
 
     def size(d: Any) -> int:
         return int(d.coeff * (shapes[d.name] if d.name else 1))
@@ -144,17 +202,7 @@ def against_cublas(fn: Any, shapes: dict[str, int], rows: list[tuple[str, float]
             ms = 0.0 if spec.plain else sum(t for name, t in rows if tag in name)
             g = spec.gemm
             m, n, kk = size(g.rows), size(g.cols), size(g.k)
-            a = (
-                torch.randn(kk, m, device="cuda", dtype=torch.bfloat16).t()
-                if g.ta
-                else torch.randn(m, kk, device="cuda", dtype=torch.bfloat16)
-            )
-            b = (
-                torch.randn(n, kk, device="cuda", dtype=torch.bfloat16).t()
-                if g.tb
-                else torch.randn(kk, n, device="cuda", dtype=torch.bfloat16)
-            )
-            ref = do_bench(lambda a=a, b=b: torch.matmul(a, b), warmup=25, rep=100)
+            ref = do_bench(bare(g, m, n, kk), warmup=25, rep=100)
             tot_b += ref
             if not ms:  # an epilogue-free stage runs a shared kernel (`plain_<dtype>_<majors>`): summed below
                 plain_b += ref
