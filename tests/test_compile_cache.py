@@ -265,17 +265,18 @@ def test_a_process_exits_without_waiting_for_its_background_compiles(tmp_path: P
     workers = [int(x) for x in r.stdout.split()[1:]]
     assert r.stdout.startswith("workers") and len(workers) >= 2, r.stdout
     assert took < 120, took  # (the workers' builds sleep for 300 s)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in workers):
-        time.sleep(0.2)
-    alive = []
-    for p in workers:
+
+    def running(p: int) -> bool:
         try:
             state = Path(f"/proc/{p}/status").read_text()
         except OSError:
-            continue
-        if "State:\tZ" not in state:  # (a zombie has ended; only its parent's wait is missing)
-            alive.append(p)
+            return False
+        return "State:\tZ" not in state  # (a zombie has ended; only its parent's wait is missing)
+
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(running(p) for p in workers):
+        time.sleep(0.2)
+    alive = [p for p in workers if running(p)]
     assert not alive, f"compile workers still running after the process exited: {alive}"
 
 

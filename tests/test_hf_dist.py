@@ -20,6 +20,7 @@ benchmarks/dist_train_step.py runs once, on the CPU.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import gc
 import json
@@ -230,7 +231,19 @@ def first_grads(model: Any, inner: Any, rows: slice, patched: bool) -> dict[str,
     return {k: v.detach().clone() for k, v in grads.items() if v is not None}  # (a frozen base has none)
 
 
-def worker(out: str, which: list[str]) -> None:
+def scenario_keys(scenario: str) -> list[str]:
+    """The cases one test reads: a family's ("llama", "qwen3", "phi3": WRAPS and fsdp-mp, patched and
+    not), or "extra"'s (Llama: EXTRA, and the peft LoRA cases)."""
+    if scenario in FAMILIES:
+        wraps = [*WRAPS, "fsdp-mp"]
+        return [key(c) for c in cases() if c["family"] == scenario and c["wrap"] in wraps]
+    assert scenario == "extra", scenario
+    return [key(c) for c in cases() if c["wrap"] in EXTRA or c["wrap"].startswith("fsdp-lora")]
+
+
+def worker(out: str, scenarios: list[str]) -> None:
+    """Runs each scenario's cases in turn; rank 0 writes a scenario's results to out/<scenario>.pt
+    once both ranks are through all of its cases (a scenario without its file did not finish)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -238,22 +251,27 @@ def worker(out: str, which: list[str]) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    results = {}
-    for case in cases():
-        if key(case) in which:
-            t0 = time.perf_counter()
-            res = run_case(case, rank, mesh)
-            if rank == 0:
-                print(f"{key(case)}: {time.perf_counter() - t0:.1f} s", flush=True)
-            if "params" in res and case["wrap"].startswith("fsdp-lora"):  # (the adapters: one name each way)
-                res["params"] = {k: v for k, v in res["params"].items() if "lora_" in k}
-                res["grads"] = {k: v for k, v in res["grads"].items() if "lora_" in k}
-            elif "params" in res:
-                res["params"] = hf_params(case["family"], res["params"], case["patched"])
-            results[key(case)] = res
-    if rank == 0:
-        torch.save(results, out)
-    del results
+    for scenario in scenarios:
+        which = scenario_keys(scenario)
+        results = {}
+        for case in cases():
+            if key(case) in which:
+                t0 = time.perf_counter()
+                res = run_case(case, rank, mesh)
+                if rank == 0:
+                    print(f"{key(case)}: {time.perf_counter() - t0:.1f} s", flush=True)
+                # (LoRA: the adapters, under one name each way)
+                if "params" in res and case["wrap"].startswith("fsdp-lora"):
+                    res["params"] = {k: v for k, v in res["params"].items() if "lora_" in k}
+                    res["grads"] = {k: v for k, v in res["grads"].items() if "lora_" in k}
+                elif "params" in res:
+                    res["params"] = hf_params(case["family"], res["params"], case["patched"])
+                results[key(case)] = res
+        dist.barrier()  # (both ranks are through the scenario's cases)
+        if rank == 0:
+            torch.save(results, Path(out) / f"{scenario}.pt")
+            print(f"scenario {scenario}: done", flush=True)
+        del results
     gc.collect()  # (what holds gloo work goes while the interpreter is whole)
     dist.barrier()  # (a rank leaving while another's gloo work is pending aborts it)
     dist.destroy_process_group()
@@ -266,19 +284,99 @@ def worker(out: str, which: list[str]) -> None:
     os._exit(0)
 
 
-def torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CODA_EMULATE": "1"}
+def torchrun(
+    *args: str, timeout: float = 240, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1", "CODA_EMULATE": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}"]
     return subprocess.run([*cmd, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def launch(tmp: Path, which: list[str]) -> dict[str, Any]:
-    out = tmp / "results.pt"
-    os.environ["DCP_DIR"] = str(tmp / "dcp")
-    r = torchrun(__file__, str(out), json.dumps(which))
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-8000:]
-    return torch.load(out, weights_only=False)
+# ---------------------------------------------------------------------------------------------------
+# One torchrun for the scenarios of every test of this file that the session runs (each launch costs
+# seconds of start-up, both ranks importing torch, transformers and coda_lang), shared by the
+# pytest-xdist workers
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """torchrun over `scenarios`: their folder (<scenario>.pt for each scenario that finished, and
+    dcp/, the "extra" scenario's distributed checkpoint), and each scenario's failure (None: none)."""
+
+    dir: Path
+    failures: dict[str, str | None]
+
+    def runs(self, scenario: str) -> dict[str, Any]:
+        """The results of `scenario`'s cases; its test fails with torchrun's output where the scenario
+        did not finish, or torchrun failed after every scenario it ran had finished."""
+        assert self.failures[scenario] is None, self.failures[scenario]
+        return torch.load(self.dir / f"{scenario}.pt", weights_only=False)
+
+
+def launch(scenarios: tuple[str, ...], base: Path) -> Launch:
+    """torchrun over `scenarios`, in base/hf-dist-<their names>; or the launch there already (an xdist
+    worker's: the first worker to come runs it, the others wait for the lock and read it). One torchrun
+    runs them all; where one fails, another runs those after it (each fails on its own)."""
+    from filelock import FileLock  # (a dependency of torch's)
+
+    where = base / f"hf-dist-{'+'.join(scenarios)}"
+    with FileLock(f"{where}.lock"):
+        record = where / "launch.json"
+        if not record.is_file():
+            where.mkdir(parents=True, exist_ok=True)
+            failures: dict[str, str | None] = {}
+            pending = list(scenarios)
+            while pending:
+                try:
+                    r = torchrun(
+                        __file__,
+                        str(where),
+                        json.dumps(pending),
+                        timeout=120 + 120 * len(pending),
+                        env={"DCP_DIR": str(where / "dcp")},
+                    )
+                    rc, out, err = r.returncode, r.stdout, r.stderr
+                except subprocess.TimeoutExpired as e:
+                    rc, out, err = None, str(e.stdout or ""), f"{e.stderr or ''}\n{e}"
+                output = f"torchrun over {pending}: exit status {rc}\n{out[-4000:]}{err[-8000:]}"
+                unfinished = [s for s in pending if not (where / f"{s}.pt").is_file()]
+                for s in pending:
+                    failures[s] = None if rc == 0 or (unfinished and s not in unfinished) else output
+                # (the first unfinished scenario failed; after a timeout, no second try)
+                pending = unfinished[1:] if unfinished and rc is not None else []
+            record.write_text(json.dumps(failures))
+        return Launch(where, json.loads(record.read_text()))
+
+
+# the tests that read a scenario's runs: the first one family's (its parameter), the second "extra"
+SCENARIO_TESTS = (
+    "test_trains_as_one_process_and_as_the_unpatched_model",
+    "test_root_only_checkpointed_and_a_sharded_submodule",
+)
+
+
+def scenario_of(item: pytest.Item) -> str | None:
+    """The scenario a collected test reads (None: not one of this file's that launch)."""
+    name = getattr(item, "originalname", None)
+    if item.path != Path(__file__) or name not in SCENARIO_TESTS:
+        return None
+    return "extra" if name == SCENARIO_TESTS[1] else str(item.callspec.params["family"])  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def distributed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """launched(scenario) -> the Launch holding it: one torchrun for the scenarios of all this file's
+    tests the session runs (the same list in every xdist worker: they collect alike), run once for
+    all the workers, in the session's own temporary folder."""
+    planned = tuple(dict.fromkeys(s for s in map(scenario_of, request.session.items) if s))
+    base = tmp_path_factory.getbasetemp()  # a worker's is <the session's>/<worker id>
+    base = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+    def launched(scenario: str) -> Launch:
+        return launch(planned if scenario in planned else (scenario,), base)
+
+    return launched
 
 
 @functools.cache
@@ -332,15 +430,14 @@ def mixed_precision_as_close(runs: dict[str, Any], family: str) -> None:
 @pytest.mark.parametrize(
     "family", ["llama", *(pytest.param(f, marks=pytest.mark.slow) for f in ("qwen3", "phi3"))]
 )
-def test_trains_as_one_process_and_as_the_unpatched_model(family: str, tmp_path: Path) -> None:
+def test_trains_as_one_process_and_as_the_unpatched_model(family: str, distributed: Any) -> None:
     """DDP and FSDP2 per decoder layer (resharding after the forward or not), 2 processes, 5 AdamW
     steps: the patched model's losses and parameters are one process's on the whole batch, and the
     unpatched model's under the same wrapping; so are the first batch's gradients (`unfused_grads`,
     each gathered whole under FSDP2). With FSDP2's MixedPrecisionPolicy (bf16 gathers, f32
     reductions, f32 parameters), the layers run the blocks made for bf16, as close to an f32 run as
     the unpatched model (`mixed_precision_as_close`). One torchrun for every case."""
-    wraps = [*WRAPS, "fsdp-mp"]
-    runs = launch(tmp_path, [key(c) for c in cases() if c["family"] == family and c["wrap"] in wraps])
+    runs = distributed(family).runs(family)
     for w in WRAPS:
         got = runs[f"{family}-coda-{w}"]
         same(got, single(family, True), f"{family} coda {w} against one process")
@@ -391,7 +488,7 @@ def lora_as_peft(runs: dict[str, Any]) -> None:
     assert "DTensors" in err and "fully_shard(model)" in err, err
 
 
-def test_root_only_checkpointed_and_a_sharded_submodule(tmp_path: Path) -> None:
+def test_root_only_checkpointed_and_a_sharded_submodule(distributed: Any) -> None:
     """FSDP2 on the root alone, and per layer with activation checkpointing
     (`gradient_checkpointing_enable()`, or each layer in a `checkpoint_wrapper`): as one process.
     torch.distributed.checkpoint of the per-layer sharded model saves Hugging Face's names and
@@ -400,8 +497,8 @@ def test_root_only_checkpointed_and_a_sharded_submodule(tmp_path: Path) -> None:
     never gathered; the layer's block is refused (E0811) naming the parameter and what to do. peft
     LoRA per layer (`lora_as_peft`; in the same torchrun: each costs seconds of start-up). fp8="delayed"
     per layer trains as the bf16 patch does within e4m3's error."""
-    lora = ["llama-coda-fsdp-lora", "llama-hf-fsdp-lora", "llama-coda-fsdp-lora-qkv"]
-    runs = launch(tmp_path, [key(c) for c in cases() if c["wrap"] in EXTRA] + lora)
+    launched = distributed("extra")
+    runs = launched.runs("extra")
     lora_as_peft(runs)
     for w in ("fsdp-root", "fsdp-gc", "fsdp-ckpt"):
         same(runs[f"llama-coda-{w}"], single("llama", True), w)
@@ -411,7 +508,7 @@ def test_root_only_checkpointed_and_a_sharded_submodule(tmp_path: Path) -> None:
 
     ref = make("llama")
     sd = ref.state_dict()
-    dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    dcp.load(sd, checkpoint_id=str(launched.dir / "dcp"), no_dist=True)
     ref.load_state_dict(sd)
     want = runs["llama-coda-fsdp-dcp"]["params"]
     for name, p in ref.state_dict().items():
