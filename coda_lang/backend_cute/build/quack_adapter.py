@@ -40,6 +40,7 @@ from typing import Any
 
 from coda_lang.backend_cute.build.cache import kernel_fingerprint
 from coda_lang.backend_cute.build.store import cache_dir, checked, load_module, subfolder
+from coda_lang.backend_cute.plan.spec import WORDS
 from coda_lang.ops.registry import torch_dtype
 
 ARCH = "sm_90a"
@@ -189,6 +190,8 @@ def compile_ptx(spec: Any, path: Path, config: Any, root: Path | None = None) ->
     for o in spec.operands:
         if o.op == "C":
             C = _meta((m, wide), o.dtype)
+        elif o.host == WORDS:  # a packed stage's 16-bit pairs read as float32 words (Output.pairs)
+            epi[o.py] = _meta((m, n), "f32")
         elif o.role == "tile":
             epi[o.py] = _meta((m, n), o.dtype)
         elif o.role == "row vector":
@@ -198,6 +201,9 @@ def compile_ptx(spec: Any, path: Path, config: Any, root: Path | None = None) ->
         else:
             epi[o.py] = 1.0 if o.dtype != "i32" else 1
     for out in spec.outputs:
+        if out.pairs:  # an fp8 tile's pairs: one int16 word per accumulator element
+            epi[out.py] = torch.empty((m, n), dtype=torch.int16, device="meta")
+            continue
         epi[out.py] = _meta((m, n // 2 if out.gated else n), out.dtype)  # a lane of a split store: gated
     for s in spec.sinks:
         shape = mod.sinks[s.py].sink_alloc_shape((m,), n, config.tile_m, config.tile_n)

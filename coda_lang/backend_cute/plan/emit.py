@@ -26,7 +26,15 @@ import re
 
 from coda_lang.backend_cute.plan import names as module_names
 from coda_lang.backend_cute.plan import spec as specs
-from coda_lang.backend_cute.plan.spec import INDEX_AXIS, Group, Output, StageSpec, describe, dim_operand
+from coda_lang.backend_cute.plan.spec import (
+    INDEX_AXIS,
+    WORDS,
+    Group,
+    Output,
+    StageSpec,
+    describe,
+    dim_operand,
+)
 from coda_lang.core.diagnostics import CodaError, Diagnostic, Mistake
 from coda_lang.ir.nodes import Atom, DimRef, Eqn, Lit, Var
 from coda_lang.ir.types import FP8_MAX, is_fp8
@@ -194,6 +202,10 @@ class _Emitter:
         for o in spec.operands:
             if o.lanes == 2:
                 l0, l1 = self.fresh(f"{o.py}_0"), self.fresh(f"{o.py}_1")
+                if o.host == WORDS:  # 16-bit pairs loaded as float32 words: split by the bits
+                    self.lanes[o.name] = (l0, l1)
+                    body.append(f"{l0}, {l1} = unpack_{o.dtype}x2({o.py})")
+                    continue
                 # a column vector passed repeat_interleave(2): one value per pair, both lanes hold it
                 self.lanes[o.name] = (l0,) if o.host else (l0, l1)
                 body.append(f"{l0}, {l1} = unpack({o.py})")
@@ -230,6 +242,10 @@ class _Emitter:
         if spec.d is not None:
             ret.append(f'"D": {self.value(spec.d.name)}')
         for out in spec.outputs:
+            if out.pairs:  # both lanes' fp8 codes in one word (epi_ops.pack_<dtype>x2)
+                lo, hi = self.lanes[out.name]
+                ret.append(f'"{out.py}": pack_{out.dtype}x2({lo}, {hi})')
+                continue
             ret.append(
                 f'"{out.py}": {self.lanes[out.name][out.lane] if out.lane is not None else self.value(out.name)}'
             )
@@ -297,8 +313,8 @@ class _Emitter:
             args.append("outs={" + ", ".join(items) + "}")
         if extra_ops:
             args.append(f"extra_ops=({', '.join(extra_ops)}{',' if len(extra_ops) == 1 else ''})")
-        if spec.mode != "element":
-            args.append(f'mode="{spec.mode}"')
+        if spec.quack_mode != "element":
+            args.append(f'mode="{spec.quack_mode}"')
         one_line = f"@gemm_epilogue({', '.join(args)})"
         if len(one_line) <= 100:
             return [one_line]
@@ -387,6 +403,8 @@ def _tile_store(o: Output) -> str:
     GatedFp8Store (gated_store.py) for a half-width fp8 one, which quack's asserts 16-bit on SM90."""
     if o.gated and o.lane is None and is_fp8(o.dtype):
         return f'GatedFp8Store("{o.py}")'
+    if o.pairs:  # a 16-bit word per element (its fp8 pairs): quack's plain TileStore
+        return f'TileStore("{o.py}")'
     return f'TileStore("{o.py}"{", gated=True" if o.gated else ""})'
 
 

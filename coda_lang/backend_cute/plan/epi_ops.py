@@ -59,7 +59,7 @@ from quack.epilogue.ops import (
     rowvec_reduce_accumulate,
 )
 
-VERSION = 11
+VERSION = 12
 
 
 @cute.jit
@@ -87,6 +87,20 @@ def _install_nan_fold() -> None:
 
 
 _install_nan_fold()
+
+
+def _install_int16_tiles() -> None:
+    """quack's map of torch dtypes to CuTeDSL's (which its TileStore reads for a tensor's element type)
+    taught int16, for a packed stage's fp8 pairs stored as one 16-bit word per element (Output.pairs:
+    an int16 view of the fp8 buffer; quack's map has no 16-bit integer). Only added, never replaced:
+    a quack that maps int16 already keeps its own."""
+    import torch
+    from quack.cute_dsl_utils import torch2cute_dtype_map
+
+    torch2cute_dtype_map.setdefault(torch.int16, cutlass.Int16)
+
+
+_install_int16_tiles()
 
 _math: Any = cute.math  # CuTeDSL's math functions (exp, log: generated, so mypy can't see them)
 
@@ -229,6 +243,73 @@ _ROUND_ODD_F16_PTX = (
 def round_odd_f16(x: Any, *, loc: Any = None, ip: Any = None) -> Any:
     """x rounded to f16 by rounding to odd, kept in f32 (exactly an f16 value): `_ROUND_ODD_F16_PTX`."""
     return _f32_asm(_ROUND_ODD_F16_PTX, x, loc, ip)
+
+
+# A packed stage's 16-bit pairs, loaded as float32 words (Output.pairs: its C operand, a TileLoad of the
+# [M, 2N] tile viewed as float32 [M, N]): lane 0, the even column, is the low half (the lower address),
+# lane 1 the high half. A bf16 half is the top 16 bits of the f32 it widens to, exactly (NaN payloads
+# and signs as they are): lane 0 shifted up, lane 1 with the low half cleared. An f16 half widens by cvt.
+_LO_BF16_PTX = "{\n\t.reg .b32 w;\n\tmov.b32 w, $1;\n\tshl.b32 w, w, 16;\n\tmov.b32 $0, w;\n}"
+_HI_BF16_PTX = "{\n\t.reg .b32 w;\n\tmov.b32 w, $1;\n\tand.b32 w, w, -65536;\n\tmov.b32 $0, w;\n}"
+_LO_F16_PTX = "{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, $1;\n\tcvt.f32.f16 $0, l;\n}"
+_HI_F16_PTX = "{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, $1;\n\tcvt.f32.f16 $0, h;\n}"
+
+
+@dsl_user_op
+def unpack_bf16x2(w: Any, *, loc: Any = None, ip: Any = None) -> tuple[Any, Any]:
+    """The two bf16 lanes of a float32 word (lane 0: the low half), each as an f32 (exact)."""
+    return _f32_asm(_LO_BF16_PTX, w, loc, ip), _f32_asm(_HI_BF16_PTX, w, loc, ip)
+
+
+@dsl_user_op
+def unpack_f16x2(w: Any, *, loc: Any = None, ip: Any = None) -> tuple[Any, Any]:
+    """The two f16 lanes of a float32 word (lane 0: the low half), each as an f32 (exact)."""
+    return _f32_asm(_LO_F16_PTX, w, loc, ip), _f32_asm(_HI_F16_PTX, w, loc, ip)
+
+
+def _pack_ptx(dtype: str) -> str:
+    # cvt.rn.satfinite.<dtype>x2.f32 d, a, b puts a's code in the high byte and b's in the low one: so
+    # lane 1 ($2) first. The word read as an int16 (-32768 to 32767) comes back as an exact f32, which
+    # the TileStore converts to the int16 it stores (quack's stores have no uint16): the same 16 bits.
+    # No f32 bit pattern reaches the store, so nothing on the way can canonicalize one
+    return (
+        "{\n\t.reg .b16 h;\n\t.reg .b32 w;\n\t"
+        f"cvt.rn.satfinite.{dtype}x2.f32 h, $2, $1;\n\t"
+        "cvt.s32.s16 w, h;\n\tcvt.rn.f32.s32 $0, w;\n}"
+    )
+
+
+_PACK_E4M3_PTX = _pack_ptx("e4m3")
+_PACK_E5M2_PTX = _pack_ptx("e5m2")
+
+
+def _f32x2_asm(ptx: str, a: Any, b: Any, loc: Any, ip: Any) -> Any:
+    """`ptx` (`$1`, `$2` the f32 inputs, `$0` the f32 result, no side effects) applied to a, b."""
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+            ptx,
+            "=f,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@dsl_user_op
+def pack_e4m3x2(lo: Any, hi: Any, *, loc: Any = None, ip: Any = None) -> Any:
+    """The e4m3 codes of two lanes (clamped to +-448 before: emit.saturate), rounded to nearest even,
+    lane 0 in the low byte: the 16-bit word, read as an int16, as an exact f32 (an int16 TileStore
+    stores it)."""
+    return _f32x2_asm(_PACK_E4M3_PTX, lo, hi, loc, ip)
+
+
+@dsl_user_op
+def pack_e5m2x2(lo: Any, hi: Any, *, loc: Any = None, ip: Any = None) -> Any:
+    """As pack_e4m3x2, in e5m2 (clamped to +-57344 before)."""
+    return _f32x2_asm(_PACK_E5M2_PTX, lo, hi, loc, ip)
 
 
 def _reduce_two_pi(x: Any) -> Any:

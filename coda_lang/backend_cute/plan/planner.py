@@ -21,6 +21,7 @@ record says; planning is deterministic (the emitted source is a golden file).
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from typing import Any
 
@@ -29,6 +30,7 @@ from coda_lang.backend_cute.plan.context import StageContext, live_eqns, stage_c
 from coda_lang.backend_cute.plan.spec import (
     PACKED,
     PACKED_DTYPES,
+    WORDS,
     Gemm,
     Mode,
     Operand,
@@ -94,8 +96,9 @@ def run(ctx: StageContext) -> StageSpec:
     )
     loads += indices
     if packed:
-        d = _narrowed(ctx, loads, d)
-        refusals.check_packed_cd(ctx, loads, d)
+        d, outputs, loads = _narrowed(ctx, loads, d, outputs)
+        if not any(o.pairs for o in outputs):
+            refusals.check_packed_cd(ctx, loads, d)
     spec = StageSpec(
         block=ctx.ir.name,
         index=ctx.index,
@@ -129,15 +132,32 @@ def run(ctx: StageContext) -> StageSpec:
     return replace(spec, fn_name=plain_name(gemm)) if spec.plain else spec
 
 
-def _narrowed(ctx: StageContext, loads: list[Operand], d: Output | None) -> Output | None:
+def pair_store_on() -> bool:
+    """Whether a packed stage's fp8 D is stored by the kernel as its pairs ($CODA_FP8_PAIR_STORE=1;
+    off by default until a GPU run has checked it against the interpreter)."""
+    return os.environ.get("CODA_FP8_PAIR_STORE", "0") == "1"
+
+
+def _narrowed(
+    ctx: StageContext, loads: list[Operand], d: Output | None, outputs: list[Output]
+) -> tuple[Output | None, list[Output], list[Operand]]:
     """A packed stage storing an fp8 D (a derived backward's SwiGLU stage with quantized cotangents,
-    beside its 16-bit C): D stored in C's dtype (bf16 or f16), rounded to odd, and narrowed by the
-    runtime (`Output.narrow`: exact); quack's packed mode stores one 16-bit dtype. Anything else as
-    it is."""
+    beside its 16-bit C), quack's packed mode storing one 16-bit dtype: by default D stored in C's
+    dtype (bf16 or f16), rounded to odd, and narrowed by the runtime (`Output.narrow`: exact). With
+    `pair_store_on()`, D stored as its fp8 pairs (`Output.pairs`, a TileStore) and C loaded as a
+    TileLoad of float32 words, the stage running in quack's element mode (`StageSpec.quack_mode`): no
+    16-bit D written and read again. Anything else as it is: (D, the TileStores, the loads)."""
     c = next((o for o in loads if o.op == "C"), None)
     if d is None or c is None or ctx.emulated or not is_fp8(d.dtype) or c.dtype not in PACKED_DTYPES:
-        return d
-    return replace(d, dtype=c.dtype, narrow=d.dtype)
+        return d, outputs, loads
+    if not pair_store_on():
+        return replace(d, dtype=c.dtype, narrow=d.dtype), outputs, loads
+    taken = set(ctx.names.values())
+    py = f"{c.name}_words"
+    while py in taken:
+        py += "_"
+    words = replace(c, op="TileLoad", py=py, host=WORDS)
+    return None, [replace(d, op="TileStore", pairs=True), *outputs], [words if o is c else o for o in loads]
 
 
 def _gemm(ctx: StageContext) -> Gemm:

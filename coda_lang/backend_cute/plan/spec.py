@@ -140,6 +140,12 @@ class Output:
     # even: the same code as rounding the f32 value directly, bf16 keeping 5 bits more than e5m2 or
     # e4m3, f16 7 or more)
     narrow: str | None = None
+    # the same D stored by the kernel itself in fp8, as its pairs (`CODA_FP8_PAIR_STORE=1`, planner.
+    # pair_store_on): a TileStore of one 16-bit word per accumulator element, the two lanes' codes
+    # (lane 0 in the low byte: at the lower address, so the buffer is the fp8 [M, 2N] tile itself), the
+    # runtime passing the fp8 buffer as an int16 [M, N] view (quack has no uint16). The stage then runs in quack's element
+    # mode, its C operand a TileLoad of the 16-bit pairs as float32 words (Operand.host "view(float32)")
+    pairs: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -278,6 +284,12 @@ class StageSpec:
         return self.mode == PACKED
 
     @property
+    def quack_mode(self) -> Mode:
+        """The mode quack runs the epilogue in: `mode`, except a packed stage storing its fp8 D as pairs
+        (Output.pairs), whose lanes the emitted code packs and unpacks itself: element."""
+        return "element" if self.packed and any(o.pairs for o in self.outputs) else self.mode
+
+    @property
     def c(self) -> Operand | None:
         """The GEMM's C operand (packed mode: the double-width 16-bit tile the stage loads)."""
         return next((o for o in self.operands if o.op == "C"), None)
@@ -293,6 +305,8 @@ class StageSpec:
 
 
 PACKED: Mode = "packed_cd_b16x2"
+# Operand.host of a packed stage's 16-bit pairs loaded as float32 words (Output.pairs)
+WORDS = "view(float32)"
 PACKED_DTYPES = ("bf16", "f16")
 
 
@@ -322,6 +336,7 @@ def describe(spec: StageSpec) -> list[str]:
     lines = [
         f"GEMM: {a} @ {b}: {g.a_dtype} x {g.b_dtype} -> acc f32{shape_str((g.rows, g.cols))}, K = {g.k}; "
         f"mode {spec.mode}"
+        + (f" (run by quack in {spec.quack_mode} mode)" if spec.quack_mode != spec.mode else "")
     ]
     for o in spec.operands:
         host = f", passed as {o.py}.{o.host}" if o.host else ""
@@ -344,9 +359,14 @@ def describe(spec: StageSpec) -> list[str]:
         )
     for out in spec.outputs:
         lane = f", lane {out.lane} of {out.name}" if out.lane is not None else ""
+        pairs = (
+            ", its pairs: one 16-bit word per accumulator element, lane 0 in the low byte"
+            if out.pairs
+            else ""
+        )
         lines.append(
             f"store  {out.py}: {out.dtype}{shape_str(out.shape)} (TileStore{', gated' if out.gated else ''}"
-            f"{lane}){_quantized(out.dtype)}"
+            f"{lane}{pairs}){_quantized(out.dtype)}"
         )
     for s in spec.sinks:
         fold = {"add": "sum", "max_abs": "max of |x|"}.get(s.combine or "", s.combine)

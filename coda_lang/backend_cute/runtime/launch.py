@@ -28,7 +28,7 @@ from coda_lang.backend_cute.build.config import TileConfig
 from coda_lang.backend_cute.build.store import write_source
 from coda_lang.backend_cute.plan import spec as specs
 from coda_lang.backend_cute.plan.emit import emit_stage
-from coda_lang.backend_cute.plan.spec import F32_EXACT_INT, INDEX_AXIS, Sink, StageSpec
+from coda_lang.backend_cute.plan.spec import F32_EXACT_INT, INDEX_AXIS, WORDS, Sink, StageSpec
 from coda_lang.backend_cute.runtime import emulate
 from coda_lang.backend_triton import kmajor_key, kmajor_width
 from coda_lang.core.diagnostics import error
@@ -269,6 +269,8 @@ class StageRunner:
                 t = t.repeat(w // t.shape[0])
             if o.host == "repeat_interleave(2)":
                 t = t.repeat_interleave(2)
+            if o.host == WORDS:  # 16-bit pairs read as float32 words (Output.pairs' stage)
+                t = (t if t.is_contiguous() else t.contiguous()).view(torch.float32)
             ins.append(t if t.is_contiguous() else t.contiguous())
         for _, name in self.index_names:
             ins.append(dense(env[name], torch.int32))
@@ -424,7 +426,8 @@ class StageRunner:
         if spec.d is not None:
             D, i = outs[0], 1
         for out in spec.outputs:
-            epi[out.py] = outs[i]
+            # (an fp8 tile stored as its pairs: the kernel's int16 [m, n] view of the fp8 [m, 2 n] buffer)
+            epi[out.py] = outs[i].view(torch.int16) if out.pairs else outs[i]
             i += 1
         for s in spec.sinks:
             epi[s.py] = outs[i]

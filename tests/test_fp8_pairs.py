@@ -1,0 +1,225 @@
+"""A packed stage's fp8 D stored by the kernel as its pairs ($CODA_FP8_PAIR_STORE=1, off by default).
+
+The derived SwiGLU backward's packed stage stores an e5m2 cotangent. By default quack's packed mode
+stores it in C's 16-bit dtype (rounded to odd), and the runtime narrows it to e5m2 in one more pass
+(tests/test_fp8_kernels.py). With the flag, the kernel stores the e5m2 codes itself: one 16-bit word
+per accumulator element, lane 0's code in the low byte, through an int16 view of the fp8 [M, 2N]
+buffer; C is read as float32 words, split by the emitted code; quack runs the stage in element mode.
+
+Checked here on the CPU:
+- the plan and the emitted source, with and without the flag, and the emulated plan (unchanged);
+- what the runtime hands quack: the views, their shapes, dtypes and storage;
+- the layout the kernel relies on, modelled with NumPy bit operations: a word's bytes in the buffer
+  are the two lanes' codes in column order, and a float32 word's halves are the two 16-bit lanes;
+- (toolchain, slow) the stage compiles for sm_90a without spills, with the pair conversion inlined.
+On a GPU (`-m gpu`): the stage bit for bit against the interpreter's rounding, and the fp8 MLP's
+derived backward against the interpreter, as tests/test_fp8_kernels.py checks the default path.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+from test_fp8_kernels import (
+    MLP8,
+    PACKED_E5M2,
+    _gemm_stages,
+    _gpu_backward_matches,
+    _packed_exact_inputs,
+    one,
+)
+
+import coda_lang
+from coda_lang.backend_cute.plan.emit import emit_stage
+from coda_lang.backend_cute.plan.planner import plan_stage
+from coda_lang.backend_cute.plan.spec import PACKED, WORDS
+
+
+@pytest.fixture
+def pairs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CODA_FP8_PAIR_STORE", "1")
+
+
+def _packed(dtype: str = "bf16") -> coda_lang.Block:
+    return one(PACKED_E5M2.replace("bf16", dtype))
+
+
+def _mlp8_backward() -> coda_lang.Block:
+    d = one(MLP8).derivation(["x", "w", "w2"], backward=coda_lang.BackwardOptions(fp8_grads="e5m2"))
+    return d.backward
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_the_pairs_are_planned_and_emitted(pairs: None, dtype: str) -> None:
+    """With the flag: no D, a TileStore of the e5m2 tile's pairs, C a TileLoad of float32 words (the
+    runtime's view), quack's element mode; the emitted code splits C's words by its dtype, clamps each
+    lane and packs the two into one word. Lanes and everything else as in packed mode."""
+    spec = plan_stage(_packed(dtype), 1)
+    assert spec.mode == PACKED and spec.quack_mode == "element" and spec.d is None
+    (out,) = [o for o in spec.outputs if o.pairs]
+    assert (out.name, out.dtype, out.op) == ("dz", "e5m2", "TileStore")
+    (words,) = [o for o in spec.operands if o.host == WORDS]
+    assert (words.name, words.op, words.dtype, words.lanes) == ("c", "TileLoad", dtype, 2)
+    assert not any(o.op == "C" for o in spec.operands)
+    src = emit_stage(spec)
+    assert "mode=" not in src and "round_odd" not in src and "unpack(" not in src, src
+    assert re.search(rf"{words.py}_0, {words.py}_1 = unpack_{dtype}x2\({words.py}\)", src), src
+    for lane in (0, 1):
+        assert re.search(rf"dz_{lane}_sat = cute\.math\.min\(cute\.math\.max\(dz_{lane}, -57344\.0", src)
+    assert '"dz": pack_e5m2x2(dz_0_sat, dz_1_sat)' in src
+    assert f'"{words.py}": TileLoad("{words.py}")' in src and 'TileStore("dz")' in src
+
+
+def test_without_the_flag_and_emulated_nothing_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default plan narrows (a 16-bit D); the emulated plan, with the flag too, stores e5m2 as D."""
+    monkeypatch.delenv("CODA_FP8_PAIR_STORE", raising=False)
+    spec = plan_stage(_packed(), 1)
+    assert spec.quack_mode == PACKED and spec.d is not None and spec.d.narrow == "e5m2"
+    assert not any(o.pairs for o in spec.outputs)
+    monkeypatch.setenv("CODA_FP8_PAIR_STORE", "1")
+    emulated = plan_stage(_packed(), 1, emulated=True)
+    assert emulated.d is not None and (emulated.d.dtype, emulated.d.narrow) == ("e5m2", None)
+    assert emulated.quack_mode == PACKED
+
+
+def test_the_derived_swiglu_backward_stores_pairs(pairs: None) -> None:
+    """The fp8 MLP's derived backward: its packed stage stores its e5m2 cotangent as pairs beside
+    the e4m3 SwiGLU output; its other GEMM stages are as without the flag."""
+    bwd = _mlp8_backward()
+    packed = [k for k in _gemm_stages(bwd) if plan_stage(bwd, k).mode == PACKED]
+    assert len(packed) == 1
+    spec = plan_stage(bwd, packed[0])
+    assert spec.quack_mode == "element" and spec.d is None
+    assert [o.dtype for o in spec.outputs if o.pairs] == ["e5m2"]
+    src = emit_stage(spec)
+    assert "pack_e5m2x2(" in src and "unpack_bf16x2(" in src
+
+
+def test_the_runtime_hands_quack_the_views(pairs: None) -> None:
+    """What the runtime passes for the stage: C's 16-bit [m, 2n] tile as a float32 [m, n] view of the
+    same storage, the e5m2 [m, 2n] buffer as an int16 [m, n] view of it, no D and no C (element
+    mode); the block's value is the e5m2 buffer itself."""
+    import torch
+
+    blk = _packed()
+    r = blk.cuda(tile=(128, 128)).runner(1)
+    m, n, f = 1000, 64, 528
+    c = torch.randn(m, 2 * f).to(torch.bfloat16)
+    env: dict[str, Any] = {
+        "g": torch.randn(m, n).to(torch.bfloat16),
+        "w": torch.randn(n, f).to(torch.bfloat16),
+        "c": c,
+        "s": 2.0,
+    }
+    ins, scalars = r.arguments(env)
+    (j,) = [i for i, o in enumerate(r.spec.operands) if o.host == WORDS]
+    words = ins[2 + j]
+    assert words is not None and words.dtype == torch.float32 and tuple(words.shape) == (m, f)
+    assert words.data_ptr() == c.data_ptr()
+    assert ins[0] is not None and ins[1] is not None
+    outs = r.allocate(ins[0], ins[1])
+    assert outs[0].dtype == torch.float8_e5m2 and tuple(outs[0].shape) == (m, 2 * f)
+    D, C, epi = r.epilogue_arguments(ins, scalars, outs)
+    assert D is None and C is None
+    stored = epi["dz"]
+    assert stored.dtype == torch.int16 and tuple(stored.shape) == (m, f)
+    assert stored.data_ptr() == outs[0].data_ptr()
+    assert epi[r.spec.operands[j].py] is words or epi[r.spec.operands[j].py].data_ptr() == c.data_ptr()
+    got: dict[str, Any] = {}
+    r.collect(outs, got, {}, {})
+    assert got["dz"] is outs[0]
+
+
+def test_the_word_layout_the_kernel_relies_on() -> None:
+    """The layout, modelled with NumPy's bits (little-endian, as the GPU): a 16-bit word whose low
+    byte is lane 0's code and high byte lane 1's is, in the fp8 buffer, the codes in column order; a
+    float32 word over two 16-bit lanes holds lane 0 in its low half and lane 1 in its high half, and
+    epi_ops' split (the low half shifted up, the high half masked) gives each bf16 lane widened,
+    bit for bit, NaN payloads and signs included."""
+    assert np.little_endian
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((6, 16)) * np.exp2(rng.integers(-20, 18, (6, 16)))).astype(np.float32)
+    x[0, :4] = [np.nan, -0.0, 57344.0, -1e-7]
+    codes = np.clip(x, -57344, 57344).astype(ml_dtypes.float8_e5m2).view(np.uint8)
+    lo, hi = codes[:, 0::2].astype(np.uint16), codes[:, 1::2].astype(np.uint16)
+    word = lo | (hi << 8)  # cvt.rn.satfinite.e5m2x2.f32 d, lane1, lane0 -> lane 0 in the low byte
+    assert np.array_equal(word.view(np.uint8).reshape(codes.shape), codes)
+    halves = rng.integers(0, 1 << 16, (6, 16), dtype=np.uint64).astype(np.uint16)
+    halves[0, :3] = [0x7FC1, 0xFF81, 0x8000]  # NaNs with payloads, -0
+    as_f32 = halves.view(np.uint32)  # the float32 words' bits, [6, 8]
+    lane0 = (as_f32 << np.uint32(16)).astype(np.uint32)
+    lane1 = as_f32 & np.uint32(0xFFFF0000)
+    widened = halves.astype(np.uint32) << np.uint32(16)  # a bf16 widened to f32: its bits on top
+    assert np.array_equal(lane0, widened[:, 0::2]) and np.array_equal(lane1, widened[:, 1::2])
+
+
+@pytest.mark.toolchain
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_the_pair_store_compiles(pairs: None, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The stage with the flag compiles for sm_90a at 128x128 without spills: the pair conversion
+    (cvt.rn.satfinite.e5m2x2.f32) and the bf16 split (shl.b32) inlined, no rounding to odd."""
+    from coda_lang.backend_cute.build.compile import compile_stage
+    from coda_lang.backend_cute.build.config import candidates_for
+
+    blk = _packed()
+    cfg = next(c for c in candidates_for(plan_stage(blk, 1)) if c.short == "128x128")
+    c = compile_stage(blk, 1, cfg, directory=tmp_path_factory.mktemp("pairs8"))
+    assert "cvt.rn.satfinite.e5m2x2.f32" in c.ptx and "shl.b32" in c.ptx
+    assert "65535" not in c.ptx  # (round_odd_bf16's mask of the cut bits)
+    assert c.report is not None and not c.report.spills, c.report.text
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("scale", [1.0, 2.0**-10, 2.0**12])
+def test_gpu_pairs_bit_for_bit(pairs: None, scale: float, dtype: str) -> None:
+    """The stage with the flag on the kernel against the interpreter's direct rounding, code for code,
+    where the value before the store is exact: midpoints, subnormals (2^-10), saturation (2^12), NaN
+    and infinities from C (tests/test_fp8_kernels.py's inputs for the default path)."""
+    import torch
+    from runtime_check import to_torch
+
+    os.environ.setdefault("CODA_TUNE", "0")
+    blk = _packed(dtype)
+    ins = _packed_exact_inputs(1000, 528, scale, dtype)
+    want = blk.run(ins)["dz"]
+    got = blk.cuda(poison=True)({k: to_torch(np.asarray(v), "cuda") for k, v in ins.items()})["dz"]
+    assert got.dtype == torch.float8_e5m2
+    got_codes = got.view(torch.uint8).cpu().numpy()
+    want_codes = np.asarray(want, np.float32).astype(ml_dtypes.float8_e5m2).view(np.uint8)
+    nan = np.isnan(np.asarray(want, np.float32))
+    assert np.array_equal(np.isnan(got.float().cpu().numpy()), nan)
+    same = (got_codes == want_codes) | nan
+    assert same.all(), (np.argwhere(~same)[:5], got_codes[~same][:5], want_codes[~same][:5])
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_gpu_pairs_in_the_mlp_backward(pairs: None) -> None:
+    """The fp8 MLP's e5m2-cotangent backward with the flag (its SwiGLU stage storing pairs, the
+    weight gradient reading a transposed copy of them) against the interpreter."""
+    block = one(MLP8)
+    d = block.derivation(["x", "w", "w2"], backward=coda_lang.BackwardOptions(fp8_grads="e5m2"))
+    rng = np.random.default_rng(23)
+    m, dd, f = 1000, 528, 544
+
+    def e4m3(a: np.ndarray) -> np.ndarray:
+        return a.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+    ins = {
+        "x": e4m3(rng.standard_normal((m, dd)) * 4),
+        "w": e4m3(rng.standard_normal((2 * f, dd)) * 4),
+        "w2": e4m3(rng.standard_normal((dd, f)) * 4),
+        "s_a": np.float32(8.0),
+        "inv1": np.float32(1 / 256),
+        "inv2": np.float32(1 / 512),
+    }
+    cots = {"out": rng.standard_normal((m, dd)).astype(np.float32)}
+    _gpu_backward_matches(block, d, ins, cots, 4096.0, bounded=True)
