@@ -175,6 +175,35 @@ def test_the_pair_store_compiles(pairs: None, tmp_path_factory: pytest.TempPathF
     assert c.report is not None and not c.report.spills, c.report.text
 
 
+@pytest.mark.toolchain
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_quack_takes_the_runtime_arguments(
+    pairs: None, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the runtime hands quack for the stage with the flag (its own arguments, allocation and
+    views, on "meta" tensors): quack validates them and compiles the kernel, without a GPU."""
+    import torch
+
+    from coda_lang.backend_cute.build import quack_adapter
+
+    monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path_factory.mktemp("pairs-dry")))
+    r = _packed().cuda(tile=(128, 128)).runner(1)
+    m, n, f = 1000, 64, 528
+    env: dict[str, Any] = {
+        "g": torch.empty((m, n), dtype=torch.bfloat16, device="meta"),
+        "w": torch.empty((n, f), dtype=torch.bfloat16, device="meta"),
+        "c": torch.empty((m, 2 * f), dtype=torch.bfloat16, device="meta"),
+        "s": 2.0,
+    }
+    ins, scalars = r.arguments(env)
+    assert ins[0] is not None and ins[1] is not None
+    outs = r.allocate(ins[0], ins[1])
+    D, C, epi = r.epilogue_arguments(ins, scalars, outs)
+    assert D is None and C is None and epi["dz"].dtype == torch.int16
+    quack_adapter.launch(r.mod, r.spec, r.config, ins[0], ins[1], D, epi, C=C, dry_run=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
