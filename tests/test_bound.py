@@ -197,6 +197,26 @@ def test_a_max_keeps_the_largest_bound() -> None:
     assert errs["m"][0] == pytest.approx(e_acc0)
 
 
+def test_a_subnormal_result_may_be_zero() -> None:
+    """sigmoid(-90) is 7e-40, below f32's smallest normal: an implementation that flushes it, or
+    computes 1 / (1 + exp(90)) and gets 0, is correct too. Its bound reaches 0 (and so does a normal
+    result's not), and an infinity times it may be anything (tests/fuzz_found/
+    sigmoid_subnormal_special.coda, where torch gave NaN and the interpreter inf)."""
+    block = _program(
+        "  gemm x @ w {\n    s = sigmoid(acc)\n    y = s * t\n  }",
+        "x: f32[M, K], w: f32[K, N], t: f32",
+        "s: f32[M, N], y: f32[M, N]",
+    )
+    x = np.array([[-90.0], [-10.0]], np.float32)
+    w = np.ones((1, 1), np.float32)
+    outs, errs = bound.run(block, {"x": x, "w": w, "t": np.float32(np.inf)}, {"M": 2, "K": 1, "N": 1})
+    tiny = float(np.finfo(np.float32).tiny)
+    assert 0 < outs["s"][0, 0] < tiny and errs["s"][0, 0] >= outs["s"][0, 0]
+    assert 0 < errs["s"][1, 0] < 1e-3 * outs["s"][1, 0]  # 4.5e-5: a normal result's bound is relative
+    assert bool(np.isinf(outs["y"][0, 0])) and errs["y"][0, 0] == bound.ANY  # inf * (maybe 0)
+    assert errs["y"][1, 0] != bound.ANY
+
+
 def test_mismatch_with_a_bound() -> None:
     ref = np.array([1e-4, 2e-4, -3e-4], np.float32)
     got = ref + np.array([5e-5, 0, 0], np.float32)  # 50 % off

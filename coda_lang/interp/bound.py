@@ -57,6 +57,7 @@ from coda_lang.ops import REGISTRY, BoundRule, OpDef
 from coda_lang.ops.registry import F32_U, FASTMATH_ROUNDING, repeats_in
 
 U = F32_U  # f32's unit roundoff
+F32_TINY = float(np.finfo(np.float32).tiny)  # f32's smallest normal, 2^-126
 
 
 def gamma(n: int) -> float:
@@ -171,7 +172,11 @@ def _inject(op: OpDef, x: list[np.ndarray], y: np.ndarray) -> np.ndarray:
     # |y|; 0 where y is non-finite because an operand is; inf where y overflowed from finite operands
     ay = np.where(np.isfinite(y), np.abs(y), np.where(finite_x, np.inf, 0.0))
     ax = np.where(np.isfinite(x[0]), np.abs(x[0]), 0.0) if x else 0.0
-    return np.asarray(op.bound.own(ax, ay))
+    # a result below f32's smallest normal may come out 0: flushed (fast-math, FTZ) or underflowed in
+    # another formula (1 / (1 + exp(-x)) for sigmoid(-90), whose value is 7e-40). Subnormal results
+    # (of the interpreter's float64 too) are within that of 0
+    flushed = np.where(ay < F32_TINY, ay, 0.0)
+    return np.maximum(np.asarray(op.bound.own(ax, ay), np.float64), flushed)
 
 
 def _f64(x: Any) -> Any:
