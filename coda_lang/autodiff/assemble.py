@@ -67,8 +67,19 @@ def finalize(s: State) -> tuple[dict[str, str], dict[str, str]]:
         kind = _kind(t)
         if kind == MATRIX:
             _finalize_matrix(s, name, parts, out_name, t, renames)
-        elif single is not None and single.name not in s.bparams and s.types.get(single.name, t).kind == kind:
+        elif (
+            single is not None
+            and single.name not in s.bparams
+            and single.name not in renames
+            and s.types.get(single.name, t).kind == kind
+        ):
             renames[single.name] = out_name
+        elif single is not None and single.name in renames and s.types.get(single.name, t).kind == kind:
+            # the value another parameter's gradient is already named for (`v = r + p`: both get v's
+            # cotangent): this one is a copy of it (renamed with it), not a second name for it
+            with s.between_stages():
+                b.span = p.span
+                b.op("copy", single, name=out_name)
         else:
             with s.between_stages():
                 b.span = p.span
@@ -86,8 +97,10 @@ def _finalize_matrix(
 ) -> None:
     b = s.b
     single = parts[0] if len(parts) == 1 and isinstance(parts[0], Var) else None
-    # The usual case: one contribution, made by an equation of this backward: rename it.
-    if single is not None and single.name in s.bparams:
+    # The usual case: one contribution, made by an equation of this backward: rename it. A backward
+    # parameter, or a value already named for another parameter's gradient (`y = a + b`: both get y's
+    # cotangent), is aliased instead
+    if single is not None and (single.name in s.bparams or single.name in renames):
         with s.between_stages():
             b.op("copy", single, name=out_name)  # an alias (e.g. a residual's gradient)
         return

@@ -23,7 +23,7 @@ from coda_lang.frontend.syntax.parse import parse
 from coda_lang.frontend.syntax.printer import print_block
 from coda_lang.frontend.verify.check import check_block
 from coda_lang.frontend.verify.plan import BlockPlan, explain
-from coda_lang.ir.nodes import Block, Program, Span
+from coda_lang.ir.nodes import Block, Program, Span, Stage
 
 
 class CheckedBlock:
@@ -53,6 +53,14 @@ def check_generated(block: Block, what: str, origin: Span | None = None) -> Chec
     the first diagnostics as notes) when it does not check. `origin`: the user's source it came from."""
     diags: list[Diagnostic] = []
     typed, plan = check_block(block, diags)
+    # (the parser's E0205, which a block made by a pass never went through: an output nothing assigns)
+    defined = {p.var.name for p in block.params}
+    for item in block.body:
+        for e in item.body if isinstance(item, Stage) else (item,):
+            defined.update(v.name for v in e.outs)
+    for o in block.outputs:
+        if o.name not in defined:
+            diags.append(Diagnostic("E0205", f"output `{o.name}` is never assigned", o.span))
     if diags:
         notes = [x.short() for x in diags[:5]] + ["this is a bug in coda_lang; please report it"]
         raise error("E0601", f"{what} `{block.name}` does not check", origin, notes=notes)
