@@ -81,17 +81,19 @@ def transposes(model: Any) -> int:
     return per_block[b.first.name] + (n_layers - 1) * per_block[b.layer.name] + per_block[b.last.name]
 
 
-def count(model: Any, whole: bool) -> dict[str, int]:
+def count(model: Any, whole: bool, batched: bool = True) -> dict[str, int]:
     from coda_lang.backend_cute.runtime import cuda_block, launch, vector_eqn
     from coda_lang.backend_triton import elementwise
 
     with warnings.catch_warnings():  # (isinstance on every live object wakes torch's deprecated aliases)
         warnings.simplefilter("ignore")
         blocks = [o for o in gc.get_objects() if isinstance(o, cuda_block.CudaBlock)]
-    saved = {id(c): c._whole for c in blocks}
-    if not whole:
-        for c in blocks:
+    saved = {id(c): (c._whole, c._folds, c._after) for c in blocks}
+    for c in blocks:
+        if not whole:
             c._whole = {}
+        if not whole or not batched:  # (the batched folds are of whole sinks or vectors)
+            c._folds, c._after = {}, frozenset()
     n: collections.Counter[str] = collections.Counter()
     undo = []
 
@@ -112,6 +114,8 @@ def count(model: Any, whole: bool) -> dict[str, int]:
     # (`detach` and `copy` give their operand back: no launch)
     wrap(vector_eqn.VectorStep, "__call__", "vector", lambda s, *a: s.eqn.op not in ("detach", "copy"))
     wrap(launch, "combine_rule", "combine")
+    # a block run's amax folds together (cuda_block.batched_folds): one call, two kernels on a GPU
+    wrap(torch, "_foreach_max", "folds")
     ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(1))
     try:
         model(input_ids=ids, labels=ids).loss.backward()
@@ -119,7 +123,7 @@ def count(model: Any, whole: bool) -> dict[str, int]:
         for owner, attr, f in undo:
             setattr(owner, attr, f)
         for c in blocks:
-            c._whole = saved[id(c)]
+            c._whole, c._folds, c._after = saved[id(c)]
     return dict(n)
 
 
@@ -141,19 +145,25 @@ def main(argv: list[str] | None = None) -> int:
             model(input_ids=ids, labels=ids).loss.backward()
         print(f"{config}: two warm-up steps {time.perf_counter() - t:.1f} s", file=sys.stderr)
         t_copy = transposes(model)
-        for whole in (True, False):
-            c = count(model, whole)
+        for whole, batched in ((True, True), (True, False), (False, False)):
+            c = count(model, whole, batched)
             c["transposes"] = t_copy
-            c["total"] = sum(c[k] for k in ("gemm", "elementwise", "vector", "combine", "transposes"))
-            rows.append({"config": config, "whole_folds": whole, "layers": args.layers, **c})
+            kinds = ("gemm", "elementwise", "vector", "folds", "combine", "transposes")
+            c["total"] = sum(c.get(k, 0) for k in kinds)
+            rows.append(
+                {"config": config, "whole_folds": whole, "batched_folds": batched, "layers": args.layers, **c}
+            )
     print(f"\nlaunches in one training step, {args.layers} layers (attention and the optimizer not counted)")
-    print("| config | sink partials | gemm | elementwise | vector | combine | transposes | total |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| config | sink partials | amax folds | gemm | elementwise | vector | folds | combine | transposes | total |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['config']} | {'folded whole' if r['whole_folds'] else 'combined per row'} | {r.get('gemm', 0)} "
-            f"| {r.get('elementwise', 0)} | {r.get('vector', 0)} | {r.get('combine', 0)} | {r['transposes']} "
-            f"| {r['total']} |"
+            f"| {r['config']} | {'folded whole' if r['whole_folds'] else 'combined per row'} "
+            f"| {'batched' if r['batched_folds'] else 'each in place'} | {r.get('gemm', 0)} "
+            f"| {r.get('elementwise', 0)} | {r.get('vector', 0)} | {r.get('folds', 0)} | {r.get('combine', 0)} "
+            f"| {r['transposes']} | {r['total']} |"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -1,8 +1,8 @@
 """benchmarks/launch_count.py (the launches of a training step by kind, counted on the CPU): at 4
 layers, the fp8 step launches what its blocks say it does. The GEMM launches are each block's GEMM
 stages times its call sites; the combines saved by folding sink partials whole are each block's
-`whole_folds` times its call sites; the transposes are those its plans leave to the runtime, fewer
-with $CODA_KMAJOR_STAGES=all."""
+`whole_folds` times its call sites; the amax folds batched are each block's `batched_folds` times its call sites, one call a block run;
+the transposes are those its plans leave to the runtime, fewer with $CODA_KMAJOR_STAGES=all."""
 
 from __future__ import annotations
 
@@ -41,12 +41,13 @@ def test_the_fp8_steps_launches_are_its_blocks(tmp_path: Path) -> None:
     import coda_lang
     from coda_lang.hf.blocks import model_source
 
-    whole, per_row = _rows(tmp_path)
-    assert whole["whole_folds"] and not per_row["whole_folds"]
+    whole, unbatched, per_row = _rows(tmp_path)
+    assert whole["whole_folds"] and whole["batched_folds"] and not unbatched["batched_folds"]
+    assert not per_row["whole_folds"]
     prog = coda_lang.load(model_source("bfloat16", 1e-5, 16, None, fp8="delayed"))
     # call sites: the first block once, the layer block at each of the LAYERS - 1 boundaries, the last once
     sites = {"first_qkv": 1, "layer": LAYERS - 1, "last": 1}
-    folds, gemms = 0, 0
+    folds, gemms, batched, runs = 0, 0, 0, 0
     for name, n in sites.items():
         blk = prog[name]
         wrt = [p.var.name for p in blk.ir.params if p.var.type.dtype in ("bf16", "f32") and p.var.type.shape]
@@ -55,9 +56,13 @@ def test_the_fp8_steps_launches_are_its_blocks(tmp_path: Path) -> None:
         for cb in (blk.cuda(emulate=True), bwd.cuda(emulate=True)):
             folds += n * sum(len(v) for v in cb._whole.values())
             gemms += n * len(cb.gemm_stages)
-    assert folds > 0
+            batched += n * len(cb._folds)  # (each an amax folded in the run's one _foreach_max)
+            runs += n * bool(cb._folds)
+    assert folds > 0 and batched > 0
     assert per_row["combine"] - whole["combine"] == folds
+    assert unbatched["vector"] - whole["vector"] == batched and whole["folds"] == runs
+    assert unbatched["total"] - whole["total"] == batched - runs
     assert whole["gemm"] - gemms == 3  # (the loss head's forward and backward GEMMs, one chunk)
     assert whole["transposes"] > 0
-    (wide, _) = _rows(tmp_path, CODA_KMAJOR_STAGES="all")
+    (wide, _, _) = _rows(tmp_path, CODA_KMAJOR_STAGES="all")
     assert 0 < wide["transposes"] < whole["transposes"]

@@ -53,7 +53,7 @@ from coda_lang.backend_triton import KMAJOR, kmajor_key
 from coda_lang.backend_triton.elementwise import ElementwiseStage
 from coda_lang.backend_triton.vector_run import VectorRun, plan_runs
 from coda_lang.core.diagnostics import CodaError, Diagnostic, with_sources
-from coda_lang.ir.nodes import DimRef, Eqn, Stage
+from coda_lang.ir.nodes import DimRef, Eqn, Stage, Var
 from coda_lang.ir.types import Dim
 from coda_lang.ops import REGISTRY
 
@@ -94,6 +94,57 @@ def whole_folds(
         if names:
             out[k] = frozenset(names)
     return out
+
+
+def batched_folds(
+    ir: Any, whole: dict[int, frozenset[str]], fused: frozenset[int]
+) -> tuple[dict[int, str], frozenset[int]]:
+    """({body index: the sink it folds} of the max folds `batch` runs together at the end of a run,
+    the body indices of the equations that only pass their results on, run after them). A fold is
+    batched when it folds a sink `collect` leaves whole (`whole_folds`: an fp8 amax's partials) and
+    (or a vector folded over its one dim: an elementwise stage's amax partials, the weights') and its
+    value reaches nothing but block outputs through `detach` or a copy (the amaxes a block returns for
+    the next step's scales): no stage and no other equation of the run waits for it. One
+    `torch._foreach_max` then folds all of them (two kernels on a GPU, where each fold was one
+    launch: an fp8 Llama layer's forward folds six amaxes, its backward three). Max is exact in any
+    order, so the values are the same. `fused`: equations of vector runs, never taken."""
+    sinks = set().union(*whole.values()) if whole else set()
+    outputs = {o.name for o in ir.outputs}
+    readers: dict[str, list[Any]] = {}
+    for item in ir.body:
+        for n in reads(item):
+            readers.setdefault(n, []).append(item)
+    folds: dict[int, str] = {}
+    after: set[int] = set()
+    index = {id(item): i for i, item in enumerate(ir.body)}
+    for i, item in enumerate(ir.body):
+        if not isinstance(item, Eqn) or item.op != "reduce_max" or i in fused or len(item.ins) != 1:
+            continue
+        src = item.ins[0]
+        if not isinstance(src, Var) or len(item.outs) != 1:
+            continue
+        t = src.type
+        # the whole fold of a GEMM stage's partials, or a vector folded over its one dim
+        vector = t is not None and len(t.shape) == 1 and item.param("over") == t.shape[0]
+        if src.name not in sinks and not vector:
+            continue
+        out = item.outs[0].name
+        users = readers.get(out, [])
+        if not users or out in outputs:
+            continue
+        passes = [
+            u
+            for u in users
+            if isinstance(u, Eqn)
+            and u.op in ("detach", "copy")
+            and index[id(u)] not in fused
+            and all(v.name in outputs and not readers.get(v.name) for v in u.outs)
+        ]
+        if len(passes) != len(users):
+            continue
+        folds[i] = src.name
+        after.update(index[id(u)] for u in passes)
+    return folds, frozenset(after)
 
 
 class CudaBlock:
@@ -215,6 +266,7 @@ class CudaBlock:
         # what each statement reads last, and what a consuming run (an autograd backward) may overwrite
         self.liveness = Liveness(self.ir)
         self._whole = whole_folds(self.ir, self.specs, self.plan.storage, frozenset(self._run_of))
+        self._folds, self._after = batched_folds(self.ir, self._whole, frozenset(self._run_of))
 
     @property
     def name(self) -> str:
@@ -366,8 +418,15 @@ class CudaBlock:
         partials: dict[str, torch.Tensor] = {}
         k = 0
         fused = False  # the current run of vector equations ran as one kernel
+        # (body index, partial buffer) of the amax folds run together at the end (`batched_folds`);
+        # not under a torch.compile trace, which fuses such folds itself
+        batch: list[tuple[int, torch.Tensor]] = []
+        batching = bool(self._folds) and not torch.compiler.is_compiling()
         for i, s in enumerate(self.ir.body):
-            if isinstance(s, Stage):
+            if batching and (i in self._folds or i in self._after):
+                if i in self._folds:
+                    batch.append((i, env[self._folds[i]]))
+            elif isinstance(s, Stage):
                 k += 1
                 if k in self.elementwise:
                     es = self.elementwise[k]
@@ -393,6 +452,11 @@ class CudaBlock:
                 for n in self.liveness.dead_after[i]:
                     env.pop(n, None)
                     env.pop(kmajor_key(n), None)
+        if batch:
+            for (i, _), v in zip(batch, torch._foreach_max([b for _, b in batch]), strict=True):
+                self._steps[i].bind(env, v, device)
+            for i in sorted(self._after):
+                self._steps[i](env, dims, device)
         return env, partials, dims
 
     # -- autograd -----------------------------------------------------------------------------

@@ -35,7 +35,7 @@ class VectorStep:
     -> (dim name, numerator, denominator) of each dim used as a value; `sizes`: (first output) ->
     G as such a triple for `fold(x, into=G)` (both as CudaBlock keeps them)."""
 
-    __slots__ = ("eqn", "args", "widen", "stand_in", "params", "into", "outs")
+    __slots__ = ("eqn", "args", "widen", "stand_in", "params", "into", "outs")  # (bind: a method)
 
     def __init__(
         self,
@@ -84,6 +84,11 @@ class VectorStep:
             res = self.stand_in(*vals, (dims[name] if name is not None else 1) * num // den)
         else:
             res = self.stand_in(*vals, **self.params)
+        self.bind(env, res, device)
+
+    def bind(self, env: dict[str, Any], res: Any, device: torch.device) -> None:
+        """The equation's result(s) `res`, computed by its stand-in or elsewhere (CudaBlock's batched
+        folds), bound by name in its dtypes, rounded where an output is annotated."""
         res_t = res if isinstance(res, tuple) else (res,)
         for (name, dtype, annot), x in zip(self.outs, res_t, strict=True):
             x = compute_value(x, dtype, device)
