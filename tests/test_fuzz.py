@@ -566,8 +566,15 @@ FOUND = [
     # (with --special and --remat save; found on the CPU, emulated) inf times sigmoid(-90), a subnormal
     # that torch's sigmoid gives as 0: NaN against the interpreter's inf
     ("sigmoid_subnormal_special.coda", "M=40,K=8,N=56,F=8", "119", None),
+    # (--remat save, found on the CPU) a cotangent matrix of half the stage's width, summed over its
+    # columns in the backward's elementwise stage: broadcast to the full width by the torch stand-in
+    ("matrix_summed_half_width.coda", "M=8,K=8,N=8", "0", None),
 ]
-SPECIAL_SAVE = {"min_half_width_special.coda", "sigmoid_subnormal_special.coda"}
+SPECIAL_SAVE = {
+    "min_half_width_special.coda",
+    "sigmoid_subnormal_special.coda",
+    "matrix_summed_half_width.coda",
+}
 
 
 @pytest.mark.parametrize("target", ["emulate", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -88,7 +88,9 @@ class ElementwiseStage:
         width of the columns it covers."""
         if t is not None and t.kind == GROUP and t.group:
             return self._ratio(t.shape[1].scale(t.group))
-        if t is None or t.kind != TILE:
+        # (a matrix the stage loads is a tile of its width: a block parameter read in the stage, a
+        # cotangent `dv: f32[M, N]` summed over its columns in a stage of width 2*N)
+        if t is None or t.kind not in (TILE, MATRIX) or len(t.shape) != 2:
             return None
         return self._ratio(t.shape[1])
 
