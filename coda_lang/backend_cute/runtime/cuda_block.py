@@ -55,7 +55,7 @@ from coda_lang.backend_triton.vector_run import VectorRun, plan_runs
 from coda_lang.core.diagnostics import CodaError, Diagnostic, with_sources
 from coda_lang.ir.nodes import DimRef, Eqn, Stage, Var
 from coda_lang.ir.types import Dim
-from coda_lang.ops import REGISTRY
+from coda_lang.ops import REGISTRY, Locality
 
 _NONE: frozenset[str] = frozenset()
 
@@ -118,7 +118,10 @@ def batched_folds(
     after: set[int] = set()
     index = {id(item): i for i, item in enumerate(ir.body)}
     for i, item in enumerate(ir.body):
-        if not isinstance(item, Eqn) or item.op != "reduce_max" or i in fused or len(item.ins) != 1:
+        if not isinstance(item, Eqn) or i in fused or len(item.ins) != 1:
+            continue
+        od = REGISTRY[item.op]
+        if od.locality is not Locality.REDUCE or od.combine is None or od.combine.name != "max":
             continue
         src = item.ins[0]
         if not isinstance(src, Var) or len(item.outs) != 1:
@@ -136,7 +139,7 @@ def batched_folds(
             u
             for u in users
             if isinstance(u, Eqn)
-            and u.op in ("detach", "copy")
+            and (REGISTRY[u.op].copy or REGISTRY[u.op].stops_gradient)  # (`y = x`, detach: its operand)
             and index[id(u)] not in fused
             and all(v.name in outputs and not readers.get(v.name) for v in u.outs)
         ]
