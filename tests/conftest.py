@@ -29,6 +29,13 @@ from hypothesis import HealthCheck, settings
 # backend, must find the same, or a later test in its process compiles for CuTeDSL's default (sm_100a)
 os.environ.setdefault("QUACK_ARCH", "90")
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+# One OpenMP thread per test process (torch's intra-op threads, NumPy's BLAS), and so in the commands
+# the tests start: the tests' matrices are tiny, so more threads only wait on each other, and on CI's
+# 2 cores the 2 xdist workers take a core each already: with torch's default (a thread per core) each
+# worker's threads spin in OpenMP's barriers for a multiple of the work (tests/test_hf.py and
+# test_hf_fp8.py under -n 2: 3 to 4 times the CPU time). Read by torch and NumPy when first imported
+# (after this file); a value set outside wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 settings.register_profile(
     "ci",

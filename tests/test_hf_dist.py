@@ -379,6 +379,19 @@ def distributed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     return launched
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _threads_per_core() -> Any:
+    """This module's tests in torch's default of a thread per core, not the one thread conftest.py
+    gives every test process: `fp8_amaxes_reduced` compares the ranks' ddp-fp8-sync losses with one
+    process's (`single`) within 1e-5 after 5 steps, and that process's losses are 2e-6 off with 2
+    threads or more and 1.3e-5 off single-threaded (the summation order, presumably amplified by fp8
+    rounding over the steps)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else before)
+    yield
+    torch.set_num_threads(before)
+
+
 @functools.cache
 def single(family: str, patched: bool, fp8: str | None = None) -> dict[str, Any]:
     """One process, the whole batch (patched with the fp8 recipe `fp8`, where given)."""

@@ -115,38 +115,41 @@ def _walk(items: tuple[tuple[str, Path], ...]) -> tuple[Import, ...]:
     known = set(mods)
     found: list[Import] = []
     for name, path in mods.items():
-        text = path.read_text()
-        lines = text.split("\n")
-        tree = ast.parse(text)
-
-        def visit(
-            node: ast.AST,
-            in_function: bool,
-            typing_only: bool = False,
-            name: str = name,
-            path: Path = path,
-            lines: list[str] = lines,
-        ) -> None:
-            for child in ast.iter_child_nodes(node):
-                if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                    visit(ast.Module(body=child.body, type_ignores=[]), in_function, True)
-                    visit(ast.Module(body=child.orelse, type_ignores=[]), in_function, typing_only)
-                    continue
-                if isinstance(child, (ast.Import, ast.ImportFrom)):
-                    for t in _targets(child, name, path.name == "__init__.py", known):
-                        if t != name:
-                            reason = (
-                                _lazy_reason(lines, child.lineno, child.end_lineno or child.lineno)
-                                if in_function
-                                else ""
-                            )
-                            found.append(Import(name, t, child.lineno, in_function, reason, typing_only))
-                    continue
-                fn = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-                visit(child, in_function or fn, typing_only)
-
-        visit(tree, False)
+        for child, in_function, typing_only, reason in _statements(path.read_text()):
+            for t in _targets(child, name, path.name == "__init__.py", known):
+                if t != name:
+                    found.append(Import(name, t, child.lineno, in_function, reason, typing_only))
     return tuple(found)
+
+
+@functools.cache  # (a planted copy of the modules walks again only the files it changed)
+def _statements(text: str) -> tuple[tuple[ast.Import | ast.ImportFrom, bool, bool, str], ...]:
+    """The import statements of a module's text: (statement, in a function, under `if TYPE_CHECKING:`,
+    the `# lazy:` reason of one in a function)."""
+    lines = text.split("\n")
+    found: list[tuple[ast.Import | ast.ImportFrom, bool, bool, str]] = []
+
+    def visit(node: ast.AST, in_function: bool, typing_only: bool = False) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                visit(ast.Module(body=child.body, type_ignores=[]), in_function, True)
+                visit(ast.Module(body=child.orelse, type_ignores=[]), in_function, typing_only)
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                last = child.end_lineno or child.lineno
+                reason = _lazy_reason(lines, child.lineno, last) if in_function else ""
+                found.append((child, in_function, typing_only, reason))
+                continue
+            fn = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            visit(child, in_function or fn, typing_only)
+
+    visit(_tree(text), False)
+    return tuple(found)
+
+
+@functools.cache
+def _tree(text: str) -> ast.Module:
+    return ast.parse(text)
 
 
 def layer_of(module: str) -> int:
@@ -219,7 +222,7 @@ def heavy_at_top(mods: dict[str, Path]) -> dict[str, frozenset[str]]:
     direct: dict[str, set[str]] = {}
     edges: dict[str, set[str]] = {m: set() for m in mods}
     for name, path in mods.items():
-        tree = ast.parse(path.read_text())
+        tree = _tree(path.read_text())
         libs: set[str] = set()
         for node in tree.body:
             if isinstance(node, ast.Import):

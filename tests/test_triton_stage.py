@@ -163,8 +163,24 @@ def stage(name: str) -> ElementwiseStage:
 BLOCKS = _blocks()
 
 
+def _row_size(st: ElementwiseStage) -> int:
+    """The size of the stage's row dim that gives the generated kernel a few row blocks of BM rows, the
+    last one ragged where BM > 1 (32 or 4 rows with a reduction over the rows, whose partials are
+    folded across the programs): BM + 5 rows or just over. Triton's interpreter runs the programs one
+    by one, and with BM 1 (each program one row) the rows past a few cost seconds and reach no other
+    code."""
+    bm = TritonStage(st, interpret=True).bm
+    coeff = st.rows.coeff
+    n = max(1, math.ceil((bm + 5) / coeff))
+    while (coeff * n).denominator != 1 or (bm > 1 and (coeff * n) % bm == 0):
+        n += 1
+    return n
+
+
 def _sizes(st: ElementwiseStage) -> dict[str, int]:
-    """Dim sizes that are multiples of no block: 37 rows; odd numbers of column pairs."""
+    """Dim sizes that are multiples of no block: a few row blocks of the kernel's programs, the last
+    one ragged where a block has more than one row (`_row_size`: 37 rows where it has 32, 9 where 4, 6
+    where 1); odd numbers of column pairs."""
     sizes = {}
     fixed = {d.name: int(d.value) for d in st.block.ir.dims if d.value is not None}
     base = {"M": 37, "D": 150, "F": 134, "K": 146, "P": 136, "V": 300, "N": 262, "H": 2}
@@ -175,6 +191,9 @@ def _sizes(st: ElementwiseStage) -> dict[str, int]:
                 names.add(d.name)
     for n in names:
         sizes[n] = fixed.get(n, base.get(n, 134))
+    rows = st.rows.name
+    if rows in sizes and rows not in fixed and rows != st.cols.name and unsupported(st) is None:
+        sizes[rows] = _row_size(st)
     sizes.update(fixed)  # (a fixed dim a stage refers to: a group's HD)
     # a grouped reduction's row holds whole groups: the stage's columns a multiple of the group (N: 272,
     # 17 groups of 16: two chunks of 128 columns and a ragged one)
@@ -363,7 +382,7 @@ def test_max_min_nan_inf_cast_scalars(scalar_as_tensor: bool) -> None:
     blk = coda_lang.load(HAND)["b"]
     st = ElementwiseStage(blk, 1, emulate=True)
     assert unsupported(st) is None
-    rows, cols = 41, 2 * 133
+    rows, cols = 13, 2 * 133  # (programs of 4 rows, the stage reducing over them: the last ragged)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(rows, cols, generator=gen)
     x[3, 7] = float("nan")
@@ -423,8 +442,8 @@ def test_grouped_reductions_used_in_their_stage(paired: bool, monkeypatch: pytes
     st = ElementwiseStage(blk, 1, emulate=True)
     assert unsupported(st) is None and st.groups == (16, 8, 0)
     # 2 * 136 columns: two chunks of 128 and a ragged one (unpaired), or a chunk of 128 pairs and one
-    # of 8 (paired); 17 groups of 16
-    rows, cols = 11, 2 * 136
+    # of 8 (paired); 17 groups of 16. A program a row (Triton's interpreter runs them one by one)
+    rows, cols = 6, 2 * 136
     gen = torch.Generator().manual_seed(5)
     ins = [torch.randn(rows, cols, generator=gen).bfloat16(), torch.randn(cols, generator=gen)]
     sizes = {"M": rows, "P": cols // 2}
