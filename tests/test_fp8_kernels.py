@@ -1291,6 +1291,12 @@ def test_gpu_fp8_mlp_backward_matches_interpreter(m: int) -> None:
     gradients' K padded to 16). An e5m2 cotangent whose value before rounding lies near a midpoint
     may round to the other neighbour in one of the two runs: the rule's per-element rounding bound
     allows for that where the plain rule does not."""
+    mlp8_backward_matches(m)
+
+
+def mlp8_backward_matches(m: int) -> None:
+    """MLP8's e5m2-cotangent backward on the kernels against the interpreter at m rows (a GPU test's
+    body: the default path here, the pair store's in tests/test_fp8_pairs.py)."""
     block = one(MLP8)
     d = block.derivation(["x", "w", "w2"], backward=coda_lang.BackwardOptions(fp8_grads="e5m2"))
     rng = np.random.default_rng(23)
@@ -1386,11 +1392,17 @@ def test_gpu_packed_e5m2_d_bit_for_bit(scale: float, dtype: str) -> None:
     interpreter's direct rounding, code for code, where the value before the store is exact (acc a row
     of w, times a bf16 value, times a power of 2): midpoints, subnormals (2^-10), saturation (2^12),
     NaN and infinities from C."""
+    packed_bit_for_bit(_packed_e5m2(dtype), scale, dtype)
+
+
+def packed_bit_for_bit(blk: coda_lang.Block, scale: float, dtype: str) -> None:
+    """PACKED_E5M2's stage `blk` on the kernel against the interpreter, code for code, on
+    `_packed_exact_inputs` (a GPU test's body: the default path here, the pair store's in
+    tests/test_fp8_pairs.py)."""
     import torch
     from runtime_check import to_torch
 
     os.environ.setdefault("CODA_TUNE", "0")
-    blk = _packed_e5m2(dtype)
     ins = _packed_exact_inputs(1000, 528, scale, dtype)
     want = blk.run(ins)["dz"]
     got = blk.cuda(poison=True)({k: to_torch(np.asarray(v), "cuda") for k, v in ins.items()})["dz"]

@@ -18,7 +18,6 @@ derived backward against the interpreter, as tests/test_fp8_kernels.py checks th
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Any
 
@@ -26,12 +25,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 from test_fp8_kernels import (
-    MLP8,
     PACKED_E5M2,
     _gemm_stages,
-    _gpu_backward_matches,
-    _packed_exact_inputs,
+    _mlp8_backward,
+    mlp8_backward_matches,
     one,
+    packed_bit_for_bit,
 )
 
 import coda_lang
@@ -47,11 +46,6 @@ def pairs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _packed(dtype: str = "bf16") -> coda_lang.Block:
     return one(PACKED_E5M2.replace("bf16", dtype))
-
-
-def _mlp8_backward() -> coda_lang.Block:
-    d = one(MLP8).derivation(["x", "w", "w2"], backward=coda_lang.BackwardOptions(fp8_grads="e5m2"))
-    return d.backward
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
@@ -212,21 +206,7 @@ def test_gpu_pairs_bit_for_bit(pairs: None, scale: float, dtype: str) -> None:
     """The stage with the flag on the kernel against the interpreter's direct rounding, code for code,
     where the value before the store is exact: midpoints, subnormals (2^-10), saturation (2^12), NaN
     and infinities from C (tests/test_fp8_kernels.py's inputs for the default path)."""
-    import torch
-    from runtime_check import to_torch
-
-    os.environ.setdefault("CODA_TUNE", "0")
-    blk = _packed(dtype)
-    ins = _packed_exact_inputs(1000, 528, scale, dtype)
-    want = blk.run(ins)["dz"]
-    got = blk.cuda(poison=True)({k: to_torch(np.asarray(v), "cuda") for k, v in ins.items()})["dz"]
-    assert got.dtype == torch.float8_e5m2
-    got_codes = got.view(torch.uint8).cpu().numpy()
-    want_codes = np.asarray(want, np.float32).astype(ml_dtypes.float8_e5m2).view(np.uint8)
-    nan = np.isnan(np.asarray(want, np.float32))
-    assert np.array_equal(np.isnan(got.float().cpu().numpy()), nan)
-    same = (got_codes == want_codes) | nan
-    assert same.all(), (np.argwhere(~same)[:5], got_codes[~same][:5], want_codes[~same][:5])
+    packed_bit_for_bit(_packed(dtype), scale, dtype)
 
 
 @pytest.mark.gpu
@@ -234,21 +214,4 @@ def test_gpu_pairs_bit_for_bit(pairs: None, scale: float, dtype: str) -> None:
 def test_gpu_pairs_in_the_mlp_backward(pairs: None) -> None:
     """The fp8 MLP's e5m2-cotangent backward with the flag (its SwiGLU stage storing pairs, the
     weight gradient reading a transposed copy of them) against the interpreter."""
-    block = one(MLP8)
-    d = block.derivation(["x", "w", "w2"], backward=coda_lang.BackwardOptions(fp8_grads="e5m2"))
-    rng = np.random.default_rng(23)
-    m, dd, f = 1000, 528, 544
-
-    def e4m3(a: np.ndarray) -> np.ndarray:
-        return a.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
-
-    ins = {
-        "x": e4m3(rng.standard_normal((m, dd)) * 4),
-        "w": e4m3(rng.standard_normal((2 * f, dd)) * 4),
-        "w2": e4m3(rng.standard_normal((dd, f)) * 4),
-        "s_a": np.float32(8.0),
-        "inv1": np.float32(1 / 256),
-        "inv2": np.float32(1 / 512),
-    }
-    cots = {"out": rng.standard_normal((m, dd)).astype(np.float32)}
-    _gpu_backward_matches(block, d, ins, cots, 4096.0, bounded=True)
+    mlp8_backward_matches(1000)

@@ -67,19 +67,15 @@ def finalize(s: State) -> tuple[dict[str, str], dict[str, str]]:
         kind = _kind(t)
         if kind == MATRIX:
             _finalize_matrix(s, name, parts, out_name, t, renames)
-        elif (
-            single is not None
-            and single.name not in s.bparams
-            and single.name not in renames
-            and s.types.get(single.name, t).kind == kind
-        ):
-            renames[single.name] = out_name
-        elif single is not None and single.name in renames and s.types.get(single.name, t).kind == kind:
-            # the value another parameter's gradient is already named for (`v = r + p`: both get v's
-            # cotangent): this one is a copy of it (renamed with it), not a second name for it
-            with s.between_stages():
-                b.span = p.span
-                b.op("copy", single, name=out_name)
+        elif single is not None and single.name not in s.bparams and s.types.get(single.name, t).kind == kind:
+            if single.name not in renames:
+                renames[single.name] = out_name
+            else:
+                # the value another parameter's gradient is already named for (`v = r + p`: both get
+                # v's cotangent): this one is a copy of it (renamed with it), not a second name for it
+                with s.between_stages():
+                    b.span = p.span
+                    b.op("copy", single, name=out_name)
         else:
             with s.between_stages():
                 b.span = p.span
