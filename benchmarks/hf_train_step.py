@@ -33,7 +33,9 @@ dropout 0) on q, k, v, o, gate, up and down (Phi-3: qkv, o, gate_up, down), the 
 after Liger's patch (which keeps the modules LoRA wraps) and before coda's (which runs LoRA in its
 blocks). `coda-fp8`: `apply_coda(model, fp8="delayed")`, e4m3 forward GEMMs and e5m2 cotangents (docs/models.md,
 "fp8 training"); `coda-fp8-fwd`:
-`fp8="delayed-forward"`, the same forward, bf16 cotangents (neither with --lora). `torchao-tensorwise` / `torchao-rowwise`: torchao's float8 training of that recipe
+`fp8="delayed-forward"`, the same forward, bf16 cotangents; `coda-fp8-narrow`: coda-fp8 with
+$CODA_FP8_PAIR_STORE=0 (the SwiGLU backward's e5m2 cotangent stored in bf16 and narrowed in a pass
+of its own; none with --lora). `torchao-tensorwise` / `torchao-rowwise`: torchao's float8 training of that recipe
 (`convert_to_float8_training` on every nn.Linear but the LM head), then torch.compile of the model, as
 torchao's own benchmarks run it (its wheel: `pip install torchao`; not with --lora). A configuration
 with `+graph` (`coda+graph`, `coda-fp8+graph`): after the warm-up, which runs on a side stream, one
@@ -52,6 +54,7 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -308,7 +311,11 @@ def torchao_float8(model: Any, recipe: str) -> Any:
 
 # coda's fp8 configurations, by their recipe: the layers' gate/up, down and QKV GEMMs in e4m3, and
 # ("delayed") the cotangents of their accumulators in e5m2, or ("delayed-forward") in bf16
-CODA_FP8 = {"coda-fp8": "delayed", "coda-fp8-fwd": "delayed-forward"}
+CODA_FP8 = {"coda-fp8": "delayed", "coda-fp8-fwd": "delayed-forward", "coda-fp8-narrow": "delayed"}
+# the environment a configuration runs under (its blocks planned and compiled under it): coda-fp8-narrow
+# is coda-fp8 whose SwiGLU backward stores its e5m2 cotangent in bf16 and narrows it in a pass of its
+# own, as before the kernel stored the fp8 pairs itself ($CODA_FP8_PAIR_STORE=0, docs/backend.md)
+CONFIG_ENV = {"coda-fp8-narrow": {"CODA_FP8_PAIR_STORE": "0"}}
 
 CONFIGS = (
     "eager",
@@ -318,6 +325,7 @@ CONFIGS = (
     "coda-vocab",
     "coda-fp8",
     "coda-fp8-fwd",
+    "coda-fp8-narrow",
     "torchao-tensorwise",
     "torchao-rowwise",
 )
@@ -377,6 +385,20 @@ GRAPH = "+graph"
 
 
 def run_config(name: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[str, Any]:
+    env = CONFIG_ENV.get(name.removesuffix(GRAPH), {})
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return _run_config(name, args, ids)
+    finally:
+        for k, v in before.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+
+
+def _run_config(name: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[str, Any]:
     base, graphed = name.removesuffix(GRAPH), name.endswith(GRAPH)
     model, _ = build(base, args.layers, args.family)
     torch.cuda.synchronize()

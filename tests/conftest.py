@@ -99,3 +99,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             skip = pytest.mark.skip(reason=reason)
             for item in marked:
                 item.add_marker(skip)
+
+
+@pytest.fixture
+def narrowing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A packed stage's fp8 D planned the way $CODA_FP8_PAIR_STORE=0 plans it: stored in 16 bits,
+    rounded to odd, narrowed by the runtime (the default stores its pairs: tests/test_fp8_pairs.py)."""
+    monkeypatch.setenv("CODA_FP8_PAIR_STORE", "0")

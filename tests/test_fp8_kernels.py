@@ -1112,6 +1112,7 @@ def _packed_stage(blk: coda_lang.Block) -> int:
     return next(k for k in _gemm_stages(blk) if plan_stage(blk, k).mode == "packed_cd_b16x2")
 
 
+@pytest.mark.usefixtures("narrowing")
 def test_packed_fp8_d_is_stored_in_bf16_rounded_to_odd() -> None:
     """The packed SwiGLU stage's e5m2 D (quack's packed mode stores C's dtype only) is planned as a
     bf16 D narrowed by the runtime; the emitted epilogue clamps each lane to +-57344, then rounds it
@@ -1205,6 +1206,7 @@ def test_round_to_odd_then_nearest_even_is_the_direct_rounding(dtype: str, carri
     )
 
 
+@pytest.mark.usefixtures("narrowing")
 @pytest.mark.toolchain
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_packed_fp8_d_compiles(tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -1281,6 +1283,7 @@ def test_gpu_fp8_delayed_backward_matches_interpreter(fp8_grads: str | None) -> 
     _gpu_backward_matches(block, d, ins, cots, 3000.0)
 
 
+@pytest.mark.usefixtures("narrowing")
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("m", [1000, 1024])
@@ -1352,6 +1355,7 @@ def _packed_e5m2(dtype: str) -> coda_lang.Block:
     return one(PACKED_E5M2.replace("bf16", dtype))
 
 
+@pytest.mark.usefixtures("narrowing")
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
 def test_packed_e5m2_plans_narrowed(dtype: str) -> None:
     """A block of your own whose packed stage stores e5m2 plans as the derived one does: D in C's
@@ -1364,6 +1368,7 @@ def test_packed_e5m2_plans_narrowed(dtype: str) -> None:
     assert f"round_odd_{dtype}(" in src and f"round_odd_{other}(" not in src
 
 
+@pytest.mark.usefixtures("narrowing")
 @pytest.mark.toolchain
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("dtype", ["bf16", pytest.param("f16", marks=pytest.mark.slow)])
@@ -1383,6 +1388,7 @@ def test_packed_e5m2_compiles(dtype: str, tmp_path_factory: pytest.TempPathFacto
     assert c.report is not None and not c.report.spills, c.report.text
 
 
+@pytest.mark.usefixtures("narrowing")
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])

@@ -1,13 +1,15 @@
-"""A packed stage's fp8 D stored by the kernel as its pairs ($CODA_FP8_PAIR_STORE=1, off by default).
+"""A packed stage's fp8 D stored by the kernel as its pairs (the default; $CODA_FP8_PAIR_STORE=0 narrows).
 
-The derived SwiGLU backward's packed stage stores an e5m2 cotangent. By default quack's packed mode
-stores it in C's 16-bit dtype (rounded to odd), and the runtime narrows it to e5m2 in one more pass
-(tests/test_fp8_kernels.py). With the flag, the kernel stores the e5m2 codes itself: one 16-bit word
+The derived SwiGLU backward's packed stage stores an e5m2 cotangent. quack's packed mode stores C's
+16-bit dtype only; with $CODA_FP8_PAIR_STORE=0 the stage stores it in that dtype (rounded to odd),
+and the runtime narrows it to e5m2 in one more pass (tests/test_fp8_kernels.py, the `narrowing`
+fixture). By default the kernel stores the e5m2 codes itself: one 16-bit word
 per accumulator element, lane 0's code in the low byte, through an int16 view of the fp8 [M, 2N]
 buffer; C is read as float32 words, split by the emitted code; quack runs the stage in element mode.
 
 Checked here on the CPU:
-- the plan and the emitted source, with and without the flag, and the emulated plan (unchanged);
+- the plan and the emitted source, by default and with $CODA_FP8_PAIR_STORE=0, and the emulated plan
+  (unchanged);
 - what the runtime hands quack: the views, their shapes, dtypes and storage;
 - the layout the kernel relies on, modelled with NumPy bit operations: a word's bytes in the buffer
   are the two lanes' codes in column order, and a float32 word's halves are the two 16-bit lanes;
@@ -41,7 +43,8 @@ from coda_lang.backend_cute.plan.spec import PACKED, WORDS
 
 @pytest.fixture
 def pairs(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CODA_FP8_PAIR_STORE", "1")
+    """The default (as a user gets it with the variable unset)."""
+    monkeypatch.delenv("CODA_FP8_PAIR_STORE", raising=False)
 
 
 def _packed(dtype: str = "bf16") -> coda_lang.Block:
@@ -50,7 +53,7 @@ def _packed(dtype: str = "bf16") -> coda_lang.Block:
 
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
 def test_the_pairs_are_planned_and_emitted(pairs: None, dtype: str) -> None:
-    """With the flag: no D, a TileStore of the e5m2 tile's pairs, C a TileLoad of float32 words (the
+    """By default: no D, a TileStore of the e5m2 tile's pairs, C a TileLoad of float32 words (the
     runtime's view), quack's element mode; the emitted code splits C's words by its dtype, clamps each
     lane and packs the two into one word. Lanes and everything else as in packed mode."""
     spec = plan_stage(_packed(dtype), 1)
@@ -69,13 +72,15 @@ def test_the_pairs_are_planned_and_emitted(pairs: None, dtype: str) -> None:
     assert f'"{words.py}": TileLoad("{words.py}")' in src and 'TileStore("dz")' in src
 
 
-def test_without_the_flag_and_emulated_nothing_changes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The default plan narrows (a 16-bit D); the emulated plan, with the flag too, stores e5m2 as D."""
-    monkeypatch.delenv("CODA_FP8_PAIR_STORE", raising=False)
+def test_with_the_pair_store_off_and_emulated_nothing_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$CODA_FP8_PAIR_STORE=0 plans the narrowing (a 16-bit D); the emulated plan, by default too,
+    stores e5m2 as D."""
+    monkeypatch.setenv("CODA_FP8_PAIR_STORE", "0")
     spec = plan_stage(_packed(), 1)
     assert spec.quack_mode == PACKED and spec.d is not None and spec.d.narrow == "e5m2"
     assert not any(o.pairs for o in spec.outputs)
-    monkeypatch.setenv("CODA_FP8_PAIR_STORE", "1")
+    monkeypatch.delenv("CODA_FP8_PAIR_STORE")
+    assert plan_stage(_packed(), 1).d is None  # (the default: the pairs)
     emulated = plan_stage(_packed(), 1, emulated=True)
     assert emulated.d is not None and (emulated.d.dtype, emulated.d.narrow) == ("e5m2", None)
     assert emulated.quack_mode == PACKED
@@ -83,7 +88,7 @@ def test_without_the_flag_and_emulated_nothing_changes(monkeypatch: pytest.Monke
 
 def test_the_derived_swiglu_backward_stores_pairs(pairs: None) -> None:
     """The fp8 MLP's derived backward: its packed stage stores its e5m2 cotangent as pairs beside
-    the e4m3 SwiGLU output; its other GEMM stages are as without the flag."""
+    the e4m3 SwiGLU output; its other GEMM stages are as with the narrowing."""
     bwd = _mlp8_backward()
     packed = [k for k in _gemm_stages(bwd) if plan_stage(bwd, k).mode == PACKED]
     assert len(packed) == 1
@@ -156,7 +161,7 @@ def test_the_word_layout_the_kernel_relies_on() -> None:
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_the_pair_store_compiles(pairs: None, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The stage with the flag compiles for sm_90a at 128x128 without spills: the pair conversion
+    """The stage compiles for sm_90a at 128x128 without spills: the pair conversion
     (cvt.rn.satfinite.e5m2x2.f32) and the bf16 split (shl.b32) inlined, no rounding to odd."""
     from coda_lang.backend_cute.build.compile import compile_stage
     from coda_lang.backend_cute.build.config import candidates_for
@@ -175,7 +180,7 @@ def test_the_pair_store_compiles(pairs: None, tmp_path_factory: pytest.TempPathF
 def test_quack_takes_the_runtime_arguments(
     pairs: None, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What the runtime hands quack for the stage with the flag (its own arguments, allocation and
+    """What the runtime hands quack for the stage (its own arguments, allocation and
     views, on "meta" tensors): quack validates them and compiles the kernel, without a GPU."""
     import torch
 
@@ -203,7 +208,7 @@ def test_quack_takes_the_runtime_arguments(
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
 @pytest.mark.parametrize("scale", [1.0, 2.0**-10, 2.0**12])
 def test_gpu_pairs_bit_for_bit(pairs: None, scale: float, dtype: str) -> None:
-    """The stage with the flag on the kernel against the interpreter's direct rounding, code for code,
+    """The stage on the kernel against the interpreter's direct rounding, code for code,
     where the value before the store is exact: midpoints, subnormals (2^-10), saturation (2^12), NaN
     and infinities from C (tests/test_fp8_kernels.py's inputs for the default path)."""
     packed_bit_for_bit(_packed(dtype), scale, dtype)
@@ -212,6 +217,6 @@ def test_gpu_pairs_bit_for_bit(pairs: None, scale: float, dtype: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_gpu_pairs_in_the_mlp_backward(pairs: None) -> None:
-    """The fp8 MLP's e5m2-cotangent backward with the flag (its SwiGLU stage storing pairs, the
+    """The fp8 MLP's e5m2-cotangent backward by default (its SwiGLU stage storing pairs, the
     weight gradient reading a transposed copy of them) against the interpreter."""
     mlp8_backward_matches(1000)

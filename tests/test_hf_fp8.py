@@ -711,14 +711,20 @@ def test_every_familys_fp8_blocks_plan_for_the_kernels(family: str, recipe: str)
     assert backward_fp8 == want, backward_fp8
 
 
-def test_an_f16_models_delayed_blocks_plan_for_the_kernels() -> None:
+@pytest.mark.parametrize("pair_store", ["1", "0"])
+def test_an_f16_models_delayed_blocks_plan_for_the_kernels(
+    pair_store: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An f16 model's "delayed" blocks: the SwiGLU backward's packed stage (its saved gate/up tile f16)
-    stores its e5m2 cotangent in f16, rounded to odd and narrowed, as a bf16 model's does in bf16;
-    every GEMM stage plans (no refusal)."""
+    stores its e5m2 cotangent as a bf16 model's does: by default as its e5m2 pairs, reading the f16
+    tile as float32 words; with $CODA_FP8_PAIR_STORE=0 in f16, rounded to odd and narrowed. Every GEMM
+    stage plans (no refusal)."""
     from coda_lang.backend_cute.plan.planner import plan_stage
+    from coda_lang.backend_cute.plan.spec import WORDS
 
+    monkeypatch.setenv("CODA_FP8_PAIR_STORE", pair_store)
     model = HF["llama"][2](make("llama", torch.float16), fp8="delayed")
-    narrowed = []
+    narrowed, paired = [], []
     for fn in (model._coda.first, model._coda.layer, model._coda.last):
         d = fn.block.derivation(fn.wrt, backward=fn.options)
         for k, stage in enumerate(d.backward.ir.stages, 1):
@@ -727,7 +733,18 @@ def test_an_f16_models_delayed_blocks_plan_for_the_kernels() -> None:
             spec = plan_stage(d.backward, k)
             if spec.d is not None and spec.d.narrow is not None:
                 narrowed.append((fn.name, spec.d.dtype, spec.d.narrow))
-    assert narrowed == [("layer", "f16", "e5m2"), ("last", "f16", "e5m2")], narrowed
+            for o in spec.outputs:
+                if o.pairs:
+                    words = [w.dtype for w in spec.operands if w.host == WORDS]
+                    paired.append((fn.name, o.dtype, *words))
+    want = [("layer", "f16", "e5m2"), ("last", "f16", "e5m2")]
+    if pair_store == "0":
+        assert (narrowed, paired) == (want, []), (narrowed, paired)
+    else:
+        assert (narrowed, paired) == ([], [("layer", "e5m2", "f16"), ("last", "e5m2", "f16")]), (
+            narrowed,
+            paired,
+        )
 
 
 def test_reduce_fp8_amaxes_refuses_what_it_cannot_serve() -> None:

@@ -52,6 +52,7 @@ def _runner(bwd: coda_lang.Block, k: int) -> StageRunner:
     return StageRunner(bwd, k, plan_stage(bwd, k), TileConfig(128, 128), emulate=True)
 
 
+@pytest.mark.usefixtures("narrowing")
 def test_the_block_knows_its_kmajor_operands() -> None:
     cb = _backward().cuda()  # (planned for the GPU; nothing runs)
     assert cb._kmajor == {"dacc1", "x", "w", "w2", "aq", "dacc2"}
@@ -68,6 +69,7 @@ def test_the_block_knows_its_kmajor_operands() -> None:
     )
 
 
+@pytest.mark.usefixtures("narrowing")
 @pytest.mark.parametrize("m", [64, 72])  # 72 tokens: the copy's rows padded to 80
 def test_the_narrowing_binds_the_copy_and_the_weight_gradient_takes_it(m: int) -> None:
     bwd = _backward()

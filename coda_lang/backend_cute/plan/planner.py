@@ -133,20 +133,21 @@ def run(ctx: StageContext) -> StageSpec:
 
 
 def pair_store_on() -> bool:
-    """Whether a packed stage's fp8 D is stored by the kernel as its pairs ($CODA_FP8_PAIR_STORE=1;
-    off by default until a GPU run has checked it against the interpreter)."""
-    return os.environ.get("CODA_FP8_PAIR_STORE", "0") == "1"
+    """Whether a packed stage's fp8 D is stored by the kernel as its pairs: by default (checked bit for
+    bit against the interpreter on an H200, tests/test_fp8_pairs.py); $CODA_FP8_PAIR_STORE=0 stores it
+    in 16 bits and narrows it in a pass of its own, as before."""
+    return os.environ.get("CODA_FP8_PAIR_STORE", "1") != "0"
 
 
 def _narrowed(
     ctx: StageContext, loads: list[Operand], d: Output | None, outputs: list[Output]
 ) -> tuple[Output | None, list[Output], list[Operand]]:
     """A packed stage storing an fp8 D (a derived backward's SwiGLU stage with quantized cotangents,
-    beside its 16-bit C), quack's packed mode storing one 16-bit dtype: by default D stored in C's
-    dtype (bf16 or f16), rounded to odd, and narrowed by the runtime (`Output.narrow`: exact). With
-    `pair_store_on()`, D stored as its fp8 pairs (`Output.pairs`, a TileStore) and C loaded as a
-    TileLoad of float32 words, the stage running in quack's element mode (`StageSpec.quack_mode`): no
-    16-bit D written and read again. Anything else as it is: (D, the TileStores, the loads)."""
+    beside its 16-bit C), quack's packed mode storing one 16-bit dtype. By default (`pair_store_on()`)
+    D stored as its fp8 pairs (`Output.pairs`, a TileStore) and C loaded as a TileLoad of float32
+    words, the stage running in quack's element mode (`StageSpec.quack_mode`): no 16-bit D written
+    and read again. With $CODA_FP8_PAIR_STORE=0, D stored in C's dtype (bf16 or f16), rounded to
+    odd, and narrowed by the runtime (`Output.narrow`: exact). Anything else as it is: (D, the TileStores, the loads)."""
     c = next((o for o in loads if o.op == "C"), None)
     if d is None or c is None or ctx.emulated or not is_fp8(d.dtype) or c.dtype not in PACKED_DTYPES:
         return d, outputs, loads
