@@ -1401,17 +1401,17 @@ def test_gpu_packed_e5m2_d_bit_for_bit(scale: float, dtype: str) -> None:
     packed_bit_for_bit(_packed_e5m2(dtype), scale, dtype)
 
 
-def packed_bit_for_bit(blk: coda_lang.Block, scale: float, dtype: str) -> None:
+def packed_bit_for_bit(blk: coda_lang.Block, scale: float, dtype: str, tile: Any = None) -> None:
     """PACKED_E5M2's stage `blk` on the kernel against the interpreter, code for code, on
     `_packed_exact_inputs` (a GPU test's body: the default path here, the pair store's in
-    tests/test_fp8_pairs.py)."""
+    tests/test_fp8_pairs.py); `tile`: the stage's TileConfig (None: the one select_config picks)."""
     import torch
     from runtime_check import to_torch
 
     os.environ.setdefault("CODA_TUNE", "0")
     ins = _packed_exact_inputs(1000, 528, scale, dtype)
     want = blk.run(ins)["dz"]
-    got = blk.cuda(poison=True)({k: to_torch(np.asarray(v), "cuda") for k, v in ins.items()})["dz"]
+    got = blk.cuda(tile=tile, poison=True)({k: to_torch(np.asarray(v), "cuda") for k, v in ins.items()})["dz"]
     assert got.dtype == torch.float8_e5m2
     got_codes = got.view(torch.uint8).cpu().numpy()
     want_codes = np.asarray(want, np.float32).astype(ml_dtypes.float8_e5m2).view(np.uint8)

@@ -36,6 +36,7 @@ from test_fp8_kernels import (
 )
 
 import coda_lang
+from coda_lang.backend_cute.build.config import TileConfig
 from coda_lang.backend_cute.plan.emit import emit_stage
 from coda_lang.backend_cute.plan.planner import plan_stage
 from coda_lang.backend_cute.plan.spec import PACKED, WORDS
@@ -220,3 +221,52 @@ def test_gpu_pairs_in_the_mlp_backward(pairs: None) -> None:
     """The fp8 MLP's e5m2-cotangent backward by default (its SwiGLU stage storing pairs, the
     weight gradient reading a transposed copy of them) against the interpreter."""
     mlp8_backward_matches(1000)
+
+
+def _llama_swiglu_backward() -> tuple[coda_lang.Block, int]:
+    """The patched fp8 Llama layer's derived backward (e5m2 cotangents, no gradient of the scales)
+    and the index of its packed SwiGLU-backward stage."""
+    from coda_lang.hf.blocks import model_source
+
+    blk = coda_lang.load(model_source("bfloat16", 1e-5, 64, None, fp8="delayed"))["layer"]
+    wrt = [p.var.name for p in blk.ir.params if p.var.name not in ("pos", "freq", "eps")]
+    bwd = blk.derivation(
+        [n for n in wrt if not n.startswith("s_")], backward=coda_lang.BackwardOptions(fp8_grads="e5m2")
+    ).backward
+    (k,) = [k for k in _gemm_stages(bwd) if plan_stage(bwd, k).mode == PACKED]
+    return bwd, k
+
+
+# The wider tiles with a 16-column epilogue subtile: at quack's subtile, the Llama stage with the pair
+# store spills at 128x192 cooperative (8 bytes) and 128x96 pingpong (4 bytes), where with the narrowing
+# it fits (ptxas, sm_90a, 2026-11-28); FP8_CANDIDATES holds neither e16 variant yet
+WIDER = [TileConfig(128, 192, 2, 1, False, epi_n=16), TileConfig(128, 96, epi_n=16)]
+
+
+@pytest.mark.toolchain
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("cfg", WIDER, ids=lambda c: c.short + ("p" if c.pingpong else "c"))
+def test_the_llama_pair_store_fits_the_wider_tiles_at_a_16_column_subtile(
+    pairs: None, cfg: TileConfig, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The patched Llama layer's SwiGLU-backward stage, storing pairs, compiles without spills at
+    128x192 cooperative and 128x96 pingpong once the epilogue subtile is 16 columns."""
+    from coda_lang.backend_cute.build.compile import compile_stage
+
+    bwd, k = _llama_swiglu_backward()
+    c = compile_stage(bwd, k, cfg, directory=tmp_path_factory.mktemp("wide"))
+    assert c.report is not None and not c.report.spills, c.report.text
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize(
+    "cfg", [TileConfig(128, 64), *WIDER], ids=lambda c: c.short + ("p" if c.pingpong else "c")
+)
+@pytest.mark.parametrize("scale", [1.0, 2.0**-10])
+def test_gpu_pairs_bit_for_bit_at_other_tiles(pairs: None, scale: float, cfg: TileConfig) -> None:
+    """The pair store at the other tiles the tuner has or could have (a pingpong tile, whose 8-bit
+    subtile is 64 columns by default, and the two 16-column subtiles above), code for code against
+    the interpreter."""
+    packed_bit_for_bit(_packed(), scale, "bf16", tile=cfg)
