@@ -48,8 +48,9 @@ def pairs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CODA_FP8_PAIR_STORE", raising=False)
 
 
-def _packed(dtype: str = "bf16") -> coda_lang.Block:
-    return one(PACKED_E5M2.replace("bf16", dtype))
+def _packed(dtype: str = "bf16", fp8: str = "e5m2") -> coda_lang.Block:
+    """PACKED_E5M2 with its 16-bit inputs in `dtype` and its stored cotangent in `fp8`."""
+    return one(PACKED_E5M2.replace("bf16", dtype).replace("e5m2", fp8))
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
@@ -270,3 +271,37 @@ def test_gpu_pairs_bit_for_bit_at_other_tiles(pairs: None, scale: float, cfg: Ti
     subtile is 64 columns by default, and the two 16-column subtiles above), code for code against
     the interpreter."""
     packed_bit_for_bit(_packed(), scale, "bf16", tile=cfg)
+
+
+def test_e4m3_pairs_are_planned_and_emitted(pairs: None) -> None:
+    """An e4m3 cotangent (`fp8_grads="e4m3"`) stored the same way: its lanes clamped to +-448 and
+    packed by the e4m3 conversion."""
+    spec = plan_stage(_packed(fp8="e4m3"), 1)
+    assert spec.quack_mode == "element" and spec.d is None
+    assert [(o.name, o.dtype) for o in spec.outputs if o.pairs] == [("dz", "e4m3")]
+    src = emit_stage(spec)
+    assert '"dz": pack_e4m3x2(dz_0_sat, dz_1_sat)' in src and "pack_e5m2x2" not in src, src
+    for lane in (0, 1):
+        assert re.search(rf"dz_{lane}_sat = cute\.math\.min\(cute\.math\.max\(dz_{lane}, -448\.0", src), src
+
+
+@pytest.mark.toolchain
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_e4m3_pairs_compile(pairs: None, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """That stage compiles for sm_90a without spills, the two lanes converted by one e4m3x2 cvt."""
+    from coda_lang.backend_cute.build.compile import compile_stage
+
+    c = compile_stage(
+        _packed(fp8="e4m3"), 1, TileConfig(128, 128, 2, 1, False), directory=tmp_path_factory.mktemp("e4")
+    )
+    assert "cvt.rn.satfinite.e4m3x2.f32" in c.ptx and "e5m2x2" not in c.ptx
+    assert c.report is not None and not c.report.spills, c.report.text
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("scale", [1.0, 2.0**-10, 2.0**8])
+def test_gpu_e4m3_pairs_bit_for_bit(pairs: None, scale: float) -> None:
+    """The e4m3 pair store on the kernel against the interpreter, code for code (saturation at
+    2^8: e4m3's range ends at 448)."""
+    packed_bit_for_bit(_packed(fp8="e4m3"), scale, "bf16")
