@@ -393,6 +393,13 @@ def test_refusals() -> None:
     with pytest.raises(ValueError, match="fp8= is 'e4m3'"):
         apply_coda_to_llama(model, fp8="e4m3")
     assert getattr(model, "_coda", None) is None  # nothing patched
+    with pytest.raises(ValueError, match="rowwise'; .*not block-local"):
+        apply_coda_to_llama(model, fp8="rowwise")
+    with pytest.raises(ValueError, match="tensorwise'; .*current amax"):
+        apply_coda_to_llama(model, fp8="tensorwise")
+    with pytest.raises(NotImplementedError, match="fp8='blockwise' .* is not built yet.*mainloop"):
+        apply_coda(model, fp8="blockwise")
+    assert getattr(model, "_coda", None) is None
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

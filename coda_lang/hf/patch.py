@@ -69,8 +69,24 @@ def check_fp8(fp8: Any) -> None:
     takes = f"None (bf16 blocks) or {' or '.join(map(repr, FP8_RECIPES))}"
     if not isinstance(fp8, str):
         raise TypeError(f"fp8= is {fp8!r}; it takes {takes}")
+    if fp8 == "blockwise":
+        raise NotImplementedError(
+            "fp8='blockwise' (1x128 activation and 128x128 weight scales, DeepSeek-V3's recipe) is not "
+            "built yet: its GEMMs need the scales applied per 128-deep block of K inside the mainloop, "
+            f"which coda's fp8 GEMMs don't do (docs/models.md, \"fp8 training\"); it takes {takes}"
+        )
     if fp8 not in FP8_RECIPES:
-        raise ValueError(f"fp8= is {fp8!r}; it takes {takes}")
+        hint = _FP8_HINTS.get(fp8, "")
+        raise ValueError(f"fp8= is {fp8!r}; it takes {takes}{hint}")
+
+
+# names of other libraries' fp8 recipes, and what coda has instead
+_FP8_HINTS = {
+    "tensorwise": " (torchao's tensorwise scales each tensor by its current amax, which needs the whole "
+    "tensor before any tile is stored; 'delayed' scales it by the amaxes of earlier steps)",
+    "rowwise": " (a scale per row from the row's current amax over all of N is not block-local: a GEMM's "
+    "epilogue sees one tile of the row; 'delayed' scales per tensor, from earlier steps' amaxes)",
+}
 
 
 def apply(model: Any, family: Family, loss: LossSettings, fp8: str | None = None) -> Any:
