@@ -58,6 +58,8 @@ def replay(trace: list[dict[str, Any]], start: int) -> tuple[int, dict[str, int]
                 peak, at_peak = now, dict(alive)
         elif a == "free_completed" and e["addr"] in alive:
             now -= alive.pop(e["addr"])[0]
+    if start >= len(trace):  # (a step that recorded no event: its peak is what it began with)
+        before, peak, at_peak = dict(alive), now, dict(alive)
     return peak, grouped(at_peak), grouped(before)
 
 
