@@ -1481,3 +1481,32 @@ def test_fast_accumulation_is_timed_only_when_asked(monkeypatch: pytest.MonkeyPa
     # (a choice made among the default candidates is not taken for one among these)
     shape = (8192, 2048, 8192)
     assert tune.disk_key("src", shape, "H100", "fp8-fast-accum") != tune.disk_key("src", shape, "H100")
+
+
+def test_the_16_column_subtiles_are_timed_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$CODA_FP8_E16=1 adds the fp8 tiles at a 16-column epilogue subtile to the tuner's candidates of
+    an fp8 stage (after the default ones, so an untuned pick is unchanged), never a bf16 stage's; each
+    set of candidates keeps its own choice in the tuning cache (its variant), fast accumulation too."""
+    from coda_lang.backend_cute.build.config import (
+        FP8_CANDIDATES,
+        FP8_E16_CANDIDATES,
+        candidates_for,
+        fp8_tuning_variant,
+        tune_candidates_for,
+    )
+
+    fp8 = plan_stage(example("fp8_delayed"), 2, emulated=True)
+    bf16 = plan_stage(example("llama_mlp"), 1, emulated=True)
+    monkeypatch.delenv("CODA_FP8_FAST_ACCUM", raising=False)
+    monkeypatch.delenv("CODA_FP8_E16", raising=False)
+    assert tune_candidates_for(fp8) == FP8_CANDIDATES and fp8_tuning_variant(fp8) is None
+    monkeypatch.setenv("CODA_FP8_E16", "1")
+    assert tune_candidates_for(fp8) == FP8_CANDIDATES + FP8_E16_CANDIDATES
+    assert all(c.epi_n == 16 for c in FP8_E16_CANDIDATES)
+    assert candidates_for(fp8) == FP8_CANDIDATES  # (the untuned pick's list)
+    assert not any(c.epi_n == 16 and c.tile_n == 96 for c in tune_candidates_for(bf16))
+    assert fp8_tuning_variant(fp8) == "fp8-e16" and fp8_tuning_variant(bf16) is None
+    monkeypatch.setenv("CODA_FP8_FAST_ACCUM", "1")
+    assert fp8_tuning_variant(fp8) == "fp8-fast-accum+fp8-e16"
+    monkeypatch.delenv("CODA_FP8_E16")
+    assert fp8_tuning_variant(fp8) == "fp8-fast-accum"  # (the key the fast-accumulation choices had)

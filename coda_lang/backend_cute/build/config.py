@@ -132,6 +132,32 @@ FP8_FAST_CANDIDATES = (
 )
 
 
+# A 16-column epilogue subtile for the fp8 tiles whose epilogue spills a few words at quack's own:
+# ptxas, sm_90a, 2026-11-28, the fp8 Llama layer's SwiGLU-backward GEMM (`dacc5 @ w_2q`, its e5m2
+# cotangent stored as pairs) spills 8 bytes at 128x192 cooperative and 4 at 128x96 pingpong, and the
+# down projection's forward (`aq @ w_2q`) 4 at 128x96 pingpong; at epi_n 16 none of them spills, so
+# the tuner could time them. Timed only where $CODA_FP8_E16=1 until a GPU run has checked them
+# (tests/test_fp8_pairs.py, `-m gpu`) and timed them against the others.
+FP8_E16_CANDIDATES = (
+    TileConfig(128, 192, 2, 1, False, epi_n=16),
+    TileConfig(128, 96, epi_n=16),
+)
+
+
+def fp8_e16_on() -> bool:
+    """Whether the tuner also times fp8 GEMMs at FP8_E16_CANDIDATES ($CODA_FP8_E16=1)."""
+    return os.environ.get("CODA_FP8_E16", "0") == "1"
+
+
+def fp8_tuning_variant(spec: StageSpec) -> str | None:
+    """The name of an fp8 stage's candidate set where it is not the default one (the tuning cache
+    keeps each set's choice apart), or None."""
+    if not fp8_operands(spec):
+        return None
+    parts = [p for p, on in (("fp8-fast-accum", fast_accum_on()), ("fp8-e16", fp8_e16_on())) if on]
+    return "+".join(parts) or None
+
+
 def fast_accum_on() -> bool:
     """Whether the tuner also times fp8 GEMMs with fast accumulation ($CODA_FP8_FAST_ACCUM=1)."""
     return os.environ.get("CODA_FP8_FAST_ACCUM", "0") == "1"
@@ -149,10 +175,15 @@ def candidates_for(spec: StageSpec) -> tuple[TileConfig, ...]:
 
 def tune_candidates_for(spec: StageSpec) -> tuple[TileConfig, ...]:
     """The tiles the tuner times for this stage (an fp8 GEMM's with fast accumulation too, where
-    $CODA_FP8_FAST_ACCUM=1)."""
+    $CODA_FP8_FAST_ACCUM=1, and at a 16-column epilogue subtile, where $CODA_FP8_E16=1)."""
     if not fp8_operands(spec):
         return TUNE_CANDIDATES
-    return FP8_CANDIDATES + FP8_FAST_CANDIDATES if fast_accum_on() else FP8_CANDIDATES
+    out: tuple[TileConfig, ...] = FP8_CANDIDATES
+    if fast_accum_on():
+        out += FP8_FAST_CANDIDATES
+    if fp8_e16_on():
+        out += FP8_E16_CANDIDATES
+    return out
 
 
 SMALL_SPILL = 16  # bytes: configs_without_spills' fallback when every candidate spills

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from coda_lang.backend_cute.build import select, tune
-from coda_lang.backend_cute.build.config import fast_accum_on, fp8_operands
+from coda_lang.backend_cute.build.config import fp8_tuning_variant
 from coda_lang.backend_cute.plan.emit import emit_stage
 from coda_lang.backend_cute.runtime.capture import capturing, refuse_in_capture
 from coda_lang.backend_cute.runtime.launch import StageRunner
@@ -117,8 +117,8 @@ class Tuner:
         A = ins[0]
         assert A is not None
         source, shape, device = emit_stage(spec), key[1:], torch.cuda.get_device_name(A.device)
-        fast = fast_accum_on() and fp8_operands(spec)  # (another candidate set: its own choice on disk)
-        disk = tune.disk_key(source, shape, device, "fp8-fast-accum" if fast else None)
+        # (another candidate set: its own choice on disk)
+        disk = tune.disk_key(source, shape, device, fp8_tuning_variant(spec))
         cached = tune.lookup(disk)
         if cached is None:
             if not find_ptxas():
