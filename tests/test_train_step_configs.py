@@ -1,0 +1,69 @@
+"""benchmarks/hf_train_step.py's configurations that run under an environment of their own
+(`CONFIG_ENV`: coda-fp8-narrow, coda-fp8-e16, coda-fp8-fast): the variables are set while the
+configuration runs, graphed or not, and put back as they were after it, when it fails too; the
+other configurations run in the environment as it is. Every such configuration is a known one."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "hf_train_step.py"
+
+
+def _load() -> Any:
+    spec = importlib.util.spec_from_file_location("hf_train_step_for_tests", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+hts = _load()
+
+
+def test_every_configuration_with_an_environment_is_a_coda_fp8_one() -> None:
+    assert set(hts.CONFIG_ENV) <= set(hts.CONFIGS) and set(hts.CONFIG_ENV) <= set(hts.CODA_FP8)
+
+
+@pytest.mark.parametrize("name", ["coda-fp8-narrow", "coda-fp8-e16+graph", "coda-fp8-fast"])
+def test_the_environment_is_set_while_it_runs_and_restored(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = hts.CONFIG_ENV[name.removesuffix(hts.GRAPH)]
+    (var,) = env
+    monkeypatch.setenv(var, "before")
+    seen: dict[str, Any] = {}
+
+    def run(n: str, args: Any, ids: Any) -> dict[str, Any]:
+        seen[n] = os.environ.get(var)
+        return {"config": n}
+
+    monkeypatch.setattr(hts, "_run_config", run)
+    assert hts.run_config(name, None, None) == {"config": name}
+    assert seen == {name: env[var]} and os.environ[var] == "before"
+
+    def fail(n: str, args: Any, ids: Any) -> dict[str, Any]:
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(hts, "_run_config", fail)
+    monkeypatch.delenv(var)
+    with pytest.raises(RuntimeError):
+        hts.run_config(name, None, None)
+    assert var not in os.environ  # (unset before: unset after)
+
+
+def test_other_configurations_run_in_the_environment_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CODA_FP8_PAIR_STORE", "0")
+    seen = []
+    monkeypatch.setattr(
+        hts, "_run_config", lambda n, a, i: seen.append(os.environ.get("CODA_FP8_PAIR_STORE"))
+    )
+    hts.run_config("coda-fp8+graph", None, None)
+    assert seen == ["0"]
