@@ -152,10 +152,8 @@ def fp8_e16_on() -> bool:
 def fp8_tuning_variant(spec: StageSpec) -> str | None:
     """The name of an fp8 stage's candidate set where it is not the default one (the tuning cache
     keeps each set's choice apart), or None."""
-    if not fp8_operands(spec):
-        return None
     parts = [p for p, on in (("fp8-fast-accum", fast_accum_on()), ("fp8-e16", fp8_e16_on())) if on]
-    return "+".join(parts) or None
+    return "+".join(parts) if parts and fp8_operands(spec) else None
 
 
 def fast_accum_on() -> bool:
