@@ -135,7 +135,15 @@ def _padding(spec: StageSpec, s: Sink, vals: dict[str, Any], m: int, n: int) -> 
         v = vals[o.name]
         if not isinstance(v, torch.Tensor) or v.dim() < 2:
             continue
-        if o.role == "tile" or o.op == "C":
+        if o.role in INDEX_AXIS:  # each element's index: along the reduced dim, the padding's own
+            if INDEX_AXIS[o.role] == (1 if per_row else 0):
+                # (the first indices past the end, as a pattern as wide as the others': a sink that
+                # folds the padding unmasked sums a value padding.py proved 0 there, whatever the index)
+                first = v.reshape(-1)[0] + (n if per_row else m)
+                pad[o.name] = first + torch.arange(2 if per_row else 1, device=device).reshape(1, -1)
+            else:
+                pad[o.name] = v
+        elif o.role == "tile" or o.op == "C":
             pad[o.name] = blank(v.shape[1], 0.0)
         elif (o.role == "column vector") == per_row:  # along the reduced dim
             pad[o.name] = blank(v.shape[1], float("nan"))
