@@ -38,16 +38,9 @@ def main() -> None:
     from coda_lang.backend_cute.runtime import cuda_block
 
     model, _ = hts.build(args.config, args.layers, "llama")
-    fwd = hts.prepare(model, args.config, "llama")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     torch.manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (1, args.seq), device="cuda")
-
-    def step() -> None:
-        fwd(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    _, step = hts.training_step(model, hts.prepare(model, args.config, "llama"), ids)
     for _ in range(3):
         step()
     import coda_lang.torch as ct

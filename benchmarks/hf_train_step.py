@@ -59,6 +59,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -400,6 +401,26 @@ def all_compiled(r: dict[str, Any]) -> str:
 GRAPH = "+graph"
 
 
+def training_step(
+    model: Any, fwd: Any, ids: torch.Tensor, capturable: bool = False
+) -> tuple[torch.optim.Optimizer, Callable[[], torch.Tensor]]:
+    """The fused AdamW over `model`'s trainable parameters and one eager training step of the prepared
+    `fwd` on `ids` (forward, backward, AdamW; the loss detached): what every configuration steps, here
+    and in the other benchmarks that build one (memory_peak.py, folds_time.py)."""
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True, capturable=capturable
+    )
+
+    def step() -> torch.Tensor:
+        loss = fwd(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return opt, step
+
+
 def run_config(name: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[str, Any]:
     env = CONFIG_ENV.get(name.removesuffix(GRAPH), {})
     before = {k: os.environ.get(k) for k in env}
@@ -422,18 +443,7 @@ def _run_config(name: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[
     fwd = prepare(model, base, args.family, args.lora)
     # (capturable: the optimizer's step count on the GPU, which a CUDA graph needs; every row of a run
     # with a graphed row uses it, so that each runs the same optimizer)
-    opt = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True, capturable=args.capturable
-    )
-
-    def eager_step() -> torch.Tensor:
-        loss = fwd(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    step = eager_step
+    opt, step = training_step(model, fwd, ids, args.capturable)
     side = torch.cuda.Stream()  # (PyTorch's recipe: the steps before a capture run on a side stream)
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side) if graphed else contextlib.nullcontext():

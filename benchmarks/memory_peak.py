@@ -77,14 +77,7 @@ def top(groups: dict[str, int], n: int) -> list[dict[str, Any]]:
 def measure(name: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[str, Any]:
     torch.cuda.memory._record_memory_history(max_entries=4_000_000)
     model, _ = hts.build(name, args.layers, args.family)
-    fwd = hts.prepare(model, name, args.family)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
-
-    def step() -> None:
-        fwd(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    _, step = hts.training_step(model, hts.prepare(model, name, args.family), ids)
     for _ in range(2):
         step()
     torch.cuda.synchronize()

@@ -147,7 +147,8 @@ def _narrowed(
     D stored as its fp8 pairs (`Output.pairs`, a TileStore) and C loaded as a TileLoad of float32
     words, the stage running in quack's element mode (`StageSpec.quack_mode`): no 16-bit D written
     and read again. With $CODA_FP8_PAIR_STORE=0, D stored in C's dtype (bf16 or f16), rounded to
-    odd, and narrowed by the runtime (`Output.narrow`: exact). Anything else as it is: (D, the TileStores, the loads)."""
+    odd, and narrowed by the runtime (`Output.narrow`: exact). Anything else as it is: (D, the
+    TileStores, the loads)."""
     c = next((o for o in loads if o.op == "C"), None)
     if d is None or c is None or ctx.emulated or not is_fp8(d.dtype) or c.dtype not in PACKED_DTYPES:
         return d, outputs, loads

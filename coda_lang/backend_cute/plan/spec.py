@@ -141,7 +141,8 @@ class Output:
     # e4m3, f16 7 or more)
     narrow: str | None = None
     # the same D stored by the kernel itself in fp8, as its pairs (the default; `CODA_FP8_PAIR_STORE=0`
-    # narrows instead: planner.pair_store_on): a TileStore of one 16-bit word per accumulator element, the two lanes' codes
+    # narrows instead: planner.pair_store_on): a TileStore of one 16-bit word per accumulator
+    # element, the two lanes' codes
     # (lane 0 in the low byte: at the lower address, so the buffer is the fp8 [M, 2N] tile itself), the
     # runtime passing the fp8 buffer as an int16 [M, N] view (quack has no uint16). The stage then runs in quack's element
     # mode, its C operand a TileLoad of the 16-bit pairs as float32 words (Operand.host "view(float32)")
