@@ -149,7 +149,9 @@ def eager_attention(attn: Any) -> Any:
             if fn is not None:
                 break
         else:
-            from transformers.models.llama.modeling_llama import eager_attention_forward as fn
+            from transformers.models.llama.modeling_llama import eager_attention_forward
+
+            fn = eager_attention_forward
         _EAGER[cls] = fn
     return fn
 
@@ -557,7 +559,7 @@ def causal_lm_forward(
                 loss = ChunkedLoss.apply(hg, r, w_lm, target, denom, bl.row_head(), chunk, tied)
             except CodaError as e:
                 raise named(self, "head_loss", {"hg": hg, "r": r, "w_lm": w_lm}, e) from None
-        return returned(self, CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=hs), return_dict)  # type: ignore[arg-type]
+        return returned(self, CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=hs), return_dict)
     rows = torch.arange(b * s, device=hg.device).view(b, s)
     if isinstance(logits_to_keep, int) and logits_to_keep > 0:
         rows = rows[:, -logits_to_keep:]
@@ -565,7 +567,7 @@ def causal_lm_forward(
         rows = rows[:, logits_to_keep]
     keep = rows.reshape(-1)
     logits = run_block(self, bl.head_logits, dict(hg=hg[keep], r=r[keep], w_lm=w_lm))["logits"]
-    out = CausalLMOutputWithPast(loss=None, logits=logits.view(b, rows.shape[1], -1), hidden_states=hs)  # type: ignore[arg-type]
+    out = CausalLMOutputWithPast(loss=None, logits=logits.view(b, rows.shape[1], -1), hidden_states=hs)
     return returned(self, out, return_dict)
 
 
@@ -600,4 +602,4 @@ def base_forward(
     )
     out = normed(hg, r, b, s)
     hs = None if states is None else (*states, out)
-    return returned(owner, BaseModelOutputWithPast(last_hidden_state=out, hidden_states=hs), return_dict)  # type: ignore[arg-type]
+    return returned(owner, BaseModelOutputWithPast(last_hidden_state=out, hidden_states=hs), return_dict)
