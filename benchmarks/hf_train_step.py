@@ -36,7 +36,7 @@ blocks). `coda-fp8`: `apply_coda(model, fp8="delayed")`, e4m3 forward GEMMs and 
 `fp8="delayed-forward"`, the same forward, bf16 cotangents; `coda-fp8-narrow`: coda-fp8 with
 $CODA_FP8_PAIR_STORE=0 (the SwiGLU backward's e5m2 cotangent stored in bf16 and narrowed in a pass
 of its own); `coda-fp8-e16`: coda-fp8 whose tuner also times the fp8 tiles at a 16-column epilogue
-subtile ($CODA_FP8_E16=1); `coda-fp8-fast`: coda-fp8 with $CODA_FP8_FAST_ACCUM=1 (none with --lora). `torchao-tensorwise` / `torchao-rowwise`: torchao's float8 training of that recipe
+subtile ($CODA_FP8_E16=1); `coda-fp8-fast`: coda-fp8 with $CODA_FP8_FAST_ACCUM=1; `coda-fp8-fast-e16`: both variables (none of them with --lora). `torchao-tensorwise` / `torchao-rowwise`: torchao's float8 training of that recipe
 (`convert_to_float8_training` on every nn.Linear but the LM head), then torch.compile of the model, as
 torchao's own benchmarks run it (its wheel: `pip install torchao`; not with --lora). A configuration
 with `+graph` (`coda+graph`, `coda-fp8+graph`): after the warm-up, which runs on a side stream, one
@@ -319,17 +319,20 @@ CODA_FP8 = {
     "coda-fp8-narrow": "delayed",
     "coda-fp8-e16": "delayed",
     "coda-fp8-fast": "delayed",
+    "coda-fp8-fast-e16": "delayed",
 }
 # the environment a configuration runs under (its blocks planned and compiled under it): coda-fp8-narrow
 # is coda-fp8 whose SwiGLU backward stores its e5m2 cotangent in bf16 and narrows it in a pass of its
 # own, as before the kernel stored the fp8 pairs itself ($CODA_FP8_PAIR_STORE=0, docs/backend.md);
 # coda-fp8-e16 is coda-fp8 whose tuner also times the fp8 tiles at a 16-column epilogue subtile
 # ($CODA_FP8_E16=1, build/config.py's FP8_E16_CANDIDATES); coda-fp8-fast is coda-fp8 whose tuner also
-# times the fp8 tiles with fast accumulation ($CODA_FP8_FAST_ACCUM=1: other numerics, docs/backend.md)
+# times the fp8 tiles with fast accumulation ($CODA_FP8_FAST_ACCUM=1: other numerics, docs/backend.md);
+# coda-fp8-fast-e16 both
 CONFIG_ENV = {
     "coda-fp8-narrow": {"CODA_FP8_PAIR_STORE": "0"},
     "coda-fp8-e16": {"CODA_FP8_E16": "1"},
     "coda-fp8-fast": {"CODA_FP8_FAST_ACCUM": "1"},
+    "coda-fp8-fast-e16": {"CODA_FP8_FAST_ACCUM": "1", "CODA_FP8_E16": "1"},
 }
 
 CONFIGS = (
@@ -343,6 +346,7 @@ CONFIGS = (
     "coda-fp8-narrow",
     "coda-fp8-e16",
     "coda-fp8-fast",
+    "coda-fp8-fast-e16",
     "torchao-tensorwise",
     "torchao-rowwise",
 )
