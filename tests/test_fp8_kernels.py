@@ -12,7 +12,8 @@ GEMM multiplies fp8 operands (e4m3 x e4m3, e5m2 x e4m3) read K-major, a per-tens
 - A paired stage's half-width fp8 tile (SwiGLU's gate/up GEMM storing e4m3: SWIGLU8) plans as our
   GatedFp8Store (plan/gated_store.py; a 16-bit one keeps quack's TileStore), compiles without spills
   at three tiles, and its register-to-smem layout is checked by tracing CuTeDSL's layouts on the CPU.
-- What it still refuses, with E0702/E0703 at the place: an fp8 tile loaded into an epilogue, `cast(x, e4m3)` inside a stage, a
+- What it still refuses, with E0702/E0703 at the place: an fp8 vector loaded into an epilogue (fp8 tiles
+  load: tests/test_fp8_loads.py), `cast(x, e4m3)` inside a stage, a
   full-width fp8 tile stored by a paired stage as two lanes, an f32 half-width one.
 - Toolchain (no GPU): the fp8 GEMMs compile for sm_90a without spills at the fp8 tiles
   (config.FP8_CANDIDATES) with fp8 WGMMA (`wgmma...f32.e4m3.e4m3`, `.e5m2.e4m3`); quack accepts the
@@ -129,10 +130,10 @@ block b(x: bf16[M, K], w: e4m3[N, K], s: f32) -> (y: bf16[M, N]) {
 }
 
 REFUSED = {
-    # an fp8 tile loaded into an epilogue
+    # an fp8 vector loaded into an epilogue (an fp8 tile loads: tests/test_fp8_loads.py)
     "load": """
 dims M, K, N
-block b(x: bf16[M, K], w: bf16[K, N], r: e4m3[M, N]) -> (y: bf16[M, N]) {
+block b(x: bf16[M, K], w: bf16[K, N], r: e4m3[N]) -> (y: bf16[M, N]) {
   gemm x @ w {
     y = acc + r
   }
@@ -268,7 +269,7 @@ def test_other_fp8_uses_still_refused(what: str) -> None:
         emit_stage(plan_stage(blk, 1))
     (d,) = ei.value.diagnostics
     want = {
-        "load": ("E0702", "loaded operand `r` is e4m3: fp8 is not compiled"),
+        "load": ("E0702", "loaded column vector `r` is e4m3: fp8 vectors are not compiled"),
         "cast": ("E0703", "cast() to e4m3 has no CuTeDSL emitter yet"),
         "paired_lanes": (
             "E0702",

@@ -200,17 +200,23 @@ def check_packed_cd(ctx: StageContext, operands: list[Operand], d: Output | None
 
 
 def check_fp8(ctx: StageContext, name: str, dtype: str, span: Span | None, what: str) -> None:
-    """An fp8 (e4m3, e5m2) tile loaded into an epilogue runs on the torch stand-ins only (`emulate=True`,
-    and every device but a Hopper GPU): the kernels' fp8 loads are not written yet (an fp8 stored tile
-    is compiled: check_store; fp8 GEMM operands: check_fp8_gemm)."""
+    """An fp8 (e4m3, e5m2) row or column vector loaded into an epilogue runs on the torch stand-ins
+    only (`emulate=True`, and every device but a Hopper GPU): the kernels load fp8 tiles (quack's
+    TileLoad widens each pair of codes with one `cvt.rn.f16x2.e4m3x2`, exactly), not fp8 vectors (an
+    fp8 stored tile is compiled: check_store; fp8 GEMM operands: check_fp8_gemm; a packed stage's
+    double-width fp8 tile: check_packed_tile)."""
     if is_fp8(dtype) and not ctx.emulated:
         raise fail(
             "E0702",
-            f"{what} `{name}` is {dtype}: fp8 is not compiled by the CuTeDSL backend yet",
+            f"{what} `{name}` is {dtype}: fp8 vectors are not compiled by the CuTeDSL backend yet",
             span,
+            help=[
+                f"load it as a wider vector (declare `{name}` bf16 or f32: every fp8 value is exact there)"
+            ],
             notes=[
-                "the interpreter and the emulated runtime (`Block.cuda(emulate=True)`, "
-                "coda_lang.torch on any device but a Hopper GPU, or CODA_EMULATE=1) run fp8 programs"
+                "fp8 tiles load into an epilogue; the interpreter and the emulated runtime "
+                "(`Block.cuda(emulate=True)`, coda_lang.torch on any device but a Hopper GPU, or "
+                "CODA_EMULATE=1) also run fp8 vectors"
             ],
         )
 
@@ -528,8 +534,10 @@ def check_repeat(e: Eqn, i: int, width: Dim, other: Dim) -> None:
 
 
 def check_operand_dtype(ctx: StageContext, ld: Load, e: Eqn, compared: bool) -> None:
-    """The epilogue loads float values, and i32 vectors that are only compared (`compared`)."""
-    check_fp8(ctx, ld.name, ld.dtype, e.span, "loaded operand")
+    """The epilogue loads float values (fp8 ones as tiles only), and i32 vectors that are only
+    compared (`compared`)."""
+    if ld.role != "tile":
+        check_fp8(ctx, ld.name, ld.dtype, e.span, f"loaded {ld.role}")
     if ld.dtype not in FLOAT_DTYPES and not is_fp8(ld.dtype) and not ctx.emulated and not compared:
         raise fail(
             "E0702",

@@ -271,7 +271,12 @@ class StageRunner:
                 t = t.repeat_interleave(2)
             if o.host == WORDS:  # 16-bit pairs read as float32 words (Output.pairs' stage)
                 t = (t if t.is_contiguous() else t.contiguous()).view(torch.float32)
-            ins.append(t if t.is_contiguous() else t.contiguous())
+            t = t if t.is_contiguous() else t.contiguous()
+            if o.op == "TileLoad" and not self.emulate:
+                # TMA loads the tile: rows that start every multiple of 16 bytes (an e4m3 tile of 8
+                # columns, a bf16 one of 4, is handed over in rows padded to 16 bytes)
+                t = _operand(t)
+            ins.append(t)
         for _, name in self.index_names:
             ins.append(dense(env[name], torch.int32))
         return ins, scalars

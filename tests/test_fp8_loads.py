@@ -1,0 +1,203 @@
+"""fp8 tiles loaded into a GEMM's epilogue: an e4m3 or e5m2 tile read beside the accumulator (an fp8
+saved activation, a quantized residual), in an element-mode stage and in a paired one (SwiGLU's
+gate/up stage reading a full-width tile as two lanes).
+
+- CPU: each plans as quack's TileLoad of the fp8 dtype (one lane, or two in the paired stage), and the
+  emitted source names it; fp8 vectors, and a packed stage's double-width fp8 tile, stay refused
+  (E0702 at the load, with the fix). On the torch stand-ins (`Block.cuda(emulate=True)`) both give
+  the interpreter's values bit for bit, ragged sizes included. A tile whose rows are under 16 bytes
+  (8 e4m3 columns) is handed to the kernel in rows padded to 16 bytes (TMA's rule), values unchanged.
+- Toolchain: the stage compiles for sm_90a without spills, each pair of codes widened by one
+  `cvt.rn.f16x2.e4m3x2` (`e5m2x2`), exact.
+- GPU (marked `gpu`): the kernels against the interpreter, bit for bit, on inputs where every value
+  before the bf16 store is exact in f32: every fp8 code (NaN included; not e5m2's infinities, which
+  the interpreter binds saturated), ragged
+  M, rows of 520 and of 8 fp8 values (padded), both dtypes, both modes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import coda_lang
+from coda_lang.backend_cute.plan.emit import emit_stage
+from coda_lang.backend_cute.plan.planner import plan_stage
+from coda_lang.core.diagnostics import CodaError
+
+# y = acc * r * s: with acc an integer of 5 bits and s = 0.375, every product is exact in f32
+ELEMENT = """
+dims M, K, N
+block b(x: bf16[M, K], w: bf16[K, N], r: {dt}[M, N], s: f32) -> (y: bf16[M, N]) {{
+  gemm x @ w {{
+    y = acc * r * s
+  }}
+}}
+"""
+
+# both lanes of r in the paired stage: (gt * rg) * (up * ru), exact in f32 for 5-bit integer accs
+PAIRED = """
+dims M, K, F
+block b(x: bf16[M, K], w: bf16[K, 2*F], r: {dt}[M, 2*F]) -> (y: bf16[M, F]) {{
+  gemm x @ w {{
+    gt, up = pairs(acc)
+    rg, ru = pairs(r)
+    y = (gt * rg) * (up * ru)
+  }}
+}}
+"""
+
+# a packed stage (the SwiGLU backward's form) reading the double-width tile in fp8: still refused
+PACKED = """
+dims M, K, F
+block b(dh: bf16[M, K], w: bf16[F, K], g: {dt}[M, 2*F]) -> (dg: bf16[M, 2*F]) {{
+  gemm dh @ transpose(w) {{
+    gt, up = pairs(g)
+    dg = interleave(acc * up, acc * gt)
+  }}
+}}
+"""
+
+SOURCES = {"element": ELEMENT, "paired": PAIRED}
+NP_FP8 = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
+
+
+def block(kind: str, dtype: str) -> coda_lang.Block:
+    return next(iter(coda_lang.load(SOURCES[kind].format(dt=dtype))))
+
+
+@pytest.mark.parametrize("dtype", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("kind", ["element", "paired"])
+def test_an_fp8_tile_load_is_planned(kind: str, dtype: str) -> None:
+    spec = plan_stage(block(kind, dtype), 1)
+    assert spec.mode == ("element" if kind == "element" else "acc_pair")
+    (r,) = [o for o in spec.operands if o.name == "r"]
+    assert (r.op, r.dtype, r.lanes) == ("TileLoad", dtype, 1 if kind == "element" else 2)
+    width = "N" if kind == "element" else "2*F"
+    assert f"load   r: {dtype}[M, {width}] tile (TileLoad)" in emit_stage(spec)
+
+
+@pytest.mark.parametrize("dtype", ["e4m3", "e5m2"])
+def test_a_packed_stages_fp8_tile_is_still_refused(dtype: str) -> None:
+    blk = next(iter(coda_lang.load(PACKED.format(dt=dtype))))
+    with pytest.raises(CodaError) as ei:
+        plan_stage(blk, 1)
+    (d,) = ei.value.diagnostics
+    assert d.code == "E0702" and f"the double-width tile `g` is {dtype}" in d.message, d.message
+    assert d.span is not None and d.span.line == 5
+    assert plan_stage(blk, 1, emulated=True) is not None  # the torch stand-ins run it
+
+
+def exact_inputs(kind: str, dtype: str, m: int, n: int, device: str, seed: int = 0) -> dict[str, Any]:
+    """x, w in {-1, 0, 1} with K = 16 (|acc| <= 16, exact); r every code of `dtype` (NaN included),
+    then random codes; `n`: the loaded tile's width. e5m2's infinities are left out: the interpreter
+    binds an fp8 input saturated (docs/language.md, "fp8"), the kernels read the codes as given."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    k = 16
+    cols = n // 2 if kind == "paired" else n
+    x = rng.integers(-1, 2, (m, k)).astype(np.float32)
+    w = rng.integers(-1, 2, (k, n)).astype(np.float32)
+    every = np.arange(256, dtype=np.uint8)
+    codes = (
+        np.concatenate([every, rng.integers(0, 256, m * n - 256, dtype=np.uint8)]) if m * n > 256 else every
+    )
+    if dtype == "e5m2":  # (an fp8 input binds saturated in the interpreter: its infinities are +-max)
+        codes = np.where(codes == 0x7C, 0x7B, np.where(codes == 0xFC, 0xFB, codes)).astype(np.uint8)
+    r = torch.from_numpy(codes[: m * n].reshape(m, n).copy()).view(
+        {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[dtype]
+    )
+    ins: dict[str, Any] = {
+        "x": torch.from_numpy(x).to(torch.bfloat16).to(device),
+        "w": torch.from_numpy(w).to(torch.bfloat16).to(device),
+        "r": r.to(device),
+    }
+    if kind == "element":
+        ins["s"] = 0.375
+    assert cols > 0
+    return ins
+
+
+def same_bf16(got: Any, want: Any) -> None:
+    """bf16 codes equal, NaN where the interpreter has NaN."""
+    import torch
+
+    g = got.float().cpu().numpy()
+    w = np.asarray(want, np.float32)
+    nan = np.isnan(w)
+    assert np.array_equal(np.isnan(g), nan), np.argwhere(np.isnan(g) != nan)[:5]
+    gc = got.cpu().view(torch.int16).numpy()
+    wc = torch.from_numpy(w).to(torch.bfloat16).view(torch.int16).numpy()
+    same = (gc == wc) | nan
+    assert same.all(), (np.argwhere(~same)[:5], g[~same][:5], w[~same][:5])
+
+
+@pytest.mark.parametrize("dtype", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("kind", ["element", "paired"])
+def test_the_torch_stand_ins_give_the_interpreters_values(kind: str, dtype: str) -> None:
+    """Every code of the dtype, ragged M and N, through the emulated kernels: bit for bit."""
+    blk = block(kind, dtype)
+    ins = exact_inputs(kind, dtype, 70, 48, "cpu")
+    want = blk.run(ins)["y"]
+    got = blk.cuda(emulate=True, tile=(64, 32))(ins)["y"]
+    same_bf16(got, want)
+
+
+def test_rows_under_16_bytes_are_handed_over_padded() -> None:
+    """An e4m3 tile of 8 columns (8-byte rows): the kernel gets it in rows of 16 bytes, viewed at its
+    own width (TMA loads rows that start every multiple of 16 bytes); the emulated path keeps it."""
+    import torch
+
+    from coda_lang.backend_cute.build.config import TileConfig
+    from coda_lang.backend_cute.runtime.launch import StageRunner
+
+    blk = block("element", "e4m3")
+    spec = plan_stage(blk, 1)
+    env = exact_inputs("element", "e4m3", 40, 8, "cpu")
+    i = 2 + [o.name for o in spec.operands].index("r")  # (after A and B)
+    for emulate, stride in ((False, 16), (True, 8)):
+        ins, _ = StageRunner(blk, 1, spec, TileConfig(128, 128), emulate).arguments(env)
+        r = ins[i]
+        assert r is not None and r.dtype == torch.float8_e4m3fn and tuple(r.shape) == (40, 8)
+        assert r.stride() == (stride, 1), r.stride()
+        assert torch.equal(r.view(torch.uint8), env["r"].view(torch.uint8))
+
+
+@pytest.mark.toolchain
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize(
+    ("kind", "dtype"), [("element", "e4m3"), pytest.param("paired", "e5m2", marks=pytest.mark.slow)]
+)
+def test_an_fp8_tile_load_compiles(kind: str, dtype: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    from coda_lang.backend_cute.build.compile import compile_stage
+    from coda_lang.backend_cute.build.config import TileConfig
+
+    c = compile_stage(
+        block(kind, dtype), 1, TileConfig(128, 128), directory=tmp_path_factory.mktemp("fp8-load")
+    )
+    assert c.report is not None and not c.report.spills, c.report.text
+    assert f"cvt.rn.f16x2.{dtype}x2" in c.ptx
+    assert "cp.async.bulk.tensor" in c.ptx  # (TMA loads)
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("dtype", ["e4m3", "e5m2"])
+@pytest.mark.parametrize(
+    ("kind", "m", "n"), [("element", 1000, 520), ("element", 136, 8), ("paired", 1000, 528)]
+)
+def test_gpu_fp8_tile_loads_bit_for_bit(kind: str, m: int, n: int, dtype: str) -> None:
+    import torch
+
+    os.environ.setdefault("CODA_TUNE", "0")
+    blk = block(kind, dtype)
+    ins = exact_inputs(kind, dtype, m, n, "cuda")
+    got = blk.cuda(poison=True)(ins)["y"]
+    torch.cuda.synchronize()
+    want = blk.run({k: v.cpu() if hasattr(v, "cpu") else v for k, v in ins.items()})["y"]
+    same_bf16(got, want)
