@@ -1056,3 +1056,28 @@ block f(x: bf16[M, K], w: bf16[K, N], p: f32[M, N]) -> (y: f32[M, N]) {
     assert want[0] == np.inf and np.isnan(want[1]), want
     assert got_row[0] == np.inf and np.isnan(got_row[1]), got_row
     np.testing.assert_allclose(got_row[2:], want[2:], rtol=1e-6, atol=1e-6)
+
+
+def test_skipped_programs_are_counted_by_code_and_added_up_across_jobs() -> None:
+    """`--programs` names why the target can't run the programs it skips (counts by E-code, not the
+    first message only), and `--jobs` adds each job's counts up, code by code."""
+    from coda_lang.cli.fuzz_jobs import _OK_PROGRAMS, skip_reasons, summed_reasons
+
+    skipped = [
+        "error[E0704]: `r` is not as wide as the stage's tile",
+        "error[E0702]: loaded column vector `v` is e4m3: fp8 vectors are not compiled",
+        "error[E0702]: the double-width tile `g` is e4m3",
+        "RuntimeError: something else",
+    ]
+    assert skip_reasons(skipped) == "E0702 x2, E0704 x1, other x1"
+    lines = [
+        f"ok: 5 random programs, 25 cases, target cuda, seed 3; 4 skipped (the target can't run them: "
+        f"{skip_reasons(skipped)}) (9.0 s)",
+        "ok: 6 random programs, 30 cases, target cuda, seed 4; 1 skipped (the target can't run them: "
+        "E0702 x1) (8.0 s)",
+        "ok: 7 random programs, 35 cases, target cuda, seed 5 (7.0 s)",
+    ]
+    ms = [_OK_PROGRAMS.match(line) for line in lines]
+    assert all(ms)
+    assert [int(m.group("skipped") or 0) for m in ms if m] == [4, 1, 0]
+    assert summed_reasons([m.group("why") for m in ms if m]) == "E0702 x3, E0704 x1, other x1"

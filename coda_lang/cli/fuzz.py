@@ -24,7 +24,7 @@ from coda_lang.cli.common import (
     parse_tile,
     usage_error,
 )
-from coda_lang.cli.fuzz_jobs import run_jobs
+from coda_lang.cli.fuzz_jobs import run_jobs, skip_reasons
 from coda_lang.core.diagnostics import CodaError, render_all
 from coda_lang.ir.nodes import DEFAULT_REMAT, REMAT
 
@@ -335,7 +335,7 @@ def _run(args: Any) -> int:
                 return EXIT_ERRORS
             ran = res.programs  # (counted: hypothesis draws about, not exactly, --programs)
             skip = (
-                f"; {len(res.skipped)} skipped (the target can't run them: {sorted(set(res.skipped))[0]} ...)"
+                f"; {len(res.skipped)} skipped (the target can't run them: {skip_reasons(res.skipped)})"
                 if res.skipped
                 else ""
             )

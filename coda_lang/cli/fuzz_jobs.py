@@ -34,8 +34,31 @@ _OK_BLOCK = re.compile(
     r"^ok: (?P<name>\S+): (?P<cases>\d+) cases \((?P<what>.*)\), target (?P<target>\S+), seed"
 )
 _OK_PROGRAMS = re.compile(
-    r"^ok: (?P<ran>\d+) random programs, (?P<cases>\d+) cases, target \S+, seed \S+?(?P<skip>; (?P<skipped>\d+) skipped \(.*\))? \("
+    r"^ok: (?P<ran>\d+) random programs, (?P<cases>\d+) cases, target \S+, seed \S+?"
+    r"(?P<skip>; (?P<skipped>\d+) skipped \(the target can't run them(?:: (?P<why>[^)]*))?\))? \("
 )
+_CODE = re.compile(r"error\[(E\d{4})\]")
+_WHY = re.compile(r"(\S+) x(\d+)")
+
+
+def skip_reasons(skipped: list[str]) -> str:
+    """The diagnostics of the programs a target can't run, as counts by code: `E0702 x30, E0704 x2`
+    (in code order; a message without a code counts as `other`)."""
+    counts: dict[str, int] = {}
+    for line in skipped:
+        m = _CODE.search(line)
+        code = m.group(1) if m else "other"
+        counts[code] = counts.get(code, 0) + 1
+    return ", ".join(f"{c} x{n}" for c, n in sorted(counts.items()))
+
+
+def summed_reasons(parts: list[str | None]) -> str:
+    """`skip_reasons` of several jobs, added up by code."""
+    counts: dict[str, int] = {}
+    for part in parts:
+        for code, n in _WHY.findall(part or ""):
+            counts[code] = counts.get(code, 0) + int(n)
+    return ", ".join(f"{c} x{n}" for c, n in sorted(counts.items()))
 
 
 @dataclass
@@ -171,7 +194,10 @@ def run_jobs(args: Any, argv: list[str]) -> int:
         ran = sum(int(m.group("ran")) for m in ms if m)
         cases = sum(int(m.group("cases")) for m in ms if m)
         skipped = sum(int(m.group("skipped") or 0) for m in ms if m)
-        skip = f"; {skipped} skipped (the target can't run them)" if skipped else ""
+        why = summed_reasons([m.group("why") for m in ms if m])
+        skip = (
+            f"; {skipped} skipped (the target can't run them{': ' + why if why else ''})" if skipped else ""
+        )
         print(
             f"ok: {ran} random programs, {cases} cases, target {args.target}, {seeds} ({n} jobs){skip} "
             f"({seconds:.1f} s)"
