@@ -149,8 +149,9 @@ def test_the_torch_stand_ins_give_the_interpreters_values(kind: str, dtype: str)
 
 
 def test_rows_under_16_bytes_are_handed_over_padded() -> None:
-    """An e4m3 tile of 8 columns (8-byte rows): the kernel gets it in rows of 16 bytes, viewed at its
-    own width (TMA loads rows that start every multiple of 16 bytes); the emulated path keeps it."""
+    """An e4m3 tile of 8 columns (8-byte rows): the launch hands the kernel (and the torch stand-ins)
+    rows of 16 bytes, viewed at the tile's own width (TMA loads rows that start every multiple of 16
+    bytes); the op's traced arguments keep the tile as it is."""
     import torch
 
     from coda_lang.backend_cute.build.config import TileConfig
@@ -159,13 +160,16 @@ def test_rows_under_16_bytes_are_handed_over_padded() -> None:
     blk = block("element", "e4m3")
     spec = plan_stage(blk, 1)
     env = exact_inputs("element", "e4m3", 40, 8, "cpu")
-    i = 2 + [o.name for o in spec.operands].index("r")  # (after A and B)
-    for emulate, stride in ((False, 16), (True, 8)):
-        ins, _ = StageRunner(blk, 1, spec, TileConfig(128, 128), emulate).arguments(env)
-        r = ins[i]
-        assert r is not None and r.dtype == torch.float8_e4m3fn and tuple(r.shape) == (40, 8)
-        assert r.stride() == (stride, 1), r.stride()
-        assert torch.equal(r.view(torch.uint8), env["r"].view(torch.uint8))
+    (r_op,) = [o for o in spec.operands if o.name == "r"]
+    runner = StageRunner(blk, 1, spec, TileConfig(128, 128), emulate=False)
+    ins, scalars = runner.arguments(env)
+    traced = ins[2 + spec.operands.index(r_op)]  # (after A and B)
+    assert traced is not None and traced.stride() == (8, 1)
+    _, _, epi = runner.epilogue_arguments(ins, scalars, runner.allocate(ins[0], ins[1]))
+    r = epi[r_op.py]
+    assert r.dtype == torch.float8_e4m3fn and tuple(r.shape) == (40, 8)
+    assert r.stride() == (16, 1), r.stride()
+    assert torch.equal(r.view(torch.uint8), env["r"].view(torch.uint8))
 
 
 @pytest.mark.toolchain

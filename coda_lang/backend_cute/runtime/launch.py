@@ -271,12 +271,7 @@ class StageRunner:
                 t = t.repeat_interleave(2)
             if o.host == WORDS:  # 16-bit pairs read as float32 words (Output.pairs' stage)
                 t = (t if t.is_contiguous() else t.contiguous()).view(torch.float32)
-            t = t if t.is_contiguous() else t.contiguous()
-            if o.op == "TileLoad" and not self.emulate:
-                # TMA loads the tile: rows that start every multiple of 16 bytes (an e4m3 tile of 8
-                # columns, a bf16 one of 4, is handed over in rows padded to 16 bytes)
-                t = _operand(t)
-            ins.append(t)
+            ins.append(t if t.is_contiguous() else t.contiguous())
         for _, name in self.index_names:
             ins.append(dense(env[name], torch.int32))
         return ins, scalars
@@ -422,7 +417,14 @@ class StageRunner:
             if o.role in INDEX_AXIS:
                 epi[o.py] = 0  # TileIndex's host scalar: an offset added to every index
                 continue
-            epi[o.py] = (next(it) if t is None else t) if o.role == "scalar" else _aligned(t)
+            if o.role == "scalar":
+                epi[o.py] = next(it) if t is None else t
+            else:
+                # a tile: TMA loads rows that start every multiple of 16 bytes (an e4m3 tile of 8
+                # columns, a bf16 one of 4, is handed over in rows padded to 16 bytes: `_operand`)
+                assert t is not None
+                padded = o.op == "TileLoad" and t.dim() == 2 and t.stride(0) * t.element_size() % 16
+                epi[o.py] = _operand(t) if padded else _aligned(t)
         for py, _ in self.index_names:
             epi[py] = _aligned(ins[j])
             j += 1
