@@ -27,6 +27,7 @@ import re
 from coda_lang.backend_cute.plan import names as module_names
 from coda_lang.backend_cute.plan import spec as specs
 from coda_lang.backend_cute.plan.spec import (
+    FP8_WORDS,
     INDEX_AXIS,
     WORDS,
     Group,
@@ -202,7 +203,7 @@ class _Emitter:
         for o in spec.operands:
             if o.lanes == 2:
                 l0, l1 = self.fresh(f"{o.py}_0"), self.fresh(f"{o.py}_1")
-                if o.host == WORDS:  # 16-bit pairs loaded as float32 words: split by the bits
+                if o.host in (WORDS, FP8_WORDS):  # pairs loaded as words (f32 of 16-bit, int16 of fp8)
                     self.lanes[o.name] = (l0, l1)
                     body.append(f"{l0}, {l1} = unpack_{o.dtype}x2({o.py})")
                     continue

@@ -267,6 +267,32 @@ def unpack_f16x2(w: Any, *, loc: Any = None, ip: Any = None) -> tuple[Any, Any]:
     return _f32_asm(_LO_F16_PTX, w, loc, ip), _f32_asm(_HI_F16_PTX, w, loc, ip)
 
 
+# A packed stage's double-width fp8 tile, loaded as int16 words (its C operand's pairs, Operand.host
+# FP8_WORDS): quack's TileLoad widens each int16 to an exact f32, so the word comes back by a truncating
+# cvt, and its two codes widen to f16 in one cvt (the low byte, lane 0, the even column, into the low
+# half: the converse of `_pack_ptx`'s), then to f32: exact, NaN and infinities kept.
+def _unpack_fp8_ptx(dtype: str, lane: int) -> str:
+    half = "l" if lane == 0 else "h"
+    return (
+        "{\n\t.reg .b32 w, p;\n\t.reg .b16 c, u, l, h;\n\t"
+        "cvt.rzi.s32.f32 w, $1;\n\tmov.b32 {c, u}, w;\n\t"
+        f"cvt.rn.f16x2.{dtype}x2 p, c;\n\tmov.b32 {{l, h}}, p;\n\tcvt.f32.f16 $0, {half};\n}}"
+    )
+
+
+@dsl_user_op
+def unpack_e4m3x2(w: Any, *, loc: Any = None, ip: Any = None) -> tuple[Any, Any]:
+    """The two e4m3 lanes of an int16 word held as an f32 (lane 0: the low byte), each as an f32
+    (exact): `_unpack_fp8_ptx`."""
+    return _f32_asm(_unpack_fp8_ptx("e4m3", 0), w, loc, ip), _f32_asm(_unpack_fp8_ptx("e4m3", 1), w, loc, ip)
+
+
+@dsl_user_op
+def unpack_e5m2x2(w: Any, *, loc: Any = None, ip: Any = None) -> tuple[Any, Any]:
+    """As unpack_e4m3x2, in e5m2."""
+    return _f32_asm(_unpack_fp8_ptx("e5m2", 0), w, loc, ip), _f32_asm(_unpack_fp8_ptx("e5m2", 1), w, loc, ip)
+
+
 def _pack_ptx(dtype: str) -> str:
     # cvt.rn.satfinite.<dtype>x2.f32 d, a, b puts a's code in the high byte and b's in the low one: so
     # lane 1 ($2) first. The word read as an int16 (-32768 to 32767) comes back as an exact f32, which

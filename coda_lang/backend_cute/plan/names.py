@@ -40,6 +40,8 @@ _MODULE_IMPORTS: dict[str, str] = {
     "unpack_bf16x2": "from coda_lang.backend_cute.plan.epi_ops import unpack_bf16x2",
     "unpack_f16x2": "from coda_lang.backend_cute.plan.epi_ops import unpack_f16x2",
     "pack_e4m3x2": "from coda_lang.backend_cute.plan.epi_ops import pack_e4m3x2",
+    "unpack_e4m3x2": "from coda_lang.backend_cute.plan.epi_ops import unpack_e4m3x2",
+    "unpack_e5m2x2": "from coda_lang.backend_cute.plan.epi_ops import unpack_e5m2x2",
     "pack_e5m2x2": "from coda_lang.backend_cute.plan.epi_ops import pack_e5m2x2",
     "BoundedColVecSelect": "from coda_lang.backend_cute.plan.epi_ops import BoundedColVecSelect",
     "BoundedColVecReduce": "from coda_lang.backend_cute.plan.epi_ops import BoundedColVecReduce",

@@ -21,13 +21,13 @@ record says; planning is deterministic (the emitted source is a golden file).
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from typing import Any
 
 from coda_lang.backend_cute.plan import operands, refusals, sinks
 from coda_lang.backend_cute.plan.context import StageContext, live_eqns, stage_context
 from coda_lang.backend_cute.plan.spec import (
+    FP8_WORDS,
     PACKED,
     PACKED_DTYPES,
     WORDS,
@@ -37,6 +37,7 @@ from coda_lang.backend_cute.plan.spec import (
     Output,
     StageSpec,
     is_wide,
+    pair_store_on,
     plain_name,
 )
 from coda_lang.frontend.syntax.printer import inline_source
@@ -132,13 +133,6 @@ def run(ctx: StageContext) -> StageSpec:
     return replace(spec, fn_name=plain_name(gemm)) if spec.plain else spec
 
 
-def pair_store_on() -> bool:
-    """Whether a packed stage's fp8 D is stored by the kernel as its pairs: by default (checked bit for
-    bit against the interpreter on an H200, tests/test_fp8_pairs.py); $CODA_FP8_PAIR_STORE=0 stores it
-    in 16 bits and narrows it in a pass of its own, as before."""
-    return os.environ.get("CODA_FP8_PAIR_STORE", "1") != "0"
-
-
 def _narrowed(
     ctx: StageContext, loads: list[Operand], d: Output | None, outputs: list[Output]
 ) -> tuple[Output | None, list[Output], list[Operand]]:
@@ -147,19 +141,34 @@ def _narrowed(
     D stored as its fp8 pairs (`Output.pairs`, a TileStore) and C loaded as a TileLoad of float32
     words, the stage running in quack's element mode (`StageSpec.quack_mode`): no 16-bit D written
     and read again. With $CODA_FP8_PAIR_STORE=0, D stored in C's dtype (bf16 or f16), rounded to
-    odd, and narrowed by the runtime (`Output.narrow`: exact). Anything else as it is: (D, the
-    TileStores, the loads)."""
+    odd, and narrowed by the runtime (`Output.narrow`: exact). A double-width fp8 C (where
+    `fp8_pair_load_on()`: refusals.check_packed_tile) beside such a D: loaded as int16 words of two
+    codes (`FP8_WORDS`), the stage in element mode too. Anything else as it is: (D, the TileStores, the
+    loads)."""
     c = next((o for o in loads if o.op == "C"), None)
+    if c is not None and is_fp8(c.dtype) and not ctx.emulated:
+        refusals.check_fp8_pair_load(ctx, c, d)
+        assert d is not None
+        words = replace(c, op="TileLoad", py=_fresh(ctx, f"{c.name}_words"), host=FP8_WORDS)
+        return (
+            None,
+            [replace(d, op="TileStore", pairs=True), *outputs],
+            [words if o is c else o for o in loads],
+        )
     if d is None or c is None or ctx.emulated or not is_fp8(d.dtype) or c.dtype not in PACKED_DTYPES:
         return d, outputs, loads
     if not pair_store_on():
         return replace(d, dtype=c.dtype, narrow=d.dtype), outputs, loads
+    words = replace(c, op="TileLoad", py=_fresh(ctx, f"{c.name}_words"), host=WORDS)
+    return None, [replace(d, op="TileStore", pairs=True), *outputs], [words if o is c else o for o in loads]
+
+
+def _fresh(ctx: StageContext, py: str) -> str:
+    """`py`, or it with underscores appended, unused by the stage's emitted names."""
     taken = set(ctx.names.values())
-    py = f"{c.name}_words"
     while py in taken:
         py += "_"
-    words = replace(c, op="TileLoad", py=py, host=WORDS)
-    return None, [replace(d, op="TileStore", pairs=True), *outputs], [words if o is c else o for o in loads]
+    return py
 
 
 def _gemm(ctx: StageContext) -> Gemm:

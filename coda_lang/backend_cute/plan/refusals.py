@@ -28,6 +28,8 @@ from coda_lang.backend_cute.plan.spec import (
     Mode,
     Operand,
     Output,
+    fp8_pair_load_on,
+    pair_store_on,
 )
 from coda_lang.core.diagnostics import CodaError, Diagnostic
 from coda_lang.frontend.verify.plan import Load, StagePlan, Store
@@ -556,12 +558,30 @@ def check_packed_tile(ctx: StageContext, ld: Load, e: Eqn, operands: Sequence[Op
             e.span,
             notes=["quack's packed_cd_b16x2 mode loads one double-width tile (the GEMM's C)"],
         )
-    if ld.dtype not in PACKED_DTYPES and not ctx.emulated:
+    if ld.dtype not in PACKED_DTYPES and not ctx.emulated and not (is_fp8(ld.dtype) and fp8_pair_load_on()):
         raise fail(
             "E0702",
             f"the double-width tile `{ld.name}` is {ld.dtype}; quack's packed mode loads 16-bit pairs",
             e.span,
+            notes=["$CODA_FP8_PAIR_LOAD=1 (experimental) loads an fp8 one beside an fp8 D"]
+            if is_fp8(ld.dtype)
+            else [],
         )
+
+
+def check_fp8_pair_load(ctx: StageContext, c: Operand, d: Output | None) -> None:
+    """A packed stage's double-width fp8 tile loads as int16 words of two codes only where its D is an
+    fp8 tile stored as pairs too: the stage then runs in quack's element mode, every tile [M, N]."""
+    if d is not None and is_fp8(d.dtype) and pair_store_on():
+        return
+    e = next(e for e in ctx.st.body if any(isinstance(a, Var) and a.name == c.name for a in e.ins))
+    raise fail(
+        "E0702",
+        f"the double-width tile `{c.name}` is {c.dtype}; a packed stage loads it in fp8 only beside an fp8 "
+        "D stored as pairs",
+        e.span,
+        help=["store the stage's double-width result in fp8 too, or load the tile as bf16"],
+    )
 
 
 def check_operand_width(ctx: StageContext, ld: Load, e: Eqn, width: Dim | None, period: Dim | None) -> None:

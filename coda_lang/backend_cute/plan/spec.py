@@ -17,6 +17,7 @@ source (emit.py), so planning the same stage twice gives equal specs.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
@@ -141,7 +142,7 @@ class Output:
     # e4m3, f16 7 or more)
     narrow: str | None = None
     # the same D stored by the kernel itself in fp8, as its pairs (the default; `CODA_FP8_PAIR_STORE=0`
-    # narrows instead: planner.pair_store_on): a TileStore of one 16-bit word per accumulator
+    # narrows instead: pair_store_on): a TileStore of one 16-bit word per accumulator
     # element, the two lanes' codes
     # (lane 0 in the low byte: at the lower address, so the buffer is the fp8 [M, 2N] tile itself), the
     # runtime passing the fp8 buffer as an int16 [M, N] view (quack has no uint16). The stage then runs in quack's element
@@ -308,7 +309,24 @@ class StageSpec:
 PACKED: Mode = "packed_cd_b16x2"
 # Operand.host of a packed stage's 16-bit pairs loaded as float32 words (Output.pairs)
 WORDS = "view(float32)"
+# Operand.host of a packed stage's double-width fp8 tile loaded as int16 words, two codes each
+# (experimental: `fp8_pair_load_on`)
+FP8_WORDS = "view(int16)"
 PACKED_DTYPES = ("bf16", "f16")
+
+
+def pair_store_on() -> bool:
+    """Whether a packed stage's fp8 D is stored by the kernel as its pairs: by default (checked bit for
+    bit against the interpreter on an H200, tests/test_fp8_pairs.py); $CODA_FP8_PAIR_STORE=0 stores it
+    in 16 bits and narrows it in a pass of its own, as before."""
+    return os.environ.get("CODA_FP8_PAIR_STORE", "1") != "0"
+
+
+def fp8_pair_load_on() -> bool:
+    """Whether a packed stage may load its double-width tile in fp8, as int16 words of two codes, beside
+    an fp8 D stored as pairs ($CODA_FP8_PAIR_LOAD=1; experimental: off until a GPU run checks it against
+    the interpreter, tests/test_fp8_loads.py `-m gpu`)."""
+    return os.environ.get("CODA_FP8_PAIR_LOAD", "0") == "1"
 
 
 def is_wide(t: Type | None, cols: Dim) -> bool:
