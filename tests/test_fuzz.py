@@ -1081,3 +1081,50 @@ def test_skipped_programs_are_counted_by_code_and_added_up_across_jobs() -> None
     assert all(ms)
     assert [int(m.group("skipped") or 0) for m in ms if m] == [4, 1, 0]
     assert summed_reasons([m.group("why") for m in ms if m]) == "E0702 x3, E0704 x1, other x1"
+
+
+LOADED_FULL_WIDTH_MAX = """
+dims M, K, F
+
+block fwd(x: bf16[M, K], w: bf16[K, 2*F], p: bf16[M, 2*F]) -> (y: bf16[M, F], v: f32[2*F]) {
+  gemm x @ w {
+    gt, up = pairs(acc)
+    y = gt * up
+    v = max(p, over=M)
+  }
+}
+"""
+
+
+def test_a_loaded_matrix_is_reduced_at_its_own_width() -> None:
+    """A block parameter reduced over the rows inside a stage is a tile of its own width: twice the
+    width of a packed stage is E0705 at the reduction (tests/fuzz_found/loaded_double_width_column_max
+    .coda: the torch stand-in raised RuntimeError), as for a computed double-width tile, on the kernels
+    and on the torch stand-ins; the full width of a paired stage is reduced over both lanes (it was
+    refused as a half-width tile), the stand-in giving the interpreter's max."""
+    import torch
+
+    from coda_lang.backend_cute.plan.planner import plan_stage
+    from coda_lang.core.diagnostics import CodaError
+
+    found = coda_lang.load(
+        (ROOT / "tests" / "fuzz_found" / "loaded_double_width_column_max.coda").read_text()
+    )
+    for emulated in (False, True):
+        with pytest.raises(CodaError) as ei:
+            plan_stage(found["fwd"], 2, emulated=emulated)
+        (d,) = ei.value.diagnostics
+        assert d.code == "E0705" and "the double-width tile `p4`" in d.message, d.message
+        assert d.span is not None and d.span.line == 20  # (the `max(p4, over=M)` line)
+    blk = coda_lang.load(LOADED_FULL_WIDTH_MAX)["fwd"]
+    (sink,) = plan_stage(blk, 1).sinks
+    assert (sink.name, sink.layout) == ("v", "column partials")
+    g = torch.Generator().manual_seed(0)
+    ins = {
+        "x": torch.randn(40, 16, generator=g).bfloat16(),
+        "w": torch.randn(16, 32, generator=g).bfloat16(),
+        "p": torch.randn(40, 32, generator=g).bfloat16(),
+    }
+    got = blk.cuda(emulate=True, tile=(16, 32))(ins)["v"]
+    assert torch.equal(got, torch.as_tensor(np.asarray(blk.run(ins)["v"], np.float32)))
+    assert torch.equal(got, ins["p"].float().amax(0))

@@ -19,6 +19,7 @@ groups come in program order; the Python names of their values are asked for in 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from coda_lang.backend_cute.plan import refusals
@@ -36,7 +37,7 @@ from coda_lang.backend_cute.plan.spec import (
     member,
 )
 from coda_lang.ir.nodes import Eqn, Var
-from coda_lang.ir.types import GROUP
+from coda_lang.ir.types import GROUP, MATRIX, TILE
 from coda_lang.ops import REGISTRY, Arith, Locality
 
 
@@ -63,6 +64,11 @@ def partials(ctx: StageContext, live_out: set[str], paired: bool, packed: bool) 
         refusals.check_reduced(e, x)
         assert isinstance(x, Var)
         xt = x.type if x.type is not None else ctx.types.get(x.name)
+        if xt is not None and xt.kind == MATRIX and len(xt.shape) == 2:
+            # a loaded matrix is read tile by tile in the stage: its width decides its lanes as a
+            # computed tile's does (a double-width one in a packed stage, a full-width one in a paired
+            # stage; as a matrix it passed for one of the stage's width, or a half-width one)
+            xt = replace(xt, kind=TILE)
         rows = row_group(e, ctx, live_out)
         if e.param("group") is not None and rows is None:
             continue  # complete in its tile: a Group (groups()), not a partial
