@@ -1424,6 +1424,7 @@ def packed_bit_for_bit(blk: coda_lang.Block, scale: float, dtype: str, tile: Any
     assert same.all(), (np.argwhere(~same)[:5], got_codes[~same][:5], want_codes[~same][:5])
 
 
+@pytest.mark.slow  # (two compiles at 128x256 for an opt-in variable; its tuning: test_fast_accumulation_is_timed_only_when_asked)
 @pytest.mark.toolchain
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_fast_accumulation_drops_the_second_accumulator(tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -419,6 +419,7 @@ def test_the_qwen3_program_takes_one_head_s_norm_weights() -> None:
         assert coda_lang.load(text)[bwd.name].ir == bwd.ir
 
 
+@pytest.mark.slow  # (the default run compiles a qk norm with its prepass: test_backend_ptx.py)
 @pytest.mark.toolchain
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # quack's imports of CuTeDSL names
 def test_the_qwen3_qkv_stage_compiles(tmp_path: Path) -> None:
