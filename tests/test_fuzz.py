@@ -1128,3 +1128,25 @@ def test_a_loaded_matrix_is_reduced_at_its_own_width() -> None:
     got = blk.cuda(emulate=True, tile=(16, 32))(ins)["v"]
     assert torch.equal(got, torch.as_tensor(np.asarray(blk.run(ins)["v"], np.float32)))
     assert torch.equal(got, ins["p"].float().amax(0))
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_gpu_a_loaded_full_width_matrix_is_reduced_over_both_lanes() -> None:
+    """LOADED_FULL_WIDTH_MAX on the kernels (ragged M): the column max of the loaded tile, both lanes
+    of each pair, is the interpreter's, exactly."""
+    import os
+
+    import torch
+
+    os.environ.setdefault("CODA_TUNE", "0")
+    blk = coda_lang.load(LOADED_FULL_WIDTH_MAX)["fwd"]
+    g = torch.Generator().manual_seed(0)
+    ins = {
+        "x": torch.randn(1000, 64, generator=g).bfloat16(),
+        "w": torch.randn(64, 256, generator=g).bfloat16(),
+        "p": torch.randn(1000, 256, generator=g).bfloat16(),
+    }
+    got = blk.cuda(poison=True)({k: v.cuda() for k, v in ins.items()})["v"]
+    torch.cuda.synchronize()
+    assert torch.equal(got.cpu(), ins["p"].float().amax(0))
