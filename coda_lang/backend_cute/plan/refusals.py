@@ -574,12 +574,12 @@ def check_fp8_pair_load(ctx: StageContext, c: Operand, d: Output | None) -> None
     fp8 tile stored as pairs too: the stage then runs in quack's element mode, every tile [M, N]."""
     if d is not None and is_fp8(d.dtype) and pair_store_on():
         return
-    e = next(e for e in ctx.st.body if any(isinstance(a, Var) and a.name == c.name for a in e.ins))
+    e = next((e for e in ctx.st.body if any(isinstance(a, Var) and a.name == c.name for a in e.ins)), None)
     raise fail(
         "E0702",
         f"the double-width tile `{c.name}` is {c.dtype}; a packed stage loads it in fp8 only beside an fp8 "
         "D stored as pairs",
-        e.span,
+        e.span if e is not None else ctx.st.span,
         help=["store the stage's double-width result in fp8 too, or load the tile as bf16"],
     )
 
