@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_train_step import GIB, llama_config, prepare, release  # noqa: E402
+from hf_train_step import GIB, llama_config, prepare, release, step_of  # noqa: E402
 
 # hf_train_step's configuration names; coda-fp8: fp8="delayed" (e4m3 forward, e5m2 cotangents);
 # torchao-*: torchao's float8 training (`convert_to_float8_training` on every Linear but the LM head),
@@ -159,13 +159,7 @@ def run_config(
     dist.barrier()
     t0 = time.perf_counter()
     model, opt = build(args, patch, wrap, device)
-
-    def step() -> torch.Tensor:
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
+    step = step_of(model, opt, ids)
 
     losses = [step()]
     sync()

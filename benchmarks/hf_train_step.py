@@ -414,6 +414,12 @@ def training_step(
     opt = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True, capturable=capturable
     )
+    return opt, step_of(fwd, opt, ids)
+
+
+def step_of(fwd: Any, opt: torch.optim.Optimizer, ids: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """One training step of `fwd` on `ids` with `opt` (forward, backward, step, zero_grad; the loss
+    detached): training_step's, and dist_train_step.py's with its sharded model's optimizer."""
 
     def step() -> torch.Tensor:
         loss = fwd(input_ids=ids, labels=ids).loss
@@ -422,7 +428,7 @@ def training_step(
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    return opt, step
+    return step
 
 
 def run_config(name: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[str, Any]:
