@@ -148,27 +148,16 @@ def _narrowed(
     c = next((o for o in loads if o.op == "C"), None)
     if c is not None and is_fp8(c.dtype) and not ctx.emulated:
         refusals.check_fp8_pair_load(ctx, c, d)
-        assert d is not None
-        words = replace(c, op="TileLoad", py=_fresh(ctx, f"{c.name}_words"), host=FP8_WORDS)
-        return (
-            None,
-            [replace(d, op="TileStore", pairs=True), *outputs],
-            [words if o is c else o for o in loads],
-        )
-    if d is None or c is None or ctx.emulated or not is_fp8(d.dtype) or c.dtype not in PACKED_DTYPES:
+        host = FP8_WORDS
+    elif d is None or c is None or ctx.emulated or not is_fp8(d.dtype) or c.dtype not in PACKED_DTYPES:
         return d, outputs, loads
-    if not pair_store_on():
+    elif not pair_store_on():
         return replace(d, dtype=c.dtype, narrow=d.dtype), outputs, loads
-    words = replace(c, op="TileLoad", py=_fresh(ctx, f"{c.name}_words"), host=WORDS)
+    else:
+        host = WORDS
+    assert d is not None
+    words = replace(c, op="TileLoad", py=ctx.fresh(f"{c.name}_words"), host=host)
     return None, [replace(d, op="TileStore", pairs=True), *outputs], [words if o is c else o for o in loads]
-
-
-def _fresh(ctx: StageContext, py: str) -> str:
-    """`py`, or it with underscores appended, unused by the stage's emitted names."""
-    taken = set(ctx.names.values())
-    while py in taken:
-        py += "_"
-    return py
 
 
 def _gemm(ctx: StageContext) -> Gemm:
