@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coda_lang.cli.common import EXIT_ERRORS, EXIT_OK, EXIT_USAGE
+from coda_lang.core.diagnostics import code_counts
 from coda_lang.core.orphans import PARENT_ENV
 
 _COUNT = re.compile(r": (\d+)/(\d+)(?: cases)?(?: \(|,|$)")
@@ -44,21 +45,14 @@ _WHY = re.compile(r"(\S+) x(\d+)")
 def skip_reasons(skipped: list[str]) -> str:
     """The diagnostics of the programs a target can't run, as counts by code: `E0702 x30, E0704 x2`
     (in code order; a message without a code counts as `other`)."""
-    counts: dict[str, int] = {}
-    for line in skipped:
-        m = _CODE.search(line)
-        code = m.group(1) if m else "other"
-        counts[code] = counts.get(code, 0) + 1
-    return ", ".join(f"{c} x{n}" for c, n in sorted(counts.items()))
+    return code_counts([m.group(1) if (m := _CODE.search(line)) else "other" for line in skipped])
 
 
 def summed_reasons(parts: list[str | None]) -> str:
     """`skip_reasons` of several jobs, added up by code."""
-    counts: dict[str, int] = {}
-    for part in parts:
-        for code, n in _WHY.findall(part or ""):
-            counts[code] = counts.get(code, 0) + int(n)
-    return ", ".join(f"{c} x{n}" for c, n in sorted(counts.items()))
+    return code_counts(
+        [code for part in parts for code, n in _WHY.findall(part or "") for _ in range(int(n))]
+    )
 
 
 @dataclass

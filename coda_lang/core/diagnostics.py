@@ -233,6 +233,11 @@ def render_all(diags: list[Diagnostic], sources: dict[str, str], fmt: str = "hum
     return sep.join(render(d, sources, fmt) for d in diags)
 
 
+def code_counts(codes: list[str]) -> str:
+    """How many of `codes` (diagnostic codes) are each code, in code order: `E0702 x30, E0704 x2`."""
+    return ", ".join(f"{c} x{codes.count(c)}" for c in sorted(set(codes)))
+
+
 def did_you_mean(name: str, candidates: list[str] | tuple[str, ...] | set[str]) -> str | None:
     """The closest candidate within a small edit distance, for 'did you mean' hints."""
     import difflib

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from coda_lang.api import load
 from coda_lang.autodiff.options import BackwardOptions
-from coda_lang.core.diagnostics import CodaError
+from coda_lang.core.diagnostics import CodaError, code_counts
 from coda_lang.fuzz.case import DRAW, POLICIES, backward_options, first_line
 from coda_lang.fuzz.fuzzer import Fuzzer
 from coda_lang.fuzz.search import Failure, Progress, Result, check_case, run_search
@@ -112,13 +112,13 @@ def fuzz_programs(
             + ", ".join(f"--remat {p} x{policies.count(p)}" for p in POLICIES if p in policies)
         )
     if no_backward:
-        codes = ", ".join(f"{c} x{no_backward.count(c)}" for c in sorted(set(no_backward)))
-        notes.append(f"backward not checked for {len(no_backward)} programs ({codes})")
+        notes.append(f"backward not checked for {len(no_backward)} programs ({code_counts(no_backward)})")
     if count[1]:
         notes.append(f"{count[1]} cases ran the backward in row chunks")
     if no_chunks:
-        codes = ", ".join(f"{c} x{no_chunks.count(c)}" for c in sorted(set(no_chunks)))
-        notes.append(f"backward not chunked for {len(no_chunks)} programs ({codes}), checked unchunked")
+        notes.append(
+            f"backward not chunked for {len(no_chunks)} programs ({code_counts(no_chunks)}), checked unchunked"
+        )
     return Result(count[0], failure, notes, time.monotonic() - t0, skipped, count[1], programs=ran[0])
 
 
