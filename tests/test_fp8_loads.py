@@ -10,10 +10,10 @@ gate/up stage reading a full-width tile as two lanes).
 - Toolchain: the stage compiles for sm_90a without spills, each pair of codes widened by one
   `cvt.rn.f16x2.e4m3x2` (`e5m2x2`), exact.
 - A packed stage's double-width fp8 tile (the SwiGLU backward reading an fp8 gate/up copy, the step
-  that saving it in fp8 needs: docs/design.md), under $CODA_FP8_PAIR_LOAD=1 (experimental) and
-  beside an fp8 D: loaded as int16 words of two codes, unpacked in the epilogue, the stage in quack's
-  element mode; planned, emitted, compiled (CPU), handed over as int16 words. Its GPU test has not
-  run yet; without the variable, or beside a 16-bit D, it is E0702.
+  that saving it in fp8 needs: docs/design.md), beside an fp8 D: loaded as int16 words of two codes,
+  unpacked in the epilogue, the stage in quack's element mode; planned, emitted, compiled (CPU),
+  handed over as int16 words, and bit for bit on the GPU. Beside a 16-bit D, or with
+  $CODA_FP8_PAIR_LOAD=0, it is E0702.
 - GPU (marked `gpu`): the kernels against the interpreter, bit for bit, on inputs where every value
   before the bf16 store is exact in f32: every fp8 code (NaN included; not e5m2's infinities, which
   the interpreter binds saturated), ragged
@@ -110,19 +110,20 @@ def test_a_packed_stages_fp8_tile_is_still_refused(dtype: str) -> None:
 
 @pytest.fixture
 def pair_load(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CODA_FP8_PAIR_LOAD", "1")
+    """The default, whatever the environment running the tests sets."""
+    monkeypatch.delenv("CODA_FP8_PAIR_LOAD", raising=False)
 
 
 def packed_fp8(dtype: str) -> coda_lang.Block:
     return next(iter(coda_lang.load(PACKED_FP8.format(dt=dtype))))
 
 
-def test_without_the_variable_a_packed_fp8_tile_says_how_to_try_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("CODA_FP8_PAIR_LOAD", raising=False)
+def test_switched_off_a_packed_fp8_tile_says_what_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CODA_FP8_PAIR_LOAD", "0")
     with pytest.raises(CodaError) as ei:
         plan_stage(packed_fp8("e4m3"), 1)
     (d,) = ei.value.diagnostics
-    assert d.code == "E0702" and any("CODA_FP8_PAIR_LOAD=1" in n for n in d.notes), d.notes
+    assert d.code == "E0702" and any("CODA_FP8_PAIR_LOAD=0" in n for n in d.notes), d.notes
 
 
 @pytest.mark.parametrize("dtype", ["e4m3", "e5m2"])
@@ -284,7 +285,7 @@ def test_a_packed_fp8_tile_compiles(pair_load: None, tmp_path_factory: pytest.Te
 @pytest.mark.parametrize("dtype", ["e4m3", "e5m2"])
 def test_gpu_packed_fp8_tile_bit_for_bit(dtype: str, pair_load: None) -> None:
     """The packed stage reading its fp8 tile as words, on the kernel, against the interpreter: every
-    e5m2 code of dg, NaN as NaN (not run yet: $CODA_FP8_PAIR_LOAD stays experimental until it is)."""
+    e5m2 code of dg, NaN as NaN."""
     import torch
 
     os.environ.setdefault("CODA_TUNE", "0")

@@ -141,8 +141,8 @@ def _narrowed(
     D stored as its fp8 pairs (`Output.pairs`, a TileStore) and C loaded as a TileLoad of float32
     words, the stage running in quack's element mode (`StageSpec.quack_mode`): no 16-bit D written
     and read again. With $CODA_FP8_PAIR_STORE=0, D stored in C's dtype (bf16 or f16), rounded to
-    odd, and narrowed by the runtime (`Output.narrow`: exact). A double-width fp8 C (where
-    `fp8_pair_load_on()`: refusals.check_packed_tile) beside such a D: loaded as int16 words of two
+    odd, and narrowed by the runtime (`Output.narrow`: exact). A double-width fp8 C (unless
+    $CODA_FP8_PAIR_LOAD=0: refusals.check_packed_tile) beside such a D: loaded as int16 words of two
     codes (`FP8_WORDS`), the stage in element mode too. Anything else as it is: (D, the TileStores, the
     loads)."""
     c = next((o for o in loads if o.op == "C"), None)

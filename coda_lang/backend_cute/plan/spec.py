@@ -310,7 +310,7 @@ PACKED: Mode = "packed_cd_b16x2"
 # Operand.host of a packed stage's 16-bit pairs loaded as float32 words (Output.pairs)
 WORDS = "view(float32)"
 # Operand.host of a packed stage's double-width fp8 tile loaded as int16 words, two codes each
-# (experimental: `fp8_pair_load_on`)
+# (`fp8_pair_load_on`)
 FP8_WORDS = "view(int16)"
 PACKED_DTYPES = ("bf16", "f16")
 
@@ -324,9 +324,9 @@ def pair_store_on() -> bool:
 
 def fp8_pair_load_on() -> bool:
     """Whether a packed stage may load its double-width tile in fp8, as int16 words of two codes, beside
-    an fp8 D stored as pairs ($CODA_FP8_PAIR_LOAD=1; experimental: off until a GPU run checks it against
-    the interpreter, tests/test_fp8_loads.py `-m gpu`)."""
-    return os.environ.get("CODA_FP8_PAIR_LOAD", "0") == "1"
+    an fp8 D stored as pairs: by default (checked bit for bit against the interpreter on an H200,
+    2026-11-28, tests/test_fp8_loads.py `-m gpu`); $CODA_FP8_PAIR_LOAD=0 refuses it (E0702)."""
+    return os.environ.get("CODA_FP8_PAIR_LOAD", "1") != "0"
 
 
 def is_wide(t: Type | None, cols: Dim) -> bool:
