@@ -93,11 +93,11 @@ class Block(CheckedBlock):
         `remat`: which forward tiles the backward recomputes rather than reads saved ("auto", "save",
         "recompute"; docs/design.md, "Saved and recomputed"), or `backward=BackwardOptions(...)`."""
         options = BackwardOptions.of(backward, remat=remat)
-        remat, fp8_grads = options.remat, options.fp8_grads
+        remat, fp8_grads, fp8_acc = options.remat, options.fp8_grads, options.fp8_acc
         self._check_wrt(wrt)
-        key = (tuple(wrt) if wrt is not None else None, remat, fp8_grads)
+        key = (tuple(wrt) if wrt is not None else None, remat, fp8_grads, fp8_acc)
         if key not in self._derivations:
-            self._derivations[key] = derive_checked(self.ir, self.plan, wrt, remat, fp8_grads)
+            self._derivations[key] = derive_checked(self.ir, self.plan, wrt, remat, fp8_grads, fp8_acc)
         return self._derivations[key]
 
     def _check_wrt(self, wrt: Any) -> None:
@@ -148,6 +148,7 @@ class Block(CheckedBlock):
         chunk_dim: str | None = None,
         fp8_grads: str | None = None,
         scales: dict[str, float] | None = None,
+        fp8_acc: bool | None = None,
     ) -> dict[str, Any]:
         """Gradients of <outputs, cotangents> w.r.t. each differentiable input, by running the extended
         forward and the derived backward block on the interpreter (both at `sim_tile`, as `run`).
@@ -156,7 +157,9 @@ class Block(CheckedBlock):
         With `fp8_grads=` ("e5m2" or "e4m3"; docs/design.md, "The fp8 backward"), `scales` gives the
         backward's cotangent scales by name (`Derivation.scales`' keys, e.g. "dacc2_scale"; 1.0 where
         not given), and the result also holds, under their names, this step's amax of each quantized
-        cotangent (`Derivation.scales`' values, e.g. "dacc2_amax").
+        cotangent (`Derivation.scales`' values, e.g. "dacc2_amax"). With `fp8_acc=True`, each GEMM
+        stage that stores a scaled fp8 copy of its acc has its backward read acc from that copy
+        (`BackwardOptions.fp8_acc`).
 
         The backward's options are one `BackwardOptions` (`backward=`), or its fields as keywords
         (`remat=`, `chunk=`, `budget=`, `chunk_dim=`; not both): what the backward recomputes, and
@@ -170,7 +173,13 @@ class Block(CheckedBlock):
         unrounded and are rounded once. A bad argument raises TypeError or ValueError; a backward that
         can't run in chunks of that dim, CodaError E0809."""
         options = BackwardOptions.of(
-            backward, remat=remat, chunk=chunk, budget=budget, chunk_dim=chunk_dim, fp8_grads=fp8_grads
+            backward,
+            remat=remat,
+            chunk=chunk,
+            budget=budget,
+            chunk_dim=chunk_dim,
+            fp8_grads=fp8_grads,
+            fp8_acc=fp8_acc,
         )
         d = self.derivation(wrt, backward=options.with_(chunk=None, budget=None, chunk_dim=None))
         unknown = sorted(set(scales or {}) - set(d.scales))
@@ -371,10 +380,11 @@ def derive_checked(
     wrt: list[str] | None = None,
     remat: str = nodes.DEFAULT_REMAT,
     fp8_grads: str | None = None,
+    fp8_acc: bool = False,
 ) -> Derivation:
     """Derive the backward block and check both blocks; CodaError (E06) where it can't."""
     try:
-        d = derive(ir, plan, wrt, remat, fp8_grads)
+        d = derive(ir, plan, wrt, remat, fp8_grads, fp8_acc)
     except AutodiffError as e:
         raise CodaError([Diagnostic(e.code, e.message, e.span, notes=e.notes)]) from None
     blocks = [check_generated(b, "the derived block", ir.span) for b in (d.forward, d.backward)]

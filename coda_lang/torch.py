@@ -361,10 +361,10 @@ _LLAMA_MLP_STAGES_FP8 = """
   r{n} = rsqrt(ss{n} / D + eps)
   i{n} = r{n} / (s_{h} * s_w_13)
   gemm {h}q @ {w_13} {{
-    z{n} = acc * i{n}
+    z{n} = acc * i{n}{u_line}
     gt, up = pairs(z{n})
     {a_line}
-  }}{a_after}
+  }}{u_after}{a_after}
   gemm {a} @ {w_2} {{
     {x2} = acc{down_scale}{residual} + {h}{then}
   }}"""
@@ -428,6 +428,17 @@ def fp8_weight(name: str, rows: str, cols: str) -> str:
     )
 
 
+def acc_copy_lines(n: str) -> tuple[str, str]:
+    """A gate/up stage's e4m3 copy of its acc, `u{n}q` at the delayed scale `s_u{n}`, and its amax
+    `am_u{n}` (detached): (the stage's lines, the line after it). The copy is what a backward derived
+    with `BackwardOptions(fp8_acc=True)` reads as that acc (docs/design.md, "Saving activations in
+    fp8")."""
+    return (
+        f"\n    u{n}q: e4m3 = acc * s_u{n}\n    amp_u{n} = max(abs(acc), over=2*F)",
+        f"\n  am_u{n} = detach(max(amp_u{n}, over=M))",
+    )
+
+
 def llama_mlp_stages_fp8(
     t: str,
     *,
@@ -439,12 +450,15 @@ def llama_mlp_stages_fp8(
     act: str = "silu",
     norm_offset: float = 0.0,
     act_fp8: bool = True,
+    save_acc: bool = False,
 ) -> str:
     """`llama_mlp_stages` (weights in `nn.Linear` layout) with the gate/up GEMM, and with `act_fp8` the
     down GEMM, in e4m3 at delayed per-tensor scales (fp8="delayed"): reads the e4m3 weights `w_13q`
     (and `w_2q`, `fp8_weight`'s), the scales `s_{h}`, `s_w_13` (and `s_a`, `s_w_2`); records the
     amaxes `am_{h}` (and `am_a`), detached. The scales are inputs: the caller keeps their history
-    (coda_lang.hf's fp8 `Bank`)."""
+    (coda_lang.hf's fp8 `Bank`). `save_acc`: the gate/up GEMM also stores an e4m3 copy of its acc,
+    `u{n}q`, at the scale `s_u{n}` (its amax `am_u{n}`), for a backward derived with
+    `BackwardOptions(fp8_acc=True)` to read instead of a bf16 copy."""
     g = norm_weight(f"g{n}", norm_offset)
     if act_fp8:
         a_line = f"a = {act}(gt) * up\n    aq: e4m3 = a * s_a\n    amp_a = max(abs(a), over=F)"
@@ -453,8 +467,11 @@ def llama_mlp_stages_fp8(
     else:
         a_line = f"a: {t} = {act}(gt) * up"
         a_after, a, w_2, down_scale = "", "a", "transpose(w_2)", ""
+    u_line, u_after = acc_copy_lines(n) if save_acc else ("", "")
     return _LLAMA_MLP_STAGES_FP8.format(
         t=t,
+        u_line=u_line,
+        u_after=u_after,
         w_o="transpose(w_o)",
         w_13="transpose(w_13q)",
         w_2=w_2,

@@ -62,6 +62,38 @@ class GradQuant(torch.autograd.Function):
         return q / s, None
 
 
+class SavedSwiGLU(torch.autograd.Function):
+    """silu(acc_g * i) * (acc_u * i) (the gate/up stage: acc scaled by the row vector i, SwiGLU), exact
+    forward; its backward evaluates that VJP at the accumulators as the fp8_save blocks keep them for
+    it, q(acc * s) / s with q e4m3 (saturating, nearest even), and i as it is."""
+
+    @staticmethod
+    def forward(
+        ctx, acc_g: torch.Tensor, acc_u: torch.Tensor, i: torch.Tensor, s: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.save_for_backward(*SavedSwiGLU.quantized(acc_g, acc_u, s), i)
+        return SavedSwiGLU.f(acc_g, acc_u, i)
+
+    @staticmethod
+    def quantized(*accs_and_s: torch.Tensor) -> list[torch.Tensor]:
+        """Each acc as the blocks save it: q(acc * s) / s (the last argument s)."""
+        *accs, s = accs_and_s
+        return [
+            (a * s).clamp(-E4M3_MAX, E4M3_MAX).float().to(torch.float8_e4m3fn).to(a.dtype) / s for a in accs
+        ]
+
+    @staticmethod
+    def f(acc_g: torch.Tensor, acc_u: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(acc_g * i) * (acc_u * i)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        with torch.enable_grad():
+            ins = [t.detach().requires_grad_(True) for t in ctx.saved_tensors]
+            grads = torch.autograd.grad(SavedSwiGLU.f(*ins), ins, g)
+        return (*grads, None)
+
+
 def fake_quant(v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """v quantized to e4m3 at scale s and back (v * s, saturated to +-448, rounded to nearest even, / s),
     its gradient straight through: the recipe's math, written with torch's own float8 type."""
@@ -109,14 +141,16 @@ def grads_ran_at(model) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.T
     return out[-1], [out[i] for i in range(len(model.model.layers))]
 
 
-def reference_loss(ref, ids, labels, first, layers, grads=None) -> torch.Tensor:
+def reference_loss(ref, ids, labels, first, layers, grads=None, saved=None) -> torch.Tensor:
     """The fp8 recipe on the unpatched float64 model `ref`: each layer's q/k/v, gate/up and down GEMMs on
     e4m3 fake-quantized inputs (the norm's weighted input x * g, before the row scale, as the blocks
     quantize it; the SwiGLU output) and weights (q, k and v at one scale, gate and up at one), at
     the scales the patched model ran at; the out-projection and the LM head unquantized. Each GEMM is
     the product of the quantized values in scaled units (the blocks' acc) divided by both scales.
     `grads` ("delayed": (first block's, [each layer's]) cotangent scales by weight, `grads_ran_at`):
-    each such acc passes a `GradQuant` at its call site's scale (q, k and v one acc, gate and up one)."""
+    each such acc passes a `GradQuant` at its call site's scale (q, k and v one acc, gate and up one).
+    `saved` (the fp8_save blocks: each layer's scales, `ran_at`'s): the SwiGLU's backward reads the
+    gate/up acc quantized to e4m3 at the layer's scale `u1` (`SavedSwiGLU`)."""
     m = ref.model
     n_layers = len(m.layers)
     b, s = ids.shape
@@ -129,11 +163,12 @@ def reference_loss(ref, ids, labels, first, layers, grads=None) -> torch.Tensor:
     def r(v: torch.Tensor) -> torch.Tensor:
         return torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
 
-    def qlin(v, w, sv, sw, sg=None) -> torch.Tensor:
+    def qacc(v, w, sv, sw, sg=None) -> torch.Tensor:
         acc = (fake_quant(v, sv) * sv) @ (fake_quant(w, sw) * sw).T
-        if sg is not None:
-            acc = GradQuant.apply(acc, sg)
-        return acc / (sv * sw)
+        return acc if sg is None else GradQuant.apply(acc, sg)
+
+    def qlin(v, w, sv, sw, sg=None) -> torch.Tensor:
+        return qacc(v, w, sv, sw, sg) / (sv * sw)
 
     def grad_scale(site: dict[str, torch.Tensor] | None, w: str) -> torch.Tensor | None:
         return None if site is None else site[w]
@@ -164,10 +199,26 @@ def reference_loss(ref, ids, labels, first, layers, grads=None) -> torch.Tensor:
         x1g = x1 * layer.post_attention_layernorm.weight
         r1 = r(x1)
         sg = grad_scale(g_here, "w_13")
-        gate = qlin(x1g, mlp.gate_proj.weight, sc["x1"], sc["w_13"], sg) * r1
-        up = qlin(x1g, mlp.up_proj.weight, sc["x1"], sc["w_13"], sg) * r1
-        a = torch.nn.functional.silu(gate) * up
-        if "a" in sc:
+        a_again = None  # (the SwiGLU output as the backward computes it again, where it differs)
+        if saved is not None:
+            acc_g = qacc(x1g, mlp.gate_proj.weight, sc["x1"], sc["w_13"], sg)
+            acc_u = qacc(x1g, mlp.up_proj.weight, sc["x1"], sc["w_13"], sg)
+            i1 = r1 / (sc["x1"] * sc["w_13"])
+            a = SavedSwiGLU.apply(acc_g, acc_u, i1, saved[i]["u1"])
+            a_again = SavedSwiGLU.f(*SavedSwiGLU.quantized(acc_g, acc_u, saved[i]["u1"]), i1).detach()
+        else:
+            gate = qlin(x1g, mlp.gate_proj.weight, sc["x1"], sc["w_13"], sg) * r1
+            up = qlin(x1g, mlp.up_proj.weight, sc["x1"], sc["w_13"], sg) * r1
+            a = torch.nn.functional.silu(gate) * up
+        if "a" in sc and a_again is not None:
+            # the down GEMM's weight gradient multiplies its cotangent by its input made again in the
+            # backward from the saved e4m3 acc (the blocks keep no copy of it), its data gradient as usual
+            s_a, s_w2 = sc["a"], sc["w_2"]
+            xq, xb = fake_quant(a, s_a) * s_a, (fake_quant(a_again, s_a) * s_a).detach()
+            wq = fake_quant(mlp.down_proj.weight, s_w2) * s_w2
+            acc = xb @ wq.T + xq @ wq.T.detach() - (xb @ wq.T).detach()
+            down = GradQuant.apply(acc, grad_scale(g_here, "w_2")) / (s_a * s_w2)
+        elif "a" in sc:
             down = qlin(a, mlp.down_proj.weight, sc["a"], sc["w_2"], grad_scale(g_here, "w_2"))
         else:
             down = a @ mlp.down_proj.weight.T

@@ -268,6 +268,16 @@ def assemble(s: State, grads: dict[str, str], renames: dict[str, str], remat: st
             f"fp8 cotangents (fp8_grads={s.fp8_grads}, straight-through): "
             + ", ".join(f"scale {k} in, amax {v} out" for k, v in scales.items())
         )
+    copies = [(k, q, sc) for k, (q, sc) in sorted(s.acc_copies.items()) if q in saved_all]
+    if copies:
+        notes.append(
+            "fp8 acc (fp8_acc=True, straight-through): "
+            + ", ".join(
+                f"stage {k + 1}'s acc read as {q} * (1 / {sc.name if isinstance(sc, Var) else sc.value}), "
+                "no copy of acc saved"
+                for k, q, sc in copies
+            )
+        )
     notes += [f"note: {r}" for r in report]
     bwd = Block(
         f"{f.name}_bwd", dims, tuple(params), tuple(outputs), tuple(body), f.span, tuple(notes), derived=True

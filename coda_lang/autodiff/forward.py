@@ -17,7 +17,7 @@ from __future__ import annotations
 from coda_lang.autodiff.builder import AutodiffError
 from coda_lang.autodiff.builder import float_value as _float
 from coda_lang.frontend.verify.plan import BlockPlan
-from coda_lang.ir.nodes import Atom, Block, Eqn, Param, Stage, Var
+from coda_lang.ir.nodes import Atom, Block, Eqn, Lit, Param, Stage, Var
 from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type, cotangent_dtype, is_fp8
 from coda_lang.ops import REGISTRY, Locality
 
@@ -95,6 +95,14 @@ class ForwardFacts:
                 if d.name and d.coeff.denominator != 1:
                     self.divisors[d.name] = max(self.divisors.get(d.name, 1), d.coeff.denominator)
         self.dim_values = {d.name: d.value for d in block.dims if d.value is not None}
+        # the values a cotangent reaches: the outputs, and the operands of each statement one reaches,
+        # except through an op that stops gradients (detach): a value read only through detach (an
+        # fp8 amax) has no backward
+        self.reached = {o.name for o in block.outputs}
+        for item in reversed(block.body):
+            for e in reversed(item.body if isinstance(item, Stage) else (item,)):
+                if not REGISTRY[e.op].stops_gradient and any(v.name in self.reached for v in e.outs):
+                    self.reached |= {a.name for a in e.ins if isinstance(a, Var)}
 
     def names(self) -> set[str]:
         """Every name the forward block uses (dims, parameters, values, outputs)."""
@@ -120,6 +128,16 @@ class ForwardFacts:
                 return Type(t.dtype, t.shape, VEC if t.shape else SCALAR)
         return t
 
+    def tile_dtype(self, name: str) -> str:
+        """The dtype a stage's tile is kept in after its stage: its storage dtype where the forward
+        stores it, else the one its definition names (`q: e4m3 = ...`, a copy only the backward
+        reads: stored once it is saved), else the activation dtype."""
+        if name in self.storage:
+            return self.storage[name]
+        e = self.fdef.get(name)
+        annot = next((v.annot for v in e.outs if v.name == name), None) if e is not None else None
+        return annot or self.plan.activation
+
     def operand_dtype(self, k: int) -> str:
         """The dtype of stage k's GEMM operands (the checker makes both the same but where one is fp8):
         its dacc's dtype. Where an operand is fp8, the other one's (the dgrad GEMM multiplies dacc by it)
@@ -140,15 +158,48 @@ class ForwardFacts:
         return self.storage.get(x.name, self.plan.activation)
 
     def acc_dtype(self, k: int) -> str:
-        """The dtype stage k's acc is saved in: the activation dtype, or f32 where a max/min reduction's
-        backward compares its operand, recomputed from acc, with the forward's result (rounded, they'd
-        differ): one whose operand is not saved as it is (`tie_operands`)."""
+        """The dtype stage k's acc is saved in: the activation dtype, or f32 where the backward needs it
+        exactly (`acc_exact`)."""
+        return "f32" if self.acc_exact(k) else self.plan.activation
+
+    def acc_exact(self, k: int) -> bool:
+        """Whether the backward needs stage k's acc exactly, in f32: where a max/min reduction's backward
+        compares its operand, recomputed from acc, with the forward's result (rounded, they'd differ):
+        one whose operand is not saved as it is (`tie_operands`). A reduction no cotangent reaches
+        (`reached`: a detached amax) has no backward and needs neither."""
         saved = set(self.tie_operands(k).values())
-        exact = any(
-            REGISTRY[e.op].ties and not (isinstance(e.ins[0], Var) and e.ins[0].name in saved)
+        return any(
+            REGISTRY[e.op].ties
+            and e.outs[0].name in self.reached
+            and not (isinstance(e.ins[0], Var) and e.ins[0].name in saved)
             for e in self.block.stages[k].body
         )
-        return "f32" if exact else self.plan.activation
+
+    def acc_copy(self, k: int) -> tuple[str, Atom] | None:
+        """Stage k's scaled fp8 copy of its acc, `q: e4m3 = acc * s` (either order; `s` a literal or a
+        scalar from outside the stage: a parameter, a value between stages), as (q, s): the first such
+        tile the stage stores in fp8 (e4m3 or e5m2), or None. `BackwardOptions.fp8_acc` reads acc from
+        it (`acc = q * (1 / s)`) instead of a saved copy."""
+        st = self.block.stages[k]
+        if not st.is_gemm or st.acc is None or st.acc.type is None:
+            return None
+        for e in st.body:
+            if e.op != "mul" or len(e.outs) != 1 or not is_fp8(self.tile_dtype(e.outs[0].name)):
+                continue
+            accs = [i for i, a in enumerate(e.ins) if isinstance(a, Var) and a.name == "acc"]
+            if len(accs) != 1:
+                continue
+            s = e.ins[1 - accs[0]]
+            if isinstance(s, Var):
+                if self.fstage.get(s.name) == k and s.name not in self.stage_vectors(k):
+                    continue  # (a value of the stage's tiles)
+                t = self.ftype.get(s.name)
+                if t is None or t.kind != SCALAR and not (t.kind == PARTIAL and not t.shape):
+                    continue
+            elif not isinstance(s, Lit):
+                continue
+            return e.outs[0].name, s
+        return None
 
     def tie_operands(self, k: int) -> dict[str, str]:
         """{max/min reduction: its operand} for stage k's reductions over rows or columns (not grouped:
@@ -168,7 +219,7 @@ class ForwardFacts:
             return is_index(self.fdef[a.name])
 
         for e in self.block.stages[k].body:
-            if not REGISTRY[e.op].ties or e.param("group") is not None:
+            if not REGISTRY[e.op].ties or e.param("group") is not None or e.outs[0].name not in self.reached:
                 continue
             (x,) = e.ins
             if plain(x):

@@ -16,7 +16,16 @@ argument or its keyword shorthands (`Block.vjp`, `Block.grad`, `coda_lang.torch.
   stage with an fp8 operand is quantized to that dtype with a delayed per-tensor scale, an input
   of the backward (`dacc<k>_scale`), before its dgrad and wgrad GEMMs, which multiply their acc by
   the inverse scale; the backward also returns the cotangent's amax for the next step
-  (`dacc<k>_amax`) (docs/design.md, "The fp8 backward").
+  (`dacc<k>_amax`) (docs/design.md, "The fp8 backward");
+- `fp8_acc`: False (a GEMM stage's acc, where the backward reads it, is a copy the forward saves in the
+  activation dtype), or True: where the stage stores a scaled fp8 copy of its acc itself
+  (`q: e4m3 = acc * s`, s a scalar), the backward reads acc as that copy times 1/s instead, and no
+  other copy is saved: half the bytes or less, the acc the backward sees rounded to fp8
+  (straight-through: the forward's own uses saw acc unrounded). Everything the backward computes
+  again from that acc comes from the copy too: a tile the stage stores that the backward makes again
+  rather than saves (the SwiGLU output a down projection's weight gradient reads) is made from the
+  rounded acc, as DeepSeek-V3 recomputes its SwiGLU output from the fp8 inputs it caches
+  (docs/design.md, "Saving activations in fp8").
 What it does not: decide whether a block's backward can run in chunks of a dim (chunk.py: CodaError
 E0809 when it can't, a property of the program).
 Invariants: a mistake in an argument is a TypeError (a value of the wrong type) or a ValueError (a
@@ -56,6 +65,7 @@ class BackwardOptions:
     budget: int | None = None
     chunk_dim: str | None = None
     fp8_grads: str | None = None
+    fp8_acc: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.remat, str):
@@ -100,6 +110,16 @@ class BackwardOptions:
                     "fp8_grads= and chunked backwards both given; a backward with fp8 cotangents does not "
                     "run in chunks yet (run it unchunked)"
                 )
+        if not isinstance(self.fp8_acc, bool):
+            raise TypeError(
+                f"fp8_acc= is {self.fp8_acc!r}; it takes True (read each GEMM stage's acc from the fp8 copy "
+                "the stage stores, where it stores one) or False"
+            )
+        if self.fp8_acc and self.chunked:
+            raise ValueError(
+                "fp8_acc=True and chunked backwards both given; a backward that reads acc from its fp8 copy "
+                "does not run in chunks yet (run it unchunked)"
+            )
 
     @classmethod
     def of(
@@ -111,6 +131,7 @@ class BackwardOptions:
         budget: int | None = _UNSET,
         chunk_dim: str | None = _UNSET,
         fp8_grads: str | None = _UNSET,
+        fp8_acc: bool | None = _UNSET,
     ) -> BackwardOptions:
         """The options of a call: `options` (a `backward=` argument) or the keyword shorthands, not both
         (TypeError); `BackwardOptions()` when neither is given."""
@@ -122,6 +143,7 @@ class BackwardOptions:
                 ("budget", budget),
                 ("chunk_dim", chunk_dim),
                 ("fp8_grads", fp8_grads),
+                ("fp8_acc", fp8_acc),
             )
             if v is not None
         }
@@ -158,7 +180,8 @@ class BackwardOptions:
         for f in fields(self):
             v = getattr(self, f.name)
             if v != f.default:
-                out += [f"--{f.name.replace('_', '-')}", str(v)]
+                flag = f"--{f.name.replace('_', '-')}"
+                out += [flag] if isinstance(v, bool) else [flag, str(v)]
         return out
 
     def __str__(self) -> str:
@@ -171,4 +194,6 @@ class BackwardOptions:
                 parts.append(f"chunk_dim={self.chunk_dim}")
         if self.fp8_grads is not None:
             parts.append(f"fp8_grads={self.fp8_grads}")
+        if self.fp8_acc:
+            parts.append("fp8_acc=True")
         return ", ".join(parts)

@@ -62,11 +62,13 @@ class Reverse:
         make: frozenset[str] = frozenset(),
         fp8_grads: str | None = None,
         prologue: frozenset[str] = frozenset(),
+        fp8_acc: bool = False,
     ):
         self.policy = stage_policies(block, remat)
         self.fwd = ForwardFacts(block, plan, wrt)
         self.s = State(self.fwd)
         self.s.fp8_grads = fp8_grads
+        self.s.fp8_acc = fp8_acc
         self.remat = remat
         # stored forward tiles that their stage's backward recomputes and stores (policy.py chooses)
         self.make = make
@@ -80,7 +82,7 @@ class Reverse:
 
     def run(self) -> Derived:
         fwd, s = self.fwd, self.s
-        reached = _reached(fwd.block)
+        reached = fwd.reached
         for k, st in enumerate(fwd.block.stages):
             for e in st.body:
                 t = e.outs[0].type
@@ -371,20 +373,11 @@ def derive_with(
     make: frozenset[str] = frozenset(),
     fp8_grads: str | None = None,
     prologue: frozenset[str] = frozenset(),
+    fp8_acc: bool = False,
 ) -> Derived:
     """The backward of `block` under policy `remat` (stage reruns: Reverse.recompute_host), with the
     tiles `make` recomputed and stored by their stage's backward and the tiles `prologue` by
     elementwise stages at its start (prologue.py; policy.py chooses both), and the cotangents of its
-    fp8 stages quantized to `fp8_grads` where given (`Reverse.quantizes`)."""
-    return Reverse(block, plan, wrt, remat, make, fp8_grads, prologue).run()
-
-
-def _reached(block: Block) -> set[str]:
-    """The values of `block` a cotangent reaches: the outputs, and the operands of each statement one
-    reaches, except through an op that stops gradients (detach)."""
-    reached = {o.name for o in block.outputs}
-    for item in reversed(block.body):
-        for e in reversed(item.body if isinstance(item, Stage) else (item,)):
-            if not REGISTRY[e.op].stops_gradient and any(v.name in reached for v in e.outs):
-                reached |= {a.name for a in e.ins if isinstance(a, Var)}
-    return reached
+    fp8 stages quantized to `fp8_grads` where given (`Reverse.quantizes`), and with `fp8_acc` each
+    stage's acc read from its fp8 copy where it stores one (`ForwardFacts.acc_copy`)."""
+    return Reverse(block, plan, wrt, remat, make, fp8_grads, prologue, fp8_acc).run()

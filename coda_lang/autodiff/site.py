@@ -176,7 +176,15 @@ class Site:
             return a
         assert isinstance(a, Var)
         if a.name == "acc":
-            return Var("acc") if self.remat else s.read_acc(self.k)
+            copy = None if self.remat or self.exact else s.acc_copy(self.k)
+            if copy is None:
+                return Var("acc") if self.remat else s.read_acc(self.k)
+            if "acc" not in self.cache:  # (BackwardOptions.fp8_acc: read from the stage's fp8 copy)
+                q, scale = copy
+                inv = s.b.div(s.b.lit(1.0), s.read_between(scale))
+                self.cache["acc"] = s.b.mul(s.read_saved(q), inv)
+                s.acc_copies[self.k] = (q, scale)
+            return self.cache["acc"]
         cache = self.exact_cache if self.exact else self.cache
         if a.name in cache:
             return cache[a.name]

@@ -89,6 +89,10 @@ class State:
         self.fp8_grads: str | None = None
         self.qscale: dict[str, str] = {}
         self.scales: dict[str, str] = {}
+        # BackwardOptions.fp8_acc: a GEMM stage's acc read from the fp8 copy the stage stores, where it
+        # stores one (`acc_copy`)
+        self.fp8_acc = False
+        self.acc_copies: dict[int, tuple[str, Atom]] = {}  # stage -> (its copy, its scale) read as acc
 
     # ------------------------------------------------------------------ names and parameters
 
@@ -150,10 +154,10 @@ class State:
             return Var(self.made[name])
         if (SAVED, name, None) not in self._read:
             t = self.fwd.ftype[name]
-            storage, activation = self.fwd.storage, self.fwd.plan.activation
+            storage = self.fwd.storage
             self.claimed.add(name)
             if t.kind in (TILE, GROUP):
-                bt = Type(storage.get(name, activation), t.shape, MATRIX)
+                bt = Type(self.fwd.tile_dtype(name), t.shape, MATRIX)
             elif t.kind == PARTIAL:
                 bt = Type(storage.get(name, "f32"), t.shape, VEC if t.shape else SCALAR)
             else:
@@ -178,6 +182,14 @@ class State:
             self._record(Read("acc", SAVED, name, t, k), key)
             self._param(name, t)
         return Var(self._read[key].name)
+
+    def acc_copy(self, k: int) -> tuple[str, Atom] | None:
+        """Stage k's fp8 copy of its acc and that copy's scale, where the backward reads acc from it
+        (`fp8_acc` given, and `ForwardFacts.acc_copy` finds one), else None. Not where the backward
+        needs acc exactly (`ForwardFacts.acc_exact`: a max/min reduction's ties compare it)."""
+        if not self.fp8_acc or self.fwd.acc_exact(k):
+            return None
+        return self.fwd.acc_copy(k)
 
     def read_exact(self, name: str, k: int) -> Var:
         """Stage k's tile `name` as the forward computed it, in f32 before any rounding: a copy the

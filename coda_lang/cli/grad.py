@@ -71,6 +71,14 @@ def add_parser(sub: Any) -> None:
         '`dacc<k>_amax` (docs/design.md, "The fp8 backward"). A backward GEMM of such a cotangent and '
         "an operand not stored in fp8 is refused (E0602)",
     )
+    g.add_argument(
+        "--fp8-acc",
+        action="store_true",
+        help="where a GEMM stage stores a scaled fp8 copy of its acc itself (`q: e4m3 = acc * s`, s a "
+        "scalar), read acc in the backward as that copy times 1/s instead of saving a copy in the "
+        "activation dtype: half the bytes or less, the acc the backward sees rounded to fp8 "
+        '(BackwardOptions(fp8_acc=True); docs/design.md, "Saving activations in fp8")',
+    )
     g.add_argument("--error-format", choices=("human", "short"), default="human")
     g.set_defaults(run=run)
 
@@ -85,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     options = parse_backward(args.remat)
     if not isinstance(options, BackwardOptions):
         return options
-    options = options.with_(fp8_grads=args.fp8_grads)
+    options = options.with_(fp8_grads=args.fp8_grads, fp8_acc=args.fp8_acc)
     wrt = [w.strip() for w in args.wrt.split(",") if w.strip()] if args.wrt else None
     try:
         d = block.derivation(wrt, backward=options)

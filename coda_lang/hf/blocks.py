@@ -60,7 +60,7 @@ from __future__ import annotations
 import functools
 
 from coda_lang.backend_cute.build.config import CANDIDATES
-from coda_lang.torch import fp8_weight, llama_mlp_stages, llama_mlp_stages_fp8, norm_weight
+from coda_lang.torch import acc_copy_lines, fp8_weight, llama_mlp_stages, llama_mlp_stages_fp8, norm_weight
 
 DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 
@@ -157,12 +157,12 @@ _POST_NORM_STAGES_FP8 = (
   am_x1 = detach(max(amp_x1, over=M)){r1}
   i1 = {r1v} / (s_x1 * s_w_13)
   gemm x1q @ transpose(w_13q) {{
-    z1 = acc * i1
+    z1 = acc * i1{u_line}
     gt, up = pairs(z1)
     a = {act}(gt) * up
     aq: e4m3 = a * s_a
     amp_a = max(abs(a), over=F)
-  }}
+  }}{u_after}
   am_a = detach(max(amp_a, over=M))
   ia = 1.0 / (s_a * s_w_2)
   gemm aq @ transpose(w_2q) {{
@@ -265,6 +265,9 @@ _INPUT_FP8 = """
 # (`BackwardOptions.fp8_grads`)
 FP8_GRADS: dict[str, str | None] = {"delayed": "e5m2", "delayed-forward": None}
 FP8_RECIPES = tuple(FP8_GRADS)
+# whether a patched fp8="delayed" model saves its gate/up accumulators in e4m3 (`model_source`'s
+# `fp8_save`): $CODA_FP8_SAVE_ACC=1 (experimental: docs/design.md, "Saving activations in fp8")
+FP8_SAVE_VAR = "CODA_FP8_SAVE_ACC"
 
 
 # the MLP's gate activations the blocks run, by the config's name: the .coda op of each (`gelu` is the
@@ -283,6 +286,7 @@ def _mlp(
     fp8: bool = False,
     act_fp8: bool = True,
     then_fp8: bool = False,
+    save_acc: bool = False,
 ) -> str:
     """The layer's stages from the attention output `y` to the residual `x2`: the LLaMA MLP's (x1 and
     g1 its residual and norm; coda_lang.torch's, the one source) or, with `post_norm`, the branches
@@ -290,7 +294,8 @@ def _mlp(
     well); `then`: followed by the next norm's weight and row statistics of x2 (`x2g`, `r2`); `act`
     the gate's .coda op; `offset` the norms' weight offset; `fp8`: the gate/up GEMM (and with
     `act_fp8` the down GEMM) in e4m3 (`llama_mlp_stages_fp8`), `then_fp8` the next norm's weighted
-    input quantized for the next QKV GEMM (`x2q`, its amax `am_x2`)."""
+    input quantized for the next QKV GEMM (`x2q`, its amax `am_x2`); `save_acc` (with `fp8`): the
+    gate/up GEMM also stores an e4m3 copy of its acc for the backward (`acc_copy_lines`)."""
     nxt = (_THEN_FP8 if then_fp8 else _THEN).format(t=t, g2=norm_weight("g2", offset)) if then else ""
     if fp8:
         tail = ""
@@ -303,8 +308,11 @@ def _mlp(
         if post_norm:
             assert act_fp8, "the post-norm fp8 blocks quantize the GLU output"
             g1 = norm_weight("g1", offset)
+            u_line, u_after = acc_copy_lines("1") if save_acc else ("", "")
             stages += _POST_NORM_STAGES_FP8.format(
                 t=t,
+                u_line=u_line,
+                u_after=u_after,
                 residual=residual,
                 x1n=f"\n    x1g = x1 * {g1}\n    ss1 = sum(x1 * x1, over=D)" if pre_norm else "",
                 x1v="x1g" if pre_norm else "x1",
@@ -327,6 +335,7 @@ def _mlp(
                 act=act,
                 norm_offset=offset,
                 act_fp8=act_fp8,
+                save_acc=save_acc,
             )
         return stages + tail
     if not post_norm:
@@ -414,6 +423,7 @@ def model_source(
     head_rows: bool = False,
     fp8: str | None = None,
     fp8_act: bool = True,
+    fp8_save: bool = False,
 ) -> str:
     """The program's text for a model of parameter dtype `dtype` (a torch dtype's name); `qk_norm`:
     None (or False), "head" (or True: per head, Qwen3, Gemma 3) or "proj" (over each projection: OLMo
@@ -432,9 +442,16 @@ def model_source(
     head stay in the model's dtype; with post norms the row stage after the out-projection quantizes
     the gate/up input, and without pre norms the residual itself is quantized for the QKV GEMM);
     `fp8_act`: the SwiGLU output quantized in the gate/up epilogue and the down GEMM in e4m3 (else
-    both in the model's dtype)."""
+    both in the model's dtype); `fp8_save` (with fp8="delayed"): the gate/up GEMMs also store an e4m3
+    copy of their acc at a delayed scale of its own (`s_u1`, `am_u1`), which the layers' backward,
+    derived with `BackwardOptions(fp8_acc=True)`, reads instead of a bf16 copy (`FP8_SAVE`)."""
     if fp8 is not None and fp8 not in FP8_RECIPES:
         raise ValueError(f"fp8 must be None or one of {', '.join(map(repr, FP8_RECIPES))}, got {fp8!r}")
+    if fp8_save and (fp8 is None or FP8_GRADS[fp8] is None):
+        raise ValueError(
+            f"fp8_save needs fp8 cotangents (fp8='delayed'), got fp8={fp8!r}: the SwiGLU backward reads "
+            "an fp8 copy of the gate/up acc only beside an fp8 cotangent"
+        )
     if fp8 is not None and post_norm and not fp8_act:
         raise ValueError("fp8 blocks of post-norm layers quantize the GLU output (fp8_act=True)")
     kind = ("head" if qk_norm else None) if isinstance(qk_norm, bool) else qk_norm
@@ -470,7 +487,9 @@ def model_source(
     notes += f", {act}" if act != "silu" else ""
     notes += f", logits soft-capped at {float(softcap)!r}" if softcap is not None else ""
     notes += (  # (both recipes' program: they differ in the backward's options only)
-        ", fp8 delayed" + ("" if fp8_act else " (SwiGLU output and down GEMM in the model's dtype)")
+        ", fp8 delayed"
+        + ("" if fp8_act else " (SwiGLU output and down GEMM in the model's dtype)")
+        + (", gate/up acc saved in e4m3" if fp8_save else "")
         if fp8
         else ""
     )
@@ -486,10 +505,19 @@ def model_source(
     else:
         first = qkv("h", "")
     mlp = functools.partial(
-        _mlp, t, rm, pre_norm, post_norm, act=op, offset=norm_offset, fp8=bool(fp8), act_fp8=fp8_act
+        _mlp,
+        t,
+        rm,
+        pre_norm,
+        post_norm,
+        act=op,
+        offset=norm_offset,
+        fp8=bool(fp8),
+        act_fp8=fp8_act,
+        save_acc=fp8_save,
     )
     # fp8: each block's delayed scales (inputs) and the amaxes it records (detached outputs)
-    mlp8 = ["x1", "w_13"] + (["a", "w_2"] if fp8_act else [])
+    mlp8 = ["x1", "w_13"] + (["u1"] if fp8_save else []) + (["a", "w_2"] if fp8_act else [])
     f8 = {"first": ["h", "w_qkv"], "layer": [*mlp8, "x2", "w_qkv"], "last": mlp8} if fp8 else {}
 
     def scales(block: str) -> str:

@@ -23,13 +23,14 @@ Invariants: made once per model, at patching; the model and each decoder layer k
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import torch
 
 from coda_lang.api import Program, load
 from coda_lang.autodiff.options import BackwardOptions
-from coda_lang.hf.blocks import FP8_GRADS, model_source
+from coda_lang.hf.blocks import FP8_GRADS, FP8_SAVE_VAR, model_source
 from coda_lang.hf.checkpoint import Layout
 from coda_lang.hf.family import Family, multipliers, softcap
 from coda_lang.hf.fp8 import Bank, NoCallSite
@@ -73,6 +74,7 @@ class Blocks:
                 softcap=st.softcap,
                 head_rows=head_rows,
                 fp8=st.fp8,
+                fp8_save=st.fp8_save,
             )
 
         prog = program(source())
@@ -95,7 +97,7 @@ class Blocks:
         # fp8="delayed": the cotangents of the e4m3 GEMMs' accumulators quantized to e5m2 (blocks.py,
         # FP8_GRADS), at each call site's delayed scales (fp8.py, `Bank.grads`)
         cot = FP8_GRADS[st.fp8] if st.fp8 else None
-        layers = BackwardOptions(fp8_grads=cot) if cot else None
+        layers = BackwardOptions(fp8_grads=cot, fp8_acc=st.fp8_save) if cot else None
         self.first, self.layer, self.last = fn("first_qkv", layers), fn("layer", layers), fn("last", layers)
         # the loss head. "vocab": it keeps only its log-sum-exp, its backward runs the GEMM again in
         # chunks of the vocabulary (each chunk's weight gradient complete): four GEMMs. "rows": chunks
@@ -180,6 +182,8 @@ class ModelState:
             softcap(family, cfg),
             tuple(layer_kinds(family, cfg)),
             fp8,
+            # (the gate/up acc saved in e4m3: fp8="delayed" under $CODA_FP8_SAVE_ACC=1, read at patching)
+            fp8 is not None and FP8_GRADS[fp8] is not None and os.environ.get(FP8_SAVE_VAR) == "1",
         )
         self._build(family, loss, facts)
         # what the forward relies on, recorded by the patch once it has installed its forwards
@@ -194,8 +198,21 @@ class ModelState:
         self.facts = facts
         self.family = family
         self.qk_norm = family.qk_norm
-        self.H, self.KV, self.HD, self.D, self.eps, dtype, self.multipliers, self.softcap, kinds, fp8 = facts
+        (
+            self.H,
+            self.KV,
+            self.HD,
+            self.D,
+            self.eps,
+            dtype,
+            self.multipliers,
+            self.softcap,
+            kinds,
+            fp8,
+            save,
+        ) = facts
         self.fp8: str | None = fp8  # the fp8 recipe of the blocks (blocks.FP8_RECIPES), or None: bf16
+        self.fp8_save: bool = save  # the gate/up GEMMs' acc saved in e4m3 (blocks.model_source's fp8_save)
         # its delayed scales, and those of its e5m2 cotangents with "delayed" (fp8.py)
         self.fp8_bank: Bank | None = Bank(FP8_GRADS[fp8]) if fp8 else None
         self.kinds: tuple[str, ...] = kinds  # each decoder layer's kind of attention (masks.py)

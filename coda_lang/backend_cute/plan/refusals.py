@@ -563,7 +563,9 @@ def check_packed_tile(ctx: StageContext, ld: Load, e: Eqn, operands: Sequence[Op
             "E0702",
             f"the double-width tile `{ld.name}` is {ld.dtype}; quack's packed mode loads 16-bit pairs",
             e.span,
-            notes=["$CODA_FP8_PAIR_LOAD=0 is set; without it an fp8 one loads beside an fp8 D stored as pairs"]
+            notes=[
+                "$CODA_FP8_PAIR_LOAD=0 is set; without it an fp8 one loads beside an fp8 D stored as pairs"
+            ]
             if is_fp8(ld.dtype)
             else [],
         )

@@ -1,0 +1,313 @@
+"""A GEMM stage's acc saved in fp8 (`BackwardOptions(fp8_acc=True)`, `coda grad --fp8-acc`): where the
+stage stores a scaled fp8 copy of its acc itself (`q: e4m3 = acc * s`), the derived backward reads acc
+as that copy times 1/s, and no copy of acc in the activation dtype is saved.
+
+- Derivation: what is saved (the copy, not acc), the header's line and bytes, the copies it does not
+  take (a copy of another tile, a row-scaled one, a stage whose ties need acc in f32), the options'
+  checks, the CLI flag.
+- Gradients: the derived backward on the interpreter in float64 against torch autograd of the same
+  math, whose backward evaluates the stage's VJP at the dequantized copy (an independent reference:
+  torch's own float8 type), and against finite differences' absence of that rounding (the rounding is
+  really there: without fp8_acc the gradients differ). Chunked backwards are refused (not yet).
+- Kernels (plan, CPU): the forward's paired gate/up stage stores the copy as its D; the SwiGLU
+  backward's packed stage loads it as int16 words (tests/test_fp8_loads.py checks that load on a GPU).
+- coda_lang.hf under $CODA_FP8_SAVE_ACC=1: the fp8="delayed" layers save their gate/up acc in e4m3 at a
+  delayed scale of its own (`s_u1`, kept by the bank as the other scales), a float32 model against the
+  float64 fake-quant reference of that recipe, and the bf16 step's saved bytes.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import coda_lang
+from coda_lang import BackwardOptions
+
+torch = pytest.importorskip("torch")
+
+E4M3_MAX = 448.0
+
+SRC = """dims M, K, F
+block swiglu(x: bf16[M, K], w: bf16[2*F, K], s_u: f32) -> (h: bf16[M, F], am_u: f32) {
+  gemm x @ transpose(w) {
+    uq: e4m3 = acc * s_u
+    amp_u = max(abs(acc), over=2*F)
+    gt, up = pairs(acc)
+    h: bf16 = silu(gt) * up
+  }
+  am_u = detach(max(amp_u, over=M))
+}
+"""
+
+
+def swiglu() -> coda_lang.Block:
+    return next(iter(coda_lang.load(SRC)))
+
+
+def test_the_backward_reads_acc_from_the_stages_copy() -> None:
+    blk = swiglu()
+    plain = blk.derivation(["x", "w"])
+    got = blk.derivation(["x", "w"], backward=BackwardOptions(fp8_acc=True))
+    assert plain.saved == ("acc1",) and got.saved == ("uq",)
+    bwd = str(got.backward)
+    assert "# saved per row: 2*F bytes" in bwd and "# saved per row: 4*F bytes" in str(plain.backward)
+    assert "stage 1's acc read as uq * (1 / s_u), no copy of acc saved" in bwd
+    (uq,) = [o for o in got.forward.ir.outputs if o.name == "uq"]
+    assert uq.type is not None and uq.type.dtype == "e4m3"
+    # the detached amax needs no f32 acc (its reduction has no backward)
+    assert "acc1: bf16" in str(plain.backward)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "uq: e4m3 = gt * s_u",  # a copy of another tile
+        "uq: e4m3 = acc * r",  # scaled per row
+        "uq: bf16 = acc * s_u",  # not fp8
+    ],
+)
+def test_copies_it_does_not_read_as_acc(line: str) -> None:
+    src = SRC.replace("uq: e4m3 = acc * s_u", line.replace("gt", "acc") if "gt" in line else line)
+    src = src.replace("s_u: f32)", "s_u: f32, r: f32[M])")
+    if "gt" in line:  # (a copy of the half-width gate: at its own width)
+        src = src.replace("    uq: e4m3 = acc * s_u\n", "").replace(
+            "    h: bf16", "    uq: e4m3 = gt * s_u\n    h: bf16"
+        )
+    blk = next(iter(coda_lang.load(src)))
+    d = blk.derivation(["x", "w"], backward=BackwardOptions(fp8_acc=True))
+    assert "acc1" in d.saved and "uq" not in d.saved, d.saved
+
+
+def test_where_ties_need_acc_in_f32_the_copy_is_not_read() -> None:
+    """A max over acc whose gradient is wanted compares acc with the max bit for bit: acc stays saved in
+    f32, fp8_acc or not."""
+    src = SRC.replace("am_u = detach(max(amp_u, over=M))", "am_u = max(amp_u, over=M)")
+    blk = next(iter(coda_lang.load(src)))
+    d = blk.derivation(["x", "w"], backward=BackwardOptions(fp8_acc=True))
+    assert "uq" not in d.saved
+    assert "acc1: f32" in str(d.backward)
+
+
+def test_options() -> None:
+    with pytest.raises(TypeError, match="fp8_acc= is 1"):
+        BackwardOptions(fp8_acc=1)  # type: ignore[arg-type]
+    o = BackwardOptions(fp8_grads="e5m2", fp8_acc=True)
+    assert o.flags() == ["--fp8-grads", "e5m2", "--fp8-acc"]
+    assert "fp8_acc=True" in str(o)
+    assert BackwardOptions.of(None, fp8_acc=True) == BackwardOptions(fp8_acc=True)
+
+
+def test_cli_flag(tmp_path) -> None:
+    f = tmp_path / "s.coda"
+    f.write_text(SRC)
+    cmd = [sys.executable, "-m", "coda_lang.cli", "grad", str(f)]
+    on = subprocess.run([*cmd, "--fp8-acc"], capture_output=True, text=True)
+    off = subprocess.run(cmd, capture_output=True, text=True)
+    assert on.returncode == 0 and off.returncode == 0, (on.stderr, off.stderr)
+    assert "# saved tensors (stored by the forward): uq\n" in on.stdout and "uq: e4m3[M, 2*F]" in on.stdout
+    assert "# saved tensors (stored by the forward): acc1\n" in off.stdout and "fp8 acc" not in off.stdout
+
+
+# ---------------------------------------------------------------------------------------------------
+# gradients against torch autograd
+
+
+def inputs(m: int = 12, k: int = 16, f: int = 24, seed: int = 0) -> dict[str, np.ndarray | float]:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(m, k)).astype(np.float32)
+    w = rng.normal(size=(2 * f, k)).astype(np.float32) / 4
+    to_bf16 = lambda a: torch.from_numpy(a).to(torch.bfloat16).float().numpy()  # noqa: E731
+    x, w = to_bf16(x), to_bf16(w)
+    amax = float(np.abs(x.astype(np.float64) @ w.T.astype(np.float64)).max())
+    return {"x": x, "w": w, "s_u": 2.0 ** np.floor(np.log2(E4M3_MAX / amax))}
+
+
+class SavedInFp8(torch.autograd.Function):
+    """h = silu(gt) * up of acc's column pairs, exactly; its backward evaluates that VJP at acc as the
+    kernel saves it: q(acc * s) / s, q torch's float8_e4m3fn (nearest even, saturating to 448)."""
+
+    @staticmethod
+    def forward(ctx, acc: torch.Tensor, s: float) -> torch.Tensor:
+        q = (acc * s).clamp(-E4M3_MAX, E4M3_MAX).float().to(torch.float8_e4m3fn).to(acc.dtype)
+        ctx.save_for_backward(q / s)
+        return SavedInFp8.f(acc)
+
+    @staticmethod
+    def f(acc: torch.Tensor) -> torch.Tensor:
+        gt, up = acc[:, 0::2], acc[:, 1::2]
+        return torch.nn.functional.silu(gt) * up
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        (saved,) = ctx.saved_tensors
+        with torch.enable_grad():
+            a = saved.detach().requires_grad_(True)
+            (da,) = torch.autograd.grad(SavedInFp8.f(a), a, g)
+        return da, None
+
+
+def reference(ins: dict, cot: np.ndarray, fp8: bool) -> dict[str, np.ndarray]:
+    x = torch.tensor(ins["x"], dtype=torch.float64, requires_grad=True)
+    w = torch.tensor(ins["w"], dtype=torch.float64, requires_grad=True)
+    acc = x @ w.T
+    h = SavedInFp8.apply(acc, float(ins["s_u"])) if fp8 else SavedInFp8.f(acc)
+    dx, dw = torch.autograd.grad(h, [x, w], torch.tensor(cot, dtype=torch.float64))
+    return {"x": dx.numpy(), "w": dw.numpy()}
+
+
+def test_gradients_against_torch_autograd_of_the_same_math() -> None:
+    blk = swiglu()
+    ins = inputs()
+    cot = np.random.default_rng(5).normal(size=(12, 24))
+    cots = {"h": cot, "am_u": np.float64(0.0)}
+    got = blk.vjp(ins, cots, precision="f64", wrt=["x", "w"], backward=BackwardOptions(fp8_acc=True))
+    exact = blk.vjp(ins, cots, precision="f64", wrt=["x", "w"])
+    for name in ("x", "w"):
+        want = reference(ins, cot, fp8=True)[name]
+        plain = reference(ins, cot, fp8=False)[name]
+        np.testing.assert_allclose(got[name], want, rtol=1e-10, atol=1e-10 * np.abs(want).max())
+        np.testing.assert_allclose(exact[name], plain, rtol=1e-10, atol=1e-10 * np.abs(plain).max())
+        # the rounding is really there: fp8 codes are 2^-3 apart relative to their value
+        assert np.abs(got[name] - exact[name]).max() > 1e-3 * np.abs(plain).max(), name
+
+
+def test_chunked_backwards_are_refused_not_run_without_the_copy() -> None:
+    with pytest.raises(ValueError, match="does not run in chunks yet"):
+        BackwardOptions(fp8_acc=True, chunk=8)
+    blk = swiglu()
+    cots = {"h": np.zeros((12, 24)), "am_u": np.float64(0.0)}
+    with pytest.raises(ValueError, match="does not run in chunks yet"):
+        blk.vjp(inputs(), cots, wrt=["x", "w"], fp8_acc=True, chunk=8)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the kernels' plan
+
+
+def test_the_kernels_store_the_copy_as_d_and_load_it_as_words() -> None:
+    from coda_lang.backend_cute.plan.planner import plan_stage
+    from coda_lang.backend_cute.plan.spec import FP8_WORDS
+    from coda_lang.hf.blocks import model_source
+
+    prog = coda_lang.load(model_source("bfloat16", 1e-5, 64, None, fp8="delayed", fp8_save=True))
+    for name in ("layer", "last"):
+        d = prog[name].derivation(None, backward=BackwardOptions(fp8_grads="e5m2", fp8_acc=True))
+        assert "u1q" in d.saved and not any(
+            s.startswith("acc") and s != "acc5" and s != "acc7" for s in d.saved
+        )
+        fwd = [plan_stage(d.forward, k) for k, st in enumerate(d.forward.ir.stages, 1) if st.a is not None]
+        (gate_up,) = [s for s in fwd if s.d is not None and s.d.name == "u1q"]
+        assert gate_up.d.dtype == "e4m3" and gate_up.mode == "acc_pair"
+        bwd = [plan_stage(d.backward, k) for k, st in enumerate(d.backward.ir.stages, 1) if st.a is not None]
+        loads = [(o.name, o.host) for s in bwd for o in s.operands if o.name == "u1q"]
+        assert loads == [("u1q", FP8_WORDS)], loads
+
+
+def test_model_source_refuses_a_save_without_fp8_cotangents() -> None:
+    from coda_lang.hf.blocks import model_source
+
+    for fp8 in (None, "delayed-forward"):
+        with pytest.raises(ValueError, match="fp8_save needs fp8 cotangents"):
+            model_source("bfloat16", 1e-5, 64, None, fp8=fp8, fp8_save=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# coda_lang.hf
+
+
+def _saving(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
+    if on:
+        monkeypatch.setenv("CODA_FP8_SAVE_ACC", "1")
+    else:
+        monkeypatch.delenv("CODA_FP8_SAVE_ACC", raising=False)
+
+
+def test_hf_model_against_the_fake_quant_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8="delayed" with the gate/up acc saved in e4m3, float32 model, second step: the loss is the
+    model's without the save (the forward is the same), the bank keeps the copy's scale `u1` as
+    448 / the amax of the acc, and every gradient is close to the float64 reference of the recipe
+    whose SwiGLU backward reads the acc quantized at the scales the model ran at; the model without
+    the save is much further from that reference for the parameters upstream of a SwiGLU."""
+    from test_hf_fp8 import (
+        AFTER_THE_LAST_GEMM,
+        _rel,
+        bank,
+        grads_ran_at,
+        hf_batch,
+        ran_at,
+        reference_loss,
+        tiny,
+    )
+
+    from coda_lang.hf import apply_coda_to_llama, unfused_grads
+
+    base = tiny()
+    ids, labels = hf_batch()
+    models, losses = {}, {}
+    for on in (True, False):
+        _saving(monkeypatch, on)
+        m = models[on] = apply_coda_to_llama(copy.deepcopy(base), fp8="delayed")
+        assert m._coda.fp8_save is on
+        for _ in range(2):
+            m.zero_grad()
+            loss = m(input_ids=ids, labels=labels).loss
+            loss.backward()
+        losses[on] = loss.item()
+    assert losses[True] == losses[False]
+    model = models[True]
+    first, layers = ran_at(model)
+    assert all("u1" in sc for sc in layers), [sorted(sc) for sc in layers]
+    ref = copy.deepcopy(base).double()
+    want = reference_loss(ref, ids, labels, first, layers, grads_ran_at(model), saved=layers)
+    want.backward()
+    assert abs(losses[True] - want.item()) < 1e-5 * abs(want.item())
+    got, without = unfused_grads(model), unfused_grads(models[False])
+    refs = dict(ref.named_parameters())
+    mlp_upstream = 0
+    for name, g in got.items():
+        w = refs[name].grad
+        e, o = _rel(g, w), _rel(without[name], w)
+        assert e < 1e-2, (name, e)
+        if name not in AFTER_THE_LAST_GEMM and "down_proj" not in name and "layers.2.post" not in name:
+            mlp_upstream += o > 3 * e
+    assert mlp_upstream >= len(got) // 2, mlp_upstream
+    # the copy's amax is the gate/up acc's: the bank recorded one per layer
+    assert all("u1" in a for a in bank(model).amaxes.values() if "w_13" in a)
+
+
+@pytest.mark.gpu
+def test_gpu_saved_acc_model_as_the_emulated_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 model with the gate/up acc saved in e4m3, on a Hopper GPU (the kernels: the paired gate/up
+    stage storing the e4m3 copy as its D, the SwiGLU backward loading it as int16 words) against the
+    same model on the CPU (the kernels' torch stand-ins), two steps: the same loss and gradients but
+    for rounding (an e5m2 or e4m3 code at a rounding midpoint)."""
+    from test_hf_fp8 import _rel, tiny
+
+    from coda_lang.hf import apply_coda_to_llama, unfused_grads
+    from coda_lang.torch import uses_kernels
+
+    if not torch.cuda.is_available() or not uses_kernels("cuda"):
+        pytest.skip("needs a Hopper GPU")
+    _saving(monkeypatch, True)
+    shapes = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, head_dim=64, vocab_size=512)
+    base = tiny(torch.bfloat16, num_hidden_layers=2, **shapes)
+    ids = torch.randint(0, 512, (2, 128), generator=torch.Generator().manual_seed(3))
+    got = {}
+    for device in ("cpu", "cuda"):
+        m = apply_coda_to_llama(copy.deepcopy(base).to(device), fp8="delayed")
+        assert m._coda.fp8_save
+        for _ in range(2):
+            m.zero_grad()
+            loss = m(input_ids=ids.to(device), labels=ids.to(device)).loss
+            loss.backward()
+        got[device] = (loss.item(), {n: g.cpu() for n, g in unfused_grads(m).items()})
+    (l_cpu, g_cpu), (l_gpu, g_gpu) = got["cpu"], got["cuda"]
+    assert abs(l_cpu - l_gpu) < 2e-3 * abs(l_cpu), (l_cpu, l_gpu)
+    for name, g in g_gpu.items():
+        assert torch.isfinite(g).all(), name
+        assert _rel(g, g_cpu[name]) < 5e-2, (name, _rel(g, g_cpu[name]))
