@@ -359,7 +359,7 @@ _LLAMA_MLP_STAGES_FP8 = """
   }}
   am_{h} = detach(max(amp_{h}, over=M))
   r{n} = rsqrt(ss{n} / D + eps)
-  i{n} = r{n} / (s_{h} * s_w_13)
+  i{n} = r{n} / (s_{h} * s_w_13){u_before}
   gemm {h}q @ {w_13} {{
     z{n} = acc * i{n}{u_line}
     gt, up = pairs(z{n})
@@ -428,13 +428,16 @@ def fp8_weight(name: str, rows: str, cols: str) -> str:
     )
 
 
-def acc_copy_lines(n: str) -> tuple[str, str]:
-    """A gate/up stage's e4m3 copy of its acc, `u{n}q` at the delayed scale `s_u{n}`, and its amax
-    `am_u{n}` (detached): (the stage's lines, the line after it). The copy is what a backward derived
-    with `BackwardOptions(fp8_acc=True)` reads as that acc (docs/design.md, "Saving activations in
-    fp8")."""
+def acc_copy_lines(n: str) -> tuple[str, str, str]:
+    """A gate/up stage's e4m3 copy of its acc, `u{n}q`, for a backward derived with
+    `BackwardOptions(fp8_acc=True)` to read as that acc (docs/design.md, "Saving activations in fp8"):
+    (the line before the stage, the stage's lines, the line after it). The copy is of z{n} = acc * i{n}
+    (the pre-activations, each row normalized, independent of the GEMM's fp8 scales) at the delayed
+    scale `s_u{n}`, written `acc * c{n}` with c{n} = i{n} * s_u{n} per row; its amax `am_u{n}` (of
+    z{n}, detached)."""
     return (
-        f"\n    u{n}q: e4m3 = acc * s_u{n}\n    amp_u{n} = max(abs(acc), over=2*F)",
+        f"\n  c{n} = i{n} * s_u{n}",
+        f"\n    u{n}q: e4m3 = acc * c{n}\n    amp_u{n} = max(abs(z{n}), over=2*F)",
         f"\n  am_u{n} = detach(max(amp_u{n}, over=M))",
     )
 
@@ -457,7 +460,7 @@ def llama_mlp_stages_fp8(
     (and `w_2q`, `fp8_weight`'s), the scales `s_{h}`, `s_w_13` (and `s_a`, `s_w_2`); records the
     amaxes `am_{h}` (and `am_a`), detached. The scales are inputs: the caller keeps their history
     (coda_lang.hf's fp8 `Bank`). `save_acc`: the gate/up GEMM also stores an e4m3 copy of its acc,
-    `u{n}q`, at the scale `s_u{n}` (its amax `am_u{n}`), for a backward derived with
+    `u{n}q` (`acc_copy_lines`: its scale `s_u{n}`, its amax `am_u{n}`), for a backward derived with
     `BackwardOptions(fp8_acc=True)` to read instead of a bf16 copy."""
     g = norm_weight(f"g{n}", norm_offset)
     if act_fp8:
@@ -467,9 +470,10 @@ def llama_mlp_stages_fp8(
     else:
         a_line = f"a: {t} = {act}(gt) * up"
         a_after, a, w_2, down_scale = "", "a", "transpose(w_2)", ""
-    u_line, u_after = acc_copy_lines(n) if save_acc else ("", "")
+    u_before, u_line, u_after = acc_copy_lines(n) if save_acc else ("", "", "")
     return _LLAMA_MLP_STAGES_FP8.format(
         t=t,
+        u_before=u_before,
         u_line=u_line,
         u_after=u_after,
         w_o="transpose(w_o)",

@@ -65,18 +65,19 @@ class GradQuant(torch.autograd.Function):
 class SavedSwiGLU(torch.autograd.Function):
     """silu(acc_g * i) * (acc_u * i) (the gate/up stage: acc scaled by the row vector i, SwiGLU), exact
     forward; its backward evaluates that VJP at the accumulators as the fp8_save blocks keep them for
-    it, q(acc * s) / s with q e4m3 (saturating, nearest even), and i as it is."""
+    it, q(acc * c) / c with c = i * s (the pre-activations acc * i quantized at the scale s) and q
+    e4m3 (saturating, nearest even), and i as it is."""
 
     @staticmethod
     def forward(
         ctx, acc_g: torch.Tensor, acc_u: torch.Tensor, i: torch.Tensor, s: torch.Tensor
     ) -> torch.Tensor:
-        ctx.save_for_backward(*SavedSwiGLU.quantized(acc_g, acc_u, s), i)
+        ctx.save_for_backward(*SavedSwiGLU.quantized(acc_g, acc_u, i * s), i)
         return SavedSwiGLU.f(acc_g, acc_u, i)
 
     @staticmethod
     def quantized(*accs_and_s: torch.Tensor) -> list[torch.Tensor]:
-        """Each acc as the blocks save it: q(acc * s) / s (the last argument s)."""
+        """Each acc as the blocks save it: q(acc * c) / c (the last argument c)."""
         *accs, s = accs_and_s
         return [
             (a * s).clamp(-E4M3_MAX, E4M3_MAX).float().to(torch.float8_e4m3fn).to(a.dtype) / s for a in accs
@@ -205,7 +206,7 @@ def reference_loss(ref, ids, labels, first, layers, grads=None, saved=None) -> t
             acc_u = qacc(x1g, mlp.up_proj.weight, sc["x1"], sc["w_13"], sg)
             i1 = r1 / (sc["x1"] * sc["w_13"])
             a = SavedSwiGLU.apply(acc_g, acc_u, i1, saved[i]["u1"])
-            a_again = SavedSwiGLU.f(*SavedSwiGLU.quantized(acc_g, acc_u, saved[i]["u1"]), i1).detach()
+            a_again = SavedSwiGLU.f(*SavedSwiGLU.quantized(acc_g, acc_u, i1 * saved[i]["u1"]), i1).detach()
         else:
             gate = qlin(x1g, mlp.gate_proj.weight, sc["x1"], sc["w_13"], sg) * r1
             up = qlin(x1g, mlp.up_proj.weight, sc["x1"], sc["w_13"], sg) * r1
@@ -217,7 +218,8 @@ def reference_loss(ref, ids, labels, first, layers, grads=None, saved=None) -> t
             xq, xb = fake_quant(a, s_a) * s_a, (fake_quant(a_again, s_a) * s_a).detach()
             wq = fake_quant(mlp.down_proj.weight, s_w2) * s_w2
             acc = xb @ wq.T + xq @ wq.T.detach() - (xb @ wq.T).detach()
-            down = GradQuant.apply(acc, grad_scale(g_here, "w_2")) / (s_a * s_w2)
+            sg2 = grad_scale(g_here, "w_2")
+            down = (acc if sg2 is None else GradQuant.apply(acc, sg2)) / (s_a * s_w2)
         elif "a" in sc:
             down = qlin(a, mlp.down_proj.weight, sc["a"], sc["w_2"], grad_scale(g_here, "w_2"))
         else:

@@ -176,10 +176,11 @@ class ForwardFacts:
         )
 
     def acc_copy(self, k: int) -> tuple[str, Atom] | None:
-        """Stage k's scaled fp8 copy of its acc, `q: e4m3 = acc * s` (either order; `s` a literal or a
-        scalar from outside the stage: a parameter, a value between stages), as (q, s): the first such
-        tile the stage stores in fp8 (e4m3 or e5m2), or None. `BackwardOptions.fp8_acc` reads acc from
-        it (`acc = q * (1 / s)`) instead of a saved copy."""
+        """Stage k's scaled fp8 copy of its acc, `q: e4m3 = acc * s` (either order; `s` a literal, or a
+        scalar or a vector over acc's rows from outside the stage: a parameter, a value between
+        stages), as (q, s): the first such tile the stage stores in fp8 (e4m3 or e5m2), or None.
+        `BackwardOptions.fp8_acc` reads acc from it (`acc = q * (1 / s)`) instead of a saved copy; a
+        scale of 0 makes that NaN, as it loses acc."""
         st = self.block.stages[k]
         if not st.is_gemm or st.acc is None or st.acc.type is None:
             return None
@@ -193,8 +194,9 @@ class ForwardFacts:
             if isinstance(s, Var):
                 if self.fstage.get(s.name) == k and s.name not in self.stage_vectors(k):
                     continue  # (a value of the stage's tiles)
-                t = self.ftype.get(s.name)
-                if t is None or t.kind != SCALAR and not (t.kind == PARTIAL and not t.shape):
+                t = self.after_type(s.name) if s.name in self.ftype else None
+                rows = st.acc.type.shape[:1]
+                if t is None or not (t.kind == SCALAR or t.kind == VEC and tuple(t.shape) == tuple(rows)):
                     continue
             elif not isinstance(s, Lit):
                 continue

@@ -155,7 +155,7 @@ _POST_NORM_STAGES_FP8 = (
     amp_x1 = max(abs({x1v}), over=D)
   }}
   am_x1 = detach(max(amp_x1, over=M)){r1}
-  i1 = {r1v} / (s_x1 * s_w_13)
+  i1 = {r1v} / (s_x1 * s_w_13){u_before}
   gemm x1q @ transpose(w_13q) {{
     z1 = acc * i1{u_line}
     gt, up = pairs(z1)
@@ -308,9 +308,10 @@ def _mlp(
         if post_norm:
             assert act_fp8, "the post-norm fp8 blocks quantize the GLU output"
             g1 = norm_weight("g1", offset)
-            u_line, u_after = acc_copy_lines("1") if save_acc else ("", "")
+            u_before, u_line, u_after = acc_copy_lines("1") if save_acc else ("", "", "")
             stages += _POST_NORM_STAGES_FP8.format(
                 t=t,
+                u_before=u_before,
                 u_line=u_line,
                 u_after=u_after,
                 residual=residual,
