@@ -45,7 +45,8 @@ coda's fused heads, all to the same contract). Every `--eval-every` steps, befor
 last, the validation loss: the mean over `--eval-batches` fixed batches of val.npy (the same for every
 configuration; no gradients; the model stays in training mode, which changes nothing in a Llama without
 dropout). The configurations (`CONFIGS`: eager, compile, liger, coda, coda-fp8 (e5m2 cotangents) and
-coda-fp8-fwd (bf16 cotangents) as hf_train_step.py makes them; torchao-tensorwise and torchao-rowwise:
+coda-fp8-fwd (bf16 cotangents) and coda-fp8-save (coda-fp8 saving its gate/up accumulators in e4m3,
+$CODA_FP8_SAVE_ACC=1 while it is patched) as hf_train_step.py makes them; torchao-tensorwise and torchao-rowwise:
 torchao's float8 training of that recipe on every nn.Linear but the LM head, then torch.compile) run one after
 another in one process, transformers' Llama module restored between them (Liger patches it); what one
 needs that is not here (a GPU, a package) is an error before any training, an unknown name a usage error
@@ -290,6 +291,26 @@ class Config:
     cuda: tuple[int, int] | None = None
 
 
+def patched_under_env(name: str) -> Callable[[Any], Any]:
+    """hf_train_step's `prepare` of configuration `name`, run under the environment that configuration
+    is patched under (hf_train_step.CONFIG_ENV: coda-fp8-save's $CODA_FP8_SAVE_ACC=1), restored after."""
+
+    def prepare(model: Any) -> Any:
+        env = hf_train_step.CONFIG_ENV.get(name, {})
+        before = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            return hf_train_step.prepare(model, name=name)
+        finally:
+            for k, v in before.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
+
+    return prepare
+
+
 CONFIGS: dict[str, Config] = {
     "eager": Config(functools.partial(hf_train_step.prepare, name="eager")),
     "compile": Config(functools.partial(hf_train_step.prepare, name="compile")),
@@ -301,6 +322,7 @@ CONFIGS: dict[str, Config] = {
     "coda": Config(functools.partial(hf_train_step.prepare, name="coda")),
     "coda-fp8": Config(functools.partial(hf_train_step.prepare, name="coda-fp8")),
     "coda-fp8-fwd": Config(functools.partial(hf_train_step.prepare, name="coda-fp8-fwd")),
+    "coda-fp8-save": Config(patched_under_env("coda-fp8-save")),
     "torchao-tensorwise": Config(
         functools.partial(hf_train_step.prepare, name="torchao-tensorwise"),
         packages=(("torchao", "torchao"),),
