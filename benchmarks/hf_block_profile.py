@@ -50,6 +50,12 @@ def main() -> None:
         "(torch._scaled_mm, both operands K-major, bf16 out, --fast-accum as given)",
     )
     p.add_argument(
+        "--fp8-save",
+        action="store_true",
+        help="with --fp8: the gate/up acc saved in e4m3 ($CODA_FP8_SAVE_ACC=1's blocks: model_source's "
+        "fp8_save, BackwardOptions(fp8_acc=True))",
+    )
+    p.add_argument(
         "--fast-accum",
         action="store_true",
         help="with --fp8: cuBLAS's fp8 GEMM with fast accumulation (coda's: $CODA_FP8_FAST_ACCUM)",
@@ -79,7 +85,10 @@ def main() -> None:
         p.error(f"--widths takes five integers D,H,KV,HD,F, not {a.widths!r}")
     P = (H + 2 * KV) * HD // 2
     K = H * HD
-    blk = load(model_source("bfloat16", 1e-5, HD, False, fp8="delayed" if a.fp8 else None))[a.block]
+    if a.fp8_save and not a.fp8:
+        p.error("--fp8-save goes with --fp8")
+    src = model_source("bfloat16", 1e-5, HD, False, fp8="delayed" if a.fp8 else None, fp8_save=a.fp8_save)
+    blk = load(src)[a.block]
     shapes = {"M": a.M, "D": D, "K": K, "F": F, "P": P}
     dev = torch.device(a.device)
     torch.manual_seed(0)
@@ -118,7 +127,10 @@ def main() -> None:
     wrt = [n for n in ins if ins[n].requires_grad]
     fn = (
         function(
-            blk, wrt=wrt, backward=BackwardOptions(fp8_grads="e5m2"), grad_scales=DelayedScaling(initial=1.0)
+            blk,
+            wrt=wrt,
+            backward=BackwardOptions(fp8_grads="e5m2", fp8_acc=a.fp8_save),
+            grad_scales=DelayedScaling(initial=1.0),
         )
         if a.fp8
         else function(blk, wrt=wrt)

@@ -305,8 +305,10 @@ def test_hf_model_against_the_fake_quant_reference(monkeypatch: pytest.MonkeyPat
 def test_gpu_saved_acc_model_as_the_emulated_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """A bf16 model with the gate/up acc saved in e4m3, on a Hopper GPU (the kernels: the paired gate/up
     stage storing the e4m3 copy as its D, the SwiGLU backward loading it as int16 words) against the
-    same model on the CPU (the kernels' torch stand-ins), two steps: the same loss and gradients but
-    for rounding (an e5m2 or e4m3 code at a rounding midpoint)."""
+    same model on the CPU (the kernels' torch stand-ins), two steps: the same loss, and gradients as
+    close as those of the recipe without the save, GPU against CPU. (A bf16 model's e5m2 cotangents
+    land on different codes between the two often enough that their gradients differ by several
+    percent even without the save: that difference is the yardstick.)"""
     from test_hf_fp8 import _rel, tiny
 
     from coda_lang.hf import apply_coda_to_llama, unfused_grads
@@ -314,21 +316,24 @@ def test_gpu_saved_acc_model_as_the_emulated_one(monkeypatch: pytest.MonkeyPatch
 
     if not torch.cuda.is_available() or not uses_kernels("cuda"):
         pytest.skip("needs a Hopper GPU")
-    _saving(monkeypatch, True)
     shapes = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, head_dim=64, vocab_size=512)
     base = tiny(torch.bfloat16, num_hidden_layers=2, **shapes)
     ids = torch.randint(0, 512, (2, 128), generator=torch.Generator().manual_seed(3))
     got = {}
-    for device in ("cpu", "cuda"):
-        m = apply_coda_to_llama(copy.deepcopy(base).to(device), fp8="delayed")
-        assert m._coda.fp8_save
-        for _ in range(2):
-            m.zero_grad()
-            loss = m(input_ids=ids.to(device), labels=ids.to(device)).loss
-            loss.backward()
-        got[device] = (loss.item(), {n: g.cpu() for n, g in unfused_grads(m).items()})
-    (l_cpu, g_cpu), (l_gpu, g_gpu) = got["cpu"], got["cuda"]
+    for on in (True, False):
+        _saving(monkeypatch, on)
+        for device in ("cpu", "cuda"):
+            m = apply_coda_to_llama(copy.deepcopy(base).to(device), fp8="delayed")
+            assert m._coda.fp8_save is on
+            for _ in range(2):
+                m.zero_grad()
+                loss = m(input_ids=ids.to(device), labels=ids.to(device)).loss
+                loss.backward()
+            got[on, device] = (loss.item(), {n: g.cpu() for n, g in unfused_grads(m).items()})
+    (l_cpu, g_cpu), (l_gpu, g_gpu) = got[True, "cpu"], got[True, "cuda"]
     assert abs(l_cpu - l_gpu) < 2e-3 * abs(l_cpu), (l_cpu, l_gpu)
+    base_cpu, base_gpu = got[False, "cpu"][1], got[False, "cuda"][1]
     for name, g in g_gpu.items():
         assert torch.isfinite(g).all(), name
-        assert _rel(g, g_cpu[name]) < 5e-2, (name, _rel(g, g_cpu[name]))
+        e, yard = _rel(g, g_cpu[name]), _rel(base_gpu[name], base_cpu[name])
+        assert e < max(0.05, 1.5 * yard), (name, e, yard)
