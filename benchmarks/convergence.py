@@ -45,8 +45,8 @@ coda's fused heads, all to the same contract). Every `--eval-every` steps, befor
 last, the validation loss: the mean over `--eval-batches` fixed batches of val.npy (the same for every
 configuration; no gradients; the model stays in training mode, which changes nothing in a Llama without
 dropout). The configurations (`CONFIGS`: eager, compile, liger, coda, coda-fp8 (e5m2 cotangents) and
-coda-fp8-fwd (bf16 cotangents) and coda-fp8-save (coda-fp8 saving its gate/up accumulators in e4m3,
-$CODA_FP8_SAVE_ACC=1 while it is patched) as hf_train_step.py makes them; torchao-tensorwise and torchao-rowwise:
+coda-fp8-fwd (bf16 cotangents) and coda-fp8-save16 (coda-fp8 saving its gate/up accumulators in bf16,
+not e4m3: $CODA_FP8_SAVE_ACC=0 while it is patched) as hf_train_step.py makes them; torchao-tensorwise and torchao-rowwise:
 torchao's float8 training of that recipe on every nn.Linear but the LM head, then torch.compile) run one after
 another in one process, transformers' Llama module restored between them (Liger patches it); what one
 needs that is not here (a GPU, a package) is an error before any training, an unknown name a usage error
@@ -293,7 +293,7 @@ class Config:
 
 def patched_under_env(name: str) -> Callable[[Any], Any]:
     """hf_train_step's `prepare` of configuration `name`, run under the environment that configuration
-    is patched under (hf_train_step.CONFIG_ENV: coda-fp8-save's $CODA_FP8_SAVE_ACC=1), restored after."""
+    is patched under (hf_train_step.CONFIG_ENV: coda-fp8-save16's $CODA_FP8_SAVE_ACC=0), restored after."""
 
     def prepare(model: Any) -> Any:
         env = hf_train_step.CONFIG_ENV.get(name, {})
@@ -322,7 +322,7 @@ CONFIGS: dict[str, Config] = {
     "coda": Config(functools.partial(hf_train_step.prepare, name="coda")),
     "coda-fp8": Config(functools.partial(hf_train_step.prepare, name="coda-fp8")),
     "coda-fp8-fwd": Config(functools.partial(hf_train_step.prepare, name="coda-fp8-fwd")),
-    "coda-fp8-save": Config(patched_under_env("coda-fp8-save")),
+    "coda-fp8-save16": Config(patched_under_env("coda-fp8-save16")),
     "torchao-tensorwise": Config(
         functools.partial(hf_train_step.prepare, name="torchao-tensorwise"),
         packages=(("torchao", "torchao"),),

@@ -52,8 +52,8 @@ def main() -> None:
     p.add_argument(
         "--fp8-save",
         action="store_true",
-        help="with --fp8: the gate/up acc saved in e4m3 ($CODA_FP8_SAVE_ACC=1's blocks: model_source's "
-        "fp8_save, BackwardOptions(fp8_acc=True))",
+        help='with --fp8: the gate/up acc saved in e4m3, as a patched model\'s fp8="delayed" blocks do by '
+        "default (model_source's fp8_save, BackwardOptions(fp8_acc=True)); without it, in bf16",
     )
     p.add_argument(
         "--fast-accum",

@@ -38,7 +38,7 @@ class Block(CheckedBlock):
 
     def __init__(self, ir: nodes.Block, plan: BlockPlan):
         super().__init__(ir, plan)
-        self._derivations: dict[tuple[tuple[str, ...] | None, str, str | None], Derivation] = {}
+        self._derivations: dict[tuple[tuple[str, ...] | None, str, str | None, bool], Derivation] = {}
         self._chunk_plans: dict[tuple[tuple[str, ...] | None, str, str], Any] = {}
 
     def run(

@@ -11,8 +11,9 @@ as that copy times 1/s, and no copy of acc in the activation dtype is saved.
   really there: without fp8_acc the gradients differ). Chunked backwards are refused (not yet).
 - Kernels (plan, CPU): the forward's paired gate/up stage stores the copy as its D; the SwiGLU
   backward's packed stage loads it as int16 words (tests/test_fp8_loads.py checks that load on a GPU).
-- coda_lang.hf under $CODA_FP8_SAVE_ACC=1: the fp8="delayed" layers save their gate/up acc in e4m3 at a
-  delayed scale of its own (`s_u1`, kept by the bank as the other scales), a float32 model against the
+- coda_lang.hf (by default; not under $CODA_FP8_SAVE_ACC=0, $CODA_FP8_PAIR_STORE=0 or
+  $CODA_FP8_PAIR_LOAD=0): the fp8="delayed" layers save their gate/up acc in e4m3 at a delayed scale
+  of its own (`s_u1`, kept by the bank as the other scales), a float32 model against the
   float64 fake-quant reference of that recipe, and the bf16 step's saved bytes.
 """
 
@@ -224,6 +225,18 @@ def test_the_kernels_store_the_copy_as_d_and_load_it_as_words() -> None:
         assert loads == [("u1q", FP8_WORDS)], loads
 
 
+def test_the_save_is_the_default_where_the_kernels_can_run_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from coda_lang.hf.state import fp8_save
+
+    for var in ("CODA_FP8_SAVE_ACC", "CODA_FP8_PAIR_STORE", "CODA_FP8_PAIR_LOAD"):
+        monkeypatch.delenv(var, raising=False)
+    assert fp8_save("delayed") and not fp8_save("delayed-forward") and not fp8_save(None)
+    for var in ("CODA_FP8_SAVE_ACC", "CODA_FP8_PAIR_STORE", "CODA_FP8_PAIR_LOAD"):
+        monkeypatch.setenv(var, "0")
+        assert not fp8_save("delayed"), var
+        monkeypatch.delenv(var)
+
+
 def test_model_source_refuses_a_save_without_fp8_cotangents() -> None:
     from coda_lang.hf.blocks import model_source
 
@@ -237,10 +250,11 @@ def test_model_source_refuses_a_save_without_fp8_cotangents() -> None:
 
 
 def _saving(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
+    """The save on (the default: no variable) or off ($CODA_FP8_SAVE_ACC=0)."""
     if on:
-        monkeypatch.setenv("CODA_FP8_SAVE_ACC", "1")
-    else:
         monkeypatch.delenv("CODA_FP8_SAVE_ACC", raising=False)
+    else:
+        monkeypatch.setenv("CODA_FP8_SAVE_ACC", "0")
 
 
 def test_hf_model_against_the_fake_quant_reference(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -276,14 +276,16 @@ def test_fp8_model_against_a_fake_quant_reference() -> None:
 AFTER_THE_LAST_GEMM = {"lm_head.weight", "model.norm.weight"}
 
 
-def test_fp8_grads_against_a_fake_quant_reference() -> None:
-    """fp8="delayed", float32 model, second step (delayed cotangent scales, not the calibrated ones):
+def test_fp8_grads_against_a_fake_quant_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8="delayed" with the gate/up acc saved in the model's dtype ($CODA_FP8_SAVE_ACC=0: the e5m2
+    cotangents alone; the e4m3 save, the default, is tests/test_fp8_save.py's), float32 model, second step (delayed cotangent scales, not the calibrated ones):
     the loss and every gradient against the float64 reference of the recipe with one more straight-
     through quantizer on each quantized GEMM's accumulator (identity forward, q(g * s) / s to e5m2 in
     the backward) at the scales the model's backward ran at, within the forward recipe's tolerances;
     and the "delayed-forward" model's gradients (the same forward, bf16 cotangents) much further from
     it, but for the two parameters no quantized cotangent reaches (the cotangent quantization is
     really there, and only there)."""
+    monkeypatch.setenv("CODA_FP8_SAVE_ACC", "0")
     base = tiny()
     ids, labels = hf_batch()
     models, losses = {}, {}
@@ -362,7 +364,10 @@ def test_delayed_scales_follow_the_amax_history(recipe: str) -> None:
                 else:
                     want = E5M2_MAX / max(grad_history[site, n][-HISTORY - 1 : -1])
                 assert math.isclose(float(s), want, rel_tol=1e-6), (step, site, n, float(s), want)
-    assert bank(model).steps == steps and len(history) == 6 * 2 + 4 + 2
+    # (the first block's 2 scales, each layer block's 6 (4 without the SwiGLU output's) and the next
+    # QKV's 2; "delayed" also each gate/up acc's copy, one per decoder layer)
+    saved = 3 if recipe == "delayed" else 0
+    assert bank(model).steps == steps and len(history) == 6 * 2 + 4 + 2 + saved
     # "delayed": the first block's QKV, each layer boundary's gate/up, down and QKV, the last's gate/up
     # and down; "delayed-forward": none
     assert len(grad_history) == (1 + 3 * 2 + 2 if recipe == "delayed" else 0), sorted(grad_history)
@@ -775,14 +780,16 @@ def test_every_familys_fp8_blocks_plan_for_the_kernels(family: str, recipe: str)
 def test_an_f16_models_delayed_blocks_plan_for_the_kernels(
     pair_store: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An f16 model's "delayed" blocks: the SwiGLU backward's packed stage (its saved gate/up tile f16)
-    stores its e5m2 cotangent as a bf16 model's does: by default as its e5m2 pairs, reading the f16
-    tile as float32 words; with $CODA_FP8_PAIR_STORE=0 in f16, rounded to odd and narrowed. Every GEMM
-    stage plans (no refusal)."""
+    """An f16 model's "delayed" blocks with the gate/up acc saved in the model's dtype
+    ($CODA_FP8_SAVE_ACC=0): the SwiGLU backward's packed stage (its saved gate/up tile f16) stores its
+    e5m2 cotangent as a bf16 model's does: by default as its e5m2 pairs, reading the f16 tile as
+    float32 words; with $CODA_FP8_PAIR_STORE=0 in f16, rounded to odd and narrowed. Every GEMM stage
+    plans (no refusal). (The e4m3 save: tests/test_fp8_save.py.)"""
     from coda_lang.backend_cute.plan.planner import plan_stage
     from coda_lang.backend_cute.plan.spec import WORDS
 
     monkeypatch.setenv("CODA_FP8_PAIR_STORE", pair_store)
+    monkeypatch.setenv("CODA_FP8_SAVE_ACC", "0")
     model = HF["llama"][2](make("llama", torch.float16), fp8="delayed")
     narrowed, paired = [], []
     for fn in (model._coda.first, model._coda.layer, model._coda.last):

@@ -175,7 +175,7 @@ class ForwardFacts:
             for e in self.block.stages[k].body
         )
 
-    def acc_copy(self, k: int) -> tuple[str, Atom] | None:
+    def acc_copy(self, k: int) -> tuple[str, Var | Lit] | None:
         """Stage k's scaled fp8 copy of its acc, `q: e4m3 = acc * s` (either order; `s` a literal, or a
         scalar or a vector over acc's rows from outside the stage: a parameter, a value between
         stages), as (q, s): the first such tile the stage stores in fp8 (e4m3 or e5m2), or None.

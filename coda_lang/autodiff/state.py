@@ -92,7 +92,7 @@ class State:
         # BackwardOptions.fp8_acc: a GEMM stage's acc read from the fp8 copy the stage stores, where it
         # stores one (`acc_copy`)
         self.fp8_acc = False
-        self.acc_copies: dict[int, tuple[str, Atom]] = {}  # stage -> (its copy, its scale) read as acc
+        self.acc_copies: dict[int, tuple[str, Var | Lit]] = {}  # stage -> (its copy, its scale) read as acc
 
     # ------------------------------------------------------------------ names and parameters
 
@@ -183,7 +183,7 @@ class State:
             self._param(name, t)
         return Var(self._read[key].name)
 
-    def acc_copy(self, k: int) -> tuple[str, Atom] | None:
+    def acc_copy(self, k: int) -> tuple[str, Var | Lit] | None:
         """Stage k's fp8 copy of its acc and that copy's scale, where the backward reads acc from it
         (`fp8_acc` given, and `ForwardFacts.acc_copy` finds one), else None. Not where the backward
         needs acc exactly (`ForwardFacts.acc_exact`: a max/min reduction's ties compare it)."""

@@ -266,7 +266,7 @@ _INPUT_FP8 = """
 FP8_GRADS: dict[str, str | None] = {"delayed": "e5m2", "delayed-forward": None}
 FP8_RECIPES = tuple(FP8_GRADS)
 # whether a patched fp8="delayed" model saves its gate/up accumulators in e4m3 (`model_source`'s
-# `fp8_save`): $CODA_FP8_SAVE_ACC=1 (experimental: docs/design.md, "Saving activations in fp8")
+# `fp8_save`): by default; $CODA_FP8_SAVE_ACC=0 saves them in the model's dtype, as before (docs/models.md)
 FP8_SAVE_VAR = "CODA_FP8_SAVE_ACC"
 
 

@@ -40,6 +40,19 @@ from coda_lang.hf.split import split
 from coda_lang.torch import BlockFunction, compile_together, function
 
 
+def fp8_save(fp8: str | None) -> bool:
+    """Whether a model patched now with fp8 recipe `fp8` saves its gate/up accumulators in e4m3
+    (blocks.model_source's `fp8_save`): with fp8 cotangents ("delayed"), unless $CODA_FP8_SAVE_ACC=0,
+    and where the kernels store the SwiGLU backward's e5m2 cotangent as pairs and load an fp8 tile
+    beside it (not under $CODA_FP8_PAIR_STORE=0 or $CODA_FP8_PAIR_LOAD=0, which would refuse that
+    stage). Read when the model is patched."""
+    from coda_lang.backend_cute.plan.spec import fp8_pair_load_on, pair_store_on
+
+    if fp8 is None or FP8_GRADS[fp8] is None or os.environ.get(FP8_SAVE_VAR, "1") == "0":
+        return False
+    return pair_store_on() and fp8_pair_load_on()
+
+
 @functools.lru_cache(maxsize=16)
 def program(text: str) -> Program:
     """The checked program of a model's source text, made once per process for each text: every model
@@ -182,8 +195,7 @@ class ModelState:
             softcap(family, cfg),
             tuple(layer_kinds(family, cfg)),
             fp8,
-            # (the gate/up acc saved in e4m3: fp8="delayed" under $CODA_FP8_SAVE_ACC=1, read at patching)
-            fp8 is not None and FP8_GRADS[fp8] is not None and os.environ.get(FP8_SAVE_VAR) == "1",
+            fp8_save(fp8),
         )
         self._build(family, loss, facts)
         # what the forward relies on, recorded by the patch once it has installed its forwards
