@@ -351,3 +351,61 @@ def test_gpu_saved_acc_model_as_the_emulated_one(monkeypatch: pytest.MonkeyPatch
         assert torch.isfinite(g).all(), name
         e, yard = _rel(g, g_cpu[name]), _rel(base_gpu[name], base_cpu[name])
         assert e < max(0.05, 1.5 * yard), (name, e, yard)
+
+
+# ---------------------------------------------------------------------------------------------------
+# coda fuzz --fp8-acc
+
+EXAMPLE = "examples/fp8_mlp_save.coda"
+FUZZ = ["--fp8-grads", "e5m2", "--fp8-acc", "--wrt", "x,w13,w2"]
+
+
+def _coda(*args: str) -> subprocess.CompletedProcess:
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    return subprocess.run(
+        [sys.executable, "-m", "coda_lang.cli", *args], capture_output=True, text=True, cwd=root
+    )
+
+
+def test_fuzz_checks_the_backward_that_reads_the_copy() -> None:
+    """`coda fuzz FILE --fp8-acc`: the backward under test and its references are the one that reads
+    acc from the copy (the example's e5m2 cotangents and e4m3 copy, the kernels' torch stand-ins)."""
+    from pathlib import Path
+
+    from coda_lang.fuzz.fuzzer import Fuzzer
+
+    blk = next(iter(coda_lang.load(Path(__file__).resolve().parent.parent / EXAMPLE)))
+    fz = Fuzzer(blk, "emulate", fp8_grads="e5m2", fp8_acc=True, wrt=["x", "w13", "w2"])
+    assert fz.derivation is not None and "uq" in fz.derivation.saved and fz.options.fp8_acc
+    r = _coda("fuzz", EXAMPLE, *FUZZ, "--target", "emulate", "--examples", "6", "-q")
+    assert r.returncode == 0, r.stderr
+    assert "--fp8-acc" in r.stdout and "ok: fp8_mlp_save: 6 cases" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize(
+    "extra, why",
+    [
+        (["--chunk", "4"], "--fp8-acc runs the backward unchunked"),
+        (["--no-backward"], "--fp8-acc chooses what FILE's backward saves"),
+    ],
+)
+def test_fuzz_flag_usage_errors(extra: list[str], why: str) -> None:
+    r = _coda("fuzz", EXAMPLE, "--fp8-acc", "--target", "interp", *extra)
+    assert r.returncode == 2 and why in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.gpu
+def test_gpu_fuzz_of_the_example_on_the_kernels() -> None:
+    """The example's forward (the paired gate/up stage storing the e4m3 copy as its D) and backward (the
+    packed SwiGLU stage reading it as int16 words beside its e5m2 pairs) on the CuTeDSL kernels against
+    the interpreter, ordinary and special values."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    for special in ([], ["--special"]):
+        r = _coda("fuzz", EXAMPLE, *FUZZ, "--target", "cuda", "--examples", "12", "-q", *special)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "ok: fp8_mlp_save: 12 cases" in r.stdout, r.stdout

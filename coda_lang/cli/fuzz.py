@@ -123,6 +123,13 @@ def add_parser(sub: Any) -> None:
         "references; unchunked; with a FILE",
     )
     f.add_argument(
+        "--fp8-acc",
+        action="store_true",
+        help="read each GEMM stage's acc from the scaled fp8 copy the stage stores, as `coda grad "
+        "--fp8-acc` (BackwardOptions(fp8_acc=True)), in the backward under test and its references; "
+        "unchunked; with a FILE",
+    )
+    f.add_argument(
         "--wrt",
         metavar="P,Q",
         help="the parameters the backward differentiates, as `coda grad --wrt` (default: every float "
@@ -261,6 +268,13 @@ def _run(args: Any) -> int:
             "--fp8-grads quantizes the cotangents of FILE's backward; it goes with a FILE and a backward "
             "(not with --programs or --no-backward)"
         )
+    if args.fp8_acc and (args.no_backward or args.programs is not None):
+        return usage_error(
+            "--fp8-acc chooses what FILE's backward saves; it goes with a FILE and a backward "
+            "(not with --programs or --no-backward)"
+        )
+    if args.fp8_acc and options.chunked:
+        return usage_error("--fp8-acc runs the backward unchunked; drop --chunk, --budget and --chunk-dim")
     if args.wrt is not None and (args.no_backward or args.programs is not None):
         return usage_error(
             "--wrt names what FILE's backward differentiates; it goes with a FILE and a backward "
@@ -367,6 +381,7 @@ def _run(args: Any) -> int:
                 sim_tile=sim_tile,
                 fp8_grads=args.fp8_grads,
                 wrt=wrt,
+                fp8_acc=args.fp8_acc,
             )
         except CodaError as e:
             print(render_all(e.diagnostics, e.sources, "human"), file=sys.stderr)
@@ -410,6 +425,8 @@ def _run(args: Any) -> int:
             what = f"forward and backward, --remat {fz.remat}"
             if fz.fp8_grads is not None:
                 what += f" --fp8-grads {fz.fp8_grads}"
+            if fz.fp8_acc:
+                what += " --fp8-acc"
             if fz.wrt is not None:
                 what += f" --wrt {','.join(fz.wrt)}"
             if fz.chunk_plan is not None:

@@ -203,7 +203,7 @@ class CaseDraws:
         assert o is not None
         kind, n, r = pick
         if kind == "none":
-            return BackwardOptions(o.remat, fp8_grads=o.fp8_grads)
+            return BackwardOptions(o.remat, fp8_grads=o.fp8_grads, fp8_acc=o.fp8_acc)
         if kind == "fixed":
             return o if o.chunk is not None else o.with_(chunk="auto")
         plan = self.chunk_plan
@@ -241,7 +241,11 @@ class CaseDraws:
         assert o is not None
         if self.chunk_plan is None or not (self.draw or o.chunked):
             return Case(
-                dict(dims), seed, self.sim_tile, BackwardOptions(o.remat, fp8_grads=o.fp8_grads), self.tile
+                dict(dims),
+                seed,
+                self.sim_tile,
+                BackwardOptions(o.remat, fp8_grads=o.fp8_grads, fp8_acc=o.fp8_acc),
+                self.tile,
             )
         if not self._fixed():
             return None

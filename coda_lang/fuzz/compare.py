@@ -49,6 +49,7 @@ class Comparisons:
     special: bool | tuple[str, ...]
     remat: str
     fp8_grads: str | None
+    fp8_acc: bool
     wrt: list[str] | None  # the parameters differentiated (None: every float parameter without a default)
     crash: str | None
     derivation: Any
@@ -66,7 +67,7 @@ class Comparisons:
         """The backward's options under `remat`, unchunked, with the Fuzzer's fp8 cotangents (each
         scale 1: `Block.vjp`'s default, and the first step of the backward under test's): the
         references', the derivation's and the unchunked function's."""
-        return BackwardOptions(remat, fp8_grads=self.fp8_grads)
+        return BackwardOptions(remat, fp8_grads=self.fp8_grads, fp8_acc=self.fp8_acc)
 
     def check(self, case: Case) -> list[str]:
         """Mismatches of the forward (outputs, and the kernels' partial buffers) and the backward."""
@@ -107,7 +108,9 @@ class Comparisons:
                 f"the whole-matrix interpreter's float64 backward under --remat save raised {first_line(e)}"
             )
         gbounds = _Once(
-            lambda: bound.vjp(self.block, ins, cots, case.dims, remat, self.fp8_grads, self.wrt)[1]
+            lambda: bound.vjp(
+                self.block, ins, cots, case.dims, remat, self.fp8_grads, self.wrt, self.fp8_acc
+            )[1]
         )
         try:
             msgs += self._backward(case, ins, cots, gref, g64, gbounds)
@@ -121,8 +124,10 @@ class Comparisons:
         """Under a policy other than save: its float64 gradients against save's (in float64 every policy
         computes the same function, up to the order of operations). Both references of a case come from
         the same derivation, so a wrong recompute derivation would pass them: this finds it. Not with
-        special values (where NaN and inf may come out of different, equally valid, orders)."""
-        if self.remat == "save" or self.special:
+        special values (where NaN and inf may come out of different, equally valid, orders), nor with
+        fp8_acc: a tile the backward makes again from an acc read from its fp8 copy is made from the
+        rounded acc, where save reads the forward's (docs/design.md, "Saving activations in fp8")."""
+        if self.remat == "save" or self.special or self.fp8_acc:
             return []
         try:
             save = self.block.derivation(self.wrt, backward=self._ref_options("save"))

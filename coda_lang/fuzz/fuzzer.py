@@ -75,6 +75,7 @@ class Fuzzer(CaseDraws, Comparisons):
         chunk_dim: str | None = None,
         fp8_grads: str | None = None,
         wrt: list[str] | None = None,
+        fp8_acc: bool = False,
     ):
         if target not in TARGETS:
             raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
@@ -101,6 +102,15 @@ class Fuzzer(CaseDraws, Comparisons):
             if self.draw or self.options.chunked:
                 raise ValueError("fp8_grads= runs the backward unchunked: give no chunk=")
             self.options = replace(self.options, fp8_grads=fp8_grads)  # (checked as it is made)
+        # each GEMM stage's acc read from the fp8 copy the stage stores (BackwardOptions.fp8_acc), in
+        # the backward under test and the references alike; unchunked
+        self.fp8_acc = fp8_acc
+        if fp8_acc:
+            if self.options is None:
+                raise ValueError("fp8_acc= chooses what the backward saves; backward=False checks none")
+            if self.draw or self.options.chunked:
+                raise ValueError("fp8_acc= runs the backward unchunked: give no chunk=")
+            self.options = replace(self.options, fp8_acc=True)
         # the backward's saved-tensor policy (the default one when the backward is not checked)
         self.remat = self.options.remat if self.options is not None else DEFAULT_REMAT
         self.block, self.target, self.special = block, target, special

@@ -568,11 +568,14 @@ def vjp(
     remat: str | None = None,
     fp8_grads: str | None = None,
     wrt: list[str] | None = None,
+    fp8_acc: bool = False,
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """`block.vjp(inputs, cotangents, dims=dims, remat=remat, fp8_grads=fp8_grads, wrt=wrt)` (unchunked, exact
     precision, every fp8 cotangent scale 1 as `Block.vjp`'s default) and a bound for every gradient
     element: the saved tensors carry the forward's bounds into the backward."""
-    d = block.derivation(wrt, backward=BackwardOptions(remat or DEFAULT_REMAT, fp8_grads=fp8_grads))
+    d = block.derivation(
+        wrt, backward=BackwardOptions(remat or DEFAULT_REMAT, fp8_grads=fp8_grads, fp8_acc=fp8_acc)
+    )
     fwd, ferr = run(d.forward, inputs, dims)
     bins, bdims = block.backward_inputs(d, inputs, cotangents, fwd, dims)
     bins.update({s: 1.0 for s in d.scales if s not in bins})
