@@ -20,6 +20,7 @@ from coda_lang.frontend.verify.plan import BlockPlan
 from coda_lang.ir.nodes import Atom, Block, Eqn, Lit, Param, Stage, Var
 from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type, cotangent_dtype, is_fp8
 from coda_lang.ops import REGISTRY, Locality
+from coda_lang.ops.registry import Arith
 
 
 def is_index(e: Eqn) -> bool:
@@ -185,7 +186,11 @@ class ForwardFacts:
         if not st.is_gemm or st.acc is None or st.acc.type is None:
             return None
         for e in st.body:
-            if e.op != "mul" or len(e.outs) != 1 or not is_fp8(self.tile_dtype(e.outs[0].name)):
+            if (
+                REGISTRY[e.op].arith is not Arith.PRODUCT
+                or len(e.outs) != 1
+                or not is_fp8(self.tile_dtype(e.outs[0].name))
+            ):
                 continue
             accs = [i for i, a in enumerate(e.ins) if isinstance(a, Var) and a.name == "acc"]
             if len(accs) != 1:

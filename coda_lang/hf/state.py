@@ -30,6 +30,7 @@ import torch
 
 from coda_lang.api import Program, load
 from coda_lang.autodiff.options import BackwardOptions
+from coda_lang.backend_cute.plan.spec import fp8_pair_load_on, pair_store_on
 from coda_lang.hf.blocks import FP8_GRADS, FP8_SAVE_VAR, model_source
 from coda_lang.hf.checkpoint import Layout
 from coda_lang.hf.family import Family, multipliers, softcap
@@ -46,8 +47,6 @@ def fp8_save(fp8: str | None) -> bool:
     and where the kernels store the SwiGLU backward's e5m2 cotangent as pairs and load an fp8 tile
     beside it (not under $CODA_FP8_PAIR_STORE=0 or $CODA_FP8_PAIR_LOAD=0, which would refuse that
     stage). Read when the model is patched."""
-    from coda_lang.backend_cute.plan.spec import fp8_pair_load_on, pair_store_on
-
     if fp8 is None or FP8_GRADS[fp8] is None or os.environ.get(FP8_SAVE_VAR, "1") == "0":
         return False
     return pair_store_on() and fp8_pair_load_on()
