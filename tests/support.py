@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # not the straight-through gradient the backward derives (tests/test_fp8.py checks that against torch
 # autograd of the same fake-quant math), and their float64 and exact runs differ by whole fp8 ulps
 # wherever the quantizer's input (bf16-rounded in exact only) crosses a rounding boundary.
-QUANTIZED_EXAMPLES = frozenset({"fp8_blockwise", "fp8_delayed"})
+QUANTIZED_EXAMPLES = frozenset({"fp8_blockwise", "fp8_delayed", "fp8_mlp_save"})
 # Examples whose backward can't be derived yet, with the code that says so (none now: fp8_blockwise's
 # per-group amax, a grouped output whose cotangent no tile of its stage could read, is detached).
 NO_BACKWARD: dict[str, str] = {}
