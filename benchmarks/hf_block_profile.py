@@ -50,10 +50,10 @@ def main() -> None:
         "(torch._scaled_mm, both operands K-major, bf16 out, --fast-accum as given)",
     )
     p.add_argument(
-        "--fp8-save",
+        "--fp8-save16",
         action="store_true",
-        help='with --fp8: the gate/up acc saved in e4m3, as a patched model\'s fp8="delayed" blocks do by '
-        "default (model_source's fp8_save, BackwardOptions(fp8_acc=True)); without it, in bf16",
+        help="with --fp8: the gate/up acc saved in bf16, not e4m3 (a patched model's blocks under "
+        "$CODA_FP8_SAVE_ACC=0; --fp8 alone profiles the patch's default, hf.state.fp8_save)",
     )
     p.add_argument(
         "--fast-accum",
@@ -76,6 +76,7 @@ def main() -> None:
     from coda_lang import load
     from coda_lang.autodiff.options import BackwardOptions
     from coda_lang.hf.blocks import model_source
+    from coda_lang.hf.state import fp8_save
     from coda_lang.torch import DelayedScaling, function, wait_for_kernels
 
     elementwise.DYNAMIC = {"true": True, "false": False, "auto": None}[a.dynamic]
@@ -85,9 +86,10 @@ def main() -> None:
         p.error(f"--widths takes five integers D,H,KV,HD,F, not {a.widths!r}")
     P = (H + 2 * KV) * HD // 2
     K = H * HD
-    if a.fp8_save and not a.fp8:
-        p.error("--fp8-save goes with --fp8")
-    src = model_source("bfloat16", 1e-5, HD, False, fp8="delayed" if a.fp8 else None, fp8_save=a.fp8_save)
+    if a.fp8_save16 and not a.fp8:
+        p.error("--fp8-save16 goes with --fp8")
+    save = a.fp8 and not a.fp8_save16 and fp8_save("delayed")
+    src = model_source("bfloat16", 1e-5, HD, False, fp8="delayed" if a.fp8 else None, fp8_save=save)
     blk = load(src)[a.block]
     shapes = {"M": a.M, "D": D, "K": K, "F": F, "P": P}
     dev = torch.device(a.device)
@@ -129,7 +131,7 @@ def main() -> None:
         function(
             blk,
             wrt=wrt,
-            backward=BackwardOptions(fp8_grads="e5m2", fp8_acc=a.fp8_save),
+            backward=BackwardOptions(fp8_grads="e5m2", fp8_acc=save),
             grad_scales=DelayedScaling(initial=1.0),
         )
         if a.fp8
