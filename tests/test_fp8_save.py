@@ -84,6 +84,14 @@ def test_copies_it_does_not_read_as_acc(line: str) -> None:
     assert "acc1" in d.saved and "uq" not in d.saved, d.saved
 
 
+def test_without_a_copy_the_header_says_the_option_changed_nothing() -> None:
+    src = SRC.replace("    uq: e4m3 = acc * s_u\n", "")
+    d = next(iter(coda_lang.load(src))).derivation(["x", "w"], backward=BackwardOptions(fp8_acc=True))
+    assert d.saved == ("acc1",)
+    assert "no stage whose acc is saved stores a scaled fp8 copy of it" in str(d.backward)
+    assert "fp8 acc" not in str(swiglu().derivation(["x", "w"]).backward)
+
+
 def test_where_ties_need_acc_in_f32_the_copy_is_not_read() -> None:
     """A max over acc whose gradient is wanted compares acc with the max bit for bit: acc stays saved in
     f32, fp8_acc or not."""

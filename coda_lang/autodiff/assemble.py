@@ -278,6 +278,11 @@ def assemble(s: State, grads: dict[str, str], renames: dict[str, str], remat: st
                 for k, q, sc in copies
             )
         )
+    elif s.fp8_acc and any(r.value == "acc" and r.name in saved_all for r in s.reads if r.how == SAVED):
+        notes.append(
+            "fp8 acc (fp8_acc=True): no stage whose acc is saved stores a scaled fp8 copy of it "
+            "(`q: e4m3 = acc * s`), so each is saved as without the option"
+        )
     notes += [f"note: {r}" for r in report]
     bwd = Block(
         f"{f.name}_bwd", dims, tuple(params), tuple(outputs), tuple(body), f.span, tuple(notes), derived=True
