@@ -296,17 +296,8 @@ def patched_under_env(name: str) -> Callable[[Any], Any]:
     is patched under (hf_train_step.CONFIG_ENV: coda-fp8-save16's $CODA_FP8_SAVE_ACC=0), restored after."""
 
     def prepare(model: Any) -> Any:
-        env = hf_train_step.CONFIG_ENV.get(name, {})
-        before = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with hf_train_step.config_env(name):
             return hf_train_step.prepare(model, name=name)
-        finally:
-            for k, v in before.items():
-                if v is None:
-                    del os.environ[k]
-                else:
-                    os.environ[k] = v
 
     return prepare
 

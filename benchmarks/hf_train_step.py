@@ -60,7 +60,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -437,18 +437,25 @@ def step_of(fwd: Any, opt: torch.optim.Optimizer, ids: torch.Tensor) -> Callable
     return step
 
 
-def run_config(name: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[str, Any]:
+@contextlib.contextmanager
+def config_env(name: str) -> Iterator[None]:
+    """Configuration `name`'s environment (`CONFIG_ENV`) set while the block runs, as it was after."""
     env = CONFIG_ENV.get(name.removesuffix(GRAPH), {})
     before = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        return _run_config(name, args, ids)
+        yield
     finally:
         for k, v in before.items():
             if v is None:
                 del os.environ[k]
             else:
                 os.environ[k] = v
+
+
+def run_config(name: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[str, Any]:
+    with config_env(name):
+        return _run_config(name, args, ids)
 
 
 def _run_config(name: str, args: argparse.Namespace, ids: torch.Tensor) -> dict[str, Any]:
