@@ -245,6 +245,32 @@ def test_the_save_is_the_default_where_the_kernels_can_run_it(monkeypatch: pytes
         monkeypatch.delenv(var)
 
 
+def test_a_state_saved_with_the_other_save_says_how_to_resume(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An fp8 checkpoint of a model that saved its gate/up acc in bf16 (as before the e4m3 save was the
+    default), loaded into one that saves it in e4m3, and the other way round: refused at the next
+    forward with the variable that resumes it, and resumed with it."""
+    from test_hf_fp8 import tiny
+
+    from coda_lang.hf import apply_coda_to_llama, fp8_state_dict, load_fp8_state_dict
+
+    ids = torch.randint(0, 64, (2, 16))
+    for saved_on in (False, True):
+        _saving(monkeypatch, saved_on)
+        m = apply_coda_to_llama(tiny(), fp8="delayed")
+        m(input_ids=ids, labels=ids).loss.backward()
+        state = fp8_state_dict(m)
+        _saving(monkeypatch, not saved_on)
+        other = apply_coda_to_llama(tiny(), fp8="delayed")
+        load_fp8_state_dict(other, state)
+        fix = "unset CODA_FP8_SAVE_ACC" if saved_on else "set CODA_FP8_SAVE_ACC=0"
+        with pytest.raises(ValueError, match=fix):
+            other(input_ids=ids, labels=ids)
+        _saving(monkeypatch, saved_on)
+        again = apply_coda_to_llama(tiny(), fp8="delayed")
+        load_fp8_state_dict(again, state)
+        again(input_ids=ids, labels=ids).loss.backward()  # (resumed: no refusal)
+
+
 def test_model_source_refuses_a_save_without_fp8_cotangents() -> None:
     from coda_lang.hf.blocks import model_source
 

@@ -251,7 +251,7 @@ def run_scaled(
             if names != want:
                 raise ValueError(
                     f"coda_lang.hf: fp8 state of call site {index} has scales {', '.join(names)}; its "
-                    f"block {fn.block.name} takes {', '.join(want)}: the state is another model's"
+                    f"block {fn.block.name} takes {', '.join(want)}: " + _why_other(set(names), set(want))
                 )
             bank.checked.add(index)
     else:  # calibration: the first step's scales from its own amaxes, measured at scales 1
@@ -276,6 +276,19 @@ def run_scaled(
     step.scales[index] = scales
     step.amaxes[index] = {n: out[f"am_{n}"] for n in names}
     return out
+
+
+def _why_other(had: set[str], want: set[str]) -> str:
+    """Why a loaded state's scales are not a block's: where they differ only by the gate/up copy's
+    scale `u1`, the state was saved by a model that saved its gate/up acc the other way round."""
+    if had ^ want == {"u1"}:
+        how = "in e4m3" if "u1" in had else "in the model's dtype"
+        fix = "unset CODA_FP8_SAVE_ACC" if "u1" in had else "set CODA_FP8_SAVE_ACC=0"
+        return (
+            f"the state is a model's that saved its gate/up accumulators {how} (docs/models.md, fp8 "
+            f"memory); {fix} before patching to resume from it"
+        )
+    return "the state is another model's"
 
 
 def record(bank: Bank | None, step: Any) -> None:
