@@ -19,7 +19,8 @@ argument or its keyword shorthands (`Block.vjp`, `Block.grad`, `coda_lang.torch.
   (`dacc<k>_amax`) (docs/design.md, "The fp8 backward");
 - `fp8_acc`: False (a GEMM stage's acc, where the backward reads it, is a copy the forward saves in the
   activation dtype), or True: where the stage stores a scaled fp8 copy of its acc itself
-  (`q: e4m3 = acc * s`, s a scalar), the backward reads acc as that copy times 1/s instead, and no
+  (`q: e4m3 = acc * s`, s a scalar or a vector over acc's rows from outside the stage: its delayed
+  scale), the backward reads acc as that copy times 1/s instead, and no
   other copy is saved: half the bytes or less, the acc the backward sees rounded to fp8
   (straight-through: the forward's own uses saw acc unrounded). Everything the backward computes
   again from that acc comes from the copy too: a tile the stage stores that the backward makes again

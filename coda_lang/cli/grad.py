@@ -75,7 +75,7 @@ def add_parser(sub: Any) -> None:
         "--fp8-acc",
         action="store_true",
         help="where a GEMM stage stores a scaled fp8 copy of its acc itself (`q: e4m3 = acc * s`, s a "
-        "scalar), read acc in the backward as that copy times 1/s instead of saving a copy in the "
+        "scalar or a vector over the rows), read acc in the backward as that copy times 1/s instead of saving a copy in the "
         "activation dtype: half the bytes or less, the acc the backward sees rounded to fp8 "
         '(BackwardOptions(fp8_acc=True); docs/design.md, "Saving activations in fp8")',
     )
