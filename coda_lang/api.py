@@ -181,7 +181,7 @@ class Block(CheckedBlock):
             fp8_grads=fp8_grads,
             fp8_acc=fp8_acc,
         )
-        d = self.derivation(wrt, backward=options.with_(chunk=None, budget=None, chunk_dim=None))
+        d = self.derivation(wrt, backward=options.unchunked())
         unknown = sorted(set(scales or {}) - set(d.scales))
         if unknown:
             raise ValueError(

@@ -111,7 +111,7 @@ class BlockFunction:
         # functions whose kernels compile with this one's, at the first call of any (compile_together)
         self._together: list[BlockFunction] = [self]
         # derive now: an error shows when the function is made
-        d = block.derivation(wrt, backward=self.options.with_(chunk=None, budget=None, chunk_dim=None))
+        d = block.derivation(wrt, backward=self.options.unchunked())
         # fp8 cotangents: their delayed scales (required then), bound to this backward's scale names
         self.grad_scales = check_grad_scales(grad_scales, self.options, d, block.name)
         if self.options.chunked:  # and a backward that can't run in chunks is refused now

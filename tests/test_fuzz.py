@@ -841,12 +841,12 @@ def test_a_backward_that_skips_the_cotangent_quantizer_is_caught(
     made = fuzzer_mod.Fuzzer._autograd
 
     def unquantized(self: Any, emulate: bool) -> Any:
-        keep = self.fp8_grads
-        self.fp8_grads = None
+        keep = self.fp8_grads, self.options
+        self.fp8_grads, self.options = None, self.options.with_(fp8_grads=None)
         try:
             return made(self, emulate)
         finally:
-            self.fp8_grads = keep
+            self.fp8_grads, self.options = keep
 
     monkeypatch.setattr(fuzzer_mod.Fuzzer, "_autograd", unquantized)
     monkeypatch.setattr(fuzzer_mod.Fuzzer, "grad_scales", lambda self: None)

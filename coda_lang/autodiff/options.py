@@ -171,6 +171,10 @@ class BackwardOptions:
             return self.chunk
         return "auto" if self.chunked else None
 
+    def unchunked(self) -> BackwardOptions:
+        """These options with no chunks: the backward they derive, run whole (every other field kept)."""
+        return replace(self, chunk=None, budget=None, chunk_dim=None)
+
     def with_(self, **changes: Any) -> BackwardOptions:
         """A copy with some fields changed (checked again)."""
         return replace(self, **changes)

@@ -203,7 +203,7 @@ class CaseDraws:
         assert o is not None
         kind, n, r = pick
         if kind == "none":
-            return BackwardOptions(o.remat, fp8_grads=o.fp8_grads, fp8_acc=o.fp8_acc)
+            return o.unchunked()
         if kind == "fixed":
             return o if o.chunk is not None else o.with_(chunk="auto")
         plan = self.chunk_plan
@@ -240,13 +240,7 @@ class CaseDraws:
         o = self.options
         assert o is not None
         if self.chunk_plan is None or not (self.draw or o.chunked):
-            return Case(
-                dict(dims),
-                seed,
-                self.sim_tile,
-                BackwardOptions(o.remat, fp8_grads=o.fp8_grads, fp8_acc=o.fp8_acc),
-                self.tile,
-            )
+            return Case(dict(dims), seed, self.sim_tile, o.unchunked(), self.tile)
         if not self._fixed():
             return None
         return Case(dict(dims), seed, self.sim_tile, self._chunk_of(dims, ("fixed", 0, 0)), self.tile)

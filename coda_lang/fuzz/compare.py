@@ -50,6 +50,7 @@ class Comparisons:
     remat: str
     fp8_grads: str | None
     fp8_acc: bool
+    options: BackwardOptions | None  # the backward under test's (None: backward=False)
     wrt: list[str] | None  # the parameters differentiated (None: every float parameter without a default)
     crash: str | None
     derivation: Any
@@ -66,8 +67,9 @@ class Comparisons:
     def _ref_options(self, remat: str) -> BackwardOptions:
         """The backward's options under `remat`, unchunked, with the Fuzzer's fp8 cotangents (each
         scale 1: `Block.vjp`'s default, and the first step of the backward under test's): the
-        references', the derivation's and the unchunked function's."""
-        return BackwardOptions(remat, fp8_grads=self.fp8_grads, fp8_acc=self.fp8_acc)
+        references', the derivation's and the unchunked function's: the Fuzzer's options (its fp8
+        cotangents, its fp8 acc) run whole."""
+        return (self.options or BackwardOptions()).unchunked().with_(remat=remat)
 
     def check(self, case: Case) -> list[str]:
         """Mismatches of the forward (outputs, and the kernels' partial buffers) and the backward."""
@@ -109,7 +111,7 @@ class Comparisons:
             )
         gbounds = _Once(
             lambda: bound.vjp(
-                self.block, ins, cots, case.dims, remat, self.fp8_grads, self.wrt, self.fp8_acc
+                self.block, ins, cots, case.dims, wrt=self.wrt, backward=self._ref_options(remat)
             )[1]
         )
         try:

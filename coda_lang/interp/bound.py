@@ -51,7 +51,7 @@ from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.core.numerics import round_to
 from coda_lang.interp.inputs import bind, check_sizes
 from coda_lang.interp.run import Interpreter, _Tile, _type
-from coda_lang.ir.nodes import DEFAULT_REMAT, Atom, Eqn, Stage, Var
+from coda_lang.ir.nodes import Atom, Eqn, Stage, Var
 from coda_lang.ir.types import GROUP, TILE, Dim, is_fp8
 from coda_lang.ops import REGISTRY, BoundRule, OpDef
 from coda_lang.ops.registry import F32_U, FASTMATH_ROUNDING, repeats_in
@@ -566,16 +566,15 @@ def vjp(
     cotangents: dict[str, Any],
     dims: dict[str, int] | None = None,
     remat: str | None = None,
-    fp8_grads: str | None = None,
     wrt: list[str] | None = None,
-    fp8_acc: bool = False,
+    *,
+    backward: BackwardOptions | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """`block.vjp(inputs, cotangents, dims=dims, remat=remat, fp8_grads=fp8_grads, wrt=wrt)` (unchunked, exact
-    precision, every fp8 cotangent scale 1 as `Block.vjp`'s default) and a bound for every gradient
-    element: the saved tensors carry the forward's bounds into the backward."""
-    d = block.derivation(
-        wrt, backward=BackwardOptions(remat or DEFAULT_REMAT, fp8_grads=fp8_grads, fp8_acc=fp8_acc)
-    )
+    """`block.vjp(inputs, cotangents, dims=dims, wrt=wrt, backward=...)` (unchunked, exact precision,
+    every fp8 cotangent scale 1 as `Block.vjp`'s default) and a bound for every gradient element: the
+    saved tensors carry the forward's bounds into the backward. The backward's options: `remat` alone,
+    or `backward=` (a BackwardOptions, its fp8 cotangents and fp8 acc included; run whole)."""
+    d = block.derivation(wrt, backward=BackwardOptions.of(backward, remat=remat).unchunked())
     fwd, ferr = run(d.forward, inputs, dims)
     bins, bdims = block.backward_inputs(d, inputs, cotangents, fwd, dims)
     bins.update({s: 1.0 for s in d.scales if s not in bins})
