@@ -268,6 +268,8 @@ FP8_RECIPES = tuple(FP8_GRADS)
 # whether a patched fp8="delayed" model saves its gate/up accumulators in e4m3 (`model_source`'s
 # `fp8_save`): by default; $CODA_FP8_SAVE_ACC=0 saves them in the model's dtype, as before (docs/models.md)
 FP8_SAVE_VAR = "CODA_FP8_SAVE_ACC"
+# the quantized value of that copy, by its scale's name `s_<name>` (fp8.py's scale names)
+FP8_SAVE_SCALE = "u1"
 
 
 # the MLP's gate activations the blocks run, by the config's name: the .coda op of each (`gelu` is the
@@ -436,16 +438,17 @@ def model_source(
     `head_rows`: a per-head q/k norm in a row stage after the QKV GEMM even where heads fit the
     tiles (the blocks of peft LoRA on q, k or v, whose GEMM adds the adapters' output, a tile the
     backend's grouped reductions don't read yet: hf/lora.py); `fp8`: None (bf16 blocks) or a recipe of
-    `FP8_RECIPES` (both write the same program, whose header says "fp8 delayed"; the recipes differ in
-    the backward's options only: every layer's gate/up, down and QKV GEMMs in e4m3, their inputs
+    `FP8_RECIPES` (both write the same program but for `fp8_save`, its header saying "fp8 delayed";
+    the recipes differ in the backward's options: every layer's gate/up, down and QKV GEMMs in e4m3, their inputs
     quantized in the epilogue or stage that makes them at delayed per-tensor scales, the weights by a
     stage at the block's start; the out-projection, whose input is the attention's output, and the LM
     head stay in the model's dtype; with post norms the row stage after the out-projection quantizes
     the gate/up input, and without pre norms the residual itself is quantized for the QKV GEMM);
     `fp8_act`: the SwiGLU output quantized in the gate/up epilogue and the down GEMM in e4m3 (else
     both in the model's dtype); `fp8_save` (with fp8="delayed"): the gate/up GEMMs also store an e4m3
-    copy of their acc at a delayed scale of its own (`s_u1`, `am_u1`), which the layers' backward,
-    derived with `BackwardOptions(fp8_acc=True)`, reads instead of a bf16 copy (`FP8_SAVE`)."""
+    copy of their pre-activations at a delayed scale of its own (`s_u1`, `am_u1`: `FP8_SAVE_SCALE`),
+    which the layers' backward, derived with `BackwardOptions(fp8_acc=True)`, reads as their acc
+    instead of a bf16 copy (hf/state.py's `fp8_save` decides it for a patched model)."""
     if fp8 is not None and fp8 not in FP8_RECIPES:
         raise ValueError(f"fp8 must be None or one of {', '.join(map(repr, FP8_RECIPES))}, got {fp8!r}")
     if fp8_save and (fp8 is None or FP8_GRADS[fp8] is None):
@@ -487,7 +490,7 @@ def model_source(
     notes += f", norms of ({float(norm_offset)!r} + w)" if norm_offset else ""
     notes += f", {act}" if act != "silu" else ""
     notes += f", logits soft-capped at {float(softcap)!r}" if softcap is not None else ""
-    notes += (  # (both recipes' program: they differ in the backward's options only)
+    notes += (  # (both recipes' program, but for the save: they differ in the backward's options)
         ", fp8 delayed"
         + ("" if fp8_act else " (SwiGLU output and down GEMM in the model's dtype)")
         + (", gate/up acc saved in e4m3" if fp8_save else "")
@@ -518,7 +521,7 @@ def model_source(
         save_acc=fp8_save,
     )
     # fp8: each block's delayed scales (inputs) and the amaxes it records (detached outputs)
-    mlp8 = ["x1", "w_13"] + (["u1"] if fp8_save else []) + (["a", "w_2"] if fp8_act else [])
+    mlp8 = ["x1", "w_13"] + ([FP8_SAVE_SCALE] if fp8_save else []) + (["a", "w_2"] if fp8_act else [])
     f8 = {"first": ["h", "w_qkv"], "layer": [*mlp8, "x2", "w_qkv"], "last": mlp8} if fp8 else {}
 
     def scales(block: str) -> str:

@@ -52,6 +52,7 @@ import torch
 
 from coda_lang.backend_cute.runtime.capture import refuse_in_capture
 from coda_lang.backend_cute.runtime.grad_scales import AmaxRing, DelayedScaling, delayed_scales, f32_row
+from coda_lang.hf.blocks import FP8_SAVE_SCALE, FP8_SAVE_VAR
 from coda_lang.hf.checks import peft_inner, refuse
 from coda_lang.ir.types import FP8_MAX
 
@@ -280,10 +281,11 @@ def run_scaled(
 
 def _why_other(had: set[str], want: set[str]) -> str:
     """Why a loaded state's scales are not a block's: where they differ only by the gate/up copy's
-    scale `u1`, the state was saved by a model that saved its gate/up acc the other way round."""
-    if had ^ want == {"u1"}:
-        how = "in e4m3" if "u1" in had else "in the model's dtype"
-        fix = "unset CODA_FP8_SAVE_ACC" if "u1" in had else "set CODA_FP8_SAVE_ACC=0"
+    scale (blocks.FP8_SAVE_SCALE), the state was saved by a model that saved its gate/up acc the other
+    way round."""
+    if had ^ want == {FP8_SAVE_SCALE}:
+        how = "in e4m3" if FP8_SAVE_SCALE in had else "in the model's dtype"
+        fix = f"unset {FP8_SAVE_VAR}" if FP8_SAVE_SCALE in had else f"set {FP8_SAVE_VAR}=0"
         return (
             f"the state is a model's that saved its gate/up accumulators {how} (docs/models.md, fp8 "
             f"memory); {fix} before patching to resume from it"

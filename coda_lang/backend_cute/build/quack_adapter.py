@@ -40,7 +40,7 @@ from typing import Any
 
 from coda_lang.backend_cute.build.cache import kernel_fingerprint
 from coda_lang.backend_cute.build.store import cache_dir, checked, load_module, subfolder
-from coda_lang.backend_cute.plan.spec import FP8_WORDS, WORDS
+from coda_lang.backend_cute.plan.spec import WORD_VIEWS
 from coda_lang.ops.registry import torch_dtype
 
 ARCH = "sm_90a"
@@ -190,10 +190,8 @@ def compile_ptx(spec: Any, path: Path, config: Any, root: Path | None = None) ->
     for o in spec.operands:
         if o.op == "C":
             C = _meta((m, wide), o.dtype)
-        elif o.host == WORDS:  # a packed stage's 16-bit pairs read as float32 words (Output.pairs)
-            epi[o.py] = _meta((m, n), "f32")
-        elif o.host == FP8_WORDS:  # its fp8 pairs read as int16 words
-            epi[o.py] = torch.empty((m, n), dtype=torch.int16, device="meta")
+        elif o.host in WORD_VIEWS:  # a packed stage's pairs read as words (16-bit: float32, fp8: int16)
+            epi[o.py] = torch.empty((m, n), dtype=getattr(torch, WORD_VIEWS[o.host]), device="meta")
         elif o.role == "tile":
             epi[o.py] = _meta((m, n), o.dtype)
         elif o.role == "row vector":

@@ -312,6 +312,8 @@ WORDS = "view(float32)"
 # Operand.host of a packed stage's double-width fp8 tile loaded as int16 words, two codes each
 # (`fp8_pair_load_on`)
 FP8_WORDS = "view(int16)"
+# the torch dtype (its name) each kind of word is handed to the kernel as
+WORD_VIEWS = {WORDS: "float32", FP8_WORDS: "int16"}
 PACKED_DTYPES = ("bf16", "f16")
 
 

@@ -28,7 +28,7 @@ from coda_lang.backend_cute.build.config import TileConfig
 from coda_lang.backend_cute.build.store import write_source
 from coda_lang.backend_cute.plan import spec as specs
 from coda_lang.backend_cute.plan.emit import emit_stage
-from coda_lang.backend_cute.plan.spec import F32_EXACT_INT, FP8_WORDS, INDEX_AXIS, WORDS, Sink, StageSpec
+from coda_lang.backend_cute.plan.spec import F32_EXACT_INT, INDEX_AXIS, WORD_VIEWS, Sink, StageSpec
 from coda_lang.backend_cute.runtime import emulate
 from coda_lang.backend_triton import kmajor_key, kmajor_width
 from coda_lang.core.diagnostics import error
@@ -269,10 +269,8 @@ class StageRunner:
                 t = t.repeat(w // t.shape[0])
             if o.host == "repeat_interleave(2)":
                 t = t.repeat_interleave(2)
-            if o.host == WORDS:  # 16-bit pairs read as float32 words (Output.pairs' stage)
-                t = (t if t.is_contiguous() else t.contiguous()).view(torch.float32)
-            elif o.host == FP8_WORDS:  # fp8 pairs read as int16 words
-                t = (t if t.is_contiguous() else t.contiguous()).view(torch.int16)
+            if o.host in WORD_VIEWS:  # pairs read as words: 16-bit ones as float32, fp8 ones as int16
+                t = (t if t.is_contiguous() else t.contiguous()).view(getattr(torch, WORD_VIEWS[o.host]))
             ins.append(t if t.is_contiguous() else t.contiguous())
         for _, name in self.index_names:
             ins.append(dense(env[name], torch.int32))
