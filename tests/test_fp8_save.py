@@ -20,11 +20,10 @@ as that copy times 1/s, and no copy of acc in the activation dtype is saved.
 from __future__ import annotations
 
 import copy
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from support import coda
 
 import coda_lang
 from coda_lang import BackwardOptions
@@ -114,9 +113,8 @@ def test_options() -> None:
 def test_cli_flag(tmp_path) -> None:
     f = tmp_path / "s.coda"
     f.write_text(SRC)
-    cmd = [sys.executable, "-m", "coda_lang.cli", "grad", str(f)]
-    on = subprocess.run([*cmd, "--fp8-acc"], capture_output=True, text=True)
-    off = subprocess.run(cmd, capture_output=True, text=True)
+    on = coda("grad", f, "--fp8-acc")
+    off = coda("grad", f)
     assert on.returncode == 0 and off.returncode == 0, (on.stderr, off.stderr)
     assert "# saved tensors (stored by the forward): uq\n" in on.stdout and "uq: e4m3[M, 2*F]" in on.stdout
     assert "# saved tensors (stored by the forward): acc1\n" in off.stdout and "fp8 acc" not in off.stdout
@@ -136,38 +134,20 @@ def inputs(m: int = 12, k: int = 16, f: int = 24, seed: int = 0) -> dict[str, np
     return {"x": x, "w": w, "s_u": 2.0 ** np.floor(np.log2(E4M3_MAX / amax))}
 
 
-class SavedInFp8(torch.autograd.Function):
-    """h = silu(gt) * up of acc's column pairs, exactly; its backward evaluates that VJP at acc as the
-    kernel saves it: q(acc * s) / s, q torch's float8_e4m3fn (nearest even, saturating to 448)."""
-
-    @staticmethod
-    def forward(ctx, acc: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        q = (acc * s).clamp(-E4M3_MAX, E4M3_MAX).float().to(torch.float8_e4m3fn).to(acc.dtype)
-        ctx.save_for_backward(q / s)
-        return SavedInFp8.f(acc)
-
-    @staticmethod
-    def f(acc: torch.Tensor) -> torch.Tensor:
-        gt, up = acc[:, 0::2], acc[:, 1::2]
-        return torch.nn.functional.silu(gt) * up
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        (saved,) = ctx.saved_tensors
-        with torch.enable_grad():
-            a = saved.detach().requires_grad_(True)
-            (da,) = torch.autograd.grad(SavedInFp8.f(a), a, g)
-        return da, None
-
-
 def reference(ins: dict, cot: np.ndarray, fp8: bool) -> dict[str, np.ndarray]:
+    """torch autograd of h = silu(gt) * up of acc's column pairs, exactly; with `fp8`, its backward
+    evaluating that VJP at acc as the kernel saves it, q(acc * s) / s with q torch's float8_e4m3fn
+    (test_hf_fp8.SavedSwiGLU, its row scale 1)."""
+    from test_hf_fp8 import SavedSwiGLU
+
     x = torch.tensor(ins["x"], dtype=torch.float64, requires_grad=True)
     w = torch.tensor(ins["w"], dtype=torch.float64, requires_grad=True)
     acc = x @ w.T
     s = torch.tensor(ins["s_u"], dtype=torch.float64)
     if "r" in ins:
         s = torch.tensor(ins["r"], dtype=torch.float64)[:, None] * s
-    h = SavedInFp8.apply(acc, s) if fp8 else SavedInFp8.f(acc)
+    pairs, one = (acc[:, 0::2], acc[:, 1::2]), torch.ones((), dtype=torch.float64)
+    h = SavedSwiGLU.apply(*pairs, one, s) if fp8 else SavedSwiGLU.f(*pairs, one)
     dx, dw = torch.autograd.grad(h, [x, w], torch.tensor(cot, dtype=torch.float64))
     return {"x": dx.numpy(), "w": dw.numpy()}
 
@@ -394,15 +374,6 @@ EXAMPLE = "examples/fp8_mlp_save.coda"
 FUZZ = ["--fp8-grads", "e5m2", "--fp8-acc", "--wrt", "x,w13,w2"]
 
 
-def _coda(*args: str) -> subprocess.CompletedProcess:
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    return subprocess.run(
-        [sys.executable, "-m", "coda_lang.cli", *args], capture_output=True, text=True, cwd=root
-    )
-
-
 def test_fuzz_checks_the_backward_that_reads_the_copy() -> None:
     """`coda fuzz FILE --fp8-acc`: the backward under test and its references are the one that reads
     acc from the copy (the example's e5m2 cotangents and e4m3 copy, the kernels' torch stand-ins). (The
@@ -427,7 +398,7 @@ def test_fuzz_checks_the_backward_that_reads_the_copy() -> None:
     ],
 )
 def test_fuzz_flag_usage_errors(extra: list[str], why: str) -> None:
-    r = _coda("fuzz", EXAMPLE, "--fp8-acc", "--target", "interp", *extra)
+    r = coda("fuzz", EXAMPLE, "--fp8-acc", "--target", "interp", *extra)
     assert r.returncode == 2 and why in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
@@ -441,6 +412,6 @@ def test_gpu_fuzz_of_the_example_on_the_kernels() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     for special in ([], ["--special"]):
-        r = _coda("fuzz", EXAMPLE, *FUZZ, "--target", "cuda", "--examples", "12", "-q", *special)
+        r = coda("fuzz", EXAMPLE, *FUZZ, "--target", "cuda", "--examples", "12", "-q", *special)
         assert r.returncode == 0, r.stdout + r.stderr
         assert "ok: fp8_mlp_save: 12 cases" in r.stdout and "--fp8-acc" in r.stdout, r.stdout
