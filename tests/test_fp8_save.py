@@ -251,6 +251,32 @@ def test_a_state_saved_with_the_other_save_says_how_to_resume(monkeypatch: pytes
         again(input_ids=ids, labels=ids).loss.backward()  # (resumed: no refusal)
 
 
+def test_an_f16_models_blocks_with_the_save_plan_for_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The save in an f16 model (not only bf16): every GEMM stage of its blocks, forward and backward,
+    plans for the kernels, the gate/up stages storing the e4m3 copy as their D and the SwiGLU backward
+    loading it as int16 words beside its e5m2 pairs."""
+    from test_hf import FAMILIES, make
+
+    from coda_lang.backend_cute.plan.planner import plan_stage
+    from coda_lang.backend_cute.plan.spec import FP8_WORDS
+
+    _saving(monkeypatch, True)
+    st = FAMILIES["llama"][2](make("llama", torch.float16), fp8="delayed")._coda
+    assert st.fp8_save
+    copies, loads = [], []
+    for fn in (st.first, st.layer, st.last):
+        d = fn.block.derivation(fn.wrt, backward=fn.options)
+        for blk in (d.forward, d.backward):
+            for k, stage in enumerate(blk.ir.stages, 1):
+                if stage.a is None:
+                    continue
+                spec = plan_stage(blk, k)
+                if spec.d is not None and spec.d.name == "u1q":
+                    copies.append((fn.name, spec.d.dtype))
+                loads += [(fn.name, o.dtype) for o in spec.operands if o.host == FP8_WORDS]
+    assert copies == loads == [("layer", "e4m3"), ("last", "e4m3")], (copies, loads)
+
+
 def test_model_source_refuses_a_save_without_fp8_cotangents() -> None:
     from coda_lang.hf.blocks import model_source
 
