@@ -262,10 +262,10 @@ def test_recompute_on_a_stage_overrides_save(tmp_path: Path) -> None:
     [
         (
             'remat="sometimes"',
-            '`remat=` of a gemm stage is one of "auto", "save", "recompute", "rebuild", not `"sometimes"`',
+            '`remat=` of a stage is one of "auto", "save", "recompute", "rebuild", not `"sometimes"`',
         ),
         ("remat=recomputed", "not `recomputed`"),
-        ("tile=128", "a gemm stage has no option `tile=`"),
+        ("tile=128", "a stage has no option `tile=`"),
         ('remat="save", remat="auto"', "`remat=` is given twice on one stage"),
     ],
 )

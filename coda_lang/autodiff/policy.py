@@ -2,7 +2,8 @@
 
 What it does: `derive(block, plan, wrt, remat)` derives the backward under the block-wide policy
 `remat` ("save", "recompute", "auto", "rebuild"), each stage's own policy overriding it where the source writes
-one on the stage (`gemm a @ b, remat="save" { ... }`). Three kinds of recomputation, and what each
+one on the stage (`gemm a @ b, remat="save" { ... }`, `elementwise [M, D], remat="rebuild" { ... }`: for
+the tiles that stage stores). Three kinds of recomputation, and what each
 costs:
 - a GEMM run again (reverse.py, `Reverse.recompute_host`): a stage at the block's entry, whose
   backward no later GEMM's epilogue hosts, runs its GEMM again in the backward (2*M*N*K FLOPs) and its
@@ -43,7 +44,7 @@ derivation, the second kind first, and kept greedily, in the order the backward 
 `remat="rebuild"`) takes the second kind only: a tile is made again at the backward's start where
 that is exact and lowers the bytes held, and nothing else is recomputed (for an fp8 copy whose store
 in the epilogue of the first kind costs that epilogue more than the pass: the hf fp8 blocks' `x1q`,
-coda_lang/torch.py).
+coda_lang/torch.py, and the post-norm layers' row stages, hf/blocks.py).
 What it does not: build the backward (reverse.py, site.py, prologue.py) or judge time on a device.
 Invariants: with every stage's policy "save", `derive` is `derive_with(..., remat)` unchanged; a tile
 recomputed in an epilogue or at the start is stored under its forward name, in its forward storage

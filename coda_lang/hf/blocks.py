@@ -122,7 +122,7 @@ _POST_NORM_OUT = """
   ro = rsqrt(sso / D + eps)"""
 _POST_NORM_DOWN = """
   rd = rsqrt(ssm / D + eps)
-  elementwise [M, D] {{
+  elementwise [M, D]{down} {{
     x2: {t} = m * rd * {gd}{residual} + x1{then}
   }}"""
 _POST_NORM_STAGES = (
@@ -145,11 +145,17 @@ _POST_NORM_STAGES = (
 # The same in e4m3 (fp8="delayed"): the out-projection's row stage also quantizes the gate/up GEMM's
 # input (`x1n`: the pre-norm's weighted input x1 * g1, or x1 itself without one) at its delayed scale
 # and records its amax; the gate/up GEMM quantizes the GLU output for the down GEMM; the inverse
-# scales fold into each GEMM's epilogue
+# scales fold into each GEMM's epilogue. The row stages that quantize a GEMM's input (`x1q` here,
+# `x2q` in the down projection's: `{down}`) are remat="rebuild": the backward makes the e4m3 copy
+# again at its start (from x1 or x2, which it makes again there anyway), where "auto" would store it
+# from the epilogue of the GEMM stage that runs the row stage's backward, `dacc @ w_13q` (or
+# `@ w_qkvq`), which then spills registers at every fp8 tile (ptxas, sm_90a, 2026-11-28: OLMo 2's and
+# Gemma 2's blocks; scripts/fuzz_fp8_blocks.py found it)
+REBUILD = ', remat="rebuild"'
 _POST_NORM_STAGES_FP8 = (
     _POST_NORM_OUT
     + """
-  elementwise [M, D] {{
+  elementwise [M, D], remat="rebuild" {{
     x1: {t} = o * ro * {go}{residual} + x{x1n}
     x1q: e4m3 = {x1v} * s_x1
     amp_x1 = max(abs({x1v}), over=D)
@@ -322,6 +328,7 @@ def _mlp(
                 r1="\n  r1 = rsqrt(ss1 / D + eps)" if pre_norm else "",
                 r1v="r1" if pre_norm else "1.0",
                 then=nxt,
+                down=REBUILD if then_fp8 else "",
                 act=act,
                 go=norm_weight("go", offset),
                 gd=norm_weight("gd", offset),
@@ -358,6 +365,7 @@ def _mlp(
             z1="\n    z1 = acc * r1" if pre_norm else "",
             z="z1" if pre_norm else "acc",
             then=nxt,
+            down="",
             act=act,
             go=norm_weight("go", offset),
             gd=norm_weight("gd", offset),

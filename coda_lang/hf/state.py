@@ -61,6 +61,20 @@ def program(text: str) -> Program:
     return load(text)
 
 
+# what a patched model's blocks differentiate: the weights of `blocks.model_source`'s programs, and the
+# activations a block takes from the one before it (never the fp8 scales, the positions or the targets)
+WEIGHTS = frozenset(
+    {"w_o", "w_13", "w_2", "w_qkv", "b_qkv", "w_lm", "g", "g1", "g2", "go", "gd", "gq", "gk", "gqk"}
+)
+ACTIVATIONS = ("h", "y", "x", "hg", "r")
+
+
+def block_wrt(block: Any) -> list[str]:
+    """The parameters of a block of `blocks.model_source`'s program that its block function
+    differentiates (`WEIGHTS`, `ACTIVATIONS`), in the block's order."""
+    return [p.var.name for p in block.ir.params if p.var.name in WEIGHTS or p.var.name in ACTIVATIONS]
+
+
 class Blocks:
     """A patched model's block functions at one dtype (its parameters', or under FSDP2's
     MixedPrecisionPolicy the gathered parameters' `param_dtype`): the first layer's, the layers', the
@@ -91,16 +105,10 @@ class Blocks:
 
         prog = program(source())
         self._source = source
-        weights = {"w_o", "w_13", "w_2", "w_qkv", "b_qkv", "w_lm", "g", "g1", "g2", "go", "gd"}
-        weights |= {"gq", "gk", "gqk"}
 
         def fn(name: str, backward: BackwardOptions | None = None) -> BlockFunction:
             b = prog[name]
-            wrt = [
-                p.var.name
-                for p in b.ir.params
-                if p.var.name in weights or p.var.name in ("h", "y", "x", "hg", "r")
-            ]
+            wrt = block_wrt(b)
             # (fp8 cotangents: each call passes its call site's grad state, fp8.run_scaled)
             state = NoCallSite(name) if backward is not None and backward.fp8_grads else None
             return function(b, wrt=wrt, backward=backward, grad_scales=state)
@@ -120,7 +128,6 @@ class Blocks:
         self._fn = fn
         self._prog = prog
         self.head_norm = f.qk_norm in ("head", True)
-        self._weights = weights
         self._parts: dict[
             tuple[str, tuple[str, ...], tuple[str, ...]], list[tuple[BlockFunction, tuple[str, str] | None]]
         ] = {}
@@ -151,7 +158,7 @@ class Blocks:
                 prog = program(self._source(head_rows=True))  # (made once per process)
             block = prog[name]
             own = {p.var.name for p in block.ir.params}
-            wants = (self._weights | {"h", "y", "x", "hg", "r"}) - set(frozen)
+            wants = (WEIGHTS | set(ACTIVATIONS)) - set(frozen)
             pieces = split(block, prog.ir.dims, cut) if cut else [(block, None)]
             got = []
             for b, ops in pieces:

@@ -21,6 +21,7 @@ from coda_lang.backend_cute.build.config import (
     SMALL_SPILL,
     TileConfig,
     candidates_for,
+    fallback_candidates_for,
     fits,
     is_plain,
     tune_candidates_for,
@@ -49,9 +50,13 @@ def select_config(
         parallel.warm([parallel.Request(spec, candidates, first=True)], jobs=jobs, directory=directory)
     tried: list[str] = []
     refused: list[CodaError] = []
-    for config in candidates:
+    # (where every candidate spills, the stage's fallback tiles after them: config.FP8_FALLBACK_CANDIDATES)
+    fallback = tuple(c for c in fallback_candidates_for(spec) if c not in candidates)
+    for i, config in enumerate(candidates + fallback):
         if not fits(spec, config):
             continue
+        if i == len(candidates) and jobs != 1:
+            parallel.warm([parallel.Request(spec, fallback, first=True)], jobs=jobs, directory=directory)
         try:
             c = compile_spec(spec, config, directory=directory)
         except CodaError as e:  # quack refuses this tile for this epilogue (E0707): try the next
@@ -104,4 +109,12 @@ def configs_without_spills(
             out.append(config)
         elif max(c.report.spill_stores, c.report.spill_loads) <= SMALL_SPILL:
             small.append(config)
-    return out if len(out) > is_plain(spec) else out + small
+    if len(out) > is_plain(spec) or small:
+        return out + small
+    fallback = tuple(c for c in fallback_candidates_for(spec) if c not in candidates)
+    if not fallback:
+        return out
+    # every candidate spills: the fallback tiles (config.FP8_FALLBACK_CANDIDATES), which only such a stage tries
+    return out[: is_plain(spec)] + [
+        c for c in configs_without_spills(spec, fallback, directory=directory, jobs=jobs) if c is not CUBLAS
+    ]

@@ -210,7 +210,8 @@ class BlockLowerer:
         )
 
     def stage_options(self, opts: list[Any]) -> str | None:
-        """A gemm stage's options (`, remat="save"`): the saved-tensor policy of its backward."""
+        """A stage's options (`, remat="save"`, on a gemm or an elementwise stage): the saved-tensor
+        policy of its backward (for an elementwise stage, of the tiles it stores)."""
         remat: str | None = None
         seen: set[str] = set()
         for opt in opts:
@@ -218,7 +219,7 @@ class BlockLowerer:
             if key != "remat":
                 self.error(
                     "E0211",
-                    f"a gemm stage has no option `{key}=`",
+                    f"a stage has no option `{key}=`",
                     opt.children[0],
                     help=['the one stage option is `remat=`, e.g. `gemm a @ b, remat="recompute" { ... }`'],
                 )
@@ -232,7 +233,7 @@ class BlockLowerer:
                 options = ", ".join(f'"{c}"' for c in REMAT)
                 self.error(
                     "E0211",
-                    f"`remat=` of a gemm stage is one of {options}, not `{value}`",
+                    f"`remat=` of a stage is one of {options}, not `{value}`",
                     value,
                     help=['e.g. `gemm a @ b, remat="recompute" { ... }`'],
                 )
@@ -241,7 +242,10 @@ class BlockLowerer:
         return remat
 
     def ew_stage(self, node: Any) -> Stage:
-        shape_node, *body = node.children
+        shape_node, *rest = node.children
+        opts = [c for c in rest if getattr(c, "data", None) == "stage_opt"]
+        body = [c for c in rest if getattr(c, "data", None) != "stage_opt"]
+        remat = self.stage_options(opts)
         dims = [self.p.shape_expr(sn) for sn in shape_node.children if sn is not None]
         if len(dims) != 2 and all(d is not None for d in dims):
             self.error(
@@ -268,6 +272,7 @@ class BlockLowerer:
             tuple(eqns),
             shape or (Dim.const(1), Dim.const(1)),
             span=span_of(self.file, node),
+            remat=remat,
         )
 
     def operand(self, node: Any) -> tuple[Atom, bool]:

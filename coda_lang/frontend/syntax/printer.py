@@ -99,15 +99,15 @@ def print_block(b: Block, *, with_dims: bool = True) -> str:
     lines.append(f"block {b.name}({', '.join(params)}) -> ({outs}) {{")
     for st in b.body:
         if isinstance(st, Stage):
+            opt = f', remat="{st.remat}"' if st.remat else ""
             if st.is_gemm:
                 assert st.a is not None and st.b is not None
                 a = f"transpose({atom_source(st.a)})" if st.ta else atom_source(st.a)
                 bb = f"transpose({atom_source(st.b)})" if st.tb else atom_source(st.b)
-                opt = f', remat="{st.remat}"' if st.remat else ""
                 lines.append(f"  gemm {a} @ {bb}{opt} {{")
             else:
                 assert st.shape is not None
-                lines.append(f"  elementwise {shape_str(st.shape)} {{")
+                lines.append(f"  elementwise {shape_str(st.shape)}{opt} {{")
             lines += [f"    {eqn_source(e)}" for e in st.body]
             lines.append("  }")
         else:

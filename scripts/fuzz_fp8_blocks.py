@@ -1,0 +1,194 @@
+#!/usr/bin/env python
+"""`coda fuzz` on every fp8 block a patched Hugging Face model runs: each family's program as
+`coda_lang.hf` writes it for each fp8 recipe, its three layer blocks (`first_qkv`, `layer`, `last`)
+fuzzed against the interpreter, forward and backward, with the backward options the patch derives
+them with (`--fp8-grads e5m2`, and `--fp8-acc` where the gate/up acc is saved in e4m3) and the
+parameters it differentiates (`hf.state.block_wrt`).
+
+    python scripts/fuzz_fp8_blocks.py --target cuda [--examples 6] [--jobs 8]     # on the GPU host
+    python scripts/fuzz_fp8_blocks.py --target emulate --families llama --blocks layer --examples 2
+    python scripts/fuzz_fp8_blocks.py --list                                         # the runs only
+
+A recipe is one of `RECIPES`: "delayed" (the default of `apply_coda(model, fp8="delayed")`: e5m2
+cotangents, the gate/up acc saved in e4m3), "delayed-save16" (the same with `CODA_FP8_SAVE_ACC=0`)
+and "delayed-forward" (cotangents in the model's dtype). Families whose fp8 blocks are the same
+program (Llama, Mistral, Ministral and Phi-3 differ only outside the blocks: attention windows,
+weight layouts) are fuzzed once, under the first one's name, the others listed beside it. The
+programs take each family's head_dim (`HEAD_DIMS`) and stand-ins for a model's other constants (4
+query and 2 key/value heads, Granite's multipliers, a logit soft-cap of 30); `coda fuzz` runs them at
+random sizes of the dims. Each run is `python -m coda_lang.cli fuzz FILE --block B ...` in a subprocess, `--jobs` at a
+time; one line per run, then a summary. Exit status 0 when every run passed, 1 when one failed
+(its output is printed), 2 for usage errors. `--keep DIR` writes the programs there (else a
+temporary directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# recipe -> (apply_coda's fp8=, the gate/up acc saved in e4m3, coda fuzz's backward options)
+RECIPES: dict[str, tuple[str, bool, tuple[str, ...]]] = {
+    "delayed": ("delayed", True, ("--fp8-grads", "e5m2", "--fp8-acc")),
+    "delayed-save16": ("delayed", False, ("--fp8-grads", "e5m2")),
+    "delayed-forward": ("delayed-forward", False, ()),
+}
+BLOCKS = ("first_qkv", "layer", "last")
+# head_dim, by family, as the family's small released models have it (Qwen and OLMo 2 128, Gemma 2 and
+# 3 256): the per-head q/k norm's groups and the RoPE pairs follow it. The families whose blocks are
+# Llama's (Mistral, Ministral and Phi-3 differ outside them) run Llama-3.2-1B's 64 with it, as Granite
+HEAD_DIMS = {"qwen3": 128, "qwen2": 128, "olmo2": 128, "gemma2": 256, "gemma3": 256}
+HEAD_DIM = 64  # (the others)
+HEADS = (4, 2)
+MULTIPLIERS = (12.0, 0.22, 8.0)  # Granite's (embedding, residual, logits), as its 2B config has them
+SOFTCAP = 30.0
+
+
+@dataclass(frozen=True)
+class Run:
+    families: tuple[str, ...]  # the first names the file; the others write the same program
+    recipe: str
+    block: str
+    path: Path
+    wrt: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return f"{self.families[0]}/{self.recipe}/{self.block}"
+
+
+def source(family: object, recipe: str) -> str:
+    """The program `coda_lang.hf` writes for a model of `family` under `recipe`, at the stand-in
+    constants above (hf/state.py's `Blocks` passes a model's own)."""
+    name = family.name  # type: ignore[attr-defined]
+    from coda_lang.hf.blocks import model_source
+
+    fp8, save, _ = RECIPES[recipe]
+    f = family
+    return model_source(
+        "bfloat16",
+        1e-6,
+        HEAD_DIMS.get(name, HEAD_DIM),
+        f.qk_norm,  # type: ignore[attr-defined]
+        f.qkv_bias,  # type: ignore[attr-defined]
+        MULTIPLIERS if f.multipliers else None,  # type: ignore[attr-defined]
+        pre_norm=f.pre_norm,  # type: ignore[attr-defined]
+        post_norm=f.post_norm,  # type: ignore[attr-defined]
+        heads=HEADS,
+        norm_offset=f.norm_offset,  # type: ignore[attr-defined]
+        act=f.activation,  # type: ignore[attr-defined]
+        softcap=SOFTCAP if f.logit_softcap else None,  # type: ignore[attr-defined]
+        fp8=fp8,
+        fp8_save=save,
+    )
+
+
+def runs(families: list[str], recipes: list[str], blocks: list[str], out: Path) -> list[Run]:
+    """One run per distinct program and block: the programs written to `out`."""
+    from coda_lang.api import load
+    from coda_lang.hf.family import FAMILIES
+    from coda_lang.hf.state import block_wrt
+
+    got: list[Run] = []
+    for recipe in recipes:
+        texts: dict[str, list[str]] = {}
+        for name in families:
+            texts.setdefault(source(FAMILIES[name], recipe), []).append(name)
+        for text, names in texts.items():
+            path = out / f"{names[0]}-{recipe}.coda"
+            path.write_text(text)
+            prog = load(text)
+            for block in blocks:
+                got.append(Run(tuple(names), recipe, block, path, tuple(block_wrt(prog[block]))))
+    return got
+
+
+def command(run: Run, args: argparse.Namespace) -> list[str]:
+    cmd = [sys.executable, "-m", "coda_lang.cli", "fuzz", str(run.path), "--block", run.block]
+    cmd += ["--target", args.target, "--examples", str(args.examples), "--seed", str(args.seed), "-q"]
+    cmd += ["--wrt", ",".join(run.wrt), *RECIPES[run.recipe][2]]
+    return cmd + (["--special"] if args.special else [])
+
+
+def main(argv: list[str] | None = None) -> int:
+    from coda_lang.hf.family import FAMILIES
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", choices=["cuda", "emulate", "interp"], default="cuda")
+    p.add_argument("--families", default=",".join(FAMILIES), help="comma-separated (default: every family)")
+    p.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated (default: every recipe)")
+    p.add_argument("--blocks", default=",".join(BLOCKS), help="comma-separated (default: %(default)s)")
+    p.add_argument("--examples", type=int, default=6, help="cases per block (default 6)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--special", action="store_true", help="inputs with special values too (coda fuzz --special)"
+    )
+    p.add_argument("--jobs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)))
+    p.add_argument("--keep", metavar="DIR", default=None, help="write the programs here")
+    p.add_argument(
+        "--list",
+        action="store_true",
+        help="print the runs' commands, run nothing (with --keep: the files they read)",
+    )
+    args = p.parse_args(argv)
+    for what, plural, given, known in (
+        ("family", "families", args.families, FAMILIES),
+        ("recipe", "recipes", args.recipes, RECIPES),
+        ("block", "blocks", args.blocks, BLOCKS),
+    ):
+        bad = [x for x in given.split(",") if x not in known]
+        if bad:
+            p.error(f"unknown {what} {bad[0]!r}; the {plural}: {', '.join(known)}")
+    if args.examples < 1 or args.jobs < 1:
+        p.error("--examples and --jobs must be at least 1")
+
+    with tempfile.TemporaryDirectory(prefix="coda-fp8-blocks-") as tmp:
+        out = Path(args.keep) if args.keep else Path(tmp)
+        out.mkdir(parents=True, exist_ok=True)
+        todo = runs(args.families.split(","), args.recipes.split(","), args.blocks.split(","), out)
+        if args.list:
+            for r in todo:
+                also = f"  (also {', '.join(r.families[1:])})" if len(r.families) > 1 else ""
+                print(" ".join(command(r, args)) + also)
+            return 0
+
+        def one(r: Run) -> tuple[Run, int, str, str, float]:
+            t = time.perf_counter()
+            done = subprocess.run(command(r, args), capture_output=True, text=True, cwd=ROOT)
+            return r, done.returncode, done.stdout, done.stderr, time.perf_counter() - t
+
+        failed: list[tuple[Run, int, str]] = []
+        start = time.perf_counter()
+        with ThreadPoolExecutor(args.jobs) as pool:
+            for r, rc, out, err, secs in pool.map(one, todo):
+                # (coda fuzz's verdict: its last line on stdout; stderr has the progress lines)
+                lines = out.strip().splitlines() or err.strip().splitlines() or [""]
+                text = out + err
+                print(
+                    f"{'ok  ' if rc == 0 else 'FAIL'} {r.name:36s} {secs:6.1f} s  {lines[-1][:120]}",
+                    flush=True,
+                )
+                if rc != 0:
+                    failed.append((r, rc, text))
+        for r, rc, text in failed:
+            print(f"\n== {r.name} (exit {rc}): {' '.join(command(r, args))}\n{text.strip()[-4000:]}")
+        n = len(todo)
+        print(
+            f"\n{n - len(failed)} of {n} fp8 blocks passed (target {args.target}, {args.examples} cases "
+            f"each{', special values' if args.special else ''}; {time.perf_counter() - start:.0f} s)"
+        )
+        return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

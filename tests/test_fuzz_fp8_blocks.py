@@ -1,0 +1,133 @@
+"""scripts/fuzz_fp8_blocks.py (`coda fuzz` on every fp8 block a patched Hugging Face model runs), on the CPU.
+
+- The runs: each family's program under each recipe, the families that write the same program fuzzed
+  once (Llama, Mistral, Ministral and Phi-3), each with the backward options and the parameters the
+  patch derives its blocks with; the programs are what `coda_lang.hf` writes (the recipe's header,
+  the e4m3 save's copy where the recipe saves it).
+- One block fuzzed on the emulated kernels passes (exit 0, one line per run and a summary); a run that
+  fails (here: an option `coda fuzz` refuses) is reported with its command and output, exit 1.
+- Unknown names are usage errors (exit 2).
+- gpu_check.sh runs it on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "fuzz_fp8_blocks.py"
+
+
+def _script() -> Any:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import fuzz_fp8_blocks
+    finally:
+        sys.path.pop(0)
+    return fuzz_fp8_blocks
+
+
+def test_the_runs_cover_every_family_recipe_and_block(tmp_path: Path) -> None:
+    from coda_lang.api import load
+    from coda_lang.hf.family import FAMILIES
+
+    s = _script()
+    runs = s.runs(list(FAMILIES), list(s.RECIPES), list(s.BLOCKS), tmp_path)
+    programs = {(r.families, r.recipe) for r in runs}
+    # every family is in exactly one program of each recipe
+    for recipe in s.RECIPES:
+        named = [f for fams, rec in programs if rec == recipe for f in fams]
+        assert sorted(named) == sorted(FAMILIES), recipe
+    same = next(fams for fams, _ in programs if "llama" in fams)
+    assert same == ("llama", "mistral", "ministral", "phi3"), same
+    distinct = {fams for fams, _ in programs}
+    assert len(distinct) == 7 and len(runs) == 7 * len(s.RECIPES) * len(s.BLOCKS)
+    for r in runs:
+        text = r.path.read_text()
+        block = load(text)[r.block]
+        # the recipe's program: "delayed" saves the gate/up acc in e4m3 and fuzzes with its options
+        fp8, save, flags = s.RECIPES[r.recipe]
+        # (both recipes write one program, "fp8 delayed"; they differ in the backward's options)
+        assert "fp8 delayed" in text.splitlines()[0], (r.name, text.splitlines()[0])
+        assert ("u1q: e4m3 = acc * c1" in text) == save, r.name
+        assert ("--fp8-acc" in flags) == save and ("--fp8-grads" in flags) == (fp8 == "delayed")
+        # differentiated as the patch does: weights and activations, never a scale
+        params = {p.var.name for p in block.ir.params}
+        assert set(r.wrt) <= params and not any(w.startswith("s_") for w in r.wrt), r.wrt
+        assert any(w.startswith("w_") for w in r.wrt), r.wrt
+        cmd = s.command(r, argparse.Namespace(target="emulate", examples=3, seed=7, special=False))
+        assert cmd[3:] == [
+            "fuzz",
+            str(r.path),
+            "--block",
+            r.block,
+            "--target",
+            "emulate",
+            "--examples",
+            "3",
+        ] + [
+            "--seed",
+            "7",
+            "-q",
+            "--wrt",
+            ",".join(r.wrt),
+            *flags,
+        ]
+    # the head dims: Qwen3's per-head norm at its own 128, Gemma's 256
+    qwen3 = next(r for r in runs if r.families == ("qwen3",))
+    assert "head_dim 128" in qwen3.path.read_text().splitlines()[0]
+
+
+def test_one_block_passes_emulated(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torch")
+    code = _script().main(
+        ["--target", "emulate", "--families", "qwen3", "--recipes", "delayed", "--blocks", "layer"]
+        + ["--examples", "1", "--jobs", "1"]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "ok   qwen3/delayed/layer" in out and "ok: layer: 1 cases" in out, out
+    assert "--fp8-grads e5m2 --fp8-acc" in out
+    assert out.strip().splitlines()[-1].startswith("1 of 1 fp8 blocks passed (target emulate"), out
+
+
+def test_a_failing_run_fails_it(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    s = _script()
+    # a recipe whose fuzz options coda fuzz refuses: the run exits 2, the script reports it and exits 1
+    monkeypatch.setitem(s.RECIPES, "delayed", ("delayed", True, ("--fp8-grads", "e3m4")))
+    code = s.main(
+        ["--target", "emulate", "--families", "llama", "--recipes", "delayed", "--blocks", "first_qkv"]
+        + ["--examples", "1", "--jobs", "1"]
+    )
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "FAIL llama/delayed/first_qkv" in out and "== llama/delayed/first_qkv (exit 2)" in out, out
+    assert "--fp8-grads e3m4" in out and "invalid choice" in out, out
+    assert out.strip().splitlines()[-1].startswith("0 of 1 fp8 blocks passed"), out
+
+
+@pytest.mark.parametrize(
+    "flag, value", [("--families", "llama,nope"), ("--recipes", "current"), ("--blocks", "head")]
+)
+def test_unknown_names_are_usage_errors(flag: str, value: str) -> None:
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), flag, value, "--list"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert r.returncode == 2 and "unknown" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert r.stdout == ""
+
+
+def test_gpu_check_runs_it() -> None:
+    text = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    assert "scripts/fuzz_fp8_blocks.py --target cuda" in text
+    assert subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_check.sh")]).returncode == 0
