@@ -5,7 +5,7 @@
 # (200 cases each, in FUZZ_JOBS=4 processes; FUZZ_EXAMPLES="examples/a.coda ..." picks some) and on random programs (PROGRAMS=240
 # drawn, of which the backend refuses about half, in SHARDS=12 processes), all in parallel (compiles are
 # CPU-bound; FUZZ_ARGS="--special" adds non-finite inputs), then on every fp8 block a patched Hugging
-# Face model runs (scripts/fuzz_fp8_blocks.py: each family's program under each fp8 recipe), then a
+# Face model runs (scripts/fuzz_hf_blocks.py: each family's program in bf16 and each fp8 recipe), then a
 # summary with the number of programs run; then every example forward and backward (--remat auto and save, and in row chunks) under
 # compute-sanitizer's memcheck (scripts/memcheck_examples.py, with PYTORCH_NO_CUDA_MEMORY_CACHING=1 so
 # that torch's caching allocator hides no out-of-bounds access; run once without the sanitizer first,
@@ -107,10 +107,10 @@ if [ "$what" = all ] || [ "$what" = fuzz ]; then
       echo "rc=$?" >> "$OUT/fuzz_programs_$s.log" ) &
   done
   wait
-  # every fp8 block a patched Hugging Face model runs (each family's program under each fp8 recipe)
-  python scripts/fuzz_fp8_blocks.py --target cuda --examples 6 --jobs "${FUZZ_JOBS:-4}" \
-      > "$OUT/fuzz_fp8_blocks.log" 2>&1
-  echo "rc=$?" >> "$OUT/fuzz_fp8_blocks.log"
+  # every block a patched Hugging Face model runs (each family's program in bf16 and each fp8 recipe)
+  python scripts/fuzz_hf_blocks.py --target cuda --examples 6 --jobs "${FUZZ_JOBS:-4}" \
+      > "$OUT/fuzz_hf_blocks.log" 2>&1
+  echo "rc=$?" >> "$OUT/fuzz_hf_blocks.log"
   for log in "$OUT"/fuzz_*.log; do echo "$(basename "$log"): $(tail -2 "$log" | tr '\n' ' ')"; done
   cat "$OUT"/fuzz_programs_*.log | python -c "import re, sys; t = sys.stdin.read(); print('random programs run:', sum(int(n) for n in re.findall(r'ok: (\\d+) random programs', t)), '(failed shards:', t.count('wrote the failing program'), ')')"
   grep -q "^rc=[^0]" "$OUT"/fuzz_*.log && rc_tests=1

@@ -8,7 +8,7 @@
   remat="rebuild". Their backward makes each copy in an elementwise stage at its start, and no GEMM
   stage's epilogue stores it: under the block-wide "auto" the data gradients `dacc @ w_13q` and
   `dacc @ w_qkvq` stored them, which spilled registers at every fp8 tile on sm_90a
-  (scripts/fuzz_fp8_blocks.py found it on an H200, 2026-11-28). Without the option (the source edited)
+  (scripts/fuzz_hf_blocks.py found it on an H200, 2026-11-28). Without the option (the source edited)
   the epilogue stores the copy again, so the test can fail.
 - The option moves where the copy is made, not what it is: the gradients on the interpreter are bit
   for bit those of the block without it, with e5m2 cotangents and the e4m3 save.

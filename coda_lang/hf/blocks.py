@@ -150,7 +150,7 @@ _POST_NORM_STAGES = (
 # again at its start (from x1 or x2, which it makes again there anyway), where "auto" would store it
 # from the epilogue of the GEMM stage that runs the row stage's backward, `dacc @ w_13q` (or
 # `@ w_qkvq`), which then spills registers at every fp8 tile (ptxas, sm_90a, 2026-11-28: OLMo 2's and
-# Gemma 2's blocks; scripts/fuzz_fp8_blocks.py found it)
+# Gemma 2's blocks; scripts/fuzz_hf_blocks.py found it)
 REBUILD = ', remat="rebuild"'
 _POST_NORM_STAGES_FP8 = (
     _POST_NORM_OUT

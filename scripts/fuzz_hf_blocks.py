@@ -1,25 +1,28 @@
 #!/usr/bin/env python
-"""`coda fuzz` on every fp8 block a patched Hugging Face model runs: each family's program as
-`coda_lang.hf` writes it for each fp8 recipe, its three layer blocks (`first_qkv`, `layer`, `last`)
-fuzzed against the interpreter, forward and backward, with the backward options the patch derives
-them with (`--fp8-grads e5m2`, and `--fp8-acc` where the gate/up acc is saved in e4m3) and the
-parameters it differentiates (`hf.state.block_wrt`).
+"""`coda fuzz` on every block a patched Hugging Face model runs: each family's program as `coda_lang.hf`
+writes it for bf16 and for each fp8 recipe, its layer blocks (`first_qkv`, `layer`, `last`) and its
+loss and logits heads, fuzzed against the interpreter, forward and backward, with the backward options
+the patch derives them with (the heads' chunks; `--fp8-grads e5m2`, and `--fp8-acc` where the gate/up
+acc is saved in e4m3) and the parameters it differentiates (`hf.state.block_wrt`).
 
-    python scripts/fuzz_fp8_blocks.py --target cuda [--examples 6] [--jobs 8]     # on the GPU host
-    python scripts/fuzz_fp8_blocks.py --target emulate --families llama --blocks layer --examples 2
-    python scripts/fuzz_fp8_blocks.py --list                                         # the runs only
+    python scripts/fuzz_hf_blocks.py --target cuda [--examples 6] [--jobs 8]      # on the GPU host
+    python scripts/fuzz_hf_blocks.py --target emulate --families llama --blocks layer --examples 2
+    python scripts/fuzz_hf_blocks.py --recipes delayed --list                       # the runs only
 
-A recipe is one of `RECIPES`: "delayed" (the default of `apply_coda(model, fp8="delayed")`: e5m2
-cotangents, the gate/up acc saved in e4m3), "delayed-save16" (the same with `CODA_FP8_SAVE_ACC=0`)
-and "delayed-forward" (cotangents in the model's dtype). Families whose fp8 blocks are the same
+A recipe is one of `RECIPES`: "bf16" (`apply_coda(model)`), "delayed" (the default of
+`apply_coda(model, fp8="delayed")`: e5m2 cotangents, the gate/up acc saved in e4m3), "delayed-save16"
+(the same with `CODA_FP8_SAVE_ACC=0`) and "delayed-forward" (cotangents in the model's dtype). The
+heads (`HEADS`: "vocab" loss mode's `head_loss`, backward in chunks of the vocabulary; "rows" mode's
+`head_loss_rows`, saved logits, backward in chunks of rows; `head_logits`) run under "bf16" only: an
+fp8 model's heads are the same blocks, in the model's dtype. Families whose blocks are the same
 program (Llama, Mistral, Ministral and Phi-3 differ only outside the blocks: attention windows,
 weight layouts) are fuzzed once, under the first one's name, the others listed beside it. The
 programs take each family's head_dim (`HEAD_DIMS`) and stand-ins for a model's other constants (4
 query and 2 key/value heads, Granite's multipliers, a logit soft-cap of 30); `coda fuzz` runs them at
-random sizes of the dims. Each run is `python -m coda_lang.cli fuzz FILE --block B ...` in a subprocess, `--jobs` at a
-time; one line per run, then a summary. Exit status 0 when every run passed, 1 when one failed
-(its output is printed), 2 for usage errors. `--keep DIR` writes the programs there (else a
-temporary directory).
+random sizes of the dims. Each run is `python -m coda_lang.cli fuzz FILE --block B ...` in a
+subprocess, `--jobs` at a time; one line per run, then a summary. Exit status 0 when every run
+passed, 1 when one failed (its output is printed), 2 for usage errors. `--keep DIR` writes the
+programs there (else a temporary directory).
 """
 
 from __future__ import annotations
@@ -37,19 +40,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# recipe -> (apply_coda's fp8=, the gate/up acc saved in e4m3, coda fuzz's backward options)
-RECIPES: dict[str, tuple[str, bool, tuple[str, ...]]] = {
+# recipe -> (apply_coda's fp8=, the gate/up acc saved in e4m3, coda fuzz's backward options of the layers)
+RECIPES: dict[str, tuple[str | None, bool, tuple[str, ...]]] = {
+    "bf16": (None, False, ()),
     "delayed": ("delayed", True, ("--fp8-grads", "e5m2", "--fp8-acc")),
     "delayed-save16": ("delayed", False, ("--fp8-grads", "e5m2")),
     "delayed-forward": ("delayed-forward", False, ()),
 }
-BLOCKS = ("first_qkv", "layer", "last")
+LAYERS = ("first_qkv", "layer", "last")
+# the heads, with the backward options hf/state.py's `Blocks` makes them with (run under "bf16" only)
+HEADS: dict[str, tuple[str, ...]] = {
+    "head_loss": ("--chunk-dim", "V"),  # "vocab" loss mode: chunks of V within a byte budget
+    "head_loss_rows": ("--remat", "save", "--chunk-dim", "M"),  # "rows" mode
+    "head_logits": (),
+}
+BLOCKS = LAYERS + tuple(HEADS)
 # head_dim, by family, as the family's small released models have it (Qwen and OLMo 2 128, Gemma 2 and
 # 3 256): the per-head q/k norm's groups and the RoPE pairs follow it. The families whose blocks are
 # Llama's (Mistral, Ministral and Phi-3 differ outside them) run Llama-3.2-1B's 64 with it, as Granite
 HEAD_DIMS = {"qwen3": 128, "qwen2": 128, "olmo2": 128, "gemma2": 256, "gemma3": 256}
 HEAD_DIM = 64  # (the others)
-HEADS = (4, 2)
+N_HEADS = (4, 2)  # query and key/value heads
 MULTIPLIERS = (12.0, 0.22, 8.0)  # Granite's (embedding, residual, logits), as its 2B config has them
 SOFTCAP = 30.0
 
@@ -61,6 +72,7 @@ class Run:
     block: str
     path: Path
     wrt: tuple[str, ...]
+    flags: tuple[str, ...]  # coda fuzz's backward options
 
     @property
     def name(self) -> str:
@@ -84,7 +96,7 @@ def source(family: object, recipe: str) -> str:
         MULTIPLIERS if f.multipliers else None,  # type: ignore[attr-defined]
         pre_norm=f.pre_norm,  # type: ignore[attr-defined]
         post_norm=f.post_norm,  # type: ignore[attr-defined]
-        heads=HEADS,
+        heads=N_HEADS,
         norm_offset=f.norm_offset,  # type: ignore[attr-defined]
         act=f.activation,  # type: ignore[attr-defined]
         softcap=SOFTCAP if f.logit_softcap else None,  # type: ignore[attr-defined]
@@ -94,7 +106,8 @@ def source(family: object, recipe: str) -> str:
 
 
 def runs(families: list[str], recipes: list[str], blocks: list[str], out: Path) -> list[Run]:
-    """One run per distinct program and block: the programs written to `out`."""
+    """One run per distinct program and block (the heads under "bf16" only): the programs written to
+    `out`."""
     from coda_lang.api import load
     from coda_lang.hf.family import FAMILIES
     from coda_lang.hf.state import block_wrt
@@ -109,14 +122,17 @@ def runs(families: list[str], recipes: list[str], blocks: list[str], out: Path) 
             path.write_text(text)
             prog = load(text)
             for block in blocks:
-                got.append(Run(tuple(names), recipe, block, path, tuple(block_wrt(prog[block]))))
+                if block in HEADS and recipe != "bf16":
+                    continue  # (an fp8 model's heads are the bf16 model's)
+                flags = HEADS[block] if block in HEADS else RECIPES[recipe][2]
+                got.append(Run(tuple(names), recipe, block, path, tuple(block_wrt(prog[block])), flags))
     return got
 
 
 def command(run: Run, args: argparse.Namespace) -> list[str]:
     cmd = [sys.executable, "-m", "coda_lang.cli", "fuzz", str(run.path), "--block", run.block]
     cmd += ["--target", args.target, "--examples", str(args.examples), "--seed", str(args.seed), "-q"]
-    cmd += ["--wrt", ",".join(run.wrt), *RECIPES[run.recipe][2]]
+    cmd += ["--wrt", ",".join(run.wrt), *run.flags]
     return cmd + (["--special"] if args.special else [])
 
 
@@ -152,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.examples < 1 or args.jobs < 1:
         p.error("--examples and --jobs must be at least 1")
 
-    with tempfile.TemporaryDirectory(prefix="coda-fp8-blocks-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="coda-hf-blocks-") as tmp:
         out = Path(args.keep) if args.keep else Path(tmp)
         out.mkdir(parents=True, exist_ok=True)
         todo = runs(args.families.split(","), args.recipes.split(","), args.blocks.split(","), out)
@@ -184,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n== {r.name} (exit {rc}): {' '.join(command(r, args))}\n{text.strip()[-4000:]}")
         n = len(todo)
         print(
-            f"\n{n - len(failed)} of {n} fp8 blocks passed (target {args.target}, {args.examples} cases "
+            f"\n{n - len(failed)} of {n} blocks passed (target {args.target}, {args.examples} cases "
             f"each{', special values' if args.special else ''}; {time.perf_counter() - start:.0f} s)"
         )
         return 1 if failed else 0

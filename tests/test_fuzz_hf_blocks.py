@@ -1,9 +1,10 @@
-"""scripts/fuzz_fp8_blocks.py (`coda fuzz` on every fp8 block a patched Hugging Face model runs), on the CPU.
+"""scripts/fuzz_hf_blocks.py (`coda fuzz` on every block a patched Hugging Face model runs), on the CPU.
 
-- The runs: each family's program under each recipe, the families that write the same program fuzzed
-  once (Llama, Mistral, Ministral and Phi-3), each with the backward options and the parameters the
-  patch derives its blocks with; the programs are what `coda_lang.hf` writes (the recipe's header,
-  the e4m3 save's copy where the recipe saves it).
+- The runs: each family's program under bf16 and each fp8 recipe, the families that write the same
+  program fuzzed once (Llama, Mistral, Ministral and Phi-3), each block with the backward options and
+  the parameters the patch derives it with; the programs are what `coda_lang.hf` writes (the recipe's
+  header, the e4m3 save's copy where the recipe saves it); the loss and logits heads under bf16 only,
+  with their chunked backwards.
 - One block fuzzed on the emulated kernels passes (exit 0, one line per run and a summary); a run that
   fails (here: an option `coda fuzz` refuses) is reported with its command and output, exit 1.
 - Unknown names are usage errors (exit 2).
@@ -21,16 +22,16 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "fuzz_fp8_blocks.py"
+SCRIPT = ROOT / "scripts" / "fuzz_hf_blocks.py"
 
 
 def _script() -> Any:
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
-        import fuzz_fp8_blocks
+        import fuzz_hf_blocks
     finally:
         sys.path.pop(0)
-    return fuzz_fp8_blocks
+    return fuzz_hf_blocks
 
 
 def test_the_runs_cover_every_family_recipe_and_block(tmp_path: Path) -> None:
@@ -47,20 +48,25 @@ def test_the_runs_cover_every_family_recipe_and_block(tmp_path: Path) -> None:
     same = next(fams for fams, _ in programs if "llama" in fams)
     assert same == ("llama", "mistral", "ministral", "phi3"), same
     distinct = {fams for fams, _ in programs}
-    assert len(distinct) == 7 and len(runs) == 7 * len(s.RECIPES) * len(s.BLOCKS)
+    layers, heads = len(s.LAYERS), len(s.HEADS)
+    assert len(distinct) == 7 and len(runs) == 7 * (len(s.RECIPES) * layers + heads)
     for r in runs:
         text = r.path.read_text()
         block = load(text)[r.block]
-        # the recipe's program: "delayed" saves the gate/up acc in e4m3 and fuzzes with its options
         fp8, save, flags = s.RECIPES[r.recipe]
-        # (both recipes write one program, "fp8 delayed"; they differ in the backward's options)
-        assert "fp8 delayed" in text.splitlines()[0], (r.name, text.splitlines()[0])
+        header = text.splitlines()[0]
+        # (both fp8 recipes write one program, "fp8 delayed"; they differ in the backward's options)
+        assert ("fp8 delayed" in header) == (fp8 is not None), (r.name, header)
         assert ("u1q: e4m3 = acc * c1" in text) == save, r.name
         assert ("--fp8-acc" in flags) == save and ("--fp8-grads" in flags) == (fp8 == "delayed")
-        # differentiated as the patch does: weights and activations, never a scale
+        if r.block in s.HEADS:
+            assert r.recipe == "bf16" and r.flags == s.HEADS[r.block], r.name
+        else:
+            assert r.flags == flags, r.name
+        # differentiated as the patch does: weights and activations, never a scale or a target
         params = {p.var.name for p in block.ir.params}
         assert set(r.wrt) <= params and not any(w.startswith("s_") for w in r.wrt), r.wrt
-        assert any(w.startswith("w_") for w in r.wrt), r.wrt
+        assert "target" not in r.wrt and any(w.startswith("w_") for w in r.wrt), r.wrt
         cmd = s.command(r, argparse.Namespace(target="emulate", examples=3, seed=7, special=False))
         assert cmd[3:] == [
             "fuzz",
@@ -77,8 +83,10 @@ def test_the_runs_cover_every_family_recipe_and_block(tmp_path: Path) -> None:
             "-q",
             "--wrt",
             ",".join(r.wrt),
-            *flags,
+            *r.flags,
         ]
+    loss = next(r for r in runs if r.block == "head_loss" and "llama" in r.families)
+    assert loss.flags == ("--chunk-dim", "V"), loss.flags  # the "vocab" loss mode's chunked backward
     # the head dims: Qwen3's per-head norm at its own 128, Gemma's 256
     qwen3 = next(r for r in runs if r.families == ("qwen3",))
     assert "head_dim 128" in qwen3.path.read_text().splitlines()[0]
@@ -94,7 +102,7 @@ def test_one_block_passes_emulated(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0, out
     assert "ok   qwen3/delayed/layer" in out and "ok: layer: 1 cases" in out, out
     assert "--fp8-grads e5m2 --fp8-acc" in out
-    assert out.strip().splitlines()[-1].startswith("1 of 1 fp8 blocks passed (target emulate"), out
+    assert out.strip().splitlines()[-1].startswith("1 of 1 blocks passed (target emulate"), out
 
 
 def test_a_failing_run_fails_it(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -109,7 +117,7 @@ def test_a_failing_run_fails_it(monkeypatch: pytest.MonkeyPatch, capsys: pytest.
     assert code == 1, out
     assert "FAIL llama/delayed/first_qkv" in out and "== llama/delayed/first_qkv (exit 2)" in out, out
     assert "--fp8-grads e3m4" in out and "invalid choice" in out, out
-    assert out.strip().splitlines()[-1].startswith("0 of 1 fp8 blocks passed"), out
+    assert out.strip().splitlines()[-1].startswith("0 of 1 blocks passed"), out
 
 
 @pytest.mark.parametrize(
@@ -129,5 +137,5 @@ def test_unknown_names_are_usage_errors(flag: str, value: str) -> None:
 
 def test_gpu_check_runs_it() -> None:
     text = (ROOT / "scripts" / "gpu_check.sh").read_text()
-    assert "scripts/fuzz_fp8_blocks.py --target cuda" in text
+    assert "scripts/fuzz_hf_blocks.py --target cuda" in text
     assert subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_check.sh")]).returncode == 0
