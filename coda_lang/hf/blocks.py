@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import functools
 
-from coda_lang.backend_cute.build.config import CANDIDATES
+from coda_lang.backend_cute.build.config import CANDIDATES, PAIRED_SUBTILE
 from coda_lang.torch import acc_copy_lines, fp8_weight, llama_mlp_stages, llama_mlp_stages_fp8, norm_weight
 
 DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
@@ -373,10 +373,14 @@ def _mlp(
     return stages + ("\n  r2 = rsqrt(ss2 / D + eps)" if then else "")
 
 
-def heads_fit_tiles(head_dim: int) -> bool:
+def heads_fit_tiles(head_dim: int, fp8: bool = False) -> bool:
     """Whether a kernel tile can hold whole heads of `head_dim` columns (some candidate tile's N a
     multiple of it: backend_cute/build/config.py), so that a per-head reduction completes in the QKV
-    GEMM's epilogue; else (Gemma 3's 256) it completes in a row stage after the GEMM."""
+    GEMM's epilogue; else (Gemma 3's 256) it completes in a row stage after the GEMM. `fp8`: the fp8
+    blocks' QKV stage, a paired one, whose epilogue subtile is 32 columns or wider (`PAIRED_SUBTILE`),
+    and a group must be whole subtiles: heads narrower than that (16 columns) take the row stage too."""
+    if fp8 and head_dim % PAIRED_SUBTILE.multiple_of:
+        return False
     return any(c.tile_n % head_dim == 0 for c in CANDIDATES)
 
 
@@ -390,12 +394,13 @@ def _qkv(
     hd: int,
     rows: bool = False,
     w: str = "w_qkv",
+    fp8: bool = False,
 ) -> str:
     """The QKV projection's stage reading `src` (its row scale `r`, or "" for none) through RoPE,
     with the q/k norm `qk_norm` (and, for "proj", heads wider than the kernels' tiles or `rows`, the
     row stage after it); `offset` the norm weights' offset, `hd` the head dim, `w` the weight (its e4m3
-    copy `w_qkvq` in fp8 blocks)."""
-    if qk_norm == "head" and (rows or not heads_fit_tiles(hd)):
+    copy `w_qkvq` in fp8 blocks, `fp8` set)."""
+    if qk_norm == "head" and (rows or not heads_fit_tiles(hd, fp8)):
         body = _QKV_NORM_ROWS
     else:
         body = {None: _QKV, "head": _QKV_NORM, "proj": _QKV_PROJ_NORM}[qk_norm]
@@ -491,7 +496,8 @@ def model_source(
         "proj": ", gqk: f32[2*P], mq: f32[2*P], mk: f32[2*P]",
     }[kind]
     notes = {None: "", "head": ", per-head q/k norm", "proj": ", q/k norm over each projection"}[kind]
-    notes += " (a row stage)" if kind == "head" and (head_rows or not heads_fit_tiles(head_dim)) else ""
+    rows = kind == "head" and (head_rows or not heads_fit_tiles(head_dim, bool(fp8)))
+    notes += " (a row stage)" if rows else ""
     notes += ", QKV bias" if qkv_bias else ""
     notes += ", post norms" if post_norm else ""
     notes += "" if pre_norm else ", no pre norms"
@@ -511,7 +517,7 @@ def model_source(
     if fp8:
         first = fp8_weight("w_qkv", "2*P", "D")
         first += _INPUT_NORM_FP8.format(g=norm_weight("g", norm_offset)) if pre_norm else _INPUT_FP8
-        first += qkv("hq", "i0", w="w_qkvq")
+        first += qkv("hq", "i0", w="w_qkvq", fp8=True)
     elif pre_norm:
         first = _INPUT_NORM.format(t=t, g=norm_weight("g", norm_offset)) + qkv("hg", "r")
     else:
@@ -541,7 +547,7 @@ def model_source(
     if fp8:
         r2 = "r2" if pre_norm else "1.0"
         layer_qkv = fp8_weight("w_qkv", "2*P", "D") + f"\n  i2 = {r2} / (s_x2 * s_w_qkv)"
-        layer_qkv += qkv("x2q", "i2", w="w_qkvq")
+        layer_qkv += qkv("x2q", "i2", w="w_qkvq", fp8=True)
     else:
         layer_qkv = qkv("x2g" if pre_norm else "x2", "r2" if pre_norm else "")
     head_params = "" if logit_scale is None else f", ls: f32 = {float(logit_scale)!r}"
