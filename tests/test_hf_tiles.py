@@ -66,3 +66,29 @@ def test_narrow_heads_take_the_row_stage_in_fp8_only() -> None:
     assert "(a row stage)" not in src.splitlines()[0]
     bad = _untileable(coda_lang.load(src)["layer"])
     assert bad and "w_qkvq" in bad[0], bad
+
+
+@pytest.mark.parametrize("fp8", [None, "delayed"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "granite", "olmo2", "gemma2", "gemma3_text"])
+def test_every_family_blocks_have_tiles(family: str, fp8: str | None) -> None:
+    """Each family's blocks (as scripts/fuzz_hf_blocks.py writes them, at the family's head_dim), the
+    layer blocks and the heads, forward and the backward the patch derives, bf16 and fp8."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    try:
+        import fuzz_hf_blocks as harness
+    finally:
+        sys.path.pop(0)
+    from coda_lang.hf.family import FAMILIES
+
+    recipe = "delayed" if fp8 else "bf16"
+    prog = coda_lang.load(harness.source(FAMILIES[family], recipe))
+    options = BackwardOptions(fp8_grads="e5m2", fp8_acc=True) if fp8 else None
+    bad = []
+    for name in harness.BLOCKS:
+        b = prog[name]
+        opts = options if name in harness.LAYERS else None
+        bad += _untileable(b) + _untileable(b.grad(block_wrt(b), backward=opts))
+    assert not bad, bad
