@@ -329,7 +329,7 @@ block heavy(x: bf16[M, K], w: bf16[K, N], t: bf16[M, N], b: f32[N], u: f32[M])
 def test_spills_everywhere_is_e0706(cache: Path) -> None:
     block = coda_lang.load(HEAVY)["heavy"]
     with pytest.raises(CodaError) as info:
-        select_config(block, 1, (DEFAULT_CONFIG,), directory=cache)
+        select_config(block, 1, (DEFAULT_CONFIG,), directory=cache, fallback=False)
     (d,) = info.value.diagnostics
     assert d.code == "E0706" and d.notes and "spill stores" in d.notes[0]
 

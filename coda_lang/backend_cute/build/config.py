@@ -145,17 +145,20 @@ FP8_E16_CANDIDATES = (
 )
 
 
-# Tried only where every fp8 candidate above spills (select.select_config, select.configs_without_spills):
-# tiles whose threads hold fewer values at once, for the heaviest epilogues beside the second
-# accumulator. A 16-column epilogue subtile halves what one pass over the accumulator holds; a
-# cooperative tile's two consumer warpgroups hold 64 rows each, half a pingpong tile's accumulators
-# (for the stages WIDE_F32_TILE leaves cooperative tiles, and PAIRED_SUBTILE 32-column subtiles).
-# ptxas, sm_90a, 2026-11-28, Gemma 2's fp8 layer backward: `dacc9 @ w_qkvq` (its epilogue the sandwich
-# norms' backward: three tiles loaded, two f32 tiles stored, two column sums and a row sum; pingpong
-# only) spills 224 bytes at 128x96 and 8 at 128x64, and none at 128x64 with the 16-column subtile;
-# cooperative 128x128 e16 and 128x64 spill none either. Not candidates of every stage: each is one
-# more kernel to compile and time, and a 16-column subtile runs the epilogue in twice the passes.
-FP8_FALLBACK_CANDIDATES = (
+# Tried only where every candidate of a GEMM stage spills (select.select_config,
+# select.configs_without_spills; tiles.choose_config where none fits): tiles whose threads hold fewer
+# values at once, for the heaviest epilogues. A 16-column epilogue subtile halves what one pass over the
+# accumulator holds; a cooperative tile's two consumer warpgroups hold 64 rows each, half a pingpong
+# tile's accumulators (for the stages WIDE_F32_TILE leaves cooperative tiles, and PAIRED_SUBTILE
+# 32-column subtiles). ptxas, sm_90a, 2026-11-28, Gemma 2's fp8 layer backward, whose QKV data gradient
+# `dacc9 @ w_qkvq` carries the sandwich norms' backward (three tiles loaded, two f32 tiles stored, two
+# column sums and a row sum; pingpong only): with e5m2 cotangents (an fp8 GEMM, beside its second
+# accumulator) it spills 224 bytes at 128x96 and 8 at 128x64, with bf16 ones ("delayed-forward": a
+# 16-bit GEMM of the widened weight) at every 16-bit candidate; at 128x64 with the 16-column subtile it
+# spills none in either (nor at cooperative 128x128 e16 and 128x64 where those are allowed). Not
+# candidates of every stage: each is one more kernel to compile and time, and a 16-column subtile runs
+# the epilogue in twice the passes.
+FALLBACK_CANDIDATES = (
     TileConfig(128, 128, 2, 1, False, epi_n=16),
     TileConfig(128, 96, epi_n=16),
     TileConfig(128, 64, epi_n=16),
@@ -164,9 +167,9 @@ FP8_FALLBACK_CANDIDATES = (
 
 
 def fallback_candidates_for(spec: StageSpec) -> tuple[TileConfig, ...]:
-    """The tiles tried for this stage only where every one of its candidates spills (an fp8 GEMM's
-    FP8_FALLBACK_CANDIDATES; none for a 16-bit one)."""
-    return FP8_FALLBACK_CANDIDATES if fp8_operands(spec) else ()
+    """The tiles tried for this stage only where every one of its candidates spills
+    (FALLBACK_CANDIDATES less those among its candidates)."""
+    return tuple(c for c in FALLBACK_CANDIDATES if c not in candidates_for(spec))
 
 
 def fp8_e16_on() -> bool:

@@ -38,9 +38,11 @@ def select_config(
     *,
     directory: Path | None = None,
     jobs: int | None = 1,
+    fallback: bool = True,
 ) -> CompiledStage:
     """The first candidate tile whose kernel compiles and has no register spills (CodaError E0706 if
-    none; E0707 if quack refused every candidate); `candidates`: default candidates_for(the stage).
+    none; E0707 if quack refused every candidate); `candidates`: default candidates_for(the stage);
+    `fallback`: where every candidate spills, the stage's fallback tiles next (config.py).
     `jobs`: worker processes for the kernels not in the
     cache yet (None: parallel.default_jobs; 1: compile them here, one after another)."""
     spec = plan_stage(block, index)
@@ -50,13 +52,17 @@ def select_config(
         parallel.warm([parallel.Request(spec, candidates, first=True)], jobs=jobs, directory=directory)
     tried: list[str] = []
     refused: list[CodaError] = []
-    # (where every candidate spills, the stage's fallback tiles after them: config.FP8_FALLBACK_CANDIDATES)
-    fallback = tuple(c for c in fallback_candidates_for(spec) if c not in candidates)
-    for i, config in enumerate(candidates + fallback):
+    # where every candidate spills (or none fits), the stage's fallback tiles after them
+    # (config.FALLBACK_CANDIDATES); not where quack refused every one it tried (E0707, below)
+    more = tuple(c for c in fallback_candidates_for(spec) if c not in candidates) if fallback else ()
+    for i, config in enumerate(candidates + more):
+        if i == len(candidates):
+            if tried and len(refused) == len(tried):
+                break
+            if jobs != 1:
+                parallel.warm([parallel.Request(spec, more, first=True)], jobs=jobs, directory=directory)
         if not fits(spec, config):
             continue
-        if i == len(candidates) and jobs != 1:
-            parallel.warm([parallel.Request(spec, fallback, first=True)], jobs=jobs, directory=directory)
         try:
             c = compile_spec(spec, config, directory=directory)
         except CodaError as e:  # quack refuses this tile for this epilogue (E0707): try the next
@@ -114,7 +120,7 @@ def configs_without_spills(
     fallback = tuple(c for c in fallback_candidates_for(spec) if c not in candidates)
     if not fallback:
         return out
-    # every candidate spills: the fallback tiles (config.FP8_FALLBACK_CANDIDATES), which only such a stage tries
+    # every candidate spills: the fallback tiles (config.FALLBACK_CANDIDATES), which only such a stage tries
     return out[: is_plain(spec)] + [
         c for c in configs_without_spills(spec, fallback, directory=directory, jobs=jobs) if c is not CUBLAS
     ]

@@ -33,6 +33,7 @@ from coda_lang.backend_cute.build.config import (
     TileConfig,
     broken,
     candidates_for,
+    fallback_candidates_for,
     fits,
     rules,
     tune_candidates_for,
@@ -107,6 +108,8 @@ def choose_config(block: Any, index: int, spec: StageSpec, emulate: bool) -> Til
     """select_config's tile for a stage (cached per emitted source); without a usable ptxas, or when
     emulating, the first candidate that fits the stage's tiling constraints."""
     candidates = tuple(c for c in candidates_for(spec) if fits(spec, c, emulate))
+    if not candidates:  # (where none of its candidates fits, the stage's fallback tiles: config.py)
+        candidates = tuple(c for c in fallback_candidates_for(spec) if fits(spec, c, emulate))
     if not candidates:
         raise CodaError(
             [
