@@ -379,7 +379,7 @@ def heads_fit_tiles(head_dim: int, fp8: bool = False) -> bool:
     GEMM's epilogue; else (Gemma 3's 256) it completes in a row stage after the GEMM. `fp8`: the fp8
     blocks' QKV stage, a paired one, whose epilogue subtile is 32 columns or wider (`PAIRED_SUBTILE`),
     and a group must be whole subtiles: heads narrower than that (16 columns) take the row stage too."""
-    if fp8 and head_dim % PAIRED_SUBTILE.multiple_of:
+    if fp8 and head_dim % int(PAIRED_SUBTILE.multiple_of or 1):
         return False
     return any(c.tile_n % head_dim == 0 for c in CANDIDATES)
 
