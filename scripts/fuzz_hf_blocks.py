@@ -176,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             for r in todo:
                 also = f"  (also {', '.join(r.families[1:])})" if len(r.families) > 1 else ""
                 print(" ".join(command(r, args)) + also)
+            if not args.keep:
+                print("(the programs are in a temporary directory, removed now: --keep DIR keeps them)")
             return 0
 
         def one(r: Run) -> tuple[Run, int, str, str, float]:

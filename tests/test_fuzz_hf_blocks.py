@@ -139,3 +139,22 @@ def test_gpu_check_runs_it() -> None:
     text = (ROOT / "scripts" / "gpu_check.sh").read_text()
     assert "scripts/fuzz_hf_blocks.py --target cuda" in text
     assert subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_check.sh")]).returncode == 0
+
+
+def test_list_prints_the_commands_and_keeps_the_programs(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--list", "--recipes", "bf16", "--families", "llama,mistral", "--keep"]
+        + [str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 6 and all(" -m coda_lang.cli fuzz " in ln for ln in lines), r.stdout
+    assert all(ln.endswith("(also mistral)") for ln in lines), r.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama-bf16.coda"]
+    for ln in lines:
+        path = ln.split(" fuzz ")[1].split(" --block ")[0]
+        assert Path(path).is_file(), path
