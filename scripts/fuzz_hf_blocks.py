@@ -36,9 +36,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+if TYPE_CHECKING:
+    from coda_lang.hf.family import Family
 
 # recipe -> (apply_coda's fp8=, the gate/up acc saved in e4m3, coda fuzz's backward options of the layers)
 RECIPES: dict[str, tuple[str | None, bool, tuple[str, ...]]] = {
@@ -79,27 +83,20 @@ class Run:
         return f"{self.families[0]}/{self.recipe}/{self.block}"
 
 
-def source(family: object, recipe: str) -> str:
+def source(family: Family, recipe: str) -> str:
     """The program `coda_lang.hf` writes for a model of `family` under `recipe`, at the stand-in
     constants above (hf/state.py's `Blocks` passes a model's own)."""
-    name = family.name  # type: ignore[attr-defined]
-    from coda_lang.hf.blocks import model_source
+    from coda_lang.hf.blocks import family_source
 
     fp8, save, _ = RECIPES[recipe]
-    f = family
-    return model_source(
+    return family_source(
+        family,
         "bfloat16",
         1e-6,
-        HEAD_DIMS.get(name, HEAD_DIM),
-        f.qk_norm,  # type: ignore[attr-defined]
-        f.qkv_bias,  # type: ignore[attr-defined]
-        MULTIPLIERS if f.multipliers else None,  # type: ignore[attr-defined]
-        pre_norm=f.pre_norm,  # type: ignore[attr-defined]
-        post_norm=f.post_norm,  # type: ignore[attr-defined]
-        heads=N_HEADS,
-        norm_offset=f.norm_offset,  # type: ignore[attr-defined]
-        act=f.activation,  # type: ignore[attr-defined]
-        softcap=SOFTCAP if f.logit_softcap else None,  # type: ignore[attr-defined]
+        HEAD_DIMS.get(family.name, HEAD_DIM),
+        N_HEADS,
+        MULTIPLIERS if family.multipliers else None,
+        SOFTCAP if family.logit_softcap else None,
         fp8=fp8,
         fp8_save=save,
     )

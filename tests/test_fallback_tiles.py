@@ -156,23 +156,12 @@ def test_the_tuners_list_falls_back_too(monkeypatch: pytest.MonkeyPatch) -> None
 @pytest.mark.parametrize("recipe", ["delayed", "delayed-forward"])
 def test_gemma2_dgrad_takes_a_fallback_tile(recipe: str, tmp_path: Any) -> None:
     pytest.importorskip("quack")
-    from coda_lang.hf.blocks import model_source
+    from coda_lang.hf.blocks import family_source
     from coda_lang.hf.family import FAMILIES
     from coda_lang.hf.state import block_wrt
 
-    f = FAMILIES["gemma2"]
-    src = model_source(
-        "bfloat16",
-        1e-6,
-        256,
-        None,
-        pre_norm=True,
-        post_norm=True,
-        heads=(4, 2),
-        norm_offset=1.0,
-        act=f.activation,
-        fp8=recipe,
-        fp8_save=recipe == "delayed",
+    src = family_source(
+        FAMILIES["gemma2"], "bfloat16", 1e-6, 256, (4, 2), fp8=recipe, fp8_save=recipe == "delayed"
     )
     b = coda_lang.load(src)["layer"]
     opts = coda_lang.BackwardOptions(fp8_grads="e5m2", fp8_acc=True) if recipe == "delayed" else None

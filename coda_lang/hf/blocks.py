@@ -60,6 +60,7 @@ from __future__ import annotations
 import functools
 
 from coda_lang.backend_cute.build.config import CANDIDATES, PAIRED_SUBTILE
+from coda_lang.hf.family import Family
 from coda_lang.torch import acc_copy_lines, fp8_weight, llama_mlp_stages, llama_mlp_stages_fp8, norm_weight
 
 DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
@@ -420,6 +421,41 @@ def _logits(acc: str, logit_scale: float | None, softcap: float | None) -> str:
     Granite's logits scaling `ls`, soft-capped by Gemma's `cap` (cap * tanh(z / cap))."""
     z = f"{acc} * r" + ("" if logit_scale is None else " / ls")
     return z if softcap is None else f"cap * tanh({z} / cap)"
+
+
+def family_source(
+    family: Family,
+    dtype: str,
+    eps: float,
+    head_dim: int,
+    heads: tuple[int, int],
+    multipliers: tuple[float, float, float] | None = None,
+    softcap: float | None = None,
+    *,
+    head_rows: bool = False,
+    fp8: str | None = None,
+    fp8_save: bool = False,
+) -> str:
+    """`model_source` for a model of `family`: the family's facts (its q/k norm, QKV bias, norms and
+    their offset, activation) with the model's own numbers (dtype, eps, head_dim, `heads` (query,
+    key/value), Granite's `multipliers`, Gemma's logit `softcap`) and the patch's settings."""
+    return model_source(
+        dtype,
+        eps,
+        head_dim,
+        family.qk_norm,
+        family.qkv_bias,
+        multipliers,
+        pre_norm=family.pre_norm,
+        post_norm=family.post_norm,
+        heads=heads,
+        norm_offset=family.norm_offset,
+        act=family.activation,
+        softcap=softcap,
+        head_rows=head_rows,
+        fp8=fp8,
+        fp8_save=fp8_save,
+    )
 
 
 def model_source(

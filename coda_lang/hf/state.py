@@ -31,7 +31,7 @@ import torch
 from coda_lang.api import Program, load
 from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.backend_cute.plan.spec import fp8_pair_load_on, pair_store_on
-from coda_lang.hf.blocks import FP8_GRADS, FP8_SAVE_VAR, model_source
+from coda_lang.hf.blocks import FP8_GRADS, FP8_SAVE_VAR, family_source
 from coda_lang.hf.checkpoint import Layout
 from coda_lang.hf.family import Family, multipliers, softcap
 from coda_lang.hf.fp8 import Bank, NoCallSite
@@ -85,19 +85,14 @@ class Blocks:
         f = st.family
 
         def source(head_rows: bool = False) -> str:
-            return model_source(
+            return family_source(
+                f,
                 str(dtype).removeprefix("torch."),
                 eps,
                 st.HD,
-                f.qk_norm,
-                f.qkv_bias,
+                (st.H, st.KV),
                 st.multipliers,
-                pre_norm=f.pre_norm,
-                post_norm=f.post_norm,
-                heads=(st.H, st.KV),
-                norm_offset=f.norm_offset,
-                act=f.activation,
-                softcap=st.softcap,
+                st.softcap,
                 head_rows=head_rows,
                 fp8=st.fp8,
                 fp8_save=st.fp8_save,
