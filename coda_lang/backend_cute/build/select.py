@@ -121,6 +121,6 @@ def configs_without_spills(
     if not fallback:
         return out
     # every candidate spills: the fallback tiles (config.FALLBACK_CANDIDATES), which only such a stage tries
-    return out[: is_plain(spec)] + [
+    return out + [
         c for c in configs_without_spills(spec, fallback, directory=directory, jobs=jobs) if c is not CUBLAS
     ]
