@@ -4,15 +4,22 @@
   user would, with this checkout's package) and returns the completed process (text output);
   `no_traceback(r)` asserts it printed no Python traceback and no internal error.
 - `QUANTIZED_EXAMPLES`, `NO_BACKWARD`: the examples that gradient checks leave out, and why.
+- `script(name)` imports scripts/NAME.py as a module (the scripts are not a package).
+- `stage_option_error(text, anchor, message, tmp_path)`: `text` is refused with E0211 (a bad stage
+  option) saying `message`, at the line and column of the line that starts with `anchor`, by
+  `coda_lang.load` and by `coda check`.
 - `golden(path, got, update)` compares `got` with the golden file `path`, or (with pytest's
   `--update-golden`, the `update_golden` fixture of conftest.py) writes it and skips the test.
 """
 
 from __future__ import annotations
 
+import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -45,6 +52,35 @@ def no_traceback(r: subprocess.CompletedProcess[str]) -> None:
     """No Python traceback, and no "internal error" (exit 3: a bug) either."""
     assert "Traceback" not in r.stdout + r.stderr
     assert "internal error" not in r.stderr
+
+
+def script(name: str) -> ModuleType:
+    """scripts/NAME.py, imported (once per process) as a module."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+
+
+def stage_option_error(text: str, anchor: str, message: str, tmp_path: Path) -> None:
+    """E0211 saying `message` for `text`, at the line starting with `anchor` (stripped of its
+    indentation), from `coda_lang.load` and, with the same line and column, from `coda check`."""
+    import coda_lang
+    from coda_lang.core.diagnostics import CodaError
+
+    with pytest.raises(CodaError) as e:
+        coda_lang.load(text)
+    (diag,) = e.value.diagnostics
+    assert diag.code == "E0211" and message in diag.message, diag.message
+    line = next(i for i, ln in enumerate(text.splitlines(), 1) if ln.lstrip().startswith(anchor))
+    assert diag.span is not None and diag.span.line == line
+    f = tmp_path / "bad.coda"
+    f.write_text(text)
+    r = coda("check", f, "--error-format", "short")
+    assert r.returncode == 1 and re.search(
+        rf"bad\.coda:{diag.span.line}:{diag.span.col}: error\[E0211\]", r.stdout + r.stderr
+    ), r.stdout + r.stderr
 
 
 def golden(path: Path, got: str, update: bool) -> None:

@@ -20,25 +20,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "fuzz_hf_blocks.py"
-
-
-def _script() -> Any:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import fuzz_hf_blocks
-    finally:
-        sys.path.pop(0)
-    return fuzz_hf_blocks
 
 
 def test_the_runs_cover_every_family_recipe_and_block(tmp_path: Path) -> None:
     from coda_lang.api import load
     from coda_lang.hf.family import FAMILIES
 
-    s = _script()
+    s = script("fuzz_hf_blocks")
     runs = s.runs(list(FAMILIES), list(s.RECIPES), list(s.BLOCKS), tmp_path)
     programs = {(r.families, r.recipe) for r in runs}
     # every family is in exactly one program of each recipe
@@ -97,7 +89,7 @@ def test_the_runs_cover_every_family_recipe_and_block(tmp_path: Path) -> None:
 
 def test_one_block_passes_emulated(capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("torch")
-    code = _script().main(
+    code = script("fuzz_hf_blocks").main(
         ["--target", "emulate", "--families", "qwen3", "--recipes", "delayed", "--blocks", "layer"]
         + ["--examples", "1", "--jobs", "1"]
     )
@@ -109,7 +101,7 @@ def test_one_block_passes_emulated(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_a_failing_run_fails_it(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    s = _script()
+    s = script("fuzz_hf_blocks")
     # a recipe whose fuzz options coda fuzz refuses: the run exits 2, the script reports it and exits 1
     monkeypatch.setitem(s.RECIPES, "delayed", ("delayed", True, ("--fp8-grads", "e3m4")))
     code = s.main(
@@ -128,7 +120,7 @@ def test_a_failing_run_fails_it(monkeypatch: pytest.MonkeyPatch, capsys: pytest.
 )
 def test_unknown_names_are_usage_errors(flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
-        _script().main([flag, value, "--list"])
+        script("fuzz_hf_blocks").main([flag, value, "--list"])
     out = capsys.readouterr()
     assert e.value.code == 2 and "unknown" in out.err and "Traceback" not in out.err, out.err
     assert out.out == ""

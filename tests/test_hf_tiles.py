@@ -13,6 +13,7 @@ and by the harness on a GPU.
 from __future__ import annotations
 
 import pytest
+from support import script
 
 import coda_lang
 from coda_lang.autodiff.options import BackwardOptions
@@ -73,15 +74,9 @@ def test_narrow_heads_take_the_row_stage_in_fp8_only() -> None:
 def test_every_family_blocks_have_tiles(family: str, fp8: str | None) -> None:
     """Each family's blocks (as scripts/fuzz_hf_blocks.py writes them, at the family's head_dim), the
     layer blocks and the heads, forward and the backward the patch derives, bf16 and fp8."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    try:
-        import fuzz_hf_blocks as harness
-    finally:
-        sys.path.pop(0)
     from coda_lang.hf.family import FAMILIES
+
+    harness = script("fuzz_hf_blocks")
 
     recipe = "delayed" if fp8 else "bf16"
     prog = coda_lang.load(harness.source(FAMILIES[family], recipe))

@@ -14,9 +14,9 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
+from support import script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "memcheck_examples.py"
@@ -28,18 +28,9 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _script() -> Any:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import memcheck_examples
-    finally:
-        sys.path.pop(0)
-    return memcheck_examples
-
-
 def test_examples_run_forward_and_backward_emulated(capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("torch")
-    code = _script().main(
+    code = script("memcheck_examples").main(
         ["--emulate", str(ROOT / "examples/llama_mlp.coda"), str(ROOT / "examples/lm_head_ce.coda")]
     )
     out = capsys.readouterr().out
@@ -59,7 +50,7 @@ def test_examples_run_forward_and_backward_emulated(capsys: pytest.CaptureFixtur
 def test_a_bad_result_fails_it(tmp_path: Path) -> None:
     """The script's check, in-process: a backward whose gradient comes out NaN fails the run."""
     torch = pytest.importorskip("torch")
-    mc = _script()
+    mc = script("memcheck_examples")
     import coda_lang
 
     block = coda_lang.load(ROOT / "examples" / "scale_residual.coda")["scale_residual"]

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from support import coda
+from support import coda, stage_option_error
 from test_autodiff import (
     FD_NAMES,
     GRAD_NAMES,
@@ -33,7 +33,6 @@ from test_autodiff import (
 )
 
 import coda_lang
-from coda_lang.core.diagnostics import CodaError
 from coda_lang.ir.nodes import Stage
 from coda_lang.testing import Forward, forward_blocks
 
@@ -271,17 +270,7 @@ def test_recompute_on_a_stage_overrides_save(tmp_path: Path) -> None:
 )
 def test_bad_stage_option(option: str, message: str, tmp_path: Path) -> None:
     text = MLP.replace("gemm hg @ w_13 {", f"gemm hg @ w_13, {option} {{")
-    with pytest.raises(CodaError) as e:
-        coda_lang.load(text)
-    (diag,) = e.value.diagnostics
-    assert diag.code == "E0211" and message in diag.message
-    assert diag.span is not None and diag.span.line == MLP[: MLP.index("gemm hg @ w_13")].count("\n") + 1
-    f = tmp_path / "bad.coda"
-    f.write_text(text)
-    r = coda("check", f, "--error-format", "short")
-    assert r.returncode != 0 and re.search(
-        rf"bad\.coda:{diag.span.line}:{diag.span.col}: error\[E0211\]", r.stdout + r.stderr
-    )
+    stage_option_error(text, "gemm hg @ w_13", message, tmp_path)
 
 
 # ---------------------------------------------------------------------------- random programs

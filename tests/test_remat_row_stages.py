@@ -16,23 +16,20 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from support import coda
+from support import coda, stage_option_error
 
 import coda_lang
-from coda_lang.core.diagnostics import CodaError
-from coda_lang.hf.blocks import model_source
+from coda_lang.hf.blocks import REBUILD, family_source
 from coda_lang.hf.family import FAMILIES
 from coda_lang.hf.state import block_wrt
 from coda_lang.ir.nodes import Stage
 from coda_lang.testing.inputs import block_inputs, cotangents
 
-REBUILD = ', remat="rebuild"'
 SIZES = {"M": 40, "D": 32, "F": 48, "K": 32, "P": 32}
 
 ROWS = """dims M, N, K
@@ -53,22 +50,7 @@ block rows(x: bf16[M, K], w: bf16[N, K], s_x: f32, s_w: f32) -> (y: bf16[M, N]) 
 
 
 def _post_norm(family: str, remat: bool = True) -> str:
-    f = FAMILIES[family]
-    src = model_source(
-        "bfloat16",
-        1e-6,
-        16,
-        f.qk_norm,
-        f.qkv_bias,
-        None,
-        pre_norm=f.pre_norm,
-        post_norm=f.post_norm,
-        heads=(4, 2),
-        norm_offset=f.norm_offset,
-        act=f.activation,
-        fp8="delayed",
-        fp8_save=True,
-    )
+    src = family_source(FAMILIES[family], "bfloat16", 1e-6, 16, (4, 2), fp8="delayed", fp8_save=True)
     assert REBUILD in src
     return src if remat else src.replace(REBUILD, "")
 
@@ -112,17 +94,7 @@ def test_an_elementwise_stage_takes_remat(tmp_path: Path) -> None:
     ],
 )
 def test_a_bad_option_on_an_elementwise_stage(option: str, message: str, tmp_path: Path) -> None:
-    text = ROWS.replace("OPT", f", {option}")
-    with pytest.raises(CodaError) as e:
-        coda_lang.load(text)
-    (diag,) = e.value.diagnostics
-    assert diag.code == "E0211" and message in diag.message
-    line = text.splitlines().index("  elementwise [M, K], " + option + " {") + 1
-    assert diag.span is not None and diag.span.line == line
-    f = tmp_path / "bad.coda"
-    f.write_text(text)
-    r = coda("check", f, "--error-format", "short")
-    assert r.returncode == 1 and re.search(rf"bad\.coda:{line}:\d+: error\[E0211\]", r.stdout + r.stderr)
+    stage_option_error(ROWS.replace("OPT", f", {option}"), "elementwise [M, K],", message, tmp_path)
 
 
 @pytest.mark.parametrize(
