@@ -61,6 +61,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -639,6 +640,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(run_config(name, args, ids))
         except Exception as e:  # one configuration failing must not hide the others' numbers
             print(f"{name}: failed: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+            traceback.print_exc(limit=-12)  # (the innermost frames: where it failed)
         release()
     if args.json:
         with open(args.json, "w") as f:

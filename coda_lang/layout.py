@@ -14,7 +14,9 @@ Weights are [in, out] matrices, the right operand of a GEMM (`x @ w`). A torch `
 is [out, in]: pass `linear.weight.T` (and transpose the result back to store it in a Linear).
 Every function permutes only the last axis, so the same call converts a weight matrix, a bias or
 norm-weight vector, or an activation (e.g. a block's `qkv` output, to compare with an unfused model).
-What it does not: copy data between devices or change dtypes (a permutation is exact), touch the
+What it does not: copy data between devices (a torch tensor is permuted through views and slices,
+never an index tensor copied to its device: the patched models permute their q/k norm weights in
+every forward, which a CUDA graph captures) or change dtypes (a permutation is exact), touch the
 rows of a weight, or know about attention itself: RoPE on the interleaved layout gives the same q.k
 because q and k share the permutation.
 Invariants: each pair of functions are exact inverses; inputs may be NumPy arrays (any dtype,
@@ -121,6 +123,9 @@ def split_gate_up(w13: A) -> tuple[A, A]:
     n = _last_axis(w13, "w13")
     if n % 2:
         raise ValueError(f"w13 must have an even number of columns (gate, up pairs), got {n}")
+    if _torch_of(w13) is not None:  # (strided slices: no index tensor to copy to the device)
+        t: Any = w13
+        return t[..., 0::2].contiguous(), t[..., 1::2].contiguous()
     even, odd = np.arange(0, n, 2), np.arange(1, n, 2)
     return _permute(w13, even), _permute(w13, odd)
 
@@ -135,12 +140,31 @@ def interleave_rope(w: A, head_dim: int, rope_width: int | None = None) -> A:
     repeated per head, or an activation. Raises ValueError if head_dim is odd or rope_width is not
     a multiple of head_dim that fits in the last axis.
     """
-    return _permute(w, _rope_perm(_last_axis(w, "w"), head_dim, rope_width))
+    perm = _rope_perm(_last_axis(w, "w"), head_dim, rope_width)
+    if _torch_of(w) is not None:
+        return _rope_views(w, head_dim, rope_width, inverse=False)
+    return _permute(w, perm)
+
+
+def _rope_views(x: Any, head_dim: int, rope_width: int | None, inverse: bool) -> Any:
+    """interleave_rope (or, `inverse`, deinterleave_rope) of a torch tensor through views: each head
+    of the first `rope_width` columns as [2, head_dim/2] (or [head_dim/2, 2]) transposed, the rest
+    unchanged, in one new tensor. An index_select would copy the permutation to x's device first, on
+    every call: a host-to-device copy, which a CUDA graph can't capture (the q/k norm weights are
+    permuted in every forward)."""
+    torch = _torch_of(x)
+    rw = int(x.shape[-1]) if rope_width is None else rope_width
+    half = head_dim // 2
+    split = (rw // head_dim, half, 2) if inverse else (rw // head_dim, 2, half)
+    heads = x[..., :rw].unflatten(-1, split).transpose(-1, -2).flatten(-3)
+    return torch.cat([heads, x[..., rw:]], dim=-1) if rw < x.shape[-1] else heads.contiguous()
 
 
 def deinterleave_rope(w: A, head_dim: int, rope_width: int | None = None) -> A:
     """The inverse of `interleave_rope` (e.g. to compare a block's `qkv` output with an unfused model)."""
     perm = _rope_perm(_last_axis(w, "w"), head_dim, rope_width)
+    if _torch_of(w) is not None:
+        return _rope_views(w, head_dim, rope_width, inverse=True)
     return _permute(w, np.argsort(perm))
 
 
