@@ -36,8 +36,7 @@ blocks). `coda-fp8`: `apply_coda(model, fp8="delayed")`, e4m3 forward GEMMs and 
 `fp8="delayed-forward"`, the same forward, bf16 cotangents; `coda-fp8-narrow`: coda-fp8 with
 $CODA_FP8_PAIR_STORE=0 (the SwiGLU backward's e5m2 cotangent stored in bf16 and narrowed in a pass
 of its own); `coda-fp8-e16`: coda-fp8 whose tuner also times the fp8 tiles at a 16-column epilogue
-subtile ($CODA_FP8_E16=1); `coda-fp8-fast`: coda-fp8 with $CODA_FP8_FAST_ACCUM=1; `coda-fp8-fast-e16`: both variables; `coda-fp8-pp64`: coda-fp8 whose tuner also times the fp8 GEMMs at 64-row pingpong
-tiles ($CODA_FP8_PP64=1); `coda-fp8-save16`: coda-fp8 whose layers save their gate/up
+subtile ($CODA_FP8_E16=1); `coda-fp8-fast`: coda-fp8 with $CODA_FP8_FAST_ACCUM=1; `coda-fp8-fast-e16`: both variables; `coda-fp8-save16`: coda-fp8 whose layers save their gate/up
 accumulators in bf16, not e4m3 ($CODA_FP8_SAVE_ACC=0) (none of them with --lora). `torchao-tensorwise` / `torchao-rowwise`: torchao's float8 training of that recipe
 (`convert_to_float8_training` on every nn.Linear but the LM head), then torch.compile of the model, as
 torchao's own benchmarks run it (its wheel: `pip install torchao`; not with --lora). A configuration
@@ -323,7 +322,6 @@ CODA_FP8 = {
     "coda-fp8-e16": "delayed",
     "coda-fp8-fast": "delayed",
     "coda-fp8-fast-e16": "delayed",
-    "coda-fp8-pp64": "delayed",
     "coda-fp8-save16": "delayed",
 }
 # the environment a configuration runs under (its blocks planned and compiled under it): coda-fp8-narrow
@@ -332,8 +330,7 @@ CODA_FP8 = {
 # coda-fp8-e16 is coda-fp8 whose tuner also times the fp8 tiles at a 16-column epilogue subtile
 # ($CODA_FP8_E16=1, build/config.py's FP8_E16_CANDIDATES); coda-fp8-fast is coda-fp8 whose tuner also
 # times the fp8 tiles with fast accumulation ($CODA_FP8_FAST_ACCUM=1: other numerics, docs/backend.md);
-# coda-fp8-fast-e16 both; coda-fp8-pp64 is coda-fp8 whose tuner also times the fp8 tiles at 64-row
-# pingpong tiles ($CODA_FP8_PP64=1, FP8_PP64_CANDIDATES); coda-fp8-save16 is coda-fp8 whose layers save their gate/up accumulators in
+# coda-fp8-fast-e16 both; coda-fp8-save16 is coda-fp8 whose layers save their gate/up accumulators in
 # the model's dtype, as before the e4m3 save became the default ($CODA_FP8_SAVE_ACC=0, read when the
 # model is patched: docs/models.md)
 CONFIG_ENV = {
@@ -342,7 +339,6 @@ CONFIG_ENV = {
     "coda-fp8-e16": {"CODA_FP8_E16": "1"},
     "coda-fp8-fast": {"CODA_FP8_FAST_ACCUM": "1"},
     "coda-fp8-fast-e16": {"CODA_FP8_FAST_ACCUM": "1", "CODA_FP8_E16": "1"},
-    "coda-fp8-pp64": {"CODA_FP8_PP64": "1"},
 }
 
 CONFIGS = (
@@ -357,7 +353,6 @@ CONFIGS = (
     "coda-fp8-e16",
     "coda-fp8-fast",
     "coda-fp8-fast-e16",
-    "coda-fp8-pp64",
     "coda-fp8-save16",
     "torchao-tensorwise",
     "torchao-rowwise",

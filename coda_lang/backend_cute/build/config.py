@@ -107,6 +107,11 @@ TUNE_CANDIDATES = (
 # the cooperative 256x128 and 128x256 too. These fit (no spills with fp8_delayed's second GEMM, nor
 # with the fp8 Llama layer's forward and backward GEMMs: each of the cooperative 128x192's two
 # consumer warpgroups holds 64x192 twice, the widest that fits):
+# 64-row pingpong tiles were tried and dropped (2026-11-28, H200): they fit (ptxas: 0 spills at 64x128
+# in every fp8 Llama layer GEMM, and at 64x192 with a 16-column subtile in all but the paired ones),
+# but the tuner timed them beside these on every fp8 stage of the 1B step and none won (the SwiGLU
+# backward: 0.510 ms at 64x128 pingpong against 0.461 at 128x192 cooperative; the weight gradients
+# 25-40 % slower), and the captured step was 129.9 against 130.2 ms.
 FP8_CANDIDATES = (
     TileConfig(128, 128, 2, 1, False),
     TileConfig(128, 192, 2, 1, False),
@@ -145,19 +150,6 @@ FP8_E16_CANDIDATES = (
 )
 
 
-# 64-row pingpong tiles for fp8 GEMMs: each consumer warpgroup holds its own 64-row tile, its two
-# accumulators half a 128-row pingpong tile's, so they fit where those spill, and one warpgroup's
-# epilogue runs beside the other's mainloop, which a cooperative tile's two warpgroups can't do (the
-# fp8 SwiGLU backward's epilogue runs after its mainloop at 128x192 cooperative). ptxas, sm_90a,
-# 2026-11-28, the fp8 Llama layer's GEMM stages, forward and backward: 0 spills at 64x128 in every one,
-# and at 64x192 with the 16-column subtile in all but the gate/up and QKV forward GEMMs (the paired
-# stages; 64x256 e16 spills in most). Cluster 2x1: two CTAs along M share each B tile's load, which
-# the narrower tile reads twice as often per row. Timed only where $CODA_FP8_PP64=1 until measured.
-FP8_PP64_CANDIDATES = (
-    TileConfig(64, 192, 2, 1, True, epi_n=16),
-    TileConfig(64, 128, 2, 1, True),
-)
-
 # Tried only where every candidate of a GEMM stage spills (select.select_config,
 # select.configs_without_spills; tiles.choose_config where none fits): tiles whose threads hold fewer
 # values at once, for the heaviest epilogues. A 16-column epilogue subtile halves what one pass over the
@@ -190,16 +182,10 @@ def fp8_e16_on() -> bool:
     return os.environ.get("CODA_FP8_E16", "0") == "1"
 
 
-def fp8_pp64_on() -> bool:
-    """Whether the tuner also times fp8 GEMMs at FP8_PP64_CANDIDATES ($CODA_FP8_PP64=1)."""
-    return os.environ.get("CODA_FP8_PP64", "0") == "1"
-
-
 def fp8_tuning_variant(spec: StageSpec) -> str | None:
     """The name of an fp8 stage's candidate set where it is not the default one (the tuning cache
     keeps each set's choice apart), or None."""
-    variants = (("fp8-fast-accum", fast_accum_on()), ("fp8-e16", fp8_e16_on()), ("fp8-pp64", fp8_pp64_on()))
-    parts = [p for p, on in variants if on]
+    parts = [p for p, on in (("fp8-fast-accum", fast_accum_on()), ("fp8-e16", fp8_e16_on())) if on]
     return "+".join(parts) if parts and fp8_operands(spec) else None
 
 
@@ -220,8 +206,7 @@ def candidates_for(spec: StageSpec) -> tuple[TileConfig, ...]:
 
 def tune_candidates_for(spec: StageSpec) -> tuple[TileConfig, ...]:
     """The tiles the tuner times for this stage (an fp8 GEMM's with fast accumulation too, where
-    $CODA_FP8_FAST_ACCUM=1, at a 16-column epilogue subtile, where $CODA_FP8_E16=1, and at 64-row
-    pingpong tiles, where $CODA_FP8_PP64=1)."""
+    $CODA_FP8_FAST_ACCUM=1, and at a 16-column epilogue subtile, where $CODA_FP8_E16=1)."""
     if not fp8_operands(spec):
         return TUNE_CANDIDATES
     out: tuple[TileConfig, ...] = FP8_CANDIDATES
@@ -229,8 +214,6 @@ def tune_candidates_for(spec: StageSpec) -> tuple[TileConfig, ...]:
         out += FP8_FAST_CANDIDATES
     if fp8_e16_on():
         out += FP8_E16_CANDIDATES
-    if fp8_pp64_on():
-        out += FP8_PP64_CANDIDATES
     return out
 
 
