@@ -1404,9 +1404,9 @@ class HostData(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") in self.MAKERS and kwargs.get("device") is not None:
-            if args and not isinstance(args[0], torch.Tensor) and (where := self.caller()):
-                self.made.append(f"torch.{func.__name__}({type(args[0]).__name__}, device=...) at {where}")
+        named = getattr(func, "__name__", "") in self.MAKERS and kwargs.get("device") is not None
+        if named and args and not isinstance(args[0], torch.Tensor) and (where := self.caller()):
+            self.made.append(f"torch.{func.__name__}({type(args[0]).__name__}, device=...) at {where}")
         return func(*args, **kwargs)
 
     @staticmethod
