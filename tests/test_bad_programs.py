@@ -46,6 +46,7 @@ GOLDEN_PROGRAMS = [
     "dims_declared_twice",  # secondary span on the primary's line
     "shared_weight_width",  # E0410: a repeating vector and a width that cuts its last copy
     "shared_weight_with_row_vector",  # E0402 with the fix-it for a repeating vector
+    "block_scales_misfit",  # E0411: blocks of K that differ, groups that are not whole, a vector
 ]
 
 

@@ -55,6 +55,17 @@ class ForwardFacts:
                     "E0602", f"`{bad[0]}` is not a float parameter; it has no gradient", block.span
                 )
         self.wrt = list(wrt) if wrt is not None else diff
+        for st in block.stages:
+            if st.scaled:  # (the VJPs below know plain GEMMs only: refused, never taken for one)
+                raise AutodiffError(
+                    "E0602",
+                    "the backward of a GEMM with block scales (`scale_a=`, `scale_b=`) is not derived yet",
+                    st.span,
+                    notes=[
+                        "its data gradient would need the scales of the other operand's blocks transposed, "
+                        'and its weight gradient the scaled operand itself (docs/design.md, "fp8")'
+                    ],
+                )
         # each forward value's type, the stage (0-based) that defines it, and its equation
         self.ftype: dict[str, Type] = {p.var.name: p.var.type for p in block.params if p.var.type}
         self.fstage: dict[str, int] = {}

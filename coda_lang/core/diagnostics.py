@@ -73,6 +73,7 @@ CODES: dict[str, str] = {
     "E0408": "bad grouped reduction",
     "E0409": "shape expression is not of the form c*X",
     "E0410": "repeated vector does not fit the columns",
+    "E0411": "block scales that don't fit their GEMM operand",
     # E05 locality
     "E0501": "partial reduction used in its own stage",
     "E0502": "tile computation between stages",
@@ -95,11 +96,24 @@ CODES: dict[str, str] = {
     "E0706": "no tile configuration compiles without register spills",
     "E0707": "the CuTeDSL compiler rejected the generated kernel",
     "E0708": "op between stages has no torch mapping in the CUDA runtime",
+    "E0709": "GEMM with block scales (no kernel yet)",
 }
 
 # Codes `coda check` can't give: autodiff's (tested by tests/bad_grad/), E0601, which is a bug report, and
 # the backend's (tested by tests/test_backend_emit.py, tests/test_backend_ptx.py and tests/test_runtime.py).
-CHECK_ONLY_EXEMPT = {"E0601", "E0602", "E0701", "E0702", "E0703", "E0704", "E0705", "E0706", "E0707", "E0708"}
+CHECK_ONLY_EXEMPT = {
+    "E0601",
+    "E0602",
+    "E0701",
+    "E0702",
+    "E0703",
+    "E0704",
+    "E0705",
+    "E0706",
+    "E0707",
+    "E0708",
+    "E0709",
+}
 
 
 @dataclass

@@ -245,11 +245,15 @@ class Bounds(Interpreter):
             a, ea = a.T, ea.T
         if s.tb:
             b, eb = b.T, eb.T
+        k = a.shape[1]
+        if s.scaled:  # the operands scaled block by block, as exact values (two more roundings a term)
+            a, ea, b, eb = self.scaled_operands(s, a, ea, b, eb)
+            k += 2
         aa, ab = np.abs(a), np.abs(b)
         with np.errstate(invalid="ignore"):  # inf * 0 in sum |a| |b|: acc is NaN there, unbounded
             mag = aa @ ab
         mag = np.where(np.isnan(mag), np.inf, mag)
-        e = _mag_matmul(aa, eb) + _mag_matmul(ea, ab) + _mag_matmul(ea, eb) + gamma_gemm(a.shape[1]) * mag
+        e = _mag_matmul(aa, eb) + _mag_matmul(ea, ab) + _mag_matmul(ea, eb) + gamma_gemm(k) * mag
         if is_fp8(self.plan.operand_dtype(s.a)) and is_fp8(self.plan.operand_dtype(s.b)):
             e = e + FP8_MMA_U * mag  # (the fp8 tensor cores' accumulation: FP8_MMA_U)
         # a row of A or a column of B holding an exact infinity or NaN: acc is non-finite there in any
@@ -264,6 +268,30 @@ class Bounds(Interpreter):
         anything = (anything > 0) | np.any(_any(ea), axis=1)[:, None] | np.any(_any(eb), axis=0)[None, :]
         self.serr["acc"] = np.where(anything, ANY, e)
         return acc
+
+    def scaled_operands(
+        self, s: Stage, a: np.ndarray, ea: np.ndarray, b: np.ndarray, eb: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """A scaled GEMM's operands (as multiplied: [M, K] and [K, N]) times their block scales, in
+        float64, with their bounds: each scale's own bound carried (|x| e_s + e_x |s| + e_x e_s)."""
+        g, sa, sb = self.block_scales(s)
+        esa = esb = np.zeros(1)
+        for sc, t, m in ((s.scale_a, s.ta, "a"), (s.scale_b, s.tb, "b")):
+            if isinstance(sc, Var):
+                e = np.asarray(self.err.get(sc.name, 0.0), np.float64)
+                shape = np.shape(self.env[sc.name])
+                e = np.broadcast_to(e, shape)
+                e = e.T if t else e
+                if m == "a":
+                    esa = np.repeat(e, sa.shape[0] // e.shape[0], axis=0)
+                else:
+                    esb = np.repeat(e, sb.shape[1] // e.shape[1], axis=1)
+        xa, xea = np.repeat(_f64(sa), g, axis=1), np.repeat(np.broadcast_to(esa, sa.shape), g, axis=1)
+        xb, xeb = np.repeat(_f64(sb), g, axis=0), np.repeat(np.broadcast_to(esb, sb.shape), g, axis=0)
+        with np.errstate(invalid="ignore", over="ignore"):
+            ea2 = np.abs(a) * xea + ea * np.abs(xa) + ea * xea
+            eb2 = np.abs(b) * xeb + eb * np.abs(xb) + eb * xeb
+            return a * xa, ea2, b * xb, eb2
 
     def store(self, name: str, x: Any, dtype: str | None) -> None:
         super().store(name, x, dtype)

@@ -188,10 +188,41 @@ class Interpreter:
             self.store(name, x, stores.get(name) or self.plan.storage.get(name))
 
     def gemm(self, s: Stage) -> np.ndarray:
-        """The accumulator of a GEMM stage: its operands' product (f32, or float64 in f64 precision)."""
+        """The accumulator of a GEMM stage: its operands' product (f32, or float64 in f64 precision).
+        With block scales, each block of K summed alone, times the product of its two scales (that of
+        the block's row group of A and that of its column group of B), and the blocks added in order."""
         assert isinstance(s.a, Var) and isinstance(s.b, Var)
         a, b = self.env[s.a.name], self.env[s.b.name]
-        return np.matmul(a.T if s.ta else a, b.T if s.tb else b)
+        a, b = (a.T if s.ta else a), (b.T if s.tb else b)
+        if not s.scaled:
+            return np.matmul(a, b)
+        g, sa, sb = self.block_scales(s)
+        acc = np.zeros((a.shape[0], b.shape[1]), np.result_type(a, b))
+        for j in range(sa.shape[1]):
+            part = np.matmul(a[:, j * g : (j + 1) * g], b[j * g : (j + 1) * g])
+            acc += part * (sa[:, j : j + 1] * sb[j : j + 1, :]).astype(acc.dtype)
+        return acc
+
+    def block_scales(self, s: Stage) -> tuple[int, np.ndarray, np.ndarray]:
+        """A scaled GEMM's block of K (g), and its scales as [M, K/g] and [K/g, N] (each operand's
+        scale transposed with it and repeated over its group of rows or columns; 1 where not given)."""
+        a = self.env[s.a.name] if isinstance(s.a, Var) else None
+        b = self.env[s.b.name] if isinstance(s.b, Var) else None
+        assert a is not None and b is not None
+        m, kk = (a.shape[1], a.shape[0]) if s.ta else a.shape
+        n = b.shape[0] if s.tb else b.shape[1]
+        sa = sb = None
+        if isinstance(s.scale_a, Var):
+            x = np.asarray(self.env[s.scale_a.name])
+            sa = x.T if s.ta else x
+        if isinstance(s.scale_b, Var):
+            x = np.asarray(self.env[s.scale_b.name])
+            sb = x.T if s.tb else x
+        nblocks = sa.shape[1] if sa is not None else sb.shape[0]  # type: ignore[union-attr]
+        g = kk // nblocks
+        sa = np.ones((m, nblocks), np.float32) if sa is None else np.repeat(sa, m // sa.shape[0], axis=0)
+        sb = np.ones((nblocks, n), np.float32) if sb is None else np.repeat(sb, n // sb.shape[1], axis=1)
+        return g, sa, sb
 
     def check_tile(self, s: Stage, cols: Dim, tile: tuple[int, int]) -> None:
         tm, tn = tile

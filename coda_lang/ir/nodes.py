@@ -105,10 +105,22 @@ class Stage:
     # The saved-tensor policy written on the stage (`gemm a @ b, remat="save" { ... }`): overrides the
     # block-wide one (`coda grad --remat`) for this stage's backward; None: the block-wide one.
     remat: str | None = None
+    # Block scales of the operands (`gemm a @ b, scale_a=sa, scale_b=sb { ... }`): matrices laid out as
+    # the operand is stored, each extent the operand's divided by a group size; the GEMM sums each
+    # block of K in f32, multiplies it by the two scales of that block, and adds the blocks (None: 1)
+    scale_a: Atom | None = None
+    scale_b: Atom | None = None
+    scale_a_span: Span = _span()
+    scale_b_span: Span = _span()
 
     @property
     def is_gemm(self) -> bool:
         return self.shape is None
+
+    @property
+    def scaled(self) -> bool:
+        """Whether the GEMM's operands carry block scales (`scale_a=` or `scale_b=`)."""
+        return self.scale_a is not None or self.scale_b is not None
 
 
 Stmt = Eqn | Stage

@@ -3,7 +3,7 @@
 What it does: one function per check, named for what it checks, raising `CodaError` with one E07
 diagnostic (its message, notes and help as docs/errors.md shows them) where the stage asks for
 something the backend can't compile yet, and returning None where it can: a stage without a GEMM
-(E0701); dtypes the GEMM, a store, a load or an equation can't have (E0702); equations without an
+(E0701), or a GEMM with block scales (E0709); dtypes the GEMM, a store, a load or an equation can't have (E0702); equations without an
 emitter (E0703); widths, packed tiles and repeats the epilogue can't lay out (E0704); reductions and
 grouped reductions it can't fold (E0705). planner.py, sinks.py and operands.py call them where they
 choose ports, so a refusal's wording lives here and the port choice stays free of it.
@@ -58,6 +58,21 @@ def check_gemm_stage(index: int, st: Stage, sp: StagePlan) -> None:
                 "an elementwise stage is a memory-bound kernel (autodiff makes one where no GEMM "
                 "produces a cotangent): a generated Triton kernel, or a torch.compile kernel where the "
                 "generator can't take its ops"
+            ],
+        )
+    if st.scaled:
+        raise fail(
+            "E0709",
+            f"stage {index} (`{sp.text}`): a GEMM with block scales (`scale_a=`, `scale_b=`) has no kernel yet",
+            st.scale_a_span if st.scale_a is not None else st.scale_b_span,
+            notes=[
+                "each block of K must be scaled inside the GEMM's mainloop, before it is added to the "
+                "accumulator (DeepSeek-V3's promotion), which quack's SM90 fp8 GEMM does not do; the "
+                "interpreter runs it (`coda run`, `--target interp`)"
+            ],
+            help=[
+                "for a kernel today, scale per tensor: fold the operands' scales into the epilogue "
+                "(`y = acc * (sa * sb)`, as examples/fp8_delayed.coda does)"
             ],
         )
 

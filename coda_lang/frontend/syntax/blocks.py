@@ -188,7 +188,7 @@ class BlockLowerer:
         body = [c for c in rest if getattr(c, "data", None) != "stage_opt"]
         a, ta = self.operand(a_node)
         b, tb = self.operand(b_node)
-        remat = self.stage_options(opts)
+        remat, scales = self.stage_options(opts, gemm=True)
         acc = Var("acc")
         prev, self.acc = self.acc, acc
         eqns: list[Eqn] = []
@@ -207,27 +207,59 @@ class BlockLowerer:
             a_span=span_of(self.file, a_node),
             b_span=span_of(self.file, b_node),
             remat=remat,
+            **scales,
         )
 
-    def stage_options(self, opts: list[Any]) -> str | None:
-        """A stage's options (`, remat="save"`, on a gemm or an elementwise stage): the saved-tensor
-        policy of its backward (for an elementwise stage, of the tiles it stores)."""
+    def stage_options(self, opts: list[Any], gemm: bool = False) -> tuple[str | None, dict[str, Any]]:
+        """A stage's options (`, remat="save"`, on a gemm or an elementwise stage; `, scale_a=sa`,
+        `, scale_b=sb`, on a gemm): the saved-tensor policy of its backward (for an elementwise stage,
+        of the tiles it stores), and the operands' block scales as Stage fields (E0211 for anything
+        else)."""
         remat: str | None = None
+        scales: dict[str, Any] = {}
         seen: set[str] = set()
+        known = ("remat", "scale_a", "scale_b") if gemm else ("remat",)
         for opt in opts:
             key, value = str(opt.children[0]), opt.children[1]
-            if key != "remat":
+            if key not in known:
+                if key in ("scale_a", "scale_b"):
+                    self.error(
+                        "E0211",
+                        f"`{key}=` scales a GEMM operand; an elementwise stage has none",
+                        opt.children[0],
+                        help=[
+                            "block scales go on a gemm stage: `gemm a @ b, scale_a=sa, scale_b=sb { ... }`"
+                        ],
+                    )
+                    continue
                 self.error(
                     "E0211",
                     f"a stage has no option `{key}=`",
                     opt.children[0],
-                    help=['the one stage option is `remat=`, e.g. `gemm a @ b, remat="recompute" { ... }`'],
+                    help=[
+                        'the stage options are `remat=` (e.g. `gemm a @ b, remat="recompute" { ... }`) and, '
+                        "on a gemm, the operands' block scales `scale_a=` and `scale_b=`"
+                    ],
                 )
                 continue
             if key in seen:
                 self.error("E0211", f"`{key}=` is given twice on one stage", opt)
                 continue
             seen.add(key)
+            if key != "remat":
+                if getattr(value, "type", None) != "NAME":
+                    self.error(
+                        "E0211",
+                        f"`{key}=` names a matrix of the block, not `{value}`",
+                        value,
+                        help=[
+                            f"e.g. `gemm a @ b, {key}=s {{ ... }}`, with `s: f32[...]` a parameter or an earlier value"
+                        ],
+                    )
+                    continue
+                scales[key] = exprs.resolve(self, value, value)
+                scales[f"{key}_span"] = span_of(self.file, value)
+                continue
             text = str(value)[1:-1] if getattr(value, "type", None) == "STRING" else str(value)
             if text not in REMAT:
                 options = ", ".join(f'"{c}"' for c in REMAT)
@@ -239,13 +271,13 @@ class BlockLowerer:
                 )
                 continue
             remat = text
-        return remat
+        return remat, scales
 
     def ew_stage(self, node: Any) -> Stage:
         shape_node, *rest = node.children
         opts = [c for c in rest if getattr(c, "data", None) == "stage_opt"]
         body = [c for c in rest if getattr(c, "data", None) != "stage_opt"]
-        remat = self.stage_options(opts)
+        remat, _ = self.stage_options(opts)
         dims = [self.p.shape_expr(sn) for sn in shape_node.children if sn is not None]
         if len(dims) != 2 and all(d is not None for d in dims):
             self.error(

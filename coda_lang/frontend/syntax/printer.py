@@ -100,6 +100,8 @@ def print_block(b: Block, *, with_dims: bool = True) -> str:
     for st in b.body:
         if isinstance(st, Stage):
             opt = f', remat="{st.remat}"' if st.remat else ""
+            for key, sc in (("scale_a", st.scale_a), ("scale_b", st.scale_b)):
+                opt += f", {key}={atom_source(sc)}" if sc is not None else ""
             if st.is_gemm:
                 assert st.a is not None and st.b is not None
                 a = f"transpose({atom_source(st.a)})" if st.ta else atom_source(st.a)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from contextlib import suppress
 from dataclasses import replace
+from fractions import Fraction
 from math import lcm
 from typing import Any
 
@@ -45,6 +46,14 @@ from coda_lang.ir.types import (
 )
 from coda_lang.ops import REGISTRY, Ctx, StageShape
 from coda_lang.ops.registry import COMBINES, kind_name
+
+
+def _group(extent: Dim, scaled: Dim) -> int | None:
+    """The group size g with `scaled` = `extent` / g (a positive whole number), or None."""
+    if extent.name != scaled.name or scaled.coeff <= 0:
+        return None
+    g = extent.coeff / scaled.coeff
+    return int(g) if g.denominator == 1 and g >= 1 else None
 
 
 def _stage_text(st: Stage) -> str:
@@ -112,7 +121,7 @@ class Checker:
         for s in self.block.body:
             if isinstance(s, Stage):
                 k += 1
-                for a in (s.a, s.b):
+                for a in (s.a, s.b, s.scale_a, s.scale_b):
                     if isinstance(a, Var):
                         uses.setdefault(a.name, []).append(("operand", k))
                 for e in s.body:
@@ -465,6 +474,8 @@ class Checker:
             ta = self.use(s.a, s.a_span, None, k)
             tb = self.use(s.b, s.b_span, None, k)
             shape = self.gemm_shape(s, ta, tb)
+            if shape and s.scaled:
+                self.gemm_scales(s, ta, tb, k)
         else:  # an elementwise stage: no GEMM, no acc
             assert s.shape is not None
             shape = (s.shape[0], s.shape[1], Dim.const(0))
@@ -479,9 +490,79 @@ class Checker:
         plan = self.stage_plan(s, k, st, kdim, body, ctx)
         self.end_stage(body, k)
         del self.env["acc"]
-        typed_a = self.typed.get(s.a.name, s.a) if isinstance(s.a, Var) else s.a
-        typed_b = self.typed.get(s.b.name, s.b) if isinstance(s.b, Var) else s.b
-        return replace(s, a=typed_a, b=typed_b, acc=self.acc_var if s.is_gemm else None, body=body), plan
+
+        def typed(x: Atom | None) -> Atom | None:
+            return self.typed.get(x.name, x) if isinstance(x, Var) else x
+
+        return replace(
+            s,
+            a=typed(s.a),
+            b=typed(s.b),
+            scale_a=typed(s.scale_a),
+            scale_b=typed(s.scale_b),
+            acc=self.acc_var if s.is_gemm else None,
+            body=body,
+        ), plan
+
+    def gemm_scales(self, s: Stage, ta: Type, tb: Type, k: int) -> None:
+        """E0411 unless each block scale is a float matrix laid out as its operand is stored, each extent
+        the operand's divided by a whole group size, and both divide K into the same blocks."""
+        k_groups: list[tuple[int, str]] = []
+        for which, sc, span, t, trans in (
+            ("a", s.scale_a, s.scale_a_span, ta, s.ta),
+            ("b", s.scale_b, s.scale_b_span, tb, s.tb),
+        ):
+            if sc is None:
+                continue
+            ts = self.use(sc, span, None, k)
+            if ts.is_error:
+                continue
+            name = sc.name if isinstance(sc, Var) else str(sc)
+            kx = 0 if trans == (which == "a") else 1  # the axis of K in the operand as stored
+            # DeepSeek-V3's groups: 1 x 128 for A (one scale per row and block of K), 128 x 128 for B
+            want = "f32" + shape_str(
+                tuple(
+                    d.scale(Fraction(1, 128)) if i == kx or which == "b" else d for i, d in enumerate(t.shape)
+                )
+            )
+            if ts.kind != MATRIX or not is_float(ts.dtype) or is_fp8(ts.dtype):
+                self.error(
+                    "E0411",
+                    f"`scale_{which}={name}` is {ts.dtype}{shape_str(ts.shape)}; an operand's block scales are "
+                    "a matrix of f32 (or bf16, f16)",
+                    span,
+                    label=f"a {kind_name(ts.kind)}",
+                    help=[f"declare it like `{name}: {want}`"],
+                )
+                continue
+            groups = [_group(d, g) for d, g in zip(t.shape, ts.shape, strict=True)]
+            if None in groups:
+                self.error(
+                    "E0411",
+                    f"`scale_{which}={name}` is {shape_str(ts.shape)}, which doesn't divide the operand "
+                    f"{shape_str(t.shape)} into whole groups",
+                    span,
+                    label="one scale per group of each extent",
+                    notes=[
+                        "a block scale is laid out as its operand is stored (before `transpose`), each extent "
+                        "the operand's divided by a group size: `K/128` for groups of 128 along K, `M` for one "
+                        "scale per row"
+                    ],
+                    help=[f"e.g. `{name}: {want}`"],
+                )
+                continue
+            kg = groups[kx]
+            assert kg is not None
+            k_groups.append((kg, f"scale_{which}"))
+        if len(k_groups) == 2 and k_groups[0][0] != k_groups[1][0]:
+            self.error(
+                "E0411",
+                f"the block scales divide K into blocks of {k_groups[0][0]} (`scale_a`) and {k_groups[1][0]} "
+                "(`scale_b`)",
+                s.scale_b_span,
+                label=f"blocks of {k_groups[1][0]} along K",
+                notes=["each block of K is summed once and multiplied by one scale of each operand"],
+            )
 
     def poison(self, e: Eqn, k: int) -> Eqn:
         outs = tuple(Var(v.name, ERROR_TYPE, v.annot) for v in e.outs)
