@@ -65,7 +65,12 @@ def _stage_text(st: Stage) -> str:
         name = a.name if isinstance(a, Var) else getattr(a, "text", "?")
         return f"transpose({name})" if t else name
 
-    return f"gemm {opnd(st.a, st.ta)} @ {opnd(st.b, st.tb)}"
+    scales = "".join(
+        f", {key}={opnd(x, False)}"
+        for key, x in (("scale_a", st.scale_a), ("scale_b", st.scale_b))
+        if x is not None
+    )
+    return f"gemm {opnd(st.a, st.ta)} @ {opnd(st.b, st.tb)}{scales}"
 
 
 class Checker:
