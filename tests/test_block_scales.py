@@ -4,9 +4,13 @@ Checked on the CPU: the options parse and print back; the interpreter's accumula
 NumPy of the dequantized operands (each operand times its scales repeated over their groups), for
 DeepSeek-V3's 1x128 and 128x128 groups, for a transposed A, for one operand scaled, and in `--precision
 f64` to float64's own rounding; the scales really are per block (one scale per operand would miss);
-the checker's E0411s and E0211s (tests/bad/ has their programs); the refusals that keep anything from
-running such a stage unscaled: the backward (E0602), the kernels and their emulation (E0709), with
-`coda grad`, `coda compile` and `coda fuzz` exiting as documented.
+the checker's E0411s and E0211s (tests/bad/ has their programs); the derived backward (each operand's
+gradient a GEMM carrying the other operand's scale, times its own scale read over its groups) against
+float64 torch autograd of the dequantized product, alone and after a producer that quantizes in 1x128
+groups, under each saved-tensor policy; no gradient through a scale (E0602); a matrix read over its
+groups (`expand(s, acc)`) in the interpreter at simulated tiles and in an elementwise stage's torch
+stand-in; the refusals that keep the kernels from running either unscaled (E0709, E0704), with `coda
+grad`, `coda compile` and `coda fuzz` exiting as documented.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from support import coda
 
 import coda_lang
 from coda_lang.core.diagnostics import CodaError
-from coda_lang.frontend.syntax.printer import print_program
+from coda_lang.frontend.syntax.printer import print_block, print_program
 
 DEEPSEEK = """
 dims M, K, N
@@ -151,12 +155,114 @@ def test_prints_back(src: str) -> None:
     assert st.scaled and (st.scale_a is not None) == (src != ONLY_B)
 
 
-def test_the_backward_is_refused_at_the_stage() -> None:
+def _torch_grads(src: str, ins: dict[str, np.ndarray], dy: np.ndarray) -> dict[str, np.ndarray]:
+    """float64 torch autograd of the dequantized product (the scales constants), by operand."""
+    import torch
+
+    blk = coda_lang.load(src)["scaled"]
+    st = blk.ir.stages[0]
+    t = {n: torch.tensor(np.asarray(x, np.float64), requires_grad=n in ("a", "w")) for n, x in ins.items()}
+    deq = {}
+    for op, sc in (("a", st.scale_a), ("w", st.scale_b)):
+        x = t[op]
+        deq[op] = x * torch.tensor(_repeat(ins[sc.name], *x.shape)) if sc is not None else x
+    a = deq["a"].T if st.ta else deq["a"]
+    w = deq["w"].T if st.tb else deq["w"]
+    (a @ w).backward(torch.tensor(dy))
+    return {n: t[n].grad.numpy() for n in ("a", "w")}
+
+
+@pytest.mark.parametrize("remat", ["auto", "save", "recompute"])
+@pytest.mark.parametrize("src", [DEEPSEEK, TRANSPOSED, ONLY_B], ids=["deepseek", "transposed", "only_b"])
+def test_the_backward_against_torch_autograd(src: str, remat: str) -> None:
+    """float64: the derived backward's gradients of both operands (the other operand's scale on its
+    GEMM, the operand's own read over its groups in the epilogue) against torch autograd of the
+    dequantized product."""
+    blk = coda_lang.load(src)["scaled"]
+    m, k, n = (40, 256, 128) if src == TRANSPOSED else (24, 256, 384) if src == DEEPSEEK else (16, 96, 40)
+    ins = _inputs(src, m, k, n, seed=7)
+    dy = np.random.default_rng(8).standard_normal((m, n))
+    got = blk.vjp(ins, {"y": dy}, precision="f64", remat=remat)
+    want = _torch_grads(src, ins, dy)
+    assert set(got) == {"a", "w"}  # (a parameter used as a block scale is not differentiated by default)
+    for name in ("a", "w"):
+        g = np.asarray(got[name], np.float64)
+        assert g.shape == want[name].shape
+        assert np.abs(g - want[name]).max() <= 1e-12 * np.abs(want[name]).max(), name
+
+
+CHAIN = """
+dims M, D, K, N
+block chain(x: bf16[M, D], w1: bf16[D, K], w2: e4m3[N, K], sw: f32[N/128, K/128]) -> (y: f32[M, N]) {
+  gemm x @ w1 {
+    amax = detach(max(abs(acc), over=K, group=128))
+    hq: e4m3 = acc * (448.0 / max(amax, 1e-12))
+  }
+  gemm hq @ transpose(w2), scale_a=amax, scale_b=sw {
+    y = acc * (1.0 / 448.0)
+  }
+}
+"""
+
+
+def test_a_quantizing_producer_and_its_scaled_consumer() -> None:
+    """DeepSeek-V3's forward of two GEMMs: the first quantizes its output in 1x128 groups in its
+    epilogue (the amax detached), the second multiplies it by 128x128-scaled weights with that amax as
+    its block scale. The backward is straight through the quantizer: float64 gradients of x, w1, w2
+    against torch autograd of the same math, the quantizer straight through; the derived GEMM of w2's
+    gradient reads the saved amax as its block scale, and the data gradient hosts the first stage's
+    backward."""
+    import torch
+
+    blk = coda_lang.load(CHAIN)["chain"]
+    rng = np.random.default_rng(9)
+    m, d, k, n = 20, 48, 256, 256
+    ins = {
+        "x": rng.standard_normal((m, d)).astype(ml_dtypes.bfloat16),
+        "w1": rng.standard_normal((d, k)).astype(ml_dtypes.bfloat16),
+        "w2": (rng.standard_normal((n, k)) * 4).astype(ml_dtypes.float8_e4m3fn),
+        "sw": np.exp2(rng.integers(-3, 4, (n // 128, k // 128))).astype(np.float32),
+    }
+    dy = rng.standard_normal((m, n))
+    bwd = blk.grad(["x", "w1", "w2"])
+    text = print_block(bwd.ir)
+    assert "scale_b=amax" in text and "expand(amax, acc)" in text and "expand(sw, acc)" in text, text
+    got = blk.vjp(ins, {"y": dy}, precision="f64", wrt=["x", "w1", "w2"])
+    t = {n_: torch.tensor(np.asarray(v, np.float64), requires_grad=n_ != "sw") for n_, v in ins.items()}
+    h = t["x"] @ t["w1"]
+    amax = h.detach().abs().unflatten(1, (-1, 128)).amax(-1).clamp(min=1e-12).repeat_interleave(128, 1)
+    hs = h * (448.0 / amax)
+    q = torch.tensor(hs.detach().numpy().astype(ml_dtypes.float8_e4m3fn).astype(np.float64))
+    hq = hs + (q - hs).detach()  # the e4m3 store (rounded in f64 precision too), straight through
+    w2 = t["w2"] * torch.tensor(_repeat(ins["sw"], n, k))
+    ((hq * amax) @ w2.T * (1.0 / 448.0)).backward(torch.tensor(dy))
+    for name in ("x", "w1", "w2"):
+        want = t[name].grad.numpy()
+        assert np.abs(np.asarray(got[name], np.float64) - want).max() <= 1e-11 * np.abs(want).max(), name
+
+
+def test_no_gradient_through_a_scale() -> None:
+    """A block scale asked for in `wrt`, or computed from a differentiated parameter without `detach`,
+    is E0602 at its stage: the backward would miss the gradient through it."""
     blk = coda_lang.load(DEEPSEEK)["scaled"]
     with pytest.raises(CodaError) as e:
-        blk.grad(["a", "w"])
+        blk.grad(["a", "sa"])
     (d,) = e.value.diagnostics
-    assert d.code == "E0602" and "block scales" in d.message and d.span is not None and d.span.line == 4
+    assert (
+        d.code == "E0602" and "`sa`, a block scale" in d.message and d.span is not None and d.span.line == 4
+    )
+    live = CHAIN.replace("detach(max(abs(acc), over=K, group=128))", "max(abs(acc), over=K, group=128)")
+    with pytest.raises(CodaError) as e:
+        coda_lang.load(live)["chain"].grad(["x", "w1", "w2"])
+    assert e.value.diagnostics[0].code == "E0602" and "`amax`" in e.value.diagnostics[0].message
+
+
+def test_fuzz_on_the_interpreter_forward_and_backward() -> None:
+    from coda_lang.fuzz.search import fuzz_block
+
+    for src, name in ((DEEPSEEK, "scaled"), (TRANSPOSED, "scaled"), (CHAIN, "chain")):
+        res = fuzz_block(coda_lang.load(src)[name], "interp", examples=4)
+        assert res.failure is None, res.failure
 
 
 def test_the_kernels_and_their_emulation_refuse_it() -> None:
@@ -176,10 +282,76 @@ def test_the_commands(tmp_path: Any) -> None:
     r = coda("check", str(f))
     assert r.returncode == 0, r.stderr
     r = coda("grad", str(f))
-    assert r.returncode == 1 and "E0602" in r.stderr and "Traceback" not in r.stderr and not r.stdout
+    assert r.returncode == 0 and "scale_b=sw" in r.stdout and "expand(sa, acc)" in r.stdout, r.stderr
     r = coda("compile", str(f), "--emit", "source", "-o", str(tmp_path / "out"))
     assert r.returncode == 1 and "E0709" in r.stderr and "Traceback" not in r.stderr
     r = coda("fuzz", str(f), "--target", "interp", "--examples", "4", "--no-backward")
     assert r.returncode == 0, r.stderr
     r = coda("fuzz", str(f), "--target", "emulate", "--examples", "2", "--no-backward")
     assert r.returncode == 1 and "E0709" in r.stdout + r.stderr and "Traceback" not in r.stderr
+
+
+GROUPED = """
+dims M, K, N
+block deq(x: e4m3[M, N], s: f32[M/2, N/128]) -> (y: f32[M, N]) {
+  elementwise [M, N] {
+    y = x * expand(s, x)
+  }
+}
+block epi(a: bf16[M, K], w: bf16[K, N], s: f32[M, N/128]) -> (y: f32[M, N]) {
+  gemm a @ w {
+    y = acc * expand(s, acc)
+  }
+}
+"""
+
+
+@pytest.mark.parametrize("tile", [None, (4, 128), (3, 256), (5, 100)])
+def test_a_matrix_read_over_its_groups(tile: Any) -> None:
+    """`expand(s, acc)` of a matrix whose extents are the tile space's divided by whole group sizes:
+    each element of the tile reads its group's, at any simulated tile (a tile may cut a group)."""
+    prog = coda_lang.load(GROUPED)
+    rng = np.random.default_rng(10)
+    m, k, n = 6, 8, 384
+    x = rng.standard_normal((m, n)).astype(ml_dtypes.float8_e4m3fn)
+    s = rng.uniform(1, 4, (m // 2, n // 128)).astype(np.float32)
+    got = prog["deq"].run({"x": x, "s": s}, sim_tile=tile)["y"]
+    assert np.array_equal(got, (x.astype(np.float32) * _repeat(s, m, n).astype(np.float32)))
+    a = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+    w = rng.standard_normal((k, n)).astype(ml_dtypes.bfloat16)
+    s2 = rng.uniform(1, 4, (m, n // 128)).astype(np.float32)
+    want = (a.astype(np.float64) @ w.astype(np.float64)) * _repeat(s2, m, n)
+    got = prog["epi"].run({"a": a, "w": w, "s": s2}, sim_tile=tile)["y"]
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_a_matrix_read_without_expand_says_how() -> None:
+    src = GROUPED.replace("acc * expand(s, acc)", "acc * s")
+    with pytest.raises(CodaError) as e:
+        coda_lang.load(src)
+    (d,) = e.value.diagnostics
+    assert d.code == "E0505" and any("expand(s, acc)" in h for h in d.help)
+
+
+def test_grouped_reads_in_the_runtimes() -> None:
+    """An elementwise stage's torch stand-in (the emulated runtime, and torch.compile's on a GPU) expands
+    the matrix as the interpreter does; a GEMM epilogue has no such load yet (E0704); the generated
+    Triton kernel leaves such a stage to torch.compile."""
+    import torch
+
+    from coda_lang.backend_cute.plan.planner import plan_stage
+    from coda_lang.backend_triton import generate
+    from coda_lang.backend_triton.elementwise import ElementwiseStage
+
+    prog = coda_lang.load(GROUPED)
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((8, 256)).astype(ml_dtypes.float8_e4m3fn)
+    s = rng.uniform(1, 4, (4, 2)).astype(np.float32)
+    want = prog["deq"].run({"x": x, "s": s})["y"]
+    xt = torch.from_numpy(x.astype(np.float32)).to(torch.float8_e4m3fn)
+    got = prog["deq"].cuda(emulate=True)({"x": xt, "s": torch.from_numpy(s)})["y"]
+    assert np.array_equal(got.numpy(), want)
+    assert "expand" in (generate.unsupported(ElementwiseStage(prog["deq"], 1, emulate=False)) or "")
+    with pytest.raises(CodaError) as e:
+        plan_stage(prog["epi"], 1)
+    assert e.value.diagnostics[0].code == "E0704" and "over groups" in e.value.diagnostics[0].message

@@ -87,7 +87,10 @@ class Builder:
         if isinstance(a, Var):
             t = self.types.get(a.name, ERROR_TYPE)
             if self.stage is not None and a.name not in self.local and t.kind == MATRIX:
-                return t.with_kind(TILE)
+                rows, cols = t.shape
+                if rows == self.stage.rows and cols in self.stage.col_widths():
+                    return t.with_kind(TILE)
+                return t  # (read over groups of the tile: `expand` of a block scale, whose rule decides)
             return t
         return ERROR_TYPE
 

@@ -19,8 +19,17 @@ from coda_lang.autodiff.builder import float_value as _float
 from coda_lang.frontend.verify.plan import BlockPlan
 from coda_lang.ir.nodes import Atom, Block, Eqn, Lit, Param, Stage, Var
 from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type, cotangent_dtype, is_fp8
-from coda_lang.ops import REGISTRY, Locality
+from coda_lang.ops import REGISTRY, Locality, StageShape
 from coda_lang.ops.registry import Arith
+
+
+def _read_over_groups(t: Type | None, st: Stage) -> bool:
+    """Whether a value of type `t` read in stage st is a matrix read over groups of the stage's tile
+    (`expand` of a block scale), not at the tile's position."""
+    space = st.acc.type.shape if st.acc is not None and st.acc.type is not None else st.shape
+    if t is None or t.kind != MATRIX or space is None or len(t.shape) != 2:
+        return False
+    return not (t.shape[0] == space[0] and t.shape[1] in StageShape(space[0], space[1]).col_widths())
 
 
 def is_index(e: Eqn) -> bool:
@@ -35,7 +44,13 @@ class ForwardFacts:
         self.block = block
         self.plan = plan
         self.params: dict[str, Param] = {p.var.name: p for p in block.params}
-        diff = [p.var.name for p in block.params if _float(p.var.type) and p.default is None]
+        # (a GEMM's block scale takes no gradient: a parameter used as one is not differentiated by default)
+        scales = {x.name for st in block.stages for x in (st.scale_a, st.scale_b) if isinstance(x, Var)}
+        diff = [
+            p.var.name
+            for p in block.params
+            if _float(p.var.type) and p.default is None and p.var.name not in scales
+        ]
         if wrt is not None:
             if isinstance(wrt, str) or not all(isinstance(w, str) for w in wrt):
                 raise AutodiffError(
@@ -55,17 +70,6 @@ class ForwardFacts:
                     "E0602", f"`{bad[0]}` is not a float parameter; it has no gradient", block.span
                 )
         self.wrt = list(wrt) if wrt is not None else diff
-        for st in block.stages:
-            if st.scaled:  # (the VJPs below know plain GEMMs only: refused, never taken for one)
-                raise AutodiffError(
-                    "E0602",
-                    "the backward of a GEMM with block scales (`scale_a=`, `scale_b=`) is not derived yet",
-                    st.span,
-                    notes=[
-                        "its data gradient would need the scales of the other operand's blocks transposed, "
-                        'and its weight gradient the scaled operand itself (docs/design.md, "fp8")'
-                    ],
-                )
         # each forward value's type, the stage (0-based) that defines it, and its equation
         self.ftype: dict[str, Type] = {p.var.name: p.var.type for p in block.params if p.var.type}
         self.fstage: dict[str, int] = {}
@@ -100,6 +104,7 @@ class ForwardFacts:
                     isinstance(a, Var) and (a.name in self.active or (acc and a.name == "acc")) for a in e.ins
                 ):
                     self.active |= {v.name for v in e.outs}
+        self.no_gradient_through_scales(block)
         # dim facts for the backward's type rules: divisors (`X/k` in a type) and fixed values
         self.divisors: dict[str, int] = {}
         for t in self.ftype.values():
@@ -115,6 +120,33 @@ class ForwardFacts:
             for e in reversed(item.body if isinstance(item, Stage) else (item,)):
                 if not REGISTRY[e.op].stops_gradient and any(v.name in self.reached for v in e.outs):
                     self.reached |= {a.name for a in e.ins if isinstance(a, Var)}
+
+    def no_gradient_through_scales(self, block: Block) -> None:
+        """E0602 where a block scale (a GEMM's `scale_a=`/`scale_b=`, or a matrix a stage reads over its
+        groups with `expand`) depends on a differentiated parameter other than through `detach`: the
+        backward treats those scales as constants (straight through the quantizer they undo), so a
+        gradient through them would be missed."""
+        for st in block.stages:
+            used = [(x, "a block scale") for x in (st.scale_a, st.scale_b) if isinstance(x, Var)]
+            used += [
+                (x, "read over its groups (`expand`)")
+                for e in st.body
+                if REGISTRY[e.op].reads_groups
+                and isinstance(x := e.ins[0], Var)
+                and _read_over_groups(self.ftype.get(x.name), st)
+            ]
+            for x, what in used:
+                if x.name in self.active:
+                    raise AutodiffError(
+                        "E0602",
+                        f"`{x.name}`, {what}, depends on a differentiated parameter; the backward takes no "
+                        "gradient through a block scale",
+                        st.span,
+                        notes=[
+                            "a block scale undoes a quantizer, whose backward is straight through: compute it "
+                            "from `detach(...)` of the amax, or leave the parameter out of `wrt`"
+                        ],
+                    )
 
     def names(self) -> set[str]:
         """Every name the forward block uses (dims, parameters, values, outputs)."""

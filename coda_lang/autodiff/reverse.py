@@ -37,7 +37,7 @@ from coda_lang.autodiff.builder import float_value as _float
 from coda_lang.autodiff.forward import ForwardFacts
 from coda_lang.autodiff.prologue import build as build_prologue
 from coda_lang.autodiff.site import Host, Site
-from coda_lang.autodiff.state import State
+from coda_lang.autodiff.state import Gemm, State
 from coda_lang.frontend.verify.plan import BlockPlan
 from coda_lang.ir.nodes import DEFAULT_REMAT, REMAT, Atom, Block, Eqn, Stage, Var
 from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type, cotangent_dtype, is_fp8
@@ -193,7 +193,7 @@ class Reverse:
         _, c, name, pos = best
         self.dgrad_done.add((c, pos))
         gemm = self.gemm_for(c, pos)
-        return Host(name, gemm, self.gemm_shape(*gemm))
+        return Host(name, gemm, self.gemm_shape(gemm))
 
     def recompute_host(self, k: int) -> Host | None:
         """Stage k's own GEMM run again in the backward, to host its site (no GEMM produces a cotangent of
@@ -226,7 +226,8 @@ class Reverse:
             return None
         assert isinstance(st.b, Var)
         # its operands are read (saved) only if the site's stage survives: Site.finish reads them
-        gemm = (Var(st.a.name), Var(st.b.name), st.ta, st.tb)
+        scale_a, scale_b = (Var(x.name) if isinstance(x, Var) else None for x in (st.scale_a, st.scale_b))
+        gemm = Gemm(Var(st.a.name), Var(st.b.name), st.ta, st.tb, scale_a=scale_a, scale_b=scale_b)
         shape = StageShape(rows, cols)
         reason = (
             f"it stores no tile, so saving its acc would keep a {rows} x {cols} tensor only for the backward; "
@@ -287,19 +288,31 @@ class Reverse:
 
     # ------------------------------------------------------------------ dgrad and wgrad GEMMs
 
-    def gemm_for(self, c: int, pos: str) -> tuple[Atom, Atom, bool, bool]:
-        """The GEMM (a, b, ta, tb) giving the cotangent of operand `pos` of forward stage c."""
+    def gemm_for(self, c: int, pos: str) -> Gemm:
+        """The GEMM giving the cotangent of operand `pos` of forward stage c (in that operand's stored
+        layout). Of a GEMM with block scales: the other operand keeps its scale, in whichever slot it
+        takes, and the acc is multiplied by this operand's own (`Gemm.out_scale`): the contraction
+        runs over the other operand's blocks, and this operand's scale is constant over its groups of
+        the result."""
         st = self.fwd.block.stages[c]
         dacc = self.s.dacc[c]
         assert st.a is not None and st.b is not None
         if isinstance(dacc, Var) and dacc.name in self.s.qscale:
             other = st.b if pos == "a" else st.a
             self.fp8_operand(c, other, "dgrad" if pos == "a" else "wgrad")
+
+        def read(x: Atom | None) -> Atom | None:
+            return None if x is None else self.forward_operand(x)
+
         if pos == "a":
-            b_op = self.forward_operand(st.b)
-            return (dacc, b_op, False, not st.tb) if not st.ta else (b_op, dacc, st.tb, True)
-        a_op = self.forward_operand(st.a)
-        return (a_op, dacc, not st.ta, False) if not st.tb else (dacc, a_op, True, st.ta)
+            b_op, sb = self.forward_operand(st.b), read(st.scale_b)
+            if not st.ta:
+                return Gemm(dacc, b_op, False, not st.tb, scale_b=sb, out_scale=st.scale_a)
+            return Gemm(b_op, dacc, st.tb, True, scale_a=sb, out_scale=st.scale_a)
+        a_op, sa = self.forward_operand(st.a), read(st.scale_a)
+        if not st.tb:
+            return Gemm(a_op, dacc, not st.ta, False, scale_a=sa, out_scale=st.scale_b)
+        return Gemm(dacc, a_op, True, st.ta, scale_b=sa, out_scale=st.scale_b)
 
     def fp8_operand(self, c: int, other: Atom, what: str) -> None:
         """Refuse a GEMM of stage c's quantized dacc with a forward operand not stored in fp8 (E0602):
@@ -328,26 +341,40 @@ class Reverse:
     def forward_operand(self, a: Atom) -> Var:
         return self.s.read_operand(a)
 
-    def gemm_shape(self, a: Atom, b: Atom, ta: bool, tb: bool) -> StageShape:
-        sa, sb = self.s.types[a.name].shape, self.s.types[b.name].shape  # type: ignore[union-attr]
-        rows = sa[1] if ta else sa[0]
-        cols = sb[0] if tb else sb[1]
+    def gemm_shape(self, g: Gemm) -> StageShape:
+        sa, sb = self.s.types[g.a.name].shape, self.s.types[g.b.name].shape  # type: ignore[union-attr]
+        rows = sa[1] if g.ta else sa[0]
+        cols = sb[0] if g.tb else sb[1]
         return StageShape(rows, cols)
 
     def operand_grad(self, c: int, pos: str, name: str) -> None:
         """A dgrad/wgrad GEMM whose result is a cotangent contribution to matrix `name`."""
         s = self.s
-        a, b, ta, tb = self.gemm_for(c, pos)
+        g = self.gemm_for(c, pos)
         st = self.fwd.block.stages[c]
-        s.open_stage(self.gemm_shape(a, b, ta, tb))
+        s.open_stage(self.gemm_shape(g))
         s.b.span = st.span
-        total = s.accumulate(s.dequantize((a, b, ta, tb), Var("acc")), name)
+        total = s.accumulate(s.dequantize(g, Var("acc")), name)
         out = s.b.op(
             "copy", total, name=s.names.fresh(f"d{name}"), annot=None if name in self.fwd.params else "f32"
         )
         before, body = s.close_stage()
         s.emit(before)
-        s.emit([Stage(a, b, ta, tb, Var("acc"), tuple(body), span=st.span)])
+        s.emit(
+            [
+                Stage(
+                    g.a,
+                    g.b,
+                    g.ta,
+                    g.tb,
+                    Var("acc"),
+                    tuple(body),
+                    span=st.span,
+                    scale_a=g.scale_a,
+                    scale_b=g.scale_b,
+                )
+            ]
+        )
         s.add_cotangent(name, Var(out.name))
 
     def weight_grads(self, k: int) -> None:

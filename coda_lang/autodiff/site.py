@@ -31,7 +31,7 @@ from coda_lang.autodiff import unbroadcast
 from coda_lang.autodiff.builder import AutodiffError, Primals
 from coda_lang.autodiff.builder import float_value as _float
 from coda_lang.autodiff.forward import is_index
-from coda_lang.autodiff.state import State
+from coda_lang.autodiff.state import Gemm, State
 from coda_lang.autodiff.unbroadcast import Later, Part, same_shape
 from coda_lang.frontend.verify.repeat import repeated
 from coda_lang.ir.nodes import Atom, DimRef, Eqn, Lit, Span, Stage, Var
@@ -52,7 +52,7 @@ class Host:
     instead of a saved copy (rematerialization), and no tile of the stage is kept from the forward."""
 
     tile: str | None
-    gemm: tuple[Atom, Atom, bool, bool]
+    gemm: Gemm
     shape: StageShape
     recompute: bool = False
 
@@ -114,9 +114,10 @@ class Site:
     def seed(self, name: str, ct: Atom) -> None:
         b = self.s.b
         logical = self.logical(name)
-        if (
-            logical.kind == GROUP and b.type_of(ct).kind == TILE
-        ):  # a stored grouped value: one column per group
+        if logical.kind == GROUP and b.type_of(ct).kind in (
+            TILE,
+            MATRIX,
+        ):  # a stored grouped value: one column per group (a matrix where it doesn't line up)
             assert b.stage is not None
             if b.type_of(ct).shape[1] not in b.stage.col_widths():
                 raise AutodiffError(
@@ -526,10 +527,14 @@ class Site:
         s.emit(before)
         if body:
             if self.host is not None:
-                a, bb, ta, tb = self.host.gemm
+                g = self.host.gemm
+                a, bb, sa, sb = g.a, g.b, g.scale_a, g.scale_b
                 if self.host.recompute:  # the forward's operands, read now that the stage is made
                     a, bb = s.read_operand(a), s.read_operand(bb)
-                s.emit([Stage(a, bb, ta, tb, Var("acc"), tuple(body), span=st.span)])
+                    sa, sb = (None if x is None else s.read_operand(x) for x in (sa, sb))
+                s.emit(
+                    [Stage(a, bb, g.ta, g.tb, Var("acc"), tuple(body), span=st.span, scale_a=sa, scale_b=sb)]
+                )
             else:
                 s.emit([_elementwise(body, shape, st.span)])
                 what = ", ".join(

@@ -58,6 +58,22 @@ class Read:
     stage: int | None = None
 
 
+@dataclass(frozen=True)
+class Gemm:
+    """A GEMM of the backward: `gemm [transpose(]a[)] @ [transpose(]b[)]`, its operands' block scales
+    (`scale_a=`, `scale_b=`: a forward operand's own, which goes with it), and `out_scale`: the block
+    scale of the forward operand whose cotangent it gives, laid out as that operand (and this GEMM's
+    output) is stored; its acc is multiplied by it, read over its groups (`expand`)."""
+
+    a: Atom
+    b: Atom
+    ta: bool
+    tb: bool
+    scale_a: Atom | None = None
+    scale_b: Atom | None = None
+    out_scale: Atom | None = None
+
+
 class State:
     """Everything the schedule and the sites share while one backward block is built."""
 
@@ -323,14 +339,18 @@ class State:
         self.scales[name] = amax
         return self._param(name, Type("f32", (), SCALAR)), amax
 
-    def dequantize(self, gemm: tuple[Atom, Atom, bool, bool], acc: Atom) -> Atom:
+    def dequantize(self, gemm: Gemm, acc: Atom) -> Atom:
         """`acc`, the accumulator of a GEMM on operands `gemm` (in the stage being built), as the
         cotangent product it stands for: times the inverse scale of the quantized dacc it reads, if any
-        (one multiply in the epilogue, as the forward folds its own inverse scale)."""
-        for x in (gemm[0], gemm[1]):
+        (one multiply in the epilogue, as the forward folds its own inverse scale), and times the block
+        scale of the forward operand it is the cotangent of (`gemm.out_scale`, read over its groups)."""
+        for x in (gemm.a, gemm.b):
             if isinstance(x, Var) and x.name in self.qscale:
                 inv = self.b.div(Lit(1.0, "f32"), Var(self.qscale[x.name]))  # hoisted: a scalar
-                return self.b.mul(acc, inv)
+                acc = self.b.mul(acc, inv)
+                break
+        if gemm.out_scale is not None:
+            acc = self.b.mul(acc, self.b.op("expand", self.read_operand(gemm.out_scale), Var("acc")))
         return acc
 
     def set_dacc(self, k: int, dacc: Atom) -> None:

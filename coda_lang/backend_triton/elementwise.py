@@ -218,6 +218,8 @@ class ElementwiseStage:
         for (name, role), x in zip(self.roles, ins, strict=True):
             if role != "scalar" and x.is_floating_point():
                 x = x.float()
+            if role == "grouped tile":  # (`expand` of a block scale: each element over its group)
+                x = x.repeat_interleave(rows // x.shape[0], 0).repeat_interleave(cols // x.shape[1], 1)
             vals[name] = (
                 x.reshape(-1, 1)
                 if role == "row vector"

@@ -183,6 +183,9 @@ _TL_DTYPES = {
 
 def unsupported(st: Any) -> str | None:
     """Why stage `st` (an ElementwiseStage) can't be a generated Triton kernel, or None if it can."""
+    grouped = [ld.name for ld in st.loads if ld.role == "grouped tile"]
+    if grouped:
+        return f"`{grouped[0]}` is read over groups of the tile (`expand` of a block scale)"
     for e, (op, _outs, args, info) in zip(st.stage.body, st.steps, strict=True):
         od = REGISTRY[op]
         for i, _g, w in info.get("cycle", ()):

@@ -28,7 +28,7 @@ from coda_lang.frontend.verify.repeat import check_repeats, repeat_uses, repeate
 from coda_lang.interp.inputs import check_sizes
 from coda_lang.ir.nodes import Atom, Block, DimRef, Eqn, Lit, Stage, Var
 from coda_lang.ir.types import ERROR_TYPE, GROUP, MATRIX, PARTIAL, TILE, Dim, Type, extent
-from coda_lang.ops import REGISTRY, Locality
+from coda_lang.ops import REGISTRY, Locality, StageShape
 from coda_lang.ops.registry import combine_rule, repeats_in
 
 
@@ -51,6 +51,16 @@ class _Tile:
     def col_slice(self, width: Dim) -> slice:
         ratio = width.coeff / self.cols.coeff
         return slice(int(self.c0 * ratio), int(self.c1 * ratio))
+
+
+def _lines_up(t: Type, tile: _Tile) -> bool:
+    """Whether a matrix of type `t` is read at the tile's position (the same rows; the same, half or
+    double columns), not over groups of its rows and columns (`expand` of a block scale)."""
+    return (
+        len(t.shape) == 2
+        and t.shape[0] == tile.rows
+        and t.shape[1] in StageShape(tile.rows, tile.cols).col_widths()
+    )
 
 
 def _type(a: Atom) -> Type:
@@ -130,7 +140,7 @@ class Interpreter:
             tm, tn = R, C
         else:
             tm, tn = tile
-            self.check_tile(s, cols, tile)
+            self.check_tile(s, rows, cols, tile)
             tiles = [(i, min(i + tm, R), j, min(j + tn, C)) for i in range(0, R, tm) for j in range(0, C, tn)]
         n_rt, n_ct = -(-R // tm), -(-C // tn)
         results: dict[str, np.ndarray] = {}
@@ -224,7 +234,7 @@ class Interpreter:
         sb = np.ones((nblocks, n), np.float32) if sb is None else np.repeat(sb, n // sb.shape[1], axis=1)
         return g, sa, sb
 
-    def check_tile(self, s: Stage, cols: Dim, tile: tuple[int, int]) -> None:
+    def check_tile(self, s: Stage, rows: Dim, cols: Dim, tile: tuple[int, int]) -> None:
         tm, tn = tile
         full = extent(cols, self.dims)
         tn = min(tn, full)  # one clipped tile holds the whole width
@@ -236,6 +246,8 @@ class Interpreter:
             tile: that must be whole (a tile holding the whole width always is)."""
             if t.kind not in (TILE, MATRIX) or len(t.shape) != 2 or t.shape[1] == cols or tn == full:
                 return False
+            if t.kind == MATRIX and not _lines_up(t, _Tile(rows, cols, 0, 0, 0, 0)):
+                return False  # (read over its groups: any tile holds whole elements of it)
             w = t.shape[1]
             if w.name != cols.name:
                 return False
@@ -276,6 +288,11 @@ class Interpreter:
             return senv[a.name]
         x = self.env[a.name]
         at = _type(a)
+        if x.ndim == 2 and not _lines_up(at, t):  # read over its groups (expand): each group's element
+            gr, gc = extent(t.rows, self.dims) // x.shape[0], extent(t.cols, self.dims) // x.shape[1]
+            return np.repeat(np.repeat(x[t.r0 // gr : -(-t.r1 // gr)], gr, 0), gc, 1)[
+                t.r0 - (t.r0 // gr) * gr : t.r1 - (t.r0 // gr) * gr, t.c0 : t.c1
+            ]
         if x.ndim == 2:  # a tile load at this tile's position
             return x[t.r0 : t.r1, t.col_slice(at.shape[1])]
         if x.ndim == 1:

@@ -92,6 +92,15 @@ class Dim:
         return f"{c.numerator}*{self.name}/{c.denominator}"
 
 
+def group_size(extent: Dim, scaled: Dim) -> int | None:
+    """The group size g with `scaled` = `extent` / g, a positive whole number (`K` and `K/128`: 128;
+    `M` and `M`: 1), or None."""
+    if extent.name != scaled.name or scaled.coeff <= 0:
+        return None
+    g = extent.coeff / scaled.coeff
+    return int(g) if g.denominator == 1 and g >= 1 else None
+
+
 Shape = tuple[Dim, ...]
 
 

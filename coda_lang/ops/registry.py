@@ -446,6 +446,9 @@ class OpDef:
     arith: Arith | None = None  # a product or quotient (the planner's fma fold, padding, the checker)
     bound: Bound = field(default_factory=Bound)  # its rule in the rounding-bound analysis
     random_programs: bool = True  # testing/programs.py's random forward blocks may draw it
+    # its first operand, in a stage, may be a matrix read over groups of the tile (expand of a block
+    # scale: the checker lets it through, autodiff takes no gradient through it)
+    reads_groups: bool = False
 
     # -- lowerings, one per backend
     lower: Lowerings = field(default_factory=Lowerings)

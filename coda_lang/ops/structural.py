@@ -183,6 +183,17 @@ def _expand(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Ty
     x, like = ins
     if x.is_error or like.is_error:
         return (ERROR_TYPE,)
+    if x.kind == MATRIX and ctx.stage is not None:  # a matrix read over its groups (a block scale)
+        space = ctx.stage
+        if like.kind != TILE or like.shape != (space.rows, space.cols):
+            raise Mistake(
+                "E0505",
+                f"expand() of a matrix {shape_str(x.shape)} reads it over the groups of the stage's tile "
+                f"{shape_str((space.rows, space.cols))}; its second operand must be such a tile",
+                arg=1,
+                help=["write `expand(s, acc)`"],
+            )
+        return (Type(promote(x.dtype), like.shape, TILE),)
     if like.kind == GROUP and x.kind == TILE:  # a tile of one column per group, read as a grouped value
         if x.shape != like.shape:
             raise Mistake(
@@ -207,7 +218,9 @@ def _expand(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Ty
 
 # expand(x, like): x broadcast to the shape of x and `like` broadcast together (the values of `like` are
 # not read): `expand(r, acc)` is a tile, `expand(r, col_index())` too (a row vector and a column vector
-# make a tile), `expand(t, g)` reads a tile of one column per group as a grouped value, and `expand(g,
+# make a tile), `expand(s, acc)` of a matrix [rows/gr, cols/gc] reads it over its groups (a block scale:
+# the executors repeat it where they load it), `expand(t, g)` reads a tile of one column per group as a
+# grouped value, and `expand(g,
 # v)` of a vector g over a dim of fixed size G and a longer vector v repeats g (element j is g[j mod G]).
 # Autodiff uses it to materialize a cotangent that is a vector or scalar where a whole tile is needed,
 # and as the VJP of fold. The impls repeat a 1-D x that is shorter than a 1-D like; the executors
@@ -236,9 +249,12 @@ register(
         vjp=lambda b, p, ct: [ct, None],
         bound=Bound(rule=BoundRule.BROADCAST),
         random_programs=False,  # it makes tiles of equal columns: a max over them ties
+        reads_groups=True,
         lower=Lowerings(cute=lambda x, like: x, torch=_expand_torch),
         operand_names=("x", "like"),
-        doc="x broadcast to the shape of x and `like` together (like's values are not read)",
+        doc="x broadcast to the shape of x and `like` together (like's values are not read); in a stage, "
+        "`expand(s, acc)` of a matrix whose extents are the tile's divided by whole group sizes reads each "
+        "group's element (a block scale)",
     )
 )
 

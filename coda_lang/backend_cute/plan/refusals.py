@@ -77,6 +77,27 @@ def check_gemm_stage(index: int, st: Stage, sp: StagePlan) -> None:
         )
 
 
+def check_grouped_loads(index: int, st: Stage, sp: StagePlan) -> None:
+    """E0704 for a matrix the epilogue reads over groups of its rows and columns (`expand(s, acc)` of
+    a block scale): no load of the epilogue repeats an element over a group."""
+    for ld in sp.loads:
+        if ld.role == "grouped tile":
+            span = next(
+                (e.span for e in st.body if any(isinstance(a, Var) and a.name == ld.name for a in e.ins)),
+                st.span,
+            )
+            raise fail(
+                "E0704",
+                f"stage {index} (`{sp.text}`) reads `{ld.name}` {shape_str(ld.shape)} over groups of its tile "
+                f"{shape_str((sp.rows, sp.cols))} (`expand`); the epilogue has no such load yet",
+                span,
+                notes=[
+                    "the interpreter and the elementwise stages' torch stand-ins run it (`coda run`, "
+                    "`--target interp`)"
+                ],
+            )
+
+
 def check_gemm_dtypes(ctx: StageContext, a_dtype: str, b_dtype: str) -> None:
     """The GEMM multiplies bf16 or f16 operands of one dtype, or fp8 operands (e4m3, e5m2, mixed) that
     are both K-major (check_fp8_gemm); f32, and fp8 beside any float as the checker allows, run on the

@@ -40,20 +40,13 @@ from coda_lang.ir.types import (
     VEC,
     Dim,
     Type,
+    group_size,
     is_float,
     is_fp8,
     shape_str,
 )
 from coda_lang.ops import REGISTRY, Ctx, StageShape
 from coda_lang.ops.registry import COMBINES, kind_name
-
-
-def _group(extent: Dim, scaled: Dim) -> int | None:
-    """The group size g with `scaled` = `extent` / g (a positive whole number), or None."""
-    if extent.name != scaled.name or scaled.coeff <= 0:
-        return None
-    g = extent.coeff / scaled.coeff
-    return int(g) if g.denominator == 1 and g >= 1 else None
 
 
 def _stage_text(st: Stage) -> str:
@@ -162,8 +155,11 @@ class Checker:
 
     # ------------------------------------------------------------------ operands
 
-    def use(self, atom: Atom, span: Span, stage: StageShape | None, k: int) -> Type:
-        """The type of `atom` as seen by an equation in stage k (or between stages when stage is None)."""
+    def use(self, atom: Atom, span: Span, stage: StageShape | None, k: int, grouped: bool = False) -> Type:
+        """The type of `atom` as seen by an equation in stage k (or between stages when stage is None).
+        `grouped`: the first operand of `expand`, where a matrix whose extents are the stage's divided
+        by whole group sizes is read over its groups (it stays a matrix here; expand's rule makes the
+        tile)."""
         if isinstance(atom, Lit):
             return Type(atom.dtype)
         if isinstance(atom, DimRef):
@@ -192,6 +188,9 @@ class Checker:
             rows, cols = t.shape
             if rows == stage.rows and cols in stage.col_widths():
                 return t.with_kind(TILE)
+            whole = group_size(stage.rows, rows) is not None and group_size(stage.cols, cols) is not None
+            if whole and grouped:
+                return t  # (read over its groups: expand's rule)
             self.error(
                 "E0505",
                 f"`{atom.name}` is {t.dtype}{shape_str(t.shape)}, which doesn't line up with this "
@@ -202,6 +201,12 @@ class Checker:
                     "an epilogue reads other matrices only at its own tile position (same rows; the same, "
                     "half or double columns)"
                 ],
+                help=[
+                    f"to read one element of `{atom.name}` per group of the tile's rows and columns (a block "
+                    f"scale), write `expand({atom.name}, acc)`"
+                ]
+                if whole
+                else [],
             )
             self.env[atom.name] = ERROR_TYPE
             return ERROR_TYPE
@@ -241,7 +246,10 @@ class Checker:
     ) -> Eqn:
         op = REGISTRY[e.op]
         spans = list(e.in_spans) + [e.span] * (len(e.ins) - len(e.in_spans))
-        ins = tuple(self.use(a, s, stage, k) for a, s in zip(e.ins, spans, strict=True))
+        ins = tuple(
+            self.use(a, s, stage, k, grouped=op.reads_groups and i == 0)
+            for i, (a, s) in enumerate(zip(e.ins, spans, strict=True))
+        )
         ctx = ctx or Ctx(stage, self.divisors, self.values)
         outs: tuple[Type, ...] = (ERROR_TYPE,) * op.nout
         partial = next(
@@ -540,7 +548,7 @@ class Checker:
                     help=[f"declare it like `{name}: {want}`"],
                 )
                 continue
-            groups = [_group(d, g) for d, g in zip(t.shape, ts.shape, strict=True)]
+            groups = [group_size(d, g) for d, g in zip(t.shape, ts.shape, strict=True)]
             if None in groups:
                 self.error(
                     "E0411",
@@ -642,7 +650,8 @@ class Checker:
                 if t is None or t.is_error or a.name in loads:
                     continue
                 if t.kind == MATRIX:
-                    role = "tile"
+                    rows, cols = t.shape
+                    role = "tile" if rows == st.rows and cols in st.col_widths() else "grouped tile"
                 elif t.kind == VEC:
                     role = "row vector" if t.shape[0] == st.rows else "column vector"
                 else:

@@ -22,7 +22,7 @@ class Load:
     name: str
     dtype: str
     shape: Shape
-    role: str  # "tile" | "row vector" | "column vector" | "scalar"
+    role: str  # "tile" | "grouped tile" (read over its groups: `expand`) | "row vector" | "column vector" | "scalar"
 
 
 @dataclass(frozen=True)
