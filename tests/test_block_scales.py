@@ -355,3 +355,34 @@ def test_grouped_reads_in_the_runtimes() -> None:
     with pytest.raises(CodaError) as e:
         plan_stage(prog["epi"], 1)
     assert e.value.diagnostics[0].code == "E0704" and "over groups" in e.value.diagnostics[0].message
+
+
+WEIGHTS = """
+dims N, K
+block wq(w: bf16[N, K]) -> (wq: e4m3[N, K], s: f32[N/128, K/128]) {
+  elementwise [N, K] {
+    m = detach(max(abs(w), over=K, group=128))
+  }
+  elementwise [N, K/128] {
+    s = max(m, over=N, group=128)
+  }
+  elementwise [N, K] {
+    wq: e4m3 = w * (448.0 / max(expand(s, w), 1e-12))
+  }
+}
+"""
+
+
+def test_the_weights_128_by_128_scales() -> None:
+    """docs/language.md's weight quantizer: each 128 x 128 block's amax (NumPy's), and the e4m3 codes of
+    w scaled by 448 over it (ml_dtypes' rounding), so that wq times the scales over 448 is w to e4m3's
+    precision."""
+    rng = np.random.default_rng(12)
+    w = (rng.standard_normal((256, 384)) * np.exp2(rng.integers(-4, 5, (256, 1)))).astype(ml_dtypes.bfloat16)
+    out = coda_lang.load(WEIGHTS)["wq"].run({"w": w})
+    amax = np.abs(w.astype(np.float32)).reshape(2, 128, 3, 128).max(axis=(1, 3))
+    assert np.array_equal(out["s"], amax)
+    want = (w.astype(np.float32) * (np.float32(448.0) / _repeat(amax, 256, 384).astype(np.float32))).astype(
+        ml_dtypes.float8_e4m3fn
+    )
+    assert np.array_equal(out["wq"].view(np.uint8), want.view(np.uint8))
