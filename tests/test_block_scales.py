@@ -279,16 +279,12 @@ def test_the_kernels_and_their_emulation_refuse_it() -> None:
 def test_the_commands(tmp_path: Any) -> None:
     f = tmp_path / "scaled.coda"
     f.write_text(DEEPSEEK)
-    r = coda("check", str(f))
-    assert r.returncode == 0, r.stderr
     r = coda("grad", str(f))
     assert r.returncode == 0 and "scale_b=sw" in r.stdout and "expand(sa, acc)" in r.stdout, r.stderr
     r = coda("compile", str(f), "--emit", "source", "-o", str(tmp_path / "out"))
     assert r.returncode == 1 and "E0709" in r.stderr and "Traceback" not in r.stderr
     r = coda("fuzz", str(f), "--target", "interp", "--examples", "4", "--no-backward")
     assert r.returncode == 0, r.stderr
-    r = coda("fuzz", str(f), "--target", "emulate", "--examples", "2", "--no-backward")
-    assert r.returncode == 1 and "E0709" in r.stdout + r.stderr and "Traceback" not in r.stderr
 
 
 GROUPED = """
