@@ -87,8 +87,7 @@ class Builder:
         if isinstance(a, Var):
             t = self.types.get(a.name, ERROR_TYPE)
             if self.stage is not None and a.name not in self.local and t.kind == MATRIX:
-                rows, cols = t.shape
-                if rows == self.stage.rows and cols in self.stage.col_widths():
+                if self.stage.lines_up(t.shape):
                     return t.with_kind(TILE)
                 return t  # (read over groups of the tile: `expand` of a block scale, whose rule decides)
             return t

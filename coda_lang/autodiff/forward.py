@@ -29,7 +29,7 @@ def _read_over_groups(t: Type | None, st: Stage) -> bool:
     space = st.acc.type.shape if st.acc is not None and st.acc.type is not None else st.shape
     if t is None or t.kind != MATRIX or space is None or len(t.shape) != 2:
         return False
-    return not (t.shape[0] == space[0] and t.shape[1] in StageShape(space[0], space[1]).col_widths())
+    return not StageShape(space[0], space[1]).lines_up(t.shape)
 
 
 def is_index(e: Eqn) -> bool:

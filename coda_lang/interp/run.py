@@ -54,13 +54,9 @@ class _Tile:
 
 
 def _lines_up(t: Type, tile: _Tile) -> bool:
-    """Whether a matrix of type `t` is read at the tile's position (the same rows; the same, half or
-    double columns), not over groups of its rows and columns (`expand` of a block scale)."""
-    return (
-        len(t.shape) == 2
-        and t.shape[0] == tile.rows
-        and t.shape[1] in StageShape(tile.rows, tile.cols).col_widths()
-    )
+    """Whether a matrix of type `t` is read at the tile's position, not over groups of its rows and
+    columns (`expand` of a block scale)."""
+    return StageShape(tile.rows, tile.cols).lines_up(t.shape)
 
 
 def _type(a: Atom) -> Type:

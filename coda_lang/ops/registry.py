@@ -235,6 +235,12 @@ class StageShape:
         """Column extents a tile of this stage may have: full, half (after pairs), double."""
         return (self.cols, self.cols.scale(Fraction(1, 2)), self.cols.scale(2))
 
+    def lines_up(self, shape: tuple[Dim, ...]) -> bool:
+        """Whether a matrix of `shape` is read at the tile's position (the same rows; the same, half or
+        double columns), rather than over groups of the tile's rows and columns (`expand` of a block
+        scale) or not at all."""
+        return len(shape) == 2 and shape[0] == self.rows and shape[1] in self.col_widths()
+
 
 @dataclass
 class Ctx:

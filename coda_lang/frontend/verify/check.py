@@ -186,7 +186,7 @@ class Checker:
             return t
         if t.kind == MATRIX:  # a tile load
             rows, cols = t.shape
-            if rows == stage.rows and cols in stage.col_widths():
+            if stage.lines_up(t.shape):
                 return t.with_kind(TILE)
             whole = group_size(stage.rows, rows) is not None and group_size(stage.cols, cols) is not None
             if whole and grouped:
@@ -650,8 +650,7 @@ class Checker:
                 if t is None or t.is_error or a.name in loads:
                     continue
                 if t.kind == MATRIX:
-                    rows, cols = t.shape
-                    role = "tile" if rows == st.rows and cols in st.col_widths() else "grouped tile"
+                    role = "tile" if st.lines_up(t.shape) else "grouped tile"
                 elif t.kind == VEC:
                     role = "row vector" if t.shape[0] == st.rows else "column vector"
                 else:
