@@ -89,7 +89,7 @@ class Builder:
             if self.stage is not None and a.name not in self.local and t.kind == MATRIX:
                 if self.stage.lines_up(t.shape):
                     return t.with_kind(TILE)
-                return t  # (read over groups of the tile: `expand` of a block scale, whose rule decides)
+                return t  # (not a tile of this stage: an op that reads groups may take it, ops() says)
             return t
         return ERROR_TYPE
 
@@ -116,6 +116,17 @@ class Builder:
             finally:
                 self.stage, self.local, self.out = stage, local, out
         in_types = tuple(self.type_of(a) for a in ins)
+        if (
+            opdef.reads_groups
+            and self.stage is not None
+            and isinstance(ins[0], Var)
+            and ins[0].name not in self.local
+        ):
+            raw = self.types.get(
+                ins[0].name, ERROR_TYPE
+            )  # a matrix read over groups of the tile (a block scale)
+            if raw.kind == MATRIX and self.stage.groups_of(raw.shape):
+                in_types = (raw, *in_types[1:])
         ctx = Ctx(self.stage, self.divisors, self.values)
         try:
             out_types = opdef.type_rule(ctx, in_types, params)  # type: ignore[misc]

@@ -292,8 +292,9 @@ def chunk_plan(blk: CheckedBlock, dim: str) -> ChunkPlan:
             )
         role = hits[0] if hits else None
         if s.is_gemm:
-            read(s.a, f"stage {idx} of block {name}")
-            read(s.b, f"stage {idx} of block {name}")
+            for x in (s.a, s.b, s.scale_a, s.scale_b):
+                if x is not None:
+                    read(x, f"stage {idx} of block {name}")
         stores = {st.name: st for st in blk.plan.stages[idx - 1].stores}
         if role == "K":  # a GEMM summing over the chunked dim: its output accumulates across chunks
             for e in s.body:

@@ -14,22 +14,15 @@ was checked); an unknown or non-float `wrt` is refused (E0602) when it is built.
 
 from __future__ import annotations
 
+from typing import Any
+
 from coda_lang.autodiff.builder import AutodiffError
 from coda_lang.autodiff.builder import float_value as _float
 from coda_lang.frontend.verify.plan import BlockPlan
 from coda_lang.ir.nodes import Atom, Block, Eqn, Lit, Param, Stage, Var
 from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type, cotangent_dtype, is_fp8
-from coda_lang.ops import REGISTRY, Locality, StageShape
+from coda_lang.ops import REGISTRY, Locality, StageShape, grouped_reads
 from coda_lang.ops.registry import Arith
-
-
-def _read_over_groups(t: Type | None, st: Stage) -> bool:
-    """Whether a value of type `t` read in stage st is a matrix read over groups of the stage's tile
-    (`expand` of a block scale), not at the tile's position."""
-    space = st.acc.type.shape if st.acc is not None and st.acc.type is not None else st.shape
-    if t is None or t.kind != MATRIX or space is None or len(t.shape) != 2:
-        return False
-    return not StageShape(space[0], space[1]).lines_up(t.shape)
 
 
 def is_index(e: Eqn) -> bool:
@@ -126,17 +119,25 @@ class ForwardFacts:
         groups with `expand`) depends on a differentiated parameter other than through `detach`: the
         backward treats those scales as constants (straight through the quantizer they undo), so a
         gradient through them would be missed."""
-        for st in block.stages:
-            used = [(x, "a block scale") for x in (st.scale_a, st.scale_b) if isinstance(x, Var)]
-            used += [
-                (x, "read over its groups (`expand`)")
-                for e in st.body
-                if REGISTRY[e.op].reads_groups
-                and isinstance(x := e.ins[0], Var)
-                and _read_over_groups(self.ftype.get(x.name), st)
+        for k, st in enumerate(block.stages):
+            used: list[tuple[Atom, str]] = [
+                (x, "a block scale") for x in (st.scale_a, st.scale_b) if isinstance(x, Var)
             ]
+            space = st.acc.type.shape if st.acc is not None and st.acc.type is not None else st.shape
+            if space is not None:
+
+                def type_of(a: Any, st: Stage = st) -> Type | None:
+                    return st.acc.type if st.acc is not None and a.name == "acc" else self.ftype.get(a.name)
+
+                names = grouped_reads(st.body, StageShape(space[0], space[1]), type_of)
+                # (a grouped value of this stage broadcast over its groups is differentiated as such)
+                used += [
+                    (Var(n), "read over its groups (`expand`)")
+                    for n in sorted(names)
+                    if self.fstage.get(n) != k
+                ]
             for x, what in used:
-                if x.name in self.active:
+                if isinstance(x, Var) and x.name in self.active:
                     raise AutodiffError(
                         "E0602",
                         f"`{x.name}`, {what}, depends on a differentiated parameter; the backward takes no "

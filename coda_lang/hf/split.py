@@ -19,6 +19,7 @@ each part's derived backward is the block's, cut where the forward is (autograd 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 
 from coda_lang.api import Block, load
 from coda_lang.frontend.syntax.printer import print_program
@@ -164,7 +165,7 @@ def _corrected(st: nodes.Stage) -> nodes.Stage:
     for e in st.body:
         ins = tuple(acc if isinstance(a, nodes.Var) and a.name == st.acc.name else a for a in e.ins)
         body.append(nodes.Eqn(e.op, ins, e.outs, e.params, e.span, e.in_spans))
-    return nodes.Stage(st.a, st.b, st.ta, st.tb, st.acc, tuple(body), st.shape, st.span, remat=st.remat)
+    return replace(st, body=tuple(body))  # (its operands, scales, spans and options as they were)
 
 
 def _lora_param(st: nodes.Stage) -> nodes.Var:

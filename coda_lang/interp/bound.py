@@ -50,10 +50,10 @@ import numpy as np
 from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.core.numerics import round_to
 from coda_lang.interp.inputs import bind, check_sizes
-from coda_lang.interp.run import Interpreter, _Tile, _type
+from coda_lang.interp.run import Interpreter, _Tile, _type, _type_or_none
 from coda_lang.ir.nodes import Atom, Eqn, Stage, Var
 from coda_lang.ir.types import GROUP, TILE, Dim, is_fp8
-from coda_lang.ops import REGISTRY, BoundRule, OpDef
+from coda_lang.ops import REGISTRY, BoundRule, OpDef, StageShape, grouped_reads
 from coda_lang.ops.registry import F32_U, FASTMATH_ROUNDING, repeats_in
 
 U = F32_U  # f32's unit roundoff
@@ -289,8 +289,8 @@ class Bounds(Interpreter):
         xa, xea = np.repeat(_f64(sa), g, axis=1), np.repeat(np.broadcast_to(esa, sa.shape), g, axis=1)
         xb, xeb = np.repeat(_f64(sb), g, axis=0), np.repeat(np.broadcast_to(esb, sb.shape), g, axis=0)
         with np.errstate(invalid="ignore", over="ignore"):
-            ea2 = np.abs(a) * xea + ea * np.abs(xa) + ea * xea
-            eb2 = np.abs(b) * xeb + eb * np.abs(xb) + eb * xeb
+            ea2 = np.where(_any(ea) | _any(xea), ANY, np.abs(a) * xea + ea * np.abs(xa) + ea * xea)
+            eb2 = np.where(_any(eb) | _any(xeb), ANY, np.abs(b) * xeb + eb * np.abs(xb) + eb * xeb)
             return a * xa, ea2, b * xb, eb2
 
     def store(self, name: str, x: Any, dtype: str | None) -> None:
@@ -307,7 +307,8 @@ class Bounds(Interpreter):
         self, e: Eqn, vals: list[Any], t: _Tile | None, senv: dict[str, Any] | None = None
     ) -> tuple[Any, ...]:
         outs = super().apply(e, vals, t, senv)
-        errs = [self.bound_of(a, vals[i], t, senv) for i, a in enumerate(e.ins)]
+        grouped = t is not None and bool(grouped_reads((e,), StageShape(t.rows, t.cols), _type_or_none))
+        errs = [self.bound_of(a, vals[i], t, senv, i == 0 and grouped) for i, a in enumerate(e.ins)]
         # a vector repeating across a tile's columns: its value and its bound laid out as apply lays it
         vals, errs = self.repeat_operands(e, vals, t), self.repeat_operands(e, errs, t)
         bounds = self.rule(e, vals, errs, outs, t, senv)
@@ -318,8 +319,11 @@ class Bounds(Interpreter):
 
     # ------------------------------------------------------------------ the rules
 
-    def bound_of(self, a: Atom, x: Any, t: _Tile | None, senv: dict[str, Any] | None) -> Any:
-        """The bound of operand `a` (value `x`), placed as the interpreter places its value."""
+    def bound_of(
+        self, a: Atom, x: Any, t: _Tile | None, senv: dict[str, Any] | None, grouped: bool = False
+    ) -> Any:
+        """The bound of operand `a` (value `x`), placed as the interpreter places its value (`grouped`:
+        a matrix read over groups of the tile, each element its group's)."""
         if not isinstance(a, Var):
             return 0.0  # a literal or a dim: the same number on both sides
         if senv is not None and a.name in senv:
@@ -328,6 +332,8 @@ class Bounds(Interpreter):
         if np.ndim(e) == 0 or t is None:
             return e
         full = self.env[a.name]
+        if grouped and full.ndim == 2:
+            return self.grouped_tile(np.broadcast_to(e, full.shape), t)
         if full.ndim == 2:
             return e[t.r0 : t.r1, t.col_slice(_type(a).shape[1])]
         if full.ndim == 1:

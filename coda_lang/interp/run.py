@@ -28,7 +28,7 @@ from coda_lang.frontend.verify.repeat import check_repeats, repeat_uses, repeate
 from coda_lang.interp.inputs import check_sizes
 from coda_lang.ir.nodes import Atom, Block, DimRef, Eqn, Lit, Stage, Var
 from coda_lang.ir.types import ERROR_TYPE, GROUP, MATRIX, PARTIAL, TILE, Dim, Type, extent
-from coda_lang.ops import REGISTRY, Locality, StageShape
+from coda_lang.ops import REGISTRY, Locality, StageShape, grouped_reads
 from coda_lang.ops.registry import combine_rule, repeats_in
 
 
@@ -53,10 +53,8 @@ class _Tile:
         return slice(int(self.c0 * ratio), int(self.c1 * ratio))
 
 
-def _lines_up(t: Type, tile: _Tile) -> bool:
-    """Whether a matrix of type `t` is read at the tile's position, not over groups of its rows and
-    columns (`expand` of a block scale)."""
-    return StageShape(tile.rows, tile.cols).lines_up(t.shape)
+def _type_or_none(a: Any) -> Type | None:
+    return a.type if isinstance(a, Var) else None
 
 
 def _type(a: Atom) -> Type:
@@ -145,7 +143,8 @@ class Interpreter:
             t = _Tile(rows, cols, r0, r1, c0, c1)
             senv: dict[str, Any] = {"acc": acc[r0:r1, c0:c1]} if acc is not None else {}
             for e in s.body:
-                vals = [self.stage_value(a, senv, t) for a in e.ins]
+                grouped = bool(grouped_reads((e,), StageShape(rows, cols), _type_or_none))
+                vals = [self.stage_value(a, senv, t, i == 0 and grouped) for i, a in enumerate(e.ins)]
                 outs = self.apply(e, vals, t, senv)
                 for v, x in zip(e.outs, outs, strict=True):
                     senv[v.name] = x
@@ -242,16 +241,15 @@ class Interpreter:
             tile: that must be whole (a tile holding the whole width always is)."""
             if t.kind not in (TILE, MATRIX) or len(t.shape) != 2 or t.shape[1] == cols or tn == full:
                 return False
-            if t.kind == MATRIX and not _lines_up(t, _Tile(rows, cols, 0, 0, 0, 0)):
-                return False  # (read over its groups: any tile holds whole elements of it)
             w = t.shape[1]
             if w.name != cols.name:
                 return False
             return (tn * Fraction(w.coeff) / Fraction(cols.coeff)).denominator != 1
 
+        grouped = grouped_reads(s.body, StageShape(rows, cols), _type_or_none)
         for e in s.body:
-            for a in e.ins:
-                if isinstance(a, Var) and splits_pairs(_type(a)):
+            for a in e.ins:  # (a matrix read over groups of the tile: any tile holds whole elements of it)
+                if isinstance(a, Var) and a.name not in grouped and splits_pairs(_type(a)):
                     raise error(
                         "E0805", f"tile_N = {tn} is odd, but stage reads `{a.name}` at half its width"
                     )
@@ -277,18 +275,25 @@ class Interpreter:
                             notes=["the checker recorded this tiling constraint; see `coda check --explain`"],
                         )
 
-    def stage_value(self, a: Atom, senv: dict[str, Any], t: _Tile) -> Any:
+    def grouped_tile(self, x: np.ndarray, t: _Tile) -> np.ndarray:
+        """Tile `t` of a matrix read over groups of the tile space (each extent the space's divided by a
+        whole group size): each element its group's (a tile may cut a group)."""
+        gr, gc = extent(t.rows, self.dims) // x.shape[0], extent(t.cols, self.dims) // x.shape[1]
+        first = t.r0 // gr
+        rows = np.repeat(x[first : -(-t.r1 // gr)], gr, 0)[t.r0 - first * gr : t.r1 - first * gr]
+        return np.repeat(rows[:, t.c0 // gc : -(-t.c1 // gc)], gc, 1)[:, t.c0 % gc : t.c0 % gc + t.c1 - t.c0]
+
+    def stage_value(self, a: Atom, senv: dict[str, Any], t: _Tile, grouped: bool = False) -> Any:
+        """`a` as an equation of the stage reads it at tile `t`; `grouped`: a matrix read over groups
+        of the tile (`expand(s, acc)`), each element of the tile its group's."""
         if not isinstance(a, Var):
             return self.literal(a)
         if a.name in senv:
             return senv[a.name]
         x = self.env[a.name]
         at = _type(a)
-        if x.ndim == 2 and not _lines_up(at, t):  # read over its groups (expand): each group's element
-            gr, gc = extent(t.rows, self.dims) // x.shape[0], extent(t.cols, self.dims) // x.shape[1]
-            return np.repeat(np.repeat(x[t.r0 // gr : -(-t.r1 // gr)], gr, 0), gc, 1)[
-                t.r0 - (t.r0 // gr) * gr : t.r1 - (t.r0 // gr) * gr, t.c0 : t.c1
-            ]
+        if grouped and x.ndim == 2:
+            return self.grouped_tile(x, t)
         if x.ndim == 2:  # a tile load at this tile's position
             return x[t.r0 : t.r1, t.col_slice(at.shape[1])]
         if x.ndim == 1:

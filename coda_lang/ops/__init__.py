@@ -18,6 +18,7 @@ from coda_lang.ops.registry import (
     Role,
     StageShape,
     combine_rule,
+    grouped_reads,
     resolve,
 )
 
@@ -38,5 +39,6 @@ __all__ = [
     "SUGAR",
     "StageShape",
     "combine_rule",
+    "grouped_reads",
     "resolve",
 ]

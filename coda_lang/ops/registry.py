@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -43,6 +43,7 @@ from coda_lang.ir.types import (
     Shape,
     TileConstraint,
     Type,
+    group_size,
     shape_str,
 )
 
@@ -235,11 +236,47 @@ class StageShape:
         """Column extents a tile of this stage may have: full, half (after pairs), double."""
         return (self.cols, self.cols.scale(Fraction(1, 2)), self.cols.scale(2))
 
+    def groups_of(self, shape: tuple[Dim, ...]) -> bool:
+        """Whether a matrix of `shape` is read over groups of this tile space (`expand(s, acc)` of a
+        block scale): not the tile's own shape, each extent the tile's divided by a whole group size."""
+        return (
+            len(shape) == 2
+            and shape != (self.rows, self.cols)
+            and group_size(self.rows, shape[0]) is not None
+            and group_size(self.cols, shape[1]) is not None
+        )
+
     def lines_up(self, shape: tuple[Dim, ...]) -> bool:
         """Whether a matrix of `shape` is read at the tile's position (the same rows; the same, half or
         double columns), rather than over groups of the tile's rows and columns (`expand` of a block
         scale) or not at all."""
         return len(shape) == 2 and shape[0] == self.rows and shape[1] in self.col_widths()
+
+
+def grouped_reads(
+    eqns: Iterable[Any], stage: StageShape, type_of: Callable[[Any], Type | None]
+) -> frozenset[str]:
+    """The values that `eqns` (a stage's body over tile space `stage`) read over groups of the tile:
+    the first operand of an op that reads groups, `expand(s, acc)`, whose second operand is a whole tile
+    of the stage and whose first is a matrix not of the tile's shape, each extent the tile's divided by
+    a whole group size. (A half-width matrix read so is a block scale with groups of 2 columns, not a
+    tile; `expand(t, g)` of a tile to a grouped value is not such a read.) `type_of(atom)`: its type,
+    or None; a stored value's may still be its stage's kind (TILE, GROUP)."""
+    out: set[str] = set()
+    for e in eqns:
+        if not (REGISTRY[e.op].reads_groups and len(e.ins) == 2 and hasattr(e.ins[0], "name")):
+            continue
+        t, like = (type_of(a) if hasattr(a, "name") else None for a in e.ins)
+        if (
+            t is not None
+            and like is not None
+            and t.kind in (MATRIX, TILE, GROUP)
+            and like.kind in (TILE, MATRIX)
+            and like.shape == (stage.rows, stage.cols)
+            and stage.groups_of(t.shape)
+        ):
+            out.add(e.ins[0].name)
+    return frozenset(out)
 
 
 @dataclass

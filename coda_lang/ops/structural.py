@@ -185,7 +185,11 @@ def _expand(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Ty
         return (ERROR_TYPE,)
     if x.kind == MATRIX and ctx.stage is not None:  # a matrix read over its groups (a block scale)
         space = ctx.stage
-        if like.kind != TILE or like.shape != (space.rows, space.cols):
+        whole = like.kind == TILE and like.shape == (space.rows, space.cols)
+        if not whole and space.lines_up(x.shape):
+            x = x.with_kind(TILE)  # (a tile of the stage after all: `expand(t, g)` below)
+            ins = (x, like)
+        elif not whole:
             raise Mistake(
                 "E0505",
                 f"expand() of a matrix {shape_str(x.shape)} reads it over the groups of the stage's tile "
@@ -193,7 +197,8 @@ def _expand(ctx: Ctx, ins: tuple[Type, ...], params: dict[str, Any]) -> tuple[Ty
                 arg=1,
                 help=["write `expand(s, acc)`"],
             )
-        return (Type(promote(x.dtype), like.shape, TILE),)
+        else:
+            return (Type(promote(x.dtype), like.shape, TILE),)
     if like.kind == GROUP and x.kind == TILE:  # a tile of one column per group, read as a grouped value
         if x.shape != like.shape:
             raise Mistake(

@@ -117,8 +117,11 @@ class ForwardGen:
         known_bugs: bool = False,
         gemm_dtypes: tuple[str, ...] = FLOAT_DTYPES,
         store_dtypes: tuple[str, ...] = FLOAT_DTYPES,
+        block_scales: bool = False,
     ):
         self.draw = draw
+        self.block_scales = block_scales  # GEMM stages may carry `scale_a=` / `scale_b=` (interpreter only)
+        self.scaled: list[tuple[int, str, str, Dim, Dim, Dim]] = []  # (line, a, b, rows, inner, cols)
         self.known_bugs = known_bugs
         self.gemm_dtypes = gemm_dtypes  # dtypes of GEMM operands
         self.store_dtypes = store_dtypes  # dtypes of annotated stores and casts
@@ -367,6 +370,8 @@ class ForwardGen:
                 default = draw(st.sampled_from([None, None, "0.5", "-1.5"])) if not shape else None
                 self.add_param("p", self.dtype(("f32", "bf16")), shape, default)
         acc = Val("acc", Type("f32", (rows, cols), TILE), generic=True, key=self.fresh("acc@"))
+        if self.block_scales:  # (drawn after the whole block: the rest of it is drawn as without them)
+            self.scaled.append((len(self.lines), a_src, b_src, rows, inner, cols))
         self.lines.append(f"gemm {a_src} @ {b_src} {{")
         local = [acc]
         body: list[Val] = []
@@ -402,6 +407,30 @@ class ForwardGen:
             if is_float(t.dtype):
                 self.made.append(after)
 
+    def scales(self, a_src: str, b_src: str, rows: Dim, inner: Dim, cols: Dim) -> str:
+        """Sometimes, block scales for the stage's operands (`, scale_a=s1, scale_b=s2`): f32 parameters
+        laid out as each operand is stored, each extent divided by a group that divides its coefficient
+        (`2*N` by 1 or 2), so that any size of the dim makes whole groups; one group along K for both."""
+        draw = self.draw
+        if draw(st.integers(0, 3)) != 0:
+            return ""
+
+        def group(d: Dim) -> int:
+            c = d.coeff.numerator if d.coeff.denominator == 1 else 1
+            return draw(st.sampled_from([g for g in range(1, c + 1) if c % g == 0]))
+
+        gk = group(inner)
+        which = draw(st.sampled_from(["a", "b", "ab"]))
+        out = ""
+        for op, src, other in (("a", a_src, rows), ("b", b_src, cols)):
+            if op not in which:
+                continue
+            t = src.startswith("transpose(")
+            stored = (inner, other) if t == (op == "a") else (other, inner)
+            shape = tuple(d.scale(Fraction(1, gk if d == inner else group(d))) for d in stored)
+            out += f", scale_{op}={self.add_param('s', 'f32', shape).src}"
+        return out
+
     def between(self) -> None:
         for _ in range(self.draw(st.integers(0, 2))):
             if not any(v.type.kind in (VEC, SCALAR) for v in self.atoms(None, [])):
@@ -422,6 +451,10 @@ class ForwardGen:
             self.stage(first=k == 0)
             self.between()
         outs = draw(st.lists(st.sampled_from(self.made), min_size=1, max_size=3, unique_by=lambda v: v.src))
+        for line, a_src, b_src, rows, inner, cols in self.scaled:
+            self.lines[line] = (
+                self.lines[line][: -len(" {")] + self.scales(a_src, b_src, rows, inner, cols) + " {"
+            )
         sig = ", ".join(
             f"{v.src}: {v.type.dtype}{shape_str(v.type.shape) if v.type.shape else ''}" for v in outs
         )
@@ -447,6 +480,7 @@ def forward_blocks(
     known_bugs: bool = False,
     gemm_dtypes: tuple[str, ...] = FLOAT_DTYPES,
     store_dtypes: tuple[str, ...] = FLOAT_DTYPES,
+    block_scales: bool = False,
 ) -> Forward:
     """A random block-local forward block (see the module docstring), with sizes for its dims.
 
@@ -462,18 +496,24 @@ def forward_blocks(
         "N": draw(st.integers(2, 5)),
         "F": draw(st.integers(2, 4)),
     }  # no dim of 1: `u * F` would equal u (a tie for max)
-    gen = ForwardGen(draw, sizes, known_bugs, gemm_dtypes, store_dtypes)
+    gen = ForwardGen(draw, sizes, known_bugs, gemm_dtypes, store_dtypes, block_scales)
     text = gen.block()
     return Forward(text, sizes, dict(gen.index_range), dict(gen.scale))
 
 
 def random_blocks(
-    gemm_dtypes: tuple[str, ...] = ("f32", "bf16", "f16"), store_dtypes: tuple[str, ...] = FLOAT_DTYPES
+    gemm_dtypes: tuple[str, ...] = ("f32", "bf16", "f16"),
+    store_dtypes: tuple[str, ...] = FLOAT_DTYPES,
+    block_scales: bool = False,
 ) -> st.SearchStrategy[Forward]:
     """Random checked blocks with every feature the generator has: several dtypes (activations, stored
     tiles and GEMM operands in f32, bf16 or f16), grouped values read after their stage, partials read
     by later stages, picks from narrower tiles. Not restricted to what autodiff handles today, so a
     drawn block's backward may raise CodaError (E06); for differential testing that is fine.
     `gemm_dtypes`: the dtypes GEMM operands may have (("bf16", "f16") for the CUDA backend);
-    `store_dtypes`: those of annotated stores and casts (with FP8_DTYPES: fp8 stores too)."""
-    return forward_blocks(known_bugs=True, gemm_dtypes=gemm_dtypes, store_dtypes=store_dtypes)
+    `store_dtypes`: those of annotated stores and casts (with FP8_DTYPES: fp8 stores too);
+    `block_scales`: GEMM stages may carry block scales (docs/language.md, "Block scales"), which only
+    the interpreter runs."""
+    return forward_blocks(
+        known_bugs=True, gemm_dtypes=gemm_dtypes, store_dtypes=store_dtypes, block_scales=block_scales
+    )

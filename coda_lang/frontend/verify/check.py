@@ -45,7 +45,7 @@ from coda_lang.ir.types import (
     is_fp8,
     shape_str,
 )
-from coda_lang.ops import REGISTRY, Ctx, StageShape
+from coda_lang.ops import REGISTRY, Ctx, StageShape, grouped_reads
 from coda_lang.ops.registry import COMBINES, kind_name
 
 
@@ -185,12 +185,11 @@ class Checker:
         if stage is None or here:
             return t
         if t.kind == MATRIX:  # a tile load
-            rows, cols = t.shape
+            if grouped and stage.groups_of(t.shape):
+                return t  # (read over its groups: expand's rule)
             if stage.lines_up(t.shape):
                 return t.with_kind(TILE)
-            whole = group_size(stage.rows, rows) is not None and group_size(stage.cols, cols) is not None
-            if whole and grouped:
-                return t  # (read over its groups: expand's rule)
+            whole = stage.groups_of(t.shape)
             self.error(
                 "E0505",
                 f"`{atom.name}` is {t.dtype}{shape_str(t.shape)}, which doesn't line up with this "
@@ -642,6 +641,7 @@ class Checker:
         self, s: Stage, k: int, st: StageShape, kdim: Dim, body: tuple[Eqn, ...], ctx: Ctx
     ) -> StagePlan:
         loads: dict[str, Load] = {}
+        grouped = grouped_reads(body, st, lambda a: self.env.get(a.name))
         for e in body:
             for a in e.ins:
                 if not isinstance(a, Var) or a.name == "acc" or self.defined_in.get(a.name) == k:
@@ -650,7 +650,7 @@ class Checker:
                 if t is None or t.is_error or a.name in loads:
                     continue
                 if t.kind == MATRIX:
-                    role = "tile" if st.lines_up(t.shape) else "grouped tile"
+                    role = "grouped tile" if a.name in grouped else "tile"
                 elif t.kind == VEC:
                     role = "row vector" if t.shape[0] == st.rows else "column vector"
                 else:
