@@ -292,9 +292,8 @@ def chunk_plan(blk: CheckedBlock, dim: str) -> ChunkPlan:
             )
         role = hits[0] if hits else None
         if s.is_gemm:
-            for x in (s.a, s.b, s.scale_a, s.scale_b):
-                if x is not None:
-                    read(x, f"stage {idx} of block {name}")
+            for x in s.operands:
+                read(x, f"stage {idx} of block {name}")
         stores = {st.name: st for st in blk.plan.stages[idx - 1].stores}
         if role == "K":  # a GEMM summing over the chunked dim: its output accumulates across chunks
             for e in s.body:

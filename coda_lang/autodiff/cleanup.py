@@ -20,11 +20,6 @@ def _uses(a: Atom) -> str | None:
     return a.name if isinstance(a, Var) else None
 
 
-def _operands(s: Stage) -> list[Any]:
-    """What a stage reads besides its body: its GEMM's operands and their block scales."""
-    return [x for x in (s.a, s.b, s.scale_a, s.scale_b) if x is not None]
-
-
 def dce(body: list[Stmt], live_out: set[str]) -> list[Stmt]:
     """Drop equations whose results are never read, and stages left empty."""
     live = set(live_out)
@@ -37,7 +32,7 @@ def dce(body: list[Stmt], live_out: set[str]) -> list[Stmt]:
                     kept.append(e)
                     live.update(n for n in map(_uses, e.ins) if n)
             if kept:
-                live.update(n for n in map(_uses, _operands(s)) if n)
+                live.update(n for n in map(_uses, s.operands) if n)
                 out.append(replace(s, body=tuple(reversed(kept))))
         elif any(v.name in live for v in s.outs):
             out.append(s)
@@ -81,16 +76,7 @@ def cse(body: list[Stmt], keep: set[str]) -> list[Stmt]:
     for s in body:
         if isinstance(s, Stage):
             local = dict(block_seen)  # block-level values are visible in the stage
-            result.append(
-                replace(
-                    s,
-                    a=fix(s.a),
-                    b=fix(s.b),
-                    scale_a=fix(s.scale_a),
-                    scale_b=fix(s.scale_b),
-                    body=tuple(visit(s.body, local)),
-                )
-            )
+            result.append(replace(s.map_operands(fix), body=tuple(visit(s.body, local))))
         else:
             result.extend(visit([s], block_seen))
     return result
@@ -101,7 +87,7 @@ def used_names(body: list[Stmt]) -> set[str]:
     for s in body:
         eqns = s.body if isinstance(s, Stage) else (s,)
         if isinstance(s, Stage):
-            used.update(n for n in map(_uses, _operands(s)) if n)
+            used.update(n for n in map(_uses, s.operands) if n)
         for e in eqns:
             used.update(n for n in map(_uses, e.ins) if n)
     return used
@@ -121,16 +107,7 @@ def rename(body: list[Stmt], names: dict[str, str]) -> list[Stmt]:
     out: list[Stmt] = []
     for s in body:
         if isinstance(s, Stage):
-            out.append(
-                replace(
-                    s,
-                    a=atom(s.a),
-                    b=atom(s.b),
-                    scale_a=atom(s.scale_a),
-                    scale_b=atom(s.scale_b),
-                    body=tuple(eqn(e) for e in s.body),
-                )
-            )
+            out.append(replace(s.map_operands(atom), body=tuple(eqn(e) for e in s.body)))
         else:
             out.append(eqn(s))
     return out

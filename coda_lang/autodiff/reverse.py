@@ -39,7 +39,7 @@ from coda_lang.autodiff.prologue import build as build_prologue
 from coda_lang.autodiff.site import Host, Site
 from coda_lang.autodiff.state import Gemm, State
 from coda_lang.frontend.verify.plan import BlockPlan
-from coda_lang.ir.nodes import DEFAULT_REMAT, REMAT, Atom, Block, Eqn, Stage, Var
+from coda_lang.ir.nodes import DEFAULT_REMAT, REMAT, Atom, Block, Eqn, Var
 from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type, cotangent_dtype, is_fp8
 from coda_lang.ops import REGISTRY, Locality, StageShape
 from coda_lang.ops.registry import repeats_in
@@ -360,21 +360,7 @@ class Reverse:
         )
         before, body = s.close_stage()
         s.emit(before)
-        s.emit(
-            [
-                Stage(
-                    g.a,
-                    g.b,
-                    g.ta,
-                    g.tb,
-                    Var("acc"),
-                    tuple(body),
-                    span=st.span,
-                    scale_a=g.scale_a,
-                    scale_b=g.scale_b,
-                )
-            ]
-        )
+        s.emit([g.stage(tuple(body), st.span)])
         s.add_cotangent(name, Var(out.name))
 
     def weight_grads(self, k: int) -> None:

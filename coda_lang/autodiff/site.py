@@ -527,14 +527,10 @@ class Site:
         s.emit(before)
         if body:
             if self.host is not None:
-                g = self.host.gemm
-                a, bb, sa, sb = g.a, g.b, g.scale_a, g.scale_b
-                if self.host.recompute:  # the forward's operands, read now that the stage is made
-                    a, bb = s.read_operand(a), s.read_operand(bb)
-                    sa, sb = (None if x is None else s.read_operand(x) for x in (sa, sb))
-                s.emit(
-                    [Stage(a, bb, g.ta, g.tb, Var("acc"), tuple(body), span=st.span, scale_a=sa, scale_b=sb)]
-                )
+                stage = self.host.gemm.stage(tuple(body), st.span)
+                if self.host.recompute:  # the forward's operands and scales, read now that the stage is made
+                    stage = stage.map_operands(s.read_operand)
+                s.emit([stage])
             else:
                 s.emit([_elementwise(body, shape, st.span)])
                 what = ", ".join(

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from coda_lang.autodiff.builder import Builder, Names
 from coda_lang.autodiff.forward import ForwardFacts
-from coda_lang.ir.nodes import Atom, Eqn, Lit, Param, Span, Stmt, Var
+from coda_lang.ir.nodes import Atom, Eqn, Lit, Param, Span, Stage, Stmt, Var
 from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type, is_float, is_fp8
 from coda_lang.ops import StageShape
 
@@ -72,6 +72,20 @@ class Gemm:
     scale_a: Atom | None = None
     scale_b: Atom | None = None
     out_scale: Atom | None = None
+
+    def stage(self, body: tuple[Eqn, ...], span: Span) -> Stage:
+        """This GEMM as a backward stage whose epilogue is `body`."""
+        return Stage(
+            self.a,
+            self.b,
+            self.ta,
+            self.tb,
+            Var("acc"),
+            body,
+            span=span,
+            scale_a=self.scale_a,
+            scale_b=self.scale_b,
+        )
 
 
 class State:

@@ -10,7 +10,8 @@ which each stage binds afresh for its own body.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from coda_lang.core.diagnostics import Span
 from coda_lang.ir.types import Dim, Type
@@ -121,6 +122,19 @@ class Stage:
     def scaled(self) -> bool:
         """Whether the GEMM's operands carry block scales (`scale_a=` or `scale_b=`)."""
         return self.scale_a is not None or self.scale_b is not None
+
+    @property
+    def operands(self) -> tuple[Atom, ...]:
+        """What the stage reads besides its body: its GEMM's operands and their block scales."""
+        return tuple(x for x in (self.a, self.b, self.scale_a, self.scale_b) if x is not None)
+
+    def map_operands(self, f: Callable[[Atom], Atom]) -> Stage:
+        """The stage with `f` applied to each of `operands` (renamed, typed, substituted)."""
+
+        def g(x: Atom | None) -> Atom | None:
+            return None if x is None else f(x)
+
+        return replace(self, a=g(self.a), b=g(self.b), scale_a=g(self.scale_a), scale_b=g(self.scale_b))
 
 
 Stmt = Eqn | Stage

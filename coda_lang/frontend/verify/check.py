@@ -119,7 +119,7 @@ class Checker:
         for s in self.block.body:
             if isinstance(s, Stage):
                 k += 1
-                for a in (s.a, s.b, s.scale_a, s.scale_b):
+                for a in s.operands:
                     if isinstance(a, Var):
                         uses.setdefault(a.name, []).append(("operand", k))
                 for e in s.body:
@@ -503,18 +503,10 @@ class Checker:
         self.end_stage(body, k)
         del self.env["acc"]
 
-        def typed(x: Atom | None) -> Atom | None:
+        def typed(x: Atom) -> Atom:
             return self.typed.get(x.name, x) if isinstance(x, Var) else x
 
-        return replace(
-            s,
-            a=typed(s.a),
-            b=typed(s.b),
-            scale_a=typed(s.scale_a),
-            scale_b=typed(s.scale_b),
-            acc=self.acc_var if s.is_gemm else None,
-            body=body,
-        ), plan
+        return replace(s.map_operands(typed), acc=self.acc_var if s.is_gemm else None, body=body), plan
 
     def gemm_scales(self, s: Stage, ta: Type, tb: Type, k: int) -> None:
         """E0411 unless each block scale is a float matrix laid out as its operand is stored, each extent
