@@ -19,6 +19,7 @@ the runner it was given; nothing here runs while a call is traced except the wai
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import sys
@@ -179,6 +180,18 @@ def preload_runtime() -> None:
     if _PRELOAD is None and "quack.epilogue.frontend" not in sys.modules:
         _PRELOAD = threading.Thread(target=_import_runtime, name="coda-import", daemon=True)
         _PRELOAD.start()
+        atexit.register(_finish_preload)
+
+
+def _finish_preload() -> None:
+    """At exit, let the import that preload_runtime started finish first (seconds at most). A process
+    that ends while a thread is still inside a C extension's import (CuTeDSL's compiler, torch) runs
+    that extension's static destructors under the thread, which can end the process in
+    std::terminate ("terminate called without an active exception") instead of with its own exit
+    status: the likely cause of such an abort seen once after an error (E0706) in `coda fuzz --target
+    cuda`, whose first call had started this import."""
+    if _PRELOAD is not None:
+        _PRELOAD.join(timeout=120)
 
 
 def _import_runtime() -> None:
