@@ -1,0 +1,147 @@
+"""The block-scaled fp8 mainloop (coda_lang/backend_cute/plan/block_scaled.py), on its own: not yet
+planned for a stage (the planner refuses block-scaled GEMMs, E0709).
+
+- Toolchain (no GPU): a GEMM of e4m3 operands whose epilogue carries the two scales compiles for
+  sm_90a at 128 x 128 (cooperative, clusters of 1 and 2) with our mainloop in it: fp8 WGMMAs, one
+  drain per K tile, the scales' loads from global memory, no spills; the same epilogue without the
+  scales compiles to quack's own loop (no such loads). The tiles the loop can't run at are refused
+  before a trace.
+- GPU (marked `gpu`): the kernel against float64 sums of the same e4m3 values, each 128-deep block of
+  K scaled by its two scales, at ragged M and K, a cluster of 2 and more tiles than SMs.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+def _mods() -> tuple[Any, Any]:
+    import importlib
+
+    # (the adapter first: it sets the arch and the caches before quack's frontend is imported)
+    importlib.import_module("coda_lang.backend_cute.build.quack_adapter")
+    gemm_epilogue = importlib.import_module("quack.epilogue.frontend").gemm_epilogue
+    BlockScale = importlib.import_module("coda_lang.backend_cute.plan.block_scaled").BlockScale
+
+    @gemm_epilogue(extra_ops=(BlockScale("sa", "a", "sb"), BlockScale("sb", "b", "sa")))
+    def epi_block_scaled(acc: Any) -> Any:
+        return {"D": acc}
+
+    @gemm_epilogue()
+    def epi_unscaled(acc: Any) -> Any:
+        return {"D": acc}
+
+    return epi_block_scaled, epi_unscaled
+
+
+def _compile(mod: Any, epi: dict[str, Any], cluster_m: int, cache: Path) -> str:
+    from coda_lang.backend_cute.build import quack_adapter as qa
+
+    M, N, K = 1024, 1024, 1024
+    meta = lambda shape, dt: torch.empty(shape, dtype=dt, device="meta")  # noqa: E731
+    A = meta((M, K), torch.float8_e4m3fn)
+    B = meta((N, K), torch.float8_e4m3fn)
+    D = meta((M, N), torch.bfloat16)
+    args = {k: meta(v, torch.float32) for k, v in epi.items()}
+    with tempfile.TemporaryDirectory() as tmp, qa.compile_only(Path(tmp), cache):
+        plan = mod.gemm(
+            A, B, D, None, epi_args=args, tile_M=128, tile_N=128, cluster_M=cluster_m, cluster_N=1,
+            pingpong=False, persistent=True, b_kn=False, _launch=False,
+        )  # fmt: skip
+        ptx = getattr(plan.compiled_fn, "__ptx__", None)
+        if ptx and "\n" not in ptx:
+            ptx = Path(ptx).read_text()
+    assert ptx, "CuTeDSL kept no PTX"
+    return str(ptx)
+
+
+@pytest.mark.toolchain
+@pytest.mark.parametrize("cluster_m", [1, 2])
+def test_the_scaled_mainloop_compiles_into_the_kernel(cluster_m: int, tmp_path: Path) -> None:
+    from coda_lang.backend_cute.build.ptxas import run_ptxas
+
+    scaled, unscaled = _mods()
+    ptx = _compile(scaled, {"sa": (1024, 8), "sb": (8, 8)}, cluster_m, tmp_path)
+    assert re.search(r"wgmma\.mma_async\S*\.f32\.e4m3\.e4m3", ptx)
+    # ours drains the WGMMAs once per K tile (quack's fp8 loop drains in its prologue and its loop)
+    assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+0", ptx)) == 1
+    # a thread's two rows of A's scales and the tile's one block of B's, per K tile
+    assert len(re.findall(r"ld\.global\S*\.b32", ptx)) >= 3
+    path = tmp_path / "scaled.ptx"
+    path.write_text(ptx)
+    report = run_ptxas(path)
+    assert (report.spill_stores, report.spill_loads) == (0, 0), report.text
+    plain = _compile(unscaled, {}, cluster_m, tmp_path)
+    assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+0", plain)) >= 2
+    assert not re.findall(r"ld\.global\S*\.b32", plain)
+
+
+@pytest.mark.toolchain
+@pytest.mark.parametrize(
+    ("tile_n", "pingpong", "fp8", "why"),
+    [
+        (192, False, True, "not one of B's 128-row blocks"),
+        (128, True, True, "pingpong"),
+        (128, False, False, "fp8 operands promoted per K tile"),
+    ],
+)
+def test_tiles_the_loop_cannot_run_at_are_refused(tile_n: int, pingpong: bool, fp8: bool, why: str) -> None:
+    from coda_lang.backend_cute.plan.block_scaled import install
+
+    gemm = SimpleNamespace(cta_tile_shape_mnk=(128, tile_n, 128), pingpong=pingpong, fp8_slow_accum=fp8)
+    with pytest.raises(ValueError, match=why):
+        install(gemm, scale_a="sa", scale_b="sb")
+    assert not hasattr(gemm, "mma")  # (nothing installed)
+
+
+def _reference(A: Any, B: Any, sa: Any, sb: Any, group: int = 128) -> Any:
+    """float64: each K block's sum of the e4m3 products, times its row's scale of A and its column
+    block's scale of B, added in order."""
+    K = A.shape[1]
+    a, b = A.double(), B.double()
+    out = torch.zeros(A.shape[0], B.shape[0], dtype=torch.float64, device=A.device)
+    for kb in range(sa.shape[1]):
+        sl = slice(kb * group, min(K, (kb + 1) * group))
+        cols = sb[:, kb].double().repeat_interleave(group)[: B.shape[0]]
+        out += (a[:, sl] @ b[:, sl].T) * sa[:, kb, None].double() * cols[None, :]
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("m", "n", "k", "cluster_m"),
+    [
+        (256, 256, 512, 1),
+        (1000, 384, 640, 1),
+        (512, 1024, 1000, 1),
+        (1024, 512, 2048, 2),
+        (4096, 2048, 4096, 1),
+    ],
+)
+def test_the_kernel_is_the_block_scaled_sum(m: int, n: int, k: int, cluster_m: int) -> None:
+    scaled, _ = _mods()
+    g = torch.Generator(device="cuda").manual_seed(m + n + k)
+    A = (torch.randn(m, k, device="cuda", generator=g) * 3).to(torch.float8_e4m3fn)
+    B = (torch.randn(n, k, device="cuda", generator=g) * 3).to(torch.float8_e4m3fn)
+    kb = -(-k // 128)
+    sa = torch.rand(m, kb, device="cuda", generator=g) * 4 + 0.05
+    sb = torch.rand(n // 128, kb, device="cuda", generator=g) * 4 + 0.05
+    D = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    scaled.gemm(
+        A, B, D, None, epi_args={"sa": sa, "sb": sb}, tile_M=128, tile_N=128, cluster_M=cluster_m,
+        cluster_N=1, pingpong=False, persistent=True, b_kn=False,
+    )  # fmt: skip
+    want = _reference(A, B, sa, sb)
+    top = float(want.abs().max())
+    # bf16's rounding of the result (2^-9) and f32 sums; a block with a wrong scale is off by its size
+    assert float((D.double() - want).abs().max()) <= top * 2**-7
+    unscaled_blocks = _reference(A, B, torch.ones_like(sa), torch.ones_like(sb))
+    assert float((D.double() - unscaled_blocks).abs().max()) > top * 2**-4  # (the scales matter here)
