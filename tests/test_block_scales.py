@@ -451,3 +451,12 @@ def test_deepseeks_mlp_end_to_end() -> None:
     for name in ("x", "w13", "w2"):
         want = t[name].grad.numpy()
         assert np.abs(np.asarray(got[name], np.float64) - want).max() <= 1e-10 * np.abs(want).max(), name
+
+
+def test_a_scale_read_only_by_a_later_gemm_is_stored_by_its_stage() -> None:
+    """The kernels' planner keeps a stage's value that a later stage reads only as its block scale
+    (CHAIN's 1x128 amax, read as `scale_a=` by the second GEMM): the grouped reduction is written out."""
+    from coda_lang.backend_cute.plan.planner import plan_stage
+
+    spec = plan_stage(coda_lang.load(CHAIN)["chain"], 1)
+    assert [(g.name, g.out is not None) for g in spec.groups] == [("amax", True)]

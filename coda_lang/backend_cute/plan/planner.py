@@ -208,7 +208,7 @@ def _live_out(ctx: StageContext) -> set[str]:
     names: set[str] = {o.name for o in ctx.ir.outputs}
     for s in body[pos + 1 :]:
         if isinstance(s, Stage):
-            for a in (s.a, s.b):
+            for a in s.operands:  # (its block scales too: a later stage may read one as `scale_a=`)
                 if isinstance(a, Var):
                     names.add(a.name)
             eqns: tuple[Eqn, ...] = s.body
