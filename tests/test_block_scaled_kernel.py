@@ -1,13 +1,17 @@
-"""The block-scaled fp8 mainloop (coda_lang/backend_cute/plan/block_scaled.py), on its own: not yet
-planned for a stage (the planner refuses block-scaled GEMMs, E0709).
+"""The block-scaled fp8 mainloop (coda_lang/backend_cute/plan/block_scaled.py): on its own, and as the
+planner gives it to a stage in DeepSeek-V3's form (`gemm a @ transpose(w), scale_a=sa, scale_b=sw`;
+tests/test_block_scales.py has the planning and the emulated runs against the interpreter).
 
-- Toolchain (no GPU): a GEMM of e4m3 operands whose epilogue carries the two scales compiles for
+- Toolchain (no GPU): a stage in that form compiles at the one tile that fits it (128 x 128
+  cooperative), and quack accepts what the runtime hands it (the scales as two more arguments, "meta"
+  tensors). A GEMM of e4m3 operands whose epilogue carries the two scales compiles for
   sm_90a at 128 x 128 (cooperative, clusters of 1 and 2) with our mainloop in it: fp8 WGMMAs, one
   drain per K tile, the scales' loads from global memory, no spills; the same epilogue without the
   scales compiles to quack's own loop (no such loads). The tiles the loop can't run at are refused
   before a trace.
 - GPU (marked `gpu`): the kernel against float64 sums of the same e4m3 values, each 128-deep block of
-  K scaled by its two scales, at ragged M and K, a cluster of 2 and more tiles than SMs.
+  K scaled by its two scales, at ragged M and K, a cluster of 2 and more tiles than SMs; the planned
+  stage under `coda fuzz --target cuda`, forward, against the interpreter.
 """
 
 from __future__ import annotations
@@ -102,6 +106,50 @@ def test_tiles_the_loop_cannot_run_at_are_refused(tile_n: int, pingpong: bool, f
     assert not hasattr(gemm, "mma")  # (nothing installed)
 
 
+DEEPSEEK = """
+dims M, K, N
+block scaled(a: e4m3[M, K], sa: f32[M, K/128], w: e4m3[N, K], sw: f32[N/128, K/128]) -> (y: bf16[M, N]) {
+  gemm a @ transpose(w), scale_a=sa, scale_b=sw {
+    y: bf16 = acc * 0.5
+  }
+}
+"""
+
+
+@pytest.mark.toolchain
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_stage_in_deepseeks_form_compiles_and_takes_the_runtimes_arguments(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import coda_lang
+    from coda_lang.backend_cute.build import quack_adapter
+    from coda_lang.backend_cute.build.config import TileConfig
+    from coda_lang.backend_cute.build.select import select_config
+
+    monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path))
+    blk = coda_lang.load(DEEPSEEK)["scaled"]
+    c = select_config(blk, 1, directory=tmp_path)
+    assert c.config == TileConfig(128, 128, 2, 1, False)
+    assert c.report is not None and not c.report.spills, c.report.text
+    assert re.search(r"wgmma\.mma_async\S*\.f32\.e4m3\.e4m3", c.ptx)
+    assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+0", c.ptx)) == 1  # (ours)
+    m, k, n = 1000, 640, 384
+    meta = lambda shape, dt: torch.empty(shape, dtype=dt, device="meta")  # noqa: E731
+    env = {
+        "a": meta((m, k), torch.float8_e4m3fn),
+        "w": meta((n, k), torch.float8_e4m3fn),
+        "sa": meta((m, k // 128), torch.float32),
+        "sw": meta((n // 128, k // 128), torch.float32),
+    }
+    r = blk.cuda(tile=c.config).runner(1)
+    ins, scalars = r.arguments(env)
+    assert [tuple(t.shape) for t in ins[-2:] if t is not None] == [(m, k // 128), (n // 128, k // 128)]
+    outs = r.allocate(ins[0], ins[1])
+    D, C, epi = r.epilogue_arguments(ins, scalars, outs)
+    assert epi[r.spec.gemm.scale_a_py] is ins[-2] and epi[r.spec.gemm.scale_b_py] is ins[-1]
+    quack_adapter.launch(r.mod, r.spec, r.config, ins[0], ins[1], D, epi, C=C, dry_run=True)
+
+
 def _reference(A: Any, B: Any, sa: Any, sb: Any, group: int = 128) -> Any:
     """float64: each K block's sum of the e4m3 products, times its row's scale of A and its column
     block's scale of B, added in order."""
@@ -145,3 +193,15 @@ def test_the_kernel_is_the_block_scaled_sum(m: int, n: int, k: int, cluster_m: i
     assert float((D.double() - want).abs().max()) <= top * 2**-7
     unscaled_blocks = _reference(A, B, torch.ones_like(sa), torch.ones_like(sb))
     assert float((D.double() - unscaled_blocks).abs().max()) > top * 2**-4  # (the scales matter here)
+
+
+@pytest.mark.gpu
+def test_a_stage_in_deepseeks_form_runs_as_the_interpreter_does() -> None:
+    """`coda fuzz --target cuda` of the planned stage, forward: the kernel within the accuracy rule of
+    the interpreter at the sizes the fuzzer draws (ragged M, K a multiple of 16)."""
+    import coda_lang
+    from coda_lang.fuzz.search import fuzz_block
+
+    res = fuzz_block(coda_lang.load(DEEPSEEK)["scaled"], "cuda", examples=4, backward=False)
+    assert res.failure is None, res.failure
+    assert res.cases == 4

@@ -9,7 +9,8 @@ gradient a GEMM carrying the other operand's scale, times its own scale read ove
 float64 torch autograd of the dequantized product, alone and after a producer that quantizes in 1x128
 groups, under each saved-tensor policy; no gradient through a scale (E0602); a matrix read over its
 groups (`expand(s, acc)`) in the interpreter at simulated tiles and in an elementwise stage's torch
-stand-in; the refusals that keep the kernels from running either unscaled (E0709, E0704), with `coda
+stand-in; the kernels' form (DeepSeek-V3's, plan/block_scaled.py: planned, emulated against the
+interpreter) and the refusals of every other form and of a grouped read (E0709, E0704), with `coda
 grad`, `coda compile` and `coda fuzz` exiting as documented.
 """
 
@@ -265,15 +266,43 @@ def test_fuzz_on_the_interpreter_forward_and_backward() -> None:
         assert res.failure is None, res.failure
 
 
-def test_the_kernels_and_their_emulation_refuse_it() -> None:
+def test_the_kernels_take_deepseeks_form_and_refuse_the_others() -> None:
+    """The kernels' block-scaled GEMM (plan/block_scaled.py) is DeepSeek-V3's form: a [M, K] and
+    transpose(w), both fp8, sa [M, K/128] and sw [N/128, K/128]. It plans (the scales carried to the
+    mainloop by two BlockScale ops; the emulated kernels alike), at 128 x 128 cooperative tiles only.
+    Every other form is E0709 at the scale, naming what is wrong: A transposed, one side scaled."""
+    from coda_lang.backend_cute.build.config import TileConfig, fits
+    from coda_lang.backend_cute.plan.emit import emit_stage
     from coda_lang.backend_cute.plan.planner import plan_stage
 
     blk = coda_lang.load(DEEPSEEK)["scaled"]
     for emulated in (False, True):
-        with pytest.raises(CodaError) as e:
-            plan_stage(blk, 1, emulated=emulated)
-        (d,) = e.value.diagnostics
-        assert d.code == "E0709" and d.span is not None and (d.span.line, d.span.col) == (4, 34)
+        g = plan_stage(blk, 1, emulated=emulated).gemm
+        assert (g.scale_a, g.scale_b, g.ta, g.tb, g.a_dtype) == ("sa", "sw", False, True, "e4m3")
+    spec = plan_stage(blk, 1)
+    src = emit_stage(spec)
+    assert f'BlockScale("{spec.gemm.scale_a_py}", "a", "{spec.gemm.scale_b_py}")' in src
+    assert "from coda_lang.backend_cute.plan.block_scaled import BlockScale" in src
+    assert fits(spec, TileConfig(128, 128, 2, 1, False))
+    assert not fits(spec, TileConfig(128, 192, 2, 1, False)) and not fits(spec, TileConfig(128, 128))
+    assert fits(spec, TileConfig(128, 192), emulated=True)  # (the torch stand-in holds at any tile)
+    for src_, why in ((TRANSPOSED, "K-major"), (ONLY_B, "one operand only")):
+        for emulated in (False, True):
+            with pytest.raises(CodaError) as e:
+                plan_stage(coda_lang.load(src_)["scaled"], 1, emulated=emulated)
+            (d,) = e.value.diagnostics
+            assert d.code == "E0709" and why in d.message and d.span is not None and d.span.line == 4
+
+
+def test_the_emulated_kernels_run_the_forward_against_the_interpreter() -> None:
+    """`coda fuzz --target emulate` of DeepSeek's form, forward: the torch stand-in of the kernel
+    (each 128-deep block of K scaled, in order) within the accuracy rule of the interpreter, at
+    ragged sizes the fuzzer draws. Its backward's GEMMs carry one scale each: E0709, a note."""
+    from coda_lang.fuzz.search import fuzz_block
+
+    res = fuzz_block(coda_lang.load(DEEPSEEK)["scaled"], "emulate", examples=3)
+    assert res.failure is None, res.failure
+    assert any("E0709" in n for n in res.notes), res.notes
 
 
 def test_the_commands(tmp_path: Any) -> None:
@@ -282,6 +311,12 @@ def test_the_commands(tmp_path: Any) -> None:
     r = coda("grad", str(f))
     assert r.returncode == 0 and "scale_b=sw" in r.stdout and "expand(sa, acc)" in r.stdout, r.stderr
     r = coda("compile", str(f), "--emit", "source", "-o", str(tmp_path / "out"))
+    assert r.returncode == 0 and "BlockScale(" in (tmp_path / "out" / "scaled_stage1.py").read_text(), (
+        r.stderr
+    )
+    t = tmp_path / "transposed.coda"
+    t.write_text(TRANSPOSED)
+    r = coda("compile", str(t), "--emit", "source", "-o", str(tmp_path / "out"))
     assert r.returncode == 1 and "E0709" in r.stderr and "Traceback" not in r.stderr
     r = coda("fuzz", str(f), "--target", "interp", "--examples", "4", "--no-backward")
     assert r.returncode == 0, r.stderr

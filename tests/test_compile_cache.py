@@ -707,3 +707,15 @@ def test_a_first_call_compiles_the_forward_and_the_backward_at_once(
         (1, (TileConfig(128, 128),), False),
         (3, CANDIDATES, True),
     ]
+
+
+def test_every_module_an_emitted_epilogue_imports_is_in_the_kernel_fingerprint() -> None:
+    """An edit to a module of ours that an emitted epilogue imports (its ops, the block-scaled mainloop,
+    the gated fp8 store) changes the kernel fingerprint, so no cached kernel built from the old text is
+    read: each such module is in KERNEL_MODULES."""
+    from coda_lang.backend_cute.build.cache import KERNEL_MODULES
+    from coda_lang.backend_cute.plan.names import imports
+
+    ours = {line.split()[1] for line in imports().values() if line.startswith("from coda_lang.backend_cute.")}
+    paths = {m.removeprefix("coda_lang.backend_cute.").replace(".", "/") + ".py" for m in ours}
+    assert paths and paths <= set(KERNEL_MODULES), sorted(paths - set(KERNEL_MODULES))

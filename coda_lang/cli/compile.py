@@ -9,7 +9,7 @@ from typing import Any
 
 from coda_lang.api import Block
 from coda_lang.backend_cute.build.compile import compile_spec
-from coda_lang.backend_cute.build.config import TileConfig, candidates_for
+from coda_lang.backend_cute.build.config import TileConfig, broken, candidates_for
 from coda_lang.backend_cute.build.ptxas import BackendUnavailable
 from coda_lang.backend_cute.plan.emit import emit_stage
 from coda_lang.backend_cute.plan.planner import plan_stage
@@ -23,7 +23,7 @@ from coda_lang.cli.common import (
     usage_error,
     write_text,
 )
-from coda_lang.core.diagnostics import CodaError, render_all
+from coda_lang.core.diagnostics import CodaError, error, render_all
 from coda_lang.ir.nodes import Stage
 
 
@@ -173,6 +173,14 @@ def run(args: argparse.Namespace) -> int:
                     f"wrote {path}: stage {k} `{spec.text}` ({spec.mode} mode; {'; '.join(what) or 'no outputs'})"
                 )
                 continue
+            why = broken(spec, fixed) if fixed else []
+            if why:  # (the runtime's `tile=` says the same: runtime/tiles.py)
+                raise error(
+                    "E0805",
+                    f"tile {fixed} does not fit stage {k} (`{spec.text}`): {'; '.join(map(str, why))}",
+                    spec.span,
+                    notes=["without --tile, the stage's own candidate tiles are tried"],
+                )
             c = compile_spec(spec, fixed) if fixed else select_config(block, k)
             path = os.path.join(out_dir, name + ".ptx")
             write_text(path, c.ptx)

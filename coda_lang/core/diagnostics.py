@@ -96,7 +96,7 @@ CODES: dict[str, str] = {
     "E0706": "no tile configuration compiles without register spills",
     "E0707": "the CuTeDSL compiler rejected the generated kernel",
     "E0708": "op between stages has no torch mapping in the CUDA runtime",
-    "E0709": "GEMM with block scales (no kernel yet)",
+    "E0709": "GEMM with block scales of a form the kernels don't take",
 }
 
 # Codes `coda check` can't give: autodiff's (tested by tests/bad_grad/), E0601, which is a bug report, and

@@ -6,7 +6,7 @@ report (`.ptxas-<ptxas>.json`, keyed by the ptxas version and arch), or, for a t
 refusal record (`.refused.json`); quack's own object files of the same kernels (`quack/`, loaded by
 the runtime instead of compiling again). The key is the emitted source, the emitter version, this
 backend's kernel fingerprint (coda_lang's version and the modules that shape a kernel: plan/epi_ops.py,
-build/quack_adapter.py), the versions of nvidia-cutlass-dsl and quack-kernels, the arch and the tile
+plan/block_scaled.py, plan/gated_store.py, build/quack_adapter.py), the versions of nvidia-cutlass-dsl and quack-kernels, the arch and the tile
 config, never M, N, K: a cache written by another version is never read, and no entry holds an
 absolute path, so the folder can be copied to another machine with the same versions.
 
@@ -61,8 +61,9 @@ def library_versions() -> dict[str, str]:
 
 
 # The modules of this backend whose text shapes a compiled kernel beyond the emitted source: the
-# epilogue ops the emitted module imports, and how quack is asked to compile.
-KERNEL_MODULES = ("plan/epi_ops.py", "build/quack_adapter.py")
+# epilogue ops the emitted module imports (the block-scaled mainloop and the gated fp8 store among
+# them), and how quack is asked to compile.
+KERNEL_MODULES = ("plan/epi_ops.py", "plan/block_scaled.py", "plan/gated_store.py", "build/quack_adapter.py")
 
 
 @functools.cache

@@ -268,6 +268,26 @@ WIDE_F32_TILE = TileConstraint(
 )
 
 
+# A block-scaled GEMM (DeepSeek-V3's, plan/block_scaled.py) runs our mainloop, which scales each K
+# block of a tile by one block of B's scales (a tile as wide as B's 128-row blocks) and replaces quack's
+# cooperative consumer loop (pingpong tiles hand the tensor cores over in quack's own): 128 x 128
+# cooperative tiles, among FP8_CANDIDATES (ptxas, sm_90a, 2026-11-28: no spills at clusters 1 and 2).
+BLOCK_SCALED_TILE = (
+    TileConstraint(
+        of="tile_N",
+        equals=128,
+        reason="a block-scaled GEMM's tile is one block of B's rows",
+        kernel_only=True,
+    ),
+    TileConstraint(
+        of="cooperative",
+        equals=1,
+        reason="a block-scaled GEMM runs its own cooperative mainloop",
+        kernel_only=True,
+    ),
+)
+
+
 def moves_f32_tile(spec: StageSpec) -> bool:
     """Whether the stage's epilogue loads or stores an f32 tile (D included)."""
     stored = [*spec.outputs, *([spec.d] if spec.d is not None else [])]
@@ -289,6 +309,7 @@ def rules(spec: StageSpec, emulated: bool = False) -> list[TileConstraint]:
             if moves_f32_tile(spec) and any(s.layout == "column partials" for s in spec.sinks)
             else []
         ),
+        *(BLOCK_SCALED_TILE if spec.gemm.scaled else ()),
     ]
     return [c for c in own if not (emulated and c.kernel_only)]
 

@@ -210,6 +210,9 @@ def compile_ptx(spec: Any, path: Path, config: Any, root: Path | None = None) ->
         epi[s.py] = _meta(tuple(shape), "f32")
         if s.index is not None:
             epi[s.index] = _meta((m,), s.index_dtype or "i32")
+    if g.scaled:  # the block scales the mainloop reads: [M, K/128] and [N/128, K/128]
+        epi[g.scale_a_py] = _meta((m, -(-k // 128)), "f32")
+        epi[g.scale_b_py] = _meta((-(-n // 128), -(-k // 128)), "f32")
     for gr in spec.groups:  # a grouped reduction: its width (a compile-time int); its writer's buffer
         epi[gr.py] = gr.width
         if gr.out is not None:

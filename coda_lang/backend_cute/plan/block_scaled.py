@@ -17,7 +17,8 @@ accumulators and the K tile count only):
   their coordinates when the consumer loop reads them (`tile_idx`, at the top of each iteration of the
   persistent loop, before the mainloop). The work tile is a value carried through that loop, rebuilt
   from its parts each iteration (`__new_from_mlir_values__`), so ours rebuilds itself as ours.
-What it does not: plan which stages take it (the planner refuses block-scaled stages, E0709), split K,
+What it does not: plan which stages take it (the planner gives it to stages in DeepSeek-V3's form,
+refusals.block_scales_unsupported, E0709 for the others; config.BLOCK_SCALED_TILE its tiles), split K,
 pingpong tiles (quack's pingpong loop hands the tensor cores over between warpgroups in its own
 mainloop), or tiles whose N is not B's block (128). `check_config` says so before a compile.
 Invariants: quack 0.6.5's kernel body calls `epi_get_smem_tensors`, `get_scheduler_class`,

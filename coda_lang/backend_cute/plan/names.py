@@ -48,6 +48,7 @@ _MODULE_IMPORTS: dict[str, str] = {
     "BoundedRowVecReduce": "from coda_lang.backend_cute.plan.epi_ops import BoundedRowVecReduce",
     "TileIndex": "from coda_lang.backend_cute.plan.epi_ops import TileIndex",
     "GatedFp8Store": "from coda_lang.backend_cute.plan.gated_store import GatedFp8Store",
+    "BlockScale": "from coda_lang.backend_cute.plan.block_scaled import BlockScale",
 }
 
 # Python names the emitted code uses without importing them

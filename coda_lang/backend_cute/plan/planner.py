@@ -198,6 +198,11 @@ def _gemm(ctx: StageContext) -> Gemm:
         k=sp.k,
         copy_a=copy_a,
         copy_b=copy_b,
+        # (refusals.check_gemm_stage let only DeepSeek-V3's form through: both scales, names)
+        scale_a=st.scale_a.name if isinstance(st.scale_a, Var) else None,
+        scale_b=st.scale_b.name if isinstance(st.scale_b, Var) else None,
+        scale_a_py=ctx.fresh(f"scale_{st.scale_a.name}") if isinstance(st.scale_a, Var) else "",
+        scale_b_py=ctx.fresh(f"scale_{st.scale_b.name}") if isinstance(st.scale_b, Var) else "",
     )
 
 

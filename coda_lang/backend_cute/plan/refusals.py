@@ -3,7 +3,7 @@
 What it does: one function per check, named for what it checks, raising `CodaError` with one E07
 diagnostic (its message, notes and help as docs/errors.md shows them) where the stage asks for
 something the backend can't compile yet, and returning None where it can: a stage without a GEMM
-(E0701), or a GEMM with block scales (E0709); dtypes the GEMM, a store, a load or an equation can't have (E0702); equations without an
+(E0701), or a GEMM with block scales of another form than DeepSeek-V3's (E0709); dtypes the GEMM, a store, a load or an equation can't have (E0702); equations without an
 emitter (E0703); widths, packed tiles and repeats the epilogue can't lay out (E0704); reductions and
 grouped reductions it can't fold (E0705). planner.py, sinks.py and operands.py call them where they
 choose ports, so a refusal's wording lives here and the port choice stays free of it.
@@ -34,7 +34,7 @@ from coda_lang.backend_cute.plan.spec import (
 from coda_lang.core.diagnostics import CodaError, Diagnostic
 from coda_lang.frontend.verify.plan import Load, StagePlan, Store
 from coda_lang.ir.nodes import Atom, DimRef, Eqn, Span, Stage, Var
-from coda_lang.ir.types import FLOAT_DTYPES, GROUP, MATRIX, TILE, Dim, Type, is_fp8, shape_str
+from coda_lang.ir.types import FLOAT_DTYPES, GROUP, MATRIX, TILE, Dim, Type, group_size, is_fp8, shape_str
 from coda_lang.ops import REGISTRY, Locality
 
 
@@ -61,20 +61,50 @@ def check_gemm_stage(index: int, st: Stage, sp: StagePlan) -> None:
             ],
         )
     if st.scaled:
-        raise fail(
-            "E0709",
-            f"stage {index} (`{sp.text}`): a GEMM with block scales (`scale_a=`, `scale_b=`) has no kernel yet",
-            st.scale_a_span if st.scale_a is not None else st.scale_b_span,
-            notes=[
-                "each block of K must be scaled inside the GEMM's mainloop, before it is added to the "
-                "accumulator (DeepSeek-V3's promotion), which quack's SM90 fp8 GEMM does not do; the "
-                "interpreter runs it (`coda run`, `--target interp`)"
-            ],
-            help=[
-                "for a kernel today, scale per tensor: fold the operands' scales into the epilogue "
-                "(`y = acc * (sa * sb)`, as examples/fp8_delayed.coda does)"
-            ],
-        )
+        why = block_scales_unsupported(st, sp)
+        if why is not None:
+            raise fail(
+                "E0709",
+                f"stage {index} (`{sp.text}`): the kernels have no GEMM for these block scales: {why}",
+                st.scale_a_span if st.scale_a is not None else st.scale_b_span,
+                notes=[
+                    "the kernels' block-scaled GEMM is DeepSeek-V3's: `gemm a @ transpose(w), scale_a=sa, "
+                    "scale_b=sw` with a and w fp8 (a: [M, K], w stored [N, K]), sa: f32[M, K/128] (1 x 128 "
+                    "groups of a) and sw: f32[N/128, K/128] (128 x 128 blocks of w), each 128-deep block of K "
+                    "promoted with its scales in the mainloop; the interpreter runs any block scales "
+                    "(`coda run`, `--target interp`)"
+                ],
+                help=[
+                    "write the GEMM in that form, or scale per tensor and fold the scales into the epilogue "
+                    "(`y = acc * (sa * sb)`, as examples/fp8_delayed.coda does)"
+                ],
+            )
+
+
+BLOCK = 128  # the K block, and the side of B's blocks, of the kernels' block-scaled GEMM
+
+
+def block_scales_unsupported(st: Stage, sp: StagePlan) -> str | None:
+    """Why the kernels' block-scaled GEMM (plan/block_scaled.py) can't run this scaled stage, or None."""
+    if st.scale_a is None or st.scale_b is None:
+        return "it scales one operand only; the kernel takes both scales"
+    if st.ta or not st.tb:
+        return "the kernel reads a as [M, K] and w as transpose(w) of a [N, K] matrix (both K-major)"
+    for x in (st.a, st.b):
+        if not (isinstance(x, Var) and x.type is not None and is_fp8(x.type.dtype)):
+            return "its operands are not both fp8 (e4m3 or e5m2)"
+    sa, sb = st.scale_a, st.scale_b
+    if not (isinstance(sa, Var) and isinstance(sb, Var) and sa.type is not None and sb.type is not None):
+        return "a scale is not a matrix of the block"
+    if sa.type.dtype != "f32" or sb.type.dtype != "f32":
+        return "its scales are not f32"
+    groups_a = [group_size(d, g) for d, g in zip((sp.rows, sp.k), sa.type.shape, strict=True)]
+    groups_b = [group_size(d, g) for d, g in zip((sp.cols, sp.k), sb.type.shape, strict=True)]
+    if groups_a != [1, BLOCK]:
+        return f"scale_a `{sa.name}` is {shape_str(sa.type.shape)}: groups of {groups_a[0]} x {groups_a[1]}, not 1 x {BLOCK}"
+    if groups_b != [BLOCK, BLOCK]:
+        return f"scale_b `{sb.name}` is {shape_str(sb.type.shape)}: blocks of {groups_b[0]} x {groups_b[1]}, not {BLOCK} x {BLOCK}"
+    return None
 
 
 def check_grouped_loads(index: int, st: Stage, sp: StagePlan) -> None:

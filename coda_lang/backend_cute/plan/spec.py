@@ -227,6 +227,17 @@ class Gemm:
     # K-major copy, transposed in one pass (launch.py, `StageRunner.arguments`)
     copy_a: bool = False  # a is stored [K, M]
     copy_b: bool = False  # b is stored [K, N]
+    # block scales (`scale_a=sa, scale_b=sb`, DeepSeek-V3's form: sa [M, K/128], sb [N/128, K/128]):
+    # the coda names of the two matrices and their names as the kernel's arguments (the mainloop's,
+    # plan/block_scaled.py; the epilogue never reads them)
+    scale_a: str | None = None
+    scale_b: str | None = None
+    scale_a_py: str = ""
+    scale_b_py: str = ""
+
+    @property
+    def scaled(self) -> bool:
+        return self.scale_a is not None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -271,6 +282,7 @@ class StageSpec:
         """Whether the stage's kernel is a bare GEMM: D = acc in the operands' dtype, nothing else."""
         return (
             self.d is not None
+            and not self.gemm.scaled
             and not self.operands
             and not self.outputs
             and not self.sinks
@@ -359,6 +371,12 @@ def describe(spec: StageSpec) -> list[str]:
         f"mode {spec.mode}"
         + (f" (run by quack in {spec.quack_mode} mode)" if spec.quack_mode != spec.mode else "")
     ]
+    if g.scaled:
+        lines.append(
+            f"scales {g.scale_a_py} = {g.scale_a}: f32[{g.rows}, {g.k}/128] of A's 1 x 128 groups, "
+            f"{g.scale_b_py} = {g.scale_b}: f32[{g.cols}/128, {g.k}/128] of B's 128 x 128 blocks "
+            "(BlockScale: applied in the mainloop, each 128-deep block of K promoted with its scales)"
+        )
     for o in spec.operands:
         host = f", passed as {o.py}.{o.host}" if o.host else ""
         shape = o.shape

@@ -231,6 +231,19 @@ def _online_lse(x: torch.Tensor, dim: int) -> torch.Tensor:
     return (m + torch.log(torch.exp(x - m).sum(dim, keepdim=True))).squeeze(dim)
 
 
+def _block_scaled(A: torch.Tensor, B: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
+    """The block-scaled GEMM's accumulator as the kernel computes it (plan/block_scaled.py): A [M, K],
+    B [N, K]; each 128-deep block of K summed in f32, times its row's scale of A (sa [M, K/128]) and
+    its column block's of B (sb [N/128, K/128]), the blocks added in order."""
+    n, k = B.shape
+    acc = torch.zeros(A.shape[0], n, dtype=torch.float32, device=A.device)
+    for kb in range(-(-k // 128)):
+        blk = slice(kb * 128, min(k, (kb + 1) * 128))
+        cols = sb[:, kb].float().repeat_interleave(128)[:n]
+        acc += (A[:, blk] @ B[:, blk].t()) * (sa[:, kb : kb + 1].float() * cols[None, :])
+    return acc
+
+
 def run_stage(
     spec: StageSpec,
     config: Any,
@@ -242,7 +255,11 @@ def run_stage(
 ) -> None:
     """Fill `D`, the TileStore buffers and the sink buffers in `epi_args` as the stage's kernel would
     (C: the GEMM's C operand of a packed-mode stage, the double-width tile it loads)."""
-    acc = A.float() @ (B.float().t() if spec.gemm.tb else B.float())
+    g = spec.gemm
+    if g.scaled:
+        acc = _block_scaled(A.float(), B.float(), epi_args[g.scale_a_py], epi_args[g.scale_b_py])
+    else:
+        acc = A.float() @ (B.float().t() if g.tb else B.float())
     m, n = acc.shape
     vals = _operand_values(spec, epi_args)
     if spec.c is not None:

@@ -274,6 +274,9 @@ class StageRunner:
             ins.append(t if t.is_contiguous() else t.contiguous())
         for _, name in self.index_names:
             ins.append(dense(env[name], torch.int32))
+        if g.scaled:  # the block scales the mainloop reads (plan/block_scaled.py), f32 and row-major
+            assert g.scale_a is not None and g.scale_b is not None
+            ins += [dense(env[g.scale_a], torch.float32), dense(env[g.scale_b], torch.float32)]
         return ins, scalars
 
     def allocate(
@@ -428,6 +431,10 @@ class StageRunner:
         for py, _ in self.index_names:
             epi[py] = _aligned(ins[j])
             j += 1
+        if spec.gemm.scaled:
+            for py in (spec.gemm.scale_a_py, spec.gemm.scale_b_py):
+                epi[py] = _aligned(ins[j])
+                j += 1
         i = 0
         D = None
         if spec.d is not None:
