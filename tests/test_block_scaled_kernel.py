@@ -68,7 +68,8 @@ def _compile(mod: Any, epi: dict[str, Any], cluster_m: int, cache: Path) -> str:
 
 
 @pytest.mark.toolchain
-@pytest.mark.parametrize("cluster_m", [1, 2])
+# (a cluster of 2, under -m slow: the planned stage below compiles at 128x128 with one by default)
+@pytest.mark.parametrize("cluster_m", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_the_scaled_mainloop_compiles_into_the_kernel(cluster_m: int, tmp_path: Path) -> None:
     from coda_lang.backend_cute.build.ptxas import run_ptxas
 
@@ -148,6 +149,16 @@ def test_a_stage_in_deepseeks_form_compiles_and_takes_the_runtimes_arguments(
     D, C, epi = r.epilogue_arguments(ins, scalars, outs)
     assert epi[r.spec.gemm.scale_a_py] is ins[-2] and epi[r.spec.gemm.scale_b_py] is ins[-1]
     quack_adapter.launch(r.mod, r.spec, r.config, ins[0], ins[1], D, epi, C=C, dry_run=True)
+
+
+@pytest.mark.toolchain
+@pytest.mark.parametrize("given", [("sa",), ()])
+def test_a_missing_scale_is_an_error_not_an_unscaled_gemm(given: tuple[str, ...], tmp_path: Path) -> None:
+    """quack leaves out an epilogue op whose argument is None; a BlockScale refuses that instead, so
+    the kernel is never compiled (or run) without its scales."""
+    scaled, _ = _mods()
+    with pytest.raises(ValueError, match="never runs unscaled"):
+        _compile(scaled, {k: (1024, 8) for k in given}, 1, tmp_path)
 
 
 def _reference(A: Any, B: Any, sa: Any, sb: Any, group: int = 128) -> Any:

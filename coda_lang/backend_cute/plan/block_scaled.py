@@ -16,7 +16,10 @@ accumulators and the K tile count only):
 - the tile's coordinates: the scheduler class (`get_scheduler_class`) is one whose work tiles record
   their coordinates when the consumer loop reads them (`tile_idx`, at the top of each iteration of the
   persistent loop, before the mainloop). The work tile is a value carried through that loop, rebuilt
-  from its parts each iteration (`__new_from_mlir_values__`), so ours rebuilds itself as ours.
+  from its parts each iteration (`__new_from_mlir_values__`), so ours rebuilds itself as ours. (The
+  recorder is the process's, set by `install` for the trace that follows: quack traces one kernel
+  at a time in a process.)
+A scale left out (None) is an error here: quack would drop the op, and the GEMM would run unscaled.
 What it does not: plan which stages take it (the planner gives it to stages in DeepSeek-V3's form,
 refusals.block_scales_unsupported, E0709 for the others; config.BLOCK_SCALED_TILE its tiles), split K,
 pingpong tiles (quack's pingpong loop hands the tensor cores over between warpgroups in its own
@@ -96,8 +99,13 @@ class BlockScale(EpiOp):
         return (VERSION, self.role, self.other)
 
     def host_arg_key(self, value: Any) -> Any:
+        # (quack leaves out an op whose value is None: the GEMM would then run unscaled)
         if value is None:
-            return None
+            raise ValueError(
+                f"block scale `{self.name}` was not given: a block-scaled GEMM never runs unscaled"
+            )
+        if value.ndim != 2:
+            raise ValueError(f"block scale `{self.name}` is {value.ndim}-D, not a matrix")
         return (torch2cute_dtype_map[value.dtype], value.ndim)
 
     def host_fake_arg(self, key: Any, fctx: Any) -> Any:
