@@ -72,8 +72,9 @@ def check_fp8(fp8: Any) -> None:
     if fp8 == "blockwise":
         raise NotImplementedError(
             "fp8='blockwise' (1x128 activation and 128x128 weight scales, DeepSeek-V3's recipe) is not "
-            "built yet: its GEMMs need the scales applied per 128-deep block of K inside the mainloop, "
-            f"which coda's fp8 GEMMs don't do (docs/models.md, \"fp8 training\"); it takes {takes}"
+            "built yet: the kernels run its forward GEMMs (each 128-deep block of K scaled in the "
+            "mainloop), not yet its backward's, whose blocks cut the contraction the other way "
+            f'(docs/models.md, "fp8 training"); it takes {takes}'
         )
     if fp8 not in FP8_RECIPES:
         hint = _FP8_HINTS.get(fp8, "")
