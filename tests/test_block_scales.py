@@ -314,6 +314,10 @@ def test_the_commands(tmp_path: Any) -> None:
     assert r.returncode == 0 and "BlockScale(" in (tmp_path / "out" / "scaled_stage1.py").read_text(), (
         r.stderr
     )
+    # a tile the stage can't take: E0805 naming its rules, before anything compiles
+    r = coda("compile", str(f), "--emit", "ptx", "--tile", "128x192", "-o", str(tmp_path / "out"))
+    assert r.returncode == 1 and "E0805" in r.stderr and "one block of B's rows" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not list((tmp_path / "out").glob("*.ptx"))
     t = tmp_path / "transposed.coda"
     t.write_text(TRANSPOSED)
     r = coda("compile", str(t), "--emit", "source", "-o", str(tmp_path / "out"))
