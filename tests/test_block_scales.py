@@ -499,3 +499,31 @@ def test_a_scale_read_only_by_a_later_gemm_is_stored_by_its_stage() -> None:
 
     spec = plan_stage(coda_lang.load(CHAIN)["chain"], 1)
     assert [(g.name, g.out is not None) for g in spec.groups] == [("amax", True)]
+
+
+def test_a_scale_stays_live_until_the_gemm_that_reads_it() -> None:
+    """The CUDA runtime's liveness (the last read of each value, after which a consuming run drops it
+    or stores over its buffer) counts a stage's block scales among its reads: an amax made by the first
+    GEMM, read by an elementwise stage, then as the second GEMM's `scale_a=`, lives until that GEMM."""
+    from coda_lang.backend_cute.runtime.liveness import Liveness
+    from coda_lang.ir.nodes import Stage
+
+    src = """
+dims M, D, K, N
+block chain(x: bf16[M, D], w1: bf16[D, K], w2: e4m3[N, K], sw: f32[N/128, K/128])
+    -> (y: f32[M, N], half: f32[M, K/128]) {
+  gemm x @ w1 {
+    amax = detach(max(abs(acc), over=K, group=128))
+    hq: e4m3 = acc * (448.0 / max(amax, 1e-12))
+  }
+  elementwise [M, K/128] {
+    half = amax * 0.5
+  }
+  gemm hq @ transpose(w2), scale_a=amax, scale_b=sw {
+    y = acc * (1.0 / 448.0)
+  }
+}
+"""
+    ir = coda_lang.load(src)["chain"].ir
+    second = max(i for i, s in enumerate(ir.body) if isinstance(s, Stage))
+    assert Liveness(ir).last_read["amax"] == second

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 def reads(item: Any) -> set[str]:
     """The names a body item (a stage or a vector equation) reads."""
     if isinstance(item, Stage):
-        names = {a.name for a in (item.a, item.b) if isinstance(a, Var)}
+        names = {a.name for a in item.operands if isinstance(a, Var)}  # (its block scales among them)
         names |= {a.name for e in item.body for a in e.ins if isinstance(a, Var)}
         return names - {"acc"} - {v.name for e in item.body for v in e.outs}
     return {a.name for a in item.ins if isinstance(a, Var)}
