@@ -297,12 +297,15 @@ def test_the_kernels_take_deepseeks_form_and_refuse_the_others() -> None:
 def test_the_emulated_kernels_run_the_forward_against_the_interpreter() -> None:
     """`coda fuzz --target emulate` of DeepSeek's form, forward: the torch stand-in of the kernel
     (each 128-deep block of K scaled, in order) within the accuracy rule of the interpreter, at
-    ragged sizes the fuzzer draws. Its backward's GEMMs carry one scale each: E0709, a note."""
+    ragged sizes the fuzzer draws; alone, and after a GEMM that quantizes its output in 1x128 groups
+    and makes the scale (CHAIN: an e4m3 value the block stores, multiplied as e4m3). Their backwards'
+    GEMMs carry one scale each: E0709, a note."""
     from coda_lang.fuzz.search import fuzz_block
 
-    res = fuzz_block(coda_lang.load(DEEPSEEK)["scaled"], "emulate", examples=3)
-    assert res.failure is None, res.failure
-    assert any("E0709" in n for n in res.notes), res.notes
+    for src, name in ((DEEPSEEK, "scaled"), (CHAIN, "chain")):
+        res = fuzz_block(coda_lang.load(src)[name], "emulate", examples=3)
+        assert res.failure is None, res.failure
+        assert res.cases == 3 and any("E0709" in n for n in res.notes), (name, res.notes)
 
 
 def test_the_commands(tmp_path: Any) -> None:

@@ -53,7 +53,7 @@ def plan_stage(block: Any, index: int, emulated: bool = False) -> StageSpec:
     stages = ir.stages
     if not 1 <= index <= len(stages):
         raise ValueError(f"block {ir.name} has {len(stages)} stages, no stage {index}")
-    refusals.check_gemm_stage(index, stages[index - 1], bplan.stages[index - 1])
+    refusals.check_gemm_stage(index, stages[index - 1], bplan.stages[index - 1], bplan.operand_dtype)
     refusals.check_grouped_loads(index, stages[index - 1], bplan.stages[index - 1])
     return run(stage_context(ir, bplan, index, emulated))
 

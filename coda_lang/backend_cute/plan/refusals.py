@@ -16,7 +16,7 @@ diagnostic (they are golden files).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from fractions import Fraction
 
 from coda_lang.backend_cute.plan.context import StageContext
@@ -47,7 +47,9 @@ def fail(
 # -- the stage and its GEMM -------------------------------------------------------------------------
 
 
-def check_gemm_stage(index: int, st: Stage, sp: StagePlan) -> None:
+def check_gemm_stage(
+    index: int, st: Stage, sp: StagePlan, dtype_of: Callable[[Var], str] | None = None
+) -> None:
     """E0701 for a stage without a GEMM (an elementwise stage: backend_triton compiles it)."""
     if not st.is_gemm:
         raise fail(
@@ -61,7 +63,7 @@ def check_gemm_stage(index: int, st: Stage, sp: StagePlan) -> None:
             ],
         )
     if st.scaled:
-        why = block_scales_unsupported(st, sp)
+        why = block_scales_unsupported(st, sp, dtype_of)
         if why is not None:
             raise fail(
                 "E0709",
@@ -84,14 +86,21 @@ def check_gemm_stage(index: int, st: Stage, sp: StagePlan) -> None:
 BLOCK = 128  # the K block, and the side of B's blocks, of the kernels' block-scaled GEMM
 
 
-def block_scales_unsupported(st: Stage, sp: StagePlan) -> str | None:
-    """Why the kernels' block-scaled GEMM (plan/block_scaled.py) can't run this scaled stage, or None."""
+def block_scales_unsupported(
+    st: Stage, sp: StagePlan, dtype_of: Callable[[Var], str] | None = None
+) -> str | None:
+    """Why the kernels' block-scaled GEMM (plan/block_scaled.py) can't run this scaled stage, or None.
+    `dtype_of`: the dtype each GEMM operand is multiplied in (the block plan's `operand_dtype`: a value
+    stored in e4m3 is an e4m3 operand); without it, the operands' own types."""
     if st.scale_a is None or st.scale_b is None:
         return "it scales one operand only; the kernel takes both scales"
     if st.ta or not st.tb:
         return "the kernel reads a as [M, K] and w as transpose(w) of a [N, K] matrix (both K-major)"
     for x in (st.a, st.b):
-        if not (isinstance(x, Var) and x.type is not None and is_fp8(x.type.dtype)):
+        if not isinstance(x, Var):
+            return "its operands are not both fp8 (e4m3 or e5m2)"
+        dtype = dtype_of(x) if dtype_of is not None else x.type.dtype if x.type is not None else ""
+        if not is_fp8(dtype):
             return "its operands are not both fp8 (e4m3 or e5m2)"
     sa, sb = st.scale_a, st.scale_b
     if not (isinstance(sa, Var) and isinstance(sb, Var) and sa.type is not None and sb.type is not None):
