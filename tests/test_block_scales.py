@@ -341,6 +341,11 @@ block epi(a: bf16[M, K], w: bf16[K, N], s: f32[M, N/128]) -> (y: f32[M, N]) {
     y = acc * expand(s, acc)
   }
 }
+block rows(a: bf16[M, K], w: bf16[K, N], s: f32[M/2, N/128]) -> (y: f32[M, N]) {
+  gemm a @ w {
+    y = acc * expand(s, acc)
+  }
+}
 """
 
 
@@ -367,19 +372,24 @@ def test_a_matrix_read_without_expand_says_how() -> None:
     src = GROUPED.replace("acc * expand(s, acc)", "acc * s")
     with pytest.raises(CodaError) as e:
         coda_lang.load(src)
-    (d,) = e.value.diagnostics
-    assert d.code == "E0505" and any("expand(s, acc)" in h for h in d.help)
+    diags = e.value.diagnostics
+    assert diags and all(d.code == "E0505" and any("expand(s, acc)" in h for h in d.help) for d in diags)
 
 
 def test_grouped_reads_in_the_runtimes() -> None:
     """An elementwise stage's torch stand-in (the emulated runtime, and torch.compile's on a GPU) expands
-    the matrix as the interpreter does; a GEMM epilogue has no such load yet (E0704); the generated
-    Triton kernel leaves such a stage to torch.compile."""
+    the matrix as the interpreter does; the generated Triton kernel leaves such a stage to torch.compile.
+    A GEMM epilogue loads a matrix of one value per row and run of g columns (`s: [M, N/128]`) as the
+    column a tile's columns fall in (epi_ops.GroupColumnLoad, at tiles whose N divides g): planned,
+    and run emulated against the interpreter, forward and backward; groups that span rows are E0704."""
     import torch
 
+    from coda_lang.backend_cute.build.config import TileConfig, fits
+    from coda_lang.backend_cute.plan.emit import emit_stage
     from coda_lang.backend_cute.plan.planner import plan_stage
     from coda_lang.backend_triton import generate
     from coda_lang.backend_triton.elementwise import ElementwiseStage
+    from coda_lang.fuzz.search import fuzz_block
 
     prog = coda_lang.load(GROUPED)
     rng = np.random.default_rng(11)
@@ -390,9 +400,21 @@ def test_grouped_reads_in_the_runtimes() -> None:
     got = prog["deq"].cuda(emulate=True)({"x": xt, "s": torch.from_numpy(s)})["y"]
     assert np.array_equal(got.numpy(), want)
     assert "expand" in (generate.unsupported(ElementwiseStage(prog["deq"], 1, emulate=False)) or "")
+    spec = plan_stage(prog["epi"], 1)
+    (o,) = spec.operands
+    assert (o.role, o.op, o.group) == ("grouped tile", "GroupColumnLoad", 128)
+    assert 'GroupColumnLoad("s", group=128)' in emit_stage(spec)
+    assert fits(spec, TileConfig(128, 128)) and fits(spec, TileConfig(128, 64))
+    assert not fits(spec, TileConfig(128, 192)) and fits(spec, TileConfig(128, 192), emulated=True)
+    from coda_lang.fuzz.fuzzer import Fuzzer
+
+    res = fuzz_block(
+        prog["epi"], "emulate", examples=2, fuzzer=Fuzzer(prog["epi"], "emulate", wrt=["a", "w"])
+    )
+    assert res.failure is None and res.cases == 2, (res.failure, res.notes)
     with pytest.raises(CodaError) as e:
-        plan_stage(prog["epi"], 1)
-    assert e.value.diagnostics[0].code == "E0704" and "over groups" in e.value.diagnostics[0].message
+        plan_stage(prog["rows"], 1)
+    assert e.value.diagnostics[0].code == "E0704" and "span rows" in e.value.diagnostics[0].message
 
 
 WEIGHTS = """
@@ -530,3 +552,47 @@ block chain(x: bf16[M, D], w1: bf16[D, K], w2: e4m3[N, K], sw: f32[N/128, K/128]
     ir = coda_lang.load(src)["chain"].ir
     second = max(i for i, s in enumerate(ir.body) if isinstance(s, Stage))
     assert Liveness(ir).last_read["amax"] == second
+
+
+@pytest.mark.toolchain
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_grouped_column_load_compiles_and_takes_the_runtimes_arguments(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`y = acc * expand(s, acc)`, s [M, N/128]: the stage compiles without spills at a tile whose N
+    divides 128, and quack accepts the runtime's arguments (s passed whole, [M, N/128]) on "meta"
+    tensors."""
+    import torch
+
+    from coda_lang.backend_cute.build import quack_adapter
+    from coda_lang.backend_cute.build.select import select_config
+
+    monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path))
+    blk = coda_lang.load(GROUPED)["epi"]
+    c = select_config(blk, 1, directory=tmp_path)
+    assert c.config.tile_n in (64, 128) and c.report is not None and not c.report.spills, c.report
+    m, k, n = 1000, 64, 384
+    meta = lambda shape, dt: torch.empty(shape, dtype=dt, device="meta")  # noqa: E731
+    env = {
+        "a": meta((m, k), torch.bfloat16),
+        "w": meta((k, n), torch.bfloat16),
+        "s": meta((m, n // 128), torch.float32),
+    }
+    r = blk.cuda(tile=c.config).runner(1)
+    ins, scalars = r.arguments(env)
+    outs = r.allocate(ins[0], ins[1])
+    D, C, epi = r.epilogue_arguments(ins, scalars, outs)
+    assert tuple(epi["s"].shape) == (m, n // 128)
+    quack_adapter.launch(r.mod, r.spec, r.config, ins[0], ins[1], D, epi, C=C, dry_run=True)
+
+
+@pytest.mark.gpu
+def test_a_grouped_column_load_runs_as_the_interpreter_does() -> None:
+    """On the kernels, forward and backward (the backward's GEMMs read `expand(s, ...)` too), against
+    the interpreter: `coda fuzz --target cuda --wrt a,w`."""
+    from coda_lang.fuzz.fuzzer import Fuzzer
+    from coda_lang.fuzz.search import fuzz_block
+
+    blk = coda_lang.load(GROUPED)["epi"]
+    res = fuzz_block(blk, "cuda", examples=4, fuzzer=Fuzzer(blk, "cuda", wrt=["a", "w"]))
+    assert res.failure is None and res.cases == 4, (res.failure, res.notes)

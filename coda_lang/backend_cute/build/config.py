@@ -310,6 +310,16 @@ def rules(spec: StageSpec, emulated: bool = False) -> list[TileConstraint]:
             else []
         ),
         *(BLOCK_SCALED_TILE if spec.gemm.scaled else ()),
+        *(
+            TileConstraint(
+                of="tile_N",
+                divides=o.group,
+                reason=f"`expand({o.name}, acc)` reads one column of `{o.name}` per tile, {o.group} columns wide",
+                kernel_only=True,
+            )
+            for o in spec.operands
+            if o.op == "GroupColumnLoad"
+        ),
     ]
     return [c for c in own if not (emulated and c.kernel_only)]
 

@@ -196,6 +196,8 @@ def compile_ptx(spec: Any, path: Path, config: Any, root: Path | None = None) ->
             epi[o.py] = _meta((m, n), o.dtype)
         elif o.role == "row vector":
             epi[o.py] = _meta((m,), o.dtype)
+        elif o.role == "grouped tile":  # s [M, N/g], one column of it per tile (GroupColumnLoad)
+            epi[o.py] = _meta((m, -(-n // o.group)), o.dtype)
         elif o.role == "column vector":
             epi[o.py] = _meta((n,), o.dtype)
         else:

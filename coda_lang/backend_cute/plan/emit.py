@@ -279,6 +279,8 @@ class _Emitter:
                 extra = f", dtype={_CUTLASS_DTYPES[o.dtype]}" if o.op == "Scalar" and o.dtype != "f32" else ""
                 if o.role in INDEX_AXIS:
                     extra = f", axis={INDEX_AXIS[o.role]}"
+                if o.op == "GroupColumnLoad":
+                    extra = f", group={o.group}"
                 ops.append(f'"{o.py}": {o.op}("{o.py}"{extra})')
             ops += [f'"{g.py}": {_grouped(g)}' for g in spec.groups]
             args.append("ops={" + ", ".join(ops) + "}")

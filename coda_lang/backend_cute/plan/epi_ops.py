@@ -14,6 +14,8 @@ constant; quack checks that it divides N and tile_N). `GroupedReduce(...).out(na
 after it. `BoundedColVecSelect(name, idx_op=)` is quack's `ColVecSelect` (pick: the value at column
 idx[row] of each row) also leaving alone the rows whose index falls in the ragged last tile past N
 (quack's guards rows past M and indices outside the tiles, not columns past N inside the last one).
+`GroupColumnLoad(name, group)` is `expand(s, acc)` of s [M, N/g] at a tile whose N divides g: the
+one column of s the tile's columns fall in, as quack's ColVecLoad reads a row vector.
 `TileIndex(name, axis)` is `row_index()` (axis 0) / `col_index()` (axis 1): a value port giving each
 element its global row or column index as an f32 (exact below 2**24; the runtime refuses larger
 extents), computed from the epilogue's own coordinates, so nothing is loaded for it.
@@ -49,7 +51,9 @@ import quack.epilogue.ops as _quack_ops
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
+from quack.compile_utils import make_fake_tensor
 from quack.epilogue.ops import (
+    ColVecLoad,
     ColVecReduce,
     ColVecSelect,
     GroupedColStatsBase,
@@ -59,7 +63,7 @@ from quack.epilogue.ops import (
     rowvec_reduce_accumulate,
 )
 
-VERSION = 12
+VERSION = 13
 
 
 @cute.jit
@@ -568,3 +572,28 @@ class TileIndex(Scalar):
     def fn_apply(self, gemm: Any, pstate: Any, i: Any, value: Any) -> Any:
         cur, base = pstate
         return Float32(cur[i][self.axis] + base)
+
+
+class GroupColumnLoad(ColVecLoad):
+    """`expand(s, acc)` of a matrix s [M, N/g] (one value per row and run of g columns of the tile
+    space): at a tile whose N divides g, every column of the tile falls in one run, so the tile reads
+    one column of s, `s[:, tile's first column / g]`, as quack's ColVecLoad reads a row vector (the
+    fn receives each element's row value). The planner keeps such a stage at tiles with tile_N
+    dividing g (config.rules) and element mode (refusals.check_grouped_mode)."""
+
+    def __init__(self, name: str, group: int):
+        if group < 1:
+            raise ValueError(f"GroupColumnLoad group is a whole number of columns, not {group!r}")
+        super().__init__(name)
+        self.group = group
+
+    def config_key(self) -> tuple[Any, ...]:
+        return (self.group, "group_column", VERSION)
+
+    def host_fake_arg(self, key: Any, fctx: Any) -> Any:
+        dtype, _ = key
+        return make_fake_tensor(dtype, (fctx.m, cute.sym_int()), leading_dim=1, divisibility=1)
+
+    @cute.jit
+    def _get_gmem_vec(self, param: Any, ctx: Any) -> Any:
+        return param[None, ctx.tile_coord_mnkl[1] * ctx.tile_N // self.group]

@@ -47,6 +47,7 @@ _MODULE_IMPORTS: dict[str, str] = {
     "BoundedColVecReduce": "from coda_lang.backend_cute.plan.epi_ops import BoundedColVecReduce",
     "BoundedRowVecReduce": "from coda_lang.backend_cute.plan.epi_ops import BoundedRowVecReduce",
     "TileIndex": "from coda_lang.backend_cute.plan.epi_ops import TileIndex",
+    "GroupColumnLoad": "from coda_lang.backend_cute.plan.epi_ops import GroupColumnLoad",
     "GatedFp8Store": "from coda_lang.backend_cute.plan.gated_store import GatedFp8Store",
     "BlockScale": "from coda_lang.backend_cute.plan.block_scaled import BlockScale",
 }

@@ -116,11 +116,20 @@ def block_scales_unsupported(
     return None
 
 
+def column_group(ld: Load, sp: StagePlan) -> int | None:
+    """g where a matrix the epilogue reads over groups (`expand(s, acc)`) is [M, N/g] of the stage's
+    [M, N]: one value per row and run of g columns (epi_ops.GroupColumnLoad loads it); else None."""
+    if len(ld.shape) != 2:
+        return None
+    rows, cols = group_size(sp.rows, ld.shape[0]), group_size(sp.cols, ld.shape[1])
+    return cols if rows == 1 and cols is not None else None
+
+
 def check_grouped_loads(index: int, st: Stage, sp: StagePlan) -> None:
-    """E0704 for a matrix the epilogue reads over groups of its rows and columns (`expand(s, acc)` of
-    a block scale): no load of the epilogue repeats an element over a group."""
+    """E0704 for a matrix the epilogue reads over groups of its rows too (`expand(s, acc)` of a block
+    scale [M/g1, N/g2], g1 > 1): the epilogue loads one value per row and run of columns only."""
     for ld in sp.loads:
-        if ld.role == "grouped tile":
+        if ld.role == "grouped tile" and column_group(ld, sp) is None:
             span = next(
                 (e.span for e in st.body if any(isinstance(a, Var) and a.name == ld.name for a in e.ins)),
                 st.span,
@@ -128,13 +137,28 @@ def check_grouped_loads(index: int, st: Stage, sp: StagePlan) -> None:
             raise fail(
                 "E0704",
                 f"stage {index} (`{sp.text}`) reads `{ld.name}` {shape_str(ld.shape)} over groups of its tile "
-                f"{shape_str((sp.rows, sp.cols))} (`expand`); the epilogue has no such load yet",
+                f"{shape_str((sp.rows, sp.cols))} (`expand`) that span rows; the epilogue has no such load yet",
                 span,
                 notes=[
-                    "the interpreter and the elementwise stages' torch stand-ins run it (`coda run`, "
-                    "`--target interp`)"
+                    f"an epilogue reads a matrix of one value per row and run of g columns ([{sp.rows}, "
+                    f"{sp.cols}/g]); the interpreter and the elementwise stages' torch stand-ins run any "
+                    "groups (`coda run`, `--target interp`)"
                 ],
             )
+
+
+def check_grouped_mode(ctx: StageContext, ld: Load, e: Eqn) -> None:
+    """E0704 for `expand(s, acc)` in a paired or packed stage: the column a tile's columns fall in is
+    loaded for an element-mode epilogue only."""
+    raise fail(
+        "E0704",
+        f"stage {ctx.index} (`{ctx.sp.text}`) reads `{ld.name}` over groups of its columns (`expand`) in a "
+        "stage over column pairs; the epilogue loads such a matrix in an element-mode stage only",
+        e.span,
+        notes=[
+            "the interpreter and the elementwise stages' torch stand-ins run it (`coda run`, `--target interp`)"
+        ],
+    )
 
 
 def check_gemm_dtypes(ctx: StageContext, a_dtype: str, b_dtype: str) -> None:

@@ -38,12 +38,12 @@ from coda_lang.ops import REGISTRY
 # The epilogue mode of a stage (docs/backend.md, "Epilogue modes").
 Mode = Literal["element", "acc_pair", "packed_cd_b16x2"]
 # What a loaded value is, as the checker's plan says it (frontend/verify/plan.py's `Load.role`) ...
-LoadRole = Literal["tile", "row vector", "column vector", "scalar"]
-LOAD_ROLES: tuple[LoadRole, ...] = ("tile", "row vector", "column vector", "scalar")
+LoadRole = Literal["tile", "row vector", "column vector", "scalar", "grouped tile"]
+LOAD_ROLES: tuple[LoadRole, ...] = ("tile", "row vector", "column vector", "scalar", "grouped tile")
 # ... and what an epilogue operand is: one of those, or an index computed from the coordinates.
-Role = Literal["tile", "row vector", "column vector", "scalar", "row index", "column index"]
+Role = Literal["tile", "row vector", "column vector", "scalar", "row index", "column index", "grouped tile"]
 # The quack epilogue op of an operand (epi_ops.TileIndex for an index), or "C": the GEMM's C operand.
-OperandOp = Literal["TileLoad", "ColVecLoad", "RowVecLoad", "Scalar", "TileIndex", "C"]
+OperandOp = Literal["TileLoad", "ColVecLoad", "RowVecLoad", "Scalar", "TileIndex", "GroupColumnLoad", "C"]
 # The quack op that folds a sink, the fold of a VecReduce, and what the kernel writes (for the runtime).
 SinkOp = Literal["ColVecReduce", "RowVecReduce", "OnlineLSEReduce", "ColVecSelect"]
 SinkCombine = Literal["add", "max", "max_abs"]
@@ -75,6 +75,9 @@ LOAD_OPS: dict[LoadRole, OperandOp] = {
     "row vector": "ColVecLoad",
     "column vector": "RowVecLoad",
     "scalar": "Scalar",
+    # `expand(s, acc)` of a matrix [M, N/g] (one value per row and run of g columns): the column of s a
+    # tile's columns fall in, loaded as a row vector (epi_ops.GroupColumnLoad; tiles whose N divides g)
+    "grouped tile": "GroupColumnLoad",
 }
 
 # `row_index()` / `col_index()` in an element-mode stage: an operand of role "row index" / "column
@@ -119,6 +122,8 @@ class Operand:
     # that repeat"): `period` is G and `shape` the width W it meets; the runtime passes it repeated
     # W / G times (before any repeat_interleave(2)), so the kernel reads a column vector of width W.
     period: Dim | None = None
+    # "grouped tile": the columns of the tile per element of the matrix (g of s: [M, N/g])
+    group: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -45,7 +45,7 @@ def _operand_values(spec: StageSpec, epi_args: dict[str, Any]) -> dict[str, Any]
         if o.op == "C" or o.role in INDEX_AXIS:
             continue  # not an epilogue argument (run_stage binds C), or computed there (an index)
         v = epi_args[o.py]
-        if o.role == "tile":
+        if o.role in ("tile", "grouped tile"):  # (a grouped tile: repeated over its groups in run_stage)
             vals[o.name] = v.float()
         elif o.role == "row vector":
             vals[o.name] = v.float().reshape(-1, 1)
@@ -262,6 +262,10 @@ def run_stage(
         acc = A.float() @ (B.float().t() if g.tb else B.float())
     m, n = acc.shape
     vals = _operand_values(spec, epi_args)
+    # `expand(s, acc)` of s [M, N/g]: each value over its g columns, as the kernel reads it
+    for ld in spec.operands:
+        if ld.role == "grouped tile":
+            vals[ld.name] = vals[ld.name].repeat_interleave(ld.group, dim=1)[:, :n]
     if spec.c is not None:
         assert C is not None
         vals[spec.c.name] = C.float()
