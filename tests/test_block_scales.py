@@ -596,3 +596,21 @@ def test_a_grouped_column_load_runs_as_the_interpreter_does() -> None:
     blk = coda_lang.load(GROUPED)["epi"]
     res = fuzz_block(blk, "cuda", examples=4, fuzzer=Fuzzer(blk, "cuda", wrt=["a", "w"]))
     assert res.failure is None and res.cases == 4, (res.failure, res.notes)
+
+
+def test_a_group_no_tile_divides_is_e0706_naming_the_rule() -> None:
+    """`expand(s, acc)` of s [M, N/32]: no tile of the backend's is 32 columns or narrower, so no
+    candidate satisfies the stage's rules; the error says that (with the rule), not that tiles spilled,
+    and compiles nothing. The emulated stand-in, which holds at any tile, runs it."""
+    from coda_lang.backend_cute.build.select import select_config
+
+    blk = coda_lang.load(
+        GROUPED.replace(
+            "N/128]) -> (y: f32[M, N]) {\n  gemm a @ w", "N/32]) -> (y: f32[M, N]) {\n  gemm a @ w"
+        )
+    )["epi"]
+    with pytest.raises(CodaError) as e:
+        select_config(blk, 1)
+    (d,) = e.value.diagnostics
+    assert d.code == "E0706" and "no candidate tile" in d.message and any("32 % tile_N" in n for n in d.notes)
+    assert blk.cuda(emulate=True).runner(1).config.tile_n > 32

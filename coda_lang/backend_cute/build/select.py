@@ -24,6 +24,7 @@ from coda_lang.backend_cute.build.config import (
     fallback_candidates_for,
     fits,
     is_plain,
+    rules,
     tune_candidates_for,
 )
 from coda_lang.backend_cute.plan.planner import plan_stage
@@ -76,6 +77,16 @@ def select_config(
         tried.append(f"{config}: {c.report}")
     if refused and len(refused) == len(tried):
         raise refused[0]
+    if not tried:  # (no candidate, nor fallback, satisfies the stage's rules: nothing was compiled)
+        raise error(
+            "E0706",
+            f"stage {index} (`{spec.text}`): no candidate tile satisfies its tiling constraints",
+            spec.span,
+            notes=[str(c) for c in rules(spec)],
+            help=[
+                'write the stage so that one of the backend\'s tiles fits it (docs/backend.md, "Tiles and tuning")'
+            ],
+        )
     raise error(
         "E0706",
         f"stage {index} (`{spec.text}`) spills registers at every tile configuration tried",
