@@ -26,6 +26,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from test_block_scales import CHAIN  # noqa: E402  (a 1x128-quantizing producer and its scaled consumer)
+
 
 def _mods() -> tuple[Any, Any]:
     import importlib
@@ -216,20 +218,6 @@ def test_a_stage_in_deepseeks_form_runs_as_the_interpreter_does() -> None:
     res = fuzz_block(coda_lang.load(DEEPSEEK)["scaled"], "cuda", examples=4, backward=False)
     assert res.failure is None, res.failure
     assert res.cases == 4
-
-
-CHAIN = """
-dims M, D, K, N
-block chain(x: bf16[M, D], w1: bf16[D, K], w2: e4m3[N, K], sw: f32[N/128, K/128]) -> (y: f32[M, N]) {
-  gemm x @ w1 {
-    amax = detach(max(abs(acc), over=K, group=128))
-    hq: e4m3 = acc * (448.0 / max(amax, 1e-12))
-  }
-  gemm hq @ transpose(w2), scale_a=amax, scale_b=sw {
-    y = acc * (1.0 / 448.0)
-  }
-}
-"""
 
 
 @pytest.mark.gpu

@@ -19,7 +19,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from coda_lang.backend_cute.plan.spec import StageSpec
+from coda_lang.backend_cute.plan.spec import SCALE_BLOCK, StageSpec
 from coda_lang.ir.types import TileConstraint, TileQuantity
 
 
@@ -275,7 +275,7 @@ WIDE_F32_TILE = TileConstraint(
 BLOCK_SCALED_TILE = (
     TileConstraint(
         of="tile_N",
-        equals=128,
+        equals=SCALE_BLOCK,
         reason="a block-scaled GEMM's tile is one block of B's rows",
         kernel_only=True,
     ),

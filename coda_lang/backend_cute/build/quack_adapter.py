@@ -40,7 +40,7 @@ from typing import Any
 
 from coda_lang.backend_cute.build.cache import kernel_fingerprint
 from coda_lang.backend_cute.build.store import cache_dir, checked, load_module, subfolder
-from coda_lang.backend_cute.plan.spec import WORD_VIEWS
+from coda_lang.backend_cute.plan.spec import SCALE_BLOCK, WORD_VIEWS
 from coda_lang.ops.registry import torch_dtype
 
 ARCH = "sm_90a"
@@ -213,8 +213,9 @@ def compile_ptx(spec: Any, path: Path, config: Any, root: Path | None = None) ->
         if s.index is not None:
             epi[s.index] = _meta((m,), s.index_dtype or "i32")
     if g.scaled:  # the block scales the mainloop reads: [M, K/128] and [N/128, K/128]
-        epi[g.scale_a_py] = _meta((m, -(-k // 128)), "f32")
-        epi[g.scale_b_py] = _meta((-(-n // 128), -(-k // 128)), "f32")
+        blocks = -(-k // SCALE_BLOCK)
+        epi[g.scale_a_py] = _meta((m, blocks), "f32")
+        epi[g.scale_b_py] = _meta((-(-n // SCALE_BLOCK), blocks), "f32")
     for gr in spec.groups:  # a grouped reduction: its width (a compile-time int); its writer's buffer
         epi[gr.py] = gr.width
         if gr.out is not None:

@@ -43,8 +43,10 @@ from quack.cute_dsl_utils import torch2cute_dtype_map
 from quack.epilogue.ops import EpiOp
 from quack.tile_scheduler import TileScheduler, WorkTileInfo
 
-VERSION = 2
-GROUP = 128  # the depth of a K block, and the tile's K (quack's fp8 tile_K)
+from coda_lang.backend_cute.plan.spec import SCALE_BLOCK
+
+VERSION = 3
+GROUP = SCALE_BLOCK  # the depth of a K block, and the tile's K (quack's fp8 tile_K)
 
 
 class _Recorder:

@@ -120,24 +120,13 @@ def loads(
             and int_compared_only(name, eqns)
         )
         refusals.check_operand_dtype(ctx, ld, e, compared)
+        group = 0
         if ld.role == "grouped tile":  # `expand(s, acc)`, s [M, N/g] (refusals.check_grouped_loads)
             if paired or packed:
                 refusals.check_grouped_mode(ctx, ld, e)
             g = refusals.column_group(ld, ctx.sp)
             assert g is not None
-            out.append(
-                Operand(
-                    name=name,
-                    py=ctx.py(name),
-                    role=role,
-                    op=LOAD_OPS[role],
-                    dtype=ld.dtype,
-                    shape=ld.shape,
-                    lanes=1,
-                    group=g,
-                )
-            )
-            continue
+            group = g  # (no width of its own: one lane, loaded as it is, below)
         width = ld.shape[-1] if ld.role in ("tile", "column vector") else None
         period: Dim | None = None
         shape = ld.shape
@@ -175,6 +164,7 @@ def loads(
                 shape=shape,
                 lanes=lanes,
                 period=period,
+                group=group,
             )
         )
     # a dim used as a value (`acc / K`): a Scalar operand holding its size, passed by the runtime

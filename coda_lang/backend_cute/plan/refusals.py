@@ -23,6 +23,7 @@ from coda_lang.backend_cute.plan.context import StageContext
 from coda_lang.backend_cute.plan.spec import (
     GEMM_DTYPES,
     PACKED_DTYPES,
+    SCALE_BLOCK,
     SINK_COMBINES,
     STORE_DTYPES,
     Mode,
@@ -47,10 +48,9 @@ def fail(
 # -- the stage and its GEMM -------------------------------------------------------------------------
 
 
-def check_gemm_stage(
-    index: int, st: Stage, sp: StagePlan, dtype_of: Callable[[Var], str] | None = None
-) -> None:
-    """E0701 for a stage without a GEMM (an elementwise stage: backend_triton compiles it)."""
+def check_gemm_stage(index: int, st: Stage, sp: StagePlan, dtype_of: Callable[[Var], str]) -> None:
+    """E0701 for a stage without a GEMM (an elementwise stage: backend_triton compiles it); E0709 for
+    block scales of another form than the kernels' (block_scales_unsupported, `dtype_of` its dtypes)."""
     if not st.is_gemm:
         raise fail(
             "E0701",
@@ -83,25 +83,16 @@ def check_gemm_stage(
             )
 
 
-BLOCK = 128  # the K block, and the side of B's blocks, of the kernels' block-scaled GEMM
-
-
-def block_scales_unsupported(
-    st: Stage, sp: StagePlan, dtype_of: Callable[[Var], str] | None = None
-) -> str | None:
+def block_scales_unsupported(st: Stage, sp: StagePlan, dtype_of: Callable[[Var], str]) -> str | None:
     """Why the kernels' block-scaled GEMM (plan/block_scaled.py) can't run this scaled stage, or None.
     `dtype_of`: the dtype each GEMM operand is multiplied in (the block plan's `operand_dtype`: a value
-    stored in e4m3 is an e4m3 operand); without it, the operands' own types."""
+    stored in e4m3 is an e4m3 operand, whatever its compute type)."""
     if st.scale_a is None or st.scale_b is None:
         return "it scales one operand only; the kernel takes both scales"
     if st.ta or not st.tb:
         return "the kernel reads a as [M, K] and w as transpose(w) of a [N, K] matrix (both K-major)"
-    for x in (st.a, st.b):
-        if not isinstance(x, Var):
-            return "its operands are not both fp8 (e4m3 or e5m2)"
-        dtype = dtype_of(x) if dtype_of is not None else x.type.dtype if x.type is not None else ""
-        if not is_fp8(dtype):
-            return "its operands are not both fp8 (e4m3 or e5m2)"
+    if not all(isinstance(x, Var) and is_fp8(dtype_of(x)) for x in (st.a, st.b)):
+        return "its operands are not both fp8 (e4m3 or e5m2)"
     sa, sb = st.scale_a, st.scale_b
     if not (isinstance(sa, Var) and isinstance(sb, Var) and sa.type is not None and sb.type is not None):
         return "a scale is not a matrix of the block"
@@ -109,10 +100,10 @@ def block_scales_unsupported(
         return "its scales are not f32"
     groups_a = [group_size(d, g) for d, g in zip((sp.rows, sp.k), sa.type.shape, strict=True)]
     groups_b = [group_size(d, g) for d, g in zip((sp.cols, sp.k), sb.type.shape, strict=True)]
-    if groups_a != [1, BLOCK]:
-        return f"scale_a `{sa.name}` is {shape_str(sa.type.shape)}: groups of {groups_a[0]} x {groups_a[1]}, not 1 x {BLOCK}"
-    if groups_b != [BLOCK, BLOCK]:
-        return f"scale_b `{sb.name}` is {shape_str(sb.type.shape)}: blocks of {groups_b[0]} x {groups_b[1]}, not {BLOCK} x {BLOCK}"
+    if groups_a != [1, SCALE_BLOCK]:
+        return f"scale_a `{sa.name}` is {shape_str(sa.type.shape)}: groups of {groups_a[0]} x {groups_a[1]}, not 1 x {SCALE_BLOCK}"
+    if groups_b != [SCALE_BLOCK, SCALE_BLOCK]:
+        return f"scale_b `{sb.name}` is {shape_str(sb.type.shape)}: blocks of {groups_b[0]} x {groups_b[1]}, not {SCALE_BLOCK} x {SCALE_BLOCK}"
     return None
 
 

@@ -44,6 +44,9 @@ LOAD_ROLES: tuple[LoadRole, ...] = ("tile", "row vector", "column vector", "scal
 Role = Literal["tile", "row vector", "column vector", "scalar", "row index", "column index", "grouped tile"]
 # The quack epilogue op of an operand (epi_ops.TileIndex for an index), or "C": the GEMM's C operand.
 OperandOp = Literal["TileLoad", "ColVecLoad", "RowVecLoad", "Scalar", "TileIndex", "GroupColumnLoad", "C"]
+# The K block, and the side of B's blocks, of the kernels' block-scaled GEMM (plan/block_scaled.py:
+# DeepSeek-V3's 1 x 128 and 128 x 128 groups; the mainloop's K tile is one block)
+SCALE_BLOCK = 128
 # The quack op that folds a sink, the fold of a VecReduce, and what the kernel writes (for the runtime).
 SinkOp = Literal["ColVecReduce", "RowVecReduce", "OnlineLSEReduce", "ColVecSelect"]
 SinkCombine = Literal["add", "max", "max_abs"]

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from coda_lang.backend_cute.plan import spec as specs
-from coda_lang.backend_cute.plan.spec import INDEX_AXIS, Sink, StageSpec, dim_operand
+from coda_lang.backend_cute.plan.spec import INDEX_AXIS, SCALE_BLOCK, Sink, StageSpec, dim_operand
 from coda_lang.ir.nodes import DimRef, Eqn, Lit, Var
 from coda_lang.ops import REGISTRY, Locality
 from coda_lang.ops.registry import combine_of_group, combine_of_sink, torch_store
@@ -237,9 +237,10 @@ def _block_scaled(A: torch.Tensor, B: torch.Tensor, sa: torch.Tensor, sb: torch.
     its column block's of B (sb [N/128, K/128]), the blocks added in order."""
     n, k = B.shape
     acc = torch.zeros(A.shape[0], n, dtype=torch.float32, device=A.device)
-    for kb in range(-(-k // 128)):
-        blk = slice(kb * 128, min(k, (kb + 1) * 128))
-        cols = sb[:, kb].float().repeat_interleave(128)[:n]
+    g = SCALE_BLOCK
+    for kb in range(-(-k // g)):
+        blk = slice(kb * g, min(k, (kb + 1) * g))
+        cols = sb[:, kb].float().repeat_interleave(g)[:n]
         acc += (A[:, blk] @ B[:, blk].t()) * (sa[:, kb : kb + 1].float() * cols[None, :])
     return acc
 
