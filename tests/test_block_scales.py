@@ -614,3 +614,23 @@ def test_a_group_no_tile_divides_is_e0706_naming_the_rule() -> None:
     (d,) = e.value.diagnostics
     assert d.code == "E0706" and "no candidate tile" in d.message and any("32 % tile_N" in n for n in d.notes)
     assert blk.cuda(emulate=True).runner(1).config.tile_n > 32
+
+
+def test_a_grouped_column_read_in_a_stage_over_column_pairs_is_e0704() -> None:
+    """The column load serves element-mode epilogues only: the same read before `pairs()` is E0704 at
+    the `expand`, not a kernel that reads the wrong columns."""
+    from coda_lang.backend_cute.plan.planner import plan_stage
+
+    src = """
+dims M, K, N
+block p(a: bf16[M, K], w: bf16[K, 2*N], s: f32[M, 2*N/128]) -> (y: bf16[M, N]) {
+  gemm a @ w {
+    g, u = pairs(acc * expand(s, acc))
+    y: bf16 = g * u
+  }
+}
+"""
+    with pytest.raises(CodaError) as e:
+        plan_stage(coda_lang.load(src)["p"], 1)
+    (d,) = e.value.diagnostics
+    assert d.code == "E0704" and "column pairs" in d.message and d.span is not None and d.span.line == 5
