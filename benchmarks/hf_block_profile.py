@@ -203,8 +203,8 @@ def against_cublas(
     def size(d: Any) -> int:
         return int(d.coeff * (shapes[d.name] if d.name else 1))
 
-    print("| stage | GEMM | M x N x K | coda ms | cuBLAS ms | x cuBLAS |")
-    print("|---|---|---|---|---|---|")
+    print("| stage | GEMM | M x N x K | tile | coda ms | cuBLAS ms | x cuBLAS |")
+    print("|---|---|---|---|---|---|---|")
     tot_c = tot_b = plain_b = 0.0
     for cb in fn.kernel_blocks():
         for k, spec in enumerate(cb.specs, 1):
@@ -220,17 +220,18 @@ def against_cublas(
             tot_b += ref
             if not ms:  # an epilogue-free stage runs a shared kernel (`plain_<dtype>_<majors>`): summed below
                 plain_b += ref
-                print(f"| {cb.name} {k} | `{spec.text}` | {m} x {n} x {kk} | (shared) | {ref:.3f} | |")
+                print(f"| {cb.name} {k} | `{spec.text}` | {m} x {n} x {kk} | | (shared) | {ref:.3f} | |")
                 continue
             tot_c += ms
             print(
-                f"| {cb.name} {k} | `{spec.text}` | {m} x {n} x {kk} | {ms:.3f} | {ref:.3f} | {ms / ref:.2f}x |"
+                f"| {cb.name} {k} | `{spec.text}` | {m} x {n} x {kk} | {cb.launched(k).config.short} | {ms:.3f} "
+                f"| {ref:.3f} | {ms / ref:.2f}x |"
             )
     plain = sum(t for name, t in rows if "GemmMod_plain_" in name)
     if plain_b:
-        print(f"| shared plain GEMMs | | | {plain:.3f} | {plain_b:.3f} | {plain / plain_b:.2f}x |")
+        print(f"| shared plain GEMMs | | | | {plain:.3f} | {plain_b:.3f} | {plain / plain_b:.2f}x |")
     tot_c += plain
-    print(f"| all GEMM stages | | | {tot_c:.3f} | {tot_b:.3f} | {tot_c / tot_b:.2f}x |")
+    print(f"| all GEMM stages | | | | {tot_c:.3f} | {tot_b:.3f} | {tot_c / tot_b:.2f}x |")
 
 
 if __name__ == "__main__":
