@@ -35,7 +35,9 @@ def bench(f, n: int = 20) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="8192,8192,2048", help="M,N,K (default: the SwiGLU down projection's dgrad)")
+    ap.add_argument(
+        "--shape", default="8192,8192,2048", help="M,N,K (default: the SwiGLU down projection's dgrad)"
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (Hopper)")
@@ -59,14 +61,20 @@ def main() -> int:
     D = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
     kw = dict(tile_M=128, tile_N=128, cluster_M=2, cluster_N=1, pingpong=False, persistent=True, b_kn=False)
     rows = {
-        "block-scaled 128x128": bench(lambda: epi_bs.gemm(A, B, D, None, epi_args={"sa": sa, "sb": sb}, **kw)),
+        "block-scaled 128x128": bench(
+            lambda: epi_bs.gemm(A, B, D, None, epi_args={"sa": sa, "sb": sb}, **kw)
+        ),
         "quack fp8 128x128": bench(lambda: epi_plain.gemm(A, B, D, None, epi_args={}, **kw)),
-        "quack fp8 128x192": bench(lambda: epi_plain.gemm(A, B, D, None, epi_args={}, **dict(kw, tile_N=192))),
+        "quack fp8 128x192": bench(
+            lambda: epi_plain.gemm(A, B, D, None, epi_args={}, **dict(kw, tile_N=192))
+        ),
     }
     one = torch.ones((), device="cuda")
     rows["cuBLAS per-tensor"] = bench(lambda: torch._scaled_mm(A, B.T, one, one, out_dtype=torch.bfloat16))
     try:
-        rows["cuBLAS 1x128 / 128x128"] = bench(lambda: torch._scaled_mm(A, B.T, sa, sb, out_dtype=torch.bfloat16))
+        rows["cuBLAS 1x128 / 128x128"] = bench(
+            lambda: torch._scaled_mm(A, B.T, sa, sb, out_dtype=torch.bfloat16)
+        )
     except RuntimeError as e:
         print(f"cuBLAS block scales: not in this torch ({str(e).splitlines()[0]})")
     print(f"{torch.cuda.get_device_name()}, {M} x {N} x {K}, e4m3 -> bf16")

@@ -15,7 +15,8 @@ runtime's launch points, which are the GPU run's:
 - `combine`: a GEMM sink's per-tile partials combined (one torch op each);
 - `transposes`: the K-major copies the runtime makes in a pass of their own (fp8 backward GEMMs),
   counted from the blocks' plans: what `launch.kmajor_pair` copies on a GPU, with the copies the
-  producing stages write (`TritonStage.kmajor_stores`, `$CODA_KMAJOR_STAGES`) taken away.
+  producing stages write (`TritonStage.kmajor_stores`, `$CODA_KMAJOR_STAGES`; a GEMM epilogue's
+  `Output.kmajor`, `$CODA_KMAJOR_STORE`) taken away.
 Each row is also given without `cuda_block.whole_folds` (the sink partials folded whole), in the
 same process. Attention and the optimizer are not counted (theirs are the same in every row).
 """
@@ -76,6 +77,8 @@ def transposes(model: Any) -> int:
         for spec in bwd.specs:
             if spec is not None and spec.d is not None and spec.d.narrow and spec.d.name in bwd._kmajor:
                 made.add(spec.d.name)  # (the narrowing pass writes it: layouts.narrowed_with_kmajor)
+            if spec is not None:  # (a GEMM epilogue stores it: spec.Output.kmajor)
+                made |= {o.name for o in spec.outputs if o.kmajor}
         per_block[fn.name] = len(bwd._kmajor - made)
     # (the first block, then one layer block per boundary between layers, then the last layer's)
     return per_block[b.first.name] + (n_layers - 1) * per_block[b.layer.name] + per_block[b.last.name]

@@ -206,6 +206,10 @@ def compile_ptx(spec: Any, path: Path, config: Any, root: Path | None = None) ->
         if out.pairs:  # an fp8 tile's pairs: one int16 word per accumulator element
             epi[out.py] = torch.empty((m, n), dtype=torch.int16, device="meta")
             continue
+        if out.kmajor:  # the transposed view of a K-major copy (every other row of it for a lane)
+            rows = 2 * n if out.lane is not None else n
+            epi[out.py] = _meta((rows, m), out.dtype)[out.lane or 0 :: 2 if out.lane is not None else 1].T
+            continue
         epi[out.py] = _meta((m, n // 2 if out.gated else n), out.dtype)  # a lane of a split store: gated
     for s in spec.sinks:
         shape = mod.sinks[s.py].sink_alloc_shape((m,), n, config.tile_m, config.tile_n)

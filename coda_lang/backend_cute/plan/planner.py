@@ -37,6 +37,7 @@ from coda_lang.backend_cute.plan.spec import (
     Output,
     StageSpec,
     is_wide,
+    kmajor_store_on,
     pair_store_on,
     plain_name,
 )
@@ -101,6 +102,7 @@ def run(ctx: StageContext) -> StageSpec:
         d, outputs, loads = _narrowed(ctx, loads, d, outputs)
         if not any(o.pairs for o in outputs):
             refusals.check_packed_cd(ctx, loads, d)
+    outputs += _kmajor_copies(ctx, d, outputs, mode)
     spec = StageSpec(
         block=ctx.ir.name,
         index=ctx.index,
@@ -165,25 +167,13 @@ def _gemm(ctx: StageContext) -> Gemm:
     st, sp = ctx.st, ctx.sp
     assert isinstance(st.a, Var) and isinstance(st.b, Var)
     a_dtype, b_dtype = ctx.bplan.operand_dtype(st.a), ctx.bplan.operand_dtype(st.b)
-    copy_a = copy_b = False
-    if (
-        ctx.ir.derived
-        and not ctx.emulated
-        and (is_fp8(a_dtype) or is_fp8(b_dtype))
-        and not refusals.fp8_gemm_compiles(st, a_dtype, b_dtype)
-    ):
-        if is_fp8(a_dtype) and is_fp8(b_dtype):
-            # a derived backward's GEMM of two fp8 operands, one or both not K-major (a weight
-            # gradient's transpose(dacc) @ x, a data gradient's dacc @ w): compiled K-major, the
-            # runtime handing it K-major copies of those (one transposing pass each, fp8 to fp8:
-            # cheaper than widening them to bf16, and the GEMM runs at the fp8 rate)
-            copy_a, copy_b = st.ta, not st.tb
-        else:
-            # beside a 16-bit cotangent: multiplied in that dtype, the runtime casting the fp8
-            # operand first (exact: every fp8 value is a bf16 one)
-            wide = next(d for d in (a_dtype, b_dtype) if not is_fp8(d))
-            wide = wide if wide in ("bf16", "f16") else "bf16"
-            a_dtype, b_dtype = (wide if is_fp8(a_dtype) else a_dtype), (wide if is_fp8(b_dtype) else b_dtype)
+    copy_a, copy_b = _copies(ctx, st)
+    if ctx.ir.derived and not ctx.emulated and is_fp8(a_dtype) != is_fp8(b_dtype):
+        # beside a 16-bit cotangent: multiplied in that dtype, the runtime casting the fp8 operand
+        # first (exact: every fp8 value is a bf16 one)
+        wide = next(d for d in (a_dtype, b_dtype) if not is_fp8(d))
+        wide = wide if wide in ("bf16", "f16") else "bf16"
+        a_dtype, b_dtype = (wide if is_fp8(a_dtype) else a_dtype), (wide if is_fp8(b_dtype) else b_dtype)
     if not (copy_a or copy_b):
         refusals.check_gemm_dtypes(ctx, a_dtype, b_dtype)
     return Gemm(
@@ -204,6 +194,57 @@ def _gemm(ctx: StageContext) -> Gemm:
         scale_a_py=ctx.fresh(f"scale_{st.scale_a.name}") if isinstance(st.scale_a, Var) else "",
         scale_b_py=ctx.fresh(f"scale_{st.scale_b.name}") if isinstance(st.scale_b, Var) else "",
     )
+
+
+def _copies(ctx: StageContext, st: Stage) -> tuple[bool, bool]:
+    """Whether GEMM stage `st` of the block takes K-major copies of its A and B (spec.Gemm's copy_a,
+    copy_b): a derived backward's GEMM of two fp8 operands, one or both not K-major (a weight
+    gradient's transpose(dacc) @ x, a data gradient's dacc @ w), is compiled K-major, the runtime
+    handing it K-major copies of those: written by the stage or pass that made the operand where it
+    can (`_kmajor_copies`, TritonStage.kmajor_stores), else made in one transposing pass each (fp8 to
+    fp8: cheaper than widening them to bf16, and the GEMM runs at the fp8 rate)."""
+    if not (ctx.ir.derived and not ctx.emulated and isinstance(st.a, Var) and isinstance(st.b, Var)):
+        return False, False
+    a_dtype, b_dtype = ctx.bplan.operand_dtype(st.a), ctx.bplan.operand_dtype(st.b)
+    if not (is_fp8(a_dtype) and is_fp8(b_dtype)) or refusals.fp8_gemm_compiles(st, a_dtype, b_dtype):
+        return False, False
+    return st.ta, not st.tb
+
+
+def _kmajor_copies(ctx: StageContext, d: Output | None, outputs: list[Output], mode: Mode) -> list[Output]:
+    """The K-major copies (Output.kmajor) this stage stores beside its fp8 tiles that a later GEMM of
+    the block reads transposed (`_copies`), so that no transposing pass makes them: a full-width
+    stored tile's (D or a TileStore) in element or packed mode, and a packed stage's pairs' (one copy
+    per lane, into every other row of the copy). Not: a stage over column pairs (acc_pair), a D the
+    runtime narrows (that pass writes the copy: launch._narrow_with_kmajor), a half-width tile, the
+    emulated kernels (which read any layout), or with $CODA_KMAJOR_STORE=0."""
+    if ctx.emulated or mode == "acc_pair" or not kmajor_store_on():
+        return []
+    body = ctx.ir.body
+    pos = next(i for i, s in enumerate(body) if s is ctx.st)
+    wanted: set[str] = set()
+    for later in body[pos + 1 :]:
+        if isinstance(later, Stage) and later.is_gemm:
+            copy_a, copy_b = _copies(ctx, later)
+            wanted |= {v.name for v, c in ((later.a, copy_a), (later.b, copy_b)) if c and isinstance(v, Var)}
+    copies: list[Output] = []
+    for o in ([d] if d is not None else []) + outputs:
+        if (
+            o.name not in wanted
+            or not is_fp8(o.dtype)
+            or o.narrow is not None
+            or o.gated
+            or o.lane is not None
+        ):
+            continue
+        if o.pairs:  # [M, 2N] as two lanes of [M, N]
+            for lane in (0, 1):
+                py = ctx.fresh(f"{o.py}_t{lane}")
+                copies.append(replace(o, py=py, op="TileStore", pairs=False, lane=lane, kmajor=True))
+        elif o.shape[1] == ctx.cols:
+            copies.append(replace(o, py=ctx.fresh(f"{o.py}_t"), op="TileStore", kmajor=True))
+        wanted.discard(o.name)
+    return copies
 
 
 def _live_out(ctx: StageContext) -> set[str]:

@@ -156,6 +156,12 @@ class Output:
     # runtime passing the fp8 buffer as an int16 [M, N] view (quack has no uint16). The stage then runs in quack's element
     # mode, its C operand a TileLoad of the 16-bit pairs as float32 words (Operand.host "view(float32)")
     pairs: bool = False
+    # the value's K-major copy, for a later GEMM of the block that reads it transposed (an fp8 operand:
+    # spec.Gemm's copy_a / copy_b): a TileStore of the same tile into the transposed view of an
+    # [N, kmajor_width(M)] buffer (M-major; the columns past M zeros), which the runtime binds under
+    # backend_triton.kmajor_key, so the GEMM takes it instead of a transposing pass. `lane`: the
+    # copy of one lane of a packed stage's pairs (rows `lane`, `lane` + 2, ... of the [2N, width] buffer)
+    kmajor: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -344,6 +350,13 @@ def pair_store_on() -> bool:
     return os.environ.get("CODA_FP8_PAIR_STORE", "1") != "0"
 
 
+def kmajor_store_on() -> bool:
+    """Whether a GEMM stage that stores an fp8 tile a later GEMM of its block reads transposed also
+    stores that tile's K-major copy (Output.kmajor): by default; $CODA_KMAJOR_STORE=0 leaves the copy
+    to a transposing pass at the reading GEMM, as before."""
+    return os.environ.get("CODA_KMAJOR_STORE", "1") != "0"
+
+
 def fp8_pair_load_on() -> bool:
     """Whether a packed stage may load its double-width tile in fp8, as int16 words of two codes, beside
     an fp8 D stored as pairs: by default (checked bit for bit against the interpreter on an H200,
@@ -406,6 +419,13 @@ def describe(spec: StageSpec) -> list[str]:
         )
     for out in spec.outputs:
         lane = f", lane {out.lane} of {out.name}" if out.lane is not None else ""
+        if out.kmajor:
+            rows = f"rows {out.lane}, {out.lane + 2}, ... of " if out.lane is not None else ""
+            lines.append(
+                f"store  {out.py}: {out.dtype}{shape_str(out.shape)} (TileStore{lane}): the K-major copy of "
+                f"`{out.name}` a later GEMM reads transposed, into {rows}its transpose (M-major)"
+            )
+            continue
         pairs = (
             ", its pairs: one 16-bit word per accumulator element, lane 0 in the low byte"
             if out.pairs

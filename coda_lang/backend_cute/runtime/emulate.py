@@ -291,9 +291,11 @@ def run_stage(
     for o in spec.outputs:
         buf = epi_args[o.py]
         x = torch.as_tensor(vals[o.name], dtype=torch.float32)
-        if o.lane is not None:  # one lane of a full-width tile of a paired stage
+        if o.kmajor and o.lane is not None:  # a lane of pairs, into its rows of the K-major copy
+            x = x.expand(m, 2 * n)[:, o.lane :: 2]
+        elif o.lane is not None:  # one lane of a full-width tile of a paired stage
             x = x.expand(m, n)[:, o.lane :: 2]
-        _store_into(buf, x.expand(buf.shape))
+        _store_into(buf, x.expand(buf.shape))  # (a K-major copy's buf: the [M, N] view of its transpose)
     for s in spec.sinks:
         buf = epi_args[s.py]
         got = _sink(s, spec, vals, m, n, config.tile_m, config.tile_n, epi_args)

@@ -292,9 +292,12 @@ class StageRunner:
             layout = self._layout(m, n)
             if isinstance(m, int) and isinstance(n, int):
                 self._layouts[(m, n)] = layout
-        outs = []
+        outs: list[torch.Tensor] = []
+        shared = self._shared_copies()
         for j, (shape, dtype, zeros) in enumerate(layout):
-            if j == 0 and self.spec.d is not None and d_out is not None:
+            if j in shared:  # lane 1 of a K-major copy of pairs: lane 0's buffer, the other rows
+                outs.append(outs[j - 1])
+            elif j == 0 and self.spec.d is not None and d_out is not None:
                 assert tuple(d_out.shape) == shape and d_out.dtype == dtype, (
                     f"stage_into: D is {tuple(d_out.shape)} {d_out.dtype}, the stage stores {shape} {self.spec.d.dtype}"
                 )
@@ -308,6 +311,12 @@ class StageRunner:
                 outs.append(torch.empty(shape, dtype=dtype, device=dev))
         return outs
 
+    def _shared_copies(self) -> frozenset[int]:
+        """Positions in `allocate`'s list of the buffers that are the one before them: lane 1 of a K-major
+        copy of a packed stage's pairs (both lanes write one [2N, K] copy, every other row each)."""
+        first = 1 if self.spec.d is not None else 0
+        return frozenset(first + i for i, o in enumerate(self.spec.outputs) if o.kmajor and o.lane == 1)
+
     def _layout(self, m: Any, n: Any) -> list[tuple[tuple[Any, ...], torch.dtype, bool]]:
         """(shape, dtype, zero-filled) of each output buffer of an (m, n) launch, in `allocate`'s order;
         E0807 / E0802 for sizes the kernel can't store or reduce (checked once per (m, n): a block's
@@ -318,6 +327,10 @@ class StageRunner:
             layout.append(((m, _width(spec.d.shape[1], g.cols, n)), TORCH_DTYPES[spec.d.dtype], False))
         for o in spec.outputs:
             width = _width(o.shape[1], g.cols, n)
+            if o.kmajor:  # the [N, K] copy, its K (this stage's M) padded to 16 with zeros
+                k = kmajor_width(m)
+                layout.append(((width, k), TORCH_DTYPES[o.dtype], not isinstance(m, int) or k != m))
+                continue
             layout.append(((m, width // 2 if o.lane is not None else width), TORCH_DTYPES[o.dtype], False))
         stored = ([spec.d.name] if spec.d is not None else []) + [o.name for o in spec.outputs]
         for (shape, dtype, _z), name in zip(layout, stored, strict=True):
@@ -441,7 +454,11 @@ class StageRunner:
             D, i = outs[0], 1
         for out in spec.outputs:
             # (an fp8 tile stored as its pairs: the kernel's int16 [m, n] view of the fp8 [m, 2 n] buffer)
-            epi[out.py] = outs[i].view(torch.int16) if out.pairs else outs[i]
+            if out.kmajor:  # what the kernel stores into: the copy's transposed view (a lane's rows)
+                rows = outs[i][out.lane :: 2] if out.lane is not None else outs[i]
+                epi[out.py] = rows[:, : _rows(ins[0])].t()
+            else:
+                epi[out.py] = outs[i].view(torch.int16) if out.pairs else outs[i]
             i += 1
         for s in spec.sinks:
             epi[s.py] = outs[i]
@@ -480,7 +497,9 @@ class StageRunner:
             i = 1
         lanes: dict[str, list[torch.Tensor]] = {}
         for o in spec.outputs:
-            if o.lane is not None:  # one lane of a full-width tile of a paired stage: interleave them back
+            if o.kmajor:  # the value's K-major copy ([N, K]; both lanes of pairs write one buffer)
+                env[kmajor_key(o.name)] = outs[i]
+            elif o.lane is not None:  # one lane of a full-width tile of a paired stage: interleave them back
                 lanes.setdefault(o.name, []).append(outs[i])
                 if len(lanes[o.name]) == 2:
                     even, odd = lanes[o.name]
@@ -505,6 +524,12 @@ class StageRunner:
                 dtype = storage.get(gr.name)
                 env[gr.name] = round_value(outs[i], dtype) if dtype else outs[i]
                 i += 1
+
+
+def _rows(a: torch.Tensor | None) -> int:
+    """M: the rows of the GEMM's A as the launch takes it ([M, K], a transposed view where stored [K, M])."""
+    assert a is not None
+    return int(a.shape[0])
 
 
 def _narrow(t: torch.Tensor, dtype: str) -> torch.Tensor:
