@@ -4,7 +4,8 @@ What it does: `plan_stage` reads a checked block (`coda_lang.api.Block`: typed I
 one stage, decides every resource of its quack `@gemm_epilogue`, in this order (the order the E07
 checks run in): the GEMM, the epilogue mode (element; acc_pair for pairs() and half-width values;
 packed_cd_b16x2 for double-width ones), the tiles it stores (D: the last full-width stored tile in
-program order; the others TileStores), the partial reductions it folds and the grouped ones complete
+program order; the others TileStores; and the K-major copy of an fp8 tile a later GEMM of a
+derived block reads transposed), the partial reductions it folds and the grouped ones complete
 in a tile (sinks.py), the live equations the emitter turns into straight-line code, the operands it
 loads (operands.py), and the tiling constraints a kernel's tile must meet. docs/backend.md says what
 each mode and sink does and what is refused (E07).

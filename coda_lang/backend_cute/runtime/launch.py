@@ -2,7 +2,8 @@
 
 What it does: `StageRunner` is stage `index` of a block at one tile config: `arguments` turns the
 block's values into the op's inputs (A, B, each epilogue operand, pick's indices), `allocate` makes its
-outputs (D, the TileStores, each sink's per-tile partial buffer, a grouped reduction's writer), `launch`
+outputs (D, the TileStores, each sink's per-tile partial buffer, a grouped reduction's writer; a
+K-major copy an [N, K] buffer the kernel stores through its transposed view), `launch`
 runs the kernel (quack's, cuBLAS for a plain stage the tuner found faster there, or emulate.py's torch
 stand-in) and `collect` binds the results by coda name, each sink's partials combined by its combine
 record. The launch is the torch custom op `coda::stage` (a fake impl allocates the same buffers), so
@@ -11,7 +12,8 @@ interpreter's numerics (stored tiles rounded to their dtype, f32 compute).
 What it does not: choose tiles (tiles.py, tune.py), bind a call's inputs (binding.py) or plan/emit.
 Invariants: every element of every buffer the op returns is written by the kernel (pick's output is
 pre-filled: -inf where its index is in range, which the kernel overwrites unless it picks -inf, and 0
-where it is not; `poison=True` fills the rest with NaN so tests can see an unwritten element).
+where it is not; a K-major copy's columns past M, its K's padding, are zeros from its allocation;
+`poison=True` fills the rest with NaN so tests can see an unwritten element).
 """
 
 from __future__ import annotations
