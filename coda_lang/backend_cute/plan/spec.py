@@ -160,7 +160,8 @@ class Output:
     # spec.Gemm's copy_a / copy_b): a TileStore of the same tile into the transposed view of an
     # [N, kmajor_width(M)] buffer (M-major; the columns past M zeros), which the runtime binds under
     # backend_triton.kmajor_key, so the GEMM takes it instead of a transposing pass. `lane`: the
-    # copy of one lane of a packed stage's pairs (rows `lane`, `lane` + 2, ... of the [2N, width] buffer)
+    # copy of one lane of a packed stage's pairs (rows `lane`, `lane` + 2, ... of the [2N, width] buffer,
+    # which lane 0's output is; lane 1's follows it, its own buffer an empty stand-in)
     kmajor: bool = False
 
 

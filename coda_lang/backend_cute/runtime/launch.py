@@ -295,11 +295,8 @@ class StageRunner:
             if isinstance(m, int) and isinstance(n, int):
                 self._layouts[(m, n)] = layout
         outs: list[torch.Tensor] = []
-        shared = self._shared_copies()
         for j, (shape, dtype, zeros) in enumerate(layout):
-            if j in shared:  # lane 1 of a K-major copy of pairs: lane 0's buffer, the other rows
-                outs.append(outs[j - 1])
-            elif j == 0 and self.spec.d is not None and d_out is not None:
+            if j == 0 and self.spec.d is not None and d_out is not None:
                 assert tuple(d_out.shape) == shape and d_out.dtype == dtype, (
                     f"stage_into: D is {tuple(d_out.shape)} {d_out.dtype}, the stage stores {shape} {self.spec.d.dtype}"
                 )
@@ -313,12 +310,6 @@ class StageRunner:
                 outs.append(torch.empty(shape, dtype=dtype, device=dev))
         return outs
 
-    def _shared_copies(self) -> frozenset[int]:
-        """Positions in `allocate`'s list of the buffers that are the one before them: lane 1 of a K-major
-        copy of a packed stage's pairs (both lanes write one [2N, K] copy, every other row each)."""
-        first = 1 if self.spec.d is not None else 0
-        return frozenset(first + i for i, o in enumerate(self.spec.outputs) if o.kmajor and o.lane == 1)
-
     def _layout(self, m: Any, n: Any) -> list[tuple[tuple[Any, ...], torch.dtype, bool]]:
         """(shape, dtype, zero-filled) of each output buffer of an (m, n) launch, in `allocate`'s order;
         E0807 / E0802 for sizes the kernel can't store or reduce (checked once per (m, n): a block's
@@ -329,6 +320,9 @@ class StageRunner:
             layout.append(((m, _width(spec.d.shape[1], g.cols, n)), TORCH_DTYPES[spec.d.dtype], False))
         for o in spec.outputs:
             width = _width(o.shape[1], g.cols, n)
+            if o.kmajor and o.lane == 1:  # (lane 0's buffer holds both lanes: an empty stand-in, as
+                layout.append(((0,), TORCH_DTYPES[o.dtype], False))  # the op's outputs may not alias)
+                continue
             if o.kmajor:  # the [N, K] copy, its K (this stage's M) padded to 16 with zeros
                 k = kmajor_width(m)
                 layout.append(((width, k), TORCH_DTYPES[o.dtype], not isinstance(m, int) or k != m))
@@ -337,7 +331,7 @@ class StageRunner:
         stored = ([spec.d.name] if spec.d is not None else []) + [o.name for o in spec.outputs]
         for (shape, dtype, _z), name in zip(layout, stored, strict=True):
             size = dtype.itemsize
-            if isinstance(shape[1], int) and (shape[1] * size) % 16:
+            if len(shape) == 2 and isinstance(shape[1], int) and (shape[1] * size) % 16:
                 raise error(
                     "E0807",
                     f"stage {spec.index} (`{spec.text}`) stores `{name}` with rows of {shape[1]} "
@@ -457,7 +451,9 @@ class StageRunner:
         for out in spec.outputs:
             # (an fp8 tile stored as its pairs: the kernel's int16 [m, n] view of the fp8 [m, 2 n] buffer)
             if out.kmajor:  # what the kernel stores into: the copy's transposed view (a lane's rows)
-                rows = outs[i][out.lane :: 2] if out.lane is not None else outs[i]
+                # (both lanes of pairs store into lane 0's buffer, the one before lane 1's stand-in)
+                buf = outs[i - 1] if out.lane == 1 else outs[i]
+                rows = buf[out.lane :: 2] if out.lane is not None else buf
                 epi[out.py] = rows[:, : _rows(ins[0])].t()
             else:
                 epi[out.py] = outs[i].view(torch.int16) if out.pairs else outs[i]
@@ -499,8 +495,9 @@ class StageRunner:
             i = 1
         lanes: dict[str, list[torch.Tensor]] = {}
         for o in spec.outputs:
-            if o.kmajor:  # the value's K-major copy ([N, K]; both lanes of pairs write one buffer)
-                env[kmajor_key(o.name)] = outs[i]
+            if o.kmajor:  # the value's K-major copy ([N, K]; both lanes of pairs write lane 0's)
+                if o.lane != 1:
+                    env[kmajor_key(o.name)] = outs[i]
             elif o.lane is not None:  # one lane of a full-width tile of a paired stage: interleave them back
                 lanes.setdefault(o.name, []).append(outs[i])
                 if len(lanes[o.name]) == 2:
