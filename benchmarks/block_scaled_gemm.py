@@ -17,20 +17,9 @@ import argparse
 import importlib
 
 import torch
+from cuda_events import event_ms
 
 G = 128
-
-
-def bench(f, n: int = 20) -> float:
-    f()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(n):
-        f()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / n
 
 
 def main() -> int:
@@ -61,18 +50,18 @@ def main() -> int:
     D = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
     kw = dict(tile_M=128, tile_N=128, cluster_M=2, cluster_N=1, pingpong=False, persistent=True, b_kn=False)
     rows = {
-        "block-scaled 128x128": bench(
+        "block-scaled 128x128": event_ms(
             lambda: epi_bs.gemm(A, B, D, None, epi_args={"sa": sa, "sb": sb}, **kw)
         ),
-        "quack fp8 128x128": bench(lambda: epi_plain.gemm(A, B, D, None, epi_args={}, **kw)),
-        "quack fp8 128x192": bench(
+        "quack fp8 128x128": event_ms(lambda: epi_plain.gemm(A, B, D, None, epi_args={}, **kw)),
+        "quack fp8 128x192": event_ms(
             lambda: epi_plain.gemm(A, B, D, None, epi_args={}, **dict(kw, tile_N=192))
         ),
     }
     one = torch.ones((), device="cuda")
-    rows["cuBLAS per-tensor"] = bench(lambda: torch._scaled_mm(A, B.T, one, one, out_dtype=torch.bfloat16))
+    rows["cuBLAS per-tensor"] = event_ms(lambda: torch._scaled_mm(A, B.T, one, one, out_dtype=torch.bfloat16))
     try:
-        rows["cuBLAS 1x128 / 128x128"] = bench(
+        rows["cuBLAS 1x128 / 128x128"] = event_ms(
             lambda: torch._scaled_mm(A, B.T, sa, sb, out_dtype=torch.bfloat16)
         )
     except RuntimeError as e:
