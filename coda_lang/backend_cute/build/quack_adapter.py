@@ -207,8 +207,10 @@ def compile_ptx(spec: Any, path: Path, config: Any, root: Path | None = None) ->
             epi[out.py] = torch.empty((m, n), dtype=torch.int16, device="meta")
             continue
         if out.kmajor:  # the transposed view of a K-major copy (every other row of it for a lane)
-            rows = 2 * n if out.lane is not None else n
-            epi[out.py] = _meta((rows, m), out.dtype)[out.lane or 0 :: 2 if out.lane is not None else 1].T
+            if out.lane is None:
+                epi[out.py] = _meta((n, m), out.dtype).T
+            else:
+                epi[out.py] = _meta((2 * n, m), out.dtype)[out.lane :: 2].T
             continue
         epi[out.py] = _meta((m, n // 2 if out.gated else n), out.dtype)  # a lane of a split store: gated
     for s in spec.sinks:
