@@ -830,6 +830,21 @@ def test_fp8_cotangents_pass(capsys: pytest.CaptureFixture[str], target: str, ex
     assert f"10 cases (forward and backward, --remat {remat} --fp8-grads e5m2), target {target}" in out, out
 
 
+def test_fp8_cotangents_from_the_backward_options() -> None:
+    """`fuzz_block(backward=BackwardOptions(fp8_grads=..., fp8_acc=...))` is the keywords' run: the
+    CUDA path gets its delayed grad scales (it refused without them), and the references quantize."""
+    pytest.importorskip("torch")
+    from coda_lang.fuzz.fuzzer import Fuzzer
+    from coda_lang.fuzz.search import fuzz_block
+
+    block = coda_lang.load(Path(FP8_DELAYED).read_text())["fp8_delayed"]
+    opts = coda_lang.BackwardOptions(fp8_grads="e5m2", fp8_acc=True)
+    fz = Fuzzer(block, "emulate", backward=opts)
+    assert (fz.fp8_grads, fz.fp8_acc) == ("e5m2", True) and fz.options.fp8_grads == "e5m2"
+    res = fuzz_block(block, "emulate", examples=1, backward=opts)
+    assert res.failure is None and res.cases == 1, res.failure
+
+
 def test_a_backward_that_skips_the_cotangent_quantizer_is_caught(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -86,6 +86,9 @@ class Fuzzer(CaseDraws, Comparisons):
         if target != "interp" and sim_tile is not None:
             raise ValueError(f"sim_tile= is the interpreter's simulated tile; target {target}'s is tile=")
         self.options, self.draw = backward_options(backward, remat, chunk, budget, chunk_dim)
+        if self.options is not None:  # a BackwardOptions' own fp8 fields are the keywords' (either way)
+            fp8_grads = fp8_grads if fp8_grads is not None else self.options.fp8_grads
+            fp8_acc = fp8_acc or self.options.fp8_acc
         # fp8 cotangents (docs/design.md, "The fp8 backward"): the backward under test and the
         # references quantize each fp8 GEMM stage's cotangent, every scale 1 (the first step of a
         # DelayedScaling(initial=1.0)); unchunked (BackwardOptions refuses fp8_grads with chunks)
