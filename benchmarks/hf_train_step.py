@@ -39,7 +39,8 @@ of its own); `coda-fp8-e16`: coda-fp8 whose tuner also times the fp8 tiles at a 
 subtile ($CODA_FP8_E16=1); `coda-fp8-fast`: coda-fp8 with $CODA_FP8_FAST_ACCUM=1; `coda-fp8-fast-e16`: both variables; `coda-fp8-save16`: coda-fp8 whose layers save their gate/up
 accumulators in bf16, not e4m3 ($CODA_FP8_SAVE_ACC=0); `coda-fp8-transpose`: coda-fp8 whose GEMM
 epilogues leave the K-major copies of the fp8 tiles they store to transposing passes
-($CODA_KMAJOR_STORE=0) (none of them with --lora). `torchao-tensorwise` / `torchao-rowwise`: torchao's float8 training of that recipe
+($CODA_KMAJOR_STORE=0); `coda-fp8-kmajor-all`: coda-fp8 whose elementwise stages over column pairs (the
+RoPE backward's) also write the K-major copies ($CODA_KMAJOR_STAGES=all) (none of them with --lora). `torchao-tensorwise` / `torchao-rowwise`: torchao's float8 training of that recipe
 (`convert_to_float8_training` on every nn.Linear but the LM head), then torch.compile of the model, as
 torchao's own benchmarks run it (its wheel: `pip install torchao`; not with --lora). A configuration
 with `+graph` (`coda+graph`, `coda-fp8+graph`): after the warm-up, which runs on a side stream, one
@@ -326,6 +327,7 @@ CODA_FP8 = {
     "coda-fp8-fast-e16": "delayed",
     "coda-fp8-save16": "delayed",
     "coda-fp8-transpose": "delayed",
+    "coda-fp8-kmajor-all": "delayed",
 }
 # the environment a configuration runs under (its blocks planned and compiled under it): coda-fp8-narrow
 # is coda-fp8 whose SwiGLU backward stores its e5m2 cotangent in bf16 and narrows it in a pass of its
@@ -337,8 +339,11 @@ CODA_FP8 = {
 # the model's dtype, as before the e4m3 save became the default ($CODA_FP8_SAVE_ACC=0, read when the
 # model is patched: docs/models.md); coda-fp8-transpose is coda-fp8 whose backward GEMMs take the K-major
 # copies of the operands that GEMM epilogues make from transposing passes, as before those epilogues
-# stored the copies themselves ($CODA_KMAJOR_STORE=0, docs/backend.md)
+# stored the copies themselves ($CODA_KMAJOR_STORE=0, docs/backend.md); coda-fp8-kmajor-all is coda-fp8
+# whose generated elementwise stages over column pairs or with reductions (the RoPE backward's) also
+# write the K-major copies their outputs' readers take ($CODA_KMAJOR_STAGES=all)
 CONFIG_ENV = {
+    "coda-fp8-kmajor-all": {"CODA_KMAJOR_STAGES": "all"},
     "coda-fp8-transpose": {"CODA_KMAJOR_STORE": "0"},
     "coda-fp8-save16": {"CODA_FP8_SAVE_ACC": "0"},
     "coda-fp8-narrow": {"CODA_FP8_PAIR_STORE": "0"},
@@ -361,6 +366,7 @@ CONFIGS = (
     "coda-fp8-fast-e16",
     "coda-fp8-save16",
     "coda-fp8-transpose",
+    "coda-fp8-kmajor-all",
     "torchao-tensorwise",
     "torchao-rowwise",
 )

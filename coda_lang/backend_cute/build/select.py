@@ -104,9 +104,11 @@ def configs_without_spills(
     jobs: int | None = 1,
 ) -> list[TileConfig]:
     """The candidates that fit the stage's tiling constraints, compile, and whose kernels don't spill
-    (and `CUBLAS` first for a plain stage). When every one spills, those that spill at most
-    `SMALL_SPILL` bytes each way (a few words of the epilogue, e.g. the recomputed LM head's backward
-    with five row vectors loaded: 4-12 bytes at 128x128 and 256x128 against 1 KB at 128x192).
+    (and `CUBLAS` first for a plain stage), then those that spill at most `SMALL_SPILL` bytes each way
+    (a few words of the epilogue, e.g. the recomputed LM head's backward with five row vectors loaded:
+    4-12 bytes at 128x128 and 256x128 against 1 KB at 128x192). The tuner times them all and keeps
+    the fastest: a few words of spill can be the faster kernel (the fp8 QKV data gradient's 4 bytes at
+    128x96 on an H200), or not (the SwiGLU backward's 8 at 128x192 with its K-major copies).
     `jobs` as select_config's; `candidates`: default tune_candidates_for(spec)."""
     if candidates is None:
         candidates = tune_candidates_for(spec)
