@@ -63,6 +63,13 @@ def test_the_stores_that_get_a_copy(copies: None, monkeypatch: pytest.MonkeyPatc
     assert plan_stage(delayed, 5).gemm.copy_b and plan_stage(mlp, 3).gemm.copy_a
     assert _copies(delayed, 2) == [("hq", None)]
     assert _copies(mlp, 2) == [("dacc1", 0), ("dacc1", 1), ("aq", None)]
+    # aq's only reader is the weight gradient, which takes the copy: the stage stores the copy alone
+    # (Output.alone); dacc1 is read row-major too (`dacc1 @ w13`), hq is D (kept), so both stay
+    swiglu = plan_stage(mlp, 2).outputs
+    assert [(o.name, o.lane, o.kmajor) for o in swiglu if o.alone] == [("aq", None, True)]
+    assert [o.name for o in swiglu if not o.kmajor] == ["dacc1"]
+    assert not any(o.alone for o in plan_stage(delayed, 2).outputs) and plan_stage(delayed, 2).d.name == "hq"
+    assert "its only store: nothing reads the row-major tile" in emit_stage(plan_stage(mlp, 2))
     for bwd, k in ((delayed, 3), (delayed, 4), (delayed, 5), (mlp, 3), (mlp, 4), (mlp, 5)):
         assert _copies(bwd, k) == [], k
     assert _copies(delayed, 2, emulated=True) == [] and _copies(mlp, 2, emulated=True) == []
@@ -120,8 +127,12 @@ def test_the_runtime_hands_the_kernel_the_transposed_views(copies: None) -> None
     assert v1.stride() == (1, 2 * k) and v1.data_ptr() == outs[lane0].data_ptr() + k  # (one byte a code)
     assert tuple(va.shape) == (m, f) and va.stride() == (1, k)
     got: dict[str, Any] = {}
-    r.collect(outs, got, {}, {})
+    r.collect(outs, got, {}, {}, rows=m)
     assert got[kmajor_key("dacc1")] is outs[lane0] and got[kmajor_key("aq")] is outs[aq]
+    # aq, stored as its copy alone, is bound as the copy's transposed view (no row-major buffer)
+    assert ("aq", None, False) not in pos and len(outs) == len(kinds) + (r.spec.d is not None) + len(r.spec.sinks)
+    assert tuple(got["aq"].shape) == (m, f) and got["aq"].data_ptr() == outs[aq].data_ptr()
+    assert got["aq"].stride() == (1, k)
     # the weight gradient `transpose(dacc1) @ x` takes the copy the stage wrote
     w = cb.runner(3)
     env2 = {**got, "x": torch.randn(m, d).to(torch.float8_e4m3fn)}
@@ -129,6 +140,13 @@ def test_the_runtime_hands_the_kernel_the_transposed_views(copies: None) -> None
         env2.setdefault(o.name, 1.0)
     ins2, _ = w.arguments(env2)
     assert ins2[0] is not None and ins2[0].data_ptr() == outs[lane0].data_ptr()
+    # `transpose(dacc2) @ aq` takes aq's copy as it is: the view bound as aq is not made dense
+    env3 = {**got, "dacc2": env["dacc2"]}
+    w5 = cb.runner(5)
+    for o in w5.spec.operands:
+        env3.setdefault(o.name, 1.0)
+    ins5, _ = w5.arguments(env3)
+    assert ins5[1] is not None and ins5[1].data_ptr() == outs[aq].data_ptr()
 
 
 def coda_dtype(name: str) -> Any:
@@ -216,3 +234,30 @@ def test_gpu_backwards_with_and_without_the_copies(store: str, monkeypatch: pyte
         block = coda_lang.load((ROOT / "examples" / f"{example}.coda").read_text())[example]
         res = fuzz_block(block, "cuda", examples=3, backward=BackwardOptions(fp8_grads="e5m2", fp8_acc=acc))
         assert res.failure is None, (example, res.failure)
+
+
+def test_a_backward_on_the_kernels_plans_against_the_interpreter(
+    copies: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fp8_delayed's derived backward run on the plans the kernels get (`hq`'s copy stored by the data
+    gradient's epilogue, the weight gradient taking it), each kernel replaced by its torch stand-in:
+    `coda fuzz --target emulate`'s cases against the interpreter, M ragged (the copy's padding).
+    (The stand-in runs no packed-mode kernel plan, fp8_mlp_save's SwiGLU backward: its GPU test is
+    below, and its runtime binding above.)"""
+    from coda_lang.backend_cute.plan import planner
+    from coda_lang.backend_cute.runtime import cuda_block
+    from coda_lang.fuzz.search import fuzz_block
+
+    plans: list[Any] = []
+
+    def kernel_plan(block: Any, k: int, emulated: bool = False) -> Any:
+        spec = planner.plan_stage(block, k, emulated=False)
+        plans.append(spec)
+        return spec
+
+    monkeypatch.setattr(cuda_block, "plan_stage", kernel_plan)
+    block = coda_lang.load((ROOT / "examples" / "fp8_delayed.coda").read_text())["fp8_delayed"]
+    res = fuzz_block(block, "emulate", examples=4, backward=BackwardOptions(fp8_grads="e5m2"))
+    assert res.failure is None and res.cases == 4, res.failure
+    assert any(o.kmajor for s in plans for o in s.outputs)  # (the plans run were the kernels')
+    assert any(s.gemm.copy_b for s in plans)

@@ -103,7 +103,7 @@ def run(ctx: StageContext) -> StageSpec:
         d, outputs, loads = _narrowed(ctx, loads, d, outputs)
         if not any(o.pairs for o in outputs):
             refusals.check_packed_cd(ctx, loads, d)
-    outputs += _kmajor_copies(ctx, d, outputs, mode)
+    outputs = _kmajor_copies(ctx, d, outputs, mode)
     spec = StageSpec(
         block=ctx.ir.name,
         index=ctx.index,
@@ -213,22 +213,38 @@ def _copies(ctx: StageContext, st: Stage) -> tuple[bool, bool]:
 
 
 def _kmajor_copies(ctx: StageContext, d: Output | None, outputs: list[Output], mode: Mode) -> list[Output]:
-    """The K-major copies (Output.kmajor) this stage stores beside its fp8 tiles that a later GEMM of
-    the block reads transposed (`_copies`), so that no transposing pass makes them: a full-width
-    stored tile's (D or a TileStore) in element or packed mode, and a packed stage's pairs' (one copy
-    per lane, into every other row of the copy). Not: a stage over column pairs (acc_pair), a D the
-    runtime narrows (that pass writes the copy: launch._narrow_with_kmajor), a half-width tile, the
-    emulated kernels (which read any layout), or with $CODA_KMAJOR_STORE=0."""
+    """`outputs` with the K-major copies (Output.kmajor) this stage stores beside its fp8 tiles that a
+    later GEMM of the block reads transposed (`_copies`), so that no transposing pass makes them: a
+    full-width stored tile's (D or a TileStore) in element or packed mode, and a packed stage's pairs'
+    (one copy per lane, into every other row of the copy). Not: a stage over column pairs (acc_pair),
+    a D the runtime narrows (that pass writes the copy: launch._narrow_with_kmajor), a half-width tile,
+    the emulated kernels (which read any layout), or with $CODA_KMAJOR_STORE=0.
+    A TileStore whose every later reader is a GEMM that takes its copy (not a block output) is stored
+    as the copy alone (Output.alone): the row-major tile would be written and never read."""
     if ctx.emulated or mode == "acc_pair" or not kmajor_store_on():
-        return []
+        return outputs
     body = ctx.ir.body
     pos = next(i for i, s in enumerate(body) if s is ctx.st)
     wanted: set[str] = set()
+    plain: set[str] = {o.name for o in ctx.ir.outputs}  # values something reads as they are stored
     for later in body[pos + 1 :]:
-        if isinstance(later, Stage) and later.is_gemm:
-            copy_a, copy_b = _copies(ctx, later)
+        eqns: tuple[Eqn, ...] = (later,) if isinstance(later, Eqn) else ()
+        if isinstance(later, Stage):
+            eqns = later.body
+            copy_a, copy_b = _copies(ctx, later) if later.is_gemm else (False, False)
             wanted |= {v.name for v, c in ((later.a, copy_a), (later.b, copy_b)) if c and isinstance(v, Var)}
+            for v, c in (
+                (later.a, copy_a),
+                (later.b, copy_b),
+                (later.scale_a, False),
+                (later.scale_b, False),
+            ):
+                if isinstance(v, Var) and not c:
+                    plain.add(v.name)
+        for e in eqns:
+            plain |= {a.name for a in e.ins if isinstance(a, Var)}
     copies: list[Output] = []
+    alone: set[str] = set()
     for o in ([d] if d is not None else []) + outputs:
         if (
             o.name not in wanted
@@ -243,9 +259,12 @@ def _kmajor_copies(ctx: StageContext, d: Output | None, outputs: list[Output], m
                 py = ctx.fresh(f"{o.py}_t{lane}")
                 copies.append(replace(o, py=py, op="TileStore", pairs=False, lane=lane, kmajor=True))
         elif o.shape[1] == ctx.cols:
-            copies.append(replace(o, py=ctx.fresh(f"{o.py}_t"), op="TileStore", kmajor=True))
+            only = o.op == "TileStore" and o.name not in plain
+            if only:
+                alone.add(o.name)
+            copies.append(replace(o, py=ctx.fresh(f"{o.py}_t"), op="TileStore", kmajor=True, alone=only))
         wanted.discard(o.name)
-    return copies
+    return [o for o in outputs if o.name not in alone or o.kmajor] + copies
 
 
 def _live_out(ctx: StageContext) -> set[str]:

@@ -163,6 +163,10 @@ class Output:
     # copy of one lane of a packed stage's pairs (rows `lane`, `lane` + 2, ... of the [2N, width] buffer,
     # which lane 0's output is; lane 1's follows it, its own buffer an empty stand-in)
     kmajor: bool = False
+    # (a K-major copy) the value's only stored form: nothing reads its row-major tile (every later
+    # reader is a GEMM that takes this copy, and it is not a block output), so the stage stores none,
+    # and the runtime binds the value as the transposed view of the copy (launch.collect)
+    alone: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -425,6 +429,7 @@ def describe(spec: StageSpec) -> list[str]:
             lines.append(
                 f"store  {out.py}: {out.dtype}{shape_str(out.shape)} (TileStore{lane}): the K-major copy of "
                 f"`{out.name}` a later GEMM reads transposed, into {rows}its transpose (M-major)"
+                + (" (its only store: nothing reads the row-major tile)" if out.alone else "")
             )
             continue
         pairs = (

@@ -43,6 +43,7 @@ from coda_lang.backend_cute.runtime.grad_scales import DelayedScaling
 from coda_lang.backend_cute.runtime.launch import (
     TORCH_DTYPES,
     StageRunner,
+    gemm_rows,
     sink_rule,
 )
 from coda_lang.backend_cute.runtime.liveness import Liveness, reads
@@ -383,7 +384,7 @@ class CudaBlock:
         r = self.runner(index)
         ins, scalars = r.arguments(env)
         outs = r.call(ins, scalars)
-        r.collect(outs, new, partials, self.plan.storage)
+        r.collect(outs, new, partials, self.plan.storage, rows=gemm_rows(ins[0]))
         return new, partials
 
     def _call(
@@ -444,7 +445,15 @@ class CudaBlock:
                         self._last[k] = r
                     into = self.liveness.into(r.spec, i, env, consume) if consume is not None else None
                     outs = r.call(ins, scalars, into)
-                    r.collect(outs, env, partials, self.plan.storage, self._kmajor, self._whole.get(k, _NONE))
+                    r.collect(
+                        outs,
+                        env,
+                        partials,
+                        self.plan.storage,
+                        self._kmajor,
+                        self._whole.get(k, _NONE),
+                        gemm_rows(ins[0]),
+                    )
             else:
                 first = self._run_of.get(i)
                 if first == i:

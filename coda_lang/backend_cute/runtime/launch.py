@@ -136,6 +136,7 @@ def kmajor_pair(
             and given.dtype == t.dtype
         ):
             return given
+        t = t if t.is_contiguous() else t.contiguous()  # (a view of a copy of another width)
         if copy and t.device.type == "cuda":
             # lazy: Triton, which only a GPU run needs
             from coda_lang.backend_triton.layouts import transposed
@@ -220,13 +221,15 @@ class StageRunner:
     # host side (traced by torch.compile): the op's arguments from the block's values
     def arguments(self, env: dict[str, Any]) -> tuple[list[torch.Tensor | None], list[float]]:
         spec, g = self.spec, self.spec.gemm
-        A = dense(env[g.a], TORCH_DTYPES[g.a_dtype])
-        B = dense(env[g.b], TORCH_DTYPES[g.b_dtype])
+        made = (
+            env.get(kmajor_key(g.a)) if g.copy_a else None,
+            env.get(kmajor_key(g.b)) if g.copy_b else None,
+        )
+        # (an operand whose copy is made is not densified: it may be bound as a view of that copy,
+        # Output.alone, and kmajor_pair reads only its shape then)
+        A = env[g.a] if made[0] is not None else dense(env[g.a], TORCH_DTYPES[g.a_dtype])
+        B = env[g.b] if made[1] is not None else dense(env[g.b], TORCH_DTYPES[g.b_dtype])
         if g.copy_a or g.copy_b:
-            made = (
-                env.get(kmajor_key(g.a)) if g.copy_a else None,
-                env.get(kmajor_key(g.b)) if g.copy_b else None,
-            )
             A, B = kmajor_pair(A, B, g.copy_a, g.copy_b, made)
         ins: list[torch.Tensor | None] = [A.t() if g.ta else A, B]  # B: (k, n), or (n, k) for transpose(b)
         k = A.shape[0] if g.ta else A.shape[1]
@@ -454,7 +457,7 @@ class StageRunner:
                 # (both lanes of pairs store into lane 0's buffer, the one before lane 1's stand-in)
                 buf = outs[i - 1] if out.lane == 1 else outs[i]
                 rows = buf[out.lane :: 2] if out.lane is not None else buf
-                epi[out.py] = rows[:, : _rows(ins[0])].t()
+                epi[out.py] = rows[:, : gemm_rows(ins[0])].t()
             else:
                 epi[out.py] = outs[i].view(torch.int16) if out.pairs else outs[i]
             i += 1
@@ -476,12 +479,14 @@ class StageRunner:
         storage: dict[str, str],
         kmajor: frozenset[str] = frozenset(),
         whole: frozenset[str] = frozenset(),
+        rows: int | None = None,
     ) -> None:
         """Bind the stage's results by coda name: stored tiles, and each sink combined across tiles.
         `kmajor`: values a later GEMM of the block reads as a K-major copy (an fp8 operand it reads
         transposed): a narrowed D among them gets its copy from the narrowing pass (kmajor_key).
         `whole`: sinks bound as their per-tile partials, uncombined (cuda_block.whole_folds: their
-        one reader folds every element)."""
+        one reader folds every element). `rows`: the launch's M (`_rows` of its A), which a value
+        stored as its K-major copy alone (Output.alone) is bound as the transposed view of."""
         spec = self.spec
         i = 0
         if spec.d is not None:
@@ -498,6 +503,9 @@ class StageRunner:
             if o.kmajor:  # the value's K-major copy ([N, K]; both lanes of pairs write lane 0's)
                 if o.lane != 1:
                     env[kmajor_key(o.name)] = outs[i]
+                if o.alone:  # (no row-major tile stored: the value is the copy's transposed view)
+                    assert rows is not None, f"collect: `{o.name}` is stored as its K-major copy alone"
+                    env[o.name] = outs[i][:, :rows].t()
             elif o.lane is not None:  # one lane of a full-width tile of a paired stage: interleave them back
                 lanes.setdefault(o.name, []).append(outs[i])
                 if len(lanes[o.name]) == 2:
@@ -525,7 +533,7 @@ class StageRunner:
                 i += 1
 
 
-def _rows(a: torch.Tensor | None) -> int:
+def gemm_rows(a: torch.Tensor | None) -> int:
     """M: the rows of the GEMM's A as the launch takes it ([M, K], a transposed view where stored [K, M])."""
     assert a is not None
     return int(a.shape[0])
