@@ -130,7 +130,9 @@ def test_the_runtime_hands_the_kernel_the_transposed_views(copies: None) -> None
     r.collect(outs, got, {}, {}, rows=m)
     assert got[kmajor_key("dacc1")] is outs[lane0] and got[kmajor_key("aq")] is outs[aq]
     # aq, stored as its copy alone, is bound as the copy's transposed view (no row-major buffer)
-    assert ("aq", None, False) not in pos and len(outs) == len(kinds) + (r.spec.d is not None) + len(r.spec.sinks)
+    assert ("aq", None, False) not in pos and len(outs) == len(kinds) + (r.spec.d is not None) + len(
+        r.spec.sinks
+    )
     assert tuple(got["aq"].shape) == (m, f) and got["aq"].data_ptr() == outs[aq].data_ptr()
     assert got["aq"].stride() == (1, k)
     # the weight gradient `transpose(dacc1) @ x` takes the copy the stage wrote

@@ -217,7 +217,9 @@ def tune_candidates_for(spec: StageSpec) -> tuple[TileConfig, ...]:
     return out
 
 
-SMALL_SPILL = 16  # bytes: configs_without_spills' tiles that spill a few words, timed after the spill-free ones
+SMALL_SPILL = (
+    16  # bytes: configs_without_spills' tiles that spill a few words, timed after the spill-free ones
+)
 
 # A paired stage (acc_pair mode: SwiGLU's half-width stores) keeps quack's epilogue subtile (32
 # columns for 16-bit stores; epi_n 0) or a wider one: a half-width store of a narrower subtile is a
