@@ -40,7 +40,9 @@ subtile ($CODA_FP8_E16=1); `coda-fp8-fast`: coda-fp8 with $CODA_FP8_FAST_ACCUM=1
 accumulators in bf16, not e4m3 ($CODA_FP8_SAVE_ACC=0); `coda-fp8-transpose`: coda-fp8 whose GEMM
 epilogues leave the K-major copies of the fp8 tiles they store to transposing passes
 ($CODA_KMAJOR_STORE=0); `coda-fp8-kmajor-all`: coda-fp8 whose elementwise stages over column pairs (the
-RoPE backward's) also write the K-major copies ($CODA_KMAJOR_STAGES=all) (none of them with --lora). `torchao-tensorwise` / `torchao-rowwise`: torchao's float8 training of that recipe
+RoPE backward's) also write the K-major copies ($CODA_KMAJOR_STAGES=all); `coda-fp8-rowmajor`: coda-fp8
+storing the row-major tiles nothing reads beside their K-major copies ($CODA_KMAJOR_ALONE=0) (none of
+them with --lora). `torchao-tensorwise` / `torchao-rowwise`: torchao's float8 training of that recipe
 (`convert_to_float8_training` on every nn.Linear but the LM head), then torch.compile of the model, as
 torchao's own benchmarks run it (its wheel: `pip install torchao`; not with --lora). A configuration
 with `+graph` (`coda+graph`, `coda-fp8+graph`): after the warm-up, which runs on a side stream, one
@@ -328,6 +330,7 @@ CODA_FP8 = {
     "coda-fp8-save16": "delayed",
     "coda-fp8-transpose": "delayed",
     "coda-fp8-kmajor-all": "delayed",
+    "coda-fp8-rowmajor": "delayed",
 }
 # the environment a configuration runs under (its blocks planned and compiled under it): coda-fp8-narrow
 # is coda-fp8 whose SwiGLU backward stores its e5m2 cotangent in bf16 and narrows it in a pass of its
@@ -341,9 +344,12 @@ CODA_FP8 = {
 # copies of the operands that GEMM epilogues make from transposing passes, as before those epilogues
 # stored the copies themselves ($CODA_KMAJOR_STORE=0, docs/backend.md); coda-fp8-kmajor-all is coda-fp8
 # whose generated elementwise stages over column pairs or with reductions (the RoPE backward's) also
-# write the K-major copies their outputs' readers take ($CODA_KMAJOR_STAGES=all)
+# write the K-major copies their outputs' readers take ($CODA_KMAJOR_STAGES=all); coda-fp8-rowmajor is
+# coda-fp8 whose stages also store the row-major tile of a value every reader takes as its K-major copy
+# ($CODA_KMAJOR_ALONE=0, as before those were stored as the copy alone)
 CONFIG_ENV = {
     "coda-fp8-kmajor-all": {"CODA_KMAJOR_STAGES": "all"},
+    "coda-fp8-rowmajor": {"CODA_KMAJOR_ALONE": "0"},
     "coda-fp8-transpose": {"CODA_KMAJOR_STORE": "0"},
     "coda-fp8-save16": {"CODA_FP8_SAVE_ACC": "0"},
     "coda-fp8-narrow": {"CODA_FP8_PAIR_STORE": "0"},
@@ -367,6 +373,7 @@ CONFIGS = (
     "coda-fp8-save16",
     "coda-fp8-transpose",
     "coda-fp8-kmajor-all",
+    "coda-fp8-rowmajor",
     "torchao-tensorwise",
     "torchao-rowwise",
 )

@@ -83,7 +83,7 @@ def test_the_narrowing_binds_the_copy_and_the_weight_gradient_takes_it(m: int) -
     for o in outs[1:]:
         o.zero_()
     env: dict[str, Any] = {}
-    packed.collect(outs, env, {}, {}, frozenset({"dacc1"}))
+    packed.collect(outs, env, {}, {}, frozenset({"dacc1"}), rows=m)
     row = env["dacc1"]
     assert row.dtype == torch.float8_e5m2 and tuple(row.shape) == (m, 2 * f)
     assert torch.equal(row.view(torch.uint8), outs[0].to(torch.float8_e5m2).view(torch.uint8))
@@ -94,7 +94,7 @@ def test_the_narrowing_binds_the_copy_and_the_weight_gradient_takes_it(m: int) -
     assert not made[:, m:].view(torch.uint8).any()
     # without the name in kmajor: no copy
     plain: dict[str, Any] = {}
-    packed.collect(outs, plain, {}, {}, frozenset())
+    packed.collect(outs, plain, {}, {}, frozenset(), rows=m)
     assert kmajor_key("dacc1") not in plain
 
     wgrad = _runner(bwd, 3)  # dw = transpose(dacc1) @ x
@@ -255,6 +255,36 @@ def test_the_stage_kernel_writes_the_copies(block: str, which: str, monkeypatch:
     plain = ts(rows, cols, dict(LAYER_SIZES), torch.device("cpu"), *args)
     got = ts(rows, cols, dict(LAYER_SIZES), torch.device("cpu"), *args, kmajor=marks)
     _same_with_copies(st, marks, plain, got, rows, cols)
+
+
+def test_a_start_stage_writes_the_copy_alone_where_nothing_reads_the_tile() -> None:
+    """x1q, x2q and the weights' e4m3 copies at the layer backward's start are each read only by a
+    GEMM that takes the K-major copy (`_alone`): the kernel writes the copy alone (ALONE), no row-major
+    tile, and returns the tile as the copy's transposed view, equal to what it stores without copies
+    code for code. A value also read as it is stored (dacc7, by `dacc7 @ w_qkvq`) is not among them."""
+    pytest.importorskip("triton")
+    from coda_lang.backend_triton.generate import ALONE
+
+    bwd = _layer_backward("layer")
+    cb = bwd.cuda()
+    assert {"x1q", "x2q", "w_13q", "w_2q"} <= cb._alone and "dacc7" not in cb._alone
+    assert "dacc7" in cb._kmajor and not cb._alone & {o.name for o in bwd.ir.outputs}
+    for which in ("x1q", "w_13q"):
+        _, st, ts, _ = _stage("layer", which, interpret=True)
+        marks = ts.kmajor_stores(cb._kmajor, cb._alone)
+        stored = [n for n, *_ in st.store_meta]
+        assert marks == tuple(ALONE if n in cb._alone else 0 for n in stored) and ALONE in marks
+        args = _arguments(bwd, st, LAYER_SIZES, st.index, "cpu")
+        rows, cols = int(st.rows.evaluate(LAYER_SIZES)), int(st.cols.evaluate(LAYER_SIZES))
+        plain = ts(rows, cols, dict(LAYER_SIZES), torch.device("cpu"), *args)
+        got = ts(rows, cols, dict(LAYER_SIZES), torch.device("cpu"), *args, kmajor=marks)
+        _same_with_copies(st, marks, plain, got, rows, cols)
+        copies = got[len(plain) :]
+        for i, j in zip([i for i, on in enumerate(marks) if on], range(len(copies)), strict=True):
+            assert got[i].data_ptr() == copies[j].data_ptr() and not got[i].is_contiguous()
+        src = ts.source(tuple(False for _n, role in st.roles if role == "scalar"), marks)
+        for i, on in enumerate(marks):  # (the row-major store's line, only where it is stored)
+            assert (f"tl.store(out{i} + " in src) == (on != ALONE), (which, i)
 
 
 @pytest.mark.gpu

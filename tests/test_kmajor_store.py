@@ -70,6 +70,11 @@ def test_the_stores_that_get_a_copy(copies: None, monkeypatch: pytest.MonkeyPatc
     assert [o.name for o in swiglu if not o.kmajor] == ["dacc1"]
     assert not any(o.alone for o in plan_stage(delayed, 2).outputs) and plan_stage(delayed, 2).d.name == "hq"
     assert "its only store: nothing reads the row-major tile" in emit_stage(plan_stage(mlp, 2))
+    monkeypatch.setenv("CODA_KMAJOR_ALONE", "0")  # the row-major tile stored too, as before
+    swiglu = plan_stage(mlp, 2).outputs
+    assert not any(o.alone for o in swiglu) and [o.name for o in swiglu if not o.kmajor] == ["dacc1", "aq"]
+    assert mlp.cuda(emulate=True)._alone == frozenset()
+    monkeypatch.delenv("CODA_KMAJOR_ALONE")
     for bwd, k in ((delayed, 3), (delayed, 4), (delayed, 5), (mlp, 3), (mlp, 4), (mlp, 5)):
         assert _copies(bwd, k) == [], k
     assert _copies(delayed, 2, emulated=True) == [] and _copies(mlp, 2, emulated=True) == []

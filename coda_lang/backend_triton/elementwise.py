@@ -303,6 +303,7 @@ class ElementwiseStage:
         out: dict[str, Any] | None = None,
         into: dict[str, torch.Tensor] | None = None,
         kmajor: frozenset[str] = frozenset(),
+        alone: frozenset[str] = frozenset(),
     ) -> None:
         """Run the stage on the block's values in `env`; binds what it stores and reduces in `out`
         (default: `env`). `into`: stored tiles to write over a buffer (a tile the stage loads and
@@ -310,7 +311,8 @@ class ElementwiseStage:
         loads each element before it stores there; the other paths allocate as usual. `kmajor`:
         values a later GEMM reads as K-major copies: the generated kernel writes the copy of each it
         stores and can (`TritonStage.kmajor_stores`), bound under launch.kmajor_key; the other
-        paths write none (the GEMM makes its own)."""
+        paths write none (the GEMM makes its own). `alone`: those of them nothing reads row-major:
+        written K-major only where the kernel writes the copy, the value bound as its transposed view."""
         ins = []
         for ld in self.loads:
             v = env[ld.name]
@@ -330,7 +332,7 @@ class ElementwiseStage:
             kw["into"] = [into.get(n) for n, _, _ in self.stores]
         marked: list[str] = []
         if kmajor and hasattr(fn, "kmajor_stores"):
-            kw["kmajor"] = fn.kmajor_stores(kmajor)
+            kw["kmajor"] = fn.kmajor_stores(kmajor, alone)
             marked = [n for (n, _, _), on in zip(self.stores, kw["kmajor"], strict=True) if on]
         outs = fn(rows, cols, sizes, device, *ins, **kw)
         if out is None:

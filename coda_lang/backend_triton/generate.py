@@ -64,6 +64,8 @@ from coda_lang.ops.registry import combine_rule
 # functions are jitted when triton is imported, so its CPU interpreter can't run them unless it was on
 # from the start); a reduction folding by another record (logsumexp) keeps torch.compile
 _COMBINE = {"sum": "_add", "max": "_nanmax", "min": "_nanmin"}
+# a stored tile written K-major only (`TritonStage.kmajor_stores`): nothing reads its row-major tile
+ALONE = 2
 
 
 def _fold(op: str) -> str | None:
@@ -353,15 +355,16 @@ class TritonStage:
         self.dims = sorted({v for _op, _o, args, _i in st.steps for k, v in args if k == "d"})
         # the lengths of the vectors that repeat across the columns, as (dim, num, den): int arguments
         self.cycles = sorted({g for *_x, info in st.steps for _i, g, _w in info["cycle"]}, key=repr)
-        self._kernels: dict[tuple[tuple[bool, ...], tuple[bool, ...]], Any] = {}
+        self._kernels: dict[tuple[tuple[bool, ...], tuple[int, ...]], Any] = {}
 
     # -- the source
 
-    def source(self, scalar_tensors: tuple[bool, ...], kmajor: tuple[bool, ...] = ()) -> str:
+    def source(self, scalar_tensors: tuple[bool, ...], kmajor: tuple[int, ...] = ()) -> str:
         """The kernel module's text; `scalar_tensors[i]`: the i-th scalar operand is a tensor (read
         through a pointer) rather than a Python number (a kernel argument); `kmajor[j]`: the j-th stored
         tile is also written K-major (`kmajor_stores`), through the pointer argument `kt{j}`, each
-        element (r, c) at c * W + r."""
+        element (r, c) at c * W + r; `kmajor[j] == ALONE`: only K-major (its row-major tile, which
+        nothing reads, is not stored)."""
         st = self.st
         lanes = 2 if self.paired else 1
         name = self.kernel_name()
@@ -507,7 +510,8 @@ class TritonStage:
                 if transposed:
                     q = f"q{j}_{lane}"
                     body.append(f"{q} = {value}")
-                    body.append(f"tl.store({ptr}, {q}, mask=m)")
+                    if kmajor[j] != ALONE:
+                        body.append(f"tl.store({ptr}, {q}, mask=m)")
                     # transposed in registers (tl.trans), then stored along its rows: each column's
                     # BM_KMAJOR rows are contiguous bytes of the copy (a store along the columns of the
                     # untransposed tile wrote one byte per column and was 5x slower, H200); in a stage
@@ -634,7 +638,7 @@ class TritonStage:
 
     # -- building and running
 
-    def kernel(self, scalar_tensors: tuple[bool, ...], kmajor: tuple[bool, ...] = ()) -> Any:
+    def kernel(self, scalar_tensors: tuple[bool, ...], kmajor: tuple[int, ...] = ()) -> Any:
         k = self._kernels.get((scalar_tensors, kmajor))
         if k is None:
             k = self._kernels[(scalar_tensors, kmajor)] = load_kernel(
@@ -642,9 +646,10 @@ class TritonStage:
             )
         return k
 
-    def kmajor_stores(self, names: frozenset[str]) -> tuple[bool, ...]:
-        """Which stored tiles among `names` this kernel can also write K-major (the layout a GEMM that
-        reads the tile transposed takes, launch.kmajor_pair's): one-byte tiles of the stage's full
+    def kmajor_stores(self, names: frozenset[str], alone: frozenset[str] = frozenset()) -> tuple[int, ...]:
+        """Which stored tiles among `names` this kernel can also write K-major (1; ALONE for those
+        among `alone`, which nothing reads row-major: written K-major only; 0 the others) (the layout a
+        GEMM that reads the tile transposed takes, launch.kmajor_pair's): one-byte tiles of the stage's full
         width, in a stage with no group wider than BM_KMAJOR column units: its programs are then a grid
         of BM_KMAJOR rows x chunks of BM_KMAJOR column units (columns, or pairs in a stage over pairs:
         each lane's columns are every other row of the copy), so that each column's bytes of a copy
@@ -658,11 +663,12 @@ class TritonStage:
         backward's, 1 row x 128 pairs a program without copies, and the last layer's norm backward)
         are not timed yet at 64 x 64 programs against their own program shape and a transpose pass."""
         if self.group_units > self.BM_KMAJOR:
-            return tuple(False for _ in self.st.store_meta)
+            return tuple(0 for _ in self.st.store_meta)
         if (self.paired or self.reductions) and os.environ.get("CODA_KMAJOR_STAGES", "plain") != "all":
-            return tuple(False for _ in self.st.store_meta)
+            return tuple(0 for _ in self.st.store_meta)
         return tuple(
-            name in names and w == (1, 1) and dtype.itemsize == 1 for name, dtype, w in self.st.store_meta
+            (ALONE if name in alone else 1) if name in names and w == (1, 1) and dtype.itemsize == 1 else 0
+            for name, dtype, w in self.st.store_meta
         )
 
     BM_KMAJOR = 64  # rows per program (and columns per chunk) when the kernel writes K-major copies
@@ -677,13 +683,14 @@ class TritonStage:
         device: torch.device,
         *ins: Any,
         into: list[torch.Tensor | None] | None = None,
-        kmajor: tuple[bool, ...] = (),
+        kmajor: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, ...]:
         """The stage's stored tiles and reductions; `into[i]`, when given, is the buffer of the i-th
         stored tile (one the stage loads: each program loads an element before it stores there).
         `kmajor` (`kmajor_stores`'s): after them, the K-major copy of each stored tile marked, [cols,
         W] with W the rows rounded up to 16 (rows R to W zeros), from the same kernel; none where
-        nothing is launched (the GEMM that reads it makes its own then)."""
+        nothing is launched (the GEMM that reads it makes its own then). A tile marked ALONE is
+        returned as its copy's transposed view ([R, cols], the copy's first R columns)."""
         st = self.st
         if rows == 0 or cols == 0 or (device.type != "cuda" and not self.interpret):
             return st._body(rows, cols, sizes, device, *ins)  # nothing to launch, or no GPU to launch on
@@ -704,13 +711,6 @@ class TritonStage:
         args += [(sizes[g[0]] if g[0] is not None else 1) * g[1] // g[2] for g in self.cycles]
         bm = self.BM_KMAJOR if kmajor else self.bm
         nprog = math.ceil(rows / bm)
-        outs: list[torch.Tensor] = []
-        for j, (_name, dtype, w) in enumerate(st.store_meta):
-            shape = (rows, cols * w[0] // w[1])
-            buf = into[j] if into else None
-            if buf is None or tuple(buf.shape) != shape or buf.dtype != dtype or not buf.is_contiguous():
-                buf = torch.empty(shape, dtype=dtype, device=device)
-            outs.append(buf)
         wk = kmajor_width(rows)
         new = torch.zeros if wk > rows else torch.empty  # (rows R to W of a copy: zeros)
         copies = [
@@ -718,6 +718,18 @@ class TritonStage:
             for (_n, dtype, _w), on in zip(st.store_meta, kmajor, strict=False)
             if on
         ]
+        copy_of = iter(copies)
+        outs: list[torch.Tensor] = []
+        for j, (_name, dtype, w) in enumerate(st.store_meta):
+            shape = (rows, cols * w[0] // w[1])
+            copy = next(copy_of) if j < len(kmajor) and kmajor[j] else None
+            if copy is not None and kmajor[j] == ALONE:  # (the kernel stores no row-major tile)
+                outs.append(copy[:, :rows].t())
+                continue
+            buf = into[j] if into else None
+            if buf is None or tuple(buf.shape) != shape or buf.dtype != dtype or not buf.is_contiguous():
+                buf = torch.empty(shape, dtype=dtype, device=device)
+            outs.append(buf)
         bc = self.BM_KMAJOR if kmajor else self.bc_wide if cols >= self.bc_wide else self.bc
         # with copies, a grid of row blocks x chunks of column units (pairs in a stage over pairs)
         g1 = math.ceil((cols // 2 if self.paired else cols) / bc) if kmajor else 1

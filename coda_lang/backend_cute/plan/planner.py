@@ -38,6 +38,7 @@ from coda_lang.backend_cute.plan.spec import (
     Output,
     StageSpec,
     is_wide,
+    kmajor_alone_on,
     kmajor_store_on,
     pair_store_on,
     plain_name,
@@ -259,7 +260,7 @@ def _kmajor_copies(ctx: StageContext, d: Output | None, outputs: list[Output], m
                 py = ctx.fresh(f"{o.py}_t{lane}")
                 copies.append(replace(o, py=py, op="TileStore", pairs=False, lane=lane, kmajor=True))
         elif o.shape[1] == ctx.cols:
-            only = o.op == "TileStore" and o.name not in plain
+            only = o.op == "TileStore" and o.name not in plain and kmajor_alone_on()
             if only:
                 alone.add(o.name)
             copies.append(replace(o, py=ctx.fresh(f"{o.py}_t"), op="TileStore", kmajor=True, alone=only))

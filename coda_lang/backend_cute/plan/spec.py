@@ -362,6 +362,14 @@ def kmajor_store_on() -> bool:
     return os.environ.get("CODA_KMAJOR_STORE", "1") != "0"
 
 
+def kmajor_alone_on() -> bool:
+    """Whether a value whose every reader takes its K-major copy (none reads it as stored, and it is
+    not a block output) is stored as that copy alone, by a GEMM epilogue (Output.alone) or a
+    generated elementwise stage (TritonStage.kmajor_stores' ALONE): by default; $CODA_KMAJOR_ALONE=0
+    stores the row-major tile too, as before."""
+    return os.environ.get("CODA_KMAJOR_ALONE", "1") != "0"
+
+
 def fp8_pair_load_on() -> bool:
     """Whether a packed stage may load its double-width tile in fp8, as int16 words of two codes, beside
     an fp8 D stored as pairs: by default (checked bit for bit against the interpreter on an H200,

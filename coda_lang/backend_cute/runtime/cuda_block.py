@@ -35,7 +35,7 @@ from coda_lang.backend_cute.build.config import TileConfig
 from coda_lang.backend_cute.build.tune import in_background
 from coda_lang.backend_cute.plan.emit import emit_stage
 from coda_lang.backend_cute.plan.planner import plan_stage
-from coda_lang.backend_cute.plan.spec import StageSpec, dim_operand
+from coda_lang.backend_cute.plan.spec import StageSpec, dim_operand, kmajor_alone_on
 from coda_lang.backend_cute.runtime.autograd import CudaFunction
 from coda_lang.backend_cute.runtime.binding import Binder
 from coda_lang.backend_cute.runtime.capture import refuse_in_capture
@@ -264,6 +264,10 @@ class CudaBlock:
             for name, copy in ((spec.gemm.a, spec.gemm.copy_a), (spec.gemm.b, spec.gemm.copy_b))
             if copy
         )
+        # of those, the values nothing reads as they are stored (every reader a GEMM taking the copy,
+        # none a block output): an elementwise stage that writes the copy stores it alone
+        # (TritonStage.kmajor_stores' ALONE; a GEMM stage's plan decides its own, Output.alone)
+        self._alone = self._kmajor - self._read_as_stored() if kmajor_alone_on() else frozenset()
         self._ready = False
         self._precompiled = False  # tiles.precompile: this block's kernels were compiled at once
         self._compile_with: list[CudaBlock] = []
@@ -301,6 +305,23 @@ class CudaBlock:
         """The runner of stage `index`'s latest launch (with tuning: the tile measured fastest at that
         shape), else `runner(index)`."""
         return self._last.get(index) or self.runner(index)
+
+    def _read_as_stored(self) -> set[str]:
+        """The values a statement of the block reads in the layout they are stored in (not as a GEMM
+        operand's K-major copy), and the block's outputs."""
+        plain = {o.name for o in self.ir.outputs}
+        specs = iter(self.specs)
+        for s in self.ir.body:
+            body: tuple[Eqn, ...] = (s,) if isinstance(s, Eqn) else ()
+            if isinstance(s, Stage):
+                body, spec = s.body, next(specs)
+                copies = (spec.gemm.copy_a, spec.gemm.copy_b) if spec is not None else (False, False)
+                for v, copy in zip((s.a, s.b, s.scale_a, s.scale_b), (*copies, False, False), strict=True):
+                    if isinstance(v, Var) and not copy:
+                        plain.add(v.name)
+            for eq in body:
+                plain.update(a.name for a in eq.ins if isinstance(a, Var))
+        return plain
 
     def runner(self, index: int) -> StageRunner:
         r = self._runners.get(index)
@@ -435,7 +456,7 @@ class CudaBlock:
                 if k in self.elementwise:
                     es = self.elementwise[k]
                     over = self.liveness.into_loads(es, i, env, consume) if consume else None
-                    es.run(env, dims, self.plan.storage, into=over, kmajor=self._kmajor)
+                    es.run(env, dims, self.plan.storage, into=over, kmajor=self._kmajor, alone=self._alone)
                 else:
                     r = self.runner(k)
                     ins, scalars = r.arguments(env)
