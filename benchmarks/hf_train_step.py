@@ -41,8 +41,8 @@ accumulators in bf16, not e4m3 ($CODA_FP8_SAVE_ACC=0); `coda-fp8-transpose`: cod
 epilogues leave the K-major copies of the fp8 tiles they store to transposing passes
 ($CODA_KMAJOR_STORE=0); `coda-fp8-kmajor-all`: coda-fp8 whose elementwise stages over column pairs (the
 RoPE backward's) also write the K-major copies ($CODA_KMAJOR_STAGES=all); `coda-fp8-rowmajor`: coda-fp8
-storing the row-major tiles nothing reads beside their K-major copies ($CODA_KMAJOR_ALONE=0) (none of
-them with --lora). `torchao-tensorwise` / `torchao-rowwise`: torchao's float8 training of that recipe
+storing the row-major tiles nothing reads beside their K-major copies ($CODA_KMAJOR_ALONE=0);
+`coda-fp8-fastfwd`: coda-fp8 with $CODA_FP8_FAST_ACCUM=forward (none of them with --lora). `torchao-tensorwise` / `torchao-rowwise`: torchao's float8 training of that recipe
 (`convert_to_float8_training` on every nn.Linear but the LM head), then torch.compile of the model, as
 torchao's own benchmarks run it (its wheel: `pip install torchao`; not with --lora). A configuration
 with `+graph` (`coda+graph`, `coda-fp8+graph`): after the warm-up, which runs on a side stream, one
@@ -331,6 +331,7 @@ CODA_FP8 = {
     "coda-fp8-transpose": "delayed",
     "coda-fp8-kmajor-all": "delayed",
     "coda-fp8-rowmajor": "delayed",
+    "coda-fp8-fastfwd": "delayed",
 }
 # the environment a configuration runs under (its blocks planned and compiled under it): coda-fp8-narrow
 # is coda-fp8 whose SwiGLU backward stores its e5m2 cotangent in bf16 and narrows it in a pass of its
@@ -346,10 +347,13 @@ CODA_FP8 = {
 # whose generated elementwise stages over column pairs or with reductions (the RoPE backward's) also
 # write the K-major copies their outputs' readers take ($CODA_KMAJOR_STAGES=all); coda-fp8-rowmajor is
 # coda-fp8 whose stages also store the row-major tile of a value every reader takes as its K-major copy
-# ($CODA_KMAJOR_ALONE=0, as before those were stored as the copy alone)
+# ($CODA_KMAJOR_ALONE=0, as before those were stored as the copy alone); coda-fp8-fastfwd is coda-fp8
+# whose tuner also times the forward's fp8 GEMMs (not the backward's) with fast accumulation
+# ($CODA_FP8_FAST_ACCUM=forward: TransformerEngine's and torchao's default split)
 CONFIG_ENV = {
     "coda-fp8-kmajor-all": {"CODA_KMAJOR_STAGES": "all"},
     "coda-fp8-rowmajor": {"CODA_KMAJOR_ALONE": "0"},
+    "coda-fp8-fastfwd": {"CODA_FP8_FAST_ACCUM": "forward"},
     "coda-fp8-transpose": {"CODA_KMAJOR_STORE": "0"},
     "coda-fp8-save16": {"CODA_FP8_SAVE_ACC": "0"},
     "coda-fp8-narrow": {"CODA_FP8_PAIR_STORE": "0"},
@@ -374,6 +378,7 @@ CONFIGS = (
     "coda-fp8-transpose",
     "coda-fp8-kmajor-all",
     "coda-fp8-rowmajor",
+    "coda-fp8-fastfwd",
     "torchao-tensorwise",
     "torchao-rowwise",
 )

@@ -1485,6 +1485,27 @@ def test_fast_accumulation_is_timed_only_when_asked(monkeypatch: pytest.MonkeyPa
     assert tune.disk_key("src", shape, "H100", "fp8-fast-accum") != tune.disk_key("src", shape, "H100")
 
 
+def test_fast_accumulation_for_the_forward_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$CODA_FP8_FAST_ACCUM=forward: the fast-accumulation tiles are timed for a forward block's fp8
+    GEMM (fp8_delayed's `hq @ transpose(w2)`) and not for its derived backward's (`transpose(dacc2)
+    @ hq`, e5m2 by e4m3), each keeping its own tuning-cache variant; another value is refused."""
+    from coda_lang.backend_cute.build.config import fast_accum_on, fp8_tuning_variant, tune_candidates_for
+
+    block = example("fp8_delayed")
+    fwd = plan_stage(block, 2)
+    bwd = plan_stage(block.grad(backward=coda_lang.BackwardOptions(fp8_grads="e5m2")), 5)
+    assert not fwd.derived and bwd.derived and bwd.gemm.a_dtype == "e5m2"
+    monkeypatch.setenv("CODA_FP8_FAST_ACCUM", "forward")
+    assert any(c.fast_accum for c in tune_candidates_for(fwd))
+    assert not any(c.fast_accum for c in tune_candidates_for(bwd))
+    assert fp8_tuning_variant(fwd) == "fp8-fast-accum" and fp8_tuning_variant(bwd) is None
+    monkeypatch.setenv("CODA_FP8_FAST_ACCUM", "1")
+    assert any(c.fast_accum for c in tune_candidates_for(bwd))
+    monkeypatch.setenv("CODA_FP8_FAST_ACCUM", "fwd")
+    with pytest.raises(ValueError, match="takes 0, 1 or forward"):
+        fast_accum_on(fwd)
+
+
 def test_the_16_column_subtiles_are_timed_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     """$CODA_FP8_E16=1 adds the fp8 tiles at a 16-column epilogue subtile to the tuner's candidates of
     an fp8 stage (after the default ones, so an untuned pick is unchanged), never a bf16 stage's; each

@@ -185,13 +185,25 @@ def fp8_e16_on() -> bool:
 def fp8_tuning_variant(spec: StageSpec) -> str | None:
     """The name of an fp8 stage's candidate set where it is not the default one (the tuning cache
     keeps each set's choice apart), or None."""
-    parts = [p for p, on in (("fp8-fast-accum", fast_accum_on()), ("fp8-e16", fp8_e16_on())) if on]
+    parts = [p for p, on in (("fp8-fast-accum", fast_accum_on(spec)), ("fp8-e16", fp8_e16_on())) if on]
     return "+".join(parts) if parts and fp8_operands(spec) else None
 
 
-def fast_accum_on() -> bool:
-    """Whether the tuner also times fp8 GEMMs with fast accumulation ($CODA_FP8_FAST_ACCUM=1)."""
-    return os.environ.get("CODA_FP8_FAST_ACCUM", "0") == "1"
+FAST_ACCUM_SETTINGS = ("0", "1", "forward")
+
+
+def fast_accum_on(spec: StageSpec | None = None) -> bool:
+    """Whether the tuner also times this stage's fp8 GEMM with fast accumulation: $CODA_FP8_FAST_ACCUM=1
+    for every fp8 GEMM, `forward` for those of blocks that are not derived backwards (the forward's,
+    as TransformerEngine's and torchao's float8 defaults accumulate only the forward GEMM fast; the
+    data and weight gradients keep the second f32 accumulator). Without a stage: whether any is.
+    ValueError for another value."""
+    v = os.environ.get("CODA_FP8_FAST_ACCUM", "0")
+    if v not in FAST_ACCUM_SETTINGS:
+        raise ValueError(f"$CODA_FP8_FAST_ACCUM is {v!r}; it takes 0, 1 or forward")
+    if v == "forward" and spec is not None:
+        return not spec.derived
+    return v != "0"
 
 
 def fp8_operands(spec: StageSpec) -> bool:
@@ -206,11 +218,12 @@ def candidates_for(spec: StageSpec) -> tuple[TileConfig, ...]:
 
 def tune_candidates_for(spec: StageSpec) -> tuple[TileConfig, ...]:
     """The tiles the tuner times for this stage (an fp8 GEMM's with fast accumulation too, where
-    $CODA_FP8_FAST_ACCUM=1, and at a 16-column epilogue subtile, where $CODA_FP8_E16=1)."""
+    $CODA_FP8_FAST_ACCUM=1, or =forward for a forward block's, and at a 16-column epilogue subtile,
+    where $CODA_FP8_E16=1)."""
     if not fp8_operands(spec):
         return TUNE_CANDIDATES
     out: tuple[TileConfig, ...] = FP8_CANDIDATES
-    if fast_accum_on():
+    if fast_accum_on(spec):
         out += FP8_FAST_CANDIDATES
     if fp8_e16_on():
         out += FP8_E16_CANDIDATES

@@ -133,6 +133,7 @@ def run(ctx: StageContext) -> StageSpec:
         groups=tuple(groups),
         prepass=tuple(prepass),
         repeats=tuple(repeats.items()),
+        derived=ctx.ir.derived,
     )
     # a bare GEMM is one shared kernel per dtype and majors (emit.py writes it without the stage's names)
     return replace(spec, fn_name=plain_name(gemm)) if spec.plain else spec

@@ -287,6 +287,9 @@ class StageSpec:
     # (G, W) for each dim G of repeating vectors: they, and vectors the stage computes over G, are
     # column vectors of width W in the kernel (the runtime passes the loaded ones repeated)
     repeats: tuple[tuple[Dim, Dim], ...] = ()
+    # a stage of a derived backward block (the tuner's fast-accumulation candidates may be the forward's
+    # only: config.fast_accum_on); not part of the kernel, which the emitted source alone keys
+    derived: bool = field(compare=False, default=False)
 
     @property
     def prepass_name(self) -> str:
