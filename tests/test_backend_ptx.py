@@ -153,12 +153,12 @@ def _from(tile: TileConfig) -> tuple[TileConfig, ...]:
     return CANDIDATES[CANDIDATES.index(tile) :]
 
 
-# (the element and packed programs' walks, the longest, under -m slow: the paired and grouped ones
-# compile min, max and logsumexp folds too)
+# (the element, packed and paired programs' walks under -m slow, for CI minutes: the grouped one
+# compiles the min and logsumexp folds, its shuffles, ex2 and lg2)
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param(n, marks=pytest.mark.slow) if n in ("element", "packed") else n
+        pytest.param(n, marks=pytest.mark.slow) if n in ("element", "packed", "paired") else n
         for n in sorted(REDUCTION_PTX)
     ],
 )

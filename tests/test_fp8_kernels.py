@@ -1051,6 +1051,7 @@ def test_runtime_hands_the_fp8_gemm_k_major_copies(m: int) -> None:
 
 
 @pytest.mark.toolchain
+@pytest.mark.slow  # (CI minutes: the same bf16 WGMMA path as the default run's other derived compiles)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_derived_backward_with_an_e4m3_weight_compiles(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The dgrad GEMM of the e4m3 weight (multiplied in bf16) compiles for sm_90a without spills, as a
