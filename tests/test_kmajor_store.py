@@ -243,14 +243,15 @@ def test_gpu_backwards_with_and_without_the_copies(store: str, monkeypatch: pyte
         assert res.failure is None, (example, res.failure)
 
 
+@pytest.mark.parametrize("example, acc", [("fp8_delayed", False), ("fp8_mlp_save", True)])
 def test_a_backward_on_the_kernels_plans_against_the_interpreter(
-    copies: None, monkeypatch: pytest.MonkeyPatch
+    example: str, acc: bool, copies: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """fp8_delayed's derived backward run on the plans the kernels get (`hq`'s copy stored by the data
-    gradient's epilogue, the weight gradient taking it), each kernel replaced by its torch stand-in:
-    `coda fuzz --target emulate`'s cases against the interpreter, M ragged (the copy's padding).
-    (The stand-in runs no packed-mode kernel plan, fp8_mlp_save's SwiGLU backward: its GPU test is
-    below, and its runtime binding above.)"""
+    """Both examples' derived backwards run on the plans the kernels get, each kernel replaced by its
+    torch stand-in: fp8_delayed's `hq` copy stored by the data gradient's epilogue; fp8_mlp_save's
+    packed SwiGLU backward storing the e5m2 cotangent as pairs (int16 words), a copy per lane, and
+    `aq` as its copy alone (bound as the copy's transposed view); the weight gradients taking the
+    copies. `coda fuzz --target emulate`'s cases against the interpreter, M ragged (the padding)."""
     from coda_lang.backend_cute.plan import planner
     from coda_lang.backend_cute.runtime import cuda_block
     from coda_lang.fuzz.search import fuzz_block
@@ -263,8 +264,11 @@ def test_a_backward_on_the_kernels_plans_against_the_interpreter(
         return spec
 
     monkeypatch.setattr(cuda_block, "plan_stage", kernel_plan)
-    block = coda_lang.load((ROOT / "examples" / "fp8_delayed.coda").read_text())["fp8_delayed"]
-    res = fuzz_block(block, "emulate", examples=4, backward=BackwardOptions(fp8_grads="e5m2"))
-    assert res.failure is None and res.cases == 4, res.failure
-    assert any(o.kmajor for s in plans for o in s.outputs)  # (the plans run were the kernels')
-    assert any(s.gemm.copy_b for s in plans)
+    block = coda_lang.load((ROOT / "examples" / f"{example}.coda").read_text())[example]
+    opts = BackwardOptions(fp8_grads="e5m2", fp8_acc=acc)
+    res = fuzz_block(block, "emulate", examples=3, backward=opts)
+    assert res.failure is None and res.cases == 3, res.failure
+    outs = [o for s in plans for o in s.outputs]  # (the plans run were the kernels')
+    assert any(o.kmajor for o in outs) and any(s.gemm.copy_b for s in plans)
+    if acc:
+        assert any(o.alone for o in outs) and any(o.pairs for o in outs)

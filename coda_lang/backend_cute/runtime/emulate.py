@@ -28,10 +28,10 @@ from typing import Any
 import torch
 
 from coda_lang.backend_cute.plan import spec as specs
-from coda_lang.backend_cute.plan.spec import INDEX_AXIS, SCALE_BLOCK, Sink, StageSpec, dim_operand
+from coda_lang.backend_cute.plan.spec import INDEX_AXIS, SCALE_BLOCK, WORD_VIEWS, Sink, StageSpec, dim_operand
 from coda_lang.ir.nodes import DimRef, Eqn, Lit, Var
 from coda_lang.ops import REGISTRY, Locality
-from coda_lang.ops.registry import combine_of_group, combine_of_sink, torch_store
+from coda_lang.ops.registry import combine_of_group, combine_of_sink, torch_dtype, torch_store
 
 
 def _store_into(buf: torch.Tensor, x: torch.Tensor) -> None:
@@ -45,6 +45,8 @@ def _operand_values(spec: StageSpec, epi_args: dict[str, Any]) -> dict[str, Any]
         if o.op == "C" or o.role in INDEX_AXIS:
             continue  # not an epilogue argument (run_stage binds C), or computed there (an index)
         v = epi_args[o.py]
+        if o.host in WORD_VIEWS:  # a packed stage's pairs handed over as words: the tile they are
+            v = v.view(torch_dtype(o.dtype))
         if o.role in ("tile", "grouped tile"):  # (a grouped tile: repeated over its groups in run_stage)
             vals[o.name] = v.float()
         elif o.role == "row vector":
@@ -290,6 +292,8 @@ def run_stage(
         _store_into(D, torch.as_tensor(vals[spec.d.name], dtype=torch.float32).expand(D.shape))
     for o in spec.outputs:
         buf = epi_args[o.py]
+        if o.pairs:  # (the fp8 tile stored as its pairs, handed over as int16 words: the tile itself)
+            buf = buf.view(torch_dtype(o.dtype))
         x = torch.as_tensor(vals[o.name], dtype=torch.float32)
         if o.kmajor and o.lane is not None:  # a lane of pairs, into its rows of the K-major copy
             x = x.expand(m, 2 * n)[:, o.lane :: 2]
