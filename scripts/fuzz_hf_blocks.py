@@ -8,6 +8,7 @@ acc is saved in e4m3) and the parameters it differentiates (`hf.state.block_wrt`
     python scripts/fuzz_hf_blocks.py --target cuda [--examples 6] [--jobs 8]      # on the GPU host
     python scripts/fuzz_hf_blocks.py --target emulate --families llama --blocks layer --examples 2
     python scripts/fuzz_hf_blocks.py --recipes delayed --list                       # the runs only
+    python scripts/fuzz_hf_blocks.py --target emulate --kernel-plans --recipes delayed   # no GPU
 
 A recipe is one of `RECIPES`: "bf16" (`apply_coda(model)`), "delayed" (the default of
 `apply_coda(model, fp8="delayed")`: e5m2 cotangents, the gate/up acc saved in e4m3), "delayed-save16"
@@ -22,7 +23,10 @@ query and 2 key/value heads, Granite's multipliers, a logit soft-cap of 30); `co
 random sizes of the dims. Each run is `python -m coda_lang.cli fuzz FILE --block B ...` in a
 subprocess, `--jobs` at a time; one line per run, then a summary. Exit status 0 when every run
 passed, 1 when one failed (its output is printed), 2 for usage errors. `--keep DIR` writes the
-programs there (else a temporary directory).
+programs there (else a temporary directory). `--kernel-plans` (with `--target emulate`): the emulated
+kernels run the plans the GPU kernels get ($CODA_EMULATE_KERNEL_PLANS=1: the K-major copies, values
+stored as their copy alone, the fp8 pairs as words), each stage's torch stand-in reading and writing
+the layouts the kernel would: those plans checked against the interpreter without a GPU.
 """
 
 from __future__ import annotations
@@ -149,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)))
     p.add_argument("--keep", metavar="DIR", default=None, help="write the programs here")
     p.add_argument(
+        "--kernel-plans",
+        action="store_true",
+        help="with --target emulate: run the GPU kernels' plans on their torch stand-ins",
+    )
+    p.add_argument(
         "--list",
         action="store_true",
         help="print the runs' commands, run nothing (with --keep: the files they read)",
@@ -164,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"unknown {what} {bad[0]!r}; the {plural}: {', '.join(known)}")
     if args.examples < 1 or args.jobs < 1:
         p.error("--examples and --jobs must be at least 1")
+    if args.kernel_plans and args.target != "emulate":
+        p.error("--kernel-plans runs the kernels' plans on the emulated kernels: give --target emulate")
 
     with tempfile.TemporaryDirectory(prefix="coda-hf-blocks-") as tmp:
         out = Path(args.keep) if args.keep else Path(tmp)
@@ -177,9 +188,11 @@ def main(argv: list[str] | None = None) -> int:
                 print("(the programs are in a temporary directory, removed now: --keep DIR keeps them)")
             return 0
 
+        env = {**os.environ, "CODA_EMULATE_KERNEL_PLANS": "1"} if args.kernel_plans else None
+
         def one(r: Run) -> tuple[Run, int, str, str, float]:
             t = time.perf_counter()
-            done = subprocess.run(command(r, args), capture_output=True, text=True, cwd=ROOT)
+            done = subprocess.run(command(r, args), capture_output=True, text=True, cwd=ROOT, env=env)
             return r, done.returncode, done.stdout, done.stderr, time.perf_counter() - t
 
         failed: list[tuple[Run, int, str]] = []

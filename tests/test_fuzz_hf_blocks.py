@@ -100,6 +100,27 @@ def test_one_block_passes_emulated(capsys: pytest.CaptureFixture[str]) -> None:
     assert out.strip().splitlines()[-1].startswith("1 of 1 blocks passed (target emulate"), out
 
 
+def test_kernel_plans_need_the_emulated_target(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        script("fuzz_hf_blocks").main(["--kernel-plans", "--families", "llama"])
+    assert e.value.code == 2 and "give --target emulate" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_every_fp8_block_passes_on_the_kernels_plans(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every family's fp8 blocks (both e5m2 recipes) on the plans the GPU kernels get (K-major
+    copies, values stored as their copy alone, the fp8 pairs as words), each kernel replaced by its
+    torch stand-in, against the interpreter: what `--target cuda` checks of those plans, on the CPU."""
+    pytest.importorskip("torch")
+    code = script("fuzz_hf_blocks").main(
+        ["--target", "emulate", "--kernel-plans", "--recipes", "delayed,delayed-save16"]
+        + ["--blocks", "first_qkv,layer,last", "--examples", "1", "--jobs", "2"]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "FAIL" not in out and " blocks passed (target emulate" in out.strip().splitlines()[-1], out
+
+
 def test_a_failing_run_fails_it(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     s = script("fuzz_hf_blocks")
     # a recipe whose fuzz options coda fuzz refuses: the run exits 2, the script reports it and exits 1

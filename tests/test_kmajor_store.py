@@ -251,24 +251,21 @@ def test_a_backward_on_the_kernels_plans_against_the_interpreter(
     torch stand-in: fp8_delayed's `hq` copy stored by the data gradient's epilogue; fp8_mlp_save's
     packed SwiGLU backward storing the e5m2 cotangent as pairs (int16 words), a copy per lane, and
     `aq` as its copy alone (bound as the copy's transposed view); the weight gradients taking the
-    copies. `coda fuzz --target emulate`'s cases against the interpreter, M ragged (the padding)."""
-    from coda_lang.backend_cute.plan import planner
-    from coda_lang.backend_cute.runtime import cuda_block
+    copies. `coda fuzz --target emulate`'s cases against the interpreter, M ragged (the padding),
+    under $CODA_EMULATE_KERNEL_PLANS=1 (scripts/fuzz_hf_blocks.py --kernel-plans sets it)."""
     from coda_lang.fuzz.search import fuzz_block
 
-    plans: list[Any] = []
-
-    def kernel_plan(block: Any, k: int, emulated: bool = False) -> Any:
-        spec = planner.plan_stage(block, k, emulated=False)
-        plans.append(spec)
-        return spec
-
-    monkeypatch.setattr(cuda_block, "plan_stage", kernel_plan)
+    monkeypatch.setenv("CODA_EMULATE_KERNEL_PLANS", "1")
     block = coda_lang.load((ROOT / "examples" / f"{example}.coda").read_text())[example]
     opts = BackwardOptions(fp8_grads="e5m2", fp8_acc=acc)
     res = fuzz_block(block, "emulate", examples=3, backward=opts)
     assert res.failure is None and res.cases == 3, res.failure
-    outs = [o for s in plans for o in s.outputs]  # (the plans run were the kernels')
+    plans = [s for s in block.grad(backward=opts).cuda(emulate=True).specs if s is not None]
+    outs = [o for s in plans for o in s.outputs]  # (the plans run are the kernels')
     assert any(o.kmajor for o in outs) and any(s.gemm.copy_b for s in plans)
     if acc:
         assert any(o.alone for o in outs) and any(o.pairs for o in outs)
+    monkeypatch.delenv("CODA_EMULATE_KERNEL_PLANS")
+    assert not any(
+        o.kmajor for s in block.grad(backward=opts).cuda(emulate=True).specs if s for o in s.outputs
+    )

@@ -365,6 +365,14 @@ def kmajor_store_on() -> bool:
     return os.environ.get("CODA_KMAJOR_STORE", "1") != "0"
 
 
+def emulate_kernel_plans() -> bool:
+    """Whether the emulated kernels (`emulate=True`) run the plans the GPU kernels get rather than
+    their own ($CODA_EMULATE_KERNEL_PLANS=1, a testing aid): the K-major copies, the values stored as
+    their copy alone, the fp8 pairs handed over as words, each stage's torch stand-in reading and
+    writing the layouts the kernel would. Off by default: the emulated plans are torch's simplest."""
+    return os.environ.get("CODA_EMULATE_KERNEL_PLANS", "0") == "1"
+
+
 def kmajor_alone_on() -> bool:
     """Whether a value whose every reader takes its K-major copy (none reads it as stored, and it is
     not a block output) is stored as that copy alone, by a GEMM epilogue (Output.alone) or a

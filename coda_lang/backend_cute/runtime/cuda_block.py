@@ -35,7 +35,7 @@ from coda_lang.backend_cute.build.config import TileConfig
 from coda_lang.backend_cute.build.tune import in_background
 from coda_lang.backend_cute.plan.emit import emit_stage
 from coda_lang.backend_cute.plan.planner import plan_stage
-from coda_lang.backend_cute.plan.spec import StageSpec, dim_operand, kmajor_alone_on
+from coda_lang.backend_cute.plan.spec import StageSpec, dim_operand, emulate_kernel_plans, kmajor_alone_on
 from coda_lang.backend_cute.runtime.autograd import CudaFunction
 from coda_lang.backend_cute.runtime.binding import Binder
 from coda_lang.backend_cute.runtime.capture import refuse_in_capture
@@ -198,7 +198,7 @@ class CudaBlock:
                     self.elementwise[k] = ElementwiseStage(block, k, emulate)
                     self.specs.append(None)
                     continue
-                spec = plan_stage(block, k, emulated=emulate)
+                spec = plan_stage(block, k, emulated=emulate and not emulate_kernel_plans())
                 if not emulate:  # an op the emitter can't write raises E07 now, not at the first call
                     emit_stage(spec)
                 self.specs.append(spec)
