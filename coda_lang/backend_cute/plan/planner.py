@@ -22,6 +22,7 @@ record says; planning is deterministic (the emitted source is a golden file).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -228,23 +229,11 @@ def _kmajor_copies(ctx: StageContext, d: Output | None, outputs: list[Output], m
     body = ctx.ir.body
     pos = next(i for i, s in enumerate(body) if s is ctx.st)
     wanted: set[str] = set()
-    plain: set[str] = {o.name for o in ctx.ir.outputs}  # values something reads as they are stored
     for later in body[pos + 1 :]:
-        eqns: tuple[Eqn, ...] = (later,) if isinstance(later, Eqn) else ()
-        if isinstance(later, Stage):
-            eqns = later.body
-            copy_a, copy_b = _copies(ctx, later) if later.is_gemm else (False, False)
+        if isinstance(later, Stage) and later.is_gemm:
+            copy_a, copy_b = _copies(ctx, later)
             wanted |= {v.name for v, c in ((later.a, copy_a), (later.b, copy_b)) if c and isinstance(v, Var)}
-            for v, c in (
-                (later.a, copy_a),
-                (later.b, copy_b),
-                (later.scale_a, False),
-                (later.scale_b, False),
-            ):
-                if isinstance(v, Var) and not c:
-                    plain.add(v.name)
-        for e in eqns:
-            plain |= {a.name for a in e.ins if isinstance(a, Var)}
+    plain = read_as_stored(body[pos + 1 :], ctx.ir.outputs, lambda st: _copies(ctx, st))
     copies: list[Output] = []
     alone: set[str] = set()
     for o in ([d] if d is not None else []) + outputs:
@@ -267,6 +256,27 @@ def _kmajor_copies(ctx: StageContext, d: Output | None, outputs: list[Output], m
             copies.append(replace(o, py=ctx.fresh(f"{o.py}_t"), op="TileStore", kmajor=True, alone=only))
         wanted.discard(o.name)
     return [o for o in outputs if o.name not in alone or o.kmajor] + copies
+
+
+def read_as_stored(
+    body: Sequence[Any], outputs: Sequence[Any], copies: Callable[[Stage], tuple[bool, bool]]
+) -> set[str]:
+    """The values the statements of `body` read in the layout they are stored in, not as a GEMM
+    operand's K-major copy (`copies(stage)`: a GEMM stage's copy_a, copy_b), and the names of
+    `outputs` (the block's). A value outside it that a stage stores with its copy is stored as the
+    copy alone (Output.alone, TritonStage.kmajor_stores' ALONE)."""
+    plain = {o.name for o in outputs}
+    for s in body:
+        eqns: tuple[Eqn, ...] = (s,) if isinstance(s, Eqn) else ()
+        if isinstance(s, Stage):
+            eqns = s.body
+            copy_a, copy_b = copies(s) if s.is_gemm else (False, False)
+            for v, c in ((s.a, copy_a), (s.b, copy_b), (s.scale_a, False), (s.scale_b, False)):
+                if isinstance(v, Var) and not c:
+                    plain.add(v.name)
+        for e in eqns:
+            plain |= {a.name for a in e.ins if isinstance(a, Var)}
+    return plain
 
 
 def _live_out(ctx: StageContext) -> set[str]:

@@ -34,7 +34,7 @@ from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.backend_cute.build.config import TileConfig
 from coda_lang.backend_cute.build.tune import in_background
 from coda_lang.backend_cute.plan.emit import emit_stage
-from coda_lang.backend_cute.plan.planner import plan_stage
+from coda_lang.backend_cute.plan.planner import plan_stage, read_as_stored
 from coda_lang.backend_cute.plan.spec import StageSpec, dim_operand, emulate_kernel_plans, kmajor_alone_on
 from coda_lang.backend_cute.runtime.autograd import CudaFunction
 from coda_lang.backend_cute.runtime.binding import Binder
@@ -307,21 +307,15 @@ class CudaBlock:
         return self._last.get(index) or self.runner(index)
 
     def _read_as_stored(self) -> set[str]:
-        """The values a statement of the block reads in the layout they are stored in (not as a GEMM
-        operand's K-major copy), and the block's outputs."""
-        plain = {o.name for o in self.ir.outputs}
-        specs = iter(self.specs)
-        for s in self.ir.body:
-            body: tuple[Eqn, ...] = (s,) if isinstance(s, Eqn) else ()
-            if isinstance(s, Stage):
-                body, spec = s.body, next(specs)
-                copies = (spec.gemm.copy_a, spec.gemm.copy_b) if spec is not None else (False, False)
-                for v, copy in zip((s.a, s.b, s.scale_a, s.scale_b), (*copies, False, False), strict=True):
-                    if isinstance(v, Var) and not copy:
-                        plain.add(v.name)
-            for eq in body:
-                plain.update(a.name for a in eq.ins if isinstance(a, Var))
-        return plain
+        """planner.read_as_stored of the block, each GEMM stage's copies as its plan takes them."""
+        stages = [s for s in self.ir.body if isinstance(s, Stage)]
+        plans = {id(st): spec for st, spec in zip(stages, self.specs, strict=True)}
+
+        def copies(st: Stage) -> tuple[bool, bool]:
+            spec = plans[id(st)]
+            return (spec.gemm.copy_a, spec.gemm.copy_b) if spec is not None else (False, False)
+
+        return read_as_stored(self.ir.body, self.ir.outputs, copies)
 
     def runner(self, index: int) -> StageRunner:
         r = self._runners.get(index)
