@@ -42,7 +42,9 @@ epilogues leave the K-major copies of the fp8 tiles they store to transposing pa
 ($CODA_KMAJOR_STORE=0); `coda-fp8-kmajor-all`: coda-fp8 whose elementwise stages over column pairs (the
 RoPE backward's) also write the K-major copies ($CODA_KMAJOR_STAGES=all); `coda-fp8-rowmajor`: coda-fp8
 storing the row-major tiles nothing reads beside their K-major copies ($CODA_KMAJOR_ALONE=0);
-`coda-fp8-fastfwd`: coda-fp8 with $CODA_FP8_FAST_ACCUM=forward (none of them with --lora). `torchao-tensorwise` / `torchao-rowwise`: torchao's float8 training of that recipe
+`coda-fp8-fastfwd`: coda-fp8 with $CODA_FP8_FAST_ACCUM=forward; `coda-fp8-kprog`: coda-fp8 with
+$CODA_KMAJOR_PROGRAM=64x16x16, `coda-fp8-kprog-all` with $CODA_KMAJOR_STAGES=all too (none of them
+with --lora). `torchao-tensorwise` / `torchao-rowwise`: torchao's float8 training of that recipe
 (`convert_to_float8_training` on every nn.Linear but the LM head), then torch.compile of the model, as
 torchao's own benchmarks run it (its wheel: `pip install torchao`; not with --lora). A configuration
 with `+graph` (`coda+graph`, `coda-fp8+graph`): after the warm-up, which runs on a side stream, one
@@ -332,6 +334,8 @@ CODA_FP8 = {
     "coda-fp8-kmajor-all": "delayed",
     "coda-fp8-rowmajor": "delayed",
     "coda-fp8-fastfwd": "delayed",
+    "coda-fp8-kprog": "delayed",
+    "coda-fp8-kprog-all": "delayed",
 }
 # the environment a configuration runs under (its blocks planned and compiled under it): coda-fp8-narrow
 # is coda-fp8 whose SwiGLU backward stores its e5m2 cotangent in bf16 and narrows it in a pass of its
@@ -349,11 +353,16 @@ CODA_FP8 = {
 # coda-fp8 whose stages also store the row-major tile of a value every reader takes as its K-major copy
 # ($CODA_KMAJOR_ALONE=0, as before those were stored as the copy alone); coda-fp8-fastfwd is coda-fp8
 # whose tuner also times the forward's fp8 GEMMs (not the backward's) with fast accumulation
-# ($CODA_FP8_FAST_ACCUM=forward: TransformerEngine's and torchao's default split)
+# ($CODA_FP8_FAST_ACCUM=forward: TransformerEngine's and torchao's default split); coda-fp8-kprog is
+# coda-fp8 whose elementwise stages that write K-major copies run 64 x 16 programs of 16 warps, which
+# spill no registers ($CODA_KMAJOR_PROGRAM=64x16x16), coda-fp8-kprog-all that with the stages over
+# column pairs writing theirs too ($CODA_KMAJOR_STAGES=all)
 CONFIG_ENV = {
     "coda-fp8-kmajor-all": {"CODA_KMAJOR_STAGES": "all"},
     "coda-fp8-rowmajor": {"CODA_KMAJOR_ALONE": "0"},
     "coda-fp8-fastfwd": {"CODA_FP8_FAST_ACCUM": "forward"},
+    "coda-fp8-kprog": {"CODA_KMAJOR_PROGRAM": "64x16x16"},
+    "coda-fp8-kprog-all": {"CODA_KMAJOR_PROGRAM": "64x16x16", "CODA_KMAJOR_STAGES": "all"},
     "coda-fp8-transpose": {"CODA_KMAJOR_STORE": "0"},
     "coda-fp8-save16": {"CODA_FP8_SAVE_ACC": "0"},
     "coda-fp8-narrow": {"CODA_FP8_PAIR_STORE": "0"},
@@ -379,6 +388,8 @@ CONFIGS = (
     "coda-fp8-kmajor-all",
     "coda-fp8-rowmajor",
     "coda-fp8-fastfwd",
+    "coda-fp8-kprog",
+    "coda-fp8-kprog-all",
     "torchao-tensorwise",
     "torchao-rowwise",
 )

@@ -257,6 +257,36 @@ def test_the_stage_kernel_writes_the_copies(block: str, which: str, monkeypatch:
     _same_with_copies(st, marks, plain, got, rows, cols)
 
 
+@pytest.mark.parametrize("block, which", [("layer", "x1q"), ("layer", "dacc7")])
+def test_another_program_shape_writes_the_same_copies(
+    block: str, which: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """$CODA_KMAJOR_PROGRAM=32x16x8 (32 rows x 16 column units a program, 8 warps; the RoPE
+    backward's over pairs, with per-row reductions folded from more partials): the same tiles and
+    copies as without copies, under Triton's CPU interpreter, at sizes that are not multiples of it."""
+    pytest.importorskip("triton")
+    from coda_lang.backend_triton.generate import kmajor_program
+
+    monkeypatch.setenv("CODA_KMAJOR_PROGRAM", "32x16x8")
+    monkeypatch.setenv("CODA_KMAJOR_STAGES", "all")
+    assert kmajor_program() == (32, 16, 8)
+    bwd, st, ts, marks = _stage(block, which, interpret=True)
+    args = _arguments(bwd, st, LAYER_SIZES, st.index, "cpu")
+    rows, cols = int(st.rows.evaluate(LAYER_SIZES)), int(st.cols.evaluate(LAYER_SIZES))
+    plain = ts(rows, cols, dict(LAYER_SIZES), torch.device("cpu"), *args)
+    got = ts(rows, cols, dict(LAYER_SIZES), torch.device("cpu"), *args, kmajor=marks)
+    _same_with_copies(st, marks, plain, got, rows, cols)
+
+
+@pytest.mark.parametrize("value", ["64x64", "60x16x4", "64x12x4", "64x16x32", "big"])
+def test_a_bad_program_shape_is_refused(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from coda_lang.backend_triton.generate import kmajor_program
+
+    monkeypatch.setenv("CODA_KMAJOR_PROGRAM", value)
+    with pytest.raises(ValueError, match="CODA_KMAJOR_PROGRAM"):
+        kmajor_program()
+
+
 def test_a_start_stage_writes_the_copy_alone_where_nothing_reads_the_tile() -> None:
     """x1q, x2q and the weights' e4m3 copies at the layer backward's start are each read only by a
     GEMM that takes the K-major copy (`_alone`): the kernel writes the copy alone (ALONE), no row-major

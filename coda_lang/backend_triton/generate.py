@@ -68,6 +68,26 @@ _COMBINE = {"sum": "_add", "max": "_nanmax", "min": "_nanmin"}
 ALONE = 2
 
 
+def kmajor_program() -> tuple[int, int, int]:
+    """(rows, column units, warps) of a program of a stage that writes K-major copies:
+    $CODA_KMAJOR_PROGRAM=RxCxW, default 64x64x4 (the shape timed on an H200). At 64 x 64 with 4 warps
+    the fp8 layer backward's start stage (x1q, x2q) needs 255 registers and spills 848 bytes, the RoPE
+    backward's 2,264 (ptxas 13.0, sm_90a, of Triton 3.9's code, 2026-11-29); at 64x16x16 they use 50
+    and 64 registers and spill none. Not timed yet, so not the default. R: a multiple of 16 (the copy's
+    rows of one column are R contiguous bytes), C and W powers of two, W at most 16. ValueError else."""
+    v = os.environ.get("CODA_KMAJOR_PROGRAM", "64x64x4")
+    try:
+        r, c, w = (int(x) for x in v.split("x"))
+    except ValueError:
+        r = c = w = 0
+    if not (r >= 16 and r % 16 == 0 and c >= 1 and c & (c - 1) == 0 and 1 <= w <= 16 and w & (w - 1) == 0):
+        raise ValueError(
+            f"$CODA_KMAJOR_PROGRAM is {v!r}; it takes RxCxW: rows a multiple of 16, column units and "
+            "warps powers of two, warps at most 16 (e.g. 64x16x16)"
+        )
+    return r, c, w
+
+
 def _fold(op: str) -> str | None:
     """The combine record a reduction `op` folds by, where the generated kernel has it; else None."""
     od = REGISTRY[op]
@@ -513,7 +533,7 @@ class TritonStage:
                     if kmajor[j] != ALONE:
                         body.append(f"tl.store({ptr}, {q}, mask=m)")
                     # transposed in registers (tl.trans), then stored along its rows: each column's
-                    # BM_KMAJOR rows are contiguous bytes of the copy (a store along the columns of the
+                    # rows of a program (kmajor_program) are contiguous bytes of the copy (a store along the columns of the
                     # untransposed tile wrote one byte per column and was 5x slower, H200); in a stage
                     # over pairs each lane's columns are every other row of the copy
                     col = col_index(width, lane, one_d=True)
@@ -650,8 +670,8 @@ class TritonStage:
         """Which stored tiles among `names` this kernel can also write K-major (1; ALONE for those
         among `alone`, which nothing reads row-major: written K-major only; 0 the others) (the layout a
         GEMM that reads the tile transposed takes, launch.kmajor_pair's): one-byte tiles of the stage's full
-        width, in a stage with no group wider than BM_KMAJOR column units: its programs are then a grid
-        of BM_KMAJOR rows x chunks of BM_KMAJOR column units (columns, or pairs in a stage over pairs:
+        width, in a stage with no group wider than a program's column units: its programs are then a grid
+        of blocks of rows x chunks of column units (`kmajor_program`; columns, or pairs in a stage over pairs:
         each lane's columns are every other row of the copy), so that each column's bytes of a copy
         are written together and a weight's few row blocks still fill the GPU, where they are
         otherwise blocks of rows that walk all the columns. A reduction over a row's columns then
@@ -661,8 +681,9 @@ class TritonStage:
         Only stages over single columns with no reduction (the fp8 layer backward's start stages,
         timed on an H200) write copies unless `$CODA_KMAJOR_STAGES=all`: the others (the RoPE
         backward's, 1 row x 128 pairs a program without copies, and the last layer's norm backward)
-        are not timed yet at 64 x 64 programs against their own program shape and a transpose pass."""
-        if self.group_units > self.BM_KMAJOR:
+        were slower at 64 x 64 programs (which spill: `kmajor_program`) than their own program shape
+        and a transpose pass (H200, 2026-11-29)."""
+        if self.group_units > kmajor_program()[1]:
             return tuple(0 for _ in self.st.store_meta)
         if (self.paired or self.reductions) and os.environ.get("CODA_KMAJOR_STAGES", "plain") != "all":
             return tuple(0 for _ in self.st.store_meta)
@@ -670,8 +691,6 @@ class TritonStage:
             (ALONE if name in alone else 1) if name in names and w == (1, 1) and dtype.itemsize == 1 else 0
             for name, dtype, w in self.st.store_meta
         )
-
-    BM_KMAJOR = 64  # rows per program (and columns per chunk) when the kernel writes K-major copies
 
     into = True  # (ElementwiseStage.run: the call takes buffers for its stored tiles)
 
@@ -709,7 +728,7 @@ class TritonStage:
                 args.append(x.contiguous())
         args += [float(sizes[d[0]] * d[1] // d[2] if d[0] is not None else d[1] // d[2]) for d in self.dims]
         args += [(sizes[g[0]] if g[0] is not None else 1) * g[1] // g[2] for g in self.cycles]
-        bm = self.BM_KMAJOR if kmajor else self.bm
+        bm, bc_k, warps = kmajor_program() if kmajor else (self.bm, 0, self.num_warps)
         nprog = math.ceil(rows / bm)
         wk = kmajor_width(rows)
         new = torch.zeros if wk > rows else torch.empty  # (rows R to W of a copy: zeros)
@@ -730,7 +749,7 @@ class TritonStage:
             if buf is None or tuple(buf.shape) != shape or buf.dtype != dtype or not buf.is_contiguous():
                 buf = torch.empty(shape, dtype=dtype, device=device)
             outs.append(buf)
-        bc = self.BM_KMAJOR if kmajor else self.bc_wide if cols >= self.bc_wide else self.bc
+        bc = bc_k if kmajor else self.bc_wide if cols >= self.bc_wide else self.bc
         # with copies, a grid of row blocks x chunks of column units (pairs in a stage over pairs)
         g1 = math.ceil((cols // 2 if self.paired else cols) / bc) if kmajor else 1
         grid = (nprog, g1) if kmajor else (nprog,)  # (g1: a row's partials, one per program column)
@@ -747,7 +766,7 @@ class TritonStage:
             for _f, per_row, half, g in self.reductions
         ]
         sizes_: tuple[int, ...] = (rows, cols, wk) if kmajor else (rows, cols)
-        launch(kern, grid, *args, *outs, *copies, *reds, *sizes_, BM=bm, BC=bc, num_warps=self.num_warps)
+        launch(kern, grid, *args, *outs, *copies, *reds, *sizes_, BM=bm, BC=bc, num_warps=warps)
         folded = [
             r
             if g
