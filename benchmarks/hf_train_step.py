@@ -354,8 +354,8 @@ CODA_FP8 = {
 # ($CODA_KMAJOR_ALONE=0, as before those were stored as the copy alone); coda-fp8-fastfwd is coda-fp8
 # whose tuner also times the forward's fp8 GEMMs (not the backward's) with fast accumulation
 # ($CODA_FP8_FAST_ACCUM=forward: TransformerEngine's and torchao's default split); coda-fp8-kprog is
-# coda-fp8 whose elementwise stages that write K-major copies run 64 x 16 programs of 16 warps, which
-# spill no registers ($CODA_KMAJOR_PROGRAM=64x16x16), coda-fp8-kprog-all that with the stages over
+# coda-fp8 whose elementwise stages that write K-major copies run 64 x 16 programs of 16 warps, at
+# 30-64 registers a thread against 168-255 ($CODA_KMAJOR_PROGRAM=64x16x16), coda-fp8-kprog-all that with the stages over
 # column pairs writing theirs too ($CODA_KMAJOR_STAGES=all)
 CONFIG_ENV = {
     "coda-fp8-kmajor-all": {"CODA_KMAJOR_STAGES": "all"},

@@ -71,9 +71,10 @@ ALONE = 2
 def kmajor_program() -> tuple[int, int, int]:
     """(rows, column units, warps) of a program of a stage that writes K-major copies:
     $CODA_KMAJOR_PROGRAM=RxCxW, default 64x64x4 (the shape timed on an H200). At 64 x 64 with 4 warps
-    the fp8 layer backward's start stage (x1q, x2q) needs 255 registers and spills 848 bytes, the RoPE
-    backward's 2,264 (ptxas 13.0, sm_90a, of Triton 3.9's code, 2026-11-29); at 64x16x16 they use 50
-    and 64 registers and spill none. Not timed yet, so not the default. R: a multiple of 16 (the copy's
+    (ptxas 13.0, sm_90a, of Triton 3.9's code, 2026-11-29) the fp8 layer backward's start stage of x1q
+    and x2q needs 255 registers (and spills 848 bytes where it stores the row-major tiles too), the
+    weights' 168, and the RoPE backward's spills 2,264 bytes: a few programs an SM for stages bound by
+    memory. At 64x16x16 they use 30-64 registers and spill none. Not timed yet, so not the default. R: a multiple of 16 (the copy's
     rows of one column are R contiguous bytes), C and W powers of two, W at most 16. ValueError else."""
     v = os.environ.get("CODA_KMAJOR_PROGRAM", "64x64x4")
     try:
