@@ -237,6 +237,17 @@ def _same_with_copies(
         assert torch.equal(copy.view(torch.uint8), kmajor_copy(plain[i], width).view(torch.uint8))
 
 
+def _check_under_the_interpreter(block: str, which: str) -> None:
+    """The stage that stores `which`, under Triton's CPU interpreter, with and without its copies
+    (`_same_with_copies`), at LAYER_SIZES."""
+    bwd, st, ts, marks = _stage(block, which, interpret=True)
+    args = _arguments(bwd, st, LAYER_SIZES, st.index, "cpu")
+    rows, cols = int(st.rows.evaluate(LAYER_SIZES)), int(st.cols.evaluate(LAYER_SIZES))
+    plain = ts(rows, cols, dict(LAYER_SIZES), torch.device("cpu"), *args)
+    got = ts(rows, cols, dict(LAYER_SIZES), torch.device("cpu"), *args, kmajor=marks)
+    _same_with_copies(st, marks, plain, got, rows, cols)
+
+
 @pytest.mark.parametrize("block, which", STAGES)
 def test_the_stage_kernel_writes_the_copies(block: str, which: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fp8 layer's backward starts with elementwise stages that make x1q and x2q ([M, D]) and the
@@ -249,12 +260,7 @@ def test_the_stage_kernel_writes_the_copies(block: str, which: str, monkeypatch:
     pytest.importorskip("triton")
     if which in WIDE:
         monkeypatch.setenv("CODA_KMAJOR_STAGES", "all")
-    bwd, st, ts, marks = _stage(block, which, interpret=True)
-    args = _arguments(bwd, st, LAYER_SIZES, st.index, "cpu")
-    rows, cols = int(st.rows.evaluate(LAYER_SIZES)), int(st.cols.evaluate(LAYER_SIZES))
-    plain = ts(rows, cols, dict(LAYER_SIZES), torch.device("cpu"), *args)
-    got = ts(rows, cols, dict(LAYER_SIZES), torch.device("cpu"), *args, kmajor=marks)
-    _same_with_copies(st, marks, plain, got, rows, cols)
+    _check_under_the_interpreter(block, which)
 
 
 @pytest.mark.parametrize("block, which", [("layer", "x1q"), ("layer", "dacc7")])
@@ -270,12 +276,7 @@ def test_another_program_shape_writes_the_same_copies(
     monkeypatch.setenv("CODA_KMAJOR_PROGRAM", "32x16x8")
     monkeypatch.setenv("CODA_KMAJOR_STAGES", "all")
     assert kmajor_program() == (32, 16, 8)
-    bwd, st, ts, marks = _stage(block, which, interpret=True)
-    args = _arguments(bwd, st, LAYER_SIZES, st.index, "cpu")
-    rows, cols = int(st.rows.evaluate(LAYER_SIZES)), int(st.cols.evaluate(LAYER_SIZES))
-    plain = ts(rows, cols, dict(LAYER_SIZES), torch.device("cpu"), *args)
-    got = ts(rows, cols, dict(LAYER_SIZES), torch.device("cpu"), *args, kmajor=marks)
-    _same_with_copies(st, marks, plain, got, rows, cols)
+    _check_under_the_interpreter(block, which)
 
 
 @pytest.mark.parametrize("value", ["64x64", "60x16x4", "64x12x4", "64x16x32", "big"])
