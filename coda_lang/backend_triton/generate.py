@@ -45,6 +45,7 @@ such signature.
 
 from __future__ import annotations
 
+import functools
 import linecache
 import math
 import os
@@ -74,9 +75,15 @@ def kmajor_program() -> tuple[int, int, int]:
     (ptxas 13.0, sm_90a, of Triton 3.9's code, 2026-11-29) the fp8 layer backward's start stage of x1q
     and x2q needs 255 registers (and spills 848 bytes where it stores the row-major tiles too), the
     weights' 168, and the RoPE backward's spills 2,264 bytes: a few programs an SM for stages bound by
-    memory. At 64x16x16 they use 30-64 registers and spill none. Not timed yet, so not the default. R: a multiple of 16 (the copy's
-    rows of one column are R contiguous bytes), C and W powers of two, W at most 16. ValueError else."""
-    v = os.environ.get("CODA_KMAJOR_PROGRAM", "64x64x4")
+    memory. At 64x16x16 they use 30-64 registers and spill none. Not timed yet, so not the default.
+    R: a multiple of 16 (the copy's rows of one column are R contiguous bytes), C and W powers of two,
+    W at most 16. ValueError else."""
+    return _program(os.environ.get("CODA_KMAJOR_PROGRAM", "64x64x4"))
+
+
+@functools.lru_cache(maxsize=8)
+def _program(v: str) -> tuple[int, int, int]:
+    """kmajor_program's parse of the variable's value (once per value: a stage's launch asks)."""
     try:
         r, c, w = (int(x) for x in v.split("x"))
     except ValueError:
@@ -684,7 +691,7 @@ class TritonStage:
         backward's, 1 row x 128 pairs a program without copies, and the last layer's norm backward)
         were slower at 64 x 64 programs (which spill: `kmajor_program`) than their own program shape
         and a transpose pass (H200, 2026-11-29)."""
-        if self.group_units > kmajor_program()[1]:
+        if self.group_units > 1 and self.group_units > kmajor_program()[1]:
             return tuple(0 for _ in self.st.store_meta)
         if (self.paired or self.reductions) and os.environ.get("CODA_KMAJOR_STAGES", "plain") != "all":
             return tuple(0 for _ in self.st.store_meta)
