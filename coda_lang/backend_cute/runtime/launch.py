@@ -485,7 +485,7 @@ class StageRunner:
         `kmajor`: values a later GEMM of the block reads as a K-major copy (an fp8 operand it reads
         transposed): a narrowed D among them gets its copy from the narrowing pass (kmajor_key).
         `whole`: sinks bound as their per-tile partials, uncombined (cuda_block.whole_folds: their
-        one reader folds every element). `rows`: the launch's M (`_rows` of its A), which a value
+        one reader folds every element). `rows`: the launch's M (`gemm_rows` of its A), which a value
         stored as its K-major copy alone (Output.alone) is bound as the transposed view of."""
         spec = self.spec
         i = 0
