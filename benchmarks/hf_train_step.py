@@ -43,8 +43,10 @@ epilogues leave the K-major copies of the fp8 tiles they store to transposing pa
 RoPE backward's) also write the K-major copies ($CODA_KMAJOR_STAGES=all); `coda-fp8-rowmajor`: coda-fp8
 storing the row-major tiles nothing reads beside their K-major copies ($CODA_KMAJOR_ALONE=0);
 `coda-fp8-fastfwd`: coda-fp8 with $CODA_FP8_FAST_ACCUM=forward; `coda-fp8-kprog`: coda-fp8 with
-$CODA_KMAJOR_PROGRAM=64x16x16, `coda-fp8-kprog-all` with $CODA_KMAJOR_STAGES=all too (none of them
-with --lora). `torchao-tensorwise` / `torchao-rowwise`: torchao's float8 training of that recipe
+$CODA_KMAJOR_PROGRAM=64x16x16, `coda-fp8-kprog-all` with $CODA_KMAJOR_STAGES=all too; `coda-fp8-head`:
+coda-fp8 with `loss_mode="fp8"` (the LM head's GEMMs in fp8 too), `coda-fp8-head-fastfwd` that with
+$CODA_FP8_FAST_ACCUM=forward, `coda-fp8-head-e4m3` with its dlogits in e4m3 ($CODA_FP8_HEAD_GRADS=e4m3)
+(none of them with --lora). `torchao-tensorwise` / `torchao-rowwise`: torchao's float8 training of that recipe
 (`convert_to_float8_training` on every nn.Linear but the LM head), then torch.compile of the model, as
 torchao's own benchmarks run it (its wheel: `pip install torchao`; not with --lora). A configuration
 with `+graph` (`coda+graph`, `coda-fp8+graph`): after the warm-up, which runs on a side stream, one
@@ -336,6 +338,17 @@ CODA_FP8 = {
     "coda-fp8-fastfwd": "delayed",
     "coda-fp8-kprog": "delayed",
     "coda-fp8-kprog-all": "delayed",
+    "coda-fp8-head": "delayed",
+    "coda-fp8-head-fastfwd": "delayed",
+    "coda-fp8-head-e4m3": "delayed",
+}
+# the loss mode of a configuration (default "rows"): coda-vocab's lse-only head, and coda-fp8-head's fp8
+# head (loss_mode="fp8": the LM head's GEMMs in e4m3 / e5m2 too, run whole)
+LOSS_MODE = {
+    "coda-vocab": "vocab",
+    "coda-fp8-head": "fp8",
+    "coda-fp8-head-fastfwd": "fp8",
+    "coda-fp8-head-e4m3": "fp8",
 }
 # the environment a configuration runs under (its blocks planned and compiled under it): coda-fp8-narrow
 # is coda-fp8 whose SwiGLU backward stores its e5m2 cotangent in bf16 and narrows it in a pass of its
@@ -356,11 +369,14 @@ CODA_FP8 = {
 # ($CODA_FP8_FAST_ACCUM=forward: TransformerEngine's and torchao's default split); coda-fp8-kprog is
 # coda-fp8 whose elementwise stages that write K-major copies run 64 x 16 programs of 16 warps, at
 # 30-64 registers a thread against 168-255 ($CODA_KMAJOR_PROGRAM=64x16x16), coda-fp8-kprog-all that with the stages over
-# column pairs writing theirs too ($CODA_KMAJOR_STAGES=all)
+# column pairs writing theirs too ($CODA_KMAJOR_STAGES=all); coda-fp8-head-fastfwd is coda-fp8-head with
+# $CODA_FP8_FAST_ACCUM=forward, coda-fp8-head-e4m3 with its dlogits in e4m3 ($CODA_FP8_HEAD_GRADS=e4m3)
 CONFIG_ENV = {
     "coda-fp8-kmajor-all": {"CODA_KMAJOR_STAGES": "all"},
     "coda-fp8-rowmajor": {"CODA_KMAJOR_ALONE": "0"},
     "coda-fp8-fastfwd": {"CODA_FP8_FAST_ACCUM": "forward"},
+    "coda-fp8-head-fastfwd": {"CODA_FP8_FAST_ACCUM": "forward"},
+    "coda-fp8-head-e4m3": {"CODA_FP8_HEAD_GRADS": "e4m3"},
     "coda-fp8-kprog": {"CODA_KMAJOR_PROGRAM": "64x16x16"},
     "coda-fp8-kprog-all": {"CODA_KMAJOR_PROGRAM": "64x16x16", "CODA_KMAJOR_STAGES": "all"},
     "coda-fp8-transpose": {"CODA_KMAJOR_STORE": "0"},
@@ -390,6 +406,9 @@ CONFIGS = (
     "coda-fp8-fastfwd",
     "coda-fp8-kprog",
     "coda-fp8-kprog-all",
+    "coda-fp8-head",
+    "coda-fp8-head-fastfwd",
+    "coda-fp8-head-e4m3",
     "torchao-tensorwise",
     "torchao-rowwise",
 )
@@ -422,7 +441,7 @@ def prepare(model: Any, name: str, family: str = "llama", lora: int = 0) -> Any:
         model = with_lora(model, lora)
         apply_coda(
             model,
-            loss_mode="vocab" if name == "coda-vocab" else "rows",
+            loss_mode=LOSS_MODE.get(name, "rows"),
             fp8=CODA_FP8.get(name),
         )
         return model

@@ -15,7 +15,8 @@ A recipe is one of `RECIPES`: "bf16" (`apply_coda(model)`), "delayed" (the defau
 (the same with `CODA_FP8_SAVE_ACC=0`) and "delayed-forward" (cotangents in the model's dtype). The
 heads (`HEADS`: "vocab" loss mode's `head_loss`, backward in chunks of the vocabulary; "rows" mode's
 `head_loss_rows`, saved logits, backward in chunks of rows; `head_logits`) run under "bf16" only: an
-fp8 model's heads are the same blocks, in the model's dtype. Families whose blocks are the same
+fp8 model's heads are the same blocks, in the model's dtype, but for loss_mode="fp8"'s `head_loss_fp8`
+(its GEMMs in fp8, e5m2 cotangents), which runs under "delayed" only. Families whose blocks are the same
 program (Llama, Mistral, Ministral and Phi-3 differ only outside the blocks: attention windows,
 weight layouts) are fuzzed once, under the first one's name, the others listed beside it. The
 programs take each family's head_dim (`HEAD_DIMS`) and stand-ins for a model's other constants (4
@@ -62,7 +63,9 @@ HEADS: dict[str, tuple[str, ...]] = {
     "head_loss_rows": ("--remat", "save", "--chunk-dim", "M"),  # "rows" mode
     "head_logits": (),
 }
-BLOCKS = LAYERS + tuple(HEADS)
+# loss_mode="fp8"'s head (its GEMMs in fp8, e5m2 cotangents), in the programs of recipe "delayed" only
+FP8_HEAD = "head_loss_fp8"
+BLOCKS = LAYERS + tuple(HEADS) + (FP8_HEAD,)
 # head_dim, by family, as the family's small released models have it (Qwen and OLMo 2 128, Gemma 2 and
 # 3 256): the per-head q/k norm's groups and the RoPE pairs follow it. The families whose blocks are
 # Llama's (Mistral, Ministral and Phi-3 differ outside them) run Llama-3.2-1B's 64 with it, as Granite
@@ -103,6 +106,7 @@ def source(family: Family, recipe: str) -> str:
         SOFTCAP if family.logit_softcap else None,
         fp8=fp8,
         fp8_save=save,
+        fp8_head=recipe == "delayed",
     )
 
 
@@ -125,7 +129,15 @@ def runs(families: list[str], recipes: list[str], blocks: list[str], out: Path) 
             for block in blocks:
                 if block in HEADS and recipe != "bf16":
                     continue  # (an fp8 model's heads are the bf16 model's)
-                flags = HEADS[block] if block in HEADS else RECIPES[recipe][2]
+                if block == FP8_HEAD and recipe != "delayed":
+                    continue  # (loss_mode="fp8" takes fp8="delayed")
+                flags = (
+                    HEADS[block]
+                    if block in HEADS
+                    else ("--fp8-grads", "e5m2")
+                    if block == FP8_HEAD
+                    else RECIPES[recipe][2]
+                )
                 got.append(Run(tuple(names), recipe, block, path, tuple(block_wrt(prog[block])), flags))
     return got
 

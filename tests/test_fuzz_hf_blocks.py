@@ -41,7 +41,8 @@ def test_the_runs_cover_every_family_recipe_and_block(tmp_path: Path) -> None:
     assert same == ("llama", "mistral", "ministral", "phi3"), same
     distinct = {fams for fams, _ in programs}
     layers, heads = len(s.LAYERS), len(s.HEADS)
-    assert len(distinct) == 7 and len(runs) == 7 * (len(s.RECIPES) * layers + heads)
+    # (and loss_mode="fp8"'s head once a program of recipe "delayed")
+    assert len(distinct) == 7 and len(runs) == 7 * (len(s.RECIPES) * layers + heads + 1)
     programs_by_path: dict[Path, Any] = {}
     for r in runs:
         text = r.path.read_text()
@@ -56,6 +57,8 @@ def test_the_runs_cover_every_family_recipe_and_block(tmp_path: Path) -> None:
         assert ("--fp8-acc" in flags) == save and ("--fp8-grads" in flags) == (fp8 == "delayed")
         if r.block in s.HEADS:
             assert r.recipe == "bf16" and r.flags == s.HEADS[r.block], r.name
+        elif r.block == s.FP8_HEAD:
+            assert r.recipe == "delayed" and r.flags == ("--fp8-grads", "e5m2"), r.name
         else:
             assert r.flags == flags, r.name
         # differentiated as the patch does: weights and activations, never a scale or a target

@@ -48,18 +48,20 @@ def tiny(dtype: torch.dtype = torch.float32, seed: int = 0, **extra) -> transfor
 class GradQuant(torch.autograd.Function):
     """The straight-through quantizer of a cotangent ("delayed"'s e5m2 cotangents): the identity
     forward, and a backward that returns q(g * s) / s, q saturating to +-57344 and rounding to
-    torch's float8_e5m2 (nearest even): what the derived backward stores for a GEMM's acc."""
+    torch's float8_e5m2 (nearest even): what the derived backward stores for a GEMM's acc (`fmt` "e4m3":
+    to +-448 and float8_e4m3fn)."""
 
     @staticmethod
-    def forward(ctx, v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        ctx.s = s
+    def forward(ctx, v: torch.Tensor, s: torch.Tensor, fmt: str = "e5m2") -> torch.Tensor:
+        ctx.s, ctx.fmt = s, fmt
         return v.clone()
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         s = ctx.s.to(g.dtype)
-        q = (g * s).clamp(-E5M2_MAX, E5M2_MAX).to(torch.float8_e5m2).to(g.dtype)
-        return q / s, None
+        top, dt = (E5M2_MAX, torch.float8_e5m2) if ctx.fmt == "e5m2" else (E4M3_MAX, torch.float8_e4m3fn)
+        q = (g * s).clamp(-top, top).to(dt).to(g.dtype)
+        return q / s, None, None
 
 
 class SavedSwiGLU(torch.autograd.Function):
@@ -142,7 +144,7 @@ def grads_ran_at(model) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.T
     return out[-1], [out[i] for i in range(len(model.model.layers))]
 
 
-def reference_loss(ref, ids, labels, first, layers, grads=None, saved=None) -> torch.Tensor:
+def reference_loss(ref, ids, labels, first, layers, grads=None, saved=None, head=None) -> torch.Tensor:
     """The fp8 recipe on the unpatched float64 model `ref`: each layer's q/k/v, gate/up and down GEMMs on
     e4m3 fake-quantized inputs (the norm's weighted input x * g, before the row scale, as the blocks
     quantize it; the SwiGLU output) and weights (q, k and v at one scale, gate and up at one), at
@@ -151,7 +153,10 @@ def reference_loss(ref, ids, labels, first, layers, grads=None, saved=None) -> t
     `grads` ("delayed": (first block's, [each layer's]) cotangent scales by weight, `grads_ran_at`):
     each such acc passes a `GradQuant` at its call site's scale (q, k and v one acc, gate and up one).
     `saved` (the fp8_save blocks: each layer's scales, `ran_at`'s): the SwiGLU's backward reads the
-    gate/up acc quantized to e4m3 at the layer's scale `u1` (`SavedSwiGLU`)."""
+    gate/up acc quantized to e4m3 at the layer's scale `u1` (`SavedSwiGLU`). `head` (loss_mode="fp8": the
+    head's scales by name, `hg` and `w_lm`, its cotangent scale `g` and dtype `fmt`): the LM head's GEMM on e4m3
+    fake-quantized inputs too (the final norm's weighted input, before the row scale), its acc through
+    a `GradQuant` at `g`."""
     m = ref.model
     n_layers = len(m.layers)
     b, s = ids.shape
@@ -164,12 +169,12 @@ def reference_loss(ref, ids, labels, first, layers, grads=None, saved=None) -> t
     def r(v: torch.Tensor) -> torch.Tensor:
         return torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
 
-    def qacc(v, w, sv, sw, sg=None) -> torch.Tensor:
+    def qacc(v, w, sv, sw, sg=None, fmt="e5m2") -> torch.Tensor:
         acc = (fake_quant(v, sv) * sv) @ (fake_quant(w, sw) * sw).T
-        return acc if sg is None else GradQuant.apply(acc, sg)
+        return acc if sg is None else GradQuant.apply(acc, sg, fmt)
 
-    def qlin(v, w, sv, sw, sg=None) -> torch.Tensor:
-        return qacc(v, w, sv, sw, sg) / (sv * sw)
+    def qlin(v, w, sv, sw, sg=None, fmt="e5m2") -> torch.Tensor:
+        return qacc(v, w, sv, sw, sg, fmt) / (sv * sw)
 
     def grad_scale(site: dict[str, torch.Tensor] | None, w: str) -> torch.Tensor | None:
         return None if site is None else site[w]
@@ -226,7 +231,11 @@ def reference_loss(ref, ids, labels, first, layers, grads=None, saved=None) -> t
             down = a @ mlp.down_proj.weight.T
         x = x1 + down
         assert i < n_layers
-    logits = (x * m.norm.weight * r(x)) @ ref.lm_head.weight.T
+    if head is None:
+        logits = (x * m.norm.weight * r(x)) @ ref.lm_head.weight.T
+    else:
+        hq = qlin(x * m.norm.weight, ref.lm_head.weight, head["hg"], head["w_lm"], head["g"], head["fmt"])
+        logits = hq * r(x)
     return torch.nn.functional.cross_entropy(
         logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
     )

@@ -65,7 +65,7 @@ def training_blocks(family: str, dtype: Any, loss_mode: str, fp8: str | None = N
     model = patch(family, make(family, **ON_KERNELS.get(family, {})), loss_mode=loss_mode, **extra)
     st = model._coda
     b = st.blocks(dtype)
-    head = b.row_head() if loss_mode == "rows" else b.vocab_head()
+    head = {"rows": b.row_head, "vocab": b.vocab_head, "fp8": b.fp8_head}[loss_mode]()
     return [cb for f in (b.first, b.layer, b.last, head) for cb in f.kernel_blocks()]
 
 
@@ -79,6 +79,7 @@ def training_blocks(family: str, dtype: Any, loss_mode: str, fp8: str | None = N
         ("llama", "rows", "bf16", "delayed"),  # (`coda precompile --fp8`: fp8 GEMMs, e5m2 cotangents)
         pytest.param("qwen3", "rows", "bf16", "delayed-forward", marks=pytest.mark.slow),
         pytest.param("olmo2", "rows", "bf16", "delayed", marks=pytest.mark.slow),
+        pytest.param("llama", "fp8", "bf16", "delayed", marks=pytest.mark.slow),  # (the fp8 loss head)
         # the other families' programs are Llama's with a term or two: -m slow
         *(
             pytest.param(f, "rows", "bf16", None, marks=pytest.mark.slow)
@@ -99,7 +100,8 @@ def test_the_kernels_of_a_config_are_a_training_models(
     assert stage_sources(blocks) == stage_sources(want)
     assert sorted(cb.name for cb in blocks) == sorted(cb.name for cb in want)
     if fp8:  # (not the bf16 model's kernels under another name)
-        plain = hfp.model_kernels(hfp.model_functions(cfg, hfp.DTYPES[dtype], loss_mode))
+        plain_mode = "rows" if loss_mode == "fp8" else loss_mode  # (the fp8 head takes fp8 layers)
+        plain = hfp.model_kernels(hfp.model_functions(cfg, hfp.DTYPES[dtype], plain_mode))
         assert not stage_sources(blocks) <= stage_sources(plain)
 
 
@@ -224,6 +226,8 @@ def test_coda_precompile_builds_what_a_training_step_asks_for(
         (["--lora", ","], "--lora takes target module names"),
         (["--lora", "q_proj", "--seq", "8"], "--lora goes without it"),
         (["--lora", "q_proj", "--fp8", "delayed"], "--lora goes without --fp8"),
+        (["--loss-mode", "fp8"], "--loss-mode fp8 goes with --fp8 delayed"),
+        (["--loss-mode", "fp8", "--fp8", "delayed-forward"], "--loss-mode fp8 goes with --fp8 delayed"),
     ],
 )
 def test_coda_precompile_usage_errors(args: list[str], needle: str, tmp_path: Path, capsys: Any) -> None:
@@ -251,6 +255,13 @@ def test_coda_precompile_takes_the_patchs_fp8_recipes() -> None:
     from coda_lang.hf.blocks import FP8_RECIPES
 
     assert cli.FP8_RECIPES == FP8_RECIPES
+
+
+def test_coda_precompile_takes_the_patchs_loss_modes() -> None:
+    from coda_lang.cli import precompile as cli
+    from coda_lang.hf.loss import LOSS_MODES
+
+    assert cli.LOSS_MODES == LOSS_MODES
 
 
 def test_coda_precompile_bad_configs(tmp_path: Path, capsys: Any) -> None:

@@ -32,7 +32,7 @@ from coda_lang.core.diagnostics import CodaError, render_all
 
 DTYPES = ("bf16", "f16")  # (the kernels multiply 16-bit operands: an f32 GEMM is E0702)
 FP8_RECIPES = ("delayed", "delayed-forward")  # apply_coda's fp8= (hf/blocks.py FP8_RECIPES)
-LOSS_MODES = ("rows", "vocab")
+LOSS_MODES = ("rows", "vocab", "fp8")  # apply_coda's loss_mode= (hf/loss.py LOSS_MODES)
 
 
 def add_parser(sub: Any) -> None:
@@ -121,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
         return usage_error("--lora takes target module names, comma-separated (q_proj,v_proj,...)")
     if lora and args.fp8:
         return usage_error("--lora goes without --fp8 (the patch refuses peft LoRA adapters on an fp8 model)")
+    if args.loss_mode == "fp8" and args.fp8 != "delayed":
+        return usage_error("--loss-mode fp8 goes with --fp8 delayed (the fp8 loss head takes fp8 cotangents)")
     if lora and seq is not None:
         return usage_error(
             "--seq times a plain model's tiles; --lora goes without it (the tiles are the same)"

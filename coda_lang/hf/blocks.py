@@ -217,8 +217,31 @@ block head_logits(hg: {t}[M, D], r: f32[M], w_lm: {t}[V, D]{lsp}) -> (logits: {t
   gemm hg @ transpose(w_lm) {{
     logits = {logits}
   }}
-}}
+}}{head8}
 """
+
+# loss_mode="fp8" (fp8="delayed"): the loss head's GEMM in e4m3, the weight and the final norm's weighted
+# input quantized at their delayed scales by a stage each (their amaxes recorded, detached), the inverse
+# scales folded with the row scale into the logits; run whole (no chunks), its backward derived with
+# e5m2 cotangents: the GEMM run again, its dlogits stored in e5m2 with their K-major copy, the data and
+# weight gradients fp8 GEMMs (docs/models.md, "fp8 training")
+_HEAD_FP8 = """
+
+block head_loss_fp8(hg: {t}[M, D], r: f32[M], w_lm: {t}[V, D], target: i32[M]{lsp}, s_hg: f32,
+                    s_w_lm: f32) -> (loss: f32[M], am_hg: f32, am_w_lm: f32) {{{w_lm}
+  elementwise [M, D] {{
+    hgq: e4m3 = hg * s_hg
+    amp_hg = max(abs(hg), over=D)
+  }}
+  am_hg = detach(max(amp_hg, over=M))
+  ih = 1.0 / (s_hg * s_w_lm)
+  gemm hgq @ transpose(w_lmq) {{
+    logits = {logits}
+    lse = logsumexp(logits, over=V)
+    tgt = pick(logits, target)
+  }}
+  loss = where(target >= 0, lse - tgt, 0.0)
+}}"""
 
 # the first layer's input norm: its weighted input and row statistics, in an elementwise stage (no
 # GEMM makes the embeddings)
@@ -435,6 +458,7 @@ def family_source(
     head_rows: bool = False,
     fp8: str | None = None,
     fp8_save: bool = False,
+    fp8_head: bool = False,
 ) -> str:
     """`model_source` for a model of `family`: the family's facts (its q/k norm, QKV bias, norms and
     their offset, activation) with the model's own numbers (dtype, eps, head_dim, `heads` (query,
@@ -455,6 +479,7 @@ def family_source(
         head_rows=head_rows,
         fp8=fp8,
         fp8_save=fp8_save,
+        fp8_head=fp8_head,
     )
 
 
@@ -476,6 +501,7 @@ def model_source(
     fp8: str | None = None,
     fp8_act: bool = True,
     fp8_save: bool = False,
+    fp8_head: bool = False,
 ) -> str:
     """The program's text for a model of parameter dtype `dtype` (a torch dtype's name); `qk_norm`:
     None (or False), "head" (or True: per head, Qwen3, Gemma 3) or "proj" (over each projection: OLMo
@@ -497,9 +523,16 @@ def model_source(
     both in the model's dtype); `fp8_save` (with fp8="delayed"): the gate/up GEMMs also store an e4m3
     copy of their pre-activations at a delayed scale of its own (`s_u1`, `am_u1`: `FP8_SAVE_SCALE`),
     which the layers' backward, derived with `BackwardOptions(fp8_acc=True)`, reads as their acc
-    instead of a bf16 copy (hf/state.py's `fp8_save` decides it for a patched model)."""
+    instead of a bf16 copy (hf/state.py's `fp8_save` decides it for a patched model); `fp8_head` (with
+    fp8="delayed"): the program also has `head_loss_fp8`, the loss head with its GEMM in e4m3 (a patched
+    model's loss_mode="fp8")."""
     if fp8 is not None and fp8 not in FP8_RECIPES:
         raise ValueError(f"fp8 must be None or one of {', '.join(map(repr, FP8_RECIPES))}, got {fp8!r}")
+    if fp8_head and (fp8 is None or FP8_GRADS[fp8] is None):
+        raise ValueError(
+            f"fp8_head needs fp8 cotangents (fp8='delayed'), got fp8={fp8!r}: the fp8 loss head's backward "
+            "multiplies its e5m2 dlogits by the e4m3 weight and input"
+        )
     if fp8_save and (fp8 is None or FP8_GRADS[fp8] is None):
         raise ValueError(
             f"fp8_save needs fp8 cotangents (fp8='delayed'), got fp8={fp8!r}: the SwiGLU backward reads "
@@ -547,6 +580,7 @@ def model_source(
         if fp8
         else ""
     )
+    notes += ", fp8 loss head" if fp8_head else ""
     qkv = functools.partial(
         _qkv, t, qk_norm=kind, bias=qkv_bias, offset=norm_offset, hd=head_dim, rows=head_rows
     )
@@ -614,4 +648,12 @@ def model_source(
         lsp=head_params,
         logits=_logits("acc", logit_scale, softcap),
         logits_rows=_logits(f"cast(acc, {t})", logit_scale, softcap),
+        head8=_HEAD_FP8.format(
+            t=t,
+            lsp=head_params,
+            w_lm=fp8_weight("w_lm", "V", "D"),
+            logits=_logits("acc * ih", logit_scale, softcap),
+        )
+        if fp8_head
+        else "",
     )

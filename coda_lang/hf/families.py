@@ -48,12 +48,14 @@ def apply_coda_to_llama(
     attention runs as coda blocks; see `coda_lang.hf`. Make the optimizer afterwards. The LM head's
     loss: `loss_mode` "rows" (default: chunks of `loss_rows` rows, None: 1 GiB of logits each) or
     "vocab" (less memory, one GEMM more: the backward in chunks of the vocabulary within
-    `loss_budget` bytes, None: 256 MiB); TypeError or ValueError for a bad setting, before anything
-    is patched (hf/loss.py, `LossSettings`). `fp8`: None (the blocks in the model's dtype),
+    `loss_budget` bytes, None: 256 MiB) or, with fp8="delayed", "fp8" (experimental: the head's GEMMs
+    in fp8 too, at a cost in accuracy: docs/models.md); TypeError or ValueError for a bad setting,
+    before anything is patched (hf/loss.py, `LossSettings`). `fp8`: None (the blocks in the model's dtype),
     "delayed" (the layers' gate/up, down and QKV GEMMs in e4m3, each input quantized in the epilogue
     that makes it at a delayed per-tensor scale, and their backward's cotangents in e5m2) or
     "delayed-forward" (the same forward, the backward in the model's dtype) (fp8.py; docs/models.md,
-    "fp8 training"); the out-projection and the LM head stay in the model's dtype."""
+    "fp8 training"); the out-projection and (but for loss_mode="fp8") the LM head stay in the model's
+    dtype."""
     return apply(model, LLAMA, LossSettings(loss_mode, loss_budget, loss_rows), fp8)
 
 

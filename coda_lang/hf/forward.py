@@ -401,13 +401,16 @@ def hidden(
     kwargs: dict[str, Any],
     tied: TiedGrad | None = None,
     states: list[torch.Tensor] | None = None,
+    steps: list[Step] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """The last layer's output times the final norm's weight, and the norm's row scale: [B*S, D], [B*S].
     The embedding and the first layer's QKV block run here, then each decoder layer as a module call
     (its hooks and wrappers fire: FSDP2's gathers, activation checkpointing).
     `tied`: the embedding lookup is `Embed`, whose backward adds the loss head's weight gradient.
     `states`: a list to fill with the embedding output and each layer's output but the last, [B, S, D]
-    (Hugging Face's hidden states without the final normed one)."""
+    (Hugging Face's hidden states without the final normed one). `steps`: a list to put the `Step` in,
+    for a caller that runs an fp8 block after the layers (loss_mode="fp8"'s head) and then records the
+    step's amaxes itself (`fp8.record`); without it they are recorded here."""
     st: ModelState = model._coda
     if past_key_values is not None or use_cache:
         raise refuse(
@@ -483,7 +486,10 @@ def hidden(
             )
         if states is not None and i < last:
             states.append(x.view(b, s, -1))
-    fp8.record(st.fp8_bank, step)  # (an fp8 model: every call site's next scales, at once)
+    if steps is None:
+        fp8.record(st.fp8_bank, step)  # (an fp8 model: every call site's next scales, at once)
+    else:
+        steps.append(step)
     return x, qkv, b, s  # the last layer's (x2g, r2)
 
 
@@ -530,6 +536,8 @@ def causal_lm_forward(
         if with_loss and st.loss_mode != "vocab" and inputs_embeds is None and tied_embedding(self, st.family)
         else None
     )
+    # loss_mode="fp8": the head is an fp8 call site of the step, whose amaxes are recorded after it runs
+    steps: list[Step] | None = [] if with_loss and st.loss_mode == "fp8" else None
     hg, r, b, s = hidden(
         self,
         input_ids,
@@ -541,6 +549,7 @@ def causal_lm_forward(
         kwargs,
         tied,
         states,
+        steps,
     )
     if states is not None:
         states.append(normed(hg, r, b, s))
@@ -552,6 +561,21 @@ def causal_lm_forward(
         denom = torch.as_tensor(num_items if num_items is not None else (target != IGNORE).sum())
         if st.loss_mode == "vocab":
             per_token = run_block(self, bl.vocab_head(), dict(hg=hg, r=r, w_lm=w_lm, target=target))["loss"]
+            loss = per_token.sum() / denom.to(per_token.device)
+        elif st.loss_mode == "fp8":
+            assert steps is not None and st.fp8_bank is not None
+            step, fn = steps[0], bl.fp8_head()
+            per_token = fp8.run_scaled(
+                st.fp8_bank,
+                self,
+                step,
+                fp8.HEAD_SITE,
+                lambda ins, gs: run_block(self, fn, ins, gs),
+                fn,
+                dict(hg=hg, r=r, w_lm=w_lm, target=target),
+                {},
+            )["loss"]
+            fp8.record(st.fp8_bank, step)
             loss = per_token.sum() / denom.to(per_token.device)
         else:
             chunk = st.loss_rows or rows_per_chunk(hg.shape[0], w_lm.shape[0], w_lm.element_size())

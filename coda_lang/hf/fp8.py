@@ -4,7 +4,8 @@ cotangents, kept across steps.
 
 What it does: `run_scaled(bank, owner, step, index, run, fn, inputs, loras)` runs block `fn` (blocks.py's
 fp8 variant: its gate/up, down and QKV GEMMs in e4m3) with this step's scales of its call site (`index`:
--1 the model's first block, i the block of decoder layer i; every family's: blocks.py writes the
+-1 the model's first block, i the block of decoder layer i, HEAD_SITE (-2) the loss head of
+loss_mode="fp8"; every family's: blocks.py writes the
 post-norm and sandwich layers' fp8 blocks too) and keeps the amaxes it returns in the `Step`;
 `record(bank, step)`, at the end of the forward, sets every call site's next scales at once. The
 `Bank` (one per patched model, `ModelState.fp8_bank`) holds all call sites' scales in one vector and
@@ -58,6 +59,8 @@ from coda_lang.ir.types import FP8_MAX
 
 # amaxes a scale is computed from (torchao's delayed scaling kept 16 by default)
 HISTORY = 16
+# the call site of the loss head of loss_mode="fp8" (the first block's is -1, decoder layer i's is i)
+HEAD_SITE = -2
 E4M3_MAX = FP8_MAX["e4m3"]
 
 

@@ -24,7 +24,7 @@ import torch
 from coda_lang.torch import BlockFunction
 
 IGNORE = -100
-LOSS_MODES = ("rows", "vocab")
+LOSS_MODES = ("rows", "vocab", "fp8")
 
 
 def _count(name: str, value: Any, what: str) -> int | None:
@@ -42,8 +42,10 @@ def _count(name: str, value: Any, what: str) -> int | None:
 class LossSettings:
     """How a patched model's LM head makes the loss (docs/models.md, "Loss"). `mode`: "rows" (chunks
     of rows, each chunk's backward run at once in the forward: three GEMMs, one [rows, V] tile of
-    logits at a time) or "vocab" (only the log-sum-exp kept, the backward's GEMM run again in chunks
-    of the vocabulary: four GEMMs, less memory). `rows` ("rows"): rows per chunk (None: as many as
+    logits at a time), "vocab" (only the log-sum-exp kept, the backward's GEMM run again in chunks
+    of the vocabulary: four GEMMs, less memory) or "fp8" (with fp8="delayed" only: the head's GEMMs in
+    fp8, e4m3 forward and e5m2 dlogits, run whole: four GEMMs, the [M, V] dlogits in e5m2 and their
+    K-major copy held during the backward). `rows` ("rows"): rows per chunk (None: as many as
     keep a chunk's logits within LOSS_ROWS_BYTES). `budget` ("vocab"): bytes of a chunk's dlogits
     (None: LOSS_CHUNK_BYTES). Checked when made: TypeError for a value of the wrong type, ValueError
     for a mode that is not one, a number below 1, or a setting of the other mode."""

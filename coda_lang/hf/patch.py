@@ -24,7 +24,7 @@ import functools
 import sys
 from typing import Any
 
-from coda_lang.hf.blocks import FP8_RECIPES
+from coda_lang.hf.blocks import FP8_GRADS, FP8_RECIPES
 from coda_lang.hf.checkpoint import fuse_and_move, moved_parts, unfuse_and_restore
 from coda_lang.hf.checks import check_model, peft_inner, refuse
 from coda_lang.hf.contract import Contract
@@ -96,8 +96,14 @@ def apply(model: Any, family: Family, loss: LossSettings, fp8: str | None = None
     `loss` says; `fp8`: None (the blocks in the model's dtype), "delayed" (the layers' gate/up, down
     and QKV GEMMs in e4m3 at delayed per-tensor scales, and the cotangents of their accumulators in
     e5m2 at delayed scales of their own, so that the backward's GEMMs multiply fp8 by fp8: fp8.py) or
-    "delayed-forward" (the same forward, the cotangents in the model's dtype)."""
+    "delayed-forward" (the same forward, the cotangents in the model's dtype). `loss.mode` "fp8" takes
+    fp8="delayed" (ValueError otherwise)."""
     check_fp8(fp8)
+    if loss.mode == "fp8" and (fp8 is None or FP8_GRADS[fp8] is None):
+        raise ValueError(
+            f"loss_mode='fp8' runs the LM head's GEMMs in fp8 beside fp8 layers with fp8 cotangents; "
+            f"fp8= is {fp8!r}: pass fp8='delayed' with it, or leave loss_mode at 'rows'"
+        )
     inner = peft_inner(model)
     if inner is not model:
         apply(inner, family, loss, fp8)

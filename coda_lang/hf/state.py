@@ -40,6 +40,19 @@ from coda_lang.hf.masks import layer_kinds
 from coda_lang.hf.split import split
 from coda_lang.torch import BlockFunction, compile_together, function
 
+# the dtype of loss_mode="fp8"'s dlogits (its backward's cotangent): e5m2 by default, as the layers';
+# $CODA_FP8_HEAD_GRADS=e4m3 (one more mantissa bit: dlogits are bounded, they need no e5m2 range)
+FP8_HEAD_GRADS_VAR = "CODA_FP8_HEAD_GRADS"
+
+
+def fp8_head_grads() -> str:
+    """The fp8 dtype loss_mode="fp8"'s head quantizes its dlogits to ($CODA_FP8_HEAD_GRADS, read when a
+    model is patched; ValueError for a value other than e5m2 or e4m3)."""
+    got = os.environ.get(FP8_HEAD_GRADS_VAR, "e5m2")
+    if got not in ("e5m2", "e4m3"):
+        raise ValueError(f"${FP8_HEAD_GRADS_VAR} is {got!r}; it takes e5m2 (the default) or e4m3")
+    return got
+
 
 def fp8_save(fp8: str | None) -> bool:
     """Whether a model patched now with fp8 recipe `fp8` saves its gate/up accumulators in e4m3
@@ -96,6 +109,7 @@ class Blocks:
                 head_rows=head_rows,
                 fp8=st.fp8,
                 fp8_save=st.fp8_save,
+                fp8_head=st.loss_mode == "fp8",
             )
 
         prog = program(source())
@@ -120,6 +134,7 @@ class Blocks:
         # forward: three GEMMs, the weight gradient summed over the chunks inside its GEMM
         self.head_logits = fn("head_logits")
         self.loss_budget = st.loss_budget
+        self._fp8 = st.fp8
         self._fn = fn
         self._prog = prog
         self.head_norm = f.qk_norm in ("head", True)
@@ -128,9 +143,11 @@ class Blocks:
         ] = {}
         self._vocab_head: BlockFunction | None = None
         self._row_head: BlockFunction | None = None
+        self._fp8_head: BlockFunction | None = None
         # a training step's kernels (the first layer's, the layers', the last layer's, the loss head's:
         # forward and backward) compile at once at its first call, in one pool of workers
-        head = self.row_head() if st.loss_mode == "rows" else self.vocab_head()
+        heads = {"rows": self.row_head, "vocab": self.vocab_head, "fp8": self.fp8_head}
+        head = heads[st.loss_mode]()
         compile_together(self.first, self.layer, self.last, head)
 
     def named(self, name: str) -> BlockFunction:
@@ -178,6 +195,15 @@ class Blocks:
             options = BackwardOptions(chunk="auto", budget=self.loss_budget, chunk_dim="V")
             self._vocab_head = self._fn("head_loss", options)
         return self._vocab_head
+
+    def fp8_head(self) -> BlockFunction:
+        """The loss head of loss_mode="fp8": `head_loss_fp8`, its GEMMs in fp8, its backward derived
+        with e5m2 cotangents (each call passes its call site's grad state, fp8.run_scaled), run whole."""
+        if self._fp8_head is None:
+            if not (self._fp8 and FP8_GRADS[self._fp8]):
+                raise ValueError("loss_mode='fp8' needs a model patched with fp8='delayed'")
+            self._fp8_head = self._fn("head_loss_fp8", BackwardOptions(fp8_grads=fp8_head_grads()))
+        return self._fp8_head
 
 
 class ModelState:

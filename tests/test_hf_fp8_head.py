@@ -1,0 +1,136 @@
+"""coda_lang.hf's loss_mode="fp8": the LM head's GEMMs in fp8 beside fp8="delayed" layers (e4m3 forward,
+e5m2 dlogits at a delayed scale of its own call site). A patched tiny LLaMA against the float64 fake-quant
+reference of tests/test_hf_fp8.py with the head quantized too, against the same model with its head in
+the model's dtype, and the refusals.
+
+On the CPU the blocks run as the kernels' torch stand-ins; `-m gpu` runs the same model on CUDA.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from test_hf import batch  # noqa: E402
+from test_hf_fp8 import _rel, bank, grads_ran_at, ran_at, reference_loss, tiny  # noqa: E402
+
+from coda_lang.hf import (  # noqa: E402
+    apply_coda_to_llama,
+    fp8_state_dict,
+    load_fp8_state_dict,
+    unfused_grads,
+    unpatch,
+)
+from coda_lang.hf.fp8 import HEAD_SITE  # noqa: E402
+
+# the parameters whose gradients only the head's quantization reaches directly
+HEAD = {"lm_head.weight", "model.norm.weight"}
+
+
+def _train(model, ids, labels, steps: int = 2):
+    for _ in range(steps):  # (the second step runs at delayed scales, not the calibrated ones)
+        model.zero_grad()
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+    return loss
+
+
+def _check_against_reference(device: str, fmt: str = "e5m2") -> None:
+    base = tiny()
+    ids, labels = batch()
+    ids, labels = ids.to(device), labels.to(device)
+    models = {
+        mode: apply_coda_to_llama(copy.deepcopy(base).to(device), fp8="delayed", loss_mode=mode)
+        for mode in ("fp8", "rows")
+    }
+    losses = {mode: _train(m, ids, labels) for mode, m in models.items()}
+    model = models["fp8"]
+    b = bank(model)
+    assert HEAD_SITE in b.sites and set(b.last[HEAD_SITE]) == {"hg", "w_lm"}
+    state = b.grads[HEAD_SITE]
+    assert state.steps == 2 and state.dtype == fmt
+    (g,) = state.last_scales.values()  # (the head's one quantized accumulator)
+    head = {**b.last[HEAD_SITE], "g": g, "fmt": fmt}
+    first, layers = ran_at(model)
+    g_first, g_layers = grads_ran_at(model)
+    ref = copy.deepcopy(base).double().to(device)
+    with_saved = [layers[i] for i in range(len(layers))] if "u1" in layers[0] else None
+    want = reference_loss(ref, ids, labels, first, layers, (g_first, g_layers), with_saved, head)
+    want.backward()
+    loss = losses["fp8"]
+    assert abs(loss.item() - want.item()) < 1e-5 * abs(want.item()), (loss.item(), want.item())
+    # the bf16 head's model: a loss and head gradients off by the head's quantization
+    assert abs(losses["rows"].item() - want.item()) > 5 * abs(loss.item() - want.item())
+    got, rows = unfused_grads(model), unfused_grads(models["rows"])
+    refs = dict(ref.named_parameters())
+    assert set(got) == set(refs)
+    for name, gr in got.items():
+        w = refs[name].grad.to(gr.device)
+        e = _rel(gr, w)
+        assert e < 1e-2, (name, e)
+        if name in HEAD:
+            o = _rel(rows[name], w)
+            assert o > 5 * e, (name, e, o)
+
+
+@pytest.mark.parametrize("fmt", ["e5m2", "e4m3"])
+def test_fp8_head_against_a_fake_quant_reference(monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
+    """loss_mode="fp8", float32 model, second step: the loss and every gradient against the float64
+    reference whose LM head also multiplies e4m3 fake-quantized inputs at the scales the head ran at,
+    its acc's cotangent quantized to e5m2 (or, $CODA_FP8_HEAD_GRADS=e4m3, to e4m3) at the scale its
+    backward ran at; the head's own gradients much closer to it than the bf16 head's model's (the
+    head's quantization is really there). The gate/up acc saved in the model's dtype
+    ($CODA_FP8_SAVE_ACC=0), which the reference models without a copy."""
+    monkeypatch.setenv("CODA_FP8_SAVE_ACC", "0")
+    monkeypatch.setenv("CODA_FP8_HEAD_GRADS", fmt)
+    _check_against_reference("cpu", fmt)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_head_against_a_fake_quant_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same on CUDA, the blocks as the CuTeDSL kernels."""
+    monkeypatch.setenv("CODA_FP8_SAVE_ACC", "0")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    _check_against_reference("cuda")
+
+
+def test_a_bad_head_grads_dtype_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CODA_FP8_HEAD_GRADS", "bf16")
+    with pytest.raises(ValueError, match="CODA_FP8_HEAD_GRADS is 'bf16'; it takes e5m2"):
+        apply_coda_to_llama(tiny(), fp8="delayed", loss_mode="fp8")
+
+
+@pytest.mark.parametrize("fp8", [None, "delayed-forward"])
+def test_fp8_head_needs_fp8_cotangents(fp8) -> None:
+    with pytest.raises(ValueError, match="loss_mode='fp8'.*fp8='delayed'"):
+        apply_coda_to_llama(tiny(), fp8=fp8, loss_mode="fp8")
+
+
+def test_fp8_head_takes_no_chunk_sizes() -> None:
+    with pytest.raises(ValueError, match="loss_rows="):
+        apply_coda_to_llama(tiny(), fp8="delayed", loss_mode="fp8", loss_rows=128)
+    with pytest.raises(ValueError, match="loss_budget="):
+        apply_coda_to_llama(tiny(), fp8="delayed", loss_mode="fp8", loss_budget=2**20)
+
+
+def test_fp8_heads_scales_are_saved_and_resumed() -> None:
+    """The head's call site is in the fp8 state: a model patched again and loaded from it runs its next
+    step at the scales the saved model's would have (the same loss, bit for bit); without the state it
+    calibrates (another loss)."""
+    base = tiny()
+    ids, labels = batch()
+    a = apply_coda_to_llama(copy.deepcopy(base), fp8="delayed", loss_mode="fp8")
+    _train(a, ids, labels)
+    state = fp8_state_dict(a)
+    assert HEAD_SITE in [site for site, _ in state["sites"]]
+    again = [apply_coda_to_llama(unpatch(copy.deepcopy(a)), fp8="delayed", loss_mode="fp8") for _ in range(2)]
+    load_fp8_state_dict(again[0], state)
+    with torch.no_grad():
+        la, lb, lc = (m(input_ids=ids, labels=labels).loss for m in (a, *again))
+    assert la.item() == lb.item()
+    assert lc.item() != la.item()
