@@ -528,17 +528,25 @@ def test_emulated_gated_fp8_store(t: str) -> None:
     assert saturated > 0
 
 
+def dyadic(t: torch.Tensor, per: int) -> torch.Tensor:
+    """`t` rounded to multiples of 1 / `per`: few bits, so that the sums of products of such values are
+    exact in f32 in any order."""
+    return torch.round(t * per) / per
+
+
 def test_emulated_store_saturates_e5m2() -> None:
     """torch's cast to e5m2 overflows to inf: the emulated store clamps first, as the interpreter's."""
     import coda_lang.torch as ct
 
     block = coda_lang.load(DELAYED.format(t="e5m2"))["delayed"]
     g = torch.Generator().manual_seed(10)
+    # (on a grid of few bits, so that every sum of products is exact in f32 and no BLAS's order of
+    # summation changes a bit: a GEMM's rounding is not what this test is about)
     ins = {
-        "x": torch.randn(16, 16, generator=g),
-        "w": torch.randn(16, 16, generator=g),
+        "x": dyadic(torch.randn(16, 16, generator=g), 8),
+        "w": dyadic(torch.randn(16, 16, generator=g), 8),
         "s": torch.tensor(3e4),  # |acc * s| up to ~1e5: past e5m2's 57344
-        "w2": torch.randn(16, 16, generator=g) / 4,
+        "w2": dyadic(torch.randn(16, 16, generator=g) / 4, 16),
     }
     with torch.no_grad():
         outs = ct.function(block)(**ins)
@@ -721,8 +729,9 @@ def test_a_stored_row_group_runs_as_the_interpreter_does(tile: tuple[int, int]) 
 
     block = coda_lang.load(COLQ_STORED)["colq"]
     rng = np.random.default_rng(5)
-    x = rng.standard_normal((512, 32)).astype(ml_dtypes.bfloat16)
-    w = rng.standard_normal((32, 96)).astype(ml_dtypes.bfloat16)
+    # (values on a grid of quarters: every acc exact in f32, whatever order a BLAS sums in)
+    x = (np.round(rng.standard_normal((512, 32)) * 4) / 4).astype(ml_dtypes.bfloat16)
+    w = (np.round(rng.standard_normal((32, 96)) * 4) / 4).astype(ml_dtypes.bfloat16)
     x[7, 3] = np.nan  # row 7's acc is NaN: group 0's amax of every column is NaN
     x[300, :] = np.inf  # row 300: +-inf (or NaN) in group 2
     want = block.run({"x": x, "w": w})
@@ -763,9 +772,9 @@ def test_stored_row_groups_sum_a_product_and_take_a_min() -> None:
         ("lo", False, True, 128),
     ]
     rng = np.random.default_rng(1)
-    ins = {
-        "x": rng.standard_normal((256, 16)).astype(ml_dtypes.bfloat16),
-        "w": rng.standard_normal((16, 64)).astype(ml_dtypes.bfloat16),
+    ins = {  # (x and w on a grid of quarters: every acc exact in f32, whatever order a BLAS sums in)
+        "x": (np.round(rng.standard_normal((256, 16)) * 4) / 4).astype(ml_dtypes.bfloat16),
+        "w": (np.round(rng.standard_normal((16, 64)) * 4) / 4).astype(ml_dtypes.bfloat16),
         "v": rng.standard_normal(64).astype(np.float32),
     }
     want = block.run(ins)

@@ -73,7 +73,8 @@ def test_narrow_heads_take_the_row_stage_in_fp8_only() -> None:
 @pytest.mark.parametrize("family", ["llama", "qwen2", "granite", "olmo2", "gemma2", "gemma3_text"])
 def test_every_family_blocks_have_tiles(family: str, fp8: str | None) -> None:
     """Each family's blocks (as scripts/fuzz_hf_blocks.py writes them, at the family's head_dim), the
-    layer blocks and the heads, forward and the backward the patch derives, bf16 and fp8."""
+    layer blocks and the heads (with fp8, loss_mode="fp8"'s), forward and the backward the patch
+    derives, bf16 and fp8."""
     from coda_lang.hf.family import FAMILIES
 
     harness = script("fuzz_hf_blocks")
@@ -82,8 +83,11 @@ def test_every_family_blocks_have_tiles(family: str, fp8: str | None) -> None:
     prog = coda_lang.load(harness.source(FAMILIES[family], recipe))
     options = BackwardOptions(fp8_grads="e5m2", fp8_acc=True) if fp8 else None
     bad = []
-    for name in harness.BLOCKS if fp8 is None else harness.LAYERS:  # (an fp8 model's heads: bf16's)
+    # (an fp8 model's heads are bf16's, but for loss_mode="fp8"'s)
+    names = (*harness.LAYERS, *harness.HEADS) if fp8 is None else (*harness.LAYERS, harness.FP8_HEAD)
+    for name in names:
         b = prog[name]
-        opts = options if name in harness.LAYERS else None
+        head8 = BackwardOptions(fp8_grads="e5m2")
+        opts = options if name in harness.LAYERS else head8 if name == harness.FP8_HEAD else None
         bad += _untileable(b) + _untileable(b.grad(block_wrt(b), backward=opts))
     assert not bad, bad

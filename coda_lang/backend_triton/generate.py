@@ -75,7 +75,8 @@ def kmajor_program() -> tuple[int, int, int]:
     (ptxas 13.0, sm_90a, of Triton 3.9's code, 2026-11-29) the fp8 layer backward's start stage of x1q
     and x2q needs 255 registers (and spills 848 bytes where it stores the row-major tiles too), the
     weights' 168, and the RoPE backward's spills 2,264 bytes: a few programs an SM for stages bound by
-    memory. At 64x16x16 they use 30-64 registers and spill none. Not timed yet, so not the default.
+    memory. At 64x16x16 they use 30-64 registers and spill none, yet the captured 1B step was 2 ms
+    slower there (H200, 2026-11-29), so the default stays.
     R: a multiple of 16 (the copy's rows of one column are R contiguous bytes), C and W powers of two,
     W at most 16. ValueError else."""
     return _program(os.environ.get("CODA_KMAJOR_PROGRAM", "64x64x4"))
