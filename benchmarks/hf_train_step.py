@@ -45,8 +45,8 @@ storing the row-major tiles nothing reads beside their K-major copies ($CODA_KMA
 `coda-fp8-fastfwd`: coda-fp8 with $CODA_FP8_FAST_ACCUM=forward; `coda-fp8-kprog`: coda-fp8 with
 $CODA_KMAJOR_PROGRAM=64x16x16, `coda-fp8-kprog-all` with $CODA_KMAJOR_STAGES=all too; `coda-fp8-head`:
 coda-fp8 with `loss_mode="fp8"` (the LM head's GEMMs in fp8 too), `coda-fp8-head-fastfwd` that with
-$CODA_FP8_FAST_ACCUM=forward, `coda-fp8-head-e4m3` with its dlogits in e4m3 ($CODA_FP8_HEAD_GRADS=e4m3)
-(none of them with --lora). `torchao-tensorwise` / `torchao-rowwise`: torchao's float8 training of that recipe
+$CODA_FP8_FAST_ACCUM=forward, `coda-fp8-head-e4m3` with its dlogits in e4m3 ($CODA_FP8_HEAD_GRADS=e4m3);
+`coda-fp8-vruns`: coda-fp8 with $CODA_VECTOR_RUNS=1 (none of them with --lora); `coda-vruns`: coda with it. `torchao-tensorwise` / `torchao-rowwise`: torchao's float8 training of that recipe
 (`convert_to_float8_training` on every nn.Linear but the LM head), then torch.compile of the model, as
 torchao's own benchmarks run it (its wheel: `pip install torchao`; not with --lora). A configuration
 with `+graph` (`coda+graph`, `coda-fp8+graph`): after the warm-up, which runs on a side stream, one
@@ -341,6 +341,7 @@ CODA_FP8 = {
     "coda-fp8-head": "delayed",
     "coda-fp8-head-fastfwd": "delayed",
     "coda-fp8-head-e4m3": "delayed",
+    "coda-fp8-vruns": "delayed",
 }
 # the loss mode of a configuration (default "rows"): coda-vocab's lse-only head, and coda-fp8-head's fp8
 # head (loss_mode="fp8": the LM head's GEMMs in e4m3 / e5m2 too, run whole)
@@ -370,13 +371,18 @@ LOSS_MODE = {
 # coda-fp8 whose elementwise stages that write K-major copies run 64 x 16 programs of 16 warps, at
 # 30-64 registers a thread against 168-255 ($CODA_KMAJOR_PROGRAM=64x16x16), coda-fp8-kprog-all that with the stages over
 # column pairs writing theirs too ($CODA_KMAJOR_STAGES=all); coda-fp8-head-fastfwd is coda-fp8-head with
-# $CODA_FP8_FAST_ACCUM=forward, coda-fp8-head-e4m3 with its dlogits in e4m3 ($CODA_FP8_HEAD_GRADS=e4m3)
+# $CODA_FP8_FAST_ACCUM=forward, coda-fp8-head-e4m3 with its dlogits in e4m3 ($CODA_FP8_HEAD_GRADS=e4m3);
+# coda-fp8-vruns and coda-vruns are coda-fp8 and coda whose runs of block-level equations between stages
+# are one generated kernel each ($CODA_VECTOR_RUNS=1: about 300 fewer tiny launches in an fp8 1B step,
+# counted from the plans; timed before CUDA graphs, when the host's launches bounded the step)
 CONFIG_ENV = {
     "coda-fp8-kmajor-all": {"CODA_KMAJOR_STAGES": "all"},
     "coda-fp8-rowmajor": {"CODA_KMAJOR_ALONE": "0"},
     "coda-fp8-fastfwd": {"CODA_FP8_FAST_ACCUM": "forward"},
     "coda-fp8-head-fastfwd": {"CODA_FP8_FAST_ACCUM": "forward"},
     "coda-fp8-head-e4m3": {"CODA_FP8_HEAD_GRADS": "e4m3"},
+    "coda-fp8-vruns": {"CODA_VECTOR_RUNS": "1"},
+    "coda-vruns": {"CODA_VECTOR_RUNS": "1"},
     "coda-fp8-kprog": {"CODA_KMAJOR_PROGRAM": "64x16x16"},
     "coda-fp8-kprog-all": {"CODA_KMAJOR_PROGRAM": "64x16x16", "CODA_KMAJOR_STAGES": "all"},
     "coda-fp8-transpose": {"CODA_KMAJOR_STORE": "0"},
@@ -409,6 +415,8 @@ CONFIGS = (
     "coda-fp8-head",
     "coda-fp8-head-fastfwd",
     "coda-fp8-head-e4m3",
+    "coda-fp8-vruns",
+    "coda-vruns",
     "torchao-tensorwise",
     "torchao-rowwise",
 )
@@ -432,7 +440,7 @@ def prepare(model: Any, name: str, family: str = "llama", lora: int = 0) -> Any:
         if lora:
             raise SystemExit(f"{name}: torchao's float8 training of a LoRA model is not a configuration here")
         return torchao_float8(model, name.removeprefix("torchao-"))
-    if name in ("coda", "coda-vocab", *CODA_FP8):
+    if name in ("coda", "coda-vocab", "coda-vruns", *CODA_FP8):
         from coda_lang.hf import apply_coda
 
         # coda-vocab: the loss head's other mode, lse only, the backward in vocabulary chunks

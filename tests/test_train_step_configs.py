@@ -28,11 +28,14 @@ def _load() -> Any:
 hts = _load()
 
 
-def test_every_configuration_with_an_environment_is_a_coda_fp8_one() -> None:
-    assert set(hts.CONFIG_ENV) <= set(hts.CONFIGS) and set(hts.CONFIG_ENV) <= set(hts.CODA_FP8)
+def test_every_configuration_with_an_environment_is_a_coda_one() -> None:
+    assert set(hts.CONFIG_ENV) <= set(hts.CONFIGS)
+    assert set(hts.CONFIG_ENV) <= {*hts.CODA_FP8, "coda-vruns"}
 
 
-@pytest.mark.parametrize("name", ["coda-fp8-narrow", "coda-fp8-e16+graph", "coda-fp8-fast"])
+@pytest.mark.parametrize(
+    "name", ["coda-fp8-narrow", "coda-fp8-e16+graph", "coda-fp8-fast", "coda-vruns+graph"]
+)
 def test_the_environment_is_set_while_it_runs_and_restored(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
