@@ -52,7 +52,13 @@ from typing import Any
 import torch
 
 from coda_lang.backend_cute.runtime.capture import refuse_in_capture
-from coda_lang.backend_cute.runtime.grad_scales import AmaxRing, DelayedScaling, delayed_scales, f32_row
+from coda_lang.backend_cute.runtime.grad_scales import (
+    AmaxRing,
+    DelayedScaling,
+    delayed_scales,
+    f32_row,
+    fused_update,
+)
 from coda_lang.hf.blocks import FP8_SAVE_SCALE, FP8_SAVE_VAR
 from coda_lang.hf.checks import peft_inner, refuse
 from coda_lang.ir.types import FP8_MAX
@@ -212,12 +218,14 @@ class Bank:
             else:
                 parts.extend(got[n] for n in names)
         a = self.reduced(f32_row(parts))
-        past = None if self.past is None else self.past.to(a.device).rows
-        delayed_scales(a, past, self.scales, E4M3_MAX, out=self.scales)
-        if HISTORY > 1:
-            if self.past is None:
-                self.past = AmaxRing(HISTORY - 1, a.numel(), a.device)
-            self.past.push(a)
+        if HISTORY > 1 and self.past is None:  # (its zero rows change no max of amaxes: >= 0 or NaN)
+            self.past = AmaxRing(HISTORY - 1, a.numel(), a.device)
+        # (on a GPU one kernel: the rule and the push)
+        if self.past is None or not fused_update(a, self.past.to(a.device), self.scales, E4M3_MAX):
+            past = None if self.past is None else self.past.to(a.device).rows
+            delayed_scales(a, past, self.scales, E4M3_MAX, out=self.scales)
+            if self.past is not None:
+                self.past.push(a)
         self.steps += 1
 
 

@@ -233,17 +233,24 @@ class DelayedScaling:
 
     def record(self, amaxes: dict[str, torch.Tensor]) -> None:
         """A backward's amaxes (by scale name): into the history, and the next step's scales set by
-        the rule, in place (`last_scales`: a copy of those the backward ran at)."""
+        the rule, in place (`last_scales`: a copy of those the backward ran at). Once the history has
+        its ring, on a GPU one kernel (`fused_update`)."""
         a = self._reduced(self._row(amaxes))
         if self._vec is None or self._vec.device != a.device:  # (not reached after a first backward)
             self._set(self._row(self.scales).to(a.device).clone())
-        assert self._vec is not None
-        last = self._vec.clone()
-        self._rule(a, self._vec, out=self._vec)
-        if self.history > 1:
-            if self._past is None:
-                self._past = AmaxRing(self.history - 1, len(self.names), a.device)
-            self._past.to(a.device).push(a)
+        assert self._vec is not None and self.dtype is not None
+        limit = FP8_MAX[self.dtype] / 2.0**self.margin
+        last = torch.empty_like(self._vec)
+        if self.history > 1 and self._past is None:
+            # (made before the first rule: its zero rows change no max of amaxes, which are >= 0 or
+            # NaN, so the first update is the fused kernel's too, and it compiles there, before any
+            # CUDA graph could capture a step)
+            self._past = AmaxRing(self.history - 1, len(self.names), a.device)
+        if self._past is None or not fused_update(a, self._past.to(a.device), self._vec, limit, last):
+            last.copy_(self._vec)
+            self._rule(a, self._vec, out=self._vec)
+            if self._past is not None:
+                self._past.to(a.device).push(a)
         self.amaxes = {n: a[i] for i, n in enumerate(self.names)}
         self.last_scales = {n: last[i] for i, n in enumerate(self.names)}
         self.steps += 1
@@ -282,6 +289,29 @@ class DelayedScaling:
                 for k in range(n)
             ]
             self._past = AmaxRing.of(self.history - 1, rows, self.steps, first.device)
+
+
+# Triton's CPU interpreter runs `fused_update`'s kernel on CPU tensors where set (tests: the kernel
+# checked against the torch ops it replaces, through the callers)
+INTERPRET_FUSED = False
+
+
+def fused_update(
+    a: torch.Tensor, ring: AmaxRing, vec: torch.Tensor, limit: float, last: torch.Tensor | None = None
+) -> bool:
+    """`delayed_scales(a, ring.rows, vec, limit, out=vec)` then `ring.push(a)` (and `last` set to
+    `vec` as it was first), as one Triton kernel (backend_triton/scales.py), bit for bit the same;
+    True where it ran, False where the caller's torch ops must (off a GPU, under a torch.compile
+    trace, or a ring that is not one contiguous f32 block)."""
+    if not (vec.device.type == "cuda" or INTERPRET_FUSED) or torch.compiler.is_compiling():
+        return False
+    if not (ring.rows.is_contiguous() and vec.is_contiguous() and ring.rows.device == vec.device):
+        return False
+    # lazy: imports Triton, which only a GPU run (or the interpreter's test) needs
+    from coda_lang.backend_triton.scales import delayed_update
+
+    delayed_update(a, ring.rows, ring.count, vec, limit, last, interpret=vec.device.type != "cuda")
+    return True
 
 
 def delayed_scales(
