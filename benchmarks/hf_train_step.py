@@ -46,7 +46,8 @@ storing the row-major tiles nothing reads beside their K-major copies ($CODA_KMA
 $CODA_KMAJOR_PROGRAM=64x16x16, `coda-fp8-kprog-all` with $CODA_KMAJOR_STAGES=all too; `coda-fp8-head`:
 coda-fp8 with `loss_mode="fp8"` (the LM head's GEMMs in fp8 too), `coda-fp8-head-fastfwd` that with
 $CODA_FP8_FAST_ACCUM=forward, `coda-fp8-head-e4m3` with its dlogits in e4m3 ($CODA_FP8_HEAD_GRADS=e4m3);
-`coda-fp8-vruns`: coda-fp8 with $CODA_VECTOR_RUNS=1 (none of them with --lora); `coda-vruns`: coda with it. `torchao-tensorwise` / `torchao-rowwise`: torchao's float8 training of that recipe
+`coda-fp8-vruns`: coda-fp8 with $CODA_VECTOR_RUNS=1; `coda-fp8-fscales`: with $CODA_FUSED_SCALES=1 (none of
+them with --lora); `coda-vruns`: coda with $CODA_VECTOR_RUNS=1. `torchao-tensorwise` / `torchao-rowwise`: torchao's float8 training of that recipe
 (`convert_to_float8_training` on every nn.Linear but the LM head), then torch.compile of the model, as
 torchao's own benchmarks run it (its wheel: `pip install torchao`; not with --lora). A configuration
 with `+graph` (`coda+graph`, `coda-fp8+graph`): after the warm-up, which runs on a side stream, one
@@ -342,6 +343,7 @@ CODA_FP8 = {
     "coda-fp8-head-fastfwd": "delayed",
     "coda-fp8-head-e4m3": "delayed",
     "coda-fp8-vruns": "delayed",
+    "coda-fp8-fscales": "delayed",
 }
 # the loss mode of a configuration (default "rows"): coda-vocab's lse-only head, and coda-fp8-head's fp8
 # head (loss_mode="fp8": the LM head's GEMMs in e4m3 / e5m2 too, run whole)
@@ -374,7 +376,8 @@ LOSS_MODE = {
 # $CODA_FP8_FAST_ACCUM=forward, coda-fp8-head-e4m3 with its dlogits in e4m3 ($CODA_FP8_HEAD_GRADS=e4m3);
 # coda-fp8-vruns and coda-vruns are coda-fp8 and coda whose runs of block-level equations between stages
 # are one generated kernel each ($CODA_VECTOR_RUNS=1: about 300 fewer tiny launches in an fp8 1B step,
-# counted from the plans; timed before CUDA graphs, when the host's launches bounded the step)
+# counted from the plans; timed before CUDA graphs, when the host's launches bounded the step);
+# coda-fp8-fscales is coda-fp8 whose delayed-scale updates are one Triton kernel each ($CODA_FUSED_SCALES=1)
 CONFIG_ENV = {
     "coda-fp8-kmajor-all": {"CODA_KMAJOR_STAGES": "all"},
     "coda-fp8-rowmajor": {"CODA_KMAJOR_ALONE": "0"},
@@ -382,6 +385,7 @@ CONFIG_ENV = {
     "coda-fp8-head-fastfwd": {"CODA_FP8_FAST_ACCUM": "forward"},
     "coda-fp8-head-e4m3": {"CODA_FP8_HEAD_GRADS": "e4m3"},
     "coda-fp8-vruns": {"CODA_VECTOR_RUNS": "1"},
+    "coda-fp8-fscales": {"CODA_FUSED_SCALES": "1"},
     "coda-vruns": {"CODA_VECTOR_RUNS": "1"},
     "coda-fp8-kprog": {"CODA_KMAJOR_PROGRAM": "64x16x16"},
     "coda-fp8-kprog-all": {"CODA_KMAJOR_PROGRAM": "64x16x16", "CODA_KMAJOR_STAGES": "all"},
@@ -416,6 +420,7 @@ CONFIGS = (
     "coda-fp8-head-fastfwd",
     "coda-fp8-head-e4m3",
     "coda-fp8-vruns",
+    "coda-fp8-fscales",
     "coda-vruns",
     "torchao-tensorwise",
     "torchao-rowwise",

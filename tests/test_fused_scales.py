@@ -106,3 +106,24 @@ def test_a_patched_models_scales_are_the_torch_ops(monkeypatch: pytest.MonkeyPat
     for site, g0 in b0.grads.items():
         g1 = b1.grads[site]
         assert _same(g0._vec, g1._vec) and _same(g0._past.rows, g1._past.rows), site
+
+
+@pytest.mark.gpu
+def test_the_kernel_on_a_gpu_is_the_torch_ops() -> None:
+    """The compiled kernel (not the interpreter) on CUDA tensors, against torch's ops on the GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from coda_lang.backend_triton.scales import delayed_update
+
+    dev = torch.device("cuda")
+    ring, vec = AmaxRing(15, 40, dev), torch.full((40,), 2.0, device=dev)
+    ring2, vec2 = AmaxRing(15, 40, dev), vec.clone()
+    for step in range(40):
+        a = _amaxes(step, 40).to(dev)
+        want_last = vec.clone()
+        delayed_scales(a, ring.rows, vec, 57344.0, out=vec)
+        ring.push(a)
+        last = torch.empty_like(vec2)
+        delayed_update(a, ring2.rows, ring2.count, vec2, 57344.0, last)
+        assert _same(vec2, vec) and _same(ring2.rows, ring.rows) and _same(last, want_last), step
+    assert int(ring2.count) == int(ring.count) == 40

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -294,6 +295,9 @@ class DelayedScaling:
 # Triton's CPU interpreter runs `fused_update`'s kernel on CPU tensors where set (tests: the kernel
 # checked against the torch ops it replaces, through the callers)
 INTERPRET_FUSED = False
+# `fused_update` on a GPU only where $CODA_FUSED_SCALES=1: checked on the CPU, not yet run or timed on a
+# GPU, so off by default (benchmarks/hf_train_step.py's coda-fp8-fscales times it)
+FUSED_SCALES_VAR = "CODA_FUSED_SCALES"
 
 
 def fused_update(
@@ -301,9 +305,11 @@ def fused_update(
 ) -> bool:
     """`delayed_scales(a, ring.rows, vec, limit, out=vec)` then `ring.push(a)` (and `last` set to
     `vec` as it was first), as one Triton kernel (backend_triton/scales.py), bit for bit the same;
-    True where it ran, False where the caller's torch ops must (off a GPU, under a torch.compile
-    trace, or a ring that is not one contiguous f32 block)."""
-    if not (vec.device.type == "cuda" or INTERPRET_FUSED) or torch.compiler.is_compiling():
+    True where it ran, False where the caller's torch ops must (off a GPU, without
+    $CODA_FUSED_SCALES=1, under a torch.compile trace, or a ring that is not one contiguous f32
+    block)."""
+    on_gpu = vec.device.type == "cuda" and os.environ.get(FUSED_SCALES_VAR, "0") == "1"
+    if not (on_gpu or INTERPRET_FUSED) or torch.compiler.is_compiling():
         return False
     if not (ring.rows.is_contiguous() and vec.is_contiguous() and ring.rows.device == vec.device):
         return False
