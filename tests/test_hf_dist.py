@@ -63,9 +63,17 @@ EXTRA = (
     "fsdp-fp8",
     "fsdp-fp8-sync",
     "ddp-fp8-sync",
+    "fsdp-fp8-head-sync",
 )
 # the fp8 cases' recipes; "-sync": with reduce_fp8_amaxes (the ranks' amaxes reduced every forward)
-FP8 = {"fsdp-fp8": "delayed", "fsdp-fp8-sync": "delayed", "ddp-fp8-sync": "delayed-forward"}
+FP8 = {
+    "fsdp-fp8": "delayed",
+    "fsdp-fp8-sync": "delayed",
+    "ddp-fp8-sync": "delayed-forward",
+    "fsdp-fp8-head-sync": "delayed",
+}
+# the cases' other patch settings: the LM head in fp8 too (loss_mode="fp8", its own call site)
+PATCH = {"fsdp-fp8-head-sync": {"loss_mode": "fp8"}}
 
 
 def cases() -> list[dict[str, Any]]:
@@ -167,7 +175,7 @@ def run_case(case: dict[str, Any], rank: int, mesh: Any) -> dict[str, Any]:
         model = with_lora(model, LORA_OWN + (["q_proj", "v_proj"] if case["wrap"] == "fsdp-lora-qkv" else []))
     fp8 = FP8.get(case["wrap"])
     if case["patched"]:
-        patch(family, model, **({"fp8": fp8} if fp8 else {}))
+        patch(family, model, **({"fp8": fp8} if fp8 else {}), **PATCH.get(case["wrap"], {}))
     if case["wrap"].endswith("-sync"):
         reduce_fp8_amaxes(model)
     how = "fsdp" if lora or case["wrap"].startswith("fsdp-fp8") else "ddp" if fp8 else case["wrap"]
@@ -393,11 +401,11 @@ def _threads_per_core() -> Any:
 
 
 @functools.cache
-def single(family: str, patched: bool, fp8: str | None = None) -> dict[str, Any]:
-    """One process, the whole batch (patched with the fp8 recipe `fp8`, where given)."""
+def single(family: str, patched: bool, fp8: str | None = None, **settings: Any) -> dict[str, Any]:
+    """One process, the whole batch (patched with the fp8 recipe `fp8`, where given, and `settings`)."""
     model = make(family)
     if patched:
-        patch(family, model, **({"fp8": fp8} if fp8 else {}))
+        patch(family, model, **({"fp8": fp8} if fp8 else {}), **settings)
     ids, labels = data(0)
     model(ids, labels=labels).loss.backward()
     grads = unfused_grads(model) if patched else {n: p.grad for n, p in model.named_parameters()}
@@ -461,14 +469,18 @@ def test_trains_as_one_process_and_as_the_unpatched_model(family: str, distribut
 def fp8_amaxes_reduced(runs: dict[str, Any]) -> None:
     """`reduce_fp8_amaxes`: every rank quantizes at one process's scales on the whole batch, the
     forward's and ("delayed") the cotangents'. Under DDP with fp8="delayed-forward" and under FSDP2
-    per layer with "delayed", the run is then that process's: its losses and first gradients as the
+    per layer with "delayed" (with the LM head in fp8 too: loss_mode="fp8"), the run is then that process's: its losses and first gradients as the
     bf16 blocks' are; its parameters within a quarter of one AdamW step (a value that lands, by
     rounding, on the other side of an fp8 rounding boundary moves by 1/16 of itself or more: 0.11
     of a step at most here), and with them the last step's scales within 0.1%. Unreduced (the
     "fsdp-fp8" case), each rank calibrates on its half: its scales and first loss are not one
     process's."""
-    for case, recipe in (("ddp-fp8-sync", "delayed-forward"), ("fsdp-fp8-sync", "delayed")):
-        got, want = runs[f"llama-coda-{case}"], single("llama", True, recipe)
+    for case, recipe in (
+        ("ddp-fp8-sync", "delayed-forward"),
+        ("fsdp-fp8-sync", "delayed"),
+        ("fsdp-fp8-head-sync", "delayed"),  # (and the LM head's call site: loss_mode="fp8")
+    ):
+        got, want = runs[f"llama-coda-{case}"], single("llama", True, recipe, **PATCH.get(case, {}))
         for a, b in zip(got["losses"], want["losses"], strict=True):
             assert abs(a - b) < 1e-5 * abs(b), (case, got["losses"], want["losses"])
         assert set(got["grads"]) == set(want["grads"]) == set(want["params"]), case
