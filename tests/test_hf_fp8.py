@@ -966,3 +966,62 @@ def test_an_fp8_state_of_another_recipe_or_model_is_refused() -> None:
     load_fp8_state_dict(other, bad)
     with pytest.raises(ValueError, match="the state is another model's"):
         other(input_ids=ids, labels=ids)
+
+
+def test_no_backward_reads_the_cotangent_of_a_detached_output() -> None:
+    """Every family's fp8 blocks (and loss_mode="fp8"'s head): the cotangent of each detached output
+    (the amaxes) is a parameter of the derived backward that no statement reads, so the runtime hands
+    it one shared zero (autograd.py, `_shared_zero`) rather than a fill kernel per output and step;
+    and the patched model's autograd makes no zeros for them."""
+    import sys
+    from pathlib import Path
+
+    import coda_lang
+    from coda_lang.hf.family import FAMILIES
+    from coda_lang.hf.state import block_wrt
+    from coda_lang.ir.nodes import Var
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import fuzz_hf_blocks
+
+    def reads(x: object, out: set[str]) -> set[str]:
+        if isinstance(x, Var):
+            out.add(x.name)
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                reads(y, out)
+        elif hasattr(x, "__dataclass_fields__"):
+            for f in x.__dataclass_fields__:
+                if f != "outs":  # (what a statement defines, not what it reads)
+                    reads(getattr(x, f), out)
+        return out
+
+    checked = 0
+    for family in ("llama", "olmo2", "gemma2"):
+        prog = coda_lang.load(fuzz_hf_blocks.source(FAMILIES[family], "delayed"))
+        for name in ("first_qkv", "layer", "last", "head_loss_fp8"):
+            b = prog[name]
+            opts = coda_lang.BackwardOptions(fp8_grads="e5m2", fp8_acc=name != "head_loss_fp8")
+            d = b.derivation(block_wrt(b), backward=opts)
+            read = reads(d.backward.ir.body, set())
+            for o in d.detached:
+                assert d.cotangents[o] not in read, (family, name, o)
+                checked += 1
+    assert checked > 40
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Zeros(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten.zeros:
+                Zeros.n += 1
+            return func(*args, **(kwargs or {}))
+
+    model = apply_coda_to_llama(tiny(), fp8="delayed")
+    ids, labels = hf_batch()
+    model(input_ids=ids, labels=labels).loss.backward()  # (the first step calibrates)
+    with Zeros():
+        model(input_ids=ids, labels=labels).loss.backward()
+    assert Zeros.n <= 1, Zeros.n  # (the loss head's weight-gradient total, made once a step)

@@ -358,6 +358,9 @@ class _CodaAutograd(torch.autograd.Function):
                 if not x.is_floating_point() or o in fn.derivation.detached
             ]
         )
+        # no zeros made by autograd for the outputs no gradient reached (each detached amax of an fp8
+        # block, every backward: a fill kernel each); the backward makes what it needs
+        ctx.set_materialize_grads(False)
         # what the backward may overwrite: tensors this forward made (not the caller's inputs, not memory
         # an output shares) that a packed backward stage reads as its C operand (not under a
         # torch.compile trace, which can't follow storages: there the backward allocates as before)
@@ -396,9 +399,15 @@ class _CodaAutograd(torch.autograd.Function):
         bins.update(ctx.others)
         for out, g, (shape, dtype, device) in zip(fn.outputs, grads, ctx.out_meta, strict=True):
             if out in d.cotangents:
-                bins[d.cotangents[out]] = (
-                    g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
-                )
+                if g is None:
+                    # a detached output's cotangent is never read (its gradient is 0 by definition):
+                    # one shared zero, made once; any other output's, zeros of its own
+                    g = (
+                        _shared_zero(shape, dtype, device)
+                        if out in d.detached
+                        else torch.zeros(shape, dtype=dtype, device=device)
+                    )
+                bins[d.cotangents[out]] = g
         ctx.consumed = bool(ctx.consumable) and not fn.chunk_plans  # a chunked run overwrites nothing
         if ctx.grad_scales is None:
             grads_out = fn.run_backward(bins, ctx.dims, ctx.consumable)
@@ -413,6 +422,19 @@ class _CodaAutograd(torch.autograd.Function):
                 # in the input's dtype, as autograd needs (an fp8 input's gradient saturates)
                 result.append(torch_store(grads_out[g], ctx.in_dtypes[i]))
         return tuple(result)
+
+
+_ZEROS: dict[tuple[Any, ...], torch.Tensor] = {}
+
+
+def _shared_zero(shape: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor of this shape, dtype and device, made once and shared: the cotangent of a detached
+    output, which no backward reads or writes."""
+    key = (tuple(shape), dtype, device)
+    z = _ZEROS.get(key)
+    if z is None:
+        z = _ZEROS[key] = torch.zeros(shape, dtype=dtype, device=device)
+    return z
 
 
 def _fp8_backward(
