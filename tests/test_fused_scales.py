@@ -127,3 +127,14 @@ def test_the_kernel_on_a_gpu_is_the_torch_ops() -> None:
         delayed_update(a, ring2.rows, ring2.count, vec2, 57344.0, last)
         assert _same(vec2, vec) and _same(ring2.rows, ring.rows) and _same(last, want_last), step
     assert int(ring2.count) == int(ring.count) == 40
+
+
+def test_the_variable_takes_0_or_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    for v, want in (("1", True), ("0", False)):
+        monkeypatch.setenv("CODA_FUSED_SCALES", v)
+        assert grad_scales.fused_scales_on() is want
+    monkeypatch.delenv("CODA_FUSED_SCALES")
+    assert grad_scales.fused_scales_on() is False
+    monkeypatch.setenv("CODA_FUSED_SCALES", "yes")
+    with pytest.raises(ValueError, match="CODA_FUSED_SCALES is 'yes'; it takes 1"):
+        grad_scales.fused_scales_on()

@@ -300,6 +300,14 @@ INTERPRET_FUSED = False
 FUSED_SCALES_VAR = "CODA_FUSED_SCALES"
 
 
+def fused_scales_on() -> bool:
+    """$CODA_FUSED_SCALES: "1" on, "0" or unset off; ValueError for another value."""
+    got = os.environ.get(FUSED_SCALES_VAR, "0")
+    if got not in ("0", "1"):
+        raise ValueError(f"${FUSED_SCALES_VAR} is {got!r}; it takes 1 (one kernel a scale update) or 0")
+    return got == "1"
+
+
 def fused_update(
     a: torch.Tensor, ring: AmaxRing, vec: torch.Tensor, limit: float, last: torch.Tensor | None = None
 ) -> bool:
@@ -308,7 +316,7 @@ def fused_update(
     True where it ran, False where the caller's torch ops must (off a GPU, without
     $CODA_FUSED_SCALES=1, under a torch.compile trace, or a ring that is not one contiguous f32
     block)."""
-    on_gpu = vec.device.type == "cuda" and os.environ.get(FUSED_SCALES_VAR, "0") == "1"
+    on_gpu = vec.device.type == "cuda" and fused_scales_on()
     if not (on_gpu or INTERPRET_FUSED) or torch.compiler.is_compiling():
         return False
     if not (ring.rows.is_contiguous() and vec.is_contiguous() and ring.rows.device == vec.device):
