@@ -57,7 +57,7 @@ from coda_lang.backend_cute.runtime.grad_scales import (
     DelayedScaling,
     delayed_scales,
     f32_row,
-    fused_update,
+    update_scales,
 )
 from coda_lang.hf.blocks import FP8_SAVE_SCALE, FP8_SAVE_VAR
 from coda_lang.hf.checks import peft_inner, refuse
@@ -220,12 +220,7 @@ class Bank:
         a = self.reduced(f32_row(parts))
         if HISTORY > 1 and self.past is None:  # (its zero rows change no max of amaxes: >= 0 or NaN)
             self.past = AmaxRing(HISTORY - 1, a.numel(), a.device)
-        # (on a GPU one kernel: the rule and the push)
-        if self.past is None or not fused_update(a, self.past.to(a.device), self.scales, E4M3_MAX):
-            past = None if self.past is None else self.past.to(a.device).rows
-            delayed_scales(a, past, self.scales, E4M3_MAX, out=self.scales)
-            if self.past is not None:
-                self.past.push(a)
+        update_scales(a, None if self.past is None else self.past.to(a.device), self.scales, E4M3_MAX)
         self.steps += 1
 
 

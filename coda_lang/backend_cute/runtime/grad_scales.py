@@ -226,32 +226,31 @@ class DelayedScaling:
     def _reduced(self, a: torch.Tensor) -> torch.Tensor:
         return a if self.reduce is None else self.reduce(a)
 
-    def _rule(self, a: torch.Tensor, current: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _limit(self) -> float:
+        """The rule's numerator: the fp8 dtype's largest value over 2**margin."""
         assert self.dtype is not None
+        return FP8_MAX[self.dtype] / 2.0**self.margin
+
+    def _rule(self, a: torch.Tensor, current: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         past = self._past.to(a.device).rows if self._past is not None else None
-        limit = FP8_MAX[self.dtype] / 2.0**self.margin
-        return delayed_scales(a, past, current, limit, out=out)
+        return delayed_scales(a, past, current, self._limit(), out=out)
 
     def record(self, amaxes: dict[str, torch.Tensor]) -> None:
         """A backward's amaxes (by scale name): into the history, and the next step's scales set by
         the rule, in place (`last_scales`: a copy of those the backward ran at). Once the history has
-        its ring, on a GPU one kernel (`fused_update`)."""
+        its ring, on a GPU one kernel (`update_scales`)."""
         a = self._reduced(self._row(amaxes))
         if self._vec is None or self._vec.device != a.device:  # (not reached after a first backward)
             self._set(self._row(self.scales).to(a.device).clone())
-        assert self._vec is not None and self.dtype is not None
-        limit = FP8_MAX[self.dtype] / 2.0**self.margin
+        assert self._vec is not None
         last = torch.empty_like(self._vec)
         if self.history > 1 and self._past is None:
             # (made before the first rule: its zero rows change no max of amaxes, which are >= 0 or
             # NaN, so the first update is the fused kernel's too, and it compiles there, before any
             # CUDA graph could capture a step)
             self._past = AmaxRing(self.history - 1, len(self.names), a.device)
-        if self._past is None or not fused_update(a, self._past.to(a.device), self._vec, limit, last):
-            last.copy_(self._vec)
-            self._rule(a, self._vec, out=self._vec)
-            if self._past is not None:
-                self._past.to(a.device).push(a)
+        ring = None if self._past is None else self._past.to(a.device)
+        update_scales(a, ring, self._vec, self._limit(), last)
         self.amaxes = {n: a[i] for i, n in enumerate(self.names)}
         self.last_scales = {n: last[i] for i, n in enumerate(self.names)}
         self.steps += 1
@@ -306,6 +305,21 @@ def fused_scales_on() -> bool:
     if got not in ("0", "1"):
         raise ValueError(f"${FUSED_SCALES_VAR} is {got!r}; it takes 1 (one kernel a scale update) or 0")
     return got == "1"
+
+
+def update_scales(
+    a: torch.Tensor, ring: AmaxRing | None, vec: torch.Tensor, limit: float, last: torch.Tensor | None = None
+) -> None:
+    """`vec` set in place by the rule from the amaxes `a` and the history `ring` (None: no history),
+    then `a` pushed into the ring; `last` (when given) set to `vec` as it was first. One kernel where
+    `fused_update` runs, else torch's ops: the same bits."""
+    if ring is not None and fused_update(a, ring, vec, limit, last):
+        return
+    if last is not None:
+        last.copy_(vec)
+    delayed_scales(a, None if ring is None else ring.rows, vec, limit, out=vec)
+    if ring is not None:
+        ring.push(a)
 
 
 def fused_update(
