@@ -65,7 +65,7 @@ def training_blocks(family: str, dtype: Any, loss_mode: str, fp8: str | None = N
     model = patch(family, make(family, **ON_KERNELS.get(family, {})), loss_mode=loss_mode, **extra)
     st = model._coda
     b = st.blocks(dtype)
-    head = {"rows": b.row_head, "vocab": b.vocab_head, "fp8": b.fp8_head}[loss_mode]()
+    head = b.loss_head(loss_mode)
     return [cb for f in (b.first, b.layer, b.last, head) for cb in f.kernel_blocks()]
 
 

@@ -123,7 +123,7 @@ def model_functions(
         raise ValueError(f"LoRA targets {unknown}: the blocks run LoRA on {', '.join(LORA_WEIGHTS)}")
     st = _patched(config, dtype, loss_mode, "meta", fp8=fp8)._coda
     blocks = st.blocks(dtype)
-    head = {"rows": blocks.row_head, "vocab": blocks.vocab_head, "fp8": blocks.fp8_head}[loss_mode]()
+    head = blocks.loss_head(loss_mode)
     if not lora:
         return [blocks.first, blocks.layer, blocks.last, head]
     adapted = {LORA_WEIGHTS[t] for t in lora}

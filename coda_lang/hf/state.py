@@ -146,9 +146,7 @@ class Blocks:
         self._fp8_head: BlockFunction | None = None
         # a training step's kernels (the first layer's, the layers', the last layer's, the loss head's:
         # forward and backward) compile at once at its first call, in one pool of workers
-        heads = {"rows": self.row_head, "vocab": self.vocab_head, "fp8": self.fp8_head}
-        head = heads[st.loss_mode]()
-        compile_together(self.first, self.layer, self.last, head)
+        compile_together(self.first, self.layer, self.last, self.loss_head(st.loss_mode))
 
     def named(self, name: str) -> BlockFunction:
         """The layers' block function of that name: "first_qkv", "layer" or "last"."""
@@ -180,6 +178,10 @@ class Blocks:
             compile_together(*[fn for fn, _ in got])  # (the parts' kernels in one pool, at their first call)
             self._parts[key] = got
         return got
+
+    def loss_head(self, mode: str) -> BlockFunction:
+        """The loss head of loss mode `mode` (hf/loss.py's LOSS_MODES)."""
+        return {"rows": self.row_head, "vocab": self.vocab_head, "fp8": self.fp8_head}[mode]()
 
     def row_head(self) -> BlockFunction:
         """The loss head of "rows" mode: its logits saved (remat="save"), run forward and backward
