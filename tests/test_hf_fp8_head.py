@@ -136,6 +136,12 @@ def test_fp8_head_needs_fp8_cotangents(fp8) -> None:
         apply_coda_to_llama(tiny(), fp8=fp8, loss_mode="fp8")
 
 
+def test_fp8_head_needs_a_vocabulary_of_16_multiples() -> None:
+    with pytest.raises(ValueError, match="vocabulary is 500 tokens, not a multiple of 16"):
+        apply_coda_to_llama(tiny(vocab_size=500), fp8="delayed", loss_mode="fp8")
+    apply_coda_to_llama(tiny(vocab_size=512), fp8="delayed", loss_mode="fp8")
+
+
 def test_fp8_head_takes_no_chunk_sizes() -> None:
     with pytest.raises(ValueError, match="loss_rows="):
         apply_coda_to_llama(tiny(), fp8="delayed", loss_mode="fp8", loss_rows=128)

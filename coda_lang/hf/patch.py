@@ -104,6 +104,13 @@ def apply(model: Any, family: Family, loss: LossSettings, fp8: str | None = None
             f"loss_mode='fp8' runs the LM head's GEMMs in fp8 beside fp8 layers with fp8 cotangents; "
             f"fp8= is {fp8!r}: pass fp8='delayed' with it, or leave loss_mode at 'rows'"
         )
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if loss.mode == "fp8" and isinstance(vocab, int) and vocab % 16:
+        raise ValueError(
+            f"loss_mode='fp8' stores the [tokens, vocabulary] dlogits in fp8 in rows of 16-byte multiples "
+            f"(Hopper's TMA), and this model's vocabulary is {vocab} tokens, not a multiple of 16: leave "
+            "loss_mode at 'rows' (the head in the model's dtype)"
+        )
     inner = peft_inner(model)
     if inner is not model:
         apply(inner, family, loss, fp8)
