@@ -9,6 +9,7 @@ On the CPU the blocks run as the kernels' torch stand-ins; `-m gpu` runs the sam
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 
@@ -106,22 +107,34 @@ def _bf16_run(device: str, mode: str) -> tuple[float, dict[str, torch.Tensor]]:
 def test_gpu_fp8_head_against_its_emulation() -> None:
     """A bf16 model with the fp8 head on a Hopper GPU (the CuTeDSL kernels: fp8 x fp8 GEMMs of the head,
     its e5m2 dlogits and their K-major copy) against the same model on the CPU (the kernels' torch
-    stand-ins): the loss within 2e-3 and every gradient within 0.1 relative (bf16 rounding moves a few
-    e5m2 codes), on average less than half as far as the bf16 head's model's gradients are from the
-    stand-ins' (the head's quantization is there on the GPU too)."""
+    stand-ins), beside the bf16 head's model run the same two ways: the losses within 2e-3, and each
+    gradient no further from its stand-in than the bf16 head's model's is from its own, plus 0.05
+    (0.02 on average over the parameters).
+    Why not closer: the layers' e5m2 cotangents already put a delayed-recipe model's gradients 8-12 %
+    from the stand-ins' whatever the head (bf16 rounds the cotangents a few percent apart on the two
+    devices, which e5m2's codes, 25 % apart, turn into whole codes often enough: test_hf_fp8's GPU
+    check runs "delayed-forward" for that reason). Measured on an H200 (2026-11-29): the bf16 head's
+    model 0.116 at most and 0.080 on average, the fp8 head's 0.126 and 0.088, its LM head weight
+    0.045 against 0.026. A head whose kernels were wrong (a scale missed, a copy misplaced) would be off
+    by its whole gradient. scripts/fuzz_hf_blocks.py checks the head's block on the kernels sharply,
+    against the interpreter at the same inputs and scales."""
     from coda_lang.torch import uses_kernels
 
     if not torch.cuda.is_available() or not uses_kernels("cuda"):
         pytest.skip("needs a Hopper GPU")
-    gpu_loss, gpu = _bf16_run("cuda", "fp8")
-    cpu_loss, cpu = _bf16_run("cpu", "fp8")
-    _, rows = _bf16_run("cpu", "rows")
-    assert abs(gpu_loss - cpu_loss) < 2e-3 * abs(cpu_loss), (gpu_loss, cpu_loss)
-    assert set(gpu) == set(cpu) == set(rows)
-    off = {n: _rel(g, cpu[n]) for n, g in gpu.items()}
-    head = {n: _rel(rows[n], cpu[n]) for n in cpu}  # (what the head's quantization changes: 6-14 %)
-    assert max(off.values()) < 0.1, off
-    assert sum(off.values()) < 0.5 * sum(head.values()), (off, head)
+    runs = {(dev, mode): _bf16_run(dev, mode) for dev in ("cuda", "cpu") for mode in ("fp8", "rows")}
+    for mode in ("fp8", "rows"):
+        (gl, _), (cl, _) = runs["cuda", mode], runs["cpu", mode]
+        assert abs(gl - cl) < 2e-3 * abs(cl), (mode, gl, cl)
+    off = {
+        mode: {n: _rel(g, runs["cpu", mode][1][n]) for n, g in runs["cuda", mode][1].items()}
+        for mode in ("fp8", "rows")
+    }
+    assert set(off["fp8"]) == set(off["rows"]) and off["fp8"]
+    for name, e in off["fp8"].items():
+        assert math.isfinite(e) and e < off["rows"][name] + 0.05, (name, e, off["rows"][name])
+    mean = {mode: sum(o.values()) / len(o) for mode, o in off.items()}
+    assert mean["fp8"] < mean["rows"] + 0.02, mean
 
 
 def test_a_bad_head_grads_dtype_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
