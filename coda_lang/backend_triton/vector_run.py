@@ -18,7 +18,8 @@ what the few torch ops it replaces do. Launched through the compiled kernel's ow
 (launcher.py), in three same-process A/Bs against the per-equation path (medians of 9 steps each),
 the step was 4.4 and 1.1 ms shorter, then 6.2 ms longer: within the +-10 ms the steps vary by with
 the host's speed; a run's call took about 100 us of host time where each equation takes about 20. No
-gain shown, so the runtime uses the runs only where $CODA_VECTOR_RUNS=1.
+gain shown, so the runtime uses the runs only where $CODA_VECTOR_RUNS=1. Timed again in a captured
+step (H200, 2026-11-29: 130.2-130.5 against 130.0-130.2 ms), where the host's cost is gone: no gain.
 Numerics: the ops' Triton expressions are the elementwise stages' (generate.py: libdevice's functions,
 division and square root IEEE-rounded), in f32; an annotated value (`r: bf16 = ...`) is rounded to
 its dtype and kept in f32, as `round_value` does. A sum over a vector adds in another order than

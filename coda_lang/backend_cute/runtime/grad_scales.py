@@ -294,8 +294,9 @@ class DelayedScaling:
 # Triton's CPU interpreter runs `fused_update`'s kernel on CPU tensors where set (tests: the kernel
 # checked against the torch ops it replaces, through the callers)
 INTERPRET_FUSED = False
-# `fused_update` on a GPU only where $CODA_FUSED_SCALES=1: checked on the CPU, not yet run or timed on a
-# GPU, so off by default (benchmarks/hf_train_step.py's coda-fp8-fscales times it)
+# `fused_update` on a GPU only where $CODA_FUSED_SCALES=1: bit for bit torch's ops on the CPU and on an
+# H200, but no faster in a captured step (benchmarks/RESULTS.md, 2026-11-29: inside the spread), so off
+# by default (benchmarks/hf_train_step.py's coda-fp8-fscales times it)
 FUSED_SCALES_VAR = "CODA_FUSED_SCALES"
 
 
