@@ -12,6 +12,11 @@ tests/test_block_scales.py has the planning and the emulated runs against the in
 - GPU (marked `gpu`): the kernel against float64 sums of the same e4m3 values, each 128-deep block of
   K scaled by its two scales, at ragged M and K, a cluster of 2 and more tiles than SMs; the planned
   stage under `coda fuzz --target cuda`, forward, against the interpreter.
+- The other two forms, a derived backward's data gradient's (`dacc @ w, scale_b=sw`: w's blocks alone,
+  laid out [K/128, N/128] as w is stored [K, N], the kernel reading w's K-major copy) and w's scale
+  alone in a forward: they compile with the loop reading B's scale only; on the GPU the kernel against
+  float64, and the planned stages under `coda fuzz --target cuda`, the data gradient against the
+  interpreter's derived backward.
 """
 
 from __future__ import annotations
@@ -109,6 +114,18 @@ def test_tiles_the_loop_cannot_run_at_are_refused(tile_n: int, pingpong: bool, f
     assert not hasattr(gemm, "mma")  # (nothing installed)
 
 
+# w's scale alone; its derived backward's data gradient (differentiated with respect to `a`, with e5m2
+# cotangents) is `dacc @ w, scale_b=sw`: w's blocks cut the contraction there, and the runtime hands the
+# kernel w's K-major copy
+ONLY_B = """
+dims M, K, N
+block only_b(a: e4m3[M, K], w: e4m3[N, K], sw: f32[N/128, K/128]) -> (y: bf16[M, N]) {
+  gemm a @ transpose(w), scale_b=sw {
+    y: bf16 = acc * 0.5
+  }
+}
+"""
+
 DEEPSEEK = """
 dims M, K, N
 block scaled(a: e4m3[M, K], sa: f32[M, K/128], w: e4m3[N, K], sw: f32[N/128, K/128]) -> (y: bf16[M, N]) {
@@ -164,15 +181,16 @@ def test_a_missing_scale_is_an_error_not_an_unscaled_gemm(given: tuple[str, ...]
 
 
 def _reference(A: Any, B: Any, sa: Any, sb: Any, group: int = 128) -> Any:
-    """float64: each K block's sum of the e4m3 products, times its row's scale of A and its column
-    block's scale of B, added in order."""
+    """float64: each K block's sum of the e4m3 products, times its row's scale of A (sa None: 1) and
+    its column block's scale of B, added in order."""
     K = A.shape[1]
     a, b = A.double(), B.double()
     out = torch.zeros(A.shape[0], B.shape[0], dtype=torch.float64, device=A.device)
-    for kb in range(sa.shape[1]):
+    for kb in range(sb.shape[1]):
         sl = slice(kb * group, min(K, (kb + 1) * group))
         cols = sb[:, kb].double().repeat_interleave(group)[: B.shape[0]]
-        out += (a[:, sl] @ b[:, sl].T) * sa[:, kb, None].double() * cols[None, :]
+        rows = 1.0 if sa is None else sa[:, kb, None].double()
+        out += (a[:, sl] @ b[:, sl].T) * rows * cols[None, :]
     return out
 
 
@@ -230,3 +248,123 @@ def test_deepseeks_forward_of_two_gemms_runs_as_the_interpreter_does() -> None:
 
     res = fuzz_block(coda_lang.load(CHAIN)["chain"], "cuda", examples=4, backward=False)
     assert res.failure is None and res.cases == 4, res.failure
+
+
+def _b_only_mod(kn: bool) -> Any:
+    import importlib
+
+    importlib.import_module("coda_lang.backend_cute.build.quack_adapter")
+    gemm_epilogue = importlib.import_module("quack.epilogue.frontend").gemm_epilogue
+    BlockScale = importlib.import_module("coda_lang.backend_cute.plan.block_scaled").BlockScale
+
+    @gemm_epilogue(extra_ops=(BlockScale("sb", "b", "", kn=kn),))
+    def epi_b_only(acc: Any) -> Any:
+        return {"D": acc}
+
+    return epi_b_only
+
+
+@pytest.mark.toolchain
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_the_data_gradients_form_and_ws_scale_alone_compile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """w's scale alone (a forward), and the derived data gradient `dacc @ w, scale_b=sw` (e5m2 x e4m3,
+    w's blocks laid out [K/128, N/128]): each plans with one BlockScale op (`kn` for the data
+    gradient's layout, with w's K-major copy), compiles at 128 x 128 cooperative with our loop (one
+    drain a K tile) loading B's scale only (one global word a K tile, none of A's), and takes the
+    runtime's arguments: one scale matrix, in w's stored layout."""
+    import coda_lang
+    from coda_lang.backend_cute.build import quack_adapter
+    from coda_lang.backend_cute.build.config import TileConfig
+    from coda_lang.backend_cute.build.select import select_config
+    from coda_lang.backend_cute.plan.emit import emit_stage
+    from coda_lang.backend_cute.plan.planner import plan_stage
+
+    monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path))
+    fwd = coda_lang.load(ONLY_B)["only_b"]
+    bwd = coda_lang.load(DEEPSEEK)["scaled"].grad(["a"], backward=coda_lang.BackwardOptions(fp8_grads="e5m2"))
+    for blk, i, kn, mma in ((fwd, 1, False, "e4m3.e4m3"), (bwd, 2, True, "e5m2.e4m3")):
+        spec = plan_stage(blk, i)
+        g = spec.gemm
+        assert (g.scale_a, g.scale_b, g.b_kn, g.copy_b) == (None, "sw", kn, kn)
+        src = emit_stage(spec)
+        assert f'BlockScale("{g.scale_b_py}", "b", ""{", kn=True" if kn else ""})' in src
+        assert '"a", ' not in src.split("extra_ops=")[1].split(")")[0]
+        c = select_config(blk, i, directory=tmp_path)
+        assert c.config == TileConfig(128, 128, 2, 1, False)
+        assert c.report is not None and not c.report.spills, c.report.text
+        assert re.search(rf"wgmma\.mma_async\S*\.f32\.{mma}", c.ptx)
+        assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+0", c.ptx)) == 1  # (ours)
+        assert len(re.findall(r"ld\.global\S*\.b32", c.ptx)) == 1  # (B's scale; no row of A's)
+    # the data gradient's arguments: dacc [M, N] e5m2, w [N, K] as stored (the runtime makes its
+    # K-major copy, [K, N] as the GEMM reads it), sw [N/128, K/128] as given, and the epilogue's sa
+    m, k, n = 1000, 640, 384
+    meta = lambda shape, dt: torch.empty(shape, dtype=dt, device="meta")  # noqa: E731
+    spec = plan_stage(bwd, 2)
+    env = {
+        spec.gemm.a: meta((m, n), torch.float8_e5m2),
+        "w": meta((n, k), torch.float8_e4m3fn),
+        "sw": meta((n // 128, k // 128), torch.float32),
+        "sa": meta((m, k // 128), torch.float32),
+        **{o.name: 1.0 for o in spec.operands if o.role == "scalar"},
+    }
+    r = bwd.cuda(tile=TileConfig(128, 128, 2, 1, False)).runner(2)
+    ins, scalars = r.arguments(env)
+    B = ins[1]
+    assert B is not None and tuple(B.shape) == (k, n)  # (w's K-major copy)
+    assert tuple(ins[-1].shape) == (n // 128, k // 128) and ins[-1].dtype == torch.float32
+    outs = r.allocate(ins[0], B)
+    D, C, epi = r.epilogue_arguments(ins, scalars, outs)
+    assert epi[r.spec.gemm.scale_b_py] is ins[-1] and not r.spec.gemm.scale_a_py
+    quack_adapter.launch(r.mod, r.spec, r.config, ins[0], B, D, epi, C=C, dry_run=True)
+
+
+def test_a_scale_of_a_alone_is_refused_by_the_op() -> None:
+    pytest.importorskip("quack")
+    from coda_lang.backend_cute.plan.block_scaled import BlockScale
+
+    with pytest.raises(ValueError, match="A's block scale goes with B's"):
+        BlockScale("sa", "a", "")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kn", [False, True])
+@pytest.mark.parametrize(("m", "n", "k"), [(1000, 384, 640), (512, 1024, 1040), (4096, 2048, 4096)])
+def test_the_kernel_with_ws_scale_alone_is_the_block_scaled_sum(kn: bool, m: int, n: int, k: int) -> None:
+    """B's scale alone, its blocks [N/128, K/128] or (`kn`, the data gradient's) [K/128, N/128]: the
+    kernel against float64 sums of the same fp8 values (A e5m2 as a cotangent is), each 128-deep
+    block of K scaled by its block of B's."""
+    mod = _b_only_mod(kn)
+    g = torch.Generator(device="cuda").manual_seed(m + n + k + kn)
+    A = (torch.randn(m, k, device="cuda", generator=g) * 3).to(torch.float8_e5m2)
+    B = (torch.randn(n, k, device="cuda", generator=g) * 3).to(torch.float8_e4m3fn)
+    kb = -(-k // 128)
+    sb = torch.rand(n // 128, kb, device="cuda", generator=g) * 4 + 0.05
+    D = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    given = sb.t().contiguous() if kn else sb
+    mod.gemm(
+        A, B, D, None, epi_args={"sb": given}, tile_M=128, tile_N=128, cluster_M=1, cluster_N=1,
+        pingpong=False, persistent=True, b_kn=False,
+    )  # fmt: skip
+    want = _reference(A, B, None, sb)
+    top = float(want.abs().max())
+    assert float((D.double() - want).abs().max()) <= top * 2**-7
+    assert float((D.double() - _reference(A, B, None, torch.ones_like(sb))).abs().max()) > top * 2**-4
+
+
+@pytest.mark.gpu
+def test_the_data_gradient_and_ws_scale_alone_run_as_the_interpreter_does() -> None:
+    """`coda fuzz --target cuda`: w's scale alone (forward), and DeepSeek's form differentiated with
+    respect to `a` with e5m2 cotangents (its backward: the cotangent's quantizing stage, then the data
+    gradient `dacc @ w, scale_b=sw` on w's K-major copy), against the interpreter."""
+    import coda_lang
+    from coda_lang.fuzz.fuzzer import Fuzzer
+    from coda_lang.fuzz.search import fuzz_block
+
+    res = fuzz_block(coda_lang.load(ONLY_B)["only_b"], "cuda", examples=3, backward=False)
+    assert res.failure is None and res.cases == 3, res.failure
+    blk = coda_lang.load(DEEPSEEK)["scaled"]
+    res = fuzz_block(blk, "cuda", examples=3, fuzzer=Fuzzer(blk, "cuda", fp8_grads="e5m2", wrt=["a"]))
+    assert res.failure is None and res.cases == 3, res.failure
+    assert not any("not checked" in note for note in res.notes), res.notes

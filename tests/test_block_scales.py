@@ -55,6 +55,25 @@ block scaled(a: bf16[M, K], w: bf16[N, K], sw: f32[N, K/32]) -> (y: f32[M, N]) {
 }
 """
 
+ONLY_A = """
+dims M, K, N
+block scaled(a: e4m3[M, K], sa: f32[M, K/128], w: e4m3[N, K]) -> (y: f32[M, N]) {
+  gemm a @ transpose(w), scale_a=sa {
+    y = acc
+  }
+}
+"""
+
+# w's 128 x 128 blocks alone, fp8: a form of the kernels' (as its derived data gradient's is)
+FP8_ONLY_B = """
+dims M, K, N
+block scaled(a: e4m3[M, K], w: e4m3[N, K], sw: f32[N/128, K/128]) -> (y: bf16[M, N]) {
+  gemm a @ transpose(w), scale_b=sw {
+    y: bf16 = acc * 0.5
+  }
+}
+"""
+
 
 def _fp8(rng: np.random.Generator, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     return (rng.standard_normal(shape) * 4).astype(dtype)
@@ -270,7 +289,8 @@ def test_the_kernels_take_deepseeks_form_and_refuse_the_others() -> None:
     """The kernels' block-scaled GEMM (plan/block_scaled.py) is DeepSeek-V3's form: a [M, K] and
     transpose(w), both fp8, sa [M, K/128] and sw [N/128, K/128]. It plans (the scales carried to the
     mainloop by two BlockScale ops; the emulated kernels alike), at 128 x 128 cooperative tiles only.
-    Every other form is E0709 at the scale, naming what is wrong: A transposed, one side scaled."""
+    Every other form is E0709 at the scale, naming what is wrong: A transposed, 16-bit operands, A's
+    scale alone (w's alone is a form of the kernels': test_ws_scale_alone_and_the_data_gradient...)."""
     from coda_lang.backend_cute.build.config import TileConfig, fits
     from coda_lang.backend_cute.plan.emit import emit_stage
     from coda_lang.backend_cute.plan.planner import plan_stage
@@ -286,7 +306,7 @@ def test_the_kernels_take_deepseeks_form_and_refuse_the_others() -> None:
     assert fits(spec, TileConfig(128, 128, 2, 1, False))
     assert not fits(spec, TileConfig(128, 192, 2, 1, False)) and not fits(spec, TileConfig(128, 128))
     assert fits(spec, TileConfig(128, 192), emulated=True)  # (the torch stand-in holds at any tile)
-    for src_, why in ((TRANSPOSED, "K-major"), (ONLY_B, "one operand only")):
+    for src_, why in ((TRANSPOSED, "K-major"), (ONLY_B, "not both fp8"), (ONLY_A, "scales a only")):
         for emulated in (False, True):
             with pytest.raises(CodaError) as e:
                 plan_stage(coda_lang.load(src_)["scaled"], 1, emulated=emulated)
@@ -306,6 +326,39 @@ def test_the_emulated_kernels_run_the_forward_against_the_interpreter() -> None:
         res = fuzz_block(coda_lang.load(src)[name], "emulate", examples=2)
         assert res.failure is None, res.failure
         assert res.cases == 2 and any("E0709" in n for n in res.notes), (name, res.notes)
+
+
+def test_ws_scale_alone_and_the_data_gradient_run_emulated_against_the_interpreter() -> None:
+    """w's scale alone (FP8_ONLY_B), and DeepSeek's form differentiated with respect to `a` with e5m2
+    cotangents, whose backward's GEMM is the data gradient `dacc @ w, scale_b=sw` (w's blocks laid out
+    as w is stored, [K/128, N/128] from that GEMM's side): they plan with B's scale alone, and the
+    emulated kernels run them within the accuracy rule of the interpreter, forward and backward. With
+    respect to `w` too, the weight gradients are still refused, a note each: DeepSeek's
+    `transpose(dacc) @ a, scale_b=sa` (E0709: A's scale changes along the contraction) and w's
+    `expand(sw, acc)` over 128 x 128 groups of the epilogue's tile (E0704)."""
+    from coda_lang.backend_cute.plan.planner import plan_stage
+    from coda_lang.fuzz.fuzzer import Fuzzer
+    from coda_lang.fuzz.search import fuzz_block
+
+    fwd = coda_lang.load(FP8_ONLY_B)["scaled"]
+    bwd = coda_lang.load(DEEPSEEK.replace("f32[M, N]", "bf16[M, N]"))["scaled"]
+    for blk in (fwd, bwd):
+        res = fuzz_block(
+            blk, "emulate", examples=3, fuzzer=Fuzzer(blk, "emulate", fp8_grads="e5m2", wrt=["a"])
+        )
+        assert res.failure is None and res.cases == 3, res.failure
+        assert not any("not checked" in n for n in res.notes), res.notes
+        g = plan_stage(blk.grad(["a"], backward=coda_lang.BackwardOptions(fp8_grads="e5m2")), 2).gemm
+        assert (g.scale_a, g.scale_b, g.b_kn, g.copy_b) == (None, "sw", True, True)
+    # the weight gradients: A's groups change along their contraction (E0709); w's blocks read over rows
+    # of the epilogue's tile (E0704)
+    for blk, why in ((bwd, "E0709"), (fwd, "E0704")):
+        res = fuzz_block(
+            blk, "emulate", examples=1, fuzzer=Fuzzer(blk, "emulate", fp8_grads="e5m2", wrt=["a", "w"])
+        )
+        assert res.failure is None and any(why in n and "transpose(dacc1) @ a" in n for n in res.notes), (
+            res.notes
+        )
 
 
 def test_the_commands(tmp_path: Any) -> None:

@@ -218,10 +218,11 @@ def compile_ptx(spec: Any, path: Path, config: Any, root: Path | None = None) ->
         epi[s.py] = _meta(tuple(shape), "f32")
         if s.index is not None:
             epi[s.index] = _meta((m,), s.index_dtype or "i32")
-    if g.scaled:  # the block scales the mainloop reads: [M, K/128] and [N/128, K/128]
-        blocks = -(-k // SCALE_BLOCK)
-        epi[g.scale_a_py] = _meta((m, blocks), "f32")
-        epi[g.scale_b_py] = _meta((-(-n // SCALE_BLOCK), blocks), "f32")
+    if g.scaled:  # the block scales the mainloop reads: [M, K/128] and [N/128, K/128] (or [K/128, N/128])
+        blocks, nb = -(-k // SCALE_BLOCK), -(-n // SCALE_BLOCK)
+        if g.scale_a is not None:
+            epi[g.scale_a_py] = _meta((m, blocks), "f32")
+        epi[g.scale_b_py] = _meta((blocks, nb) if g.b_kn else (nb, blocks), "f32")
     for gr in spec.groups:  # a grouped reduction: its width (a compile-time int); its writer's buffer
         epi[gr.py] = gr.width
         if gr.out is not None:

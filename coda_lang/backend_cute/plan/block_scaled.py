@@ -9,6 +9,11 @@ accumulator per K tile, then promotion into the f32 one) with the promotion scal
 `acc_slow += acc * sa[row, kb] * sb[n block, kb]`, the K tile being the block (128 deep). The scales
 are read from global memory (L2) at each promotion: a word per accumulator row a thread holds, and one
 per tile for B's 128 x 128 blocks. DeepSeek-V3's recipe (1 x 128 groups of A, 128 x 128 blocks of B).
+Two more forms, which a derived backward's data gradient has (`dacc @ w, scale_b=sw`: the cotangent
+scaled per tensor in the epilogue, the weight's blocks cutting the contraction the other way):
+- B's scale alone (no A scale: `acc_slow += acc * sb[...]`);
+- B's blocks laid out as B is stored [K, N] (`kn`: sb [K/128, N/128], read `sb[kb, n block]`), the
+  kernel reading B's K-major copy.
 How the mainloop learns what quack does not hand it (its `mma` is called with the pipeline, the
 accumulators and the K tile count only):
 - the scale tensors: the kernel passes its epilogue parameters to `epi_get_smem_tensors` at its top,
@@ -45,7 +50,7 @@ from quack.tile_scheduler import TileScheduler, WorkTileInfo
 
 from coda_lang.backend_cute.plan.spec import SCALE_BLOCK
 
-VERSION = 3
+VERSION = 4
 GROUP = SCALE_BLOCK  # the depth of a K block, and the tile's K (quack's fp8 tile_K)
 
 
@@ -85,20 +90,24 @@ class _RecordingScheduler(TileScheduler):
 
 
 class BlockScale(EpiOp):
-    """One scale matrix of a block-scaled GEMM (`role` "a": [M, K/128]; "b": [N/128, K/128]), carried to
-    the mainloop; the epilogue does not see it."""
+    """One scale matrix of a block-scaled GEMM (`role` "a": [M, K/128]; "b": [N/128, K/128], or
+    [K/128, N/128] where `kn`), carried to the mainloop; the epilogue does not see it. `other`: the
+    other scale's name, "" where B's scale is the only one."""
 
     fn_port = None
 
-    def __init__(self, name: str, role: str, other: str) -> None:
+    def __init__(self, name: str, role: str, other: str, kn: bool = False) -> None:
         super().__init__(name)
         if role not in ("a", "b"):
             raise ValueError(f"role is 'a' or 'b', not {role!r}")
+        if role == "a" and not other:
+            raise ValueError("A's block scale goes with B's: the kernel has no GEMM scaling A alone")
         self.role = role
         self.other = other  # the name of the other scale
+        self.kn = kn  # (B's blocks laid out [K/128, N/128]; given to B's op, or to A's for both)
 
     def config_key(self) -> tuple[Any, ...]:
-        return (VERSION, self.role, self.other)
+        return (VERSION, self.role, self.other, self.kn)
 
     def host_arg_key(self, value: Any) -> Any:
         # (quack leaves out an op whose value is None: the GEMM would then run unscaled)
@@ -119,7 +128,9 @@ class BlockScale(EpiOp):
 
     def to_params(self, gemm: Any, args: Any) -> dict[str, Any]:
         if self.role == "a":
-            install(gemm, scale_a=self.name, scale_b=self.other)
+            install(gemm, scale_a=self.name, scale_b=self.other, kn=self.kn)
+        elif not self.other:  # (B's scale alone)
+            install(gemm, scale_a=None, scale_b=self.name, kn=self.kn)
         return {self.name: getattr(args, self.name)}
 
 
@@ -134,15 +145,16 @@ def check_config(tile_n: int, pingpong: bool, split_k: int = 1) -> str | None:
     return None
 
 
-def install(gemm: Any, *, scale_a: str, scale_b: str) -> None:
-    """Give quack's kernel object `gemm` the scaled mainloop for the trace that follows."""
+def install(gemm: Any, *, scale_a: str | None, scale_b: str, kn: bool = False) -> None:
+    """Give quack's kernel object `gemm` the scaled mainloop for the trace that follows (`scale_a`
+    None: B's scale alone; `kn`: B's blocks laid out [K/128, N/128])."""
     why = check_config(gemm.cta_tile_shape_mnk[1], gemm.pingpong, getattr(gemm, "split_k", 1))
     if why is not None:
         raise ValueError(f"a block-scaled mainloop can't run here: {why}")
     if not gemm.fp8_slow_accum:
         raise ValueError("a block-scaled mainloop needs fp8 operands promoted per K tile")
     recorder = _Recorder()
-    gemm._coda_scales = (recorder, scale_a, scale_b)
+    gemm._coda_scales = (recorder, scale_a, scale_b, kn)
     _RecordingWorkTile.recorder = recorder
     own = type(gemm)
     gemm.get_scheduler_class = lambda varlen_m=False: _RecordingScheduler
@@ -167,16 +179,14 @@ def _scaled_mma(
     k_tile_cnt: Int32,
     warp_group_idx: Int32,
 ) -> Any:
-    recorder, name_a, name_b = self._coda_scales
-    sa = getattr(recorder.params, name_a)  # f32 [M, KB]
-    sb = getattr(recorder.params, name_b)  # f32 [N / 128, KB]
+    recorder, name_a, name_b, kn = self._coda_scales
+    sb = getattr(recorder.params, name_b)  # f32 [N / 128, KB] ([KB, N / 128] where kn)
     pid_m, pid_n = recorder.tile[0], recorder.tile[1]
     tile_m, tile_n = self.cta_tile_shape_mnk[0], self.cta_tile_shape_mnk[1]
     tiled_mma = mma_fn.args[0]
     tidx, _, _ = cute.arch.thread_idx()
     coords = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((tile_m, tile_n)))
     mma_m = const_expr(cute.size(acc.shape[1]))
-    m_total = cute.size(sa.shape[0])
     n_block = pid_n  # (tile_n == 128: one block of B's rows)
     acc_slow.fill(0.0)
     for k_tile in cutlass.range(k_tile_cnt, unroll=1):
@@ -184,15 +194,23 @@ def _scaled_mma(
         mma_fn(A_idx=ab_read_state.index, B_idx=ab_read_state.index, zero_init=True)
         # this K block's scales, loaded while the WGMMAs run: the tile's one block of B's, and A's for
         # each row this thread holds (0 past M, where the accumulator is 0 too)
-        sb_k = sb[n_block, k_tile]
+        sb_k = Float32(0.0)
+        if const_expr(kn):
+            sb_k = sb[k_tile, n_block]
+        else:
+            sb_k = sb[n_block, k_tile]
         row_scales = cute.make_rmem_tensor((2, mma_m), Float32)
         for m in cutlass.range_constexpr(mma_m):
             for r in cutlass.range_constexpr(2):
-                row = pid_m * tile_m + coords[(0, r, 0), m, 0][0]
-                s = Float32(0.0)
-                if row < m_total:
-                    s = sa[row, k_tile]
-                row_scales[r, m] = s * sb_k
+                if const_expr(name_a is None):
+                    row_scales[r, m] = sb_k
+                else:
+                    sa = getattr(recorder.params, name_a)  # f32 [M, KB]
+                    row = pid_m * tile_m + coords[(0, r, 0), m, 0][0]
+                    s = Float32(0.0)
+                    if row < cute.size(sa.shape[0]):
+                        s = sa[row, k_tile]
+                    row_scales[r, m] = s * sb_k
         warpgroup.wait_group(0)
         ab_pipeline.consumer_release(ab_read_state)
         ab_read_state.advance()

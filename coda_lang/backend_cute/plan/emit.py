@@ -316,8 +316,10 @@ class _Emitter:
             args.append("outs={" + ", ".join(items) + "}")
         gemm = spec.gemm
         if gemm.scaled:  # the block scales, carried to the mainloop (the fn never reads them)
-            extra_ops.append(f'BlockScale("{gemm.scale_a_py}", "a", "{gemm.scale_b_py}")')
-            extra_ops.append(f'BlockScale("{gemm.scale_b_py}", "b", "{gemm.scale_a_py}")')
+            kn = ", kn=True" if gemm.b_kn else ""
+            if gemm.scale_a is not None:
+                extra_ops.append(f'BlockScale("{gemm.scale_a_py}", "a", "{gemm.scale_b_py}"{kn})')
+            extra_ops.append(f'BlockScale("{gemm.scale_b_py}", "b", "{gemm.scale_a_py}"{kn})')
         if extra_ops:
             args.append(f"extra_ops=({', '.join(extra_ops)}{',' if len(extra_ops) == 1 else ''})")
         if spec.quack_mode != "element":

@@ -73,8 +73,10 @@ def check_gemm_stage(index: int, st: Stage, sp: StagePlan, dtype_of: Callable[[V
                     "the kernels' block-scaled GEMM is DeepSeek-V3's: `gemm a @ transpose(w), scale_a=sa, "
                     "scale_b=sw` with a and w fp8 (a: [M, K], w stored [N, K]), sa: f32[M, K/128] (1 x 128 "
                     "groups of a) and sw: f32[N/128, K/128] (128 x 128 blocks of w), each 128-deep block of K "
-                    "promoted with its scales in the mainloop; the interpreter runs any block scales "
-                    "(`coda run`, `--target interp`)"
+                    "promoted with its scales in the mainloop; also without `scale_a` (w's blocks alone), and "
+                    "with w stored [K, N] and sw: f32[K/128, N/128] in a derived backward (its data gradient "
+                    "`dacc @ w, scale_b=sw`); the interpreter runs any block scales (`coda run`, "
+                    "`--target interp`)"
                 ],
                 help=[
                     "write the GEMM in that form, or scale per tensor and fold the scales into the epilogue "
@@ -87,21 +89,26 @@ def block_scales_unsupported(st: Stage, sp: StagePlan, dtype_of: Callable[[Var],
     """Why the kernels' block-scaled GEMM (plan/block_scaled.py) can't run this scaled stage, or None.
     `dtype_of`: the dtype each GEMM operand is multiplied in (the block plan's `operand_dtype`: a value
     stored in e4m3 is an e4m3 operand, whatever its compute type)."""
-    if st.scale_a is None or st.scale_b is None:
-        return "it scales one operand only; the kernel takes both scales"
-    if st.ta or not st.tb:
-        return "the kernel reads a as [M, K] and w as transpose(w) of a [N, K] matrix (both K-major)"
+    if st.scale_b is None:
+        return "it scales a only; the kernel takes w's scale, with or without a's"
+    if st.ta:
+        return "the kernel reads a as [M, K] (K-major)"
     if not all(isinstance(x, Var) and is_fp8(dtype_of(x)) for x in (st.a, st.b)):
         return "its operands are not both fp8 (e4m3 or e5m2)"
     sa, sb = st.scale_a, st.scale_b
-    if not (isinstance(sa, Var) and isinstance(sb, Var) and sa.type is not None and sb.type is not None):
+    scales = [s for s in (sa, sb) if s is not None]
+    types = [s.type for s in scales if isinstance(s, Var) and s.type is not None]
+    if len(types) != len(scales) or not isinstance(sb, Var) or sb.type is None:
         return "a scale is not a matrix of the block"
-    if sa.type.dtype != "f32" or sb.type.dtype != "f32":
+    if any(t.dtype != "f32" for t in types):
         return "its scales are not f32"
-    groups_a = [group_size(d, g) for d, g in zip((sp.rows, sp.k), sa.type.shape, strict=True)]
-    groups_b = [group_size(d, g) for d, g in zip((sp.cols, sp.k), sb.type.shape, strict=True)]
-    if groups_a != [1, SCALE_BLOCK]:
-        return f"scale_a `{sa.name}` is {shape_str(sa.type.shape)}: groups of {groups_a[0]} x {groups_a[1]}, not 1 x {SCALE_BLOCK}"
+    # w's blocks laid out as w is stored: [N/128, K/128] for transpose(w), [K/128, N/128] for w
+    b_dims = (sp.cols, sp.k) if st.tb else (sp.k, sp.cols)
+    groups_b = [group_size(d, g) for d, g in zip(b_dims, sb.type.shape, strict=True)]
+    if isinstance(sa, Var) and sa.type is not None:
+        groups_a = [group_size(d, g) for d, g in zip((sp.rows, sp.k), sa.type.shape, strict=True)]
+        if groups_a != [1, SCALE_BLOCK]:
+            return f"scale_a `{sa.name}` is {shape_str(sa.type.shape)}: groups of {groups_a[0]} x {groups_a[1]}, not 1 x {SCALE_BLOCK}"
     if groups_b != [SCALE_BLOCK, SCALE_BLOCK]:
         return f"scale_b `{sb.name}` is {shape_str(sb.type.shape)}: blocks of {groups_b[0]} x {groups_b[1]}, not {SCALE_BLOCK} x {SCALE_BLOCK}"
     return None

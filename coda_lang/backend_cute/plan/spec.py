@@ -246,8 +246,9 @@ class Gemm:
     # K-major copy, transposed in one pass (launch.py, `StageRunner.arguments`)
     copy_a: bool = False  # a is stored [K, M]
     copy_b: bool = False  # b is stored [K, N]
-    # block scales (`scale_a=sa, scale_b=sb`, DeepSeek-V3's form: sa [M, K/128], sb [N/128, K/128]):
-    # the coda names of the two matrices and their names as the kernel's arguments (the mainloop's,
+    # block scales (`scale_a=sa, scale_b=sb`, DeepSeek-V3's form: sa [M, K/128], sb [N/128, K/128]; or
+    # sb alone; sb laid out as B is stored, [K/128, N/128] where B is stored [K, N]: `b_kn`): the coda
+    # names of the matrices and their names as the kernel's arguments (the mainloop's,
     # plan/block_scaled.py; the epilogue never reads them)
     scale_a: str | None = None
     scale_b: str | None = None
@@ -256,7 +257,12 @@ class Gemm:
 
     @property
     def scaled(self) -> bool:
-        return self.scale_a is not None
+        return self.scale_b is not None
+
+    @property
+    def b_kn(self) -> bool:
+        """B is stored [K, N] (the kernel reads its K-major copy where `copy_b`)."""
+        return self.copy_b or not self.tb
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -417,10 +423,16 @@ def describe(spec: StageSpec) -> list[str]:
         + (f" (run by quack in {spec.quack_mode} mode)" if spec.quack_mode != spec.mode else "")
     ]
     if g.scaled:
+        sa = (
+            f"{g.scale_a_py} = {g.scale_a}: f32[{g.rows}, {g.k}/128] of A's 1 x 128 groups, "
+            if g.scale_a
+            else ""
+        )
+        blocks = f"{g.k}/128, {g.cols}/128" if g.b_kn else f"{g.cols}/128, {g.k}/128"
         lines.append(
-            f"scales {g.scale_a_py} = {g.scale_a}: f32[{g.rows}, {g.k}/128] of A's 1 x 128 groups, "
-            f"{g.scale_b_py} = {g.scale_b}: f32[{g.cols}/128, {g.k}/128] of B's 128 x 128 blocks "
-            "(BlockScale: applied in the mainloop, each 128-deep block of K promoted with its scales)"
+            f"scales {sa}{g.scale_b_py} = {g.scale_b}: f32[{blocks}] of B's 128 x 128 blocks"
+            + ("" if g.scale_a else " (B's alone)")
+            + " (BlockScale: applied in the mainloop, each 128-deep block of K promoted with its scales)"
         )
     for o in spec.operands:
         host = f", passed as {o.py}.{o.host}" if o.host else ""

@@ -280,8 +280,8 @@ class StageRunner:
         for _, name in self.index_names:
             ins.append(dense(env[name], torch.int32))
         if g.scaled:  # the block scales the mainloop reads (plan/block_scaled.py), f32 and row-major
-            assert g.scale_a is not None and g.scale_b is not None
-            ins += [dense(env[g.scale_a], torch.float32), dense(env[g.scale_b], torch.float32)]
+            assert g.scale_b is not None
+            ins += [dense(env[s], torch.float32) for s in (g.scale_a, g.scale_b) if s is not None]
         return ins, scalars
 
     def allocate(
@@ -445,8 +445,9 @@ class StageRunner:
             j += 1
         if spec.gemm.scaled:
             for py in (spec.gemm.scale_a_py, spec.gemm.scale_b_py):
-                epi[py] = _aligned(ins[j])
-                j += 1
+                if py:  # (no A scale where B's is alone)
+                    epi[py] = _aligned(ins[j])
+                    j += 1
         i = 0
         D = None
         if spec.d is not None:
