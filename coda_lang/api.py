@@ -38,7 +38,7 @@ class Block(CheckedBlock):
 
     def __init__(self, ir: nodes.Block, plan: BlockPlan):
         super().__init__(ir, plan)
-        self._derivations: dict[tuple[tuple[str, ...] | None, str, str | None, bool], Derivation] = {}
+        self._derivations: dict[tuple[tuple[str, ...] | None, str, str | None, bool, bool], Derivation] = {}
         self._chunk_plans: dict[tuple[tuple[str, ...] | None, str, str], Any] = {}
 
     def run(
@@ -94,10 +94,13 @@ class Block(CheckedBlock):
         "recompute"; docs/design.md, "Saved and recomputed"), or `backward=BackwardOptions(...)`."""
         options = BackwardOptions.of(backward, remat=remat)
         remat, fp8_grads, fp8_acc = options.remat, options.fp8_grads, options.fp8_acc
+        requant = options.requantize_wgrad
         self._check_wrt(wrt)
-        key = (tuple(wrt) if wrt is not None else None, remat, fp8_grads, fp8_acc)
+        key = (tuple(wrt) if wrt is not None else None, remat, fp8_grads, fp8_acc, requant)
         if key not in self._derivations:
-            self._derivations[key] = derive_checked(self.ir, self.plan, wrt, remat, fp8_grads, fp8_acc)
+            self._derivations[key] = derive_checked(
+                self.ir, self.plan, wrt, remat, fp8_grads, fp8_acc, requant
+            )
         return self._derivations[key]
 
     def _check_wrt(self, wrt: Any) -> None:
@@ -381,10 +384,11 @@ def derive_checked(
     remat: str = nodes.DEFAULT_REMAT,
     fp8_grads: str | None = None,
     fp8_acc: bool = False,
+    requantize_wgrad: bool = False,
 ) -> Derivation:
     """Derive the backward block and check both blocks; CodaError (E06) where it can't."""
     try:
-        d = derive(ir, plan, wrt, remat, fp8_grads, fp8_acc)
+        d = derive(ir, plan, wrt, remat, fp8_grads, fp8_acc, requantize_wgrad)
     except AutodiffError as e:
         raise CodaError([Diagnostic(e.code, e.message, e.span, notes=e.notes)]) from None
     blocks = [check_generated(b, "the derived block", ir.span) for b in (d.forward, d.backward)]

@@ -570,6 +570,105 @@ def test_deepseeks_mlp_end_to_end() -> None:
         assert np.abs(np.asarray(got[name], np.float64) - want).max() <= 1e-10 * np.abs(want).max(), name
 
 
+def _requantized(v: np.ndarray, g: int = 128) -> np.ndarray:
+    """float64 `v` [M, K] quantized in g x 1 groups as the requantizing stage does: each group's amax
+    (at least 1e-12), the e4m3 codes of v * (448 / amax), times the scale amax * (1 / 448)."""
+    m, k = v.shape
+    amax = np.maximum(np.abs(v).reshape(m // g, g, k).max(axis=1), 1e-12)
+    codes = (v * np.repeat(448.0 / amax, g, 0)).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return codes * np.repeat(amax * (1.0 / 448.0), g, 0)
+
+
+def test_the_weight_gradients_read_their_activations_quantized_again() -> None:
+    """BackwardOptions(requantize_wgrad=True) on DeepSeek's MLP: each weight gradient reads its
+    activation (`xq`, `aq`, in 1 x 128 groups along K) quantized again in 128 x 1 groups by an
+    elementwise stage of the backward, as DeepSeek-V3 does, with a scale per 128 rows and column
+    (`scale_b=`, constant over each 128-deep block of its contraction). float64 gradients of both
+    weights against NumPy of that recipe (the forward's dequantized activation, requantized, times the
+    cotangent); x's gradient is the exact one's bit for bit; the weights' differ from the exact
+    straight-through ones by the second rounding, and by no more than e4m3's step."""
+    from coda_lang.frontend.syntax.printer import print_block
+
+    blk = coda_lang.load(MLP)["mlp"]
+    rng = np.random.default_rng(17)
+    m, d, f = 256, 256, 256
+    ins = {
+        "x": rng.standard_normal((m, d)).astype(ml_dtypes.bfloat16),
+        "w13": (rng.standard_normal((2 * f, d)) * 2).astype(ml_dtypes.float8_e4m3fn),
+        "s13": np.exp2(rng.integers(-6, -3, (2 * f // 128, d // 128))).astype(np.float32),
+        "w2": (rng.standard_normal((d, f)) * 2).astype(ml_dtypes.float8_e4m3fn),
+        "s2": np.exp2(rng.integers(-6, -3, (d // 128, f // 128))).astype(np.float32),
+    }
+    dy = rng.standard_normal((m, d))
+    wrt = ["x", "w13", "w2"]
+    opts = coda_lang.BackwardOptions(requantize_wgrad=True)
+    text = print_block(blk.derivation(wrt, backward=opts).backward.ir)
+    assert "scale_b=aac" in text and "scale_b=axc" in text and "over=M, group=128" in text, text
+    got = blk.vjp(ins, {"y": dy}, precision="f64", wrt=wrt, backward=opts)
+    exact = blk.vjp(ins, {"y": dy}, precision="f64", wrt=wrt)
+    assert np.array_equal(np.asarray(got["x"], np.float64), np.asarray(exact["x"], np.float64))
+
+    # the forward in float64 (as test_deepseeks_mlp_end_to_end), then the recipe's weight gradients
+    def quantized(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        amax = np.maximum(np.abs(v).reshape(m, -1, 128).max(-1), 1e-12)
+        codes = (v * np.repeat(448.0 / amax, 128, 1)).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+        return codes, amax
+
+    x = np.asarray(ins["x"], np.float64)
+    w13 = np.asarray(ins["w13"], np.float64) * _repeat(ins["s13"], 2 * f, d)
+    w2 = np.asarray(ins["w2"], np.float64) * _repeat(ins["s2"], d, f)
+    xq, ax = quantized(x)
+    z = (xq * np.repeat(ax, 128, 1)) @ w13.T / 448.0
+    gate, up = z[:, 0::2], z[:, 1::2]
+    a = gate / (1.0 + np.exp(-gate)) * up
+    aq, aa = quantized(a)
+    dacc3 = dy / 448.0
+    dw2 = dacc3.T @ _requantized(aq * np.repeat(aa, 128, 1)) * _repeat(ins["s2"], d, f)
+    # the cotangent of z: through the SwiGLU at the forward's codes (straight through aq)
+    da = (dacc3 @ w2) * np.repeat(aa, 128, 1) * np.repeat(448.0 / aa, 128, 1)
+    sig = 1.0 / (1.0 + np.exp(-gate))
+    dz = np.empty_like(z)
+    dz[:, 0::2] = da * up * sig * (1.0 + gate * (1.0 - sig))
+    dz[:, 1::2] = da * gate * sig
+    dw13 = (dz / 448.0).T @ _requantized(xq * np.repeat(ax, 128, 1)) * _repeat(ins["s13"], 2 * f, d)
+    for name, want in (("w2", dw2), ("w13", dw13)):
+        g, e = np.asarray(got[name], np.float64), np.asarray(exact[name], np.float64)
+        top = np.abs(want).max()
+        assert np.abs(g - want).max() <= 1e-9 * top, name
+        off = np.abs(g - e).max()
+        assert 1e-6 * top < off <= 2.0**-3 * top, (name, off / top)  # (the second rounding, within a step)
+
+
+def test_requantized_weight_gradients_on_the_kernels_the_commands_and_bad_options(tmp_path: Any) -> None:
+    """The requantized weight gradient (a scale per column and 128-deep block of K) is not in the
+    kernels' mainloop yet: E0709 naming it, kernels and emulated alike; `coda grad --requantize-wgrad` prints it, `coda fuzz --requantize-wgrad` checks
+    it on the interpreter (whole groups of rows in its simulated tiles), and goes with a backward only
+    (exit 2); a bad value is a TypeError."""
+    from coda_lang.backend_cute.plan.planner import plan_stage
+
+    blk = coda_lang.load(MLP)["mlp"]
+    opts = coda_lang.BackwardOptions(fp8_grads="e5m2", requantize_wgrad=True)
+    bwd = blk.grad(["x", "w13", "w2"], backward=opts)
+    wgrads = [i + 1 for i, st in enumerate(bwd.ir.stages) if st.is_gemm and st.ta]
+    assert len(wgrads) == 2
+    for i in wgrads:
+        for emulated in (False, True):
+            with pytest.raises(CodaError) as e:
+                plan_stage(bwd, i, emulated=emulated)
+            (d,) = e.value.diagnostics
+            assert d.code == "E0709" and "a scale per column of the result" in d.message, d.message
+    f = tmp_path / "mlp.coda"
+    f.write_text(MLP)
+    r = coda("grad", str(f), "--requantize-wgrad")
+    assert r.returncode == 0 and "over=M, group=128" in r.stdout and "requantize_wgrad" in r.stdout, r.stderr
+    r = coda("fuzz", str(f), "--target", "interp", "--examples", "3", "--requantize-wgrad")
+    assert r.returncode == 0 and "--requantize-wgrad" in r.stdout, (r.stdout, r.stderr)
+    r = coda("fuzz", str(f), "--target", "interp", "--requantize-wgrad", "--no-backward")
+    assert r.returncode == 2 and "--requantize-wgrad" in r.stderr and "Traceback" not in r.stderr
+    with pytest.raises(TypeError, match="requantize_wgrad= is 'yes'"):
+        coda_lang.BackwardOptions(requantize_wgrad="yes")  # type: ignore[arg-type]
+
+
 def test_a_scale_read_only_by_a_later_gemm_is_stored_by_its_stage() -> None:
     """The kernels' planner keeps a stage's value that a later stage reads only as its block scale
     (CHAIN's 1x128 amax, read as `scale_a=` by the second GEMM): the grouped reduction is written out."""

@@ -26,7 +26,13 @@ argument or its keyword shorthands (`Block.vjp`, `Block.grad`, `coda_lang.torch.
   again from that acc comes from the copy too: a tile the stage stores that the backward makes again
   rather than saves (the SwiGLU output a down projection's weight gradient reads) is made from the
   rounded acc, as DeepSeek-V3 recomputes its SwiGLU output from the fp8 inputs it caches
-  (docs/design.md, "Saving activations in fp8").
+  (docs/design.md, "Saving activations in fp8");
+- `requantize_wgrad`: False (the weight gradient of a block-scaled GEMM `a @ transpose(w), scale_a=sa`
+  reads `a` in the forward's 1 x g groups along K, which change along its contraction, the rows: the
+  exact straight-through gradient, which the interpreter runs and no kernel does), or True:
+  DeepSeek-V3's recipe, `a` quantized again in g x 1 groups by an elementwise stage of the backward
+  (its codes and a scale per g rows and column), which the weight gradient reads instead: the
+  gradient of the requantized operand, each of its values rounded twice (docs/design.md).
 What it does not: decide whether a block's backward can run in chunks of a dim (chunk.py: CodaError
 E0809 when it can't, a property of the program).
 Invariants: a mistake in an argument is a TypeError (a value of the wrong type) or a ValueError (a
@@ -67,6 +73,7 @@ class BackwardOptions:
     chunk_dim: str | None = None
     fp8_grads: str | None = None
     fp8_acc: bool = False
+    requantize_wgrad: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.remat, str):
@@ -115,6 +122,11 @@ class BackwardOptions:
             raise TypeError(
                 f"fp8_acc= is {self.fp8_acc!r}; it takes True (read each GEMM stage's acc from the fp8 copy "
                 "the stage stores, where it stores one) or False"
+            )
+        if not isinstance(self.requantize_wgrad, bool):
+            raise TypeError(
+                f"requantize_wgrad= is {self.requantize_wgrad!r}; it takes True (a block-scaled GEMM's weight "
+                "gradient reads its activation quantized again in g x 1 groups) or False"
             )
         if self.fp8_acc and self.chunked:
             raise ValueError(
@@ -201,4 +213,6 @@ class BackwardOptions:
             parts.append(f"fp8_grads={self.fp8_grads}")
         if self.fp8_acc:
             parts.append("fp8_acc=True")
+        if self.requantize_wgrad:
+            parts.append("requantize_wgrad=True")
         return ", ".join(parts)

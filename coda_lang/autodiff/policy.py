@@ -82,17 +82,31 @@ def derive(
     remat: str = DEFAULT_REMAT,
     fp8_grads: str | None = None,
     fp8_acc: bool = False,
+    requantize_wgrad: bool = False,
 ) -> Derived:
     """The backward of `block` under the saved-tensor policy `remat` (see the module docstring), its
     fp8 stages' cotangents quantized to `fp8_grads` (reverse.py, `Reverse.quantizes`) where given, and
-    with `fp8_acc` each stage's acc read from the fp8 copy the stage stores (`ForwardFacts.acc_copy`)."""
+    with `fp8_acc` each stage's acc read from the fp8 copy the stage stores (`ForwardFacts.acc_copy`),
+    and with `requantize_wgrad` each block-scaled weight gradient reading its activation quantized
+    again in g x 1 groups (`Reverse.requantized`)."""
     policies = stage_policies(block, remat)
-    d = derive_with(block, plan, wrt, remat, fp8_grads=fp8_grads, fp8_acc=fp8_acc)
+    d = derive_with(
+        block, plan, wrt, remat, fp8_grads=fp8_grads, fp8_acc=fp8_acc, requantize_wgrad=requantize_wgrad
+    )
     if all(p == "save" for p in policies):
         return d
     fwd = ForwardFacts(block, plan, wrt)
     rows = token_rows(block)
-    derive_k = partial(derive_with, block, plan, wrt, remat, fp8_grads=fp8_grads, fp8_acc=fp8_acc)
+    derive_k = partial(
+        derive_with,
+        block,
+        plan,
+        wrt,
+        remat,
+        fp8_grads=fp8_grads,
+        fp8_acc=fp8_acc,
+        requantize_wgrad=requantize_wgrad,
+    )
     fstage = {v.name: k for k, st in enumerate(block.stages) for e in st.body for v in e.outs}
     fdef = {v.name: e for st in block.stages for e in st.body for v in e.outs}
     made: dict[str, str] = {}  # tiles recomputed in an epilogue -> their report line

@@ -39,8 +39,20 @@ from coda_lang.autodiff.prologue import build as build_prologue
 from coda_lang.autodiff.site import Host, Site
 from coda_lang.autodiff.state import Gemm, State
 from coda_lang.frontend.verify.plan import BlockPlan
-from coda_lang.ir.nodes import DEFAULT_REMAT, REMAT, Atom, Block, Eqn, Var
-from coda_lang.ir.types import GROUP, MATRIX, PARTIAL, SCALAR, TILE, VEC, Type, cotangent_dtype, is_fp8
+from coda_lang.ir.nodes import DEFAULT_REMAT, REMAT, Atom, Block, Eqn, Lit, Stage, Var
+from coda_lang.ir.types import (
+    FP8_MAX,
+    GROUP,
+    MATRIX,
+    PARTIAL,
+    SCALAR,
+    TILE,
+    VEC,
+    Type,
+    cotangent_dtype,
+    group_size,
+    is_fp8,
+)
 from coda_lang.ops import REGISTRY, Locality, StageShape
 from coda_lang.ops.registry import repeats_in
 
@@ -63,12 +75,16 @@ class Reverse:
         fp8_grads: str | None = None,
         prologue: frozenset[str] = frozenset(),
         fp8_acc: bool = False,
+        requantize_wgrad: bool = False,
     ):
         self.policy = stage_policies(block, remat)
         self.fwd = ForwardFacts(block, plan, wrt)
         self.s = State(self.fwd)
         self.s.fp8_grads = fp8_grads
         self.s.fp8_acc = fp8_acc
+        self.requantize_wgrad = requantize_wgrad
+        # (forward stage, operand name) -> its requantized copy and scale (`requantized`), made once
+        self.requant: dict[tuple[int, str], tuple[Var, Var]] = {}
         self.remat = remat
         # stored forward tiles that their stage's backward recomputes and stores (policy.py chooses)
         self.make = make
@@ -310,9 +326,54 @@ class Reverse:
                 return Gemm(dacc, b_op, False, not st.tb, scale_b=sb, out_scale=st.scale_a)
             return Gemm(b_op, dacc, st.tb, True, scale_a=sb, out_scale=st.scale_a)
         a_op, sa = self.forward_operand(st.a), read(st.scale_a)
+        if isinstance(sa, Var) and self.requantize_wgrad and not st.ta:
+            a_op, sa = self.requantized(c, a_op, sa)
         if not st.tb:
             return Gemm(a_op, dacc, not st.ta, False, scale_a=sa, out_scale=st.scale_b)
         return Gemm(dacc, a_op, True, st.ta, scale_b=sa, out_scale=st.scale_b)
+
+    def requantized(self, c: int, a: Var, sa: Var) -> tuple[Var, Var]:
+        """BackwardOptions.requantize_wgrad: forward stage c's operand `a` ([M, K], fp8, its scale `sa`
+        [M, K/g]: 1 x g groups along K), which its weight gradient contracts over M, where `sa` changes
+        every row, quantized again in g x 1 groups (DeepSeek-V3's recipe): an elementwise stage over
+        [M, K] dequantizes it, takes each g x 1 group's amax, and stores the codes `ac` (a's fp8 dtype,
+        at the dtype's largest value over the amax) and their scale `sc` = amax / that largest value
+        ([M/g, K], a scale per g rows and column: constant over each g-deep block of the contraction).
+        The gradient is then that of the requantized operand, not of the forward's codes. (a, sa) as they
+        are where `sa`'s groups are not 1 x g along K."""
+        s, fwd = self.s, self.fwd
+        t_a, t_s = s.types.get(a.name), s.types.get(sa.name)
+        if t_a is None or t_s is None or len(t_a.shape) != 2 or len(t_s.shape) != 2:
+            return a, sa
+        rows, cols = t_a.shape
+        g_rows, g = group_size(rows, t_s.shape[0]), group_size(cols, t_s.shape[1])
+        st = fwd.block.stages[c]
+        dtype = fwd.stored_dtype(st.a)
+        if g_rows != 1 or g is None or g == 1 or dtype not in FP8_MAX:
+            return a, sa
+        key = (c, a.name)
+        if key not in self.requant:
+            b, top = s.b, float(FP8_MAX[dtype])
+            names = (s.names.fresh(f"{a.name}c"), s.names.fresh(f"{sa.name}c"))
+            b.span = st.span
+            s.open_stage(StageShape(rows, cols), acc=False)
+            v = b.mul(a, b.op("expand", sa, a))
+            am = b.op("detach", b.op("reduce_max", b.op("abs", v), over=rows, group=g))
+            r = b.op("maximum", am, Lit(1e-12, "f32"))
+            (sc,) = b.ops("mul", r, Lit(1.0 / top, "f32"), names=(names[1],))
+            (ac,) = b.ops("mul", v, b.div(Lit(top, "f32"), r), names=(names[0],), annot=dtype)
+            s.made_dtype[ac.name] = dtype
+            before, body = s.close_stage()
+            s.emit(before)
+            s.emit([Stage(None, None, False, False, None, tuple(body), (rows, cols), span=st.span)])
+            s.note(
+                st.span,
+                f"stage {c + 1} (line {st.span.line}): its weight gradient reads `{a.name}` quantized again in "
+                f"{g} x 1 groups (`{ac.name}`, scales `{sc.name}`), made by an elementwise stage from the "
+                f"forward's codes and their 1 x {g} scales (requantize_wgrad)",
+            )
+            self.requant[key] = (Var(ac.name), Var(sc.name))
+        return self.requant[key]
 
     def fp8_operand(self, c: int, other: Atom, what: str) -> None:
         """Refuse a GEMM of stage c's quantized dacc with a forward operand not stored in fp8 (E0602):
@@ -387,10 +448,11 @@ def derive_with(
     fp8_grads: str | None = None,
     prologue: frozenset[str] = frozenset(),
     fp8_acc: bool = False,
+    requantize_wgrad: bool = False,
 ) -> Derived:
     """The backward of `block` under policy `remat` (stage reruns: Reverse.recompute_host), with the
     tiles `make` recomputed and stored by their stage's backward and the tiles `prologue` by
     elementwise stages at its start (prologue.py; policy.py chooses both), and the cotangents of its
     fp8 stages quantized to `fp8_grads` where given (`Reverse.quantizes`), and with `fp8_acc` each
     stage's acc read from its fp8 copy where it stores one (`ForwardFacts.acc_copy`)."""
-    return Reverse(block, plan, wrt, remat, make, fp8_grads, prologue, fp8_acc).run()
+    return Reverse(block, plan, wrt, remat, make, fp8_grads, prologue, fp8_acc, requantize_wgrad).run()

@@ -130,6 +130,13 @@ def add_parser(sub: Any) -> None:
         "unchunked; with a FILE",
     )
     f.add_argument(
+        "--requantize-wgrad",
+        action="store_true",
+        help="block-scaled weight gradients read their activations quantized again in g x 1 groups, as "
+        "`coda grad --requantize-wgrad` (BackwardOptions(requantize_wgrad=True)), in the backward under "
+        "test and its references; with a FILE",
+    )
+    f.add_argument(
         "--wrt",
         metavar="P,Q",
         help="the parameters the backward differentiates, as `coda grad --wrt` (default: every float "
@@ -273,6 +280,11 @@ def _run(args: Any) -> int:
             "--fp8-acc chooses what FILE's backward saves; it goes with a FILE and a backward "
             "(not with --programs or --no-backward)"
         )
+    if args.requantize_wgrad and (args.no_backward or args.programs is not None):
+        return usage_error(
+            "--requantize-wgrad chooses what FILE's backward derives; it goes with a FILE and a backward "
+            "(not with --programs or --no-backward)"
+        )
     if args.fp8_acc and options.chunked:
         return usage_error("--fp8-acc runs the backward unchunked; drop --chunk, --budget and --chunk-dim")
     if args.wrt is not None and (args.no_backward or args.programs is not None):
@@ -375,7 +387,7 @@ def _run(args: Any) -> int:
             fz = Fuzzer(
                 block,
                 args.target,
-                backward=False if args.no_backward else options,
+                backward=False if args.no_backward else options.with_(requantize_wgrad=args.requantize_wgrad),
                 special=args.special,
                 tile=tile,
                 sim_tile=sim_tile,
@@ -427,6 +439,8 @@ def _run(args: Any) -> int:
                 what += f" --fp8-grads {fz.fp8_grads}"
             if fz.fp8_acc:
                 what += " --fp8-acc"
+            if fz.options is not None and fz.options.requantize_wgrad:
+                what += " --requantize-wgrad"
             if fz.wrt is not None:
                 what += f" --wrt {','.join(fz.wrt)}"
             if fz.chunk_plan is not None:

@@ -79,6 +79,14 @@ def add_parser(sub: Any) -> None:
         "activation dtype: half the bytes or less, the acc the backward sees rounded to fp8 "
         '(BackwardOptions(fp8_acc=True); docs/design.md, "Saving activations in fp8")',
     )
+    g.add_argument(
+        "--requantize-wgrad",
+        action="store_true",
+        help="a block-scaled GEMM's weight gradient reads its activation quantized again in g x 1 groups "
+        "(a scale per g rows and column, made by an elementwise stage of the backward) instead of the "
+        "forward's 1 x g codes, whose scales change along its contraction: DeepSeek-V3's recipe "
+        '(BackwardOptions(requantize_wgrad=True); docs/design.md, "Block scales")',
+    )
     g.add_argument("--error-format", choices=("human", "short"), default="human")
     g.set_defaults(run=run)
 
@@ -93,7 +101,9 @@ def run(args: argparse.Namespace) -> int:
     options = parse_backward(args.remat)
     if not isinstance(options, BackwardOptions):
         return options
-    options = options.with_(fp8_grads=args.fp8_grads, fp8_acc=args.fp8_acc)
+    options = options.with_(
+        fp8_grads=args.fp8_grads, fp8_acc=args.fp8_acc, requantize_wgrad=args.requantize_wgrad
+    )
     wrt = [w.strip() for w in args.wrt.split(",") if w.strip()] if args.wrt else None
     try:
         d = block.derivation(wrt, backward=options)

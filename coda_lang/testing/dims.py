@@ -132,7 +132,7 @@ def tile_unit(blocks: Iterable[Any]) -> int:
                         continue
                     if t.kind in (TILE, MATRIX) and t.shape[1] != cols:  # (a loaded tile's type is a matrix)
                         unit = math.lcm(unit, 2)
-                    if t.kind == GROUP and t.group:
+                    if t.kind == GROUP and t.group and t.group_axis == 1:
                         ratio = Fraction(t.shape[1].coeff * t.group) / Fraction(cols.coeff)
                         unit = math.lcm(unit, _group_step(ratio, t.group))
     return unit
@@ -146,9 +146,24 @@ def _group_step(ratio: Fraction, group: int) -> int:
     return n
 
 
+def row_unit(blocks: Iterable[Any]) -> int:
+    """The step tile_M must be a multiple of in every stage of the blocks: whole groups of rows for
+    grouped reductions along the rows (`over=M, group=g`: a g x 1 group, e.g. a requantizing stage's)."""
+    unit = 1
+    for b in blocks:
+        for s in _ir(b).stages:
+            for e in s.body:
+                for v in e.outs:
+                    t = v.type
+                    if t is not None and t.kind == GROUP and t.group and t.group_axis == 0:
+                        unit = math.lcm(unit, t.group)
+    return unit
+
+
 def tiles(blocks: Any, max_tile: int = 16) -> st.SearchStrategy[tuple[int, int]]:
     """(tile_M, tile_N) for `Block.run(sim_tile=...)`: small tiles (at most `max_tile`, tile_N a multiple
-    of `tile_unit`) so that small matrices still have several, ragged, tiles."""
+    of `tile_unit`, tile_M of `row_unit`: whole groups of rows, where one holds more than `max_tile`)
+    so that small matrices still have several, ragged, tiles."""
     blocks = [blocks] if not isinstance(blocks, (list, tuple)) else list(blocks)
-    u = tile_unit(blocks)
-    return st.tuples(st.integers(1, max_tile), _multiples(u, max_tile))
+    u, r = tile_unit(blocks), row_unit(blocks)
+    return st.tuples(_multiples(r, max_tile), _multiples(u, max_tile))

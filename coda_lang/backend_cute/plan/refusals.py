@@ -91,8 +91,8 @@ def block_scales_unsupported(st: Stage, sp: StagePlan, dtype_of: Callable[[Var],
     stored in e4m3 is an e4m3 operand, whatever its compute type)."""
     if st.scale_b is None:
         return "it scales a only; the kernel takes w's scale, with or without a's"
-    if st.ta:
-        return "the kernel reads a as [M, K] (K-major)"
+    if st.ta and st.scale_a is not None:
+        return "the kernel reads a scaled a as [M, K] (K-major)"
     if not all(isinstance(x, Var) and is_fp8(dtype_of(x)) for x in (st.a, st.b)):
         return "its operands are not both fp8 (e4m3 or e5m2)"
     sa, sb = st.scale_a, st.scale_b
@@ -109,6 +109,13 @@ def block_scales_unsupported(st: Stage, sp: StagePlan, dtype_of: Callable[[Var],
         groups_a = [group_size(d, g) for d, g in zip((sp.rows, sp.k), sa.type.shape, strict=True)]
         if groups_a != [1, SCALE_BLOCK]:
             return f"scale_a `{sa.name}` is {shape_str(sa.type.shape)}: groups of {groups_a[0]} x {groups_a[1]}, not 1 x {SCALE_BLOCK}"
+    if groups_b == [SCALE_BLOCK, 1] and not st.tb:
+        return (
+            f"scale_b `{sb.name}` is {shape_str(sb.type.shape)}: a scale per column of the result and "
+            f"{SCALE_BLOCK}-deep block of K (a weight gradient reading its activation quantized again, "
+            "requantize_wgrad=True); the mainloop scales by B's 128 x 128 blocks, not yet by a scale per "
+            "column"
+        )
     if groups_b != [SCALE_BLOCK, SCALE_BLOCK]:
         return f"scale_b `{sb.name}` is {shape_str(sb.type.shape)}: blocks of {groups_b[0]} x {groups_b[1]}, not {SCALE_BLOCK} x {SCALE_BLOCK}"
     return None
