@@ -355,15 +355,19 @@ def test_the_kernel_with_ws_scale_alone_is_the_block_scaled_sum(kn: bool, m: int
 
 @pytest.mark.gpu
 def test_the_data_gradient_and_ws_scale_alone_run_as_the_interpreter_does() -> None:
-    """`coda fuzz --target cuda`: w's scale alone (forward), and DeepSeek's form differentiated with
+    """`coda fuzz --target cuda`: w's scale alone (forward and backward: its weight gradient reads w's
+    128 x 128 scales over its tile, passed repeated over rows), and DeepSeek's form differentiated with
     respect to `a` with e5m2 cotangents (its backward: the cotangent's quantizing stage, then the data
     gradient `dacc @ w, scale_b=sw` on w's K-major copy), against the interpreter."""
     import coda_lang
     from coda_lang.fuzz.fuzzer import Fuzzer
     from coda_lang.fuzz.search import fuzz_block
 
-    res = fuzz_block(coda_lang.load(ONLY_B)["only_b"], "cuda", examples=3, backward=False)
-    assert res.failure is None and res.cases == 3, res.failure
+    only_b = coda_lang.load(ONLY_B)["only_b"]
+    res = fuzz_block(
+        only_b, "cuda", examples=3, fuzzer=Fuzzer(only_b, "cuda", fp8_grads="e5m2", wrt=["a", "w"])
+    )
+    assert res.failure is None and res.cases == 3 and not res.notes, (res.failure, res.notes)
     blk = coda_lang.load(DEEPSEEK)["scaled"]
     res = fuzz_block(blk, "cuda", examples=3, fuzzer=Fuzzer(blk, "cuda", fp8_grads="e5m2", wrt=["a"]))
     assert res.failure is None and res.cases == 3, res.failure

@@ -333,9 +333,9 @@ def test_ws_scale_alone_and_the_data_gradient_run_emulated_against_the_interpret
     cotangents, whose backward's GEMM is the data gradient `dacc @ w, scale_b=sw` (w's blocks laid out
     as w is stored, [K/128, N/128] from that GEMM's side): they plan with B's scale alone, and the
     emulated kernels run them within the accuracy rule of the interpreter, forward and backward. With
-    respect to `w` too, the weight gradients are still refused, a note each: DeepSeek's
-    `transpose(dacc) @ a, scale_b=sa` (E0709: A's scale changes along the contraction) and w's
-    `expand(sw, acc)` over 128 x 128 groups of the epilogue's tile (E0704)."""
+    respect to `w` too: DeepSeek's weight gradient `transpose(dacc) @ a, scale_b=sa` is still E0709
+    (A's scale changes along the contraction), a note; the other's reads `expand(sw, acc)` over 128 x
+    128 groups of its tile, which runs (test_grouped_reads_in_the_runtimes)."""
     from coda_lang.backend_cute.plan.planner import plan_stage
     from coda_lang.fuzz.fuzzer import Fuzzer
     from coda_lang.fuzz.search import fuzz_block
@@ -350,15 +350,19 @@ def test_ws_scale_alone_and_the_data_gradient_run_emulated_against_the_interpret
         assert not any("not checked" in n for n in res.notes), res.notes
         g = plan_stage(blk.grad(["a"], backward=coda_lang.BackwardOptions(fp8_grads="e5m2")), 2).gemm
         assert (g.scale_a, g.scale_b, g.b_kn, g.copy_b) == (None, "sw", True, True)
-    # the weight gradients: A's groups change along their contraction (E0709); w's blocks read over rows
-    # of the epilogue's tile (E0704)
-    for blk, why in ((bwd, "E0709"), (fwd, "E0704")):
-        res = fuzz_block(
-            blk, "emulate", examples=1, fuzzer=Fuzzer(blk, "emulate", fp8_grads="e5m2", wrt=["a", "w"])
-        )
-        assert res.failure is None and any(why in n and "transpose(dacc1) @ a" in n for n in res.notes), (
-            res.notes
-        )
+    # the weight gradients: DeepSeek's form's A groups change along its contraction (E0709); w's scale
+    # alone reads w's 128 x 128 blocks in its weight gradient's epilogue (`expand(sw, acc)`, passed
+    # repeated over rows), so that block's whole backward runs
+    res = fuzz_block(
+        bwd, "emulate", examples=1, fuzzer=Fuzzer(bwd, "emulate", fp8_grads="e5m2", wrt=["a", "w"])
+    )
+    assert res.failure is None and any("E0709" in n and "transpose(dacc1) @ a" in n for n in res.notes), (
+        res.notes
+    )
+    res = fuzz_block(
+        fwd, "emulate", examples=3, fuzzer=Fuzzer(fwd, "emulate", fp8_grads="e5m2", wrt=["a", "w"])
+    )
+    assert res.failure is None and res.cases == 3 and not res.notes, (res.failure, res.notes)
 
 
 def test_the_commands(tmp_path: Any) -> None:
@@ -399,6 +403,11 @@ block rows(a: bf16[M, K], w: bf16[K, N], s: f32[M/2, N/128]) -> (y: f32[M, N]) {
     y = acc * expand(s, acc)
   }
 }
+block columns(a: bf16[M, K], w: bf16[K, N], s: f32[M/2, N]) -> (y: f32[M, N]) {
+  gemm a @ w {
+    y = acc * expand(s, acc)
+  }
+}
 """
 
 
@@ -434,7 +443,9 @@ def test_grouped_reads_in_the_runtimes() -> None:
     the matrix as the interpreter does; the generated Triton kernel leaves such a stage to torch.compile.
     A GEMM epilogue loads a matrix of one value per row and run of g columns (`s: [M, N/128]`) as the
     column a tile's columns fall in (epi_ops.GroupColumnLoad, at tiles whose N divides g): planned,
-    and run emulated against the interpreter, forward and backward; groups that span rows are E0704."""
+    and run emulated against the interpreter, forward and backward. Groups that span rows too
+    (`s: [M/2, N/128]`) load the same way, the runtime passing `s` repeated over its groups of rows;
+    a matrix of one value per column (`s: [M/2, N]`) is E0704."""
     import torch
 
     from coda_lang.backend_cute.build.config import TileConfig, fits
@@ -465,9 +476,15 @@ def test_grouped_reads_in_the_runtimes() -> None:
         prog["epi"], "emulate", examples=2, fuzzer=Fuzzer(prog["epi"], "emulate", wrt=["a", "w"])
     )
     assert res.failure is None and res.cases == 2, (res.failure, res.notes)
+    (o,) = plan_stage(prog["rows"], 1).operands
+    assert (o.role, o.group, o.row_group) == ("grouped tile", 128, 2)
+    res = fuzz_block(
+        prog["rows"], "emulate", examples=2, fuzzer=Fuzzer(prog["rows"], "emulate", wrt=["a", "w"])
+    )
+    assert res.failure is None and res.cases == 2 and not res.notes, (res.failure, res.notes)
     with pytest.raises(CodaError) as e:
-        plan_stage(prog["rows"], 1)
-    assert e.value.diagnostics[0].code == "E0704" and "span rows" in e.value.diagnostics[0].message
+        plan_stage(prog["columns"], 1)
+    assert e.value.diagnostics[0].code == "E0704" and "of one column each" in e.value.diagnostics[0].message
 
 
 WEIGHTS = """
@@ -741,13 +758,15 @@ def test_a_grouped_column_load_compiles_and_takes_the_runtimes_arguments(
 @pytest.mark.gpu
 def test_a_grouped_column_load_runs_as_the_interpreter_does() -> None:
     """On the kernels, forward and backward (the backward's GEMMs read `expand(s, ...)` too), against
-    the interpreter: `coda fuzz --target cuda --wrt a,w`."""
+    the interpreter: `coda fuzz --target cuda --wrt a,w`; for groups of one row and of two (`rows`,
+    passed repeated over its rows)."""
     from coda_lang.fuzz.fuzzer import Fuzzer
     from coda_lang.fuzz.search import fuzz_block
 
-    blk = coda_lang.load(GROUPED)["epi"]
-    res = fuzz_block(blk, "cuda", examples=4, fuzzer=Fuzzer(blk, "cuda", wrt=["a", "w"]))
-    assert res.failure is None and res.cases == 4, (res.failure, res.notes)
+    for name in ("epi", "rows"):
+        blk = coda_lang.load(GROUPED)[name]
+        res = fuzz_block(blk, "cuda", examples=4, fuzzer=Fuzzer(blk, "cuda", wrt=["a", "w"]))
+        assert res.failure is None and res.cases == 4 and not res.notes, (name, res.failure, res.notes)
 
 
 def test_a_group_no_tile_divides_is_e0706_naming_the_rule() -> None:

@@ -120,13 +120,14 @@ def loads(
             and int_compared_only(name, eqns)
         )
         refusals.check_operand_dtype(ctx, ld, e, compared)
-        group = 0
-        if ld.role == "grouped tile":  # `expand(s, acc)`, s [M, N/g] (refusals.check_grouped_loads)
+        group, rows_group = 0, 1
+        if ld.role == "grouped tile":  # `expand(s, acc)`, s [M/g1, N/g] (refusals.check_grouped_loads)
             if paired or packed:
                 refusals.check_grouped_mode(ctx, ld, e)
             g = refusals.column_group(ld, ctx.sp)
             assert g is not None
             group = g  # (no width of its own: one lane, loaded as it is, below)
+            rows_group = refusals.row_group(ld, ctx.sp)
         width = ld.shape[-1] if ld.role in ("tile", "column vector") else None
         period: Dim | None = None
         shape = ld.shape
@@ -165,6 +166,7 @@ def loads(
                 lanes=lanes,
                 period=period,
                 group=group,
+                row_group=rows_group,
             )
         )
     # a dim used as a value (`acc / K`): a Scalar operand holding its size, passed by the runtime

@@ -122,17 +122,23 @@ def block_scales_unsupported(st: Stage, sp: StagePlan, dtype_of: Callable[[Var],
 
 
 def column_group(ld: Load, sp: StagePlan) -> int | None:
-    """g where a matrix the epilogue reads over groups (`expand(s, acc)`) is [M, N/g] of the stage's
-    [M, N]: one value per row and run of g columns (epi_ops.GroupColumnLoad loads it); else None."""
+    """g where a matrix the epilogue reads over groups (`expand(s, acc)`) is [M/g1, N/g] of the stage's
+    [M, N], g > 1: one value per run of g columns (epi_ops.GroupColumnLoad loads it, the runtime
+    passing it repeated over its groups of rows: `row_group`); else None."""
     if len(ld.shape) != 2:
         return None
     rows, cols = group_size(sp.rows, ld.shape[0]), group_size(sp.cols, ld.shape[1])
-    return cols if rows == 1 and cols is not None else None
+    return cols if rows is not None and cols is not None and cols > 1 else None
+
+
+def row_group(ld: Load, sp: StagePlan) -> int:
+    """g1 of a matrix the epilogue reads over groups, [M/g1, N/g] (1: one value per row)."""
+    return group_size(sp.rows, ld.shape[0]) or 1
 
 
 def check_grouped_loads(index: int, st: Stage, sp: StagePlan) -> None:
-    """E0704 for a matrix the epilogue reads over groups of its rows too (`expand(s, acc)` of a block
-    scale [M/g1, N/g2], g1 > 1): the epilogue loads one value per row and run of columns only."""
+    """E0704 for a matrix the epilogue reads over groups it can't load (`expand(s, acc)` of a matrix
+    with one value per column, [M/g1, N]: a tile of f32 values, or groups the dims don't give)."""
     for ld in sp.loads:
         if ld.role == "grouped tile" and column_group(ld, sp) is None:
             span = next(
@@ -142,12 +148,13 @@ def check_grouped_loads(index: int, st: Stage, sp: StagePlan) -> None:
             raise fail(
                 "E0704",
                 f"stage {index} (`{sp.text}`) reads `{ld.name}` {shape_str(ld.shape)} over groups of its tile "
-                f"{shape_str((sp.rows, sp.cols))} (`expand`) that span rows; the epilogue has no such load yet",
+                f"{shape_str((sp.rows, sp.cols))} (`expand`) of one column each; the epilogue has no such load "
+                "yet",
                 span,
                 notes=[
-                    f"an epilogue reads a matrix of one value per row and run of g columns ([{sp.rows}, "
-                    f"{sp.cols}/g]); the interpreter and the elementwise stages' torch stand-ins run any "
-                    "groups (`coda run`, `--target interp`)"
+                    f"an epilogue reads a matrix of one value per run of g > 1 columns and per row or run of "
+                    f"rows ([{sp.rows}/g1, {sp.cols}/g]); the interpreter and the elementwise stages' torch "
+                    "stand-ins run any groups (`coda run`, `--target interp`)"
                 ],
             )
 

@@ -125,8 +125,10 @@ class Operand:
     # that repeat"): `period` is G and `shape` the width W it meets; the runtime passes it repeated
     # W / G times (before any repeat_interleave(2)), so the kernel reads a column vector of width W.
     period: Dim | None = None
-    # "grouped tile": the columns of the tile per element of the matrix (g of s: [M, N/g])
+    # "grouped tile": the columns of the tile per element of the matrix (g of s: [M, N/g]), and the rows
+    # (`row_group` g1 of s: [M/g1, N/g]: the runtime passes s repeated over its rows, [M, N/g])
     group: int = 0
+    row_group: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -441,6 +443,8 @@ def describe(spec: StageSpec) -> list[str]:
             again = f", then .{o.host}" if o.host else ""
             host = f", passed repeated to `{o.shape[0]}` columns{again}"
             shape = (o.period,)
+        if o.row_group > 1:
+            host = f", passed repeated over its groups of {o.row_group} rows"
         op = "the GEMM's C operand, 16-bit pairs" if o.op == "C" else o.op
         py = f"{o.py} = {o.name}" if o.op == "C" else o.py
         if o.name.startswith(DIM_PREFIX):

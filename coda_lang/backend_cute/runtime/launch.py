@@ -274,6 +274,8 @@ class StageRunner:
                 t = t.repeat(w // t.shape[0])
             if o.host == "repeat_interleave(2)":
                 t = t.repeat_interleave(2)
+            if o.row_group > 1:  # a matrix over groups of rows too: passed one row per row of the stage
+                t = t.repeat_interleave(o.row_group, dim=0)[: A.shape[1] if g.ta else A.shape[0]]
             if o.host in WORD_VIEWS:  # pairs read as words: 16-bit ones as float32, fp8 ones as int16
                 t = (t if t.is_contiguous() else t.contiguous()).view(getattr(torch, WORD_VIEWS[o.host]))
             ins.append(t if t.is_contiguous() else t.contiguous())
