@@ -14,6 +14,11 @@ scaled per tensor in the epilogue, the weight's blocks cutting the contraction t
 - B's scale alone (no A scale: `acc_slow += acc * sb[...]`);
 - B's blocks laid out as B is stored [K, N] (`kn`: sb [K/128, N/128], read `sb[kb, n block]`), the
   kernel reading B's K-major copy.
+And one more, not yet reachable from the planner (refusals.block_scales_unsupported keeps it E0709
+until it has run on a GPU): B's scale per column and K block (`columns`: sb [K/128, N], B stored
+[K, N]; a weight gradient reading its activation quantized again in 128 x 1 groups,
+BackwardOptions.requantize_wgrad), `acc_slow += acc * sb[kb, column]`, each thread loading the
+scales of the columns it holds (`_column_scaled_mma`).
 How the mainloop learns what quack does not hand it (its `mma` is called with the pipeline, the
 accumulators and the K tile count only):
 - the scale tensors: the kernel passes its epilogue parameters to `epi_get_smem_tensors` at its top,
@@ -50,7 +55,7 @@ from quack.tile_scheduler import TileScheduler, WorkTileInfo
 
 from coda_lang.backend_cute.plan.spec import SCALE_BLOCK
 
-VERSION = 4
+VERSION = 5
 GROUP = SCALE_BLOCK  # the depth of a K block, and the tile's K (quack's fp8 tile_K)
 
 
@@ -96,18 +101,21 @@ class BlockScale(EpiOp):
 
     fn_port = None
 
-    def __init__(self, name: str, role: str, other: str, kn: bool = False) -> None:
+    def __init__(self, name: str, role: str, other: str, kn: bool = False, columns: bool = False) -> None:
         super().__init__(name)
         if role not in ("a", "b"):
             raise ValueError(f"role is 'a' or 'b', not {role!r}")
         if role == "a" and not other:
             raise ValueError("A's block scale goes with B's: the kernel has no GEMM scaling A alone")
+        if columns and (role != "b" or other or not kn):
+            raise ValueError("a scale per column is B's alone, laid out [K/128, N] (kn=True)")
         self.role = role
         self.other = other  # the name of the other scale
         self.kn = kn  # (B's blocks laid out [K/128, N/128]; given to B's op, or to A's for both)
+        self.columns = columns  # (B's scale per column and K block, [K/128, N])
 
     def config_key(self) -> tuple[Any, ...]:
-        return (VERSION, self.role, self.other, self.kn)
+        return (VERSION, self.role, self.other, self.kn, self.columns)
 
     def host_arg_key(self, value: Any) -> Any:
         # (quack leaves out an op whose value is None: the GEMM would then run unscaled)
@@ -130,25 +138,26 @@ class BlockScale(EpiOp):
         if self.role == "a":
             install(gemm, scale_a=self.name, scale_b=self.other, kn=self.kn)
         elif not self.other:  # (B's scale alone)
-            install(gemm, scale_a=None, scale_b=self.name, kn=self.kn)
+            install(gemm, scale_a=None, scale_b=self.name, kn=self.kn, columns=self.columns)
         return {self.name: getattr(args, self.name)}
 
 
-def check_config(tile_n: int, pingpong: bool, split_k: int = 1) -> str | None:
-    """Why this mainloop can't run at a tile, or None."""
+def check_config(tile_n: int, pingpong: bool, split_k: int = 1, columns: bool = False) -> str | None:
+    """Why this mainloop can't run at a tile, or None (`columns`: B's scale per column, any tile N)."""
     if pingpong:
         return "pingpong tiles hand the tensor cores over inside quack's own mainloop"
-    if tile_n != GROUP:
+    if tile_n != GROUP and not columns:
         return f"the tile's N is {tile_n}, not one of B's {GROUP}-row blocks"
     if split_k != 1:
         return "split K"
     return None
 
 
-def install(gemm: Any, *, scale_a: str | None, scale_b: str, kn: bool = False) -> None:
+def install(gemm: Any, *, scale_a: str | None, scale_b: str, kn: bool = False, columns: bool = False) -> None:
     """Give quack's kernel object `gemm` the scaled mainloop for the trace that follows (`scale_a`
-    None: B's scale alone; `kn`: B's blocks laid out [K/128, N/128])."""
-    why = check_config(gemm.cta_tile_shape_mnk[1], gemm.pingpong, getattr(gemm, "split_k", 1))
+    None: B's scale alone; `kn`: B's blocks laid out [K/128, N/128]; `columns`: B's scale per column
+    and K block, [K/128, N])."""
+    why = check_config(gemm.cta_tile_shape_mnk[1], gemm.pingpong, getattr(gemm, "split_k", 1), columns)
     if why is not None:
         raise ValueError(f"a block-scaled mainloop can't run here: {why}")
     if not gemm.fp8_slow_accum:
@@ -165,7 +174,7 @@ def install(gemm: Any, *, scale_a: str | None, scale_b: str, kn: bool = False) -
         return first(gemm, params, storage)
 
     gemm.epi_get_smem_tensors = epi_get_smem_tensors
-    gemm.mma = types.MethodType(_scaled_mma, gemm)
+    gemm.mma = types.MethodType(_column_scaled_mma if columns else _scaled_mma, gemm)
 
 
 @cute.jit
@@ -218,5 +227,60 @@ def _scaled_mma(
             for r in cutlass.range_constexpr(2):
                 slow = acc_slow[(None, r, None), m, None]
                 slow.store(slow.load() + acc[(None, r, None), m, None].load() * row_scales[r, m])
+    acc.store(acc_slow.load())
+    return ab_read_state
+
+
+@cute.jit
+def _column_scaled_mma(
+    self: Any,
+    ab_pipeline: Any,
+    ab_read_state: Any,
+    mma_fn: Any,
+    acc: cute.Tensor,
+    acc_slow: cute.Tensor,
+    k_tile_cnt: Int32,
+    warp_group_idx: Int32,
+) -> Any:
+    """quack's fp8 consumer loop with each K tile promoted times B's scale of each column (sb [KB, N]):
+    `acc_slow += acc * sb[k_tile, column]`. A thread's accumulator holds, per WGMMA, 2 adjacent columns
+    of each of the tile's 8-column groups for 2 rows (mode 0 of its layout: (column, row, group)), so
+    it loads 2 x groups x MMA_N scales a K tile, while the tile's WGMMAs run (0 past N, where the
+    accumulator is 0 too), and applies each to both of its rows."""
+    recorder, _, name_b, _ = self._coda_scales
+    sb = getattr(recorder.params, name_b)  # f32 [KB, N]
+    pid_n = recorder.tile[1]
+    tile_m, tile_n = self.cta_tile_shape_mnk[0], self.cta_tile_shape_mnk[1]
+    tiled_mma = mma_fn.args[0]
+    tidx, _, _ = cute.arch.thread_idx()
+    coords = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((tile_m, tile_n)))
+    mma_m = const_expr(cute.size(acc.shape[1]))
+    mma_n = const_expr(cute.size(acc.shape[2]))
+    groups = const_expr(cute.size(acc.shape[0][2]))
+    n_total = cute.size(sb.shape[1])
+    acc_slow.fill(0.0)
+    for k_tile in cutlass.range(k_tile_cnt, unroll=1):
+        ab_pipeline.consumer_wait(ab_read_state)
+        mma_fn(A_idx=ab_read_state.index, B_idx=ab_read_state.index, zero_init=True)
+        col_scales = cute.make_rmem_tensor((2, groups, mma_n), Float32)
+        for n in cutlass.range_constexpr(mma_n):
+            for v in cutlass.range_constexpr(groups):
+                for c in cutlass.range_constexpr(2):
+                    col = pid_n * tile_n + coords[(c, 0, v), 0, n][1]
+                    s = Float32(0.0)
+                    if col < n_total:
+                        s = sb[k_tile, col]
+                    col_scales[c, v, n] = s
+        warpgroup.wait_group(0)
+        ab_pipeline.consumer_release(ab_read_state)
+        ab_read_state.advance()
+        for m in cutlass.range_constexpr(mma_m):
+            for n in cutlass.range_constexpr(mma_n):
+                for v in cutlass.range_constexpr(groups):
+                    for r in cutlass.range_constexpr(2):
+                        for c in cutlass.range_constexpr(2):
+                            acc_slow[(c, r, v), m, n] = (
+                                acc_slow[(c, r, v), m, n] + acc[(c, r, v), m, n] * col_scales[c, v, n]
+                            )
     acc.store(acc_slow.load())
     return ab_read_state

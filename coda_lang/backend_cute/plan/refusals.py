@@ -113,8 +113,8 @@ def block_scales_unsupported(st: Stage, sp: StagePlan, dtype_of: Callable[[Var],
         return (
             f"scale_b `{sb.name}` is {shape_str(sb.type.shape)}: a scale per column of the result and "
             f"{SCALE_BLOCK}-deep block of K (a weight gradient reading its activation quantized again, "
-            "requantize_wgrad=True); the mainloop scales by B's 128 x 128 blocks, not yet by a scale per "
-            "column"
+            "requantize_wgrad=True); the kernels' loop for a scale per column (plan/block_scaled.py) has "
+            "not run on a GPU yet, so no stage takes it"
         )
     if groups_b != [SCALE_BLOCK, SCALE_BLOCK]:
         return f"scale_b `{sb.name}` is {shape_str(sb.type.shape)}: blocks of {groups_b[0]} x {groups_b[1]}, not {SCALE_BLOCK} x {SCALE_BLOCK}"
