@@ -376,8 +376,9 @@ LOSS_MODE = {
 # $CODA_FP8_FAST_ACCUM=forward, coda-fp8-head-e4m3 with its dlogits in e4m3 ($CODA_FP8_HEAD_GRADS=e4m3);
 # coda-fp8-vruns and coda-vruns are coda-fp8 and coda whose runs of block-level equations between stages
 # are one generated kernel each ($CODA_VECTOR_RUNS=1: about 300 fewer tiny launches in an fp8 1B step,
-# counted from the plans; timed before CUDA graphs, when the host's launches bounded the step);
-# coda-fp8-fscales is coda-fp8 whose delayed-scale updates are one Triton kernel each ($CODA_FUSED_SCALES=1)
+# counted from the plans; timed before CUDA graphs, when the host's launches bounded the step, and in a
+# captured step on 2026-11-29: no gain); coda-fp8-fscales is coda-fp8 whose delayed-scale updates are one
+# Triton kernel each ($CODA_FUSED_SCALES=1; captured, 2026-11-29: no gain beyond the spread)
 CONFIG_ENV = {
     "coda-fp8-kmajor-all": {"CODA_KMAJOR_STAGES": "all"},
     "coda-fp8-rowmajor": {"CODA_KMAJOR_ALONE": "0"},

@@ -197,10 +197,49 @@ class Site:
             out = s.read_between(a)
         elif a.name in self.local_vec:
             out = s.recompute_between(a.name)  # recomputed before the site
+        elif self.reads_group(a.name):
+            out = self.saved_group(a.name)
         else:
             out = s.read_saved(a.name)
         cache[a.name] = out
         return out
+
+    def reads_group(self, name: str) -> bool:
+        """Whether grouped value `name` of the stage is read from the forward's stored copy rather than
+        recomputed: a detached grouped reduction the forward stores anyway (a block scale, one column
+        per group: `ax = detach(max(abs(x), over=D, group=128))`) of a stage whose backward runs in a
+        GEMM epilogue at the forward's width, where recomputing it would reduce over groups of a
+        tile the epilogue loads (which the kernels don't fold). Read over its groups (`expand`), it
+        is the same f32 values."""
+        fwd = self.fwd
+        t = fwd.ftype.get(name)
+        e = fwd.fdef.get(name)
+        return (
+            t is not None
+            and t.kind == GROUP
+            and t.group_axis == 1
+            and name in fwd.storage
+            and fwd.storage[name] == "f32"
+            and e is not None
+            and REGISTRY[e.op].stops_gradient
+            and not self.exact
+            and not self.remat
+            and self.at_forward_width()
+        )
+
+    def saved_group(self, name: str) -> Atom:
+        """The stored copy of grouped value `name` (reads_group), read over its groups: a tile."""
+        t = self.fwd.ftype[name]
+        assert t.group is not None
+        b = self.s.b
+        full = Type(t.dtype, (t.shape[0], t.shape[1].scale(t.group)), TILE)
+        st = b.stage
+        like: Atom
+        if self.host_acc and st is not None and full.shape == (st.rows, st.cols):
+            like = Var("acc")
+        else:
+            like = self.fill(Lit(0.0, "f32"), full)
+        return b.op("expand", self.s.read_saved(name), like)
 
     def recomputes(self, name: str) -> bool:
         """Whether `primal` gets value `name` of the stage by recomputing it in the site, not by reading it
@@ -211,6 +250,8 @@ class Site:
         quantized copy, which is an fp8 ulp (6% in e4m3) away."""
         fwd = self.fwd
         if name in fwd.params or fwd.fstage.get(name) != self.k or name in self.local_vec:
+            return False
+        if self.reads_group(name):
             return False
         t = fwd.ftype[name]
         return not (

@@ -64,6 +64,24 @@ class ElementwiseStage:
         )
         self.reductions = [r.name for r in self.plan.reductions]
         self.groups = tuple(r.group or 0 for r in self.plan.reductions)  # 0: not grouped
+        # a grouped value computed from a grouped reduction (`ax = detach(max(abs(x), over=D,
+        # group=128))`) that is used after the stage (a later GEMM's `scale_a=`, or a saved tensor of a
+        # backward) comes back as the reductions do: one value per row and group
+        done = set(self.reductions)
+        for e in self.stage.body:
+            for v in e.outs:
+                t = v.type
+                if (
+                    t is not None
+                    and t.kind == GROUP
+                    and t.group
+                    and t.group_axis == 1
+                    and v.name not in done
+                    and v.name in block.plan.storage
+                ):
+                    self.reductions.append(v.name)
+                    self.groups += (t.group,)
+                    done.add(v.name)
         for e in self.stage.body:
             od = REGISTRY[e.op]
             if not (od.reduces or od.locality is Locality.INDEX) and od.lower.torch is None:
