@@ -744,6 +744,32 @@ def test_an_input_quantizers_backward_reads_its_stored_amax() -> None:
     assert res.failure is None and res.cases == 3, res.failure
 
 
+def test_a_grouped_value_used_by_a_later_elementwise_stage() -> None:
+    """A grouped value computed from a grouped reduction (not only `detach` of it: `r = s * 2.0`) and
+    read by a later elementwise stage over its groups comes back from its stage: the emulated kernels
+    run the block as the interpreter does (`coda fuzz --target emulate`, forward)."""
+    from coda_lang.fuzz.search import fuzz_block
+
+    src = """
+dims M, D, N
+block q(x: bf16[M, D], w: bf16[N, D]) -> (y: bf16[M, N], z: bf16[M, D]) {
+  elementwise [M, D] {
+    s = max(abs(x), over=D, group=128)
+    r = s * 2.0
+    xg: bf16 = x * 2.0
+  }
+  gemm xg @ transpose(w) {
+    y: bf16 = acc
+  }
+  elementwise [M, D] {
+    z: bf16 = x * expand(r, x)
+  }
+}
+"""
+    res = fuzz_block(coda_lang.load(src)["q"], "emulate", examples=3, backward=False)
+    assert res.failure is None and res.cases == 3, res.failure
+
+
 @pytest.mark.gpu
 def test_an_input_quantizers_backward_runs_on_the_kernels() -> None:
     """Not yet run (written 2026-11-29 without a GPU): QUANTIZED_INPUT's backward with respect to x on
