@@ -675,6 +675,12 @@ def test_requantized_weight_gradients_on_the_kernels_the_commands_and_bad_option
     f.write_text(MLP)
     r = coda("grad", str(f), "--requantize-wgrad")
     assert r.returncode == 0 and "over=M, group=128" in r.stdout and "requantize_wgrad" in r.stdout, r.stderr
+    assert "nothing is quantized again" not in r.stdout
+    # a block without block-scaled weight gradients: the same backward, and a line that says so
+    plain = tmp_path / "plain.coda"
+    plain.write_text(FP8_ONLY_B)
+    r = coda("grad", str(plain), "--requantize-wgrad")
+    assert r.returncode == 0 and "nothing is quantized again" in r.stdout, (r.stdout, r.stderr)
     r = coda("fuzz", str(f), "--target", "interp", "--examples", "3", "--requantize-wgrad")
     assert r.returncode == 0 and "--requantize-wgrad" in r.stdout, (r.stdout, r.stderr)
     r = coda("fuzz", str(f), "--target", "interp", "--requantize-wgrad", "--no-backward")

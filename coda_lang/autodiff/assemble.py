@@ -283,6 +283,11 @@ def assemble(s: State, grads: dict[str, str], renames: dict[str, str], remat: st
             "fp8 acc (fp8_acc=True): no stage whose acc is saved stores a scaled fp8 copy of it "
             "(`q: e4m3 = acc * s`), so each is saved as without the option"
         )
+    if s.requantize_wgrad and not s.requantized:
+        notes.append(
+            "requantize_wgrad=True: no weight gradient here reads an operand scaled in 1 x g groups along "
+            "its K (`scale_a=` of a block-scaled GEMM), so nothing is quantized again"
+        )
     notes += [f"note: {r}" for r in report]
     bwd = Block(
         f"{f.name}_bwd", dims, tuple(params), tuple(outputs), tuple(body), f.span, tuple(notes), derived=True

@@ -83,6 +83,7 @@ class Reverse:
         self.s.fp8_grads = fp8_grads
         self.s.fp8_acc = fp8_acc
         self.requantize_wgrad = requantize_wgrad
+        self.s.requantize_wgrad = requantize_wgrad
         # (forward stage, operand name) -> its requantized copy and scale (`requantized`), made once
         self.requant: dict[tuple[int, str], tuple[Var, Var]] = {}
         self.remat = remat
@@ -373,6 +374,7 @@ class Reverse:
                 f"forward's codes and their 1 x {g} scales (requantize_wgrad)",
             )
             self.requant[key] = (Var(ac.name), Var(sc.name))
+            s.requantized.append(a.name)
         return self.requant[key]
 
     def fp8_operand(self, c: int, other: Atom, what: str) -> None:

@@ -122,6 +122,9 @@ class State:
         # BackwardOptions.fp8_acc: a GEMM stage's acc read from the fp8 copy the stage stores, where it
         # stores one (`acc_copy`)
         self.fp8_acc = False
+        # BackwardOptions.requantize_wgrad, and the operands quantized again for it (Reverse.requantized)
+        self.requantize_wgrad = False
+        self.requantized: list[str] = []
         self.acc_copies: dict[int, tuple[str, Var | Lit]] = {}  # stage -> (its copy, its scale) read as acc
 
     # ------------------------------------------------------------------ names and parameters
