@@ -356,7 +356,7 @@ class Reverse:
         if key not in self.requant:
             b, top = s.b, float(FP8_MAX[dtype])
             names = (s.names.fresh(f"{a.name}c"), s.names.fresh(f"{sa.name}c"))
-            b.span = st.span
+            prev, b.span = b.span, st.span
             s.open_stage(StageShape(rows, cols), acc=False)
             v = b.mul(a, b.op("expand", sa, a))
             am = b.op("detach", b.op("reduce_max", b.op("abs", v), over=rows, group=g))
@@ -367,6 +367,7 @@ class Reverse:
             before, body = s.close_stage()
             s.emit(before)
             s.emit([Stage(None, None, False, False, None, tuple(body), (rows, cols), span=st.span)])
+            b.span = prev
             s.note(
                 st.span,
                 f"stage {c + 1} (line {st.span.line}): its weight gradient reads `{a.name}` quantized again in "
@@ -455,6 +456,8 @@ def derive_with(
     """The backward of `block` under policy `remat` (stage reruns: Reverse.recompute_host), with the
     tiles `make` recomputed and stored by their stage's backward and the tiles `prologue` by
     elementwise stages at its start (prologue.py; policy.py chooses both), and the cotangents of its
-    fp8 stages quantized to `fp8_grads` where given (`Reverse.quantizes`), and with `fp8_acc` each
-    stage's acc read from its fp8 copy where it stores one (`ForwardFacts.acc_copy`)."""
+    fp8 stages quantized to `fp8_grads` where given (`Reverse.quantizes`), with `fp8_acc` each
+    stage's acc read from its fp8 copy where it stores one (`ForwardFacts.acc_copy`), and with
+    `requantize_wgrad` each block-scaled weight gradient reading its operand quantized again in g x 1
+    groups (`Reverse.requantized`)."""
     return Reverse(block, plan, wrt, remat, make, fp8_grads, prologue, fp8_acc, requantize_wgrad).run()
