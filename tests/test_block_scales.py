@@ -776,15 +776,58 @@ block q(x: bf16[M, D], w: bf16[N, D]) -> (y: bf16[M, N], z: bf16[M, D]) {
     assert res.failure is None and res.cases == 3, res.failure
 
 
+def test_the_requantized_weight_gradient_emulated_once_its_loop_is_let_in(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """QUANTIZED_INPUT differentiated with respect to x and w, `requantize_wgrad=True`: x's data
+    gradient, the stage that quantizes x again in 128 x 1 groups (a reduction over runs of rows, in the
+    elementwise stage's torch function), and w's gradient `transpose(dacc) @ xqc, scale_b=axc` (a scale
+    per column and K block; `expand(sw, acc)` read over 128 x 128 groups). The loop for that scale has
+    not run on a GPU, so the planner refuses it (E0709, a note); let in
+    (refusals.COLUMN_SCALES), the emulated kernels run the whole backward as the interpreter does."""
+    from coda_lang.backend_cute.plan import refusals
+    from coda_lang.backend_cute.plan.emit import emit_stage
+    from coda_lang.backend_cute.plan.planner import plan_stage
+    from coda_lang.fuzz.fuzzer import Fuzzer
+    from coda_lang.fuzz.search import fuzz_block
+
+    blk = coda_lang.load(QUANTIZED_INPUT)["q1"]
+    opts = coda_lang.BackwardOptions(fp8_grads="e5m2", requantize_wgrad=True)
+
+    def fuzz() -> Any:
+        fz = Fuzzer(blk, "emulate", backward=opts, wrt=["x", "w"])
+        return fuzz_block(blk, "emulate", examples=3, dims={"M": 256, "D": 384, "N": 256}, fuzzer=fz)
+
+    assert not refusals.COLUMN_SCALES
+    res = fuzz()
+    assert res.failure is None and any("E0709" in n and "has not run on a GPU" in n for n in res.notes), (
+        res.notes
+    )
+    monkeypatch.setattr(refusals, "COLUMN_SCALES", True)
+    bwd = blk.grad(["x", "w"], backward=opts)
+    k = max(i + 1 for i, st in enumerate(bwd.ir.stages) if st.is_gemm)
+    spec = plan_stage(bwd, k)
+    assert spec.gemm.b_columns and spec.gemm.b_kn and spec.gemm.copy_b
+    assert f'BlockScale("{spec.gemm.scale_b_py}", "b", "", kn=True, columns=True)' in emit_stage(spec)
+    res = fuzz()
+    assert res.failure is None and res.cases == 3 and not res.notes, (res.failure, res.notes)
+
+
 @pytest.mark.gpu
-def test_an_input_quantizers_backward_runs_on_the_kernels() -> None:
-    """Not yet run (written 2026-11-29 without a GPU): QUANTIZED_INPUT's backward with respect to x on
-    the kernels, against the interpreter."""
+def test_an_input_quantizers_backward_runs_on_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not yet run (written 2026-11-29 without a GPU): QUANTIZED_INPUT's backward on the kernels, against
+    the interpreter: with respect to x; then with respect to x and w, `requantize_wgrad=True`, with the
+    loop for a scale per column let in (refusals.COLUMN_SCALES: set it True once this passes)."""
+    from coda_lang.backend_cute.plan import refusals
     from coda_lang.fuzz.fuzzer import Fuzzer
     from coda_lang.fuzz.search import fuzz_block
 
     blk = coda_lang.load(QUANTIZED_INPUT)["q1"]
     res = fuzz_block(blk, "cuda", examples=3, fuzzer=Fuzzer(blk, "cuda", fp8_grads="e5m2", wrt=["x"]))
+    assert res.failure is None and res.cases == 3 and not res.notes, (res.failure, res.notes)
+    monkeypatch.setattr(refusals, "COLUMN_SCALES", True)
+    opts = coda_lang.BackwardOptions(fp8_grads="e5m2", requantize_wgrad=True)
+    res = fuzz_block(blk, "cuda", examples=3, fuzzer=Fuzzer(blk, "cuda", backward=opts, wrt=["x", "w"]))
     assert res.failure is None and res.cases == 3 and not res.notes, (res.failure, res.notes)
 
 

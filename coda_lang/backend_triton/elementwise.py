@@ -63,7 +63,9 @@ class ElementwiseStage:
             (s.name, _torch_dtype(s.dtype), self._ratio(s.shape[1])) for s in self.plan.stores
         )
         self.reductions = [r.name for r in self.plan.reductions]
-        self.groups = tuple(r.group or 0 for r in self.plan.reductions)  # 0: not grouped
+        # each reduction's group over the columns, and over the rows (a g x 1 group: `over=M, group=g`)
+        self.groups = tuple((r.group or 0) if r.axis == "columns" else 0 for r in self.plan.reductions)
+        self.row_groups = tuple((r.group or 0) if r.axis == "rows" else 0 for r in self.plan.reductions)
         # a grouped value computed from a grouped reduction (`ax = detach(max(abs(x), over=D,
         # group=128))`) that is used after the stage (a later GEMM's `scale_a=`, or a saved tensor of a
         # backward) comes back as the reductions do: one value per row and group
@@ -75,12 +77,12 @@ class ElementwiseStage:
                     t is not None
                     and t.kind == GROUP
                     and t.group
-                    and t.group_axis == 1
                     and v.name not in done
                     and v.name in block.plan.storage
                 ):
                     self.reductions.append(v.name)
-                    self.groups += (t.group,)
+                    self.groups += (t.group if t.group_axis == 1 else 0,)
+                    self.row_groups += (t.group if t.group_axis == 0 else 0,)
                     done.add(v.name)
         for e in self.stage.body:
             od = REGISTRY[e.op]
@@ -105,7 +107,8 @@ class ElementwiseStage:
         """A tile's width as a fraction of the stage's width (None: not a tile); a grouped value's is the
         width of the columns it covers."""
         if t is not None and t.kind == GROUP and t.group:
-            return self._ratio(t.shape[1].scale(t.group))
+            # (one over runs of rows, [rows / g, W], covers the W columns)
+            return self._ratio(t.shape[1] if t.group_axis == 0 else t.shape[1].scale(t.group))
         # (a matrix the stage loads is a tile of its width: a block parameter read in the stage, a
         # cotangent `dv: f32[M, N]` summed over its columns in a stage of width 2*N)
         if t is None or t.kind not in (TILE, MATRIX) or len(t.shape) != 2:
@@ -128,20 +131,12 @@ class ElementwiseStage:
         info: dict[str, Any] = {"widths": widths}
         od = REGISTRY[e.op]
         if od.locality is Locality.REDUCE:
-            if out is not None and out.kind == GROUP and out.group_axis == 0:
-                raise CodaError(
-                    [
-                        Diagnostic(
-                            "E0705",
-                            f"`{e.outs[0].name}` reduces runs of rows (group= over the rows) in an "
-                            "elementwise stage: not run by the CUDA runtime yet",
-                            e.span,
-                        )
-                    ]
-                )
+            rows_grouped = out is not None and out.kind == GROUP and out.group_axis == 0
             per_row = bool(out is not None and out.shape and out.shape[0] == self.rows)
             info["per_row"] = per_row
-            info["group"] = e.param("group") or 0
+            # a g x 1 group (`over=M, group=g`): one value per column and run of g rows
+            info["row_group"] = (e.param("group") or 0) if rows_grouped else 0
+            info["group"] = 0 if rows_grouped else e.param("group") or 0
             x = e.ins[0].type if isinstance(e.ins[0], Var) else None
             info["ungroup"] = (
                 x.group if x is not None and x.kind == GROUP else 0
@@ -270,7 +265,11 @@ class ElementwiseStage:
                 if info["ungroup"]:
                     x = x[:, :: info["ungroup"]]
                 g = info["group"]
-                if g:  # one value per row and group, held at every column of its group
+                if info["row_group"]:  # one value per column and run of rows, held at each of its rows
+                    gr = info["row_group"]
+                    r = fold(x.reshape(rows // gr, gr, -1), 1)
+                    res = (r.unsqueeze(1).expand(-1, gr, -1).reshape(rows, -1),)
+                elif g:  # one value per row and group, held at every column of its group
                     r = fold(x.reshape(rows, -1, g), 2)
                     res = (r.unsqueeze(2).expand(-1, -1, g).reshape(rows, -1),)
                 else:
@@ -308,9 +307,11 @@ class ElementwiseStage:
                 torch.as_tensor(vals[name], dtype=torch.float32, device=device), (rows, width(w))
             )
             results.append(torch_store(x, dtype).contiguous())
-        for name, g in zip(self.reductions, self.groups, strict=True):
+        for name, g, gr in zip(self.reductions, self.groups, self.row_groups, strict=True):
             x = torch.as_tensor(vals[name], device=device).float()
-            results.append(x[:, ::g].contiguous() if g else x.reshape(-1))
+            if gr:  # one value per run of rows and column, [rows / gr, width]
+                x = torch.broadcast_to(x, (rows, x.shape[-1]))
+            results.append(x[::gr].contiguous() if gr else x[:, ::g].contiguous() if g else x.reshape(-1))
         return tuple(results)
 
     def run(

@@ -217,6 +217,8 @@ def unsupported(st: Any) -> str | None:
     grouped = [ld.name for ld in st.loads if ld.role == "grouped tile"]
     if grouped:
         return f"`{grouped[0]}` is read over groups of the tile (`expand` of a block scale)"
+    if any(st.row_groups):
+        return "a reduction over runs of rows (`over=M, group=g`)"
     folds = sum(1 for op, _o, _a, _i in st.steps if _fold(op) is not None)
     if len(st.reductions) != folds:  # (ElementwiseStage: a grouped value of a reduction, used later)
         extra = st.reductions[folds] if len(st.reductions) > folds else "a reduction"

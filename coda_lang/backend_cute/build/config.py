@@ -324,7 +324,7 @@ def rules(spec: StageSpec, emulated: bool = False) -> list[TileConstraint]:
             if moves_f32_tile(spec) and any(s.layout == "column partials" for s in spec.sinks)
             else []
         ),
-        *(BLOCK_SCALED_TILE if spec.gemm.scaled else ()),
+        *((BLOCK_SCALED_TILE[1:] if spec.gemm.b_columns else BLOCK_SCALED_TILE) if spec.gemm.scaled else ()),
         *(
             TileConstraint(
                 of="tile_N",

@@ -222,7 +222,9 @@ def compile_ptx(spec: Any, path: Path, config: Any, root: Path | None = None) ->
         blocks, nb = -(-k // SCALE_BLOCK), -(-n // SCALE_BLOCK)
         if g.scale_a is not None:
             epi[g.scale_a_py] = _meta((m, blocks), "f32")
-        epi[g.scale_b_py] = _meta((blocks, nb) if g.b_kn else (nb, blocks), "f32")
+        epi[g.scale_b_py] = _meta(
+            (blocks, n) if g.b_columns else (blocks, nb) if g.b_kn else (nb, blocks), "f32"
+        )
     for gr in spec.groups:  # a grouped reduction: its width (a compile-time int); its writer's buffer
         epi[gr.py] = gr.width
         if gr.out is not None:

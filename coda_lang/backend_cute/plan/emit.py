@@ -316,7 +316,7 @@ class _Emitter:
             args.append("outs={" + ", ".join(items) + "}")
         gemm = spec.gemm
         if gemm.scaled:  # the block scales, carried to the mainloop (the fn never reads them)
-            kn = ", kn=True" if gemm.b_kn else ""
+            kn = (", kn=True" if gemm.b_kn else "") + (", columns=True" if gemm.b_columns else "")
             if gemm.scale_a is not None:
                 extra_ops.append(f'BlockScale("{gemm.scale_a_py}", "a", "{gemm.scale_b_py}"{kn})')
             extra_ops.append(f'BlockScale("{gemm.scale_b_py}", "b", "{gemm.scale_a_py}"{kn})')

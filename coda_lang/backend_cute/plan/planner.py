@@ -197,6 +197,7 @@ def _gemm(ctx: StageContext) -> Gemm:
         scale_b=st.scale_b.name if isinstance(st.scale_b, Var) else None,
         scale_a_py=ctx.fresh(f"scale_{st.scale_a.name}") if isinstance(st.scale_a, Var) else "",
         scale_b_py=ctx.fresh(f"scale_{st.scale_b.name}") if isinstance(st.scale_b, Var) else "",
+        b_columns=refusals.scale_b_per_column(st, sp),
     )
 
 

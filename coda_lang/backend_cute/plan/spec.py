@@ -256,6 +256,8 @@ class Gemm:
     scale_b: str | None = None
     scale_a_py: str = ""
     scale_b_py: str = ""
+    # B's scale per column of the result and K block, [K/128, N] (refusals.scale_b_per_column)
+    b_columns: bool = False
 
     @property
     def scaled(self) -> bool:
@@ -431,8 +433,11 @@ def describe(spec: StageSpec) -> list[str]:
             else ""
         )
         blocks = f"{g.k}/128, {g.cols}/128" if g.b_kn else f"{g.cols}/128, {g.k}/128"
+        what = "128 x 128 blocks"
+        if g.b_columns:
+            blocks, what = f"{g.k}/128, {g.cols}", "columns, per 128-deep block of K"
         lines.append(
-            f"scales {sa}{g.scale_b_py} = {g.scale_b}: f32[{blocks}] of B's 128 x 128 blocks"
+            f"scales {sa}{g.scale_b_py} = {g.scale_b}: f32[{blocks}] of B's {what}"
             + ("" if g.scale_a else " (B's alone)")
             + " (BlockScale: applied in the mainloop, each 128-deep block of K promoted with its scales)"
         )

@@ -234,17 +234,18 @@ def _online_lse(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _block_scaled(
-    A: torch.Tensor, B: torch.Tensor, sa: torch.Tensor | None, sb: torch.Tensor
+    A: torch.Tensor, B: torch.Tensor, sa: torch.Tensor | None, sb: torch.Tensor, columns: bool = False
 ) -> torch.Tensor:
     """The block-scaled GEMM's accumulator as the kernel computes it (plan/block_scaled.py): A [M, K],
     B [N, K]; each 128-deep block of K summed in f32, times its row's scale of A (sa [M, K/128]; None:
-    B's scale alone) and its column block's of B (sb [N/128, K/128]), the blocks added in order."""
+    B's scale alone) and its column block's of B (sb [N/128, K/128]; `columns`: each column's, sb
+    [N, K/128]), the blocks added in order."""
     n, k = B.shape
     acc = torch.zeros(A.shape[0], n, dtype=torch.float32, device=A.device)
     g = SCALE_BLOCK
     for kb in range(-(-k // g)):
         blk = slice(kb * g, min(k, (kb + 1) * g))
-        cols = sb[:, kb].float().repeat_interleave(g)[:n][None, :]
+        cols = (sb[:, kb].float() if columns else sb[:, kb].float().repeat_interleave(g))[:n][None, :]
         acc += (A[:, blk] @ B[:, blk].t()) * (cols if sa is None else sa[:, kb : kb + 1].float() * cols)
     return acc
 
@@ -264,7 +265,8 @@ def run_stage(
     if g.scaled:  # (B as [N, K] and its blocks as [N/128, K/128], however it is stored)
         sb = epi_args[g.scale_b_py]
         Bt, sbt = (B.float().t(), sb.t()) if g.b_kn and not g.tb else (B.float(), sb.t() if g.b_kn else sb)
-        acc = _block_scaled(A.float(), Bt, epi_args[g.scale_a_py] if g.scale_a else None, sbt)
+        sa = epi_args[g.scale_a_py] if g.scale_a else None
+        acc = _block_scaled(A.float(), Bt, sa, sbt, columns=g.b_columns)
     else:
         acc = A.float() @ (B.float().t() if g.tb else B.float())
     m, n = acc.shape
