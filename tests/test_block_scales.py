@@ -813,6 +813,88 @@ def test_the_requantized_weight_gradient_emulated_once_its_loop_is_let_in(
     assert res.failure is None and res.cases == 3 and not res.notes, (res.failure, res.notes)
 
 
+# DeepSeek-V3's recipe for a SwiGLU MLP in forms the kernels take: x and the SwiGLU output each
+# quantized in 1 x 128 groups by an elementwise stage (the gate/up epilogue's grouped amax over column
+# pairs is not compiled yet: E0705), both GEMMs on 128 x 128-scaled e4m3 weights
+BLOCKWISE_MLP = """
+dims M, D, F
+block mlp(x: bf16[M, D], w13: e4m3[2*F, D], s13: f32[2*F/128, D/128], w2: e4m3[D, F], s2: f32[D/128, F/128])
+    -> (y: bf16[M, D]) {
+  elementwise [M, D] {
+    ax = detach(max(abs(x), over=D, group=128))
+    xq: e4m3 = x * (448.0 / max(ax, 1e-12))
+  }
+  gemm xq @ transpose(w13), scale_a=ax, scale_b=s13 {
+    g, u = pairs(acc * (1.0 / 448.0))
+    a: bf16 = silu(g) * u
+  }
+  elementwise [M, F] {
+    aa = detach(max(abs(a), over=F, group=128))
+    aq: e4m3 = a * (448.0 / max(aa, 1e-12))
+  }
+  gemm aq @ transpose(w2), scale_a=aa, scale_b=s2 {
+    y: bf16 = acc * (1.0 / 448.0)
+  }
+}
+"""
+BLOCKWISE_OPTIONS = {"fp8_grads": "e5m2", "requantize_wgrad": True}
+
+
+def test_a_blockwise_mlp_forward_and_backward_on_the_emulated_kernels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """BLOCKWISE_MLP differentiated with respect to x and both weights, with e5m2 cotangents and the
+    weight gradients' activations quantized again in 128 x 1 groups: every GEMM stage of the forward and
+    the backward plans for the kernels, and the emulated kernels run both as the interpreter does, once
+    the loop for a scale per column is let in (refusals.COLUMN_SCALES); without it, the weight
+    gradients are E0709 (a note) and the rest runs."""
+    from coda_lang.backend_cute.plan import refusals
+    from coda_lang.backend_cute.plan.planner import plan_stage
+    from coda_lang.fuzz.fuzzer import Fuzzer
+    from coda_lang.fuzz.search import fuzz_block
+
+    blk = coda_lang.load(BLOCKWISE_MLP)["mlp"]
+    opts = coda_lang.BackwardOptions(**BLOCKWISE_OPTIONS)  # type: ignore[arg-type]
+
+    def fuzz() -> Any:
+        fz = Fuzzer(blk, "emulate", backward=opts, wrt=["x", "w13", "w2"])
+        return fuzz_block(blk, "emulate", examples=3, dims={"M": 256, "D": 256, "F": 384}, fuzzer=fz)
+
+    res = fuzz()
+    assert res.failure is None and any("E0709" in n for n in res.notes), res.notes
+    monkeypatch.setattr(refusals, "COLUMN_SCALES", True)
+    bwd = blk.grad(["x", "w13", "w2"], backward=opts)
+    for b in (blk, bwd):
+        gemms = [i + 1 for i, st in enumerate(b.ir.stages) if st.is_gemm]
+        assert all(plan_stage(b, i).gemm.scaled for i in gemms), b.name
+    assert len([st for st in bwd.ir.stages if st.is_gemm]) == 4
+    res = fuzz()
+    assert res.failure is None and res.cases == 3 and not res.notes, (res.failure, res.notes)
+
+
+@pytest.mark.toolchain
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_blockwise_mlps_kernels_compile(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """Each of BLOCKWISE_MLP's six GEMM kernels (two forward, four backward: two data gradients on w's
+    blocks alone, two weight gradients with a scale per column) compiles for sm_90a at 128 x 128
+    cooperative without spills."""
+    from coda_lang.backend_cute.build.config import TileConfig
+    from coda_lang.backend_cute.build.select import select_config
+    from coda_lang.backend_cute.plan import refusals
+
+    pytest.importorskip("quack")
+    monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(refusals, "COLUMN_SCALES", True)
+    blk = coda_lang.load(BLOCKWISE_MLP)["mlp"]
+    bwd = blk.grad(["x", "w13", "w2"], backward=coda_lang.BackwardOptions(**BLOCKWISE_OPTIONS))  # type: ignore[arg-type]
+    for b in (blk, bwd):
+        for i, st in enumerate(b.ir.stages, 1):
+            if st.is_gemm:
+                c = select_config(b, i, directory=tmp_path)
+                assert c.config == TileConfig(128, 128, 2, 1, False), (b.name, i, c.config)
+                assert c.report is not None and not c.report.spills, (b.name, i, c.report.text)
+
+
 @pytest.mark.gpu
 def test_an_input_quantizers_backward_runs_on_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """Not yet run (written 2026-11-29 without a GPU): QUANTIZED_INPUT's backward on the kernels, against
@@ -828,6 +910,11 @@ def test_an_input_quantizers_backward_runs_on_the_kernels(monkeypatch: pytest.Mo
     monkeypatch.setattr(refusals, "COLUMN_SCALES", True)
     opts = coda_lang.BackwardOptions(fp8_grads="e5m2", requantize_wgrad=True)
     res = fuzz_block(blk, "cuda", examples=3, fuzzer=Fuzzer(blk, "cuda", backward=opts, wrt=["x", "w"]))
+    assert res.failure is None and res.cases == 3 and not res.notes, (res.failure, res.notes)
+    # and BLOCKWISE_MLP, forward and backward
+    mlp = coda_lang.load(BLOCKWISE_MLP)["mlp"]
+    fz = Fuzzer(mlp, "cuda", backward=opts, wrt=["x", "w13", "w2"])
+    res = fuzz_block(mlp, "cuda", examples=3, fuzzer=fz)
     assert res.failure is None and res.cases == 3 and not res.notes, (res.failure, res.notes)
 
 
