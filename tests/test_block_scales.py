@@ -503,6 +503,21 @@ block wq(w: bf16[N, K]) -> (wq: e4m3[N, K], s: f32[N/128, K/128]) {
 """
 
 
+def test_the_weights_quantizer_runs_on_the_kernels_runtime() -> None:
+    """WEIGHTS on the emulated kernels' runtime (its elementwise stages' torch functions, as a GPU runs
+    them through torch.compile), as the interpreter runs it: the second stage reduces the first's
+    stored per-group amax over runs of 128 rows (E0705 there before), the third reads the result over
+    128 x 128 groups."""
+    from coda_lang.backend_triton import generate
+    from coda_lang.backend_triton.elementwise import ElementwiseStage
+    from coda_lang.fuzz.search import fuzz_block
+
+    blk = coda_lang.load(WEIGHTS)["wq"]
+    res = fuzz_block(blk, "emulate", examples=4, backward=False)
+    assert res.failure is None and res.cases == 4, res.failure
+    assert "runs of rows" in (generate.unsupported(ElementwiseStage(blk, 2, emulate=False)) or "")
+
+
 def test_the_weights_128_by_128_scales() -> None:
     """docs/language.md's weight quantizer: each 128 x 128 block's amax (NumPy's), and the e4m3 codes of
     w scaled by 448 over it (ml_dtypes' rounding), so that wq times the scales over 448 is w to e4m3's

@@ -126,7 +126,14 @@ class ElementwiseStage:
     def _step(self, e: Any) -> tuple[str, tuple[str, ...], tuple[tuple[str, Any], ...], dict[str, Any]]:
         outs = tuple(v.name for v in e.outs)
         args = tuple(self._arg(a) for a in e.ins)
-        widths = tuple(self._width(a.type) if isinstance(a, Var) else None for a in e.ins)
+        # (a grouped value of an earlier stage, loaded as the matrix it was stored as: that matrix's width)
+        tiles = {ld.name: ld.shape for ld in self.loads if ld.role == "tile"}
+        widths = tuple(
+            (self._ratio(tiles[a.name][1]) if a.name in tiles else self._width(a.type))
+            if isinstance(a, Var)
+            else None
+            for a in e.ins
+        )
         out = e.outs[0].type
         info: dict[str, Any] = {"widths": widths}
         od = REGISTRY[e.op]
@@ -138,8 +145,9 @@ class ElementwiseStage:
             info["row_group"] = (e.param("group") or 0) if rows_grouped else 0
             info["group"] = 0 if rows_grouped else e.param("group") or 0
             x = e.ins[0].type if isinstance(e.ins[0], Var) else None
+            loaded = isinstance(e.ins[0], Var) and e.ins[0].name in tiles  # (stored one per group already)
             info["ungroup"] = (
-                x.group if x is not None and x.kind == GROUP else 0
+                x.group if x is not None and x.kind == GROUP and not loaded else 0
             )  # its groups reduced: one each
             if widths[0] is None:  # a vector or scalar broadcast over the reduced axis
                 info["widths"] = ((1, 1),) if per_row else (None,)
