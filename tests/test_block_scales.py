@@ -854,45 +854,76 @@ block mlp(x: bf16[M, D], w13: e4m3[2*F, D], s13: f32[2*F/128, D/128], w2: e4m3[D
 """
 BLOCKWISE_OPTIONS = {"fp8_grads": "e5m2", "requantize_wgrad": True}
 
+# the same recipe for a LLaMA layer's input norm and QKV projection with RoPE (an epilogue over column
+# pairs): the norm's weighted input quantized in 1 x 128 groups, the row scale deferred into the epilogue
+BLOCKWISE_QKV = """
+dims M, D, P
+block qkv(h: bf16[M, D], g: f32[D], w: e4m3[2*P, D], sw: f32[2*P/128, D/128], pos: f32[M], freq: f32[P],
+          eps: f32 = 1e-5) -> (qkv: bf16[M, 2*P]) {
+  elementwise [M, D] {
+    ss = sum(h * h, over=D)
+    hg = h * g
+    ah = detach(max(abs(hg), over=D, group=128))
+    hq: e4m3 = hg * (448.0 / max(ah, 1e-12))
+  }
+  r = rsqrt(ss / D + eps)
+  gemm hq @ transpose(w), scale_a=ah, scale_b=sw {
+    z = acc * (1.0 / 448.0) * r
+    qa, qb = pairs(z)
+    ang = pos * freq
+    c = cos(ang)
+    s = sin(ang)
+    qkv: bf16 = interleave(qa * c - qb * s, qa * s + qb * c)
+  }
+}
+"""
+# each blockwise block, the parameters it is differentiated with respect to, and fixed fuzz sizes
+BLOCKWISE = {
+    "mlp": (BLOCKWISE_MLP, ["x", "w13", "w2"], {"M": 256, "D": 256, "F": 384}),
+    "qkv": (BLOCKWISE_QKV, ["h", "g", "w"], {"M": 256, "D": 256, "P": 192}),
+}
 
-def test_a_blockwise_mlp_forward_and_backward_on_the_emulated_kernels(
-    monkeypatch: pytest.MonkeyPatch,
+
+@pytest.mark.parametrize("name", sorted(BLOCKWISE))
+def test_blockwise_blocks_forward_and_backward_on_the_emulated_kernels(
+    name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """BLOCKWISE_MLP differentiated with respect to x and both weights, with e5m2 cotangents and the
-    weight gradients' activations quantized again in 128 x 1 groups: every GEMM stage of the forward and
-    the backward plans for the kernels, and the emulated kernels run both as the interpreter does, once
-    the loop for a scale per column is let in (refusals.COLUMN_SCALES); without it, the weight
-    gradients are E0709 (a note) and the rest runs."""
+    """BLOCKWISE_MLP and BLOCKWISE_QKV differentiated with e5m2 cotangents and the weight gradients'
+    activations quantized again in 128 x 1 groups: every GEMM stage of the forward and the backward
+    plans for the kernels, and the emulated kernels run both as the interpreter does, once the loop
+    for a scale per column is let in (refusals.COLUMN_SCALES); without it, the weight gradients are
+    E0709 (a note) and the rest runs."""
     from coda_lang.backend_cute.plan import refusals
     from coda_lang.backend_cute.plan.planner import plan_stage
     from coda_lang.fuzz.fuzzer import Fuzzer
     from coda_lang.fuzz.search import fuzz_block
 
-    blk = coda_lang.load(BLOCKWISE_MLP)["mlp"]
+    src, wrt, dims = BLOCKWISE[name]
+    blk = coda_lang.load(src)[name]
     opts = coda_lang.BackwardOptions(**BLOCKWISE_OPTIONS)  # type: ignore[arg-type]
 
     def fuzz() -> Any:
-        fz = Fuzzer(blk, "emulate", backward=opts, wrt=["x", "w13", "w2"])
-        return fuzz_block(blk, "emulate", examples=3, dims={"M": 256, "D": 256, "F": 384}, fuzzer=fz)
+        fz = Fuzzer(blk, "emulate", backward=opts, wrt=wrt)
+        return fuzz_block(blk, "emulate", examples=3, dims=dims, fuzzer=fz)
 
     res = fuzz()
     assert res.failure is None and any("E0709" in n for n in res.notes), res.notes
     monkeypatch.setattr(refusals, "COLUMN_SCALES", True)
-    bwd = blk.grad(["x", "w13", "w2"], backward=opts)
+    bwd = blk.grad(wrt, backward=opts)
     for b in (blk, bwd):
         gemms = [i + 1 for i, st in enumerate(b.ir.stages) if st.is_gemm]
-        assert all(plan_stage(b, i).gemm.scaled for i in gemms), b.name
-    assert len([st for st in bwd.ir.stages if st.is_gemm]) == 4
+        assert gemms and all(plan_stage(b, i).gemm.scaled for i in gemms), b.name
     res = fuzz()
     assert res.failure is None and res.cases == 3 and not res.notes, (res.failure, res.notes)
 
 
 @pytest.mark.toolchain
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_a_blockwise_mlps_kernels_compile(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
-    """Each of BLOCKWISE_MLP's six GEMM kernels (two forward, four backward: two data gradients on w's
-    blocks alone, two weight gradients with a scale per column) compiles for sm_90a at 128 x 128
-    cooperative without spills."""
+@pytest.mark.parametrize("name", sorted(BLOCKWISE))
+def test_blockwise_blocks_kernels_compile(name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """Each GEMM kernel of the blockwise blocks' forwards and backwards (BLOCKWISE_MLP: two forward,
+    four backward; BLOCKWISE_QKV: one and two) compiles for sm_90a at 128 x 128 cooperative without
+    spills: data gradients on w's blocks alone, weight gradients with a scale per column."""
     from coda_lang.backend_cute.build.config import TileConfig
     from coda_lang.backend_cute.build.select import select_config
     from coda_lang.backend_cute.plan import refusals
@@ -900,8 +931,9 @@ def test_a_blockwise_mlps_kernels_compile(monkeypatch: pytest.MonkeyPatch, tmp_p
     pytest.importorskip("quack")
     monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(refusals, "COLUMN_SCALES", True)
-    blk = coda_lang.load(BLOCKWISE_MLP)["mlp"]
-    bwd = blk.grad(["x", "w13", "w2"], backward=coda_lang.BackwardOptions(**BLOCKWISE_OPTIONS))  # type: ignore[arg-type]
+    src, wrt, _ = BLOCKWISE[name]
+    blk = coda_lang.load(src)[name]
+    bwd = blk.grad(wrt, backward=coda_lang.BackwardOptions(**BLOCKWISE_OPTIONS))  # type: ignore[arg-type]
     for b in (blk, bwd):
         for i, st in enumerate(b.ir.stages, 1):
             if st.is_gemm:
@@ -926,11 +958,11 @@ def test_an_input_quantizers_backward_runs_on_the_kernels(monkeypatch: pytest.Mo
     opts = coda_lang.BackwardOptions(fp8_grads="e5m2", requantize_wgrad=True)
     res = fuzz_block(blk, "cuda", examples=3, fuzzer=Fuzzer(blk, "cuda", backward=opts, wrt=["x", "w"]))
     assert res.failure is None and res.cases == 3 and not res.notes, (res.failure, res.notes)
-    # and BLOCKWISE_MLP, forward and backward
-    mlp = coda_lang.load(BLOCKWISE_MLP)["mlp"]
-    fz = Fuzzer(mlp, "cuda", backward=opts, wrt=["x", "w13", "w2"])
-    res = fuzz_block(mlp, "cuda", examples=3, fuzzer=fz)
-    assert res.failure is None and res.cases == 3 and not res.notes, (res.failure, res.notes)
+    # and the blockwise MLP and QKV, forward and backward
+    for name, (src, wrt, _) in sorted(BLOCKWISE.items()):
+        b = coda_lang.load(src)[name]
+        res = fuzz_block(b, "cuda", examples=3, fuzzer=Fuzzer(b, "cuda", backward=opts, wrt=wrt))
+        assert res.failure is None and res.cases == 3 and not res.notes, (name, res.failure, res.notes)
 
 
 def test_a_scale_read_only_by_a_later_gemm_is_stored_by_its_stage() -> None:
