@@ -18,7 +18,7 @@ And one more, not yet reachable from the planner (refusals.block_scales_unsuppor
 until it has run on a GPU): B's scale per column and K block (`columns`: sb [K/128, N], B stored
 [K, N]; a weight gradient reading its activation quantized again in 128 x 1 groups,
 BackwardOptions.requantize_wgrad), `acc_slow += acc * sb[kb, column]`, each thread loading the
-scales of the columns it holds (`_column_scaled_mma`).
+scales of the columns it holds (`_scaled_mma` with `columns`).
 How the mainloop learns what quack does not hand it (its `mma` is called with the pipeline, the
 accumulators and the K tile count only):
 - the scale tensors: the kernel passes its epilogue parameters to `epi_get_smem_tensors` at its top,
@@ -163,7 +163,7 @@ def install(gemm: Any, *, scale_a: str | None, scale_b: str, kn: bool = False, c
     if not gemm.fp8_slow_accum:
         raise ValueError("a block-scaled mainloop needs fp8 operands promoted per K tile")
     recorder = _Recorder()
-    gemm._coda_scales = (recorder, scale_a, scale_b, kn)
+    gemm._coda_scales = (recorder, scale_a, scale_b, kn, columns)
     _RecordingWorkTile.recorder = recorder
     own = type(gemm)
     gemm.get_scheduler_class = lambda varlen_m=False: _RecordingScheduler
@@ -174,7 +174,7 @@ def install(gemm: Any, *, scale_a: str | None, scale_b: str, kn: bool = False, c
         return first(gemm, params, storage)
 
     gemm.epi_get_smem_tensors = epi_get_smem_tensors
-    gemm.mma = types.MethodType(_column_scaled_mma if columns else _scaled_mma, gemm)
+    gemm.mma = types.MethodType(_scaled_mma, gemm)
 
 
 @cute.jit
@@ -188,68 +188,15 @@ def _scaled_mma(
     k_tile_cnt: Int32,
     warp_group_idx: Int32,
 ) -> Any:
-    recorder, name_a, name_b, kn = self._coda_scales
-    sb = getattr(recorder.params, name_b)  # f32 [N / 128, KB] ([KB, N / 128] where kn)
+    """quack's fp8 consumer loop with each K tile's WGMMA result promoted times its scales, loaded while
+    the tile's WGMMAs run: per row, `sa[row, kb] * sb[n block, kb]` (or B's alone; `kn`: sb[kb, n
+    block]); with `columns`, per column, `sb[kb, column]`. A thread's accumulator holds, per WGMMA, 2
+    adjacent columns of each of the tile's 8-column groups for 2 rows (mode 0 of its layout: (column,
+    row, group)), so it loads 2 rows' scales, or 2 x groups x MMA_N columns' (0 past M or N, where the
+    accumulator is 0 too)."""
+    recorder, name_a, name_b, kn, columns = self._coda_scales
+    sb = getattr(recorder.params, name_b)  # f32 [N / 128, KB] ([KB, N / 128] where kn; [KB, N] where columns)
     pid_m, pid_n = recorder.tile[0], recorder.tile[1]
-    tile_m, tile_n = self.cta_tile_shape_mnk[0], self.cta_tile_shape_mnk[1]
-    tiled_mma = mma_fn.args[0]
-    tidx, _, _ = cute.arch.thread_idx()
-    coords = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((tile_m, tile_n)))
-    mma_m = const_expr(cute.size(acc.shape[1]))
-    n_block = pid_n  # (tile_n == 128: one block of B's rows)
-    acc_slow.fill(0.0)
-    for k_tile in cutlass.range(k_tile_cnt, unroll=1):
-        ab_pipeline.consumer_wait(ab_read_state)
-        mma_fn(A_idx=ab_read_state.index, B_idx=ab_read_state.index, zero_init=True)
-        # this K block's scales, loaded while the WGMMAs run: the tile's one block of B's, and A's for
-        # each row this thread holds (0 past M, where the accumulator is 0 too)
-        sb_k = Float32(0.0)
-        if const_expr(kn):
-            sb_k = sb[k_tile, n_block]
-        else:
-            sb_k = sb[n_block, k_tile]
-        row_scales = cute.make_rmem_tensor((2, mma_m), Float32)
-        for m in cutlass.range_constexpr(mma_m):
-            for r in cutlass.range_constexpr(2):
-                if const_expr(name_a is None):
-                    row_scales[r, m] = sb_k
-                else:
-                    sa = getattr(recorder.params, name_a)  # f32 [M, KB]
-                    row = pid_m * tile_m + coords[(0, r, 0), m, 0][0]
-                    s = Float32(0.0)
-                    if row < cute.size(sa.shape[0]):
-                        s = sa[row, k_tile]
-                    row_scales[r, m] = s * sb_k
-        warpgroup.wait_group(0)
-        ab_pipeline.consumer_release(ab_read_state)
-        ab_read_state.advance()
-        for m in cutlass.range_constexpr(mma_m):
-            for r in cutlass.range_constexpr(2):
-                slow = acc_slow[(None, r, None), m, None]
-                slow.store(slow.load() + acc[(None, r, None), m, None].load() * row_scales[r, m])
-    acc.store(acc_slow.load())
-    return ab_read_state
-
-
-@cute.jit
-def _column_scaled_mma(
-    self: Any,
-    ab_pipeline: Any,
-    ab_read_state: Any,
-    mma_fn: Any,
-    acc: cute.Tensor,
-    acc_slow: cute.Tensor,
-    k_tile_cnt: Int32,
-    warp_group_idx: Int32,
-) -> Any:
-    """quack's fp8 consumer loop with each K tile promoted times B's scale of each column (sb [KB, N]):
-    `acc_slow += acc * sb[k_tile, column]`. A thread's accumulator holds, per WGMMA, 2 adjacent columns
-    of each of the tile's 8-column groups for 2 rows (mode 0 of its layout: (column, row, group)), so
-    it loads 2 x groups x MMA_N scales a K tile, while the tile's WGMMAs run (0 past N, where the
-    accumulator is 0 too), and applies each to both of its rows."""
-    recorder, _, name_b, _ = self._coda_scales
-    sb = getattr(recorder.params, name_b)  # f32 [KB, N]
-    pid_n = recorder.tile[1]
     tile_m, tile_n = self.cta_tile_shape_mnk[0], self.cta_tile_shape_mnk[1]
     tiled_mma = mma_fn.args[0]
     tidx, _, _ = cute.arch.thread_idx()
@@ -257,30 +204,55 @@ def _column_scaled_mma(
     mma_m = const_expr(cute.size(acc.shape[1]))
     mma_n = const_expr(cute.size(acc.shape[2]))
     groups = const_expr(cute.size(acc.shape[0][2]))
-    n_total = cute.size(sb.shape[1])
+    n_block = pid_n  # (tile_n == 128: one block of B's rows)
     acc_slow.fill(0.0)
     for k_tile in cutlass.range(k_tile_cnt, unroll=1):
         ab_pipeline.consumer_wait(ab_read_state)
         mma_fn(A_idx=ab_read_state.index, B_idx=ab_read_state.index, zero_init=True)
-        col_scales = cute.make_rmem_tensor((2, groups, mma_n), Float32)
-        for n in cutlass.range_constexpr(mma_n):
-            for v in cutlass.range_constexpr(groups):
-                for c in cutlass.range_constexpr(2):
-                    col = pid_n * tile_n + coords[(c, 0, v), 0, n][1]
-                    s = Float32(0.0)
-                    if col < n_total:
-                        s = sb[k_tile, col]
-                    col_scales[c, v, n] = s
+        if const_expr(columns):
+            col_scales = cute.make_rmem_tensor((2, groups, mma_n), Float32)
+            for n in cutlass.range_constexpr(mma_n):
+                for v in cutlass.range_constexpr(groups):
+                    for c in cutlass.range_constexpr(2):
+                        col = pid_n * tile_n + coords[(c, 0, v), 0, n][1]
+                        s = Float32(0.0)
+                        if col < cute.size(sb.shape[1]):
+                            s = sb[k_tile, col]
+                        col_scales[c, v, n] = s
+        else:
+            sb_k = Float32(0.0)
+            if const_expr(kn):
+                sb_k = sb[k_tile, n_block]
+            else:
+                sb_k = sb[n_block, k_tile]
+            row_scales = cute.make_rmem_tensor((2, mma_m), Float32)
+            for m in cutlass.range_constexpr(mma_m):
+                for r in cutlass.range_constexpr(2):
+                    if const_expr(name_a is None):
+                        row_scales[r, m] = sb_k
+                    else:
+                        sa = getattr(recorder.params, name_a)  # f32 [M, KB]
+                        row = pid_m * tile_m + coords[(0, r, 0), m, 0][0]
+                        s = Float32(0.0)
+                        if row < cute.size(sa.shape[0]):
+                            s = sa[row, k_tile]
+                        row_scales[r, m] = s * sb_k
         warpgroup.wait_group(0)
         ab_pipeline.consumer_release(ab_read_state)
         ab_read_state.advance()
-        for m in cutlass.range_constexpr(mma_m):
-            for n in cutlass.range_constexpr(mma_n):
-                for v in cutlass.range_constexpr(groups):
-                    for r in cutlass.range_constexpr(2):
-                        for c in cutlass.range_constexpr(2):
-                            acc_slow[(c, r, v), m, n] = (
-                                acc_slow[(c, r, v), m, n] + acc[(c, r, v), m, n] * col_scales[c, v, n]
-                            )
+        if const_expr(columns):
+            for m in cutlass.range_constexpr(mma_m):
+                for n in cutlass.range_constexpr(mma_n):
+                    for v in cutlass.range_constexpr(groups):
+                        for r in cutlass.range_constexpr(2):
+                            for c in cutlass.range_constexpr(2):
+                                acc_slow[(c, r, v), m, n] = (
+                                    acc_slow[(c, r, v), m, n] + acc[(c, r, v), m, n] * col_scales[c, v, n]
+                                )
+        else:
+            for m in cutlass.range_constexpr(mma_m):
+                for r in cutlass.range_constexpr(2):
+                    slow = acc_slow[(None, r, None), m, None]
+                    slow.store(slow.load() + acc[(None, r, None), m, None].load() * row_scales[r, m])
     acc.store(acc_slow.load())
     return ab_read_state
