@@ -68,8 +68,8 @@ class ElementwiseStage:
         self.row_groups = tuple((r.group or 0) if r.axis == "rows" else 0 for r in self.plan.reductions)
         # a grouped value computed from a grouped reduction (`ax = detach(max(abs(x), over=D,
         # group=128))`) that is used after the stage (a later GEMM's `scale_a=`, or a saved tensor of a
-        # backward) comes back as the reductions do: one value per row and group
-        done = set(self.reductions)
+        # backward) comes back as the reductions do: one value per row and group (`handed_back`)
+        self.handed_back: list[str] = []
         for e in self.stage.body:
             for v in e.outs:
                 t = v.type
@@ -77,13 +77,13 @@ class ElementwiseStage:
                     t is not None
                     and t.kind == GROUP
                     and t.group
-                    and v.name not in done
+                    and v.name not in self.reductions
                     and v.name in block.plan.storage
                 ):
+                    self.handed_back.append(v.name)
                     self.reductions.append(v.name)
                     self.groups += (t.group if t.group_axis == 1 else 0,)
                     self.row_groups += (t.group if t.group_axis == 0 else 0,)
-                    done.add(v.name)
         for e in self.stage.body:
             od = REGISTRY[e.op]
             if not (od.reduces or od.locality is Locality.INDEX) and od.lower.torch is None:

@@ -219,10 +219,8 @@ def unsupported(st: Any) -> str | None:
         return f"`{grouped[0]}` is read over groups of the tile (`expand` of a block scale)"
     if any(st.row_groups):
         return "a reduction over runs of rows (`over=M, group=g`)"
-    folds = sum(1 for op, _o, _a, _i in st.steps if _fold(op) is not None)
-    if len(st.reductions) != folds:  # (ElementwiseStage: a grouped value of a reduction, used later)
-        extra = st.reductions[folds] if len(st.reductions) > folds else "a reduction"
-        return f"the grouped value `{extra}`, computed from a grouped reduction, is used after the stage"
+    if st.handed_back:
+        return f"the grouped value `{st.handed_back[0]}`, computed from a grouped reduction, is used after the stage"
     for e, (op, _outs, args, info) in zip(st.stage.body, st.steps, strict=True):
         od = REGISTRY[op]
         for i, _g, w in info.get("cycle", ()):

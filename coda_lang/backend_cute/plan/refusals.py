@@ -85,7 +85,7 @@ def check_gemm_stage(index: int, st: Stage, sp: StagePlan, dtype_of: Callable[[V
             )
 
 
-# The block-scaled loop with B's scale per column and K block (plan/block_scaled.py `_column_scaled_mma`)
+# The block-scaled loop with B's scale per column and K block (plan/block_scaled.py `_scaled_mma` with `columns`)
 # compiles for sm_90a and is emulated, but has not run on a GPU: no stage takes it until
 # tests/test_block_scaled_kernel.py's gpu test of it has passed and this is set True (the tests set it
 # to check the planner and the emulated kernels now)
@@ -126,11 +126,11 @@ def block_scales_unsupported(st: Stage, sp: StagePlan, dtype_of: Callable[[Var],
         groups_a = [group_size(d, g) for d, g in zip((sp.rows, sp.k), sa.type.shape, strict=True)]
         if groups_a != [1, SCALE_BLOCK]:
             return f"scale_a `{sa.name}` is {shape_str(sa.type.shape)}: groups of {groups_a[0]} x {groups_a[1]}, not 1 x {SCALE_BLOCK}"
-    if groups_b == [SCALE_BLOCK, 1] and not st.tb and COLUMN_SCALES and sa is None:
-        return None
-    if groups_b == [SCALE_BLOCK, 1] and not st.tb and sa is None:
+    if sa is None and scale_b_per_column(st, sp):
         return (
-            f"scale_b `{sb.name}` is {shape_str(sb.type.shape)}: a scale per column of the result and "
+            None
+            if COLUMN_SCALES
+            else f"scale_b `{sb.name}` is {shape_str(sb.type.shape)}: a scale per column of the result and "
             f"{SCALE_BLOCK}-deep block of K (a weight gradient reading its activation quantized again, "
             "requantize_wgrad=True); the kernels' loop for a scale per column (plan/block_scaled.py) has "
             "not run on a GPU yet, so no stage takes it"
