@@ -669,10 +669,11 @@ def test_the_weight_gradients_read_their_activations_quantized_again() -> None:
 
 
 def test_requantized_weight_gradients_on_the_kernels_the_commands_and_bad_options(tmp_path: Any) -> None:
-    """The requantized weight gradient (a scale per column and 128-deep block of K) is not in the
-    kernels' mainloop yet: E0709 naming it, kernels and emulated alike; `coda grad --requantize-wgrad` prints it, `coda fuzz --requantize-wgrad` checks
-    it on the interpreter (whole groups of rows in its simulated tiles), and goes with a backward only
-    (exit 2); a bad value is a TypeError."""
+    """The requantized weight gradient (a scale per column and 128-deep block of K) plans for the
+    kernels' column-scale loop, kernels and emulated alike (GPU-checked 2026-11-29);
+    `coda grad --requantize-wgrad` prints it, `coda fuzz --requantize-wgrad` checks it on the
+    interpreter (whole groups of rows in its simulated tiles), and goes with a backward only (exit 2); a
+    bad value is a TypeError."""
     from coda_lang.backend_cute.plan.planner import plan_stage
 
     blk = coda_lang.load(MLP)["mlp"]
@@ -682,10 +683,8 @@ def test_requantized_weight_gradients_on_the_kernels_the_commands_and_bad_option
     assert len(wgrads) == 2
     for i in wgrads:
         for emulated in (False, True):
-            with pytest.raises(CodaError) as e:
-                plan_stage(bwd, i, emulated=emulated)
-            (d,) = e.value.diagnostics
-            assert d.code == "E0709" and "a scale per column of the result" in d.message, d.message
+            g = plan_stage(bwd, i, emulated=emulated).gemm
+            assert g.b_columns and g.b_kn and g.scale_a is None, (i, emulated)
     f = tmp_path / "mlp.coda"
     f.write_text(MLP)
     r = coda("grad", str(f), "--requantize-wgrad")
@@ -791,16 +790,12 @@ block q(x: bf16[M, D], w: bf16[N, D]) -> (y: bf16[M, N], z: bf16[M, D]) {
     assert res.failure is None and res.cases == 3, res.failure
 
 
-def test_the_requantized_weight_gradient_emulated_once_its_loop_is_let_in(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_the_requantized_weight_gradient_runs_emulated() -> None:
     """QUANTIZED_INPUT differentiated with respect to x and w, `requantize_wgrad=True`: x's data
     gradient, the stage that quantizes x again in 128 x 1 groups (a reduction over runs of rows, in the
     elementwise stage's torch function), and w's gradient `transpose(dacc) @ xqc, scale_b=axc` (a scale
-    per column and K block; `expand(sw, acc)` read over 128 x 128 groups). The loop for that scale has
-    not run on a GPU, so the planner refuses it (E0709, a note); let in
-    (refusals.COLUMN_SCALES), the emulated kernels run the whole backward as the interpreter does."""
-    from coda_lang.backend_cute.plan import refusals
+    per column and K block; `expand(sw, acc)` read over 128 x 128 groups): the emulated kernels run the
+    whole backward as the interpreter does."""
     from coda_lang.backend_cute.plan.emit import emit_stage
     from coda_lang.backend_cute.plan.planner import plan_stage
     from coda_lang.fuzz.fuzzer import Fuzzer
@@ -813,12 +808,6 @@ def test_the_requantized_weight_gradient_emulated_once_its_loop_is_let_in(
         fz = Fuzzer(blk, "emulate", backward=opts, wrt=["x", "w"])
         return fuzz_block(blk, "emulate", examples=3, dims={"M": 256, "D": 384, "N": 256}, fuzzer=fz)
 
-    assert not refusals.COLUMN_SCALES
-    res = fuzz()
-    assert res.failure is None and any("E0709" in n and "has not run on a GPU" in n for n in res.notes), (
-        res.notes
-    )
-    monkeypatch.setattr(refusals, "COLUMN_SCALES", True)
     bwd = blk.grad(["x", "w"], backward=opts)
     k = max(i + 1 for i, st in enumerate(bwd.ir.stages) if st.is_gemm)
     spec = plan_stage(bwd, k)
@@ -885,15 +874,10 @@ BLOCKWISE = {
 
 
 @pytest.mark.parametrize("name", sorted(BLOCKWISE))
-def test_blockwise_blocks_forward_and_backward_on_the_emulated_kernels(
-    name: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_blockwise_blocks_forward_and_backward_on_the_emulated_kernels(name: str) -> None:
     """BLOCKWISE_MLP and BLOCKWISE_QKV differentiated with e5m2 cotangents and the weight gradients'
     activations quantized again in 128 x 1 groups: every GEMM stage of the forward and the backward
-    plans for the kernels, and the emulated kernels run both as the interpreter does, once the loop
-    for a scale per column is let in (refusals.COLUMN_SCALES); without it, the weight gradients are
-    E0709 (a note) and the rest runs."""
-    from coda_lang.backend_cute.plan import refusals
+    plans for the kernels, and the emulated kernels run both as the interpreter does."""
     from coda_lang.backend_cute.plan.planner import plan_stage
     from coda_lang.fuzz.fuzzer import Fuzzer
     from coda_lang.fuzz.search import fuzz_block
@@ -906,9 +890,6 @@ def test_blockwise_blocks_forward_and_backward_on_the_emulated_kernels(
         fz = Fuzzer(blk, "emulate", backward=opts, wrt=wrt)
         return fuzz_block(blk, "emulate", examples=3, dims=dims, fuzzer=fz)
 
-    res = fuzz()
-    assert res.failure is None and any("E0709" in n for n in res.notes), res.notes
-    monkeypatch.setattr(refusals, "COLUMN_SCALES", True)
     bwd = blk.grad(wrt, backward=opts)
     for b in (blk, bwd):
         gemms = [i + 1 for i, st in enumerate(b.ir.stages) if st.is_gemm]
@@ -926,11 +907,9 @@ def test_blockwise_blocks_kernels_compile(name: str, monkeypatch: pytest.MonkeyP
     spills: data gradients on w's blocks alone, weight gradients with a scale per column."""
     from coda_lang.backend_cute.build.config import TileConfig
     from coda_lang.backend_cute.build.select import select_config
-    from coda_lang.backend_cute.plan import refusals
 
     pytest.importorskip("quack")
     monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(refusals, "COLUMN_SCALES", True)
     src, wrt, _ = BLOCKWISE[name]
     blk = coda_lang.load(src)[name]
     bwd = blk.grad(wrt, backward=coda_lang.BackwardOptions(**BLOCKWISE_OPTIONS))  # type: ignore[arg-type]
@@ -943,18 +922,16 @@ def test_blockwise_blocks_kernels_compile(name: str, monkeypatch: pytest.MonkeyP
 
 
 @pytest.mark.gpu
-def test_an_input_quantizers_backward_runs_on_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Not yet run (written 2026-11-29 without a GPU): QUANTIZED_INPUT's backward on the kernels, against
-    the interpreter: with respect to x; then with respect to x and w, `requantize_wgrad=True`, with the
-    loop for a scale per column let in (refusals.COLUMN_SCALES: set it True once this passes)."""
-    from coda_lang.backend_cute.plan import refusals
+def test_an_input_quantizers_backward_runs_on_the_kernels() -> None:
+    """QUANTIZED_INPUT's backward on the kernels, against the interpreter: with respect to x; then with
+    respect to x and w, `requantize_wgrad=True` (the loop for a scale per column). Passed on an H200,
+    2026-11-29."""
     from coda_lang.fuzz.fuzzer import Fuzzer
     from coda_lang.fuzz.search import fuzz_block
 
     blk = coda_lang.load(QUANTIZED_INPUT)["q1"]
     res = fuzz_block(blk, "cuda", examples=3, fuzzer=Fuzzer(blk, "cuda", fp8_grads="e5m2", wrt=["x"]))
     assert res.failure is None and res.cases == 3 and not res.notes, (res.failure, res.notes)
-    monkeypatch.setattr(refusals, "COLUMN_SCALES", True)
     opts = coda_lang.BackwardOptions(fp8_grads="e5m2", requantize_wgrad=True)
     res = fuzz_block(blk, "cuda", examples=3, fuzzer=Fuzzer(blk, "cuda", backward=opts, wrt=["x", "w"]))
     assert res.failure is None and res.cases == 3 and not res.notes, (res.failure, res.notes)

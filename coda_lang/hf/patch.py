@@ -72,10 +72,10 @@ def check_fp8(fp8: Any) -> None:
     if fp8 == "blockwise":
         raise NotImplementedError(
             "fp8='blockwise' (1x128 activation and 128x128 weight scales, DeepSeek-V3's recipe) is not "
-            "built yet for models: the kernels run its forward GEMMs (each 128-deep block of K scaled in "
-            "the mainloop) and its data gradients; its weight gradients, derived from the activations "
-            "quantized again in 128x1 groups, have not run on a GPU yet, and the model's program is "
-            f'not written (docs/models.md, "fp8 training"); it takes {takes}'
+            "built yet for models: the kernels run its GEMMs forward and backward (each 128-deep block of K "
+            "scaled in the mainloop; the weight gradients from the activations quantized again in 128x1 "
+            "groups, BackwardOptions(requantize_wgrad=True)), but the model's program is not written "
+            f'(docs/models.md, "fp8 training"); it takes {takes}'
         )
     if fp8 not in FP8_RECIPES:
         hint = _FP8_HINTS.get(fp8, "")

@@ -85,13 +85,6 @@ def check_gemm_stage(index: int, st: Stage, sp: StagePlan, dtype_of: Callable[[V
             )
 
 
-# The block-scaled loop with B's scale per column and K block (plan/block_scaled.py `_scaled_mma` with `columns`)
-# compiles for sm_90a and is emulated, but has not run on a GPU: no stage takes it until
-# tests/test_block_scaled_kernel.py's gpu test of it has passed and this is set True (the tests set it
-# to check the planner and the emulated kernels now)
-COLUMN_SCALES = False
-
-
 def scale_b_per_column(st: Stage, sp: StagePlan) -> bool:
     """Whether the GEMM stage's `scale_b=` is one scale per column of the result and 128-deep block of
     K, laid out [K/128, N] as its B is stored [K, N] (a requantized weight gradient's)."""
@@ -127,14 +120,7 @@ def block_scales_unsupported(st: Stage, sp: StagePlan, dtype_of: Callable[[Var],
         if groups_a != [1, SCALE_BLOCK]:
             return f"scale_a `{sa.name}` is {shape_str(sa.type.shape)}: groups of {groups_a[0]} x {groups_a[1]}, not 1 x {SCALE_BLOCK}"
     if sa is None and scale_b_per_column(st, sp):
-        return (
-            None
-            if COLUMN_SCALES
-            else f"scale_b `{sb.name}` is {shape_str(sb.type.shape)}: a scale per column of the result and "
-            f"{SCALE_BLOCK}-deep block of K (a weight gradient reading its activation quantized again, "
-            "requantize_wgrad=True); the kernels' loop for a scale per column (plan/block_scaled.py) has "
-            "not run on a GPU yet, so no stage takes it"
-        )
+        return None  # `BlockScale(..., columns=True)`: a requantized weight gradient's scale per column
     if groups_b != [SCALE_BLOCK, SCALE_BLOCK]:
         return f"scale_b `{sb.name}` is {shape_str(sb.type.shape)}: blocks of {groups_b[0]} x {groups_b[1]}, not {SCALE_BLOCK} x {SCALE_BLOCK}"
     return None
