@@ -55,6 +55,7 @@ RECIPES: dict[str, tuple[str | None, bool, tuple[str, ...]]] = {
     "delayed": ("delayed", True, ("--fp8-grads", "e5m2", "--fp8-acc")),
     "delayed-save16": ("delayed", False, ("--fp8-grads", "e5m2")),
     "delayed-forward": ("delayed-forward", False, ()),
+    "blockwise": ("blockwise", False, ("--fp8-grads", "e5m2", "--requantize-wgrad")),
 }
 LAYERS = ("first_qkv", "layer", "last")
 # the heads, with the backward options hf/state.py's `Blocks` makes them with (run under "bf16" only)

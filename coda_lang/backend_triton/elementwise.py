@@ -91,6 +91,13 @@ class ElementwiseStage:
                     [Diagnostic("E0708", f"`{e.op}` has no torch stand-in for an elementwise stage", e.span)]
                 )
         self.steps = [self._step(e) for e in self.stage.body]
+        # each grouped reduction: (the group, whether it runs over the rows, the statement): the sizes a
+        # run binds must hold whole groups (E0802, `check_groups`), as the interpreter requires
+        self._grouped = [
+            (int(e.param("group")), e.outs[0].type.group_axis == 0, e)
+            for e in self.stage.body
+            if REGISTRY[e.op].reduces and e.param("group") and e.outs[0].type is not None
+        ]
         # the stage's extents as (dim, numerator, denominator): plain ints, traceable by torch.compile
         self._rows = (self.rows.name, self.rows.coeff.numerator, self.rows.coeff.denominator)
         self._cols = (self.cols.name, self.cols.coeff.numerator, self.cols.coeff.denominator)
@@ -322,6 +329,31 @@ class ElementwiseStage:
             results.append(x[::gr].contiguous() if gr else x[:, ::g].contiguous() if g else x.reshape(-1))
         return tuple(results)
 
+    def check_groups(self, rows: int, cols: int) -> None:
+        """E0802 where a grouped reduction of the stage would split a group: `rows` (or the width it
+        reduces, a fraction of `cols`) not a multiple of its group. Without it the torch function's
+        reshape would fold values of different groups together, or fail with a bare RuntimeError."""
+        for g, over_rows, e in self._grouped:
+            x = e.ins[0]
+            t = x.type if isinstance(x, Var) else None
+            n = rows
+            if not over_rows:
+                w = self._width(t) if t is not None else None
+                n = cols * w[0] // w[1] if w is not None else cols
+            if n % g:
+                what = "rows" if over_rows else "columns"
+                raise CodaError(
+                    [
+                        Diagnostic(
+                            "E0802",
+                            f"`{e.outs[0].name}` reduces groups of {g} {what}, and this run has {n}: "
+                            f"not a multiple of {g}",
+                            e.span,
+                            notes=[f"choose sizes that make the grouped {what} a multiple of {g}"],
+                        )
+                    ]
+                )
+
     def run(
         self,
         env: dict[str, Any],
@@ -352,6 +384,7 @@ class ElementwiseStage:
         device = next((v.device for v in ins if isinstance(v, torch.Tensor)), None) or next(
             (v.device for v in env.values() if isinstance(v, torch.Tensor)), torch.device("cpu")
         )
+        self.check_groups(rows, cols)
         fn = self.function()
         sizes = {k: int(v) for k, v in dims.items()}
         kw: dict[str, Any] = {}

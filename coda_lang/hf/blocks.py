@@ -293,13 +293,119 @@ _INPUT_FP8 = """
 # that the backward GEMMs multiply fp8 by fp8; "delayed-forward" keeps the cotangents in the model's dtype
 # `FP8_GRADS`: each recipe, and the dtype its backward quantizes those cotangents to
 # (`BackwardOptions.fp8_grads`)
-FP8_GRADS: dict[str, str | None] = {"delayed": "e5m2", "delayed-forward": None}
+FP8_GRADS: dict[str, str | None] = {"delayed": "e5m2", "delayed-forward": None, "blockwise": "e5m2"}
 FP8_RECIPES = tuple(FP8_GRADS)
+# the recipes whose per-tensor scales come from past steps' amaxes (hf/fp8.py's `Bank` keeps them):
+# "blockwise" scales each 1 x 128 group and 128 x 128 block by its own current amax, in the block
+DELAYED = ("delayed", "delayed-forward")
 # whether a patched fp8="delayed" model saves its gate/up accumulators in e4m3 (`model_source`'s
 # `fp8_save`): by default; $CODA_FP8_SAVE_ACC=0 saves them in the model's dtype, as before (docs/models.md)
 FP8_SAVE_VAR = "CODA_FP8_SAVE_ACC"
 # the quantized value of that copy, by its scale's name `s_<name>` (fp8.py's scale names)
 FP8_SAVE_SCALE = "u1"
+
+
+# fp8="blockwise" (DeepSeek-V3's recipe; docs/models.md, "fp8 training"): the input of every gate/up,
+# down and QKV GEMM quantized to e4m3 in 1 x 128 groups of its rows, each at its group's current amax
+# (`ga_<x>`, detached), by an elementwise stage (`_group_quantized`: a stage of its own, or the row
+# stage that makes the input); each of their weights in 128 x 128 blocks at each block's amax
+# (`wb_<w>`, three stages at the block's start: `blockwise_weight`). Each GEMM scales its 128-deep
+# blocks of K in the mainloop (`scale_a=` the groups' amaxes, `scale_b=` the blocks'), both amaxes
+# mapped to 448, so the epilogue multiplies by 1 / 448^2 (`DEQ`). No scale comes from past steps.
+# The backward (state.py) is derived with e5m2 cotangents and the weight gradients reading their
+# activations quantized again in 128 x 1 groups (`BackwardOptions(requantize_wgrad=True)`). Why a stage
+# of its own: a GEMM's epilogue folds a grouped amax of its accumulator only (docs/backend.md,
+# "Reductions"), and each of these inputs is a residual sum or a GLU output (E0705 there).
+SCALE_GROUP = 128
+DEQ = "(1.0 / 200704.0)"  # 1 / (448 * 448): e4m3's largest value, once for each operand
+
+
+def _group_quantized(v: str, q: str, over: str) -> str:
+    """An elementwise stage's lines quantizing its value `v` to e4m3 `{q}q` in 1 x 128 groups along
+    `over`, at each group's amax `ga_{q}` (detached: no gradient through a scale)."""
+    return (
+        f"\n    ga_{q} = detach(max(abs({v}), over={over}, group={SCALE_GROUP}))"
+        f"\n    {q}q: e4m3 = {v} * (448.0 / max(ga_{q}, 1e-12))"
+    )
+
+
+def blockwise_weight(name: str, rows: str, cols: str) -> str:
+    """Three elementwise stages (.coda text) quantizing the weight `name` ([rows, cols], both multiples of
+    128) to e4m3 `{name}q` in 128 x 128 blocks, at each block's amax `wb_{name}` ([rows/128, cols/128]):
+    the amax of each 1 x 128 group, its max over runs of 128 rows, the codes."""
+    g = SCALE_GROUP
+    return (
+        f"\n  elementwise [{rows}, {cols}] {{\n    wa_{name} = detach(max(abs({name}), over={cols}, group={g}))\n  }}"
+        f"\n  elementwise [{rows}, {cols}/{g}] {{\n    wb_{name} = max(wa_{name}, over={rows}, group={g})\n  }}"
+        f"\n  elementwise [{rows}, {cols}] {{"
+        f"\n    {name}q: e4m3 = {name} * (448.0 / max(expand(wb_{name}, {name}), 1e-12))\n  }}"
+    )
+
+
+def _block_scaled(x: str, w: str) -> str:
+    """The block scales of the GEMM of `{x}q` (quantized by `_group_quantized`) and `{w}q`."""
+    return f", scale_a=ga_{x}, scale_b=wb_{w}"
+
+
+def _mlp_blockwise(
+    t: str,
+    residual: str,
+    pre_norm: bool,
+    post_norm: bool,
+    then: bool,
+    act: str,
+    offset: float,
+    then_fp8: bool,
+) -> str:
+    """`_mlp`'s stages in the blockwise recipe: the out-projection in the model's dtype; the gate/up
+    input (x1's norm-weighted value, or x1), the GLU output and (`then_fp8`) the next QKV GEMM's input
+    each quantized in 1 x 128 groups; the gate/up and down GEMMs on 128 x 128-scaled e4m3 weights.
+    `then`: the next norm's weight and row statistics of x2 follow (`x2q`, `r2` with `then_fp8`; else
+    `x2g`, `r2` in the model's dtype, the last block's)."""
+    g1, g2 = norm_weight("g1", offset), norm_weight("g2", offset)
+    x1v = "x1g" if pre_norm else "x1"
+    pre1 = f"\n    x1g = cast(x1, {t}) * {g1}" if pre_norm else ""
+    stages = blockwise_weight("w_13", "2*F", "D") + blockwise_weight("w_2", "D", "F")
+    if post_norm:
+        stages += _POST_NORM_OUT.format(t=t)
+        stages += (
+            f"\n  elementwise [M, D] {{\n    x1: {t} = o * ro * {norm_weight('go', offset)}{residual} + x"
+        )
+        stages += (
+            pre1 + ("\n    ss1 = sum(x1 * x1, over=D)" if pre_norm else "") + _group_quantized(x1v, "x1", "D")
+        )
+        stages += "\n  }"
+    else:
+        stages += (
+            f"\n  gemm y @ transpose(w_o) {{\n    x1: {t} = acc{residual} + x\n    ss1 = sum(x1 * x1, over=D)\n  }}"
+            f"\n  elementwise [M, D] {{{pre1}{_group_quantized(x1v, 'x1', 'D')}\n  }}"
+        )
+    r1 = "r1" if pre_norm else "1.0"
+    stages += "\n  r1 = rsqrt(ss1 / D + eps)" if pre_norm else ""
+    stages += (
+        f"\n  i1 = {r1} * {DEQ}"
+        f"\n  gemm x1q @ transpose(w_13q){_block_scaled('x1', 'w_13')} {{"
+        f"\n    z1 = acc * i1\n    gt, up = pairs(z1)\n    a: {t} = {act}(gt) * up\n  }}"
+        f"\n  elementwise [M, F] {{{_group_quantized('a', 'a', 'F')}\n  }}"
+        f"\n  gemm aq @ transpose(w_2q){_block_scaled('a', 'w_2')} {{"
+    )
+    if then_fp8:
+        x2v = "x2g" if pre_norm else "x2"
+        nxt = f"\n    x2g = cast(x2, {t}) * {g2}\n    ss2 = sum(x2 * x2, over=D)" if pre_norm else ""
+        nxt += _group_quantized(x2v, "x2", "D")
+    else:
+        nxt = _THEN.format(t=t, g2=g2) if then else ""
+    if post_norm:
+        stages += f"\n    m: {t} = acc * {DEQ}\n    ssm = sum(m * m, over=D)\n  }}"
+        stages += _POST_NORM_DOWN.format(
+            t=t, down="", residual=residual, gd=norm_weight("gd", offset), then=nxt
+        )
+    elif then_fp8:
+        stages += f"\n    x2: {t} = acc * {DEQ}{residual} + x1\n  }}"
+        stages += f"\n  elementwise [M, D] {{{nxt}\n  }}"
+    else:
+        stages += f"\n    x2: {t} = acc * {DEQ}{residual} + x1{nxt}\n  }}"
+    return stages + ("\n  r2 = rsqrt(ss2 / D + eps)" if then else "")
 
 
 # the MLP's gate activations the blocks run, by the config's name: the .coda op of each (`gelu` is the
@@ -419,11 +525,13 @@ def _qkv(
     rows: bool = False,
     w: str = "w_qkv",
     fp8: bool = False,
+    scales: str = "",
 ) -> str:
     """The QKV projection's stage reading `src` (its row scale `r`, or "" for none) through RoPE,
     with the q/k norm `qk_norm` (and, for "proj", heads wider than the kernels' tiles or `rows`, the
     row stage after it); `offset` the norm weights' offset, `hd` the head dim, `w` the weight (its e4m3
-    copy `w_qkvq` in fp8 blocks, `fp8` set)."""
+    copy `w_qkvq` in fp8 blocks, `fp8` set), `scales` the GEMM's block scales (", scale_a=..,
+    scale_b=..": fp8="blockwise")."""
     if qk_norm == "head" and (rows or not heads_fit_tiles(hd, fp8)):
         body = _QKV_NORM_ROWS
     else:
@@ -436,7 +544,7 @@ def _qkv(
         gq=norm_weight("gq", offset),
         gk=norm_weight("gk", offset),
     )
-    return f"\n  gemm {src} @ transpose({w}) {{{text}\n  }}"
+    return f"\n  gemm {src} @ transpose({w}){scales} {{{text}\n  }}"
 
 
 def _logits(acc: str, logit_scale: float | None, softcap: float | None) -> str:
@@ -538,6 +646,11 @@ def model_source(
             f"fp8_save needs fp8 cotangents (fp8='delayed'), got fp8={fp8!r}: the SwiGLU backward reads "
             "an fp8 copy of the gate/up acc only beside an fp8 cotangent"
         )
+    if fp8 == "blockwise" and (fp8_head or fp8_save or not fp8_act):
+        raise ValueError(
+            "fp8='blockwise' quantizes the GLU output (fp8_act=True) and has no fp8 loss head or e4m3 save "
+            "of the gate/up acc (fp8_head, fp8_save: fp8='delayed')"
+        )
     if fp8 is not None and post_norm and not fp8_act:
         raise ValueError("fp8 blocks of post-norm layers quantize the GLU output (fp8_act=True)")
     kind = ("head" if qk_norm else None) if isinstance(qk_norm, bool) else qk_norm
@@ -565,7 +678,9 @@ def model_source(
         "proj": ", gqk: f32[2*P], mq: f32[2*P], mk: f32[2*P]",
     }[kind]
     notes = {None: "", "head": ", per-head q/k norm", "proj": ", q/k norm over each projection"}[kind]
-    rows = kind == "head" and (head_rows or not heads_fit_tiles(head_dim, bool(fp8)))
+    # (a block-scaled GEMM's tile is 128 x 128: heads that don't divide it take the row stage)
+    wide = fp8 == "blockwise" and SCALE_GROUP % head_dim != 0
+    rows = kind == "head" and (head_rows or wide or not heads_fit_tiles(head_dim, bool(fp8)))
     notes += " (a row stage)" if rows else ""
     notes += ", QKV bias" if qkv_bias else ""
     notes += ", post norms" if post_norm else ""
@@ -573,18 +688,27 @@ def model_source(
     notes += f", norms of ({float(norm_offset)!r} + w)" if norm_offset else ""
     notes += f", {act}" if act != "silu" else ""
     notes += f", logits soft-capped at {float(softcap)!r}" if softcap is not None else ""
-    notes += (  # (both recipes' program, but for the save: they differ in the backward's options)
-        ", fp8 delayed"
+    notes += (  # (both delayed recipes' program, but for the save: they differ in the backward's options)
+        ", fp8 blockwise"
+        if fp8 == "blockwise"
+        else ", fp8 delayed"
         + ("" if fp8_act else " (SwiGLU output and down GEMM in the model's dtype)")
         + (", gate/up acc saved in e4m3" if fp8_save else "")
         if fp8
         else ""
     )
     notes += ", fp8 loss head" if fp8_head else ""
-    qkv = functools.partial(
-        _qkv, t, qk_norm=kind, bias=qkv_bias, offset=norm_offset, hd=head_dim, rows=head_rows
-    )
-    if fp8:
+    qkv = functools.partial(_qkv, t, qk_norm=kind, bias=qkv_bias, offset=norm_offset, hd=head_dim, rows=rows)
+    blockwise = fp8 == "blockwise"
+    if blockwise:
+        first = blockwise_weight("w_qkv", "2*P", "D") + "\n  elementwise [M, D] {"
+        if pre_norm:
+            first += f"\n    ss = sum(h * h, over=D)\n    hg = h * {norm_weight('g', norm_offset)}"
+        first += _group_quantized("hg" if pre_norm else "h", "h", "D") + "\n  }"
+        first += "\n  r = rsqrt(ss / D + eps)" if pre_norm else ""
+        first += f"\n  i0 = {'r' if pre_norm else '1.0'} * {DEQ}"
+        first += qkv("hq", "i0", w="w_qkvq", fp8=True, scales=_block_scaled("h", "w_qkv"))
+    elif fp8:
         first = fp8_weight("w_qkv", "2*P", "D")
         first += _INPUT_NORM_FP8.format(g=norm_weight("g", norm_offset)) if pre_norm else _INPUT_FP8
         first += qkv("hq", "i0", w="w_qkvq", fp8=True)
@@ -592,21 +716,25 @@ def model_source(
         first = _INPUT_NORM.format(t=t, g=norm_weight("g", norm_offset)) + qkv("hg", "r")
     else:
         first = qkv("h", "")
-    mlp = functools.partial(
-        _mlp,
-        t,
-        rm,
-        pre_norm,
-        post_norm,
-        act=op,
-        offset=norm_offset,
-        fp8=bool(fp8),
-        act_fp8=fp8_act,
-        save_acc=fp8_save,
+    mlp = (
+        functools.partial(_mlp_blockwise, t, rm, pre_norm, post_norm, act=op, offset=norm_offset)
+        if blockwise
+        else functools.partial(
+            _mlp,
+            t,
+            rm,
+            pre_norm,
+            post_norm,
+            act=op,
+            offset=norm_offset,
+            fp8=bool(fp8),
+            act_fp8=fp8_act,
+            save_acc=fp8_save,
+        )
     )
     # fp8: each block's delayed scales (inputs) and the amaxes it records (detached outputs)
     mlp8 = ["x1", "w_13"] + ([FP8_SAVE_SCALE] if fp8_save else []) + (["a", "w_2"] if fp8_act else [])
-    f8 = {"first": ["h", "w_qkv"], "layer": [*mlp8, "x2", "w_qkv"], "last": mlp8} if fp8 else {}
+    f8 = {"first": ["h", "w_qkv"], "layer": [*mlp8, "x2", "w_qkv"], "last": mlp8} if fp8 in DELAYED else {}
 
     def scales(block: str) -> str:
         return "".join(f", s_{v}: f32" for v in f8.get(block, ()))
@@ -614,7 +742,10 @@ def model_source(
     def amaxes(block: str) -> str:
         return "".join(f", am_{v}: f32" for v in f8.get(block, ()))
 
-    if fp8:
+    if blockwise:
+        layer_qkv = blockwise_weight("w_qkv", "2*P", "D") + f"\n  i2 = {'r2' if pre_norm else '1.0'} * {DEQ}"
+        layer_qkv += qkv("x2q", "i2", w="w_qkvq", fp8=True, scales=_block_scaled("x2", "w_qkv"))
+    elif fp8:
         r2 = "r2" if pre_norm else "1.0"
         layer_qkv = fp8_weight("w_qkv", "2*P", "D") + f"\n  i2 = {r2} / (s_x2 * s_w_qkv)"
         layer_qkv += qkv("x2q", "i2", w="w_qkvq", fp8=True)
@@ -643,7 +774,7 @@ def model_source(
         am_layer=amaxes("layer"),
         s_last=scales("last"),
         am_last=amaxes("last"),
-        mlp_last=mlp(then=True),
+        mlp_last=mlp(then=True, then_fp8=False),
         rmp="" if residual is None else f", rm: f32 = {float(residual)!r}",
         lsp=head_params,
         logits=_logits("acc", logit_scale, softcap),

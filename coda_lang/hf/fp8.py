@@ -243,10 +243,14 @@ def run_scaled(
     if active:
         raise refuse(
             f"{getattr(owner, '_coda_name', type(owner).__name__)}: peft LoRA adapters on {', '.join(active)}",
-            'fp8 blocks ("delayed", "delayed-forward") multiply e4m3 copies of the base weights and have '
-            "no adapter path yet",
+            "fp8 blocks multiply e4m3 copies of the base weights and have no adapter path yet",
             "patch without fp8= to train LoRA adapters",
         )
+    if not scale_names(fn.block):  # fp8="blockwise": current scales, made by the block itself
+        if index not in bank.sites:  # (a call site: its cotangents' grad state)
+            device = next(v.device for v in inputs.values() if isinstance(v, torch.Tensor))
+            bank.add(index, [], device)
+        return whole_row_groups(fn.block, inputs, lambda ins: run(ins, bank.grads.get(index)))
     ran = step.scales.get(index)
     if ran is not None:  # (activation checkpointing runs the layer again in the backward)
         return run({**inputs, **{f"s_{n}": s for n, s in ran.items()}}, bank.grads.get(index))
@@ -283,6 +287,41 @@ def run_scaled(
     step.scales[index] = scales
     step.amaxes[index] = {n: out[f"am_{n}"] for n in names}
     return out
+
+
+def whole_row_groups(
+    block: Any, inputs: dict[str, Any], run: Callable[[dict[str, Any]], dict[str, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    """`run(inputs)` for a block of fp8="blockwise", whose backward quantizes each weight gradient's
+    activation again in groups of ROW_GROUP tokens: at a token count that is not a multiple of it, the
+    block's token inputs padded with zero rows (zero activations, positions and targets of no loss:
+    they change no amax and add nothing to a weight gradient) and its outputs cut back, both
+    differentiable, so that each group is whole; as it is otherwise."""
+    tokens = [p.var.name for p in block.ir.params if _on_tokens(p.var.type)]
+    m = next((inputs[n].shape[0] for n in tokens if isinstance(inputs.get(n), torch.Tensor)), None)
+    if m is None or m % ROW_GROUP == 0:
+        return run(inputs)
+    pad = -m % ROW_GROUP
+    padded = {
+        k: torch.nn.functional.pad(v, (0, 0) * (v.dim() - 1) + (0, pad)) if k in tokens else v
+        for k, v in inputs.items()
+    }
+    out = run(padded)
+    return {k: v[:m] if v.dim() and v.shape[0] == m + pad else v for k, v in out.items()}
+
+
+# the groups of tokens (rows) the blockwise backward quantizes each weight gradient's activation in
+ROW_GROUP = 128
+
+
+def _on_tokens(t: Any) -> bool:
+    """Whether a block parameter of type `t` has a row per token (its first dim the programs' M)."""
+    return (
+        t is not None
+        and len(t.shape) >= 1
+        and getattr(t.shape[0], "name", None) == "M"
+        and t.shape[0].coeff == 1
+    )
 
 
 def _why_other(had: set[str], want: set[str]) -> str:

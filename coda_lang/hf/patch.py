@@ -24,7 +24,7 @@ import functools
 import sys
 from typing import Any
 
-from coda_lang.hf.blocks import FP8_GRADS, FP8_RECIPES
+from coda_lang.hf.blocks import DELAYED, FP8_GRADS, FP8_RECIPES, SCALE_GROUP
 from coda_lang.hf.checkpoint import fuse_and_move, moved_parts, unfuse_and_restore
 from coda_lang.hf.checks import check_model, peft_inner, refuse
 from coda_lang.hf.contract import Contract
@@ -69,17 +69,35 @@ def check_fp8(fp8: Any) -> None:
     takes = f"None (bf16 blocks) or {' or '.join(map(repr, FP8_RECIPES))}"
     if not isinstance(fp8, str):
         raise TypeError(f"fp8= is {fp8!r}; it takes {takes}")
-    if fp8 == "blockwise":
-        raise NotImplementedError(
-            "fp8='blockwise' (1x128 activation and 128x128 weight scales, DeepSeek-V3's recipe) is not "
-            "built yet for models: the kernels run its GEMMs forward and backward (each 128-deep block of K "
-            "scaled in the mainloop; the weight gradients from the activations quantized again in 128x1 "
-            "groups, BackwardOptions(requantize_wgrad=True)), but the model's program is not written "
-            f'(docs/models.md, "fp8 training"); it takes {takes}'
-        )
     if fp8 not in FP8_RECIPES:
         hint = _FP8_HINTS.get(fp8, "")
         raise ValueError(f"fp8= is {fp8!r}; it takes {takes}{hint}")
+
+
+def check_blockwise_widths(model: Any) -> None:
+    """fp8="blockwise" quantizes in groups of 128 along every width its GEMMs contract or whose weights
+    it blocks (the hidden size, the intermediate size, the fused QKV projection's width): ValueError
+    naming the one of this model that is not a multiple of 128."""
+    cfg = getattr(model, "config", None)
+    text = getattr(cfg, "get_text_config", lambda: cfg)()
+    get = lambda k: getattr(text, k, None)  # noqa: E731
+    hidden, heads = get("hidden_size"), get("num_attention_heads")
+    kv = get("num_key_value_heads") or heads
+    hd = get("head_dim") or (hidden // heads if isinstance(hidden, int) and heads else None)
+    widths = {
+        "hidden_size": hidden,
+        "intermediate_size": get("intermediate_size"),
+        "the QKV projection's width ((heads + 2 * kv heads) * head_dim)": None
+        if not (isinstance(hd, int) and heads and kv)
+        else (heads + 2 * kv) * hd,
+    }
+    for what, n in widths.items():
+        if isinstance(n, int) and n % SCALE_GROUP:
+            raise ValueError(
+                f"fp8='blockwise' scales 1 x {SCALE_GROUP} groups of activations and {SCALE_GROUP} x "
+                f"{SCALE_GROUP} blocks of weights, and this model's {what} is {n}, not a multiple of "
+                f"{SCALE_GROUP}: use fp8='delayed' (per-tensor scales) for it"
+            )
 
 
 # names of other libraries' fp8 recipes, and what coda has instead
@@ -87,7 +105,8 @@ _FP8_HINTS = {
     "tensorwise": " (torchao's tensorwise scales each tensor by its current amax, which needs the whole "
     "tensor before any tile is stored; 'delayed' scales it by the amaxes of earlier steps)",
     "rowwise": " (a scale per row from the row's current amax over all of N is not block-local: a GEMM's "
-    "epilogue sees one tile of the row; 'delayed' scales per tensor, from earlier steps' amaxes)",
+    "epilogue sees one tile of the row; 'blockwise' scales each 1 x 128 group of a row by its current amax, "
+    "'delayed' scales per tensor, from earlier steps' amaxes)",
 }
 
 
@@ -100,11 +119,13 @@ def apply(model: Any, family: Family, loss: LossSettings, fp8: str | None = None
     "delayed-forward" (the same forward, the cotangents in the model's dtype). `loss.mode` "fp8" takes
     fp8="delayed" (ValueError otherwise)."""
     check_fp8(fp8)
-    if loss.mode == "fp8" and (fp8 is None or FP8_GRADS[fp8] is None):
+    if loss.mode == "fp8" and (fp8 not in DELAYED or FP8_GRADS[fp8] is None):
         raise ValueError(
-            f"loss_mode='fp8' runs the LM head's GEMMs in fp8 beside fp8 layers with fp8 cotangents; "
-            f"fp8= is {fp8!r}: pass fp8='delayed' with it, or leave loss_mode at 'rows'"
+            f"loss_mode='fp8' runs the LM head's GEMMs in fp8 at delayed scales beside fp8 layers with fp8 "
+            f"cotangents; fp8= is {fp8!r}: pass fp8='delayed' with it, or leave loss_mode at 'rows'"
         )
+    if fp8 == "blockwise":
+        check_blockwise_widths(model)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if loss.mode == "fp8" and isinstance(vocab, int) and vocab % 16:
         raise ValueError(

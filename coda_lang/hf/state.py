@@ -31,7 +31,7 @@ import torch
 from coda_lang.api import Program, load
 from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.backend_cute.plan.spec import fp8_pair_load_on, pair_store_on
-from coda_lang.hf.blocks import FP8_GRADS, FP8_SAVE_VAR, family_source
+from coda_lang.hf.blocks import DELAYED, FP8_GRADS, FP8_SAVE_VAR, family_source
 from coda_lang.hf.checkpoint import Layout
 from coda_lang.hf.family import Family, multipliers, softcap
 from coda_lang.hf.fp8 import Bank, NoCallSite
@@ -60,7 +60,7 @@ def fp8_save(fp8: str | None) -> bool:
     and where the kernels store the SwiGLU backward's e5m2 cotangent as pairs and load an fp8 tile
     beside it (not under $CODA_FP8_PAIR_STORE=0 or $CODA_FP8_PAIR_LOAD=0, which would refuse that
     stage). Read when the model is patched."""
-    if fp8 is None or FP8_GRADS[fp8] is None or os.environ.get(FP8_SAVE_VAR, "1") == "0":
+    if fp8 not in DELAYED or FP8_GRADS[fp8] is None or os.environ.get(FP8_SAVE_VAR, "1") == "0":
         return False
     return pair_store_on() and fp8_pair_load_on()
 
@@ -124,9 +124,13 @@ class Blocks:
 
         # the default saved-tensor policy (auto): e.g. the SwiGLU output is recomputed in the backward.
         # fp8="delayed": the cotangents of the e4m3 GEMMs' accumulators quantized to e5m2 (blocks.py,
-        # FP8_GRADS), at each call site's delayed scales (fp8.py, `Bank.grads`)
+        # FP8_GRADS), at each call site's delayed scales (fp8.py, `Bank.grads`); fp8="blockwise": the
+        # same, and each weight gradient reads its activation quantized again in 128 x 1 groups
         cot = FP8_GRADS[st.fp8] if st.fp8 else None
-        layers = BackwardOptions(fp8_grads=cot, fp8_acc=st.fp8_save) if cot else None
+        requant = st.fp8 == "blockwise"
+        layers = (
+            BackwardOptions(fp8_grads=cot, fp8_acc=st.fp8_save, requantize_wgrad=requant) if cot else None
+        )
         self.first, self.layer, self.last = fn("first_qkv", layers), fn("layer", layers), fn("last", layers)
         # the loss head. "vocab": it keeps only its log-sum-exp, its backward runs the GEMM again in
         # chunks of the vocabulary (each chunk's weight gradient complete): four GEMMs. "rows": chunks
@@ -202,7 +206,7 @@ class Blocks:
         """The loss head of loss_mode="fp8": `head_loss_fp8`, its GEMMs in fp8, its backward derived
         with e5m2 cotangents (each call passes its call site's grad state, fp8.run_scaled), run whole."""
         if self._fp8_head is None:
-            if not (self._fp8 and FP8_GRADS[self._fp8]):
+            if self._fp8 not in DELAYED or not FP8_GRADS[self._fp8]:
                 raise ValueError("loss_mode='fp8' needs a model patched with fp8='delayed'")
             self._fp8_head = self._fn("head_loss_fp8", BackwardOptions(fp8_grads=fp8_head_grads()))
         return self._fp8_head
