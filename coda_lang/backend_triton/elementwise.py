@@ -94,9 +94,12 @@ class ElementwiseStage:
         # each grouped reduction: (the group, whether it runs over the rows, the statement): the sizes a
         # run binds must hold whole groups (E0802, `check_groups`), as the interpreter requires
         self._grouped = [
-            (int(e.param("group")), e.outs[0].type.group_axis == 0, e)
+            (int(g), t.group_axis == 0, e)
             for e in self.stage.body
-            if REGISTRY[e.op].reduces and e.param("group") and e.outs[0].type is not None
+            if REGISTRY[e.op].reduces
+            and isinstance(g := e.param("group"), int)
+            and g
+            and (t := e.outs[0].type) is not None
         ]
         # the stage's extents as (dim, numerator, denominator): plain ints, traceable by torch.compile
         self._rows = (self.rows.name, self.rows.coeff.numerator, self.rows.coeff.denominator)
