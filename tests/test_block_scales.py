@@ -1061,3 +1061,26 @@ block p(a: bf16[M, K], w: bf16[K, 2*N], s: f32[M, 2*N/128]) -> (y: bf16[M, N]) {
         plan_stage(coda_lang.load(src)["p"], 1)
     (d,) = e.value.diagnostics
     assert d.code == "E0704" and "column pairs" in d.message and d.span is not None and d.span.line == 5
+
+
+def test_a_run_that_would_split_a_group_is_e0802_on_the_kernels_runtime() -> None:
+    """The weights' quantizer (WEIGHTS: an amax over runs of 128 rows) at 200 rows, and a 1 x 128 group
+    over 200 columns, on the emulated kernels' runtime: E0802 naming the value and the group, as the
+    interpreter says, where the elementwise stage's torch function would fold rows of two groups
+    together (NaN in a patched model's gradients before)."""
+    import torch
+
+    from coda_lang.backend_triton.elementwise import ElementwiseStage
+
+    blk = coda_lang.load(WEIGHTS)["wq"]
+    for n, k, what in ((200, 256, "rows"), (256, 200, "columns")):
+        w = torch.randn(n, k).bfloat16()
+        with pytest.raises(CodaError) as e:
+            blk.cuda(emulate=True)({"w": w})
+        (d,) = e.value.diagnostics
+        assert d.code == "E0802" and f"groups of 128 {what}" in d.message and "200" in d.message, d.message
+    # the stage's own check, beside the interpreter's
+    st = ElementwiseStage(blk, 2, emulate=True)
+    with pytest.raises(CodaError, match="groups of 128 rows, and this run has 200"):
+        st.check_groups(200, 2)
+    st.check_groups(256, 2)
