@@ -317,7 +317,7 @@ FP8_SAVE_SCALE = "u1"
 # of its own: a GEMM's epilogue folds a grouped amax of its accumulator only (docs/backend.md,
 # "Reductions"), and each of these inputs is a residual sum or a GLU output (E0705 there).
 SCALE_GROUP = 128
-DEQ = "(1.0 / 200704.0)"  # 1 / (448 * 448): e4m3's largest value, once for each operand
+DEQ = repr(1.0 / 200704.0)  # 1 / (448 * 448): e4m3's largest value, once for each operand
 
 
 def _group_quantized(v: str, q: str, over: str) -> str:

@@ -283,6 +283,18 @@ WIDE_F32_TILE = TileConstraint(
 )
 
 
+# The hang above was at 256-row cooperative tiles. A block-scaled GEMM runs cooperative tiles only (its
+# own mainloop), at 128 rows: such a stage that moves an f32 tile beside column partials (the RMSNorm
+# backward in the gate/up data gradient of fp8="blockwise" layers) keeps its 128 x 128 tile, which ran
+# on an H200 (2026-11-29, benchmarks/RESULTS.md: the blockwise Llama step)
+COOPERATIVE_F32_TILE = TileConstraint(
+    of="tile_M",
+    equals=128,
+    reason="a stage loading or storing an f32 tile beside column partials takes 128-row tiles",
+    kernel_only=True,
+)
+
+
 # A block-scaled GEMM (DeepSeek-V3's, plan/block_scaled.py) runs our mainloop, which scales each K
 # block of a tile by one block of B's scales (a tile as wide as B's 128-row blocks) and replaces quack's
 # cooperative consumer loop (pingpong tiles hand the tensor cores over in quack's own): 128 x 128
@@ -320,7 +332,7 @@ def rules(spec: StageSpec, emulated: bool = False) -> list[TileConstraint]:
         *spec.tiling,
         *([PAIRED_SUBTILE] if spec.paired else []),
         *(
-            [WIDE_F32_TILE]
+            [COOPERATIVE_F32_TILE if spec.gemm.scaled else WIDE_F32_TILE]
             if moves_f32_tile(spec) and any(s.layout == "column partials" for s in spec.sinks)
             else []
         ),

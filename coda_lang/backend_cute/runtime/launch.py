@@ -669,6 +669,10 @@ def compute_value(x: Any, dtype: torch.dtype | None, device: torch.device) -> An
         return x
     if not isinstance(x, torch.Tensor):
         return torch.full((), x, dtype=dtype, device=device)
+    if x.dim() == 0 and x.device.type == "cpu" and device.type != "cpu":
+        # (an equation of literals only: its stand-in computed it on the host. Made on the device, not
+        # copied there: a copy from pageable memory is refused while a CUDA graph captures the step)
+        return torch.full((), x.item(), dtype=dtype, device=device)
     if x.dtype == dtype and x.device == device:
         return x  # (what .to returns then, without its dispatch)
     return x.to(device=device, dtype=dtype)
