@@ -236,3 +236,43 @@ def test_refusals() -> None:
         apply_coda(tiny(**WIDE), fp8="blockwise", loss_mode="fp8")
     with pytest.raises(ValueError, match="'blockwise'"):
         apply_coda(tiny(**WIDE), fp8="block-wise")
+
+
+@pytest.mark.parametrize(
+    "family",
+    [f if f in ("llama", "qwen3", "olmo2") else pytest.param(f, marks=pytest.mark.slow) for f in sorted(HF)],
+)
+def test_every_familys_blockwise_blocks_get_kernel_tiles(family: str) -> None:
+    """Each family's blockwise blocks as the patch makes them, forward and the backward its autograd
+    derives: every GEMM stage plans for the CuTeDSL kernels and the runtime chooses it a tile (no E0706:
+    the gate/up data gradient, an f32 tile beside column partials, was one before), and the forward's
+    gate/up, down and QKV GEMMs and all their data and weight gradients are block-scaled: 128 x 128
+    cooperative tiles (no GPU needed: the plan and the tile, not a launch)."""
+    from coda_lang.backend_cute.plan.planner import plan_stage
+    from coda_lang.backend_cute.runtime.tiles import choose_config
+
+    model = HF[family][2](make(family, torch.bfloat16, **WIDE), fp8="blockwise")
+    st = model._coda
+    scaled: dict[str, int] = {}
+    for fn in (st.first, st.layer, st.last):
+        assert fn.options.fp8_grads == "e5m2" and fn.options.requantize_wgrad
+        d = fn.block.derivation(fn.wrt, backward=fn.options)
+        for blk in (d.forward, d.backward):
+            for k, stage in enumerate(blk.ir.stages, 1):
+                if not stage.is_gemm:
+                    continue
+                spec = plan_stage(blk, k)
+                cfg = choose_config(blk, k, spec, False)
+                if spec.gemm.scaled:
+                    assert (cfg.tile_m, cfg.tile_n, cfg.pingpong) == (128, 128, False), (blk.name, k, cfg)
+                    scaled[blk.name] = scaled.get(blk.name, 0) + 1
+    # forward: 1 in the first block (QKV), 3 in a layer's, 2 in the last's; backward: a data and a
+    # weight gradient each
+    assert scaled == {
+        "first_qkv": 1,
+        "first_qkv_bwd": 2,
+        "layer": 3,
+        "layer_bwd": 6,
+        "last": 2,
+        "last_bwd": 4,
+    }, scaled

@@ -368,9 +368,7 @@ def _mlp_blockwise(
     stages = blockwise_weight("w_13", "2*F", "D") + blockwise_weight("w_2", "D", "F")
     if post_norm:
         stages += _POST_NORM_OUT.format(t=t)
-        stages += (
-            f"\n  elementwise [M, D] {{\n    x1: {t} = o * ro * {norm_weight('go', offset)}{residual} + x"
-        )
+        stages += f"\n  elementwise [M, D]{REBUILD} {{\n    x1: {t} = o * ro * {norm_weight('go', offset)}{residual} + x"
         stages += (
             pre1 + ("\n    ss1 = sum(x1 * x1, over=D)" if pre_norm else "") + _group_quantized(x1v, "x1", "D")
         )
@@ -397,8 +395,11 @@ def _mlp_blockwise(
         nxt = _THEN.format(t=t, g2=g2) if then else ""
     if post_norm:
         stages += f"\n    m: {t} = acc * {DEQ}\n    ssm = sum(m * m, over=D)\n  }}"
+        # (the row stages that quantize a GEMM's input are remat="rebuild", as the delayed post-norm
+        # blocks': the backward makes the e4m3 copy again at its start rather than store it from the
+        # epilogue of the data gradient that folds the stage's backward)
         stages += _POST_NORM_DOWN.format(
-            t=t, down="", residual=residual, gd=norm_weight("gd", offset), then=nxt
+            t=t, down=REBUILD if then_fp8 else "", residual=residual, gd=norm_weight("gd", offset), then=nxt
         )
     elif then_fp8:
         stages += f"\n    x2: {t} = acc * {DEQ}{residual} + x1\n  }}"

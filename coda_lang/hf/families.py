@@ -53,8 +53,9 @@ def apply_coda_to_llama(
     before anything is patched (hf/loss.py, `LossSettings`). `fp8`: None (the blocks in the model's dtype),
     "delayed" (the layers' gate/up, down and QKV GEMMs in e4m3, each input quantized in the epilogue
     that makes it at a delayed per-tensor scale, and their backward's cotangents in e5m2) or
-    "delayed-forward" (the same forward, the backward in the model's dtype) (fp8.py; docs/models.md,
-    "fp8 training"); the out-projection and (but for loss_mode="fp8") the LM head stay in the model's
+    "delayed-forward" (the same forward, the backward in the model's dtype) or "blockwise"
+    (DeepSeek-V3's current 1 x 128 activation and 128 x 128 weight scales; widths that are multiples of
+    128) (fp8.py; docs/models.md, "fp8 training"); the out-projection and (but for loss_mode="fp8") the LM head stay in the model's
     dtype."""
     return apply(model, LLAMA, LossSettings(loss_mode, loss_budget, loss_rows), fp8)
 

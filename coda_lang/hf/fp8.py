@@ -1,6 +1,8 @@
-"""fp8 training of a patched model (`apply_coda(model, fp8="delayed")` or "delayed-forward"): the
-delayed per-tensor scales of each block's e4m3 inputs and weights, and ("delayed") of its e5m2
-cotangents, kept across steps.
+"""fp8 training of a patched model (`apply_coda(model, fp8="delayed")`, "delayed-forward" or
+"blockwise"): the delayed per-tensor scales of each block's e4m3 inputs and weights, and ("delayed",
+"blockwise") of its e5m2 cotangents, kept across steps. A "blockwise" block computes its forward's
+scales itself (current 1 x 128 and 128 x 128 amaxes): its call site keeps only its cotangents' grad
+state, and it runs on whole groups of 128 tokens (`whole_row_groups`).
 
 What it does: `run_scaled(bank, owner, step, index, run, fn, inputs, loras)` runs block `fn` (blocks.py's
 fp8 variant: its gate/up, down and QKV GEMMs in e4m3) with this step's scales of its call site (`index`:

@@ -116,8 +116,9 @@ def apply(model: Any, family: Family, loss: LossSettings, fp8: str | None = None
     `loss` says; `fp8`: None (the blocks in the model's dtype), "delayed" (the layers' gate/up, down
     and QKV GEMMs in e4m3 at delayed per-tensor scales, and the cotangents of their accumulators in
     e5m2 at delayed scales of their own, so that the backward's GEMMs multiply fp8 by fp8: fp8.py) or
-    "delayed-forward" (the same forward, the cotangents in the model's dtype). `loss.mode` "fp8" takes
-    fp8="delayed" (ValueError otherwise)."""
+    "delayed-forward" (the same forward, the cotangents in the model's dtype) or "blockwise" (DeepSeek-V3's
+    current 1x128 and 128x128 scales, `check_blockwise_widths`). `loss.mode` "fp8" takes fp8="delayed"
+    (ValueError otherwise)."""
     check_fp8(fp8)
     if loss.mode == "fp8" and (fp8 not in DELAYED or FP8_GRADS[fp8] is None):
         raise ValueError(
