@@ -51,10 +51,14 @@ def test_the_runs_cover_every_family_recipe_and_block(tmp_path: Path) -> None:
         block = programs_by_path[r.path][r.block]
         fp8, save, flags = s.RECIPES[r.recipe]
         header = text.splitlines()[0]
-        # (both fp8 recipes write one program, "fp8 delayed"; they differ in the backward's options)
-        assert ("fp8 delayed" in header) == (fp8 is not None), (r.name, header)
+        # (both delayed recipes write one program, "fp8 delayed"; they differ in the backward's options)
+        assert ("fp8 delayed" in header) == (fp8 in ("delayed", "delayed-forward")), (r.name, header)
+        assert ("fp8 blockwise" in header) == (fp8 == "blockwise"), (r.name, header)
         assert ("u1q: e4m3 = acc * c1" in text) == save, r.name
-        assert ("--fp8-acc" in flags) == save and ("--fp8-grads" in flags) == (fp8 == "delayed")
+        assert ("--fp8-acc" in flags) == save and ("--fp8-grads" in flags) == (
+            fp8 in ("delayed", "blockwise")
+        )
+        assert ("--requantize-wgrad" in flags) == (fp8 == "blockwise"), r.name
         if r.block in s.HEADS:
             assert r.recipe == "bf16" and r.flags == s.HEADS[r.block], r.name
         elif r.block == s.FP8_HEAD:

@@ -105,6 +105,27 @@ def test_the_kernels_of_a_config_are_a_training_models(
         assert not stage_sources(blocks) <= stage_sources(plain)
 
 
+def test_the_blockwise_kernels_of_a_config_are_a_training_models(tmp_path: Path, capsys: Any) -> None:
+    """`--fp8 blockwise` at widths of whole 128s: the kernels made from the config alone are those a
+    patched blockwise model with weights compiles (its block-scaled GEMMs among them); at a width that
+    is not (the tiny config's hidden size 64), the CLI's one line names it, exit 1."""
+    wide = dict(
+        hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2, head_dim=64
+    )
+    cfg = hfp.read_config(write_config(tmp_path / "m", "llama", **wide))
+    blocks = hfp.model_kernels(hfp.model_functions(cfg, hfp.DTYPES["bf16"], "rows", fp8="blockwise"))
+    model = patch("llama", make("llama", **wide), loss_mode="rows", fp8="blockwise")
+    b = model._coda.blocks(hfp.DTYPES["bf16"])
+    want = [cb for f in (b.first, b.layer, b.last, b.loss_head("rows")) for cb in f.kernel_blocks()]
+    assert stage_sources(blocks) == stage_sources(want)
+    assert any(cb.specs[k - 1].gemm.scaled for cb in blocks for k in cb.gemm_stages)
+    assert (
+        main(["precompile", "--model", str(write_config(tmp_path / "t", "llama")), "--fp8", "blockwise"]) == 1
+    )
+    err = capsys.readouterr().err
+    assert "hidden_size is 64, not a multiple of 128" in err and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize(
     "family, targets",
     [

@@ -235,3 +235,20 @@ block b(x: bf16[M, N], w: bf16[N, N], s: f32) -> (z: f32[M, N], f: f32[G], c: f3
     assert why["c"] is None
     runs = plan_runs(body)
     assert all(body[i].outs[0].name not in ("z", "f") for idx in runs.values() for i in idx)
+
+
+def test_an_equation_of_literals_is_made_on_the_device_not_copied(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block-level equation of literals only (`k = 1.0 / 200704.0`) is computed on the host by its
+    stand-in; its value is made on the block's device (`torch.full`), never copied there: a copy from
+    pageable host memory is refused while a CUDA graph captures the step (the blockwise Llama step
+    failed so on an H200). Stood in for here by a Tensor.to that refuses, and the meta device."""
+    from coda_lang.backend_cute.runtime.launch import compute_value
+
+    def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a copy from the host")
+
+    monkeypatch.setattr(torch.Tensor, "to", refuse)
+    v = compute_value(torch.tensor(2.5, dtype=torch.float64), torch.float32, torch.device("meta"))
+    assert v.device.type == "meta" and v.shape == () and v.dtype == torch.float32
+    on_host = compute_value(torch.tensor(2.5), torch.float32, torch.device("cpu"))
+    assert on_host.item() == 2.5

@@ -31,7 +31,7 @@ from coda_lang.cli.compile import add_jobs_argument, parse_jobs
 from coda_lang.core.diagnostics import CodaError, render_all
 
 DTYPES = ("bf16", "f16")  # (the kernels multiply 16-bit operands: an f32 GEMM is E0702)
-FP8_RECIPES = ("delayed", "delayed-forward")  # apply_coda's fp8= (hf/blocks.py FP8_RECIPES)
+FP8_RECIPES = ("delayed", "delayed-forward", "blockwise")  # apply_coda's fp8= (hf/blocks.py FP8_RECIPES)
 LOSS_MODES = ("rows", "vocab", "fp8")  # apply_coda's loss_mode= (hf/loss.py LOSS_MODES)
 
 
