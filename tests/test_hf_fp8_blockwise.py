@@ -352,3 +352,49 @@ def test_gpu_blockwise_model() -> None:
     worse = {k: far["blockwise"][k] - far["delayed"][k] for k in far["delayed"]}
     assert max(worse.values()) < 0.05, far
     assert sum(worse.values()) / len(worse) < 0.02, far
+
+
+def test_a_saved_blockwise_state_resumes_training_where_it_stopped(tmp_path: Any) -> None:
+    """Blockwise keeps only its cotangents' delayed scales: three AdamW steps, the model's, the
+    optimizer's and `fp8_state_dict` saved (read back with `weights_only=True`); a fresh patched model
+    loads them and trains three more steps with the losses of the run that never stopped, bit for bit.
+    Without it the losses differ. The state holds a grad state per call site and no forward scale; a
+    model of another recipe refuses it."""
+    from coda_lang.hf import fp8_state_dict, load_fp8_state_dict
+
+    def run(model: Any, opt: Any, steps: range) -> list[float]:
+        out = []
+        for step in steps:
+            ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(100 + step))
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out.append(float(loss))
+        return out
+
+    def fresh(recipe: str = "blockwise") -> tuple[Any, Any]:
+        model = apply_coda_to_llama(tiny(**{**WIDE, "num_hidden_layers": 2}), fp8=recipe)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    model, opt = fresh()
+    run(model, opt, range(3))
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "fp8": fp8_state_dict(model)}, path)
+    whole = run(model, opt, range(3, 6))
+    saved = torch.load(path, weights_only=True)
+    state = saved["fp8"]
+    assert [names for _, names in state["sites"]] == [[]] * 3 and state["scales"].numel() == 0
+    assert len(state["grads"]) == 3
+    m, o = fresh()
+    m.load_state_dict(saved["model"])
+    o.load_state_dict(saved["opt"])
+    load_fp8_state_dict(m, state)
+    assert run(m, o, range(3, 6)) == whole
+    m, o = fresh()  # (without it, the cotangents' scales calibrate again: other updates, other losses)
+    m.load_state_dict(saved["model"])
+    o.load_state_dict(saved["opt"])
+    assert run(m, o, range(3, 6)) != whole
+    other, _ = fresh("delayed-forward")
+    with pytest.raises(ValueError, match="cotangents are e5m2.*same fp8 recipe"):
+        load_fp8_state_dict(other, state)
