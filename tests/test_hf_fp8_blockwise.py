@@ -398,3 +398,49 @@ def test_a_saved_blockwise_state_resumes_training_where_it_stopped(tmp_path: Any
     other, _ = fresh("delayed-forward")
     with pytest.raises(ValueError, match="cotangents are e5m2.*same fp8 recipe"):
         load_fp8_state_dict(other, state)
+
+
+def test_reduced_amaxes_on_one_rank_change_nothing() -> None:
+    """`reduce_fp8_amaxes` on a blockwise model, on a process group of one rank: the same losses and
+    cotangent scales as without it; the forward reduces nothing (its scales are the blocks' own,
+    current), each call site's backward its cotangents' amaxes."""
+    import torch.distributed as dist
+
+    from coda_lang.hf import reduce_fp8_amaxes
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists already")
+    calls: list[int] = []
+    real = dist.all_reduce
+
+    def counting(t: Any, *a: Any, **k: Any) -> Any:
+        calls.append(t.numel())
+        return real(t, *a, **k)
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(3))
+        runs = []
+        for reduce in (False, True):
+            m = apply_coda_to_llama(tiny(**{**WIDE, "num_hidden_layers": 2}), fp8="blockwise")
+            if reduce:
+                assert reduce_fp8_amaxes(m) is m
+                dist.all_reduce = counting
+            try:
+                losses = []
+                for _ in range(3):
+                    loss = m(input_ids=ids, labels=ids).loss
+                    loss.backward()
+                    losses.append(float(loss))
+            finally:
+                dist.all_reduce = real
+            runs.append((losses, {k: v.scales for k, v in bank(m).grads.items()}))
+        assert runs[0][0] == runs[1][0]
+        assert runs[0][1].keys() == runs[1][1].keys() == {-1, 0, 1}
+        for k, scales in runs[0][1].items():
+            assert all(torch.equal(v, runs[1][1][k][n]) for n, v in scales.items()), k
+        # (three steps, each call site's backward at least once; each a vector of its cotangents' amaxes,
+        # one per fp8 GEMM of its block: at most three)
+        assert len(calls) >= 3 * 3 and max(calls) <= 3, calls
+    finally:
+        dist.destroy_process_group()
