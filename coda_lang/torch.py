@@ -350,8 +350,8 @@ _LLAMA_MLP_STAGES = """
 # gradient's epilogue (what "auto" would do), whose fp8 store there narrowed its tiles (1.19 ms
 # against the bf16 block's 0.89 ms a call, Llama-3.2-1B shapes, H100).
 _LLAMA_MLP_STAGES_FP8 = """
-  gemm y @ {w_o}, remat="rebuild" {{
-    {h}: {t} = acc{residual} + x
+  gemm {y} @ {w_o}, remat="rebuild" {{
+    {h}: {t} = acc{o_scale}{residual} + x
     {h}g = cast({h}, {t}) * {g}
     {h}q: e4m3 = {h}g * s_{h}
     amp_{h} = max(abs({h}g), over=D)
@@ -428,6 +428,17 @@ def fp8_weight(name: str, rows: str, cols: str) -> str:
     )
 
 
+def fp8_out_projection() -> str:
+    """The stages (.coda text) that quantize the out-projection's operands to e4m3 at their delayed
+    scales: the weight (`fp8_weight`: `w_oq`, `am_w_o`) and the attention output `y` ([M, K], made by
+    the attention, outside the blocks: a pass of its own), as `yq` with its amax `am_y`; `io` their
+    inverse scales, which the out-projection's epilogue folds."""
+    return fp8_weight("w_o", "D", "K") + (
+        "\n  elementwise [M, K] {\n    yq: e4m3 = y * s_y\n    amp_y = max(abs(y), over=K)\n  }"
+        "\n  am_y = detach(max(amp_y, over=M))\n  io = 1.0 / (s_y * s_w_o)"
+    )
+
+
 def acc_copy_lines(n: str) -> tuple[str, str, str]:
     """A gate/up stage's e4m3 copy of its acc, `u{n}q`, for a backward derived with
     `BackwardOptions(fp8_acc=True)` to read as that acc (docs/design.md, "Saving activations in fp8"):
@@ -454,6 +465,7 @@ def llama_mlp_stages_fp8(
     norm_offset: float = 0.0,
     act_fp8: bool = True,
     save_acc: bool = False,
+    out_fp8: bool = False,
 ) -> str:
     """`llama_mlp_stages` (weights in `nn.Linear` layout) with the gate/up GEMM, and with `act_fp8` the
     down GEMM, in e4m3 at delayed per-tensor scales (fp8="delayed"): reads the e4m3 weights `w_13q`
@@ -461,7 +473,9 @@ def llama_mlp_stages_fp8(
     amaxes `am_{h}` (and `am_a`), detached. The scales are inputs: the caller keeps their history
     (coda_lang.hf's fp8 `Bank`). `save_acc`: the gate/up GEMM also stores an e4m3 copy of its acc,
     `u{n}q` (`acc_copy_lines`: its scale `s_u{n}`, its amax `am_u{n}`), for a backward derived with
-    `BackwardOptions(fp8_acc=True)` to read instead of a bf16 copy."""
+    `BackwardOptions(fp8_acc=True)` to read instead of a bf16 copy. `out_fp8`: the out-projection in
+    e4m3 too, reading `yq` and `w_oq` and folding `io` (`fp8_out_projection`'s, which the caller
+    writes before these stages)."""
     g = norm_weight(f"g{n}", norm_offset)
     if act_fp8:
         a_line = f"a = {act}(gt) * up\n    aq: e4m3 = a * s_a\n    amp_a = max(abs(a), over=F)"
@@ -476,7 +490,9 @@ def llama_mlp_stages_fp8(
         u_before=u_before,
         u_line=u_line,
         u_after=u_after,
-        w_o="transpose(w_o)",
+        y="yq" if out_fp8 else "y",
+        w_o="transpose(w_oq)" if out_fp8 else "transpose(w_o)",
+        o_scale=" * io" if out_fp8 else "",
         w_13="transpose(w_13q)",
         w_2=w_2,
         h=h,

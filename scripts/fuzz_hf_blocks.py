@@ -56,6 +56,8 @@ RECIPES: dict[str, tuple[str | None, bool, tuple[str, ...]]] = {
     "delayed-save16": ("delayed", False, ("--fp8-grads", "e5m2")),
     "delayed-forward": ("delayed-forward", False, ()),
     "blockwise": ("blockwise", False, ("--fp8-grads", "e5m2", "--requantize-wgrad")),
+    # "delayed" with the out-projection in e4m3 too ($CODA_FP8_OUT=1)
+    "delayed-out": ("delayed", True, ("--fp8-grads", "e5m2", "--fp8-acc")),
 }
 LAYERS = ("first_qkv", "layer", "last")
 # the heads, with the backward options hf/state.py's `Blocks` makes them with (run under "bf16" only)
@@ -108,6 +110,7 @@ def source(family: Family, recipe: str) -> str:
         fp8=fp8,
         fp8_save=save,
         fp8_head=recipe == "delayed",
+        fp8_out=recipe == "delayed-out",
     )
 
 

@@ -1075,3 +1075,31 @@ block fwd(x1: f32[K, M], w2: f32[2*N, K], p3: f32[M, 2*N], w9: f32[N, M]) -> (v7
         "w9": rng.standard_normal((2, 3)),
     }
     check_vjp(block, ins, dims=sizes)
+
+
+def test_an_f32_blocks_saved_accumulator_stays_f32_when_its_first_gemm_reads_fp8_copies() -> None:
+    """The dtype a block stores and saves its unannotated tiles in is its first GEMM's parameter
+    operand's; where both operands are fp8 copies made in the block (`xq: e4m3 = x * s`), it is what
+    they are made from (x: f32 here). It was bf16, which rounded an f32 model's saved accumulator (the
+    SwiGLU's, read again by the backward) and moved its gradients a percent from float64 (an fp8
+    out-projection, tests/test_hf_fp8.py, found it). A bf16 block is unchanged."""
+    for t in ("f32", "bf16"):
+        src = f"""
+dims M, K, N
+block b(x: {t}[M, K], w: {t}[2*N, K], s: f32) -> (y: {t}[M, N]) {{
+  elementwise [M, K] {{
+    xq: e4m3 = x * s
+  }}
+  elementwise [2*N, K] {{
+    wq: e4m3 = w * s
+  }}
+  gemm xq @ transpose(wq) {{
+    g, u = pairs(acc * (1.0 / (s * s)))
+    y = silu(g) * u
+  }}
+}}
+"""
+        blk = coda_lang.load(src)["b"]
+        d = blk.derivation(["x", "w"])
+        accs = [p.var for p in d.backward.ir.params if p.var.name.startswith("acc")]
+        assert accs and all(v.type is not None and v.type.dtype == t for v in accs), (t, accs)

@@ -55,6 +55,7 @@ def test_the_runs_cover_every_family_recipe_and_block(tmp_path: Path) -> None:
         assert ("fp8 delayed" in header) == (fp8 in ("delayed", "delayed-forward")), (r.name, header)
         assert ("fp8 blockwise" in header) == (fp8 == "blockwise"), (r.name, header)
         assert ("u1q: e4m3 = acc * c1" in text) == save, r.name
+        assert ("yq: e4m3 = y * s_y" in text) == (r.recipe == "delayed-out"), r.name
         assert ("--fp8-acc" in flags) == save and ("--fp8-grads" in flags) == (
             fp8 in ("delayed", "blockwise")
         )

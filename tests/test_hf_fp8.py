@@ -138,7 +138,7 @@ def grads_ran_at(model) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.T
         for name, scale in state.last_scales.items():
             k = int(name.removeprefix("dacc").removesuffix("_scale"))
             b = stages[k - 1].b.name
-            assert b in ("w_qkvq", "w_13q", "w_2q"), (site, name, b)
+            assert b in ("w_qkvq", "w_13q", "w_2q", "w_oq"), (site, name, b)
             by_weight[b.removesuffix("q")] = scale
         out[site] = by_weight
     return out[-1], [out[i] for i in range(len(model.model.layers))]
@@ -148,7 +148,8 @@ def reference_loss(ref, ids, labels, first, layers, grads=None, saved=None, head
     """The fp8 recipe on the unpatched float64 model `ref`: each layer's q/k/v, gate/up and down GEMMs on
     e4m3 fake-quantized inputs (the norm's weighted input x * g, before the row scale, as the blocks
     quantize it; the SwiGLU output) and weights (q, k and v at one scale, gate and up at one), at
-    the scales the patched model ran at; the out-projection and the LM head unquantized. Each GEMM is
+    the scales the patched model ran at; the LM head, and the out-projection but where the layers'
+    scales have the attention output's (`y`: $CODA_FP8_OUT=1), unquantized. Each GEMM is
     the product of the quantized values in scaled units (the blocks' acc) divided by both scales.
     `grads` ("delayed": (first block's, [each layer's]) cotangent scales by weight, `grads_ran_at`):
     each such acc passes a `GradQuant` at its call site's scale (q, k and v one acc, gate and up one).
@@ -199,9 +200,12 @@ def reference_loss(ref, ids, labels, first, layers, grads=None, saved=None, head
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         att = torch.softmax(q @ k.transpose(-1, -2) * attn.scaling + mask, -1) @ v
         y = att.transpose(1, 2).reshape(b, s, -1)
-        x1 = x + y @ attn.o_proj.weight.T
         sc = layers[i]
         g_here = None if grads is None else grads[1][i]
+        if "y" in sc:  # ($CODA_FP8_OUT=1: the out-projection in e4m3 too, its input the attention's output)
+            x1 = x + qlin(y, attn.o_proj.weight, sc["y"], sc["w_o"], grad_scale(g_here, "w_o"))
+        else:
+            x1 = x + y @ attn.o_proj.weight.T
         x1g = x1 * layer.post_attention_layernorm.weight
         r1 = r(x1)
         sg = grad_scale(g_here, "w_13")
@@ -245,10 +249,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def test_fp8_model_against_a_fake_quant_reference() -> None:
+@pytest.mark.parametrize("out", ["0", "1"])
+def test_fp8_model_against_a_fake_quant_reference(out: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """fp8="delayed-forward", float32 model: the loss and every parameter's gradient against the float64
     reference of the same recipe at the same scales (close: only e4m3 codes at a rounding midpoint can
-    differ), and much further from the same model unquantized (the quantization is really there)."""
+    differ), and much further from the same model unquantized (the quantization is really there).
+    With $CODA_FP8_OUT=1 the out-projection is quantized too, and so is the reference's."""
+    monkeypatch.setenv("CODA_FP8_OUT", out)
     base = tiny()
     ids, labels = hf_batch()
     ref = copy.deepcopy(base).double()
@@ -262,6 +269,7 @@ def test_fp8_model_against_a_fake_quant_reference() -> None:
     first, layers = ran_at(model)
     assert set(first) == {"h", "w_qkv"}
     assert set(layers[0]) >= {"x1", "w_13", "x2", "w_qkv"} and "x2" not in layers[-1]
+    assert all(("y" in s and "w_o" in s) == (out == "1") for s in layers)
     want = reference_loss(ref, ids, labels, first, layers)
     want.backward()
     unq = plain(input_ids=ids, labels=labels).loss
@@ -285,7 +293,8 @@ def test_fp8_model_against_a_fake_quant_reference() -> None:
 AFTER_THE_LAST_GEMM = {"lm_head.weight", "model.norm.weight"}
 
 
-def test_fp8_grads_against_a_fake_quant_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("out", ["0", "1"])
+def test_fp8_grads_against_a_fake_quant_reference(out: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """fp8="delayed" with the gate/up acc saved in the model's dtype ($CODA_FP8_SAVE_ACC=0: the e5m2
     cotangents alone; the e4m3 save, the default, is tests/test_fp8_save.py's), float32 model, second step (delayed cotangent scales, not the calibrated ones):
     the loss and every gradient against the float64 reference of the recipe with one more straight-
@@ -293,8 +302,9 @@ def test_fp8_grads_against_a_fake_quant_reference(monkeypatch: pytest.MonkeyPatc
     the backward) at the scales the model's backward ran at, within the forward recipe's tolerances;
     and the "delayed-forward" model's gradients (the same forward, bf16 cotangents) much further from
     it, but for the two parameters no quantized cotangent reaches (the cotangent quantization is
-    really there, and only there)."""
+    really there, and only there). With $CODA_FP8_OUT=1 the out-projection's GEMM too."""
     monkeypatch.setenv("CODA_FP8_SAVE_ACC", "0")
+    monkeypatch.setenv("CODA_FP8_OUT", out)
     base = tiny()
     ids, labels = hf_batch()
     models, losses = {}, {}
@@ -314,7 +324,8 @@ def test_fp8_grads_against_a_fake_quant_reference(monkeypatch: pytest.MonkeyPatc
     assert losses["delayed"].item() == losses["delayed-forward"].item()
     g_first, g_layers = grads_ran_at(model)
     assert set(g_first) == {"w_qkv"}
-    assert [set(g) for g in g_layers] == [{"w_13", "w_2", "w_qkv"}] * 2 + [{"w_13", "w_2"}]
+    o = {"w_o"} if out == "1" else set()
+    assert [set(g) for g in g_layers] == [{"w_13", "w_2", "w_qkv"} | o] * 2 + [{"w_13", "w_2"} | o]
     for site, state in bank(model).grads.items():
         assert state.steps == 2 and state.dtype == "e5m2", site
         for n, sc in state.last_scales.items():  # (the second step's: the first step's amaxes' rule)
@@ -1025,3 +1036,43 @@ def test_no_backward_reads_the_cotangent_of_a_detached_output() -> None:
     with Zeros():
         model(input_ids=ids, labels=labels).loss.backward()
     assert Zeros.n <= 1, Zeros.n  # (the loss head's weight-gradient total, made once a step)
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        f if f in ("llama", "qwen3", "olmo2") else pytest.param(f, marks=pytest.mark.slow)
+        for f in FAMILY_NAMES
+    ],
+)
+def test_the_fp8_out_projection_plans_and_gets_kernel_tiles(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """$CODA_FP8_OUT=1 with fp8="delayed" (e4m3 save, e5m2 cotangents): each family's blocks, forward and
+    backward, plan every GEMM stage for the kernels and get a tile from the runtime (no E0706), and the
+    out-projection, its data gradient and its weight gradient multiply fp8 by fp8 (no GPU: the plan and
+    the tile, not a launch). A value other than 0 or 1 is a ValueError naming the variable."""
+    from coda_lang.backend_cute.plan.planner import plan_stage
+    from coda_lang.backend_cute.runtime.tiles import choose_config
+
+    monkeypatch.setenv("CODA_FP8_OUT", "1")
+    model = HF[family][2](make(family, torch.bfloat16), fp8="delayed")
+    st = model._coda
+    assert st.fp8_out
+    out_gemms: dict[str, int] = {}
+    for fn in (st.layer, st.last):
+        d = fn.block.derivation(fn.wrt, backward=fn.options)
+        for blk in (d.forward, d.backward):
+            for k, stage in enumerate(blk.ir.stages, 1):
+                if not stage.is_gemm:
+                    continue
+                spec = plan_stage(blk, k)
+                choose_config(blk, k, spec, False)
+                g = spec.gemm
+                if "w_oq" in (g.a, g.b) or "yq" in (g.a, g.b):
+                    assert {g.a_dtype, g.b_dtype} <= {"e4m3", "e5m2"}, (blk.name, k, g)
+                    out_gemms[blk.name] = out_gemms.get(blk.name, 0) + 1
+    assert out_gemms == {"layer": 1, "layer_bwd": 2, "last": 1, "last_bwd": 2}, out_gemms
+    monkeypatch.setenv("CODA_FP8_OUT", "yes")
+    with pytest.raises(ValueError, match="CODA_FP8_OUT is 'yes'"):
+        HF[family][2](make(family, torch.bfloat16), fp8="delayed")

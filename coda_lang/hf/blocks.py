@@ -61,7 +61,14 @@ import functools
 
 from coda_lang.backend_cute.build.config import CANDIDATES, PAIRED_SUBTILE
 from coda_lang.hf.family import Family
-from coda_lang.torch import acc_copy_lines, fp8_weight, llama_mlp_stages, llama_mlp_stages_fp8, norm_weight
+from coda_lang.torch import (
+    acc_copy_lines,
+    fp8_out_projection,
+    fp8_weight,
+    llama_mlp_stages,
+    llama_mlp_stages_fp8,
+    norm_weight,
+)
 
 DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 
@@ -114,10 +121,10 @@ _QKV_PROJ_NORM = """
 # Post norms: each branch (the out-projection's `o`, the down-projection's `m`) stored with the
 # partial sums of its squares, normalized and added to the residual in a row stage after its GEMM.
 # The out-projection and its norm's row scale, and the down-projection's row stage, are the same in
-# the bf16 and the fp8 stages below
+# the bf16 and the fp8 stages below (but for the out-projection in e4m3: `_OUT_FP8`)
 _POST_NORM_OUT = """
-  gemm y @ transpose(w_o) {{
-    o: {t} = acc
+  gemm {y} @ transpose({w_o}) {{
+    o: {t} = acc{o_scale}
     sso = sum(o * o, over=D)
   }}
   ro = rsqrt(sso / D + eps)"""
@@ -367,7 +374,7 @@ def _mlp_blockwise(
     pre1 = f"\n    x1g = cast(x1, {t}) * {g1}" if pre_norm else ""
     stages = blockwise_weight("w_13", "2*F", "D") + blockwise_weight("w_2", "D", "F")
     if post_norm:
-        stages += _POST_NORM_OUT.format(t=t)
+        stages += _POST_NORM_OUT.format(t=t, **_OUT_FP8[False])
         stages += f"\n  elementwise [M, D]{REBUILD} {{\n    x1: {t} = o * ro * {norm_weight('go', offset)}{residual} + x"
         stages += (
             pre1 + ("\n    ss1 = sum(x1 * x1, over=D)" if pre_norm else "") + _group_quantized(x1v, "x1", "D")
@@ -409,6 +416,17 @@ def _mlp_blockwise(
     return stages + ("\n  r2 = rsqrt(ss2 / D + eps)" if then else "")
 
 
+# the out-projection's operand, weight and the inverse scales its epilogue folds, in the model's dtype
+# (False) or in e4m3 (True: `fp8_out_projection`'s stages before it)
+_OUT_FP8 = {
+    False: {"y": "y", "w_o": "w_o", "o_scale": ""},
+    True: {"y": "yq", "w_o": "w_oq", "o_scale": " * io"},
+}
+# $CODA_FP8_OUT=1, read when a model is patched with fp8="delayed" or "delayed-forward": the layers'
+# out-projection in e4m3 too (model_source's `fp8_out`; off by default until it is measured)
+FP8_OUT_VAR = "CODA_FP8_OUT"
+
+
 # the MLP's gate activations the blocks run, by the config's name: the .coda op of each (`gelu` is the
 # tanh approximation, torch's `gelu(x, approximate="tanh")`)
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu"}
@@ -426,6 +444,7 @@ def _mlp(
     act_fp8: bool = True,
     then_fp8: bool = False,
     save_acc: bool = False,
+    out_fp8: bool = False,
 ) -> str:
     """The layer's stages from the attention output `y` to the residual `x2`: the LLaMA MLP's (x1 and
     g1 its residual and norm; coda_lang.torch's, the one source) or, with `post_norm`, the branches
@@ -434,7 +453,8 @@ def _mlp(
     the gate's .coda op; `offset` the norms' weight offset; `fp8`: the gate/up GEMM (and with
     `act_fp8` the down GEMM) in e4m3 (`llama_mlp_stages_fp8`), `then_fp8` the next norm's weighted
     input quantized for the next QKV GEMM (`x2q`, its amax `am_x2`); `save_acc` (with `fp8`): the
-    gate/up GEMM also stores an e4m3 copy of its acc for the backward (`acc_copy_lines`)."""
+    gate/up GEMM also stores an e4m3 copy of its acc for the backward (`acc_copy_lines`); `out_fp8`
+    (with `fp8`): the out-projection in e4m3 too (`fp8_out_projection`)."""
     nxt = (_THEN_FP8 if then_fp8 else _THEN).format(t=t, g2=norm_weight("g2", offset)) if then else ""
     if fp8:
         tail = ""
@@ -444,11 +464,13 @@ def _mlp(
         elif then_fp8:  # (no pre norm: the residual itself is the next QKV GEMM's input)
             nxt, tail = _THEN_FP8_PLAIN, "\n  am_x2 = detach(max(amp_x2, over=M))"
         stages = fp8_weight("w_13", "2*F", "D") + (fp8_weight("w_2", "D", "F") if act_fp8 else "")
+        stages += fp8_out_projection() if out_fp8 else ""
         if post_norm:
             assert act_fp8, "the post-norm fp8 blocks quantize the GLU output"
             g1 = norm_weight("g1", offset)
             u_before, u_line, u_after = acc_copy_lines("1") if save_acc else ("", "", "")
             stages += _POST_NORM_STAGES_FP8.format(
+                **_OUT_FP8[out_fp8],
                 t=t,
                 u_before=u_before,
                 u_line=u_line,
@@ -477,6 +499,7 @@ def _mlp(
                 norm_offset=offset,
                 act_fp8=act_fp8,
                 save_acc=save_acc,
+                out_fp8=out_fp8,
             )
         return stages + tail
     if not post_norm:
@@ -488,6 +511,7 @@ def _mlp(
         g1 = norm_weight("g1", offset)
         pre1 = f"\n    x1g: {t} = x1 * {g1}\n    ss1 = sum(x1 * x1, over=D)" if pre_norm else ""
         stages = _POST_NORM_STAGES.format(
+            **_OUT_FP8[False],
             t=t,
             residual=residual,
             pre1=pre1,
@@ -568,6 +592,7 @@ def family_source(
     fp8: str | None = None,
     fp8_save: bool = False,
     fp8_head: bool = False,
+    fp8_out: bool = False,
 ) -> str:
     """`model_source` for a model of `family`: the family's facts (its q/k norm, QKV bias, norms and
     their offset, activation) with the model's own numbers (dtype, eps, head_dim, `heads` (query,
@@ -589,6 +614,7 @@ def family_source(
         fp8=fp8,
         fp8_save=fp8_save,
         fp8_head=fp8_head,
+        fp8_out=fp8_out,
     )
 
 
@@ -611,6 +637,7 @@ def model_source(
     fp8_act: bool = True,
     fp8_save: bool = False,
     fp8_head: bool = False,
+    fp8_out: bool = False,
 ) -> str:
     """The program's text for a model of parameter dtype `dtype` (a torch dtype's name); `qk_norm`:
     None (or False), "head" (or True: per head, Qwen3, Gemma 3) or "proj" (over each projection: OLMo
@@ -634,7 +661,9 @@ def model_source(
     which the layers' backward, derived with `BackwardOptions(fp8_acc=True)`, reads as their acc
     instead of a bf16 copy (hf/state.py's `fp8_save` decides it for a patched model); `fp8_head` (with
     fp8="delayed"): the program also has `head_loss_fp8`, the loss head with its GEMM in e4m3 (a patched
-    model's loss_mode="fp8")."""
+    model's loss_mode="fp8"); `fp8_out` (with a delayed recipe): the layers' out-projection in e4m3 too,
+    its input `y` (the attention's output) quantized by a stage of its own at a delayed scale `s_y`
+    (`fp8_out_projection`; $CODA_FP8_OUT, `FP8_OUT_VAR`)."""
     if fp8 is not None and fp8 not in FP8_RECIPES:
         raise ValueError(f"fp8 must be None or one of {', '.join(map(repr, FP8_RECIPES))}, got {fp8!r}")
     if fp8_head and (fp8 is None or FP8_GRADS[fp8] is None):
@@ -646,6 +675,10 @@ def model_source(
         raise ValueError(
             f"fp8_save needs fp8 cotangents (fp8='delayed'), got fp8={fp8!r}: the SwiGLU backward reads "
             "an fp8 copy of the gate/up acc only beside an fp8 cotangent"
+        )
+    if fp8_out and fp8 not in DELAYED:
+        raise ValueError(
+            f"fp8_out needs a delayed recipe (fp8='delayed' or 'delayed-forward'), got fp8={fp8!r}"
         )
     if fp8 == "blockwise" and (fp8_head or fp8_save or not fp8_act):
         raise ValueError(
@@ -695,6 +728,7 @@ def model_source(
         else ", fp8 delayed"
         + ("" if fp8_act else " (SwiGLU output and down GEMM in the model's dtype)")
         + (", gate/up acc saved in e4m3" if fp8_save else "")
+        + (", out-projection in e4m3" if fp8_out else "")
         if fp8
         else ""
     )
@@ -731,10 +765,12 @@ def model_source(
             fp8=bool(fp8),
             act_fp8=fp8_act,
             save_acc=fp8_save,
+            out_fp8=fp8_out,
         )
     )
     # fp8: each block's delayed scales (inputs) and the amaxes it records (detached outputs)
     mlp8 = ["x1", "w_13"] + ([FP8_SAVE_SCALE] if fp8_save else []) + (["a", "w_2"] if fp8_act else [])
+    mlp8 = (["y", "w_o"] if fp8_out else []) + mlp8
     f8 = {"first": ["h", "w_qkv"], "layer": [*mlp8, "x2", "w_qkv"], "last": mlp8} if fp8 in DELAYED else {}
 
     def scales(block: str) -> str:

@@ -31,7 +31,7 @@ import torch
 from coda_lang.api import Program, load
 from coda_lang.autodiff.options import BackwardOptions
 from coda_lang.backend_cute.plan.spec import fp8_pair_load_on, pair_store_on
-from coda_lang.hf.blocks import DELAYED, FP8_GRADS, FP8_SAVE_VAR, family_source
+from coda_lang.hf.blocks import DELAYED, FP8_GRADS, FP8_OUT_VAR, FP8_SAVE_VAR, family_source
 from coda_lang.hf.checkpoint import Layout
 from coda_lang.hf.family import Family, multipliers, softcap
 from coda_lang.hf.fp8 import Bank, NoCallSite
@@ -63,6 +63,18 @@ def fp8_save(fp8: str | None) -> bool:
     if fp8 not in DELAYED or FP8_GRADS[fp8] is None or os.environ.get(FP8_SAVE_VAR, "1") == "0":
         return False
     return pair_store_on() and fp8_pair_load_on()
+
+
+def fp8_out(fp8: str | None) -> bool:
+    """Whether a model patched now with fp8 recipe `fp8` runs its layers' out-projection in e4m3 too
+    (blocks.model_source's `fp8_out`): with a delayed recipe where $CODA_FP8_OUT=1 (off by default until
+    its step is measured; any other value than 0 or 1 is a ValueError). Read when the model is patched."""
+    got = os.environ.get(FP8_OUT_VAR, "0")
+    if got not in ("0", "1"):
+        raise ValueError(
+            f"${FP8_OUT_VAR} is {got!r}; it takes 0 (the default: the out-projection in the model's dtype) or 1"
+        )
+    return got == "1" and fp8 in DELAYED
 
 
 @functools.lru_cache(maxsize=16)
@@ -110,6 +122,7 @@ class Blocks:
                 fp8=st.fp8,
                 fp8_save=st.fp8_save,
                 fp8_head=st.loss_mode == "fp8",
+                fp8_out=st.fp8_out,
             )
 
         prog = program(source())
@@ -229,6 +242,7 @@ class ModelState:
             tuple(layer_kinds(family, cfg)),
             fp8,
             fp8_save(fp8),
+            fp8_out(fp8),
         )
         self._build(family, loss, facts)
         # what the forward relies on, recorded by the patch once it has installed its forwards
@@ -255,9 +269,11 @@ class ModelState:
             kinds,
             fp8,
             save,
+            out,
         ) = facts
         self.fp8: str | None = fp8  # the fp8 recipe of the blocks (blocks.FP8_RECIPES), or None: bf16
         self.fp8_save: bool = save  # the gate/up GEMMs' acc saved in e4m3 (blocks.model_source's fp8_save)
+        self.fp8_out: bool = out  # the out-projection in e4m3 too (blocks.model_source's fp8_out)
         # its delayed scales, and those of its e5m2 cotangents with "delayed" (fp8.py)
         self.fp8_bank: Bank | None = Bank(FP8_GRADS[fp8]) if fp8 else None
         self.kinds: tuple[str, ...] = kinds  # each decoder layer's kind of attention (masks.py)

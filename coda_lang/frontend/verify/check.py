@@ -99,8 +99,12 @@ class Checker:
         self.diags.append(Diagnostic(code, msg, span, label=label, **kw))
 
     def _activation(self) -> str:
-        """The dtype of the first GEMM's operand that is a parameter (a, else b), else bf16; bf16 where
-        that is fp8 (a tile is stored in fp8 only where the program says so, with its scale)."""
+        """The dtype of the first GEMM's operand that is a parameter (a, else b); bf16 where that is fp8
+        (a tile is stored in fp8 only where the program says so, with its scale). Where neither operand
+        is a parameter (both quantized copies made in the block: `yq: e4m3 = y * s_y`), the dtype of
+        what they are made from: the first value, searching back from a, then b, that is a matrix
+        parameter or a stored value of a 16- or 32-bit float dtype (an f32 model's blocks keep f32
+        tiles; bf16 before, which rounded an f32 model's saved accumulators). Else bf16."""
         for st in self.block.stages:
             if not st.is_gemm:
                 continue
@@ -109,8 +113,30 @@ class Checker:
                     for p in self.block.params:
                         if p.var.name == x.name and p.var.type is not None and is_float(p.var.type.dtype):
                             return "bf16" if is_fp8(p.var.type.dtype) else p.var.type.dtype
-            break
+            return self._made_from(st.a, st.b) or "bf16"
         return "bf16"
+
+    def _made_from(self, *xs: Any) -> str | None:
+        """The float dtype (not fp8) of the first matrix parameter or annotated value that `xs` are
+        computed from, breadth first; None if there is none."""
+        params = {p.var.name: p.var.type for p in self.block.params}
+        made: dict[str, tuple[Any, ...]] = {}
+        for s in self.block.body:
+            for e in s.body if isinstance(s, Stage) else (s,):
+                for v in getattr(e, "outs", ()):
+                    made.setdefault(v.name, tuple(getattr(e, "ins", ())))
+        queue, seen = [x for x in xs if isinstance(x, Var)], set()
+        while queue:
+            x = queue.pop(0)
+            if x.name in seen:
+                continue
+            seen.add(x.name)
+            t = params.get(x.name)
+            dtype = t.dtype if t is not None and len(t.shape) == 2 else x.annot
+            if dtype and is_float(dtype) and not is_fp8(dtype):
+                return dtype
+            queue.extend(a for a in made.get(x.name, ()) if isinstance(a, Var))
+        return None
 
     def _uses(self) -> dict[str, list[tuple[str, int]]]:
         """Where each name is read: ("stage", k) in stage k's body, ("operand", k), ("between", k), ("output", -1)."""
