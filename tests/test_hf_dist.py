@@ -470,9 +470,9 @@ def fp8_amaxes_reduced(runs: dict[str, Any]) -> None:
     """`reduce_fp8_amaxes`: every rank quantizes at one process's scales on the whole batch, the
     forward's and ("delayed") the cotangents'. Under DDP with fp8="delayed-forward" and under FSDP2
     per layer with "delayed" (with the LM head in fp8 too: loss_mode="fp8"), the run is then that process's: its losses and first gradients as the
-    bf16 blocks' are; its parameters within a quarter of one AdamW step (a value that lands, by
-    rounding, on the other side of an fp8 rounding boundary moves by 1/16 of itself or more: 0.11
-    of a step at most here), and with them the last step's scales within 0.1%. Unreduced (the
+    bf16 blocks' are, and its later losses to 1e-4; its parameters within three AdamW steps (the ranks'
+    reduction order reaches the e5m2 cotangents of an f32 model, whose tiles stay f32, and a gradient
+    element near zero can change sign), and with them the last step's scales within 1%. Unreduced (the
     "fsdp-fp8" case), each rank calibrates on its half: its scales and first loss are not one
     process's."""
     for case, recipe in (
@@ -481,15 +481,25 @@ def fp8_amaxes_reduced(runs: dict[str, Any]) -> None:
         ("fsdp-fp8-head-sync", "delayed"),  # (and the LM head's call site: loss_mode="fp8")
     ):
         got, want = runs[f"llama-coda-{case}"], single("llama", True, recipe, **PATCH.get(case, {}))
-        for a, b in zip(got["losses"], want["losses"], strict=True):
-            assert abs(a - b) < 1e-5 * abs(b), (case, got["losses"], want["losses"])
+        # the first step's loss to 1e-5; later ones to 1e-4: a weight that the ranks' reduction order
+        # moves across an fp8 rounding boundary (bounded by the parameters' check below) moves every loss
+        # after it (4e-5 at the fifth step on 2026-11-29, once an f32 model's backward kept its
+        # intermediate tiles in f32)
+        for i, (a, b) in enumerate(zip(got["losses"], want["losses"], strict=True)):
+            assert abs(a - b) < (1e-5 if i == 0 else 1e-4) * abs(b), (case, got["losses"], want["losses"])
         assert set(got["grads"]) == set(want["grads"]) == set(want["params"]), case
         for name, g in want["grads"].items():
             assert rel(got["grads"][name], g) < 1e-5, (case, "gradient", name)
+        # the parameters after five steps within three AdamW steps: once an f32 model's blocks kept their
+        # tiles in f32 (they were rounded to bf16 where the first GEMM read fp8 copies, 2026-11-29), the
+        # ranks' reduction order reaches the e5m2 cotangents, and a gradient element near zero that
+        # changes sign moves its Adam update by up to two steps (the embedding rows of rare tokens);
+        # the first step's gradients above are the reduction's test, to 1e-5
         for name, w in want["params"].items():
-            assert float((got["params"][name] - w).abs().max()) < 0.25 * LR, (case, name)
+            assert float((got["params"][name] - w).abs().max()) < 3 * LR, (case, name)
         assert torch.equal(*got["scales"]), (case, got["scales"])
-        torch.testing.assert_close(got["scales"][0], want["scales"], rtol=1e-3, atol=0)  # (after 5 steps)
+        # (after 5 steps: the scales follow the parameters' drift above, to 1%)
+        torch.testing.assert_close(got["scales"][0], want["scales"], rtol=1e-2, atol=0)
     alone, whole = runs["llama-coda-fsdp-fp8"], single("llama", True, "delayed")
     assert not torch.equal(*alone["scales"]), alone["scales"]
     assert abs(alone["losses"][0] - whole["losses"][0]) > 1e-6 * whole["losses"][0]
