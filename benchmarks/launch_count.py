@@ -1,6 +1,6 @@
 """How many launches a patched model's training step issues, by kind, counted on the CPU.
 
-Usage: python benchmarks/launch_count.py [--layers 16] [--configs coda,coda-fp8] [--json FILE]
+Usage: python benchmarks/launch_count.py [--layers 16] [--configs coda,coda-fp8,coda-fp8-blockwise] [--json FILE]
 
 The host's time per launch is what bounds a synchronized fp8 step on one GPU (benchmarks/RESULTS.md),
 so the number of launches is worth tracking where no GPU is at hand. This builds a Llama of
@@ -39,6 +39,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+# each configuration's fp8 recipe
+RECIPES = {"coda": None, "coda-fp8": "delayed", "coda-fp8-blockwise": "blockwise"}
+
+
 def build(config: str, layers: int) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -48,7 +52,9 @@ def build(config: str, layers: int) -> Any:
         hidden_size=128,
         intermediate_size=256,
         num_attention_heads=8,
-        num_key_value_heads=2,
+        # (coda-fp8-blockwise: 2:1 grouped-query heads, so that the fused QKV width, (8 + 2 x 4) x 16, is
+        # whole groups of 128, as fp8="blockwise" needs; what is launched does not depend on it)
+        num_key_value_heads=4 if config == "coda-fp8-blockwise" else 2,
         head_dim=16,
         num_hidden_layers=layers,
         vocab_size=256,
@@ -56,7 +62,7 @@ def build(config: str, layers: int) -> Any:
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    return apply_coda(model, fp8="delayed" if config == "coda-fp8" else None)
+    return apply_coda(model, fp8=RECIPES[config])
 
 
 def transposes(model: Any) -> int:
@@ -139,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     rows = []
     for config in args.configs.split(","):
-        if config not in ("coda", "coda-fp8"):
-            p.error(f"--configs: coda or coda-fp8, got {config!r}")
+        if config not in RECIPES:
+            p.error(f"--configs: {', '.join(RECIPES)}, got {config!r}")
         model = build(config, args.layers)
         ids = torch.randint(0, 256, (1, 64))
         t = time.perf_counter()
