@@ -446,3 +446,20 @@ def test_reduced_amaxes_on_one_rank_change_nothing() -> None:
         assert len(calls) >= 3 * 3 and max(calls) <= 3, calls
     finally:
         dist.destroy_process_group()
+
+
+def test_lora_on_a_blockwise_model_is_refused_not_skipped() -> None:
+    """peft LoRA adapters on a blockwise model: refused when the block would run (the e4m3 copies of the
+    base weights have no adapter path), with or without grad, before any call site is made; and a peft
+    model of a width that is not whole groups of 128 is refused at patch time, as a plain one is."""
+    peft = pytest.importorskip("peft")
+    cfg = peft.LoraConfig(r=4, target_modules=["gate_proj", "up_proj"], lora_dropout=0.0)
+    model = apply_coda_to_llama(peft.get_peft_model(tiny(**WIDE), cfg), fp8="blockwise")
+    ids, labels = hf_batch()
+    with pytest.raises(ValueError, match="LoRA adapters on w_13.*no adapter path"):
+        model(input_ids=ids, labels=labels)
+    with torch.no_grad(), pytest.raises(ValueError, match="LoRA adapters on w_13.*no adapter path"):
+        model(input_ids=ids, labels=labels)
+    assert 0 not in bank(model.get_base_model()).sites
+    with pytest.raises(ValueError, match="hidden_size is 64, not a multiple of 128"):
+        apply_coda_to_llama(peft.get_peft_model(tiny(), cfg), fp8="blockwise")
