@@ -15,7 +15,7 @@ Rows: stage k (coda: one `coda::stage` launch, the kernel alone; cuBLAS: torch.m
 GEMM shape, bf16 out; quack: its library epilogue doing the same work at the same tile: stage 1
 `rms_partial_epi`, stage 2 `rstd_swiglu_epi` (the row scale then SwiGLU), stage 3 `residual_epi`),
 then the forward (all stages and the tiny vector ops between them; also replayed from a CUDA graph),
-the sum of the three bare GEMMs, eager torch and torch.compile of the same math. DESIGN.md's anchor:
+the sum of the three bare GEMMs, eager torch and torch.compile of the same math. The design notes' anchor:
 stages 1+2 at D=2048 by quack's epilogues 1.339 ms, bare cuBLAS 1.331 ms, torch.compile 1.548 ms (H200).
 Prints a short table last; writes everything to $OUT/gpu_bench.json when $OUT is set.
 """

@@ -7,7 +7,7 @@ Tolerance rules (stated once, used by both):
   Every element within |got - interp| <= r * (|interp| + rms(interp)), with r = 2**-7 (one bf16 ulp
   at the value's scale, with a floor at the output's rms for cancellation) for 16-bit outputs and
   r = 1e-3 for f32 outputs (the kernels use fast-math exp/log/tanh); or, where an element is not,
-  PAPER.md section 6's rule: max|got - f64| <= 2 * max|interp - f64| + 1e-6. (A gradient at the end
+  the accuracy rule (docs/design.md, "Accuracy"): max|got - f64| <= 2 * max|interp - f64| + 1e-6. (A gradient at the end
   of a chain of bf16-saved tiles summed over a thousand rows can land a hair past one ulp in one
   element in a million, as the interpreter's own result does against f64; the paper's rule judges
   those by the whole tensor.) A wrong element (indexing, an unwritten tile, a wrong operand) is far
@@ -127,7 +127,7 @@ block scaled_mlp(x: bf16[M, K], w1: bf16[K, F], w2: bf16[F, N], s: f32[M]) -> (o
 
 # Gradients that are sums over many cancelling terms of bf16 products (RoPE's position and frequency
 # gradients): one bf16 rounding of a saved tile moves single elements by percents, so only the f64
-# rule applies to them (PAPER.md section 6: the error against f64 at most twice the interpreter's).
+# rule applies to them (docs/design.md, "Accuracy": the error against f64 at most twice the interpreter's).
 CANCELLING = frozenset({"pos", "freq", "dpos", "dfreq"})
 
 

@@ -9,7 +9,7 @@
   (de-interleaved) layouts, gradients mapped through coda_lang.layout, for the LLaMA examples.
 - The paper's theorem as a property: random block-local forward blocks have a backward that passes
   the checker (also as printed source) and check_vjp holds.
-- The paper's backward schedule for llama_block (PAPER.md section 5), saved tensors, and golden
+- The paper's backward schedule for llama_block (docs/design.md, "Where the backward runs"), saved tensors, and golden
   files of `coda grad` (tests/golden/grad/; rewrite with `pytest --update-golden`).
 """
 
@@ -659,7 +659,7 @@ def _read_names(block: coda_lang.Block) -> set[str]:
 
 
 def test_llama_block_saves_what_the_paper_saves() -> None:
-    """PAPER.md section 5 saves y0, x1, x2, r1, r2, Z1, qkv: here the stored tiles and row scales
+    """The paper's schedule (docs/design.md, "Where the backward runs") saves y0, x1, x2, r1, r2, Z1, qkv: here the stored tiles and row scales
     (x1, x1g, x2, x2g, a, r1, r2) and the pre-activations of the stages that need them (acc2, acc4),
     no tile that the backward could not load in its epilogues."""
     d = example("llama_block").derivation()

@@ -1,6 +1,6 @@
 """`coda check` as a user runs it: a subprocess, its exit code, stdout and stderr.
 
-Exit codes (DESIGN.md section 3): 0 ok, 1 the program has errors, 2 usage or I/O errors; never a
+Exit codes (README): 0 ok, 1 the program has errors, 2 usage or I/O errors; never a
 Python traceback.
 """
 

@@ -2,7 +2,7 @@
 
 It prints the backward block as .coda source that `coda check` accepts, says on stderr where a stage's
 backward runs as an elementwise stage, and takes --with-forward, --wrt, --block, -o and
---error-format. Exit codes (DESIGN.md section 3): 0 ok, 1 the program has errors or can't be
+--error-format. Exit codes (README): 0 ok, 1 the program has errors or can't be
 differentiated (E06), 2 usage or I/O errors; never a Python traceback.
 """
 

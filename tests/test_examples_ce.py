@@ -192,8 +192,8 @@ def test_golden_emit(name: str, update_golden: bool) -> None:
 @pytest.mark.parametrize("chunk", [None, 16])
 def test_recomputed_exact_gradients_meet_the_accuracy_rule(name: str, chunk: int | None) -> None:
     """Exact mode, max|logit| near 27 (bf16 inputs): the recomputed backward (softmax from the f32
-    logits), chunked or not, is within twice plain bf16 PyTorch's error against float64 (PAPER.md
-    section 6), for hg and w_lm."""
+    logits), chunked or not, is within twice plain bf16 PyTorch's error against float64 (docs/design.md,
+    "Accuracy"), for hg and w_lm."""
     _, default, _ = SCALARS[name]
     m, d, v = 64, 64, 256
     hg = torch.randn(m, d, generator=torch.Generator().manual_seed(0)).bfloat16()

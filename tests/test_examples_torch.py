@@ -3,7 +3,7 @@
 Each case builds a small checkpoint in the ordinary layouts (torch `nn.Linear` weights [out, in],
 gate and up separate, rotate-half RoPE heads), converts it with `coda_lang.layout`, runs the block
 with the reference interpreter, and compares with torch code written the way a model would be.
-Accuracy rule (PAPER.md section 6), per output: ref64 is the torch reference in float64 and ref16
+Accuracy rule (docs/design.md, "Accuracy"), per output: ref64 is the torch reference in float64 and ref16
 the same code run the ordinary way in bfloat16, both from the same bf16-valued inputs; then
     max|ours - ref64| <= 2 * max|ref16 - ref64| + 1e-6
 for `Block.run(precision="exact")`, whole and tiled (ragged tiles in both directions). The "f64"
@@ -47,7 +47,7 @@ def max_abs(a: np.ndarray) -> float:
 
 
 def check_rule(what: str, ours: np.ndarray, ref64: torch.Tensor, ref16: torch.Tensor) -> float:
-    """PAPER.md section 6: max|ours - ref64| <= 2 max|ref16 - ref64| + 1e-6; returns the error ratio."""
+    """The accuracy rule (docs/design.md, "Accuracy"): max|ours - ref64| <= 2 max|ref16 - ref64| + 1e-6; returns the error ratio."""
     r64 = ref64.detach().double().numpy()
     r16 = ref16.detach().double().numpy()
     got = np.asarray(ours).astype(np.float64)

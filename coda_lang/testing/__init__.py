@@ -12,7 +12,7 @@ Public API (each module's docstring says more):
 - inputs.py: `block_inputs(block, sizes, seed, special=...)`, seeded inputs in the declared dtypes
   (finite, or with NaN, +-inf, large magnitudes, denormals, signed zeros); `cotangents`;
   `gradcheck_inputs`, float64 inputs for gradient checks.
-- compare.py: `mismatch`, the tolerance rule (PAPER.md section 6) for a result against the interpreter.
+- compare.py: `mismatch`, the tolerance rule (docs/design.md, "Accuracy") for a result against the interpreter.
 - op_programs.py: `op_programs(op)`, tiny programs exercising one registry op every way its type
   rule allows; `OP_SIZES`.
 - rules.py: `positive_args`, `differentiable_ops`: what the generators derive from the registry.

@@ -2,7 +2,7 @@
 
 What it does: `mismatch(name, got, ref, ref64, dtype)` says in one line why `got` is not close enough
 to the reference `ref` (the whole-matrix interpreter in its "exact" precision), or returns None.
-The rule (as tests/runtime_check.py states it for the GPU tests, and PAPER.md section 6):
+The rule (as tests/runtime_check.py states it for the GPU tests, and docs/design.md, "Accuracy"):
 - shapes equal; non-finite elements where and only where the reference has them, with the same
   value (NaN, +inf or -inf); signed zeros are equal;
 - every finite element close: |got - ref| <= r * (|ref| + rms(ref)), r = 2**-7 (one bf16 ulp at the

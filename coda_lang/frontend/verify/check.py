@@ -9,7 +9,7 @@ Invariants: a failing equation poisons its results (type `<error>`), and a poiso
 gives a second diagnostic, so one mistake gives one message; the returned block is a new block (IR
 nodes are frozen) whose every Var carries its type.
 
-The locality rules (DESIGN.md section 3):
+The locality rules (docs/design.md, "Block-locality"):
 - a partial is complete only after its stage: using it inside the stage is E0501 (E0503 with a fix-it
   when it ends up scaling a tile: a row statistic that normalizes in its own stage);
 - between stages only vectors and scalars are computed: anything on a matrix is E0502;
