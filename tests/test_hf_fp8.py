@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -851,58 +853,69 @@ def test_reduce_fp8_amaxes_refuses_what_it_cannot_serve() -> None:
         reduce_fp8_amaxes(apply_coda_to_llama(tiny(), fp8="delayed"))
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_reduced_amaxes_on_one_rank_change_nothing(recipe: str) -> None:
-    """On a process group of one rank, reducing the amaxes is the identity: the same losses, forward
-    scales and (with "delayed") cotangent scales as the model that does not reduce them. The forward
-    reduces once, after each call site's calibration once; "delayed"'s backward reduces its call
-    site's cotangent amaxes (so more reductions than that); "delayed-forward"'s reduces nothing."""
+def reduced_and_not(
+    model: Any, ids: torch.Tensor, steps: int = 3
+) -> tuple[list[tuple[list[float], Any]], list[int]]:
+    """On a gloo process group of one rank: two models made by `model()`, the second with
+    `reduce_fp8_amaxes`, each trained `steps` forwards and backwards on `ids`: ([(losses, fp8 bank)]
+    without and with the reduction, the sizes of the reduced model's all_reduce calls). Skips where a
+    process group exists already."""
     import torch.distributed as dist
 
     from coda_lang.hf import reduce_fp8_amaxes
 
     if dist.is_initialized():
         pytest.skip("a process group exists already")
-    calls = []
+    calls: list[int] = []
     real = dist.all_reduce
 
-    def counting(t, *a, **k):
+    def counting(t: Any, *a: Any, **k: Any) -> Any:
         calls.append(t.numel())
         return real(t, *a, **k)
 
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     try:
-        ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
         runs = []
         for reduce in (False, True):
-            m = apply_coda_to_llama(tiny(), fp8=recipe)
+            m = model()
             if reduce:
                 assert reduce_fp8_amaxes(m) is m
                 dist.all_reduce = counting
             try:
                 losses = []
-                for _ in range(3):
+                for _ in range(steps):
                     loss = m(input_ids=ids, labels=ids).loss
                     loss.backward()
                     losses.append(float(loss))
             finally:
                 dist.all_reduce = real
-            grads = {k: v.scales for k, v in bank(m).grads.items()}
-            runs.append((losses, bank(m).scales.clone(), grads))
-        assert runs[0][0] == runs[1][0]
-        assert torch.equal(runs[0][1], runs[1][1])
-        assert runs[0][2].keys() == runs[1][2].keys()
-        for k, scales in runs[0][2].items():
-            assert all(torch.equal(v, runs[1][2][k][n]) for n, v in scales.items()), k
-        sites = len(bank(m).sites)  # (the first block and each layer's)
-        assert sites == SHAPES["num_hidden_layers"] + 1, bank(m).sites
-        forward = sites + 3  # each site's calibration, then one per forward
-        if recipe == "delayed-forward":
-            assert len(calls) == forward, calls
-        else:  # (each backward of each site: one at least)
-            assert len(runs[0][2]) == sites and len(calls) >= forward + 3 * sites, calls
+            runs.append((losses, bank(m)))
+        return runs, calls
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_reduced_amaxes_on_one_rank_change_nothing(recipe: str) -> None:
+    """On a process group of one rank, reducing the amaxes is the identity: the same losses, forward
+    scales and (with "delayed") cotangent scales as the model that does not reduce them. The forward
+    reduces once, after each call site's calibration once; "delayed"'s backward reduces its call
+    site's cotangent amaxes (so more reductions than that); "delayed-forward"'s reduces nothing."""
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
+    runs, calls = reduced_and_not(lambda: apply_coda_to_llama(tiny(), fp8=recipe), ids)
+    (plain, b0), (reduced, b1) = runs
+    assert plain == reduced
+    assert torch.equal(b0.scales, b1.scales)
+    assert b0.grads.keys() == b1.grads.keys()
+    for k, state in b0.grads.items():
+        assert all(torch.equal(v, b1.grads[k].scales[n]) for n, v in state.scales.items()), k
+    sites = len(b1.sites)  # (the first block and each layer's)
+    assert sites == SHAPES["num_hidden_layers"] + 1, b1.sites
+    forward = sites + 3  # each site's calibration, then one per forward
+    if recipe == "delayed-forward":
+        assert len(calls) == forward, calls
+    else:  # (each backward of each site: one at least)
+        assert len(b0.grads) == sites and len(calls) >= forward + 3 * sites, calls
 
 
 @pytest.mark.parametrize("recipe", ["delayed", pytest.param("delayed-forward", marks=pytest.mark.slow)])
@@ -1038,6 +1051,22 @@ def test_no_backward_reads_the_cotangent_of_a_detached_output() -> None:
     assert Zeros.n <= 1, Zeros.n  # (the loss head's weight-gradient total, made once a step)
 
 
+def gemm_stages(fns: Any) -> Iterator[tuple[Any, int, Any, Any]]:
+    """(block, stage index, its plan, the tile the runtime chooses for it) for every GEMM stage of the
+    block functions' forwards and the backwards their autograd derives (no GPU: the plan and the tile,
+    not a launch; E0706 or E0707 where a stage gets none)."""
+    from coda_lang.backend_cute.plan.planner import plan_stage
+    from coda_lang.backend_cute.runtime.tiles import choose_config
+
+    for fn in fns:
+        d = fn.block.derivation(fn.wrt, backward=fn.options)
+        for blk in (d.forward, d.backward):
+            for k, stage in enumerate(blk.ir.stages, 1):
+                if stage.is_gemm:
+                    spec = plan_stage(blk, k)
+                    yield blk, k, spec, choose_config(blk, k, spec, False)
+
+
 @pytest.mark.parametrize(
     "family",
     [
@@ -1052,26 +1081,16 @@ def test_the_fp8_out_projection_plans_and_gets_kernel_tiles(
     backward, plan every GEMM stage for the kernels and get a tile from the runtime (no E0706), and the
     out-projection, its data gradient and its weight gradient multiply fp8 by fp8 (no GPU: the plan and
     the tile, not a launch). A value other than 0 or 1 is a ValueError naming the variable."""
-    from coda_lang.backend_cute.plan.planner import plan_stage
-    from coda_lang.backend_cute.runtime.tiles import choose_config
-
     monkeypatch.setenv("CODA_FP8_OUT", "1")
     model = HF[family][2](make(family, torch.bfloat16), fp8="delayed")
     st = model._coda
     assert st.fp8_out
     out_gemms: dict[str, int] = {}
-    for fn in (st.layer, st.last):
-        d = fn.block.derivation(fn.wrt, backward=fn.options)
-        for blk in (d.forward, d.backward):
-            for k, stage in enumerate(blk.ir.stages, 1):
-                if not stage.is_gemm:
-                    continue
-                spec = plan_stage(blk, k)
-                choose_config(blk, k, spec, False)
-                g = spec.gemm
-                if "w_oq" in (g.a, g.b) or "yq" in (g.a, g.b):
-                    assert {g.a_dtype, g.b_dtype} <= {"e4m3", "e5m2"}, (blk.name, k, g)
-                    out_gemms[blk.name] = out_gemms.get(blk.name, 0) + 1
+    for blk, k, spec, _ in gemm_stages((st.layer, st.last)):
+        g = spec.gemm
+        if "w_oq" in (g.a, g.b) or "yq" in (g.a, g.b):
+            assert {g.a_dtype, g.b_dtype} <= {"e4m3", "e5m2"}, (blk.name, k, g)
+            out_gemms[blk.name] = out_gemms.get(blk.name, 0) + 1
     assert out_gemms == {"layer": 1, "layer_bwd": 2, "last": 1, "last_bwd": 2}, out_gemms
     monkeypatch.setenv("CODA_FP8_OUT", "yes")
     with pytest.raises(ValueError, match="CODA_FP8_OUT is 'yes'"):

@@ -26,7 +26,7 @@ transformers = pytest.importorskip("transformers")
 from test_hf import FAMILIES as HF  # noqa: E402
 from test_hf import batch as hf_batch  # noqa: E402
 from test_hf import make  # noqa: E402
-from test_hf_fp8 import E4M3_MAX, E5M2_MAX, _rel, bank, grads_ran_at, tiny  # noqa: E402
+from test_hf_fp8 import E4M3_MAX, E5M2_MAX, _rel, bank, gemm_stages, grads_ran_at, reduced_and_not, tiny  # noqa: E402
 
 from coda_lang.hf import apply_coda, apply_coda_to_llama, unfused_grads  # noqa: E402
 
@@ -251,24 +251,15 @@ def test_every_familys_blockwise_blocks_get_kernel_tiles(family: str) -> None:
     the gate/up data gradient, an f32 tile beside column partials, was one before), and the forward's
     gate/up, down and QKV GEMMs and all their data and weight gradients are block-scaled: 128 x 128
     cooperative tiles (no GPU needed: the plan and the tile, not a launch)."""
-    from coda_lang.backend_cute.plan.planner import plan_stage
-    from coda_lang.backend_cute.runtime.tiles import choose_config
-
     model = HF[family][2](make(family, torch.bfloat16, **WIDE), fp8="blockwise")
     st = model._coda
-    scaled: dict[str, int] = {}
     for fn in (st.first, st.layer, st.last):
         assert fn.options.fp8_grads == "e5m2" and fn.options.requantize_wgrad
-        d = fn.block.derivation(fn.wrt, backward=fn.options)
-        for blk in (d.forward, d.backward):
-            for k, stage in enumerate(blk.ir.stages, 1):
-                if not stage.is_gemm:
-                    continue
-                spec = plan_stage(blk, k)
-                cfg = choose_config(blk, k, spec, False)
-                if spec.gemm.scaled:
-                    assert (cfg.tile_m, cfg.tile_n, cfg.pingpong) == (128, 128, False), (blk.name, k, cfg)
-                    scaled[blk.name] = scaled.get(blk.name, 0) + 1
+    scaled: dict[str, int] = {}
+    for blk, k, spec, cfg in gemm_stages((st.first, st.layer, st.last)):
+        if spec.gemm.scaled:
+            assert (cfg.tile_m, cfg.tile_n, cfg.pingpong) == (128, 128, False), (blk.name, k, cfg)
+            scaled[blk.name] = scaled.get(blk.name, 0) + 1
     # forward: 1 in the first block (QKV), 3 in a layer's, 2 in the last's; backward: a data and a
     # weight gradient each
     assert scaled == {
@@ -406,46 +397,17 @@ def test_reduced_amaxes_on_one_rank_change_nothing() -> None:
     """`reduce_fp8_amaxes` on a blockwise model, on a process group of one rank: the same losses and
     cotangent scales as without it; the forward reduces nothing (its scales are the blocks' own,
     current), each call site's backward its cotangents' amaxes."""
-    import torch.distributed as dist
-
-    from coda_lang.hf import reduce_fp8_amaxes
-
-    if dist.is_initialized():
-        pytest.skip("a process group exists already")
-    calls: list[int] = []
-    real = dist.all_reduce
-
-    def counting(t: Any, *a: Any, **k: Any) -> Any:
-        calls.append(t.numel())
-        return real(t, *a, **k)
-
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-    try:
-        ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(3))
-        runs = []
-        for reduce in (False, True):
-            m = apply_coda_to_llama(tiny(**{**WIDE, "num_hidden_layers": 2}), fp8="blockwise")
-            if reduce:
-                assert reduce_fp8_amaxes(m) is m
-                dist.all_reduce = counting
-            try:
-                losses = []
-                for _ in range(3):
-                    loss = m(input_ids=ids, labels=ids).loss
-                    loss.backward()
-                    losses.append(float(loss))
-            finally:
-                dist.all_reduce = real
-            runs.append((losses, {k: v.scales for k, v in bank(m).grads.items()}))
-        assert runs[0][0] == runs[1][0]
-        assert runs[0][1].keys() == runs[1][1].keys() == {-1, 0, 1}
-        for k, scales in runs[0][1].items():
-            assert all(torch.equal(v, runs[1][1][k][n]) for n, v in scales.items()), k
-        # (three steps, each call site's backward at least once; each a vector of its cotangents' amaxes,
-        # one per fp8 GEMM of its block: at most three)
-        assert len(calls) >= 3 * 3 and max(calls) <= 3, calls
-    finally:
-        dist.destroy_process_group()
+    ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(3))
+    model = lambda: apply_coda_to_llama(tiny(**{**WIDE, "num_hidden_layers": 2}), fp8="blockwise")  # noqa: E731
+    runs, calls = reduced_and_not(model, ids)
+    (plain, b0), (reduced, b1) = runs
+    assert plain == reduced
+    assert b0.grads.keys() == b1.grads.keys() == {-1, 0, 1}
+    for k, state in b0.grads.items():
+        assert all(torch.equal(v, b1.grads[k].scales[n]) for n, v in state.scales.items()), k
+    # (three steps, each call site's backward at least once; each a vector of its cotangents' amaxes,
+    # one per fp8 GEMM of its block: at most three)
+    assert len(calls) >= 3 * 3 and max(calls) <= 3, calls
 
 
 def test_lora_on_a_blockwise_model_is_refused_not_skipped() -> None:
