@@ -82,7 +82,6 @@ class Reverse:
         self.s = State(self.fwd)
         self.s.fp8_grads = fp8_grads
         self.s.fp8_acc = fp8_acc
-        self.requantize_wgrad = requantize_wgrad
         self.s.requantize_wgrad = requantize_wgrad
         # (forward stage, operand name) -> its requantized copy and scale (`requantized`), made once
         self.requant: dict[tuple[int, str], tuple[Var, Var]] = {}
@@ -327,7 +326,7 @@ class Reverse:
                 return Gemm(dacc, b_op, False, not st.tb, scale_b=sb, out_scale=st.scale_a)
             return Gemm(b_op, dacc, st.tb, True, scale_a=sb, out_scale=st.scale_a)
         a_op, sa = self.forward_operand(st.a), read(st.scale_a)
-        if isinstance(sa, Var) and self.requantize_wgrad and not st.ta:
+        if isinstance(sa, Var) and self.s.requantize_wgrad and not st.ta:
             a_op, sa = self.requantized(c, a_op, sa)
         if not st.tb:
             return Gemm(a_op, dacc, not st.ta, False, scale_a=sa, out_scale=st.scale_b)

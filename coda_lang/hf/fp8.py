@@ -61,7 +61,7 @@ from coda_lang.backend_cute.runtime.grad_scales import (
     f32_row,
     update_scales,
 )
-from coda_lang.hf.blocks import FP8_SAVE_SCALE, FP8_SAVE_VAR
+from coda_lang.hf.blocks import FP8_SAVE_SCALE, FP8_SAVE_VAR, SCALE_GROUP
 from coda_lang.hf.checks import peft_inner, refuse
 from coda_lang.ir.types import FP8_MAX
 
@@ -295,25 +295,21 @@ def whole_row_groups(
     block: Any, inputs: dict[str, Any], run: Callable[[dict[str, Any]], dict[str, torch.Tensor]]
 ) -> dict[str, torch.Tensor]:
     """`run(inputs)` for a block of fp8="blockwise", whose backward quantizes each weight gradient's
-    activation again in groups of ROW_GROUP tokens: at a token count that is not a multiple of it, the
+    activation again in groups of SCALE_GROUP tokens: at a token count that is not a multiple of it, the
     block's token inputs padded with zero rows (zero activations, positions and targets of no loss:
     they change no amax and add nothing to a weight gradient) and its outputs cut back, both
     differentiable, so that each group is whole; as it is otherwise."""
     tokens = [p.var.name for p in block.ir.params if _on_tokens(p.var.type)]
     m = next((inputs[n].shape[0] for n in tokens if isinstance(inputs.get(n), torch.Tensor)), None)
-    if m is None or m % ROW_GROUP == 0:
+    if m is None or m % SCALE_GROUP == 0:
         return run(inputs)
-    pad = -m % ROW_GROUP
+    pad = -m % SCALE_GROUP
     padded = {
         k: torch.nn.functional.pad(v, (0, 0) * (v.dim() - 1) + (0, pad)) if k in tokens else v
         for k, v in inputs.items()
     }
     out = run(padded)
     return {k: v[:m] if v.dim() and v.shape[0] == m + pad else v for k, v in out.items()}
-
-
-# the groups of tokens (rows) the blockwise backward quantizes each weight gradient's activation in
-ROW_GROUP = 128
 
 
 def _on_tokens(t: Any) -> bool:
