@@ -47,8 +47,9 @@ configuration; no gradients; the model stays in training mode, which changes not
 dropout). The configurations (`CONFIGS`: eager, compile, liger, coda, coda-fp8 (e5m2 cotangents) and
 coda-fp8-fwd (bf16 cotangents) and coda-fp8-save16 (coda-fp8 saving its gate/up accumulators in bf16,
 not e4m3: $CODA_FP8_SAVE_ACC=0 while it is patched) and coda-fp8-head (coda-fp8 with its LM head's GEMMs in fp8
-too, loss_mode="fp8"; coda-fp8-head-e4m3 its dlogits in e4m3) and coda-fp8-blockwise (fp8="blockwise": widths
-of whole 128s, as 150m has) as hf_train_step.py makes them; torchao-tensorwise and torchao-rowwise:
+too, loss_mode="fp8"; coda-fp8-head-e4m3 its dlogits in e4m3) and coda-fp8-oproj (coda-fp8 with its layers'
+out-projection in e4m3 too: $CODA_FP8_OUT=1 while it is patched) and coda-fp8-blockwise (fp8="blockwise":
+widths of whole 128s, as 150m has) as hf_train_step.py makes them; torchao-tensorwise and torchao-rowwise:
 torchao's float8 training of that recipe on every nn.Linear but the LM head, then torch.compile) run one after
 another in one process, transformers' Llama module restored between them (Liger patches it); what one
 needs that is not here (a GPU, a package) is an error before any training, an unknown name a usage error
@@ -319,6 +320,7 @@ CONFIGS: dict[str, Config] = {
     "coda-fp8-head": Config(functools.partial(hf_train_step.prepare, name="coda-fp8-head")),
     "coda-fp8-head-e4m3": Config(patched_under_env("coda-fp8-head-e4m3")),
     "coda-fp8-blockwise": Config(functools.partial(hf_train_step.prepare, name="coda-fp8-blockwise")),
+    "coda-fp8-oproj": Config(patched_under_env("coda-fp8-oproj")),
     "torchao-tensorwise": Config(
         functools.partial(hf_train_step.prepare, name="torchao-tensorwise"),
         packages=(("torchao", "torchao"),),

@@ -20,6 +20,7 @@ as that copy times 1/s, and no copy of acc in the activation dtype is saved.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import numpy as np
 import pytest
@@ -249,6 +250,39 @@ def test_a_state_saved_with_the_other_save_says_how_to_resume(monkeypatch: pytes
         again = apply_coda_to_llama(tiny(), fp8="delayed")
         load_fp8_state_dict(again, state)
         again(input_ids=ids, labels=ids).loss.backward()  # (resumed: no refusal)
+
+
+def test_a_state_saved_with_the_other_out_projection_says_how_to_resume(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An fp8 checkpoint of a model whose out-projection ran in bf16 ($CODA_FP8_OUT=0, as before e4m3
+    was the default), loaded into one that runs it in e4m3, and the other way round, the gate/up save
+    the same or (both=True) the other way too: refused at the next forward with every variable that
+    resumes it, and resumed with them."""
+    from test_hf_fp8 import tiny
+
+    from coda_lang.hf import apply_coda_to_llama, fp8_state_dict, load_fp8_state_dict
+
+    def patched(out_on: bool, save_on: bool) -> Any:
+        monkeypatch.setenv("CODA_FP8_OUT", "1" if out_on else "0")
+        _saving(monkeypatch, save_on)
+        return apply_coda_to_llama(tiny(), fp8="delayed")
+
+    ids = torch.randint(0, 64, (2, 16))
+    for out_on in (False, True):
+        for both in (False, True):
+            m = patched(out_on, True)
+            m(input_ids=ids, labels=ids).loss.backward()
+            state = fp8_state_dict(m)
+            other = patched(not out_on, not both)
+            load_fp8_state_dict(other, state)
+            fix = "unset CODA_FP8_OUT" if out_on else "set CODA_FP8_OUT=0"
+            with pytest.raises(ValueError, match=fix) as got:
+                other(input_ids=ids, labels=ids)
+            assert ("unset CODA_FP8_SAVE_ACC" in str(got.value)) == both, got.value
+            again = patched(out_on, True)
+            load_fp8_state_dict(again, state)
+            again(input_ids=ids, labels=ids).loss.backward()  # (resumed: no refusal)
 
 
 def test_an_f16_models_blocks_with_the_save_plan_for_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:

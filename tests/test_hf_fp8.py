@@ -691,7 +691,8 @@ def test_every_family_trains_in_fp8(family: str, recipe: str) -> None:
 def _olmo2_reference(ref, ids, labels, bank) -> torch.Tensor:
     """OLMo 2's fp8 recipe on the unpatched float64 model, by hooks: OLMo 2 has no pre norms, so each
     quantized value is a module's input itself (q/k/v's: the residual; gate/up's: the residual after
-    attention; down's: the SwiGLU output), fake-quantized at the scale the patched model ran at, and
+    attention; down's: the SwiGLU output; the out-projection's, where the model ran it in e4m3: the
+    attention's output), fake-quantized at the scale the patched model ran at, and
     each weight fake-quantized in place (its gradient is then the straight-through one)."""
     last = bank.last
     hooks = []
@@ -709,6 +710,10 @@ def _olmo2_reference(ref, ids, labels, bank) -> torch.Tensor:
                 lin.weight.copy_(fake_quant(lin.weight, qkv_site["w_qkv"].double()))
                 hooks.append(lin.register_forward_pre_hook(pre(s_in.double())))
             site = last[i]
+            if "y" in site:  # ($CODA_FP8_OUT=1: the out-projection in e4m3)
+                o = layer.self_attn.o_proj
+                o.weight.copy_(fake_quant(o.weight, site["w_o"].double()))
+                hooks.append(o.register_forward_pre_hook(pre(site["y"].double())))
             for name in ("gate_proj", "up_proj"):
                 lin = getattr(layer.mlp, name)
                 lin.weight.copy_(fake_quant(lin.weight, site["w_13"].double()))
@@ -723,10 +728,13 @@ def _olmo2_reference(ref, ids, labels, bank) -> torch.Tensor:
             h.remove()
 
 
-def test_olmo2_fp8_against_a_fake_quant_reference() -> None:
+@pytest.mark.parametrize("out", ["0", "1"])
+def test_olmo2_fp8_against_a_fake_quant_reference(out: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """OLMo 2 (post norms, no pre norms, q/k norm over each projection), fp8="delayed-forward", in float32
     against its float64 fake-quant reference at the same scales: the loss to 1e-5, every gradient to 1e-2 relative, and
-    the unquantized model much further off."""
+    the unquantized model much further off. With $CODA_FP8_OUT=1 the out-projection is quantized too, and
+    so is the reference's."""
+    monkeypatch.setenv("CODA_FP8_OUT", out)
     base = make("olmo2")
     ids, labels = hf_batch()
     model = HF["olmo2"][2](copy.deepcopy(base), fp8="delayed-forward")
@@ -1080,7 +1088,8 @@ def test_the_fp8_out_projection_plans_and_gets_kernel_tiles(
     """$CODA_FP8_OUT=1 with fp8="delayed" (e4m3 save, e5m2 cotangents): each family's blocks, forward and
     backward, plan every GEMM stage for the kernels and get a tile from the runtime (no E0706), and the
     out-projection, its data gradient and its weight gradient multiply fp8 by fp8 (no GPU: the plan and
-    the tile, not a launch). A value other than 0 or 1 is a ValueError naming the variable."""
+    the tile, not a launch). Unset or 0 keeps it in the model's dtype; a value other than 0 or 1 is a
+    ValueError naming the variable."""
     monkeypatch.setenv("CODA_FP8_OUT", "1")
     model = HF[family][2](make(family, torch.bfloat16), fp8="delayed")
     st = model._coda
@@ -1092,6 +1101,8 @@ def test_the_fp8_out_projection_plans_and_gets_kernel_tiles(
             assert {g.a_dtype, g.b_dtype} <= {"e4m3", "e5m2"}, (blk.name, k, g)
             out_gemms[blk.name] = out_gemms.get(blk.name, 0) + 1
     assert out_gemms == {"layer": 1, "layer_bwd": 2, "last": 1, "last_bwd": 2}, out_gemms
+    monkeypatch.delenv("CODA_FP8_OUT")
+    assert not HF[family][2](make(family, torch.bfloat16), fp8="delayed")._coda.fp8_out
     monkeypatch.setenv("CODA_FP8_OUT", "yes")
     with pytest.raises(ValueError, match="CODA_FP8_OUT is 'yes'"):
         HF[family][2](make(family, torch.bfloat16), fp8="delayed")

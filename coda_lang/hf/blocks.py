@@ -425,6 +425,8 @@ _OUT_FP8 = {
 # $CODA_FP8_OUT=1, read when a model is patched with fp8="delayed" or "delayed-forward": the layers'
 # out-projection in e4m3 too (model_source's `fp8_out`; off by default until it is measured)
 FP8_OUT_VAR = "CODA_FP8_OUT"
+# the scales a layer's call site has only with the out-projection in e4m3 (its input's and weight's)
+FP8_OUT_SCALES = frozenset({"y", "w_o"})
 
 
 # the MLP's gate activations the blocks run, by the config's name: the .coda op of each (`gelu` is the

@@ -61,7 +61,7 @@ from coda_lang.backend_cute.runtime.grad_scales import (
     f32_row,
     update_scales,
 )
-from coda_lang.hf.blocks import FP8_SAVE_SCALE, FP8_SAVE_VAR, SCALE_GROUP
+from coda_lang.hf.blocks import FP8_OUT_SCALES, FP8_OUT_VAR, FP8_SAVE_SCALE, FP8_SAVE_VAR, SCALE_GROUP
 from coda_lang.hf.checks import peft_inner, refuse
 from coda_lang.ir.types import FP8_MAX
 
@@ -324,16 +324,30 @@ def _on_tokens(t: Any) -> bool:
 
 def _why_other(had: set[str], want: set[str]) -> str:
     """Why a loaded state's scales are not a block's: where they differ only by the gate/up copy's
-    scale (blocks.FP8_SAVE_SCALE), the state was saved by a model that saved its gate/up acc the other
-    way round."""
-    if had ^ want == {FP8_SAVE_SCALE}:
+    scale (blocks.FP8_SAVE_SCALE) and the out-projection's (blocks.FP8_OUT_SCALES), the state was saved
+    by a model patched with the other setting of $CODA_FP8_SAVE_ACC or $CODA_FP8_OUT (each named, with
+    the setting that resumes from it)."""
+    diff = had ^ want
+    parts = []
+    if FP8_SAVE_SCALE in diff:
         how = "in e4m3" if FP8_SAVE_SCALE in had else "in the model's dtype"
         fix = f"unset {FP8_SAVE_VAR}" if FP8_SAVE_SCALE in had else f"set {FP8_SAVE_VAR}=0"
-        return (
-            f"the state is a model's that saved its gate/up accumulators {how} (docs/models.md, fp8 "
-            f"memory); {fix} before patching to resume from it"
-        )
-    return "the state is another model's"
+        parts.append((f"saved its gate/up accumulators {how} (docs/models.md, fp8 memory)", fix))
+        diff = diff - {FP8_SAVE_SCALE}
+    if diff == FP8_OUT_SCALES and (diff <= had or diff <= want):
+        how = "in e4m3" if diff <= had else "in the model's dtype"
+        fix = f"unset {FP8_OUT_VAR}" if diff <= had else f"set {FP8_OUT_VAR}=0"
+        parts.append((f"ran its out-projection {how} (docs/models.md, fp8 training)", fix))
+        diff = set()
+    if diff or not parts:
+        return "the state is another model's"
+    return (
+        "the state is a model's that "
+        + " and ".join(w for w, _ in parts)
+        + "; "
+        + " and ".join(f for _, f in parts)
+        + " before patching to resume from it"
+    )
 
 
 def record(bank: Bank | None, step: Any) -> None:
