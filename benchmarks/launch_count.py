@@ -15,8 +15,9 @@ runtime's launch points, which are the GPU run's:
 - `combine`: a GEMM sink's per-tile partials combined (one torch op each);
 - `transposes`: the K-major copies the runtime makes in a pass of their own (fp8 backward GEMMs),
   counted from the blocks' plans: what `launch.kmajor_pair` copies on a GPU, with the copies the
-  producing stages write (`TritonStage.kmajor_stores`, `$CODA_KMAJOR_STAGES`; a GEMM epilogue's
-  `Output.kmajor`, `$CODA_KMAJOR_STORE`) taken away.
+  producing stages write (`TritonStage.kmajor_stores`, `$CODA_KMAJOR_STAGES`; torch.compile's stages
+  under `$CODA_KMAJOR_INDUCTOR=1`, `InductorStage.kmajor_stores`; a GEMM epilogue's `Output.kmajor`,
+  `$CODA_KMAJOR_STORE`) taken away.
 Each row is also given without `cuda_block.whole_folds` (the sink partials folded whole), in the
 same process. Attention and the optimizer are not counted (theirs are the same in every row).
 """
@@ -67,6 +68,7 @@ def build(config: str, layers: int) -> Any:
 
 def transposes(model: Any) -> int:
     """K-major copies the runtime makes in a pass of its own in one step (from the blocks' plans)."""
+    from coda_lang.backend_triton.elementwise import InductorStage
     from coda_lang.backend_triton.generate import TritonStage
 
     st = model._coda
@@ -77,9 +79,9 @@ def transposes(model: Any) -> int:
         bwd = fn.kernel_blocks()[1]
         made = set()
         for es in bwd.elementwise.values():
-            if es.generator == "triton":
-                marks = TritonStage(es).kmajor_stores(bwd._kmajor)
-                made |= {n for (n, _d, _w), on in zip(es.store_meta, marks, strict=True) if on}
+            stage = TritonStage(es) if es.generator == "triton" else InductorStage(es, compiled=False)
+            marks = stage.kmajor_stores(bwd._kmajor)
+            made |= {n for (n, _d, _w), on in zip(es.store_meta, marks, strict=True) if on}
         for spec in bwd.specs:
             if spec is not None and spec.d is not None and spec.d.narrow and spec.d.name in bwd._kmajor:
                 made.add(spec.d.name)  # (the narrowing pass writes it: layouts.narrowed_with_kmajor)

@@ -354,3 +354,110 @@ def test_stages_over_pairs_or_with_reductions_write_no_copies_by_default(
         k = next(i for i, s in enumerate(stages, 1) if any(e.outs[0].name == which for e in s.body))
         marks = TritonStage(ElementwiseStage(bwd, k, emulate=True), interpret=True).kmajor_stores(cb._kmajor)
         assert any(marks) == (which not in WIDE), (which, marks)
+
+
+# blockwise fp8's layer backward, at whole groups of 128: its weights' e4m3 blocks and the activations
+# quantized again in 128 x 1 groups for the weight gradients are made by stages torch.compile runs
+BLOCKWISE_SIZES = {"M": 256, "D": 128, "F": 256, "K": 128, "P": 128}
+INDUCTOR_MADE = {"w_13q", "w_2q", "w_qkvq", "x1qc", "x2qc", "aqc"}
+
+
+def _blockwise_inductor_stages() -> tuple[Any, Any, list[Any]]:
+    """(blockwise's layer backward, its CUDA block, its ElementwiseStages that torch.compile runs)."""
+    from coda_lang.backend_triton.elementwise import ElementwiseStage
+    from coda_lang.hf.blocks import model_source
+
+    blk = coda_lang.load(model_source("bfloat16", 1e-5, 16, None, fp8="blockwise", heads=(8, 4)))["layer"]
+    wrt = [p.var.name for p in blk.ir.params if p.var.name not in ("pos", "freq", "eps")]
+    wrt = [n for n in wrt if not n.startswith("s_")]
+    opts = coda_lang.BackwardOptions(fp8_grads="e5m2", requantize_wgrad=True)
+    bwd = blk.derivation(wrt, backward=opts).backward
+    cb = bwd.cuda()  # (planned for the GPU; nothing runs)
+    stages = [ElementwiseStage(bwd, k, emulate=True) for k in sorted(cb.elementwise)]
+    return bwd, cb, [st for st in stages if st.generator == "inductor"]
+
+
+def test_torch_compiled_stages_write_the_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$CODA_KMAJOR_INDUCTOR=1: the stages of blockwise fp8's layer backward that torch.compile runs
+    (InductorStage) write the K-major copies of the one-byte tiles the block's GEMMs read transposed
+    (the weights' e4m3 blocks, the activations quantized again for the weight gradients): each the
+    transpose of the tile the stage stores, its rows padded with zeros, the tiles and reductions the
+    stage's without copies, bit for bit. The same body run eagerly (the function torch.compile
+    traces). Unset, or 0, no stage writes any; another value is a ValueError."""
+    from coda_lang.backend_triton.elementwise import InductorStage
+
+    bwd, cb, stages = _blockwise_inductor_stages()
+    monkeypatch.setenv("CODA_KMAJOR_INDUCTOR", "1")
+    made: set[str] = set()
+    for st in stages:
+        fn = InductorStage(st, compiled=False)
+        marks = fn.kmajor_stores(cb._kmajor, cb._alone)
+        stored = [n for n, *_ in st.store_meta]
+        assert marks == tuple(int(n in cb._kmajor) for n in stored), (stored, marks)
+        if not any(marks):
+            continue
+        made |= {n for n, on in zip(stored, marks, strict=True) if on}
+        args = _arguments(bwd, st, BLOCKWISE_SIZES, st.index, "cpu")
+        rows, cols = int(st.rows.evaluate(BLOCKWISE_SIZES)), int(st.cols.evaluate(BLOCKWISE_SIZES))
+        plain = fn(rows, cols, dict(BLOCKWISE_SIZES), torch.device("cpu"), *args)
+        got = fn(rows, cols, dict(BLOCKWISE_SIZES), torch.device("cpu"), *args, kmajor=marks)
+        _same_with_copies(st, marks, plain, got, rows, cols)
+    assert made == INDUCTOR_MADE, made
+    for off in (None, "0"):
+        if off is None:
+            monkeypatch.delenv("CODA_KMAJOR_INDUCTOR")
+        else:
+            monkeypatch.setenv("CODA_KMAJOR_INDUCTOR", off)
+        assert not any(any(InductorStage(st, compiled=False).kmajor_stores(cb._kmajor)) for st in stages)
+    monkeypatch.setenv("CODA_KMAJOR_INDUCTOR", "yes")
+    with pytest.raises(ValueError, match="CODA_KMAJOR_INDUCTOR is 'yes'"):
+        InductorStage(stages[0], compiled=False).kmajor_stores(cb._kmajor)
+
+
+def test_a_stage_run_binds_the_copy_it_wrote(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ElementwiseStage.run` with a stage function that writes copies (InductorStage, eager) binds
+    each copy under kmajor_key beside the value, which is the GEMM's `made` operand
+    (launch.kmajor_pair takes it instead of transposing)."""
+    from coda_lang.backend_triton.elementwise import InductorStage
+
+    bwd, cb, stages = _blockwise_inductor_stages()
+    monkeypatch.setenv("CODA_KMAJOR_INDUCTOR", "1")
+    st = next(s for s in stages if any(n == "x1qc" for n, *_ in s.store_meta))
+    st._fn = InductorStage(st, compiled=False)
+    args = _arguments(bwd, st, BLOCKWISE_SIZES, st.index, "cpu")
+    env = {name: x for (name, _), x in zip(st.roles, args, strict=True)}
+    dims = dict(BLOCKWISE_SIZES)
+    st.run(env, dims, cb.plan.storage, kmajor=cb._kmajor, alone=cb._alone)
+    rows = int(st.rows.evaluate(BLOCKWISE_SIZES))
+    width = -(-rows // 16) * 16
+    assert torch.equal(
+        env[kmajor_key("x1qc")].view(torch.uint8), kmajor_copy(env["x1qc"], width).view(torch.uint8)
+    )
+
+
+@pytest.mark.slow
+def test_torch_compiled_stages_write_the_copies_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same, through torch.compile itself (Inductor's CPU kernels): the stage that quantizes the
+    gate/up activations again for the weight gradient writes its copy, equal to its tile transposed."""
+    from coda_lang.backend_triton.elementwise import InductorStage
+
+    bwd, cb, stages = _blockwise_inductor_stages()
+    monkeypatch.setenv("CODA_KMAJOR_INDUCTOR", "1")
+    st = next(s for s in stages if any(n == "x1qc" for n, *_ in s.store_meta))
+    fn = InductorStage(st)
+    marks = fn.kmajor_stores(cb._kmajor)
+    args = _arguments(bwd, st, BLOCKWISE_SIZES, st.index, "cpu")
+    rows, cols = int(st.rows.evaluate(BLOCKWISE_SIZES)), int(st.cols.evaluate(BLOCKWISE_SIZES))
+    dev = torch.device("cpu")
+    plain = InductorStage(st, compiled=False)(rows, cols, dict(BLOCKWISE_SIZES), dev, *args)
+    got = fn(rows, cols, dict(BLOCKWISE_SIZES), dev, *args, kmajor=marks)
+    _same_with_copies(st, marks, plain, got, rows, cols)
+    # (and without copies, the compiled function called as the runtime calls it then)
+    again = fn(rows, cols, dict(BLOCKWISE_SIZES), dev, *args)
+    assert all(
+        torch.equal(
+            a.view(torch.uint8) if a.element_size() == 1 else a,
+            b.view(torch.uint8) if b.element_size() == 1 else b,
+        )
+        for a, b in zip(again, plain, strict=True)
+    )

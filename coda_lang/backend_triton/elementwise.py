@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from coda_lang.backend_triton import generate, kmajor_key
+from coda_lang.backend_triton import generate, kmajor_key, kmajor_width
 from coda_lang.backend_triton.generate import TritonStage
 from coda_lang.core.diagnostics import CodaError, Diagnostic
 from coda_lang.frontend.verify.repeat import repeated
@@ -206,7 +206,7 @@ class ElementwiseStage:
                 if self.generator == "triton":
                     fn = TritonStage(self)
                 else:
-                    fn = torch.compile(self.own_body(), dynamic=DYNAMIC, fullgraph=True)
+                    fn = InductorStage(self)
             self._fn = fn
         return self._fn
 
@@ -231,11 +231,22 @@ class ElementwiseStage:
             else f.__code__.replace(co_name=name)
         )
         body = types.FunctionType(code, f.__globals__, name, f.__defaults__, f.__closure__)
+        body.__kwdefaults__ = f.__kwdefaults__  # (`kmajor`'s default: FunctionType takes no kwdefaults)
         return types.MethodType(body, self)
 
     def _body(
-        self, rows: int, cols: int, sizes: dict[str, int], device: torch.device, *ins: Any
+        self,
+        rows: int,
+        cols: int,
+        sizes: dict[str, int],
+        device: torch.device,
+        *ins: Any,
+        kmajor: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, ...]:
+        """The stage's stored tiles, then its reductions, then (`kmajor`: a flag per stored tile, as
+        `InductorStage.kmajor_stores` gives them) the K-major copy of each flagged one, [width,
+        kmajor_width(rows)], zero-padded, rounded from the same f32 values as the tile itself."""
+
         def width(w: tuple[int, int]) -> int:
             return cols * w[0] // w[1]
 
@@ -320,17 +331,21 @@ class ElementwiseStage:
                         x = x.reshape(-1, 1) if vec == "row" else x.reshape(1, -1)
                 vals[name] = x
         results: list[torch.Tensor] = []
-        for name, dtype, w in self.store_meta:
+        copies: list[torch.Tensor] = []
+        for i, (name, dtype, w) in enumerate(self.store_meta):
             x = torch.broadcast_to(
                 torch.as_tensor(vals[name], dtype=torch.float32, device=device), (rows, width(w))
             )
             results.append(torch_store(x, dtype).contiguous())
+            if kmajor and kmajor[i]:  # (the copy's K is the stage's rows, padded with zero columns)
+                pad = kmajor_width(rows) - rows
+                copies.append(torch_store(torch.nn.functional.pad(x.t(), (0, pad)), dtype).contiguous())
         for name, g, gr in zip(self.reductions, self.groups, self.row_groups, strict=True):
             x = torch.as_tensor(vals[name], device=device).float()
             if gr:  # one value per run of rows and column, [rows / gr, width]
                 x = torch.broadcast_to(x, (rows, x.shape[-1]))
             results.append(x[::gr].contiguous() if gr else x[:, ::g].contiguous() if g else x.reshape(-1))
-        return tuple(results)
+        return tuple(results + copies)
 
     def check_groups(self, rows: int, cols: int) -> None:
         """E0802 where a grouped reduction of the stage would split a group: `rows` (or the width it
@@ -415,6 +430,59 @@ class ElementwiseStage:
             for name in marked:
                 out[kmajor_key(name)] = outs[i]
                 i += 1
+
+
+# $CODA_KMAJOR_INDUCTOR=1: the stages torch.compile runs write the K-major copies of their one-byte
+# tiles that a later GEMM reads transposed (`InductorStage.kmajor_stores`), where the runtime otherwise
+# copies each in a transposing pass of its own (launch.kmajor_pair). Off by default until timed on a GPU.
+KMAJOR_INDUCTOR_VAR = "CODA_KMAJOR_INDUCTOR"
+
+
+def kmajor_inductor_on() -> bool:
+    """Whether torch.compile's stages write K-major copies ($CODA_KMAJOR_INDUCTOR: 1 on, unset or 0 off;
+    another value is a ValueError naming the variable)."""
+    got = os.environ.get(KMAJOR_INDUCTOR_VAR, "0")
+    if got not in ("0", "1"):
+        raise ValueError(f"${KMAJOR_INDUCTOR_VAR} is {got!r}; it takes 0 (the default) or 1")
+    return got == "1"
+
+
+class InductorStage:
+    """An elementwise stage that runs as torch.compile's kernels (`ElementwiseStage.generator`
+    "inductor": a stage that loads an fp8 tile, reduces over runs of rows or hands a grouped value
+    on), called as the stage's function. `compiled=False` runs the same body eagerly (the tests' way
+    of checking what the compiled kernels compute, on any device).
+
+    With $CODA_KMAJOR_INDUCTOR=1 it also writes the K-major copies a later GEMM reads
+    (`kmajor_stores`): the copy is a second output of the same function, so Inductor writes it from
+    the values the stage already holds, where the runtime otherwise reads the stored tile again in a
+    transposing pass (blockwise fp8's weights and its activations quantized again for the weight
+    gradients are made by such stages)."""
+
+    def __init__(self, stage: ElementwiseStage, compiled: bool = True):
+        self.stage = stage
+        self.fn: Callable[..., tuple[torch.Tensor, ...]] = (
+            torch.compile(stage.own_body(), dynamic=DYNAMIC, fullgraph=True) if compiled else stage._body
+        )
+
+    def kmajor_stores(self, names: frozenset[str], alone: frozenset[str] = frozenset()) -> tuple[int, ...]:
+        """Which stored tiles among `names` this stage also writes K-major: the one-byte tiles of the
+        stage's full width (1 each; never TritonStage's ALONE: the row-major tile is written too, and
+        `alone` is not taken), none unless $CODA_KMAJOR_INDUCTOR=1."""
+        on = kmajor_inductor_on()
+        return tuple(
+            1 if on and name in names and w == (1, 1) and dtype.itemsize == 1 else 0
+            for name, dtype, w in self.stage.store_meta
+        )
+
+    def __call__(
+        self, rows: int, cols: int, sizes: dict[str, int], device: torch.device, *ins: Any, **kw: Any
+    ) -> tuple[torch.Tensor, ...]:
+        kmajor = tuple(kw.pop("kmajor", ()))
+        assert not kw, f"InductorStage takes no {sorted(kw)}"
+        if any(kmajor):
+            return self.fn(rows, cols, sizes, device, *ins, kmajor=kmajor)
+        return self.fn(rows, cols, sizes, device, *ins)
 
 
 def _torch_dtype(dtype: str) -> torch.dtype:
