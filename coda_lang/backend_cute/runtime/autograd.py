@@ -25,6 +25,7 @@ import torch
 from coda_lang.autodiff.chunk import ChunkPlan, candidate_plans, choose, row_dim
 from coda_lang.autodiff.chunk_run import ChunkResults, chunk_at, chunk_inputs, join_part, run_chunks
 from coda_lang.autodiff.options import BackwardOptions
+from coda_lang.backend_cute.plan.split_epilogue import split_epilogues, split_selection
 from coda_lang.backend_cute.runtime.capture import refuse_in_capture
 from coda_lang.backend_cute.runtime.grad_scales import DelayedScaling, check_grad_scales
 from coda_lang.backend_cute.runtime.launch import TORCH_DTYPES
@@ -91,10 +92,13 @@ class CudaFunction:
             self.forward = cb.sibling(d.forward, tile)
         except CodaError as e:
             raise _runtime_error(e, "extended forward", d.forward) from None
+        # (the heavy epilogues cut off into stages of their own, where $CODA_SPLIT_EPILOGUES asks)
+        which = split_selection()
+        backward = d.backward if which is None else split_epilogues(d.backward, which)
         try:
-            self.backward = cb.sibling(d.backward, tile)
+            self.backward = cb.sibling(backward, tile)
         except CodaError as e:
-            raise _runtime_error(e, "backward", d.backward) from None
+            raise _runtime_error(e, "backward", backward) from None
         # saved tensors a packed backward stage may overwrite with its D (CudaBlock._run's `consume`)
         self.inplace = frozenset(
             spec.c.name for spec in self.backward.specs if spec is not None and spec.c is not None

@@ -1,0 +1,141 @@
+"""Heavy GEMM epilogues cut off into an elementwise stage of their own ($CODA_SPLIT_EPILOGUES=1).
+
+What it does: `split_epilogues(block)` gives `block` with each GEMM stage whose epilogue moves an f32
+tile beside column partials (`heavy`: the stages that config.WIDE_F32_TILE keeps to 128-row pingpong
+tiles, such as the RMSNorm backward in a fp8 Llama layer's gate/up data gradient, 8192 x 2048 x 16384
+at Llama-3.2-1B's shapes) cut in two: the GEMM, storing its f32 accumulator and nothing else, and an
+elementwise stage over the same [M, N] that runs the epilogue on that stored accumulator. The GEMM
+then takes any tile (no f32 tile beside column partials is left in it), and the epilogue's loads,
+stores and column sums run in a memory-bound kernel of their own. The cost is one more write and
+read of the accumulator in f32 (64 MB at that shape), so it pays where the contraction is long (that
+stage's K is 8 times its N) and not where it is short (the QKV data gradient's). Off by default until
+it is timed on a GPU (`split_selection`: all heavy stages, or those reading named operands);
+`autograd.CudaFunction` applies it to a derived backward.
+What it does not: cut a block-scaled GEMM (its own mainloop takes 128-row tiles anyway), a paired,
+packed or gated stage, or a stage whose epilogue is light; change any value: the elementwise stage
+computes in f32 from the exact f32 accumulator, as the epilogue did (only a column sum's order of
+addition differs: the GEMM's per-tile partials against the stage's own reduction).
+Invariants: the result is checked as any program is (the block's text printed and loaded again,
+marked derived as `block` is); its parameters and outputs are `block`'s; a stage whose cut text does
+not check stays as it was.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from typing import Any
+
+from coda_lang.ir import nodes
+
+SPLIT_VAR = "CODA_SPLIT_EPILOGUES"
+
+
+ALL = "all"
+
+
+def split_selection() -> str | frozenset[str] | None:
+    """Which heavy stages derived backwards are cut in ($CODA_SPLIT_EPILOGUES): None (unset or 0, the
+    default), ALL ("all" or 1: every one), or the operand names of a comma-separated list (a heavy stage is
+    cut where its GEMM reads one of them: `w_13q` for the fp8 Llama layers' gate/up data gradient).
+    Another value (an empty name, a name that is no identifier) is a ValueError naming the variable."""
+    got = os.environ.get(SPLIT_VAR, "0").strip()
+    if got in ("", "0"):
+        return None
+    if got in ("1", ALL):
+        return ALL
+    names = [n.strip() for n in got.split(",")]
+    if not all(n.isidentifier() for n in names):
+        raise ValueError(
+            f"${SPLIT_VAR} is {got!r}; it takes 0 (the default), all (or 1), or the comma-separated names of the "
+            "GEMM operands whose stages to cut (e.g. w_13q)"
+        )
+    return frozenset(names)
+
+
+def heavy(block: Any) -> list[int]:
+    """The GEMM stages of `block` (1-based, among all its stages, as plan_stage numbers them) that
+    `split_epilogues` may cut: planned for the kernels, in element mode, not block-scaled, moving an
+    f32 tile (loaded or stored) beside column partials."""
+    from coda_lang.backend_cute.build.config import moves_f32_tile
+    from coda_lang.backend_cute.plan.planner import plan_stage
+    from coda_lang.core.diagnostics import CodaError
+
+    out = []
+    for k, st in enumerate(block.ir.stages, 1):
+        if not st.is_gemm or st.scaled:
+            continue
+        try:
+            spec = plan_stage(block, k)
+        except CodaError:  # (no kernel plan: an f32 GEMM, which the emulated kernels alone run)
+            continue
+        if spec.mode != "element" or spec.paired:
+            continue
+        if moves_f32_tile(spec) and any(s.layout == "column partials" for s in spec.sinks):
+            out.append(k)
+    return out
+
+
+def _fresh(block: nodes.Block, base: str) -> str:
+    taken = {p.var.name for p in block.params} | {o.name for o in block.outputs}
+    for st in block.body:
+        eqns = st.body if isinstance(st, nodes.Stage) else (st,)
+        taken |= {v.name for e in eqns for v in e.outs}
+    name, i = base, 1
+    while name in taken:
+        i += 1
+        name = f"{base}{i}"
+    return name
+
+
+def _swap(x: nodes.Atom, name: str, to: nodes.Var) -> nodes.Atom:
+    return to if isinstance(x, nodes.Var) and x.name == name else x
+
+
+def _cut(ir: nodes.Block, k: int) -> nodes.Block:
+    """`ir` with its k-th stage (a GEMM) cut into the GEMM storing its f32 accumulator and an
+    elementwise stage running the epilogue on it."""
+    body: list[nodes.Stmt] = []
+    n = 0
+    for st in ir.body:
+        if not isinstance(st, nodes.Stage):
+            body.append(st)
+            continue
+        n += 1
+        if n != k:
+            body.append(st)
+            continue
+        acc = st.acc
+        assert acc is not None and acc.type is not None
+        stored = nodes.Var(_fresh(ir, f"acc_s{k}"), acc.type, "f32")
+        body.append(replace(st, body=(nodes.Eqn("copy", (acc,), (stored,)),)))
+
+        eqns = tuple(replace(e, ins=tuple(_swap(x, acc.name, stored) for x in e.ins)) for e in st.body)
+        rows, cols = acc.type.shape  # (an accumulator is [M, N])
+        body.append(nodes.Stage(a=None, b=None, ta=False, tb=False, acc=None, body=eqns, shape=(rows, cols)))
+    return replace(ir, body=tuple(body))
+
+
+def _reads(st: nodes.Stage) -> set[str]:
+    return {x.name for x in (st.a, st.b) if isinstance(x, nodes.Var)}
+
+
+def split_epilogues(block: Any, which: str | frozenset[str] = ALL) -> Any:
+    """`block` (an api.Block) with its `heavy` stages cut in two (module docstring): every one (`which`
+    ALL), or those whose GEMM reads an operand named in `which`; `block` itself where none is."""
+    from coda_lang.api import Block, load
+    from coda_lang.core.diagnostics import CodaError
+    from coda_lang.frontend.syntax.printer import print_block
+
+    cut = block
+    stages = block.ir.stages
+    chosen = [k for k in heavy(block) if which == ALL or _reads(stages[k - 1]) & set(which)]
+    # (from the last, so that the stage numbers of the ones before stay as they are)
+    for k in reversed(chosen):
+        ir = _cut(cut.ir, k)
+        try:
+            new = load(print_block(ir))[block.name]
+        except CodaError:  # (a cut the checker refuses: the stage stays whole, as it ran before)
+            continue
+        cut = Block(replace(new.ir, derived=block.ir.derived), new.plan)
+    return cut

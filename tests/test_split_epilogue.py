@@ -1,0 +1,227 @@
+"""Heavy GEMM epilogues cut off into elementwise stages of their own ($CODA_SPLIT_EPILOGUES), on the CPU.
+
+- `heavy` finds the stages config.WIDE_F32_TILE keeps to pingpong tiles (an f32 tile beside column
+  partials): in the fp8 Llama layer's backward, the two RMSNorm backwards (the QKV and the gate/up
+  data gradients), in the last layer's the gate/up one; none in blockwise's (block-scaled) or the
+  first block's.
+- `split_epilogues` cuts them: the GEMM stores its f32 accumulator alone, the elementwise stage after
+  it runs the epilogue; the block's parameters, outputs and `derived` mark stay; the cut GEMM is free
+  of WIDE_F32_TILE (a cooperative tile may be chosen); the new stage is a generated Triton kernel.
+  A selection by operand name cuts only the stages that read it.
+- The interpreter runs the cut block as the whole one: every output within f32 rounding (a column
+  sum's order of addition changes), on ragged sizes.
+- The generated kernel of the new stage, under Triton's CPU interpreter, computes what its torch
+  function does.
+- A patched bf16 fp8 Llama trains the same with and without the cut (the emulated kernels).
+- The variable's values, and its ValueError.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import coda_lang  # noqa: E402
+from coda_lang.backend_cute.plan.split_epilogue import (  # noqa: E402
+    ALL,
+    heavy,
+    split_epilogues,
+    split_selection,
+)
+
+
+def _backward(block: str, fp8: str | None = "delayed") -> coda_lang.Block:
+    """The derived backward of `block` of the hf model program, as the patch derives it."""
+    from coda_lang.hf.blocks import model_source
+
+    opts = {
+        "delayed": coda_lang.BackwardOptions(fp8_grads="e5m2"),
+        "blockwise": coda_lang.BackwardOptions(fp8_grads="e5m2", requantize_wgrad=True),
+        None: coda_lang.BackwardOptions(),
+    }[fp8]
+    src = model_source("bfloat16", 1e-5, 16, None, fp8=fp8, heads=(8, 4))
+    blk = coda_lang.load(src)[block]
+    wrt = [p.var.name for p in blk.ir.params if p.var.name not in ("pos", "freq", "eps")]
+    wrt = [n for n in wrt if not n.startswith("s_")]
+    return blk.derivation(wrt, backward=opts).backward
+
+
+def _gemm_reads(blk: coda_lang.Block, k: int) -> set[str]:
+    st = blk.ir.stages[k - 1]
+    return {x.name for x in (st.a, st.b) if x is not None and hasattr(x, "name")}
+
+
+def test_the_heavy_stages_are_the_norm_backwards() -> None:
+    """The stages held to pingpong tiles for an f32 tile beside column partials: the QKV and gate/up
+    data gradients of the fp8 layer's backward (the two RMSNorm backwards), the gate/up one in the last
+    layer's; none in the first block's or in blockwise's (block-scaled GEMMs)."""
+    layer = _backward("layer")
+    got = {frozenset(_gemm_reads(layer, k)) for k in heavy(layer)}
+    assert got == {frozenset({"dacc7", "w_qkvq"}), frozenset({"dacc4", "w_13q"})}, got
+    last = _backward("last")
+    assert [_gemm_reads(last, k) for k in heavy(last)] == [{"dacc4", "w_13q"}]
+    assert heavy(_backward("first_qkv")) == []
+    assert heavy(_backward("layer", "blockwise")) == []
+
+
+def test_the_cut_block() -> None:
+    """Each heavy stage becomes the GEMM storing its f32 accumulator alone and an elementwise stage over
+    [M, N] running the epilogue on it; nothing else changes (parameters, outputs, the derived mark, the
+    other stages); the cut GEMM has no WIDE_F32_TILE rule, and the new stage is a generated Triton
+    kernel. Selected by operand name, only the gate/up data gradient is cut."""
+    from coda_lang.backend_cute.build.config import WIDE_F32_TILE, rules
+    from coda_lang.backend_cute.plan.planner import plan_stage
+    from coda_lang.backend_triton.elementwise import ElementwiseStage
+
+    layer = _backward("layer")
+    cut = split_epilogues(layer)
+    assert cut.ir.derived and layer.ir.derived
+    assert [(p.var.name, p.var.type) for p in cut.ir.params] == [
+        (p.var.name, p.var.type) for p in layer.ir.params
+    ]
+    assert [(o.name, o.type) for o in cut.ir.outputs] == [(o.name, o.type) for o in layer.ir.outputs]
+    assert len(cut.ir.stages) == len(layer.ir.stages) + 2
+    assert heavy(cut) == []
+    n = 0
+    for k, st in enumerate(cut.ir.stages, 1):
+        if st.is_gemm and len(st.body) == 1 and st.body[0].outs[0].name.startswith("acc_s"):
+            n += 1
+            (e,) = st.body
+            assert e.op == "copy" and e.ins[0].name == "acc" and e.outs[0].annot == "f32"
+            assert WIDE_F32_TILE not in rules(plan_stage(cut, k))
+            after = cut.ir.stages[k]
+            assert not after.is_gemm and any(x.name == e.outs[0].name for q in after.body for x in q.ins)
+            assert ElementwiseStage(cut, k + 1, emulate=True).generator == "triton"
+    assert n == 2
+    one = split_epilogues(layer, frozenset({"w_13q"}))
+    assert len(one.ir.stages) == len(layer.ir.stages) + 1
+    assert [_gemm_reads(one, k) for k in heavy(one)] == [{"dacc7", "w_qkvq"}]
+    assert split_epilogues(layer, frozenset({"nothing"})) is layer
+
+
+@pytest.mark.parametrize("block", ["layer", "last"])
+def test_the_interpreter_runs_the_cut_block_as_the_whole_one(block: str) -> None:
+    """The reference interpreter on the cut backward and on the whole one, the same inputs, at sizes
+    that are no multiple of a tile: every output equal within f32 rounding (the column sums of the
+    norm weights' gradients add in another order)."""
+    from coda_lang.testing.inputs import block_inputs
+
+    whole = _backward(block)
+    cut = split_epilogues(whole)
+    sizes = {"M": 40, "D": 48, "F": 80, "K": 128, "P": 64}
+    sizes = {d.name: sizes[d.name] for d in whole.ir.dims}  # (the last block has no P)
+    inputs = block_inputs(whole, sizes, seed=5)
+    want = whole.run(inputs, dims=sizes)
+    got = cut.run(inputs, dims=sizes)
+    assert set(got) == set(want)
+    for name, w in want.items():
+        g = np.asarray(got[name], dtype=np.float64)
+        w = np.asarray(w, dtype=np.float64)
+        scale = float(np.abs(w).max()) or 1.0
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * scale, err_msg=name)
+
+
+def test_the_new_stages_kernel_computes_its_torch_function() -> None:
+    """The gate/up data gradient's new elementwise stage, as generate.py writes it, under Triton's CPU
+    interpreter: its stored tile and its column sum are what the stage's torch function gives."""
+    pytest.importorskip("triton")
+    from test_kmajor_copies import _arguments
+
+    from coda_lang.backend_triton.elementwise import ElementwiseStage
+    from coda_lang.backend_triton.generate import TritonStage
+
+    cut = split_epilogues(_backward("layer"), frozenset({"w_13q"}))
+    k = next(i for i, st in enumerate(cut.ir.stages, 1) if not st.is_gemm and any(
+        x.name.startswith("acc_s") for e in st.body for x in e.ins if hasattr(x, "name")))  # fmt: skip
+    st = ElementwiseStage(cut, k, emulate=True)
+    sizes = {"M": 40, "D": 48, "F": 80, "K": 128, "P": 64}
+    args = _arguments(cut, st, sizes, 3, "cpu")
+    rows, cols = int(st.rows.evaluate(sizes)), int(st.cols.evaluate(sizes))
+    want = st._body(rows, cols, dict(sizes), torch.device("cpu"), *args)
+    got = TritonStage(st, interpret=True)(rows, cols, dict(sizes), torch.device("cpu"), *args)
+    assert len(got) == len(want) >= 2
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.float(), w.float(), rtol=1e-5, atol=1e-5 * float(w.float().abs().max()))
+
+
+def test_a_patched_model_trains_the_same_with_the_cut(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 Llama patched with fp8="delayed", two steps on the emulated kernels, with
+    $CODA_SPLIT_EPILOGUES=all and =w_13q against unset: its backward blocks have the cut stages, and the
+    losses and every gradient are the same within f32 rounding of the norm weights' column sums."""
+    from test_hf import batch as hf_batch
+    from test_hf_fp8 import HF, make, unfused_grads
+
+    base = make("llama", torch.bfloat16)
+    ids, labels = hf_batch()
+    runs: dict[str, Any] = {}
+    for value, extra in (("0", 0), (ALL, 2), ("w_13q", 1)):
+        monkeypatch.setenv("CODA_SPLIT_EPILOGUES", value)
+        m = HF["llama"][2](copy.deepcopy(base), fp8="delayed")
+        for _ in range(2):
+            m.zero_grad()
+            loss = m(input_ids=ids, labels=labels).loss
+            loss.backward()
+        bwd = m._coda.blocks(torch.bfloat16).layer._made(True).backward
+        runs[value] = (bwd, loss.item(), unfused_grads(m))
+        assert len(bwd.ir.stages) == len(runs["0"][0].ir.stages) + extra, value
+    for value in (ALL, "w_13q"):
+        _, loss, grads = runs[value]
+        assert abs(loss - runs["0"][1]) <= 1e-5 * abs(runs["0"][1]), value
+        for name, g in grads.items():
+            w = runs["0"][2][name].float()
+            assert torch.allclose(g.float(), w, rtol=1e-2, atol=1e-3 * float(w.abs().max())), (value, name)
+
+
+def test_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset, empty or 0: off; all or 1; a comma-separated list of operand names; anything else a
+    ValueError naming the variable."""
+    monkeypatch.delenv("CODA_SPLIT_EPILOGUES", raising=False)
+    assert split_selection() is None
+    for off in ("0", "", " 0 "):
+        monkeypatch.setenv("CODA_SPLIT_EPILOGUES", off)
+        assert split_selection() is None
+    for on in ("all", "1"):
+        monkeypatch.setenv("CODA_SPLIT_EPILOGUES", on)
+        assert split_selection() == ALL
+    monkeypatch.setenv("CODA_SPLIT_EPILOGUES", "w_13q, w_qkvq")
+    assert split_selection() == frozenset({"w_13q", "w_qkvq"})
+    for bad in ("2", "w_13q,", "w-13q", "yes please"):
+        monkeypatch.setenv("CODA_SPLIT_EPILOGUES", bad)
+        with pytest.raises(ValueError, match="CODA_SPLIT_EPILOGUES is"):
+            split_selection()
+
+
+def test_a_cut_the_checker_refuses_leaves_the_stage_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the cut block's text does not check (here: a cut whose elementwise stage reads a value
+    nothing defines), the stage stays as it was, and so does the block: never a block that runs
+    something else."""
+    from dataclasses import replace
+
+    from coda_lang.backend_cute.plan import split_epilogue
+    from coda_lang.ir import nodes
+
+    real = split_epilogue._cut
+
+    def broken(ir: nodes.Block, k: int) -> nodes.Block:
+        out = real(ir, k)
+        body = list(out.body)
+        i = next(j for j, st in enumerate(body) if isinstance(st, nodes.Stage) and not st.is_gemm and any(
+            x.name.startswith("acc_s") for e in st.body for x in e.ins if isinstance(x, nodes.Var)))  # fmt: skip
+        e = body[i].body[0]
+        body[i] = replace(
+            body[i],
+            body=(replace(e, ins=(nodes.Var("nowhere", e.ins[0].type),) + e.ins[1:]),) + body[i].body[1:],
+        )
+        return replace(out, body=tuple(body))
+
+    monkeypatch.setattr(split_epilogue, "_cut", broken)
+    layer = _backward("layer")
+    assert split_epilogues(layer) is layer
