@@ -349,6 +349,7 @@ CODA_FP8 = {
     "coda-fp8-blockwise-kall": "blockwise",
     "coda-fp8-split": "delayed",
     "coda-fp8-splitall": "delayed",
+    "coda-fp8-oproj-split": "delayed",
     "coda-fp8-oproj": "delayed",
 }
 # the loss mode of a configuration (default "rows"): coda-vocab's lse-only head, and coda-fp8-head's fp8
@@ -403,6 +404,7 @@ CONFIG_ENV = {
     "coda-fp8-blockwise-kall": {"CODA_KMAJOR_INDUCTOR": "1", "CODA_KMAJOR_STAGES": "all"},
     "coda-fp8-split": {"CODA_SPLIT_EPILOGUES": "w_13q"},
     "coda-fp8-splitall": {"CODA_SPLIT_EPILOGUES": "all"},
+    "coda-fp8-oproj-split": {"CODA_FP8_OUT": "1", "CODA_SPLIT_EPILOGUES": "w_13q"},
     "coda-fp8-narrow": {"CODA_FP8_PAIR_STORE": "0"},
     "coda-fp8-e16": {"CODA_FP8_E16": "1"},
     "coda-fp8-fast": {"CODA_FP8_FAST_ACCUM": "1"},
@@ -438,6 +440,7 @@ CONFIGS = (
     "coda-fp8-blockwise-kall",
     "coda-fp8-split",
     "coda-fp8-splitall",
+    "coda-fp8-oproj-split",
     "coda-fp8-oproj",
     "coda-vruns",
     "torchao-tensorwise",
