@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 import coda_lang  # noqa: E402
-from coda_lang.backend_cute.plan.split_epilogue import (  # noqa: E402
+from coda_lang.backend_cute.runtime.split_epilogue import (  # noqa: E402
     ALL,
     heavy,
     split_epilogues,
@@ -120,7 +120,7 @@ def test_the_interpreter_runs_the_cut_block_as_the_whole_one(block: str) -> None
     sizes = {d.name: sizes[d.name] for d in whole.ir.dims}  # (the last block has no P)
     inputs = block_inputs(whole, sizes, seed=5)
     want = whole.run(inputs, dims=sizes)
-    got = cut.run(inputs, dims=sizes)
+    got = coda_lang.Block(cut.ir, cut.plan).run(inputs, dims=sizes)
     assert set(got) == set(want)
     for name, w in want.items():
         g = np.asarray(got[name], dtype=np.float64)
@@ -200,12 +200,12 @@ def test_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_cut_the_checker_refuses_leaves_the_stage_whole(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the cut block's text does not check (here: a cut whose elementwise stage reads a value
-    nothing defines), the stage stays as it was, and so does the block: never a block that runs
+    """Where the cut block does not check (here: a cut whose elementwise stage spans [N, N], not its
+    tiles' [M, N]), the stage stays as it was, and so does the block: never a block that runs
     something else."""
     from dataclasses import replace
 
-    from coda_lang.backend_cute.plan import split_epilogue
+    from coda_lang.backend_cute.runtime import split_epilogue
     from coda_lang.ir import nodes
 
     real = split_epilogue._cut
@@ -215,13 +215,33 @@ def test_a_cut_the_checker_refuses_leaves_the_stage_whole(monkeypatch: pytest.Mo
         body = list(out.body)
         i = next(j for j, st in enumerate(body) if isinstance(st, nodes.Stage) and not st.is_gemm and any(
             x.name.startswith("acc_s") for e in st.body for x in e.ins if isinstance(x, nodes.Var)))  # fmt: skip
-        e = body[i].body[0]
-        body[i] = replace(
-            body[i],
-            body=(replace(e, ins=(nodes.Var("nowhere", e.ins[0].type),) + e.ins[1:]),) + body[i].body[1:],
-        )
+        assert body[i].shape is not None
+        _, cols = body[i].shape
+        body[i] = replace(body[i], shape=(cols, cols))
         return replace(out, body=tuple(body))
 
     monkeypatch.setattr(split_epilogue, "_cut", broken)
     layer = _backward("layer")
     assert split_epilogues(layer) is layer
+
+
+def test_a_generated_block_that_reads_an_undefined_value_does_not_check() -> None:
+    """`check_generated` (what every pass's block goes through: autodiff's backwards, the chunker's, the
+    cut) refuses a block that reads a value nothing defines before it, as the parser's E0201 does for
+    text: E0601, naming the value. The same block with the value defined checks."""
+    from dataclasses import replace
+
+    from coda_lang.core.diagnostics import CodaError
+    from coda_lang.frontend.source import check_generated
+    from coda_lang.ir import nodes
+
+    layer = _backward("layer")
+    ir = layer.ir
+    check_generated(ir, "the backward")
+    i, st = next((j, s) for j, s in enumerate(ir.body) if isinstance(s, nodes.Stage) and s.is_gemm)
+    e = st.body[-1]
+    ghost = nodes.Var("ghost", e.ins[0].type if isinstance(e.ins[0], nodes.Var) else None)
+    bad = replace(st, body=(*st.body[:-1], replace(e, ins=(ghost, *e.ins[1:]))))
+    with pytest.raises(CodaError, match="E0601") as got:
+        check_generated(replace(ir, body=(*ir.body[:i], bad, *ir.body[i + 1 :])), "a pass's block")
+    assert "`ghost` is read before anything defines it" in got.value.render()

@@ -23,7 +23,7 @@ from coda_lang.frontend.syntax.parse import parse
 from coda_lang.frontend.syntax.printer import print_block
 from coda_lang.frontend.verify.check import check_block
 from coda_lang.frontend.verify.plan import BlockPlan, explain
-from coda_lang.ir.nodes import Block, Program, Span, Stage
+from coda_lang.ir.nodes import Block, Program, Span, Stage, Var
 
 
 class CheckedBlock:
@@ -53,10 +53,29 @@ def check_generated(block: Block, what: str, origin: Span | None = None) -> Chec
     the first diagnostics as notes) when it does not check. `origin`: the user's source it came from."""
     diags: list[Diagnostic] = []
     typed, plan = check_block(block, diags)
-    # (the parser's E0205, which a block made by a pass never went through: an output nothing assigns)
+    # (the parser's E0201 and E0205, which a block made by a pass never went through: a value read
+    # before anything defines it, an output nothing assigns)
     defined = {p.var.name for p in block.params}
     for item in block.body:
+        inside = set(defined)
+        if isinstance(item, Stage):
+            reads = [x for x in item.operands if isinstance(x, Var)]
+            if item.acc is not None:
+                inside.add(item.acc.name)
+        else:
+            reads = []
+        for r in reads:
+            if r.name not in inside:
+                diags.append(
+                    Diagnostic("E0201", f"`{r.name}` is read before anything defines it", block.span)
+                )
         for e in item.body if isinstance(item, Stage) else (item,):
+            for x in e.ins:
+                if isinstance(x, Var) and x.name not in inside:
+                    diags.append(
+                        Diagnostic("E0201", f"`{x.name}` is read before anything defines it", e.span)
+                    )
+            inside.update(v.name for v in e.outs)
             defined.update(v.name for v in e.outs)
     for o in block.outputs:
         if o.name not in defined:

@@ -25,10 +25,10 @@ import torch
 from coda_lang.autodiff.chunk import ChunkPlan, candidate_plans, choose, row_dim
 from coda_lang.autodiff.chunk_run import ChunkResults, chunk_at, chunk_inputs, join_part, run_chunks
 from coda_lang.autodiff.options import BackwardOptions
-from coda_lang.backend_cute.plan.split_epilogue import split_epilogues, split_selection
 from coda_lang.backend_cute.runtime.capture import refuse_in_capture
 from coda_lang.backend_cute.runtime.grad_scales import DelayedScaling, check_grad_scales
 from coda_lang.backend_cute.runtime.launch import TORCH_DTYPES
+from coda_lang.backend_cute.runtime.split_epilogue import split_epilogues, split_selection
 from coda_lang.core.diagnostics import CodaError, Diagnostic, error, with_sources
 from coda_lang.interp.inputs import given_dims
 from coda_lang.ir.types import extent, shape_str

@@ -15,9 +15,9 @@ What it does not: cut a block-scaled GEMM (its own mainloop takes 128-row tiles 
 packed or gated stage, or a stage whose epilogue is light; change any value: the elementwise stage
 computes in f32 from the exact f32 accumulator, as the epilogue did (only a column sum's order of
 addition differs: the GEMM's per-tile partials against the stage's own reduction).
-Invariants: the result is checked as any program is (the block's text printed and loaded again,
-marked derived as `block` is); its parameters and outputs are `block`'s; a stage whose cut text does
-not check stays as it was.
+Invariants: the result is checked as a pass's block is (`check_generated`), marked derived as
+`block` is; its parameters and outputs are `block`'s; a stage whose cut does not check stays as it
+was.
 """
 
 from __future__ import annotations
@@ -26,6 +26,10 @@ import os
 from dataclasses import replace
 from typing import Any
 
+from coda_lang.backend_cute.build.config import moves_f32_tile
+from coda_lang.backend_cute.plan.planner import plan_stage
+from coda_lang.core.diagnostics import CodaError
+from coda_lang.frontend.source import CheckedBlock, check_generated
 from coda_lang.ir import nodes
 
 SPLIT_VAR = "CODA_SPLIT_EPILOGUES"
@@ -57,10 +61,6 @@ def heavy(block: Any) -> list[int]:
     """The GEMM stages of `block` (1-based, among all its stages, as plan_stage numbers them) that
     `split_epilogues` may cut: planned for the kernels, in element mode, not block-scaled, moving an
     f32 tile (loaded or stored) beside column partials."""
-    from coda_lang.backend_cute.build.config import moves_f32_tile
-    from coda_lang.backend_cute.plan.planner import plan_stage
-    from coda_lang.core.diagnostics import CodaError
-
     out = []
     for k, st in enumerate(block.ir.stages, 1):
         if not st.is_gemm or st.scaled:
@@ -121,21 +121,17 @@ def _reads(st: nodes.Stage) -> set[str]:
 
 
 def split_epilogues(block: Any, which: str | frozenset[str] = ALL) -> Any:
-    """`block` (an api.Block) with its `heavy` stages cut in two (module docstring): every one (`which`
-    ALL), or those whose GEMM reads an operand named in `which`; `block` itself where none is."""
-    from coda_lang.api import Block, load
-    from coda_lang.core.diagnostics import CodaError
-    from coda_lang.frontend.syntax.printer import print_block
-
+    """`block` (a checked block) with its `heavy` stages cut in two (module docstring): every one
+    (`which` ALL), or those whose GEMM reads an operand named in `which`; `block` itself where none
+    is."""
     cut = block
     stages = block.ir.stages
     chosen = [k for k in heavy(block) if which == ALL or _reads(stages[k - 1]) & set(which)]
     # (from the last, so that the stage numbers of the ones before stay as they are)
     for k in reversed(chosen):
-        ir = _cut(cut.ir, k)
         try:
-            new = load(print_block(ir))[block.name]
+            new = check_generated(_cut(cut.ir, k), "the cut backward")
         except CodaError:  # (a cut the checker refuses: the stage stays whole, as it ran before)
             continue
-        cut = Block(replace(new.ir, derived=block.ir.derived), new.plan)
+        cut = CheckedBlock(replace(new.ir, derived=block.ir.derived), new.plan)
     return cut
