@@ -10,6 +10,8 @@ PTX), runs `ptxas -v` on it and prints the registers and spill bytes:
 - at the stage's own program shape (rows x column units x warps);
 - where the stage writes K-major copies (fp8 backwards): at the copy-writing shape
   (`$CODA_KMAJOR_PROGRAM`, default 64x64x4), and at `--program`.
+Under `$CODA_SPLIT_EPILOGUES` the backward is cut as the runtime cuts it (its heavy epilogues as stages
+of their own, runtime/split_epilogue.py), and those stages are reported too.
 ptxas: `--ptxas`, else $CODA_PTXAS, else the one on PATH. A Triton newer than that ptxas emits a PTX
 version the ptxas refuses; the script then lowers the version line to the ptxas's own (the code
 uses nothing newer for sm_90a here; ptxas says so if it does). Numbers are those of this machine's
@@ -112,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     from triton.compiler import ASTSource
 
     import coda_lang
+    from coda_lang.backend_cute.runtime.split_epilogue import split_epilogues, split_selection
     from coda_lang.backend_triton.elementwise import ElementwiseStage
     from coda_lang.backend_triton.generate import TritonStage, kmajor_program
     from coda_lang.hf.family import FAMILIES
@@ -136,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.blocks.split(","):
         blk = prog[name]
         d = blk.derivation(block_wrt(blk), backward=options)
-        for which, b in (("forward", d.forward), ("backward", d.backward)):
+        cut = split_selection()  # ($CODA_SPLIT_EPILOGUES: the backward cut as the runtime cuts it)
+        backward = d.backward if cut is None else split_epilogues(d.backward, cut)
+        for which, b in (("forward", d.forward), ("backward", backward)):
             cb = b.cuda()
             stages = [s for s in b.ir.body if isinstance(s, Stage)]
             for k, s in enumerate(stages, 1):

@@ -29,7 +29,7 @@ from typing import Any
 from coda_lang.backend_cute.build.config import moves_f32_tile
 from coda_lang.backend_cute.plan.planner import plan_stage
 from coda_lang.core.diagnostics import CodaError
-from coda_lang.frontend.source import CheckedBlock, check_generated
+from coda_lang.frontend.source import check_generated
 from coda_lang.ir import nodes
 
 SPLIT_VAR = "CODA_SPLIT_EPILOGUES"
@@ -121,7 +121,8 @@ def _reads(st: nodes.Stage) -> set[str]:
 
 
 def split_epilogues(block: Any, which: str | frozenset[str] = ALL) -> Any:
-    """`block` (a checked block) with its `heavy` stages cut in two (module docstring): every one
+    """`block` (a checked block: a CheckedBlock, or a class of one made as one, `cls(ir, plan)`, such as
+    api.Block) with its `heavy` stages cut in two (module docstring): every one
     (`which` ALL), or those whose GEMM reads an operand named in `which`; `block` itself where none
     is."""
     cut = block
@@ -133,5 +134,6 @@ def split_epilogues(block: Any, which: str | frozenset[str] = ALL) -> Any:
             new = check_generated(_cut(cut.ir, k), "the cut backward")
         except CodaError:  # (a cut the checker refuses: the stage stays whole, as it ran before)
             continue
-        cut = CheckedBlock(replace(new.ir, derived=block.ir.derived), new.plan)
+        # (of `block`'s own class: an api.Block stays one, with its interpreter and backends)
+        cut = type(block)(replace(new.ir, derived=block.ir.derived), new.plan)
     return cut
