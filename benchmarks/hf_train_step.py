@@ -350,6 +350,7 @@ CODA_FP8 = {
     "coda-fp8-split": "delayed",
     "coda-fp8-splitall": "delayed",
     "coda-fp8-oproj-split": "delayed",
+    "coda-fp8-split8": "delayed",
     "coda-fp8-oproj": "delayed",
 }
 # the loss mode of a configuration (default "rows"): coda-vocab's lse-only head, and coda-fp8-head's fp8
@@ -405,6 +406,7 @@ CONFIG_ENV = {
     "coda-fp8-split": {"CODA_SPLIT_EPILOGUES": "w_13q"},
     "coda-fp8-splitall": {"CODA_SPLIT_EPILOGUES": "all"},
     "coda-fp8-oproj-split": {"CODA_FP8_OUT": "1", "CODA_SPLIT_EPILOGUES": "w_13q"},
+    "coda-fp8-split8": {"CODA_SPLIT_EPILOGUES": "w_13q", "CODA_COLUMN_REDUCTION_ROWS": "8"},
     "coda-fp8-narrow": {"CODA_FP8_PAIR_STORE": "0"},
     "coda-fp8-e16": {"CODA_FP8_E16": "1"},
     "coda-fp8-fast": {"CODA_FP8_FAST_ACCUM": "1"},
@@ -441,6 +443,7 @@ CONFIGS = (
     "coda-fp8-split",
     "coda-fp8-splitall",
     "coda-fp8-oproj-split",
+    "coda-fp8-split8",
     "coda-fp8-oproj",
     "coda-vruns",
     "torchao-tensorwise",

@@ -130,10 +130,22 @@ def test_the_interpreter_runs_the_cut_block_as_the_whole_one(block: str) -> None
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * scale, err_msg=name)
 
 
-def test_the_new_stages_kernel_computes_its_torch_function() -> None:
+@pytest.mark.parametrize("program_rows", [None, "8"])
+def test_the_new_stages_kernel_computes_its_torch_function(
+    program_rows: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The gate/up data gradient's new elementwise stage, as generate.py writes it, under Triton's CPU
-    interpreter: its stored tile and its column sum are what the stage's torch function gives."""
+    interpreter: its stored tile and its column sum are what the stage's torch function gives, at
+    its default program (32 rows) and at $CODA_COLUMN_REDUCTION_ROWS=8 (of 40 rows: a ragged last
+    program at 32, five whole ones at 8). A value of that variable that is no power of two up to 64 is a ValueError."""
     pytest.importorskip("triton")
+    from coda_lang.backend_triton.generate import column_reduction_rows
+
+    if program_rows is None:
+        monkeypatch.delenv("CODA_COLUMN_REDUCTION_ROWS", raising=False)
+    else:
+        monkeypatch.setenv("CODA_COLUMN_REDUCTION_ROWS", program_rows)
+    assert column_reduction_rows() == (32 if program_rows is None else int(program_rows))
     from test_kmajor_copies import _arguments
 
     from coda_lang.backend_triton.elementwise import ElementwiseStage
@@ -147,10 +159,16 @@ def test_the_new_stages_kernel_computes_its_torch_function() -> None:
     args = _arguments(cut, st, sizes, 3, "cpu")
     rows, cols = int(st.rows.evaluate(sizes)), int(st.cols.evaluate(sizes))
     want = st._body(rows, cols, dict(sizes), torch.device("cpu"), *args)
-    got = TritonStage(st, interpret=True)(rows, cols, dict(sizes), torch.device("cpu"), *args)
+    ts = TritonStage(st, interpret=True)
+    assert ts.bm == column_reduction_rows()
+    got = ts(rows, cols, dict(sizes), torch.device("cpu"), *args)
     assert len(got) == len(want) >= 2
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g.float(), w.float(), rtol=1e-5, atol=1e-5 * float(w.float().abs().max()))
+    for bad in ("3", "128", "0", "eight"):
+        monkeypatch.setenv("CODA_COLUMN_REDUCTION_ROWS", bad)
+        with pytest.raises(ValueError, match="CODA_COLUMN_REDUCTION_ROWS is"):
+            column_reduction_rows()
 
 
 def test_a_patched_model_trains_the_same_with_the_cut(monkeypatch: pytest.MonkeyPatch) -> None:

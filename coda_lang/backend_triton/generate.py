@@ -82,6 +82,22 @@ def kmajor_program() -> tuple[int, int, int]:
     return _program(os.environ.get("CODA_KMAJOR_PROGRAM", "64x64x4"))
 
 
+def column_reduction_rows() -> int:
+    """Rows per program of an unpaired stage with a reduction over the rows: $CODA_COLUMN_REDUCTION_ROWS,
+    default TritonStage.BM_COLUMN_REDUCTIONS (32, measured on the last layer's norm backward). At 32
+    rows such a stage of the fp8 layer (a norm backward cut off its GEMM: runtime/split_epilogue.py)
+    needs 248 registers a thread (ptxas, sm_90a); fewer rows need fewer, and leave more partials of
+    the column sums to fold. A power of two from 1 to 64; ValueError else (read when a stage's kernel
+    is made)."""
+    v = os.environ.get("CODA_COLUMN_REDUCTION_ROWS")
+    if v is None:
+        return TritonStage.BM_COLUMN_REDUCTIONS
+    r = int(v) if v.strip().isdigit() else 0
+    if not (1 <= r <= 64 and r & (r - 1) == 0):
+        raise ValueError(f"$CODA_COLUMN_REDUCTION_ROWS is {v!r}; it takes a power of two from 1 to 64")
+    return r
+
+
 @functools.lru_cache(maxsize=8)
 def _program(v: str) -> tuple[int, int, int]:
     """kmajor_program's parse of the variable's value (once per value: a stage's launch asks)."""
@@ -373,7 +389,7 @@ class TritonStage:
         if not self.col_reductions:
             self.bm = self.BM
         else:
-            self.bm = self.BM_PAIRED_COLUMN_REDUCTIONS if self.paired else self.BM_COLUMN_REDUCTIONS
+            self.bm = self.BM_PAIRED_COLUMN_REDUCTIONS if self.paired else column_reduction_rows()
         # a grouped reduction's groups lie whole in a chunk: chunks are a multiple of the (power of two)
         # column units of the largest group, and start at a multiple of it
         units = [
