@@ -30,7 +30,7 @@ hts = _load()
 
 def test_every_configuration_with_an_environment_is_a_coda_one() -> None:
     assert set(hts.CONFIG_ENV) <= set(hts.CONFIGS)
-    assert set(hts.CONFIG_ENV) <= {*hts.CODA_FP8, "coda-vruns"}
+    assert set(hts.CONFIG_ENV) <= {*hts.CODA_FP8, "coda-vruns", "coda-split"}
 
 
 @pytest.mark.parametrize(
