@@ -223,9 +223,11 @@ def test_every_family_trains_blockwise(family: str) -> None:
     assert sum(errs.values()) / len(errs) > 1e-2, errs  # (the blocks really quantized)
 
 
-def test_refusals() -> None:
+def test_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
     """A width that is not whole groups of 128 (ValueError naming it and what works instead), the fp8
-    loss head (delayed scales only), and the recipe's name in the fp8= error."""
+    loss head (delayed scales only), the recipe's name in the fp8= error, and $CODA_FP8_OUT=1 (the
+    delayed recipes' out-projection in e4m3), which this recipe would not honour: refused, not
+    ignored, before any block is made; the model untouched."""
     with pytest.raises(ValueError, match="intermediate_size is 200, not a multiple of 128.*fp8='delayed'"):
         apply_coda_to_llama(tiny(**{**WIDE, "intermediate_size": 200}), fp8="blockwise")
     with pytest.raises(ValueError, match="hidden_size is 192"):
@@ -239,6 +241,12 @@ def test_refusals() -> None:
         apply_coda(tiny(**WIDE), fp8="blockwise", loss_mode="fp8")
     with pytest.raises(ValueError, match="'blockwise'"):
         apply_coda(tiny(**WIDE), fp8="block-wise")
+    monkeypatch.setenv("CODA_FP8_OUT", "1")
+    model = tiny(**WIDE)
+    with pytest.raises(ValueError, match="CODA_FP8_OUT=1 runs the out-projection in e4m3 with fp8='delayed'"):
+        apply_coda(model, fp8="blockwise")
+    assert not hasattr(model, "_coda")
+    assert apply_coda(tiny(**WIDE), fp8="delayed")._coda.fp8_out
 
 
 @pytest.mark.parametrize(

@@ -68,11 +68,17 @@ def fp8_save(fp8: str | None) -> bool:
 def fp8_out(fp8: str | None) -> bool:
     """Whether a model patched now with fp8 recipe `fp8` runs its layers' out-projection in e4m3 too
     (blocks.model_source's `fp8_out`): with a delayed recipe where $CODA_FP8_OUT=1 (off by default until
-    its step is measured; any other value than 0 or 1 is a ValueError). Read when the model is patched."""
+    its convergence is measured; any other value than 0 or 1 is a ValueError, and so is 1 with another
+    fp8 recipe, which would not honour it). Read when the model is patched."""
     got = os.environ.get(FP8_OUT_VAR, "0")
     if got not in ("0", "1"):
         raise ValueError(
             f"${FP8_OUT_VAR} is {got!r}; it takes 0 (the default: the out-projection in the model's dtype) or 1"
+        )
+    if got == "1" and fp8 is not None and fp8 not in DELAYED:
+        raise ValueError(
+            f"${FP8_OUT_VAR}=1 runs the out-projection in e4m3 with fp8='delayed' or 'delayed-forward'; "
+            f"fp8={fp8!r} keeps it in the model's dtype: unset {FP8_OUT_VAR} to patch with {fp8!r}"
         )
     return got == "1" and fp8 in DELAYED
 
