@@ -46,7 +46,7 @@ storing the row-major tiles nothing reads beside their K-major copies ($CODA_KMA
 $CODA_KMAJOR_PROGRAM=64x16x16, `coda-fp8-kprog-all` with $CODA_KMAJOR_STAGES=all too; `coda-fp8-head`:
 coda-fp8 with `loss_mode="fp8"` (the LM head's GEMMs in fp8 too), `coda-fp8-head-fastfwd` that with
 $CODA_FP8_FAST_ACCUM=forward, `coda-fp8-head-e4m3` with its dlogits in e4m3 ($CODA_FP8_HEAD_GRADS=e4m3);
-`coda-fp8-vruns`: coda-fp8 with $CODA_VECTOR_RUNS=1; `coda-fp8-oproj`: coda-fp8 with the out-projection in e4m3 too ($CODA_FP8_OUT=1); `coda-fp8-blockwise`: `fp8="blockwise"` (DeepSeek-V3's 1x128 and 128x128 current scales); `coda-fp8-blockwise-kind`: it with the K-major copies written by torch.compile's stages ($CODA_KMAJOR_INDUCTOR=1); `coda-fp8-blockwise-kall`: and by the generated stages with reductions too ($CODA_KMAJOR_STAGES=all: no transposing pass left); `coda-fp8-split`: coda-fp8 with the gate/up data gradient's RMSNorm backward cut off into an elementwise stage ($CODA_SPLIT_EPILOGUES=w_13q; `coda-fp8-splitall`: both norm backwards, =all; `coda-fp8-oproj-split`: with the out-projection in e4m3 too; `coda-fp8-split8`: the cut stage at 8-row programs, $CODA_COLUMN_REDUCTION_ROWS=8; `coda-split`: coda's bf16 step with its gate/up data gradient cut the same way, =w_13); `coda-fp8-fscales`: with $CODA_FUSED_SCALES=1 (none of
+`coda-fp8-vruns`: coda-fp8 with $CODA_VECTOR_RUNS=1; `coda-fp8-oproj`: coda-fp8 with the out-projection in e4m3 too ($CODA_FP8_OUT=1); `coda-fp8-blockwise`: `fp8="blockwise"` (DeepSeek-V3's 1x128 and 128x128 current scales); `coda-fp8-blockwise-kind`: it with the K-major copies written by torch.compile's stages ($CODA_KMAJOR_INDUCTOR=1); `coda-fp8-blockwise-kall`: and by the generated stages with reductions too ($CODA_KMAJOR_STAGES=all: no transposing pass left); `coda-fp8-split`: coda-fp8 with the gate/up data gradient's RMSNorm backward cut off into an elementwise stage ($CODA_SPLIT_EPILOGUES=w_13q; `coda-fp8-splitall`: both norm backwards, =all; `coda-fp8-oproj-split`: with the out-projection in e4m3 too; `coda-fp8-split8`: the cut stage at 8-row programs, $CODA_COLUMN_REDUCTION_ROWS=8; `coda-split`: coda's bf16 step with its gate/up data gradient cut the same way, =w_13); `coda-fp8-coop128`: coda-fp8 with its RMSNorm backwards' stages let into 128-row cooperative tiles ($CODA_F32_TILE_RULE=rows128); `coda-fp8-fscales`: with $CODA_FUSED_SCALES=1 (none of
 them with --lora); `coda-vruns`: coda with $CODA_VECTOR_RUNS=1. `torchao-tensorwise` / `torchao-rowwise`: torchao's float8 training of that recipe
 (`convert_to_float8_training` on every nn.Linear but the LM head), then torch.compile of the model, as
 torchao's own benchmarks run it (its wheel: `pip install torchao`; not with --lora). A configuration
@@ -351,6 +351,7 @@ CODA_FP8 = {
     "coda-fp8-splitall": "delayed",
     "coda-fp8-oproj-split": "delayed",
     "coda-fp8-split8": "delayed",
+    "coda-fp8-coop128": "delayed",
     "coda-fp8-oproj": "delayed",
 }
 # the loss mode of a configuration (default "rows"): coda-vocab's lse-only head, and coda-fp8-head's fp8
@@ -408,6 +409,7 @@ CONFIG_ENV = {
     "coda-fp8-splitall": {"CODA_SPLIT_EPILOGUES": "all"},
     "coda-fp8-oproj-split": {"CODA_FP8_OUT": "1", "CODA_SPLIT_EPILOGUES": "w_13q"},
     "coda-fp8-split8": {"CODA_SPLIT_EPILOGUES": "w_13q", "CODA_COLUMN_REDUCTION_ROWS": "8"},
+    "coda-fp8-coop128": {"CODA_F32_TILE_RULE": "rows128"},
     "coda-fp8-narrow": {"CODA_FP8_PAIR_STORE": "0"},
     "coda-fp8-e16": {"CODA_FP8_E16": "1"},
     "coda-fp8-fast": {"CODA_FP8_FAST_ACCUM": "1"},
@@ -445,6 +447,7 @@ CONFIGS = (
     "coda-fp8-splitall",
     "coda-fp8-oproj-split",
     "coda-fp8-split8",
+    "coda-fp8-coop128",
     "coda-fp8-oproj",
     "coda-vruns",
     "coda-split",

@@ -273,6 +273,40 @@ def test_a_stage_that_hung_at_a_cooperative_tile_is_given_pingpong_tiles_only() 
     assert "pingpong" in str(WIDE_F32_TILE)
 
 
+def test_the_f32_tile_rule_can_let_in_128_row_cooperative_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$CODA_F32_TILE_RULE=rows128: an RMSNorm backward of the kind (the fp8 layer's gate/up data
+    gradient, whose fp8 candidates include 128-row cooperative tiles) takes cooperative tiles of 128
+    rows (as a block-scaled stage does: COOPERATIVE_F32_TILE), never the 256-row tile that hung;
+    unset, pingpong only; another value is a ValueError naming the variable."""
+    import coda_lang.hf.blocks as hb
+    from coda_lang import BackwardOptions
+    from coda_lang.api import load
+    from coda_lang.backend_cute.build.config import TileConfig, candidates_for, fits
+    from coda_lang.backend_cute.plan.planner import plan_stage
+
+    layer = load(hb.model_source("bfloat16", 1e-5, 64, None, fp8="delayed"))["layer"]
+    wrt = [p.var.name for p in layer.ir.params if p.var.name not in ("pos", "freq", "eps")]
+    bwd = layer.derivation(
+        [n for n in wrt if not n.startswith("s_")], backward=BackwardOptions(fp8_grads="e5m2")
+    ).backward
+    k = next(
+        i for i, st in enumerate(bwd.ir.stages, 1)
+        if st.is_gemm and getattr(st.b, "name", "") == "w_13q" and not st.ta
+    )  # fmt: skip
+    spec = plan_stage(bwd, k)
+    assert any(s.layout == "column partials" for s in spec.sinks)
+    coop128 = [c for c in candidates_for(spec) if not c.pingpong and c.tile_m == 128]
+    assert coop128
+    monkeypatch.setenv("CODA_F32_TILE_RULE", "rows128")
+    assert all(fits(spec, c) for c in coop128)
+    assert not fits(spec, TileConfig(256, 128, 2, 1, False))
+    monkeypatch.delenv("CODA_F32_TILE_RULE")
+    assert not any(fits(spec, c) for c in coop128)
+    monkeypatch.setenv("CODA_F32_TILE_RULE", "all")
+    with pytest.raises(ValueError, match="CODA_F32_TILE_RULE is 'all'"):
+        fits(spec, coop128[0])
+
+
 def test_a_first_launch_that_does_not_finish_is_reported_as_a_hang(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

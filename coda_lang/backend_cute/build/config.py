@@ -323,6 +323,19 @@ def moves_f32_tile(spec: StageSpec) -> bool:
     )
 
 
+def f32_tile_rows128() -> bool:
+    """Whether a stage that moves an f32 tile beside column partials may take cooperative tiles of 128
+    rows too (COOPERATIVE_F32_TILE, as a block-scaled one does), not pingpong ones alone
+    (WIDE_F32_TILE): $CODA_F32_TILE_RULE=rows128 (experimental: the tuner then times 128 x 128 and
+    128 x 192 cooperative for the RMSNorm backwards; the hang was seen at 256 rows, and 128-row
+    cooperative tiles of such stages ran on an H200, 2026-11-29). Unset or "pingpong": the default;
+    another value is a ValueError naming the variable."""
+    got = os.environ.get("CODA_F32_TILE_RULE", "pingpong")
+    if got not in ("pingpong", "rows128"):
+        raise ValueError(f"$CODA_F32_TILE_RULE is {got!r}; it takes pingpong (the default) or rows128")
+    return got == "rows128"
+
+
 def rules(spec: StageSpec, emulated: bool = False) -> list[TileConstraint]:
     """Every rule a config of this stage must satisfy: the stage's own (`spec.tiling`, which the
     emitted source prints: the groups within the epilogue subtile among them) and the backend's that
@@ -332,7 +345,7 @@ def rules(spec: StageSpec, emulated: bool = False) -> list[TileConstraint]:
         *spec.tiling,
         *([PAIRED_SUBTILE] if spec.paired else []),
         *(
-            [COOPERATIVE_F32_TILE if spec.gemm.scaled else WIDE_F32_TILE]
+            [COOPERATIVE_F32_TILE if spec.gemm.scaled or f32_tile_rows128() else WIDE_F32_TILE]
             if moves_f32_tile(spec) and any(s.layout == "column partials" for s in spec.sinks)
             else []
         ),
