@@ -461,3 +461,30 @@ def test_torch_compiled_stages_write_the_copies_compiled(monkeypatch: pytest.Mon
         )
         for a, b in zip(again, plain, strict=True)
     )
+
+
+@pytest.mark.gpu
+def test_gpu_torch_compiled_stages_write_the_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU, through torch.compile's CUDA kernels: each stage of blockwise fp8's layer backward that
+    Inductor runs writes its K-major copies ($CODA_KMAJOR_INDUCTOR=1), each its tile transposed bit for
+    bit, the tiles and reductions those it writes without copies, at widths of whole groups of 128 and
+    1152 tokens (not a multiple of the copies' 16-row padding's larger tiles)."""
+    from coda_lang.backend_triton.elementwise import InductorStage
+
+    bwd, cb, stages = _blockwise_inductor_stages()
+    monkeypatch.setenv("CODA_KMAJOR_INDUCTOR", "1")
+    sizes = {"M": 1152, "D": 1024, "F": 2048, "K": 1024, "P": 768}
+    dev = torch.device("cuda")
+    made: set[str] = set()
+    for st in stages:
+        fn = InductorStage(st)
+        marks = fn.kmajor_stores(cb._kmajor, cb._alone)
+        if not any(marks):
+            continue
+        made |= {n for (n, *_), on in zip(st.store_meta, marks, strict=True) if on}
+        args = _arguments(bwd, st, sizes, st.index, "cuda")
+        rows, cols = int(st.rows.evaluate(sizes)), int(st.cols.evaluate(sizes))
+        plain = fn(rows, cols, dict(sizes), dev, *args)
+        got = fn(rows, cols, dict(sizes), dev, *args, kmajor=marks)
+        _same_with_copies(st, marks, [t.cpu() for t in plain], [t.cpu() for t in got], rows, cols)
+    assert made == INDUCTOR_MADE, made

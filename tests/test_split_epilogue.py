@@ -264,3 +264,37 @@ def test_a_generated_block_that_reads_an_undefined_value_does_not_check() -> Non
     with pytest.raises(CodaError, match="E0601") as got:
         check_generated(replace(ir, body=(*ir.body[:i], bad, *ir.body[i + 1 :])), "a pass's block")
     assert "`ghost` is read before anything defines it" in got.value.render()
+
+
+def _on_the_kernels(device: str, sizes: dict[str, int]) -> None:
+    """The fp8 Llama layer's backward, cut (`all`) and whole, as CUDA blocks (emulated on the CPU), the
+    same inputs: every output the same within the f32 rounding of the column sums and the rounding of
+    the stored bf16 and fp8 tiles."""
+    from runtime_check import example_inputs
+
+    whole = _backward("layer")
+    cut = split_epilogues(whole)
+    assert len(cut.ir.stages) == len(whole.ir.stages) + 2
+    emulate = device == "cpu"
+    inputs = example_inputs(whole, sizes, seed=7, device=device)
+    want = whole.cuda(emulate=emulate)(inputs, dims=sizes)
+    got = cut.cuda(emulate=emulate)(inputs, dims=sizes)
+    assert set(got) == set(want)
+    for name, w in want.items():
+        g, w = got[name].float().cpu(), w.float().cpu()
+        scale = float(w.abs().max()) or 1.0
+        # (the stand-ins round alike: f32 rounding of the column sums at most; the GPU's kernels round
+        # each stored tile where they compute it, in another order)
+        rtol, atol = (1e-5, 1e-6) if emulate else (2e-2, 2e-3)
+        torch.testing.assert_close(g, w, rtol=rtol, atol=atol * scale, msg=name)
+
+
+def test_the_cut_backward_on_the_emulated_kernels() -> None:
+    """The cut and the whole backward as CUDA blocks on the kernels' torch stand-ins, at ragged sizes."""
+    _on_the_kernels("cpu", {"M": 40, "D": 48, "F": 80, "K": 128, "P": 64})
+
+
+@pytest.mark.gpu
+def test_gpu_the_cut_backward_on_the_kernels() -> None:
+    """The same on a GPU (CuTeDSL kernels, generated stages), at Llama-3.2-1B's widths and 1000 tokens."""
+    _on_the_kernels("cuda", {"M": 1000, "D": 2048, "F": 8192, "K": 2048, "P": 1536})
