@@ -926,21 +926,20 @@ def test_reduced_amaxes_on_one_rank_change_nothing(recipe: str) -> None:
         assert len(b0.grads) == sites and len(calls) >= forward + 3 * sites, calls
 
 
-@pytest.mark.parametrize("recipe", ["delayed", pytest.param("delayed-forward", marks=pytest.mark.slow)])
-def test_a_saved_fp8_state_resumes_training_where_it_stopped(recipe: str, tmp_path) -> None:
-    """Four AdamW steps, then the model's state_dict, the optimizer's and `fp8_state_dict` saved (and
-    read back with `weights_only=True`); a fresh patched model and optimizer load them and train four
-    steps more: their losses are those of the run that never stopped, bit for bit. Without the fp8
-    state, the resumed model calibrates again and they are not."""
+def resume_runs(
+    fresh: Any, tmp_path: Any, steps: int, tokens: int
+) -> tuple[list[float], dict[str, Any], list[float], list[float]]:
+    """The save-and-resume harness: `steps` AdamW steps of `fresh()`'s (patched model, optimizer) on
+    seeded batches of 2 x `tokens`, then the model's state_dict, the optimizer's and `fp8_state_dict`
+    saved to `tmp_path` (read back with `weights_only=True`), then `steps` more. Returns the losses of
+    those later steps, the checkpoint read back, and the losses of the same steps of a fresh model and
+    optimizer that load the checkpoint with its fp8 state and without it."""
     from coda_lang.hf import fp8_state_dict, load_fp8_state_dict
 
-    def batch_of(step: int):
-        return torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(100 + step))
-
-    def run(model, opt, steps):
+    def run(model: Any, opt: Any, span: range) -> list[float]:
         out = []
-        for step in steps:
-            ids = batch_of(step)
+        for step in span:
+            ids = torch.randint(0, 64, (2, tokens), generator=torch.Generator().manual_seed(100 + step))
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             opt.step()
@@ -948,15 +947,11 @@ def test_a_saved_fp8_state_resumes_training_where_it_stopped(recipe: str, tmp_pa
             out.append(float(loss))
         return out
 
-    def fresh():
-        model = apply_coda_to_llama(tiny(), fp8=recipe)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
-
     model, opt = fresh()
-    run(model, opt, range(4))
+    run(model, opt, range(steps))
     path = tmp_path / "ckpt.pt"
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "fp8": fp8_state_dict(model)}, path)
-    whole = run(model, opt, range(4, 8))
+    whole = run(model, opt, range(steps, 2 * steps))
     saved = torch.load(path, weights_only=True)
     resumed = []
     for with_fp8 in (True, False):
@@ -965,9 +960,24 @@ def test_a_saved_fp8_state_resumes_training_where_it_stopped(recipe: str, tmp_pa
         o.load_state_dict(saved["opt"])
         if with_fp8:
             load_fp8_state_dict(m, saved["fp8"])
-        resumed.append(run(m, o, range(4, 8)))
-    assert resumed[0] == whole
-    assert resumed[1] != whole
+        resumed.append(run(m, o, range(steps, 2 * steps)))
+    return whole, saved, resumed[0], resumed[1]
+
+
+@pytest.mark.parametrize("recipe", ["delayed", pytest.param("delayed-forward", marks=pytest.mark.slow)])
+def test_a_saved_fp8_state_resumes_training_where_it_stopped(recipe: str, tmp_path) -> None:
+    """Four AdamW steps, then the model's state_dict, the optimizer's and `fp8_state_dict` saved (and
+    read back with `weights_only=True`); a fresh patched model and optimizer load them and train four
+    steps more: their losses are those of the run that never stopped, bit for bit. Without the fp8
+    state, the resumed model calibrates again and they are not."""
+
+    def fresh():
+        model = apply_coda_to_llama(tiny(), fp8=recipe)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    whole, saved, resumed, without = resume_runs(fresh, tmp_path, 4, 16)
+    assert resumed == whole
+    assert without != whole
     assert len(saved["fp8"]["sites"]) == SHAPES["num_hidden_layers"] + 1
     assert (len(saved["fp8"]["grads"]) > 0) == (recipe == "delayed")
 

@@ -26,7 +26,17 @@ transformers = pytest.importorskip("transformers")
 from test_hf import FAMILIES as HF  # noqa: E402
 from test_hf import batch as hf_batch  # noqa: E402
 from test_hf import make  # noqa: E402
-from test_hf_fp8 import E4M3_MAX, E5M2_MAX, _rel, bank, gemm_stages, grads_ran_at, reduced_and_not, tiny  # noqa: E402
+from test_hf_fp8 import (  # noqa: E402
+    E4M3_MAX,
+    E5M2_MAX,
+    _rel,
+    bank,
+    gemm_stages,
+    grads_ran_at,
+    reduced_and_not,
+    resume_runs,
+    tiny,
+)
 
 from coda_lang.hf import apply_coda, apply_coda_to_llama, unfused_grads  # noqa: E402
 
@@ -367,41 +377,19 @@ def test_a_saved_blockwise_state_resumes_training_where_it_stopped(tmp_path: Any
     loads them and trains three more steps with the losses of the run that never stopped, bit for bit.
     Without it the losses differ. The state holds a grad state per call site and no forward scale; a
     model of another recipe refuses it."""
-    from coda_lang.hf import fp8_state_dict, load_fp8_state_dict
-
-    def run(model: Any, opt: Any, steps: range) -> list[float]:
-        out = []
-        for step in steps:
-            ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(100 + step))
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            out.append(float(loss))
-        return out
+    from coda_lang.hf import load_fp8_state_dict
 
     def fresh(recipe: str = "blockwise") -> tuple[Any, Any]:
         model = apply_coda_to_llama(tiny(**{**WIDE, "num_hidden_layers": 2}), fp8=recipe)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    model, opt = fresh()
-    run(model, opt, range(3))
-    path = tmp_path / "ckpt.pt"
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "fp8": fp8_state_dict(model)}, path)
-    whole = run(model, opt, range(3, 6))
-    saved = torch.load(path, weights_only=True)
+    whole, saved, resumed, without = resume_runs(fresh, tmp_path, 3, 40)
     state = saved["fp8"]
     assert [names for _, names in state["sites"]] == [[]] * 3 and state["scales"].numel() == 0
     assert len(state["grads"]) == 3
-    m, o = fresh()
-    m.load_state_dict(saved["model"])
-    o.load_state_dict(saved["opt"])
-    load_fp8_state_dict(m, state)
-    assert run(m, o, range(3, 6)) == whole
-    m, o = fresh()  # (without it, the cotangents' scales calibrate again: other updates, other losses)
-    m.load_state_dict(saved["model"])
-    o.load_state_dict(saved["opt"])
-    assert run(m, o, range(3, 6)) != whole
+    assert resumed == whole
+    # (without it, the cotangents' scales calibrate again: other updates, other losses)
+    assert without != whole
     other, _ = fresh("delayed-forward")
     with pytest.raises(ValueError, match="cotangents are e5m2.*same fp8 recipe"):
         load_fp8_state_dict(other, state)
