@@ -322,23 +322,28 @@ def _on_tokens(t: Any) -> bool:
     )
 
 
+# the scales a layer's call site has under one setting of a variable only: (those scales, the variable,
+# its default setting, what the setting changes, the section of docs/models.md that says so)
+_SETTINGS = (
+    (frozenset({FP8_SAVE_SCALE}), FP8_SAVE_VAR, True, "saved its gate/up accumulators", "fp8 memory"),
+    (FP8_OUT_SCALES, FP8_OUT_VAR, False, "ran its out-projection", "fp8 training"),
+)
+
+
 def _why_other(had: set[str], want: set[str]) -> str:
-    """Why a loaded state's scales are not a block's: where they differ only by the gate/up copy's
-    scale (blocks.FP8_SAVE_SCALE) and the out-projection's (blocks.FP8_OUT_SCALES), the state was saved
-    by a model patched with the other setting of $CODA_FP8_SAVE_ACC or $CODA_FP8_OUT (each named, with
-    the setting that resumes from it)."""
+    """Why a loaded state's scales are not a block's: where they differ only by the scales of settings
+    (`_SETTINGS`: the gate/up copy's, $CODA_FP8_SAVE_ACC; the out-projection's, $CODA_FP8_OUT), the
+    state was saved by a model patched with the other setting of each: named, with what sets the saved
+    model's setting again (unset where it is the default)."""
     diff = had ^ want
     parts = []
-    if FP8_SAVE_SCALE in diff:
-        how = "in e4m3" if FP8_SAVE_SCALE in had else "in the model's dtype"
-        fix = f"unset {FP8_SAVE_VAR}" if FP8_SAVE_SCALE in had else f"set {FP8_SAVE_VAR}=0"
-        parts.append((f"saved its gate/up accumulators {how} (docs/models.md, fp8 memory)", fix))
-        diff = diff - {FP8_SAVE_SCALE}
-    if diff == FP8_OUT_SCALES and (diff <= had or diff <= want):
-        how = "in e4m3" if diff <= had else "in the model's dtype"
-        fix = f"unset {FP8_OUT_VAR}" if diff <= had else f"set {FP8_OUT_VAR}=0"
-        parts.append((f"ran its out-projection {how} (docs/models.md, fp8 training)", fix))
-        diff = set()
+    for scales, var, default, did, doc in _SETTINGS:
+        if scales <= diff and (scales <= had or scales <= want):
+            on = scales <= had  # (the saved model's setting)
+            how = "in e4m3" if on else "in the model's dtype"
+            fix = f"unset {var}" if on == default else f"set {var}={int(on)}"
+            parts.append((f"{did} {how} (docs/models.md, {doc})", fix))
+            diff = diff - scales
     if diff or not parts:
         return "the state is another model's"
     return (
