@@ -47,6 +47,16 @@ def tiny(dtype: torch.dtype = torch.float32, seed: int = 0, **extra) -> transfor
     return model
 
 
+def two_steps(model: Any, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Two forward and backward passes of `model` on one batch, its gradients zeroed before each (the
+    second runs at delayed scales, not at the first step's calibrated ones): the second's loss."""
+    for _ in range(2):
+        model.zero_grad()
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+    return loss
+
+
 class GradQuant(torch.autograd.Function):
     """The straight-through quantizer of a cotangent ("delayed"'s e5m2 cotangents): the identity
     forward, and a backward that returns q(g * s) / s, q saturating to +-57344 and rounding to
@@ -263,10 +273,7 @@ def test_fp8_model_against_a_fake_quant_reference(out: str, monkeypatch: pytest.
     ref = copy.deepcopy(base).double()
     plain = copy.deepcopy(base).double()
     model = apply_coda_to_llama(copy.deepcopy(base), fp8="delayed-forward")
-    for _ in range(2):  # (the second step runs at delayed scales, not the first step's calibrated ones)
-        model.zero_grad()
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
+    loss = two_steps(model, ids, labels)
     assert bank(model).grads == {}  # (no fp8 cotangents: no grad states)
     first, layers = ran_at(model)
     assert set(first) == {"h", "w_qkv"}
@@ -312,10 +319,7 @@ def test_fp8_grads_against_a_fake_quant_reference(out: str, monkeypatch: pytest.
     models, losses = {}, {}
     for recipe in RECIPES:
         m = models[recipe] = apply_coda_to_llama(copy.deepcopy(base), fp8=recipe)
-        for _ in range(2):
-            m.zero_grad()
-            loss = m(input_ids=ids, labels=labels).loss
-            loss.backward()
+        loss = two_steps(m, ids, labels)
         losses[recipe] = loss
     model = models["delayed"]
     first, layers = ran_at(model)
@@ -589,10 +593,7 @@ def _bf16_against_reference(device: str) -> tuple[float, float, dict[str, tuple[
     ref = copy.deepcopy(base).double().to(device)
     plain = copy.deepcopy(base).double().to(device)
     model = apply_coda_to_llama(copy.deepcopy(base).to(device), fp8="delayed-forward")
-    for _ in range(2):
-        model.zero_grad()
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
+    loss = two_steps(model, ids, labels)
     first, layers = ran_at(model)
     want = reference_loss(ref, ids, labels, first, layers)
     want.backward()
@@ -667,10 +668,7 @@ def test_every_family_trains_in_fp8(family: str, recipe: str) -> None:
     out = {}
     for fp8 in (None, recipe):
         m = HF[family][2](copy.deepcopy(base), fp8=fp8)
-        for _ in range(2):
-            m.zero_grad()
-            loss = m(input_ids=ids, labels=labels).loss
-            loss.backward()
+        loss = two_steps(m, ids, labels)
         out[fp8] = (loss.detach(), unfused_grads(m))
     (l0, g0), (l8, g8) = out[None], out[recipe]
     assert abs(l8.item() - l0.item()) < 2e-3 * abs(l0.item()), (l8.item(), l0.item())
@@ -738,10 +736,7 @@ def test_olmo2_fp8_against_a_fake_quant_reference(out: str, monkeypatch: pytest.
     base = make("olmo2")
     ids, labels = hf_batch()
     model = HF["olmo2"][2](copy.deepcopy(base), fp8="delayed-forward")
-    for _ in range(2):
-        model.zero_grad()
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
+    loss = two_steps(model, ids, labels)
     ref = copy.deepcopy(base).double()
     plain = copy.deepcopy(base).double()
     want = _olmo2_reference(ref, ids, labels, bank(model))

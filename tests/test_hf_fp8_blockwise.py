@@ -36,6 +36,7 @@ from test_hf_fp8 import (  # noqa: E402
     reduced_and_not,
     resume_runs,
     tiny,
+    two_steps,
 )
 
 from coda_lang.hf import apply_coda, apply_coda_to_llama, unfused_grads  # noqa: E402
@@ -174,10 +175,7 @@ def test_blockwise_model_against_its_reference(seq: int) -> None:
     models, losses = {}, {}
     for recipe in ("blockwise", "delayed"):
         mdl = models[recipe] = apply_coda_to_llama(copy.deepcopy(base), fp8=recipe)
-        for _ in range(2):
-            mdl.zero_grad()
-            loss = mdl(input_ids=ids, labels=labels).loss
-            loss.backward()
+        loss = two_steps(mdl, ids, labels)
         losses[recipe] = loss
     model = models["blockwise"]
     assert set(bank(model).sites) == {-1, 0, 1} and bank(model).scales.numel() == 0  # (no delayed scale)
@@ -219,10 +217,7 @@ def test_every_family_trains_blockwise(family: str) -> None:
     out = {}
     for fp8 in (None, "blockwise"):
         m = HF[family][2](copy.deepcopy(base), fp8=fp8)
-        for _ in range(2):
-            m.zero_grad()
-            loss = m(input_ids=ids, labels=labels).loss
-            loss.backward()
+        loss = two_steps(m, ids, labels)
         out[fp8] = (loss.detach(), unfused_grads(m))
     (l0, g0), (l8, g8) = out[None], out["blockwise"]
     assert abs(l8.item() - l0.item()) < 2e-3 * abs(l0.item()), (l8.item(), l0.item())
@@ -296,10 +291,7 @@ def _bf16_run(recipe: str, device: str) -> tuple[Any, dict[str, torch.Tensor], A
     base = tiny(torch.bfloat16, **{**WIDE, "num_hidden_layers": 2})
     ids, labels = (t.to(device) for t in hf_batch(s=100))
     model = apply_coda_to_llama(base.to(device), fp8=recipe)
-    for _ in range(2):
-        model.zero_grad()
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
+    loss = two_steps(model, ids, labels)
     return loss.detach(), {k: v.float().cpu() for k, v in unfused_grads(model).items()}, model
 
 

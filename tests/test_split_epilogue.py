@@ -176,7 +176,7 @@ def test_a_patched_model_trains_the_same_with_the_cut(monkeypatch: pytest.Monkey
     $CODA_SPLIT_EPILOGUES=all and =w_13q against unset: its backward blocks have the cut stages, and the
     losses and every gradient are the same within f32 rounding of the norm weights' column sums."""
     from test_hf import batch as hf_batch
-    from test_hf_fp8 import HF, make, unfused_grads
+    from test_hf_fp8 import HF, make, two_steps, unfused_grads
 
     base = make("llama", torch.bfloat16)
     ids, labels = hf_batch()
@@ -184,10 +184,7 @@ def test_a_patched_model_trains_the_same_with_the_cut(monkeypatch: pytest.Monkey
     for value, extra in (("0", 0), (ALL, 2), ("w_13q", 1)):
         monkeypatch.setenv("CODA_SPLIT_EPILOGUES", value)
         m = HF["llama"][2](copy.deepcopy(base), fp8="delayed")
-        for _ in range(2):
-            m.zero_grad()
-            loss = m(input_ids=ids, labels=labels).loss
-            loss.backward()
+        loss = two_steps(m, ids, labels)
         bwd = m._coda.blocks(torch.bfloat16).layer._made(True).backward
         runs[value] = (bwd, loss.item(), unfused_grads(m))
         assert len(bwd.ir.stages) == len(runs["0"][0].ir.stages) + extra, value
