@@ -48,7 +48,8 @@ dropout). The configurations (`CONFIGS`: eager, compile, liger, coda, coda-fp8 (
 coda-fp8-fwd (bf16 cotangents) and coda-fp8-save16 (coda-fp8 saving its gate/up accumulators in bf16,
 not e4m3: $CODA_FP8_SAVE_ACC=0 while it is patched) and coda-fp8-head (coda-fp8 with its LM head's GEMMs in fp8
 too, loss_mode="fp8"; coda-fp8-head-e4m3 its dlogits in e4m3) and coda-fp8-oproj (coda-fp8 with its layers'
-out-projection in e4m3 too: $CODA_FP8_OUT=1 while it is patched) and coda-fp8-blockwise (fp8="blockwise":
+out-projection in e4m3, the default since 2026-11-29: $CODA_FP8_OUT=1 while it is patched) and
+coda-fp8-bf16out (with it in the model's dtype, as before: $CODA_FP8_OUT=0) and coda-fp8-blockwise (fp8="blockwise":
 widths of whole 128s, as 150m has) as hf_train_step.py makes them; torchao-tensorwise and torchao-rowwise:
 torchao's float8 training of that recipe on every nn.Linear but the LM head, then torch.compile) run one after
 another in one process, transformers' Llama module restored between them (Liger patches it); what one
@@ -321,6 +322,7 @@ CONFIGS: dict[str, Config] = {
     "coda-fp8-head-e4m3": Config(patched_under_env("coda-fp8-head-e4m3")),
     "coda-fp8-blockwise": Config(functools.partial(hf_train_step.prepare, name="coda-fp8-blockwise")),
     "coda-fp8-oproj": Config(patched_under_env("coda-fp8-oproj")),
+    "coda-fp8-bf16out": Config(patched_under_env("coda-fp8-bf16out")),
     "torchao-tensorwise": Config(
         functools.partial(hf_train_step.prepare, name="torchao-tensorwise"),
         packages=(("torchao", "torchao"),),

@@ -46,7 +46,7 @@ storing the row-major tiles nothing reads beside their K-major copies ($CODA_KMA
 $CODA_KMAJOR_PROGRAM=64x16x16, `coda-fp8-kprog-all` with $CODA_KMAJOR_STAGES=all too; `coda-fp8-head`:
 coda-fp8 with `loss_mode="fp8"` (the LM head's GEMMs in fp8 too), `coda-fp8-head-fastfwd` that with
 $CODA_FP8_FAST_ACCUM=forward, `coda-fp8-head-e4m3` with its dlogits in e4m3 ($CODA_FP8_HEAD_GRADS=e4m3);
-`coda-fp8-vruns`: coda-fp8 with $CODA_VECTOR_RUNS=1; `coda-fp8-oproj`: coda-fp8 with the out-projection in e4m3 too ($CODA_FP8_OUT=1); `coda-fp8-blockwise`: `fp8="blockwise"` (DeepSeek-V3's 1x128 and 128x128 current scales); `coda-fp8-blockwise-kind`: it with the K-major copies written by torch.compile's stages ($CODA_KMAJOR_INDUCTOR=1); `coda-fp8-blockwise-kall`: and by the generated stages with reductions too ($CODA_KMAJOR_STAGES=all: no transposing pass left); `coda-fp8-split`: coda-fp8 with the gate/up data gradient's RMSNorm backward cut off into an elementwise stage ($CODA_SPLIT_EPILOGUES=w_13q; `coda-fp8-splitall`: both norm backwards, =all; `coda-fp8-oproj-split`: with the out-projection in e4m3 too; `coda-fp8-split8`: the cut stage at 8-row programs, $CODA_COLUMN_REDUCTION_ROWS=8; `coda-split`: coda's bf16 step with its gate/up data gradient cut the same way, =w_13); `coda-fp8-coop128`: coda-fp8 with its RMSNorm backwards' stages let into 128-row cooperative tiles ($CODA_F32_TILE_RULE=rows128); `coda-fp8-fscales`: with $CODA_FUSED_SCALES=1 (none of
+`coda-fp8-vruns`: coda-fp8 with $CODA_VECTOR_RUNS=1; `coda-fp8-oproj`: coda-fp8 with the out-projection in e4m3 ($CODA_FP8_OUT=1, the default since 2026-11-29); `coda-fp8-bf16out`: with it in bf16 ($CODA_FP8_OUT=0); `coda-fp8-nosplit`: with no epilogue cut off its GEMM ($CODA_SPLIT_EPILOGUES=0; the default, auto, cuts the gate/up data gradient's); `coda-fp8-s36`: both, the fp8 step before they became the defaults; `coda-fp8-blockwise`: `fp8="blockwise"` (DeepSeek-V3's 1x128 and 128x128 current scales); `coda-fp8-blockwise-kind`: it with the K-major copies written by torch.compile's stages ($CODA_KMAJOR_INDUCTOR=1); `coda-fp8-blockwise-kall`: and by the generated stages with reductions too ($CODA_KMAJOR_STAGES=all: no transposing pass left); `coda-fp8-split`: coda-fp8 with the gate/up data gradient's RMSNorm backward cut off into an elementwise stage ($CODA_SPLIT_EPILOGUES=w_13q; `coda-fp8-splitall`: both norm backwards, =all; `coda-fp8-oproj-split`: with the out-projection in e4m3 too; `coda-fp8-split8`: the cut stage at 8-row programs, $CODA_COLUMN_REDUCTION_ROWS=8; `coda-split`: coda's bf16 step with its gate/up data gradient cut the same way, =w_13); `coda-fp8-coop128`: coda-fp8 with its RMSNorm backwards' stages let into 128-row cooperative tiles ($CODA_F32_TILE_RULE=rows128); `coda-fp8-fscales`: with $CODA_FUSED_SCALES=1 (none of
 them with --lora); `coda-vruns`: coda with $CODA_VECTOR_RUNS=1. `torchao-tensorwise` / `torchao-rowwise`: torchao's float8 training of that recipe
 (`convert_to_float8_training` on every nn.Linear but the LM head), then torch.compile of the model, as
 torchao's own benchmarks run it (its wheel: `pip install torchao`; not with --lora). A configuration
@@ -353,6 +353,9 @@ CODA_FP8 = {
     "coda-fp8-split8": "delayed",
     "coda-fp8-coop128": "delayed",
     "coda-fp8-oproj": "delayed",
+    "coda-fp8-bf16out": "delayed",
+    "coda-fp8-nosplit": "delayed",
+    "coda-fp8-s36": "delayed",
 }
 # the loss mode of a configuration (default "rows"): coda-vocab's lse-only head, and coda-fp8-head's fp8
 # head (loss_mode="fp8": the LM head's GEMMs in e4m3 / e5m2 too, run whole)
@@ -403,6 +406,9 @@ CONFIG_ENV = {
     "coda-fp8-transpose": {"CODA_KMAJOR_STORE": "0"},
     "coda-fp8-save16": {"CODA_FP8_SAVE_ACC": "0"},
     "coda-fp8-oproj": {"CODA_FP8_OUT": "1"},
+    "coda-fp8-bf16out": {"CODA_FP8_OUT": "0"},
+    "coda-fp8-nosplit": {"CODA_SPLIT_EPILOGUES": "0"},
+    "coda-fp8-s36": {"CODA_FP8_OUT": "0", "CODA_SPLIT_EPILOGUES": "0"},
     "coda-fp8-blockwise-kind": {"CODA_KMAJOR_INDUCTOR": "1"},
     "coda-fp8-blockwise-kall": {"CODA_KMAJOR_INDUCTOR": "1", "CODA_KMAJOR_STAGES": "all"},
     "coda-fp8-split": {"CODA_SPLIT_EPILOGUES": "w_13q"},
@@ -449,6 +455,9 @@ CONFIGS = (
     "coda-fp8-split8",
     "coda-fp8-coop128",
     "coda-fp8-oproj",
+    "coda-fp8-bf16out",
+    "coda-fp8-nosplit",
+    "coda-fp8-s36",
     "coda-vruns",
     "coda-split",
     "torchao-tensorwise",

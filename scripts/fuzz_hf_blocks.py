@@ -49,14 +49,15 @@ sys.path.insert(0, str(ROOT))
 if TYPE_CHECKING:
     from coda_lang.hf.family import Family
 
-# recipe -> (apply_coda's fp8=, the gate/up acc saved in e4m3, coda fuzz's backward options of the layers)
+# recipe -> (apply_coda's fp8=, the gate/up acc saved in e4m3, coda fuzz's backward options of the layers);
+# "delayed" keeps the out-projection in the model's dtype (a model patched under $CODA_FP8_OUT=0)
 RECIPES: dict[str, tuple[str | None, bool, tuple[str, ...]]] = {
     "bf16": (None, False, ()),
     "delayed": ("delayed", True, ("--fp8-grads", "e5m2", "--fp8-acc")),
     "delayed-save16": ("delayed", False, ("--fp8-grads", "e5m2")),
     "delayed-forward": ("delayed-forward", False, ()),
     "blockwise": ("blockwise", False, ("--fp8-grads", "e5m2", "--requantize-wgrad")),
-    # "delayed" with the out-projection in e4m3 too ($CODA_FP8_OUT=1)
+    # "delayed" with the out-projection in e4m3 too: the patch's default since 2026-11-29
     "delayed-out": ("delayed", True, ("--fp8-grads", "e5m2", "--fp8-acc")),
 }
 LAYERS = ("first_qkv", "layer", "last")

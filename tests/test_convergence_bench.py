@@ -211,7 +211,7 @@ def test_hf_train_step_refuses_an_unknown_configuration_first(capsys: Any) -> No
 
 def test_a_configuration_patched_under_its_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each configuration that hf_train_step patches under variables of its own (`CONFIG_ENV`:
-    coda-fp8-oproj's $CODA_FP8_OUT=1, coda-fp8-save16's $CODA_FP8_SAVE_ACC=0) and that the convergence
+    coda-fp8-bf16out's $CODA_FP8_OUT=0, coda-fp8-save16's $CODA_FP8_SAVE_ACC=0) and that the convergence
     runs take is prepared with them set, and leaves the environment as it was."""
     import os
 
@@ -225,9 +225,13 @@ def test_a_configuration_patched_under_its_environment(monkeypatch: pytest.Monke
         vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16,
     )  # fmt: skip
-    checks = {"coda-fp8-oproj": lambda st: st.fp8_out, "coda-fp8-save16": lambda st: not st.fp8_save}
+    checks = {
+        "coda-fp8-bf16out": lambda st: not st.fp8_out,
+        "coda-fp8-save16": lambda st: not st.fp8_save,
+        "coda-fp8": lambda st: st.fp8_out and st.fp8_save,  # (the defaults)
+    }
     for name, check in checks.items():
-        assert name in conv.CONFIGS and name in conv.hf_train_step.CONFIG_ENV, name
+        assert name in conv.CONFIGS and (name == "coda-fp8" or name in conv.hf_train_step.CONFIG_ENV), name
         model = conv.CONFIGS[name].prepare(LlamaForCausalLM(cfg))
         assert check(model._coda), name
         assert "CODA_FP8_OUT" not in os.environ and "CODA_FP8_SAVE_ACC" not in os.environ

@@ -255,8 +255,8 @@ def test_a_state_saved_with_the_other_save_says_how_to_resume(monkeypatch: pytes
 def test_a_state_saved_with_the_other_out_projection_says_how_to_resume(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """An fp8 checkpoint of a model whose out-projection ran in bf16 (the default), loaded into one that
-    runs it in e4m3 ($CODA_FP8_OUT=1), and the other way round, the gate/up save the same or (both=True)
+    """An fp8 checkpoint of a model whose out-projection ran in bf16 ($CODA_FP8_OUT=0), loaded into one
+    that runs it in e4m3 (the default), and the other way round, the gate/up save the same or (both=True)
     the other way too: refused at the next forward with every variable that resumes it, and resumed
     once the environment is set as the message says."""
     from test_hf_fp8 import tiny
@@ -276,16 +276,16 @@ def test_a_state_saved_with_the_other_out_projection_says_how_to_resume(
             state = fp8_state_dict(m)
             other = patched(not out_on, not both)
             load_fp8_state_dict(other, state)
-            # (what sets the saved model's setting again: off is the default)
-            fix = "set CODA_FP8_OUT=1" if out_on else "unset CODA_FP8_OUT"
+            # (what sets the saved model's setting again: on is the default)
+            fix = "unset CODA_FP8_OUT" if out_on else "set CODA_FP8_OUT=0"
             with pytest.raises(ValueError, match=fix) as got:
                 other(input_ids=ids, labels=ids)
             assert ("unset CODA_FP8_SAVE_ACC" in str(got.value)) == both, got.value
             # (as the message says: the out-projection's setting, and the save's default)
             if out_on:
-                monkeypatch.setenv("CODA_FP8_OUT", "1")
-            else:
                 monkeypatch.delenv("CODA_FP8_OUT")
+            else:
+                monkeypatch.setenv("CODA_FP8_OUT", "0")
             _saving(monkeypatch, True)
             again = apply_coda_to_llama(tiny(), fp8="delayed")
             load_fp8_state_dict(again, state)

@@ -391,12 +391,16 @@ def test_delayed_scales_follow_the_amax_history(recipe: str) -> None:
                     want = E5M2_MAX / max(grad_history[site, n][-HISTORY - 1 : -1])
                 assert math.isclose(float(s), want, rel_tol=1e-6), (step, site, n, float(s), want)
     # (the first block's 2 scales, each layer block's 6 (4 without the SwiGLU output's) and the next
-    # QKV's 2; "delayed" also each gate/up acc's copy, one per decoder layer)
+    # QKV's 2; "delayed" also each gate/up acc's copy, one per decoder layer; with the out-projection in
+    # e4m3, the default, its input's and weight's, 2 per decoder layer)
     saved = 3 if recipe == "delayed" else 0
-    assert bank(model).steps == steps and len(history) == 6 * 2 + 4 + 2 + saved
+    out = 2 if model._coda.fp8_out else 0
+    assert model._coda.fp8_out  # (the default with either delayed recipe)
+    assert bank(model).steps == steps and len(history) == (6 + out) * 2 + (4 + out) + 2 + saved
     # "delayed": the first block's QKV, each layer boundary's gate/up, down and QKV, the last's gate/up
-    # and down; "delayed-forward": none
-    assert len(grad_history) == (1 + 3 * 2 + 2 if recipe == "delayed" else 0), sorted(grad_history)
+    # and down, and the out-projection's of each decoder layer (in e4m3); "delayed-forward": none
+    want = 1 + 3 * 2 + 2 + 3 if recipe == "delayed" else 0
+    assert len(grad_history) == want, sorted(grad_history)
 
 
 def test_weight_amax_is_the_weights() -> None:
@@ -675,9 +679,12 @@ def test_every_family_trains_in_fp8(family: str, recipe: str) -> None:
     assert l8.item() != l0.item()
     assert set(g8) == set(g0)
     errs = {k: _rel(g8[k], g0[k]) for k in g0}
+    # (with the out-projection in e4m3, the default with "delayed", its e5m2 cotangent reaches the q/k
+    # norms' weights, whose gradients in these tiny models sum few elements: OLMo 2's moved 0.32 -> 0.40)
+    qk_norm_bound = 0.5 if recipe == "delayed" and m._coda.fp8_out else 0.4
     for k, e in errs.items():
         assert torch.isfinite(g8[k]).all(), k
-        assert e < 0.4, (k, e)
+        assert e < (qk_norm_bound if k.endswith(("q_norm.weight", "k_norm.weight")) else 0.4), (k, e)
     assert sum(errs.values()) / len(errs) > 1e-2, errs  # (the blocks really quantized)
     grads = bank(m).grads
     assert set(grads) == (set(bank(m).sites) if recipe == "delayed" else set())
@@ -796,8 +803,10 @@ def test_every_familys_fp8_blocks_plan_for_the_kernels(family: str, recipe: str)
         ("last", "w_13q"),
         ("last", "w_2q"),
     }, fp8_gemms
-    # each e4m3 GEMM's dgrad and wgrad: 2 in the first block, 6 in a layer's, 4 in the last's
-    want = {"first_qkv": 2, "layer": 6, "last": 4} if recipe == "delayed" else {}
+    # each e4m3 GEMM's dgrad and wgrad: 2 in the first block, 6 in a layer's, 4 in the last's, and the
+    # out-projection's 2 in each of those two (in e4m3 by default)
+    assert st.fp8_out
+    want = {"first_qkv": 2, "layer": 8, "last": 6} if recipe == "delayed" else {}
     assert backward_fp8 == want, backward_fp8
 
 
@@ -1093,8 +1102,8 @@ def test_the_fp8_out_projection_plans_and_gets_kernel_tiles(
     """$CODA_FP8_OUT=1 with fp8="delayed" (e4m3 save, e5m2 cotangents): each family's blocks, forward and
     backward, plan every GEMM stage for the kernels and get a tile from the runtime (no E0706), and the
     out-projection, its data gradient and its weight gradient multiply fp8 by fp8 (no GPU: the plan and
-    the tile, not a launch). Unset or 0 keeps it in the model's dtype; a value other than 0 or 1 is a
-    ValueError naming the variable."""
+    the tile, not a launch). Unset does the same (the default); 0 keeps it in the model's dtype; a value
+    other than 0 or 1 is a ValueError naming the variable."""
     monkeypatch.setenv("CODA_FP8_OUT", "1")
     model = HF[family][2](make(family, torch.bfloat16), fp8="delayed")
     st = model._coda
@@ -1107,6 +1116,8 @@ def test_the_fp8_out_projection_plans_and_gets_kernel_tiles(
             out_gemms[blk.name] = out_gemms.get(blk.name, 0) + 1
     assert out_gemms == {"layer": 1, "layer_bwd": 2, "last": 1, "last_bwd": 2}, out_gemms
     monkeypatch.delenv("CODA_FP8_OUT")
+    assert HF[family][2](make(family, torch.bfloat16), fp8="delayed")._coda.fp8_out
+    monkeypatch.setenv("CODA_FP8_OUT", "0")
     assert not HF[family][2](make(family, torch.bfloat16), fp8="delayed")._coda.fp8_out
     monkeypatch.setenv("CODA_FP8_OUT", "yes")
     with pytest.raises(ValueError, match="CODA_FP8_OUT is 'yes'"):

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import coda_lang  # noqa: E402
 from coda_lang.backend_cute.runtime.split_epilogue import (  # noqa: E402
     ALL,
+    AUTO,
     heavy,
     split_epilogues,
     split_selection,
@@ -173,34 +174,50 @@ def test_the_new_stages_kernel_computes_its_torch_function(
 
 def test_a_patched_model_trains_the_same_with_the_cut(monkeypatch: pytest.MonkeyPatch) -> None:
     """A bf16 Llama patched with fp8="delayed", two steps on the emulated kernels, with
-    $CODA_SPLIT_EPILOGUES=all and =w_13q against unset: its backward blocks have the cut stages, and the
-    losses and every gradient are the same within f32 rounding of the norm weights' column sums."""
+    $CODA_SPLIT_EPILOGUES=all, =w_13q and unset (auto: the tiny model's gate/up contraction is 4 times
+    its width, its QKV one's less) against 0: its backward blocks have the cut stages, and the losses and
+    every gradient are the same within f32 rounding of the norm weights' column sums. A bf16 model is
+    not cut by default."""
     from test_hf import batch as hf_batch
     from test_hf_fp8 import HF, make, two_steps, unfused_grads
 
-    base = make("llama", torch.bfloat16)
+    base = make("llama", torch.bfloat16, intermediate_size=128)  # (gate/up: 2F = 4 D)
     ids, labels = hf_batch()
     runs: dict[str, Any] = {}
-    for value, extra in (("0", 0), (ALL, 2), ("w_13q", 1)):
-        monkeypatch.setenv("CODA_SPLIT_EPILOGUES", value)
+    cfg = base.config
+    assert 2 * cfg.intermediate_size >= 4 * cfg.hidden_size  # (so that auto cuts the gate/up stage)
+    assert (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim < 4 * cfg.hidden_size
+    for value, extra in (("0", 0), (ALL, 2), ("w_13q", 1), ("auto", 1)):
+        if value == "auto":
+            monkeypatch.delenv("CODA_SPLIT_EPILOGUES")
+        else:
+            monkeypatch.setenv("CODA_SPLIT_EPILOGUES", value)
         m = HF["llama"][2](copy.deepcopy(base), fp8="delayed")
         loss = two_steps(m, ids, labels)
         bwd = m._coda.blocks(torch.bfloat16).layer._made(True).backward
         runs[value] = (bwd, loss.item(), unfused_grads(m))
         assert len(bwd.ir.stages) == len(runs["0"][0].ir.stages) + extra, value
-    for value in (ALL, "w_13q"):
+    # (the cut stage is the gate/up data gradient's, as with w_13q)
+    assert runs["auto"][0].ir == runs["w_13q"][0].ir
+    for value in (ALL, "w_13q", "auto"):
         _, loss, grads = runs[value]
         assert abs(loss - runs["0"][1]) <= 1e-5 * abs(runs["0"][1]), value
         for name, g in grads.items():
             w = runs["0"][2][name].float()
             assert torch.allclose(g.float(), w, rtol=1e-2, atol=1e-3 * float(w.abs().max())), (value, name)
+    m = HF["llama"][2](copy.deepcopy(base))
+    two_steps(m, ids, labels)
+    bf16 = m._coda.blocks(torch.bfloat16).layer._made(True)
+    assert bf16.backward.ir == bf16.derivation.backward.ir  # (not cut)
 
 
 def test_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Unset, empty or 0: off; all or 1; a comma-separated list of operand names; anything else a
-    ValueError naming the variable."""
+    """Unset or auto: auto (the default); empty or 0: off; all or 1; a comma-separated list of operand
+    names; anything else a ValueError naming the variable."""
     monkeypatch.delenv("CODA_SPLIT_EPILOGUES", raising=False)
-    assert split_selection() is None
+    assert split_selection() == AUTO
+    monkeypatch.setenv("CODA_SPLIT_EPILOGUES", " auto")
+    assert split_selection() == AUTO
     for off in ("0", "", " 0 "):
         monkeypatch.setenv("CODA_SPLIT_EPILOGUES", off)
         assert split_selection() is None

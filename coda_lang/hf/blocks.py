@@ -422,8 +422,9 @@ _OUT_FP8 = {
     False: {"y": "y", "w_o": "w_o", "o_scale": ""},
     True: {"y": "yq", "w_o": "w_oq", "o_scale": " * io"},
 }
-# $CODA_FP8_OUT=1, read when a model is patched with fp8="delayed" or "delayed-forward": the layers'
-# out-projection in e4m3 too (model_source's `fp8_out`; off by default until it is measured)
+# $CODA_FP8_OUT, read when a model is patched with fp8="delayed" or "delayed-forward": the layers'
+# out-projection in e4m3 too (model_source's `fp8_out`; the default, 1, since its convergence run; 0 keeps
+# it in the model's dtype)
 FP8_OUT_VAR = "CODA_FP8_OUT"
 # the scales a layer's call site has only with the out-projection in e4m3 (its input's and weight's)
 FP8_OUT_SCALES = frozenset({"y", "w_o"})

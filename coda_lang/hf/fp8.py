@@ -326,7 +326,7 @@ def _on_tokens(t: Any) -> bool:
 # its default setting, what the setting changes, the section of docs/models.md that says so)
 _SETTINGS = (
     (frozenset({FP8_SAVE_SCALE}), FP8_SAVE_VAR, True, "saved its gate/up accumulators", "fp8 memory"),
-    (FP8_OUT_SCALES, FP8_OUT_VAR, False, "ran its out-projection", "fp8 training"),
+    (FP8_OUT_SCALES, FP8_OUT_VAR, True, "ran its out-projection", "fp8 training"),
 )
 
 

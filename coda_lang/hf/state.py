@@ -67,20 +67,22 @@ def fp8_save(fp8: str | None) -> bool:
 
 def fp8_out(fp8: str | None) -> bool:
     """Whether a model patched now with fp8 recipe `fp8` runs its layers' out-projection in e4m3 too
-    (blocks.model_source's `fp8_out`): with a delayed recipe where $CODA_FP8_OUT=1 (off by default until
-    its convergence is measured; any other value than 0 or 1 is a ValueError, and so is 1 with another
-    fp8 recipe, which would not honour it). Read when the model is patched."""
-    got = os.environ.get(FP8_OUT_VAR, "0")
-    if got not in ("0", "1"):
+    (blocks.model_source's `fp8_out`): with a delayed recipe unless $CODA_FP8_OUT=0 (on by default since
+    its convergence run; any other value than 0 or 1 is a ValueError, and so is an explicit 1 with another
+    fp8 recipe, which would not honour it; unset, another recipe keeps the out-projection in the model's
+    dtype). Read when the model is patched."""
+    got = os.environ.get(FP8_OUT_VAR)
+    if got is not None and got not in ("0", "1"):
         raise ValueError(
-            f"${FP8_OUT_VAR} is {got!r}; it takes 0 (the default: the out-projection in the model's dtype) or 1"
+            f"${FP8_OUT_VAR} is {got!r}; it takes 1 (the default with fp8='delayed': the out-projection in "
+            "e4m3) or 0 (the out-projection in the model's dtype)"
         )
     if got == "1" and fp8 is not None and fp8 not in DELAYED:
         raise ValueError(
             f"${FP8_OUT_VAR}=1 runs the out-projection in e4m3 with fp8='delayed' or 'delayed-forward'; "
             f"fp8={fp8!r} keeps it in the model's dtype: unset {FP8_OUT_VAR} to patch with {fp8!r}"
         )
-    return got == "1" and fp8 in DELAYED
+    return got != "0" and fp8 in DELAYED
 
 
 @functools.lru_cache(maxsize=16)
@@ -139,7 +141,11 @@ class Blocks:
             wrt = block_wrt(b)
             # (fp8 cotangents: each call passes its call site's grad state, fp8.run_scaled)
             state = NoCallSite(name) if backward is not None and backward.fp8_grads else None
-            return function(b, wrt=wrt, backward=backward, grad_scales=state)
+            # the model's widths among the block's dims, bound: each call's shapes are checked against
+            # them, and the backward's default epilogue cuts are decided by them (split_epilogue.long_fp8)
+            declared = {d.name for d in b.ir.dims}
+            widths = {k: v for k, v in (("D", st.D), ("F", st.F)) if k in declared and v is not None}
+            return function(b, wrt=wrt, backward=backward, grad_scales=state, dims=widths or None)
 
         # the default saved-tensor policy (auto): e.g. the SwiGLU output is recomputed in the backward.
         # fp8="delayed": the cotangents of the e4m3 GEMMs' accumulators quantized to e5m2 (blocks.py,
@@ -249,6 +255,9 @@ class ModelState:
             fp8,
             fp8_save(fp8),
             fp8_out(fp8),
+            # the MLP's width, where the config has one for every layer (the block functions' dim F:
+            # split_epilogue's default cut reads it)
+            cfg.intermediate_size if isinstance(getattr(cfg, "intermediate_size", None), int) else None,
         )
         self._build(family, loss, facts)
         # what the forward relies on, recorded by the patch once it has installed its forwards
@@ -276,6 +285,7 @@ class ModelState:
             fp8,
             save,
             out,
+            self.F,
         ) = facts
         self.fp8: str | None = fp8  # the fp8 recipe of the blocks (blocks.FP8_RECIPES), or None: bf16
         self.fp8_save: bool = save  # the gate/up GEMMs' acc saved in e4m3 (blocks.model_source's fp8_save)

@@ -94,7 +94,7 @@ class CudaFunction:
             raise _runtime_error(e, "extended forward", d.forward) from None
         # (the heavy epilogues cut off into stages of their own, where $CODA_SPLIT_EPILOGUES asks)
         which = split_selection()
-        backward = d.backward if which is None else split_epilogues(d.backward, which)
+        backward = d.backward if which is None else split_epilogues(d.backward, which, cb.dims)
         try:
             self.backward = cb.sibling(backward, tile)
         except CodaError as e:
