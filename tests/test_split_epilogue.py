@@ -12,7 +12,10 @@
   sum's order of addition changes), on ragged sizes.
 - The generated kernel of the new stage, under Triton's CPU interpreter, computes what its torch
   function does.
-- A patched bf16 fp8 Llama trains the same with and without the cut (the emulated kernels).
+- A patched bf16 fp8 Llama trains the same with and without the cut (the emulated kernels), and the
+  default (auto) cuts its gate/up data gradient alone; a bf16 model is not cut.
+- The default's rule (`long_fp8`): an fp8 stage whose contraction is at least 4 times its width, at
+  the block's bound dims.
 - The variable's values, and its ValueError.
 """
 
@@ -209,6 +212,26 @@ def test_a_patched_model_trains_the_same_with_the_cut(monkeypatch: pytest.Monkey
     two_steps(m, ids, labels)
     bf16 = m._coda.blocks(torch.bfloat16).layer._made(True)
     assert bf16.backward.ir == bf16.derivation.backward.ir  # (not cut)
+
+
+def test_the_default_cut_is_the_long_fp8_contraction() -> None:
+    """`long_fp8` (the default, auto): at Llama-3.2-1B's widths the fp8 layer's gate/up data gradient
+    (K = 2F = 8 D) is cut and its QKV one (K = 2P = 1.5 D) is not; at widths where the gate/up
+    contraction is under 4 D, neither; a bf16 block's stages never; and without the block's widths
+    (a dim not bound), nothing: `split_epilogues(..., AUTO)` then gives the block itself."""
+    from coda_lang.backend_cute.runtime.split_epilogue import long_fp8
+
+    sizes = {"M": 8192, "D": 2048, "F": 8192, "P": 1536, "K": 64}
+    layer = _backward("layer")
+    got = {frozenset(_gemm_reads(layer, k)): long_fp8(layer, k, sizes) for k in heavy(layer)}
+    assert got == {frozenset({"dacc7", "w_qkvq"}): False, frozenset({"dacc4", "w_13q"}): True}, got
+    assert not any(long_fp8(layer, k, {**sizes, "F": 4095}) for k in heavy(layer))  # (2F < 4D)
+    assert any(long_fp8(layer, k, {**sizes, "F": 4096}) for k in heavy(layer))  # (2F = 4D)
+    bf16 = _backward("layer", None)
+    assert heavy(bf16) and not any(long_fp8(bf16, k, sizes) for k in heavy(bf16))
+    assert not any(long_fp8(layer, k, {"M": 8192}) for k in heavy(layer))
+    assert split_epilogues(layer, AUTO) is layer
+    assert len(split_epilogues(layer, AUTO, sizes).ir.stages) == len(layer.ir.stages) + 1
 
 
 def test_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
