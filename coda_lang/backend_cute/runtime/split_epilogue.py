@@ -71,16 +71,15 @@ def long_fp8(block: Any, k: int, sizes: dict[str, int]) -> bool:
     """Whether stage `k` of `block` (a heavy one) is cut by default: a GEMM of one-byte operands whose
     contraction is at least LONG_K times its N at `sizes` (a block's bound dims; a dim not among them: no).
     Timed on an H200 (2026-11-29): the fp8 Llama-3.2-1B layers' gate/up data gradient (K = 8 N), 1 ms a
-    step faster cut; the QKV one's contraction is short (1.5 N), and a cut costs more than its tile gains
-    there. bf16 stages are not cut by default: not timed."""
+    step faster cut; the QKV one's contraction is short (1.5 N), where the cut's extra f32 write and
+    read may cost more than its tile gains (not timed alone). bf16 stages are not cut by default: not
+    timed."""
     st = block.ir.stages[k - 1]
     if not all(isinstance(x, nodes.Var) and x.annot in FP8_DTYPES for x in (st.a, st.b)):
         return False
-    acc = st.acc
-    rows, cols = acc.type.shape
     try:
         kk = st.a.type.shape[0 if st.ta else 1].evaluate(sizes)
-        n = cols.evaluate(sizes)
+        n = st.acc.type.shape[1].evaluate(sizes)
     except KeyError:
         return False
     return bool(kk >= LONG_K * n)
