@@ -10,8 +10,9 @@ PTX), runs `ptxas -v` on it and prints the registers and spill bytes:
 - at the stage's own program shape (rows x column units x warps);
 - where the stage writes K-major copies (fp8 backwards): at the copy-writing shape
   (`$CODA_KMAJOR_PROGRAM`, default 64x64x4), and at `--program`.
-Under `$CODA_SPLIT_EPILOGUES` the backward is cut as the runtime cuts it (its heavy epilogues as stages
-of their own, runtime/split_epilogue.py), and those stages are reported too.
+The backward is cut as the runtime cuts it under `$CODA_SPLIT_EPILOGUES` (its heavy epilogues as stages
+of their own, runtime/split_epilogue.py; the default, auto, at Llama-3.2-1B's widths: the fp8 gate/up
+data gradient's), and those stages are reported too; `CODA_SPLIT_EPILOGUES=0` reports the whole backward.
 ptxas: `--ptxas`, else $CODA_PTXAS, else the one on PATH. A Triton newer than that ptxas emits a PTX
 version the ptxas refuses; the script then lowers the version line to the ptxas's own (the code
 uses nothing newer for sm_90a here; ptxas says so if it does). Numbers are those of this machine's
@@ -139,8 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.blocks.split(","):
         blk = prog[name]
         d = blk.derivation(block_wrt(blk), backward=options)
-        cut = split_selection()  # ($CODA_SPLIT_EPILOGUES: the backward cut as the runtime cuts it)
-        backward = d.backward if cut is None else split_epilogues(d.backward, cut)
+        # ($CODA_SPLIT_EPILOGUES: the backward cut as the runtime cuts it; the default, auto, at the
+        # widths a patched Llama-3.2-1B binds)
+        cut = split_selection()
+        backward = d.backward if cut is None else split_epilogues(d.backward, cut, {"D": 2048, "F": 8192})
         for which, b in (("forward", d.forward), ("backward", backward)):
             cb = b.cuda()
             stages = [s for s in b.ir.body if isinstance(s, Stage)]
