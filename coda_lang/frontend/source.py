@@ -56,25 +56,21 @@ def check_generated(block: Block, what: str, origin: Span | None = None) -> Chec
     # (the parser's E0201 and E0205, which a block made by a pass never went through: a value read
     # before anything defines it, an output nothing assigns)
     defined = {p.var.name for p in block.params}
+
+    def read(x: Any, inside: set[str], span: Span | None) -> None:
+        if isinstance(x, Var) and x.name not in inside:
+            diags.append(Diagnostic("E0201", f"`{x.name}` is read before anything defines it", span))
+
     for item in block.body:
-        inside = set(defined)
+        inside = set(defined)  # (and, within a stage, its acc and what its equations define)
         if isinstance(item, Stage):
-            reads = [x for x in item.operands if isinstance(x, Var)]
             if item.acc is not None:
                 inside.add(item.acc.name)
-        else:
-            reads = []
-        for r in reads:
-            if r.name not in inside:
-                diags.append(
-                    Diagnostic("E0201", f"`{r.name}` is read before anything defines it", block.span)
-                )
+            for x in item.operands:
+                read(x, inside, block.span)
         for e in item.body if isinstance(item, Stage) else (item,):
             for x in e.ins:
-                if isinstance(x, Var) and x.name not in inside:
-                    diags.append(
-                        Diagnostic("E0201", f"`{x.name}` is read before anything defines it", e.span)
-                    )
+                read(x, inside, e.span)
             inside.update(v.name for v in e.outs)
             defined.update(v.name for v in e.outs)
     for o in block.outputs:

@@ -323,6 +323,12 @@ def moves_f32_tile(spec: StageSpec) -> bool:
     )
 
 
+def f32_tile_beside_partials(spec: StageSpec) -> bool:
+    """Whether the stage's epilogue moves an f32 tile beside column partials: the stages WIDE_F32_TILE
+    holds to pingpong tiles (and runtime/split_epilogue.py may cut off their GEMM)."""
+    return moves_f32_tile(spec) and any(s.layout == "column partials" for s in spec.sinks)
+
+
 def f32_tile_rows128() -> bool:
     """Whether a stage that moves an f32 tile beside column partials may take cooperative tiles of 128
     rows too (COOPERATIVE_F32_TILE, as a block-scaled one does), not pingpong ones alone
@@ -346,7 +352,7 @@ def rules(spec: StageSpec, emulated: bool = False) -> list[TileConstraint]:
         *([PAIRED_SUBTILE] if spec.paired else []),
         *(
             [COOPERATIVE_F32_TILE if spec.gemm.scaled or f32_tile_rows128() else WIDE_F32_TILE]
-            if moves_f32_tile(spec) and any(s.layout == "column partials" for s in spec.sinks)
+            if f32_tile_beside_partials(spec)
             else []
         ),
         *((BLOCK_SCALED_TILE[1:] if spec.gemm.b_columns else BLOCK_SCALED_TILE) if spec.gemm.scaled else ()),

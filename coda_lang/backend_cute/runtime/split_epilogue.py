@@ -28,7 +28,7 @@ import os
 from dataclasses import replace
 from typing import Any
 
-from coda_lang.backend_cute.build.config import moves_f32_tile
+from coda_lang.backend_cute.build.config import f32_tile_beside_partials
 from coda_lang.backend_cute.plan.planner import plan_stage
 from coda_lang.core.diagnostics import CodaError
 from coda_lang.frontend.source import check_generated
@@ -99,7 +99,7 @@ def heavy(block: Any) -> list[int]:
             continue
         if spec.mode != "element" or spec.paired:
             continue
-        if moves_f32_tile(spec) and any(s.layout == "column partials" for s in spec.sinks):
+        if f32_tile_beside_partials(spec):
             out.append(k)
     return out
 
