@@ -52,7 +52,7 @@ from coda_lang.core.numerics import round_to
 from coda_lang.interp.inputs import bind, check_sizes
 from coda_lang.interp.run import Interpreter, _Tile, _type, _type_or_none
 from coda_lang.ir.nodes import Atom, Eqn, Stage, Var
-from coda_lang.ir.types import GROUP, TILE, Dim, is_fp8
+from coda_lang.ir.types import GROUP, PARTIAL, TILE, Dim, is_fp8
 from coda_lang.ops import REGISTRY, BoundRule, OpDef, StageShape, grouped_reads
 from coda_lang.ops.registry import F32_U, FASTMATH_ROUNDING, repeats_in
 
@@ -592,6 +592,51 @@ def run(
     env, sizes = bind(block.ir, inputs, dims, "exact")
     check_sizes(block.ir, sizes, "exact", None)
     return Bounds(block.ir, block.plan, sizes).run_bounds(env, errors or {})
+
+
+# the partial reductions whose whole bound bounds each tile's partial too: a sum's (the partial's
+# terms, their bounds and magnitudes are a subset of the whole's, gamma grows with n) and a max's or
+# min's (the largest bound of a subset). Not a log-sum-exp's: a tile's terms weigh more in its own.
+SUBSET_BOUNDED = ("sum", "max", "min")
+
+
+def partials(
+    block: Any,
+    inputs: dict[str, Any],
+    shapes: dict[str, tuple[int, ...]],
+    dims: dict[str, int] | None = None,
+) -> dict[str, np.ndarray]:
+    """A bound for every element of a kernel's per-tile partial buffers, by name, shaped as in `shapes`
+    (the buffers' shapes, the interpreter's tile layout: a row partial [rows, column tiles], a column
+    partial [row tiles, columns], or the finished vector): the bound of the whole reduction, over each
+    tile's partial along the tiles' axis (sound for `SUBSET_BOUNDED` combines; the others get none)."""
+    env, sizes = bind(block.ir, inputs, dims, "exact")
+    check_sizes(block.ir, sizes, "exact", None)
+    b = Bounds(block.ir, block.plan, sizes)
+    b.run_bounds(env, {})
+    layout: dict[str, tuple[str, bool]] = {}  # name -> (combine, whether a row partial)
+    for st in block.ir.body:
+        if not isinstance(st, Stage):
+            continue
+        space = st.acc.type.shape if st.acc is not None and st.acc.type is not None else st.shape
+        rows = space[0] if space else None
+        for e in st.body:
+            for v in e.outs:
+                t = v.type
+                if t is not None and t.kind == PARTIAL:
+                    layout[v.name] = (t.combine or "sum", bool(t.shape) and t.shape[0] == rows)
+    out = {}
+    for name, shape in shapes.items():
+        if name not in layout or layout[name][0] not in SUBSET_BOUNDED or name not in b.err:
+            continue
+        whole = np.broadcast_to(np.asarray(b.err[name], np.float64), np.shape(b.env[name])).reshape(-1)
+        if shape == whole.shape:  # the finished vector
+            out[name] = whole.copy()
+        elif len(shape) == 2:  # per tile: along the tiles' axis (a scalar's: one column)
+            along = whole[:, None] if layout[name][1] else whole[None, :]
+            if along.shape[0] in (1, shape[0]) and along.shape[1] in (1, shape[1]):
+                out[name] = np.broadcast_to(along, shape).copy()
+    return out
 
 
 def vjp(

@@ -250,6 +250,17 @@ def _block_scaled(
     return acc
 
 
+def accumulate(spec: StageSpec, A: torch.Tensor, B: torch.Tensor, epi_args: dict[str, Any]) -> torch.Tensor:
+    """The stage's accumulator, f32 [M, N]: A @ B (B as the GEMM reads it), or the block-scaled sum."""
+    g = spec.gemm
+    if g.scaled:  # (B as [N, K] and its blocks as [N/128, K/128], however it is stored)
+        sb = epi_args[g.scale_b_py]
+        Bt, sbt = (B.float().t(), sb.t()) if g.b_kn and not g.tb else (B.float(), sb.t() if g.b_kn else sb)
+        sa = epi_args[g.scale_a_py] if g.scale_a else None
+        return _block_scaled(A.float(), Bt, sa, sbt, columns=g.b_columns)
+    return A.float() @ (B.float().t() if g.tb else B.float())
+
+
 def run_stage(
     spec: StageSpec,
     config: Any,
@@ -261,14 +272,7 @@ def run_stage(
 ) -> None:
     """Fill `D`, the TileStore buffers and the sink buffers in `epi_args` as the stage's kernel would
     (C: the GEMM's C operand of a packed-mode stage, the double-width tile it loads)."""
-    g = spec.gemm
-    if g.scaled:  # (B as [N, K] and its blocks as [N/128, K/128], however it is stored)
-        sb = epi_args[g.scale_b_py]
-        Bt, sbt = (B.float().t(), sb.t()) if g.b_kn and not g.tb else (B.float(), sb.t() if g.b_kn else sb)
-        sa = epi_args[g.scale_a_py] if g.scale_a else None
-        acc = _block_scaled(A.float(), Bt, sa, sbt, columns=g.b_columns)
-    else:
-        acc = A.float() @ (B.float().t() if g.tb else B.float())
+    acc = accumulate(spec, A, B, epi_args)
     m, n = acc.shape
     vals = _operand_values(spec, epi_args)
     # `expand(s, acc)` of s [M, N/g]: each value over its g columns, as the kernel reads it
