@@ -57,7 +57,9 @@ step is a replay of it (docs/models.md, "CUDA graphs"), and its peak memory incl
 `capturable=True`, so that all run the same optimizer. For a model that is not coda's, transformers
 materializes the causal mask during a capture (sdpa's slower masked path). An unknown
 configuration is a usage error before anything runs, and so is `liger` anywhere but last (Liger replaces
-transformers' classes, which every model made after it would use). Prints a markdown table last.
+transformers' classes, which every model made after it would use). Prints a markdown table last;
+`--json FILE` gets the results as a list, rewritten after each configuration (a run stopped at a time
+limit keeps the rows it finished).
 """
 
 from __future__ import annotations
@@ -682,6 +684,22 @@ def release() -> None:
     torch._dynamo.reset()
 
 
+def run_all(names: list[str], args: argparse.Namespace, ids: torch.Tensor) -> list[dict[str, Any]]:
+    """Each configuration in turn, in this process; the results of those that ran. `args.json` is
+    rewritten after each, so a run stopped at a time limit keeps the rows it finished."""
+    results: list[dict[str, Any]] = []
+    for name in names:
+        try:
+            results.append(run_config(name, args, ids))
+        except Exception as e:  # one configuration failing must not hide the others' numbers
+            print(f"{name}: failed: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+            traceback.print_exc(limit=-12)  # (the innermost frames: where it failed)
+        release()
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default="eager,compile,liger,coda")
@@ -693,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=9)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="the results, rewritten after each configuration")
     p.add_argument(
         "--lora", type=int, default=0, help="peft LoRA of this rank on every linear layer (0: none)"
     )
@@ -735,17 +753,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = family_config(args.family, 1).vocab_size
     ids = torch.randint(0, vocab, (args.batch, args.seq), device="cuda", generator=g)
     layers = family_config(args.family, args.layers).num_hidden_layers
-    results = []
-    for name in args.configs.split(","):
-        try:
-            results.append(run_config(name, args, ids))
-        except Exception as e:  # one configuration failing must not hide the others' numbers
-            print(f"{name}: failed: {type(e).__name__}: {str(e)[:2000]}", flush=True)
-            traceback.print_exc(limit=-12)  # (the innermost frames: where it failed)
-        release()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    results = run_all(args.configs.split(","), args, ids)
     print(
         f"\n{torch.cuda.get_device_name()}, {args.family}, {layers} layers, seq {args.seq} x batch {args.batch}, bf16"
     )

@@ -70,3 +70,37 @@ def test_other_configurations_run_in_the_environment_as_it_is(monkeypatch: pytes
     )
     hts.run_config("coda-fp8+graph", None, None)
     assert seen == ["0"]
+
+
+def test_the_json_is_rewritten_after_each_configuration(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A run stopped at its time limit (here: while the third configuration runs) keeps the rows it
+    finished in --json; a configuration that fails leaves no row and does not stop the others."""
+    import argparse
+    import json
+
+    out = tmp_path / "table.json"
+    args = argparse.Namespace(json=str(out))
+    seen: list[list[str]] = []
+
+    def run(name: str, a: Any, ids: Any) -> dict[str, Any]:
+        seen.append([r["config"] for r in json.loads(out.read_text())] if out.exists() else [])
+        if name == "broken":
+            raise RuntimeError("no kernel")
+        if name == "killed":
+            raise KeyboardInterrupt  # (the run stopped while this configuration ran)
+        return {"config": name, "step_ms": float(len(name))}
+
+    monkeypatch.setattr(hts, "run_config", run)
+    monkeypatch.setattr(hts, "release", lambda: None)
+    assert [r["config"] for r in hts.run_all(["coda", "broken", "liger"], args, None)] == ["coda", "liger"]
+    assert seen == [[], ["coda"], ["coda"]]
+    assert [r["config"] for r in json.loads(out.read_text())] == ["coda", "liger"]
+    out.unlink()
+    with pytest.raises(KeyboardInterrupt):
+        hts.run_all(["coda", "coda-fp8", "killed", "liger"], args, None)
+    assert json.loads(out.read_text()) == [
+        {"config": "coda", "step_ms": 4.0},
+        {"config": "coda-fp8", "step_ms": 8.0},
+    ]
