@@ -29,6 +29,9 @@ SHORT = re.compile(r"^(?P<file>[^:]+):(?P<line>\d+):(?P<col>\d+): error\[(?P<cod
 GOLDEN_PROGRAMS = [
     "rmsnorm_same_stage",  # E0503 with its fix-it
     "amax_scale_same_stage",  # E0508: rowwise current fp8 scaling, the local recipes as fix-its
+    "amax_scale_columns_same_stage",  # E0508 of a column amax: each tile sees its own rows, the 128x1 fix-it
+    "amax_inline_same_stage",  # E0508 of an amax written inline: named by where it is, not `_tN`
+    "lse_inline_same_stage",  # E0501 of a logsumexp written inline: named by where it is, not `_tN`
     "unknown_op_did_you_mean",  # E0203 "did you mean"
     "swiglu_odd_width",  # E0403 on a symbolic width
     "rope_fixed_odd_dim",  # E0403 on a fixed odd dim

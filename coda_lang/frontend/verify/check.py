@@ -388,16 +388,19 @@ class Checker:
         t = self.env[a.name]
         normalized = self.normalizes(a.name, e, body)
         what = COMBINES[t.combine].noun if t.combine in COMBINES else "a partial reduction"
+        shown = self.shown(a.name, t, span)
+        own = "columns" if self.row_statistic(t) else "rows"
         notes = [
-            f"`{a.name}` is {what}: each tile sees only its own columns, so it is complete only after every "
+            f"{shown} is {what}: each tile sees only its own {own}, so it is complete only after every "
             f"tile of stage {k + 1} ran"
         ]
         if normalized is not None and (t.combine == "max" or is_fp8(self.stored_dtype(normalized))):
-            self.current_scale(a.name, t, normalized, span, k, notes)
+            self.current_scale(shown, t, normalized, span, k, notes)
         elif normalized is not None:
             self.error(
                 "E0503",
-                f"row statistic `{a.name}` is used to normalize `{normalized}` in its own stage",
+                f"{'row' if own == 'columns' else 'column'} statistic {shown} is used to normalize "
+                f"`{normalized}` in its own stage",
                 span,
                 label="not complete until the stage ends",
                 notes=notes,
@@ -407,8 +410,8 @@ class Checker:
                     "store the unnormalized tile here, compute the scale between stages "
                     + (
                         f"(e.g. `r = rsqrt({a.name} / D + eps)`)"
-                        if t.combine == "sum"
-                        else f"from `{a.name}`"
+                        if t.combine == "sum" and not a.name.startswith("_t")
+                        else f"from {shown}"
                     )
                     + ", and apply `acc * r` in the next stage",
                 ],
@@ -416,7 +419,7 @@ class Checker:
         else:
             self.error(
                 "E0501",
-                f"partial reduction `{a.name}` is used in its own stage",
+                f"partial reduction {shown} is used in its own stage",
                 span,
                 label="not complete until the stage ends",
                 notes=notes,
@@ -428,13 +431,35 @@ class Checker:
         v = self.typed.get(name)
         return (v.annot if v is not None else None) or self.output_dtype(name)
 
-    def current_scale(self, name: str, t: Type, target: str, span: Span, k: int, notes: list[str]) -> None:
+    def stage_dims(self) -> tuple[Dim, Dim]:
+        """The (rows, cols) of the stage being checked (M and N where its shape is unknown)."""
+        acc = self.acc_var.type
+        if acc is None or acc.is_error or len(acc.shape) != 2:
+            return Dim.sym("M"), Dim.sym("N")
+        return acc.shape[0], acc.shape[1]
+
+    def row_statistic(self, t: Type) -> bool:
+        """Whether a partial of type `t` holds one value per row of the stage (reduced over its columns)."""
+        return not t.shape or t.shape[0] == self.stage_dims()[0]
+
+    @staticmethod
+    def shown(name: str, t: Type, span: Span) -> str:
+        """How a diagnostic names a partial: `name`, or for a temporary the user never named (a
+        reduction written inline, `_tN`) the reduction and where it is written."""
+        if not name.startswith("_t"):
+            return f"`{name}`"
+        if t.combine is None:
+            return f"the reduction at {span.line}:{span.col}"
+        op = "logsumexp" if t.combine == "lse" else t.combine
+        return f"`{op}(...)` at {span.line}:{span.col}"
+
+    def current_scale(self, shown: str, t: Type, target: str, span: Span, k: int, notes: list[str]) -> None:
         """E0508: an amax (or a statistic that makes an fp8 value) over a whole row or column scales a
         tile in its own stage: rowwise *current* scaling, which no epilogue can fuse. The fix-its name
-        the recipes that are local: a 1x128 group scale, or a delayed per-tensor scale."""
-        acc = self.acc_var.type
-        rows, cols = acc.shape if acc is not None and not acc.is_error else (Dim.sym("M"), Dim.sym("N"))
-        per_row = not t.shape or t.shape[0] == rows
+        the recipes that are local: a 1x128 group scale, or a delayed per-tensor scale. `shown`: the
+        statistic as diagnostics name it (`shown`)."""
+        rows, cols = self.stage_dims()
+        per_row = self.row_statistic(t)
         over = cols if per_row else rows
         fp8 = self.stored_dtype(target)
         q = fp8 if fp8 is not None and is_fp8(fp8) else "e4m3"
@@ -452,7 +477,7 @@ class Checker:
         )
         self.error(
             "E0508",
-            f"`{name}`, a statistic of whole {what} of `{over}`, scales `{target}` in its own stage: "
+            f"{shown}, a statistic of whole {what} of `{over}`, scales `{target}` in its own stage: "
             f"{'row' if per_row else 'column'}wise current scaling is not block-local",
             span,
             label="not complete until the stage ends",
