@@ -191,10 +191,11 @@ class Comparisons:
         msgs = self._outputs("output", outs, ref, ref64, dtypes, bounds)
         # the tile simulation at the kernels' tiles, rounded as they round; where a partial misses the
         # per-element rule (one that cancels: a sum of products of bf16-rounded values), the same
-        # simulation in float64 gives the tolerance rule's f64 part, and the whole reduction's rounding
-        # bound bounds each partial (bound.partials; both run only then). Twice the bound: the kernel
-        # and the simulation are each within it of the exact interpreter. It is what passes a partial
-        # downstream of an fp8 store whose rounding an f32 difference flipped (one e4m3 ulp is 1/8).
+        # simulation in float64 gives the tolerance rule's f64 part, and each partial gets its rounding
+        # bound (bound.partials: a sum's or max's the whole reduction's, a log-sum-exp's its tile's own;
+        # both run only then). Twice the bound: the kernel and the simulation are each within it of the
+        # exact interpreter. It is what passes a partial downstream of an fp8 store whose rounding an
+        # f32 difference flipped (one e4m3 ulp is 1/8).
         _, sim = self.block.run_with_partials(ins, dims=case.dims, sim_tile=self.cb.tiles)
         sim64: dict[str, Any] | None = None
         pbounds: dict[str, Any] | None = None
@@ -219,7 +220,7 @@ class Comparisons:
             if m:
                 if pbounds is None:
                     shapes = {k: tuple(np.shape(v)) for k, v in parts.items()}
-                    pbounds = bound.partials(self.block, ins, shapes, case.dims)
+                    pbounds = bound.partials(self.block, ins, shapes, case.dims, self.cb.tiles)
                 if name in pbounds:
                     m = mismatch(what, buf, want, want64, "f32", bound=2.0 * pbounds[name])
             if m:

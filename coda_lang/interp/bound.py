@@ -217,6 +217,9 @@ class Bounds(Interpreter):
         self.err: dict[str, Any] = {}  # name -> bound of a block-level value (0.0: none)
         self.serr: dict[str, Any] = {}  # name -> bound of a value of the stage running now
         self.out_err: dict[str, Any] = {}
+        # name -> (op, params, operand type, operand, its bound) of each partial log-sum-exp in a stage:
+        # a tile's partial is bounded from its own terms (`partials`), not from the whole reduction's
+        self.lse_terms: dict[str, tuple[OpDef, dict[str, Any], Any, Any, Any]] = {}
 
     def run_bounds(
         self, env: dict[str, np.ndarray], err: dict[str, Any]
@@ -374,6 +377,8 @@ class Bounds(Interpreter):
         if rule is BoundRule.REDUCE:
             if outs_t[0].kind == GROUP and outs_t[0].group_axis == 0:
                 params["_rows"] = True  # runs of rows (the layout run.py's apply reduces)
+            if outs_t[0].kind == PARTIAL and op.combine is not None and op.combine.name == "lse":
+                self.lse_terms[e.outs[0].name] = (op, dict(params), _type(e.ins[0]), vals[0], errs[0])
             b = self.reduce(op, params, _type(e.ins[0]), vals[0], errs[0], outs[0], t)
             return [np.where(self.reduced_any(params, _type(e.ins[0]), vals[0], errs[0], t), ANY, b)]
         if rule is BoundRule.GATHER:
@@ -605,19 +610,21 @@ def partials(
     inputs: dict[str, Any],
     shapes: dict[str, tuple[int, ...]],
     dims: dict[str, int] | None = None,
+    tiles: tuple[int, int] | dict[int, tuple[int, int]] | None = None,
 ) -> dict[str, np.ndarray]:
     """A bound for every element of a kernel's per-tile partial buffers, by name, shaped as in `shapes`
     (the buffers' shapes, the interpreter's tile layout: a row partial [rows, column tiles], a column
-    partial [row tiles, columns], or the finished vector): the bound of the whole reduction, over each
-    tile's partial along the tiles' axis (sound for `SUBSET_BOUNDED` combines; the others get none)."""
+    partial [row tiles, columns], or the finished vector). A `SUBSET_BOUNDED` combine's: the bound of
+    the whole reduction, over each tile's partial along the tiles' axis. A log-sum-exp's: each tile's
+    own, from its terms and their bounds, at the stage's tile in `tiles` (the kernels' tiles, as
+    `Block.run(sim_tile=)` takes them; none without it)."""
     env, sizes = bind(block.ir, inputs, dims, "exact")
     check_sizes(block.ir, sizes, "exact", None)
     b = Bounds(block.ir, block.plan, sizes)
     b.run_bounds(env, {})
     layout: dict[str, tuple[str, bool]] = {}  # name -> (combine, whether a row partial)
-    for st in block.ir.body:
-        if not isinstance(st, Stage):
-            continue
+    stage_of: dict[str, int] = {}  # name -> its stage's index (1-based, as `tiles` counts)
+    for k, st in enumerate(block.ir.stages, 1):
         space = st.acc.type.shape if st.acc is not None and st.acc.type is not None else st.shape
         rows = space[0] if space else None
         for e in st.body:
@@ -625,8 +632,15 @@ def partials(
                 t = v.type
                 if t is not None and t.kind == PARTIAL:
                     layout[v.name] = (t.combine or "sum", bool(t.shape) and t.shape[0] == rows)
+                    stage_of[v.name] = k
     out = {}
     for name, shape in shapes.items():
+        tile = tiles.get(stage_of.get(name, 0)) if isinstance(tiles, dict) else tiles
+        if name in b.lse_terms and name in layout and tile is not None:
+            lse = _lse_tiles(b, name, layout[name][1], tile, shape)
+            if lse is not None:
+                out[name] = lse
+            continue
         if name not in layout or layout[name][0] not in SUBSET_BOUNDED or name not in b.err:
             continue
         whole = np.broadcast_to(np.asarray(b.err[name], np.float64), np.shape(b.env[name])).reshape(-1)
@@ -637,6 +651,35 @@ def partials(
             if along.shape[0] in (1, shape[0]) and along.shape[1] in (1, shape[1]):
                 out[name] = np.broadcast_to(along, shape).copy()
     return out
+
+
+def _lse_tiles(
+    b: Bounds, name: str, row_partial: bool, tile: tuple[int, int], shape: tuple[int, ...]
+) -> np.ndarray | None:
+    """Each tile's bound of the partial log-sum-exp `name` (a row partial: over each tile's columns,
+    [rows, column tiles]; else over its rows, [row tiles, columns]): `Bounds.reduce` on the tile's
+    own terms and their bounds, at the tile's own log-sum-exp. None where the layout is not that one
+    (a half-width operand, a vector): the partial then gets no bound."""
+    op, params, xt, x, e = b.lse_terms[name]
+    x = _f64(x)
+    if x.ndim != 2:
+        return None
+    e = np.broadcast_to(np.asarray(e, np.float64), x.shape)
+    axis, width = (1, tile[1]) if row_partial else (0, tile[0])
+    n = x.shape[axis]
+    whole = _Tile(xt.shape[0], xt.shape[1], 0, x.shape[0], 0, x.shape[1])  # (`reduce` takes the axis from it)
+    parts = []
+    with np.errstate(all="ignore"):
+        for j in range(0, n, width):
+            sl = (slice(None), slice(j, j + width)) if axis == 1 else (slice(j, j + width), slice(None))
+            xs, es = x[sl], e[sl]
+            m = np.max(np.where(np.isnan(xs), -np.inf, xs), axis=axis, keepdims=True)
+            mf = np.where(np.isfinite(m), m, 0.0)
+            y = np.squeeze(mf + np.log(np.sum(np.exp(xs - mf), axis=axis, keepdims=True)), axis=axis)
+            bnd = b.reduce(op, params, xt, xs, es, y, whole)
+            parts.append(np.where(b.reduced_any(params, xt, xs, es, whole), ANY, bnd))
+    got = np.stack(parts, axis=axis)
+    return got if got.shape == tuple(shape) else None
 
 
 def vjp(
