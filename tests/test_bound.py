@@ -412,6 +412,30 @@ def test_a_quotient_or_log_of_a_value_within_rounding_of_zero_may_be_anything() 
         assert 0 <= errs[name][1, 0] < 1e-5, name
 
 
+def test_a_function_that_is_nan_here_but_may_be_a_number_may_be_anything() -> None:
+    """The reverse of the rule above, found by a CPU sweep of the fp8 blocks on emulated kernels whose
+    fp8 GEMMs round as Hopper's may: OLMo 2's blockwise `first_qkv` (random q/k masks, so its sum of
+    squares may be negative) had a row where rsqrt(ssk / NK + eps) is NaN here (ssk = -47.6) though ssk's
+    bound (1.7e5) reaches positive values, where it is a number. Its bound was inf, which passes a
+    finite value against a finite reference but not against a NaN one: the kernel's -48.75 against the
+    interpreter's NaN failed. It is ANY now, and what is computed from it; where the operand is
+    negative beyond its bound, the NaN is certain and a number there still fails."""
+    block = _program(
+        "  gemm x @ w {\n    r = rsqrt(acc)\n    z = r * 2.0\n  }",
+        "x: f32[M, K], w: f32[K, N]",
+        "r: f32[M, N], z: f32[M, N]",
+    )
+    x = np.array([[1.0, -1.0, -(2.0**-30)], [-1.0, -1.0, 0.0]], np.float32)
+    outs, errs = bound.run(block, {"x": x, "w": np.ones((3, 1), np.float32)}, {"M": 2, "K": 3, "N": 1})
+    z = as_float64(outs["z"])
+    assert np.isnan(z).all()  # (rsqrt of -2^-30 and of -2)
+    for name in ("r", "z"):
+        assert errs[name][0, 0] == bound.ANY, name
+        assert errs[name][1, 0] != bound.ANY, name
+    assert mismatch("z", np.array([[-48.75], [np.nan]]), z, None, "f32", errs["z"]) is None
+    assert mismatch("z", np.array([[np.nan], [1.0]]), z, None, "f32", errs["z"]) is not None
+
+
 FP8_GEMM = """
 dims M, K, N
 block g(a: {a}[M, K], b: {b}[N, K]) -> (c: f32[M, N]) {{

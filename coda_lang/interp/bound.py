@@ -27,7 +27,8 @@ bound, propagated through the program one equation at a time:
 - a value that another correct implementation may have as anything, NaN included, has bound `ANY`
   (-inf, never a real bound): an infinity times (or over) a value whose bound reaches 0 (inf * sin(x)
   where sin's fast-math twin may give 0 or the other sign: inf, -inf or NaN), 0 / 0 within the
-  bounds, a function that is NaN within its operand's bound (log, sqrt near 0); everything computed
+  bounds, a function that is NaN within its operand's bound (log, sqrt near 0) or a number within
+  it where it is NaN here (rsqrt of a sum that is -47 here, within its bound of 0); everything computed
   from it is `ANY` too, but a comparison (which may then flip: bound 1), a `where` whose chosen branch
   is not `ANY`, and values moved elsewhere.
 The inputs, cotangents and literals are the same on both sides (bound 0). Which of these rules an op
@@ -505,7 +506,7 @@ class Bounds(Interpreter):
     ) -> tuple[np.ndarray, Any]:
         """How far an op moves when each input moves within its bound (one at a time, summed), and
         where it may be NaN then though it is not here (log or sqrt of a value that may be negative:
-        anything)."""
+        anything), or a number though it is NaN here (the same near 0 from below: anything too)."""
         impl: Callable[..., Any] = op.impl  # type: ignore[assignment]
         kw = {k: v for k, v in params.items() if not isinstance(v, Dim)}
         f0 = _f64(impl(*x, **kw))
@@ -527,7 +528,9 @@ class Bounds(Interpreter):
                 f1 = _f64(impl(*moved, **kw))
                 d = np.abs(f1 - f0)
                 far = np.maximum(far, np.where(np.isnan(d), np.inf, d))
-                anything = anything | ((e > 0) & np.isnan(f1) & ~np.isnan(f0))
+                # NaN within the bound where it is a number here (log of a value that may be negative),
+                # or a number within it where it is NaN here (rsqrt of a value that may be positive)
+                anything = anything | ((e > 0) & (np.isnan(f1) != np.isnan(f0)))
             total = total + np.where(e > 0, far, 0.0)
         return total, anything
 
