@@ -604,7 +604,8 @@ def run(
 
 # the partial reductions whose whole bound bounds each tile's partial too: a sum's (the partial's
 # terms, their bounds and magnitudes are a subset of the whole's, gamma grows with n) and a max's or
-# min's (the largest bound of a subset). Not a log-sum-exp's: a tile's terms weigh more in its own.
+# min's (the largest bound of a subset). Not a log-sum-exp's: a tile's terms weigh more in its own,
+# so its partials are bounded tile by tile (`_lse_tiles`).
 SUBSET_BOUNDED = ("sum", "max", "min")
 
 

@@ -457,7 +457,7 @@ class Checker:
         """E0508: an amax (or a statistic that makes an fp8 value) over a whole row or column scales a
         tile in its own stage: rowwise *current* scaling, which no epilogue can fuse. The fix-its name
         the recipes that are local: a 1x128 group scale, or a delayed per-tensor scale. `shown`: the
-        statistic as diagnostics name it (`shown`)."""
+        statistic as diagnostics name it (`Checker.shown`)."""
         rows, cols = self.stage_dims()
         per_row = self.row_statistic(t)
         over = cols if per_row else rows
