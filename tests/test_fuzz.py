@@ -830,17 +830,18 @@ block b(x: f32[M, N]) -> (s: f32[M], c: f32[N], l: f32[M], y: f32[M, N]) {
     blk = coda_lang.load(text)["b"]
     dims = {"M": 8, "N": 24}
     ins = block_inputs(blk, dims, 1)
-    outs, whole = bound.run(blk, ins, dims)
+    evaluated = bound.evaluate(blk, ins, dims)
+    outs, whole = evaluated.outputs, evaluated.output_bounds
     _, sim = blk.run_with_partials(ins, dims=dims, sim_tile=(4, 8))
     shapes = {k: v.shape for k, v in sim.items()}
     assert shapes == {"s": (8, 3), "c": (2, 24), "l": (8, 3)}
-    got = bound.partials(blk, ins, shapes, dims)
+    got = bound.partials(evaluated, shapes)
     assert set(got) == {"s", "c"}
     assert np.array_equal(got["s"], np.repeat(whole["s"][:, None], 3, axis=1))
     assert np.array_equal(got["c"], np.repeat(whole["c"][None, :], 2, axis=0))
     assert (got["s"] > 0).all()  # (a sum of rounded exps: never exact here)
-    assert bound.partials(blk, ins, {"s": (8,)}, dims)["s"].shape == (8,)  # the finished vector
-    tiled = bound.partials(blk, ins, shapes, dims, (4, 8))
+    assert bound.partials(evaluated, {"s": (8,)})["s"].shape == (8,)  # the finished vector
+    tiled = bound.partials(evaluated, shapes, (4, 8))
     assert set(tiled) == {"s", "c", "l"} and tiled["l"].shape == (8, 3)
     y, ey = np.float64(outs["y"]), whole["y"]
     assert (ey > 0).all()

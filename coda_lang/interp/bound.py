@@ -221,6 +221,8 @@ class Bounds(Interpreter):
         # name -> (op, params, operand type, operand, its bound) of each partial log-sum-exp in a stage:
         # a tile's partial is bounded from its own terms (`partials`), not from the whole reduction's
         self.lse_terms: dict[str, tuple[OpDef, dict[str, Any], Any, Any, Any]] = {}
+        self.outputs: dict[str, np.ndarray] = {}  # (`evaluate`'s: the run's outputs and their bounds)
+        self.output_bounds: dict[str, Any] = {}
 
     def run_bounds(
         self, env: dict[str, np.ndarray], err: dict[str, Any]
@@ -597,9 +599,24 @@ def run(
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """`block.run(inputs, dims=dims)` (an `api.Block`) and a bound for every output element (module
     docstring). `errors`: bounds of inputs that are themselves computed (default: none)."""
+    b = evaluate(block, inputs, dims, errors)
+    return b.outputs, b.output_bounds
+
+
+def evaluate(
+    block: Any,
+    inputs: dict[str, Any],
+    dims: dict[str, int] | None = None,
+    errors: dict[str, Any] | None = None,
+) -> Bounds:
+    """The bounds interpreter run over `block` (an `api.Block`): what `run` returns (`outputs`,
+    `output_bounds`), and every block-level value's bound (`err`) and the stages' log-sum-exp terms,
+    which `partials` reads."""
     env, sizes = bind(block.ir, inputs, dims, "exact")
     check_sizes(block.ir, sizes, "exact", None)
-    return Bounds(block.ir, block.plan, sizes).run_bounds(env, errors or {})
+    b = Bounds(block.ir, block.plan, sizes)
+    b.outputs, b.output_bounds = b.run_bounds(env, errors or {})
+    return b
 
 
 # the partial reductions whose whole bound bounds each tile's partial too: a sum's (the partial's
@@ -610,25 +627,20 @@ SUBSET_BOUNDED = ("sum", "max", "min")
 
 
 def partials(
-    block: Any,
-    inputs: dict[str, Any],
+    b: Bounds,
     shapes: dict[str, tuple[int, ...]],
-    dims: dict[str, int] | None = None,
     tiles: tuple[int, int] | dict[int, tuple[int, int]] | None = None,
 ) -> dict[str, np.ndarray]:
-    """A bound for every element of a kernel's per-tile partial buffers, by name, shaped as in `shapes`
+    """From a block's bounds (`evaluate`'s), a bound for every element of a kernel's per-tile partial
+    buffers, by name, shaped as in `shapes`
     (the buffers' shapes, the interpreter's tile layout: a row partial [rows, column tiles], a column
     partial [row tiles, columns], or the finished vector). A `SUBSET_BOUNDED` combine's: the bound of
     the whole reduction, over each tile's partial along the tiles' axis. A log-sum-exp's: each tile's
     own, from its terms and their bounds, at the stage's tile in `tiles` (the kernels' tiles, as
     `Block.run(sim_tile=)` takes them; none without it)."""
-    env, sizes = bind(block.ir, inputs, dims, "exact")
-    check_sizes(block.ir, sizes, "exact", None)
-    b = Bounds(block.ir, block.plan, sizes)
-    b.run_bounds(env, {})
     layout: dict[str, tuple[str, bool]] = {}  # name -> (combine, whether a row partial)
     stage_of: dict[str, int] = {}  # name -> its stage's index (1-based, as `tiles` counts)
-    for k, st in enumerate(block.ir.stages, 1):
+    for k, st in enumerate(b.block.stages, 1):
         space = st.acc.type.shape if st.acc is not None and st.acc.type is not None else st.shape
         rows = space[0] if space else None
         for e in st.body:

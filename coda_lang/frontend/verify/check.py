@@ -389,17 +389,17 @@ class Checker:
         normalized = self.normalizes(a.name, e, body)
         what = COMBINES[t.combine].noun if t.combine in COMBINES else "a partial reduction"
         shown = self.shown(a.name, t, span)
-        own = "columns" if self.row_statistic(t) else "rows"
+        per_row = self.row_statistic(t)
         notes = [
-            f"{shown} is {what}: each tile sees only its own {own}, so it is complete only after every "
-            f"tile of stage {k + 1} ran"
+            f"{shown} is {what}: each tile sees only its own {'columns' if per_row else 'rows'}, so it is "
+            f"complete only after every tile of stage {k + 1} ran"
         ]
         if normalized is not None and (t.combine == "max" or is_fp8(self.stored_dtype(normalized))):
             self.current_scale(shown, t, normalized, span, k, notes)
         elif normalized is not None:
             self.error(
                 "E0503",
-                f"{'row' if own == 'columns' else 'column'} statistic {shown} is used to normalize "
+                f"{'row' if per_row else 'column'} statistic {shown} is used to normalize "
                 f"`{normalized}` in its own stage",
                 span,
                 label="not complete until the stage ends",
